@@ -1,0 +1,145 @@
+"""Generation backends for regenerating assistant turns with the target.
+
+A backend is anything with the `Generator.generate` method. Two exist:
+
+- `hf`: transformers `generate` (reference path; CPU or GPU).
+- `engine`: the CUDA inference engine. It lives in `infer.engine` and must provide
+  `load_generator(target, gguf_file=None, stop_token_ids=..., device=...) -> Generator`;
+  until that module exists, asking for it raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import NamedTuple, Protocol
+
+import torch
+
+BACKENDS = ("auto", "hf", "engine")
+
+
+class Generation(NamedTuple):
+    """One generated answer: `token_ids` without the stop token; `finish_reason` "stop" iff a stop
+    token was generated, "length" if max_new_tokens ran out first."""
+
+    token_ids: list[int]
+    finish_reason: str
+
+
+class Generator(Protocol):
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+    ) -> list[Generation]:
+        """Continues each prompt (token ids). temperature 0 = greedy; top_k 0 and top_p 1 = off.
+        Returns one `Generation` per prompt, in order."""
+        ...
+
+
+class HFGenerator:
+    """`Generator` over a transformers causal LM: left-padded batches through `model.generate`.
+
+    Args:
+        model: a `PreTrainedModel` with a language-model head, already on its device.
+        stop_token_ids: ids that end an answer (see `data.chat.stop_token_ids`).
+        pad_token_id: id used for left padding (masked out by the attention mask).
+    """
+
+    def __init__(self, model, stop_token_ids: list[int], pad_token_id: int):
+        if not stop_token_ids:
+            raise ValueError("HFGenerator needs at least one stop token id")
+        self.model = model
+        self.stop_token_ids = list(stop_token_ids)
+        self.pad_token_id = pad_token_id
+
+    @torch.inference_mode()
+    def generate(self, prompts, max_new_tokens, temperature, top_p, top_k, seed) -> list[Generation]:
+        from transformers import GenerationConfig
+
+        if not prompts:
+            return []
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        sample = temperature > 0
+        # A fresh config, so nothing from the checkpoint's generation_config (Qwen3 ships
+        # do_sample/temperature/top_k defaults) changes the requested decoding.
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=sample,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=self.pad_token_id,
+            **({"temperature": temperature, "top_p": top_p, "top_k": top_k} if sample else {}),
+        )
+        if sample:
+            torch.manual_seed(seed)
+        device = self.model.device
+        out = self.model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+        )
+        results = []
+        stops = set(self.stop_token_ids)
+        for row in out[:, width:].tolist():
+            end = next((j for j, t in enumerate(row) if t in stops), None)
+            results.append(Generation(row, "length") if end is None else Generation(row[:end], "stop"))
+        return results
+
+
+def engine_available() -> bool:
+    """True iff the CUDA inference engine module `infer.engine` can be imported."""
+    try:
+        return importlib.util.find_spec("infer.engine") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def resolve_backend(name: str) -> str:
+    """Maps "auto" to "engine" when CUDA and `infer.engine` are both available, else "hf".
+
+    Raises:
+        ValueError: unknown backend name.
+        NotImplementedError: "engine" asked for but `infer.engine` does not exist yet.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"--backend {name!r}: expected one of {BACKENDS}")
+    if name == "auto":
+        return "engine" if torch.cuda.is_available() and engine_available() else "hf"
+    if name == "engine" and not engine_available():
+        raise NotImplementedError(
+            "--backend engine needs the CUDA inference engine (module infer.engine), which is not available "
+            "yet; use --backend hf (or auto)"
+        )
+    return name
+
+
+def load_generator(
+    backend: str, target: str, gguf_file: str | None, stop_ids: list[int], pad_id: int, device
+) -> Generator:
+    """Builds the generator of a resolved backend ("hf" or "engine") for the target checkpoint.
+
+    hf loads `AutoModelForCausalLM` (bf16 on CUDA, fp32 + eager attention on CPU) from a folder, Hub id
+    or GGUF file.
+    """
+    if backend == "engine":
+        from infer import engine  # provided by infer/, see module doc
+
+        return engine.load_generator(target, gguf_file=gguf_file, stop_token_ids=stop_ids, device=device)
+    from transformers import AutoModelForCausalLM
+
+    cuda = torch.device(device).type == "cuda"
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if not cuda:
+        # CPU SDPA has a large fixed cost per call in recent torch builds (stories260K: ~10x slower
+        # generation than eager); the math is the same.
+        kwargs["attn_implementation"] = "eager"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **kwargs).to(device).eval()
+    return HFGenerator(model, stop_ids, pad_id)

@@ -1,0 +1,569 @@
+"""Replace the assistant turns of normalized rows with the target's own answers.
+
+    python -m data.regenerate --target PATH_OR_HUB_ID [--gguf-file FILE] [--tokenizer PATH] --input FILE
+        --output DIR [--chat-template FILE|chatml] [--max-new-tokens 1024] [--temperature 0] [--top-p 1]
+        [--top-k 0] [--enable-thinking] [--max-turns 0] [--max-context N] [--limit N] [--batch-size 16]
+        [--backend auto|hf|engine] [--seed 0]
+    accelerate launch -m data.regenerate ...      # data parallel, one process per GPU
+
+Each row keeps its system and user turns; the original answers are dropped and the target answers
+turn by turn: user turn k is followed by the target's answer given the conversation so far (which
+holds its own earlier answers), rendered with the chat template exactly as at inference.
+
+DIR receives `results.jsonl` (regenerated rows, plus `finish_reason` per generated turn,
+`generated_token_ids` per turn and `num_generated_tokens`), `errors.jsonl` (rows whose generation
+failed, with the error), `skipped.jsonl` (unusable rows, with the reason), all in input order, and
+`summary.json`. results + errors + skipped = input rows, checked in the summary.
+
+Resume: records are appended per batch to per-rank shards (`results.rank{r}.jsonl`, ...) and
+flushed; a re-run with the same arguments skips every row already recorded, so nothing is computed
+twice or lost, and rank 0 merges the shards in input order at the end. `run_args.json` stores the
+arguments that change the output; a run with different ones in the same DIR is refused. Rank r of
+W processes takes the input rows i with i % W == r, in fixed batches of consecutive rows, so a
+resumed run forms the same batches (same greedy outputs) as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data.chat import encode, load_tokenizer, render, resolve_chat_template, stop_token_ids, template_digest
+from data.generate import BACKENDS, Generation, load_generator, resolve_backend
+from data.rows import JsonlAppender, atomic_write_json, iter_jsonl
+from data.schema import RowError, check_row
+
+KINDS = ("results", "errors", "skipped")
+RUN_ARGS = "run_args.json"
+SUMMARY = "summary.json"
+# Arguments that change the output: a resumed run must repeat them exactly.
+CONTENT_ARGS = (
+    "input", "input_digest", "target", "gguf_file", "tokenizer", "chat_template", "chat_template_digest",
+    "max_new_tokens", "temperature", "top_p", "top_k", "enable_thinking", "max_turns", "max_context",
+    "limit", "seed",
+)  # fmt: skip
+# Test hook: raise after this many batches were written (simulates a killed run).
+STOP_AFTER_ENV = "DSPINE_REGEN_STOP_AFTER_BATCHES"
+# Records start with their input index, so shards can be scanned without parsing whole rows.
+INDEX_PREFIX = re.compile(rb'\{"index": (\d+),')
+GENERATED_FIELDS = (
+    "index",
+    "id",
+    "conversations",
+    "finish_reason",
+    "num_generated_tokens",
+    "generated_token_ids",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m data.regenerate", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--target", required=True, help="target model: local HF folder, Hub id, or folder of --gguf-file"
+    )
+    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --target")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder/id if not the target's")
+    p.add_argument("--input", required=True, help="normalized JSONL (data.prepare output)")
+    p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="template file or builtin name (chatml); default: the tokenizer's",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode (default: off)")
+    p.add_argument("--max-turns", type=int, default=0, help="answer at most N user turns per row (0 = all)")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="prompt + max_new_tokens limit (default: the model's max_position_embeddings)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="only the first N input rows")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    args = p.parse_args(argv)
+    for name in ("max_new_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.max_turns < 0:
+        p.error("need temperature >= 0, 0 < top-p <= 1, top-k >= 0, max-turns >= 0")
+    return args
+
+
+# ------------------------------------------------------------------------------------- run setup
+
+
+def scan_input(path: str | Path, limit: int | None) -> tuple[str, int]:
+    """Returns (content digest of the whole file, number of rows = non-blank lines, capped by `limit`)."""
+    h, rows = hashlib.blake2b(digest_size=16), 0
+    with open(path, "rb") as f:
+        for line in f:
+            h.update(line)
+            rows += bool(line.strip())
+    return h.hexdigest(), rows if limit is None else min(rows, limit)
+
+
+def check_run_args(out: Path, run_args: dict, write: bool) -> None:
+    """Compares `run_args` with DIR/run_args.json (writing it first if absent and `write`).
+
+    Raises:
+        ValueError: naming each differing argument with its stored and new value.
+    """
+    path = out / RUN_ARGS
+    if not path.exists():
+        if write:
+            atomic_write_json(path, run_args)
+        return
+    stored = json.loads(path.read_text())
+    diff = [
+        f"{k}: {stored.get(k)!r} (stored) != {run_args.get(k)!r} (this run)"
+        for k in CONTENT_ARGS
+        if stored.get(k) != run_args.get(k)
+    ]
+    if diff:
+        raise ValueError(
+            f"{out} holds a run with different generation arguments ({RUN_ARGS}): "
+            + "; ".join(diff)
+            + ". Repeat them to resume, or use another --output."
+        )
+
+
+def model_context(target: str, gguf_file: str | None) -> int | None:
+    """The target's max_position_embeddings, or None if its config does not say."""
+    from transformers import AutoConfig
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return getattr(AutoConfig.from_pretrained(target, **kwargs), "max_position_embeddings", None)
+
+
+def model_generation_config(target: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(target)
+    except OSError:  # no generation_config.json (e.g. a GGUF folder)
+        return None
+
+
+# ----------------------------------------------------------------------------------- generation
+
+
+@dataclass
+class _Chat:
+    """One row being regenerated: its prompt turns (system/user) and the conversation so far."""
+
+    index: int
+    row_id: str
+    row: dict
+    prompt_turns: list[dict]
+    history: list[dict] = field(default_factory=list)
+    next_turn: int = 0
+    finish: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    stopped: str | None = None
+
+    def advance(self) -> bool:
+        """Appends prompt turns up to the next user turn; False when no user turn is left."""
+        while self.next_turn < len(self.prompt_turns):
+            turn = self.prompt_turns[self.next_turn]
+            self.history.append(turn)
+            self.next_turn += 1
+            if turn["role"] == "user":
+                return True
+        return False
+
+    def result(self) -> dict:
+        extra = {k: v for k, v in self.row.items() if k not in GENERATED_FIELDS}
+        record = {"index": self.index, "id": self.row_id, **extra, "conversations": self.history}
+        record.update(
+            finish_reason=self.finish,
+            num_generated_tokens=sum(len(t) for t in self.token_ids),
+            generated_token_ids=self.token_ids,
+        )
+        if self.stopped:
+            record["stopped"] = self.stopped
+        return record
+
+
+def _prompt_turns(turns: list[dict], max_turns: int) -> list[dict]:
+    """System and user turns in order, cut after the `max_turns`-th user turn (0 = all).
+
+    Raises:
+        RowError: "no_user_turn".
+    """
+    kept, users = [], 0
+    for turn in turns:
+        if turn["role"] == "assistant":
+            continue
+        if turn["role"] == "user":
+            if max_turns and users == max_turns:
+                break
+            users += 1
+        kept.append(turn)
+    if not users:
+        raise RowError("no_user_turn", "the conversation has no user turn to answer")
+    return kept
+
+
+def _seed(seed: int, index: int, turn: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{index}:{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def regenerate_batch(rows, tokenizer, template: str, generator, args, max_context, seed_key: int = 0) -> dict:
+    """Regenerates one batch of input rows.
+
+    Args:
+        rows: (input index, parsed row or RowError) pairs.
+        max_context: prompt tokens + max_new_tokens may not exceed this (None = no limit).
+        seed_key: batch identity mixed into the sampling seed (the first input index of the batch).
+    Returns:
+        {"results": [...], "errors": [...], "skipped": [...]} records; every row lands in exactly one.
+    """
+    out = {kind: [] for kind in KINDS}
+    chats = []
+    for index, row in rows:
+        try:
+            if isinstance(row, RowError):
+                raise row
+            row_id, turns = check_row(row)
+            chats.append(_Chat(index, row_id, row, _prompt_turns(turns, args.max_turns)))
+        except RowError as e:
+            row_id = row.get("id") if isinstance(row, dict) else None
+            raw = e.raw if e.raw is not None else row
+            out["skipped"].append(
+                {"index": index, "id": row_id, "reason": e.code, "detail": str(e), "row": raw}
+            )
+
+    turn = 0
+    active = [c for c in chats if c.advance()]
+    while active:
+        prompts, ready = [], []
+        for chat in active:
+            try:
+                ids = encode(tokenizer, render(tokenizer, template, chat.history, True, args.enable_thinking))
+            except Exception as e:  # a template can raise on any row (jinja errors, bad roles)
+                out["errors"].append(
+                    _error(chat, f"chat template failed at turn {turn}: {type(e).__name__}: {e}")
+                )
+                continue
+            if max_context is not None and len(ids) + args.max_new_tokens > max_context:
+                detail = (
+                    f"prompt of turn {turn} is {len(ids)} tokens; with max_new_tokens {args.max_new_tokens} "
+                    f"it exceeds the context of {max_context}"
+                )
+                if turn == 0:
+                    out["skipped"].append(
+                        {
+                            "index": chat.index,
+                            "id": chat.row_id,
+                            "reason": "prompt_too_long",
+                            "detail": detail,
+                        }
+                    )
+                else:  # keep the turns answered so far; the rest of the conversation is dropped
+                    chat.history.pop()
+                    chat.stopped = f"context: {detail}"
+                    out["results"].append(chat.result())
+                continue
+            prompts.append(ids)
+            ready.append(chat)
+
+        generations = _generate_robust(generator, prompts, args, seed=_seed(args.seed, seed_key, turn))
+        active = []
+        for chat, gen in zip(ready, generations):
+            if isinstance(gen, Exception):
+                out["errors"].append(
+                    _error(chat, f"generation failed at turn {turn}: {type(gen).__name__}: {gen}")
+                )
+                continue
+            text = tokenizer.decode(
+                gen.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+            chat.history.append({"role": "assistant", "content": text})
+            chat.finish.append(gen.finish_reason)
+            chat.token_ids.append(gen.token_ids)
+            if chat.advance():
+                active.append(chat)
+            else:
+                out["results"].append(chat.result())
+        turn += 1
+    return out
+
+
+def _error(chat: _Chat, message: str) -> dict:
+    return {"index": chat.index, "id": chat.row_id, "error": message, "row": chat.row}
+
+
+def _generate_robust(generator, prompts, args, seed) -> list[Generation | Exception]:
+    """Generates a batch; if the batch fails, retries each prompt alone so one bad row cannot sink the others."""
+    if not prompts:
+        return []
+    params = (args.max_new_tokens, args.temperature, args.top_p, args.top_k, seed)
+    try:
+        return generator.generate(prompts, *params)
+    except Exception as batch_error:
+        if len(prompts) == 1:
+            return [batch_error]
+    results = []
+    for prompt in prompts:
+        try:
+            results.append(generator.generate([prompt], *params)[0])
+        except Exception as e:
+            results.append(e)
+    return results
+
+
+# -------------------------------------------------------------------------------- shards, merge
+
+
+def done_indices(out: Path) -> set[int]:
+    """Input indices already recorded in any shard (all ranks, any earlier world size)."""
+    done = set()
+    for path in out.glob("*.rank*.jsonl"):
+        with open(path, "rb") as f:
+            for line in f:
+                # A partial last line (killed writer) has no newline: that row is not done.
+                if line.endswith(b"\n") and (m := INDEX_PREFIX.match(line)):
+                    done.add(int(m.group(1)))
+    return done
+
+
+def wait_for_ranks(out: Path, world: int, poll_s: float = 5.0) -> None:
+    """Blocks until every rank wrote its done marker (a file barrier: no collective timeout)."""
+    last_note = time.monotonic()
+    while True:
+        missing = [r for r in range(world) if not _marker_ok(out / f"done.rank{r}.json", world)]
+        if not missing:
+            return
+        if time.monotonic() - last_note > 60:
+            print(f"rank 0: waiting for ranks {missing} to finish", file=sys.stderr)
+            last_note = time.monotonic()
+        time.sleep(poll_s)
+
+
+def _marker_ok(path: Path, world: int) -> bool:
+    try:
+        return json.loads(path.read_text())["world_size"] == world
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def merge_shards(out: Path, n_rows: int) -> dict:
+    """Merges the rank shards into results/errors/skipped.jsonl in input order; returns counts.
+
+    Only (index, file, offset) triples are held in memory, then records are copied by seeking.
+
+    Raises:
+        RuntimeError: a row recorded twice, or rows without any record.
+    """
+    seen = bytearray(n_rows)
+    stats = Counter()
+    reasons = Counter()
+    for kind in KINDS:
+        files = sorted(out.glob(f"{kind}.rank*.jsonl"))
+        entries = []
+        for file_no, path in enumerate(files):
+            with open(path, "rb") as f:
+                offset = 0
+                for line in f:
+                    m = INDEX_PREFIX.match(line)
+                    if not line.endswith(b"\n") or not m:
+                        raise RuntimeError(f"{path}: corrupt record at byte {offset}")
+                    index = int(m.group(1))
+                    if index >= n_rows or seen[index]:
+                        raise RuntimeError(f"{path}: input row {index} recorded twice or out of range")
+                    seen[index] = 1
+                    entries.append((index, file_no, offset, len(line)))
+                    offset += len(line)
+        entries.sort()
+        handles = [open(p, "rb") for p in files]
+        tmp = out / f"{kind}.jsonl.tmp"
+        try:
+            with open(tmp, "wb") as dst:
+                for _, file_no, offset, size in entries:
+                    src = handles[file_no]
+                    src.seek(offset)
+                    line = src.read(size)
+                    dst.write(line)
+                    _count(kind, json.loads(line), stats, reasons)
+        finally:
+            for h in handles:
+                h.close()
+        stats[kind] = len(entries)
+    missing = n_rows - sum(seen)
+    if missing:
+        first = [i for i in range(n_rows) if not seen[i]][:5]
+        raise RuntimeError(f"{missing} input rows have no record yet (first: {first}); re-run to finish them")
+    stats["skipped_reasons"] = dict(reasons)
+    return stats
+
+
+def _count(kind: str, record: dict, stats: Counter, reasons: Counter) -> None:
+    if kind == "results":
+        stats["generated_turns"] += len(record["finish_reason"])
+        stats["length_turns"] += record["finish_reason"].count("length")
+        stats["generated_tokens"] += record["num_generated_tokens"]
+        stats["stopped_by_context"] += "stopped" in record
+    elif kind == "skipped":
+        reasons[record["reason"]] += 1
+
+
+def finish(out: Path, n_rows: int, run_args: dict, backend: str, world: int) -> dict:
+    """Rank 0: merge shards, write summary.json, then remove the shards."""
+    stats = merge_shards(out, n_rows)
+    for kind in KINDS:
+        os.replace(out / f"{kind}.jsonl.tmp", out / f"{kind}.jsonl")
+    turns = stats["generated_turns"]
+    summary = {
+        "input": run_args["input"],
+        "input_rows": n_rows,
+        "results": stats["results"],
+        "errors": stats["errors"],
+        "skipped": stats["skipped"],
+        "adds_up": stats["results"] + stats["errors"] + stats["skipped"] == n_rows,
+        "generated_turns": turns,
+        "length_turns": stats["length_turns"],
+        "truncation_rate": stats["length_turns"] / turns if turns else 0.0,
+        "generated_tokens": stats["generated_tokens"],
+        "stopped_by_context": stats["stopped_by_context"],
+        "skipped_reasons": stats["skipped_reasons"],
+        "backend": backend,
+        "world_size": world,
+    }
+    atomic_write_json(out / SUMMARY, summary)
+    for path in [*out.glob("*.rank*.jsonl"), *out.glob("done.rank*.json")]:
+        path.unlink()
+    return summary
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def regenerate(args: argparse.Namespace) -> dict:
+    """Runs (or resumes) a regeneration into args.output and returns the summary.
+
+    Raises:
+        ValueError: arguments differ from the run already in args.output, no chat template, bad input.
+        NotImplementedError: --backend engine while infer.engine does not exist.
+    """
+    from accelerate import PartialState
+
+    state = PartialState()
+    rank, world = state.process_index, state.num_processes
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = load_tokenizer(args.tokenizer or args.target, None if args.tokenizer else args.gguf_file)
+    template = resolve_chat_template(args.chat_template, tokenizer)
+    input_digest, n_rows = scan_input(args.input, args.limit)
+    max_context = args.max_context or model_context(args.target, args.gguf_file)
+    run_args = {k: v for k, v in vars(args).items() if k in CONTENT_ARGS}
+    run_args.update(
+        input_digest=input_digest, chat_template_digest=template_digest(template), max_context=max_context
+    )
+    check_run_args(out, run_args, write=state.is_main_process)
+    state.wait_for_everyone()
+    check_run_args(out, run_args, write=False)
+    if (out / SUMMARY).exists():
+        if state.is_main_process:
+            print(f"{out} is already finished; nothing to do")
+        return json.loads((out / SUMMARY).read_text())
+
+    backend = resolve_backend(args.backend)
+    stop_ids = stop_token_ids(tokenizer, template, model_generation_config(args.target))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    generator = load_generator(backend, args.target, args.gguf_file, stop_ids, pad_id, state.device)
+
+    _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, max_context)
+    atomic_write_json(out / f"done.rank{rank}.json", {"world_size": world})
+    if not state.is_main_process:
+        return {}
+    wait_for_ranks(out, world)
+    return finish(out, n_rows, run_args, backend, world)
+
+
+def _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, max_context) -> None:
+    from tqdm import tqdm
+
+    done = done_indices(out)
+    stop_after = int(os.environ.get(STOP_AFTER_ENV, "0"))
+    writers = {kind: JsonlAppender(out / f"{kind}.rank{rank}.jsonl") for kind in KINDS}
+    mine = len(range(rank, n_rows, world))
+    progress = tqdm(
+        total=mine, initial=0, desc=f"rank {rank}", unit=" rows", disable=rank != 0, file=sys.stderr
+    )
+    batches = 0
+
+    def run(chunk):
+        nonlocal batches
+        pending = [(i, row) for i, row in chunk if i not in done]
+        progress.update(len(chunk))
+        if not pending:
+            return
+        records = regenerate_batch(
+            pending, tokenizer, template, generator, args, max_context, seed_key=chunk[0][0]
+        )
+        for kind in KINDS:
+            writers[kind].write(records[kind])
+        batches += 1
+        if stop_after and batches >= stop_after:
+            raise RuntimeError(f"{STOP_AFTER_ENV}={stop_after}: stopping after {batches} batches (test hook)")
+
+    try:
+        chunk = []
+        for index, row in enumerate(iter_jsonl(args.input)):
+            if index >= n_rows:
+                break
+            if index % world != rank:
+                continue
+            chunk.append((index, row))
+            if len(chunk) == args.batch_size:
+                run(chunk)
+                chunk = []
+        if chunk:
+            run(chunk)
+    finally:
+        progress.close()
+        for w in writers.values():
+            w.close()
+
+
+def format_summary(summary: dict) -> str:
+    return (
+        f"input rows {summary['input_rows']} = results {summary['results']} + errors {summary['errors']} "
+        f"+ skipped {summary['skipped']}: {'ok' if summary['adds_up'] else 'MISMATCH'}\n"
+        f"generated turns {summary['generated_turns']}, tokens {summary['generated_tokens']}, "
+        f"truncation rate (finish_reason length) {summary['truncation_rate']:.2%}, "
+        f"cut by context {summary['stopped_by_context']}\n"
+        f"skipped reasons {summary['skipped_reasons']}; backend {summary['backend']}, world size {summary['world_size']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = regenerate(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if summary:
+        print(format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

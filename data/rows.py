@@ -1,0 +1,211 @@
+"""Streaming row readers and crash-safe writers shared by the data CLIs.
+
+Readers yield one item per input row, in file order: the parsed object, or a `RowError` in its
+place, so a bad line is logged with its reason and never stops a run. Nothing here holds a whole
+file in memory except `iter_json_array` (a JSON array has to be parsed whole).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from data.schema import RowError
+
+# Longest raw line text kept in a skipped/error record (a corrupt multi-megabyte line stays readable).
+MAX_RAW_CHARS = 10_000
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def parse_jsonl_line(raw: bytes, where: str) -> dict:
+    """Parses one JSON-lines line (bytes, newline optional) into an object.
+
+    Raises:
+        RowError: "bad_utf8", "bad_json" or "not_object", with `where` (e.g. "file.jsonl:12") in the message.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RowError(
+            "bad_utf8",
+            f"{where}: line is not valid UTF-8 ({e.reason} at byte {e.start})",
+            raw=raw.decode("utf-8", errors="replace")[:MAX_RAW_CHARS],
+        ) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RowError(
+            "bad_json", f"{where}: invalid JSON ({e.msg} at column {e.colno})", raw=text[:MAX_RAW_CHARS]
+        ) from None
+    if not isinstance(obj, dict):
+        raise RowError(
+            "not_object",
+            f"{where}: row is a JSON {type(obj).__name__}, not an object",
+            raw=text[:MAX_RAW_CHARS],
+        )
+    return obj
+
+
+def iter_jsonl(path: str | Path) -> Iterator[dict | RowError]:
+    """Yields each non-blank line of a JSON-lines file as an object or a `RowError` (blank lines are not rows)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                yield parse_jsonl_line(raw, f"{path}:{lineno}")
+            except RowError as e:
+                yield e
+
+
+def iter_json_array(path: str | Path) -> Iterator[dict | RowError]:
+    """Yields the elements of a JSON file holding an array of row objects.
+
+    A `.json` file whose first character is `{` is read as JSON lines instead (a common mislabel).
+
+    Raises:
+        ValueError: the file is not valid UTF-8 / JSON, or its top level is not an array.
+    """
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith(b"{"):
+        yield from iter_jsonl(path)
+        return
+    try:
+        rows = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a valid JSON file ({e})") from None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected a JSON array of rows at the top level, got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        if isinstance(row, dict):
+            yield row
+        else:
+            yield RowError(
+                "not_object", f"{path}[{i}]: row is a JSON {type(row).__name__}, not an object", raw=row
+            )
+
+
+def iter_parquet(path: str | Path, batch_size: int = 1024) -> Iterator[dict]:
+    """Yields the rows of a Parquet file as dicts, reading `batch_size` rows at a time."""
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
+        yield from batch.to_pylist()
+
+
+def iter_local(path: str | Path) -> Iterator[dict | RowError]:
+    """Yields the rows of a local .jsonl/.json/.parquet file, or of all such files in a folder (sorted by path).
+
+    Raises:
+        ValueError: unsupported file type, or a folder without data files.
+    """
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES)
+        if not files:
+            raise ValueError(f"{path}: folder holds no {'/'.join(LOCAL_SUFFIXES)} files")
+        for file in files:
+            yield from iter_local(file)
+    elif path.suffix == ".jsonl":
+        yield from iter_jsonl(path)
+    elif path.suffix == ".json":
+        yield from iter_json_array(path)
+    elif path.suffix == ".parquet":
+        yield from iter_parquet(path)
+    else:
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r} (expected one of {LOCAL_SUFFIXES})")
+
+
+def iter_hub(name: str, split: str = "train") -> Iterator[dict]:
+    """Streams the rows of a Hugging Face Hub dataset (`datasets.load_dataset(..., streaming=True)`)."""
+    from datasets import load_dataset
+
+    yield from load_dataset(name, split=split, streaming=True)
+
+
+# ---------------------------------------------------------------------------------------- writing
+
+
+def atomic_write_json(path: str | Path, obj) -> None:
+    """Writes `obj` as indented JSON through a temp file and a rename, so a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def dumps(record: dict) -> str:
+    """One JSON-lines record (UTF-8 text kept as is, no newline)."""
+    return json.dumps(record, ensure_ascii=False)
+
+
+class JsonlAppender:
+    """Appends records to a JSON-lines file; `write` flushes and fsyncs so each call is durable.
+
+    Each `write` issues a single write of whole lines: a crash can leave at most one partial line at
+    the end of the file, which `repair_tail` removes on restart.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        repair_tail(self.path)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, records: list[dict]) -> None:
+        if not records:
+            return
+        self._f.write("".join(dumps(r) + "\n" for r in records))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def repair_tail(path: str | Path) -> bool:
+    """Removes a partial last line (no trailing newline, left by a killed writer). Returns True if it cut one."""
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb+") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return False
+        # Walk back in blocks to the last newline: the tail after it is the partial line.
+        pos, block = size, 1 << 16
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return True
+            pos = start
+        f.truncate(0)
+        return True
+
+
+def file_digest(path: str | Path) -> str:
+    """blake2b-128 hex digest of a file's contents (read in 1 MiB blocks)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,486 @@
+"""Tokenize conversations with a chat template into `input_ids` + `loss_mask` for the trainer.
+
+    python -m data.tokenize --input FILE --tokenizer PATH --max-length N [--cache-dir DIR]
+        [--chat-template FILE|chatml] [--enable-thinking] [--assistant-turns all|last] [--num-proc 1]
+
+loss_mask[i] = 1 iff token i is one the target generates at inference: assistant content and its
+end-of-turn token (`<|im_end|>` for ChatML/Qwen3). Never system/user text, role headers
+(`<|im_start|>assistant\\n`), the newline after `<|im_end|>`, or the empty `<think>\\n\\n</think>\\n\\n`
+that Qwen3's non-thinking generation prompt inserts (it is part of the prompt, not generated).
+A turn whose `finish_reason` is "length" (cut by max_new_tokens) gets no end-of-turn supervision:
+the target never generated one there.
+
+How the mask is found: for assistant turn k, the template renders P_k = the conversation before
+it plus the generation prompt, and E_k = the conversation up to and including it; the supervised
+text is E_k[len(P_k):] up to and including the end-of-turn token. P_k must be a prefix of E_k
+(else the template is not prefix-consistent and the row is an error). Text pieces are tokenized
+separately and their concatenation must equal the tokenization of the whole text.
+
+Multi-turn choice: the supervised tokens of every turn are exactly what the target generates for
+that turn given its own prompt P_k. Turns share one sequence when E_k is a prefix of P_{k+1}
+(ChatML: all turns in one sequence). Qwen3's template re-renders earlier assistant turns without
+their `<think>` block (thinking mode: the reasoning is dropped; non-thinking: the empty think block
+is dropped), so for Qwen3 E_k is not a prefix of P_{k+1} and each assistant turn becomes its own
+sequence (its prompt holding the earlier turns as the template renders them, unsupervised). That
+costs more tokens for long chats but never supervises text the target did not produce.
+
+The cache (`build_tokenized`) is an Arrow file read with `datasets.Dataset.from_file` (memory
+mapped, random access by index), in a folder named by a hash of everything that changes its
+content: tokenizer file contents, template text, max length, thinking mode, assistant turns, the
+input file's content hash and CODE_VERSION.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from data.chat import encode, end_of_turn_token, load_tokenizer, render, resolve_chat_template
+from data.rows import atomic_write_json, file_digest, parse_jsonl_line
+from data.schema import RowError, check_row
+
+# Bump when a change here changes the tokenized output; old caches then stop matching.
+CODE_VERSION = 1
+ASSISTANT_TURNS = ("all", "last")
+DATA_FILE = "data.arrow"
+SUMMARY = "summary.json"
+# Tokenizer files whose contents define the tokenization (hashed into the cache key).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+
+
+def tokenize_conversation(
+    turns: list[dict],
+    tokenizer,
+    template: str,
+    *,
+    thinking: bool,
+    assistant_turns: str = "all",
+    max_length: int | None = None,
+    finish_reasons: list[str] | None = None,
+    row_id: str = "?",
+) -> list[dict]:
+    """Tokenizes one conversation into training sequences with loss masks.
+
+    Args:
+        turns: checked turns `[{"role", "content"}]` (see `data.schema`).
+        template: chat template text (see `data.chat.resolve_chat_template`).
+        thinking: Qwen3 `enable_thinking` (False: the empty think block is in the prompt).
+        assistant_turns: "all" supervises every assistant turn, "last" only the last one.
+        max_length: keep the first max_length tokens of each sequence (right truncation).
+        finish_reasons: per assistant turn, "stop" or "length" (from data.regenerate); None = all "stop".
+        row_id: named in errors.
+    Returns:
+        sequences, each {"input_ids": list[int], "loss_mask": list[int] (0/1, same length),
+        "turns": list[int] (indices into `turns` of the assistant turns it supervises),
+        "truncated": bool}. Sequences left with no supervised token after truncation are dropped.
+    Raises:
+        RowError (a ValueError), naming the row id: "no_assistant_turn", "template" (render failed or
+        not prefix-consistent), "no_end_of_turn", "token_mismatch" (piecewise tokenization differs
+        from whole-text tokenization), "all_zero_mask" (nothing left to supervise).
+    """
+    if assistant_turns not in ASSISTANT_TURNS:
+        raise ValueError(f"assistant_turns {assistant_turns!r}: expected one of {ASSISTANT_TURNS}")
+    positions = [i for i, t in enumerate(turns) if t["role"] == "assistant"]
+    if not positions:
+        raise RowError("no_assistant_turn", f"row {row_id}: no assistant turn to supervise")
+    reasons = finish_reasons or ["stop"] * len(positions)
+    if len(reasons) != len(positions):
+        raise RowError(
+            "bad_field", f"row {row_id}: {len(reasons)} finish reasons for {len(positions)} assistant turns"
+        )
+    chosen = list(zip(positions, reasons))
+    if assistant_turns == "last":
+        chosen = chosen[-1:]
+    eot = end_of_turn_token(tokenizer, template)
+
+    # Group turns into sequences: a turn joins the previous sequence iff the text up to the end of
+    # the previous turn is a prefix of this turn's prompt (see module doc).
+    groups: list[list[tuple[int, int]]] = []  # per sequence: supervised (start, end) char spans
+    texts: list[str] = []  # per sequence: its full text
+    seq_turns: list[list[int]] = []
+    for pos, reason in chosen:
+        prompt = _render(tokenizer, template, turns[:pos], True, thinking, row_id)
+        full = _render(tokenizer, template, turns[: pos + 1], False, thinking, row_id)
+        if not full.startswith(prompt):
+            raise RowError(
+                "template",
+                f"row {row_id}: chat template is not prefix-consistent at turn {pos}: the rendered conversation "
+                f"does not start with the generation prompt (prompt ends {prompt[-60:]!r})",
+            )
+        completion = full[len(prompt) :]
+        cut = completion.rfind(eot)
+        if cut < 0:
+            raise RowError(
+                "no_end_of_turn", f"row {row_id}: no end-of-turn token {eot!r} after assistant turn {pos}"
+            )
+        end = len(prompt) + cut + (len(eot) if reason != "length" else 0)
+        if groups and prompt.startswith(texts[-1]):
+            groups[-1].append((len(prompt), end))
+            texts[-1] = full
+            seq_turns[-1].append(pos)
+        else:
+            groups.append([(len(prompt), end)])
+            texts.append(full)
+            seq_turns.append([pos])
+
+    sequences = []
+    for spans, text, seq in zip(groups, texts, seq_turns):
+        ids, mask = _tokenize_spans(tokenizer, text, spans, row_id)
+        truncated = max_length is not None and len(ids) > max_length
+        if truncated:
+            ids, mask = ids[:max_length], mask[:max_length]
+        if any(mask):
+            sequences.append({"input_ids": ids, "loss_mask": mask, "turns": seq, "truncated": truncated})
+    if not sequences:
+        limit = f" within max_length {max_length} (prompt too long)" if max_length is not None else ""
+        raise RowError("all_zero_mask", f"row {row_id}: loss mask is all zero: no supervised token{limit}")
+    return sequences
+
+
+def _render(tokenizer, template, turns, add_generation_prompt, thinking, row_id) -> str:
+    try:
+        return render(tokenizer, template, turns, add_generation_prompt, thinking)
+    except Exception as e:  # jinja errors, raise_exception() in templates
+        raise RowError("template", f"row {row_id}: chat template failed: {type(e).__name__}: {e}") from None
+
+
+def _tokenize_spans(
+    tokenizer, text: str, spans: list[tuple[int, int]], row_id
+) -> tuple[list[int], list[int]]:
+    """Tokenizes `text` piece by piece at the span edges; mask 1 on the pieces inside spans."""
+    ids, mask, pos = [], [], 0
+    for start, end in spans:
+        for piece, flag in ((text[pos:start], 0), (text[start:end], 1)):
+            piece_ids = encode(tokenizer, piece) if piece else []
+            ids += piece_ids
+            mask += [flag] * len(piece_ids)
+        pos = end
+    tail = encode(tokenizer, text[pos:]) if pos < len(text) else []
+    ids += tail
+    mask += [0] * len(tail)
+    if ids != encode(tokenizer, text):
+        raise RowError(
+            "token_mismatch",
+            f"row {row_id}: tokenizing the turns piece by piece differs from tokenizing the whole text "
+            "(a token spans a turn boundary); the mask would be misaligned",
+        )
+    return ids, mask
+
+
+def check_template(tokenizer, template: str, thinking: bool) -> None:
+    """Fails fast on a template that cannot give masks, using a small two-turn conversation.
+
+    Raises:
+        ValueError: the template is not prefix-consistent or puts no end-of-turn token after answers.
+    """
+    probe = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Goodbye"},
+    ]
+    try:
+        tokenize_conversation(probe, tokenizer, template, thinking=thinking, row_id="template-check")
+    except RowError as e:
+        raise ValueError(f"chat template unusable for loss masks: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------ cache
+
+
+def tokenizer_digest(tokenizer_path: str) -> str:
+    """Hash of the tokenizer files' contents (a Hub id is saved to a temp folder first)."""
+    h = hashlib.blake2b(digest_size=16)
+    folder = Path(tokenizer_path)
+    tmp = None
+    if not folder.is_dir():
+        tmp = tempfile.mkdtemp(prefix="dspine-tok-")
+        load_tokenizer(tokenizer_path).save_pretrained(tmp)
+        folder = Path(tmp)
+    try:
+        names = sorted(n for n in TOKENIZER_FILES if (folder / n).is_file())
+        if not names:
+            raise ValueError(f"{tokenizer_path}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+        for name in names:
+            h.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return h.hexdigest()
+
+
+def cache_manifest(input_jsonl, tokenizer_path, max_length, thinking, assistant_turns, template) -> dict:
+    """Everything the cached content depends on; the cache folder is named by its hash."""
+    return {
+        "code_version": CODE_VERSION,
+        "input": str(input_jsonl),
+        "input_digest": file_digest(input_jsonl),
+        "tokenizer": str(tokenizer_path),
+        "tokenizer_digest": tokenizer_digest(tokenizer_path),
+        "template_digest": hashlib.blake2b(template.encode(), digest_size=16).hexdigest(),
+        "max_length": max_length,
+        "thinking": thinking,
+        "assistant_turns": assistant_turns,
+    }
+
+
+def cache_key(manifest: dict) -> str:
+    # The input path is informative only: the same content under another path is the same cache.
+    keyed = {k: v for k, v in manifest.items() if k not in ("input", "tokenizer")}
+    return hashlib.blake2b(json.dumps(keyed, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def build_tokenized(
+    input_jsonl: str | Path,
+    tokenizer_path: str,
+    cache_dir: str | Path,
+    max_length: int,
+    thinking: bool,
+    assistant_turns: str = "all",
+    chat_template: str | None = None,
+    num_proc: int = 1,
+) -> Path:
+    """Tokenizes a conversation JSONL into a cache folder (reused if it already exists).
+
+    Args:
+        input_jsonl: rows with "id" and "conversations" (data.prepare or data.regenerate output);
+            an optional "finish_reason" list marks assistant turns cut by max_new_tokens.
+        tokenizer_path: local tokenizer folder or Hub id.
+        cache_dir: parent folder; the cache goes to `cache_dir/<key>/`.
+        max_length: sequence length cap in tokens (right truncation).
+        thinking: Qwen3 enable_thinking; must match the regeneration mode.
+        chat_template: template file or builtin name; None = the tokenizer's own.
+        num_proc: worker processes for tokenization.
+    Returns:
+        the cache folder: `data.arrow` (columns id: str, turns: list[int32], input_ids: list[int32],
+        loss_mask: list[int8]), `summary.json`, `manifest.json`, `errors.jsonl`.
+    Raises:
+        ValueError: bad arguments, unusable template, or thinking mode differing from the
+            run_args.json of a data.regenerate output folder holding the input.
+    """
+    if assistant_turns not in ASSISTANT_TURNS:
+        raise ValueError(f"assistant_turns {assistant_turns!r}: expected one of {ASSISTANT_TURNS}")
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    _check_regenerate_mode(Path(input_jsonl), thinking)
+    tokenizer = load_tokenizer(tokenizer_path)
+    template = resolve_chat_template(chat_template, tokenizer)
+    check_template(tokenizer, template, thinking)
+    manifest = cache_manifest(input_jsonl, tokenizer_path, max_length, thinking, assistant_turns, template)
+    final = Path(cache_dir) / cache_key(manifest)
+    if (final / SUMMARY).exists():
+        return final
+    tmp = Path(cache_dir) / f"{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    settings = (tokenizer_path, template, thinking, assistant_turns, max_length)
+    summary = _write_cache(tmp, Path(input_jsonl), tokenizer, settings, num_proc)
+    summary["manifest"] = manifest
+    atomic_write_json(tmp / "manifest.json", manifest)
+    atomic_write_json(tmp / SUMMARY, summary)
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process finished the same key first: its cache is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def load_tokenized(path: str | Path):
+    """Opens a cache folder as a memory-mapped `datasets.Dataset` (columns: id, turns, input_ids, loss_mask)."""
+    from datasets import Dataset
+
+    return Dataset.from_file(str(Path(path) / DATA_FILE))
+
+
+def _check_regenerate_mode(input_jsonl: Path, thinking: bool) -> None:
+    # A draft trained on the other thinking mode than the data was generated in collapses (design §8.8).
+    run_args = input_jsonl.parent / "run_args.json"
+    if run_args.is_file():
+        stored = json.loads(run_args.read_text()).get("enable_thinking")
+        if stored is not None and stored != thinking:
+            raise ValueError(
+                f"{input_jsonl} was regenerated with enable_thinking={stored} ({run_args}) but tokenization "
+                f"asks thinking={thinking}"
+            )
+
+
+# Worker state: set once per process by _init_worker, used by _tokenize_lines.
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_path, template, thinking, assistant_turns, max_length, tokenizer=None):
+    _WORKER.update(
+        tokenizer=tokenizer or load_tokenizer(tokenizer_path),
+        template=template,
+        thinking=thinking,
+        assistant_turns=assistant_turns,
+        max_length=max_length,
+    )
+
+
+def _tokenize_lines(lines: list[tuple[int, bytes, str]]) -> list[tuple]:
+    """Tokenizes (line number, raw line, file name) items -> ("ok", id, sequences, truncated) or ("error", record)."""
+    w = _WORKER
+    out = []
+    for lineno, raw, where in lines:
+        row_id = None
+        try:
+            row = parse_jsonl_line(raw, f"{where}:{lineno}")
+            row_id = row.get("id")  # named in the error record even if the row is broken
+            row_id, turns = check_row(row)
+            reasons = row.get("finish_reason")
+            seqs = tokenize_conversation(
+                turns,
+                w["tokenizer"],
+                w["template"],
+                thinking=w["thinking"],
+                assistant_turns=w["assistant_turns"],
+                finish_reasons=reasons if isinstance(reasons, list) else None,
+                row_id=row_id,
+                max_length=w["max_length"],
+            )
+        except RowError as e:
+            out.append(("error", {"line": lineno, "id": row_id, "reason": e.code, "detail": str(e)}))
+            continue
+        wanted = sum(t["role"] == "assistant" for t in turns) if w["assistant_turns"] == "all" else 1
+        dropped = wanted - sum(len(seq["turns"]) for seq in seqs)
+        out.append(("ok", row_id, seqs, sum(seq.pop("truncated") for seq in seqs), dropped))
+    return out
+
+
+def _read_chunks(path: Path, size: int = 256):
+    chunk = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                chunk.append((lineno, raw, path.name))
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+def _write_cache(folder: Path, input_jsonl: Path, tokenizer, settings, num_proc: int) -> dict:
+    import multiprocessing
+
+    import pyarrow as pa
+    from tqdm import tqdm
+
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("turns", pa.list_(pa.int32())),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())),
+        ]
+    )
+    stats, reasons = Counter(), Counter()
+    first_errors = []
+    pool = None
+    if num_proc > 1:
+        pool = multiprocessing.get_context("spawn").Pool(num_proc, _init_worker, settings)
+        results = pool.imap(_tokenize_lines, _read_chunks(input_jsonl))
+    else:
+        _init_worker(*settings, tokenizer=tokenizer)
+        results = map(_tokenize_lines, _read_chunks(input_jsonl))
+    try:
+        with (
+            pa.OSFile(str(folder / DATA_FILE), "wb") as sink,
+            pa.ipc.new_stream(sink, schema) as writer,
+            open(folder / "errors.jsonl", "w", encoding="utf-8") as errors,
+        ):
+            for chunk in tqdm(results, desc="tokenize", unit=" chunks", mininterval=2.0, file=sys.stderr):
+                batch = {"id": [], "turns": [], "input_ids": [], "loss_mask": []}
+                for item in chunk:
+                    stats["rows"] += 1
+                    if item[0] == "error":
+                        stats["errors"] += 1
+                        reasons[item[1]["reason"]] += 1
+                        errors.write(json.dumps(item[1], ensure_ascii=False) + "\n")
+                        if len(first_errors) < 20:
+                            first_errors.append(item[1])
+                        continue
+                    _, row_id, seqs, truncated, dropped = item
+                    stats["truncated_sequences"] += truncated
+                    stats["dropped_turns"] += dropped
+                    for seq in seqs:
+                        batch["id"].append(row_id)
+                        batch["turns"].append(seq["turns"])
+                        batch["input_ids"].append(seq["input_ids"])
+                        batch["loss_mask"].append(seq["loss_mask"])
+                        stats["sequences"] += 1
+                        stats["tokens"] += len(seq["input_ids"])
+                        stats["supervised_tokens"] += sum(seq["loss_mask"])
+                if batch["id"]:
+                    writer.write_batch(pa.RecordBatch.from_pydict(batch, schema=schema))
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return {
+        "rows": stats["rows"],
+        "rows_ok": stats["rows"] - stats["errors"],
+        "sequences": stats["sequences"],
+        "tokens": stats["tokens"],
+        "supervised_tokens": stats["supervised_tokens"],
+        "supervised_fraction": stats["supervised_tokens"] / stats["tokens"] if stats["tokens"] else 0.0,
+        "truncated_sequences": stats["truncated_sequences"],
+        "dropped_turns": stats["dropped_turns"],
+        "errors": stats["errors"],
+        "error_reasons": dict(reasons),
+        "first_errors": first_errors,
+    }
+
+
+def format_summary(summary: dict, path: Path) -> str:
+    return (
+        f"{path}: {summary['rows']} rows -> {summary['sequences']} sequences, {summary['tokens']} tokens, "
+        f"supervised fraction {summary['supervised_fraction']:.3f}\n"
+        f"truncated sequences {summary['truncated_sequences']}, turns dropped by max length {summary['dropped_turns']}, "
+        f"errors {summary['errors']} {summary['error_reasons']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m data.tokenize", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--input", required=True, help="conversation JSONL (data.prepare / data.regenerate output)"
+    )
+    p.add_argument("--tokenizer", required=True, help="tokenizer folder or Hub id (the target's)")
+    p.add_argument("--max-length", type=int, required=True)
+    p.add_argument("--cache-dir", default=None, help="default: <input folder>/tokenized")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="template file or builtin name (chatml); default: the tokenizer's",
+    )
+    p.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode (default: off)")
+    p.add_argument("--assistant-turns", default="all", choices=ASSISTANT_TURNS)
+    p.add_argument("--num-proc", type=int, default=1)
+    args = p.parse_args(argv)
+    cache_dir = args.cache_dir or str(Path(args.input).parent / "tokenized")
+    try:
+        path = build_tokenized(
+            args.input, args.tokenizer, cache_dir, args.max_length, args.enable_thinking,
+            args.assistant_turns, args.chat_template, args.num_proc,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(json.loads((path / SUMMARY).read_text()), path))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

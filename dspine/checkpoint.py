@@ -1,0 +1,161 @@
+"""Draft checkpoints: Hugging Face folders (``config.json`` + ``model.safetensors``).
+
+Tensor names are the DFlash ones (design.md §2) plus ``layers.{i}.adjacent.*``; loading is
+``safetensors`` + ``load_state_dict`` with strict key matching, no renaming. The target's
+embedding and lm_head are never stored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dspine.config import DSpineConfig
+from dspine.model import DSpineDraftModel
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def resolve_checkpoint(path_or_id: str) -> Path:
+    """Local folder, or a Hub repo id fetched with ``huggingface_hub.snapshot_download``.
+
+    Raises:
+        FileNotFoundError: a local-looking path that does not exist.
+    """
+    p = Path(path_or_id)
+    if p.is_dir():
+        return p
+    if p.exists() or path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") != 1:
+        raise FileNotFoundError(f"draft checkpoint folder not found: {path_or_id}")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
+
+
+def load_config(path_or_id: str | Path) -> DSpineConfig:
+    """Read ``config.json``. A DFlash config (no ``dspine_config``) loads with ``injection = "none"``.
+
+    Raises:
+        FileNotFoundError: no config.json in the folder.
+        ValueError: invalid JSON or invalid field (the message names the file and the field).
+    """
+    folder = resolve_checkpoint(str(path_or_id))
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file}: missing (a draft folder holds config.json and {WEIGHTS})")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+    raw.pop("model_type", None)
+    raw.pop("transformers_version", None)
+    if "dspine_config" not in raw:
+        raw["dspine_config"] = {"injection": "none"}
+    if "dflash_config" not in raw:
+        raise ValueError(f"{cfg_file}: no dflash_config block (mask_token_id, target_layer_ids); not a DFlash/DSpine draft")
+    try:
+        return DSpineConfig(**raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{cfg_file}: {e}") from e
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    single = folder / WEIGHTS
+    if single.is_file():
+        return [single]
+    index = folder / INDEX
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    raise FileNotFoundError(f"{folder}: no {WEIGHTS} (or {INDEX})")
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the folder's safetensors file(s). Raises ValueError naming a corrupt file."""
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(folder):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: shard listed in {INDEX} is missing")
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    state[k] = fh.get_tensor(k)
+        except Exception as e:  # safetensors raises SafetensorError / OSError variants
+            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+    return state
+
+
+def load_weights(model: DSpineDraftModel, state: dict[str, torch.Tensor], source: str,
+                 allow_missing_prefixes: tuple[str, ...] = ()) -> list[str]:
+    """Strictly load ``state`` into ``model``; returns the keys left at init (allowed prefixes only).
+
+    Raises:
+        ValueError: missing keys, unexpected keys (e.g. an embedding or lm_head, or injection
+            tensors for a draft built without injection) or shape mismatches, all listed.
+    """
+    own = model.state_dict()
+    unexpected = sorted(set(state) - set(own))
+    missing = sorted(set(own) - set(state))
+    allowed = [k for k in missing if any(p in k for p in allow_missing_prefixes)]
+    missing = [k for k in missing if k not in allowed]
+    shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in set(state) & set(own) if state[k].shape != own[k].shape]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing[:8]}{' …' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected[:8]}{' …' if len(unexpected) > 8 else ''}")
+    if shapes:
+        problems.append("shape mismatch " + "; ".join(sorted(shapes)[:8]))
+    if problems:
+        raise ValueError(f"{source}: " + " | ".join(problems))
+    model.load_state_dict({k: v for k, v in state.items()}, strict=not allowed)
+    return allowed
+
+
+def load_draft(path_or_id: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> DSpineDraftModel:
+    """Load a DSpine or DFlash draft folder (or Hub id) with strict key matching.
+
+    Returns the model in eval mode, in ``dtype`` (default: the stored dtype).
+    """
+    folder = resolve_checkpoint(str(path_or_id))
+    config = load_config(folder)
+    state = read_state_dict(folder)
+    stored = next(iter(state.values())).dtype if state else torch.float32
+    model = DSpineDraftModel(config)
+    load_weights(model, state, str(folder))
+    return model.to(device=device, dtype=dtype or stored).eval()
+
+
+def save_draft(model: DSpineDraftModel, out_dir: str | Path, dtype: torch.dtype | None = None,
+               metadata: dict[str, str] | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (tensors cast to ``dtype`` if given).
+
+    ``metadata`` (str -> str) goes into the safetensors header (e.g. training mode, target id).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
+             for k, v in model.state_dict().items()}
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(state, str(tmp), metadata={"format": "pt", **(metadata or {})})
+    tmp.replace(out / WEIGHTS)
+    model.config.save_pretrained(out)
+    return out
+
+
+def warm_start(model: DSpineDraftModel, dflash_dir: str | Path) -> list[str]:
+    """Initialise ``model`` from a DFlash (or DSpine) checkpoint; injection tensors that the source
+    lacks keep their init (zero gates: the result equals the source draft). Returns those keys.
+
+    Raises:
+        ValueError: any other missing/unexpected tensor or a shape mismatch.
+    """
+    folder = resolve_checkpoint(str(dflash_dir))
+    return load_weights(model, read_state_dict(folder), str(folder), allow_missing_prefixes=(".adjacent.",))

@@ -1,0 +1,203 @@
+"""Draft configuration: the DFlash keys plus a ``dspine_config`` block.
+
+The layout follows the published DFlash drafts (design.md §2): Qwen3 decoder-layer fields,
+``block_size``, ``num_target_layers`` and ``dflash_config = {mask_token_id, target_layer_ids}``.
+DSpine adds ``dspine_config = {injection, injection_rank, injection_layers, block_attention}``
+(design.md §3). A DFlash ``config.json`` (``model_type: "qwen3"``) loads as a DSpine config with
+``injection = "none"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+INJECTION_MODES = ("residual", "kv", "none")
+BLOCK_ATTENTION_MODES = ("bidirectional", "causal")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+DSPINE_DEFAULTS: dict[str, Any] = {
+    "injection": "residual",
+    "injection_rank": 0,  # 0 = full-rank H x H projection; r > 0 = low rank (down r x H, up H x r)
+    "injection_layers": None,  # None = every draft layer
+    "block_attention": "bidirectional",
+}
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers whose outputs feed the draft: ``round(1 + i*(L-4)/(n-1))`` (design.md §2).
+
+    Qwen3-8B (L = 36) with 5 draft layers gives [1, 9, 17, 25, 33]. A single draft layer takes
+    the middle target layer; ids are clipped into [0, L) for very shallow targets.
+
+    Raises:
+        ValueError: ``num_target_layers`` or ``num_draft_layers`` below 1.
+    """
+    L, n = int(num_target_layers), int(num_draft_layers)
+    if L < 1 or n < 1:
+        raise ValueError(f"num_target_layers={L} and num_draft_layers={n} must be >= 1")
+    if n == 1:
+        return [L // 2]
+    ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+    return [min(max(i, 0), L - 1) for i in ids]
+
+
+class DSpineConfig(PretrainedConfig):
+    """Hugging Face config of a DSpine / DFlash draft.
+
+    Only draft fields live here (style.md §3): layer shapes, block size, target layer ids, mask
+    token, injection settings. Everything about the target comes from the target's own config.
+
+    Raises:
+        ValueError: an unknown ``dspine_config.injection`` / ``block_attention``, a bad
+            ``layer_types`` entry, a sliding layer without ``sliding_window``, ``block_size < 2``,
+            empty ``dflash_config.target_layer_ids`` or an unsupported RoPE scaling.
+    """
+
+    model_type = "dspine"
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        hidden_size: int = 4096,
+        intermediate_size: int = 12288,
+        num_hidden_layers: int = 5,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int = 8,
+        head_dim: int | None = 128,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 40960,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 1e6,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        initializer_range: float = 0.02,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
+        block_size: int = 16,
+        num_target_layers: int = 36,
+        dflash_config: dict | None = None,
+        dspine_config: dict | None = None,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ):
+        # RoPE: DFlash configs carry `rope_theta` (+ `rope_scaling: null`); transformers 5 writes
+        # `rope_parameters`. Only plain RoPE is supported: the engine and trainer must agree on it
+        # (design.md §8.3), so anything else is refused instead of silently ignored.
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = kwargs.pop(key, None)
+            if rope:
+                rope_type = rope.get("rope_type", rope.get("type", "default"))
+                if rope_type not in ("default", None):
+                    raise ValueError(f"draft config: {key}.rope_type={rope_type!r} is not supported (plain RoPE only)")
+                rope_theta = float(rope.get("rope_theta", rope_theta))
+        kwargs.pop("use_sliding_window", None)
+        kwargs.pop("max_window_layers", None)
+
+        self.vocab_size = int(vocab_size)
+        self.hidden_size = int(hidden_size)
+        self.intermediate_size = int(intermediate_size)
+        self.num_hidden_layers = int(num_hidden_layers)
+        self.num_attention_heads = int(num_attention_heads)
+        self.num_key_value_heads = int(num_key_value_heads)
+        self.head_dim = int(head_dim) if head_dim else self.hidden_size // self.num_attention_heads
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = int(max_position_embeddings)
+        self.rms_norm_eps = float(rms_norm_eps)
+        self.rope_theta = float(rope_theta)
+        self.attention_bias = bool(attention_bias)
+        self.attention_dropout = float(attention_dropout)
+        self.initializer_range = float(initializer_range)
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        self.layer_types = list(layer_types) if layer_types else ["full_attention"] * self.num_hidden_layers
+        self.block_size = int(block_size)
+        self.num_target_layers = int(num_target_layers)
+        dflash = dict(dflash_config or {})
+        if dflash.get("target_layer_ids") is None:
+            dflash["target_layer_ids"] = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        dflash["target_layer_ids"] = [int(i) for i in dflash["target_layer_ids"]]
+        dflash.setdefault("mask_token_id", None)
+        self.dflash_config = dflash
+        dspine = {**DSPINE_DEFAULTS, **(dspine_config or {})}
+        unknown = set(dspine) - set(DSPINE_DEFAULTS)
+        if unknown:
+            raise ValueError(f"draft config: unknown dspine_config keys {sorted(unknown)}; known: {sorted(DSPINE_DEFAULTS)}")
+        self.dspine_config = dspine
+        kwargs.setdefault("architectures", ["DSpineDraftModel"])
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.validate_fields()
+
+    # -- convenience accessors (the JSON keys stay nested as in DFlash) --------------------------
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.dflash_config.get("mask_token_id")
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.dflash_config["target_layer_ids"])
+
+    @property
+    def injection(self) -> str:
+        return self.dspine_config["injection"]
+
+    @property
+    def injection_rank(self) -> int:
+        return int(self.dspine_config["injection_rank"])
+
+    @property
+    def injection_layers(self) -> list[int]:
+        layers = self.dspine_config["injection_layers"]
+        return list(range(self.num_hidden_layers)) if layers is None else [int(i) for i in layers]
+
+    @property
+    def block_attention(self) -> str:
+        return self.dspine_config["block_attention"]
+
+    def validate_fields(self) -> None:
+        """Check the draft fields on their own (target compatibility is ``dspine.target.check_compat``)."""
+        d = self.dspine_config
+        if d["injection"] not in INJECTION_MODES:
+            raise ValueError(f"dspine_config.injection={d['injection']!r} is unknown; choose one of {INJECTION_MODES}")
+        if d["block_attention"] not in BLOCK_ATTENTION_MODES:
+            raise ValueError(
+                f"dspine_config.block_attention={d['block_attention']!r} is unknown; choose one of {BLOCK_ATTENTION_MODES}"
+            )
+        if not isinstance(d["injection_rank"], int) or d["injection_rank"] < 0:
+            raise ValueError(f"dspine_config.injection_rank={d['injection_rank']!r} must be an int >= 0 (0 = full rank)")
+        if d["injection_layers"] is not None:
+            bad = [i for i in d["injection_layers"] if not 0 <= int(i) < self.num_hidden_layers]
+            if bad:
+                raise ValueError(
+                    f"dspine_config.injection_layers has {bad} outside [0, {self.num_hidden_layers})"
+                )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}"
+            )
+        for t in self.layer_types:
+            if t not in LAYER_TYPES:
+                raise ValueError(f"layer_types entry {t!r} is unknown; choose one of {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.block_size < 2:
+            raise ValueError(f"block_size={self.block_size} must be >= 2 (anchor + at least one draft slot)")
+        if not self.target_layer_ids:
+            raise ValueError("dflash_config.target_layer_ids is empty")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (Qwen3 layers use silu)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        mask = self.mask_token_id
+        if mask is not None and not 0 <= int(mask) < self.vocab_size:
+            raise ValueError(f"dflash_config.mask_token_id={mask} is outside the vocabulary [0, {self.vocab_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        # keep the DFlash spelling of RoPE so DFlash-aware engines read it
+        out["rope_theta"] = self.rope_theta
+        out.setdefault("rope_scaling", None)
+        return out

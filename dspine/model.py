@@ -1,0 +1,452 @@
+"""The DSpine draft: a DFlash block drafter with adjacent causal injection.
+
+Equations (design.md §2-§3; DFlash: z-lab/dflash ``model.py``):
+
+* fusion      ``c = hidden_norm(fc(concat_k h_k))``, once per forward, shared by all layers;
+* each layer  ``Q = q_norm(q_proj(x))``, ``K = k_norm(k_proj([c ; x]))``, ``V = v_proj([c ; x])``
+  with ``x = input_layernorm(u)``; RoPE on absolute positions; o_proj, residual,
+  post_attention_layernorm, SwiGLU MLP, residual;
+* injection   ``u_t = h_t + g ⊙ W · RMSNorm(h_{t-1})`` for slots t >= 1 of each block
+  (``residual``), or one extra key/value per query made from slot t-1 (``kv``), or nothing
+  (``none`` = DFlash). The shift never crosses a block boundary.
+* output      ``norm(h)``; the frozen target ``lm_head`` turns it into logits. Slot k of a block
+  predicts the token at position anchor + k.
+
+Parameter names are the DFlash checkpoint's (``fc``, ``hidden_norm``, ``norm``,
+``layers.{i}.self_attn.q_proj`` …) plus ``layers.{i}.adjacent.{norm,proj,gate}``; the draft holds
+no embedding and no lm_head (they are the target's).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from dspine.config import DSpineConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with Qwen3/Llama numerics: fp32 statistics, cast back, then scale by ``weight``."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables for integer ``positions`` (any shape P): returns two ``[*P, head_dim]`` tensors.
+
+    Standard RoPE, ``inv_freq_i = theta^(-2i/D)``, computed in fp32 and cast to ``dtype``
+    (as transformers' Qwen3/Llama rotary embedding does)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[B, heads, T, D]``; cos/sin ``[B, T, D]``. Rotate-half convention (pairs i, i + D/2)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def attend(q, k, v, mask, scale: float) -> torch.Tensor:
+    """Attention of q ``[B, Hq, Tq, D]`` over k/v ``[B, Hkv, Tk, D]`` (GQA by head groups).
+
+    ``mask`` is a bool ``[B, 1, Tq, Tk]`` tensor (True = visible; the dense reference path) or a
+    ``torch.nn.attention.flex_attention.BlockMask`` (the GPU path). Returns ``[B, Tq, Hq*D]``.
+    """
+    B, Hq, Tq, D = q.shape
+    if isinstance(mask, torch.Tensor):
+        groups = Hq // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        out = _compiled_flex(flex_attention)(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(B, Tq, Hq * D)
+
+
+_FLEX = {}
+
+
+def _compiled_flex(fn):
+    # flex_attention is only fast (and memory-light) when compiled; compile once per process.
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(fn, dynamic=False) if torch.cuda.is_available() else fn
+    return _FLEX["fn"]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: DSpineConfig):
+        super().__init__()
+        H, D = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, D
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.scale = 1.0 / math.sqrt(D)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:-1], n, self.head_dim).transpose(1, 2)  # [B, n, T, D]
+
+    def kv(self, x: torch.Tensor, cos, sin, k_proj=None, v_proj=None):
+        """Keys/values of inputs x ``[B, T, H]`` at the positions of cos/sin: ``[B, Hkv, T, D]`` each."""
+        k = self.k_norm(self._heads((k_proj or self.k_proj)(x), self.num_kv_heads))
+        v = self._heads((v_proj or self.v_proj)(x), self.num_kv_heads)
+        return apply_rope(k, cos, sin), v
+
+    def q(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        return apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: DSpineConfig):
+        super().__init__()
+        H, I = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LowRank(nn.Module):
+    """``up(down(x))``: an H x H map of rank r (tensor names ``proj.down`` / ``proj.up``)."""
+
+    def __init__(self, dim: int, rank: int):
+        super().__init__()
+        self.down = nn.Linear(dim, rank, bias=False)
+        self.up = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(x))
+
+
+class AdjacentInjection(nn.Module):
+    """Adjacent causal injection of one layer (design.md §3).
+
+    ``residual``: ``u_t = h_t + gate ⊙ proj(norm(h_{t-1}))`` for slots t >= 1; ``gate`` starts at
+    zero so an untrained injection is exactly DFlash. ``kv``: makes one key/value per slot t from
+    ``norm(h_{t-1})`` with its own ``k_proj``/``v_proj`` (RoPE at position t-1)."""
+
+    def __init__(self, config: DSpineConfig):
+        super().__init__()
+        H = config.hidden_size
+        self.mode = config.injection
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        if self.mode == "residual":
+            r = config.injection_rank
+            self.proj = LowRank(H, r) if r else nn.Linear(H, H, bias=False)
+            self.gate = nn.Parameter(torch.zeros(H))
+        else:  # kv
+            kvd = config.num_key_value_heads * config.head_dim
+            self.k_proj = nn.Linear(H, kvd, bias=False)
+            self.v_proj = nn.Linear(H, kvd, bias=False)
+
+    @staticmethod
+    def previous(h: torch.Tensor, block_size: int) -> torch.Tensor:
+        """h ``[B, N*bs, H]`` -> the state of the preceding slot in the same block (zeros at slot 0)."""
+        B, T, H = h.shape
+        hb = h.view(B, T // block_size, block_size, H)
+        return F.pad(hb[:, :, :-1], (0, 0, 1, 0)).view(B, T, H)
+
+    def residual(self, h: torch.Tensor, block_size: int) -> torch.Tensor:
+        prev = self.previous(h, block_size)
+        inj = self.gate * self.proj(self.norm(prev))
+        slot = torch.arange(h.shape[1], device=h.device) % block_size
+        return h + inj * (slot > 0)[None, :, None].to(inj.dtype)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DSpineConfig, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+        self.sliding = config.layer_types[index] == "sliding_attention"
+        if config.injection != "none" and index in config.injection_layers:
+            self.adjacent = AdjacentInjection(config)
+        else:
+            self.adjacent = None
+
+    def forward(self, h, ctx_k, ctx_v, rope_blk, rope_prev, mask, block_size: int):
+        """One draft layer over block states h ``[B, T, H]`` (T = N blocks x bs, back to back).
+
+        ctx_k/ctx_v ``[B, Hkv, S, D]``: this layer's context keys/values (from the fused target
+        features, RoPE applied). rope_blk/rope_prev: (cos, sin) ``[B, T, D]`` at the slots' positions
+        and one position earlier. mask: visibility over keys ``[ctx ; block ; extra]``."""
+        attn = self.self_attn
+        extra = None
+        if self.adjacent is not None:
+            if self.adjacent.mode == "residual":
+                h = self.adjacent.residual(h, block_size)
+            else:
+                prev = self.adjacent.norm(AdjacentInjection.previous(h, block_size))
+                extra = attn.kv(prev, *rope_prev, self.adjacent.k_proj, self.adjacent.v_proj)
+        x = self.input_layernorm(h)
+        q = attn.q(x, *rope_blk)
+        k_blk, v_blk = attn.kv(x, *rope_blk)
+        ks, vs = [ctx_k, k_blk], [ctx_v, v_blk]
+        if extra is not None:
+            ks.append(extra[0])
+            vs.append(extra[1])
+        out = attend(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), mask, attn.scale)
+        h = h + attn.o_proj(out)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def block_visibility(q_anchor, q_slot, q_block, k_pos, k_block, k_slot, k_kind, *, causal: bool, window: int | None):
+    """The draft's attention rule as a function of broadcastable index tensors (True = visible).
+
+    Queries: anchor position, slot t and block id. Keys: kind 0 = context position ``k_pos``
+    (visible iff ``k_pos < anchor`` — the anchor's own target feature is not known at inference —
+    and, with a window, ``anchor + t - k_pos < window``); kind 1 = slot s of block ``k_block``
+    (same block only; ``s <= t`` when causal); kind 2 = the injected key of slot ``k_slot``
+    (only ``s == t`` and ``t >= 1``). design.md §4 (training mask), DFlash sliding layers."""
+    ctx = (k_kind == 0) & (k_pos < q_anchor)
+    if window is not None:
+        ctx = ctx & (q_anchor + q_slot - k_pos < window)
+    same = k_block == q_block
+    blk = (k_kind == 1) & same
+    if causal:
+        blk = blk & (k_slot <= q_slot)
+    ext = (k_kind == 2) & same & (k_slot == q_slot) & (q_slot >= 1)
+    return ctx | blk | ext
+
+
+class DSpineDraftModel(PreTrainedModel):
+    """DSpine / DFlash draft. See the module docstring for the equations.
+
+    Two forwards share the layers: :meth:`forward_train` (many blocks per sequence, block mask)
+    and :meth:`forward_block` (one block per sequence over a :class:`DraftCache`)."""
+
+    config_class = DSpineConfig
+    base_model_prefix = ""
+    _no_split_modules = ["DraftLayer"]
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: DSpineConfig):
+        super().__init__(config)
+        H = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, AdjacentInjection) and module.mode == "residual":
+            module.gate.zero_()
+
+    # -- shared pieces ---------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features ``[B, S, k*H]`` (concat of the target layers' outputs) -> ``c [B, S, H]``."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def _rope(self, positions: torch.Tensor, dtype):
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def context_kv(self, c: torch.Tensor, positions: torch.Tensor):
+        """Per-layer context keys/values of fused features c ``[B, S, H]`` at ``positions [B, S]``."""
+        cos, sin = self._rope(positions, c.dtype)
+        return [layer.self_attn.kv(c, cos, sin) for layer in self.layers]
+
+    def _run_layers(self, h, ctx_kv, positions, masks):
+        rope_blk = self._rope(positions, h.dtype)
+        rope_prev = self._rope((positions - 1).clamp(min=0), h.dtype)
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            h = layer(h, ck, cv, rope_blk, rope_prev, masks[layer.sliding], self.block_size)
+        return self.norm(h)
+
+    def _has_extra_keys(self) -> bool:
+        return self.config.injection == "kv"
+
+    # -- training forward --------------------------------------------------------------------------
+    def forward_train(self, block_embeds, features, anchors, attn: str = "dense"):
+        """Draft hidden states for many blocks per sequence (teacher forcing).
+
+        Args:
+            block_embeds: ``[B, N*bs, H]`` target embeddings of ``[anchor, MASK x (bs-1)]`` per block.
+            features: ``[B, S, k*H]`` target features of the whole sequence (positions 0..S-1).
+            anchors: ``[B, N]`` int64 anchor positions; -1 marks a padding block (its outputs are
+                garbage and must be masked out of the loss).
+            attn: ``"dense"`` (bool mask, SDPA; the CPU reference) or ``"flex"`` (flex_attention).
+        Returns:
+            ``[B, N*bs, H]`` final-normed hidden states (slot k predicts the token at anchor + k).
+        """
+        B, T, _ = block_embeds.shape
+        bs = self.block_size
+        if T % bs:
+            raise ValueError(f"block_embeds has {T} slots, not a multiple of block_size={bs}")
+        S = features.shape[1]
+        c = self.fuse(features)
+        ctx_pos = torch.arange(S, device=c.device).expand(B, S)
+        ctx_kv = self.context_kv(c, ctx_pos)
+        slot = torch.arange(T, device=c.device) % bs
+        positions = anchors.clamp(min=0).repeat_interleave(bs, dim=1) + slot
+        masks = {
+            sliding: self.train_mask(anchors, S, sliding=sliding, kind=attn)
+            for sliding in {layer.sliding for layer in self.layers}
+        }
+        return self._run_layers(block_embeds.to(c.dtype), ctx_kv, positions, masks)
+
+    def train_mask(self, anchors: torch.Tensor, S: int, *, sliding: bool, kind: str = "dense"):
+        """The block mask of design.md §4 over keys ``[ctx (S) ; blocks (N*bs) ; extra (N*bs if kv)]``.
+
+        Returns a bool ``[B, 1, N*bs, Tk]`` tensor (``kind="dense"``) or a flex ``BlockMask``."""
+        B, N = anchors.shape
+        bs = self.block_size
+        T = N * bs
+        n_kinds = 3 if self._has_extra_keys() else 2
+        Tk = S + (n_kinds - 1) * T
+        causal = sliding or self.config.block_attention == "causal"
+        window = self.config.sliding_window if sliding else None
+        dev = anchors.device
+
+        def key_fields(kv):
+            kind = torch.where(kv < S, 0, torch.where(kv < S + T, 1, 2))
+            j = torch.where(kind == 1, kv - S, kv - S - T)
+            return kind, kv, j // bs, j % bs
+
+        if kind == "dense":
+            q = torch.arange(T, device=dev)
+            k_kind, k_pos, k_block, k_slot = key_fields(torch.arange(Tk, device=dev))
+            q_anchor = anchors.repeat_interleave(bs, dim=1)  # [B, T]
+            vis = block_visibility(
+                q_anchor[:, :, None], (q % bs)[None, :, None], (q // bs)[None, :, None],
+                k_pos[None, None], k_block[None, None], k_slot[None, None], k_kind[None, None],
+                causal=causal, window=window,
+            )
+            return vis[:, None]
+        if kind != "flex":
+            raise ValueError(f"attn={kind!r} is unknown; choose 'dense' or 'flex'")
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            k_kind, k_pos, k_block, k_slot = key_fields(kv_idx)
+            return block_visibility(
+                anchors[b, q_idx // bs], q_idx % bs, q_idx // bs, k_pos, k_block, k_slot, k_kind,
+                causal=causal, window=window,
+            )
+
+        return create_block_mask(mask_mod, B, None, T, Tk, device=dev)
+
+    # -- inference forward ---------------------------------------------------------------------------
+    def forward_block(self, block_embeds: torch.Tensor, cache: DraftCache) -> torch.Tensor:
+        """One block per sequence over the context cache.
+
+        Args:
+            block_embeds: ``[B, bs, H]`` embeddings of ``[anchor, MASK, ...]``; the anchor of row b
+                sits at position ``cache.lengths[b]`` (its own target feature is not in the cache).
+            cache: :class:`DraftCache` with the fused-feature keys/values of positions
+                ``0 .. lengths[b]-1``.
+        Returns:
+            ``[B, bs, H]`` final-normed hidden states. The block's own K/V is not kept.
+        """
+        B, bs, _ = block_embeds.shape
+        if bs != self.block_size:
+            raise ValueError(f"block of {bs} slots, the draft was built for block_size={self.block_size}")
+        dev = block_embeds.device
+        lengths = cache.lengths
+        positions = lengths[:, None] + torch.arange(bs, device=dev)
+        C = cache.capacity
+        Tk = C + bs * (3 if self._has_extra_keys() else 2) - bs
+        kv = torch.arange(Tk, device=dev)
+        k_kind = torch.where(kv < C, 0, torch.where(kv < C + bs, 1, 2))
+        j = torch.where(k_kind == 1, kv - C, kv - C - bs)
+        k_slot = torch.where(k_kind == 0, 0, j)
+        t = torch.arange(bs, device=dev)
+        masks = {}
+        for sliding in {layer.sliding for layer in self.layers}:
+            causal = sliding or self.config.block_attention == "causal"
+            window = self.config.sliding_window if sliding else None
+            masks[sliding] = block_visibility(
+                lengths[:, None, None], t[None, :, None], 0, kv[None, None], torch.zeros_like(kv)[None, None],
+                k_slot[None, None], k_kind[None, None], causal=causal, window=window,
+            )[:, None]
+        ctx_kv = list(zip(cache.k, cache.v))
+        return self._run_layers(block_embeds.to(self.fc.weight.dtype), ctx_kv, positions, masks)
+
+    def forward(self, block_embeds, features, anchors, attn: str = "dense"):
+        return self.forward_train(block_embeds, features, anchors, attn)
+
+
+class DraftCache:
+    """The draft's context K/V cache for a batch of sequences (the reference layout).
+
+    ``k[i], v[i]``: ``[B, Hkv, capacity, D]`` for draft layer i, position j at index j;
+    ``lengths [B]`` int64: number of context positions held. Sliding-window layers read it through
+    the window mask (the CUDA engine keeps a ring instead).
+    """
+
+    def __init__(self, model: DSpineDraftModel, batch_size: int, capacity: int, device=None, dtype=None):
+        cfg = model.config
+        device = device or model.fc.weight.device
+        dtype = dtype or model.fc.weight.dtype
+        shape = (batch_size, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.model = model
+        self.capacity = capacity
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def append(self, features: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append the first ``counts[b]`` rows of ``features [B, T, k*H]`` to sequence b.
+
+        Raises:
+            ValueError: the cache would exceed its capacity.
+        """
+        B, T, _ = features.shape
+        dev = features.device
+        counts = counts.to(dev)
+        if int((self.lengths + counts).max()) > self.capacity:
+            raise ValueError(f"draft cache capacity {self.capacity} exceeded; raise the context budget")
+        positions = self.lengths[:, None] + torch.arange(T, device=dev)
+        valid = torch.arange(T, device=dev)[None, :] < counts[:, None]  # [B, T]
+        c = self.model.fuse(features)
+        rows, cols = valid.nonzero(as_tuple=True)
+        pos = positions[rows, cols]
+        for (k, v), kc, vc in zip(self.model.context_kv(c, positions), self.k, self.v):
+            # k, v: [B, Hkv, T, D] -> scatter the valid (row, col) pairs to cache[row, :, pos]
+            kc[rows, :, pos] = k[rows, :, cols].to(kc.dtype)
+            vc[rows, :, pos] = v[rows, :, cols].to(vc.dtype)
+        self.lengths += counts
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,67 @@
+"""Acceptance statistics with one convention everywhere (design.md §1).
+
+Each verify step commits n = a + 1 tokens (a accepted draft tokens + the bonus token), or fewer
+when EOS / max_new_tokens cut the step; only committed tokens count. Then
+
+* τ = mean n over steps (bonus included),
+* accept_at_pos[k] = fraction of steps with n - 1 >= k, k = 1..bs-1,
+* identity τ = 1 + Σ_k accept_at_pos[k].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class AcceptStats:
+    """Histogram ``hist[n]`` of committed tokens per verify step, n = 1..block_size."""
+
+    def __init__(self, block_size: int, hist: list[int] | None = None):
+        self.block_size = int(block_size)
+        self.hist = [0] * (self.block_size + 1)
+        if hist is not None:
+            if len(hist) != self.block_size + 1:
+                raise ValueError(f"hist has {len(hist)} bins, expected block_size + 1 = {self.block_size + 1}")
+            self.hist = [int(x) for x in hist]
+
+    def record(self, committed) -> None:
+        """Add steps: an int n or a 1-D int tensor/list of n values (each 1..block_size)."""
+        values = committed.tolist() if isinstance(committed, torch.Tensor) else committed
+        for n in [values] if isinstance(values, int) else values:
+            if not 1 <= n <= self.block_size:
+                raise ValueError(f"committed tokens per step must be in 1..{self.block_size}, got {n}")
+            self.hist[n] += 1
+
+    def merge(self, other: AcceptStats) -> AcceptStats:
+        if other.block_size != self.block_size:
+            raise ValueError(f"cannot merge stats of block sizes {self.block_size} and {other.block_size}")
+        self.hist = [a + b for a, b in zip(self.hist, other.hist)]
+        return self
+
+    @property
+    def steps(self) -> int:
+        return sum(self.hist)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n * c for n, c in enumerate(self.hist))
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def accept_at_pos(self) -> list[float]:
+        """[k = 1 .. bs-1] fraction of steps that accepted at least k draft tokens."""
+        s = self.steps
+        return [sum(self.hist[k + 1:]) / s if s else 0.0 for k in range(1, self.block_size)]
+
+    def to_dict(self) -> dict:
+        return {
+            "tau": self.tau,
+            "accept_at_pos": self.accept_at_pos,
+            "accept_hist": self.hist[1:],  # index 0 = steps that committed 1 token
+            "verify_steps": self.steps,
+            "committed_tokens": self.tokens,
+            "convention": "tau counts the bonus token; accept_hist[i] = steps committing i+1 tokens",
+        }

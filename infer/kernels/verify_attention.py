@@ -1,0 +1,209 @@
+"""Causal attention of T new tokens over a KV cache (target verify, T = block size; decode, T = 1).
+
+Op: for batch b, query token t (absolute position ``p = cache_len[b] + t``) and query head h,
+``out[b, t, h] = softmax_j(scale · q[b, t, h] · k[b, h // G, j]) · v[b, h // G, j]`` over keys
+``j = 0 .. p`` inclusive. The new tokens' own K/V must already be in the cache at positions
+``cache_len[b] .. cache_len[b] + T − 1``.
+
+Layouts: q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; cache_len [B] int32 (or int64) on the
+device; out [B, T, Hq, D] in q's dtype. Last dims contiguous; other strides are free.
+Constraints: Hq = G·Hkv; D ≤ 256 (any value, padded to a power of two ≥ 16 and masked);
+T ≤ 64 is the intended range (any T works, in several row blocks); cache_len[b] + T ≤ S.
+Positions past ``cache_len[b] + T`` are never read, so stale or poisoned cache rows are harmless.
+
+Kernel (flash-decoding): grid (B·Hkv·row_blocks, splits). The G·T query rows of one kv head are
+packed into the M dimension of tl.dot (row r = t·G + g), so each K/V tile is read once per kv
+head, not once per query head. The key range [0, S) is cut into ``splits`` equal chunks (chosen
+from shapes only: enough programs to fill the GPU twice, ≥ 256 keys per chunk); a chunk beyond a
+row's length does no work. Partials (m, l, acc) in fp32 are merged by ``attn_combine``; with one
+split the kernel writes ``out`` directly. No launcher reads a device tensor, so launches can be
+captured in a CUDA graph.
+Memory traffic: K and V of the visible prefix once per kv head (2·B·Hkv·(len + T)·D·bytes), q and
+out once; with splits, plus 4·(D + 2) bytes per (row, split) for the partials.
+Numerics: fp32 scores and softmax statistics; P is rounded to the input dtype before P·V (as in
+FlashAttention), accumulation in fp32; fp32 inputs use exact (non-TF32) tl.dot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._common import block_d, check_impl, dot_precision, next_pow2, num_sms, tl, triton
+from .attn_combine import combine_partials_triton
+
+__all__ = ["verify_attention", "verify_attention_torch"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _verify_attn_kernel(
+    Q, K, V, CacheLen, Out, PartAcc, PartM, PartL,
+    qk_scale,  # scale · log2(e)
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_ot, stride_oh,
+    Hkv, S, T, chunk, num_splits,
+    G: tl.constexpr, D: tl.constexpr, NUM_MB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m_blk = pid % NUM_MB
+    bh = pid // NUM_MB
+    b = (bh // Hkv).to(tl.int64)  # batch offsets can pass 2^31 elements
+    kvh = bh % Hkv
+    TG = T * G
+
+    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)  # packed row r = t·G + g
+    row_ok = rows < TG
+    t = rows // G
+    h = kvh * G + rows % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    clen = tl.load(CacheLen + b).to(tl.int32)
+    q_pos = clen + t  # key j is visible to row r iff j <= q_pos[r]
+
+    lo = pid_s * chunk
+    hi = tl.minimum(tl.minimum(lo + chunk, clen + T), S)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        kt = tl.load(k_base + n[None, :] * stride_ks + d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+        vis = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + n[:, None] * stride_vs + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    if SPLIT:
+        ml_off = (bh * num_splits + pid_s) * TG + rows
+        tl.store(PartM + ml_off, m_i, mask=row_ok)
+        tl.store(PartL + ml_off, l_i, mask=row_ok)
+        tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padded rows: 0/0 otherwise
+        tl.store(Out + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
+                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _attn_blocks(D: int, dtype: torch.dtype, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) from shapes; sized to stay in registers/shared."""
+    bd = block_d(D)
+    if dtype == torch.float32:
+        cap_m, bn = (32, 32) if bd >= 256 else (64, 32)
+    else:
+        cap_m, bn = (64, 32) if bd >= 256 else (128, 64)
+    bm = min(cap_m, max(16, next_pow2(rows)))
+    warps = 8 if bm * bd >= 8192 else 4
+    return bm, bn, bd, warps
+
+
+def _split_plan(base_programs: int, keys: int, block_n: int, device, num_splits: int | None):
+    """(splits, chunk): chunk is a multiple of block_n and splits·chunk ≥ keys."""
+    keys = max(keys, 1)
+    if num_splits is None:
+        target = 2 * num_sms(device)
+        max_splits = min(64, triton.cdiv(keys, max(256, block_n)))
+        num_splits = max(1, min(max_splits, triton.cdiv(target, base_programs)))
+    num_splits = max(1, min(int(num_splits), 64))
+    chunk = triton.cdiv(triton.cdiv(keys, num_splits), block_n) * block_n
+    return triton.cdiv(keys, chunk), chunk
+
+
+def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None):
+    B, T, Hq, D = q.shape
+    _, Hkv, S, _ = k_cache.shape
+    if Hq % Hkv or v_cache.shape != k_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"bad shapes q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache, v_cache need a contiguous last dim")
+    if D > 256:
+        raise ValueError(f"head_dim {D} > 256 is not supported")
+    G = Hq // Hkv
+    out = torch.empty_like(q) if out is None else out
+    bm, bn, bd, warps = _attn_blocks(D, q.dtype, G * T)
+    num_mb = triton.cdiv(G * T, bm)
+    ns, chunk = _split_plan(B * Hkv * num_mb, S, bn, q.device, num_splits)
+    split = ns > 1
+    if split:
+        part_acc = torch.empty(B * Hkv, ns, G * T, D, device=q.device, dtype=torch.float32)
+        part_m = torch.empty(B * Hkv, ns, G * T, device=q.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    _verify_attn_kernel[(B * Hkv * num_mb, ns)](
+        q, k_cache, v_cache, cache_len, out, part_acc, part_m, part_l,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        Hkv, S, T, chunk, ns,
+        G=G, D=D, NUM_MB=num_mb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        SPLIT=split, PREC=dot_precision(q.dtype),
+        num_warps=warps, num_stages=2,
+    )
+    if split:
+        combine_partials_triton(part_acc, part_m, part_l, out)
+    return out
+
+
+def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None):
+    """Reference: masked softmax in fp32 over the whole cache (no host sync, graph-capturable)."""
+    del num_splits
+    B, T, Hq, D = q.shape
+    _, Hkv, S, _ = k_cache.shape
+    G = Hq // Hkv
+    # rows of one kv head packed as r = t·G + g, like the kernel
+    qr = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
+    j = torch.arange(S, device=q.device)
+    clen = cache_len.to(torch.long)
+    written = j[None, :] < (clen[:, None] + T)  # [B, S]: never touch stale cache rows
+    k = k_cache.float().masked_fill(~written[:, None, :, None], 0.0)
+    v = v_cache.float().masked_fill(~written[:, None, :, None], 0.0)
+    pos = clen[:, None] + torch.arange(T, device=q.device).repeat_interleave(G)[None, :]  # [B, TG]
+    vis = j[None, None, :] <= pos[:, :, None]  # [B, TG, S]
+    s = (qr @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    o = torch.softmax(s, dim=-1) @ v  # [B, Hkv, TG, D]
+    o = o.view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    if out is None:
+        return o.to(q.dtype)
+    out.copy_(o)
+    return out
+
+
+def verify_attention(q, k_cache, v_cache, cache_len, scale, impl: str = "triton", *, out=None,
+                     num_splits=None):
+    """Causal attention of q [B, T, Hq, D] over k/v_cache [B, Hkv, S, D] up to cache_len[b] + t.
+
+    Returns out [B, T, Hq, D] in q's dtype (written into ``out`` if given). ``num_splits``
+    overrides the split-K count (tests); by default it is chosen from shapes. Raises ValueError
+    on inconsistent shapes. See the module docstring for layouts and numerics.
+    """
+    check_impl(impl)
+    fn = verify_attention_triton if impl == "triton" else verify_attention_torch
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return fn(q, k_cache, v_cache, cache_len, scale, out=out, num_splits=num_splits)

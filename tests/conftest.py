@@ -1,0 +1,57 @@
+"""Shared fixtures. Real data and models come from ``$DSPINE_SHARED`` (default ``<repo>/../shared``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("DSPINE_SHARED", REPO.parent / "shared"))
+
+
+def shared_path(*parts: str) -> Path:
+    p = SHARED.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"shared asset missing: {p} (set DSPINE_SHARED)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    return shared_path("models", "stories260K", "hf")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    return shared_path("models", "qwen3-tokenizer")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
+    """A tiny random Qwen3 (real Qwen3 vocab 151,936 and tokenizer) saved as an HF folder."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rope_theta=1e6, tie_word_embeddings=False, eos_token_id=151645, pad_token_id=151643,
+        bos_token_id=None, initializer_range=0.1,
+    )
+    model = Qwen3ForCausalLM(cfg).eval()
+    out = tmp_path_factory.mktemp("tiny_qwen3")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(qwen3_tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,169 @@
+"""Config, checkpoints, compatibility checks and the command-line contracts of the model core."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspine import check as check_cli
+from dspine import init as init_cli
+from dspine.checkpoint import load_config, load_draft, save_draft
+from dspine.config import DSpineConfig, default_target_layer_ids
+from dspine.model import DSpineDraftModel
+from dspine.target import TargetSpec, assert_compatible, check_compat
+
+
+def small_config(**over) -> DSpineConfig:
+    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=4, head_dim=8, block_size=8, num_target_layers=5,
+              dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 3]})
+    kw.update(over)
+    return DSpineConfig(**kw)
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, design.md §2
+    assert default_target_layer_ids(30, 3) == [1, 14, 27]
+
+
+def test_config_roundtrip_and_auto_registration(tmp_path):
+    from transformers import AutoConfig
+
+    cfg = small_config(dspine_config={"injection": "kv", "injection_rank": 0, "block_attention": "causal"})
+    cfg.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 3]}
+    assert raw["dspine_config"]["injection"] == "kv" and raw["block_size"] == 8 and raw["model_type"] == "dspine"
+    again = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(again, DSpineConfig) and again.block_attention == "causal"
+
+
+@pytest.mark.parametrize("over,field", [
+    ({"dspine_config": {"injection": "cross"}}, "dspine_config.injection"),
+    ({"dspine_config": {"block_attention": "sideways"}}, "dspine_config.block_attention"),
+    ({"dspine_config": {"injection_rank": -1}}, "dspine_config.injection_rank"),
+    ({"dspine_config": {"injection_layers": [7]}}, "dspine_config.injection_layers"),
+    ({"dspine_config": {"gates": 1}}, "unknown dspine_config keys"),
+    ({"dflash_config": {"mask_token_id": 600, "target_layer_ids": [1]}}, "mask_token_id=600"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_window"),
+    ({"block_size": 1}, "block_size"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+])
+def test_bad_config_fields_name_the_field(over, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.").replace("=", "=")):
+        small_config(**over)
+
+
+def test_compat_checks(stories_dir, tiny_qwen3_dir):
+    spec = TargetSpec.from_pretrained(str(stories_dir))
+    assert all(r.ok for r in check_compat(spec, small_config(), max_context=400))
+    cases = {
+        "dflash_config.target_layer_ids": small_config(dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 5]}),
+        "hidden_size": small_config(hidden_size=128, head_dim=16),
+        "vocab_size": small_config(vocab_size=600),
+        "max_position_embeddings": small_config(max_position_embeddings=256),
+    }
+    for field, cfg in cases.items():
+        bad = {r.field for r in check_compat(spec, cfg, max_context=400) if not r.ok}
+        assert field in bad, (field, bad)
+    eos_mask = small_config(dflash_config={"mask_token_id": 2, "target_layer_ids": [1, 3]})
+    with pytest.raises(ValueError, match="mask_token_id.*eos"):
+        assert_compatible(spec, eos_mask)
+    # a padded target vocabulary (Qwen3: 151,669 tokens, 151,936 rows) is fine
+    qspec = TargetSpec.from_pretrained(str(tiny_qwen3_dir))
+    qcfg = DSpineConfig(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_target_layers=4,
+                        dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 2]})
+    rows = {r.field: r for r in check_compat(qspec, qcfg)}
+    assert all(r.ok for r in rows.values()) and "padded" in rows["vocab_size"].note
+    with pytest.raises(ValueError, match="outside the embedding"):
+        qcfg.dflash_config["mask_token_id"] = 151936 + 5
+        qcfg.vocab_size = 151936
+        assert_compatible(qspec, qcfg)
+
+
+def test_checkpoint_errors_name_the_file(tmp_path):
+    model = DSpineDraftModel(small_config())
+    folder = save_draft(model, tmp_path / "ok")
+    assert torch.equal(load_draft(folder).fc.weight, model.fc.weight)
+    # missing weights
+    (tmp_path / "noweights").mkdir()
+    small_config().save_pretrained(tmp_path / "noweights")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_draft(tmp_path / "noweights")
+    # corrupt weights
+    save_draft(model, tmp_path / "corrupt")
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match=r"corrupt/model\.safetensors: not a readable safetensors"):
+        load_draft(tmp_path / "corrupt")
+    # no config
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_config(tmp_path)
+    # a stored embedding (target weights must never be in a draft) or injection tensors the config lacks
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_draft(model, tmp_path / "extra")
+    save_file({**state, "embed_tokens.weight": torch.zeros(512, 64)}, str(tmp_path / "extra" / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensors.*embed_tokens"):
+        load_draft(tmp_path / "extra")
+    save_file({k: v for k, v in state.items() if "adjacent" not in k}, str(tmp_path / "extra" / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensors.*adjacent"):
+        load_draft(tmp_path / "extra")
+    # broken JSON
+    (tmp_path / "ok" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        load_draft(tmp_path / "ok")
+
+
+def test_init_and_check_cli(stories_dir, tiny_qwen3_dir, tmp_path, capsys):
+    out = tmp_path / "draft"
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(out), "--layers", "2", "--block-size", "8",
+                          "--mask-token-id", "3", "--dtype", "fp32"]) == 0
+    cfg = load_config(out)
+    assert cfg.hidden_size == 64 and cfg.num_target_layers == 5 and cfg.injection == "residual"
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(out)]) == 2  # never overwrite
+    # warm start from a DFlash-style (injection none) folder: the new draft equals it
+    dflash = tmp_path / "dflash"
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(dflash), "--layers", "2", "--block-size", "8",
+                          "--mask-token-id", "3", "--injection", "none", "--dtype", "fp32"]) == 0
+    warm = tmp_path / "warm"
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(warm), "--layers", "2", "--block-size", "8",
+                          "--mask-token-id", "3", "--init-from", str(dflash), "--dtype", "fp32"]) == 0
+    a, b = load_draft(dflash), load_draft(warm)
+    assert torch.equal(a.fc.weight, b.fc.weight) and torch.equal(b.layers[0].adjacent.gate, torch.zeros(64))
+    capsys.readouterr()
+    assert check_cli.main(["--target", str(stories_dir), "--draft", str(out)]) == 0
+    assert "MISMATCH" not in capsys.readouterr().out
+    # a draft sized for another target
+    assert check_cli.main(["--target", str(tiny_qwen3_dir), "--draft", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "MISMATCH" in text and "hidden_size" in text
+    # stories260K has no unused embedding row: the mask token must be chosen explicitly
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(tmp_path / "nomask")]) == 2
+    assert "mask-token-id" in capsys.readouterr().err
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(tmp_path / "x"), "--injection", "sideways",
+                          "--mask-token-id", "3"]) == 2
+
+
+def test_generate_cli_json(stories_dir, tmp_path, capsys):
+    from infer import generate
+
+    out = tmp_path / "draft"
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(out), "--layers", "1", "--block-size", "8",
+                          "--mask-token-id", "3", "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    rc = generate.main(["--target", str(stories_dir), "--draft", str(out), "--prompt", "Once upon",
+                        "--max-new-tokens", "24", "--backend", "reference", "--json", "--compare-ar"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("text", "token_ids", "num_tokens", "accept_len", "accept_at_pos", "accept_hist", "verify_steps", "tok_per_s"):
+        assert key in res
+    assert res["num_tokens"] == 24 and res["ar_equal"] is True
+    assert res["text"].startswith("a time, there was")
+    assert abs(res["accept_len"] - 1 - sum(res["accept_at_pos"])) < 1e-9
+    assert sum(res["accept_hist"]) == res["verify_steps"] == 23
+    assert generate.main(["--target", str(stories_dir), "--draft", str(tmp_path / "missing"), "--prompt", "x",
+                          "--backend", "reference"]) == 2

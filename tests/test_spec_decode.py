@@ -1,0 +1,189 @@
+"""Reference speculative decoding: lossless greedy output, exact sampling, τ bookkeeping."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dspine.config import DSpineConfig
+from dspine.model import DSpineDraftModel
+from dspine.sampling import SamplingParams, chain_accept, logits_to_probs, sample
+from dspine.spec import ReferenceDecoder
+from dspine.target import TargetSpec, load_target
+
+
+def random_draft(target, block_size=8, layers=2, injection="residual", mask=None, seed=0):
+    """An untrained draft sized for ``target`` with non-zero injection gates."""
+    cfg = target.config
+    torch.manual_seed(seed)
+    dcfg = DSpineConfig(
+        vocab_size=target.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=getattr(cfg, "head_dim", None),
+        block_size=block_size, num_target_layers=target.num_layers,
+        dflash_config={"mask_token_id": mask, "target_layer_ids": [1, target.num_layers - 2]},
+        dspine_config={"injection": injection},
+    )
+    draft = DSpineDraftModel(dcfg).eval()
+    if injection == "residual":
+        for layer in draft.layers:
+            torch.nn.init.normal_(layer.adjacent.gate, std=0.5)
+    return draft
+
+
+def oracle(decoder: ReferenceDecoder, reference: list[list[int]], corrupt: float, seed: int = 0):
+    """Replace the draft's proposals with the true greedy continuation, each slot corrupted with
+    probability ``corrupt``: exercises long accepted prefixes, rollbacks and ragged rows."""
+    g = torch.Generator().manual_seed(seed)
+    V = decoder.target.vocab_size
+
+    def draft_logits(block, dcache):
+        B, bs = block.shape
+        logits = torch.zeros(B, bs - 1, V)
+        for b in range(B):
+            start = int(dcache.lengths[b])  # position of the anchor in prompt + output
+            for k in range(1, bs):
+                seq = reference[b]
+                tok = seq[start + k] if start + k < len(seq) else 0
+                if torch.rand(1, generator=g).item() < corrupt:
+                    tok = int(torch.randint(0, V, (1,), generator=g))
+                logits[b, k - 1, tok] = 10.0
+        return logits
+
+    decoder.draft_logits = draft_logits
+    return decoder
+
+
+def hf_greedy(target, prompt, n, eos):
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                eos_token_id=eos, pad_token_id=eos)
+    return out[0, len(prompt):].tolist()
+
+
+def test_stories260k_greedy_200_from_bos(stories_dir):
+    from tests.conftest import shared_path
+
+    ref = json.loads(shared_path("models", "stories260K", "greedy_200.json").read_text())
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = random_draft(target, block_size=16, mask=0)
+    res = ReferenceDecoder(target, draft, eos_token_ids=[2]).generate([[1]], SamplingParams(max_new_tokens=200))
+    assert res.token_ids[0] == ref["greedy_token_ids"]
+    # and with a draft that is mostly right: long accepted prefixes, same output
+    dec = oracle(ReferenceDecoder(target, draft, [2]), [[1] + ref["greedy_token_ids"]], corrupt=0.1)
+    res = dec.generate([[1]], SamplingParams(max_new_tokens=200))
+    assert res.token_ids[0] == ref["greedy_token_ids"]
+    assert res.stats.tau > 4
+    assert res.stats.tokens == 199  # the first token comes from prefill, not a verify step
+
+
+def test_tiny_qwen3_batch_lossless(tiny_qwen3_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    texts = ["Hi", "What is 2 + 2? Answer briefly.", "Write a haiku about the sea and the moon, please.",
+             "List three primes."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       tokenize=True, enable_thinking=False) for t in texts]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    assert len({len(p) for p in prompts}) == 4
+    target = load_target(str(tiny_qwen3_dir), dtype="fp32")
+    eos = 151645
+    n = 40
+    want = [hf_greedy(target, p, n, eos) for p in prompts]
+    draft = random_draft(target, block_size=16, mask=151669)
+    res = ReferenceDecoder(target, draft, [eos]).generate(prompts, SamplingParams(max_new_tokens=n))
+    assert res.token_ids == want
+    # mostly-right draft, ragged acceptance across the 4 rows
+    dec = oracle(ReferenceDecoder(target, draft, [eos]), [p + w for p, w in zip(prompts, want)], corrupt=0.25)
+    res = dec.generate(prompts, SamplingParams(max_new_tokens=n))
+    assert res.token_ids == want
+    assert res.stats.tau > 2 and len(set(res.steps_per_row)) > 1
+    ar = ReferenceDecoder(target, None, [eos]).generate(prompts, SamplingParams(max_new_tokens=n))
+    assert ar.token_ids == want and ar.stats.tau == 1.0
+
+
+def test_tau_identity_and_eos_inside_accepted_prefix(stories_dir):
+    from tests.conftest import shared_path
+
+    ref = json.loads(shared_path("models", "stories260K", "greedy_200.json").read_text())["greedy_token_ids"]
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = random_draft(target, block_size=16, mask=0)
+    eos = ref[37]  # a token that first appears mid-sequence: the stop falls inside an accepted prefix
+    first = ref.index(eos)
+    dec = oracle(ReferenceDecoder(target, draft, [eos]), [[1] + ref], corrupt=0.0)
+    res = dec.generate([[1]], SamplingParams(max_new_tokens=200))
+    assert res.token_ids[0] == ref[: first + 1] and res.finish_reasons == ["stop"]
+    s = res.stats
+    assert s.tokens == len(res.token_ids[0]) - 1  # only committed tokens count
+    assert abs(s.tau - (1 + sum(s.accept_at_pos))) < 1e-12
+    assert s.hist[16] >= 1 and s.steps == (first + 15) // 16  # full blocks, then the EOS-cut step
+    # max_new_tokens cut inside a block counts the same way
+    res = oracle(ReferenceDecoder(target, draft, [2]), [[1] + ref], 0.0).generate([[1]], SamplingParams(max_new_tokens=21))
+    assert len(res.token_ids[0]) == 21 and res.stats.hist[16] == 1 and res.stats.hist[4] == 1  # 1 (prefill) + 16 + 4
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 0.9, 0), (1.0, 1.0, 6), (1.0, 0.8, 5)])
+def test_chain_rejection_sampling_is_exact(temperature, top_p, top_k):
+    """10^5 draws on a toy vocabulary: the emitted tokens follow the target distribution."""
+    g = torch.Generator().manual_seed(0)
+    V, K, N = 12, 3, 100_000
+    t_logits = torch.randn(K + 1, V, generator=g) * 1.5
+    d_logits = 0.5 * t_logits + torch.randn(K + 1, V, generator=g)  # flatter, overlapping draft
+    p_t = logits_to_probs(t_logits, temperature, top_p, top_k).expand(N, K + 1, V)
+    p_d = logits_to_probs(d_logits[:K], temperature, top_p, top_k).expand(N, K, V)
+    draft = sample(p_d, g)
+
+    def emitted(acc, bonus, draft):
+        first = torch.where(acc >= 1, draft[:, 0], bonus)  # first emitted token of the step
+        second_rows = acc >= 1  # given the first was accepted, the second follows p_t[1]
+        second = torch.where(acc >= 2, draft[:, 1], bonus)[second_rows]
+        return first, second
+
+    def pvalue(tokens, probs):
+        counts = np.bincount(tokens.numpy(), minlength=V).astype(float)
+        probs = probs.double().numpy()
+        expected = probs / probs.sum() * len(tokens)
+        keep = expected > 0
+        assert counts[~keep].sum() == 0  # never a token outside top-k / top-p
+        return chisquare(counts[keep], expected[keep]).pvalue
+
+    acc, bonus = chain_accept(draft, p_d, p_t, g)
+    first, second = emitted(acc, bonus, draft)
+    assert pvalue(first, p_t[0, 0]) > 0.01
+    assert pvalue(second, p_t[0, 1]) > 0.01
+    # the classic bug (design.md §8.7): the draft takes its argmax but verification assumes a sample
+    greedy_draft = p_d.argmax(-1)
+    acc, bonus = chain_accept(greedy_draft, p_d, p_t, g)
+    first, _ = emitted(acc, bonus, greedy_draft)
+    assert pvalue(first, p_t[0, 0]) < 1e-6
+
+
+def test_sampled_spec_decode_runs_and_is_seeded(stories_dir):
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = random_draft(target, block_size=8, mask=0)
+    dec = ReferenceDecoder(target, draft, [2])
+    p = SamplingParams(temperature=1.0, top_p=0.95, top_k=20, max_new_tokens=30, seed=7)
+    a = dec.generate([[1], [1, 403]], p)
+    b = dec.generate([[1], [1, 403]], p)
+    assert a.token_ids == b.token_ids and all(len(t) == 30 for t in a.token_ids)
+    assert abs(a.stats.tau - (1 + sum(a.stats.accept_at_pos))) < 1e-12
+
+
+def test_sampling_params_and_spec_errors():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0).validate()
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1).validate()
+    with pytest.raises(ValueError, match="temperature > 0"):
+        logits_to_probs(torch.zeros(3), 0.0)
+
+
+def test_target_spec_reads_special_ids(stories_dir, tiny_qwen3_dir):
+    spec = TargetSpec.from_pretrained(str(tiny_qwen3_dir))
+    assert spec.vocab_size == 151936 and spec.tokenizer_len == 151669 and 151645 in spec.eos_ids
+    assert 151643 in spec.pad_ids
