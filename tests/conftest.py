@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tests.kernel_env  # noqa: F401,I001  (sets TRITON_INTERPRET before any kernel import)
+
 import os
 from pathlib import Path
 

@@ -9,53 +9,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspine.config import DSpineConfig
-from dspine.model import DSpineDraftModel
 from dspine.sampling import SamplingParams, chain_accept, logits_to_probs, sample
 from dspine.spec import ReferenceDecoder
 from dspine.target import TargetSpec, load_target
-
-
-def random_draft(target, block_size=8, layers=2, injection="residual", mask=None, seed=0):
-    """An untrained draft sized for ``target`` with non-zero injection gates."""
-    cfg = target.config
-    torch.manual_seed(seed)
-    dcfg = DSpineConfig(
-        vocab_size=target.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=getattr(cfg, "head_dim", None),
-        block_size=block_size, num_target_layers=target.num_layers,
-        dflash_config={"mask_token_id": mask, "target_layer_ids": [1, target.num_layers - 2]},
-        dspine_config={"injection": injection},
-    )
-    draft = DSpineDraftModel(dcfg).eval()
-    if injection == "residual":
-        for layer in draft.layers:
-            torch.nn.init.normal_(layer.adjacent.gate, std=0.5)
-    return draft
-
-
-def oracle(decoder: ReferenceDecoder, reference: list[list[int]], corrupt: float, seed: int = 0):
-    """Replace the draft's proposals with the true greedy continuation, each slot corrupted with
-    probability ``corrupt``: exercises long accepted prefixes, rollbacks and ragged rows."""
-    g = torch.Generator().manual_seed(seed)
-    V = decoder.target.vocab_size
-
-    def draft_logits(block, dcache):
-        B, bs = block.shape
-        logits = torch.zeros(B, bs - 1, V)
-        for b in range(B):
-            start = int(dcache.lengths[b])  # position of the anchor in prompt + output
-            for k in range(1, bs):
-                seq = reference[b]
-                tok = seq[start + k] if start + k < len(seq) else 0
-                if torch.rand(1, generator=g).item() < corrupt:
-                    tok = int(torch.randint(0, V, (1,), generator=g))
-                logits[b, k - 1, tok] = 10.0
-        return logits
-
-    decoder.draft_logits = draft_logits
-    return decoder
+from tests.helpers import oracle_reference_decoder as oracle
+from tests.helpers import random_draft
 
 
 def hf_greedy(target, prompt, n, eos):

@@ -1,0 +1,296 @@
+"""The engine's own target model: Qwen3 and the Llama / Qwen2 family, over a static KV cache.
+
+Weights load straight from Hugging Face safetensors (sharded or not) into modules built on the
+meta device; q/k/v and gate/up are fused at load time (the checkpoint keeps the HF names). Every
+op is a kernel from ``infer.kernels`` with a selectable ``impl`` ("triton" on the GPU, "torch" as
+the reference and on the CPU), plus cuBLAS matmuls. Numerics follow transformers'
+``modeling_qwen3`` / ``modeling_llama`` op by op (bf16 residual adds, fp32 norm statistics, RoPE
+rotate-half), so logits match transformers to bf16 rounding.
+
+Features for the draft are the decoder-layer outputs (residual stream after layer i) at the
+draft's ``target_layer_ids`` — the same tensors ``dspine.target.TargetAdapter`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.kernels.rmsnorm import rms_norm
+from infer.kernels.rope import qk_norm_rope_cache, rope_tables
+from infer.kernels.verify_attention import verify_attention
+
+SUPPORTED = ("qwen3", "qwen2", "llama")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k
+    qkv_bias: bool  # Qwen2: biases on q/k/v
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> ModelArgs:
+        """From a transformers config object or a config.json dict.
+
+        Raises:
+            ValueError: an unsupported model type or RoPE scaling (named in the message).
+        """
+        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        mt = get("model_type")
+        if mt not in SUPPORTED:
+            raise ValueError(f"target model_type={mt!r} is not supported by the engine (supported: {SUPPORTED})")
+        rope = get("rope_scaling") or get("rope_parameters") or {}
+        rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rtype not in ("default", None):
+            raise ValueError(f"target rope_type={rtype!r} is not supported by the engine (plain RoPE only)")
+        theta = get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
+        H, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        return cls(
+            model_type=mt, vocab_size=int(get("vocab_size")), hidden_size=H,
+            intermediate_size=int(get("intermediate_size")), num_layers=int(get("num_hidden_layers")),
+            num_heads=heads, num_kv_heads=int(get("num_key_value_heads") or heads),
+            head_dim=int(get("head_dim") or H // heads), rms_norm_eps=float(get("rms_norm_eps")),
+            rope_theta=float(theta), max_position_embeddings=int(get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)), qk_norm=mt == "qwen3",
+            qkv_bias=bool(get("attention_bias", mt == "qwen2")),
+        )
+
+
+class Layer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        H, D = a.hidden_size, a.head_dim
+        qkv = (a.num_heads + 2 * a.num_kv_heads) * D
+        p = lambda *shape: nn.Parameter(torch.empty(*shape), requires_grad=False)
+        self.input_norm = p(H)
+        self.qkv = p(qkv, H)
+        self.qkv_bias = p(qkv) if a.qkv_bias else None
+        self.q_norm = p(D) if a.qk_norm else None
+        self.k_norm = p(D) if a.qk_norm else None
+        self.o = p(H, a.num_heads * D)
+        self.post_norm = p(H)
+        self.gate_up = p(2 * a.intermediate_size, H)
+        self.down = p(H, a.intermediate_size)
+
+
+class KVCache:
+    """Static per-layer K/V ``[B, Hkv, S, D]``; position j of batch slot b at ``[b, :, j]``."""
+
+    def __init__(self, a: ModelArgs, batch: int, seq: int, device, dtype):
+        shape = (batch, a.num_kv_heads, seq, a.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(a.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(a.num_layers)]
+        self.batch, self.seq = batch, seq
+
+
+class EngineTarget(nn.Module):
+    """Target forward for prefill (one sequence) and decode/verify steps (a batch, T tokens each)."""
+
+    def __init__(self, a: ModelArgs, layer_ids: list[int] | None = None, impl: str = "triton"):
+        super().__init__()
+        self.args = a
+        p = lambda *shape: nn.Parameter(torch.empty(*shape), requires_grad=False)
+        self.embed = p(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(Layer(a) for _ in range(a.num_layers))
+        self.norm = p(a.hidden_size)
+        self.lm_head = None if a.tie_word_embeddings else p(a.vocab_size, a.hidden_size)
+        self.layer_ids = list(layer_ids or [])
+        self.impl = impl
+        self.scale = a.head_dim ** -0.5
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- loading ---------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_state(cls, a: ModelArgs, state: dict[str, torch.Tensor], device, dtype, layer_ids=None,
+                      impl: str = "triton") -> EngineTarget:
+        """Build from HF tensor names (``model.layers.{i}.self_attn.q_proj.weight`` …), fusing
+        q/k/v and gate/up. Raises KeyError naming a missing tensor."""
+        with torch.device("meta"):
+            m = cls(a, layer_ids, impl)
+
+        def get(name):
+            if name not in state:
+                raise KeyError(f"target checkpoint has no tensor {name!r}")
+            return state[name].to(device=device, dtype=dtype)
+
+        own = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
+        if not a.tie_word_embeddings:
+            own["lm_head"] = get("lm_head.weight")
+        for i in range(a.num_layers):
+            pre = f"model.layers.{i}."
+            at = pre + "self_attn."
+            own |= {
+                f"layers.{i}.input_norm": get(pre + "input_layernorm.weight"),
+                f"layers.{i}.qkv": torch.cat([get(at + f"{x}_proj.weight") for x in "qkv"]),
+                f"layers.{i}.o": get(at + "o_proj.weight"),
+                f"layers.{i}.post_norm": get(pre + "post_attention_layernorm.weight"),
+                f"layers.{i}.gate_up": torch.cat([get(pre + "mlp.gate_proj.weight"), get(pre + "mlp.up_proj.weight")]),
+                f"layers.{i}.down": get(pre + "mlp.down_proj.weight"),
+            }
+            if a.qkv_bias:
+                own[f"layers.{i}.qkv_bias"] = torch.cat([get(at + f"{x}_proj.bias") for x in "qkv"])
+            if a.qk_norm:
+                own[f"layers.{i}.q_norm"] = get(at + "q_norm.weight")
+                own[f"layers.{i}.k_norm"] = get(at + "k_norm.weight")
+        m.load_state_dict(own, strict=True, assign=True)
+        return m
+
+    @classmethod
+    def from_pretrained(cls, path: str, gguf_file: str | None = None, device="cuda", dtype=torch.bfloat16,
+                        layer_ids=None, impl: str = "triton") -> EngineTarget:
+        """Load a local HF folder (safetensors, sharded or not) or a GGUF file (dequantized by
+        transformers). Raises FileNotFoundError / ValueError naming the file or field."""
+        from dspine.target import resolve_model_path
+
+        path, gguf_file = resolve_model_path(path, gguf_file)
+        folder = Path(path)
+        if not folder.is_dir():
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
+        if gguf_file:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_file, dtype=torch.float32)
+            a = ModelArgs.from_hf_config(hf.config)
+            return cls.from_hf_state(a, hf.state_dict(), device, dtype, layer_ids, impl)
+        cfg_file = folder / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file}: missing")
+        a = ModelArgs.from_hf_config(json.loads(cfg_file.read_text()))
+        return cls.from_hf_state(a, read_safetensors(folder, device), device, dtype, layer_ids, impl)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @property
+    def head(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    def rope(self, max_pos: int):
+        """(cos, sin) ``[max_pos, D/2]`` fp32 tables, built once."""
+        if self._rope is None or self._rope[0].shape[0] < max_pos:
+            self._rope = rope_tables(self.args.head_dim, max_pos, self.args.rope_theta, self.embed.device)
+        return self._rope
+
+    def new_cache(self, batch: int, seq: int) -> KVCache:
+        """Static cache of ``seq`` positions per slot (the engine checks the RoPE range before)."""
+        self.rope(seq)
+        return KVCache(self.args, batch, seq, self.embed.device, self.embed.dtype)
+
+    def _mlp(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
+        gu = F.linear(h, L.gate_up)
+        g, u = gu.chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, L.down)
+
+    # -- forwards --------------------------------------------------------------------------------
+    def forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, cache_len: torch.Tensor,
+                     want_features: bool = True):
+        """Decode (T = 1) or verify (T = block) step for every batch slot.
+
+        Args:
+            tokens, positions: ``[B, T]`` int64; positions[b, t] = cache_len[b] + t.
+            cache: the static KV cache (B slots); K/V of the new tokens are written at ``positions``.
+            cache_len: ``[B]`` int32 committed positions before the new tokens.
+        Returns:
+            logits ``[B, T, V]`` (model dtype) and features ``[B, T, k*H]`` (or None).
+        """
+        a, impl = self.args, self.impl
+        B, T = tokens.shape
+        N = B * T
+        cos, sin = self._rope
+        pos = positions.reshape(N)
+        bidx = torch.arange(B, device=tokens.device).repeat_interleave(T)
+        x = F.embedding(tokens.reshape(N), self.embed)
+        residual = None
+        feats = []
+        Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        for i, L in enumerate(self.layers):
+            if residual is None:
+                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, impl=impl), x
+            else:
+                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl)
+            qkv = F.linear(h, L.qkv, L.qkv_bias)
+            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q = qk_norm_rope_cache(q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D), L.q_norm, L.k_norm,
+                                   a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, pos, impl=impl)
+            o = verify_attention(q.view(B, T, Hq, D), cache.k[i], cache.v[i], cache_len, self.scale, impl=impl)
+            x = F.linear(o.view(N, Hq * D), L.o)
+            h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
+            x = self._mlp(L, h)
+            if want_features and i in self.layer_ids:
+                feats.append((residual + x, self.layer_ids.index(i)))
+        h, _ = rms_norm(x, self.norm, a.rms_norm_eps, residual=residual, impl=impl)
+        logits = F.linear(h, self.head).view(B, T, -1)
+        if not want_features or not self.layer_ids:
+            return logits, None
+        feats.sort(key=lambda f: f[1])
+        return logits, torch.cat([f for f, _ in feats], dim=-1).view(B, T, -1)
+
+    def prefill(self, tokens: torch.Tensor, slot: int, cache: KVCache, want_features: bool = True):
+        """Prompt ``tokens [P]`` of batch slot ``slot``: writes K/V at positions 0..P-1.
+
+        Returns logits at the last position ``[V]`` and features ``[P, k*H]`` (or None).
+        Attention is causal SDPA over the prompt itself (stale cache rows are never read)."""
+        a, impl = self.args, self.impl
+        P = tokens.shape[0]
+        if P > cache.seq:
+            raise ValueError(f"prompt of {P} tokens does not fit the cache ({cache.seq} positions)")
+        cos, sin = self._rope
+        pos = torch.arange(P, device=tokens.device)
+        bidx = torch.full((P,), slot, device=tokens.device, dtype=torch.long)
+        Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        x = F.embedding(tokens, self.embed)
+        residual, feats = None, {}
+        for i, L in enumerate(self.layers):
+            if residual is None:
+                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, impl=impl), x
+            else:
+                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl)
+            qkv = F.linear(h, L.qkv, L.qkv_bias)
+            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q = qk_norm_rope_cache(q.view(P, Hq, D), k.view(P, Hkv, D), v.view(P, Hkv, D), L.q_norm, L.k_norm,
+                                   a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, pos, impl=impl)
+            kc, vc = cache.k[i][slot : slot + 1, :, :P], cache.v[i][slot : slot + 1, :, :P]
+            o = F.scaled_dot_product_attention(q.view(1, P, Hq, D).transpose(1, 2), kc, vc, is_causal=True,
+                                               scale=self.scale, enable_gqa=Hq != Hkv)
+            x = F.linear(o.transpose(1, 2).reshape(P, Hq * D), L.o)
+            h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
+            x = self._mlp(L, h)
+            if want_features and i in self.layer_ids:
+                feats[i] = residual + x
+        h, _ = rms_norm(x[-1:], self.norm, a.rms_norm_eps, residual=residual[-1:], impl=impl)
+        logits = F.linear(h, self.head)[0]
+        if not want_features or not self.layer_ids:
+            return logits, None
+        return logits, torch.cat([feats[i] for i in self.layer_ids], dim=-1)
+
+
+def read_safetensors(folder: Path, device) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or the shards of ``model.safetensors.index.json``."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    state = {}
+    for f in files:
+        path = folder / f
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing target weights")
+        state.update(load_file(str(path), device=str(device)))
+    return state

@@ -1,0 +1,73 @@
+"""Test helpers: untrained drafts and "oracle" drafts that propose the true continuation."""
+
+from __future__ import annotations
+
+import torch
+
+from dspine.config import DSpineConfig
+from dspine.model import DSpineDraftModel
+
+
+def random_draft(target, block_size=8, layers=2, injection="residual", mask=None, seed=0, **dspine):
+    """An untrained draft sized for ``target`` (a TargetAdapter) with non-zero injection gates."""
+    cfg = target.config
+    torch.manual_seed(seed)
+    dcfg = DSpineConfig(
+        vocab_size=target.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=getattr(cfg, "head_dim", None),
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"],
+        block_size=block_size, num_target_layers=target.num_layers,
+        dflash_config={"mask_token_id": mask, "target_layer_ids": [1, target.num_layers - 2]},
+        dspine_config={"injection": injection, **dspine},
+    )
+    draft = DSpineDraftModel(dcfg).eval()
+    if injection == "residual":
+        for layer in draft.layers:
+            if layer.adjacent is not None:
+                torch.nn.init.normal_(layer.adjacent.gate, std=0.5)
+    return draft
+
+
+def oracle_logits(reference_of, lengths, B, K, V, corrupt, gen):
+    """One-hot logits ``[B, K, V]``: slot k of row b proposes ``reference_of(b)[lengths[b] + k]``,
+    replaced by a random token with probability ``corrupt``."""
+    logits = torch.zeros(B, K, V)
+    for b in range(B):
+        seq = reference_of(b)
+        start = int(lengths[b])
+        for k in range(1, K + 1):
+            tok = seq[start + k] if seq is not None and start + k < len(seq) else 0
+            if torch.rand(1, generator=gen).item() < corrupt:
+                tok = int(torch.randint(0, V, (1,), generator=gen))
+            logits[b, k - 1, tok] = 10.0
+    return logits
+
+
+def oracle_reference_decoder(decoder, reference: list[list[int]], corrupt: float, seed: int = 0):
+    """Patch a ReferenceDecoder so its draft proposes the true greedy continuation (corrupted)."""
+    g = torch.Generator().manual_seed(seed)
+    V = decoder.target.vocab_size
+
+    def draft_logits(block, dcache):
+        B, bs = block.shape
+        return oracle_logits(lambda b: reference[b], dcache.lengths, B, bs - 1, V, corrupt, g)
+
+    decoder.draft_logits = draft_logits
+    return decoder
+
+
+def oracle_engine(engine, reference: list[list[int]], corrupt: float, seed: int = 0):
+    """Patch an Engine's draft the same way (eager engines only; uses the slot -> prompt map)."""
+    g = torch.Generator().manual_seed(seed)
+    V = engine.target.args.vocab_size
+
+    def block_logits(block, lengths, cache):
+        B, bs = block.shape
+        owner = engine.slot_owner
+        ref = lambda b: reference[owner[b]] if owner[b] is not None else None
+        return oracle_logits(ref, lengths, B, bs - 1, V, corrupt, g).to(engine.device, engine.target.embed.dtype)
+
+    engine.draft.block_logits = block_logits
+    return engine
