@@ -3,9 +3,10 @@
 A backend is anything with the `Generator.generate` method. Two exist:
 
 - `hf`: transformers `generate` (reference path; CPU or GPU).
-- `engine`: the CUDA inference engine. It lives in `infer.engine` and must provide
-  `load_generator(target, gguf_file=None, stop_token_ids=..., device=...) -> Generator`;
-  until that module exists, asking for it raises NotImplementedError.
+- `engine`: the inference engine of `infer.engine` (`load_engine(...)` and
+  `Engine.generate(prompts, SamplingParams, use_draft=False)`), run autoregressively: CUDA graphs
+  on a GPU, PyTorch reference kernels on the CPU. Without that module, asking for it raises
+  NotImplementedError.
 """
 
 from __future__ import annotations
@@ -93,6 +94,29 @@ class HFGenerator:
         return results
 
 
+class EngineGenerator:
+    """`Generator` over an `infer.engine.Engine`, decoding autoregressively (no draft).
+
+    The engine keeps the stop token at the end of a finished row; it is dropped here so both
+    backends return the same thing.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p, top_k, seed) -> list[Generation]:
+        from dspine.sampling import SamplingParams
+
+        if not prompts:
+            return []
+        params = SamplingParams(temperature, top_p, top_k, max_new_tokens, seed)
+        res = self.engine.generate(prompts, params, use_draft=False)
+        return [
+            Generation(toks[:-1], "stop") if reason == "stop" else Generation(toks, "length")
+            for toks, reason in zip(res.token_ids, res.finish_reasons)
+        ]
+
+
 def engine_available() -> bool:
     """True iff the CUDA inference engine module `infer.engine` can be imported."""
     try:
@@ -121,25 +145,43 @@ def resolve_backend(name: str) -> str:
 
 
 def load_generator(
-    backend: str, target: str, gguf_file: str | None, stop_ids: list[int], pad_id: int, device
+    backend: str,
+    target: str,
+    gguf_file: str | None,
+    stop_ids: list[int],
+    pad_id: int,
+    device,
+    max_batch: int = 16,
+    max_context: int | None = None,
 ) -> Generator:
     """Builds the generator of a resolved backend ("hf" or "engine") for the target checkpoint.
 
     hf loads `AutoModelForCausalLM` (bf16 on CUDA, fp32 + eager attention on CPU) from a folder, Hub id
-    or GGUF file.
+    or GGUF file. engine preallocates KV caches for `max_batch` rows of `max_context` tokens (prompt +
+    new tokens; default 4096), so keep max_context near what the data needs.
     """
+    cuda = torch.device(device).type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     if backend == "engine":
-        from infer import engine  # provided by infer/, see module doc
+        from infer.engine import load_engine
 
-        return engine.load_generator(target, gguf_file=gguf_file, stop_token_ids=stop_ids, device=device)
+        engine, _ = load_engine(
+            target,
+            gguf_file,
+            None,
+            device=device,
+            dtype=dtype,
+            max_batch=max_batch,
+            max_seq=max_context or 4096,
+            eos_token_ids=stop_ids,
+        )
+        return EngineGenerator(engine)
     from transformers import AutoModelForCausalLM
 
-    cuda = torch.device(device).type == "cuda"
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     if not cuda:
         # CPU SDPA has a large fixed cost per call in recent torch builds (stories260K: ~10x slower
         # generation than eager); the math is the same.
         kwargs["attn_implementation"] = "eager"
-    dtype = torch.bfloat16 if cuda else torch.float32
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **kwargs).to(device).eval()
     return HFGenerator(model, stop_ids, pad_id)

@@ -29,9 +29,7 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +38,15 @@ from data.chat import encode, load_tokenizer, render, resolve_chat_template, sto
 from data.generate import BACKENDS, Generation, load_generator, resolve_backend
 from data.rows import JsonlAppender, atomic_write_json, iter_jsonl
 from data.schema import RowError, check_row
+from data.shards import (
+    clear_marker,
+    done_indices,
+    merge_shards,
+    remove_shards,
+    shard_path,
+    wait_for_ranks,
+    write_marker,
+)
 
 KINDS = ("results", "errors", "skipped")
 RUN_ARGS = "run_args.json"
@@ -50,10 +57,12 @@ CONTENT_ARGS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "enable_thinking", "max_turns", "max_context",
     "limit", "seed",
 )  # fmt: skip
+# Distillation trains on <= 3072-token sequences (design.md §4): longer prompts are of no use, and
+# this bounds the KV cache the engine backend preallocates (batch x max context).
+DEFAULT_MAX_CONTEXT = 8192
+PATH_ARGS = ("input", "target", "tokenizer", "chat_template")
 # Test hook: raise after this many batches were written (simulates a killed run).
 STOP_AFTER_ENV = "DSPINE_REGEN_STOP_AFTER_BATCHES"
-# Records start with their input index, so shards can be scanned without parsing whole rows.
-INDEX_PREFIX = re.compile(rb'\{"index": (\d+),')
 GENERATED_FIELDS = (
     "index",
     "id",
@@ -88,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-context",
         type=int,
         default=None,
-        help="prompt + max_new_tokens limit (default: the model's max_position_embeddings)",
+        help=f"prompt + max_new_tokens limit in tokens; longer prompts are skipped (default: the model's "
+        f"max_position_embeddings, at most {DEFAULT_MAX_CONTEXT}; the engine preallocates KV for batch x this)",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N input rows")
     p.add_argument("--batch-size", type=int, default=16)
@@ -139,6 +149,11 @@ def check_run_args(out: Path, run_args: dict, write: bool) -> None:
             + "; ".join(diff)
             + ". Repeat them to resume, or use another --output."
         )
+
+
+def _canonical(value):
+    # Local paths compare by absolute location, so a resume may spell them differently.
+    return str(Path(value).resolve()) if value and Path(value).exists() else value
 
 
 def model_context(target: str, gguf_file: str | None) -> int | None:
@@ -324,110 +339,33 @@ def _generate_robust(generator, prompts, args, seed) -> list[Generation | Except
             results.append(generator.generate([prompt], *params)[0])
         except Exception as e:
             results.append(e)
+    if all(isinstance(r, Exception) for r in results):
+        # Every row failed on its own too: a broken device or model, not bad rows. Stop rather
+        # than file the whole input under errors; the run resumes once the cause is fixed.
+        raise RuntimeError(f"generation failed for all {len(prompts)} rows of a batch") from results[0]
     return results
 
 
-# -------------------------------------------------------------------------------- shards, merge
+# ---------------------------------------------------------------------------------------- finish
 
 
-def done_indices(out: Path) -> set[int]:
-    """Input indices already recorded in any shard (all ranks, any earlier world size)."""
-    done = set()
-    for path in out.glob("*.rank*.jsonl"):
-        with open(path, "rb") as f:
-            for line in f:
-                # A partial last line (killed writer) has no newline: that row is not done.
-                if line.endswith(b"\n") and (m := INDEX_PREFIX.match(line)):
-                    done.add(int(m.group(1)))
-    return done
-
-
-def wait_for_ranks(out: Path, world: int, poll_s: float = 5.0) -> None:
-    """Blocks until every rank wrote its done marker (a file barrier: no collective timeout)."""
-    last_note = time.monotonic()
-    while True:
-        missing = [r for r in range(world) if not _marker_ok(out / f"done.rank{r}.json", world)]
-        if not missing:
-            return
-        if time.monotonic() - last_note > 60:
-            print(f"rank 0: waiting for ranks {missing} to finish", file=sys.stderr)
-            last_note = time.monotonic()
-        time.sleep(poll_s)
-
-
-def _marker_ok(path: Path, world: int) -> bool:
-    try:
-        return json.loads(path.read_text())["world_size"] == world
-    except (OSError, ValueError, KeyError):
-        return False
-
-
-def merge_shards(out: Path, n_rows: int) -> dict:
-    """Merges the rank shards into results/errors/skipped.jsonl in input order; returns counts.
-
-    Only (index, file, offset) triples are held in memory, then records are copied by seeking.
-
-    Raises:
-        RuntimeError: a row recorded twice, or rows without any record.
-    """
-    seen = bytearray(n_rows)
-    stats = Counter()
-    reasons = Counter()
-    for kind in KINDS:
-        files = sorted(out.glob(f"{kind}.rank*.jsonl"))
-        entries = []
-        for file_no, path in enumerate(files):
-            with open(path, "rb") as f:
-                offset = 0
-                for line in f:
-                    m = INDEX_PREFIX.match(line)
-                    if not line.endswith(b"\n") or not m:
-                        raise RuntimeError(f"{path}: corrupt record at byte {offset}")
-                    index = int(m.group(1))
-                    if index >= n_rows or seen[index]:
-                        raise RuntimeError(f"{path}: input row {index} recorded twice or out of range")
-                    seen[index] = 1
-                    entries.append((index, file_no, offset, len(line)))
-                    offset += len(line)
-        entries.sort()
-        handles = [open(p, "rb") for p in files]
-        tmp = out / f"{kind}.jsonl.tmp"
-        try:
-            with open(tmp, "wb") as dst:
-                for _, file_no, offset, size in entries:
-                    src = handles[file_no]
-                    src.seek(offset)
-                    line = src.read(size)
-                    dst.write(line)
-                    _count(kind, json.loads(line), stats, reasons)
-        finally:
-            for h in handles:
-                h.close()
-        stats[kind] = len(entries)
-    missing = n_rows - sum(seen)
-    if missing:
-        first = [i for i in range(n_rows) if not seen[i]][:5]
-        raise RuntimeError(f"{missing} input rows have no record yet (first: {first}); re-run to finish them")
-    stats["skipped_reasons"] = dict(reasons)
-    return stats
-
-
-def _count(kind: str, record: dict, stats: Counter, reasons: Counter) -> None:
+def _count(kind: str, record: dict, stats: Counter) -> None:
     if kind == "results":
         stats["generated_turns"] += len(record["finish_reason"])
         stats["length_turns"] += record["finish_reason"].count("length")
         stats["generated_tokens"] += record["num_generated_tokens"]
         stats["stopped_by_context"] += "stopped" in record
     elif kind == "skipped":
-        reasons[record["reason"]] += 1
+        stats["skipped:" + record["reason"]] += 1
 
 
 def finish(out: Path, n_rows: int, run_args: dict, backend: str, world: int) -> dict:
     """Rank 0: merge shards, write summary.json, then remove the shards."""
-    stats = merge_shards(out, n_rows)
-    for kind in KINDS:
-        os.replace(out / f"{kind}.jsonl.tmp", out / f"{kind}.jsonl")
+    stats = Counter()
+    counts = merge_shards(out, KINDS, n_rows, lambda kind, record: _count(kind, record, stats))
+    stats.update(counts)
     turns = stats["generated_turns"]
+    reasons = {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith("skipped:")}
     summary = {
         "input": run_args["input"],
         "input_rows": n_rows,
@@ -440,13 +378,12 @@ def finish(out: Path, n_rows: int, run_args: dict, backend: str, world: int) -> 
         "truncation_rate": stats["length_turns"] / turns if turns else 0.0,
         "generated_tokens": stats["generated_tokens"],
         "stopped_by_context": stats["stopped_by_context"],
-        "skipped_reasons": stats["skipped_reasons"],
+        "skipped_reasons": reasons,
         "backend": backend,
         "world_size": world,
     }
     atomic_write_json(out / SUMMARY, summary)
-    for path in [*out.glob("*.rank*.jsonl"), *out.glob("done.rank*.json")]:
-        path.unlink()
+    remove_shards(out)
     return summary
 
 
@@ -460,22 +397,30 @@ def regenerate(args: argparse.Namespace) -> dict:
         ValueError: arguments differ from the run already in args.output, no chat template, bad input.
         NotImplementedError: --backend engine while infer.engine does not exist.
     """
+    import torch
     from accelerate import PartialState
 
-    state = PartialState()
+    # cpu=True lets a CPU-only launch (torchrun / accelerate launch --cpu) form a gloo group.
+    state = PartialState(cpu=not torch.cuda.is_available())
     rank, world = state.process_index, state.num_processes
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != world:  # every process would think it is rank 0 and write the same shards
+        raise RuntimeError(f"launched with WORLD_SIZE={launched} but accelerate sees {world} process(es)")
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = load_tokenizer(args.tokenizer or args.target, None if args.tokenizer else args.gguf_file)
     template = resolve_chat_template(args.chat_template, tokenizer)
     input_digest, n_rows = scan_input(args.input, args.limit)
-    max_context = args.max_context or model_context(args.target, args.gguf_file)
-    run_args = {k: v for k, v in vars(args).items() if k in CONTENT_ARGS}
+    max_context = args.max_context or min(
+        model_context(args.target, args.gguf_file) or DEFAULT_MAX_CONTEXT, DEFAULT_MAX_CONTEXT
+    )
+    run_args = {k: _canonical(v) if k in PATH_ARGS else v for k, v in vars(args).items() if k in CONTENT_ARGS}
     run_args.update(
         input_digest=input_digest, chat_template_digest=template_digest(template), max_context=max_context
     )
     check_run_args(out, run_args, write=state.is_main_process)
+    clear_marker(out, rank)  # a marker left by an earlier run must not count for this one
     state.wait_for_everyone()
     check_run_args(out, run_args, write=False)
     if (out / SUMMARY).exists():
@@ -486,10 +431,12 @@ def regenerate(args: argparse.Namespace) -> dict:
     backend = resolve_backend(args.backend)
     stop_ids = stop_token_ids(tokenizer, template, model_generation_config(args.target))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    generator = load_generator(backend, args.target, args.gguf_file, stop_ids, pad_id, state.device)
+    generator = load_generator(
+        backend, args.target, args.gguf_file, stop_ids, pad_id, state.device, args.batch_size, max_context
+    )
 
     _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, max_context)
-    atomic_write_json(out / f"done.rank{rank}.json", {"world_size": world})
+    write_marker(out, rank, world)
     if not state.is_main_process:
         return {}
     wait_for_ranks(out, world)
@@ -501,7 +448,7 @@ def _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, ma
 
     done = done_indices(out)
     stop_after = int(os.environ.get(STOP_AFTER_ENV, "0"))
-    writers = {kind: JsonlAppender(out / f"{kind}.rank{rank}.jsonl") for kind in KINDS}
+    writers = {kind: JsonlAppender(shard_path(out, kind, rank)) for kind in KINDS}
     mine = len(range(rank, n_rows, world))
     progress = tqdm(
         total=mine, initial=0, desc=f"rank {rank}", unit=" rows", disable=rank != 0, file=sys.stderr

@@ -142,9 +142,14 @@ def atomic_write_json(path: str | Path, obj) -> None:
     os.replace(tmp, path)
 
 
+# Characters that str.splitlines() (and some JSON-lines readers) treat as line breaks although JSON
+# allows them raw; escaping them keeps one record per line for every reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dumps(record: dict) -> str:
-    """One JSON-lines record (UTF-8 text kept as is, no newline)."""
-    return json.dumps(record, ensure_ascii=False)
+    """One JSON-lines record: UTF-8 text kept as is except line-break characters, no newline."""
+    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS)
 
 
 class JsonlAppender:

@@ -13,8 +13,11 @@ the target never generated one there.
 How the mask is found: for assistant turn k, the template renders P_k = the conversation before
 it plus the generation prompt, and E_k = the conversation up to and including it; the supervised
 text is E_k[len(P_k):] up to and including the end-of-turn token. P_k must be a prefix of E_k
-(else the template is not prefix-consistent and the row is an error). Text pieces are tokenized
-separately and their concatenation must equal the tokenization of the whole text.
+(else the template is not prefix-consistent and the row is an error). The whole text is tokenized
+once and the mask follows the token character offsets; the tokens before each supervised span
+must equal the tokenization of P_k alone (the prompt the target was given), and no token may
+straddle a span edge, else the row is an error. (Tokenizing pieces separately would not do:
+SentencePiece tokenizers add a leading "▁" to every piece.)
 
 Multi-turn choice: the supervised tokens of every turn are exactly what the target generates for
 that turn given its own prompt P_k. Turns share one sequence when E_k is a prefix of P_{k+1}
@@ -43,7 +46,7 @@ from collections import Counter
 from pathlib import Path
 
 from data.chat import encode, end_of_turn_token, load_tokenizer, render, resolve_chat_template
-from data.rows import atomic_write_json, file_digest, parse_jsonl_line
+from data.rows import atomic_write_json, dumps, file_digest, parse_jsonl_line
 from data.schema import RowError, check_row
 
 # Bump when a change here changes the tokenized output; old caches then stop matching.
@@ -85,8 +88,8 @@ def tokenize_conversation(
         "truncated": bool}. Sequences left with no supervised token after truncation are dropped.
     Raises:
         RowError (a ValueError), naming the row id: "no_assistant_turn", "template" (render failed or
-        not prefix-consistent), "no_end_of_turn", "token_mismatch" (piecewise tokenization differs
-        from whole-text tokenization), "all_zero_mask" (nothing left to supervise).
+        not prefix-consistent), "no_end_of_turn", "token_mismatch" (a token crosses a turn edge, or
+        the prompt tokenizes differently alone), "all_zero_mask" (nothing left to supervise).
     """
     if assistant_turns not in ASSISTANT_TURNS:
         raise ValueError(f"assistant_turns {assistant_turns!r}: expected one of {ASSISTANT_TURNS}")
@@ -157,23 +160,32 @@ def _render(tokenizer, template, turns, add_generation_prompt, thinking, row_id)
 def _tokenize_spans(
     tokenizer, text: str, spans: list[tuple[int, int]], row_id
 ) -> tuple[list[int], list[int]]:
-    """Tokenizes `text` piece by piece at the span edges; mask 1 on the pieces inside spans."""
-    ids, mask, pos = [], [], 0
+    """Tokenizes the whole `text` once; mask 1 on tokens whose characters lie inside a span.
+
+    Checks, per span, that the tokens before it equal the tokenization of the prompt text alone
+    (what the target was fed at inference), and that no token straddles a span edge.
+    """
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [0] * len(ids)
     for start, end in spans:
-        for piece, flag in ((text[pos:start], 0), (text[start:end], 1)):
-            piece_ids = encode(tokenizer, piece) if piece else []
-            ids += piece_ids
-            mask += [flag] * len(piece_ids)
-        pos = end
-    tail = encode(tokenizer, text[pos:]) if pos < len(text) else []
-    ids += tail
-    mask += [0] * len(tail)
-    if ids != encode(tokenizer, text):
-        raise RowError(
-            "token_mismatch",
-            f"row {row_id}: tokenizing the turns piece by piece differs from tokenizing the whole text "
-            "(a token spans a turn boundary); the mask would be misaligned",
-        )
+        first = None
+        for i, (s, e) in enumerate(offsets):
+            if s < start < e or s < end < e:
+                raise RowError(
+                    "token_mismatch",
+                    f"row {row_id}: token {tokenizer.convert_ids_to_tokens(ids[i])!r} spans the edge of an "
+                    "assistant turn; the loss mask cannot follow it",
+                )
+            if start <= s < end or (s == e == start and start < end):
+                mask[i] = 1
+                first = i if first is None else first
+        if first is not None and ids[:first] != encode(tokenizer, text[:start]):
+            raise RowError(
+                "token_mismatch",
+                f"row {row_id}: the tokens before an assistant turn differ from the tokenized prompt alone "
+                "(the template is not prefix-consistent at token level)",
+            )
     return ids, mask
 
 
@@ -407,7 +419,7 @@ def _write_cache(folder: Path, input_jsonl: Path, tokenizer, settings, num_proc:
                     if item[0] == "error":
                         stats["errors"] += 1
                         reasons[item[1]["reason"]] += 1
-                        errors.write(json.dumps(item[1], ensure_ascii=False) + "\n")
+                        errors.write(dumps(item[1]) + "\n")
                         if len(first_errors) < 20:
                             first_errors.append(item[1])
                         continue

@@ -110,7 +110,7 @@ class ReferenceDecoder:
         prefill_s = time.perf_counter() - t0
 
         if use_draft:
-            bs, K = self.block_size, self.block_size - 1
+            bs = self.block_size
             cap = max(len(p) for p in prompts) + params.max_new_tokens + bs + 1
             dcache = DraftCache(self.draft, B, cap)
             kH = feats[0].shape[-1]

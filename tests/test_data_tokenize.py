@@ -13,7 +13,9 @@ from data.tokenize import build_tokenized, load_tokenized, main, tokenize_conver
 SHARED = Path(os.environ.get("DSPINE_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 QWEN3 = SHARED / "models" / "qwen3-tokenizer"
 STORIES = SHARED / "models" / "stories260K" / "hf"
-pytestmark = pytest.mark.skipif(not QWEN3.is_dir(), reason=f"shared Qwen3 tokenizer not found at {QWEN3} (set DSPINE_SHARED)")
+pytestmark = pytest.mark.skipif(
+    not QWEN3.is_dir(), reason=f"shared Qwen3 tokenizer not found at {QWEN3} (set DSPINE_SHARED)"
+)
 
 IM_START, IM_END, THINK, END_THINK = 151644, 151645, 151667, 151668
 
@@ -66,7 +68,11 @@ def unsupervised_ids(seq) -> list[int]:
 
 
 def test_qwen3_single_turn_non_thinking(qwen3, qwen3_template):
-    conv = [SYSTEM, {"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue, like the sky."}]
+    conv = [
+        SYSTEM,
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue, like the sky."},
+    ]
     (seq,) = tokenize_conversation(conv, qwen3, qwen3_template, thinking=False, row_id="r0")
     assert supervised_spans(qwen3, seq) == ["Blue, like the sky.<|im_end|>"]
     assert len(seq["input_ids"]) == len(seq["loss_mask"])
@@ -117,7 +123,9 @@ def test_qwen3_three_turns_one_sequence_per_turn(qwen3, qwen3_template, thinking
 
 
 def test_qwen3_last_turn_only(qwen3, qwen3_template):
-    (seq,) = tokenize_conversation(THREE_TURNS, qwen3, qwen3_template, thinking=False, assistant_turns="last", row_id="r")
+    (seq,) = tokenize_conversation(
+        THREE_TURNS, qwen3, qwen3_template, thinking=False, assistant_turns="last", row_id="r"
+    )
     assert seq["turns"] == [6]
     assert supervised_spans(qwen3, seq) == ["You're welcome.<|im_end|>"]
 
@@ -127,7 +135,11 @@ def test_chatml_three_turns_one_sequence(qwen3, template):
     conv = THREE_TURNS[1:]  # no system turn
     (seq,) = tokenize_conversation(conv, qwen3, template, thinking=False, row_id="c")
     assert seq["turns"] == [1, 3, 5]
-    assert supervised_spans(qwen3, seq) == ["2+2 is 4.<|im_end|>", "That makes 12.\nDone.<|im_end|>", "You're welcome.<|im_end|>"]
+    assert supervised_spans(qwen3, seq) == [
+        "2+2 is 4.<|im_end|>",
+        "That makes 12.\nDone.<|im_end|>",
+        "You're welcome.<|im_end|>",
+    ]
     off = qwen3.decode(unsupervised_ids(seq))
     assert off.count("<|im_start|>assistant\n") == 3 and "<think>" not in off
     assert ("You are a test assistant." in off) == (template == CHATML_DEFAULT_SYSTEM)
@@ -148,8 +160,14 @@ def test_all_zero_mask_and_other_row_errors(qwen3, qwen3_template):
         tokenize_conversation(conv, qwen3, qwen3_template, thinking=False, max_length=20, row_id="long-1")
     # Truncation from the right keeps the prefix; a partly kept answer still counts.
     full = tokenize_conversation(conv, qwen3, qwen3_template, thinking=False, row_id="x")[0]
-    cut = tokenize_conversation(conv, qwen3, qwen3_template, thinking=False, max_length=len(full["input_ids"]) - 2, row_id="x")[0]
-    assert cut["input_ids"] == full["input_ids"][:-2] and cut["truncated"] and sum(cut["loss_mask"]) == sum(full["loss_mask"]) - 1
+    cut = tokenize_conversation(
+        conv, qwen3, qwen3_template, thinking=False, max_length=len(full["input_ids"]) - 2, row_id="x"
+    )[0]
+    assert (
+        cut["input_ids"] == full["input_ids"][:-2]
+        and cut["truncated"]
+        and sum(cut["loss_mask"]) == sum(full["loss_mask"]) - 1
+    )
     # An empty answer cut by max_new_tokens has nothing the target generated.
     empty = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]
     with pytest.raises(RowError, match="row e: loss mask is all zero"):
@@ -164,6 +182,42 @@ def test_template_not_prefix_consistent_is_an_error(qwen3):
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     with pytest.raises(RowError, match="row b: chat template is not prefix-consistent"):
         tokenize_conversation(conv, qwen3, bad, thinking=False, row_id="b")
+
+
+def test_token_straddling_a_turn_edge_is_an_error(qwen3):
+    # The generation prompt ends with a space that byte-level BPE glues to the answer's first word.
+    spaced = CHATML.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\nReply: '").replace(
+        "'<|im_start|>' + message['role'] + '\\n' + message['content']",
+        "'<|im_start|>' + message['role'] + '\\n' + ('Reply: ' if message['role'] == 'assistant' else '') + message['content']",
+    )
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert "Reply: Hello" in qwen3.apply_chat_template(conv, chat_template=spaced, tokenize=False)
+    with pytest.raises(RowError, match="row s: token 'ĠHello' spans the edge of an assistant turn"):
+        tokenize_conversation(conv, qwen3, spaced, thinking=False, row_id="s")
+
+
+@pytest.mark.skipif(not STORIES.is_dir(), reason=f"stories260K not found at {STORIES}")
+def test_sentencepiece_tokenizer_masks_follow_offsets():
+    # SentencePiece tokenizes a piece alone with a leading "▁"; masks must come from the whole text.
+    from data.chat import load_tokenizer
+
+    tok = load_tokenizer(str(STORIES))
+    plain = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m.role == 'assistant' %}{{ m.content + eos_token }}{% else %}{{ m.content + '\\n' }}{% endif %}"
+        "{% endfor %}"
+    )
+    conv = [
+        {"role": "user", "content": "Once upon a time"},
+        {"role": "assistant", "content": "Lily went out."},
+        {"role": "user", "content": "Then?"},
+        {"role": "assistant", "content": "She played."},
+    ]
+    (seq,) = tokenize_conversation(conv, tok, plain, thinking=False, row_id="sp")
+    assert seq["turns"] == [1, 3]
+    assert supervised_spans(tok, seq) == ["Lily went out.</s>", "She played.</s>"]
+    text = "<s>Once upon a time\nLily went out.</s>Then?\nShe played.</s>"
+    assert seq["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
 
 
 # ------------------------------------------------------------------------------------------ cache

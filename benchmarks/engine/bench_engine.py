@@ -1,0 +1,195 @@
+"""Engine speed at Qwen3-8B shape with random bf16 weights (the engine issue's benchmark).
+
+    python benchmarks/engine/bench_engine.py --output results/engine-h200.json [--tiny]
+
+Measures, after warm-up, with CUDA events around graph replays:
+* the two ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 GEMM;
+* ``bandwidth_floor_tok_per_s`` = measured copy bandwidth ÷ weight bytes (AR at batch 1 must
+  read every weight once per token; design.md §7);
+* ``ar_tok_per_s``: the engine's autoregressive decode, 512-token prompt, 256 new tokens;
+* ``spec_step_over_ar_step``: one speculative step (draft block 16 + verify 16 + accept + commit +
+  draft context append) over one AR step, both graph replays;
+* ``oracle_speedup_tau7``: a benchmark-only oracle that accepts exactly 6 draft tokens per step
+  (τ = 7) against the engine's own AR, end to end over 256 tokens;
+* ``hf_generate_tok_per_s``: transformers ``generate`` on the same weights, same prompt.
+The same numbers at batch 8. Writes JSON with the command, GPU, date and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from dspine.config import DSpineConfig  # noqa: E402
+from dspine.model import DSpineDraftModel  # noqa: E402
+from dspine.provenance import provenance  # noqa: E402
+from dspine.sampling import SamplingParams  # noqa: E402
+from infer.draft import EngineDraft  # noqa: E402
+from infer.engine import Engine  # noqa: E402
+from infer.model import EngineTarget, ModelArgs  # noqa: E402
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+TINY = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
+            tie_word_embeddings=False)
+
+
+def timed(fn, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs (CUDA events; wall clock on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def ceilings(dev) -> dict:
+    if dev.type != "cuda":
+        return {"copy_bw_GBps": None, "bf16_gemm_tflops": None}
+    n = 2 * 1024**3  # 4 GiB of bf16: far beyond the 60 MB L2
+    bufs = [torch.randn(n, device=dev, dtype=torch.bfloat16), torch.empty(n, device=dev, dtype=torch.bfloat16)]
+    ms = timed(lambda: bufs[1].copy_(bufs[0]), 10)
+    bw = 2 * n * 2 / (ms / 1e3) / 1e9
+    bufs.clear()
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    ms = timed(lambda: a @ b, 10)
+    return {"copy_bw_GBps": bw, "bf16_gemm_tflops": 2 * 8192**3 / (ms / 1e3) / 1e12}
+
+
+def build(shape: dict, dev, dtype, layers: int, block: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**shape)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        hf = Qwen3ForCausalLM(cfg).to(dtype).eval()
+    a = ModelArgs.from_hf_config(cfg)
+    dcfg = DSpineConfig(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                        num_hidden_layers=layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
+                        head_dim=a.head_dim, block_size=block, num_target_layers=a.num_layers,
+                        max_position_embeddings=a.max_position_embeddings, rope_theta=a.rope_theta,
+                        dflash_config={"mask_token_id": a.vocab_size - 1, "target_layer_ids": None})
+    with torch.device(dev):
+        dm = DSpineDraftModel(dcfg).to(dtype)
+    return hf, dm
+
+
+def weight_bytes(target: EngineTarget) -> tuple[int, int]:
+    total = sum(p.numel() * p.element_size() for p in target.parameters())
+    return total, total - target.embed.numel() * target.embed.element_size()
+
+
+@torch.inference_mode()
+def run(args) -> dict:
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    impl = "triton" if dev.type == "cuda" else "torch"
+    shape = TINY if args.tiny else QWEN3_8B
+    res: dict = {**provenance(), "shape": "tiny" if args.tiny else "Qwen3-8B", "dtype": str(dtype),
+                 "prompt_tokens": args.prompt, "new_tokens": args.new_tokens, "block_size": args.block}
+    res["ceilings"] = ceilings(dev)
+    hf, dm = build(shape, dev, dtype, args.draft_layers, args.block)
+    a = ModelArgs.from_hf_config(hf.config)
+    target = EngineTarget.from_hf_state(a, hf.state_dict(), dev, dtype, dm.config.target_layer_ids, impl)
+    draft = EngineDraft(dm, target, impl)
+    total, no_embed = weight_bytes(target)
+    res["weight_bytes"], res["weight_bytes_excl_embedding"] = total, no_embed
+    bw = res["ceilings"]["copy_bw_GBps"]
+    if bw:
+        res["bandwidth_floor_tok_per_s"] = bw * 1e9 / total
+        res["bandwidth_floor_tok_per_s_excl_embedding"] = bw * 1e9 / no_embed
+    g = torch.Generator().manual_seed(1)
+    max_seq = args.prompt + args.new_tokens + 64
+    greedy = SamplingParams(max_new_tokens=args.new_tokens)
+    for B in (1, 8):
+        prompts = [torch.randint(0, a.vocab_size - 2, (args.prompt,), generator=g).tolist() for _ in range(B)]
+        row: dict = {}
+        eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens)
+        # end to end (prefill excluded from tok/s: decode tokens over decode time)
+        eng.generate(prompts, SamplingParams(max_new_tokens=16), use_draft=False)  # warm-up + capture
+        ar = eng.generate(prompts, greedy, use_draft=False)
+        row["ar_tok_per_s"] = ar.num_tokens / (ar.elapsed_s - ar.prefill_s)
+        # per-step graph replays
+        ar_step = eng._runner(B, greedy, spec=False)
+        spec_step = eng._runner(B, greedy, spec=True)
+        row["ar_step_ms"] = timed(ar_step, args.iters)
+        row["spec_step_ms"] = timed(spec_step, args.iters)
+        row["spec_step_over_ar_step"] = row["spec_step_ms"] / row["ar_step_ms"]
+        del eng
+        oracle = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens, force_accept=6)
+        oracle.generate(prompts, SamplingParams(max_new_tokens=16))
+        orc = oracle.generate(prompts, greedy)
+        row["oracle_tau"] = orc.stats.tau
+        row["oracle_tok_per_s"] = orc.num_tokens / (orc.elapsed_s - orc.prefill_s)
+        row["oracle_speedup_tau7"] = row["oracle_tok_per_s"] / row["ar_tok_per_s"]
+        row["oracle_speedup_from_steps"] = 7 / row["spec_step_over_ar_step"]
+        del oracle
+        # transformers generate on the same weights
+        ids = torch.tensor(prompts, device=dev)
+        n_hf = min(args.new_tokens, 32)
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            t = time.perf_counter()
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_hf, min_new_tokens=n_hf,
+                        do_sample=False, pad_token_id=0)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        row["hf_generate_tok_per_s"] = B * n_hf / (time.perf_counter() - t)
+        if bw:
+            row["ar_fraction_of_floor"] = row["ar_tok_per_s"] / B / res["bandwidth_floor_tok_per_s"]
+        res[f"batch{B}"] = row
+        print(f"batch {B}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items()), flush=True)
+        gc.collect()
+    if dev.type == "cuda":
+        res["peak_memory_GB"] = torch.cuda.max_memory_allocated() / 1e9
+    # the issue's headline numbers at batch 1
+    for k in ("ar_tok_per_s", "spec_step_over_ar_step", "oracle_speedup_tau7", "hf_generate_tok_per_s"):
+        res[k] = res["batch1"][k]
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--output", default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args(argv)
+    res = run(args)
+    text = json.dumps(res, indent=1)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

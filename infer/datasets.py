@@ -1,0 +1,107 @@
+"""Evaluation prompts for the five tasks of the DSpine tables, from the Hub or local files.
+
+Each task name maps to a Hub dataset (the rows the reference evaluation uses) and to its file in
+a local folder laid out like ``../shared/data/eval`` (``--data-dir``, env ``DSPINE_EVAL_DIR``, or
+``$DSPINE_SHARED/data/eval``). The prompt format per task is the usual zero-shot chat prompt of
+spec-decoding evaluations: math asks for step-by-step reasoning with a boxed answer, code asks
+for a Python solution; MT-Bench has two user turns (the second sees the model's first answer).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+TASKS = {
+    # name: (hub id, hub config, hub split, local relative path)
+    "gsm8k": ("openai/gsm8k", "main", "test", "gsm8k/test.jsonl"),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", "math500/test.jsonl"),
+    "humaneval": ("openai/openai_humaneval", None, "test", "humaneval/HumanEval.jsonl.gz"),
+    "mbpp": ("google-research-datasets/mbpp", "sanitized", "test", "mbpp/sanitized-mbpp.json"),
+    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "mt_bench/question.jsonl"),
+}
+ALIASES = {"mt_bench": "mt-bench", "mtbench": "mt-bench", "math-500": "math500", "math": "math500"}
+
+
+@dataclass
+class EvalPrompt:
+    task: str
+    id: str
+    turns: list[str]  # user turns (MT-Bench has two)
+
+
+def task_name(name: str) -> str:
+    """Canonical task name. Raises ValueError listing the known tasks."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in TASKS:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(TASKS)}")
+    return key
+
+
+def default_eval_dir() -> Path:
+    if os.environ.get("DSPINE_EVAL_DIR"):
+        return Path(os.environ["DSPINE_EVAL_DIR"])
+    shared = Path(os.environ.get("DSPINE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+    return shared / "data" / "eval"
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _hub_rows(task: str) -> list[dict]:
+    from datasets import load_dataset
+
+    hub, config, split, _ = TASKS[task]
+    return [dict(r) for r in load_dataset(hub, config, split=split)]
+
+
+def _format(task: str, i: int, r: dict) -> EvalPrompt:
+    if task == "gsm8k":
+        return EvalPrompt(task, str(i), [r["question"] + MATH_SUFFIX])
+    if task == "math500":
+        return EvalPrompt(task, str(r.get("unique_id", i)), [r["problem"] + MATH_SUFFIX])
+    if task == "humaneval":
+        text = ("Complete the following Python function. Return the whole function in one ```python code block."
+                f"\n\n```python\n{r['prompt']}```")
+        return EvalPrompt(task, r["task_id"], [text])
+    if task == "mbpp":
+        tests = "\n".join(r["test_list"])
+        text = (f"You are an expert Python programmer, and here is your task: {r['prompt']} "
+                f"Your code should pass these tests:\n\n{tests}")
+        return EvalPrompt(task, str(r["task_id"]), [text])
+    turns = r.get("turns") or r.get("prompt")
+    return EvalPrompt(task, str(r.get("question_id", i)), list(turns))
+
+
+def load_eval_prompts(name: str, num: int | None = None, data_dir: str | Path | None = None) -> list[EvalPrompt]:
+    """The first ``num`` prompts of a task (all when None), from ``data_dir`` or the Hub.
+
+    MBPP keeps the test split (task ids 11..510). Raises ValueError (unknown task) or
+    FileNotFoundError when neither the local file nor the Hub is reachable.
+    """
+    task = task_name(name)
+    folder = Path(data_dir) if data_dir else default_eval_dir()
+    local = folder / TASKS[task][3]
+    if local.is_file():
+        rows = _read_rows(local)
+    else:
+        try:
+            rows = _hub_rows(task)
+        except Exception as e:  # offline, missing datasets package, ...
+            raise FileNotFoundError(f"{task}: no local file {local} and the Hub copy {TASKS[task][0]} failed ({e})") from e
+    if task == "mbpp":
+        rows = [r for r in rows if 11 <= int(r["task_id"]) <= 510]
+    prompts = [_format(task, i, r) for i, r in enumerate(rows)]
+    return prompts[:num] if num else prompts

@@ -1,0 +1,199 @@
+"""data.prepare: source formats, bad rows, duplicates, ids, the train/eval split and refusing to overwrite."""
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from data.prepare import eval_split, main, prepare
+
+SHARED = Path(os.environ.get("DSPINE_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+TRAIN = SHARED / "data" / "train"
+STANDIN = TRAIN / "perfectblend_standin" / "perfectblend_schema_standin.jsonl"
+needs_shared = pytest.mark.skipif(
+    not STANDIN.is_file(), reason=f"shared stand-in data not found at {STANDIN} (set DSPINE_SHARED)"
+)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    # Split on "\n" only: str.splitlines() also splits on U+2028 inside strings (the stand-in has some).
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
+
+
+def write_lines(path: Path, lines: list) -> Path:
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n")
+    return path
+
+
+@needs_shared
+def test_standin_counts_add_up(tmp_path):
+    summary = prepare([f"perfectblend_standin={STANDIN}"], tmp_path / "out", eval_fraction=0.05)
+    n_lines = sum(1 for line in STANDIN.read_bytes().split(b"\n") if line.strip())
+    s = summary["sources"]["perfectblend_standin"]
+    assert s["format"] == "perfectblend"
+    assert s["read"] == n_lines
+    assert s["read"] == s["kept"] + s["duplicates"] + s["skipped"] and summary["consistent"]
+    train, evl = read_jsonl(tmp_path / "out" / "train.jsonl"), read_jsonl(tmp_path / "out" / "eval.jsonl")
+    skipped = read_jsonl(tmp_path / "out" / "skipped.jsonl")
+    assert (len(train), len(evl), len(skipped)) == (s["train"], s["eval"], s["skipped"])
+    assert s["kept"] == s["train"] + s["eval"]
+    assert Counter(r["reason"] for r in skipped) == Counter(s["skipped_reasons"])
+    # Independent count of exact duplicates among the usable rows (same turns, in order).
+    raw = read_jsonl(STANDIN)
+    skipped_idx = {int(r["id"].split(":")[1]) for r in skipped}
+    convs = [json.dumps(r["conversations"]) for i, r in enumerate(raw) if i not in skipped_idx]
+    assert s["duplicates"] == len(convs) - len(set(convs)) > 0
+    # Per-origin counts of PerfectBlend's own "source" field add up too.
+    assert sum(s["origins"].values()) == s["kept"]
+    rows = train + evl
+    assert len({r["id"] for r in rows}) == len(rows)
+    r0 = next(r for r in rows if r["id"] == "perfectblend_standin:000000")
+    assert r0["conversations"][0] == {"role": "user", "content": raw[0]["conversations"][0]["value"]}
+    assert r0["origin"] == raw[0]["source"] and r0["source"] == "perfectblend_standin"
+    # The split follows the id hash, not the order: ~5% in eval.
+    assert all(eval_split(r["id"], 0, 0.05) for r in evl) and not any(
+        eval_split(r["id"], 0, 0.05) for r in train
+    )
+    assert 0.03 < len(evl) / len(rows) < 0.07
+    assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary
+
+
+@needs_shared
+def test_real_source_formats(tmp_path):
+    inputs = [
+        str(TRAIN / "alpaca_demo" / "alpaca_en_demo.json"),
+        str(TRAIN / "alpaca_demo" / "dpo_en_demo.json"),
+        str(TRAIN / "codealpaca" / "code_alpaca_2k.json"),
+        f"gsm8k={TRAIN / 'gsm8k' / 'train.jsonl'}",
+    ]
+    summary = prepare(inputs, tmp_path / "out", limit=40)
+    fmts = {name: s["format"] for name, s in summary["sources"].items()}
+    assert fmts == {
+        "alpaca_en_demo": "alpaca",
+        "dpo_en_demo": "sharegpt",
+        "code_alpaca_2k": "alpaca",
+        "gsm8k": "gsm8k",
+    }
+    assert all(s["read"] == 40 for s in summary["sources"].values())
+    rows = {
+        r["id"]: r
+        for r in read_jsonl(tmp_path / "out" / "train.jsonl") + read_jsonl(tmp_path / "out" / "eval.jsonl")
+    }
+    gsm = read_jsonl(TRAIN / "gsm8k" / "train.jsonl")[7]
+    assert rows["gsm8k:000007"]["conversations"] == [
+        {"role": "user", "content": gsm["question"]},
+        {"role": "assistant", "content": gsm["answer"]},
+    ]
+    code = json.loads((TRAIN / "codealpaca" / "code_alpaca_2k.json").read_text())[0]
+    assert (
+        code["input"]
+        and rows["code_alpaca_2k:000000"]["conversations"][0]["content"]
+        == f"{code['instruction']}\n\n{code['input']}"
+    )
+    # dpo rows end on a user turn; the chosen answer becomes the assistant turn.
+    dpo = json.loads((TRAIN / "alpaca_demo" / "dpo_en_demo.json").read_text())[0]
+    conv = rows["dpo_en_demo:000000"]["conversations"]
+    assert (
+        conv[-1] == {"role": "assistant", "content": dpo["chosen"]["value"]}
+        and len(conv) == len(dpo["conversations"]) + 1
+    )
+
+
+def test_bad_rows_are_skipped_with_reasons(tmp_path):
+    good = {
+        "messages": [
+            {"role": "system", "content": "Be kind."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+        ]
+    }
+    lines = [
+        good,
+        b'{"messages": [{"role": "user", "content": "Hi"}',  # invalid JSON
+        b'{"messages": "\xff\xfe"}',  # undecodable bytes
+        {"messages": [{"role": "user"}]},  # missing content
+        {"messages": [{"role": "tool", "content": "42"}]},  # unknown role
+        {"messages": []},  # empty conversation
+        {"messages": [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "?"}]},  # order
+        {"messages": [{"role": "user", "content": "   "}, {"role": "assistant", "content": "x"}]},  # empty
+        [1, 2],  # not an object
+        b"",  # blank line: not a row
+        good,  # duplicate
+        {"messages": [{"role": "user", "content": "Only a prompt"}]},  # kept: regenerate answers it
+    ]
+    src = write_lines(tmp_path / "chat.jsonl", lines)
+    summary = prepare([str(src)], tmp_path / "out", fmt="openai")
+    s = summary["sources"]["chat"]
+    assert s["read"] == 11 and s["kept"] == 2 and s["duplicates"] == 1 and s["skipped"] == 8
+    assert s["skipped_reasons"] == {
+        "bad_json": 1,
+        "bad_utf8": 1,
+        "missing_field": 1,
+        "unknown_role": 1,
+        "empty_conversation": 1,
+        "bad_turn_order": 1,
+        "empty_content": 1,
+        "not_object": 1,
+    }
+    skipped = read_jsonl(tmp_path / "out" / "skipped.jsonl")
+    assert [r["id"] for r in skipped] == [f"chat:{i:06d}" for i in range(1, 9)]
+    assert "chat.jsonl:2: invalid JSON" in skipped[0]["detail"] and skipped[0]["row"].startswith(
+        '{"messages"'
+    )
+    assert "not valid UTF-8" in skipped[1]["detail"]
+    assert "unknown role 'tool'" in skipped[3]["detail"]
+    kept = read_jsonl(tmp_path / "out" / "train.jsonl") + read_jsonl(tmp_path / "out" / "eval.jsonl")
+    assert sorted(r["id"] for r in kept) == ["chat:000000", "chat:000010"]
+
+
+def test_auto_format_and_sharegpt_roles(tmp_path):
+    sharegpt = write_lines(
+        tmp_path / "sg.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "system", "value": "S"},
+                    {"from": "human", "value": "Q"},
+                    {"from": "gpt", "value": "A"},
+                ]
+            },
+            {"conversations": [{"from": "human", "value": "Q2"}, {"from": "function_call", "value": "{}"}]},
+            {"conversations": [{"from": "human"}]},
+        ],
+    )
+    alpaca = tmp_path / "al.json"
+    alpaca.write_text(
+        json.dumps(
+            [{"instruction": "Do it", "input": "", "output": "Done", "history": [["Before?", "Yes."]]}]
+        )
+    )
+    summary = prepare([str(sharegpt), str(alpaca)], tmp_path / "out", eval_fraction=0.0)
+    assert summary["sources"]["sg"]["format"] == "sharegpt" and summary["sources"]["al"]["format"] == "alpaca"
+    assert summary["sources"]["sg"]["skipped_reasons"] == {"unknown_role": 1, "missing_field": 1}
+    rows = {r["id"]: r["conversations"] for r in read_jsonl(tmp_path / "out" / "train.jsonl")}
+    assert rows["sg:000000"] == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "A"},
+    ]
+    assert [t["content"] for t in rows["al:000000"]] == ["Before?", "Yes.", "Do it", "Done"]
+
+
+def test_never_overwrites_finished_output(tmp_path, capsys):
+    src = write_lines(tmp_path / "q.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)])
+    out = tmp_path / "out"
+    assert main(["--input", str(src), "--output", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["eval.jsonl", "skipped.jsonl", "summary.json", "train.jsonl"]
+    assert main(["--input", str(src), "--output", str(out), "--seed", "1"]) == 2
+    assert "already holds a finished prepare output" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # --overwrite replaces it; same arguments give byte-identical files (deterministic).
+    assert main(["--input", str(src), "--output", str(out), "--overwrite"]) == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        prepare([str(tmp_path / "missing.jsonl")], tmp_path / "other")
