@@ -113,7 +113,7 @@ def test_accept_sample_all_accepted_bonus_from_last_row():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("K,V", [(0, 16), (1, 37), (3, 100), (15, 40), (2, 5000)])
+@pytest.mark.parametrize("K,V", [(0, 16), (1, 37), (3, 100), (15, 40), (2, 5000), (1, 9000)])
 def test_accept_sample_triton_equals_torch(K, V, device):
     g = torch.Generator().manual_seed(100 + K)
     B = 48
@@ -126,9 +126,10 @@ def test_accept_sample_triton_equals_torch(K, V, device):
     uniform = torch.rand(B, K, generator=g)
     noise = torch.empty(B, V).exponential_(generator=g)
     args = (draft, p_target, p_draft, uniform, noise)
-    num, bonus = accept_sample(*(x.to(device) for x in args))
     ref_num, ref_bonus = accept_sample(*args, impl="torch")
-    assert torch.equal(num.cpu(), ref_num) and torch.equal(bonus.cpu(), ref_bonus)
+    for splits in (None, 1, 3):  # vocabulary slices per row
+        num, bonus = accept_sample(*(x.to(device) for x in args), num_splits=splits)
+        assert torch.equal(num.cpu(), ref_num) and torch.equal(bonus.cpu(), ref_bonus)
     assert (p_target[torch.arange(B), ref_num.long(), ref_bonus] > 0).all()
 
 

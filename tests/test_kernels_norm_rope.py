@@ -40,7 +40,7 @@ def rotate_half(x):
 def hf_rope(x, positions, base):
     """HF default rope for x [N, H, D] at positions [N]: fp32 angles, cos/sin cast to x's dtype."""
     D = x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)).to(x.device)
+    inv_freq = (1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))).to(x.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]

@@ -184,7 +184,7 @@ def draft_attention_triton(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, window
     _, Hkv, C, _ = k_ctx.shape
     G = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
-    bm, bn, bd, warps = _attn_blocks(D, q.dtype, G * T)
+    bm, bn, bd, warps, stages = _attn_blocks(D, q.dtype, G * T)
     num_mb = triton.cdiv(G * T, bm)
     span = C if window is None else min(C, int(window) - 1)
     ns, chunk = _split_plan(B * Hkv * num_mb, span, bn, q.device, num_splits)
@@ -212,7 +212,7 @@ def draft_attention_triton(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, window
         G=G, D=D, NUM_MB=num_mb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_T=max(16, next_pow2(T)),
         HAS_WINDOW=window is not None, CAUSAL=bool(causal), HAS_EXTRA=has_extra,
         SPLIT=split, PREC=dot_precision(q.dtype),
-        num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     if split:
         combine_partials_triton(part_acc, part_m, part_l, out)

@@ -74,6 +74,7 @@ def rms_norm_triton(x, weight, eps, residual=None, *, out=None):
             x2, r_in, weight, y2, r2, float(eps),
             x2.stride(0), r_in.stride(0), y2.stride(0), r2.stride(0), H,
             BLOCK_H=bh, HAS_RES=residual is not None, num_warps=warps,
+            enable_fp_fusion=False,  # sum of squares as torch: product rounded, then added
         )
     return y if residual is None else (y, r_out)
 

@@ -15,7 +15,8 @@ k_norm_weight [D] or None; cos, sin [P, D/2] fp32 (``rope_tables``); positions, 
 cache_pos [N] int32/int64 on the device; k_cache, v_cache [B, Hkv, S, D] (last dim contiguous).
 Returns q_out [N, Hq, D] in q's dtype (or None).
 Constraints: D even; positions < P and cache indices in range are the caller's duty (not checked:
-no host reads). One program per token, all its heads in one tile.
+no host reads). One program per token, all its heads in one tile. Compiled without FMA
+contraction, which would skip the rounding of x·cos before the add (seen on an H200).
 Memory traffic: reads q, k, v and two table rows, writes q_out and the two cache rows.
 """
 
@@ -31,10 +32,12 @@ __all__ = ["qk_norm_rope_cache", "qk_norm_rope_cache_torch", "rope_tables"]
 def rope_tables(head_dim: int, max_positions: int, base: float, device=None):
     """(cos, sin) [max_positions, head_dim // 2] fp32, cos[p, i] = cos(p · base^(−2i/D)).
 
-    Same arithmetic as HF's default rope (inv_freq in fp32, fp32 product, fp32 cos/sin).
+    Same arithmetic as HF's default rope: inv_freq built in fp32 on the CPU (as HF does at init,
+    before the model moves to the GPU; CPU and GPU pow can differ in the last bit), then the fp32
+    product and fp32 cos/sin on `device`.
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
-                                / head_dim))
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = (1.0 / (base ** exponent)).to(device)
     pos = torch.arange(max_positions, dtype=torch.int64, device=device).float()
     freqs = pos[:, None] * inv_freq[None, :]
     return freqs.cos(), freqs.sin()
@@ -151,6 +154,7 @@ def qk_norm_rope_cache_triton(q, k, v, q_norm_weight, k_norm_weight, eps, cos, s
             BLOCK_HALF=max(2, next_pow2(D // 2)),
             HAS_Q=has_q, HAS_QNORM=has_q and q_norm_weight is not None,
             HAS_KNORM=k_norm_weight is not None, num_warps=warps,
+            enable_fp_fusion=False,  # no mul+add -> FMA: keep HF's rounding of each product
         )
     return q_out if has_q else None
 

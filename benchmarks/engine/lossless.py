@@ -1,0 +1,171 @@
+"""Lossless check of the CUDA engine (the engine issue's acceptance run).
+
+    python benchmarks/engine/lossless.py --stories DIR --qwen3-tokenizer DIR --eval-dir DIR --output FILE
+
+For stories260K and a tiny random Qwen3 (built here on the real Qwen3 tokenizer): 64 prompts from
+the five eval sets (mixed lengths), greedy decoding with the engine at batch 1 and batch 8, CUDA
+graphs off and on, fp32 and bf16, with two drafts:
+* ``random``: an untrained draft (non-zero injection gates) — mostly rejected proposals;
+* ``oracle``: proposes the reference continuation with every 4th slot corrupted, on the device
+  (graph-capturable) — long accepted prefixes, rollbacks, ragged acceptance across the batch.
+Every output is compared with the reference (transformers, fp32, autoregressive) token by token;
+for each differing prompt the first divergence is reported with the reference top-2 logit margin
+there; only bf16 near-ties may differ, and every one is listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from dspine.checkpoint import save_draft  # noqa: E402
+from dspine.provenance import provenance  # noqa: E402
+from dspine.sampling import SamplingParams  # noqa: E402
+from dspine.spec import ReferenceDecoder  # noqa: E402
+from dspine.target import load_target, load_tokenizer  # noqa: E402
+from infer.datasets import load_eval_prompts  # noqa: E402
+from infer.engine import load_engine  # noqa: E402
+from infer.prompts import encode_prompt  # noqa: E402
+
+
+def install_device_oracle(engine, reference: list[list[int]], every: int = 4):
+    """Make the engine's draft propose ``reference[prompt][pos + k]`` (every ``every``-th slot by
+    position corrupted), computed on the device from the slot lengths: CUDA-graph safe."""
+    dev, V = engine.device, engine.target.args.vocab_size
+    width = max(len(r) for r in reference) + 64
+    ref = torch.zeros(engine.max_batch, width, dtype=torch.long, device=dev)
+    admit = engine._admit
+
+    def _admit(s, b, prompt, params, spec, kv, dc):
+        admit(s, b, prompt, params, spec, kv, dc)
+        seq = reference[engine.slot_owner[b]]  # set by Engine.generate before admission
+        row = torch.zeros(width, dtype=torch.long)
+        row[: len(seq)] = torch.tensor(seq)
+        ref[b].copy_(row.to(dev))
+
+    def block_logits(block, lengths, cache):
+        B, bs = block.shape
+        k = torch.arange(1, bs, device=dev)
+        pos = lengths[:, None].long() + k  # [B, K]
+        tok = ref[:B].gather(1, pos.clamp(max=width - 1))
+        bad = (pos % every) == 0
+        tok = torch.where(bad, (tok + 1) % V, tok)
+        logits = torch.zeros(B, bs - 1, V, device=dev, dtype=engine.target.embed.dtype)
+        return logits.scatter_(2, tok[..., None], 10.0)
+
+    engine._admit = _admit
+    engine.draft.block_logits = block_logits
+
+
+def first_divergence(got: list[int], want: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def margin_at(target, prompt: list[int], want: list[int], i: int) -> float:
+    """Reference (fp32) top-2 logit margin at generated position i."""
+    ids = torch.tensor([prompt + want[:i]], device=target.device)
+    with torch.no_grad():
+        logits = target(ids, features=False).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def build_tiny_qwen3(tok_dir: Path, out: Path) -> Path:
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
+                      rope_theta=1e6, tie_word_embeddings=False, eos_token_id=151645, pad_token_id=151643,
+                      initializer_range=0.1)
+    Qwen3ForCausalLM(cfg).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
+    return out
+
+
+def run_target(name, path, draft_dir, prompts, max_new, eos, report, device="cuda"):
+    target = load_target(str(path), dtype="fp32", device=device)
+    want = ReferenceDecoder(target, None, eos).generate(prompts, SamplingParams(max_new_tokens=max_new)).token_ids
+    refs = [p + w for p, w in zip(prompts, want)]
+    cuda = device == "cuda"
+    for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
+        for graphs in (False, True) if cuda else (False,):
+            for draft_kind in ("random", "oracle"):
+                for batch in (1, 8):
+                    t0 = time.perf_counter()
+                    eng, _ = load_engine(str(path), None, str(draft_dir), device=device, dtype=dtype, max_batch=batch,
+                                         max_seq=max(map(len, prompts)) + max_new + 32, cuda_graphs=graphs,
+                                         eos_token_ids=eos)
+                    if draft_kind == "oracle":
+                        install_device_oracle(eng, refs)
+                    got = eng.generate(prompts, SamplingParams(max_new_tokens=max_new), concurrency=batch)
+                    diffs = []
+                    for j, (g, w) in enumerate(zip(got.token_ids, want)):
+                        i = first_divergence(g, w)
+                        if i is not None:
+                            diffs.append({"prompt": j, "position": i,
+                                          "ref_top2_margin": margin_at(target, prompts[j], w, i) if i < len(w) else None})
+                    row = {"target": name, "dtype": str(dtype).split(".")[-1], "cuda_graphs": graphs,
+                           "draft": draft_kind, "batch": batch, "prompts": len(prompts),
+                           "identical": len(prompts) - len(diffs), "differences": diffs, "tau": got.stats.tau,
+                           "seconds": time.perf_counter() - t0}
+                    report.append(row)
+                    print(f"{name:9} {row['dtype']:8} graphs={graphs!s:5} {draft_kind:6} batch={row['batch']} "
+                          f"identical {row['identical']}/{len(prompts)} tau={row['tau']:.2f} "
+                          f"margins={[round(d['ref_top2_margin'] or -1, 5) for d in diffs]}", flush=True)
+                    del eng
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stories", required=True)
+    ap.add_argument("--qwen3-tokenizer", required=True)
+    ap.add_argument("--eval-dir", required=True)
+    ap.add_argument("--work", default="/tmp/dspine-lossless")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test (eager, torch kernels)")
+    args = ap.parse_args(argv)
+    from tests.helpers import random_draft
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    per_task = -(-args.num_prompts // 5)
+    texts = []
+    for task in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench"):
+        texts += [p.turns[0] for p in load_eval_prompts(task, per_task, args.eval_dir)]
+    texts = texts[: args.num_prompts]
+    report: list[dict] = []
+    qwen_dir = build_tiny_qwen3(Path(args.qwen3_tokenizer), work / "tiny-qwen3")
+    for name, path, eos, mask, chat in (("stories", Path(args.stories), [2], 0, False),
+                                        ("qwen3-tiny", qwen_dir, [151645], 151669, True)):
+        tok = load_tokenizer(str(path))
+        prompts = [encode_prompt(tok, t, chat=chat)[:300] for t in texts]
+        target = load_target(str(path), dtype="fp32")
+        draft = random_draft(target, block_size=16, mask=mask)
+        ddir = save_draft(draft, work / f"draft-{name}")
+        run_target(name, path, ddir, prompts, args.max_new_tokens, eos, report, args.device)
+    total = sum(r["prompts"] for r in report)
+    same = sum(r["identical"] for r in report)
+    fp32_diffs = sum(len(r["differences"]) for r in report if r["dtype"] == "float32")
+    out = {**provenance(), "runs": report, "summary": {"outputs": total, "identical": same,
+                                                        "fp32_differences": fp32_diffs}}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(out, indent=1))
+    print(f"identical {same}/{total}; fp32 differences {fp32_diffs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
