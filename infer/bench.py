@@ -23,11 +23,23 @@ from dspine.sampling import SamplingParams
 from dspine.stats import AcceptStats
 
 
+def parse_drafts(values: list[str] | None) -> dict[str, str]:
+    """``[LABEL=]PATH`` items -> {label: path} (label defaults to the folder name)."""
+    out: dict[str, str] = {}
+    for v in values or []:
+        label, _, path = v.rpartition("=") if "=" in v else ("", "", v)
+        label = label or Path(path).name
+        if label in out:
+            raise ValueError(f"--draft label {label!r} given twice")
+        out[label] = path
+    return out
+
+
 class Runner:
-    """One decoding backend behind one call: ``run(prompts, params, use_draft) -> (tokens, stats, seconds)``."""
+    """The target once, every draft beside it: ``run(prompts, params, draft_label or None)``."""
 
     def __init__(self, args):
-        from dspine.target import TargetSpec, load_tokenizer, resolve_model_path
+        from dspine.target import TargetSpec, assert_compatible, load_tokenizer, resolve_model_path
 
         self.args = args
         path, gguf = resolve_model_path(args.target, args.gguf_file)
@@ -35,33 +47,50 @@ class Runner:
         self.spec = TargetSpec.from_pretrained(path, gguf)
         self.backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "reference")
         self.eos = sorted(self.spec.eos_ids)
+        self.drafts = parse_drafts(args.draft)
         max_seq = args.max_prompt_tokens + args.max_new_tokens + 64
+        from dspine.checkpoint import load_draft
+
+        models = {}
+        for label, dpath in self.drafts.items():
+            models[label] = load_draft(dpath, dtype=torch.float32)
+            assert_compatible(self.spec, models[label].config, max_context=max_seq - 64)
+        self.block_size = {label: m.config.block_size for label, m in models.items()}
+        self.decoders = {}
         if self.backend == "cuda":
-            from infer.engine import load_engine
+            from infer.draft import EngineDraft
+            from infer.engine import Engine
+            from infer.model import EngineTarget
 
             dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-            self.engine, _ = load_engine(path, gguf, args.draft, device="cuda", dtype=dtype, max_batch=args.concurrency,
-                                         max_seq=max_seq, verify_size=args.block_size,
-                                         check_max_context=max_seq - 64, max_new_cap=args.max_new_tokens)
-            self.block_size = self.engine.vb
+            layer_ids = sorted({i for m in models.values() for i in m.config.target_layer_ids})
+            impl = "triton" if args.device == "cuda" else "torch"
+            target = EngineTarget.from_pretrained(path, gguf, device=args.device, dtype=dtype, layer_ids=layer_ids,
+                                                  impl=impl)
+            kw = dict(max_batch=args.concurrency, max_seq=max_seq, max_new_cap=args.max_new_tokens)
+            self.decoders[None] = Engine(target, None, self.eos, **kw)
+            for label, m in models.items():
+                # each draft reads its own layers: the target returns them in the draft's order
+                draft = EngineDraft(m, target, impl=impl)
+                self.decoders[label] = Engine(target, draft, self.eos, verify_size=args.block_size, **kw)
+            self._layer_ids = {label: m.config.target_layer_ids for label, m in models.items()}
         else:
-            from dspine.checkpoint import load_draft
             from dspine.spec import ReferenceDecoder
-            from dspine.target import assert_compatible, load_target
+            from dspine.target import load_target
 
             target = load_target(path, gguf, dtype="fp32" if args.dtype == "auto" else args.dtype)
-            draft = load_draft(args.draft, dtype=target.dtype) if args.draft else None
-            if draft is not None:
-                assert_compatible(self.spec, draft.config, max_context=max_seq - 64)
-            self.spec_dec = ReferenceDecoder(target, draft, self.eos)
-            self.ar_dec = ReferenceDecoder(target, None, self.eos)
-            self.block_size = draft.config.block_size if draft else 1
+            self.decoders[None] = ReferenceDecoder(target, None, self.eos)
+            for label, m in models.items():
+                self.decoders[label] = ReferenceDecoder(target, m.to(target.dtype), self.eos)
 
-    def run(self, prompts: list[list[int]], params: SamplingParams, use_draft: bool):
+    def run(self, prompts: list[list[int]], params: SamplingParams, label: str | None):
+        dec = self.decoders[label]
         if self.backend == "cuda":
-            r = self.engine.generate(prompts, params, concurrency=self.args.concurrency, use_draft=use_draft)
+            dec.target.layer_ids = self._layer_ids[label] if label else []
+            r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
             return r.token_ids, r.stats, r.elapsed_s
-        dec = self.spec_dec if use_draft else self.ar_dec
+        if label is not None:
+            dec.target.set_layer_ids(dec.draft.config.target_layer_ids)
         tokens, stats, secs = [], None, 0.0
         for i in range(0, len(prompts), self.args.concurrency):  # fixed-size batches
             r = dec.generate(prompts[i : i + self.args.concurrency], params)
@@ -82,48 +111,79 @@ def encode(runner: Runner, text: str, history=None) -> list[int]:
 
 
 def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool) -> dict:
+    """One task: AR (unless ``do_ar`` is False) and every draft on the same prompts."""
     from infer.datasets import load_eval_prompts
 
     items = load_eval_prompts(task, runner.args.num_prompts, runner.args.data_dir)
-    out = {"task": task, "num_prompts": len(items)}
-    for mode in (["spec", "ar"] if do_ar else ["spec"]) if runner.block_size > 1 else ["ar"]:
-        use_draft = mode == "spec"
+    out: dict = {"task": task, "num_prompts": len(items), "drafts": {}}
+    labels = ([None] if do_ar or not runner.drafts else []) + list(runner.drafts)
+    outputs = {}
+    for label in labels:
         histories = [[] for _ in items]
-        all_tokens, stats, secs, n_tok = [], None, 0.0, 0
+        all_tokens, all_prompts, stats, secs, n_tok = [], [], None, 0.0, 0
         for turn in range(max(len(x.turns) for x in items)):
             idx = [i for i, x in enumerate(items) if turn < len(x.turns)]
             prompts = [encode(runner, items[i].turns[turn], histories[i]) for i in idx]
-            tokens, st, s = runner.run(prompts, params, use_draft)
+            tokens, st, s = runner.run(prompts, params, label)
             for i, toks in zip(idx, tokens):
                 text = runner.tokenizer.decode([t for t in toks if t not in runner.spec.eos_ids], skip_special_tokens=True)
                 histories[i] += [{"role": "user", "content": items[i].turns[turn]}, {"role": "assistant", "content": text}]
             all_tokens += tokens
+            all_prompts += prompts
             stats = st if stats is None else stats.merge(st)
             secs += s
             n_tok += sum(len(t) for t in tokens)
-        out[mode] = {"tok_per_s": n_tok / secs, "num_tokens": n_tok, "seconds": secs, **stats.to_dict()}
-        out[mode + "_tokens"] = all_tokens
-    if "spec" in out and "ar" in out:
-        out["speedup"] = out["spec"]["tok_per_s"] / out["ar"]["tok_per_s"]
-        if params.greedy:
-            same = sum(a == b for a, b in zip(out["spec_tokens"], out["ar_tokens"]))
-            out["greedy_equal_fraction"] = same / len(out["spec_tokens"])
-    for mode in ("spec", "ar"):
-        out.pop(mode + "_tokens", None)
+        row = {"tok_per_s": n_tok / secs, "num_tokens": n_tok, "seconds": secs, **stats.to_dict()}
+        outputs[label] = (all_prompts, all_tokens)
+        if label is None:
+            out["ar"] = row
+        else:
+            out["drafts"][label] = row
+    for label, row in out["drafts"].items():
+        if "ar" in out:
+            row["speedup"] = row["tok_per_s"] / out["ar"]["tok_per_s"]
+            if params.greedy:
+                ar_prompts, ar_tokens = outputs[None]
+                prompts, tokens = outputs[label]
+                # later turns see the model's own first answer, so compare only identical prompts
+                pairs = [(p, a, b) for p, q, a, b in zip(prompts, ar_prompts, tokens, ar_tokens) if p == q]
+                row["greedy_compared"] = len(pairs)
+                row["greedy_equal"] = sum(a == b for _, a, b in pairs)
+                row["greedy_mismatches"] = [{"prompt_ids": p, "draft_tokens": a, "ar_tokens": b}
+                                            for p, a, b in pairs if a != b]
     return out
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'task':<10} {'tau':>6} {'acc@1':>6} {'acc@4':>6} {'acc@8':>6} {'spec tok/s':>11} {'AR tok/s':>9} {'speedup':>8}"
+    head = (f"{'task':<10} {'draft':<14} {'tau':>6} {'acc@1':>6} {'acc@4':>6} {'acc@8':>6} {'tok/s':>9} "
+            f"{'AR tok/s':>9} {'speedup':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        s, a = r.get("spec"), r.get("ar")
-        acc = (s or {}).get("accept_at_pos", [])
-        at = lambda k, acc=acc: f"{acc[k - 1]:.3f}" if len(acc) >= k else "-"
-        lines.append(f"{r['task']:<10} {s['tau'] if s else 1.0:>6.2f} {at(1):>6} {at(4):>6} {at(8):>6} "
-                     f"{(s or {}).get('tok_per_s', 0):>11.1f} {(a or {}).get('tok_per_s', 0):>9.1f} "
-                     f"{r.get('speedup', float('nan')):>8.2f}")
+        ar = r.get("ar", {}).get("tok_per_s", float("nan"))
+        entries = list(r["drafts"].items()) or [("(AR)", None)]
+        for label, d in entries:
+            acc = (d or {}).get("accept_at_pos", [])
+            at = lambda k, acc=acc: f"{acc[k - 1]:.3f}" if len(acc) >= k else "-"
+            lines.append(f"{r['task']:<10} {label:<14} {(d or {}).get('tau', 1.0):>6.2f} {at(1):>6} {at(4):>6} {at(8):>6} "
+                         f"{(d or {}).get('tok_per_s', ar):>9.1f} {ar:>9.1f} {(d or {}).get('speedup', 1.0):>8.2f}")
     return "\n".join(lines)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per draft: mean τ over tasks, τ pooled over all steps, mean speedup."""
+    out: dict = {}
+    labels = sorted({label for r in rows for label in r["drafts"]})
+    for label in labels:
+        ds = [r["drafts"][label] for r in rows if label in r["drafts"]]
+        hist = [sum(x) for x in zip(*(d["accept_hist"] for d in ds))]
+        entry = {"mean_tau": sum(d["tau"] for d in ds) / len(ds), "pooled_tau": AcceptStats(len(hist), [0] + hist).tau}
+        if all("speedup" in d for d in ds):
+            entry["mean_speedup"] = sum(d["speedup"] for d in ds) / len(ds)
+        if all("greedy_compared" in d for d in ds):
+            entry["greedy_equal"] = sum(d["greedy_equal"] for d in ds)
+            entry["greedy_compared"] = sum(d["greedy_compared"] for d in ds)
+        out[label] = entry
+    return out
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -132,17 +192,20 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in rows:
-        if r.get("spec"):
-            acc = r["spec"]["accept_at_pos"]
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['task']} (τ={r['spec']['tau']:.2f})")
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("accept_at_pos[k] (fraction of steps with ≥ k accepted)")
-    ax.set_ylim(0, 1)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    labels = sorted({label for r in rows for label in r["drafts"]})
+    fig, axes = plt.subplots(1, max(1, len(labels)), figsize=(6 * max(1, len(labels)), 4), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        for r in rows:
+            if label in r["drafts"]:
+                d = r["drafts"][label]
+                acc = d["accept_at_pos"]
+                ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['task']} (τ={d['tau']:.2f})")
+        ax.set_xlabel("draft position k")
+        ax.set_ylabel("accept_at_pos[k]: steps with ≥ k accepted")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{label} — {title}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -152,7 +215,8 @@ def build_parser():
     ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--gguf-file", default=None)
-    ap.add_argument("--draft", default=None, help="draft folder (omit for AR only)")
+    ap.add_argument("--draft", action="append", default=None, metavar="[LABEL=]PATH",
+                    help="draft folder; repeat to compare drafts on the same prompts (omit for AR only)")
     ap.add_argument("--datasets", default="gsm8k,math500,humaneval,mbpp,mt-bench")
     ap.add_argument("--data-dir", default=None, help="local eval folder (default: $DSPINE_SHARED/data/eval, else the Hub)")
     ap.add_argument("--num-prompts", type=int, default=20)
@@ -166,6 +230,7 @@ def build_parser():
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"])
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="cuda", help="device of the cuda backend's engine (cpu: eager, torch kernels; for tests)")
     ap.add_argument("--enable-thinking", action="store_true")
     ap.add_argument("--system", default=None)
     ap.add_argument("--no-chat-template", action="store_true")
@@ -190,31 +255,29 @@ def main(argv=None) -> int:
 
         warm = [encode(runner, p.turns[0]) for p in load_eval_prompts(tasks[0], args.concurrency, args.data_dir)]
         wp = SamplingParams(args.temperature, args.top_p, args.top_k, min(32, args.max_new_tokens), args.seed)
-        for use_draft in ([True, False] if args.draft else [False]):
-            runner.run(warm, wp, use_draft)
+        for label in [None, *runner.drafts]:
+            runner.run(warm, wp, label)
         rows = [run_task(runner, t, params, do_ar=not args.no_ar) for t in tasks]
     except (ValueError, FileNotFoundError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    specs = [r["spec"] for r in rows if "spec" in r]
-    summary = {"mean_tau": sum(s["tau"] for s in specs) / len(specs) if specs else 1.0}
-    if all("speedup" in r for r in rows) and rows:
-        summary["mean_speedup"] = sum(r["speedup"] for r in rows) / len(rows)
-    if specs:
-        merged = AcceptStats(len(specs[0]["accept_hist"]), [0] + [sum(x) for x in zip(*(s["accept_hist"] for s in specs))])
-        summary["pooled_tau"] = merged.tau
+    summary = summarize(rows)
     print(table(rows))
-    print(f"mean tau {summary['mean_tau']:.3f}" + (f", mean speedup {summary['mean_speedup']:.2f}x" if "mean_speedup" in summary else "")
-          + f"  [{runner.backend}, T={args.temperature}, concurrency {args.concurrency}, tau counts the bonus token]")
+    for label, e in summary.items():
+        extra = f", mean speedup {e['mean_speedup']:.2f}x" if "mean_speedup" in e else ""
+        eq = f", greedy == AR on {e['greedy_equal']}/{e['greedy_compared']}" if "greedy_compared" in e else ""
+        print(f"{label}: mean tau {e['mean_tau']:.3f}{extra}{eq}")
+    print(f"[{runner.backend}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, concurrency "
+          f"{args.concurrency}, max_new_tokens {args.max_new_tokens}; tau counts the bonus token]")
     result = {**provenance(), "label": args.label, "backend": runner.backend, "args": vars(args), "tasks": rows,
               "summary": summary}
     if args.output_json:
         out = Path(args.output_json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
-        png = Path(args.plot) if args.plot else out.with_suffix(".png")
-        if specs:
-            plot(rows, png, args.label or f"{Path(args.draft).name if args.draft else 'AR'}, T={args.temperature}")
+        if summary:
+            plot(rows, Path(args.plot) if args.plot else out.with_suffix(".png"),
+                 args.label or f"T={args.temperature}, concurrency {args.concurrency}")
     return 0
 
 

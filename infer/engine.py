@@ -274,8 +274,8 @@ class Engine:
             tp = time.perf_counter()
             if queue:
                 idx, prompt = queue.popleft()
-                self._admit(s, b, prompt, params, spec, kv, dc)
                 owner[b] = idx
+                self._admit(s, b, prompt, params, spec, kv, dc)
                 start_step[idx] = n_steps
             else:
                 owner[b] = None

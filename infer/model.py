@@ -218,7 +218,7 @@ class EngineTarget(nn.Module):
         bidx = torch.arange(B, device=tokens.device).repeat_interleave(T)
         x = F.embedding(tokens.reshape(N), self.embed)
         residual = None
-        feats = []
+        feats = {}
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         for i, L in enumerate(self.layers):
             if residual is None:
@@ -234,13 +234,12 @@ class EngineTarget(nn.Module):
             h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
             x = self._mlp(L, h)
             if want_features and i in self.layer_ids:
-                feats.append((residual + x, self.layer_ids.index(i)))
+                feats[i] = residual + x
         h, _ = rms_norm(x, self.norm, a.rms_norm_eps, residual=residual, impl=impl)
         logits = F.linear(h, self.head).view(B, T, -1)
         if not want_features or not self.layer_ids:
             return logits, None
-        feats.sort(key=lambda f: f[1])
-        return logits, torch.cat([f for f, _ in feats], dim=-1).view(B, T, -1)
+        return logits, torch.cat([feats[i] for i in self.layer_ids], dim=-1).view(B, T, -1)
 
     def prefill(self, tokens: torch.Tensor, slot: int, cache: KVCache, want_features: bool = True):
         """Prompt ``tokens [P]`` of batch slot ``slot``: writes K/V at positions 0..P-1.

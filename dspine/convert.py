@@ -1,0 +1,57 @@
+"""``python -m dspine.convert --target FILE.gguf --out DIR [--dtype bf16]``
+
+Writes a plain Hugging Face folder (config.json, safetensors weights, tokenizer, generation
+config) from a GGUF file, dequantized by transformers. Loading that folder takes a second instead
+of re-dequantizing the GGUF every time (the trainer, the engine and the data tools all take it).
+Refuses to overwrite an existing non-empty folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def convert(target: str, out: str | Path, dtype: str = "bf16", gguf_file: str | None = None) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from dspine.target import _parse_dtype, load_tokenizer, resolve_model_path
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; refusing to overwrite")
+    path, gguf = resolve_model_path(target, gguf_file)
+    if not gguf:
+        raise ValueError(f"{target}: not a .gguf file (give --gguf-file for a folder holding one)")
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=torch.float32)
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model = model.to(_parse_dtype(dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(path, gguf).save_pretrained(out)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dspine.convert", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True, help=".gguf file (or folder with --gguf-file)")
+    ap.add_argument("--gguf-file", default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    args = ap.parse_args(argv)
+    try:
+        out = convert(args.target, args.out, args.dtype, args.gguf_file)
+    except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
