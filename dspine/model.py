@@ -171,7 +171,8 @@ class AdjacentInjection(nn.Module):
         hb = h.view(B, T // block_size, block_size, H)
         return F.pad(hb[:, :, :-1], (0, 0, 1, 0)).view(B, T, H)
 
-    def residual(self, h: torch.Tensor, block_size: int) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, block_size: int) -> torch.Tensor:
+        """``residual`` mode on h ``[B, N*bs, H]``; a module call, so DeepSpeed ZeRO-3 gathers ``gate``."""
         prev = self.previous(h, block_size)
         inj = self.gate * self.proj(self.norm(prev))
         slot = torch.arange(h.shape[1], device=h.device) % block_size
@@ -201,7 +202,7 @@ class DraftLayer(nn.Module):
         extra = None
         if self.adjacent is not None:
             if self.adjacent.mode == "residual":
-                h = self.adjacent.residual(h, block_size)
+                h = self.adjacent(h, block_size)
             else:
                 prev = self.adjacent.norm(AdjacentInjection.previous(h, block_size))
                 extra = attn.kv(prev, *rope_prev, self.adjacent.k_proj, self.adjacent.v_proj)

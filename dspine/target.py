@@ -294,7 +294,12 @@ class TargetSpec:
         path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file)
         kw = {"gguf_file": gguf_file} if gguf_file else {}
         config = AutoConfig.from_pretrained(path_or_id, **kw)
-        tok = load_tokenizer(path_or_id, gguf_file) if with_tokenizer else None
+        tok = None
+        if with_tokenizer:
+            try:
+                tok = load_tokenizer(path_or_id, gguf_file)
+            except (OSError, ValueError, TypeError):  # a weights-only folder: ids come from the config
+                tok = None
         try:
             gen = GenerationConfig.from_pretrained(path_or_id, **kw)
         except (OSError, ValueError, TypeError):

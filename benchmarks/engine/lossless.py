@@ -1,6 +1,7 @@
 """Lossless check of the CUDA engine (the engine issue's acceptance run).
 
-    python benchmarks/engine/lossless.py --stories DIR --qwen3-tokenizer DIR --eval-dir DIR --output FILE
+    python benchmarks/engine/lossless.py --prepare PROMPTS.json --stories DIR --qwen3-tokenizer DIR --eval-dir DIR
+    python benchmarks/engine/lossless.py --prompts PROMPTS.json --stories DIR --output FILE     # on the GPU
 
 For stories260K and a tiny random Qwen3 (built here on the real Qwen3 tokenizer): 64 prompts from
 the five eval sets (mixed lengths), greedy decoding with the engine at batch 1 and batch 8, CUDA
@@ -80,8 +81,9 @@ def margin_at(target, prompt: list[int], want: list[int], i: int) -> float:
     return float(top[0] - top[1])
 
 
-def build_tiny_qwen3(tok_dir: Path, out: Path) -> Path:
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+def build_tiny_qwen3(out: Path) -> Path:
+    """A tiny random Qwen3 with the real vocabulary (151,936 rows) and EOS ids (no tokenizer needed)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=151936, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -89,7 +91,6 @@ def build_tiny_qwen3(tok_dir: Path, out: Path) -> Path:
                       rope_theta=1e6, tie_word_embeddings=False, eos_token_id=151645, pad_token_id=151643,
                       initializer_range=0.1)
     Qwen3ForCausalLM(cfg).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
     return out
 
 
@@ -100,58 +101,69 @@ def run_target(name, path, draft_dir, prompts, max_new, eos, report, device="cud
     cuda = device == "cuda"
     for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
         for graphs in (False, True) if cuda else (False,):
-            for draft_kind in ("random", "oracle"):
-                for batch in (1, 8):
-                    t0 = time.perf_counter()
-                    eng, _ = load_engine(str(path), None, str(draft_dir), device=device, dtype=dtype, max_batch=batch,
-                                         max_seq=max(map(len, prompts)) + max_new + 32, cuda_graphs=graphs,
-                                         eos_token_ids=eos)
-                    if draft_kind == "oracle":
-                        install_device_oracle(eng, refs)
-                    got = eng.generate(prompts, SamplingParams(max_new_tokens=max_new), concurrency=batch)
-                    diffs = []
-                    for j, (g, w) in enumerate(zip(got.token_ids, want)):
-                        i = first_divergence(g, w)
-                        if i is not None:
-                            diffs.append({"prompt": j, "position": i,
-                                          "ref_top2_margin": margin_at(target, prompts[j], w, i) if i < len(w) else None})
-                    row = {"target": name, "dtype": str(dtype).split(".")[-1], "cuda_graphs": graphs,
-                           "draft": draft_kind, "batch": batch, "prompts": len(prompts),
-                           "identical": len(prompts) - len(diffs), "differences": diffs, "tau": got.stats.tau,
-                           "seconds": time.perf_counter() - t0}
-                    report.append(row)
-                    print(f"{name:9} {row['dtype']:8} graphs={graphs!s:5} {draft_kind:6} batch={row['batch']} "
-                          f"identical {row['identical']}/{len(prompts)} tau={row['tau']:.2f} "
-                          f"margins={[round(d['ref_top2_margin'] or -1, 5) for d in diffs]}", flush=True)
-                    del eng
+            for draft_kind, batch in (("random", 8), ("oracle", 1), ("oracle", 8)):
+                t0 = time.perf_counter()
+                eng, _ = load_engine(str(path), None, str(draft_dir), device=device, dtype=dtype, max_batch=batch,
+                                     max_seq=max(map(len, prompts)) + max_new + 32, cuda_graphs=graphs,
+                                     eos_token_ids=eos)
+                if draft_kind == "oracle":
+                    install_device_oracle(eng, refs)
+                got = eng.generate(prompts, SamplingParams(max_new_tokens=max_new), concurrency=batch)
+                diffs = []
+                for j, (g, w) in enumerate(zip(got.token_ids, want)):
+                    i = first_divergence(g, w)
+                    if i is not None:
+                        diffs.append({"prompt": j, "position": i,
+                                      "ref_top2_margin": margin_at(target, prompts[j], w, i) if i < len(w) else None})
+                row = {"target": name, "dtype": str(dtype).split(".")[-1], "cuda_graphs": graphs,
+                       "draft": draft_kind, "batch": batch, "prompts": len(prompts),
+                       "identical": len(prompts) - len(diffs), "differences": diffs, "tau": got.stats.tau,
+                       "seconds": time.perf_counter() - t0}
+                report.append(row)
+                print(f"{name:9} {row['dtype']:8} graphs={graphs!s:5} {draft_kind:6} batch={row['batch']} "
+                      f"identical {row['identical']}/{len(prompts)} tau={row['tau']:.2f} "
+                      f"margins={[round(d['ref_top2_margin'] or -1, 5) for d in diffs]}", flush=True)
+                del eng
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stories", required=True)
-    ap.add_argument("--qwen3-tokenizer", required=True)
-    ap.add_argument("--eval-dir", required=True)
-    ap.add_argument("--work", default="/tmp/dspine-lossless")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--output", required=True)
-    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test (eager, torch kernels)")
-    args = ap.parse_args(argv)
-    from tests.helpers import random_draft
-
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+def prepare_prompts(args) -> dict:
+    """Token ids of the first turns of ``num_prompts`` eval prompts for both targets (CPU step)."""
     per_task = -(-args.num_prompts // 5)
     texts = []
     for task in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench"):
         texts += [p.turns[0] for p in load_eval_prompts(task, per_task, args.eval_dir)]
     texts = texts[: args.num_prompts]
+    return {
+        "stories": [encode_prompt(load_tokenizer(args.stories), t, chat=False)[:300] for t in texts],
+        "qwen3-tiny": [encode_prompt(load_tokenizer(args.qwen3_tokenizer), t, chat=True)[:300] for t in texts],
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stories", required=True)
+    ap.add_argument("--qwen3-tokenizer", default=None)
+    ap.add_argument("--eval-dir", default=None)
+    ap.add_argument("--prepare", default=None, help="write the prompt token ids to this JSON and stop")
+    ap.add_argument("--prompts", default=None, help="prompt token ids written by --prepare")
+    ap.add_argument("--work", default="/tmp/dspine-lossless")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--output", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test (eager, torch kernels)")
+    args = ap.parse_args(argv)
+    if args.prepare:
+        Path(args.prepare).write_text(json.dumps(prepare_prompts(args)))
+        return 0
+    from tests.helpers import random_draft
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    prompts_by_target = json.loads(Path(args.prompts).read_text())
     report: list[dict] = []
-    qwen_dir = build_tiny_qwen3(Path(args.qwen3_tokenizer), work / "tiny-qwen3")
-    for name, path, eos, mask, chat in (("stories", Path(args.stories), [2], 0, False),
-                                        ("qwen3-tiny", qwen_dir, [151645], 151669, True)):
-        tok = load_tokenizer(str(path))
-        prompts = [encode_prompt(tok, t, chat=chat)[:300] for t in texts]
+    qwen_dir = build_tiny_qwen3(work / "tiny-qwen3")
+    for name, path, eos, mask in (("stories", Path(args.stories), [2], 0), ("qwen3-tiny", qwen_dir, [151645], 151669)):
+        prompts = prompts_by_target[name][: args.num_prompts]
         target = load_target(str(path), dtype="fp32")
         draft = random_draft(target, block_size=16, mask=mask)
         ddir = save_draft(draft, work / f"draft-{name}")

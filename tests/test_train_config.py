@@ -1,0 +1,95 @@
+"""Run config: defaults <- YAML <- key=value, typed errors naming the key (style.md §4)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from train.config import ConfigError, RunConfig, load, parse_cli, resolve_device_settings, save
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_are_the_recipe():
+    c = RunConfig()
+    assert (c.lr, c.weight_decay, c.warmup_ratio, c.schedule, c.epochs, c.max_length) == (6e-4, 0.0, 0.04, "cosine", 6, 3072)
+    assert (c.anchors_per_seq, c.gamma, c.grad_clip, c.resume_from, c.feature_source) == (512, 7.0, 1.0, "auto", "online")
+
+
+def test_yaml_then_overrides(tmp_path):
+    p = write(tmp_path, "target: t\ntrain: d.jsonl\nlr: 6e-4\nlayers: 3\nwandb_tags: [a, b]\n")
+    cfg = load(p, ["lr=1e-3", "layers=2", "target_layer_ids=1,9,17", "draft_init=null", "log_samples=true",
+                   "betas=[0.9, 0.95]"])
+    assert cfg.lr == 1e-3 and isinstance(cfg.lr, float)
+    assert cfg.layers == 2 and cfg.target_layer_ids == [1, 9, 17] and cfg.wandb_tags == ["a", "b"]
+    assert cfg.draft_init is None and cfg.log_samples is True and cfg.betas == [0.9, 0.95]
+    assert load(p).lr == 6e-4  # YAML 1.1 reads 6e-4 as a string: still a float here
+
+
+@pytest.mark.parametrize("source, key", [("yaml", "lrr"), ("cli", "anchors")])
+def test_unknown_key_is_named(tmp_path, source, key):
+    text = "target: t\ntrain: d\n" + (f"{key}: 1\n" if source == "yaml" else "")
+    with pytest.raises(ConfigError, match=f"unknown config key '{key}'"):
+        load(write(tmp_path, text), [] if source == "yaml" else [f"{key}=1"])
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("lr=fast", "lr", "float"), ("layers=2.5", "layers", "int"), ("log_samples=maybe", "log_samples", "bool"),
+    ("target_layer_ids=1,x", "target_layer_ids[1]", "int"), ("mask_token_id=abc", "mask_token_id", "int"),
+])
+def test_wrong_type_names_key_and_type(tmp_path, override, key, expected):
+    with pytest.raises(ConfigError) as e:
+        load(write(tmp_path, "target: t\ntrain: d\n"), [override])
+    assert f"'{key}'" in str(e.value) and expected in str(e.value)
+
+
+def test_wrong_type_in_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="'micro_batch_size': expected int"):
+        load(write(tmp_path, "target: t\ntrain: d\nmicro_batch_size: [1]\n"))
+    with pytest.raises(ConfigError, match="'report_to': 'tensorboard' is not one of"):
+        load(write(tmp_path, "target: t\ntrain: d\nreport_to: tensorboard\n"))
+    with pytest.raises(ConfigError, match="'grad_accum': must be >= 1"):
+        load(write(tmp_path, "target: t\ntrain: d\ngrad_accum: 0\n"))
+    with pytest.raises(ConfigError, match="'target': required"):
+        load(write(tmp_path, "train: d\n"))
+
+
+def test_parse_cli_flags(tmp_path):
+    p = write(tmp_path, "target: t\ntrain: d\n")
+    cfg, flags = parse_cli(["--config", str(p), "--out", "x", "seed=3"], "prog", extra_flags=("--out",))
+    assert cfg.seed == 3 and flags == {"--out": "x"}
+    with pytest.raises(ConfigError, match="unknown flag '--bogus'"):
+        parse_cli(["--config", str(p), "--bogus", "1"], "prog")
+
+
+def test_save_round_trip(tmp_path):
+    cfg = load(write(tmp_path, "target: t\ntrain: d\nlayers: 2\n"))
+    save(cfg, tmp_path / "out", extra={"world_size": 2})
+    data = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
+    assert data["layers"] == 2 and data["world_size"] == 2
+    data.pop("world_size")
+    assert load(None, [f"{k}={v}" for k, v in data.items() if v is not None and not isinstance(v, list)]).layers == 2
+
+
+def test_auto_settings():
+    cfg = RunConfig(target="t", train="d")
+    assert resolve_device_settings(cfg, cuda=True) == {"target_dtype": "bf16", "mixed_precision": "bf16",
+                                                        "attn": "flex", "pad_to_multiple": 512}
+    assert resolve_device_settings(cfg, cuda=False) == {"target_dtype": "fp32", "mixed_precision": "no",
+                                                         "attn": "dense", "pad_to_multiple": 1}
+
+
+def test_distill_cli_fails_fast_on_bad_config(tmp_path):
+    p = write(tmp_path, "target: t\ntrain: d\n")
+    r = subprocess.run([sys.executable, str(REPO / "train" / "distill.py"), "--config", str(p), "gama=7"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "unknown config key 'gama'" in r.stderr and "did you mean 'gamma'" in r.stderr

@@ -1,0 +1,115 @@
+"""Trainer data: readers, per-epoch order, rank split, collation; data.sample_target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from data.sample_target import main as sample_main
+from train.data import JsonlRows, StepOrder, epoch_permutation, make_batch, open_rows
+from train.loss import anchor_generator
+
+
+def test_step_order_disjoint_ranks_and_full_epochs():
+    order = StepOrder(n_rows=103, micro_batch_size=2, grad_accum=3, world=4, seed=7)
+    assert order.global_batch == 24 and order.steps_per_epoch == 4
+    for epoch in range(2):
+        seen = []
+        for step in range(epoch * 4, epoch * 4 + 4):
+            per_rank = [order.rank_rows(step, r) for r in range(4)]
+            assert all(len(m) == 3 and all(len(x) == 2 for x in m) for m in per_rank)
+            flat = [[i for m in rr for i in m] for rr in per_rank]
+            assert len(set(sum(flat, []))) == 24  # ranks disjoint within a step
+            seen += sum(flat, [])
+        assert len(seen) == len(set(seen)) == 96  # no row twice in an epoch (7 dropped)
+    assert order.position(5).epoch == 1 and order.position(5).index == 24
+    # deterministic from (seed, epoch); epochs differ
+    assert epoch_permutation(103, 7, 0) == epoch_permutation(103, 7, 0) != epoch_permutation(103, 7, 1)
+    again = StepOrder(103, 2, 3, 4, 7)
+    assert again.rank_rows(6, 2) == order.rank_rows(6, 2)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        StepOrder(10, 2, 3, 4, 7)
+
+
+def test_make_batch_truncates_pads_and_counts_skipped():
+    rows = [
+        {"input_ids": list(range(10, 22)), "loss_mask": [0, 0] + [1] * 10},  # 12 tokens, truncated to 8
+        {"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 1, 0, 1, 0]},  # no valid anchor
+        {"input_ids": [7, 8, 9], "loss_mask": [0, 1, 1]},  # anchor 1 only
+    ]
+    b = make_batch(rows, [5, 6, 7], max_length=8, block_size=4, mask_token_id=99, gamma=7.0, anchors_per_seq=3,
+                   generator=anchor_generator(0, 0, 0, 0), pad_to_multiple=1)
+    assert b.input_ids.shape == (3, 8) and b.lengths.tolist() == [8, 5, 3]
+    assert b.input_ids[0].tolist() == list(range(10, 18))
+    assert b.input_ids[2].tolist() == [7, 8, 9, 0, 0, 0, 0, 0]
+    assert b.attention_mask[1].tolist() == [1] * 5 + [0] * 3
+    assert b.skipped == 1 and b.row_ids == [5, 6, 7] and b.tokens == 16
+    assert (b.anchors[1] == -1).all() and b.anchors[2].tolist()[0] == 1
+    a0 = b.anchors[0][b.anchors[0] >= 0]
+    assert len(a0) == 3 and all(2 <= int(a) <= 6 for a in a0)  # p + 1 < 8 after truncation
+    assert b.weights[1].sum() == 0
+    # label of slot 1 of row 2's block = token at 2; slot 2 past the end has weight 0
+    assert b.labels[2, 1] == 9 and b.weights[2, 1] == 1.0 and b.weights[2, 2] == 0
+    padded = make_batch(rows, [5, 6, 7], max_length=8, block_size=4, mask_token_id=99, gamma=7.0, anchors_per_seq=3,
+                        generator=anchor_generator(0, 0, 0, 0), pad_to_multiple=512, static_anchors=True)
+    assert padded.input_ids.shape == (3, 8) and padded.anchors.shape == (3, 3)  # capped at max_length
+
+
+def test_jsonl_and_arrow_readers_agree(tmp_path):
+    import pyarrow as pa
+
+    rows = [{"id": f"r{i}", "input_ids": list(range(i + 2)), "loss_mask": [0] + [1] * (i + 1)} for i in range(5)]
+    jl = tmp_path / "rows.jsonl"
+    jl.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    # the data.tokenize cache layout: an Arrow stream file data.arrow (+ manifest.json)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    schema = pa.schema([("id", pa.string()), ("turns", pa.list_(pa.int32())), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8()))])
+    with pa.OSFile(str(folder / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+        w.write_table(pa.table({"id": [r["id"] for r in rows], "turns": [[1]] * 5,
+                                "input_ids": [r["input_ids"] for r in rows],
+                                "loss_mask": [r["loss_mask"] for r in rows]}, schema=schema))
+    (folder / "manifest.json").write_text(json.dumps({"max_length": 64, "thinking": False, "template_digest": "x"}))
+    a, b = open_rows(jl), open_rows(folder)
+    assert isinstance(a, JsonlRows) and len(a) == len(b) == 5
+    for i in (4, 0, 2):
+        assert a.row(i) == {"input_ids": rows[i]["input_ids"], "loss_mask": rows[i]["loss_mask"]} == b.row(i)
+    assert b.metadata()["thinking"] is False and len(a.metadata()["data_digest"]) == 32
+    with pytest.raises(FileNotFoundError):
+        open_rows(tmp_path / "missing.jsonl")
+
+
+def test_sample_target_rows_and_no_overwrite(tmp_path, stories_dir, capsys):
+    out = tmp_path / "s.jsonl"
+    args = ["--target", str(stories_dir), "--num", "5", "--max-new-tokens", "12", "--seed", "3", "--batch-size", "2",
+            "--out", str(out)]
+    assert sample_main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 5 and len({r["id"] for r in rows}) == 5
+    for r in rows:
+        assert r["input_ids"][0] == 1 and r["loss_mask"][0] == 0  # BOS unsupervised
+        assert len(r["input_ids"]) == len(r["loss_mask"]) <= 13 and set(r["loss_mask"][1:]) == {1}
+    assert len({tuple(r["input_ids"]) for r in rows}) == 5
+    before = out.read_bytes()
+    assert sample_main(args) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err and out.read_bytes() == before
+    again = tmp_path / "t.jsonl"
+    assert sample_main([*args[:-1], str(again)]) == 0
+    assert again.read_bytes() == before  # same seed, same rows
+
+
+def test_sample_target_matches_target_distribution(stories_dir):
+    """The first sampled token follows softmax(target logits at BOS)."""
+    from data.sample_target import sample_rows
+    from dspine.target import load_target
+
+    target = load_target(str(stories_dir), dtype="fp32")
+    rows = sample_rows(target, 1, {2}, 3000, 1, 1.0, seed=0, batch_size=1000)
+    with torch.no_grad():
+        p = torch.softmax(target(torch.tensor([[1]])).logits[0, -1].float(), -1)
+    counts = torch.bincount(torch.tensor([r["input_ids"][1] for r in rows]), minlength=p.numel()).float()
+    top = p.argsort(descending=True)[:5]
+    assert (counts[top] / 3000 - p[top]).abs().max() < 0.03

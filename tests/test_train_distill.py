@@ -1,0 +1,168 @@
+"""End to end on the CPU: `accelerate launch --num_processes 2 --cpu train/distill.py` with stories260K.
+
+A shortened configs/stories260k-cpu.yaml run (loss falls, disjoint ranks, eval metrics, reloadable
+draft, W&B offline), and exact resume: 40 steps straight == 20 steps + SIGKILL + resume ==
+20 steps (stop_after_steps) + resume, compared bitwise through metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from data.sample_target import main as sample_main
+from tests.conftest import REPO
+
+CONFIG = REPO / "configs" / "stories260k-cpu.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(*overrides: str) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+            "--main_process_port", str(free_port()), str(REPO / "train" / "distill.py"), "--config", str(CONFIG),
+            *overrides]
+
+
+def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
+    r = subprocess.run(launch_cmd(*overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                       env={**os.environ, **(env or {})})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+def jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, stories_dir):
+    root = tmp_path_factory.mktemp("stories_data")
+    for name, num, seed in (("train", 192, 0), ("eval", 16, 1)):
+        assert sample_main(["--target", str(stories_dir), "--num", str(num), "--max-new-tokens", "48", "--seed",
+                            str(seed), "--batch-size", "192", "--out", str(root / f"{name}.jsonl")]) == 0
+    return root, [f"target={stories_dir}", f"train={root / 'train.jsonl'}", f"eval={root / 'eval.jsonl'}"]
+
+
+def test_stories_run_two_ranks(data, tmp_path):
+    _, paths = data
+    out = tmp_path / "run"
+    run(*paths, f"output_dir={out}", "max_steps=60", "save_every=30", "eval_every=30", "keep_last=1",
+        "log_every=5", "log_samples=true", "eval_prompts=2", "eval_max_new_tokens=24", "report_to=wandb",
+        "wandb_run_name=ci", "wandb_tags=[cpu,test]", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    rows = jsonl(out / "metrics.jsonl")
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/loss" in r]
+    assert [r["step"] for r in train] == list(range(5, 61, 5)) and [r["step"] for r in evals] == [30, 60]
+    assert all(k in train[0] for k in ("lr", "grad_norm", "tokens_per_s", "loss"))
+    assert train[-1]["loss"] < 0.8 * train[1]["loss"]  # step 60 vs step 10 (step 5 is the init spike)
+    assert evals[1]["eval/loss"] < evals[0]["eval/loss"]
+    for e in evals:
+        acc = e["eval/acc_at_pos"]
+        assert len(acc) == 7 and all(a > 0 for a in acc)  # every slot 1..bs-1 defined and non-zero
+        assert e["eval/tau_sim"] == pytest.approx(1 + sum(e["eval/accept_at_pos"]))
+        assert e["eval/accept_at_pos"][0] == pytest.approx(acc[0])
+        assert 1.0 <= e["eval/tau_real"] <= 8 and len(e["eval/real_accept_at_pos"]) == 7
+    # the two ranks read disjoint rows, each row at most once per epoch (192 rows / 16 per step)
+    s0, s1 = jsonl(out / "samples-rank0.jsonl"), jsonl(out / "samples-rank1.jsonl")
+    assert len(s0) == len(s1) == 60
+    for a, b in zip(s0, s1):
+        assert len(a["rows"]) == len(b["rows"]) == 8 and not set(a["rows"]) & set(b["rows"])
+    for epoch in range(5):
+        seen = [i for s in s0[epoch * 12:(epoch + 1) * 12] + s1[epoch * 12:(epoch + 1) * 12] for i in s["rows"]]
+        assert len(seen) == len(set(seen))
+    # checkpoint: rotation, latest, config, loadable draft with identical logits to the trained weights
+    assert (out / "latest").read_text().strip() == "step-60" and not (out / "step-30").exists()
+    ckpt = out / "step-60"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 60
+    saved_cfg = json.loads((ckpt / "config.json").read_text())
+    assert saved_cfg["max_steps"] == 60 and saved_cfg["world_size"] == 2 and saved_cfg["layers"] == 2
+    from safetensors.torch import load_file
+
+    from dspine.checkpoint import load_draft
+    from dspine.model import DSpineDraftModel
+
+    draft = load_draft(ckpt / "draft")
+    names = set(draft.state_dict())
+    assert "fc.weight" in names and "layers.0.adjacent.gate" in names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    trained = DSpineDraftModel(draft.config)
+    trained.load_state_dict(load_file(str(ckpt / "state" / "model.safetensors")))
+    g = torch.Generator().manual_seed(0)
+    H = draft.config.hidden_size
+    feats, emb = torch.randn(1, 30, 2 * H, generator=g), torch.randn(1, 24, H, generator=g)
+    anchors = torch.tensor([[3, 10, 20]])
+    with torch.no_grad():
+        assert torch.equal(draft.forward_train(emb, feats, anchors), trained.eval().forward_train(emb, feats, anchors))
+    assert draft.layers[0].adjacent.gate.abs().sum() > 0  # the injection was trained
+    assert list((out / "wandb").glob("offline-run-*"))
+
+
+COMMON = ("max_steps=40", "save_every=20", "eval=null", "log_every=1", "log_samples=true", "anchors_per_seq=16",
+          "max_length=40", "keep_last=0")
+
+
+@pytest.fixture(scope="module")
+def straight(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    run(*data[1], *COMMON, f"output_dir={out}")
+    return out
+
+
+def assert_same_run(a, b):
+    ra, rb = jsonl(a / "metrics.jsonl"), jsonl(b / "metrics.jsonl")
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(1, 41))
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]  # bitwise
+    assert [r["lr"] for r in ra] == [r["lr"] for r in rb]
+    assert [r["grad_norm"] for r in ra] == [r["grad_norm"] for r in rb]
+    for rank in (0, 1):
+        sa, sb = jsonl(a / f"samples-rank{rank}.jsonl"), jsonl(b / f"samples-rank{rank}.jsonl")
+        assert sa == sb  # same rows at every step: nothing seen twice or skipped by the resume
+    for d in (a, b):
+        state = json.loads((d / "step-40" / "trainer_state.json").read_text())
+        assert (state["step"], state["epoch"], state["index"]) == (40, 3, 64)  # 12 steps of 16 rows per epoch
+
+
+def test_resume_after_sigkill_is_exact(data, straight, tmp_path):
+    import psutil
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(launch_cmd(*data[1], *COMMON, f"output_dir={out}"), cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    latest = out / "latest"
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() == "step-20":
+            break
+        time.sleep(0.02)
+    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    for pid in family:  # the launcher and every rank it started (workers run in their own sessions)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+    assert latest.read_text().strip() == "step-20" and not (out / "step-40").exists()
+    assert len(jsonl(out / "metrics.jsonl")) >= 20
+    run(*data[1], *COMMON, f"output_dir={out}")  # resume_from: auto
+    assert_same_run(straight, out)
+
+
+def test_resume_after_stop_is_exact(data, straight, tmp_path):
+    out = tmp_path / "stopped"
+    run(*data[1], *COMMON, f"output_dir={out}", "stop_after_steps=20")
+    assert (out / "latest").read_text().strip() == "step-20" and len(jsonl(out / "metrics.jsonl")) == 20
+    run(*data[1], *COMMON, f"output_dir={out}", f"resume_from={out / 'step-20'}")
+    assert_same_run(straight, out)

@@ -1,0 +1,324 @@
+"""The run configuration of ``train/distill.py`` and ``train.capture`` (style.md §4).
+
+Resolution order: the :class:`RunConfig` defaults, then a YAML file (``--config FILE``), then
+``key=value`` arguments. Unknown keys, wrong types and invalid choices raise :class:`ConfigError`
+naming the key before any model or data is touched. The recipe defaults are design.md §4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad run configuration (unknown key, wrong type, invalid value); the message names the key."""
+
+
+@dataclass
+class RunConfig:
+    # -- target -------------------------------------------------------------------------------
+    target: str = ""  # frozen target: HF folder, Hub id or path/to/model.gguf
+    target_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
+    # -- draft: a folder made by `python -m dspine.init`, or the shape fields below ------------
+    draft_init: str | None = None  # draft folder (config.json + weights); shape fields must then agree or be unset
+    layers: int | None = None  # draft layers (default 5)
+    block_size: int | None = None  # slots per block, anchor included (default 16)
+    injection: str | None = None  # residual | kv | none (none = DFlash ablation; default residual)
+    injection_rank: int | None = None  # 0 = full-rank H x H injection, r > 0 = low rank (default 0)
+    injection_layers: list[int] | None = None  # draft layers with injection (None = all)
+    block_attention: str | None = None  # bidirectional | causal inside a block (default bidirectional)
+    target_layer_ids: list[int] | None = None  # target layers feeding the draft (None = design.md §2 rule)
+    mask_token_id: int | None = None  # unused vocab row used as MASK (None = first row the tokenizer never emits)
+    intermediate_size: int | None = None  # draft MLP width (None = the target's)
+    init_from: str | None = None  # weights only (e.g. a DFlash checkpoint) via dspine.checkpoint.warm_start
+    resume_from: str = "auto"  # auto (latest checkpoint in output_dir, if any) | a step-N folder | none
+    # -- data ---------------------------------------------------------------------------------
+    train: str = ""  # tokenized rows: a .jsonl of {input_ids, loss_mask} or a data.tokenize cache folder
+    eval: str | None = None  # held-out rows (same formats) for eval loss, tau_sim and tau_real prompts
+    feature_source: str = "online"  # online (target runs in the job) | a train.capture folder
+    max_length: int = 3072  # tokens per sequence; longer rows are truncated
+    anchors_per_seq: int = 512  # anchors sampled per sequence and step (without replacement)
+    gamma: float = 7.0  # slot k weight exp(-(k-1)/gamma) (design.md §4)
+    # -- optimisation -------------------------------------------------------------------------
+    lr: float = 6e-4  # peak AdamW learning rate
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
+    warmup_ratio: float = 0.04  # fraction of the optimizer steps with linear warmup
+    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    min_lr_ratio: float = 0.0  # final lr / peak lr for cosine and linear
+    epochs: int = 6  # passes over the train rows (ignored when max_steps > 0)
+    max_steps: int = 0  # optimizer steps; > 0 overrides epochs
+    stop_after_steps: int = 0  # end this launch after this many steps (checkpointed); the schedule keeps its length
+    micro_batch_size: int = 1  # sequences per rank and forward
+    grad_accum: int = 1  # micro-batches per optimizer step (global batch = micro x accum x ranks)
+    grad_clip: float = 1.0  # global grad-norm clip (0 = off); also set into the DeepSpeed config
+    mixed_precision: str = "auto"  # auto (bf16 on CUDA, no on CPU) | bf16 | no
+    attn: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense
+    loss_chunk_size: int = 2048  # rows per lm_head chunk in the fused cross entropy
+    pad_to_multiple: int = 0  # right-pad sequence length to a multiple (0 = auto: 512 with flex, else 1)
+    seed: int = 0  # init, data order (per epoch) and anchor sampling (per step, rank, micro-step)
+    # -- output -------------------------------------------------------------------------------
+    output_dir: str = "runs/dspine"  # checkpoints, metrics.jsonl, config.yaml
+    save_every: int = 1000  # optimizer steps between checkpoints (0 = only at the end)
+    keep_last: int = 3  # step-N checkpoints kept (0 = all)
+    save_dtype: str = "bf16"  # dtype of the saved draft weights: bf16 | fp32
+    # -- eval ---------------------------------------------------------------------------------
+    eval_every: int = 500  # optimizer steps between evals (0 = only at the end)
+    eval_max_rows: int = 256  # eval rows used for eval/loss and eval/tau_sim
+    eval_prompts: int = 4  # held-out prompts decoded for eval/tau_real (0 = skip)
+    eval_prompt_min_tokens: int = 1  # a prompt is the eval row up to its first supervised token, at least this long
+    eval_max_new_tokens: int = 128  # greedy tokens per prompt for eval/tau_real
+    # -- logging ------------------------------------------------------------------------------
+    log_every: int = 10  # optimizer steps between metrics rows
+    log_samples: bool = False  # write samples-rank{r}.jsonl: row indices seen per step (debug)
+    report_to: str = "none"  # wandb | none (metrics.jsonl is always written)
+    wandb_project: str = "dspine"  # W&B project
+    wandb_run_name: str | None = None  # W&B run name (None = W&B's own)
+    wandb_tags: list[str] = field(default_factory=list)  # W&B tags
+
+
+CHOICES: dict[str, tuple] = {
+    "target_dtype": ("auto", "bf16", "fp32"),
+    "injection": ("residual", "kv", "none", None),
+    "block_attention": ("bidirectional", "causal", None),
+    "schedule": ("cosine", "linear", "constant"),
+    "mixed_precision": ("auto", "bf16", "no"),
+    "attn": ("auto", "flex", "dense"),
+    "save_dtype": ("bf16", "fp32"),
+    "report_to": ("wandb", "none"),
+}
+POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every")
+NON_NEGATIVE = ("max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_max_rows", "eval_prompts",
+                "eval_max_new_tokens", "pad_to_multiple", "grad_clip", "weight_decay", "warmup_ratio", "min_lr_ratio")
+# Defaults of the draft shape fields when neither the YAML nor draft_init gives them.
+DRAFT_DEFAULTS = {"layers": 5, "block_size": 16, "injection": "residual", "injection_rank": 0,
+                  "block_attention": "bidirectional"}
+DRAFT_FIELDS = ("layers", "block_size", "injection", "injection_rank", "injection_layers", "block_attention",
+                "target_layer_ids", "mask_token_id", "intermediate_size")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) if not typing.get_args(tp) else str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value, tp, from_cli: bool):
+    """``value`` as an instance of the annotated type ``tp``; raises ConfigError naming ``key``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if value is None or (from_cli and isinstance(value, str) and value.lower() in ("null", "none", "~", "")):
+            return None
+        return _coerce(key, value, inner[0], from_cli)
+    if origin is list:
+        if from_cli and isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v.strip()]
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        return [_coerce(f"{key}[{i}]", v, args[0], from_cli) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `6e-4` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if from_cli and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _hints() -> dict:
+    return typing.get_type_hints(RunConfig)
+
+
+def _unknown(key: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(RunConfig)]
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint} (known keys: {', '.join(names)})")
+
+
+def apply(cfg: RunConfig, values: dict, from_cli: bool = False) -> RunConfig:
+    """Set ``values`` (key -> raw value) on ``cfg`` with type checks. Raises ConfigError."""
+    hints = _hints()
+    for key, raw in values.items():
+        if key not in hints:
+            raise _unknown(key)
+        setattr(cfg, key, _coerce(key, raw, hints[key], from_cli))
+    return cfg
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Check choices and ranges. Raises ConfigError naming the key."""
+    for key, allowed in CHOICES.items():
+        if getattr(cfg, key) not in allowed:
+            shown = [a for a in allowed if a is not None]
+            raise ConfigError(f"config key {key!r}: {getattr(cfg, key)!r} is not one of {shown}")
+    for key in POSITIVE:
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"config key {key!r}: must be >= 1, got {getattr(cfg, key)}")
+    for key in NON_NEGATIVE:
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"config key {key!r}: must be >= 0, got {getattr(cfg, key)}")
+    if cfg.gamma <= 0:
+        raise ConfigError(f"config key 'gamma': must be > 0, got {cfg.gamma}")
+    if cfg.lr <= 0:
+        raise ConfigError(f"config key 'lr': must be > 0, got {cfg.lr}")
+    if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
+        raise ConfigError(f"config key 'betas': expected two values in [0, 1), got {cfg.betas}")
+    if cfg.block_size is not None and cfg.block_size < 2:
+        raise ConfigError(f"config key 'block_size': must be >= 2, got {cfg.block_size}")
+    if cfg.layers is not None and cfg.layers < 1:
+        raise ConfigError(f"config key 'layers': must be >= 1, got {cfg.layers}")
+    if cfg.max_steps == 0 and cfg.epochs == 0:
+        raise ConfigError("config keys 'epochs' and 'max_steps' are both 0: nothing to train")
+    if not cfg.target:
+        raise ConfigError("config key 'target': required (HF folder, Hub id or .gguf file)")
+    if not cfg.train and cfg.feature_source == "online":
+        raise ConfigError("config key 'train': required (tokenized rows: .jsonl or data.tokenize cache folder)")
+    return cfg
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults <- YAML file <- ``key=value`` overrides, validated.
+
+    Raises:
+        ConfigError: unknown key, wrong type, bad value, malformed override or unreadable YAML.
+    """
+    cfg = RunConfig()
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping of keys to values")
+        apply(cfg, data)
+    cli = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        cli[key.strip()] = value
+    apply(cfg, cli, from_cli=True)
+    return validate(cfg)
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save(cfg: RunConfig, folder: str | Path, extra: dict | None = None) -> None:
+    """Write the resolved config as ``config.yaml`` and ``config.json`` in ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {**to_dict(cfg), **(extra or {})}
+    (folder / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    (folder / "config.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def parse_cli(argv: list[str], prog: str, extra_flags: tuple[str, ...] = ()) -> tuple[RunConfig, dict]:
+    """``--config FILE [--flag VALUE ...] key=value ...`` -> (config, {flag: value}).
+
+    ``extra_flags`` names further ``--flag VALUE`` options of the calling CLI (e.g. ``--out``).
+    Raises ConfigError on a bad config or an unknown flag.
+    """
+    path, flags, overrides = None, {}, []
+    it = iter(argv)
+    for arg in it:
+        if arg in ("-h", "--help"):
+            raise SystemExit(f"usage: {prog} [--config FILE] " + " ".join(f"[{f} VALUE]" for f in extra_flags)
+                             + " [key=value ...]\nkeys: " + ", ".join(f.name for f in dataclasses.fields(RunConfig)))
+        name, eq, val = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if name == "--config" or name in extra_flags:
+            value = val if eq else next(it, None)
+            if value is None:
+                raise ConfigError(f"{name} needs a value")
+            if name == "--config":
+                path = value
+            else:
+                flags[name] = value
+        elif arg.startswith("--"):
+            raise ConfigError(f"unknown flag {arg!r} (flags: --config{''.join(' ' + f for f in extra_flags)}; "
+                              "config keys go as key=value)")
+        else:
+            overrides.append(arg)
+    return load(path, overrides), flags
+
+
+def draft_config(cfg: RunConfig, target, tokenizer=None):
+    """The draft's :class:`dspine.config.DSpineConfig` for this run, checked against ``target``.
+
+    From ``cfg.draft_init`` (its config.json; shape fields set in ``cfg`` must agree) or built from
+    the shape fields with the target's layer shapes (``dspine.init.draft_config_for``).
+
+    Raises:
+        ConfigError: a shape field that disagrees with ``draft_init``.
+        ValueError: draft/target mismatch (layer ids, vocab, mask token, RoPE range; design.md §8.4-8.11).
+    """
+    from dspine.checkpoint import load_config
+    from dspine.init import draft_config_for
+    from dspine.target import TargetSpec, assert_compatible
+
+    spec = TargetSpec.from_adapter(target, tokenizer)
+    if cfg.draft_init:
+        dcfg = load_config(cfg.draft_init)
+        have = {"layers": dcfg.num_hidden_layers, "block_size": dcfg.block_size, "injection": dcfg.injection,
+                "injection_rank": dcfg.injection_rank, "injection_layers": dcfg.dspine_config["injection_layers"],
+                "block_attention": dcfg.block_attention, "target_layer_ids": dcfg.target_layer_ids,
+                "mask_token_id": dcfg.mask_token_id, "intermediate_size": dcfg.intermediate_size}
+        for key in DRAFT_FIELDS:
+            want = getattr(cfg, key)
+            if want is not None and want != have[key]:
+                raise ConfigError(f"config key {key!r}: {want!r} disagrees with draft_init {cfg.draft_init} "
+                                  f"({have[key]!r}); unset it or use another draft folder")
+    else:
+        shape = {k: getattr(cfg, k) if getattr(cfg, k) is not None else DRAFT_DEFAULTS.get(k) for k in DRAFT_FIELDS}
+        dcfg = draft_config_for(
+            target.config, spec, layers=shape["layers"], block_size=shape["block_size"],
+            injection=shape["injection"], injection_rank=shape["injection_rank"],
+            injection_layers=shape["injection_layers"], block_attention=shape["block_attention"],
+            target_layer_ids=shape["target_layer_ids"], mask_token_id=shape["mask_token_id"],
+            intermediate_size=shape["intermediate_size"],
+        )
+    assert_compatible(spec, dcfg, max_context=cfg.max_length)
+    return dcfg
+
+
+def resolve_device_settings(cfg: RunConfig, cuda: bool) -> dict:
+    """The ``auto`` fields made concrete: target dtype, mixed precision, attention backend, length padding."""
+    attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "dense")
+    return {
+        "target_dtype": cfg.target_dtype if cfg.target_dtype != "auto" else ("bf16" if cuda else "fp32"),
+        "mixed_precision": cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if cuda else "no"),
+        "attn": attn,
+        # flex_attention is compiled per shape: a few length buckets keep recompiles bounded
+        "pad_to_multiple": cfg.pad_to_multiple or (512 if attn == "flex" else 1),
+    }

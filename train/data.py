@@ -1,0 +1,225 @@
+"""Training rows: readers, the per-epoch order, the rank split and micro-batch collation.
+
+A row source is anything with ``len()`` and ``row(i) -> {"input_ids", "loss_mask"[, "features"]}``
+(the ``data.tokenize`` contract, docs/contracts.md). Three are provided: a JSON-lines file
+(:class:`JsonlRows`), a ``data.tokenize`` cache folder (:class:`ArrowRows`) and a ``train.capture``
+folder with target features (:class:`train.capture.CaptureRows`). :func:`open_rows` picks one.
+
+Order: optimizer step s of a run reads the global batch ``perm_e[i : i + G]`` with
+``G = micro_batch_size · grad_accum · world``, e = s // steps_per_epoch, i = (s mod steps_per_epoch)·G
+and ``perm_e`` a permutation seeded by (seed, e); rank r takes items r::world of it, so the ranks
+see disjoint rows and a resumed run reads exactly what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from train.loss import block_input_ids, block_targets, sample_anchors
+
+
+class JsonlRows:
+    """Rows of a ``.jsonl`` file, read on demand through a byte-offset index (no file-size copy in memory).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError (on access): a row without ``input_ids``/``loss_mask`` of equal length.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"rows file not found: {self.path}")
+        self.offsets = []
+        with open(self.path, "rb") as f:
+            pos = 0
+            for line in f:
+                if line.strip():
+                    self.offsets.append(pos)
+                pos += len(line)
+        self._fh = None
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def row(self, i: int) -> dict:
+        if self._fh is None:
+            self._fh = open(self.path, "rb")
+        self._fh.seek(self.offsets[i])
+        obj = json.loads(self._fh.readline())
+        return _checked(obj, f"{self.path} row {i}")
+
+    def metadata(self) -> dict:
+        from data.rows import file_digest
+
+        return {"data": str(self.path), "data_digest": file_digest(self.path)}
+
+
+class ArrowRows:
+    """A ``data.tokenize`` cache folder (``data.arrow`` + ``manifest.json``), memory mapped."""
+
+    def __init__(self, folder: str | Path):
+        from datasets import Dataset
+
+        self.folder = Path(folder)
+        self.ds = Dataset.from_file(str(self.folder / "data.arrow")).select_columns(["input_ids", "loss_mask"])
+        manifest = self.folder / "manifest.json"
+        self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def row(self, i: int) -> dict:
+        return _checked(self.ds[int(i)], f"{self.folder} row {i}")
+
+    def metadata(self) -> dict:
+        from data.rows import file_digest
+
+        m = self.manifest
+        digest = file_digest(self.folder / "manifest.json") if m else file_digest(self.folder / "data.arrow")
+        return {"data": str(self.folder), "data_digest": digest, "tokenizer": m.get("tokenizer"),
+                "chat_template_digest": m.get("template_digest"), "thinking": m.get("thinking"),
+                "tokenized_max_length": m.get("max_length")}
+
+
+def _checked(obj: dict, where: str) -> dict:
+    ids, mask = obj.get("input_ids"), obj.get("loss_mask")
+    if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+        raise ValueError(f"{where}: expected 'input_ids' and 'loss_mask' lists of equal length")
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def open_rows(path: str | Path):
+    """A row source for a ``.jsonl`` file, a ``data.tokenize`` cache folder or a ``train.capture`` folder.
+
+    Raises:
+        FileNotFoundError: nothing usable at ``path``.
+    """
+    p = Path(path)
+    if p.is_dir() and (p / "data.arrow").is_file():
+        return ArrowRows(p)
+    if p.is_dir() and (p / "manifest.json").is_file() and json.loads((p / "manifest.json").read_text()).get(
+            "format", "").startswith("dspine-features"):
+        from train.capture import CaptureRows
+
+        return CaptureRows(p)
+    if p.is_file():
+        return JsonlRows(p)
+    raise FileNotFoundError(f"{path}: not a .jsonl file, a data.tokenize cache folder (data.arrow) "
+                            "or a train.capture folder (manifest.json)")
+
+
+# ------------------------------------------------------------------------------------- order
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    """Row order of ``epoch``: a permutation of range(n) that depends only on (seed, epoch)."""
+    g = torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch))
+    return torch.randperm(n, generator=g).tolist()
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    epoch: int  # 0-based epoch of the step
+    index: int  # index into that epoch's permutation where the step's global batch starts
+
+
+class StepOrder:
+    """Which rows each rank reads at each optimizer step (see module docstring).
+
+    Raises:
+        ValueError: fewer rows than one global batch.
+    """
+
+    def __init__(self, n_rows: int, micro_batch_size: int, grad_accum: int, world: int, seed: int):
+        self.n, self.mb, self.ga, self.world, self.seed = n_rows, micro_batch_size, grad_accum, world, seed
+        self.global_batch = micro_batch_size * grad_accum * world
+        self.steps_per_epoch = n_rows // self.global_batch
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"{n_rows} rows are fewer than one global batch of {self.global_batch} "
+                             f"(micro_batch_size {micro_batch_size} x grad_accum {grad_accum} x {world} ranks)")
+        self._perm: tuple[int, list[int]] | None = None
+
+    def position(self, step: int) -> DataPosition:
+        return DataPosition(step // self.steps_per_epoch, (step % self.steps_per_epoch) * self.global_batch)
+
+    def rank_rows(self, step: int, rank: int) -> list[list[int]]:
+        """Row indices of ``rank`` at 0-based ``step``: grad_accum lists of micro_batch_size each."""
+        pos = self.position(step)
+        if self._perm is None or self._perm[0] != pos.epoch:
+            self._perm = (pos.epoch, epoch_permutation(self.n, self.seed, pos.epoch))
+        batch = self._perm[1][pos.index: pos.index + self.global_batch]
+        mine = batch[rank:: self.world]
+        return [mine[m * self.mb: (m + 1) * self.mb] for m in range(self.ga)]
+
+
+# ------------------------------------------------------------------------------------- batches
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the CPU (``to()`` moves it). Shapes: B rows, S padded length, N anchors."""
+
+    input_ids: torch.Tensor  # [B, S] int64, right-padded with pad_id
+    attention_mask: torch.Tensor | None  # [B, S] int64 (None when no row is padded)
+    lengths: torch.Tensor  # [B] int64 valid tokens per row
+    anchors: torch.Tensor  # [B, N] int64, -1 = padding
+    block_ids: torch.Tensor  # [B, N*bs] int64: [x_a, MASK, ...] per block
+    labels: torch.Tensor  # [B, N*bs] int64: token at a + k
+    weights: torch.Tensor  # [B, N*bs] fp32: exp(-(k-1)/γ)·loss_mask[a+k], 0 at slot 0 / padding
+    features: torch.Tensor | None  # [B, S, k*H] offline target features, else None
+    row_ids: list[int]  # indices into the row source
+    skipped: int  # rows with no valid anchor (they contribute nothing)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def weight_sum(self) -> float:
+        return float(self.weights.double().sum())
+
+    def to(self, device) -> MicroBatch:
+        mv = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return MicroBatch(mv(self.input_ids), mv(self.attention_mask), mv(self.lengths), mv(self.anchors),
+                          mv(self.block_ids), mv(self.labels), mv(self.weights), mv(self.features),
+                          self.row_ids, self.skipped)
+
+
+def make_batch(rows: list[dict], row_ids: list[int], *, max_length: int, block_size: int, mask_token_id: int,
+               gamma: float, anchors_per_seq: int, generator: torch.Generator, pad_to_multiple: int = 1,
+               static_anchors: bool = False, pad_id: int = 0) -> MicroBatch:
+    """Collate rows (truncated to ``max_length``, right-padded) and draw their anchors.
+
+    ``static_anchors`` pads the anchor dimension to ``anchors_per_seq`` (fixed shapes for the
+    compiled flex path); ``pad_to_multiple`` rounds the padded length up (at most max_length)."""
+    ids = [r["input_ids"][:max_length] for r in rows]
+    masks = [r["loss_mask"][:max_length] for r in rows]
+    lengths = [len(x) for x in ids]
+    S = max(lengths)
+    S = max(S, min(-(-S // pad_to_multiple) * pad_to_multiple, max_length))
+    B = len(rows)
+    input_ids = torch.full((B, S), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(B, S, dtype=torch.long)
+    for i, (x, m) in enumerate(zip(ids, masks)):
+        input_ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        loss_mask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
+    lens = torch.tensor(lengths, dtype=torch.long)
+    attention_mask = (torch.arange(S)[None] < lens[:, None]).long() if min(lengths) < S else None
+    anchors = sample_anchors(list(loss_mask), lengths, anchors_per_seq, generator,
+                             pad_to=anchors_per_seq if static_anchors else None)
+    labels, weights = block_targets(input_ids, loss_mask, lens, anchors, block_size, gamma)
+    features = None
+    if "features" in rows[0]:
+        f0 = rows[0]["features"]
+        features = torch.zeros(B, S, f0.shape[-1], dtype=f0.dtype)
+        for i, r in enumerate(rows):
+            f = r["features"][: lengths[i]]
+            features[i, : len(f)] = f
+    skipped = int(((anchors >= 0).sum(1) == 0).sum())
+    return MicroBatch(input_ids, attention_mask, lens, anchors, block_input_ids(input_ids, anchors, block_size,
+                      mask_token_id), labels, weights, features, list(row_ids), skipped)

@@ -1,0 +1,432 @@
+"""Train a DSpine (or DFlash, ``injection: none``) draft against a frozen target (design.md §4).
+
+    accelerate launch [--config_file configs/accelerate/zero2.yaml] train/distill.py \\
+        --config configs/qwen3-8b-dspine-b16.yaml [key=value ...]
+    python train/distill.py --config configs/stories260k-cpu.yaml        # one process
+
+Only the draft goes through ``accelerator.prepare`` (DDP or DeepSpeed ZeRO-2/3); the target stays
+a plain frozen module on each rank's device and supplies features (online, or from a
+``train.capture`` folder), the block embeddings and the lm_head. Outputs in ``output_dir``:
+``config.yaml``, ``metrics.jsonl`` (one JSON object per logged step / eval), ``step-N/`` checkpoints
+(``draft/`` = loadable draft folder, ``state/`` = optimizer, scheduler, RNG per rank,
+``trainer_state.json`` = step and data position) and a ``latest`` pointer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python train/distill.py` / `accelerate launch train/distill.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import yaml
+
+from train import config as run_config
+from train.capture import CaptureRows, expected_fields
+from train.config import ConfigError
+from train.data import StepOrder, make_batch, open_rows
+from train.loss import LossStats, anchor_generator, tau_sim
+from train.step import StepSettings, make_optimizer, make_scheduler, micro_loss, reduce_sum, train_step
+
+
+def main(argv: list[str] | None = None) -> int:
+    # ---------------------------------------------------------------------------------------- config
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg, _ = run_config.parse_cli(argv, "train/distill.py")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    code = relaunch_cpu_ranks(argv)
+    if code is not None:
+        return code
+    try:
+        return train(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def train(cfg) -> int:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, set_seed
+    from tqdm import tqdm
+
+    from dspine.checkpoint import load_draft, warm_start
+    from dspine.model import DSpineDraftModel, count_parameters
+    from dspine.target import TargetSpec, load_target, load_tokenizer
+
+    # ---------------------------------------------------------------------------------------- init
+    dev = run_config.resolve_device_settings(cfg, torch.cuda.is_available())
+    accelerator = Accelerator(mixed_precision=dev["mixed_precision"], gradient_accumulation_steps=cfg.grad_accum,
+                              log_with="wandb" if cfg.report_to == "wandb" else None)
+    rank, world, main_proc = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    zero3 = deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
+    out = Path(cfg.output_dir)
+    resume = resolve_resume(cfg, out)
+    if main_proc:
+        out.mkdir(parents=True, exist_ok=True)
+        run_config.save(cfg, out, extra={"resolved": dev, "world_size": world})
+        print(yaml.safe_dump({**run_config.to_dict(cfg), "resolved": dev, "world_size": world}, sort_keys=False))
+    if deepspeed:
+        configure_deepspeed(accelerator, cfg)
+    if cfg.report_to == "wandb":
+        accelerator.init_trackers(cfg.wandb_project, config={**run_config.to_dict(cfg), **dev}, init_kwargs={
+            "wandb": {"name": cfg.wandb_run_name, "tags": list(cfg.wandb_tags), "dir": str(out.resolve())}})
+    accelerator.wait_for_everyone()
+
+    # ---------------------------------------------------------------------------------------- data
+    rows = open_rows(cfg.train if cfg.feature_source == "online" else cfg.feature_source)
+    if cfg.feature_source != "online" and not isinstance(rows, CaptureRows):
+        raise ConfigError(f"config key 'feature_source': {cfg.feature_source} is not a train.capture folder")
+    eval_rows = open_rows(cfg.eval) if cfg.eval else None
+    order = StepOrder(len(rows), cfg.micro_batch_size, cfg.grad_accum, world, cfg.seed)
+    total_steps = cfg.max_steps or cfg.epochs * order.steps_per_epoch
+
+    # ---------------------------------------------------------------------------------------- models
+    # The target is never handed to DeepSpeed: it must not be partitioned (design.md §8.13).
+    with whole_modules(accelerator if deepspeed else None):
+        target = load_target(cfg.target, dtype=dev["target_dtype"], device=accelerator.device)
+        try:
+            tokenizer = load_tokenizer(cfg.target)
+        except (OSError, ValueError):
+            tokenizer = None
+        dcfg = run_config.draft_config(cfg, target, tokenizer)
+        target.set_layer_ids(dcfg.target_layer_ids)
+        if cfg.feature_source != "online":
+            digest = open_rows(cfg.train).metadata()["data_digest"] if cfg.train else None
+            try:
+                rows.check(expected_fields(cfg, dev["target_dtype"], dcfg.target_layer_ids, digest))
+            except ValueError as e:
+                raise ConfigError(f"config key 'feature_source': {e}") from None
+        set_seed(cfg.seed)
+        draft = load_draft(cfg.draft_init, dtype=torch.float32) if cfg.draft_init else DSpineDraftModel(dcfg)
+        draft = draft.float().train()
+        if cfg.init_from and resume is None:
+            warm_start(draft, cfg.init_from)
+    eos_ids = sorted(TargetSpec.from_adapter(target, tokenizer).eos_ids)
+    settings = StepSettings(dcfg.block_size, dev["attn"], cfg.loss_chunk_size, cfg.grad_clip)
+    batch_kw = dict(max_length=cfg.max_length, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+                    gamma=cfg.gamma, anchors_per_seq=cfg.anchors_per_seq, pad_to_multiple=dev["pad_to_multiple"],
+                    static_anchors=dev["attn"] == "flex")
+    if main_proc:
+        print(f"draft: {count_parameters(draft):,} parameters, {dcfg.num_hidden_layers} layers, block "
+              f"{dcfg.block_size}, injection {dcfg.injection}, target layers {dcfg.target_layer_ids}, mask "
+              f"{dcfg.mask_token_id}; data: {len(rows)} rows, {order.steps_per_epoch} steps/epoch, "
+              f"global batch {order.global_batch}, {total_steps} steps; {world} rank(s), {accelerator.distributed_type}")
+
+    # ---------------------------------------------------------------------------------------- optimizer
+    optimizer = make_optimizer(draft, cfg.lr, cfg.weight_decay, cfg.betas)
+    scheduler = make_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
+    draft, optimizer = accelerator.prepare(draft, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    start, skipped_total = 0, 0
+    if resume is not None:
+        state = json.loads((resume / "trainer_state.json").read_text())
+        check_resume(state, cfg, world, total_steps)
+        accelerator.load_state(str(resume / "state"))
+        start, skipped_total = state["step"], state["skipped_rows"]
+        if main_proc:
+            print(f"resumed from {resume}: step {start}, epoch {state['epoch']}, index {state['index']}")
+    if main_proc:
+        truncate_jsonl(out / "metrics.jsonl", start)
+    if cfg.log_samples:
+        truncate_jsonl(out / f"samples-rank{rank}.jsonl", start)
+    accelerator.wait_for_everyone()
+
+    # ---------------------------------------------------------------------------------------- loop
+    metrics = open(out / "metrics.jsonl", "a") if main_proc else None
+    samples = open(out / f"samples-rank{rank}.jsonl", "a") if cfg.log_samples else None
+    stop = min(total_steps, cfg.stop_after_steps or total_steps)
+    bar = tqdm(total=total_steps, initial=start, disable=not main_proc, dynamic_ncols=True)
+    new_window = lambda: {"loss": [], "grad_norm": [], "tokens": 0, "seconds": 0.0,
+                          "stats": LossStats.zeros(dcfg.block_size)}
+    window = new_window()  # steps since the last metrics row
+
+    def log(row: dict) -> None:
+        if metrics is not None:
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+        flat = {k: v for k, v in row.items() if not isinstance(v, list) and k != "step"}
+        for k, v in row.items():
+            if isinstance(v, list):
+                flat.update({f"{k}/{i + 1}": x for i, x in enumerate(v)})
+        accelerator.log(flat, step=row["step"])
+
+    for step in range(start, stop):
+        t0 = time.perf_counter()
+        batches = []
+        for m, ids in enumerate(order.rank_rows(step, rank)):
+            batches.append(make_batch([rows.row(i) for i in ids], ids, generator=anchor_generator(cfg.seed, step, rank, m),
+                                      **batch_kw))
+        res = train_step(accelerator, draft, target, optimizer, scheduler, batches, settings)
+        n = step + 1
+        window["seconds"] += time.perf_counter() - t0
+        window["loss"].append(res["loss"])
+        window["grad_norm"].append(res["grad_norm"])
+        window["tokens"] += res["tokens"]
+        window["stats"].add(res["stats"])
+        skipped_total += res["skipped"]
+        if samples is not None:
+            samples.write(json.dumps({"step": n, "rows": [i for b in batches for i in b.row_ids]}) + "\n")
+            samples.flush()
+        bar.update(1)
+        if n % cfg.log_every == 0 or n == stop:
+            pos = order.position(step)
+            row = {"step": n, "epoch": pos.epoch, "loss": sum(window["loss"]) / len(window["loss"]), "lr": res["lr"],
+                   "grad_norm": sum(window["grad_norm"]) / len(window["grad_norm"]),
+                   "tokens_per_s": window["tokens"] / max(window["seconds"], 1e-9),
+                   "train/acc_at_pos": window["stats"].accuracy, "skipped_rows": skipped_total}
+            log(row)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
+            window = new_window()
+        if eval_rows is not None and (n == total_steps or (cfg.eval_every and n % cfg.eval_every == 0)):
+            res_eval = evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3)
+            log({"step": n, **res_eval})
+            if main_proc:
+                bar.write(f"step {n}: eval loss {res_eval['eval/loss']:.4f}, tau_sim {res_eval['eval/tau_sim']:.3f}"
+                          + (f", tau_real {res_eval['eval/tau_real']:.3f}" if "eval/tau_real" in res_eval else ""))
+        if n == stop or (cfg.save_every and n % cfg.save_every == 0):
+            pos = order.position(n)  # where the next step starts reading
+            state = {"step": n, "epoch": pos.epoch, "index": pos.index, "skipped_rows": skipped_total,
+                     "world_size": world, "total_steps": total_steps,
+                     **{k: getattr(cfg, k) for k in RESUME_KEYS}}
+            save_checkpoint(accelerator, draft, dcfg, cfg, dev, n, state, zero3)
+    bar.close()
+    for fh in (metrics, samples):
+        if fh is not None:
+            fh.close()
+    accelerator.end_training()
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- eval
+
+
+def eval_prompts(rows, count: int, min_tokens: int) -> list[list[int]]:
+    """Prompts for tau_real: each row up to its first supervised token (at least ``min_tokens``)."""
+    prompts = []
+    for i in range(min(count, len(rows))):
+        r = rows.row(i)
+        first = next((j for j, m in enumerate(r["loss_mask"]) if m), len(r["loss_mask"]))
+        prompts.append(r["input_ids"][: max(first, min_tokens, 1)])
+    return prompts
+
+
+def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3) -> dict:
+    """Held-out loss, teacher-forced accuracy per slot, tau_sim and tau_real.
+
+    Per-slot counts are summed over ranks before dividing (design.md §8.9); anchors are drawn from a
+    fixed generator so evals at different steps see the same blocks. tau_real decodes
+    ``eval_prompts`` prompts greedily with :class:`dspine.spec.ReferenceDecoder` on rank 0."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    n = min(len(eval_rows), cfg.eval_max_rows)
+    mine = list(range(rank, n - n % world, world))
+    stats = LossStats.zeros(dcfg.block_size)
+    with torch.no_grad():
+        for m, i in enumerate(range(0, len(mine), cfg.micro_batch_size)):
+            ids = mine[i: i + cfg.micro_batch_size]
+            b = make_batch([eval_rows.row(j) for j in ids], ids, generator=anchor_generator(cfg.seed, -1, rank, m),
+                           **batch_kw)
+            stats.add(micro_loss(draft, target, b.to(accelerator.device), settings)[1])
+    stats = LossStats.from_vector(reduce_sum(accelerator, stats.to_vector()))
+    acc = stats.accuracy
+    tau, at_pos = tau_sim(acc)
+    out = {"eval/loss": stats.loss_sum / stats.weight_sum if stats.weight_sum else float("nan"),
+           "eval/acc_at_pos": acc, "eval/accept_at_pos": at_pos, "eval/tau_sim": tau}
+    if cfg.eval_prompts:
+        from dspine.sampling import SamplingParams
+        from dspine.spec import ReferenceDecoder
+
+        model = full_draft(accelerator, draft, dcfg, zero3)
+        real = None
+        if accelerator.is_main_process:
+            prompts = eval_prompts(eval_rows, cfg.eval_prompts, cfg.eval_prompt_min_tokens)
+            model.eval()
+            with accelerator.autocast():
+                res = ReferenceDecoder(target, model, eos_ids).generate(
+                    prompts, SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens))
+            model.train()
+            real = {"eval/tau_real": res.stats.tau, "eval/real_accept_at_pos": res.stats.accept_at_pos,
+                    "eval/real_steps": res.stats.steps}
+        accelerator.wait_for_everyone()
+        if real is not None:
+            out.update(real)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- checkpoint
+
+RESUME_KEYS = ("seed", "micro_batch_size", "grad_accum", "train", "feature_source", "max_length", "anchors_per_seq")
+
+
+def full_draft(accelerator, draft, dcfg, zero3: bool):
+    """The draft with full weights on rank 0 (None elsewhere under ZeRO-3). Collective under ZeRO-3:
+    every rank must call it (the parameters are gathered; needs ``zero3_save_16bit_model``)."""
+    from dspine.model import DSpineDraftModel
+
+    if not zero3:
+        return accelerator.unwrap_model(draft)
+    state = accelerator.get_state_dict(draft)
+    if not accelerator.is_main_process:
+        return None
+    model = DSpineDraftModel(dcfg)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model.to(accelerator.device)
+
+
+def save_checkpoint(accelerator, draft, dcfg, cfg, dev, step: int, state: dict, zero3: bool) -> Path:
+    """``step-N/{state,draft,trainer_state.json,config.yaml}``, then the ``latest`` pointer, then rotation."""
+    from data.rows import atomic_write_json
+    from dspine.checkpoint import save_draft
+
+    out = Path(cfg.output_dir)
+    ckpt = out / f"step-{step}"
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(ckpt / "state"))
+    model = full_draft(accelerator, draft, dcfg, zero3)
+    if accelerator.is_main_process:
+        dtype = torch.bfloat16 if cfg.save_dtype == "bf16" else torch.float32
+        save_draft(model, ckpt / "draft", dtype=dtype, metadata={
+            "target": cfg.target, "step": str(step), "injection": dcfg.injection, "train": cfg.train})
+        run_config.save(cfg, ckpt, extra={"resolved": dev, "world_size": accelerator.num_processes})
+        atomic_write_json(ckpt / "trainer_state.json", state)
+        tmp = out / "latest.tmp"
+        tmp.write_text(ckpt.name + "\n")
+        os.replace(tmp, out / "latest")
+        if cfg.keep_last:
+            steps = sorted((int(p.name.split("-")[1]), p) for p in out.glob("step-*") if p.name[5:].isdigit())
+            for _, old in steps[: -cfg.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return ckpt
+
+
+def resolve_resume(cfg, out: Path) -> Path | None:
+    """The checkpoint folder to resume from, or None. Raises ConfigError for a missing checkpoint
+    or when ``resume_from: none`` would overwrite existing checkpoints."""
+    latest = out / "latest"
+    if cfg.resume_from == "auto":
+        return out / latest.read_text().strip() if latest.is_file() else None
+    if cfg.resume_from == "none":
+        if latest.is_file():
+            raise ConfigError(f"resume_from=none but {out} already holds checkpoints ({latest}); "
+                              "use resume_from=auto or another output_dir")
+        return None
+    ckpt = Path(cfg.resume_from)
+    if not (ckpt / "trainer_state.json").is_file() or not (ckpt / "state").is_dir():
+        raise ConfigError(f"config key 'resume_from': {ckpt} is not a step-N checkpoint (trainer_state.json + state/)")
+    return ckpt
+
+
+def check_resume(state: dict, cfg, world: int, total_steps: int) -> None:
+    """Exact continuation needs the same data order: refuse a change of the keys that define it."""
+    have = {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "world_size": world}
+    for key, value in have.items():
+        if key in state and state[key] != value:
+            raise ConfigError(f"resume: {key} was {state[key]!r} in the checkpoint but is {value!r} now; an exact "
+                              "continuation needs the same value (or start a new output_dir with init_from)")
+    if state.get("total_steps") not in (None, total_steps):
+        print(f"warning: resuming with {total_steps} total steps instead of {state['total_steps']}: "
+              "the learning-rate schedule changes", file=sys.stderr)
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drop rows logged after ``last_step`` (a run killed after its last checkpoint logged them)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+# -------------------------------------------------------------------------------------------- launch, DeepSpeed
+
+
+def relaunch_cpu_ranks(argv: list[str]) -> int | None:
+    """Start the ranks of ``accelerate launch --cpu --num_processes N`` (N > 1) and wait for them.
+
+    accelerate's launcher runs a CPU script once and leaves multi-process CPU runs to mpirun; this
+    process then re-launches itself through ``torch.distributed.run`` (gloo ranks, which accelerate
+    detects as MULTI_CPU). N is read from the launcher's command line or its ``--config_file``.
+    Returns the ranks' exit code, or None when this process is already a rank (or N <= 1)."""
+    import subprocess
+
+    env = os.environ
+    if env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1") or "MASTER_ADDR" not in env:
+        return None
+    if any(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
+        return None
+    try:
+        launcher = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return None
+    n = launcher_option(launcher, "num_processes")
+    if n is None and launcher_option(launcher, "config_file"):
+        n = yaml.safe_load(Path(launcher_option(launcher, "config_file")).read_text()).get("num_processes")
+    if not n or int(n) <= 1:
+        return None
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={int(n)}",
+           f"--master_addr={env['MASTER_ADDR']}", f"--master_port={env.get('MASTER_PORT', '29500')}",
+           str(Path(__file__).resolve()), *argv]
+    return subprocess.call(cmd)
+
+
+def launcher_option(args: list[str], name: str) -> str | None:
+    """Value of ``--name V`` / ``--name=V`` (also with dashes for underscores) in an argument list."""
+    names = {f"--{name}", f"--{name.replace('_', '-')}"}
+    for i, a in enumerate(args):
+        key, eq, val = a.partition("=")
+        if key in names:
+            return val if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
+@contextlib.contextmanager
+def whole_modules(accelerator):
+    """Build models unpartitioned under DeepSpeed ZeRO-3.
+
+    accelerate registers its DeepSpeed config with transformers, whose ``from_pretrained`` then
+    builds every model inside ``deepspeed.zero.Init`` (partitioned over ranks). The frozen target
+    is never handed to DeepSpeed (design.md §8.13) and must stay whole on each rank; the draft is
+    partitioned later by ``accelerator.prepare``."""
+    if accelerator is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+def configure_deepspeed(accelerator, cfg) -> None:
+    """Fill the DeepSpeed config from the run config: micro batch, accumulation, clipping.
+
+    Raises ConfigError when the DeepSpeed JSON pins a different gradient clipping than ``grad_clip``."""
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+    ds["gradient_accumulation_steps"] = cfg.grad_accum
+    ds["train_batch_size"] = cfg.micro_batch_size * cfg.grad_accum * accelerator.num_processes
+    clip = ds.get("gradient_clipping", "auto")
+    if clip not in ("auto", None) and not math.isclose(float(clip), cfg.grad_clip):
+        raise ConfigError(f"config key 'grad_clip' = {cfg.grad_clip} but the DeepSpeed config sets gradient_clipping "
+                          f"= {clip}; set it to \"auto\" there (the run config is the one source)")
+    ds["gradient_clipping"] = cfg.grad_clip
+    ds.setdefault("zero_allow_untested_optimizer", True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The DSpine training loss (design.md §4): anchors, block inputs, weighted chunked cross entropy.
+
+For each sampled anchor a of a sequence the draft sees the block ``[x_a, MASK × (bs-1)]``; slot
+k >= 1 predicts ``x_{a+k}`` with weight ``w_k = exp(-(k-1)/γ) · loss_mask[a+k]`` (0 past the
+sequence end), and ``loss = Σ w·CE / Σ w``. The vocabulary projection is the frozen target
+``lm_head``, applied in row chunks by :class:`FusedLinearCE` so that the ``[rows, vocab]`` logits
+never exist at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# ------------------------------------------------------------------------------------- anchors
+
+
+def anchor_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
+    """CPU generator for the anchors of one micro-batch, a pure function of its arguments.
+
+    Resuming at ``step`` therefore draws the same anchors without saving RNG state for them.
+    ``step`` is the 0-based optimizer step (use a negative value for eval draws)."""
+    key = (((int(seed) * 1_000_003 + int(step)) * 8191 + int(rank)) * 131 + int(micro)) % (2**63 - 1)
+    return torch.Generator().manual_seed(key)
+
+
+def valid_anchors(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions p < length - 1 with ``loss_mask[p] = loss_mask[p+1] = 1`` (design.md §4).
+
+    loss_mask: ``[S]`` 0/1 (any int/bool dtype), valid up to ``length``. Returns sorted int64 ``[n]``."""
+    m = loss_mask[:length].bool()
+    if length < 2:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.nonzero(m[:-1] & m[1:]).flatten()
+
+
+def sample_anchors(loss_masks: list[torch.Tensor], lengths: list[int], max_anchors: int,
+                   generator: torch.Generator, pad_to: int | None = None) -> torch.Tensor:
+    """Up to ``max_anchors`` valid anchors per sequence, uniformly without replacement, sorted.
+
+    Returns int64 ``[B, N]`` (N = ``pad_to`` or the largest count in the batch, at least 1),
+    padded with -1. Draws happen in row order from ``generator``."""
+    picks = []
+    for mask, length in zip(loss_masks, lengths):
+        valid = valid_anchors(mask, length)
+        if len(valid) > max_anchors:
+            valid = valid[torch.randperm(len(valid), generator=generator)[:max_anchors]].sort().values
+        picks.append(valid)
+    n = pad_to if pad_to is not None else max([len(p) for p in picks] + [1])
+    out = torch.full((len(picks), n), -1, dtype=torch.long)
+    for i, p in enumerate(picks):
+        out[i, : len(p)] = p
+    return out
+
+
+# ------------------------------------------------------------------------------------- blocks
+
+
+def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """``[B, N*bs]`` token ids ``[x_a, MASK, ..., MASK]`` per block (padding blocks: all MASK).
+
+    input_ids: ``[B, S]`` int64; anchors: ``[B, N]`` int64 with -1 padding."""
+    B, N = anchors.shape
+    ids = torch.full((B, N, block_size), int(mask_token_id), dtype=input_ids.dtype, device=input_ids.device)
+    tok = torch.gather(input_ids, 1, anchors.clamp(min=0))
+    ids[:, :, 0] = torch.where(anchors >= 0, tok, ids[:, :, 0])
+    return ids.view(B, N * block_size)
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """fp32 ``[bs]``: 0 for slot 0, ``exp(-(k-1)/γ)`` for slot k >= 1 (design.md §4)."""
+    k = torch.arange(block_size, dtype=torch.float64)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w.float()
+
+
+def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
+                  block_size: int, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels and weights of every block slot.
+
+    Args:
+        input_ids, loss_mask: ``[B, S]``; lengths: ``[B]`` valid tokens per row; anchors ``[B, N]`` (-1 = pad).
+    Returns:
+        labels int64 ``[B, N*bs]`` (token at a+k; 0 at slot 0 and where undefined) and weights fp32 ``[B, N*bs]``
+        = ``exp(-(k-1)/γ) · loss_mask[a+k]``, 0 for slot 0, padding blocks and a+k >= length.
+    """
+    B, N = anchors.shape
+    k = torch.arange(block_size, device=anchors.device)
+    pos = anchors[:, :, None] + k  # [B, N, bs]
+    inside = (anchors[:, :, None] >= 0) & (pos < lengths[:, None, None])
+    idx = torch.where(inside, pos, torch.zeros_like(pos)).view(B, -1)
+    labels = torch.gather(input_ids, 1, idx).view(B, N, block_size)
+    mask = torch.gather(loss_mask.to(torch.float32), 1, idx).view(B, N, block_size)
+    w = slot_weights(block_size, gamma).to(anchors.device) * mask * inside
+    labels = torch.where(inside & (k > 0), labels, torch.zeros_like(labels))
+    return labels.view(B, -1), w.view(B, -1)
+
+
+# ----------------------------------------------------------------------- fused linear cross entropy
+
+
+class FusedLinearCE(torch.autograd.Function):
+    """``Σ_r w_r · CE(h_r Wᵀ, y_r)`` with the logits computed in row chunks (Liger-style).
+
+    Forward walks the rows in chunks of ``chunk_size``: logits (fp32) -> log-softmax -> weighted
+    CE, and, when ``hidden`` needs a gradient, ``∂/∂h = w · (softmax - onehot(y)) · W`` for the
+    chunk, kept in one ``[R, H]`` fp32 buffer. Backward only scales that buffer by the incoming
+    scalar gradient. ``weight`` (the frozen target lm_head) gets no gradient. Peak extra memory is
+    a few ``[chunk_size, V]`` fp32 tensors.
+
+    Inputs: hidden ``[R, H]`` (any float dtype), weight ``[V, H]``, labels int64 ``[R]``,
+    row_weights fp32 ``[R]``. Outputs: fp32 scalar loss sum and bool ``[R]`` (argmax == label;
+    not differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, row_weights, chunk_size: int):
+        R = hidden.shape[0]
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.empty(R, hidden.shape[1], dtype=torch.float32, device=hidden.device) if need_grad else None
+        correct = torch.empty(R, dtype=torch.bool, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, R, chunk_size):
+            e = min(s + chunk_size, R)
+            logits = (hidden[s:e].to(weight.dtype) @ weight.t()).float()  # [c, V]
+            y, w = labels[s:e], row_weights[s:e].float()
+            lse = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(1, y[:, None]).squeeze(1)
+            total += (w * (lse - target_logit)).sum()
+            correct[s:e] = logits.argmax(-1) == y
+            if need_grad:
+                # d CE / d logits = softmax - onehot; reuse the logits buffer in place
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(e - s, device=probs.device), y] -= 1.0
+                probs.mul_(w[:, None])
+                grad[s:e] = (probs.to(weight.dtype) @ weight).float()
+        ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_correct):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_total).to(ctx.hidden_dtype), None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden, weight, labels, row_weights, chunk_size: int = 2048):
+    """``(Σ w·CE, argmax == label)`` over rows of ``hidden [R, H]`` with ``weight [V, H]``; see :class:`FusedLinearCE`."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    return FusedLinearCE.apply(hidden, weight, labels, row_weights, int(chunk_size))
+
+
+def naive_linear_cross_entropy(hidden, weight, labels, row_weights, chunk_size: int = 0):
+    """Reference with the same signature: full ``[R, V]`` logits, ``F.cross_entropy``."""
+    logits = (hidden.to(weight.dtype) @ weight.t()).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (row_weights.float() * ce).sum(), logits.argmax(-1) == labels
+
+
+# ------------------------------------------------------------------------------- block loss
+
+
+@dataclass
+class LossStats:
+    """Sums over weighted rows (w > 0) of one or more micro-batches, per slot k = 0..bs-1 (0 unused).
+
+    loss_sum = Σ w·CE, weight_sum = Σ w (fp64 scalars as Python floats), count[k] = weighted rows of
+    slot k, correct[k] = those where the draft's argmax equals the label (int64 ``[bs]``)."""
+
+    loss_sum: float
+    weight_sum: float
+    count: torch.Tensor
+    correct: torch.Tensor
+
+    @classmethod
+    def zeros(cls, block_size: int) -> LossStats:
+        return cls(0.0, 0.0, torch.zeros(block_size, dtype=torch.long), torch.zeros(block_size, dtype=torch.long))
+
+    def add(self, other: LossStats) -> LossStats:
+        self.loss_sum += other.loss_sum
+        self.weight_sum += other.weight_sum
+        self.count += other.count
+        self.correct += other.correct
+        return self
+
+    def to_vector(self) -> torch.Tensor:
+        """fp64 ``[2 + 2·bs]`` for one all-reduce: (loss_sum, weight_sum, count, correct)."""
+        return torch.cat([torch.tensor([self.loss_sum, self.weight_sum], dtype=torch.float64),
+                          self.count.double(), self.correct.double()])
+
+    @classmethod
+    def from_vector(cls, v: torch.Tensor) -> LossStats:
+        v = v.double().cpu()
+        bs = (len(v) - 2) // 2
+        return cls(float(v[0]), float(v[1]), v[2:2 + bs].round().long(), v[2 + bs:].round().long())
+
+    @property
+    def accuracy(self) -> list[float]:
+        """Teacher-forced accuracy acc_k, k = 1..bs-1 (NaN for a slot with no weighted row)."""
+        return [c / n if n else float("nan") for c, n in zip(self.correct.tolist()[1:], self.count.tolist()[1:])]
+
+
+def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+               block_size: int, chunk_size: int = 2048, fused: bool = True) -> tuple[torch.Tensor, LossStats]:
+    """Weighted CE sum of the draft's block outputs and per-slot statistics.
+
+    Args:
+        hidden: ``[B, N*bs, H]`` draft outputs (``forward_train``); lm_head_weight ``[V, H]`` (frozen).
+        labels, weights: ``[B, N*bs]`` from :func:`block_targets`.
+    Returns:
+        ``Σ w·CE`` (fp32 scalar, differentiable w.r.t. ``hidden``; divide by Σ w for the loss of
+        design.md §4) and :class:`LossStats`. Only rows with w > 0 reach the lm_head.
+    """
+    H = hidden.shape[-1]
+    flat_w = weights.reshape(-1)
+    rows = torch.nonzero(flat_w > 0).flatten()
+    h = hidden.reshape(-1, H).index_select(0, rows.to(hidden.device))
+    y = labels.reshape(-1)[rows].to(hidden.device)
+    w = flat_w[rows].to(hidden.device)
+    fn = fused_linear_cross_entropy if fused else naive_linear_cross_entropy
+    if len(rows):
+        loss_sum, correct = fn(h, lm_head_weight, y, w, chunk_size)
+    else:  # nothing to learn here: a zero that still reaches every draft parameter (DDP needs the graph)
+        loss_sum, correct = hidden.float().sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    slots = (rows % block_size).to(hidden.device)
+    count = torch.bincount(slots, minlength=block_size).cpu()
+    hits = torch.bincount(slots[correct], minlength=block_size).cpu()
+    stats = LossStats(float(loss_sum.detach()), float(w.double().sum()), count, hits)
+    return loss_sum, stats
+
+
+def tau_sim(accuracy: list[float]) -> tuple[float, list[float]]:
+    """τ implied by teacher-forced per-position accuracies, bonus token included (design.md §1).
+
+    Approximation: the k-th draft is accepted with probability acc_k independently of the earlier
+    ones being accepted, so P(first k drafts all accepted) ≈ Π_{j<=k} acc_j =: accept_at_pos[k] and
+    τ_sim = 1 + Σ_k accept_at_pos[k]. acc_k is measured with the true tokens before slot k
+    (teacher forcing), so τ_sim is optimistic against real decoding (design.md §8.2).
+    Returns (τ_sim, accept_at_pos for k = 1..bs-1). A slot without data counts as accuracy 0.
+    """
+    at_pos, run = [], 1.0
+    for a in accuracy:
+        run *= 0.0 if math.isnan(a) else a
+        at_pos.append(run)
+    return 1.0 + sum(at_pos), at_pos
