@@ -84,8 +84,13 @@ def build(shape: dict, dev, dtype, layers: int, block: int):
 
     cfg = Qwen3Config(**shape)
     torch.manual_seed(0)
-    with torch.device(dev):
-        hf = Qwen3ForCausalLM(cfg).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in bf16 directly: no 32 GB fp32 copy of the 8B weights
+    try:
+        with torch.device(dev):
+            hf = Qwen3ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
     a = ModelArgs.from_hf_config(cfg)
     dcfg = DSpineConfig(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
                         num_hidden_layers=layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
