@@ -153,6 +153,7 @@ def load_generator(
     device,
     max_batch: int = 16,
     max_context: int | None = None,
+    dtype: str = "auto",
 ) -> Generator:
     """Builds the generator of a resolved backend ("hf" or "engine") for the target checkpoint.
 
@@ -161,7 +162,9 @@ def load_generator(
     new tokens; default 4096), so keep max_context near what the data needs.
     """
     cuda = torch.device(device).type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    if dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: expected auto, bf16 or fp32")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, torch.bfloat16 if cuda else torch.float32)
     if backend == "engine":
         from infer.engine import load_engine
 

@@ -55,7 +55,7 @@ SUMMARY = "summary.json"
 CONTENT_ARGS = (
     "input", "input_digest", "target", "gguf_file", "tokenizer", "chat_template", "chat_template_digest",
     "max_new_tokens", "temperature", "top_p", "top_k", "enable_thinking", "max_turns", "max_context",
-    "limit", "seed",
+    "limit", "seed", "dtype",
 )  # fmt: skip
 # Distillation trains on <= 3072-token sequences (design.md §4): longer prompts are of no use, and
 # this bounds the KV cache the engine backend preallocates (batch x max context).
@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"max_position_embeddings, at most {DEFAULT_MAX_CONTEXT}; the engine preallocates KV for batch x this)",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N input rows")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="target weights: auto = bf16 on CUDA, fp32 on the CPU (bf16 is faster on CPUs with AVX512-BF16/AMX)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
@@ -432,7 +434,8 @@ def regenerate(args: argparse.Namespace) -> dict:
     stop_ids = stop_token_ids(tokenizer, template, model_generation_config(args.target))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     generator = load_generator(
-        backend, args.target, args.gguf_file, stop_ids, pad_id, state.device, args.batch_size, max_context
+        backend, args.target, args.gguf_file, stop_ids, pad_id, state.device, args.batch_size, max_context,
+        dtype=args.dtype,
     )
 
     _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, max_context)

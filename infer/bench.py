@@ -187,7 +187,11 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[infer]'): no plot written", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

