@@ -200,4 +200,9 @@ class DSpineConfig(PretrainedConfig):
         # keep the DFlash spelling of RoPE so DFlash-aware engines read it
         out["rope_theta"] = self.rope_theta
         out.setdefault("rope_scaling", None)
+        if self.injection == "none":
+            # A draft without injection has exactly the DFlash tensors: write the DFlash header too, so
+            # engines that know z-lab/Qwen3-8B-DFlash-b16 load it (load_config reads it back as DSpine).
+            out["model_type"] = "qwen3"
+            out["architectures"] = ["DFlashDraftModel"]
         return out

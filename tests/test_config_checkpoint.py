@@ -40,6 +40,15 @@ def test_config_roundtrip_and_auto_registration(tmp_path):
     assert isinstance(again, DSpineConfig) and again.block_attention == "causal"
 
 
+def test_dflash_ablation_writes_the_dflash_header(tmp_path):
+    model = DSpineDraftModel(small_config(dspine_config={"injection": "none"}))
+    save_draft(model, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["model_type"] == "qwen3" and raw["architectures"] == ["DFlashDraftModel"]
+    again = load_draft(tmp_path)
+    assert again.config.injection == "none" and torch.equal(again.fc.weight, model.fc.weight)
+
+
 @pytest.mark.parametrize("over,field", [
     ({"dspine_config": {"injection": "cross"}}, "dspine_config.injection"),
     ({"dspine_config": {"block_attention": "sideways"}}, "dspine_config.block_attention"),

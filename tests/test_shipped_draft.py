@@ -1,0 +1,59 @@
+"""The DSpine draft shipped for SmolLM2-135M-Instruct (the README's main command) on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspine.sampling import SamplingParams
+from infer.generate import DEFAULT_DRAFT, DEFAULT_TARGET
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not DEFAULT_TARGET.is_file():
+        pytest.skip(f"{DEFAULT_TARGET} missing: run `python -m infer.fetch` (the README's commands do)")
+    from dspine.checkpoint import load_draft
+    from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer
+
+    target = load_target(str(DEFAULT_TARGET), dtype="fp32")
+    tok = load_tokenizer(str(DEFAULT_TARGET))
+    draft = load_draft(DEFAULT_DRAFT, dtype=torch.float32)
+    spec = TargetSpec.from_adapter(target, tok)
+    assert_compatible(spec, draft.config, max_context=2048)
+    return target, tok, draft, sorted(spec.eos_ids)
+
+
+def test_shipped_draft_size_and_layout():
+    from safetensors import safe_open
+
+    path = DEFAULT_DRAFT / "model.safetensors"
+    assert path.stat().st_size <= 25_000_000  # ships in the repo
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+        assert all(f.get_slice(n).get_dtype() == "BF16" for n in names)
+    assert "fc.weight" in names and not any("embed" in n or "lm_head" in n for n in names)
+
+
+def test_shipped_draft_greedy_equals_ar_and_accepts(smollm2):
+    from dspine.spec import ReferenceDecoder
+    from infer.datasets import load_eval_prompts
+    from infer.prompts import encode_prompt
+
+    target, tok, draft, eos = smollm2
+    chats = ["What is the capital of France?", "Write a Python function that reverses a string.",
+             "Give me three tips for better sleep."]
+    prompts = [encode_prompt(tok, t) for t in chats]
+    p = SamplingParams(max_new_tokens=40)
+    spec = ReferenceDecoder(target, draft, eos).generate(prompts, p)
+    ar = ReferenceDecoder(target, None, eos).generate(prompts, p)
+    assert spec.token_ids == ar.token_ids
+    try:
+        gsm = [encode_prompt(tok, x.turns[0]) for x in load_eval_prompts("gsm8k", 3)]
+    except FileNotFoundError as e:
+        pytest.skip(f"GSM8K prompts unavailable: {e}")
+    res = ReferenceDecoder(target, draft, eos).generate(gsm, SamplingParams(max_new_tokens=64))
+    assert res.stats.tau > 1.5, res.stats.to_dict()
+    assert abs(res.stats.tau - 1 - sum(res.stats.accept_at_pos)) < 1e-12
