@@ -230,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", default="train", help="split of Hub sources")
     p.add_argument("--overwrite", action="store_true", help="replace a finished output in DIR")
     args = p.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit {args.limit}: must be >= 1")
+    if not 0 <= args.eval_fraction < 1:
+        p.error(f"--eval-fraction {args.eval_fraction}: must be in [0, 1)")
     try:
         summary = prepare(
             args.input,
@@ -244,8 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (ConnectionError, OSError) as e:  # a Hub source without network, a permission problem
+        print(f"error: could not read an input ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
     print(format_summary(summary))
     print(f"wrote {args.output}/{{train,eval,skipped}}.jsonl and {SUMMARY}")
+    if not summary["total"].get("kept"):
+        print("error: no row was kept (see the skip reasons above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -409,10 +409,17 @@ def regenerate(args: argparse.Namespace) -> dict:
     if launched != world:  # every process would think it is rank 0 and write the same shards
         raise RuntimeError(f"launched with WORLD_SIZE={launched} but accelerate sees {world} process(es)")
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    if (out / SUMMARY).exists() and not (out / "run_args.json").exists():
+        raise ValueError(f"{out} holds a {SUMMARY} that no data.regenerate run wrote (another tool's output?); "
+                         "choose another --output")
 
     tokenizer = load_tokenizer(args.tokenizer or args.target, None if args.tokenizer else args.gguf_file)
     template = resolve_chat_template(args.chat_template, tokenizer)
+    # the answers are only useful if data.tokenize can mask them: check the template before generating
+    from data.tokenize import check_template
+
+    check_template(tokenizer, template, args.enable_thinking)
+    out.mkdir(parents=True, exist_ok=True)
     input_digest, n_rows = scan_input(args.input, args.limit)
     max_context = args.max_context or min(
         model_context(args.target, args.gguf_file) or DEFAULT_MAX_CONTEXT, DEFAULT_MAX_CONTEXT

@@ -487,10 +487,15 @@ def main(argv: list[str] | None = None) -> int:
             args.input, args.tokenizer, cache_dir, args.max_length, args.enable_thinking,
             args.assistant_turns, args.chat_template, args.num_proc,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_summary(json.loads((path / SUMMARY).read_text()), path))
+    summary = json.loads((path / SUMMARY).read_text())
+    print(format_summary(summary, path))
+    if not summary.get("sequences"):
+        print(f"error: {path} holds no sequence: every row failed (see the reasons above); nothing to train on",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -58,10 +58,37 @@ def load_config(path_or_id: str | Path) -> DSpineConfig:
         raw["dspine_config"] = {"injection": "none"}
     if "dflash_config" not in raw:
         raise ValueError(f"{cfg_file}: no dflash_config block (mask_token_id, target_layer_ids); not a DFlash/DSpine draft")
+    _check_types(raw, cfg_file)
     try:
         return DSpineConfig(**raw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{cfg_file}: {e}") from e
+
+
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size", "num_target_layers")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_types(raw: dict, cfg_file: Path) -> None:
+    """Name the field when a config.json value has the wrong type (before the constructor casts it)."""
+    for key in _INT_FIELDS:
+        v = raw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"{cfg_file}: field {key!r} must be an integer, got {v!r}")
+    for key in _FLOAT_FIELDS:
+        v = raw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{cfg_file}: field {key!r} must be a number, got {v!r}")
+    d = raw.get("dflash_config") or {}
+    if not isinstance(d, dict):
+        raise ValueError(f"{cfg_file}: field 'dflash_config' must be an object")
+    ids = d.get("target_layer_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+        raise ValueError(f"{cfg_file}: field 'dflash_config.target_layer_ids' must be a list of integers, got {ids!r}")
+    mask = d.get("mask_token_id")
+    if mask is not None and not isinstance(mask, int):
+        raise ValueError(f"{cfg_file}: field 'dflash_config.mask_token_id' must be an integer, got {mask!r}")
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -39,8 +39,12 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
         raise ValueError(f"num_target_layers={L} and num_draft_layers={n} must be >= 1")
     if n == 1:
         return [L // 2]
-    ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
-    return [min(max(i, 0), L - 1) for i in ids]
+    ids = sorted(min(max(int(round(1 + i * (L - 4) / (n - 1))), 0), L - 1) for i in range(n))
+    if len(set(ids)) < n and L >= n:
+        # a shallow target (L < n + 3 or so): the rule repeats layers; spread distinct ones instead
+        lo, hi = (1, L - 2) if L - 2 >= n else (0, L - 1)
+        ids = [int(round(lo + i * (hi - lo) / (n - 1))) for i in range(n)]
+    return ids
 
 
 class DSpineConfig(PretrainedConfig):
@@ -114,6 +118,10 @@ class DSpineConfig(PretrainedConfig):
         self.block_size = int(block_size)
         self.num_target_layers = int(num_target_layers)
         dflash = dict(dflash_config or {})
+        unknown = set(dflash) - {"mask_token_id", "target_layer_ids"}
+        if unknown:
+            raise ValueError(f"draft config: unknown dflash_config keys {sorted(unknown)}; known: mask_token_id, "
+                             "target_layer_ids")
         if dflash.get("target_layer_ids") is None:
             dflash["target_layer_ids"] = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         dflash["target_layer_ids"] = [int(i) for i in dflash["target_layer_ids"]]

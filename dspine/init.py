@@ -76,6 +76,27 @@ def draft_config_for(target_config, spec: TargetSpec, *, layers: int = 5, block_
     )
 
 
+def adopt_source_layout(args) -> None:
+    """Warm start keeps the source draft's layout: unset shape flags take its values, and a flag that
+    contradicts it is an error (its weights were trained for that layout)."""
+    from dspine.checkpoint import load_config
+
+    src = load_config(args.init_from)
+    layout = {
+        "layers": src.num_hidden_layers, "block_size": src.block_size, "target_layer_ids": src.target_layer_ids,
+        "mask_token_id": src.mask_token_id, "intermediate_size": src.intermediate_size,
+        "sliding_window": src.sliding_window,
+    }
+    for key, value in layout.items():
+        given = getattr(args, key)
+        if given is None:
+            setattr(args, key, value)
+        elif given != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"{flag} {given} contradicts the --init-from draft {args.init_from} ({key}={value}); "
+                             "drop the flag to keep the source layout")
+
+
 def _ints(s: str) -> list[int]:
     try:
         return [int(x) for x in s.split(",") if x.strip()]
@@ -88,8 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", required=True, help="target folder, Hub id or .gguf file")
     ap.add_argument("--gguf-file", default=None)
     ap.add_argument("--out", required=True, help="new draft folder (must not exist or be empty)")
-    ap.add_argument("--layers", type=int, default=5)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=None, help="draft layers (default 5, or the --init-from draft's)")
+    ap.add_argument("--block-size", type=int, default=None, help="default 16, or the --init-from draft's")
     ap.add_argument("--injection", default="residual", help="residual | kv | none (none = DFlash)")
     ap.add_argument("--injection-rank", type=int, default=0, help="0 = full rank")
     ap.add_argument("--injection-layers", type=_ints, default=None)
@@ -116,6 +137,10 @@ def main(argv=None) -> int:
         print(f"error: {out} exists and is not empty; refusing to overwrite", file=sys.stderr)
         return 2
     try:
+        if args.init_from:
+            adopt_source_layout(args)
+        args.layers = 5 if args.layers is None else args.layers
+        args.block_size = 16 if args.block_size is None else args.block_size
         path, gguf = resolve_model_path(args.target, args.gguf_file)
         tcfg = AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
         spec = TargetSpec.from_pretrained(path, gguf)

@@ -48,7 +48,8 @@ class AcceptStats:
 
     @property
     def tau(self) -> float:
-        return self.tokens / self.steps if self.steps else 0.0
+        """Committed tokens per verify step; NaN when no verify step ran (e.g. max_new_tokens=1)."""
+        return self.tokens / self.steps if self.steps else float("nan")
 
     @property
     def accept_at_pos(self) -> list[float]:
@@ -58,7 +59,7 @@ class AcceptStats:
 
     def to_dict(self) -> dict:
         return {
-            "tau": self.tau,
+            "tau": self.tau if self.steps else None,
             "accept_at_pos": self.accept_at_pos,
             "accept_hist": self.hist[1:],  # index 0 = steps that committed 1 token
             "verify_steps": self.steps,

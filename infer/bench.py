@@ -48,6 +48,15 @@ class Runner:
         self.backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "reference")
         self.eos = sorted(self.spec.eos_ids)
         self.drafts = parse_drafts(args.draft)
+        if args.concurrency < 1:
+            raise ValueError(f"--concurrency {args.concurrency}: must be >= 1")
+        limit = self.spec.max_position_embeddings
+        if limit and args.max_prompt_tokens + args.max_new_tokens + 64 > limit:
+            # keep the end of long prompts so that prompt + new tokens fit the target's context
+            args.max_prompt_tokens = limit - args.max_new_tokens - 64
+            if args.max_prompt_tokens < 16:
+                raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
+                                 f"target's context of {limit} positions")
         max_seq = args.max_prompt_tokens + args.max_new_tokens + 64
         from dspine.checkpoint import load_draft
 
@@ -78,6 +87,8 @@ class Runner:
             from dspine.spec import ReferenceDecoder
             from dspine.target import load_target
 
+            if args.block_size is not None:
+                raise ValueError("--block-size (verifying fewer slots than the draft's block) needs --backend cuda")
             target = load_target(path, gguf, dtype="fp32" if args.dtype == "auto" else args.dtype)
             self.decoders[None] = ReferenceDecoder(target, None, self.eos)
             for label, m in models.items():

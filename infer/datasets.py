@@ -92,6 +92,8 @@ def load_eval_prompts(name: str, num: int | None = None, data_dir: str | Path | 
     FileNotFoundError when neither the local file nor the Hub is reachable.
     """
     task = task_name(name)
+    if num is not None and num < 1:
+        raise ValueError(f"number of prompts {num}: must be >= 1 (or None for all)")
     folder = Path(data_dir) if data_dir else default_eval_dir()
     local = folder / TASKS[task][3]
     if local.is_file():
@@ -104,4 +106,4 @@ def load_eval_prompts(name: str, num: int | None = None, data_dir: str | Path | 
     if task == "mbpp":
         rows = [r for r in rows if 11 <= int(r["task_id"]) <= 510]
     prompts = [_format(task, i, r) for i, r in enumerate(rows)]
-    return prompts[:num] if num else prompts
+    return prompts if num is None else prompts[:num]

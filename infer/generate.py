@@ -49,14 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_models(args) -> tuple[str, str | None]:
-    """The target and draft paths, applying the shipped defaults."""
+    """The target and draft paths, applying the shipped defaults: the default target (given or not)
+    comes with the shipped DSpine draft unless ``--draft none``."""
     target, draft = args.target, args.draft
     if target is None:
         if not DEFAULT_TARGET.is_file():
             raise FileNotFoundError(f"default target {DEFAULT_TARGET} is missing; fetch it with:\n  {FETCH_HINT}")
         target = str(DEFAULT_TARGET)
-        if draft is None:
-            draft = str(DEFAULT_DRAFT)
+    if draft is None and Path(target).resolve() == DEFAULT_TARGET.resolve():
+        draft = str(DEFAULT_DRAFT)
+        if not DEFAULT_DRAFT.is_dir():
+            raise FileNotFoundError(f"the shipped draft {DEFAULT_DRAFT} is missing (a partial checkout?); "
+                                    "use --draft PATH, or --draft none to decode autoregressively")
     if draft in (None, "none", ""):
         draft = None
     return target, draft
@@ -89,9 +93,17 @@ def run(args) -> dict:
         backend = "cuda" if torch.cuda.is_available() else "reference"
     if backend == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts {args.num_prompts}: must be >= 1")
     path, gguf = resolve_model_path(target_path, args.gguf_file)
     tokenizer = load_tokenizer(path, gguf)
     spec = TargetSpec.from_pretrained(path, gguf)
+    if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
+        print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
     if args.dataset:
         from infer.datasets import load_eval_prompts
 
@@ -103,6 +115,10 @@ def run(args) -> dict:
                                  enable_thinking=args.enable_thinking)]
     else:
         raise ValueError("give --prompt TEXT or --dataset NAME")
+    need = max(map(len, prompts)) + args.max_new_tokens
+    if spec.max_position_embeddings and need > spec.max_position_embeddings:
+        raise ValueError(f"prompt ({max(map(len, prompts))} tokens) + --max-new-tokens {args.max_new_tokens} = {need} "
+                         f"exceeds the target's context of {spec.max_position_embeddings} positions")
     if backend == "cuda":
         from infer.engine import generate_cli
 
@@ -121,8 +137,11 @@ def _run_reference(args, path, gguf, draft_path, tokenizer, spec, prompts) -> di
     draft = None
     if draft_path is not None:
         draft = load_draft(draft_path, dtype=target.dtype)
+        if args.block_size and args.block_size > draft.config.block_size:
+            raise ValueError(f"--block-size {args.block_size} exceeds the draft's block size {draft.config.block_size}")
         if args.block_size and args.block_size != draft.config.block_size:
-            raise ValueError("--block-size other than the draft's is only supported by --backend cuda")
+            raise ValueError(f"--block-size {args.block_size} < the draft's {draft.config.block_size}: verifying fewer "
+                             "slots is only supported by --backend cuda")
         assert_compatible(spec, draft.config, max_context=max(map(len, prompts)) + args.max_new_tokens)
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
     eos = spec.eos_ids
@@ -153,9 +172,13 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(out["text"])
+        for i, row in enumerate(out.get("batch", [out])):
+            if "batch" in out:
+                print(f"--- prompt {i + 1}")
+            print(row["text"])
         extra = f"  speedup {out['speedup']:.2f}x over AR" if "speedup" in out else ""
-        print(f"\n[{out['backend']}] {out['num_tokens']} tokens, tau {out['accept_len']:.2f} "
+        tau = "n/a" if out["accept_len"] is None else f"{out['accept_len']:.2f}"
+        print(f"\n[{out['backend']}] {out['num_tokens']} tokens, tau {tau} "
               f"(bonus included), {out['tok_per_s']:.1f} tok/s{extra}")
     return 0
 

@@ -50,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         return code
     try:
         return train(cfg)
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. a target that is neither a folder nor a reachable Hub id
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 
@@ -73,9 +76,14 @@ def train(cfg) -> int:
     zero3 = deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
     out = Path(cfg.output_dir)
     resume = resolve_resume(cfg, out)
+    if resume is not None:
+        check_resumed_config(resume, cfg)  # before anything is written: a refused resume changes nothing
+    for key in ("target", "train", "eval"):
+        path = getattr(cfg, key)
+        if key != "target" and path and not Path(path).exists():
+            raise ConfigError(f"config key '{key}': {path} does not exist")
     if main_proc:
         out.mkdir(parents=True, exist_ok=True)
-        run_config.save(cfg, out, extra={"resolved": dev, "world_size": world})
         print(yaml.safe_dump({**run_config.to_dict(cfg), "resolved": dev, "world_size": world}, sort_keys=False))
     if deepspeed:
         configure_deepspeed(accelerator, cfg)
@@ -88,6 +96,8 @@ def train(cfg) -> int:
     rows = open_rows(cfg.train if cfg.feature_source == "online" else cfg.feature_source)
     if cfg.feature_source != "online" and not isinstance(rows, CaptureRows):
         raise ConfigError(f"config key 'feature_source': {cfg.feature_source} is not a train.capture folder")
+    if cfg.feature_source == "online":
+        check_trainable(rows, cfg.train)
     eval_rows = open_rows(cfg.eval) if cfg.eval else None
     order = StepOrder(len(rows), cfg.micro_batch_size, cfg.grad_accum, world, cfg.seed)
     total_steps = cfg.max_steps or cfg.epochs * order.steps_per_epoch
@@ -138,6 +148,7 @@ def train(cfg) -> int:
         if main_proc:
             print(f"resumed from {resume}: step {start}, epoch {state['epoch']}, index {state['index']}")
     if main_proc:
+        run_config.save(cfg, out, extra={"resolved": dev, "world_size": world})
         truncate_jsonl(out / "metrics.jsonl", start)
     if cfg.log_samples:
         truncate_jsonl(out / f"samples-rank{rank}.jsonl", start)
@@ -153,6 +164,7 @@ def train(cfg) -> int:
     window = new_window()  # steps since the last metrics row
 
     def log(row: dict) -> None:
+        row = finite_or_none(row)  # NaN (e.g. a slot with no supervised rows yet) is not valid JSON
         if metrics is not None:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
@@ -168,6 +180,11 @@ def train(cfg) -> int:
         for m, ids in enumerate(order.rank_rows(step, rank)):
             batches.append(make_batch([rows.row(i) for i in ids], ids, generator=anchor_generator(cfg.seed, step, rank, m),
                                       **batch_kw))
+        for b in batches:
+            top = int(b.input_ids.max())
+            if top >= target.vocab_size:
+                raise ConfigError(f"config key 'train': {cfg.train} rows {list(b.row_ids)} hold token id {top} "
+                                  f">= the target's vocabulary ({target.vocab_size} rows): tokenized for another target?")
         res = train_step(accelerator, draft, target, optimizer, scheduler, batches, settings)
         n = step + 1
         window["seconds"] += time.perf_counter() - t0
@@ -326,6 +343,51 @@ def resolve_resume(cfg, out: Path) -> Path | None:
     if not (ckpt / "trainer_state.json").is_file() or not (ckpt / "state").is_dir():
         raise ConfigError(f"config key 'resume_from': {ckpt} is not a step-N checkpoint (trainer_state.json + state/)")
     return ckpt
+
+
+# Keys that may change between a checkpoint and its resumed run; any other change breaks the exact
+# continuation (optimizer, schedule, model or data) and is refused.
+RESUME_MUTABLE = {
+    "resume_from", "output_dir", "max_steps", "epochs", "stop_after_steps", "save_every", "keep_last",
+    "save_dtype", "eval", "eval_every", "eval_max_rows", "eval_prompts", "eval_prompt_min_tokens",
+    "eval_max_new_tokens", "log_every", "log_samples", "report_to", "wandb_project", "wandb_run_name", "wandb_tags",
+}
+
+
+def finite_or_none(x):
+    """Replace NaN/inf floats (nested in dicts/lists) by None."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: finite_or_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [finite_or_none(v) for v in x]
+    return x
+
+
+def check_trainable(rows, path, limit: int = 2000) -> None:
+    """Fail early when the first ``limit`` rows hold no anchor (loss_mask[p] = loss_mask[p+1] = 1)."""
+    n = min(len(rows), limit)
+    for i in range(n):
+        m = rows.row(i)["loss_mask"]
+        if any(a and b for a, b in zip(m[:-1], m[1:])):
+            return
+    raise ConfigError(f"config key 'train': none of the first {n} rows of {path} has two consecutive supervised "
+                      "tokens (loss_mask), so there is nothing to train on")
+
+
+def check_resumed_config(ckpt: Path, cfg) -> None:
+    """Refuse a resume whose run config differs from the checkpoint's in a key outside RESUME_MUTABLE."""
+    saved_file = ckpt / "config.json"
+    if not saved_file.is_file():
+        return
+    saved = json.loads(saved_file.read_text())
+    now = run_config.to_dict(cfg)
+    changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in now.items()
+               if k not in RESUME_MUTABLE and k in saved and saved[k] != v]
+    if changed:
+        raise ConfigError(f"resume from {ckpt}: the run config changed ({'; '.join(changed)}); an exact continuation "
+                          "needs the checkpoint's values — restore them, or start a new output_dir with init_from")
 
 
 def check_resume(state: dict, cfg, world: int, total_steps: int) -> None:
