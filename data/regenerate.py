@@ -57,7 +57,7 @@ CONTENT_ARGS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "enable_thinking", "max_turns", "max_context",
     "limit", "seed", "dtype",
 )  # fmt: skip
-# Distillation trains on <= 3072-token sequences (design.md §4): longer prompts are of no use, and
+# Distillation trains on <= 3072-token sequences (docs/method.md §4): longer prompts are of no use, and
 # this bounds the KV cache the engine backend preallocates (batch x max context).
 DEFAULT_MAX_CONTEXT = 8192
 PATH_ARGS = ("input", "target", "tokenizer", "chat_template")

@@ -1,6 +1,6 @@
 """Draft checkpoints: Hugging Face folders (``config.json`` + ``model.safetensors``).
 
-Tensor names are the DFlash ones (design.md §2) plus ``layers.{i}.adjacent.*``; loading is
+Tensor names are the DFlash ones (docs/method.md §2) plus ``layers.{i}.adjacent.*``; loading is
 ``safetensors`` + ``load_state_dict`` with strict key matching, no renaming. The target's
 embedding and lm_head are never stored.
 """

@@ -1,9 +1,9 @@
 """Draft configuration: the DFlash keys plus a ``dspine_config`` block.
 
-The layout follows the published DFlash drafts (design.md §2): Qwen3 decoder-layer fields,
+The layout follows the published DFlash drafts (docs/method.md §2): Qwen3 decoder-layer fields,
 ``block_size``, ``num_target_layers`` and ``dflash_config = {mask_token_id, target_layer_ids}``.
 DSpine adds ``dspine_config = {injection, injection_rank, injection_layers, block_attention}``
-(design.md §3). A DFlash ``config.json`` (``model_type: "qwen3"``) loads as a DSpine config with
+(docs/method.md §3). A DFlash ``config.json`` (``model_type: "qwen3"``) loads as a DSpine config with
 ``injection = "none"``.
 """
 
@@ -26,7 +26,7 @@ DSPINE_DEFAULTS: dict[str, Any] = {
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers whose outputs feed the draft: ``round(1 + i*(L-4)/(n-1))`` (design.md §2).
+    """Target layers whose outputs feed the draft: ``round(1 + i*(L-4)/(n-1))`` (docs/method.md §2).
 
     Qwen3-8B (L = 36) with 5 draft layers gives [1, 9, 17, 25, 33]. A single draft layer takes
     the middle target layer; ids are clipped into [0, L) for very shallow targets.
@@ -88,7 +88,7 @@ class DSpineConfig(PretrainedConfig):
     ):
         # RoPE: DFlash configs carry `rope_theta` (+ `rope_scaling: null`); transformers 5 writes
         # `rope_parameters`. Only plain RoPE is supported: the engine and trainer must agree on it
-        # (design.md §8.3), so anything else is refused instead of silently ignored.
+        # (docs/method.md §8.3), so anything else is refused instead of silently ignored.
         for key in ("rope_scaling", "rope_parameters"):
             rope = kwargs.pop(key, None)
             if rope:

@@ -1,6 +1,6 @@
 """The DSpine draft: a DFlash block drafter with adjacent causal injection.
 
-Equations (design.md §2-§3; DFlash: z-lab/dflash ``model.py``):
+Equations (docs/method.md §2-§3; DFlash: z-lab/dflash ``model.py``):
 
 * fusion      ``c = hidden_norm(fc(concat_k h_k))``, once per forward, shared by all layers;
 * each layer  ``Q = q_norm(q_proj(x))``, ``K = k_norm(k_proj([c ; x]))``, ``V = v_proj([c ; x])``
@@ -144,7 +144,7 @@ class LowRank(nn.Module):
 
 
 class AdjacentInjection(nn.Module):
-    """Adjacent causal injection of one layer (design.md §3).
+    """Adjacent causal injection of one layer (docs/method.md §3).
 
     ``residual``: ``u_t = h_t + gate ⊙ proj(norm(h_{t-1}))`` for slots t >= 1; ``gate`` starts at
     zero so an untrained injection is exactly DFlash. ``kv``: makes one key/value per slot t from
@@ -225,7 +225,7 @@ def block_visibility(q_anchor, q_slot, q_block, k_pos, k_block, k_slot, k_kind, 
     (visible iff ``k_pos < anchor`` — the anchor's own target feature is not known at inference —
     and, with a window, ``anchor + t - k_pos < window``); kind 1 = slot s of block ``k_block``
     (same block only; ``s <= t`` when causal); kind 2 = the injected key of slot ``k_slot``
-    (only ``s == t`` and ``t >= 1``). design.md §4 (training mask), DFlash sliding layers."""
+    (only ``s == t`` and ``t >= 1``). docs/method.md §4 (training mask), DFlash sliding layers."""
     ctx = (k_kind == 0) & (k_pos < q_anchor)
     if window is not None:
         ctx = ctx & (q_anchor + q_slot - k_pos < window)
@@ -326,7 +326,7 @@ class DSpineDraftModel(PreTrainedModel):
         return self._run_layers(block_embeds.to(c.dtype), ctx_kv, positions, masks)
 
     def train_mask(self, anchors: torch.Tensor, S: int, *, sliding: bool, kind: str = "dense"):
-        """The block mask of design.md §4 over keys ``[ctx (S) ; blocks (N*bs) ; extra (N*bs if kv)]``.
+        """The block mask of docs/method.md §4 over keys ``[ctx (S) ; blocks (N*bs) ; extra (N*bs if kv)]``.
 
         Returns a bool ``[B, 1, N*bs, Tk]`` tensor (``kind="dense"``) or a flex ``BlockMask``."""
         B, N = anchors.shape

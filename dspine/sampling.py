@@ -1,8 +1,8 @@
-"""Token sampling shared by the target and the draft (design.md §5).
+"""Token sampling shared by the target and the draft (docs/method.md §5).
 
 Temperature, then top-k, then top-p (nucleus) — the same processing is applied to target and
 draft logits, so the rejection rule compares the distributions that were actually sampled
-(design.md §8.7).
+(docs/method.md §8.7).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def greedy_accept(draft_tokens: torch.Tensor, target_argmax: torch.Tensor):
 
 
 def chain_accept(draft_tokens, p_draft, p_target, generator: torch.Generator | None = None):
-    """Chain rejection sampling (design.md §5.5; Leviathan et al. 2023, Chen et al. 2023).
+    """Chain rejection sampling (docs/method.md §5.5; Leviathan et al. 2023, Chen et al. 2023).
 
     Draft token k is accepted with probability ``min(1, p_t/p_d)`` in order until the first
     rejection; the bonus is drawn from ``normalize(max(p_t - p_d, 0))`` at that row, or from

@@ -1,4 +1,4 @@
-"""Reference speculative decoding in plain PyTorch (design.md §5): the correctness oracle.
+"""Reference speculative decoding in plain PyTorch (docs/method.md §5): the correctness oracle.
 
 One step per sequence: the draft proposes a block ``[anchor, d_1 .. d_K]`` (K = bs-1) in one
 forward over its context cache; the target verifies the block causally over its KV cache; the

@@ -1,4 +1,4 @@
-"""Acceptance statistics with one convention everywhere (design.md §1).
+"""Acceptance statistics with one convention everywhere (docs/method.md §1).
 
 Each verify step commits n = a + 1 tokens (a accepted draft tokens + the bonus token), or fewer
 when EOS / max_new_tokens cut the step; only committed tokens count. Then

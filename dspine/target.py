@@ -2,7 +2,7 @@
 
 The adapter returns logits and the *target features*: the outputs of decoder layers
 ``target_layer_ids`` (0-based; equal to ``output_hidden_states[id + 1]`` for every layer but the
-last, whose HF hidden state is post-norm), concatenated on the last dim (design.md §2).
+last, whose HF hidden state is post-norm), concatenated on the last dim (docs/method.md §2).
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: fp16 requested for a Qwen-family target (overflows; design.md §8.15).
+        ValueError: fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15).
     """
     from transformers import AutoModelForCausalLM
 
@@ -217,7 +217,7 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
     if torch_dtype == torch.float16 and "qwen" in str(model.config.model_type):
-        raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (design.md §8.15)")
+        raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     if gguf_file:
         # GGUF tensors are dequantized to fp32; drop the quantization marker so the model behaves
         # (and saves) like a plain dense checkpoint.
@@ -240,7 +240,7 @@ def _parse_dtype(dtype):
 
 
 # ------------------------------------------------------------------------------------------------
-# compatibility checks (design.md §8.4, §8.5, §8.6, §8.11)
+# compatibility checks (docs/method.md §8.4, §8.5, §8.6, §8.11)
 
 
 @dataclass

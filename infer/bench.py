@@ -4,7 +4,7 @@
         --num-prompts 80 --max-new-tokens 512 --temperature 0 --concurrency 8 --output-json results/x.json
 
 For each task: the draft run and an autoregressive run of the same engine on the same prompts
-(same max tokens and sampling), both after a warm-up of every timed path (design.md §8.16).
+(same max tokens and sampling), both after a warm-up of every timed path (docs/method.md §8.16).
 Reports τ (bonus token included), accept_at_pos, tok/s and speedup = spec tok/s ÷ AR tok/s, a
 table on stdout, a JSON file (with the command, device, date and commit) and a PNG of the
 per-position acceptance. MT-Bench runs both turns; the second turn sees the model's own answer.

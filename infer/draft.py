@@ -1,6 +1,6 @@
 """The draft inside the engine: DSpine / DFlash weights over a static context K/V cache.
 
-Same equations as ``dspine.model`` (design.md §2-§3) with the engine's kernels: the context
+Same equations as ``dspine.model`` (docs/method.md §2-§3) with the engine's kernels: the context
 cache holds ``k_norm(k_proj(c))`` (RoPE at the context position) and ``v_proj(c)`` of the fused
 target features ``c``; one block ``[anchor, MASK x (bs-1)]`` per sequence attends to it and to its
 own K/V, which is discarded. Sliding-window layers keep a ring of ``window + block`` positions.

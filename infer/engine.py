@@ -1,6 +1,6 @@
 """The CUDA inference engine: static caches, one graph-captured step, ragged batches with refill.
 
-Per step (design.md §5), for all B batch slots at once and with no host synchronisation inside:
+Per step (docs/method.md §5), for all B batch slots at once and with no host synchronisation inside:
 draft block -> draft tokens (argmax, or a sample from p_d kept for verification) -> target
 verify over the static KV cache (features captured) -> acceptance on the GPU (exact match, or
 chain rejection sampling) -> commit (EOS / max_new_tokens cut, histogram) -> draft context append
@@ -90,7 +90,7 @@ class Engine:
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         if target.embed.dtype == torch.float16 and target.args.model_type.startswith("qwen"):
-            raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (design.md §8.15)")
+            raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
         dbs = draft.bs if draft is not None else 1
         self.vb = verify_size or dbs
         if not 1 <= self.vb <= dbs:
@@ -105,7 +105,7 @@ class Engine:
         for who, limit in limits.items():
             if max_seq > limit:
                 raise ValueError(f"engine context max_seq={max_seq} exceeds the {who}'s max_position_embeddings="
-                                 f"{limit} (design.md §8.11)")
+                                 f"{limit} (docs/method.md §8.11)")
         self.max_new_cap = max_new_cap or max_seq
         self.cache: KVCache = target.new_cache(max_batch, max_seq + dbs + 1)
         self.dcache: DraftCtxCache | None = draft.new_cache(max_batch, max_seq + dbs + 1) if draft else None
@@ -337,7 +337,7 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
         assert_compatible(spec, draft_model.config, max_context=check_max_context)
         layer_ids = draft_model.config.target_layer_ids
     if dtype == torch.float16 and spec.model_type.startswith("qwen"):
-        raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (design.md §8.15)")
+        raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     target = EngineTarget.from_pretrained(target_path, gguf_file, device=device, dtype=dtype, layer_ids=layer_ids,
                                           impl=impl)
     draft = EngineDraft(draft_model, target, impl=impl) if draft_model is not None else None

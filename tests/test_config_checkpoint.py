@@ -24,7 +24,7 @@ def small_config(**over) -> DSpineConfig:
 
 
 def test_default_target_layer_ids():
-    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, design.md §2
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, docs/method.md §2
     assert default_target_layer_ids(30, 3) == [1, 14, 27]
 
 

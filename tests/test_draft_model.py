@@ -40,7 +40,7 @@ def dflash_config_json(**over) -> dict:
 
 
 def dflash_tensors(seed=0) -> dict[str, torch.Tensor]:
-    """The DFlash tensor names (design.md §2), random values (norm weights around 1)."""
+    """The DFlash tensor names (docs/method.md §2), random values (norm weights around 1)."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) * 0.2
     n = lambda d: 1 + 0.1 * torch.randn(d, generator=g)
@@ -157,7 +157,7 @@ def test_published_8b_parameter_counts():
         dflash = DSpineDraftModel(DSpineConfig(**cfg, dspine_config={"injection": "none"}))
         spine = DSpineDraftModel(DSpineConfig(**cfg, dspine_config={"injection": "residual"}))
         low = DSpineDraftModel(DSpineConfig(**cfg, dspine_config={"injection": "residual", "injection_rank": 256}))
-    assert count_parameters(dflash) == 1_048_626_432  # design.md §2, the published draft
+    assert count_parameters(dflash) == 1_048_626_432  # docs/method.md §2, the published draft
     H8 = 4096
     assert count_parameters(spine) == 1_048_626_432 + 5 * (H8 * H8 + 2 * H8)  # proj + norm + gate
     assert count_parameters(low) == 1_048_626_432 + 5 * (2 * 256 * H8 + 2 * H8)

@@ -114,7 +114,7 @@ def test_chain_rejection_sampling_is_exact(temperature, top_p, top_k):
     first, second = emitted(acc, bonus, draft)
     assert pvalue(first, p_t[0, 0]) > 0.01
     assert pvalue(second, p_t[0, 1]) > 0.01
-    # the classic bug (design.md §8.7): the draft takes its argmax but verification assumes a sample
+    # the classic bug (docs/method.md §8.7): the draft takes its argmax but verification assumes a sample
     greedy_draft = p_d.argmax(-1)
     acc, bonus = chain_accept(greedy_draft, p_d, p_t, g)
     first, _ = emitted(acc, bonus, greedy_draft)

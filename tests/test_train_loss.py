@@ -1,4 +1,4 @@
-"""DSpine loss (design.md §4): anchors, labels/weights, fused chunked CE, block mask, tau_sim."""
+"""DSpine loss (docs/method.md §4): anchors, labels/weights, fused chunked CE, block mask, tau_sim."""
 
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def test_tau_sim_by_hand_and_identity():
     tau, at_pos = tau_sim([0.8, 0.5, 0.25])
     assert at_pos == pytest.approx([0.8, 0.4, 0.1])
     assert tau == pytest.approx(1 + 0.8 + 0.4 + 0.1)
-    assert tau == pytest.approx(1 + sum(at_pos))  # design.md §1 identity
+    assert tau == pytest.approx(1 + sum(at_pos))  # docs/method.md §1 identity
     assert tau_sim([1.0] * 15)[0] == pytest.approx(16.0)
     assert tau_sim([0.5, float("nan"), 1.0])[1] == [0.5, 0.0, 0.0]
 
@@ -196,7 +196,7 @@ def test_loss_stats_sum_over_ranks_before_dividing():
 
 
 def brute_force_mask(anchors, S, bs, *, causal, window, extra):
-    """design.md §4 written out key by key: a query at slot t of block b (anchor a) sees context
+    """docs/method.md §4 written out key by key: a query at slot t of block b (anchor a) sees context
     positions j < a (and a + t - j < window for sliding layers), keys of its own block (slots
     s <= t when causal), and with kv injection the extra key of its own slot t >= 1."""
     B, N = anchors.shape

@@ -13,7 +13,7 @@ features of ``target_layer_ids`` to safetensors shards, so a training run with
 
 Before starting it prints the disk estimate ``rows × tokens × k·H × bytes`` and refuses when the
 disk has less room. A shard is written to a temporary name and renamed when complete, so a
-re-run skips finished shards without rewriting them (design.md §8.12); a re-run with settings
+re-run skips finished shards without rewriting them (docs/method.md §8.12); a re-run with settings
 that differ from the manifest is refused, naming the field.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 FORMAT = "dspine-features-v1"
-# Manifest fields that must agree between a capture and the run reading it (design.md §4).
+# Manifest fields that must agree between a capture and the run reading it (docs/method.md §4).
 IDENTITY = ("format", "target", "target_dtype", "layer_ids", "hidden_size", "max_length", "data_digest", "num_rows",
             "rows_per_shard")
 

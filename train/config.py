@@ -2,7 +2,7 @@
 
 Resolution order: the :class:`RunConfig` defaults, then a YAML file (``--config FILE``), then
 ``key=value`` arguments. Unknown keys, wrong types and invalid choices raise :class:`ConfigError`
-naming the key before any model or data is touched. The recipe defaults are design.md §4.
+naming the key before any model or data is touched. The recipe defaults are docs/method.md §4.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class RunConfig:
     injection_rank: int | None = None  # 0 = full-rank H x H injection, r > 0 = low rank (default 0)
     injection_layers: list[int] | None = None  # draft layers with injection (None = all)
     block_attention: str | None = None  # bidirectional | causal inside a block (default bidirectional)
-    target_layer_ids: list[int] | None = None  # target layers feeding the draft (None = design.md §2 rule)
+    target_layer_ids: list[int] | None = None  # target layers feeding the draft (None = docs/method.md §2 rule)
     mask_token_id: int | None = None  # unused vocab row used as MASK (None = first row the tokenizer never emits)
     intermediate_size: int | None = None  # draft MLP width (None = the target's)
     init_from: str | None = None  # weights only (e.g. a DFlash checkpoint) via dspine.checkpoint.warm_start
@@ -46,7 +46,7 @@ class RunConfig:
     feature_source: str = "online"  # online (target runs in the job) | a train.capture folder
     max_length: int = 3072  # tokens per sequence; longer rows are truncated
     anchors_per_seq: int = 512  # anchors sampled per sequence and step (without replacement)
-    gamma: float = 7.0  # slot k weight exp(-(k-1)/gamma) (design.md §4)
+    gamma: float = 7.0  # slot k weight exp(-(k-1)/gamma) (docs/method.md §4)
     # -- optimisation -------------------------------------------------------------------------
     lr: float = 6e-4  # peak AdamW learning rate
     weight_decay: float = 0.0  # AdamW decoupled weight decay
@@ -281,7 +281,7 @@ def draft_config(cfg: RunConfig, target, tokenizer=None):
 
     Raises:
         ConfigError: a shape field that disagrees with ``draft_init``.
-        ValueError: draft/target mismatch (layer ids, vocab, mask token, RoPE range; design.md §8.4-8.11).
+        ValueError: draft/target mismatch (layer ids, vocab, mask token, RoPE range; docs/method.md §8.4-8.11).
     """
     from dspine.checkpoint import load_config
     from dspine.init import draft_config_for

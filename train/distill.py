@@ -1,4 +1,4 @@
-"""Train a DSpine (or DFlash, ``injection: none``) draft against a frozen target (design.md §4).
+"""Train a DSpine (or DFlash, ``injection: none``) draft against a frozen target (docs/method.md §4).
 
     accelerate launch [--config_file configs/accelerate/zero2.yaml] train/distill.py \\
         --config configs/qwen3-8b-dspine-b16.yaml [key=value ...]
@@ -103,7 +103,7 @@ def train(cfg) -> int:
     total_steps = cfg.max_steps or cfg.epochs * order.steps_per_epoch
 
     # ---------------------------------------------------------------------------------------- models
-    # The target is never handed to DeepSpeed: it must not be partitioned (design.md §8.13).
+    # The target is never handed to DeepSpeed: it must not be partitioned (docs/method.md §8.13).
     with whole_modules(accelerator if deepspeed else None):
         target = load_target(cfg.target, dtype=dev["target_dtype"], device=accelerator.device)
         try:
@@ -242,7 +242,7 @@ def eval_prompts(rows, count: int, min_tokens: int) -> list[list[int]]:
 def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3) -> dict:
     """Held-out loss, teacher-forced accuracy per slot, tau_sim and tau_real.
 
-    Per-slot counts are summed over ranks before dividing (design.md §8.9); anchors are drawn from a
+    Per-slot counts are summed over ranks before dividing (docs/method.md §8.9); anchors are drawn from a
     fixed generator so evals at different steps see the same blocks. tau_real decodes
     ``eval_prompts`` prompts greedily with :class:`dspine.spec.ReferenceDecoder` on rank 0."""
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -460,7 +460,7 @@ def whole_modules(accelerator):
 
     accelerate registers its DeepSpeed config with transformers, whose ``from_pretrained`` then
     builds every model inside ``deepspeed.zero.Init`` (partitioned over ranks). The frozen target
-    is never handed to DeepSpeed (design.md §8.13) and must stay whole on each rank; the draft is
+    is never handed to DeepSpeed (docs/method.md §8.13) and must stay whole on each rank; the draft is
     partitioned later by ``accelerator.prepare``."""
     if accelerator is None:
         yield

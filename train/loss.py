@@ -1,4 +1,4 @@
-"""The DSpine training loss (design.md §4): anchors, block inputs, weighted chunked cross entropy.
+"""The DSpine training loss (docs/method.md §4): anchors, block inputs, weighted chunked cross entropy.
 
 For each sampled anchor a of a sequence the draft sees the block ``[x_a, MASK × (bs-1)]``; slot
 k >= 1 predicts ``x_{a+k}`` with weight ``w_k = exp(-(k-1)/γ) · loss_mask[a+k]`` (0 past the
@@ -28,7 +28,7 @@ def anchor_generator(seed: int, step: int, rank: int, micro: int) -> torch.Gener
 
 
 def valid_anchors(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
-    """Positions p < length - 1 with ``loss_mask[p] = loss_mask[p+1] = 1`` (design.md §4).
+    """Positions p < length - 1 with ``loss_mask[p] = loss_mask[p+1] = 1`` (docs/method.md §4).
 
     loss_mask: ``[S]`` 0/1 (any int/bool dtype), valid up to ``length``. Returns sorted int64 ``[n]``."""
     m = loss_mask[:length].bool()
@@ -71,7 +71,7 @@ def block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: 
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """fp32 ``[bs]``: 0 for slot 0, ``exp(-(k-1)/γ)`` for slot k >= 1 (design.md §4)."""
+    """fp32 ``[bs]``: 0 for slot 0, ``exp(-(k-1)/γ)`` for slot k >= 1 (docs/method.md §4)."""
     k = torch.arange(block_size, dtype=torch.float64)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
@@ -215,7 +215,7 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
         labels, weights: ``[B, N*bs]`` from :func:`block_targets`.
     Returns:
         ``Σ w·CE`` (fp32 scalar, differentiable w.r.t. ``hidden``; divide by Σ w for the loss of
-        design.md §4) and :class:`LossStats`. Only rows with w > 0 reach the lm_head.
+        docs/method.md §4) and :class:`LossStats`. Only rows with w > 0 reach the lm_head.
     """
     H = hidden.shape[-1]
     flat_w = weights.reshape(-1)
@@ -236,12 +236,12 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
 
 
 def tau_sim(accuracy: list[float]) -> tuple[float, list[float]]:
-    """τ implied by teacher-forced per-position accuracies, bonus token included (design.md §1).
+    """τ implied by teacher-forced per-position accuracies, bonus token included (docs/method.md §1).
 
     Approximation: the k-th draft is accepted with probability acc_k independently of the earlier
     ones being accepted, so P(first k drafts all accepted) ≈ Π_{j<=k} acc_j =: accept_at_pos[k] and
     τ_sim = 1 + Σ_k accept_at_pos[k]. acc_k is measured with the true tokens before slot k
-    (teacher forcing), so τ_sim is optimistic against real decoding (design.md §8.2).
+    (teacher forcing), so τ_sim is optimistic against real decoding (docs/method.md §8.2).
     Returns (τ_sim, accept_at_pos for k = 1..bs-1). A slot without data counts as accuracy 0.
     """
     at_pos, run = [], 1.0

@@ -1,6 +1,6 @@
 """One optimizer step of the DSpine trainer, shared by ``train/distill.py`` and ``benchmarks/train/bench_train.py``.
 
-Normalisation (design.md §4, loss = Σ w·CE / Σ w over the global batch): the weight total W of all
+Normalisation (docs/method.md §4, loss = Σ w·CE / Σ w over the global batch): the weight total W of all
 micro-batches of all ranks is known before any forward (it depends only on anchors and loss
 masks), so it is all-reduced first and every micro-batch backpropagates
 ``Σ_micro w·CE · (world · grad_accum / W)``; the ``1/grad_accum`` of accelerate/DeepSpeed and the
@@ -84,7 +84,7 @@ def train_step(accelerator, draft, target, optimizer, scheduler, batches: list[M
 
 
 def make_optimizer(draft: torch.nn.Module, lr: float, weight_decay: float, betas) -> torch.optim.Optimizer:
-    """AdamW over the draft's trainable parameters (fp32 master weights; design.md §4)."""
+    """AdamW over the draft's trainable parameters (fp32 master weights; docs/method.md §4)."""
     params = [p for p in draft.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
 

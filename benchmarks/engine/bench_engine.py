@@ -5,7 +5,7 @@
 Measures, after warm-up, with CUDA events around graph replays:
 * the two ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 GEMM;
 * ``bandwidth_floor_tok_per_s`` = measured copy bandwidth ÷ weight bytes (AR at batch 1 must
-  read every weight once per token; design.md §7);
+  read every weight once per token; docs/method.md §7);
 * ``ar_tok_per_s``: the engine's autoregressive decode, 512-token prompt, 256 new tokens;
 * ``spec_step_over_ar_step``: one speculative step (draft block 16 + verify 16 + accept + commit +
   draft context append) over one AR step, both graph replays;

@@ -1,4 +1,4 @@
-"""On-GPU acceptance and commit for one speculative step (design.md §1, §5).
+"""On-GPU acceptance and commit for one speculative step (docs/method.md §1, §5).
 
 Ops (K = block_size − 1 draft tokens per row, B rows):
   * ``accept_greedy``: a = length of the longest prefix with draft[k] == target_argmax[k];
@@ -14,7 +14,7 @@ Ops (K = block_size − 1 draft tokens per row, B rows):
     cut after the first EOS (inclusive) and at min(max_new, L) tokens; n = tokens written;
     ``out_len += n``, ``hist[b, n] += 1``, done if an EOS was written or the row is full.
     Rows already done are untouched. τ = Σ n·hist[n] / Σ hist[n] then counts only committed
-    tokens (design.md §8 item 9).
+    tokens (docs/method.md §8 item 9).
 
 Layouts: draft_tokens [B, K] int64; target_argmax [B, K+1] int64; p_target [B, K+1, V] fp32;
 p_draft [B, K, V] fp32; uniform [B, K] fp32; exp_noise [B, V] fp32 (> 0); block_tokens [B, K+1]

@@ -1,5 +1,5 @@
 """Draft-block attention: T block queries over a context cache, the block's own keys and an
-optional per-query extra key (DSpine's "kv" injection, design.md §3).
+optional per-query extra key (DSpine's "kv" injection, docs/method.md §3).
 
 Op: query t of batch b (absolute position ``P = ctx_len[b] + t``) and head h (kv head h // G)
 attends, with one softmax over all of them:
