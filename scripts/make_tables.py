@@ -31,7 +31,7 @@ def fmt(x, nd=2):
 
 
 def smollm2_section() -> list[str]:
-    runs = sorted(RESULTS.glob("smollm2-T*-c*.json"))
+    runs = sorted(RESULTS.glob("smollm2*-T*-c*.json"))
     if not runs:
         return []
     out = ["### SmolLM2-135M-Instruct: DSpine vs the DFlash ablation", ""]
@@ -61,6 +61,40 @@ def smollm2_section() -> list[str]:
             out.append("Greedy output identical to the autoregressive output of the same backend: " + ", ".join(eq) + ".")
         out.append(f"Command: `{r['command']}`")
         out.append("")
+    return out
+
+
+def training_section() -> list[str]:
+    t = load("smollm2-cpu-training.json")
+    if not t:
+        return []
+    out = ["#### How the SmolLM2 drafts were made", "", t["note"], "",
+           "| draft | parameters | steps | final eval loss | τ_sim | τ_real (eval prompts) |", "|---|---|---|---|---|---|"]
+    for label, r in t["runs"].items():
+        f = r["final_eval"]
+        out.append(f"| {label} | {r['parameters']:,} | {r['steps']} | {fmt(f.get('eval/loss'), 3)} | "
+                   f"{fmt(f.get('eval/tau_sim'))} | {fmt(f.get('eval/tau_real'))} |")
+    out += ["", f"Training curves: ![curves]({t['curves']})", ""]
+    out += [f"- {k}: `{v}`" for k, v in t["commands"].items()]
+    out.append("")
+    return out
+
+
+def stories_section() -> list[str]:
+    d = load("stories260k-ablation.json")
+    if not d:
+        return []
+    out = ["### stories260K (CPU): DSpine vs the DFlash ablation", "",
+           f"Karpathy's stories260K as the target, 2-layer drafts (block 16) trained on 4,096 of the target's own "
+           f"samples with identical settings except `injection`; τ_real decodes 16 held-out prompts with the "
+           f"reference speculative decoder ({d['device']}, commit `{d['commit'][:10]}`, "
+           f"[`results/stories260k-ablation.json`](results/stories260k-ablation.json)).", "",
+           "| draft | eval loss | τ_sim | τ_real | accept_at_pos k=1..4 (decoded) |", "|---|---|---|---|---|"]
+    for name, label in (("dspine", "DSpine (residual)"), ("dflash", "DFlash (none)")):
+        f = d["runs"][name]["final"]
+        acc = ", ".join(f"{x:.2f}" for x in f.get("eval/real_accept_at_pos", [])[:4])
+        out.append(f"| {label} | {fmt(f['eval/loss'], 3)} | {fmt(f['eval/tau_sim'])} | {fmt(f['eval/tau_real'])} | {acc} |")
+    out += ["", f"Command: `{d['command']}`", ""]
     return out
 
 
@@ -137,7 +171,8 @@ def lossless_section() -> list[str]:
 
 def render() -> str:
     lines = [BEGIN, ""]
-    for section in (smollm2_section, engine_section, trainer_section, lossless_section):
+    for section in (smollm2_section, training_section, stories_section, engine_section, trainer_section,
+                    lossless_section):
         lines += section()
     lines.append(END)
     return "\n".join(lines)

@@ -129,3 +129,12 @@ def test_trainer_refuses_bad_data_and_changed_resume(stories_dir, tmp_path):
     assert run(f"train={data}", f"output_dir={out}", "max_steps=6", "save_every=2").returncode == 0
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_cli_none_is_a_value_not_null():
+    """`injection=none` selects the DFlash ablation; only `null` / `~` mean "unset" on the command line."""
+    from train import config as run_config
+
+    cfg, _ = run_config.parse_cli(["--config", str(REPO / "configs" / "stories260k-cpu.yaml"), "injection=none",
+                                   "eval=null"], "x")
+    assert cfg.injection == "none" and cfg.eval is None

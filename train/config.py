@@ -114,7 +114,7 @@ def _coerce(key: str, value, tp, from_cli: bool):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        if value is None or (from_cli and isinstance(value, str) and value.lower() in ("null", "none", "~", "")):
+        if value is None or (from_cli and isinstance(value, str) and value.lower() in ("null", "~", "")):
             return None
         return _coerce(key, value, inner[0], from_cli)
     if origin is list:
