@@ -42,7 +42,7 @@ def command_line(argv: list[str] | None = None) -> str:
             first = ["accelerate", "launch", str(rel)]
         else:
             first = ["python", "-m", ".".join(rel.with_suffix("").parts)]
-    elif rel is not None:
+    elif rel is not None and rel.suffix == ".py":
         first = ["python", str(rel)]
     else:
         first = [head]

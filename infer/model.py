@@ -199,6 +199,37 @@ class EngineTarget(nn.Module):
         return F.linear(F.silu(g) * u, L.down)
 
     # -- forwards --------------------------------------------------------------------------------
+    def _layers(self, tokens: torch.Tensor, pos: torch.Tensor, bidx: torch.Tensor, cache: KVCache, attend,
+                want_features: bool):
+        """The decoder stack over N new tokens (flattened). ``attend(i, q [N, Hq, D]) -> [N, Hq*D]`` runs
+        attention of layer i after this token's K/V were written at (bidx, pos). Returns the final
+        hidden state, the residual stream and {layer id: decoder-layer output}."""
+        a, impl = self.args, self.impl
+        N = tokens.shape[0]
+        cos, sin = self._rope
+        Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        x = F.embedding(tokens, self.embed)
+        residual, feats = None, {}
+        for i, L in enumerate(self.layers):
+            if residual is None:
+                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, impl=impl), x
+            else:
+                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl)
+            q, k, v = F.linear(h, L.qkv, L.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q = qk_norm_rope_cache(q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D), L.q_norm, L.k_norm,
+                                   a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, pos, impl=impl)
+            x = F.linear(attend(i, q), L.o)
+            h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
+            x = self._mlp(L, h)
+            if want_features and i in self.layer_ids:
+                feats[i] = residual + x  # the HF decoder layer's output
+        return x, residual, feats
+
+    def _features(self, feats: dict, want: bool):
+        if not want or not self.layer_ids:
+            return None
+        return torch.cat([feats[i] for i in self.layer_ids], dim=-1)
+
     def forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, cache_len: torch.Tensor,
                      want_features: bool = True):
         """Decode (T = 1) or verify (T = block) step for every batch slot.
@@ -210,74 +241,43 @@ class EngineTarget(nn.Module):
         Returns:
             logits ``[B, T, V]`` (model dtype) and features ``[B, T, k*H]`` (or None).
         """
-        a, impl = self.args, self.impl
+        a = self.args
         B, T = tokens.shape
-        N = B * T
-        cos, sin = self._rope
-        pos = positions.reshape(N)
         bidx = torch.arange(B, device=tokens.device).repeat_interleave(T)
-        x = F.embedding(tokens.reshape(N), self.embed)
-        residual = None
-        feats = {}
-        Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
-        for i, L in enumerate(self.layers):
-            if residual is None:
-                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, impl=impl), x
-            else:
-                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl)
-            qkv = F.linear(h, L.qkv, L.qkv_bias)
-            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-            q = qk_norm_rope_cache(q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D), L.q_norm, L.k_norm,
-                                   a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, pos, impl=impl)
-            o = verify_attention(q.view(B, T, Hq, D), cache.k[i], cache.v[i], cache_len, self.scale, impl=impl)
-            x = F.linear(o.view(N, Hq * D), L.o)
-            h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
-            x = self._mlp(L, h)
-            if want_features and i in self.layer_ids:
-                feats[i] = residual + x
-        h, _ = rms_norm(x, self.norm, a.rms_norm_eps, residual=residual, impl=impl)
+
+        def attend(i, q):
+            o = verify_attention(q.view(B, T, a.num_heads, a.head_dim), cache.k[i], cache.v[i], cache_len,
+                                 self.scale, impl=self.impl)
+            return o.view(B * T, -1)
+
+        x, residual, feats = self._layers(tokens.reshape(-1), positions.reshape(-1), bidx, cache, attend, want_features)
+        h, _ = rms_norm(x, self.norm, a.rms_norm_eps, residual=residual, impl=self.impl)
         logits = F.linear(h, self.head).view(B, T, -1)
-        if not want_features or not self.layer_ids:
-            return logits, None
-        return logits, torch.cat([feats[i] for i in self.layer_ids], dim=-1).view(B, T, -1)
+        f = self._features(feats, want_features)
+        return logits, None if f is None else f.view(B, T, -1)
 
     def prefill(self, tokens: torch.Tensor, slot: int, cache: KVCache, want_features: bool = True):
         """Prompt ``tokens [P]`` of batch slot ``slot``: writes K/V at positions 0..P-1.
 
         Returns logits at the last position ``[V]`` and features ``[P, k*H]`` (or None).
         Attention is causal SDPA over the prompt itself (stale cache rows are never read)."""
-        a, impl = self.args, self.impl
+        a = self.args
         P = tokens.shape[0]
         if P > cache.seq:
             raise ValueError(f"prompt of {P} tokens does not fit the cache ({cache.seq} positions)")
-        cos, sin = self._rope
-        pos = torch.arange(P, device=tokens.device)
-        bidx = torch.full((P,), slot, device=tokens.device, dtype=torch.long)
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
-        x = F.embedding(tokens, self.embed)
-        residual, feats = None, {}
-        for i, L in enumerate(self.layers):
-            if residual is None:
-                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, impl=impl), x
-            else:
-                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl)
-            qkv = F.linear(h, L.qkv, L.qkv_bias)
-            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-            q = qk_norm_rope_cache(q.view(P, Hq, D), k.view(P, Hkv, D), v.view(P, Hkv, D), L.q_norm, L.k_norm,
-                                   a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, pos, impl=impl)
+
+        def attend(i, q):
             kc, vc = cache.k[i][slot : slot + 1, :, :P], cache.v[i][slot : slot + 1, :, :P]
             o = F.scaled_dot_product_attention(q.view(1, P, Hq, D).transpose(1, 2), kc, vc, is_causal=True,
                                                scale=self.scale, enable_gqa=Hq != Hkv)
-            x = F.linear(o.transpose(1, 2).reshape(P, Hq * D), L.o)
-            h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
-            x = self._mlp(L, h)
-            if want_features and i in self.layer_ids:
-                feats[i] = residual + x
-        h, _ = rms_norm(x[-1:], self.norm, a.rms_norm_eps, residual=residual[-1:], impl=impl)
-        logits = F.linear(h, self.head)[0]
-        if not want_features or not self.layer_ids:
-            return logits, None
-        return logits, torch.cat([feats[i] for i in self.layer_ids], dim=-1)
+            return o.transpose(1, 2).reshape(P, Hq * D)
+
+        pos = torch.arange(P, device=tokens.device)
+        bidx = torch.full((P,), slot, device=tokens.device, dtype=torch.long)
+        x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features)
+        h, _ = rms_norm(x[-1:], self.norm, a.rms_norm_eps, residual=residual[-1:], impl=self.impl)
+        return F.linear(h, self.head)[0], self._features(feats, want_features)
 
 
 def read_safetensors(folder: Path, device) -> dict[str, torch.Tensor]:

@@ -138,3 +138,12 @@ def test_cli_none_is_a_value_not_null():
     cfg, _ = run_config.parse_cli(["--config", str(REPO / "configs" / "stories260k-cpu.yaml"), "injection=none",
                                    "eval=null"], "x")
     assert cfg.injection == "none" and cfg.eval is None
+
+
+def test_provenance_command_line_forms():
+    from dspine.provenance import command_line
+
+    assert command_line(["bash", "scripts/stories260k/ablation.sh"]) == "bash scripts/stories260k/ablation.sh"
+    assert command_line(["scripts/make_tables.py", "--check"]) == "python scripts/make_tables.py --check"
+    assert command_line(["infer/bench.py", "--num-prompts", "4"]) == "python -m infer.bench --num-prompts 4"
+    assert command_line(["train/distill.py", "a=1"]) == "accelerate launch train/distill.py a=1"

@@ -103,12 +103,11 @@ def _accept_sample_partial_kernel(
     u = tl.load(U + b * stride_ub + k, mask=ok, other=1.0)
     rejected = ok & ~(u * pd_x < pt_x)
     a = tl.min(tl.where(rejected, k, K), axis=0)
-    has_res = a < K
     if sp == 0:
         tl.store(NumAcc + b, a.to(tl.int32))
 
     pt_row = PT + b * stride_ptb + a * stride_ptk
-    pd_row = PD + b * stride_pdb + a * stride_pdk  # row K does not exist: loads masked by has_res
+    pd_row = PD + b * stride_pdb + a * stride_pdk  # row K does not exist: loads masked by a < K
     e_row = E + b * stride_eb
     best_r = -2.0
     best_t = -2.0
@@ -121,7 +120,7 @@ def _accept_sample_partial_kernel(
         v = v0 + tl.arange(0, BLOCK_V)
         v_ok = v < hi
         p = tl.load(pt_row + v, mask=v_ok, other=0.0)
-        q = tl.load(pd_row + v, mask=v_ok & has_res, other=0.0)
+        q = tl.load(pd_row + v, mask=v_ok & (v * 0 + a < K), other=0.0)  # block mask: triton 3.9 interpreter
         e = tl.load(e_row + v, mask=v_ok, other=1.0)
         r = tl.maximum(p - q, 0.0)
         score_r = tl.where(r > 0, tl.math.div_rn(r, e), -1.0)
