@@ -26,9 +26,16 @@ END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
 
 def load_tokenizer(path: str, gguf_file: str | None = None):
-    """Loads a tokenizer from a local folder, a Hub id, or a GGUF file inside `path`."""
+    """Loads a tokenizer from a local folder, a Hub id, a `.gguf` file, or a GGUF file inside `path`.
+
+    Raises:
+        FileNotFoundError: a local path that does not exist (not reported as a bad Hub id).
+    """
     from transformers import AutoTokenizer
 
+    from dspine.paths import resolve_model_path
+
+    path, gguf_file = resolve_model_path(path, gguf_file, what="tokenizer")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     return AutoTokenizer.from_pretrained(path, **kwargs)
 

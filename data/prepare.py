@@ -124,6 +124,8 @@ def prepare(
     if dup := [n for n, c in names.items() if c > 1]:
         raise ValueError(f"source names {dup} appear more than once: give them distinct names with NAME=PATH")
     out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--output {out} is an existing file; give a folder")
     out.mkdir(parents=True, exist_ok=True)
     check_output_dir(out, overwrite)
 
@@ -138,9 +140,15 @@ def prepare(
             per_source[name] = _prepare_source(
                 name, location, rows, fmt, writers, seen, eval_fraction, seed, limit
             )
-    finally:
+    except BaseException:
+        # a failed source leaves no partial .tmp files behind (the finished outputs are untouched)
         for w in writers.values():
             w.close()
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+        raise
+    for w in writers.values():
+        w.close()
 
     total = Counter()
     for stats in per_source.values():

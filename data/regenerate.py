@@ -413,6 +413,10 @@ def regenerate(args: argparse.Namespace) -> dict:
         raise ValueError(f"{out} holds a {SUMMARY} that no data.regenerate run wrote (another tool's output?); "
                          "choose another --output")
 
+    from dspine.paths import resolve_model_path
+
+    # a .gguf path becomes (folder, file name) here, so run_args.json and every loader see one spelling
+    args.target, args.gguf_file = resolve_model_path(args.target, args.gguf_file, need_config=True)
     tokenizer = load_tokenizer(args.tokenizer or args.target, None if args.tokenizer else args.gguf_file)
     template = resolve_chat_template(args.chat_template, tokenizer)
     # the answers are only useful if data.tokenize can mask them: check the template before generating
@@ -514,11 +518,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         summary = regenerate(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, OSError, NotImplementedError) as e:  # OSError: missing files, an unreachable Hub id
         print(f"error: {e}", file=sys.stderr)
         return 2
     if summary:
         print(format_summary(summary))
+        if not summary["results"]:
+            print(f"error: no row was regenerated ({summary['skipped']} skipped, {summary['errors']} failed; see "
+                  f"{Path(args.output) / 'skipped.jsonl'} and errors.jsonl); nothing to train on", file=sys.stderr)
+            return 1
     return 0
 
 

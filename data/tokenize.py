@@ -492,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     summary = json.loads((path / SUMMARY).read_text())
     print(format_summary(summary, path))
+    if not summary.get("rows"):
+        print(f"error: {args.input} has no rows; nothing to train on", file=sys.stderr)
+        return 1
     if not summary.get("sequences"):
         print(f"error: {path} holds no sequence: every row failed (see the reasons above); nothing to train on",
               file=sys.stderr)

@@ -20,6 +20,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", required=True, help="draft folder or Hub id")
     ap.add_argument("--max-context", type=int, default=None, help="context length you plan to serve")
     args = ap.parse_args(argv)
+    if args.max_context is not None and args.max_context < 1:
+        ap.error(f"--max-context {args.max_context}: must be >= 1")
     try:
         spec = TargetSpec.from_pretrained(args.target, args.gguf_file)
         cfg = load_config(args.draft)

@@ -45,11 +45,18 @@ def draft_config_for(target_config, spec: TargetSpec, *, layers: int = 5, block_
                      block_attention: str = "bidirectional", target_layer_ids=None, mask_token_id=None,
                      intermediate_size: int | None = None, sliding_window: int | None = None,
                      sliding_layers=None, max_position_embeddings: int | None = None) -> DSpineConfig:
-    """A :class:`DSpineConfig` whose layer shapes follow ``target_config``."""
+    """A :class:`DSpineConfig` whose layer shapes follow ``target_config``.
+
+    Raises:
+        ValueError: a ``sliding_layers`` index outside ``[0, layers)``.
+    """
     H = int(target_config.hidden_size)
     heads = int(target_config.num_attention_heads)
     head_dim = _target_field(target_config, "head_dim", H // heads)
     layer_types = ["full_attention"] * layers
+    bad = [i for i in sliding_layers or [] if not 0 <= i < layers]
+    if bad:
+        raise ValueError(f"--sliding-layers {bad} outside [0, {layers}) for a draft of {layers} layers")
     for i in sliding_layers or []:
         layer_types[i] = "sliding_attention"
     return DSpineConfig(
@@ -133,6 +140,9 @@ def main(argv=None) -> int:
     from dspine.target import resolve_model_path
 
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"error: --out {out} is an existing file; give a new or empty folder", file=sys.stderr)
+        return 2
     if out.exists() and any(out.iterdir()):
         print(f"error: {out} exists and is not empty; refusing to overwrite", file=sys.stderr)
         return 2
@@ -141,7 +151,7 @@ def main(argv=None) -> int:
             adopt_source_layout(args)
         args.layers = 5 if args.layers is None else args.layers
         args.block_size = 16 if args.block_size is None else args.block_size
-        path, gguf = resolve_model_path(args.target, args.gguf_file)
+        path, gguf = resolve_model_path(args.target, args.gguf_file, need_config=True)
         tcfg = AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
         spec = TargetSpec.from_pretrained(path, gguf)
         cfg = draft_config_for(

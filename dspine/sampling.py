@@ -7,6 +7,7 @@ draft logits, so the rejection rule compares the distributions that were actuall
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch
 class SamplingParams:
     """Decoding settings. ``temperature == 0`` means greedy (top-p/top-k ignored).
 
-    Raises ValueError (from :meth:`validate`) on a negative temperature, ``top_p`` outside
+    Raises ValueError (from :meth:`validate`) on a negative or non-finite temperature, ``top_p`` outside
     (0, 1], a negative ``top_k`` or ``max_new_tokens < 1``."""
 
     temperature: float = 0.0
@@ -26,8 +27,8 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self) -> SamplingParams:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from dspine.paths import resolve_model_path
 
 
 class _StopForward(Exception):
@@ -173,21 +174,11 @@ class TargetAdapter(nn.Module):
 # loading
 
 
-def resolve_model_path(path_or_id: str, gguf_file: str | None = None) -> tuple[str, str | None]:
-    """Split ``path/to/model.gguf`` into (folder, gguf file name); other paths/ids pass through."""
-    p = Path(path_or_id)
-    if gguf_file is None and p.suffix == ".gguf":
-        if not p.is_file():
-            raise FileNotFoundError(f"target GGUF file not found: {p}")
-        return str(p.parent), p.name
-    return path_or_id, gguf_file
-
-
 def load_tokenizer(path_or_id: str, gguf_file: str | None = None):
     """AutoTokenizer, falling back to ``PreTrainedTokenizerFast`` on a bare ``tokenizer.json``."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file)
+    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, what="tokenizer")
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     tok_json = Path(path_or_id) / "tokenizer.json"
     cfg_file = Path(path_or_id) / "config.json"
@@ -206,13 +197,11 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15).
+        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15).
     """
     from transformers import AutoModelForCausalLM
 
-    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file)
-    if (os.sep in path_or_id or path_or_id.startswith(".")) and not Path(path_or_id).exists():
-        raise FileNotFoundError(f"target path not found: {path_or_id}")
+    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, need_config=True)
     torch_dtype = _parse_dtype(dtype)
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
@@ -291,7 +280,7 @@ class TargetSpec:
         """Read config (+ tokenizer and generation config when present) without loading weights."""
         from transformers import AutoConfig, GenerationConfig
 
-        path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file)
+        path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, need_config=True)
         kw = {"gguf_file": gguf_file} if gguf_file else {}
         config = AutoConfig.from_pretrained(path_or_id, **kw)
         tok = None
@@ -335,8 +324,10 @@ def check_compat(target: TargetSpec | TargetAdapter, draft_config, max_context: 
     same_depth = draft_config.num_target_layers == L
     rows.append(CheckRow("num_target_layers", L, draft_config.num_target_layers, same_depth,
                          "" if same_depth else "draft was built for a target of another depth"))
-    rows.append(CheckRow("hidden_size", spec.hidden_size, draft_config.hidden_size,
-                         spec.hidden_size == draft_config.hidden_size))
+    same_width = spec.hidden_size == draft_config.hidden_size
+    rows.append(CheckRow("hidden_size", spec.hidden_size, draft_config.hidden_size, same_width,
+                         "" if same_width else f"target {spec.hidden_size} != draft {draft_config.hidden_size}: "
+                         "the draft was built for a target of another width"))
     V = spec.vocab_size
     vocab_ok, note = draft_config.vocab_size == V, ""
     if spec.tokenizer_len is not None and spec.tokenizer_len > V:
@@ -379,7 +370,7 @@ def assert_compatible(target: TargetSpec | TargetAdapter, draft_config, max_cont
     """Raise ``ValueError`` listing every failed row of :func:`check_compat`."""
     bad = [r for r in check_compat(target, draft_config, max_context) if not r.ok]
     if bad:
-        lines = [f"  {r.field}: target={r.target} draft={r.draft} ({r.note})" for r in bad]
+        lines = [f"  {r.field}: target={r.target} draft={r.draft}" + (f" ({r.note})" if r.note else "") for r in bad]
         raise ValueError("draft/target mismatch:\n" + "\n".join(lines))
 
 

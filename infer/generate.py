@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft", default=None, help=f"draft folder or Hub id (default with the default target: {DEFAULT_DRAFT.relative_to(REPO)}); 'none' = autoregressive")
     ap.add_argument("--prompt", default=None, help="user message (chat template applied when the tokenizer has one)")
     ap.add_argument("--dataset", default=None, help="take prompts from an eval set instead (gsm8k, math500, humaneval, mbpp, mt-bench)")
-    ap.add_argument("--num-prompts", type=int, default=1)
+    ap.add_argument("--num-prompts", type=int, default=None, help="prompts taken from --dataset (default 1)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -84,22 +84,33 @@ def result_dict(tokenizer, tokens: list[int], stats, elapsed_s: float, prefill_s
 
 
 def run(args) -> dict:
+    from dspine.sampling import SamplingParams
     from dspine.target import TargetSpec, load_tokenizer, resolve_model_path
     from infer.prompts import encode_prompt
 
+    # argument checks first: a bad value fails before any model file is read
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    try:
+        SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+    except ValueError as e:
+        raise ValueError(f"--{e}".replace("_", "-", 1)) from None
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
+    if args.num_prompts is not None and not args.dataset:
+        raise ValueError(f"--num-prompts {args.num_prompts} applies to --dataset only (--prompt is one prompt)")
+    args.num_prompts = 1 if args.num_prompts is None else args.num_prompts
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts {args.num_prompts}: must be >= 1")
     target_path, draft_path = resolve_models(args)
+    if args.block_size is not None and draft_path is None:
+        raise ValueError(f"--block-size {args.block_size} needs a draft (autoregressive decoding has no block)")
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "reference"
     if backend == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    if args.block_size is not None and args.block_size < 2:
-        raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
-    if args.num_prompts < 1:
-        raise ValueError(f"--num-prompts {args.num_prompts}: must be >= 1")
-    path, gguf = resolve_model_path(target_path, args.gguf_file)
+    path, gguf = resolve_model_path(target_path, args.gguf_file, need_config=True)
     tokenizer = load_tokenizer(path, gguf)
     spec = TargetSpec.from_pretrained(path, gguf)
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
@@ -166,7 +177,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         out = run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # OSError: an unreachable Hub id, unreadable files
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

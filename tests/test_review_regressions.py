@@ -147,3 +147,195 @@ def test_provenance_command_line_forms():
     assert command_line(["scripts/make_tables.py", "--check"]) == "python scripts/make_tables.py --check"
     assert command_line(["infer/bench.py", "--num-prompts", "4"]) == "python -m infer.bench --num-prompts 4"
     assert command_line(["train/distill.py", "a=1"]) == "accelerate launch train/distill.py a=1"
+
+
+# ------------------------------------------------------------------------------ second review: CLI inputs
+
+GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_missing_or_non_model_paths_are_named(stories_dir, tmp_path, capsys):
+    from data import tokenize
+    from dspine import check, init
+    from infer import generate
+
+    assert generate.main(["--target", "/nope/model", "--prompt", "hi"]) == 2
+    assert "/nope/model: no such file or folder, and not a Hub id" in capsys.readouterr().err
+    assert generate.main(["--target", str(REPO / "pyproject.toml"), "--prompt", "hi"]) == 2
+    assert "pyproject.toml: not a model folder" in capsys.readouterr().err
+    assert generate.main(["--target", str(tmp_path), "--prompt", "hi", "--draft", "none"]) == 2
+    assert f"{tmp_path}: not a model folder (no config.json)" in capsys.readouterr().err
+    assert check.main(["--target", "./nope", "--draft", str(stories_dir)]) == 2
+    assert "./nope: no such file or folder" in capsys.readouterr().err
+    assert init.main(["--target", "~/nope-dspine", "--out", str(tmp_path / "d")]) == 2
+    assert "~/nope-dspine: no such file or folder" in capsys.readouterr().err
+    src = tmp_path / "in.jsonl"
+    src.write_text("")
+    assert tokenize.main(["--input", str(src), "--tokenizer", "runs/nope/tok", "--max-length", "8"]) == 2
+    assert "tokenizer runs/nope/tok: no such file or folder" in capsys.readouterr().err
+
+
+def _distill(*extra):
+    cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config", str(REPO / "configs" / "stories260k-cpu.yaml"),
+           "eval=null", "eval_prompts=0", "max_steps=1", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_distill_config_values_are_checked_when_read():
+    from train import config as run_config
+
+    for override, message in [("lr=nan", "'lr': must be a finite number, got nan"),
+                              ("warmup_ratio=1.5", "'warmup_ratio': must be in [0, 1], got 1.5"),
+                              ("betas=[0.9,.inf]", "'betas': must be a finite number"),
+                              ("max_length=4", "'max_length': 4 is shorter than one block (block_size 8)"),
+                              ("mask_token_id=-1", "'mask_token_id': must be >= 0")]:
+        with pytest.raises(run_config.ConfigError) as e:
+            run_config.load(REPO / "configs" / "stories260k-cpu.yaml", ["target=x", override])
+        assert message in str(e.value), override
+    cfg = run_config.load(REPO / "configs" / "stories260k-cpu.yaml", ["target=x", "attn=flex"])
+    with pytest.raises(run_config.ConfigError, match="'attn': flex needs a CUDA GPU.*attn=dense"):
+        run_config.resolve_device_settings(cfg, cuda=False)
+
+
+@pytest.mark.slow
+def test_distill_value_errors_are_one_line(stories_dir, tmp_path):
+    from dspine import init as init_cli
+
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    few = tmp_path / "few.jsonl"
+    few.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
+    other = tmp_path / "other-draft"
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(other), "--layers", "1", "--mask-token-id", "0",
+                          "--block-size", "8", "--dtype", "fp32"]) == 0
+    broken = tmp_path / "broken"
+    (broken / "step-2").mkdir(parents=True)
+    (broken / "step-2" / "trainer_state.json").write_text("{}")
+    (broken / "latest").write_text("step-2")
+    from data.sample_target import main as sample_main
+
+    data = tmp_path / "train.jsonl"
+    assert sample_main(["--target", str(stories_dir), "--num", "16", "--max-new-tokens", "16", "--batch-size", "16",
+                        "--out", str(data)]) == 0
+    cases = [
+        (("mask_token_id=9999",), "mask_token_id=9999 is outside the vocabulary"),
+        (("target_layer_ids=[1,99]",), "[99] outside [0, "),
+        (("block_size=300", "max_length=512"), "draft RoPE range shorter than the requested context"),
+        ((f"train={conv}",), f"{conv} row 0 is a conversation, not tokenized rows: run python -m data.tokenize first"),
+        ((f"train={few}",), "config key 'train': 1 rows are fewer than one global batch of 4"),
+        ((f"init_from={other}",), f"config key 'init_from': {other}: missing tensors"),
+        ((f"output_dir={broken}",), f"points to {broken / 'step-2'}, an incomplete checkpoint (no state)"),
+    ]
+    for extra, message in cases:
+        r = _distill(f"target={stories_dir}", f"train={data}", "micro_batch_size=4", f"output_dir={tmp_path / 'out'}",
+                     *extra)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr[-2000:])
+        assert message in r.stderr, (extra, r.stderr[-2000:])
+
+
+def test_generate_and_check_refuse_bad_arguments_before_loading(stories_dir, capsys):
+    import time
+
+    from dspine import check
+    from infer import generate
+
+    base = ["--target", str(stories_dir), "--backend", "reference"]
+    cases = [(["--prompt", "hi", "--temperature", "nan"], "--temperature=nan must be a finite number >= 0"),
+             (["--prompt", "hi", "--top-p", "1.5"], "--top-p=1.5 must be in (0, 1]"),
+             (["--prompt", "hi", "--top-k", "-2"], "--top-k=-2 must be >= 0"),
+             (["--prompt", "hi", "--num-prompts", "3"], "--num-prompts 3 applies to --dataset only"),
+             (["--prompt", "hi", "--block-size", "4", "--draft", "none"], "--block-size 4 needs a draft")]
+    for extra, message in cases:
+        t0 = time.perf_counter()
+        assert generate.main([*base, *extra]) == 2
+        assert message in capsys.readouterr().err and time.perf_counter() - t0 < 1.0, extra
+    with pytest.raises(SystemExit) as e:
+        check.main(["--target", str(stories_dir), "--draft", str(stories_dir), "--max-context", "-5"])
+    assert e.value.code == 2 and "--max-context -5: must be >= 1" in capsys.readouterr().err
+
+
+def test_init_refuses_bad_sliding_layers_and_a_file_as_out(stories_dir, tmp_path, capsys):
+    from dspine import init as init_cli
+
+    base = ["--target", str(stories_dir), "--layers", "2", "--mask-token-id", "0", "--dtype", "fp32"]
+    for bad in ("7", "-1"):
+        assert init_cli.main([*base, "--out", str(tmp_path / bad), "--sliding-layers", bad]) == 2
+        assert f"--sliding-layers [{bad}] outside [0, 2)" in capsys.readouterr().err
+        assert not (tmp_path / bad).exists()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert init_cli.main([*base, "--out", str(afile)]) == 2
+    assert f"--out {afile} is an existing file" in capsys.readouterr().err
+
+
+def test_prepare_leaves_no_tmp_files_and_names_the_output(tmp_path, capsys):
+    from data import prepare
+
+    txt = tmp_path / "x.txt"
+    txt.write_text("hi\n")
+    (tmp_path / "empty").mkdir()
+    for src in (txt, tmp_path / "empty"):
+        out = tmp_path / f"out-{src.name}"
+        assert prepare.main(["--input", str(src), "--output", str(out)]) == 2
+        assert str(src) in capsys.readouterr().err
+        assert not list(out.glob("*.tmp")), list(out.iterdir())
+    assert prepare.main(["--input", str(txt), "--output", str(txt)]) == 2
+    assert f"--output {txt} is an existing file" in capsys.readouterr().err
+
+
+def test_check_table_hidden_size_mismatch_shows_both_values(stories_dir):
+    from dspine.target import TargetSpec, assert_compatible, check_compat
+    from tests.test_config_checkpoint import small_config
+
+    spec = TargetSpec.from_pretrained(str(stories_dir))
+    cfg = small_config()
+    cfg.hidden_size = spec.hidden_size + 8
+    row = next(r for r in check_compat(spec, cfg) if r.field == "hidden_size")
+    assert not row.ok and row.note.startswith(f"target {spec.hidden_size} != draft {spec.hidden_size + 8}")
+    with pytest.raises(ValueError) as e:
+        assert_compatible(spec, cfg)
+    assert "()" not in str(e.value) and f"hidden_size: target={spec.hidden_size} draft={spec.hidden_size + 8} (" in str(e.value)
+
+
+def test_tokenize_says_the_input_has_no_rows(qwen3_tokenizer_dir, tmp_path, capsys):
+    from data import tokenize
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert tokenize.main(["--input", str(empty), "--tokenizer", str(qwen3_tokenizer_dir), "--max-length", "32"]) == 1
+    err = capsys.readouterr().err
+    assert f"{empty} has no rows" in err and "every row failed" not in err
+
+
+@pytest.mark.slow
+def test_data_tools_accept_a_gguf_path(tmp_path, capsys):
+    from data import regenerate, tokenize
+
+    if not GGUF.is_file():
+        pytest.skip(f"missing {GGUF} (python -m infer.fetch)")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi there, how are you?"},
+                                                            {"role": "assistant", "content": "fine"}]}) + "\n")
+    assert tokenize.main(["--input", str(src), "--tokenizer", str(GGUF), "--max-length", "64",
+                          "--cache-dir", str(tmp_path / "tok")]) == 0
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert tokenize.main(["--input", str(empty), "--tokenizer", str(GGUF), "--max-length", "64",
+                          "--cache-dir", str(tmp_path / "tok")]) == 1
+    assert f"{empty} has no rows" in capsys.readouterr().err
+    # every row is longer than --max-context: all skipped, so nothing was regenerated -> exit 1
+    rc = regenerate.main(["--target", str(GGUF), "--input", str(src), "--output", str(tmp_path / "r"),
+                          "--max-context", "8", "--max-new-tokens", "4"])
+    assert rc == 1 and "no row was regenerated (1 skipped" in capsys.readouterr().err
+    run_args = json.loads((tmp_path / "r" / "run_args.json").read_text())
+    assert (run_args["target"], run_args["gguf_file"]) == (str(GGUF.parent), GGUF.name)
+
+
+def test_stories_config_comment_matches_its_values():
+    import yaml
+
+    text = (REPO / "configs" / "stories260k-cpu.yaml").read_text()
+    cfg = yaml.safe_load(text)
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    assert f"block_size {cfg['block_size']}, set below" in header and f"{cfg['layers']}-layer" in header
+    assert "python train/distill.py --config configs/stories260k-cpu.yaml" in header

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -187,6 +188,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key in NON_NEGATIVE:
         if getattr(cfg, key) < 0:
             raise ConfigError(f"config key {key!r}: must be >= 0, got {getattr(cfg, key)}")
+    for key, tp in _hints().items():  # lr=nan would pass every `<` check below and train to NaN
+        values = getattr(cfg, key) if typing.get_origin(tp) is list else [getattr(cfg, key)]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values or []):
+            raise ConfigError(f"config key {key!r}: must be a finite number, got {getattr(cfg, key)}")
+    for key in ("warmup_ratio", "min_lr_ratio"):
+        if not 0 <= getattr(cfg, key) <= 1:
+            raise ConfigError(f"config key {key!r}: must be in [0, 1], got {getattr(cfg, key)}")
+    if cfg.mask_token_id is not None and cfg.mask_token_id < 0:
+        raise ConfigError(f"config key 'mask_token_id': must be >= 0, got {cfg.mask_token_id}")
+    if cfg.target_layer_ids is not None and any(i < 0 for i in cfg.target_layer_ids):
+        raise ConfigError(f"config key 'target_layer_ids': must be >= 0, got {cfg.target_layer_ids}")
     if cfg.gamma <= 0:
         raise ConfigError(f"config key 'gamma': must be > 0, got {cfg.gamma}")
     if cfg.lr <= 0:
@@ -197,6 +209,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"config key 'block_size': must be >= 2, got {cfg.block_size}")
     if cfg.layers is not None and cfg.layers < 1:
         raise ConfigError(f"config key 'layers': must be >= 1, got {cfg.layers}")
+    if cfg.block_size is not None and cfg.max_length < cfg.block_size:
+        raise ConfigError(f"config key 'max_length': {cfg.max_length} is shorter than one block "
+                          f"(block_size {cfg.block_size})")
     if cfg.max_steps == 0 and cfg.epochs == 0:
         raise ConfigError("config keys 'epochs' and 'max_steps' are both 0: nothing to train")
     if not cfg.target:
@@ -313,7 +328,14 @@ def draft_config(cfg: RunConfig, target, tokenizer=None):
 
 
 def resolve_device_settings(cfg: RunConfig, cuda: bool) -> dict:
-    """The ``auto`` fields made concrete: target dtype, mixed precision, attention backend, length padding."""
+    """The ``auto`` fields made concrete: target dtype, mixed precision, attention backend, length padding.
+
+    Raises:
+        ConfigError: ``attn: flex`` without CUDA (flex_attention has no CPU backward).
+    """
+    if cfg.attn == "flex" and not cuda:
+        raise ConfigError("config key 'attn': flex needs a CUDA GPU (flex_attention has no CPU backward); "
+                          "use attn=dense (or auto) on the CPU")
     attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "dense")
     return {
         "target_dtype": cfg.target_dtype if cfg.target_dtype != "auto" else ("bf16" if cuda else "fp32"),

@@ -88,6 +88,9 @@ class ArrowRows:
 
 def _checked(obj: dict, where: str) -> dict:
     ids, mask = obj.get("input_ids"), obj.get("loss_mask")
+    if ids is None and "conversations" in obj:
+        raise ValueError(f"{where} is a conversation, not tokenized rows: run python -m data.tokenize first "
+                         "and train on its cache folder")
     if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
         raise ValueError(f"{where}: expected 'input_ids' and 'loss_mask' lists of equal length")
     return {"input_ids": ids, "loss_mask": mask}

@@ -93,18 +93,20 @@ def train(cfg) -> int:
     accelerator.wait_for_everyone()
 
     # ---------------------------------------------------------------------------------------- data
-    rows = open_rows(cfg.train if cfg.feature_source == "online" else cfg.feature_source)
-    if cfg.feature_source != "online" and not isinstance(rows, CaptureRows):
-        raise ConfigError(f"config key 'feature_source': {cfg.feature_source} is not a train.capture folder")
-    if cfg.feature_source == "online":
-        check_trainable(rows, cfg.train)
-    eval_rows = open_rows(cfg.eval) if cfg.eval else None
-    order = StepOrder(len(rows), cfg.micro_batch_size, cfg.grad_accum, world, cfg.seed)
+    with config_errors("train" if cfg.feature_source == "online" else "feature_source"):
+        rows = open_rows(cfg.train if cfg.feature_source == "online" else cfg.feature_source)
+        if cfg.feature_source != "online" and not isinstance(rows, CaptureRows):
+            raise ConfigError(f"config key 'feature_source': {cfg.feature_source} is not a train.capture folder")
+        if cfg.feature_source == "online":
+            check_trainable(rows, cfg.train)
+        order = StepOrder(len(rows), cfg.micro_batch_size, cfg.grad_accum, world, cfg.seed)
+    with config_errors("eval"):
+        eval_rows = open_rows(cfg.eval) if cfg.eval else None
     total_steps = cfg.max_steps or cfg.epochs * order.steps_per_epoch
 
     # ---------------------------------------------------------------------------------------- models
     # The target is never handed to DeepSpeed: it must not be partitioned (docs/method.md §8.13).
-    with whole_modules(accelerator if deepspeed else None):
+    with whole_modules(accelerator if deepspeed else None), config_errors():
         target = load_target(cfg.target, dtype=dev["target_dtype"], device=accelerator.device)
         try:
             tokenizer = load_tokenizer(cfg.target)
@@ -122,7 +124,8 @@ def train(cfg) -> int:
         draft = load_draft(cfg.draft_init, dtype=torch.float32) if cfg.draft_init else DSpineDraftModel(dcfg)
         draft = draft.float().train()
         if cfg.init_from and resume is None:
-            warm_start(draft, cfg.init_from)
+            with config_errors("init_from"):
+                warm_start(draft, cfg.init_from)
     eos_ids = sorted(TargetSpec.from_adapter(target, tokenizer).eos_ids)
     settings = StepSettings(dcfg.block_size, dev["attn"], cfg.loss_chunk_size, cfg.grad_clip)
     batch_kw = dict(max_length=cfg.max_length, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
@@ -333,7 +336,14 @@ def resolve_resume(cfg, out: Path) -> Path | None:
     or when ``resume_from: none`` would overwrite existing checkpoints."""
     latest = out / "latest"
     if cfg.resume_from == "auto":
-        return out / latest.read_text().strip() if latest.is_file() else None
+        if not latest.is_file():
+            return None
+        ckpt = out / latest.read_text().strip()
+        missing = [n for n in ("trainer_state.json", "state") if not (ckpt / n).exists()]
+        if missing:
+            raise ConfigError(f"{latest} points to {ckpt}, an incomplete checkpoint (no {' or '.join(missing)}); "
+                              "point it to a complete step-N folder or delete the incomplete one")
+        return ckpt
     if cfg.resume_from == "none":
         if latest.is_file():
             raise ConfigError(f"resume_from=none but {out} already holds checkpoints ({latest}); "
@@ -352,6 +362,18 @@ RESUME_MUTABLE = {
     "save_dtype", "eval", "eval_every", "eval_max_rows", "eval_prompts", "eval_prompt_min_tokens",
     "eval_max_new_tokens", "log_every", "log_samples", "report_to", "wandb_project", "wandb_run_name", "wandb_tags",
 }
+
+
+@contextlib.contextmanager
+def config_errors(key: str | None = None):
+    """Report a ``ValueError`` of the config/data/checkpoint checks as a :class:`ConfigError` (an
+    ``error:`` line naming ``key``, no traceback). Not used around the training loop."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"config key {key!r}: {e}" if key else str(e)) from None
 
 
 def finite_or_none(x):

@@ -1,0 +1,48 @@
+"""Where a model comes from: a local folder, a ``.gguf`` file, or a Hugging Face Hub id.
+
+Every loader (``dspine.*``, ``infer.*``, ``data.*``, ``train/``) resolves its ``--target`` /
+``--tokenizer`` here first, so a mistyped local path is reported as a missing path, not as a
+malformed Hub repo id.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# "name" or "org/name" (huggingface_hub's repo id rule, loosely): anything else is a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def looks_local(path_or_id: str) -> bool:
+    """True for a string that can only be a local path: it starts with ``/ . ~`` or is no Hub id."""
+    return path_or_id.startswith(("/", ".", "~")) or not _HUB_ID.fullmatch(path_or_id)
+
+
+def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str = "target",
+                       need_config: bool = False) -> tuple[str, str | None]:
+    """Split ``path/to/model.gguf`` into (folder, gguf file name); other folders and Hub ids pass through.
+
+    Args:
+        what: the role, for error messages ("target", "tokenizer").
+        need_config: a local folder without ``--gguf-file`` must hold ``config.json``.
+    Raises:
+        FileNotFoundError: a local-looking path, or the GGUF file, that does not exist.
+        ValueError: an existing file that is not ``.gguf``, or a folder without ``config.json``.
+    """
+    p = Path(path_or_id).expanduser()
+    if gguf_file is None and p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"{what} GGUF file not found: {path_or_id}")
+        return str(p.parent), p.name
+    if not p.exists():
+        if looks_local(path_or_id):
+            raise FileNotFoundError(f"{what} {path_or_id}: no such file or folder, and not a Hub id")
+        return path_or_id, gguf_file  # a Hub id
+    if not p.is_dir():
+        raise ValueError(f"{what} {path_or_id}: not a model folder (a file; expected a folder, Hub id or .gguf file)")
+    if gguf_file is not None and not (p / gguf_file).is_file():
+        raise FileNotFoundError(f"{what} GGUF file not found: {p / gguf_file}")
+    if need_config and gguf_file is None and not (p / "config.json").is_file():
+        raise ValueError(f"{what} {path_or_id}: not a model folder (no config.json)")
+    return (str(p) if path_or_id.startswith("~") else path_or_id), gguf_file
