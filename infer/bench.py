@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dspine.sampling import SamplingParams
 from dspine.stats import AcceptStats
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
         wp = SamplingParams(args.temperature, args.top_p, args.top_k, min(32, args.max_new_tokens), args.seed)
         for label in [None, *runner.drafts]:
             runner.run(warm, wp, label)
-        rows = [run_task(runner, t, params, do_ar=not args.no_ar) for t in tasks]
+        rows = [run_task(runner, t, params, do_ar=not args.no_ar) for t in tqdm(tasks, desc="tasks", unit="task")]
     except (ValueError, FileNotFoundError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
