@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             args.input, args.tokenizer, cache_dir, args.max_length, args.enable_thinking,
             args.assistant_turns, args.chat_template, args.num_proc,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, OSError) as e:  # OSError includes FileNotFoundError
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = json.loads((path / SUMMARY).read_text())

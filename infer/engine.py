@@ -346,7 +346,7 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
                   verify_size=verify_size, max_new_cap=max_new_cap), spec
 
 
-def generate_cli(args, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
+def generate_cli(args, params: SamplingParams, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
     """``infer.generate --backend cuda``: same JSON contract as the reference backend."""
     from infer.generate import result_dict
 
@@ -358,7 +358,6 @@ def generate_cli(args, path, gguf, draft_path, tokenizer, spec, prompts) -> dict
     engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
                             max_seq=max_seq, verify_size=args.block_size, check_max_context=longest + args.max_new_tokens,
                             max_new_cap=args.max_new_tokens)
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
     engine.generate(prompts, params)  # warm-up: graph capture and kernel compilation stay out of the timing
     res = engine.generate(prompts, params)
     out = result_dict(tokenizer, res.token_ids[0], res.stats, res.elapsed_s, res.prefill_s, engine.eos_set)

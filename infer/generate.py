@@ -92,7 +92,7 @@ def run(args) -> dict:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     try:
-        SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
     except ValueError as e:
         raise ValueError(f"--{e}".replace("_", "-", 1)) from None
     if args.block_size is not None and args.block_size < 2:
@@ -133,13 +133,12 @@ def run(args) -> dict:
     if backend == "cuda":
         from infer.engine import generate_cli
 
-        return generate_cli(args, path, gguf, draft_path, tokenizer, spec, prompts)
-    return _run_reference(args, path, gguf, draft_path, tokenizer, spec, prompts)
+        return generate_cli(args, params, path, gguf, draft_path, tokenizer, spec, prompts)
+    return _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompts)
 
 
-def _run_reference(args, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
+def _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
     from dspine.checkpoint import load_draft
-    from dspine.sampling import SamplingParams
     from dspine.spec import ReferenceDecoder
     from dspine.target import assert_compatible, load_target
 
@@ -154,7 +153,6 @@ def _run_reference(args, path, gguf, draft_path, tokenizer, spec, prompts) -> di
             raise ValueError(f"--block-size {args.block_size} < the draft's {draft.config.block_size}: verifying fewer "
                              "slots is only supported by --backend cuda")
         assert_compatible(spec, draft.config, max_context=max(map(len, prompts)) + args.max_new_tokens)
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
     eos = spec.eos_ids
     res = ReferenceDecoder(target, draft, eos).generate(prompts, params)
     tokens = res.token_ids[0]
