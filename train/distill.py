@@ -78,9 +78,9 @@ def train(cfg) -> int:
     resume = resolve_resume(cfg, out)
     if resume is not None:
         check_resumed_config(resume, cfg)  # before anything is written: a refused resume changes nothing
-    for key in ("target", "train", "eval"):
+    for key in ("train", "eval"):
         path = getattr(cfg, key)
-        if key != "target" and path and not Path(path).exists():
+        if path and not Path(path).exists():
             raise ConfigError(f"config key '{key}': {path} does not exist")
     if main_proc:
         out.mkdir(parents=True, exist_ok=True)

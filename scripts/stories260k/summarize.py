@@ -15,8 +15,9 @@ def main(work: str, out: str) -> None:
         evals = [r for r in rows if "eval/tau_real" in r]
         train = [r for r in rows if "loss" in r]
         runs[name] = {"final": evals[-1], "evals": evals, "train_loss": [(r["step"], r["loss"]) for r in train]}
-    res = {**provenance(["bash", "scripts/stories260k/ablation.sh"]), "target": "stories260K (llama2.c, 260K params)",
-           "runs": runs}
+    steps = runs["dspine"]["final"]["step"]  # the script's STEPS, recorded so the command reproduces this file
+    res = {**provenance([f"STEPS={steps}", "bash", "scripts/stories260k/ablation.sh"]),
+           "target": "stories260K (llama2.c, 260K params)", "runs": runs}
     Path(out).write_text(json.dumps(res, indent=1))
     for name, r in runs.items():
         f = r["final"]
