@@ -103,11 +103,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="only the first N input rows")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target weights: auto = bf16 on CUDA, fp32 on the CPU (bf16 is faster on CPUs with AVX512-BF16/AMX)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="rows per generate call and per resumable write (the unit a killed run loses)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="engine backend: sequences decoded at once (KV cache slots; default --batch-size). A "
+                   "batch larger than this keeps every slot busy: finished rows are refilled from the batch")
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     args = p.parse_args(argv)
-    for name in ("max_new_tokens", "batch_size"):
+    if args.concurrency is None:
+        args.concurrency = args.batch_size
+    for name in ("max_new_tokens", "batch_size", "concurrency"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.max_turns < 0:
@@ -445,7 +451,8 @@ def regenerate(args: argparse.Namespace) -> dict:
     stop_ids = stop_token_ids(tokenizer, template, model_generation_config(args.target))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     generator = load_generator(
-        backend, args.target, args.gguf_file, stop_ids, pad_id, state.device, args.batch_size, max_context,
+        backend, args.target, args.gguf_file, stop_ids, pad_id, state.device,
+        args.concurrency if backend == "engine" else args.batch_size, max_context,
         dtype=args.dtype,
     )
 

@@ -85,15 +85,11 @@ def _format(task: str, i: int, r: dict) -> EvalPrompt:
     return EvalPrompt(task, str(r.get("question_id", i)), list(turns))
 
 
-def load_eval_prompts(name: str, num: int | None = None, data_dir: str | Path | None = None) -> list[EvalPrompt]:
-    """The first ``num`` prompts of a task (all when None), from ``data_dir`` or the Hub.
+def load_eval_rows(name: str, data_dir: str | Path | None = None) -> list[dict]:
+    """Every raw row of a task (MBPP: the test split), from ``data_dir`` or the Hub.
 
-    MBPP keeps the test split (task ids 11..510). Raises ValueError (unknown task) or
-    FileNotFoundError when neither the local file nor the Hub is reachable.
-    """
+    Raises ValueError (unknown task) or FileNotFoundError when neither source is reachable."""
     task = task_name(name)
-    if num is not None and num < 1:
-        raise ValueError(f"number of prompts {num}: must be >= 1 (or None for all)")
     folder = Path(data_dir) if data_dir else default_eval_dir()
     local = folder / TASKS[task][3]
     if local.is_file():
@@ -105,5 +101,37 @@ def load_eval_prompts(name: str, num: int | None = None, data_dir: str | Path | 
             raise FileNotFoundError(f"{task}: no local file {local} and the Hub copy {TASKS[task][0]} failed ({e})") from e
     if task == "mbpp":
         rows = [r for r in rows if 11 <= int(r["task_id"]) <= 510]
+    return rows
+
+
+# Fields of a raw row whose text a training set must not contain (question and reference answer).
+REFERENCE_FIELDS = {
+    "gsm8k": ("question", "answer"),
+    "math500": ("problem", "solution"),
+    "humaneval": ("prompt", "canonical_solution"),
+    "mbpp": ("prompt", "code"),
+    "mt-bench": ("turns", "prompt"),
+}
+
+
+def reference_texts(name: str, row: dict) -> list[str]:
+    """The question and reference-answer texts of one raw row (for contamination checks)."""
+    out = []
+    for key in REFERENCE_FIELDS[task_name(name)]:
+        value = row.get(key)
+        out += [str(v) for v in value] if isinstance(value, list) else ([str(value)] if value else [])
+    return out
+
+
+def load_eval_prompts(name: str, num: int | None = None, data_dir: str | Path | None = None) -> list[EvalPrompt]:
+    """The first ``num`` prompts of a task (all when None), from ``data_dir`` or the Hub.
+
+    MBPP keeps the test split (task ids 11..510). Raises ValueError (unknown task) or
+    FileNotFoundError when neither the local file nor the Hub is reachable.
+    """
+    task = task_name(name)
+    if num is not None and num < 1:
+        raise ValueError(f"number of prompts {num}: must be >= 1 (or None for all)")
+    rows = load_eval_rows(task, data_dir)
     prompts = [_format(task, i, r) for i, r in enumerate(rows)]
     return prompts if num is None else prompts[:num]

@@ -211,37 +211,49 @@ class Engine:
         return self._graphs[key].replay
 
     # -- prefill / admission ---------------------------------------------------------------------
-    def _admit(self, s: _Slots, b: int, prompt: list[int], p: SamplingParams, spec: bool, kv, dc):
-        P = len(prompt)
-        need = P + p.max_new_tokens + s.vb
-        if need > self.max_seq:
-            raise ValueError(f"prompt of {P} tokens + max_new_tokens={p.max_new_tokens} + block exceeds the "
-                             f"engine context of {self.max_seq} positions")
+    def _admit(self, s: _Slots, items: list[tuple[int, list[int]]], p: SamplingParams, spec: bool, kv, dc):
+        """Prefill prompts into batch slots in one packed target pass: ``items`` = [(slot, prompt ids)]."""
+        for _, prompt in items:
+            need = len(prompt) + p.max_new_tokens + s.vb
+            if need > self.max_seq:
+                raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={p.max_new_tokens} + block exceeds "
+                                 f"the engine context of {self.max_seq} positions")
         if p.max_new_tokens > self.max_new_cap:
             raise ValueError(f"max_new_tokens={p.max_new_tokens} exceeds the engine cap {self.max_new_cap}")
-        ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        logits, feats = self.target.prefill(ids, b, kv, want_features=spec)
+        slots = [b for b, _ in items]
+        ids = [torch.tensor(prompt, dtype=torch.long, device=self.device) for _, prompt in items]
+        logits, feats = self.target.prefill_packed(ids, slots, kv, want_features=spec)
         s.nonfinite |= ~torch.isfinite(logits).all()
         if p.greedy:
             first = logits.argmax(-1)
         else:
             first = self._race(logits_to_probs(logits.float(), p.temperature, p.top_p, p.top_k))
-        s.anchor[b] = first
-        s.lengths[b] = P
-        s.out_tokens[b, 0] = first
-        s.out_len[b] = 1
-        s.max_new[b] = p.max_new_tokens
-        s.done[b] = (torch.isin(first, self.eos) | (p.max_new_tokens <= 1)).to(torch.int8)
-        s.hist[b].zero_()
+        idx = torch.tensor(slots, device=self.device)
+        s.anchor[idx] = first
+        s.lengths[idx] = torch.tensor([len(x) for _, x in items], dtype=torch.int32, device=self.device)
+        s.out_tokens[idx, 0] = first
+        s.out_len[idx] = 1
+        s.max_new[idx] = p.max_new_tokens
+        s.done[idx] = (torch.isin(first, self.eos) | (p.max_new_tokens <= 1)).to(torch.int8)
+        s.hist[idx] = 0
         if spec:
-            self.draft.append(feats[None], torch.zeros(1, dtype=torch.int32, device=self.device), dc, slot=b)
+            start = 0
+            for b, prompt in items:
+                f = feats[start : start + len(prompt)]
+                self.draft.append(f[None], torch.zeros(1, dtype=torch.int32, device=self.device), dc, slot=b)
+                start += len(prompt)
 
     # -- public ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, concurrency: int | None = None,
-                 use_draft: bool = True) -> EngineResult:
+                 use_draft: bool = True, refill: int | None = None) -> EngineResult:
         """Decode every prompt; at most ``concurrency`` (default: max_batch) at a time, slots refilled
         from the queue as rows finish. Output tokens include the EOS that ended a row.
+
+        ``refill``: free slots to wait for before admitting queued prompts in one packed prefill
+        (default 1 up to 16 slots, else concurrency // 16). Waiting amortises the prefill's launches
+        over many prompts (large-batch regeneration) at the cost of a few idle slots; with 1, a
+        finished row is replaced before the next step (benchmarks at fixed concurrency).
 
         Raises:
             ValueError: a prompt that does not fit the context, or empty prompts.
@@ -252,6 +264,7 @@ class Engine:
             raise ValueError("every prompt needs at least one token")
         spec = use_draft and self.draft is not None
         B = min(concurrency or self.max_batch, self.max_batch, len(prompts))
+        refill = max(1, refill if refill is not None else (1 if B <= 16 else B // 16))
         s = self._slots_for(B)
         kv, dc = self._cache_view(B)
         torch.manual_seed(params.seed)
@@ -269,20 +282,22 @@ class Engine:
         s.done.fill_(1)
         s.nonfinite.zero_()
 
-        def admit(b: int, n_steps: int):
+        def admit(free: list[int], n_steps: int):
             nonlocal prefill_s
             tp = time.perf_counter()
-            if queue:
+            items = []
+            for b in free:
+                if not queue:
+                    break
                 idx, prompt = queue.popleft()
                 owner[b] = idx
-                self._admit(s, b, prompt, params, spec, kv, dc)
                 start_step[idx] = n_steps
-            else:
-                owner[b] = None
+                items.append((b, prompt))
+            if items:
+                self._admit(s, items, params, spec, kv, dc)
             prefill_s += time.perf_counter() - tp
 
-        for b in range(B):
-            admit(b, 0)
+        admit(list(range(B)), 0)
         n_steps = 0
         while any(o is not None for o in owner):
             flags = torch.cat([s.done, s.nonfinite.to(torch.int8)]).cpu()  # the one sync per step
@@ -301,8 +316,13 @@ class Engine:
                     reasons[idx] = "stop" if toks and toks[-1] in self.eos_set else "length"
                     steps_per[idx] = n_steps - start_step[idx]
                     hist[: h.shape[1]] += h[b].long()
-                    admit(b, n_steps)
+                    owner[b] = None
+            free = [b for b in range(B) if owner[b] is None]
+            if queue and free and (len(free) >= min(refill, len(queue)) or len(free) == B):
+                admit(free, n_steps)
                 continue  # re-read the flags: a refilled row may already be done (EOS first)
+            if finished and not any(o is not None for o in owner):
+                break
             step()
             n_steps += 1
         if self.device.type == "cuda":

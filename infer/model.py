@@ -279,6 +279,50 @@ class EngineTarget(nn.Module):
         h, _ = rms_norm(x[-1:], self.norm, a.rms_norm_eps, residual=residual[-1:], impl=self.impl)
         return F.linear(h, self.head)[0], self._features(feats, want_features)
 
+    def prefill_packed(self, prompts: list[torch.Tensor], slots: list[int], cache: KVCache,
+                       want_features: bool = True):
+        """Several prompts in one pass (varlen packing): prompt i ``[P_i]`` goes to batch slot ``slots[i]``.
+
+        The N = Σ P_i tokens run through every matmul together, so admitting k prompts costs one
+        forward of N tokens instead of k forwards (the launch count of one prefill is about
+        12 per layer, which dominates small targets). Attention is causal SDPA per prompt over its
+        own cache rows, the same call :meth:`prefill` makes, so each prompt's logits equal a
+        one-prompt prefill up to matmul rounding (exactly in fp32 on the CPU reference path).
+
+        Returns:
+            logits ``[k, V]`` at each prompt's last position and features ``[N, k*H]`` (or None)
+            in packed order (prompt i occupies rows ``offsets[i] .. offsets[i+1]-1``).
+        Raises:
+            ValueError: a prompt longer than the cache.
+        """
+        a = self.args
+        lens = [int(p.shape[0]) for p in prompts]
+        if max(lens) > cache.seq:
+            raise ValueError(f"prompt of {max(lens)} tokens does not fit the cache ({cache.seq} positions)")
+        Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        dev = prompts[0].device
+        tokens = torch.cat(prompts)
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        bidx = torch.cat([torch.full((n,), s, device=dev, dtype=torch.long) for n, s in zip(lens, slots)])
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+
+        def attend(i, q):
+            out = torch.empty(q.shape[0], Hq * D, device=q.device, dtype=q.dtype)
+            for j, (s, n) in enumerate(zip(slots, lens)):
+                kc, vc = cache.k[i][s : s + 1, :, :n], cache.v[i][s : s + 1, :, :n]
+                qj = q[starts[j] : starts[j + 1]].view(1, n, Hq, D).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qj, kc, vc, is_causal=True, scale=self.scale,
+                                                   enable_gqa=Hq != Hkv)
+                out[starts[j] : starts[j + 1]] = o.transpose(1, 2).reshape(n, Hq * D)
+            return out
+
+        x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features)
+        last = torch.tensor([e - 1 for e in starts[1:]], device=dev)
+        h, _ = rms_norm(x[last], self.norm, a.rms_norm_eps, residual=residual[last], impl=self.impl)
+        return F.linear(h, self.head), self._features(feats, want_features)
+
 
 def read_safetensors(folder: Path, device) -> dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or the shards of ``model.safetensors.index.json``."""

@@ -152,3 +152,35 @@ def test_engine_rejects_cuda_graphs_on_cpu(stories_dir, stories):
     eng = _engine(stories_dir, stories[2])
     with pytest.raises(ValueError, match="cuda_graphs"):
         Engine(eng.target, eng.draft, [2], max_seq=400, cuda_graphs=True)
+
+
+def test_packed_prefill_equals_one_prompt_prefill(stories_dir):
+    eng = EngineTarget.from_pretrained(str(stories_dir), device="cpu", dtype=torch.float32, layer_ids=[1, 3],
+                                       impl="torch")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=g) for n in (5, 1, 17, 9)]
+    slots = [3, 0, 2, 5]
+    one, packed = eng.new_cache(6, 40), eng.new_cache(6, 40)
+    logits, feats = eng.prefill_packed(prompts, slots, packed)
+    start = 0
+    for i, (p, b) in enumerate(zip(prompts, slots)):
+        want_logits, want_feats = eng.prefill(p, b, one)
+        n = p.shape[0]
+        assert (logits[i] - want_logits).abs().max() < 1e-5
+        assert (feats[start : start + n] - want_feats).abs().max() < 1e-5
+        for layer in range(eng.args.num_layers):
+            assert (packed.k[layer][b, :, :n] - one.k[layer][b, :, :n]).abs().max() < 1e-5
+        start += n
+
+
+@pytest.mark.parametrize("refill", [1, 3, 8])
+def test_engine_batched_refill_keeps_outputs(stories_dir, stories, refill):
+    """Waiting for several free slots before a packed refill changes the schedule, not the output."""
+    target, _, folder = stories
+    prompts = PROMPTS * 3
+    params = SamplingParams(max_new_tokens=24)
+    want = ReferenceDecoder(target, None, [2]).generate(prompts, params).token_ids
+    eng = _engine(stories_dir, folder)
+    for spec in (False, True):
+        got = eng.generate(prompts, params, concurrency=5, use_draft=spec, refill=refill)
+        assert got.token_ids == want, (refill, spec)

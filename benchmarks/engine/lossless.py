@@ -44,12 +44,13 @@ def install_device_oracle(engine, reference: list[list[int]], every: int = 4):
     ref = torch.zeros(engine.max_batch, width, dtype=torch.long, device=dev)
     admit = engine._admit
 
-    def _admit(s, b, prompt, params, spec, kv, dc):
-        admit(s, b, prompt, params, spec, kv, dc)
-        seq = reference[engine.slot_owner[b]]  # set by Engine.generate before admission
-        row = torch.zeros(width, dtype=torch.long)
-        row[: len(seq)] = torch.tensor(seq)
-        ref[b].copy_(row.to(dev))
+    def _admit(s, items, params, spec, kv, dc):
+        admit(s, items, params, spec, kv, dc)
+        for b, _ in items:
+            seq = reference[engine.slot_owner[b]]  # set by Engine.generate before admission
+            row = torch.zeros(width, dtype=torch.long)
+            row[: len(seq)] = torch.tensor(seq)
+            ref[b].copy_(row.to(dev))
 
     def block_logits(block, lengths, cache):
         B, bs = block.shape

@@ -1,0 +1,81 @@
+"""data.decontaminate: n-gram overlap with the eval sets, duplicate prompts, never overwriting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from data.decontaminate import decontaminate, main, words
+
+QUESTION = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
+            "for her friends every day with four.")
+
+
+def _row(i, user, answer="ok"):
+    return {"id": f"s:{i}", "source": "s", "conversations": [{"role": "user", "content": user},
+                                                            {"role": "assistant", "content": answer}]}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    ev = tmp_path / "eval"
+    (ev / "gsm8k").mkdir(parents=True)
+    (ev / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": QUESTION, "answer": "#### 18"}) + "\n")
+    (ev / "mt_bench").mkdir()
+    (ev / "mt_bench" / "question.jsonl").write_text(json.dumps(
+        {"question_id": 81, "turns": ["Compose an engaging travel blog post about a recent trip to Hawaii.", "Rewrite it."]}) + "\n")
+    rows = [
+        _row(0, "How many legs do three spiders have?"),
+        # 13 consecutive words of the question, other case and punctuation, inside other text
+        _row(1, "Solve: SHE eats three -- for breakfast, every morning and bakes muffins for her friends every day!"),
+        _row(2, "How many legs do three spiders have ?"),  # same words as row 0: duplicate prompt
+        _row(3, "Tell me a joke.", "Sure. Compose an engaging travel blog post about a recent trip to Hawaii, you said?"),
+        _row(4, "Rewrite it."),  # a 2-word eval turn is too short to count as contamination
+    ]
+    src = tmp_path / "train.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return src, ev, tmp_path / "clean"
+
+
+def test_words_normalise_case_and_punctuation():
+    assert words("She eats -- THREE, for breakfast!") == ["she", "eats", "three", "for", "breakfast"]
+
+
+def test_drops_overlap_and_duplicates(setup):
+    src, ev, out = setup
+    s = decontaminate(str(src), str(out), ["gsm8k", "mt-bench"], 13, str(ev))
+    kept = [json.loads(x)["id"] for x in (out / "train.jsonl").read_text().splitlines()]
+    dropped = {json.loads(x)["id"]: json.loads(x) for x in (out / "dropped.jsonl").read_text().splitlines()}
+    assert kept == ["s:0", "s:4"]
+    assert dropped["s:1"]["reason"] == "contaminated" and dropped["s:1"]["eval_task"] == "gsm8k"
+    assert dropped["s:3"]["eval_task"] == "mt-bench"  # the eval text is shorter than 13 words: matched whole
+    assert dropped["s:2"]["reason"] == "duplicate_prompt"
+    assert (s["read"], s["kept"], s["contaminated"], s["duplicates"]) == (5, 2, 2, 1)
+    assert s["contaminated_by_task"] == {"gsm8k": 1, "mt-bench": 1} and s["adds_up"]
+
+
+def test_finished_output_is_kept_and_other_args_refused(setup, capsys):
+    src, ev, out = setup
+    assert main(["--input", str(src), "--output", str(out), "--eval-dir", str(ev), "--tasks", "gsm8k"]) == 0
+    before = (out / "train.jsonl").read_bytes()
+    assert main(["--input", str(src), "--output", str(out), "--eval-dir", str(ev), "--tasks", "gsm8k"]) == 0
+    assert (out / "train.jsonl").read_bytes() == before
+    assert main(["--input", str(src), "--output", str(out), "--eval-dir", str(ev), "--tasks", "gsm8k",
+                 "--ngram", "8"]) == 2
+    assert "other arguments" in capsys.readouterr().err
+    assert (out / "train.jsonl").read_bytes() == before
+
+
+def test_missing_input_and_eval_set_are_named(setup, tmp_path, capsys, monkeypatch):
+    import infer.datasets
+
+    def offline(task):
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(infer.datasets, "_hub_rows", offline)
+    src, ev, out = setup
+    assert main(["--input", str(tmp_path / "nope.jsonl"), "--output", str(out), "--eval-dir", str(ev)]) == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert main(["--input", str(src), "--output", str(out), "--eval-dir", str(ev), "--tasks", "math500"]) == 2
+    assert "math500" in capsys.readouterr().err
