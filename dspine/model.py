@@ -364,7 +364,8 @@ class DSpineDraftModel(PreTrainedModel):
                 causal=causal, window=window,
             )
 
-        return create_block_mask(mask_mod, B, None, T, Tk, device=dev)
+        # compiled mask construction: the eager path evaluates mask_mod on all B·T·Tk pairs each step
+        return create_block_mask(mask_mod, B, None, T, Tk, device=dev, _compile=dev.type == "cuda")
 
     # -- inference forward ---------------------------------------------------------------------------
     def forward_block(self, block_embeds: torch.Tensor, cache: DraftCache) -> torch.Tensor:

@@ -82,9 +82,11 @@ def test_save_round_trip(tmp_path):
 def test_auto_settings():
     cfg = RunConfig(target="t", train="d")
     assert resolve_device_settings(cfg, cuda=True) == {"target_dtype": "bf16", "mixed_precision": "bf16",
-                                                        "attn": "flex", "pad_to_multiple": 512}
+                                                        "attn": "flex", "pad_to_multiple": 512,
+                                                        "data_workers": 2}
     assert resolve_device_settings(cfg, cuda=False) == {"target_dtype": "fp32", "mixed_precision": "no",
-                                                         "attn": "dense", "pad_to_multiple": 1}
+                                                         "attn": "dense", "pad_to_multiple": 1,
+                                                         "data_workers": 0}
 
 
 def test_distill_cli_fails_fast_on_bad_config(tmp_path):

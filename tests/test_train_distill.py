@@ -161,8 +161,9 @@ def test_resume_after_sigkill_is_exact(data, straight, tmp_path):
 
 
 def test_resume_after_stop_is_exact(data, straight, tmp_path):
+    """Also the prefetching path: batches built by 2 DataLoader worker processes equal the in-loop ones."""
     out = tmp_path / "stopped"
-    run(*data[1], *COMMON, f"output_dir={out}", "stop_after_steps=20")
+    run(*data[1], *COMMON, f"output_dir={out}", "stop_after_steps=20", "data_workers=2")
     assert (out / "latest").read_text().strip() == "step-20" and len(jsonl(out / "metrics.jsonl")) == 20
-    run(*data[1], *COMMON, f"output_dir={out}", f"resume_from={out / 'step-20'}")
+    run(*data[1], *COMMON, f"output_dir={out}", f"resume_from={out / 'step-20'}", "data_workers=2")
     assert_same_run(straight, out)

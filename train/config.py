@@ -64,6 +64,7 @@ class RunConfig:
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, no on CPU) | bf16 | no
     attn: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense
     loss_chunk_size: int = 2048  # rows per lm_head chunk in the fused cross entropy
+    data_workers: int | None = None  # processes building the next steps' batches (None = 2 on CUDA, 0 on CPU)
     pad_to_multiple: int = 0  # right-pad sequence length to a multiple (0 = auto: 512 with flex, else 1)
     seed: int = 0  # init, data order (per epoch) and anchor sampling (per step, rank, micro-step)
     # -- output -------------------------------------------------------------------------------
@@ -97,7 +98,7 @@ CHOICES: dict[str, tuple] = {
     "report_to": ("wandb", "none"),
 }
 POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every")
-NON_NEGATIVE = ("max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_max_rows", "eval_prompts",
+NON_NEGATIVE = ("data_workers", "max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_max_rows", "eval_prompts",
                 "eval_max_new_tokens", "pad_to_multiple", "grad_clip", "weight_decay", "warmup_ratio", "min_lr_ratio")
 # Defaults of the draft shape fields when neither the YAML nor draft_init gives them.
 DRAFT_DEFAULTS = {"layers": 5, "block_size": 16, "injection": "residual", "injection_rank": 0,
@@ -186,7 +187,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key {key!r}: must be >= 1, got {getattr(cfg, key)}")
     for key in NON_NEGATIVE:
-        if getattr(cfg, key) < 0:
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 0:
             raise ConfigError(f"config key {key!r}: must be >= 0, got {getattr(cfg, key)}")
     for key, tp in _hints().items():  # lr=nan would pass every `<` check below and train to NaN
         values = getattr(cfg, key) if typing.get_origin(tp) is list else [getattr(cfg, key)]
@@ -343,4 +344,5 @@ def resolve_device_settings(cfg: RunConfig, cuda: bool) -> dict:
         "attn": attn,
         # flex_attention is compiled per shape: a few length buckets keep recompiles bounded
         "pad_to_multiple": cfg.pad_to_multiple or (512 if attn == "flex" else 1),
+        "data_workers": cfg.data_workers if cfg.data_workers is not None else (2 if cuda else 0),
     }

@@ -186,6 +186,13 @@ class MicroBatch:
     def weight_sum(self) -> float:
         return float(self.weights.double().sum())
 
+    def pin_memory(self) -> MicroBatch:
+        """Page-locked copy (DataLoader ``pin_memory=True`` calls this), so ``to(cuda)`` overlaps compute."""
+        pin = lambda t: None if t is None else t.pin_memory()
+        return MicroBatch(pin(self.input_ids), pin(self.attention_mask), pin(self.lengths), pin(self.anchors),
+                          pin(self.block_ids), pin(self.labels), pin(self.weights), pin(self.features),
+                          self.row_ids, self.skipped)
+
     def to(self, device) -> MicroBatch:
         mv = lambda t: None if t is None else t.to(device, non_blocking=True)
         return MicroBatch(mv(self.input_ids), mv(self.attention_mask), mv(self.lengths), mv(self.anchors),
@@ -226,3 +233,42 @@ def make_batch(rows: list[dict], row_ids: list[int], *, max_length: int, block_s
     skipped = int(((anchors >= 0).sum(1) == 0).sum())
     return MicroBatch(input_ids, attention_mask, lens, anchors, block_input_ids(input_ids, anchors, block_size,
                       mask_token_id), labels, weights, features, list(row_ids), skipped)
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Item ``i`` = the micro-batches of optimizer step ``steps[i]`` on ``rank`` (a pure function of the step).
+
+    Wrapped in a ``DataLoader`` (``batch_size=None``, worker processes, pinned memory), the CPU work of
+    collating rows and drawing anchors for the next steps overlaps the GPU step; the result is the same
+    as building them in the loop, so resume stays exact.
+    """
+
+    def __init__(self, rows, order: StepOrder, steps: range, rank: int, seed: int, batch_kw: dict, vocab_size: int,
+                 source: str):
+        self.rows, self.order, self.steps, self.rank, self.seed = rows, order, steps, rank, seed
+        self.batch_kw, self.vocab_size, self.source = batch_kw, vocab_size, source
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, i: int) -> list[MicroBatch]:
+        from train.loss import anchor_generator
+
+        step = self.steps[i]
+        out = []
+        for m, ids in enumerate(self.order.rank_rows(step, self.rank)):
+            b = make_batch([self.rows.row(j) for j in ids], ids, generator=anchor_generator(self.seed, step, self.rank, m),
+                           **self.batch_kw)
+            top = int(b.input_ids.max())
+            if top >= self.vocab_size:
+                raise ValueError(f"{self.source} rows {list(b.row_ids)} hold token id {top} >= the target's "
+                                 f"vocabulary ({self.vocab_size} rows): tokenized for another target?")
+            out.append(b)
+        return out
+
+
+def step_loader(dataset: StepBatches, workers: int, pin: bool):
+    """Batches of each step in order, built ``workers`` processes ahead (0 = in the loop)."""
+    return torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=False, num_workers=workers,
+                                       pin_memory=pin, prefetch_factor=4 if workers else None,
+                                       persistent_workers=False, collate_fn=lambda x: x)

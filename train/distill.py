@@ -32,7 +32,7 @@ import yaml
 from train import config as run_config
 from train.capture import CaptureRows, expected_fields
 from train.config import ConfigError
-from train.data import StepOrder, make_batch, open_rows
+from train.data import StepBatches, StepOrder, make_batch, open_rows, step_loader
 from train.loss import LossStats, anchor_generator, tau_sim
 from train.step import StepSettings, make_optimizer, make_scheduler, micro_loss, reduce_sum, train_step
 
@@ -162,7 +162,7 @@ def train(cfg) -> int:
     samples = open(out / f"samples-rank{rank}.jsonl", "a") if cfg.log_samples else None
     stop = min(total_steps, cfg.stop_after_steps or total_steps)
     bar = tqdm(total=total_steps, initial=start, disable=not main_proc, dynamic_ncols=True)
-    new_window = lambda: {"loss": [], "grad_norm": [], "tokens": 0, "seconds": 0.0,
+    new_window = lambda: {"loss": [], "grad_norm": [], "tokens": 0, "seconds": 0.0, "data_wait_s": 0.0,
                           "stats": LossStats.zeros(dcfg.block_size)}
     window = new_window()  # steps since the last metrics row
 
@@ -177,17 +177,17 @@ def train(cfg) -> int:
                 flat.update({f"{k}/{i + 1}": x for i, x in enumerate(v)})
         accelerator.log(flat, step=row["step"])
 
+    steps = StepBatches(rows, order, range(start, stop), rank, cfg.seed, batch_kw, target.vocab_size, cfg.train)
+    loader = iter(step_loader(steps, dev["data_workers"], pin=accelerator.device.type == "cuda"))
     for step in range(start, stop):
         t0 = time.perf_counter()
-        batches = []
-        for m, ids in enumerate(order.rank_rows(step, rank)):
-            batches.append(make_batch([rows.row(i) for i in ids], ids, generator=anchor_generator(cfg.seed, step, rank, m),
-                                      **batch_kw))
-        for b in batches:
-            top = int(b.input_ids.max())
-            if top >= target.vocab_size:
-                raise ConfigError(f"config key 'train': {cfg.train} rows {list(b.row_ids)} hold token id {top} "
-                                  f">= the target's vocabulary ({target.vocab_size} rows): tokenized for another target?")
+        try:
+            batches = next(loader)
+        except ValueError as e:  # a bad row, or token ids outside the target's vocabulary
+            # a worker's error arrives wrapped with its traceback; the last line is the message
+            msg = str(e).strip().splitlines()[-1].removeprefix("ValueError: ")
+            raise ConfigError(f"config key 'train': {msg}") from None
+        window["data_wait_s"] += time.perf_counter() - t0
         res = train_step(accelerator, draft, target, optimizer, scheduler, batches, settings)
         n = step + 1
         window["seconds"] += time.perf_counter() - t0
@@ -205,6 +205,8 @@ def train(cfg) -> int:
             row = {"step": n, "epoch": pos.epoch, "loss": sum(window["loss"]) / len(window["loss"]), "lr": res["lr"],
                    "grad_norm": sum(window["grad_norm"]) / len(window["grad_norm"]),
                    "tokens_per_s": window["tokens"] / max(window["seconds"], 1e-9),
+                   "step_s": window["seconds"] / len(window["loss"]),
+                   "data_wait_s": window["data_wait_s"] / len(window["loss"]),
                    "train/acc_at_pos": window["stats"].accuracy, "skipped_rows": skipped_total}
             log(row)
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
