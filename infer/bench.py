@@ -100,16 +100,17 @@ class Runner:
         if self.backend == "cuda":
             dec.target.layer_ids = self._layer_ids[label] if label else []
             r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
-            return r.token_ids, r.stats, r.elapsed_s
+            return r.token_ids, r.stats, r.elapsed_s, list(r.per_prompt_steps)
         if label is not None:
             dec.target.set_layer_ids(dec.draft.config.target_layer_ids)
-        tokens, stats, secs = [], None, 0.0
+        tokens, stats, secs, steps = [], None, 0.0, []
         for i in range(0, len(prompts), self.args.concurrency):  # fixed-size batches
             r = dec.generate(prompts[i : i + self.args.concurrency], params)
             tokens += r.token_ids
             stats = r.stats if stats is None else stats.merge(r.stats)
             secs += r.elapsed_s
-        return tokens, stats, secs
+            steps += list(r.steps_per_row)
+        return tokens, stats, secs, steps
 
 
 def encode(runner: Runner, text: str, history=None) -> list[int]:
@@ -122,30 +123,58 @@ def encode(runner: Runner, text: str, history=None) -> list[int]:
     return ids
 
 
-def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool) -> dict:
-    """One task: AR (unless ``do_ar`` is False) and every draft on the same prompts."""
+def bootstrap_ci(committed: list[int], steps: list[int], n: int = 2000, seed: int = 0) -> list[float]:
+    """95% percentile-bootstrap interval of τ = Σ committed / Σ steps, resampling prompts with replacement.
+
+    committed[i] / steps[i]: verify-step tokens and verify steps of prompt i (prompts without a verify
+    step carry no weight). Returns [low, high]; [τ, τ] for a single prompt (Efron & Tibshirani 1993, §13)."""
+    c = torch.tensor(committed, dtype=torch.float64)
+    s = torch.tensor(steps, dtype=torch.float64)
+    if len(c) == 0 or s.sum() == 0:
+        return [float("nan"), float("nan")]
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(c), (n, len(c)), generator=g)
+    taus = c[idx].sum(1) / s[idx].sum(1).clamp(min=1)
+    lo, hi = torch.quantile(taus, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return [lo, hi]
+
+
+def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, order_shift: int = 0) -> dict:
+    """One task: AR (unless ``do_ar`` is False) and every draft on the same prompts.
+
+    The run order rotates by ``order_shift`` (the task's index), so no configuration always runs
+    first or last (clock and thermal drift are spread over all of them)."""
     from infer.datasets import load_eval_prompts
 
     items = load_eval_prompts(task, runner.args.num_prompts, runner.args.data_dir)
     out: dict = {"task": task, "num_prompts": len(items), "drafts": {}}
     labels = ([None] if do_ar or not runner.drafts else []) + list(runner.drafts)
+    shift = order_shift % len(labels)
+    labels = labels[shift:] + labels[:shift]
+    out["run_order"] = ["AR" if x is None else x for x in labels]
     outputs = {}
     for label in labels:
         histories = [[] for _ in items]
         all_tokens, all_prompts, stats, secs, n_tok = [], [], None, 0.0, 0
+        per_committed, per_steps = [0] * len(items), [0] * len(items)
         for turn in range(max(len(x.turns) for x in items)):
             idx = [i for i, x in enumerate(items) if turn < len(x.turns)]
             prompts = [encode(runner, items[i].turns[turn], histories[i]) for i in idx]
-            tokens, st, s = runner.run(prompts, params, label)
-            for i, toks in zip(idx, tokens):
+            tokens, st, s, steps = runner.run(prompts, params, label)
+            for i, toks, n_steps in zip(idx, tokens, steps):
                 text = runner.tokenizer.decode([t for t in toks if t not in runner.spec.eos_ids], skip_special_tokens=True)
                 histories[i] += [{"role": "user", "content": items[i].turns[turn]}, {"role": "assistant", "content": text}]
+                per_committed[i] += max(len(toks) - 1, 0)  # the first token comes from the prefill
+                per_steps[i] += n_steps
             all_tokens += tokens
             all_prompts += prompts
             stats = st if stats is None else stats.merge(st)
             secs += s
             n_tok += sum(len(t) for t in tokens)
         row = {"tok_per_s": n_tok / secs, "num_tokens": n_tok, "seconds": secs, **stats.to_dict()}
+        if label is not None:
+            row["tau_ci95"] = bootstrap_ci(per_committed, per_steps)
+            row["per_prompt_committed"], row["per_prompt_steps"] = per_committed, per_steps
         outputs[label] = (all_prompts, all_tokens)
         if label is None:
             out["ar"] = row
@@ -189,6 +218,8 @@ def summarize(rows: list[dict]) -> dict:
         ds = [r["drafts"][label] for r in rows if label in r["drafts"]]
         hist = [sum(x) for x in zip(*(d["accept_hist"] for d in ds))]
         entry = {"mean_tau": sum(d["tau"] for d in ds) / len(ds), "pooled_tau": AcceptStats(len(hist), [0] + hist).tau}
+        if all("per_prompt_steps" in d for d in ds):
+            entry["mean_tau_ci95"] = mean_tau_ci(ds)
         if all("speedup" in d for d in ds):
             entry["mean_speedup"] = sum(d["speedup"] for d in ds) / len(ds)
         if all("greedy_compared" in d for d in ds):
@@ -196,6 +227,20 @@ def summarize(rows: list[dict]) -> dict:
             entry["greedy_compared"] = sum(d["greedy_compared"] for d in ds)
         out[label] = entry
     return out
+
+
+def mean_tau_ci(draft_rows: list[dict], n: int = 2000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of the mean over tasks of τ: prompts resampled within each task."""
+    g = torch.Generator().manual_seed(seed)
+    means = torch.zeros(n, dtype=torch.float64)
+    for d in draft_rows:
+        c = torch.tensor(d["per_prompt_committed"], dtype=torch.float64)
+        s = torch.tensor(d["per_prompt_steps"], dtype=torch.float64)
+        idx = torch.randint(0, len(c), (n, len(c)), generator=g)
+        means += c[idx].sum(1) / s[idx].sum(1).clamp(min=1)
+    means /= len(draft_rows)
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return [lo, hi]
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -273,7 +318,8 @@ def main(argv=None) -> int:
         wp = SamplingParams(args.temperature, args.top_p, args.top_k, min(32, args.max_new_tokens), args.seed)
         for label in [None, *runner.drafts]:
             runner.run(warm, wp, label)
-        rows = [run_task(runner, t, params, do_ar=not args.no_ar) for t in tqdm(tasks, desc="tasks", unit="task")]
+        rows = [run_task(runner, t, params, do_ar=not args.no_ar, order_shift=i)
+                for i, t in enumerate(tqdm(tasks, desc="tasks", unit="task"))]
     except (ValueError, FileNotFoundError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -282,7 +328,8 @@ def main(argv=None) -> int:
     for label, e in summary.items():
         extra = f", mean speedup {e['mean_speedup']:.2f}x" if "mean_speedup" in e else ""
         eq = f", greedy == AR on {e['greedy_equal']}/{e['greedy_compared']}" if "greedy_compared" in e else ""
-        print(f"{label}: mean tau {e['mean_tau']:.3f}{extra}{eq}")
+        ci = f" [95% CI {e['mean_tau_ci95'][0]:.3f}, {e['mean_tau_ci95'][1]:.3f}]" if "mean_tau_ci95" in e else ""
+        print(f"{label}: mean tau {e['mean_tau']:.3f}{ci}{extra}{eq}")
     print(f"[{runner.backend}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, concurrency "
           f"{args.concurrency}, max_new_tokens {args.max_new_tokens}; tau counts the bonus token]")
     result = {**provenance(), "label": args.label, "backend": runner.backend, "args": vars(args), "tasks": rows,

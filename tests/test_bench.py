@@ -1,0 +1,56 @@
+"""infer.bench end to end on the CPU (stories260K target, random draft) and its bootstrap interval."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dspine.checkpoint import save_draft
+from dspine.target import load_target
+from infer import bench
+from tests.conftest import shared_path
+from tests.helpers import random_draft
+
+
+def test_bootstrap_ci_brackets_tau_and_collapses_for_equal_prompts():
+    assert bench.bootstrap_ci([6, 6, 6], [3, 3, 3]) == pytest.approx([2.0, 2.0])
+    lo, hi = bench.bootstrap_ci([10, 2, 30, 4, 8], [5, 2, 6, 4, 4])
+    assert lo < 54 / 21 < hi and lo >= 1.0 and hi <= 5.0
+    assert all(math.isnan(x) for x in bench.bootstrap_ci([3], [0]))  # no verify step: no interval
+
+
+@pytest.fixture(scope="module")
+def draft_dir(stories_dir, tmp_path_factory):
+    target = load_target(str(stories_dir), dtype="fp32")
+    return save_draft(random_draft(target, block_size=8, mask=0), tmp_path_factory.mktemp("bench_draft"))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_bench_json_on_the_cpu(stories_dir, draft_dir, tmp_path, backend):
+    out = tmp_path / "b.json"
+    extra = ["--device", "cpu", "--dtype", "fp32"] if backend == "cuda" else ["--dtype", "fp32"]
+    code = bench.main(["--target", str(stories_dir), "--draft", f"A={draft_dir}", "--draft", f"B={draft_dir}",
+                       "--datasets", "gsm8k,mbpp,humaneval", "--data-dir", str(shared_path("data", "eval")),
+                       "--num-prompts", "2", "--max-new-tokens", "12", "--no-chat-template", "--backend", backend,
+                       "--concurrency", "2", "--output-json", str(out), *extra])
+    assert code == 0
+    res = json.loads(out.read_text())
+    orders = [t["run_order"] for t in res["tasks"]]
+    assert orders == [["AR", "A", "B"], ["A", "B", "AR"], ["B", "AR", "A"]]  # rotated per task
+    for t in res["tasks"]:
+        for d in t["drafts"].values():
+            assert d["tau"] == pytest.approx(1 + sum(d["accept_at_pos"]))
+            assert sum(d["per_prompt_committed"]) == d["committed_tokens"]
+            assert sum(d["per_prompt_steps"]) == d["verify_steps"]
+            lo, hi = d["tau_ci95"]
+            assert lo <= d["tau"] + 1e-9 and d["tau"] <= hi + 1e-9
+            assert d["greedy_equal"] == d["greedy_compared"] == 2  # fp32: lossless
+    for label in ("A", "B"):
+        s = res["summary"][label]
+        lo, hi = s["mean_tau_ci95"]
+        assert lo <= s["mean_tau"] + 1e-9 <= hi + 2e-9
+    assert res["summary"]["A"]["mean_tau"] == pytest.approx(res["summary"]["B"]["mean_tau"])  # same draft
+    assert torch.isfinite(torch.tensor(res["summary"]["A"]["mean_speedup"]))
