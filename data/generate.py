@@ -175,7 +175,7 @@ def load_generator(
             device=device,
             dtype=dtype,
             max_batch=max_batch,
-            max_seq=max_context or 4096,
+            max_seq=(max_context or 4096) + 1,  # + the one-token step past the last prompt position
             eos_token_ids=stop_ids,
         )
         return EngineGenerator(engine)

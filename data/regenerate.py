@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -367,8 +368,12 @@ def _count(kind: str, record: dict, stats: Counter) -> None:
         stats["skipped:" + record["reason"]] += 1
 
 
-def finish(out: Path, n_rows: int, run_args: dict, backend: str, world: int) -> dict:
-    """Rank 0: merge shards, write summary.json, then remove the shards."""
+def finish(out: Path, n_rows: int, run_args: dict, backend: str, world: int, started: float | None = None,
+           resumed: bool = False) -> dict:
+    """Rank 0: merge shards, write summary.json, then remove the shards.
+
+    ``started`` (time.time() at the start of this invocation) adds ``wall_s`` and, for a run that
+    generated everything itself (not ``resumed``), ``generated_tokens_per_s``."""
     stats = Counter()
     counts = merge_shards(out, KINDS, n_rows, lambda kind, record: _count(kind, record, stats))
     stats.update(counts)
@@ -390,6 +395,11 @@ def finish(out: Path, n_rows: int, run_args: dict, backend: str, world: int) -> 
         "backend": backend,
         "world_size": world,
     }
+    if started is not None:
+        summary["wall_s"] = round(time.time() - started, 2)
+        summary["resumed"] = resumed
+        if not resumed and summary["wall_s"] > 0:
+            summary["generated_tokens_per_s"] = round(summary["generated_tokens"] / summary["wall_s"], 1)
     atomic_write_json(out / SUMMARY, summary)
     remove_shards(out)
     return summary
@@ -408,6 +418,7 @@ def regenerate(args: argparse.Namespace) -> dict:
     import torch
     from accelerate import PartialState
 
+    started = time.time()
     # cpu=True lets a CPU-only launch (torchrun / accelerate launch --cpu) form a gloo group.
     state = PartialState(cpu=not torch.cuda.is_available())
     rank, world = state.process_index, state.num_processes
@@ -456,12 +467,13 @@ def regenerate(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
     )
 
+    resumed = bool(done_indices(out))
     _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, max_context)
     write_marker(out, rank, world)
     if not state.is_main_process:
         return {}
     wait_for_ranks(out, world)
-    return finish(out, n_rows, run_args, backend, world)
+    return finish(out, n_rows, run_args, backend, world, started, resumed)
 
 
 def _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, max_context) -> None:

@@ -162,7 +162,7 @@ def train(cfg) -> int:
     samples = open(out / f"samples-rank{rank}.jsonl", "a") if cfg.log_samples else None
     stop = min(total_steps, cfg.stop_after_steps or total_steps)
     bar = tqdm(total=total_steps, initial=start, disable=not main_proc, dynamic_ncols=True)
-    new_window = lambda: {"loss": [], "grad_norm": [], "tokens": 0, "seconds": 0.0, "data_wait_s": 0.0,
+    new_window = lambda: {"loss": [], "grad_norm": [], "tokens": 0, "seconds": 0.0, "data_wait_s": 0.0, "blocks": 0,
                           "stats": LossStats.zeros(dcfg.block_size)}
     window = new_window()  # steps since the last metrics row
 
@@ -188,6 +188,7 @@ def train(cfg) -> int:
             msg = str(e).strip().splitlines()[-1].removeprefix("ValueError: ")
             raise ConfigError(f"config key 'train': {msg}") from None
         window["data_wait_s"] += time.perf_counter() - t0
+        window["blocks"] += sum(int((b.anchors >= 0).sum()) for b in batches)
         res = train_step(accelerator, draft, target, optimizer, scheduler, batches, settings)
         n = step + 1
         window["seconds"] += time.perf_counter() - t0
@@ -205,7 +206,9 @@ def train(cfg) -> int:
             row = {"step": n, "epoch": pos.epoch, "loss": sum(window["loss"]) / len(window["loss"]), "lr": res["lr"],
                    "grad_norm": sum(window["grad_norm"]) / len(window["grad_norm"]),
                    "tokens_per_s": window["tokens"] / max(window["seconds"], 1e-9),
+                   "tokens": window["tokens"], "anchor_blocks": window["blocks"],
                    "step_s": window["seconds"] / len(window["loss"]),
+                   "anchor_blocks_per_s": window["blocks"] / max(window["seconds"], 1e-9),  # this rank's
                    "data_wait_s": window["data_wait_s"] / len(window["loss"]),
                    "train/acc_at_pos": window["stats"].accuracy, "skipped_rows": skipped_total}
             log(row)

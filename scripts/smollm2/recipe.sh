@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# The SmolLM2-135M-Instruct recipe in one command: data, regeneration, DSpine + DFlash drafts, benchmark.
+#
+#   GGUF=models/SmolLM2-135M-Instruct.Q4_1.gguf DSPINE_SHARED=../shared bash scripts/smollm2/recipe.sh [STAGE ...]
+#
+# Stages (default: all, in order; each one skips work whose output exists, so a killed run resumes):
+#   convert   GGUF -> HF folder (bf16), loaded in a second by every later stage
+#   data      stand-in prompts (all sources, exact duplicates dropped) -> data.decontaminate against the five
+#             eval sets (13-gram overlap, duplicate prompts) -> clean train/eval prompt files
+#   regen     answers by the target with the CUDA engine: greedy (T=0) plus SAMPLES sampled answers per
+#             prompt (T=SAMPLE_T, one seed each), first user turn, <= MAX_NEW tokens; jobs spread over the GPUs
+#   tokenize  all answers -> one data.tokenize cache (ChatML loss masks, <= 2048 tokens)
+#   train     DSpine (injection residual) and DFlash (injection none) drafts with identical settings, for each
+#             seed in SEEDS; one run per GPU when there are enough GPUs, else side by side
+#   bench     infer.bench on the five tasks at T=0 and T=1 (top_p 0.95, top_k 20), concurrency 1 (BENCH_C1
+#             prompts per task) and 8 (BENCH_C8), BENCH_NEW new tokens, seed-0 drafts, AR of the same engine
+#   scaling   tau of every saved checkpoint (T=0, concurrency 8, SCALE_PROMPTS per task, 256 tokens, no AR)
+#   summary   results JSON + plots (scripts/smollm2/summarize.py)
+# Every stage's wall clock goes to $WORK/timings.jsonl (also printed).
+# Knobs (env): WORK (runs/smollm2), NGPU (all visible), SAMPLES (3), SAMPLE_T (0.8), MAX_NEW (1024),
+#   REGEN_CONC (engine slots per GPU, 512), REGEN_CHUNK (rows per resumable write, 4096), REGEN_LIMIT (rows),
+#   STEPS (optimizer steps per draft, 2000) or TRAIN_MINUTES (wall clock per run: STEPS from a 30-step
+#   calibration), SEEDS ("0"), TRAIN_OVERRIDES (extra key=value for every run),
+#   BENCH_C1 (20), BENCH_C8 (40), BENCH_NEW (512), SCALE_PROMPTS (8), RESULTS (results JSON prefix).
+set -euo pipefail
+cd "${DSPINE_REPO:-$(dirname "$0")/../..}"  # DSPINE_REPO: run a copy of this script from elsewhere
+WORK=${WORK:-runs/smollm2}
+GGUF=${GGUF:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
+export DSPINE_SHARED=$SHARED
+STAGES=${*:-convert data regen tokenize train bench scaling summary}
+TARGET=$WORK/smollm2-hf
+SAMPLES=${SAMPLES:-3}
+SEEDS=${SEEDS:-0}
+STEPS_SET=${STEPS:-}
+STEPS=${STEPS:-2000}
+NGPU=${NGPU:-$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$WORK/logs"
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+timed() {  # timed NAME CMD...: run CMD, append {"stage", "seconds", "rc"} to timings.jsonl
+  local name=$1; shift
+  local t0 rc=0
+  t0=$(date +%s.%N)
+  log "start $name"
+  "$@" || rc=$?
+  python - "$WORK/timings.jsonl" "$name" "$t0" "$(date +%s.%N)" "$rc" <<'EOF'
+import json, sys
+path, name, t0, t1, rc = sys.argv[1:]
+row = {"stage": name, "seconds": round(float(t1) - float(t0), 1), "rc": int(rc)}
+open(path, "a").write(json.dumps(row) + "\n")
+print(f"[timing] {name}: {row['seconds']} s (rc {rc})")
+EOF
+  return $rc
+}
+
+gpu_queue() {  # gpu_queue G CMD-FILE: run the file's lines one after the other on GPU G
+  local g=$1 file=$2 rc=0
+  while IFS= read -r line; do
+    [ -z "$line" ] && continue
+    CUDA_VISIBLE_DEVICES=$g bash -c "$line" || rc=$?
+  done < "$file"
+  return $rc
+}
+
+run_queues() {  # run_queues PREFIX: $WORK/PREFIX.gpu{g} command files, one background queue per GPU
+  local prefix=$1 pids=() rc=0
+  for ((g = 0; g < NGPU; g++)); do
+    [ -s "$WORK/$prefix.gpu$g" ] || continue
+    gpu_queue "$g" "$WORK/$prefix.gpu$g" & pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+  return $rc
+}
+
+# ------------------------------------------------------------------------------------------- convert
+if has convert && [ ! -f "$TARGET/config.json" ]; then
+  timed convert python -m dspine.convert --target "$GGUF" --out "$TARGET" --dtype bf16
+fi
+
+# ------------------------------------------------------------------------------------------- data
+if has data; then
+  T=$SHARED/data/train
+  data_stage() {
+    [ -f "$WORK/prepared/summary.json" ] || python -m data.prepare \
+      --input standin="$T/perfectblend_standin/perfectblend_schema_standin.jsonl" gsm8k="$T/gsm8k/train.jsonl" \
+      codealpaca="$T/codealpaca/code_alpaca_2k.json" alpaca="$T/alpaca_demo/alpaca_en_demo.json" \
+      dpo="$T/alpaca_demo/dpo_en_demo.json" identity="$T/alpaca_demo/identity.json" \
+      --output "$WORK/prepared" --eval-fraction 0.01
+    for split in train eval; do
+      python -m data.decontaminate --input "$WORK/prepared/$split.jsonl" --output "$WORK/clean-$split" \
+        --eval-dir "$SHARED/data/eval"
+    done
+  }
+  timed data data_stage
+fi
+
+# ------------------------------------------------------------------------------------------- regen
+regen_cmd() {  # regen_cmd SPLIT NAME TEMPERATURE SEED
+  echo "python -m data.regenerate --target $TARGET --input $WORK/clean-$1/train.jsonl --output $WORK/regen-$1-$2" \
+       "--max-new-tokens ${MAX_NEW:-1024} --temperature $3 --seed $4 --max-turns 1 --max-context 2048" \
+       "--batch-size ${REGEN_CHUNK:-4096} --concurrency ${REGEN_CONC:-512} --backend engine" \
+       "${REGEN_LIMIT:+--limit $REGEN_LIMIT} > $WORK/logs/regen-$1-$2.log 2>&1"
+}
+if has regen; then
+  rm -f "$WORK"/regen.gpu*
+  jobs=("$(regen_cmd train greedy 0 0)")
+  for ((s = 1; s <= SAMPLES; s++)); do jobs+=("$(regen_cmd train sample$s "${SAMPLE_T:-0.8}" "$s")"); done
+  jobs+=("$(regen_cmd eval greedy 0 0)")  # 1% split, seconds
+  for i in "${!jobs[@]}"; do echo "${jobs[$i]}" >> "$WORK/regen.gpu$((i % NGPU))"; done
+  timed regen run_queues regen
+fi
+
+# ------------------------------------------------------------------------------------------- tokenize
+if has tokenize; then
+  tok_stage() {
+    cat "$WORK"/regen-train-*/results.jsonl > "$WORK/answers-train.jsonl"
+    for split in train eval; do
+      src=$WORK/answers-train.jsonl; [ "$split" = eval ] && src=$WORK/regen-eval-greedy/results.jsonl
+      python -m data.tokenize --input "$src" --tokenizer "$TARGET" --max-length 2048 \
+        --cache-dir "$WORK/tok-$split" --num-proc "${TOK_PROCS:-8}" > "$WORK/logs/tokenize-$split.log" 2>&1
+    done
+  }
+  timed tokenize tok_stage
+fi
+
+# ------------------------------------------------------------------------------------------- train
+train_cmd() {  # train_cmd NAME INJECTION SEED
+  local train eval_cache
+  train=$(ls -d "$WORK"/tok-train/*/ | head -1); eval_cache=$(ls -d "$WORK"/tok-eval/*/ | head -1)
+  echo "accelerate launch --num_processes 1 --num_machines 1 --dynamo_backend no" \
+       "train/distill.py --config configs/smollm2-135m-dspine.yaml target=$TARGET train=$train eval=$eval_cache" \
+       "injection=$2 seed=$3 output_dir=$WORK/train-$1-s$3 max_steps=$STEPS save_every=$((STEPS / 8))" \
+       "eval_every=$((STEPS / 4)) keep_last=0 ${TRAIN_OVERRIDES:-} > $WORK/logs/train-$1-s$3.log 2>&1"
+}
+if has train && [ -z "${STEPS_SET:-}" ] && [ -n "${TRAIN_MINUTES:-}" ]; then
+  # calibrate: 30 steps of the DSpine run (the first 10 hold compilation), then STEPS = budget / step time
+  calib() {
+    local cmd
+    cmd=$(STEPS=1000 train_cmd calib residual 0 | sed "s|max_steps=1000|max_steps=1000 stop_after_steps=30 log_every=10 eval=null save_every=0|")
+    CUDA_VISIBLE_DEVICES=0 bash -c "$cmd"
+  }
+  timed calibrate calib
+  STEPS=$(python - "$WORK/train-calib-s0/metrics.jsonl" "$TRAIN_MINUTES" "$NGPU" "$SEEDS" <<'EOF2'
+import json, sys
+rows = [json.loads(x) for x in open(sys.argv[1]) if '"loss"' in x]
+step_s = sorted(r["step_s"] for r in rows[1:])[len(rows[1:]) // 2]
+runs = 2 * len(sys.argv[4].split())
+share = -(-runs // int(sys.argv[3]))  # runs per GPU, side by side
+print(int(float(sys.argv[2]) * 60 / (step_s * share * 1.1)) // 8 * 8)  # 10% for evals and checkpoints
+EOF2
+)
+  log "calibrated: STEPS=$STEPS for TRAIN_MINUTES=$TRAIN_MINUTES"
+  echo "{\"stage\": \"calibrated_steps\", \"steps\": $STEPS, \"train_minutes\": $TRAIN_MINUTES}" >> "$WORK/timings.jsonl"
+fi
+if has train; then
+  rm -f "$WORK"/train.gpu*
+  declare -A line=()
+  i=0
+  for seed in $SEEDS; do
+    for pair in dspine:residual dflash:none; do
+      name=${pair%%:*}; inj=${pair##*:}
+      g=$((i % NGPU))  # runs beyond the GPU count share a GPU and start together
+      cmd="$(train_cmd "$name" "$inj" "$seed")"
+      if [ -n "${line[$g]:-}" ]; then line[$g]+=" & $cmd"; else line[$g]="$cmd"; fi
+      i=$((i + 1))
+    done
+  done
+  for g in "${!line[@]}"; do echo "${line[$g]}; wait" > "$WORK/train.gpu$g"; done
+  timed train run_queues train
+  for f in "$WORK"/logs/train-*.log; do echo "== $f"; tail -n 3 "$f"; done
+fi
+
+# ------------------------------------------------------------------------------------------- bench
+latest() { echo "$WORK/train-$1-s0/$(cat "$WORK/train-$1-s0/latest")/draft"; }
+if has bench; then
+  rm -f "$WORK"/bench.gpu*
+  mkdir -p "$WORK/bench"
+  for temp in 0 1; do
+    samp=""; [ "$temp" = 1 ] && samp="--top-p 0.95 --top-k 20"
+    for conc in 1 8; do
+      n=${BENCH_C8:-40}; [ "$conc" = 1 ] && n=${BENCH_C1:-20}
+      out=$WORK/bench/smollm2-h200-T$temp-c$conc.json
+      [ -f "$out" ] && continue
+      echo "python -m infer.bench --target $TARGET --draft DSpine=$(latest dspine) --draft DFlash=$(latest dflash)" \
+           "--datasets gsm8k,math500,humaneval,mbpp,mt-bench --num-prompts $n --max-new-tokens ${BENCH_NEW:-512}" \
+           "--temperature $temp $samp --concurrency $conc --output-json $out > $WORK/logs/bench-T$temp-c$conc.log 2>&1" \
+           >> "$WORK/bench.gpu$(((temp + conc / 8) % NGPU))"  # each GPU: one long (c1) and one short run
+    done
+  done
+  timed bench run_queues bench
+fi
+
+# ------------------------------------------------------------------------------------------- scaling
+if has scaling; then
+  rm -f "$WORK"/scaling.gpu*
+  i=0
+  for name in dspine dflash; do
+    out=$WORK/bench/scaling-$name.json
+    [ -f "$out" ] && continue
+    drafts=""
+    for d in "$WORK"/train-$name-s0/step-*/draft; do drafts+=" --draft $(basename "$(dirname "$d")")=$d"; done
+    echo "python -m infer.bench --target $TARGET $drafts --no-ar --datasets gsm8k,math500,humaneval,mbpp,mt-bench" \
+         "--num-prompts ${SCALE_PROMPTS:-8} --max-new-tokens ${SCALE_NEW:-256} --temperature 0 --concurrency 8 --output-json $out" \
+         "> $WORK/logs/scaling-$name.log 2>&1" >> "$WORK/scaling.gpu$((i % NGPU))"
+    i=$((i + 1))
+  done
+  timed scaling run_queues scaling
+fi
+
+if has summary; then
+  timed summary python scripts/smollm2/summarize.py --work "$WORK" --out "${RESULTS:-results}"
+fi
+log "done"
