@@ -28,12 +28,17 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
         need_config: a local folder without ``--gguf-file`` must hold ``config.json``.
     Raises:
         FileNotFoundError: a local-looking path, or the GGUF file, that does not exist.
-        ValueError: an existing file that is not ``.gguf``, or a folder without ``config.json``.
+        ValueError: an existing file that is not ``.gguf``, or a folder without ``config.json``; a
+            truncated or corrupt GGUF file (:func:`dspine.gguf_file.check_gguf`, before transformers
+            parses it).
     """
+    from dspine.gguf_file import check_gguf
+
     p = Path(path_or_id).expanduser()
     if gguf_file is None and p.suffix == ".gguf":
         if not p.is_file():
             raise FileNotFoundError(f"{what} GGUF file not found: {path_or_id}")
+        check_gguf(p)
         return str(p.parent), p.name
     if not p.exists():
         if looks_local(path_or_id):
@@ -41,8 +46,10 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
         return path_or_id, gguf_file  # a Hub id
     if not p.is_dir():
         raise ValueError(f"{what} {path_or_id}: not a model folder (a file; expected a folder, Hub id or .gguf file)")
-    if gguf_file is not None and not (p / gguf_file).is_file():
-        raise FileNotFoundError(f"{what} GGUF file not found: {p / gguf_file}")
+    if gguf_file is not None:
+        if not (p / gguf_file).is_file():
+            raise FileNotFoundError(f"{what} GGUF file not found: {p / gguf_file}")
+        check_gguf(p / gguf_file)
     if need_config and gguf_file is None and not (p / "config.json").is_file():
         raise ValueError(f"{what} {path_or_id}: not a model folder (no config.json)")
     return (str(p) if path_or_id.startswith("~") else path_or_id), gguf_file
