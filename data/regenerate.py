@@ -47,6 +47,7 @@ from data.shards import (
     wait_for_ranks,
     write_marker,
 )
+from dspine.paths import read_json_object
 
 KINDS = ("results", "errors", "skipped")
 RUN_ARGS = "run_args.json"
@@ -139,7 +140,7 @@ def check_run_args(out: Path, run_args: dict, write: bool) -> None:
         if write:
             atomic_write_json(path, run_args)
         return
-    stored = json.loads(path.read_text())
+    stored = read_json_object(path, "data.regenerate run arguments")
     diff = [
         f"{k}: {stored.get(k)!r} (stored) != {run_args.get(k)!r} (this run)"
         for k in CONTENT_ARGS

@@ -48,6 +48,7 @@ from pathlib import Path
 from data.chat import encode, end_of_turn_token, load_tokenizer, render, resolve_chat_template
 from data.rows import atomic_write_json, dumps, file_digest, parse_jsonl_line
 from data.schema import RowError, check_row
+from dspine.paths import read_json_object
 
 # Bump when a change here changes the tokenized output; old caches then stop matching.
 CODE_VERSION = 1
@@ -318,7 +319,7 @@ def _check_regenerate_mode(input_jsonl: Path, thinking: bool) -> None:
     # A draft trained on the other thinking mode than the data was generated in collapses (design §8.8).
     run_args = input_jsonl.parent / "run_args.json"
     if run_args.is_file():
-        stored = json.loads(run_args.read_text()).get("enable_thinking")
+        stored = read_json_object(run_args, "data.regenerate run arguments").get("enable_thinking")
         if stored is not None and stored != thinking:
             raise ValueError(
                 f"{input_jsonl} was regenerated with enable_thinking={stored} ({run_args}) but tokenization "

@@ -7,7 +7,6 @@ embedding and lm_head are never stored.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ from safetensors.torch import save_file
 
 from dspine.config import DSpineConfig
 from dspine.model import DSpineDraftModel
+from dspine.paths import read_json_object
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -48,10 +48,7 @@ def load_config(path_or_id: str | Path) -> DSpineConfig:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file}: missing (a draft folder holds config.json and {WEIGHTS})")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+    raw = read_json_object(cfg_file, "a draft config")
     raw.pop("model_type", None)
     raw.pop("transformers_version", None)
     if "dspine_config" not in raw:
@@ -61,7 +58,7 @@ def load_config(path_or_id: str | Path) -> DSpineConfig:
     _check_types(raw, cfg_file)
     try:
         return DSpineConfig(**raw)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as e:  # a field of the wrong shape
         raise ValueError(f"{cfg_file}: {e}") from e
 
 
@@ -76,10 +73,15 @@ def _check_types(raw: dict, cfg_file: Path) -> None:
         v = raw.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise ValueError(f"{cfg_file}: field {key!r} must be an integer, got {v!r}")
+        if v is not None and v < 1:
+            raise ValueError(f"{cfg_file}: field {key!r} must be >= 1, got {v!r}")
     for key in _FLOAT_FIELDS:
         v = raw.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise ValueError(f"{cfg_file}: field {key!r} must be a number, got {v!r}")
+    for key in ("dspine_config", "rope_scaling", "rope_parameters"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ValueError(f"{cfg_file}: field {key!r} must be an object, got {raw[key]!r}")
     d = raw.get("dflash_config") or {}
     if not isinstance(d, dict):
         raise ValueError(f"{cfg_file}: field 'dflash_config' must be an object")
@@ -97,8 +99,10 @@ def _weight_files(folder: Path) -> list[Path]:
         return [single]
     index = folder / INDEX
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / s for s in shards]
+        weight_map = read_json_object(index, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file")
+        return [folder / s for s in sorted(set(weight_map.values()))]
     raise FileNotFoundError(f"{folder}: no {WEIGHTS} (or {INDEX})")
 
 

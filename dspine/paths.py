@@ -2,13 +2,36 @@
 
 Every loader (``dspine.*``, ``infer.*``, ``data.*``, ``train/``) resolves its ``--target`` /
 ``--tokenizer`` here first, so a mistyped local path is reported as a missing path, not as a
-malformed Hub repo id.
+malformed Hub repo id. :func:`read_json_object` reads the JSON files the tools take (configs,
+manifests, run arguments) and names the file when one is not a JSON object.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+
+
+def read_json_object(path: str | Path, what: str = "") -> dict:
+    """The JSON object in ``path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not valid JSON, or valid JSON that is not an object (``[1]``, ``"x"``, ``null``);
+            the message names the file (and ``what`` it should hold).
+    """
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not a text file ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{p}: expected a JSON object{f' ({what})' if what else ''}, got {type(obj).__name__} "
+                         f"{json.dumps(obj)[:40]}")
+    return obj
 
 # "name" or "org/name" (huggingface_hub's repo id rule, loosely): anything else is a local path.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -50,6 +73,8 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
         if not (p / gguf_file).is_file():
             raise FileNotFoundError(f"{what} GGUF file not found: {p / gguf_file}")
         check_gguf(p / gguf_file)
-    if need_config and gguf_file is None and not (p / "config.json").is_file():
+    if gguf_file is None and (p / "config.json").is_file():
+        read_json_object(p / "config.json", f"the {what}'s model config")
+    elif need_config and gguf_file is None:
         raise ValueError(f"{what} {path_or_id}: not a model folder (no config.json)")
     return (str(p) if path_or_id.startswith("~") else path_or_id), gguf_file

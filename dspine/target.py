@@ -8,14 +8,13 @@ last, whose HF hidden state is post-norm), concatenated on the last dim (docs/me
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from dspine.paths import resolve_model_path
+from dspine.paths import read_json_object, resolve_model_path
 
 
 class _StopForward(Exception):
@@ -185,7 +184,7 @@ def load_tokenizer(path_or_id: str, gguf_file: str | None = None):
     # A Llama folder with only tokenizer.json (e.g. stories260K) loads as a fast tokenizer directly;
     # AutoTokenizer would pick a slow sentencepiece class that needs files we do not have.
     if tok_json.is_file() and cfg_file.is_file() and not (Path(path_or_id) / "tokenizer.model").exists():
-        model_type = json.loads(cfg_file.read_text()).get("model_type")
+        model_type = read_json_object(cfg_file, "a model config").get("model_type")
         if model_type == "llama":
             return PreTrainedTokenizerFast.from_pretrained(path_or_id)
     return AutoTokenizer.from_pretrained(path_or_id, **kw)

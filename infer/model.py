@@ -13,7 +13,6 @@ draft's ``target_layer_ids`` — the same tensors ``dspine.target.TargetAdapter`
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspine.paths import read_json_object
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rope import qk_norm_rope_cache, rope_tables
 from infer.kernels.verify_attention import verify_attention
@@ -174,7 +174,7 @@ class EngineTarget(nn.Module):
         cfg_file = folder / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{cfg_file}: missing")
-        a = ModelArgs.from_hf_config(json.loads(cfg_file.read_text()))
+        a = ModelArgs.from_hf_config(read_json_object(cfg_file, "a model config"))
         return cls.from_hf_state(a, read_safetensors(folder, device), device, dtype, layer_ids, impl)
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -285,7 +285,12 @@ def read_safetensors(folder: Path, device) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = ["model.safetensors"]
+    if index.is_file():
+        weight_map = read_json_object(index, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file")
+        files = sorted(set(weight_map.values()))
     state = {}
     for f in files:
         path = folder / f

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from dspine.paths import read_json_object
+
 FORMAT = "dspine-features-v1"
 # Manifest fields that must agree between a capture and the run reading it (docs/method.md §4).
 IDENTITY = ("format", "target", "target_dtype", "layer_ids", "hidden_size", "max_length", "data_digest", "num_rows",
@@ -60,7 +62,7 @@ class CaptureRows:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self.manifest = json.loads((self.folder / "manifest.json").read_text())
+        self.manifest = read_json_object(self.folder / "manifest.json", "a train.capture manifest")
         if self.manifest.get("format") != FORMAT:
             raise ValueError(f"{self.folder}: manifest format {self.manifest.get('format')!r}, expected {FORMAT!r}")
         if not self.manifest.get("complete"):
@@ -149,7 +151,7 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / "manifest.json"
     if mpath.is_file():
-        check_manifest(json.loads(mpath.read_text()), {k: manifest[k] for k in IDENTITY}, str(out))
+        check_manifest(read_json_object(mpath, "a train.capture manifest"), {k: manifest[k] for k in IDENTITY}, str(out))
     todo = [s for s in shards if not (out / s["file"]).is_file()]
     need = sum(s["tokens"] for s in todo) * (kH * nbytes + 5)
     free = shutil.disk_usage(out).free

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from dspine.paths import read_json_object
 from train.loss import block_input_ids, block_targets, sample_anchors
 
 
@@ -68,7 +69,7 @@ class ArrowRows:
         self.folder = Path(folder)
         self.ds = Dataset.from_file(str(self.folder / "data.arrow")).select_columns(["input_ids", "loss_mask"])
         manifest = self.folder / "manifest.json"
-        self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        self.manifest = read_json_object(manifest, "a data.tokenize manifest") if manifest.is_file() else {}
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -105,8 +106,8 @@ def open_rows(path: str | Path):
     p = Path(path)
     if p.is_dir() and (p / "data.arrow").is_file():
         return ArrowRows(p)
-    if p.is_dir() and (p / "manifest.json").is_file() and json.loads((p / "manifest.json").read_text()).get(
-            "format", "").startswith("dspine-features"):
+    if p.is_dir() and (p / "manifest.json").is_file() and str(
+            read_json_object(p / "manifest.json", "a manifest").get("format", "")).startswith("dspine-features"):
         from train.capture import CaptureRows
 
         return CaptureRows(p)

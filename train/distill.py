@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # `python train/distill.py` / `accelerate launch 
 import torch
 import yaml
 
+from dspine.paths import read_json_object
 from train import config as run_config
 from train.capture import CaptureRows, expected_fields
 from train.config import ConfigError
@@ -144,7 +145,8 @@ def train(cfg) -> int:
     accelerator.register_for_checkpointing(scheduler)
     start, skipped_total = 0, 0
     if resume is not None:
-        state = json.loads((resume / "trainer_state.json").read_text())
+        with config_errors("resume_from"):
+            state = read_json_object(resume / "trainer_state.json", "the trainer state")
         check_resume(state, cfg, world, total_steps)
         accelerator.load_state(str(resume / "state"))
         start, skipped_total = state["step"], state["skipped_rows"]
@@ -403,7 +405,8 @@ def check_resumed_config(ckpt: Path, cfg) -> None:
     saved_file = ckpt / "config.json"
     if not saved_file.is_file():
         return
-    saved = json.loads(saved_file.read_text())
+    with config_errors("resume_from"):
+        saved = read_json_object(saved_file, "the checkpoint's run config")
     now = run_config.to_dict(cfg)
     changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in now.items()
                if k not in RESUME_MUTABLE and k in saved and saved[k] != v]
