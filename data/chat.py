@@ -33,11 +33,12 @@ def load_tokenizer(path: str, gguf_file: str | None = None):
     """
     from transformers import AutoTokenizer
 
-    from dspine.paths import resolve_model_path
+    from dspine.paths import hub_errors, resolve_model_path
 
     path, gguf_file = resolve_model_path(path, gguf_file, what="tokenizer")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    with hub_errors("tokenizer", path):
+        return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 def resolve_chat_template(spec: str | None, tokenizer) -> str:

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from dspine.config import DSpineConfig
 from dspine.model import DSpineDraftModel
-from dspine.paths import read_json_object
+from dspine.paths import hub_errors, read_json_object
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -34,7 +34,8 @@ def resolve_checkpoint(path_or_id: str) -> Path:
         raise FileNotFoundError(f"draft checkpoint folder not found: {path_or_id}")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
+    with hub_errors("draft", path_or_id):
+        return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
 
 
 def load_config(path_or_id: str | Path) -> DSpineConfig:

@@ -137,6 +137,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoConfig
 
+    from dspine.paths import hub_errors
     from dspine.target import resolve_model_path
 
     out = Path(args.out)
@@ -152,7 +153,8 @@ def main(argv=None) -> int:
         args.layers = 5 if args.layers is None else args.layers
         args.block_size = 16 if args.block_size is None else args.block_size
         path, gguf = resolve_model_path(args.target, args.gguf_file, need_config=True)
-        tcfg = AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
+        with hub_errors("target", path):
+            tcfg = AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
         spec = TargetSpec.from_pretrained(path, gguf)
         cfg = draft_config_for(
             tcfg, spec, layers=args.layers, block_size=args.block_size, injection=args.injection,

@@ -8,6 +8,7 @@ manifests, run arguments) and names the file when one is not a JSON object.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -78,3 +79,18 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
     elif need_config and gguf_file is None:
         raise ValueError(f"{what} {path_or_id}: not a model folder (no config.json)")
     return (str(p) if path_or_id.startswith("~") else path_or_id), gguf_file
+
+
+@contextlib.contextmanager
+def hub_errors(what: str, path_or_id: str):
+    """Re-raise an ``OSError`` of loading a Hub id (no network, no such repo, gated) as one line that
+    names the id; errors about an existing local path pass through unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if Path(str(path_or_id)).expanduser().exists():
+            raise
+        detail = " ".join(str(e).split())
+        detail = detail[: detail.find(". ") + 1 or 240][:240]  # the first sentence
+        raise OSError(f"{what} {path_or_id}: not a local path, and it could not be loaded from the Hugging Face "
+                      f"Hub ({type(e).__name__}: {detail})") from None

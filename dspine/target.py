@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dspine.paths import read_json_object, resolve_model_path
+from dspine.paths import hub_errors, read_json_object, resolve_model_path
 
 
 class _StopForward(Exception):
@@ -174,10 +174,19 @@ class TargetAdapter(nn.Module):
 
 
 def load_tokenizer(path_or_id: str, gguf_file: str | None = None):
-    """AutoTokenizer, falling back to ``PreTrainedTokenizerFast`` on a bare ``tokenizer.json``."""
+    """AutoTokenizer, falling back to ``PreTrainedTokenizerFast`` on a bare ``tokenizer.json``.
+
+    Raises:
+        OSError: one line naming a Hub id that cannot be loaded (no network, no such repo).
+    """
+    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, what="tokenizer")
+    with hub_errors("tokenizer", path_or_id):
+        return _load_tokenizer(path_or_id, gguf_file)
+
+
+def _load_tokenizer(path_or_id: str, gguf_file: str | None):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, what="tokenizer")
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     tok_json = Path(path_or_id) / "tokenizer.json"
     cfg_file = Path(path_or_id) / "config.json"
@@ -203,7 +212,8 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
     path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, need_config=True)
     torch_dtype = _parse_dtype(dtype)
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
+    with hub_errors("target", path_or_id):
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
     if torch_dtype == torch.float16 and "qwen" in str(model.config.model_type):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     if gguf_file:
@@ -281,7 +291,8 @@ class TargetSpec:
 
         path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, need_config=True)
         kw = {"gguf_file": gguf_file} if gguf_file else {}
-        config = AutoConfig.from_pretrained(path_or_id, **kw)
+        with hub_errors("target", path_or_id):
+            config = AutoConfig.from_pretrained(path_or_id, **kw)
         tok = None
         if with_tokenizer:
             try:

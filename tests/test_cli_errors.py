@@ -1,0 +1,113 @@
+"""CLI inputs a new user gets wrong: one ``error:`` line naming the argument, path or id, never a
+traceback, and argument errors before any model is loaded."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import REPO
+
+DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
+NOPE = "nope-org/nope-model"
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """The Hub unreachable, fast (no retries): huggingface_hub and transformers read this at call time."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def _conv(tmp_path):
+    p = tmp_path / "conv.jsonl"
+    p.write_text(json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi"},
+                                                          {"role": "assistant", "content": "yo"}]}) + "\n")
+    return p
+
+
+def _hub_cases(stories, tmp):
+    return {
+        "bench-target": ("infer.bench", ["--target", NOPE, "--datasets", "gsm8k", "--backend", "reference"]),
+        "bench-draft": ("infer.bench", ["--target", stories, "--draft", NOPE, "--datasets", "gsm8k", "--max-new-tokens", "8",
+                                        "--backend", "reference"]),
+        "generate-target": ("infer.generate", ["--target", NOPE, "--prompt", "hi", "--backend", "reference"]),
+        "generate-draft": ("infer.generate", ["--target", stories, "--draft", NOPE, "--prompt", "hi",
+                                              "--backend", "reference"]),
+        "check-target": ("dspine.check", ["--target", NOPE, "--draft", str(DRAFT)]),
+        "check-draft": ("dspine.check", ["--target", stories, "--draft", NOPE]),
+        "init-target": ("dspine.init", ["--target", NOPE, "--out", str(tmp / "d1")]),
+        "init-from": ("dspine.init", ["--target", stories, "--out", str(tmp / "d2"), "--init-from", NOPE]),
+        "regenerate": ("data.regenerate", ["--target", NOPE, "--input", str(_conv(tmp)), "--output", str(tmp / "r")]),
+        "tokenize": ("data.tokenize", ["--input", str(_conv(tmp)), "--tokenizer", NOPE, "--max-length", "32",
+                                       "--cache-dir", str(tmp / "t")]),
+        "sample_target": ("data.sample_target", ["--target", NOPE, "--num", "1", "--max-new-tokens", "2",
+                                                 "--out", str(tmp / "s.jsonl")]),
+    }
+
+
+@pytest.mark.parametrize("case", ["bench-target", "bench-draft", "generate-target", "generate-draft", "check-target",
+                                  "check-draft", "init-target", "init-from", "regenerate", "tokenize", "sample_target"])
+def test_unreachable_hub_id_is_one_error_line(case, stories_dir, tmp_path, capsys, offline):
+    import importlib
+
+    module, argv = _hub_cases(str(stories_dir), tmp_path)[case]
+    assert importlib.import_module(module).main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and f"{NOPE}: not a local path, and it could not be loaded " \
+        "from the Hugging Face Hub" in err[0], err
+
+
+def _fast_error(main, argv, capsys, message):
+    t0 = time.perf_counter()
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert message in err, (argv, err)
+    assert time.perf_counter() - t0 < 2.0, (argv, "checked after loading a model")
+
+
+def test_generate_checks_arguments_and_paths_before_loading(stories_dir, tmp_path, capsys):
+    from infer import generate
+
+    base = ["--target", str(stories_dir), "--backend", "reference"]
+    bad_draft = tmp_path / "draft"
+    bad_draft.mkdir()
+    (bad_draft / "config.json").write_text("[1]")
+    cases = [
+        (["--draft", str(tmp_path / "nope"), "--prompt", "hi"], f"draft checkpoint folder not found: {tmp_path / 'nope'}"),
+        (["--draft", str(bad_draft), "--prompt", "hi"], f"{bad_draft / 'config.json'}: expected a JSON object"),
+        (["--draft", "none"], "give --prompt TEXT or --dataset NAME"),
+        (["--prompt", "hi", "--dataset", "gsm8k"], "give --prompt TEXT or --dataset NAME (one of them)"),
+        (["--dataset", "gsm9k"], "unknown dataset 'gsm9k'"),
+        (["--prompt", "hi", "--dtype", "fp8"], "--dtype 'fp8': choose auto, bf16 or fp32"),
+        (["--prompt", "hi", "--draft", str(DRAFT), "--block-size", "8"],
+         "--block-size 8 < the draft's 16: verifying fewer slots is only supported by --backend cuda"),
+        (["--prompt", "hi", "--draft", str(DRAFT), "--block-size", "32"], "--block-size 32 exceeds the draft's block size 16"),
+        (["--prompt", "hi", "--draft", str(DRAFT)], "draft/target mismatch"),  # SmolLM2 draft vs stories260K
+    ]
+    for extra, message in cases:
+        _fast_error(generate.main, [*base, *extra], capsys, message)
+
+
+def test_bench_checks_arguments_and_paths_before_loading(stories_dir, tmp_path, capsys):
+    from infer import bench
+
+    base = ["--target", str(stories_dir), "--backend", "reference"]
+    cases = [
+        (["--draft", str(tmp_path / "nope")], f"--draft nope={tmp_path / 'nope'}: no such draft folder"),
+        (["--draft", f"a={DRAFT}", "--draft", f"a={DRAFT}"], "--draft label 'a' given twice"),
+        (["--datasets", "gsm8k,nope"], "unknown dataset 'nope'"),
+        (["--datasets", ","], "--datasets ',': no task named"),
+        (["--num-prompts", "0"], "--num-prompts 0: must be >= 1"),
+        (["--max-prompt-tokens", "-5"], "--max-prompt-tokens -5: must be >= 1"),
+        (["--temperature", "nan"], "--temperature=nan must be a finite number >= 0"),
+        (["--top-p", "inf"], "--top-p=inf must be in (0, 1]"),
+        (["--block-size", "1"], "--block-size 1: must be >= 2"),
+        (["--data-dir", str(tmp_path / "nope")], f"--data-dir {tmp_path / 'nope'}: no such folder"),
+        (["--dtype", "fp16"], "--dtype 'fp16': choose auto, bf16 or fp32"),
+    ]
+    for extra, message in cases:
+        _fast_error(bench.main, [*base, *extra], capsys, message)
