@@ -108,11 +108,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     args = p.parse_args(argv)
+    from dspine.sampling import SamplingParams
+
     for name in ("max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.max_turns < 0:
-        p.error("need temperature >= 0, 0 < top-p <= 1, top-k >= 0, max-turns >= 0")
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    for name in ("max_context", "limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.max_turns < 0:
+        p.error(f"--max-turns {args.max_turns}: must be >= 0 (0 = all)")
+    try:  # the same rules as infer.generate / infer.bench: finite temperature >= 0, 0 < top-p <= 1, top-k >= 0
+        SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+    except ValueError as e:
+        p.error(f"--{e}".replace("_", "-", 1))
     return args
 
 

@@ -102,6 +102,9 @@ def tokenize_conversation(
         raise RowError(
             "bad_field", f"row {row_id}: {len(reasons)} finish reasons for {len(positions)} assistant turns"
         )
+    if not any(t["role"] == "user" for t in turns[: positions[0]]):
+        raise RowError("bad_turn_order", f"row {row_id}: assistant turn {positions[0]} has no user turn before it "
+                       "(nothing prompted it; a conversation starts with a user turn)")
     chosen = list(zip(positions, reasons))
     if assistant_turns == "last":
         chosen = chosen[-1:]
@@ -284,7 +287,7 @@ def build_tokenized(
     if assistant_turns not in ASSISTANT_TURNS:
         raise ValueError(f"assistant_turns {assistant_turns!r}: expected one of {ASSISTANT_TURNS}")
     if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
+        raise ValueError(f"--max-length {max_length}: must be >= 1")
     _check_regenerate_mode(Path(input_jsonl), thinking)
     tokenizer = load_tokenizer(tokenizer_path)
     template = resolve_chat_template(chat_template, tokenizer)
@@ -482,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--assistant-turns", default="all", choices=ASSISTANT_TURNS)
     p.add_argument("--num-proc", type=int, default=1)
     args = p.parse_args(argv)
+    if args.num_proc < 1:
+        p.error(f"--num-proc {args.num_proc}: must be >= 1")
+    if not Path(args.input).is_file():
+        print(f"error: --input {args.input}: no such file", file=sys.stderr)
+        return 2
     cache_dir = args.cache_dir or str(Path(args.input).parent / "tokenized")
     try:
         path = build_tokenized(
@@ -497,8 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.input} has no rows; nothing to train on", file=sys.stderr)
         return 1
     if not summary.get("sequences"):
-        print(f"error: {path} holds no sequence: every row failed (see the reasons above); nothing to train on",
-              file=sys.stderr)
+        first = (summary.get("first_errors") or [{}])[0].get("detail", "")
+        print(f"error: {path} holds no sequence: every row of {args.input} failed ({first}; all in "
+              f"{path / 'errors.jsonl'}); nothing to train on", file=sys.stderr)
         return 1
     return 0
 

@@ -111,3 +111,79 @@ def test_bench_checks_arguments_and_paths_before_loading(stories_dir, tmp_path, 
     ]
     for extra, message in cases:
         _fast_error(bench.main, [*base, *extra], capsys, message)
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-1"),
+                                        ("--top-p", "nan"), ("--top-p", "inf"), ("--top-k", "-3")])
+def test_non_finite_sampling_values_are_refused_by_every_sampling_cli(flag, value, stories_dir, tmp_path, capsys):
+    """Every CLI that samples (data.regenerate, data.sample_target, infer.generate, infer.bench) refuses the
+    value before writing anything; data.regenerate used to write NaN into run_args.json and sample noise at inf."""
+    from data import regenerate, sample_target
+    from infer import bench, generate
+
+    conv = _conv(tmp_path)
+    cases = [
+        (regenerate.main, ["--target", str(stories_dir), "--input", str(conv), "--output", str(tmp_path / "r"),
+                           "--chat-template", "chatml", flag, value]),
+        (generate.main, ["--target", str(stories_dir), "--prompt", "hi", "--backend", "reference", flag, value]),
+        (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k", "--backend", "reference", flag, value]),
+    ]
+    if flag == "--temperature":  # sample_target has no top-p / top-k
+        cases.append((sample_target.main, ["--target", str(stories_dir), "--num", "1", "--max-new-tokens", "2",
+                                           "--out", str(tmp_path / "s.jsonl"), flag, value]))
+    for main, argv in cases:
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's p.error
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{flag}" in err and value in err.lower(), (main.__module__, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s.jsonl").exists()
+
+
+def test_json_writer_refuses_nan(tmp_path):
+    from data.rows import atomic_write_json
+
+    with pytest.raises(ValueError):
+        atomic_write_json(tmp_path / "x.json", {"temperature": float("nan")})
+    assert not list(tmp_path.iterdir())
+
+
+def test_messages_name_the_argument_file_or_row(stories_dir, qwen3_tokenizer_dir, tmp_path, capsys):
+    from data import regenerate, tokenize
+
+    conv = _conv(tmp_path)
+    with pytest.raises(SystemExit):
+        regenerate.main(["--target", str(stories_dir), "--input", str(conv), "--output", str(tmp_path / "r"),
+                         "--limit", "-5"])
+    assert "--limit -5: must be >= 1" in capsys.readouterr().err
+    assert tokenize.main(["--input", str(conv), "--tokenizer", str(qwen3_tokenizer_dir), "--max-length", "-5"]) == 2
+    assert "--max-length -5: must be >= 1" in capsys.readouterr().err
+    assert tokenize.main(["--input", str(tmp_path / "nope.jsonl"), "--tokenizer", str(qwen3_tokenizer_dir),
+                          "--max-length", "8"]) == 2
+    assert f"--input {tmp_path / 'nope.jsonl'}: no such file" in capsys.readouterr().err
+    first = tmp_path / "assistant-first.jsonl"
+    first.write_text(json.dumps({"id": "r1", "conversations": [{"role": "assistant", "content": "hello"},
+                                                               {"role": "user", "content": "hi"}]}) + "\n")
+    assert tokenize.main(["--input", str(first), "--tokenizer", str(qwen3_tokenizer_dir), "--max-length", "64",
+                          "--cache-dir", str(tmp_path / "tok")]) == 1
+    err = capsys.readouterr().err
+    assert "row r1: assistant turn 0 has no user turn before it" in err and "empty conversation" not in err
+
+
+@pytest.mark.slow
+def test_distill_names_an_empty_or_non_json_train_file(stories_dir, tmp_path):
+    import subprocess
+    import sys
+
+    empty, text = tmp_path / "empty.jsonl", tmp_path / "text.jsonl"
+    empty.write_text("")
+    text.write_text("not json\n")
+    for train, message in [(empty, f"config key 'train': {empty} has no rows"),
+                           (text, f"{text} row 0: invalid JSON")]:
+        cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config",
+               str(REPO / "configs" / "stories260k-cpu.yaml"), f"target={stories_dir}", f"train={train}", "eval=null",
+               f"output_dir={tmp_path / 'out'}"]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert r.returncode == 2 and message in r.stderr and "none of the first 0 rows" not in r.stderr, r.stderr[-1500:]

@@ -13,7 +13,6 @@ see disjoint rows and a resumed run reads exactly what the uninterrupted run wou
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +50,9 @@ class JsonlRows:
         if self._fh is None:
             self._fh = open(self.path, "rb")
         self._fh.seek(self.offsets[i])
-        obj = json.loads(self._fh.readline())
+        from data.rows import parse_jsonl_line  # names the file and row of a line that is no JSON object
+
+        obj = parse_jsonl_line(self._fh.readline(), f"{self.path} row {i}")
         return _checked(obj, f"{self.path} row {i}")
 
     def metadata(self) -> dict:

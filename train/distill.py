@@ -103,6 +103,8 @@ def train(cfg) -> int:
         order = StepOrder(len(rows), cfg.micro_batch_size, cfg.grad_accum, world, cfg.seed)
     with config_errors("eval"):
         eval_rows = open_rows(cfg.eval) if cfg.eval else None
+        if eval_rows is not None and len(eval_rows) == 0:
+            raise ConfigError(f"config key 'eval': {cfg.eval} has no rows (eval=null turns evaluation off)")
     total_steps = cfg.max_steps or cfg.epochs * order.steps_per_epoch
 
     # ---------------------------------------------------------------------------------------- models
@@ -391,6 +393,8 @@ def finite_or_none(x):
 
 def check_trainable(rows, path, limit: int = 2000) -> None:
     """Fail early when the first ``limit`` rows hold no anchor (loss_mask[p] = loss_mask[p+1] = 1)."""
+    if len(rows) == 0:
+        raise ConfigError(f"config key 'train': {path} has no rows; nothing to train on")
     n = min(len(rows), limit)
     for i in range(n):
         m = rows.row(i)["loss_mask"]
