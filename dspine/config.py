@@ -25,6 +25,58 @@ DSPINE_DEFAULTS: dict[str, Any] = {
 }
 
 
+ROPE_IMPLEMENTED = "plain RoPE on the whole head (rope_type 'default', partial_rotary_factor 1)"
+
+
+def unsupported_rope(cfg) -> list[str]:
+    """RoPE settings of a config (object or ``config.json`` dict) that DSpine does not implement.
+
+    The draft (``dspine.model``) and the engine's target (``infer.model``) implement one RoPE: rotate
+    half over all ``head_dim`` channels at ``rope_theta`` (docs/method.md §2, §8.3). Anything else
+    (scaled types such as linear/dynamic/yarn/llama3, ``partial_rotary_factor`` or ``rotary_pct`` < 1,
+    ``rotary_dim`` < head_dim, layers without RoPE) would be silently decoded as full plain RoPE, so
+    it is reported here, one ``field=value`` string per problem (empty list: supported).
+    """
+    get = (lambda k: cfg.get(k)) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k, None))
+    problems = []
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            problems.append(f"{key}={rope!r}")
+            continue
+        # transformers 5 may keep one dict per layer type ({"full_attention": {...}, ...})
+        nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())
+        for where, d in (((f"{key}.{k}", v) for k, v in rope.items()) if nested else [(key, rope)]):
+            rope_type = d.get("rope_type", d.get("type", "default"))
+            if rope_type not in ("default", None):
+                problems.append(f"{where}.rope_type={rope_type!r}")
+            factor = d.get("partial_rotary_factor")
+            if factor is not None and float(factor) != 1.0:
+                problems.append(f"{where}.partial_rotary_factor={factor}")
+    for key in ("partial_rotary_factor", "rotary_pct"):
+        v = get(key)
+        if v is not None and float(v) != 1.0:
+            problems.append(f"{key}={v}")
+    rotary_dim, heads, hidden = get("rotary_dim"), get("num_attention_heads"), get("hidden_size")
+    head_dim = get("head_dim") or (hidden // heads if hidden and heads else None)
+    if rotary_dim is not None and rotary_dim != head_dim:
+        problems.append(f"rotary_dim={rotary_dim} (head_dim {head_dim})")
+    no_rope = get("no_rope_layers")
+    if no_rope and not all(no_rope):
+        problems.append(f"no_rope_layers={list(no_rope)}")
+    return list(dict.fromkeys(problems))
+
+
+def check_rope(cfg, who: str) -> None:
+    """Raise ``ValueError`` naming each field of :func:`unsupported_rope` (``who``: "target x", "draft config")."""
+    problems = unsupported_rope(cfg)
+    if problems:
+        raise ValueError(f"{who}: {', '.join(problems)} is not implemented (DSpine implements {ROPE_IMPLEMENTED}); "
+                         "refused instead of decoding it as full plain RoPE")
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target layers whose outputs feed the draft: ``round(1 + i*(L-4)/(n-1))`` (docs/method.md §2).
 
@@ -56,7 +108,8 @@ class DSpineConfig(PretrainedConfig):
     Raises:
         ValueError: an unknown ``dspine_config.injection`` / ``block_attention``, a bad
             ``layer_types`` entry, a sliding layer without ``sliding_window``, ``block_size < 2``,
-            empty ``dflash_config.target_layer_ids`` or an unsupported RoPE scaling.
+            empty ``dflash_config.target_layer_ids`` or RoPE other than plain full-head RoPE
+            (:func:`check_rope`).
     """
 
     model_type = "dspine"
@@ -89,13 +142,14 @@ class DSpineConfig(PretrainedConfig):
         # RoPE: DFlash configs carry `rope_theta` (+ `rope_scaling: null`); transformers 5 writes
         # `rope_parameters`. Only plain RoPE is supported: the engine and trainer must agree on it
         # (docs/method.md §8.3), so anything else is refused instead of silently ignored.
+        check_rope({**kwargs, "head_dim": head_dim, "hidden_size": hidden_size,
+                    "num_attention_heads": num_attention_heads}, "draft config")
         for key in ("rope_scaling", "rope_parameters"):
             rope = kwargs.pop(key, None)
             if rope:
-                rope_type = rope.get("rope_type", rope.get("type", "default"))
-                if rope_type not in ("default", None):
-                    raise ValueError(f"draft config: {key}.rope_type={rope_type!r} is not supported (plain RoPE only)")
                 rope_theta = float(rope.get("rope_theta", rope_theta))
+        for key in ("partial_rotary_factor", "rotary_pct", "rotary_dim"):  # checked above: full-head values
+            kwargs.pop(key, None)
         kwargs.pop("use_sliding_window", None)
         kwargs.pop("max_window_layers", None)
 

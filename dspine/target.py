@@ -8,12 +8,13 @@ last, whose HF hidden state is post-norm), concatenated on the last dim (docs/me
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from dspine.config import ROPE_IMPLEMENTED, check_rope, unsupported_rope
 from dspine.paths import hub_errors, read_json_object, resolve_model_path
 
 
@@ -205,7 +206,7 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15).
+        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -214,6 +215,8 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     with hub_errors("target", path_or_id):
         model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
+    # the reference target must accept exactly what the engine accepts (docs/method.md §8.3)
+    check_rope(model.config, f"target {path_or_id}{f'/{gguf_file}' if gguf_file else ''}")
     if torch_dtype == torch.float16 and "qwen" in str(model.config.model_type):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     if gguf_file:
@@ -255,6 +258,7 @@ class TargetSpec:
     rope_theta: float | None
     max_position_embeddings: int | None
     tokenizer_len: int | None = None
+    rope_problems: list[str] = field(default_factory=list)  # dspine.config.unsupported_rope
 
     @classmethod
     def from_config(cls, config, name: str = "", tokenizer=None, generation_config=None) -> TargetSpec:
@@ -282,6 +286,7 @@ class TargetSpec:
             rope_theta=float(theta) if theta is not None else None,
             max_position_embeddings=getattr(config, "max_position_embeddings", None),
             tokenizer_len=len(tokenizer) if tokenizer is not None else None,
+            rope_problems=unsupported_rope(config),
         )
 
     @classmethod
@@ -360,6 +365,9 @@ def check_compat(target: TargetSpec | TargetAdapter, draft_config, max_context: 
             problems.append("equals an eos token")
         rows.append(CheckRow("dflash_config.mask_token_id", f"< {V}, not pad/eos", mask, not problems,
                              "; ".join(problems)))
+    rope_ok = not spec.rope_problems
+    rows.append(CheckRow("rope", "plain" if rope_ok else ", ".join(spec.rope_problems), "plain", rope_ok,
+                         "" if rope_ok else f"not implemented: the draft and the engine implement {ROPE_IMPLEMENTED}"))
     theta = spec.rope_theta
     rows.append(CheckRow("rope_theta", theta, draft_config.rope_theta, True,
                          "" if theta in (None, draft_config.rope_theta) else "differs from the target's (allowed)"))

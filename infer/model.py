@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspine.config import check_rope
 from dspine.paths import read_json_object
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rope import qk_norm_rope_cache, rope_tables
@@ -50,16 +51,14 @@ class ModelArgs:
         """From a transformers config object or a config.json dict.
 
         Raises:
-            ValueError: an unsupported model type or RoPE scaling (named in the message).
+            ValueError: an unsupported model type or RoPE (:func:`dspine.config.check_rope`, named in the message).
         """
         get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         mt = get("model_type")
         if mt not in SUPPORTED:
             raise ValueError(f"target model_type={mt!r} is not supported by the engine (supported: {SUPPORTED})")
+        check_rope(cfg, f"target (model_type {mt})")
         rope = get("rope_scaling") or get("rope_parameters") or {}
-        rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rtype not in ("default", None):
-            raise ValueError(f"target rope_type={rtype!r} is not supported by the engine (plain RoPE only)")
         theta = get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
         H, heads = int(get("hidden_size")), int(get("num_attention_heads"))
         return cls(
