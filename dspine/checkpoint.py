@@ -39,7 +39,9 @@ def resolve_checkpoint(path_or_id: str) -> Path:
 
 
 def load_config(path_or_id: str | Path) -> DSpineConfig:
-    """Read ``config.json``. A DFlash config (no ``dspine_config``) loads with ``injection = "none"``.
+    """Read ``config.json``. A DFlash config (no ``dspine_config``) loads with ``injection = "none"`` and
+    DFlash's post-norm last-layer features; a DSpine config written before
+    ``dspine_config.last_layer_features`` existed loads with "pre_norm", what it was trained with.
 
     Raises:
         FileNotFoundError: no config.json in the folder.
@@ -53,7 +55,9 @@ def load_config(path_or_id: str | Path) -> DSpineConfig:
     raw.pop("model_type", None)
     raw.pop("transformers_version", None)
     if "dspine_config" not in raw:
-        raw["dspine_config"] = {"injection": "none"}
+        raw["dspine_config"] = {"injection": "none", "last_layer_features": "post_norm"}
+    elif isinstance(raw["dspine_config"], dict) and "last_layer_features" not in raw["dspine_config"]:
+        raw["dspine_config"] = {**raw["dspine_config"], "last_layer_features": "pre_norm"}
     if "dflash_config" not in raw:
         raise ValueError(f"{cfg_file}: no dflash_config block (mask_token_id, target_layer_ids); not a DFlash/DSpine draft")
     _check_types(raw, cfg_file)

@@ -2,8 +2,8 @@
 
 The layout follows the published DFlash drafts (docs/method.md §2): Qwen3 decoder-layer fields,
 ``block_size``, ``num_target_layers`` and ``dflash_config = {mask_token_id, target_layer_ids}``.
-DSpine adds ``dspine_config = {injection, injection_rank, injection_layers, block_attention}``
-(docs/method.md §3). A DFlash ``config.json`` (``model_type: "qwen3"``) loads as a DSpine config with
+DSpine adds ``dspine_config = {injection, injection_rank, injection_layers, block_attention,
+last_layer_features}`` (docs/method.md §2-§3). A DFlash ``config.json`` (``model_type: "qwen3"``) loads as a DSpine config with
 ``injection = "none"``.
 """
 
@@ -14,6 +14,11 @@ from typing import Any
 from transformers import PretrainedConfig
 
 INJECTION_MODES = ("residual", "kv", "none")
+# What the draft reads from the target's *last* layer when target_layer_ids include it
+# (docs/method.md §2): "post_norm" = the state after the target's final RMSNorm, i.e. HF
+# output_hidden_states[L] as DFlash's reference code and SGLang feed it (DSpine's convention);
+# "pre_norm" = the raw decoder-layer output, what DSpine drafts made before the field existed read.
+LAST_LAYER_FEATURES = ("post_norm", "pre_norm")
 BLOCK_ATTENTION_MODES = ("bidirectional", "causal")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -22,6 +27,7 @@ DSPINE_DEFAULTS: dict[str, Any] = {
     "injection_rank": 0,  # 0 = full-rank H x H projection; r > 0 = low rank (down r x H, up H x r)
     "injection_layers": None,  # None = every draft layer
     "block_attention": "bidirectional",
+    "last_layer_features": "post_norm",
 }
 
 
@@ -216,11 +222,19 @@ class DSpineConfig(PretrainedConfig):
     def block_attention(self) -> str:
         return self.dspine_config["block_attention"]
 
+    @property
+    def last_layer_features(self) -> str:
+        """"post_norm" | "pre_norm": the target's last-layer feature after / before its final norm."""
+        return self.dspine_config["last_layer_features"]
+
     def validate_fields(self) -> None:
         """Check the draft fields on their own (target compatibility is ``dspine.target.check_compat``)."""
         d = self.dspine_config
         if d["injection"] not in INJECTION_MODES:
             raise ValueError(f"dspine_config.injection={d['injection']!r} is unknown; choose one of {INJECTION_MODES}")
+        if d["last_layer_features"] not in LAST_LAYER_FEATURES:
+            raise ValueError(f"dspine_config.last_layer_features={d['last_layer_features']!r} is unknown; choose one "
+                             f"of {LAST_LAYER_FEATURES}")
         if d["block_attention"] not in BLOCK_ATTENTION_MODES:
             raise ValueError(
                 f"dspine_config.block_attention={d['block_attention']!r} is unknown; choose one of {BLOCK_ATTENTION_MODES}"

@@ -1,8 +1,10 @@
 """Target adapter: any Hugging Face causal LM (Qwen3, Qwen2, Llama, …) as the frozen target.
 
 The adapter returns logits and the *target features*: the outputs of decoder layers
-``target_layer_ids`` (0-based; equal to ``output_hidden_states[id + 1]`` for every layer but the
-last, whose HF hidden state is post-norm), concatenated on the last dim (docs/method.md §2).
+``target_layer_ids`` (0-based), concatenated on the last dim (docs/method.md §2). With the draft's
+``last_layer_features = "post_norm"`` (DFlash's convention, the default) the last layer's feature is
+taken after the target's final norm, so every feature equals HF ``output_hidden_states[id + 1]``;
+"pre_norm" keeps the raw decoder-layer output of the last layer (older DSpine drafts).
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class TargetOutput:
     past_key_values: object | None = None
 
 
+def final_norm(model: nn.Module) -> nn.Module:
+    """The final norm of an HF causal LM (``model.model.norm`` for Llama/Qwen)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    norm = getattr(base, "norm", None)
+    if norm is None:
+        raise ValueError(f"{type(model).__name__}: cannot find the final norm (expected .model.norm)")
+    return norm
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder-layer list of an HF causal LM (``model.model.layers`` for Llama/Qwen)."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
@@ -45,18 +56,21 @@ class TargetAdapter(nn.Module):
         model: an HF ``*ForCausalLM``; it is put in eval mode and its parameters frozen.
         layer_ids: target layers whose outputs form the features (may be set later with
             :meth:`set_layer_ids`).
+        last_layer_features: "post_norm" | "pre_norm" (``dspine_config.last_layer_features``).
     Raises:
         ValueError: a layer id outside ``[0, num_hidden_layers)``.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, name: str = ""):
+    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, name: str = "",
+                 last_layer_features: str = "post_norm"):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.layers = decoder_layers(model)
         self.name = name
         self.layer_ids: list[int] = []
+        self.last_layer_features = "post_norm"
         if layer_ids is not None:
-            self.set_layer_ids(layer_ids)
+            self.set_layer_ids(layer_ids, last_layer_features)
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -84,7 +98,12 @@ class TargetAdapter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
 
-    def set_layer_ids(self, layer_ids: list[int]) -> None:
+    def set_layer_ids(self, layer_ids: list[int], last_layer_features: str = "post_norm") -> None:
+        """Set the feature layers and the last-layer convention (take both from the draft config)."""
+        from dspine.config import LAST_LAYER_FEATURES
+
+        if last_layer_features not in LAST_LAYER_FEATURES:
+            raise ValueError(f"last_layer_features={last_layer_features!r}: choose one of {LAST_LAYER_FEATURES}")
         bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
         if bad:
             raise ValueError(
@@ -92,6 +111,7 @@ class TargetAdapter(nn.Module):
                 f"for target {self.name or type(self.model).__name__} with {self.num_layers} layers"
             )
         self.layer_ids = [int(i) for i in layer_ids]
+        self.last_layer_features = last_layer_features
 
     # -- shared embedding / head ----------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -108,6 +128,16 @@ class TargetAdapter(nn.Module):
         return self.model.get_output_embeddings().weight
 
     # -- forwards --------------------------------------------------------------------------------
+    def _concat(self, store: dict) -> torch.Tensor:
+        """Features ``[B, T, k*H]`` from the hooked layer outputs; the last layer's gets the final norm
+        under "post_norm" (= HF ``output_hidden_states[L]``, DFlash's and SGLang's input)."""
+        last = self.num_layers - 1
+        feats = [store[i] for i in self.layer_ids]
+        if self.last_layer_features == "post_norm" and last in self.layer_ids:
+            norm = final_norm(self.model)
+            feats = [norm(f) if i == last else f for i, f in zip(self.layer_ids, feats)]
+        return torch.cat(feats, dim=-1)
+
     def _hooks(self, store: dict, stop_after: int | None):
         handles = []
         for i in self.layer_ids:
@@ -139,7 +169,7 @@ class TargetAdapter(nn.Module):
         finally:
             for h in handles:
                 h.remove()
-        feats = torch.cat([store[i] for i in self.layer_ids], dim=-1) if handles else None
+        feats = self._concat(store) if handles else None
         cache = getattr(out, "cache", None)
         if cache is None:
             cache = getattr(out, "past_key_values", None)
@@ -167,7 +197,7 @@ class TargetAdapter(nn.Module):
         finally:
             for h in handles:
                 h.remove()
-        return torch.cat([store[i] for i in self.layer_ids], dim=-1)
+        return self._concat(store)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,6 +366,14 @@ def check_compat(target: TargetSpec | TargetAdapter, draft_config, max_context: 
     bad = [i for i in ids if not 0 <= i < L]
     rows.append(CheckRow("dflash_config.target_layer_ids", f"{L} layers", ids, not bad,
                          f"{bad} outside [0, {L})" if bad else ""))
+    conv = draft_config.last_layer_features
+    if L - 1 in ids:
+        note = (f"layer {L - 1} is read after the final norm (HF hidden_states[{L}], DFlash/SGLang convention)"
+                if conv == "post_norm" else f"layer {L - 1} is read before the final norm (DSpine drafts made "
+                "before this field; DFlash engines feed the post-norm state)")
+    else:
+        note = f"the last layer ({L - 1}) is not read: no effect"
+    rows.append(CheckRow("dspine_config.last_layer_features", "post_norm | pre_norm", conv, True, note))
     same_depth = draft_config.num_target_layers == L
     rows.append(CheckRow("num_target_layers", L, draft_config.num_target_layers, same_depth,
                          "" if same_depth else "draft was built for a target of another depth"))

@@ -81,7 +81,8 @@ class Runner:
                 # each draft reads its own layers: the target returns them in the draft's order
                 draft = EngineDraft(m, target, impl=impl)
                 self.decoders[label] = Engine(target, draft, self.eos, verify_size=args.block_size, **kw)
-            self._layer_ids = {label: m.config.target_layer_ids for label, m in models.items()}
+            self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
+                               for label, m in models.items()}
         else:
             from dspine.spec import ReferenceDecoder
             from dspine.target import load_target
@@ -96,11 +97,11 @@ class Runner:
     def run(self, prompts: list[list[int]], params: SamplingParams, label: str | None):
         dec = self.decoders[label]
         if self.backend == "cuda":
-            dec.target.layer_ids = self._layer_ids[label] if label else []
+            dec.target.layer_ids, dec.target.last_layer_features = self._layer_ids[label] if label else ([], "post_norm")
             r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
             return r.token_ids, r.stats, r.elapsed_s
         if label is not None:
-            dec.target.set_layer_ids(dec.draft.config.target_layer_ids)
+            dec.target.set_layer_ids(dec.draft.config.target_layer_ids, dec.draft.config.last_layer_features)
         tokens, stats, secs = [], None, 0.0
         for i in range(0, len(prompts), self.args.concurrency):  # fixed-size batches
             r = dec.generate(prompts[i : i + self.args.concurrency], params)

@@ -31,7 +31,7 @@ import yaml
 
 from dspine.paths import read_json_object
 from train import config as run_config
-from train.capture import CaptureRows, expected_fields
+from train.capture import CaptureRows, expected_fields, last_layer_features
 from train.config import ConfigError
 from train.data import StepOrder, make_batch, open_rows
 from train.loss import LossStats, anchor_generator, tau_sim
@@ -116,11 +116,12 @@ def train(cfg) -> int:
         except (OSError, ValueError):
             tokenizer = None
         dcfg = run_config.draft_config(cfg, target, tokenizer)
-        target.set_layer_ids(dcfg.target_layer_ids)
+        target.set_layer_ids(dcfg.target_layer_ids, dcfg.last_layer_features)
         if cfg.feature_source != "online":
             digest = open_rows(cfg.train).metadata()["data_digest"] if cfg.train else None
             try:
-                rows.check(expected_fields(cfg, dev["target_dtype"], dcfg.target_layer_ids, digest))
+                rows.check(expected_fields(cfg, dev["target_dtype"], dcfg.target_layer_ids, digest,
+                                           last_layer_features(dcfg, target.num_layers)))
             except ValueError as e:
                 raise ConfigError(f"config key 'feature_source': {e}") from None
         set_seed(cfg.seed)
