@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--chat-template",
         default=None,
-        help="template file or builtin name (chatml); default: the tokenizer's",
+        help="template file or builtin name (chatml: <|im_end|> ends a turn, or the eos token for a tokenizer "
+        "without it, e.g. a base LM); default: the tokenizer's",
     )
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -281,7 +282,8 @@ def regenerate_batch(rows, tokenizer, template: str, generator, args, max_contex
         prompts, ready = [], []
         for chat in active:
             try:
-                ids = encode(tokenizer, render(tokenizer, template, chat.history, True, args.enable_thinking))
+                text = render(tokenizer, template, chat.history, True, args.enable_thinking)
+                ids = encode(tokenizer, text, chat.history)  # system/user text stays plain text
             except Exception as e:  # a template can raise on any row (jinja errors, bad roles)
                 out["errors"].append(
                     _error(chat, f"chat template failed at turn {turn}: {type(e).__name__}: {e}")

@@ -45,13 +45,15 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from data.chat import encode, end_of_turn_token, load_tokenizer, render, resolve_chat_template
+from data.chat import end_of_turn_token, load_tokenizer, render, resolve_chat_template
 from data.rows import atomic_write_json, dumps, file_digest, parse_jsonl_line
 from data.schema import RowError, check_row
 from dspine.paths import read_json_object
+from infer.prompts import encode_text, plain_spans
 
 # Bump when a change here changes the tokenized output; old caches then stop matching.
-CODE_VERSION = 1
+# 2: control-token strings in system/user text are plain text (infer.prompts).
+CODE_VERSION = 2
 ASSISTANT_TURNS = ("all", "last")
 DATA_FILE = "data.arrow"
 SUMMARY = "summary.json"
@@ -114,6 +116,7 @@ def tokenize_conversation(
     # the previous turn is a prefix of this turn's prompt (see module doc).
     groups: list[list[tuple[int, int]]] = []  # per sequence: supervised (start, end) char spans
     texts: list[str] = []  # per sequence: its full text
+    rendered: list[list[dict]] = []  # per sequence: the turns its text renders
     seq_turns: list[list[int]] = []
     for pos, reason in chosen:
         prompt = _render(tokenizer, template, turns[:pos], True, thinking, row_id)
@@ -134,15 +137,17 @@ def tokenize_conversation(
         if groups and prompt.startswith(texts[-1]):
             groups[-1].append((len(prompt), end))
             texts[-1] = full
+            rendered[-1] = turns[: pos + 1]
             seq_turns[-1].append(pos)
         else:
             groups.append([(len(prompt), end)])
             texts.append(full)
+            rendered.append(turns[: pos + 1])
             seq_turns.append([pos])
 
     sequences = []
-    for spans, text, seq in zip(groups, texts, seq_turns):
-        ids, mask = _tokenize_spans(tokenizer, text, spans, row_id)
+    for spans, text, shown, seq in zip(groups, texts, rendered, seq_turns):
+        ids, mask = _tokenize_spans(tokenizer, text, spans, row_id, shown)
         truncated = max_length is not None and len(ids) > max_length
         if truncated:
             ids, mask = ids[:max_length], mask[:max_length]
@@ -162,15 +167,19 @@ def _render(tokenizer, template, turns, add_generation_prompt, thinking, row_id)
 
 
 def _tokenize_spans(
-    tokenizer, text: str, spans: list[tuple[int, int]], row_id
+    tokenizer, text: str, spans: list[tuple[int, int]], row_id, turns: list[dict] | None = None
 ) -> tuple[list[int], list[int]]:
     """Tokenizes the whole `text` once; mask 1 on tokens whose characters lie inside a span.
 
     Checks, per span, that the tokens before it equal the tokenization of the prompt text alone
-    (what the target was fed at inference), and that no token straddles a span edge.
+    (what the target was fed at inference), and that no token straddles a span edge. The
+    system/user text of `turns` (what `text` renders) is plain text, as at inference (`infer.prompts`).
     """
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    try:
+        plain = plain_spans(tokenizer, text, turns) if turns else []
+    except ValueError as e:
+        raise RowError("template", f"row {row_id}: {e}") from None
+    ids, offsets = encode_text(tokenizer, text, plain, offsets=True)
     mask = [0] * len(ids)
     for start, end in spans:
         first = None
@@ -184,7 +193,8 @@ def _tokenize_spans(
             if start <= s < end or (s == e == start and start < end):
                 mask[i] = 1
                 first = i if first is None else first
-        if first is not None and ids[:first] != encode(tokenizer, text[:start]):
+        before = [(a, b) for a, b in plain if b <= start]
+        if first is not None and ids[:first] != encode_text(tokenizer, text[:start], before):
             raise RowError(
                 "token_mismatch",
                 f"row {row_id}: the tokens before an assistant turn differ from the tokenized prompt alone "
@@ -479,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--chat-template",
         default=None,
-        help="template file or builtin name (chatml); default: the tokenizer's",
+        help="template file or builtin name (chatml: <|im_end|> ends a turn, or the eos token for a tokenizer "
+        "without it, e.g. a base LM); default: the tokenizer's",
     )
     p.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode (default: off)")
     p.add_argument("--assistant-turns", default="all", choices=ASSISTANT_TURNS)
