@@ -7,6 +7,7 @@ embedding and lm_head are never stored.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -173,17 +174,31 @@ def save_draft(model: DSpineDraftModel, out_dir: str | Path, dtype: torch.dtype 
                metadata: dict[str, str] | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (tensors cast to ``dtype`` if given).
 
-    ``metadata`` (str -> str) goes into the safetensors header (e.g. training mode, target id).
+    ``metadata`` (str -> str) goes into the safetensors header (e.g. training mode, target id); an
+    absolute local path there is stored relative to the working directory (:func:`portable_path`),
+    so a shipped folder does not carry the paths of the machine that built it.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
              for k, v in model.state_dict().items()}
     tmp = out / (WEIGHTS + ".tmp")
-    save_file(state, str(tmp), metadata={"format": "pt", **(metadata or {})})
+    meta = {k: portable_path(str(v)) for k, v in (metadata or {}).items()}
+    save_file(state, str(tmp), metadata={"format": "pt", **meta})
     tmp.replace(out / WEIGHTS)
     model.config.save_pretrained(out)
     return out
+
+
+def portable_path(value: str) -> str:
+    """``value`` unchanged unless it is an absolute path, which becomes relative to the working
+    directory (``/home/me/repo/runs/x`` -> ``runs/x`` when run from the repo, ``../data/y`` next to it)."""
+    if not os.path.isabs(value):
+        return value
+    try:
+        return os.path.relpath(value)
+    except ValueError:  # another drive (Windows): keep the last two components only
+        return os.path.join(*Path(value).parts[-2:])
 
 
 def warm_start(model: DSpineDraftModel, dflash_dir: str | Path) -> list[str]:
