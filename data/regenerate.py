@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     args = p.parse_args(argv)
-    from dspine.sampling import SamplingParams
+    from infer.generate import sampling_params
 
     for name in ("max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:
@@ -120,9 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_turns < 0:
         p.error(f"--max-turns {args.max_turns}: must be >= 0 (0 = all)")
     try:  # the same rules as infer.generate / infer.bench: finite temperature >= 0, 0 < top-p <= 1, top-k >= 0
-        SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+        sampling_params(args)
     except ValueError as e:
-        p.error(f"--{e}".replace("_", "-", 1))
+        p.error(str(e))
     return args
 
 
@@ -421,6 +421,10 @@ def regenerate(args: argparse.Namespace) -> dict:
     if launched != world:  # every process would think it is rank 0 and write the same shards
         raise RuntimeError(f"launched with WORLD_SIZE={launched} but accelerate sees {world} process(es)")
     out = Path(args.output)
+    if not Path(args.input).is_file():
+        raise FileNotFoundError(f"--input {args.input}: no such file")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out} is an existing file; give a folder")
     if (out / SUMMARY).exists() and not (out / "run_args.json").exists():
         raise ValueError(f"{out} holds a {SUMMARY} that no data.regenerate run wrote (another tool's output?); "
                          "choose another --output")

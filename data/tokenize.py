@@ -502,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --input {args.input}: no such file", file=sys.stderr)
         return 2
     cache_dir = args.cache_dir or str(Path(args.input).parent / "tokenized")
+    if Path(cache_dir).exists() and not Path(cache_dir).is_dir():
+        print(f"error: --cache-dir {cache_dir} is an existing file; give a folder", file=sys.stderr)
+        return 2
     try:
         path = build_tokenized(
             args.input, args.tokenizer, cache_dir, args.max_length, args.enable_thinking,

@@ -229,6 +229,14 @@ class DSpineConfig(PretrainedConfig):
 
     def validate_fields(self) -> None:
         """Check the draft fields on their own (target compatibility is ``dspine.target.check_compat``)."""
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings", "num_target_layers"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or unset)")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"dflash_config.target_layer_ids {self.target_layer_ids} repeats a layer")
         d = self.dspine_config
         if d["injection"] not in INJECTION_MODES:
             raise ValueError(f"dspine_config.injection={d['injection']!r} is unknown; choose one of {INJECTION_MODES}")

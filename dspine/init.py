@@ -135,6 +135,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    for name in ("layers", "intermediate_size", "max_position_embeddings", "sliding_window"):
+        value = getattr(args, name)
+        if value is not None and value < 1:  # 0 would silently mean "the default" below
+            ap.error(f"--{name.replace('_', '-')} {value}: must be >= 1")
 
     from pathlib import Path
 

@@ -270,10 +270,9 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     tasks = [task_name(t) for t in args.datasets.split(",") if t.strip()]
     if not tasks:
         raise ValueError(f"--datasets {args.datasets!r}: no task named")
-    try:
-        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
-    except ValueError as e:
-        raise ValueError(f"--{e}".replace("_", "-", 1)) from None
+    from infer.generate import sampling_params
+
+    params = sampling_params(args)
     for name in ("num_prompts", "concurrency", "max_prompt_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
@@ -284,6 +283,10 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     for label, path in parse_drafts(args.draft).items():
         if not Path(path).is_dir() and (looks_local(path) or Path(path).exists()):
             raise FileNotFoundError(f"--draft {label}={path}: no such draft folder")
+    if args.output_json is not None and Path(args.output_json).is_dir():
+        raise ValueError(f"--output-json {args.output_json} is a folder; give a file name")
+    if args.plot is not None and Path(args.plot).is_dir():
+        raise ValueError(f"--plot {args.plot} is a folder; give a file name")
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder")
     if args.backend == "cuda" and args.device == "cuda" and not torch.cuda.is_available():

@@ -48,6 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def sampling_params(args):
+    """``SamplingParams`` from the CLI flags (``--temperature --top-p --top-k --max-new-tokens --seed``),
+    validated; a ValueError names the flag (``--top-p=nan must be in (0, 1]``)."""
+    from dspine.sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+    except ValueError as e:
+        field, _, rest = str(e).partition("=")
+        raise ValueError(f"--{field.replace('_', '-')}={rest}") from None
+
+
 def resolve_models(args) -> tuple[str, str | None]:
     """The target and draft paths, applying the shipped defaults: the default target (given or not)
     comes with the shipped DSpine draft unless ``--draft none``."""
@@ -84,17 +96,13 @@ def result_dict(tokenizer, tokens: list[int], stats, elapsed_s: float, prefill_s
 
 
 def run(args) -> dict:
-    from dspine.sampling import SamplingParams
     from dspine.target import TargetSpec, load_tokenizer, resolve_model_path
     from infer.prompts import encode_prompt
 
     # argument checks first: a bad value fails before any model file is read
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    try:
-        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
-    except ValueError as e:
-        raise ValueError(f"--{e}".replace("_", "-", 1)) from None
+    params = sampling_params(args)
     if args.block_size is not None and args.block_size < 2:
         raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
     if args.num_prompts is not None and not args.dataset:

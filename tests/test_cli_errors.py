@@ -187,3 +187,47 @@ def test_distill_names_an_empty_or_non_json_train_file(stories_dir, tmp_path):
                f"output_dir={tmp_path / 'out'}"]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
         assert r.returncode == 2 and message in r.stderr and "none of the first 0 rows" not in r.stderr, r.stderr[-1500:]
+
+
+def test_more_bad_paths_and_values_are_named(stories_dir, tmp_path, capsys):
+    """Found by trying every CLI as a new user: each is one error line naming the flag (was a traceback
+    or an errno message, or a draft with max_position_embeddings 0 written without complaint)."""
+    from data import regenerate, tokenize
+    from dspine import convert, init
+    from infer import bench
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    conv = _conv(tmp_path)
+    base = ["--target", str(stories_dir), "--mask-token-id", "0", "--dtype", "fp32"]
+    for extra, message in [(["--max-position-embeddings", "0"], "--max-position-embeddings 0: must be >= 1"),
+                           (["--intermediate-size", "0"], "--intermediate-size 0: must be >= 1"),
+                           (["--sliding-window", "-4", "--sliding-layers", "0"], "--sliding-window -4: must be >= 1"),
+                           (["--layers", "2", "--target-layer-ids", "1,1"], "target_layer_ids [1, 1] repeats a layer")]:
+        out = tmp_path / f"d{len(extra)}{extra[1]}"
+        try:
+            rc = init.main([*base, "--out", str(out), *extra])
+        except SystemExit as e:  # argparse's error
+            rc = e.code
+        assert rc == 2 and message in capsys.readouterr().err and not out.exists(), extra
+    from dspine.config import DSpineConfig
+
+    for key, value in [("max_position_embeddings", 0), ("intermediate_size", -1), ("sliding_window", -4)]:
+        with pytest.raises(ValueError, match=f"{key}={value} must be >= 1"):
+            DSpineConfig(**{key: value})
+    assert convert.main(["--target", str(REPO / "README.md"), "--out", str(afile)]) == 2
+    assert f"--out {afile} is an existing file" in capsys.readouterr().err
+    cases = [
+        (regenerate.main, ["--target", str(stories_dir), "--input", str(tmp_path / "nope.jsonl"), "--output",
+                           str(tmp_path / "r")], f"--input {tmp_path / 'nope.jsonl'}: no such file"),
+        (regenerate.main, ["--target", str(stories_dir), "--input", str(conv), "--output", str(afile)],
+         f"--output {afile} is an existing file"),
+        (tokenize.main, ["--input", str(conv), "--tokenizer", str(stories_dir), "--max-length", "16", "--cache-dir",
+                         str(afile)], f"--cache-dir {afile} is an existing file"),
+        (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k", "--output-json", str(tmp_path)],
+         f"--output-json {tmp_path} is a folder"),
+        (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k", "--max-new-tokens", "0"],
+         "--max-new-tokens=0 must be >= 1"),
+    ]
+    for main, argv, message in cases:
+        _fast_error(main, argv, capsys, message)
