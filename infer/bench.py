@@ -281,6 +281,8 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     if args.dtype not in ("auto", "bf16", "fp32"):
         raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
     for label, path in parse_drafts(args.draft).items():
+        if not path.strip() or not label:
+            raise ValueError(f"--draft {label}={path}: give [LABEL=]PATH with a path and a label")
         if not Path(path).is_dir() and (looks_local(path) or Path(path).exists()):
             raise FileNotFoundError(f"--draft {label}={path}: no such draft folder")
     if args.output_json is not None and Path(args.output_json).is_dir():

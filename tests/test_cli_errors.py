@@ -99,6 +99,7 @@ def test_bench_checks_arguments_and_paths_before_loading(stories_dir, tmp_path, 
     cases = [
         (["--draft", str(tmp_path / "nope")], f"--draft nope={tmp_path / 'nope'}: no such draft folder"),
         (["--draft", f"a={DRAFT}", "--draft", f"a={DRAFT}"], "--draft label 'a' given twice"),
+        (["--draft", "X="], "--draft X=: give [LABEL=]PATH with a path and a label"),
         (["--datasets", "gsm8k,nope"], "unknown dataset 'nope'"),
         (["--datasets", ","], "--datasets ',': no task named"),
         (["--num-prompts", "0"], "--num-prompts 0: must be >= 1"),
@@ -231,3 +232,10 @@ def test_more_bad_paths_and_values_are_named(stories_dir, tmp_path, capsys):
     ]
     for main, argv, message in cases:
         _fast_error(main, argv, capsys, message)
+
+
+def test_prepare_refuses_an_empty_input_path(tmp_path, capsys):
+    from data import prepare
+
+    assert prepare.main(["--input", "name=", "--output", str(tmp_path / "p")]) == 2  # was: read the working dir
+    assert "input 'name=': no path after the name" in capsys.readouterr().err
