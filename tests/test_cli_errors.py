@@ -174,18 +174,26 @@ def test_messages_name_the_argument_file_or_row(stories_dir, qwen3_tokenizer_dir
 
 
 @pytest.mark.slow
-def test_distill_names_an_empty_or_non_json_train_file(stories_dir, tmp_path):
+def test_distill_names_bad_data_and_paths(stories_dir, tmp_path):
     import subprocess
     import sys
 
     empty, text = tmp_path / "empty.jsonl", tmp_path / "text.jsonl"
     empty.write_text("")
     text.write_text("not json\n")
-    for train, message in [(empty, f"config key 'train': {empty} has no rows"),
-                           (text, f"{text} row 0: invalid JSON")]:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": list(range(1, 40)), "loss_mask": [0] + [1] * 38}) + "\n"
+                            for _ in range(8)))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for train, extra, message in [
+            (empty, [], f"config key 'train': {empty} has no rows"),
+            (text, [], f"{text} row 0: invalid JSON"),
+            (rows, [f"output_dir={afile}"], f"config key 'output_dir': {afile} is an existing file"),
+            (rows, [f"draft_init={tmp_path / 'nope'}"], f"config key 'draft_init': {tmp_path / 'nope'} is not a draft folder")]:
         cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config",
                str(REPO / "configs" / "stories260k-cpu.yaml"), f"target={stories_dir}", f"train={train}", "eval=null",
-               f"output_dir={tmp_path / 'out'}"]
+               f"output_dir={tmp_path / 'out'}", *extra]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
         assert r.returncode == 2 and message in r.stderr and "none of the first 0 rows" not in r.stderr, r.stderr[-1500:]
 

@@ -76,6 +76,12 @@ def train(cfg) -> int:
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     zero3 = deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
     out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"config key 'output_dir': {out} is an existing file; give a folder")
+    for key in ("draft_init", "init_from"):  # local folders that must exist (Hub ids are fetched later)
+        path = getattr(cfg, key)
+        if path and path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+            raise ConfigError(f"config key '{key}': {path} is not a draft folder")
     resume = resolve_resume(cfg, out)
     if resume is not None:
         check_resumed_config(resume, cfg)  # before anything is written: a refused resume changes nothing
