@@ -235,8 +235,6 @@ class DSpineConfig(PretrainedConfig):
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or unset)")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            raise ValueError(f"dflash_config.target_layer_ids {self.target_layer_ids} repeats a layer")
         d = self.dspine_config
         if d["injection"] not in INJECTION_MODES:
             raise ValueError(f"dspine_config.injection={d['injection']!r} is unknown; choose one of {INJECTION_MODES}")
