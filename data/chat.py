@@ -2,7 +2,8 @@
 
 Rendering goes through the tokenizer's `apply_chat_template` (Jinja, as the serving engines do);
 text is then encoded with `add_special_tokens=False`, because a chat template writes its own BOS /
-control tokens into the text.
+control tokens into the text. System and user text is plain text: a control-token string typed in it
+stays ordinary text (`infer.prompts`, the same rule as at inference).
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ from pathlib import Path
 CHATML = (
     "{%- for message in messages -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+# ChatML for a tokenizer without the ChatML control tokens (a base LM such as stories260K): the target
+# cannot end a turn with a one-token "<|im_end|>", so its turns end with the tokenizer's eos token.
+CHATML_EOS = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
@@ -33,19 +42,22 @@ def load_tokenizer(path: str, gguf_file: str | None = None):
     """
     from transformers import AutoTokenizer
 
-    from dspine.paths import resolve_model_path
+    from dspine.paths import hub_errors, resolve_model_path
 
     path, gguf_file = resolve_model_path(path, gguf_file, what="tokenizer")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    with hub_errors("tokenizer", path):
+        return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 def resolve_chat_template(spec: str | None, tokenizer) -> str:
     """Returns the Jinja chat template text to use.
 
     Args:
-        spec: None (the tokenizer's own template), a builtin name (`chatml`), or a path to a file
-            holding the template (a `.json` file may hold it under "chat_template").
+        spec: None (the tokenizer's own template), a builtin name (`chatml`; for a tokenizer without
+            a one-token `<|im_end|>`, e.g. a base LM, the ChatML variant that ends turns with its eos
+            token), or a path to a file holding the template (a `.json` file may hold it under
+            "chat_template").
     Raises:
         ValueError: no template given and the tokenizer has none, or an unreadable template file.
     """
@@ -59,6 +71,11 @@ def resolve_chat_template(spec: str | None, tokenizer) -> str:
                 f"pass --chat-template (a file, or one of {sorted(BUILTIN_TEMPLATES)})"
             )
         return template
+    if spec == "chatml" and _single_token_id(tokenizer, "<|im_end|>") is None:
+        if tokenizer.eos_token is None:
+            raise ValueError("--chat-template chatml: the tokenizer has neither a <|im_end|> token nor an eos token "
+                             "to end a turn with")
+        return CHATML_EOS
     if spec in BUILTIN_TEMPLATES:
         return BUILTIN_TEMPLATES[spec]
     path = Path(spec)
@@ -99,9 +116,14 @@ def render(
     )
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of rendered text, without adding BOS/EOS (the template wrote them if it wants them)."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def encode(tokenizer, text: str, turns: list[dict] | None = None) -> list[int]:
+    """Token ids of rendered text, without adding BOS/EOS (the template wrote them if it wants them).
+
+    With ``turns`` (what ``text`` renders), their system/user text stays plain text.
+    """
+    from infer.prompts import encode_text, plain_spans
+
+    return encode_text(tokenizer, text, plain_spans(tokenizer, text, turns) if turns else ())
 
 
 def end_of_turn_token(tokenizer, template: str) -> str:

@@ -49,6 +49,8 @@ def parse_source(spec: str) -> tuple[str, str, bool]:
     name, sep, location = spec.partition("=")
     if not sep or not NAME.fullmatch(name):
         name, location = "", spec
+    if not location.strip():  # Path("") is the working directory: never read it by accident
+        raise FileNotFoundError(f"input {spec!r}: no path after the name (NAME=PATH)")
     path = Path(location)
     if path.exists():
         return name or (path.name if path.is_dir() else path.stem), location, False

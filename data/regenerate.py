@@ -48,6 +48,7 @@ from data.shards import (
     wait_for_ranks,
     write_marker,
 )
+from dspine.paths import read_json_object
 
 KINDS = ("results", "errors", "skipped")
 RUN_ARGS = "run_args.json"
@@ -86,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--chat-template",
         default=None,
-        help="template file or builtin name (chatml); default: the tokenizer's",
+        help="template file or builtin name (chatml: <|im_end|> ends a turn, or the eos token for a tokenizer "
+        "without it, e.g. a base LM); default: the tokenizer's",
     )
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -112,13 +114,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     args = p.parse_args(argv)
+    from infer.generate import sampling_params
+
     if args.concurrency is None:
         args.concurrency = args.batch_size
     for name in ("max_new_tokens", "batch_size", "concurrency"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.max_turns < 0:
-        p.error("need temperature >= 0, 0 < top-p <= 1, top-k >= 0, max-turns >= 0")
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    for name in ("max_context", "limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.max_turns < 0:
+        p.error(f"--max-turns {args.max_turns}: must be >= 0 (0 = all)")
+    try:  # the same rules as infer.generate / infer.bench: finite temperature >= 0, 0 < top-p <= 1, top-k >= 0
+        sampling_params(args)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -146,7 +157,7 @@ def check_run_args(out: Path, run_args: dict, write: bool) -> None:
         if write:
             atomic_write_json(path, run_args)
         return
-    stored = json.loads(path.read_text())
+    stored = read_json_object(path, "data.regenerate run arguments")
     diff = [
         f"{k}: {stored.get(k)!r} (stored) != {run_args.get(k)!r} (this run)"
         for k in CONTENT_ARGS
@@ -278,7 +289,8 @@ def regenerate_batch(rows, tokenizer, template: str, generator, args, max_contex
         prompts, ready = [], []
         for chat in active:
             try:
-                ids = encode(tokenizer, render(tokenizer, template, chat.history, True, args.enable_thinking))
+                text = render(tokenizer, template, chat.history, True, args.enable_thinking)
+                ids = encode(tokenizer, text, chat.history)  # system/user text stays plain text
             except Exception as e:  # a template can raise on any row (jinja errors, bad roles)
                 out["errors"].append(
                     _error(chat, f"chat template failed at turn {turn}: {type(e).__name__}: {e}")
@@ -426,6 +438,10 @@ def regenerate(args: argparse.Namespace) -> dict:
     if launched != world:  # every process would think it is rank 0 and write the same shards
         raise RuntimeError(f"launched with WORLD_SIZE={launched} but accelerate sees {world} process(es)")
     out = Path(args.output)
+    if not Path(args.input).is_file():
+        raise FileNotFoundError(f"--input {args.input}: no such file")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out} is an existing file; give a folder")
     if (out / SUMMARY).exists() and not (out / "run_args.json").exists():
         raise ValueError(f"{out} holds a {SUMMARY} that no data.regenerate run wrote (another tool's output?); "
                          "choose another --output")

@@ -131,12 +131,16 @@ def iter_hub(name: str, split: str = "train") -> Iterator[dict]:
 
 
 def atomic_write_json(path: str | Path, obj) -> None:
-    """Writes `obj` as indented JSON through a temp file and a rename, so a reader never sees half a file."""
+    """Writes `obj` as indented JSON through a temp file and a rename, so a reader never sees half a file.
+
+    Raises:
+        ValueError: `obj` holds NaN or infinity (not JSON; nothing is written).
+    """
     path = Path(path)
+    text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+        f.write(text + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

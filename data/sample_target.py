@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -28,9 +29,9 @@ def sample_rows(target, bos: int, eos: set[int], num: int, max_new_tokens: int, 
 
     Sampling is a plain loop over the target's KV cache with one ``torch.Generator`` seeded by
     ``seed``, so the rows depend only on (target, seed, num, batch_size, max_new_tokens, temperature).
-    Raises ValueError for ``temperature <= 0``."""
-    if temperature <= 0:
-        raise ValueError(f"--temperature must be > 0 (got {temperature}); sampled data needs randomness")
+    Raises ValueError for a temperature that is not a finite number > 0."""
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"--temperature {temperature}: must be a finite number > 0 (sampled data needs randomness)")
     gen = torch.Generator(device=target.device).manual_seed(seed)
     rows = []
     with torch.inference_mode():
@@ -75,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         print(f"error: {out} already exists; refusing to overwrite (choose another --out)", file=sys.stderr)
         return 2
-    if args.num < 1 or args.max_new_tokens < 1:
-        print("error: --num and --max-new-tokens must be >= 1", file=sys.stderr)
+    for name in ("num", "max_new_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1", file=sys.stderr)
+            return 2
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        print(f"error: --temperature {args.temperature}: must be a finite number > 0", file=sys.stderr)
         return 2
     try:
         device = "cuda" if torch.cuda.is_available() else "cpu"

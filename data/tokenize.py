@@ -45,12 +45,15 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from data.chat import encode, end_of_turn_token, load_tokenizer, render, resolve_chat_template
+from data.chat import end_of_turn_token, load_tokenizer, render, resolve_chat_template
 from data.rows import atomic_write_json, dumps, file_digest, parse_jsonl_line
 from data.schema import RowError, check_row
+from dspine.paths import read_json_object
+from infer.prompts import encode_text, plain_spans
 
 # Bump when a change here changes the tokenized output; old caches then stop matching.
-CODE_VERSION = 1
+# 2: control-token strings in system/user text are plain text (infer.prompts).
+CODE_VERSION = 2
 ASSISTANT_TURNS = ("all", "last")
 DATA_FILE = "data.arrow"
 SUMMARY = "summary.json"
@@ -101,6 +104,9 @@ def tokenize_conversation(
         raise RowError(
             "bad_field", f"row {row_id}: {len(reasons)} finish reasons for {len(positions)} assistant turns"
         )
+    if not any(t["role"] == "user" for t in turns[: positions[0]]):
+        raise RowError("bad_turn_order", f"row {row_id}: assistant turn {positions[0]} has no user turn before it "
+                       "(nothing prompted it; a conversation starts with a user turn)")
     chosen = list(zip(positions, reasons))
     if assistant_turns == "last":
         chosen = chosen[-1:]
@@ -110,6 +116,7 @@ def tokenize_conversation(
     # the previous turn is a prefix of this turn's prompt (see module doc).
     groups: list[list[tuple[int, int]]] = []  # per sequence: supervised (start, end) char spans
     texts: list[str] = []  # per sequence: its full text
+    rendered: list[list[dict]] = []  # per sequence: the turns its text renders
     seq_turns: list[list[int]] = []
     for pos, reason in chosen:
         prompt = _render(tokenizer, template, turns[:pos], True, thinking, row_id)
@@ -130,15 +137,17 @@ def tokenize_conversation(
         if groups and prompt.startswith(texts[-1]):
             groups[-1].append((len(prompt), end))
             texts[-1] = full
+            rendered[-1] = turns[: pos + 1]
             seq_turns[-1].append(pos)
         else:
             groups.append([(len(prompt), end)])
             texts.append(full)
+            rendered.append(turns[: pos + 1])
             seq_turns.append([pos])
 
     sequences = []
-    for spans, text, seq in zip(groups, texts, seq_turns):
-        ids, mask = _tokenize_spans(tokenizer, text, spans, row_id)
+    for spans, text, shown, seq in zip(groups, texts, rendered, seq_turns):
+        ids, mask = _tokenize_spans(tokenizer, text, spans, row_id, shown)
         truncated = max_length is not None and len(ids) > max_length
         if truncated:
             ids, mask = ids[:max_length], mask[:max_length]
@@ -158,15 +167,19 @@ def _render(tokenizer, template, turns, add_generation_prompt, thinking, row_id)
 
 
 def _tokenize_spans(
-    tokenizer, text: str, spans: list[tuple[int, int]], row_id
+    tokenizer, text: str, spans: list[tuple[int, int]], row_id, turns: list[dict] | None = None
 ) -> tuple[list[int], list[int]]:
     """Tokenizes the whole `text` once; mask 1 on tokens whose characters lie inside a span.
 
     Checks, per span, that the tokens before it equal the tokenization of the prompt text alone
-    (what the target was fed at inference), and that no token straddles a span edge.
+    (what the target was fed at inference), and that no token straddles a span edge. The
+    system/user text of `turns` (what `text` renders) is plain text, as at inference (`infer.prompts`).
     """
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    try:
+        plain = plain_spans(tokenizer, text, turns) if turns else []
+    except ValueError as e:
+        raise RowError("template", f"row {row_id}: {e}") from None
+    ids, offsets = encode_text(tokenizer, text, plain, offsets=True)
     mask = [0] * len(ids)
     for start, end in spans:
         first = None
@@ -180,7 +193,8 @@ def _tokenize_spans(
             if start <= s < end or (s == e == start and start < end):
                 mask[i] = 1
                 first = i if first is None else first
-        if first is not None and ids[:first] != encode(tokenizer, text[:start]):
+        before = [(a, b) for a, b in plain if b <= start]
+        if first is not None and ids[:first] != encode_text(tokenizer, text[:start], before):
             raise RowError(
                 "token_mismatch",
                 f"row {row_id}: the tokens before an assistant turn differ from the tokenized prompt alone "
@@ -283,7 +297,7 @@ def build_tokenized(
     if assistant_turns not in ASSISTANT_TURNS:
         raise ValueError(f"assistant_turns {assistant_turns!r}: expected one of {ASSISTANT_TURNS}")
     if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
+        raise ValueError(f"--max-length {max_length}: must be >= 1")
     _check_regenerate_mode(Path(input_jsonl), thinking)
     tokenizer = load_tokenizer(tokenizer_path)
     template = resolve_chat_template(chat_template, tokenizer)
@@ -318,7 +332,7 @@ def _check_regenerate_mode(input_jsonl: Path, thinking: bool) -> None:
     # A draft trained on the other thinking mode than the data was generated in collapses (design §8.8).
     run_args = input_jsonl.parent / "run_args.json"
     if run_args.is_file():
-        stored = json.loads(run_args.read_text()).get("enable_thinking")
+        stored = read_json_object(run_args, "data.regenerate run arguments").get("enable_thinking")
         if stored is not None and stored != thinking:
             raise ValueError(
                 f"{input_jsonl} was regenerated with enable_thinking={stored} ({run_args}) but tokenization "
@@ -475,13 +489,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--chat-template",
         default=None,
-        help="template file or builtin name (chatml); default: the tokenizer's",
+        help="template file or builtin name (chatml: <|im_end|> ends a turn, or the eos token for a tokenizer "
+        "without it, e.g. a base LM); default: the tokenizer's",
     )
     p.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode (default: off)")
     p.add_argument("--assistant-turns", default="all", choices=ASSISTANT_TURNS)
     p.add_argument("--num-proc", type=int, default=1)
     args = p.parse_args(argv)
+    if args.num_proc < 1:
+        p.error(f"--num-proc {args.num_proc}: must be >= 1")
+    if not Path(args.input).is_file():
+        print(f"error: --input {args.input}: no such file", file=sys.stderr)
+        return 2
     cache_dir = args.cache_dir or str(Path(args.input).parent / "tokenized")
+    if Path(cache_dir).exists() and not Path(cache_dir).is_dir():
+        print(f"error: --cache-dir {cache_dir} is an existing file; give a folder", file=sys.stderr)
+        return 2
     try:
         path = build_tokenized(
             args.input, args.tokenizer, cache_dir, args.max_length, args.enable_thinking,
@@ -496,8 +519,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.input} has no rows; nothing to train on", file=sys.stderr)
         return 1
     if not summary.get("sequences"):
-        print(f"error: {path} holds no sequence: every row failed (see the reasons above); nothing to train on",
-              file=sys.stderr)
+        first = (summary.get("first_errors") or [{}])[0].get("detail", "")
+        print(f"error: {path} holds no sequence: every row of {args.input} failed ({first}; all in "
+              f"{path / 'errors.jsonl'}); nothing to train on", file=sys.stderr)
         return 1
     return 0
 

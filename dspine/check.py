@@ -29,7 +29,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = check_compat(spec, cfg, args.max_context)
-    print(f"target: {spec.name}\ndraft:  {args.draft} (injection={cfg.injection}, block_size={cfg.block_size})\n")
+    print(f"target: {spec.name}\ndraft:  {args.draft} (injection={cfg.injection}, block_size={cfg.block_size}, "
+          f"last-layer features {cfg.last_layer_features})\n")
     print(format_table(rows))
     bad = [r for r in rows if not r.ok]
     print(f"\n{'OK' if not bad else f'{len(bad)} mismatch(es)'}")

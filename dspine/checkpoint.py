@@ -7,7 +7,7 @@ embedding and lm_head are never stored.
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from dspine.config import DSpineConfig
 from dspine.model import DSpineDraftModel
+from dspine.paths import hub_errors, read_json_object
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -34,11 +35,14 @@ def resolve_checkpoint(path_or_id: str) -> Path:
         raise FileNotFoundError(f"draft checkpoint folder not found: {path_or_id}")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
+    with hub_errors("draft", path_or_id):
+        return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
 
 
 def load_config(path_or_id: str | Path) -> DSpineConfig:
-    """Read ``config.json``. A DFlash config (no ``dspine_config``) loads with ``injection = "none"``.
+    """Read ``config.json``. A DFlash config (no ``dspine_config``) loads with ``injection = "none"`` and
+    DFlash's post-norm last-layer features; a DSpine config written before
+    ``dspine_config.last_layer_features`` existed loads with "pre_norm", what it was trained with.
 
     Raises:
         FileNotFoundError: no config.json in the folder.
@@ -48,20 +52,19 @@ def load_config(path_or_id: str | Path) -> DSpineConfig:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file}: missing (a draft folder holds config.json and {WEIGHTS})")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+    raw = read_json_object(cfg_file, "a draft config")
     raw.pop("model_type", None)
     raw.pop("transformers_version", None)
     if "dspine_config" not in raw:
-        raw["dspine_config"] = {"injection": "none"}
+        raw["dspine_config"] = {"injection": "none", "last_layer_features": "post_norm"}
+    elif isinstance(raw["dspine_config"], dict) and "last_layer_features" not in raw["dspine_config"]:
+        raw["dspine_config"] = {**raw["dspine_config"], "last_layer_features": "pre_norm"}
     if "dflash_config" not in raw:
         raise ValueError(f"{cfg_file}: no dflash_config block (mask_token_id, target_layer_ids); not a DFlash/DSpine draft")
     _check_types(raw, cfg_file)
     try:
         return DSpineConfig(**raw)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as e:  # a field of the wrong shape
         raise ValueError(f"{cfg_file}: {e}") from e
 
 
@@ -76,10 +79,15 @@ def _check_types(raw: dict, cfg_file: Path) -> None:
         v = raw.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise ValueError(f"{cfg_file}: field {key!r} must be an integer, got {v!r}")
+        if v is not None and v < 1:
+            raise ValueError(f"{cfg_file}: field {key!r} must be >= 1, got {v!r}")
     for key in _FLOAT_FIELDS:
         v = raw.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise ValueError(f"{cfg_file}: field {key!r} must be a number, got {v!r}")
+    for key in ("dspine_config", "rope_scaling", "rope_parameters"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ValueError(f"{cfg_file}: field {key!r} must be an object, got {raw[key]!r}")
     d = raw.get("dflash_config") or {}
     if not isinstance(d, dict):
         raise ValueError(f"{cfg_file}: field 'dflash_config' must be an object")
@@ -97,8 +105,10 @@ def _weight_files(folder: Path) -> list[Path]:
         return [single]
     index = folder / INDEX
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / s for s in shards]
+        weight_map = read_json_object(index, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file")
+        return [folder / s for s in sorted(set(weight_map.values()))]
     raise FileNotFoundError(f"{folder}: no {WEIGHTS} (or {INDEX})")
 
 
@@ -164,17 +174,31 @@ def save_draft(model: DSpineDraftModel, out_dir: str | Path, dtype: torch.dtype 
                metadata: dict[str, str] | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (tensors cast to ``dtype`` if given).
 
-    ``metadata`` (str -> str) goes into the safetensors header (e.g. training mode, target id).
+    ``metadata`` (str -> str) goes into the safetensors header (e.g. training mode, target id); an
+    absolute local path there is stored relative to the working directory (:func:`portable_path`),
+    so a shipped folder does not carry the paths of the machine that built it.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
              for k, v in model.state_dict().items()}
     tmp = out / (WEIGHTS + ".tmp")
-    save_file(state, str(tmp), metadata={"format": "pt", **(metadata or {})})
+    meta = {k: portable_path(str(v)) for k, v in (metadata or {}).items()}
+    save_file(state, str(tmp), metadata={"format": "pt", **meta})
     tmp.replace(out / WEIGHTS)
     model.config.save_pretrained(out)
     return out
+
+
+def portable_path(value: str) -> str:
+    """``value`` unchanged unless it is an absolute path, which becomes relative to the working
+    directory (``/home/me/repo/runs/x`` -> ``runs/x`` when run from the repo, ``../data/y`` next to it)."""
+    if not os.path.isabs(value):
+        return value
+    try:
+        return os.path.relpath(value)
+    except ValueError:  # another drive (Windows): keep the last two components only
+        return os.path.join(*Path(value).parts[-2:])
 
 
 def warm_start(model: DSpineDraftModel, dflash_dir: str | Path) -> list[str]:

@@ -2,8 +2,8 @@
 
 The layout follows the published DFlash drafts (docs/method.md §2): Qwen3 decoder-layer fields,
 ``block_size``, ``num_target_layers`` and ``dflash_config = {mask_token_id, target_layer_ids}``.
-DSpine adds ``dspine_config = {injection, injection_rank, injection_layers, block_attention}``
-(docs/method.md §3). A DFlash ``config.json`` (``model_type: "qwen3"``) loads as a DSpine config with
+DSpine adds ``dspine_config = {injection, injection_rank, injection_layers, block_attention,
+last_layer_features}`` (docs/method.md §2-§3). A DFlash ``config.json`` (``model_type: "qwen3"``) loads as a DSpine config with
 ``injection = "none"``.
 """
 
@@ -14,6 +14,11 @@ from typing import Any
 from transformers import PretrainedConfig
 
 INJECTION_MODES = ("residual", "kv", "none")
+# What the draft reads from the target's *last* layer when target_layer_ids include it
+# (docs/method.md §2): "post_norm" = the state after the target's final RMSNorm, i.e. HF
+# output_hidden_states[L] as DFlash's reference code and SGLang feed it (DSpine's convention);
+# "pre_norm" = the raw decoder-layer output, what DSpine drafts made before the field existed read.
+LAST_LAYER_FEATURES = ("post_norm", "pre_norm")
 BLOCK_ATTENTION_MODES = ("bidirectional", "causal")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -22,7 +27,60 @@ DSPINE_DEFAULTS: dict[str, Any] = {
     "injection_rank": 0,  # 0 = full-rank H x H projection; r > 0 = low rank (down r x H, up H x r)
     "injection_layers": None,  # None = every draft layer
     "block_attention": "bidirectional",
+    "last_layer_features": "post_norm",
 }
+
+
+ROPE_IMPLEMENTED = "plain RoPE on the whole head (rope_type 'default', partial_rotary_factor 1)"
+
+
+def unsupported_rope(cfg) -> list[str]:
+    """RoPE settings of a config (object or ``config.json`` dict) that DSpine does not implement.
+
+    The draft (``dspine.model``) and the engine's target (``infer.model``) implement one RoPE: rotate
+    half over all ``head_dim`` channels at ``rope_theta`` (docs/method.md §2, §8.3). Anything else
+    (scaled types such as linear/dynamic/yarn/llama3, ``partial_rotary_factor`` or ``rotary_pct`` < 1,
+    ``rotary_dim`` < head_dim, layers without RoPE) would be silently decoded as full plain RoPE, so
+    it is reported here, one ``field=value`` string per problem (empty list: supported).
+    """
+    get = (lambda k: cfg.get(k)) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k, None))
+    problems = []
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            problems.append(f"{key}={rope!r}")
+            continue
+        # transformers 5 may keep one dict per layer type ({"full_attention": {...}, ...})
+        nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())
+        for where, d in (((f"{key}.{k}", v) for k, v in rope.items()) if nested else [(key, rope)]):
+            rope_type = d.get("rope_type", d.get("type", "default"))
+            if rope_type not in ("default", None):
+                problems.append(f"{where}.rope_type={rope_type!r}")
+            factor = d.get("partial_rotary_factor")
+            if factor is not None and float(factor) != 1.0:
+                problems.append(f"{where}.partial_rotary_factor={factor}")
+    for key in ("partial_rotary_factor", "rotary_pct"):
+        v = get(key)
+        if v is not None and float(v) != 1.0:
+            problems.append(f"{key}={v}")
+    rotary_dim, heads, hidden = get("rotary_dim"), get("num_attention_heads"), get("hidden_size")
+    head_dim = get("head_dim") or (hidden // heads if hidden and heads else None)
+    if rotary_dim is not None and rotary_dim != head_dim:
+        problems.append(f"rotary_dim={rotary_dim} (head_dim {head_dim})")
+    no_rope = get("no_rope_layers")
+    if no_rope and not all(no_rope):
+        problems.append(f"no_rope_layers={list(no_rope)}")
+    return list(dict.fromkeys(problems))
+
+
+def check_rope(cfg, who: str) -> None:
+    """Raise ``ValueError`` naming each field of :func:`unsupported_rope` (``who``: "target x", "draft config")."""
+    problems = unsupported_rope(cfg)
+    if problems:
+        raise ValueError(f"{who}: {', '.join(problems)} is not implemented (DSpine implements {ROPE_IMPLEMENTED}); "
+                         "refused instead of decoding it as full plain RoPE")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -56,7 +114,8 @@ class DSpineConfig(PretrainedConfig):
     Raises:
         ValueError: an unknown ``dspine_config.injection`` / ``block_attention``, a bad
             ``layer_types`` entry, a sliding layer without ``sliding_window``, ``block_size < 2``,
-            empty ``dflash_config.target_layer_ids`` or an unsupported RoPE scaling.
+            empty ``dflash_config.target_layer_ids`` or RoPE other than plain full-head RoPE
+            (:func:`check_rope`).
     """
 
     model_type = "dspine"
@@ -89,13 +148,14 @@ class DSpineConfig(PretrainedConfig):
         # RoPE: DFlash configs carry `rope_theta` (+ `rope_scaling: null`); transformers 5 writes
         # `rope_parameters`. Only plain RoPE is supported: the engine and trainer must agree on it
         # (docs/method.md §8.3), so anything else is refused instead of silently ignored.
+        check_rope({**kwargs, "head_dim": head_dim, "hidden_size": hidden_size,
+                    "num_attention_heads": num_attention_heads}, "draft config")
         for key in ("rope_scaling", "rope_parameters"):
             rope = kwargs.pop(key, None)
             if rope:
-                rope_type = rope.get("rope_type", rope.get("type", "default"))
-                if rope_type not in ("default", None):
-                    raise ValueError(f"draft config: {key}.rope_type={rope_type!r} is not supported (plain RoPE only)")
                 rope_theta = float(rope.get("rope_theta", rope_theta))
+        for key in ("partial_rotary_factor", "rotary_pct", "rotary_dim"):  # checked above: full-head values
+            kwargs.pop(key, None)
         kwargs.pop("use_sliding_window", None)
         kwargs.pop("max_window_layers", None)
 
@@ -162,11 +222,25 @@ class DSpineConfig(PretrainedConfig):
     def block_attention(self) -> str:
         return self.dspine_config["block_attention"]
 
+    @property
+    def last_layer_features(self) -> str:
+        """"post_norm" | "pre_norm": the target's last-layer feature after / before its final norm."""
+        return self.dspine_config["last_layer_features"]
+
     def validate_fields(self) -> None:
         """Check the draft fields on their own (target compatibility is ``dspine.target.check_compat``)."""
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings", "num_target_layers"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or unset)")
         d = self.dspine_config
         if d["injection"] not in INJECTION_MODES:
             raise ValueError(f"dspine_config.injection={d['injection']!r} is unknown; choose one of {INJECTION_MODES}")
+        if d["last_layer_features"] not in LAST_LAYER_FEATURES:
+            raise ValueError(f"dspine_config.last_layer_features={d['last_layer_features']!r} is unknown; choose one "
+                             f"of {LAST_LAYER_FEATURES}")
         if d["block_attention"] not in BLOCK_ATTENTION_MODES:
             raise ValueError(
                 f"dspine_config.block_attention={d['block_attention']!r} is unknown; choose one of {BLOCK_ATTENTION_MODES}"

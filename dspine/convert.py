@@ -21,6 +21,8 @@ def convert(target: str, out: str | Path, dtype: str = "bf16", gguf_file: str | 
     from dspine.target import _parse_dtype, load_tokenizer, resolve_model_path
 
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is an existing file; give a new or empty folder")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; refusing to overwrite")
     path, gguf = resolve_model_path(target, gguf_file)

@@ -44,7 +44,8 @@ def draft_config_for(target_config, spec: TargetSpec, *, layers: int = 5, block_
                      injection: str = "residual", injection_rank: int = 0, injection_layers=None,
                      block_attention: str = "bidirectional", target_layer_ids=None, mask_token_id=None,
                      intermediate_size: int | None = None, sliding_window: int | None = None,
-                     sliding_layers=None, max_position_embeddings: int | None = None) -> DSpineConfig:
+                     sliding_layers=None, max_position_embeddings: int | None = None,
+                     last_layer_features: str = "post_norm") -> DSpineConfig:
     """A :class:`DSpineConfig` whose layer shapes follow ``target_config``.
 
     Raises:
@@ -79,13 +80,14 @@ def draft_config_for(target_config, spec: TargetSpec, *, layers: int = 5, block_
             "target_layer_ids": list(target_layer_ids) if target_layer_ids else default_target_layer_ids(spec.num_layers, layers),
         },
         dspine_config={"injection": injection, "injection_rank": injection_rank, "injection_layers": injection_layers,
-                       "block_attention": block_attention},
+                       "block_attention": block_attention, "last_layer_features": last_layer_features},
     )
 
 
-def adopt_source_layout(args) -> None:
+def adopt_source_layout(args) -> str:
     """Warm start keeps the source draft's layout: unset shape flags take its values, and a flag that
-    contradicts it is an error (its weights were trained for that layout)."""
+    contradicts it is an error (its weights were trained for that layout). Returns the source's
+    ``last_layer_features`` (its weights were trained on those features)."""
     from dspine.checkpoint import load_config
 
     src = load_config(args.init_from)
@@ -102,6 +104,7 @@ def adopt_source_layout(args) -> None:
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"{flag} {given} contradicts the --init-from draft {args.init_from} ({key}={value}); "
                              "drop the flag to keep the source layout")
+    return src.last_layer_features
 
 
 def _ints(s: str) -> list[int]:
@@ -132,11 +135,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    for name in ("layers", "intermediate_size", "max_position_embeddings", "sliding_window"):
+        value = getattr(args, name)
+        if value is not None and value < 1:  # 0 would silently mean "the default" below
+            ap.error(f"--{name.replace('_', '-')} {value}: must be >= 1")
 
     from pathlib import Path
 
     from transformers import AutoConfig
 
+    from dspine.paths import hub_errors
     from dspine.target import resolve_model_path
 
     out = Path(args.out)
@@ -147,12 +155,12 @@ def main(argv=None) -> int:
         print(f"error: {out} exists and is not empty; refusing to overwrite", file=sys.stderr)
         return 2
     try:
-        if args.init_from:
-            adopt_source_layout(args)
+        last_layer = adopt_source_layout(args) if args.init_from else "post_norm"
         args.layers = 5 if args.layers is None else args.layers
         args.block_size = 16 if args.block_size is None else args.block_size
         path, gguf = resolve_model_path(args.target, args.gguf_file, need_config=True)
-        tcfg = AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
+        with hub_errors("target", path):
+            tcfg = AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
         spec = TargetSpec.from_pretrained(path, gguf)
         cfg = draft_config_for(
             tcfg, spec, layers=args.layers, block_size=args.block_size, injection=args.injection,
@@ -160,7 +168,7 @@ def main(argv=None) -> int:
             block_attention=args.block_attention, target_layer_ids=args.target_layer_ids,
             mask_token_id=args.mask_token_id, intermediate_size=args.intermediate_size,
             sliding_window=args.sliding_window, sliding_layers=args.sliding_layers,
-            max_position_embeddings=args.max_position_embeddings,
+            max_position_embeddings=args.max_position_embeddings, last_layer_features=last_layer,
         )
         assert_compatible(spec, cfg)
         torch.manual_seed(args.seed)

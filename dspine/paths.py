@@ -2,13 +2,37 @@
 
 Every loader (``dspine.*``, ``infer.*``, ``data.*``, ``train/``) resolves its ``--target`` /
 ``--tokenizer`` here first, so a mistyped local path is reported as a missing path, not as a
-malformed Hub repo id.
+malformed Hub repo id. :func:`read_json_object` reads the JSON files the tools take (configs,
+manifests, run arguments) and names the file when one is not a JSON object.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 from pathlib import Path
+
+
+def read_json_object(path: str | Path, what: str = "") -> dict:
+    """The JSON object in ``path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not valid JSON, or valid JSON that is not an object (``[1]``, ``"x"``, ``null``);
+            the message names the file (and ``what`` it should hold).
+    """
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not a text file ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{p}: expected a JSON object{f' ({what})' if what else ''}, got {type(obj).__name__} "
+                         f"{json.dumps(obj)[:40]}")
+    return obj
 
 # "name" or "org/name" (huggingface_hub's repo id rule, loosely): anything else is a local path.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -28,12 +52,17 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
         need_config: a local folder without ``--gguf-file`` must hold ``config.json``.
     Raises:
         FileNotFoundError: a local-looking path, or the GGUF file, that does not exist.
-        ValueError: an existing file that is not ``.gguf``, or a folder without ``config.json``.
+        ValueError: an existing file that is not ``.gguf``, or a folder without ``config.json``; a
+            truncated or corrupt GGUF file (:func:`dspine.gguf_file.check_gguf`, before transformers
+            parses it).
     """
+    from dspine.gguf_file import check_gguf
+
     p = Path(path_or_id).expanduser()
     if gguf_file is None and p.suffix == ".gguf":
         if not p.is_file():
             raise FileNotFoundError(f"{what} GGUF file not found: {path_or_id}")
+        check_gguf(p)
         return str(p.parent), p.name
     if not p.exists():
         if looks_local(path_or_id):
@@ -41,8 +70,27 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
         return path_or_id, gguf_file  # a Hub id
     if not p.is_dir():
         raise ValueError(f"{what} {path_or_id}: not a model folder (a file; expected a folder, Hub id or .gguf file)")
-    if gguf_file is not None and not (p / gguf_file).is_file():
-        raise FileNotFoundError(f"{what} GGUF file not found: {p / gguf_file}")
-    if need_config and gguf_file is None and not (p / "config.json").is_file():
+    if gguf_file is not None:
+        if not (p / gguf_file).is_file():
+            raise FileNotFoundError(f"{what} GGUF file not found: {p / gguf_file}")
+        check_gguf(p / gguf_file)
+    if gguf_file is None and (p / "config.json").is_file():
+        read_json_object(p / "config.json", f"the {what}'s model config")
+    elif need_config and gguf_file is None:
         raise ValueError(f"{what} {path_or_id}: not a model folder (no config.json)")
     return (str(p) if path_or_id.startswith("~") else path_or_id), gguf_file
+
+
+@contextlib.contextmanager
+def hub_errors(what: str, path_or_id: str):
+    """Re-raise an ``OSError`` of loading a Hub id (no network, no such repo, gated) as one line that
+    names the id; errors about an existing local path pass through unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if Path(str(path_or_id)).expanduser().exists():
+            raise
+        detail = " ".join(str(e).split())
+        detail = detail[: detail.find(". ") + 1 or 240][:240]  # the first sentence
+        raise OSError(f"{what} {path_or_id}: not a local path, and it could not be loaded from the Hugging Face "
+                      f"Hub ({type(e).__name__}: {detail})") from None

@@ -56,7 +56,7 @@ class ReferenceDecoder:
         self.draft = draft
         self.eos = set(int(e) for e in eos_token_ids)
         if draft is not None:
-            target.set_layer_ids(draft.config.target_layer_ids)
+            target.set_layer_ids(draft.config.target_layer_ids, draft.config.last_layer_features)
             self.block_size = draft.config.block_size
             self.mask_token_id = draft.config.mask_token_id
         else:

@@ -1,21 +1,23 @@
 """Target adapter: any Hugging Face causal LM (Qwen3, Qwen2, Llama, …) as the frozen target.
 
 The adapter returns logits and the *target features*: the outputs of decoder layers
-``target_layer_ids`` (0-based; equal to ``output_hidden_states[id + 1]`` for every layer but the
-last, whose HF hidden state is post-norm), concatenated on the last dim (docs/method.md §2).
+``target_layer_ids`` (0-based), concatenated on the last dim (docs/method.md §2). With the draft's
+``last_layer_features = "post_norm"`` (DFlash's convention, the default) the last layer's feature is
+taken after the target's final norm, so every feature equals HF ``output_hidden_states[id + 1]``;
+"pre_norm" keeps the raw decoder-layer output of the last layer (older DSpine drafts).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from dspine.paths import resolve_model_path
+from dspine.config import ROPE_IMPLEMENTED, check_rope, unsupported_rope
+from dspine.paths import hub_errors, read_json_object, resolve_model_path
 
 
 class _StopForward(Exception):
@@ -27,6 +29,15 @@ class TargetOutput:
     logits: torch.Tensor | None  # [B, T, V] (float of the model dtype)
     features: torch.Tensor | None  # [B, T, k*H]
     past_key_values: object | None = None
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The final norm of an HF causal LM (``model.model.norm`` for Llama/Qwen)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    norm = getattr(base, "norm", None)
+    if norm is None:
+        raise ValueError(f"{type(model).__name__}: cannot find the final norm (expected .model.norm)")
+    return norm
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -45,18 +56,21 @@ class TargetAdapter(nn.Module):
         model: an HF ``*ForCausalLM``; it is put in eval mode and its parameters frozen.
         layer_ids: target layers whose outputs form the features (may be set later with
             :meth:`set_layer_ids`).
+        last_layer_features: "post_norm" | "pre_norm" (``dspine_config.last_layer_features``).
     Raises:
         ValueError: a layer id outside ``[0, num_hidden_layers)``.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, name: str = ""):
+    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, name: str = "",
+                 last_layer_features: str = "post_norm"):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.layers = decoder_layers(model)
         self.name = name
         self.layer_ids: list[int] = []
+        self.last_layer_features = "post_norm"
         if layer_ids is not None:
-            self.set_layer_ids(layer_ids)
+            self.set_layer_ids(layer_ids, last_layer_features)
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -84,7 +98,12 @@ class TargetAdapter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
 
-    def set_layer_ids(self, layer_ids: list[int]) -> None:
+    def set_layer_ids(self, layer_ids: list[int], last_layer_features: str = "post_norm") -> None:
+        """Set the feature layers and the last-layer convention (take both from the draft config)."""
+        from dspine.config import LAST_LAYER_FEATURES
+
+        if last_layer_features not in LAST_LAYER_FEATURES:
+            raise ValueError(f"last_layer_features={last_layer_features!r}: choose one of {LAST_LAYER_FEATURES}")
         bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
         if bad:
             raise ValueError(
@@ -92,6 +111,7 @@ class TargetAdapter(nn.Module):
                 f"for target {self.name or type(self.model).__name__} with {self.num_layers} layers"
             )
         self.layer_ids = [int(i) for i in layer_ids]
+        self.last_layer_features = last_layer_features
 
     # -- shared embedding / head ----------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -108,6 +128,16 @@ class TargetAdapter(nn.Module):
         return self.model.get_output_embeddings().weight
 
     # -- forwards --------------------------------------------------------------------------------
+    def _concat(self, store: dict) -> torch.Tensor:
+        """Features ``[B, T, k*H]`` from the hooked layer outputs; the last layer's gets the final norm
+        under "post_norm" (= HF ``output_hidden_states[L]``, DFlash's and SGLang's input)."""
+        last = self.num_layers - 1
+        feats = [store[i] for i in self.layer_ids]
+        if self.last_layer_features == "post_norm" and last in self.layer_ids:
+            norm = final_norm(self.model)
+            feats = [norm(f) if i == last else f for i, f in zip(self.layer_ids, feats)]
+        return torch.cat(feats, dim=-1)
+
     def _hooks(self, store: dict, stop_after: int | None):
         handles = []
         for i in self.layer_ids:
@@ -139,7 +169,7 @@ class TargetAdapter(nn.Module):
         finally:
             for h in handles:
                 h.remove()
-        feats = torch.cat([store[i] for i in self.layer_ids], dim=-1) if handles else None
+        feats = self._concat(store) if handles else None
         cache = getattr(out, "cache", None)
         if cache is None:
             cache = getattr(out, "past_key_values", None)
@@ -167,7 +197,7 @@ class TargetAdapter(nn.Module):
         finally:
             for h in handles:
                 h.remove()
-        return torch.cat([store[i] for i in self.layer_ids], dim=-1)
+        return self._concat(store)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -175,17 +205,26 @@ class TargetAdapter(nn.Module):
 
 
 def load_tokenizer(path_or_id: str, gguf_file: str | None = None):
-    """AutoTokenizer, falling back to ``PreTrainedTokenizerFast`` on a bare ``tokenizer.json``."""
+    """AutoTokenizer, falling back to ``PreTrainedTokenizerFast`` on a bare ``tokenizer.json``.
+
+    Raises:
+        OSError: one line naming a Hub id that cannot be loaded (no network, no such repo).
+    """
+    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, what="tokenizer")
+    with hub_errors("tokenizer", path_or_id):
+        return _load_tokenizer(path_or_id, gguf_file)
+
+
+def _load_tokenizer(path_or_id: str, gguf_file: str | None):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, what="tokenizer")
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     tok_json = Path(path_or_id) / "tokenizer.json"
     cfg_file = Path(path_or_id) / "config.json"
     # A Llama folder with only tokenizer.json (e.g. stories260K) loads as a fast tokenizer directly;
     # AutoTokenizer would pick a slow sentencepiece class that needs files we do not have.
     if tok_json.is_file() and cfg_file.is_file() and not (Path(path_or_id) / "tokenizer.model").exists():
-        model_type = json.loads(cfg_file.read_text()).get("model_type")
+        model_type = read_json_object(cfg_file, "a model config").get("model_type")
         if model_type == "llama":
             return PreTrainedTokenizerFast.from_pretrained(path_or_id)
     return AutoTokenizer.from_pretrained(path_or_id, **kw)
@@ -197,14 +236,17 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15).
+        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`).
     """
     from transformers import AutoModelForCausalLM
 
     path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, need_config=True)
     torch_dtype = _parse_dtype(dtype)
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
+    with hub_errors("target", path_or_id):
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
+    # the reference target must accept exactly what the engine accepts (docs/method.md §8.3)
+    check_rope(model.config, f"target {path_or_id}{f'/{gguf_file}' if gguf_file else ''}")
     if torch_dtype == torch.float16 and "qwen" in str(model.config.model_type):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     if gguf_file:
@@ -246,6 +288,7 @@ class TargetSpec:
     rope_theta: float | None
     max_position_embeddings: int | None
     tokenizer_len: int | None = None
+    rope_problems: list[str] = field(default_factory=list)  # dspine.config.unsupported_rope
 
     @classmethod
     def from_config(cls, config, name: str = "", tokenizer=None, generation_config=None) -> TargetSpec:
@@ -273,6 +316,7 @@ class TargetSpec:
             rope_theta=float(theta) if theta is not None else None,
             max_position_embeddings=getattr(config, "max_position_embeddings", None),
             tokenizer_len=len(tokenizer) if tokenizer is not None else None,
+            rope_problems=unsupported_rope(config),
         )
 
     @classmethod
@@ -282,7 +326,8 @@ class TargetSpec:
 
         path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, need_config=True)
         kw = {"gguf_file": gguf_file} if gguf_file else {}
-        config = AutoConfig.from_pretrained(path_or_id, **kw)
+        with hub_errors("target", path_or_id):
+            config = AutoConfig.from_pretrained(path_or_id, **kw)
         tok = None
         if with_tokenizer:
             try:
@@ -321,6 +366,14 @@ def check_compat(target: TargetSpec | TargetAdapter, draft_config, max_context: 
     bad = [i for i in ids if not 0 <= i < L]
     rows.append(CheckRow("dflash_config.target_layer_ids", f"{L} layers", ids, not bad,
                          f"{bad} outside [0, {L})" if bad else ""))
+    conv = draft_config.last_layer_features
+    if L - 1 in ids:
+        note = (f"layer {L - 1} is read after the final norm (HF hidden_states[{L}], DFlash/SGLang convention)"
+                if conv == "post_norm" else f"layer {L - 1} is read before the final norm (DSpine drafts made "
+                "before this field; DFlash engines feed the post-norm state)")
+    else:
+        note = f"the last layer ({L - 1}) is not read: no effect"
+    rows.append(CheckRow("dspine_config.last_layer_features", "post_norm | pre_norm", conv, True, note))
     same_depth = draft_config.num_target_layers == L
     rows.append(CheckRow("num_target_layers", L, draft_config.num_target_layers, same_depth,
                          "" if same_depth else "draft was built for a target of another depth"))
@@ -350,6 +403,9 @@ def check_compat(target: TargetSpec | TargetAdapter, draft_config, max_context: 
             problems.append("equals an eos token")
         rows.append(CheckRow("dflash_config.mask_token_id", f"< {V}, not pad/eos", mask, not problems,
                              "; ".join(problems)))
+    rope_ok = not spec.rope_problems
+    rows.append(CheckRow("rope", "plain" if rope_ok else ", ".join(spec.rope_problems), "plain", rope_ok,
+                         "" if rope_ok else f"not implemented: the draft and the engine implement {ROPE_IMPLEMENTED}"))
     theta = spec.rope_theta
     rows.append(CheckRow("rope_theta", theta, draft_config.rope_theta, True,
                          "" if theta in (None, draft_config.rope_theta) else "differs from the target's (allowed)"))

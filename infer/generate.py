@@ -48,6 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def sampling_params(args):
+    """``SamplingParams`` from the CLI flags (``--temperature --top-p --top-k --max-new-tokens --seed``),
+    validated; a ValueError names the flag (``--top-p=nan must be in (0, 1]``)."""
+    from dspine.sampling import SamplingParams
+
+    try:
+        return SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+    except ValueError as e:
+        field, _, rest = str(e).partition("=")
+        raise ValueError(f"--{field.replace('_', '-')}={rest}") from None
+
+
 def resolve_models(args) -> tuple[str, str | None]:
     """The target and draft paths, applying the shipped defaults: the default target (given or not)
     comes with the shipped DSpine draft unless ``--draft none``."""
@@ -84,17 +96,13 @@ def result_dict(tokenizer, tokens: list[int], stats, elapsed_s: float, prefill_s
 
 
 def run(args) -> dict:
-    from dspine.sampling import SamplingParams
     from dspine.target import TargetSpec, load_tokenizer, resolve_model_path
     from infer.prompts import encode_prompt
 
     # argument checks first: a bad value fails before any model file is read
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    try:
-        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
-    except ValueError as e:
-        raise ValueError(f"--{e}".replace("_", "-", 1)) from None
+    params = sampling_params(args)
     if args.block_size is not None and args.block_size < 2:
         raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
     if args.num_prompts is not None and not args.dataset:
@@ -102,17 +110,36 @@ def run(args) -> dict:
     args.num_prompts = 1 if args.num_prompts is None else args.num_prompts
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts}: must be >= 1")
-    target_path, draft_path = resolve_models(args)
-    if args.block_size is not None and draft_path is None:
-        raise ValueError(f"--block-size {args.block_size} needs a draft (autoregressive decoding has no block)")
+    if (args.prompt is None) == (args.dataset is None):
+        raise ValueError("give --prompt TEXT or --dataset NAME (one of them)")
+    if args.dataset:
+        from infer.datasets import task_name
+
+        task_name(args.dataset)
+    if args.dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "reference"
     if backend == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
+    target_path, draft_path = resolve_models(args)
+    draft_cfg = None
+    if draft_path is not None:  # a missing or unreadable draft fails before the target is loaded
+        from dspine.checkpoint import load_config
+
+        draft_cfg = load_config(draft_path)
+    if args.block_size is not None:
+        if draft_cfg is None:
+            raise ValueError(f"--block-size {args.block_size} needs a draft (autoregressive decoding has no block)")
+        if args.block_size > draft_cfg.block_size:
+            raise ValueError(f"--block-size {args.block_size} exceeds the draft's block size {draft_cfg.block_size}")
+        if backend == "reference" and args.block_size != draft_cfg.block_size:
+            raise ValueError(f"--block-size {args.block_size} < the draft's {draft_cfg.block_size}: verifying fewer "
+                             "slots is only supported by --backend cuda")
     path, gguf = resolve_model_path(target_path, args.gguf_file, need_config=True)
-    tokenizer = load_tokenizer(path, gguf)
     spec = TargetSpec.from_pretrained(path, gguf)
+    tokenizer = load_tokenizer(path, gguf)
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
     if args.dataset:
@@ -121,15 +148,17 @@ def run(args) -> dict:
         prompts = [encode_prompt(tokenizer, p.turns[0], chat=not args.no_chat_template, system=args.system,
                                  enable_thinking=args.enable_thinking)
                    for p in load_eval_prompts(args.dataset, args.num_prompts)]
-    elif args.prompt is not None:
+    else:
         prompts = [encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template, system=args.system,
                                  enable_thinking=args.enable_thinking)]
-    else:
-        raise ValueError("give --prompt TEXT or --dataset NAME")
     need = max(map(len, prompts)) + args.max_new_tokens
     if spec.max_position_embeddings and need > spec.max_position_embeddings:
         raise ValueError(f"prompt ({max(map(len, prompts))} tokens) + --max-new-tokens {args.max_new_tokens} = {need} "
                          f"exceeds the target's context of {spec.max_position_embeddings} positions")
+    if draft_cfg is not None:
+        from dspine.target import assert_compatible
+
+        assert_compatible(spec, draft_cfg, max_context=need)
     if backend == "cuda":
         from infer.engine import generate_cli
 
@@ -140,19 +169,11 @@ def run(args) -> dict:
 def _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
     from dspine.checkpoint import load_draft
     from dspine.spec import ReferenceDecoder
-    from dspine.target import assert_compatible, load_target
+    from dspine.target import load_target
 
     dtype = torch.float32 if args.dtype == "auto" else args.dtype
     target = load_target(path, gguf, dtype=dtype)
-    draft = None
-    if draft_path is not None:
-        draft = load_draft(draft_path, dtype=target.dtype)
-        if args.block_size and args.block_size > draft.config.block_size:
-            raise ValueError(f"--block-size {args.block_size} exceeds the draft's block size {draft.config.block_size}")
-        if args.block_size and args.block_size != draft.config.block_size:
-            raise ValueError(f"--block-size {args.block_size} < the draft's {draft.config.block_size}: verifying fewer "
-                             "slots is only supported by --backend cuda")
-        assert_compatible(spec, draft.config, max_context=max(map(len, prompts)) + args.max_new_tokens)
+    draft = load_draft(draft_path, dtype=target.dtype) if draft_path is not None else None  # checked in run()
     eos = spec.eos_ids
     res = ReferenceDecoder(target, draft, eos).generate(prompts, params)
     tokens = res.token_ids[0]

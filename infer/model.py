@@ -8,12 +8,12 @@ the reference and on the CPU), plus cuBLAS matmuls. Numerics follow transformers
 rotate-half), so logits match transformers to bf16 rounding.
 
 Features for the draft are the decoder-layer outputs (residual stream after layer i) at the
-draft's ``target_layer_ids`` — the same tensors ``dspine.target.TargetAdapter`` returns.
+draft's ``target_layer_ids``, the last layer's after the final norm under the draft's
+``last_layer_features = "post_norm"`` — the same tensors ``dspine.target.TargetAdapter`` returns.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspine.config import check_rope
+from dspine.paths import read_json_object
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rope import qk_norm_rope_cache, rope_tables
 from infer.kernels.verify_attention import verify_attention
@@ -50,16 +52,14 @@ class ModelArgs:
         """From a transformers config object or a config.json dict.
 
         Raises:
-            ValueError: an unsupported model type or RoPE scaling (named in the message).
+            ValueError: an unsupported model type or RoPE (:func:`dspine.config.check_rope`, named in the message).
         """
         get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         mt = get("model_type")
         if mt not in SUPPORTED:
             raise ValueError(f"target model_type={mt!r} is not supported by the engine (supported: {SUPPORTED})")
+        check_rope(cfg, f"target (model_type {mt})")
         rope = get("rope_scaling") or get("rope_parameters") or {}
-        rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rtype not in ("default", None):
-            raise ValueError(f"target rope_type={rtype!r} is not supported by the engine (plain RoPE only)")
         theta = get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
         H, heads = int(get("hidden_size")), int(get("num_attention_heads"))
         return cls(
@@ -103,7 +103,8 @@ class KVCache:
 class EngineTarget(nn.Module):
     """Target forward for prefill (one sequence) and decode/verify steps (a batch, T tokens each)."""
 
-    def __init__(self, a: ModelArgs, layer_ids: list[int] | None = None, impl: str = "triton"):
+    def __init__(self, a: ModelArgs, layer_ids: list[int] | None = None, impl: str = "triton",
+                 last_layer_features: str = "post_norm"):
         super().__init__()
         self.args = a
         p = lambda *shape: nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -112,6 +113,7 @@ class EngineTarget(nn.Module):
         self.norm = p(a.hidden_size)
         self.lm_head = None if a.tie_word_embeddings else p(a.vocab_size, a.hidden_size)
         self.layer_ids = list(layer_ids or [])
+        self.last_layer_features = last_layer_features  # "post_norm" | "pre_norm" (the draft's config)
         self.impl = impl
         self.scale = a.head_dim ** -0.5
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -119,11 +121,11 @@ class EngineTarget(nn.Module):
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def from_hf_state(cls, a: ModelArgs, state: dict[str, torch.Tensor], device, dtype, layer_ids=None,
-                      impl: str = "triton") -> EngineTarget:
+                      impl: str = "triton", last_layer_features: str = "post_norm") -> EngineTarget:
         """Build from HF tensor names (``model.layers.{i}.self_attn.q_proj.weight`` …), fusing
         q/k/v and gate/up. Raises KeyError naming a missing tensor."""
         with torch.device("meta"):
-            m = cls(a, layer_ids, impl)
+            m = cls(a, layer_ids, impl, last_layer_features)
 
         def get(name):
             if name not in state:
@@ -154,7 +156,7 @@ class EngineTarget(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, gguf_file: str | None = None, device="cuda", dtype=torch.bfloat16,
-                        layer_ids=None, impl: str = "triton") -> EngineTarget:
+                        layer_ids=None, impl: str = "triton", last_layer_features: str = "post_norm") -> EngineTarget:
         """Load a local HF folder (safetensors, sharded or not) or a GGUF file (dequantized by
         transformers). Raises FileNotFoundError / ValueError naming the file or field."""
         from dspine.target import resolve_model_path
@@ -170,12 +172,13 @@ class EngineTarget(nn.Module):
 
             hf = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_file, dtype=torch.float32)
             a = ModelArgs.from_hf_config(hf.config)
-            return cls.from_hf_state(a, hf.state_dict(), device, dtype, layer_ids, impl)
+            return cls.from_hf_state(a, hf.state_dict(), device, dtype, layer_ids, impl, last_layer_features)
         cfg_file = folder / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{cfg_file}: missing")
-        a = ModelArgs.from_hf_config(json.loads(cfg_file.read_text()))
-        return cls.from_hf_state(a, read_safetensors(folder, device), device, dtype, layer_ids, impl)
+        a = ModelArgs.from_hf_config(read_json_object(cfg_file, "a model config"))
+        return cls.from_hf_state(a, read_safetensors(folder, device), device, dtype, layer_ids, impl,
+                                 last_layer_features)
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -228,6 +231,10 @@ class EngineTarget(nn.Module):
     def _features(self, feats: dict, want: bool):
         if not want or not self.layer_ids:
             return None
+        last = self.args.num_layers - 1
+        if self.last_layer_features == "post_norm" and last in feats:
+            # DFlash's convention: the last layer's feature is HF hidden_states[L], after the final norm
+            feats = {**feats, last: rms_norm(feats[last], self.norm, self.args.rms_norm_eps, impl=self.impl)}
         return torch.cat([feats[i] for i in self.layer_ids], dim=-1)
 
     def forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, cache_len: torch.Tensor,
@@ -329,7 +336,12 @@ def read_safetensors(folder: Path, device) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = ["model.safetensors"]
+    if index.is_file():
+        weight_map = read_json_object(index, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file")
+        files = sorted(set(weight_map.values()))
     state = {}
     for f in files:
         path = folder / f

@@ -15,9 +15,14 @@ here, for the interpreter only:
     for the 1-element arrays that stand for scalars there;
   * fp32 -> bf16 casts truncate instead of rounding to nearest even (the GPU rounds);
   * ``tl.dot`` on bf16 operands multiplies their raw uint16 bit patterns.
+The patches replace private functions of ``triton.runtime.interpreter``, so they are applied only to
+the versions they were tested with (TESTED_TRITON, the range pinned in pyproject.toml) and only when
+those functions exist; otherwise the interpreted kernel tests skip with the reason in
+``TRITON_CPU_SKIP`` (the torch reference paths and the GPU tests still run).
 """
 
 import os
+import re
 
 import torch
 
@@ -26,6 +31,34 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+TESTED_TRITON = ((3, 6), (3, 9))  # inclusive: the GPU image has 3.6, CI installs the newest (3.9 today)
+PATCHED = ("_patch_lang_tensor", "_convert_float", "InterpreterBuilder.create_dot", "TensorHandle")
+
+
+def interpreter_problem() -> str | None:
+    """Why the interpreter fixes cannot be applied to the installed triton (None: they can)."""
+    try:
+        import triton
+        from triton.runtime import interpreter
+    except ImportError as e:
+        return f"triton is not importable ({e})"
+    version = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
+    lo, hi = TESTED_TRITON
+    if not lo <= version <= hi:
+        return (f"triton {triton.__version__} is outside the tested range {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}: the "
+                "interpreter fixes in tests/kernel_env.py patch private functions of those versions")
+    missing = [name for name in PATCHED if not _has(interpreter, name)]
+    if missing:
+        return f"triton {triton.__version__}'s interpreter lacks {missing}, which tests/kernel_env.py patches"
+    return None
+
+
+def _has(obj, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
 
 
 def _patch_interpreter() -> None:
@@ -73,8 +106,8 @@ def _patch_interpreter() -> None:
     interpreter.InterpreterBuilder.create_dot = patched_create_dot
 
 
-if INTERPRET:
-    try:
-        _patch_interpreter()
-    except ImportError:  # no triton: only the impl="torch" tests run
-        pass
+# Triton kernels on the CPU (interpreter, patched): the reason they skip, or None when they run.
+TRITON_CPU_SKIP = "needs TRITON_INTERPRET=1 (no CUDA GPU)" if not INTERPRET else interpreter_problem()
+if INTERPRET and TRITON_CPU_SKIP is None:
+    _patch_interpreter()
+TRITON_CPU = TRITON_CPU_SKIP is None

@@ -176,3 +176,16 @@ def test_generate_cli_json(stories_dir, tmp_path, capsys):
     assert sum(res["accept_hist"]) == res["verify_steps"] == 23
     assert generate.main(["--target", str(stories_dir), "--draft", str(tmp_path / "missing"), "--prompt", "x",
                           "--backend", "reference"]) == 2
+
+
+def test_save_draft_stores_no_absolute_paths(tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    monkeypatch.chdir(tmp_path)
+    save_draft(DSpineDraftModel(small_config()), tmp_path / "d", metadata={
+        "target": str(tmp_path / "runs" / "target"), "train": "/elsewhere/tok/abc/", "init_from": "z-lab/Qwen3-8B-DFlash-b16",
+        "step": "3"})
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["target"] == "runs/target" and not meta["train"].startswith("/") and meta["train"].endswith("elsewhere/tok/abc")
+    assert meta["init_from"] == "z-lab/Qwen3-8B-DFlash-b16" and meta["step"] == "3"

@@ -94,8 +94,8 @@ def test_engine_triton_kernels_interpreted(stories_dir, stories):
     """The engine with the Triton kernels (interpreter on the CPU) equals the torch path."""
     import tests.kernel_env as env
 
-    if not env.INTERPRET:
-        pytest.skip("needs TRITON_INTERPRET=1 (CPU)")
+    if not env.TRITON_CPU:
+        pytest.skip(str(env.TRITON_CPU_SKIP))
     target, _, folder = stories
     prompts = PROMPTS[:3]
     want = ReferenceDecoder(target, None, [2]).generate(prompts, SamplingParams(max_new_tokens=20)).token_ids

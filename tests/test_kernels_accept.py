@@ -9,7 +9,7 @@ from scipy import stats
 
 from infer.kernels.accept import accept_greedy, accept_sample, commit_step
 
-CPU = pytest.param("cpu", marks=pytest.mark.skipif(not env.INTERPRET, reason="needs TRITON_INTERPRET=1"))
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(not env.TRITON_CPU, reason=str(env.TRITON_CPU_SKIP)))
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not env.HAS_CUDA, reason="no CUDA")])
 DEVICES = [CPU, CUDA]
 IMPLS = ["triton", "torch"]

@@ -16,7 +16,7 @@ import torch
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rope import qk_norm_rope_cache, rope_tables
 
-CPU = pytest.param("cpu", marks=pytest.mark.skipif(not env.INTERPRET, reason="needs TRITON_INTERPRET=1"))
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(not env.TRITON_CPU, reason=str(env.TRITON_CPU_SKIP)))
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not env.HAS_CUDA, reason="no CUDA")])
 DEVICES = [CPU, CUDA]
 DTYPES = [torch.bfloat16, torch.float32]

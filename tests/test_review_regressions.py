@@ -87,8 +87,11 @@ def test_data_tools_fail_early(stories_dir, tmp_path, capsys):
     bad.write_text('{"nope": 1}\n{"conversations": []}\n')
     assert prepare.main(["--input", str(bad), "--output", str(tmp_path / "p2")]) == 1
     assert prepare.main(["--input", str(src), "--output", str(tmp_path / "p3")]) == 0
-    # a template the target cannot end (stories260K has no <|im_end|>) is refused before any generation
-    rc = regenerate.main(["--target", str(stories_dir), "--tokenizer", str(stories_dir), "--chat-template", "chatml",
+    # a template that writes no end-of-turn token after an answer is refused before any generation
+    # (ChatML itself is accepted for stories260K: tests/test_chat_text.py)
+    no_end = tmp_path / "no-end.jinja"
+    no_end.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    rc = regenerate.main(["--target", str(stories_dir), "--tokenizer", str(stories_dir), "--chat-template", str(no_end),
                           "--input", str(tmp_path / "p3" / "train.jsonl"), "--output", str(tmp_path / "r")])
     assert rc == 2 and "chat template unusable" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

@@ -37,6 +37,19 @@ def test_shipped_draft_size_and_layout():
     assert "fc.weight" in names and not any("embed" in n or "lm_head" in n for n in names)
 
 
+def test_shipped_draft_holds_no_machine_paths():
+    """Its metadata (config.json, the safetensors header) names no absolute path of the machine that built it."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(DEFAULT_DRAFT / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    values = [*meta.values(), *(json.dumps(json.loads(p.read_text())) for p in DEFAULT_DRAFT.glob("*.json"))]
+    assert not [v for v in values if v.startswith("/") or '"/' in v or "/work/" in v or "/home/" in v], meta
+    assert meta["target"] == "runs/cpu/smollm2-hf"  # as in the README's training commands
+
+
 def test_shipped_draft_greedy_equals_ar_and_accepts(smollm2):
     from dspine.spec import ReferenceDecoder
     from infer.datasets import load_eval_prompts

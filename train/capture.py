@@ -5,7 +5,7 @@ features of ``target_layer_ids`` to safetensors shards, so a training run with
 ``feature_source: DIR`` needs no target forward. Layout of DIR:
 
 * ``manifest.json`` — ``format``, target id and revision (when known), target dtype, layer ids,
-  hidden size, max length, the data's path/digest and tokenization metadata (tokenizer, chat
+  the last-layer convention (``last_layer_features``, see ``dspine.config``), hidden size, max length, the data's path/digest and tokenization metadata (tokenizer, chat
   template digest, thinking mode, when the rows come from a ``data.tokenize`` cache), number of
   rows and tokens, the shard list and ``complete``;
 * ``shard-NNNNN.safetensors`` — rows ``[start, end)`` back to back: ``features [T, k·H]`` (target
@@ -28,18 +28,30 @@ from pathlib import Path
 
 import torch
 
+from dspine.paths import read_json_object
+
 FORMAT = "dspine-features-v1"
 # Manifest fields that must agree between a capture and the run reading it (docs/method.md §4).
-IDENTITY = ("format", "target", "target_dtype", "layer_ids", "hidden_size", "max_length", "data_digest", "num_rows",
-            "rows_per_shard")
+IDENTITY = ("format", "target", "target_dtype", "layer_ids", "last_layer_features", "hidden_size", "max_length",
+            "data_digest", "num_rows", "rows_per_shard")
 
 
-def expected_fields(cfg, target_dtype: str, layer_ids: list[int], data_digest: str | None = None) -> dict:
-    """The manifest fields a run with config ``cfg`` requires from a capture."""
+def last_layer_features(dcfg, num_target_layers: int) -> str | None:
+    """The draft's last-layer convention when its features include the target's last layer, else None
+    (then both conventions give the same features)."""
+    return dcfg.last_layer_features if num_target_layers - 1 in dcfg.target_layer_ids else None
+
+
+def expected_fields(cfg, target_dtype: str, layer_ids: list[int], data_digest: str | None = None,
+                    last_layer: str | None = None) -> dict:
+    """The manifest fields a run with config ``cfg`` requires from a capture (``last_layer``: see
+    :func:`last_layer_features`; a capture made before the field existed has none and is refused then)."""
     want = {"format": FORMAT, "target": cfg.target, "target_dtype": target_dtype, "layer_ids": list(layer_ids),
             "max_length": cfg.max_length}
     if data_digest is not None:
         want["data_digest"] = data_digest
+    if last_layer is not None:
+        want["last_layer_features"] = last_layer
     return want
 
 
@@ -60,7 +72,7 @@ class CaptureRows:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self.manifest = json.loads((self.folder / "manifest.json").read_text())
+        self.manifest = read_json_object(self.folder / "manifest.json", "a train.capture manifest")
         if self.manifest.get("format") != FORMAT:
             raise ValueError(f"{self.folder}: manifest format {self.manifest.get('format')!r}, expected {FORMAT!r}")
         if not self.manifest.get("complete"):
@@ -127,7 +139,7 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     except (OSError, ValueError):
         tokenizer = None
     dcfg = draft_config(cfg, target, tokenizer)
-    target.set_layer_ids(dcfg.target_layer_ids)
+    target.set_layer_ids(dcfg.target_layer_ids, dcfg.last_layer_features)
 
     lengths = [min(len(rows.row(i)["input_ids"]), cfg.max_length) for i in range(len(rows))]
     kH = len(dcfg.target_layer_ids) * target.hidden_size
@@ -142,6 +154,7 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     manifest = {
         "format": FORMAT, "target": cfg.target, "target_revision": getattr(target.config, "_commit_hash", None),
         "target_dtype": dev["target_dtype"], "layer_ids": list(dcfg.target_layer_ids),
+        "last_layer_features": dcfg.last_layer_features,
         "hidden_size": target.hidden_size, "feature_dim": kH, "max_length": cfg.max_length, **meta,
         "num_rows": len(rows), "total_tokens": tokens, "rows_per_shard": rows_per_shard, "shards": shards,
         "complete": False,
@@ -149,7 +162,7 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / "manifest.json"
     if mpath.is_file():
-        check_manifest(json.loads(mpath.read_text()), {k: manifest[k] for k in IDENTITY}, str(out))
+        check_manifest(read_json_object(mpath, "a train.capture manifest"), {k: manifest[k] for k in IDENTITY}, str(out))
     todo = [s for s in shards if not (out / s["file"]).is_file()]
     need = sum(s["tokens"] for s in todo) * (kH * nbytes + 5)
     free = shutil.disk_usage(out).free

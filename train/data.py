@@ -13,12 +13,12 @@ see disjoint rows and a resumed run reads exactly what the uninterrupted run wou
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from dspine.paths import read_json_object
 from train.loss import block_input_ids, block_targets, sample_anchors
 
 
@@ -50,7 +50,9 @@ class JsonlRows:
         if self._fh is None:
             self._fh = open(self.path, "rb")
         self._fh.seek(self.offsets[i])
-        obj = json.loads(self._fh.readline())
+        from data.rows import parse_jsonl_line  # names the file and row of a line that is no JSON object
+
+        obj = parse_jsonl_line(self._fh.readline(), f"{self.path} row {i}")
         return _checked(obj, f"{self.path} row {i}")
 
     def metadata(self) -> dict:
@@ -68,7 +70,7 @@ class ArrowRows:
         self.folder = Path(folder)
         self.ds = Dataset.from_file(str(self.folder / "data.arrow")).select_columns(["input_ids", "loss_mask"])
         manifest = self.folder / "manifest.json"
-        self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        self.manifest = read_json_object(manifest, "a data.tokenize manifest") if manifest.is_file() else {}
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -105,8 +107,8 @@ def open_rows(path: str | Path):
     p = Path(path)
     if p.is_dir() and (p / "data.arrow").is_file():
         return ArrowRows(p)
-    if p.is_dir() and (p / "manifest.json").is_file() and json.loads((p / "manifest.json").read_text()).get(
-            "format", "").startswith("dspine-features"):
+    if p.is_dir() and (p / "manifest.json").is_file() and str(
+            read_json_object(p / "manifest.json", "a manifest").get("format", "")).startswith("dspine-features"):
         from train.capture import CaptureRows
 
         return CaptureRows(p)

@@ -29,8 +29,9 @@ if __package__ in (None, ""):  # `python train/distill.py` / `accelerate launch 
 import torch
 import yaml
 
+from dspine.paths import read_json_object
 from train import config as run_config
-from train.capture import CaptureRows, expected_fields
+from train.capture import CaptureRows, expected_fields, last_layer_features
 from train.config import ConfigError
 from train.data import StepBatches, StepOrder, make_batch, open_rows, step_loader
 from train.loss import LossStats, anchor_generator, tau_sim
@@ -75,6 +76,12 @@ def train(cfg) -> int:
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     zero3 = deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
     out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"config key 'output_dir': {out} is an existing file; give a folder")
+    for key in ("draft_init", "init_from"):  # local folders that must exist (Hub ids are fetched later)
+        path = getattr(cfg, key)
+        if path and path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+            raise ConfigError(f"config key '{key}': {path} is not a draft folder")
     resume = resolve_resume(cfg, out)
     if resume is not None:
         check_resumed_config(resume, cfg)  # before anything is written: a refused resume changes nothing
@@ -102,6 +109,8 @@ def train(cfg) -> int:
         order = StepOrder(len(rows), cfg.micro_batch_size, cfg.grad_accum, world, cfg.seed)
     with config_errors("eval"):
         eval_rows = open_rows(cfg.eval) if cfg.eval else None
+        if eval_rows is not None and len(eval_rows) == 0:
+            raise ConfigError(f"config key 'eval': {cfg.eval} has no rows (eval=null turns evaluation off)")
     total_steps = cfg.max_steps or cfg.epochs * order.steps_per_epoch
 
     # ---------------------------------------------------------------------------------------- models
@@ -113,11 +122,12 @@ def train(cfg) -> int:
         except (OSError, ValueError):
             tokenizer = None
         dcfg = run_config.draft_config(cfg, target, tokenizer)
-        target.set_layer_ids(dcfg.target_layer_ids)
+        target.set_layer_ids(dcfg.target_layer_ids, dcfg.last_layer_features)
         if cfg.feature_source != "online":
             digest = open_rows(cfg.train).metadata()["data_digest"] if cfg.train else None
             try:
-                rows.check(expected_fields(cfg, dev["target_dtype"], dcfg.target_layer_ids, digest))
+                rows.check(expected_fields(cfg, dev["target_dtype"], dcfg.target_layer_ids, digest,
+                                           last_layer_features(dcfg, target.num_layers)))
             except ValueError as e:
                 raise ConfigError(f"config key 'feature_source': {e}") from None
         set_seed(cfg.seed)
@@ -144,7 +154,8 @@ def train(cfg) -> int:
     accelerator.register_for_checkpointing(scheduler)
     start, skipped_total = 0, 0
     if resume is not None:
-        state = json.loads((resume / "trainer_state.json").read_text())
+        with config_errors("resume_from"):
+            state = read_json_object(resume / "trainer_state.json", "the trainer state")
         check_resume(state, cfg, world, total_steps)
         accelerator.load_state(str(resume / "state"))
         start, skipped_total = state["step"], state["skipped_rows"]
@@ -394,6 +405,8 @@ def finite_or_none(x):
 
 def check_trainable(rows, path, limit: int = 2000) -> None:
     """Fail early when the first ``limit`` rows hold no anchor (loss_mask[p] = loss_mask[p+1] = 1)."""
+    if len(rows) == 0:
+        raise ConfigError(f"config key 'train': {path} has no rows; nothing to train on")
     n = min(len(rows), limit)
     for i in range(n):
         m = rows.row(i)["loss_mask"]
@@ -408,7 +421,8 @@ def check_resumed_config(ckpt: Path, cfg) -> None:
     saved_file = ckpt / "config.json"
     if not saved_file.is_file():
         return
-    saved = json.loads(saved_file.read_text())
+    with config_errors("resume_from"):
+        saved = read_json_object(saved_file, "the checkpoint's run config")
     now = run_config.to_dict(cfg)
     changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in now.items()
                if k not in RESUME_MUTABLE and k in saved and saved[k] != v]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end DSpine vs DFlash for SmolLM2-135M-Instruct (the project's first result table).
 #
-#   WORK=runs/smollm2 GGUF=models/SmolLM2-135M-Instruct.Q4_1.gguf SHARED=../shared \
+#   WORK=runs/smollm2 GGUF=models/SmolLM2-135M-Instruct.Q4_1.gguf DSPINE_SHARED=../shared \
 #       bash scripts/smollm2/pipeline.sh [convert] [data] [train] [bench]
 #
 # Stages (default: all, in order; each skips work whose output already exists):
@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${WORK:-runs/smollm2}
 GGUF=${GGUF:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
-SHARED=${SHARED:-../shared}
+SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}  # DSPINE_SHARED, as the Python code reads it (SHARED still works)
 STAGES=${*:-convert data train bench}
 TARGET=$WORK/smollm2-hf
 mkdir -p "$WORK"

@@ -3,12 +3,12 @@
 # target, drafts trained on the target's own samples with identical settings except `injection`,
 # τ measured by the reference speculative decoder on held-out prompts (and τ_sim next to it).
 #
-#   SHARED=../shared bash scripts/stories260k/ablation.sh            # ~10 min on 2 CPU cores
+#   DSPINE_SHARED=../shared bash scripts/stories260k/ablation.sh            # ~10 min on 2 CPU cores
 #
 # Writes runs/stories260k-ablation/{dspine,dflash}/metrics.jsonl and results/stories260k-ablation.json.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-SHARED=${SHARED:-../shared}
+SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}  # DSPINE_SHARED, as the Python code reads it (SHARED still works)
 T=$SHARED/models/stories260K/hf
 W=${WORK:-runs/stories260k-ablation}
 STEPS=${STEPS:-1000}

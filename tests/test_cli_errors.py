@@ -1,0 +1,249 @@
+"""CLI inputs a new user gets wrong: one ``error:`` line naming the argument, path or id, never a
+traceback, and argument errors before any model is loaded."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import REPO
+
+DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
+NOPE = "nope-org/nope-model"
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """The Hub unreachable, fast (no retries): huggingface_hub and transformers read this at call time."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def _conv(tmp_path):
+    p = tmp_path / "conv.jsonl"
+    p.write_text(json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi"},
+                                                          {"role": "assistant", "content": "yo"}]}) + "\n")
+    return p
+
+
+def _hub_cases(stories, tmp):
+    return {
+        "bench-target": ("infer.bench", ["--target", NOPE, "--datasets", "gsm8k", "--backend", "reference"]),
+        "bench-draft": ("infer.bench", ["--target", stories, "--draft", NOPE, "--datasets", "gsm8k", "--max-new-tokens", "8",
+                                        "--backend", "reference"]),
+        "generate-target": ("infer.generate", ["--target", NOPE, "--prompt", "hi", "--backend", "reference"]),
+        "generate-draft": ("infer.generate", ["--target", stories, "--draft", NOPE, "--prompt", "hi",
+                                              "--backend", "reference"]),
+        "check-target": ("dspine.check", ["--target", NOPE, "--draft", str(DRAFT)]),
+        "check-draft": ("dspine.check", ["--target", stories, "--draft", NOPE]),
+        "init-target": ("dspine.init", ["--target", NOPE, "--out", str(tmp / "d1")]),
+        "init-from": ("dspine.init", ["--target", stories, "--out", str(tmp / "d2"), "--init-from", NOPE]),
+        "regenerate": ("data.regenerate", ["--target", NOPE, "--input", str(_conv(tmp)), "--output", str(tmp / "r")]),
+        "tokenize": ("data.tokenize", ["--input", str(_conv(tmp)), "--tokenizer", NOPE, "--max-length", "32",
+                                       "--cache-dir", str(tmp / "t")]),
+        "sample_target": ("data.sample_target", ["--target", NOPE, "--num", "1", "--max-new-tokens", "2",
+                                                 "--out", str(tmp / "s.jsonl")]),
+    }
+
+
+@pytest.mark.parametrize("case", ["bench-target", "bench-draft", "generate-target", "generate-draft", "check-target",
+                                  "check-draft", "init-target", "init-from", "regenerate", "tokenize", "sample_target"])
+def test_unreachable_hub_id_is_one_error_line(case, stories_dir, tmp_path, capsys, offline):
+    import importlib
+
+    module, argv = _hub_cases(str(stories_dir), tmp_path)[case]
+    assert importlib.import_module(module).main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and f"{NOPE}: not a local path, and it could not be loaded " \
+        "from the Hugging Face Hub" in err[0], err
+
+
+def _fast_error(main, argv, capsys, message):
+    t0 = time.perf_counter()
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert message in err, (argv, err)
+    assert time.perf_counter() - t0 < 2.0, (argv, "checked after loading a model")
+
+
+def test_generate_checks_arguments_and_paths_before_loading(stories_dir, tmp_path, capsys):
+    from infer import generate
+
+    base = ["--target", str(stories_dir), "--backend", "reference"]
+    bad_draft = tmp_path / "draft"
+    bad_draft.mkdir()
+    (bad_draft / "config.json").write_text("[1]")
+    cases = [
+        (["--draft", str(tmp_path / "nope"), "--prompt", "hi"], f"draft checkpoint folder not found: {tmp_path / 'nope'}"),
+        (["--draft", str(bad_draft), "--prompt", "hi"], f"{bad_draft / 'config.json'}: expected a JSON object"),
+        (["--draft", "none"], "give --prompt TEXT or --dataset NAME"),
+        (["--prompt", "hi", "--dataset", "gsm8k"], "give --prompt TEXT or --dataset NAME (one of them)"),
+        (["--dataset", "gsm9k"], "unknown dataset 'gsm9k'"),
+        (["--prompt", "hi", "--dtype", "fp8"], "--dtype 'fp8': choose auto, bf16 or fp32"),
+        (["--prompt", "hi", "--draft", str(DRAFT), "--block-size", "8"],
+         "--block-size 8 < the draft's 16: verifying fewer slots is only supported by --backend cuda"),
+        (["--prompt", "hi", "--draft", str(DRAFT), "--block-size", "32"], "--block-size 32 exceeds the draft's block size 16"),
+        (["--prompt", "hi", "--draft", str(DRAFT)], "draft/target mismatch"),  # SmolLM2 draft vs stories260K
+    ]
+    for extra, message in cases:
+        _fast_error(generate.main, [*base, *extra], capsys, message)
+
+
+def test_bench_checks_arguments_and_paths_before_loading(stories_dir, tmp_path, capsys):
+    from infer import bench
+
+    base = ["--target", str(stories_dir), "--backend", "reference"]
+    cases = [
+        (["--draft", str(tmp_path / "nope")], f"--draft nope={tmp_path / 'nope'}: no such draft folder"),
+        (["--draft", f"a={DRAFT}", "--draft", f"a={DRAFT}"], "--draft label 'a' given twice"),
+        (["--draft", "X="], "--draft X=: give [LABEL=]PATH with a path and a label"),
+        (["--datasets", "gsm8k,nope"], "unknown dataset 'nope'"),
+        (["--datasets", ","], "--datasets ',': no task named"),
+        (["--num-prompts", "0"], "--num-prompts 0: must be >= 1"),
+        (["--max-prompt-tokens", "-5"], "--max-prompt-tokens -5: must be >= 1"),
+        (["--temperature", "nan"], "--temperature=nan must be a finite number >= 0"),
+        (["--top-p", "inf"], "--top-p=inf must be in (0, 1]"),
+        (["--block-size", "1"], "--block-size 1: must be >= 2"),
+        (["--data-dir", str(tmp_path / "nope")], f"--data-dir {tmp_path / 'nope'}: no such folder"),
+        (["--dtype", "fp16"], "--dtype 'fp16': choose auto, bf16 or fp32"),
+    ]
+    for extra, message in cases:
+        _fast_error(bench.main, [*base, *extra], capsys, message)
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "nan"), ("--temperature", "inf"), ("--temperature", "-1"),
+                                        ("--top-p", "nan"), ("--top-p", "inf"), ("--top-k", "-3")])
+def test_non_finite_sampling_values_are_refused_by_every_sampling_cli(flag, value, stories_dir, tmp_path, capsys):
+    """Every CLI that samples (data.regenerate, data.sample_target, infer.generate, infer.bench) refuses the
+    value before writing anything; data.regenerate used to write NaN into run_args.json and sample noise at inf."""
+    from data import regenerate, sample_target
+    from infer import bench, generate
+
+    conv = _conv(tmp_path)
+    cases = [
+        (regenerate.main, ["--target", str(stories_dir), "--input", str(conv), "--output", str(tmp_path / "r"),
+                           "--chat-template", "chatml", flag, value]),
+        (generate.main, ["--target", str(stories_dir), "--prompt", "hi", "--backend", "reference", flag, value]),
+        (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k", "--backend", "reference", flag, value]),
+    ]
+    if flag == "--temperature":  # sample_target has no top-p / top-k
+        cases.append((sample_target.main, ["--target", str(stories_dir), "--num", "1", "--max-new-tokens", "2",
+                                           "--out", str(tmp_path / "s.jsonl"), flag, value]))
+    for main, argv in cases:
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's p.error
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{flag}" in err and value in err.lower(), (main.__module__, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s.jsonl").exists()
+
+
+def test_json_writer_refuses_nan(tmp_path):
+    from data.rows import atomic_write_json
+
+    with pytest.raises(ValueError):
+        atomic_write_json(tmp_path / "x.json", {"temperature": float("nan")})
+    assert not list(tmp_path.iterdir())
+
+
+def test_messages_name_the_argument_file_or_row(stories_dir, qwen3_tokenizer_dir, tmp_path, capsys):
+    from data import regenerate, tokenize
+
+    conv = _conv(tmp_path)
+    with pytest.raises(SystemExit):
+        regenerate.main(["--target", str(stories_dir), "--input", str(conv), "--output", str(tmp_path / "r"),
+                         "--limit", "-5"])
+    assert "--limit -5: must be >= 1" in capsys.readouterr().err
+    assert tokenize.main(["--input", str(conv), "--tokenizer", str(qwen3_tokenizer_dir), "--max-length", "-5"]) == 2
+    assert "--max-length -5: must be >= 1" in capsys.readouterr().err
+    assert tokenize.main(["--input", str(tmp_path / "nope.jsonl"), "--tokenizer", str(qwen3_tokenizer_dir),
+                          "--max-length", "8"]) == 2
+    assert f"--input {tmp_path / 'nope.jsonl'}: no such file" in capsys.readouterr().err
+    first = tmp_path / "assistant-first.jsonl"
+    first.write_text(json.dumps({"id": "r1", "conversations": [{"role": "assistant", "content": "hello"},
+                                                               {"role": "user", "content": "hi"}]}) + "\n")
+    assert tokenize.main(["--input", str(first), "--tokenizer", str(qwen3_tokenizer_dir), "--max-length", "64",
+                          "--cache-dir", str(tmp_path / "tok")]) == 1
+    err = capsys.readouterr().err
+    assert "row r1: assistant turn 0 has no user turn before it" in err and "empty conversation" not in err
+
+
+@pytest.mark.slow
+def test_distill_names_bad_data_and_paths(stories_dir, tmp_path):
+    import subprocess
+    import sys
+
+    empty, text = tmp_path / "empty.jsonl", tmp_path / "text.jsonl"
+    empty.write_text("")
+    text.write_text("not json\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": list(range(1, 40)), "loss_mask": [0] + [1] * 38}) + "\n"
+                            for _ in range(8)))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for train, extra, message in [
+            (empty, [], f"config key 'train': {empty} has no rows"),
+            (text, [], f"{text} row 0: invalid JSON"),
+            (rows, [f"output_dir={afile}"], f"config key 'output_dir': {afile} is an existing file"),
+            (rows, [f"draft_init={tmp_path / 'nope'}"], f"config key 'draft_init': {tmp_path / 'nope'} is not a draft folder")]:
+        cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config",
+               str(REPO / "configs" / "stories260k-cpu.yaml"), f"target={stories_dir}", f"train={train}", "eval=null",
+               f"output_dir={tmp_path / 'out'}", *extra]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert r.returncode == 2 and message in r.stderr and "none of the first 0 rows" not in r.stderr, r.stderr[-1500:]
+
+
+def test_more_bad_paths_and_values_are_named(stories_dir, tmp_path, capsys):
+    """Found by trying every CLI as a new user: each is one error line naming the flag (was a traceback
+    or an errno message, or a draft with max_position_embeddings 0 written without complaint). Repeated
+    target layer ids stay allowed: the default ids repeat layers for a target shallower than the draft."""
+    from data import regenerate, tokenize
+    from dspine import convert, init
+    from infer import bench
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    conv = _conv(tmp_path)
+    base = ["--target", str(stories_dir), "--mask-token-id", "0", "--dtype", "fp32"]
+    for extra, message in [(["--max-position-embeddings", "0"], "--max-position-embeddings 0: must be >= 1"),
+                           (["--intermediate-size", "0"], "--intermediate-size 0: must be >= 1"),
+                           (["--sliding-window", "-4", "--sliding-layers", "0"], "--sliding-window -4: must be >= 1")]:
+        out = tmp_path / f"d{len(extra)}{extra[1]}"
+        try:
+            rc = init.main([*base, "--out", str(out), *extra])
+        except SystemExit as e:  # argparse's error
+            rc = e.code
+        assert rc == 2 and message in capsys.readouterr().err and not out.exists(), extra
+    from dspine.config import DSpineConfig
+
+    for key, value in [("max_position_embeddings", 0), ("intermediate_size", -1), ("sliding_window", -4)]:
+        with pytest.raises(ValueError, match=f"{key}={value} must be >= 1"):
+            DSpineConfig(**{key: value})
+    assert convert.main(["--target", str(REPO / "README.md"), "--out", str(afile)]) == 2
+    assert f"--out {afile} is an existing file" in capsys.readouterr().err
+    cases = [
+        (regenerate.main, ["--target", str(stories_dir), "--input", str(tmp_path / "nope.jsonl"), "--output",
+                           str(tmp_path / "r")], f"--input {tmp_path / 'nope.jsonl'}: no such file"),
+        (regenerate.main, ["--target", str(stories_dir), "--input", str(conv), "--output", str(afile)],
+         f"--output {afile} is an existing file"),
+        (tokenize.main, ["--input", str(conv), "--tokenizer", str(stories_dir), "--max-length", "16", "--cache-dir",
+                         str(afile)], f"--cache-dir {afile} is an existing file"),
+        (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k", "--output-json", str(tmp_path)],
+         f"--output-json {tmp_path} is a folder"),
+        (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k", "--max-new-tokens", "0"],
+         "--max-new-tokens=0 must be >= 1"),
+    ]
+    for main, argv, message in cases:
+        _fast_error(main, argv, capsys, message)
+
+
+def test_prepare_refuses_an_empty_input_path(tmp_path, capsys):
+    from data import prepare
+
+    assert prepare.main(["--input", "name=", "--output", str(tmp_path / "p")]) == 2  # was: read the working dir
+    assert "input 'name=': no path after the name" in capsys.readouterr().err

@@ -1,0 +1,128 @@
+"""JSON files the tools read (draft and target configs, indexes, manifests, run arguments): valid JSON
+of the wrong shape is an error naming the file, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import REPO
+
+NOT_OBJECTS = ["[1]", '"config"', "null", "3", "true"]
+DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
+
+
+@pytest.mark.parametrize("text", NOT_OBJECTS)
+def test_read_json_object_names_the_file(tmp_path, text):
+    from dspine.paths import read_json_object
+
+    p = tmp_path / "x.json"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=f"{p}: expected a JSON object"):
+        read_json_object(p)
+    p.write_text("{nope")
+    with pytest.raises(ValueError, match=f"{p}: not valid JSON"):
+        read_json_object(p)
+
+
+def _draft_copy(tmp_path, config_text: str):
+    d = tmp_path / "draft"
+    d.mkdir()
+    shutil.copy(DRAFT / "model.safetensors", d / "model.safetensors")
+    (d / "config.json").write_text(config_text)
+    return d
+
+
+@pytest.mark.parametrize("text", NOT_OBJECTS)
+def test_draft_config_that_is_not_an_object(tmp_path, text):
+    from dspine.checkpoint import load_config, load_draft
+
+    d = _draft_copy(tmp_path, text)
+    for load in (load_config, load_draft):
+        with pytest.raises(ValueError, match=f"{d / 'config.json'}: expected a JSON object"):
+            load(d)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dspine_config", [1]), ("rope_scaling", "yarn"), ("rope_parameters", 3), ("num_attention_heads", 0),
+    ("num_key_value_heads", 0), ("hidden_size", -64), ("layer_types", 5), ("dflash_config", [1]),
+])
+def test_draft_config_fields_of_the_wrong_shape(tmp_path, field, value):
+    from dspine.checkpoint import load_config
+
+    raw = json.loads((DRAFT / "config.json").read_text())
+    d = _draft_copy(tmp_path, json.dumps({**raw, field: value}))
+    with pytest.raises(ValueError, match=str(d / "config.json")):
+        load_config(d)
+
+
+def test_clis_name_a_draft_config_that_is_not_an_object(stories_dir, tmp_path, capsys):
+    from dspine import check, init
+    from infer import generate
+
+    d = _draft_copy(tmp_path, "[1]")
+    want = f"{d / 'config.json'}: expected a JSON object"
+    assert check.main(["--target", str(stories_dir), "--draft", str(d)]) == 2
+    assert want in capsys.readouterr().err
+    assert generate.main(["--target", str(stories_dir), "--draft", str(d), "--prompt", "hi", "--backend",
+                          "reference"]) == 2
+    assert want in capsys.readouterr().err
+    assert init.main(["--target", str(stories_dir), "--out", str(tmp_path / "new"), "--init-from", str(d)]) == 2
+    assert want in capsys.readouterr().err
+
+
+def test_a_target_config_that_is_not_an_object(stories_dir, tmp_path, capsys):
+    from dspine import check
+    from infer import generate
+
+    t = tmp_path / "target"
+    shutil.copytree(stories_dir, t)
+    (t / "config.json").write_text("[1]")
+    want = f"{t / 'config.json'}: expected a JSON object"
+    assert generate.main(["--target", str(t), "--prompt", "hi", "--draft", "none", "--backend", "reference"]) == 2
+    assert want in capsys.readouterr().err
+    assert check.main(["--target", str(t), "--draft", str(DRAFT)]) == 2
+    assert want in capsys.readouterr().err
+
+
+def test_a_safetensors_index_without_a_weight_map(tmp_path):
+    from dspine.checkpoint import load_draft
+    from infer.model import read_safetensors
+
+    d = tmp_path / "draft"
+    d.mkdir()
+    shutil.copy(DRAFT / "config.json", d / "config.json")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": [1]}))
+    with pytest.raises(ValueError, match="no 'weight_map' object"):
+        load_draft(d)
+    with pytest.raises(ValueError, match="no 'weight_map' object"):
+        read_safetensors(d, "cpu")
+
+
+def test_data_run_arguments_that_are_not_an_object(stories_dir, tmp_path, capsys):
+    from data import regenerate, tokenize
+
+    conv = tmp_path / "regen" / "results.jsonl"
+    conv.parent.mkdir()
+    conv.write_text(json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi"},
+                                                             {"role": "assistant", "content": "yo"}]}) + "\n")
+    (tmp_path / "regen" / "run_args.json").write_text("[1]")
+    want = f"{tmp_path / 'regen' / 'run_args.json'}: expected a JSON object"
+    assert tokenize.main(["--input", str(conv), "--tokenizer", str(stories_dir), "--max-length", "32"]) == 2
+    assert want in capsys.readouterr().err
+    assert regenerate.main(["--target", str(stories_dir), "--input", str(conv), "--output", str(tmp_path / "regen"),
+                            "--chat-template", "chatml"]) == 2
+    assert want in capsys.readouterr().err
+
+
+def test_train_manifests_that_are_not_an_object(tmp_path):
+    from train.capture import CaptureRows
+    from train.data import open_rows
+
+    (tmp_path / "manifest.json").write_text("[1]")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'manifest.json'}: expected a JSON object"):
+        open_rows(tmp_path)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'manifest.json'}: expected a JSON object"):
+        CaptureRows(tmp_path)
