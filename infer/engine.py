@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspine.checkpoint import load_draft
 from dspine.sampling import SamplingParams, logits_to_probs
 from dspine.stats import AcceptStats
+from dspine.target import TargetSpec, assert_compatible
 from infer.draft import DraftCtxCache, EngineDraft
 from infer.kernels.accept import accept_greedy, accept_sample, commit_step
 from infer.model import EngineTarget, KVCache
@@ -313,7 +315,7 @@ class Engine:
 
 
 # -----------------------------------------------------------------------------------------------
-# construction helpers shared by the CLIs
+# construction
 
 
 def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None, *, device="cuda",
@@ -325,9 +327,6 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     Raises:
         ValueError: draft/target mismatch (every failed check listed), fp16 with a Qwen target.
     """
-    from dspine.checkpoint import load_draft
-    from dspine.target import TargetSpec, assert_compatible
-
     impl = impl or ("triton" if torch.device(device).type == "cuda" else "torch")
     spec = TargetSpec.from_pretrained(target_path, gguf_file)
     draft_model = None
@@ -344,30 +343,3 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
     return Engine(target, draft, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
                   verify_size=verify_size, max_new_cap=max_new_cap), spec
-
-
-def generate_cli(args, params: SamplingParams, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
-    """``infer.generate --backend cuda``: same JSON contract as the reference backend."""
-    from infer.generate import result_dict
-
-    dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
-    if dtype is None:
-        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
-    longest = max(map(len, prompts))
-    max_seq = longest + args.max_new_tokens + 64
-    engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
-                            max_seq=max_seq, verify_size=args.block_size, check_max_context=longest + args.max_new_tokens,
-                            max_new_cap=args.max_new_tokens)
-    engine.generate(prompts, params)  # warm-up: graph capture and kernel compilation stay out of the timing
-    res = engine.generate(prompts, params)
-    out = result_dict(tokenizer, res.token_ids[0], res.stats, res.elapsed_s, res.prefill_s, engine.eos_set)
-    out.update(backend="cuda", finish_reason=res.finish_reasons[0])
-    if len(prompts) > 1:
-        out["num_tokens"], out["tok_per_s"] = res.num_tokens, res.tok_per_s
-    if args.compare_ar and engine.draft is not None:
-        engine.generate(prompts, params, use_draft=False)
-        ar = engine.generate(prompts, params, use_draft=False)
-        out["ar_tok_per_s"] = ar.tok_per_s
-        out["speedup"] = res.tok_per_s / ar.tok_per_s
-        out["ar_equal"] = ar.token_ids == res.token_ids if params.greedy else None
-    return out

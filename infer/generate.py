@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from infer.engine import load_engine
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
@@ -131,9 +133,7 @@ def run(args) -> dict:
         raise ValueError(f"prompt ({max(map(len, prompts))} tokens) + --max-new-tokens {args.max_new_tokens} = {need} "
                          f"exceeds the target's context of {spec.max_position_embeddings} positions")
     if backend == "cuda":
-        from infer.engine import generate_cli
-
-        return generate_cli(args, params, path, gguf, draft_path, tokenizer, spec, prompts)
+        return _run_engine(args, params, path, gguf, draft_path, tokenizer, spec, prompts)
     return _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompts)
 
 
@@ -167,6 +167,31 @@ def _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompt
         ar = ReferenceDecoder(target, None, eos).generate(prompts, params)
         out["ar_tok_per_s"] = ar.num_tokens / ar.elapsed_s
         out["speedup"] = out["tok_per_s"] / out["ar_tok_per_s"]
+        out["ar_equal"] = ar.token_ids == res.token_ids if params.greedy else None
+    return out
+
+
+def _run_engine(args, params, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
+    """``--backend cuda``: same JSON contract as the reference backend."""
+    dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
+    if dtype is None:
+        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
+    longest = max(map(len, prompts))
+    max_seq = longest + args.max_new_tokens + 64
+    engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
+                            max_seq=max_seq, verify_size=args.block_size, check_max_context=longest + args.max_new_tokens,
+                            max_new_cap=args.max_new_tokens)
+    engine.generate(prompts, params)  # warm-up: graph capture and kernel compilation stay out of the timing
+    res = engine.generate(prompts, params)
+    out = result_dict(tokenizer, res.token_ids[0], res.stats, res.elapsed_s, res.prefill_s, engine.eos_set)
+    out.update(backend="cuda", finish_reason=res.finish_reasons[0])
+    if len(prompts) > 1:
+        out["num_tokens"], out["tok_per_s"] = res.num_tokens, res.tok_per_s
+    if args.compare_ar and engine.draft is not None:
+        engine.generate(prompts, params, use_draft=False)
+        ar = engine.generate(prompts, params, use_draft=False)
+        out["ar_tok_per_s"] = ar.tok_per_s
+        out["speedup"] = res.tok_per_s / ar.tok_per_s
         out["ar_equal"] = ar.token_ids == res.token_ids if params.greedy else None
     return out
 

@@ -30,9 +30,8 @@ import torch
 import yaml
 
 from train import config as run_config
-from train.capture import CaptureRows, expected_fields
 from train.config import ConfigError
-from train.data import StepOrder, make_batch, open_rows
+from train.data import CaptureRows, StepOrder, expected_fields, make_batch, open_rows
 from train.loss import LossStats, anchor_generator, tau_sim
 from train.step import StepSettings, make_optimizer, make_scheduler, micro_loss, reduce_sum, train_step
 
@@ -306,8 +305,8 @@ def full_draft(accelerator, draft, dcfg, zero3: bool):
 
 def save_checkpoint(accelerator, draft, dcfg, cfg, dev, step: int, state: dict, zero3: bool) -> Path:
     """``step-N/{state,draft,trainer_state.json,config.yaml}``, then the ``latest`` pointer, then rotation."""
-    from data.rows import atomic_write_json
     from dspine.checkpoint import save_draft
+    from dspine.io import atomic_write_json
 
     out = Path(cfg.output_dir)
     ckpt = out / f"step-{step}"
