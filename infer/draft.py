@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspine.model import DSpineDraftModel
-from infer.kernels.draft_attention import draft_attention
-from infer.kernels.rmsnorm import rms_norm
-from infer.kernels.rope import qk_norm_rope_cache, rope_tables
+from dspine.ops.draft_attention import draft_attention
+from dspine.ops.rmsnorm import rms_norm
+from dspine.ops.rope import qk_norm_rope_cache, rope_tables
 from infer.model import EngineTarget
 
 

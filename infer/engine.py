@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dspine.checkpoint import load_draft
+from dspine.ops.accept import accept_greedy, accept_sample, commit_step
 from dspine.sampling import SamplingParams, logits_to_probs
 from dspine.stats import AcceptStats
 from dspine.target import TargetSpec, assert_compatible
 from infer.draft import DraftCtxCache, EngineDraft
-from infer.kernels.accept import accept_greedy, accept_sample, commit_step
 from infer.model import EngineTarget, KVCache
 
 

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from infer.kernels.rmsnorm import rms_norm
-from infer.kernels.rope import qk_norm_rope_cache, rope_tables
+from dspine.ops.rmsnorm import rms_norm
+from dspine.ops.rope import qk_norm_rope_cache, rope_tables
 
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not env.INTERPRET, reason="needs TRITON_INTERPRET=1"))
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not env.HAS_CUDA, reason="no CUDA")])
