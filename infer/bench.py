@@ -68,7 +68,6 @@ class Runner:
         self.block_size = {label: m.config.block_size for label, m in models.items()}
         self.decoders = {}
         if self.backend == "cuda":
-            from infer.draft import EngineDraft
             from infer.engine import Engine
             from infer.model import EngineTarget
 
@@ -81,8 +80,7 @@ class Runner:
             self.decoders[None] = Engine(target, None, self.eos, **kw)
             for label, m in models.items():
                 # each draft reads its own layers: the target returns them in the draft's order
-                draft = EngineDraft(m, target, impl=impl)
-                self.decoders[label] = Engine(target, draft, self.eos, verify_size=args.block_size, **kw)
+                self.decoders[label] = Engine(target, m, self.eos, verify_size=args.block_size, **kw)
             self._layer_ids = {label: m.config.target_layer_ids for label, m in models.items()}
         else:
             from dspine.spec import ReferenceDecoder

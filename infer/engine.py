@@ -20,13 +20,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from dspine.checkpoint import load_draft
+from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
 from dspine.sampling import SamplingParams, logits_to_probs
 from dspine.stats import AcceptStats
 from dspine.target import TargetSpec, assert_compatible
-from infer.draft import DraftCtxCache, EngineDraft
 from infer.model import EngineTarget, KVCache
 
 
@@ -73,7 +74,8 @@ class Engine:
 
     Args:
         target: the engine's target model.
-        draft: the engine's draft, or None (autoregressive only).
+        draft: a DSpine/DFlash draft (moved to the target's device and dtype, weights fused), or None
+            (autoregressive only). Its embedding and lm_head are the target's.
         eos_token_ids: tokens that end a sequence.
         max_batch: most concurrent sequences; max_seq: prompt + new tokens + block per sequence.
         cuda_graphs: capture the step as a CUDA graph (GPU only).
@@ -82,7 +84,7 @@ class Engine:
             target says (the "oracle draft" of the engine benchmark); output is then not the target's.
     """
 
-    def __init__(self, target: EngineTarget, draft: EngineDraft | None, eos_token_ids, max_batch: int = 8,
+    def __init__(self, target: EngineTarget, draft: DSpineDraftModel | None, eos_token_ids, max_batch: int = 8,
                  max_seq: int = 4096, cuda_graphs: bool | None = None, verify_size: int | None = None,
                  force_accept: int | None = None, max_new_cap: int | None = None):
         self.target, self.draft = target, draft
@@ -93,7 +95,10 @@ class Engine:
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         if target.embed.dtype == torch.float16 and target.args.model_type.startswith("qwen"):
             raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
-        dbs = draft.bs if draft is not None else 1
+        if draft is not None:
+            draft = draft.to(device=self.device, dtype=target.embed.dtype).eval().fuse_weights()
+            self.draft = draft
+        dbs = draft.config.block_size if draft is not None else 1
         self.vb = verify_size or dbs
         if not 1 <= self.vb <= dbs:
             raise ValueError(f"verify_size={verify_size} must be in 1..{dbs} (the draft's block size)")
@@ -103,22 +108,23 @@ class Engine:
         self.max_batch, self.max_seq = max_batch, max_seq
         limits = {"target": target.args.max_position_embeddings}
         if draft is not None:
-            limits["draft"] = draft.cfg.max_position_embeddings
+            limits["draft"] = draft.config.max_position_embeddings
         for who, limit in limits.items():
             if max_seq > limit:
                 raise ValueError(f"engine context max_seq={max_seq} exceeds the {who}'s max_position_embeddings="
                                  f"{limit} (docs/method.md §8.11)")
         self.max_new_cap = max_new_cap or max_seq
         self.cache: KVCache = target.new_cache(max_batch, max_seq + dbs + 1)
-        self.dcache: DraftCtxCache | None = draft.new_cache(max_batch, max_seq + dbs + 1) if draft else None
+        self.draft_cache = DraftCache(draft, max_batch, max_seq + dbs + 1) if draft is not None else None
         self._slots: dict[int, _Slots] = {}
         self._graphs: dict[tuple, object] = {}
 
     # -- state views ---------------------------------------------------------------------------
     def _slots_for(self, B: int) -> _Slots:
         if B not in self._slots:
-            mask = self.draft.mask_id if self.draft else 0
-            self._slots[B] = _Slots(B, self.vb, self.draft.bs if self.draft else 1, self.max_new_cap, self.device, mask)
+            cfg = self.draft.config if self.draft is not None else None
+            self._slots[B] = _Slots(B, self.vb, cfg.block_size if cfg else 1, self.max_new_cap, self.device,
+                                    cfg.mask_token_id if cfg else 0)
         return self._slots[B]
 
     def _cache_view(self, B: int):
@@ -126,11 +132,15 @@ class Engine:
         kv.k, kv.v = [k[:B] for k in self.cache.k], [v[:B] for v in self.cache.v]
         kv.batch, kv.seq = B, self.cache.seq
         dc = None
-        if self.dcache is not None:
-            dc = DraftCtxCache.__new__(DraftCtxCache)
-            dc.k, dc.v = [k[:B] for k in self.dcache.k], [v[:B] for v in self.dcache.v]
-            dc.caps, dc.batch, dc.seq = self.dcache.caps, B, self.dcache.seq
+        if self.draft_cache is not None:  # lengths shared with the slots: draft appends advance them
+            dc = self.draft_cache.view(B, lengths=self._slots_for(B).lengths)
         return kv, dc
+
+    def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache) -> torch.Tensor:
+        """Draft logits ``[B, verify_size-1, V]`` (model dtype) for blocks ``[B, bs]`` = [anchor, MASK, ...]
+        whose anchor sits at ``draft_cache.lengths[b]``: the draft over the target's embedding and head."""
+        hidden = self.draft.forward_block(F.embedding(block, self.target.embed), draft_cache, impl=self.impl)
+        return F.linear(hidden[:, 1 : self.vb], self.target.head)
 
     # -- sampling helpers (graph-safe: no host reads) ------------------------------------------
     @staticmethod
@@ -139,10 +149,10 @@ class Engine:
         return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
 
     # -- the steps -------------------------------------------------------------------------------
-    def _spec_step(self, s: _Slots, kv: KVCache, dc: DraftCtxCache, p: SamplingParams):
+    def _spec_step(self, s: _Slots, kv: KVCache, dc: DraftCache, p: SamplingParams):
         vb, K = s.vb, s.vb - 1
         s.dblock[:, 0] = s.anchor
-        d_logits = self.draft.block_logits(s.dblock, s.lengths, dc)[:, :K]
+        d_logits = self.draft_logits(s.dblock, dc)
         if p.greedy:
             dtok = d_logits.argmax(-1)
         else:
@@ -165,9 +175,8 @@ class Engine:
             noise = torch.empty(s.B, p_t.shape[-1], device=self.device).exponential_()
             a, bonus = accept_sample(dtok, p_t, p_d, u, noise, impl=self.impl)
         live = s.done == 0
-        self.draft.append(feats, s.lengths, dc)
         commit_step(s.block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist, impl=self.impl)
-        s.lengths.add_(((a.to(torch.int32) + 1) * live).to(torch.int32))
+        dc.append(feats, (a.to(torch.int32) + 1) * live, impl=self.impl)  # advances s.lengths (shared)
         s.anchor.copy_(torch.where(live, bonus, s.anchor))
 
     def _ar_step(self, s: _Slots, kv: KVCache, p: SamplingParams):
@@ -229,14 +238,15 @@ class Engine:
         else:
             first = self._race(logits_to_probs(logits.float(), p.temperature, p.top_p, p.top_k))
         s.anchor[b] = first
-        s.lengths[b] = P
+        s.lengths[b] = 0 if spec else P
         s.out_tokens[b, 0] = first
         s.out_len[b] = 1
         s.max_new[b] = p.max_new_tokens
         s.done[b] = (torch.isin(first, self.eos) | (p.max_new_tokens <= 1)).to(torch.int8)
         s.hist[b].zero_()
-        if spec:
-            self.draft.append(feats[None], torch.zeros(1, dtype=torch.int32, device=self.device), dc, slot=b)
+        if spec:  # the prompt's context K/V; lengths[b] becomes P
+            rows = torch.tensor([b], device=self.device)
+            dc.append(feats[None], torch.tensor([P], device=self.device), rows=rows, impl=self.impl)
 
     # -- public ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -332,14 +342,13 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     draft_model = None
     layer_ids = None
     if draft_path:
-        draft_model = load_draft(draft_path, device="cpu", dtype=torch.float32)
+        draft_model = load_draft(draft_path, device=device, dtype=dtype)
         assert_compatible(spec, draft_model.config, max_context=check_max_context)
         layer_ids = draft_model.config.target_layer_ids
     if dtype == torch.float16 and spec.model_type.startswith("qwen"):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     target = EngineTarget.from_pretrained(target_path, gguf_file, device=device, dtype=dtype, layer_ids=layer_ids,
                                           impl=impl)
-    draft = EngineDraft(draft_model, target, impl=impl) if draft_model is not None else None
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
-    return Engine(target, draft, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
+    return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
                   verify_size=verify_size, max_new_cap=max_new_cap), spec

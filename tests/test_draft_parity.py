@@ -9,6 +9,7 @@ row, junk features past each row's committed count, random injection gates.
 
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -16,10 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import tests.kernel_env as env
 from dspine.checkpoint import load_draft
 from dspine.config import DSpineConfig
-from dspine.model import DSpineDraftModel
-from infer.draft import EngineDraft
+from dspine.model import DraftCache, DSpineDraftModel
+from infer.engine import Engine
 from tests.conftest import REPO
 
 H, I, HQ, HKV, D, BS, V, TARGET_LAYERS = 32, 48, 4, 2, 8, 4, 97, 2
@@ -59,22 +61,21 @@ def reference_logits(model, target, block, features, lengths):
 
 
 def engine_run(model, target, blocks, features, plan_counts, impl):
-    """The engine's draft over the plan: prefill rows, then per step block logits and an append of
-    the step's features (all bs rows written, only ``counts`` committed). Returns logits per step."""
-    eng = EngineDraft(model, target, impl=impl)
+    """The engine's draft over the plan, as :class:`infer.engine.Engine` runs it (fused weights, static
+    cache, ``Engine.draft_logits``): prefill rows one by one, then per step block logits and an append
+    of the step's bs feature rows of which only ``counts`` are committed. Returns logits per step."""
     B, bs = len(PROMPTS), model.config.block_size
-    cache = eng.new_cache(B, features.shape[1] + bs + 1)
-    lengths = torch.zeros(B, dtype=torch.int32)
+    eng = SimpleNamespace(draft=copy.deepcopy(model).fuse_weights(), target=target, impl=impl, vb=bs)
+    cache = DraftCache(eng.draft, B, features.shape[1] + bs + 1)
     for b, P in enumerate(PROMPTS):
-        eng.append(features[b : b + 1, :P], torch.zeros(1, dtype=torch.int32), cache, slot=b)
-        lengths[b] = P
+        cache.append(features[b : b + 1, :P], torch.tensor([P]), rows=torch.tensor([b]), impl=impl)
     out = []
     for block, counts, junk in blocks:
-        out.append(eng.block_logits(block, lengths, cache))
-        step = torch.stack([features[b, int(lengths[b]) : int(lengths[b]) + bs] for b in range(B)])
+        out.append(Engine.draft_logits(eng, block, cache))
+        lengths = cache.lengths.tolist()
+        step = torch.stack([features[b, lengths[b] : lengths[b] + bs] for b in range(B)])
         keep = torch.arange(bs)[None, :, None] < counts[:, None, None]
-        eng.append(torch.where(keep, step, junk), lengths, cache)
-        lengths += counts.to(torch.int32)
+        cache.append(torch.where(keep, step, junk), counts, impl=impl)
     return out
 
 
@@ -121,6 +122,24 @@ CASES = {
 def test_engine_draft_equals_training_draft(case):
     err = max_diff(tiny_draft(**CASES[case]), random_target(H, V))
     assert err <= 1e-5, f"{case}: max |engine - reference| = {err:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not env.INTERPRET, reason="needs TRITON_INTERPRET=1 (CPU)")
+@pytest.mark.parametrize("case", ["residual-lowrank", "sliding-residual", "causal-kv"])
+def test_engine_draft_triton_equals_training_draft(case):
+    err = max_diff(tiny_draft(**CASES[case]), random_target(H, V), impl="triton")
+    assert err <= 1e-5, f"{case}: max |engine (triton) - reference| = {err:.3g}"
+
+
+def test_fuse_weights_keeps_the_checkpoint_layout():
+    model = tiny_draft("kv")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.fuse_weights().fuse_weights()  # idempotent
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    at = model.layers[0].self_attn
+    assert at.q_proj.weight.data_ptr() == at.qkv_weight.data_ptr()  # a view: no second copy
 
 
 def test_engine_draft_equals_training_draft_shipped_weights():

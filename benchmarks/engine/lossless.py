@@ -51,18 +51,19 @@ def install_device_oracle(engine, reference: list[list[int]], every: int = 4):
         row[: len(seq)] = torch.tensor(seq)
         ref[b].copy_(row.to(dev))
 
-    def block_logits(block, lengths, cache):
+    def draft_logits(block, cache):
         B, bs = block.shape
+        lengths = cache.lengths
         k = torch.arange(1, bs, device=dev)
         pos = lengths[:, None].long() + k  # [B, K]
         tok = ref[:B].gather(1, pos.clamp(max=width - 1))
         bad = (pos % every) == 0
         tok = torch.where(bad, (tok + 1) % V, tok)
         logits = torch.zeros(B, bs - 1, V, device=dev, dtype=engine.target.embed.dtype)
-        return logits.scatter_(2, tok[..., None], 10.0)
+        return logits.scatter_(2, tok[..., None], 10.0)[:, : engine.vb - 1]
 
     engine._admit = _admit
-    engine.draft.block_logits = block_logits
+    engine.draft_logits = draft_logits
 
 
 def first_divergence(got: list[int], want: list[int]) -> int | None:
