@@ -182,6 +182,7 @@ class AdjacentInjection(nn.Module):
             r = config.injection_rank
             self.proj = LowRank(H, r) if r else nn.Linear(H, H, bias=False)
             self.gate = nn.Parameter(torch.zeros(H))
+            self.register_buffer("proj_weight", None, persistent=False)  # inference: up·down folded
         else:  # kv
             kvd = config.num_key_value_heads * config.head_dim
             self.k_proj = nn.Linear(H, kvd, bias=False)
@@ -247,10 +248,16 @@ class DraftLayer(nn.Module):
         :meth:`forward`, through ``dspine.ops`` (each residual add fused into the following norm).
 
         k_ctx/v_ctx ``[B, Hkv, C, D]``: this layer's context cache (ring of C positions if sliding).
-        Residual injection (docs/method.md §3) costs one ``shift_rms_norm`` launch, which also
-        finishes the previous layer's residual add, plus the projection GEMM(s) (one full-rank,
-        two low-rank); ``gate ⊙ inj`` and ``+ h`` ride in the ``input_layernorm`` launch that DFlash
-        has anyway. With the kv injection the extra K/V are written by one ``qk_norm_rope_cache``."""
+
+        Cost of the residual injection (docs/method.md §3) over a DFlash layer: one ``shift_rms_norm``
+        launch (it also finishes the previous layer's residual add, so it replaces nothing and moves
+        4·N·H elements) and one projection GEMM (low rank: two, unless ``fuse_weights`` folded up·down
+        into one H×H weight, which it does when that reads fewer bytes than a second launch costs);
+        ``gate ⊙ inj`` and ``+ h`` ride in the ``input_layernorm`` launch DFlash has anyway. Predicted
+        at Qwen3-8B shape (H200, bf16, N = 16, full rank): ≈ 3 µs + 33.5 MB / 4.2 TB/s ≈ 11 µs per
+        layer, ≈ 55 µs for 5 layers, ≈ 0.9% of the 6.5 ms speculative step (results/engine-h200.json);
+        SmolLM2 (H = 576, rank 128 folded): ≈ 6 µs per layer, 3 layers ≈ 2% of a ≈ 1 ms step.
+        With the kv injection the extra K/V are written by one ``qk_norm_rope_cache``."""
         at, eps, bs = self.self_attn, self.input_layernorm.eps, ctx.block_size
         B, N = h.shape[0] // bs, h.shape[0]
         Hq, Hkv, D = at.num_heads, at.num_kv_heads, at.head_dim
@@ -260,7 +267,8 @@ class DraftLayer(nn.Module):
             prev, h = shift_rms_norm(h if delta is None else delta, adj.norm.weight, eps, bs,
                                      residual=None if delta is None else h, impl=impl)
             if adj.mode == "residual":
-                delta, gate = adj.proj(prev), adj.gate
+                delta = adj.proj(prev) if adj.proj_weight is None else F.linear(prev, adj.proj_weight)
+                gate = adj.gate
             else:
                 delta = None
                 kv = F.linear(prev, adj.kv_weight) if adj.kv_weight is not None else torch.cat(
@@ -529,8 +537,9 @@ class DSpineDraftModel(PreTrainedModel):
     def fuse_weights(self) -> DSpineDraftModel:
         """Inference only: q/k/v, gate/up and the kv injection's k/v each become one weight (non-persistent
         buffers); the original parameters become views of them, so ``state_dict`` keeps the DFlash
-        names and no memory is doubled. Call after the last ``.to()`` (it moves buffer and views apart);
-        idempotent. Returns self."""
+        names and no memory is doubled. A low-rank injection whose H×H product is small (≤ 2rH + 4M
+        elements: one GEMM over it is cheaper than a second launch) gets ``up·down`` folded into one
+        weight. Call after the last ``.to()`` (it moves buffer and views apart); idempotent. Returns self."""
         def fuse(owner, name, linears):
             w = torch.cat([lin.weight for lin in linears])
             b = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
@@ -551,6 +560,10 @@ class DSpineDraftModel(PreTrainedModel):
             fuse(mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])
             if adj is not None and adj.mode == "kv":
                 fuse(adj, "kv", [adj.k_proj, adj.v_proj])
+            if adj is not None and adj.mode == "residual" and isinstance(adj.proj, LowRank):
+                up, down = adj.proj.up.weight, adj.proj.down.weight  # [H, r], [r, H]
+                if up.shape[0] ** 2 <= 2 * up.numel() + (1 << 22):
+                    adj.proj_weight = (up.float() @ down.float()).to(up.dtype)
         return self
 
     def forward(self, block_embeds, features, anchors, attn: str = "dense"):
