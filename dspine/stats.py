@@ -6,9 +6,14 @@ when EOS / max_new_tokens cut the step; only committed tokens count. Then
 * τ = mean n over steps (bonus included),
 * accept_at_pos[k] = fraction of steps with n - 1 >= k, k = 1..bs-1,
 * identity τ = 1 + Σ_k accept_at_pos[k].
+
+:class:`GenerationResult` is what both decoders return (the engine and the reference decoder):
+per-prompt stats that add up to the batch totals.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -66,3 +71,39 @@ class AcceptStats:
             "committed_tokens": self.tokens,
             "convention": "tau counts the bonus token; accept_hist[i] = steps committing i+1 tokens",
         }
+
+
+@dataclass
+class GenerationResult:
+    """One ``generate`` call of :class:`infer.engine.Engine` or :class:`dspine.reference.ReferenceDecoder`.
+
+    ``prompt_stats[i]`` counts only prompt i's verify steps and committed tokens (its first token
+    comes from prefill and is no verify step's: ``tokens == len(token_ids[i]) - 1``); ``stats`` pools
+    them, so per-prompt committed tokens and steps add up to the batch totals.
+    """
+
+    token_ids: list[list[int]]  # generated tokens per prompt (EOS included when hit)
+    finish_reasons: list[str]  # "stop" (EOS) or "length"
+    prompt_stats: list[AcceptStats]  # per prompt
+    elapsed_s: float = 0.0  # wall time of the whole call (prefill included)
+    prefill_s: float = 0.0
+    steps: int = 0  # decode-loop iterations (one batched step each in the engine)
+
+    @property
+    def stats(self) -> AcceptStats:
+        total = AcceptStats(self.prompt_stats[0].block_size)
+        for st in self.prompt_stats:
+            total.merge(st)
+        return total
+
+    @property
+    def steps_per_prompt(self) -> list[int]:
+        return [st.steps for st in self.prompt_stats]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.num_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0

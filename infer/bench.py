@@ -83,7 +83,7 @@ class Runner:
                 self.decoders[label] = Engine(target, m, self.eos, verify_size=args.block_size, **kw)
             self._layer_ids = {label: m.config.target_layer_ids for label, m in models.items()}
         else:
-            from dspine.spec import ReferenceDecoder
+            from dspine.reference import ReferenceDecoder
             from dspine.target import load_target
 
             if args.block_size is not None:

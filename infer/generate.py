@@ -3,9 +3,12 @@
     python -m infer.generate --prompt "How many legs do 3 spiders have?"        # shipped default
     python -m infer.generate --target Qwen/Qwen3-8B --draft DRAFT --prompt ... --temperature 1 --top-p 0.95 --top-k 20 --json
 
-Without ``--draft`` it decodes autoregressively with the same backend. ``--json`` prints one object
-with ``text``, ``token_ids``, ``num_tokens``, ``accept_len`` (τ, bonus token included),
-``accept_at_pos``, ``accept_hist``, ``verify_steps`` and ``tok_per_s``.
+Without ``--draft`` it decodes autoregressively with the same backend. ``--json`` prints one object:
+``num_tokens``, ``accept_len`` (τ, bonus token included), ``accept_at_pos``, ``accept_hist``,
+``verify_steps``, ``committed_tokens``, ``tok_per_s`` over the whole call, and per prompt ``text``,
+``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and steps — at the top level for
+one prompt, in ``batch`` (one entry per prompt, adding up to the top level) for several.
+Non-finite logits (NaN weights, fp16 overflow) end it with one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from pathlib import Path
 
 import torch
 
+from dspine.checkpoint import load_draft
+from dspine.reference import ReferenceDecoder
+from dspine.sampling import SamplingParams
+from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer, resolve_model_path
+from infer.datasets import load_eval_prompts
 from infer.engine import load_engine
+from infer.prompts import encode_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,28 +77,38 @@ def resolve_models(args) -> tuple[str, str | None]:
     return target, draft
 
 
-def result_dict(tokenizer, tokens: list[int], stats, elapsed_s: float, prefill_s: float, eos: set[int]) -> dict:
+def _stats_fields(stats) -> dict:
     d = stats.to_dict()
-    text_ids = [t for t in tokens if t not in eos]
-    return {
-        "text": tokenizer.decode(text_ids, skip_special_tokens=True),
-        "token_ids": tokens,
-        "num_tokens": len(tokens),
-        "accept_len": d["tau"],
-        "accept_at_pos": d["accept_at_pos"],
-        "accept_hist": d["accept_hist"],
-        "verify_steps": d["verify_steps"],
-        "tok_per_s": len(tokens) / elapsed_s if elapsed_s > 0 else 0.0,
-        "elapsed_s": elapsed_s,
-        "prefill_s": prefill_s,
-    }
+    return {"accept_len": d["tau"], "accept_at_pos": d["accept_at_pos"], "accept_hist": d["accept_hist"],
+            "verify_steps": d["verify_steps"], "committed_tokens": d["committed_tokens"]}
+
+
+def report(tokenizer, res, eos: set[int], backend: str) -> dict:
+    """The JSON of one call (module docstring): totals at the top level, per-prompt fields per prompt."""
+    def prompt(i: int) -> dict:
+        tokens = res.token_ids[i]
+        return {"text": tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True),
+                "token_ids": tokens, "num_tokens": len(tokens), "finish_reason": res.finish_reasons[i],
+                **_stats_fields(res.prompt_stats[i])}
+
+    out = {"backend": backend, "num_prompts": len(res.token_ids), "num_tokens": res.num_tokens,
+           **_stats_fields(res.stats), "tok_per_s": res.tok_per_s, "elapsed_s": res.elapsed_s,
+           "prefill_s": res.prefill_s}
+    if len(res.token_ids) == 1:
+        out.update(prompt(0))
+    else:
+        out["batch"] = [prompt(i) for i in range(len(res.token_ids))]
+    return out
+
+
+def _compare_ar(out: dict, res, ar, params) -> dict:
+    out["ar_tok_per_s"] = ar.tok_per_s
+    out["speedup"] = res.tok_per_s / ar.tok_per_s
+    out["ar_equal"] = ar.token_ids == res.token_ids if params.greedy else None
+    return out
 
 
 def run(args) -> dict:
-    from dspine.sampling import SamplingParams
-    from dspine.target import TargetSpec, load_tokenizer, resolve_model_path
-    from infer.prompts import encode_prompt
-
     # argument checks first: a bad value fails before any model file is read
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
@@ -118,8 +137,6 @@ def run(args) -> dict:
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
     if args.dataset:
-        from infer.datasets import load_eval_prompts
-
         prompts = [encode_prompt(tokenizer, p.turns[0], chat=not args.no_chat_template, system=args.system,
                                  enable_thinking=args.enable_thinking)
                    for p in load_eval_prompts(args.dataset, args.num_prompts)]
@@ -138,10 +155,6 @@ def run(args) -> dict:
 
 
 def _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
-    from dspine.checkpoint import load_draft
-    from dspine.spec import ReferenceDecoder
-    from dspine.target import assert_compatible, load_target
-
     dtype = torch.float32 if args.dtype == "auto" else args.dtype
     target = load_target(path, gguf, dtype=dtype)
     draft = None
@@ -155,24 +168,13 @@ def _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompt
         assert_compatible(spec, draft.config, max_context=max(map(len, prompts)) + args.max_new_tokens)
     eos = spec.eos_ids
     res = ReferenceDecoder(target, draft, eos).generate(prompts, params)
-    tokens = res.token_ids[0]
-    out = result_dict(tokenizer, tokens, res.stats, res.elapsed_s, res.prefill_s, eos)
-    out["backend"] = "reference"
-    out["finish_reason"] = res.finish_reasons[0]
-    if len(prompts) > 1:
-        out["batch"] = [result_dict(tokenizer, t, res.stats, res.elapsed_s, res.prefill_s, eos) for t in res.token_ids]
-        out["num_tokens"] = res.num_tokens
-        out["tok_per_s"] = res.num_tokens / res.elapsed_s
+    out = report(tokenizer, res, eos, "reference")
     if args.compare_ar and draft is not None:
-        ar = ReferenceDecoder(target, None, eos).generate(prompts, params)
-        out["ar_tok_per_s"] = ar.num_tokens / ar.elapsed_s
-        out["speedup"] = out["tok_per_s"] / out["ar_tok_per_s"]
-        out["ar_equal"] = ar.token_ids == res.token_ids if params.greedy else None
+        _compare_ar(out, res, ReferenceDecoder(target, None, eos).generate(prompts, params), params)
     return out
 
 
 def _run_engine(args, params, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
-    """``--backend cuda``: same JSON contract as the reference backend."""
     dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
     if dtype is None:
         raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
@@ -183,16 +185,10 @@ def _run_engine(args, params, path, gguf, draft_path, tokenizer, spec, prompts) 
                             max_new_cap=args.max_new_tokens)
     engine.generate(prompts, params)  # warm-up: graph capture and kernel compilation stay out of the timing
     res = engine.generate(prompts, params)
-    out = result_dict(tokenizer, res.token_ids[0], res.stats, res.elapsed_s, res.prefill_s, engine.eos_set)
-    out.update(backend="cuda", finish_reason=res.finish_reasons[0])
-    if len(prompts) > 1:
-        out["num_tokens"], out["tok_per_s"] = res.num_tokens, res.tok_per_s
+    out = report(tokenizer, res, engine.eos_set, "cuda")
     if args.compare_ar and engine.draft is not None:
         engine.generate(prompts, params, use_draft=False)
-        ar = engine.generate(prompts, params, use_draft=False)
-        out["ar_tok_per_s"] = ar.tok_per_s
-        out["speedup"] = res.tok_per_s / ar.tok_per_s
-        out["ar_equal"] = ar.token_ids == res.token_ids if params.greedy else None
+        _compare_ar(out, res, engine.generate(prompts, params, use_draft=False), params)
     return out
 
 
@@ -200,7 +196,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         out = run(args)
-    except (ValueError, OSError, RuntimeError) as e:  # OSError: an unreachable Hub id, unreadable files
+    except (ValueError, OSError, RuntimeError, FloatingPointError) as e:  # OSError: unreachable Hub id, unreadable files
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -68,7 +68,7 @@ def oracle_engine(engine, reference: list[list[int]], corrupt: float, seed: int 
         owner = engine.slot_owner
         ref = lambda b: reference[owner[b]] if owner[b] is not None else None
         logits = oracle_logits(ref, cache.lengths, B, bs - 1, V, corrupt, g)
-        return logits[:, : engine.vb - 1].to(engine.device, engine.target.embed.dtype)
+        return logits[:, : engine.verify_size - 1].to(engine.device, engine.target.embed.dtype)
 
     engine.draft_logits = draft_logits
     return engine

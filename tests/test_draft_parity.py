@@ -65,7 +65,7 @@ def engine_run(model, target, blocks, features, plan_counts, impl):
     cache, ``Engine.draft_logits``): prefill rows one by one, then per step block logits and an append
     of the step's bs feature rows of which only ``counts`` are committed. Returns logits per step."""
     B, bs = len(PROMPTS), model.config.block_size
-    eng = SimpleNamespace(draft=copy.deepcopy(model).fuse_weights(), target=target, impl=impl, vb=bs)
+    eng = SimpleNamespace(draft=copy.deepcopy(model).fuse_weights(), target=target, impl=impl, verify_size=bs)
     cache = DraftCache(eng.draft, B, features.shape[1] + bs + 1)
     for b, P in enumerate(PROMPTS):
         cache.append(features[b : b + 1, :P], torch.tensor([P]), rows=torch.tensor([b]), impl=impl)

@@ -38,7 +38,7 @@ def test_shipped_draft_size_and_layout():
 
 
 def test_shipped_draft_greedy_equals_ar_and_accepts(smollm2):
-    from dspine.spec import ReferenceDecoder
+    from dspine.reference import ReferenceDecoder
     from infer.datasets import load_eval_prompts
     from infer.prompts import encode_prompt
 

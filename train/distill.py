@@ -246,7 +246,7 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
 
     Per-slot counts are summed over ranks before dividing (docs/method.md §8.9); anchors are drawn from a
     fixed generator so evals at different steps see the same blocks. tau_real decodes
-    ``eval_prompts`` prompts greedily with :class:`dspine.spec.ReferenceDecoder` on rank 0."""
+    ``eval_prompts`` prompts greedily with :class:`dspine.reference.ReferenceDecoder` on rank 0."""
     rank, world = accelerator.process_index, accelerator.num_processes
     n = min(len(eval_rows), cfg.eval_max_rows)
     mine = list(range(rank, n - n % world, world))
@@ -263,8 +263,8 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
     out = {"eval/loss": stats.loss_sum / stats.weight_sum if stats.weight_sum else float("nan"),
            "eval/acc_at_pos": acc, "eval/accept_at_pos": at_pos, "eval/tau_sim": tau}
     if cfg.eval_prompts:
+        from dspine.reference import ReferenceDecoder
         from dspine.sampling import SamplingParams
-        from dspine.spec import ReferenceDecoder
 
         model = full_draft(accelerator, draft, dcfg, zero3)
         real = None

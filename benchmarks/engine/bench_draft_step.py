@@ -146,7 +146,7 @@ def run_shape(shape: str, args, dev, dtype, impl) -> dict:
             steps[name] = eng._runner(B, greedy, spec=True)  # idle rows: the full step's work, state unchanged
             s = eng._slots_for(B)
             _, dc = eng._cache_view(B)
-            blocks[name] = graphed(lambda eng=eng, s=s, dc=dc: eng.draft_logits(s.dblock, dc), dev)
+            blocks[name] = graphed(lambda eng=eng, s=s, dc=dc: eng.draft_logits(s.draft_block, dc), dev)
         step_ms = interleaved(steps, args.iters, args.reps, args.warmup, dev)
         draft_ms = interleaved(blocks, args.iters, args.reps, args.warmup, dev)
         row = {"dflash_step_ms": step_ms["dflash"], "dspine_step_ms": step_ms["dspine"],

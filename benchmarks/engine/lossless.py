@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dspine.checkpoint import save_draft  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
+from dspine.reference import ReferenceDecoder  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
-from dspine.spec import ReferenceDecoder  # noqa: E402
 from dspine.target import load_target, load_tokenizer  # noqa: E402
 from infer.datasets import load_eval_prompts  # noqa: E402
 from infer.engine import load_engine  # noqa: E402
@@ -44,8 +44,8 @@ def install_device_oracle(engine, reference: list[list[int]], every: int = 4):
     ref = torch.zeros(engine.max_batch, width, dtype=torch.long, device=dev)
     admit = engine._admit
 
-    def _admit(s, b, prompt, params, spec, kv, dc):
-        admit(s, b, prompt, params, spec, kv, dc)
+    def _admit(s, b, prompt, params, spec, kv, dc, seed=0):
+        admit(s, b, prompt, params, spec, kv, dc, seed)
         seq = reference[engine.slot_owner[b]]  # set by Engine.generate before admission
         row = torch.zeros(width, dtype=torch.long)
         row[: len(seq)] = torch.tensor(seq)
@@ -60,7 +60,7 @@ def install_device_oracle(engine, reference: list[list[int]], every: int = 4):
         bad = (pos % every) == 0
         tok = torch.where(bad, (tok + 1) % V, tok)
         logits = torch.zeros(B, bs - 1, V, device=dev, dtype=engine.target.embed.dtype)
-        return logits.scatter_(2, tok[..., None], 10.0)[:, : engine.vb - 1]
+        return logits.scatter_(2, tok[..., None], 10.0)[:, : engine.verify_size - 1]
 
     engine._admit = _admit
     engine.draft_logits = draft_logits
