@@ -161,14 +161,12 @@ class DSpineConfig(PretrainedConfig):
 
     @classmethod
     def for_target(cls, target_config, spec, **shape) -> DSpineConfig:
-        """A draft for a target: layer shapes copy the target's (hidden, heads, head_dim, MLP width,
-        norm eps, RoPE, vocabulary), as DFlash does; ``shape`` sets draft fields (``SHAPE_FIELDS``),
-        None or absent = the default: ``DEFAULT_LAYERS`` layers, block ``DEFAULT_BLOCK_SIZE``,
-        ``DSPINE_DEFAULTS`` injection, the docs/method.md §2 target layers, the first unused
-        embedding row as mask token, full-attention layers.
+        """A draft for a target (its transformers config and ``dspine.target.TargetSpec``): layer shapes
+        copy the target's (hidden, heads, head_dim, MLP width, eps, RoPE, vocabulary), as DFlash does;
+        ``shape`` sets draft fields (``SHAPE_FIELDS``), None or absent = the default: ``DEFAULT_LAYERS``
+        layers, block ``DEFAULT_BLOCK_SIZE``, ``DSPINE_DEFAULTS``, the docs/method.md §2 target layers,
+        the first unused embedding row as mask token, full-attention layers.
 
-        Args:
-            target_config: the target's transformers config; spec: its ``dspine.target.TargetSpec``.
         Raises:
             ValueError: an unknown shape field, a ``sliding_layers`` index outside ``[0, layers)``, no
                 unused embedding row for the mask token, or any field :meth:`validate_fields` refuses.

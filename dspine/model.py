@@ -116,14 +116,12 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(D)
         self.register_buffer("qkv_weight", None, persistent=False)  # inference: fuse_weights()
-        self.register_buffer("qkv_bias", None, persistent=False)
 
     def project(self, x: torch.Tensor, with_q: bool = True) -> torch.Tensor:
         """``[q ;] k ; v`` projections of x ``[..., H]`` in one GEMM once fused, else one by one."""
         if self.qkv_weight is None:
             return torch.cat([lin(x) for lin in (self.q_proj, self.k_proj, self.v_proj)[0 if with_q else 1:]], -1)
-        skip = 0 if with_q else self.num_heads * self.head_dim
-        return F.linear(x, self.qkv_weight[skip:], None if self.qkv_bias is None else self.qkv_bias[skip:])
+        return F.linear(x, self.qkv_weight[0 if with_q else self.num_heads * self.head_dim:])
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:-1], n, self.head_dim).transpose(1, 2)  # [B, n, T, D]
@@ -187,7 +185,6 @@ class AdjacentInjection(nn.Module):
             kvd = config.num_key_value_heads * config.head_dim
             self.k_proj = nn.Linear(H, kvd, bias=False)
             self.v_proj = nn.Linear(H, kvd, bias=False)
-            self.register_buffer("kv_weight", None, persistent=False)  # inference: fuse_weights()
 
     @staticmethod
     def previous(h: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -271,8 +268,7 @@ class DraftLayer(nn.Module):
                 gate = adj.gate
             else:
                 delta = None
-                kv = F.linear(prev, adj.kv_weight) if adj.kv_weight is not None else torch.cat(
-                    [adj.k_proj(prev), adj.v_proj(prev)], -1)
+                kv = torch.cat([adj.k_proj(prev), adj.v_proj(prev)], -1)
                 k_extra, v_extra = ctx.scratch(B, Hkv, D, h.dtype)
                 qk_norm_rope_cache(None, *(t.view(N, Hkv, D) for t in kv.split(Hkv * D, -1)), None, at.k_norm.weight,
                                    eps, ctx.cos, ctx.sin, ctx.prev_positions, k_extra, v_extra, ctx.rows, ctx.slots,
@@ -535,31 +531,28 @@ class DSpineDraftModel(PreTrainedModel):
 
     @torch.no_grad()
     def fuse_weights(self) -> DSpineDraftModel:
-        """Inference only: q/k/v, gate/up and the kv injection's k/v each become one weight (non-persistent
-        buffers); the original parameters become views of them, so ``state_dict`` keeps the DFlash
-        names and no memory is doubled. A low-rank injection whose H×H product is small (≤ 2rH + 4M
-        elements: one GEMM over it is cheaper than a second launch) gets ``up·down`` folded into one
-        weight. Call after the last ``.to()`` (it moves buffer and views apart); idempotent. Returns self."""
+        """Inference only: q/k/v and gate/up each become one weight (non-persistent buffers) and the
+        original parameters views of it, so ``state_dict`` keeps the DFlash names and no memory is
+        doubled. A low-rank injection whose H×H product is small (≤ 2rH + 4M elements: one GEMM over it
+        costs less than a second launch) gets ``up·down`` folded into one weight. Call after the last
+        ``.to()`` (which moves buffer and views apart); idempotent. Returns self.
+
+        Raises:
+            ValueError: a draft with ``attention_bias`` (the fused path has no biases).
+        """
+        if self.config.attention_bias:
+            raise ValueError("draft attention_bias=True is not supported by the fused inference path")
+
         def fuse(owner, name, linears):
             w = torch.cat([lin.weight for lin in linears])
-            b = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
-            setattr(owner, f"{name}_weight", w)
-            if b is not None:
-                setattr(owner, f"{name}_bias", b)
-            i = 0
-            for lin in linears:
-                m = lin.weight.shape[0]
-                lin.weight = nn.Parameter(w[i:i + m], requires_grad=False)
-                if b is not None:
-                    lin.bias = nn.Parameter(b[i:i + m], requires_grad=False)
-                i += m
+            setattr(owner, name, w)
+            for lin, part in zip(linears, w.split([lin.weight.shape[0] for lin in linears])):
+                lin.weight = nn.Parameter(part, requires_grad=False)
 
         for layer in self.layers:
             at, mlp, adj = layer.self_attn, layer.mlp, layer.adjacent
-            fuse(at, "qkv", [at.q_proj, at.k_proj, at.v_proj])
-            fuse(mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])
-            if adj is not None and adj.mode == "kv":
-                fuse(adj, "kv", [adj.k_proj, adj.v_proj])
+            fuse(at, "qkv_weight", [at.q_proj, at.k_proj, at.v_proj])
+            fuse(mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj])
             if adj is not None and adj.mode == "residual" and isinstance(adj.proj, LowRank):
                 up, down = adj.proj.up.weight, adj.proj.down.weight  # [H, r], [r, H]
                 if up.shape[0] ** 2 <= 2 * up.numel() + (1 << 22):

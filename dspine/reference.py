@@ -5,11 +5,9 @@ forward over its context cache; the target verifies the block causally over its 
 longest agreeing prefix plus the bonus token is committed; the target cache is cropped to the
 committed positions and their target features are appended to the draft's context. Rows of a batch
 accept different counts (ragged); the draft runs batched, the target verifies row by row on its own
-HF cache (simple and exact). Without a draft it decodes autoregressively on the same path.
-
-It shares everything but the target with the engine: the draft's ``forward_block`` with
-``impl="torch"``, the acceptance rule (``dspine.ops.accept``'s torch references), the sampler and
-its per-request random streams (``dspine.sampling``), the result type (``dspine.stats``).
+HF cache (simple and exact). Without a draft it decodes autoregressively on the same path. Shared
+with the engine: the draft's ``forward_block``, the acceptance rule (``dspine.ops.accept``'s torch
+references), the sampler and its per-request streams (``dspine.sampling``), the result type.
 """
 
 from __future__ import annotations
@@ -75,11 +73,8 @@ class ReferenceDecoder:
             params: sampling settings; T = 0 is greedy (exact match), T > 0 chain rejection sampling.
             seeds: one request seed per prompt (default ``request_seed(params.seed, i)``): a prompt's
                 sample depends only on its seed, never on the other prompts (``dspine.sampling``).
-        Returns:
-            :class:`GenerationResult` with per-prompt :class:`AcceptStats`.
-        Raises:
-            ValueError: an empty prompt, bad params or a ``seeds`` list of the wrong length.
-            FloatingPointError: non-finite target or draft logits.
+        Returns :class:`GenerationResult` (per-prompt :class:`AcceptStats`). Raises ValueError (an empty
+        prompt, bad params, a ``seeds`` list of the wrong length), FloatingPointError (non-finite logits).
         """
         params.validate()
         check_prompts(prompts)
@@ -129,12 +124,9 @@ class ReferenceDecoder:
 
         if use_draft:
             bs, K = self.block_size, self.block_size - 1
-            longest = max(len(p) for p in prompts)
-            dcache = DraftCache(self.draft, B, longest + params.max_new_tokens + bs + 1)
-            pf = torch.zeros(B, longest, feats[0].shape[-1], device=dev, dtype=feats[0].dtype)
+            dcache = DraftCache(self.draft, B, max(map(len, prompts)) + params.max_new_tokens + bs + 1)
             for b, f in enumerate(feats):
-                pf[b, : f.shape[1]] = f[0]
-            dcache.append(pf, torch.tensor([len(p) for p in prompts], device=dev))
+                dcache.append(f, torch.tensor([f.shape[1]], device=dev), rows=torch.tensor([b], device=dev))
 
         while not all(done):
             loops += 1
@@ -165,7 +157,7 @@ class ReferenceDecoder:
                 block[:, 1:] = sample(p_draft, seed, rng.STREAM_DRAFT, slot_pos)
 
             # -- verify + accept, row by row (the acceptance rule of dspine.ops.accept) ----------------
-            new_feats = torch.zeros(B, bs, pf.shape[-1], device=dev, dtype=pf.dtype)
+            new_feats = torch.zeros(B, bs, feats[0].shape[-1], device=dev, dtype=feats[0].dtype)
             counts = torch.zeros(B, dtype=torch.long, device=dev)
             for b in active:
                 start = int(dcache.lengths[b])  # position of the anchor

@@ -1,23 +1,12 @@
-"""Token sampling shared by the target and the draft, the engine and the reference decoder (docs/method.md §5).
+"""Token sampling shared by both decoders (docs/method.md §5; the stream layout: docs/contracts.md).
 
-Temperature, then top-k, then top-p (nucleus) — the same processing is applied to target and
-draft logits, so the rejection rule compares the distributions that were actually sampled
-(docs/method.md §8.7). The acceptance rule itself is ``dspine.ops.accept`` (its ``*_torch``
-functions are the reference).
-
-Randomness is counter based, one stream per request: every uniform is a hash of (request seed,
-purpose, output position, vocabulary index) — SplitMix64's mixer in int64 tensor ops, no
-``torch.Generator`` state, no host sync, so it can sit inside a CUDA graph. A request's sample
-therefore depends only on its own seed and tokens: the same prompt and seed give the same output at
-any concurrency and batch position, in the engine and the reference decoder alike (given the same
-logits). Request seed: ``request_seed(params.seed, i)`` for prompt i of a call, unless the caller
-passes one seed per prompt. Within a request, a step starting at output position n (tokens
-generated so far) draws draft token k (1..K) with stream ``DRAFT`` at position n + k - 1, tests it
-with ``ACCEPT`` at n + k - 1 and draws the bonus with ``TARGET`` at n; autoregressive sampling and
-the prefill token use ``TARGET`` at the token's own position. Positions past a step's first
-rejection are reused by the next step; that is exact, since nothing emitted depended on them.
-Sampling is the exponential race ``argmax_v p_v / E_v``, ``E = -log u`` (gpt-fast's
-``multinomial_sample_one_no_sync``), which draws v with probability p_v.
+Temperature, then top-k, then top-p: the same processing for target and draft logits, so the
+rejection rule (``dspine.ops.accept``) compares the distributions actually sampled (§8.7).
+Randomness is counter based, one stream per request: every uniform is a SplitMix64 hash of (request
+seed, stream, output position, token) in int64 tensor ops — no generator state, no host sync, so it
+runs inside a CUDA graph, and a request's sample depends only on its own seed and tokens, never on
+its batch neighbours or the concurrency. Sampling is the exponential race ``argmax_v p_v / E_v``,
+``E = -log u`` (gpt-fast's ``multinomial_sample_one_no_sync``), which draws v with probability p_v.
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 class AcceptStats:
     """Histogram ``hist[n]`` of committed tokens per verify step, n = 1..block_size."""
@@ -29,13 +27,11 @@ class AcceptStats:
                 raise ValueError(f"hist has {len(hist)} bins, expected block_size + 1 = {self.block_size + 1}")
             self.hist = [int(x) for x in hist]
 
-    def record(self, committed) -> None:
-        """Add steps: an int n or a 1-D int tensor/list of n values (each 1..block_size)."""
-        values = committed.tolist() if isinstance(committed, torch.Tensor) else committed
-        for n in [values] if isinstance(values, int) else values:
-            if not 1 <= n <= self.block_size:
-                raise ValueError(f"committed tokens per step must be in 1..{self.block_size}, got {n}")
-            self.hist[n] += 1
+    def record(self, n: int) -> None:
+        """Add one step that committed n tokens (1..block_size)."""
+        if not 1 <= n <= self.block_size:
+            raise ValueError(f"committed tokens per step must be in 1..{self.block_size}, got {n}")
+        self.hist[n] += 1
 
     def merge(self, other: AcceptStats) -> AcceptStats:
         if other.block_size != self.block_size:
@@ -75,12 +71,8 @@ class AcceptStats:
 
 @dataclass
 class GenerationResult:
-    """One ``generate`` call of :class:`infer.engine.Engine` or :class:`dspine.reference.ReferenceDecoder`.
-
-    ``prompt_stats[i]`` counts only prompt i's verify steps and committed tokens (its first token
-    comes from prefill and is no verify step's: ``tokens == len(token_ids[i]) - 1``); ``stats`` pools
-    them, so per-prompt committed tokens and steps add up to the batch totals.
-    """
+    """One ``generate`` call of either decoder. ``prompt_stats[i]`` counts prompt i's own verify steps and
+    committed tokens (``len(token_ids[i]) - 1``: the prefill token is no step's); ``stats`` pools them."""
 
     token_ids: list[list[int]]  # generated tokens per prompt (EOS included when hit)
     finish_reasons: list[str]  # "stop" (EOS) or "length"

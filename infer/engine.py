@@ -212,16 +212,11 @@ class Engine:
         s.lengths.add_(live.to(torch.int32))
         s.anchor.copy_(torch.where(live, nxt, s.anchor))
 
-    def _step_fn(self, B: int, params: SamplingParams, spec: bool):
-        slots = self._slots_for(B)
-        kv, draft_cache = self._cache_view(B)
-        if spec:
-            return lambda: self._spec_step(slots, kv, draft_cache, params)
-        return lambda: self._ar_step(slots, kv, params)
-
     def _runner(self, B: int, params: SamplingParams, spec: bool):
         """The step for this configuration: a replayable CUDA graph, or the eager function."""
-        fn = self._step_fn(B, params, spec)
+        slots, (kv, draft_cache) = self._slots_for(B), self._cache_view(B)
+        fn = (lambda: self._spec_step(slots, kv, draft_cache, params)) if spec else (
+            lambda: self._ar_step(slots, kv, params))
         if not self.cuda_graphs:
             return fn
         key = (B, spec, params.temperature, params.top_p, params.top_k)

@@ -101,13 +101,6 @@ def report(tokenizer, res, eos: set[int], backend: str) -> dict:
     return out
 
 
-def _compare_ar(out: dict, res, ar, params) -> dict:
-    out["ar_tok_per_s"] = ar.tok_per_s
-    out["speedup"] = res.tok_per_s / ar.tok_per_s
-    out["ar_equal"] = ar.token_ids == res.token_ids if params.greedy else None
-    return out
-
-
 def run(args) -> dict:
     # argument checks first: a bad value fails before any model file is read
     if args.max_new_tokens < 1:
@@ -149,47 +142,46 @@ def run(args) -> dict:
     if spec.max_position_embeddings and need > spec.max_position_embeddings:
         raise ValueError(f"prompt ({max(map(len, prompts))} tokens) + --max-new-tokens {args.max_new_tokens} = {need} "
                          f"exceeds the target's context of {spec.max_position_embeddings} positions")
-    if backend == "cuda":
-        return _run_engine(args, params, path, gguf, draft_path, tokenizer, spec, prompts)
-    return _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompts)
-
-
-def _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
-    dtype = torch.float32 if args.dtype == "auto" else args.dtype
-    target = load_target(path, gguf, dtype=dtype)
-    draft = None
-    if draft_path is not None:
-        draft = load_draft(draft_path, dtype=target.dtype)
-        if args.block_size and args.block_size > draft.config.block_size:
-            raise ValueError(f"--block-size {args.block_size} exceeds the draft's block size {draft.config.block_size}")
-        if args.block_size and args.block_size != draft.config.block_size:
-            raise ValueError(f"--block-size {args.block_size} < the draft's {draft.config.block_size}: verifying fewer "
-                             "slots is only supported by --backend cuda")
-        assert_compatible(spec, draft.config, max_context=max(map(len, prompts)) + args.max_new_tokens)
-    eos = spec.eos_ids
-    res = ReferenceDecoder(target, draft, eos).generate(prompts, params)
-    out = report(tokenizer, res, eos, "reference")
-    if args.compare_ar and draft is not None:
-        _compare_ar(out, res, ReferenceDecoder(target, None, eos).generate(prompts, params), params)
+    decode, eos = (_engine if backend == "cuda" else _reference)(args, params, path, gguf, draft_path, spec, prompts)
+    res = decode(True)
+    out = report(tokenizer, res, eos, backend)
+    if args.compare_ar and draft_path is not None:
+        ar = decode(False)
+        out.update(ar_tok_per_s=ar.tok_per_s, speedup=res.tok_per_s / ar.tok_per_s,
+                   ar_equal=ar.token_ids == res.token_ids if params.greedy else None)
     return out
 
 
-def _run_engine(args, params, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
+def _reference(args, params, path, gguf, draft_path, spec, prompts):
+    """(decode(use_draft) -> GenerationResult, eos ids) of the reference backend."""
+    target = load_target(path, gguf, dtype=torch.float32 if args.dtype == "auto" else args.dtype)
+    draft = None
+    if draft_path is not None:
+        draft = load_draft(draft_path, dtype=target.dtype)
+        if args.block_size and args.block_size != draft.config.block_size:
+            raise ValueError(f"--block-size {args.block_size}: the reference backend verifies the draft's whole block "
+                             f"({draft.config.block_size}); fewer slots need --backend cuda")
+        assert_compatible(spec, draft.config, max_context=max(map(len, prompts)) + args.max_new_tokens)
+    return lambda use: ReferenceDecoder(target, draft if use else None, spec.eos_ids).generate(prompts, params), \
+        spec.eos_ids
+
+
+def _engine(args, params, path, gguf, draft_path, spec, prompts):
+    """(decode(use_draft) -> GenerationResult, eos ids) of the CUDA engine; each decode runs once untimed first
+    (graph capture and kernel compilation stay out of the timing)."""
     dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
     if dtype is None:
         raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
     longest = max(map(len, prompts))
-    max_seq = longest + args.max_new_tokens + 64
     engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
-                            max_seq=max_seq, verify_size=args.block_size, check_max_context=longest + args.max_new_tokens,
-                            max_new_cap=args.max_new_tokens)
-    engine.generate(prompts, params)  # warm-up: graph capture and kernel compilation stay out of the timing
-    res = engine.generate(prompts, params)
-    out = report(tokenizer, res, engine.eos_set, "cuda")
-    if args.compare_ar and engine.draft is not None:
-        engine.generate(prompts, params, use_draft=False)
-        _compare_ar(out, res, engine.generate(prompts, params, use_draft=False), params)
-    return out
+                            max_seq=longest + args.max_new_tokens + 64, verify_size=args.block_size,
+                            check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens)
+
+    def decode(use: bool):
+        engine.generate(prompts, params, use_draft=use)
+        return engine.generate(prompts, params, use_draft=use)
+
+    return decode, engine.eos_set
 
 
 def main(argv=None) -> int:

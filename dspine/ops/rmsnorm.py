@@ -26,7 +26,7 @@ import torch
 
 from ._common import check_impl, next_pow2, tl, triton
 
-__all__ = ["rms_norm", "rms_norm_torch", "shift_rms_norm", "shift_rms_norm_torch"]
+__all__ = ["rms_norm", "rms_norm_torch", "shift_rms_norm"]
 
 
 @triton.jit
@@ -81,8 +81,6 @@ def _launch(x, weight, eps, residual, scale, out, block_size):
         raise ValueError(f"hidden size {H} > 65536 is not supported")
     x2 = _rows(x)
     N = x2.shape[0]
-    if block_size and N % block_size:
-        raise ValueError(f"{N} rows are not whole blocks of {block_size}")
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     y2 = y.view(-1, H)
     if residual is not None:
@@ -102,10 +100,6 @@ def _launch(x, weight, eps, residual, scale, out, block_size):
             enable_fp_fusion=False,  # sum of squares as torch: product rounded, then added
         )
     return y if residual is None else (y, r_out)
-
-
-def rms_norm_triton(x, weight, eps, residual=None, *, out=None, scale=None):
-    return _launch(x, weight, eps, residual, scale, out, 0)
 
 
 def rms_norm_torch(x, weight, eps, residual=None, *, out=None, scale=None):
@@ -131,28 +125,22 @@ def rms_norm(x, weight, eps, residual=None, impl: str = "triton", *, out=None, s
     shape mismatch or a ``scale`` without ``residual``. Numerics: see the module docstring.
     """
     check_impl(impl)
-    fn = rms_norm_triton if impl == "triton" else rms_norm_torch
-    return fn(x, weight, eps, residual, out=out, scale=scale)
-
-
-def shift_rms_norm_torch(x, weight, eps, block_size: int, residual=None):
-    """Reference: rms_norm, then every block's rows moved down one slot with zeros at slot 0."""
-    if x.reshape(-1, x.shape[-1]).shape[0] % block_size:
-        raise ValueError(f"{x.reshape(-1, x.shape[-1]).shape[0]} rows are not whole blocks of {block_size}")
-    out = rms_norm_torch(x, weight, eps, residual)
-    y, r = out if residual is not None else (out, x)
-    yb = y.reshape(-1, block_size, y.shape[-1])
-    shifted = torch.cat([torch.zeros_like(yb[:, :1]), yb[:, :-1]], dim=1).view(x.shape)
-    return shifted, r
+    if impl == "triton":
+        return _launch(x, weight, eps, residual, scale, out, 0)
+    return rms_norm_torch(x, weight, eps, residual, out=out, scale=scale)
 
 
 def shift_rms_norm(x, weight, eps, block_size: int, residual=None, impl: str = "triton"):
     """(y, r): r = x + residual (x itself without one); y[n] = RMSNorm(r[n − 1]) inside each block of
-    ``block_size`` rows, 0 at slot 0 (module docstring). One launch; raises ValueError on shapes."""
+    ``block_size`` rows, 0 at slot 0 (module docstring). One launch; raises ValueError on shapes.
+    Reference (``impl="torch"``): rms_norm, then each block's rows moved down one slot."""
     check_impl(impl)
-    if impl == "torch":
-        return shift_rms_norm_torch(x, weight, eps, block_size, residual)
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size} must be >= 1")
-    out = _launch(x, weight, eps, residual, None, None, block_size)
-    return out if residual is not None else (out, x)
+    if block_size < 1 or x.reshape(-1, x.shape[-1]).shape[0] % block_size:
+        raise ValueError(f"{x.reshape(-1, x.shape[-1]).shape[0]} rows are not whole blocks of {block_size}")
+    if impl == "triton":
+        out = _launch(x, weight, eps, residual, None, None, block_size)
+        return out if residual is not None else (out, x)
+    out = rms_norm_torch(x, weight, eps, residual)
+    y, r = out if residual is not None else (out, x)
+    yb = y.reshape(-1, block_size, y.shape[-1])
+    return torch.cat([torch.zeros_like(yb[:, :1]), yb[:, :-1]], dim=1).view(x.shape), r
