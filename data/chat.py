@@ -3,7 +3,7 @@
 Rendering goes through the tokenizer's `apply_chat_template` (Jinja, as the serving engines do);
 text is then encoded with `add_special_tokens=False`, because a chat template writes its own BOS /
 control tokens into the text. System and user text is plain text: a control-token string typed in it
-stays ordinary text (`infer.prompts`, the same rule as at inference).
+stays ordinary text (`dspine.prompts`, the same rule as at inference).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def encode(tokenizer, text: str, turns: list[dict] | None = None) -> list[int]:
 
     With ``turns`` (what ``text`` renders), their system/user text stays plain text.
     """
-    from infer.prompts import encode_text, plain_spans
+    from dspine.prompts import encode_text, plain_spans
 
     return encode_text(tokenizer, text, plain_spans(tokenizer, text, turns) if turns else ())
 

@@ -5,16 +5,17 @@ A backend is anything with the `Generator.generate` method. Two exist:
 - `hf`: transformers `generate` (reference path; CPU or GPU).
 - `engine`: the inference engine of `infer.engine` (`load_engine(...)` and
   `Engine.generate(prompts, SamplingParams, use_draft=False)`), run autoregressively: CUDA graphs
-  on a GPU, PyTorch reference kernels on the CPU. Without that module, asking for it raises
-  NotImplementedError.
+  on a GPU, PyTorch reference kernels on the CPU.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import NamedTuple, Protocol
 
 import torch
+
+from dspine.sampling import SamplingParams
+from infer.engine import load_engine
 
 BACKENDS = ("auto", "hf", "engine")
 
@@ -105,8 +106,6 @@ class EngineGenerator:
         self.engine = engine
 
     def generate(self, prompts, max_new_tokens, temperature, top_p, top_k, seed) -> list[Generation]:
-        from dspine.sampling import SamplingParams
-
         if not prompts:
             return []
         params = SamplingParams(temperature, top_p, top_k, max_new_tokens, seed)
@@ -117,30 +116,16 @@ class EngineGenerator:
         ]
 
 
-def engine_available() -> bool:
-    """True iff the CUDA inference engine module `infer.engine` can be imported."""
-    try:
-        return importlib.util.find_spec("infer.engine") is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def resolve_backend(name: str) -> str:
-    """Maps "auto" to "engine" when CUDA and `infer.engine` are both available, else "hf".
+    """Maps "auto" to "engine" when CUDA is available, else "hf".
 
     Raises:
         ValueError: unknown backend name.
-        NotImplementedError: "engine" asked for but `infer.engine` does not exist yet.
     """
     if name not in BACKENDS:
         raise ValueError(f"--backend {name!r}: expected one of {BACKENDS}")
     if name == "auto":
-        return "engine" if torch.cuda.is_available() and engine_available() else "hf"
-    if name == "engine" and not engine_available():
-        raise NotImplementedError(
-            "--backend engine needs the CUDA inference engine (module infer.engine), which is not available "
-            "yet; use --backend hf (or auto)"
-        )
+        return "engine" if torch.cuda.is_available() else "hf"
     return name
 
 
@@ -166,8 +151,6 @@ def load_generator(
         raise ValueError(f"dtype={dtype!r}: expected auto, bf16 or fp32")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, torch.bfloat16 if cuda else torch.float32)
     if backend == "engine":
-        from infer.engine import load_engine
-
         engine, _ = load_engine(
             target,
             gguf_file,
@@ -175,7 +158,7 @@ def load_generator(
             device=device,
             dtype=dtype,
             max_batch=max_batch,
-            max_seq=(max_context or 4096) + 1,  # + the one-token step past the last prompt position
+            max_seq=max_context or 4096,
             eos_token_ids=stop_ids,
         )
         return EngineGenerator(engine)

@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     args = p.parse_args(argv)
-    from infer.generate import sampling_params
+    from dspine.sampling import sampling_params
 
     if args.concurrency is None:
         args.concurrency = args.batch_size

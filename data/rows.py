@@ -7,13 +7,13 @@ file in memory except `iter_json_array` (a JSON array has to be parsed whole).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 from data.schema import RowError
+from dspine.io import atomic_write_json, file_digest  # noqa: F401  (re-exported for the data CLIs)
 
 # Longest raw line text kept in a skipped/error record (a corrupt multi-megabyte line stays readable).
 MAX_RAW_CHARS = 10_000
@@ -130,22 +130,6 @@ def iter_hub(name: str, split: str = "train") -> Iterator[dict]:
 # ---------------------------------------------------------------------------------------- writing
 
 
-def atomic_write_json(path: str | Path, obj) -> None:
-    """Writes `obj` as indented JSON through a temp file and a rename, so a reader never sees half a file.
-
-    Raises:
-        ValueError: `obj` holds NaN or infinity (not JSON; nothing is written).
-    """
-    path = Path(path)
-    text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # Characters that str.splitlines() (and some JSON-lines readers) treat as line breaks although JSON
 # allows them raw; escaping them keeps one record per line for every reader.
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
@@ -209,12 +193,3 @@ def repair_tail(path: str | Path) -> bool:
             pos = start
         f.truncate(0)
         return True
-
-
-def file_digest(path: str | Path) -> str:
-    """blake2b-128 hex digest of a file's contents (read in 1 MiB blocks)."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()

@@ -49,10 +49,10 @@ from data.chat import end_of_turn_token, load_tokenizer, render, resolve_chat_te
 from data.rows import atomic_write_json, dumps, file_digest, parse_jsonl_line
 from data.schema import RowError, check_row
 from dspine.paths import read_json_object
-from infer.prompts import encode_text, plain_spans
+from dspine.prompts import encode_text, plain_spans
 
 # Bump when a change here changes the tokenized output; old caches then stop matching.
-# 2: control-token strings in system/user text are plain text (infer.prompts).
+# 2: control-token strings in system/user text are plain text (dspine.prompts).
 CODE_VERSION = 2
 ASSISTANT_TURNS = ("all", "last")
 DATA_FILE = "data.arrow"
@@ -173,7 +173,7 @@ def _tokenize_spans(
 
     Checks, per span, that the tokens before it equal the tokenization of the prompt text alone
     (what the target was fed at inference), and that no token straddles a span edge. The
-    system/user text of `turns` (what `text` renders) is plain text, as at inference (`infer.prompts`).
+    system/user text of `turns` (what `text` renders) is plain text, as at inference (`dspine.prompts`).
     """
     try:
         plain = plain_spans(tokenizer, text, turns) if turns else []

@@ -13,6 +13,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+# The draft's defaults live here only (DSpineConfig's signature, DSPINE_DEFAULTS and for_target).
+DEFAULT_LAYERS, DEFAULT_BLOCK_SIZE = 5, 16
 INJECTION_MODES = ("residual", "kv", "none")
 # What the draft reads from the target's *last* layer when target_layer_ids include it
 # (docs/method.md §2): "post_norm" = the state after the target's final RMSNorm, i.e. HF
@@ -105,6 +107,27 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return ids
 
 
+def default_mask_token_id(spec) -> int:
+    """First embedding row that the tokenizer never produces (Qwen3: 151669); ``spec`` is a
+    ``dspine.target.TargetSpec``.
+
+    Raises:
+        ValueError: the target vocabulary has no unused row; choose the mask token explicitly.
+    """
+    if spec.tokenizer_len is not None and spec.tokenizer_len < spec.vocab_size:
+        return spec.tokenizer_len
+    raise ValueError(
+        f"target {spec.name}: every one of its {spec.vocab_size} embedding rows is a real token; "
+        "choose an unused token for --mask-token-id (not pad/eos)"
+    )
+
+
+# Draft fields a caller may choose (the keyword arguments of DSpineConfig.for_target); None = default.
+SHAPE_FIELDS = ("layers", "block_size", "injection", "injection_rank", "injection_layers", "block_attention",
+                "target_layer_ids", "mask_token_id", "intermediate_size", "sliding_window", "sliding_layers",
+                "max_position_embeddings", "last_layer_features")
+
+
 class DSpineConfig(PretrainedConfig):
     """Hugging Face config of a DSpine / DFlash draft.
 
@@ -125,7 +148,7 @@ class DSpineConfig(PretrainedConfig):
         vocab_size: int = 151936,
         hidden_size: int = 4096,
         intermediate_size: int = 12288,
-        num_hidden_layers: int = 5,
+        num_hidden_layers: int = DEFAULT_LAYERS,
         num_attention_heads: int = 32,
         num_key_value_heads: int = 8,
         head_dim: int | None = 128,
@@ -138,7 +161,7 @@ class DSpineConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_target_layers: int = 36,
         dflash_config: dict | None = None,
         dspine_config: dict | None = None,
@@ -195,6 +218,57 @@ class DSpineConfig(PretrainedConfig):
         kwargs.setdefault("architectures", ["DSpineDraftModel"])
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate_fields()
+
+    @classmethod
+    def for_target(cls, target_config, spec, **shape) -> DSpineConfig:
+        """A draft for a target (its transformers config and ``dspine.target.TargetSpec``): layer shapes
+        copy the target's (hidden, heads, head_dim, MLP width, eps, RoPE, vocabulary), as DFlash does;
+        ``shape`` sets draft fields (``SHAPE_FIELDS``), None or absent = the default: ``DEFAULT_LAYERS``
+        layers, block ``DEFAULT_BLOCK_SIZE``, ``DSPINE_DEFAULTS``, the docs/method.md §2 target layers,
+        the first unused embedding row as mask token, full-attention layers.
+
+        Raises:
+            ValueError: an unknown shape field, a ``sliding_layers`` index outside ``[0, layers)``, no
+                unused embedding row for the mask token, or any field :meth:`validate_fields` refuses.
+        """
+        unknown = sorted(set(shape) - set(SHAPE_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown draft fields {unknown}; known: {', '.join(SHAPE_FIELDS)}")
+        get = lambda key, default: default if shape.get(key) is None else shape[key]
+        field = lambda name, default=None: default if getattr(target_config, name, None) is None else getattr(
+            target_config, name)
+        layers = int(get("layers", DEFAULT_LAYERS))
+        sliding = list(get("sliding_layers", []))
+        bad = [i for i in sliding if not 0 <= i < layers]
+        if bad:
+            raise ValueError(f"--sliding-layers {bad} outside [0, {layers}) for a draft of {layers} layers")
+        H, heads = int(target_config.hidden_size), int(target_config.num_attention_heads)
+        mask = shape.get("mask_token_id")
+        return cls(
+            vocab_size=spec.vocab_size, hidden_size=H,
+            intermediate_size=int(get("intermediate_size", target_config.intermediate_size)),
+            num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=int(field("num_key_value_heads", heads)), head_dim=int(field("head_dim", H // heads)),
+            max_position_embeddings=int(get("max_position_embeddings", spec.max_position_embeddings or 40960)),
+            rms_norm_eps=float(field("rms_norm_eps", 1e-6)), rope_theta=spec.rope_theta or 1e6,
+            layer_types=["sliding_attention" if i in sliding else "full_attention" for i in range(layers)],
+            sliding_window=shape.get("sliding_window"), block_size=int(get("block_size", DEFAULT_BLOCK_SIZE)),
+            num_target_layers=spec.num_layers,
+            dflash_config={"mask_token_id": default_mask_token_id(spec) if mask is None else int(mask),
+                           "target_layer_ids": shape.get("target_layer_ids") or None},
+            dspine_config={k: shape[k] for k in DSPINE_DEFAULTS if shape.get(k) is not None},
+        )
+
+    def shape(self) -> dict:
+        """This config's draft fields, as :meth:`for_target` takes them (``injection_layers`` None = all)."""
+        sliding = [i for i, t in enumerate(self.layer_types) if t == "sliding_attention"]
+        return {"layers": self.num_hidden_layers, "block_size": self.block_size, "injection": self.injection,
+                "injection_rank": self.injection_rank, "injection_layers": self.dspine_config["injection_layers"],
+                "block_attention": self.block_attention, "target_layer_ids": self.target_layer_ids,
+                "mask_token_id": self.mask_token_id, "intermediate_size": self.intermediate_size,
+                "sliding_window": self.sliding_window, "sliding_layers": sliding,
+                "max_position_embeddings": self.max_position_embeddings,
+                "last_layer_features": self.last_layer_features}
 
     # -- convenience accessors (the JSON keys stay nested as in DFlash) --------------------------
     @property

@@ -15,96 +15,26 @@ import sys
 
 import torch
 
-from dspine.checkpoint import save_draft, warm_start
-from dspine.config import DSpineConfig, default_target_layer_ids
+from dspine.checkpoint import load_config, save_draft, warm_start
+from dspine.config import DEFAULT_BLOCK_SIZE, DEFAULT_LAYERS, SHAPE_FIELDS, DSpineConfig
 from dspine.model import DSpineDraftModel, count_parameters
 from dspine.target import TargetSpec, assert_compatible
 
 
-def _target_field(cfg, name, default=None):
-    v = getattr(cfg, name, None)
-    return default if v is None else v
-
-
-def default_mask_token_id(spec: TargetSpec) -> int:
-    """First embedding row that the tokenizer never produces (Qwen3: 151669).
-
-    Raises:
-        ValueError: the target vocabulary has no unused row; pass ``--mask-token-id``.
-    """
-    if spec.tokenizer_len is not None and spec.tokenizer_len < spec.vocab_size:
-        return spec.tokenizer_len
-    raise ValueError(
-        f"target {spec.name}: every one of its {spec.vocab_size} embedding rows is a real token; "
-        "choose an unused token for --mask-token-id (not pad/eos)"
-    )
-
-
-def draft_config_for(target_config, spec: TargetSpec, *, layers: int = 5, block_size: int = 16,
-                     injection: str = "residual", injection_rank: int = 0, injection_layers=None,
-                     block_attention: str = "bidirectional", target_layer_ids=None, mask_token_id=None,
-                     intermediate_size: int | None = None, sliding_window: int | None = None,
-                     sliding_layers=None, max_position_embeddings: int | None = None,
-                     last_layer_features: str = "post_norm") -> DSpineConfig:
-    """A :class:`DSpineConfig` whose layer shapes follow ``target_config``.
-
-    Raises:
-        ValueError: a ``sliding_layers`` index outside ``[0, layers)``.
-    """
-    H = int(target_config.hidden_size)
-    heads = int(target_config.num_attention_heads)
-    head_dim = _target_field(target_config, "head_dim", H // heads)
-    layer_types = ["full_attention"] * layers
-    bad = [i for i in sliding_layers or [] if not 0 <= i < layers]
-    if bad:
-        raise ValueError(f"--sliding-layers {bad} outside [0, {layers}) for a draft of {layers} layers")
-    for i in sliding_layers or []:
-        layer_types[i] = "sliding_attention"
-    return DSpineConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=H,
-        intermediate_size=intermediate_size or int(target_config.intermediate_size),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(_target_field(target_config, "num_key_value_heads", heads)),
-        head_dim=int(head_dim),
-        max_position_embeddings=max_position_embeddings or int(spec.max_position_embeddings or 40960),
-        rms_norm_eps=float(_target_field(target_config, "rms_norm_eps", 1e-6)),
-        rope_theta=spec.rope_theta or 1e6,
-        layer_types=layer_types,
-        sliding_window=sliding_window,
-        block_size=block_size,
-        num_target_layers=spec.num_layers,
-        dflash_config={
-            "mask_token_id": default_mask_token_id(spec) if mask_token_id is None else int(mask_token_id),
-            "target_layer_ids": list(target_layer_ids) if target_layer_ids else default_target_layer_ids(spec.num_layers, layers),
-        },
-        dspine_config={"injection": injection, "injection_rank": injection_rank, "injection_layers": injection_layers,
-                       "block_attention": block_attention, "last_layer_features": last_layer_features},
-    )
-
-
-def adopt_source_layout(args) -> str:
+def adopt_source_layout(args) -> None:
     """Warm start keeps the source draft's layout: unset shape flags take its values, and a flag that
-    contradicts it is an error (its weights were trained for that layout). Returns the source's
-    ``last_layer_features`` (its weights were trained on those features)."""
-    from dspine.checkpoint import load_config
-
-    src = load_config(args.init_from)
-    layout = {
-        "layers": src.num_hidden_layers, "block_size": src.block_size, "target_layer_ids": src.target_layer_ids,
-        "mask_token_id": src.mask_token_id, "intermediate_size": src.intermediate_size,
-        "sliding_window": src.sliding_window,
-    }
-    for key, value in layout.items():
-        given = getattr(args, key)
+    contradicts it is an error (its weights were trained for that layout). The source's
+    ``last_layer_features`` is kept too (its weights were trained on those features)."""
+    src = load_config(args.init_from).shape()
+    for key in ("layers", "block_size", "target_layer_ids", "mask_token_id", "intermediate_size", "sliding_window"):
+        given, value = getattr(args, key), src[key]
         if given is None:
             setattr(args, key, value)
         elif given != value:
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"{flag} {given} contradicts the --init-from draft {args.init_from} ({key}={value}); "
                              "drop the flag to keep the source layout")
-    return src.last_layer_features
+    args.last_layer_features = src["last_layer_features"]
 
 
 def _ints(s: str) -> list[int]:
@@ -119,12 +49,13 @@ def main(argv=None) -> int:
     ap.add_argument("--target", required=True, help="target folder, Hub id or .gguf file")
     ap.add_argument("--gguf-file", default=None)
     ap.add_argument("--out", required=True, help="new draft folder (must not exist or be empty)")
-    ap.add_argument("--layers", type=int, default=None, help="draft layers (default 5, or the --init-from draft's)")
-    ap.add_argument("--block-size", type=int, default=None, help="default 16, or the --init-from draft's")
-    ap.add_argument("--injection", default="residual", help="residual | kv | none (none = DFlash)")
-    ap.add_argument("--injection-rank", type=int, default=0, help="0 = full rank")
+    ap.add_argument("--layers", type=int, default=None,
+                    help=f"draft layers (default {DEFAULT_LAYERS}, or the --init-from draft's)")
+    ap.add_argument("--block-size", type=int, default=None, help=f"default {DEFAULT_BLOCK_SIZE}, or the --init-from draft's")
+    ap.add_argument("--injection", default=None, help="residual (default) | kv | none (none = DFlash)")
+    ap.add_argument("--injection-rank", type=int, default=None, help="0 = full rank (default)")
     ap.add_argument("--injection-layers", type=_ints, default=None)
-    ap.add_argument("--block-attention", default="bidirectional", help="bidirectional | causal")
+    ap.add_argument("--block-attention", default=None, help="bidirectional (default) | causal")
     ap.add_argument("--target-layer-ids", type=_ints, default=None)
     ap.add_argument("--mask-token-id", type=int, default=None)
     ap.add_argument("--intermediate-size", type=int, default=None)
@@ -155,21 +86,14 @@ def main(argv=None) -> int:
         print(f"error: {out} exists and is not empty; refusing to overwrite", file=sys.stderr)
         return 2
     try:
-        last_layer = adopt_source_layout(args) if args.init_from else "post_norm"
-        args.layers = 5 if args.layers is None else args.layers
-        args.block_size = 16 if args.block_size is None else args.block_size
+        args.last_layer_features = None  # no flag: post_norm for a new draft, the source's on a warm start
+        if args.init_from:
+            adopt_source_layout(args)
         path, gguf = resolve_model_path(args.target, args.gguf_file, need_config=True)
         with hub_errors("target", path):
             tcfg = AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
         spec = TargetSpec.from_pretrained(path, gguf)
-        cfg = draft_config_for(
-            tcfg, spec, layers=args.layers, block_size=args.block_size, injection=args.injection,
-            injection_rank=args.injection_rank, injection_layers=args.injection_layers,
-            block_attention=args.block_attention, target_layer_ids=args.target_layer_ids,
-            mask_token_id=args.mask_token_id, intermediate_size=args.intermediate_size,
-            sliding_window=args.sliding_window, sliding_layers=args.sliding_layers,
-            max_position_embeddings=args.max_position_embeddings, last_layer_features=last_layer,
-        )
+        cfg = DSpineConfig.for_target(tcfg, spec, **{k: getattr(args, k) for k in SHAPE_FIELDS})
         assert_compatible(spec, cfg)
         torch.manual_seed(args.seed)
         model = DSpineDraftModel(cfg)

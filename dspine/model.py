@@ -12,6 +12,11 @@ Equations (docs/method.md §2-§3; DFlash: z-lab/dflash ``model.py``):
 * output      ``norm(h)``; the frozen target ``lm_head`` turns it into logits. Slot k of a block
   predicts the token at position anchor + k.
 
+Two forwards share the modules: ``forward_train`` (many blocks per sequence, block mask, SDPA or
+flex_attention) and ``forward_block`` (one block per sequence over a static :class:`DraftCache`, the
+``dspine.ops`` kernels with ``impl="torch"|"triton"``: the engine and the reference decoder both run
+it). :meth:`DSpineDraftModel.fuse_weights` fuses q/k/v and gate/up for inference.
+
 Parameter names are the DFlash checkpoint's (``fc``, ``hidden_norm``, ``norm``,
 ``layers.{i}.self_attn.q_proj`` …) plus ``layers.{i}.adjacent.{norm,proj,gate}``; the draft holds
 no embedding and no lm_head (they are the target's).
@@ -19,7 +24,9 @@ no embedding and no lm_head (they are the target's).
 
 from __future__ import annotations
 
+import copy
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +34,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from dspine.config import DSpineConfig
+from dspine.ops.draft_attention import draft_attention
+from dspine.ops.rmsnorm import rms_norm, shift_rms_norm
+from dspine.ops.rope import qk_norm_rope_cache, rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -105,6 +115,13 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(D)
+        self.register_buffer("qkv_weight", None, persistent=False)  # inference: fuse_weights()
+
+    def project(self, x: torch.Tensor, with_q: bool = True) -> torch.Tensor:
+        """``[q ;] k ; v`` projections of x ``[..., H]`` in one GEMM once fused, else one by one."""
+        if self.qkv_weight is None:
+            return torch.cat([lin(x) for lin in (self.q_proj, self.k_proj, self.v_proj)[0 if with_q else 1:]], -1)
+        return F.linear(x, self.qkv_weight[0 if with_q else self.num_heads * self.head_dim:])
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:-1], n, self.head_dim).transpose(1, 2)  # [B, n, T, D]
@@ -126,9 +143,13 @@ class DraftMLP(nn.Module):
         self.gate_proj = nn.Linear(H, I, bias=False)
         self.up_proj = nn.Linear(H, I, bias=False)
         self.down_proj = nn.Linear(I, H, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # inference: fuse_weights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(g) * u)
 
 
 class LowRank(nn.Module):
@@ -159,6 +180,7 @@ class AdjacentInjection(nn.Module):
             r = config.injection_rank
             self.proj = LowRank(H, r) if r else nn.Linear(H, H, bias=False)
             self.gate = nn.Parameter(torch.zeros(H))
+            self.register_buffer("proj_weight", None, persistent=False)  # inference: up·down folded
         else:  # kv
             kvd = config.num_key_value_heads * config.head_dim
             self.k_proj = nn.Linear(H, kvd, bias=False)
@@ -216,6 +238,80 @@ class DraftLayer(nn.Module):
         out = attend(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), mask, attn.scale)
         h = h + attn.o_proj(out)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def block_step(self, h, delta, k_ctx, v_ctx, ctx: BlockContext, impl: str):
+        """This layer over the N = B·bs block rows ``h [N, H]`` with the previous layer's pending residual
+        ``delta [N, H]`` (None for layer 0): returns (h, delta) for the next layer. Same equations as
+        :meth:`forward`, through ``dspine.ops`` (each residual add fused into the following norm).
+
+        k_ctx/v_ctx ``[B, Hkv, C, D]``: this layer's context cache (ring of C positions if sliding).
+
+        Cost of the residual injection (docs/method.md §3) over a DFlash layer: one ``shift_rms_norm``
+        launch (it also finishes the previous layer's residual add, so it replaces nothing and moves
+        4·N·H elements) and one projection GEMM (low rank: two, unless ``fuse_weights`` folded up·down
+        into one H×H weight, which it does when that reads fewer bytes than a second launch costs);
+        ``gate ⊙ inj`` and ``+ h`` ride in the ``input_layernorm`` launch DFlash has anyway. Predicted
+        at Qwen3-8B shape (H200, bf16, N = 16, full rank): ≈ 3 µs + 33.5 MB / 4.2 TB/s ≈ 11 µs per
+        layer, ≈ 55 µs for 5 layers, ≈ 0.9% of the 6.5 ms speculative step (results/engine-h200.json);
+        SmolLM2 (H = 576, rank 128 folded): ≈ 6 µs per layer, 3 layers ≈ 2% of a ≈ 1 ms step.
+        With the kv injection the extra K/V are written by one ``qk_norm_rope_cache``."""
+        at, eps, bs = self.self_attn, self.input_layernorm.eps, ctx.block_size
+        B, N = h.shape[0] // bs, h.shape[0]
+        Hq, Hkv, D = at.num_heads, at.num_kv_heads, at.head_dim
+        k_extra = v_extra = gate = None
+        if self.adjacent is not None:
+            adj = self.adjacent
+            prev, h = shift_rms_norm(h if delta is None else delta, adj.norm.weight, eps, bs,
+                                     residual=None if delta is None else h, impl=impl)
+            if adj.mode == "residual":
+                delta = adj.proj(prev) if adj.proj_weight is None else F.linear(prev, adj.proj_weight)
+                gate = adj.gate
+            else:
+                delta = None
+                kv = torch.cat([adj.k_proj(prev), adj.v_proj(prev)], -1)
+                k_extra, v_extra = ctx.scratch(B, Hkv, D, h.dtype)
+                qk_norm_rope_cache(None, *(t.view(N, Hkv, D) for t in kv.split(Hkv * D, -1)), None, at.k_norm.weight,
+                                   eps, ctx.cos, ctx.sin, ctx.prev_positions, k_extra, v_extra, ctx.rows, ctx.slots,
+                                   impl=impl)
+                k_extra, v_extra = k_extra.transpose(1, 2), v_extra.transpose(1, 2)
+        w = self.input_layernorm.weight
+        if delta is None:
+            x = rms_norm(h, w, eps, impl=impl)
+        else:
+            x, h = rms_norm(delta, w, eps, residual=h, scale=gate, impl=impl)
+        q, k, v = at.project(x).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        k_blk, v_blk = ctx.scratch(B, Hkv, D, h.dtype)
+        q = qk_norm_rope_cache(q.reshape(N, Hq, D), k.reshape(N, Hkv, D), v.reshape(N, Hkv, D), at.q_norm.weight,
+                               at.k_norm.weight, eps, ctx.cos, ctx.sin, ctx.positions, k_blk, v_blk, ctx.rows,
+                               ctx.slots, impl=impl)
+        window = ctx.window if self.sliding else None
+        o = draft_attention(q.view(B, bs, Hq, D), k_ctx, v_ctx, ctx.lengths, k_blk.transpose(1, 2),
+                            v_blk.transpose(1, 2), at.scale, window=window, causal=self.sliding or ctx.causal,
+                            k_extra=k_extra, v_extra=v_extra, impl=impl)
+        y, h = rms_norm(at.o_proj(o.view(N, Hq * D)), self.post_attention_layernorm.weight, eps, residual=h, impl=impl)
+        return h, self.mlp(y)
+
+
+@dataclass
+class BlockContext:
+    """Per-call index tensors of :meth:`DSpineDraftModel.forward_block`, shared by all layers (N = B·bs)."""
+
+    block_size: int
+    lengths: torch.Tensor  # [B] int: context positions per row; the anchor sits at lengths[b]
+    positions: torch.Tensor  # [N] int64: lengths[b] + t
+    prev_positions: torch.Tensor  # [N] int64: one position earlier (the kv injection's keys), >= 0
+    rows: torch.Tensor  # [N] int64: b
+    slots: torch.Tensor  # [N] int64: t
+    cos: torch.Tensor  # RoPE tables [P, D/2] fp32 (dspine.ops.rope.rope_tables)
+    sin: torch.Tensor
+    window: int | None  # sliding_window of sliding layers
+    causal: bool  # block_attention == "causal"
+
+    def scratch(self, B: int, Hkv: int, D: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ``[B, Hkv, bs, D]`` buffers for the block's own keys/values (never kept)."""
+        shape = (B, Hkv, self.block_size, D)
+        dev = self.positions.device
+        return torch.empty(shape, device=dev, dtype=dtype), torch.empty(shape, device=dev, dtype=dtype)
 
 
 def block_visibility(q_anchor, q_slot, q_block, k_pos, k_block, k_slot, k_kind, *, causal: bool, window: int | None):
@@ -368,86 +464,147 @@ class DSpineDraftModel(PreTrainedModel):
         return create_block_mask(mask_mod, B, None, T, Tk, device=dev, _compile=dev.type == "cuda")
 
     # -- inference forward ---------------------------------------------------------------------------
-    def forward_block(self, block_embeds: torch.Tensor, cache: DraftCache) -> torch.Tensor:
-        """One block per sequence over the context cache.
+    @torch.no_grad()
+    def forward_block(self, block_embeds: torch.Tensor, cache: DraftCache, impl: str = "torch") -> torch.Tensor:
+        """One block per sequence over the context cache (the engine's and the reference decoder's draft).
 
         Args:
             block_embeds: ``[B, bs, H]`` embeddings of ``[anchor, MASK, ...]``; the anchor of row b
                 sits at position ``cache.lengths[b]`` (its own target feature is not in the cache).
-            cache: :class:`DraftCache` with the fused-feature keys/values of positions
-                ``0 .. lengths[b]-1``.
+            cache: :class:`DraftCache` holding the context K/V of positions ``0 .. lengths[b]-1``.
+            impl: ``"torch"`` (the reference ops) or ``"triton"``.
         Returns:
-            ``[B, bs, H]`` final-normed hidden states. The block's own K/V is not kept.
+            ``[B, bs, H]`` final-normed hidden states in the model dtype. The block's own K/V is not
+            kept. No host synchronisation (CUDA-graph safe); autocast is off, the model dtype rules.
         """
-        B, bs, _ = block_embeds.shape
+        B, bs, H = block_embeds.shape
         if bs != self.block_size:
             raise ValueError(f"block of {bs} slots, the draft was built for block_size={self.block_size}")
-        dev = block_embeds.device
-        lengths = cache.lengths
-        positions = lengths[:, None] + torch.arange(bs, device=dev)
-        C = cache.capacity
-        Tk = C + bs * (3 if self._has_extra_keys() else 2) - bs
-        kv = torch.arange(Tk, device=dev)
-        k_kind = torch.where(kv < C, 0, torch.where(kv < C + bs, 1, 2))
-        j = torch.where(k_kind == 1, kv - C, kv - C - bs)
-        k_slot = torch.where(k_kind == 0, 0, j)
+        cfg, dev = self.config, block_embeds.device
         t = torch.arange(bs, device=dev)
-        masks = {}
-        for sliding in {layer.sliding for layer in self.layers}:
-            causal = sliding or self.config.block_attention == "causal"
-            window = self.config.sliding_window if sliding else None
-            masks[sliding] = block_visibility(
-                lengths[:, None, None], t[None, :, None], 0, kv[None, None], torch.zeros_like(kv)[None, None],
-                k_slot[None, None], k_kind[None, None], causal=causal, window=window,
-            )[:, None]
-        ctx_kv = list(zip(cache.k, cache.v))
-        return self._run_layers(block_embeds.to(self.fc.weight.dtype), ctx_kv, positions, masks)
+        positions = (cache.lengths[:, None].long() + t).reshape(-1)
+        ctx = BlockContext(bs, cache.lengths, positions, (positions - 1).clamp(min=0),
+                           torch.arange(B, device=dev).repeat_interleave(bs), t.repeat(B), cache.cos, cache.sin,
+                           cfg.sliding_window, cfg.block_attention == "causal")
+        with torch.autocast(dev.type, enabled=False):
+            h, delta = block_embeds.to(self.fc.weight.dtype).reshape(B * bs, H), None
+            for i, layer in enumerate(self.layers):
+                h, delta = layer.block_step(h, delta, *cache.context(i), ctx, impl)
+            y, _ = rms_norm(delta, self.norm.weight, self.norm.eps, residual=h, impl=impl)
+        return y.view(B, bs, H)
+
+    @torch.no_grad()
+    def append_context(self, cache: DraftCache, features: torch.Tensor, counts: torch.Tensor,
+                       rows: torch.Tensor | None = None, impl: str = "torch") -> None:
+        """Write the context K/V of committed positions and advance ``cache.lengths``.
+
+        Row j of ``features [n, T, k·H]`` belongs to batch row ``rows[j]`` (default j); its first
+        ``counts[j]`` entries are the target features of positions ``lengths[rows[j]] + t``, the rest
+        (rejected slots) are ignored. K/V = ``k_norm(k_proj(c))`` (RoPE at the position) and
+        ``v_proj(c)`` of ``c = hidden_norm(fc(features))`` (docs/method.md §2). No host sync: discarded
+        rows go to the cache's scratch slot, so the caller sizes the cache (positions < capacity).
+        """
+        n, T, _ = features.shape
+        dev, dt, eps = features.device, self.fc.weight.dtype, self.config.rms_norm_eps
+        Hkv, D = self.config.num_key_value_heads, self.config.head_dim
+        rows = torch.arange(n, device=dev) if rows is None else rows.to(dev).long()
+        counts = counts.to(dev).long()
+        start = cache.lengths[rows].long()
+        pos = start[:, None] + torch.arange(T, device=dev)  # [n, T]
+        keep = pos < (start + counts)[:, None]
+        with torch.autocast(dev.type, enabled=False):
+            c = rms_norm(F.linear(features.to(dt), self.fc.weight), self.hidden_norm.weight, eps, impl=impl)
+            c = c.reshape(n * T, -1)
+            table_pos = pos.clamp(max=cache.cos.shape[0] - 1).reshape(-1)  # discarded rows may run past it
+            bidx = rows.repeat_interleave(T)
+            for i, layer in enumerate(self.layers):
+                cap = cache.caps[i]
+                if layer.sliding:  # ring: position j at j % cap; rows evicted within this append are skipped
+                    slot, ok = pos % cap, keep & (pos >= (start + counts)[:, None] - cap)
+                else:
+                    slot, ok = pos, keep & (pos < cap)
+                slot = torch.where(ok, slot, cap).reshape(-1)  # index cap = the scratch slot
+                k, v = layer.self_attn.project(c, with_q=False).split(Hkv * D, dim=-1)
+                qk_norm_rope_cache(None, k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D), None,
+                                   layer.self_attn.k_norm.weight, eps, cache.cos, cache.sin, table_pos,
+                                   cache.k[i], cache.v[i], bidx, slot, impl=impl)
+        cache.lengths.index_copy_(0, rows, (start + counts).to(cache.lengths.dtype))
+
+    @torch.no_grad()
+    def fuse_weights(self) -> DSpineDraftModel:
+        """Inference only: q/k/v and gate/up each become one weight (non-persistent buffers) and the
+        original parameters views of it, so ``state_dict`` keeps the DFlash names and no memory is
+        doubled. A low-rank injection whose H×H product is small (≤ 2rH + 4M elements: one GEMM over it
+        costs less than a second launch) gets ``up·down`` folded into one weight. Call after the last
+        ``.to()`` (which moves buffer and views apart); idempotent. Returns self.
+
+        Raises:
+            ValueError: a draft with ``attention_bias`` (the fused path has no biases).
+        """
+        if self.config.attention_bias:
+            raise ValueError("draft attention_bias=True is not supported by the fused inference path")
+
+        def fuse(owner, name, linears):
+            w = torch.cat([lin.weight for lin in linears])
+            setattr(owner, name, w)
+            for lin, part in zip(linears, w.split([lin.weight.shape[0] for lin in linears])):
+                lin.weight = nn.Parameter(part, requires_grad=False)
+
+        for layer in self.layers:
+            at, mlp, adj = layer.self_attn, layer.mlp, layer.adjacent
+            fuse(at, "qkv_weight", [at.q_proj, at.k_proj, at.v_proj])
+            fuse(mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj])
+            if adj is not None and adj.mode == "residual" and isinstance(adj.proj, LowRank):
+                up, down = adj.proj.up.weight, adj.proj.down.weight  # [H, r], [r, H]
+                if up.shape[0] ** 2 <= 2 * up.numel() + (1 << 22):
+                    adj.proj_weight = (up.float() @ down.float()).to(up.dtype)
+        return self
 
     def forward(self, block_embeds, features, anchors, attn: str = "dense"):
         return self.forward_train(block_embeds, features, anchors, attn)
 
 
 class DraftCache:
-    """The draft's context K/V cache for a batch of sequences (the reference layout).
+    """The draft's context K/V for a batch of rows, in static buffers (the engine's layout).
 
-    ``k[i], v[i]``: ``[B, Hkv, capacity, D]`` for draft layer i, position j at index j;
-    ``lengths [B]`` int64: number of context positions held. Sliding-window layers read it through
-    the window mask (the CUDA engine keeps a ring instead).
+    ``k[i], v[i]``: ``[B, Hkv, caps[i] + 1, D]`` for draft layer i. A full-attention layer holds
+    position j at index j (``caps[i] = capacity``); a sliding-window layer keeps a ring of
+    ``min(capacity, sliding_window + bs)`` positions (j at j % cap). The last index is a scratch slot
+    that takes the writes :meth:`DSpineDraftModel.append_context` discards. ``lengths [B]`` int32:
+    context positions per row. ``cos/sin``: RoPE tables for positions ``< capacity + bs``.
+    Appends and reads never synchronise with the host (CUDA-graph safe).
     """
 
     def __init__(self, model: DSpineDraftModel, batch_size: int, capacity: int, device=None, dtype=None):
         cfg = model.config
         device = device or model.fc.weight.device
         dtype = dtype or model.fc.weight.dtype
-        shape = (batch_size, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.model = model
-        self.capacity = capacity
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.model, self.capacity = model, capacity
+        self.caps = [min(capacity, cfg.sliding_window + cfg.block_size) if layer.sliding else capacity
+                     for layer in model.layers]
+        shape = lambda cap: (batch_size, cfg.num_key_value_heads, cap + 1, cfg.head_dim)
+        self.k = [torch.zeros(shape(cap), device=device, dtype=dtype) for cap in self.caps]
+        self.v = [torch.zeros(shape(cap), device=device, dtype=dtype) for cap in self.caps]
+        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.cos, self.sin = rope_tables(cfg.head_dim, capacity + cfg.block_size, cfg.rope_theta, device)
 
-    @torch.no_grad()
-    def append(self, features: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append the first ``counts[b]`` rows of ``features [B, T, k*H]`` to sequence b.
+    def context(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's context keys/values ``[B, Hkv, caps[i], D]`` (views without the scratch slot)."""
+        return self.k[i][:, :, : self.caps[i]], self.v[i][:, :, : self.caps[i]]
 
-        Raises:
-            ValueError: the cache would exceed its capacity.
-        """
-        B, T, _ = features.shape
-        dev = features.device
-        counts = counts.to(dev)
-        if int((self.lengths + counts).max()) > self.capacity:
-            raise ValueError(f"draft cache capacity {self.capacity} exceeded; raise the context budget")
-        positions = self.lengths[:, None] + torch.arange(T, device=dev)
-        valid = torch.arange(T, device=dev)[None, :] < counts[:, None]  # [B, T]
-        c = self.model.fuse(features)
-        rows, cols = valid.nonzero(as_tuple=True)
-        pos = positions[rows, cols]
-        for (k, v), kc, vc in zip(self.model.context_kv(c, positions), self.k, self.v):
-            # k, v: [B, Hkv, T, D] -> scatter the valid (row, col) pairs to cache[row, :, pos]
-            kc[rows, :, pos] = k[rows, :, cols].to(kc.dtype)
-            vc[rows, :, pos] = v[rows, :, cols].to(vc.dtype)
-        self.lengths += counts
+    def view(self, batch_size: int, lengths: torch.Tensor | None = None) -> DraftCache:
+        """The first ``batch_size`` rows (shared storage); ``lengths`` replaces the length tensor (the
+        engine shares its slot lengths, so appends advance them)."""
+        out = copy.copy(self)
+        out.k, out.v = [k[:batch_size] for k in self.k], [v[:batch_size] for v in self.v]
+        out.lengths = self.lengths[:batch_size] if lengths is None else lengths
+        return out
+
+    def append(self, features: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor | None = None,
+               impl: str = "torch") -> None:
+        """Append the first ``counts[j]`` rows of ``features [n, T, k*H]`` (see
+        :meth:`DSpineDraftModel.append_context`)."""
+        self.model.append_context(self, features, counts, rows, impl)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -1,8 +1,12 @@
-"""Token sampling shared by the target and the draft (docs/method.md §5).
+"""Token sampling shared by both decoders (docs/method.md §5; the stream layout: docs/contracts.md).
 
-Temperature, then top-k, then top-p (nucleus) — the same processing is applied to target and
-draft logits, so the rejection rule compares the distributions that were actually sampled
-(docs/method.md §8.7).
+Temperature, then top-k, then top-p: the same processing for target and draft logits, so the
+rejection rule (``dspine.ops.accept``) compares the distributions actually sampled (§8.7).
+Randomness is counter based, one stream per request: every uniform is a SplitMix64 hash of (request
+seed, stream, output position, token) in int64 tensor ops — no generator state, no host sync, so it
+runs inside a CUDA graph, and a request's sample depends only on its own seed and tokens, never on
+its batch neighbours or the concurrency. Sampling is the exponential race ``argmax_v p_v / E_v``,
+``E = -log u`` (gpt-fast's ``multinomial_sample_one_no_sync``), which draws v with probability p_v.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT = 1, 2, 3
+
 
 @dataclass
 class SamplingParams:
-    """Decoding settings. ``temperature == 0`` means greedy (top-p/top-k ignored).
+    """Decoding settings. ``temperature == 0`` means greedy (top-p/top-k ignored); ``seed`` seeds the
+    per-request streams (module docstring).
 
     Raises ValueError (from :meth:`validate`) on a negative or non-finite temperature, ``top_p`` outside
     (0, 1], a negative ``top_k`` or ``max_new_tokens < 1``."""
@@ -65,52 +72,77 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row of ``probs [..., V]`` -> int64 ``[...]``."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+# -- counter-based randomness ------------------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_argmax: torch.Tensor):
-    """Exact-match acceptance (T = 0).
+def _signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)  # SplitMix64 increment [Steele, Lea & Flood 2014]
+_M1, _M2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 tensors (wrapping products, logical right shifts)."""
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _M1
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _M2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The default seed of prompt ``index`` of a call with ``SamplingParams.seed = seed`` (int64)."""
+    z = torch.tensor([_signed(int(seed) * 0x9E3779B97F4A7C15 + int(index))], dtype=torch.int64)
+    return int(_mix64(_mix64(z))[0])
+
+
+def uniforms(seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """U(0, 1) fp32 noise, a pure function of its arguments (module docstring).
 
     Args:
-        draft_tokens: ``[B, K]`` int64, the K = bs-1 draft tokens.
-        target_argmax: ``[B, K+1]`` int64, the target's argmax at the anchor and each draft slot.
+        seeds: ``[B]`` int64 request seeds.
+        stream: ``STREAM_TARGET`` | ``STREAM_DRAFT`` | ``STREAM_ACCEPT``.
+        positions: ``[B, K]`` int output positions.
+        vocab: None for one uniform per (b, k), else V for ``[B, K, V]`` (one per token).
     Returns:
-        (accepted ``[B]`` int64 in 0..K, bonus ``[B]`` int64 = target_argmax at the first mismatch).
+        fp32 ``[B, K]`` or ``[B, K, V]`` in (0, 1): 24-bit ``(m + 0.5) / 2^24``, never 0 or 1.
     """
-    match = (draft_tokens == target_argmax[:, :-1]).long()
-    accepted = match.cumprod(dim=1).sum(dim=1)
-    bonus = target_argmax.gather(1, accepted[:, None])[:, 0]
-    return accepted, bonus
+    base = _mix64(_mix64(seeds.long()) + _signed(stream * 0x9E3779B97F4A7C15))
+    key = _mix64(base[:, None] + positions.long() * _GOLDEN)
+    if vocab is not None:
+        key = _mix64(key[..., None] + torch.arange(vocab, device=key.device) * _GOLDEN)
+    return ((key & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def chain_accept(draft_tokens, p_draft, p_target, generator: torch.Generator | None = None):
-    """Chain rejection sampling (docs/method.md §5.5; Leviathan et al. 2023, Chen et al. 2023).
+def exponentials(seeds, stream: int, positions, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``[B, K, V]`` fp32, strictly positive: ``-log`` of :func:`uniforms`."""
+    return -torch.log(uniforms(seeds, stream, positions, vocab))
 
-    Draft token k is accepted with probability ``min(1, p_t/p_d)`` in order until the first
-    rejection; the bonus is drawn from ``normalize(max(p_t - p_d, 0))`` at that row, or from
-    ``p_t`` of the last row when all K were accepted. The emitted tokens follow ``p_t`` exactly.
 
-    Args:
-        draft_tokens: ``[B, K]`` int64 tokens sampled from ``p_draft``.
-        p_draft: ``[B, K, V]`` fp32, the distribution the draft tokens were sampled from.
-        p_target: ``[B, K+1, V]`` fp32 target distributions at the anchor and each draft slot.
-    Returns:
-        (accepted ``[B]`` int64, bonus ``[B]`` int64).
-    """
-    B, K = draft_tokens.shape
-    q = p_draft.gather(-1, draft_tokens[..., None])[..., 0]
-    p = p_target[:, :K].gather(-1, draft_tokens[..., None])[..., 0]
-    u = torch.rand(B, K, generator=generator, device=q.device)
-    ok = (u * q < p).long()
-    accepted = ok.cumprod(dim=1).sum(dim=1)
-    rows = torch.arange(B, device=q.device)
-    pt = p_target[rows, accepted]
-    pd = torch.cat([p_draft, torch.zeros_like(p_draft[:, :1])], dim=1)[rows, accepted]
-    residual = (pt - pd).clamp(min=0)
-    total = residual.sum(-1, keepdim=True)
-    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), pt)
-    bonus = sample(residual, generator)
-    return accepted, bonus
+def sample(probs: torch.Tensor, seeds: torch.Tensor, stream: int, positions: torch.Tensor) -> torch.Tensor:
+    """One draw per row of ``probs [B, K, V]`` (or ``[B, V]`` with ``positions [B]``) -> int64 ``[B, K]``
+    (``[B]``): the exponential race ``argmax p / E`` with E from the request's stream. Sync-free."""
+    if probs.dim() == 2:
+        return sample(probs[:, None], seeds, stream, positions[:, None])[:, 0]
+    return (probs / exponentials(seeds, stream, positions, probs.shape[-1])).argmax(-1)
+
+
+def nonfinite_error(who: str) -> FloatingPointError:
+    """The error every backend raises for NaN/Inf logits of the target or the draft (never "τ = 1")."""
+    hint = ("check the dtype (fp16 overflows Qwen-family layers) and the target's weights" if who == "target"
+            else "check the draft checkpoint's weights and dtype")
+    return FloatingPointError(f"non-finite {who} logits (NaN/Inf): {hint}")
+
+
+def sampling_params(args):
+    """``SamplingParams`` from the CLI flags (``--temperature --top-p --top-k --max-new-tokens --seed``),
+    validated; a ValueError names the flag (``--top-p=nan must be in (0, 1]``). Shared by every CLI that
+    samples (``infer.generate``, ``infer.bench``, ``data.regenerate``)."""
+    try:
+        return SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+    except ValueError as e:
+        field, _, rest = str(e).partition("=")
+        raise ValueError(f"--{field.replace('_', '-')}={rest}") from None

@@ -6,11 +6,14 @@ when EOS / max_new_tokens cut the step; only committed tokens count. Then
 * τ = mean n over steps (bonus included),
 * accept_at_pos[k] = fraction of steps with n - 1 >= k, k = 1..bs-1,
 * identity τ = 1 + Σ_k accept_at_pos[k].
+
+:class:`GenerationResult` is what both decoders return (the engine and the reference decoder):
+per-prompt stats that add up to the batch totals.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
 
 class AcceptStats:
@@ -24,13 +27,11 @@ class AcceptStats:
                 raise ValueError(f"hist has {len(hist)} bins, expected block_size + 1 = {self.block_size + 1}")
             self.hist = [int(x) for x in hist]
 
-    def record(self, committed) -> None:
-        """Add steps: an int n or a 1-D int tensor/list of n values (each 1..block_size)."""
-        values = committed.tolist() if isinstance(committed, torch.Tensor) else committed
-        for n in [values] if isinstance(values, int) else values:
-            if not 1 <= n <= self.block_size:
-                raise ValueError(f"committed tokens per step must be in 1..{self.block_size}, got {n}")
-            self.hist[n] += 1
+    def record(self, n: int) -> None:
+        """Add one step that committed n tokens (1..block_size)."""
+        if not 1 <= n <= self.block_size:
+            raise ValueError(f"committed tokens per step must be in 1..{self.block_size}, got {n}")
+        self.hist[n] += 1
 
     def merge(self, other: AcceptStats) -> AcceptStats:
         if other.block_size != self.block_size:
@@ -66,3 +67,35 @@ class AcceptStats:
             "committed_tokens": self.tokens,
             "convention": "tau counts the bonus token; accept_hist[i] = steps committing i+1 tokens",
         }
+
+
+@dataclass
+class GenerationResult:
+    """One ``generate`` call of either decoder. ``prompt_stats[i]`` counts prompt i's own verify steps and
+    committed tokens (``len(token_ids[i]) - 1``: the prefill token is no step's); ``stats`` pools them."""
+
+    token_ids: list[list[int]]  # generated tokens per prompt (EOS included when hit)
+    finish_reasons: list[str]  # "stop" (EOS) or "length"
+    prompt_stats: list[AcceptStats]  # per prompt
+    elapsed_s: float = 0.0  # wall time of the whole call (prefill included)
+    prefill_s: float = 0.0
+    steps: int = 0  # decode-loop iterations (one batched step each in the engine)
+
+    @property
+    def stats(self) -> AcceptStats:
+        total = AcceptStats(self.prompt_stats[0].block_size)
+        for st in self.prompt_stats:
+            total.merge(st)
+        return total
+
+    @property
+    def steps_per_prompt(self) -> list[int]:
+        return [st.steps for st in self.prompt_stats]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.num_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0

@@ -66,7 +66,6 @@ class Runner:
         self.block_size = {label: m.config.block_size for label, m in models.items()}
         self.decoders = {}
         if self.backend == "cuda":
-            from infer.draft import EngineDraft
             from infer.engine import Engine
             from infer.model import EngineTarget
 
@@ -79,12 +78,11 @@ class Runner:
             self.decoders[None] = Engine(target, None, self.eos, **kw)
             for label, m in models.items():
                 # each draft reads its own layers: the target returns them in the draft's order
-                draft = EngineDraft(m, target, impl=impl)
-                self.decoders[label] = Engine(target, draft, self.eos, verify_size=args.block_size, **kw)
+                self.decoders[label] = Engine(target, m, self.eos, verify_size=args.block_size, **kw)
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
         else:
-            from dspine.spec import ReferenceDecoder
+            from dspine.reference import ReferenceDecoder
             from dspine.target import load_target
 
             if args.block_size is not None:
@@ -99,7 +97,7 @@ class Runner:
         if self.backend == "cuda":
             dec.target.layer_ids, dec.target.last_layer_features = self._layer_ids[label] if label else ([], "post_norm")
             r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
-            return r.token_ids, r.stats, r.elapsed_s, list(r.per_prompt_steps)
+            return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt)
         if label is not None:
             dec.target.set_layer_ids(dec.draft.config.target_layer_ids, dec.draft.config.last_layer_features)
         tokens, stats, secs, steps = [], None, 0.0, []
@@ -108,12 +106,12 @@ class Runner:
             tokens += r.token_ids
             stats = r.stats if stats is None else stats.merge(r.stats)
             secs += r.elapsed_s
-            steps += list(r.steps_per_row)
+            steps += list(r.steps_per_prompt)
         return tokens, stats, secs, steps
 
 
 def encode(runner: Runner, text: str, history=None) -> list[int]:
-    from infer.prompts import encode_prompt
+    from dspine.prompts import encode_prompt
 
     ids = encode_prompt(runner.tokenizer, text, chat=not runner.args.no_chat_template, system=runner.args.system,
                         enable_thinking=runner.args.enable_thinking, history=history)
@@ -315,7 +313,7 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     tasks = [task_name(t) for t in args.datasets.split(",") if t.strip()]
     if not tasks:
         raise ValueError(f"--datasets {args.datasets!r}: no task named")
-    from infer.generate import sampling_params
+    from dspine.sampling import sampling_params
 
     params = sampling_params(args)
     for name in ("num_prompts", "concurrency", "max_prompt_tokens"):

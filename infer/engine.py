@@ -2,12 +2,16 @@
 
 Per step (docs/method.md §5), for all B batch slots at once and with no host synchronisation inside:
 draft block -> draft tokens (argmax, or a sample from p_d kept for verification) -> target
-verify over the static KV cache (features captured) -> acceptance on the GPU (exact match, or
-chain rejection sampling) -> commit (EOS / max_new_tokens cut, histogram) -> draft context append
--> lengths += a + 1. The target cache keeps every verified position, but only ``lengths`` of
-them count: rejected slots are simply overwritten by the next step. The host looks at the ``done``
-flags once per step, harvests finished rows and refills their slots from the queue (prefill is
-eager, one prompt at a time), so benchmarks run at a fixed concurrency.
+verify over the static KV cache (features captured) -> acceptance (``dspine.ops.accept``: exact
+match, or chain rejection sampling) -> commit (EOS / max_new_tokens cut, histogram) -> draft context
+append, which advances ``lengths`` by a + 1. The target cache keeps every verified position, but
+only ``lengths`` of them count: rejected slots are simply overwritten by the next step. The host
+looks at the ``done`` flags once per step, harvests finished rows and refills their slots from the
+queue (one packed prefill for the prompts admitted together), so benchmarks run at a fixed concurrency.
+
+The draft is ``dspine.model.DSpineDraftModel`` itself (weights fused at load), the sampler and its
+per-request random streams are ``dspine.sampling``'s (so a prompt's output does not depend on its
+batch neighbours or the concurrency), the result is ``dspine.stats.GenerationResult``.
 
 On a GPU the step is captured as a CUDA graph per (batch size, sampling settings); on the CPU the
 same code runs eagerly with the PyTorch reference kernels, which is how the tests check it.
@@ -17,53 +21,56 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from dspine.sampling import SamplingParams, logits_to_probs
-from dspine.stats import AcceptStats
-from infer.draft import DraftCtxCache, EngineDraft
-from infer.kernels.accept import accept_greedy, accept_sample, commit_step
+from dspine import sampling as rng
+from dspine.checkpoint import load_draft
+from dspine.model import DraftCache, DSpineDraftModel
+from dspine.ops.accept import accept_greedy, accept_sample, commit_step
+from dspine.reference import check_prompts, request_seeds
+from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sample
+from dspine.stats import AcceptStats, GenerationResult
+from dspine.target import TargetSpec, assert_compatible
 from infer.model import EngineTarget, KVCache
 
 
-@dataclass
-class EngineResult:
-    token_ids: list[list[int]]
-    finish_reasons: list[str]
-    stats: AcceptStats
-    elapsed_s: float
-    prefill_s: float
-    steps: int
-    per_prompt_steps: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.token_ids)
-
-    @property
-    def tok_per_s(self) -> float:
-        return self.num_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
 class _Slots:
-    """Static per-slot state for batch size B (device tensors, updated in place by the step)."""
+    """Per-slot state of a batch of B slots: static device tensors that the step updates in place
+    (a CUDA graph captures their addresses). A slot holds one request from admission to harvest.
 
-    def __init__(self, B: int, vb: int, dbs: int, max_new: int, device, mask_id: int):
+    anchor        [B] int64   last committed token: slot 0 of the next block
+    lengths       [B] int32   committed positions in the target KV cache and the draft context; the
+                              anchor sits at position lengths[b]. Shared with the draft cache view,
+                              whose append advances it by a + 1 per live row
+    seeds         [B] int64   the request's seed (``dspine.sampling`` streams)
+    out_tokens    [B, max_new] int64  generated tokens, prefill token first
+    out_len       [B] int32   tokens in out_tokens; also the sampler's output position
+    max_new       [B] int32   the request's max_new_tokens
+    done          [B] int8    1 = finished or idle: the step computes the row but commits nothing
+    hist          [B, verify_size + 1] int32  hist[b, n] = this request's steps that committed n tokens
+    verify_block  [B, verify_size] int64  anchor + the K = verify_size - 1 draft tokens the target verifies
+    draft_block   [B, block_size] int64  anchor + MASK x (block_size - 1): the draft's input
+    nonfinite     [2] bool    target / draft logits were NaN or Inf since the flags were cleared
+    no_draft      [B] int32   zeros: "0 accepted" for the autoregressive commit
+    """
+
+    def __init__(self, B: int, verify_size: int, block_size: int, max_new: int, device, mask_id: int):
         i32, i64 = torch.int32, torch.int64
-        self.B, self.vb = B, vb
+        self.B, self.verify_size = B, verify_size
         self.anchor = torch.zeros(B, dtype=i64, device=device)
         self.lengths = torch.zeros(B, dtype=i32, device=device)
+        self.seeds = torch.zeros(B, dtype=i64, device=device)
         self.out_tokens = torch.zeros(B, max_new, dtype=i64, device=device)
         self.out_len = torch.zeros(B, dtype=i32, device=device)
         self.max_new = torch.ones(B, dtype=i32, device=device)
         self.done = torch.ones(B, dtype=torch.int8, device=device)
-        self.hist = torch.zeros(B, vb + 1, dtype=i32, device=device)
-        self.block = torch.zeros(B, vb, dtype=i64, device=device)
-        self.dblock = torch.full((B, dbs), mask_id, dtype=i64, device=device)
-        self.nonfinite = torch.zeros(1, dtype=torch.bool, device=device)
-        self.ar_zero = torch.zeros(B, dtype=i32, device=device)
+        self.hist = torch.zeros(B, verify_size + 1, dtype=i32, device=device)
+        self.verify_block = torch.zeros(B, verify_size, dtype=i64, device=device)
+        self.draft_block = torch.full((B, block_size), mask_id, dtype=i64, device=device)
+        self.nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
+        self.no_draft = torch.zeros(B, dtype=i32, device=device)
 
 
 class Engine:
@@ -71,19 +78,21 @@ class Engine:
 
     Args:
         target: the engine's target model.
-        draft: the engine's draft, or None (autoregressive only).
+        draft: a DSpine/DFlash draft (moved to the target's device and dtype, weights fused), or None
+            (autoregressive only). Its embedding and lm_head are the target's.
         eos_token_ids: tokens that end a sequence.
         max_batch: most concurrent sequences; max_seq: prompt + new tokens + block per sequence.
         cuda_graphs: capture the step as a CUDA graph (GPU only).
-        verify_size: slots verified per step (<= the draft's block size; default = block size).
+        verify_size: slots verified per step, anchor included (<= the draft's block size; default =
+            block size); a step proposes K = verify_size - 1 draft tokens.
         force_accept: benchmark only — accept exactly this many draft tokens per step whatever the
             target says (the "oracle draft" of the engine benchmark); output is then not the target's.
     """
 
-    def __init__(self, target: EngineTarget, draft: EngineDraft | None, eos_token_ids, max_batch: int = 8,
+    def __init__(self, target: EngineTarget, draft: DSpineDraftModel | None, eos_token_ids, max_batch: int = 8,
                  max_seq: int = 4096, cuda_graphs: bool | None = None, verify_size: int | None = None,
                  force_accept: int | None = None, max_new_cap: int | None = None):
-        self.target, self.draft = target, draft
+        self.target = target
         self.device = target.embed.device
         self.impl = target.impl
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -91,108 +100,126 @@ class Engine:
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         if target.embed.dtype == torch.float16 and target.args.model_type.startswith("qwen"):
             raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
-        dbs = draft.bs if draft is not None else 1
-        self.vb = verify_size or dbs
-        if not 1 <= self.vb <= dbs:
-            raise ValueError(f"verify_size={verify_size} must be in 1..{dbs} (the draft's block size)")
+        if draft is not None:
+            draft = draft.to(device=self.device, dtype=target.embed.dtype).eval().fuse_weights()
+        self.draft = draft
+        self.block_size = draft.config.block_size if draft is not None else 1
+        self.verify_size = verify_size or self.block_size
+        if not 1 <= self.verify_size <= self.block_size:
+            raise ValueError(f"verify_size={verify_size} must be in 1..{self.block_size} (the draft's block size)")
         self.force_accept = force_accept
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
         self.eos_set = set(int(e) for e in eos_token_ids)
         self.max_batch, self.max_seq = max_batch, max_seq
         limits = {"target": target.args.max_position_embeddings}
         if draft is not None:
-            limits["draft"] = draft.cfg.max_position_embeddings
+            limits["draft"] = draft.config.max_position_embeddings
         for who, limit in limits.items():
             if max_seq > limit:
                 raise ValueError(f"engine context max_seq={max_seq} exceeds the {who}'s max_position_embeddings="
                                  f"{limit} (docs/method.md §8.11)")
         self.max_new_cap = max_new_cap or max_seq
-        self.cache: KVCache = target.new_cache(max_batch, max_seq + dbs + 1)
-        self.dcache: DraftCtxCache | None = draft.new_cache(max_batch, max_seq + dbs + 1) if draft else None
+        capacity = max_seq + self.block_size + 1
+        self.cache: KVCache = target.new_cache(max_batch, capacity)
+        self.draft_cache = DraftCache(draft, max_batch, capacity) if draft is not None else None
         self._slots: dict[int, _Slots] = {}
         self._graphs: dict[tuple, object] = {}
 
     # -- state views ---------------------------------------------------------------------------
     def _slots_for(self, B: int) -> _Slots:
         if B not in self._slots:
-            mask = self.draft.mask_id if self.draft else 0
-            self._slots[B] = _Slots(B, self.vb, self.draft.bs if self.draft else 1, self.max_new_cap, self.device, mask)
+            cfg = self.draft.config if self.draft is not None else None
+            self._slots[B] = _Slots(B, self.verify_size, self.block_size, self.max_new_cap, self.device,
+                                    cfg.mask_token_id if cfg else 0)
         return self._slots[B]
 
     def _cache_view(self, B: int):
+        """The first B rows of the target cache and of the draft cache (whose lengths are the slots')."""
         kv = KVCache.__new__(KVCache)
         kv.k, kv.v = [k[:B] for k in self.cache.k], [v[:B] for v in self.cache.v]
         kv.batch, kv.seq = B, self.cache.seq
-        dc = None
-        if self.dcache is not None:
-            dc = DraftCtxCache.__new__(DraftCtxCache)
-            dc.k, dc.v = [k[:B] for k in self.dcache.k], [v[:B] for v in self.dcache.v]
-            dc.caps, dc.batch, dc.seq = self.dcache.caps, B, self.dcache.seq
-        return kv, dc
+        draft_cache = None
+        if self.draft_cache is not None:
+            draft_cache = self.draft_cache.view(B, lengths=self._slots_for(B).lengths)
+        return kv, draft_cache
 
-    # -- sampling helpers (graph-safe: no host reads) ------------------------------------------
-    @staticmethod
-    def _race(probs: torch.Tensor) -> torch.Tensor:
-        """One sample per row by the exponential race: argmax p / E, E ~ Exp(1) (exact, sync-free)."""
-        return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache) -> torch.Tensor:
+        """Draft logits ``[B, verify_size-1, V]`` (model dtype) for blocks ``[B, bs]`` = [anchor, MASK, ...]
+        whose anchor sits at ``draft_cache.lengths[b]``: the draft over the target's embedding and head."""
+        hidden = self.draft.forward_block(F.embedding(block, self.target.embed), draft_cache, impl=self.impl)
+        return F.linear(hidden[:, 1 : self.verify_size], self.target.head)
 
     # -- the steps -------------------------------------------------------------------------------
-    def _spec_step(self, s: _Slots, kv: KVCache, dc: DraftCtxCache, p: SamplingParams):
-        vb, K = s.vb, s.vb - 1
-        s.dblock[:, 0] = s.anchor
-        d_logits = self.draft.block_logits(s.dblock, s.lengths, dc)[:, :K]
-        if p.greedy:
-            dtok = d_logits.argmax(-1)
+    def _spec_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams):
+        """One speculative step for all B slots, without host sync (the CUDA graph's body).
+
+        Draft logits ``[B, K, V]`` (K = verify_size - 1) of ``draft_block`` -> draft tokens
+        ``[B, K]`` int64 (argmax, or sampled from p_d ``[B, K, V]`` fp32 at output positions
+        out_len + k - 1) -> ``verify_block [B, verify_size]`` through the target at positions
+        ``lengths[b] + t``: logits ``[B, verify_size, V]`` and features ``[B, verify_size, k·H]`` ->
+        accepted ``a [B]`` int32 and bonus ``[B]`` int64 -> commit into out_tokens / out_len / done /
+        hist -> the committed a + 1 feature rows into the draft context (lengths += a + 1 for live
+        rows) -> anchor = bonus. Idle rows (done = 1) compute but change nothing; non-finite logits
+        set ``nonfinite`` (checked by the host once per step).
+        """
+        s, K = slots, slots.verify_size - 1
+        s.draft_block[:, 0] = s.anchor
+        d_logits = self.draft_logits(s.draft_block, draft_cache)
+        s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
+        out_pos = s.out_len.long()  # [B] the step's first output position
+        slot_pos = out_pos[:, None] + torch.arange(K, device=self.device)  # [B, K]: draft token k at n + k - 1
+        if params.greedy:
+            draft_tokens = d_logits.argmax(-1)
         else:
-            p_d = logits_to_probs(d_logits, p.temperature, p.top_p, p.top_k)
-            dtok = self._race(p_d)
-        s.block[:, 0] = s.anchor
-        s.block[:, 1:] = dtok
-        positions = s.lengths[:, None].long() + torch.arange(vb, device=self.device)
-        t_logits, feats = self.target.forward_step(s.block, positions, kv, s.lengths)
-        s.nonfinite |= ~torch.isfinite(t_logits).all()
+            p_draft = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
+            draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos)
+        s.verify_block[:, 0] = s.anchor
+        s.verify_block[:, 1:] = draft_tokens
+        positions = s.lengths[:, None].long() + torch.arange(s.verify_size, device=self.device)
+        t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths)
+        s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         if self.force_accept is not None:
-            t_arg = t_logits.argmax(-1)
             a = torch.full((s.B,), min(self.force_accept, K), dtype=torch.int32, device=self.device)
-            bonus = t_arg.gather(1, a[:, None].long())[:, 0]
-        elif p.greedy:
-            a, bonus = accept_greedy(dtok, t_logits.argmax(-1), impl=self.impl)
+            bonus = t_logits.argmax(-1).gather(1, a[:, None].long())[:, 0]
+        elif params.greedy:
+            a, bonus = accept_greedy(draft_tokens, t_logits.argmax(-1), impl=self.impl)
         else:
-            p_t = logits_to_probs(t_logits, p.temperature, p.top_p, p.top_k)
-            u = torch.rand(s.B, K, device=self.device)
-            noise = torch.empty(s.B, p_t.shape[-1], device=self.device).exponential_()
-            a, bonus = accept_sample(dtok, p_t, p_d, u, noise, impl=self.impl)
+            p_target = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k)
+            u = rng.uniforms(s.seeds, rng.STREAM_ACCEPT, slot_pos)
+            noise = rng.exponentials(s.seeds, rng.STREAM_TARGET, out_pos[:, None], p_target.shape[-1])[:, 0]
+            a, bonus = accept_sample(draft_tokens, p_target, p_draft, u, noise, impl=self.impl)
         live = s.done == 0
-        self.draft.append(feats, s.lengths, dc)
-        commit_step(s.block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist, impl=self.impl)
-        s.lengths.add_(((a.to(torch.int32) + 1) * live).to(torch.int32))
+        commit_step(s.verify_block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist,
+                    impl=self.impl)
+        draft_cache.append(feats, (a.to(torch.int32) + 1) * live, impl=self.impl)  # advances s.lengths
         s.anchor.copy_(torch.where(live, bonus, s.anchor))
 
-    def _ar_step(self, s: _Slots, kv: KVCache, p: SamplingParams):
+    def _ar_step(self, slots: _Slots, kv: KVCache, params: SamplingParams):
+        """One autoregressive step for all B slots: the anchor through the target, next token, commit."""
+        s = slots
         tok = s.anchor[:, None]
         logits, _ = self.target.forward_step(tok, s.lengths[:, None].long(), kv, s.lengths, want_features=False)
         logits = logits[:, 0]
-        s.nonfinite |= ~torch.isfinite(logits).all()
-        nxt = logits.argmax(-1) if p.greedy else self._race(logits_to_probs(logits, p.temperature, p.top_p, p.top_k))
+        s.nonfinite[0] |= ~torch.isfinite(logits).all()
+        if params.greedy:
+            nxt = logits.argmax(-1)
+        else:
+            probs = logits_to_probs(logits, params.temperature, params.top_p, params.top_k)
+            nxt = sample(probs, s.seeds, rng.STREAM_TARGET, s.out_len.long())
         live = s.done == 0
-        commit_step(tok, s.ar_zero, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
+        commit_step(tok, s.no_draft, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
                     impl=self.impl)
         s.lengths.add_(live.to(torch.int32))
         s.anchor.copy_(torch.where(live, nxt, s.anchor))
 
-    def _step_fn(self, B: int, p: SamplingParams, spec: bool):
-        s = self._slots_for(B)
-        kv, dc = self._cache_view(B)
-        if spec:
-            return lambda: self._spec_step(s, kv, dc, p)
-        return lambda: self._ar_step(s, kv, p)
-
-    def _runner(self, B: int, p: SamplingParams, spec: bool):
+    def _runner(self, B: int, params: SamplingParams, spec: bool):
         """The step for this configuration: a replayable CUDA graph, or the eager function."""
-        fn = self._step_fn(B, p, spec)
+        slots, (kv, draft_cache) = self._slots_for(B), self._cache_view(B)
+        fn = (lambda: self._spec_step(slots, kv, draft_cache, params)) if spec else (
+            lambda: self._ar_step(slots, kv, params))
         if not self.cuda_graphs:
             return fn
-        key = (B, spec, p.temperature, p.top_p, p.top_k)
+        key = (B, spec, params.temperature, params.top_p, params.top_k)
         if key not in self._graphs:
             s = self._slots_for(B)
             s.done.fill_(1)  # warm-up and capture on idle slots: commits nothing, lengths stay
@@ -211,44 +238,52 @@ class Engine:
         return self._graphs[key].replay
 
     # -- prefill / admission ---------------------------------------------------------------------
-    def _admit(self, s: _Slots, items: list[tuple[int, list[int]]], p: SamplingParams, spec: bool, kv, dc):
-        """Prefill prompts into batch slots in one packed target pass: ``items`` = [(slot, prompt ids)]."""
-        for _, prompt in items:
-            need = len(prompt) + p.max_new_tokens + s.vb
-            if need > self.max_seq:
-                raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={p.max_new_tokens} + block exceeds "
+    def _admit(self, s: _Slots, items: list[tuple[int, list[int]]], params: SamplingParams, spec: bool, kv,
+               draft_cache, seeds: list[int]):
+        """Prefill prompts into batch slots in one packed target pass (``items`` = [(slot, prompt ids)],
+        ``seeds`` one request seed each), sample each first token (output position 0) and, with the
+        draft, write the prompts' context K/V."""
+        for _, prompt in items:  # the cache holds max_seq + block_size + 1 rows: a last block past max_seq fits
+            if len(prompt) + params.max_new_tokens > self.max_seq:
+                raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
                                  f"the engine context of {self.max_seq} positions")
-        if p.max_new_tokens > self.max_new_cap:
-            raise ValueError(f"max_new_tokens={p.max_new_tokens} exceeds the engine cap {self.max_new_cap}")
+        if params.max_new_tokens > self.max_new_cap:
+            raise ValueError(f"max_new_tokens={params.max_new_tokens} exceeds the engine cap {self.max_new_cap}")
+        dev = self.device
         slots = [b for b, _ in items]
-        ids = [torch.tensor(prompt, dtype=torch.long, device=self.device) for _, prompt in items]
-        logits, feats = self.target.prefill_packed(ids, slots, kv, want_features=spec)
-        s.nonfinite |= ~torch.isfinite(logits).all()
-        if p.greedy:
+        lens = [len(x) for _, x in items]
+        ids = [torch.tensor(prompt, dtype=torch.long, device=dev) for _, prompt in items]
+        logits, feats = self.target.prefill_packed(ids, slots, kv, want_features=spec)  # [n, V], [ΣP, k·H]
+        s.nonfinite[0] |= ~torch.isfinite(logits).all()
+        idx = torch.tensor(slots, device=dev)
+        s.seeds[idx] = torch.tensor(seeds, dtype=s.seeds.dtype, device=dev)
+        if params.greedy:
             first = logits.argmax(-1)
         else:
-            first = self._race(logits_to_probs(logits.float(), p.temperature, p.top_p, p.top_k))
-        idx = torch.tensor(slots, device=self.device)
+            probs = logits_to_probs(logits.float(), params.temperature, params.top_p, params.top_k)
+            first = sample(probs, s.seeds[idx], rng.STREAM_TARGET, torch.zeros(len(items), dtype=torch.long, device=dev))
         s.anchor[idx] = first
-        s.lengths[idx] = torch.tensor([len(x) for _, x in items], dtype=torch.int32, device=self.device)
+        lengths = torch.tensor(lens, dtype=torch.int32, device=dev)
+        s.lengths[idx] = 0 if spec else lengths
         s.out_tokens[idx, 0] = first
         s.out_len[idx] = 1
-        s.max_new[idx] = p.max_new_tokens
-        s.done[idx] = (torch.isin(first, self.eos) | (p.max_new_tokens <= 1)).to(torch.int8)
+        s.max_new[idx] = params.max_new_tokens
+        s.done[idx] = (torch.isin(first, self.eos) | (params.max_new_tokens <= 1)).to(torch.int8)
         s.hist[idx] = 0
-        if spec:
-            start = 0
-            for b, prompt in items:
-                f = feats[start : start + len(prompt)]
-                self.draft.append(f[None], torch.zeros(1, dtype=torch.int32, device=self.device), dc, slot=b)
-                start += len(prompt)
+        if spec:  # the prompts' context K/V, padded to [n, max P, k·H]; lengths become P
+            padded = torch.nn.utils.rnn.pad_sequence(list(feats.split(lens)), batch_first=True)
+            draft_cache.append(padded, lengths, rows=idx, impl=self.impl)
 
     # -- public ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, concurrency: int | None = None,
-                 use_draft: bool = True, refill: int | None = None) -> EngineResult:
+                 use_draft: bool = True, seeds: list[int] | None = None,
+                 refill: int | None = None) -> GenerationResult:
         """Decode every prompt; at most ``concurrency`` (default: max_batch) at a time, slots refilled
         from the queue as rows finish. Output tokens include the EOS that ended a row.
+
+        ``seeds``: one request seed per prompt (default ``request_seed(params.seed, i)``); a prompt's
+        output depends only on its seed and tokens, not on the batch or the concurrency.
 
         ``refill``: free slots to wait for before admitting queued prompts in one packed prefill
         (default 1 up to 16 slots, else concurrency // 16). Waiting amortises the prefill's launches
@@ -256,70 +291,65 @@ class Engine:
         finished row is replaced before the next step (benchmarks at fixed concurrency).
 
         Raises:
-            ValueError: a prompt that does not fit the context, or empty prompts.
-            FloatingPointError: non-finite target logits (e.g. fp16 overflow), never silently "τ = 1".
+            ValueError: a prompt that does not fit the context, empty prompts, a bad ``seeds`` list.
+            FloatingPointError: non-finite target or draft logits (e.g. fp16 overflow, NaN weights),
+                never a silent "τ = 1".
         """
         params.validate()
-        if not prompts or any(len(x) == 0 for x in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
+        seeds = request_seeds(params, len(prompts), seeds, "cpu").tolist()
         spec = use_draft and self.draft is not None
+        width = self.verify_size if spec else 1  # committed tokens per step: 1 .. width
         B = min(concurrency or self.max_batch, self.max_batch, len(prompts))
         refill = max(1, refill if refill is not None else (1 if B <= 16 else B // 16))
         s = self._slots_for(B)
-        kv, dc = self._cache_view(B)
-        torch.manual_seed(params.seed)
+        kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
         t0 = time.perf_counter()
         prefill_s = 0.0
         queue = deque(enumerate(prompts))
         owner: list[int | None] = [None] * B
         self.slot_owner = owner  # prompt index per slot (read by test oracles and debugging)
-        results: list[list[int] | None] = [None] * len(prompts)
+        results: list[list[int]] = [[] for _ in prompts]
         reasons = [""] * len(prompts)
-        steps_per = [0] * len(prompts)
-        start_step = [0] * len(prompts)
-        hist = torch.zeros(self.vb + 1, dtype=torch.long)
+        stats = [AcceptStats(width) for _ in prompts]
         s.done.fill_(1)
         s.nonfinite.zero_()
 
-        def admit(free: list[int], n_steps: int):
+        def admit(free: list[int]):
             nonlocal prefill_s
             tp = time.perf_counter()
             items = []
             for b in free:
                 if not queue:
                     break
-                idx, prompt = queue.popleft()
-                owner[b] = idx
-                start_step[idx] = n_steps
+                owner[b], prompt = queue.popleft()
                 items.append((b, prompt))
             if items:
-                self._admit(s, items, params, spec, kv, dc)
+                self._admit(s, items, params, spec, kv, draft_cache, [seeds[owner[b]] for b, _ in items])
             prefill_s += time.perf_counter() - tp
 
-        admit(list(range(B)), 0)
+        admit(list(range(B)))
         n_steps = 0
         while any(o is not None for o in owner):
             flags = torch.cat([s.done, s.nonfinite.to(torch.int8)]).cpu()  # the one sync per step
-            if flags[-1]:
-                raise FloatingPointError("non-finite target logits (NaN/Inf): check the dtype (fp16 overflows "
-                                         "Qwen-family layers) and the weights")
+            for who, bad in zip(("target", "draft"), flags[B:].tolist()):
+                if bad:
+                    raise nonfinite_error(who)
             finished = [b for b in range(B) if owner[b] is not None and flags[b]]
             if finished:
                 out_len = s.out_len.cpu()
                 out_tok = s.out_tokens[:, : int(out_len.max())].cpu()
-                h = s.hist.cpu()
+                hist = s.hist[:, : width + 1].cpu()
                 for b in finished:
                     idx = owner[b]
-                    toks = out_tok[b, : int(out_len[b])].tolist()
-                    results[idx] = toks
-                    reasons[idx] = "stop" if toks and toks[-1] in self.eos_set else "length"
-                    steps_per[idx] = n_steps - start_step[idx]
-                    hist[: h.shape[1]] += h[b].long()
+                    results[idx] = out_tok[b, : int(out_len[b])].tolist()
+                    reasons[idx] = "stop" if results[idx][-1] in self.eos_set else "length"
+                    stats[idx] = AcceptStats(width, hist[b].tolist())
                     owner[b] = None
             free = [b for b in range(B) if owner[b] is None]
             if queue and free and (len(free) >= min(refill, len(queue)) or len(free) == B):
-                admit(free, n_steps)
+                admit(free)
                 continue  # re-read the flags: a refilled row may already be done (EOS first)
             if finished and not any(o is not None for o in owner):
                 break
@@ -327,13 +357,11 @@ class Engine:
             n_steps += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        stats = AcceptStats(self.vb if spec else 1, hist[: (self.vb if spec else 1) + 1].tolist())
-        return EngineResult([r or [] for r in results], reasons, stats, elapsed, prefill_s, n_steps, steps_per)
+        return GenerationResult(results, reasons, stats, time.perf_counter() - t0, prefill_s, n_steps)
 
 
 # -----------------------------------------------------------------------------------------------
-# construction helpers shared by the CLIs
+# construction
 
 
 def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None, *, device="cuda",
@@ -345,49 +373,18 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     Raises:
         ValueError: draft/target mismatch (every failed check listed), fp16 with a Qwen target.
     """
-    from dspine.checkpoint import load_draft
-    from dspine.target import TargetSpec, assert_compatible
-
     impl = impl or ("triton" if torch.device(device).type == "cuda" else "torch")
     spec = TargetSpec.from_pretrained(target_path, gguf_file)
     draft_model = None
     layer_ids, last_layer_features = None, "post_norm"
     if draft_path:
-        draft_model = load_draft(draft_path, device="cpu", dtype=torch.float32)
+        draft_model = load_draft(draft_path, device=device, dtype=dtype)
         assert_compatible(spec, draft_model.config, max_context=check_max_context)
         layer_ids, last_layer_features = draft_model.config.target_layer_ids, draft_model.config.last_layer_features
     if dtype == torch.float16 and spec.model_type.startswith("qwen"):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     target = EngineTarget.from_pretrained(target_path, gguf_file, device=device, dtype=dtype, layer_ids=layer_ids,
                                           impl=impl, last_layer_features=last_layer_features)
-    draft = EngineDraft(draft_model, target, impl=impl) if draft_model is not None else None
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
-    return Engine(target, draft, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
+    return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
                   verify_size=verify_size, max_new_cap=max_new_cap), spec
-
-
-def generate_cli(args, params: SamplingParams, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
-    """``infer.generate --backend cuda``: same JSON contract as the reference backend."""
-    from infer.generate import result_dict
-
-    dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
-    if dtype is None:
-        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
-    longest = max(map(len, prompts))
-    max_seq = longest + args.max_new_tokens + 64
-    engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
-                            max_seq=max_seq, verify_size=args.block_size, check_max_context=longest + args.max_new_tokens,
-                            max_new_cap=args.max_new_tokens)
-    engine.generate(prompts, params)  # warm-up: graph capture and kernel compilation stay out of the timing
-    res = engine.generate(prompts, params)
-    out = result_dict(tokenizer, res.token_ids[0], res.stats, res.elapsed_s, res.prefill_s, engine.eos_set)
-    out.update(backend="cuda", finish_reason=res.finish_reasons[0])
-    if len(prompts) > 1:
-        out["num_tokens"], out["tok_per_s"] = res.num_tokens, res.tok_per_s
-    if args.compare_ar and engine.draft is not None:
-        engine.generate(prompts, params, use_draft=False)
-        ar = engine.generate(prompts, params, use_draft=False)
-        out["ar_tok_per_s"] = ar.tok_per_s
-        out["speedup"] = res.tok_per_s / ar.tok_per_s
-        out["ar_equal"] = ar.token_ids == res.token_ids if params.greedy else None
-    return out

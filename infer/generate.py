@@ -3,9 +3,12 @@
     python -m infer.generate --prompt "How many legs do 3 spiders have?"        # shipped default
     python -m infer.generate --target Qwen/Qwen3-8B --draft DRAFT --prompt ... --temperature 1 --top-p 0.95 --top-k 20 --json
 
-Without ``--draft`` it decodes autoregressively with the same backend. ``--json`` prints one object
-with ``text``, ``token_ids``, ``num_tokens``, ``accept_len`` (τ, bonus token included),
-``accept_at_pos``, ``accept_hist``, ``verify_steps`` and ``tok_per_s``.
+Without ``--draft`` it decodes autoregressively with the same backend. ``--json`` prints one object:
+``num_tokens``, ``accept_len`` (τ, bonus token included), ``accept_at_pos``, ``accept_hist``,
+``verify_steps``, ``committed_tokens``, ``tok_per_s`` over the whole call, and per prompt ``text``,
+``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and steps — at the top level for
+one prompt, in ``batch`` (one entry per prompt, adding up to the top level) for several.
+Non-finite logits (NaN weights, fp16 overflow) end it with one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ import sys
 from pathlib import Path
 
 import torch
+
+from dspine.checkpoint import load_draft
+from dspine.prompts import encode_prompt
+from dspine.reference import ReferenceDecoder
+from dspine.sampling import sampling_params
+from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer, resolve_model_path
+from infer.datasets import load_eval_prompts
+from infer.engine import load_engine
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,18 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def sampling_params(args):
-    """``SamplingParams`` from the CLI flags (``--temperature --top-p --top-k --max-new-tokens --seed``),
-    validated; a ValueError names the flag (``--top-p=nan must be in (0, 1]``)."""
-    from dspine.sampling import SamplingParams
-
-    try:
-        return SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
-    except ValueError as e:
-        field, _, rest = str(e).partition("=")
-        raise ValueError(f"--{field.replace('_', '-')}={rest}") from None
-
-
 def resolve_models(args) -> tuple[str, str | None]:
     """The target and draft paths, applying the shipped defaults: the default target (given or not)
     comes with the shipped DSpine draft unless ``--draft none``."""
@@ -78,27 +77,31 @@ def resolve_models(args) -> tuple[str, str | None]:
     return target, draft
 
 
-def result_dict(tokenizer, tokens: list[int], stats, elapsed_s: float, prefill_s: float, eos: set[int]) -> dict:
+def _stats_fields(stats) -> dict:
     d = stats.to_dict()
-    text_ids = [t for t in tokens if t not in eos]
-    return {
-        "text": tokenizer.decode(text_ids, skip_special_tokens=True),
-        "token_ids": tokens,
-        "num_tokens": len(tokens),
-        "accept_len": d["tau"],
-        "accept_at_pos": d["accept_at_pos"],
-        "accept_hist": d["accept_hist"],
-        "verify_steps": d["verify_steps"],
-        "tok_per_s": len(tokens) / elapsed_s if elapsed_s > 0 else 0.0,
-        "elapsed_s": elapsed_s,
-        "prefill_s": prefill_s,
-    }
+    return {"accept_len": d["tau"], "accept_at_pos": d["accept_at_pos"], "accept_hist": d["accept_hist"],
+            "verify_steps": d["verify_steps"], "committed_tokens": d["committed_tokens"]}
+
+
+def report(tokenizer, res, eos: set[int], backend: str) -> dict:
+    """The JSON of one call (module docstring): totals at the top level, per-prompt fields per prompt."""
+    def prompt(i: int) -> dict:
+        tokens = res.token_ids[i]
+        return {"text": tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True),
+                "token_ids": tokens, "num_tokens": len(tokens), "finish_reason": res.finish_reasons[i],
+                **_stats_fields(res.prompt_stats[i])}
+
+    out = {"backend": backend, "num_prompts": len(res.token_ids), "num_tokens": res.num_tokens,
+           **_stats_fields(res.stats), "tok_per_s": res.tok_per_s, "elapsed_s": res.elapsed_s,
+           "prefill_s": res.prefill_s}
+    if len(res.token_ids) == 1:
+        out.update(prompt(0))
+    else:
+        out["batch"] = [prompt(i) for i in range(len(res.token_ids))]
+    return out
 
 
 def run(args) -> dict:
-    from dspine.target import TargetSpec, load_tokenizer, resolve_model_path
-    from infer.prompts import encode_prompt
-
     # argument checks first: a bad value fails before any model file is read
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
@@ -143,8 +146,6 @@ def run(args) -> dict:
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
     if args.dataset:
-        from infer.datasets import load_eval_prompts
-
         prompts = [encode_prompt(tokenizer, p.turns[0], chat=not args.no_chat_template, system=args.system,
                                  enable_thinking=args.enable_thinking)
                    for p in load_eval_prompts(args.dataset, args.num_prompts)]
@@ -156,47 +157,48 @@ def run(args) -> dict:
         raise ValueError(f"prompt ({max(map(len, prompts))} tokens) + --max-new-tokens {args.max_new_tokens} = {need} "
                          f"exceeds the target's context of {spec.max_position_embeddings} positions")
     if draft_cfg is not None:
-        from dspine.target import assert_compatible
-
         assert_compatible(spec, draft_cfg, max_context=need)
-    if backend == "cuda":
-        from infer.engine import generate_cli
-
-        return generate_cli(args, params, path, gguf, draft_path, tokenizer, spec, prompts)
-    return _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompts)
-
-
-def _run_reference(args, params, path, gguf, draft_path, tokenizer, spec, prompts) -> dict:
-    from dspine.checkpoint import load_draft
-    from dspine.spec import ReferenceDecoder
-    from dspine.target import load_target
-
-    dtype = torch.float32 if args.dtype == "auto" else args.dtype
-    target = load_target(path, gguf, dtype=dtype)
-    draft = load_draft(draft_path, dtype=target.dtype) if draft_path is not None else None  # checked in run()
-    eos = spec.eos_ids
-    res = ReferenceDecoder(target, draft, eos).generate(prompts, params)
-    tokens = res.token_ids[0]
-    out = result_dict(tokenizer, tokens, res.stats, res.elapsed_s, res.prefill_s, eos)
-    out["backend"] = "reference"
-    out["finish_reason"] = res.finish_reasons[0]
-    if len(prompts) > 1:
-        out["batch"] = [result_dict(tokenizer, t, res.stats, res.elapsed_s, res.prefill_s, eos) for t in res.token_ids]
-        out["num_tokens"] = res.num_tokens
-        out["tok_per_s"] = res.num_tokens / res.elapsed_s
-    if args.compare_ar and draft is not None:
-        ar = ReferenceDecoder(target, None, eos).generate(prompts, params)
-        out["ar_tok_per_s"] = ar.num_tokens / ar.elapsed_s
-        out["speedup"] = out["tok_per_s"] / out["ar_tok_per_s"]
-        out["ar_equal"] = ar.token_ids == res.token_ids if params.greedy else None
+    decode, eos = (_engine if backend == "cuda" else _reference)(args, params, path, gguf, draft_path, spec, prompts)
+    res = decode(True)
+    out = report(tokenizer, res, eos, backend)
+    if args.compare_ar and draft_path is not None:
+        ar = decode(False)
+        out.update(ar_tok_per_s=ar.tok_per_s, speedup=res.tok_per_s / ar.tok_per_s,
+                   ar_equal=ar.token_ids == res.token_ids if params.greedy else None)
     return out
+
+
+def _reference(args, params, path, gguf, draft_path, spec, prompts):
+    """(decode(use_draft) -> GenerationResult, eos ids) of the reference backend (the draft was checked in run())."""
+    target = load_target(path, gguf, dtype=torch.float32 if args.dtype == "auto" else args.dtype)
+    draft = load_draft(draft_path, dtype=target.dtype) if draft_path is not None else None
+    return lambda use: ReferenceDecoder(target, draft if use else None, spec.eos_ids).generate(prompts, params), \
+        spec.eos_ids
+
+
+def _engine(args, params, path, gguf, draft_path, spec, prompts):
+    """(decode(use_draft) -> GenerationResult, eos ids) of the CUDA engine; each decode runs once untimed first
+    (graph capture and kernel compilation stay out of the timing)."""
+    dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
+    if dtype is None:
+        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
+    longest = max(map(len, prompts))
+    engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
+                            max_seq=longest + args.max_new_tokens + 64, verify_size=args.block_size,
+                            check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens)
+
+    def decode(use: bool):
+        engine.generate(prompts, params, use_draft=use)
+        return engine.generate(prompts, params, use_draft=use)
+
+    return decode, engine.eos_set
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         out = run(args)
-    except (ValueError, OSError, RuntimeError) as e:  # OSError: an unreachable Hub id, unreadable files
+    except (ValueError, OSError, RuntimeError, FloatingPointError) as e:  # OSError: unreachable Hub id, unreadable files
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

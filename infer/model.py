@@ -2,7 +2,7 @@
 
 Weights load straight from Hugging Face safetensors (sharded or not) into modules built on the
 meta device; q/k/v and gate/up are fused at load time (the checkpoint keeps the HF names). Every
-op is a kernel from ``infer.kernels`` with a selectable ``impl`` ("triton" on the GPU, "torch" as
+op is a kernel from ``dspine.ops`` with a selectable ``impl`` ("triton" on the GPU, "torch" as
 the reference and on the CPU), plus cuBLAS matmuls. Numerics follow transformers'
 ``modeling_qwen3`` / ``modeling_llama`` op by op (bf16 residual adds, fp32 norm statistics, RoPE
 rotate-half), so logits match transformers to bf16 rounding.
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspine.config import check_rope
+from dspine.ops.rmsnorm import rms_norm
+from dspine.ops.rope import qk_norm_rope_cache, rope_tables
+from dspine.ops.verify_attention import verify_attention
 from dspine.paths import read_json_object
-from infer.kernels.rmsnorm import rms_norm
-from infer.kernels.rope import qk_norm_rope_cache, rope_tables
-from infer.kernels.verify_attention import verify_attention
 
 SUPPORTED = ("qwen3", "qwen2", "llama")
 

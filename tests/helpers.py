@@ -63,11 +63,12 @@ def oracle_engine(engine, reference: list[list[int]], corrupt: float, seed: int 
     g = torch.Generator().manual_seed(seed)
     V = engine.target.args.vocab_size
 
-    def block_logits(block, lengths, cache):
+    def draft_logits(block, cache):
         B, bs = block.shape
         owner = engine.slot_owner
         ref = lambda b: reference[owner[b]] if owner[b] is not None else None
-        return oracle_logits(ref, lengths, B, bs - 1, V, corrupt, g).to(engine.device, engine.target.embed.dtype)
+        logits = oracle_logits(ref, cache.lengths, B, bs - 1, V, corrupt, g)
+        return logits[:, : engine.verify_size - 1].to(engine.device, engine.target.embed.dtype)
 
-    engine.draft.block_logits = block_logits
+    engine.draft_logits = draft_logits
     return engine

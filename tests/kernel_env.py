@@ -1,7 +1,7 @@
 """Triton interpreter switch (and interpreter fixes) for the kernel tests.
 
 Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is decorated, i.e. when
-``infer.kernels.*`` is first imported, so this module must be imported before any kernel module:
+``dspine.ops.*`` is first imported, so this module must be imported before any kernel module:
 each ``tests/test_kernels_*.py`` imports it first, and ``tests/conftest.py`` should import it too
 so that other test modules that import the kernels see the same setting.
 

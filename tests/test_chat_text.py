@@ -29,7 +29,7 @@ def _count(ids, tok, s):
 
 
 def test_control_tokens_in_a_prompt_are_plain_text(chat_tokenizer):
-    from infer.prompts import encode_prompt
+    from dspine.prompts import encode_prompt
 
     tok = chat_tokenizer
     clean = encode_prompt(tok, "What is 2+2?", system="Be brief.")
@@ -48,7 +48,7 @@ def test_control_tokens_in_a_prompt_are_plain_text(chat_tokenizer):
 
 def test_prompts_without_control_strings_encode_as_before(chat_tokenizer):
     """The rule changes nothing for ordinary text: ids equal apply_chat_template(tokenize=True)."""
-    from infer.prompts import encode_prompt
+    from dspine.prompts import encode_prompt
 
     tok = chat_tokenizer
     history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data import regenerate as regen
-from data.generate import engine_available, load_generator, resolve_backend
+from data.generate import load_generator, resolve_backend
 from data.prepare import prepare
 from data.shards import done_indices
 
@@ -134,7 +134,9 @@ def test_fifty_rows_add_up_and_resume_after_kill_matches(workdir, monkeypatch, c
         run(argv(workdir, killed, "--max-new-tokens", "9"))
     resumed = run(argv(workdir, killed))
     assert outputs(killed) == files  # same ids, same generated token ids, same order
-    assert resumed == summary
+    timing = ("wall_s", "resumed", "generated_tokens_per_s")  # this invocation's clock, not the data
+    assert resumed["resumed"] is True and summary["resumed"] is False and "generated_tokens_per_s" not in resumed
+    assert {k: v for k, v in resumed.items() if k not in timing} == {k: v for k, v in summary.items() if k not in timing}
     # A finished output is left alone.
     before = {p.name: p.read_bytes() for p in killed.iterdir()}
     capsys.readouterr()
@@ -276,9 +278,7 @@ def test_engine_backend_gives_the_same_output_as_hf(workdir):
 def test_backend_resolution():
     if not torch.cuda.is_available():
         assert resolve_backend("auto") == "hf"
-    if not engine_available():
-        with pytest.raises(NotImplementedError, match="infer.engine"):
-            resolve_backend("engine")
+    assert resolve_backend("engine") == "engine" and resolve_backend("hf") == "hf"
     with pytest.raises(ValueError, match="--backend 'vllm'"):
         resolve_backend("vllm")
 

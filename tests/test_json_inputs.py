@@ -118,8 +118,7 @@ def test_data_run_arguments_that_are_not_an_object(stories_dir, tmp_path, capsys
 
 
 def test_train_manifests_that_are_not_an_object(tmp_path):
-    from train.capture import CaptureRows
-    from train.data import open_rows
+    from train.data import CaptureRows, open_rows
 
     (tmp_path / "manifest.json").write_text("[1]")
     with pytest.raises(ValueError, match=f"{tmp_path / 'manifest.json'}: expected a JSON object"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from infer.kernels.accept import accept_greedy, accept_sample, commit_step
+from dspine.ops.accept import accept_greedy, accept_sample, commit_step
 
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not env.TRITON_CPU, reason=str(env.TRITON_CPU_SKIP)))
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not env.HAS_CUDA, reason="no CUDA")])

@@ -10,8 +10,8 @@ import tests.kernel_env as env  # noqa: I001  (must precede the kernel imports)
 import pytest
 import torch
 
-from infer.kernels.draft_attention import draft_attention
-from infer.kernels.verify_attention import verify_attention
+from dspine.ops.draft_attention import draft_attention
+from dspine.ops.verify_attention import verify_attention
 
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not env.TRITON_CPU, reason=str(env.TRITON_CPU_SKIP)))
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not env.HAS_CUDA, reason="no CUDA")])

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from infer.kernels.rmsnorm import rms_norm
-from infer.kernels.rope import qk_norm_rope_cache, rope_tables
+from dspine.ops.rmsnorm import rms_norm, shift_rms_norm
+from dspine.ops.rope import qk_norm_rope_cache, rope_tables
 
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not env.TRITON_CPU, reason=str(env.TRITON_CPU_SKIP)))
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not env.HAS_CUDA, reason="no CUDA")])
@@ -99,6 +99,48 @@ def test_rms_norm_torch_impl_is_hf(dtype):
     assert torch.equal(rms_norm(x, w, 1e-5, impl="torch"), hf_rms_norm(x, w, 1e-5))
     y, r = rms_norm(x, w, 1e-5, residual=res, impl="torch")
     assert torch.equal(r, res + x) and torch.equal(y, hf_rms_norm(res + x, w, 1e-5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_scaled_residual(dtype, device):
+    """r = residual + scale ⊙ x: the DSpine injection's gate, applied inside the next layer's norm."""
+    g = torch.Generator().manual_seed(3)
+    x, res = torch.randn(9, 100, generator=g).to(dtype).to(device), torch.randn(9, 100, generator=g).to(dtype).to(device)
+    w, s = (torch.rand(100, generator=g) + 0.5).to(dtype).to(device), torch.randn(100, generator=g).to(dtype).to(device)
+    for impl in ("torch", "triton"):
+        y, r = rms_norm(x, w, 1e-6, residual=res, scale=s, impl=impl)
+        assert torch.equal(r, res + s * x), impl  # torch's own dtype mul then add
+        assert ulp_diff_ok(y, hf_rms_norm(res + s * x, w, 1e-6)), impl
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, w, 1e-6, scale=s, impl="torch")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_shift_rms_norm(dtype, device, with_residual, bs):
+    """Output row t of a block = RMSNorm(row t-1), zeros at slot 0; the training module's numerics."""
+    from dspine.model import AdjacentInjection, RMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    N, H = 3 * bs, 100
+    x = (torch.randn(N, H, generator=g) * 3).to(dtype).to(device)
+    res = torch.randn(N, H, generator=g).to(dtype).to(device) if with_residual else None
+    norm = RMSNorm(H, 1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(H, generator=g) + 0.5)
+        r_want = x if res is None else res + x
+        want = norm(AdjacentInjection.previous(r_want[None], bs))[0]
+    ref, r_ref = shift_rms_norm(x, norm.weight.detach(), 1e-6, bs, residual=res, impl="torch")
+    assert torch.equal(ref, want) and torch.equal(r_ref, r_want)
+    got, r_got = shift_rms_norm(x, norm.weight.detach(), 1e-6, bs, residual=res, impl="triton")
+    assert torch.equal(r_got, r_want) and not got.isnan().any()
+    assert torch.equal(got.view(3, bs, H)[:, 0], torch.zeros_like(got.view(3, bs, H)[:, 0]))
+    assert ulp_diff_ok(got, want), (got.float() - want.float()).abs().max()
+    with pytest.raises(ValueError, match="whole blocks"):
+        shift_rms_norm(x[:-1], norm.weight.detach(), 1e-6, bs + 2, impl="torch")
 
 
 # ----------------------------------------------------------------------------- rope

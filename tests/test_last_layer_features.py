@@ -96,7 +96,7 @@ def test_reference_decoder_and_check_use_the_drafts_convention(target_dir, tmp_p
     from dspine import check as check_cli
     from dspine import init as init_cli
     from dspine.checkpoint import load_draft
-    from dspine.spec import ReferenceDecoder
+    from dspine.reference import ReferenceDecoder
     from dspine.target import load_target
 
     draft = tmp_path / "draft"

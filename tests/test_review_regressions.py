@@ -34,8 +34,8 @@ def test_draft_config_type_errors_name_the_field(tmp_path):
 
 
 def test_tau_is_undefined_without_verify_steps(stories_dir):
+    from dspine.reference import ReferenceDecoder
     from dspine.sampling import SamplingParams
-    from dspine.spec import ReferenceDecoder
     from dspine.stats import AcceptStats
     from dspine.target import load_target
     from tests.helpers import random_draft

@@ -9,8 +9,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspine.sampling import SamplingParams, chain_accept, logits_to_probs, sample
-from dspine.spec import ReferenceDecoder
+from dspine import sampling as rng
+from dspine.ops.accept import accept_sample
+from dspine.reference import ReferenceDecoder
+from dspine.sampling import SamplingParams, logits_to_probs, sample
 from dspine.target import TargetSpec, load_target
 from tests.helpers import oracle_reference_decoder as oracle
 from tests.helpers import random_draft
@@ -60,7 +62,7 @@ def test_tiny_qwen3_batch_lossless(tiny_qwen3_dir):
     dec = oracle(ReferenceDecoder(target, draft, [eos]), [p + w for p, w in zip(prompts, want)], corrupt=0.25)
     res = dec.generate(prompts, SamplingParams(max_new_tokens=n))
     assert res.token_ids == want
-    assert res.stats.tau > 2 and len(set(res.steps_per_row)) > 1
+    assert res.stats.tau > 2 and len(set(res.steps_per_prompt)) > 1
     ar = ReferenceDecoder(target, None, [eos]).generate(prompts, SamplingParams(max_new_tokens=n))
     assert ar.token_ids == want and ar.stats.tau == 1.0
 
@@ -85,40 +87,67 @@ def test_tau_identity_and_eos_inside_accepted_prefix(stories_dir):
     assert len(res.token_ids[0]) == 21 and res.stats.hist[16] == 1 and res.stats.hist[4] == 1  # 1 (prefill) + 16 + 4
 
 
+def pvalue(tokens, probs):
+    counts = np.bincount(tokens.numpy(), minlength=probs.shape[-1]).astype(float)
+    probs = probs.double().numpy()
+    expected = probs / probs.sum() * len(tokens)
+    keep = expected > 0
+    assert counts[~keep].sum() == 0  # never a token outside top-k / top-p
+    return chisquare(counts[keep], expected[keep]).pvalue
+
+
 @pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 0.9, 0), (1.0, 1.0, 6), (1.0, 0.8, 5)])
 def test_chain_rejection_sampling_is_exact(temperature, top_p, top_k):
-    """10^5 draws on a toy vocabulary: the emitted tokens follow the target distribution."""
+    """10^5 steps on a toy vocabulary through the one acceptance rule (dspine.ops.accept's torch
+    reference) with the decoders' noise (one dspine.sampling stream per row): the emitted tokens
+    follow the target distribution."""
     g = torch.Generator().manual_seed(0)
     V, K, N = 12, 3, 100_000
     t_logits = torch.randn(K + 1, V, generator=g) * 1.5
     d_logits = 0.5 * t_logits + torch.randn(K + 1, V, generator=g)  # flatter, overlapping draft
     p_t = logits_to_probs(t_logits, temperature, top_p, top_k).expand(N, K + 1, V)
     p_d = logits_to_probs(d_logits[:K], temperature, top_p, top_k).expand(N, K, V)
-    draft = sample(p_d, g)
+    seeds, n = torch.arange(N) * 7 + 3, torch.full((N,), 5)
+    slot_pos = n[:, None] + torch.arange(K)
+    draft = sample(p_d, seeds, rng.STREAM_DRAFT, slot_pos)
+    u = rng.uniforms(seeds, rng.STREAM_ACCEPT, slot_pos)
+    noise = rng.exponentials(seeds, rng.STREAM_TARGET, n[:, None], V)[:, 0]
 
     def emitted(acc, bonus, draft):
+        acc = acc.long()
         first = torch.where(acc >= 1, draft[:, 0], bonus)  # first emitted token of the step
         second_rows = acc >= 1  # given the first was accepted, the second follows p_t[1]
         second = torch.where(acc >= 2, draft[:, 1], bonus)[second_rows]
         return first, second
 
-    def pvalue(tokens, probs):
-        counts = np.bincount(tokens.numpy(), minlength=V).astype(float)
-        probs = probs.double().numpy()
-        expected = probs / probs.sum() * len(tokens)
-        keep = expected > 0
-        assert counts[~keep].sum() == 0  # never a token outside top-k / top-p
-        return chisquare(counts[keep], expected[keep]).pvalue
-
-    acc, bonus = chain_accept(draft, p_d, p_t, g)
+    acc, bonus = accept_sample(draft, p_t, p_d, u, noise, impl="torch")
     first, second = emitted(acc, bonus, draft)
     assert pvalue(first, p_t[0, 0]) > 0.01
     assert pvalue(second, p_t[0, 1]) > 0.01
     # the classic bug (docs/method.md §8.7): the draft takes its argmax but verification assumes a sample
     greedy_draft = p_d.argmax(-1)
-    acc, bonus = chain_accept(greedy_draft, p_d, p_t, g)
+    acc, bonus = accept_sample(greedy_draft, p_t, p_d, u, noise, impl="torch")
     first, _ = emitted(acc, bonus, greedy_draft)
     assert pvalue(first, p_t[0, 0]) < 1e-6
+
+
+def test_hash_sampler_samples_the_distribution():
+    """The counter-based race draws v with probability p_v: across 10^5 requests at one position,
+    and along 10^5 positions of one request (its stream), for each of the three streams."""
+    g = torch.Generator().manual_seed(1)
+    V, N = 17, 100_000
+    probs = logits_to_probs(torch.randn(V, generator=g) * 2, 1.0, 0.95, 12)
+    for stream in (rng.STREAM_TARGET, rng.STREAM_DRAFT, rng.STREAM_ACCEPT):
+        across = sample(probs.expand(N, V), torch.arange(N), stream, torch.zeros(N, dtype=torch.long))
+        along = sample(probs.expand(1, N, V), torch.tensor([12345]), stream, torch.arange(N)[None])[0]
+        assert pvalue(across, probs) > 0.01 and pvalue(along, probs) > 0.01, stream
+    u = rng.uniforms(torch.tensor([7]), rng.STREAM_ACCEPT, torch.arange(N)[None])[0]
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.005
+    # a pure function: same arguments, same noise; another seed, stream or position, other noise
+    a = rng.uniforms(torch.tensor([1, 2]), rng.STREAM_DRAFT, torch.tensor([[0, 1], [0, 1]]), V)
+    assert torch.equal(a, rng.uniforms(torch.tensor([1, 2]), rng.STREAM_DRAFT, torch.tensor([[0, 1], [0, 1]]), V))
+    assert not torch.equal(a[0, 0], a[1, 0]) and not torch.equal(a[0, 0], a[0, 1])
+    assert not torch.equal(a, rng.uniforms(torch.tensor([1, 2]), rng.STREAM_TARGET, torch.tensor([[0, 1], [0, 1]]), V))
 
 
 def test_sampled_spec_decode_runs_and_is_seeded(stories_dir):

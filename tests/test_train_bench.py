@@ -43,13 +43,13 @@ def test_flop_count_by_hand():
     from train.loss import anchor_generator
 
     bench = load_bench()
-    from dspine.init import draft_config_for
+    from dspine.config import DSpineConfig
     from dspine.model import DSpineDraftModel
     from dspine.target import TargetSpec
 
     target = bench.build_target(bench.TINY, [1, 3], torch.device("cpu"), torch.float32)
-    dcfg = draft_config_for(target.config, TargetSpec.from_config(target.config), layers=2, block_size=4,
-                            target_layer_ids=[1, 3], mask_token_id=511)
+    dcfg = DSpineConfig.for_target(target.config, TargetSpec.from_config(target.config), layers=2, block_size=4,
+                                   target_layer_ids=[1, 3], mask_token_id=511)
     draft = DSpineDraftModel(dcfg)
     rows = [{"input_ids": list(range(10)), "loss_mask": [0, 0] + [1] * 8}]
     b = make_batch(rows, [0], max_length=10, block_size=4, mask_token_id=511, gamma=7.0, anchors_per_seq=2,

@@ -11,8 +11,8 @@ import torch
 
 from data.sample_target import main as sample_main
 from tests.conftest import REPO
-from train.capture import CaptureRows
 from train.capture import main as capture_main
+from train.data import CaptureRows
 
 
 @pytest.fixture(scope="module")

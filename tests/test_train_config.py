@@ -95,3 +95,22 @@ def test_distill_cli_fails_fast_on_bad_config(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "unknown config key 'gama'" in r.stderr and "did you mean 'gamma'" in r.stderr
+
+
+def test_config_files_hold_only_what_differs_from_the_defaults():
+    """configs/*.yaml repeat no default (RunConfig's, or the draft's from DSpineConfig); each DFlash
+    ablation equals its DSpine file but for the injection and the run's names."""
+    from dspine.config import DEFAULT_BLOCK_SIZE, DEFAULT_LAYERS, DSPINE_DEFAULTS
+
+    base = RunConfig()
+    draft = {"layers": DEFAULT_LAYERS, "block_size": DEFAULT_BLOCK_SIZE, **DSPINE_DEFAULTS}
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        cfg = load(path)  # and every file is valid
+        repeated = [k for k in data if getattr(cfg, k) == (draft[k] if k in draft else getattr(base, k))]
+        assert not repeated, f"{path.name} repeats defaults: {repeated}"
+    for name in ("qwen3-8b-{}-b16.yaml", "smollm2-135m-{}.yaml"):
+        spine, flash = (yaml.safe_load((REPO / "configs" / name.format(k)).read_text()) for k in ("dspine", "dflash"))
+        differ = {k for k in spine.keys() | flash.keys() if spine.get(k) != flash.get(k)}
+        assert flash["injection"] == "none" and differ <= {"injection", "injection_rank", "output_dir", "wandb_run_name",
+                                                            "wandb_tags"}, name

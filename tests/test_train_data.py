@@ -113,3 +113,29 @@ def test_sample_target_matches_target_distribution(stories_dir):
     counts = torch.bincount(torch.tensor([r["input_ids"][1] for r in rows]), minlength=p.numel()).float()
     top = p.argsort(descending=True)[:5]
     assert (counts[top] / 3000 - p[top]).abs().max() < 0.03
+
+
+def _read_all(rows, q):
+    inherited = rows._fh
+    q.put(([rows.row(i)["input_ids"] for i in range(len(rows))], rows._fh is not inherited))
+
+
+def test_jsonl_rows_reopen_their_file_in_a_forked_worker(tmp_path):
+    """A DataLoader worker is a fork: the parent's open handle would share its offset with every worker."""
+    import multiprocessing as mp
+
+    path = tmp_path / "rows.jsonl"
+    want = [[i, i + 1, i + 2] for i in range(200)]
+    path.write_text("".join(json.dumps({"input_ids": x, "loss_mask": [1, 1, 1]}) + "\n" for x in want))
+    rows = JsonlRows(path)
+    assert rows.row(5)["input_ids"] == want[5]  # the parent opens its handle first
+    parent_fh = rows._fh
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_read_all, args=(rows, q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert all(rows_read == want and reopened for rows_read, reopened in got) and rows._fh is parent_fh

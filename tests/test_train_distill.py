@@ -39,7 +39,7 @@ def launch_cmd(*overrides: str) -> list[str]:
 def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
     r = subprocess.run(launch_cmd(*overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO,
                        env={**os.environ, **(env or {})})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-12000:]
     return r
 
 

@@ -19,8 +19,6 @@ that differ from the manifest is refused, naming the field.
 
 from __future__ import annotations
 
-import bisect
-import json
 import os
 import shutil
 import sys
@@ -28,89 +26,14 @@ from pathlib import Path
 
 import torch
 
+from dspine.io import atomic_write_json
 from dspine.paths import read_json_object
+from train.config import ConfigError, draft_config, parse_cli, resolve_device_settings
+from train.data import FORMAT, check_manifest, open_rows
 
-FORMAT = "dspine-features-v1"
 # Manifest fields that must agree between a capture and the run reading it (docs/method.md §4).
 IDENTITY = ("format", "target", "target_dtype", "layer_ids", "last_layer_features", "hidden_size", "max_length",
             "data_digest", "num_rows", "rows_per_shard")
-
-
-def last_layer_features(dcfg, num_target_layers: int) -> str | None:
-    """The draft's last-layer convention when its features include the target's last layer, else None
-    (then both conventions give the same features)."""
-    return dcfg.last_layer_features if num_target_layers - 1 in dcfg.target_layer_ids else None
-
-
-def expected_fields(cfg, target_dtype: str, layer_ids: list[int], data_digest: str | None = None,
-                    last_layer: str | None = None) -> dict:
-    """The manifest fields a run with config ``cfg`` requires from a capture (``last_layer``: see
-    :func:`last_layer_features`; a capture made before the field existed has none and is refused then)."""
-    want = {"format": FORMAT, "target": cfg.target, "target_dtype": target_dtype, "layer_ids": list(layer_ids),
-            "max_length": cfg.max_length}
-    if data_digest is not None:
-        want["data_digest"] = data_digest
-    if last_layer is not None:
-        want["last_layer_features"] = last_layer
-    return want
-
-
-def check_manifest(manifest: dict, expected: dict, where: str) -> None:
-    """Raise ValueError naming the first field whose value differs from ``expected``."""
-    for key, value in expected.items():
-        if manifest.get(key) != value:
-            raise ValueError(f"{where}: manifest field {key!r} is {manifest.get(key)!r} but the run config needs "
-                             f"{value!r}; capture again for this config (another --out) or fix the config")
-
-
-class CaptureRows:
-    """Row source over a capture folder: ``row(i)`` -> input_ids, loss_mask (lists) and ``features [L, k·H]``.
-
-    Raises:
-        ValueError: the capture is incomplete (a capture run has not finished) or not this format.
-    """
-
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        self.manifest = read_json_object(self.folder / "manifest.json", "a train.capture manifest")
-        if self.manifest.get("format") != FORMAT:
-            raise ValueError(f"{self.folder}: manifest format {self.manifest.get('format')!r}, expected {FORMAT!r}")
-        if not self.manifest.get("complete"):
-            raise ValueError(f"{self.folder}: capture is incomplete; run `python -m train.capture` again to finish it")
-        self.shards = self.manifest["shards"]
-        self.starts = [s["start"] for s in self.shards]
-        self._open: dict[int, tuple] = {}
-
-    def __len__(self) -> int:
-        return int(self.manifest["num_rows"])
-
-    def check(self, expected: dict) -> None:
-        check_manifest(self.manifest, expected, str(self.folder))
-
-    def _shard(self, j: int):
-        if j not in self._open:
-            from safetensors import safe_open
-
-            fh = safe_open(str(self.folder / self.shards[j]["file"]), framework="pt")
-            self._open[j] = (fh, fh.get_tensor("offsets").tolist())
-        return self._open[j]
-
-    def row(self, i: int) -> dict:
-        j = bisect.bisect_right(self.starts, i) - 1
-        fh, offsets = self._shard(j)
-        a, b = offsets[i - self.starts[j]], offsets[i - self.starts[j] + 1]
-        return {"input_ids": fh.get_slice("input_ids")[a:b].long().tolist(),
-                "loss_mask": fh.get_slice("loss_mask")[a:b].long().tolist(),
-                "features": fh.get_slice("features")[a:b]}
-
-    def metadata(self) -> dict:
-        return {k: self.manifest.get(k) for k in ("data", "data_digest", "tokenizer", "chat_template_digest", "thinking")}
-
-
-def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None = None) -> Path:
@@ -124,8 +47,6 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     from tqdm import tqdm
 
     from dspine.target import load_target, load_tokenizer
-    from train.config import draft_config, resolve_device_settings
-    from train.data import open_rows
 
     out = Path(out)
     rows = open_rows(cfg.train)
@@ -168,7 +89,7 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     free = shutil.disk_usage(out).free
     if need > free:
         raise ValueError(f"{out}: the capture needs {need / 2**30:.2f} GiB more but only {free / 2**30:.2f} GiB are free")
-    _atomic_json(mpath, manifest)
+    atomic_write_json(mpath, manifest)
     print(f"{len(shards) - len(todo)} of {len(shards)} shards already complete", flush=True)
 
     with torch.no_grad():
@@ -195,14 +116,12 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
                       str(tmp), metadata={"start": str(s["start"]), "end": str(s["end"])})
             os.replace(tmp, out / s["file"])
     manifest["complete"] = True
-    _atomic_json(mpath, manifest)
+    atomic_write_json(mpath, manifest)
     print(f"wrote {out}: {len(rows)} rows, {tokens} tokens, {len(shards)} shards", flush=True)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.config import ConfigError, parse_cli
-
     try:
         cfg, flags = parse_cli(sys.argv[1:] if argv is None else argv, "python -m train.capture",
                                extra_flags=("--out", "--rows-per-shard"))

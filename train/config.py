@@ -100,9 +100,7 @@ CHOICES: dict[str, tuple] = {
 POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every")
 NON_NEGATIVE = ("data_workers", "max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_max_rows", "eval_prompts",
                 "eval_max_new_tokens", "pad_to_multiple", "grad_clip", "weight_decay", "warmup_ratio", "min_lr_ratio")
-# Defaults of the draft shape fields when neither the YAML nor draft_init gives them.
-DRAFT_DEFAULTS = {"layers": 5, "block_size": 16, "injection": "residual", "injection_rank": 0,
-                  "block_attention": "bidirectional"}
+# Draft shape fields of the run config (None = dspine.config.DSpineConfig.for_target's default).
 DRAFT_FIELDS = ("layers", "block_size", "injection", "injection_rank", "injection_layers", "block_attention",
                 "target_layer_ids", "mask_token_id", "intermediate_size")
 
@@ -293,37 +291,28 @@ def draft_config(cfg: RunConfig, target, tokenizer=None):
     """The draft's :class:`dspine.config.DSpineConfig` for this run, checked against ``target``.
 
     From ``cfg.draft_init`` (its config.json; shape fields set in ``cfg`` must agree) or built from
-    the shape fields with the target's layer shapes (``dspine.init.draft_config_for``).
+    the shape fields with the target's layer shapes (``DSpineConfig.for_target``, the home of the
+    defaults).
 
     Raises:
         ConfigError: a shape field that disagrees with ``draft_init``.
         ValueError: draft/target mismatch (layer ids, vocab, mask token, RoPE range; docs/method.md §8.4-8.11).
     """
     from dspine.checkpoint import load_config
-    from dspine.init import draft_config_for
+    from dspine.config import DSpineConfig
     from dspine.target import TargetSpec, assert_compatible
 
     spec = TargetSpec.from_adapter(target, tokenizer)
     if cfg.draft_init:
         dcfg = load_config(cfg.draft_init)
-        have = {"layers": dcfg.num_hidden_layers, "block_size": dcfg.block_size, "injection": dcfg.injection,
-                "injection_rank": dcfg.injection_rank, "injection_layers": dcfg.dspine_config["injection_layers"],
-                "block_attention": dcfg.block_attention, "target_layer_ids": dcfg.target_layer_ids,
-                "mask_token_id": dcfg.mask_token_id, "intermediate_size": dcfg.intermediate_size}
+        have = dcfg.shape()
         for key in DRAFT_FIELDS:
             want = getattr(cfg, key)
             if want is not None and want != have[key]:
                 raise ConfigError(f"config key {key!r}: {want!r} disagrees with draft_init {cfg.draft_init} "
                                   f"({have[key]!r}); unset it or use another draft folder")
     else:
-        shape = {k: getattr(cfg, k) if getattr(cfg, k) is not None else DRAFT_DEFAULTS.get(k) for k in DRAFT_FIELDS}
-        dcfg = draft_config_for(
-            target.config, spec, layers=shape["layers"], block_size=shape["block_size"],
-            injection=shape["injection"], injection_rank=shape["injection_rank"],
-            injection_layers=shape["injection_layers"], block_attention=shape["block_attention"],
-            target_layer_ids=shape["target_layer_ids"], mask_token_id=shape["mask_token_id"],
-            intermediate_size=shape["intermediate_size"],
-        )
+        dcfg = DSpineConfig.for_target(target.config, spec, **{k: getattr(cfg, k) for k in DRAFT_FIELDS})
     assert_compatible(spec, dcfg, max_context=cfg.max_length)
     return dcfg
 

@@ -3,7 +3,7 @@
 A row source is anything with ``len()`` and ``row(i) -> {"input_ids", "loss_mask"[, "features"]}``
 (the ``data.tokenize`` contract, docs/contracts.md). Three are provided: a JSON-lines file
 (:class:`JsonlRows`), a ``data.tokenize`` cache folder (:class:`ArrowRows`) and a ``train.capture``
-folder with target features (:class:`train.capture.CaptureRows`). :func:`open_rows` picks one.
+folder with target features (:class:`CaptureRows`, written by ``train.capture``). :func:`open_rows` picks one.
 
 Order: optimizer step s of a run reads the global batch ``perm_e[i : i + G]`` with
 ``G = micro_batch_size · grad_accum · world``, e = s // steps_per_epoch, i = (s mod steps_per_epoch)·G
@@ -13,11 +13,15 @@ see disjoint rows and a resumed run reads exactly what the uninterrupted run wou
 
 from __future__ import annotations
 
+import bisect
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from dspine.io import file_digest
 from dspine.paths import read_json_object
 from train.loss import block_input_ids, block_targets, sample_anchors
 
@@ -41,23 +45,27 @@ class JsonlRows:
                 if line.strip():
                     self.offsets.append(pos)
                 pos += len(line)
-        self._fh = None
+        self._fh, self._pid = None, None
 
     def __len__(self) -> int:
         return len(self.offsets)
 
     def row(self, i: int) -> dict:
-        if self._fh is None:
-            self._fh = open(self.path, "rb")
+        # one handle per process: DataLoader workers are forked, and a handle inherited from the parent
+        # shares its file offset with every other worker (seek + readline would race)
+        if self._fh is None or self._pid != os.getpid():
+            self._fh, self._pid = open(self.path, "rb"), os.getpid()
         self._fh.seek(self.offsets[i])
-        from data.rows import parse_jsonl_line  # names the file and row of a line that is no JSON object
-
-        obj = parse_jsonl_line(self._fh.readline(), f"{self.path} row {i}")
+        raw = self._fh.readline()
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{self.path} row {i}: invalid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{self.path} row {i}: a JSON {type(obj).__name__}, not an object")
         return _checked(obj, f"{self.path} row {i}")
 
     def metadata(self) -> dict:
-        from data.rows import file_digest
-
         return {"data": str(self.path), "data_digest": file_digest(self.path)}
 
 
@@ -79,13 +87,87 @@ class ArrowRows:
         return _checked(self.ds[int(i)], f"{self.folder} row {i}")
 
     def metadata(self) -> dict:
-        from data.rows import file_digest
-
         m = self.manifest
         digest = file_digest(self.folder / "manifest.json") if m else file_digest(self.folder / "data.arrow")
         return {"data": str(self.folder), "data_digest": digest, "tokenizer": m.get("tokenizer"),
                 "chat_template_digest": m.get("template_digest"), "thinking": m.get("thinking"),
                 "tokenized_max_length": m.get("max_length")}
+
+
+# ------------------------------------------------------------------------------------- captures
+
+FORMAT = "dspine-features-v1"  # manifest format of a train.capture folder
+
+
+def last_layer_features(dcfg, num_target_layers: int) -> str | None:
+    """The draft's last-layer convention when its features include the target's last layer, else None
+    (then both conventions give the same features)."""
+    return dcfg.last_layer_features if num_target_layers - 1 in dcfg.target_layer_ids else None
+
+
+def expected_fields(cfg, target_dtype: str, layer_ids: list[int], data_digest: str | None = None,
+                    last_layer: str | None = None) -> dict:
+    """The manifest fields a run with config ``cfg`` requires from a capture (``last_layer``: see
+    :func:`last_layer_features`; a capture made before the field existed has none and is refused then)."""
+    want = {"format": FORMAT, "target": cfg.target, "target_dtype": target_dtype, "layer_ids": list(layer_ids),
+            "max_length": cfg.max_length}
+    if data_digest is not None:
+        want["data_digest"] = data_digest
+    if last_layer is not None:
+        want["last_layer_features"] = last_layer
+    return want
+
+
+def check_manifest(manifest: dict, expected: dict, where: str) -> None:
+    """Raise ValueError naming the first field whose value differs from ``expected``."""
+    for key, value in expected.items():
+        if manifest.get(key) != value:
+            raise ValueError(f"{where}: manifest field {key!r} is {manifest.get(key)!r} but the run config needs "
+                             f"{value!r}; capture again for this config (another --out) or fix the config")
+
+
+class CaptureRows:
+    """Row source over a capture folder: ``row(i)`` -> input_ids, loss_mask (lists) and ``features [L, k·H]``.
+
+    Raises:
+        ValueError: the capture is incomplete (a capture run has not finished) or not this format.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.manifest = read_json_object(self.folder / "manifest.json", "a train.capture manifest")
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{self.folder}: manifest format {self.manifest.get('format')!r}, expected {FORMAT!r}")
+        if not self.manifest.get("complete"):
+            raise ValueError(f"{self.folder}: capture is incomplete; run `python -m train.capture` again to finish it")
+        self.shards = self.manifest["shards"]
+        self.starts = [s["start"] for s in self.shards]
+        self._open: dict[int, tuple] = {}
+
+    def __len__(self) -> int:
+        return int(self.manifest["num_rows"])
+
+    def check(self, expected: dict) -> None:
+        check_manifest(self.manifest, expected, str(self.folder))
+
+    def _shard(self, j: int):
+        if j not in self._open:
+            from safetensors import safe_open
+
+            fh = safe_open(str(self.folder / self.shards[j]["file"]), framework="pt")
+            self._open[j] = (fh, fh.get_tensor("offsets").tolist())
+        return self._open[j]
+
+    def row(self, i: int) -> dict:
+        j = bisect.bisect_right(self.starts, i) - 1
+        fh, offsets = self._shard(j)
+        a, b = offsets[i - self.starts[j]], offsets[i - self.starts[j] + 1]
+        return {"input_ids": fh.get_slice("input_ids")[a:b].long().tolist(),
+                "loss_mask": fh.get_slice("loss_mask")[a:b].long().tolist(),
+                "features": fh.get_slice("features")[a:b]}
+
+    def metadata(self) -> dict:
+        return {k: self.manifest.get(k) for k in ("data", "data_digest", "tokenizer", "chat_template_digest", "thinking")}
 
 
 def _checked(obj: dict, where: str) -> dict:
@@ -109,8 +191,6 @@ def open_rows(path: str | Path):
         return ArrowRows(p)
     if p.is_dir() and (p / "manifest.json").is_file() and str(
             read_json_object(p / "manifest.json", "a manifest").get("format", "")).startswith("dspine-features"):
-        from train.capture import CaptureRows
-
         return CaptureRows(p)
     if p.is_file():
         return JsonlRows(p)

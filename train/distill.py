@@ -31,9 +31,17 @@ import yaml
 
 from dspine.paths import read_json_object
 from train import config as run_config
-from train.capture import CaptureRows, expected_fields, last_layer_features
 from train.config import ConfigError
-from train.data import StepBatches, StepOrder, make_batch, open_rows, step_loader
+from train.data import (
+    CaptureRows,
+    StepBatches,
+    StepOrder,
+    expected_fields,
+    last_layer_features,
+    make_batch,
+    open_rows,
+    step_loader,
+)
 from train.loss import LossStats, anchor_generator, tau_sim
 from train.step import StepSettings, make_optimizer, make_scheduler, micro_loss, reduce_sum, train_step
 
@@ -263,7 +271,7 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
 
     Per-slot counts are summed over ranks before dividing (docs/method.md §8.9); anchors are drawn from a
     fixed generator so evals at different steps see the same blocks. tau_real decodes
-    ``eval_prompts`` prompts greedily with :class:`dspine.spec.ReferenceDecoder` on rank 0."""
+    ``eval_prompts`` prompts greedily with :class:`dspine.reference.ReferenceDecoder` on rank 0."""
     rank, world = accelerator.process_index, accelerator.num_processes
     n = min(len(eval_rows), cfg.eval_max_rows)
     mine = list(range(rank, n - n % world, world))
@@ -280,8 +288,8 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
     out = {"eval/loss": stats.loss_sum / stats.weight_sum if stats.weight_sum else float("nan"),
            "eval/acc_at_pos": acc, "eval/accept_at_pos": at_pos, "eval/tau_sim": tau}
     if cfg.eval_prompts:
+        from dspine.reference import ReferenceDecoder
         from dspine.sampling import SamplingParams
-        from dspine.spec import ReferenceDecoder
 
         model = full_draft(accelerator, draft, dcfg, zero3)
         real = None
@@ -322,8 +330,8 @@ def full_draft(accelerator, draft, dcfg, zero3: bool):
 
 def save_checkpoint(accelerator, draft, dcfg, cfg, dev, step: int, state: dict, zero3: bool) -> Path:
     """``step-N/{state,draft,trainer_state.json,config.yaml}``, then the ``latest`` pointer, then rotation."""
-    from data.rows import atomic_write_json
     from dspine.checkpoint import save_draft
+    from dspine.io import atomic_write_json
 
     out = Path(cfg.output_dir)
     ckpt = out / f"step-{step}"

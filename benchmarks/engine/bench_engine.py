@@ -32,7 +32,6 @@ from dspine.config import DSpineConfig  # noqa: E402
 from dspine.model import DSpineDraftModel  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
-from infer.draft import EngineDraft  # noqa: E402
 from infer.engine import Engine  # noqa: E402
 from infer.model import EngineTarget, ModelArgs  # noqa: E402
 
@@ -119,7 +118,7 @@ def run(args) -> dict:
     hf, dm = build(shape, dev, dtype, args.draft_layers, args.block)
     a = ModelArgs.from_hf_config(hf.config)
     target = EngineTarget.from_hf_state(a, hf.state_dict(), dev, dtype, dm.config.target_layer_ids, impl)
-    draft = EngineDraft(dm, target, impl)
+    draft = dm
     total, no_embed = weight_bytes(target)
     res["weight_bytes"], res["weight_bytes_excl_embedding"] = total, no_embed
     bw = res["ceilings"]["copy_bw_GBps"]

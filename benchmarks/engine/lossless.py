@@ -27,13 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dspine.checkpoint import save_draft  # noqa: E402
+from dspine.prompts import encode_prompt  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
+from dspine.reference import ReferenceDecoder  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
-from dspine.spec import ReferenceDecoder  # noqa: E402
 from dspine.target import load_target, load_tokenizer  # noqa: E402
 from infer.datasets import load_eval_prompts  # noqa: E402
 from infer.engine import load_engine  # noqa: E402
-from infer.prompts import encode_prompt  # noqa: E402
 
 
 def install_device_oracle(engine, reference: list[list[int]], every: int = 4):
@@ -44,26 +44,27 @@ def install_device_oracle(engine, reference: list[list[int]], every: int = 4):
     ref = torch.zeros(engine.max_batch, width, dtype=torch.long, device=dev)
     admit = engine._admit
 
-    def _admit(s, items, params, spec, kv, dc):
-        admit(s, items, params, spec, kv, dc)
+    def _admit(s, items, params, spec, kv, dc, seeds):
+        admit(s, items, params, spec, kv, dc, seeds)
         for b, _ in items:
             seq = reference[engine.slot_owner[b]]  # set by Engine.generate before admission
             row = torch.zeros(width, dtype=torch.long)
             row[: len(seq)] = torch.tensor(seq)
             ref[b].copy_(row.to(dev))
 
-    def block_logits(block, lengths, cache):
+    def draft_logits(block, cache):
         B, bs = block.shape
+        lengths = cache.lengths
         k = torch.arange(1, bs, device=dev)
         pos = lengths[:, None].long() + k  # [B, K]
         tok = ref[:B].gather(1, pos.clamp(max=width - 1))
         bad = (pos % every) == 0
         tok = torch.where(bad, (tok + 1) % V, tok)
         logits = torch.zeros(B, bs - 1, V, device=dev, dtype=engine.target.embed.dtype)
-        return logits.scatter_(2, tok[..., None], 10.0)
+        return logits.scatter_(2, tok[..., None], 10.0)[:, : engine.verify_size - 1]
 
     engine._admit = _admit
-    engine.draft.block_logits = block_logits
+    engine.draft_logits = draft_logits
 
 
 def first_divergence(got: list[int], want: list[int]) -> int | None:

@@ -1,4 +1,4 @@
-"""Time every Triton kernel in infer/kernels against its torch reference (CUDA only).
+"""Time every Triton kernel in dspine/ops against its torch reference (CUDA only).
 
     python benchmarks/kernels/bench_kernels.py --output results/kernels_h200.json [--quick]
 
@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from infer.kernels.accept import accept_greedy, accept_sample, commit_step  # noqa: E402
-from infer.kernels.draft_attention import draft_attention  # noqa: E402
-from infer.kernels.rmsnorm import rms_norm  # noqa: E402
-from infer.kernels.rope import qk_norm_rope_cache, rope_tables  # noqa: E402
-from infer.kernels.verify_attention import verify_attention  # noqa: E402
+from dspine.ops.accept import accept_greedy, accept_sample, commit_step  # noqa: E402
+from dspine.ops.draft_attention import draft_attention  # noqa: E402
+from dspine.ops.rmsnorm import rms_norm  # noqa: E402
+from dspine.ops.rope import qk_norm_rope_cache, rope_tables  # noqa: E402
+from dspine.ops.verify_attention import verify_attention  # noqa: E402
 
 HQ, HKV, D, HIDDEN, VOCAB, BS = 32, 8, 128, 4096, 151936, 16
 DT = torch.bfloat16

@@ -4,7 +4,7 @@
 
 Calls the kernel directly with each (BLOCK_N, num_warps, num_stages, programs-per-SM target) at
 Qwen3-8B shapes, checks each result against the default launcher, and prints the best per shape.
-Used to pick the defaults in infer/kernels/verify_attention.py; not part of the test suite.
+Used to pick the defaults in dspine/ops/verify_attention.py; not part of the test suite.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from infer.kernels import verify_attention as va  # noqa: E402
-from infer.kernels.attn_combine import combine_partials_triton  # noqa: E402
+from dspine.ops import verify_attention as va  # noqa: E402
+from dspine.ops.attn_combine import combine_partials_triton  # noqa: E402
 
 
 def launch(q, k, v, cache_len, scale, bn, warps, stages, per_sm):

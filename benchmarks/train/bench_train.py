@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
-    from dspine.init import draft_config_for
+    from dspine.config import DSpineConfig
     from dspine.model import DSpineDraftModel
     from dspine.target import TargetSpec
     from train.config import RunConfig, resolve_device_settings
@@ -193,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     target = build_target(shape, layer_ids, device, torch.bfloat16 if cuda else torch.float32)
     spec = TargetSpec.from_config(target.config)
-    dcfg = draft_config_for(target.config, spec, layers=args.layers, block_size=args.block_size, injection="residual",
-                            target_layer_ids=layer_ids, mask_token_id=shape["vocab_size"] - 1,
-                            max_position_embeddings=max(args.seq_len + args.block_size, 4096))
+    dcfg = DSpineConfig.for_target(target.config, spec, layers=args.layers, block_size=args.block_size,
+                                   injection="residual", target_layer_ids=layer_ids,
+                                   mask_token_id=shape["vocab_size"] - 1,
+                                   max_position_embeddings=max(args.seq_len + args.block_size, 4096))
     torch.manual_seed(args.seed)
     with device:
         draft = DSpineDraftModel(dcfg).float()

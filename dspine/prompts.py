@@ -1,4 +1,5 @@
-"""Prompt encoding shared by ``infer.generate``, ``infer.bench`` and the data tools.
+"""Prompt encoding shared by ``infer.generate``, ``infer.bench`` and the data tools (here, at the ground
+of the import layering, so that ``data`` and ``infer`` both read it).
 
 Rule for control tokens (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``, ...): only the chat
 template (and the target itself) writes them. Text that a person wrote — system and user messages,

@@ -1,0 +1,33 @@
+"""Small file helpers shared by the data CLIs and the trainer: crash-safe JSON writes, file digests."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+
+def atomic_write_json(path: str | Path, obj) -> None:
+    """Writes `obj` as indented JSON through a temp file and a rename, so a reader never sees half a file.
+
+    Raises:
+        ValueError: `obj` holds NaN or infinity (not JSON; nothing is written).
+    """
+    path = Path(path)
+    text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_digest(path: str | Path) -> str:
+    """blake2b-128 hex digest of a file's contents (read in 1 MiB blocks)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()

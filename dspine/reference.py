@@ -1,0 +1,186 @@
+"""Reference speculative decoding in plain PyTorch (docs/method.md §5): the correctness oracle.
+
+One step per sequence: the draft proposes a block ``[anchor, d_1 .. d_K]`` (K = bs-1) in one
+forward over its context cache; the target verifies the block causally over its KV cache; the
+longest agreeing prefix plus the bonus token is committed; the target cache is cropped to the
+committed positions and their target features are appended to the draft's context. Rows of a batch
+accept different counts (ragged); the draft runs batched, the target verifies row by row on its own
+HF cache (simple and exact). Without a draft it decodes autoregressively on the same path. Shared
+with the engine: the draft's ``forward_block``, the acceptance rule (``dspine.ops.accept``'s torch
+references), the sampler and its per-request streams (``dspine.sampling``), the result type.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dspine import sampling as rng
+from dspine.model import DraftCache, DSpineDraftModel
+from dspine.ops.accept import accept_greedy, accept_sample
+from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sample
+from dspine.stats import AcceptStats, GenerationResult
+from dspine.target import TargetAdapter
+
+
+def request_seeds(params: SamplingParams, n: int, seeds: list[int] | None, device) -> torch.Tensor:
+    """``[n]`` int64 request seeds: ``seeds`` if given (one per prompt), else ``request_seed(params.seed, i)``."""
+    if seeds is None:
+        seeds = [rng.request_seed(params.seed, i) for i in range(n)]
+    elif len(seeds) != n:
+        raise ValueError(f"seeds has {len(seeds)} entries for {n} prompts")
+    return torch.tensor([int(s) for s in seeds], dtype=torch.int64, device=device)
+
+
+def check_prompts(prompts: list[list[int]]) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+
+
+class ReferenceDecoder:
+    """Speculative (or autoregressive, without ``draft``) decoding of a batch of prompts.
+
+    Args:
+        target: the frozen target; its ``layer_ids`` are set from the draft config.
+        draft: a DSpine/DFlash draft, or None for autoregressive decoding.
+        eos_token_ids: tokens that end a sequence.
+    """
+
+    def __init__(self, target: TargetAdapter, draft: DSpineDraftModel | None, eos_token_ids):
+        self.target = target
+        self.draft = draft
+        self.eos = set(int(e) for e in eos_token_ids)
+        if draft is not None:
+            target.set_layer_ids(draft.config.target_layer_ids, draft.config.last_layer_features)
+            self.block_size = draft.config.block_size
+            self.mask_token_id = draft.config.mask_token_id
+        else:
+            self.block_size = 1
+
+    def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache) -> torch.Tensor:
+        """Draft logits ``[B, K, V]`` (fp32) for blocks ``[B, bs]`` = [anchor, MASK, ...]."""
+        hidden = self.draft.forward_block(self.target.embed(block), draft_cache)
+        return self.target.lm_head(hidden[:, 1:]).float()
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> GenerationResult:
+        """Decode every prompt up to EOS (kept in the output) or ``max_new_tokens``.
+
+        Args:
+            prompts: token ids per prompt (each non-empty).
+            params: sampling settings; T = 0 is greedy (exact match), T > 0 chain rejection sampling.
+            seeds: one request seed per prompt (default ``request_seed(params.seed, i)``): a prompt's
+                sample depends only on its seed, never on the other prompts (``dspine.sampling``).
+        Returns :class:`GenerationResult` (per-prompt :class:`AcceptStats`). Raises ValueError (an empty
+        prompt, bad params, a ``seeds`` list of the wrong length), FloatingPointError (non-finite logits).
+        """
+        params.validate()
+        check_prompts(prompts)
+        t0 = time.perf_counter()
+        dev = self.target.device
+        B = len(prompts)
+        seed = request_seeds(params, B, seeds, dev)
+        out: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        reasons = ["length"] * B
+        stats = [AcceptStats(self.block_size) for _ in range(B)]
+        use_draft = self.draft is not None
+        loops = 0
+
+        def commit(b: int, tokens: list[int]) -> int:
+            """Append tokens to row b up to EOS / max_new_tokens; returns how many were committed."""
+            n = 0
+            for tok in tokens:
+                if done[b]:
+                    break
+                out[b].append(tok)
+                n += 1
+                if tok in self.eos:
+                    done[b], reasons[b] = True, "stop"
+                elif len(out[b]) >= params.max_new_tokens:
+                    done[b] = True
+            return n
+
+        def target_token(b: int, logits: torch.Tensor) -> int:
+            """The target's token for row b from its logits ``[V]`` at output position len(out[b])."""
+            if not torch.isfinite(logits).all():
+                raise nonfinite_error("target")
+            if params.greedy:
+                return int(logits.argmax())
+            p = logits_to_probs(logits[None], params.temperature, params.top_p, params.top_k)
+            return int(sample(p, seed[b : b + 1], rng.STREAM_TARGET, torch.tensor([len(out[b])], device=dev))[0])
+
+        # -- prefill: one row at a time on its own HF cache ------------------------------------------
+        caches, feats, anchors = [], [], []
+        for b, prompt in enumerate(prompts):
+            o = self.target(torch.tensor([prompt], device=dev), use_cache=True, features=use_draft)
+            caches.append(o.past_key_values)
+            feats.append(o.features)
+            anchors.append(target_token(b, o.logits[0, -1].float()))
+            commit(b, [anchors[-1]])
+        prefill_s = time.perf_counter() - t0
+
+        if use_draft:
+            bs, K = self.block_size, self.block_size - 1
+            dcache = DraftCache(self.draft, B, max(map(len, prompts)) + params.max_new_tokens + bs + 1)
+            for b, f in enumerate(feats):
+                dcache.append(f, torch.tensor([f.shape[1]], device=dev), rows=torch.tensor([b], device=dev))
+
+        while not all(done):
+            loops += 1
+            active = [b for b in range(B) if not done[b]]
+            if not use_draft:
+                for b in active:
+                    pos = torch.tensor([[len(prompts[b]) + len(out[b]) - 1]], device=dev)
+                    o = self.target(torch.tensor([[anchors[b]]], device=dev), position_ids=pos,
+                                    past_key_values=caches[b], use_cache=True, features=False)
+                    caches[b] = o.past_key_values
+                    anchors[b] = target_token(b, o.logits[0, -1].float())
+                    stats[b].record(commit(b, [anchors[b]]))
+                continue
+
+            # -- draft: one block per row, batched; draft token k sits at output position n + k - 1 ------
+            block = torch.full((B, bs), self.mask_token_id, dtype=torch.long, device=dev)
+            block[:, 0] = torch.tensor(anchors, device=dev)
+            d_logits = self.draft_logits(block, dcache)  # [B, K, V]
+            if not torch.isfinite(d_logits).all():
+                raise nonfinite_error("draft")
+            n_out = torch.tensor([len(o) for o in out], device=dev)
+            slot_pos = n_out[:, None] + torch.arange(K, device=dev)  # [B, K]
+            if params.greedy:
+                block[:, 1:] = d_logits.argmax(-1)
+                p_draft = None
+            else:
+                p_draft = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
+                block[:, 1:] = sample(p_draft, seed, rng.STREAM_DRAFT, slot_pos)
+
+            # -- verify + accept, row by row (the acceptance rule of dspine.ops.accept) ----------------
+            new_feats = torch.zeros(B, bs, feats[0].shape[-1], device=dev, dtype=feats[0].dtype)
+            counts = torch.zeros(B, dtype=torch.long, device=dev)
+            for b in active:
+                start = int(dcache.lengths[b])  # position of the anchor
+                pos = torch.arange(start, start + bs, device=dev)[None]
+                o = self.target(block[b : b + 1], position_ids=pos, past_key_values=caches[b], use_cache=True)
+                t_logits = o.logits[0].float()  # [bs, V]
+                if not torch.isfinite(t_logits).all():
+                    raise nonfinite_error("target")
+                if params.greedy:
+                    a, bonus = accept_greedy(block[b : b + 1, 1:], t_logits.argmax(-1)[None], impl="torch")
+                else:
+                    p_t = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k)[None]
+                    u = rng.uniforms(seed[b : b + 1], rng.STREAM_ACCEPT, slot_pos[b : b + 1])
+                    e = rng.exponentials(seed[b : b + 1], rng.STREAM_TARGET, n_out[b : b + 1, None], p_t.shape[-1])[:, 0]
+                    a, bonus = accept_sample(block[b : b + 1, 1:], p_t, p_draft[b : b + 1], u, e, impl="torch")
+                a, bonus = int(a), int(bonus)
+                stats[b].record(commit(b, block[b, 1 : a + 1].tolist() + [bonus]))
+                # keep the target cache to the committed positions: anchor .. d_a
+                caches[b] = o.past_key_values
+                self.target.crop_cache(caches[b], start + a + 1)
+                new_feats[b, : a + 1] = o.features[0, : a + 1]
+                counts[b] = a + 1
+                anchors[b] = bonus
+            dcache.append(new_feats, counts)
+
+        return GenerationResult(out, reasons, stats, time.perf_counter() - t0, prefill_s, loops)
