@@ -31,7 +31,8 @@ def fmt(x, nd=2):
 
 
 def smollm2_section() -> list[str]:
-    runs = sorted(p for p in RESULTS.glob("smollm2*-T*-c*.json") if not p.stem.endswith("-divergence"))
+    runs = sorted((p for p in RESULTS.glob("smollm2*-T*-c*.json") if not p.stem.endswith("-divergence")),
+                  key=lambda p: ("-cpu-" in p.name, p.name))  # GPU runs first
     if not runs:
         return []
     out = ["### SmolLM2-135M-Instruct: DSpine vs the DFlash ablation", ""]
@@ -39,7 +40,8 @@ def smollm2_section() -> list[str]:
         r = json.loads(path.read_text())
         a = r["args"]
         samp = "greedy" if a["temperature"] == 0 else f"T={a['temperature']:g}, top_p {a['top_p']:g}, top_k {a['top_k']}"
-        out.append(f"**{samp}, concurrency {a['concurrency']}, {a['num_prompts']} prompts per task, "
+        trained = "GPU-trained drafts (recipe below)" if "-h200-" in path.name else "CPU-trained drafts"
+        out.append(f"**{trained}, {samp}, concurrency {a['concurrency']}, {a['num_prompts']} prompts per task, "
                    f"{a['max_new_tokens']} new tokens, backend `{r['backend']}` on {r['device']}** "
                    f"([`{path.relative_to(ROOT)}`]({path.relative_to(ROOT)}), commit `{r['commit'][:10]}`)")
         out.append("")
@@ -77,11 +79,60 @@ def smollm2_section() -> list[str]:
     return out
 
 
+def recipe_section() -> list[str]:
+    r = load("smollm2-recipe-h200.json")
+    if not r:
+        return []
+    out = ["#### The SmolLM2 recipe on one GPU (`scripts/smollm2/recipe.sh`)", "",
+           f"{r['device']}, commit `{r['commit'][:10]}` ([`results/smollm2-recipe-h200.json`]"
+           f"(results/smollm2-recipe-h200.json); {r.get('commit_note', '')}). The two drafts trained side by side, "
+           "one per GPU of a two-GPU machine, for the same number of steps.", "",
+           "| stage | wall clock |", "|---|---|"]
+    for t in r["timings"]:
+        if "seconds" in t:
+            out.append(f"| {t['stage']} | {t['seconds']:.0f} s |")
+    out.append(f"| **total** | **{r['total_seconds'] / 60:.1f} min** |")
+    d = r["data"]
+    dec = d["decontaminate_train"]
+    by_task = ", ".join(f"{k} {v}" for k, v in dec["contaminated_by_task"].items())
+    out += ["", f"Data: {dec['read']:,} training prompts after `data.prepare`; `data.decontaminate` (13-gram word overlap "
+            f"with every eval set) dropped {dec['contaminated']} ({by_task}) and {dec['duplicates']} duplicate prompts; "
+            f"{d['train_answers']:,} target answers, {d['train_answer_tokens'] / 1e6:.1f} M answer tokens, "
+            f"{d['tokenize_train']['tokens'] / 1e6:.1f} M tokens after `data.tokenize`.", "",
+            "| regeneration run | temperature | answers | tokens | truncated at max_new | wall clock | tok/s |",
+            "|---|---|---|---|---|---|---|"]
+    for name, g in d["regenerate"].items():
+        out.append(f"| {name} | {g['temperature']:g} | {g['results']:,} | {g['generated_tokens']:,} | "
+                   f"{100 * g['truncation_rate']:.1f}% | {g['wall_s']:.0f} s | {g.get('generated_tokens_per_s', 0):,.0f} |")
+    out += ["", "| draft | steps | target tokens | tokens/s (median) | anchor blocks/s | final eval loss | τ_sim | "
+            "τ_real (eval prompts) |", "|---|---|---|---|---|---|---|---|"]
+    for name, t in r["train"].items():
+        f = t["evals"][-1] if t["evals"] else {}
+        out.append(f"| {name} (injection `{t['config']['injection']}`) | {t['steps']} | {t['tokens'] / 1e6:.1f} M | "
+                   f"{t['median_tokens_per_s']:,.0f} | {t['median_anchor_blocks_per_s']:,.0f} | "
+                   f"{fmt(f.get('eval/loss'), 3)} | {fmt(f.get('eval/tau_sim'))} | {fmt(f.get('eval/tau_real'))} |")
+    out += ["", "Training curves: ![curves](results/smollm2-h200-curves.png)", ""]
+    sc = load("smollm2-scaling.json")
+    if sc:
+        out += ["Scaling: mean τ (5 tasks, T = 0) of the checkpoints along each run "
+                "([`results/smollm2-scaling.json`](results/smollm2-scaling.json)):", "",
+                "| step | target tokens | DSpine mean τ [95% CI] | DFlash mean τ [95% CI] |", "|---|---|---|---|"]
+        fl = {p["step"]: p for p in sc["points"].get("dflash", [])}
+        for p in sc["points"].get("dspine", []):
+            q = fl.get(p["step"], {})
+            ci = lambda x: f"{x['mean_tau']:.2f} [{x['mean_tau_ci95'][0]:.2f}, {x['mean_tau_ci95'][1]:.2f}]" if x else "–"
+            tok = f"{p['target_tokens'] / 1e6:.1f} M" if p.get("target_tokens") else "–"
+            out.append(f"| {p['step']} | {tok} | {ci(p)} | {ci(q)} |")
+        out += ["", "![scaling](results/smollm2-scaling.png)", ""]
+    out += [f"Command: `{r['command']}`", ""]
+    return out
+
+
 def training_section() -> list[str]:
     t = load("smollm2-cpu-training.json")
     if not t:
         return []
-    out = ["#### How the SmolLM2 drafts were made", "", t["note"], "",
+    out = ["#### How the CPU-trained SmolLM2 drafts were made (the drafts shipped before the GPU recipe)", "", t["note"], "",
            "| draft | parameters | steps | final eval loss | τ_sim | τ_real (eval prompts) |", "|---|---|---|---|---|---|"]
     for label, r in t["runs"].items():
         f = r["final_eval"]
@@ -184,7 +235,7 @@ def lossless_section() -> list[str]:
 
 def render() -> str:
     lines = [BEGIN, ""]
-    for section in (smollm2_section, training_section, stories_section, engine_section, trainer_section,
+    for section in (smollm2_section, recipe_section, training_section, stories_section, engine_section, trainer_section,
                     lossless_section):
         lines += section()
     lines.append(END)

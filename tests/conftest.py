@@ -11,6 +11,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    torch.set_num_threads(1)  # one intra-op thread per xdist worker: two workers on two cores, no oversubscription
 SHARED = Path(os.environ.get("DSPINE_SHARED", REPO.parent / "shared"))
 
 

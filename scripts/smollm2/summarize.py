@@ -11,6 +11,7 @@ Writes ``{out}/smollm2-{tag}-T{0,1}-c{1,8}.json`` (the infer.bench files), ``{ou
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import shutil
@@ -78,12 +79,24 @@ def train_report(run: Path) -> dict:
     return rep
 
 
-def cumulative(train_rows: list[dict], key: str) -> dict[int, float]:
-    total, out = 0, {}
+def cumulative(train_rows: list[dict], key: str):
+    """step -> running total of ``key`` (logged every few steps, each row holding the steps since the last
+    one); steps between two logged rows are interpolated linearly, None past the last row."""
+    xs, ys, total = [0], [0.0], 0.0
     for r in train_rows:
         total += r.get(key, 0)
-        out[r["step"]] = total
-    return out
+        xs.append(r["step"])
+        ys.append(total)
+
+    def at(step: int):
+        if step > xs[-1]:
+            return None
+        i = bisect.bisect_left(xs, step)
+        if xs[i] == step:
+            return round(ys[i])
+        return round(ys[i - 1] + (ys[i] - ys[i - 1]) * (step - xs[i - 1]) / (xs[i] - xs[i - 1]))
+
+    return at
 
 
 def scaling(work: Path) -> dict:
@@ -97,7 +110,7 @@ def scaling(work: Path) -> dict:
         points = []
         for label, s in res["summary"].items():
             step = int(re.sub(r"\D", "", label))
-            points.append({"step": step, "target_tokens": tokens.get(step), "anchor_blocks": blocks.get(step),
+            points.append({"step": step, "target_tokens": tokens(step), "anchor_blocks": blocks(step),
                            "mean_tau": s["mean_tau"], "mean_tau_ci95": s.get("mean_tau_ci95")})
         out[name] = sorted(points, key=lambda p: p["step"])
     return out
