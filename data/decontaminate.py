@@ -14,7 +14,9 @@ are generic code, not contamination). A row whose first user turn repeats an ear
 DIR receives `train.jsonl` (kept rows, input order), `dropped.jsonl` (each dropped row with its
 `reason` and the matching task, item id and words), and `summary.json` (rows read / kept /
 contaminated per task / duplicates; kept + dropped = read). A finished DIR is never overwritten:
-a second run with the same arguments prints the summary, with other arguments it is refused.
+a second run with the same arguments prints the summary, with other arguments it is refused. An
+input without a single valid row (empty, or every line invalid) is an error: no summary.json and
+no train.jsonl are written (dropped.jsonl keeps the reasons), so a corrected rerun is not refused.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ from data.schema import RowError, check_row
 DEFAULT_TASKS = "gsm8k,math500,humaneval,mbpp,mt-bench"
 MIN_WHOLE = 8  # eval texts shorter than this (and than n) are not matched
 _WORD = re.compile(r"[a-z0-9]+")
+
+
+class NoValidRows(Exception):
+    """The input holds no valid row (it is empty or every line is invalid); nothing final was written."""
 
 
 def words(text: str) -> list[str]:
@@ -100,12 +106,15 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
 
     Raises:
         FileNotFoundError: the input or an eval set is missing.
-        ValueError: DIR holds a finished run with other arguments.
+        ValueError: DIR is a file or holds a finished run with other arguments.
+        NoValidRows: the input is empty or every row of it is invalid.
     """
     src = Path(input_path)
     if not src.is_file():
         raise FileNotFoundError(f"--input {src}: no such file")
     out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out} is a file, expected a folder")
     args = {"input": str(src.resolve()), "input_digest": file_digest(src), "tasks": tasks, "ngram": n,
             "eval_dir": str(Path(eval_dir).resolve()) if eval_dir else None}
     summary_path = out / "summary.json"
@@ -116,6 +125,7 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
                              "choose another --output")
         return done
     index = build_index(tasks, n, eval_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     for name in ("train.jsonl", "dropped.jsonl"):  # a killed run starts over: nothing is final yet
         (out / name).unlink(missing_ok=True)
@@ -124,6 +134,7 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
     per_task: Counter = Counter()
     keep_buf: list[dict] = []
     drop_buf: list[dict] = []
+    first_invalid = None
     with JsonlAppender(out / "train.jsonl") as keep_file, JsonlAppender(out / "dropped.jsonl") as drop_file:
         keep, drop = keep_buf, drop_buf  # buffered: one durable write per 2,000 rows, not one per row
         for i, row in enumerate(iter_jsonl(src)):
@@ -139,6 +150,7 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
                 _, turns = check_row(row)
             except RowError as e:
                 stats["invalid"] += 1
+                first_invalid = first_invalid or str(e)
                 drop.append({"line": i + 1, "reason": f"invalid: {e.code}", "detail": str(e)})
                 continue
             hit = None
@@ -163,6 +175,16 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
             keep.append(row)
         keep_file.write(keep)
         drop_file.write(drop)
+    if stats["read"] == stats["invalid"]:
+        # nothing usable: leave nothing that looks finished (dropped.jsonl only if it names reasons)
+        (out / "train.jsonl").unlink()
+        if not stats["read"]:
+            (out / "dropped.jsonl").unlink()
+            if created and not any(out.iterdir()):
+                out.rmdir()
+            raise NoValidRows(f"--input {src}: no rows (empty or blank lines only); nothing was written to {out}")
+        raise NoValidRows(f"--input {src}: none of its {stats['read']} rows is valid (first: "
+                          f"{first_invalid}; all in {out / 'dropped.jsonl'})")
     summary = {
         "args": args,
         "read": stats["read"],
@@ -191,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--tasks: name at least one task")
     try:
         s = decontaminate(args.input, args.output, tasks, args.ngram, args.eval_dir)
+    except NoValidRows as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ ids (default: the file stem, folder name, or the last part of the Hub id).
 
 DIR receives `train.jsonl` and `eval.jsonl` (normalized rows, see `data.schema`), `skipped.jsonl`
 (rows that could not be used, with the reason) and `summary.json`, written last: its presence marks
-a finished output, which is never overwritten without --overwrite.
+a finished output, which is never overwritten without --overwrite. A run that keeps no row writes
+nothing (its temporary files are removed), so a corrected retry into the same DIR is not refused.
 
 Row ids are `<source>:<row index>` (index over all rows read from that source, bad ones included),
 so they stay stable across runs. Exact duplicate conversations (same turns, any source) keep their
@@ -38,6 +39,14 @@ OUTPUTS = ("train.jsonl", "eval.jsonl", "skipped.jsonl")
 SUMMARY = "summary.json"
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 NAME = re.compile(r"[\w.-]+")
+
+
+class NoRowKept(Exception):
+    """No row of any source was kept; carries the summary (counts and skip reasons), nothing was written."""
+
+    def __init__(self, summary: dict):
+        super().__init__("no row was kept")
+        self.summary = summary
 
 
 def parse_source(spec: str) -> tuple[str, str, bool]:
@@ -114,6 +123,7 @@ def prepare(
         the summary dict (also saved as summary.json).
     Raises:
         FileExistsError: `output` holds earlier output and not `overwrite`.
+        NoRowKept: every row was skipped or a duplicate (or there were none); nothing was written.
         FileNotFoundError / ValueError: a source cannot be found or read, duplicate source names,
             bad arguments.
     """
@@ -128,6 +138,7 @@ def prepare(
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--output {out} is an existing file; give a folder")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     check_output_dir(out, overwrite)
 
@@ -163,6 +174,14 @@ def prepare(
         "limit": limit,
         "consistent": total["read"] == total["kept"] + total["duplicates"] + total["skipped"],
     }
+    if not total["kept"]:
+        # Nothing to train on: leave nothing that looks finished (or unfinished), so a corrected
+        # retry into the same folder is not refused; an earlier finished output stays as it was.
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise NoRowKept(summary)
     # Finish: drop the old summary first so a crash mid-rename never leaves a "finished" marker
     # next to a mix of old and new files; summary.json is written last.
     (out / SUMMARY).unlink(missing_ok=True)
@@ -255,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
             args.split,
             args.overwrite,
         )
+    except NoRowKept as e:
+        print(format_summary(e.summary))
+        print(f"error: no row was kept (see the skip reasons above); nothing was written to {args.output}",
+              file=sys.stderr)
+        return 1
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -263,9 +287,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_summary(summary))
     print(f"wrote {args.output}/{{train,eval,skipped}}.jsonl and {SUMMARY}")
-    if not summary["total"].get("kept"):
-        print("error: no row was kept (see the skip reasons above)", file=sys.stderr)
-        return 1
     return 0
 
 

@@ -18,7 +18,9 @@ failed, with the error), `skipped.jsonl` (unusable rows, with the reason), all i
 Resume: records are appended per batch to per-rank shards (`results.rank{r}.jsonl`, ...) and
 flushed; a re-run with the same arguments skips every row already recorded, so nothing is computed
 twice or lost, and rank 0 merges the shards in input order at the end. `run_args.json` stores the
-arguments that change the output; a run with different ones in the same DIR is refused. Rank r of
+arguments that change the output; a run with different ones in the same DIR is refused (a run that
+regenerated no row unpins them: it leaves no summary.json or run_args.json, only skipped.jsonl and
+errors.jsonl to read, so a corrected rerun may change them). Rank r of
 W processes takes the input rows i with i % W == r, in fixed batches of consecutive rows, so a
 resumed run forms the same batches (same greedy outputs) as an uninterrupted one.
 """
@@ -382,7 +384,8 @@ def _count(kind: str, record: dict, stats: Counter) -> None:
 
 def finish(out: Path, n_rows: int, run_args: dict, backend: str, world: int, started: float | None = None,
            resumed: bool = False) -> dict:
-    """Rank 0: merge shards, write summary.json, then remove the shards.
+    """Rank 0: merge shards, write summary.json, then remove the shards (no summary.json and no
+    run_args.json when no row was regenerated).
 
     ``started`` (time.time() at the start of this invocation) adds ``wall_s`` and, for a run that
     generated everything itself (not ``resumed``), ``generated_tokens_per_s``."""
@@ -412,6 +415,13 @@ def finish(out: Path, n_rows: int, run_args: dict, backend: str, world: int, sta
         summary["resumed"] = resumed
         if not resumed and summary["wall_s"] > 0:
             summary["generated_tokens_per_s"] = round(summary["generated_tokens"] / summary["wall_s"], 1)
+    if not summary["results"]:
+        # Nothing to train on: do not mark DIR finished nor pin its arguments, so a corrected rerun
+        # (other arguments or input) is not refused; skipped.jsonl / errors.jsonl stay for reading.
+        remove_shards(out)
+        (out / "results.jsonl").unlink(missing_ok=True)
+        (out / RUN_ARGS).unlink(missing_ok=True)
+        return summary
     atomic_write_json(out / SUMMARY, summary)
     remove_shards(out)
     return summary
@@ -456,11 +466,16 @@ def regenerate(args: argparse.Namespace) -> dict:
     from data.tokenize import check_template
 
     check_template(tokenizer, template, args.enable_thinking)
-    out.mkdir(parents=True, exist_ok=True)
-    input_digest, n_rows = scan_input(args.input, args.limit)
     max_context = args.max_context or min(
         model_context(args.target, args.gguf_file) or DEFAULT_MAX_CONTEXT, DEFAULT_MAX_CONTEXT
     )
+    if args.max_new_tokens >= max_context:  # every prompt would be skipped: refuse before writing anything
+        source = "--max-context" if args.max_context else \
+            f"the model's max_position_embeddings, at most {DEFAULT_MAX_CONTEXT}; --max-context sets it"
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: it must be "
+                         f"below the context of {max_context} tokens ({source})")
+    out.mkdir(parents=True, exist_ok=True)
+    input_digest, n_rows = scan_input(args.input, args.limit)
     run_args = {k: _canonical(v) if k in PATH_ARGS else v for k, v in vars(args).items() if k in CONTENT_ARGS}
     run_args.update(
         input_digest=input_digest, chat_template_digest=template_digest(template), max_context=max_context
@@ -560,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(summary))
         if not summary["results"]:
             print(f"error: no row was regenerated ({summary['skipped']} skipped, {summary['errors']} failed; see "
-                  f"{Path(args.output) / 'skipped.jsonl'} and errors.jsonl); nothing to train on", file=sys.stderr)
+                  f"{Path(args.output) / 'skipped.jsonl'} and errors.jsonl); nothing to train on (the folder is "
+                  "not marked finished: a corrected rerun may reuse it)", file=sys.stderr)
             return 1
     return 0
 

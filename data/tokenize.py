@@ -266,6 +266,22 @@ def cache_key(manifest: dict) -> str:
     return hashlib.blake2b(json.dumps(keyed, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
+def require_train_extra() -> None:
+    """Checks the optional packages the cache needs (pyarrow writes it, datasets reads it).
+
+    Raises:
+        ImportError: naming the missing package and the install command.
+    """
+    for name in ("pyarrow", "datasets"):
+        try:
+            __import__(name)
+        except ImportError:
+            raise ImportError(
+                f"data.tokenize needs the package {name!r}, which is not installed: "
+                'pip install -e ".[train]"'
+            ) from None
+
+
 def build_tokenized(
     input_jsonl: str | Path,
     tokenizer_path: str,
@@ -293,7 +309,9 @@ def build_tokenized(
     Raises:
         ValueError: bad arguments, unusable template, or thinking mode differing from the
             run_args.json of a data.regenerate output folder holding the input.
+        ImportError: pyarrow or datasets (the `train` extra) is not installed.
     """
+    require_train_extra()  # before anything is created in cache_dir
     if assistant_turns not in ASSISTANT_TURNS:
         raise ValueError(f"assistant_turns {assistant_turns!r}: expected one of {ASSISTANT_TURNS}")
     if max_length < 1:
@@ -310,10 +328,14 @@ def build_tokenized(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     settings = (tokenizer_path, template, thinking, assistant_turns, max_length)
-    summary = _write_cache(tmp, Path(input_jsonl), tokenizer, settings, num_proc)
-    summary["manifest"] = manifest
-    atomic_write_json(tmp / "manifest.json", manifest)
-    atomic_write_json(tmp / SUMMARY, summary)
+    try:
+        summary = _write_cache(tmp, Path(input_jsonl), tokenizer, settings, num_proc)
+        summary["manifest"] = manifest
+        atomic_write_json(tmp / "manifest.json", manifest)
+        atomic_write_json(tmp / SUMMARY, summary)
+    except BaseException:  # a failed build leaves no stray temp folder in cache_dir
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.rename(tmp, final)
     except OSError:  # another process finished the same key first: its cache is identical
@@ -510,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             args.input, args.tokenizer, cache_dir, args.max_length, args.enable_thinking,
             args.assistant_turns, args.chat_template, args.num_proc,
         )  # fmt: skip
-    except (ValueError, OSError) as e:  # OSError includes FileNotFoundError
+    except (ValueError, OSError, ImportError) as e:  # OSError includes FileNotFoundError
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = json.loads((path / SUMMARY).read_text())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dspine.checkpoint import load_config
+from dspine.checkpoint import check_weights, load_config
 from dspine.target import TargetSpec, check_compat, format_table
 
 
@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     try:
         spec = TargetSpec.from_pretrained(args.target, args.gguf_file)
         cfg = load_config(args.draft)
+        check_weights(args.draft)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -64,8 +64,8 @@ def load_config(path_or_id: str | Path) -> DSpineConfig:
     _check_types(raw, cfg_file)
     try:
         return DSpineConfig(**raw)
-    except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as e:  # a field of the wrong shape
-        raise ValueError(f"{cfg_file}: {e}") from e
+    except Exception as e:  # a field of the wrong shape, or fields that disagree (strict-dataclass checks)
+        raise ValueError(f"{cfg_file}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -110,6 +110,24 @@ def _weight_files(folder: Path) -> list[Path]:
             raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file")
         return [folder / s for s in sorted(set(weight_map.values()))]
     raise FileNotFoundError(f"{folder}: no {WEIGHTS} (or {INDEX})")
+
+
+def check_weights(path_or_id: str | Path) -> None:
+    """Open every safetensors file of a draft folder (header + data extent, no tensor read) as
+    :func:`read_state_dict` would.
+
+    Raises:
+        FileNotFoundError: no weights file, or a shard listed in the index is missing.
+        ValueError: a truncated or corrupt file (named).
+    """
+    for f in _weight_files(resolve_checkpoint(str(path_or_id))):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: missing (a draft folder holds config.json and {WEIGHTS})")
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                list(fh.keys())
+        except Exception as e:  # safetensors raises SafetensorError / OSError variants
+            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
 
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:

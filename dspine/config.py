@@ -309,6 +309,9 @@ class DSpineConfig(PretrainedConfig):
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or unset)")
+        for key in ("rms_norm_eps", "rope_theta"):  # NaN fails both comparisons
+            if not 0 < getattr(self, key) < float("inf"):
+                raise ValueError(f"{key}={getattr(self, key)} must be finite and > 0")
         d = self.dspine_config
         if d["injection"] not in INJECTION_MODES:
             raise ValueError(f"dspine_config.injection={d['injection']!r} is unknown; choose one of {INJECTION_MODES}")

@@ -72,6 +72,9 @@ def smollm2_section() -> list[str]:
                        f"1-token AR pass in bf16 ([`{div.relative_to(ROOT)}`]({div.relative_to(ROOT)})). In fp32 the "
                        "outputs are identical (tests/test_shipped_draft.py).")
         out.append(f"Command: `{r['command']}`")
+        if "-cpu-" in path.name:
+            out.append("(Its `checkpoints/smollm2-135m-dspine` is the CPU-trained draft shipped until the GPU one replaced "
+                       "it: `git checkout b2029e2 -- checkpoints/smollm2-135m-dspine` restores it.)")
         out.append("")
         png = path.with_suffix(".png")
         if png.is_file():
@@ -83,7 +86,7 @@ def recipe_section() -> list[str]:
     r = load("smollm2-recipe-h200.json")
     if not r:
         return []
-    out = ["#### The SmolLM2 recipe on one GPU (`scripts/smollm2/recipe.sh`)", "",
+    out = ["#### The SmolLM2 recipe on an H200 pair (`scripts/smollm2/recipe.sh`)", "",
            f"{r['device']}, commit `{r['commit'][:10]}` ([`results/smollm2-recipe-h200.json`]"
            f"(results/smollm2-recipe-h200.json); {r.get('commit_note', '')}). The two drafts trained side by side, "
            "one per GPU of a two-GPU machine, for the same number of steps.", "",
@@ -139,6 +142,7 @@ def training_section() -> list[str]:
         out.append(f"| {label} | {r['parameters']:,} | {r['steps']} | {fmt(f.get('eval/loss'), 3)} | "
                    f"{fmt(f.get('eval/tau_sim'))} | {fmt(f.get('eval/tau_real'))} |")
     out += ["", f"Training curves: ![curves]({t['curves']})", ""]
+    out.append("`$SHARED` below is `$DSPINE_SHARED` (default `../shared`).")
     out += [f"- {k}: `{v}`" for k, v in t["commands"].items()]
     out.append("")
     return out

@@ -79,3 +79,37 @@ def test_missing_input_and_eval_set_are_named(setup, tmp_path, capsys, monkeypat
     assert "nope.jsonl" in capsys.readouterr().err
     assert main(["--input", str(src), "--output", str(out), "--eval-dir", str(ev), "--tasks", "math500"]) == 2
     assert "math500" in capsys.readouterr().err
+
+
+def test_input_without_a_valid_row_is_an_error_and_leaves_nothing_finished(setup, tmp_path, capsys):
+    src, ev, out = setup
+    common = ["--output", str(out), "--eval-dir", str(ev), "--tasks", "gsm8k"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"\n\n")
+    assert main(["--input", str(empty), *common]) == 1
+    assert f"--input {empty}: no rows" in capsys.readouterr().err
+    assert not out.exists()
+    invalid = tmp_path / "invalid.jsonl"
+    invalid.write_text('{"id": "a"}\nnot json\n')
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 4)  # 4 newlines: 5 lines of control bytes and bad UTF-8
+    for bad, n in ((invalid, 2), (binary, 5)):
+        assert main(["--input", str(bad), *common]) == 1
+        err = capsys.readouterr().err
+        assert f"--input {bad}: none of its {n} rows is valid (first: " in err
+        assert sorted(p.name for p in out.iterdir()) == ["dropped.jsonl"]  # no train.jsonl, no summary.json
+        dropped = [json.loads(x) for x in (out / "dropped.jsonl").read_text().splitlines()]
+        assert [d["line"] for d in dropped] == list(range(1, n + 1)) and all(d["reason"].startswith("invalid: ") for d in dropped)
+    # The corrected rerun into the same folder is not refused.
+    assert main(["--input", str(src), *common]) == 0
+    assert [json.loads(x)["id"] for x in (out / "train.jsonl").read_text().splitlines()] == ["s:0", "s:3", "s:4"]
+    assert json.loads((out / "summary.json").read_text())["read"] == 5
+
+
+def test_output_that_is_a_file_is_refused(setup, tmp_path, capsys):
+    src, ev, _ = setup
+    existing = tmp_path / "README.md"
+    existing.write_text("not a folder\n")
+    assert main(["--input", str(src), "--output", str(existing), "--eval-dir", str(ev)]) == 2
+    assert capsys.readouterr().err == f"error: --output {existing} is a file, expected a folder\n"
+    assert existing.read_text() == "not a folder\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from data.prepare import eval_split, main, prepare
+from data.prepare import NoRowKept, eval_split, main, prepare
 
 SHARED = Path(os.environ.get("DSPINE_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 TRAIN = SHARED / "data" / "train"
@@ -197,3 +197,29 @@ def test_never_overwrites_finished_output(tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         prepare([str(tmp_path / "missing.jsonl")], tmp_path / "other")
+
+
+def test_no_row_kept_writes_nothing_and_a_retry_works(tmp_path, capsys):
+    empty = write_lines(tmp_path / "empty.jsonl", [])
+    bad = write_lines(tmp_path / "bad.jsonl", [b"{not json", {"unrelated": 1}])
+    out = tmp_path / "p3"
+    assert main(["--input", f"x={empty}", "--output", str(out)]) == 1
+    assert "error: no row was kept" in capsys.readouterr().err
+    assert not out.exists()  # the folder this run created is removed again
+    out.mkdir()
+    assert main(["--input", str(bad), "--output", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "bad_json" in captured.out and f"nothing was written to {out}" in captured.err
+    assert list(out.iterdir()) == []  # no train/eval/skipped/summary, no .tmp files
+    with pytest.raises(NoRowKept) as info:
+        prepare([str(bad)], out)
+    assert info.value.summary["total"] == {"read": 2, "kept": 0, "train": 0, "eval": 0, "duplicates": 0, "skipped": 2}
+    # The corrected retry into the same folder is not refused.
+    good = write_lines(tmp_path / "q.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(3)])
+    assert main(["--input", str(good), "--output", str(out), "--eval-fraction", "0"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["eval.jsonl", "skipped.jsonl", "summary.json", "train.jsonl"]
+    assert [r["id"] for r in read_jsonl(out / "train.jsonl")] == ["q:000000", "q:000001", "q:000002"]
+    # A failed run with --overwrite leaves the earlier finished output as it was.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["--input", str(empty), "--output", str(out), "--overwrite"]) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -335,3 +335,43 @@ def test_generation_and_template_failures_become_errors():
     # When every row fails alone as well, the cause is not the data: the run stops instead.
     with pytest.raises(RuntimeError, match="failed for all 2 rows"):
         regen.regenerate_batch(rows[:2], tok, PLAIN_TEMPLATE, PickyGenerator(1), args, max_context=CONTEXT)
+
+
+def test_max_new_tokens_beyond_context_is_refused_before_writing(workdir, capsys):
+    out = workdir / "too-long"
+    assert regen.main(argv(workdir, out, "--max-new-tokens", "100000000")) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 100000000" in err and f"context of {CONTEXT} tokens" in err
+    assert "the model's max_position_embeddings" in err and not out.exists()  # nothing written, no run_args.json
+    assert regen.main(argv(workdir, out, "--max-new-tokens", "64", "--max-context", "64")) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 64" in err and "context of 64 tokens (--max-context)" in err
+    assert not out.exists()
+    # The corrected rerun into the same folder runs.
+    summary = run(argv(workdir, out, "--limit", "4"))
+    assert summary["input_rows"] == 4 and summary["adds_up"] and (out / "run_args.json").is_file()
+
+
+def test_run_that_regenerates_nothing_does_not_pin_its_arguments(workdir, capsys):
+    out = workdir / "nothing"
+    empty = workdir / "empty.jsonl"
+    empty.write_bytes(b"")
+    assert regen.main(argv(workdir, out, input_file=empty)) == 1
+    assert "no row was regenerated (0 skipped, 0 failed" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["errors.jsonl", "skipped.jsonl"]
+    # Every row unusable: the skip records stay readable, nothing is marked finished or pinned.
+    invalid = workdir / "invalid.jsonl"
+    invalid.write_text('{"id": "x"}\n{"id": "y", "conversations": []}\n')
+    assert regen.main(argv(workdir, out, "--max-new-tokens", "9", input_file=invalid)) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["errors.jsonl", "skipped.jsonl"]
+    assert [(r["id"], r["reason"]) for r in read_jsonl(out / "skipped.jsonl")] == [
+        ("x", "missing_field"),
+        ("y", "empty_conversation"),
+    ]
+    # A rerun with other arguments and good input is not refused, and then pins its arguments.
+    summary = run(argv(workdir, out, "--limit", "4"))
+    assert summary["input_rows"] == 4 and summary["results"] > 0 and summary["adds_up"]
+    assert json.loads((out / "run_args.json").read_text())["max_new_tokens"] == MAX_NEW
+    assert sorted(p.name for p in out.iterdir()) == [
+        "errors.jsonl", "results.jsonl", "run_args.json", "skipped.jsonl", "summary.json",
+    ]  # fmt: skip

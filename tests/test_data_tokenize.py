@@ -316,3 +316,30 @@ def test_tokenizer_without_template_needs_one(tmp_path):
     data = write_rows(tmp_path / "rows.jsonl", [conv_row(0)])
     with pytest.raises(ValueError, match="has no chat template; pass --chat-template"):
         build_tokenized(data, str(STORIES), tmp_path / "cache", 64, thinking=False)
+
+
+@pytest.mark.parametrize("missing", ["pyarrow", "datasets"])
+def test_missing_train_extra_is_named_before_anything_is_created(tmp_path, capsys, monkeypatch, missing):
+    import sys
+
+    data = write_rows(tmp_path / "rows.jsonl", [conv_row(0)], [])
+    cache = tmp_path / "cache"
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` now raises ImportError
+    assert main(["--input", str(data), "--tokenizer", str(QWEN3), "--max-length", "64", "--cache-dir", str(cache)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: data.tokenize needs the package {missing!r}, which is not installed: pip install -e \".[train]\"\n"
+    )
+    assert not cache.exists()  # no <key>.tmp-NNN/ folder left behind
+
+
+def test_failed_build_leaves_no_temp_folder(tmp_path, monkeypatch):
+    import data.tokenize
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    data_file = write_rows(tmp_path / "rows.jsonl", [conv_row(0)], [])
+    monkeypatch.setattr(data.tokenize, "_write_cache", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_tokenized(data_file, str(QWEN3), tmp_path / "cache", 64, False)
+    assert list((tmp_path / "cache").iterdir()) == []

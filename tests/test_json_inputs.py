@@ -113,7 +113,7 @@ def test_data_run_arguments_that_are_not_an_object(stories_dir, tmp_path, capsys
     assert tokenize.main(["--input", str(conv), "--tokenizer", str(stories_dir), "--max-length", "32"]) == 2
     assert want in capsys.readouterr().err
     assert regenerate.main(["--target", str(stories_dir), "--input", str(conv), "--output", str(tmp_path / "regen"),
-                            "--chat-template", "chatml"]) == 2
+                            "--chat-template", "chatml", "--max-new-tokens", "8"]) == 2
     assert want in capsys.readouterr().err
 
 
@@ -125,3 +125,28 @@ def test_train_manifests_that_are_not_an_object(tmp_path):
         open_rows(tmp_path)
     with pytest.raises(ValueError, match=f"{tmp_path / 'manifest.json'}: expected a JSON object"):
         CaptureRows(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["truncated_weights", "nan_eps", "layer_types_mismatch"])
+def test_check_refuses_what_generate_would_refuse(stories_dir, tmp_path, capsys, case):
+    """dspine.check said OK for a truncated weights file and a NaN eps, and a config whose layer_types
+    disagree with num_hidden_layers was a traceback; each is now one error line naming the file."""
+    from dspine import check
+
+    d = tmp_path / "draft"
+    shutil.copytree(DRAFT, d)
+    cfg = json.loads((d / "config.json").read_text())
+    if case == "truncated_weights":
+        w = d / "model.safetensors"
+        w.write_bytes(w.read_bytes()[: 1 << 20])
+        want = f"{w}: not a readable safetensors file"
+    elif case == "nan_eps":
+        cfg["rms_norm_eps"] = float("nan")
+        want = "rms_norm_eps=nan must be finite and > 0"
+    else:
+        cfg["num_hidden_layers"] = 2  # layer_types still lists 3
+        want = f"{d / 'config.json'}: "
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert check.main(["--target", str(stories_dir), "--draft", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert want in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

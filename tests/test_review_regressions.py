@@ -330,6 +330,10 @@ def test_data_tools_accept_a_gguf_path(tmp_path, capsys):
     rc = regenerate.main(["--target", str(GGUF), "--input", str(src), "--output", str(tmp_path / "r"),
                           "--max-context", "8", "--max-new-tokens", "4"])
     assert rc == 1 and "no row was regenerated (1 skipped" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "run_args.json").exists()  # a run that regenerated nothing pins nothing
+    # the corrected retry (another --max-context) runs in the same folder and records the GGUF path split
+    assert regenerate.main(["--target", str(GGUF), "--input", str(src), "--output", str(tmp_path / "r"),
+                            "--max-context", "64", "--max-new-tokens", "4"]) == 0
     run_args = json.loads((tmp_path / "r" / "run_args.json").read_text())
     assert (run_args["target"], run_args["gguf_file"]) == (str(GGUF.parent), GGUF.name)
 
