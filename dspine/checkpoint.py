@@ -112,6 +112,18 @@ def _weight_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"{folder}: no {WEIGHTS} (or {INDEX})")
 
 
+def _open_each_weight_file(folder: Path, read) -> None:
+    """Call ``read(handle)`` on every safetensors file of the folder; one error naming the file."""
+    for f in _weight_files(folder):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: shard listed in {INDEX} is missing")
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                read(fh)
+        except Exception as e:  # safetensors raises SafetensorError / OSError variants
+            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+
+
 def check_weights(path_or_id: str | Path) -> None:
     """Open every safetensors file of a draft folder (header + data extent, no tensor read) as
     :func:`read_state_dict` would.
@@ -120,28 +132,13 @@ def check_weights(path_or_id: str | Path) -> None:
         FileNotFoundError: no weights file, or a shard listed in the index is missing.
         ValueError: a truncated or corrupt file (named).
     """
-    for f in _weight_files(resolve_checkpoint(str(path_or_id))):
-        if not f.is_file():
-            raise FileNotFoundError(f"{f}: missing (a draft folder holds config.json and {WEIGHTS})")
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                list(fh.keys())
-        except Exception as e:  # safetensors raises SafetensorError / OSError variants
-            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+    _open_each_weight_file(resolve_checkpoint(str(path_or_id)), lambda fh: list(fh.keys()))
 
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of the folder's safetensors file(s). Raises ValueError naming a corrupt file."""
     state: dict[str, torch.Tensor] = {}
-    for f in _weight_files(folder):
-        if not f.is_file():
-            raise FileNotFoundError(f"{f}: shard listed in {INDEX} is missing")
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for k in fh.keys():
-                    state[k] = fh.get_tensor(k)
-        except Exception as e:  # safetensors raises SafetensorError / OSError variants
-            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+    _open_each_weight_file(folder, lambda fh: state.update({k: fh.get_tensor(k) for k in fh.keys()}))
     return state
 
 

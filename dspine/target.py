@@ -31,10 +31,14 @@ class TargetOutput:
     past_key_values: object | None = None
 
 
+def _decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack of an HF causal LM (``model.model`` for Llama/Qwen)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+
+
 def final_norm(model: nn.Module) -> nn.Module:
     """The final norm of an HF causal LM (``model.model.norm`` for Llama/Qwen)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    norm = getattr(base, "norm", None)
+    norm = getattr(_decoder(model), "norm", None)
     if norm is None:
         raise ValueError(f"{type(model).__name__}: cannot find the final norm (expected .model.norm)")
     return norm
@@ -42,8 +46,7 @@ def final_norm(model: nn.Module) -> nn.Module:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder-layer list of an HF causal LM (``model.model.layers`` for Llama/Qwen)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
+    layers = getattr(_decoder(model), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected .model.layers)")
     return layers
@@ -190,8 +193,7 @@ class TargetAdapter(nn.Module):
         store: dict[int, torch.Tensor] = {}
         handles = self._hooks(store, max(self.layer_ids))
         try:
-            base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            _decoder(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
             pass
         finally:
