@@ -235,7 +235,12 @@ class Engine:
                 fn()
             s.nonfinite.zero_()
             self._graphs[key] = graph
-        return self._graphs[key].replay
+        graph = self._graphs[key]
+
+        def replay(engine=self):  # the graph writes into this engine's caches: the runner keeps it alive
+            graph.replay()
+
+        return replay
 
     # -- prefill / admission ---------------------------------------------------------------------
     def _admit(self, s: _Slots, items: list[tuple[int, list[int]]], params: SamplingParams, spec: bool, kv,
