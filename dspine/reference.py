@@ -45,9 +45,17 @@ class ReferenceDecoder:
         target: the frozen target; its ``layer_ids`` are set from the draft config.
         draft: a DSpine/DFlash draft, or None for autoregressive decoding.
         eos_token_ids: tokens that end a sequence.
+        verify_size: slots verified per step, anchor included (1 < verify_size <= the draft's block
+            size; default = block size): the draft still runs its whole block (it was trained on
+            it) and the target verifies the first ``verify_size`` slots. A narrower verify is
+            cheaper where the target's cost grows with the tokens per forward (a CPU).
+
+    Raises:
+        ValueError: ``verify_size`` outside 2..block size.
     """
 
-    def __init__(self, target: TargetAdapter, draft: DSpineDraftModel | None, eos_token_ids):
+    def __init__(self, target: TargetAdapter, draft: DSpineDraftModel | None, eos_token_ids,
+                 verify_size: int | None = None):
         self.target = target
         self.draft = draft
         self.eos = set(int(e) for e in eos_token_ids)
@@ -55,13 +63,16 @@ class ReferenceDecoder:
             target.set_layer_ids(draft.config.target_layer_ids, draft.config.last_layer_features)
             self.block_size = draft.config.block_size
             self.mask_token_id = draft.config.mask_token_id
+            self.verify_size = verify_size or self.block_size
+            if not 2 <= self.verify_size <= self.block_size:
+                raise ValueError(f"verify_size={verify_size} must be in 2..{self.block_size} (the draft's block size)")
         else:
-            self.block_size = 1
+            self.block_size = self.verify_size = 1
 
     def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache) -> torch.Tensor:
-        """Draft logits ``[B, K, V]`` (fp32) for blocks ``[B, bs]`` = [anchor, MASK, ...]."""
+        """Draft logits ``[B, K, V]`` (fp32, K = verify_size - 1) for blocks ``[B, bs]`` = [anchor, MASK, ...]."""
         hidden = self.draft.forward_block(self.target.embed(block), draft_cache)
-        return self.target.lm_head(hidden[:, 1:]).float()
+        return self.target.lm_head(hidden[:, 1 : self.verify_size]).float()
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -85,7 +96,7 @@ class ReferenceDecoder:
         out: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
         reasons = ["length"] * B
-        stats = [AcceptStats(self.block_size) for _ in range(B)]
+        stats = [AcceptStats(self.verify_size) for _ in range(B)]
         use_draft = self.draft is not None
         loops = 0
 
@@ -123,7 +134,8 @@ class ReferenceDecoder:
         prefill_s = time.perf_counter() - t0
 
         if use_draft:
-            bs, K = self.block_size, self.block_size - 1
+            bs, W = self.block_size, self.verify_size
+            K = W - 1
             dcache = DraftCache(self.draft, B, max(map(len, prompts)) + params.max_new_tokens + bs + 1)
             for b, f in enumerate(feats):
                 dcache.append(f, torch.tensor([f.shape[1]], device=dev), rows=torch.tensor([b], device=dev))
@@ -150,20 +162,21 @@ class ReferenceDecoder:
             n_out = torch.tensor([len(o) for o in out], device=dev)
             slot_pos = n_out[:, None] + torch.arange(K, device=dev)  # [B, K]
             if params.greedy:
-                block[:, 1:] = d_logits.argmax(-1)
+                block[:, 1:W] = d_logits.argmax(-1)
                 p_draft = None
             else:
                 p_draft = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
-                block[:, 1:] = sample(p_draft, seed, rng.STREAM_DRAFT, slot_pos)
+                block[:, 1:W] = sample(p_draft, seed, rng.STREAM_DRAFT, slot_pos)
+            block = block[:, :W]  # the verified slots
 
             # -- verify + accept, row by row (the acceptance rule of dspine.ops.accept) ----------------
-            new_feats = torch.zeros(B, bs, feats[0].shape[-1], device=dev, dtype=feats[0].dtype)
+            new_feats = torch.zeros(B, W, feats[0].shape[-1], device=dev, dtype=feats[0].dtype)
             counts = torch.zeros(B, dtype=torch.long, device=dev)
             for b in active:
                 start = int(dcache.lengths[b])  # position of the anchor
-                pos = torch.arange(start, start + bs, device=dev)[None]
+                pos = torch.arange(start, start + W, device=dev)[None]
                 o = self.target(block[b : b + 1], position_ids=pos, past_key_values=caches[b], use_cache=True)
-                t_logits = o.logits[0].float()  # [bs, V]
+                t_logits = o.logits[0].float()  # [W, V]
                 if not torch.isfinite(t_logits).all():
                     raise nonfinite_error("target")
                 if params.greedy:

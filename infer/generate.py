@@ -137,9 +137,6 @@ def run(args) -> dict:
             raise ValueError(f"--block-size {args.block_size} needs a draft (autoregressive decoding has no block)")
         if args.block_size > draft_cfg.block_size:
             raise ValueError(f"--block-size {args.block_size} exceeds the draft's block size {draft_cfg.block_size}")
-        if backend == "reference" and args.block_size != draft_cfg.block_size:
-            raise ValueError(f"--block-size {args.block_size} < the draft's {draft_cfg.block_size}: verifying fewer "
-                             "slots is only supported by --backend cuda")
     path, gguf = resolve_model_path(target_path, args.gguf_file, need_config=True)
     spec = TargetSpec.from_pretrained(path, gguf)
     tokenizer = load_tokenizer(path, gguf)
@@ -172,7 +169,8 @@ def _reference(args, params, path, gguf, draft_path, spec, prompts):
     """(decode(use_draft) -> GenerationResult, eos ids) of the reference backend (the draft was checked in run())."""
     target = load_target(path, gguf, dtype=torch.float32 if args.dtype == "auto" else args.dtype)
     draft = load_draft(draft_path, dtype=target.dtype) if draft_path is not None else None
-    return lambda use: ReferenceDecoder(target, draft if use else None, spec.eos_ids).generate(prompts, params), \
+    return lambda use: ReferenceDecoder(target, draft if use else None, spec.eos_ids,
+                                          args.block_size if use else None).generate(prompts, params), \
         spec.eos_ids
 
 

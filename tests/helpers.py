@@ -52,7 +52,7 @@ def oracle_reference_decoder(decoder, reference: list[list[int]], corrupt: float
 
     def draft_logits(block, dcache):
         B, bs = block.shape
-        return oracle_logits(lambda b: reference[b], dcache.lengths, B, bs - 1, V, corrupt, g)
+        return oracle_logits(lambda b: reference[b], dcache.lengths, B, bs - 1, V, corrupt, g)[:, : decoder.verify_size - 1]
 
     decoder.draft_logits = draft_logits
     return decoder

@@ -65,6 +65,17 @@ def test_tiny_qwen3_batch_lossless(tiny_qwen3_dir):
     assert res.stats.tau > 2 and len(set(res.steps_per_prompt)) > 1
     ar = ReferenceDecoder(target, None, [eos]).generate(prompts, SamplingParams(max_new_tokens=n))
     assert ar.token_ids == want and ar.stats.tau == 1.0
+    # a narrower verify (4 of the 16 slots): same output, at most 4 tokens per step, the trained draft's
+    # block still runs whole
+    dec = oracle(ReferenceDecoder(target, draft, [eos], verify_size=4), [p + w for p, w in zip(prompts, want)],
+                 corrupt=0.0)
+    res = dec.generate(prompts, SamplingParams(max_new_tokens=n))
+    assert res.token_ids == want
+    assert 3.5 < res.stats.tau <= 4.0  # an exact oracle fills every 4-wide step (the last one may be short)
+    res = ReferenceDecoder(target, draft, [eos], verify_size=3).generate(prompts, SamplingParams(max_new_tokens=n))
+    assert res.token_ids == want
+    with pytest.raises(ValueError, match="verify_size=17 must be in 2..16"):
+        ReferenceDecoder(target, draft, [eos], verify_size=17)
 
 
 def test_tau_identity_and_eos_inside_accepted_prefix(stories_dir):
