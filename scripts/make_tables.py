@@ -197,6 +197,29 @@ def engine_section() -> list[str]:
     ]
 
 
+def draft_step_section() -> list[str]:
+    d = load("engine-smollm2-h200.json")
+    if not d:
+        return []
+    out = ["### What the adjacent injection costs in the engine (DSpine step ÷ DFlash step)", "",
+           f"{d['gpu']}, {d['date'][:10]}, commit `{d['commit'][:10]}`, "
+           "[`results/engine-smollm2-h200.json`](results/engine-smollm2-h200.json): random bf16 weights, "
+           f"{d['context']}-token context per row, whole speculative step (draft block + verify + accept + commit + "
+           "context append) as one CUDA graph replay; DFlash and DSpine timed in the same run, alternating, "
+           "warm-up rounds dropped, medians.", "",
+           "| shape | batch | DFlash step | DSpine step | ratio | draft alone: ratio |", "|---|---|---|---|---|---|"]
+    for shape, r in d["shapes"].items():
+        for key in sorted(k for k in r if k.startswith("batch")):
+            b = r[key]
+            alone = f"{b['dspine_draft_over_dflash_draft']:.3f}" if "dspine_draft_over_dflash_draft" in b else ""
+            out.append(f"| {shape} | {key[5:]} | {b['dflash_step_ms']:.3f} ms | {b['dspine_step_ms']:.3f} ms | "
+                       f"{b['dspine_step_over_dflash_step']:.3f} | {alone} |")
+    ok = "met" if d["dspine_step_over_dflash_step"] <= 1.03 else "**missed**"
+    out += ["", f"Largest step ratio {d['dspine_step_over_dflash_step']:.3f} (target ≤ 1.03: {ok}). "
+            f"Command: `{d['command']}`", ""]
+    return out
+
+
 def trainer_section() -> list[str]:
     t = load("train-h200.json")
     if not t:
@@ -239,8 +262,8 @@ def lossless_section() -> list[str]:
 
 def render() -> str:
     lines = [BEGIN, ""]
-    for section in (smollm2_section, recipe_section, training_section, stories_section, engine_section, trainer_section,
-                    lossless_section):
+    for section in (smollm2_section, recipe_section, training_section, stories_section, engine_section,
+                    draft_step_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)
     return "\n".join(lines)
