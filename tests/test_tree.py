@@ -188,3 +188,96 @@ def test_tree_rejection_sampling_is_exact(temperature, top_p, top_k):
     wrong = Tree(tree.tokens, tree.parent, tree.depth, tree.parent >= -1)
     first, _, _ = emitted(wrong)
     assert pvalue(first, p_root) < 1e-6
+
+
+# -- the reference decoder with tree verification ------------------------------------------------
+
+
+def second_choice_oracle(decoder, reference: list[list[int]], seed: int = 0):
+    """Patch the decoder's draft: at every slot the true next token gets logit 9, and with probability
+    1/2 a wrong token gets 10 (the argmax). A chain stops at the first wrong argmax; a tree of enough
+    nodes holds the true token as a second choice."""
+    g = torch.Generator().manual_seed(seed)
+    V = decoder.target.vocab_size
+
+    def draft_logits(block, dcache):
+        B, bs = block.shape
+        logits = torch.zeros(B, bs - 1, V)
+        for b in range(B):
+            start = int(dcache.lengths[b])
+            for k in range(1, bs):
+                seq = reference[b]
+                logits[b, k - 1, seq[start + k] if start + k < len(seq) else 0] = 9.0
+                if torch.rand(1, generator=g) < 0.5:
+                    logits[b, k - 1, int(torch.randint(0, V, (1,), generator=g))] = 10.0
+        return logits
+
+    decoder.draft_logits = draft_logits
+    return decoder
+
+
+def test_reference_tree_greedy_equals_chain_and_generate(tiny_qwen3_dir, stories_dir):
+    """fp32: tree output == chain output == transformers greedy generate, random and oracle drafts."""
+    import json
+
+    from dspine.reference import ReferenceDecoder
+    from dspine.sampling import SamplingParams
+    from dspine.target import load_target
+    from tests.conftest import shared_path
+    from tests.helpers import random_draft
+
+    target = load_target(str(tiny_qwen3_dir), dtype="fp32")
+    prompts, eos, n = [[151644, 872, 198, 13048], [151644, 872, 198, 3838, 374, 220, 17, 10]], 151645, 16
+    want = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = target.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+        want.append(out[0, len(p) :].tolist())
+    draft = random_draft(target, block_size=8, mask=151669)
+    params = SamplingParams(max_new_tokens=n)
+    for budget in (2, 12):
+        res = ReferenceDecoder(target, draft, [eos], verify="tree", tree_budget=budget).generate(
+            prompts, params
+        )
+        assert res.token_ids == want, budget
+
+    ref = json.loads(shared_path("models", "stories260K", "greedy_200.json").read_text())["greedy_token_ids"][
+        :80
+    ]
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = random_draft(target, block_size=8, mask=0)
+    params = SamplingParams(max_new_tokens=80)
+    taus = {}
+    for verify, budget in (("chain", 0), ("tree", 8), ("tree", 24)):
+        dec = ReferenceDecoder(target, draft, [2], verify=verify, tree_budget=budget)
+        res = second_choice_oracle(dec, [[1] + ref]).generate([[1]], params)
+        assert res.token_ids[0] == ref, (verify, budget)
+        taus[budget] = res.stats.tau
+        assert abs(res.stats.tau - (1 + sum(res.stats.accept_at_pos))) < 1e-12
+    assert taus[0] < 2.5 and taus[24] > taus[0] + 1.5, taus  # second choices are verified and accepted
+    with pytest.raises(ValueError, match="verify='beam'"):
+        ReferenceDecoder(target, draft, [2], verify="beam")
+    with pytest.raises(ValueError, match="tree_budget >= 2"):
+        ReferenceDecoder(target, None, [2], verify="tree")
+
+
+def test_reference_tree_sampling_is_seeded(stories_dir):
+    from dspine.reference import ReferenceDecoder
+    from dspine.sampling import SamplingParams
+    from dspine.target import load_target
+    from tests.helpers import random_draft
+
+    target = load_target(str(stories_dir), dtype="fp32")
+    dec = ReferenceDecoder(
+        target, random_draft(target, block_size=8, mask=0), [2], verify="tree", tree_budget=12
+    )
+    p = SamplingParams(temperature=1.0, top_p=0.95, top_k=20, max_new_tokens=30, seed=7)
+    a, b = dec.generate([[1], [1, 403]], p), dec.generate([[1], [1, 403]], p)
+    assert a.token_ids == b.token_ids and all(len(t) == 30 for t in a.token_ids)
