@@ -33,6 +33,7 @@ from dspine.reference import check_prompts, request_seeds
 from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sample
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
+from dspine.tree import ancestor_bits, build_tree, node_uniforms, path_nodes, verify_tree
 from infer.model import EngineTarget, KVCache
 
 
@@ -87,11 +88,16 @@ class Engine:
             block size); a step proposes K = verify_size - 1 draft tokens.
         force_accept: benchmark only — accept exactly this many draft tokens per step whatever the
             target says (the "oracle draft" of the engine benchmark); output is then not the target's.
+        verify: "chain" (verify_size slots) or "tree" (a token tree of ``tree_budget`` nodes,
+            ``dspine.tree``: tree attention over the static cache, then the accepted path's K/V are
+            moved into consecutive cache rows inside the step).
+        tree_budget: nodes per tree, anchor included, 2..64 (``verify="tree"``).
     """
 
     def __init__(self, target: EngineTarget, draft: DSpineDraftModel | None, eos_token_ids, max_batch: int = 8,
                  max_seq: int = 4096, cuda_graphs: bool | None = None, verify_size: int | None = None,
-                 force_accept: int | None = None, max_new_cap: int | None = None):
+                 force_accept: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
+                 tree_budget: int = 32):
         self.target = target
         self.device = target.embed.device
         self.impl = target.impl
@@ -108,6 +114,15 @@ class Engine:
         if not 1 <= self.verify_size <= self.block_size:
             raise ValueError(f"verify_size={verify_size} must be in 1..{self.block_size} (the draft's block size)")
         self.force_accept = force_accept
+        if verify not in ("chain", "tree"):
+            raise ValueError(f"verify={verify!r} must be 'chain' or 'tree'")
+        if verify == "tree" and (draft is None or verify_size not in (None, self.block_size)
+                                 or not 2 <= tree_budget <= 64):
+            raise ValueError(f"verify='tree' needs a draft, no verify_size and tree_budget in 2..64 (got "
+                             f"{tree_budget})")
+        self.verify, self.tree_budget = verify, tree_budget
+        # target positions written per step (anchor included)
+        self.verified_per_step = tree_budget if verify == "tree" else self.verify_size
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
         self.eos_set = set(int(e) for e in eos_token_ids)
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -119,7 +134,7 @@ class Engine:
                 raise ValueError(f"engine context max_seq={max_seq} exceeds the {who}'s max_position_embeddings="
                                  f"{limit} (docs/method.md §8.11)")
         self.max_new_cap = max_new_cap or max_seq
-        capacity = max_seq + self.block_size + 1
+        capacity = max_seq + max(self.block_size, self.verified_per_step) + 1
         self.cache: KVCache = target.new_cache(max_batch, capacity)
         self.draft_cache = DraftCache(draft, max_batch, capacity) if draft is not None else None
         self._slots: dict[int, _Slots] = {}
@@ -162,6 +177,8 @@ class Engine:
         rows) -> anchor = bonus. Idle rows (done = 1) compute but change nothing; non-finite logits
         set ``nonfinite`` (checked by the host once per step).
         """
+        if self.verify == "tree":
+            return self._tree_step(slots, kv, draft_cache, params)
         s, K = slots, slots.verify_size - 1
         s.draft_block[:, 0] = s.anchor
         d_logits = self.draft_logits(s.draft_block, draft_cache)
@@ -192,6 +209,58 @@ class Engine:
         commit_step(s.verify_block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist,
                     impl=self.impl)
         draft_cache.append(feats, (a.to(torch.int32) + 1) * live, impl=self.impl)  # advances s.lengths
+        s.anchor.copy_(torch.where(live, bonus, s.anchor))
+
+    def _tree_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams):
+        """One tree-verify step for all B slots, without host sync (``dspine.tree``).
+
+        Draft distributions ``[B, K, V]`` -> chain tokens (argmax, or sampled as in :meth:`_spec_step`)
+        -> a best-first tree of N = tree_budget nodes ``[B, N]`` -> the target over the nodes at RoPE
+        positions lengths + depth, K/V written at rows lengths + node, tree attention (ancestor
+        bitmasks) -> acceptance (``verify_tree``) -> the accepted path's K/V rows moved to rows
+        lengths .. lengths + a (gather, then scatter) -> commit -> the path's features into the draft
+        context -> anchor = bonus.
+        """
+        s, K, N = slots, self.block_size - 1, self.tree_budget
+        s.draft_block[:, 0] = s.anchor
+        d_logits = self.draft_logits(s.draft_block, draft_cache)
+        s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
+        out_pos = s.out_len.long()
+        if params.greedy:
+            q = torch.softmax(d_logits.float(), -1)
+            chain = d_logits.argmax(-1)
+        else:
+            q = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
+            chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device))
+        tree = build_tree(s.anchor, q, N, chain_tokens=chain)
+        positions = s.lengths[:, None].long() + tree.depth
+        t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths,
+                                                   tree_bits=ancestor_bits(tree.parent))
+        s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
+        rows = torch.arange(s.B, device=self.device)
+        if self.force_accept is not None:  # the chain node at depth a
+            a = torch.full((s.B,), min(self.force_accept, K, N - 1), dtype=torch.int32, device=self.device)
+            last = (tree.chain & (tree.depth == a[:, None])).int().argmax(1)
+            bonus = t_logits[rows, last].argmax(-1)
+        elif params.greedy:
+            last, a, bonus = verify_tree(tree, target_argmax=t_logits.argmax(-1))
+        else:
+            p_target = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k)
+            noise = rng.exponentials(s.seeds, rng.STREAM_TARGET, out_pos[:, None], p_target.shape[-1])[:, 0]
+            last, a, bonus = verify_tree(tree, p_target=p_target, q=q, u=node_uniforms(tree, s.seeds, out_pos),
+                                         exp_noise=noise)
+        path = path_nodes(tree, last, K)  # [B, K + 1]: node at depth d (identity past depth a)
+        live = s.done == 0
+        commit_step(tree.tokens.gather(1, path), a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos,
+                    s.hist, impl=self.impl)
+        src = s.lengths[:, None].long() + path
+        dst = s.lengths[:, None].long() + torch.arange(K + 1, device=self.device)
+        _, Hkv, _, D = kv.k[0].shape
+        src, dst = (i[:, None, :, None].expand(-1, Hkv, -1, D) for i in (src, dst))
+        for c in kv.k + kv.v:  # [B, Hkv, S, D]: each layer's reads come before its writes
+            c.scatter_(2, dst, c.gather(2, src))
+        path_feats = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
+        draft_cache.append(path_feats, (a.to(torch.int32) + 1) * live, impl=self.impl)  # advances s.lengths
         s.anchor.copy_(torch.where(live, bonus, s.anchor))
 
     def _ar_step(self, slots: _Slots, kv: KVCache, params: SamplingParams):
@@ -367,7 +436,8 @@ class Engine:
 def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None, *, device="cuda",
                 dtype=torch.bfloat16, impl: str | None = None, max_batch: int = 8, max_seq: int = 4096,
                 cuda_graphs: bool | None = None, verify_size: int | None = None, eos_token_ids=None,
-                check_max_context: int | None = None, max_new_cap: int | None = None):
+                check_max_context: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
+                tree_budget: int = 32):
     """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine`.
 
     Raises:
@@ -387,4 +457,4 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
                                           impl=impl, last_layer_features=last_layer_features)
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
     return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
-                  verify_size=verify_size, max_new_cap=max_new_cap), spec
+                  verify_size=verify_size, max_new_cap=max_new_cap, verify=verify, tree_budget=tree_budget), spec
