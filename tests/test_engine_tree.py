@@ -98,3 +98,75 @@ def test_engine_tree_triton_kernels_interpreted(stories_dir, stories):
     )
     res = eng.generate(prompts, params, concurrency=2)
     assert res.token_ids == want and res.stats.tau > 1.5
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_bench_and_generate_verify_tree_on_the_cpu(stories_dir, stories, tmp_path, backend, capsys):
+    import json
+
+    from infer import bench, generate
+    from tests.conftest import shared_path
+
+    folder, out = stories[2], tmp_path / "b.json"
+    extra = ["--device", "cpu"] if backend == "cuda" else []
+    code = bench.main(
+        [
+            "--target",
+            str(stories_dir),
+            "--draft",
+            f"T={folder}",
+            "--datasets",
+            "gsm8k",
+            "--data-dir",
+            str(shared_path("data", "eval")),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--no-chat-template",
+            "--backend",
+            backend,
+            "--dtype",
+            "fp32",
+            "--concurrency",
+            "2",
+            "--verify",
+            "tree",
+            "--tree-budget",
+            "12",
+            "--output-json",
+            str(out),
+            *extra,
+        ]
+    )
+    assert code == 0
+    d = json.loads(out.read_text())["tasks"][0]["drafts"]["T"]
+    assert d["verify"] == "tree" and d["verified_tokens_per_step"] == 12
+    assert d["greedy_equal"] == d["greedy_compared"] == 2  # fp32: lossless
+    assert "12 verified tokens per step" in capsys.readouterr().out
+    if backend == "reference":  # infer.generate runs the engine only on a GPU
+        assert (
+            generate.main(
+                [
+                    "--target",
+                    str(stories_dir),
+                    "--draft",
+                    str(folder),
+                    "--prompt",
+                    "Once",
+                    "--no-chat-template",
+                    "--max-new-tokens",
+                    "8",
+                    "--verify",
+                    "tree",
+                    "--tree-budget",
+                    "6",
+                    "--json",
+                ]
+            )
+            == 0
+        )
+        res = json.loads(capsys.readouterr().out)
+        assert res["verify"] == "tree" and res["verified_tokens_per_step"] == 6 and res["num_tokens"] == 8
+    assert bench.main(["--target", str(stories_dir), "--verify", "tree", "--tree-budget", "65"]) == 2
+    assert "--tree-budget 65" in capsys.readouterr().err
