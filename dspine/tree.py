@@ -98,7 +98,6 @@ def build_tree(
     cand = torch.cat([chain_tok[..., None], others], dim=-1)
     logq = q.gather(-1, cand).log()  # [B, K, W]; log 0 = -inf: never a real node
 
-    inf = torch.tensor(float("inf"), device=dev)
     j0 = torch.arange(W, device=dev) == 0
     # beam at depth 0: slot 0 = the root; scores s, sort keys (chain = +inf), chain flags
     s = torch.full((B, M), float("-inf"), device=dev)
@@ -109,7 +108,7 @@ def build_tree(
     for d in range(K):
         cs = (s[:, :, None] + logq[:, d, None, :]).reshape(B, M * W)  # children of every beam slot
         cc = (on_chain[:, :, None] & j0).reshape(B, M * W)
-        key = torch.where(cc, inf, cs)
+        key = torch.where(cc, float("inf"), cs)  # a Python scalar: no host-to-device copy in a graph
         # stable: equal keys keep the parent-major order, so a parent always ranks before its children
         order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :M]
         s, on_chain = cs.gather(1, order), cc.gather(1, order)

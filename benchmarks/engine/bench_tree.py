@@ -1,0 +1,199 @@
+"""Tree verification against chain verification (issue 16): step cost at Qwen3-8B shape, τ and speed on SmolLM2.
+
+    python benchmarks/engine/bench_tree.py --output results/verify-h200.json \
+        [--smollm2 models/SmolLM2-135M-Instruct.Q4_1.gguf --draft checkpoints/smollm2-135m-dspine] [--tiny]
+
+1. Qwen3-8B shape, random bf16 weights, 5-layer block-16 draft, 512-token prompts: the engine's whole
+   speculative step (draft block, tree construction, target verify with tree attention, acceptance,
+   accepted-path K/V move, commit, draft context append) as a CUDA graph replay, median over
+   ``--iters`` after warm-up, for the chain of 16 and trees of 16, 32 and 64 nodes, at batch 1 and 8.
+   The draft is an oracle (``force_accept``: the chain's first 6 tokens are accepted), so the cost
+   does not depend on random weights agreeing. ``step_ms_over_chain16`` = tree step ÷ chain step.
+2. With ``--smollm2 GGUF --draft DIR``: ``infer.bench`` on the 5 tasks at T = 0, concurrency 1, once
+   with ``--verify chain`` and once with ``--verify tree --tree-budget N`` (same draft, same prompts,
+   warm-up excluded): ``tree_tau_over_chain_tau`` (mean τ over tasks) and ``tree_speedup_over_chain``
+   (mean over tasks of tree tok/s ÷ chain tok/s).
+Writes JSON (command, GPU, date, commit via ``dspine.provenance``). ``--tiny`` runs tiny shapes on the
+CPU (eager, torch kernels; with ``--smollm2`` pointing at a small HF target and ``--device cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.engine.bench_engine import QWEN3_8B, TINY, build, timed  # noqa: E402
+from dspine.provenance import provenance  # noqa: E402
+from dspine.sampling import SamplingParams  # noqa: E402
+from infer.engine import Engine  # noqa: E402
+from infer.model import EngineTarget, ModelArgs  # noqa: E402
+
+CONFIGS = [("chain16", "chain", 16), ("tree16", "tree", 16), ("tree32", "tree", 32), ("tree64", "tree", 64)]
+
+
+@torch.inference_mode()
+def step_costs(args, dev) -> dict:
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    impl = "triton" if dev.type == "cuda" else "torch"
+    hf, dm = build(TINY if args.tiny else QWEN3_8B, dev, dtype, args.draft_layers, 16)
+    a = ModelArgs.from_hf_config(hf.config)
+    target = EngineTarget.from_hf_state(a, hf.state_dict(), dev, dtype, dm.config.target_layer_ids, impl)
+    del hf
+    gc.collect()
+    out: dict = {
+        "shape": "tiny" if args.tiny else "Qwen3-8B",
+        "dtype": str(dtype),
+        "prompt_tokens": args.prompt,
+        "oracle_accepted_per_step": 6,
+    }
+    g = torch.Generator().manual_seed(1)
+    greedy = SamplingParams(max_new_tokens=32)
+    for B in (1, 8):
+        prompts = [torch.randint(0, a.vocab_size - 2, (args.prompt,), generator=g).tolist() for _ in range(B)]
+        row: dict = {}
+        for name, verify, n in CONFIGS:
+            eng = Engine(
+                target,
+                dm,
+                [-1],
+                max_batch=B,
+                max_seq=args.prompt + 128,
+                max_new_cap=32,
+                force_accept=6,
+                verify=verify,
+                tree_budget=n,
+            )
+            eng.generate(prompts, greedy)  # prefill, warm-up and graph capture; the rows end at 32 tokens
+            step = eng._runner(B, greedy, spec=True)  # idle rows: every kernel runs, nothing is committed
+            row[f"{name}_step_ms"] = timed(step, args.iters)
+            del eng, step
+            gc.collect()
+        for name, _, _ in CONFIGS[1:]:
+            row[f"{name}_step_over_chain16"] = row[f"{name}_step_ms"] / row["chain16_step_ms"]
+        out[f"batch{B}"] = row
+        print(f"batch {B}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items()), flush=True)
+    return out
+
+
+def smollm2(args) -> dict:
+    """infer.bench with --verify chain, then --verify tree, on the same prompts; the two summaries compared."""
+    from infer import bench
+
+    base = [
+        "--target",
+        args.smollm2,
+        "--draft",
+        f"D={args.draft}",
+        "--datasets",
+        args.datasets,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--temperature",
+        "0",
+        "--concurrency",
+        "1",
+        "--no-ar",
+    ]
+    if args.data_dir:
+        base += ["--data-dir", args.data_dir]
+    if args.tiny:
+        base += ["--backend", "cuda", "--device", "cpu", "--dtype", "fp32", "--no-chat-template"]
+    else:
+        base += ["--backend", "cuda"]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for verify in ("chain", "tree"):
+            path = Path(tmp) / f"{verify}.json"
+            extra = ["--verify", verify] + (
+                ["--tree-budget", str(args.tree_budget)] if verify == "tree" else []
+            )
+            if bench.main([*base, *extra, "--output-json", str(path)]) != 0:
+                raise RuntimeError(f"infer.bench --verify {verify} failed (its error is printed above)")
+            runs[verify] = json.loads(path.read_text())
+    per_task = []
+    for c, t in zip(runs["chain"]["tasks"], runs["tree"]["tasks"]):
+        dc, dt = c["drafts"]["D"], t["drafts"]["D"]
+        per_task.append(
+            {
+                "task": c["task"],
+                "chain_tau": dc["tau"],
+                "tree_tau": dt["tau"],
+                "chain_tok_per_s": dc["tok_per_s"],
+                "tree_tok_per_s": dt["tok_per_s"],
+                "tree_speedup_over_chain": dt["tok_per_s"] / dc["tok_per_s"],
+            }
+        )
+    chain_tau, tree_tau = (runs[v]["summary"]["D"]["mean_tau"] for v in ("chain", "tree"))
+    return {
+        "target": args.smollm2,
+        "draft": args.draft,
+        "tree_budget": args.tree_budget,
+        "temperature": 0,
+        "concurrency": 1,
+        "num_prompts": args.num_prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "chain_mean_tau": chain_tau,
+        "tree_mean_tau": tree_tau,
+        "tree_tau_over_chain_tau": tree_tau / chain_tau,
+        "tree_speedup_over_chain": sum(r["tree_speedup_over_chain"] for r in per_task) / len(per_task),
+        "tasks": per_task,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--output", default=None, help="JSON file (e.g. results/verify-h200.json)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke test)")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens of the 8B-shape step measurement")
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--skip-steps", action="store_true", help="skip the 8B-shape step costs")
+    ap.add_argument(
+        "--smollm2", default=None, help="SmolLM2 target (GGUF file or HF folder) for the τ / speed part"
+    )
+    ap.add_argument("--draft", default=None, help="draft folder for --smollm2")
+    ap.add_argument("--tree-budget", type=int, default=32)
+    ap.add_argument("--datasets", default="gsm8k,math500,humaneval,mbpp,mt-bench")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    args = ap.parse_args(argv)
+    if (args.smollm2 is None) != (args.draft is None):
+        ap.error("--smollm2 and --draft go together")
+    if not args.tiny and not torch.cuda.is_available():
+        print(
+            "error: bench_tree.py measures a CUDA GPU and none is visible; use --tiny for a CPU smoke run",
+            file=sys.stderr,
+        )
+        return 2
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    res: dict = {**provenance(), "tiny": args.tiny}
+    if not args.skip_steps:
+        res["step_cost"] = step_costs(args, dev)
+    if args.smollm2:
+        sm = smollm2(args)
+        res["smollm2"] = sm
+        res["tree_tau_over_chain_tau"], res["tree_speedup_over_chain"] = (
+            sm["tree_tau_over_chain_tau"],
+            sm["tree_speedup_over_chain"],
+        )
+    text = json.dumps(res, indent=1)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
