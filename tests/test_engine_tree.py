@@ -170,3 +170,29 @@ def test_bench_and_generate_verify_tree_on_the_cpu(stories_dir, stories, tmp_pat
         assert res["verify"] == "tree" and res["verified_tokens_per_step"] == 6 and res["num_tokens"] == 8
     assert bench.main(["--target", str(stories_dir), "--verify", "tree", "--tree-budget", "65"]) == 2
     assert "--tree-budget 65" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_tree_cuda_lossless(stories_dir, stories, graphs):
+    """CUDA, Triton kernels, fp32: tree output == AR output, eager and under a CUDA graph, trees of 16
+    and 64 nodes; T > 0 keeps the τ identity and per-request streams (same output at any concurrency)."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=60)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    for budget in (16, 64):
+        eng = _engine(
+            stories_dir,
+            folder,
+            device="cuda",
+            impl="triton",
+            cuda_graphs=graphs,
+            verify="tree",
+            tree_budget=budget,
+        )
+        for conc in (1, 6):
+            assert eng.generate(PROMPTS, params, concurrency=conc).token_ids == want, (budget, conc)
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, max_new_tokens=40, seed=3)
+    res = eng.generate(PROMPTS, p, concurrency=6)
+    assert abs(res.stats.tau - 1 - sum(res.stats.accept_at_pos)) < 1e-12
+    assert res.token_ids == eng.generate(PROMPTS, p, concurrency=2).token_ids  # per-request streams
