@@ -24,7 +24,7 @@ from dspine.ops.accept import accept_greedy, accept_sample
 from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sample
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetAdapter
-from dspine.tree import Tree, ancestor_mask, build_tree, node_uniforms, path_nodes, verify_tree
+from dspine.tree import Tree, build_tree, node_uniforms, path_nodes, verify_tree
 
 
 def request_seeds(params: SamplingParams, n: int, seeds: list[int] | None, device) -> torch.Tensor:
@@ -215,10 +215,10 @@ class ReferenceDecoder:
         accepted path's rows. Returns the committed tokens (path, then the bonus) and their features
         ``[a + 1, k·H]`` (the anchor's and the accepted nodes')."""
         dev, K = self.target.device, self.block_size - 1
-        tree = Tree(*(getattr(trees, f)[b : b + 1] for f in ("tokens", "parent", "depth", "chain")))
+        tree = Tree(*(getattr(trees, f)[b : b + 1] for f in ("tokens", "parent", "depth", "chain", "anc")))
         N = tree.size
         mask = torch.zeros(1, 1, N, start + N, device=dev, dtype=self.target.dtype)
-        mask[..., start:] = (~ancestor_mask(tree.parent)[:, None]) * torch.finfo(mask.dtype).min
+        mask[..., start:] = (~tree.anc[:, None]) * torch.finfo(mask.dtype).min
         o = self.target(tree.tokens, position_ids=start + tree.depth, attention_mask=mask, past_key_values=cache,
                         use_cache=True)
         t_logits = o.logits[0].float()  # [N, V]: the target's next token after every node

@@ -66,6 +66,7 @@ class Tree:
     parent: torch.Tensor  # [B, N] int64, -1 for the root and padding
     depth: torch.Tensor  # [B, N] int64
     chain: torch.Tensor  # [B, N] bool: node is on the chain path (root included)
+    anc: torch.Tensor  # [B, N, N] bool ancestor mask (:func:`ancestor_mask`)
 
     @property
     def size(self) -> int:
@@ -130,46 +131,46 @@ def build_tree(
     parent = torch.where(real, node_of.gather(1, par.gather(1, pick) + 1), -1)
     depth = torch.where(real, pick // M + 1, 0)
     zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    parent = torch.cat([zero - 1, parent], 1)
     return Tree(
         tokens=torch.cat([anchor[:, None], torch.where(real, tok.gather(1, pick), 0)], 1),
-        parent=torch.cat([zero - 1, parent], 1),
+        parent=parent,
         depth=torch.cat([zero, depth], 1),
         chain=torch.cat([zero == 0, chain.gather(1, pick) & real], 1),
+        anc=ancestor_mask(parent),
     )
 
 
 def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
     """``[B, N, N]`` bool: ``anc[b, i, j]`` iff node j is node i or an ancestor of it (``parent [B, N]``,
-    -1 = none). Parents precede children, so N - 1 pointer jumps reach the root."""
+    -1 = none). Reachability by squaring: after k squarings of (I + parent edges) every ancestor up to
+    2^k levels up is marked, so ceil(log2 N) batched matmuls cover any tree (few kernels)."""
     B, N = parent.shape
     idx = torch.arange(N, device=parent.device)
-    anc = (idx[:, None] == idx[None, :]).expand(B, N, N).clone()
-    up = parent
-    for _ in range(N - 1):
-        anc |= (up[..., None] == idx) & (up[..., None] >= 0)
-        up = torch.where(up >= 0, parent.gather(1, up.clamp_min(0)), -1)
-    return anc
+    reach = ((idx[:, None] == idx) | (parent[..., None] == idx)).float()  # 0/1, exact in fp32
+    for _ in range(max(N - 1, 1).bit_length()):
+        reach = (reach @ reach).clamp_max(1.0)
+    return reach > 0
 
 
-def ancestor_bits(parent: torch.Tensor) -> torch.Tensor:
-    """The ancestor mask packed as ``[B, N]`` int64 bitmasks (bit j of row i = ``anc[b, i, j]``), N <= 64."""
-    N = parent.shape[1]
+def ancestor_bits(anc: torch.Tensor) -> torch.Tensor:
+    """The ancestor mask ``anc [B, N, N]`` packed as ``[B, N]`` int64 bitmasks (bit j of row i = anc[b, i, j]),
+    N <= 64. Raises ValueError for N > 64."""
+    N = anc.shape[-1]
     if N > 64:
         raise ValueError(f"tree of {N} nodes: the bitmask holds at most 64")
-    bits = torch.ones(N, dtype=torch.long, device=parent.device) << torch.arange(N, device=parent.device)
-    return (ancestor_mask(parent).long() * bits).sum(-1)  # disjoint bits: the sum is the OR
+    bits = torch.ones(N, dtype=torch.long, device=anc.device) << torch.arange(N, device=anc.device)
+    return (anc.long() * bits).sum(-1)  # disjoint bits: the sum is the OR (bit 63 wraps to the sign bit)
 
 
 def path_nodes(tree: Tree, last: torch.Tensor, K: int) -> torch.Tensor:
     """``[B, K + 1]`` int64: the node at depth 0..K of the path from the root to ``last [B]`` (depth a);
     entries past depth a hold their own index, so moving row ``path[d]`` to row d leaves them in place."""
-    B = last.shape[0]
-    path = torch.arange(K + 1, device=last.device).expand(B, K + 1).clone()
-    node = last
-    for _ in range(K):
-        path.scatter_(1, tree.depth.gather(1, node[:, None].clamp_min(0)), node[:, None].clamp_min(0))
-        node = torch.where(node > 0, tree.parent.gather(1, node[:, None].clamp_min(0))[:, 0], 0)
-    return path
+    B, N = tree.parent.shape
+    on_path = tree.anc[torch.arange(B, device=last.device), last]  # [B, N]
+    slot = torch.where(on_path, tree.depth, K + 1)  # off-path nodes land in a dropped column
+    path = torch.arange(K + 2, device=last.device).expand(B, K + 2).clone()
+    return path.scatter_(1, slot, torch.arange(N, device=last.device).expand(B, N))[:, : K + 1]
 
 
 def node_uniforms(tree: Tree, seeds: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
@@ -207,11 +208,11 @@ def verify_tree(
     B, N = tree.tokens.shape
     rows = torch.arange(B, device=tree.tokens.device)
     cur = torch.zeros(B, dtype=torch.long, device=rows.device)
-    if greedy:
-        for i in range(1, N):
-            cur = torch.where(
-                (tree.parent[:, i] == cur) & (tree.tokens[:, i] == target_argmax[rows, cur]), i, cur
-            )
+    if greedy:  # node i is reachable iff every node on its path matches the argmax at its parent
+        match = (tree.parent >= 0) & (tree.tokens == target_argmax.gather(1, tree.parent.clamp_min(0)))
+        match[:, 0] = True
+        ok = ~(tree.anc & ~match[:, None, :]).any(-1)  # [B, N]; the ok nodes form one path
+        cur = torch.where(ok, tree.depth, -1).argmax(1)
         return cur, tree.depth[rows, cur].to(torch.int32), target_argmax[rows, cur]
     r = p_target[:, 0]
     for i in range(1, N):

@@ -235,7 +235,7 @@ class Engine:
         tree = build_tree(s.anchor, q, N, chain_tokens=chain)
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths,
-                                                   tree_bits=ancestor_bits(tree.parent))
+                                                   tree_bits=ancestor_bits(tree.anc))
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         rows = torch.arange(s.B, device=self.device)
         if self.force_accept is not None:  # the chain node at depth a

@@ -37,7 +37,7 @@ def make_tree(B, T, Hq, Hkv, D, lens, dtype, device, seed=0):
     vis = (node[:, None, :] < 0) | anc.gather(2, node.clamp(0, T - 1)[:, None, :].expand(B, T, S)) & (
         node[:, None, :] < T
     )
-    return [x.to(device) for x in (q, k, v, cache_len, ancestor_bits(parent))], vis.to(device)
+    return [x.to(device) for x in (q, k, v, cache_len, ancestor_bits(anc))], vis.to(device)
 
 
 IMPLS = [

@@ -46,13 +46,13 @@ def test_ancestor_mask_matches_brute_force_on_random_trees():
                 want[b, i, j] = True
                 j = int(parent[b, j])
         assert torch.equal(ancestor_mask(parent), want)
-        bits = ancestor_bits(parent)
+        bits = ancestor_bits(want)
         assert all(
             bool(bits[b, i] >> j & 1) == bool(want[b, i, j])
             for b, i, j in itertools.product(range(3), range(N), range(N))
         )
     with pytest.raises(ValueError, match="65 nodes"):
-        ancestor_bits(torch.full((1, 65), -1))
+        ancestor_bits(torch.zeros(1, 65, 65, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("N", [2, 4, 9, 20])
@@ -185,7 +185,7 @@ def test_tree_rejection_sampling_is_exact(temperature, top_p, top_k):
     for x in xs:  # the second token, given that the first was the accepted tree node x
         assert pvalue(second[(first == x) & (a >= 1)], p_next[1, x]) > 0.01
     # the classic bug (docs/method.md §8.7): min(1, p/q) for top-k children that were never sampled from q
-    wrong = Tree(tree.tokens, tree.parent, tree.depth, tree.parent >= -1)
+    wrong = Tree(tree.tokens, tree.parent, tree.depth, tree.parent >= -1, tree.anc)
     first, _, _ = emitted(wrong)
     assert pvalue(first, p_root) < 1e-6
 

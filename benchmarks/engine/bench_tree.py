@@ -13,8 +13,10 @@
    with ``--verify chain`` and once with ``--verify tree --tree-budget N`` (same draft, same prompts,
    warm-up excluded): ``tree_tau_over_chain_tau`` (mean τ over tasks) and ``tree_speedup_over_chain``
    (mean over tasks of tree tok/s ÷ chain tok/s).
-Writes JSON (command, GPU, date, commit via ``dspine.provenance``). ``--tiny`` runs tiny shapes on the
-CPU (eager, torch kernels; with ``--smollm2`` pointing at a small HF target and ``--device cpu``).
+Writes JSON (command, GPU, date, commit via ``dspine.provenance``, also inside each part); with
+``--merge`` the parts measured now replace those keys of an existing ``--output`` file, so the two parts
+can run as two commands into one file. ``--tiny`` runs tiny shapes on the CPU (eager, torch kernels;
+``--smollm2`` may then name a small HF target such as stories260K).
 """
 
 from __future__ import annotations
@@ -167,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument(
+        "--merge", action="store_true", help="update an existing --output file with the parts run now"
+    )
     args = ap.parse_args(argv)
     if (args.smollm2 is None) != (args.draft is None):
         ap.error("--smollm2 and --draft go together")
@@ -177,11 +182,14 @@ def main(argv=None) -> int:
         )
         return 2
     dev = torch.device("cpu" if args.tiny else "cuda")
-    res: dict = {**provenance(), "tiny": args.tiny}
+    res: dict = {}
+    if args.merge and args.output and Path(args.output).is_file():
+        res = json.loads(Path(args.output).read_text())
+    res.update(provenance(), tiny=args.tiny)
     if not args.skip_steps:
-        res["step_cost"] = step_costs(args, dev)
+        res["step_cost"] = {**step_costs(args, dev), "provenance": provenance()}
     if args.smollm2:
-        sm = smollm2(args)
+        sm = {**smollm2(args), "provenance": provenance()}
         res["smollm2"] = sm
         res["tree_tau_over_chain_tau"], res["tree_speedup_over_chain"] = (
             sm["tree_tau_over_chain_tau"],
