@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
                     help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
     ap.add_argument("--tree-budget", type=int, default=32, help="tree nodes per step, anchor included (2..64)")
+    ap.add_argument("--budget", default=None, choices=["auto"],
+                    help="auto: per step, AR, the chain or a tree of 32/64 nodes by measured step time and acceptance "
+                         "(infer.planner; --backend cuda)")
     ap.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode in the chat template")
     ap.add_argument("--system", default=None, help="system message")
     ap.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
@@ -133,6 +136,8 @@ def run(args) -> dict:
         backend = "cuda" if torch.cuda.is_available() else "reference"
     if backend == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
+    if args.budget == "auto" and backend == "reference":
+        raise ValueError("--budget auto needs the engine (--backend cuda on a GPU)")
     target_path, draft_path = resolve_models(args)
     draft_cfg = None
     if draft_path is not None:  # a missing or unreadable draft fails before the target is loaded
@@ -170,8 +175,10 @@ def run(args) -> dict:
     out = report(tokenizer, res, eos, backend)
     if draft_cfg is not None:
         out["verify"] = args.verify
-        out["verified_tokens_per_step"] = (args.tree_budget if args.verify == "tree"
+        out["verified_tokens_per_step"] = ("auto" if args.budget else args.tree_budget if args.verify == "tree"
                                            else args.block_size or draft_cfg.block_size)
+        if backend == "cuda" and args.budget:
+            out["planner"] = res.planner
     if args.compare_ar and draft_path is not None:
         ar = decode(False)
         out.update(ar_tok_per_s=ar.tok_per_s, speedup=res.tok_per_s / ar.tok_per_s,
@@ -198,11 +205,13 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
     engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
                             max_seq=longest + args.max_new_tokens + 64, verify_size=args.block_size,
                             check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens,
-                            verify=args.verify, tree_budget=args.tree_budget)
+                            verify=args.verify, tree_budget=args.tree_budget, budget=args.budget)
 
     def decode(use: bool):
         engine.generate(prompts, params, use_draft=use)
-        return engine.generate(prompts, params, use_draft=use)
+        res = engine.generate(prompts, params, use_draft=use)
+        res.planner = engine.planner_report  # the planner's choices (--budget auto), else None
+        return res
 
     return decode, engine.eos_set
 

@@ -196,3 +196,100 @@ def test_engine_tree_cuda_lossless(stories_dir, stories, graphs):
     res = eng.generate(PROMPTS, p, concurrency=6)
     assert abs(res.stats.tau - 1 - sum(res.stats.accept_at_pos)) < 1e-12
     assert res.token_ids == eng.generate(PROMPTS, p, concurrency=2).token_ids  # per-request streams
+
+
+def test_step_planner_follows_measured_rates():
+    from infer.planner import StepPlanner
+
+    costs = {("ar", 1): 1.0, ("chain", 8): 1.5, ("tree", 32): 2.0}
+    p = StepPlanner(costs, probe_every=100)
+    assert [p.choose() for _ in range(2)] == [("chain", 8), ("chain", 8)]  # untried modes look best
+    p.observe(("chain", 8), 1.2)  # 0.8 tok/ms < AR's 1.0; the tree is still untried
+    assert p.choose() == ("tree", 32)
+    p.observe(("tree", 32), 1.5)  # 0.75 tok/ms
+    assert p.choose() == ("ar", 1)
+    p.observe(("tree", 32), 5.0)  # the EMA moves towards 5: 0.7·1.5 + 0.3·5 = 2.55 -> 1.275 tok/ms
+    assert p.tokens[("tree", 32)] == pytest.approx(2.55) and p.choose() == ("tree", 32)
+    probe = StepPlanner(costs, probe_every=3)
+    probe.tokens = {("ar", 1): 1.0, ("chain", 8): 3.0, ("tree", 32): 3.0}
+    assert [probe.choose() for _ in range(3)] == [
+        ("chain", 8),
+        ("chain", 8),
+        ("ar", 1),
+    ]  # the stalest is probed
+    rep = p.report()
+    assert rep["ar"]["steps"] == 1 and rep["tree32"]["steps"] == 2 and rep["chain8"]["step_ms"] == 1.5
+    with pytest.raises(ValueError, match="positive"):
+        StepPlanner({("ar", 1): 0.0})
+
+
+def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories):
+    """--budget auto: AR steps (with draft features), chains and trees mixed in one decode; the output
+    stays the greedy output and every step is counted in the report."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=40)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    eng = second_choice_engine(
+        _engine(stories_dir, folder, budget="auto"), [p + w for p, w in zip(PROMPTS, want)]
+    )
+    eng.PLAN_TREES = (24,)  # small trees: a fast CPU test
+    eng.plan_modes = eng.plan_modes[:2] + [("tree", 24)]
+    eng._step_costs = lambda B, params: {("ar", 1): 1.0, ("chain", 8): 1.0, ("tree", 24): 1.0}
+    res = eng.generate(PROMPTS, params, concurrency=3)
+    assert res.token_ids == want
+    rep = eng.planner_report
+    assert sum(e["steps"] for e in rep.values()) == res.steps
+    assert (
+        rep["tree24"]["steps"] > rep["chain8"]["steps"] and rep["tree24"]["tokens_per_step"] > 2
+    )  # second choices
+    assert rep["ar"]["steps"] >= 1  # probed
+    costs = _engine(stories_dir, folder, budget="auto")._step_costs(2, params)  # measured on this CPU
+    assert set(costs) == {("ar", 1), ("chain", 8), ("tree", 32), ("tree", 64)} and min(costs.values()) > 0
+    with pytest.raises(ValueError, match="budget='fixed'"):
+        _engine(stories_dir, folder, budget="fixed")
+
+
+def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, capsys):
+    import json
+
+    from infer import bench
+    from tests.conftest import shared_path
+
+    out = tmp_path / "p.json"
+    code = bench.main(
+        [
+            "--target",
+            str(stories_dir),
+            "--draft",
+            f"P={stories[2]}",
+            "--datasets",
+            "gsm8k",
+            "--data-dir",
+            str(shared_path("data", "eval")),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--no-chat-template",
+            "--backend",
+            "cuda",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--concurrency",
+            "2",
+            "--budget",
+            "auto",
+            "--output-json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    d = json.loads(out.read_text())["tasks"][0]["drafts"]["P"]
+    assert d["greedy_equal"] == d["greedy_compared"] == 2 and d["verified_tokens_per_step"] == "auto"
+    assert set(d["planner_choices"]) == {"ar", "chain8", "tree32", "tree64"}
+    assert sum(c["steps"] for c in d["planner_choices"].values()) >= d["verify_steps"] / 2  # 2 rows per step
+    assert all(c["step_ms"] > 0 for c in d["planner_choices"].values())
+    assert bench.main(["--target", str(stories_dir), "--budget", "auto", "--backend", "reference"]) == 2
+    assert "--budget auto needs the engine" in capsys.readouterr().err
