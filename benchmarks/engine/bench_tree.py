@@ -13,6 +13,10 @@
    with ``--verify chain`` and once with ``--verify tree --tree-budget N`` (same draft, same prompts,
    warm-up excluded): ``tree_tau_over_chain_tau`` (mean τ over tasks) and ``tree_speedup_over_chain``
    (mean over tasks of tree tok/s ÷ chain tok/s).
+3. With ``--planner C:T[,C:T...]`` (and ``--smollm2``/``--draft``): for each concurrency C and temperature
+   T, ``infer.bench`` with AR, the fixed chain, the fixed tree and ``--budget auto``; appends
+   ``{concurrency, temperature, planner_tok_per_s, ar_tok_per_s, best_static_tok_per_s, ...}`` to
+   ``planner`` (mean tok/s over the tasks; at T > 0: top_p 0.95, top_k 20).
 Writes JSON (command, GPU, date, commit via ``dspine.provenance``, also inside each part); with
 ``--merge`` the parts measured now replace those keys of an existing ``--output`` file, so the two parts
 can run as two commands into one file. ``--tiny`` runs tiny shapes on the CPU (eager, torch kernels;
@@ -85,43 +89,40 @@ def step_costs(args, dev) -> dict:
     return out
 
 
-def smollm2(args) -> dict:
-    """infer.bench with --verify chain, then --verify tree, on the same prompts; the two summaries compared."""
+def bench_runs(args, base: list[str], configs: dict[str, list[str]]) -> dict:
+    """``infer.bench`` once per named config (extra flags) on the same prompts -> {name: its JSON}."""
     from infer import bench
 
-    base = [
-        "--target",
-        args.smollm2,
-        "--draft",
-        f"D={args.draft}",
-        "--datasets",
-        args.datasets,
-        "--num-prompts",
-        str(args.num_prompts),
-        "--max-new-tokens",
-        str(args.max_new_tokens),
-        "--temperature",
-        "0",
-        "--concurrency",
-        "1",
-        "--no-ar",
-    ]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in configs.items():
+            path = Path(tmp) / f"{name}.json"
+            if bench.main([*base, *extra, "--output-json", str(path)]) != 0:
+                raise RuntimeError(f"infer.bench {' '.join(extra)} failed (its error is printed above)")
+            runs[name] = json.loads(path.read_text())
+    return runs
+
+
+def bench_base(args, concurrency: int = 1, temperature: float = 0.0) -> list[str]:
+    """``infer.bench`` flags shared by every run: the target, the draft labelled D, the tasks, the settings."""
+    base = ["--target", args.smollm2, "--draft", f"D={args.draft}", "--datasets", args.datasets,
+            "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
+            "--temperature", str(temperature), "--concurrency", str(concurrency)]  # fmt: skip
+    if temperature > 0:
+        base += ["--top-p", "0.95", "--top-k", "20"]
     if args.data_dir:
         base += ["--data-dir", args.data_dir]
     if args.tiny:
         base += ["--backend", "cuda", "--device", "cpu", "--dtype", "fp32", "--no-chat-template"]
     else:
         base += ["--backend", "cuda"]
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for verify in ("chain", "tree"):
-            path = Path(tmp) / f"{verify}.json"
-            extra = ["--verify", verify] + (
-                ["--tree-budget", str(args.tree_budget)] if verify == "tree" else []
-            )
-            if bench.main([*base, *extra, "--output-json", str(path)]) != 0:
-                raise RuntimeError(f"infer.bench --verify {verify} failed (its error is printed above)")
-            runs[verify] = json.loads(path.read_text())
+    return base
+
+
+def smollm2(args) -> dict:
+    """infer.bench with --verify chain, then --verify tree, on the same prompts; the two summaries compared."""
+    tree = ["--verify", "tree", "--tree-budget", str(args.tree_budget)]
+    runs = bench_runs(args, bench_base(args) + ["--no-ar"], {"chain": ["--verify", "chain"], "tree": tree})
     per_task = []
     for c, t in zip(runs["chain"]["tasks"], runs["tree"]["tasks"]):
         dc, dt = c["drafts"]["D"], t["drafts"]["D"]
@@ -152,6 +153,28 @@ def smollm2(args) -> dict:
     }
 
 
+def planner_points(args) -> list[dict]:
+    """Planner against AR and the best fixed configuration at each ``--planner`` point (module docstring)."""
+    out = []
+    for point in args.planner.split(","):
+        c, t = point.split(":")
+        tree = ["--verify", "tree", "--tree-budget", str(args.tree_budget), "--no-ar"]
+        configs = {"chain": ["--verify", "chain"], "tree": tree, "auto": ["--budget", "auto", "--no-ar"]}
+        runs = bench_runs(args, bench_base(args, int(c), float(t)), configs)
+        tok = {
+            n: sum(x["drafts"]["D"]["tok_per_s"] for x in r["tasks"]) / len(r["tasks"])
+            for n, r in runs.items()
+        }
+        ar = sum(x["ar"]["tok_per_s"] for x in runs["chain"]["tasks"]) / len(runs["chain"]["tasks"])
+        best = max(ar, tok["chain"], tok["tree"])
+        out.append({"concurrency": int(c), "temperature": float(t), "planner_tok_per_s": tok["auto"],
+                    "ar_tok_per_s": ar, "chain_tok_per_s": tok["chain"], "tree_tok_per_s": tok["tree"],
+                    "best_static_tok_per_s": best, "planner_over_best_static": tok["auto"] / best,
+                    "planner_choices_per_task": [x["drafts"]["D"].get("planner_choices") for x in runs["auto"]["tasks"]]})  # fmt: skip
+        print(f"planner point {out[-1]}", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--output", default=None, help="JSON file (e.g. results/verify-h200.json)")
@@ -160,6 +183,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--skip-steps", action="store_true", help="skip the 8B-shape step costs")
+    ap.add_argument(
+        "--skip-smollm2", action="store_true", help="with --planner: skip the chain-vs-tree τ part"
+    )
+    ap.add_argument("--planner", default=None, metavar="C:T,...", help="planner points, e.g. 1:0,8:0,8:1")
     ap.add_argument(
         "--smollm2", default=None, help="SmolLM2 target (GGUF file or HF folder) for the τ / speed part"
     )
@@ -175,6 +202,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if (args.smollm2 is None) != (args.draft is None):
         ap.error("--smollm2 and --draft go together")
+    if args.planner and not args.smollm2:
+        ap.error("--planner needs --smollm2 and --draft")
+    if args.planner and not all(len(p.split(":")) == 2 for p in args.planner.split(",")):
+        ap.error(f"--planner {args.planner!r}: give CONCURRENCY:TEMPERATURE pairs, e.g. 1:0,8:1")
     if not args.tiny and not torch.cuda.is_available():
         print(
             "error: bench_tree.py measures a CUDA GPU and none is visible; use --tiny for a CPU smoke run",
@@ -188,7 +219,11 @@ def main(argv=None) -> int:
     res.update(provenance(), tiny=args.tiny)
     if not args.skip_steps:
         res["step_cost"] = {**step_costs(args, dev), "provenance": provenance()}
-    if args.smollm2:
+    if args.planner:
+        points = [{**p, "provenance": provenance()} for p in planner_points(args)]
+        by_point = {(p["concurrency"], p["temperature"]): p for p in res.get("planner", []) + points}
+        res["planner"] = sorted(by_point.values(), key=lambda p: (p["temperature"], p["concurrency"]))
+    if args.smollm2 and not args.skip_smollm2:
         sm = {**smollm2(args), "provenance": provenance()}
         res["smollm2"] = sm
         res["tree_tau_over_chain_tau"], res["tree_speedup_over_chain"] = (
