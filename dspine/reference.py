@@ -5,8 +5,10 @@ forward over its context cache; the target verifies the block causally over its 
 longest agreeing prefix plus the bonus token is committed; the target cache is cropped to the
 committed positions and their target features are appended to the draft's context. Rows of a batch
 accept different counts (ragged); the draft runs batched, the target verifies row by row on its own
-HF cache (simple and exact). Without a draft it decodes autoregressively on the same path. Shared
-with the engine: the draft's ``forward_block``, the acceptance rule (``dspine.ops.accept``'s torch
+HF cache (simple and exact). Without a draft it decodes autoregressively on the same path. With
+``verify="tree"`` the target verifies a token tree built from the draft's distributions
+(``dspine.tree``) in one forward (a 4D attention mask: the prefix and the node's ancestors; position
+ids = prefix length + depth), and the cache keeps the accepted path's rows. Shared with the engine: the draft's ``forward_block``, the acceptance rule (``dspine.ops.accept``'s torch
 references), the sampler and its per-request streams (``dspine.sampling``), the result type.
 """
 
@@ -22,6 +24,7 @@ from dspine.ops.accept import accept_greedy, accept_sample
 from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sample
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetAdapter
+from dspine.tree import Tree, build_tree, node_uniforms, path_nodes, verify_tree
 
 
 def request_seeds(params: SamplingParams, n: int, seeds: list[int] | None, device) -> torch.Tensor:
@@ -47,17 +50,25 @@ class ReferenceDecoder:
         eos_token_ids: tokens that end a sequence.
         verify_size: slots verified per step, anchor included (1 < verify_size <= the draft's block
             size; default = block size): the draft still runs its whole block (it was trained on
-            it) and the target verifies the first ``verify_size`` slots. A narrower verify is
-            cheaper where the target's cost grows with the tokens per forward (a CPU).
-
+            it) and the target verifies the first ``verify_size`` slots (a tree: at most
+            ``verify_size - 1`` deep). A narrower verify is cheaper where the target's cost grows
+            with the tokens per forward (a CPU).
+        verify: "chain" (the draft's argmax/sampled block) or "tree" (``dspine.tree``).
+        tree_budget: nodes per tree, anchor included (``verify="tree"``).
     Raises:
-        ValueError: ``verify_size`` outside 2..block size.
+        ValueError: ``verify_size`` outside 2..block size, an unknown ``verify``, a tree budget < 2,
+            a tree without a draft.
     """
 
     def __init__(self, target: TargetAdapter, draft: DSpineDraftModel | None, eos_token_ids,
-                 verify_size: int | None = None):
+                 verify_size: int | None = None, verify: str = "chain", tree_budget: int = 32):
+        if verify not in ("chain", "tree"):
+            raise ValueError(f"verify={verify!r} must be 'chain' or 'tree'")
+        if verify == "tree" and (draft is None or tree_budget < 2):
+            raise ValueError(f"verify='tree' needs a draft and tree_budget >= 2 (got {tree_budget})")
         self.target = target
         self.draft = draft
+        self.verify, self.tree_budget = verify, tree_budget
         self.eos = set(int(e) for e in eos_token_ids)
         if draft is not None:
             target.set_layer_ids(draft.config.target_layer_ids, draft.config.last_layer_features)
@@ -167,13 +178,24 @@ class ReferenceDecoder:
             else:
                 p_draft = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
                 block[:, 1:W] = sample(p_draft, seed, rng.STREAM_DRAFT, slot_pos)
-            block = block[:, :W]  # the verified slots
+            tree = None
+            if self.verify == "tree":  # scores: the sampling distribution, or softmax(logits) at T = 0
+                q = torch.softmax(d_logits, -1) if params.greedy else p_draft
+                tree = build_tree(block[:, 0], q, self.tree_budget, chain_tokens=block[:, 1:W])
+            block = block[:, :W]  # the verified slots of the chain
 
             # -- verify + accept, row by row (the acceptance rule of dspine.ops.accept) ----------------
             new_feats = torch.zeros(B, W, feats[0].shape[-1], device=dev, dtype=feats[0].dtype)
             counts = torch.zeros(B, dtype=torch.long, device=dev)
             for b in active:
                 start = int(dcache.lengths[b])  # position of the anchor
+                if tree is not None:
+                    tokens, f = self._verify_tree_row(b, tree, start, caches[b], params, p_draft, seed, n_out)
+                    stats[b].record(commit(b, tokens))
+                    new_feats[b, : len(tokens)] = f
+                    counts[b] = len(tokens)
+                    anchors[b] = tokens[-1]
+                    continue
                 pos = torch.arange(start, start + W, device=dev)[None]
                 o = self.target(block[b : b + 1], position_ids=pos, past_key_values=caches[b], use_cache=True)
                 t_logits = o.logits[0].float()  # [W, V]
@@ -197,3 +219,33 @@ class ReferenceDecoder:
             dcache.append(new_feats, counts)
 
         return GenerationResult(out, reasons, stats, time.perf_counter() - t0, prefill_s, loops)
+
+    def _verify_tree_row(self, b: int, trees: Tree, start: int, cache, params: SamplingParams, p_draft, seed, n_out):
+        """Verify row b's tree over its HF cache (prefix of ``start`` positions): one forward with a 4D
+        additive mask, acceptance by ``dspine.tree.verify_tree``, then the cache keeps the prefix and the
+        accepted path's rows. Returns the committed tokens (path, then the bonus) and their features
+        ``[a + 1, k·H]`` (the anchor's and the accepted nodes')."""
+        dev, K = self.target.device, self.verify_size - 1
+        tree = Tree(*(getattr(trees, f)[b : b + 1] for f in ("tokens", "parent", "depth", "chain", "anc")))
+        N = tree.size
+        mask = torch.zeros(1, 1, N, start + N, device=dev, dtype=self.target.dtype)
+        mask[..., start:] = (~tree.anc[:, None]) * torch.finfo(mask.dtype).min
+        o = self.target(tree.tokens, position_ids=start + tree.depth, attention_mask=mask, past_key_values=cache,
+                        use_cache=True)
+        t_logits = o.logits[0].float()  # [N, V]: the target's next token after every node
+        if not torch.isfinite(t_logits).all():
+            raise nonfinite_error("target")
+        if params.greedy:
+            last, a, bonus = verify_tree(tree, target_argmax=t_logits.argmax(-1)[None])
+        else:
+            p_t = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k)[None]
+            u = node_uniforms(tree, seed[b : b + 1], n_out[b : b + 1])
+            e = rng.exponentials(seed[b : b + 1], rng.STREAM_TARGET, n_out[b : b + 1, None], p_t.shape[-1])[:, 0]
+            last, a, bonus = verify_tree(tree, p_target=p_t, q=p_draft[b : b + 1], u=u, exp_noise=e)
+        path = path_nodes(tree, last, K)[0, : int(a) + 1]  # the anchor, then the accepted nodes
+        for layer in cache.layers:  # DynamicLayer keys/values [1, H, start + N, D]
+            if getattr(layer, "is_sliding", False):
+                raise ValueError("tree verification needs full-attention cache layers (sliding-window target)")
+            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, start + path]], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, start + path]], dim=2)
+        return tree.tokens[0, path[1:]].tolist() + [int(bonus)], o.features[0, path]

@@ -65,6 +65,7 @@ class Runner:
             assert_compatible(self.spec, models[label].config, max_context=max_seq - 64)
         self.block_size = {label: m.config.block_size for label, m in models.items()}
         self.decoders = {}
+        self.planner_steps: dict = {}  # label -> mode -> {"steps", "step_ms"} (--budget auto)
         if self.backend == "cuda":
             from infer.engine import Engine
             from infer.model import EngineTarget
@@ -78,7 +79,8 @@ class Runner:
             self.decoders[None] = Engine(target, None, self.eos, **kw)
             for label, m in models.items():
                 # each draft reads its own layers: the target returns them in the draft's order
-                self.decoders[label] = Engine(target, m, self.eos, verify_size=args.block_size, **kw)
+                self.decoders[label] = Engine(target, m, self.eos, verify_size=args.block_size, verify=args.verify,
+                                              tree_budget=args.tree_budget, budget=args.budget, **kw)
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
         else:
@@ -87,16 +89,27 @@ class Runner:
 
             if args.block_size is not None:
                 raise ValueError("--block-size (verifying fewer slots than the draft's block) needs --backend cuda")
+            if args.budget is not None:
+                raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
             target = load_target(path, gguf, dtype="fp32" if args.dtype == "auto" else args.dtype)
             self.decoders[None] = ReferenceDecoder(target, None, self.eos)
             for label, m in models.items():
-                self.decoders[label] = ReferenceDecoder(target, m.to(target.dtype), self.eos)
+                self.decoders[label] = ReferenceDecoder(target, m.to(target.dtype), self.eos, verify=args.verify,
+                                                        tree_budget=args.tree_budget)
+        # target positions verified per step and request (anchor included)
+        self.verified_per_step = {label: "auto" if args.budget else args.tree_budget if args.verify == "tree"
+                                  else (args.block_size or bs)
+                                  for label, bs in self.block_size.items()}
 
     def run(self, prompts: list[list[int]], params: SamplingParams, label: str | None):
         dec = self.decoders[label]
         if self.backend == "cuda":
             dec.target.layer_ids, dec.target.last_layer_features = self._layer_ids[label] if label else ([], "post_norm")
             r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
+            if dec.planner_report is not None:  # the planner's choices, summed over the task's calls
+                for mode, e in dec.planner_report.items():
+                    tot = self.planner_steps.setdefault(label, {}).setdefault(mode, {"steps": 0})
+                    tot.update(step_ms=e["step_ms"], steps=tot["steps"] + e["steps"])
             return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt)
         if label is not None:
             dec.target.set_layer_ids(dec.draft.config.target_layer_ids, dec.draft.config.last_layer_features)
@@ -171,6 +184,9 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
         row = {"tok_per_s": n_tok / secs, "num_tokens": n_tok, "seconds": secs, **stats.to_dict()}
         if label is not None:
             row["tau_ci95"] = bootstrap_ci(per_committed, per_steps)
+            row["verify"], row["verified_tokens_per_step"] = runner.args.verify, runner.verified_per_step[label]
+            if label in runner.planner_steps:
+                row["planner_choices"] = runner.planner_steps.pop(label)
             row["per_prompt_committed"], row["per_prompt_steps"] = per_committed, per_steps
         outputs[label] = (all_prompts, all_tokens)
         if label is None:
@@ -289,6 +305,12 @@ def build_parser():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
+                    help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
+    ap.add_argument("--tree-budget", type=int, default=32, help="tree nodes per step and request, anchor included (2..64)")
+    ap.add_argument("--budget", default=None, choices=["auto"],
+                    help="auto: per step, AR, the chain or a tree of 32/64 nodes by measured step time and acceptance "
+                         "(infer.planner; --backend cuda); default: always --verify / --tree-budget")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cuda", help="device of the cuda backend's engine (cpu: eager, torch kernels; for tests)")
@@ -323,6 +345,12 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
         raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
     if args.dtype not in ("auto", "bf16", "fp32"):
         raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
+    if args.verify == "tree" and not 2 <= args.tree_budget <= 64:
+        raise ValueError(f"--tree-budget {args.tree_budget}: must be in 2..64")
+    if args.verify == "tree" and args.block_size is not None:
+        raise ValueError("--block-size applies to --verify chain (a tree's size is --tree-budget)")
+    if args.budget == "auto" and args.backend == "reference":
+        raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
     for label, path in parse_drafts(args.draft).items():
         if not path.strip() or not label:
             raise ValueError(f"--draft {label}={path}: give [LABEL=]PATH with a path and a label")
@@ -364,7 +392,8 @@ def main(argv=None) -> int:
         extra = f", mean speedup {e['mean_speedup']:.2f}x" if "mean_speedup" in e else ""
         eq = f", greedy == AR on {e['greedy_equal']}/{e['greedy_compared']}" if "greedy_compared" in e else ""
         ci = f" [95% CI {e['mean_tau_ci95'][0]:.3f}, {e['mean_tau_ci95'][1]:.3f}]" if "mean_tau_ci95" in e else ""
-        print(f"{label}: mean tau {e['mean_tau']:.3f}{ci}{extra}{eq}")
+        print(f"{label}: mean tau {e['mean_tau']:.3f}{ci}{extra}{eq}, --verify {args.verify}: "
+              f"{runner.verified_per_step[label]} verified tokens per step")
     print(f"[{runner.backend}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, concurrency "
           f"{args.concurrency}, max_new_tokens {args.max_new_tokens}; tau counts the bonus token]")
     result = {**provenance(), "label": args.label, "backend": runner.backend, "args": vars(args), "tasks": rows,

@@ -33,7 +33,9 @@ from dspine.reference import check_prompts, request_seeds
 from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sample
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
+from dspine.tree import ancestor_bits, build_tree, node_uniforms, path_nodes, verify_tree
 from infer.model import EngineTarget, KVCache
+from infer.planner import StepPlanner
 
 
 class _Slots:
@@ -87,11 +89,21 @@ class Engine:
             block size); a step proposes K = verify_size - 1 draft tokens.
         force_accept: benchmark only — accept exactly this many draft tokens per step whatever the
             target says (the "oracle draft" of the engine benchmark); output is then not the target's.
+        verify: "chain" (verify_size slots) or "tree" (a token tree of ``tree_budget`` nodes,
+            ``dspine.tree``: tree attention over the static cache, then the accepted path's K/V are
+            moved into consecutive cache rows inside the step).
+        tree_budget: nodes per tree, anchor included, 2..64 (``verify="tree"``).
+        budget: "auto" = the verify-budget planner (``infer.planner``) picks AR, the chain or a tree of
+            ``PLAN_TREES`` nodes per step from step times measured at start-up and the measured
+            acceptance; None = always ``verify`` / ``tree_budget``.
     """
+
+    PLAN_TREES = (32, 64)
 
     def __init__(self, target: EngineTarget, draft: DSpineDraftModel | None, eos_token_ids, max_batch: int = 8,
                  max_seq: int = 4096, cuda_graphs: bool | None = None, verify_size: int | None = None,
-                 force_accept: int | None = None, max_new_cap: int | None = None):
+                 force_accept: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
+                 tree_budget: int = 32, budget: str | None = None):
         self.target = target
         self.device = target.embed.device
         self.impl = target.impl
@@ -108,6 +120,23 @@ class Engine:
         if not 1 <= self.verify_size <= self.block_size:
             raise ValueError(f"verify_size={verify_size} must be in 1..{self.block_size} (the draft's block size)")
         self.force_accept = force_accept
+        if verify not in ("chain", "tree"):
+            raise ValueError(f"verify={verify!r} must be 'chain' or 'tree'")
+        if verify == "tree" and (draft is None or verify_size not in (None, self.block_size)
+                                 or not 2 <= tree_budget <= 64):
+            raise ValueError(f"verify='tree' needs a draft, no verify_size and tree_budget in 2..64 (got "
+                             f"{tree_budget})")
+        if budget not in (None, "auto") or (budget == "auto" and draft is None):
+            raise ValueError(f"budget={budget!r} must be None or 'auto' (the planner needs a draft)")
+        self.verify, self.tree_budget, self.budget = verify, tree_budget, budget
+        self.mode = ("tree", tree_budget) if verify == "tree" else ("chain", self.verify_size)
+        self.plan_modes = [("ar", 1), ("chain", self.verify_size)] + [("tree", n) for n in self.PLAN_TREES]
+        # target positions written per step (anchor included)
+        self.verified_per_step = tree_budget if verify == "tree" else self.verify_size
+        if budget == "auto":
+            self.verified_per_step = max(self.PLAN_TREES)
+        self.planner_report: dict | None = None
+        self._costs: dict[tuple, dict] = {}
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
         self.eos_set = set(int(e) for e in eos_token_ids)
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -119,7 +148,7 @@ class Engine:
                 raise ValueError(f"engine context max_seq={max_seq} exceeds the {who}'s max_position_embeddings="
                                  f"{limit} (docs/method.md §8.11)")
         self.max_new_cap = max_new_cap or max_seq
-        capacity = max_seq + self.block_size + 1
+        capacity = max_seq + max(self.block_size, self.verified_per_step) + 1
         self.cache: KVCache = target.new_cache(max_batch, capacity)
         self.draft_cache = DraftCache(draft, max_batch, capacity) if draft is not None else None
         self._slots: dict[int, _Slots] = {}
@@ -150,7 +179,8 @@ class Engine:
         return F.linear(hidden[:, 1 : self.verify_size], self.target.head)
 
     # -- the steps -------------------------------------------------------------------------------
-    def _spec_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams):
+    def _spec_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams,
+                   mode: tuple[str, int] | None = None):
         """One speculative step for all B slots, without host sync (the CUDA graph's body).
 
         Draft logits ``[B, K, V]`` (K = verify_size - 1) of ``draft_block`` -> draft tokens
@@ -162,6 +192,9 @@ class Engine:
         rows) -> anchor = bonus. Idle rows (done = 1) compute but change nothing; non-finite logits
         set ``nonfinite`` (checked by the host once per step).
         """
+        mode = mode or self.mode
+        if mode[0] == "tree":
+            return self._tree_step(slots, kv, draft_cache, params, mode[1])
         s, K = slots, slots.verify_size - 1
         s.draft_block[:, 0] = s.anchor
         d_logits = self.draft_logits(s.draft_block, draft_cache)
@@ -194,11 +227,66 @@ class Engine:
         draft_cache.append(feats, (a.to(torch.int32) + 1) * live, impl=self.impl)  # advances s.lengths
         s.anchor.copy_(torch.where(live, bonus, s.anchor))
 
-    def _ar_step(self, slots: _Slots, kv: KVCache, params: SamplingParams):
-        """One autoregressive step for all B slots: the anchor through the target, next token, commit."""
+    def _tree_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams, N: int):
+        """One tree-verify step for all B slots, without host sync (``dspine.tree``).
+
+        Draft distributions ``[B, K, V]`` -> chain tokens (argmax, or sampled as in :meth:`_spec_step`)
+        -> a best-first tree of N nodes ``[B, N]`` -> the target over the nodes at RoPE
+        positions lengths + depth, K/V written at rows lengths + node, tree attention (ancestor
+        bitmasks) -> acceptance (``verify_tree``) -> the accepted path's K/V rows moved to rows
+        lengths .. lengths + a (gather, then scatter) -> commit -> the path's features into the draft
+        context -> anchor = bonus.
+        """
+        s, K = slots, self.block_size - 1
+        s.draft_block[:, 0] = s.anchor
+        d_logits = self.draft_logits(s.draft_block, draft_cache)
+        s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
+        out_pos = s.out_len.long()
+        if params.greedy:
+            q = torch.softmax(d_logits.float(), -1)
+            chain = d_logits.argmax(-1)
+        else:
+            q = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
+            chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device))
+        tree = build_tree(s.anchor, q, N, chain_tokens=chain)
+        positions = s.lengths[:, None].long() + tree.depth
+        t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths,
+                                                   tree_bits=ancestor_bits(tree.anc))
+        s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
+        rows = torch.arange(s.B, device=self.device)
+        if self.force_accept is not None:  # the chain node at depth a
+            a = torch.full((s.B,), min(self.force_accept, K, N - 1), dtype=torch.int32, device=self.device)
+            last = (tree.chain & (tree.depth == a[:, None])).int().argmax(1)
+            bonus = t_logits[rows, last].argmax(-1)
+        elif params.greedy:
+            last, a, bonus = verify_tree(tree, target_argmax=t_logits.argmax(-1))
+        else:
+            p_target = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k)
+            noise = rng.exponentials(s.seeds, rng.STREAM_TARGET, out_pos[:, None], p_target.shape[-1])[:, 0]
+            last, a, bonus = verify_tree(tree, p_target=p_target, q=q, u=node_uniforms(tree, s.seeds, out_pos),
+                                         exp_noise=noise)
+        path = path_nodes(tree, last, K)  # [B, K + 1]: node at depth d (identity past depth a)
+        live = s.done == 0
+        commit_step(tree.tokens.gather(1, path), a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos,
+                    s.hist, impl=self.impl)
+        src = s.lengths[:, None].long() + path
+        dst = s.lengths[:, None].long() + torch.arange(K + 1, device=self.device)
+        _, Hkv, _, D = kv.k[0].shape
+        src, dst = (i[:, None, :, None].expand(-1, Hkv, -1, D) for i in (src, dst))
+        for c in kv.k + kv.v:  # [B, Hkv, S, D]: each layer's reads come before its writes
+            c.scatter_(2, dst, c.gather(2, src))
+        path_feats = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
+        draft_cache.append(path_feats, (a.to(torch.int32) + 1) * live, impl=self.impl)  # advances s.lengths
+        s.anchor.copy_(torch.where(live, bonus, s.anchor))
+
+    def _ar_step(self, slots: _Slots, kv: KVCache, params: SamplingParams, draft_cache: DraftCache | None = None):
+        """One autoregressive step for all B slots: the anchor through the target, next token, commit.
+        With ``draft_cache`` (a planner's AR step between speculative ones) the anchor's features go to
+        the draft context, which advances ``lengths``."""
         s = slots
         tok = s.anchor[:, None]
-        logits, _ = self.target.forward_step(tok, s.lengths[:, None].long(), kv, s.lengths, want_features=False)
+        logits, feats = self.target.forward_step(tok, s.lengths[:, None].long(), kv, s.lengths,
+                                                 want_features=draft_cache is not None)
         logits = logits[:, 0]
         s.nonfinite[0] |= ~torch.isfinite(logits).all()
         if params.greedy:
@@ -209,17 +297,24 @@ class Engine:
         live = s.done == 0
         commit_step(tok, s.no_draft, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
                     impl=self.impl)
-        s.lengths.add_(live.to(torch.int32))
+        if draft_cache is None:
+            s.lengths.add_(live.to(torch.int32))
+        else:
+            draft_cache.append(feats, live.to(torch.int32), impl=self.impl)
         s.anchor.copy_(torch.where(live, nxt, s.anchor))
 
-    def _runner(self, B: int, params: SamplingParams, spec: bool):
-        """The step for this configuration: a replayable CUDA graph, or the eager function."""
+    def _runner(self, B: int, params: SamplingParams, spec: bool, mode: tuple[str, int] | None = None):
+        """The step for this configuration: a replayable CUDA graph, or the eager function. ``mode``
+        (planner): ("ar", 1) | ("chain", n) | ("tree", n), default the engine's (spec) or plain AR."""
         slots, (kv, draft_cache) = self._slots_for(B), self._cache_view(B)
-        fn = (lambda: self._spec_step(slots, kv, draft_cache, params)) if spec else (
-            lambda: self._ar_step(slots, kv, params))
+        mode = mode or (self.mode if spec else ("ar", 1))
+        if mode[0] == "ar":
+            fn = lambda: self._ar_step(slots, kv, params, draft_cache if spec else None)
+        else:
+            fn = lambda: self._spec_step(slots, kv, draft_cache, params, mode)
         if not self.cuda_graphs:
             return fn
-        key = (B, spec, params.temperature, params.top_p, params.top_k)
+        key = (B, spec, mode, params.temperature, params.top_p, params.top_k)
         if key not in self._graphs:
             s = self._slots_for(B)
             s.done.fill_(1)  # warm-up and capture on idle slots: commits nothing, lengths stay
@@ -241,6 +336,29 @@ class Engine:
             graph.replay()
 
         return replay
+
+    def _step_costs(self, B: int, params: SamplingParams) -> dict:
+        """Milliseconds of one step of every planner mode at batch B (median of 5 after warm-up and graph
+        capture, idle rows), measured once per (B, sampling settings) on this device."""
+        key = (B, params.temperature, params.top_p, params.top_k)
+        if key not in self._costs:
+            s, costs = self._slots_for(B), {}
+            for mode in self.plan_modes:
+                run = self._runner(B, params, True, mode)
+                s.done.fill_(1)
+                times = []
+                for _ in range(7):
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    run()
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t)
+                costs[mode] = sorted(times[2:])[2] * 1e3
+            s.nonfinite.zero_()
+            self._costs[key] = costs
+        return self._costs[key]
 
     # -- prefill / admission ---------------------------------------------------------------------
     def _admit(self, s: _Slots, items: list[tuple[int, list[int]]], params: SamplingParams, spec: bool, kv,
@@ -310,6 +428,8 @@ class Engine:
         s = self._slots_for(B)
         kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
+        planner = StepPlanner(self._step_costs(B, params)) if spec and self.budget == "auto" else None
+        last = None  # planner: (mode, out_len [B], live [B], slot owners) before the step
         t0 = time.perf_counter()
         prefill_s = 0.0
         queue = deque(enumerate(prompts))
@@ -343,7 +463,7 @@ class Engine:
                     raise nonfinite_error(who)
             finished = [b for b in range(B) if owner[b] is not None and flags[b]]
             if finished:
-                out_len = s.out_len.cpu()
+                out_len = s.out_len.to("cpu", copy=True)  # a copy: .cpu() of a CPU tensor is the tensor
                 out_tok = s.out_tokens[:, : int(out_len.max())].cpu()
                 hist = s.hist[:, : width + 1].cpu()
                 for b in finished:
@@ -358,10 +478,21 @@ class Engine:
                 continue  # re-read the flags: a refilled row may already be done (EOS first)
             if finished and not any(o is not None for o in owner):
                 break
-            step()
+            if planner is None:
+                step()
+            else:  # one more small read per step: the tokens each row committed
+                out_len = s.out_len.to("cpu", copy=True)  # a copy: .cpu() of a CPU tensor is the tensor
+                if last is not None:  # rows live in that step and not refilled since
+                    same = last[2] & torch.tensor([o == p for o, p in zip(owner, last[3])])
+                    if bool(same.any()):
+                        planner.observe(last[0], float((out_len - last[1])[same].float().mean()))
+                mode = planner.choose()
+                last = (mode, out_len, flags[:B] == 0, list(owner))
+                self._runner(B, params, True, mode)()
             n_steps += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        self.planner_report = planner.report() if planner is not None else None
         return GenerationResult(results, reasons, stats, time.perf_counter() - t0, prefill_s, n_steps)
 
 
@@ -372,7 +503,8 @@ class Engine:
 def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None, *, device="cuda",
                 dtype=torch.bfloat16, impl: str | None = None, max_batch: int = 8, max_seq: int = 4096,
                 cuda_graphs: bool | None = None, verify_size: int | None = None, eos_token_ids=None,
-                check_max_context: int | None = None, max_new_cap: int | None = None):
+                check_max_context: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
+                tree_budget: int = 32, budget: str | None = None):
     """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine`.
 
     Raises:
@@ -392,4 +524,5 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
                                           impl=impl, last_layer_features=last_layer_features)
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
     return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
-                  verify_size=verify_size, max_new_cap=max_new_cap), spec
+                  verify_size=verify_size, max_new_cap=max_new_cap, verify=verify, tree_budget=tree_budget,
+                  budget=budget), spec

@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=None, help="verify this many slots (<= the draft's block size)")
+    ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
+                    help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
+    ap.add_argument("--tree-budget", type=int, default=32, help="tree nodes per step, anchor included (2..64)")
+    ap.add_argument("--budget", default=None, choices=["auto"],
+                    help="auto: per step, AR, the chain or a tree of 32/64 nodes by measured step time and acceptance "
+                         "(infer.planner; --backend cuda)")
     ap.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode in the chat template")
     ap.add_argument("--system", default=None, help="system message")
     ap.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
@@ -108,6 +114,10 @@ def run(args) -> dict:
     params = sampling_params(args)
     if args.block_size is not None and args.block_size < 2:
         raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
+    if args.verify == "tree" and not 2 <= args.tree_budget <= 64:
+        raise ValueError(f"--tree-budget {args.tree_budget}: must be in 2..64")
+    if args.verify == "tree" and args.block_size is not None:
+        raise ValueError("--block-size applies to --verify chain (a tree's size is --tree-budget)")
     if args.num_prompts is not None and not args.dataset:
         raise ValueError(f"--num-prompts {args.num_prompts} applies to --dataset only (--prompt is one prompt)")
     args.num_prompts = 1 if args.num_prompts is None else args.num_prompts
@@ -126,6 +136,8 @@ def run(args) -> dict:
         backend = "cuda" if torch.cuda.is_available() else "reference"
     if backend == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
+    if args.budget == "auto" and backend == "reference":
+        raise ValueError("--budget auto needs the engine (--backend cuda on a GPU)")
     target_path, draft_path = resolve_models(args)
     draft_cfg = None
     if draft_path is not None:  # a missing or unreadable draft fails before the target is loaded
@@ -158,6 +170,12 @@ def run(args) -> dict:
     decode, eos = (_engine if backend == "cuda" else _reference)(args, params, path, gguf, draft_path, spec, prompts)
     res = decode(True)
     out = report(tokenizer, res, eos, backend)
+    if draft_cfg is not None:
+        out["verify"] = args.verify
+        out["verified_tokens_per_step"] = ("auto" if args.budget else args.tree_budget if args.verify == "tree"
+                                           else args.block_size or draft_cfg.block_size)
+        if backend == "cuda" and args.budget:
+            out["planner"] = res.planner
     if args.compare_ar and draft_path is not None:
         ar = decode(False)
         out.update(ar_tok_per_s=ar.tok_per_s, speedup=res.tok_per_s / ar.tok_per_s,
@@ -169,9 +187,9 @@ def _reference(args, params, path, gguf, draft_path, spec, prompts):
     """(decode(use_draft) -> GenerationResult, eos ids) of the reference backend (the draft was checked in run())."""
     target = load_target(path, gguf, dtype=torch.float32 if args.dtype == "auto" else args.dtype)
     draft = load_draft(draft_path, dtype=target.dtype) if draft_path is not None else None
-    return lambda use: ReferenceDecoder(target, draft if use else None, spec.eos_ids,
-                                          args.block_size if use else None).generate(prompts, params), \
-        spec.eos_ids
+    kw = dict(verify_size=args.block_size, verify=args.verify, tree_budget=args.tree_budget) if draft is not None else {}
+    return lambda use: ReferenceDecoder(target, draft if use else None, spec.eos_ids, **(kw if use else {})).generate(
+        prompts, params), spec.eos_ids
 
 
 def _engine(args, params, path, gguf, draft_path, spec, prompts):
@@ -183,11 +201,14 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
     longest = max(map(len, prompts))
     engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
                             max_seq=longest + args.max_new_tokens + 64, verify_size=args.block_size,
-                            check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens)
+                            check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens,
+                            verify=args.verify, tree_budget=args.tree_budget, budget=args.budget)
 
     def decode(use: bool):
         engine.generate(prompts, params, use_draft=use)
-        return engine.generate(prompts, params, use_draft=use)
+        res = engine.generate(prompts, params, use_draft=use)
+        res.planner = engine.planner_report  # the planner's choices (--budget auto), else None
+        return res
 
     return decode, engine.eos_set
 
@@ -208,8 +229,10 @@ def main(argv=None) -> int:
             print(row["text"])
         extra = f"  speedup {out['speedup']:.2f}x over AR" if "speedup" in out else ""
         tau = "n/a" if out["accept_len"] is None else f"{out['accept_len']:.2f}"
+        verify = (f", --verify {out['verify']} ({out['verified_tokens_per_step']} verified tokens per step)"
+                  if "verify" in out else "")
         print(f"\n[{out['backend']}] {out['num_tokens']} tokens, tau {tau} "
-              f"(bonus included), {out['tok_per_s']:.1f} tok/s{extra}")
+              f"(bonus included), {out['tok_per_s']:.1f} tok/s{extra}{verify}")
     return 0
 
 

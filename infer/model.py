@@ -24,6 +24,7 @@ from torch import nn
 from dspine.config import check_rope
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
+from dspine.ops.tree_attention import tree_attention
 from dspine.ops.verify_attention import verify_attention
 from dspine.paths import read_json_object
 
@@ -203,10 +204,12 @@ class EngineTarget(nn.Module):
 
     # -- forwards --------------------------------------------------------------------------------
     def _layers(self, tokens: torch.Tensor, pos: torch.Tensor, bidx: torch.Tensor, cache: KVCache, attend,
-                want_features: bool):
+                want_features: bool, write_pos: torch.Tensor | None = None):
         """The decoder stack over N new tokens (flattened). ``attend(i, q [N, Hq, D]) -> [N, Hq*D]`` runs
-        attention of layer i after this token's K/V were written at (bidx, pos). Returns the final
-        hidden state, the residual stream and {layer id: decoder-layer output}."""
+        attention of layer i after this token's K/V were written at (bidx, write_pos); RoPE uses ``pos``
+        (write_pos defaults to pos; they differ for tree nodes). Returns the final hidden state, the
+        residual stream and {layer id: decoder-layer output}."""
+        write_pos = pos if write_pos is None else write_pos
         a, impl = self.args, self.impl
         N = tokens.shape[0]
         cos, sin = self._rope
@@ -220,7 +223,7 @@ class EngineTarget(nn.Module):
                 h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl)
             q, k, v = F.linear(h, L.qkv, L.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
             q = qk_norm_rope_cache(q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D), L.q_norm, L.k_norm,
-                                   a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, pos, impl=impl)
+                                   a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, write_pos, impl=impl)
             x = F.linear(attend(i, q), L.o)
             h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
             x = self._mlp(L, h)
@@ -238,13 +241,16 @@ class EngineTarget(nn.Module):
         return torch.cat([feats[i] for i in self.layer_ids], dim=-1)
 
     def forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, cache_len: torch.Tensor,
-                     want_features: bool = True):
+                     want_features: bool = True, tree_bits: torch.Tensor | None = None):
         """Decode (T = 1) or verify (T = block) step for every batch slot.
 
         Args:
             tokens, positions: ``[B, T]`` int64; positions[b, t] = cache_len[b] + t.
             cache: the static KV cache (B slots); K/V of the new tokens are written at ``positions``.
             cache_len: ``[B]`` int32 committed positions before the new tokens.
+            tree_bits: ``[B, T]`` int64 ancestor bitmasks (``dspine.tree.ancestor_bits``) for a tree
+                verify: token t is tree node t at RoPE position ``positions[b, t]`` (prefix + depth),
+                its K/V are written at cache_len[b] + t and it attends to the prefix and its ancestors.
         Returns:
             logits ``[B, T, V]`` (model dtype) and features ``[B, T, k*H]`` (or None).
         """
@@ -253,11 +259,19 @@ class EngineTarget(nn.Module):
         bidx = torch.arange(B, device=tokens.device).repeat_interleave(T)
 
         def attend(i, q):
+            if tree_bits is not None:
+                o = tree_attention(q.view(B, T, a.num_heads, a.head_dim), cache.k[i], cache.v[i], cache_len,
+                                   tree_bits, self.scale, impl=self.impl)
+                return o.view(B * T, -1)
             o = verify_attention(q.view(B, T, a.num_heads, a.head_dim), cache.k[i], cache.v[i], cache_len,
                                  self.scale, impl=self.impl)
             return o.view(B * T, -1)
 
-        x, residual, feats = self._layers(tokens.reshape(-1), positions.reshape(-1), bidx, cache, attend, want_features)
+        write = None
+        if tree_bits is not None:
+            write = (cache_len[:, None].long() + torch.arange(T, device=tokens.device)).reshape(-1)
+        x, residual, feats = self._layers(tokens.reshape(-1), positions.reshape(-1), bidx, cache, attend, want_features,
+                                          write)
         h, _ = rms_norm(x, self.norm, a.rms_norm_eps, residual=residual, impl=self.impl)
         logits = F.linear(h, self.head).view(B, T, -1)
         f = self._features(feats, want_features)

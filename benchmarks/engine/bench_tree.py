@@ -1,0 +1,242 @@
+"""Tree verification against chain verification (issue 16): step cost at Qwen3-8B shape, τ and speed on SmolLM2.
+
+    python benchmarks/engine/bench_tree.py --output results/verify-h200.json \
+        [--smollm2 models/SmolLM2-135M-Instruct.Q4_1.gguf --draft checkpoints/smollm2-135m-dspine] [--tiny]
+
+1. Qwen3-8B shape, random bf16 weights, 5-layer block-16 draft, 512-token prompts: the engine's whole
+   speculative step (draft block, tree construction, target verify with tree attention, acceptance,
+   accepted-path K/V move, commit, draft context append) as a CUDA graph replay, median over
+   ``--iters`` after warm-up, for the chain of 16 and trees of 16, 32 and 64 nodes, at batch 1 and 8.
+   The draft is an oracle (``force_accept``: the chain's first 6 tokens are accepted), so the cost
+   does not depend on random weights agreeing. ``step_ms_over_chain16`` = tree step ÷ chain step.
+2. With ``--smollm2 GGUF --draft DIR``: ``infer.bench`` on the 5 tasks at T = 0, concurrency 1, once
+   with ``--verify chain`` and once with ``--verify tree --tree-budget N`` (same draft, same prompts,
+   warm-up excluded): ``tree_tau_over_chain_tau`` (mean τ over tasks) and ``tree_speedup_over_chain``
+   (mean over tasks of tree tok/s ÷ chain tok/s).
+3. With ``--planner C:T[,C:T...]`` (and ``--smollm2``/``--draft``): for each concurrency C and temperature
+   T, ``infer.bench`` with AR, the fixed chain, the fixed tree and ``--budget auto``; appends
+   ``{concurrency, temperature, planner_tok_per_s, ar_tok_per_s, best_static_tok_per_s, ...}`` to
+   ``planner`` (mean tok/s over the tasks; at T > 0: top_p 0.95, top_k 20).
+Writes JSON (command, GPU, date, commit via ``dspine.provenance``, also inside each part); with
+``--merge`` the parts measured now replace those keys of an existing ``--output`` file, so the two parts
+can run as two commands into one file. ``--tiny`` runs tiny shapes on the CPU (eager, torch kernels;
+``--smollm2`` may then name a small HF target such as stories260K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.engine.bench_engine import QWEN3_8B, TINY, build, timed  # noqa: E402
+from dspine.provenance import provenance  # noqa: E402
+from dspine.sampling import SamplingParams  # noqa: E402
+from infer.engine import Engine  # noqa: E402
+from infer.model import EngineTarget, ModelArgs  # noqa: E402
+
+CONFIGS = [("chain16", "chain", 16), ("tree16", "tree", 16), ("tree32", "tree", 32), ("tree64", "tree", 64)]
+
+
+@torch.inference_mode()
+def step_costs(args, dev) -> dict:
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    impl = "triton" if dev.type == "cuda" else "torch"
+    hf, dm = build(TINY if args.tiny else QWEN3_8B, dev, dtype, args.draft_layers, 16)
+    a = ModelArgs.from_hf_config(hf.config)
+    target = EngineTarget.from_hf_state(a, hf.state_dict(), dev, dtype, dm.config.target_layer_ids, impl)
+    del hf
+    gc.collect()
+    out: dict = {
+        "shape": "tiny" if args.tiny else "Qwen3-8B",
+        "dtype": str(dtype),
+        "prompt_tokens": args.prompt,
+        "oracle_accepted_per_step": 6,
+    }
+    g = torch.Generator().manual_seed(1)
+    greedy = SamplingParams(max_new_tokens=32)
+    for B in (1, 8):
+        prompts = [torch.randint(0, a.vocab_size - 2, (args.prompt,), generator=g).tolist() for _ in range(B)]
+        row: dict = {}
+        for name, verify, n in CONFIGS:
+            eng = Engine(
+                target,
+                dm,
+                [-1],
+                max_batch=B,
+                max_seq=args.prompt + 128,
+                max_new_cap=32,
+                force_accept=6,
+                verify=verify,
+                tree_budget=n,
+            )
+            eng.generate(prompts, greedy)  # prefill, warm-up and graph capture; the rows end at 32 tokens
+            step = eng._runner(B, greedy, spec=True)  # idle rows: every kernel runs, nothing is committed
+            row[f"{name}_step_ms"] = timed(step, args.iters)
+            del eng, step
+            gc.collect()
+        for name, _, _ in CONFIGS[1:]:
+            row[f"{name}_step_over_chain16"] = row[f"{name}_step_ms"] / row["chain16_step_ms"]
+        out[f"batch{B}"] = row
+        print(f"batch {B}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items()), flush=True)
+    return out
+
+
+def bench_runs(args, base: list[str], configs: dict[str, list[str]]) -> dict:
+    """``infer.bench`` once per named config (extra flags) on the same prompts -> {name: its JSON}."""
+    from infer import bench
+
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in configs.items():
+            path = Path(tmp) / f"{name}.json"
+            if bench.main([*base, *extra, "--output-json", str(path)]) != 0:
+                raise RuntimeError(f"infer.bench {' '.join(extra)} failed (its error is printed above)")
+            runs[name] = json.loads(path.read_text())
+    return runs
+
+
+def bench_base(args, concurrency: int = 1, temperature: float = 0.0) -> list[str]:
+    """``infer.bench`` flags shared by every run: the target, the draft labelled D, the tasks, the settings."""
+    base = ["--target", args.smollm2, "--draft", f"D={args.draft}", "--datasets", args.datasets,
+            "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
+            "--temperature", str(temperature), "--concurrency", str(concurrency)]  # fmt: skip
+    if temperature > 0:
+        base += ["--top-p", "0.95", "--top-k", "20"]
+    if args.data_dir:
+        base += ["--data-dir", args.data_dir]
+    if args.tiny:
+        base += ["--backend", "cuda", "--device", "cpu", "--dtype", "fp32", "--no-chat-template"]
+    else:
+        base += ["--backend", "cuda"]
+    return base
+
+
+def smollm2(args) -> dict:
+    """infer.bench with --verify chain, then --verify tree, on the same prompts; the two summaries compared."""
+    tree = ["--verify", "tree", "--tree-budget", str(args.tree_budget)]
+    runs = bench_runs(args, bench_base(args) + ["--no-ar"], {"chain": ["--verify", "chain"], "tree": tree})
+    per_task = []
+    for c, t in zip(runs["chain"]["tasks"], runs["tree"]["tasks"]):
+        dc, dt = c["drafts"]["D"], t["drafts"]["D"]
+        per_task.append(
+            {
+                "task": c["task"],
+                "chain_tau": dc["tau"],
+                "tree_tau": dt["tau"],
+                "chain_tok_per_s": dc["tok_per_s"],
+                "tree_tok_per_s": dt["tok_per_s"],
+                "tree_speedup_over_chain": dt["tok_per_s"] / dc["tok_per_s"],
+            }
+        )
+    chain_tau, tree_tau = (runs[v]["summary"]["D"]["mean_tau"] for v in ("chain", "tree"))
+    return {
+        "target": args.smollm2,
+        "draft": args.draft,
+        "tree_budget": args.tree_budget,
+        "temperature": 0,
+        "concurrency": 1,
+        "num_prompts": args.num_prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "chain_mean_tau": chain_tau,
+        "tree_mean_tau": tree_tau,
+        "tree_tau_over_chain_tau": tree_tau / chain_tau,
+        "tree_speedup_over_chain": sum(r["tree_speedup_over_chain"] for r in per_task) / len(per_task),
+        "tasks": per_task,
+    }
+
+
+def planner_points(args) -> list[dict]:
+    """Planner against AR and the best fixed configuration at each ``--planner`` point (module docstring)."""
+    out = []
+    for point in args.planner.split(","):
+        c, t = point.split(":")
+        tree = ["--verify", "tree", "--tree-budget", str(args.tree_budget), "--no-ar"]
+        configs = {"chain": ["--verify", "chain"], "tree": tree, "auto": ["--budget", "auto", "--no-ar"]}
+        runs = bench_runs(args, bench_base(args, int(c), float(t)), configs)
+        tok = {
+            n: sum(x["drafts"]["D"]["tok_per_s"] for x in r["tasks"]) / len(r["tasks"])
+            for n, r in runs.items()
+        }
+        ar = sum(x["ar"]["tok_per_s"] for x in runs["chain"]["tasks"]) / len(runs["chain"]["tasks"])
+        best = max(ar, tok["chain"], tok["tree"])
+        out.append({"concurrency": int(c), "temperature": float(t), "planner_tok_per_s": tok["auto"],
+                    "ar_tok_per_s": ar, "chain_tok_per_s": tok["chain"], "tree_tok_per_s": tok["tree"],
+                    "best_static_tok_per_s": best, "planner_over_best_static": tok["auto"] / best,
+                    "planner_choices_per_task": [x["drafts"]["D"].get("planner_choices") for x in runs["auto"]["tasks"]]})  # fmt: skip
+        print(f"planner point {out[-1]}", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--output", default=None, help="JSON file (e.g. results/verify-h200.json)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke test)")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens of the 8B-shape step measurement")
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--skip-steps", action="store_true", help="skip the 8B-shape step costs")
+    ap.add_argument(
+        "--skip-smollm2", action="store_true", help="with --planner: skip the chain-vs-tree τ part"
+    )
+    ap.add_argument("--planner", default=None, metavar="C:T,...", help="planner points, e.g. 1:0,8:0,8:1")
+    ap.add_argument(
+        "--smollm2", default=None, help="SmolLM2 target (GGUF file or HF folder) for the τ / speed part"
+    )
+    ap.add_argument("--draft", default=None, help="draft folder for --smollm2")
+    ap.add_argument("--tree-budget", type=int, default=32)
+    ap.add_argument("--datasets", default="gsm8k,math500,humaneval,mbpp,mt-bench")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument(
+        "--merge", action="store_true", help="update an existing --output file with the parts run now"
+    )
+    args = ap.parse_args(argv)
+    if (args.smollm2 is None) != (args.draft is None):
+        ap.error("--smollm2 and --draft go together")
+    if args.planner and not args.smollm2:
+        ap.error("--planner needs --smollm2 and --draft")
+    if args.planner and not all(len(p.split(":")) == 2 for p in args.planner.split(",")):
+        ap.error(f"--planner {args.planner!r}: give CONCURRENCY:TEMPERATURE pairs, e.g. 1:0,8:1")
+    if not args.tiny and not torch.cuda.is_available():
+        print(
+            "error: bench_tree.py measures a CUDA GPU and none is visible; use --tiny for a CPU smoke run",
+            file=sys.stderr,
+        )
+        return 2
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    res: dict = {}
+    if args.merge and args.output and Path(args.output).is_file():
+        res = json.loads(Path(args.output).read_text())
+    res.update(provenance(), tiny=args.tiny)
+    if not args.skip_steps:
+        res["step_cost"] = {**step_costs(args, dev), "provenance": provenance()}
+    if args.planner:
+        points = [{**p, "provenance": provenance()} for p in planner_points(args)]
+        by_point = {(p["concurrency"], p["temperature"]): p for p in res.get("planner", []) + points}
+        res["planner"] = sorted(by_point.values(), key=lambda p: (p["temperature"], p["concurrency"]))
+    if args.smollm2 and not args.skip_smollm2:
+        sm = {**smollm2(args), "provenance": provenance()}
+        res["smollm2"] = sm
+        res["tree_tau_over_chain_tau"], res["tree_speedup_over_chain"] = (
+            sm["tree_tau_over_chain_tau"],
+            sm["tree_speedup_over_chain"],
+        )
+    text = json.dumps(res, indent=1)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Attention of T tree nodes over a KV cache: the target's tree verify step (``dspine.tree``).
+
+Op: for batch b, node t and query head h,
+``out[b, t, h] = softmax_j(scale · q[b, t, h] · k[b, h // G, j]) · v[b, h // G, j]`` over the keys j
+that are visible to node t: the committed prefix ``j < cache_len[b]``, and node i's key at
+``j = cache_len[b] + i`` iff bit i of ``tree_bits[b, t]`` is set (node i is t or an ancestor of t,
+``dspine.tree.ancestor_bits``). The nodes' own K/V must already be in the cache at positions
+``cache_len[b] .. cache_len[b] + T − 1`` (node order, not depth: RoPE positions are the caller's).
+With ``tree_bits[b, t] = 2^(t+1) − 1`` (every earlier node) it is ``verify_attention``.
+
+Layouts: q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; cache_len [B] int32/int64; tree_bits
+[B, T] int64; out [B, T, Hq, D] in q's dtype. Constraints: T ≤ 64 (one bit per node), Hq = G·Hkv,
+D ≤ 256, cache_len[b] + T ≤ S. Rows past ``cache_len[b] + T`` are never read.
+
+Kernel: ``verify_attention``'s flash-decoding layout (grid (B·Hkv·row_blocks, splits), the G·T rows
+of one kv head packed as r = t·G + g, tile sizes and split plan from the same helpers, partials
+merged by ``attn_combine``); only the visibility test differs: a key inside the tree tests one bit
+of the row's mask. Memory traffic: as verify_attention plus 8·B·T bytes of masks. Graph-safe (no
+launcher reads a device tensor). Numerics: fp32 scores and statistics, P rounded to the input dtype
+before P·V, exact (non-TF32) tl.dot for fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._common import check_impl, dot_precision, tl, triton
+from .attn_combine import combine_partials_triton
+from .verify_attention import _attn_blocks, _split_plan
+
+__all__ = ["tree_attention", "tree_attention_torch"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tree_attn_kernel(
+    Q, K, V, CacheLen, Bits, Out, PartAcc, PartM, PartL,
+    qk_scale,  # scale · log2(e)
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_ot, stride_oh,
+    stride_bb,
+    Hkv, S, T, chunk, num_splits,
+    G: tl.constexpr, D: tl.constexpr, NUM_MB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m_blk = pid % NUM_MB
+    bh = pid // NUM_MB
+    b = (bh // Hkv).to(tl.int64)
+    kvh = bh % Hkv
+    TG = T * G
+
+    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)  # packed row r = t·G + g
+    row_ok = rows < TG
+    t = rows // G
+    h = kvh * G + rows % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    bits = tl.load(Bits + b * stride_bb + t, mask=row_ok, other=0).to(tl.int64)  # [BLOCK_M]
+    clen = tl.load(CacheLen + b).to(tl.int32)
+
+    lo = pid_s * chunk
+    hi = tl.minimum(tl.minimum(lo + chunk, clen + T), S)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        kt = tl.load(k_base + n[None, :] * stride_ks + d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
+        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+        node = n - clen  # tree node of key n (negative: the committed prefix)
+        shift = tl.where((node >= 0) & (node < 64), node, 0).to(tl.int64)
+        in_tree = ((bits[:, None] >> shift[None, :]) & 1) != 0
+        vis = n_ok[None, :] & ((node[None, :] < 0) | in_tree)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + n[:, None] * stride_vs + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    if SPLIT:
+        ml_off = (bh * num_splits + pid_s) * TG + rows
+        tl.store(PartM + ml_off, m_i, mask=row_ok)
+        tl.store(PartL + ml_off, l_i, mask=row_ok)
+        tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
+                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+def _check(q, k_cache, v_cache, tree_bits):
+    B, T, Hq, D = q.shape
+    _, Hkv, S, _ = k_cache.shape
+    if Hq % Hkv or v_cache.shape != k_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"bad shapes q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    if tuple(tree_bits.shape) != (B, T) or tree_bits.dtype != torch.int64:
+        raise ValueError(
+            f"tree_bits must be int64 [{B}, {T}], got {tree_bits.dtype} {tuple(tree_bits.shape)}"
+        )
+    if T > 64:
+        raise ValueError(f"T={T} tree nodes: the bitmask holds at most 64")
+    return B, T, Hq, D, Hkv, S
+
+
+def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, out=None, num_splits=None):
+    B, T, Hq, D, Hkv, S = _check(q, k_cache, v_cache, tree_bits)
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or tree_bits.stride(-1) != 1:
+        raise ValueError("q, k_cache, v_cache, tree_bits need a contiguous last dim")
+    if D > 256:
+        raise ValueError(f"head_dim {D} > 256 is not supported")
+    G = Hq // Hkv
+    out = torch.empty_like(q) if out is None else out
+    bm, bn, bd, warps, stages = _attn_blocks(D, q.dtype, G * T)
+    num_mb = triton.cdiv(G * T, bm)
+    ns, chunk = _split_plan(B * Hkv * num_mb, S, bn, q.device, num_splits)
+    split = ns > 1
+    if split:
+        part_acc = torch.empty(B * Hkv, ns, G * T, D, device=q.device, dtype=torch.float32)
+        part_m = torch.empty(B * Hkv, ns, G * T, device=q.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    _tree_attn_kernel[(B * Hkv * num_mb, ns)](
+        q, k_cache, v_cache, cache_len, tree_bits, out, part_acc, part_m, part_l,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        tree_bits.stride(0),
+        Hkv, S, T, chunk, ns,
+        G=G, D=D, NUM_MB=num_mb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        SPLIT=split, PREC=dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if split:
+        combine_partials_triton(part_acc, part_m, part_l, out)
+    return out
+
+
+def tree_attention_torch(q, k_cache, v_cache, cache_len, tree_bits, scale, *, out=None, num_splits=None):
+    """Reference: masked softmax in fp32 over the whole cache (no host sync, graph-capturable)."""
+    del num_splits
+    B, T, Hq, D, Hkv, S = _check(q, k_cache, v_cache, tree_bits)
+    G = Hq // Hkv
+    qr = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
+    j = torch.arange(S, device=q.device)
+    clen = cache_len.to(torch.long)
+    written = j[None, :] < (clen[:, None] + T)  # [B, S]: never touch stale cache rows
+    k = k_cache.float().masked_fill(~written[:, None, :, None], 0.0)
+    v = v_cache.float().masked_fill(~written[:, None, :, None], 0.0)
+    node = j[None, :] - clen[:, None]  # [B, S]
+    bit = (tree_bits[:, :, None] >> node.clamp(0, 63)[:, None, :]) & 1  # [B, T, S]
+    vis = (node[:, None, :] < 0) | ((node[:, None, :] < T) & (bit != 0))
+    vis = vis.repeat_interleave(G, dim=1)  # [B, TG, S], rows r = t·G + g
+    s = (qr @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    o = torch.softmax(s, dim=-1) @ v
+    o = o.view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    if out is None:
+        return o.to(q.dtype)
+    out.copy_(o)
+    return out
+
+
+def tree_attention(q, k_cache, v_cache, cache_len, tree_bits, scale, impl: str = "triton", *, out=None,
+                   num_splits=None):  # fmt: skip
+    """Tree attention of q [B, T, Hq, D] over k/v_cache [B, Hkv, S, D]: the prefix below cache_len[b]
+    and the ancestors (``tree_bits [B, T]`` int64) of each node (module docstring).
+
+    Returns out [B, T, Hq, D] in q's dtype (written into ``out`` if given). ``num_splits`` overrides
+    the split-K count (tests). Raises ValueError on inconsistent shapes, T > 64 or non-int64 bits.
+    """
+    check_impl(impl)
+    fn = tree_attention_triton if impl == "triton" else tree_attention_torch
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return fn(q, k_cache, v_cache, cache_len, tree_bits, scale, out=out, num_splits=num_splits)

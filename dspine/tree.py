@@ -1,0 +1,232 @@
+"""Token trees from a block draft, and their verification (docs/method.md §5, extended to trees).
+
+A block draft gives, in one pass, a distribution ``q[d]`` over the token at every depth d = 1..K of
+the block (K = bs - 1; slot 0 is the anchor). A chain verifies one token per depth; a tree verifies
+several candidates per depth under a node budget N (anchor included) in one target pass.
+
+Construction (:func:`build_tree`), best-first: each depth has W = min(N - 1, V) candidate tokens:
+the *chain token* c_d (argmax of q[d] at T = 0, the token sampled from q[d] at T > 0), then the
+W - 1 most probable other tokens. A node's score is Σ log q along its path (the product of draft
+probabilities). Every node on the chain path c_1 .. c_min(K, N-1) is kept first, so a tree always
+contains the chain and its τ is never below the chain's on the same draft; the other N - 1 - K
+slots take the best-scoring paths, found depth by depth with a beam of N - 1 nodes. Fixed shapes,
+sort/gather only, no host sync: graph-safe.
+
+Node layout (breadth first): node 0 is the anchor (depth 0); nodes 1..N-1 are sorted by depth,
+then by decreasing score (padding last), so a chain node is the first child of its parent and every parent comes
+before its children. A node that could not be filled (score -inf: fewer than N - 1 tokens with
+q > 0) is *padding*: parent -1, never accepted.
+
+Verification (:func:`verify_tree`), walking the nodes in order with the current node ``cur``:
+  * T = 0: a child of ``cur`` is accepted iff its token is the target's argmax at ``cur``;
+    siblings hold distinct tokens, so at most one matches. Output = target greedy output.
+  * T > 0: multi-candidate rejection sampling over the siblings [SpecInfer, Miao et al. 2024,
+    §4.2 "multi-step speculative sampling"]: with r the target's (residual) distribution at
+    ``cur``, child x drawn from proposal g is accepted with probability min(1, r(x) / g(x));
+    on rejection r ← normalize(max(r − g, 0)); if no child is accepted the bonus is drawn from r.
+    Each sibling is one exact rejection step for the residual, so the emitted token follows the
+    target distribution whatever the tree. The chain child was *sampled* from g = q[d] (the test
+    is ``u · q(x) < r(x)``, exactly the chain rule of ``dspine.ops.accept``, so a tree of K + 1
+    nodes decodes like the chain with the same noise). The other children are deterministic
+    (top-k), so their proposal is the point mass g = δ_x: accept with probability r(x), else
+    remove x from r (using q(x) there would bias the output: docs/method.md §8.7).
+  The bonus token is the target's (argmax, or a draw from r) at the last accepted node.
+
+Layouts: q ``[B, K, V]`` fp32 (rows sum to 1); trees: tokens ``[B, N]`` int64 (node 0 = anchor),
+parent ``[B, N]`` int64 (-1: root or padding), depth ``[B, N]`` int64, chain ``[B, N]`` bool,
+ancestor mask ``[B, N, N]`` bool (``anc[b, i, j]``: node j is node i or one of its ancestors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspine import sampling as rng
+
+STREAM_TREE = 4  # dspine.sampling's streams 1-3 are the target's, the draft's and the chain's
+
+__all__ = [
+    "Tree",
+    "build_tree",
+    "verify_tree",
+    "ancestor_mask",
+    "ancestor_bits",
+    "path_nodes",
+    "node_uniforms",
+]
+
+
+@dataclass
+class Tree:
+    """A batch of token trees of N nodes each (layouts: module docstring)."""
+
+    tokens: torch.Tensor  # [B, N] int64
+    parent: torch.Tensor  # [B, N] int64, -1 for the root and padding
+    depth: torch.Tensor  # [B, N] int64
+    chain: torch.Tensor  # [B, N] bool: node is on the chain path (root included)
+    anc: torch.Tensor  # [B, N, N] bool ancestor mask (:func:`ancestor_mask`)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+def build_tree(
+    anchor: torch.Tensor, q: torch.Tensor, budget: int, chain_tokens: torch.Tensor | None = None
+) -> Tree:
+    """Best-first token tree of ``budget`` nodes per row (module docstring).
+
+    Args:
+        anchor: ``[B]`` int64, the root token (slot 0 of the block).
+        q: ``[B, K, V]`` fp32 draft distributions of depths 1..K.
+        budget: N, nodes per tree including the root (N >= 2).
+        chain_tokens: ``[B, K]`` int64 chain tokens (the sampled draft tokens at T > 0);
+            default ``q.argmax(-1)``.
+    Returns :class:`Tree`. Raises ValueError on a budget < 2 or mismatched shapes.
+    """
+    B, K, V = q.shape
+    if budget < 2:
+        raise ValueError(f"tree budget={budget} must be >= 2 (the anchor and at least one draft token)")
+    if anchor.shape != (B,) or (chain_tokens is not None and chain_tokens.shape != (B, K)):
+        raise ValueError(f"anchor must be [{B}] and chain_tokens [{B}, {K}]")
+    dev = q.device
+    M, W = budget - 1, min(budget - 1, V)
+    chain_tok = q.argmax(-1) if chain_tokens is None else chain_tokens
+    # per-depth candidates [B, K, W]: the chain token, then the W - 1 best others
+    others = torch.topk(q.scatter(-1, chain_tok[..., None], -1.0), W - 1, dim=-1).indices
+    cand = torch.cat([chain_tok[..., None], others], dim=-1)
+    logq = q.gather(-1, cand).log()  # [B, K, W]; log 0 = -inf: never a real node
+
+    j0 = torch.arange(W, device=dev) == 0
+    # beam at depth 0: slot 0 = the root; scores s, sort keys (chain = +inf), chain flags
+    s = torch.full((B, M), float("-inf"), device=dev)
+    s[:, 0] = 0.0
+    on_chain = torch.zeros(B, M, dtype=torch.bool, device=dev)
+    on_chain[:, 0] = True
+    all_tok, all_par, all_key, all_chain = [], [], [], []
+    for d in range(K):
+        cs = (s[:, :, None] + logq[:, d, None, :]).reshape(B, M * W)  # children of every beam slot
+        cc = (on_chain[:, :, None] & j0).reshape(B, M * W)
+        key = torch.where(cc, float("inf"), cs)  # a Python scalar: no host-to-device copy in a graph
+        # stable: equal keys keep the parent-major order, so a parent always ranks before its children
+        order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :M]
+        s, on_chain = cs.gather(1, order), cc.gather(1, order)
+        all_key.append(key.gather(1, order))
+        all_tok.append(cand[:, d].gather(1, order % W))
+        all_par.append(order // W + (d - 1) * M if d > 0 else torch.full_like(order, -1))
+        all_chain.append(on_chain)
+    key, tok = torch.cat(all_key, 1), torch.cat(all_tok, 1)  # [B, K·M], depth-major
+    par, chain = torch.cat(all_par, 1), torch.cat(all_chain, 1)
+    # the best M of all depths; a parent precedes its children (key >= child's, earlier on ties)
+    pick = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :M]
+    real = key.gather(1, pick) > float("-inf")
+    # breadth first: by depth, then by key (beam order); padding last
+    pick = torch.where(real, pick, pick + K * M).sort(dim=1).values % (K * M)
+    real = real.sort(dim=1, descending=True, stable=True).values
+    node_of = torch.full((B, K * M + 1), -1, dtype=torch.long, device=dev)  # flat id (+1) -> node
+    node_of[:, 0] = 0  # flat parent -1 is the root
+    node_of.scatter_(1, pick + 1, torch.arange(1, M + 1, device=dev).expand(B, M))
+    parent = torch.where(real, node_of.gather(1, par.gather(1, pick) + 1), -1)
+    depth = torch.where(real, pick // M + 1, 0)
+    zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    parent = torch.cat([zero - 1, parent], 1)
+    return Tree(
+        tokens=torch.cat([anchor[:, None], torch.where(real, tok.gather(1, pick), 0)], 1),
+        parent=parent,
+        depth=torch.cat([zero, depth], 1),
+        chain=torch.cat([zero == 0, chain.gather(1, pick) & real], 1),
+        anc=ancestor_mask(parent),
+    )
+
+
+def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
+    """``[B, N, N]`` bool: ``anc[b, i, j]`` iff node j is node i or an ancestor of it (``parent [B, N]``,
+    -1 = none). Reachability by squaring: after k squarings of (I + parent edges) every ancestor up to
+    2^k levels up is marked, so ceil(log2 N) batched matmuls cover any tree (few kernels)."""
+    B, N = parent.shape
+    idx = torch.arange(N, device=parent.device)
+    reach = ((idx[:, None] == idx) | (parent[..., None] == idx)).float()  # 0/1, exact in fp32
+    for _ in range(max(N - 1, 1).bit_length()):
+        reach = (reach @ reach).clamp_max(1.0)
+    return reach > 0
+
+
+def ancestor_bits(anc: torch.Tensor) -> torch.Tensor:
+    """The ancestor mask ``anc [B, N, N]`` packed as ``[B, N]`` int64 bitmasks (bit j of row i = anc[b, i, j]),
+    N <= 64. Raises ValueError for N > 64."""
+    N = anc.shape[-1]
+    if N > 64:
+        raise ValueError(f"tree of {N} nodes: the bitmask holds at most 64")
+    bits = torch.ones(N, dtype=torch.long, device=anc.device) << torch.arange(N, device=anc.device)
+    return (anc.long() * bits).sum(-1)  # disjoint bits: the sum is the OR (bit 63 wraps to the sign bit)
+
+
+def path_nodes(tree: Tree, last: torch.Tensor, K: int) -> torch.Tensor:
+    """``[B, K + 1]`` int64: the node at depth 0..K of the path from the root to ``last [B]`` (depth a);
+    entries past depth a hold their own index, so moving row ``path[d]`` to row d leaves them in place."""
+    B, N = tree.parent.shape
+    on_path = tree.anc[torch.arange(B, device=last.device), last]  # [B, N]
+    slot = torch.where(on_path, tree.depth, K + 1)  # off-path nodes land in a dropped column
+    path = torch.arange(K + 2, device=last.device).expand(B, K + 2).clone()
+    return path.scatter_(1, slot, torch.arange(N, device=last.device).expand(B, N))[:, : K + 1]
+
+
+def node_uniforms(tree: Tree, seeds: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` fp32 U(0, 1) per node for :func:`verify_tree`: a chain node at depth d takes the chain
+    decoder's uniform (``STREAM_ACCEPT`` at output position out_pos + d - 1), every other node its own
+    draw keyed by (out_pos, node index) on ``STREAM_TREE`` (``out_pos [B]``: the step's first output
+    position, ``seeds [B]`` int64)."""
+    B, N = tree.tokens.shape
+    chain_u = rng.uniforms(seeds, rng.STREAM_ACCEPT, out_pos[:, None] + (tree.depth - 1).clamp_min(0))
+    own_u = rng.uniforms(seeds, STREAM_TREE, out_pos[:, None], N)[:, 0]
+    return torch.where(tree.chain, chain_u, own_u)
+
+
+def verify_tree(
+    tree: Tree,
+    *,
+    target_argmax: torch.Tensor | None = None,
+    p_target: torch.Tensor | None = None,
+    q: torch.Tensor | None = None,
+    u: torch.Tensor | None = None,
+    exp_noise: torch.Tensor | None = None,
+):
+    """Accept the longest verified path of ``tree`` (module docstring).
+
+    Greedy: ``target_argmax [B, N]`` int64, the target's argmax at every node. Sampling:
+    ``p_target [B, N, V]`` fp32 (the target's distribution after every node), ``q [B, K, V]``
+    fp32 (the draft distributions the chain tokens were sampled from), ``u [B, N]`` fp32
+    U(0, 1) per node, ``exp_noise [B, V]`` fp32 Exp(1) for the bonus race.
+    Returns (last [B] int64: the last accepted node, num_accepted [B] int32 = its depth,
+    bonus [B] int64). Raises ValueError if neither or both modes are given.
+    """
+    greedy = target_argmax is not None
+    if greedy == (p_target is not None):
+        raise ValueError("give target_argmax (T = 0) or p_target, q, u, exp_noise (T > 0)")
+    B, N = tree.tokens.shape
+    rows = torch.arange(B, device=tree.tokens.device)
+    cur = torch.zeros(B, dtype=torch.long, device=rows.device)
+    if greedy:  # node i is reachable iff every node on its path matches the argmax at its parent
+        match = (tree.parent >= 0) & (tree.tokens == target_argmax.gather(1, tree.parent.clamp_min(0)))
+        match[:, 0] = True
+        ok = ~(tree.anc & ~match[:, None, :]).any(-1)  # [B, N]; the ok nodes form one path
+        cur = torch.where(ok, tree.depth, -1).argmax(1)
+        return cur, tree.depth[rows, cur].to(torch.int32), target_argmax[rows, cur]
+    r = p_target[:, 0]
+    for i in range(1, N):
+        x = tree.tokens[:, i]
+        cand = tree.parent[:, i] == cur
+        q_i = q[rows, (tree.depth[:, i] - 1).clamp_min(0)]  # [B, V]: the chain child's proposal
+        r_x = r.gather(1, x[:, None])[:, 0]
+        sampled = tree.chain[:, i]
+        ok = torch.where(sampled, u[:, i] * q_i.gather(1, x[:, None])[:, 0] < r_x, u[:, i] * r.sum(-1) < r_x)
+        rejected = cand & ~ok
+        r_rej = torch.where(sampled[:, None], (r - q_i).clamp_min(0.0), r.scatter(1, x[:, None], 0.0))
+        cur = torch.where(cand & ok, i, cur)
+        r = torch.where((cand & ok)[:, None], p_target[:, i], torch.where(rejected[:, None], r_rej, r))
+    p_cur = p_target[rows, cur]
+    w = torch.where((r > 0).any(-1, keepdim=True), r, p_cur)  # an all-zero residual: rounding only
+    bonus = torch.where(w > 0, w / exp_noise, torch.full_like(w, -1.0)).argmax(-1)
+    return cur, tree.depth[rows, cur].to(torch.int32), bonus

@@ -1,0 +1,295 @@
+"""The engine with tree verification (``Engine(verify="tree")``): lossless greedy output, seeded sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspine.checkpoint import save_draft
+from dspine.reference import ReferenceDecoder
+from dspine.sampling import SamplingParams
+from dspine.target import load_target
+from tests.helpers import random_draft
+from tests.test_engine import PROMPTS, _engine
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir, tmp_path_factory):
+    """The stories260K target (fp32) and an untrained block-8 draft saved to a folder."""
+    target = load_target(str(stories_dir), dtype="fp32")
+    return (
+        target,
+        None,
+        save_draft(random_draft(target, block_size=8, mask=0), tmp_path_factory.mktemp("draft")),
+    )
+
+
+def second_choice_engine(engine, reference: list[list[int]], seed: int = 0):
+    """Patch the engine's draft: the true next token gets logit 9 at every slot and, with probability
+    1/2, a random wrong token gets 10 (the argmax): a chain stops there, a tree holds the true token."""
+    g = torch.Generator().manual_seed(seed)
+    V = engine.target.args.vocab_size
+
+    def draft_logits(block, cache):
+        B, bs = block.shape
+        logits = torch.zeros(B, bs - 1, V)
+        for b in range(B):
+            owner = engine.slot_owner[b]
+            seq = reference[owner] if owner is not None else []
+            start = int(cache.lengths[b])
+            for k in range(1, bs):
+                logits[b, k - 1, seq[start + k] if start + k < len(seq) else 0] = 9.0
+                if torch.rand(1, generator=g) < 0.5:
+                    logits[b, k - 1, int(torch.randint(0, V, (1,), generator=g))] = 10.0
+        return logits.to(engine.device, engine.target.embed.dtype)
+
+    engine.draft_logits = draft_logits
+    return engine
+
+
+def test_engine_tree_greedy_equals_chain(stories_dir, stories):
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=40)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    chain = _engine(stories_dir, folder).generate(PROMPTS, params, concurrency=3)
+    tree = _engine(stories_dir, folder, verify="tree", tree_budget=20).generate(
+        PROMPTS, params, concurrency=3
+    )
+    assert chain.token_ids == want and tree.token_ids == want
+    ref = [p + w for p, w in zip(PROMPTS, want)]
+    taus = {}
+    for verify in ("chain", "tree"):
+        eng = second_choice_engine(_engine(stories_dir, folder, verify=verify, tree_budget=24), ref)
+        res = eng.generate(PROMPTS, params, concurrency=4)
+        assert res.token_ids == want, verify
+        assert abs(res.stats.tau - 1 - sum(res.stats.accept_at_pos)) < 1e-12
+        taus[verify] = res.stats.tau
+    assert taus["chain"] < 2.5 and taus["tree"] > taus["chain"] + 1.5, taus
+    with pytest.raises(ValueError, match="tree_budget in 2..64"):
+        _engine(stories_dir, folder, verify="tree", tree_budget=65)
+    with pytest.raises(ValueError, match="verify='beam'"):
+        _engine(stories_dir, folder, verify="beam")
+
+
+def test_engine_tree_sampling_is_seeded_per_request(stories_dir, stories):
+    """T > 0: a prompt's output depends only on its seed, not on the concurrency (rows are independent)."""
+    eng = _engine(stories_dir, stories[2], verify="tree", tree_budget=12)
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, max_new_tokens=20, seed=3)
+    one = eng.generate(PROMPTS[:4], p, concurrency=1)
+    four = eng.generate(PROMPTS[:4], p, concurrency=4)
+    assert one.token_ids == four.token_ids and all(len(t) == 20 or t[-1] == 2 for t in one.token_ids)
+    assert abs(four.stats.tau - 1 - sum(four.stats.accept_at_pos)) < 1e-12
+
+
+@pytest.mark.slow
+def test_engine_tree_triton_kernels_interpreted(stories_dir, stories):
+    """Tree verify through the Triton kernels (interpreter on the CPU) gives the greedy output."""
+    import tests.kernel_env as env
+
+    if not env.TRITON_CPU:
+        pytest.skip(str(env.TRITON_CPU_SKIP))
+    target, _, folder = stories
+    prompts = PROMPTS[:2]
+    params = SamplingParams(max_new_tokens=12)
+    want = ReferenceDecoder(target, None, [2]).generate(prompts, params).token_ids
+    ref = [p + w for p, w in zip(prompts, want)]
+    eng = second_choice_engine(
+        _engine(stories_dir, folder, impl="triton", verify="tree", tree_budget=16), ref
+    )
+    res = eng.generate(prompts, params, concurrency=2)
+    assert res.token_ids == want and res.stats.tau > 1.5
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_bench_and_generate_verify_tree_on_the_cpu(stories_dir, stories, tmp_path, backend, capsys):
+    import json
+
+    from infer import bench, generate
+    from tests.conftest import shared_path
+
+    folder, out = stories[2], tmp_path / "b.json"
+    extra = ["--device", "cpu"] if backend == "cuda" else []
+    code = bench.main(
+        [
+            "--target",
+            str(stories_dir),
+            "--draft",
+            f"T={folder}",
+            "--datasets",
+            "gsm8k",
+            "--data-dir",
+            str(shared_path("data", "eval")),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--no-chat-template",
+            "--backend",
+            backend,
+            "--dtype",
+            "fp32",
+            "--concurrency",
+            "2",
+            "--verify",
+            "tree",
+            "--tree-budget",
+            "12",
+            "--output-json",
+            str(out),
+            *extra,
+        ]
+    )
+    assert code == 0
+    d = json.loads(out.read_text())["tasks"][0]["drafts"]["T"]
+    assert d["verify"] == "tree" and d["verified_tokens_per_step"] == 12
+    assert d["greedy_equal"] == d["greedy_compared"] == 2  # fp32: lossless
+    assert "12 verified tokens per step" in capsys.readouterr().out
+    if backend == "reference":  # infer.generate runs the engine only on a GPU
+        assert (
+            generate.main(
+                [
+                    "--target",
+                    str(stories_dir),
+                    "--draft",
+                    str(folder),
+                    "--prompt",
+                    "Once",
+                    "--no-chat-template",
+                    "--max-new-tokens",
+                    "8",
+                    "--verify",
+                    "tree",
+                    "--tree-budget",
+                    "6",
+                    "--json",
+                ]
+            )
+            == 0
+        )
+        res = json.loads(capsys.readouterr().out)
+        assert res["verify"] == "tree" and res["verified_tokens_per_step"] == 6 and res["num_tokens"] == 8
+    assert bench.main(["--target", str(stories_dir), "--verify", "tree", "--tree-budget", "65"]) == 2
+    assert "--tree-budget 65" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_tree_cuda_lossless(stories_dir, stories, graphs):
+    """CUDA, Triton kernels, fp32: tree output == AR output, eager and under a CUDA graph, trees of 16
+    and 64 nodes; T > 0 keeps the τ identity and per-request streams (same output at any concurrency)."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=60)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    for budget in (16, 64):
+        eng = _engine(
+            stories_dir,
+            folder,
+            device="cuda",
+            impl="triton",
+            cuda_graphs=graphs,
+            verify="tree",
+            tree_budget=budget,
+        )
+        for conc in (1, 6):
+            assert eng.generate(PROMPTS, params, concurrency=conc).token_ids == want, (budget, conc)
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, max_new_tokens=40, seed=3)
+    res = eng.generate(PROMPTS, p, concurrency=6)
+    assert abs(res.stats.tau - 1 - sum(res.stats.accept_at_pos)) < 1e-12
+    assert res.token_ids == eng.generate(PROMPTS, p, concurrency=2).token_ids  # per-request streams
+
+
+def test_step_planner_follows_measured_rates():
+    from infer.planner import StepPlanner
+
+    costs = {("ar", 1): 1.0, ("chain", 8): 1.5, ("tree", 32): 2.0}
+    p = StepPlanner(costs, probe_every=100)
+    assert [p.choose() for _ in range(2)] == [("chain", 8), ("chain", 8)]  # untried modes look best
+    p.observe(("chain", 8), 1.2)  # 0.8 tok/ms < AR's 1.0; the tree is still untried
+    assert p.choose() == ("tree", 32)
+    p.observe(("tree", 32), 1.5)  # 0.75 tok/ms
+    assert p.choose() == ("ar", 1)
+    p.observe(("tree", 32), 5.0)  # the EMA moves towards 5: 0.7·1.5 + 0.3·5 = 2.55 -> 1.275 tok/ms
+    assert p.tokens[("tree", 32)] == pytest.approx(2.55) and p.choose() == ("tree", 32)
+    probe = StepPlanner(costs, probe_every=3)
+    probe.tokens = {("ar", 1): 1.0, ("chain", 8): 3.0, ("tree", 32): 3.0}
+    assert [probe.choose() for _ in range(3)] == [
+        ("chain", 8),
+        ("chain", 8),
+        ("ar", 1),
+    ]  # the stalest is probed
+    rep = p.report()
+    assert rep["ar"]["steps"] == 1 and rep["tree32"]["steps"] == 2 and rep["chain8"]["step_ms"] == 1.5
+    with pytest.raises(ValueError, match="positive"):
+        StepPlanner({("ar", 1): 0.0})
+
+
+def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories):
+    """--budget auto: AR steps (with draft features), chains and trees mixed in one decode; the output
+    stays the greedy output and every step is counted in the report."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=40)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    eng = second_choice_engine(
+        _engine(stories_dir, folder, budget="auto"), [p + w for p, w in zip(PROMPTS, want)]
+    )
+    eng.PLAN_TREES = (24,)  # small trees: a fast CPU test
+    eng.plan_modes = eng.plan_modes[:2] + [("tree", 24)]
+    eng._step_costs = lambda B, params: {("ar", 1): 1.0, ("chain", 8): 1.0, ("tree", 24): 1.0}
+    res = eng.generate(PROMPTS, params, concurrency=3)
+    assert res.token_ids == want
+    rep = eng.planner_report
+    assert sum(e["steps"] for e in rep.values()) == res.steps
+    assert (
+        rep["tree24"]["steps"] > rep["chain8"]["steps"] and rep["tree24"]["tokens_per_step"] > 2
+    )  # second choices
+    assert rep["ar"]["steps"] >= 1  # probed
+    costs = _engine(stories_dir, folder, budget="auto")._step_costs(2, params)  # measured on this CPU
+    assert set(costs) == {("ar", 1), ("chain", 8), ("tree", 32), ("tree", 64)} and min(costs.values()) > 0
+    with pytest.raises(ValueError, match="budget='fixed'"):
+        _engine(stories_dir, folder, budget="fixed")
+
+
+def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, capsys):
+    import json
+
+    from infer import bench
+    from tests.conftest import shared_path
+
+    out = tmp_path / "p.json"
+    code = bench.main(
+        [
+            "--target",
+            str(stories_dir),
+            "--draft",
+            f"P={stories[2]}",
+            "--datasets",
+            "gsm8k",
+            "--data-dir",
+            str(shared_path("data", "eval")),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--no-chat-template",
+            "--backend",
+            "cuda",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--concurrency",
+            "2",
+            "--budget",
+            "auto",
+            "--output-json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    d = json.loads(out.read_text())["tasks"][0]["drafts"]["P"]
+    assert d["greedy_equal"] == d["greedy_compared"] == 2 and d["verified_tokens_per_step"] == "auto"
+    assert set(d["planner_choices"]) == {"ar", "chain8", "tree32", "tree64"}
+    assert sum(c["steps"] for c in d["planner_choices"].values()) >= d["verify_steps"] / 2  # 2 rows per step
+    assert all(c["step_ms"] > 0 for c in d["planner_choices"].values())
+    assert bench.main(["--target", str(stories_dir), "--budget", "auto", "--backend", "reference"]) == 2
+    assert "--budget auto needs the engine" in capsys.readouterr().err
