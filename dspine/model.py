@@ -536,7 +536,9 @@ class DSpineDraftModel(PreTrainedModel):
         original parameters views of it, so ``state_dict`` keeps the DFlash names and no memory is
         doubled. A low-rank injection whose H×H product is small (≤ 2rH + 4M elements: one GEMM over it
         costs less than a second launch) gets ``up·down`` folded into one weight. Call after the last
-        ``.to()`` (which moves buffer and views apart); idempotent. Returns self.
+        ``.to()`` (which moves buffer and views apart). Idempotent, and a layer whose views are intact
+        keeps its fused tensors (an engine's CUDA graphs hold their addresses: a second engine over the
+        same draft must not replace them). Returns self.
 
         Raises:
             ValueError: a draft with ``attention_bias`` (the fused path has no biases).
@@ -552,6 +554,8 @@ class DSpineDraftModel(PreTrainedModel):
 
         for layer in self.layers:
             at, mlp, adj = layer.self_attn, layer.mlp, layer.adjacent
+            if at.qkv_weight is not None and at.q_proj.weight.data_ptr() == at.qkv_weight.data_ptr():
+                continue  # fused, and no .to() since
             fuse(at, "qkv_weight", [at.q_proj, at.k_proj, at.v_proj])
             fuse(mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj])
             if adj is not None and adj.mode == "residual" and isinstance(adj.proj, LowRank):

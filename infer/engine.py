@@ -124,6 +124,7 @@ class Engine:
         self.draft_cache = DraftCache(draft, max_batch, capacity) if draft is not None else None
         self._slots: dict[int, _Slots] = {}
         self._graphs: dict[tuple, object] = {}
+        self._capture_stream = None  # torch.cuda.Stream of this engine's captures (made at the first one)
 
     # -- state views ---------------------------------------------------------------------------
     def _slots_for(self, B: int) -> _Slots:
@@ -135,10 +136,7 @@ class Engine:
 
     def _cache_view(self, B: int):
         """The first B rows of the target cache and of the draft cache (whose lengths are the slots')."""
-        kv = KVCache.__new__(KVCache)
-        kv.k, kv.v = [k[:B] for k in self.cache.k], [v[:B] for v in self.cache.v]
-        kv.batch, kv.seq = B, self.cache.seq
-        draft_cache = None
+        kv, draft_cache = self.cache.view(B), None
         if self.draft_cache is not None:
             draft_cache = self.draft_cache.view(B, lengths=self._slots_for(B).lengths)
         return kv, draft_cache
@@ -213,7 +211,11 @@ class Engine:
         s.anchor.copy_(torch.where(live, nxt, s.anchor))
 
     def _runner(self, B: int, params: SamplingParams, spec: bool):
-        """The step for this configuration: a replayable CUDA graph, or the eager function."""
+        """The step for this configuration: a replayable CUDA graph, or the eager function.
+
+        The returned callable holds the engine: a graph replays raw addresses of the engine's caches
+        and slot tensors, so a caller that keeps only the step must not let them be freed (a freed
+        cache is reused or unmapped by the next capture's ``empty_cache``: illegal memory access)."""
         slots, (kv, draft_cache) = self._slots_for(B), self._cache_view(B)
         fn = (lambda: self._spec_step(slots, kv, draft_cache, params)) if spec else (
             lambda: self._ar_step(slots, kv, params))
@@ -221,19 +223,23 @@ class Engine:
             return fn
         key = (B, spec, params.temperature, params.top_p, params.top_k)
         if key not in self._graphs:
-            s = self._slots_for(B)
-            s.done.fill_(1)  # warm-up and capture on idle slots: commits nothing, lengths stay
-            s.lengths.zero_()
-            side = torch.cuda.Stream()
+            slots.done.fill_(1)  # warm-up and capture on idle slots: commits nothing, lengths stay
+            slots.lengths.zero_()
+            if self._capture_stream is None:
+                # the engine's own capture stream: torch keys cuBLAS workspaces by stream and frees a
+                # stream's workspace when any graph captured on it is destroyed (pytorch#193402), so
+                # graphs sharing torch's default capture stream with other code could lose theirs
+                self._capture_stream = torch.cuda.Stream()
+            side = self._capture_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
                     fn()  # compiles the Triton kernels, warms cuBLAS
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=side):
                 fn()
-            s.nonfinite.zero_()
+            slots.nonfinite.zero_()
             self._graphs[key] = graph
         graph = self._graphs[key]
 

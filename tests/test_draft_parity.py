@@ -149,7 +149,10 @@ def test_engine_draft_triton_cuda_equals_training_draft(case):
 def test_fuse_weights_keeps_the_checkpoint_layout():
     model = tiny_draft("kv")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    model.fuse_weights().fuse_weights()  # idempotent
+    model.fuse_weights()
+    fused = [t.data_ptr() for t in model.buffers()]
+    model.fuse_weights()  # idempotent, and keeps the fused tensors (an engine's CUDA graphs hold them)
+    assert [t.data_ptr() for t in model.buffers()] == fused
     after = model.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     at = model.layers[0].self_attn
