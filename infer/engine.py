@@ -211,11 +211,7 @@ class Engine:
         s.anchor.copy_(torch.where(live, nxt, s.anchor))
 
     def _runner(self, B: int, params: SamplingParams, spec: bool):
-        """The step for this configuration: a replayable CUDA graph, or the eager function.
-
-        The returned callable holds the engine: a graph replays raw addresses of the engine's caches
-        and slot tensors, so a caller that keeps only the step must not let them be freed (a freed
-        cache is reused or unmapped by the next capture's ``empty_cache``: illegal memory access)."""
+        """The step for this configuration: a replayable CUDA graph, or the eager function."""
         slots, (kv, draft_cache) = self._slots_for(B), self._cache_view(B)
         fn = (lambda: self._spec_step(slots, kv, draft_cache, params)) if spec else (
             lambda: self._ar_step(slots, kv, params))
@@ -226,9 +222,10 @@ class Engine:
             slots.done.fill_(1)  # warm-up and capture on idle slots: commits nothing, lengths stay
             slots.lengths.zero_()
             if self._capture_stream is None:
-                # the engine's own capture stream: torch keys cuBLAS workspaces by stream and frees a
-                # stream's workspace when any graph captured on it is destroyed (pytorch#193402), so
-                # graphs sharing torch's default capture stream with other code could lose theirs
+                # the engine's own capture stream: torch keys cuBLAS workspaces by stream, and recent
+                # versions free a stream's workspace when any graph captured on it is destroyed
+                # (pytorch#193402): on torch's shared default capture stream, another library's graph
+                # could take the workspace our graphs replay
                 self._capture_stream = torch.cuda.Stream()
             side = self._capture_stream
             side.wait_stream(torch.cuda.current_stream())
