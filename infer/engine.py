@@ -54,6 +54,7 @@ class _Slots:
     draft_block   [B, block_size] int64  anchor + MASK x (block_size - 1): the draft's input
     nonfinite     [2] bool    target / draft logits were NaN or Inf since the flags were cleared
     no_draft      [B] int32   zeros: "0 accepted" for the autoregressive commit
+    offsets       [verify_size] int64  0 .. verify_size - 1 (static: no arange launch per step)
     """
 
     def __init__(self, B: int, verify_size: int, block_size: int, max_new: int, device, mask_id: int):
@@ -71,6 +72,7 @@ class _Slots:
         self.draft_block = torch.full((B, block_size), mask_id, dtype=i64, device=device)
         self.nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
         self.no_draft = torch.zeros(B, dtype=i32, device=device)
+        self.offsets = torch.arange(verify_size, dtype=i64, device=device)
 
 
 class Engine:
@@ -164,16 +166,15 @@ class Engine:
         s.draft_block[:, 0] = s.anchor
         d_logits = self.draft_logits(s.draft_block, draft_cache)
         s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
-        out_pos = s.out_len.long()  # [B] the step's first output position
-        slot_pos = out_pos[:, None] + torch.arange(K, device=self.device)  # [B, K]: draft token k at n + k - 1
         if params.greedy:
             draft_tokens = d_logits.argmax(-1)
         else:
+            out_pos = s.out_len.long()  # [B] the step's first output position
+            slot_pos = out_pos[:, None] + s.offsets[:K]  # [B, K]: draft token k at n + k - 1
             p_draft = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
             draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos)
-        s.verify_block[:, 0] = s.anchor
-        s.verify_block[:, 1:] = draft_tokens
-        positions = s.lengths[:, None].long() + torch.arange(s.verify_size, device=self.device)
+        torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
+        positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
         t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths)
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         if self.force_accept is not None:
@@ -188,9 +189,8 @@ class Engine:
             a, bonus = accept_sample(draft_tokens, p_target, p_draft, u, noise, impl=self.impl)
         live = s.done == 0
         commit_step(s.verify_block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist,
-                    impl=self.impl)
-        draft_cache.append(feats, (a.to(torch.int32) + 1) * live, impl=self.impl)  # advances s.lengths
-        s.anchor.copy_(torch.where(live, bonus, s.anchor))
+                    impl=self.impl, anchor=s.anchor)  # anchor = bonus for live rows
+        draft_cache.append(feats, (a + 1) * live, impl=self.impl)  # a int32; advances s.lengths
 
     def _ar_step(self, slots: _Slots, kv: KVCache, params: SamplingParams):
         """One autoregressive step for all B slots: the anchor through the target, next token, commit."""
@@ -206,9 +206,8 @@ class Engine:
             nxt = sample(probs, s.seeds, rng.STREAM_TARGET, s.out_len.long())
         live = s.done == 0
         commit_step(tok, s.no_draft, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
-                    impl=self.impl)
-        s.lengths.add_(live.to(torch.int32))
-        s.anchor.copy_(torch.where(live, nxt, s.anchor))
+                    impl=self.impl, anchor=s.anchor)
+        s.lengths.add_(live)
 
     def _runner(self, B: int, params: SamplingParams, spec: bool):
         """The step for this configuration: a replayable CUDA graph, or the eager function."""

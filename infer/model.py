@@ -25,6 +25,7 @@ from torch import nn
 from dspine.config import check_rope
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
+from dspine.ops.silu_mul import silu_mul
 from dspine.ops.verify_attention import verify_attention
 from dspine.paths import read_json_object
 
@@ -199,9 +200,7 @@ class EngineTarget(nn.Module):
         return KVCache(self.args, batch, seq, self.embed.device, self.embed.dtype)
 
     def _mlp(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(h, L.gate_up)
-        g, u = gu.chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, L.down)
+        return F.linear(silu_mul(F.linear(h, L.gate_up), impl=self.impl), L.down)
 
     # -- forwards --------------------------------------------------------------------------------
     def _layers(self, tokens: torch.Tensor, pos: torch.Tensor, bidx: torch.Tensor, cache: KVCache, attend,
