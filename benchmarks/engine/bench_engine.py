@@ -16,9 +16,10 @@ The same numbers at batch 8. At batch 1 only, the stronger peer:
 * ``compiled_hf_tok_per_s``: transformers ``generate`` with a static cache, whose decode step
   transformers compiles with ``torch.compile`` (its auto-compile on CUDA, mode "reduce-overhead":
   CUDA graphs), same weights and prompt, greedy. Decode tokens/s like the engine's AR figure:
-  (N − n) tokens over t(N) − t(n) for two generations of N and n new tokens, both after the
-  compilation warm-up (excluded). A failed compile records ``compiled_hf_error`` instead.
-  ``--compiled-hf-only`` measures this peer alone (no engine).
+  (N − n) tokens over t(N) − t(n) for two generations of N and n new tokens (the short one ended
+  by a stopping criterion, so both use one cache size and one compiled graph), both after the
+  compilation warm-up (excluded; about 45 s at Qwen3-8B shape on the H200). A failed compile
+  records ``compiled_hf_error`` instead. ``--compiled-hf-only`` measures this peer alone.
 Writes JSON with the command, GPU, date and commit.
 """
 
@@ -119,15 +120,25 @@ def compiled_hf(hf, prompt: list[int], new_tokens: int, short: int, reps: int) -
     Returns ``compiled_hf_tok_per_s``, the two generation times (s, median of ``reps``) and whether
     transformers compiled the step; on CUDA a step left uncompiled, or any exception (compile
     errors included), is returned as ``compiled_hf_error`` (type and message) instead of raising."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAfter(StoppingCriteria):  # ends the short generation early: both keep one cache size (no recompile)
+        def __init__(self, length: int):
+            self.length = length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, device=input_ids.device)
+
     dev = hf.device
     ids = torch.tensor([prompt], device=dev)
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, cache_implementation="static")
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, cache_implementation="static",
+              max_new_tokens=new_tokens, min_new_tokens=new_tokens)
 
     def seconds(n: int) -> float:
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            out = hf.generate(ids, stopping_criteria=StoppingCriteriaList([StopAfter(ids.shape[1] + n)]), **kw)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
@@ -136,7 +147,7 @@ def compiled_hf(hf, prompt: list[int], new_tokens: int, short: int, reps: int) -
         return sorted(times)[reps // 2]
 
     try:
-        for _ in range(2):  # compiles (first call) and records the CUDA graphs; the long call sizes the cache
+        for _ in range(2):  # compiles (first call) and records the CUDA graphs
             seconds(new_tokens)
         compiled = hasattr(hf, "_compiled_call")  # set by transformers' get_compiled_call
         if dev.type == "cuda" and not compiled:
