@@ -558,14 +558,19 @@ class DSpineDraftModel(PreTrainedModel):
 
         for layer in self.layers:
             at, mlp, adj = layer.self_attn, layer.mlp, layer.adjacent
-            if at.qkv_weight is not None and at.q_proj.weight.data_ptr() == at.qkv_weight.data_ptr():
-                continue  # fused, and no .to() since
-            fuse(at, "qkv_weight", [at.q_proj, at.k_proj, at.v_proj])
-            fuse(mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj])
+            if at.qkv_weight is None or at.q_proj.weight.data_ptr() != at.qkv_weight.data_ptr():
+                fuse(at, "qkv_weight", [at.q_proj, at.k_proj, at.v_proj])  # not fused, or moved apart by .to()
+                fuse(mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj])
             if adj is not None and adj.mode == "residual" and isinstance(adj.proj, LowRank):
                 up, down = adj.proj.up.weight, adj.proj.down.weight  # [H, r], [r, H]
                 if up.shape[0] ** 2 <= 2 * up.numel() + (1 << 22):
-                    adj.proj_weight = (up.float() @ down.float()).to(up.dtype)
+                    folded = (up.float() @ down.float()).to(up.dtype)
+                    if adj.proj_weight is not None and adj.proj_weight.device == up.device and \
+                            adj.proj_weight.dtype == up.dtype:
+                        with torch.inference_mode(torch.is_inference(adj.proj_weight)):
+                            adj.proj_weight.copy_(folded)  # in place: current values at the same address
+                    else:
+                        adj.proj_weight = folded
         return self
 
     def forward(self, block_embeds, features, anchors, attn: str = "dense"):

@@ -146,8 +146,9 @@ def test_engine_draft_triton_cuda_equals_training_draft(case):
     assert err <= 1e-5, f"{case}: max |engine (triton, cuda) - reference| = {err:.3g}"
 
 
-def test_fuse_weights_keeps_the_checkpoint_layout():
-    model = tiny_draft("kv")
+@pytest.mark.parametrize("injection,rank", [("kv", 0), ("residual", 4)])
+def test_fuse_weights_keeps_the_checkpoint_layout(injection, rank):
+    model = tiny_draft(injection, rank=rank)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model.fuse_weights()
     fused = [t.data_ptr() for t in model.buffers()]
@@ -157,6 +158,13 @@ def test_fuse_weights_keeps_the_checkpoint_layout():
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     at = model.layers[0].self_attn
     assert at.q_proj.weight.data_ptr() == at.qkv_weight.data_ptr()  # a view: no second copy
+    adj = model.layers[0].adjacent
+    if rank:  # the folded low-rank injection follows new weights, at the same address
+        with torch.no_grad():
+            adj.proj.up.weight.mul_(2)
+        model.fuse_weights()
+        assert adj.proj_weight.data_ptr() in fused
+        assert torch.allclose(adj.proj_weight, adj.proj.up.weight @ adj.proj.down.weight)
 
 
 def test_engine_draft_equals_training_draft_shipped_weights():
