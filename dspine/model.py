@@ -37,6 +37,7 @@ from dspine.config import DSpineConfig
 from dspine.ops.draft_attention import draft_attention
 from dspine.ops.rmsnorm import rms_norm, shift_rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
+from dspine.ops.silu_mul import silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -145,11 +146,11 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(I, H, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # inference: fuse_weights()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+        """SwiGLU of x ``[..., H]``; once fused (inference), one gate/up GEMM and ``dspine.ops.silu_mul``."""
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        g, u = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(g) * u)
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight), impl=impl))
 
 
 class LowRank(nn.Module):
@@ -289,7 +290,7 @@ class DraftLayer(nn.Module):
                             v_blk.transpose(1, 2), at.scale, window=window, causal=self.sliding or ctx.causal,
                             k_extra=k_extra, v_extra=v_extra, impl=impl)
         y, h = rms_norm(at.o_proj(o.view(N, Hq * D)), self.post_attention_layernorm.weight, eps, residual=h, impl=impl)
-        return h, self.mlp(y)
+        return h, self.mlp(y, impl)
 
 
 @dataclass
@@ -517,13 +518,16 @@ class DSpineDraftModel(PreTrainedModel):
             c = c.reshape(n * T, -1)
             table_pos = pos.clamp(max=cache.cos.shape[0] - 1).reshape(-1)  # discarded rows may run past it
             bidx = rows.repeat_interleave(T)
+            index = {}  # (sliding, cap) -> cache index of each row: shared by the layers of that kind
             for i, layer in enumerate(self.layers):
                 cap = cache.caps[i]
-                if layer.sliding:  # ring: position j at j % cap; rows evicted within this append are skipped
-                    slot, ok = pos % cap, keep & (pos >= (start + counts)[:, None] - cap)
-                else:
-                    slot, ok = pos, keep & (pos < cap)
-                slot = torch.where(ok, slot, cap).reshape(-1)  # index cap = the scratch slot
+                if (layer.sliding, cap) not in index:
+                    if layer.sliding:  # ring: position j at j % cap; rows evicted within this append are skipped
+                        slot, ok = pos % cap, keep & (pos >= (start + counts)[:, None] - cap)
+                    else:
+                        slot, ok = pos, keep & (pos < cap)
+                    index[layer.sliding, cap] = torch.where(ok, slot, cap).reshape(-1)  # cap = the scratch slot
+                slot = index[layer.sliding, cap]
                 k, v = layer.self_attn.project(c, with_q=False).split(Hkv * D, dim=-1)
                 qk_norm_rope_cache(None, k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D), None,
                                    layer.self_attn.k_norm.weight, eps, cache.cos, cache.sin, table_pos,
@@ -536,7 +540,9 @@ class DSpineDraftModel(PreTrainedModel):
         original parameters views of it, so ``state_dict`` keeps the DFlash names and no memory is
         doubled. A low-rank injection whose H×H product is small (≤ 2rH + 4M elements: one GEMM over it
         costs less than a second launch) gets ``up·down`` folded into one weight. Call after the last
-        ``.to()`` (which moves buffer and views apart); idempotent. Returns self.
+        ``.to()`` (which moves buffer and views apart). Idempotent, and a layer whose views are intact
+        keeps its fused tensors (an engine's CUDA graphs hold their addresses: a second engine over the
+        same draft must not replace them). Returns self.
 
         Raises:
             ValueError: a draft with ``attention_bias`` (the fused path has no biases).
@@ -552,12 +558,19 @@ class DSpineDraftModel(PreTrainedModel):
 
         for layer in self.layers:
             at, mlp, adj = layer.self_attn, layer.mlp, layer.adjacent
-            fuse(at, "qkv_weight", [at.q_proj, at.k_proj, at.v_proj])
-            fuse(mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj])
+            if at.qkv_weight is None or at.q_proj.weight.data_ptr() != at.qkv_weight.data_ptr():
+                fuse(at, "qkv_weight", [at.q_proj, at.k_proj, at.v_proj])  # not fused, or moved apart by .to()
+                fuse(mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj])
             if adj is not None and adj.mode == "residual" and isinstance(adj.proj, LowRank):
                 up, down = adj.proj.up.weight, adj.proj.down.weight  # [H, r], [r, H]
                 if up.shape[0] ** 2 <= 2 * up.numel() + (1 << 22):
-                    adj.proj_weight = (up.float() @ down.float()).to(up.dtype)
+                    folded = (up.float() @ down.float()).to(up.dtype)
+                    if adj.proj_weight is not None and adj.proj_weight.device == up.device and \
+                            adj.proj_weight.dtype == up.dtype:
+                        with torch.inference_mode(torch.is_inference(adj.proj_weight)):
+                            adj.proj_weight.copy_(folded)  # in place: current values at the same address
+                    else:
+                        adj.proj_weight = folded
         return self
 
     def forward(self, block_embeds, features, anchors, attn: str = "dense"):

@@ -56,6 +56,7 @@ class _Slots:
     draft_block   [B, block_size] int64  anchor + MASK x (block_size - 1): the draft's input
     nonfinite     [2] bool    target / draft logits were NaN or Inf since the flags were cleared
     no_draft      [B] int32   zeros: "0 accepted" for the autoregressive commit
+    offsets       [verify_size] int64  0 .. verify_size - 1 (static: no arange launch per step)
     """
 
     def __init__(self, B: int, verify_size: int, block_size: int, max_new: int, device, mask_id: int):
@@ -73,6 +74,7 @@ class _Slots:
         self.draft_block = torch.full((B, block_size), mask_id, dtype=i64, device=device)
         self.nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
         self.no_draft = torch.zeros(B, dtype=i32, device=device)
+        self.offsets = torch.arange(verify_size, dtype=i64, device=device)
 
 
 class Engine:
@@ -153,6 +155,7 @@ class Engine:
         self.draft_cache = DraftCache(draft, max_batch, capacity) if draft is not None else None
         self._slots: dict[int, _Slots] = {}
         self._graphs: dict[tuple, object] = {}
+        self._capture_stream = None  # torch.cuda.Stream of this engine's captures (made at the first one)
 
     # -- state views ---------------------------------------------------------------------------
     def _slots_for(self, B: int) -> _Slots:
@@ -164,10 +167,7 @@ class Engine:
 
     def _cache_view(self, B: int):
         """The first B rows of the target cache and of the draft cache (whose lengths are the slots')."""
-        kv = KVCache.__new__(KVCache)
-        kv.k, kv.v = [k[:B] for k in self.cache.k], [v[:B] for v in self.cache.v]
-        kv.batch, kv.seq = B, self.cache.seq
-        draft_cache = None
+        kv, draft_cache = self.cache.view(B), None
         if self.draft_cache is not None:
             draft_cache = self.draft_cache.view(B, lengths=self._slots_for(B).lengths)
         return kv, draft_cache
@@ -199,16 +199,15 @@ class Engine:
         s.draft_block[:, 0] = s.anchor
         d_logits = self.draft_logits(s.draft_block, draft_cache)
         s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
-        out_pos = s.out_len.long()  # [B] the step's first output position
-        slot_pos = out_pos[:, None] + torch.arange(K, device=self.device)  # [B, K]: draft token k at n + k - 1
         if params.greedy:
             draft_tokens = d_logits.argmax(-1)
         else:
+            out_pos = s.out_len.long()  # [B] the step's first output position
+            slot_pos = out_pos[:, None] + s.offsets[:K]  # [B, K]: draft token k at n + k - 1
             p_draft = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
             draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos)
-        s.verify_block[:, 0] = s.anchor
-        s.verify_block[:, 1:] = draft_tokens
-        positions = s.lengths[:, None].long() + torch.arange(s.verify_size, device=self.device)
+        torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
+        positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
         t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths)
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         if self.force_accept is not None:
@@ -223,9 +222,8 @@ class Engine:
             a, bonus = accept_sample(draft_tokens, p_target, p_draft, u, noise, impl=self.impl)
         live = s.done == 0
         commit_step(s.verify_block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist,
-                    impl=self.impl)
-        draft_cache.append(feats, (a.to(torch.int32) + 1) * live, impl=self.impl)  # advances s.lengths
-        s.anchor.copy_(torch.where(live, bonus, s.anchor))
+                    impl=self.impl, anchor=s.anchor)  # anchor = bonus for live rows
+        draft_cache.append(feats, (a + 1) * live, impl=self.impl)  # a int32; advances s.lengths
 
     def _tree_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams, N: int):
         """One tree-verify step for all B slots, without host sync (``dspine.tree``).
@@ -296,12 +294,11 @@ class Engine:
             nxt = sample(probs, s.seeds, rng.STREAM_TARGET, s.out_len.long())
         live = s.done == 0
         commit_step(tok, s.no_draft, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
-                    impl=self.impl)
+                    impl=self.impl, anchor=s.anchor)
         if draft_cache is None:
-            s.lengths.add_(live.to(torch.int32))
+            s.lengths.add_(live)
         else:
             draft_cache.append(feats, live.to(torch.int32), impl=self.impl)
-        s.anchor.copy_(torch.where(live, nxt, s.anchor))
 
     def _runner(self, B: int, params: SamplingParams, spec: bool, mode: tuple[str, int] | None = None):
         """The step for this configuration: a replayable CUDA graph, or the eager function. ``mode``
@@ -316,19 +313,24 @@ class Engine:
             return fn
         key = (B, spec, mode, params.temperature, params.top_p, params.top_k)
         if key not in self._graphs:
-            s = self._slots_for(B)
-            s.done.fill_(1)  # warm-up and capture on idle slots: commits nothing, lengths stay
-            s.lengths.zero_()
-            side = torch.cuda.Stream()
+            slots.done.fill_(1)  # warm-up and capture on idle slots: commits nothing, lengths stay
+            slots.lengths.zero_()
+            if self._capture_stream is None:
+                # the engine's own capture stream: torch keys cuBLAS workspaces by stream, and recent
+                # versions free a stream's workspace when any graph captured on it is destroyed
+                # (pytorch#193402): on torch's shared default capture stream, another library's graph
+                # could take the workspace our graphs replay
+                self._capture_stream = torch.cuda.Stream()
+            side = self._capture_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
                     fn()  # compiles the Triton kernels, warms cuBLAS
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=side):
                 fn()
-            s.nonfinite.zero_()
+            slots.nonfinite.zero_()
             self._graphs[key] = graph
         graph = self._graphs[key]
 

@@ -14,6 +14,7 @@ draft's ``target_layer_ids``, the last layer's after the final norm under the dr
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from torch import nn
 from dspine.config import check_rope
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
+from dspine.ops.silu_mul import silu_mul
 from dspine.ops.tree_attention import tree_attention
 from dspine.ops.verify_attention import verify_attention
 from dspine.paths import read_json_object
@@ -92,13 +94,22 @@ class Layer(nn.Module):
 
 
 class KVCache:
-    """Static per-layer K/V ``[B, Hkv, S, D]``; position j of batch slot b at ``[b, :, j]``."""
+    """Static per-layer K/V ``[B, Hkv, S, D]``; position j of batch slot b at ``[b, :, j]``; and the
+    RoPE tables (cos, sin) ``[S, D/2]`` fp32 of its positions. The cache owns the tables, so a CUDA
+    graph that reads them stays valid whatever other caches of the same target are made later."""
 
     def __init__(self, a: ModelArgs, batch: int, seq: int, device, dtype):
         shape = (batch, a.num_kv_heads, seq, a.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(a.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(a.num_layers)]
         self.batch, self.seq = batch, seq
+        self.cos, self.sin = rope_tables(a.head_dim, seq, a.rope_theta, device)
+
+    def view(self, batch: int) -> KVCache:
+        """The first ``batch`` slots (shared storage and tables)."""
+        out = copy.copy(self)
+        out.k, out.v, out.batch = [k[:batch] for k in self.k], [v[:batch] for v in self.v], batch
+        return out
 
 
 class EngineTarget(nn.Module):
@@ -117,7 +128,6 @@ class EngineTarget(nn.Module):
         self.last_layer_features = last_layer_features  # "post_norm" | "pre_norm" (the draft's config)
         self.impl = impl
         self.scale = a.head_dim ** -0.5
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -186,21 +196,12 @@ class EngineTarget(nn.Module):
     def head(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
 
-    def rope(self, max_pos: int):
-        """(cos, sin) ``[max_pos, D/2]`` fp32 tables, built once."""
-        if self._rope is None or self._rope[0].shape[0] < max_pos:
-            self._rope = rope_tables(self.args.head_dim, max_pos, self.args.rope_theta, self.embed.device)
-        return self._rope
-
     def new_cache(self, batch: int, seq: int) -> KVCache:
         """Static cache of ``seq`` positions per slot (the engine checks the RoPE range before)."""
-        self.rope(seq)
         return KVCache(self.args, batch, seq, self.embed.device, self.embed.dtype)
 
     def _mlp(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(h, L.gate_up)
-        g, u = gu.chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, L.down)
+        return F.linear(silu_mul(F.linear(h, L.gate_up), impl=self.impl), L.down)
 
     # -- forwards --------------------------------------------------------------------------------
     def _layers(self, tokens: torch.Tensor, pos: torch.Tensor, bidx: torch.Tensor, cache: KVCache, attend,
@@ -212,7 +213,7 @@ class EngineTarget(nn.Module):
         write_pos = pos if write_pos is None else write_pos
         a, impl = self.args, self.impl
         N = tokens.shape[0]
-        cos, sin = self._rope
+        cos, sin = cache.cos, cache.sin
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         x = F.embedding(tokens, self.embed)
         residual, feats = None, {}

@@ -4,7 +4,8 @@ The engine runs ``DSpineDraftModel`` over a static context cache (ring for slidi
 kernels; the reference is ``forward_train`` over the whole feature sequence with the dense block
 mask. Nothing else ties the two: lossless decoding hides a wrong draft (only τ would drop), so
 their logits must agree within 1e-5 here. Several context appends with ragged accept counts per
-row, junk features past each row's committed count, random injection gates.
+row, junk features past each row's committed count, random injection gates. On a GPU the same
+plan runs the engine's draft with the Triton kernels on CUDA (fp32) against the CPU reference.
 """
 
 from __future__ import annotations
@@ -60,22 +61,26 @@ def reference_logits(model, target, block, features, lengths):
     return F.linear(hidden[:, 1:], target.head)
 
 
-def engine_run(model, target, blocks, features, plan_counts, impl):
+def engine_run(model, target, blocks, features, plan_counts, impl, device="cpu"):
     """The engine's draft over the plan, as :class:`infer.engine.Engine` runs it (fused weights, static
-    cache, ``Engine.draft_logits``): prefill rows one by one, then per step block logits and an append
-    of the step's bs feature rows of which only ``counts`` are committed. Returns logits per step."""
+    cache, ``Engine.draft_logits``) on ``device``: prefill rows one by one, then per step block logits
+    and an append of the step's bs feature rows of which only ``counts`` are committed. Returns the
+    logits per step, on the CPU."""
     B, bs = len(PROMPTS), model.config.block_size
-    eng = SimpleNamespace(draft=copy.deepcopy(model).fuse_weights(), target=target, impl=impl, verify_size=bs)
+    dev = torch.device(device)
+    on = SimpleNamespace(embed=target.embed.to(dev), head=target.head.to(dev))
+    eng = SimpleNamespace(draft=copy.deepcopy(model).to(dev).fuse_weights(), target=on, impl=impl, verify_size=bs)
+    features = features.to(dev)
     cache = DraftCache(eng.draft, B, features.shape[1] + bs + 1)
     for b, P in enumerate(PROMPTS):
         cache.append(features[b : b + 1, :P], torch.tensor([P]), rows=torch.tensor([b]), impl=impl)
     out = []
     for block, counts, junk in blocks:
-        out.append(Engine.draft_logits(eng, block, cache))
+        out.append(Engine.draft_logits(eng, block.to(dev), cache).cpu())
         lengths = cache.lengths.tolist()
         step = torch.stack([features[b, lengths[b] : lengths[b] + bs] for b in range(B)])
-        keep = torch.arange(bs)[None, :, None] < counts[:, None, None]
-        cache.append(torch.where(keep, step, junk), counts, impl=impl)
+        keep = (torch.arange(bs)[None, :, None] < counts[:, None, None]).to(dev)
+        cache.append(torch.where(keep, step, junk.to(dev)), counts.to(dev), impl=impl)
     return out
 
 
@@ -90,14 +95,15 @@ def plan(features_dim: int, mask_id: int, vocab: int, bs: int = BS, seed=2):
     return steps
 
 
-def max_diff(model, target, impl="torch") -> float:
+def max_diff(model, target, impl="torch", device="cpu") -> float:
+    """Largest |engine - reference| logit over the plan; the reference runs on the CPU."""
     bs = model.config.block_size
     S = max(PROMPTS) + sum(max(c) for c in COUNTS) + bs
     kH = len(model.config.target_layer_ids) * model.config.hidden_size
     features = torch.randn(len(PROMPTS), S, kH, generator=torch.Generator().manual_seed(3))
     steps = plan(kH, min(model.config.mask_token_id, target.embed.shape[0] - 1), target.embed.shape[0], bs)
     with torch.no_grad():
-        got = engine_run(model, target, steps, features, COUNTS, impl)
+        got = engine_run(model, target, steps, features, COUNTS, impl, device)
         lengths = torch.tensor(PROMPTS)
         err = 0.0
         for (block, counts, _), logits in zip(steps, got):
@@ -132,14 +138,33 @@ def test_engine_draft_triton_equals_training_draft(case):
     assert err <= 1e-5, f"{case}: max |engine (triton) - reference| = {err:.3g}"
 
 
-def test_fuse_weights_keeps_the_checkpoint_layout():
-    model = tiny_draft("kv")
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_draft_triton_cuda_equals_training_draft(case):
+    """The issue-12 bar on the GPU: Triton kernels on CUDA, fp32, within 1e-5 of the CPU reference."""
+    err = max_diff(tiny_draft(**CASES[case]), random_target(H, V), impl="triton", device="cuda")
+    assert err <= 1e-5, f"{case}: max |engine (triton, cuda) - reference| = {err:.3g}"
+
+
+@pytest.mark.parametrize("injection,rank", [("kv", 0), ("residual", 4)])
+def test_fuse_weights_keeps_the_checkpoint_layout(injection, rank):
+    model = tiny_draft(injection, rank=rank)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    model.fuse_weights().fuse_weights()  # idempotent
+    model.fuse_weights()
+    fused = [t.data_ptr() for t in model.buffers()]
+    model.fuse_weights()  # idempotent, and keeps the fused tensors (an engine's CUDA graphs hold them)
+    assert [t.data_ptr() for t in model.buffers()] == fused
     after = model.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     at = model.layers[0].self_attn
     assert at.q_proj.weight.data_ptr() == at.qkv_weight.data_ptr()  # a view: no second copy
+    adj = model.layers[0].adjacent
+    if rank:  # the folded low-rank injection follows new weights, at the same address
+        with torch.no_grad():
+            adj.proj.up.weight.mul_(2)
+        model.fuse_weights()
+        assert adj.proj_weight.data_ptr() in fused
+        assert torch.allclose(adj.proj_weight, adj.proj.up.weight @ adj.proj.down.weight)
 
 
 def test_engine_draft_equals_training_draft_shipped_weights():

@@ -6,7 +6,9 @@ Triton kernels under the interpreter); the ``gpu`` tests run the same checks wit
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -147,6 +149,43 @@ def test_engine_cuda_lossless(stories_dir, stories, graphs, dtype):
         else:  # bf16 vs an fp32 reference: a near-tie can flip a token and the rest of that row (measured on
             # the H200 after packed prefill: 2 of 6 rows of 100 tokens); fp32 above is the exact check
             assert sum(g != w for g, w in zip(got.token_ids, want)) <= 2
+
+
+@pytest.mark.gpu
+def test_engine_graphs_survive_other_captures_and_a_dropped_engine(stories_dir, stories):
+    """The sequence of benchmarks/engine/bench_draft_step.py that ended in an illegal memory access on
+    the H200: graphed steps, a second engine over the same target and draft (other context length,
+    so other RoPE tables) captured and then dropped while a step of it is held, the draft alone
+    (block forward + lm_head) captured as its own graph, ``empty_cache``, then step replays again.
+    Each graphed run must equal the eager engine's output token for token (fp32)."""
+    _, _, folder = stories
+    params = SamplingParams(max_new_tokens=60)
+    want = _engine(stories_dir, folder, device="cuda", impl="triton", cuda_graphs=False).generate(
+        PROMPTS, params, concurrency=4).token_ids
+    eng = _engine(stories_dir, folder, device="cuda", impl="triton", cuda_graphs=True)
+    assert eng.generate(PROMPTS, params, concurrency=4).token_ids == want
+    fused = eng.draft.layers[0].self_attn.qkv_weight.data_ptr()
+    other = Engine(eng.target, eng.draft, [2], max_batch=2, max_seq=300, cuda_graphs=True)
+    assert eng.draft.layers[0].self_attn.qkv_weight.data_ptr() == fused  # not re-fused under eng's graphs
+    assert other.generate(PROMPTS[:2], params).token_ids == want[:2]
+    step, alive = other._runner(2, params, spec=True), weakref.ref(other)
+    del other
+    gc.collect()
+    assert alive() is not None  # a held step keeps the caches its graph replays
+    step()
+    del step
+    gc.collect()
+    assert alive() is None
+    s, (_, dc) = eng._slots_for(4), eng._cache_view(4)
+    eager = eng.draft_logits(s.draft_block, dc)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = eng.draft_logits(s.draft_block, dc)
+    graph.replay()
+    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
+    torch.cuda.empty_cache()
+    for _ in range(2):
+        assert eng.generate(PROMPTS, params, concurrency=4).token_ids == want
 
 
 def test_engine_rejects_cuda_graphs_on_cpu(stories_dir, stories):

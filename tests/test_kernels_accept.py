@@ -170,6 +170,7 @@ def commit_inputs(device, done_dtype=torch.bool):
         done=torch.tensor([0, 0, 0, 0, 1, 0]).to(done_dtype),
         eos_ids=torch.tensor([2, 7]),
         hist=torch.zeros(6, K1 + 1, dtype=torch.int32),
+        anchor=torch.full((6,), 9),
     )
     return {k: v.to(device) for k, v in state.items()}
 
@@ -199,6 +200,7 @@ def test_commit_step_crafted(impl, device, done_dtype):
     h = s["hist"].cpu()
     assert h.sum(1).tolist() == [1, 1, 1, 1, 0, 1]
     assert h.argmax(1)[[0, 1, 2, 3, 5]].tolist() == [4, 2, 1, 3, 1]
+    assert s["anchor"].cpu().tolist() == [20, 21, 22, 2, 9, 25]  # the bonus, except the row already done
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -215,6 +217,7 @@ def test_commit_step_random_triton_equals_torch(device):
         done=torch.rand(B, generator=g) < 0.2,
         eos_ids=torch.tensor([4]),
         hist=torch.randint(0, 3, (B, K1 + 1), generator=g).int(),
+        anchor=torch.randint(0, 6, (B,), generator=g),
     )
     ref = {k: v.clone() for k, v in state.items()}
     got = {k: v.clone().to(device) for k, v in state.items()}

@@ -85,7 +85,9 @@ def random_draft(a: ModelArgs, layers: int, injection: str, rank: int, dev, dtyp
 
 
 def graphed(fn, dev):
-    """``fn`` as a CUDA graph replay (after two eager warm-up calls on a side stream); eager on the CPU."""
+    """``fn`` as a CUDA graph replay (after two eager warm-up calls on its own stream, which the capture
+    uses too); eager on the CPU. The caller keeps alive every tensor ``fn`` reads: the graph holds
+    raw addresses only."""
     if dev.type != "cuda":
         return fn
     side = torch.cuda.Stream()
@@ -95,7 +97,7 @@ def graphed(fn, dev):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         fn()
     return graph.replay
 

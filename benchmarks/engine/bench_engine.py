@@ -12,7 +12,15 @@ Measures, after warm-up, with CUDA events around graph replays:
 * ``oracle_speedup_tau7``: a benchmark-only oracle that accepts exactly 6 draft tokens per step
   (τ = 7) against the engine's own AR, end to end over 256 tokens;
 * ``hf_generate_tok_per_s``: transformers ``generate`` on the same weights, same prompt.
-The same numbers at batch 8. Writes JSON with the command, GPU, date and commit.
+The same numbers at batch 8. At batch 1 only, the stronger peer:
+* ``compiled_hf_tok_per_s``: transformers ``generate`` with a static cache, whose decode step
+  transformers compiles with ``torch.compile`` (its auto-compile on CUDA, mode "reduce-overhead":
+  CUDA graphs), same weights and prompt, greedy. Decode tokens/s like the engine's AR figure:
+  (N − n) tokens over t(N) − t(n) for two generations of N and n new tokens (the short one ended
+  by a stopping criterion, so both use one cache size and one compiled graph), both after the
+  compilation warm-up (excluded; about 45 s at Qwen3-8B shape on the H200). A failed compile
+  records ``compiled_hf_error`` instead. ``--compiled-hf-only`` measures this peer alone.
+Writes JSON with the command, GPU, date and commit.
 """
 
 from __future__ import annotations
@@ -106,6 +114,53 @@ def weight_bytes(target: EngineTarget) -> tuple[int, int]:
     return total, total - target.embed.numel() * target.embed.element_size()
 
 
+def compiled_hf(hf, prompt: list[int], new_tokens: int, short: int, reps: int) -> dict:
+    """Decode tok/s of transformers ``generate`` with a static cache and its compiled decode step, batch 1.
+
+    Returns ``compiled_hf_tok_per_s``, the two generation times (s, median of ``reps``) and whether
+    transformers compiled the step; on CUDA a step left uncompiled, or any exception (compile
+    errors included), is returned as ``compiled_hf_error`` (type and message) instead of raising."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAfter(StoppingCriteria):  # ends the short generation early: both keep one cache size (no recompile)
+        def __init__(self, length: int):
+            self.length = length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, device=input_ids.device)
+
+    dev = hf.device
+    ids = torch.tensor([prompt], device=dev)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, cache_implementation="static",
+              max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
+    def seconds(n: int) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            out = hf.generate(ids, stopping_criteria=StoppingCriteriaList([StopAfter(ids.shape[1] + n)]), **kw)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            if out.shape[1] != ids.shape[1] + n:
+                raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} new tokens, asked for {n}")
+        return sorted(times)[reps // 2]
+
+    try:
+        for _ in range(2):  # compiles (first call) and records the CUDA graphs
+            seconds(new_tokens)
+        compiled = hasattr(hf, "_compiled_call")  # set by transformers' get_compiled_call
+        if dev.type == "cuda" and not compiled:
+            raise RuntimeError("transformers did not compile the decode step (its auto-compile criteria failed)")
+        t_long, t_short = seconds(new_tokens), seconds(short)
+        if t_long <= t_short:
+            raise RuntimeError(f"{new_tokens} tokens took {t_long:.3f} s, no longer than {short} tokens: timing noise")
+        return {"compiled_hf_tok_per_s": (new_tokens - short) / (t_long - t_short), "compiled_hf_compiled": compiled,
+                "compiled_hf_new_tokens": [short, new_tokens], "compiled_hf_generate_s": [t_short, t_long]}
+    except Exception as e:  # noqa: BLE001 - the peer is optional: record why it failed, keep the rest
+        return {"compiled_hf_tok_per_s": None, "compiled_hf_error": f"{type(e).__name__}: {e}"[:2000]}
+
+
 @torch.inference_mode()
 def run(args) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
@@ -114,9 +169,16 @@ def run(args) -> dict:
     shape = TINY if args.tiny else QWEN3_8B
     res: dict = {**provenance(), "shape": "tiny" if args.tiny else "Qwen3-8B", "dtype": str(dtype),
                  "prompt_tokens": args.prompt, "new_tokens": args.new_tokens, "block_size": args.block}
-    res["ceilings"] = ceilings(dev)
     hf, dm = build(shape, dev, dtype, args.draft_layers, args.block)
     a = ModelArgs.from_hf_config(hf.config)
+    g = torch.Generator().manual_seed(1)
+    prompt1 = torch.randint(0, a.vocab_size - 2, (args.prompt,), generator=g).tolist()
+    peer = lambda: compiled_hf(hf, prompt1, args.compiled_new_tokens, 16, args.compiled_reps)
+    if args.compiled_hf_only:
+        res["batch1"] = peer()
+        res["compiled_hf_tok_per_s"] = res["batch1"]["compiled_hf_tok_per_s"]
+        return res
+    res["ceilings"] = ceilings(dev)
     target = EngineTarget.from_hf_state(a, hf.state_dict(), dev, dtype, dm.config.target_layer_ids, impl)
     draft = dm
     total, no_embed = weight_bytes(target)
@@ -125,11 +187,11 @@ def run(args) -> dict:
     if bw:
         res["bandwidth_floor_tok_per_s"] = bw * 1e9 / total
         res["bandwidth_floor_tok_per_s_excl_embedding"] = bw * 1e9 / no_embed
-    g = torch.Generator().manual_seed(1)
     max_seq = args.prompt + args.new_tokens + 64
     greedy = SamplingParams(max_new_tokens=args.new_tokens)
     for B in (1, 8):
-        prompts = [torch.randint(0, a.vocab_size - 2, (args.prompt,), generator=g).tolist() for _ in range(B)]
+        prompts = [prompt1] + [torch.randint(0, a.vocab_size - 2, (args.prompt,), generator=g).tolist()
+                               for _ in range(B - 1)]
         row: dict = {}
         eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens)
         # end to end (prefill excluded from tok/s: decode tokens over decode time)
@@ -169,8 +231,14 @@ def run(args) -> dict:
         gc.collect()
     if dev.type == "cuda":
         res["peak_memory_GB"] = torch.cuda.max_memory_allocated() / 1e9
+    del target, draft
+    gc.collect()
+    peer_row = peer()  # last: torch.compile's state does not touch the engine's timings
+    res["batch1"].update(peer_row)
+    print(f"batch 1 compiled transformers: {peer_row}", flush=True)
     # the issue's headline numbers at batch 1
-    for k in ("ar_tok_per_s", "spec_step_over_ar_step", "oracle_speedup_tau7", "hf_generate_tok_per_s"):
+    for k in ("ar_tok_per_s", "spec_step_over_ar_step", "oracle_speedup_tau7", "hf_generate_tok_per_s",
+              "compiled_hf_tok_per_s"):
         res[k] = res["batch1"][k]
     return res
 
@@ -185,7 +253,14 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--compiled-hf-only", action="store_true",
+                    help="measure only the compiled-transformers peer (batch 1; no engine)")
+    ap.add_argument("--compiled-new-tokens", type=int, default=128,
+                    help="new tokens of the compiled peer's long generation (the short one has 16)")
+    ap.add_argument("--compiled-reps", type=int, default=3, help="timed generations per length (median)")
     args = ap.parse_args(argv)
+    if args.compiled_new_tokens <= 16:
+        ap.error(f"--compiled-new-tokens={args.compiled_new_tokens} must exceed the short generation's 16")
     res = run(args)
     text = json.dumps(res, indent=1)
     if args.output:

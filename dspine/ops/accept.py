@@ -12,13 +12,14 @@ Ops (K = block_size − 1 draft tokens per row, B rows):
     graph-capturable. Entries with w[v] = 0 are never drawn; ties go to the lowest index.
   * ``commit_step``: append the a + 1 candidate tokens (draft 1..a, then bonus) to each live row,
     cut after the first EOS (inclusive) and at min(max_new, L) tokens; n = tokens written;
-    ``out_len += n``, ``hist[b, n] += 1``, done if an EOS was written or the row is full.
+    ``out_len += n``, ``hist[b, n] += 1``, done if an EOS was written or the row is full; with
+    ``anchor`` given, ``anchor = bonus`` (the next block's slot 0, in the same launch).
     Rows already done are untouched. τ = Σ n·hist[n] / Σ hist[n] then counts only committed
     tokens (docs/method.md §8 item 9).
 
 Layouts: draft_tokens [B, K] int64; target_argmax [B, K+1] int64; p_target [B, K+1, V] fp32;
 p_draft [B, K, V] fp32; uniform [B, K] fp32; exp_noise [B, V] fp32 (> 0); block_tokens [B, K+1]
-int64 (slot 0 = anchor); num_accepted [B] int32; bonus [B] int64; out_tokens [B, L] int64;
+int64 (slot 0 = anchor); num_accepted [B] int32; bonus, anchor [B] int64; out_tokens [B, L] int64;
 out_len, max_new [B] int32; done [B] bool or int8; eos_ids [E] int64; hist [B, K+2] int32.
 Last dims contiguous. Kernels: one program per row, except accept_sample: grid (B, splits), each
 program redoes the K-long acceptance scan and loops over its vocabulary slice in chunks of
@@ -242,9 +243,9 @@ def accept_sample(draft_tokens, p_target, p_draft, uniform, exp_noise, impl: str
 
 @triton.jit
 def _commit_kernel(
-    Block, NumAcc, Bonus, OutTok, OutLen, MaxNew, Done, Eos, Hist,
+    Block, NumAcc, Bonus, OutTok, OutLen, MaxNew, Done, Eos, Hist, Anchor,
     stride_blk, stride_out, stride_hist, L, E,
-    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_ANCHOR: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     live = tl.load(Done + b).to(tl.int32) == 0
@@ -269,35 +270,40 @@ def _commit_kernel(
     h_ptr = Hist + b * stride_hist + n
     tl.store(h_ptr, tl.load(h_ptr) + 1, mask=live)
     tl.store(Done + b, finished.to(Done.dtype.element_ty), mask=live)
+    if HAS_ANCHOR:
+        tl.store(Anchor + b, bonus, mask=live)
 
 
-def _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist):
+def _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist, anchor):
     B, K1 = block_tokens.shape
     if tuple(hist.shape) != (B, K1 + 1):
         raise ValueError(f"hist must be {(B, K1 + 1)}, got {tuple(hist.shape)}")
     for name, t in (("num_accepted", num_accepted), ("bonus", bonus), ("out_len", out_len),
-                    ("max_new", max_new), ("done", done)):
+                    ("max_new", max_new), ("done", done)) + ((("anchor", anchor),) if anchor is not None else ()):
         if tuple(t.shape) != (B,):
             raise ValueError(f"{name} must be [{B}], got {tuple(t.shape)}")
     if out_tokens.shape[0] != B or eos_ids.dim() != 1:
         raise ValueError("out_tokens must be [B, L] and eos_ids [E]")
 
 
-def commit_step_triton(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist):
-    _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist)
+def commit_step_triton(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist,
+                       anchor=None):
+    _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist, anchor)
     B, K1 = block_tokens.shape
     if B > 0:
         _commit_kernel[(B,)](
             block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist,
+            anchor if anchor is not None else bonus,  # a dummy when there is no anchor
             block_tokens.stride(0), out_tokens.stride(0), hist.stride(0),
             out_tokens.shape[1], eos_ids.shape[0],
             BLOCK_K=max(16, next_pow2(K1)), BLOCK_E=max(16, next_pow2(eos_ids.shape[0])),
-            num_warps=1,
+            HAS_ANCHOR=anchor is not None, num_warps=1,
         )
 
 
-def commit_step_torch(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist):
-    _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist)
+def commit_step_torch(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist,
+                      anchor=None):
+    _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist, anchor)
     B, K1 = block_tokens.shape
     L = out_tokens.shape[1]
     dev = block_tokens.device
@@ -321,11 +327,14 @@ def commit_step_torch(block_tokens, num_accepted, bonus, out_tokens, out_len, ma
     out_len.copy_(torch.where(live, new_len, olen).to(out_len.dtype))
     hist.scatter_add_(1, n[:, None], live[:, None].to(hist.dtype))
     done.copy_(torch.where(live, finished, done != 0).to(done.dtype))
+    if anchor is not None:
+        anchor.copy_(torch.where(live, bonus, anchor))
 
 
 def commit_step(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist,
-                impl: str = "triton") -> None:
-    """Commit one step's accepted tokens + bonus in place (module docstring). Returns None."""
+                impl: str = "triton", *, anchor=None) -> None:
+    """Commit one step's accepted tokens + bonus in place (module docstring); ``anchor [B]`` (optional)
+    takes the bonus of live rows. Returns None; raises ValueError on shapes."""
     check_impl(impl)
     fn = commit_step_triton if impl == "triton" else commit_step_torch
-    fn(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist)
+    fn(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist, anchor)

@@ -1,0 +1,140 @@
+"""Where one engine step spends its time: per-kernel table of an AR step and a speculative step.
+
+    python benchmarks/engine/profile_step.py --output results/profile-step-h200.json
+    python benchmarks/engine/profile_step.py --tiny --device cpu --output /tmp/profile-step.json   # smoke
+
+Random weights at Qwen3-8B shape (bf16 on CUDA; fp32 on the CPU; ``--tiny`` for a tiny shape): the
+engine target and a 5-layer DSpine draft (residual injection, full rank, non-zero gates), a
+``--context``-token context per row. CUDA graphs are OFF so that every kernel shows in
+``torch.profiler``: the step is the eager sequence of launches the graph would replay, so wall
+time here includes the host's launch overhead that the graph removes, while the kernel times are
+the graph's. For each batch size and step kind (``ar``: 1 token through the target; ``spec``: draft
+block + verify block + accept + commit + draft context append), after ``--warmup`` eager steps,
+``--steps`` steps are profiled and each kernel's device time summed by name. Idle rows: the step
+does all its work and changes no state, so every profiled step is the same step.
+
+JSON per ``batch{B}.{ar,spec}``: ``kernel_us_per_step`` (sum of kernel device times),
+``kernels_per_step`` (launches), ``wall_ms_per_step`` (eager, host-bound), and ``top`` = the 25
+kernels with the largest total time: name, ``us_per_step``, ``count_per_step``, ``us_per_call``,
+``fraction`` of the step's kernel time. On the CPU the table lists PyTorch ops by self CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.engine.bench_draft_step import DRAFTS, TARGETS, random_draft, random_target  # noqa: E402
+from dspine.provenance import provenance  # noqa: E402
+from dspine.sampling import SamplingParams  # noqa: E402
+from infer.engine import Engine  # noqa: E402
+from infer.model import ModelArgs  # noqa: E402
+
+TOP = 25
+
+
+def kernel_table(prof, steps: int, cuda: bool) -> dict:
+    """Per-name totals of the profiled events: CUDA kernels (and memcpy/memset) on a GPU, PyTorch ops
+    by self time on the CPU. Times in µs per step."""
+    total, count = defaultdict(float), defaultdict(int)
+    if cuda:
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                total[e.name] += e.time_range.elapsed_us()
+                count[e.name] += 1
+    else:
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0:
+                total[e.key] += e.self_cpu_time_total
+                count[e.key] += e.count
+    all_us = sum(total.values())
+    top = sorted(total, key=total.get, reverse=True)[:TOP]
+    return {
+        "kernel_us_per_step": all_us / steps,
+        "kernels_per_step": sum(count.values()) / steps,
+        "top": [{"name": n, "us_per_step": total[n] / steps, "count_per_step": count[n] / steps,
+                 "us_per_call": total[n] / count[n], "fraction": total[n] / all_us} for n in top],
+    }
+
+
+def profile_step(step, steps: int, warmup: int, cuda: bool) -> dict:
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    return {"wall_ms_per_step": wall * 1e3 / steps, **kernel_table(prof, steps, cuda)}
+
+
+@torch.inference_mode()
+def run(args) -> dict:
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --tiny for the smoke run)")
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    impl = "triton" if cuda else "torch"
+    shape = "tiny" if args.tiny else "qwen3-8b"
+    a = ModelArgs(**TARGETS[shape])
+    d = DRAFTS[shape]
+    draft = random_draft(a, d["layers"], "residual", d["rank"], dev, dtype)
+    target = random_target(a, draft.config.target_layer_ids, dev, dtype, impl)
+    res: dict = {**provenance(), "shape": shape, "dtype": str(dtype), "impl": impl, "cuda_graphs": False,
+                 "context": args.context, "steps": args.steps, "draft_layers": d["layers"],
+                 "block_size": draft.config.block_size}
+    g = torch.Generator().manual_seed(1)
+    greedy = SamplingParams(max_new_tokens=16)
+    for B in args.batch:
+        prompts = [torch.randint(0, a.vocab_size - 2, (args.context,), generator=g).tolist() for _ in range(B)]
+        eng = Engine(target, draft, [-1], max_batch=B, max_seq=args.context + 64, max_new_cap=16, cuda_graphs=False)
+        eng.generate(prompts, greedy)  # fills the caches; afterwards every row is idle (done)
+        row = {}
+        for kind, spec in (("ar", False), ("spec", True)):
+            row[kind] = profile_step(eng._runner(B, greedy, spec), args.steps, args.warmup, cuda)
+            r = row[kind]
+            print(f"batch {B} {kind}: {r['kernel_us_per_step']:.1f} us of kernels in {r['kernels_per_step']:.0f} "
+                  f"launches per step; top: " + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.1f}"
+                                                         for k in r["top"][:5]), flush=True)
+        row["spec_kernel_time_over_ar"] = row["spec"]["kernel_us_per_step"] / row["ar"]["kernel_us_per_step"]
+        res[f"batch{B}"] = row
+        del eng
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--output", default=None, help="JSON file to write")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny shape instead of Qwen3-8B (CPU smoke test)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=512, help="context tokens per row")
+    ap.add_argument("--steps", type=int, default=5, help="profiled steps per kind")
+    ap.add_argument("--warmup", type=int, default=3, help="eager steps before profiling (compiles the kernels)")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.context < 1:
+        ap.error(f"--steps={args.steps} and --context={args.context} must be >= 1")
+    res = run(args)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

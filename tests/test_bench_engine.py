@@ -1,0 +1,42 @@
+"""benchmarks/engine: the compiled-transformers peer records a failure instead of raising, and the
+step profiler's CPU smoke path writes its per-kernel table."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks.engine import bench_engine, profile_step
+
+
+def test_compiled_peer_records_the_error_and_keeps_going():
+    def generate(*_, **__):
+        raise RuntimeError("inductor exploded")
+
+    hf = SimpleNamespace(device=torch.device("cpu"), generate=generate)
+    row = bench_engine.compiled_hf(hf, [1, 2, 3], new_tokens=32, short=16, reps=1)
+    assert row == {"compiled_hf_tok_per_s": None, "compiled_hf_error": "RuntimeError: inductor exploded"}
+
+
+def test_compiled_peer_refuses_a_short_long_generation():
+    with pytest.raises(SystemExit):
+        bench_engine.main(["--tiny", "--cpu", "--compiled-hf-only", "--compiled-new-tokens", "16"])
+
+
+def test_profile_step_tiny_cpu_writes_the_table(tmp_path):
+    out = tmp_path / "profile.json"
+    profile_step.main(["--tiny", "--device", "cpu", "--batch", "1", "--context", "8", "--steps", "1",
+                       "--warmup", "0", "--output", str(out)])
+    rec = json.loads(out.read_text())
+    assert rec["command"] and rec["date"] and rec["cuda_graphs"] is False
+    for kind in ("ar", "spec"):
+        r = rec["batch1"][kind]
+        assert 0 < len(r["top"]) <= profile_step.TOP and r["kernels_per_step"] > 0
+        assert abs(sum(k["fraction"] for k in r["top"]) - sum(k["us_per_step"] for k in r["top"])
+                   / r["kernel_us_per_step"]) < 1e-9
+        assert all(a["us_per_step"] >= b["us_per_step"] for a, b in zip(r["top"], r["top"][1:]))
+    # the speculative step does the AR step's target work over a block, plus the draft
+    assert rec["batch1"]["spec"]["kernels_per_step"] > rec["batch1"]["ar"]["kernels_per_step"]
