@@ -460,6 +460,9 @@ def regenerate(args: argparse.Namespace) -> dict:
 
     # a .gguf path becomes (folder, file name) here, so run_args.json and every loader see one spelling
     args.target, args.gguf_file = resolve_model_path(args.target, args.gguf_file, need_config=True)
+    from dspine.target import TargetSpec
+
+    TargetSpec.from_pretrained(args.target, args.gguf_file, with_tokenizer=False).check_supported()
     tokenizer = load_tokenizer(args.tokenizer or args.target, None if args.tokenizer else args.gguf_file)
     template = resolve_chat_template(args.chat_template, tokenizer)
     # the answers are only useful if data.tokenize can mask them: check the template before generating

@@ -85,6 +85,78 @@ def check_rope(cfg, who: str) -> None:
                          "refused instead of decoding it as full plain RoPE")
 
 
+# Target layer types DSpine decodes (transformers' ``config.layer_types`` values); anything else
+# (e.g. Qwen3-Next / Qwen3.5 ``linear_attention``: gated delta-rule layers with a recurrent state that
+# a rejected draft would have to roll back) is refused up front instead of failing mid-decode.
+TARGET_LAYER_TYPES = ("full_attention", "sliding_attention")
+# model types whose layers keep a recurrent state, named even when a config omits ``layer_types``
+RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+
+
+def _getter(cfg):
+    return (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+
+
+def _text(cfg):
+    """The text model's config of a multimodal config (``text_config``), else the config itself."""
+    get = _getter(cfg)
+    return get("text_config") if get("text_config") is not None and get("num_hidden_layers") is None else cfg
+
+
+def _window(cfg) -> int | None:
+    """``sliding_window``, None when ``use_sliding_window`` is false (transformers nulls it then)."""
+    get = _getter(cfg)
+    return get("sliding_window") if get("use_sliding_window", False) or get("layer_types") is not None else None
+
+
+def target_layer_types(cfg) -> list[str]:
+    """Per-layer attention type of a target config (object or ``config.json`` dict).
+
+    transformers' rule (Qwen2/Qwen3 configs): ``layer_types`` when given; otherwise layer i slides iff
+    ``use_sliding_window`` is true, ``sliding_window`` is set and ``i >= max_window_layers``. A
+    multimodal config is read through its ``text_config``.
+    """
+    get = _getter(_text(cfg))
+    types = get("layer_types")
+    if types is not None:
+        return [str(t) for t in types]
+    window, first = _window(_text(cfg)), get("max_window_layers") or 0
+    return ["sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(int(get("num_hidden_layers")))]
+
+
+def unsupported_layers(cfg) -> list[str]:
+    """Layer types and settings of a target config that DSpine does not decode, one string each
+    (empty: supported). Names the model type, the layer type and the layers that carry it."""
+    problems = []
+    model_type = _getter(cfg)("model_type")
+    if model_type in RECURRENT_MODEL_TYPES:
+        problems.append(f"model_type={model_type!r} (hybrid: gated delta-rule linear attention with a recurrent state)")
+    types = target_layer_types(cfg)
+    for kind in dict.fromkeys(t for t in types if t not in TARGET_LAYER_TYPES):
+        layers = [i for i, t in enumerate(types) if t == kind]
+        problems.append(f"layer_types has {kind!r} (layers {layers})")
+    window = _window(_text(cfg))
+    if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        problems.append(f"sliding_attention layers with sliding_window={window!r}")
+    return problems
+
+
+def check_target_layers(cfg, who: str) -> list[int | None]:
+    """Per-layer attention window of a target (None = full attention; w = a query at position p sees
+    keys at positions p-w+1 .. p, transformers' sliding mask).
+
+    Raises:
+        ValueError: naming each entry of :func:`unsupported_layers` (``who``: "target x").
+    """
+    problems = unsupported_layers(cfg)
+    if problems:
+        raise ValueError(f"{who}: {'; '.join(problems)}: not supported (DSpine decodes targets whose layers are "
+                         f"{' / '.join(TARGET_LAYER_TYPES)})")
+    window = _window(_text(cfg))
+    return [int(window) if t == "sliding_attention" else None for t in target_layer_types(cfg)]
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target layers whose outputs feed the draft: ``round(1 + i*(L-4)/(n-1))`` (docs/method.md §2).
 

@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dspine.config import ROPE_IMPLEMENTED, check_rope, unsupported_rope
+from dspine.config import (
+    ROPE_IMPLEMENTED,
+    TARGET_LAYER_TYPES,
+    check_rope,
+    check_target_layers,
+    unsupported_layers,
+    unsupported_rope,
+)
 from dspine.paths import hub_errors, read_json_object, resolve_model_path
 
 
@@ -238,17 +245,20 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`).
+        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`); a layer type other than full/sliding attention (:func:`dspine.config.check_target_layers`), both before any weight is read.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, need_config=True)
     torch_dtype = _parse_dtype(dtype)
     kw = {"gguf_file": gguf_file} if gguf_file else {}
+    who = f"target {path_or_id}{f'/{gguf_file}' if gguf_file else ''}"
     with hub_errors("target", path_or_id):
+        config = AutoConfig.from_pretrained(path_or_id, **kw)
+        # the reference target must accept exactly what the engine accepts (docs/method.md §8.3)
+        check_rope(config, who)
+        check_target_layers(config, who)
         model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
-    # the reference target must accept exactly what the engine accepts (docs/method.md §8.3)
-    check_rope(model.config, f"target {path_or_id}{f'/{gguf_file}' if gguf_file else ''}")
     if torch_dtype == torch.float16 and "qwen" in str(model.config.model_type):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     if gguf_file:
@@ -291,6 +301,16 @@ class TargetSpec:
     max_position_embeddings: int | None
     tokenizer_len: int | None = None
     rope_problems: list[str] = field(default_factory=list)  # dspine.config.unsupported_rope
+    layer_problems: list[str] = field(default_factory=list)  # dspine.config.unsupported_layers
+
+    def check_supported(self) -> None:
+        """Raise ``ValueError`` naming an unsupported layer type or RoPE of this target (before any weights load)."""
+        if self.layer_problems:
+            raise ValueError(f"target {self.name}: {'; '.join(self.layer_problems)}: not supported (DSpine decodes "
+                             f"targets whose layers are {' / '.join(TARGET_LAYER_TYPES)})")
+        if self.rope_problems:
+            raise ValueError(f"target {self.name}: {', '.join(self.rope_problems)} is not implemented (DSpine "
+                             f"implements {ROPE_IMPLEMENTED})")
 
     @classmethod
     def from_config(cls, config, name: str = "", tokenizer=None, generation_config=None) -> TargetSpec:
@@ -307,6 +327,7 @@ class TargetSpec:
                 pad.add(tokenizer.pad_token_id)
             if tokenizer.eos_token_id is not None:
                 eos.add(tokenizer.eos_token_id)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config  # qwen3_5: text_config
         theta = getattr(config, "rope_theta", None)
         params = getattr(config, "rope_parameters", None)
         if theta is None and isinstance(params, dict):
@@ -318,7 +339,7 @@ class TargetSpec:
             rope_theta=float(theta) if theta is not None else None,
             max_position_embeddings=getattr(config, "max_position_embeddings", None),
             tokenizer_len=len(tokenizer) if tokenizer is not None else None,
-            rope_problems=unsupported_rope(config),
+            rope_problems=unsupported_rope(config), layer_problems=unsupported_layers(config),
         )
 
     @classmethod
@@ -405,6 +426,9 @@ def check_compat(target: TargetSpec | TargetAdapter, draft_config, max_context: 
             problems.append("equals an eos token")
         rows.append(CheckRow("dflash_config.mask_token_id", f"< {V}, not pad/eos", mask, not problems,
                              "; ".join(problems)))
+    layers_ok = not spec.layer_problems
+    rows.append(CheckRow("layer_types", "; ".join(spec.layer_problems) or "full/sliding attention",
+                         " / ".join(TARGET_LAYER_TYPES), layers_ok, "" if layers_ok else "not supported"))
     rope_ok = not spec.rope_problems
     rows.append(CheckRow("rope", "plain" if rope_ok else ", ".join(spec.rope_problems), "plain", rope_ok,
                          "" if rope_ok else f"not implemented: the draft and the engine implement {ROPE_IMPLEMENTED}"))

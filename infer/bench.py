@@ -45,6 +45,7 @@ class Runner:
         self.args = args
         path, gguf = resolve_model_path(args.target, args.gguf_file)
         self.spec = TargetSpec.from_pretrained(path, gguf)
+        self.spec.check_supported()
         self.tokenizer = load_tokenizer(path, gguf)
         self.backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "reference")
         self.eos = sorted(self.spec.eos_ids)

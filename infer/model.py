@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspine.config import check_rope
+from dspine.config import check_rope, check_target_layers
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
 from dspine.ops.verify_attention import verify_attention
@@ -46,16 +46,21 @@ class ModelArgs:
     tie_word_embeddings: bool
     qk_norm: bool  # Qwen3: per-head RMSNorm on q and k
     qkv_bias: bool  # Qwen2: biases on q/k/v
+    windows: tuple[int | None, ...] = ()  # per layer: sliding window (keys p-w+1 .. p), None = full attention
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArgs:
         """From a transformers config object or a config.json dict.
 
         Raises:
-            ValueError: an unsupported model type or RoPE (:func:`dspine.config.check_rope`, named in the message).
+            ValueError: an unsupported layer type (:func:`dspine.config.check_target_layers`), model type or
+                RoPE (:func:`dspine.config.check_rope`), named in the message.
         """
         get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         mt = get("model_type")
+        windows = check_target_layers(cfg, f"target (model_type {mt})")
+        if any(w is not None for w in windows):
+            raise ValueError(f"target (model_type {mt}): sliding_attention layers are not implemented by the engine")
         if mt not in SUPPORTED:
             raise ValueError(f"target model_type={mt!r} is not supported by the engine (supported: {SUPPORTED})")
         check_rope(cfg, f"target (model_type {mt})")
@@ -69,7 +74,7 @@ class ModelArgs:
             head_dim=int(get("head_dim") or H // heads), rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=float(theta), max_position_embeddings=int(get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)), qk_norm=mt == "qwen3",
-            qkv_bias=bool(get("attention_bias", mt == "qwen2")),
+            qkv_bias=bool(get("attention_bias", mt == "qwen2")), windows=tuple(windows),
         )
 
 
