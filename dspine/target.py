@@ -163,8 +163,14 @@ class TargetAdapter(nn.Module):
         """Target forward returning logits ``[B, T, V]`` and features ``[B, T, k*H]``.
 
         With ``past_key_values`` (an HF cache object) the new tokens attend to the cached prefix;
-        the updated cache is returned in ``TargetOutput.past_key_values``.
+        the updated cache is returned in ``TargetOutput.past_key_values``. A new cache keeps every
+        position in every layer (sliding layers included: their mask still slides), so that
+        :meth:`crop_cache` can drop rejected draft positions beyond the window.
         """
+        if use_cache and past_key_values is None:
+            from transformers import DynamicCache
+
+            past_key_values = DynamicCache()
         store: dict[int, torch.Tensor] = {}
         handles = self._hooks(store, None) if features and self.layer_ids else []
         # transformers renamed the cache argument/output (`past_key_values` -> `cache`, 5.2x)
