@@ -128,3 +128,18 @@ def test_engine_torch_path_equals_transformers(swa_dir, hf_greedy):
     assert res.stats.tau > 3
     ar = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), use_draft=False)
     assert ar.token_ids == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_cuda_equals_transformers(swa_dir, hf_greedy, graphs):
+    """H200: the Triton kernels (windowed verify/decode attention) with and without CUDA graphs, fp32."""
+    _, want = hf_greedy
+    draft = random_draft(load_target(str(swa_dir), dtype="fp32"), block_size=16, mask=1)
+    eng_target = EngineTarget.from_pretrained(str(swa_dir), device="cuda", dtype=torch.float32, impl="triton",
+                                              layer_ids=draft.config.target_layer_ids)
+    eng = Engine(eng_target, draft, [], max_batch=2, max_seq=64, max_new_cap=NEW, cuda_graphs=graphs)
+    for use_draft in (True, False):
+        for conc in (1, 2):
+            got = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), concurrency=conc, use_draft=use_draft)
+            assert got.token_ids == want, (use_draft, conc)
