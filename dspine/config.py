@@ -85,12 +85,16 @@ def check_rope(cfg, who: str) -> None:
                          "refused instead of decoding it as full plain RoPE")
 
 
-# Target layer types DSpine decodes (transformers' ``config.layer_types`` values); anything else
-# (e.g. Qwen3-Next / Qwen3.5 ``linear_attention``: gated delta-rule layers with a recurrent state that
-# a rejected draft would have to roll back) is refused up front instead of failing mid-decode.
+# Target layer types (transformers' ``config.layer_types`` values) each path decodes; anything else is
+# refused up front instead of failing mid-decode. The engine implements attention layers only; the
+# reference path (transformers' own modules: dspine.target, dspine.reference, the trainer) also runs
+# hybrid text models whose ``linear_attention`` layers (gated delta rule) keep a recurrent state that a
+# rejected draft rolls back (dspine.reference).
 TARGET_LAYER_TYPES = ("full_attention", "sliding_attention")
-# model types whose layers keep a recurrent state, named even when a config omits ``layer_types``
+RECURRENT_LAYER_TYPES = ("linear_attention",)
+# hybrid model types: named even when a config omits ``layer_types``; the reference path runs the text models
 RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+REFERENCE_RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
 
 
 def _getter(cfg):
@@ -125,15 +129,25 @@ def target_layer_types(cfg) -> list[str]:
             for i in range(int(get("num_hidden_layers")))]
 
 
-def unsupported_layers(cfg) -> list[str]:
+def is_recurrent(cfg) -> bool:
+    """True for a hybrid target (a layer with recurrent state, or a hybrid model type)."""
+    return _getter(cfg)("model_type") in RECURRENT_MODEL_TYPES or any(
+        t in RECURRENT_LAYER_TYPES for t in target_layer_types(cfg))
+
+
+def unsupported_layers(cfg, engine: bool = True) -> list[str]:
     """Layer types and settings of a target config that DSpine does not decode, one string each
-    (empty: supported). Names the model type, the layer type and the layers that carry it."""
+    (empty: supported), for the engine (``engine=True``) or the reference path. Names the model type,
+    the layer type and the layers that carry it."""
     problems = []
     model_type = _getter(cfg)("model_type")
-    if model_type in RECURRENT_MODEL_TYPES:
-        problems.append(f"model_type={model_type!r} (hybrid: gated delta-rule linear attention with a recurrent state)")
+    known = TARGET_LAYER_TYPES if engine else TARGET_LAYER_TYPES + RECURRENT_LAYER_TYPES
+    if model_type in RECURRENT_MODEL_TYPES and (engine or model_type not in REFERENCE_RECURRENT_MODEL_TYPES):
+        where = "the engine" if engine else "the reference path (it runs the text models qwen3_next / qwen3_5_text)"
+        problems.append(f"model_type={model_type!r} (hybrid: gated delta-rule linear attention with a recurrent "
+                        f"state) is not implemented by {where}")
     types = target_layer_types(cfg)
-    for kind in dict.fromkeys(t for t in types if t not in TARGET_LAYER_TYPES):
+    for kind in dict.fromkeys(t for t in types if t not in known):
         layers = [i for i, t in enumerate(types) if t == kind]
         problems.append(f"layer_types has {kind!r} (layers {layers})")
     window = _window(_text(cfg))
@@ -142,17 +156,22 @@ def unsupported_layers(cfg) -> list[str]:
     return problems
 
 
-def check_target_layers(cfg, who: str) -> list[int | None]:
-    """Per-layer attention window of a target (None = full attention; w = a query at position p sees
-    keys at positions p-w+1 .. p, transformers' sliding mask).
+def layers_error(who: str, problems: list[str], engine: bool) -> str:
+    known = TARGET_LAYER_TYPES if engine else TARGET_LAYER_TYPES + RECURRENT_LAYER_TYPES
+    path = "the engine (--backend cuda)" if engine else "DSpine"
+    return f"{who}: {'; '.join(problems)}: not supported ({path} decodes targets whose layers are {' / '.join(known)})"
+
+
+def check_target_layers(cfg, who: str, engine: bool = True) -> list[int | None]:
+    """Per-layer attention window of a target (None = full attention or a recurrent layer; w = a query at
+    position p sees keys at positions p-w+1 .. p, transformers' sliding mask).
 
     Raises:
         ValueError: naming each entry of :func:`unsupported_layers` (``who``: "target x").
     """
-    problems = unsupported_layers(cfg)
+    problems = unsupported_layers(cfg, engine)
     if problems:
-        raise ValueError(f"{who}: {'; '.join(problems)}: not supported (DSpine decodes targets whose layers are "
-                         f"{' / '.join(TARGET_LAYER_TYPES)})")
+        raise ValueError(layers_error(who, problems, engine))
     window = _window(_text(cfg))
     return [int(window) if t == "sliding_attention" else None for t in target_layer_types(cfg)]
 

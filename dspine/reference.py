@@ -5,13 +5,23 @@ forward over its context cache; the target verifies the block causally over its 
 longest agreeing prefix plus the bonus token is committed; the target cache is cropped to the
 committed positions and their target features are appended to the draft's context. Rows of a batch
 accept different counts (ragged); the draft runs batched, the target verifies row by row on its own
-HF cache (simple and exact). Without a draft it decodes autoregressively on the same path. Shared
+HF cache (simple and exact). Without a draft it decodes autoregressively on the same path.
+
+Rollback. An attention layer drops rejected positions by cropping its KV cache. A hybrid target's
+recurrent layers (conv window + gated delta-rule state) cannot be cropped: the verify pass runs on a
+snapshot (deep copy) of the row's cache, and unless every draft token was accepted the committed
+tokens (anchor .. d_a) are replayed on the untouched pre-verify cache. Replay rather than
+per-position states because transformers' chunked delta-rule forward returns only the final state:
+keeping one state per block position would need our own kernel, replay reuses the target's own
+forward at the cost of a second pass over a + 1 tokens (this is the correctness oracle, not the fast
+path). States stay in the dtype transformers keeps them in (fp32 in the fp32 tests). Shared
 with the engine: the draft's ``forward_block``, the acceptance rule (``dspine.ops.accept``'s torch
 references), the sampler and its per-request streams (``dspine.sampling``), the result type.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -162,7 +172,8 @@ class ReferenceDecoder:
             for b in active:
                 start = int(dcache.lengths[b])  # position of the anchor
                 pos = torch.arange(start, start + bs, device=dev)[None]
-                o = self.target(block[b : b + 1], position_ids=pos, past_key_values=caches[b], use_cache=True)
+                snapshot = copy.deepcopy(caches[b]) if self.target.recurrent else caches[b]
+                o = self.target(block[b : b + 1], position_ids=pos, past_key_values=snapshot, use_cache=True)
                 t_logits = o.logits[0].float()  # [bs, V]
                 if not torch.isfinite(t_logits).all():
                     raise nonfinite_error("target")
@@ -176,8 +187,14 @@ class ReferenceDecoder:
                 a, bonus = int(a), int(bonus)
                 stats[b].record(commit(b, block[b, 1 : a + 1].tolist() + [bonus]))
                 # keep the target cache to the committed positions: anchor .. d_a
-                caches[b] = o.past_key_values
-                self.target.crop_cache(caches[b], start + a + 1)
+                if not self.target.recurrent:
+                    caches[b] = o.past_key_values
+                    self.target.crop_cache(caches[b], start + a + 1)
+                elif a + 1 == bs:  # all accepted: the verify pass's states are the committed ones
+                    caches[b] = o.past_key_values
+                else:  # roll back: replay anchor .. d_a on the pre-verify cache
+                    self.target(block[b : b + 1, : a + 1], position_ids=pos[:, : a + 1], past_key_values=caches[b],
+                                use_cache=True, features=False)
                 new_feats[b, : a + 1] = o.features[0, : a + 1]
                 counts[b] = a + 1
                 anchors[b] = bonus

@@ -45,9 +45,9 @@ class Runner:
         self.args = args
         path, gguf = resolve_model_path(args.target, args.gguf_file)
         self.spec = TargetSpec.from_pretrained(path, gguf)
-        self.spec.check_supported()
-        self.tokenizer = load_tokenizer(path, gguf)
         self.backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "reference")
+        self.spec.check_supported(engine=self.backend == "cuda")
+        self.tokenizer = load_tokenizer(path, gguf)
         self.eos = sorted(self.spec.eos_ids)
         self.drafts = parse_drafts(args.draft)
         limit = self.spec.max_position_embeddings

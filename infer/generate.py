@@ -142,7 +142,7 @@ def run(args) -> dict:
                              "slots is only supported by --backend cuda")
     path, gguf = resolve_model_path(target_path, args.gguf_file, need_config=True)
     spec = TargetSpec.from_pretrained(path, gguf)
-    spec.check_supported()
+    spec.check_supported(engine=backend == "cuda")
     tokenizer = load_tokenizer(path, gguf)
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
