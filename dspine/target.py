@@ -258,7 +258,7 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`); a layer type other than full/sliding attention (:func:`dspine.config.check_target_layers`), both before any weight is read.
+        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`); a layer or model type the reference path does not run (:func:`dspine.config.check_target_layers` with ``engine=False``: full, sliding and, for qwen3_next / qwen3_5_text, linear attention run), both before any weight is read.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 

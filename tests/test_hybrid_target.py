@@ -129,6 +129,7 @@ def test_greedy_speculative_equals_transformers(hybrid):
     assert ar.token_ids[0] == want
 
 
+@pytest.mark.parametrize("hybrid", ["qwen3_next"], indirect=True)  # one model: the trainer path is shared
 def test_tiny_distillation_trains_and_evaluates(hybrid, tmp_path):
     """train/distill.py on the hybrid target: a few steps with evaluation (teacher-forced and real τ through
     the reference decoder, which rolls back the recurrent state)."""
