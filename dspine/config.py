@@ -126,7 +126,7 @@ def target_layer_types(cfg) -> list[str]:
         return [str(t) for t in types]
     window, first = _window(_text(cfg)), get("max_window_layers") or 0
     return ["sliding_attention" if window is not None and i >= first else "full_attention"
-            for i in range(int(get("num_hidden_layers")))]
+            for i in range(int(get("num_hidden_layers") or 0))]  # no depth: nothing to check here
 
 
 def is_recurrent(cfg) -> bool:
