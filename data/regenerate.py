@@ -460,6 +460,14 @@ def regenerate(args: argparse.Namespace) -> dict:
 
     # a .gguf path becomes (folder, file name) here, so run_args.json and every loader see one spelling
     args.target, args.gguf_file = resolve_model_path(args.target, args.gguf_file, need_config=True)
+    from dspine.target import TargetSpec
+
+    spec = TargetSpec.from_pretrained(args.target, args.gguf_file, with_tokenizer=False)
+    backend = resolve_backend(args.backend)
+    if backend == "engine" and spec.engine_layer_problems and args.backend == "auto":
+        print(f"note: {'; '.join(spec.engine_layer_problems)}: not in the engine; --backend auto uses hf", file=sys.stderr)
+        backend = "hf"
+    spec.check_supported(engine=backend == "engine")
     tokenizer = load_tokenizer(args.tokenizer or args.target, None if args.tokenizer else args.gguf_file)
     template = resolve_chat_template(args.chat_template, tokenizer)
     # the answers are only useful if data.tokenize can mask them: check the template before generating
@@ -489,7 +497,6 @@ def regenerate(args: argparse.Namespace) -> dict:
             print(f"{out} is already finished; nothing to do")
         return json.loads((out / SUMMARY).read_text())
 
-    backend = resolve_backend(args.backend)
     stop_ids = stop_token_ids(tokenizer, template, model_generation_config(args.target))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     generator = load_generator(

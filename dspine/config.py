@@ -85,6 +85,97 @@ def check_rope(cfg, who: str) -> None:
                          "refused instead of decoding it as full plain RoPE")
 
 
+# Target layer types (transformers' ``config.layer_types`` values) each path decodes; anything else is
+# refused up front instead of failing mid-decode. The engine implements attention layers only; the
+# reference path (transformers' own modules: dspine.target, dspine.reference, the trainer) also runs
+# hybrid text models whose ``linear_attention`` layers (gated delta rule) keep a recurrent state that a
+# rejected draft rolls back (dspine.reference).
+TARGET_LAYER_TYPES = ("full_attention", "sliding_attention")
+RECURRENT_LAYER_TYPES = ("linear_attention",)
+# hybrid model types: named even when a config omits ``layer_types``; the reference path runs the text models
+RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+REFERENCE_RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
+
+
+def _getter(cfg):
+    return (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+
+
+def _text(cfg):
+    """The text model's config of a multimodal config (``text_config``), else the config itself."""
+    get = _getter(cfg)
+    return get("text_config") if get("text_config") is not None and get("num_hidden_layers") is None else cfg
+
+
+def _window(cfg) -> int | None:
+    """``sliding_window``, None when ``use_sliding_window`` is false (transformers nulls it then)."""
+    get = _getter(cfg)
+    return get("sliding_window") if get("use_sliding_window", False) or get("layer_types") is not None else None
+
+
+def target_layer_types(cfg) -> list[str]:
+    """Per-layer attention type of a target config (object or ``config.json`` dict).
+
+    transformers' rule (Qwen2/Qwen3 configs): ``layer_types`` when given; otherwise layer i slides iff
+    ``use_sliding_window`` is true, ``sliding_window`` is set and ``i >= max_window_layers``. A
+    multimodal config is read through its ``text_config``.
+    """
+    get = _getter(_text(cfg))
+    types = get("layer_types")
+    if types is not None:
+        return [str(t) for t in types]
+    window, first = _window(_text(cfg)), get("max_window_layers") or 0
+    return ["sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(int(get("num_hidden_layers") or 0))]  # no depth: nothing to check here
+
+
+def is_recurrent(cfg) -> bool:
+    """True for a hybrid target (a layer with recurrent state, or a hybrid model type)."""
+    return _getter(cfg)("model_type") in RECURRENT_MODEL_TYPES or any(
+        t in RECURRENT_LAYER_TYPES for t in target_layer_types(cfg))
+
+
+def unsupported_layers(cfg, engine: bool = True) -> list[str]:
+    """Layer types and settings of a target config that DSpine does not decode, one string each
+    (empty: supported), for the engine (``engine=True``) or the reference path. Names the model type,
+    the layer type and the layers that carry it."""
+    problems = []
+    model_type = _getter(cfg)("model_type")
+    known = TARGET_LAYER_TYPES if engine else TARGET_LAYER_TYPES + RECURRENT_LAYER_TYPES
+    if model_type in RECURRENT_MODEL_TYPES and (engine or model_type not in REFERENCE_RECURRENT_MODEL_TYPES):
+        where = "the engine" if engine else "the reference path (it runs the text models qwen3_next / qwen3_5_text)"
+        problems.append(f"model_type={model_type!r} (hybrid: gated delta-rule linear attention with a recurrent "
+                        f"state) is not implemented by {where}")
+    types = target_layer_types(cfg)
+    for kind in dict.fromkeys(t for t in types if t not in known):
+        layers = [i for i, t in enumerate(types) if t == kind]
+        problems.append(f"layer_types has {kind!r} (layers {layers})")
+    window = _window(_text(cfg))
+    if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        problems.append(f"sliding_attention layers with sliding_window={window!r}")
+    return problems
+
+
+def layers_error(who: str, problems: list[str], engine: bool) -> str:
+    known = TARGET_LAYER_TYPES if engine else TARGET_LAYER_TYPES + RECURRENT_LAYER_TYPES
+    path = "the engine (--backend cuda)" if engine else "DSpine"
+    return f"{who}: {'; '.join(problems)}: not supported ({path} decodes targets whose layers are {' / '.join(known)})"
+
+
+def check_target_layers(cfg, who: str, engine: bool = True) -> list[int | None]:
+    """Per-layer attention window of a target (None = full attention or a recurrent layer; w = a query at
+    position p sees keys at positions p-w+1 .. p, transformers' sliding mask).
+
+    Raises:
+        ValueError: naming each entry of :func:`unsupported_layers` (``who``: "target x").
+    """
+    problems = unsupported_layers(cfg, engine)
+    if problems:
+        raise ValueError(layers_error(who, problems, engine))
+    window = _window(_text(cfg))
+    return [int(window) if t == "sliding_attention" else None for t in target_layer_types(cfg)]
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target layers whose outputs feed the draft: ``round(1 + i*(L-4)/(n-1))`` (docs/method.md §2).
 

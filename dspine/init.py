@@ -93,6 +93,7 @@ def main(argv=None) -> int:
         with hub_errors("target", path):
             tcfg = AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
         spec = TargetSpec.from_pretrained(path, gguf)
+        spec.check_supported()
         cfg = DSpineConfig.for_target(tcfg, spec, **{k: getattr(args, k) for k in SHAPE_FIELDS})
         assert_compatible(spec, cfg)
         torch.manual_seed(args.seed)

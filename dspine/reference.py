@@ -8,12 +8,23 @@ accept different counts (ragged); the draft runs batched, the target verifies ro
 HF cache (simple and exact). Without a draft it decodes autoregressively on the same path. With
 ``verify="tree"`` the target verifies a token tree built from the draft's distributions
 (``dspine.tree``) in one forward (a 4D attention mask: the prefix and the node's ancestors; position
-ids = prefix length + depth), and the cache keeps the accepted path's rows. Shared with the engine: the draft's ``forward_block``, the acceptance rule (``dspine.ops.accept``'s torch
+ids = prefix length + depth), and the cache keeps the accepted path's rows (attention-only targets).
+
+Rollback. An attention layer drops rejected positions by cropping its KV cache. A hybrid target's
+recurrent layers (conv window + gated delta-rule state) cannot be cropped: the verify pass runs on a
+snapshot (deep copy) of the row's cache, and unless every draft token was accepted the committed
+tokens (anchor .. d_a) are replayed on the untouched pre-verify cache. Replay rather than
+per-position states because transformers' chunked delta-rule forward returns only the final state:
+keeping one state per block position would need our own kernel, replay reuses the target's own
+forward at the cost of a second pass over a + 1 tokens (this is the correctness oracle, not the fast
+path). States stay in the dtype transformers keeps them in (fp32 in the fp32 tests). Shared
+with the engine: the draft's ``forward_block``, the acceptance rule (``dspine.ops.accept``'s torch
 references), the sampler and its per-request streams (``dspine.sampling``), the result type.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -190,6 +201,8 @@ class ReferenceDecoder:
             for b in active:
                 start = int(dcache.lengths[b])  # position of the anchor
                 if tree is not None:
+                    if self.target.recurrent:
+                        raise ValueError("tree verification needs an attention-only target (hybrid targets: chain)")
                     tokens, f = self._verify_tree_row(b, tree, start, caches[b], params, p_draft, seed, n_out)
                     stats[b].record(commit(b, tokens))
                     new_feats[b, : len(tokens)] = f
@@ -197,7 +210,8 @@ class ReferenceDecoder:
                     anchors[b] = tokens[-1]
                     continue
                 pos = torch.arange(start, start + W, device=dev)[None]
-                o = self.target(block[b : b + 1], position_ids=pos, past_key_values=caches[b], use_cache=True)
+                snapshot = copy.deepcopy(caches[b]) if self.target.recurrent else caches[b]
+                o = self.target(block[b : b + 1], position_ids=pos, past_key_values=snapshot, use_cache=True)
                 t_logits = o.logits[0].float()  # [W, V]
                 if not torch.isfinite(t_logits).all():
                     raise nonfinite_error("target")
@@ -211,8 +225,14 @@ class ReferenceDecoder:
                 a, bonus = int(a), int(bonus)
                 stats[b].record(commit(b, block[b, 1 : a + 1].tolist() + [bonus]))
                 # keep the target cache to the committed positions: anchor .. d_a
-                caches[b] = o.past_key_values
-                self.target.crop_cache(caches[b], start + a + 1)
+                if not self.target.recurrent:
+                    caches[b] = o.past_key_values
+                    self.target.crop_cache(caches[b], start + a + 1)
+                elif a + 1 == W:  # all accepted: the verify pass's states are the committed ones
+                    caches[b] = o.past_key_values
+                else:  # roll back: replay anchor .. d_a on the pre-verify cache
+                    self.target(block[b : b + 1, : a + 1], position_ids=pos[:, : a + 1], past_key_values=caches[b],
+                                use_cache=True, features=False)
                 new_feats[b, : a + 1] = o.features[0, : a + 1]
                 counts[b] = a + 1
                 anchors[b] = bonus

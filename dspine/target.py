@@ -16,7 +16,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dspine.config import ROPE_IMPLEMENTED, check_rope, unsupported_rope
+from dspine.config import (
+    ROPE_IMPLEMENTED,
+    check_rope,
+    check_target_layers,
+    is_recurrent,
+    layers_error,
+    unsupported_layers,
+    unsupported_rope,
+)
 from dspine.paths import hub_errors, read_json_object, resolve_model_path
 
 
@@ -79,6 +87,11 @@ class TargetAdapter(nn.Module):
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def recurrent(self) -> bool:
+        """A hybrid target: some layers keep a recurrent state (``dspine.config.is_recurrent``)."""
+        return is_recurrent(self.config)
 
     @property
     def num_layers(self) -> int:
@@ -156,8 +169,15 @@ class TargetAdapter(nn.Module):
         """Target forward returning logits ``[B, T, V]`` and features ``[B, T, k*H]``.
 
         With ``past_key_values`` (an HF cache object) the new tokens attend to the cached prefix;
-        the updated cache is returned in ``TargetOutput.past_key_values``.
+        the updated cache is returned in ``TargetOutput.past_key_values``. A new cache keeps every
+        position in every attention layer (sliding layers included: their mask still slides), so that
+        :meth:`crop_cache` can drop rejected draft positions beyond the window; a hybrid target's
+        cache also holds its recurrent layers' conv and recurrent states (transformers' layout).
         """
+        if use_cache and past_key_values is None:
+            from transformers import DynamicCache
+
+            past_key_values = DynamicCache(config=self.config) if self.recurrent else DynamicCache()
         store: dict[int, torch.Tensor] = {}
         handles = self._hooks(store, None) if features and self.layer_ids else []
         # transformers renamed the cache argument/output (`past_key_values` -> `cache`, 5.2x)
@@ -238,17 +258,20 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`).
+        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`); a layer or model type the reference path does not run (:func:`dspine.config.check_target_layers` with ``engine=False``: full, sliding and, for qwen3_next / qwen3_5_text, linear attention run), both before any weight is read.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, need_config=True)
     torch_dtype = _parse_dtype(dtype)
     kw = {"gguf_file": gguf_file} if gguf_file else {}
+    who = f"target {path_or_id}{f'/{gguf_file}' if gguf_file else ''}"
     with hub_errors("target", path_or_id):
+        config = AutoConfig.from_pretrained(path_or_id, **kw)
+        check_target_layers(config, who, engine=False)
+        if not is_recurrent(config):  # the engine runs attention-only targets: same RoPE (docs/method.md §8.3)
+            check_rope(config, who)
         model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
-    # the reference target must accept exactly what the engine accepts (docs/method.md §8.3)
-    check_rope(model.config, f"target {path_or_id}{f'/{gguf_file}' if gguf_file else ''}")
     if torch_dtype == torch.float16 and "qwen" in str(model.config.model_type):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     if gguf_file:
@@ -291,6 +314,18 @@ class TargetSpec:
     max_position_embeddings: int | None
     tokenizer_len: int | None = None
     rope_problems: list[str] = field(default_factory=list)  # dspine.config.unsupported_rope
+    layer_problems: list[str] = field(default_factory=list)  # dspine.config.unsupported_layers, reference path
+    engine_layer_problems: list[str] = field(default_factory=list)  # the same for the engine
+
+    def check_supported(self, engine: bool = False) -> None:
+        """Raise ``ValueError`` naming a layer type or RoPE of this target that the engine (``engine=True``)
+        or the reference path does not implement; reads the config only (call before loading weights)."""
+        problems = self.engine_layer_problems if engine else self.layer_problems
+        if problems:
+            raise ValueError(layers_error(f"target {self.name}", problems, engine))
+        if self.rope_problems:
+            raise ValueError(f"target {self.name}: {', '.join(self.rope_problems)} is not implemented (DSpine "
+                             f"implements {ROPE_IMPLEMENTED})")
 
     @classmethod
     def from_config(cls, config, name: str = "", tokenizer=None, generation_config=None) -> TargetSpec:
@@ -307,6 +342,8 @@ class TargetSpec:
                 pad.add(tokenizer.pad_token_id)
             if tokenizer.eos_token_id is not None:
                 eos.add(tokenizer.eos_token_id)
+        outer = config  # its model_type decides support (a multimodal qwen3_5 is refused, its text model is not)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config  # qwen3_5: text_config
         theta = getattr(config, "rope_theta", None)
         params = getattr(config, "rope_parameters", None)
         if theta is None and isinstance(params, dict):
@@ -318,7 +355,10 @@ class TargetSpec:
             rope_theta=float(theta) if theta is not None else None,
             max_position_embeddings=getattr(config, "max_position_embeddings", None),
             tokenizer_len=len(tokenizer) if tokenizer is not None else None,
-            rope_problems=unsupported_rope(config),
+            # a hybrid target runs on transformers' modules only (its RoPE included; the draft has its own plain
+            # RoPE), the engine refuses it by its layer types
+            rope_problems=[] if is_recurrent(outer) else unsupported_rope(config),
+            layer_problems=unsupported_layers(outer, engine=False), engine_layer_problems=unsupported_layers(outer),
         )
 
     @classmethod
@@ -405,6 +445,11 @@ def check_compat(target: TargetSpec | TargetAdapter, draft_config, max_context: 
             problems.append("equals an eos token")
         rows.append(CheckRow("dflash_config.mask_token_id", f"< {V}, not pad/eos", mask, not problems,
                              "; ".join(problems)))
+    layers_ok = not spec.layer_problems
+    note = "not supported" if not layers_ok else (
+        f"engine: {'; '.join(spec.engine_layer_problems)} (use the reference backend)" if spec.engine_layer_problems
+        else "")
+    rows.append(CheckRow("layer_types", "; ".join(spec.layer_problems) or "supported", "-", layers_ok, note))
     rope_ok = not spec.rope_problems
     rows.append(CheckRow("rope", "plain" if rope_ok else ", ".join(spec.rope_problems), "plain", rope_ok,
                          "" if rope_ok else f"not implemented: the draft and the engine implement {ROPE_IMPLEMENTED}"))

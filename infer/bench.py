@@ -45,8 +45,14 @@ class Runner:
         self.args = args
         path, gguf = resolve_model_path(args.target, args.gguf_file)
         self.spec = TargetSpec.from_pretrained(path, gguf)
-        self.tokenizer = load_tokenizer(path, gguf)
         self.backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "reference")
+        if args.backend == "auto" and self.backend == "cuda" and self.spec.engine_layer_problems \
+                and not self.spec.layer_problems:
+            print(f"note: {'; '.join(self.spec.engine_layer_problems)}: not in the engine; --backend auto uses the "
+                  "reference backend", file=sys.stderr)
+            self.backend = "reference"
+        self.spec.check_supported(engine=self.backend == "cuda")
+        self.tokenizer = load_tokenizer(path, gguf)
         self.eos = sorted(self.spec.eos_ids)
         self.drafts = parse_drafts(args.draft)
         limit = self.spec.max_position_embeddings

@@ -151,6 +151,13 @@ def run(args) -> dict:
             raise ValueError(f"--block-size {args.block_size} exceeds the draft's block size {draft_cfg.block_size}")
     path, gguf = resolve_model_path(target_path, args.gguf_file, need_config=True)
     spec = TargetSpec.from_pretrained(path, gguf)
+    if args.backend == "auto" and backend == "cuda" and spec.engine_layer_problems and not spec.layer_problems:
+        print(f"note: {'; '.join(spec.engine_layer_problems)}: not in the engine; --backend auto uses the reference "
+              "backend", file=sys.stderr)
+        backend = "reference"
+        if args.block_size is not None and draft_cfg is not None and args.block_size != draft_cfg.block_size:
+            raise ValueError(f"--block-size {args.block_size} needs the engine, which does not run this target")
+    spec.check_supported(engine=backend == "cuda")
     tokenizer = load_tokenizer(path, gguf)
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)

@@ -7,6 +7,11 @@ the reference and on the CPU), plus cuBLAS matmuls. Numerics follow transformers
 ``modeling_qwen3`` / ``modeling_llama`` op by op (bf16 residual adds, fp32 norm statistics, RoPE
 rotate-half), so logits match transformers to bf16 rounding.
 
+Sliding-window targets (Qwen2/Qwen3 ``use_sliding_window``, per-layer ``layer_types``): a sliding
+layer's query at position p attends to keys p - window + 1 .. p (transformers' mask) in prefill
+(SDPA with a band mask), verify and decode (``verify_attention(window=...)``); the KV cache stays
+full-length. Layer types other than full / sliding attention are refused at config parsing.
+
 Features for the draft are the decoder-layer outputs (residual stream after layer i) at the
 draft's ``target_layer_ids``, the last layer's after the final norm under the draft's
 ``last_layer_features = "post_norm"`` — the same tensors ``dspine.target.TargetAdapter`` returns.
@@ -22,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspine.config import check_rope
+from dspine.config import check_rope, check_target_layers
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
 from dspine.ops.silu_mul import silu_mul
@@ -49,16 +54,19 @@ class ModelArgs:
     tie_word_embeddings: bool
     qk_norm: bool  # Qwen3: per-head RMSNorm on q and k
     qkv_bias: bool  # Qwen2: biases on q/k/v
+    windows: tuple[int | None, ...] = ()  # per layer: sliding window (keys p-w+1 .. p), None = full attention
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArgs:
         """From a transformers config object or a config.json dict.
 
         Raises:
-            ValueError: an unsupported model type or RoPE (:func:`dspine.config.check_rope`, named in the message).
+            ValueError: an unsupported layer type (:func:`dspine.config.check_target_layers`), model type or
+                RoPE (:func:`dspine.config.check_rope`), named in the message.
         """
         get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         mt = get("model_type")
+        windows = check_target_layers(cfg, f"target (model_type {mt})")
         if mt not in SUPPORTED:
             raise ValueError(f"target model_type={mt!r} is not supported by the engine (supported: {SUPPORTED})")
         check_rope(cfg, f"target (model_type {mt})")
@@ -72,7 +80,7 @@ class ModelArgs:
             head_dim=int(get("head_dim") or H // heads), rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=float(theta), max_position_embeddings=int(get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)), qk_norm=mt == "qwen3",
-            qkv_bias=bool(get("attention_bias", mt == "qwen2")),
+            qkv_bias=bool(get("attention_bias", mt == "qwen2")), windows=tuple(windows),
         )
 
 
@@ -200,6 +208,22 @@ class EngineTarget(nn.Module):
         """Static cache of ``seq`` positions per slot (the engine checks the RoPE range before)."""
         return KVCache(self.args, batch, seq, self.embed.device, self.embed.dtype)
 
+    def window(self, i: int) -> int | None:
+        """Sliding window of layer i (None: full attention)."""
+        return self.args.windows[i] if self.args.windows else None
+
+    def _prompt_attention(self, i: int, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """Causal SDPA of a prompt's queries q ``[1, Hq, P, D]`` over its own keys kc/vc ``[1, Hkv, P, D]``;
+        a sliding layer masks keys before p - window + 1."""
+        a, w = self.args, self.window(i)
+        P = q.shape[2]
+        mask = None
+        if w is not None and w < P:
+            j = torch.arange(P, device=q.device)
+            mask = (j[None, :] <= j[:, None]) & (j[None, :] > j[:, None] - w)  # [P, P]
+        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                              enable_gqa=a.num_heads != a.num_kv_heads)
+
     def _mlp(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
         return F.linear(silu_mul(F.linear(h, L.gate_up), impl=self.impl), L.down)
 
@@ -265,7 +289,7 @@ class EngineTarget(nn.Module):
                                    tree_bits, self.scale, impl=self.impl)
                 return o.view(B * T, -1)
             o = verify_attention(q.view(B, T, a.num_heads, a.head_dim), cache.k[i], cache.v[i], cache_len,
-                                 self.scale, impl=self.impl)
+                                 self.scale, impl=self.impl, window=self.window(i))
             return o.view(B * T, -1)
 
         write = None
@@ -287,12 +311,11 @@ class EngineTarget(nn.Module):
         P = tokens.shape[0]
         if P > cache.seq:
             raise ValueError(f"prompt of {P} tokens does not fit the cache ({cache.seq} positions)")
-        Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        Hq, D = a.num_heads, a.head_dim
 
         def attend(i, q):
             kc, vc = cache.k[i][slot : slot + 1, :, :P], cache.v[i][slot : slot + 1, :, :P]
-            o = F.scaled_dot_product_attention(q.view(1, P, Hq, D).transpose(1, 2), kc, vc, is_causal=True,
-                                               scale=self.scale, enable_gqa=Hq != Hkv)
+            o = self._prompt_attention(i, q.view(1, P, Hq, D).transpose(1, 2), kc, vc)
             return o.transpose(1, 2).reshape(P, Hq * D)
 
         pos = torch.arange(P, device=tokens.device)
@@ -321,7 +344,7 @@ class EngineTarget(nn.Module):
         lens = [int(p.shape[0]) for p in prompts]
         if max(lens) > cache.seq:
             raise ValueError(f"prompt of {max(lens)} tokens does not fit the cache ({cache.seq} positions)")
-        Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        Hq, D = a.num_heads, a.head_dim
         dev = prompts[0].device
         tokens = torch.cat(prompts)
         pos = torch.cat([torch.arange(n, device=dev) for n in lens])
@@ -335,8 +358,7 @@ class EngineTarget(nn.Module):
             for j, (s, n) in enumerate(zip(slots, lens)):
                 kc, vc = cache.k[i][s : s + 1, :, :n], cache.v[i][s : s + 1, :, :n]
                 qj = q[starts[j] : starts[j + 1]].view(1, n, Hq, D).transpose(1, 2)
-                o = F.scaled_dot_product_attention(qj, kc, vc, is_causal=True, scale=self.scale,
-                                                   enable_gqa=Hq != Hkv)
+                o = self._prompt_attention(i, qj, kc, vc)
                 out[starts[j] : starts[j + 1]] = o.transpose(1, 2).reshape(n, Hq * D)
             return out
 

@@ -87,6 +87,31 @@ def test_verify_attention_torch_impl():
     check_budget(verify_attention(q, k, v, cache_len, 0.125, impl="torch"), q, k, v, vis, 0.125)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [(3, 16, 4, 2, 16, [0, 9, 70], torch.float32, 8),
+                                  (2, 1, 4, 1, 32, [5, 131], torch.bfloat16, 16),
+                                  (2, 5, 2, 2, 16, [40, 3], torch.float32, 1)],
+                         ids=lambda c: f"T{c[1]}W{c[7]}{str(c[6])[6:]}")
+def test_verify_attention_window(case, device):
+    """Sliding window: a query at p sees keys p-w+1 .. p (transformers' mask); the kernel (every split
+    count) and the torch reference against the fp64 reference, and against each other."""
+    B, T, Hq, Hkv, D, lens, dtype, w = case
+    (q, k, v, cache_len), vis = make_verify(B, T, Hq, Hkv, D, lens, dtype, device)
+    pos = cache_len[:, None, None].long() + torch.arange(T, device=q.device)[None, :, None]
+    vis = vis & (torch.arange(k.shape[2], device=q.device)[None, None, :] > pos - w)
+    assert not vis.all(dim=-1).any()  # the window cuts every row of these cases
+    ref = verify_attention(q, k, v, cache_len, 0.25, impl="torch", window=w)
+    check_budget(ref, q, k, v, vis, 0.25)
+    for splits in (None, 1, 3):
+        out = torch.full_like(q, float("nan"))
+        verify_attention(q, k, v, cache_len, 0.25, out=out, num_splits=splits, window=w)
+        check_budget(out, q, k, v, vis, 0.25)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="window=0"):
+        verify_attention(q, k, v, cache_len, 0.25, window=0)
+
+
 def test_verify_attention_decode_equals_causal_block():
     """T = 1 decode at length L+t must equal row t of a T-token verify at length L."""
     if not (env.TRITON_CPU or env.HAS_CUDA):

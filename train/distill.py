@@ -77,6 +77,8 @@ def train(cfg) -> int:
     from dspine.target import TargetSpec, load_target, load_tokenizer
 
     # ---------------------------------------------------------------------------------------- init
+    with config_errors("target"):  # an unsupported target (layer types, RoPE) is refused before any heavy work
+        TargetSpec.from_pretrained(cfg.target, with_tokenizer=False).check_supported()
     dev = run_config.resolve_device_settings(cfg, torch.cuda.is_available())
     accelerator = Accelerator(mixed_precision=dev["mixed_precision"], gradient_accumulation_steps=cfg.grad_accum,
                               log_with="wandb" if cfg.report_to == "wandb" else None)

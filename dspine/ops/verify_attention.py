@@ -2,8 +2,10 @@
 
 Op: for batch b, query token t (absolute position ``p = cache_len[b] + t``) and query head h,
 ``out[b, t, h] = softmax_j(scale · q[b, t, h] · k[b, h // G, j]) · v[b, h // G, j]`` over keys
-``j = 0 .. p`` inclusive. The new tokens' own K/V must already be in the cache at positions
-``cache_len[b] .. cache_len[b] + T − 1``.
+``j = 0 .. p`` inclusive, or ``j = p − window + 1 .. p`` with a sliding ``window`` (transformers'
+sliding-window mask: a query sees itself and the window − 1 keys before it; the cache stays
+full-length and keys before the window are skipped, not evicted). The new tokens' own K/V must
+already be in the cache at positions ``cache_len[b] .. cache_len[b] + T − 1``.
 
 Layouts: q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; cache_len [B] int32 (or int64) on the
 device; out [B, T, Hq, D] in q's dtype. Last dims contiguous; other strides are free.
@@ -49,7 +51,7 @@ def _verify_attn_kernel(
     Hkv, S, T, chunk, num_splits,
     G: tl.constexpr, D: tl.constexpr, NUM_MB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, PREC: tl.constexpr,
+    SPLIT: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -69,10 +71,12 @@ def _verify_attn_kernel(
     q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     clen = tl.load(CacheLen + b).to(tl.int32)
-    q_pos = clen + t  # key j is visible to row r iff j <= q_pos[r]
+    q_pos = clen + t  # key j is visible to row r iff q_pos[r] - WINDOW < j <= q_pos[r] (WINDOW 0: no lower bound)
 
     lo = pid_s * chunk
     hi = tl.minimum(tl.minimum(lo + chunk, clen + T), S)
+    if WINDOW > 0:  # skip the tiles before the first row's window
+        lo = tl.maximum(lo, tl.maximum(clen - WINDOW + 1, 0) // BLOCK_N * BLOCK_N)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 
@@ -86,6 +90,8 @@ def _verify_attn_kernel(
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, kt, input_precision=PREC) * qk_scale
         vis = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            vis = vis & (n[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -136,7 +142,13 @@ def _split_plan(base_programs: int, keys: int, block_n: int, device, num_splits:
     return triton.cdiv(keys, chunk), chunk
 
 
-def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None):
+def _check_window(window):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r}: expected None or an int >= 1")
+
+
+def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None):
+    _check_window(window)
     B, T, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
     if Hq % Hkv or v_cache.shape != k_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D:
@@ -166,7 +178,7 @@ def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, 
         out.stride(0), out.stride(1), out.stride(2),
         Hkv, S, T, chunk, ns,
         G=G, D=D, NUM_MB=num_mb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-        SPLIT=split, PREC=dot_precision(q.dtype),
+        SPLIT=split, PREC=dot_precision(q.dtype), WINDOW=window or 0,
         num_warps=warps, num_stages=stages,
     )
     if split:
@@ -174,9 +186,10 @@ def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, 
     return out
 
 
-def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None):
+def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None):
     """Reference: masked softmax in fp32 over the whole cache (no host sync, graph-capturable)."""
     del num_splits
+    _check_window(window)
     B, T, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
     G = Hq // Hkv
@@ -189,6 +202,8 @@ def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, n
     v = v_cache.float().masked_fill(~written[:, None, :, None], 0.0)
     pos = clen[:, None] + torch.arange(T, device=q.device).repeat_interleave(G)[None, :]  # [B, TG]
     vis = j[None, None, :] <= pos[:, :, None]  # [B, TG, S]
+    if window is not None:
+        vis = vis & (j[None, None, :] > pos[:, :, None] - window)
     s = (qr @ k.transpose(-1, -2)) * scale
     s = s.masked_fill(~vis[:, None], float("-inf"))
     o = torch.softmax(s, dim=-1) @ v  # [B, Hkv, TG, D]
@@ -200,15 +215,17 @@ def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, n
 
 
 def verify_attention(q, k_cache, v_cache, cache_len, scale, impl: str = "triton", *, out=None,
-                     num_splits=None):
+                     num_splits=None, window: int | None = None):
     """Causal attention of q [B, T, Hq, D] over k/v_cache [B, Hkv, S, D] up to cache_len[b] + t.
 
     Returns out [B, T, Hq, D] in q's dtype (written into ``out`` if given). ``num_splits``
-    overrides the split-K count (tests); by default it is chosen from shapes. Raises ValueError
-    on inconsistent shapes. See the module docstring for layouts and numerics.
+    overrides the split-K count (tests); by default it is chosen from shapes. ``window`` (tokens,
+    None = full causal): a query at position p sees keys p − window + 1 .. p only. Raises
+    ValueError on inconsistent shapes or a window that is not an int >= 1. See the module
+    docstring for layouts and numerics.
     """
     check_impl(impl)
     fn = verify_attention_triton if impl == "triton" else verify_attention_torch
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return fn(q, k_cache, v_cache, cache_len, scale, out=out, num_splits=num_splits)
+    return fn(q, k_cache, v_cache, cache_len, scale, out=out, num_splits=num_splits, window=window)
