@@ -29,11 +29,13 @@ def test_silu_mul_matches_torch(device, dtype, rows, inter):
     torch_out = F.silu(gate) * up
     assert got.shape == (rows, inter) and got.dtype == dtype
     # (1) structure: torch's ops up to the exp's last bits: bf16 one ulp of |out| in a few elements,
-    # fp32 a few ulp (silu and the product each round once more on top of the exp's ulp)
+    # fp32 a few ulp (silu and the product each round once more on top of the exp's ulp) plus, on CUDA,
+    # the fast exp's absolute error near silu's zero (H200: 3.8e-6 at |out| ~ 1e-7)
     ulps, frac = (1, 0.02) if dtype == torch.bfloat16 else (4, 1.0)
     diff = (got.double() - torch_out.double()).abs()
     ulp = torch.finfo(dtype).eps * torch_out.double().abs().clamp_min(torch.finfo(dtype).tiny)
-    assert bool((diff <= ulps * ulp).all()), f"max diff {diff.max().item():.3g}"
+    slack = FLOOR[dtype] * torch_out.double().abs().max() if dtype == torch.float32 and device == "cuda" else 0.0
+    assert bool((diff <= ulps * ulp + slack).all()), f"max diff {diff.max().item():.3g}"
     assert (diff > 0).double().mean().item() <= frac
     # (2) accuracy against fp64
     g64, u64 = gate.double(), up.double()
