@@ -28,7 +28,7 @@ import torch
 
 from ._common import check_impl, dot_precision, tl, triton
 from .attn_combine import combine_partials_triton
-from .verify_attention import _attn_blocks, _split_plan
+from .verify_attention import _launch_plan
 
 __all__ = ["tree_attention", "tree_attention_torch"]
 
@@ -130,16 +130,8 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, o
         raise ValueError(f"head_dim {D} > 256 is not supported")
     G = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
-    bm, bn, bd, warps, stages = _attn_blocks(D, q.dtype, G * T)
-    num_mb = triton.cdiv(G * T, bm)
-    ns, chunk = _split_plan(B * Hkv * num_mb, S, bn, q.device, num_splits)
+    (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(q, Hkv, S, num_splits, out)
     split = ns > 1
-    if split:
-        part_acc = torch.empty(B * Hkv, ns, G * T, D, device=q.device, dtype=torch.float32)
-        part_m = torch.empty(B * Hkv, ns, G * T, device=q.device, dtype=torch.float32)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out  # unused
     _tree_attn_kernel[(B * Hkv * num_mb, ns)](
         q, k_cache, v_cache, cache_len, tree_bits, out, part_acc, part_m, part_l,
         float(scale) * _LOG2E,

@@ -147,6 +147,24 @@ def _check_window(window):
         raise ValueError(f"window={window!r}: expected None or an int >= 1")
 
 
+def _launch_plan(q, Hkv: int, S: int, num_splits, out):
+    """Block sizes, row-tile count, KV split plan and fp32 partial buffers of a verify-layout attention
+    launch (q ``[B, T, Hq, D]``): shared by this op and ``dspine.ops.tree_attention``. The partials are
+    ``out`` itself (unused) when the plan does not split."""
+    B, T, Hq, D = q.shape
+    G = Hq // Hkv
+    blocks = _attn_blocks(D, q.dtype, G * T)
+    num_mb = triton.cdiv(G * T, blocks[0])
+    ns, chunk = _split_plan(B * Hkv * num_mb, S, blocks[1], q.device, num_splits)
+    if ns > 1:
+        part_acc = torch.empty(B * Hkv, ns, G * T, D, device=q.device, dtype=torch.float32)
+        part_m = torch.empty(B * Hkv, ns, G * T, device=q.device, dtype=torch.float32)
+        parts = (part_acc, part_m, torch.empty_like(part_m))
+    else:
+        parts = (out, out, out)
+    return blocks, num_mb, ns, chunk, parts
+
+
 def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None):
     _check_window(window)
     B, T, Hq, D = q.shape
@@ -159,16 +177,8 @@ def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, 
         raise ValueError(f"head_dim {D} > 256 is not supported")
     G = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
-    bm, bn, bd, warps, stages = _attn_blocks(D, q.dtype, G * T)
-    num_mb = triton.cdiv(G * T, bm)
-    ns, chunk = _split_plan(B * Hkv * num_mb, S, bn, q.device, num_splits)
+    (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(q, Hkv, S, num_splits, out)
     split = ns > 1
-    if split:
-        part_acc = torch.empty(B * Hkv, ns, G * T, D, device=q.device, dtype=torch.float32)
-        part_m = torch.empty(B * Hkv, ns, G * T, device=q.device, dtype=torch.float32)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out  # unused
     _verify_attn_kernel[(B * Hkv * num_mb, ns)](
         q, k_cache, v_cache, cache_len, out, part_acc, part_m, part_l,
         float(scale) * _LOG2E,
