@@ -154,9 +154,9 @@ class TargetAdapter(nn.Module):
             feats = [norm(f) if i == last else f for i, f in zip(self.layer_ids, feats)]
         return torch.cat(feats, dim=-1)
 
-    def _hooks(self, store: dict, stop_after: int | None):
+    def _hooks(self, store: dict, stop_after: int | None, extra: list[int] = ()):
         handles = []
-        for i in self.layer_ids:
+        for i in [*self.layer_ids, *extra]:
             def hook(_module, _inp, out, i=i):
                 store[i] = out[0] if isinstance(out, tuple) else out
                 if stop_after is not None and i == stop_after:
@@ -208,10 +208,27 @@ class TargetAdapter(nn.Module):
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Features only ``[B, S, k*H]``: the forward stops after the last needed layer (no lm_head)."""
+        return self._features(input_ids, attention_mask, last=False)[0]
+
+    def features_and_last_hidden(self, input_ids: torch.Tensor,
+                                 attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features ``[B, S, k*H]`` and the last decoder layer's output ``[B, S, H]`` *before* the final norm.
+
+        ``lm_head(final_norm(last))`` are the target's logits; the trainer's distillation loss applies both
+        only at the positions it needs (``train.loss.block_loss``), never ``[B, S, V]`` at once."""
+        return self._features(input_ids, attention_mask, last=True)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's final norm: ``[..., H] -> [..., H]`` (what the lm_head reads)."""
+        return final_norm(self.model)(hidden)
+
+    def _features(self, input_ids, attention_mask, last: bool):
         if not self.layer_ids:
             raise ValueError("target_layer_ids are not set on the target adapter")
         store: dict[int, torch.Tensor] = {}
-        handles = self._hooks(store, max(self.layer_ids))
+        top = self.num_layers - 1
+        extra = [top] if last and top not in self.layer_ids else []
+        handles = self._hooks(store, top if last else max(self.layer_ids), extra)
         try:
             _decoder(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
@@ -219,7 +236,7 @@ class TargetAdapter(nn.Module):
         finally:
             for h in handles:
                 h.remove()
-        return self._concat(store)
+        return self._concat(store), (store[top] if last else None)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -48,6 +48,9 @@ class RunConfig:
     max_length: int = 3072  # tokens per sequence; longer rows are truncated
     anchors_per_seq: int = 512  # anchors sampled per sequence and step (without replacement)
     gamma: float = 7.0  # slot k weight exp(-(k-1)/gamma) (docs/method.md §4)
+    distill: str = "ce"  # ce (hard labels) | kl (target's next-token distribution at a+k-1) | mix (both)
+    distill_alpha: float = 0.5  # mix: weight of the hard-label CE (kl term gets 1 - alpha)
+    distill_temperature: float = 1.0  # T of the soft targets (both softmaxes; the soft term is scaled by T^2)
     # -- optimisation -------------------------------------------------------------------------
     lr: float = 6e-4  # peak AdamW learning rate
     weight_decay: float = 0.0  # AdamW decoupled weight decay
@@ -96,6 +99,7 @@ CHOICES: dict[str, tuple] = {
     "attn": ("auto", "flex", "dense"),
     "save_dtype": ("bf16", "fp32"),
     "report_to": ("wandb", "none"),
+    "distill": ("ce", "kl", "mix"),
 }
 POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every")
 NON_NEGATIVE = ("data_workers", "max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_max_rows", "eval_prompts",
@@ -198,6 +202,14 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"config key 'mask_token_id': must be >= 0, got {cfg.mask_token_id}")
     if cfg.target_layer_ids is not None and any(i < 0 for i in cfg.target_layer_ids):
         raise ConfigError(f"config key 'target_layer_ids': must be >= 0, got {cfg.target_layer_ids}")
+    if not 0 <= cfg.distill_alpha <= 1:
+        raise ConfigError(f"config key 'distill_alpha': must be in [0, 1], got {cfg.distill_alpha}")
+    if cfg.distill_temperature <= 0:
+        raise ConfigError(f"config key 'distill_temperature': must be > 0, got {cfg.distill_temperature}")
+    if cfg.distill != "ce" and cfg.feature_source != "online":
+        raise ConfigError(f"config key 'distill': {cfg.distill} needs the target's logits, which a train.capture "
+                          f"folder does not hold (feature_source={cfg.feature_source}); use feature_source=online "
+                          "or distill=ce")
     if cfg.gamma <= 0:
         raise ConfigError(f"config key 'gamma': must be > 0, got {cfg.gamma}")
     if cfg.lr <= 0:

@@ -147,7 +147,8 @@ def train(cfg) -> int:
             with config_errors("init_from"):
                 warm_start(draft, cfg.init_from)
     eos_ids = sorted(TargetSpec.from_adapter(target, tokenizer).eos_ids)
-    settings = StepSettings(dcfg.block_size, dev["attn"], cfg.loss_chunk_size, cfg.grad_clip)
+    settings = StepSettings(dcfg.block_size, dev["attn"], cfg.loss_chunk_size, cfg.grad_clip, cfg.distill,
+                            cfg.distill_alpha, cfg.distill_temperature)
     batch_kw = dict(max_length=cfg.max_length, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
                     gamma=cfg.gamma, anchors_per_seq=cfg.anchors_per_seq, pad_to_multiple=dev["pad_to_multiple"],
                     static_anchors=dev["attn"] == "flex")
@@ -232,6 +233,7 @@ def train(cfg) -> int:
                    "anchor_blocks_per_s": window["blocks"] / max(window["seconds"], 1e-9),  # this rank's
                    "data_wait_s": window["data_wait_s"] / len(window["loss"]),
                    "train/acc_at_pos": window["stats"].accuracy, "skipped_rows": skipped_total}
+            row.update(soft_metrics(window["stats"], "train/"))
             log(row)
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             window = new_window()
@@ -268,8 +270,19 @@ def eval_prompts(rows, count: int, min_tokens: int) -> list[list[int]]:
     return prompts
 
 
+def soft_metrics(stats: LossStats, prefix: str) -> dict:
+    """Hard-label CE, KL(p_target ‖ q_draft) and per-slot argmax agreement with the target, when the
+    statistics hold the target's distribution (``distill`` kl/mix, and every eval); else {}."""
+    if not stats.soft:
+        return {}
+    w = stats.weight_sum or float("nan")
+    return {f"{prefix}ce": stats.ce_sum / w, f"{prefix}kl": stats.kl_sum / w,
+            f"{prefix}argmax_agree_at_pos": stats.agreement}
+
+
 def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3) -> dict:
-    """Held-out loss, teacher-forced accuracy per slot, tau_sim and tau_real.
+    """Held-out loss, teacher-forced accuracy per slot, tau_sim and tau_real; also the hard-label CE, the KL
+    to the target's distribution, the argmax agreement per slot and tau_sim_agree (tau_sim from it).
 
     Per-slot counts are summed over ranks before dividing (docs/method.md §8.9); anchors are drawn from a
     fixed generator so evals at different steps see the same blocks. tau_real decodes
@@ -283,12 +296,14 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
             ids = mine[i: i + cfg.micro_batch_size]
             b = make_batch([eval_rows.row(j) for j in ids], ids, generator=anchor_generator(cfg.seed, -1, rank, m),
                            **batch_kw)
-            stats.add(micro_loss(draft, target, b.to(accelerator.device), settings)[1])
+            stats.add(micro_loss(draft, target, b.to(accelerator.device), settings, measure_target=True)[1])
     stats = LossStats.from_vector(reduce_sum(accelerator, stats.to_vector()))
     acc = stats.accuracy
     tau, at_pos = tau_sim(acc)
     out = {"eval/loss": stats.loss_sum / stats.weight_sum if stats.weight_sum else float("nan"),
-           "eval/acc_at_pos": acc, "eval/accept_at_pos": at_pos, "eval/tau_sim": tau}
+           "eval/acc_at_pos": acc, "eval/accept_at_pos": at_pos, "eval/tau_sim": tau,
+           **soft_metrics(stats, "eval/")}
+    out["eval/tau_sim_agree"] = tau_sim(stats.agreement)[0]  # T = 0 acceptance tests the target's argmax
     if cfg.eval_prompts:
         from dspine.reference import ReferenceDecoder
         from dspine.sampling import SamplingParams

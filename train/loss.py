@@ -5,11 +5,18 @@ k >= 1 predicts ``x_{a+k}`` with weight ``w_k = exp(-(k-1)/γ) · loss_mask[a+k]
 sequence end), and ``loss = Σ w·CE / Σ w``. The vocabulary projection is the frozen target
 ``lm_head``, applied in row chunks by :class:`FusedLinearCE` so that the ``[rows, vocab]`` logits
 never exist at once.
+
+Knowledge distillation (run config ``distill``, docs/method.md §4): with soft targets slot k of the
+block at anchor a is trained towards the target's own next-token distribution at sequence position
+a+k-1 (its prediction of token a+k given the true prefix, the distribution used at verify), with the
+same weights and normalisation; :class:`FusedLinearSoftCE` computes the target's logits per row
+chunk as well, so neither ``[rows, vocab]`` tensor exists at once.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +107,19 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: tor
     return labels.view(B, -1), w.view(B, -1)
 
 
+def target_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Sequence position whose target logits give the distribution of each block slot's token.
+
+    Slot k of the block at anchor a predicts token a+k; the target predicts it from position a+k-1
+    (causal LM: logits at p are the distribution of token p+1). anchors: int64 ``[B, N]`` (-1 = pad).
+    Returns int64 ``[B, N*bs]`` = a+k-1, with 0 at slot 0 and in padding blocks (rows of weight 0)."""
+    B, N = anchors.shape
+    k = torch.arange(block_size, device=anchors.device)
+    pos = anchors[:, :, None] + k - 1
+    ok = (anchors[:, :, None] >= 0) & (k > 0)
+    return torch.where(ok, pos, torch.zeros_like(pos)).view(B, N * block_size)
+
+
 # ----------------------------------------------------------------------- fused linear cross entropy
 
 
@@ -163,6 +183,117 @@ def naive_linear_cross_entropy(hidden, weight, labels, row_weights, chunk_size: 
     return (row_weights.float() * ce).sum(), logits.argmax(-1) == labels
 
 
+class FusedLinearSoftCE(torch.autograd.Function):
+    """Distillation loss with soft targets over row chunks (the soft-label form of :class:`FusedLinearCE`).
+
+    Per row r: draft logits ``z = h_r Wᵀ``, target logits ``u = t_{i_r} Wᵀ`` (same frozen lm_head),
+    temperature T, ``q = softmax(z/T)``, ``p = softmax(u/T)``, and
+
+        loss_r = α · CE(y_r, softmax(z)) + (1 - α) · T² · CE(p, q),   CE(p, q) = -Σ_v p_v log q_v
+
+    (Hinton et al. 2015, "Distilling the Knowledge in a Neural Network": soft-target CE scaled by T²
+    so its gradient keeps the hard-label scale). CE(p, q) = KL(p ‖ q) + H(p) and H(p) does not depend
+    on the draft, so the soft term is the forward KL up to a constant. ``∂loss_r/∂z = α·(softmax(z) -
+    onehot(y)) + (1-α)·T·(q - p)``; the forward keeps ``w·∂/∂z · W`` per chunk in one ``[R, H]``
+    buffer, as :class:`FusedLinearCE` does. Logits are fp32 (fp64 when ``weight`` is fp64, which the
+    gradient checks use). Peak extra memory is a few ``[chunk_size, V]`` tensors of that dtype.
+
+    Inputs: hidden ``[R, H]``, weight ``[V, H]``, labels int64 ``[R]``, row_weights ``[R]``,
+    target_hidden ``[U, H]`` (target rows after its final norm), target_index int64 ``[R]`` (row of
+    target_hidden for each row). Outputs: loss sum Σ w·loss_r (scalar), bool ``[R]`` argmax(z) ==
+    label, bool ``[R]`` argmax(z) == argmax(u), Σ w·KL(p ‖ q) and Σ w·CE(y, softmax(z)) (scalars;
+    only the first output is differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, row_weights, target_hidden, target_index, alpha: float,
+                temperature: float, chunk_size: int):
+        R, dev = hidden.shape[0], hidden.device
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        need_grad = ctx.needs_input_grad[0]
+        grad = torch.empty(R, hidden.shape[1], dtype=acc, device=dev) if need_grad else None
+        correct = torch.empty(R, dtype=torch.bool, device=dev)
+        agree = torch.empty(R, dtype=torch.bool, device=dev)
+        total, kl_total, ce_total = (torch.zeros((), dtype=acc, device=dev) for _ in range(3))
+        T, a = float(temperature), float(alpha)
+        for s in range(0, R, chunk_size):
+            e = min(s + chunk_size, R)
+            z = (hidden[s:e].to(weight.dtype) @ weight.t()).to(acc)  # [c, V] draft logits
+            u = (target_hidden[target_index[s:e]].to(weight.dtype) @ weight.t()).to(acc)  # [c, V] target logits
+            y, w = labels[s:e], row_weights[s:e].to(acc)
+            lse = torch.logsumexp(z, dim=-1)
+            ce = lse - z.gather(1, y[:, None]).squeeze(1)  # hard-label CE, as in FusedLinearCE
+            zmax = z.argmax(-1)
+            correct[s:e] = zmax == y
+            agree[s:e] = zmax == u.argmax(-1)
+            log_q = z / T if T != 1.0 else z.clone()
+            log_q -= torch.logsumexp(log_q, dim=-1, keepdim=True)
+            log_p = u.div_(T) if T != 1.0 else u
+            log_p -= torch.logsumexp(log_p, dim=-1, keepdim=True)
+            p = log_p.exp()
+            soft = -(p * log_q).sum(-1)  # CE(p, q)
+            kl = (p * (log_p - log_q)).sum(-1)
+            row = ce if a == 1.0 else a * ce + (1.0 - a) * (T * T) * soft
+            total += (w * row).sum()
+            kl_total += (w * kl).sum()
+            ce_total += (w * ce).sum()
+            if need_grad:
+                # (1-α)·T·(q - p) + α·(softmax(z) - onehot(y)), built in the log_q buffer
+                g = log_q.exp_().sub_(p).mul_((1.0 - a) * T)
+                if a != 0.0:
+                    g += a * (z - lse[:, None]).exp_()
+                    g[torch.arange(e - s, device=dev), y] -= a
+                g.mul_(w[:, None])
+                grad[s:e] = (g.to(weight.dtype) @ weight).to(acc)
+        ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(correct, agree, kl_total, ce_total)
+        return total, correct, agree, kl_total, ce_total
+
+    @staticmethod
+    def backward(ctx, grad_total, *_unused):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_total).to(ctx.hidden_dtype), None, None, None, None, None, None, None, None
+
+
+def _check_soft_args(alpha: float, temperature: float, chunk_size: int) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha} must be in [0, 1] (weight of the hard-label CE)")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+
+
+def fused_linear_soft_cross_entropy(hidden, weight, labels, row_weights, target_hidden, target_index,
+                                    alpha: float = 0.0, temperature: float = 1.0, chunk_size: int = 2048):
+    """``(Σ w·loss, argmax == label, argmax == target argmax, Σ w·KL, Σ w·CE_hard)``; see :class:`FusedLinearSoftCE`.
+
+    Raises ValueError for chunk_size < 1, alpha outside [0, 1] or temperature <= 0."""
+    _check_soft_args(alpha, temperature, chunk_size)
+    return FusedLinearSoftCE.apply(hidden, weight, labels, row_weights, target_hidden, target_index, float(alpha),
+                                   float(temperature), int(chunk_size))
+
+
+def naive_linear_soft_cross_entropy(hidden, weight, labels, row_weights, target_hidden, target_index,
+                                    alpha: float = 0.0, temperature: float = 1.0, chunk_size: int = 0):
+    """Reference with the same signature: full ``[R, V]`` logits, ``F.cross_entropy`` with soft targets
+    and ``F.kl_div``; autograd gives the gradient."""
+    _check_soft_args(alpha, temperature, max(chunk_size, 1))
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    z = (hidden.to(weight.dtype) @ weight.t()).to(acc)
+    u = (target_hidden[target_index].to(weight.dtype) @ weight.t()).to(acc)
+    p = torch.softmax(u / temperature, dim=-1)
+    ce = F.cross_entropy(z, labels, reduction="none")
+    soft = F.cross_entropy(z / temperature, p, reduction="none")
+    kl = F.kl_div(torch.log_softmax(z / temperature, -1), torch.log_softmax(u / temperature, -1), reduction="none",
+                  log_target=True).sum(-1)
+    w = row_weights.to(acc)
+    loss = (w * (alpha * ce + (1 - alpha) * temperature ** 2 * soft)).sum()
+    zmax = z.argmax(-1)
+    return loss, zmax == labels, zmax == u.argmax(-1), (w * kl).sum().detach(), (w * ce).sum().detach()
+
+
 # ------------------------------------------------------------------------------- block loss
 
 
@@ -170,13 +301,24 @@ def naive_linear_cross_entropy(hidden, weight, labels, row_weights, chunk_size: 
 class LossStats:
     """Sums over weighted rows (w > 0) of one or more micro-batches, per slot k = 0..bs-1 (0 unused).
 
-    loss_sum = Σ w·CE, weight_sum = Σ w (fp64 scalars as Python floats), count[k] = weighted rows of
-    slot k, correct[k] = those where the draft's argmax equals the label (int64 ``[bs]``)."""
+    loss_sum = Σ w·loss (the trained objective), weight_sum = Σ w, ce_sum = Σ w·CE(label), kl_sum =
+    Σ w·KL(p_target ‖ q_draft) (Python floats), count[k] = weighted rows of slot k, correct[k] = those
+    where the draft's argmax equals the label, agree[k] = those where it equals the target's argmax
+    (int64 ``[bs]``). ``soft`` says whether the target's distribution was computed (kl_sum and agree
+    are 0 otherwise)."""
 
     loss_sum: float
     weight_sum: float
     count: torch.Tensor
     correct: torch.Tensor
+    ce_sum: float = 0.0
+    kl_sum: float = 0.0
+    agree: torch.Tensor | None = None
+    soft: bool = False
+
+    def __post_init__(self):
+        if self.agree is None:
+            self.agree = torch.zeros_like(self.count)
 
     @classmethod
     def zeros(cls, block_size: int) -> LossStats:
@@ -185,36 +327,70 @@ class LossStats:
     def add(self, other: LossStats) -> LossStats:
         self.loss_sum += other.loss_sum
         self.weight_sum += other.weight_sum
+        self.ce_sum += other.ce_sum
+        self.kl_sum += other.kl_sum
         self.count += other.count
         self.correct += other.correct
+        self.agree += other.agree
+        self.soft = self.soft or other.soft
         return self
 
     def to_vector(self) -> torch.Tensor:
-        """fp64 ``[2 + 2·bs]`` for one all-reduce: (loss_sum, weight_sum, count, correct)."""
-        return torch.cat([torch.tensor([self.loss_sum, self.weight_sum], dtype=torch.float64),
-                          self.count.double(), self.correct.double()])
+        """fp64 ``[5 + 3·bs]`` for one all-reduce: (loss_sum, weight_sum, ce_sum, kl_sum, soft, count, correct, agree)."""
+        head = [self.loss_sum, self.weight_sum, self.ce_sum, self.kl_sum, float(self.soft)]
+        return torch.cat([torch.tensor(head, dtype=torch.float64), self.count.double(), self.correct.double(),
+                          self.agree.double()])
 
     @classmethod
     def from_vector(cls, v: torch.Tensor) -> LossStats:
         v = v.double().cpu()
-        bs = (len(v) - 2) // 2
-        return cls(float(v[0]), float(v[1]), v[2:2 + bs].round().long(), v[2 + bs:].round().long())
+        bs = (len(v) - 5) // 3
+        n = lambda i: v[5 + i * bs: 5 + (i + 1) * bs].round().long()
+        return cls(float(v[0]), float(v[1]), n(0), n(1), float(v[2]), float(v[3]), n(2), bool(v[4] > 0))
 
     @property
     def accuracy(self) -> list[float]:
         """Teacher-forced accuracy acc_k, k = 1..bs-1 (NaN for a slot with no weighted row)."""
         return [c / n if n else float("nan") for c, n in zip(self.correct.tolist()[1:], self.count.tolist()[1:])]
 
+    @property
+    def agreement(self) -> list[float] | None:
+        """Fraction of slot k's rows (k = 1..bs-1) where the draft's argmax equals the target's argmax
+        (what T = 0 acceptance tests); None when the target's distribution was not computed."""
+        if not self.soft:
+            return None
+        return [c / n if n else float("nan") for c, n in zip(self.agree.tolist()[1:], self.count.tolist()[1:])]
+
+
+@dataclass
+class DistillTargets:
+    """What :func:`block_loss` needs for soft targets (run config ``distill``; docs/method.md §4).
+
+    last_hidden: ``[B, S, H]`` output of the target's last decoder layer, *before* its final norm
+    (:meth:`dspine.target.TargetAdapter.features_and_last_hidden`); norm: the target's final norm
+    (``[..., H] -> [..., H]``); anchors: int64 ``[B, N]`` (-1 = pad); alpha: weight of the hard-label
+    CE (0 = pure distillation, 1 = hard labels only, the target then only measured); temperature: T."""
+
+    last_hidden: torch.Tensor
+    norm: Callable[[torch.Tensor], torch.Tensor]
+    anchors: torch.Tensor
+    alpha: float = 0.0
+    temperature: float = 1.0
+
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-               block_size: int, chunk_size: int = 2048, fused: bool = True) -> tuple[torch.Tensor, LossStats]:
-    """Weighted CE sum of the draft's block outputs and per-slot statistics.
+               block_size: int, chunk_size: int = 2048, fused: bool = True,
+               distill: DistillTargets | None = None) -> tuple[torch.Tensor, LossStats]:
+    """Weighted loss sum of the draft's block outputs and per-slot statistics.
 
     Args:
         hidden: ``[B, N*bs, H]`` draft outputs (``forward_train``); lm_head_weight ``[V, H]`` (frozen).
         labels, weights: ``[B, N*bs]`` from :func:`block_targets`.
+        distill: soft targets (None = hard-label CE only, :class:`FusedLinearCE`). The target rows of the
+            weighted slots (:func:`target_positions`) are gathered once per distinct position, then put
+            through the final norm; the lm_head runs per row chunk inside :class:`FusedLinearSoftCE`.
     Returns:
-        ``Σ w·CE`` (fp32 scalar, differentiable w.r.t. ``hidden``; divide by Σ w for the loss of
+        ``Σ w·loss`` (fp32 scalar, differentiable w.r.t. ``hidden``; divide by Σ w for the loss of
         docs/method.md §4) and :class:`LossStats`. Only rows with w > 0 reach the lm_head.
     """
     H = hidden.shape[-1]
@@ -223,15 +399,35 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     h = hidden.reshape(-1, H).index_select(0, rows.to(hidden.device))
     y = labels.reshape(-1)[rows].to(hidden.device)
     w = flat_w[rows].to(hidden.device)
+    slots = (rows % block_size).to(hidden.device)
+    count = torch.bincount(slots, minlength=block_size).cpu()
+    if distill is not None:
+        B, S, _ = distill.last_hidden.shape
+        anchors = distill.anchors.to(hidden.device)
+        row_b = torch.div(rows.to(hidden.device), anchors.shape[1] * block_size, rounding_mode="floor")
+        pos = target_positions(anchors, block_size).reshape(-1)[rows.to(hidden.device)] + row_b * S
+        uniq, index = torch.unique(pos, return_inverse=True)  # one target row per distinct position
+        with torch.no_grad():
+            t = distill.norm(distill.last_hidden.reshape(B * S, -1).index_select(0, uniq))
+        fn = fused_linear_soft_cross_entropy if fused else naive_linear_soft_cross_entropy
+        if len(rows):
+            loss_sum, correct, agree, kl_sum, ce_sum = fn(h, lm_head_weight, y, w, t, index, distill.alpha,
+                                                          distill.temperature, chunk_size)
+        else:  # as below: a zero with a graph
+            loss_sum, kl_sum, ce_sum = hidden.float().sum() * 0.0, 0.0, 0.0
+            correct = agree = torch.zeros(0, dtype=torch.bool, device=hidden.device)
+        stats = LossStats(float(loss_sum.detach()), float(w.double().sum()), count,
+                          torch.bincount(slots[correct], minlength=block_size).cpu(), float(ce_sum), float(kl_sum),
+                          torch.bincount(slots[agree], minlength=block_size).cpu(), True)
+        return loss_sum, stats
     fn = fused_linear_cross_entropy if fused else naive_linear_cross_entropy
     if len(rows):
         loss_sum, correct = fn(h, lm_head_weight, y, w, chunk_size)
     else:  # nothing to learn here: a zero that still reaches every draft parameter (DDP needs the graph)
         loss_sum, correct = hidden.float().sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    slots = (rows % block_size).to(hidden.device)
-    count = torch.bincount(slots, minlength=block_size).cpu()
     hits = torch.bincount(slots[correct], minlength=block_size).cpu()
-    stats = LossStats(float(loss_sum.detach()), float(w.double().sum()), count, hits)
+    loss = float(loss_sum.detach())
+    stats = LossStats(loss, float(w.double().sum()), count, hits, ce_sum=loss)
     return loss_sum, stats
 
 

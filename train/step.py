@@ -1,6 +1,7 @@
 """One optimizer step of the DSpine trainer, shared by ``train/distill.py`` and ``benchmarks/train/bench_train.py``.
 
-Normalisation (docs/method.md §4, loss = Σ w·CE / Σ w over the global batch): the weight total W of all
+Normalisation (docs/method.md §4, loss = Σ w·CE / Σ w over the global batch; the same with the
+distillation loss of ``distill``): the weight total W of all
 micro-batches of all ranks is known before any forward (it depends only on anchors and loss
 masks), so it is all-reduced first and every micro-batch backpropagates
 ``Σ_micro w·CE · (world · grad_accum / W)``; the ``1/grad_accum`` of accelerate/DeepSpeed and the
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from train.data import MicroBatch
-from train.loss import LossStats, block_loss
+from train.loss import DistillTargets, LossStats, block_loss
 
 
 @dataclass
@@ -24,20 +25,37 @@ class StepSettings:
     attn: str  # "dense" | "flex" (DSpineDraftModel.forward_train)
     loss_chunk_size: int  # rows per lm_head chunk
     grad_clip: float  # max global grad norm (0 = off)
+    distill: str = "ce"  # ce | kl | mix (train.config.RunConfig.distill)
+    distill_alpha: float = 0.5  # mix: weight of the hard-label CE
+    distill_temperature: float = 1.0  # T of the soft targets
 
 
-def micro_loss(draft, target, batch: MicroBatch, s: StepSettings) -> tuple[torch.Tensor, LossStats]:
-    """``Σ w·CE`` of one micro-batch (already on the device) and its per-slot statistics.
+def micro_loss(draft, target, batch: MicroBatch, s: StepSettings,
+               measure_target: bool = False) -> tuple[torch.Tensor, LossStats]:
+    """``Σ w·loss`` of one micro-batch (already on the device) and its per-slot statistics.
 
     Target features come from ``batch.features`` (offline capture) or a no-grad target forward;
-    block inputs use the frozen target embedding and the loss its frozen lm_head."""
+    block inputs use the frozen target embedding and the loss its frozen lm_head. With
+    ``s.distill`` kl or mix (or ``measure_target``: ce loss, plus KL and argmax agreement in the
+    statistics) the online target forward also returns its last layer for the soft targets."""
+    soft = s.distill != "ce" or measure_target
+    last = None
     with torch.no_grad():
         feats = batch.features
-        if feats is None:
+        if soft:
+            if feats is not None:
+                raise ValueError(f"distill={s.distill} needs the target's logits: use online features")
+            feats, last = target.features_and_last_hidden(batch.input_ids, batch.attention_mask)
+        elif feats is None:
             feats = target.features(batch.input_ids, batch.attention_mask)
         block_embeds = target.embed(batch.block_ids)
     hidden = draft(block_embeds, feats, batch.anchors, attn=s.attn)
-    return block_loss(hidden, target.lm_head_weight, batch.labels, batch.weights, s.block_size, s.loss_chunk_size)
+    distill = None
+    if soft:
+        alpha = {"ce": 1.0, "kl": 0.0, "mix": s.distill_alpha}[s.distill]
+        distill = DistillTargets(last, target.final_norm, batch.anchors, alpha, s.distill_temperature)
+    return block_loss(hidden, target.lm_head_weight, batch.labels, batch.weights, s.block_size, s.loss_chunk_size,
+                      distill=distill)
 
 
 def reduce_sum(accelerator, values: torch.Tensor) -> torch.Tensor:
@@ -50,7 +68,7 @@ def reduce_sum(accelerator, values: torch.Tensor) -> torch.Tensor:
 def train_step(accelerator, draft, target, optimizer, scheduler, batches: list[MicroBatch], s: StepSettings) -> dict:
     """Forward/backward over ``grad_accum`` micro-batches, clip, optimizer and scheduler step.
 
-    Returns global (all-rank) values: ``loss`` (Σ w·CE / Σ w), ``lr`` used for this step,
+    Returns global (all-rank) values: ``loss`` (Σ w·loss / Σ w), ``lr`` used for this step,
     ``grad_norm`` (before clipping), ``tokens`` (target tokens), ``skipped`` (rows without an
     anchor) and ``stats`` (:class:`LossStats`).
     """
