@@ -242,7 +242,8 @@ def train(cfg) -> int:
             log({"step": n, **res_eval})
             if main_proc:
                 bar.write(f"step {n}: eval loss {res_eval['eval/loss']:.4f}, tau_sim {res_eval['eval/tau_sim']:.3f}"
-                          + (f", tau_real {res_eval['eval/tau_real']:.3f}" if "eval/tau_real" in res_eval else ""))
+                          + (f", tau_real {res_eval['eval/tau_real']:.3f}" if "eval/tau_real" in res_eval else "")
+                          + f", kl {res_eval['eval/kl']:.4f}, tau_sim_agree {res_eval['eval/tau_sim_agree']:.3f}")
         if n == stop or (cfg.save_every and n % cfg.save_every == 0):
             pos = order.position(n)  # where the next step starts reading
             state = {"step": n, "epoch": pos.epoch, "index": pos.index, "skipped_rows": skipped_total,

@@ -20,7 +20,7 @@
 # Knobs (env): WORK (runs/smollm2), NGPU (all visible), SAMPLES (3), SAMPLE_T (0.8), MAX_NEW (1024),
 #   REGEN_CONC (engine slots per GPU, 512), REGEN_CHUNK (rows per resumable write, 4096), REGEN_LIMIT (rows),
 #   STEPS (optimizer steps per draft, 2000) or TRAIN_MINUTES (wall clock per run: STEPS from a 30-step
-#   calibration), SEEDS ("0"), TRAIN_OVERRIDES (extra key=value for every run),
+#   calibration), SEEDS ("0"), TRAIN_OVERRIDES (extra key=value for every run, e.g. "distill=kl"),
 #   BENCH_C1 (20), BENCH_C8 (40), BENCH_NEW (512), SCALE_PROMPTS (8), RESULTS (results JSON prefix).
 set -euo pipefail
 cd "${DSPINE_REPO:-$(dirname "$0")/../..}"  # DSPINE_REPO: run a copy of this script from elsewhere
