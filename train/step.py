@@ -24,6 +24,7 @@ class StepSettings:
     attn: str  # "dense" | "flex" (DSpineDraftModel.forward_train)
     loss_chunk_size: int  # rows per lm_head chunk
     grad_clip: float  # max global grad norm (0 = off)
+    ce_impl: str = "eager"  # chunk math of the fused CE: eager (reference) | compiled (train.loss.ce_chunk fused)
 
 
 def micro_loss(draft, target, batch: MicroBatch, s: StepSettings) -> tuple[torch.Tensor, LossStats]:
@@ -37,7 +38,8 @@ def micro_loss(draft, target, batch: MicroBatch, s: StepSettings) -> tuple[torch
             feats = target.features(batch.input_ids, batch.attention_mask)
         block_embeds = target.embed(batch.block_ids)
     hidden = draft(block_embeds, feats, batch.anchors, attn=s.attn)
-    return block_loss(hidden, target.lm_head_weight, batch.labels, batch.weights, s.block_size, s.loss_chunk_size)
+    return block_loss(hidden, target.lm_head_weight, batch.labels, batch.weights, s.block_size, s.loss_chunk_size,
+                      ce_impl=s.ce_impl)
 
 
 def reduce_sum(accelerator, values: torch.Tensor) -> torch.Tensor:
@@ -83,10 +85,29 @@ def train_step(accelerator, draft, target, optimizer, scheduler, batches: list[M
     }
 
 
-def make_optimizer(draft: torch.nn.Module, lr: float, weight_decay: float, betas) -> torch.optim.Optimizer:
-    """AdamW over the draft's trainable parameters (fp32 master weights; docs/method.md §4)."""
+def make_optimizer(draft: torch.nn.Module, lr: float, weight_decay: float, betas, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the draft's trainable parameters (fp32 master weights; docs/method.md §4).
+
+    ``fused=True`` selects PyTorch's single-kernel CUDA AdamW (same update rule; one pass over the
+    parameter, gradient and moment tensors instead of one pass per elementwise op). Raises
+    ValueError when the parameters are not on a CUDA device."""
     params = [p for p in draft.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
+    if fused and any(p.device.type != "cuda" for p in params):
+        raise ValueError("fused AdamW needs the draft's parameters on a CUDA device")
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), fused=fused or None)
+
+
+def compile_layers(layers) -> int:
+    """``torch.compile`` each module of ``layers`` in place (regional compilation: decoder layers of one
+    class share one compiled graph, so the compile cost is paid once, not once per layer).
+
+    Only ``forward`` is compiled: forward hooks (the target's feature capture, DeepSpeed's ZeRO-3
+    parameter gathering) stay eager around it. Returns the number of modules compiled."""
+    n = 0
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=False)
+        n += 1
+    return n
 
 
 def lr_lambda(step: int, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:
