@@ -106,7 +106,7 @@ def compare_regen(one: list[dict], two: list[dict]) -> dict:
     b = {r["index"]: (r["generated_token_ids"], r["finish_reason"]) for r in two}
     same = [i for i in a if i in b and a[i] == b[i]]
     return {"identical": bool(a) and set(a) == set(b) and len(same) == len(a), "rows_1gpu": len(a), "rows_2gpu": len(b),
-            "identical_rows": len(same), "differing_rows": sorted(set(a) | set(b) - set(same))[:20]}
+            "identical_rows": len(same), "differing_rows": sorted((set(a) | set(b)) - set(same))[:20]}
 
 
 def assemble(record: dict) -> dict:
