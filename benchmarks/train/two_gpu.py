@@ -339,8 +339,8 @@ def part_b(args, L: Launcher, deepspeed: bool) -> dict:
 
 
 def safetensors_equal(a: Path, b: Path) -> bool:
-    from safetensors.torch import load_file
     import torch
+    from safetensors.torch import load_file
 
     ta, tb = load_file(str(a)), load_file(str(b))
     return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
