@@ -97,19 +97,6 @@ def make_optimizer(draft: torch.nn.Module, lr: float, weight_decay: float, betas
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), fused=fused or None)
 
 
-def compile_layers(layers) -> int:
-    """``torch.compile`` each module of ``layers`` in place (regional compilation: decoder layers of one
-    class share one compiled graph, so the compile cost is paid once, not once per layer).
-
-    Only ``forward`` is compiled: forward hooks (the target's feature capture, DeepSpeed's ZeRO-3
-    parameter gathering) stay eager around it. Returns the number of modules compiled."""
-    n = 0
-    for layer in layers:
-        layer.forward = torch.compile(layer.forward, dynamic=False)
-        n += 1
-    return n
-
-
 def lr_lambda(step: int, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:
     """lr multiplier of 0-based optimizer ``step``: linear warmup ``(step+1)/warmup``, then
     cosine ``r + (1-r)·½(1+cos(π·p))`` or linear ``r + (1-r)(1-p)`` or constant, p = progress after warmup."""
