@@ -9,6 +9,11 @@ Order: optimizer step s of a run reads the global batch ``perm_e[i : i + G]`` wi
 ``G = micro_batch_size · grad_accum · world``, e = s // steps_per_epoch, i = (s mod steps_per_epoch)·G
 and ``perm_e`` a permutation seeded by (seed, e); rank r takes items r::world of it, so the ranks
 see disjoint rows and a resumed run reads exactly what the uninterrupted run would have.
+
+Anchors: micro-batch m of rank r draws them from ``anchor_generator(seed, s, 0, m·world + r)``. With
+``micro_batch_size = 1`` that index is the position of its row in the global batch, so a run on W ranks
+with grad_accum A and one on 1 rank with grad_accum W·A train on the same rows with the same anchors
+(the two-GPU loss-curve check); on one rank it is the plain micro-batch index.
 """
 
 from __future__ import annotations
@@ -339,8 +344,8 @@ class StepBatches(torch.utils.data.Dataset):
         step = self.steps[i]
         out = []
         for m, ids in enumerate(self.order.rank_rows(step, self.rank)):
-            b = make_batch([self.rows.row(j) for j in ids], ids, generator=anchor_generator(self.seed, step, self.rank, m),
-                           **self.batch_kw)
+            gen = anchor_generator(self.seed, step, 0, m * self.order.world + self.rank)  # module docstring: Anchors
+            b = make_batch([self.rows.row(j) for j in ids], ids, generator=gen, **self.batch_kw)
             top = int(b.input_ids.max())
             if top >= self.vocab_size:
                 raise ValueError(f"{self.source} rows {list(b.row_ids)} hold token id {top} >= the target's "

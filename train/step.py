@@ -28,6 +28,7 @@ class StepSettings:
     distill: str = "ce"  # ce | kl | mix (train.config.RunConfig.distill)
     distill_alpha: float = 0.5  # mix: weight of the hard-label CE
     distill_temperature: float = 1.0  # T of the soft targets
+    ce_impl: str = "eager"  # chunk math of the fused CE: eager (reference) | compiled (train.loss.ce_chunk fused)
 
 
 def micro_loss(draft, target, batch: MicroBatch, s: StepSettings,
@@ -55,7 +56,7 @@ def micro_loss(draft, target, batch: MicroBatch, s: StepSettings,
         alpha = {"ce": 1.0, "kl": 0.0, "mix": s.distill_alpha}[s.distill]
         distill = DistillTargets(last, target.final_norm, batch.anchors, alpha, s.distill_temperature)
     return block_loss(hidden, target.lm_head_weight, batch.labels, batch.weights, s.block_size, s.loss_chunk_size,
-                      distill=distill)
+                      distill=distill, ce_impl=s.ce_impl)
 
 
 def reduce_sum(accelerator, values: torch.Tensor) -> torch.Tensor:
@@ -101,10 +102,16 @@ def train_step(accelerator, draft, target, optimizer, scheduler, batches: list[M
     }
 
 
-def make_optimizer(draft: torch.nn.Module, lr: float, weight_decay: float, betas) -> torch.optim.Optimizer:
-    """AdamW over the draft's trainable parameters (fp32 master weights; docs/method.md §4)."""
+def make_optimizer(draft: torch.nn.Module, lr: float, weight_decay: float, betas, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the draft's trainable parameters (fp32 master weights; docs/method.md §4).
+
+    ``fused=True`` selects PyTorch's single-kernel CUDA AdamW (same update rule; one pass over the
+    parameter, gradient and moment tensors instead of one pass per elementwise op). Raises
+    ValueError when the parameters are not on a CUDA device."""
     params = [p for p in draft.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
+    if fused and any(p.device.type != "cuda" for p in params):
+        raise ValueError("fused AdamW needs the draft's parameters on a CUDA device")
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), fused=fused or None)
 
 
 def lr_lambda(step: int, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:

@@ -4,6 +4,16 @@
         --output results/train-h200.json                      # DeepSpeed ZeRO-2, the default recipe
     python benchmarks/train/bench_train.py --no-deepspeed --output results/train-h200-nods.json
     python benchmarks/train/bench_train.py --tiny --output /tmp/bench-tiny.json   # CPU smoke test
+    accelerate launch --config_file configs/accelerate/zero2-1gpu.yaml benchmarks/train/bench_train.py \
+        --ab base,ce,ce+fa,ce+fa+tc,ce+fa+tc+dc --output results/train-h200-ab.json   # A/B of the step options
+
+Step options (A/B variants are ``+``-joined names; ``base`` = none): ``ce`` the fused-CE chunk math under
+torch.compile (``train.loss.ce_chunk``), ``fa`` PyTorch's fused CUDA AdamW, ``tc`` regional torch.compile of
+the target's decoder layers, ``dc`` the same for the draft layers, ``chunkN`` N rows per lm_head chunk.
+Variants share one model, optimizer and data stream and are timed in interleaved rounds (each after its
+own warm-up), so they see the same GPU state; every variant trains the same anchors per sequence.
+``results`` holds the fastest variant (``variant`` names it), ``ab`` all of them, and ``loss_at_init`` the
+loss of one batch under each variant before any optimizer step (equal up to bf16 rounding).
 
 The step is ``train.step.train_step``, the same code as ``train/distill.py``: online target
 features, block embeddings, ``forward_train`` (flex attention on CUDA), the fused chunked CE and
@@ -80,7 +90,7 @@ def random_rows(n: int, seq_len: int, vocab: int, gen: torch.Generator) -> list[
 
 
 def param_count(module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    return sum(numel(p) for p in module.parameters())
 
 
 def step_flops(batches, target, dcfg, p_block: int) -> dict:
@@ -111,7 +121,12 @@ def step_flops(batches, target, dcfg, p_block: int) -> dict:
 def draft_block_params(draft) -> int:
     """Matrix weights applied to every block token: all 2-D weights of the draft layers (q/k/v/o,
     MLP, injection); norms and gates are not matmuls, fc runs on context tokens only."""
-    return sum(p.numel() for layer in draft.layers for p in layer.parameters() if p.dim() == 2)
+    return sum(numel(p) for layer in draft.layers for p in layer.parameters() if len(getattr(p, "ds_shape", p.shape)) == 2)
+
+
+def numel(p) -> int:
+    """Full element count, also of a ZeRO-3 partitioned parameter (whose local ``numel()`` is 0)."""
+    return int(getattr(p, "ds_numel", p.numel()))
 
 
 def matmul_tflops(device: torch.device, n: int) -> float:
@@ -141,11 +156,80 @@ def git_commit() -> str | None:
         return None
 
 
+VARIANT_KEYS = ("ce", "fa", "tc", "dc")
+
+
+def parse_variant(name: str, default_chunk: int) -> dict:
+    """``"ce+fa+chunk4096"`` -> {ce, fa, tc, dc: bool, chunk: int}. Raises ValueError naming an unknown part."""
+    v = {k: False for k in VARIANT_KEYS} | {"chunk": default_chunk}
+    for part in name.split("+"):
+        if part == "base":
+            continue
+        if part in VARIANT_KEYS:
+            v[part] = True
+        elif part.startswith("chunk") and part[5:].isdigit() and int(part[5:]) > 0:
+            v["chunk"] = int(part[5:])
+        else:
+            raise ValueError(f"--ab variant {name!r}: unknown part {part!r} (base, {', '.join(VARIANT_KEYS)}, chunkN)")
+    return v
+
+
+class Forwards:
+    """Eager and compiled ``forward`` of each module in a list, switchable at run time (regional compile)."""
+
+    def __init__(self, modules):
+        self.modules = list(modules)
+        self.eager = [m.forward for m in self.modules]
+        self.compiled = None
+
+    def use(self, compiled: bool) -> None:
+        if compiled and self.compiled is None:
+            self.compiled = [torch.compile(f, dynamic=False) for f in self.eager]
+        for m, e, c in zip(self.modules, self.eager, self.compiled or self.eager):
+            m.forward = c if compiled else e
+
+
+def torch_optimizer(opt):
+    """The ``torch.optim`` optimizer inside accelerate's (and DeepSpeed's) wrappers."""
+    while hasattr(opt, "optimizer") and opt.optimizer is not opt:
+        opt = opt.optimizer
+    return opt
+
+
+def set_fused_adam(opt, fused: bool) -> None:
+    """Switch a torch AdamW between its fused CUDA kernel and the default (foreach) path, moving the
+    ``step`` state where each path keeps it (device for fused, CPU otherwise)."""
+    inner = torch_optimizer(opt)
+    for group in inner.param_groups:
+        group["fused"] = fused or None
+        if fused:
+            group["foreach"] = None
+        for p in group["params"]:
+            st = inner.state.get(p)
+            if st and "step" in st:
+                st["step"] = st["step"].to(p.device if fused else "cpu")
+
+
+def profile_table(fn, steps: int, device, top: int = 25) -> list[dict]:
+    """Top ``top`` kernels/ops by self device time over ``steps`` calls of ``fn`` (ms per call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:top]
+    return [{"name": e.key[:120], "calls_per_step": e.count / steps, "self_ms_per_step": getattr(e, key, 0.0) / 1e3 / steps}
+            for e in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--output", required=True, help="JSON result file")
-    ap.add_argument("--steps", type=int, default=50, help="timed optimizer steps")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")
+    ap.add_argument("--steps", type=int, default=50, help="timed optimizer steps (per variant)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation; per variant)")
     ap.add_argument("--seq-len", type=int, default=3072)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--grad-accum", type=int, default=1)
@@ -157,104 +241,176 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matmul-size", type=int, default=8192)
     ap.add_argument("--no-deepspeed", action="store_true", help="plain accelerate (bf16 autocast), even if launched with a DeepSpeed config")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, no DeepSpeed (smoke test)")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: gloo ranks under torch.distributed.run)")
+    ap.add_argument("--variant", default="base", help="step options of a single run, e.g. ce+fa (module docstring)")
+    ap.add_argument("--ab", default=None, help="comma-separated variants to A/B in one process, e.g. base,ce,ce+fa")
+    ap.add_argument("--ab-rounds", type=int, default=2, help="interleaved timing rounds per variant")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many steps of the first --ab variant (top kernels)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.tiny:
         args.no_deepspeed = True
+        args.cpu = True
         args.seq_len, args.anchors, args.block_size, args.layers = min(args.seq_len, 96), min(args.anchors, 16), 8, 2
         args.matmul_size = min(args.matmul_size, 256)
     if args.no_deepspeed:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
+    names = [n.strip() for n in (args.ab or args.variant).split(",") if n.strip()]
+    try:
+        variants = {n: parse_variant(n, args.loss_chunk) for n in names}
+    except ValueError as e:
+        ap.error(str(e))
 
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
     from dspine.config import DSpineConfig
     from dspine.model import DSpineDraftModel
-    from dspine.target import TargetSpec
+    from dspine.target import TargetSpec, decoder_layers
     from train.config import RunConfig, resolve_device_settings
     from train.data import make_batch
-    from train.distill import configure_deepspeed
+    from train.distill import configure_deepspeed, whole_modules
     from train.loss import anchor_generator
-    from train.step import StepSettings, make_optimizer, make_scheduler, train_step
+    from train.step import StepSettings, make_optimizer, make_scheduler, micro_loss, train_step
 
-    cuda = torch.cuda.is_available() and not args.tiny
+    cuda = torch.cuda.is_available() and not args.cpu
+    if not cuda and any(v["fa"] for v in variants.values()):
+        ap.error("variant 'fa' (fused AdamW) needs CUDA")
     run = RunConfig(target="bench", train="bench", micro_batch_size=args.micro_batch, grad_accum=args.grad_accum,
                     attn=args.attn, mixed_precision="auto")
     dev = resolve_device_settings(run, cuda)
     accelerator = Accelerator(mixed_precision=dev["mixed_precision"], gradient_accumulation_steps=args.grad_accum,
                               cpu=not cuda)
     device = accelerator.device
+    rank, world = accelerator.process_index, accelerator.num_processes
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     if deepspeed:
         configure_deepspeed(accelerator, run)
     shape = TINY if args.tiny else QWEN3_8B
     layer_ids = [1, 3] if args.tiny else [1, 9, 17, 25, 33]
     t0 = time.perf_counter()
-    target = build_target(shape, layer_ids, device, torch.bfloat16 if cuda else torch.float32)
-    spec = TargetSpec.from_config(target.config)
-    dcfg = DSpineConfig.for_target(target.config, spec, layers=args.layers, block_size=args.block_size,
-                                   injection="residual", target_layer_ids=layer_ids,
-                                   mask_token_id=shape["vocab_size"] - 1,
-                                   max_position_embeddings=max(args.seq_len + args.block_size, 4096))
-    torch.manual_seed(args.seed)
-    with device:
-        draft = DSpineDraftModel(dcfg).float()
+    with whole_modules(accelerator if deepspeed else None):  # ZeRO-3: the target is never partitioned
+        target = build_target(shape, layer_ids, device, torch.bfloat16 if cuda else torch.float32)
+        spec = TargetSpec.from_config(target.config)
+        dcfg = DSpineConfig.for_target(target.config, spec, layers=args.layers, block_size=args.block_size,
+                                       injection="residual", target_layer_ids=layer_ids,
+                                       mask_token_id=shape["vocab_size"] - 1,
+                                       max_position_embeddings=max(args.seq_len + args.block_size, 4096))
+        torch.manual_seed(args.seed)
+        with device:
+            draft = DSpineDraftModel(dcfg).float()
     build_s = time.perf_counter() - t0
-    total = args.warmup + args.steps
+    total = args.warmup * len(variants) + args.steps * len(variants) + 1
     optimizer = make_optimizer(draft, 6e-4, 0.0, (0.9, 0.999))
     scheduler = make_scheduler(optimizer, total, 0.04, "cosine")
     draft, optimizer = accelerator.prepare(draft, optimizer)
-    settings = StepSettings(dcfg.block_size, dev["attn"], args.loss_chunk, 1.0)
-    gen = torch.Generator().manual_seed(args.seed)
+    target_fw = Forwards(decoder_layers(target.model))
+    draft_fw = Forwards(accelerator.unwrap_model(draft).layers)
+    gen = torch.Generator().manual_seed(args.seed + 1000 * rank)  # each rank its own rows (rank 0 as before)
     vocab = shape["vocab_size"] - 2  # never the mask row
-
-    times, losses, flops, tokens = [], [], [], []
     p_block = draft_block_params(accelerator.unwrap_model(draft))
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    for step in range(total):
-        batches = [make_batch(random_rows(args.micro_batch, args.seq_len, vocab, gen), list(range(args.micro_batch)),
-                              max_length=args.seq_len, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
-                              gamma=7.0, anchors_per_seq=args.anchors, generator=anchor_generator(args.seed, step, 0, m),
-                              pad_to_multiple=dev["pad_to_multiple"], static_anchors=dev["attn"] == "flex")
-                   for m in range(args.grad_accum)]
+    state = {"step": 0}
+
+    def settings_of(v):
+        return StepSettings(dcfg.block_size, dev["attn"], v["chunk"], 1.0, ce_impl="compiled" if v["ce"] else "eager")
+
+    def apply(v):
+        target_fw.use(v["tc"])
+        draft_fw.use(v["dc"])
+        if cuda:
+            set_fused_adam(optimizer, v["fa"])
+
+    def batches_of(step):
+        return [make_batch(random_rows(args.micro_batch, args.seq_len, vocab, gen), list(range(args.micro_batch)),
+                           max_length=args.seq_len, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+                           gamma=7.0, anchors_per_seq=args.anchors,
+                           generator=anchor_generator(args.seed, step, 0, m * world + rank),
+                           pad_to_multiple=dev["pad_to_multiple"], static_anchors=dev["attn"] == "flex")
+                for m in range(args.grad_accum)]
+
+    def one_step(v):
+        step = state["step"]
+        batches = batches_of(step)
         sync(device)
         t = time.perf_counter()
-        res = train_step(accelerator, draft, target, optimizer, scheduler, batches, settings)
+        res = train_step(accelerator, draft, target, optimizer, scheduler, batches, settings_of(v))
         sync(device)
         dt = time.perf_counter() - t
-        f = step_flops(batches, target, dcfg, p_block)
+        state["step"] += 1
         if not math.isfinite(res["loss"]):
             raise RuntimeError(f"non-finite loss at step {step}: {res['loss']}")
-        if step >= args.warmup:
-            times.append(dt)
-            losses.append(res["loss"])
-            flops.append(f)
-            tokens.append(res["tokens"])
-        print(f"step {step + 1}/{total}{' (warm-up)' if step < args.warmup else ''}: {dt * 1e3:.1f} ms, "
-              f"loss {res['loss']:.4f}", flush=True)
-    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+        blocks = float(reduce_all(accelerator, sum(int((b.anchors >= 0).sum()) for b in batches)))
+        return dt, res, step_flops(batches, target, dcfg, p_block), blocks
+
+    # the loss of one batch under each variant before any update: the options must not change it
+    loss_at_init = {}
+    probe = batches_of(-1)[0].to(device)
+    for name, v in variants.items():
+        apply(v)
+        with torch.no_grad(), accelerator.autocast():
+            loss_sum, st = micro_loss(draft, target, probe, settings_of(v))
+        loss_at_init[name] = st.loss_sum / st.weight_sum if st.weight_sum else None
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for name, v in variants.items():  # warm-up (compilation) of every variant first
+        apply(v)
+        for _ in range(args.warmup):
+            dt, res, _, _ = one_step(v)
+            print(f"[{name}] warm-up step: {dt * 1e3:.1f} ms, loss {res['loss']:.4f}", flush=True)
+    timed = {name: {"times": [], "losses": [], "flops": [], "tokens": [], "blocks": []} for name in variants}
+    rounds = max(1, min(args.ab_rounds, args.steps)) if len(variants) > 1 else 1
+    per_round = [args.steps // rounds + (r < args.steps % rounds) for r in range(rounds)]
+    for r in range(rounds):
+        for name, v in variants.items():
+            apply(v)
+            for _ in range(per_round[r]):
+                dt, res, f, blocks = one_step(v)
+                rec = timed[name]
+                rec["times"].append(dt)
+                rec["losses"].append(res["loss"])
+                rec["flops"].append(f)
+                rec["tokens"].append(res["tokens"])
+                rec["blocks"].append(blocks)
+                print(f"[{name}] step {len(rec['times'])}/{args.steps}: {dt * 1e3:.1f} ms, loss {res['loss']:.4f}", flush=True)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+    peak_all = [float(x) for x in gather_all(accelerator, peak)] if cuda else None
+    profile = None
+    if args.profile:
+        first = next(iter(variants.values()))
+        apply(first)
+        profile = profile_table(lambda: one_step(first), args.profile, device)
     measured = matmul_tflops(device, args.matmul_size)
 
-    mean_t = sum(times) / len(times)
-    parts = {k: sum(f[k] for f in flops) / len(flops) for k in flops[0]}
-    step_f = sum(parts.values())
-    achieved = step_f / mean_t / 1e12
-    results = {
-        "timed_steps": len(times), "warmup_steps": args.warmup,
-        "step_time_s_mean": mean_t, "step_time_s_median": sorted(times)[len(times) // 2],
-        "tokens_per_s": sum(tokens) / sum(times),
-        "peak_memory_gib": peak_mem,
-        "flops_per_step": step_f, "flops_per_step_by_part": parts,
-        "model_tflops_per_s": achieved,
-        "datasheet_bf16_tflops": DATASHEET_BF16_TFLOPS,
-        "measured_matmul_tflops": measured,
-        "mfu_vs_datasheet": achieved / DATASHEET_BF16_TFLOPS,
-        "mfu_vs_measured_matmul": achieved / measured,
-        "loss_first_timed": losses[0], "loss_last": losses[-1],
-        "build_s": build_s,
-    }
+    by_variant = {}
+    for name, rec in timed.items():
+        times = rec["times"]
+        mean_t = sum(times) / len(times)
+        parts = {k: sum(f[k] for f in rec["flops"]) / len(rec["flops"]) for k in rec["flops"][0]}
+        # FLOPs are this rank's; every rank runs the same shapes, so the global rate is world x this
+        step_f = sum(parts.values())
+        achieved = step_f / mean_t / 1e12
+        by_variant[name] = {
+            "variant": name, "options": variants[name],
+            "timed_steps": len(times), "warmup_steps": args.warmup,
+            "step_time_s_mean": mean_t, "step_time_s_median": sorted(times)[len(times) // 2],
+            "tokens_per_s": sum(rec["tokens"]) / sum(times),
+            "tokens_per_s_per_gpu": sum(rec["tokens"]) / sum(times) / world,
+            "anchor_blocks_per_s": sum(rec["blocks"]) / sum(times),
+            "anchors_per_seq": args.anchors,
+            "peak_memory_gib": peak_all[0] if peak_all else None,
+            "peak_memory_gib_per_gpu": peak_all,
+            "flops_per_step": step_f, "flops_per_step_by_part": parts,
+            "model_tflops_per_s": achieved,
+            "datasheet_bf16_tflops": DATASHEET_BF16_TFLOPS,
+            "measured_matmul_tflops": measured,
+            "mfu_vs_datasheet": achieved / DATASHEET_BF16_TFLOPS,
+            "mfu_vs_measured_matmul": achieved / measured,
+            "loss_first_timed": rec["losses"][0], "loss_last": rec["losses"][-1],
+            "loss_at_init": loss_at_init[name],
+            "build_s": build_s,
+        }
+    best = min(by_variant, key=lambda n: by_variant[n]["step_time_s_mean"])
     import accelerate
     import transformers
 
@@ -275,18 +431,38 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**vars(args), "attn_resolved": dev["attn"], "mixed_precision": dev["mixed_precision"],
                    "zero_stage": accelerator.state.deepspeed_plugin.zero_stage if deepspeed else None,
                    "target_shape": shape, "target_layer_ids": layer_ids, "target_params": param_count(target.model),
-                   "draft_params": param_count(accelerator.unwrap_model(draft)) if not deepspeed else
-                   sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in draft.parameters()),
-                   "world_size": accelerator.num_processes},
-        "results": results,
+                   "draft_params": param_count(accelerator.unwrap_model(draft)),
+                   "world_size": world},
+        "results": by_variant[best],
     }
+    if len(by_variant) > 1:
+        base = by_variant.get("base")
+        record["ab"] = by_variant
+        record["ab_speedup_vs_base"] = ({n: base["step_time_s_mean"] / r["step_time_s_mean"] for n, r in by_variant.items()}
+                                        if base else None)
+    if profile is not None:
+        record["profile_top_kernels"] = {"variant": next(iter(variants)), "rows": profile}
     if accelerator.is_main_process:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2) + "\n")
-        print(json.dumps(results, indent=2))
+        print(json.dumps(by_variant[best], indent=2))
     accelerator.end_training()
     return 0
+
+
+def reduce_all(accelerator, x: float) -> float:
+    """Sum of a number over ranks."""
+    if accelerator.num_processes == 1:
+        return x
+    return float(accelerator.reduce(torch.tensor([float(x)], dtype=torch.float64, device=accelerator.device), "sum"))
+
+
+def gather_all(accelerator, x: float) -> list[float]:
+    """One number per rank, in rank order."""
+    if accelerator.num_processes == 1:
+        return [x]
+    return accelerator.gather(torch.tensor([float(x)], dtype=torch.float64, device=accelerator.device)).tolist()
 
 
 if __name__ == "__main__":
