@@ -10,6 +10,8 @@ the engine end to end with CUDA graphs.
 
 from __future__ import annotations
 
+import json
+
 import tests.kernel_env as kenv  # noqa: F401  (before the kernel modules: sets TRITON_INTERPRET)
 
 import pytest
@@ -165,6 +167,27 @@ def test_engine_exact_spec_equals_ar_bf16():
         assert res.stats.tau > 3.0  # most tokens were committed from inside verify blocks
     with pytest.raises(ValueError, match="chain verify only"):
         Engine(tgt, draft, [-1], max_batch=1, max_seq=64, exact=True, verify="tree")
+
+
+def test_bench_exact_mode_compares_spec_with_ar(stories_dir, tmp_path):
+    """``infer.bench --exact`` on the CPU engine in bf16: every greedy output equals AR (exit 0, JSON says
+    exact); ``first_divergence`` finds the parting position; --exact on the reference backend is refused."""
+    from dspine.checkpoint import save_draft
+    from dspine.target import load_target
+    from infer import bench
+    from tests.conftest import shared_path
+    from tests.helpers import random_draft
+
+    draft = save_draft(random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d")
+    out = tmp_path / "b.json"
+    argv = ["--target", str(stories_dir), "--draft", f"D={draft}", "--datasets", "gsm8k", "--num-prompts", "2",
+            "--data-dir", str(shared_path("data", "eval")), "--max-new-tokens", "12", "--no-chat-template",
+            "--concurrency", "2", "--output-json", str(out)]
+    assert bench.main([*argv, "--backend", "cuda", "--device", "cpu", "--dtype", "bf16", "--exact"]) == 0
+    d = json.loads(out.read_text())["tasks"][0]["drafts"]["D"]
+    assert d["exact"] is True and d["greedy_equal"] == d["greedy_compared"] == 2 and d["greedy_mismatches"] == []
+    assert bench.main([*argv, "--backend", "reference", "--exact"]) == 2
+    assert bench.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and bench.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 # -- GPU ------------------------------------------------------------------------------------------
