@@ -258,3 +258,29 @@ def test_engine_cuda_exact_spec_equals_ar(graphs):
             res = eng.generate(prompts, params, concurrency=conc)
             assert res.token_ids == ar, conc
             assert res.stats.tau > 4.0
+
+
+def test_bench_exact_smoke(stories_dir, tmp_path):
+    """benchmarks/engine/bench_exact.py --tiny --cpu: all three parts (stories260K with a random draft stands
+    in for SmolLM2), every exact run identical, the four step-time ratios, --append keeps earlier runs."""
+    from benchmarks.engine import bench_exact
+    from dspine.checkpoint import save_draft
+    from dspine.target import load_target
+    from tests.conftest import shared_path
+    from tests.helpers import random_draft
+
+    draft = save_draft(random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d")
+    out = tmp_path / "exact.json"
+    common = ["--tiny", "--cpu", "--output", str(out), "--data-dir", str(shared_path("data", "eval"))]
+    assert bench_exact.main([*common, "--parts", "smollm2", "--smollm2-target", str(stories_dir),
+                             "--smollm2-draft", str(draft)]) == 0
+    assert bench_exact.main([*common, "--parts", "8b,cost", "--append", "--8b-prompts", "3"]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["target"], r["batch"]) for r in res["runs"]] == [("smollm2", 1), ("smollm2", 8), ("tiny-random", 1),
+                                                                ("tiny-random", 8)]
+    assert [r["compared"] for r in res["runs"]] == [5, 5, 3, 3]
+    assert all(r["identical"] == r["compared"] and r["cuda_graphs"] is False for r in res["runs"])
+    assert res["runs"][2]["tau"] > 2.0  # the oracle draft: blocks accepted deep
+    assert set(res["exact_over_fast"]) == {"ar_step_bs1", "spec_step_bs1", "ar_step_bs8", "spec_step_bs8"}
+    assert all(v > 0 for v in res["exact_over_fast"].values())
+    assert len(res["commands"]) == 2 and set(res["part_seconds"]) == {"smollm2", "build_8b", "8b", "cost"}
