@@ -8,11 +8,9 @@ own AR output. The ``gpu`` tests check the compiled kernels over the decode/veri
 the engine end to end with CUDA graphs.
 """
 
-from __future__ import annotations
+import tests.kernel_env as kenv  # noqa: I001  (before the kernel modules: sets TRITON_INTERPRET)
 
 import json
-
-import tests.kernel_env as kenv  # noqa: F401  (before the kernel modules: sets TRITON_INTERPRET)
 
 import pytest
 import torch
@@ -39,7 +37,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_linear_rows_do_not_depend_on_m(impl):
     g = torch.Generator().manual_seed(0)
-    M, K, N = 19, 80, 96  # K: one full and one partial K tile; N: two or three column tiles
+    M, K, N = 19, 300, 96  # K: full and partial K tiles; N: two or three column tiles
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     w = (torch.randn(N, K, generator=g) / K**0.5).to(torch.bfloat16)
     bias = torch.randn(N, generator=g).to(torch.bfloat16)
@@ -56,7 +54,7 @@ def test_linear_rows_do_not_depend_on_m(impl):
     ref = x.float() @ w.float().T + bias.float()
     err = (full.float() - ref).abs().max().item()
     assert err <= 2 * 2**-8 * ref.abs().max().item(), err
-    with pytest.raises(ValueError, match=r"weight \(96, 81\)"):
+    with pytest.raises(ValueError, match=r"weight \(96, 301\)"):
         linear(x, torch.zeros(N, K + 1, dtype=torch.bfloat16), impl=impl)
 
 
@@ -284,3 +282,14 @@ def test_bench_exact_smoke(stories_dir, tmp_path):
     assert set(res["exact_over_fast"]) == {"ar_step_bs1", "spec_step_bs1", "ar_step_bs8", "spec_step_bs8"}
     assert all(v > 0 for v in res["exact_over_fast"].values())
     assert len(res["commands"]) == 2 and set(res["part_seconds"]) == {"smollm2", "build_8b", "8b", "cost"}
+
+
+@needs_interp
+def test_bench_linear_smoke():
+    """benchmarks/kernels/bench_linear.py --tiny: both candidate configurations row invariant, a best one."""
+    from benchmarks.kernels import bench_linear
+
+    res = bench_linear.run(type("A", (), {"tiny": True, "ctx": 300})())
+    assert set(res["per_token_step"]) == {"64,32,128,4,3", "16,32,64,4,2"}
+    assert all(v["row_invariant"] for v in res["per_token_step"].values()) and res["best_config"] in res["per_token_step"]
+    assert [(a["B"], a["T"]) for a in res["attention"]] == [(1, 1), (2, 4)]

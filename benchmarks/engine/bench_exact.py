@@ -220,6 +220,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=None, help="cost: context length of the timed steps")
     ap.add_argument("--iters", type=int, default=None, help="cost: timed replays per measurement")
     ap.add_argument("--rounds", type=int, default=None, help="cost: alternating fast/exact measurements")
+    ap.add_argument("--linear-config", default=None, metavar="BM,BN,BK,WARPS,STAGES",
+                    help="exact GEMM tiles for every weight (dspine.ops.linear.CONFIG_OVERRIDE; from "
+                         "benchmarks/kernels/bench_linear.py)")
     args = ap.parse_args(argv)
     for name, value in (TINY_SIZES if args.tiny else FULL_SIZES).items():  # sizes not given on the command line
         if getattr(args, name) is None:
@@ -235,6 +238,16 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-').replace('eightb', '8b')} {getattr(args, name)}: must be >= 1")
     if args.max_prompt < args.min_prompt:
         ap.error(f"--max-prompt {args.max_prompt} < --min-prompt {args.min_prompt}")
+    if args.linear_config:
+        from dspine.ops import linear as lin
+
+        try:
+            cfg = tuple(int(v) for v in args.linear_config.split(","))
+        except ValueError:
+            cfg = ()
+        if len(cfg) != 5 or min(cfg) < 1:
+            ap.error(f"--linear-config {args.linear_config!r}: give five positive ints BM,BN,BK,WARPS,STAGES")
+        lin.CONFIG_OVERRIDE = cfg
     out = Path(args.output)
     if out.is_dir():
         ap.error(f"--output {out} is a folder; give a file name")

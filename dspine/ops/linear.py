@@ -6,15 +6,17 @@ of rows M (1..any) and whatever the other rows hold. cuBLAS does not promise tha
 kernel (tile shape, split-K, gemv vs gemm) from M, so a 16-row verify pass can round a position
 differently from a 1-row decode step (issue 13).
 
-Kernel: grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)); each program owns a BLOCK_M × BLOCK_N tile of y
-and walks K in BLOCK_K tiles, in increasing order, accumulating ``tl.dot`` in fp32. BLOCK_M,
-BLOCK_K, num_warps and num_stages are constants; BLOCK_N is chosen from (N, K) only. So for a
-given weight the compiled kernel and each output element's reduction order over K are the same
-for every M; no split-K, no M-dependent choice.
+Kernel: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); each program owns a BLOCK_M × BLOCK_N tile of y
+and walks K in BLOCK_K tiles, in increasing order, accumulating ``tl.dot`` in fp32. The row tiles
+of one column tile are neighbours in launch order, so a weight tile read by several row tiles
+comes from L2 after the first. The configuration (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+num_stages) comes from (N, K, dtype, device) only (:func:`config`; ``CONFIG_OVERRIDE`` for
+tuning). So for a given weight the compiled kernel and each output element's reduction order
+over K are the same for every M; no split-K, no M-dependent choice.
 Layouts: x [..., K] (leading dims flattened to M rows; last dim contiguous), w [N, K] contiguous
 (nn.Linear's layout), bias [N] or None. Returns y [..., N] in x's dtype.
-Memory traffic: W once per row tile (cdiv(M, BLOCK_M) · N · K · bytes; one tile up to M = 64),
-x once per column tile, y once.
+Memory traffic: W once from HBM (N · K · bytes; the other row tiles read it from L2), x once per
+column tile, y once.
 Numerics: bf16/fp16 inputs use tensor-core products with fp32 accumulation (like cuBLAS, but a
 different summation order, so y differs from ``F.linear`` by bf16 rounding); fp32 inputs use
 exact (non-TF32) products. A bias is added in fp32 before the single rounding.
@@ -31,10 +33,11 @@ import torch.nn.functional as F
 
 from ._common import check_impl, dot_precision, num_sms, tl, triton
 
-__all__ = ["linear", "linear_torch", "linear_triton", "BLOCK_M", "BLOCK_K"]
+__all__ = ["linear", "linear_torch", "linear_triton", "config", "CONFIG_OVERRIDE"]
 
-BLOCK_M = 64  # rows per tile, for every M: one tile up to 64 rows (4 verify blocks of 16, or 64 decode rows)
-BLOCK_K = 64
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every shape when set (tuning:
+# benchmarks/kernels/bench_linear.py); None = :func:`config`'s choice.
+CONFIG_OVERRIDE: tuple[int, int, int, int, int] | None = None
 
 
 @triton.jit
@@ -44,8 +47,8 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run together (L2 reuse)
+    pid_n = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
@@ -73,14 +76,23 @@ def _check(x, w, bias):
         raise ValueError(f"linear: x is {x.dtype}, weight is {w.dtype}")
 
 
-def block_n(N: int, K: int, device) -> int:
-    """Columns per tile, from the weight's shape only (never from M): 64, or 32 when 64-wide tiles
-    would leave streaming multiprocessors idle at one row tile (small N, the memory-bound decode)."""
+def config(N: int, K: int, dtype: torch.dtype, device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the weight's shape only, never from M.
+
+    One row tile up to 64 rows (4 verify blocks of 16 at 8B shape); BLOCK_N 64, or 32 when 64-wide
+    tiles would leave streaming multiprocessors idle at one row tile (the memory-bound decode of a
+    small N). fp32 (tests, CPU) uses a smaller K tile. Not tuned on a GPU yet: see
+    benchmarks/kernels/bench_linear.py.
+    """
     del K
-    return 64 if triton.cdiv(N, 64) >= num_sms(device) else 32
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    bn = 64 if triton.cdiv(N, 64) >= num_sms(device) else 32
+    bk = 32 if dtype == torch.float32 else 128
+    return 64, bn, bk, 4, 3
 
 
-def linear_triton(x, w, bias=None):
+def linear_triton(x, w, bias=None, cfg: tuple[int, int, int, int, int] | None = None):
     _check(x, w, bias)
     N, K = w.shape
     if w.stride(1) != 1 or w.stride(0) != K:
@@ -93,12 +105,12 @@ def linear_triton(x, w, bias=None):
     if M == 0 or N == 0:
         return y
     y2 = y.view(M, N)
-    bn = block_n(N, K, x.device)
-    _linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, BLOCK_M))](
+    bm, bn, bk, warps, stages = cfg or config(N, K, x.dtype, x.device)
+    _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x2, w, bias if bias is not None else w, y2, M, N, K,
         x2.stride(0), w.stride(0), y2.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K, HAS_BIAS=bias is not None, PREC=dot_precision(x.dtype),
-        num_warps=4, num_stages=4,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, PREC=dot_precision(x.dtype),
+        num_warps=warps, num_stages=stages,
     )
     return y
 
