@@ -243,8 +243,8 @@ def test_engine_cuda_exact_spec_equals_ar(graphs):
                                      "triton")
     draft = _draft_for(tgt, block=16)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 4000, (int(n),), generator=g).tolist() for n in torch.randint(3, 300, (24,), generator=g)]
-    params = SamplingParams(max_new_tokens=200)
+    prompts = [torch.randint(0, 4000, (int(n),), generator=g).tolist() for n in torch.randint(3, 300, (16,), generator=g)]
+    params = SamplingParams(max_new_tokens=160)
     eng = Engine(tgt, draft, [-1], max_batch=8, max_seq=600, exact=True, cuda_graphs=graphs)
     ar = eng.generate(prompts, params, use_draft=False, concurrency=8).token_ids
     assert eng.generate(prompts, params, use_draft=False, concurrency=1).token_ids == ar
