@@ -188,6 +188,37 @@ def test_bench_exact_mode_compares_spec_with_ar(stories_dir, tmp_path):
     assert bench.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and bench.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
+def test_bench_reports_divergence_and_fails_in_exact_mode(stories_dir, tmp_path, monkeypatch):
+    """A draft run whose first output is changed at position 3: the fast mode lists it with the target's
+    top-2 margin there (margin >= 0, top-1 = AR's token); exact mode exits 1 after writing the JSON."""
+    from dspine.checkpoint import save_draft
+    from dspine.target import load_target
+    from infer import bench
+    from tests.conftest import shared_path
+    from tests.helpers import random_draft
+
+    draft = save_draft(random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d")
+    run = bench.Runner.run
+
+    def corrupt(self, prompts, params, label):
+        tokens, *rest = run(self, prompts, params, label)
+        if label is not None:
+            tokens[0] = tokens[0][:3] + [(tokens[0][3] + 1) % 500] + tokens[0][4:]
+        return (tokens, *rest)
+
+    monkeypatch.setattr(bench.Runner, "run", corrupt)
+    out = tmp_path / "b.json"
+    argv = ["--target", str(stories_dir), "--draft", f"D={draft}", "--datasets", "gsm8k", "--num-prompts", "2",
+            "--data-dir", str(shared_path("data", "eval")), "--max-new-tokens", "8", "--no-chat-template",
+            "--output-json", str(out), "--backend", "cuda", "--device", "cpu", "--dtype", "bf16"]
+    assert bench.main(argv) == 0
+    d = json.loads(out.read_text())["tasks"][0]["drafts"]["D"]
+    assert d["exact"] is False and d["greedy_equal"] == 1 and len(d["greedy_mismatches"]) == 1
+    m = d["greedy_mismatches"][0]
+    assert m["position"] == 3 and m["ar_top2"][0] == m["ar_tokens"][3] and m["ar_top2_margin"] >= 0
+    assert bench.main([*argv, "--exact"]) == 1 and out.is_file()
+
+
 # -- GPU ------------------------------------------------------------------------------------------
 
 
