@@ -324,3 +324,13 @@ def test_bench_linear_smoke():
     assert set(res["per_token_step"]) == {"64,32,128,4,3", "16,32,64,4,2"}
     assert all(v["row_invariant"] for v in res["per_token_step"].values()) and res["best_config"] in res["per_token_step"]
     assert [(a["B"], a["T"]) for a in res["attention"]] == [(1, 1), (2, 4)]
+
+
+def test_generate_refuses_exact_where_it_does_not_exist(stories_dir, capsys):
+    from infer import generate
+
+    base = ["--target", str(stories_dir), "--draft", "none", "--prompt", "hi", "--backend", "reference", "--exact"]
+    assert generate.main(base) == 2
+    assert "--exact needs the engine" in capsys.readouterr().err
+    assert generate.main([*base, "--verify", "tree"]) == 2
+    assert "--exact supports --verify chain" in capsys.readouterr().err
