@@ -9,14 +9,14 @@ differently from a 1-row decode step (issue 13).
 Kernel: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); each program owns a BLOCK_M × BLOCK_N tile of y
 and walks K in BLOCK_K tiles, in increasing order, accumulating ``tl.dot`` in fp32. The row tiles
 of one column tile are neighbours in launch order, so a weight tile read by several row tiles
-comes from L2 after the first. The configuration (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+can come from L2 after the first (not measured yet). The configuration (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
 num_stages) comes from (N, K, dtype, device) only (:func:`config`; ``CONFIG_OVERRIDE`` for
 tuning). So for a given weight the compiled kernel and each output element's reduction order
 over K are the same for every M; no split-K, no M-dependent choice.
 Layouts: x [..., K] (leading dims flattened to M rows; last dim contiguous), w [N, K] contiguous
 (nn.Linear's layout), bias [N] or None. Returns y [..., N] in x's dtype.
-Memory traffic: W once from HBM (N · K · bytes; the other row tiles read it from L2), x once per
-column tile, y once.
+Memory traffic: W once per row tile (N · K · bytes each; from L2 after the first when the row tiles
+run together), x once per column tile, y once.
 Numerics: bf16/fp16 inputs use tensor-core products with fp32 accumulation (like cuBLAS, but a
 different summation order, so y differs from ``F.linear`` by bf16 rounding); fp32 inputs use
 exact (non-TF32) products. A bias is added in fp32 before the single rounding.
