@@ -8,6 +8,11 @@ For each task: the draft run and an autoregressive run of the same engine on the
 Reports τ (bonus token included), accept_at_pos, tok/s and speedup = spec tok/s ÷ AR tok/s, a
 table on stdout, a JSON file (with the command, device, date and commit) and a PNG of the
 per-position acceptance. MT-Bench runs both turns; the second turn sees the model's own answer.
+
+Greedy runs compare each draft's output with the AR output of the same engine: in exact mode
+(``--exact``, issue 13; both runs exact) they must be identical and any difference is an error
+(exit status 1, after the JSON is written); in the fast mode every difference is listed with its
+first differing position and the target's top-2 logit margin there (a near-tie: bf16 rounding).
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ class Runner:
                   "reference backend", file=sys.stderr)
             self.backend = "reference"
         self.spec.check_supported(engine=self.backend == "cuda")
+        if args.exact is None:  # the engine's default; the reference backend has no exact mode
+            from infer.model import EXACT_DEFAULT
+
+            args.exact = EXACT_DEFAULT and self.backend == "cuda" and args.verify == "chain" and args.budget is None
         self.tokenizer = load_tokenizer(path, gguf)
         self.eos = sorted(self.spec.eos_ids)
         self.drafts = parse_drafts(args.draft)
@@ -81,7 +90,7 @@ class Runner:
             impl = "triton" if args.device == "cuda" else "torch"
             target = EngineTarget.from_pretrained(path, gguf, device=args.device, dtype=dtype, layer_ids=layer_ids,
                                                   impl=impl)
-            kw = dict(max_batch=args.concurrency, max_seq=max_seq, max_new_cap=args.max_new_tokens)
+            kw = dict(max_batch=args.concurrency, max_seq=max_seq, max_new_cap=args.max_new_tokens, exact=args.exact)
             self.decoders[None] = Engine(target, None, self.eos, **kw)
             for label, m in models.items():
                 # each draft reads its own layers: the target returns them in the draft's order
@@ -97,6 +106,8 @@ class Runner:
                 raise ValueError("--block-size (verifying fewer slots than the draft's block) needs --backend cuda")
             if args.budget is not None:
                 raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
+            if args.exact:
+                raise ValueError("--exact needs the engine (--backend cuda; --device cpu on a CPU)")
             target = load_target(path, gguf, dtype="fp32" if args.dtype == "auto" else args.dtype)
             self.decoders[None] = ReferenceDecoder(target, None, self.eos)
             for label, m in models.items():
@@ -106,6 +117,20 @@ class Runner:
         self.verified_per_step = {label: "auto" if args.budget else args.tree_budget if args.verify == "tree"
                                   else (args.block_size or bs)
                                   for label, bs in self.block_size.items()}
+
+    @torch.inference_mode()
+    def top2(self, ids: list[int]) -> tuple[float, list[int]]:
+        """(top-1 − top-2 logit, [top-1, top-2] ids) of the target after ``ids``, one prefill pass in the
+        run's dtype (the engine's target on the cuda backend)."""
+        dec = self.decoders[None]
+        if self.backend == "cuda":
+            t = dec.target
+            logits, _ = t.prefill(torch.tensor(ids, device=t.embed.device), 0, t.new_cache(1, len(ids)),
+                                  want_features=False)
+        else:
+            logits = dec.target(torch.tensor([ids], device=dec.target.device), features=False).logits[0, -1]
+        top = logits.float().topk(2)
+        return float(top.values[0] - top.values[1]), top.indices.tolist()
 
     def run(self, prompts: list[list[int]], params: SamplingParams, label: str | None):
         dec = self.decoders[label]
@@ -209,9 +234,24 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
                 pairs = [(p, a, b) for p, q, a, b in zip(prompts, ar_prompts, tokens, ar_tokens) if p == q]
                 row["greedy_compared"] = len(pairs)
                 row["greedy_equal"] = sum(a == b for _, a, b in pairs)
-                row["greedy_mismatches"] = [{"prompt_ids": p, "draft_tokens": a, "ar_tokens": b}
-                                            for p, a, b in pairs if a != b]
+                row["greedy_mismatches"] = []
+                for p, a, b in pairs:
+                    if a != b:
+                        i = first_divergence(a, b)
+                        m = {"prompt_ids": p, "draft_tokens": a, "ar_tokens": b, "position": i}
+                        if i < len(b):  # the target's near-tie there (None: one output ends earlier)
+                            m["ar_top2_margin"], m["ar_top2"] = runner.top2(p + b[:i])
+                        row["greedy_mismatches"].append(m)
+                row["exact"] = bool(runner.args.exact)
     return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """First index where token lists ``a`` and ``b`` differ (the shorter length if one is a prefix)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
 
 
 def table(rows: list[dict]) -> str:
@@ -324,6 +364,9 @@ def build_parser():
     ap.add_argument("--system", default=None)
     ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--no-ar", action="store_true", help="skip the autoregressive baseline")
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                    help="bit-exact mode of the engine (issue 13): greedy spec output must equal the AR output "
+                         "(default: infer.model.EXACT_DEFAULT on the engine, off on the reference backend)")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --output-json)")
     ap.add_argument("--label", default=None, help="name of this configuration in the JSON/plot")
@@ -357,6 +400,10 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
         raise ValueError("--block-size applies to --verify chain (a tree's size is --tree-budget)")
     if args.budget == "auto" and args.backend == "reference":
         raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
+    if args.exact and args.backend == "reference":
+        raise ValueError("--exact needs the engine (--backend cuda; --device cpu on a CPU)")
+    if args.exact and (args.verify == "tree" or args.budget is not None):
+        raise ValueError("--exact supports --verify chain without --budget")
     for label, path in parse_drafts(args.draft).items():
         if not path.strip() or not label:
             raise ValueError(f"--draft {label}={path}: give [LABEL=]PATH with a path and a label")
@@ -400,6 +447,11 @@ def main(argv=None) -> int:
         ci = f" [95% CI {e['mean_tau_ci95'][0]:.3f}, {e['mean_tau_ci95'][1]:.3f}]" if "mean_tau_ci95" in e else ""
         print(f"{label}: mean tau {e['mean_tau']:.3f}{ci}{extra}{eq}, --verify {args.verify}: "
               f"{runner.verified_per_step[label]} verified tokens per step")
+        for r in rows:  # fast mode: where outputs part, and how close the target's top-2 were there
+            for m in r["drafts"].get(label, {}).get("greedy_mismatches", []):
+                margin = m.get("ar_top2_margin")
+                print(f"  {r['task']}: differs from AR at output position {m['position']}"
+                      + (f", target top-2 margin {margin:.4f} (tokens {m['ar_top2']})" if margin is not None else ""))
     print(f"[{runner.backend}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, concurrency "
           f"{args.concurrency}, max_new_tokens {args.max_new_tokens}; tau counts the bonus token]")
     result = {**provenance(), "label": args.label, "backend": runner.backend, "args": vars(args), "tasks": rows,
@@ -411,6 +463,12 @@ def main(argv=None) -> int:
         if summary:
             plot(rows, Path(args.plot) if args.plot else out.with_suffix(".png"),
                  args.label or f"T={args.temperature}, concurrency {args.concurrency}")
+    if args.exact:
+        bad = sum(len(d.get("greedy_mismatches", [])) for r in rows for d in r["drafts"].values())
+        if bad:
+            print(f"error: exact mode: {bad} greedy speculative outputs differ from the AR output (a bug, not "
+                  "rounding)", file=sys.stderr)
+            return 1
     return 0
 
 

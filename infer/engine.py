@@ -34,7 +34,7 @@ from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sa
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
 from dspine.tree import ancestor_bits, build_tree, node_uniforms, path_nodes, verify_tree
-from infer.model import EngineTarget, KVCache
+from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import StepPlanner
 
 
@@ -98,6 +98,10 @@ class Engine:
         budget: "auto" = the verify-budget planner (``infer.planner``) picks AR, the chain or a tree of
             ``PLAN_TREES`` nodes per step from step times measured at start-up and the measured
             acceptance; None = always ``verify`` / ``tree_budget``.
+        exact: bit-exact mode (issue 13; default ``infer.model.EXACT_DEFAULT``): the target's decode and
+            verify steps use row-invariant kernels and each prompt is prefilled in its own pass, so
+            greedy speculative output equals this engine's autoregressive output bit for bit, in
+            bf16 too, at any batch size, with or without CUDA graphs. Chain verify only.
     """
 
     PLAN_TREES = (32, 64)
@@ -105,8 +109,11 @@ class Engine:
     def __init__(self, target: EngineTarget, draft: DSpineDraftModel | None, eos_token_ids, max_batch: int = 8,
                  max_seq: int = 4096, cuda_graphs: bool | None = None, verify_size: int | None = None,
                  force_accept: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
-                 tree_budget: int = 32, budget: str | None = None):
+                 tree_budget: int = 32, budget: str | None = None, exact: bool | None = None):
         self.target = target
+        self.exact = EXACT_DEFAULT if exact is None else bool(exact)
+        if self.exact and (verify != "chain" or budget is not None):
+            raise ValueError(f"exact=True supports chain verify only (got verify={verify!r}, budget={budget!r})")
         self.device = target.embed.device
         self.impl = target.impl
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -208,7 +215,7 @@ class Engine:
             draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos)
         torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
         positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
-        t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths)
+        t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths, exact=self.exact)
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         if self.force_accept is not None:
             a = torch.full((s.B,), min(self.force_accept, K), dtype=torch.int32, device=self.device)
@@ -284,7 +291,7 @@ class Engine:
         s = slots
         tok = s.anchor[:, None]
         logits, feats = self.target.forward_step(tok, s.lengths[:, None].long(), kv, s.lengths,
-                                                 want_features=draft_cache is not None)
+                                                 want_features=draft_cache is not None, exact=self.exact)
         logits = logits[:, 0]
         s.nonfinite[0] |= ~torch.isfinite(logits).all()
         if params.greedy:
@@ -378,7 +385,12 @@ class Engine:
         slots = [b for b, _ in items]
         lens = [len(x) for _, x in items]
         ids = [torch.tensor(prompt, dtype=torch.long, device=dev) for _, prompt in items]
-        logits, feats = self.target.prefill_packed(ids, slots, kv, want_features=spec)  # [n, V], [ΣP, k·H]
+        if self.exact:  # one pass per prompt: its prefill must not depend on the prompts admitted with it
+            outs = [self.target.prefill_packed([x], [b], kv, want_features=spec) for x, b in zip(ids, slots)]
+            logits = torch.cat([o[0] for o in outs])
+            feats = torch.cat([o[1] for o in outs]) if outs[0][1] is not None else None
+        else:
+            logits, feats = self.target.prefill_packed(ids, slots, kv, want_features=spec)  # [n, V], [ΣP, k·H]
         s.nonfinite[0] |= ~torch.isfinite(logits).all()
         idx = torch.tensor(slots, device=dev)
         s.seeds[idx] = torch.tensor(seeds, dtype=s.seeds.dtype, device=dev)
@@ -506,7 +518,7 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
                 dtype=torch.bfloat16, impl: str | None = None, max_batch: int = 8, max_seq: int = 4096,
                 cuda_graphs: bool | None = None, verify_size: int | None = None, eos_token_ids=None,
                 check_max_context: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
-                tree_budget: int = 32, budget: str | None = None):
+                tree_budget: int = 32, budget: str | None = None, exact: bool | None = None):
     """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine`.
 
     Raises:
@@ -527,4 +539,4 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
     return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
                   verify_size=verify_size, max_new_cap=max_new_cap, verify=verify, tree_budget=tree_budget,
-                  budget=budget), spec
+                  budget=budget, exact=exact), spec

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     ap.add_argument("--compare-ar", action="store_true", help="also decode without the draft and report the speedup")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                    help="bit-exact engine mode (issue 13): greedy spec output equals the engine's AR output in bf16 "
+                         "too (default: infer.model.EXACT_DEFAULT; engine only)")
     return ap
 
 
@@ -138,6 +141,8 @@ def run(args) -> dict:
         raise RuntimeError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
     if args.budget == "auto" and backend == "reference":
         raise ValueError("--budget auto needs the engine (--backend cuda on a GPU)")
+    if args.exact and (args.verify == "tree" or args.budget is not None):
+        raise ValueError("--exact supports --verify chain without --budget")
     target_path, draft_path = resolve_models(args)
     draft_cfg = None
     if draft_path is not None:  # a missing or unreadable draft fails before the target is loaded
@@ -155,9 +160,13 @@ def run(args) -> dict:
         print(f"note: {'; '.join(spec.engine_layer_problems)}: not in the engine; --backend auto uses the reference "
               "backend", file=sys.stderr)
         backend = "reference"
+        if args.exact:
+            raise ValueError("--exact needs the engine, which does not run this target")
         if args.block_size is not None and draft_cfg is not None and args.block_size != draft_cfg.block_size:
             raise ValueError(f"--block-size {args.block_size} needs the engine, which does not run this target")
     spec.check_supported(engine=backend == "cuda")
+    if args.exact and backend == "reference":
+        raise ValueError("--exact needs the engine (--backend cuda on a GPU)")
     tokenizer = load_tokenizer(path, gguf)
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
@@ -177,6 +186,8 @@ def run(args) -> dict:
     decode, eos = (_engine if backend == "cuda" else _reference)(args, params, path, gguf, draft_path, spec, prompts)
     res = decode(True)
     out = report(tokenizer, res, eos, backend)
+    if backend == "cuda":
+        out["exact"] = bool(args.exact)
     if draft_cfg is not None:
         out["verify"] = args.verify
         out["verified_tokens_per_step"] = ("auto" if args.budget else args.tree_budget if args.verify == "tree"
@@ -187,6 +198,7 @@ def run(args) -> dict:
         ar = decode(False)
         out.update(ar_tok_per_s=ar.tok_per_s, speedup=res.tok_per_s / ar.tok_per_s,
                    ar_equal=ar.token_ids == res.token_ids if params.greedy else None)
+
     return out
 
 
@@ -206,10 +218,14 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
     if dtype is None:
         raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
     longest = max(map(len, prompts))
+    if args.exact is None:  # the default applies where exact mode exists (chain verify)
+        from infer.model import EXACT_DEFAULT
+
+        args.exact = EXACT_DEFAULT and args.verify == "chain" and args.budget is None
     engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
                             max_seq=longest + args.max_new_tokens + 64, verify_size=args.block_size,
                             check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens,
-                            verify=args.verify, tree_budget=args.tree_budget, budget=args.budget)
+                            verify=args.verify, tree_budget=args.tree_budget, budget=args.budget, exact=args.exact)
 
     def decode(use: bool):
         engine.generate(prompts, params, use_draft=use)

@@ -12,6 +12,13 @@ layer's query at position p attends to keys p - window + 1 .. p (transformers' m
 (SDPA with a band mask), verify and decode (``verify_attention(window=...)``); the KV cache stays
 full-length. Layer types other than full / sliding attention are refused at config parsing.
 
+Exact mode (``forward_step(exact=True)``, issue 13): every matmul of the decode/verify step is
+``dspine.ops.linear``'s row-invariant GEMM and attention is ``verify_attention(exact=True)``; the
+norms, q/k-norm+RoPE and SwiGLU kernels are per row already. So a position's logits are bitwise
+the same in a 1-token step and in a verify block of any width, at any batch size, with or
+without CUDA graphs. Prefill keeps cuBLAS; the engine prefills one prompt per pass in exact mode
+so that a prompt's prefill does not depend on which prompts are admitted with it.
+
 Features for the draft are the decoder-layer outputs (residual stream after layer i) at the
 draft's ``target_layer_ids``, the last layer's after the final norm under the draft's
 ``last_layer_features = "post_norm"`` — the same tensors ``dspine.target.TargetAdapter`` returns.
@@ -28,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspine.config import check_rope, check_target_layers
+from dspine.ops.linear import linear
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
 from dspine.ops.silu_mul import silu_mul
@@ -36,6 +44,9 @@ from dspine.ops.verify_attention import verify_attention
 from dspine.paths import read_json_object
 
 SUPPORTED = ("qwen3", "qwen2", "llama")
+# Exact mode's default (engine, CLIs). Issue 13: on if it costs <= 3% against the fast mode at 8B
+# shape; off until benchmarks/engine/bench_exact.py has measured it on a GPU.
+EXACT_DEFAULT = False
 
 
 @dataclass
@@ -224,16 +235,18 @@ class EngineTarget(nn.Module):
         return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                               enable_gqa=a.num_heads != a.num_kv_heads)
 
-    def _mlp(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_mul(F.linear(h, L.gate_up), impl=self.impl), L.down)
+    def _mlp(self, L: Layer, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        up = linear(h, L.gate_up, impl=self.impl, exact=exact)
+        return linear(silu_mul(up, impl=self.impl), L.down, impl=self.impl, exact=exact)
 
     # -- forwards --------------------------------------------------------------------------------
     def _layers(self, tokens: torch.Tensor, pos: torch.Tensor, bidx: torch.Tensor, cache: KVCache, attend,
-                want_features: bool, write_pos: torch.Tensor | None = None):
+                want_features: bool, write_pos: torch.Tensor | None = None, exact: bool = False):
         """The decoder stack over N new tokens (flattened). ``attend(i, q [N, Hq, D]) -> [N, Hq*D]`` runs
         attention of layer i after this token's K/V were written at (bidx, write_pos); RoPE uses ``pos``
-        (write_pos defaults to pos; they differ for tree nodes). Returns the final hidden state, the
-        residual stream and {layer id: decoder-layer output}."""
+        (write_pos defaults to pos; they differ for tree nodes). ``exact``: row-invariant matmuls
+        (``dspine.ops.linear``). Returns the final hidden state, the residual stream and
+        {layer id: decoder-layer output}."""
         write_pos = pos if write_pos is None else write_pos
         a, impl = self.args, self.impl
         N = tokens.shape[0]
@@ -246,12 +259,13 @@ class EngineTarget(nn.Module):
                 h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, impl=impl), x
             else:
                 h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl)
-            q, k, v = F.linear(h, L.qkv, L.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            qkv = linear(h, L.qkv, L.qkv_bias, impl=impl, exact=exact)
+            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
             q = qk_norm_rope_cache(q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D), L.q_norm, L.k_norm,
                                    a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, write_pos, impl=impl)
-            x = F.linear(attend(i, q), L.o)
+            x = linear(attend(i, q), L.o, impl=impl, exact=exact)
             h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
-            x = self._mlp(L, h)
+            x = self._mlp(L, h, exact)
             if want_features and i in self.layer_ids:
                 feats[i] = residual + x  # the HF decoder layer's output
         return x, residual, feats
@@ -266,7 +280,7 @@ class EngineTarget(nn.Module):
         return torch.cat([feats[i] for i in self.layer_ids], dim=-1)
 
     def forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, cache_len: torch.Tensor,
-                     want_features: bool = True, tree_bits: torch.Tensor | None = None):
+                     want_features: bool = True, tree_bits: torch.Tensor | None = None, exact: bool = False):
         """Decode (T = 1) or verify (T = block) step for every batch slot.
 
         Args:
@@ -276,10 +290,16 @@ class EngineTarget(nn.Module):
             tree_bits: ``[B, T]`` int64 ancestor bitmasks (``dspine.tree.ancestor_bits``) for a tree
                 verify: token t is tree node t at RoPE position ``positions[b, t]`` (prefix + depth),
                 its K/V are written at cache_len[b] + t and it attends to the prefix and its ancestors.
+            exact: row-invariant kernels (module docstring): a position's logits do not depend on T,
+                B or the other rows. Chain steps only.
         Returns:
             logits ``[B, T, V]`` (model dtype) and features ``[B, T, k*H]`` (or None).
+        Raises:
+            ValueError: ``exact`` with ``tree_bits`` (tree attention has no exact mode).
         """
         a = self.args
+        if exact and tree_bits is not None:
+            raise ValueError("exact=True is not supported for tree verify (tree_bits given)")
         B, T = tokens.shape
         bidx = torch.arange(B, device=tokens.device).repeat_interleave(T)
 
@@ -289,16 +309,16 @@ class EngineTarget(nn.Module):
                                    tree_bits, self.scale, impl=self.impl)
                 return o.view(B * T, -1)
             o = verify_attention(q.view(B, T, a.num_heads, a.head_dim), cache.k[i], cache.v[i], cache_len,
-                                 self.scale, impl=self.impl, window=self.window(i))
+                                 self.scale, impl=self.impl, window=self.window(i), exact=exact)
             return o.view(B * T, -1)
 
         write = None
         if tree_bits is not None:
             write = (cache_len[:, None].long() + torch.arange(T, device=tokens.device)).reshape(-1)
         x, residual, feats = self._layers(tokens.reshape(-1), positions.reshape(-1), bidx, cache, attend, want_features,
-                                          write)
+                                          write, exact)
         h, _ = rms_norm(x, self.norm, a.rms_norm_eps, residual=residual, impl=self.impl)
-        logits = F.linear(h, self.head).view(B, T, -1)
+        logits = linear(h, self.head, impl=self.impl, exact=exact).view(B, T, -1)
         f = self._features(feats, want_features)
         return logits, None if f is None else f.view(B, T, -1)
 

@@ -12,6 +12,10 @@ graphs off and on, fp32 and bf16, with two drafts:
 Every output is compared with the reference (transformers, fp32, autoregressive) token by token;
 for each differing prompt the first divergence is reported with the reference top-2 logit margin
 there; only bf16 near-ties may differ, and every one is listed.
+
+``--exact`` (issue 13): the engines run in exact mode and each configuration also decodes without
+the draft; the speculative output must equal that engine AR output on every prompt, fp32 and bf16
+(``identical_to_engine_ar``); any difference makes the exit status 1 (after the JSON is written).
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ def build_tiny_qwen3(out: Path) -> Path:
     return out
 
 
-def run_target(name, path, draft_dir, prompts, max_new, eos, report, device="cuda"):
+def run_target(name, path, draft_dir, prompts, max_new, eos, report, device="cuda", exact=False):
     target = load_target(str(path), dtype="fp32", device=device)
     want = ReferenceDecoder(target, None, eos).generate(prompts, SamplingParams(max_new_tokens=max_new)).token_ids
     refs = [p + w for p, w in zip(prompts, want)]
@@ -107,7 +111,7 @@ def run_target(name, path, draft_dir, prompts, max_new, eos, report, device="cud
                 t0 = time.perf_counter()
                 eng, _ = load_engine(str(path), None, str(draft_dir), device=device, dtype=dtype, max_batch=batch,
                                      max_seq=max(map(len, prompts)) + max_new + 32, cuda_graphs=graphs,
-                                     eos_token_ids=eos)
+                                     eos_token_ids=eos, exact=exact)
                 if draft_kind == "oracle":
                     install_device_oracle(eng, refs)
                 got = eng.generate(prompts, SamplingParams(max_new_tokens=max_new), concurrency=batch)
@@ -120,11 +124,19 @@ def run_target(name, path, draft_dir, prompts, max_new, eos, report, device="cud
                 row = {"target": name, "dtype": str(dtype).split(".")[-1], "cuda_graphs": graphs,
                        "draft": draft_kind, "batch": batch, "prompts": len(prompts),
                        "identical": len(prompts) - len(diffs), "differences": diffs, "tau": got.stats.tau,
-                       "seconds": time.perf_counter() - t0}
+                       "exact": exact, "seconds": time.perf_counter() - t0}
+                if exact:  # the engine's own AR output, same mode: must be equal bit for bit
+                    ar = eng.generate(prompts, SamplingParams(max_new_tokens=max_new), concurrency=batch,
+                                      use_draft=False).token_ids
+                    row["ar_differences"] = [{"prompt": j, "position": first_divergence(g, a)}
+                                             for j, (g, a) in enumerate(zip(got.token_ids, ar)) if g != a]
+                    row["identical_to_engine_ar"] = len(prompts) - len(row["ar_differences"])
+                    row["seconds"] = time.perf_counter() - t0
                 report.append(row)
                 print(f"{name:9} {row['dtype']:8} graphs={graphs!s:5} {draft_kind:6} batch={row['batch']} "
                       f"identical {row['identical']}/{len(prompts)} tau={row['tau']:.2f} "
-                      f"margins={[round(d['ref_top2_margin'] or -1, 5) for d in diffs]}", flush=True)
+                      f"margins={[round(d['ref_top2_margin'] or -1, 5) for d in diffs]}"
+                      + (f" == engine AR {row['identical_to_engine_ar']}/{len(prompts)}" if exact else ""), flush=True)
                 del eng
 
 
@@ -153,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--output", default=None)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test (eager, torch kernels)")
+    ap.add_argument("--exact", action="store_true", help="exact engine mode: spec must equal the engine's own AR")
     args = ap.parse_args(argv)
     if args.prepare:
         Path(args.prepare).write_text(json.dumps(prepare_prompts(args)))
@@ -169,15 +182,22 @@ def main(argv=None) -> int:
         target = load_target(str(path), dtype="fp32")
         draft = random_draft(target, block_size=16, mask=mask)
         ddir = save_draft(draft, work / f"draft-{name}")
-        run_target(name, path, ddir, prompts, args.max_new_tokens, eos, report, args.device)
+        run_target(name, path, ddir, prompts, args.max_new_tokens, eos, report, args.device, args.exact)
     total = sum(r["prompts"] for r in report)
     same = sum(r["identical"] for r in report)
     fp32_diffs = sum(len(r["differences"]) for r in report if r["dtype"] == "float32")
-    out = {**provenance(), "runs": report, "summary": {"outputs": total, "identical": same,
-                                                        "fp32_differences": fp32_diffs}}
+    summary = {"outputs": total, "identical": same, "fp32_differences": fp32_diffs}
+    if args.exact:
+        summary["identical_to_engine_ar"] = sum(r["identical_to_engine_ar"] for r in report)
+    out = {**provenance(), "runs": report, "summary": summary}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(out, indent=1))
     print(f"identical {same}/{total}; fp32 differences {fp32_diffs}")
+    if args.exact:
+        print(f"exact mode: speculative == engine AR on {summary['identical_to_engine_ar']}/{total}")
+        if summary["identical_to_engine_ar"] != total:
+            print("error: exact mode: speculative output differs from the engine's AR output", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -24,6 +24,15 @@ Memory traffic: K and V of the visible prefix once per kv head (2·B·Hkv·(len 
 out once; with splits, plus 4·(D + 2) bytes per (row, split) for the partials.
 Numerics: fp32 scores and softmax statistics; P is rounded to the input dtype before P·V (as in
 FlashAttention), accumulation in fp32; fp32 inputs use exact (non-TF32) tl.dot.
+
+Exact mode (``exact=True``, issue 13): each query's result is bitwise independent of T (the
+block width), of B and of the cache size S. The kernel then uses one fixed tile configuration
+(that of ``EXACT_ROWS`` packed rows, whatever G·T is), fixed ``EXACT_CHUNK``-key splits
+(``cdiv(S, EXACT_CHUNK)`` programs per row tile; tiles aligned to absolute key index multiples of
+BLOCK_N) and always writes partials, which ``attn_combine`` merges split by split in order
+(``ordered=True``). Fully masked tiles and empty splits are exact no-ops (factors 1 and 0), so a
+row's arithmetic is the same sequence in a 1-token step and in a verify block. The reference path
+runs each (batch row, query) on its own with the same shapes.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from .attn_combine import combine_partials_triton
 __all__ = ["verify_attention", "verify_attention_torch"]
 
 _LOG2E = 1.4426950408889634
+EXACT_ROWS = 64  # exact mode: tile configuration of this many packed rows, for every T
+EXACT_CHUNK = 256  # exact mode: keys per split (a multiple of every BLOCK_N)
 
 
 @triton.jit
@@ -147,16 +158,20 @@ def _check_window(window):
         raise ValueError(f"window={window!r}: expected None or an int >= 1")
 
 
-def _launch_plan(q, Hkv: int, S: int, num_splits, out):
+def _launch_plan(q, Hkv: int, S: int, num_splits, out, exact: bool = False):
     """Block sizes, row-tile count, KV split plan and fp32 partial buffers of a verify-layout attention
     launch (q ``[B, T, Hq, D]``): shared by this op and ``dspine.ops.tree_attention``. The partials are
-    ``out`` itself (unused) when the plan does not split."""
+    ``out`` itself (unused) when the plan does not split. ``exact``: the fixed plan of exact mode
+    (module docstring; ``num_splits`` ignored), always with partials."""
     B, T, Hq, D = q.shape
     G = Hq // Hkv
-    blocks = _attn_blocks(D, q.dtype, G * T)
+    blocks = _attn_blocks(D, q.dtype, EXACT_ROWS if exact else G * T)
     num_mb = triton.cdiv(G * T, blocks[0])
-    ns, chunk = _split_plan(B * Hkv * num_mb, S, blocks[1], q.device, num_splits)
-    if ns > 1:
+    if exact:
+        ns, chunk = triton.cdiv(max(S, 1), EXACT_CHUNK), EXACT_CHUNK
+    else:
+        ns, chunk = _split_plan(B * Hkv * num_mb, S, blocks[1], q.device, num_splits)
+    if ns > 1 or exact:
         part_acc = torch.empty(B * Hkv, ns, G * T, D, device=q.device, dtype=torch.float32)
         part_m = torch.empty(B * Hkv, ns, G * T, device=q.device, dtype=torch.float32)
         parts = (part_acc, part_m, torch.empty_like(part_m))
@@ -165,7 +180,8 @@ def _launch_plan(q, Hkv: int, S: int, num_splits, out):
     return blocks, num_mb, ns, chunk, parts
 
 
-def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None):
+def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None,
+                            exact=False):
     _check_window(window)
     B, T, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
@@ -177,8 +193,9 @@ def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, 
         raise ValueError(f"head_dim {D} > 256 is not supported")
     G = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
-    (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(q, Hkv, S, num_splits, out)
-    split = ns > 1
+    (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(
+        q, Hkv, S, num_splits, out, exact)
+    split = ns > 1 or exact
     _verify_attn_kernel[(B * Hkv * num_mb, ns)](
         q, k_cache, v_cache, cache_len, out, part_acc, part_m, part_l,
         float(scale) * _LOG2E,
@@ -192,17 +209,31 @@ def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, 
         num_warps=warps, num_stages=stages,
     )
     if split:
-        combine_partials_triton(part_acc, part_m, part_l, out)
+        combine_partials_triton(part_acc, part_m, part_l, out, ordered=exact)
     return out
 
 
-def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None):
-    """Reference: masked softmax in fp32 over the whole cache (no host sync, graph-capturable)."""
+def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None,
+                           exact=False):
+    """Reference: masked softmax in fp32 over the whole cache (no host sync, graph-capturable).
+    ``exact``: every (batch row, query) computed alone, as a T = 1 query of a batch of 1 at position
+    cache_len[b] + t, so every call has the same shapes whatever B and T are."""
     del num_splits
     _check_window(window)
     B, T, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
     G = Hq // Hkv
+    if exact:
+        o = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
+        for b in range(B):
+            for t in range(T):
+                o[b, t] = verify_attention_torch(q[b : b + 1, t : t + 1].clone(), k_cache[b : b + 1],
+                                                 v_cache[b : b + 1], cache_len[b : b + 1] + t, scale,
+                                                 window=window)[0, 0]
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
     # rows of one kv head packed as r = t·G + g, like the kernel
     qr = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
     j = torch.arange(S, device=q.device)
@@ -225,17 +256,18 @@ def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, n
 
 
 def verify_attention(q, k_cache, v_cache, cache_len, scale, impl: str = "triton", *, out=None,
-                     num_splits=None, window: int | None = None):
+                     num_splits=None, window: int | None = None, exact: bool = False):
     """Causal attention of q [B, T, Hq, D] over k/v_cache [B, Hkv, S, D] up to cache_len[b] + t.
 
     Returns out [B, T, Hq, D] in q's dtype (written into ``out`` if given). ``num_splits``
     overrides the split-K count (tests); by default it is chosen from shapes. ``window`` (tokens,
     None = full causal): a query at position p sees keys p − window + 1 .. p only. Raises
-    ValueError on inconsistent shapes or a window that is not an int >= 1. See the module
-    docstring for layouts and numerics.
+    ValueError on inconsistent shapes or a window that is not an int >= 1. ``exact``: each query's
+    result bitwise independent of B, T and S (module docstring; ``num_splits`` is then ignored).
+    See the module docstring for layouts and numerics.
     """
     check_impl(impl)
     fn = verify_attention_triton if impl == "triton" else verify_attention_torch
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return fn(q, k_cache, v_cache, cache_len, scale, out=out, num_splits=num_splits, window=window)
+    return fn(q, k_cache, v_cache, cache_len, scale, out=out, num_splits=num_splits, window=window, exact=exact)

@@ -1,0 +1,336 @@
+"""Exact mode (issue 13): a position's target logits are bitwise the same in a 1-token step, in a
+verify block of any width and at any batch size.
+
+CPU: the row-invariant kernels (``dspine.ops.linear``, ``verify_attention(exact=True)``) with the
+torch paths and, under TRITON_INTERPRET=1, the Triton kernels (small shapes); the engine target's
+step at widths 1, 4, 16 and batch 1, 3 in bf16; the engine's greedy speculative output against its
+own AR output. The ``gpu`` tests check the compiled kernels over the decode/verify range of M and
+the engine end to end with CUDA graphs.
+"""
+
+import tests.kernel_env as kenv  # noqa: I001  (before the kernel modules: sets TRITON_INTERPRET)
+
+import json
+
+import pytest
+import torch
+
+from dspine.ops.linear import linear
+from dspine.ops.verify_attention import verify_attention
+from dspine.sampling import SamplingParams
+from infer.engine import Engine
+from infer.model import EngineTarget, ModelArgs
+from tests.helpers import oracle_engine
+
+needs_interp = pytest.mark.skipif(not kenv.TRITON_CPU, reason=str(kenv.TRITON_CPU_SKIP))
+IMPLS = ["torch", pytest.param("triton", marks=needs_interp)]
+DEV = "cpu"
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16 if a.element_size() == 2
+                                                                             else torch.int32),
+                                                                     b.view(torch.int16 if b.element_size() == 2
+                                                                            else torch.int32))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_linear_rows_do_not_depend_on_m(impl):
+    g = torch.Generator().manual_seed(0)
+    M, K, N = 19, 300, 96  # K: full and partial K tiles; N: two or three column tiles
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(torch.bfloat16)
+    bias = torch.randn(N, generator=g).to(torch.bfloat16)
+    full = linear(x, w, bias, impl=impl)
+    for width in (1, 4, 16):
+        for start in (0, 3):
+            part = linear(x[start : start + width], w, bias, impl=impl)
+            assert _bits_equal(part, full[start : start + width]), (impl, width, start)
+    # other rows' contents do not matter either
+    y = x.clone()
+    y[1:] = torch.randn(M - 1, K, generator=g).to(torch.bfloat16)
+    assert _bits_equal(linear(y, w, bias, impl=impl)[0], full[0])
+    # and the op is the linear map: within bf16 rounding of the fp32 result
+    ref = x.float() @ w.float().T + bias.float()
+    err = (full.float() - ref).abs().max().item()
+    assert err <= 2 * 2**-8 * ref.abs().max().item(), err
+    with pytest.raises(ValueError, match=r"weight \(96, 301\)"):
+        linear(x, torch.zeros(N, K + 1, dtype=torch.bfloat16), impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [None, 70])
+def test_verify_attention_exact_queries_do_not_depend_on_block_or_batch(impl, window):
+    """Queries of a 16- and 4-wide block at batch 3 equal the same positions computed one token at a time
+    at batch 1; S = 300 gives two 256-key splits (the ordered combine), lengths cross the split edge."""
+    g = torch.Generator().manual_seed(1)
+    B, Hkv, G, D, S, T = 3, 2, 2, 32, 300, 16
+    dt = torch.bfloat16
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dt)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dt)
+    q = torch.randn(B, T, Hkv * G, D, generator=g).to(dt)
+    lens = torch.tensor([250, 5, 270], dtype=torch.int32)
+    scale = D**-0.5
+    block = verify_attention(q, k, v, lens, scale, impl=impl, window=window, exact=True)
+    narrow = verify_attention(q[:, :4].contiguous(), k, v, lens, scale, impl=impl, window=window, exact=True)
+    assert _bits_equal(narrow, block[:, :4])
+    for b in (0, 2):
+        for t in (0, 7, 15):
+            one = verify_attention(q[b : b + 1, t : t + 1].contiguous(), k[b : b + 1], v[b : b + 1], lens[b : b + 1] + t,
+                                   scale, impl=impl, window=window, exact=True)
+            assert _bits_equal(one[0, 0], block[b, t]), (b, t)
+    fast = verify_attention(q, k, v, lens, scale, impl=impl, window=window)
+    assert (fast.float() - block.float()).abs().max().item() <= 2**-6  # same op, other rounding
+    assert not torch.equal(fast, torch.zeros_like(fast))
+
+
+def _tiny_target(dtype=torch.bfloat16, impl="torch", layers=2, window=None):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    extra = dict(use_sliding_window=True, sliding_window=window, max_window_layers=0) if window else {}
+    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      rope_theta=1e4, tie_word_embeddings=False, initializer_range=0.2, **extra)
+    hf = Qwen3ForCausalLM(cfg).eval()
+    return EngineTarget.from_hf_state(ModelArgs.from_hf_config(cfg), hf.state_dict(), DEV, dtype, [0, layers - 1],
+                                      impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_target_step_logits_width_and_batch_invariant(impl):
+    """bf16 logits and features of positions P .. P+15 of row 1: one verify block of 16 at batch 3, four
+    blocks of 4 at batch 1 and sixteen 1-token steps at batch 1 give the same bits."""
+    tgt = _tiny_target(impl=impl)
+    g = torch.Generator().manual_seed(2)
+    P, T = 9, 16
+    prompts = [torch.randint(0, 500, (n,), generator=g) for n in (5, P, 12)]
+    cont = torch.randint(0, 500, (3, T), generator=g)
+
+    def fresh(B, rows):
+        cache = tgt.new_cache(B, 64)
+        for slot, r in enumerate(rows):
+            tgt.prefill(prompts[r], slot, cache)
+        return cache, torch.tensor([len(prompts[r]) for r in rows], dtype=torch.int32)
+
+    with torch.inference_mode():
+        cache, lens = fresh(3, [0, 1, 2])
+        pos = lens[:, None].long() + torch.arange(T)
+        wide, wide_f = tgt.forward_step(cont, pos, cache, lens, exact=True)
+        fast, _ = tgt.forward_step(cont, pos, cache, lens)
+        for width, n in ((4, T), (1, 6)):  # width 1: the first 6 positions (interpreter time)
+            cache1, lens1 = fresh(1, [1])
+            parts, feats = [], []
+            for s in range(0, n, width):
+                p1 = lens1[:, None].long() + s + torch.arange(width)
+                lg, ft = tgt.forward_step(cont[1:2, s : s + width], p1, cache1, lens1 + s, exact=True)
+                parts.append(lg)
+                feats.append(ft)
+            assert _bits_equal(torch.cat(parts, 1)[0], wide[1, :n]), width
+            assert _bits_equal(torch.cat(feats, 1)[0], wide_f[1, :n]), width
+    assert (fast.float() - wide.float()).abs().max().item() < 0.1  # fast mode: the same logits up to bf16 rounding
+    with pytest.raises(ValueError, match="tree"):
+        tgt.forward_step(cont, pos, cache, lens, exact=True, tree_bits=torch.ones(3, T, dtype=torch.long))
+
+
+def _draft_for(tgt: EngineTarget, block=8):
+    from dspine.config import DSpineConfig
+    from dspine.model import DSpineDraftModel
+
+    a = tgt.args
+    torch.manual_seed(1)
+    cfg = DSpineConfig(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                       num_hidden_layers=1, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
+                       head_dim=a.head_dim, block_size=block, num_target_layers=a.num_layers,
+                       max_position_embeddings=a.max_position_embeddings, rope_theta=a.rope_theta,
+                       dflash_config={"mask_token_id": a.vocab_size - 1, "target_layer_ids": tgt.layer_ids})
+    return DSpineDraftModel(cfg).eval()
+
+
+def test_engine_exact_spec_equals_ar_bf16():
+    """Greedy bf16 on the CPU reference path: with an oracle draft proposing the AR continuation (so
+    every committed token passed through a wide verify block), exact mode reproduces the AR output at
+    concurrency 1 and 3; tree verify is refused in exact mode."""
+    tgt = _tiny_target(layers=2)
+    draft = _draft_for(tgt)
+    prompts = [[5, 6, 7], [9] * 11, [100, 200], [3, 1, 4, 1, 5]]
+    params = SamplingParams(max_new_tokens=24)
+    eng = Engine(tgt, draft, [-1], max_batch=3, max_seq=64, exact=True)
+    ar = eng.generate(prompts, params, use_draft=False, concurrency=3).token_ids
+    assert eng.generate(prompts, params, use_draft=False, concurrency=1).token_ids == ar
+    oracle_engine(eng, [p + o for p, o in zip(prompts, ar)], corrupt=0.1)
+    for conc in (1, 3):
+        res = eng.generate(prompts, params, concurrency=conc)
+        assert res.token_ids == ar, conc
+        assert res.stats.tau > 3.0  # most tokens were committed from inside verify blocks
+    with pytest.raises(ValueError, match="chain verify only"):
+        Engine(tgt, draft, [-1], max_batch=1, max_seq=64, exact=True, verify="tree")
+
+
+def test_bench_exact_mode_compares_spec_with_ar(stories_dir, tmp_path):
+    """``infer.bench --exact`` on the CPU engine in bf16: every greedy output equals AR (exit 0, JSON says
+    exact); ``first_divergence`` finds the parting position; --exact on the reference backend is refused."""
+    from dspine.checkpoint import save_draft
+    from dspine.target import load_target
+    from infer import bench
+    from tests.conftest import shared_path
+    from tests.helpers import random_draft
+
+    draft = save_draft(random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d")
+    out = tmp_path / "b.json"
+    argv = ["--target", str(stories_dir), "--draft", f"D={draft}", "--datasets", "gsm8k", "--num-prompts", "2",
+            "--data-dir", str(shared_path("data", "eval")), "--max-new-tokens", "12", "--no-chat-template",
+            "--concurrency", "2", "--output-json", str(out)]
+    assert bench.main([*argv, "--backend", "cuda", "--device", "cpu", "--dtype", "bf16", "--exact"]) == 0
+    d = json.loads(out.read_text())["tasks"][0]["drafts"]["D"]
+    assert d["exact"] is True and d["greedy_equal"] == d["greedy_compared"] == 2 and d["greedy_mismatches"] == []
+    assert bench.main([*argv, "--backend", "reference", "--exact"]) == 2
+    assert bench.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and bench.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_bench_reports_divergence_and_fails_in_exact_mode(stories_dir, tmp_path, monkeypatch):
+    """A draft run whose first output is changed at position 3: the fast mode lists it with the target's
+    top-2 margin there (margin >= 0, top-1 = AR's token); exact mode exits 1 after writing the JSON."""
+    from dspine.checkpoint import save_draft
+    from dspine.target import load_target
+    from infer import bench
+    from tests.conftest import shared_path
+    from tests.helpers import random_draft
+
+    draft = save_draft(random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d")
+    run = bench.Runner.run
+
+    def corrupt(self, prompts, params, label):
+        tokens, *rest = run(self, prompts, params, label)
+        if label is not None:
+            tokens[0] = tokens[0][:3] + [(tokens[0][3] + 1) % 500] + tokens[0][4:]
+        return (tokens, *rest)
+
+    monkeypatch.setattr(bench.Runner, "run", corrupt)
+    out = tmp_path / "b.json"
+    argv = ["--target", str(stories_dir), "--draft", f"D={draft}", "--datasets", "gsm8k", "--num-prompts", "2",
+            "--data-dir", str(shared_path("data", "eval")), "--max-new-tokens", "8", "--no-chat-template",
+            "--output-json", str(out), "--backend", "cuda", "--device", "cpu", "--dtype", "bf16"]
+    assert bench.main(argv) == 0
+    d = json.loads(out.read_text())["tasks"][0]["drafts"]["D"]
+    assert d["exact"] is False and d["greedy_equal"] == 1 and len(d["greedy_mismatches"]) == 1
+    m = d["greedy_mismatches"][0]
+    assert m["position"] == 3 and m["ar_top2"][0] == m["ar_tokens"][3] and m["ar_top2_margin"] >= 0
+    assert bench.main([*argv, "--exact"]) == 1 and out.is_file()
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 12288), (1000, 576)])
+def test_linear_cuda_row_invariant(N, K):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(128, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).bfloat16()
+    full = linear(x, w)
+    for m in (1, 2, 3, 4, 16, 17, 48, 64, 65, 100, 128):
+        assert _bits_equal(linear(x[:m], w), full[:m]), m
+        assert _bits_equal(linear(x[m - 1 : m], w)[0], full[m - 1]), m
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    assert (full.float() - ref).abs().max().item() <= 2 * 2**-8 * ref.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 300])
+def test_verify_attention_cuda_exact(window):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, Hkv, G, D, S, T = 8, 8, 4, 128, 2000, 16
+    k = torch.randn(B, Hkv, S, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(B, Hkv, S, D, device="cuda", generator=g).bfloat16()
+    q = torch.randn(B, T, Hkv * G, D, device="cuda", generator=g).bfloat16()
+    lens = torch.tensor([0, 1, 255, 256, 700, 1500, 1900, 1984], dtype=torch.int32, device="cuda")
+    block = verify_attention(q, k, v, lens, D**-0.5, window=window, exact=True)
+    for b in range(B):
+        for t in range(T):
+            one = verify_attention(q[b : b + 1, t : t + 1].contiguous(), k[b : b + 1], v[b : b + 1],
+                                   lens[b : b + 1] + t, D**-0.5, window=window, exact=True)
+            assert _bits_equal(one[0, 0], block[b, t]), (b, t)
+    # a larger cache (more, empty splits) does not change the result
+    k2, v2 = torch.cat([k, k], 2), torch.cat([v, v], 2)
+    assert _bits_equal(verify_attention(q, k2, v2, lens, D**-0.5, window=window, exact=True), block)
+    ref = verify_attention(q, k, v, lens, D**-0.5, window=window, impl="torch")
+    assert (block.float() - ref.float()).abs().max().item() <= 2**-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_cuda_exact_spec_equals_ar(graphs):
+    """bf16 on the GPU: exact speculative output equals the engine's exact AR output at concurrency 1 and
+    8 (random draft: every block verified, its anchor row committed)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                      rope_theta=1e6, tie_word_embeddings=False, initializer_range=0.1)
+    hf = Qwen3ForCausalLM(cfg).eval()
+    tgt = EngineTarget.from_hf_state(ModelArgs.from_hf_config(cfg), hf.state_dict(), "cuda", torch.bfloat16, [0, 3],
+                                     "triton")
+    draft = _draft_for(tgt, block=16)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 4000, (int(n),), generator=g).tolist() for n in torch.randint(3, 300, (16,), generator=g)]
+    params = SamplingParams(max_new_tokens=160)
+    eng = Engine(tgt, draft, [-1], max_batch=8, max_seq=600, exact=True, cuda_graphs=graphs)
+    ar = eng.generate(prompts, params, use_draft=False, concurrency=8).token_ids
+    assert eng.generate(prompts, params, use_draft=False, concurrency=1).token_ids == ar
+    for conc in (1, 8):
+        assert eng.generate(prompts, params, concurrency=conc).token_ids == ar, conc
+    if not graphs:  # the oracle draft (host-side) runs eagerly: most tokens come out of wide blocks
+        oracle_engine(eng, [p + o for p, o in zip(prompts, ar)], corrupt=0.1)
+        for conc in (1, 8):
+            res = eng.generate(prompts, params, concurrency=conc)
+            assert res.token_ids == ar, conc
+            assert res.stats.tau > 4.0
+
+
+def test_bench_exact_smoke(stories_dir, tmp_path):
+    """benchmarks/engine/bench_exact.py --tiny --cpu: all three parts (stories260K with a random draft stands
+    in for SmolLM2), every exact run identical, the four step-time ratios, --append keeps earlier runs."""
+    from benchmarks.engine import bench_exact
+    from dspine.checkpoint import save_draft
+    from dspine.target import load_target
+    from tests.conftest import shared_path
+    from tests.helpers import random_draft
+
+    draft = save_draft(random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d")
+    out = tmp_path / "exact.json"
+    common = ["--tiny", "--cpu", "--output", str(out), "--data-dir", str(shared_path("data", "eval"))]
+    assert bench_exact.main([*common, "--parts", "smollm2", "--smollm2-target", str(stories_dir),
+                             "--smollm2-draft", str(draft)]) == 0
+    assert bench_exact.main([*common, "--parts", "8b,cost", "--append", "--8b-prompts", "3"]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["target"], r["batch"]) for r in res["runs"]] == [("smollm2", 1), ("smollm2", 8), ("tiny-random", 1),
+                                                                ("tiny-random", 8)]
+    assert [r["compared"] for r in res["runs"]] == [5, 5, 3, 3]
+    assert all(r["identical"] == r["compared"] and r["cuda_graphs"] is False for r in res["runs"])
+    assert res["runs"][2]["tau"] > 2.0  # the oracle draft: blocks accepted deep
+    assert set(res["exact_over_fast"]) == {"ar_step_bs1", "spec_step_bs1", "ar_step_bs8", "spec_step_bs8"}
+    assert all(v > 0 for v in res["exact_over_fast"].values())
+    assert len(res["commands"]) == 2 and set(res["part_seconds"]) == {"smollm2", "build_8b", "8b", "cost"}
+
+
+@needs_interp
+def test_bench_linear_smoke():
+    """benchmarks/kernels/bench_linear.py --tiny: both candidate configurations row invariant, a best one."""
+    from benchmarks.kernels import bench_linear
+
+    res = bench_linear.run(type("A", (), {"tiny": True, "ctx": 300})())
+    assert set(res["per_token_step"]) == {"64,32,128,4,3", "16,32,64,4,2"}
+    assert all(v["row_invariant"] for v in res["per_token_step"].values()) and res["best_config"] in res["per_token_step"]
+    assert [(a["B"], a["T"]) for a in res["attention"]] == [(1, 1), (2, 4)]
+
+
+def test_generate_refuses_exact_where_it_does_not_exist(stories_dir, capsys):
+    from infer import generate
+
+    base = ["--target", str(stories_dir), "--draft", "none", "--prompt", "hi", "--backend", "reference", "--exact"]
+    assert generate.main(base) == 2
+    assert "--exact needs the engine" in capsys.readouterr().err
+    assert generate.main([*base, "--verify", "tree"]) == 2
+    assert "--exact supports --verify chain" in capsys.readouterr().err
