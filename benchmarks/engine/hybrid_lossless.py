@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         want = hf_greedy(path, prompts, args.max_new_tokens, dev)
         refs = [p + w for p, w in zip(prompts, want)]
         target = load_target(str(path), dtype="fp32", device=dev)
-        draft = random_draft(target, block_size=16, mask=1)
+        draft = random_draft(target, block_size=16, mask=1).to(dev)
         dec = oracle_reference_decoder(ReferenceDecoder(target, draft, []), refs, corrupt=0.15)
         got = dec.generate(prompts, params)
         same = sum(a == b for a, b in zip(got.token_ids, want))
