@@ -172,29 +172,106 @@ def engine_section() -> list[str]:
         return []
     b1, b8 = e["batch1"], e["batch8"]
     c = e["ceilings"]
-    return [
+    ok = lambda good: "met" if good else "**missed**"
+    out = [
         "### Engine at Qwen3-8B shape (random bf16 weights, 512-token prompt, 256 new tokens)",
         "",
         f"{e['gpu']}, {e['date'][:10]}, commit `{e['commit'][:10]}`, [`results/engine-h200.json`](results/engine-h200.json). "
         f"Measured ceilings: copy {c['copy_bw_GBps'] / 1000:.2f} TB/s, bf16 GEMM {c['bf16_gemm_tflops']:.0f} TFLOP/s; "
         f"bandwidth floor {e['bandwidth_floor_tok_per_s']:.0f} tok/s ({e['weight_bytes'] / 1e9:.1f} GB of weights).",
         "",
-        "| | batch 1 | batch 8 | target (batch 1) |",
+        "| | batch 1 | batch 8 | goal |",
         "|---|---|---|---|",
         f"| AR tok/s (engine, CUDA graphs) | {b1['ar_tok_per_s']:.0f} ({b1['ar_fraction_of_floor']:.0%} of floor) | "
-        f"{b8['ar_tok_per_s']:.0f} | ≥ 85% of floor — **missed** |" if b1["ar_fraction_of_floor"] < 0.85 else
-        f"| AR tok/s (engine, CUDA graphs) | {b1['ar_tok_per_s']:.0f} ({b1['ar_fraction_of_floor']:.0%} of floor) | "
-        f"{b8['ar_tok_per_s']:.0f} | ≥ 85% of floor — met |",
+        f"{b8['ar_tok_per_s']:.0f} ({b8['ar_fraction_of_floor']:.0%}) | batch 1 ≥ 85% of floor — "
+        f"{ok(b1['ar_fraction_of_floor'] >= 0.85)} |",
         f"| spec step ÷ AR step (draft 16 + verify 16 + accept) | {b1['spec_step_over_ar_step']:.2f} | "
-        f"{b8['spec_step_over_ar_step']:.2f} | ≤ 1.35 — {'met' if b1['spec_step_over_ar_step'] <= 1.35 else '**missed**'} |",
+        f"{b8['spec_step_over_ar_step']:.2f} | ≤ 1.20 / ≤ 1.35 — {ok(b1['spec_step_over_ar_step'] <= 1.20)} / "
+        f"{ok(b8['spec_step_over_ar_step'] <= 1.35)} |",
         f"| oracle draft, τ = 7: speedup over the engine's AR | {b1['oracle_speedup_tau7']:.2f}× | "
-        f"{b8['oracle_speedup_tau7']:.2f}× | ≥ 4.5 — {'met' if b1['oracle_speedup_tau7'] >= 4.5 else '**missed**'} |",
+        f"{b8['oracle_speedup_tau7']:.2f}× | batch 1 ≥ 5.5× — {ok(b1['oracle_speedup_tau7'] >= 5.5)} |",
+    ]
+    if "dspine_step_over_dflash_step" in b1:
+        out.append(f"| DSpine step ÷ DFlash step (see the injection table below) | {b1['dspine_step_over_dflash_step']:.3f} | "
+                   f"{b8['dspine_step_over_dflash_step']:.3f} | ≤ 1.03 — {ok(b1['dspine_step_over_dflash_step'] <= 1.03)} |")
+    if "compiled_hf_tok_per_s" in b1:
+        out.append(f"| transformers static cache + `torch.compile`, same weights | {b1['compiled_hf_tok_per_s']:.0f} tok/s | | |")
+    out += [
         f"| transformers `generate`, same weights | {b1['hf_generate_tok_per_s']:.1f} tok/s | "
         f"{b8['hf_generate_tok_per_s']:.1f} tok/s | |",
         "",
         f"Command: `{e['command']}`",
         "",
     ]
+    return out
+
+
+def verify_section() -> list[str]:
+    v = load("verify-h200.json")
+    if not v:
+        return []
+    sm, sc = v["smollm2"], v["step_cost"]
+    ok = lambda good: "met" if good else "**missed**"
+    out = ["### Tree verification and the verify-budget planner (issue 16)", "",
+           f"{v['gpu']}, {v['date'][:10]}, commit `{v['commit'][:10]}`, [`results/verify-h200.json`](results/verify-h200.json). "
+           f"SmolLM2-135M with the shipped DSpine draft, T = 0, concurrency 1, {sm['num_prompts']} prompts per task, "
+           f"{sm['max_new_tokens']} new tokens, tree of {sm['tree_budget']} nodes against the chain of 16:", "",
+           "| chain τ | tree τ | tree τ ÷ chain τ (goal ≥ 1.3) | tree tok/s ÷ chain tok/s (goal ≥ 1.15) |", "|---|---|---|---|",
+           f"| {sm['chain_mean_tau']:.2f} | {sm['tree_mean_tau']:.2f} | {sm['tree_tau_over_chain_tau']:.2f} — "
+           f"{ok(sm['tree_tau_over_chain_tau'] >= 1.3)} | {sm['tree_speedup_over_chain']:.2f} — "
+           f"{ok(sm['tree_speedup_over_chain'] >= 1.15)} |", "",
+           f"Whole speculative step at Qwen3-8B shape (random weights, oracle draft, {sc['prompt_tokens']}-token prompt), "
+           "tree step ÷ chain-16 step:", "",
+           "| batch | chain 16 | tree 16 | tree 32 | tree 64 |", "|---|---|---|---|---|"]
+    for b in ("batch1", "batch8"):
+        r = sc[b]
+        out.append(f"| {b[5:]} | {r['chain16_step_ms']:.2f} ms | " + " | ".join(
+            f"{r[f'tree{n}_step_over_chain16']:.2f}" for n in (16, 32, 64)) + " |")
+    out += ["", "Planner (`--budget auto`) against AR, the fixed chain and the fixed tree (mean tok/s over the 5 tasks; "
+            "T = 1: top_p 0.95, top_k 20):", "",
+            "| concurrency | T | AR | chain 16 | tree 32 | planner | planner ÷ best fixed (goal ≥ 0.98) |",
+            "|---|---|---|---|---|---|---|"]
+    for p in v["planner"]:
+        out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
+                   f"{p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | {p['planner_over_best_static']:.2f} — "
+                   f"{ok(p['planner_over_best_static'] >= 0.98)} |")
+    out += ["", v.get("note", ""), "", "Commands: " + "; ".join(f"`{c}`" for c in v["commands"]), ""]
+    return out
+
+
+def exact_section() -> list[str]:
+    x = load("exact-h200.json")
+    if not x:
+        return []
+    r = x["exact_over_fast"]
+    out = ["### Exact mode: speculative output bitwise equal to the engine's own AR output in bf16 (issue 13)", "",
+           f"{x['gpu']}, {x['date'][:10]}, commit `{x['commit'][:10]}`, [`results/exact-h200.json`](results/exact-h200.json). "
+           "`--exact`: row-invariant GEMM for decode/verify, fixed 256-key attention chunks with an ordered combine, "
+           "one prefill per prompt; greedy, bf16.", "",
+           "| target | batch | CUDA graphs | identical to AR | τ |", "|---|---|---|---|---|"]
+    for run in x["runs"]:
+        out.append(f"| {run['target']} | {run['batch']} | {'on' if run['cuda_graphs'] else 'off'} | "
+                   f"{run['identical']}/{run['compared']} | {run['tau']:.2f} |")
+    worst = max(r.values())
+    out += ["", "Cost at Qwen3-8B shape, exact ÷ fast step time (same run): AR batch 1 "
+            f"{r['ar_step_bs1']:.2f}, spec batch 1 {r['spec_step_bs1']:.2f}, AR batch 8 {r['ar_step_bs8']:.2f}, "
+            f"spec batch 8 {r['spec_step_bs8']:.2f} (goal ≤ 1.05: {'met' if worst <= 1.05 else '**missed**'}; "
+            "exact mode stays opt-in).", "", "Commands: " + "; ".join(f"`{c}`" for c in x.get("commands", [x["command"]])), ""]
+    return out
+
+
+def hybrid_section() -> list[str]:
+    h = load("hybrid-h200.json")
+    if not h:
+        return []
+    out = ["### Sliding-window and hybrid (gated delta-rule) targets: lossless check", "",
+           f"{h['gpu']}, {h['date'][:10]}, commit `{h['commit'][:10]}`, [`results/hybrid-h200.json`](results/hybrid-h200.json): "
+           f"tiny random fp32 configs, {h['num_prompts']} prompts, {h['max_new_tokens']} new tokens, against transformers' "
+           "greedy `generate`.", "", "| config | path | identical |", "|---|---|---|"]
+    for r in h["lossless"]:
+        out.append(f"| {r['config']} | {r['path']} | {r['identical']}/{r['compared']} |")
+    out += ["", f"Command: `{h['command']}`", ""]
+    return out
 
 
 def draft_step_section() -> list[str]:
@@ -263,7 +340,8 @@ def lossless_section() -> list[str]:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (smollm2_section, recipe_section, training_section, stories_section, engine_section,
-                    draft_step_section, trainer_section, lossless_section):
+                    draft_step_section, verify_section, exact_section, hybrid_section, trainer_section,
+                    lossless_section):
         lines += section()
     lines.append(END)
     return "\n".join(lines)
