@@ -142,8 +142,8 @@ class ReferenceDecoder:
                 raise nonfinite_error("target")
             if params.greedy:
                 return int(logits.argmax())
-            p = logits_to_probs(logits[None], params.temperature, params.top_p, params.top_k)
-            return int(sample(p, seed[b : b + 1], rng.STREAM_TARGET, torch.tensor([len(out[b])], device=dev))[0])
+            p, ids = logits_to_probs(logits[None], params.temperature, params.top_p, params.top_k, with_ids=True)
+            return int(sample(p, seed[b : b + 1], rng.STREAM_TARGET, torch.tensor([len(out[b])], device=dev), ids)[0])
 
         # -- prefill: one row at a time on its own HF cache ------------------------------------------
         caches, feats, anchors = [], [], []
@@ -187,8 +187,9 @@ class ReferenceDecoder:
                 block[:, 1:W] = d_logits.argmax(-1)
                 p_draft = None
             else:
-                p_draft = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
-                block[:, 1:W] = sample(p_draft, seed, rng.STREAM_DRAFT, slot_pos)
+                p_draft, d_ids = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k,
+                                                 with_ids=True)
+                block[:, 1:W] = sample(p_draft, seed, rng.STREAM_DRAFT, slot_pos, d_ids)
             tree = None
             if self.verify == "tree":  # scores: the sampling distribution, or softmax(logits) at T = 0
                 q = torch.softmax(d_logits, -1) if params.greedy else p_draft
@@ -218,9 +219,10 @@ class ReferenceDecoder:
                 if params.greedy:
                     a, bonus = accept_greedy(block[b : b + 1, 1:], t_logits.argmax(-1)[None], impl="torch")
                 else:
-                    p_t = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k)[None]
+                    p_t, t_ids = logits_to_probs(t_logits[None], params.temperature, params.top_p, params.top_k,
+                                                 with_ids=True)
                     u = rng.uniforms(seed[b : b + 1], rng.STREAM_ACCEPT, slot_pos[b : b + 1])
-                    e = rng.exponentials(seed[b : b + 1], rng.STREAM_TARGET, n_out[b : b + 1, None], p_t.shape[-1])[:, 0]
+                    e = rng.bonus_noise(seed[b : b + 1], rng.STREAM_TARGET, n_out[b : b + 1], p_t.shape[-1], t_ids)
                     a, bonus = accept_sample(block[b : b + 1, 1:], p_t, p_draft[b : b + 1], u, e, impl="torch")
                 a, bonus = int(a), int(bonus)
                 stats[b].record(commit(b, block[b, 1 : a + 1].tolist() + [bonus]))
@@ -258,9 +260,9 @@ class ReferenceDecoder:
         if params.greedy:
             last, a, bonus = verify_tree(tree, target_argmax=t_logits.argmax(-1)[None])
         else:
-            p_t = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k)[None]
+            p_t, t_ids = logits_to_probs(t_logits[None], params.temperature, params.top_p, params.top_k, with_ids=True)
             u = node_uniforms(tree, seed[b : b + 1], n_out[b : b + 1])
-            e = rng.exponentials(seed[b : b + 1], rng.STREAM_TARGET, n_out[b : b + 1, None], p_t.shape[-1])[:, 0]
+            e = rng.bonus_noise(seed[b : b + 1], rng.STREAM_TARGET, n_out[b : b + 1], p_t.shape[-1], t_ids)
             last, a, bonus = verify_tree(tree, p_target=p_t, q=p_draft[b : b + 1], u=u, exp_noise=e)
         path = path_nodes(tree, last, K)[0, : int(a) + 1]  # the anchor, then the accepted nodes
         for layer in cache.layers:  # DynamicLayer keys/values [1, H, start + N, D]

@@ -7,6 +7,13 @@ seed, stream, output position, token) in int64 tensor ops — no generator state
 runs inside a CUDA graph, and a request's sample depends only on its own seed and tokens, never on
 its batch neighbours or the concurrency. Sampling is the exponential race ``argmax_v p_v / E_v``,
 ``E = -log u`` (gpt-fast's ``multinomial_sample_one_no_sync``), which draws v with probability p_v.
+
+Top-k fast path (0 < top_k <= ``TOP_K_FAST_MAX``, the serving case): one ``topk`` over V gives the
+k candidates in sampling order; softmax and top-p run on those k values, the race evaluates noise
+only at the candidates (``uniforms_at``). It skips the sort over V of ``[B, K, V]`` and the
+B·K·V-element noise, and is exact: the same support as the dense path, probabilities equal up to
+fp32 rounding (k-term instead of V-term sums), and on the same probabilities the race over the
+candidates draws the dense race's token bit for bit (noise is a per-token function, zeros never win).
 """
 
 from __future__ import annotations
@@ -49,27 +56,67 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+TOP_K_FAST_MAX = 256  # top_k up to this takes the candidate path (0 forces the dense reference path)
+
+
+def _order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys ``[..., V]`` in sampling order: higher score first, the lower token id among equal
+    scores; all distinct, so ``topk`` picks one set on every device (the fp32 bits made monotone as
+    for a radix sort of floats in the high 32 bits, the complemented id in the low 32)."""
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0 -> +0, equal scores get equal bits
+    mono = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # int32 order = float order
+    ids = torch.arange(scores.shape[-1], device=scores.device)
+    return mono.mul_(1 << 32).add_(0xFFFFFFFF - ids)  # in place: one int64 [..., V] buffer
+
+
+def _top_p(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Probabilities sorted in sampling order -> the smallest prefix whose mass reaches top_p, renormalised."""
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    sorted_p = sorted_p * (mass_before < top_p)  # the first token is always kept
+    return sorted_p / sorted_p.sum(-1, keepdim=True)
+
+
+def top_k_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int):
+    """The sampling distribution of ``logits [..., V]`` on its top-k candidates (``logits_to_probs``'s
+    fast path): ``(probs [..., k] fp32, ids [..., k] int64)``, k = min(top_k, V), in sampling order;
+    probabilities cut by top-p are 0. One ``topk`` over V; softmax and top-p on the k values only."""
+    scores = logits.float() / temperature
+    ids = _order_keys(scores).topk(min(top_k, scores.shape[-1]), dim=-1).indices  # sorted, in sampling order
+    probs = torch.softmax(scores.gather(-1, ids), dim=-1)
+    return (_top_p(probs, top_p) if top_p < 1.0 else probs), ids
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0, *,
+                    with_ids: bool = False):
     """Sampling distribution of ``logits [..., V]`` -> fp32 probabilities ``[..., V]``.
 
-    softmax(logits / T) restricted to the top-k tokens, then to the smallest prefix (by
-    decreasing probability) whose mass reaches ``top_p``, renormalised. Requires T > 0."""
+    softmax(logits / T) restricted to the top-k tokens, then to the smallest prefix (in sampling
+    order) whose mass reaches ``top_p``, renormalised. Sampling order: higher score first, the lower
+    token id among equal scores; so top-k keeps exactly min(k, V) tokens (ties at the k-th score go
+    to the lower ids) and both cuts are the same on every device. Requires T > 0.
+
+    With 0 < top_k <= ``TOP_K_FAST_MAX`` it takes the candidate path (:func:`top_k_probs`, one
+    scatter into zeros): no sort over V; the result equals the dense path's up to fp32 rounding
+    (softmax and top-p sum k values instead of V), with the same support. ``with_ids=True`` returns
+    ``(probs, ids)``: ``ids [..., k]`` int64 hold every nonzero of ``probs`` (for :func:`sample`,
+    :func:`bonus_noise`), or None on the dense path.
+    """
     if temperature <= 0:
         raise ValueError("logits_to_probs needs temperature > 0 (use argmax for greedy)")
-    scores = logits.float() / temperature
-    V = scores.shape[-1]
+    V = logits.shape[-1]
+    if 0 < top_k <= TOP_K_FAST_MAX and top_k < V:
+        p, ids = top_k_probs(logits, temperature, top_p, top_k)
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, ids, p)
+        return (probs, ids) if with_ids else probs
+    # dense reference: one stable sort over V (equal scores keep the lower id first)
+    sorted_s, order = (logits.float() / temperature).sort(dim=-1, descending=True, stable=True)
     if 0 < top_k < V:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+        sorted_s[..., top_k:] = float("-inf")
+    sorted_p = torch.softmax(sorted_s, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_p.cumsum(-1) - sorted_p
-        keep_sorted = mass_before < top_p  # the first token is always kept
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = probs * keep
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        sorted_p = _top_p(sorted_p, top_p)
+    probs = torch.zeros_like(sorted_p).scatter_(-1, order, sorted_p)
+    return (probs, None) if with_ids else probs
 
 
 # -- counter-based randomness ------------------------------------------------------------------
@@ -110,11 +157,27 @@ def uniforms(seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: i
     Returns:
         fp32 ``[B, K]`` or ``[B, K, V]`` in (0, 1): 24-bit ``(m + 0.5) / 2^24``, never 0 or 1.
     """
-    base = _mix64(_mix64(seeds.long()) + _signed(stream * 0x9E3779B97F4A7C15))
-    key = _mix64(base[:, None] + positions.long() * _GOLDEN)
+    key = _position_keys(seeds, stream, positions)
     if vocab is not None:
         key = _mix64(key[..., None] + torch.arange(vocab, device=key.device) * _GOLDEN)
+    return _to_unit(key)
+
+
+def _position_keys(seeds: torch.Tensor, stream: int, positions: torch.Tensor) -> torch.Tensor:
+    base = _mix64(_mix64(seeds.long()) + _signed(stream * 0x9E3779B97F4A7C15))
+    return _mix64(base[:, None] + positions.long() * _GOLDEN)
+
+
+def _to_unit(key: torch.Tensor) -> torch.Tensor:
     return ((key & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def uniforms_at(seeds: torch.Tensor, stream: int, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``uniforms(seeds, stream, positions, vocab=V)`` at the given tokens only, bit for bit:
+    ``token_ids [B, K, n]`` int -> fp32 ``[B, K, n]``, entry ``[b, k, j]`` = the uniform of token
+    ``token_ids[b, k, j]``. Work is B·K·n hashes instead of B·K·V."""
+    key = _position_keys(seeds, stream, positions)
+    return _to_unit(_mix64(key[..., None] + token_ids.long() * _GOLDEN))
 
 
 def exponentials(seeds, stream: int, positions, vocab: int) -> torch.Tensor:
@@ -122,12 +185,39 @@ def exponentials(seeds, stream: int, positions, vocab: int) -> torch.Tensor:
     return -torch.log(uniforms(seeds, stream, positions, vocab))
 
 
-def sample(probs: torch.Tensor, seeds: torch.Tensor, stream: int, positions: torch.Tensor) -> torch.Tensor:
+def sample(probs: torch.Tensor, seeds: torch.Tensor, stream: int, positions: torch.Tensor,
+           ids: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row of ``probs [B, K, V]`` (or ``[B, V]`` with ``positions [B]``) -> int64 ``[B, K]``
-    (``[B]``): the exponential race ``argmax p / E`` with E from the request's stream. Sync-free."""
+    (``[B]``): the exponential race ``argmax p / E`` with E from the request's stream. Sync-free.
+
+    ``ids [B, K, n]`` (``[B, n]``) int64, distinct per row and holding every nonzero of the row (the
+    ``ids`` of ``logits_to_probs(..., with_ids=True)``): the race runs over those n tokens only, with
+    E from :func:`uniforms_at` — no noise over B·K·V; the same token, bit for bit (equal maxima go
+    to the lower id, as ``argmax`` over V does)."""
     if probs.dim() == 2:
-        return sample(probs[:, None], seeds, stream, positions[:, None])[:, 0]
-    return (probs / exponentials(seeds, stream, positions, probs.shape[-1])).argmax(-1)
+        return sample(probs[:, None], seeds, stream, positions[:, None], None if ids is None else ids[:, None])[:, 0]
+    if ids is None:
+        return (probs / exponentials(seeds, stream, positions, probs.shape[-1])).argmax(-1)
+    score = probs.gather(-1, ids) / -torch.log(uniforms_at(seeds, stream, positions, ids))
+    best = score.amax(-1, keepdim=True)
+    V = probs.shape[-1]  # a NaN row has no max: clamp to a valid id, the non-finite check then raises
+    return torch.where(score == best, ids, V).amin(-1).clamp_max(V - 1)
+
+
+def bonus_noise(seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: int,
+                ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Exp(1) noise ``[B, V]`` fp32 for the bonus race of ``accept_sample`` / ``verify_tree``:
+    ``exponentials(seeds, stream, positions[:, None], vocab)[:, 0]`` (``positions [B]``).
+
+    ``ids [B, ...]`` int64: the target's candidate ids of every verified row (the ``ids`` of
+    ``logits_to_probs(..., with_ids=True)``); the noise is exact there and 1.0 elsewhere, where the
+    target's probabilities are 0 and the race never looks — the same bonus, bit for bit, from B·n
+    hashes instead of B·V."""
+    if ids is None:
+        return exponentials(seeds, stream, positions[:, None], vocab)[:, 0]
+    flat = ids.reshape(ids.shape[0], 1, -1)
+    e = -torch.log(uniforms_at(seeds, stream, positions[:, None], flat))[:, 0]
+    return torch.ones(ids.shape[0], vocab, device=ids.device).scatter_(1, flat[:, 0], e)
 
 
 def nonfinite_error(who: str) -> FloatingPointError:

@@ -211,8 +211,8 @@ class Engine:
         else:
             out_pos = s.out_len.long()  # [B] the step's first output position
             slot_pos = out_pos[:, None] + s.offsets[:K]  # [B, K]: draft token k at n + k - 1
-            p_draft = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
-            draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos)
+            p_draft, d_ids = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
+            draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos, d_ids)
         torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
         positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
         t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths, exact=self.exact)
@@ -223,9 +223,9 @@ class Engine:
         elif params.greedy:
             a, bonus = accept_greedy(draft_tokens, t_logits.argmax(-1), impl=self.impl)
         else:
-            p_target = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k)
+            p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
             u = rng.uniforms(s.seeds, rng.STREAM_ACCEPT, slot_pos)
-            noise = rng.exponentials(s.seeds, rng.STREAM_TARGET, out_pos[:, None], p_target.shape[-1])[:, 0]
+            noise = rng.bonus_noise(s.seeds, rng.STREAM_TARGET, out_pos, p_target.shape[-1], t_ids)
             a, bonus = accept_sample(draft_tokens, p_target, p_draft, u, noise, impl=self.impl)
         live = s.done == 0
         commit_step(s.verify_block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist,
@@ -251,8 +251,8 @@ class Engine:
             q = torch.softmax(d_logits.float(), -1)
             chain = d_logits.argmax(-1)
         else:
-            q = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
-            chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device))
+            q, d_ids = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
+            chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device), d_ids)
         tree = build_tree(s.anchor, q, N, chain_tokens=chain)
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths,
@@ -266,8 +266,8 @@ class Engine:
         elif params.greedy:
             last, a, bonus = verify_tree(tree, target_argmax=t_logits.argmax(-1))
         else:
-            p_target = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k)
-            noise = rng.exponentials(s.seeds, rng.STREAM_TARGET, out_pos[:, None], p_target.shape[-1])[:, 0]
+            p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
+            noise = rng.bonus_noise(s.seeds, rng.STREAM_TARGET, out_pos, p_target.shape[-1], t_ids)
             last, a, bonus = verify_tree(tree, p_target=p_target, q=q, u=node_uniforms(tree, s.seeds, out_pos),
                                          exp_noise=noise)
         path = path_nodes(tree, last, K)  # [B, K + 1]: node at depth d (identity past depth a)
@@ -297,8 +297,8 @@ class Engine:
         if params.greedy:
             nxt = logits.argmax(-1)
         else:
-            probs = logits_to_probs(logits, params.temperature, params.top_p, params.top_k)
-            nxt = sample(probs, s.seeds, rng.STREAM_TARGET, s.out_len.long())
+            probs, ids = logits_to_probs(logits, params.temperature, params.top_p, params.top_k, with_ids=True)
+            nxt = sample(probs, s.seeds, rng.STREAM_TARGET, s.out_len.long(), ids)
         live = s.done == 0
         commit_step(tok, s.no_draft, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
                     impl=self.impl, anchor=s.anchor)
@@ -397,8 +397,9 @@ class Engine:
         if params.greedy:
             first = logits.argmax(-1)
         else:
-            probs = logits_to_probs(logits.float(), params.temperature, params.top_p, params.top_k)
-            first = sample(probs, s.seeds[idx], rng.STREAM_TARGET, torch.zeros(len(items), dtype=torch.long, device=dev))
+            probs, ids = logits_to_probs(logits.float(), params.temperature, params.top_p, params.top_k, with_ids=True)
+            first = sample(probs, s.seeds[idx], rng.STREAM_TARGET, torch.zeros(len(items), dtype=torch.long, device=dev),
+                           ids)
         s.anchor[idx] = first
         lengths = torch.tensor(lens, dtype=torch.int32, device=dev)
         s.lengths[idx] = 0 if spec else lengths
