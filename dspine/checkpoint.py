@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dspine.config import DSpineConfig
+from dspine.io import default_file_mode
 from dspine.model import DSpineDraftModel
 from dspine.paths import hub_errors, read_json_object
 
@@ -200,6 +201,7 @@ def save_draft(model: DSpineDraftModel, out_dir: str | Path, dtype: torch.dtype 
     tmp = out / (WEIGHTS + ".tmp")
     meta = {k: portable_path(str(v)) for k, v in (metadata or {}).items()}
     save_file(state, str(tmp), metadata={"format": "pt", **meta})
+    default_file_mode(tmp)
     tmp.replace(out / WEIGHTS)
     model.config.save_pretrained(out)
     return out

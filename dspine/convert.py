@@ -18,6 +18,7 @@ import torch
 def convert(target: str, out: str | Path, dtype: str = "bf16", gguf_file: str | None = None) -> Path:
     from transformers import AutoModelForCausalLM
 
+    from dspine.io import default_file_mode
     from dspine.target import _parse_dtype, load_tokenizer, resolve_model_path
 
     out = Path(out)
@@ -36,6 +37,8 @@ def convert(target: str, out: str | Path, dtype: str = "bf16", gguf_file: str | 
     model = model.to(_parse_dtype(dtype))
     model.save_pretrained(out, safe_serialization=True)
     load_tokenizer(path, gguf).save_pretrained(out)
+    for f in out.glob("*.safetensors"):
+        default_file_mode(f)
     return out
 
 

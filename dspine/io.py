@@ -31,3 +31,14 @@ def file_digest(path: str | Path) -> str:
         while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
+
+
+def default_file_mode(path: str | Path) -> None:
+    """Give a written file the mode a plain ``open`` would (0666 minus the umask).
+
+    safetensors writes its files 0600; a draft or converted target on a shared machine should be
+    readable by the other users the umask allows."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -367,7 +368,8 @@ def build_parser():
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                     help="bit-exact mode of the engine (issue 13): greedy spec output must equal the AR output "
                          "(default: infer.model.EXACT_DEFAULT on the engine, off on the reference backend)")
-    ap.add_argument("--output-json", default=None)
+    ap.add_argument("--output-json", default=None, help="result JSON (refused if it exists, unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --output-json / --plot file")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to --output-json)")
     ap.add_argument("--label", default=None, help="name of this configuration in the JSON/plot")
     return ap
@@ -409,10 +411,19 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
             raise ValueError(f"--draft {label}={path}: give [LABEL=]PATH with a path and a label")
         if not Path(path).is_dir() and (looks_local(path) or Path(path).exists()):
             raise FileNotFoundError(f"--draft {label}={path}: no such draft folder")
-    if args.output_json is not None and Path(args.output_json).is_dir():
-        raise ValueError(f"--output-json {args.output_json} is a folder; give a file name")
-    if args.plot is not None and Path(args.plot).is_dir():
-        raise ValueError(f"--plot {args.plot} is a folder; give a file name")
+    outputs = {"--output-json": args.output_json,
+               "--plot": args.plot or (str(Path(args.output_json).with_suffix(".png")) if args.output_json else None)}
+    for flag, path in outputs.items():  # before any work: a benchmark must not end in an unwritable path
+        if path is None:
+            continue
+        p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"{flag} {path} is a folder; give a file name")
+        if p.exists() and not args.overwrite:
+            raise ValueError(f"{flag} {path} exists; pass --overwrite to replace it or choose another name")
+        parent = next((q for q in p.parents if q.exists()), Path("."))
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ValueError(f"{flag} {path}: cannot create it under {parent} (not a writable folder)")
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder")
     if args.backend == "cuda" and args.device == "cuda" and not torch.cuda.is_available():
@@ -459,7 +470,9 @@ def main(argv=None) -> int:
     if args.output_json:
         out = Path(args.output_json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        tmp = out.with_name(out.name + ".tmp")  # through a rename: a reader never sees half a file
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out)
         if summary:
             plot(rows, Path(args.plot) if args.plot else out.with_suffix(".png"),
                  args.label or f"T={args.temperature}, concurrency {args.concurrency}")

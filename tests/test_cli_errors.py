@@ -235,6 +235,11 @@ def test_more_bad_paths_and_values_are_named(stories_dir, tmp_path, capsys):
          f"--output-json {tmp_path} is a folder"),
         (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k", "--max-new-tokens", "0"],
          "--max-new-tokens=0 must be >= 1"),
+        # a finished result is never replaced silently, and an unwritable path fails before the benchmark
+        (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k", "--output-json", str(afile)],
+         f"--output-json {afile} exists; pass --overwrite"),
+        (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k", "--output-json", str(afile / "x.json")],
+         f"--output-json {afile / 'x.json'}: cannot create it under {afile}"),
     ]
     for main, argv, message in cases:
         _fast_error(main, argv, capsys, message)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -43,6 +44,9 @@ def test_config_roundtrip_and_auto_registration(tmp_path):
 def test_dflash_ablation_writes_the_dflash_header(tmp_path):
     model = DSpineDraftModel(small_config(dspine_config={"injection": "none"}))
     save_draft(model, tmp_path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' 0600
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["model_type"] == "qwen3" and raw["architectures"] == ["DFlashDraftModel"]
     again = load_draft(tmp_path)

@@ -121,6 +121,9 @@ def train(cfg) -> int:
         eval_rows = open_rows(cfg.eval) if cfg.eval else None
         if eval_rows is not None and len(eval_rows) == 0:
             raise ConfigError(f"config key 'eval': {cfg.eval} has no rows (eval=null turns evaluation off)")
+        if eval_rows is not None:  # every row the evaluation reads, now rather than at the first eval step
+            for i in range(min(len(eval_rows), cfg.eval_max_rows)):
+                eval_rows.row(i)
     total_steps = cfg.max_steps or cfg.epochs * order.steps_per_epoch
 
     # ---------------------------------------------------------------------------------------- models
