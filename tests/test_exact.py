@@ -216,7 +216,7 @@ def test_bench_reports_divergence_and_fails_in_exact_mode(stories_dir, tmp_path,
     assert d["exact"] is False and d["greedy_equal"] == 1 and len(d["greedy_mismatches"]) == 1
     m = d["greedy_mismatches"][0]
     assert m["position"] == 3 and m["ar_top2"][0] == m["ar_tokens"][3] and m["ar_top2_margin"] >= 0
-    assert bench.main([*argv, "--exact"]) == 1 and out.is_file()
+    assert bench.main([*argv, "--exact", "--overwrite"]) == 1 and out.is_file()
 
 
 # -- GPU ------------------------------------------------------------------------------------------
