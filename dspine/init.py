@@ -52,10 +52,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help=f"draft layers (default {DEFAULT_LAYERS}, or the --init-from draft's)")
     ap.add_argument("--block-size", type=int, default=None, help=f"default {DEFAULT_BLOCK_SIZE}, or the --init-from draft's")
-    ap.add_argument("--injection", default=None, help="residual (default) | kv | none (none = DFlash)")
+    ap.add_argument("--injection", default=None, choices=["residual", "kv", "none"],
+                    help="residual (default) | kv | none (none = DFlash)")
     ap.add_argument("--injection-rank", type=int, default=None, help="0 = full rank (default)")
     ap.add_argument("--injection-layers", type=_ints, default=None)
-    ap.add_argument("--block-attention", default=None, help="bidirectional (default) | causal")
+    ap.add_argument("--block-attention", default=None, choices=["bidirectional", "causal"],
+                    help="bidirectional (default) | causal")
     ap.add_argument("--target-layer-ids", type=_ints, default=None)
     ap.add_argument("--mask-token-id", type=int, default=None)
     ap.add_argument("--intermediate-size", type=int, default=None)
@@ -70,6 +72,14 @@ def main(argv=None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:  # 0 would silently mean "the default" below
             ap.error(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    if args.block_size is not None and args.block_size < 2:
+        ap.error(f"--block-size {args.block_size}: must be >= 2 (the anchor + at least one draft slot)")
+    if args.injection_rank is not None and args.injection_rank < 0:
+        ap.error(f"--injection-rank {args.injection_rank}: must be >= 0 (0 = full rank)")
+    for name in ("target_layer_ids", "injection_layers", "sliding_layers"):
+        bad = [i for i in getattr(args, name) or [] if i < 0]
+        if bad:
+            ap.error(f"--{name.replace('_', '-')}: negative layer index {bad[0]}")
 
     from pathlib import Path
 

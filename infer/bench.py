@@ -383,9 +383,10 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     from dspine.paths import looks_local
     from infer.datasets import task_name
 
-    tasks = [task_name(t) for t in args.datasets.split(",") if t.strip()]
-    if not tasks:
-        raise ValueError(f"--datasets {args.datasets!r}: no task named")
+    names = [t.strip() for t in args.datasets.split(",")]
+    if not any(names) or not all(names):
+        raise ValueError(f"--datasets {args.datasets!r}: give comma-separated task names (no empty entries)")
+    tasks = [task_name(t) for t in names]
     from dspine.sampling import sampling_params
 
     params = sampling_params(args)

@@ -210,7 +210,11 @@ def test_more_bad_paths_and_values_are_named(stories_dir, tmp_path, capsys):
     base = ["--target", str(stories_dir), "--mask-token-id", "0", "--dtype", "fp32"]
     for extra, message in [(["--max-position-embeddings", "0"], "--max-position-embeddings 0: must be >= 1"),
                            (["--intermediate-size", "0"], "--intermediate-size 0: must be >= 1"),
-                           (["--sliding-window", "-4", "--sliding-layers", "0"], "--sliding-window -4: must be >= 1")]:
+                           (["--sliding-window", "-4", "--sliding-layers", "0"], "--sliding-window -4: must be >= 1"),
+                           # checked before the target loads (the review saw only the mask-token error first)
+                           (["--block-size", "0"], "--block-size 0: must be >= 2"),
+                           (["--injection", "bogus"], "argument --injection: invalid choice: 'bogus'"),
+                           (["--target-layer-ids", "1,-2"], "--target-layer-ids: negative layer index -2")]:
         out = tmp_path / f"d{len(extra)}{extra[1]}"
         try:
             rc = init.main([*base, "--out", str(out), *extra])
@@ -240,6 +244,7 @@ def test_more_bad_paths_and_values_are_named(stories_dir, tmp_path, capsys):
          f"--output-json {afile} exists; pass --overwrite"),
         (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k", "--output-json", str(afile / "x.json")],
          f"--output-json {afile / 'x.json'}: cannot create it under {afile}"),
+        (bench.main, ["--target", str(stories_dir), "--datasets", "gsm8k,,mbpp"], "no empty entries"),
     ]
     for main, argv, message in cases:
         _fast_error(main, argv, capsys, message)
