@@ -157,8 +157,11 @@ def test_init_and_check_cli(stories_dir, tiny_qwen3_dir, tmp_path, capsys):
     # stories260K has no unused embedding row: the mask token must be chosen explicitly
     assert init_cli.main(["--target", str(stories_dir), "--out", str(tmp_path / "nomask")]) == 2
     assert "mask-token-id" in capsys.readouterr().err
-    assert init_cli.main(["--target", str(stories_dir), "--out", str(tmp_path / "x"), "--injection", "sideways",
-                          "--mask-token-id", "3"]) == 2
+    with pytest.raises(SystemExit) as e:  # an argparse choice: refused before the target loads
+        init_cli.main(["--target", str(stories_dir), "--out", str(tmp_path / "x"), "--injection", "sideways",
+                       "--mask-token-id", "3"])
+    assert e.value.code == 2 and "invalid choice: 'sideways'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_generate_cli_json(stories_dir, tmp_path, capsys):
