@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         ap.error(f"--block-size {args.block_size}: must be >= 2 (the anchor + at least one draft slot)")
     if args.injection_rank is not None and args.injection_rank < 0:
         ap.error(f"--injection-rank {args.injection_rank}: must be >= 0 (0 = full rank)")
-    for name in ("target_layer_ids", "injection_layers", "sliding_layers"):
+    for name in ("target_layer_ids", "injection_layers"):  # --sliding-layers: range-checked with the target
         bad = [i for i in getattr(args, name) or [] if i < 0]
         if bad:
             ap.error(f"--{name.replace('_', '-')}: negative layer index {bad[0]}")
