@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Every engine result in results/ on one GPU, in one command (the SmolLM2 recipe is scripts/smollm2/recipe.sh).
+#
+#   GGUF=models/SmolLM2-135M-Instruct.Q4_1.gguf DSPINE_SHARED=../shared bash scripts/reproduce_h200.sh [STAGE ...]
+#
+# Stages (default: all, in order). convert, engine, exact, hybrid, profile and linear skip when their output
+# exists (a killed run resumes; delete a results file to measure it again); steps, tree and planner always
+# measure and --merge their part into results/verify-h200.json. Minutes on one H200 (2026-12-01):
+#   convert   GGUF -> $WORK/smollm2-hf (bf16), the SmolLM2 target of the later stages          ~0.5
+#   engine    benchmarks/engine/bench_engine.py  -> results/engine-h200.json                  ~2
+#   steps     bench_tree.py step costs at Qwen3-8B shape -> results/verify-h200.json           ~0.5
+#   tree      bench_tree.py SmolLM2 chain vs tree (T=0, concurrency 1) -> same file            ~1
+#   planner   bench_tree.py --planner at concurrency 1, 8, 32, 64 x T 0, 1 -> same file        ~11
+#   exact     bench_exact.py (8B identity, SmolLM2 identity, cost) -> results/exact-h200.json ~7
+#   hybrid    hybrid_lossless.py -> results/hybrid-h200.json                                   ~0.7
+#   profile   profile_step.py -> results/profile-step-h200.json                                ~1
+#   linear    bench_linear.py (exact-mode GEMM tiles vs cuBLAS) -> results/exact-kernels-h200.json
+#   tables    scripts/make_tables.py (README results block)
+# Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
+# (checkpoints/smollm2-135m-dspine), RESULTS (results).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORK=${WORK:-runs/reproduce}
+GGUF=${GGUF:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+DRAFT=${DRAFT:-checkpoints/smollm2-135m-dspine}
+R=${RESULTS:-results}
+SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
+export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+STAGES=${*:-convert engine steps tree planner exact hybrid profile linear tables}
+HF=$WORK/smollm2-hf
+mkdir -p "$WORK/logs" "$R"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+timed() {  # timed NAME CMD...: log to $WORK/logs/NAME.log, wall clock to timings.jsonl
+  local name=$1 t0 rc=0; shift
+  t0=$(date +%s)
+  echo "[$(date +%T)] start $name"
+  "$@" > "$WORK/logs/$name.log" 2>&1 || rc=$?
+  echo "{\"stage\": \"$name\", \"seconds\": $(($(date +%s) - t0)), \"rc\": $rc}" | tee -a "$WORK/timings.jsonl"
+  return $rc
+}
+tree=(python benchmarks/engine/bench_tree.py --smollm2 "$HF" --draft "$DRAFT" --output "$R/verify-h200.json" --merge)
+
+if has convert && [ ! -f "$HF/config.json" ]; then
+  timed convert python -m dspine.convert --target "$GGUF" --out "$HF" --dtype bf16
+fi
+if has engine && [ ! -f "$R/engine-h200.json" ]; then
+  timed engine python benchmarks/engine/bench_engine.py --output "$R/engine-h200.json"
+fi
+if has steps; then timed steps python benchmarks/engine/bench_tree.py --output "$R/verify-h200.json" --merge; fi
+if has tree; then timed tree "${tree[@]}" --skip-steps --num-prompts 10; fi
+if has planner; then  # prompts per task so that every batch fills (64 for concurrency 32/64)
+  timed planner-c1 "${tree[@]}" --skip-steps --skip-smollm2 --planner 1:0,1:1 --num-prompts 5
+  timed planner-c8 "${tree[@]}" --skip-steps --skip-smollm2 --planner 8:0,8:1 --num-prompts 16
+  timed planner-c64 "${tree[@]}" --skip-steps --skip-smollm2 --planner 32:0,64:0,32:1,64:1 --num-prompts 64
+fi
+if has exact && [ ! -f "$R/exact-h200.json" ]; then
+  timed exact-8b python benchmarks/engine/bench_exact.py --parts 8b --output "$R/exact-h200.json"
+  timed exact-smollm2 python benchmarks/engine/bench_exact.py --parts smollm2 --smollm2-target "$HF" --append \
+    --output "$R/exact-h200.json"
+  timed exact-cost python benchmarks/engine/bench_exact.py --parts cost --append --output "$R/exact-h200.json"
+fi
+if has hybrid && [ ! -f "$R/hybrid-h200.json" ]; then
+  timed hybrid python benchmarks/engine/hybrid_lossless.py --output "$R/hybrid-h200.json"
+fi
+if has profile && [ ! -f "$R/profile-step-h200.json" ]; then
+  timed profile python benchmarks/engine/profile_step.py --output "$R/profile-step-h200.json"
+fi
+if has linear && [ ! -f "$R/exact-kernels-h200.json" ]; then
+  timed linear python benchmarks/kernels/bench_linear.py --output "$R/exact-kernels-h200.json"
+fi
+if has tables; then timed tables python scripts/make_tables.py; fi
+echo "[$(date +%T)] done; timings in $WORK/timings.jsonl"
