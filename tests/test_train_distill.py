@@ -167,3 +167,27 @@ def test_resume_after_stop_is_exact(data, straight, tmp_path):
     assert (out / "latest").read_text().strip() == "step-20" and len(jsonl(out / "metrics.jsonl")) == 20
     run(*data[1], *COMMON, f"output_dir={out}", f"resume_from={out / 'step-20'}", "data_workers=2")
     assert_same_run(straight, out)
+
+
+def test_ctrl_c_saves_the_step_and_resumes(data, tmp_path):
+    """Ctrl-C (SIGINT) ends the run after the step in progress with a checkpoint of that step and exit code
+    130; `resume_from=auto` then continues from it, every step logged once (was: a traceback, no save)."""
+    out = tmp_path / "ctrl-c"
+    cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config", str(CONFIG), *data[1], *COMMON,
+           f"output_dir={out}", "save_every=0", "max_steps=16"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").is_file() and len(jsonl(out / "metrics.jsonl")) >= 3:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-3000:]
+    k = len(jsonl(out / "metrics.jsonl"))
+    assert 3 <= k < 16 and (out / "latest").read_text().strip() == f"step-{k}", err[-3000:]
+    assert json.loads((out / f"step-{k}" / "trainer_state.json").read_text())["step"] == k
+    assert f"stopped after step {k}" in err and "Traceback" not in err
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["step"] for x in jsonl(out / "metrics.jsonl")] == list(range(1, 17))

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -204,6 +205,8 @@ def train(cfg) -> int:
 
     steps = StepBatches(rows, order, range(start, stop), rank, cfg.seed, batch_kw, target.vocab_size, cfg.train)
     loader = iter(step_loader(steps, dev["data_workers"], pin=accelerator.device.type == "cuda"))
+    interrupt = GracefulInterrupt(main_proc)
+    interrupted = False
     for step in range(start, stop):
         t0 = time.perf_counter()
         try:
@@ -226,7 +229,8 @@ def train(cfg) -> int:
             samples.write(json.dumps({"step": n, "rows": [i for b in batches for i in b.row_ids]}) + "\n")
             samples.flush()
         bar.update(1)
-        if n % cfg.log_every == 0 or n == stop:
+        interrupted = interrupt.agreed(accelerator)  # every rank stops after the same step
+        if n % cfg.log_every == 0 or n == stop or interrupted:
             pos = order.position(step)
             row = {"step": n, "epoch": pos.epoch, "loss": sum(window["loss"]) / len(window["loss"]), "lr": res["lr"],
                    "grad_norm": sum(window["grad_norm"]) / len(window["grad_norm"]),
@@ -240,25 +244,65 @@ def train(cfg) -> int:
             log(row)
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             window = new_window()
-        if eval_rows is not None and (n == total_steps or (cfg.eval_every and n % cfg.eval_every == 0)):
+        if eval_rows is not None and not interrupted and (n == total_steps or (cfg.eval_every and n % cfg.eval_every == 0)):
             res_eval = evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3)
             log({"step": n, **res_eval})
             if main_proc:
                 bar.write(f"step {n}: eval loss {res_eval['eval/loss']:.4f}, tau_sim {res_eval['eval/tau_sim']:.3f}"
                           + (f", tau_real {res_eval['eval/tau_real']:.3f}" if "eval/tau_real" in res_eval else "")
                           + f", kl {res_eval['eval/kl']:.4f}, tau_sim_agree {res_eval['eval/tau_sim_agree']:.3f}")
-        if n == stop or (cfg.save_every and n % cfg.save_every == 0):
+        if n == stop or interrupted or (cfg.save_every and n % cfg.save_every == 0):
             pos = order.position(n)  # where the next step starts reading
             state = {"step": n, "epoch": pos.epoch, "index": pos.index, "skipped_rows": skipped_total,
                      "world_size": world, "total_steps": total_steps,
                      **{k: getattr(cfg, k) for k in RESUME_KEYS}}
             save_checkpoint(accelerator, draft, dcfg, cfg, dev, n, state, zero3)
+        if interrupted:
+            break
+    interrupt.restore()
     bar.close()
     for fh in (metrics, samples):
         if fh is not None:
             fh.close()
     accelerator.end_training()
+    if interrupted:
+        if main_proc:
+            print(f"interrupted: stopped after step {n}, saved {out / f'step-{n}'}; the same command with "
+                  "resume_from=auto continues exactly", file=sys.stderr)
+        return 130
     return 0
+
+
+class GracefulInterrupt:
+    """The first Ctrl-C (SIGINT) ends training after the step in progress, with a checkpoint of that step
+    (nothing is lost; ``resume_from=auto`` continues exactly); a second one aborts at once.
+
+    With several ranks the flag is summed over them after every step (one 8-byte all-reduce), so all
+    ranks stop after the same step and save together. Installed only in the main thread."""
+
+    def __init__(self, announce: bool):
+        self.flag, self.announce, self.previous = False, announce, None
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: Ctrl-C keeps its default behaviour
+            pass
+
+    def _handle(self, signum, frame):
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag = True
+        if self.announce:
+            print("\nCtrl-C: stopping after this step and saving a checkpoint (Ctrl-C again aborts)",
+                  file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator) -> bool:
+        if accelerator.num_processes == 1:
+            return self.flag
+        return bool(reduce_sum(accelerator, torch.tensor([float(self.flag)], dtype=torch.float64))[0] > 0)
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 # -------------------------------------------------------------------------------------------- eval
