@@ -103,8 +103,10 @@ class Runner:
             from dspine.reference import ReferenceDecoder
             from dspine.target import load_target
 
-            if args.block_size is not None:
-                raise ValueError("--block-size (verifying fewer slots than the draft's block) needs --backend cuda")
+            if args.block_size is None and args.verify == "chain":  # as infer.generate on this backend
+                from dspine.reference import CPU_VERIFY_WIDTH
+
+                args.block_size = min([CPU_VERIFY_WIDTH, *self.block_size.values()])
             if args.budget is not None:
                 raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
             if args.exact:
@@ -113,7 +115,7 @@ class Runner:
             self.decoders[None] = ReferenceDecoder(target, None, self.eos)
             for label, m in models.items():
                 self.decoders[label] = ReferenceDecoder(target, m.to(target.dtype), self.eos, verify=args.verify,
-                                                        tree_budget=args.tree_budget)
+                                                        tree_budget=args.tree_budget, verify_size=args.block_size)
         # target positions verified per step and request (anchor included)
         self.verified_per_step = {label: "auto" if args.budget else args.tree_budget if args.verify == "tree"
                                   else (args.block_size or bs)

