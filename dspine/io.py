@@ -8,14 +8,17 @@ import os
 from pathlib import Path
 
 
-def atomic_write_json(path: str | Path, obj) -> None:
+def atomic_write_json(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = False) -> None:
     """Writes `obj` as indented JSON through a temp file and a rename, so a reader never sees half a file.
 
+    ``allow_nan=True`` writes NaN/Infinity as Python's json module does (benchmark records); by default
+    they are refused.
+
     Raises:
-        ValueError: `obj` holds NaN or infinity (not JSON; nothing is written).
+        ValueError: `obj` holds NaN or infinity and ``allow_nan`` is False (not JSON; nothing is written).
     """
     path = Path(path)
-    text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False)
+    text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=allow_nan)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text + "\n")

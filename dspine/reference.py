@@ -37,12 +37,12 @@ from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetAdapter
 from dspine.tree import Tree, build_tree, node_uniforms, path_nodes, verify_tree
 
-
 # Slots the reference (CPU) backend verifies when the user gives none (infer.generate and infer.bench): the
 # anchor + the first 2 draft slots. On a CPU the target's cost grows with the verified tokens, so the full
 # 16-slot block loses to plain decoding; on 2 cores with the shipped SmolLM2 draft, width 3 ran 1.19x
 # autoregressive decoding, 16 ran 0.62x (results/smollm2-cpu-verify-width.json, verify_width.py).
 CPU_VERIFY_WIDTH = 3
+
 
 def request_seeds(params: SamplingParams, n: int, seeds: list[int] | None, device) -> torch.Tensor:
     """``[n]`` int64 request seeds: ``seeds`` if given (one per prompt), else ``request_seed(params.seed, i)``."""

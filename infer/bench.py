@@ -18,7 +18,6 @@ first differing position and the target's top-2 logit margin there (a near-tie: 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -435,6 +434,7 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
 
 
 def main(argv=None) -> int:
+    from dspine.io import atomic_write_json
     from dspine.provenance import provenance
 
     args = build_parser().parse_args(argv)
@@ -473,9 +473,7 @@ def main(argv=None) -> int:
     if args.output_json:
         out = Path(args.output_json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")  # through a rename: a reader never sees half a file
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, out)
+        atomic_write_json(out, result, indent=1, allow_nan=True)
         if summary:
             plot(rows, Path(args.plot) if args.plot else out.with_suffix(".png"),
                  args.label or f"T={args.temperature}, concurrency {args.concurrency}")

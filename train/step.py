@@ -102,16 +102,10 @@ def train_step(accelerator, draft, target, optimizer, scheduler, batches: list[M
     }
 
 
-def make_optimizer(draft: torch.nn.Module, lr: float, weight_decay: float, betas, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW over the draft's trainable parameters (fp32 master weights; docs/method.md §4).
-
-    ``fused=True`` selects PyTorch's single-kernel CUDA AdamW (same update rule; one pass over the
-    parameter, gradient and moment tensors instead of one pass per elementwise op). Raises
-    ValueError when the parameters are not on a CUDA device."""
+def make_optimizer(draft: torch.nn.Module, lr: float, weight_decay: float, betas) -> torch.optim.Optimizer:
+    """AdamW over the draft's trainable parameters (fp32 master weights; docs/method.md §4)."""
     params = [p for p in draft.parameters() if p.requires_grad]
-    if fused and any(p.device.type != "cuda" for p in params):
-        raise ValueError("fused AdamW needs the draft's parameters on a CUDA device")
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), fused=fused or None)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
 
 
 def lr_lambda(step: int, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:

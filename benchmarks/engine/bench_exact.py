@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.bench_engine import QWEN3_8B, TINY, build, timed  # noqa: E402
 from benchmarks.engine.lossless import install_device_oracle  # noqa: E402
+from dspine.io import atomic_write_json  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine, load_engine  # noqa: E402
@@ -260,7 +261,7 @@ def main(argv=None) -> int:
     merged["part_seconds"] = {**prev.get("part_seconds", {}), **res["part_seconds"]}
     merged["commands"] = prev.get("commands", []) + [" ".join(sys.argv if argv is None else ["bench_exact.py", *argv])]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(merged, indent=1))
+    atomic_write_json(out, merged, indent=1, allow_nan=True)
     bad = [r for r in res["runs"] if r["identical"] != r["compared"]]
     print(f"wrote {out}: {len(merged['runs'])} runs" + (f"; exact_over_fast {merged['exact_over_fast']}"
                                                         if "exact_over_fast" in merged else ""))

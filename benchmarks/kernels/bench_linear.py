@@ -18,7 +18,6 @@ cuBLAS. The best configuration (lowest worst ratio over M) is printed; set it as
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tests.kernel_env  # noqa: E402,F401  (TRITON_INTERPRET=1 without CUDA, before the kernel modules)
+from dspine.io import atomic_write_json  # noqa: E402
 from dspine.ops import linear as lin  # noqa: E402
 from dspine.ops.verify_attention import verify_attention  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     res = {**provenance(), **run(args)}
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(res, indent=1))
+        atomic_write_json(Path(args.output), res, indent=1, allow_nan=True)
     return 0
 
 
