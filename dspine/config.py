@@ -86,15 +86,16 @@ def check_rope(cfg, who: str) -> None:
 
 
 # Target layer types (transformers' ``config.layer_types`` values) each path decodes; anything else is
-# refused up front instead of failing mid-decode. The engine implements attention layers only; the
-# reference path (transformers' own modules: dspine.target, dspine.reference, the trainer) also runs
-# hybrid text models whose ``linear_attention`` layers (gated delta rule) keep a recurrent state that a
-# rejected draft rolls back (dspine.reference).
+# refused up front instead of failing mid-decode. Both the reference path (transformers' own modules:
+# dspine.target, dspine.reference, the trainer) and the engine (infer.model, infer.linear_attention) run
+# the hybrid text models whose ``linear_attention`` layers (gated delta rule) keep a recurrent state that
+# a rejected draft rolls back; other model types with such layers are refused.
 TARGET_LAYER_TYPES = ("full_attention", "sliding_attention")
 RECURRENT_LAYER_TYPES = ("linear_attention",)
 # hybrid model types: named even when a config omits ``layer_types``; the reference path runs the text models
 RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text")
 REFERENCE_RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
+ENGINE_RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
 
 
 def _getter(cfg):
@@ -141,11 +142,12 @@ def unsupported_layers(cfg, engine: bool = True) -> list[str]:
     the layer type and the layers that carry it."""
     problems = []
     model_type = _getter(cfg)("model_type")
-    known = TARGET_LAYER_TYPES if engine else TARGET_LAYER_TYPES + RECURRENT_LAYER_TYPES
-    if model_type in RECURRENT_MODEL_TYPES and (engine or model_type not in REFERENCE_RECURRENT_MODEL_TYPES):
-        where = "the engine" if engine else "the reference path (it runs the text models qwen3_next / qwen3_5_text)"
+    runs = ENGINE_RECURRENT_MODEL_TYPES if engine else REFERENCE_RECURRENT_MODEL_TYPES
+    known = TARGET_LAYER_TYPES + RECURRENT_LAYER_TYPES if model_type in runs or not engine else TARGET_LAYER_TYPES
+    if model_type in RECURRENT_MODEL_TYPES and model_type not in runs:
+        where = "the engine" if engine else "the reference path"
         problems.append(f"model_type={model_type!r} (hybrid: gated delta-rule linear attention with a recurrent "
-                        f"state) is not implemented by {where}")
+                        f"state) is not implemented by {where} (it runs the text models {' / '.join(runs)})")
     types = target_layer_types(cfg)
     for kind in dict.fromkeys(t for t in types if t not in known):
         layers = [i for i, t in enumerate(types) if t == kind]
@@ -157,9 +159,10 @@ def unsupported_layers(cfg, engine: bool = True) -> list[str]:
 
 
 def layers_error(who: str, problems: list[str], engine: bool) -> str:
-    known = TARGET_LAYER_TYPES if engine else TARGET_LAYER_TYPES + RECURRENT_LAYER_TYPES
     path = "the engine (--backend cuda)" if engine else "DSpine"
-    return f"{who}: {'; '.join(problems)}: not supported ({path} decodes targets whose layers are {' / '.join(known)})"
+    return (f"{who}: {'; '.join(problems)}: not supported ({path} decodes targets whose layers are "
+            f"{' / '.join(TARGET_LAYER_TYPES)}, and {' / '.join(RECURRENT_LAYER_TYPES)} in the model types "
+            f"{' / '.join(ENGINE_RECURRENT_MODEL_TYPES if engine else REFERENCE_RECURRENT_MODEL_TYPES)})")
 
 
 def check_target_layers(cfg, who: str, engine: bool = True) -> list[int | None]:

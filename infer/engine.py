@@ -114,6 +114,10 @@ class Engine:
         self.exact = EXACT_DEFAULT if exact is None else bool(exact)
         if self.exact and (verify != "chain" or budget is not None):
             raise ValueError(f"exact=True supports chain verify only (got verify={verify!r}, budget={budget!r})")
+        if target.args.hybrid and (verify != "chain" or budget is not None or exact):
+            raise ValueError(f"target model_type={target.args.model_type!r} (linear-attention layers): the engine "
+                             f"runs chain verify only, without exact mode (got verify={verify!r}, budget={budget!r}, "
+                             f"exact={exact!r}); a token tree would need tree-masked recurrent states")
         self.device = target.embed.device
         self.impl = target.impl
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -228,6 +232,7 @@ class Engine:
             noise = rng.bonus_noise(s.seeds, rng.STREAM_TARGET, out_pos, p_target.shape[-1], t_ids)
             a, bonus = accept_sample(draft_tokens, p_target, p_draft, u, noise, impl=self.impl)
         live = s.done == 0
+        self.target.commit_states(kv, (a + 1) * live)  # hybrid targets: linear-layer states keep a + 1 tokens
         commit_step(s.verify_block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist,
                     impl=self.impl, anchor=s.anchor)  # anchor = bonus for live rows
         draft_cache.append(feats, (a + 1) * live, impl=self.impl)  # a int32; advances s.lengths
@@ -335,8 +340,19 @@ class Engine:
                     fn()  # compiles the Triton kernels, warms cuBLAS
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
-                fn()
+            try:
+                with torch.cuda.graph(graph, stream=side):
+                    fn()
+            except RuntimeError as e:
+                if not self.target.args.hybrid:
+                    raise
+                # fla-core's kernels may sync or allocate on the host in a capture: run hybrid steps eagerly
+                print(f"note: CUDA graph capture failed for a hybrid target ({str(e).splitlines()[0][:200]}); "
+                      "CUDA graphs are off for this engine", flush=True)
+                torch.cuda.synchronize()
+                self.cuda_graphs = False
+                slots.nonfinite.zero_()
+                return fn
             slots.nonfinite.zero_()
             self._graphs[key] = graph
         graph = self._graphs[key]

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspine.config import check_rope, check_target_layers
+from dspine.config import ROPE_IMPLEMENTED, check_target_layers, target_layer_types, unsupported_rope
 from dspine.ops.linear import linear
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
@@ -42,8 +42,10 @@ from dspine.ops.silu_mul import silu_mul
 from dspine.ops.tree_attention import tree_attention
 from dspine.ops.verify_attention import verify_attention
 from dspine.paths import read_json_object
+from infer import linear_attention
 
-SUPPORTED = ("qwen3", "qwen2", "llama")
+SUPPORTED = ("qwen3", "qwen2", "llama", "qwen3_5_text", "qwen3_next")
+HYBRID = ("qwen3_5_text", "qwen3_next")  # gated delta-rule + gated full attention (infer.linear_attention)
 # Exact mode's default (engine, CLIs). Issue 13: on if it costs <= 3% against the fast mode at 8B
 # shape; off until benchmarks/engine/bench_exact.py has measured it on a GPU.
 EXACT_DEFAULT = False
@@ -66,6 +68,27 @@ class ModelArgs:
     qk_norm: bool  # Qwen3: per-head RMSNorm on q and k
     qkv_bias: bool  # Qwen2: biases on q/k/v
     windows: tuple[int | None, ...] = ()  # per layer: sliding window (keys p-w+1 .. p), None = full attention
+    # hybrid targets (HYBRID): per-layer "attention" | "linear" (gated delta rule); empty = all attention
+    layer_kinds: tuple[str, ...] = ()
+    gated_attention: bool = False  # q_proj also yields an output gate: o * sigmoid(gate) before o_proj
+    norm_offset: bool = False  # RMSNorm weights are stored as w - 1 (zero-centred): folded to 1 + w at load
+    rotary_dim: int = 0  # RoPE on the first rotary_dim channels of a head (partial_rotary_factor); 0 = head_dim
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    conv_kernel: int = 0
+    # Qwen3-Next sparse MoE MLP (moe_layers[i]: layer i is sparse): top-k softmax router, shared expert
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        return "linear" in self.layer_kinds
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArgs:
@@ -80,54 +103,135 @@ class ModelArgs:
         windows = check_target_layers(cfg, f"target (model_type {mt})")
         if mt not in SUPPORTED:
             raise ValueError(f"target model_type={mt!r} is not supported by the engine (supported: {SUPPORTED})")
-        check_rope(cfg, f"target (model_type {mt})")
         rope = get("rope_scaling") or get("rope_parameters") or {}
+        problems = unsupported_rope(cfg)
+        if mt in HYBRID:  # the engine implements partial rotary for these (ModelArgs.rotary_dim)
+            problems = [p for p in problems if "partial_rotary_factor" not in p]
+        if problems:
+            raise ValueError(f"target (model_type {mt}): {', '.join(problems)} is not implemented by the engine "
+                             f"(it implements {ROPE_IMPLEMENTED}, and partial rotary for {HYBRID}); refused instead "
+                             "of decoding it as full plain RoPE")
         theta = get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
         H, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        head_dim = int(get("head_dim") or H // heads)
+        extra = {}
+        if mt in HYBRID:
+            factor = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) \
+                or get("partial_rotary_factor") or 1.0
+            kinds = tuple("linear" if t == "linear_attention" else "attention" for t in target_layer_types(cfg))
+            n_exp = int(get("num_experts", 0) or 0) if mt == "qwen3_next" else 0
+            step, only = int(get("decoder_sparse_step", 1) or 1), set(get("mlp_only_layers") or [])
+            extra = dict(
+                layer_kinds=kinds, gated_attention=True, norm_offset=True, rotary_dim=int(head_dim * float(factor)),
+                lin_k_heads=int(get("linear_num_key_heads")), lin_v_heads=int(get("linear_num_value_heads")),
+                lin_k_dim=int(get("linear_key_head_dim")), lin_v_dim=int(get("linear_value_head_dim")),
+                conv_kernel=int(get("linear_conv_kernel_dim")), num_experts=n_exp,
+                top_k=int(get("num_experts_per_tok", 0) or 0), norm_topk_prob=bool(get("norm_topk_prob", True)),
+                moe_intermediate_size=int(get("moe_intermediate_size", 0) or 0),
+                shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0),
+                moe_layers=tuple(n_exp > 0 and i not in only and (i + 1) % step == 0 for i in range(len(kinds))))
+            if extra["rotary_dim"] % 2 or extra["lin_v_heads"] % extra["lin_k_heads"]:
+                raise ValueError(f"target (model_type {mt}): rotary dim {extra['rotary_dim']} must be even and "
+                                 f"linear_num_value_heads={extra['lin_v_heads']} a multiple of "
+                                 f"linear_num_key_heads={extra['lin_k_heads']}")
         return cls(
             model_type=mt, vocab_size=int(get("vocab_size")), hidden_size=H,
             intermediate_size=int(get("intermediate_size")), num_layers=int(get("num_hidden_layers")),
             num_heads=heads, num_kv_heads=int(get("num_key_value_heads") or heads),
-            head_dim=int(get("head_dim") or H // heads), rms_norm_eps=float(get("rms_norm_eps")),
+            head_dim=head_dim, rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=float(theta), max_position_embeddings=int(get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)), qk_norm=mt == "qwen3",
-            qkv_bias=bool(get("attention_bias", mt == "qwen2")), windows=tuple(windows),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)), qk_norm=mt in ("qwen3",) + HYBRID,
+            qkv_bias=bool(get("attention_bias", mt == "qwen2")), windows=tuple(windows), **extra,
         )
 
 
 class Layer(nn.Module):
-    def __init__(self, a: ModelArgs):
+    """One decoder layer: attention (q/k/v [+ output gate] fused in ``qkv``) or a gated delta-rule layer
+    (``kind == "linear"``, :mod:`infer.linear_attention`), then a SwiGLU MLP or a sparse MoE."""
+
+    def __init__(self, a: ModelArgs, i: int = 0):
         super().__init__()
         H, D = a.hidden_size, a.head_dim
-        qkv = (a.num_heads + 2 * a.num_kv_heads) * D
         p = lambda *shape: nn.Parameter(torch.empty(*shape), requires_grad=False)
+        self.kind = a.layer_kinds[i] if a.layer_kinds else "attention"
+        self.moe = bool(a.moe_layers and a.moe_layers[i])
         self.input_norm = p(H)
-        self.qkv = p(qkv, H)
-        self.qkv_bias = p(qkv) if a.qkv_bias else None
-        self.q_norm = p(D) if a.qk_norm else None
-        self.k_norm = p(D) if a.qk_norm else None
-        self.o = p(H, a.num_heads * D)
+        if self.kind == "linear":
+            Hv, Vd = a.lin_v_heads, a.lin_v_dim
+            conv = 2 * a.lin_k_heads * a.lin_k_dim + Hv * Vd
+            self.in_proj = p(conv + Hv * Vd + 2 * Hv, H)  # x (conv input: q, k, v), z, b, a
+            self.conv = p(conv, a.conv_kernel)
+            self.A_log, self.dt_bias, self.lin_norm = p(Hv), p(Hv), p(Vd)
+            self.o = p(H, Hv * Vd)
+        else:
+            qkv = (a.num_heads * (2 if a.gated_attention else 1) + 2 * a.num_kv_heads) * D
+            self.qkv = p(qkv, H)  # q, k, v, then the output gate (gated attention)
+            self.qkv_bias = p(qkv) if a.qkv_bias else None
+            self.q_norm = p(D) if a.qk_norm else None
+            self.k_norm = p(D) if a.qk_norm else None
+            self.o = p(H, a.num_heads * D)
         self.post_norm = p(H)
-        self.gate_up = p(2 * a.intermediate_size, H)
-        self.down = p(H, a.intermediate_size)
+        if self.moe:
+            E, I, S = a.num_experts, a.moe_intermediate_size, a.shared_expert_intermediate_size
+            self.router, self.experts_gate_up, self.experts_down = p(E, H), p(E, 2 * I, H), p(E, H, I)
+            self.gate_up, self.down, self.shared_gate = p(2 * S, H), p(H, S), p(1, H)  # the shared expert
+        else:
+            self.gate_up = p(2 * a.intermediate_size, H)
+            self.down = p(H, a.intermediate_size)
+
+
+def target_rope_tables(a: ModelArgs, seq: int, device):
+    """(cos, sin) ``[seq, head_dim/2]`` fp32 for the engine's rotate-half kernels. Partial rotary
+    (rotary_dim r < D, transformers' ``partial_rotary_factor``): the first r/2 pairs carry HF's
+    frequencies base^(-2i/r), the other pairs angle 0 (cos 1, sin 0: passed through unchanged). The
+    q/k channels are permuted at load (:func:`rope_permutation`) so that HF's pairs (i, i + r/2) become
+    the kernels' pairs (j, j + D/2); q·k is unchanged by a permutation applied to both."""
+    r = a.rotary_dim or a.head_dim
+    cos, sin = rope_tables(r, seq, a.rope_theta, device)
+    if r < a.head_dim:
+        pad = torch.zeros(seq, (a.head_dim - r) // 2, device=cos.device)
+        cos, sin = torch.cat([cos, pad + 1.0], 1), torch.cat([sin, pad], 1)
+    return cos, sin
+
+
+def rope_permutation(a: ModelArgs) -> torch.Tensor | None:
+    """Head-channel order for partial rotary (see :func:`target_rope_tables`): new channel j holds HF
+    channel perm[j]; None when RoPE covers the whole head."""
+    D, r = a.head_dim, a.rotary_dim or a.head_dim
+    if r == D:
+        return None
+    h, p = r // 2, (D - r) // 2
+    return torch.cat([torch.arange(0, h), torch.arange(r, r + p), torch.arange(h, r), torch.arange(r + p, D)])
 
 
 class KVCache:
-    """Static per-layer K/V ``[B, Hkv, S, D]``; position j of batch slot b at ``[b, :, j]``; and the
-    RoPE tables (cos, sin) ``[S, D/2]`` fp32 of its positions. The cache owns the tables, so a CUDA
+    """Static per-slot target state. Attention layers: K/V ``[B, Hkv, S, D]``, position j of batch slot b
+    at ``[b, :, j]`` (None for linear layers). Linear (gated delta-rule) layers: ``conv[i]``
+    ``[B, C, K-1]`` (model dtype) and ``state[i]`` ``[B, Hv, Dk, Dv]`` fp32 (None for attention layers),
+    plus ``pending`` (the inputs of the last verify step, :func:`infer.linear_attention.commit`). And
+    the RoPE tables (cos, sin) ``[S, D/2]`` fp32 of its positions. The cache owns the tables, so a CUDA
     graph that reads them stays valid whatever other caches of the same target are made later."""
 
     def __init__(self, a: ModelArgs, batch: int, seq: int, device, dtype):
         shape = (batch, a.num_kv_heads, seq, a.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(a.num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(a.num_layers)]
+        kinds = a.layer_kinds or ("attention",) * a.num_layers
+        att = lambda: [torch.zeros(shape, device=device, dtype=dtype) if k == "attention" else None for k in kinds]
+        self.k, self.v = att(), att()
+        conv = 2 * a.lin_k_heads * a.lin_k_dim + a.lin_v_heads * a.lin_v_dim
+        self.conv = [torch.zeros(batch, conv, a.conv_kernel - 1, device=device, dtype=dtype) if k == "linear"
+                     else None for k in kinds]
+        self.state = [torch.zeros(batch, a.lin_v_heads, a.lin_k_dim, a.lin_v_dim, device=device, dtype=torch.float32)
+                      if k == "linear" else None for k in kinds]
+        self.pending: dict[int, tuple] = {}
         self.batch, self.seq = batch, seq
-        self.cos, self.sin = rope_tables(a.head_dim, seq, a.rope_theta, device)
+        self.cos, self.sin = target_rope_tables(a, seq, device)
 
     def view(self, batch: int) -> KVCache:
-        """The first ``batch`` slots (shared storage and tables)."""
+        """The first ``batch`` slots (shared storage and tables; its own ``pending``)."""
         out = copy.copy(self)
-        out.k, out.v, out.batch = [k[:batch] for k in self.k], [v[:batch] for v in self.v], batch
+        cut = lambda xs: [None if x is None else x[:batch] for x in xs]
+        out.k, out.v, out.conv, out.state, out.batch = cut(self.k), cut(self.v), cut(self.conv), cut(self.state), batch
+        out.pending = {}
         return out
 
 
@@ -140,7 +244,7 @@ class EngineTarget(nn.Module):
         self.args = a
         p = lambda *shape: nn.Parameter(torch.empty(*shape), requires_grad=False)
         self.embed = p(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(Layer(a) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(Layer(a, i) for i in range(a.num_layers))
         self.norm = p(a.hidden_size)
         self.lm_head = None if a.tie_word_embeddings else p(a.vocab_size, a.hidden_size)
         self.layer_ids = list(layer_ids or [])
@@ -157,30 +261,69 @@ class EngineTarget(nn.Module):
         with torch.device("meta"):
             m = cls(a, layer_ids, impl, last_layer_features)
 
-        def get(name):
+        def get(name, norm: bool = False):
             if name not in state:
                 raise KeyError(f"target checkpoint has no tensor {name!r}")
-            return state[name].to(device=device, dtype=dtype)
+            t = state[name]
+            if norm and a.norm_offset:  # zero-centred RMSNorm: y = x̂ · (1 + w), folded in fp32
+                t = t.float() + 1.0
+            return t.to(device=device, dtype=dtype)
 
-        own = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
+        perm = rope_permutation(a)
+        D = a.head_dim
+
+        def heads(w, n, take=None):  # [n·D', H] per-head rows: take = slice of each head, then perm
+            w = w.view(n, -1, w.shape[-1])
+            w = w[:, take] if take is not None else w
+            return (w[:, perm] if perm is not None else w).reshape(-1, w.shape[-1])
+
+        own = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight", norm=True)}
         if not a.tie_word_embeddings:
             own["lm_head"] = get("lm_head.weight")
-        for i in range(a.num_layers):
+        for i, L in enumerate(m.layers):
             pre = f"model.layers.{i}."
             at = pre + "self_attn."
-            own |= {
-                f"layers.{i}.input_norm": get(pre + "input_layernorm.weight"),
-                f"layers.{i}.qkv": torch.cat([get(at + f"{x}_proj.weight") for x in "qkv"]),
-                f"layers.{i}.o": get(at + "o_proj.weight"),
-                f"layers.{i}.post_norm": get(pre + "post_attention_layernorm.weight"),
-                f"layers.{i}.gate_up": torch.cat([get(pre + "mlp.gate_proj.weight"), get(pre + "mlp.up_proj.weight")]),
-                f"layers.{i}.down": get(pre + "mlp.down_proj.weight"),
-            }
-            if a.qkv_bias:
-                own[f"layers.{i}.qkv_bias"] = torch.cat([get(at + f"{x}_proj.bias") for x in "qkv"])
-            if a.qk_norm:
-                own[f"layers.{i}.q_norm"] = get(at + "q_norm.weight")
-                own[f"layers.{i}.k_norm"] = get(at + "k_norm.weight")
+            own |= {f"layers.{i}.input_norm": get(pre + "input_layernorm.weight", norm=True),
+                    f"layers.{i}.post_norm": get(pre + "post_attention_layernorm.weight", norm=True)}
+            if L.kind == "linear":
+                own |= {f"layers.{i}.{k}": v for k, v in linear_attention.load_linear_layer(a, get, pre).items()}
+            else:
+                q = get(at + "q_proj.weight")
+                gate = []
+                if a.gated_attention:  # q_proj rows per head: [query D | gate D]
+                    gate = [q.view(a.num_heads, 2 * D, -1)[:, D:].reshape(-1, q.shape[-1])]
+                    q = q.view(a.num_heads, 2 * D, -1)[:, :D].reshape(-1, q.shape[-1])
+                own |= {
+                    f"layers.{i}.qkv": torch.cat([heads(q, a.num_heads), heads(get(at + "k_proj.weight"), a.num_kv_heads),
+                                                  get(at + "v_proj.weight")] + gate),
+                    f"layers.{i}.o": get(at + "o_proj.weight"),
+                }
+                if a.qkv_bias:
+                    if a.gated_attention or perm is not None:
+                        raise ValueError("attention biases with gated attention / partial rotary are not implemented")
+                    own[f"layers.{i}.qkv_bias"] = torch.cat([get(at + f"{x}_proj.bias") for x in "qkv"])
+                if a.qk_norm:
+                    for x in "qk":
+                        w = get(at + f"{x}_norm.weight", norm=True)
+                        own[f"layers.{i}.{x}_norm"] = w[perm] if perm is not None else w
+            if L.moe:
+                mp = pre + "mlp."
+                if mp + "experts.gate_up_proj" in state:  # transformers >= 5 fused layout [E, 2I, H], [E, H, I]
+                    gu, dn = get(mp + "experts.gate_up_proj"), get(mp + "experts.down_proj")
+                else:  # per-expert tensors (the published checkpoints)
+                    E = range(a.num_experts)
+                    gu = torch.stack([torch.cat([get(mp + f"experts.{e}.gate_proj.weight"),
+                                                 get(mp + f"experts.{e}.up_proj.weight")]) for e in E])
+                    dn = torch.stack([get(mp + f"experts.{e}.down_proj.weight") for e in E])
+                sp = mp + "shared_expert."
+                own |= {f"layers.{i}.router": get(mp + "gate.weight"), f"layers.{i}.experts_gate_up": gu,
+                        f"layers.{i}.experts_down": dn, f"layers.{i}.shared_gate": get(mp + "shared_expert_gate.weight"),
+                        f"layers.{i}.gate_up": torch.cat([get(sp + "gate_proj.weight"), get(sp + "up_proj.weight")]),
+                        f"layers.{i}.down": get(sp + "down_proj.weight")}
+            else:
+                own |= {f"layers.{i}.gate_up": torch.cat([get(pre + "mlp.gate_proj.weight"),
+                                                          get(pre + "mlp.up_proj.weight")]),
+                        f"layers.{i}.down": get(pre + "mlp.down_proj.weight")}
         m.load_state_dict(own, strict=True, assign=True)
         return m
 
@@ -237,14 +380,34 @@ class EngineTarget(nn.Module):
 
     def _mlp(self, L: Layer, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
         up = linear(h, L.gate_up, impl=self.impl, exact=exact)
-        return linear(silu_mul(up, impl=self.impl), L.down, impl=self.impl, exact=exact)
+        out = linear(silu_mul(up, impl=self.impl), L.down, impl=self.impl, exact=exact)
+        if L.moe:  # the shared expert above, gated; plus the routed experts
+            out = self._experts(L, h) + torch.sigmoid(F.linear(h, L.shared_gate)) * out
+        return out
+
+    def _experts(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
+        """Qwen3-Next routed experts of h ``[N, H]`` [transformers modeling_qwen3_next]: softmax router in
+        fp32, top-k (renormalised when ``norm_topk_prob``), weights in the model dtype, each token's k
+        experts' SwiGLU summed. The k experts' weights are gathered per token ``[N, k, 2I, H]``: static
+        shapes (CUDA-graph capturable) and exact, but it reads N·k expert matrices: fine for a few
+        verify tokens of a small MoE, not a fast path for large ones."""
+        a = self.args
+        probs = torch.softmax(F.linear(h, L.router).float(), dim=-1)
+        w, idx = torch.topk(probs, a.top_k, dim=-1)  # [N, k]
+        if a.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        gu = torch.einsum("nh,nkih->nki", h, L.experts_gate_up[idx])  # [N, k, 2I]
+        act = silu_mul(gu, impl=self.impl)  # [N, k, I]
+        out = torch.einsum("nki,nkhi->nkh", act, L.experts_down[idx])  # [N, k, H]
+        return (out * w.to(h.dtype)[..., None]).sum(1)
 
     # -- forwards --------------------------------------------------------------------------------
     def _layers(self, tokens: torch.Tensor, pos: torch.Tensor, bidx: torch.Tensor, cache: KVCache, attend,
-                want_features: bool, write_pos: torch.Tensor | None = None, exact: bool = False):
+                want_features: bool, write_pos: torch.Tensor | None = None, exact: bool = False, mix=None):
         """The decoder stack over N new tokens (flattened). ``attend(i, q [N, Hq, D]) -> [N, Hq*D]`` runs
         attention of layer i after this token's K/V were written at (bidx, write_pos); RoPE uses ``pos``
-        (write_pos defaults to pos; they differ for tree nodes). ``exact``: row-invariant matmuls
+        (write_pos defaults to pos; they differ for tree nodes). ``mix(i, L, h [N, H]) -> [N, H]`` runs
+        linear-attention layer i (hybrid targets). ``exact``: row-invariant matmuls
         (``dspine.ops.linear``). Returns the final hidden state, the residual stream and
         {layer id: decoder-layer output}."""
         write_pos = pos if write_pos is None else write_pos
@@ -259,11 +422,18 @@ class EngineTarget(nn.Module):
                 h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, impl=impl), x
             else:
                 h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl)
-            qkv = linear(h, L.qkv, L.qkv_bias, impl=impl, exact=exact)
-            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-            q = qk_norm_rope_cache(q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D), L.q_norm, L.k_norm,
-                                   a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, write_pos, impl=impl)
-            x = linear(attend(i, q), L.o, impl=impl, exact=exact)
+            if L.kind == "linear":
+                x = mix(i, L, h)
+            else:
+                qkv = linear(h, L.qkv, L.qkv_bias, impl=impl, exact=exact)
+                q, k, v, gate = qkv.split([Hq * D, Hkv * D, Hkv * D, Hq * D if a.gated_attention else 0], dim=-1)
+                q = qk_norm_rope_cache(q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D), L.q_norm, L.k_norm,
+                                       a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, write_pos,
+                                       impl=impl)
+                o = attend(i, q)
+                if a.gated_attention:  # Qwen3.5 / Qwen3-Next output gate
+                    o = o * torch.sigmoid(gate)
+                x = linear(o, L.o, impl=impl, exact=exact)
             h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
             x = self._mlp(L, h, exact)
             if want_features and i in self.layer_ids:
@@ -292,10 +462,14 @@ class EngineTarget(nn.Module):
                 its K/V are written at cache_len[b] + t and it attends to the prefix and its ancestors.
             exact: row-invariant kernels (module docstring): a position's logits do not depend on T,
                 B or the other rows. Chain steps only.
+        Hybrid targets: a T = 1 step commits the linear layers' states in place; a T > 1 (verify) step
+        leaves them and keeps its inputs until :meth:`commit_states` says how many tokens each row keeps.
+
         Returns:
             logits ``[B, T, V]`` (model dtype) and features ``[B, T, k*H]`` (or None).
         Raises:
-            ValueError: ``exact`` with ``tree_bits`` (tree attention has no exact mode).
+            ValueError: ``exact`` with ``tree_bits`` (tree attention has no exact mode); a hybrid target
+                with ``tree_bits`` or ``exact``.
         """
         a = self.args
         if exact and tree_bits is not None:
@@ -312,22 +486,39 @@ class EngineTarget(nn.Module):
                                  self.scale, impl=self.impl, window=self.window(i), exact=exact)
             return o.view(B * T, -1)
 
+        if a.hybrid and (tree_bits is not None or exact):
+            raise ValueError("hybrid targets (linear-attention layers) support chain verify only, without exact mode")
+
+        def mix(i, L, h):
+            return linear_attention.step(a, L, i, h.view(B, T, -1), cache, self.impl).reshape(B * T, -1)
+
         write = None
         if tree_bits is not None:
             write = (cache_len[:, None].long() + torch.arange(T, device=tokens.device)).reshape(-1)
         x, residual, feats = self._layers(tokens.reshape(-1), positions.reshape(-1), bidx, cache, attend, want_features,
-                                          write, exact)
+                                          write, exact, mix)
         h, _ = rms_norm(x, self.norm, a.rms_norm_eps, residual=residual, impl=self.impl)
         logits = linear(h, self.head, impl=self.impl, exact=exact).view(B, T, -1)
         f = self._features(feats, want_features)
         return logits, None if f is None else f.view(B, T, -1)
 
+    def commit_states(self, cache: KVCache, n: torch.Tensor) -> None:
+        """After a verify step (T > 1) of a hybrid target: advance the linear layers' conv and recurrent
+        states by the first ``n [B]`` (int) verified tokens of each row, 0 = unchanged (rollback, see
+        :mod:`infer.linear_attention`). No-op for attention-only targets and after a T = 1 step."""
+        if cache.pending:
+            linear_attention.commit(cache, n, self.impl)
+
     def prefill(self, tokens: torch.Tensor, slot: int, cache: KVCache, want_features: bool = True):
-        """Prompt ``tokens [P]`` of batch slot ``slot``: writes K/V at positions 0..P-1.
+        """Prompt ``tokens [P]`` of batch slot ``slot``: writes K/V at positions 0..P-1 (and, for a hybrid
+        target, the slot's linear-layer states from zero).
 
         Returns logits at the last position ``[V]`` and features ``[P, k*H]`` (or None).
         Attention is causal SDPA over the prompt itself (stale cache rows are never read)."""
         a = self.args
+        if a.hybrid:
+            logits, feats = self.prefill_packed([tokens], [slot], cache, want_features)
+            return logits[0], feats
         P = tokens.shape[0]
         if P > cache.seq:
             raise ValueError(f"prompt of {P} tokens does not fit the cache ({cache.seq} positions)")
@@ -382,7 +573,11 @@ class EngineTarget(nn.Module):
                 out[starts[j] : starts[j + 1]] = o.transpose(1, 2).reshape(n, Hq * D)
             return out
 
-        x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features)
+        def mix(i, L, h):
+            return torch.cat([linear_attention.prefill(a, L, i, h[starts[j]:starts[j + 1]], s, cache, self.impl)
+                              for j, s in enumerate(slots)])
+
+        x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
         last = torch.tensor([e - 1 for e in starts[1:]], device=dev)
         h, _ = rms_norm(x[last], self.norm, a.rms_norm_eps, residual=residual[last], impl=self.impl)
         return F.linear(h, self.head), self._features(feats, want_features)

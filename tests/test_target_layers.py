@@ -72,21 +72,20 @@ def test_layer_types_follow_transformers_rule():
     assert check_target_layers(Qwen3Config(num_hidden_layers=2, sliding_window=8), "t") == [None, None]
 
     nxt = Qwen3NextConfig(num_hidden_layers=4)
-    assert unsupported_layers(nxt) == [
-        "model_type='qwen3_next' (hybrid: gated delta-rule linear attention with a recurrent state) is not "
-        "implemented by the engine",
-        "layer_types has 'linear_attention' (layers [0, 1, 2])",
-    ]
-    assert unsupported_layers(nxt, engine=False) == []  # the reference path runs it
-    assert check_target_layers(nxt, "t", engine=False) == [None] * 4
+    assert unsupported_layers(nxt) == [] and unsupported_layers(nxt, engine=False) == []  # both paths run it
+    assert check_target_layers(nxt, "t") == check_target_layers(nxt, "t", engine=False) == [None] * 4
     q35 = Qwen3_5Config(text_config={"num_hidden_layers": 8})
     assert target_layer_types(q35) == (["linear_attention"] * 3 + ["full_attention"]) * 2
-    assert "layer_types has 'linear_attention' (layers [0, 1, 2, 4, 5, 6])" in unsupported_layers(q35)
+    assert unsupported_layers(q35) == [
+        "model_type='qwen3_5' (hybrid: gated delta-rule linear attention with a recurrent state) is not implemented "
+        "by the engine (it runs the text models qwen3_next / qwen3_5_text)",
+        "layer_types has 'linear_attention' (layers [0, 1, 2, 4, 5, 6])"]
     assert unsupported_layers(q35, engine=False) == [
         "model_type='qwen3_5' (hybrid: gated delta-rule linear attention with a recurrent state) is not implemented "
         "by the reference path (it runs the text models qwen3_next / qwen3_5_text)"]
-    with pytest.raises(ValueError, match="'linear_attention' \\(layers \\[0, 1, 2\\]\\).*not supported \\(the engine"):
-        check_target_layers(nxt, "target x")
+    with pytest.raises(ValueError, match="'linear_attention' \\(layers \\[0, 1, 2, 4, 5, 6\\]\\).*not supported "
+                                         "\\(the engine"):
+        check_target_layers(q35, "target x")
     bad = {"model_type": "qwen3", "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
     assert unsupported_layers(bad) == ["sliding_attention layers with sliding_window=None"]
 
@@ -107,13 +106,13 @@ def qwen35_vl_dir(tmp_path_factory, qwen3_tokenizer_dir):
 NAMED = "'linear_attention' (layers [0, 1, 2])"
 
 
-def test_hybrid_text_target_passes_check_with_engine_note(tiny_next_dir, draft_dir, capsys, no_weights):
-    """The reference path runs qwen3_next (tests/test_hybrid_target.py); dspine.check says the engine does not."""
+def test_hybrid_text_target_passes_check(tiny_next_dir, draft_dir, capsys, no_weights):
+    """Both paths run qwen3_next (tests/test_hybrid_target.py, tests/test_hybrid_engine.py): no engine note."""
     from dspine.check import main as check
 
     assert check(["--target", str(tiny_next_dir), "--draft", str(draft_dir)]) == 0
     out = capsys.readouterr().out
-    assert "engine:" in out and NAMED in out and "use the reference backend" in out
+    assert "engine:" not in out and "use the reference backend" not in out
 
 
 def test_multimodal_qwen35_refused_everywhere(qwen35_vl_dir, draft_dir, tmp_path, capsys, no_weights):
@@ -147,20 +146,24 @@ def test_multimodal_qwen35_refused_everywhere(qwen35_vl_dir, draft_dir, tmp_path
     assert "config key 'target'" in err and "model_type='qwen3_5'" in err and not (tmp_path / "run").exists()
 
 
-def test_engine_paths_refuse_hybrid_text_target(tiny_next_dir, tmp_path, capsys, no_weights):
-    """The engine (EngineTarget, data.regenerate --backend engine) refuses a qwen3_next target before any
-    weights load, naming the layer type (infer.generate / infer.bench --backend cuda call the same
-    TargetSpec.check_supported(engine=True) once a GPU is there)."""
+def test_engine_paths_refuse_multimodal_hybrid_target(qwen35_vl_dir, tmp_path, capsys, no_weights):
+    """The engine (EngineTarget, data.regenerate --backend engine) refuses a multimodal qwen3_5 target before
+    any weights load, naming the model and layer type (infer.generate / infer.bench --backend cuda call the
+    same TargetSpec.check_supported(engine=True) once a GPU is there)."""
     from data.regenerate import main as regenerate
     from infer.model import EngineTarget
 
-    with pytest.raises(ValueError, match="model_type='qwen3_next'.*'linear_attention' \\(layers \\[0, 1, 2\\]\\)"):
-        EngineTarget.from_pretrained(str(tiny_next_dir), device="cpu", dtype=torch.float32, impl="torch")
+    with pytest.raises(ValueError, match="model_type='qwen3_5'.*'linear_attention' \\(layers \\[0, 1, 2\\]\\)"):
+        EngineTarget.from_pretrained(str(qwen35_vl_dir), device="cpu", dtype=torch.float32, impl="torch")
     rows = tmp_path / "in.jsonl"
     rows.write_text(json.dumps({"id": "0", "conversations": [{"role": "user", "content": "hi"}]}) + "\n")
-    assert regenerate(["--input", str(rows), "--output", str(tmp_path / "regen"), "--target", str(tiny_next_dir),
+    assert regenerate(["--input", str(rows), "--output", str(tmp_path / "regen"), "--target", str(qwen35_vl_dir),
                        "--backend", "engine"]) == 2
     assert NAMED in capsys.readouterr().err and not (tmp_path / "regen").exists()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,190 @@
+"""Hybrid targets in the engine (issue 14): transformers' qwen3_5_text and qwen3_next (MoE), three gated
+delta-rule layers + one gated full-attention layer with partial rotary (factor 0.25), tiny random fp32
+weights (norm weights randomised so the zero-centred RMSNorm fold is checked), vocab 256.
+
+CPU: the torch path's prefill / verify logits equal transformers'; the linear layers' states roll back
+to 1, 2, 8 and 16 kept tokens (accept lengths 0, 1, 7, 15); greedy speculative decoding with an oracle
+draft that cycles through those accept lengths, and autoregressive decoding, equal transformers' greedy
+output. GPU (``-m gpu``): the same with impl "triton" (fla-core) in fp32, and bf16 speculative output
+equal to the engine's own autoregressive output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspine.sampling import SamplingParams
+from dspine.target import load_target
+from infer.engine import Engine
+from infer.model import EngineTarget
+from tests.helpers import random_draft
+
+PROMPTS = [list(range(3, 23)), list(range(40, 66, 2))]  # 20 and 13 tokens
+NEW = 40
+ACCEPTS = (0, 1, 7, 15)  # the oracle draft's accept length per step, cyclically
+
+
+def _config(kind: str):
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
+                  initializer_range=0.1, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+                  tie_word_embeddings=False)
+    if kind == "qwen3_next":
+        return Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=32, **common)
+    return Qwen3_5TextConfig(**common)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def hybrid(request, tmp_path_factory):
+    """(folder, transformers model, its greedy continuations of PROMPTS: NEW tokens each)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = _config(request.param)
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.2)
+    out = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(out)
+    want = []
+    for p in PROMPTS:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0)
+        want.append(ids[0, len(p):].tolist())
+    assert all(len(set(w)) > 5 for w in want)
+    return out, model, want
+
+
+def _engine_target(path, device="cpu", dtype=torch.float32, impl="torch", layer_ids=(1, 3)):
+    return EngineTarget.from_pretrained(str(path), device=device, dtype=dtype, layer_ids=list(layer_ids), impl=impl)
+
+
+def _check_steps(eng, model, device, tol):
+    """Prefill (two prompts packed), a 16-token verify, rollback to n = 1, 2, 8, 16 kept tokens, then a decode
+    step and a second verify from the rolled-back states: every logit row against transformers'."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 256, (1, 100), generator=g)
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True)
+    wl = want.logits[0].to(device)
+    feats_want = torch.cat([want.hidden_states[2], want.hidden_states[4]], dim=-1)[0].to(device)
+    ids = ids[0].to(device)
+    cache = eng.new_cache(4, 128)
+    P = 40
+    logits, feats = eng.prefill_packed([ids[:P], ids[:P - 7]], [0, 2], cache)
+    assert (logits[0].float() - wl[P - 1]).abs().max() < tol
+    assert (logits[1].float() - wl[P - 8]).abs().max() < tol
+    assert (feats[:P].float() - feats_want[:P]).abs().max() < tol
+    for s in (1, 2, 3):  # the same prompt into the other slots (slot 2: over its shorter prompt)
+        eng.prefill_packed([ids[:P]], [s], cache)
+    B, W = 4, 16
+    lens = torch.full((B,), P, dtype=torch.int32, device=device)
+    pos = lens[:, None].long() + torch.arange(W, device=device)
+    toks = ids[P:P + W].expand(B, W).contiguous()
+    logits, feats = eng.forward_step(toks, pos, cache, lens)
+    for b in range(B):
+        assert (logits[b].float() - wl[P:P + W]).abs().max() < tol
+    n = torch.tensor([a + 1 for a in ACCEPTS], device=device)  # accept lengths 0, 1, 7, 15
+    eng.commit_states(cache, n)
+    assert not cache.pending
+    lens = lens + n.int()
+    logits, _ = eng.forward_step(ids[lens.long()][:, None], lens[:, None].long(), cache, lens)  # decode (T = 1)
+    for b in range(B):
+        assert (logits[b, 0].float() - wl[lens[b]]).abs().max() < tol
+    lens = lens + 1
+    pos = lens[:, None].long() + torch.arange(W, device=device)
+    logits, _ = eng.forward_step(ids[pos], pos, cache, lens)
+    for b in range(B):
+        assert (logits[b].float() - wl[pos[b]]).abs().max() < tol
+
+
+def test_engine_torch_steps_and_rollback_match_transformers(hybrid):
+    out, model, _ = hybrid
+    eng = _engine_target(out)
+    assert eng.args.layer_kinds == ("linear",) * 3 + ("attention",) and eng.args.rotary_dim == 4
+    _check_steps(eng, model, "cpu", 1e-4)
+
+
+def _cycling_oracle(engine, reference):
+    """The draft proposes the true continuation with a wrong token at slot ACCEPTS[step % 4] + 1 (none
+    for 15): accept lengths cycle through 0, 1, 7, 15 (capped at the end of a row)."""
+    V, step = engine.target.args.vocab_size, [0]
+
+    def draft_logits(block, cache):
+        B, bs = block.shape
+        a = ACCEPTS[step[0] % len(ACCEPTS)]
+        step[0] += 1
+        logits = torch.zeros(B, bs - 1, V)
+        for b in range(B):
+            if engine.slot_owner[b] is None:
+                continue
+            ref, n = reference[engine.slot_owner[b]], int(cache.lengths[b])
+            for k in range(bs - 1):
+                tok = ref[n + 1 + k] if n + 1 + k < len(ref) else 0
+                logits[b, k, (tok + 1) % V if k == a else tok] = 1.0
+        return logits[:, : engine.verify_size - 1].to(engine.device, engine.target.embed.dtype)
+
+    engine.draft_logits = draft_logits
+    return engine
+
+
+def test_engine_torch_greedy_equals_transformers(hybrid):
+    out, _, want = hybrid
+    draft = random_draft(load_target(str(out), dtype="fp32"), block_size=16, mask=1)
+    eng = Engine(_engine_target(out, layer_ids=draft.config.target_layer_ids), draft, [], max_batch=2, max_seq=128,
+                 max_new_cap=NEW)
+    _cycling_oracle(eng, [p + w for p, w in zip(PROMPTS, want)])
+    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    assert res.token_ids == want
+    hist = res.stats.hist  # hist[n]: steps that committed n tokens
+    assert all(hist[a + 1] > 0 for a in ACCEPTS), hist
+    ar = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), use_draft=False)
+    assert ar.token_ids == want
+    rnd = Engine(eng.target, draft, [], max_batch=2, max_seq=128, max_new_cap=NEW)  # the untrained draft
+    assert rnd.generate(PROMPTS, SamplingParams(max_new_tokens=NEW)).token_ids == want
+
+
+def test_engine_refuses_tree_and_exact_for_hybrid(hybrid):
+    out, _, _ = hybrid
+    t = _engine_target(out)
+    draft = random_draft(load_target(str(out), dtype="fp32"), block_size=16, mask=1)
+    for kw in (dict(verify="tree"), dict(budget="auto"), dict(exact=True)):
+        with pytest.raises(ValueError, match="linear-attention layers.*chain verify only"):
+            Engine(t, draft, [], max_batch=1, max_seq=64, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_triton_equals_transformers(hybrid, graphs):
+    """H200: fla-core's chunked / recurrent kernels (impl "triton") in fp32: steps, rollback and greedy
+    output against transformers; with and without CUDA graphs."""
+    out, model, want = hybrid
+    _check_steps(_engine_target(out, device="cuda", impl="triton"), model, "cuda", 2e-3)
+    draft = random_draft(load_target(str(out), dtype="fp32"), block_size=16, mask=1)
+    eng = Engine(_engine_target(out, device="cuda", impl="triton", layer_ids=draft.config.target_layer_ids), draft,
+                 [], max_batch=2, max_seq=128, max_new_cap=NEW, cuda_graphs=graphs)
+    assert eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), use_draft=False).token_ids == want
+    res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    assert res.token_ids == want
+
+
+@pytest.mark.gpu
+def test_engine_triton_bf16_spec_equals_own_ar(hybrid):
+    """H200, bf16: greedy speculative output (untrained draft: mostly accept 0, some longer) equals the same
+    engine's autoregressive output, with CUDA graphs."""
+    out, _, _ = hybrid
+    draft = random_draft(load_target(str(out), dtype="fp32"), block_size=16, mask=1)
+    t = _engine_target(out, device="cuda", dtype=torch.bfloat16, impl="triton", layer_ids=draft.config.target_layer_ids)
+    eng = Engine(t, draft, [], max_batch=2, max_seq=128, max_new_cap=NEW)
+    ar = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), use_draft=False)
+    spec = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    assert spec.token_ids == ar.token_ids
