@@ -164,20 +164,3 @@ def test_engine_paths_refuse_multimodal_hybrid_target(qwen35_vl_dir, tmp_path, c
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__]))
-
-
-def test_auto_backend_falls_back_to_reference_for_hybrid(tiny_next_dir, draft_dir, capsys, monkeypatch):
-    """On a GPU (pretended here), --backend auto picks the engine, which does not run a qwen3_next target:
-    infer.generate says so and decodes on the reference backend."""
-    from infer.generate import main as generate
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert generate(["--target", str(tiny_next_dir), "--draft", str(draft_dir), "--prompt", "hi",
-                     "--max-new-tokens", "8", "--json"]) == 0
-    cap = capsys.readouterr()
-    assert "--backend auto uses the reference backend" in cap.err and NAMED in cap.err
-    assert json.loads(cap.out.strip().splitlines()[-1])["backend"] == "reference"
