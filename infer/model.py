@@ -10,7 +10,14 @@ rotate-half), so logits match transformers to bf16 rounding.
 Sliding-window targets (Qwen2/Qwen3 ``use_sliding_window``, per-layer ``layer_types``): a sliding
 layer's query at position p attends to keys p - window + 1 .. p (transformers' mask) in prefill
 (SDPA with a band mask), verify and decode (``verify_attention(window=...)``); the KV cache stays
-full-length. Layer types other than full / sliding attention are refused at config parsing.
+full-length.
+
+Hybrid targets (``qwen3_5_text``, ``qwen3_next``; issue 14): gated delta-rule layers
+(:mod:`infer.linear_attention`, fla-core kernels under impl "triton") with per-slot conv and fp32
+recurrent states in the cache, rolled back after a verify by masked replay (:meth:`EngineTarget.commit_states`);
+gated full attention (sigmoid output gate from q_proj) with partial rotary (q/k channels permuted at
+load, :func:`rope_permutation`); zero-centred RMSNorm weights folded to 1 + w at load; Qwen3-Next's
+sparse MoE. Chain verify only (no tree, no exact mode). Other layer types are refused at config parsing.
 
 Exact mode (``forward_step(exact=True)``, issue 13): every matmul of the decode/verify step is
 ``dspine.ops.linear``'s row-invariant GEMM and attention is ``verify_attention(exact=True)``; the
