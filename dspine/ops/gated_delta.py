@@ -101,8 +101,9 @@ def gated_delta_rule_triton(q, k, v, g, beta, state):
         raise ImportError("impl='triton' of the gated delta rule needs fla-core (pip install --no-deps fla-core "
                           f"einops): {e}") from e
     fn = fused_recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule
-    o, S = fn(q, k, v, g=g.float(), beta=beta.to(q.dtype), scale=q.shape[-1] ** -0.5, initial_state=state,
-              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    q, k, v = (x.contiguous() for x in (q, k, v))  # split views of the conv output
+    o, S = fn(q, k, v, g=g.float().contiguous(), beta=beta.to(q.dtype).contiguous(), scale=q.shape[-1] ** -0.5,
+              initial_state=state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True)
     return o.to(v.dtype), S.float()
 
 
