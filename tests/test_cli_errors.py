@@ -186,7 +186,7 @@ def test_distill_names_bad_data_and_paths(stories_dir, tmp_path):
     afile.write_text("x")
     for train, extra, message in [
             (empty, [], f"config key 'train': {empty} has no rows"),
-            (text, [], f"{text} row 0: invalid JSON"),
+            (text, [], f"{text}:1: invalid JSON"),
             (rows, [f"output_dir={afile}"], f"config key 'output_dir': {afile} is an existing file"),
             (rows, [f"draft_init={tmp_path / 'nope'}"], f"config key 'draft_init': {tmp_path / 'nope'} is not a draft folder")]:
         cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config",
