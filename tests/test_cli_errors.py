@@ -301,3 +301,24 @@ def test_top_p_and_top_k_at_temperature_zero_warn_once(capsys):
     for t, p, k in [(0.0, 1.0, 0), (1.0, 0.95, 20)]:  # nothing ignored: no warning
         sampling_params(args(t, p, k))
         assert capsys.readouterr().err == ""
+
+
+def test_data_and_init_options_that_would_be_ignored_are_refused(stories_dir, tmp_path, capsys):
+    """data.regenerate --concurrency (engine KV slots) with the hf backend, data.prepare --split with local
+    files only, dspine.init --injection-rank/--injection-layers with --injection none: refused, not dropped."""
+    from data import prepare, regenerate
+    from dspine import init
+
+    conv = _conv(tmp_path)
+    _fast_error(regenerate.main, ["--target", str(stories_dir), "--input", str(conv), "--output", str(tmp_path / "r"),
+                                  "--chat-template", "chatml", "--backend", "hf", "--concurrency", "4"], capsys,
+                "--concurrency 4 sets the engine's KV cache slots; the hf backend decodes --batch-size rows at a time")
+    assert not (tmp_path / "r").exists()
+    assert prepare.main(["--input", f"mine={conv}", "--output", str(tmp_path / "p"), "--split", "test"]) == 2
+    assert "--split test selects the split of a Hub dataset, and no --input is one" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+    for flag, value in (("--injection-rank", "8"), ("--injection-layers", "0,1")):
+        with pytest.raises(SystemExit):
+            init.main(["--target", str(stories_dir), "--out", str(tmp_path / "d"), "--injection", "none", flag, value])
+        assert f"{flag} shapes the injection, which --injection none leaves out" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
