@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-fraction", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0, help="salt of the train/eval split hash")
     p.add_argument("--limit", type=int, default=None, help="read at most N rows per source")
-    p.add_argument("--split", default="train", help="split of Hub sources")
+    p.add_argument("--split", default=None, help="split of Hub sources (default train; refused without one)")
     p.add_argument("--overwrite", action="store_true", help="replace a finished output in DIR")
     args = p.parse_args(argv)
     if args.limit is not None and args.limit < 1:
@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.eval_fraction < 1:
         p.error(f"--eval-fraction {args.eval_fraction}: must be in [0, 1)")
     try:
+        if args.split is not None and not any(parse_source(spec)[2] for spec in args.input):
+            raise ValueError(f"--split {args.split} selects the split of a Hub dataset, and no --input is one "
+                             "(local files are read whole)")
         summary = prepare(
             args.input,
             args.output,
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             args.eval_fraction,
             args.seed,
             args.limit,
-            args.split,
+            args.split or "train",
             args.overwrite,
         )
     except NoRowKept as e:

@@ -118,10 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     from dspine.sampling import sampling_params
 
-    if args.concurrency is None:
-        args.concurrency = args.batch_size
     for name in ("max_new_tokens", "batch_size", "concurrency"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     for name in ("max_context", "limit"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -468,6 +466,10 @@ def regenerate(args: argparse.Namespace) -> dict:
         print(f"note: {'; '.join(spec.engine_layer_problems)}: not in the engine; --backend auto uses hf", file=sys.stderr)
         backend = "hf"
     spec.check_supported(engine=backend == "engine")
+    if args.concurrency is not None and backend != "engine":
+        raise ValueError(f"--concurrency {args.concurrency} sets the engine's KV cache slots; the {backend} backend "
+                         "decodes --batch-size rows at a time (drop --concurrency or use --backend engine)")
+    args.concurrency = args.concurrency or args.batch_size
     tokenizer = load_tokenizer(args.tokenizer or args.target, None if args.tokenizer else args.gguf_file)
     template = resolve_chat_template(args.chat_template, tokenizer)
     # the answers are only useful if data.tokenize can mask them: check the template before generating

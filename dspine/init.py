@@ -76,6 +76,10 @@ def main(argv=None) -> int:
         ap.error(f"--block-size {args.block_size}: must be >= 2 (the anchor + at least one draft slot)")
     if args.injection_rank is not None and args.injection_rank < 0:
         ap.error(f"--injection-rank {args.injection_rank}: must be >= 0 (0 = full rank)")
+    if args.injection == "none":  # the DFlash ablation: nothing would read them
+        for name in ("injection_rank", "injection_layers"):
+            if getattr(args, name) is not None:
+                ap.error(f"--{name.replace('_', '-')} shapes the injection, which --injection none leaves out")
     for name in ("target_layer_ids", "injection_layers"):  # --sliding-layers: range-checked with the target
         bad = [i for i in getattr(args, name) or [] if i < 0]
         if bad:

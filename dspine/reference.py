@@ -42,6 +42,32 @@ from dspine.tree import Tree, build_tree, node_uniforms, path_nodes, verify_tree
 # 16-slot block loses to plain decoding; on 2 cores with the shipped SmolLM2 draft, width 3 ran 1.19x
 # autoregressive decoding, 16 ran 0.62x (results/smollm2-cpu-verify-width.json, verify_width.py).
 CPU_VERIFY_WIDTH = 3
+TREE_BUDGET = 32  # default nodes of a verify tree (anchor included), both backends
+THREADS_HELP = ("torch CPU threads (default: torch's own, one per physical core or $OMP_NUM_THREADS). On a machine "
+                "shared with other jobs give fewer than the idle cores (e.g. 1): torch's threads wait for each other "
+                "whenever one is descheduled, which made the reference backend 30x slower under contention")
+
+
+def reference_verify_size(block_size: int | None, verify: str, draft_block_sizes) -> int | None:
+    """Slots the reference backend verifies per step (anchor included), as infer.generate and infer.bench
+    apply it: ``block_size`` when given; else, for a chain with drafts of ``draft_block_sizes``,
+    :data:`CPU_VERIFY_WIDTH` capped at the smallest draft block; else None (the whole block, a tree, or
+    autoregressive decoding)."""
+    sizes = list(draft_block_sizes)
+    if block_size is not None or verify != "chain" or not sizes:
+        return block_size
+    return min(CPU_VERIFY_WIDTH, *sizes)
+
+
+def set_cpu_threads(threads: int | None) -> int:
+    """Set torch's CPU threads (``--threads``; None keeps torch's default) and return the count in use.
+
+    Raises ValueError for ``threads < 1``."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads {threads}: must be >= 1")
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def request_seeds(params: SamplingParams, n: int, seeds: list[int] | None, device) -> torch.Tensor:
@@ -78,7 +104,7 @@ class ReferenceDecoder:
     """
 
     def __init__(self, target: TargetAdapter, draft: DSpineDraftModel | None, eos_token_ids,
-                 verify_size: int | None = None, verify: str = "chain", tree_budget: int = 32):
+                 verify_size: int | None = None, verify: str = "chain", tree_budget: int = TREE_BUDGET):
         if verify not in ("chain", "tree"):
             raise ValueError(f"verify={verify!r} must be 'chain' or 'tree'")
         if verify == "tree" and (draft is None or tree_budget < 2):

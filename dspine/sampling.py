@@ -19,6 +19,7 @@ candidates draws the dense race's token bit for bit (noise is a per-token functi
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -229,10 +230,17 @@ def nonfinite_error(who: str) -> FloatingPointError:
 
 def sampling_params(args):
     """``SamplingParams`` from the CLI flags (``--temperature --top-p --top-k --max-new-tokens --seed``),
-    validated; a ValueError names the flag (``--top-p=nan must be in (0, 1]``). Shared by every CLI that
+    validated; a ValueError names the flag (``--top-p=nan must be in (0, 1]``); a warning on stderr names
+    ``--top-p`` / ``--top-k`` given with ``--temperature 0`` (greedy ignores them). Shared by every CLI that
     samples (``infer.generate``, ``infer.bench``, ``data.regenerate``)."""
     try:
-        return SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
     except ValueError as e:
         field, _, rest = str(e).partition("=")
         raise ValueError(f"--{field.replace('_', '-')}={rest}") from None
+    ignored = [f for f, on in (("--top-p", params.top_p != 1), ("--top-k", params.top_k != 0)) if on]
+    if params.greedy and ignored:  # common in copied commands, harmless: say so once instead of refusing
+        verb, them = ("apply", "them") if len(ignored) > 1 else ("applies", "it")
+        print(f"warning: {' / '.join(ignored)} {verb} at --temperature > 0 only; --temperature 0 decodes greedily "
+              f"and ignores {them}", file=sys.stderr)
+    return params

@@ -99,13 +99,10 @@ class Runner:
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
         else:
-            from dspine.reference import ReferenceDecoder
+            from dspine.reference import ReferenceDecoder, reference_verify_size
             from dspine.target import load_target
 
-            if args.block_size is None and args.verify == "chain":  # as infer.generate on this backend
-                from dspine.reference import CPU_VERIFY_WIDTH
-
-                args.block_size = min([CPU_VERIFY_WIDTH, *self.block_size.values()])
+            args.block_size = reference_verify_size(args.block_size, args.verify, self.block_size.values())
             if args.budget is not None:
                 raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
             if args.exact:
@@ -337,6 +334,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def build_parser():
+    from dspine.reference import THREADS_HELP
+
     ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--gguf-file", default=None)
@@ -352,26 +351,32 @@ def build_parser():
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="verify this many slots (<= the smallest draft block; default: the whole block on the engine, "
+                         "3 on the reference backend: dspine.reference.CPU_VERIFY_WIDTH)")
     ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
                     help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
-    ap.add_argument("--tree-budget", type=int, default=32, help="tree nodes per step and request, anchor included (2..64)")
+    ap.add_argument("--tree-budget", type=int, default=None,
+                    help="tree nodes per step and request, anchor included (2..64; default 32; --verify tree only)")
     ap.add_argument("--budget", default=None, choices=["auto"],
                     help="auto: per step, AR, the chain or a tree of 32/64 nodes by measured step time and acceptance "
                          "(infer.planner; --backend cuda); default: always --verify / --tree-budget")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"])
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--device", default="cuda", help="device of the cuda backend's engine (cpu: eager, torch kernels; for tests)")
+    ap.add_argument("--device", default=None,
+                    help="device of the engine, --backend cuda only (default cuda; cpu: eager, torch kernels; for tests)")
+    ap.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     ap.add_argument("--enable-thinking", action="store_true")
     ap.add_argument("--system", default=None)
     ap.add_argument("--no-chat-template", action="store_true")
-    ap.add_argument("--no-ar", action="store_true", help="skip the autoregressive baseline")
+    ap.add_argument("--no-ar", action="store_true", help="skip the autoregressive baseline (needs --draft)")
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                     help="bit-exact mode of the engine (issue 13): greedy spec output must equal the AR output "
                          "(default: infer.model.EXACT_DEFAULT on the engine, off on the reference backend)")
     ap.add_argument("--output-json", default=None, help="result JSON (refused if it exists, unless --overwrite)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --output-json / --plot file")
-    ap.add_argument("--plot", default=None, help="PNG path (default: next to --output-json)")
+    ap.add_argument("--plot", default=None,
+                    help="PNG of the drafts' accept_at_pos (needs --draft; default with --output-json: beside it)")
     ap.add_argument("--label", default=None, help="name of this configuration in the JSON/plot")
     return ap
 
@@ -383,6 +388,7 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     the argument."""
     from dspine.paths import looks_local
     from infer.datasets import task_name
+    from infer.generate import check_decode_args, refuse_draft_options
 
     names = [t.strip() for t in args.datasets.split(",")]
     if not any(names) or not all(names):
@@ -394,27 +400,24 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     for name in ("num_prompts", "concurrency", "max_prompt_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    if args.block_size is not None and args.block_size < 2:
-        raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
-    if args.dtype not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
-    if args.verify == "tree" and not 2 <= args.tree_budget <= 64:
-        raise ValueError(f"--tree-budget {args.tree_budget}: must be in 2..64")
-    if args.verify == "tree" and args.block_size is not None:
-        raise ValueError("--block-size applies to --verify chain (a tree's size is --tree-budget)")
+    check_decode_args(args)
+    if args.device is not None and args.backend != "cuda":
+        raise ValueError(f"--device {args.device} places the engine: give --backend cuda with it")
+    args.device = args.device or "cuda"
     if args.budget == "auto" and args.backend == "reference":
         raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
     if args.exact and args.backend == "reference":
         raise ValueError("--exact needs the engine (--backend cuda; --device cpu on a CPU)")
-    if args.exact and (args.verify == "tree" or args.budget is not None):
-        raise ValueError("--exact supports --verify chain without --budget")
+    if not args.draft:
+        refuse_draft_options(args, (("--no-ar", args.no_ar), ("--plot", args.plot is not None)))
     for label, path in parse_drafts(args.draft).items():
         if not path.strip() or not label:
             raise ValueError(f"--draft {label}={path}: give [LABEL=]PATH with a path and a label")
         if not Path(path).is_dir() and (looks_local(path) or Path(path).exists()):
             raise FileNotFoundError(f"--draft {label}={path}: no such draft folder")
-    outputs = {"--output-json": args.output_json,
-               "--plot": args.plot or (str(Path(args.output_json).with_suffix(".png")) if args.output_json else None)}
+    if args.plot is None and args.output_json and args.draft:  # derived once; main() writes it there
+        args.plot = str(Path(args.output_json).with_suffix(".png"))
+    outputs = {"--output-json": args.output_json, "--plot": args.plot}
     for flag, path in outputs.items():  # before any work: a benchmark must not end in an unwritable path
         if path is None:
             continue
@@ -436,10 +439,12 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
 def main(argv=None) -> int:
     from dspine.io import atomic_write_json
     from dspine.provenance import provenance
+    from dspine.reference import set_cpu_threads
 
     args = build_parser().parse_args(argv)
     try:
         tasks, params = check_args(args)
+        args.threads = set_cpu_threads(args.threads)
         runner = Runner(args)
         # warm-up every timed path (graph capture, kernel compilation) at the timed batch size
         from infer.datasets import load_eval_prompts
@@ -474,9 +479,9 @@ def main(argv=None) -> int:
         out = Path(args.output_json)
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out, result, indent=1, allow_nan=True)
-        if summary:
-            plot(rows, Path(args.plot) if args.plot else out.with_suffix(".png"),
-                 args.label or f"T={args.temperature}, concurrency {args.concurrency}")
+    if args.plot and summary:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(rows, Path(args.plot), args.label or f"T={args.temperature}, concurrency {args.concurrency}")
     if args.exact:
         bad = sum(len(d.get("greedy_mismatches", [])) for r in rows for d in r["drafts"].values())
         if bad:

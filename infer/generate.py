@@ -5,9 +5,10 @@
 
 Without ``--draft`` it decodes autoregressively with the same backend. ``--json`` prints one object:
 ``num_tokens``, ``accept_len`` (τ, bonus token included), ``accept_at_pos``, ``accept_hist``,
-``verify_steps``, ``committed_tokens``, ``tok_per_s`` over the whole call, and per prompt ``text``,
-``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and steps — at the top level for
-one prompt, in ``batch`` (one entry per prompt, adding up to the top level) for several.
+``verify_steps``, ``committed_tokens``, ``tok_per_s`` over the whole call, ``threads`` (torch's CPU
+threads), and per prompt ``text``, ``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and
+steps — at the top level for one prompt, in ``batch`` (one entry per prompt, adding up to the top level)
+for several.
 Non-finite logits (NaN weights, fp16 overflow) end it with one ``error:`` line and exit status 2.
 """
 
@@ -22,7 +23,14 @@ import torch
 
 from dspine.checkpoint import load_draft
 from dspine.prompts import encode_prompt
-from dspine.reference import CPU_VERIFY_WIDTH, ReferenceDecoder
+from dspine.reference import (
+    CPU_VERIFY_WIDTH,
+    THREADS_HELP,
+    TREE_BUDGET,
+    ReferenceDecoder,
+    reference_verify_size,
+    set_cpu_threads,
+)
 from dspine.sampling import sampling_params
 from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer, resolve_model_path
 from infer.datasets import load_eval_prompts
@@ -52,17 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{CPU_VERIFY_WIDTH} on the reference backend)")
     ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
                     help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
-    ap.add_argument("--tree-budget", type=int, default=32, help="tree nodes per step, anchor included (2..64)")
+    ap.add_argument("--tree-budget", type=int, default=None,
+                    help=f"tree nodes per step, anchor included (2..64; default {TREE_BUDGET}; --verify tree only)")
     ap.add_argument("--budget", default=None, choices=["auto"],
                     help="auto: per step, AR, the chain or a tree of 32/64 nodes by measured step time and acceptance "
                          "(infer.planner; --backend cuda)")
     ap.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode in the chat template")
-    ap.add_argument("--system", default=None, help="system message")
+    ap.add_argument("--system", default=None, help="system message (chat template)")
     ap.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],
                     help="cuda = the Triton/CUDA-graph engine (default when a GPU is present)")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
-    ap.add_argument("--compare-ar", action="store_true", help="also decode without the draft and report the speedup")
+    ap.add_argument("--compare-ar", action="store_true",
+                    help="also decode without the draft and report the speedup (needs a draft)")
+    ap.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                     help="bit-exact engine mode (issue 13): greedy spec output equals the engine's AR output in bf16 "
@@ -112,17 +123,48 @@ def report(tokenizer, res, eos: set[int], backend: str) -> dict:
     return out
 
 
+def check_decode_args(args) -> None:
+    """Checks of the options infer.generate and infer.bench share, before any model is read; sets
+    ``args.tree_budget`` to its default under ``--verify tree``. Raises ValueError naming the option, also
+    for an option that another one makes meaningless (it would be silently ignored)."""
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
+    if args.dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
+    if args.tree_budget is not None and args.verify != "tree":
+        raise ValueError(f"--tree-budget {args.tree_budget} applies to --verify tree only (the chain verifies "
+                         "--block-size slots)")
+    if args.verify == "tree":
+        args.tree_budget = TREE_BUDGET if args.tree_budget is None else args.tree_budget
+        if not 2 <= args.tree_budget <= 64:
+            raise ValueError(f"--tree-budget {args.tree_budget}: must be in 2..64")
+        if args.block_size is not None:
+            raise ValueError("--block-size applies to --verify chain (a tree's size is --tree-budget)")
+    if args.exact and (args.verify == "tree" or args.budget is not None):
+        raise ValueError("--exact supports --verify chain without --budget")
+    if args.no_chat_template and (args.system is not None or args.enable_thinking):
+        flag = "--system" if args.system is not None else "--enable-thinking"
+        raise ValueError(f"{flag} goes into the chat template, which --no-chat-template turns off")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads}: must be >= 1")
+
+
+def refuse_draft_options(args, others: tuple[tuple[str, bool], ...] = ()) -> None:
+    """Without a draft: refuse the options that act on the draft only (``others``: more (flag, given) pairs)."""
+    given = (("--block-size", args.block_size is not None), ("--verify tree", args.verify == "tree"),
+             ("--budget auto", args.budget is not None), *others)
+    for flag, on in given:
+        if on:
+            value = f" {args.block_size}" if flag == "--block-size" else ""
+            raise ValueError(f"{flag}{value} needs a draft (without one the target decodes autoregressively)")
+
+
 def run(args) -> dict:
     # argument checks first: a bad value fails before any model file is read
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     params = sampling_params(args)
-    if args.block_size is not None and args.block_size < 2:
-        raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
-    if args.verify == "tree" and not 2 <= args.tree_budget <= 64:
-        raise ValueError(f"--tree-budget {args.tree_budget}: must be in 2..64")
-    if args.verify == "tree" and args.block_size is not None:
-        raise ValueError("--block-size applies to --verify chain (a tree's size is --tree-budget)")
+    check_decode_args(args)
     if args.num_prompts is not None and not args.dataset:
         raise ValueError(f"--num-prompts {args.num_prompts} applies to --dataset only (--prompt is one prompt)")
     args.num_prompts = 1 if args.num_prompts is None else args.num_prompts
@@ -134,8 +176,6 @@ def run(args) -> dict:
         from infer.datasets import task_name
 
         task_name(args.dataset)
-    if args.dtype not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "reference"
@@ -143,17 +183,15 @@ def run(args) -> dict:
         raise RuntimeError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
     if args.budget == "auto" and backend == "reference":
         raise ValueError("--budget auto needs the engine (--backend cuda on a GPU)")
-    if args.exact and (args.verify == "tree" or args.budget is not None):
-        raise ValueError("--exact supports --verify chain without --budget")
     target_path, draft_path = resolve_models(args)
+    if draft_path is None:
+        refuse_draft_options(args, (("--compare-ar", args.compare_ar),))
     draft_cfg = None
     if draft_path is not None:  # a missing or unreadable draft fails before the target is loaded
         from dspine.checkpoint import load_config
 
         draft_cfg = load_config(draft_path)
     if args.block_size is not None:
-        if draft_cfg is None:
-            raise ValueError(f"--block-size {args.block_size} needs a draft (autoregressive decoding has no block)")
         if args.block_size > draft_cfg.block_size:
             raise ValueError(f"--block-size {args.block_size} exceeds the draft's block size {draft_cfg.block_size}")
     path, gguf = resolve_model_path(target_path, args.gguf_file, need_config=True)
@@ -167,8 +205,9 @@ def run(args) -> dict:
         if args.block_size is not None and draft_cfg is not None and args.block_size != draft_cfg.block_size:
             raise ValueError(f"--block-size {args.block_size} needs the engine, which does not run this target")
     spec.check_supported(engine=backend == "cuda")
-    if backend == "reference" and args.block_size is None and args.verify == "chain" and draft_cfg is not None:
-        args.block_size = min(CPU_VERIFY_WIDTH, draft_cfg.block_size)
+    if backend == "reference":
+        args.block_size = reference_verify_size(args.block_size, args.verify, [draft_cfg.block_size] if draft_cfg else [])
+    args.threads = set_cpu_threads(args.threads)
     if args.exact and backend == "reference":
         raise ValueError("--exact needs the engine (--backend cuda on a GPU)")
     tokenizer = load_tokenizer(path, gguf)
@@ -190,6 +229,7 @@ def run(args) -> dict:
     decode, eos = (_engine if backend == "cuda" else _reference)(args, params, path, gguf, draft_path, spec, prompts)
     res = decode(True)
     out = report(tokenizer, res, eos, backend)
+    out["threads"] = args.threads
     if backend == "cuda":
         out["exact"] = bool(args.exact)
     if draft_cfg is not None:
@@ -198,7 +238,7 @@ def run(args) -> dict:
                                            else args.block_size or draft_cfg.block_size)
         if backend == "cuda" and args.budget:
             out["planner"] = res.planner
-    if args.compare_ar and draft_path is not None:
+    if args.compare_ar:
         ar = decode(False)
         out.update(ar_tok_per_s=ar.tok_per_s, speedup=res.tok_per_s / ar.tok_per_s,
                    ar_equal=ar.token_ids == res.token_ids if params.greedy else None)

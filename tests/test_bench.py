@@ -92,3 +92,32 @@ def test_with_ar_reports_the_speedup(stories_dir, stories_draft, tmp_path, capsy
     out = capsys.readouterr().out
     d = res["tasks"][0]["drafts"]["D"]
     assert d["speedup"] > 0 and f"{d['speedup']:.2f}" in out and "mean speedup" in out
+
+
+@pytest.fixture
+def keep_threads():
+    n = torch.get_num_threads()
+    yield 1 if n != 1 else 2  # a thread count other than the current one
+    torch.set_num_threads(n)
+
+
+def test_reference_backend_threads_verify_width_and_plot_path(stories_dir, stories_draft, tmp_path, keep_threads):
+    """--threads sets torch's CPU threads (recorded); the CPU verify width and the plot path come from one
+    place each (dspine.reference.reference_verify_size, check_args)."""
+    from infer.generate import build_parser
+
+    res = _bench(stories_dir, stories_draft, tmp_path, "--no-ar", "--threads", str(keep_threads))
+    assert res["args"]["threads"] == keep_threads == torch.get_num_threads()
+    assert res["args"]["block_size"] == 3 and res["tasks"][0]["drafts"]["D"]["verified_tokens_per_step"] == 3
+    assert res["args"]["plot"] == str(tmp_path / "bench.png") and (tmp_path / "bench.png").stat().st_size > 1000
+    assert "--threads" in build_parser().format_help()
+
+
+def test_reference_verify_size_is_one_rule():
+    from dspine.reference import CPU_VERIFY_WIDTH, reference_verify_size
+
+    assert reference_verify_size(None, "chain", [16]) == CPU_VERIFY_WIDTH == 3
+    assert reference_verify_size(None, "chain", [16, 2]) == 2  # the smallest draft block caps it
+    assert reference_verify_size(5, "chain", [16]) == 5  # given: kept
+    assert reference_verify_size(None, "tree", [16]) is None  # a tree's size is its budget
+    assert reference_verify_size(None, "chain", []) is None  # autoregressive: no block

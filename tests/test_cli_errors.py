@@ -186,7 +186,7 @@ def test_distill_names_bad_data_and_paths(stories_dir, tmp_path):
     afile.write_text("x")
     for train, extra, message in [
             (empty, [], f"config key 'train': {empty} has no rows"),
-            (text, [], f"{text} row 0: invalid JSON"),
+            (text, [], f"{text}:1: invalid JSON"),
             (rows, [f"output_dir={afile}"], f"config key 'output_dir': {afile} is an existing file"),
             (rows, [f"draft_init={tmp_path / 'nope'}"], f"config key 'draft_init': {tmp_path / 'nope'} is not a draft folder")]:
         cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config",
@@ -255,3 +255,70 @@ def test_prepare_refuses_an_empty_input_path(tmp_path, capsys):
 
     assert prepare.main(["--input", "name=", "--output", str(tmp_path / "p")]) == 2  # was: read the working dir
     assert "input 'name=': no path after the name" in capsys.readouterr().err
+
+
+def test_options_that_would_be_ignored_are_refused(stories_dir, tmp_path, capsys):
+    """An option that another option (or the lack of a draft) makes meaningless is refused, naming both:
+    each used to be dropped without a word (a chain run with --tree-budget, --no-ar with nothing else to run)."""
+    from infer import bench, generate
+
+    base = ["--target", str(stories_dir), "--backend", "reference"]
+    for extra, message in [
+            (["--prompt", "hi", "--draft", str(DRAFT), "--tree-budget", "8"], "--tree-budget 8 applies to --verify tree only"),
+            (["--prompt", "hi", "--draft", "none", "--compare-ar"], "--compare-ar needs a draft"),
+            (["--prompt", "hi", "--compare-ar"], "--compare-ar needs a draft"),  # no --draft for a non-default target
+            (["--prompt", "hi", "--draft", "none", "--verify", "tree"], "--verify tree needs a draft"),
+            (["--prompt", "hi", "--no-chat-template", "--system", "be brief"],
+             "--system goes into the chat template, which --no-chat-template turns off"),
+            (["--prompt", "hi", "--no-chat-template", "--enable-thinking"], "--enable-thinking goes into the chat template"),
+            (["--prompt", "hi", "--threads", "0"], "--threads 0: must be >= 1")]:
+        _fast_error(generate.main, [*base, *extra], capsys, message)
+    for extra, message in [
+            (["--draft", str(DRAFT), "--tree-budget", "8"], "--tree-budget 8 applies to --verify tree only"),
+            (["--no-ar"], "--no-ar needs a draft"),
+            (["--plot", str(tmp_path / "p.png")], "--plot needs a draft"),
+            (["--verify", "tree"], "--verify tree needs a draft"),
+            (["--block-size", "3"], "--block-size 3 needs a draft"),
+            (["--device", "cpu"], "--device cpu places the engine: give --backend cuda with it"),
+            (["--no-chat-template", "--system", "x"], "--system goes into the chat template"),
+            (["--threads", "-1"], "--threads -1: must be >= 1")]:
+        _fast_error(bench.main, [*base, *extra], capsys, message)
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_top_p_and_top_k_at_temperature_zero_warn_once(capsys):
+    """Greedy decoding ignores --top-p / --top-k: a common, harmless combination, so one warning, not an error."""
+    from argparse import Namespace
+
+    from dspine.sampling import sampling_params
+
+    args = lambda t, p, k: Namespace(temperature=t, top_p=p, top_k=k, max_new_tokens=8, seed=0)
+    assert sampling_params(args(0.0, 0.95, 20)).greedy
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "--top-p / --top-k apply at --temperature > 0 only" in err, err
+    sampling_params(args(0.0, 1.0, 5))
+    assert "warning: --top-k applies at --temperature > 0 only" in capsys.readouterr().err
+    for t, p, k in [(0.0, 1.0, 0), (1.0, 0.95, 20)]:  # nothing ignored: no warning
+        sampling_params(args(t, p, k))
+        assert capsys.readouterr().err == ""
+
+
+def test_data_and_init_options_that_would_be_ignored_are_refused(stories_dir, tmp_path, capsys):
+    """data.regenerate --concurrency (engine KV slots) with the hf backend, data.prepare --split with local
+    files only, dspine.init --injection-rank/--injection-layers with --injection none: refused, not dropped."""
+    from data import prepare, regenerate
+    from dspine import init
+
+    conv = _conv(tmp_path)
+    _fast_error(regenerate.main, ["--target", str(stories_dir), "--input", str(conv), "--output", str(tmp_path / "r"),
+                                  "--chat-template", "chatml", "--backend", "hf", "--concurrency", "4"], capsys,
+                "--concurrency 4 sets the engine's KV cache slots; the hf backend decodes --batch-size rows at a time")
+    assert not (tmp_path / "r").exists()
+    assert prepare.main(["--input", f"mine={conv}", "--output", str(tmp_path / "p"), "--split", "test"]) == 2
+    assert "--split test selects the split of a Hub dataset, and no --input is one" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+    for flag, value in (("--injection-rank", "8"), ("--injection-layers", "0,1")):
+        with pytest.raises(SystemExit):
+            init.main(["--target", str(stories_dir), "--out", str(tmp_path / "d"), "--injection", "none", flag, value])
+        assert f"{flag} shapes the injection, which --injection none leaves out" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

@@ -167,14 +167,21 @@ def test_init_and_check_cli(stories_dir, tiny_qwen3_dir, tmp_path, capsys):
 def test_generate_cli_json(stories_dir, tmp_path, capsys):
     from infer import generate
 
+    threads = torch.get_num_threads()
+    want = 1 if threads != 1 else 2  # --threads: a count other than the current one, restored below
+
     out = tmp_path / "draft"
     assert init_cli.main(["--target", str(stories_dir), "--out", str(out), "--layers", "1", "--block-size", "8",
                           "--mask-token-id", "3", "--dtype", "fp32"]) == 0
     capsys.readouterr()
     rc = generate.main(["--target", str(stories_dir), "--draft", str(out), "--prompt", "Once upon",
-                        "--max-new-tokens", "24", "--backend", "reference", "--json", "--compare-ar"])
+                        "--max-new-tokens", "24", "--backend", "reference", "--json", "--compare-ar",
+                        "--threads", str(want)])
     assert rc == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    got = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    assert res["threads"] == want == got
     for key in ("text", "token_ids", "num_tokens", "accept_len", "accept_at_pos", "accept_hist", "verify_steps", "tok_per_s"):
         assert key in res
     assert res["num_tokens"] == 24 and res["ar_equal"] is True

@@ -200,6 +200,21 @@ def test_distill_config_values_are_checked_when_read():
         run_config.resolve_device_settings(cfg, cuda=False)
 
 
+def test_distill_checks_every_train_row_before_step_1(stories_dir, tmp_path):
+    """A row with a token id outside the target's vocabulary, deep in the file, stops the run before the
+    first step with file:line and the field (it used to surface only when a step drew that row)."""
+    rows = [json.dumps({"input_ids": [1] + [(7 * i + k) % 500 + 1 for k in range(30)], "loss_mask": [0] + [1] * 30})
+            for i in range(40)]
+    rows[33] = json.dumps({"input_ids": [1, 5, 99999, 6], "loss_mask": [0, 1, 1, 1]})
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    r = _distill(f"target={stories_dir}", f"train={data}", "micro_batch_size=4", f"output_dir={tmp_path / 'out'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"config key 'train': {data}:34: field 'input_ids' holds token id 99999 >= the target's vocabulary" \
+        in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused before the loop opened it
+
+
 @pytest.mark.slow
 def test_distill_value_errors_are_one_line(stories_dir, tmp_path):
     from dspine import init as init_cli
@@ -224,7 +239,7 @@ def test_distill_value_errors_are_one_line(stories_dir, tmp_path):
         (("mask_token_id=9999",), "mask_token_id=9999 is outside the vocabulary"),
         (("target_layer_ids=[1,99]",), "[99] outside [0, "),
         (("block_size=300", "max_length=512"), "draft RoPE range shorter than the requested context"),
-        ((f"train={conv}",), f"{conv} row 0 is a conversation, not tokenized rows: run python -m data.tokenize first"),
+        ((f"train={conv}",), f"{conv}:1 is a conversation, not tokenized rows: run python -m data.tokenize first"),
         ((f"train={few}",), "config key 'train': 1 rows are fewer than one global batch of 4"),
         ((f"init_from={other}",), f"config key 'init_from': {other}: missing tensors"),
         ((f"output_dir={broken}",), f"points to {broken / 'step-2'}, an incomplete checkpoint (no state)"),

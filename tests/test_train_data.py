@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -139,3 +140,84 @@ def test_jsonl_rows_reopen_their_file_in_a_forked_worker(tmp_path):
     for p in procs:
         p.join(timeout=60)
     assert all(rows_read == want and reopened for rows_read, reopened in got) and rows._fh is parent_fh
+
+
+def _row(ids, mask=None):
+    return json.dumps({"input_ids": ids, "loss_mask": [1] * len(ids) if mask is None else mask})
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("{not json", ":4: invalid JSON"),
+    ("[1, 2]", ":4: a JSON list, not an object"),
+    (json.dumps({"loss_mask": [1, 1]}), ":4: field 'input_ids' is missing"),
+    (json.dumps({"input_ids": [1, 2]}), ":4: field 'loss_mask' is missing"),
+    (json.dumps({"input_ids": "1 2", "loss_mask": [1, 1]}), ":4: field 'input_ids' is a str, expected a list"),
+    (_row([1, 2, 3], [1, 1]), ":4: field 'loss_mask' has 2 values for 3 input_ids"),
+    (_row([1, 2.5, 3]), ":4: field 'input_ids' holds 2.5, expected integer token ids"),
+    (_row([1, "2", 3]), ":4: field 'input_ids' holds '2', expected integer token ids"),
+    (_row([1, -7, 3]), ":4: field 'input_ids' holds token id -7 < 0"),
+    (_row([1, 2, 3], [0, 2, 1]), ":4: field 'loss_mask' holds 2, expected 0 or 1"),
+    (_row([1, 2, 3], [0, [1], 1]), ":4: field 'loss_mask' holds [1], expected 0 or 1"),
+])
+def test_jsonl_rows_are_checked_at_open_with_file_line_and_field(tmp_path, bad, message):
+    """A corrupt row is found when the file is opened (before step 1), not when the trainer reaches it."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(_row([1, 2, 3]) + "\n\n" + _row([4, 5]) + "\n" + bad + "\n" + _row([6, 7]) + "\n")
+    with pytest.raises(ValueError) as e:
+        JsonlRows(path)
+    assert str(e.value).startswith(f"{path}{message}"), str(e.value)
+
+
+def test_jsonl_and_arrow_rows_report_their_largest_token(tmp_path):
+    import pyarrow as pa
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(_row([1, 2]) + "\n\n" + _row([9, 300, 4]) + "\n" + _row([299]) + "\n")
+    rows = JsonlRows(path)
+    assert rows.max_token == (300, f"{path}:3") and len(rows) == 3 and rows.row(1)["input_ids"] == [9, 300, 4]
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+
+    def write(ids, masks):
+        with pa.OSFile(str(folder / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+            w.write_table(pa.table({"input_ids": ids, "loss_mask": masks}, schema=schema))
+
+    write([[1, 2], [7, 500, 3], [4]], [[0, 1], [1, 1, 1], [1]])
+    assert open_rows(folder).max_token == (500, f"{folder / 'data.arrow'} row 1")
+    where = folder / "data.arrow"
+    for ids, masks, message in [([[1, 2], [3, 4, 5]], [[0, 1], [1, 1]], f"{where} row 1: field 'loss_mask' has 2 values for 3"),
+                                ([[1, 2], [3, -4]], [[0, 1], [1, 1]], f"{where} row 1: field 'input_ids' holds token id -4"),
+                                ([[1, 2], [3, 4]], [[0, 1], [1, 3]], f"{where} row 1: field 'loss_mask' holds 3"),
+                                ([[1, 2], None], [[0, 1], [1, 1]], f"{where} row 1: field 'input_ids' is missing")]:
+        write(ids, masks)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            open_rows(folder)
+
+
+def test_open_check_is_fast_for_a_large_cache(tmp_path):
+    """40k rows x 400 tokens (the SmolLM2 recipe's cache size): the Arrow check stays in milliseconds."""
+    import time
+
+    import pyarrow as pa
+
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    n, length = 40_000, 400
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+    offsets = pa.array(range(0, (n + 1) * length, length), pa.int32())
+    ids = pa.ListArray.from_arrays(offsets, pa.array(torch.randint(0, 49152, (n * length,)).numpy()))
+    mask = pa.ListArray.from_arrays(offsets, pa.array(torch.ones(n * length, dtype=torch.int8).numpy()))
+    with pa.OSFile(str(folder / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+        w.write_table(pa.table({"input_ids": ids, "loss_mask": mask}, schema=schema))
+    import pyarrow.compute  # noqa: F401  (imported by the check; its one-time import is not the check's cost)
+    from datasets import Dataset
+
+    t0 = time.perf_counter()
+    Dataset.from_file(str(folder / "data.arrow"))
+    t_plain = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rows = open_rows(folder)
+    t_checked = time.perf_counter() - t0
+    assert len(rows) == n and rows.max_token[0] < 49152
+    assert t_checked < t_plain + 1.0, (t_plain, t_checked)

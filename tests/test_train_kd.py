@@ -178,9 +178,14 @@ def test_config_distill_keys_and_refusals(tmp_path):
     cfg = load(None, ["target=t", "train=x", "distill=mix", "distill_alpha=0.25", "distill_temperature=2"])
     assert (cfg.distill, cfg.distill_alpha, cfg.distill_temperature) == ("mix", 0.25, 2.0)
     assert load(None, ["target=t", "train=x"]).distill == "ce"  # off by default
+    assert load(None, ["target=t", "train=x", "distill=kl", "distill_alpha=0.5"]).distill_alpha == 0.5  # the default
     for bad, msg in ((["distill=soft"], "'distill'"), (["distill_alpha=1.5"], "'distill_alpha'"),
                      (["distill_temperature=0"], "'distill_temperature'"),
-                     (["distill=kl", f"feature_source={tmp_path}"], "feature_source=online")):
+                     (["distill=kl", f"feature_source={tmp_path}"], "feature_source=online"),
+                     # only mix weighs two terms: alpha with ce or kl would be dropped without a word
+                     (["distill_alpha=0.25"], "'distill_alpha': 0.25 weighs the two terms of distill=mix only; "
+                                               "distill=ce would ignore it"),
+                     (["distill=kl", "distill_alpha=1"], "'distill_alpha': 1.0 .* distill=kl would ignore it")):
         with pytest.raises(ConfigError, match=msg):
             load(None, ["target=t", "train=x", *bad])
 

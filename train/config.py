@@ -49,7 +49,7 @@ class RunConfig:
     anchors_per_seq: int = 512  # anchors sampled per sequence and step (without replacement)
     gamma: float = 7.0  # slot k weight exp(-(k-1)/gamma) (docs/method.md §4)
     distill: str = "ce"  # ce (hard labels) | kl (target's next-token distribution at a+k-1) | mix (both)
-    distill_alpha: float = 0.5  # mix: weight of the hard-label CE (kl term gets 1 - alpha)
+    distill_alpha: float = 0.5  # mix only (refused with ce/kl): weight of the hard-label CE (kl term gets 1 - alpha)
     distill_temperature: float = 1.0  # T of the soft targets (both softmaxes; the soft term is scaled by T^2)
     # -- optimisation -------------------------------------------------------------------------
     lr: float = 6e-4  # peak AdamW learning rate
@@ -204,6 +204,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"config key 'target_layer_ids': must be >= 0, got {cfg.target_layer_ids}")
     if not 0 <= cfg.distill_alpha <= 1:
         raise ConfigError(f"config key 'distill_alpha': must be in [0, 1], got {cfg.distill_alpha}")
+    if cfg.distill != "mix" and cfg.distill_alpha != RunConfig.distill_alpha:
+        raise ConfigError(f"config key 'distill_alpha': {cfg.distill_alpha} weighs the two terms of distill=mix only; "
+                          f"distill={cfg.distill} would ignore it (set distill=mix, or drop distill_alpha)")
     if cfg.distill_temperature <= 0:
         raise ConfigError(f"config key 'distill_temperature': must be > 0, got {cfg.distill_temperature}")
     if cfg.distill != "ce" and cfg.feature_source != "online":

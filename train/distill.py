@@ -131,6 +131,11 @@ def train(cfg) -> int:
     # The target is never handed to DeepSpeed: it must not be partitioned (docs/method.md §8.13).
     with whole_modules(accelerator if deepspeed else None), config_errors():
         target = load_target(cfg.target, dtype=dev["target_dtype"], device=accelerator.device)
+        for key, src in (("train", rows), ("eval", eval_rows)):  # every row's ids were read at open
+            top = getattr(src, "max_token", None)  # (largest id, where); None for a capture folder
+            if top is not None and top[0] >= target.vocab_size:
+                raise ConfigError(f"config key {key!r}: {top[1]}: field 'input_ids' holds token id {top[0]} >= the "
+                                  f"target's vocabulary ({target.vocab_size} rows): tokenized for another target?")
         try:
             tokenizer = load_tokenizer(cfg.target)
         except (OSError, ValueError):
