@@ -31,32 +31,33 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
 
 Averages: per mode a fast one (newest observation weighted ``max(decay × r / (r + PRIOR_ROWS), 1 / n)``,
 r the requests averaged in that step: one request's count is noisy, 64 requests' mean is not) follows a
-change of acceptance (a new prompt, an easy or hard passage) within a few steps of that mode, and a slow one
-(``max(slow, 1 / n)``) plus its standard error is what the fast one relaxes to, by ``1 - decay`` per step
-the mode is not run: a mode left after a few unlucky steps (one request's tokens per step are
-geometric-like and noisy) is judged again on its long-run acceptance, optimistically while that rests
-on few steps, instead of being frozen at its low point: it relaxes to the slow average + √(1 / (n·r)),
-n the mode's steps (at most ``1 / slow``), r the requests averaged per step (one request commits a
-geometric-like count whose variance is above 1 token² at any τ ≥ 1.6; a mode whose first step committed
-1 token must not look certain). The bonus is kept that small on purpose: with the variance measured
-instead, a tree's rare long accepts at concurrency 1 make it look better than the chain step after step. A mode's first step is
-averaged with ``PRIOR_ROWS`` requests at the best average of the other speculative modes (same draft):
-one lucky tree step at concurrency 1 does not make the tree look twice as good as the chain.
+change of acceptance (a new prompt, an easy or hard passage) within a few steps of that mode. A slow one
+(``max(slow, 1 / n)``) plus a standard-error bonus ``√(BONUS_VAR / (n·r̄))`` (n the mode's steps, at
+most ``2 / slow - 1``, the slow average's effective sample size; r̄ the mean requests per step) is what
+the fast one relaxes to, by ``1 - decay`` per step the mode is not run: a mode left after a few unlucky
+steps (one request's tokens per step are geometric-like, variance above 1.5 tokens² at τ ≥ 1.9) is judged
+again on its long-run acceptance, optimistically while that rests on few requests, instead of being
+frozen at its low point (a chain whose first step committed 1 token must not look certain). The bonus
+uses a fixed variance on purpose: with the measured one, a tree's rare long accepts at concurrency 1
+make it look better than the chain step after step. A mode's first step is averaged with
+``PRIOR_ROWS`` requests at the best average of the other speculative modes (same draft), so one lucky
+tree step at concurrency 1 does not make the tree look twice as good as the chain.
 
 Online cost: on the H200 (issue 16) the start-up table underestimated real steps by 1.1-5× and not by
 the same factor for every mode (longer contexts, sampling at T > 0, host time around the step), so a
 planner trusting it ran speculative modes where AR was faster (0.48-0.81 × the best fixed mode). The
-estimate of a mode's step time is its table time × the mode's measured ÷ table ratio: the median of its
-first 3 timed steps (each clipped to 0.5-2 × the estimate before it; with 1 or 2 of them, the median
-includes the estimate before the first: one spike cannot freeze a mode out), then a moving average of
-the log ratio (newest weight ``cost_decay``) in which one step moves the estimate by at most
-``cost_decay`` × 25% (a GC pause or a preempted step moves it little, the slow growth of the context is
-followed). The time spent and the probes' losses count the clipped step times. A mode never timed takes the ratio of the timed mode
-nearest to it in table time (a tree's that of the chain rather than AR's: on the H200 the speculative
-steps were underestimated more than the AR step).
-The time spent and the probe losses are settled in measured milliseconds. So rule 1 compares measured
-tokens per measured millisecond: when the speculative modes' measured rate falls below AR's measured
-rate the planner runs AR and re-probes them only within the ``share`` time budget of rule 3.
+estimate of a mode's step time is its table time × the mode's measured ÷ table ratio. The first mode
+timed takes its measurements as they come (the table may be off by any factor: 45 × for the tiny CPU
+test model). Every other mode starts from the ratio of the timed mode nearest to it in table time
+(``prior``): its first 3 timed steps are clipped to ``prior`` / 3 .. 3 × ``prior`` and the estimate is
+their median in log space with ``prior`` included while there are fewer than 3, so one spike (a GC
+pause, a preempted step) cannot price a mode out of the race. After 3, a moving average of the log ratio
+(newest weight ``cost_decay``) in which one step moves the estimate by at most ``cost_decay`` × log 1.25
+(a spike moves it by 2%, the slow growth of the context is followed). A mode never timed is estimated with ``prior`` (a tree with the chain's ratio rather than
+AR's: on the H200 the speculative steps were underestimated more than the AR step). The time spent and the probes' losses are settled in measured (clipped) milliseconds, so
+rule 1 compares measured tokens per measured millisecond: when the speculative modes' measured rate
+falls below AR's, the planner runs AR and re-probes them only within rule 3's ``share`` time budget or
+when the bonus above lifts a mode's relaxed estimate over AR's rate.
 
 Calibration: per mode, a moving average (newest weight ``max(cal_decay, 1 / n)``) of the predicted
 *accepted* tokens (committed − 1: the bonus is certain) over the steps that had a prediction, and the
@@ -76,12 +77,12 @@ timer noise) and a miscalibrated confidence; it reports this planner and the tab
 from __future__ import annotations
 
 import math
-import statistics
 from collections import Counter
 
 Mode = tuple[str, int]
 LOG_CLIP = math.log(1.25)  # largest log step-time residual one timed step contributes (online cost)
-BONUS_VAR = 2.0  # token² per request in the standard-error bonus (module docstring, "Averages")
+FIRST_CLIP = 3.0  # a mode's first timed steps count within 1/3 .. 3 × the estimate before them
+BONUS_VAR = 1.5  # token² per request in the standard-error bonus (module docstring, "Averages")
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 
 
@@ -190,7 +191,8 @@ class StepPlanner:
         self.step = 0
         self.spent_ms = 0.0  # step time of the modes run (measured where given, else estimated)
         self.lost_ms = 0.0  # time lost to probes against the best mode (negative: probes gained)
-        self.pending: tuple[Mode, float, float | None] | None = None  # chosen mode, its estimated ms, prediction
+        # this step's choice: mode, its estimated ms, its predicted tokens
+        self.pending: tuple[Mode, float, float | None] | None = None
         self.probe: tuple[float, float] | None = None  # this step's probe: charged loss, best rate
 
     @property
@@ -200,8 +202,11 @@ class StepPlanner:
         timed = [m for m in self.table if self.ratio[m] is not None]
         out = {}
         for m, t in self.table.items():
-            near = m if self.ratio[m] is not None else min(
-                timed, key=lambda k: abs(math.log(self.table[k] / t)), default=None)
+            near = (
+                m
+                if self.ratio[m] is not None
+                else min(timed, key=lambda k: abs(math.log(self.table[k] / t)), default=None)
+            )
             out[m] = t * (self.ratio[near] if near is not None else 1.0)
         return out
 
@@ -221,7 +226,7 @@ class StepPlanner:
             if f is None or m[0] == "ar":
                 out[m] = f
             else:
-                n = min(self.seen[m], 1.0 / self.slow_decay)
+                n = min(self.seen[m], 2.0 / self.slow_decay - 1)  # effective samples of the slow average
                 target = self.slow[m] + math.sqrt(BONUS_VAR / (n * self.rows[m]))
                 keep = (1 - self.decay) ** (self.step - self.last_seen[m])
                 out[m] = target + keep * (f - target)
@@ -245,7 +250,9 @@ class StepPlanner:
         """The mode for this step. ``predicted``: optional confidence, committed tokens per request per
         speculative mode this step would commit (bonus included), calibrated online."""
         costs = self.costs
-        mode, loss, rate = choose_mode(costs, self.expected(predicted), self.spent_ms, self.lost_ms, **self.rule)
+        mode, loss, rate = choose_mode(
+            costs, self.expected(predicted), self.spent_ms, self.lost_ms, **self.rule
+        )
         self.step += 1
         self.spent_ms += costs[mode]
         self.lost_ms += loss
@@ -263,14 +270,19 @@ class StepPlanner:
             _, est_ms, predicted = self.pending
         if ms is not None and ms > 0:
             before = est_ms / self.table[mode]  # the ratio used for this step
-            x = min(max(ms / self.table[mode], 0.5 * before), 2.0 * before)
+            x = ms / self.table[mode]
+            first = all(r is None for r in self.ratio.values())  # no measured prior yet: take x as it is
+            if not first:
+                x = min(max(x, before / FIRST_CLIP), FIRST_CLIP * before)
             ms = x * self.table[mode]
             self.spent_ms += ms - est_ms  # the choice added the estimate
             self.timed[mode] += 1
-            if self.timed[mode] <= 3:  # a median, one of the first may be a spike
-                self.first[mode] = (self.first[mode] or [before]) + [x]
-                self.ratio[mode] = statistics.median(self.first[mode][self.timed[mode] == 3 :])
-            else:  # log-space average, one step moves it by at most cost_decay × log(1.25)
+            if self.timed[mode] <= 3:  # a median in log space, one of the first may be a spike
+                self.first[mode] = (self.first[mode] or ([] if first else [before])) + [x]
+                logs = sorted(math.log(r) for r in self.first[mode][-3:])
+                mid = len(logs) // 2
+                self.ratio[mode] = math.exp(logs[mid] if len(logs) % 2 else (logs[mid - 1] + logs[mid]) / 2)
+            else:  # log-space average, one step moves it by at most cost_decay × LOG_CLIP
                 step = min(max(math.log(x / self.ratio[mode]), -LOG_CLIP), LOG_CLIP)
                 self.ratio[mode] *= math.exp(self.cost_decay * step)
         else:

@@ -98,8 +98,16 @@ SCENARIOS = {
 }
 
 
-def simulate(costs: dict, taus, batch: int, new_tokens: int = 512, seed: int = 0,
-             mismatch: Mismatch | None = None, online: bool = True, **rule) -> dict:
+def simulate(
+    costs: dict,
+    taus,
+    batch: int,
+    new_tokens: int = 512,
+    seed: int = 0,
+    mismatch: Mismatch | None = None,
+    online: bool = True,
+    **rule,
+) -> dict:
     """Run the planner until each of ``batch`` requests committed ``new_tokens``.
 
     ``taus``: mean tokens per mode, or a function ``tokens so far -> {mode: tau}`` (acceptance that
@@ -115,7 +123,9 @@ def simulate(costs: dict, taus, batch: int, new_tokens: int = 512, seed: int = 0
         tau = taus(done) if callable(taus) else taus
         predicted = None
         if online and mm.over is not None:
-            predicted = {m: 1 + mm.over * (tau[m] - 1) * rng.lognormvariate(0, 0.1) for m in costs if m[0] != "ar"}
+            predicted = {
+                m: 1 + mm.over * (tau[m] - 1) * rng.lognormvariate(0, 0.1) for m in costs if m[0] != "ar"
+            }
         mode = planner.choose(predicted)
         most = max_tokens(mode, costs)
         p = accept_prob(tau[mode], most) if mode[0] != "ar" else 0.0
@@ -135,7 +145,9 @@ def simulate(costs: dict, taus, batch: int, new_tokens: int = 512, seed: int = 0
     return {"tok_per_ms": tok / ms, "steps": steps, "planner": planner}
 
 
-def fixed_rate(mode, costs: dict, tau: float, mismatch: Mismatch | None = None, new_tokens: int = 512) -> float:
+def fixed_rate(
+    mode, costs: dict, tau: float, mismatch: Mismatch | None = None, new_tokens: int = 512
+) -> float:
     """Tokens per true millisecond of always ``mode`` (τ tokens a step) through the same context growth."""
     mm = mismatch or Mismatch()
     done = ms = 0.0
@@ -145,8 +157,16 @@ def fixed_rate(mode, costs: dict, tau: float, mismatch: Mismatch | None = None, 
     return done / ms
 
 
-def replay(costs: dict, taus: dict, batch: int, seeds: int = 5, new_tokens: int = 512,
-           mismatch: Mismatch | None = None, online: bool = True, **rule) -> dict:
+def replay(
+    costs: dict,
+    taus: dict,
+    batch: int,
+    seeds: int = 5,
+    new_tokens: int = 512,
+    mismatch: Mismatch | None = None,
+    online: bool = True,
+    **rule,
+) -> dict:
     """Planner against AR and the best fixed mode on one cost table, mean over ``seeds`` runs."""
     fixed = {m: fixed_rate(m, costs, taus[m], mismatch, new_tokens) for m in costs}
     runs = [simulate(costs, taus, batch, new_tokens, seed, mismatch, online, **rule) for seed in range(seeds)]
@@ -192,8 +212,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=16, help="runs per point (different acceptance draws)")
     ap.add_argument("--new-tokens", type=int, default=512, help="tokens per request in one run")
     ap.add_argument("--share", type=float, default=0.005, help="the planner's probe time share")
-    ap.add_argument("--scenarios", default="table,h200,spec-slow,host,spec-fast",
-                    help=f"comma-separated, of {sorted(SCENARIOS)}")
+    ap.add_argument(
+        "--scenarios",
+        default="table,h200,spec-slow,host,spec-fast",
+        help=f"comma-separated, of {sorted(SCENARIOS)}",
+    )
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     tables = (
@@ -220,7 +243,9 @@ def main(argv=None) -> int:
             )
     if args.output:
         scen = {k: asdict(v) for k, v in SCENARIOS.items()}
-        Path(args.output).write_text(json.dumps({"simulated": True, "scenarios": scen, "points": rows}, indent=1))
+        Path(args.output).write_text(
+            json.dumps({"simulated": True, "scenarios": scen, "points": rows}, indent=1)
+        )
     return 0
 
 
