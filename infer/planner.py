@@ -46,18 +46,20 @@ tree step at concurrency 1 does not make the tree look twice as good as the chai
 Online cost: on the H200 (issue 16) the start-up table underestimated real steps by 1.1-5× and not by
 the same factor for every mode (longer contexts, sampling at T > 0, host time around the step), so a
 planner trusting it ran speculative modes where AR was faster (0.48-0.81 × the best fixed mode). The
-estimate of a mode's step time is its table time × the mode's measured ÷ table ratio. The first mode
-timed takes its measurements as they come (the table may be off by any factor: 45 × for the tiny CPU
-test model). Every other mode starts from the ratio of the timed mode nearest to it in table time
-(``prior``): its first 3 timed steps are clipped to ``prior`` / 3 .. 3 × ``prior`` and the estimate is
-their median in log space with ``prior`` included while there are fewer than 3, so one spike (a GC
-pause, a preempted step) cannot price a mode out of the race. After 3, a moving average of the log ratio
-(newest weight ``cost_decay``) in which one step moves the estimate by at most ``cost_decay`` × log 1.25
-(a spike moves it by 2%, the slow growth of the context is followed). A mode never timed is estimated with ``prior`` (a tree with the chain's ratio rather than
-AR's: on the H200 the speculative steps were underestimated more than the AR step). The time spent and the probes' losses are settled in measured (clipped) milliseconds, so
-rule 1 compares measured tokens per measured millisecond: when the speculative modes' measured rate
-falls below AR's, the planner runs AR and re-probes them only within rule 3's ``share`` time budget or
-when the bonus above lifts a mode's relaxed estimate over AR's rate.
+estimate of a mode's step time is its table time × the mode's measured ÷ table ratio. The first timed
+step of the decode is taken as measured (the table may be off by any factor: 45 × on a CPU with the
+test's fake table). Every later step is clipped to 1/3-3 × the estimate it was chosen with, and a
+mode's first 3 timed steps give its ratio as their median in log space, with the estimate before them
+(``prior``: the ratio of the timed mode nearest in table time) included while there are fewer than 3,
+so one spike (a GC pause, a preempted step) cannot price a mode out of the race. After 3, a moving
+average of the log ratio (newest weight ``cost_decay``) in which one step moves the estimate by at most
+``cost_decay`` × log 1.25 (a spike moves it by 2%, the slow growth of the context is followed). A mode
+never timed is estimated with ``prior`` (a tree with the chain's ratio rather than AR's: on the H200 the
+speculative steps were underestimated more than the AR step). The time spent and the probes' losses are
+settled in measured (clipped) milliseconds, so rule 1 compares measured tokens per measured
+millisecond: when the speculative modes' measured rate falls below AR's, the planner runs AR and
+re-probes them only within rule 3's ``share`` time budget or when the bonus above lifts a mode's
+relaxed estimate over AR's rate.
 
 Calibration: per mode, a moving average (newest weight ``max(cal_decay, 1 / n)``) of the predicted
 *accepted* tokens (committed − 1: the bonus is certain) over the steps that had a prediction, and the
@@ -81,7 +83,7 @@ from collections import Counter
 
 Mode = tuple[str, int]
 LOG_CLIP = math.log(1.25)  # largest log step-time residual one timed step contributes (online cost)
-FIRST_CLIP = 3.0  # a mode's first timed steps count within 1/3 .. 3 × the estimate before them
+FIRST_CLIP = 3.0  # a timed step counts within 1/3 .. 3 × the estimate it was chosen with
 BONUS_VAR = 1.5  # token² per request in the standard-error bonus (module docstring, "Averages")
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 
@@ -211,7 +213,7 @@ class StepPlanner:
         return out
 
     def calibration(self, mode: Mode) -> float | None:
-        """Realized ÷ predicted accepted tokens of ``mode`` (``None``: no predicted step or none accepted)."""
+        """Realized ÷ predicted accepted tokens of ``mode`` (``None``: no prediction or none accepted)."""
         if not self.calibrated[mode] or self.pred[mode] <= 0:
             return None
         return self.real[mode] / self.pred[mode]

@@ -143,14 +143,13 @@ def test_planner_finds_a_winning_tree():
 
 
 def test_online_costs_median_clip_and_nearest_mode():
-    """Measured step times replace the table: the first mode timed as measured; later, steps clipped to 1/3-3 ×
-    the estimate before them, the log-median of the first 3 (with that estimate while fewer), then a log
-    average that one step moves by at most 10% × log 1.25."""
+    """Measured step times replace the table: the first timed step as measured; later ones clipped to 1/3-3 ×
+    the estimate they were chosen with, the log-median of a mode's first 3 (with that estimate while
+    fewer), then a log average that one step moves by at most 10% × log 1.25."""
     p = StepPlanner({AR: 1.0, CHAIN: 2.0, TREE32: 4.0})
     assert p.choose() == AR
-    p.observe(
-        AR, 1.0, ms=1.5
-    )  # (the later observations come without a choice: estimated as now)  # the first timing of all: taken as it is
+    p.observe(AR, 1.0, ms=1.5)  # the first timing of all: taken as it is
+    # (the later observations come without a choice: their estimate is the current one)
     assert p.ratio[AR] == pytest.approx(1.5) and p.spent_ms == pytest.approx(1.5)
     # never timed: the ratio of the timed mode nearest in table time (AR for both here)
     assert p.costs == pytest.approx({AR: 1.5, CHAIN: 3.0, TREE32: 6.0})
@@ -172,8 +171,8 @@ def test_online_costs_median_clip_and_nearest_mode():
 
 
 def test_measured_costs_send_the_planner_back_to_ar():
-    """The table says the chain wins (2 tokens / 1.2 ms vs 1 / 1.0 ms), its measured steps take 3 ms: after the
-    first probes the planner runs AR, and the chain's re-probes stay within the time budget."""
+    """The table says the chain wins (2 tokens / 1.2 ms vs 1 / 1.0 ms), its measured steps take 3 ms: after
+    the first probes the planner runs AR, and the chain's re-probes stay within the time budget."""
     costs = {AR: 1.0, CHAIN: 1.2}
     p = StepPlanner(costs)
     true_ms = {AR: 1.0, CHAIN: 3.0}
