@@ -80,7 +80,7 @@ class Runner:
             assert_compatible(self.spec, models[label].config, max_context=max_seq - 64)
         self.block_size = {label: m.config.block_size for label, m in models.items()}
         self.decoders = {}
-        self.planner_steps: dict = {}  # label -> mode -> {"steps", "step_ms"} (--budget auto)
+        self.planner_steps: dict = {}  # label -> mode -> {"steps", "step_ms", "measured_ms"} (--budget auto)
         if self.backend == "cuda":
             from infer.engine import Engine
             from infer.model import EngineTarget
@@ -139,7 +139,7 @@ class Runner:
             if dec.planner_report is not None:  # the planner's choices, summed over the task's calls
                 for mode, e in dec.planner_report.items():
                     tot = self.planner_steps.setdefault(label, {}).setdefault(mode, {"steps": 0})
-                    tot.update(step_ms=e["step_ms"], steps=tot["steps"] + e["steps"])
+                    tot.update(step_ms=e["step_ms"], measured_ms=e["measured_ms"], steps=tot["steps"] + e["steps"])
             return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt)
         if label is not None:
             dec.target.set_layer_ids(dec.draft.config.target_layer_ids, dec.draft.config.last_layer_features)

@@ -96,8 +96,10 @@ class Engine:
             moved into consecutive cache rows inside the step).
         tree_budget: nodes per tree, anchor included, 2..64 (``verify="tree"``).
         budget: "auto" = the verify-budget planner (``infer.planner``) picks AR, the chain or a tree of
-            ``PLAN_TREES`` nodes per step from step times measured at start-up and the measured
-            acceptance; None = always ``verify`` / ``tree_budget``.
+            ``PLAN_TREES`` nodes per step from step times measured at start-up, corrected by the wall
+            time of every step it runs (host clock between the loop's per-step flag reads: no extra
+            sync; ``plan_online = False`` keeps the start-up table), and the measured acceptance;
+            None = always ``verify`` / ``tree_budget``.
         exact: bit-exact mode (issue 13; default ``infer.model.EXACT_DEFAULT``): the target's decode and
             verify steps use row-invariant kernels and each prompt is prefilled in its own pass, so
             greedy speculative output equals this engine's autoregressive output bit for bit, in
@@ -149,6 +151,7 @@ class Engine:
         if budget == "auto":
             self.verified_per_step = max(self.PLAN_TREES)
         self.planner_report: dict | None = None
+        self.plan_online = True  # the planner learns step times from the measured wall time per step
         self._costs: dict[tuple, dict] = {}
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
         self.eos_set = set(int(e) for e in eos_token_ids)
@@ -460,7 +463,8 @@ class Engine:
         kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
         planner = StepPlanner(self._step_costs(B, params)) if spec and self.budget == "auto" else None
-        last = None  # planner: (mode, out_len [B], live [B], slot owners) before the step
+        last = None  # planner: (mode, out_len [B], live [B], slot owners, host time) before the step
+        step_ms = None  # planner: wall ms of the last step, from the flag read before it to the one after
         t0 = time.perf_counter()
         prefill_s = 0.0
         queue = deque(enumerate(prompts))
@@ -489,6 +493,9 @@ class Engine:
         n_steps = 0
         while any(o is not None for o in owner):
             flags = torch.cat([s.done, s.nonfinite.to(torch.int8)]).cpu()  # the one sync per step
+            t_read = time.perf_counter()
+            if last is not None and step_ms is None:  # the step launched after the previous read has ended
+                step_ms = (t_read - last[4]) * 1e3  # host work + device time, no extra sync
             for who, bad in zip(("target", "draft"), flags[B:].tolist()):
                 if bad:
                     raise nonfinite_error(who)
@@ -516,9 +523,11 @@ class Engine:
                 if last is not None:  # rows live in that step and not refilled since
                     same = last[2] & torch.tensor([o == p for o, p in zip(owner, last[3])])
                     if bool(same.any()):
-                        planner.observe(last[0], float((out_len - last[1])[same].float().mean()))
+                        planner.observe(last[0], float((out_len - last[1])[same].float().mean()),
+                                        step_ms if self.plan_online else None, int(same.sum()))
                 mode = planner.choose()
-                last = (mode, out_len, flags[:B] == 0, list(owner))
+                # timed from this iteration's flag read (a refill re-reads the flags before any step)
+                last, step_ms = (mode, out_len, flags[:B] == 0, list(owner), t_read), None
                 self._runner(B, params, True, mode)()
             n_steps += 1
         if self.device.type == "cuda":

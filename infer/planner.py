@@ -2,11 +2,14 @@
 
 A mode is ``("ar", 1)``, ``("chain", verify_size)`` or ``("tree", nodes)``. Cost model: the step time of
 every mode at the running batch size, measured by the engine at start-up on its own device (graph
-replays on a GPU). Benefit: committed tokens per live request per step, a moving average of what each
-mode actually committed (AR commits exactly 1). Confidence here is the draft's measured acceptance on
-the running requests rather than its per-slot probabilities: it needs no calibration and no trained
-head, and the engine gets it from the token counts it already reads (docs/method.md §6 describes the
-per-slot confidence-head alternative).
+replays on a GPU, idle rows, empty context), then corrected online by the wall time the engine measures
+for every step it runs (:class:`StepPlanner`, "Online cost"). Benefit: committed tokens per live request
+per step, a moving average of what each mode actually committed (AR commits exactly 1); when the caller
+also gives a per-step confidence (predicted tokens per mode, e.g. from draft probabilities or a
+confidence head), the planner uses it after calibrating it online against what each mode realized
+("Calibration"). The engine gives no confidence today: its draft probabilities stay on the device
+inside the step's CUDA graph, and reading them before choosing the verify would cost a sync per step
+(docs/method.md §6 describes the confidence-head alternative).
 
 Rule (:func:`choose_mode`, a pure function of the cost table, the token averages and the time spent):
 
@@ -26,22 +29,63 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
    best mode gives time back. Near-ties probe often (they lose little), distant rivals rarely, and
    the time lost to probing stays under about ``share`` plus the warm-up (≈ 1% over 512 AR steps).
 
-Averages: per mode a fast one (newest observation weighted ``max(decay, 1 / n)``) follows a change
-of acceptance (a new prompt, an easy or hard passage) within a few steps of that mode, and a slow one
-(``max(slow, 1 / n)``) is what the fast one relaxes to, by ``1 - decay`` per step the mode is not run:
-a mode left after a few unlucky steps (one request's tokens per step are geometric-like and noisy) is
-judged again on its long-run acceptance instead of being frozen at its low point.
+Averages: per mode a fast one (newest observation weighted ``max(decay × r / (r + PRIOR_ROWS), 1 / n)``,
+r the requests averaged in that step: one request's count is noisy, 64 requests' mean is not) follows a
+change of acceptance (a new prompt, an easy or hard passage) within a few steps of that mode. A slow one
+(``max(slow, 1 / n)``) plus a standard-error bonus ``√(BONUS_VAR / (n·r̄))`` (n the mode's steps, at
+most ``2 / slow - 1``, the slow average's effective sample size; r̄ the mean requests per step) is what
+the fast one relaxes to, by ``1 - decay`` per step the mode is not run: a mode left after a few unlucky
+steps (one request's tokens per step are geometric-like, variance above 1.5 tokens² at τ ≥ 1.9) is judged
+again on its long-run acceptance, optimistically while that rests on few requests, instead of being
+frozen at its low point (a chain whose first step committed 1 token must not look certain). The bonus
+uses a fixed variance on purpose: with the measured one, a tree's rare long accepts at concurrency 1
+make it look better than the chain step after step. A mode's first step is averaged with
+``PRIOR_ROWS`` requests at the best average of the other speculative modes (same draft), so one lucky
+tree step at concurrency 1 does not make the tree look twice as good as the chain.
 
-``benchmarks/engine/sim_planner.py`` replays the recorded H200 cost tables with a synthetic
-acceptance process (planner ≥ 0.98 × the best fixed mode at the 8 recorded points); the start-up
-table is the cost model, host time outside the measured step is not in it.
+Online cost: on the H200 (issue 16) the start-up table underestimated real steps by 1.1-5× and not by
+the same factor for every mode (longer contexts, sampling at T > 0, host time around the step), so a
+planner trusting it ran speculative modes where AR was faster (0.48-0.81 × the best fixed mode). The
+estimate of a mode's step time is its table time × the mode's measured ÷ table ratio. The first timed
+step of the decode is taken as measured (the table may be off by any factor: 45 × on a CPU with the
+test's fake table). Every later step is clipped to 1/3-3 × the estimate it was chosen with, and a
+mode's first 3 timed steps give its ratio as their median in log space, with the estimate before them
+(``prior``: the ratio of the timed mode nearest in table time) included while there are fewer than 3,
+so one spike (a GC pause, a preempted step) cannot price a mode out of the race. After 3, a moving
+average of the log ratio (newest weight ``cost_decay``) in which one step moves the estimate by at most
+``cost_decay`` × log 1.25 (a spike moves it by 2%, the slow growth of the context is followed). A mode
+never timed is estimated with ``prior`` (a tree with the chain's ratio rather than AR's: on the H200 the
+speculative steps were underestimated more than the AR step). The time spent and the probes' losses are
+settled in measured (clipped) milliseconds, so rule 1 compares measured tokens per measured
+millisecond: when the speculative modes' measured rate falls below AR's, the planner runs AR and
+re-probes them only within rule 3's ``share`` time budget or when the bonus above lifts a mode's
+relaxed estimate over AR's rate.
+
+Calibration: per mode, a moving average (newest weight ``max(cal_decay, 1 / n)``) of the predicted
+*accepted* tokens (committed − 1: the bonus is certain) over the steps that had a prediction, and the
+same of the realized ones; realized ÷ predicted is the mode's calibration factor (reported). The draft's
+confidence is trusted for how this step differs from the mode's usual steps, not for its scale: a mode
+run at least once is expected to commit ``1 + (T − 1) × (predicted − 1) / P`` this step, T the averaged
+tokens above, P the average prediction, the ratio clipped to [1/3, 3] and the result to
+[1, :func:`max_tokens`]. So an over- or underconfident draft costs nothing (T is what the mode realized),
+an easy or hard passage is seen the step it starts, and a mode never run stays unknown (rule 2's
+ceiling) whatever its prediction.
+
+``benchmarks/engine/sim_planner.py`` replays the recorded H200 cost tables with a synthetic acceptance
+process, a true step time that differs from the table (factors per mode, host time, context growth,
+timer noise) and a miscalibrated confidence; it reports this planner and the table-only one.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 Mode = tuple[str, int]
+LOG_CLIP = math.log(1.25)  # largest log step-time residual one timed step contributes (online cost)
+FIRST_CLIP = 3.0  # a timed step counts within 1/3 .. 3 × the estimate it was chosen with
+BONUS_VAR = 1.5  # token² per request in the standard-error bonus (module docstring, "Averages")
+PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 
 
 def max_tokens(mode: Mode, modes) -> int:
@@ -108,10 +152,12 @@ class StepPlanner:
     """Chooses one mode per engine step (module docstring).
 
     Args:
-        costs: step milliseconds per mode at this batch size (> 0).
-        decay: least weight of the newest observation in a mode's fast moving average.
-        slow: least weight of the newest observation in a mode's slow moving average.
+        costs: start-up step milliseconds per mode at this batch size (> 0).
+        decay: least weight of the newest observation in a mode's fast moving average of tokens.
+        slow: least weight of the newest observation in a mode's slow moving average of tokens.
         share, warmup, headroom, gain: the probing rule of :func:`choose_mode`.
+        cost_decay: least weight of the newest measured ÷ table step time (online cost).
+        cal_decay: least weight of the newest predicted / realized accepted tokens (calibration).
     Raises ValueError on an empty or non-positive cost table.
     """
 
@@ -124,75 +170,162 @@ class StepPlanner:
         warmup: float = 2.0,
         headroom: float = 2.0,
         gain: float = 2.0,
+        cost_decay: float = 0.1,
+        cal_decay: float = 0.05,
     ):
         if not costs or min(costs.values()) <= 0:
             raise ValueError(f"planner costs must be a non-empty table of positive step times, got {costs}")
-        self.costs, self.decay, self.slow_decay = dict(costs), decay, slow
+        self.table, self.decay, self.slow_decay = dict(costs), decay, slow
+        self.cost_decay, self.cal_decay = cost_decay, cal_decay
         self.rule = dict(share=share, warmup=warmup, headroom=headroom, gain=gain)
         self.fast: dict[Mode, float | None] = {m: 1.0 if m[0] == "ar" else None for m in costs}
         self.slow: dict[Mode, float | None] = dict(self.fast)
-        self.seen: Counter = Counter()  # observations per mode
+        self.seen: Counter = Counter()  # token observations per mode
+        self.rows: dict[Mode, float] = {m: 1.0 for m in costs}  # requests per observation, slow average
         self.last_seen: dict[Mode, int] = {m: 0 for m in costs}  # step of the latest observation
+        self.ratio: dict[Mode, float | None] = {m: None for m in costs}  # measured ÷ table step time
+        self.timed: Counter = Counter()  # step-time observations per mode
+        self.first: dict[Mode, list[float]] = {m: [] for m in costs}  # prior ratio + the first 3 measured
+        self.pred: dict[Mode, float | None] = {m: None for m in costs}  # mean predicted accepted tokens
+        self.real: dict[Mode, float | None] = {m: None for m in costs}  # mean realized, same steps
+        self.calibrated: Counter = Counter()  # steps with a prediction per mode
         self.choices: Counter = Counter()
         self.step = 0
-        self.spent_ms = 0.0  # step time of the modes run (cost table)
+        self.spent_ms = 0.0  # step time of the modes run (measured where given, else estimated)
         self.lost_ms = 0.0  # time lost to probes against the best mode (negative: probes gained)
-        # this step's probe: mode, ms the best mode needs for the tokens assumed in its charge, best rate
-        self.probe: tuple[Mode, float, float] | None = None
+        # this step's choice: mode, its estimated ms, its predicted tokens
+        self.pending: tuple[Mode, float, float | None] | None = None
+        self.probe: tuple[float, float] | None = None  # this step's probe: charged loss, best rate
+
+    @property
+    def costs(self) -> dict[Mode, float]:
+        """Estimated step milliseconds per mode: table × the mode's measured ratio, or for a mode never
+        timed × the ratio of the timed mode nearest in table time (the table itself before any timing)."""
+        timed = [m for m in self.table if self.ratio[m] is not None]
+        out = {}
+        for m, t in self.table.items():
+            near = (
+                m
+                if self.ratio[m] is not None
+                else min(timed, key=lambda k: abs(math.log(self.table[k] / t)), default=None)
+            )
+            out[m] = t * (self.ratio[near] if near is not None else 1.0)
+        return out
+
+    def calibration(self, mode: Mode) -> float | None:
+        """Realized ÷ predicted accepted tokens of ``mode`` (``None``: no prediction or none accepted)."""
+        if not self.calibrated[mode] or self.pred[mode] <= 0:
+            return None
+        return self.real[mode] / self.pred[mode]
 
     @property
     def tokens(self) -> dict[Mode, float | None]:
         """Expected committed tokens per request per step of each mode (``None``: never run): the fast
-        average, relaxing towards the slow one by ``1 - decay`` per step the mode is not run. A mode left
-        after a few unlucky steps is not judged on them for ever (its fast average stops moving then)."""
+        average, relaxing towards the slow one plus its standard error by ``1 - decay`` per step the mode
+        is not run (module docstring, "Averages")."""
         out = {}
         for m, f in self.fast.items():
             if f is None or m[0] == "ar":
                 out[m] = f
             else:
+                n = min(self.seen[m], 2.0 / self.slow_decay - 1)  # effective samples of the slow average
+                target = self.slow[m] + math.sqrt(BONUS_VAR / (n * self.rows[m]))
                 keep = (1 - self.decay) ** (self.step - self.last_seen[m])
-                out[m] = self.slow[m] + keep * (f - self.slow[m])
+                out[m] = target + keep * (f - target)
+        return out
+
+    def expected(self, predicted: dict[Mode, float] | None = None) -> dict[Mode, float | None]:
+        """:attr:`tokens`, scaled by this step's confidence (module docstring, "Calibration")."""
+        out = self.tokens
+        for m, x in (predicted or {}).items():
+            if m[0] != "ar" and out.get(m) is not None and self.calibrated[m] and self.pred[m] > 0:
+                rel = min(max((x - 1.0) / self.pred[m], 1 / 3), 3.0)
+                out[m] = min(max(1.0 + (out[m] - 1.0) * rel, 1.0), float(max_tokens(m, self.table)))
         return out
 
     def rate(self, mode: Mode) -> float | None:
-        """Expected committed tokens per request per millisecond, ``None`` before the mode's first run."""
+        """Expected committed tokens per request per estimated millisecond, ``None`` before the first run."""
         tok = self.tokens[mode]
         return None if tok is None else tok / self.costs[mode]
 
-    def choose(self) -> Mode:
-        mode, loss, rate = choose_mode(self.costs, self.tokens, self.spent_ms, self.lost_ms, **self.rule)
+    def choose(self, predicted: dict[Mode, float] | None = None) -> Mode:
+        """The mode for this step. ``predicted``: optional confidence, committed tokens per request per
+        speculative mode this step would commit (bonus included), calibrated online."""
+        costs = self.costs
+        mode, loss, rate = choose_mode(
+            costs, self.expected(predicted), self.spent_ms, self.lost_ms, **self.rule
+        )
         self.step += 1
-        self.spent_ms += self.costs[mode]
+        self.spent_ms += costs[mode]
         self.lost_ms += loss
         # a probe is charged what it is expected to lose; observe() settles the charge with what it committed
-        self.probe = (mode, self.costs[mode] - loss, rate) if loss > 0 else None
+        self.probe = (loss, rate) if loss > 0 else None
+        self.pending = (mode, costs[mode], (predicted or {}).get(mode))
         self.choices[mode] += 1
         return mode
 
-    def observe(self, mode: Mode, tokens_per_request: float) -> None:
-        """Record what a step of ``mode`` committed, per request that was live in it."""
-        if self.probe is not None and self.probe[0] == mode:  # settle: a lucky probe gives time back
-            _, assumed_ms, rate = self.probe
-            self.lost_ms += assumed_ms - tokens_per_request / rate
-            self.probe = None
+    def observe(self, mode: Mode, tokens_per_request: float, ms: float | None = None, rows: int = 1) -> None:
+        """Record what a step of ``mode`` committed, per request of the ``rows`` live in it, and (``ms``)
+        the wall milliseconds it took as measured by the caller."""
+        est_ms, predicted = self.costs[mode], None
+        if self.pending is not None and self.pending[0] == mode:
+            _, est_ms, predicted = self.pending
+        if ms is not None and ms > 0:
+            before = est_ms / self.table[mode]  # the ratio used for this step
+            x = ms / self.table[mode]
+            first = all(r is None for r in self.ratio.values())  # no measured prior yet: take x as it is
+            if not first:
+                x = min(max(x, before / FIRST_CLIP), FIRST_CLIP * before)
+            ms = x * self.table[mode]
+            self.spent_ms += ms - est_ms  # the choice added the estimate
+            self.timed[mode] += 1
+            if self.timed[mode] <= 3:  # a median in log space, one of the first may be a spike
+                self.first[mode] = (self.first[mode] or ([] if first else [before])) + [x]
+                logs = sorted(math.log(r) for r in self.first[mode][-3:])
+                mid = len(logs) // 2
+                self.ratio[mode] = math.exp(logs[mid] if len(logs) % 2 else (logs[mid - 1] + logs[mid]) / 2)
+            else:  # log-space average, one step moves it by at most cost_decay × LOG_CLIP
+                step = min(max(math.log(x / self.ratio[mode]), -LOG_CLIP), LOG_CLIP)
+                self.ratio[mode] *= math.exp(self.cost_decay * step)
+        else:
+            ms = est_ms
+        if self.probe is not None and self.pending is not None and self.pending[0] == mode:
+            loss, rate = self.probe  # settle: the real loss of this probe, a lucky one gives time back
+            self.lost_ms += ms - tokens_per_request / rate - loss
+        self.probe = self.pending = None
         if mode[0] == "ar":
             return
-        x, n = tokens_per_request, self.seen[mode] + 1
+        if predicted is not None:
+            n = self.calibrated[mode] + 1
+            w = max(self.cal_decay, 1.0 / n)
+            for avg, x in ((self.pred, predicted - 1.0), (self.real, tokens_per_request - 1.0)):
+                avg[mode] = x if avg[mode] is None else avg[mode] + w * (x - avg[mode])
+            self.calibrated[mode] = n
+        x, n, r = tokens_per_request, self.seen[mode] + 1, max(rows, 1)
+        others = [self.slow[m] for m in self.table if m != mode and m[0] != "ar" and self.slow[m] is not None]
+        if n == 1 and others:  # the first step, shrunk towards the other modes of the same draft
+            x = (r * x + PRIOR_ROWS * max(others)) / (r + PRIOR_ROWS)
         self.seen[mode], self.last_seen[mode] = n, self.step
         w = max(self.slow_decay, 1.0 / n)  # a plain mean over the first observations
+        self.rows[mode] += w * (r - self.rows[mode]) if n > 1 else r - self.rows[mode]
         self.slow[mode] = x if self.slow[mode] is None else self.slow[mode] + w * (x - self.slow[mode])
-        w = max(self.decay, 1.0 / n)
+        w = max(self.decay * r / (r + PRIOR_ROWS), 1.0 / n)
         old = self.fast[mode]
         self.fast[mode] = x if old is None else old + w * (x - old)
 
     def report(self) -> dict:
-        """``{mode name: {"steps", "step_ms", "tokens_per_step"}}``, e.g. ``"tree32"``; ``tokens_per_step``
-        is the slow average (``None``: never run)."""
+        """``{mode name: {"steps", "step_ms", "measured_ms", "tokens_per_step", "calibration"}}``, e.g.
+        ``"tree32"``: ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
+        timed), ``tokens_per_step`` the slow average (``None``: never run), ``calibration`` realized ÷
+        predicted accepted tokens (``None``: no prediction given)."""
+        costs = self.costs
         return {
             f"{m[0]}{m[1] if m[0] != 'ar' else ''}": {
                 "steps": self.choices[m],
-                "step_ms": self.costs[m],
+                "step_ms": self.table[m],
+                "measured_ms": costs[m] if self.timed[m] else None,
                 "tokens_per_step": self.slow[m],
+                "calibration": self.calibration(m) if self.calibrated[m] else None,
             }
-            for m in self.costs
+            for m in self.table
         }

@@ -211,6 +211,7 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
     eng.plan_modes = eng.plan_modes[:2] + [("tree", 24)]
     # AR cheaper than the speculative steps: the planner's first step is AR (at equal cost AR can never win)
     eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
+    eng.plan_online = False  # this table, not this CPU's step times: the choices below are the table's
     res = eng.generate(PROMPTS, params, concurrency=3)
     assert res.token_ids == want
     rep = eng.planner_report
@@ -219,6 +220,17 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
         rep["tree24"]["steps"] > rep["chain8"]["steps"] and rep["tree24"]["tokens_per_step"] > 2
     )  # second choices
     assert rep["ar"]["steps"] >= 1  # before the probes
+    assert all(e["measured_ms"] is None for e in rep.values())
+    # online (the default): every step timed between the loop's flag reads, prefills excluded; this CPU's
+    # steps are far above the fake table's 0.6-1 ms, and AR (timed first) is taken as measured
+    eng.plan_online = True
+    res = eng.generate(PROMPTS, params, concurrency=3)
+    assert res.token_ids == want
+    rep = eng.planner_report
+    timed = [e for e in rep.values() if e["measured_ms"] is not None]
+    assert rep["ar"]["measured_ms"] is not None and all(e["measured_ms"] > e["step_ms"] for e in timed)
+    wall_ms = (res.elapsed_s - res.prefill_s) * 1e3
+    assert rep["ar"]["measured_ms"] * rep["ar"]["steps"] < wall_ms, (rep, wall_ms)
     costs = _engine(stories_dir, folder, budget="auto")._step_costs(2, params)  # measured on this CPU
     assert set(costs) == {("ar", 1), ("chain", 8), ("tree", 32), ("tree", 64)} and min(costs.values()) > 0
     with pytest.raises(ValueError, match="budget='fixed'"):

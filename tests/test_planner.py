@@ -1,12 +1,24 @@
-"""The verify-budget planner (infer/planner.py): the pure choice rule, the moving averages, and replays of
-the H200 step-cost tables of issue 16 with a synthetic acceptance process (benchmarks/engine/sim_planner.py)."""
+"""The verify-budget planner (infer/planner.py): the pure choice rule, the moving averages, the online step
+costs and the confidence calibration, and replays of the H200 step-cost tables of issue 16 with a synthetic
+acceptance process and true step times that differ from the table (benchmarks/engine/sim_planner.py)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from benchmarks.engine.sim_planner import H200_COSTS, MODES, TAU, replay, simulate
-from infer.planner import StepPlanner, choose_mode, max_tokens
+from benchmarks.engine.sim_planner import (
+    H200_COSTS,
+    MODES,
+    SCENARIOS,
+    TAU,
+    Mismatch,
+    fixed_rate,
+    replay,
+    simulate,
+)
+from infer.planner import BONUS_VAR, StepPlanner, choose_mode, max_tokens
 
 AR, CHAIN, TREE32, TREE64 = MODES
 
@@ -58,16 +70,20 @@ def test_step_planner_averages_settles_probes_and_reports():
     for x in (1.0, 5.0):  # plain mean of the first observations (weight 1 / n), then the decays
         p.observe(("chain", 8), x)
     assert p.fast[("chain", 8)] == pytest.approx(3.0) and p.slow[("chain", 8)] == pytest.approx(3.0)
-    p.observe(("chain", 8), 1.0)
-    assert p.fast[("chain", 8)] == pytest.approx(3.0 - 0.3 * 2.0)  # weight 0.3 (decay)
+    p.observe(("chain", 8), 1.0, rows=64)  # a 64-request mean: fast weight 0.3 × 64 / 68 = 0.282 > 1 / 4
+    assert p.fast[("chain", 8)] == pytest.approx(3.0 - 0.3 * 64 / 68 * 2.0)
     assert p.slow[("chain", 8)] == pytest.approx(3.0 - 0.25 * 2.0)  # weight 1 / 4 until it reaches 0.02
-    p.step += 100  # a mode not run for long is judged on its slow average, not its last few steps
-    assert p.tokens[("chain", 8)] == pytest.approx(p.slow[("chain", 8)])
+    assert p.rows[("chain", 8)] == pytest.approx(1 + 0.25 * 63)
+    # a mode not run for long is judged on its slow average + the standard-error bonus
+    p.step += 100
+    bonus = math.sqrt(BONUS_VAR / (4 * (1 + 0.25 * 63)))
+    assert p.tokens[("chain", 8)] == pytest.approx(2.5 + bonus) and bonus == pytest.approx(0.1497, abs=1e-4)
     rep = p.report()
     assert (
         rep["ar"]["steps"] == 1 and rep["chain8"]["steps"] == 1 and rep["tree32"]["tokens_per_step"] is None
     )
     assert rep["chain8"]["step_ms"] == 1.5 and rep["chain8"]["tokens_per_step"] == pytest.approx(2.5)
+    assert rep["chain8"]["measured_ms"] is None and rep["chain8"]["calibration"] is None  # never told
     with pytest.raises(ValueError, match="positive"):
         StepPlanner({AR: 0.0})
 
@@ -124,3 +140,125 @@ def test_planner_finds_a_winning_tree():
     r = replay(costs, taus, 8, seeds=4)
     assert r["best_fixed"] == "tree32" and r["planner_over_best"] >= 0.95, r
     assert max(r["steps"], key=r["steps"].get) == "tree32"
+
+
+def test_online_costs_median_clip_and_nearest_mode():
+    """Measured step times replace the table: the first timed step as measured; later ones clipped to 1/3-3 ×
+    the estimate they were chosen with, the log-median of a mode's first 3 (with that estimate while
+    fewer), then a log average that one step moves by at most 10% × log 1.25."""
+    p = StepPlanner({AR: 1.0, CHAIN: 2.0, TREE32: 4.0})
+    assert p.choose() == AR
+    p.observe(AR, 1.0, ms=1.5)  # the first timing of all: taken as it is
+    # (the later observations come without a choice: their estimate is the current one)
+    assert p.ratio[AR] == pytest.approx(1.5) and p.spent_ms == pytest.approx(1.5)
+    # never timed: the ratio of the timed mode nearest in table time (AR for both here)
+    assert p.costs == pytest.approx({AR: 1.5, CHAIN: 3.0, TREE32: 6.0})
+    p.observe(AR, 1.0, ms=9.0)  # a spike: clipped to 3 × 1.5, log-median of (1.5, 4.5)
+    assert p.ratio[AR] == pytest.approx(math.sqrt(1.5 * 4.5))
+    p.observe(AR, 1.0, ms=1.4)  # median(1.5, 4.5, 1.4)
+    assert p.ratio[AR] == pytest.approx(1.5)
+    p.observe(AR, 1.0, ms=15.0)  # later: one spike moves the estimate by 10% of log 1.25 only
+    r = 1.5 * 1.25**0.1
+    assert p.ratio[AR] == pytest.approx(r)
+    # the chain timed at 3 × its table (within 3 × its AR-derived estimate): log-median with that estimate
+    p.observe(CHAIN, 2.0, ms=6.0)
+    assert p.ratio[CHAIN] == pytest.approx(math.sqrt(r * 3.0))
+    p.observe(CHAIN, 2.0, ms=60.0)  # clipped to 3 × the chain's estimate, median(r, 3, 3 × √(3r))
+    assert p.ratio[CHAIN] == pytest.approx(3.0)
+    # the tree now takes the chain's ratio (nearest in table time)
+    assert p.costs[TREE32] == pytest.approx(4.0 * p.ratio[CHAIN])
+    assert p.report()["chain16"]["measured_ms"] == pytest.approx(2.0 * p.ratio[CHAIN])
+
+
+def test_measured_costs_send_the_planner_back_to_ar():
+    """The table says the chain wins (2 tokens / 1.2 ms vs 1 / 1.0 ms), its measured steps take 3 ms: after
+    the first probes the planner runs AR, and the chain's re-probes stay within the time budget."""
+    costs = {AR: 1.0, CHAIN: 1.2}
+    p = StepPlanner(costs)
+    true_ms = {AR: 1.0, CHAIN: 3.0}
+    total = chain_ms = 0.0
+    for _ in range(4000):
+        m = p.choose()
+        p.observe(m, 2.0 if m == CHAIN else 1.0, ms=true_ms[m])
+        total += true_ms[m]
+        chain_ms += true_ms[m] if m == CHAIN else 0.0
+    assert p.costs[CHAIN] == pytest.approx(3.0, rel=1e-6)
+    assert p.spent_ms == pytest.approx(total)
+    # the chain's loss per step is 3 - 2 = 1 ms: probes + bonus retries stay near 0.5% of the time
+    assert p.choices[CHAIN] <= 30 and chain_ms / total < 0.025, (p.choices, chain_ms / total)
+    # the same planner without timings (the table) keeps running the chain
+    q = StepPlanner(costs)
+    for _ in range(200):
+        m = q.choose()
+        q.observe(m, 2.0 if m == CHAIN else 1.0)
+    assert q.choices[CHAIN] > 190
+
+
+def test_calibration_tracks_predicted_against_realized():
+    """An overconfident draft (predicts 2 × the accepted tokens): the factor converges to 0.5, the expected
+    tokens stay what the mode realized, and a step predicted twice as easy as usual is expected so."""
+    p = StepPlanner({AR: 1.0, CHAIN: 1.2})
+    for _ in range(100):
+        m = p.choose({CHAIN: 1 + 2 * 1.5})  # realized accepted 1.5, predicted 3
+        p.observe(m, 2.5 if m == CHAIN else 1.0)
+    assert p.calibration(CHAIN) == pytest.approx(0.5) and p.choices[CHAIN] >= 98
+    assert p.expected({CHAIN: 4.0})[CHAIN] == pytest.approx(2.5)  # as predicted usually: what it realized
+    assert p.expected({CHAIN: 7.0})[CHAIN] == pytest.approx(1 + 1.5 * 2)  # twice the usual accepted
+    assert p.expected({CHAIN: 1.0})[CHAIN] == pytest.approx(1 + 1.5 / 3)  # ratio clipped at 1/3
+    assert p.expected({CHAIN: 100.0})[CHAIN] == pytest.approx(1 + 1.5 * 3)  # at 3
+    assert p.report()["chain16"]["calibration"] == pytest.approx(0.5)
+    # a mode never run stays unknown whatever its prediction
+    q = StepPlanner({AR: 1.0, CHAIN: 1.2})
+    assert q.expected({CHAIN: 9.0})[CHAIN] is None
+
+
+def test_sim_true_step_time_and_fixed_rates():
+    mm = Mismatch(ar_scale=2.0, spec_scale=3.0, host_ms=0.5, ctx_ms=1.0, prompt=1000)
+    assert mm.true_ms(AR, 1.0, 0.0) == pytest.approx(0.5 + 1.0 + 2.0)
+    assert mm.true_ms(CHAIN, 2.0, 1000.0) == pytest.approx(0.5 + 2.0 + 6.0)
+    # 4 steps of 2 tokens from context 1000, 1002, 1004, 1006
+    ms = sum(0.5 + (1000 + 2 * k) / 1000 + 6.0 for k in range(4))
+    assert fixed_rate(CHAIN, {CHAIN: 2.0}, 2.0, mm, new_tokens=8) == pytest.approx(8 / ms)
+
+
+# (scenario, concurrency, temperature): where the table-only planner loses >= 2% to the best fixed mode on
+# the simulated true step times (sim_planner.py prints every point)
+TABLE_FAILS = [
+    ("h200", 32, 0),
+    ("h200", 1, 1),
+    ("spec-slow", 32, 0),
+    ("spec-slow", 64, 0),
+    ("spec-slow", 1, 1),
+    ("host", 64, 0),
+    ("host", 1, 1),
+    ("spec-fast", 1, 1),
+]
+
+
+@pytest.mark.parametrize("scenario,c,t", TABLE_FAILS)
+def test_online_planner_fixes_the_table_only_failures(scenario, c, t):
+    """Issue 16's criterion where the start-up table misleads: the table-only planner < 0.98 × the best fixed
+    mode, the online one (measured step times, overconfident draft confidence) >= 0.98 and not below AR
+    beyond its probing (16 runs of 512 tokens per request)."""
+    costs = dict(zip(MODES, H200_COSTS[(c, t)]))
+    taus = dict(zip(MODES, TAU[t]))
+    table = replay(costs, taus, c, 16, 512, SCENARIOS[scenario], online=False)
+    online = replay(costs, taus, c, 16, 512, SCENARIOS[scenario], online=True)
+    assert table["planner_over_best"] < 0.98, table
+    assert online["planner_over_best"] >= 0.98, online
+    ar = fixed_rate(AR, costs, 1.0, SCENARIOS[scenario])
+    best = max(fixed_rate(m, costs, taus[m], SCENARIOS[scenario]) for m in MODES)
+    assert online["planner_over_best"] * best >= 0.98 * ar, online
+    if online["best_fixed"] != "ar1":
+        assert online["planner_over_ar"] >= 1.0, online  # every run beats AR
+
+
+def test_online_planner_keeps_the_chain_where_it_wins():
+    """h200 scenario at concurrency 1 and 8, T = 0: the chain is 1.4 / 1.2 × AR on the true times; the online
+    planner must not give that up for noise (timer spikes, one request's acceptance)."""
+    for c in (1, 8):
+        costs = dict(zip(MODES, H200_COSTS[(c, 0)]))
+        r = replay(costs, dict(zip(MODES, TAU[0])), c, 16, 512, SCENARIOS["h200"], online=True)
+        assert (
+            r["best_fixed"] == "chain16" and r["planner_over_best"] >= 0.98 and r["planner_over_ar"] >= 1.1
+        ), r

@@ -1,6 +1,6 @@
 """Replay of the verify-budget planner (``infer.planner``) on recorded step-cost tables; CPU only.
 
-    python benchmarks/engine/sim_planner.py [--recorded verify-p1.json,verify-p8.json,...] [--seeds 16]
+    python benchmarks/engine/sim_planner.py [--recorded verify-p1.json,...] [--seeds 16] [--scenarios ...]
 
 Not a GPU measurement: it replays step-cost tables that ``infer.engine`` measured at start-up on an
 H200 (SmolLM2-135M target with the shipped DSpine draft, ``benchmarks/engine/bench_tree.py --planner``,
@@ -8,10 +8,19 @@ commit 98956b1, 2026-12-01; :data:`H200_COSTS`, or the ``planner_choices_per_tas
 JSON files) and feeds the planner a synthetic acceptance process instead of a model. Each request
 commits ``1 + a`` tokens per speculative step, ``a`` = accepted draft tokens, geometric with a per-token
 acceptance chosen so that the mean is the mode's τ (:data:`TAU`, truncated at the mode's most tokens);
-the planner sees the mean over the batch's requests, as from the engine. Throughput is expected tokens
-÷ summed step milliseconds, so the comparison with the fixed modes (τ ÷ step time) carries no sampling
-noise of its own; one run decodes ``--new-tokens`` per request. The step time outside the measured
-step (host loop, prefill, the batch's tail) is not modelled.
+the planner sees the mean over the batch's requests, as from the engine.
+
+The start-up table is not the true step time (issue 16: real H200 steps took 1.1-5× the table, not the
+same factor per mode). A :class:`Mismatch` scenario (:data:`SCENARIOS`) gives the true step time
+``host_ms + ctx_ms × context / 1000 + table × (ar_scale | spec_scale)`` (context = ``prompt`` + tokens
+so far: the KV read grows along the output, the same for every mode), the step time the planner is
+told (true × lognormal timer noise, ``spikes`` of the steps 5× longer: GC, preemption) and an optional
+confidence: per step, predicted tokens of every speculative mode = ``1 + over × (τ − 1)`` × noise, i.e.
+``over`` × too confident. Two planners run on every point: ``table``, the start-up table alone (what the
+engine did before online costs), and ``online``, told the measured step time and the confidence.
+Throughput is expected tokens ÷ summed true step milliseconds, and every fixed mode runs through the
+same context growth, so the comparison with the fixed modes carries no sampling noise of its own; one
+run decodes ``--new-tokens`` per request. Prefill and the batch's tail are not modelled.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import json
 import random
 import re
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -55,19 +65,68 @@ def accept_prob(tau: float, most: int) -> float:
     return lo
 
 
-def simulate(costs: dict, taus, batch: int, new_tokens: int = 512, seed: int = 0, **rule) -> dict:
+@dataclass(frozen=True)
+class Mismatch:
+    """True and measured step time, and the confidence, of one scenario (module docstring)."""
+
+    ar_scale: float = 1.0  # true ÷ table step time of AR
+    spec_scale: float = 1.0  # true ÷ table step time of the chain and the trees
+    host_ms: float = 0.0  # per-step host time outside the measured graph replay, every mode
+    ctx_ms: float = 0.0  # ms per 1000 tokens of context per step, every mode (KV read)
+    prompt: int = 200  # context tokens before the first output token
+    noise: float = 0.0  # lognormal sigma of the measured step time
+    spikes: float = 0.0  # fraction of steps measured 5 × too long
+    over: float | None = None  # confidence: predicted accepted tokens = over × true (None: no confidence)
+
+    def true_ms(self, mode, table_ms: float, done: float) -> float:
+        scale = self.ar_scale if mode[0] == "ar" else self.spec_scale
+        return self.host_ms + self.ctx_ms * (self.prompt + done) / 1000 + table_ms * scale
+
+
+# Named scenarios. "h200" matches the end-to-end ratios of the issue 16 run at concurrency 1, T = 0
+# (true ÷ table: AR 1.35, chain 1.65): speculative steps underestimated more than AR. "spec-slow" is the
+# same with the gap of sampling at T > 0 over many verified tokens; "host" an additive host time (favours
+# the speculative modes); "spec-fast" the table overestimating speculative steps relative to AR (the
+# c8/c32 T = 1 ratios of the same run). Every scenario has timer noise and an overconfident draft.
+NOISY = dict(noise=0.05, spikes=0.01, over=1.6)
+SCENARIOS = {
+    "table": Mismatch(),
+    "h200": Mismatch(ar_scale=1.35, spec_scale=1.65, ctx_ms=0.1, **NOISY),
+    "spec-slow": Mismatch(ar_scale=1.2, spec_scale=1.8, ctx_ms=0.2, **NOISY),
+    "host": Mismatch(host_ms=1.0, ctx_ms=0.2, **NOISY),
+    "spec-fast": Mismatch(ar_scale=2.0, spec_scale=1.7, **NOISY),
+}
+
+
+def simulate(
+    costs: dict,
+    taus,
+    batch: int,
+    new_tokens: int = 512,
+    seed: int = 0,
+    mismatch: Mismatch | None = None,
+    online: bool = True,
+    **rule,
+) -> dict:
     """Run the planner until each of ``batch`` requests committed ``new_tokens``.
 
     ``taus``: mean tokens per mode, or a function ``tokens so far -> {mode: tau}`` (acceptance that
-    changes along the output). Returns ``{"tok_per_ms", "steps": {mode: n}}``; ``tok_per_ms`` =
-    Σ τ(chosen mode) ÷ Σ step ms.
+    changes along the output). ``online``: tell the planner the measured step time and the confidence
+    of ``mismatch`` (default: none, the table is the truth). Returns ``{"tok_per_ms", "steps": {mode: n},
+    "planner"}``; ``tok_per_ms`` = Σ τ(chosen mode) ÷ Σ true step ms.
     """
+    mm = mismatch or Mismatch()
     rng = random.Random(seed)
     planner = StepPlanner(costs, **rule)
     done = tok = ms = 0.0
     while done < new_tokens:
         tau = taus(done) if callable(taus) else taus
-        mode = planner.choose()
+        predicted = None
+        if online and mm.over is not None:
+            predicted = {
+                m: 1 + mm.over * (tau[m] - 1) * rng.lognormvariate(0, 0.1) for m in costs if m[0] != "ar"
+            }
+        mode = planner.choose(predicted)
         most = max_tokens(mode, costs)
         p = accept_prob(tau[mode], most) if mode[0] != "ar" else 0.0
         committed = 0
@@ -76,17 +135,41 @@ def simulate(costs: dict, taus, batch: int, new_tokens: int = 512, seed: int = 0
             while n < most and rng.random() < p:
                 n += 1
             committed += n
-        planner.observe(mode, committed / batch)
+        true = mm.true_ms(mode, costs[mode], done)
+        seen = true * rng.lognormvariate(0, mm.noise) * (5.0 if rng.random() < mm.spikes else 1.0)
+        planner.observe(mode, committed / batch, seen if online else None, batch)
         done += committed / batch
         tok += tau[mode]
-        ms += costs[mode]
-    return {"tok_per_ms": tok / ms, "steps": {f"{m[0]}{m[1]}": n for m, n in planner.choices.items()}}
+        ms += true
+    steps = {f"{m[0]}{m[1]}": n for m, n in planner.choices.items()}
+    return {"tok_per_ms": tok / ms, "steps": steps, "planner": planner}
 
 
-def replay(costs: dict, taus: dict, batch: int, seeds: int = 5, new_tokens: int = 512, **rule) -> dict:
+def fixed_rate(
+    mode, costs: dict, tau: float, mismatch: Mismatch | None = None, new_tokens: int = 512
+) -> float:
+    """Tokens per true millisecond of always ``mode`` (τ tokens a step) through the same context growth."""
+    mm = mismatch or Mismatch()
+    done = ms = 0.0
+    while done < new_tokens:
+        ms += mm.true_ms(mode, costs[mode], done)
+        done += tau
+    return done / ms
+
+
+def replay(
+    costs: dict,
+    taus: dict,
+    batch: int,
+    seeds: int = 5,
+    new_tokens: int = 512,
+    mismatch: Mismatch | None = None,
+    online: bool = True,
+    **rule,
+) -> dict:
     """Planner against AR and the best fixed mode on one cost table, mean over ``seeds`` runs."""
-    fixed = {m: taus[m] / costs[m] for m in costs}
-    runs = [simulate(costs, taus, batch, new_tokens, seed, **rule) for seed in range(seeds)]
+    fixed = {m: fixed_rate(m, costs, taus[m], mismatch, new_tokens) for m in costs}
+    runs = [simulate(costs, taus, batch, new_tokens, seed, mismatch, online, **rule) for seed in range(seeds)]
     rates = [r["tok_per_ms"] for r in runs]
     best = max(fixed, key=fixed.get)
     return {
@@ -129,6 +212,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=16, help="runs per point (different acceptance draws)")
     ap.add_argument("--new-tokens", type=int, default=512, help="tokens per request in one run")
     ap.add_argument("--share", type=float, default=0.005, help="the planner's probe time share")
+    ap.add_argument(
+        "--scenarios",
+        default="table,h200,spec-slow,host,spec-fast",
+        help=f"comma-separated, of {sorted(SCENARIOS)}",
+    )
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     tables = (
@@ -137,16 +225,27 @@ def main(argv=None) -> int:
         else {k: dict(zip(MODES, v)) for k, v in H200_COSTS.items()}
     )
     rows = []
-    for (c, t), costs in sorted(tables.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        taus = {m: TAU[t][MODES.index(m)] for m in costs}
-        r = replay(costs, taus, c, args.seeds, args.new_tokens, share=args.share)
-        rows.append({"concurrency": c, "temperature": t, **r})
-        print(
-            f"c{c:<3} T{t}  best {r['best_fixed']:<8} planner/best {r['planner_over_best']:.3f} "
-            f"(worst seed {r['worst_over_best']:.3f})  planner/AR {r['planner_over_ar']:.3f}  steps {r['steps']}"
-        )
+    for name in args.scenarios.split(","):
+        mm = SCENARIOS[name]
+        for (c, t), costs in sorted(tables.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            taus = {m: TAU[t][MODES.index(m)] for m in costs}
+            row = {"scenario": name, "concurrency": c, "temperature": t}
+            for planner, online in (("table", False), ("online", True)):
+                r = replay(costs, taus, c, args.seeds, args.new_tokens, mm, online, share=args.share)
+                row[planner] = r
+            rows.append(row)
+            tb, on = row["table"], row["online"]
+            print(
+                f"{name:<9} c{c:<3} T{t}  best {on['best_fixed']:<7} "
+                f"table-only /best {tb['planner_over_best']:.3f} /AR {tb['planner_over_ar']:.3f} | "
+                f"online /best {on['planner_over_best']:.3f} (worst seed {on['worst_over_best']:.3f}) "
+                f"/AR {on['planner_over_ar']:.3f}  steps {on['steps']}"
+            )
     if args.output:
-        Path(args.output).write_text(json.dumps({"simulated": True, "points": rows}, indent=1))
+        scen = {k: asdict(v) for k, v in SCENARIOS.items()}
+        Path(args.output).write_text(
+            json.dumps({"simulated": True, "scenarios": scen, "points": rows}, indent=1)
+        )
     return 0
 
 
