@@ -11,6 +11,11 @@ equal to the engine's own autoregressive output.
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -40,9 +45,39 @@ def _config(kind: str):
     return Qwen3_5TextConfig(**common)
 
 
+def _reference_outputs(folder: str) -> dict:
+    """transformers' outputs for the saved model in ``folder`` (fp32, CPU, its torch code path): greedy
+    continuations of PROMPTS (NEW tokens each) and, for _check_steps, the logits [100, V] and the hidden
+    states after layers 2 and 4 of one fixed random 100-token sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+        ids = torch.randint(2, 256, (1, 100), generator=torch.Generator().manual_seed(1))
+        out = model(ids, output_hidden_states=True)
+    return {"want": want, "ids": ids[0], "logits": out.logits[0],
+            "feats": torch.cat([out.hidden_states[2], out.hidden_states[4]], dim=-1)[0]}
+
+
+def _reference(folder: Path) -> dict:
+    """:func:`_reference_outputs`, in a child process with fla-core hidden when it is installed: transformers
+    then binds its gated delta rule to fla's Triton kernels, which cannot run on CPU tensors."""
+    if importlib.util.find_spec("fla") is None:
+        return _reference_outputs(str(folder))
+    dump = folder / "reference.pt"
+    code = ("import sys, torch; sys.modules['fla'] = None; sys.path.insert(0, sys.argv[1]); "
+            "from tests.test_hybrid_engine import _reference_outputs; "
+            "torch.save(_reference_outputs(sys.argv[2]), sys.argv[3])")
+    root = str(Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code, root, str(folder), str(dump)], check=True)
+    return torch.load(dump)
+
+
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def hybrid(request, tmp_path_factory):
-    """(folder, transformers model, its greedy continuations of PROMPTS: NEW tokens each)."""
+    """(folder, transformers' reference outputs (:func:`_reference_outputs`), greedy continuations)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -55,29 +90,22 @@ def hybrid(request, tmp_path_factory):
                 p.normal_(0.0, 0.2)
     out = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(out)
-    want = []
-    for p in PROMPTS:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                             pad_token_id=0)
-        want.append(ids[0, len(p):].tolist())
+    ref = _reference(out)
+    want = ref["want"]
     assert all(len(set(w)) > 5 for w in want)
-    return out, model, want
+    return out, ref, want
 
 
 def _engine_target(path, device="cpu", dtype=torch.float32, impl="torch", layer_ids=(1, 3)):
     return EngineTarget.from_pretrained(str(path), device=device, dtype=dtype, layer_ids=list(layer_ids), impl=impl)
 
 
-def _check_steps(eng, model, device, tol):
+def _check_steps(eng, ref, device, tol):
     """Prefill (two prompts packed), a 16-token verify, rollback to n = 1, 2, 8, 16 kept tokens, then a decode
     step and a second verify from the rolled-back states: every logit row against transformers'."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, 256, (1, 100), generator=g)
-    with torch.no_grad():
-        want = model(ids, output_hidden_states=True)
-    wl = want.logits[0].to(device)
-    feats_want = torch.cat([want.hidden_states[2], want.hidden_states[4]], dim=-1)[0].to(device)
-    ids = ids[0].to(device)
+    wl = ref["logits"].to(device)
+    feats_want = ref["feats"].to(device)
+    ids = ref["ids"].to(device)
     cache = eng.new_cache(4, 128)
     P = 40
     logits, feats = eng.prefill_packed([ids[:P], ids[:P - 7]], [0, 2], cache)
@@ -108,10 +136,10 @@ def _check_steps(eng, model, device, tol):
 
 
 def test_engine_torch_steps_and_rollback_match_transformers(hybrid):
-    out, model, _ = hybrid
+    out, ref, _ = hybrid
     eng = _engine_target(out)
     assert eng.args.layer_kinds == ("linear",) * 3 + ("attention",) and eng.args.rotary_dim == 4
-    _check_steps(eng, model, "cpu", 1e-4)
+    _check_steps(eng, ref, "cpu", 1e-4)
 
 
 def _cycling_oracle(engine, reference):
@@ -165,8 +193,8 @@ def test_engine_refuses_tree_and_exact_for_hybrid(hybrid):
 def test_engine_triton_equals_transformers(hybrid, graphs):
     """H200: fla-core's chunked / recurrent kernels (impl "triton") in fp32: steps, rollback and greedy
     output against transformers; with and without CUDA graphs."""
-    out, model, want = hybrid
-    _check_steps(_engine_target(out, device="cuda", impl="triton"), model, "cuda", 2e-3)
+    out, ref, want = hybrid
+    _check_steps(_engine_target(out, device="cuda", impl="triton"), ref, "cuda", 2e-3)
     draft = random_draft(load_target(str(out), dtype="fp32"), block_size=16, mask=1)
     eng = Engine(_engine_target(out, device="cuda", impl="triton", layer_ids=draft.config.target_layer_ids), draft,
                  [], max_batch=2, max_seq=128, max_new_cap=NEW, cuda_graphs=graphs)
