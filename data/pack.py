@@ -29,6 +29,10 @@ pyarrow the rebuilt `data.arrow` is byte-identical (checked against the recorded
 
 The 4 answers per prompt of the recipe repeat each prompt 4 times, 1/4 of the ids apart; the xz
 dictionary is sized to cover the whole payload (<= 256 MiB) so the repeats cost almost nothing.
+Measured on 2.0 M tokens of SmolLM2-tokenized stand-in conversations laid out as the recipe's (4 answers
+per prompt, 40% prompt tokens), 2 shared CPU cores: preset 6 gives 0.51 byte/token in 2.8 s (0.73 with a
+256 KiB dictionary that misses the repeats, 0.65 when every prompt is distinct); preset 3 0.58 in 1.2 s,
+preset 0 0.62 in 0.4 s; presets 7-9 only enlarge the dictionary, which is set here anyway. Import: 0.4 s.
 """
 
 from __future__ import annotations
@@ -141,6 +145,12 @@ def build_payload(cache: Path) -> tuple[bytes, dict]:
     extra = [c for c in schema.names if c not in COLUMNS]
     if extra or "input_ids" not in schema.names or "loss_mask" not in schema.names:
         raise PackError(f"{arrow}: columns {schema.names}; expected input_ids, loss_mask and optionally id, turns")
+    for field in schema:
+        want = pa.types.is_string(field.type) if field.name == "id" else (
+            pa.types.is_list(field.type) and pa.types.is_integer(field.type.value_type))
+        if not want:
+            raise PackError(f"{arrow}: column {field.name!r} is {field.type}, expected "
+                            f"{'a string' if field.name == 'id' else 'a list of integers'}")
     ids, offsets = _list_column(table, "input_ids")
     mask, mask_offsets = _list_column(table, "loss_mask")
     if not np.array_equal(offsets, mask_offsets):
@@ -295,7 +305,11 @@ def _array(members: dict, header: dict, name: str) -> np.ndarray:
 
 
 def write_cache(payload: bytes, folder: Path) -> None:
-    """Writes the cache folder contents of a payload into the existing empty `folder`."""
+    """Writes the cache folder contents of a payload (a checked `build_payload` tar) into the empty `folder`.
+
+    Raises:
+        PackError: the payload's arrays disagree with its header (sequence or token counts).
+    """
     import pyarrow as pa
 
     with tarfile.open(fileobj=io.BytesIO(payload), mode="r") as tar:
