@@ -10,6 +10,9 @@
 #   regen     answers by the target with the CUDA engine: greedy (T=0) plus SAMPLES sampled answers per
 #             prompt (T=SAMPLE_T, one seed each), first user turn, <= MAX_NEW tokens; jobs spread over the GPUs
 #   tokenize  all answers -> one data.tokenize cache (ChatML loss masks, <= 2048 tokens)
+#   pack      (named only) tok-train and tok-eval -> $WORK/pack/tok-{train,eval}: pack.json + xz parts of
+#             <= PART_MIB MiB each (python -m data.pack export; the SmolLM2 set fits in one or two parts)
+#   unpack    (named only) the tok-* caches that are missing <- $PACK_DIR/tok-{train,eval} (data.pack import)
 #   train     DSpine (injection residual) and DFlash (injection none) drafts with identical settings, for each
 #             seed in SEEDS; one run per GPU when there are enough GPUs, else side by side
 #   bench     infer.bench on the five tasks at T=0 and T=1 (top_p 0.95, top_k 20), concurrency 1 (BENCH_C1
@@ -17,11 +20,17 @@
 #   scaling   tau of every saved checkpoint (T=0, concurrency 8, SCALE_PROMPTS per task, 256 tokens, no AR)
 #   summary   results JSON + plots (scripts/smollm2/summarize.py)
 # Every stage's wall clock goes to $WORK/timings.jsonl (also printed).
+# Over two GPU sessions that each return only a few small files (README, "How to reproduce"):
+#   session 1: recipe.sh convert data regen tokenize pack          -> bring back $WORK/pack (4-5 files)
+#   session 2: PACK_DIR=<carried pack folder> [DRAFT_INIT=<folder with dspine/ and dflash/ drafts>] \
+#              recipe.sh convert unpack train bench scaling summary
 # Knobs (env): WORK (runs/smollm2), NGPU (all visible), SAMPLES (3), SAMPLE_T (0.8), MAX_NEW (1024),
 #   REGEN_CONC (engine slots per GPU, 512), REGEN_CHUNK (rows per resumable write, 4096), REGEN_LIMIT (rows),
 #   STEPS (optimizer steps per draft, 2000) or TRAIN_MINUTES (wall clock per run: STEPS from a 30-step
 #   calibration), SEEDS ("0"), TRAIN_OVERRIDES (extra key=value for every run, e.g. "distill=kl"),
-#   BENCH_C1 (20), BENCH_C8 (40), BENCH_NEW (512), SCALE_PROMPTS (8), RESULTS (results JSON prefix).
+#   BENCH_C1 (20), BENCH_C8 (40), BENCH_NEW (512), SCALE_PROMPTS (8), RESULTS (results JSON prefix),
+#   PART_MIB (largest pack part, 15), PACK_DIR (where unpack reads, $WORK/pack), DRAFT_INIT (warm start:
+#   each run starts from DRAFT_INIT/dspine or DRAFT_INIT/dflash through the trainer's draft_init).
 set -euo pipefail
 cd "${DSPINE_REPO:-$(dirname "$0")/../..}"  # DSPINE_REPO: run a copy of this script from elsewhere
 WORK=${WORK:-runs/smollm2}
@@ -126,6 +135,32 @@ if has tokenize; then
   timed tokenize tok_stage
 fi
 
+# ------------------------------------------------------------------------------------------- pack
+if has pack; then
+  pack_stage() {
+    for split in train eval; do
+      cache=$(ls -d "$WORK"/tok-$split/*/ 2> /dev/null | head -1)
+      [ -n "$cache" ] || { echo "error: no cache in $WORK/tok-$split; run the tokenize stage first" >&2; return 1; }
+      python -m data.pack export --cache "${cache%/}" --out "$WORK/pack/tok-$split" --part-mib "${PART_MIB:-15}"
+    done
+  }
+  timed pack pack_stage
+fi
+
+# ------------------------------------------------------------------------------------------- unpack
+if has unpack; then
+  unpack_stage() {
+    for split in train eval; do
+      if compgen -G "$WORK/tok-$split/*/summary.json" > /dev/null; then
+        log "$WORK/tok-$split holds a cache; not unpacked"
+        continue
+      fi
+      python -m data.pack import --parts "${PACK_DIR:-$WORK/pack}/tok-$split" --cache-dir "$WORK/tok-$split"
+    done
+  }
+  timed unpack unpack_stage
+fi
+
 # ------------------------------------------------------------------------------------------- train
 train_cmd() {  # train_cmd NAME INJECTION SEED
   local train eval_cache
@@ -133,7 +168,8 @@ train_cmd() {  # train_cmd NAME INJECTION SEED
   echo "accelerate launch --num_processes 1 --num_machines 1 --dynamo_backend no" \
        "train/distill.py --config configs/smollm2-135m-dspine.yaml target=$TARGET train=$train eval=$eval_cache" \
        "injection=$2 seed=$3 output_dir=$WORK/train-$1-s$3 max_steps=$STEPS save_every=$((STEPS / 8))" \
-       "eval_every=$((STEPS / 4)) keep_last=0 ${TRAIN_OVERRIDES:-} > $WORK/logs/train-$1-s$3.log 2>&1"
+       "eval_every=$((STEPS / 4)) keep_last=0 ${DRAFT_INIT:+draft_init=$DRAFT_INIT/${1/calib/dspine}} ${TRAIN_OVERRIDES:-}" \
+       "> $WORK/logs/train-$1-s$3.log 2>&1"
 }
 if has train && [ -z "${STEPS_SET:-}" ] && [ -n "${TRAIN_MINUTES:-}" ]; then
   # calibrate: 30 steps of the DSpine run (the first 10 hold compilation), then STEPS = budget / step time

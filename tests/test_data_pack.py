@@ -1,0 +1,131 @@
+"""data.pack: a tokenize cache -> xz parts -> the same cache (rows, bytes, manifest), and its refusals."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from data.pack import PackError, _mask_runs, _unmask_runs, export, import_, main
+from train.data import ArrowRows
+
+SCHEMA = pa.schema([("id", pa.string()), ("turns", pa.list_(pa.int32())),
+                    ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+
+
+def _rows(vocab: int, n: int = 40, seed: int = 0) -> list[dict]:
+    """Chat-like rows: a prompt (mask 0), an answer (mask 1), sometimes a trailing 0 or a second answer;
+    every 4 rows share a prompt (the recipe's greedy + 3 samples)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        prompt = np.random.default_rng(i // 4).integers(0, vocab, 5 + i // 4 % 7).tolist()
+        answer = rng.integers(0, vocab, int(rng.integers(1, 60))).tolist()
+        mask = [0] * len(prompt) + [1] * len(answer)
+        if i % 3 == 1:  # a second turn: unsupervised user text, then another supervised span
+            answer += [7, 8] + [9] * (i % 5 + 1)
+            mask += [0, 0] + [1] * (i % 5 + 1)
+        if i % 5 == 2:  # ends unsupervised (the newline after <|im_end|>)
+            answer.append(11)
+            mask.append(0)
+        rows.append({"id": f"src-{i // 4}", "turns": [1] if i % 3 != 1 else [1, 3],
+                     "input_ids": prompt + answer, "loss_mask": mask})
+    rows.append({"id": "starts-supervised", "turns": [0], "input_ids": [vocab - 1, 0, 5], "loss_mask": [1, 1, 0]})
+    rows.append({"id": "one-token", "turns": [1], "input_ids": [3], "loss_mask": [1]})
+    return rows
+
+
+def _cache(root: Path, rows: list[dict], name: str = "0123456789abcdef") -> Path:
+    """A cache folder as data.tokenize writes it (stream of 7-row batches + its json files)."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    with pa.OSFile(str(folder / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, SCHEMA) as writer:
+        for start in range(0, len(rows), 7):
+            chunk = rows[start : start + 7]
+            writer.write_batch(pa.RecordBatch.from_pydict({k: [r[k] for r in chunk] for k in SCHEMA.names}, schema=SCHEMA))
+    manifest = {"code_version": 2, "tokenizer_digest": "ab" * 16, "template_digest": "cd" * 16, "max_length": 2048,
+                "thinking": False, "assistant_turns": "all"}
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    (folder / "summary.json").write_text(json.dumps({"sequences": len(rows), "manifest": manifest}) + "\n")
+    (folder / "errors.jsonl").write_text('{"line": 3, "reason": "all_zero_mask"}\n')
+    return folder
+
+
+def _same_cache(a: Path, b: Path) -> None:
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for p in a.iterdir():
+        assert (b / p.name).read_bytes() == p.read_bytes(), p.name
+    ra, rb = ArrowRows(a), ArrowRows(b)  # what the trainer opens
+    assert len(ra) == len(rb) and ra.max_token == (rb.max_token[0], ra.max_token[1].replace(str(b), str(a)))
+    assert [ra.row(i) for i in range(len(ra))] == [rb.row(i) for i in range(len(rb))]
+    keep = ("data_digest", "tokenizer", "chat_template_digest", "thinking", "tokenized_max_length")
+    assert {k: ra.metadata()[k] for k in keep} == {k: rb.metadata()[k] for k in keep}
+
+
+def test_mask_runs_alternate_from_a_zero_run():
+    mask = np.array([0, 0, 1, 1, 0, 1, 1, 1, 0, 1], np.int8)  # sequences [0:5], [5:8], [8:8], [8:10]
+    offsets = np.array([0, 5, 8, 8, 10])
+    runs, nruns = _mask_runs(mask, offsets)
+    assert runs.tolist() == [2, 2, 1, 0, 3, 1, 1]
+    assert nruns.tolist() == [3, 2, 0, 2]
+    assert _unmask_runs(runs, nruns).tolist() == mask.tolist()
+
+
+def test_round_trip_is_the_same_cache(tmp_path):
+    cache = _cache(tmp_path / "tok", _rows(49152))
+    m = export(cache, tmp_path / "pack", part_mib=0.002)  # ~2 KiB parts: several
+    assert len(m["parts"]) >= 2 and all(p["bytes"] <= 0.002 * (1 << 20) for p in m["parts"])
+    assert m["input_ids_dtype"] == "<u2" and m["sequences"] == 42 and m["cache_name"] == cache.name
+    assert m["tokens"] == sum(len(r["input_ids"]) for r in _rows(49152))
+    out = import_([tmp_path / "pack"], cache_dir=tmp_path / "unpacked")
+    assert out == tmp_path / "unpacked" / cache.name
+    _same_cache(cache, out)  # data.arrow byte-identical too
+    # the same from the part files named one by one, into an explicit folder
+    files = sorted((tmp_path / "pack").iterdir())
+    _same_cache(cache, import_(files, out=tmp_path / "again"))
+
+
+def test_large_vocab_falls_back_to_uint32(tmp_path):
+    rows = _rows(151936, n=12)
+    assert max(max(r["input_ids"]) for r in rows) >= 1 << 16
+    cache = _cache(tmp_path / "tok", rows)
+    assert export(cache, tmp_path / "pack")["input_ids_dtype"] == "<u4"
+    _same_cache(cache, import_([tmp_path / "pack"], out=tmp_path / "out"))
+
+
+def test_corrupt_and_missing_parts_are_named(tmp_path, capsys):
+    cache = _cache(tmp_path / "tok", _rows(49152))
+    export(cache, tmp_path / "pack", part_mib=0.002)
+    part = tmp_path / "pack" / "data.tar.xz.001"
+    good = part.read_bytes()
+    part.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
+    with pytest.raises(PackError, match=r"part .*data\.tar\.xz\.001 is corrupt"):
+        import_([tmp_path / "pack"], out=tmp_path / "out")
+    part.unlink()
+    assert main(["import", "--parts", str(tmp_path / "pack"), "--out", str(tmp_path / "out")]) == 2
+    assert "missing part(s) data.tar.xz.001" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_never_overwrites(tmp_path):
+    cache = _cache(tmp_path / "tok", _rows(49152))
+    first = export(cache, tmp_path / "pack")
+    parts = {p.name: p.read_bytes() for p in (tmp_path / "pack").iterdir()}
+    again = export(cache, tmp_path / "pack")  # the same archive: kept, not rewritten
+    assert again["skipped"] and again["payload_sha256"] == first["payload_sha256"]
+    other = _cache(tmp_path / "tok2", _rows(49152, seed=1))
+    with pytest.raises(PackError, match="exists and is not an archive of this cache"):
+        export(other, tmp_path / "pack")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "pack").iterdir()} == parts
+    (tmp_path / "out").mkdir()
+    with pytest.raises(PackError, match="output .*out exists"):
+        import_([tmp_path / "pack"], out=tmp_path / "out")
+
+
+def test_bad_cache_is_refused(tmp_path):
+    cache = _cache(tmp_path / "tok", _rows(49152, n=4))
+    (cache / "summary.json").unlink()  # a build that did not finish
+    with pytest.raises(PackError, match="not a finished data.tokenize cache"):
+        export(cache, tmp_path / "pack")
+    assert not (tmp_path / "pack").exists()
