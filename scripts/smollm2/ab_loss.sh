@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A/B of the training loss for the SmolLM2 DSpine draft: distill=ce (hard labels) against distill=kl (the
-# target's next-token distribution), same data, steps, seed and schedule, one run per GPU at the same time;
+# target's next-token distribution), same data, steps, seed and schedule, one run per GPU at the same time
+# (arms beyond the GPU count run one after the other);
 # then scripts/smollm2/ab_summary.py compares the in-trainer evals (tau_real, tau_sim, tau_sim_agree, KL).
 #
 #   GGUF=models/SmolLM2-135M-Instruct.Q4_1.gguf DSPINE_SHARED=../shared bash scripts/smollm2/ab_loss.sh
@@ -61,15 +62,22 @@ STEPS=${STEPS:-256}
 
 # ------------------------------------------------------------------------------------------- train
 t0=$(date +%s.%N)
-pids=(); runs=(); i=0
+runs=(); i=0
+declare -A queue=()  # GPU -> arms, run one after the other (two runs sharing an H200 are slower than in turn)
 for arm in $ARMS; do
-  g=$((i % NGPU)); out=$WORK/train-$arm; runs+=("--run" "$arm=$out")
+  g=$((i % NGPU)); runs+=("--run" "$arm=$WORK/train-$arm"); queue[$g]+=" $arm"; i=$((i + 1))
+done
+train_arm() {  # train_arm ARM GPU
+  local arm=$1 g=$2 out=$WORK/train-$1
   log "train distill=$arm on GPU $g -> $out (log $WORK/logs/train-$arm.log)"
   CUDA_VISIBLE_DEVICES=$g accelerate launch --num_processes 1 --num_machines 1 --dynamo_backend no \
     train/distill.py --config "$CONFIG" target="$TARGET" train="$TRAIN" eval="$EVAL" distill="$arm" seed="$SEED" \
     output_dir="$out" max_steps="$STEPS" save_every=0 keep_last=1 eval_every=$((STEPS / 2)) \
-    eval_prompts="${EVAL_PROMPTS:-8}" ${EXTRA:-} ${AB_OVERRIDES:-} > "$WORK/logs/train-$arm.log" 2>&1 &
-  pids+=($!); i=$((i + 1))
+    eval_prompts="${EVAL_PROMPTS:-8}" ${EXTRA:-} ${AB_OVERRIDES:-} > "$WORK/logs/train-$arm.log" 2>&1
+}
+pids=()
+for g in "${!queue[@]}"; do
+  ( rc=0; for arm in ${queue[$g]}; do train_arm "$arm" "$g" || rc=$?; done; exit $rc ) & pids+=($!)
 done
 rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
