@@ -103,3 +103,34 @@ def test_default_timer_returns_a_median_in_microseconds():
     calls = []
     us = lh.default_timer("x", lambda: calls.append(1), warmup=2, reps=5)
     assert len(calls) == 7 and 0 <= us < 1e5
+
+
+def test_bench_lm_head_smoke(monkeypatch):
+    """benchmarks/kernels/bench_lm_head.py --tiny at one M: every candidate timed, a pick among them."""
+    from benchmarks.kernels import bench_lm_head
+
+    monkeypatch.setattr(bench_lm_head, "TINY_MS", (5,))
+    res = bench_lm_head.run(type("A", (), {"tiny": True})())
+    names = [n for n in lh.CANDIDATES if lh.HAS_TRITON or n not in lh.TRITON_BN]
+    assert [r["impl"] for r in res["rows"]] == names and all(r["us"] > 0 and r["gb_s"] > 0 for r in res["rows"])
+    (p,) = res["pick"]
+    assert p["M"] == 5 and p["pick"] in names and set(p["pick_event_us"]) == set(names)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,N", [(576, 49152), (4096, 151936)])
+def test_candidates_cuda_bf16(K, N):
+    """Compiled kernels: every candidate runs (pick times all of them) and matches F.linear's bf16
+    error against an fp32 reference at decode and verify row counts."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).bfloat16()
+    for M in (1, 8, 120, 128, 256):
+        h = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        ref = h.float() @ w.float().t()
+        torch_err = float((F.linear(h, w).float() - ref).abs().max())
+        for name in lh.CANDIDATES:
+            err = float((lh.lm_head(h, w, name).float() - ref).abs().max())
+            assert err <= 2 * torch_err + 1e-3, (name, M, err, torch_err)
+        best, times = lh.pick(M, w)
+        assert all(math.isfinite(t) and t > 0 for t in times.values()), times
+        assert times[best] == min(times.values())
