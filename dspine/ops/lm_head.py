@@ -107,13 +107,15 @@ def default_timer(name: str, fn, warmup: int = 2, reps: int = 5) -> float:
     return sorted(a.elapsed_time(b) * 1e3 for a, b in ev)[reps // 2]
 
 
-def pick(M: int, w: torch.Tensor, timer=None, names=None, seed: int = 0) -> tuple[str, dict[str, float]]:
+def pick(M: int, w: torch.Tensor, timer=None, names=None, seed: int = 0,
+         margin: float = 0.05) -> tuple[str, dict[str, float]]:
     """Time each candidate on random rows ``[M, K]`` (w's device and dtype) and return the fastest
     name and every candidate's µs (``inf``: failed to run, or its logits differ from ``F.linear``'s
     by more than 2 % of their largest magnitude — a broken kernel is never chosen).
 
     ``timer(name, fn) -> µs`` (default :func:`default_timer`); ``names`` default: every candidate
-    (the Triton ones when Triton is installed). Ties go to the earlier name, ``linear`` first.
+    (the Triton ones when Triton is installed). Ties go to the earlier name; ``linear`` stays unless
+    the fastest beats it by more than ``margin`` (a timing-noise "win" does not change the kernel).
     """
     timer = timer or default_timer
     names = names or [n for n in CANDIDATES if HAS_TRITON or n not in TRITON_BN]
@@ -133,4 +135,6 @@ def pick(M: int, w: torch.Tensor, timer=None, names=None, seed: int = 0) -> tupl
             print(f"note: lm_head candidate {name} failed at M={M}: {str(e).splitlines()[0][:200]}", flush=True)
             times[name] = math.inf
     best = min(names, key=lambda n: times[n])
-    return best if math.isfinite(times[best]) else "linear", times
+    if not math.isfinite(times[best]) or times.get("linear", math.inf) <= (1 + margin) * times[best]:
+        best = "linear"
+    return best, times
