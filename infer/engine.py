@@ -15,6 +15,12 @@ batch neighbours or the concurrency), the result is ``dspine.stats.GenerationRes
 
 On a GPU the step is captured as a CUDA graph per (batch size, sampling settings); on the CPU the
 same code runs eagerly with the PyTorch reference kernels, which is how the tests check it.
+
+LM head (issue 12): before a step runner is built, each vocabulary GEMM it will run (the target's
+logits over B·T rows, the draft's over B·(verify_size - 1)) gets its implementation from
+``dspine.ops.lm_head.pick``, timed once per row count on this device and logged; the runner (and
+its graph) then calls the chosen kernel. Only on a GPU with the Triton kernels and outside exact mode
+(exact mode keeps its row-invariant GEMM); elsewhere ``F.linear``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dspine import sampling as rng
 from dspine.checkpoint import load_draft
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
+from dspine.ops.lm_head import pick as pick_lm_head
 from dspine.reference import check_prompts, request_seeds
 from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sample
 from dspine.stats import AcceptStats, GenerationResult
@@ -170,6 +177,10 @@ class Engine:
         self._slots: dict[int, _Slots] = {}
         self._graphs: dict[tuple, object] = {}
         self._capture_stream = None  # torch.cuda.Stream of this engine's captures (made at the first one)
+        # LM head per row count M -> dspine.ops.lm_head candidate, filled by _tune_lm_head
+        self.lm_head_choice: dict[int, str] = {}
+        self.lm_head_tune = self.device.type == "cuda" and self.impl == "triton" and not self.exact
+        self.lm_head_timer = None  # timer(name, fn) -> µs for lm_head.pick (None: CUDA events)
 
     # -- state views ---------------------------------------------------------------------------
     def _slots_for(self, B: int) -> _Slots:
@@ -190,7 +201,19 @@ class Engine:
         """Draft logits ``[B, verify_size-1, V]`` (model dtype) for blocks ``[B, bs]`` = [anchor, MASK, ...]
         whose anchor sits at ``draft_cache.lengths[b]``: the draft over the target's embedding and head."""
         hidden = self.draft.forward_block(F.embedding(block, self.target.embed), draft_cache, impl=self.impl)
-        return F.linear(hidden[:, 1 : self.verify_size], self.target.head)
+        rows = block.shape[0] * (self.verify_size - 1)
+        return self.target.logits(hidden[:, 1 : self.verify_size], lm_head=self.lm_head_choice.get(rows, "linear"))
+
+    def _tune_lm_head(self, rows: list[int]) -> None:
+        """Pick the LM head's implementation for each row count in ``rows`` not picked yet (µs per
+        candidate timed by ``dspine.ops.lm_head.pick``; one log line per row count)."""
+        for M in rows:
+            if not self.lm_head_tune or M < 1 or M in self.lm_head_choice:
+                continue
+            best, times = pick_lm_head(M, self.target.head, timer=self.lm_head_timer)
+            self.lm_head_choice[M] = best
+            print(f"lm_head M={M}: {best} ({times[best]:.0f} us; "
+                  + ", ".join(f"{n} {t:.0f}" for n, t in times.items()) + ")", flush=True)
 
     # -- the steps -------------------------------------------------------------------------------
     def _spec_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams,
@@ -222,7 +245,8 @@ class Engine:
             draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos, d_ids)
         torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
         positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
-        t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths, exact=self.exact)
+        t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths, exact=self.exact,
+                                                   lm_head=self.lm_head_choice.get(s.verify_block.numel(), "linear"))
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         if self.force_accept is not None:
             a = torch.full((s.B,), min(self.force_accept, K), dtype=torch.int32, device=self.device)
@@ -264,7 +288,8 @@ class Engine:
         tree = build_tree(s.anchor, q, N, chain_tokens=chain)
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths,
-                                                   tree_bits=ancestor_bits(tree.anc))
+                                                   tree_bits=ancestor_bits(tree.anc),
+                                                   lm_head=self.lm_head_choice.get(tree.tokens.numel(), "linear"))
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         rows = torch.arange(s.B, device=self.device)
         if self.force_accept is not None:  # the chain node at depth a
@@ -299,7 +324,8 @@ class Engine:
         s = slots
         tok = s.anchor[:, None]
         logits, feats = self.target.forward_step(tok, s.lengths[:, None].long(), kv, s.lengths,
-                                                 want_features=draft_cache is not None, exact=self.exact)
+                                                 want_features=draft_cache is not None, exact=self.exact,
+                                                 lm_head=self.lm_head_choice.get(s.B, "linear"))
         logits = logits[:, 0]
         s.nonfinite[0] |= ~torch.isfinite(logits).all()
         if params.greedy:
@@ -320,6 +346,8 @@ class Engine:
         (planner): ("ar", 1) | ("chain", n) | ("tree", n), default the engine's (spec) or plain AR."""
         slots, (kv, draft_cache) = self._slots_for(B), self._cache_view(B)
         mode = mode or (self.mode if spec else ("ar", 1))
+        # the LM heads this step runs: target over B·T rows, draft over B·(verify_size - 1)
+        self._tune_lm_head([B * mode[1]] + ([B * (self.verify_size - 1)] if mode[0] != "ar" else []))
         if mode[0] == "ar":
             fn = lambda: self._ar_step(slots, kv, params, draft_cache if spec else None)
         else:

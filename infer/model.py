@@ -43,6 +43,7 @@ from torch import nn
 
 from dspine.config import ROPE_IMPLEMENTED, check_target_layers, target_layer_types, unsupported_rope
 from dspine.ops.linear import linear
+from dspine.ops.lm_head import lm_head as lm_head_op
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
 from dspine.ops.silu_mul import silu_mul
@@ -365,6 +366,14 @@ class EngineTarget(nn.Module):
     def head(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
 
+    def logits(self, h: torch.Tensor, exact: bool = False, lm_head: str = "linear") -> torch.Tensor:
+        """``h [..., H] -> [..., V]`` (model dtype) through the head: ``dspine.ops.linear``'s row-invariant
+        GEMM when ``exact``, else ``dspine.ops.lm_head`` candidate ``lm_head`` (the engine's choice for
+        this row count; "linear" = ``F.linear``)."""
+        if exact:
+            return linear(h, self.head, impl=self.impl, exact=True)
+        return lm_head_op(h, self.head, lm_head)
+
     def new_cache(self, batch: int, seq: int) -> KVCache:
         """Static cache of ``seq`` positions per slot (the engine checks the RoPE range before)."""
         return KVCache(self.args, batch, seq, self.embed.device, self.embed.dtype)
@@ -457,7 +466,8 @@ class EngineTarget(nn.Module):
         return torch.cat([feats[i] for i in self.layer_ids], dim=-1)
 
     def forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, cache_len: torch.Tensor,
-                     want_features: bool = True, tree_bits: torch.Tensor | None = None, exact: bool = False):
+                     want_features: bool = True, tree_bits: torch.Tensor | None = None, exact: bool = False,
+                     lm_head: str = "linear"):
         """Decode (T = 1) or verify (T = block) step for every batch slot.
 
         Args:
@@ -469,6 +479,7 @@ class EngineTarget(nn.Module):
                 its K/V are written at cache_len[b] + t and it attends to the prefix and its ancestors.
             exact: row-invariant kernels (module docstring): a position's logits do not depend on T,
                 B or the other rows. Chain steps only.
+            lm_head: the head's implementation when not ``exact`` (:meth:`logits`).
         Hybrid targets: a T = 1 step commits the linear layers' states in place; a T > 1 (verify) step
         leaves them and keeps its inputs until :meth:`commit_states` says how many tokens each row keeps.
 
@@ -505,7 +516,7 @@ class EngineTarget(nn.Module):
         x, residual, feats = self._layers(tokens.reshape(-1), positions.reshape(-1), bidx, cache, attend, want_features,
                                           write, exact, mix)
         h, _ = rms_norm(x, self.norm, a.rms_norm_eps, residual=residual, impl=self.impl)
-        logits = linear(h, self.head, impl=self.impl, exact=exact).view(B, T, -1)
+        logits = self.logits(h, exact, lm_head).view(B, T, -1)
         f = self._features(feats, want_features)
         return logits, None if f is None else f.view(B, T, -1)
 

@@ -70,6 +70,26 @@ def test_engine_greedy_equals_reference_and_target(stories_dir, stories):
     assert ar.token_ids == want and ar.stats.tau == 1.0
 
 
+def test_engine_lm_head_choice_keeps_greedy_output(stories_dir, stories):
+    """The per-M LM-head selection (issue 12), forced on the CPU with injected timings that make a
+    different candidate win at each row count: the same greedy tokens as with F.linear (which
+    test_engine_greedy_equals_reference_and_target checks against the reference decoder)."""
+    eng = _engine(stories_dir, stories[2])
+    want = eng.generate(PROMPTS[:3], SamplingParams(max_new_tokens=16), concurrency=3).token_ids
+    assert not eng.lm_head_tune and not eng.lm_head_choice  # CPU / impl "torch": F.linear, no timing
+    rank = ["chunked32k", "transposed", "linear", "chunked8k"]  # winner at M: rank[-M % 4]
+
+    def timer(name, fn):
+        return (rank.index(name) + fn().shape[0]) % 4 if name in rank else 99.0
+
+    eng.lm_head_tune, eng.lm_head_timer = True, timer
+    spec = eng.generate(PROMPTS[:3], SamplingParams(max_new_tokens=16), concurrency=3)
+    ar = eng.generate(PROMPTS[:3], SamplingParams(max_new_tokens=16), concurrency=3, use_draft=False)
+    assert spec.token_ids == want and ar.token_ids == want
+    # verify 3 x 8 rows, draft 3 x 7 rows, AR 3 rows
+    assert eng.lm_head_choice == {24: "chunked32k", 21: "chunked8k", 3: "transposed"}
+
+
 def test_engine_oracle_draft_ragged_acceptance(stories_dir, stories):
     target, _, folder = stories
     want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, SamplingParams(max_new_tokens=80)).token_ids

@@ -16,7 +16,9 @@ does all its work and changes no state, so every profiled step is the same step.
 JSON per ``batch{B}.{ar,spec}``: ``kernel_us_per_step`` (sum of kernel device times),
 ``kernels_per_step`` (launches), ``wall_ms_per_step`` (eager, host-bound), and ``top`` = the 25
 kernels with the largest total time: name, ``us_per_step``, ``count_per_step``, ``us_per_call``,
-``fraction`` of the step's kernel time. On the CPU the table lists PyTorch ops by self CPU time.
+``fraction`` of the step's kernel time; ``lm_head_choice``: the engine's LM-head implementation per
+row count (``dspine.ops.lm_head``; empty on the CPU). On the CPU the table lists PyTorch ops by self
+CPU time.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ def run(args) -> dict:
                   f"launches per step; top: " + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.1f}"
                                                          for k in r["top"][:5]), flush=True)
         row["spec_kernel_time_over_ar"] = row["spec"]["kernel_us_per_step"] / row["ar"]["kernel_us_per_step"]
+        row["lm_head_choice"] = {str(m): c for m, c in sorted(eng.lm_head_choice.items())}  # rows -> impl (GPU)
         res[f"batch{B}"] = row
         del eng
     return res
