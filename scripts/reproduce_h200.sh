@@ -15,6 +15,9 @@
 #   hybrid    hybrid_lossless.py -> results/hybrid-h200.json                                   ~0.7
 #   profile   profile_step.py -> results/profile-step-h200.json                                ~1
 #   linear    bench_linear.py (exact-mode GEMM tiles vs cuBLAS) -> results/exact-kernels-h200.json
+#   lmhead    bench_lm_head.py (LM-head candidates per row count, the start-up pick) -> results/lm-head-h200.json ~1
+#   hybridbench bench_hybrid.py (27B-class qwen3_5 layout, random bf16: AR vs floor, oracle tau=7) -> ~1
+#             results/hybrid-bench-h200.json; it and the hybrid stage need fla-core (pip install fla-core einops)
 #   tables    scripts/make_tables.py (README results block)
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results).
@@ -26,7 +29,7 @@ DRAFT=${DRAFT:-checkpoints/smollm2-135m-dspine}
 R=${RESULTS:-results}
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-STAGES=${*:-convert engine steps tree planner exact hybrid profile linear tables}
+STAGES=${*:-convert engine steps tree planner exact hybrid profile linear lmhead hybridbench tables}
 HF=$WORK/smollm2-hf
 mkdir -p "$WORK/logs" "$R"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -67,6 +70,13 @@ if has profile && [ ! -f "$R/profile-step-h200.json" ]; then
 fi
 if has linear && [ ! -f "$R/exact-kernels-h200.json" ]; then
   timed linear python benchmarks/kernels/bench_linear.py --output "$R/exact-kernels-h200.json"
+fi
+if has lmhead && [ ! -f "$R/lm-head-h200.json" ]; then
+  timed lmhead python benchmarks/kernels/bench_lm_head.py --output "$R/lm-head-h200.json"
+fi
+if has hybridbench && [ ! -f "$R/hybrid-bench-h200.json" ]; then
+  timed hybridbench python benchmarks/engine/bench_hybrid.py --prompt 256 --new-tokens 64 --iters 5 \
+    --output "$R/hybrid-bench-h200.json"
 fi
 if has tables; then timed tables python scripts/make_tables.py; fi
 echo "[$(date +%T)] done; timings in $WORK/timings.jsonl"
