@@ -379,7 +379,7 @@ def profile_section() -> list[str]:
             out += ["", f"Batch 8 spec step: one call, an LM-head GEMM (vocabulary 151,936; M = 120 draft or 128 verify rows), takes "
                     f"{t['us_per_step'] / 1000:.2f} ms ({100 * t['fraction']:.0f}% of the step's kernel time; `{t['name']}`), "
                     "against 0.30 ms for the same weight at batch 8 AR: its tile is 16 rows wide, so the 1.24 GB weight is read "
-                    "about M / 16 = 8 times. Next: pick the LM-head GEMM per M at start-up by measurement."]
+                    "about M / 16 = 8 times (measured before the engine's start-up pick of the LM-head GEMM per row count)."]
     out += ["", f"Command: `{r['command']}`", ""]
     return out
 
