@@ -348,6 +348,30 @@ def write_cache(payload: bytes, folder: Path) -> None:
             (folder / name.removeprefix("files/")).write_bytes(data)
 
 
+def _plain_name(name) -> str:
+    """pack.json's `cache_name` as a folder name under --cache-dir: one plain path component only."""
+    if (not isinstance(name, str) or not name or name.startswith(".") or any(c in name for c in "/\\\0")
+            or Path(name).name != name):
+        raise PackError(f"{MANIFEST}: cache_name {name!r} is not a plain folder name (no path separators, "
+                        "not empty, not starting with '.'); refusing to import with --cache-dir (use --out)")
+    return name
+
+
+def _check_counts(arrow: Path, manifest: dict) -> None:
+    """The rebuilt `data.arrow` holds pack.json's `sequences` rows and `tokens` input ids (else PackError)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    with pa.memory_map(str(arrow)) as source:
+        table = pa.ipc.open_stream(source).read_all()
+        got = {"sequences": table.num_rows,
+               "tokens": int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)}
+    for field, value in got.items():
+        if manifest.get(field) != value:
+            raise PackError(f"{MANIFEST}: field {field!r} is {manifest.get(field)!r} but the rebuilt {DATA_FILE} "
+                            f"holds {value}; the manifest does not describe its parts")
+
+
 def import_(parts: list[str | Path], out: str | Path | None = None, cache_dir: str | Path | None = None) -> Path:
     """Rebuilds the cache folder from an archive (atomically: temp folder + rename); returns its path.
 
@@ -356,12 +380,14 @@ def import_(parts: list[str | Path], out: str | Path | None = None, cache_dir: s
         out: the cache folder to create; or `cache_dir`: its parent (the folder gets the original name,
             so `data.tokenize --cache-dir` of the same input finds it).
     Raises:
-        PackError: a missing or corrupt part (named), a payload whose sha256 differs, or an existing output.
+        PackError: a missing or corrupt part (named), a payload whose sha256 differs, an existing output,
+            a `cache_name` that is not one plain folder name (with `cache_dir`), or rebuilt sequence/token
+            counts differing from pack.json's `sequences` / `tokens` (the field named).
     """
     manifest, found = _locate(parts)
     if (out is None) == (cache_dir is None):
         raise PackError("give exactly one of --out and --cache-dir")
-    out = Path(out) if out is not None else Path(cache_dir) / manifest["cache_name"]
+    out = Path(out) if out is not None else Path(cache_dir) / _plain_name(manifest.get("cache_name"))
     if out.exists():
         raise PackError(f"output {out} exists; refusing to overwrite it (remove it or give another folder)")
     data = check_parts(found, manifest)
@@ -377,6 +403,7 @@ def import_(parts: list[str | Path], out: str | Path | None = None, cache_dir: s
     tmp.mkdir()
     try:
         write_cache(payload, tmp)
+        _check_counts(tmp / DATA_FILE, manifest)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,6 +1,7 @@
 """data.pack: a tokenize cache -> xz parts -> the same cache (rows, bytes, manifest), and its refusals."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +130,25 @@ def test_bad_cache_is_refused(tmp_path):
     with pytest.raises(PackError, match="not a finished data.tokenize cache"):
         export(cache, tmp_path / "pack")
     assert not (tmp_path / "pack").exists()
+
+
+@pytest.mark.parametrize("name", ["../../evil", "a/b", "..", ".", "", ".hidden", "/abs", 7])
+def test_import_refuses_a_cache_name_that_is_not_a_plain_folder_name(tmp_path, name):
+    cache = _cache(tmp_path / "tok", _rows(49152, n=4))
+    export(cache, tmp_path / "pack")
+    manifest = json.loads((tmp_path / "pack" / "pack.json").read_text())
+    (tmp_path / "pack" / "pack.json").write_text(json.dumps({**manifest, "cache_name": name}))
+    with pytest.raises(PackError, match=re.escape(f"pack.json: cache_name {name!r} is not a plain folder name")):
+        import_([tmp_path / "pack"], cache_dir=tmp_path / "a" / "b" / "caches")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack", "tok"]  # nothing written anywhere
+
+
+@pytest.mark.parametrize("field", ["sequences", "tokens"])
+def test_import_checks_the_rebuilt_counts_against_pack_json(tmp_path, field):
+    cache = _cache(tmp_path / "tok", _rows(49152, n=4))
+    m = export(cache, tmp_path / "pack")
+    (tmp_path / "pack" / "pack.json").write_text(json.dumps({**m, field: m[field] + 1}))
+    with pytest.raises(PackError, match=re.escape(f"pack.json: field {field!r} is {m[field] + 1} but the rebuilt "
+                                                  f"data.arrow holds {m[field]}")):
+        import_([tmp_path / "pack"], cache_dir=tmp_path / "unpacked")
+    assert list((tmp_path / "unpacked").iterdir()) == []  # the temp folder is gone too
