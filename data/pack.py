@@ -204,11 +204,14 @@ def _filters(preset: int, size: int) -> list[dict]:
 def export(cache: str | Path, out: str | Path, part_mib: float = 15, preset: int = 6) -> dict:
     """Writes the archive of `cache` to the folder `out` (atomically); returns its pack.json.
 
-    An existing `out` holding the archive of the same payload is kept (returned with "skipped": True).
+    An existing `out` holding a valid archive of the same payload is kept as it is, its part size
+    included (returned with "skipped": True, and "own_part_size": True when `part_mib` would split
+    it otherwise).
 
     Raises:
         PackError: bad cache (see `build_payload`), part_mib <= 0, preset outside 0-9, or `out` exists
-            and is not an archive of this same payload (never overwritten).
+            and is not a valid archive of this same payload (a missing or corrupt part, another
+            payload, an unreadable pack.json): never overwritten; the message says to delete it.
     """
     cache, out = Path(cache), Path(out)
     if not part_mib > 0:
@@ -218,17 +221,24 @@ def export(cache: str | Path, out: str | Path, part_mib: float = 15, preset: int
     t0 = time.perf_counter()
     payload, info = build_payload(cache)
     digest = _sha256(payload)
+    step = int(part_mib * (1 << 20))
     if out.exists():
-        old = out / MANIFEST
-        if old.is_file() and _read_manifest(old).get("payload_sha256") == digest:
-            check_parts(out, _read_manifest(old))
-            return {**_read_manifest(old), "skipped": True}
-        raise PackError(f"--out {out} exists and is not an archive of this cache; refusing to overwrite it "
-                        "(remove it or give another folder)")
+        try:
+            if not out.is_dir():
+                raise PackError("a file, not an archive folder")
+            old = _read_manifest(out / MANIFEST)
+            if old.get("payload_sha256") != digest:
+                raise PackError("the archive of another cache or build")
+            check_parts(out, old)
+        except PackError as e:
+            raise PackError(f"--out {out} exists and is not a valid archive identical to this cache ({e}); "
+                            f"export refuses to overwrite it: delete {out} and export again") from None
+        sizes = [p["bytes"] for p in old["parts"]]
+        same_split = not sizes or (all(b == step for b in sizes[:-1]) and sizes[-1] <= step)
+        return {**old, "skipped": True, "own_part_size": not same_split}
     t1 = time.perf_counter()
     packed = lzma.compress(payload, format=lzma.FORMAT_XZ, filters=_filters(preset, len(payload)))
     t2 = time.perf_counter()
-    step = int(part_mib * (1 << 20))
     parts = [packed[i : i + step] for i in range(0, len(packed), step)]
     manifest = {"format": FORMAT, "cache_name": cache.name, **info, "payload_bytes": len(payload),
                 "payload_sha256": digest, "compressed_bytes": len(packed), "xz_preset": preset,
@@ -433,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{what} {args.out}: {m['sequences']} sequences, {m['tokens']} tokens, {len(m['parts'])} part(s), "
                   f"{m['compressed_bytes']} bytes ({m['compressed_bytes'] / max(m['tokens'], 1):.3f} bytes/token), "
                   f"{time.perf_counter() - t0:.1f} s")
+            if m.get("own_part_size"):
+                print(f"note: {args.out} was kept with its own part size (largest part "
+                      f"{max(p['bytes'] for p in m['parts'])} bytes), not re-split for --part-mib {args.part_mib:g}; "
+                      f"delete it and export again to re-split")
         else:
             out = import_(args.parts, args.out, args.cache_dir)
             m, _ = _locate(args.parts)
