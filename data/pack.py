@@ -204,11 +204,14 @@ def _filters(preset: int, size: int) -> list[dict]:
 def export(cache: str | Path, out: str | Path, part_mib: float = 15, preset: int = 6) -> dict:
     """Writes the archive of `cache` to the folder `out` (atomically); returns its pack.json.
 
-    An existing `out` holding the archive of the same payload is kept (returned with "skipped": True).
+    An existing `out` holding a valid archive of the same payload is kept as it is, its part size
+    included (returned with "skipped": True, and "own_part_size": True when `part_mib` would split
+    it otherwise).
 
     Raises:
         PackError: bad cache (see `build_payload`), part_mib <= 0, preset outside 0-9, or `out` exists
-            and is not an archive of this same payload (never overwritten).
+            and is not a valid archive of this same payload (a missing or corrupt part, another
+            payload, an unreadable pack.json): never overwritten; the message says to delete it.
     """
     cache, out = Path(cache), Path(out)
     if not part_mib > 0:
@@ -218,17 +221,24 @@ def export(cache: str | Path, out: str | Path, part_mib: float = 15, preset: int
     t0 = time.perf_counter()
     payload, info = build_payload(cache)
     digest = _sha256(payload)
+    step = int(part_mib * (1 << 20))
     if out.exists():
-        old = out / MANIFEST
-        if old.is_file() and _read_manifest(old).get("payload_sha256") == digest:
-            check_parts(out, _read_manifest(old))
-            return {**_read_manifest(old), "skipped": True}
-        raise PackError(f"--out {out} exists and is not an archive of this cache; refusing to overwrite it "
-                        "(remove it or give another folder)")
+        try:
+            if not out.is_dir():
+                raise PackError("a file, not an archive folder")
+            old = _read_manifest(out / MANIFEST)
+            if old.get("payload_sha256") != digest:
+                raise PackError("the archive of another cache or build")
+            check_parts(out, old)
+        except PackError as e:
+            raise PackError(f"--out {out} exists and is not a valid archive identical to this cache ({e}); "
+                            f"export refuses to overwrite it: delete {out} and export again") from None
+        sizes = [p["bytes"] for p in old["parts"]]
+        same_split = not sizes or (all(b == step for b in sizes[:-1]) and sizes[-1] <= step)
+        return {**old, "skipped": True, "own_part_size": not same_split}
     t1 = time.perf_counter()
     packed = lzma.compress(payload, format=lzma.FORMAT_XZ, filters=_filters(preset, len(payload)))
     t2 = time.perf_counter()
-    step = int(part_mib * (1 << 20))
     parts = [packed[i : i + step] for i in range(0, len(packed), step)]
     manifest = {"format": FORMAT, "cache_name": cache.name, **info, "payload_bytes": len(payload),
                 "payload_sha256": digest, "compressed_bytes": len(packed), "xz_preset": preset,
@@ -348,6 +358,30 @@ def write_cache(payload: bytes, folder: Path) -> None:
             (folder / name.removeprefix("files/")).write_bytes(data)
 
 
+def _plain_name(name) -> str:
+    """pack.json's `cache_name` as a folder name under --cache-dir: one plain path component only."""
+    if (not isinstance(name, str) or not name or name.startswith(".") or any(c in name for c in "/\\\0")
+            or Path(name).name != name):
+        raise PackError(f"{MANIFEST}: cache_name {name!r} is not a plain folder name (no path separators, "
+                        "not empty, not starting with '.'); refusing to import with --cache-dir (use --out)")
+    return name
+
+
+def _check_counts(arrow: Path, manifest: dict) -> None:
+    """The rebuilt `data.arrow` holds pack.json's `sequences` rows and `tokens` input ids (else PackError)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    with pa.memory_map(str(arrow)) as source:
+        table = pa.ipc.open_stream(source).read_all()
+        got = {"sequences": table.num_rows,
+               "tokens": int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)}
+    for field, value in got.items():
+        if manifest.get(field) != value:
+            raise PackError(f"{MANIFEST}: field {field!r} is {manifest.get(field)!r} but the rebuilt {DATA_FILE} "
+                            f"holds {value}; the manifest does not describe its parts")
+
+
 def import_(parts: list[str | Path], out: str | Path | None = None, cache_dir: str | Path | None = None) -> Path:
     """Rebuilds the cache folder from an archive (atomically: temp folder + rename); returns its path.
 
@@ -356,12 +390,14 @@ def import_(parts: list[str | Path], out: str | Path | None = None, cache_dir: s
         out: the cache folder to create; or `cache_dir`: its parent (the folder gets the original name,
             so `data.tokenize --cache-dir` of the same input finds it).
     Raises:
-        PackError: a missing or corrupt part (named), a payload whose sha256 differs, or an existing output.
+        PackError: a missing or corrupt part (named), a payload whose sha256 differs, an existing output,
+            a `cache_name` that is not one plain folder name (with `cache_dir`), or rebuilt sequence/token
+            counts differing from pack.json's `sequences` / `tokens` (the field named).
     """
     manifest, found = _locate(parts)
     if (out is None) == (cache_dir is None):
         raise PackError("give exactly one of --out and --cache-dir")
-    out = Path(out) if out is not None else Path(cache_dir) / manifest["cache_name"]
+    out = Path(out) if out is not None else Path(cache_dir) / _plain_name(manifest.get("cache_name"))
     if out.exists():
         raise PackError(f"output {out} exists; refusing to overwrite it (remove it or give another folder)")
     data = check_parts(found, manifest)
@@ -377,6 +413,7 @@ def import_(parts: list[str | Path], out: str | Path | None = None, cache_dir: s
     tmp.mkdir()
     try:
         write_cache(payload, tmp)
+        _check_counts(tmp / DATA_FILE, manifest)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -406,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{what} {args.out}: {m['sequences']} sequences, {m['tokens']} tokens, {len(m['parts'])} part(s), "
                   f"{m['compressed_bytes']} bytes ({m['compressed_bytes'] / max(m['tokens'], 1):.3f} bytes/token), "
                   f"{time.perf_counter() - t0:.1f} s")
+            if m.get("own_part_size"):
+                print(f"note: {args.out} was kept with its own part size (largest part "
+                      f"{max(p['bytes'] for p in m['parts'])} bytes), not re-split for --part-mib {args.part_mib:g}; "
+                      f"delete it and export again to re-split")
         else:
             out = import_(args.parts, args.out, args.cache_dir)
             m, _ = _locate(args.parts)

@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections import Counter
@@ -305,7 +306,9 @@ def build_tokenized(
         num_proc: worker processes for tokenization.
     Returns:
         the cache folder: `data.arrow` (columns id: str, turns: list[int32], input_ids: list[int32],
-        loss_mask: list[int8]), `summary.json`, `manifest.json`, `errors.jsonl`.
+        loss_mask: list[int8]), `summary.json`, `manifest.json`, `errors.jsonl`. The build goes to
+        `cache_dir/.<key>.tmp-<pid>/` (removed on any error, Ctrl-C included) and is renamed when
+        finished; `summary.json` is written last, so it marks a finished cache.
     Raises:
         ValueError: bad arguments, unusable template, or thinking mode differing from the
             run_args.json of a data.regenerate output folder holding the input.
@@ -324,11 +327,12 @@ def build_tokenized(
     final = Path(cache_dir) / cache_key(manifest)
     if (final / SUMMARY).exists():
         return final
-    tmp = Path(cache_dir) / f"{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    # A dot name: a killed build's leftover is neither picked by `ls -d cache_dir/*/` nor opened as a cache.
+    tmp = Path(cache_dir) / f".{final.name}.tmp-{os.getpid()}"
     settings = (tokenizer_path, template, thinking, assistant_turns, max_length)
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         summary = _write_cache(tmp, Path(input_jsonl), tokenizer, settings, num_proc)
         summary["manifest"] = manifest
         atomic_write_json(tmp / "manifest.json", manifest)
@@ -374,6 +378,12 @@ def _init_worker(tokenizer_path, template, thinking, assistant_turns, max_length
         assistant_turns=assistant_turns,
         max_length=max_length,
     )
+
+
+def _init_pool_worker(*settings):
+    # Ctrl-C reaches the whole process group; the parent alone handles it (one message, no worker tracebacks).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(*settings)
 
 
 def _tokenize_lines(lines: list[tuple[int, bytes, str]]) -> list[tuple]:
@@ -437,11 +447,12 @@ def _write_cache(folder: Path, input_jsonl: Path, tokenizer, settings, num_proc:
     first_errors = []
     pool = None
     if num_proc > 1:
-        pool = multiprocessing.get_context("spawn").Pool(num_proc, _init_worker, settings)
+        pool = multiprocessing.get_context("spawn").Pool(num_proc, _init_pool_worker, settings)
         results = pool.imap(_tokenize_lines, _read_chunks(input_jsonl))
     else:
         _init_worker(*settings, tokenizer=tokenizer)
         results = map(_tokenize_lines, _read_chunks(input_jsonl))
+    finished = False
     try:
         with (
             pa.OSFile(str(folder / DATA_FILE), "wb") as sink,
@@ -472,9 +483,11 @@ def _write_cache(folder: Path, input_jsonl: Path, tokenizer, settings, num_proc:
                         stats["supervised_tokens"] += sum(seq["loss_mask"])
                 if batch["id"]:
                     writer.write_batch(pa.RecordBatch.from_pydict(batch, schema=schema))
+        finished = True
     finally:
         if pool is not None:
-            pool.close()
+            # on an error or Ctrl-C stop the workers now: close + join would first tokenize every queued chunk
+            pool.close() if finished else pool.terminate()
             pool.join()
     return {
         "rows": stats["rows"],
@@ -535,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, ImportError) as e:  # OSError includes FileNotFoundError
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # build_tokenized removes its temp folder; this catches a second Ctrl-C during that removal
+        for tmp in Path(cache_dir).glob(f".*.tmp-{os.getpid()}"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"data.tokenize: interrupted; no cache written to {cache_dir}", file=sys.stderr)
+        return 130
     summary = json.loads((path / SUMMARY).read_text())
     print(format_summary(summary, path))
     if not summary.get("rows"):

@@ -1,6 +1,7 @@
 """data.pack: a tokenize cache -> xz parts -> the same cache (rows, bytes, manifest), and its refusals."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -115,7 +116,9 @@ def test_never_overwrites(tmp_path):
     again = export(cache, tmp_path / "pack")  # the same archive: kept, not rewritten
     assert again["skipped"] and again["payload_sha256"] == first["payload_sha256"]
     other = _cache(tmp_path / "tok2", _rows(49152, seed=1))
-    with pytest.raises(PackError, match="exists and is not an archive of this cache"):
+    with pytest.raises(PackError, match=re.escape(
+            f"--out {tmp_path / 'pack'} exists and is not a valid archive identical to this cache (the archive of "
+            f"another cache or build); export refuses to overwrite it: delete {tmp_path / 'pack'} and export again")):
         export(other, tmp_path / "pack")
     assert {p.name: p.read_bytes() for p in (tmp_path / "pack").iterdir()} == parts
     (tmp_path / "out").mkdir()
@@ -129,3 +132,50 @@ def test_bad_cache_is_refused(tmp_path):
     with pytest.raises(PackError, match="not a finished data.tokenize cache"):
         export(cache, tmp_path / "pack")
     assert not (tmp_path / "pack").exists()
+
+
+@pytest.mark.parametrize("name", ["../../evil", "a/b", "..", ".", "", ".hidden", "/abs", 7])
+def test_import_refuses_a_cache_name_that_is_not_a_plain_folder_name(tmp_path, name):
+    cache = _cache(tmp_path / "tok", _rows(49152, n=4))
+    export(cache, tmp_path / "pack")
+    manifest = json.loads((tmp_path / "pack" / "pack.json").read_text())
+    (tmp_path / "pack" / "pack.json").write_text(json.dumps({**manifest, "cache_name": name}))
+    with pytest.raises(PackError, match=re.escape(f"pack.json: cache_name {name!r} is not a plain folder name")):
+        import_([tmp_path / "pack"], cache_dir=tmp_path / "a" / "b" / "caches")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack", "tok"]  # nothing written anywhere
+
+
+@pytest.mark.parametrize("field", ["sequences", "tokens"])
+def test_import_checks_the_rebuilt_counts_against_pack_json(tmp_path, field):
+    cache = _cache(tmp_path / "tok", _rows(49152, n=4))
+    m = export(cache, tmp_path / "pack")
+    (tmp_path / "pack" / "pack.json").write_text(json.dumps({**m, field: m[field] + 1}))
+    with pytest.raises(PackError, match=re.escape(f"pack.json: field {field!r} is {m[field] + 1} but the rebuilt "
+                                                  f"data.arrow holds {m[field]}")):
+        import_([tmp_path / "pack"], cache_dir=tmp_path / "unpacked")
+    assert list((tmp_path / "unpacked").iterdir()) == []  # the temp folder is gone too
+
+
+def test_export_onto_a_corrupt_or_differently_split_archive(tmp_path, capsys):
+    cache = _cache(tmp_path / "tok", _rows(49152))
+    out = tmp_path / "pack"
+    assert main(["export", "--cache", str(cache), "--out", str(out), "--part-mib", "0.002"]) == 0
+    n_parts = len(json.loads((out / "pack.json").read_text())["parts"])
+    capsys.readouterr()
+    # another --part-mib: the archive is kept as it is, and the output says so
+    assert main(["export", "--cache", str(cache), "--out", str(out), "--part-mib", "15"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith(f"kept (identical archive) {out}: 42 sequences") and len(printed) == 2
+    assert printed[1] == (f"note: {out} was kept with its own part size (largest part 2097 bytes), not re-split for "
+                          f"--part-mib 15; delete it and export again to re-split")
+    assert len(json.loads((out / "pack.json").read_text())["parts"]) == n_parts >= 2
+    assert main(["export", "--cache", str(cache), "--out", str(out), "--part-mib", "0.002"]) == 0
+    assert "note:" not in capsys.readouterr().out  # the same split: nothing to say
+    # a corrupt part of the existing archive: refused, with what to do
+    part = out / "data.tar.xz.000"
+    part.write_bytes(part.read_bytes()[:-1])
+    assert main(["export", "--cache", str(cache), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out} exists and is not a valid archive identical to this cache (part {part} "
+                          "is corrupt: 2096 bytes")
+    assert err.endswith(f"); export refuses to overwrite it: delete {out} and export again\n")

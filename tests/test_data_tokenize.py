@@ -343,3 +343,24 @@ def test_failed_build_leaves_no_temp_folder(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         build_tokenized(data_file, str(QWEN3), tmp_path / "cache", 64, False)
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_ctrl_c_removes_the_dot_temp_folder_and_exits_130(tmp_path, monkeypatch, capsys):
+    import data.tokenize
+
+    seen = []
+
+    def interrupted(folder, *args, **kwargs):
+        seen.append(folder.name)
+        (folder / "data.arrow").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    data_file = write_rows(tmp_path / "rows.jsonl", [conv_row(0)], [])
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(data.tokenize, "_write_cache", interrupted)
+    assert main(["--input", str(data_file), "--tokenizer", str(QWEN3), "--max-length", "64",
+                 "--cache-dir", str(cache)]) == 130
+    assert capsys.readouterr().err == f"data.tokenize: interrupted; no cache written to {cache}\n"
+    (name,) = seen
+    assert name.startswith(".") and name.endswith(f".tmp-{os.getpid()}")  # `ls -d cache/*/` skips it
+    assert list(cache.iterdir()) == []

@@ -74,6 +74,7 @@ def test_jsonl_and_arrow_readers_agree(tmp_path):
                                 "input_ids": [r["input_ids"] for r in rows],
                                 "loss_mask": [r["loss_mask"] for r in rows]}, schema=schema))
     (folder / "manifest.json").write_text(json.dumps({"max_length": 64, "thinking": False, "template_digest": "x"}))
+    (folder / "summary.json").write_text(json.dumps({"sequences": 5}))
     a, b = open_rows(jl), open_rows(folder)
     assert isinstance(a, JsonlRows) and len(a) == len(b) == 5
     for i in (4, 0, 2):
@@ -177,6 +178,7 @@ def test_jsonl_and_arrow_rows_report_their_largest_token(tmp_path):
     assert rows.max_token == (300, f"{path}:3") and len(rows) == 3 and rows.row(1)["input_ids"] == [9, 300, 4]
     folder = tmp_path / "cache"
     folder.mkdir()
+    (folder / "summary.json").write_text("{}")
     schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
 
     def write(ids, masks):
@@ -203,6 +205,7 @@ def test_open_check_is_fast_for_a_large_cache(tmp_path):
 
     folder = tmp_path / "cache"
     folder.mkdir()
+    (folder / "summary.json").write_text("{}")
     n, length = 40_000, 400
     schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
     offsets = pa.array(range(0, (n + 1) * length, length), pa.int32())
@@ -221,3 +224,25 @@ def test_open_check_is_fast_for_a_large_cache(tmp_path):
     t_checked = time.perf_counter() - t0
     assert len(rows) == n and rows.max_token[0] < 49152
     assert t_checked < t_plain + 1.0, (t_plain, t_checked)
+
+
+def test_unfinished_or_truncated_cache_is_refused_by_name(tmp_path):
+    """A killed data.tokenize build (data.arrow, no summary.json) and a truncated data.arrow: errors name the path."""
+    import pyarrow as pa
+
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+    cache = tmp_path / "tok" / "0123456789abcdef"
+    cache.mkdir(parents=True)
+    with pa.OSFile(str(cache / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+        for _ in range(4):
+            w.write_table(pa.table({"input_ids": [[1, 2, 3]] * 50, "loss_mask": [[0, 1, 1]] * 50}, schema=schema))
+    whole = (cache / "data.arrow").read_bytes()
+    for folder in (cache, cache.with_name(f"{cache.name}.tmp-123")):  # the second: the old temp folder name
+        folder.mkdir(exist_ok=True)
+        with pytest.raises(ValueError, match=re.escape(f"{folder}: unfinished data.tokenize cache (no summary.json")):
+            open_rows(folder)
+    (cache / "summary.json").write_text("{}")
+    assert len(open_rows(cache)) == 200
+    (cache / "data.arrow").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=re.escape(f"{cache / 'data.arrow'}: truncated or corrupt Arrow file")):
+        open_rows(cache)

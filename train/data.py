@@ -88,15 +88,25 @@ class ArrowRows:
     ``input_ids`` / ``loss_mask`` of different lengths; ``max_token`` as in :class:`JsonlRows`.
 
     Raises:
-        ValueError: naming ``data.arrow``, the row and the field.
+        ValueError: naming ``data.arrow``, the row and the field; naming the folder when it has no
+            ``summary.json`` (written last by ``data.tokenize``: a killed or running build); naming
+            ``data.arrow`` when it is truncated or corrupt.
     """
 
     def __init__(self, folder: str | Path):
+        import pyarrow as pa
         from datasets import Dataset
 
         self.folder = Path(folder)
-        ds = Dataset.from_file(str(self.folder / "data.arrow"))
         where = self.folder / "data.arrow"
+        if not (self.folder / "summary.json").is_file():
+            raise ValueError(f"{self.folder}: unfinished data.tokenize cache (no summary.json, which data.tokenize "
+                             "writes last; a killed or still running build); delete it and run data.tokenize again")
+        try:
+            ds = Dataset.from_file(str(where))
+        except (OSError, pa.ArrowException) as e:  # a truncated stream: "Expected to be able to read N bytes ..."
+            raise ValueError(f"{where}: truncated or corrupt Arrow file ({e}); delete {self.folder} and run "
+                             "data.tokenize again") from None
         for key in ("input_ids", "loss_mask"):
             if key not in ds.column_names:
                 raise ValueError(f"{where}: no column {key!r} (columns: {ds.column_names}); not a data.tokenize cache")
@@ -285,9 +295,10 @@ def open_rows(path: str | Path):
 
     Raises:
         FileNotFoundError: nothing usable at ``path``.
+        ValueError: an unfinished or corrupt cache folder (see :class:`ArrowRows`).
     """
     p = Path(path)
-    if p.is_dir() and (p / "data.arrow").is_file():
+    if p.is_dir() and ((p / "data.arrow").is_file() or ".tmp-" in p.name):  # .tmp-: a data.tokenize build
         return ArrowRows(p)
     if p.is_dir() and (p / "manifest.json").is_file() and str(
             read_json_object(p / "manifest.json", "a manifest").get("format", "")).startswith("dspine-features"):

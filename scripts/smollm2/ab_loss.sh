@@ -54,7 +54,7 @@ elif [ -z "${TRAIN:-}" ] || [ -z "${EVAL:-}" ]; then
   WORK=$WORK REGEN_LIMIT=${REGEN_LIMIT:-3000} SAMPLES=${SAMPLES:-1} MAX_NEW=${MAX_NEW:-512} NGPU=$NGPU \
     bash scripts/smollm2/recipe.sh convert data regen tokenize
   timing data_total "$t0" 0
-  TRAIN=$(ls -d "$WORK"/tok-train/*/ | head -1); EVAL=$(ls -d "$WORK"/tok-eval/*/ | head -1)
+  TRAIN=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-train"); EVAL=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-eval")
 fi
 TARGET=${TARGET:-$WORK/smollm2-hf}
 CONFIG=${CONFIG:-configs/smollm2-135m-dspine.yaml}

@@ -140,9 +140,8 @@ fi
 if has pack; then
   pack_stage() {
     for split in train eval; do
-      cache=$(ls -d "$WORK"/tok-$split/*/ 2> /dev/null | head -1)
-      [ -n "$cache" ] || { echo "error: no cache in $WORK/tok-$split; run the tokenize stage first" >&2; return 1; }
-      python -m data.pack export --cache "${cache%/}" --out "$WORK/pack/tok-$split" --part-mib "${PART_MIB:-15}"
+      cache=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-$split") || return 1
+      python -m data.pack export --cache "$cache" --out "$WORK/pack/tok-$split" --part-mib "${PART_MIB:-15}"
     done
   }
   timed pack pack_stage
@@ -163,11 +162,13 @@ if has unpack; then
 fi
 
 # ------------------------------------------------------------------------------------------- train
+if has train; then  # here, not in train_cmd: a refusal inside $(train_cmd ...) would not stop the script
+  TRAIN_CACHE=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-train")
+  EVAL_CACHE=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-eval")
+fi
 train_cmd() {  # train_cmd NAME INJECTION SEED
-  local train eval_cache
-  train=$(ls -d "$WORK"/tok-train/*/ | head -1); eval_cache=$(ls -d "$WORK"/tok-eval/*/ | head -1)
   echo "accelerate launch --num_processes 1 --num_machines 1 --dynamo_backend no" \
-       "train/distill.py --config configs/smollm2-135m-dspine.yaml target=$TARGET train=$train eval=$eval_cache" \
+       "train/distill.py --config configs/smollm2-135m-dspine.yaml target=$TARGET train=$TRAIN_CACHE eval=$EVAL_CACHE" \
        "injection=$2 seed=$3 output_dir=$WORK/train-$1-s$3 max_steps=$STEPS save_every=$((STEPS / 8))" \
        "eval_every=$((STEPS / 4)) keep_last=0 ${DRAFT_INIT:+draft_init=$DRAFT_INIT/${1/calib/dspine}} ${TRAIN_OVERRIDES:-}" \
        "> $WORK/logs/train-$1-s$3.log 2>&1"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Prints the one finished data.tokenize cache folder in DIR (a subfolder holding summary.json, which
+# data.tokenize writes last); refuses none or several. Dot folders (a build in progress or killed) are skipped.
+#
+#   bash scripts/smollm2/one_cache.sh DIR
+set -euo pipefail
+dir=${1:?usage: one_cache.sh DIR}
+found=("$dir"/*/summary.json)  # no dotglob: .KEY.tmp-PID/ is not matched
+if [ ! -e "${found[0]}" ]; then
+  echo "error: no finished data.tokenize cache (a folder with summary.json) in $dir; run the tokenize or unpack stage" >&2
+  exit 1
+fi
+if [ "${#found[@]}" -gt 1 ]; then
+  echo "error: ${#found[@]} finished data.tokenize caches in $dir (${found[*]%/summary.json}); which one to use is" \
+       "ambiguous: delete the ones not wanted" >&2
+  exit 1
+fi
+echo "${found[0]%/summary.json}"
