@@ -287,6 +287,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError, RuntimeError, FloatingPointError) as e:  # OSError: unreachable Hub id, unreadable files
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: nothing generated was printed", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(out))
     else:

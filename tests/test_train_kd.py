@@ -194,8 +194,8 @@ def test_config_distill_keys_and_refusals(tmp_path):
 
 def test_resume_accepts_an_old_checkpoint_with_the_old_alpha_default(tmp_path):
     """Checkpoints saved while distill_alpha defaulted to 0.5 hold 0.5 with ce/kl: still the same run."""
-    from train.distill import check_resumed_config
     from train.config import save
+    from train.distill import check_resumed_config
 
     cfg = load(None, ["target=t", "train=x"])
     old = load(None, ["target=t", "train=x"])
