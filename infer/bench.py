@@ -13,6 +13,7 @@ Greedy runs compare each draft's output with the AR output of the same engine: i
 (``--exact``, issue 13; both runs exact) they must be identical and any difference is an error
 (exit status 1, after the JSON is written); in the fast mode every difference is listed with its
 first differing position and the target's top-2 logit margin there (a near-tie: bf16 rounding).
+Ctrl-C ends it with exit status 130 and writes the finished tasks to the JSON with ``"interrupted": true``.
 """
 
 from __future__ import annotations
@@ -362,7 +363,7 @@ def build_parser():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=None,
-                    help="verify this many slots (<= the smallest draft block; default: the whole block on the engine, "
+                    help="positions verified per step: the anchor and the first N-1 drafted tokens (N <= the smallest draft block; default: the whole block on the engine, "
                          "3 on the reference backend: dspine.reference.CPU_VERIFY_WIDTH)")
     ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
                     help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
