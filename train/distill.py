@@ -128,6 +128,10 @@ def train(cfg) -> int:
             for i in range(min(len(eval_rows), cfg.eval_max_rows)):
                 eval_rows.row(i)
     total_steps = cfg.max_steps or cfg.epochs * order.steps_per_epoch
+    if resume is not None:  # data order and step count, before the models load
+        with config_errors("resume_from"):
+            state = read_json_object(resume / "trainer_state.json", "the trainer state")
+        check_resume(state, cfg, world, total_steps)
 
     # ---------------------------------------------------------------------------------------- models
     # The target is never handed to DeepSpeed: it must not be partitioned (docs/method.md §8.13).
@@ -177,9 +181,6 @@ def train(cfg) -> int:
     accelerator.register_for_checkpointing(scheduler)
     start, skipped_total = 0, 0
     if resume is not None:
-        with config_errors("resume_from"):
-            state = read_json_object(resume / "trainer_state.json", "the trainer state")
-        check_resume(state, cfg, world, total_steps)
         load_resume_state(accelerator, resume)
         start, skipped_total = state["step"], state["skipped_rows"]
         if main_proc:
