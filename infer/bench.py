@@ -13,6 +13,7 @@ Greedy runs compare each draft's output with the AR output of the same engine: i
 (``--exact``, issue 13; both runs exact) they must be identical and any difference is an error
 (exit status 1, after the JSON is written); in the fast mode every difference is listed with its
 first differing position and the target's top-2 logit margin there (a near-tie: bf16 rounding).
+Ctrl-C ends it with exit status 130 and writes the finished tasks to the JSON with ``"interrupted": true``.
 """
 
 from __future__ import annotations
@@ -28,15 +29,22 @@ from tqdm import tqdm
 from dspine.sampling import SamplingParams
 from dspine.stats import AcceptStats
 
+AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
+
 
 def parse_drafts(values: list[str] | None) -> dict[str, str]:
-    """``[LABEL=]PATH`` items -> {label: path} (label defaults to the folder name)."""
+    """``[LABEL=]PATH`` items -> {label: path} (label defaults to the folder name).
+
+    Raises ValueError for a label given twice or one that names the AR baseline."""
     out: dict[str, str] = {}
     for v in values or []:
         label, _, path = v.rpartition("=") if "=" in v else ("", "", v)
         label = label or Path(path).name
         if label in out:
             raise ValueError(f"--draft label {label!r} given twice")
+        if label in (AR_LABEL, f"({AR_LABEL})"):
+            raise ValueError(f"--draft {v}: the label {label!r} names the autoregressive baseline; give another "
+                             "one (--draft LABEL=PATH)")
         out[label] = path
     return out
 
@@ -187,11 +195,14 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
     from infer.datasets import load_eval_prompts
 
     items = load_eval_prompts(task, runner.args.num_prompts, runner.args.data_dir)
+    if len(items) < runner.args.num_prompts:
+        print(f"note: {task} has {len(items)} prompts; --num-prompts {runner.args.num_prompts} runs all {len(items)}",
+              file=sys.stderr)
     out: dict = {"task": task, "num_prompts": len(items), "drafts": {}}
     labels = ([None] if do_ar or not runner.drafts else []) + list(runner.drafts)
     shift = order_shift % len(labels)
     labels = labels[shift:] + labels[:shift]
-    out["run_order"] = ["AR" if x is None else x for x in labels]
+    out["run_order"] = [AR_LABEL if x is None else x for x in labels]
     outputs = {}
     for label in labels:
         histories = [[] for _ in items]
@@ -352,7 +363,7 @@ def build_parser():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=None,
-                    help="verify this many slots (<= the smallest draft block; default: the whole block on the engine, "
+                    help="positions verified per step: the anchor and the first N-1 drafted tokens (N <= the smallest draft block; default: the whole block on the engine, "
                          "3 on the reference backend: dspine.reference.CPU_VERIFY_WIDTH)")
     ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
                     help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
@@ -394,6 +405,10 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     if not any(names) or not all(names):
         raise ValueError(f"--datasets {args.datasets!r}: give comma-separated task names (no empty entries)")
     tasks = [task_name(t) for t in names]
+    twice = sorted({t for t in tasks if tasks.count(t) > 1})
+    if twice:
+        raise ValueError(f"--datasets {args.datasets!r}: {', '.join(twice)} given twice (it would run and count twice "
+                         "in the means)")
     from dspine.sampling import sampling_params
 
     params = sampling_params(args)
@@ -442,6 +457,7 @@ def main(argv=None) -> int:
     from dspine.reference import set_cpu_threads
 
     args = build_parser().parse_args(argv)
+    rows: list[dict] = []
     try:
         tasks, params = check_args(args)
         args.threads = set_cpu_threads(args.threads)
@@ -453,11 +469,24 @@ def main(argv=None) -> int:
         wp = SamplingParams(args.temperature, args.top_p, args.top_k, min(32, args.max_new_tokens), args.seed)
         for label in [None, *runner.drafts]:
             runner.run(warm, wp, label)
-        rows = [run_task(runner, t, params, do_ar=not args.no_ar, order_shift=i)
-                for i, t in enumerate(tqdm(tasks, desc="tasks", unit="task"))]
+        for i, t in enumerate(tqdm(tasks, desc="tasks", unit="task")):
+            rows.append(run_task(runner, t, params, do_ar=not args.no_ar, order_shift=i))
     except (ValueError, OSError, RuntimeError, FloatingPointError) as e:  # OSError: an unreachable Hub id, files
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        done = ", ".join(r["task"] for r in rows) or "none"
+        written = ""
+        if rows and args.output_json:  # the finished tasks are complete results: keep them
+            Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(Path(args.output_json), {**provenance(), "label": args.label, "backend": runner.backend,
+                                                        "args": vars(args), "interrupted": True, "tasks": rows,
+                                                        "summary": summarize(rows)}, indent=1, allow_nan=True)
+            written = f"; wrote them to {args.output_json} (\"interrupted\": true)"
+        elif args.output_json:
+            written = f"; nothing was written to {args.output_json}"
+        print(f"\ninterrupted: tasks finished: {done}{written}", file=sys.stderr)
+        return 130
     summary = summarize(rows)
     print(table(rows))
     for label, e in summary.items():
@@ -473,8 +502,8 @@ def main(argv=None) -> int:
                       + (f", target top-2 margin {margin:.4f} (tokens {m['ar_top2']})" if margin is not None else ""))
     print(f"[{runner.backend}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, concurrency "
           f"{args.concurrency}, max_new_tokens {args.max_new_tokens}; tau counts the bonus token]")
-    result = {**provenance(), "label": args.label, "backend": runner.backend, "args": vars(args), "tasks": rows,
-              "summary": summary}
+    result = {**provenance(), "label": args.label, "backend": runner.backend, "args": vars(args),
+              "interrupted": False, "tasks": rows, "summary": summary}
     if args.output_json:
         out = Path(args.output_json)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=None,
-                    help="verify this many slots (<= the draft's block size; default: the whole block on the engine, "
+                    help="positions verified per step: the anchor and the first N-1 drafted tokens (N <= the draft's block size; default: the whole block on the engine, "
                          f"{CPU_VERIFY_WIDTH} on the reference backend)")
     ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
                     help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
@@ -128,12 +128,12 @@ def check_decode_args(args) -> None:
     ``args.tree_budget`` to its default under ``--verify tree``. Raises ValueError naming the option, also
     for an option that another one makes meaningless (it would be silently ignored)."""
     if args.block_size is not None and args.block_size < 2:
-        raise ValueError(f"--block-size {args.block_size}: must be >= 2 (anchor + one draft slot)")
+        raise ValueError(f"--block-size {args.block_size}: must be >= 2 (the anchor and one drafted token)")
     if args.dtype not in ("auto", "bf16", "fp32"):
         raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
     if args.tree_budget is not None and args.verify != "tree":
         raise ValueError(f"--tree-budget {args.tree_budget} applies to --verify tree only (the chain verifies "
-                         "--block-size slots)")
+                         "--block-size positions)")
     if args.verify == "tree":
         args.tree_budget = TREE_BUDGET if args.tree_budget is None else args.tree_budget
         if not 2 <= args.tree_budget <= 64:
@@ -287,6 +287,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError, RuntimeError, FloatingPointError) as e:  # OSError: unreachable Hub id, unreadable files
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: nothing generated was printed", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(out))
     else:

@@ -121,3 +121,50 @@ def test_reference_verify_size_is_one_rule():
     assert reference_verify_size(5, "chain", [16]) == 5  # given: kept
     assert reference_verify_size(None, "tree", [16]) is None  # a tree's size is its budget
     assert reference_verify_size(None, "chain", []) is None  # autoregressive: no block
+
+
+def test_bench_refuses_the_ar_label_and_a_task_twice(stories_dir, stories_draft, tmp_path, capsys):
+    base = ["--target", str(stories_dir), "--backend", "reference", "--data-dir", str(shared_path("data", "eval"))]
+    for extra, msg in ((["--draft", f"AR={stories_draft}"], "the label 'AR' names the autoregressive baseline"),
+                       (["--draft", f"D={stories_draft}", "--draft", f"D={stories_draft}"], "label 'D' given twice"),
+                       (["--datasets", "gsm8k,mt_bench,mt-bench"], "mt-bench given twice")):
+        assert bench.main(base + extra) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_bench_notes_a_short_task_and_ctrl_c_keeps_the_finished_tasks(stories_dir, stories_draft, tmp_path,
+                                                                        monkeypatch, capsys):
+    data = tmp_path / "eval"
+    (data / "gsm8k").mkdir(parents=True)
+    rows = (shared_path("data", "eval") / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]
+    (data / "gsm8k" / "test.jsonl").write_text("\n".join(rows) + "\n")
+    real = bench.run_task
+
+    def run_task(runner, task, *a, **kw):
+        if task == "mbpp":
+            raise KeyboardInterrupt
+        return real(runner, task, *a, **kw)
+
+    monkeypatch.setattr(bench, "run_task", run_task)
+    out = tmp_path / "b.json"
+    code = bench.main(["--target", str(stories_dir), "--draft", f"D={stories_draft}", "--datasets", "gsm8k,mbpp",
+                       "--num-prompts", "5", "--max-new-tokens", "4", "--backend", "reference", "--no-chat-template",
+                       "--data-dir", str(data), "--output-json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err
+    assert "note: gsm8k has 2 prompts; --num-prompts 5 runs all 2" in err
+    assert f"interrupted: tasks finished: gsm8k; wrote them to {out}" in err
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True and [t["task"] for t in res["tasks"]] == ["gsm8k"]
+    assert res["tasks"][0]["num_prompts"] == 2 and res["tasks"][0]["drafts"]["D"]["greedy_compared"] == 2
+
+
+def test_generate_ctrl_c_is_one_line(monkeypatch, capsys):
+    from infer import generate
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "run", interrupted)
+    assert generate.main(["--prompt", "hi"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted: nothing generated was printed"

@@ -132,6 +132,15 @@ def test_trainer_refuses_bad_data_and_changed_resume(stories_dir, tmp_path):
     assert run(f"train={data}", f"output_dir={out}", "max_steps=6", "save_every=2").returncode == 0
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert steps == [1, 2, 3, 4, 5, 6]
+    # was: a warning and exit 0 without training
+    r = run(f"train={data}", f"output_dir={out}", "max_steps=3")
+    assert r.returncode == 2 and "checkpoint is at step 6 but this run has 3 total steps" in r.stderr
+    weights = out / "step-6" / "state" / "model.safetensors"  # was: a SafetensorError traceback
+    weights.write_bytes(weights.read_bytes()[:100])
+    r = run(f"train={data}", f"output_dir={out}", "max_steps=8")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"resume from {out / 'step-6'}: cannot read its state/" in r.stderr
+    assert f"resume_from=<step-N folder> (available: {out / 'step-4'})" in r.stderr  # keep_last=2
 
 
 def test_cli_none_is_a_value_not_null():

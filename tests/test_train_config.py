@@ -114,3 +114,52 @@ def test_config_files_hold_only_what_differs_from_the_defaults():
         differ = {k for k in spine.keys() | flash.keys() if spine.get(k) != flash.get(k)}
         assert flash["injection"] == "none" and differ <= {"injection", "injection_rank", "output_dir", "wandb_run_name",
                                                             "wandb_tags"}, name
+
+
+def test_draft_init_with_init_from_is_refused():
+    with pytest.raises(ConfigError, match="config keys 'draft_init' and 'init_from' both given"):
+        load(None, ["target=t", "train=x", "draft_init=a", "init_from=b"])
+
+
+def test_trainer_resume_and_path_errors_name_the_fix(tmp_path):
+    """max_steps below the checkpoint (was: a warning, exit 0), a truncated state (was: a SafetensorError
+    traceback), a step folder as draft_init, a folder of caches or a data.pack archive as train."""
+    import torch
+    from accelerate import Accelerator
+
+    from train.config import load_draft_init
+    from train.distill import check_resume, load_resume_state, open_train_rows
+
+    cfg = load(None, ["target=t", "train=x", "max_steps=100"])
+    with pytest.raises(ConfigError, match=r"checkpoint is at step 300 but this run has 100 total steps .*max_steps=100"):
+        check_resume({"step": 300}, cfg, 1, 100)
+    check_resume({"step": 100}, cfg, 1, 100)
+
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(4, 4))
+    for n in (1, 2):
+        acc.save_state(str(tmp_path / f"step-{n}" / "state"))
+        (tmp_path / f"step-{n}" / "trainer_state.json").write_text("{}")
+    load_resume_state(acc, tmp_path / "step-2")
+    weights = tmp_path / "step-2" / "state" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])
+    with pytest.raises(ConfigError, match=rf"resume from {tmp_path / 'step-2'}: cannot read .*SafetensorError.*"
+                                          rf"resume_from=<step-N folder> \(available: {tmp_path / 'step-1'}\)"):
+        load_resume_state(acc, tmp_path / "step-2")
+    del model
+
+    step = tmp_path / "step-300"
+    save(RunConfig(), step)  # a trainer checkpoint: the run config beside draft/
+    (step / "draft").mkdir()
+    (step / "draft" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"'draft_init': {step} is not a draft folder .* give draft_init={step}/draft"):
+        load_draft_init(str(step))
+
+    (tmp_path / "caches" / "train").mkdir(parents=True)
+    (tmp_path / "caches" / "train" / "data.arrow").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^config key 'train': .*give the <key> subfolder, e.g. train=.*caches/train"):
+        open_train_rows(str(tmp_path / "caches"))
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "archive" / "pack.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"^config key 'train': .*python -m data.pack import --parts"):
+        open_train_rows(str(tmp_path / "archive"))

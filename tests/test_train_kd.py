@@ -178,16 +178,33 @@ def test_config_distill_keys_and_refusals(tmp_path):
     cfg = load(None, ["target=t", "train=x", "distill=mix", "distill_alpha=0.25", "distill_temperature=2"])
     assert (cfg.distill, cfg.distill_alpha, cfg.distill_temperature) == ("mix", 0.25, 2.0)
     assert load(None, ["target=t", "train=x"]).distill == "ce"  # off by default
-    assert load(None, ["target=t", "train=x", "distill=kl", "distill_alpha=0.5"]).distill_alpha == 0.5  # the default
+    assert load(None, ["target=t", "train=x", "distill=mix"]).distill_alpha is None  # unset: mix weighs 0.5
     for bad, msg in ((["distill=soft"], "'distill'"), (["distill_alpha=1.5"], "'distill_alpha'"),
                      (["distill_temperature=0"], "'distill_temperature'"),
                      (["distill=kl", f"feature_source={tmp_path}"], "feature_source=online"),
                      # only mix weighs two terms: alpha with ce or kl would be dropped without a word
                      (["distill_alpha=0.25"], "'distill_alpha': 0.25 weighs the two terms of distill=mix only; "
                                                "distill=ce would ignore it"),
-                     (["distill=kl", "distill_alpha=1"], "'distill_alpha': 1.0 .* distill=kl would ignore it")):
+                     (["distill=kl", "distill_alpha=1"], "'distill_alpha': 1.0 .* distill=kl would ignore it"),
+                     # was accepted: 0.5 equalled the default, so an explicit value went unnoticed
+                     (["distill=kl", "distill_alpha=0.5"], "'distill_alpha': 0.5 .* distill=kl would ignore it")):
         with pytest.raises(ConfigError, match=msg):
             load(None, ["target=t", "train=x", *bad])
+
+
+def test_resume_accepts_an_old_checkpoint_with_the_old_alpha_default(tmp_path):
+    """Checkpoints saved while distill_alpha defaulted to 0.5 hold 0.5 with ce/kl: still the same run."""
+    from train.config import save
+    from train.distill import check_resumed_config
+
+    cfg = load(None, ["target=t", "train=x"])
+    old = load(None, ["target=t", "train=x"])
+    old.distill_alpha = 0.5  # bypasses validate, as the old default did
+    save(old, tmp_path)
+    check_resumed_config(tmp_path, cfg)  # no error
+    save(load(None, ["target=t", "train=x", "distill=mix", "distill_alpha=0.5"]), tmp_path)
+    with pytest.raises(ConfigError, match=r"distill: 'mix' -> 'ce'; distill_alpha: 0.5 -> None"):
+        check_resumed_config(tmp_path, cfg)
 
 
 def test_target_last_hidden_gives_the_target_logits(stories_dir):

@@ -49,7 +49,8 @@ class RunConfig:
     anchors_per_seq: int = 512  # anchors sampled per sequence and step (without replacement)
     gamma: float = 7.0  # slot k weight exp(-(k-1)/gamma) (docs/method.md §4)
     distill: str = "ce"  # ce (hard labels) | kl (target's next-token distribution at a+k-1) | mix (both)
-    distill_alpha: float = 0.5  # mix only (refused with ce/kl): weight of the hard-label CE (kl term gets 1 - alpha)
+    distill_alpha: float | None = None  # mix only (any value refused with ce/kl): weight of the hard-label CE, the kl
+    # term gets 1 - alpha; None = 0.5 (MIX_ALPHA) with distill=mix
     distill_temperature: float = 1.0  # T of the soft targets (both softmaxes; the soft term is scaled by T^2)
     # -- optimisation -------------------------------------------------------------------------
     lr: float = 6e-4  # peak AdamW learning rate
@@ -101,6 +102,7 @@ CHOICES: dict[str, tuple] = {
     "report_to": ("wandb", "none"),
     "distill": ("ce", "kl", "mix"),
 }
+MIX_ALPHA = 0.5  # distill_alpha of distill=mix when unset
 POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every")
 NON_NEGATIVE = ("data_workers", "max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_max_rows", "eval_prompts",
                 "eval_max_new_tokens", "pad_to_multiple", "grad_clip", "weight_decay", "warmup_ratio", "min_lr_ratio")
@@ -202,9 +204,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"config key 'mask_token_id': must be >= 0, got {cfg.mask_token_id}")
     if cfg.target_layer_ids is not None and any(i < 0 for i in cfg.target_layer_ids):
         raise ConfigError(f"config key 'target_layer_ids': must be >= 0, got {cfg.target_layer_ids}")
-    if not 0 <= cfg.distill_alpha <= 1:
+    if cfg.distill_alpha is not None and not 0 <= cfg.distill_alpha <= 1:
         raise ConfigError(f"config key 'distill_alpha': must be in [0, 1], got {cfg.distill_alpha}")
-    if cfg.distill != "mix" and cfg.distill_alpha != RunConfig.distill_alpha:
+    if cfg.distill != "mix" and cfg.distill_alpha is not None:
         raise ConfigError(f"config key 'distill_alpha': {cfg.distill_alpha} weighs the two terms of distill=mix only; "
                           f"distill={cfg.distill} would ignore it (set distill=mix, or drop distill_alpha)")
     if cfg.distill_temperature <= 0:
@@ -213,6 +215,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"config key 'distill': {cfg.distill} needs the target's logits, which a train.capture "
                           f"folder does not hold (feature_source={cfg.feature_source}); use feature_source=online "
                           "or distill=ce")
+    if cfg.draft_init and cfg.init_from:
+        raise ConfigError(f"config keys 'draft_init' and 'init_from' both given ({cfg.draft_init}, {cfg.init_from}): "
+                          "draft_init already loads a draft's config and weights, init_from loads weights only; "
+                          "keep one of them")
     if cfg.gamma <= 0:
         raise ConfigError(f"config key 'gamma': must be > 0, got {cfg.gamma}")
     if cfg.lr <= 0:
@@ -313,13 +319,12 @@ def draft_config(cfg: RunConfig, target, tokenizer=None):
         ConfigError: a shape field that disagrees with ``draft_init``.
         ValueError: draft/target mismatch (layer ids, vocab, mask token, RoPE range; docs/method.md §8.4-8.11).
     """
-    from dspine.checkpoint import load_config
     from dspine.config import DSpineConfig
     from dspine.target import TargetSpec, assert_compatible
 
     spec = TargetSpec.from_adapter(target, tokenizer)
     if cfg.draft_init:
-        dcfg = load_config(cfg.draft_init)
+        dcfg = load_draft_init(cfg.draft_init)
         have = dcfg.shape()
         for key in DRAFT_FIELDS:
             want = getattr(cfg, key)
@@ -330,6 +335,27 @@ def draft_config(cfg: RunConfig, target, tokenizer=None):
         dcfg = DSpineConfig.for_target(target.config, spec, **{k: getattr(cfg, k) for k in DRAFT_FIELDS})
     assert_compatible(spec, dcfg, max_context=cfg.max_length)
     return dcfg
+
+
+def load_draft_init(path: str):
+    """The :class:`dspine.config.DSpineConfig` of the ``draft_init`` folder (or Hub id).
+
+    Raises:
+        ConfigError: naming 'draft_init', and the ``draft/`` subfolder when ``path`` is a trainer
+            step-N checkpoint (its config.json is the run config, the draft sits in ``draft/``).
+    """
+    from dspine.checkpoint import load_config
+
+    try:
+        return load_config(path)
+    except (ValueError, FileNotFoundError) as e:
+        sub = Path(path) / "draft"
+        if (sub / "config.json").is_file():
+            raise ConfigError(f"config key 'draft_init': {path} is not a draft folder but holds one in its draft/ "
+                              f"subfolder (a trainer step-N checkpoint?): give draft_init={sub}") from None
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise ConfigError(f"config key 'draft_init': {e}") from None
 
 
 def resolve_device_settings(cfg: RunConfig, cuda: bool) -> dict:

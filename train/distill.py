@@ -93,6 +93,8 @@ def train(cfg) -> int:
         path = getattr(cfg, key)
         if path and path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
             raise ConfigError(f"config key '{key}': {path} is not a draft folder")
+    if cfg.draft_init and Path(cfg.draft_init).expanduser().is_dir():  # a step-N folder given for its draft/
+        run_config.load_draft_init(str(Path(cfg.draft_init).expanduser()))
     resume = resolve_resume(cfg, out)
     if resume is not None:
         check_resumed_config(resume, cfg)  # before anything is written: a refused resume changes nothing
@@ -112,7 +114,7 @@ def train(cfg) -> int:
 
     # ---------------------------------------------------------------------------------------- data
     with config_errors("train" if cfg.feature_source == "online" else "feature_source"):
-        rows = open_rows(cfg.train if cfg.feature_source == "online" else cfg.feature_source)
+        rows = open_train_rows(cfg.train) if cfg.feature_source == "online" else open_rows(cfg.feature_source)
         if cfg.feature_source != "online" and not isinstance(rows, CaptureRows):
             raise ConfigError(f"config key 'feature_source': {cfg.feature_source} is not a train.capture folder")
         if cfg.feature_source == "online":
@@ -126,6 +128,10 @@ def train(cfg) -> int:
             for i in range(min(len(eval_rows), cfg.eval_max_rows)):
                 eval_rows.row(i)
     total_steps = cfg.max_steps or cfg.epochs * order.steps_per_epoch
+    if resume is not None:  # data order and step count, before the models load
+        with config_errors("resume_from"):
+            state = read_json_object(resume / "trainer_state.json", "the trainer state")
+        check_resume(state, cfg, world, total_steps)
 
     # ---------------------------------------------------------------------------------------- models
     # The target is never handed to DeepSpeed: it must not be partitioned (docs/method.md §8.13).
@@ -156,8 +162,9 @@ def train(cfg) -> int:
             with config_errors("init_from"):
                 warm_start(draft, cfg.init_from)
     eos_ids = sorted(TargetSpec.from_adapter(target, tokenizer).eos_ids)
-    settings = StepSettings(dcfg.block_size, dev["attn"], cfg.loss_chunk_size, cfg.grad_clip, cfg.distill,
-                            cfg.distill_alpha, cfg.distill_temperature)
+    alpha = run_config.MIX_ALPHA if cfg.distill_alpha is None else cfg.distill_alpha
+    settings = StepSettings(dcfg.block_size, dev["attn"], cfg.loss_chunk_size, cfg.grad_clip, cfg.distill, alpha,
+                            cfg.distill_temperature)
     batch_kw = dict(max_length=cfg.max_length, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
                     gamma=cfg.gamma, anchors_per_seq=cfg.anchors_per_seq, pad_to_multiple=dev["pad_to_multiple"],
                     static_anchors=dev["attn"] == "flex")
@@ -174,10 +181,7 @@ def train(cfg) -> int:
     accelerator.register_for_checkpointing(scheduler)
     start, skipped_total = 0, 0
     if resume is not None:
-        with config_errors("resume_from"):
-            state = read_json_object(resume / "trainer_state.json", "the trainer state")
-        check_resume(state, cfg, world, total_steps)
-        accelerator.load_state(str(resume / "state"))
+        load_resume_state(accelerator, resume)
         start, skipped_total = state["step"], state["skipped_rows"]
         if main_proc:
             print(f"resumed from {resume}: step {start}, epoch {state['epoch']}, index {state['index']}")
@@ -502,6 +506,8 @@ def check_resumed_config(ckpt: Path, cfg) -> None:
     with config_errors("resume_from"):
         saved = read_json_object(saved_file, "the checkpoint's run config")
     now = run_config.to_dict(cfg)
+    if saved.get("distill") in ("ce", "kl") and saved.get("distill_alpha") == run_config.MIX_ALPHA:
+        saved["distill_alpha"] = None  # the old default, saved before distill_alpha became None = unset
     changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in now.items()
                if k not in RESUME_MUTABLE and k in saved and saved[k] != v]
     if changed:
@@ -516,9 +522,51 @@ def check_resume(state: dict, cfg, world: int, total_steps: int) -> None:
         if key in state and state[key] != value:
             raise ConfigError(f"resume: {key} was {state[key]!r} in the checkpoint but is {value!r} now; an exact "
                               "continuation needs the same value (or start a new output_dir with init_from)")
+    if state.get("step", 0) > total_steps:
+        raise ConfigError(f"resume: the checkpoint is at step {state['step']} but this run has {total_steps} total "
+                          f"steps (max_steps={cfg.max_steps}, epochs={cfg.epochs}); raise max_steps to at least "
+                          f"{state['step']}, or resume from an earlier step-N folder")
     if state.get("total_steps") not in (None, total_steps):
         print(f"warning: resuming with {total_steps} total steps instead of {state['total_steps']}: "
               "the learning-rate schedule changes", file=sys.stderr)
+
+
+def load_resume_state(accelerator, ckpt: Path) -> None:
+    """``accelerator.load_state(ckpt/state)``; a corrupt file there (e.g. a truncated model.safetensors)
+    becomes a ConfigError naming the checkpoint and the other step-N folders to resume from."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    try:
+        accelerator.load_state(str(ckpt / "state"))
+    except (SafetensorError, EOFError, pickle.UnpicklingError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):  # torch.load of a truncated .bin/.pt
+            raise
+        others = sorted((p for p in ckpt.parent.glob("step-*") if p.name[5:].isdigit() and p != ckpt
+                         and (p / "trainer_state.json").is_file()), key=lambda p: int(p.name[5:]))
+        hint = (f"resume from an earlier one with resume_from=<step-N folder> (available: "
+                f"{', '.join(str(p) for p in others)})" if others else "no other step-N folder is there to resume from")
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"resume from {ckpt}: cannot read its state/ ({type(e).__name__}: {msg}); the checkpoint is "
+                          f"damaged (a truncated file?): {hint}") from None
+
+
+def open_train_rows(path: str):
+    """:func:`train.data.open_rows` of the ``train`` key, with a hint for a folder of cache folders or a
+    ``data.pack`` archive folder. Raises ConfigError naming 'train'."""
+    try:
+        return open_rows(path)
+    except FileNotFoundError as e:
+        p = Path(path)
+        subs = sorted(q.name for q in p.iterdir() if (q / "data.arrow").is_file()) if p.is_dir() else []
+        hint = ""
+        if subs:
+            hint = f"; it holds cache folders: give the <key> subfolder, e.g. train={p / subs[0]} (of {', '.join(subs)})"
+        elif p.is_dir() and (p / "pack.json").is_file():
+            hint = (f"; it is a data.pack archive: rebuild the cache first with `python -m data.pack import --parts "
+                    f"{p} --out CACHE_FOLDER` and give train=CACHE_FOLDER")
+        raise ConfigError(f"config key 'train': {e}{hint}") from None
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
