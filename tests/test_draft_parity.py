@@ -23,6 +23,7 @@ from dspine.checkpoint import load_draft
 from dspine.config import DSpineConfig
 from dspine.model import DraftCache, DSpineDraftModel
 from infer.engine import Engine
+from infer.model import EngineTarget
 from tests.conftest import REPO
 
 H, I, HQ, HKV, D, BS, V, TARGET_LAYERS = 32, 48, 4, 2, 8, 4, 97, 2
@@ -69,7 +70,9 @@ def engine_run(model, target, blocks, features, plan_counts, impl, device="cpu")
     B, bs = len(PROMPTS), model.config.block_size
     dev = torch.device(device)
     on = SimpleNamespace(embed=target.embed.to(dev), head=target.head.to(dev))
-    eng = SimpleNamespace(draft=copy.deepcopy(model).to(dev).fuse_weights(), target=on, impl=impl, verify_size=bs)
+    on.logits = lambda h, exact=False, lm_head="linear": EngineTarget.logits(on, h, exact, lm_head)
+    eng = SimpleNamespace(draft=copy.deepcopy(model).to(dev).fuse_weights(), target=on, impl=impl, verify_size=bs,
+                          lm_head_choice={})
     features = features.to(dev)
     cache = DraftCache(eng.draft, B, features.shape[1] + bs + 1)
     for b, P in enumerate(PROMPTS):
