@@ -162,12 +162,19 @@ def load_generator(
             eos_token_ids=stop_ids,
         )
         return EngineGenerator(engine)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dspine.config import is_multimodal
+    from dspine.target import load_text_model
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     if not cuda:
         # CPU SDPA has a large fixed cost per call in recent torch builds (stories260K: ~10x slower
         # generation than eager); the math is the same.
         kwargs["attn_implementation"] = "eager"
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **kwargs).to(device).eval()
+    if not gguf_file and is_multimodal(config := AutoConfig.from_pretrained(target)):  # qwen3_5: its text model
+        model = load_text_model(target, config, dtype, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **kwargs)
+    model = model.to(device).eval()
     return HFGenerator(model, stop_ids, pad_id)

@@ -180,8 +180,10 @@ def model_context(target: str, gguf_file: str | None) -> int | None:
     """The target's max_position_embeddings, or None if its config does not say."""
     from transformers import AutoConfig
 
+    from dspine.config import text_config
+
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return getattr(AutoConfig.from_pretrained(target, **kwargs), "max_position_embeddings", None)
+    return getattr(text_config(AutoConfig.from_pretrained(target, **kwargs)), "max_position_embeddings", None)
 
 
 def model_generation_config(target: str):

@@ -96,16 +96,46 @@ RECURRENT_LAYER_TYPES = ("linear_attention",)
 RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text")
 REFERENCE_RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
 ENGINE_RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
+# Multimodal model types whose text model is the target (the vision tower is never used): outer model_type ->
+# its ``text_config``'s model_type. transformers' Qwen3_5ForConditionalGeneration keeps the text model's
+# tensors under ``model.language_model.`` and the head at ``lm_head.weight`` (text_weight_name).
+MULTIMODAL_TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text"}
 
 
 def _getter(cfg):
     return (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
 
 
-def _text(cfg):
-    """The text model's config of a multimodal config (``text_config``), else the config itself."""
+def text_config(cfg):
+    """The text model's config of a multimodal config (``text_config``, object or dict), else ``cfg``."""
     get = _getter(cfg)
     return get("text_config") if get("text_config") is not None and get("num_hidden_layers") is None else cfg
+
+
+def is_multimodal(cfg) -> bool:
+    return text_config(cfg) is not cfg
+
+
+def multimodal_problem(cfg) -> str | None:
+    """Why a multimodal config's text model is not a DSpine target (None: not multimodal, or supported)."""
+    if not is_multimodal(cfg):
+        return None
+    outer, inner = _getter(cfg)("model_type"), _getter(text_config(cfg))("model_type")
+    if MULTIMODAL_TEXT_MODEL_TYPES.get(outer) == inner:
+        return None
+    runs = ", ".join(f"{k} with {v}" for k, v in MULTIMODAL_TEXT_MODEL_TYPES.items())
+    return (f"multimodal model_type={outer!r} with text_config model_type={inner!r} is not supported (DSpine "
+            f"runs the text model of the multimodal model types: {runs})")
+
+
+def text_weight_name(name: str, multimodal: bool) -> str | None:
+    """A checkpoint tensor's name in the text causal LM (``model.layers.0…``, ``lm_head.weight``); None for a
+    tensor of a multimodal checkpoint that is not the text model's (vision tower, MTP head)."""
+    if not multimodal:
+        return name
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name if name == "lm_head.weight" else None
 
 
 def _window(cfg) -> int | None:
@@ -121,11 +151,11 @@ def target_layer_types(cfg) -> list[str]:
     ``use_sliding_window`` is true, ``sliding_window`` is set and ``i >= max_window_layers``. A
     multimodal config is read through its ``text_config``.
     """
-    get = _getter(_text(cfg))
+    get = _getter(text_config(cfg))
     types = get("layer_types")
     if types is not None:
         return [str(t) for t in types]
-    window, first = _window(_text(cfg)), get("max_window_layers") or 0
+    window, first = _window(text_config(cfg)), get("max_window_layers") or 0
     return ["sliding_attention" if window is not None and i >= first else "full_attention"
             for i in range(int(get("num_hidden_layers") or 0))]  # no depth: nothing to check here
 
@@ -139,7 +169,12 @@ def is_recurrent(cfg) -> bool:
 def unsupported_layers(cfg, engine: bool = True) -> list[str]:
     """Layer types and settings of a target config that DSpine does not decode, one string each
     (empty: supported), for the engine (``engine=True``) or the reference path. Names the model type,
-    the layer type and the layers that carry it."""
+    the layer type and the layers that carry it; a multimodal config is judged by its text model
+    (:data:`MULTIMODAL_TEXT_MODEL_TYPES`, anything else refused)."""
+    problem = multimodal_problem(cfg)
+    if problem:
+        return [problem]
+    cfg = text_config(cfg)  # a multimodal qwen3_5 is its text model
     problems = []
     model_type = _getter(cfg)("model_type")
     runs = ENGINE_RECURRENT_MODEL_TYPES if engine else REFERENCE_RECURRENT_MODEL_TYPES
@@ -152,7 +187,7 @@ def unsupported_layers(cfg, engine: bool = True) -> list[str]:
     for kind in dict.fromkeys(t for t in types if t not in known):
         layers = [i for i, t in enumerate(types) if t == kind]
         problems.append(f"layer_types has {kind!r} (layers {layers})")
-    window = _window(_text(cfg))
+    window = _window(text_config(cfg))
     if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
         problems.append(f"sliding_attention layers with sliding_window={window!r}")
     return problems
@@ -175,7 +210,7 @@ def check_target_layers(cfg, who: str, engine: bool = True) -> list[int | None]:
     problems = unsupported_layers(cfg, engine)
     if problems:
         raise ValueError(layers_error(who, problems, engine))
-    window = _window(_text(cfg))
+    window = _window(text_config(cfg))
     return [int(window) if t == "sliding_attention" else None for t in target_layer_types(cfg)]
 
 
@@ -328,6 +363,7 @@ class DSpineConfig(PretrainedConfig):
         unknown = sorted(set(shape) - set(SHAPE_FIELDS))
         if unknown:
             raise ValueError(f"unknown draft fields {unknown}; known: {', '.join(SHAPE_FIELDS)}")
+        target_config = text_config(target_config)  # a multimodal qwen3_5: its text model's shapes
         get = lambda key, default: default if shape.get(key) is None else shape[key]
         field = lambda name, default=None: default if getattr(target_config, name, None) is None else getattr(
             target_config, name)

@@ -45,3 +45,36 @@ def default_file_mode(path: str | Path) -> None:
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
 
+
+
+def read_safetensors(folder: Path, device, multimodal: bool = False) -> dict:
+    """All tensors ``{name: torch.Tensor}`` of ``model.safetensors`` or the shards of
+    ``model.safetensors.index.json``; with ``multimodal`` only the text model's, under its text-model names
+    (:func:`dspine.config.text_weight_name`: ``model.language_model.x`` -> ``model.x``), the others never read.
+
+    Raises:
+        FileNotFoundError: a missing shard. ValueError: an index without a ``weight_map``.
+    """
+    from safetensors import safe_open
+
+    from dspine.config import text_weight_name
+    from dspine.paths import read_json_object
+
+    index = folder / "model.safetensors.index.json"
+    files = ["model.safetensors"]
+    if index.is_file():
+        weight_map = read_json_object(index, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file")
+        files = sorted(set(weight_map.values()))
+    state = {}
+    for f in files:
+        path = folder / f
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing target weights")
+        with safe_open(str(path), framework="pt", device=str(device)) as tensors:
+            for key in tensors.keys():
+                name = text_weight_name(key, multimodal)
+                if name is not None:
+                    state[name] = tensors.get_tensor(key)
+    return state

@@ -20,6 +20,7 @@ from dspine.config import (
     ROPE_IMPLEMENTED,
     check_rope,
     check_target_layers,
+    is_multimodal,
     is_recurrent,
     layers_error,
     unsupported_layers,
@@ -275,7 +276,7 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`); a layer or model type the reference path does not run (:func:`dspine.config.check_target_layers` with ``engine=False``: full, sliding and, for qwen3_next / qwen3_5_text, linear attention run), both before any weight is read.
+        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`); a layer or model type the reference path does not run (:func:`dspine.config.check_target_layers` with ``engine=False``: full, sliding and, for qwen3_next / qwen3_5_text, linear attention run; a multimodal qwen3_5 runs its text model, :func:`load_text_model`), both before any weight is read.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -288,7 +289,10 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
         check_target_layers(config, who, engine=False)
         if not is_recurrent(config):  # the engine runs attention-only targets: same RoPE (docs/method.md §8.3)
             check_rope(config, who)
-        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
+        if is_multimodal(config):
+            model = load_text_model(path_or_id, config, torch_dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
     if torch_dtype == torch.float16 and "qwen" in str(model.config.model_type):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     if gguf_file:
@@ -300,6 +304,56 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
     model.to(device)
     name = f"{path_or_id}/{gguf_file}" if gguf_file else path_or_id
     return TargetAdapter(model, layer_ids, name=name)
+
+
+def load_text_model(path_or_id: str, config, dtype=torch.float32, **kw) -> nn.Module:
+    """The text causal LM (e.g. ``Qwen3_5ForCausalLM``) of a multimodal checkpoint (e.g. a Qwen3.5 release,
+    ``Qwen3_5ForConditionalGeneration``), without its vision tower.
+
+    transformers' own loader when it maps the multimodal config to the text causal LM and remaps the
+    ``model.language_model.`` tensors (5.2x: ``AutoModelForCausalLM`` "VLM compatibility"); otherwise the text
+    model is built from ``config.text_config`` and its tensors read by name (:func:`dspine.io.read_safetensors`).
+    ``kw`` (e.g. ``attn_implementation``) go to transformers.
+
+    Raises:
+        KeyError: the checkpoint lacks a tensor of the text model (a tied head excepted).
+    """
+    from transformers import AutoModelForCausalLM
+
+    text = config.text_config
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, output_loading_info=True, **kw)
+        if model.config.model_type == text.model_type and not info["missing_keys"] and not info["mismatched_keys"]:
+            return model
+    except ValueError:  # "Unrecognized configuration class" on a transformers without that mapping
+        pass
+    return _text_model_from_tensors(path_or_id, text, dtype, **kw)
+
+
+def _text_model_from_tensors(path_or_id: str, text, dtype, **kw) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from dspine.io import read_safetensors
+
+    folder = Path(path_or_id)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
+    if dtype == "auto":  # the checkpoint's own dtype, as from_pretrained's "auto"
+        dtype = getattr(torch, str(getattr(text, "dtype", None) or "float32").removeprefix("torch."))
+    model = AutoModelForCausalLM.from_config(text, dtype=dtype, **kw)
+    state = read_safetensors(folder, "cpu", multimodal=True)
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    want = set(model.state_dict())
+    missing = sorted(want - set(state) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set()))
+    if missing:
+        raise KeyError(f"target {path_or_id}: the checkpoint has no tensor model.language_model.* for {missing[:4]}")
+    model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
 
 
 def _parse_dtype(dtype):
@@ -359,7 +413,7 @@ class TargetSpec:
                 pad.add(tokenizer.pad_token_id)
             if tokenizer.eos_token_id is not None:
                 eos.add(tokenizer.eos_token_id)
-        outer = config  # its model_type decides support (a multimodal qwen3_5 is refused, its text model is not)
+        outer = config  # decides support (a multimodal qwen3_5 is its text model; other multimodal types are refused)
         config = config.get_text_config() if hasattr(config, "get_text_config") else config  # qwen3_5: text_config
         theta = getattr(config, "rope_theta", None)
         params = getattr(config, "rope_parameters", None)

@@ -41,7 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspine.config import ROPE_IMPLEMENTED, check_target_layers, target_layer_types, unsupported_rope
+from dspine.config import (
+    ROPE_IMPLEMENTED,
+    check_target_layers,
+    is_multimodal,
+    target_layer_types,
+    text_config,
+    unsupported_rope,
+)
+from dspine.io import read_safetensors
 from dspine.ops.linear import linear
 from dspine.ops.lm_head import lm_head as lm_head_op
 from dspine.ops.rmsnorm import rms_norm
@@ -100,15 +108,17 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArgs:
-        """From a transformers config object or a config.json dict.
+        """From a transformers config object or a config.json dict (a multimodal qwen3_5: its ``text_config``).
 
         Raises:
             ValueError: an unsupported layer type (:func:`dspine.config.check_target_layers`), model type or
                 RoPE (:func:`dspine.config.check_rope`), named in the message.
         """
+        mt = (cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k, None))("model_type")
+        windows = check_target_layers(cfg, f"target (model_type {mt})")
+        cfg = text_config(cfg)  # a multimodal qwen3_5 (checked above): its text model
         get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         mt = get("model_type")
-        windows = check_target_layers(cfg, f"target (model_type {mt})")
         if mt not in SUPPORTED:
             raise ValueError(f"target model_type={mt!r} is not supported by the engine (supported: {SUPPORTED})")
         rope = get("rope_scaling") or get("rope_parameters") or {}
@@ -357,9 +367,10 @@ class EngineTarget(nn.Module):
         cfg_file = folder / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{cfg_file}: missing")
-        a = ModelArgs.from_hf_config(read_json_object(cfg_file, "a model config"))
-        return cls.from_hf_state(a, read_safetensors(folder, device), device, dtype, layer_ids, impl,
-                                 last_layer_features)
+        cfg = read_json_object(cfg_file, "a model config")
+        a = ModelArgs.from_hf_config(cfg)  # a multimodal qwen3_5: its text model, its tensors only (no vision tower)
+        return cls.from_hf_state(a, read_safetensors(folder, device, multimodal=is_multimodal(cfg)), device, dtype,
+                                 layer_ids, impl, last_layer_features)
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -599,23 +610,3 @@ class EngineTarget(nn.Module):
         last = torch.tensor([e - 1 for e in starts[1:]], device=dev)
         h, _ = rms_norm(x[last], self.norm, a.rms_norm_eps, residual=residual[last], impl=self.impl)
         return F.linear(h, self.head), self._features(feats, want_features)
-
-
-def read_safetensors(folder: Path, device) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or the shards of ``model.safetensors.index.json``."""
-    from safetensors.torch import load_file
-
-    index = folder / "model.safetensors.index.json"
-    files = ["model.safetensors"]
-    if index.is_file():
-        weight_map = read_json_object(index, "a safetensors index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file")
-        files = sorted(set(weight_map.values()))
-    state = {}
-    for f in files:
-        path = folder / f
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing target weights")
-        state.update(load_file(str(path), device=str(device)))
-    return state

@@ -7,7 +7,6 @@ classes and saved to tmp folders (no Hub access).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
@@ -74,36 +73,12 @@ def test_layer_types_follow_transformers_rule():
     nxt = Qwen3NextConfig(num_hidden_layers=4)
     assert unsupported_layers(nxt) == [] and unsupported_layers(nxt, engine=False) == []  # both paths run it
     assert check_target_layers(nxt, "t") == check_target_layers(nxt, "t", engine=False) == [None] * 4
-    q35 = Qwen3_5Config(text_config={"num_hidden_layers": 8})
+    q35 = Qwen3_5Config(text_config={"num_hidden_layers": 8})  # multimodal: its text model is the target
     assert target_layer_types(q35) == (["linear_attention"] * 3 + ["full_attention"]) * 2
-    assert unsupported_layers(q35) == [
-        "model_type='qwen3_5' (hybrid: gated delta-rule linear attention with a recurrent state) is not implemented "
-        "by the engine (it runs the text models qwen3_next / qwen3_5_text)",
-        "layer_types has 'linear_attention' (layers [0, 1, 2, 4, 5, 6])"]
-    assert unsupported_layers(q35, engine=False) == [
-        "model_type='qwen3_5' (hybrid: gated delta-rule linear attention with a recurrent state) is not implemented "
-        "by the reference path (it runs the text models qwen3_next / qwen3_5_text)"]
-    with pytest.raises(ValueError, match="'linear_attention' \\(layers \\[0, 1, 2, 4, 5, 6\\]\\).*not supported "
-                                         "\\(the engine"):
-        check_target_layers(q35, "target x")
+    assert unsupported_layers(q35) == [] and unsupported_layers(q35, engine=False) == []
+    assert check_target_layers(q35, "t") == [None] * 8  # tests/test_multimodal_target.py: loading and decoding
     bad = {"model_type": "qwen3", "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
     assert unsupported_layers(bad) == ["sliding_attention layers with sliding_window=None"]
-
-
-@pytest.fixture(scope="module")
-def qwen35_vl_dir(tmp_path_factory, qwen3_tokenizer_dir):
-    """A multimodal qwen3_5 config.json (text_config with linear-attention layers), no weights: every
-    entry point must refuse it from the config alone."""
-    from transformers import AutoTokenizer
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
-
-    out = tmp_path_factory.mktemp("qwen35_vl")
-    Qwen3_5Config(text_config={"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 151936}).save_pretrained(out)
-    AutoTokenizer.from_pretrained(qwen3_tokenizer_dir).save_pretrained(out)
-    return out
-
-
-NAMED = "'linear_attention' (layers [0, 1, 2])"
 
 
 def test_hybrid_text_target_passes_check(tiny_next_dir, draft_dir, capsys, no_weights):
@@ -113,53 +88,6 @@ def test_hybrid_text_target_passes_check(tiny_next_dir, draft_dir, capsys, no_we
     assert check(["--target", str(tiny_next_dir), "--draft", str(draft_dir)]) == 0
     out = capsys.readouterr().out
     assert "engine:" not in out and "use the reference backend" not in out
-
-
-def test_multimodal_qwen35_refused_everywhere(qwen35_vl_dir, draft_dir, tmp_path, capsys, no_weights):
-    from data.regenerate import main as regenerate
-    from dspine.check import main as check
-    from dspine.init import main as init
-    from infer.bench import main as bench
-    from infer.generate import main as generate
-    from train.distill import main as distill
-
-    t = str(qwen35_vl_dir)
-    assert check(["--target", t, "--draft", str(draft_dir)]) == 1
-    out = capsys.readouterr().out
-    assert "model_type='qwen3_5'" in out and "text models qwen3_next / qwen3_5_text" in out and "MISMATCH" in out
-    assert init(["--target", t, "--out", str(tmp_path / "new")]) == 2
-    assert "model_type='qwen3_5'" in capsys.readouterr().err and not (tmp_path / "new").exists()
-    for d in (["--draft", str(draft_dir)], ["--draft", "none"]):
-        assert generate(["--target", t, *d, "--prompt", "hi", "--max-new-tokens", "4"]) == 2
-        assert "model_type='qwen3_5'" in capsys.readouterr().err
-    out_json = tmp_path / "b.json"
-    assert bench(["--target", t, "--draft", str(draft_dir), "--datasets", "gsm8k", "--num-prompts", "1",
-                  "--max-new-tokens", "4", "--output-json", str(out_json)]) != 0
-    assert "model_type='qwen3_5'" in capsys.readouterr().err and not out_json.exists()
-    rows = tmp_path / "in.jsonl"
-    rows.write_text(json.dumps({"id": "0", "conversations": [{"role": "user", "content": "hi"}]}) + "\n")
-    assert regenerate(["--input", str(rows), "--output", str(tmp_path / "regen"), "--target", t,
-                       "--backend", "hf"]) == 2
-    assert "model_type='qwen3_5'" in capsys.readouterr().err and not (tmp_path / "regen").exists()
-    assert distill([f"target={t}", f"train={rows}", f"output_dir={tmp_path / 'run'}", "eval=null"]) == 2
-    err = capsys.readouterr().err
-    assert "config key 'target'" in err and "model_type='qwen3_5'" in err and not (tmp_path / "run").exists()
-
-
-def test_engine_paths_refuse_multimodal_hybrid_target(qwen35_vl_dir, tmp_path, capsys, no_weights):
-    """The engine (EngineTarget, data.regenerate --backend engine) refuses a multimodal qwen3_5 target before
-    any weights load, naming the model and layer type (infer.generate / infer.bench --backend cuda call the
-    same TargetSpec.check_supported(engine=True) once a GPU is there)."""
-    from data.regenerate import main as regenerate
-    from infer.model import EngineTarget
-
-    with pytest.raises(ValueError, match="model_type='qwen3_5'.*'linear_attention' \\(layers \\[0, 1, 2\\]\\)"):
-        EngineTarget.from_pretrained(str(qwen35_vl_dir), device="cpu", dtype=torch.float32, impl="torch")
-    rows = tmp_path / "in.jsonl"
-    rows.write_text(json.dumps({"id": "0", "conversations": [{"role": "user", "content": "hi"}]}) + "\n")
-    assert regenerate(["--input", str(rows), "--output", str(tmp_path / "regen"), "--target", str(qwen35_vl_dir),
-                       "--backend", "engine"]) == 2
-    assert NAMED in capsys.readouterr().err and not (tmp_path / "regen").exists()
 
 
 if __name__ == "__main__":
