@@ -401,7 +401,8 @@ class TargetSpec:
     @classmethod
     def from_config(cls, config, name: str = "", tokenizer=None, generation_config=None) -> TargetSpec:
         pad, eos = set(), set()
-        for src in (config, generation_config):
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config  # qwen3_5: text_config
+        for src in (config, text, generation_config):
             if src is None:
                 continue
             for bucket, key in ((pad, "pad_token_id"), (eos, "eos_token_id")):
@@ -414,7 +415,7 @@ class TargetSpec:
             if tokenizer.eos_token_id is not None:
                 eos.add(tokenizer.eos_token_id)
         outer = config  # decides support (a multimodal qwen3_5 is its text model; other multimodal types are refused)
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config  # qwen3_5: text_config
+        config = text
         theta = getattr(config, "rope_theta", None)
         params = getattr(config, "rope_parameters", None)
         if theta is None and isinstance(params, dict):
