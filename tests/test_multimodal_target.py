@@ -106,6 +106,19 @@ def test_init_and_check_pass(mm, tmp_path, capsys):
     assert "MISMATCH" not in capsys.readouterr().out
 
 
+def test_data_hf_backend_and_context_read_the_text_model(mm):
+    """data.regenerate --backend hf generates with the text model; its context comes from text_config."""
+    from data.generate import load_generator
+    from data.regenerate import model_context
+
+    out, ids, logits, _ = mm
+    gen = load_generator("hf", str(out), None, stop_ids=[1], pad_id=0, device="cpu", dtype="fp32")
+    assert type(gen.model).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad():
+        assert (gen.model(input_ids=ids[None]).logits[0] - logits).abs().max() < 1e-5
+    assert model_context(str(out), None) == 512
+
+
 def test_other_multimodal_configs_refused(tmp_path, capsys):
     """A multimodal config whose text model DSpine does not run (here Qwen3.5-MoE) is refused by name from the
     config alone, by the reference path, dspine.init and the engine."""
