@@ -316,7 +316,7 @@ def load_text_model(path_or_id: str, config, dtype=torch.float32, **kw) -> nn.Mo
     ``kw`` (e.g. ``attn_implementation``) go to transformers.
 
     Raises:
-        KeyError: the checkpoint lacks a tensor of the text model (a tied head excepted).
+        ValueError: the checkpoint lacks a tensor of the text model (a tied head excepted; the CLIs report it).
     """
     from transformers import AutoModelForCausalLM
 
@@ -349,7 +349,7 @@ def _text_model_from_tensors(path_or_id: str, text, dtype, **kw) -> nn.Module:
     want = set(model.state_dict())
     missing = sorted(want - set(state) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set()))
     if missing:
-        raise KeyError(f"target {path_or_id}: the checkpoint has no tensor model.language_model.* for {missing[:4]}")
+        raise ValueError(f"target {path_or_id}: the checkpoint has no tensor model.language_model.* for {missing[:4]}")
     model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
     if model.config.tie_word_embeddings:
         model.tie_weights()
