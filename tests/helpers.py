@@ -72,3 +72,24 @@ def oracle_engine(engine, reference: list[list[int]], corrupt: float, seed: int 
 
     engine.draft_logits = draft_logits
     return engine
+
+
+# A tiny hybrid text model (3 gated delta-rule layers + 1 full-attention layer; transformers' default
+# layer_types for 4 layers), shared by the hybrid target, hybrid engine and multimodal target tests.
+HYBRID_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                   linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
+                   initializer_range=0.1, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+                   tie_word_embeddings=False)
+
+
+def hybrid_config(kind: str, num_experts: int = 2, num_experts_per_tok: int = 1):
+    """``qwen3_5`` (a Qwen3_5TextConfig) or ``qwen3_next`` (a Qwen3NextConfig with ``num_experts`` MoE
+    experts, ``num_experts_per_tok`` routed per token) over :data:`HYBRID_TEXT`."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    if kind == "qwen3_next":
+        return Qwen3NextConfig(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=32, **HYBRID_TEXT)
+    return Qwen3_5TextConfig(**HYBRID_TEXT)

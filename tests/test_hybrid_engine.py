@@ -23,26 +23,11 @@ from dspine.sampling import SamplingParams
 from dspine.target import load_target
 from infer.engine import Engine
 from infer.model import EngineTarget
-from tests.helpers import random_draft
+from tests.helpers import hybrid_config, random_draft
 
 PROMPTS = [list(range(3, 23)), list(range(40, 66, 2))]  # 20 and 13 tokens
 NEW = 32
 ACCEPTS = (0, 1, 7, 15)  # the oracle draft's accept length per step, cyclically
-
-
-def _config(kind: str):
-    from transformers import Qwen3NextConfig
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-                  linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
-                  initializer_range=0.1, pad_token_id=0, eos_token_id=None, bos_token_id=None,
-                  tie_word_embeddings=False)
-    if kind == "qwen3_next":
-        return Qwen3NextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=32, **common)
-    return Qwen3_5TextConfig(**common)
 
 
 def _reference_outputs(folder: str) -> dict:
@@ -81,7 +66,7 @@ def hybrid(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = _config(request.param)
+    cfg = hybrid_config(request.param, num_experts=4, num_experts_per_tok=2)
     assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():

@@ -18,26 +18,11 @@ import torch
 from dspine.reference import ReferenceDecoder
 from dspine.sampling import SamplingParams
 from dspine.target import TargetSpec, load_target
-from tests.helpers import random_draft
+from tests.helpers import hybrid_config, random_draft
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = list(range(3, 23))  # 20 tokens
 BS = 16
-
-
-def _config(kind: str):
-    from transformers import Qwen3NextConfig
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-                  linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
-                  initializer_range=0.1, pad_token_id=0, eos_token_id=None, bos_token_id=None,
-                  tie_word_embeddings=False)
-    if kind == "qwen3_next":
-        return Qwen3NextConfig(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=32, **common)
-    return Qwen3_5TextConfig(**common)
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
@@ -46,7 +31,7 @@ def hybrid(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = _config(request.param)
+    cfg = hybrid_config(request.param)
     assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     out = tmp_path_factory.mktemp(request.param)
     AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(out)

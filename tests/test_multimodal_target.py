@@ -17,6 +17,7 @@ import torch
 
 from dspine.config import unsupported_layers
 from dspine.target import _text_model_from_tensors, load_target
+from tests.helpers import HYBRID_TEXT
 
 LAYERS = [1, 3]  # feature layers; 3 is the last (read after the final norm)
 
@@ -24,10 +25,7 @@ LAYERS = [1, 3]  # feature layers; 3 is the last (read after the final norm)
 def _config(tie: bool):
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
 
-    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-                linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
-                initializer_range=0.1, pad_token_id=0, eos_token_id=None, bos_token_id=None, tie_word_embeddings=tie)
+    text = {**HYBRID_TEXT, "tie_word_embeddings": tie}
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   temporal_patch_size=2, spatial_merge_size=2)
     return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
