@@ -26,7 +26,8 @@
 #   session 2: PACK_DIR=<carried pack folder> [DRAFT_INIT=<folder with dspine/ and dflash/ drafts>] \
 #              recipe.sh convert unpack train bench scaling summary
 # Knobs (env): WORK (runs/smollm2), NGPU (all visible), SAMPLES (3), SAMPLE_T (0.8), MAX_NEW (1024),
-#   REGEN_CONC (engine slots per GPU, 512), REGEN_CHUNK (rows per resumable write, 4096), REGEN_LIMIT (rows),
+#   REGEN_CONC (engine slots per job, 512), REGEN_PAR (regeneration jobs side by side per GPU, 1),
+#   REGEN_CHUNK (rows per resumable write, 4096), REGEN_LIMIT (rows), ARMS (drafts to train: "dspine dflash"),
 #   STEPS (optimizer steps per draft, 2000) or TRAIN_MINUTES (wall clock per run: STEPS from a 30-step
 #   calibration), SEEDS ("0"), TRAIN_OVERRIDES (extra key=value for every run, e.g. "distill=kl"),
 #   BENCH_C1 (20), BENCH_C8 (40), BENCH_NEW (512), SCALE_PROMPTS (8), RESULTS (results JSON prefix),
@@ -75,11 +76,12 @@ gpu_queue() {  # gpu_queue G CMD-FILE: run the file's lines one after the other 
   return $rc
 }
 
-run_queues() {  # run_queues PREFIX: $WORK/PREFIX.gpu{g} command files, one background queue per GPU
-  local prefix=$1 pids=() rc=0
-  for ((g = 0; g < NGPU; g++)); do
-    [ -s "$WORK/$prefix.gpu$g" ] || continue
-    gpu_queue "$g" "$WORK/$prefix.gpu$g" & pids+=($!)
+run_queues() {  # run_queues PREFIX [PER_GPU]: $WORK/PREFIX.gpu{q} command files, one background queue each;
+  # queue q runs on GPU q % NGPU, so PER_GPU > 1 puts that many queues side by side on every GPU
+  local prefix=$1 per=${2:-1} pids=() rc=0 q
+  for ((q = 0; q < NGPU * per; q++)); do
+    [ -s "$WORK/$prefix.gpu$q" ] || continue
+    gpu_queue "$((q % NGPU))" "$WORK/$prefix.gpu$q" & pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
   return $rc
@@ -119,8 +121,11 @@ if has regen; then
   jobs=("$(regen_cmd train greedy 0 0)")
   for ((s = 1; s <= SAMPLES; s++)); do jobs+=("$(regen_cmd train sample$s "${SAMPLE_T:-0.8}" "$s")"); done
   jobs+=("$(regen_cmd eval greedy 0 0)")  # 1% split, seconds
-  for i in "${!jobs[@]}"; do echo "${jobs[$i]}" >> "$WORK/regen.gpu$((i % NGPU))"; done
-  timed regen run_queues regen
+  # REGEN_PAR jobs side by side per GPU: one engine process is bound by its host loop (SmolLM2 at 512 slots
+  # kept an H200 busy a fraction of the time), and each holds its own KV cache (512 x 2048 slots: ~24 GB)
+  par=${REGEN_PAR:-1}
+  for i in "${!jobs[@]}"; do echo "${jobs[$i]}" >> "$WORK/regen.gpu$((i % (NGPU * par)))"; done
+  timed regen run_queues regen "$par"
 fi
 
 # ------------------------------------------------------------------------------------------- tokenize
@@ -199,6 +204,7 @@ if has train; then
   for seed in $SEEDS; do
     for pair in dspine:residual dflash:none; do
       name=${pair%%:*}; inj=${pair##*:}
+      [[ " ${ARMS:-dspine dflash} " == *" $name "* ]] || continue
       g=$((i % NGPU))  # runs beyond the GPU count queue on a GPU (one line each), one after the other
       train_cmd "$name" "$inj" "$seed" >> "$WORK/train.gpu$g"
       i=$((i + 1))
@@ -219,7 +225,10 @@ if has bench; then
       n=${BENCH_C8:-40}; [ "$conc" = 1 ] && n=${BENCH_C1:-20}
       out=$WORK/bench/smollm2-h200-T$temp-c$conc.json
       [ -f "$out" ] && continue
-      echo "python -m infer.bench --target $TARGET --draft DSpine=$(latest dspine) --draft DFlash=$(latest dflash)" \
+      drafts=""
+      [[ " ${ARMS:-dspine dflash} " == *" dspine "* ]] && drafts+=" --draft DSpine=$(latest dspine)"
+      [[ " ${ARMS:-dspine dflash} " == *" dflash "* ]] && drafts+=" --draft DFlash=$(latest dflash)"
+      echo "python -m infer.bench --target $TARGET$drafts" \
            "--datasets gsm8k,math500,humaneval,mbpp,mt-bench --num-prompts $n --max-new-tokens ${BENCH_NEW:-512}" \
            "--temperature $temp $samp --concurrency $conc --output-json $out > $WORK/logs/bench-T$temp-c$conc.log 2>&1" \
            >> "$WORK/bench.gpu$(((temp + conc / 8) % NGPU))"  # each GPU: one long (c1) and one short run
@@ -232,7 +241,7 @@ fi
 if has scaling; then
   rm -f "$WORK"/scaling.gpu*
   i=0
-  for name in dspine dflash; do
+  for name in ${ARMS:-dspine dflash}; do
     out=$WORK/bench/scaling-$name.json
     [ -f "$out" ] && continue
     drafts=""
