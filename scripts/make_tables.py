@@ -32,15 +32,16 @@ def fmt(x, nd=2):
 
 def smollm2_section() -> list[str]:
     runs = sorted((p for p in RESULTS.glob("smollm2*-T*-c*.json") if not p.stem.endswith("-divergence")),
-                  key=lambda p: ("-cpu-" in p.name, p.name))  # GPU runs first
+                  key=lambda p: ("-cpu-" in p.name, "-shipped-" not in p.name, p.name))  # shipped draft, GPU, CPU
     if not runs:
         return []
-    out = ["### SmolLM2-135M-Instruct: DSpine vs the DFlash ablation", ""]
+    out = ["### SmolLM2-135M-Instruct: the shipped draft, and DSpine vs the DFlash ablation", ""]
     for path in runs:
         r = json.loads(path.read_text())
         a = r["args"]
         samp = "greedy" if a["temperature"] == 0 else f"T={a['temperature']:g}, top_p {a['top_p']:g}, top_k {a['top_k']}"
-        trained = "GPU-trained drafts (recipe below)" if "-h200-" in path.name else "CPU-trained drafts"
+        trained = ("The shipped DSpine draft (the recipe's, trained further: continuation below)" if "-shipped-" in path.name
+                   else "GPU-trained drafts (recipe below)" if "-h200-" in path.name else "CPU-trained drafts")
         out.append(f"**{trained}, {samp}, concurrency {a['concurrency']}, {a['num_prompts']} prompts per task, "
                    f"{a['max_new_tokens']} new tokens, backend `{r['backend']}` on {r['device']}** "
                    f"([`{path.relative_to(ROOT)}`]({path.relative_to(ROOT)}), commit `{r['commit'][:10]}`)")
@@ -131,6 +132,64 @@ def recipe_section() -> list[str]:
     return out
 
 
+def continue_section() -> list[str]:
+    r = load("smollm2-continue-h200.json")
+    if not r:
+        return []
+    g, t = r["regen"], r["train"]
+    out = ["#### The shipped draft: the recipe's DSpine draft trained further on one H200", "",
+           f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` ([`results/smollm2-continue-h200.json`]"
+           f"(results/smollm2-continue-h200.json); {r['commit_note']}). Fresh data from the recipe's data stages "
+           f"(regeneration with `REGEN_PAR=4`: {g['answer_tokens'] / 1e6:.1f} M answer tokens in {g['regen_stage_s']:.0f} s, "
+           f"{g['tokens_per_s_stage']:,} tok/s including start-ups, against 544 s one job at a time), then "
+           f"{t['steps']} steps warm-started from the recipe's DSpine draft (same settings, cosine from lr "
+           f"{t['config']['lr']:g}), {t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
+           f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s.", "",
+           "| stage | wall clock |", "|---|---|"]
+    out += [f"| {x['stage']} | {x['seconds']:.0f} s |" for x in r["timings"]]
+    out += ["", "| step | eval loss | τ_sim | τ_real (eval prompts) |", "|---|---|---|---|"]
+    out += [f"| {e['step']} | {fmt(e['eval/loss'], 3)} | {fmt(e['eval/tau_sim'])} | {fmt(e['eval/tau_real'])} |"
+            for e in t["evals"]]
+    out += ["", f"Command: `{r['command']}`", ""]
+    return out
+
+
+def lm_head_section() -> list[str]:
+    r = load("lm-head-h200.json")
+    if not r:
+        return []
+    out = ["#### LM-head GEMM per row count (`benchmarks/kernels/bench_lm_head.py`)", "",
+           f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}`, [`results/lm-head-h200.json`](results/lm-head-h200.json): "
+           "bf16, CUDA-graph replay medians; the engine's start-up pick (`dspine.ops.lm_head.pick`) against `F.linear` "
+           "and the fastest candidate.", "",
+           "| LM head | M | pick | pick µs | F.linear µs | fastest | fastest µs |", "|---|---|---|---|---|---|---|"]
+    best = {}
+    for row in r["rows"]:
+        k = (row["shape"], row["M"])
+        if k not in best or row["us"] < best[k]["us"]:
+            best[k] = row
+    for p in r["pick"]:
+        b = best[(p["shape"], p["M"])]
+        out.append(f"| {p['shape']} | {p['M']} | {p['pick']} | {p['pick_graph_us']:.1f} | {p['linear_graph_us']:.1f} | "
+                   f"{b['impl']} | {b['us']:.1f} |")
+    out += ["", f"Command: `{r['command']}`", ""]
+    return out
+
+
+def hybrid_bench_section() -> list[str]:
+    r = load("hybrid-bench-h200.json")
+    if not r:
+        return []
+    keys = ("ar_tok_per_s", "bandwidth_floor_tok_per_s", "ar_fraction_of_floor", "ar_step_ms", "spec_step_ms",
+            "oracle_tau", "oracle_speedup_tau7", "cuda_graphs")
+    out = ["#### Hybrid target in the engine (27B-class Qwen3.5 layout, random bf16, `benchmarks/engine/bench_hybrid.py`)", "",
+           f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}`, [`results/hybrid-bench-h200.json`](results/hybrid-bench-h200.json).", "",
+           "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
+           "| " + " | ".join(str(round(r[k], 3)) if isinstance(r.get(k), float) else str(r.get(k)) for k in keys) + " |",
+           "", f"Command: `{r['command']}`", ""]
+    return out
+
+
 def training_section() -> list[str]:
     t = load("smollm2-cpu-training.json")
     if not t:
@@ -214,7 +273,7 @@ def verify_section() -> list[str]:
     ok = lambda good: "met" if good else "**missed**"
     out = ["### Tree verification and the verify-budget planner (issue 16)", "",
            f"{v['gpu']}, {v['date'][:10]}, commit `{v['commit'][:10]}`, [`results/verify-h200.json`](results/verify-h200.json). "
-           f"SmolLM2-135M with the shipped DSpine draft, T = 0, concurrency 1, {sm['num_prompts']} prompts per task, "
+           f"SmolLM2-135M with the recipe's DSpine draft (shipped until the continuation of 2026-12-01 replaced it), T = 0, concurrency 1, {sm['num_prompts']} prompts per task, "
            f"{sm['max_new_tokens']} new tokens, tree of {sm['tree_budget']} nodes against the chain of 16:", "",
            "| chain τ | tree τ | tree τ ÷ chain τ (goal ≥ 1.3) | tree tok/s ÷ chain tok/s (goal ≥ 1.15) |", "|---|---|---|---|",
            f"| {sm['chain_mean_tau']:.2f} | {sm['tree_mean_tau']:.2f} | {sm['tree_tau_over_chain_tau']:.2f} — "
@@ -386,9 +445,9 @@ def profile_section() -> list[str]:
 
 def render() -> str:
     lines = [BEGIN, ""]
-    for section in (smollm2_section, recipe_section, ab_loss_section, training_section, stories_section, engine_section,
-                    draft_step_section, profile_section, verify_section, exact_section, hybrid_section, trainer_section,
-                    lossless_section):
+    for section in (smollm2_section, continue_section, recipe_section, ab_loss_section, training_section, stories_section,
+                    engine_section, draft_step_section, profile_section, lm_head_section, verify_section, exact_section,
+                    hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)
     return "\n".join(lines)

@@ -4,7 +4,8 @@
     python benchmarks/kernels/bench_lm_head.py --tiny        # CPU smoke test (Triton interpreter)
 
 For the LM heads of Qwen3-8B (K 4096, N 151936: W 1.24 GB in bf16) and SmolLM2-135M (K 576, N 49152)
-and M = 1, 8, 16, 32, 64, 128, 256 rows (AR batch 1..256, verify blocks of 16 at batch 1..16): the
+and M = 1, 8, 15, 16, 32, 64, 120, 128, 256 rows (AR batch 1..256, verify blocks of 16 at batch 1..16, draft
+blocks of 15 predicted slots at batch 1 and 8): the
 CUDA-graph time of each candidate (``triton.testing.do_bench_cudagraph``, median, µs; what the
 engine's captured step replays), its effective bandwidth (W + h + logits bytes / time, GB/s) and
 its ratio to ``F.linear``; then the pick of ``dspine.ops.lm_head.pick`` (CUDA events, eager: what
@@ -29,7 +30,7 @@ from dspine.ops import lm_head as lh  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 
 SHAPES = {"qwen3-8b": (4096, 151936), "smollm2-135m": (576, 49152)}  # name: (K, N)
-MS = (1, 8, 16, 32, 64, 128, 256)
+MS = (1, 8, 15, 16, 32, 64, 120, 128, 256)
 TINY_SHAPES = {"tiny": (72, 300)}
 TINY_MS = (1, 8, 37)
 

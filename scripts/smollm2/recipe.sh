@@ -32,7 +32,10 @@
 #   calibration), SEEDS ("0"), TRAIN_OVERRIDES (extra key=value for every run, e.g. "distill=kl"),
 #   BENCH_C1 (20), BENCH_C8 (40), BENCH_NEW (512), SCALE_PROMPTS (8), RESULTS (results JSON prefix),
 #   PART_MIB (largest pack part, 15), PACK_DIR (where unpack reads, $WORK/pack), DRAFT_INIT (warm start:
-#   each run starts from DRAFT_INIT/dspine or DRAFT_INIT/dflash through the trainer's draft_init).
+#   each run starts from DRAFT_INIT/dspine or DRAFT_INIT/dflash through the trainer's draft_init),
+#   DSPINE_INIT / DFLASH_INIT (one arm's warm start, a draft folder: it wins over DRAFT_INIT).
+# The shipped draft was made by the data stages (with REGEN_PAR=4) and then
+#   ARMS=dspine STEPS=1728 DSPINE_INIT=checkpoints/smollm2-135m-dspine recipe.sh train   (results/smollm2-continue-h200.json)
 set -euo pipefail
 cd "${DSPINE_REPO:-$(dirname "$0")/../..}"  # DSPINE_REPO: run a copy of this script from elsewhere
 WORK=${WORK:-runs/smollm2}
@@ -171,11 +174,15 @@ if has train; then  # here, not in train_cmd: a refusal inside $(train_cmd ...) 
   TRAIN_CACHE=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-train")
   EVAL_CACHE=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-eval")
 fi
+init_arg() {  # init_arg NAME: the trainer's draft_init for arm NAME (DSPINE_INIT / DFLASH_INIT, else DRAFT_INIT/NAME)
+  local var=${1^^}_INIT
+  if [ -n "${!var:-}" ]; then echo "draft_init=${!var}"; elif [ -n "${DRAFT_INIT:-}" ]; then echo "draft_init=$DRAFT_INIT/$1"; fi
+}
 train_cmd() {  # train_cmd NAME INJECTION SEED
   echo "accelerate launch --num_processes 1 --num_machines 1 --dynamo_backend no" \
        "train/distill.py --config configs/smollm2-135m-dspine.yaml target=$TARGET train=$TRAIN_CACHE eval=$EVAL_CACHE" \
        "injection=$2 seed=$3 output_dir=$WORK/train-$1-s$3 max_steps=$STEPS save_every=$((STEPS / 8))" \
-       "eval_every=$((STEPS / 4)) keep_last=0 ${DRAFT_INIT:+draft_init=$DRAFT_INIT/${1/calib/dspine}} ${TRAIN_OVERRIDES:-}" \
+       "eval_every=$((STEPS / 4)) keep_last=0 $(init_arg "${1/calib/dspine}") ${TRAIN_OVERRIDES:-}" \
        "> $WORK/logs/train-$1-s$3.log 2>&1"
 }
 if has train && [ -z "${STEPS_SET:-}" ] && [ -n "${TRAIN_MINUTES:-}" ]; then
