@@ -259,7 +259,8 @@ def train(cfg) -> int:
             if main_proc:
                 bar.write(f"step {n}: eval loss {res_eval['eval/loss']:.4f}, tau_sim {res_eval['eval/tau_sim']:.3f}"
                           + (f", tau_real {res_eval['eval/tau_real']:.3f}" if "eval/tau_real" in res_eval else "")
-                          + f", kl {res_eval['eval/kl']:.4f}, tau_sim_agree {res_eval['eval/tau_sim_agree']:.3f}")
+                          + f", kl {res_eval['eval/kl']:.4f}, tau_sim_agree {res_eval['eval/tau_sim_agree']:.3f}"
+                          + f" ({res_eval['eval/seconds']:.1f} s, tau_real {res_eval['eval/tau_real_seconds']:.1f} s)")
         if n == stop or interrupted or (cfg.save_every and n % cfg.save_every == 0):
             pos = order.position(n)  # where the next step starts reading
             state = {"step": n, "epoch": pos.epoch, "index": pos.index, "skipped_rows": skipped_total,
@@ -337,13 +338,23 @@ def soft_metrics(stats: LossStats, prefix: str) -> dict:
             f"{prefix}argmax_agree_at_pos": stats.agreement}
 
 
-def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3) -> dict:
+def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3,
+             batch_verify: bool = True) -> dict:
     """Held-out loss, teacher-forced accuracy per slot, tau_sim and tau_real; also the hard-label CE, the KL
     to the target's distribution, the argmax agreement per slot and tau_sim_agree (tau_sim from it).
 
     Per-slot counts are summed over ranks before dividing (docs/method.md §8.9); anchors are drawn from a
     fixed generator so evals at different steps see the same blocks. tau_real decodes
-    ``eval_prompts`` prompts greedily with :class:`dspine.reference.ReferenceDecoder` on rank 0."""
+    ``eval_prompts`` prompts greedily with :class:`dspine.reference.ReferenceDecoder` on rank 0, all
+    prompts in one target forward per step (``batch_verify``, where the target allows it; False = one
+    forward per prompt, the decoder's default; same tokens up to fp rounding).
+
+    Wall-clock seconds (this rank's; the loss part ends after the all-reduce): ``eval/seconds`` in all,
+    ``eval/loss_seconds`` (loss, tau_sim, KL over the held-out rows) and ``eval/tau_real_seconds`` (the
+    decode on rank 0 and the wait of the other ranks for it; 0 without ``eval_prompts``)."""
+    from dspine.reference import ReferenceDecoder
+
+    t0 = time.perf_counter()
     rank, world = accelerator.process_index, accelerator.num_processes
     n = min(len(eval_rows), cfg.eval_max_rows)
     mine = list(range(rank, n - n % world, world))
@@ -361,8 +372,8 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
            "eval/acc_at_pos": acc, "eval/accept_at_pos": at_pos, "eval/tau_sim": tau,
            **soft_metrics(stats, "eval/")}
     out["eval/tau_sim_agree"] = tau_sim(stats.agreement)[0]  # T = 0 acceptance tests the target's argmax
+    t_loss = time.perf_counter()
     if cfg.eval_prompts:
-        from dspine.reference import ReferenceDecoder
         from dspine.sampling import SamplingParams
 
         model = full_draft(accelerator, draft, dcfg, zero3)
@@ -371,7 +382,8 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
             prompts = eval_prompts(eval_rows, cfg.eval_prompts, cfg.eval_prompt_min_tokens)
             model.eval()
             with accelerator.autocast():
-                res = ReferenceDecoder(target, model, eos_ids).generate(
+                res = ReferenceDecoder(target, model, eos_ids, batch_verify=batch_verify and
+                                       ReferenceDecoder.can_batch_verify(target)).generate(
                     prompts, SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens))
             model.train()
             real = {"eval/tau_real": res.stats.tau, "eval/real_accept_at_pos": res.stats.accept_at_pos,
@@ -379,6 +391,8 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
         accelerator.wait_for_everyone()
         if real is not None:
             out.update(real)
+    end = time.perf_counter()
+    out.update({"eval/seconds": end - t0, "eval/loss_seconds": t_loss - t0, "eval/tau_real_seconds": end - t_loss})
     return out
 
 
