@@ -1,6 +1,7 @@
 """The trainer's in-run evaluation (issue 11): tau_real decodes its prompts with one target forward per step
 (``ReferenceDecoder(batch_verify=True)``) and must give what one forward per prompt gives; ``evaluate``
-reports its wall-clock split (``eval/seconds``, ``eval/loss_seconds``, ``eval/tau_real_seconds``).
+reports its wall-clock split (``eval/seconds``, ``eval/loss_seconds``, ``eval/tau_real_seconds``) and, padded to
+the training micro-batch (the flex path), the same metrics.
 stories260K on the CPU, fp32: the batched path is bitwise equal there (same tokens, same statistics)."""
 
 from __future__ import annotations
@@ -109,4 +110,10 @@ def test_evaluate_timing_keys_and_same_metrics(stories, stories_dir, tmp_path):
         assert out["eval/seconds"] == pytest.approx(out["eval/loss_seconds"] + out["eval/tau_real_seconds"])
     assert {k: v for k, v in old.items() if k not in timing} == {k: v for k, v in new.items() if k not in timing}
     assert new["eval/real_steps"] >= 12 and 1.0 <= new["eval/tau_real"] <= 8.0
+    # the flex path fills the last micro-batch (1 of 5 rows) with empty rows: nothing changes but rounding
+    padded = evaluate(acc, draft, target, rows, cfg, batch_kw, settings, dcfg, eos, False, pad_batches=True)
+    for k, v in new.items():
+        if k not in timing:
+            assert padded[k] == pytest.approx(v, rel=1e-5), k
+    assert padded["eval/loss"] > 0 and new["eval/acc_at_pos"] == padded["eval/acc_at_pos"]
     assert draft.training  # evaluate leaves the draft in training mode (the trainer continues with it)

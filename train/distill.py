@@ -338,8 +338,12 @@ def soft_metrics(stats: LossStats, prefix: str) -> dict:
             f"{prefix}argmax_agree_at_pos": stats.agreement}
 
 
+# A row without supervised tokens (no anchors, weight 0): fills the last eval micro-batch up to the training shape.
+EMPTY_ROW = {"input_ids": [0], "loss_mask": [0]}
+
+
 def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3,
-             batch_verify: bool = True) -> dict:
+             batch_verify: bool = True, pad_batches: bool | None = None) -> dict:
     """Held-out loss, teacher-forced accuracy per slot, tau_sim and tau_real; also the hard-label CE, the KL
     to the target's distribution, the argmax agreement per slot and tau_sim_agree (tau_sim from it).
 
@@ -349,6 +353,11 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
     prompts in one target forward per step (``batch_verify``, where the target allows it; False = one
     forward per prompt, the decoder's default; same tokens up to fp rounding).
 
+    ``pad_batches`` (default: on the compiled flex path, ``batch_kw["static_anchors"]``) fills the last
+    micro-batch with :data:`EMPTY_ROW` up to ``micro_batch_size`` rows, so evaluation runs the training
+    shapes and compiles flex attention / block masks for no new batch size (an empty row adds nothing to
+    any sum; the target's GEMMs over more rows may round differently in bf16).
+
     Wall-clock seconds (this rank's; the loss part ends after the all-reduce): ``eval/seconds`` in all,
     ``eval/loss_seconds`` (loss, tau_sim, KL over the held-out rows) and ``eval/tau_real_seconds`` (the
     decode on rank 0 and the wait of the other ranks for it; 0 without ``eval_prompts``)."""
@@ -356,14 +365,16 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
 
     t0 = time.perf_counter()
     rank, world = accelerator.process_index, accelerator.num_processes
+    pad_batches = batch_kw.get("static_anchors", False) if pad_batches is None else pad_batches
     n = min(len(eval_rows), cfg.eval_max_rows)
     mine = list(range(rank, n - n % world, world))
     stats = LossStats.zeros(dcfg.block_size)
     with torch.no_grad():
         for m, i in enumerate(range(0, len(mine), cfg.micro_batch_size)):
             ids = mine[i: i + cfg.micro_batch_size]
-            b = make_batch([eval_rows.row(j) for j in ids], ids, generator=anchor_generator(cfg.seed, -1, rank, m),
-                           **batch_kw)
+            fill = cfg.micro_batch_size - len(ids) if pad_batches else 0
+            b = make_batch([eval_rows.row(j) for j in ids] + [EMPTY_ROW] * fill, ids + [-1] * fill,
+                           generator=anchor_generator(cfg.seed, -1, rank, m), **batch_kw)
             stats.add(micro_loss(draft, target, b.to(accelerator.device), settings, measure_target=True)[1])
     stats = LossStats.from_vector(reduce_sum(accelerator, stats.to_vector()))
     acc = stats.accuracy
