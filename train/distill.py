@@ -369,7 +369,7 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
     n = min(len(eval_rows), cfg.eval_max_rows)
     mine = list(range(rank, n - n % world, world))
     stats = LossStats.zeros(dcfg.block_size)
-    with torch.no_grad():
+    with torch.no_grad(), torch.profiler.record_function("eval/loss"):  # labels for benchmarks/train/bench_eval.py
         for m, i in enumerate(range(0, len(mine), cfg.micro_batch_size)):
             ids = mine[i: i + cfg.micro_batch_size]
             fill = cfg.micro_batch_size - len(ids) if pad_batches else 0
@@ -392,7 +392,7 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
         if accelerator.is_main_process:
             prompts = eval_prompts(eval_rows, cfg.eval_prompts, cfg.eval_prompt_min_tokens)
             model.eval()
-            with accelerator.autocast():
+            with accelerator.autocast(), torch.profiler.record_function("eval/tau_real"):
                 res = ReferenceDecoder(target, model, eos_ids, batch_verify=batch_verify and
                                        ReferenceDecoder.can_batch_verify(target)).generate(
                     prompts, SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens))

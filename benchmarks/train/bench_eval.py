@@ -13,7 +13,8 @@ training shapes, as in a run), then ``--repeats`` rounds of evaluate with one fo
 (``per_row``, the old path) and with all prompts in one forward (``batched``), each round timing both.
 Per call: ``eval/seconds``, ``eval/loss_seconds``, ``eval/tau_real_seconds``, torch.compile's graph count so
 far (a compile for eval shapes shows as a jump; ``compile_times`` at the end lists each compile's seconds), and whether the two paths gave the same
-metrics (tau_real may differ in the last digits on a GPU: batched bf16 GEMMs round differently).
+metrics (tau_real may differ in the last digits on a GPU: batched bf16 GEMMs round differently). ``--profile`` adds
+the top ops of one more evaluate (torch.profiler tables) to the report.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true",
+                    help="one more batched evaluate under torch.profiler: its top ops go to the report")
     ap.add_argument("--tiny", action="store_true", help="stories260K, random 2-layer draft, small sizes (CPU)")
     ap.add_argument("--output", required=True)
     args = ap.parse_args(argv)
@@ -153,6 +156,17 @@ def main(argv=None) -> int:
         a, b = ({k: v for k, v in got[m].items() if k not in TIMING} for m in ("per_row", "batched"))
         calls[-1]["same_metrics_as_per_row"] = a == b
         calls[-1]["tau_real_diff"] = (b.get("eval/tau_real") or 0) - (a.get("eval/tau_real") or 0)
+    profile = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with torch_profile(activities=acts) as prof:
+            evaluate(accelerator, draft, target, rows, cfg, batch_kw, settings, dcfg, eos, False)
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        profile = {k: prof.key_averages().table(sort_by=k, row_limit=25) for k in (key, "cpu_time_total")}
+        print(profile[key])
     report = {
         "what": "train.distill.evaluate wall clock: per-row vs batched tau_real verify (issue 11)",
         "command": " ".join([sys.executable, *sys.argv]),
@@ -163,6 +177,7 @@ def main(argv=None) -> int:
                                                   "max_length", "prompts", "max_new", "train_steps", "tiny")},
         "attn": res["attn"], "train_steps_s": round(train_s, 2), "calls": calls,
         "compile_times": torch._dynamo.utils.compile_times(),  # per compiled function, seconds of each compile
+        "profile": profile,
     }
     Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.output}")
