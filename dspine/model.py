@@ -94,11 +94,20 @@ def attend(q, k, v, mask, scale: float) -> torch.Tensor:
 
 
 _FLEX = {}
+FLEX_RECOMPILE_LIMIT = 64  # compiled variants per function (see _compiled_flex)
 
 
 def _compiled_flex(fn):
     # flex_attention is only fast (and memory-light) when compiled; compile once per process.
     if "fn" not in _FLEX:
+        if torch.cuda.is_available():
+            # dynamic=False specialises on every shape and on grad mode: the trainer's length buckets with
+            # grad plus its evaluation's without (issue 11) pass dynamo's default of 8 entries per function
+            # at max_length 3072 (6 buckets), and past the limit every new shape runs flex eagerly (dense
+            # scores: slow and memory-hungry) each time it recurs, rather than compiling once.
+            cfg = torch._dynamo.config
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+            setattr(cfg, name, max(getattr(cfg, name), FLEX_RECOMPILE_LIMIT))
         _FLEX["fn"] = torch.compile(fn, dynamic=False) if torch.cuda.is_available() else fn
     return _FLEX["fn"]
 

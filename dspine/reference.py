@@ -5,7 +5,9 @@ forward over its context cache; the target verifies the block causally over its 
 longest agreeing prefix plus the bonus token is committed; the target cache is cropped to the
 committed positions and their target features are appended to the draft's context. Rows of a batch
 accept different counts (ragged); the draft runs batched, the target verifies row by row on its own
-HF cache (simple and exact). Without a draft it decodes autoregressively on the same path. With
+HF cache (simple and exact), or, with ``batch_verify``, all rows in one forward over one batched cache
+whose rejected columns are masked instead of cropped (the trainer's tau_real: one forward per step
+instead of one per prompt). Without a draft it decodes autoregressively on the same path. With
 ``verify="tree"`` the target verifies a token tree built from the draft's distributions
 (``dspine.tree``) in one forward (a 4D attention mask: the prefix and the node's ancestors; position
 ids = prefix length + depth), and the cache keeps the accepted path's rows (attention-only targets).
@@ -30,6 +32,7 @@ import time
 import torch
 
 from dspine import sampling as rng
+from dspine.config import target_layer_types
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample
 from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sample
@@ -98,17 +101,34 @@ class ReferenceDecoder:
             with the tokens per forward (a CPU).
         verify: "chain" (the draft's argmax/sampled block) or "tree" (``dspine.tree``).
         tree_budget: nodes per tree, anchor included (``verify="tree"``).
+        batch_verify: one target forward per step for all rows (prefill and chain verify) on one
+            batched HF cache instead of one forward per row: right-padded prompts, and rejected
+            verify slots stay in the cache as masked columns (a 4D additive mask ``[B, 1, W, C + W]``
+            of each row's valid cache columns, causal inside the block; position ids per row) rather
+            than being cropped. Same acceptance, same tokens up to fp rounding of the batched GEMMs
+            and of the masked softmax (bitwise equal on the CPU tests). The cache grows by W columns
+            per step for every row (not only by the committed ones): meant for short decodes (the
+            trainer's tau_real). Needs a draft, ``verify="chain"`` and a target without recurrent or
+            sliding-window layers (:meth:`can_batch_verify`).
     Raises:
         ValueError: ``verify_size`` outside 2..block size, an unknown ``verify``, a tree budget < 2,
-            a tree without a draft.
+            a tree without a draft, ``batch_verify`` without a draft, with a tree or with a target
+            that :meth:`can_batch_verify` refuses.
     """
 
     def __init__(self, target: TargetAdapter, draft: DSpineDraftModel | None, eos_token_ids,
-                 verify_size: int | None = None, verify: str = "chain", tree_budget: int = TREE_BUDGET):
+                 verify_size: int | None = None, verify: str = "chain", tree_budget: int = TREE_BUDGET,
+                 batch_verify: bool = False):
         if verify not in ("chain", "tree"):
             raise ValueError(f"verify={verify!r} must be 'chain' or 'tree'")
         if verify == "tree" and (draft is None or tree_budget < 2):
             raise ValueError(f"verify='tree' needs a draft and tree_budget >= 2 (got {tree_budget})")
+        if batch_verify and (draft is None or verify != "chain" or not self.can_batch_verify(target)):
+            raise ValueError("batch_verify needs a draft, verify='chain' and a target with only full-attention "
+                             f"layers (got draft={draft is not None}, verify={verify!r}, target "
+                             f"{target.name or type(target.model).__name__}: recurrent={target.recurrent}, "
+                             f"layer types {sorted(set(target_layer_types(target.config)))})")
+        self.batch_verify = batch_verify
         self.target = target
         self.draft = draft
         self.verify, self.tree_budget = verify, tree_budget
@@ -122,6 +142,23 @@ class ReferenceDecoder:
                 raise ValueError(f"verify_size={verify_size} must be in 2..{self.block_size} (the draft's block size)")
         else:
             self.block_size = self.verify_size = 1
+
+    @staticmethod
+    def can_batch_verify(target: TargetAdapter) -> bool:
+        """Whether ``batch_verify`` runs on ``target``: every layer full attention (a custom 4D mask
+        replaces the target's own masks, so a sliding window would be lost; recurrent states cannot
+        skip the masked columns)."""
+        return not target.recurrent and all(t == "full_attention" for t in target_layer_types(target.config))
+
+    def _batch_mask(self, valid: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
+        """Additive mask ``[B, 1, W, C + W]`` (target dtype) for W new tokens per row over C cached columns:
+        a query sees the cached columns where ``valid [B, C]`` and the new columns up to itself where
+        ``new_valid [B, W]`` (False = a prompt's right padding)."""
+        B, W = new_valid.shape
+        causal = torch.ones(W, W, dtype=torch.bool, device=valid.device).tril()
+        allowed = torch.cat([valid[:, None, :].expand(B, W, valid.shape[1]), causal[None] & new_valid[:, None, :]], -1)
+        mask = torch.zeros(B, 1, W, allowed.shape[-1], dtype=self.target.dtype, device=valid.device)
+        return mask.masked_fill_(~allowed[:, None], torch.finfo(mask.dtype).min)
 
     def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache) -> torch.Tensor:
         """Draft logits ``[B, K, V]`` (fp32, K = verify_size - 1) for blocks ``[B, bs]`` = [anchor, MASK, ...]."""
@@ -177,9 +214,23 @@ class ReferenceDecoder:
             p, ids = logits_to_probs(logits[None], params.temperature, params.top_p, params.top_k, with_ids=True)
             return int(sample(p, seed[b : b + 1], rng.STREAM_TARGET, torch.tensor([len(out[b])], device=dev), ids)[0])
 
-        # -- prefill: one row at a time on its own HF cache ------------------------------------------
+        # -- prefill: one row at a time on its own HF cache (batch_verify: all rows, right-padded) -----
         caches, feats, anchors = [], [], []
-        for b, prompt in enumerate(prompts):
+        if self.batch_verify:
+            L = max(map(len, prompts))
+            ids = torch.zeros(B, L, dtype=torch.long, device=dev)
+            valid = torch.zeros(B, L, dtype=torch.bool, device=dev)  # [B, C]: cache columns a row attends to
+            for b, prompt in enumerate(prompts):
+                ids[b, : len(prompt)] = torch.tensor(prompt, device=dev)
+                valid[b, : len(prompt)] = True
+            o = self.target(ids, position_ids=torch.arange(L, device=dev).expand(B, L),
+                            attention_mask=self._batch_mask(valid[:, :0], valid), use_cache=True)
+            batch_cache = o.past_key_values
+            for b, prompt in enumerate(prompts):
+                feats.append(o.features[b : b + 1, : len(prompt)])
+                anchors.append(target_token(b, o.logits[b, len(prompt) - 1].float()))
+                commit(b, [anchors[-1]])
+        for b, prompt in enumerate(prompts if not self.batch_verify else []):
             o = self.target(torch.tensor([prompt], device=dev), use_cache=True, features=use_draft)
             caches.append(o.past_key_values)
             feats.append(o.features)
@@ -231,9 +282,22 @@ class ReferenceDecoder:
             # -- verify + accept, row by row (the acceptance rule of dspine.ops.accept) ----------------
             new_feats = torch.zeros(B, W, feats[0].shape[-1], device=dev, dtype=feats[0].dtype)
             counts = torch.zeros(B, dtype=torch.long, device=dev)
+            if self.batch_verify:  # every row in one forward; row b's slots sit at columns C .. C + W - 1
+                C = valid.shape[1]
+                pos = dcache.lengths[:, None].long() + torch.arange(W, device=dev)
+                o = self.target(block, position_ids=pos, attention_mask=self._batch_mask(
+                    valid, torch.ones(B, W, dtype=torch.bool, device=dev)), past_key_values=batch_cache, use_cache=True)
+                batch_cache, t_all, host_block = o.past_key_values, o.logits.float(), block.tolist()
+                valid = torch.cat([valid, torch.zeros(B, W, dtype=torch.bool, device=dev)], 1)
+                if params.greedy:  # all rows' acceptance at once: two host syncs per step, not a few per row
+                    act = torch.tensor(active, device=dev)
+                    if not torch.isfinite(t_all[act]).all():
+                        raise nonfinite_error("target")
+                    a_act, bonus_act = accept_greedy(block[act, 1:], t_all[act].argmax(-1), impl="torch")
+                    greedy = dict(zip(active, zip(a_act.tolist(), bonus_act.tolist())))
             for b in active:
-                start = int(dcache.lengths[b])  # position of the anchor
                 if tree is not None:
+                    start = int(dcache.lengths[b])  # position of the anchor
                     if self.target.recurrent:
                         raise ValueError("tree verification needs an attention-only target (hybrid targets: chain)")
                     tokens, f = self._verify_tree_row(b, tree, start, caches[b], params, p_draft, seed, n_out)
@@ -242,21 +306,33 @@ class ReferenceDecoder:
                     counts[b] = len(tokens)
                     anchors[b] = tokens[-1]
                     continue
-                pos = torch.arange(start, start + W, device=dev)[None]
-                snapshot = copy.deepcopy(caches[b]) if self.target.recurrent else caches[b]
-                o = self.target(block[b : b + 1], position_ids=pos, past_key_values=snapshot, use_cache=True)
-                t_logits = o.logits[0].float()  # [W, V]
-                if not torch.isfinite(t_logits).all():
-                    raise nonfinite_error("target")
-                if params.greedy:
-                    a, bonus = accept_greedy(block[b : b + 1, 1:], t_logits.argmax(-1)[None], impl="torch")
+                if self.batch_verify and params.greedy:
+                    a, bonus = greedy[b]
                 else:
-                    p_t, t_ids = logits_to_probs(t_logits[None], params.temperature, params.top_p, params.top_k,
-                                                 with_ids=True)
-                    u = rng.uniforms(seed[b : b + 1], rng.STREAM_ACCEPT, slot_pos[b : b + 1])
-                    e = rng.bonus_noise(seed[b : b + 1], rng.STREAM_TARGET, n_out[b : b + 1], p_t.shape[-1], t_ids)
-                    a, bonus = accept_sample(block[b : b + 1, 1:], p_t, p_draft[b : b + 1], u, e, impl="torch")
-                a, bonus = int(a), int(bonus)
+                    if self.batch_verify:
+                        t_logits = t_all[b]  # [W, V]
+                    else:
+                        start = int(dcache.lengths[b])  # position of the anchor
+                        pos = torch.arange(start, start + W, device=dev)[None]
+                        snapshot = copy.deepcopy(caches[b]) if self.target.recurrent else caches[b]
+                        o = self.target(block[b : b + 1], position_ids=pos, past_key_values=snapshot, use_cache=True)
+                        t_logits = o.logits[0].float()  # [W, V]
+                    if not torch.isfinite(t_logits).all():
+                        raise nonfinite_error("target")
+                    if params.greedy:
+                        a, bonus = accept_greedy(block[b : b + 1, 1:], t_logits.argmax(-1)[None], impl="torch")
+                    else:
+                        p_t, t_ids = logits_to_probs(t_logits[None], params.temperature, params.top_p, params.top_k,
+                                                     with_ids=True)
+                        u = rng.uniforms(seed[b : b + 1], rng.STREAM_ACCEPT, slot_pos[b : b + 1])
+                        e = rng.bonus_noise(seed[b : b + 1], rng.STREAM_TARGET, n_out[b : b + 1], p_t.shape[-1], t_ids)
+                        a, bonus = accept_sample(block[b : b + 1, 1:], p_t, p_draft[b : b + 1], u, e, impl="torch")
+                    a, bonus = int(a), int(bonus)
+                counts[b] = a + 1
+                anchors[b] = bonus
+                if self.batch_verify:  # the committed slots become visible columns; features of all rows below
+                    stats[b].record(commit(b, host_block[b][1 : a + 1] + [bonus]))
+                    continue
                 stats[b].record(commit(b, block[b, 1 : a + 1].tolist() + [bonus]))
                 # keep the target cache to the committed positions: anchor .. d_a
                 if not self.target.recurrent:
@@ -268,8 +344,9 @@ class ReferenceDecoder:
                     self.target(block[b : b + 1, : a + 1], position_ids=pos[:, : a + 1], past_key_values=caches[b],
                                 use_cache=True, features=False)
                 new_feats[b, : a + 1] = o.features[0, : a + 1]
-                counts[b] = a + 1
-                anchors[b] = bonus
+            if self.batch_verify:
+                valid[:, C:] = torch.arange(W, device=dev) < counts[:, None]
+                new_feats = o.features
             dcache.append(new_feats, counts)
 
         return GenerationResult(out, reasons, stats, time.perf_counter() - t0, prefill_s, loops)

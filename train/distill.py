@@ -259,7 +259,8 @@ def train(cfg) -> int:
             if main_proc:
                 bar.write(f"step {n}: eval loss {res_eval['eval/loss']:.4f}, tau_sim {res_eval['eval/tau_sim']:.3f}"
                           + (f", tau_real {res_eval['eval/tau_real']:.3f}" if "eval/tau_real" in res_eval else "")
-                          + f", kl {res_eval['eval/kl']:.4f}, tau_sim_agree {res_eval['eval/tau_sim_agree']:.3f}")
+                          + f", kl {res_eval['eval/kl']:.4f}, tau_sim_agree {res_eval['eval/tau_sim_agree']:.3f}"
+                          + f" ({res_eval['eval/seconds']:.1f} s, tau_real {res_eval['eval/tau_real_seconds']:.1f} s)")
         if n == stop or interrupted or (cfg.save_every and n % cfg.save_every == 0):
             pos = order.position(n)  # where the next step starts reading
             state = {"step": n, "epoch": pos.epoch, "index": pos.index, "skipped_rows": skipped_total,
@@ -337,22 +338,43 @@ def soft_metrics(stats: LossStats, prefix: str) -> dict:
             f"{prefix}argmax_agree_at_pos": stats.agreement}
 
 
-def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3) -> dict:
+# A row without supervised tokens (no anchors, weight 0): fills the last eval micro-batch up to the training shape.
+EMPTY_ROW = {"input_ids": [0], "loss_mask": [0]}
+
+
+def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3,
+             batch_verify: bool = True, pad_batches: bool | None = None) -> dict:
     """Held-out loss, teacher-forced accuracy per slot, tau_sim and tau_real; also the hard-label CE, the KL
     to the target's distribution, the argmax agreement per slot and tau_sim_agree (tau_sim from it).
 
     Per-slot counts are summed over ranks before dividing (docs/method.md §8.9); anchors are drawn from a
     fixed generator so evals at different steps see the same blocks. tau_real decodes
-    ``eval_prompts`` prompts greedily with :class:`dspine.reference.ReferenceDecoder` on rank 0."""
+    ``eval_prompts`` prompts greedily with :class:`dspine.reference.ReferenceDecoder` on rank 0, all
+    prompts in one target forward per step (``batch_verify``, where the target allows it; False = one
+    forward per prompt, the decoder's default; same tokens up to fp rounding).
+
+    ``pad_batches`` (default: on the compiled flex path, ``batch_kw["static_anchors"]``) fills the last
+    micro-batch with :data:`EMPTY_ROW` up to ``micro_batch_size`` rows, so evaluation runs the training
+    shapes and compiles flex attention / block masks for no new batch size (an empty row adds nothing to
+    any sum; the target's GEMMs over more rows may round differently in bf16).
+
+    Wall-clock seconds (this rank's; the loss part ends after the all-reduce): ``eval/seconds`` in all,
+    ``eval/loss_seconds`` (loss, tau_sim, KL over the held-out rows) and ``eval/tau_real_seconds`` (the
+    decode on rank 0 and the wait of the other ranks for it; 0 without ``eval_prompts``)."""
+    from dspine.reference import ReferenceDecoder
+
+    t0 = time.perf_counter()
     rank, world = accelerator.process_index, accelerator.num_processes
+    pad_batches = batch_kw.get("static_anchors", False) if pad_batches is None else pad_batches
     n = min(len(eval_rows), cfg.eval_max_rows)
     mine = list(range(rank, n - n % world, world))
     stats = LossStats.zeros(dcfg.block_size)
-    with torch.no_grad():
+    with torch.no_grad(), torch.profiler.record_function("eval/loss"):  # labels for benchmarks/train/bench_eval.py
         for m, i in enumerate(range(0, len(mine), cfg.micro_batch_size)):
             ids = mine[i: i + cfg.micro_batch_size]
-            b = make_batch([eval_rows.row(j) for j in ids], ids, generator=anchor_generator(cfg.seed, -1, rank, m),
-                           **batch_kw)
+            fill = cfg.micro_batch_size - len(ids) if pad_batches else 0
+            b = make_batch([eval_rows.row(j) for j in ids] + [EMPTY_ROW] * fill, ids + [-1] * fill,
+                           generator=anchor_generator(cfg.seed, -1, rank, m), **batch_kw)
             stats.add(micro_loss(draft, target, b.to(accelerator.device), settings, measure_target=True)[1])
     stats = LossStats.from_vector(reduce_sum(accelerator, stats.to_vector()))
     acc = stats.accuracy
@@ -361,8 +383,8 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
            "eval/acc_at_pos": acc, "eval/accept_at_pos": at_pos, "eval/tau_sim": tau,
            **soft_metrics(stats, "eval/")}
     out["eval/tau_sim_agree"] = tau_sim(stats.agreement)[0]  # T = 0 acceptance tests the target's argmax
+    t_loss = time.perf_counter()
     if cfg.eval_prompts:
-        from dspine.reference import ReferenceDecoder
         from dspine.sampling import SamplingParams
 
         model = full_draft(accelerator, draft, dcfg, zero3)
@@ -370,8 +392,9 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
         if accelerator.is_main_process:
             prompts = eval_prompts(eval_rows, cfg.eval_prompts, cfg.eval_prompt_min_tokens)
             model.eval()
-            with accelerator.autocast():
-                res = ReferenceDecoder(target, model, eos_ids).generate(
+            with accelerator.autocast(), torch.profiler.record_function("eval/tau_real"):
+                res = ReferenceDecoder(target, model, eos_ids, batch_verify=batch_verify and
+                                       ReferenceDecoder.can_batch_verify(target)).generate(
                     prompts, SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens))
             model.train()
             real = {"eval/tau_real": res.stats.tau, "eval/real_accept_at_pos": res.stats.accept_at_pos,
@@ -379,6 +402,8 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
         accelerator.wait_for_everyone()
         if real is not None:
             out.update(real)
+    end = time.perf_counter()
+    out.update({"eval/seconds": end - t0, "eval/loss_seconds": t_loss - t0, "eval/tau_real_seconds": end - t_loss})
     return out
 
 

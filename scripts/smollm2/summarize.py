@@ -71,7 +71,8 @@ def train_report(run: Path) -> dict:
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
         "median_anchor_blocks_per_s": (statistics.median(r["anchor_blocks_per_s"] for r in steady)
                                        if steady and "anchor_blocks_per_s" in steady[0] else None),
-        "evals": [{k: e.get(k) for k in ("step", "eval/loss", "eval/tau_sim", "eval/tau_real")} for e in evals],
+        "evals": [{**{k: e.get(k) for k in ("step", "eval/loss", "eval/tau_sim", "eval/tau_real")},
+                   **{k: e[k] for k in ("eval/seconds", "eval/tau_real_seconds") if k in e}} for e in evals],
     }
     cfg = read_json(run / "config.json") or {}
     rep["config"] = {k: cfg.get(k) for k in ("injection", "seed", "lr", "micro_batch_size", "anchors_per_seq",
