@@ -9,14 +9,17 @@ output. GPU (``-m gpu``): the same with impl "triton" (fla-core) in fp32, and bf
 equal to the engine's own autoregressive output. transformers' reference runs once per config on the CPU
 with its own torch code (:func:`tests.helpers.call_without_fla`).
 
-On the GPU run this module in one process, with exact fp32 products in fla's kernels (their ``tl.dot``
-calls default to TF32 for fp32 inputs):
+On the GPU run this module in one process, with exact fp32 products in most of fla's kernels (their
+``tl.dot`` calls default to TF32 for fp32 inputs) and fla's fixed kernel configs (no autotuning; see
+``benchmarks/engine/fla_configs/README.md``):
 
-    TRITON_F32_DEFAULT=ieee TRITON_PRINT_AUTOTUNING=1 python -m pytest -m gpu -n 0 -v --durations=0 tests/test_hybrid_engine.py
+    TRITON_F32_DEFAULT=ieee FLA_CACHE_MODE=default FLA_CONFIG_DIR=benchmarks/engine/fla_configs \
+        python -m pytest -m gpu -n 0 -v --durations=0 tests/test_hybrid_engine.py
 
-``-n 0``: pyproject's ``-n 2`` starts two xdist workers that each compile and autotune fla-core's kernels
-(about 60 configs per dtype at first use; two processes on one GPU also disturb each other's timings),
-and xdist shows nothing until a test ends, so a run killed by a time limit shows no progress.
+``-n 0``: pyproject's ``-n 2`` starts two xdist workers that each compile fla-core's kernels (with
+autotuning about 60 configs per dtype at first use, minutes in fp32 with ieee products; two processes on
+one GPU also disturb each other's autotune timings), and xdist shows nothing until a test ends, so a run
+killed by a time limit shows no progress.
 """
 
 from __future__ import annotations

@@ -32,8 +32,16 @@ few buckets would therefore save nothing. ``TRITON_PRINT_AUTOTUNING=1`` prints e
 time; Triton's on-disk caches make a second process on the same machine skip the compiles and the
 autotuning (same shapes, same ``TRITON_F32_DEFAULT``).
 
+Fixed fla kernel configs: this script sets ``FLA_CACHE_MODE=default`` and ``FLA_CONFIG_DIR`` to
+``benchmarks/engine/fla_configs`` (fla-core's own override mechanism; one JSON file per kernel) unless the
+environment sets them: the six autotuned kernels of fla's chunked forward then compile one config each
+instead of autotuning about 60. The check needs correct kernels, not the fastest ones; for sm_90, ieee,
+compiled on a 2-core CPU, the 30 autotune configs of four of them took 452 s, the six fixed ones 11 s
+(TF32: 132 s for the 30). A kernel without a file there autotunes as before; speed benchmarks never set
+these variables. ``FLA_CACHE_MODE=disabled`` restores autotuning.
+
 fp32 exactness: most of fla's ``tl.dot`` calls take Triton's default precision, TF32 for fp32 inputs; this
-script sets ``TRITON_F32_DEFAULT=ieee`` unless the environment sets it (recorded in the output). fla's
+script sets ``TRITON_F32_DEFAULT=ieee`` unless the environment sets it (recorded in ``env``). fla's
 fused K K^T + triangular-solve kernel asks for TF32 explicitly on TF32 GPUs, so its fp32 path is not
 exact fp32 either way (the max deviation from the torch reference is recorded). ieee fp32 dots compile to
 FMA loops: for sm_90, compiled on a CPU, 3-7x the compile time of the TF32 form.
@@ -46,16 +54,18 @@ output differs.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-# Triton reads it when it compiles a kernel, so before any kernel of this process (module docstring)
+# before any kernel is compiled and before fla-core is imported (module docstring); the caller's values win
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+os.environ.setdefault("FLA_CACHE_MODE", "default")
+os.environ.setdefault("FLA_CONFIG_DIR", str(Path(__file__).resolve().parent / "fla_configs"))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -188,7 +198,8 @@ def main(argv=None) -> int:
     out = {**provenance(), "gpu": torch.cuda.get_device_name() if cuda else "cpu", "configs": kinds,
            "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
            "reference": f"transformers generate, fp32, {args.reference_device}, without fla-core",
-           "triton_f32_default": os.environ.get("TRITON_F32_DEFAULT"), "complete": False,
+           "env": {k: os.environ.get(k) for k in ("TRITON_F32_DEFAULT", "FLA_CACHE_MODE", "FLA_CONFIG_DIR")},
+           "complete": False,
            "lossless": [], "runs": [], "timings": {}, "gated_delta_max_abs_diff_vs_torch": {},
            "ar_fraction_of_floor": None, "oracle_speedup_tau7": None,
            "not_measured": "ar_fraction_of_floor / oracle_speedup_tau7 need the 27B-class hybrid benchmark"}
