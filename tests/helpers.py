@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import torch
 
 from dspine.config import DSpineConfig
@@ -93,3 +100,27 @@ def hybrid_config(kind: str, num_experts: int = 2, num_experts_per_tok: int = 1)
         return Qwen3NextConfig(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
                                moe_intermediate_size=32, shared_expert_intermediate_size=32, **HYBRID_TEXT)
     return Qwen3_5TextConfig(**HYBRID_TEXT)
+
+
+def call_without_fla(fn: str, *args):
+    """``fn(*args)`` (``fn`` = "module:function", importable from the repository root) with fla-core out of
+    transformers' reach, and its result.
+
+    When fla-core is installed, transformers binds its gated delta rule (Qwen3.5 / Qwen3-Next prefill and
+    decode) to fla's Triton kernels at import: they cannot run on CPU tensors, use TF32 products for fp32
+    inputs unless TRITON_F32_DEFAULT=ieee, and autotune on first use. A reference must be transformers' own
+    torch code, so the call then runs in a child Python process in which ``import fla`` fails (args and
+    result travel through ``torch.save``; the child's stderr is the caller's). Without fla-core it runs in
+    this process. Raises CalledProcessError when the child fails."""
+    module, name = fn.split(":")
+    if importlib.util.find_spec("fla") is None:
+        return getattr(importlib.import_module(module), name)(*args)
+    root = str(Path(__file__).resolve().parents[1])
+    code = ("import importlib, sys, torch; sys.modules['fla'] = None; sys.path.insert(0, sys.argv[1]); "
+            "m, f = sys.argv[2].split(':'); "
+            "torch.save(getattr(importlib.import_module(m), f)(*torch.load(sys.argv[3])), sys.argv[4])")
+    with tempfile.TemporaryDirectory(prefix="dspine-nofla-") as tmp:
+        inp, out = Path(tmp, "args.pt"), Path(tmp, "out.pt")
+        torch.save(args, inp)
+        subprocess.run([sys.executable, "-c", code, root, fn, str(inp), str(out)], check=True)
+        return torch.load(out)

@@ -6,15 +6,23 @@ CPU: the torch path's prefill / verify logits equal transformers'; the linear la
 to 1, 2, 8 and 16 kept tokens (accept lengths 0, 1, 7, 15); greedy speculative decoding with an oracle
 draft that cycles through those accept lengths, and autoregressive decoding, equal transformers' greedy
 output. GPU (``-m gpu``): the same with impl "triton" (fla-core) in fp32, and bf16 speculative output
-equal to the engine's own autoregressive output.
+equal to the engine's own autoregressive output. transformers' reference runs once per config on the CPU
+with its own torch code (:func:`tests.helpers.call_without_fla`).
+
+On the GPU run this module in one process, with exact fp32 products in most of fla's kernels (their
+``tl.dot`` calls default to TF32 for fp32 inputs) and fla's fixed kernel configs (no autotuning; see
+``benchmarks/engine/fla_configs/README.md``):
+
+    TRITON_F32_DEFAULT=ieee FLA_CACHE_MODE=default FLA_CONFIG_DIR=benchmarks/engine/fla_configs \
+        python -m pytest -m gpu -n 0 -v --durations=0 tests/test_hybrid_engine.py
+
+``-n 0``: pyproject's ``-n 2`` starts two xdist workers that each compile fla-core's kernels (with
+autotuning about 60 configs per dtype at first use, minutes in fp32 with ieee products; two processes on
+one GPU also disturb each other's autotune timings), and xdist shows nothing until a test ends, so a run
+killed by a time limit shows no progress.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +31,7 @@ from dspine.sampling import SamplingParams
 from dspine.target import load_target
 from infer.engine import Engine
 from infer.model import EngineTarget
-from tests.helpers import hybrid_config, random_draft
+from tests.helpers import call_without_fla, hybrid_config, random_draft
 
 PROMPTS = [list(range(3, 23)), list(range(40, 66, 2))]  # 20 and 13 tokens
 NEW = 32
@@ -46,18 +54,9 @@ def _reference_outputs(folder: str) -> dict:
             "feats": torch.cat([out.hidden_states[2], out.hidden_states[4]], dim=-1)[0]}
 
 
-def _reference(folder: Path) -> dict:
-    """:func:`_reference_outputs`, in a child process with fla-core hidden when it is installed: transformers
-    then binds its gated delta rule to fla's Triton kernels, which cannot run on CPU tensors."""
-    if importlib.util.find_spec("fla") is None:
-        return _reference_outputs(str(folder))
-    dump = folder / "reference.pt"
-    code = ("import sys, torch; sys.modules['fla'] = None; sys.path.insert(0, sys.argv[1]); "
-            "from tests.test_hybrid_engine import _reference_outputs; "
-            "torch.save(_reference_outputs(sys.argv[2]), sys.argv[3])")
-    root = str(Path(__file__).resolve().parents[1])
-    subprocess.run([sys.executable, "-c", code, root, str(folder), str(dump)], check=True)
-    return torch.load(dump)
+def test_reference_runs_without_fla():
+    """The reference helper's callee cannot find fla-core (installed or not): transformers runs its torch code."""
+    assert call_without_fla("importlib.util:find_spec", "fla") is None
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
@@ -75,7 +74,7 @@ def hybrid(request, tmp_path_factory):
                 p.normal_(0.0, 0.2)
     out = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(out)
-    ref = _reference(out)
+    ref = call_without_fla("tests.test_hybrid_engine:_reference_outputs", str(out))
     want = ref["want"]
     assert all(len(set(w)) > 5 for w in want)
     return out, ref, want
