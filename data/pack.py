@@ -211,11 +211,14 @@ def export(cache: str | Path, out: str | Path, part_mib: float = 15, preset: int
     it otherwise).
 
     Raises:
-        PackError: bad cache (see `build_payload`), part_mib <= 0, preset outside 0-9, or `out` exists
+        PackError: `out` is `cache` or inside it, bad cache (see `build_payload`), part_mib <= 0, preset outside 0-9, or `out` exists
             and is not a valid archive of this same payload (a missing or corrupt part, another
             payload, an unreadable pack.json): never overwritten; the message says to delete it.
     """
     cache, out = Path(cache), Path(out)
+    c, o = cache.resolve(), out.resolve()
+    if o == c or c in o.parents:
+        raise PackError(f"--out {out} is the cache folder or inside it (--cache {cache}): give a folder outside it")
     if not part_mib > 0:
         raise PackError(f"--part-mib {part_mib}: must be > 0")
     if preset not in range(10):

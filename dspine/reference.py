@@ -46,9 +46,9 @@ from dspine.tree import Tree, build_tree, node_uniforms, path_nodes, verify_tree
 # autoregressive decoding, 16 ran 0.62x (results/smollm2-cpu-verify-width.json, verify_width.py).
 CPU_VERIFY_WIDTH = 3
 TREE_BUDGET = 32  # default nodes of a verify tree (anchor included), both backends
-THREADS_HELP = ("torch CPU threads (default: torch's own, one per physical core or $OMP_NUM_THREADS). On a machine "
-                "shared with other jobs give fewer than the idle cores (e.g. 1): torch's threads wait for each other "
-                "whenever one is descheduled, which made the reference backend 30x slower under contention")
+THREADS_HELP = ("torch CPU threads (default: torch's own, one per physical core or $OMP_NUM_THREADS, lowered to the "
+                "cores the 1-minute load average leaves idle, at least 1). torch's threads wait for each other "
+                "whenever one is descheduled: on 2 busy cores 2 threads made speculative decoding 30x slower than 1")
 
 
 def reference_verify_size(block_size: int | None, verify: str, draft_block_sizes) -> int | None:
@@ -62,14 +62,40 @@ def reference_verify_size(block_size: int | None, verify: str, draft_block_sizes
     return min(CPU_VERIFY_WIDTH, *sizes)
 
 
+def idle_cores(cpu_count: int | None = None, load: float | None = None) -> int:
+    """Cores the 1-minute load average leaves idle, at least 1 (``os.getloadavg``; all cores where the
+    platform has no load average)."""
+    import os
+
+    cpu_count = cpu_count or os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return cpu_count
+    return max(1, int(cpu_count - load + 0.5))
+
+
 def set_cpu_threads(threads: int | None) -> int:
-    """Set torch's CPU threads (``--threads``; None keeps torch's default) and return the count in use.
+    """Set torch's CPU threads and return the count in use.
+
+    ``threads`` given (``--threads``): exactly that. None: torch's default (one per physical core, or
+    $OMP_NUM_THREADS), lowered to :func:`idle_cores` unless $OMP_NUM_THREADS is set; a note on stderr says so.
 
     Raises ValueError for ``threads < 1``."""
+    import os
+    import sys
+
     if threads is not None:
         if threads < 1:
             raise ValueError(f"--threads {threads}: must be >= 1")
         torch.set_num_threads(threads)
+    elif not os.environ.get("OMP_NUM_THREADS"):
+        have, idle = torch.get_num_threads(), idle_cores()
+        if idle < have:
+            torch.set_num_threads(idle)
+            print(f"note: {idle} torch CPU thread(s) instead of {have}: the load average leaves {idle} core(s) idle "
+                  "(--threads N overrides)", file=sys.stderr)
     return torch.get_num_threads()
 
 

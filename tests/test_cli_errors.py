@@ -322,3 +322,26 @@ def test_data_and_init_options_that_would_be_ignored_are_refused(stories_dir, tm
             init.main(["--target", str(stories_dir), "--out", str(tmp_path / "d"), "--injection", "none", flag, value])
         assert f"{flag} shapes the injection, which --injection none leaves out" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_default_cpu_threads_follow_the_idle_cores(monkeypatch, capsys):
+    """Without --threads and $OMP_NUM_THREADS, torch's threads drop to the cores the load average leaves idle
+    (2 threads on 2 busy cores made speculative decoding 30x slower); --threads and $OMP_NUM_THREADS win."""
+    import torch
+
+    import dspine.reference as ref
+
+    assert ref.idle_cores(2, 0.1) == 2 and ref.idle_cores(2, 1.6) == 1 and ref.idle_cores(2, 7.5) == 1
+    assert ref.idle_cores(8, 2.4) == 6 and ref.idle_cores(8, 2.6) == 5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(ref, "idle_cores", lambda: 1)
+        assert ref.set_cpu_threads(None) == 1
+        assert "1 torch CPU thread(s) instead of 2" in capsys.readouterr().err
+        assert ref.set_cpu_threads(2) == 2  # --threads is taken as given
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert ref.set_cpu_threads(None) == 2 and capsys.readouterr().err == ""
+    finally:
+        torch.set_num_threads(before)

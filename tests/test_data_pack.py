@@ -124,6 +124,11 @@ def test_never_overwrites(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(PackError, match="output .*out exists"):
         import_([tmp_path / "pack"], out=tmp_path / "out")
+    files = {p.name: p.read_bytes() for p in Path(cache).iterdir() if p.is_file()}
+    for out in (cache, Path(cache) / "pack"):  # the old message would have said to delete the cache itself
+        with pytest.raises(PackError, match=re.escape(f"--out {out} is the cache folder or inside it (--cache {cache})")):
+            export(cache, out)
+    assert {p.name: p.read_bytes() for p in Path(cache).iterdir() if p.is_file()} == files
 
 
 def test_bad_cache_is_refused(tmp_path):

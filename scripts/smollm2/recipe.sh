@@ -34,8 +34,10 @@
 #   PART_MIB (largest pack part, 15), PACK_DIR (where unpack reads, $WORK/pack), DRAFT_INIT (warm start:
 #   each run starts from DRAFT_INIT/dspine or DRAFT_INIT/dflash through the trainer's draft_init),
 #   DSPINE_INIT / DFLASH_INIT (one arm's warm start, a draft folder: it wins over DRAFT_INIT).
-# The shipped draft was made by the data stages (with REGEN_PAR=4) and then
-#   ARMS=dspine STEPS=1728 DSPINE_INIT=checkpoints/smollm2-135m-dspine recipe.sh train   (results/smollm2-continue-h200.json)
+# The shipped draft was made by the data stages (with REGEN_PAR=4) and then, with runs/smollm2/init/dspine a link to
+# checkpoints/smollm2-135m-dspine, ARMS=dspine STEPS=1728 DRAFT_INIT=runs/smollm2/init recipe.sh train
+# (results/smollm2-continue-h200.json); DSPINE_INIT=checkpoints/smollm2-135m-dspine does the same without the link.
+# Stages regen/train/bench/scaling refuse to start without a CUDA GPU (RECIPE_ALLOW_CPU=1 lets them try).
 set -euo pipefail
 cd "${DSPINE_REPO:-$(dirname "$0")/../..}"  # DSPINE_REPO: run a copy of this script from elsewhere
 WORK=${WORK:-runs/smollm2}
@@ -50,6 +52,22 @@ STEPS_SET=${STEPS:-}
 STEPS=${STEPS:-2000}
 NGPU=${NGPU:-$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+ALL_STAGES="convert data regen tokenize pack unpack train bench scaling summary"
+for st in $STAGES; do  # a typo must not skip a stage silently
+  [[ " $ALL_STAGES " == *" $st "* ]] || { echo "error: unknown stage '$st' (stages: $ALL_STAGES)" >&2; exit 2; }
+done
+for arm in ${ARMS:-dspine dflash}; do
+  [[ " dspine dflash " == *" $arm "* ]] || { echo "error: ARMS='${ARMS:-}': unknown draft '$arm' (dspine, dflash)" >&2; exit 2; }
+done
+[ -n "${ARMS-x}" ] || { echo "error: ARMS is empty: give dspine, dflash or both" >&2; exit 2; }
+for st in regen train bench scaling; do  # the CUDA engine and the trainer's recipe settings need a GPU
+  if [[ " $STAGES " == *" $st "* ]] && [ "${RECIPE_ALLOW_CPU:-0}" != 1 ] && \
+     ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "error: stage '$st' needs a CUDA GPU (no GPU visible to torch); run the data stages alone" \
+         "(e.g. recipe.sh convert data) or set RECIPE_ALLOW_CPU=1" >&2
+    exit 2
+  fi
+done
 mkdir -p "$WORK/logs"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -231,7 +249,7 @@ if has bench; then
     for conc in 1 8; do
       n=${BENCH_C8:-40}; [ "$conc" = 1 ] && n=${BENCH_C1:-20}
       out=$WORK/bench/smollm2-h200-T$temp-c$conc.json
-      [ -f "$out" ] && continue
+      if [ -f "$out" ]; then log "$out exists: not benched again (delete it to bench the current drafts)"; continue; fi
       drafts=""
       [[ " ${ARMS:-dspine dflash} " == *" dspine "* ]] && drafts+=" --draft DSpine=$(latest dspine)"
       [[ " ${ARMS:-dspine dflash} " == *" dflash "* ]] && drafts+=" --draft DFlash=$(latest dflash)"
@@ -250,7 +268,7 @@ if has scaling; then
   i=0
   for name in ${ARMS:-dspine dflash}; do
     out=$WORK/bench/scaling-$name.json
-    [ -f "$out" ] && continue
+    if [ -f "$out" ]; then log "$out exists: not measured again (delete it to re-measure)"; continue; fi
     drafts=""
     for d in "$WORK"/train-$name-s0/step-*/draft; do drafts+=" --draft $(basename "$(dirname "$d")")=$d"; done
     echo "python -m infer.bench --target $TARGET $drafts --no-ar --datasets gsm8k,math500,humaneval,mbpp,mt-bench" \
