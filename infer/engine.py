@@ -8,6 +8,8 @@ append, which advances ``lengths`` by a + 1. The target cache keeps every verifi
 only ``lengths`` of them count: rejected slots are simply overwritten by the next step. The host
 looks at the ``done`` flags once per step, harvests finished rows and refills their slots from the
 queue (one packed prefill for the prompts admitted together), so benchmarks run at a fixed concurrency.
+Without the planner it reads them one step late (issue 11): step k is launched before the flags from
+before it are read, so the host's work overlaps the device's, and a finished row idles one step.
 
 The draft is ``dspine.model.DSpineDraftModel`` itself (weights fused at load), the sampler and its
 per-request random streams are ``dspine.sampling``'s (so a prompt's output does not depend on its

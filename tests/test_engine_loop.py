@@ -83,3 +83,24 @@ def test_varlen_prefill_equals_the_per_prompt_loop(stories_dir, monkeypatch, cap
         assert torch.equal(packed.k[i], loop.k[i]) and torch.equal(packed.v[i], loop.v[i])
     assert eng.varlen_prefill is not fail
     assert ("varlen prefill attention failed" in capsys.readouterr().out) is fail
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_varlen_prefill_on_cuda(tiny_qwen3_dir):
+    """The real varlen call (bf16): as close to an fp32 one-prompt prefill as the per-prompt loop is."""
+    ref = EngineTarget.from_pretrained(str(tiny_qwen3_dir), device="cuda", dtype=torch.float32, layer_ids=[1, 2],
+                                       impl="torch")
+    eng = EngineTarget.from_pretrained(str(tiny_qwen3_dir), device="cuda", dtype=torch.bfloat16, layer_ids=[1, 2],
+                                       impl="triton")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 150000, (n,), generator=g).cuda() for n in (5, 1, 170, 93, 31)]
+    slots = [3, 0, 2, 5, 1]
+    want = torch.stack([ref.prefill(p, b, ref.new_cache(6, 256))[0] for p, b in zip(prompts, slots)])
+    got, _ = eng.prefill_packed(prompts, slots, eng.new_cache(6, 256))
+    assert eng.varlen_prefill, "varlen_attn failed on this GPU: the per-prompt loop ran"
+    eng.varlen_prefill = False
+    loop, _ = eng.prefill_packed(prompts, slots, eng.new_cache(6, 256))
+    err_varlen = (got.float() - want).abs().max().item()
+    err_loop = (loop.float() - want).abs().max().item()
+    assert err_varlen <= 2 * err_loop + 1e-2, (err_varlen, err_loop)

@@ -15,6 +15,11 @@ milliseconds of the loop's parts from ``Engine.loop_profile``: launching the ste
 waiting for the device's flags, host bookkeeping (flags, harvest of finished rows), and admission
 (packed prefill, per admitted prompt). An engine without ``loop_profile`` (before issue 11) gets
 tokens per second only. ``--repeat`` runs the whole call again (the first includes graph capture).
+
+``--null-model`` (CPU, no graphs) replaces the target's decode step and prefill by stubs that return
+logits whose argmax is the EOS with probability 1/``--mean-len`` per row and step (else token 5):
+what is left is the loop's host work at the real batch size, comparable between engine versions
+(run this file with ``PYTHONPATH`` pointing at another checkout to time its loop).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ def main(argv=None) -> dict:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--null-model", action="store_true", help="stub target (host loop only; module docstring)")
+    p.add_argument("--mean-len", type=int, default=355, help="--null-model: mean answer length in tokens")
     p.add_argument("--output", default=None, help="JSON file")
     a = p.parse_args(argv)
     tiny = a.tiny
@@ -72,21 +79,41 @@ def main(argv=None) -> dict:
         target, gguf = (str(path.parent), path.name) if path.suffix == ".gguf" else (str(path), None)
     engine, spec = load_engine(target, gguf, None, device=a.device, dtype=dtype, max_batch=conc, max_seq=context)
     vocab = engine.target.args.vocab_size
+    if a.null_model:
+        _stub_target(engine, a.mean_len, a.seed)
     g = torch.Generator().manual_seed(a.seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     prompts = [torch.randint(3, vocab, (m,), generator=g).tolist() for m in lens]
     params = SamplingParams(a.temperature, 1.0, 0, max_new, a.seed)
+    timed = {"step_s": 0.0, "admit_s": 0.0}
+    if not cuda:  # on the CPU a step runs synchronously: time it and the admissions from outside, so
+        # that loop_host_ms_per_step = the rest is comparable between engine versions
+        runner, admit_fn = engine._runner, engine._admit
+
+        def timer(fn, key):
+            def run(*args, **kw):
+                t = time.perf_counter()
+                out = fn(*args, **kw)
+                timed[key] += time.perf_counter() - t
+                return out
+            return run
+
+        engine._runner = lambda *args, **kw: timer(runner(*args, **kw), "step_s")
+        engine._admit = timer(admit_fn, "admit_s")
     runs = []
     for r in range(a.repeat):
+        timed.update(step_s=0.0, admit_s=0.0)
         t = time.perf_counter()
         res = engine.generate(prompts, params, concurrency=conc, use_draft=False)
         wall = time.perf_counter() - t
         tokens = res.num_tokens
+        steps = max(res.steps, 1)
         run = {"wall_s": round(wall, 3), "tokens": tokens, "tok_per_s": round(tokens / wall, 1), "steps": res.steps,
-               "ms_per_step": round(wall / max(res.steps, 1) * 1e3, 3)}
+               "ms_per_step": round(wall / steps * 1e3, 3)}
+        if not cuda:
+            run["loop_host_ms_per_step"] = round((wall - timed["step_s"] - timed["admit_s"]) / steps * 1e3, 3)
         prof = getattr(engine, "loop_profile", None)
         if prof:
-            steps = max(prof["steps"], 1)
             for key in ("launch_s", "wait_s", "host_s"):
                 run[key.replace("_s", "_ms_per_step")] = round(prof[key] / steps * 1e3, 3)
             run["prefill_ms_per_step"] = round(prof["prefill_s"] / steps * 1e3, 3)
@@ -104,6 +131,29 @@ def main(argv=None) -> dict:
     if a.output:
         Path(a.output).write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def _stub_target(engine, mean_len: int, seed: int) -> None:
+    """Replace the engine target's forward_step / prefill_packed by logit stubs (``--null-model``)."""
+    t, eos = engine.target, int(engine.eos[0])
+    V = t.args.vocab_size
+    g = torch.Generator(device=engine.device).manual_seed(seed)
+
+    def logits(rows: int) -> torch.Tensor:
+        out = torch.zeros(rows, V, device=engine.device)
+        hit = torch.rand(rows, generator=g, device=engine.device) < 1.0 / mean_len
+        out[:, 5] = 1.0
+        out[hit, eos] = 2.0
+        return out
+
+    def forward_step(tokens, positions, cache, cache_len, want_features=True, **kw):
+        B, T = tokens.shape
+        return logits(B * T).view(B, T, V), None
+
+    def prefill_packed(prompts, slots, cache, want_features=True):
+        return logits(len(prompts)), None
+
+    t.forward_step, t.prefill_packed = forward_step, prefill_packed
 
 
 if __name__ == "__main__":
