@@ -104,16 +104,32 @@ class EngineGenerator:
 
     def __init__(self, engine):
         self.engine = engine
+        self.profile: dict[str, float] = {}  # engine.loop_profile summed over the generate calls
 
     def generate(self, prompts, max_new_tokens, temperature, top_p, top_k, seed) -> list[Generation]:
         if not prompts:
             return []
         params = SamplingParams(temperature, top_p, top_k, max_new_tokens, seed)
         res = self.engine.generate(prompts, params, use_draft=False)
+        for key, value in self.engine.loop_profile.items():
+            self.profile[key] = self.profile.get(key, 0) + value
+        self.profile["calls"] = self.profile.get("calls", 0) + 1
         return [
             Generation(toks[:-1], "stop") if reason == "stop" else Generation(toks, "length")
             for toks, reason in zip(res.token_ids, res.finish_reasons)
         ]
+
+
+def format_profile(profile: dict) -> str:
+    """One line from ``EngineGenerator.profile``: tokens/s inside generate, steps, and ms per step of the
+    decode loop's parts (``infer.engine.Engine.loop_profile``)."""
+    steps = max(profile.get("steps", 0), 1)
+    wall = profile.get("wall_s", 0.0)
+    per = lambda key: profile.get(key, 0.0) / steps * 1e3  # noqa: E731
+    return (f"engine loop: {profile.get('calls', 0)} calls, {profile.get('tokens', 0)} tokens in {wall:.1f} s "
+            f"({profile.get('tokens', 0) / wall if wall else 0:.0f} tok/s), {profile.get('steps', 0)} steps, "
+            f"{wall / steps * 1e3:.2f} ms/step = launch {per('launch_s'):.2f} + wait for device {per('wait_s'):.2f} "
+            f"+ host {per('host_s'):.2f} + admission/prefill {per('prefill_s'):.2f} ms/step (+ rest)")
 
 
 def resolve_backend(name: str) -> str:

@@ -3,7 +3,7 @@
     python -m data.regenerate --target PATH_OR_HUB_ID [--gguf-file FILE] [--tokenizer PATH] --input FILE
         --output DIR [--chat-template FILE|chatml] [--max-new-tokens 1024] [--temperature 0] [--top-p 1]
         [--top-k 0] [--enable-thinking] [--max-turns 0] [--max-context N] [--limit N] [--batch-size 16]
-        [--backend auto|hf|engine] [--seed 0]
+        [--backend auto|hf|engine] [--seed 0] [--profile]
     accelerate launch -m data.regenerate ...      # data parallel, one process per GPU
 
 Each row keeps its system and user turns; the original answers are dropped and the target answers
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.chat import encode, load_tokenizer, render, resolve_chat_template, stop_token_ids, template_digest
-from data.generate import BACKENDS, Generation, load_generator, resolve_backend
+from data.generate import BACKENDS, Generation, format_profile, load_generator, resolve_backend
 from data.rows import JsonlAppender, atomic_write_json, iter_jsonl
 from data.schema import RowError, check_row
 from data.shards import (
@@ -115,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "batch larger than this keeps every slot busy: finished rows are refilled from the batch")
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="engine backend: print where the decode loop's time went (ms per step: launch, waiting "
+                   "for the device, host bookkeeping, admission) at the end, on stderr")
     args = p.parse_args(argv)
     from dspine.sampling import sampling_params
 
@@ -511,6 +514,8 @@ def regenerate(args: argparse.Namespace) -> dict:
 
     resumed = bool(done_indices(out))
     _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, max_context)
+    if args.profile and getattr(generator, "profile", None):
+        print(f"rank {rank} {format_profile(generator.profile)}", file=sys.stderr, flush=True)
     write_marker(out, rank, world)
     if not state.is_main_process:
         return {}

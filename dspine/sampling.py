@@ -58,6 +58,7 @@ class SamplingParams:
 
 
 TOP_K_FAST_MAX = 256  # top_k up to this takes the candidate path (0 forces the dense reference path)
+PLAIN_FAST = True  # no top-k / top-p cut: softmax without the sort (False forces the sorted reference)
 
 
 def _order_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -98,7 +99,9 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
 
     With 0 < top_k <= ``TOP_K_FAST_MAX`` it takes the candidate path (:func:`top_k_probs`, one
     scatter into zeros): no sort over V; the result equals the dense path's up to fp32 rounding
-    (softmax and top-p sum k values instead of V), with the same support. ``with_ids=True`` returns
+    (softmax and top-p sum k values instead of V), with the same support. Plain temperature (top_k 0
+    or >= V, top_p 1; ``PLAIN_FAST``) is one softmax in vocabulary order: the sorted path's values up to
+    fp32 rounding (the order of the softmax's sum; a few ulp). ``with_ids=True`` returns
     ``(probs, ids)``: ``ids [..., k]`` int64 hold every nonzero of ``probs`` (for :func:`sample`,
     :func:`bonus_noise`), or None on the dense path.
     """
@@ -109,6 +112,9 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
         p, ids = top_k_probs(logits, temperature, top_p, top_k)
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, ids, p)
         return (probs, ids) if with_ids else probs
+    if top_p >= 1.0 and not 0 < top_k < V and PLAIN_FAST:  # plain temperature: nothing to cut, no sort
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return (probs, None) if with_ids else probs
     # dense reference: one stable sort over V (equal scores keep the lower id first)
     sorted_s, order = (logits.float() / temperature).sort(dim=-1, descending=True, stable=True)
     if 0 < top_k < V:
@@ -187,17 +193,26 @@ def exponentials(seeds, stream: int, positions, vocab: int) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, seeds: torch.Tensor, stream: int, positions: torch.Tensor,
-           ids: torch.Tensor | None = None) -> torch.Tensor:
+           ids: torch.Tensor | None = None, impl: str = "torch") -> torch.Tensor:
     """One draw per row of ``probs [B, K, V]`` (or ``[B, V]`` with ``positions [B]``) -> int64 ``[B, K]``
     (``[B]``): the exponential race ``argmax p / E`` with E from the request's stream. Sync-free.
 
     ``ids [B, K, n]`` (``[B, n]``) int64, distinct per row and holding every nonzero of the row (the
     ``ids`` of ``logits_to_probs(..., with_ids=True)``): the race runs over those n tokens only, with
     E from :func:`uniforms_at` — no noise over B·K·V; the same token, bit for bit (equal maxima go
-    to the lower id, as ``argmax`` over V does)."""
+    to the lower id, as ``argmax`` over V does).
+
+    ``impl="triton"`` (no ``ids``): the race over V runs in one kernel that makes the noise itself
+    (``dspine.ops.race``), the same token without the B·K·V noise tensors."""
     if probs.dim() == 2:
-        return sample(probs[:, None], seeds, stream, positions[:, None], None if ids is None else ids[:, None])[:, 0]
+        return sample(probs[:, None], seeds, stream, positions[:, None], None if ids is None else ids[:, None],
+                      impl)[:, 0]
     if ids is None:
+        if impl == "triton":
+            from dspine.ops.race import race
+
+            keys = _position_keys(seeds, stream, positions)  # [B, K]
+            return race(probs.reshape(-1, probs.shape[-1]), keys.reshape(-1), impl).view(keys.shape)
         return (probs / exponentials(seeds, stream, positions, probs.shape[-1])).argmax(-1)
     score = probs.gather(-1, ids) / -torch.log(uniforms_at(seeds, stream, positions, ids))
     best = score.amax(-1, keepdim=True)

@@ -8,6 +8,8 @@ append, which advances ``lengths`` by a + 1. The target cache keeps every verifi
 only ``lengths`` of them count: rejected slots are simply overwritten by the next step. The host
 looks at the ``done`` flags once per step, harvests finished rows and refills their slots from the
 queue (one packed prefill for the prompts admitted together), so benchmarks run at a fixed concurrency.
+Without the planner it reads them one step late (issue 11): step k is launched before the flags from
+before it are read, so the host's work overlaps the device's, and a finished row idles one step.
 
 The draft is ``dspine.model.DSpineDraftModel`` itself (weights fused at load), the sampler and its
 per-request random streams are ``dspine.sampling``'s (so a prompt's output does not depend on its
@@ -181,6 +183,9 @@ class Engine:
         self.lm_head_choice: dict[int, str] = {}
         self.lm_head_tune = self.device.type == "cuda" and self.impl == "triton" and not self.exact
         self.lm_head_timer = None  # timer(name, fn) -> µs for lm_head.pick (None: CUDA events)
+        # the last generate call's loop: seconds launching steps, waiting for the device's flags, in host
+        # bookkeeping (flags, harvest), admitting (prefill); steps, wall_s, tokens (benchmarks, --profile)
+        self.loop_profile: dict = {}
 
     # -- state views ---------------------------------------------------------------------------
     def _slots_for(self, B: int) -> _Slots:
@@ -242,7 +247,7 @@ class Engine:
             out_pos = s.out_len.long()  # [B] the step's first output position
             slot_pos = out_pos[:, None] + s.offsets[:K]  # [B, K]: draft token k at n + k - 1
             p_draft, d_ids = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
-            draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos, d_ids)
+            draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos, d_ids, impl=self.impl)
         torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
         positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
         t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths, exact=self.exact,
@@ -284,7 +289,8 @@ class Engine:
             chain = d_logits.argmax(-1)
         else:
             q, d_ids = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
-            chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device), d_ids)
+            chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device), d_ids,
+                           impl=self.impl)
         tree = build_tree(s.anchor, q, N, chain_tokens=chain)
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths,
@@ -332,7 +338,7 @@ class Engine:
             nxt = logits.argmax(-1)
         else:
             probs, ids = logits_to_probs(logits, params.temperature, params.top_p, params.top_k, with_ids=True)
-            nxt = sample(probs, s.seeds, rng.STREAM_TARGET, s.out_len.long(), ids)
+            nxt = sample(probs, s.seeds, rng.STREAM_TARGET, s.out_len.long(), ids, impl=self.impl)
         live = s.done == 0
         commit_step(tok, s.no_draft, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
                     impl=self.impl, anchor=s.anchor)
@@ -431,7 +437,8 @@ class Engine:
         dev = self.device
         slots = [b for b, _ in items]
         lens = [len(x) for _, x in items]
-        ids = [torch.tensor(prompt, dtype=torch.long, device=dev) for _, prompt in items]
+        # one host-to-device copy for all prompts (a pageable copy syncs: once, not once per prompt)
+        ids = list(torch.tensor([t for _, prompt in items for t in prompt], dtype=torch.long, device=dev).split(lens))
         if self.exact:  # one pass per prompt: its prefill must not depend on the prompts admitted with it
             outs = [self.target.prefill_packed([x], [b], kv, want_features=spec) for x, b in zip(ids, slots)]
             logits = torch.cat([o[0] for o in outs])
@@ -446,7 +453,7 @@ class Engine:
         else:
             probs, ids = logits_to_probs(logits.float(), params.temperature, params.top_p, params.top_k, with_ids=True)
             first = sample(probs, s.seeds[idx], rng.STREAM_TARGET, torch.zeros(len(items), dtype=torch.long, device=dev),
-                           ids)
+                           ids, impl=self.impl)
         s.anchor[idx] = first
         lengths = torch.tensor(lens, dtype=torch.int32, device=dev)
         s.lengths[idx] = 0 if spec else lengths
@@ -458,6 +465,151 @@ class Engine:
         if spec:  # the prompts' context K/V, padded to [n, max P, k·H]; lengths become P
             padded = torch.nn.utils.rnn.pad_sequence(list(feats.split(lens)), batch_first=True)
             draft_cache.append(padded, lengths, rows=idx, impl=self.impl)
+
+    # -- the decode loops ------------------------------------------------------------------------
+    def _flags_async(self, s: _Slots, buf: torch.Tensor):
+        """Enqueue a copy of ``done [B]`` + ``nonfinite [2]`` into the host buffer ``buf [B + 2]`` int8
+        (pinned on a GPU); returns the CUDA event that marks it complete (None on the CPU: already done)."""
+        buf.copy_(torch.cat([s.done, s.nonfinite.to(torch.int8)]), non_blocking=True)
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _harvest_async(self, s: _Slots, rows: list[int], owners: list[int], width: int):
+        """Enqueue the copy of finished rows (their ``out_len``, ``hist[:, :width + 1]`` and ``out_tokens``)
+        into one pinned host tensor ``[n, 2 + width + max_new]`` int64: only these rows cross the bus, and
+        the host waits for them later (:meth:`_harvest_finish`), when the step launched after them runs.
+        Stream order keeps it correct: the copy is enqueued before any refill of these slots, and a done
+        row is not changed by the steps in between."""
+        cuda = self.device.type == "cuda"
+        idx = torch.tensor(rows, dtype=torch.long)
+        idx = idx.pin_memory().to(self.device, non_blocking=True) if cuda else idx
+        packed = torch.cat([s.out_len.index_select(0, idx)[:, None].long(),
+                            s.hist.index_select(0, idx)[:, : width + 1].long(),
+                            s.out_tokens.index_select(0, idx)], dim=1)
+        host = torch.empty(packed.shape, dtype=torch.long, pin_memory=cuda)
+        host.copy_(packed, non_blocking=True)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return owners, host, event
+
+    def _harvest_finish(self, pending: list, width: int, results, reasons, stats) -> None:
+        """Wait for the harvests of :meth:`_harvest_async` and write each prompt's tokens, finish reason
+        ("stop" if its last token is an EOS, else "length") and acceptance histogram."""
+        for owners, host, event in pending:
+            if event is not None:
+                event.synchronize()
+            for i, row in zip(owners, host.tolist()):
+                results[i] = row[2 + width : 2 + width + row[0]]
+                reasons[i] = "stop" if results[i][-1] in self.eos_set else "length"
+                stats[i] = AcceptStats(width, row[1 : 2 + width])
+        pending.clear()
+
+    def _decode_pipelined(self, s: _Slots, B: int, width: int, step, owner, queue, refill, admit, results,
+                          reasons, stats) -> int:
+        """The decode loop without a planner; returns the steps run.
+
+        The host stays one step ahead of the device (issue 11): it launches step k, then reads the flags
+        from before step k (copied to pinned memory behind step k - 1) while the device runs step k, so
+        the host's bookkeeping and the step's launch overlap the device instead of adding to it. A row
+        that finished in step k - 1 is idle (done: it commits nothing) in step k, and its slot is refilled
+        before step k + 1: one idle step per finished request. Finished rows are copied out asynchronously
+        (:meth:`_harvest_async`). The order of admissions shifts by that step, which changes which prompts
+        share a packed prefill, not any prompt's output (tests/test_engine.py: refill)."""
+        cuda, prof = self.device.type == "cuda", self.loop_profile
+        bufs = [torch.empty(B + 2, dtype=torch.int8, pin_memory=cuda) for _ in range(2)]
+        cur = 0
+        snap = (bufs[cur], self._flags_async(s, bufs[cur]))  # the flags before the next step
+        pending: list = []  # harvests in flight
+        n_steps = 0
+        while True:
+            t0 = time.perf_counter()
+            step()
+            n_steps += 1
+            cur ^= 1
+            nxt = (bufs[cur], self._flags_async(s, bufs[cur]))  # the flags after this step
+            t1 = time.perf_counter()
+            if snap[1] is not None:
+                snap[1].synchronize()
+            t2 = time.perf_counter()
+            flags = snap[0].tolist()
+            self._harvest_finish(pending, width, results, reasons, stats)
+            for who, bad in zip(("target", "draft"), flags[B:]):
+                if bad:
+                    raise nonfinite_error(who)
+            finished = [b for b in range(B) if flags[b] and owner[b] is not None]
+            if finished:
+                pending.append(self._harvest_async(s, finished, [owner[b] for b in finished], width))
+                for b in finished:
+                    owner[b] = None
+            free = [b for b in range(B) if owner[b] is None]
+            t3 = time.perf_counter()
+            if queue and free and (len(free) >= min(refill, len(queue)) or len(free) == B):
+                admit(free)
+                # the flags after this step and the refill (same buffer as nxt: stream order, last wins);
+                # a refilled row may already be done (EOS first): seen at the next read
+                nxt = (bufs[cur], self._flags_async(s, bufs[cur]))
+            snap = nxt
+            prof["launch_s"] += t1 - t0
+            prof["wait_s"] += t2 - t1
+            prof["host_s"] += t3 - t2
+            if not any(o is not None for o in owner):
+                break
+        self._harvest_finish(pending, width, results, reasons, stats)
+        return n_steps
+
+    def _decode_planned(self, s: _Slots, B: int, width: int, planner: StepPlanner, params: SamplingParams,
+                        owner, queue, refill, admit, results, reasons, stats) -> int:
+        """The decode loop of the verify-budget planner; returns the steps run. It reads the flags and
+        ``out_len`` after every step (one sync per step): the planner needs the tokens each row committed
+        and the step's wall time before it chooses the next step's mode."""
+        prof = self.loop_profile
+        last = None  # planner: (mode, out_len [B], live [B], slot owners, host time) before the step
+        step_ms = None  # planner: wall ms of the last step, from the flag read before it to the one after
+        pending: list = []
+        n_steps = 0
+        while any(o is not None for o in owner):
+            t0 = time.perf_counter()
+            flags = torch.cat([s.done, s.nonfinite.to(torch.int8)]).cpu()  # the one sync per step
+            t_read = time.perf_counter()
+            prof["wait_s"] += t_read - t0
+            if last is not None and step_ms is None:  # the step launched after the previous read has ended
+                step_ms = (t_read - last[4]) * 1e3  # host work + device time, no extra sync
+            for who, bad in zip(("target", "draft"), flags[B:].tolist()):
+                if bad:
+                    raise nonfinite_error(who)
+            flag_list = flags.tolist()
+            finished = [b for b in range(B) if owner[b] is not None and flag_list[b]]
+            if finished:
+                pending.append(self._harvest_async(s, finished, [owner[b] for b in finished], width))
+                self._harvest_finish(pending, width, results, reasons, stats)
+                for b in finished:
+                    owner[b] = None
+            free = [b for b in range(B) if owner[b] is None]
+            if queue and free and (len(free) >= min(refill, len(queue)) or len(free) == B):
+                admit(free)
+                continue  # re-read the flags: a refilled row may already be done (EOS first)
+            if finished and not any(o is not None for o in owner):
+                break
+            out_len = s.out_len.to("cpu", copy=True)  # a copy: .cpu() of a CPU tensor is the tensor
+            if last is not None:  # rows live in that step and not refilled since
+                same = last[2] & torch.tensor([o == p for o, p in zip(owner, last[3])])
+                if bool(same.any()):
+                    planner.observe(last[0], float((out_len - last[1])[same].float().mean()),
+                                    step_ms if self.plan_online else None, int(same.sum()))
+            mode = planner.choose()
+            # timed from this iteration's flag read (a refill re-reads the flags before any step)
+            last, step_ms = (mode, out_len, flags[:B] == 0, list(owner), t_read), None
+            t1 = time.perf_counter()
+            prof["host_s"] += t1 - t_read
+            self._runner(B, params, True, mode)()
+            prof["launch_s"] += time.perf_counter() - t1
+            n_steps += 1
+        return n_steps
 
     # -- public ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -491,10 +643,9 @@ class Engine:
         kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
         planner = StepPlanner(self._step_costs(B, params)) if spec and self.budget == "auto" else None
-        last = None  # planner: (mode, out_len [B], live [B], slot owners, host time) before the step
-        step_ms = None  # planner: wall ms of the last step, from the flag read before it to the one after
         t0 = time.perf_counter()
         prefill_s = 0.0
+        self.loop_profile = dict.fromkeys(("launch_s", "wait_s", "host_s"), 0.0)
         queue = deque(enumerate(prompts))
         owner: list[int | None] = [None] * B
         self.slot_owner = owner  # prompt index per slot (read by test oracles and debugging)
@@ -518,50 +669,19 @@ class Engine:
             prefill_s += time.perf_counter() - tp
 
         admit(list(range(B)))
-        n_steps = 0
-        while any(o is not None for o in owner):
-            flags = torch.cat([s.done, s.nonfinite.to(torch.int8)]).cpu()  # the one sync per step
-            t_read = time.perf_counter()
-            if last is not None and step_ms is None:  # the step launched after the previous read has ended
-                step_ms = (t_read - last[4]) * 1e3  # host work + device time, no extra sync
-            for who, bad in zip(("target", "draft"), flags[B:].tolist()):
-                if bad:
-                    raise nonfinite_error(who)
-            finished = [b for b in range(B) if owner[b] is not None and flags[b]]
-            if finished:
-                out_len = s.out_len.to("cpu", copy=True)  # a copy: .cpu() of a CPU tensor is the tensor
-                out_tok = s.out_tokens[:, : int(out_len.max())].cpu()
-                hist = s.hist[:, : width + 1].cpu()
-                for b in finished:
-                    idx = owner[b]
-                    results[idx] = out_tok[b, : int(out_len[b])].tolist()
-                    reasons[idx] = "stop" if results[idx][-1] in self.eos_set else "length"
-                    stats[idx] = AcceptStats(width, hist[b].tolist())
-                    owner[b] = None
-            free = [b for b in range(B) if owner[b] is None]
-            if queue and free and (len(free) >= min(refill, len(queue)) or len(free) == B):
-                admit(free)
-                continue  # re-read the flags: a refilled row may already be done (EOS first)
-            if finished and not any(o is not None for o in owner):
-                break
-            if planner is None:
-                step()
-            else:  # one more small read per step: the tokens each row committed
-                out_len = s.out_len.to("cpu", copy=True)  # a copy: .cpu() of a CPU tensor is the tensor
-                if last is not None:  # rows live in that step and not refilled since
-                    same = last[2] & torch.tensor([o == p for o, p in zip(owner, last[3])])
-                    if bool(same.any()):
-                        planner.observe(last[0], float((out_len - last[1])[same].float().mean()),
-                                        step_ms if self.plan_online else None, int(same.sum()))
-                mode = planner.choose()
-                # timed from this iteration's flag read (a refill re-reads the flags before any step)
-                last, step_ms = (mode, out_len, flags[:B] == 0, list(owner), t_read), None
-                self._runner(B, params, True, mode)()
-            n_steps += 1
+        if planner is None:
+            n_steps = self._decode_pipelined(s, B, width, step, owner, queue, refill, admit, results, reasons,
+                                             stats)
+        else:
+            n_steps = self._decode_planned(s, B, width, planner, params, owner, queue, refill, admit, results,
+                                           reasons, stats)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.planner_report = planner.report() if planner is not None else None
-        return GenerationResult(results, reasons, stats, time.perf_counter() - t0, prefill_s, n_steps)
+        elapsed = time.perf_counter() - t0
+        self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed,
+                                 tokens=sum(len(r) for r in results))
+        return GenerationResult(results, reasons, stats, elapsed, prefill_s, n_steps)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -405,6 +405,39 @@ class EngineTarget(nn.Module):
         return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                               enable_gqa=a.num_heads != a.num_kv_heads)
 
+    # packed prefill attention through one varlen flash call (issue 11); set False after a failed call
+    varlen_prefill = True
+
+    def _varlen_ok(self, n_prompts: int, device: torch.device) -> bool:
+        """Whether a packed prefill of ``n_prompts`` (> 1) runs its attention as one varlen call: CUDA,
+        bf16/fp16, ``torch.nn.attention.varlen`` present, not switched off by an earlier failure."""
+        if not (self.varlen_prefill and n_prompts > 1 and device.type == "cuda" and not self.args.hybrid
+                and self.embed.dtype in (torch.bfloat16, torch.float16)):
+            return False
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        except ImportError:
+            self.varlen_prefill = False
+            return False
+        return True
+
+    def _varlen_attention(self, i: int, q: torch.Tensor, cache: KVCache, bidx: torch.Tensor, pos: torch.Tensor,
+                          cu: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Causal attention of packed prompts in one call: q ``[N, Hq·D]`` (prompt j = rows cu[j]..cu[j+1]-1),
+        keys/values gathered from the cache rows just written (slot ``bidx``, position ``pos``) ->
+        ``[N, Hq·D]``. Each prompt sees only its own keys (``cu`` int32 ``[k + 1]``): the per-prompt SDPA
+        loop's result up to the flash kernel's rounding, with one launch per layer instead of ~8 per
+        prompt. Full-attention layers only (sliding layers keep the loop)."""
+        from torch.nn.attention.varlen import varlen_attn
+
+        a = self.args
+        N = q.shape[0]
+        k = cache.k[i][bidx, :, pos]  # [N, Hkv, D]
+        v = cache.v[i][bidx, :, pos]
+        o = varlen_attn(q.reshape(N, a.num_heads, a.head_dim), k, v, cu, cu, max_len, max_len,
+                        scale=self.scale, window_size=(-1, 0), enable_gqa=a.num_heads != a.num_kv_heads)
+        return o.reshape(N, a.num_heads * a.head_dim)
+
     def _mlp(self, L: Layer, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
         up = linear(h, L.gate_up, impl=self.impl, exact=exact)
         out = linear(silu_mul(up, impl=self.impl), L.down, impl=self.impl, exact=exact)
@@ -572,7 +605,10 @@ class EngineTarget(nn.Module):
         forward of N tokens instead of k forwards (the launch count of one prefill is about
         12 per layer, which dominates small targets). Attention is causal SDPA per prompt over its
         own cache rows, the same call :meth:`prefill` makes, so each prompt's logits equal a
-        one-prompt prefill up to matmul rounding (exactly in fp32 on the CPU reference path).
+        one-prompt prefill up to matmul rounding (exactly in fp32 on the CPU reference path). On a
+        GPU in bf16/fp16, k > 1 prompts attend in one varlen flash call per full-attention layer
+        instead (:meth:`_varlen_attention`; the per-prompt loop costs ~8 launches per prompt and layer,
+        most of a small target's prefill): equal up to the kernels' rounding.
 
         Returns:
             logits ``[k, V]`` at each prompt's last position and features ``[N, k*H]`` (or None)
@@ -593,7 +629,13 @@ class EngineTarget(nn.Module):
         for n in lens:
             starts.append(starts[-1] + n)
 
+        varlen = self._varlen_ok(len(prompts), dev)
+        if varlen:
+            cu = torch.tensor(starts, dtype=torch.int32, device=dev)
+
         def attend(i, q):
+            if varlen and self.window(i) is None:
+                return self._varlen_attention(i, q, cache, bidx, pos, cu, max(lens))
             out = torch.empty(q.shape[0], Hq * D, device=q.device, dtype=q.dtype)
             for j, (s, n) in enumerate(zip(slots, lens)):
                 kc, vc = cache.k[i][s : s + 1, :, :n], cache.v[i][s : s + 1, :, :n]
@@ -606,7 +648,15 @@ class EngineTarget(nn.Module):
             return torch.cat([linear_attention.prefill(a, L, i, h[starts[j]:starts[j + 1]], s, cache, self.impl)
                               for j, s in enumerate(slots)])
 
-        x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
+        try:
+            x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
+        except RuntimeError as e:  # e.g. no flash kernel for this GPU: the loop instead, from now on
+            if not varlen:
+                raise
+            print(f"note: varlen prefill attention failed ({str(e).splitlines()[0][:200]}); "
+                  "using one SDPA call per prompt", flush=True)
+            self.varlen_prefill = varlen = False
+            x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
         last = torch.tensor([e - 1 for e in starts[1:]], device=dev)
         h, _ = rms_norm(x[last], self.norm, a.rms_norm_eps, residual=residual[last], impl=self.impl)
         return F.linear(h, self.head), self._features(feats, want_features)

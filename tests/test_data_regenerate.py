@@ -266,13 +266,20 @@ def test_backend_matches_reference_greedy_and_stops_at_eos(backend):
 
 
 @pytest.mark.skipif(not engine_importable(), reason="infer.engine not importable")
-def test_engine_backend_gives_the_same_output_as_hf(workdir):
+def test_engine_backend_gives_the_same_output_as_hf(workdir, capsys):
     outs = {}
     for backend in ("hf", "engine"):
-        summary = run(argv(workdir, workdir / f"backend-{backend}", "--limit", "16", "--backend", backend))
+        summary = run(argv(workdir, workdir / f"backend-{backend}", "--limit", "16", "--backend", backend,
+                           *(["--profile"] if backend == "engine" else [])))
         assert summary["backend"] == backend
         outs[backend] = outputs(workdir / f"backend-{backend}")
     assert outs["engine"] == outs["hf"]
+    # --profile: one line with the loop's tokens, equal to the generated tokens (EOS included per stop)
+    line = next(x for x in capsys.readouterr().err.splitlines() if "engine loop:" in x)
+    results = outs["engine"]["results"]
+    tokens = sum(r["num_generated_tokens"] for r in results) + sum(
+        r["finish_reason"].count("stop") for r in results)
+    assert f" {tokens} tokens in " in line and "ms/step" in line
 
 
 def test_backend_resolution():
