@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspine.counter_hash import _GOLDEN, _M1, _M2, _mix64, _signed, _to_unit  # noqa: F401 (also the race kernel's)
+
 STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT = 1, 2, 3
 
 
@@ -128,25 +130,6 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
 
 # -- counter-based randomness ------------------------------------------------------------------
 
-_MASK64 = (1 << 64) - 1
-
-
-def _signed(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-_GOLDEN = _signed(0x9E3779B97F4A7C15)  # SplitMix64 increment [Steele, Lea & Flood 2014]
-_M1, _M2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finalizer on int64 tensors (wrapping products, logical right shifts)."""
-    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _M1
-    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _M2
-    return z ^ ((z >> 31) & ((1 << 33) - 1))
-
-
 def request_seed(seed: int, index: int) -> int:
     """The default seed of prompt ``index`` of a call with ``SamplingParams.seed = seed`` (int64)."""
     z = torch.tensor([_signed(int(seed) * 0x9E3779B97F4A7C15 + int(index))], dtype=torch.int64)
@@ -173,10 +156,6 @@ def uniforms(seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: i
 def _position_keys(seeds: torch.Tensor, stream: int, positions: torch.Tensor) -> torch.Tensor:
     base = _mix64(_mix64(seeds.long()) + _signed(stream * 0x9E3779B97F4A7C15))
     return _mix64(base[:, None] + positions.long() * _GOLDEN)
-
-
-def _to_unit(key: torch.Tensor) -> torch.Tensor:
-    return ((key & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
 
 
 def uniforms_at(seeds: torch.Tensor, stream: int, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

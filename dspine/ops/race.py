@@ -64,7 +64,7 @@ def _race_kernel(P, Keys, Out, V, stride_p, golden, m1, m2, BLOCK: tl.constexpr,
 
 
 def race_triton(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    from dspine.sampling import _GOLDEN, _M1, _M2
+    from dspine.counter_hash import _GOLDEN, _M1, _M2
 
     if libdevice is None:
         raise RuntimeError("race: impl='triton' needs triton.language.extra.libdevice; use impl='torch'")
@@ -78,7 +78,7 @@ def race_triton(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def race_torch(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    from dspine.sampling import _GOLDEN, _mix64, _to_unit
+    from dspine.counter_hash import _GOLDEN, _mix64, _to_unit
 
     u = _to_unit(_mix64(keys[:, None] + torch.arange(probs.shape[-1], device=probs.device) * _GOLDEN))
     return (probs / -torch.log(u)).argmax(-1)
