@@ -14,14 +14,16 @@ from tests.test_engine import PROMPTS, _engine
 from tests.test_engine_tree import stories  # noqa: F401 (module fixture: target + random block-8 draft)
 
 
-def _admitted(stories_dir, folder, params, B=4, **kw):
-    """An auto-budget engine with PROMPTS[:B] prefilled into slots 0..B-1; (engine, slots, draft cache)."""
+def _admitted(stories_dir, folder, params, mode, B=4, **kw):
+    """An auto-budget engine with PROMPTS[:B] prefilled into slots 0..B-1 and the step of ``mode`` built
+    before (a CUDA graph capture resets the slots); (engine, slots, draft cache, step)."""
     eng = _engine(stories_dir, folder, budget="auto", **kw)
     s = eng._slots_for(B)
     kv, dcache = eng._cache_view(B)
+    step = eng._runner(B, params, True, mode)
     eng.slot_owner = list(range(B))
     eng._admit(s, list(enumerate(PROMPTS[:B])), params, True, kv, dcache, [11 + b for b in range(B)])
-    return eng, s, dcache
+    return eng, s, dcache, step
 
 
 def _reference(d_logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -37,18 +39,14 @@ def _reference(d_logits: torch.Tensor, tokens: torch.Tensor, temperature: float)
     return torch.tensor(out, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_confidence_buffer_equals_reference(stories_dir, stories, temperature):  # noqa: F811
-    """Chain step and tree step write the same chain confidence, equal to a float64 reference from the
-    draft's own logits and its chosen tokens (argmax at T = 0, the sampled ones at T = 1)."""
-    _, _, folder = stories
+def _check_confidence(stories_dir, folder, temperature, **kw):
     params = SamplingParams(temperature=temperature, max_new_tokens=30, seed=5)
     got = {}
     for mode in (("chain", 8), ("tree", 32)):
-        eng, s, dcache = _admitted(stories_dir, folder, params)
+        eng, s, dcache, step = _admitted(stories_dir, folder, params, mode, **kw)
         s.draft_block[:, 0] = s.anchor
-        d_logits = eng.draft_logits(s.draft_block, dcache)  # [B, 7, V], the step recomputes the same
-        eng._runner(4, params, True, mode)()
+        d_logits = eng.draft_logits(s.draft_block, dcache).float()  # [B, 7, V], the step recomputes it
+        step()
         if mode[0] == "chain":
             tokens = s.verify_block[:, 1:].clone()  # the draft's own tokens of this step
             if temperature == 0:
@@ -57,10 +55,26 @@ def test_confidence_buffer_equals_reference(stories_dir, stories, temperature): 
         want = _reference(d_logits, tokens, temperature if temperature > 0 else 1.0)
         if temperature == 0:  # the max probability
             want = _reference(d_logits, d_logits.argmax(-1), 1.0)
-        assert torch.allclose(got[mode].double(), want, rtol=1e-5, atol=1e-6), (mode, got[mode], want)
+        assert torch.allclose(got[mode].double().cpu(), want, rtol=1e-5, atol=1e-6), (mode, got[mode], want)
     assert torch.allclose(got[("chain", 8)], got[("tree", 32)], rtol=1e-6)  # the tree's chain: same tokens
     # an untrained draft over 512 tokens is unsure: near 1 (nothing expected accepted beyond the bonus)
     assert 1.0 <= float(got[("chain", 8)].max()) < 1.3, got
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_confidence_buffer_equals_reference(stories_dir, stories, temperature):  # noqa: F811
+    """Chain step and tree step write the same chain confidence, equal to a float64 reference from the
+    draft's own logits and its chosen tokens (argmax at T = 0, the sampled ones at T = 1)."""
+    _check_confidence(stories_dir, stories[2], temperature)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_confidence_buffer_in_the_cuda_graph(stories_dir, stories, temperature):  # noqa: F811
+    """The same on a GPU with the steps replayed as CUDA graphs (the buffer is written inside the graph)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _check_confidence(stories_dir, stories[2], temperature, device="cuda", cuda_graphs=True)
 
 
 def test_confidence_of_an_oracle_draft_is_near_the_block(stories_dir, stories):  # noqa: F811
@@ -68,9 +82,9 @@ def test_confidence_of_an_oracle_draft_is_near_the_block(stories_dir, stories): 
     target, _, folder = stories
     params = SamplingParams(max_new_tokens=10)  # one step of 8: the reference needs 10 tokens
     want = ReferenceDecoder(target, None, [2]).generate(PROMPTS[:4], params).token_ids
-    eng, s, _ = _admitted(stories_dir, folder, params)
+    eng, s, _, step = _admitted(stories_dir, folder, params, ("chain", 8))
     oracle_engine(eng, [p + w for p, w in zip(PROMPTS, want)], corrupt=0.0)
-    eng._runner(4, params, True, ("chain", 8))()
+    step()  # eager on the CPU: the lambda calls the patched draft_logits
     p = torch.tensor(10.0).exp() / (torch.tensor(10.0).exp() + 511)
     expected = 1 + sum(float(p) ** k for k in range(1, 8))  # 7.38 of the block's 8
     assert torch.allclose(s.conf, torch.full((4,), expected), rtol=1e-5), s.conf
