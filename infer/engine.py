@@ -66,6 +66,8 @@ class _Slots:
     nonfinite     [2] bool    target / draft logits were NaN or Inf since the flags were cleared
     no_draft      [B] int32   zeros: "0 accepted" for the autoregressive commit
     offsets       [verify_size] int64  0 .. verify_size - 1 (static: no arange launch per step)
+    conf          [B] fp32    planner only: the draft's confidence of the last speculative step, expected
+                              committed tokens of its chain (:func:`chain_confidence`); stale after an AR step
     """
 
     def __init__(self, B: int, verify_size: int, block_size: int, max_new: int, device, mask_id: int):
@@ -84,6 +86,19 @@ class _Slots:
         self.nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
         self.no_draft = torch.zeros(B, dtype=i32, device=device)
         self.offsets = torch.arange(verify_size, dtype=i64, device=device)
+        self.conf = torch.ones(B, dtype=torch.float32, device=device)
+
+
+def chain_confidence(p: torch.Tensor) -> torch.Tensor:
+    """Expected committed tokens of a chain step if the target accepted like the draft predicts.
+
+    ``p [B, K]`` fp32: the draft's probability of its own token at slots 1..K (at T = 0 the max
+    probability; at T > 0 the probability of the sampled token under the sampling distribution) ->
+    ``[B]`` fp32 ``1 + Σ_k Π_{j≤k} p_j`` (bonus token included): slot k is accepted iff slots 1..k are,
+    each with probability p_j if the target's next-token distribution were the draft's
+    (the chain's E[τ], e.g. Leviathan et al. 2023 eq. 1 with per-slot rates).
+    """
+    return 1.0 + p.cumprod(-1).sum(-1)
 
 
 class Engine:
@@ -160,6 +175,7 @@ class Engine:
         if budget == "auto":
             self.verified_per_step = max(self.PLAN_TREES)
         self.planner_report: dict | None = None
+        self.last_confidence: dict | None = None  # planner: the confidence passed with the latest choice
         self.plan_online = True  # the planner learns step times from the measured wall time per step
         self._costs: dict[tuple, dict] = {}
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
@@ -243,11 +259,16 @@ class Engine:
         s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
         if params.greedy:
             draft_tokens = d_logits.argmax(-1)
+            if self.budget == "auto":  # max probability = exp(max - logsumexp): no softmax over V stored
+                lf = d_logits.float()
+                s.conf.copy_(chain_confidence(torch.exp(lf.amax(-1) - torch.logsumexp(lf, -1))))
         else:
             out_pos = s.out_len.long()  # [B] the step's first output position
             slot_pos = out_pos[:, None] + s.offsets[:K]  # [B, K]: draft token k at n + k - 1
             p_draft, d_ids = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
             draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos, d_ids, impl=self.impl)
+            if self.budget == "auto":
+                s.conf.copy_(chain_confidence(p_draft.gather(-1, draft_tokens[..., None])[..., 0]))
         torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
         positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
         t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths, exact=self.exact,
@@ -291,6 +312,8 @@ class Engine:
             q, d_ids = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
             chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device), d_ids,
                            impl=self.impl)
+        if self.budget == "auto":  # the chain's confidence over the planner chain's slots (_spec_step)
+            s.conf.copy_(chain_confidence(q.gather(-1, chain[..., None])[:, : s.verify_size - 1, 0]))
         tree = build_tree(s.anchor, q, N, chain_tokens=chain)
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths,
@@ -566,7 +589,14 @@ class Engine:
                         owner, queue, refill, admit, results, reasons, stats) -> int:
         """The decode loop of the verify-budget planner; returns the steps run. It reads the flags and
         ``out_len`` after every step (one sync per step): the planner needs the tokens each row committed
-        and the step's wall time before it chooses the next step's mode."""
+        and the step's wall time before it chooses the next step's mode.
+
+        Confidence: ``conf`` (:func:`chain_confidence`, written by the speculative steps on the device)
+        crosses the bus in the same copy as ``out_len``. After a speculative step its mean over the rows
+        live in that step and still owned by the same request is passed to the planner as the predicted
+        committed tokens of every speculative mode (``infer.planner``, "Calibration"): the draft's view of
+        the passage it just drafted, a step old, as the forecast of the next step. After an AR step (no
+        draft ran) or with no such row the planner gets none."""
         prof = self.loop_profile
         last = None  # planner: (mode, out_len [B], live [B], slot owners, host time) before the step
         step_ms = None  # planner: wall ms of the last step, from the flag read before it to the one after
@@ -595,13 +625,20 @@ class Engine:
                 continue  # re-read the flags: a refilled row may already be done (EOS first)
             if finished and not any(o is not None for o in owner):
                 break
-            out_len = s.out_len.to("cpu", copy=True)  # a copy: .cpu() of a CPU tensor is the tensor
+            # out_len [B] int32 and conf [B] fp32 in one copy (a fresh tensor: .cpu() cannot alias the slots)
+            host = torch.cat([s.out_len, s.conf.view(torch.int32)]).cpu()
+            out_len, conf = host[:B], host[B:].view(torch.float32)
+            predicted = None
             if last is not None:  # rows live in that step and not refilled since
                 same = last[2] & torch.tensor([o == p for o, p in zip(owner, last[3])])
                 if bool(same.any()):
                     planner.observe(last[0], float((out_len - last[1])[same].float().mean()),
                                     step_ms if self.plan_online else None, int(same.sum()))
-            mode = planner.choose()
+                    if last[0][0] != "ar":
+                        c = float(conf[same].mean())
+                        predicted = {m: c for m in self.plan_modes if m[0] != "ar"}
+            self.last_confidence = predicted  # tests, debugging
+            mode = planner.choose(predicted)
             # timed from this iteration's flag read (a refill re-reads the flags before any step)
             last, step_ms = (mode, out_len, flags[:B] == 0, list(owner), t_read), None
             t1 = time.perf_counter()

@@ -7,9 +7,14 @@ for every step it runs (:class:`StepPlanner`, "Online cost"). Benefit: committed
 per step, a moving average of what each mode actually committed (AR commits exactly 1); when the caller
 also gives a per-step confidence (predicted tokens per mode, e.g. from draft probabilities or a
 confidence head), the planner uses it after calibrating it online against what each mode realized
-("Calibration"). The engine gives no confidence today: its draft probabilities stay on the device
-inside the step's CUDA graph, and reading them before choosing the verify would cost a sync per step
-(docs/method.md §6 describes the confidence-head alternative).
+("Calibration"). The engine (``--budget auto``) gives, after every speculative step, one value for every
+speculative mode: the mean over the step's live rows of the expected committed tokens of the draft's
+chain, ``1 + Σ_k Π_{j≤k} p_j`` (p_j the draft's probability of its own token at slot j, the argmax's at
+T = 0; ``infer.engine.chain_confidence``), written inside the step (CUDA graph) and read with the
+``out_len`` the loop already copies, so no extra sync. It is a step old (the block just drafted stands for
+the next) and the trees get the chain's value (calibration per mode absorbs their larger scale); after
+an AR step no draft ran and the engine gives none. A trained confidence head is the alternative
+(docs/method.md §6).
 
 Rule (:func:`choose_mode`, a pure function of the cost table, the token averages and the time spent):
 

@@ -262,3 +262,37 @@ def test_online_planner_keeps_the_chain_where_it_wins():
         assert (
             r["best_fixed"] == "chain16" and r["planner_over_best"] >= 0.98 and r["planner_over_ar"] >= 1.1
         ), r
+
+
+def test_sim_engine_confidence_is_a_step_old_and_one_value(monkeypatch):
+    """``Mismatch(conf="engine")`` feeds the planner as ``infer.engine`` does: nothing at the first step or
+    after an AR step, else one value for every speculative mode, ``1 + over × (τ_chain − 1)`` × noise of
+    the previous step's τ (a schedule whose τ jumps at 40 tokens shows the lag)."""
+    seen = []
+    choose = StepPlanner.choose
+
+    def spy(self, predicted=None):
+        mode = choose(self, predicted)
+        seen.append((predicted, mode))
+        return mode
+
+    monkeypatch.setattr(StepPlanner, "choose", spy)
+    costs = {AR: 1.0, CHAIN: 1.1, TREE32: 1.3}
+    easy, hard = {AR: 1.0, CHAIN: 6.0, TREE32: 7.0}, {AR: 1.0, CHAIN: 1.5, TREE32: 1.6}
+    log = []
+    schedule = lambda done: log.append(done) or (easy if done < 40 else hard)
+    simulate(costs, schedule, 4, new_tokens=80, seed=1, mismatch=Mismatch(over=2.0, conf="engine"))
+    assert seen[0][0] is None
+    given = 0
+    for i in range(1, len(seen)):
+        p, prev = seen[i][0], seen[i - 1][1]
+        if prev == AR:
+            assert p is None
+            continue
+        given += 1
+        assert set(p) == {CHAIN, TREE32} and p[CHAIN] == p[TREE32]
+        tau = (easy if log[i - 1] < 40 else hard)[CHAIN]  # the previous step's acceptance
+        assert math.exp(-0.5) < (p[CHAIN] - 1) / (2.0 * (tau - 1)) < math.exp(0.5), (i, p, tau)
+    assert given >= 5
+    with pytest.raises(ValueError, match="conf='draft'"):
+        simulate(costs, easy, 1, mismatch=Mismatch(over=1.0, conf="draft"))

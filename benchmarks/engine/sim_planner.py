@@ -16,7 +16,10 @@ same factor per mode). A :class:`Mismatch` scenario (:data:`SCENARIOS`) gives th
 so far: the KV read grows along the output, the same for every mode), the step time the planner is
 told (true × lognormal timer noise, ``spikes`` of the steps 5× longer: GC, preemption) and an optional
 confidence: per step, predicted tokens of every speculative mode = ``1 + over × (τ − 1)`` × noise, i.e.
-``over`` × too confident. Two planners run on every point: ``table``, the start-up table alone (what the
+``over`` × too confident (``conf="mode"``, the default). ``conf="engine"`` (``--conf engine``) gives it as
+``infer.engine`` does: after a speculative step, one value for every speculative mode, the chain's
+``1 + over × (τ_chain − 1)`` × noise at the previous step's acceptance (the draft's view of the block it
+just drafted), nothing after an AR step; its noise has its own random stream. Two planners run on every point: ``table``, the start-up table alone (what the
 engine did before online costs), and ``online``, told the measured step time and the confidence.
 Throughput is expected tokens ÷ summed true step milliseconds, and every fixed mode runs through the
 same context growth, so the comparison with the fixed modes carries no sampling noise of its own; one
@@ -30,7 +33,7 @@ import json
 import random
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -77,6 +80,7 @@ class Mismatch:
     noise: float = 0.0  # lognormal sigma of the measured step time
     spikes: float = 0.0  # fraction of steps measured 5 × too long
     over: float | None = None  # confidence: predicted accepted tokens = over × true (None: no confidence)
+    conf: str = "mode"  # "mode": per mode, this step's τ; "engine": the chain's, a step old
 
     def true_ms(self, mode, table_ms: float, done: float) -> float:
         scale = self.ar_scale if mode[0] == "ar" else self.spec_scale
@@ -116,17 +120,25 @@ def simulate(
     "planner"}``; ``tok_per_ms`` = Σ τ(chosen mode) ÷ Σ true step ms.
     """
     mm = mismatch or Mismatch()
-    rng = random.Random(seed)
+    if mm.conf not in ("mode", "engine"):
+        raise ValueError(f"Mismatch.conf={mm.conf!r} must be 'mode' or 'engine'")
+    rng, conf_rng = random.Random(seed), random.Random(seed + 1)
     planner = StepPlanner(costs, **rule)
+    chain = next((m for m in costs if m[0] == "chain"), None)
     done = tok = ms = 0.0
+    prev = None  # (mode, τ per mode) of the previous step (conf="engine": the confidence is a step old)
     while done < new_tokens:
         tau = taus(done) if callable(taus) else taus
         predicted = None
-        if online and mm.over is not None:
+        if online and mm.over is not None and mm.conf == "mode":
             predicted = {
                 m: 1 + mm.over * (tau[m] - 1) * rng.lognormvariate(0, 0.1) for m in costs if m[0] != "ar"
             }
+        elif online and mm.over is not None and chain is not None and prev is not None and prev[0][0] != "ar":
+            c = 1 + mm.over * (prev[1][chain] - 1) * conf_rng.lognormvariate(0, 0.1)
+            predicted = {m: c for m in costs if m[0] != "ar"}
         mode = planner.choose(predicted)
+        prev = (mode, tau)
         most = max_tokens(mode, costs)
         p = accept_prob(tau[mode], most) if mode[0] != "ar" else 0.0
         committed = 0
@@ -217,8 +229,15 @@ def main(argv=None) -> int:
         default="table,h200,spec-slow,host,spec-fast",
         help=f"comma-separated, of {sorted(SCENARIOS)}",
     )
+    ap.add_argument(
+        "--conf",
+        choices=("mode", "engine"),
+        default=None,
+        help="confidence of every scenario: per mode this step ('mode'), or as the engine gives it ('engine')",
+    )
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    scenarios = {k: replace(v, conf=args.conf) if args.conf else v for k, v in SCENARIOS.items()}
     tables = (
         recorded_tables(args.recorded.split(","))
         if args.recorded
@@ -226,7 +245,7 @@ def main(argv=None) -> int:
     )
     rows = []
     for name in args.scenarios.split(","):
-        mm = SCENARIOS[name]
+        mm = scenarios[name]
         for (c, t), costs in sorted(tables.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             taus = {m: TAU[t][MODES.index(m)] for m in costs}
             row = {"scenario": name, "concurrency": c, "temperature": t}
@@ -242,7 +261,7 @@ def main(argv=None) -> int:
                 f"/AR {on['planner_over_ar']:.3f}  steps {on['steps']}"
             )
     if args.output:
-        scen = {k: asdict(v) for k, v in SCENARIOS.items()}
+        scen = {k: asdict(v) for k, v in scenarios.items()}
         Path(args.output).write_text(
             json.dumps({"simulated": True, "scenarios": scen, "points": rows}, indent=1)
         )

@@ -1,0 +1,135 @@
+"""The planner's confidence input (``Engine(budget="auto")``): the draft's chain confidence written by the
+speculative steps (``infer.engine.chain_confidence``), and the planner loop passing it to ``choose``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspine.reference import ReferenceDecoder
+from dspine.sampling import SamplingParams
+from infer import engine as engine_mod
+from tests.helpers import oracle_engine
+from tests.test_engine import PROMPTS, _engine
+from tests.test_engine_tree import stories  # noqa: F401 (module fixture: target + random block-8 draft)
+
+
+def _admitted(stories_dir, folder, params, mode, B=4, **kw):
+    """An auto-budget engine with PROMPTS[:B] prefilled into slots 0..B-1 and the step of ``mode`` built
+    before (a CUDA graph capture resets the slots); (engine, slots, draft cache, step)."""
+    eng = _engine(stories_dir, folder, budget="auto", **kw)
+    s = eng._slots_for(B)
+    kv, dcache = eng._cache_view(B)
+    step = eng._runner(B, params, True, mode)
+    eng.slot_owner = list(range(B))
+    eng._admit(s, list(enumerate(PROMPTS[:B])), params, True, kv, dcache, [11 + b for b in range(B)])
+    return eng, s, dcache, step
+
+
+def _reference(d_logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """1 + Σ_k Π_{j≤k} p_j with p_j = softmax(logits / T)[token j] (plain temperature), by loops."""
+    p = torch.softmax(d_logits.double() / temperature, -1).gather(-1, tokens[..., None])[..., 0]
+    out = []
+    for row in p.tolist():
+        total, prod = 1.0, 1.0
+        for x in row:
+            prod *= x
+            total += prod
+        out.append(total)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _check_confidence(stories_dir, folder, temperature, **kw):
+    params = SamplingParams(temperature=temperature, max_new_tokens=30, seed=5)
+    got = {}
+    for mode in (("chain", 8), ("tree", 32)):
+        eng, s, dcache, step = _admitted(stories_dir, folder, params, mode, **kw)
+        s.draft_block[:, 0] = s.anchor
+        d_logits = eng.draft_logits(s.draft_block, dcache).float()  # [B, 7, V], the step recomputes it
+        step()
+        if mode[0] == "chain":
+            tokens = s.verify_block[:, 1:].clone()  # the draft's own tokens of this step
+            if temperature == 0:
+                assert torch.equal(tokens, d_logits.argmax(-1))
+        got[mode] = s.conf.clone()
+        want = _reference(d_logits, tokens, temperature if temperature > 0 else 1.0)
+        if temperature == 0:  # the max probability
+            want = _reference(d_logits, d_logits.argmax(-1), 1.0)
+        assert torch.allclose(got[mode].double().cpu(), want, rtol=1e-5, atol=1e-6), (mode, got[mode], want)
+    assert torch.allclose(got[("chain", 8)], got[("tree", 32)], rtol=1e-6)  # the tree's chain: same tokens
+    # an untrained draft over 512 tokens is unsure: near 1 (nothing expected accepted beyond the bonus)
+    assert 1.0 <= float(got[("chain", 8)].max()) < 1.3, got
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_confidence_buffer_equals_reference(stories_dir, stories, temperature):  # noqa: F811
+    """Chain step and tree step write the same chain confidence, equal to a float64 reference from the
+    draft's own logits and its chosen tokens (argmax at T = 0, the sampled ones at T = 1)."""
+    _check_confidence(stories_dir, stories[2], temperature)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_confidence_buffer_in_the_cuda_graph(stories_dir, stories, temperature):  # noqa: F811
+    """The same on a GPU with the steps replayed as CUDA graphs (the buffer is written inside the graph)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _check_confidence(stories_dir, stories[2], temperature, device="cuda", cuda_graphs=True)
+
+
+def test_confidence_of_an_oracle_draft_is_near_the_block(stories_dir, stories):  # noqa: F811
+    """One-hot logits of 10 over 512 tokens: p = e^10 / (e^10 + 511) per slot, 7 slots."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=10)  # one step of 8: the reference needs 10 tokens
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS[:4], params).token_ids
+    eng, s, _, step = _admitted(stories_dir, folder, params, ("chain", 8))
+    oracle_engine(eng, [p + w for p, w in zip(PROMPTS, want)], corrupt=0.0)
+    step()  # eager on the CPU: the lambda calls the patched draft_logits
+    p = torch.tensor(10.0).exp() / (torch.tensor(10.0).exp() + 511)
+    expected = 1 + sum(float(p) ** k for k in range(1, 8))  # 7.38 of the block's 8
+    assert torch.allclose(s.conf, torch.full((4,), expected), rtol=1e-5), s.conf
+    assert torch.equal(s.hist[:, 8], torch.ones(4, dtype=torch.int32))  # all 7 accepted + bonus
+
+
+def test_planner_loop_receives_the_confidence(stories_dir, stories, monkeypatch):  # noqa: F811
+    """--budget auto with a half-corrupted oracle draft: every choice after a speculative step gets the
+    mean confidence of the rows live in it (one value for every speculative mode), none after an AR step;
+    the report has calibration factors (realized < predicted: the corrupted slots were confident too); the
+    greedy output is the target's, as with the planner given no confidence."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=24)
+    prompts = PROMPTS[:4]
+    want = _engine(stories_dir, folder).generate(prompts, params, use_draft=False).token_ids  # the engine's AR
+    seen = []
+    choose = engine_mod.StepPlanner.choose
+
+    def spy(self, predicted=None):
+        mode = choose(self, predicted)
+        seen.append((predicted, mode))
+        return mode
+
+    monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy)
+    outputs = {}
+    for with_conf in (True, False):
+        eng = oracle_engine(_engine(stories_dir, folder, budget="auto"), [p + w for p, w in zip(prompts, want)],
+                            corrupt=0.3)
+        eng.plan_modes = eng.plan_modes[:2] + [("tree", 24)]
+        eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
+        eng.plan_online = False
+        if not with_conf:
+            monkeypatch.setattr(engine_mod.StepPlanner, "choose", lambda self, predicted=None: choose(self))
+        seen.clear()
+        res = eng.generate(prompts, params, concurrency=2)
+        outputs[with_conf] = res.token_ids
+        if with_conf:
+            rep = eng.planner_report
+            given = [(p, m) for p, m in seen if p is not None]
+            assert len(given) >= 5, seen
+            for p, _ in given:
+                assert set(p) == {("chain", 8), ("tree", 24)} and len(set(p.values())) == 1
+                assert 1.0 <= p[("chain", 8)] <= 8.0
+            # after an AR step the planner is given nothing
+            assert all(p is None for (p, _), (_, prev) in zip(seen[1:], seen[:-1]) if prev[0] == "ar"), seen
+            ran = [k for k in ("chain8", "tree24") if rep[k]["steps"] >= 3]
+            assert ran and all(rep[k]["calibration"] is not None and 0 < rep[k]["calibration"] < 1 for k in ran), rep
+    assert outputs[True] == outputs[False] == want
