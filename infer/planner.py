@@ -52,8 +52,10 @@ Online cost: on the H200 (issue 16) the start-up table underestimated real steps
 the same factor for every mode (longer contexts, sampling at T > 0, host time around the step), so a
 planner trusting it ran speculative modes where AR was faster (0.48-0.81 × the best fixed mode). The
 estimate of a mode's step time is its table time × the mode's measured ÷ table ratio. The first timed
-step of the decode is taken as measured (the table may be off by any factor: 45 × on a CPU with the
-test's fake table). Every later step is clipped to 1/3-3 × the estimate it was chosen with, and a
+mode of the decode (AR, the cheapest) runs 3 steps before any other and its 3 timings are taken as
+measured, their median in log space giving its ratio (the table may be off by any factor: 45 × on a CPU
+with the test's fake table; a single spike of the first replay, measured as the only timing, once priced
+AR at 3.9 × its cost for a whole simulated decode, benchmarks/engine/sim_planner.py). Every later step is clipped to 1/3-3 × the estimate it was chosen with, and a
 mode's first 3 timed steps give its ratio as their median in log space, with the estimate before them
 (``prior``: the ratio of the timed mode nearest in table time) included while there are fewer than 3,
 so one spike (a GC pause, a preempted step) cannot price a mode out of the race. After 3, a moving
@@ -90,6 +92,7 @@ Mode = tuple[str, int]
 LOG_CLIP = math.log(1.25)  # largest log step-time residual one timed step contributes (online cost)
 FIRST_CLIP = 3.0  # a timed step counts within 1/3 .. 3 × the estimate it was chosen with
 BONUS_VAR = 1.5  # token² per request in the standard-error bonus (module docstring, "Averages")
+FIRST_TIMED = 3  # timings of the decode's first mode before any other runs (module docstring, "Online cost")
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 
 
@@ -257,9 +260,13 @@ class StepPlanner:
         """The mode for this step. ``predicted``: optional confidence, committed tokens per request per
         speculative mode this step would commit (bonus included), calibrated online."""
         costs = self.costs
-        mode, loss, rate = choose_mode(
-            costs, self.expected(predicted), self.spent_ms, self.lost_ms, **self.rule
-        )
+        timed = [m for m in self.table if self.timed[m]]
+        if len(timed) == 1 and self.timed[timed[0]] < FIRST_TIMED:  # the decode's first mode: 3 timings first
+            mode, loss, rate = timed[0], 0.0, None
+        else:
+            mode, loss, rate = choose_mode(
+                costs, self.expected(predicted), self.spent_ms, self.lost_ms, **self.rule
+            )
         self.step += 1
         self.spent_ms += costs[mode]
         self.lost_ms += loss
@@ -278,13 +285,14 @@ class StepPlanner:
         if ms is not None and ms > 0:
             before = est_ms / self.table[mode]  # the ratio used for this step
             x = ms / self.table[mode]
-            first = all(r is None for r in self.ratio.values())  # no measured prior yet: take x as it is
+            # no other mode measured yet and fewer than FIRST_TIMED timings of this one: take x as it is
+            first = self.timed[mode] < FIRST_TIMED and all(r is None for k, r in self.ratio.items() if k != mode)
             if not first:
                 x = min(max(x, before / FIRST_CLIP), FIRST_CLIP * before)
             ms = x * self.table[mode]
             self.spent_ms += ms - est_ms  # the choice added the estimate
             self.timed[mode] += 1
-            if self.timed[mode] <= 3:  # a median in log space, one of the first may be a spike
+            if self.timed[mode] <= FIRST_TIMED:  # a median in log space, one of the first may be a spike
                 self.first[mode] = (self.first[mode] or ([] if first else [before])) + [x]
                 logs = sorted(math.log(r) for r in self.first[mode][-3:])
                 mid = len(logs) // 2

@@ -143,8 +143,8 @@ def test_planner_finds_a_winning_tree():
 
 
 def test_online_costs_median_clip_and_nearest_mode():
-    """Measured step times replace the table: the first timed step as measured; later ones clipped to 1/3-3 ×
-    the estimate they were chosen with, the log-median of a mode's first 3 (with that estimate while
+    """Measured step times replace the table: the first mode's first 3 timings as measured; later ones clipped to
+    1/3-3 × the estimate they were chosen with, the log-median of a mode's first 3 (with that estimate while
     fewer), then a log average that one step moves by at most 10% × log 1.25."""
     p = StepPlanner({AR: 1.0, CHAIN: 2.0, TREE32: 4.0})
     assert p.choose() == AR
@@ -153,9 +153,9 @@ def test_online_costs_median_clip_and_nearest_mode():
     assert p.ratio[AR] == pytest.approx(1.5) and p.spent_ms == pytest.approx(1.5)
     # never timed: the ratio of the timed mode nearest in table time (AR for both here)
     assert p.costs == pytest.approx({AR: 1.5, CHAIN: 3.0, TREE32: 6.0})
-    p.observe(AR, 1.0, ms=9.0)  # a spike: clipped to 3 × 1.5, log-median of (1.5, 4.5)
-    assert p.ratio[AR] == pytest.approx(math.sqrt(1.5 * 4.5))
-    p.observe(AR, 1.0, ms=1.4)  # median(1.5, 4.5, 1.4)
+    p.observe(AR, 1.0, ms=9.0)  # a spike, not clipped (nothing measured yet to clip it by): log-median of (1.5, 9)
+    assert p.ratio[AR] == pytest.approx(math.sqrt(1.5 * 9.0))
+    p.observe(AR, 1.0, ms=1.4)  # median(1.5, 9, 1.4)
     assert p.ratio[AR] == pytest.approx(1.5)
     p.observe(AR, 1.0, ms=15.0)  # later: one spike moves the estimate by 10% of log 1.25 only
     r = 1.5 * 1.25**0.1
@@ -168,6 +168,18 @@ def test_online_costs_median_clip_and_nearest_mode():
     # the tree now takes the chain's ratio (nearest in table time)
     assert p.costs[TREE32] == pytest.approx(4.0 * p.ratio[CHAIN])
     assert p.report()["chain16"]["measured_ms"] == pytest.approx(2.0 * p.ratio[CHAIN])
+
+
+def test_a_spike_in_the_first_timed_step_does_not_price_ar_out():
+    """The decode's first mode (AR) runs 3 steps before any other, and their median sets its cost: a 5 × spike
+    of the first replay, once the only AR timing, made AR look 3.9 × dearer for a whole simulated decode."""
+    p = StepPlanner({AR: 1.0, CHAIN: 1.2})
+    picks = []
+    for ms in (5.0, 1.0, 1.0):
+        picks.append(p.choose())
+        p.observe(picks[-1], 1.0, ms=ms * 1.0)
+    assert picks == [AR, AR, AR] and p.ratio[AR] == pytest.approx(1.0)
+    assert p.costs[AR] == pytest.approx(1.0) and p.costs[CHAIN] == pytest.approx(1.2)
 
 
 def test_measured_costs_send_the_planner_back_to_ar():
