@@ -542,7 +542,9 @@ class Engine:
         that finished in step k - 1 is idle (done: it commits nothing) in step k, and its slot is refilled
         before step k + 1: one idle step per finished request. Finished rows are copied out asynchronously
         (:meth:`_harvest_async`). The order of admissions shifts by that step, which changes which prompts
-        share a packed prefill, not any prompt's output (tests/test_engine.py: refill)."""
+        share a packed prefill, not any prompt's output in fp32 (tests/test_engine.py: refill); in bf16 a prompt's
+        prefill attention is one varlen call when admitted with others and SDPA when alone, so greedy output can
+        part at near-ties, as with any change of concurrency."""
         cuda, prof = self.device.type == "cuda", self.loop_profile
         bufs = [torch.empty(B + 2, dtype=torch.int8, pin_memory=cuda) for _ in range(2)]
         cur = 0
@@ -665,11 +667,16 @@ class Engine:
         finished row is replaced before the next step (benchmarks at fixed concurrency).
 
         Raises:
-            ValueError: a prompt that does not fit the context, empty prompts, a bad ``seeds`` list.
+            ValueError: no prompts, concurrency < 1, a prompt that does not fit the context, empty prompts,
+                a bad ``seeds`` list.
             FloatingPointError: non-finite target or draft logits (e.g. fp16 overflow, NaN weights),
                 never a silent "τ = 1".
         """
         params.validate()
+        if not prompts:
+            raise ValueError("generate: no prompts")
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"generate: concurrency {concurrency}: must be >= 1 (None: max_batch)")
         check_prompts(prompts)
         seeds = request_seeds(params, len(prompts), seeds, "cpu").tolist()
         spec = use_draft and self.draft is not None

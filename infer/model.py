@@ -651,7 +651,7 @@ class EngineTarget(nn.Module):
         try:
             x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
         except RuntimeError as e:  # e.g. no flash kernel for this GPU: the loop instead, from now on
-            if not varlen:
+            if not varlen or isinstance(e, torch.OutOfMemoryError):
                 raise
             print(f"note: varlen prefill attention failed ({str(e).splitlines()[0][:200]}); "
                   "using one SDPA call per prompt", flush=True)

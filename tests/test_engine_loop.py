@@ -39,6 +39,10 @@ def test_pipelined_loop_outputs_steps_and_profile(stories_dir):
     got = eng.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6), concurrency=3, use_draft=False)
     assert all(len(t) == 6 for t in got.token_ids) and set(got.finish_reasons) == {"length"}
     assert got.steps == 6
+    for prompts, conc, msg in (([], None, "generate: no prompts"),
+                               (PROMPTS[:2], 0, "generate: concurrency 0: must be >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            eng.generate(prompts, SamplingParams(max_new_tokens=2), concurrency=conc, use_draft=False)
 
 
 def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):

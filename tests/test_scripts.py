@@ -1,7 +1,10 @@
 """Shell scripts find the shared assets where the Python code does: $DSPINE_SHARED."""
 
+import json
+import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -42,3 +45,36 @@ def test_one_cache_refuses_none_and_several_finished_caches(tmp_path):
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr == (f"error: 2 finished data.tokenize caches in {tmp_path} ({tmp_path}/cccc {tmp_path}/dddd); "
                         "which one to use is ambiguous: delete the ones not wanted\n")
+
+
+def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
+    """recipe.sh refuses unknown stages, ARMS and REGEN_PAR values before any work (exit 2, one error line);
+    one_cache.sh skips a cache with 0 sequences; summarize refuses an empty work folder and never replaces an
+    existing results file without --overwrite."""
+    env = {**os.environ, "WORK": str(tmp_path / "w"), "RECIPE_ALLOW_CPU": "1"}
+    for extra, stage, msg in (({}, "tokenise", "error: unknown stage 'tokenise'"),
+                              ({"ARMS": "bogus"}, "data", "error: ARMS='bogus': unknown draft 'bogus'"),
+                              ({"ARMS": "  "}, "data", "error: ARMS is empty"),
+                              ({"REGEN_PAR": "0"}, "regen", "error: REGEN_PAR='0': must be an integer >= 1"),
+                              ({"REGEN_PAR": "x"}, "regen", "error: REGEN_PAR='x': must be an integer >= 1")):
+        r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), stage], env={**env, **extra, "NGPU": "1"},
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.startswith(msg), (extra, stage, r.stderr)
+    caches = tmp_path / "tok"
+    for name, n in (("a", 0), ("b", 5)):
+        (caches / name).mkdir(parents=True)
+        (caches / name / "summary.json").write_text(json.dumps({"sequences": n, "tokens": 7 * n}, indent=1))
+    r = subprocess.run(["bash", str(REPO / "scripts/smollm2/one_cache.sh"), str(caches)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == f"{caches / 'b'}\n" and "holds 0 sequences; skipped" in r.stderr
+    summ = [sys.executable, str(REPO / "scripts/smollm2/summarize.py"), "--work", str(tmp_path / "empty"),
+            "--out", str(tmp_path / "res")]
+    r = subprocess.run(summ, capture_output=True, text=True)
+    assert r.returncode == 2 and "holds no recipe run" in r.stderr and not (tmp_path / "res").exists()
+    work = tmp_path / "empty"
+    (work / "train-dspine-s0").mkdir(parents=True)
+    (work / "timings.jsonl").write_text(json.dumps({"stage": "train", "seconds": 1.0, "rc": 0}) + "\n")
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "smollm2-recipe-h200.json").write_text("{}")
+    r = subprocess.run(summ, capture_output=True, text=True)
+    assert r.returncode == 2 and "summarize does not replace results" in r.stderr
+    assert (tmp_path / "res" / "smollm2-recipe-h200.json").read_text() == "{}"

@@ -181,8 +181,11 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/dspine-hybrid-lossless")
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.configs.split(",") if k.strip()]
-    if not kinds or any(k not in CONFIGS for k in kinds):
-        raise SystemExit(f"error: --configs {args.configs!r}: pick from {', '.join(CONFIGS)}")
+    if not kinds or any(k not in CONFIGS for k in kinds) or len(set(kinds)) < len(kinds):
+        raise SystemExit(f"error: --configs {args.configs!r}: pick each at most once from {', '.join(CONFIGS)}")
+    for name in ("num_prompts", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if "cuda" in (args.device, args.reference_device) and not torch.cuda.is_available():
         raise SystemExit("error: a cuda device was asked for but torch sees no CUDA GPU; use --device cpu for a "
                          "smoke test")

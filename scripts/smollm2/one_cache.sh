@@ -5,8 +5,16 @@
 #   bash scripts/smollm2/one_cache.sh DIR
 set -euo pipefail
 dir=${1:?usage: one_cache.sh DIR}
-found=("$dir"/*/summary.json)  # no dotglob: .KEY.tmp-PID/ is not matched
-if [ ! -e "${found[0]}" ]; then
+found=()
+for f in "$dir"/*/summary.json; do  # no dotglob: .KEY.tmp-PID/ is not matched
+  [ -e "$f" ] || continue
+  if grep -Eq '"sequences": *0([,} ]|$)' "$f"; then  # a run whose every row failed: not a usable cache
+    echo "note: ${f%/summary.json} holds 0 sequences; skipped" >&2
+    continue
+  fi
+  found+=("$f")
+done
+if [ "${#found[@]}" -eq 0 ]; then
   echo "error: no finished data.tokenize cache (a folder with summary.json) in $dir; run the tokenize or unpack stage" >&2
   exit 1
 fi

@@ -33,7 +33,8 @@
 #   BENCH_C1 (20), BENCH_C8 (40), BENCH_NEW (512), SCALE_PROMPTS (8), RESULTS (results JSON prefix),
 #   PART_MIB (largest pack part, 15), PACK_DIR (where unpack reads, $WORK/pack), DRAFT_INIT (warm start:
 #   each run starts from DRAFT_INIT/dspine or DRAFT_INIT/dflash through the trainer's draft_init),
-#   DSPINE_INIT / DFLASH_INIT (one arm's warm start, a draft folder: it wins over DRAFT_INIT).
+#   DSPINE_INIT / DFLASH_INIT (one arm's warm start, a draft folder: it wins over DRAFT_INIT), OVERWRITE
+#   (summary: replace existing files under RESULTS; without it summary refuses).
 # The shipped draft was made by the data stages (with REGEN_PAR=4) and then, with runs/smollm2/init/dspine a link to
 # checkpoints/smollm2-135m-dspine, ARMS=dspine STEPS=1728 DRAFT_INIT=runs/smollm2/init recipe.sh train
 # (results/smollm2-continue-h200.json); DSPINE_INIT=checkpoints/smollm2-135m-dspine does the same without the link.
@@ -59,7 +60,9 @@ done
 for arm in ${ARMS:-dspine dflash}; do
   [[ " dspine dflash " == *" $arm "* ]] || { echo "error: ARMS='${ARMS:-}': unknown draft '$arm' (dspine, dflash)" >&2; exit 2; }
 done
-[ -n "${ARMS-x}" ] || { echo "error: ARMS is empty: give dspine, dflash or both" >&2; exit 2; }
+arms_set=${ARMS-x}
+[ -n "${arms_set//[[:space:]]/}" ] || { echo "error: ARMS is empty: give dspine, dflash or both" >&2; exit 2; }
+[[ "${REGEN_PAR:-1}" =~ ^[1-9][0-9]*$ ]] || { echo "error: REGEN_PAR='${REGEN_PAR}': must be an integer >= 1" >&2; exit 2; }
 for st in regen train bench scaling; do  # the CUDA engine and the trainer's recipe settings need a GPU
   if [[ " $STAGES " == *" $st "* ]] && [ "${RECIPE_ALLOW_CPU:-0}" != 1 ] && \
      ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -280,6 +283,7 @@ if has scaling; then
 fi
 
 if has summary; then
-  timed summary python scripts/smollm2/summarize.py --work "$WORK" --out "${RESULTS:-results}"
+  timed summary python scripts/smollm2/summarize.py --work "$WORK" --out "${RESULTS:-results}" \
+    ${OVERWRITE:+--overwrite}
 fi
 log "done"

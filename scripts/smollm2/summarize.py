@@ -151,10 +151,24 @@ def main(argv=None) -> int:
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", default="results")
     ap.add_argument("--tag", default="h200")
+    ap.add_argument("--overwrite", action="store_true", help="replace result files that exist in --out")
     args = ap.parse_args(argv)
     work, out = Path(args.work), Path(args.out)
+    benches = sorted((work / "bench").glob("smollm2-*-T*-c*.json"))
+    trained = [d for d in work.glob("train-*") if d.is_dir() and not d.name.startswith("train-calib")]
+    if not (work / "timings.jsonl").is_file() or not (benches or trained):
+        print(f"error: --work {work} holds no recipe run (timings.jsonl and a train-* or bench/ result); nothing to "
+              "summarize", file=sys.stderr)
+        return 2
+    targets = [out / f.name.replace("smollm2-h200", f"smollm2-{args.tag}") for f in benches]
+    targets += [out / f"smollm2-recipe-{args.tag}.json"]
+    existing = [str(t) for t in targets if t.exists()]
+    if existing and not args.overwrite:
+        print(f"error: {', '.join(existing)} exist(s); summarize does not replace results (give --overwrite, "
+              "OVERWRITE=1 for recipe.sh, or another --out / --tag)", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
-    for f in sorted((work / "bench").glob("smollm2-*-T*-c*.json")):
+    for f in benches:
         dst = out / f.name.replace("smollm2-h200", f"smollm2-{args.tag}")
         shutil.copyfile(f, dst)
         if f.with_suffix(".png").is_file():
