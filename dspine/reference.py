@@ -47,7 +47,7 @@ from dspine.tree import Tree, build_tree, node_uniforms, path_nodes, verify_tree
 CPU_VERIFY_WIDTH = 3
 TREE_BUDGET = 32  # default nodes of a verify tree (anchor included), both backends
 THREADS_HELP = ("torch CPU threads (default: torch's own, one per physical core or $OMP_NUM_THREADS, lowered to the "
-                "cores the 1-minute load average leaves idle, at least 1). torch's threads wait for each other "
+                "cores other runnable tasks leave idle right now, at least 1). torch's threads wait for each other "
                 "whenever one is descheduled: on 2 busy cores 2 threads made speculative decoding 30x slower than 1")
 
 
@@ -62,25 +62,42 @@ def reference_verify_size(block_size: int | None, verify: str, draft_block_sizes
     return min(CPU_VERIFY_WIDTH, *sizes)
 
 
-def idle_cores(cpu_count: int | None = None, load: float | None = None) -> int:
-    """Cores the 1-minute load average leaves idle, at least 1 (``os.getloadavg``; all cores where the
-    platform has no load average)."""
+def busy_cores(samples: int = 5, interval_s: float = 0.01) -> int | None:
+    """Other tasks runnable right now: the median over ``samples`` reads of the kernel's count of runnable
+    tasks (/proc/loadavg, 4th field), less this process's reading thread; None where there is no
+    /proc/loadavg. Unlike the 1-minute load average it does not lag: a ``pip install`` that just ended
+    does not count."""
+    import statistics
+    import time
+
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, IndexError, ValueError):
+            return None
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return max(0, int(statistics.median(counts)))
+
+
+def idle_cores(cpu_count: int | None = None, busy: int | None = None) -> int:
+    """Cores that other runnable tasks leave idle, at least 1 (``busy``: default :func:`busy_cores`; all
+    cores where it is unknown)."""
     import os
 
     cpu_count = cpu_count or os.cpu_count() or 1
-    if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):
-            return cpu_count
-    return max(1, int(cpu_count - load + 0.5))
+    busy = busy_cores() if busy is None else busy
+    return cpu_count if busy is None else max(1, cpu_count - busy)
 
 
 def set_cpu_threads(threads: int | None) -> int:
     """Set torch's CPU threads and return the count in use.
 
     ``threads`` given (``--threads``): exactly that. None: torch's default (one per physical core, or
-    $OMP_NUM_THREADS), lowered to :func:`idle_cores` unless $OMP_NUM_THREADS is set; a note on stderr says so.
+    $OMP_NUM_THREADS), lowered to :func:`idle_cores` (other runnable tasks, counted now) unless
+    $OMP_NUM_THREADS is set; a note on stderr says so.
 
     Raises ValueError for ``threads < 1``."""
     import os
@@ -94,7 +111,7 @@ def set_cpu_threads(threads: int | None) -> int:
         have, idle = torch.get_num_threads(), idle_cores()
         if idle < have:
             torch.set_num_threads(idle)
-            print(f"note: {idle} torch CPU thread(s) instead of {have}: the load average leaves {idle} core(s) idle "
+            print(f"note: {idle} torch CPU thread(s) instead of {have}: other runnable tasks leave {idle} core(s) idle "
                   "(--threads N overrides)", file=sys.stderr)
     return torch.get_num_threads()
 
