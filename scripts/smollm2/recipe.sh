@@ -74,6 +74,7 @@ done
 mkdir -p "$WORK/logs"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+arm() { [[ " ${ARMS:-dspine dflash} " == *" $1 "* ]]; }  # arm NAME: NAME is one of the drafts to train/bench
 
 timed() {  # timed NAME CMD...: run CMD, append {"stage", "seconds", "rc"} to timings.jsonl
   local name=$1; shift
@@ -232,7 +233,7 @@ if has train; then
   for seed in $SEEDS; do
     for pair in dspine:residual dflash:none; do
       name=${pair%%:*}; inj=${pair##*:}
-      [[ " ${ARMS:-dspine dflash} " == *" $name "* ]] || continue
+      arm "$name" || continue
       g=$((i % NGPU))  # runs beyond the GPU count queue on a GPU (one line each), one after the other
       train_cmd "$name" "$inj" "$seed" >> "$WORK/train.gpu$g"
       i=$((i + 1))
@@ -254,8 +255,8 @@ if has bench; then
       out=$WORK/bench/smollm2-h200-T$temp-c$conc.json
       if [ -f "$out" ]; then log "$out exists: not benched again (delete it to bench the current drafts)"; continue; fi
       drafts=""
-      [[ " ${ARMS:-dspine dflash} " == *" dspine "* ]] && drafts+=" --draft DSpine=$(latest dspine)"
-      [[ " ${ARMS:-dspine dflash} " == *" dflash "* ]] && drafts+=" --draft DFlash=$(latest dflash)"
+      arm dspine && drafts+=" --draft DSpine=$(latest dspine)"
+      arm dflash && drafts+=" --draft DFlash=$(latest dflash)"
       echo "python -m infer.bench --target $TARGET$drafts" \
            "--datasets gsm8k,math500,humaneval,mbpp,mt-bench --num-prompts $n --max-new-tokens ${BENCH_NEW:-512}" \
            "--temperature $temp $samp --concurrency $conc --output-json $out > $WORK/logs/bench-T$temp-c$conc.log 2>&1" \

@@ -155,26 +155,23 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     work, out = Path(args.work), Path(args.out)
     benches = sorted((work / "bench").glob("smollm2-*-T*-c*.json"))
-    trained = [d for d in work.glob("train-*") if d.is_dir() and not d.name.startswith("train-calib")]
+    trained = [d for d in sorted(work.glob("train-*")) if d.is_dir() and not d.name.startswith("train-calib")]
     if not (work / "timings.jsonl").is_file() or not (benches or trained):
         print(f"error: --work {work} holds no recipe run (timings.jsonl and a train-* or bench/ result); nothing to "
               "summarize", file=sys.stderr)
         return 2
-    targets = [out / f.name.replace("smollm2-h200", f"smollm2-{args.tag}") for f in benches]
-    targets += [out / f"smollm2-recipe-{args.tag}.json"]
-    existing = [str(t) for t in targets if t.exists()]
+    copies = [out / f.name.replace("smollm2-h200", f"smollm2-{args.tag}") for f in benches]
+    existing = [str(t) for t in [*copies, out / f"smollm2-recipe-{args.tag}.json"] if t.exists()]
     if existing and not args.overwrite:
         print(f"error: {', '.join(existing)} exist(s); summarize does not replace results (give --overwrite, "
               "OVERWRITE=1 for recipe.sh, or another --out / --tag)", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    for f in benches:
-        dst = out / f.name.replace("smollm2-h200", f"smollm2-{args.tag}")
+    for f, dst in zip(benches, copies):
         shutil.copyfile(f, dst)
         if f.with_suffix(".png").is_file():
             shutil.copyfile(f.with_suffix(".png"), dst.with_suffix(".png"))
-    runs = {d.name.removeprefix("train-"): train_report(d) for d in sorted(work.glob("train-*"))
-            if d.is_dir() and not d.name.startswith("train-calib")}
+    runs = {d.name.removeprefix("train-"): train_report(d) for d in trained}
     recipe = {
         **provenance(),
         "command": "GGUF=models/SmolLM2-135M-Instruct.Q4_1.gguf bash scripts/smollm2/recipe.sh",
