@@ -1,6 +1,6 @@
 """The counter-based hash behind ``dspine.sampling``'s noise, in one place for the sampler and the fused race
 kernel (``dspine.ops.race``): SplitMix64's increment and finalizer on int64 tensors [Steele, Lea & Flood 2014],
-and the map of a 64-bit key to a 24-bit uniform in (0, 1)."""
+and the map of a 64-bit key to a 23-bit uniform in (0, 1)."""
 
 from __future__ import annotations
 
@@ -25,5 +25,12 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
+UNIT_BITS = 23  # m + 0.5 < 2^23 needs 24 significant bits: exact in fp32, so u < 1 strictly
+
+
 def _to_unit(key: torch.Tensor) -> torch.Tensor:
-    return ((key & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
+    """``(m + 0.5) / 2^23`` with ``m`` the key's low 23 bits: fp32 in [2^-24, 1 - 2^-24], every value exact.
+
+    With 24 bits, ``m + 0.5`` for m = 2^24 - 1 rounds to 2^24 in fp32, so ``u`` was 1.0 and the race's
+    noise ``-log u`` was ±0: that token's score ``p / E`` became -inf (torch) or +inf (the Triton kernel)."""
+    return ((key & ((1 << UNIT_BITS) - 1)).float() + 0.5) * (1.0 / (1 << UNIT_BITS))

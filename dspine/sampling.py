@@ -145,7 +145,7 @@ def uniforms(seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: i
         positions: ``[B, K]`` int output positions.
         vocab: None for one uniform per (b, k), else V for ``[B, K, V]`` (one per token).
     Returns:
-        fp32 ``[B, K]`` or ``[B, K, V]`` in (0, 1): 24-bit ``(m + 0.5) / 2^24``, never 0 or 1.
+        fp32 ``[B, K]`` or ``[B, K, V]`` in (0, 1): 23-bit ``(m + 0.5) / 2^23``, exact, never 0 or 1.
     """
     key = _position_keys(seeds, stream, positions)
     if vocab is not None:

@@ -198,6 +198,16 @@ class Layer(nn.Module):
             self.down = p(H, a.intermediate_size)
 
 
+def _accepts(fn, name: str) -> bool:
+    """Whether callable ``fn`` takes a keyword ``name`` (torch APIs gain keywords between releases)."""
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def target_rope_tables(a: ModelArgs, seq: int, device):
     """(cos, sin) ``[seq, head_dim/2]`` fp32 for the engine's rotate-half kernels. Partial rotary
     (rotary_dim r < D, transformers' ``partial_rotary_factor``): the first r/2 pairs carry HF's
@@ -434,8 +444,15 @@ class EngineTarget(nn.Module):
         N = q.shape[0]
         k = cache.k[i][bidx, :, pos]  # [N, Hkv, D]
         v = cache.v[i][bidx, :, pos]
+        gqa = {}
+        if a.num_heads != a.num_kv_heads:
+            if _accepts(varlen_attn, "enable_gqa"):
+                gqa = {"enable_gqa": True}
+            else:  # torch <= 2.11: no GQA flag, so each key/value head is repeated for its query heads
+                k = k.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
+                v = v.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
         o = varlen_attn(q.reshape(N, a.num_heads, a.head_dim), k, v, cu, cu, max_len, max_len,
-                        scale=self.scale, window_size=(-1, 0), enable_gqa=a.num_heads != a.num_kv_heads)
+                        scale=self.scale, window_size=(-1, 0), **gqa)
         return o.reshape(N, a.num_heads * a.head_dim)
 
     def _mlp(self, L: Layer, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
@@ -650,7 +667,7 @@ class EngineTarget(nn.Module):
 
         try:
             x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
-        except RuntimeError as e:  # e.g. no flash kernel for this GPU: the loop instead, from now on
+        except (RuntimeError, TypeError) as e:  # no flash kernel for this GPU, an older varlen_attn: the loop instead
             if not varlen or isinstance(e, torch.OutOfMemoryError):
                 raise
             print(f"note: varlen prefill attention failed ({str(e).splitlines()[0][:200]}); "

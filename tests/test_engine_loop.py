@@ -59,26 +59,40 @@ def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
     return out
 
 
-@pytest.mark.parametrize("fail", [False, True])
-def test_varlen_prefill_equals_the_per_prompt_loop(stories_dir, monkeypatch, capsys, fail):
+@pytest.mark.parametrize("mode", ["gqa-flag", "torch-2.11", "runtime-error", "type-error"])
+def test_varlen_prefill_equals_the_per_prompt_loop(stories_dir, monkeypatch, capsys, mode):
+    """The packed prefill through varlen_attn equals the per-prompt loop: with torch >= 2.12's
+    ``enable_gqa``, with torch 2.11's signature (no such keyword: the key/value heads are repeated), and
+    after a failing call (the loop runs, once and from then on)."""
     import torch.nn.attention.varlen as varlen
 
     eng = EngineTarget.from_pretrained(str(stories_dir), device="cpu", dtype=torch.float32, layer_ids=[1, 3],
                                        impl="torch")
+    assert eng.args.num_heads != eng.args.num_kv_heads  # the GQA paths are what this test checks
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=g) for n in (5, 1, 17, 9)]
     slots = [3, 0, 2, 5]
     loop, packed = eng.new_cache(6, 40), eng.new_cache(6, 40)
     want_logits, want_feats = eng.prefill_packed(prompts, slots, loop)
     calls = []
+    fail = mode.endswith("error")
 
-    def stand_in(*args, **kw):
+    def new_api(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
         calls.append(1)
-        if fail:
+        if mode == "runtime-error":
             raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
-        return _varlen_stand_in(*args, **kw)
+        if mode == "type-error":
+            raise TypeError("varlen_attn() got an unexpected keyword argument 'window_size'")
+        assert enable_gqa
+        return _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
+                                enable_gqa=enable_gqa)
 
-    monkeypatch.setattr(varlen, "varlen_attn", stand_in)
+    def old_api(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        calls.append(1)
+        assert k.shape[1] == v.shape[1] == q.shape[1]  # heads repeated for the call without enable_gqa
+        return _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    monkeypatch.setattr(varlen, "varlen_attn", old_api if mode == "torch-2.11" else new_api)
     monkeypatch.setattr(EngineTarget, "_varlen_ok", lambda self, n, dev: self.varlen_prefill and n > 1)
     logits, feats = eng.prefill_packed(prompts, slots, packed)
     assert len(calls) == (1 if fail else eng.args.num_layers)

@@ -5,9 +5,13 @@ weights (norm weights randomised so the zero-centred RMSNorm fold is checked), v
 CPU: the torch path's prefill / verify logits equal transformers'; the linear layers' states roll back
 to 1, 2, 8 and 16 kept tokens (accept lengths 0, 1, 7, 15); greedy speculative decoding with an oracle
 draft that cycles through those accept lengths, and autoregressive decoding, equal transformers' greedy
-output. GPU (``-m gpu``): the same with impl "triton" (fla-core) in fp32, and bf16 speculative output
-equal to the engine's own autoregressive output. transformers' reference runs once per config on the CPU
-with its own torch code (:func:`tests.helpers.call_without_fla`).
+output. GPU (``-m gpu``): the same with impl "triton" (fla-core) in fp32. transformers' reference runs once
+per config on the CPU with its own torch code (:func:`tests.helpers.call_without_fla`).
+
+No bf16 equality test: in bf16 a 16-token verify rounds differently from a 1-token step, and hybrid targets
+have no exact mode (``--exact`` is refused), so greedy speculative output may leave the engine's own AR
+output at a near-tie. On an H200 (2026-12-01) it did, at token 27 (qwen3_5) and token 12 (qwen3_next) of
+the first prompt; the check that asserted equality was removed.
 
 On the GPU run this module in one process, with exact fp32 products in most of fla's kernels (their
 ``tl.dot`` calls default to TF32 for fp32 inputs) and fla's fixed kernel configs (no autotuning; see
@@ -185,16 +189,3 @@ def test_engine_triton_equals_transformers(hybrid, graphs):
     assert eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), use_draft=False).token_ids == want
     res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
     assert res.token_ids == want
-
-
-@pytest.mark.gpu
-def test_engine_triton_bf16_spec_equals_own_ar(hybrid):
-    """H200, bf16: greedy speculative output (untrained draft: mostly accept 0, some longer) equals the same
-    engine's autoregressive output, with CUDA graphs."""
-    out, _, _ = hybrid
-    draft = random_draft(load_target(str(out), dtype="fp32"), block_size=16, mask=1)
-    t = _engine_target(out, device="cuda", dtype=torch.bfloat16, impl="triton", layer_ids=draft.config.target_layer_ids)
-    eng = Engine(t, draft, [], max_batch=2, max_seq=128, max_new_cap=NEW)
-    ar = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), use_draft=False)
-    spec = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
-    assert spec.token_ids == ar.token_ids

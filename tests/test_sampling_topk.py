@@ -134,3 +134,18 @@ def test_decoders_give_the_dense_tokens(stories_dir, tmp_path, monkeypatch):
     fast = run()
     monkeypatch.setattr(rng, "TOP_K_FAST_MAX", 0)
     assert fast == run() and all(len(t) == 6 for t in fast[0] + fast[1])
+
+
+def test_unit_map_is_exact_and_strictly_inside_zero_one():
+    """Every 23-bit m maps to (m + 0.5) / 2^23 exactly, so u < 1 and the race noise -log u > 0. A key with
+    all low bits set (-1) gave u = 1.0 with the 24-bit map (m + 0.5 rounds to 2^24 in fp32): noise ±0,
+    a score of -inf in the torch race and +inf in the Triton kernel (seen on an H200: 1 row in 512)."""
+    from dspine.counter_hash import UNIT_BITS, _to_unit
+
+    m = torch.arange(1 << UNIT_BITS, dtype=torch.int64)
+    u = _to_unit(m)
+    assert u.dtype == torch.float32
+    assert torch.equal(u.double() * (1 << UNIT_BITS) - 0.5, m.double())  # exact
+    assert float(u.min()) == 2.0 ** -24 and float(u.max()) == 1 - 2.0 ** -24
+    e = -torch.log(_to_unit(torch.tensor([-1, (1 << 24) - 1, 0])))
+    assert bool((e > 0).all()) and bool(torch.isfinite(e).all())

@@ -2,7 +2,7 @@
 
 Op: ``token[r] = argmax_v probs[r, v] / E[r, v]`` with ``E = -log u`` and ``u`` the counter-based
 uniform of token v (``dspine.sampling.uniforms``: SplitMix64 of the row's position key + v·golden,
-24 bits -> ``(m + 0.5) / 2^24``); the lowest v among equal maxima, as ``torch.argmax``. This is
+23 bits -> ``(m + 0.5) / 2^23``, exact in fp32 and < 1); the lowest v among equal maxima, as ``torch.argmax``. This is
 ``sample(probs, seeds, stream, positions)`` without candidate ids (plain temperature sampling) [the
 race: gpt-fast ``multinomial_sample_one_no_sync``; SplitMix64: Steele, Lea & Flood 2014].
 
@@ -49,7 +49,7 @@ def _race_kernel(P, Keys, Out, V, stride_p, golden, m1, m2, BLOCK: tl.constexpr,
         z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * m1  # logical shifts: arithmetic shift, then mask
         z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * m2
         z = z ^ ((z >> 31) & 0x1FFFFFFFF)
-        u = ((z & 0xFFFFFF).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = ((z & 0x7FFFFF).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # counter_hash._to_unit, UNIT_BITS 23
         if LIBDEVICE:
             e = -libdevice.log(u)
         else:  # the interpreter has no libdevice
