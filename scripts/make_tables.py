@@ -40,7 +40,7 @@ def smollm2_section() -> list[str]:
         r = json.loads(path.read_text())
         a = r["args"]
         samp = "greedy" if a["temperature"] == 0 else f"T={a['temperature']:g}, top_p {a['top_p']:g}, top_k {a['top_k']}"
-        trained = ("The shipped DSpine draft (the recipe's, trained further: continuation below)" if "-shipped-" in path.name
+        trained = ("The shipped DSpine draft (the recipe's, trained further twice: continuations below)" if "-shipped-" in path.name
                    else "GPU-trained drafts (recipe below)" if "-h200-" in path.name else "CPU-trained drafts")
         out.append(f"**{trained}, {samp}, concurrency {a['concurrency']}, {a['num_prompts']} prompts per task, "
                    f"{a['max_new_tokens']} new tokens, backend `{r['backend']}` on {r['device']}** "
@@ -133,19 +133,43 @@ def recipe_section() -> list[str]:
 
 
 def continue_section() -> list[str]:
+    """The shipped draft's two warm-started continuations of the recipe's DSpine draft, newest first."""
+    out = []
+    r = load("smollm2-continue2-h200.json")
+    if r:
+        t = r["train"]
+        out += ["#### The shipped draft: the recipe's DSpine draft trained further, twice, on one H200", "",
+                f"Second continuation (the shipped draft): {r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` "
+                f"([`results/smollm2-continue2-h200.json`](results/smollm2-continue2-h200.json); {r['commit_note']}). "
+                f"The first continuation's tokenized data again ({r['data']['pack']['sequences']:,} sequences, "
+                f"{r['data']['pack']['tokens'] / 1e6:.1f} M tokens, unpacked from its 6.5 MB pack, no regeneration), "
+                f"{t['steps']} steps warm-started from the first continuation's draft (same settings, cosine from lr "
+                f"{t['config']['lr']:g}), {t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
+                f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s. Steps so far: "
+                + ", ".join(f"{k} {v:,}" for k, v in r["steps_total"].items()) + ".", "",
+                "| stage | wall clock |", "|---|---|"]
+        out += [f"| {x['stage']} | {x['seconds']:.0f} s |" for x in r["timings"]]
+        out += ["", "| step | eval loss | τ_sim | τ_real (eval prompts) |", "|---|---|---|---|"]
+        out += [f"| {e['step']} | {fmt(e['eval/loss'], 3)} | {fmt(e['eval/tau_sim'])} | {fmt(e['eval/tau_real'])} |"
+                for e in t["evals"]]
+        out += ["", f"Command: `{r['command']}`", ""]
     r = load("smollm2-continue-h200.json")
     if not r:
-        return []
+        return out
     g, t = r["regen"], r["train"]
-    out = ["#### The shipped draft: the recipe's DSpine draft trained further on one H200", "",
-           f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` ([`results/smollm2-continue-h200.json`]"
-           f"(results/smollm2-continue-h200.json); {r['commit_note']}). Fresh data from the recipe's data stages "
-           f"(regeneration with `REGEN_PAR=4`: {g['answer_tokens'] / 1e6:.1f} M answer tokens in {g['regen_stage_s']:.0f} s, "
-           f"{g['tokens_per_s_stage']:,} tok/s including start-ups, against 544 s one job at a time), then "
-           f"{t['steps']} steps warm-started from the recipe's DSpine draft (same settings, cosine from lr "
-           f"{t['config']['lr']:g}), {t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
-           f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s.", "",
-           "| stage | wall clock |", "|---|---|"]
+    b = r["bench"]["T0-c1"]
+    out += ["#### First continuation (the draft shipped before the second; its data is reused above)" if out else
+            "#### The shipped draft: the recipe's DSpine draft trained further on one H200", "",
+            f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` ([`results/smollm2-continue-h200.json`]"
+            f"(results/smollm2-continue-h200.json); {r['commit_note']}). Fresh data from the recipe's data stages "
+            f"(regeneration with `REGEN_PAR=4`: {g['answer_tokens'] / 1e6:.1f} M answer tokens in {g['regen_stage_s']:.0f} s, "
+            f"{g['tokens_per_s_stage']:,} tok/s including start-ups, against 544 s one job at a time), then "
+            f"{t['steps']} steps warm-started from the recipe's DSpine draft (same settings, cosine from lr "
+            f"{t['config']['lr']:g}), {t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
+            f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s. Its draft on the H200 benchmark (T = 0, concurrency 1, "
+            f"20 prompts per task): mean τ {b['mean_tau']:.2f}, {b['mean_speedup']:.2f}× (`bench` in the JSON; "
+            f"`git show 33657e2:checkpoints/smollm2-135m-dspine` is that draft).", "",
+            "| stage | wall clock |", "|---|---|"]
     out += [f"| {x['stage']} | {x['seconds']:.0f} s |" for x in r["timings"]]
     out += ["", "| step | eval loss | τ_sim | τ_real (eval prompts) |", "|---|---|---|---|"]
     out += [f"| {e['step']} | {fmt(e['eval/loss'], 3)} | {fmt(e['eval/tau_sim'])} | {fmt(e['eval/tau_real'])} |"
@@ -330,6 +354,10 @@ def hybrid_section() -> list[str]:
     for r in h["lossless"]:
         out.append(f"| {r['config']} | {r['path']} | {r['identical']}/{r['compared']} |")
     out += ["", f"Command: `{h['command']}`", ""]
+    t = h.get("gpu_pytest")
+    if t:
+        out += [f"GPU tests (`{t['command']}`, {t['seconds']} s): {len(t['passed'])} passed (fla-core's kernels in fp32, "
+                f"with and without CUDA graphs, equal transformers), {len(t['failed'])} failed: {t['failed_note']}.", ""]
     return out
 
 
@@ -437,8 +465,13 @@ def profile_section() -> list[str]:
             t = single[0]
             out += ["", f"Batch 8 spec step: one call, an LM-head GEMM (vocabulary 151,936; M = 120 draft or 128 verify rows), takes "
                     f"{t['us_per_step'] / 1000:.2f} ms ({100 * t['fraction']:.0f}% of the step's kernel time; `{t['name']}`), "
-                    "against 0.30 ms for the same weight at batch 8 AR: its tile is 16 rows wide, so the 1.24 GB weight is read "
-                    "about M / 16 = 8 times (measured before the engine's start-up pick of the LM-head GEMM per row count)."]
+                    "against 0.30 ms for the same weight at batch 8 AR. The start-up pick kept `F.linear` for every row count "
+                    f"({', '.join(f'M = {k}: {v}' for k, v in r['batch8'].get('lm_head_choice', {}).items()) or 'no pick recorded'}) and "
+                    "timed it at 0.32-0.33 ms for M = 120 / 128, so the slow call is not the GEMM the pick timed: the draft's rows "
+                    "are the strided slice `hidden[:, 1:16]` of `[8, 16, H]`, which `torch.matmul` does not fold into one 2-D GEMM; "
+                    "it runs `aten::bmm`, 8 GEMMs of 15 rows that each read the 1.24 GB weight (8 × 0.30 ms). "
+                    "`dspine.ops.lm_head` now flattens the rows first (one `aten::mm`, tests/test_kernels_lm_head.py); "
+                    "not re-profiled on the GPU yet."]
     out += ["", f"Command: `{r['command']}`", ""]
     return out
 

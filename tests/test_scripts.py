@@ -56,7 +56,10 @@ def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
                               ({"ARMS": "bogus"}, "data", "error: ARMS='bogus': unknown draft 'bogus'"),
                               ({"ARMS": "  "}, "data", "error: ARMS is empty"),
                               ({"REGEN_PAR": "0"}, "regen", "error: REGEN_PAR='0': must be an integer >= 1"),
-                              ({"REGEN_PAR": "x"}, "regen", "error: REGEN_PAR='x': must be an integer >= 1")):
+                              ({"REGEN_PAR": "x"}, "regen", "error: REGEN_PAR='x': must be an integer >= 1"),
+                              ({"SAMPLE_SEED0": "-1"}, "regen", "error: SAMPLE_SEED0='-1': must be an integer >= 0"),
+                              ({"GREEDY": "2"}, "regen", "error: GREEDY='2': must be 0 or 1"),
+                              ({"GREEDY": "0", "SAMPLES": "0"}, "regen", "error: GREEDY=0 and SAMPLES=0")):
         r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), stage], env={**env, **extra, "NGPU": "1"},
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.startswith(msg), (extra, stage, r.stderr)
@@ -78,3 +81,18 @@ def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
     r = subprocess.run(summ, capture_output=True, text=True)
     assert r.returncode == 2 and "summarize does not replace results" in r.stderr
     assert (tmp_path / "res" / "smollm2-recipe-h200.json").read_text() == "{}"
+
+
+def test_recipe_fresh_samples_skip_the_greedy_job(tmp_path):
+    """GREEDY=0 SAMPLE_SEED0=3 SAMPLES=2: the regen queue holds the sampled jobs with seeds 4 and 5 (new output
+    folders) and the eval job, not the train greedy job that would repeat an earlier lease's answers."""
+    env = {**os.environ, "WORK": str(tmp_path / "w"), "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "GREEDY": "0",
+           "SAMPLE_SEED0": "3", "SAMPLES": "2"}
+    r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), "regen"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0  # no target or prompts here: the jobs themselves fail, the queue file stays
+    queue = (tmp_path / "w" / "regen.gpu0").read_text().splitlines()
+    outs = [line.split("--output ")[1].split()[0] for line in queue]
+    seeds = [line.split("--seed ")[1].split()[0] for line in queue]
+    w = tmp_path / "w"
+    assert outs == [f"{w}/regen-train-sample4", f"{w}/regen-train-sample5", f"{w}/regen-eval-greedy"]
+    assert seeds == ["4", "5", "0"]

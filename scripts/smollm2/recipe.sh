@@ -34,10 +34,16 @@
 #   PART_MIB (largest pack part, 15), PACK_DIR (where unpack reads, $WORK/pack), DRAFT_INIT (warm start:
 #   each run starts from DRAFT_INIT/dspine or DRAFT_INIT/dflash through the trainer's draft_init),
 #   DSPINE_INIT / DFLASH_INIT (one arm's warm start, a draft folder: it wins over DRAFT_INIT), OVERWRITE
-#   (summary: replace existing files under RESULTS; without it summary refuses).
+#   (summary: replace existing files under RESULTS; without it summary refuses), SAMPLE_SEED0 (0: the
+#   sampled jobs use seeds SAMPLE_SEED0+1 .. SAMPLE_SEED0+SAMPLES, so a later lease with SAMPLE_SEED0=3
+#   draws answers the earlier one did not), GREEDY (1; 0 skips the greedy train job, which would repeat
+#   the earlier lease's answers token for token).
 # The shipped draft was made by the data stages (with REGEN_PAR=4) and then, with runs/smollm2/init/dspine a link to
 # checkpoints/smollm2-135m-dspine, ARMS=dspine STEPS=1728 DRAFT_INIT=runs/smollm2/init recipe.sh train
 # (results/smollm2-continue-h200.json); DSPINE_INIT=checkpoints/smollm2-135m-dspine does the same without the link.
+# The draft shipped now is that one trained 2,656 more steps on the same data: PACK_DIR=<that run's pack> recipe.sh
+# unpack, then ARMS=dspine STEPS=2656 DSPINE_INIT=checkpoints/smollm2-135m-dspine recipe.sh train bench
+# (results/smollm2-continue2-h200.json).
 # Stages regen/train/bench/scaling refuse to start without a CUDA GPU (RECIPE_ALLOW_CPU=1 lets them try).
 set -euo pipefail
 cd "${DSPINE_REPO:-$(dirname "$0")/../..}"  # DSPINE_REPO: run a copy of this script from elsewhere
@@ -63,6 +69,9 @@ done
 arms_set=${ARMS-x}
 [ -n "${arms_set//[[:space:]]/}" ] || { echo "error: ARMS is empty: give dspine, dflash or both" >&2; exit 2; }
 [[ "${REGEN_PAR:-1}" =~ ^[1-9][0-9]*$ ]] || { echo "error: REGEN_PAR='${REGEN_PAR}': must be an integer >= 1" >&2; exit 2; }
+[[ "${SAMPLE_SEED0:-0}" =~ ^[0-9]+$ ]] || { echo "error: SAMPLE_SEED0='${SAMPLE_SEED0}': must be an integer >= 0" >&2; exit 2; }
+[[ "${GREEDY:-1}" =~ ^[01]$ ]] || { echo "error: GREEDY='${GREEDY}': must be 0 or 1" >&2; exit 2; }
+[[ "$SAMPLES" =~ ^[0-9]+$ ]] || { echo "error: SAMPLES='${SAMPLES}': must be an integer >= 0" >&2; exit 2; }
 for st in regen train bench scaling; do  # the CUDA engine and the trainer's recipe settings need a GPU
   if [[ " $STAGES " == *" $st "* ]] && [ "${RECIPE_ALLOW_CPU:-0}" != 1 ] && \
      ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -143,8 +152,12 @@ regen_cmd() {  # regen_cmd SPLIT NAME TEMPERATURE SEED
 }
 if has regen; then
   rm -f "$WORK"/regen.gpu*
-  jobs=("$(regen_cmd train greedy 0 0)")
-  for ((s = 1; s <= SAMPLES; s++)); do jobs+=("$(regen_cmd train sample$s "${SAMPLE_T:-0.8}" "$s")"); done
+  jobs=()
+  [ "${GREEDY:-1}" = 1 ] && jobs+=("$(regen_cmd train greedy 0 0)")
+  for ((s = ${SAMPLE_SEED0:-0} + 1; s <= ${SAMPLE_SEED0:-0} + SAMPLES; s++)); do
+    jobs+=("$(regen_cmd train sample$s "${SAMPLE_T:-0.8}" "$s")")
+  done
+  [ ${#jobs[@]} -gt 0 ] || { echo "error: GREEDY=0 and SAMPLES=0: no training answers to regenerate" >&2; exit 2; }
   jobs+=("$(regen_cmd eval greedy 0 0)")  # 1% split, seconds
   # REGEN_PAR jobs side by side per GPU: one engine process is bound by its host loop (SmolLM2 at 512 slots
   # kept an H200 busy a fraction of the time), and each holds its own KV cache (512 x 2048 slots: ~24 GB)
