@@ -3,7 +3,7 @@ delta-rule layers + one gated full-attention layer with partial rotary (factor 0
 weights (norm weights randomised so the zero-centred RMSNorm fold is checked), vocab 256.
 
 CPU: the torch path's prefill / verify logits equal transformers'; the linear layers' states roll back
-to 1, 2, 8 and 16 kept tokens (accept lengths 0, 1, 7, 15); greedy speculative decoding with an oracle
+to every accept length 0..15 (one slot each; on the GPU 0, 1, 7, 15); greedy speculative decoding with an oracle
 draft that cycles through those accept lengths, and autoregressive decoding, equal transformers' greedy
 output. GPU (``-m gpu``): the same with impl "triton" (fla-core) in fp32. transformers' reference runs once
 per config on the CPU with its own torch code (:func:`tests.helpers.call_without_fla`).
@@ -88,28 +88,29 @@ def _engine_target(path, device="cpu", dtype=torch.float32, impl="torch", layer_
     return EngineTarget.from_pretrained(str(path), device=device, dtype=dtype, layer_ids=list(layer_ids), impl=impl)
 
 
-def _check_steps(eng, ref, device, tol):
-    """Prefill (two prompts packed), a 16-token verify, rollback to n = 1, 2, 8, 16 kept tokens, then a decode
-    step and a second verify from the rolled-back states: every logit row against transformers'."""
+def _check_steps(eng, ref, device, tol, accepts=ACCEPTS):
+    """Prefill (two prompts packed), a 16-token verify in one slot per accept length, rollback of slot b to
+    accepts[b] + 1 kept tokens, then a decode step and a second verify from the rolled-back states: every
+    logit row against transformers'."""
     wl = ref["logits"].to(device)
     feats_want = ref["feats"].to(device)
     ids = ref["ids"].to(device)
-    cache = eng.new_cache(4, 128)
+    B, W = len(accepts), 16
+    cache = eng.new_cache(max(B, 3), 128)
     P = 40
     logits, feats = eng.prefill_packed([ids[:P], ids[:P - 7]], [0, 2], cache)
     assert (logits[0].float() - wl[P - 1]).abs().max() < tol
     assert (logits[1].float() - wl[P - 8]).abs().max() < tol
     assert (feats[:P].float() - feats_want[:P]).abs().max() < tol
-    for s in (1, 2, 3):  # the same prompt into the other slots (slot 2: over its shorter prompt)
+    for s in range(1, B):  # the same prompt into the other slots (slot 2: over its shorter prompt)
         eng.prefill_packed([ids[:P]], [s], cache)
-    B, W = 4, 16
     lens = torch.full((B,), P, dtype=torch.int32, device=device)
     pos = lens[:, None].long() + torch.arange(W, device=device)
     toks = ids[P:P + W].expand(B, W).contiguous()
     logits, feats = eng.forward_step(toks, pos, cache, lens)
     for b in range(B):
         assert (logits[b].float() - wl[P:P + W]).abs().max() < tol
-    n = torch.tensor([a + 1 for a in ACCEPTS], device=device)  # accept lengths 0, 1, 7, 15
+    n = torch.tensor([a + 1 for a in accepts], device=device)  # slot b keeps accepts[b] + 1 tokens
     eng.commit_states(cache, n)
     assert not cache.pending
     lens = lens + n.int()
@@ -124,10 +125,11 @@ def _check_steps(eng, ref, device, tol):
 
 
 def test_engine_torch_steps_and_rollback_match_transformers(hybrid):
+    """Every accept length 0..15, one per slot, in one verify and rollback."""
     out, ref, _ = hybrid
     eng = _engine_target(out)
     assert eng.args.layer_kinds == ("linear",) * 3 + ("attention",) and eng.args.rotary_dim == 4
-    _check_steps(eng, ref, "cpu", 1e-4)
+    _check_steps(eng, ref, "cpu", 1e-4, accepts=tuple(range(16)))
 
 
 def _cycling_oracle(engine, reference):
