@@ -34,6 +34,7 @@ draft's ``target_layer_ids``, the last layer's after the final norm under the dr
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,6 +199,7 @@ class Layer(nn.Module):
             self.down = p(H, a.intermediate_size)
 
 
+@functools.lru_cache(maxsize=16)
 def _accepts(fn, name: str) -> bool:
     """Whether callable ``fn`` takes a keyword ``name`` (torch APIs gain keywords between releases)."""
     import inspect
@@ -206,6 +208,12 @@ def _accepts(fn, name: str) -> bool:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+class _VarlenFailed(Exception):
+    """``varlen_attn`` itself refused the call (no flash kernel for this GPU, an older signature): the packed
+    prefill falls back to one SDPA call per prompt. Raised only around that call, so a bug elsewhere in the
+    layers is not taken for it."""
 
 
 def target_rope_tables(a: ModelArgs, seq: int, device):
@@ -451,8 +459,13 @@ class EngineTarget(nn.Module):
             else:  # torch <= 2.11: no GQA flag, so each key/value head is repeated for its query heads
                 k = k.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
                 v = v.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
-        o = varlen_attn(q.reshape(N, a.num_heads, a.head_dim), k, v, cu, cu, max_len, max_len,
-                        scale=self.scale, window_size=(-1, 0), **gqa)
+        try:
+            o = varlen_attn(q.reshape(N, a.num_heads, a.head_dim), k, v, cu, cu, max_len, max_len,
+                            scale=self.scale, window_size=(-1, 0), **gqa)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError) as e:
+            raise _VarlenFailed(str(e).splitlines()[0][:200] if str(e) else type(e).__name__) from e
         return o.reshape(N, a.num_heads * a.head_dim)
 
     def _mlp(self, L: Layer, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
@@ -667,11 +680,8 @@ class EngineTarget(nn.Module):
 
         try:
             x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
-        except (RuntimeError, TypeError) as e:  # no flash kernel for this GPU, an older varlen_attn: the loop instead
-            if not varlen or isinstance(e, torch.OutOfMemoryError):
-                raise
-            print(f"note: varlen prefill attention failed ({str(e).splitlines()[0][:200]}); "
-                  "using one SDPA call per prompt", flush=True)
+        except _VarlenFailed as e:  # no flash kernel for this GPU, an older varlen_attn: the loop, from now on
+            print(f"note: varlen prefill attention failed ({e}); using one SDPA call per prompt", flush=True)
             self.varlen_prefill = varlen = False
             x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
         last = torch.tensor([e - 1 for e in starts[1:]], device=dev)

@@ -142,7 +142,8 @@ def continue_section() -> list[str]:
                 f"Second continuation (the shipped draft): {r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` "
                 f"([`results/smollm2-continue2-h200.json`](results/smollm2-continue2-h200.json); {r['commit_note']}). "
                 f"The first continuation's tokenized data again ({r['data']['pack']['sequences']:,} sequences, "
-                f"{r['data']['pack']['tokens'] / 1e6:.1f} M tokens, unpacked from its 6.5 MB pack, no regeneration), "
+                f"{r['data']['pack']['tokens'] / 1e6:.1f} M tokens, unpacked from its "
+                f"{r['data']['pack']['compressed_bytes'] / 1e6:.1f} MB pack, no regeneration), "
                 f"{t['steps']} steps warm-started from the first continuation's draft (same settings, cosine from lr "
                 f"{t['config']['lr']:g}), {t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
                 f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s. Steps so far: "
@@ -457,21 +458,22 @@ def profile_section() -> list[str]:
                 continue
             top = d["top"][0]
             out.append(f"| {b[5:]} | {kind} | {d['kernel_us_per_step'] / 1000:.2f} ms | {d['kernels_per_step']:.0f} | "
-                       f"`{top['name'][:40]}` x{top['count_per_step']:.0f} ({100 * top['fraction']:.0f}%) |")
+                       f"`{top['name']}` x{top['count_per_step']:.0f} ({100 * top['fraction']:.0f}%) |")
     b8 = r.get("batch8", {}).get("spec")
-    if b8:
-        single = [t for t in b8["top"] if t["count_per_step"] == 1]
-        if single:
-            t = single[0]
-            out += ["", f"Batch 8 spec step: one call, an LM-head GEMM (vocabulary 151,936; M = 120 draft or 128 verify rows), takes "
-                    f"{t['us_per_step'] / 1000:.2f} ms ({100 * t['fraction']:.0f}% of the step's kernel time; `{t['name']}`), "
-                    "against 0.30 ms for the same weight at batch 8 AR. The start-up pick kept `F.linear` for every row count "
-                    f"({', '.join(f'M = {k}: {v}' for k, v in r['batch8'].get('lm_head_choice', {}).items()) or 'no pick recorded'}) and "
-                    "timed it at 0.32-0.33 ms for M = 120 / 128, so the slow call is not the GEMM the pick timed: the draft's rows "
-                    "are the strided slice `hidden[:, 1:16]` of `[8, 16, H]`, which `torch.matmul` does not fold into one 2-D GEMM; "
-                    "it runs `aten::bmm`, 8 GEMMs of 15 rows that each read the 1.24 GB weight (8 × 0.30 ms). "
-                    "`dspine.ops.lm_head` now flattens the rows first (one `aten::mm`, tests/test_kernels_lm_head.py); "
-                    "not re-profiled on the GPU yet."]
+    single = [t for t in b8["top"] if t["count_per_step"] == 1] if b8 else []
+    if single:
+        t = single[0]
+        choice = ", ".join(f"M = {k}: {v}" for k, v in r["batch8"].get("lm_head_choice", {}).items()) or "no pick recorded"
+        picks = r.get("lm_head_pick_us", {})
+        timed = (f"timed it at {picks['120']['us']['linear'] / 1000:.2f} / {picks['128']['us']['linear'] / 1000:.2f} ms "
+                 "for M = 120 / 128" if {"120", "128"} <= set(picks) else "timed the 2-D GEMM")
+        out += ["", f"Batch 8 spec step: one call, an LM-head GEMM (vocabulary 151,936; M = 120 draft or 128 verify rows), takes "
+                f"{t['us_per_step'] / 1000:.2f} ms ({100 * t['fraction']:.0f}% of the step's kernel time; `{t['name']}`), "
+                f"against 0.30 ms for the same weight at batch 8 AR. The start-up pick kept `F.linear` for every row count "
+                f"({choice}) and {timed}, so the slow call is not the GEMM the pick timed: the draft's rows are the strided "
+                "slice `hidden[:, 1:16]` of `[8, 16, H]`, which `torch.matmul` does not fold into one 2-D GEMM; it runs "
+                "`aten::bmm`, 8 GEMMs of 15 rows that each read the 1.24 GB weight (8 × 0.30 ms). `dspine.ops.lm_head` "
+                "now flattens the rows first (one `aten::mm`, tests/test_kernels_lm_head.py); not re-profiled on the GPU yet."]
     out += ["", f"Command: `{r['command']}`", ""]
     return out
 

@@ -59,7 +59,7 @@ def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
     return out
 
 
-@pytest.mark.parametrize("mode", ["gqa-flag", "torch-2.11", "runtime-error", "type-error"])
+@pytest.mark.parametrize("mode", ["gqa-flag", "torch-2.11", "runtime-error", "type-error", "value-error"])
 def test_varlen_prefill_equals_the_per_prompt_loop(stories_dir, monkeypatch, capsys, mode):
     """The packed prefill through varlen_attn equals the per-prompt loop: with torch >= 2.12's
     ``enable_gqa``, with torch 2.11's signature (no such keyword: the key/value heads are repeated), and
@@ -83,6 +83,8 @@ def test_varlen_prefill_equals_the_per_prompt_loop(stories_dir, monkeypatch, cap
             raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
         if mode == "type-error":
             raise TypeError("varlen_attn() got an unexpected keyword argument 'window_size'")
+        if mode == "value-error":  # not a refusal of the call: it propagates, no silent fallback
+            raise ValueError("a bug")
         assert enable_gqa
         return _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
                                 enable_gqa=enable_gqa)
@@ -94,6 +96,11 @@ def test_varlen_prefill_equals_the_per_prompt_loop(stories_dir, monkeypatch, cap
 
     monkeypatch.setattr(varlen, "varlen_attn", old_api if mode == "torch-2.11" else new_api)
     monkeypatch.setattr(EngineTarget, "_varlen_ok", lambda self, n, dev: self.varlen_prefill and n > 1)
+    if mode == "value-error":
+        with pytest.raises(ValueError, match="a bug"):
+            eng.prefill_packed(prompts, slots, packed)
+        assert eng.varlen_prefill
+        return
     logits, feats = eng.prefill_packed(prompts, slots, packed)
     assert len(calls) == (1 if fail else eng.args.num_layers)
     assert (logits - want_logits).abs().max() < 1e-5 and (feats - want_feats).abs().max() < 1e-5

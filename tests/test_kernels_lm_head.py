@@ -157,3 +157,9 @@ def test_strided_rows_run_as_one_2d_gemm(name):
     assert "aten::bmm" not in ops and "aten::mm" in ops, sorted(o for o in ops if "mm" in o)
     assert y.shape == (8, 15, 9000)
     assert torch.allclose(y, F.linear(rows.contiguous(), w), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", lh.CANDIDATES)
+def test_hidden_size_mismatch_is_a_value_error(name):
+    with pytest.raises(ValueError, match=r"h \(4, 128\) and w \(300, 64\)"):
+        lh.lm_head(torch.randn(4, 128), torch.randn(300, 64), name)

@@ -58,6 +58,10 @@ def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
                               ({"REGEN_PAR": "0"}, "regen", "error: REGEN_PAR='0': must be an integer >= 1"),
                               ({"REGEN_PAR": "x"}, "regen", "error: REGEN_PAR='x': must be an integer >= 1"),
                               ({"SAMPLE_SEED0": "-1"}, "regen", "error: SAMPLE_SEED0='-1': must be an integer >= 0"),
+                              ({"SAMPLE_SEED0": "08"}, "regen", "error: SAMPLE_SEED0='08': must be an integer >= 0"),
+                              ({"SAMPLE_SEED0": "9223372036854775807"}, "regen", "error: SAMPLE_SEED0='9223372036854775807'"),
+                              ({"SAMPLES": "010"}, "regen", "error: SAMPLES='010': must be an integer from 0 to 999"),
+                              ({"REGEN_PAR": "04"}, "regen", "error: REGEN_PAR='04': must be an integer >= 1"),
                               ({"GREEDY": "2"}, "regen", "error: GREEDY='2': must be 0 or 1"),
                               ({"GREEDY": "0", "SAMPLES": "0"}, "regen", "error: GREEDY=0 and SAMPLES=0")):
         r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), stage], env={**env, **extra, "NGPU": "1"},

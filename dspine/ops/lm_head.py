@@ -68,9 +68,12 @@ def _chunked(x2: torch.Tensor, w: torch.Tensor, chunk: int) -> torch.Tensor:
 def lm_head(h: torch.Tensor, w: torch.Tensor, choice: str = "linear") -> torch.Tensor:
     """``h [..., K] · w [N, K]ᵀ`` -> logits ``[..., N]`` in h's dtype, computed by candidate ``choice``.
 
-    Raises ValueError on an unknown ``choice`` or mismatched shapes / dtypes (``triton*``)."""
+    Raises ValueError on an unknown ``choice``, a weight that is not 2-D, a hidden size ``h.shape[-1]`` other
+    than ``w.shape[1]``, or (``triton*``) mismatched dtypes."""
     if choice not in CANDIDATES:
         raise ValueError(f"lm_head: unknown implementation {choice!r} (one of {CANDIDATES})")
+    if w.dim() != 2 or h.dim() < 1 or h.shape[-1] != w.shape[1]:
+        raise ValueError(f"lm_head: h {tuple(h.shape)} and w {tuple(w.shape)}: need w [N, K] and h [..., K]")
     K, N = w.shape[1], w.shape[0]
     # One 2-D GEMM over all M rows. A 3-D input that is not contiguous (the engine's draft rows,
     # hidden[:, 1:16] of [B, 16, H]) is not folded by torch.matmul: it runs as a batched GEMM of B

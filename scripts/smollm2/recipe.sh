@@ -38,12 +38,13 @@
 #   sampled jobs use seeds SAMPLE_SEED0+1 .. SAMPLE_SEED0+SAMPLES, so a later lease with SAMPLE_SEED0=3
 #   draws answers the earlier one did not), GREEDY (1; 0 skips the greedy train job, which would repeat
 #   the earlier lease's answers token for token).
-# The shipped draft was made by the data stages (with REGEN_PAR=4) and then, with runs/smollm2/init/dspine a link to
-# checkpoints/smollm2-135m-dspine, ARMS=dspine STEPS=1728 DRAFT_INIT=runs/smollm2/init recipe.sh train
-# (results/smollm2-continue-h200.json); DSPINE_INIT=checkpoints/smollm2-135m-dspine does the same without the link.
-# The draft shipped now is that one trained 2,656 more steps on the same data: PACK_DIR=<that run's pack> recipe.sh
-# unpack, then ARMS=dspine STEPS=2656 DSPINE_INIT=checkpoints/smollm2-135m-dspine recipe.sh train bench
-# (results/smollm2-continue2-h200.json).
+# The shipped draft checkpoints/smollm2-135m-dspine took two continuations of the recipe's DSpine draft:
+#   1. the data stages (with REGEN_PAR=4), then ARMS=dspine STEPS=1728 DSPINE_INIT=<the recipe's draft, git show
+#      ebc9baa:checkpoints/smollm2-135m-dspine> recipe.sh train (results/smollm2-continue-h200.json);
+#   2. PACK_DIR=<the pack of 1> recipe.sh unpack, then ARMS=dspine STEPS=2656 DSPINE_INIT=<the draft of 1, git show
+#      33657e2:checkpoints/smollm2-135m-dspine> recipe.sh train bench (results/smollm2-continue2-h200.json).
+#   A folder from `git show`: mkdir -p D && for f in config.json model.safetensors; do
+#   git show 33657e2:checkpoints/smollm2-135m-dspine/$f > D/$f; done
 # Stages regen/train/bench/scaling refuse to start without a CUDA GPU (RECIPE_ALLOW_CPU=1 lets them try).
 set -euo pipefail
 cd "${DSPINE_REPO:-$(dirname "$0")/../..}"  # DSPINE_REPO: run a copy of this script from elsewhere
@@ -68,10 +69,11 @@ for arm in ${ARMS:-dspine dflash}; do
 done
 arms_set=${ARMS-x}
 [ -n "${arms_set//[[:space:]]/}" ] || { echo "error: ARMS is empty: give dspine, dflash or both" >&2; exit 2; }
-[[ "${REGEN_PAR:-1}" =~ ^[1-9][0-9]*$ ]] || { echo "error: REGEN_PAR='${REGEN_PAR}': must be an integer >= 1" >&2; exit 2; }
-[[ "${SAMPLE_SEED0:-0}" =~ ^[0-9]+$ ]] || { echo "error: SAMPLE_SEED0='${SAMPLE_SEED0}': must be an integer >= 0" >&2; exit 2; }
+# integers in decimal without a leading zero (bash arithmetic reads 08 as bad octal, 010 as 8) and at most 9 digits
+[[ "${REGEN_PAR:-1}" =~ ^[1-9][0-9]{0,8}$ ]] || { echo "error: REGEN_PAR='${REGEN_PAR}': must be an integer >= 1" >&2; exit 2; }
+[[ "${SAMPLE_SEED0:-0}" =~ ^(0|[1-9][0-9]{0,8})$ ]] || { echo "error: SAMPLE_SEED0='${SAMPLE_SEED0}': must be an integer >= 0 (decimal, no leading zero, at most 9 digits)" >&2; exit 2; }
 [[ "${GREEDY:-1}" =~ ^[01]$ ]] || { echo "error: GREEDY='${GREEDY}': must be 0 or 1" >&2; exit 2; }
-[[ "$SAMPLES" =~ ^[0-9]+$ ]] || { echo "error: SAMPLES='${SAMPLES}': must be an integer >= 0" >&2; exit 2; }
+[[ "$SAMPLES" =~ ^(0|[1-9][0-9]{0,2})$ ]] || { echo "error: SAMPLES='${SAMPLES}': must be an integer from 0 to 999 (decimal, no leading zero)" >&2; exit 2; }
 for st in regen train bench scaling; do  # the CUDA engine and the trainer's recipe settings need a GPU
   if [[ " $STAGES " == *" $st "* ]] && [ "${RECIPE_ALLOW_CPU:-0}" != 1 ] && \
      ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
