@@ -132,6 +132,16 @@ def recipe_section() -> list[str]:
     return out
 
 
+def _continuation_tables(r: dict) -> list[str]:
+    """A continuation run's stage timings, its in-trainer evaluations and its command."""
+    out = ["| stage | wall clock |", "|---|---|"]
+    out += [f"| {x['stage']} | {x['seconds']:.0f} s |" for x in r["timings"]]
+    out += ["", "| step | eval loss | τ_sim | τ_real (eval prompts) |", "|---|---|---|---|"]
+    out += [f"| {e['step']} | {fmt(e['eval/loss'], 3)} | {fmt(e['eval/tau_sim'])} | {fmt(e['eval/tau_real'])} |"
+            for e in r["train"]["evals"]]
+    return out + ["", f"Command: `{r['command']}`", ""]
+
+
 def continue_section() -> list[str]:
     """The shipped draft's two warm-started continuations of the recipe's DSpine draft, newest first."""
     out = []
@@ -147,13 +157,8 @@ def continue_section() -> list[str]:
                 f"{t['steps']} steps warm-started from the first continuation's draft (same settings, cosine from lr "
                 f"{t['config']['lr']:g}), {t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
                 f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s. Steps so far: "
-                + ", ".join(f"{k} {v:,}" for k, v in r["steps_total"].items()) + ".", "",
-                "| stage | wall clock |", "|---|---|"]
-        out += [f"| {x['stage']} | {x['seconds']:.0f} s |" for x in r["timings"]]
-        out += ["", "| step | eval loss | τ_sim | τ_real (eval prompts) |", "|---|---|---|---|"]
-        out += [f"| {e['step']} | {fmt(e['eval/loss'], 3)} | {fmt(e['eval/tau_sim'])} | {fmt(e['eval/tau_real'])} |"
-                for e in t["evals"]]
-        out += ["", f"Command: `{r['command']}`", ""]
+                + ", ".join(f"{k} {v:,}" for k, v in r["steps_total"].items()) + ".", ""]
+        out += _continuation_tables(r)
     r = load("smollm2-continue-h200.json")
     if not r:
         return out
@@ -169,14 +174,8 @@ def continue_section() -> list[str]:
             f"{t['config']['lr']:g}), {t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
             f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s. Its draft on the H200 benchmark (T = 0, concurrency 1, "
             f"20 prompts per task): mean τ {b['mean_tau']:.2f}, {b['mean_speedup']:.2f}× (`bench` in the JSON; "
-            f"`git show 33657e2:checkpoints/smollm2-135m-dspine` is that draft).", "",
-            "| stage | wall clock |", "|---|---|"]
-    out += [f"| {x['stage']} | {x['seconds']:.0f} s |" for x in r["timings"]]
-    out += ["", "| step | eval loss | τ_sim | τ_real (eval prompts) |", "|---|---|---|---|"]
-    out += [f"| {e['step']} | {fmt(e['eval/loss'], 3)} | {fmt(e['eval/tau_sim'])} | {fmt(e['eval/tau_real'])} |"
-            for e in t["evals"]]
-    out += ["", f"Command: `{r['command']}`", ""]
-    return out
+            f"`git show 33657e2:checkpoints/smollm2-135m-dspine` is that draft).", ""]
+    return out + _continuation_tables(r)
 
 
 def lm_head_section() -> list[str]:
