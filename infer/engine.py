@@ -494,11 +494,29 @@ class Engine:
         """Enqueue a copy of ``done [B]`` + ``nonfinite [2]`` into the host buffer ``buf [B + 2]`` int8
         (pinned on a GPU); returns the CUDA event that marks it complete (None on the CPU: already done)."""
         buf.copy_(torch.cat([s.done, s.nonfinite.to(torch.int8)]), non_blocking=True)
+        return self._event()
+
+    def _event(self):
+        """A CUDA event recorded on the current stream after the work enqueued so far (None on the CPU,
+        where that work is already done)."""
         if self.device.type != "cuda":
             return None
         event = torch.cuda.Event()
         event.record()
         return event
+
+    @staticmethod
+    def _check_finite(flags: list[int], B: int) -> None:
+        """Raise :func:`nonfinite_error` if the ``nonfinite`` flags (``flags[B:]``: target, draft) are set."""
+        for who, bad in zip(("target", "draft"), flags[B:]):
+            if bad:
+                raise nonfinite_error(who)
+
+    @staticmethod
+    def _refill_now(queue, free: list[int], refill: int, B: int) -> bool:
+        """Whether to admit queued prompts into the ``free`` slots now: at least ``refill`` of them are free
+        (or as many as are queued), or the batch is empty."""
+        return bool(queue) and bool(free) and (len(free) >= min(refill, len(queue)) or len(free) == B)
 
     def _harvest_async(self, s: _Slots, rows: list[int], owners: list[int], width: int):
         """Enqueue the copy of finished rows (their ``out_len``, ``hist[:, :width + 1]`` and ``out_tokens``)
@@ -514,11 +532,7 @@ class Engine:
                             s.out_tokens.index_select(0, idx)], dim=1)
         host = torch.empty(packed.shape, dtype=torch.long, pin_memory=cuda)
         host.copy_(packed, non_blocking=True)
-        event = None
-        if cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return owners, host, event
+        return owners, host, self._event()
 
     def _harvest_finish(self, pending: list, width: int, results, reasons, stats) -> None:
         """Wait for the harvests of :meth:`_harvest_async` and write each prompt's tokens, finish reason
@@ -563,9 +577,7 @@ class Engine:
             t2 = time.perf_counter()
             flags = snap[0].tolist()
             self._harvest_finish(pending, width, results, reasons, stats)
-            for who, bad in zip(("target", "draft"), flags[B:]):
-                if bad:
-                    raise nonfinite_error(who)
+            self._check_finite(flags, B)
             finished = [b for b in range(B) if flags[b] and owner[b] is not None]
             if finished:
                 pending.append(self._harvest_async(s, finished, [owner[b] for b in finished], width))
@@ -573,7 +585,7 @@ class Engine:
                     owner[b] = None
             free = [b for b in range(B) if owner[b] is None]
             t3 = time.perf_counter()
-            if queue and free and (len(free) >= min(refill, len(queue)) or len(free) == B):
+            if self._refill_now(queue, free, refill, B):
                 admit(free)
                 # the flags after this step and the refill (same buffer as nxt: stream order, last wins);
                 # a refilled row may already be done (EOS first): seen at the next read
@@ -611,10 +623,8 @@ class Engine:
             prof["wait_s"] += t_read - t0
             if last is not None and step_ms is None:  # the step launched after the previous read has ended
                 step_ms = (t_read - last[4]) * 1e3  # host work + device time, no extra sync
-            for who, bad in zip(("target", "draft"), flags[B:].tolist()):
-                if bad:
-                    raise nonfinite_error(who)
             flag_list = flags.tolist()
+            self._check_finite(flag_list, B)
             finished = [b for b in range(B) if owner[b] is not None and flag_list[b]]
             if finished:
                 pending.append(self._harvest_async(s, finished, [owner[b] for b in finished], width))
@@ -622,7 +632,7 @@ class Engine:
                 for b in finished:
                     owner[b] = None
             free = [b for b in range(B) if owner[b] is None]
-            if queue and free and (len(free) >= min(refill, len(queue)) or len(free) == B):
+            if self._refill_now(queue, free, refill, B):
                 admit(free)
                 continue  # re-read the flags: a refilled row may already be done (EOS first)
             if finished and not any(o is not None for o in owner):
