@@ -8,8 +8,9 @@ append, which advances ``lengths`` by a + 1. The target cache keeps every verifi
 only ``lengths`` of them count: rejected slots are simply overwritten by the next step. The host
 looks at the ``done`` flags once per step, harvests finished rows and refills their slots from the
 queue (one packed prefill for the prompts admitted together), so benchmarks run at a fixed concurrency.
-Without the planner it reads them one step late (issue 11): step k is launched before the flags from
-before it are read, so the host's work overlaps the device's, and a finished row idles one step.
+It reads them one step late (issue 11; with the planner too since issue 16): step k is launched before
+the flags from before it are read, so the host's work overlaps the device's, and a finished row idles one
+step.
 
 The draft is ``dspine.model.DSpineDraftModel`` itself (weights fused at load), the sampler and its
 per-request random streams are ``dspine.sampling``'s (so a prompt's output does not depend on its
@@ -601,63 +602,93 @@ class Engine:
 
     def _decode_planned(self, s: _Slots, B: int, width: int, planner: StepPlanner, params: SamplingParams,
                         owner, queue, refill, admit, results, reasons, stats) -> int:
-        """The decode loop of the verify-budget planner; returns the steps run. It reads the flags and
-        ``out_len`` after every step (one sync per step): the planner needs the tokens each row committed
-        and the step's wall time before it chooses the next step's mode.
+        """The decode loop of the verify-budget planner; returns the steps run.
 
+        Pipelined like :meth:`_decode_pipelined` (issue 16: the earlier loop read the flags after every step,
+        one sync per step, and ran 0.67-0.84 × the fixed chain on the H200 while choosing the chain at
+        98% of its steps): the host chooses the mode of step k and launches it, then reads the snapshot
+        taken after step k - 1 (``done``, ``nonfinite``, ``out_len`` and ``conf`` in one pinned copy)
+        while the device runs step k. So the planner observes step k - 1 after choosing step k: its
+        choices are one step later than its observations, and :class:`~infer.planner.StepPlanner` keeps
+        the unobserved choices in order.
+
+        Observation of step j: the committed tokens (``out_len`` after j minus before j) averaged over the
+        rows live before j and owned by the same request before and after it; its wall time is the host
+        time between reading the snapshot before j and the one after j, which is the device's step time
+        when the host runs ahead and the host's loop time when it does not (the time a step really costs
+        in either case); a step whose interval holds a prefill (a refill) is observed without a time.
         Confidence: ``conf`` (:func:`chain_confidence`, written by the speculative steps on the device)
-        crosses the bus in the same copy as ``out_len``. After a speculative step its mean over the rows
-        live in that step and still owned by the same request is passed to the planner as the predicted
-        committed tokens of every speculative mode (``infer.planner``, "Calibration"): the draft's view of
-        the passage it just drafted, a step old, as the forecast of the next step. After an AR step (no
-        draft ran) or with no such row the planner gets none."""
-        prof = self.loop_profile
-        last = None  # planner: (mode, out_len [B], live [B], slot owners, host time) before the step
-        step_ms = None  # planner: wall ms of the last step, from the flag read before it to the one after
-        pending: list = []
+        of the observed step, its mean over the rows observed, is passed to the next choice as the
+        predicted committed tokens of every speculative mode (``infer.planner``, "Calibration"): the
+        draft's view of a passage two steps old. After an AR step (no draft ran) or with no such row the
+        planner gets none."""
+        cuda, prof = self.device.type == "cuda", self.loop_profile
+        n = 3 * B + 2  # done [B], nonfinite [2], out_len [B], conf [B] (fp32 bits), all as int32
+        bufs = [torch.empty(n, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+
+        def snapshot(buf):
+            buf.copy_(torch.cat([s.done.to(torch.int32), s.nonfinite.to(torch.int32), s.out_len,
+                                 s.conf.view(torch.int32)]), non_blocking=True)
+            return self._event()
+
+        cur = 0
+        # (buffer, event, slot owners when taken, a prefill ran since the previous snapshot)
+        snap = (bufs[cur], snapshot(bufs[cur]), list(owner), True)
+        base = None  # the last snapshot read: (out_len, live, owners, host time when read)
+        launched: deque = deque()  # modes of the steps launched and not yet observed, oldest first
+        predicted = None
+        pending: list = []  # harvests in flight
         n_steps = 0
-        while any(o is not None for o in owner):
+        while True:
             t0 = time.perf_counter()
-            flags = torch.cat([s.done, s.nonfinite.to(torch.int8)]).cpu()  # the one sync per step
-            t_read = time.perf_counter()
-            prof["wait_s"] += t_read - t0
-            if last is not None and step_ms is None:  # the step launched after the previous read has ended
-                step_ms = (t_read - last[4]) * 1e3  # host work + device time, no extra sync
-            flag_list = flags.tolist()
-            self._check_finite(flag_list, B)
-            finished = [b for b in range(B) if owner[b] is not None and flag_list[b]]
+            mode = planner.choose(predicted)
+            self.last_confidence = predicted  # tests, debugging
+            self._runner(B, params, True, mode)()
+            launched.append(mode)
+            n_steps += 1
+            cur ^= 1
+            nxt = [bufs[cur], snapshot(bufs[cur]), list(owner), False]  # after this step
+            t1 = time.perf_counter()
+            if snap[1] is not None:
+                snap[1].synchronize()
+            t2 = time.perf_counter()
+            vals = snap[0].tolist()
+            flags, out_len = vals[:B + 2], vals[B + 2 : 2 * B + 2]
+            conf = snap[0][2 * B + 2 :].view(torch.float32).tolist()
+            self._harvest_finish(pending, width, results, reasons, stats)
+            self._check_finite(flags, B)
+            predicted = None
+            if base is not None:  # observe the step between the previous snapshot and this one
+                done_mode = launched.popleft()
+                rows = [b for b in range(B) if base[1][b] and base[2][b] is not None and base[2][b] == snap[2][b]]
+                if rows:
+                    ms = (t2 - base[3]) * 1e3 if self.plan_online and not snap[3] else None
+                    planner.observe(done_mode, sum(out_len[b] - base[0][b] for b in rows) / len(rows), ms, len(rows))
+                    if done_mode[0] != "ar":
+                        c = sum(conf[b] for b in rows) / len(rows)
+                        predicted = {m: c for m in self.plan_modes if m[0] != "ar"}
+                else:
+                    planner.skip()
+            base = (out_len, [not f for f in flags[:B]], snap[2], t2)
+            finished = [b for b in range(B) if flags[b] and owner[b] is not None]
             if finished:
                 pending.append(self._harvest_async(s, finished, [owner[b] for b in finished], width))
-                self._harvest_finish(pending, width, results, reasons, stats)
                 for b in finished:
                     owner[b] = None
             free = [b for b in range(B) if owner[b] is None]
+            t3 = time.perf_counter()
             if self._refill_now(queue, free, refill, B):
                 admit(free)
-                continue  # re-read the flags: a refilled row may already be done (EOS first)
-            if finished and not any(o is not None for o in owner):
+                # the snapshot after this step and the refill (same buffer: stream order, last wins); its
+                # interval holds the prefill, so the step it closes is observed without a time
+                nxt = [bufs[cur], snapshot(bufs[cur]), list(owner), True]
+            snap = tuple(nxt)
+            prof["launch_s"] += t1 - t0
+            prof["wait_s"] += t2 - t1
+            prof["host_s"] += t3 - t2
+            if not any(o is not None for o in owner):
                 break
-            # out_len [B] int32 and conf [B] fp32 in one copy (a fresh tensor: .cpu() cannot alias the slots)
-            host = torch.cat([s.out_len, s.conf.view(torch.int32)]).cpu()
-            out_len, conf = host[:B], host[B:].view(torch.float32)
-            predicted = None
-            if last is not None:  # rows live in that step and not refilled since
-                same = last[2] & torch.tensor([o == p for o, p in zip(owner, last[3])])
-                if bool(same.any()):
-                    planner.observe(last[0], float((out_len - last[1])[same].float().mean()),
-                                    step_ms if self.plan_online else None, int(same.sum()))
-                    if last[0][0] != "ar":
-                        c = float(conf[same].mean())
-                        predicted = {m: c for m in self.plan_modes if m[0] != "ar"}
-            self.last_confidence = predicted  # tests, debugging
-            mode = planner.choose(predicted)
-            # timed from this iteration's flag read (a refill re-reads the flags before any step)
-            last, step_ms = (mode, out_len, flags[:B] == 0, list(owner), t_read), None
-            t1 = time.perf_counter()
-            prof["host_s"] += t1 - t_read
-            self._runner(B, params, True, mode)()
-            prof["launch_s"] += time.perf_counter() - t1
-            n_steps += 1
+        self._harvest_finish(pending, width, results, reasons, stats)
         return n_steps
 
     # -- public ----------------------------------------------------------------------------------

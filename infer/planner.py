@@ -11,9 +11,12 @@ confidence head), the planner uses it after calibrating it online against what e
 speculative mode: the mean over the step's live rows of the expected committed tokens of the draft's
 chain, ``1 + Σ_k Π_{j≤k} p_j`` (p_j the draft's probability of its own token at slot j, the argmax's at
 T = 0; ``infer.engine.chain_confidence``), written inside the step (CUDA graph) and read with the
-``out_len`` the loop already copies, so no extra sync. It is a step old (the block just drafted stands for
-the next) and the trees get the chain's value (calibration per mode absorbs their larger scale); after
-an AR step no draft ran and the engine gives none. A trained confidence head is the alternative
+``out_len`` the loop already copies, so no extra sync. The engine's loop is pipelined (it chooses and
+launches step k + 1 before it reads what step k did, so the host's work overlaps the device's), so the
+value is two steps old (the block drafted then stands for the next) and the trees get the chain's value
+(calibration per mode absorbs their larger scale); after an AR step no draft ran and the engine gives none.
+:class:`StepPlanner` keeps the choices not yet observed in order; while a probe (rule 3) is unobserved it
+does not start another, and the decode's first mode repeats until its first step is observed. A trained confidence head is the alternative
 (docs/method.md §6).
 
 Rule (:func:`choose_mode`, a pure function of the cost table, the token averages and the time spent):
@@ -86,13 +89,14 @@ timer noise) and a miscalibrated confidence; it reports this planner and the tab
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 
 Mode = tuple[str, int]
 LOG_CLIP = math.log(1.25)  # largest log step-time residual one timed step contributes (online cost)
 FIRST_CLIP = 3.0  # a timed step counts within 1/3 .. 3 × the estimate it was chosen with
 BONUS_VAR = 1.5  # token² per request in the standard-error bonus (module docstring, "Averages")
 FIRST_TIMED = 3  # timings of the decode's first mode before any other runs (module docstring, "Online cost")
+PENDING = 8  # unobserved choices kept by StepPlanner (the engine has at most 2)
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 
 
@@ -198,12 +202,14 @@ class StepPlanner:
         self.real: dict[Mode, float | None] = {m: None for m in costs}  # mean realized, same steps
         self.calibrated: Counter = Counter()  # steps with a prediction per mode
         self.choices: Counter = Counter()
+        self.observed = 0  # steps observed
         self.step = 0
         self.spent_ms = 0.0  # step time of the modes run (measured where given, else estimated)
         self.lost_ms = 0.0  # time lost to probes against the best mode (negative: probes gained)
-        # this step's choice: mode, its estimated ms, its predicted tokens
-        self.pending: tuple[Mode, float, float | None] | None = None
-        self.probe: tuple[float, float] | None = None  # this step's probe: charged loss, best rate
+        # choices not yet observed, oldest first (the engine observes a step one step late, after it has
+        # chosen the next): mode, its estimated ms, its predicted tokens, its probe (charged loss, best rate)
+        # (at most PENDING kept: a caller that never observes does not grow it)
+        self.pending: deque[tuple[Mode, float, float | None, tuple[float, float] | None]] = deque(maxlen=PENDING)
 
     @property
     def costs(self) -> dict[Mode, float]:
@@ -261,27 +267,43 @@ class StepPlanner:
         speculative mode this step would commit (bonus included), calibrated online."""
         costs = self.costs
         timed = [m for m in self.table if self.timed[m]]
+        if not self.observed and self.pending:  # the first step not observed yet (a pipelined caller): its mode
+            timed = [self.pending[0][0]]
         if len(timed) == 1 and self.timed[timed[0]] < FIRST_TIMED:  # the decode's first mode: 3 timings first
             mode, loss, rate = timed[0], 0.0, None
         else:
+            # a probe not yet observed: no second one before its result is in (the engine chooses a step before
+            # it observes the previous one), so this step exploits
+            probing = any(e[3] is not None for e in self.pending)
             mode, loss, rate = choose_mode(
-                costs, self.expected(predicted), self.spent_ms, self.lost_ms, **self.rule
+                costs, self.expected(predicted), self.spent_ms, math.inf if probing else self.lost_ms, **self.rule
             )
         self.step += 1
         self.spent_ms += costs[mode]
         self.lost_ms += loss
         # a probe is charged what it is expected to lose; observe() settles the charge with what it committed
-        self.probe = (loss, rate) if loss > 0 else None
-        self.pending = (mode, costs[mode], (predicted or {}).get(mode))
+        probe = (loss, rate) if loss > 0 else None
+        self.pending.append((mode, costs[mode], (predicted or {}).get(mode), probe))
         self.choices[mode] += 1
         return mode
 
+    def skip(self) -> None:
+        """Forget the oldest choice not yet observed (its step is not observed: e.g. no request was live in
+        it); its estimated time stays in the time spent and a probe keeps its charge."""
+        if self.pending:
+            self.pending.popleft()
+
     def observe(self, mode: Mode, tokens_per_request: float, ms: float | None = None, rows: int = 1) -> None:
         """Record what a step of ``mode`` committed, per request of the ``rows`` live in it, and (``ms``)
-        the wall milliseconds it took as measured by the caller."""
-        est_ms, predicted = self.costs[mode], None
-        if self.pending is not None and self.pending[0] == mode:
-            _, est_ms, predicted = self.pending
+        the wall milliseconds it took as measured by the caller. Steps are observed in the order they were
+        chosen; the oldest unobserved choice of ``mode`` is this step's (older choices of other modes not
+        observed are dropped as by :meth:`skip`). A ``mode`` never chosen is recorded at its estimate."""
+        est_ms, predicted, probe = self.costs[mode], None, None
+        self.observed += 1
+        while self.pending and self.pending[0][0] != mode:
+            self.pending.popleft()
+        if self.pending:
+            _, est_ms, predicted, probe = self.pending.popleft()
         if ms is not None and ms > 0:
             before = est_ms / self.table[mode]  # the ratio used for this step
             x = ms / self.table[mode]
@@ -302,10 +324,9 @@ class StepPlanner:
                 self.ratio[mode] *= math.exp(self.cost_decay * step)
         else:
             ms = est_ms
-        if self.probe is not None and self.pending is not None and self.pending[0] == mode:
-            loss, rate = self.probe  # settle: the real loss of this probe, a lucky one gives time back
+        if probe is not None:
+            loss, rate = probe  # settle: the real loss of this probe, a lucky one gives time back
             self.lost_ms += ms - tokens_per_request / rate - loss
-        self.probe = self.pending = None
         if mode[0] == "ar":
             return
         if predicted is not None:

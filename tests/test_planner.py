@@ -63,6 +63,7 @@ def test_step_planner_averages_settles_probes_and_reports():
     costs = {AR: 1.0, ("chain", 8): 1.5, ("tree", 32): 2.0}
     p = StepPlanner(costs)
     assert p.choose() == AR  # nothing measured yet
+    p.observe(AR, 1.0)
     assert p.choose() == ("chain", 8)  # after one AR step: probe, charged 1.5 - 1 token / 1.0 = 0.5 ms
     assert p.lost_ms == pytest.approx(0.5)
     p.observe(("chain", 8), 3.0)  # a lucky probe: it gained 1.5 ms over AR's 3 steps
@@ -276,10 +277,11 @@ def test_online_planner_keeps_the_chain_where_it_wins():
         ), r
 
 
-def test_sim_engine_confidence_is_a_step_old_and_one_value(monkeypatch):
-    """``Mismatch(conf="engine")`` feeds the planner as ``infer.engine`` does: nothing at the first step or
-    after an AR step, else one value for every speculative mode, ``1 + over × (τ_chain − 1)`` × noise of
-    the previous step's τ (a schedule whose τ jumps at 40 tokens shows the lag)."""
+def test_sim_engine_confidence_is_two_steps_old_and_one_value(monkeypatch):
+    """``Mismatch(conf="engine")`` feeds the planner as ``infer.engine``'s pipelined loop does (``lag`` 1: step k
+    is observed after step k + 1 is chosen): nothing at the first two choices or two after an AR step, else one
+    value for every speculative mode, ``1 + over × (τ_chain − 1)`` × noise of the τ two steps back (a schedule
+    whose τ jumps at 40 tokens shows the lag)."""
     seen = []
     choose = StepPlanner.choose
 
@@ -294,17 +296,45 @@ def test_sim_engine_confidence_is_a_step_old_and_one_value(monkeypatch):
     log = []
     schedule = lambda done: log.append(done) or (easy if done < 40 else hard)
     simulate(costs, schedule, 4, new_tokens=80, seed=1, mismatch=Mismatch(over=2.0, conf="engine"))
-    assert seen[0][0] is None
+    assert seen[0][0] is None and seen[1][0] is None
     given = 0
-    for i in range(1, len(seen)):
-        p, prev = seen[i][0], seen[i - 1][1]
+    for i in range(2, len(seen)):
+        p, prev = seen[i][0], seen[i - 2][1]
         if prev == AR:
             assert p is None
             continue
         given += 1
         assert set(p) == {CHAIN, TREE32} and p[CHAIN] == p[TREE32]
-        tau = (easy if log[i - 1] < 40 else hard)[CHAIN]  # the previous step's acceptance
+        tau = (easy if log[i - 2] < 40 else hard)[CHAIN]  # the acceptance of the step two back
         assert math.exp(-0.5) < (p[CHAIN] - 1) / (2.0 * (tau - 1)) < math.exp(0.5), (i, p, tau)
     assert given >= 5
+    with pytest.raises(ValueError, match="lag=-1"):
+        simulate(costs, easy, 1, mismatch=Mismatch(lag=-1))
     with pytest.raises(ValueError, match="conf='draft'"):
         simulate(costs, easy, 1, mismatch=Mismatch(over=1.0, conf="draft"))
+
+
+def test_step_planner_with_a_pipelined_caller():
+    """The engine chooses step k + 1 before it observes step k. The decode's first mode still gets its 3
+    timings before any other mode runs (it repeats while nothing is observed), a probe is not repeated before
+    its result is in, and each observation settles its own choice (oldest first)."""
+    costs = {AR: 1.0, ("chain", 8): 1.2}
+    p = StepPlanner(costs)
+    assert [p.choose(), p.choose()] == [AR, AR]  # step 1 chosen before step 0 is seen: AR again
+    p.observe(AR, 1.0, ms=1.0)
+    assert p.choose() == AR
+    p.observe(AR, 1.0, ms=1.0)
+    assert p.choose() == AR  # the 3rd timing is still pending
+    p.observe(AR, 1.0, ms=1.0)
+    assert p.timed[AR] == 3 and len(p.pending) == 1
+    first = p.choose()  # the allowance now covers the chain's probe (1.2 - 1 token / 1.0 ms = 0.2 ms)
+    assert first == ("chain", 8) and p.lost_ms == pytest.approx(0.2)
+    assert p.choose() == AR  # the probe is not observed yet: no second probe, the best mode
+    assert p.lost_ms == pytest.approx(0.2) and [e[0] for e in p.pending] == [AR, ("chain", 8), AR]
+    p.observe(AR, 1.0, ms=1.0)  # the 4th AR step
+    p.observe(("chain", 8), 4.0, ms=1.2)  # the probe's result settles its own charge: 1.2 - 4 / 1.0 - 0.2
+    assert p.lost_ms == pytest.approx(0.2 + 1.2 - 4.0 - 0.2) and [e[0] for e in p.pending] == [AR]
+    assert p.choose() == ("chain", 8)  # 4 tokens in 1.2 ms beat AR's 1 in 1.0
+    p.skip()  # the pending AR step was not observed (no live request): forgotten, oldest first
+    assert [e[0] for e in p.pending] == [("chain", 8)]
+    assert p.report()["chain8"]["steps"] == 2 and p.report()["ar"]["steps"] == 5

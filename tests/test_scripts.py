@@ -47,6 +47,70 @@ def test_one_cache_refuses_none_and_several_finished_caches(tmp_path):
                         "which one to use is ambiguous: delete the ones not wanted\n")
 
 
+def test_all_caches_joins_the_finished_caches_in_name_order(tmp_path):
+    """one_cache.sh --all (recipe.sh TRAIN_CACHES=all): every finished cache of DIR, sorted by folder name and
+    joined by commas (the trainer's train=a,b list); temp folders, unfinished and 0-sequence caches skipped."""
+    pick = lambda d: subprocess.run(["bash", str(REPO / "scripts/smollm2/one_cache.sh"), "--all", str(d)],
+                                    capture_output=True, text=True)
+    (tmp_path / ".aaaa.tmp-12").mkdir()
+    (tmp_path / ".aaaa.tmp-12" / "summary.json").write_text("{}")
+    (tmp_path / "bbbb").mkdir()  # no summary.json
+    r = pick(tmp_path)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.startswith(f"error: no finished data.tokenize cache "
+                                                                        f"(a folder with summary.json) in {tmp_path}")
+    for name, n in (("f0", 4), ("Zz", 2), ("c1", 0), ("a9", 3)):  # created out of order; C collation: Z < a
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"sequences": n, "tokens": 7 * n}, indent=1))
+    r = pick(tmp_path)
+    assert (r.returncode, r.stdout) == (0, f"{tmp_path}/Zz,{tmp_path}/a9,{tmp_path}/f0\n")
+    assert r.stderr == f"note: {tmp_path}/c1 holds 0 sequences; skipped\n"
+    comma = tmp_path / "x,y"
+    (comma / "k").mkdir(parents=True)
+    (comma / "k" / "summary.json").write_text("{}")
+    r = pick(comma)
+    assert r.returncode == 1 and "holds a comma, which separates the trainer's train= list" in r.stderr
+
+
+def test_recipe_unpacks_several_packs_and_trains_on_all_caches(tmp_path):
+    """PACK_DIR="p1 p2": unpack imports both train caches and p1's eval cache; a second unpack skips every
+    pack whose cache is there (by pack.json's cache_name) and imports a newly listed one; the train stage
+    passes train=<every cache, name order> with TRAIN_CACHES=all and refuses several with the default."""
+    from data.pack import export
+    from tests.test_data_pack import _cache, _rows
+
+    w = tmp_path / "w"
+    packs = []
+    for k in (1, 2, 3):
+        p = tmp_path / f"p{k}"
+        export(_cache(tmp_path / "src" / f"tr{k}", _rows(300, n=8, seed=k), name=f"train{k}"), p / "tok-train")
+        export(_cache(tmp_path / "src" / f"ev{k}", _rows(300, n=4, seed=10 + k), name=f"eval{k}"), p / "tok-eval")
+        packs.append(p)
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "WORK": str(w),
+           "NGPU": "1", "PACK_DIR": f"{packs[0]}  {packs[1]}"}
+    recipe = lambda *stages, **extra: subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), *stages],
+                                                     env={**env, **extra}, capture_output=True, text=True, cwd=REPO)
+    r = recipe("unpack")
+    assert r.returncode == 0, r.stderr
+    listing = lambda split: sorted(p.name for p in (w / f"tok-{split}").iterdir())
+    assert listing("train") == ["train1", "train2"] and listing("eval") == ["eval1"]
+    mtime = (w / "tok-train" / "train1" / "data.arrow").stat().st_mtime_ns
+    r = recipe("unpack", PACK_DIR=" ".join(map(str, packs)))
+    assert r.returncode == 0, r.stderr
+    assert f"{w}/tok-train/train1 exists; {packs[0]}/tok-train not unpacked" in r.stdout
+    assert f"{w}/tok-eval holds a cache; not unpacked" in r.stdout
+    assert listing("train") == ["train1", "train2", "train3"] and listing("eval") == ["eval1"]
+    assert (w / "tok-train" / "train1" / "data.arrow").stat().st_mtime_ns == mtime
+    r = recipe("unpack", PACK_DIR=str(tmp_path / "nowhere"))
+    assert r.returncode == 1 and f"error: PACK_DIR: {tmp_path}/nowhere/tok-train/pack.json not found" in r.stderr
+
+    r = recipe("train", RECIPE_ALLOW_CPU="1", ARMS="dspine")  # TRAIN_CACHES=one: three caches are ambiguous
+    assert r.returncode == 1 and "3 finished data.tokenize caches" in r.stderr and not (w / "train.gpu0").exists()
+    r = recipe("train", RECIPE_ALLOW_CPU="1", ARMS="dspine", TRAIN_CACHES="all")
+    assert r.returncode != 0  # no target here: the run itself fails, its queue file stays
+    queue = (w / "train.gpu0").read_text()
+    assert f" train={w}/tok-train/train1,{w}/tok-train/train2,{w}/tok-train/train3 eval={w}/tok-eval/eval1 " in queue
+
+
 def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
     """recipe.sh refuses unknown stages, ARMS and REGEN_PAR values before any work (exit 2, one error line);
     one_cache.sh skips a cache with 0 sequences; summarize refuses an empty work folder and never replaces an
@@ -63,7 +127,9 @@ def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
                               ({"SAMPLES": "010"}, "regen", "error: SAMPLES='010': must be an integer from 0 to 999"),
                               ({"REGEN_PAR": "04"}, "regen", "error: REGEN_PAR='04': must be an integer >= 1"),
                               ({"GREEDY": "2"}, "regen", "error: GREEDY='2': must be 0 or 1"),
-                              ({"GREEDY": "0", "SAMPLES": "0"}, "regen", "error: GREEDY=0 and SAMPLES=0")):
+                              ({"GREEDY": "0", "SAMPLES": "0"}, "regen", "error: GREEDY=0 and SAMPLES=0"),
+                              ({"TRAIN_CACHES": "bad"}, "unpack", "error: TRAIN_CACHES='bad': must be one (the single "
+                                                                  "cache in $WORK/tok-train) or all")):
         r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), stage], env={**env, **extra, "NGPU": "1"},
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.startswith(msg), (extra, stage, r.stderr)

@@ -116,3 +116,54 @@ def test_offline_features_train_like_online(setup):
     first = json.loads((root / "warm" / "metrics.jsonl").read_text().splitlines()[0])
     # same first batch as the fresh "on" run (same seed): the warm-started draft does better on it
     assert first["loss"] < losses[0][0] - 1.0 and first["lr"] == pytest.approx(1e-3)  # new warmup: (0+1)/1
+
+
+def test_two_tokenize_caches_train_online_and_as_one_capture(tmp_path, stories_dir):
+    """train=a,b (two data.tokenize caches of different inputs): one epoch reads every row of both once;
+    train.capture of the list records the union's digest, offline training on it gives the online losses,
+    and the list in the other order (another data digest) is refused against that capture."""
+    import os
+
+    from safetensors import safe_open
+
+    from data import tokenize
+    from train.data import open_sources
+
+    words = "once upon a time there was a little girl named lily she liked to play in the park with her dog".split()
+    caches = []
+    for name, n, shift in (("a", 12, 0), ("b", 8, 3)):
+        conv = tmp_path / f"{name}.jsonl"
+        conv.write_text("".join(json.dumps({"id": f"{name}{i}", "conversations": [
+            {"role": "user", "content": " ".join(words[(i + shift) % 10:][:4])},
+            {"role": "assistant", "content": " ".join(words[(i + shift) % 10:] + words[:(i + shift) % 10])}]}) + "\n"
+            for i in range(n)))
+        assert tokenize.main(["--input", str(conv), "--tokenizer", str(stories_dir), "--chat-template", "chatml",
+                              "--max-length", "64", "--cache-dir", str(tmp_path / "tok")]) == 0
+        caches.append(next(p for p in (tmp_path / "tok").iterdir() if p not in caches and not p.name.startswith(".")))
+    train = f"{caches[0]},{caches[1]}"
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"target: {stories_dir}\ntrain: {train}\nlayers: 2\nblock_size: 4\nmask_token_id: 0\n"
+                   "max_length: 24\nanchors_per_seq: 8\nmicro_batch_size: 4\nlr: 1.0e-3\nreport_to: none\n")
+    common = ["--config", str(cfg), "max_steps=5", "log_every=1", "save_every=0", "keep_last=1", "save_dtype=fp32"]
+    on = run_distill(*common, f"output_dir={tmp_path / 'on'}", "log_samples=true")
+    assert on.returncode == 0, on.stderr[-3000:]
+    assert "data: 20 rows, 5 steps/epoch" in on.stdout
+    seen = [i for line in (tmp_path / "on" / "samples-rank0.jsonl").read_text().splitlines()
+            for i in json.loads(line)["rows"]]
+    assert sorted(seen) == list(range(20))  # rows 0-11 of cache a and 12-19 of cache b, each once
+    with safe_open(str(tmp_path / "on" / "step-5" / "draft" / "model.safetensors"), framework="pt") as f:
+        assert f.metadata()["train"] == ",".join(os.path.relpath(c, REPO) for c in caches)  # each part portable
+
+    out = tmp_path / "feats"
+    assert capture_main(["--config", str(cfg), "--out", str(out), "--rows-per-shard", "8"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert (m["data"], m["num_rows"], m["tokenizer"], m["thinking"]) == (train, 20, str(stories_dir), False)
+    assert m["data_digest"] == open_sources(train).metadata()["data_digest"]
+    off = run_distill(*common, f"output_dir={tmp_path / 'off'}", f"feature_source={out}")
+    assert off.returncode == 0, off.stderr[-3000:]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+              for d in ("on", "off")]
+    assert len(losses[0]) == 5 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    swapped = run_distill(*common, f"output_dir={tmp_path / 'swapped'}", f"feature_source={out}",
+                          f"train={caches[1]},{caches[0]}")
+    assert swapped.returncode == 2 and "manifest field 'data_digest'" in swapped.stderr

@@ -1,7 +1,9 @@
-"""Trainer data: readers, per-epoch order, rank split, collation; data.sample_target."""
+"""Trainer data: readers, several sources as one (ConcatRows), per-epoch order, rank split, collation;
+data.sample_target."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -9,7 +11,18 @@ import pytest
 import torch
 
 from data.sample_target import main as sample_main
-from train.data import JsonlRows, StepOrder, epoch_permutation, make_batch, open_rows
+from tests.test_data_pack import _cache, _rows
+from train.data import (
+    ArrowRows,
+    ConcatRows,
+    JsonlRows,
+    StepOrder,
+    epoch_permutation,
+    make_batch,
+    open_rows,
+    open_sources,
+    split_sources,
+)
 from train.loss import anchor_generator
 
 
@@ -246,3 +259,142 @@ def test_unfinished_or_truncated_cache_is_refused_by_name(tmp_path):
     (cache / "data.arrow").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(ValueError, match=re.escape(f"{cache / 'data.arrow'}: truncated or corrupt Arrow file")):
         open_rows(cache)
+
+
+# ------------------------------------------------------------------------------------- several sources
+
+
+def _edit_manifest(cache, **fields):
+    m = json.loads((cache / "manifest.json").read_text())
+    (cache / "manifest.json").write_text(json.dumps({**m, **fields}))
+
+
+@pytest.fixture
+def two_caches(tmp_path):
+    """Two data.tokenize caches as data.pack tests write them: 42 rows (ids < 300, 299 in a row) and 12 rows
+    (ids < 500, 499 in a row), same tokenizer digest / template / thinking, max_length 2048 and 1024."""
+    a = _cache(tmp_path / "tok", _rows(300), name="aaaa")
+    b = _cache(tmp_path / "tok", _rows(500, n=10, seed=1), name="bbbb")
+    _edit_manifest(b, max_length=1024)
+    return a, b
+
+
+def test_concat_rows_map_across_the_boundary_and_digest_in_order(two_caches):
+    a, b = two_caches
+    ra, rb = ArrowRows(a), ArrowRows(b)
+    rows = open_sources(f"{a},{b}")
+    assert isinstance(rows, ConcatRows) and (len(ra), len(rb), len(rows)) == (42, 12, 54)
+    for i in (0, 17, 41):
+        assert rows.row(i) == ra.row(i)
+    for j in (0, 5, 11):  # row 42 is rb's first: the boundary
+        assert rows.row(42 + j) == rb.row(j)
+    assert rows.row(41)["input_ids"] != rows.row(42)["input_ids"]
+    for i in (54, -1):
+        with pytest.raises(IndexError, match=f"row {i} outside the 54 rows of {a},{b}"):
+            rows.row(i)
+    assert [len(rows.row(i)["input_ids"]) for i in range(54)] == (
+        [len(ra.row(i)["input_ids"]) for i in range(42)] + [len(rb.row(i)["input_ids"]) for i in range(12)])
+
+    da, db = ra.metadata()["data_digest"], rb.metadata()["data_digest"]
+    meta = rows.metadata()
+    assert meta == {"data": f"{a},{b}", "data_digest": hashlib.sha256(f"{da}\n{db}".encode()).hexdigest(),
+                    "tokenizer": None, "chat_template_digest": "cd" * 16, "thinking": False,
+                    "tokenized_max_length": 2048}
+    swapped = open_sources(f"{b},{a}").metadata()
+    assert swapped["data_digest"] == hashlib.sha256(f"{db}\n{da}".encode()).hexdigest()
+    assert len({meta["data_digest"], swapped["data_digest"], da, db}) == 4  # order matters; no part's digest
+    assert ra.max_token[0] == 299 and rb.max_token[0] == 499 and rb.max_token[1].startswith(f"{b / 'data.arrow'} row ")
+    assert rows.max_token == open_sources(f"{b},{a}").max_token == rb.max_token  # the part's own where
+
+
+def test_one_source_opens_as_before(two_caches, tmp_path):
+    a, _ = two_caches
+    one = open_sources(str(a))
+    assert type(one) is ArrowRows and one.metadata() == ArrowRows(a).metadata() == open_rows(a).metadata()
+    assert one.metadata()["data"] == str(a) and one.max_token == ArrowRows(a).max_token
+    jl = tmp_path / "rows.jsonl"
+    jl.write_text(json.dumps({"input_ids": [1, 2], "loss_mask": [0, 1]}) + "\n")
+    assert type(open_sources(str(jl))) is JsonlRows and open_sources(str(jl)).metadata() == JsonlRows(jl).metadata()
+    assert split_sources(str(a)) == [str(a)] and split_sources(f" {a} , {jl}") == [str(a), str(jl)]
+
+
+def test_concat_rows_refuse_parts_tokenized_differently(two_caches, tmp_path):
+    a, b = two_caches
+    _edit_manifest(b, tokenizer_digest="ef" * 16)
+    with pytest.raises(ValueError, match=re.escape(f"train sources {a} and {b} disagree on tokenizer_digest: "
+                                                   f"{'ab' * 16!r} vs {'ef' * 16!r}")):
+        open_sources(f"{a},{b}")
+    # the same tokenizer files saved at another path are the same tokenizer; the first part's path is reported
+    _edit_manifest(a, tokenizer="/x/tok")
+    _edit_manifest(b, tokenizer="/y/tok", tokenizer_digest="ab" * 16)
+    assert open_sources(f"{a},{b}").metadata()["tokenizer"] == "/x/tok"
+    _edit_manifest(b, tokenizer_digest=None)  # no digest on one side: the paths are compared
+    with pytest.raises(ValueError, match=re.escape(f"train sources {a} and {b} disagree on tokenizer: '/x/tok' vs '/y/tok'")):
+        open_sources(f"{a},{b}")
+    _edit_manifest(b, tokenizer="/x/tok", tokenizer_digest="ab" * 16)
+    for field, key, value in (("chat_template_digest", "template_digest", "00" * 16), ("thinking", "thinking", True)):
+        c = _cache(tmp_path / "other", _rows(300, n=6), name=field)
+        _edit_manifest(c, tokenizer="/x/tok", **{key: value})
+        with pytest.raises(ValueError, match=re.escape(f"train sources {a} and {c} disagree on {field}: ")):
+            open_sources(f"{a},{b},{c}")
+    jl = tmp_path / "rows.jsonl"  # a .jsonl records no chat template: it cannot join a cache
+    jl.write_text(json.dumps({"input_ids": [1, 2], "loss_mask": [0, 1]}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{a} and {jl} disagree on tokenizer: '/x/tok' vs None")):
+        open_sources(f"{a},{jl}")
+
+
+def test_source_lists_refuse_empty_duplicate_and_capture_entries(two_caches, tmp_path, monkeypatch):
+    a, b = two_caches
+    for spec in (f"{a},,{b}", f"{a},{b},", f",{a}", f"{a}, ,{b}"):
+        with pytest.raises(ValueError, match=re.escape(f"{spec!r}: empty entry in the comma-separated list")):
+            open_sources(spec)
+    with pytest.raises(ValueError, match=re.escape(f"{f'{a},{b},{a}'!r}: {str(a)!r} is listed twice")):
+        open_sources(f"{a},{b},{a}")
+    monkeypatch.chdir(a.parent)
+    with pytest.raises(ValueError, match=re.escape("'aaaa,bbbb,./aaaa/': './aaaa/' is 'aaaa' again")):
+        open_sources("aaaa,bbbb,./aaaa/")
+    assert len(open_sources("aaaa,bbbb")) == 54  # relative paths
+    cap = tmp_path / "feats"  # a train.capture folder (train.data.FORMAT manifest)
+    cap.mkdir()
+    (cap / "manifest.json").write_text(json.dumps({"format": "dspine-features-v1", "complete": True, "shards": [],
+                                                   "num_rows": 0}))
+    with pytest.raises(ValueError, match=re.escape(f"{cap} is a train.capture folder, which cannot be one of several")):
+        open_sources(f"{a},{cap}")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'nope'}: not a .jsonl file")):
+        open_sources(f"{a},{tmp_path / 'nope'}")
+
+
+def test_concat_rows_largest_token_over_the_parts(tmp_path):
+    def jsonl(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps({"input_ids": r, "loss_mask": [1] * len(r)}) + "\n"
+                                             for r in rows))
+        return tmp_path / name
+
+    empty1, empty2 = jsonl("e1.jsonl", [[]]), jsonl("e2.jsonl", [[], []])
+    full = jsonl("f.jsonl", [[3, 9], [], [12, 4]])
+    assert ConcatRows([empty1, empty2]).max_token is None and len(ConcatRows([empty1, empty2])) == 3
+    rows = ConcatRows([empty1, full, empty2])
+    assert rows.max_token == (12, f"{full}:3") and rows.row(3) == {"input_ids": [12, 4], "loss_mask": [1, 1]}
+    meta = rows.metadata()  # .jsonl parts: no tokenization metadata
+    assert (meta["tokenizer"], meta["tokenized_max_length"]) == (None, None) and meta["data"] == f"{empty1},{full},{empty2}"
+
+
+def test_trainer_names_the_part_of_a_source_list(two_caches, tmp_path):
+    """open_train_rows / check_trainable with train=a,b: errors and hints name the part."""
+    from train.config import ConfigError
+    from train.distill import check_trainable, open_train_rows
+
+    a, b = two_caches
+    rows = open_train_rows(f"{a},{b}")
+    check_trainable(rows, f"{a},{b}")
+    (tmp_path / "caches" / "k1").mkdir(parents=True)
+    (tmp_path / "caches" / "k1" / "data.arrow").write_bytes(b"")
+    with pytest.raises(ConfigError, match=re.escape(f"config key 'train': {tmp_path / 'caches'}: not a .jsonl file")
+                       + f".*; {tmp_path / 'caches'} holds cache folders: give the <key> subfolder, e.g. "
+                       + re.escape(f"{tmp_path / 'caches' / 'k1'} in the train list")):
+        open_train_rows(f"{a},{tmp_path / 'caches'}")
+    flat = _cache(tmp_path / "tok", [{**r, "loss_mask": [0] * len(r["loss_mask"])} for r in _rows(300, n=4)],
+                  name="flat")
+    with pytest.raises(ConfigError, match=re.escape(f"config key 'train': none of the first 6 rows of {flat} has two "
+                                                    "consecutive supervised tokens")):
+        check_trainable(open_train_rows(f"{a},{flat}"), f"{a},{flat}")

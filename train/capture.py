@@ -29,7 +29,7 @@ import torch
 from dspine.io import atomic_write_json
 from dspine.paths import read_json_object
 from train.config import ConfigError, draft_config, parse_cli, resolve_device_settings
-from train.data import FORMAT, check_manifest, open_rows
+from train.data import FORMAT, check_manifest, open_sources
 
 # Manifest fields that must agree between a capture and the run reading it (docs/method.md §4).
 IDENTITY = ("format", "target", "target_dtype", "layer_ids", "last_layer_features", "hidden_size", "max_length",
@@ -37,11 +37,13 @@ IDENTITY = ("format", "target", "target_dtype", "layer_ids", "last_layer_feature
 
 
 def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None = None) -> Path:
-    """Write (or finish) the capture of ``cfg.train`` into ``out``; returns the folder.
+    """Write (or finish) the capture of ``cfg.train`` (one source or several, captured as their union in
+    order) into ``out``; returns the folder.
 
     Raises:
-        ValueError: an existing manifest disagrees with this config (names the field), or the
-            disk estimate exceeds the free space.
+        FileNotFoundError: a ``train`` path with nothing usable (named).
+        ValueError: an existing manifest disagrees with this config (names the field), the disk
+            estimate exceeds the free space, or a bad ``train`` list (:func:`train.data.open_sources`).
     """
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -49,7 +51,7 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     from dspine.target import load_target, load_tokenizer
 
     out = Path(out)
-    rows = open_rows(cfg.train)
+    rows = open_sources(cfg.train)  # one path or a comma-separated list (train.data.split_sources)
     meta = rows.metadata()
     cuda = torch.cuda.is_available()
     dev = resolve_device_settings(cfg, cuda)

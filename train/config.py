@@ -42,7 +42,9 @@ class RunConfig:
     init_from: str | None = None  # weights only (e.g. a DFlash checkpoint) via dspine.checkpoint.warm_start
     resume_from: str = "auto"  # auto (latest checkpoint in output_dir, if any) | a step-N folder | none
     # -- data ---------------------------------------------------------------------------------
-    train: str = ""  # tokenized rows: a .jsonl of {input_ids, loss_mask} or a data.tokenize cache folder
+    train: str = ""  # tokenized rows: a .jsonl of {input_ids, loss_mask} or a data.tokenize cache folder; several,
+    # comma-separated (a,b), train on their union in that order (the data digest depends on the order; all must
+    # share tokenizer, chat template and thinking mode: train.data.ConcatRows)
     eval: str | None = None  # held-out rows (same formats) for eval loss, tau_sim and tau_real prompts
     feature_source: str = "online"  # online (target runs in the job) | a train.capture folder
     max_length: int = 3072  # tokens per sequence; longer rows are truncated

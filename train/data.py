@@ -4,6 +4,10 @@ A row source is anything with ``len()`` and ``row(i) -> {"input_ids", "loss_mask
 (the ``data.tokenize`` contract, docs/contracts.md). Three are provided: a JSON-lines file
 (:class:`JsonlRows`), a ``data.tokenize`` cache folder (:class:`ArrowRows`) and a ``train.capture``
 folder with target features (:class:`CaptureRows`, written by ``train.capture``). :func:`open_rows` picks one.
+The run config's ``train`` key may name several ``.jsonl`` files / cache folders separated by commas
+(``train=/a/cache1,/b/cache2``, e.g. two ``data.pack`` imports of different regeneration runs):
+:func:`open_sources` then returns their union in that order (:class:`ConcatRows`; its data digest
+depends on the order), and one path opens exactly as :func:`open_rows` does.
 
 Order: optimizer step s of a run reads the global batch ``perm_e[i : i + G]`` with
 ``G = micro_batch_size · grad_accum · world``, e = s // steps_per_epoch, i = (s mod steps_per_epoch)·G
@@ -19,6 +23,7 @@ with grad_accum A and one on 1 rank with grad_accum W·A train on the same rows 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -307,6 +312,119 @@ def open_rows(path: str | Path):
         return JsonlRows(p)
     raise FileNotFoundError(f"{path}: not a .jsonl file, a data.tokenize cache folder (data.arrow) "
                             "or a train.capture folder (manifest.json)")
+
+
+def split_sources(spec: str) -> list[str]:
+    """The paths of the ``train`` key: ``"a,b"`` -> ``["a", "b"]`` (spaces around an entry dropped);
+    a value without a comma is one path, returned unchanged.
+
+    Raises:
+        ValueError: an empty entry (``a,,b``, a leading or trailing comma) or an entry given twice
+            (``a,./a``: the same resolved path); the message names the value.
+    """
+    if "," not in spec:
+        return [spec]
+    parts = [p.strip() for p in spec.split(",")]
+    if not all(parts):
+        raise ValueError(f"{spec!r}: empty entry in the comma-separated list of sources (a doubled, leading or "
+                         "trailing comma?)")
+    seen: dict[Path, str] = {}
+    for p in parts:
+        key = Path(p).expanduser().resolve()
+        if key in seen:
+            twice = f"{p!r} is listed twice" if seen[key] == p else f"{p!r} is {seen[key]!r} again"
+            raise ValueError(f"{spec!r}: {twice}; each source may appear once (its rows would be trained on "
+                             "twice per epoch)")
+        seen[key] = p
+    return parts
+
+
+class ConcatRows:
+    """Several row sources (``.jsonl`` files or ``data.tokenize`` cache folders) read as one, in order.
+
+    Row ``i`` of the union is row ``i - start[j]`` of part ``j``, with ``start`` the cumulative lengths
+    (found by bisection); the trainer's :class:`StepOrder` then permutes ``range(len(self))`` as for
+    one source, so a resumed run reads exactly what the uninterrupted one would have.
+    ``max_token`` = the largest of the parts' (with the ``where`` of that part), None if every part's is None.
+
+    Args:
+        paths: the parts in order, each opened with :func:`open_rows` (:func:`open_sources` makes a
+            ConcatRows for two or more; duplicates are refused there, by :func:`split_sources`).
+    Raises:
+        FileNotFoundError / ValueError: from :func:`open_rows` for a part (named there).
+        ValueError: no paths; a part that is a ``train.capture`` folder (one capture is a whole
+            ``feature_source``, not a part of a union); parts that disagree on ``tokenizer`` (the
+            tokenizer files' digest when both parts' manifests record it, else the tokenizer path),
+            ``chat_template_digest`` or ``thinking`` (the message names both parts and the field).
+    """
+
+    CHECKED = ("tokenizer", "chat_template_digest", "thinking")  # fields every part must share
+
+    def __init__(self, paths: list[str | Path]):
+        if not paths:
+            raise ValueError("no row sources given")
+        self.paths = [str(p) for p in paths]
+        self.parts = [open_rows(p) for p in paths]
+        for path, part in zip(self.paths, self.parts):
+            if isinstance(part, CaptureRows):
+                raise ValueError(f"{path} is a train.capture folder, which cannot be one of several train "
+                                 "sources; capture the union instead (python -m train.capture with train=<the "
+                                 "list>) and give that folder as feature_source")
+        self.starts = [0]
+        for part in self.parts:
+            self.starts.append(self.starts[-1] + len(part))
+        self._meta = [part.metadata() for part in self.parts]
+        for k in range(1, len(self.parts)):
+            for key in self.CHECKED:
+                field, a, b = self._compared(0, k, key)
+                if a != b:
+                    raise ValueError(f"train sources {self.paths[0]} and {self.paths[k]} disagree on {field}: {a!r} "
+                                     f"vs {b!r}; rows tokenized differently cannot be trained on together")
+        tops = [part.max_token for part in self.parts if part.max_token is not None]
+        self.max_token: tuple[int, str] | None = max(tops, key=lambda t: t[0]) if tops else None
+
+    def _compared(self, j: int, k: int, key: str) -> tuple[str, object, object]:
+        """(field, value of part j, value of part k) for metadata field ``key``. The tokenizer is compared
+        by the tokenizer files' digest when both parts' manifests hold one (the same tokenizer saved at
+        another path is the same tokenizer), else by its path."""
+        if key == "tokenizer":
+            digests = [getattr(self.parts[i], "manifest", {}).get("tokenizer_digest") for i in (j, k)]
+            if None not in digests:
+                return "tokenizer_digest", digests[0], digests[1]
+        return key, self._meta[j].get(key), self._meta[k].get(key)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def row(self, i: int) -> dict:
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} outside the {len(self)} rows of {','.join(self.paths)}")
+        j = bisect.bisect_right(self.starts, i) - 1  # empty parts share a start; bisect_right skips them
+        return self.parts[j].row(i - self.starts[j])
+
+    def metadata(self) -> dict:
+        """``data`` = the parts' paths joined by commas; ``data_digest`` = sha256 (hex) of the parts'
+        digests joined by newlines, in order (another order is another data order, so another digest);
+        tokenizer, chat template digest and thinking as the parts share them (the first part's tokenizer
+        path); ``tokenized_max_length`` the largest of the parts', None when a part has none (a .jsonl)."""
+        digest = hashlib.sha256("\n".join(m["data_digest"] for m in self._meta).encode()).hexdigest()
+        lengths = [m.get("tokenized_max_length") for m in self._meta]
+        return {"data": ",".join(str(m["data"]) for m in self._meta), "data_digest": digest,
+                **{key: self._meta[0].get(key) for key in self.CHECKED},
+                "tokenized_max_length": None if None in lengths else max(lengths)}
+
+
+def open_sources(spec: str):
+    """The row source of the ``train`` key: :func:`open_rows` of one path, or a :class:`ConcatRows` of a
+    comma-separated list (:func:`split_sources`).
+
+    Raises:
+        FileNotFoundError: nothing usable at a path (named).
+        ValueError: see :func:`split_sources`, :func:`open_rows` and :class:`ConcatRows`.
+    """
+    paths = split_sources(spec)
+    return open_rows(paths[0]) if len(paths) == 1 else ConcatRows(paths)
 
 
 # ------------------------------------------------------------------------------------- order

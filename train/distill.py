@@ -35,12 +35,15 @@ from train import config as run_config
 from train.config import ConfigError
 from train.data import (
     CaptureRows,
+    ConcatRows,
     StepBatches,
     StepOrder,
     expected_fields,
     last_layer_features,
     make_batch,
     open_rows,
+    open_sources,
+    split_sources,
     step_loader,
 )
 from train.loss import LossStats, anchor_generator, tau_sim
@@ -98,10 +101,13 @@ def train(cfg) -> int:
     resume = resolve_resume(cfg, out)
     if resume is not None:
         check_resumed_config(resume, cfg)  # before anything is written: a refused resume changes nothing
-    for key in ("train", "eval"):
-        path = getattr(cfg, key)
-        if path and not Path(path).exists():
-            raise ConfigError(f"config key '{key}': {path} does not exist")
+    for key in ("train", "eval"):  # train may list several sources (train.data.split_sources)
+        value = getattr(cfg, key)
+        with config_errors(key):
+            paths = split_sources(value) if key == "train" and value else [value]
+        for path in paths:
+            if path and not Path(path).exists():
+                raise ConfigError(f"config key '{key}': {path} does not exist")
     if main_proc:
         out.mkdir(parents=True, exist_ok=True)
         print(yaml.safe_dump({**run_config.to_dict(cfg), "resolved": dev, "world_size": world}, sort_keys=False))
@@ -149,7 +155,7 @@ def train(cfg) -> int:
         dcfg = run_config.draft_config(cfg, target, tokenizer)
         target.set_layer_ids(dcfg.target_layer_ids, dcfg.last_layer_features)
         if cfg.feature_source != "online":
-            digest = open_rows(cfg.train).metadata()["data_digest"] if cfg.train else None
+            digest = open_sources(cfg.train).metadata()["data_digest"] if cfg.train else None
             try:
                 rows.check(expected_fields(cfg, dev["target_dtype"], dcfg.target_layer_ids, digest,
                                            last_layer_features(dcfg, target.num_layers)))
@@ -429,7 +435,7 @@ def full_draft(accelerator, draft, dcfg, zero3: bool):
 
 def save_checkpoint(accelerator, draft, dcfg, cfg, dev, step: int, state: dict, zero3: bool) -> Path:
     """``step-N/{state,draft,trainer_state.json,config.yaml}``, then the ``latest`` pointer, then rotation."""
-    from dspine.checkpoint import save_draft
+    from dspine.checkpoint import portable_path, save_draft
     from dspine.io import atomic_write_json
 
     out = Path(cfg.output_dir)
@@ -439,8 +445,9 @@ def save_checkpoint(accelerator, draft, dcfg, cfg, dev, step: int, state: dict, 
     model = full_draft(accelerator, draft, dcfg, zero3)
     if accelerator.is_main_process:
         dtype = torch.bfloat16 if cfg.save_dtype == "bf16" else torch.float32
+        train = ",".join(portable_path(p) for p in split_sources(cfg.train))  # save_draft makes one path portable
         save_draft(model, ckpt / "draft", dtype=dtype, metadata={
-            "target": cfg.target, "step": str(step), "injection": dcfg.injection, "train": cfg.train})
+            "target": cfg.target, "step": str(step), "injection": dcfg.injection, "train": train})
         run_config.save(cfg, ckpt, extra={"resolved": dev, "world_size": accelerator.num_processes})
         atomic_write_json(ckpt / "trainer_state.json", state)
         tmp = out / "latest.tmp"
@@ -510,17 +517,19 @@ def finite_or_none(x):
     return x
 
 
-def check_trainable(rows, path, limit: int = 2000) -> None:
-    """Fail early when the first ``limit`` rows hold no anchor (loss_mask[p] = loss_mask[p+1] = 1)."""
-    if len(rows) == 0:
-        raise ConfigError(f"config key 'train': {path} has no rows; nothing to train on")
-    n = min(len(rows), limit)
-    for i in range(n):
-        m = rows.row(i)["loss_mask"]
-        if any(a and b for a, b in zip(m[:-1], m[1:])):
-            return
-    raise ConfigError(f"config key 'train': none of the first {n} rows of {path} has two consecutive supervised "
-                      "tokens (loss_mask), so there is nothing to train on")
+def check_trainable(rows, path: str, limit: int = 2000) -> None:
+    """Fail early when a source has no rows or its first ``limit`` rows hold no anchor (loss_mask[p] =
+    loss_mask[p+1] = 1). Each part of a :class:`train.data.ConcatRows` is checked on its own: a part with
+    nothing to train on is a wrong path in the list. Raises ConfigError naming 'train' and the source."""
+    sources = list(zip(rows.paths, rows.parts)) if isinstance(rows, ConcatRows) else [(path, rows)]
+    for name, part in sources:
+        if len(part) == 0:
+            raise ConfigError(f"config key 'train': {name} has no rows; nothing to train on")
+        n = min(len(part), limit)
+        masks = (part.row(i)["loss_mask"] for i in range(n))
+        if not any(any(a and b for a, b in zip(m[:-1], m[1:])) for m in masks):
+            raise ConfigError(f"config key 'train': none of the first {n} rows of {name} has two consecutive "
+                              "supervised tokens (loss_mask), so there is nothing to train on")
 
 
 def check_resumed_config(ckpt: Path, cfg) -> None:
@@ -577,20 +586,25 @@ def load_resume_state(accelerator, ckpt: Path) -> None:
                           f"damaged (a truncated file?): {hint}") from None
 
 
-def open_train_rows(path: str):
-    """:func:`train.data.open_rows` of the ``train`` key, with a hint for a folder of cache folders or a
-    ``data.pack`` archive folder. Raises ConfigError naming 'train'."""
+def open_train_rows(spec: str):
+    """:func:`train.data.open_sources` of the ``train`` key (one path or a comma-separated list), with a
+    hint for a folder of cache folders or a ``data.pack`` archive folder. Raises ConfigError naming 'train'."""
     try:
-        return open_rows(path)
+        return open_sources(spec)
     except FileNotFoundError as e:
-        p = Path(path)
-        subs = sorted(q.name for q in p.iterdir() if (q / "data.arrow").is_file()) if p.is_dir() else []
+        paths = split_sources(spec)
+        as_value = (lambda x: f"train={x}") if len(paths) == 1 else (lambda x: f"{x} in the train list")
         hint = ""
-        if subs:
-            hint = f"; it holds cache folders: give the <key> subfolder, e.g. train={p / subs[0]} (of {', '.join(subs)})"
-        elif p.is_dir() and (p / "pack.json").is_file():
-            hint = (f"; it is a data.pack archive: rebuild the cache first with `python -m data.pack import --parts "
-                    f"{p} --out CACHE_FOLDER` and give train=CACHE_FOLDER")
+        for p in map(Path, paths):  # the hint of the first part that has one
+            subs = sorted(q.name for q in p.iterdir() if (q / "data.arrow").is_file()) if p.is_dir() else []
+            if subs:
+                hint = (f"; {p} holds cache folders: give the <key> subfolder, e.g. {as_value(p / subs[0])} "
+                        f"(of {', '.join(subs)})")
+            elif p.is_dir() and (p / "pack.json").is_file():
+                hint = (f"; {p} is a data.pack archive: rebuild the cache first with `python -m data.pack import "
+                        f"--parts {p} --out CACHE_FOLDER` and give {as_value('CACHE_FOLDER')}")
+            if hint:
+                break
         raise ConfigError(f"config key 'train': {e}{hint}") from None
 
 

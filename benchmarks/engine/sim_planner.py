@@ -17,9 +17,11 @@ so far: the KV read grows along the output, the same for every mode), the step t
 told (true × lognormal timer noise, ``spikes`` of the steps 5× longer: GC, preemption) and an optional
 confidence: per step, predicted tokens of every speculative mode = ``1 + over × (τ − 1)`` × noise, i.e.
 ``over`` × too confident (``conf="mode"``, the default). ``conf="engine"`` (``--conf engine``) gives it as
-``infer.engine`` does: after a speculative step, one value for every speculative mode, the chain's
-``1 + over × (τ_chain − 1)`` × noise at the previous step's acceptance (the draft's view of the block it
-just drafted), nothing after an AR step; its noise has its own random stream. Two planners run on every point: ``table``, the start-up table alone (what the
+``infer.engine`` does: after a speculative step is observed, one value for every speculative mode, the
+chain's ``1 + over × (τ_chain − 1)`` × noise at that step's acceptance (the draft's view of the block it
+drafted), nothing after an AR step; its noise has its own random stream. ``lag`` (``--lag``, default 1 as
+in the engine's pipelined loop) is how many steps later than its choice a step is observed: the planner
+chooses step k before it sees step k - 1. Two planners run on every point: ``table``, the start-up table alone (what the
 engine did before online costs), and ``online``, told the measured step time and the confidence.
 Throughput is expected tokens ÷ summed true step milliseconds, and every fixed mode runs through the
 same context growth, so the comparison with the fixed modes carries no sampling noise of its own; one
@@ -33,6 +35,7 @@ import json
 import random
 import re
 import sys
+from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -80,7 +83,8 @@ class Mismatch:
     noise: float = 0.0  # lognormal sigma of the measured step time
     spikes: float = 0.0  # fraction of steps measured 5 × too long
     over: float | None = None  # confidence: predicted accepted tokens = over × true (None: no confidence)
-    conf: str = "mode"  # "mode": per mode, this step's τ; "engine": the chain's, a step old
+    conf: str = "mode"  # "mode": per mode, this step's τ; "engine": the chain's, of the last observed step
+    lag: int = 1  # steps between a choice and its observation (infer.engine's pipelined loop: 1)
 
     def true_ms(self, mode, table_ms: float, done: float) -> float:
         scale = self.ar_scale if mode[0] == "ar" else self.spec_scale
@@ -122,11 +126,14 @@ def simulate(
     mm = mismatch or Mismatch()
     if mm.conf not in ("mode", "engine"):
         raise ValueError(f"Mismatch.conf={mm.conf!r} must be 'mode' or 'engine'")
+    if mm.lag < 0:
+        raise ValueError(f"Mismatch.lag={mm.lag}: must be >= 0")
     rng, conf_rng = random.Random(seed), random.Random(seed + 1)
     planner = StepPlanner(costs, **rule)
     chain = next((m for m in costs if m[0] == "chain"), None)
     done = tok = ms = 0.0
-    prev = None  # (mode, τ per mode) of the previous step (conf="engine": the confidence is a step old)
+    prev = None  # (mode, τ per mode) of the last observed step (conf="engine": its confidence is given)
+    backlog: deque = deque()  # steps run and not yet observed (mm.lag of them)
     while done < new_tokens:
         tau = taus(done) if callable(taus) else taus
         predicted = None
@@ -138,7 +145,6 @@ def simulate(
             c = 1 + mm.over * (prev[1][chain] - 1) * conf_rng.lognormvariate(0, 0.1)
             predicted = {m: c for m in costs if m[0] != "ar"}
         mode = planner.choose(predicted)
-        prev = (mode, tau)
         most = max_tokens(mode, costs)
         p = accept_prob(tau[mode], most) if mode[0] != "ar" else 0.0
         committed = 0
@@ -149,7 +155,11 @@ def simulate(
             committed += n
         true = mm.true_ms(mode, costs[mode], done)
         seen = true * rng.lognormvariate(0, mm.noise) * (5.0 if rng.random() < mm.spikes else 1.0)
-        planner.observe(mode, committed / batch, seen if online else None, batch)
+        backlog.append((mode, committed / batch, seen, tau))
+        if len(backlog) > mm.lag:  # the engine observes step k - lag after launching step k
+            m0, c0, s0, tau0 = backlog.popleft()
+            planner.observe(m0, c0, s0 if online else None, batch)
+            prev = (m0, tau0)
         done += committed / batch
         tok += tau[mode]
         ms += true
@@ -235,9 +245,16 @@ def main(argv=None) -> int:
         default=None,
         help="confidence of every scenario: per mode this step ('mode'), or as the engine gives it ('engine')",
     )
+    ap.add_argument(
+        "--lag", type=int, default=1, help="steps between a choice and its observation (the engine's loop: 1)"
+    )
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    scenarios = {k: replace(v, conf=args.conf) if args.conf else v for k, v in SCENARIOS.items()}
+    if args.lag < 0:
+        ap.error(f"--lag {args.lag}: must be >= 0")
+    scenarios = {
+        k: replace(v, conf=args.conf or v.conf, lag=args.lag) for k, v in SCENARIOS.items()
+    }
     tables = (
         recorded_tables(args.recorded.split(","))
         if args.recorded

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step  # noqa: E402
+from dspine.ops.attn_combine import combine_partials  # noqa: E402
 from dspine.ops.draft_attention import draft_attention  # noqa: E402
 from dspine.ops.rmsnorm import rms_norm  # noqa: E402
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables  # noqa: E402
@@ -56,6 +57,18 @@ def case_verify(B, S, T):
     nbytes = 2 * B * HKV * S * D * 2 + 2 * q.numel() * 2
     run = lambda impl: (lambda: verify_attention(q, k, v, cache_len, D ** -0.5, impl=impl))
     return f"verify_attention B{B} S{S} T{T}", run, nbytes
+
+
+def case_combine(B, T, NS):
+    """The split-K second pass of verify_attention on its own (NS = 3: batch 8 at 132 SMs)."""
+    TG = HQ // HKV * T
+    pm = 8 * torch.randn(B * HKV, NS, TG, device="cuda")
+    pl = 1 + 20 * torch.rand_like(pm)
+    pa = torch.randn(B * HKV, NS, TG, D, device="cuda") * pl[..., None]
+    out = torch.empty(B, T, HQ, D, device="cuda", dtype=DT)
+    nbytes = B * HKV * TG * (NS * (D + 2) * 4 + D * 2)
+    run = lambda impl: (lambda: combine_partials(pa, pm, pl, out, impl=impl))
+    return f"combine_partials B{B} T{T} NS{NS}", run, nbytes
 
 
 def case_draft(B, C, window):
@@ -143,6 +156,8 @@ def cases(quick: bool):
         for S in caches:
             for T in (1, 16):
                 yield case_verify(B, S, T)
+    for T in (1, 16):
+        yield case_combine(8, T, 3)
     for B in (1, 8):
         for C in caches:
             yield case_draft(B, C, None)

@@ -1,10 +1,13 @@
 """Sweep verify_attention's launch parameters on the GPU (CUDA-graph device time, µs).
 
-    python benchmarks/kernels/tune_attention.py [--output sweep.json]
+    python benchmarks/kernels/tune_attention.py [--output sweep.json] [--combine]
 
 Calls the kernel directly with each (BLOCK_N, num_warps, num_stages, programs-per-SM target) at
 Qwen3-8B shapes, checks each result against the default launcher, and prints the best per shape.
-Used to pick the defaults in dspine/ops/verify_attention.py; not part of the test suite.
+``--combine`` sweeps the split-K combine instead (rows per program × num_warps, both modes) at
+batch 8's spec and decode shapes; BLOCK_R = 1 is the former one-row-per-program launch.
+Used to pick the defaults in dspine/ops/verify_attention.py and attn_combine.py; not part of the
+test suite.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from dspine.ops import attn_combine as ac  # noqa: E402
 from dspine.ops import verify_attention as va  # noqa: E402
-from dspine.ops.attn_combine import combine_partials_triton  # noqa: E402
+from dspine.ops.attn_combine import combine_partials_torch, combine_partials_triton  # noqa: E402
 
 
 def launch(q, k, v, cache_len, scale, bn, warps, stages, per_sm):
@@ -53,12 +57,74 @@ def launch(q, k, v, cache_len, scale, bn, warps, stages, per_sm):
     return out
 
 
+def launch_combine(pa, pm, pl, out, br, warps, ordered):
+    import triton
+
+    BH, NS, TG, D = pa.shape
+    B, _, Hq, _ = out.shape
+    Hkv = BH // B
+    _, bs, bd = ac._combine_blocks(NS, TG, D, ordered)
+    num_rb = triton.cdiv(TG, br)
+    args = (pa, pm, pl, out, out.stride(0), out.stride(1), out.stride(2), Hkv, NS, TG, num_rb)
+    if ordered:
+        ac._combine_ordered_kernel[(BH * num_rb,)](*args, G=Hq // Hkv, D=D, BLOCK_R=br, BLOCK_D=bd,
+                                                   num_warps=warps, enable_fp_fusion=False)
+    else:
+        ac._combine_kernel[(BH * num_rb,)](*args, G=Hq // Hkv, D=D, BLOCK_R=br, BLOCK_S=bs, BLOCK_D=bd,
+                                           num_warps=warps)
+    return out
+
+
+def sweep_combine():
+    """The combine at batch 8 (B·Hkv = 64, NS = 3, D = 128): G·T = 64 (spec, T = 16) and 4 (decode)."""
+    import triton.testing
+
+    results = []
+    for TG in (64, 4):
+        NS, G = 3, 4
+        pm = 8 * torch.randn(64, NS, TG, device="cuda")
+        pl = 1 + 20 * torch.rand_like(pm)
+        pa = torch.randn(64, NS, TG, 128, device="cuda") * pl[..., None]
+        out = torch.empty(8, TG // G, 32, 128, device="cuda", dtype=torch.bfloat16)
+        ref = combine_partials_torch(pa, pm, pl, torch.empty_like(out)).float()
+        bench = lambda fn: 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+        for ordered in (False, True):
+            default = bench(functools.partial(combine_partials_triton, pa, pm, pl, out, ordered))
+            timed = {}
+            for br, warps in itertools.product([1, 2, 4, 8, 16, 32], [1, 2, 4, 8]):
+                if br > TG:
+                    continue
+                try:
+                    out.fill_(float("nan"))
+                    ok = (launch_combine(pa, pm, pl, out, br, warps, ordered).float() - ref).abs().max().item() < 2e-2
+                    t = bench(functools.partial(launch_combine, pa, pm, pl, out, br, warps, ordered))
+                except Exception as e:  # e.g. out of registers
+                    results.append(dict(TG=TG, NS=NS, ordered=ordered, br=br, warps=warps, error=str(e)[:200]))
+                    continue
+                results.append(dict(TG=TG, NS=NS, ordered=ordered, br=br, warps=warps, us=t, ok=ok))
+                if ok:
+                    timed[br, warps] = t
+            (br, warps), best = min(timed.items(), key=lambda kv: kv[1])
+            per_row = timed.get((1, 1 if ordered else 4), float("nan"))  # the former launch's num_warps
+            print(f"combine G·T={TG} NS={NS} {'ordered' if ordered else 'fast'}: default {default:.1f} us "
+                  f"(BLOCK_R={ac._combine_blocks(NS, TG, 128, ordered)[0]}), one row per program {per_row:.1f} us, "
+                  f"best {best:.1f} us at BLOCK_R={br} warps={warps}", flush=True)
+            results.append(dict(TG=TG, NS=NS, ordered=ordered, default_us=default, per_row_us=per_row))
+    return results
+
+
 def main():
     import triton.testing
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default=None)
+    ap.add_argument("--combine", action="store_true", help="sweep the split-K combine only")
     args = ap.parse_args()
+    if args.combine:
+        results = sweep_combine()
+        if args.output:
+            Path(args.output).write_text(json.dumps(results, indent=1))
+        return
     shapes = [(1, 8192, 1), (1, 8192, 16), (8, 8192, 1), (8, 8192, 16), (8, 2048, 16), (1, 2048, 16)]
     grid = list(itertools.product([32, 64, 128], [4, 8], [2, 3, 4], [1, 2, 4]))
     results = []

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Prints the one finished data.tokenize cache folder in DIR (a subfolder holding summary.json, which
-# data.tokenize writes last); refuses none or several. Dot folders (a build in progress or killed) are skipped.
+# data.tokenize writes last); refuses none or several. Dot folders (a build in progress or killed) and
+# caches of 0 sequences are skipped. With --all: every finished cache instead, sorted by folder name and
+# joined by commas (the trainer's train=a,b list); refuses none.
 #
-#   bash scripts/smollm2/one_cache.sh DIR
+#   bash scripts/smollm2/one_cache.sh [--all] DIR
 set -euo pipefail
-dir=${1:?usage: one_cache.sh DIR}
+all=0
+if [ "${1:-}" = --all ]; then all=1; shift; fi
+dir=${1:?usage: one_cache.sh [--all] DIR}
+LC_ALL=C  # the glob's order (--all: the train list's order, hence the data digest) independent of the locale
 found=()
 for f in "$dir"/*/summary.json; do  # no dotglob: .KEY.tmp-PID/ is not matched
   [ -e "$f" ] || continue
@@ -12,15 +17,23 @@ for f in "$dir"/*/summary.json; do  # no dotglob: .KEY.tmp-PID/ is not matched
     echo "note: ${f%/summary.json} holds 0 sequences; skipped" >&2
     continue
   fi
-  found+=("$f")
+  found+=("${f%/summary.json}")
 done
 if [ "${#found[@]}" -eq 0 ]; then
   echo "error: no finished data.tokenize cache (a folder with summary.json) in $dir; run the tokenize or unpack stage" >&2
   exit 1
 fi
+if [ "$all" = 1 ]; then
+  if [[ "${found[*]}" == *,* ]]; then
+    echo "error: a cache path under $dir holds a comma, which separates the trainer's train= list (${found[*]})" >&2
+    exit 1
+  fi
+  (IFS=,; echo "${found[*]}")
+  exit 0
+fi
 if [ "${#found[@]}" -gt 1 ]; then
-  echo "error: ${#found[@]} finished data.tokenize caches in $dir (${found[*]%/summary.json}); which one to use is" \
+  echo "error: ${#found[@]} finished data.tokenize caches in $dir (${found[*]}); which one to use is" \
        "ambiguous: delete the ones not wanted" >&2
   exit 1
 fi
-echo "${found[0]%/summary.json}"
+echo "${found[0]}"

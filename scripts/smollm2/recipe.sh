@@ -12,7 +12,9 @@
 #   tokenize  all answers -> one data.tokenize cache (ChatML loss masks, <= 2048 tokens)
 #   pack      (named only) tok-train and tok-eval -> $WORK/pack/tok-{train,eval}: pack.json + xz parts of
 #             <= PART_MIB MiB each (python -m data.pack export; the SmolLM2 set fits in one or two parts)
-#   unpack    (named only) the tok-* caches that are missing <- $PACK_DIR/tok-{train,eval} (data.pack import)
+#   unpack    (named only) the tok-* caches that are missing <- $PACK_DIR/tok-{train,eval} (data.pack import):
+#             tok-train gets the cache of every pack folder in PACK_DIR that is not there yet (its pack.json's
+#             cache_name), tok-eval the first pack folder's, only when it holds no cache (eval sets are identical)
 #   train     DSpine (injection residual) and DFlash (injection none) drafts with identical settings, for each
 #             seed in SEEDS; one run per GPU when there are enough GPUs, else one after the other on a GPU
 #             (two runs sharing an H200 took 0.66 s/step each against 0.28 s/step alone: results/smollm2-ab-loss-h200.json)
@@ -25,24 +27,30 @@
 #   session 1: recipe.sh convert data regen tokenize pack          -> bring back $WORK/pack (4-5 files)
 #   session 2: PACK_DIR=<carried pack folder> [DRAFT_INIT=<folder with dspine/ and dflash/ drafts>] \
 #              recipe.sh convert unpack train bench scaling summary
+#   (packs of two regeneration leases: PACK_DIR="<pack 1> <pack 2>" TRAIN_CACHES=all trains on both caches)
 # Knobs (env): WORK (runs/smollm2), NGPU (all visible), SAMPLES (3), SAMPLE_T (0.8), MAX_NEW (1024),
 #   REGEN_CONC (engine slots per job, 512), REGEN_PAR (regeneration jobs side by side per GPU, 1),
 #   REGEN_CHUNK (rows per resumable write, 4096), REGEN_LIMIT (rows), ARMS (drafts to train: "dspine dflash"),
 #   STEPS (optimizer steps per draft, 2000) or TRAIN_MINUTES (wall clock per run: STEPS from a 30-step
 #   calibration), SEEDS ("0"), TRAIN_OVERRIDES (extra key=value for every run, e.g. "distill=kl"),
 #   BENCH_C1 (20), BENCH_C8 (40), BENCH_NEW (512), SCALE_PROMPTS (8), RESULTS (results JSON prefix),
-#   PART_MIB (largest pack part, 15), PACK_DIR (where unpack reads, $WORK/pack), DRAFT_INIT (warm start:
+#   PART_MIB (largest pack part, 15), PACK_DIR (where unpack reads, $WORK/pack; several pack folders separated
+#   by spaces import one train cache each), TRAIN_CACHES (one: train on the one cache in $WORK/tok-train, refusing
+#   several; all: on every finished cache there, as the trainer's train=a,b list sorted by folder name), DRAFT_INIT (warm start:
 #   each run starts from DRAFT_INIT/dspine or DRAFT_INIT/dflash through the trainer's draft_init),
 #   DSPINE_INIT / DFLASH_INIT (one arm's warm start, a draft folder: it wins over DRAFT_INIT), OVERWRITE
 #   (summary: replace existing files under RESULTS; without it summary refuses), SAMPLE_SEED0 (0: the
 #   sampled jobs use seeds SAMPLE_SEED0+1 .. SAMPLE_SEED0+SAMPLES, so a later lease with SAMPLE_SEED0=3
 #   draws answers the earlier one did not), GREEDY (1; 0 skips the greedy train job, which would repeat
 #   the earlier lease's answers token for token).
-# The shipped draft checkpoints/smollm2-135m-dspine took two continuations of the recipe's DSpine draft:
+# The shipped draft checkpoints/smollm2-135m-dspine took three continuations of the recipe's DSpine draft:
 #   1. the data stages (with REGEN_PAR=4), then ARMS=dspine STEPS=1728 DSPINE_INIT=<the recipe's draft, git show
 #      ebc9baa:checkpoints/smollm2-135m-dspine> recipe.sh train (results/smollm2-continue-h200.json);
 #   2. PACK_DIR=<the pack of 1> recipe.sh unpack, then ARMS=dspine STEPS=2656 DSPINE_INIT=<the draft of 1, git show
-#      33657e2:checkpoints/smollm2-135m-dspine> recipe.sh train bench (results/smollm2-continue2-h200.json).
+#      33657e2:checkpoints/smollm2-135m-dspine> recipe.sh train bench (results/smollm2-continue2-h200.json);
+#   3. (a fresh WORK) GREEDY=0 SAMPLE_SEED0=3 SAMPLES=4 REGEN_PAR=4 recipe.sh convert data regen tokenize pack, then ARMS=dspine
+#      STEPS=2048 DSPINE_INIT=<the draft of 2, git show e39ad58:checkpoints/smollm2-135m-dspine> recipe.sh train
+#      bench (results/smollm2-continue3-h200.json).
 #   A folder from `git show`: mkdir -p D && for f in config.json model.safetensors; do
 #   git show 33657e2:checkpoints/smollm2-135m-dspine/$f > D/$f; done
 # Stages regen/train/bench/scaling refuse to start without a CUDA GPU (RECIPE_ALLOW_CPU=1 lets them try).
@@ -74,6 +82,7 @@ arms_set=${ARMS-x}
 [[ "${SAMPLE_SEED0:-0}" =~ ^(0|[1-9][0-9]{0,8})$ ]] || { echo "error: SAMPLE_SEED0='${SAMPLE_SEED0}': must be an integer >= 0 (decimal, no leading zero, at most 9 digits)" >&2; exit 2; }
 [[ "${GREEDY:-1}" =~ ^[01]$ ]] || { echo "error: GREEDY='${GREEDY}': must be 0 or 1" >&2; exit 2; }
 [[ "$SAMPLES" =~ ^(0|[1-9][0-9]{0,2})$ ]] || { echo "error: SAMPLES='${SAMPLES}': must be an integer from 0 to 999 (decimal, no leading zero)" >&2; exit 2; }
+[[ "${TRAIN_CACHES:-one}" =~ ^(one|all)$ ]] || { echo "error: TRAIN_CACHES='${TRAIN_CACHES}': must be one (the single cache in \$WORK/tok-train) or all (every cache there)" >&2; exit 2; }
 for st in regen train bench scaling; do  # the CUDA engine and the trainer's recipe settings need a GPU
   if [[ " $STAGES " == *" $st "* ]] && [ "${RECIPE_ALLOW_CPU:-0}" != 1 ] && \
      ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -194,13 +203,32 @@ fi
 
 # ------------------------------------------------------------------------------------------- unpack
 if has unpack; then
-  unpack_stage() {
+  unpack_stage() {  # `|| return 1` throughout: set -e does not apply inside `timed`'s `"$@" || rc=$?`
+    local packs pack split name
+    read -r -a packs <<< "${PACK_DIR:-$WORK/pack}"
+    [ ${#packs[@]} -gt 0 ] || { echo "error: PACK_DIR='${PACK_DIR}' names no pack folder" >&2; return 1; }
     for split in train eval; do
-      if compgen -G "$WORK/tok-$split/*/summary.json" > /dev/null; then
-        log "$WORK/tok-$split holds a cache; not unpacked"
+      if [ "$split" = eval ] && compgen -G "$WORK/tok-eval/*/summary.json" > /dev/null; then
+        log "$WORK/tok-eval holds a cache; not unpacked"
         continue
       fi
-      python -m data.pack import --parts "${PACK_DIR:-$WORK/pack}/tok-$split" --cache-dir "$WORK/tok-$split"
+      for pack in "${packs[@]}"; do
+        [ -f "$pack/tok-$split/pack.json" ] || {
+          echo "error: PACK_DIR: $pack/tok-$split/pack.json not found (a data.pack archive, made by the pack stage)" >&2
+          return 1; }
+        name=$(python - "$pack/tok-$split/pack.json" <<'EOF3'
+import json, sys
+name = json.load(open(sys.argv[1])).get("cache_name")
+sys.exit(f"error: {sys.argv[1]}: no cache_name (not a data.pack archive?)") if not name else print(name)
+EOF3
+) || return 1
+        if [ -f "$WORK/tok-$split/$name/summary.json" ]; then
+          log "$WORK/tok-$split/$name exists; $pack/tok-$split not unpacked"
+        else
+          python -m data.pack import --parts "$pack/tok-$split" --cache-dir "$WORK/tok-$split" || return 1
+        fi
+        [ "$split" = train ] || break  # eval: the first pack folder's (the eval sets of all runs are identical)
+      done
     done
   }
   timed unpack unpack_stage
@@ -208,7 +236,11 @@ fi
 
 # ------------------------------------------------------------------------------------------- train
 if has train; then  # here, not in train_cmd: a refusal inside $(train_cmd ...) would not stop the script
-  TRAIN_CACHE=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-train")
+  if [ "${TRAIN_CACHES:-one}" = all ]; then  # train=a,b,...: every finished cache, sorted by folder name
+    TRAIN_CACHE=$(bash scripts/smollm2/one_cache.sh --all "$WORK/tok-train")
+  else
+    TRAIN_CACHE=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-train")
+  fi
   EVAL_CACHE=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-eval")
 fi
 init_arg() {  # init_arg NAME: the trainer's draft_init for arm NAME (DSPINE_INIT / DFLASH_INIT, else DRAFT_INIT/NAME)
