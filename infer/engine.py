@@ -613,10 +613,12 @@ class Engine:
         the unobserved choices in order.
 
         Observation of step j: the committed tokens (``out_len`` after j minus before j) averaged over the
-        rows live before j and owned by the same request before and after it; its wall time is the host
-        time between reading the snapshot before j and the one after j, which is the device's step time
-        when the host runs ahead and the host's loop time when it does not (the time a step really costs
-        in either case); a step whose interval holds a prefill (a refill) is observed without a time.
+        rows live before j and owned by the same request before and after it; its time is, on a GPU, the
+        device time between the snapshots before and after j (CUDA timing events: step j's kernels plus any
+        wait for the host to launch it, the time the step really costs whether the device or the host is
+        the bottleneck) and, on the CPU, where a step runs inside its launch call, the host time from
+        launching j to launching j + 1; a step whose interval holds a prefill (a refill) is observed
+        without a time.
         Confidence: ``conf`` (:func:`chain_confidence`, written by the speculative steps on the device)
         of the observed step, its mean over the rows observed, is passed to the next choice as the
         predicted committed tokens of every speculative mode (``infer.planner``, "Calibration"): the
@@ -629,13 +631,17 @@ class Engine:
         def snapshot(buf):
             buf.copy_(torch.cat([s.done.to(torch.int32), s.nonfinite.to(torch.int32), s.out_len,
                                  s.conf.view(torch.int32)]), non_blocking=True)
-            return self._event()
+            if not cuda:
+                return None
+            event = torch.cuda.Event(enable_timing=True)  # its time closes the step before it (planner)
+            event.record()
+            return event
 
         cur = 0
         # (buffer, event, slot owners when taken, a prefill ran since the previous snapshot)
         snap = (bufs[cur], snapshot(bufs[cur]), list(owner), True)
-        base = None  # the last snapshot read: (out_len, live, owners, host time when read)
-        launched: deque = deque()  # modes of the steps launched and not yet observed, oldest first
+        base = None  # the last snapshot read: (out_len, live, owners, its CUDA event)
+        launched: deque = deque()  # (mode, host time at launch) of the steps not yet observed, oldest first
         predicted = None
         pending: list = []  # harvests in flight
         n_steps = 0
@@ -643,8 +649,8 @@ class Engine:
             t0 = time.perf_counter()
             mode = planner.choose(predicted)
             self.last_confidence = predicted  # tests, debugging
+            launched.append((mode, time.perf_counter()))
             self._runner(B, params, True, mode)()
-            launched.append(mode)
             n_steps += 1
             cur ^= 1
             nxt = [bufs[cur], snapshot(bufs[cur]), list(owner), False]  # after this step
@@ -659,17 +665,19 @@ class Engine:
             self._check_finite(flags, B)
             predicted = None
             if base is not None:  # observe the step between the previous snapshot and this one
-                done_mode = launched.popleft()
+                done_mode, t_launch = launched.popleft()
                 rows = [b for b in range(B) if base[1][b] and base[2][b] is not None and base[2][b] == snap[2][b]]
                 if rows:
-                    ms = (t2 - base[3]) * 1e3 if self.plan_online and not snap[3] else None
+                    ms = None
+                    if self.plan_online and not snap[3]:  # no prefill in the interval
+                        ms = base[3].elapsed_time(snap[1]) if cuda else (launched[0][1] - t_launch) * 1e3
                     planner.observe(done_mode, sum(out_len[b] - base[0][b] for b in rows) / len(rows), ms, len(rows))
                     if done_mode[0] != "ar":
                         c = sum(conf[b] for b in rows) / len(rows)
                         predicted = {m: c for m in self.plan_modes if m[0] != "ar"}
                 else:
                     planner.skip()
-            base = (out_len, [not f for f in flags[:B]], snap[2], t2)
+            base = (out_len, [not f for f in flags[:B]], snap[2], snap[1])
             finished = [b for b in range(B) if flags[b] and owner[b] is not None]
             if finished:
                 pending.append(self._harvest_async(s, finished, [owner[b] for b in finished], width))

@@ -297,7 +297,9 @@ def main(argv=None) -> int:
             if "batch" in out:
                 print(f"--- prompt {i + 1}")
             print(row["text"])
-        extra = f"  speedup {out['speedup']:.2f}x over AR" if "speedup" in out else ""
+        extra = (f"  speedup {out['speedup']:.2f}x over AR ({out['ar_tok_per_s']:.1f} tok/s without the draft"
+                 + {True: ", same output", False: ", OUTPUT DIFFERS", None: ""}[out["ar_equal"]] + ")"
+                 if "speedup" in out else "")
         tau = "n/a" if out["accept_len"] is None else f"{out['accept_len']:.2f}"
         verify = (f", --verify {out['verify']} ({out['verified_tokens_per_step']} verified tokens per step)"
                   if "verify" in out else "")

@@ -16,7 +16,8 @@ launches step k + 1 before it reads what step k did, so the host's work overlaps
 value is two steps old (the block drafted then stands for the next) and the trees get the chain's value
 (calibration per mode absorbs their larger scale); after an AR step no draft ran and the engine gives none.
 :class:`StepPlanner` keeps the choices not yet observed in order; while a probe (rule 3) is unobserved it
-does not start another, and the decode's first mode repeats until its first step is observed. A trained confidence head is the alternative
+does not start another, and the decode's first mode repeats until it is timed (or 3 steps came back
+without a time). A trained confidence head is the alternative
 (docs/method.md §6).
 
 Rule (:func:`choose_mode`, a pure function of the cost table, the token averages and the time spent):
@@ -202,7 +203,7 @@ class StepPlanner:
         self.real: dict[Mode, float | None] = {m: None for m in costs}  # mean realized, same steps
         self.calibrated: Counter = Counter()  # steps with a prediction per mode
         self.choices: Counter = Counter()
-        self.observed = 0  # steps observed
+        self.untimed = 0  # steps observed without a time
         self.step = 0
         self.spent_ms = 0.0  # step time of the modes run (measured where given, else estimated)
         self.lost_ms = 0.0  # time lost to probes against the best mode (negative: probes gained)
@@ -267,7 +268,9 @@ class StepPlanner:
         speculative mode this step would commit (bonus included), calibrated online."""
         costs = self.costs
         timed = [m for m in self.table if self.timed[m]]
-        if not self.observed and self.pending:  # the first step not observed yet (a pipelined caller): its mode
+        # nothing timed yet and a step in flight (a pipelined caller): the decode's first mode again, until it is
+        # timed or FIRST_TIMED steps came back without a time (a caller that never times: table only)
+        if not timed and self.pending and self.untimed < FIRST_TIMED:
             timed = [self.pending[0][0]]
         if len(timed) == 1 and self.timed[timed[0]] < FIRST_TIMED:  # the decode's first mode: 3 timings first
             mode, loss, rate = timed[0], 0.0, None
@@ -299,7 +302,7 @@ class StepPlanner:
         chosen; the oldest unobserved choice of ``mode`` is this step's (older choices of other modes not
         observed are dropped as by :meth:`skip`). A ``mode`` never chosen is recorded at its estimate."""
         est_ms, predicted, probe = self.costs[mode], None, None
-        self.observed += 1
+        self.untimed += not (ms is not None and ms > 0)
         while self.pending and self.pending[0][0] != mode:
             self.pending.popleft()
         if self.pending:

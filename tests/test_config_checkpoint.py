@@ -192,6 +192,28 @@ def test_generate_cli_json(stories_dir, tmp_path, capsys):
                           "--backend", "reference"]) == 2
 
 
+def test_generate_cli_prints_both_speeds_with_compare_ar(stories_dir, tmp_path, capsys):
+    """The text summary of --compare-ar gives tok/s with the draft, the speedup, tok/s without it (the three
+    agree: speedup = with ÷ without, up to the printed rounding) and that the greedy outputs are the same."""
+    import re
+
+    from infer import generate
+
+    out = tmp_path / "draft"
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(out), "--layers", "1", "--block-size", "8",
+                          "--mask-token-id", "3", "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    assert generate.main(["--target", str(stories_dir), "--draft", str(out), "--prompt", "Once upon",
+                          "--max-new-tokens", "24", "--backend", "reference", "--compare-ar"]) == 0
+    text = capsys.readouterr()
+    line = next(x for x in (text.out + text.err).splitlines() if "over AR" in x)
+    m = re.search(r"([\d.]+) tok/s  speedup ([\d.]+)x over AR \(([\d.]+) tok/s without the draft, same output\)",
+                  line)  # fp32 reference decoding: lossless, so the same tokens
+    assert m, line
+    with_draft, speedup, without = (float(x) for x in m.groups())
+    assert without > 0 and abs(with_draft / without - speedup) <= 0.01 * speedup + 0.006, line
+
+
 def test_save_draft_stores_no_absolute_paths(tmp_path, monkeypatch):
     from safetensors import safe_open
 

@@ -136,3 +136,42 @@ def test_planner_loop_receives_the_confidence(stories_dir, stories, monkeypatch)
             ran = [k for k in ("chain8", "tree24") if rep[k]["steps"] >= 3]
             assert ran and all(rep[k]["calibration"] is not None and 0 < rep[k]["calibration"] < 1 for k in ran), rep
     assert outputs[True] == outputs[False] == want
+
+
+def test_planner_loop_times_each_step_as_its_own_mode(stories_dir, stories, monkeypatch):  # noqa: F811
+    """The pipelined planner loop observes step k after launching step k + 1; on the CPU a step runs inside its
+    launch call, so each observed time must be the launch-to-launch interval of that step's own mode (the loop
+    once charged the next step's time to it). AR steps are slowed by 30 ms and chain steps by 150 ms: every
+    timed AR step measures under 120 ms and every timed chain step at least 150 ms."""
+    import time
+
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=16)
+    prompts = PROMPTS[:3]
+    want = _engine(stories_dir, folder).generate(prompts, params, use_draft=False).token_ids
+    eng = oracle_engine(_engine(stories_dir, folder, budget="auto"), [p + w for p, w in zip(prompts, want)],
+                        corrupt=0.0)
+    eng.plan_modes = eng.plan_modes[:2]  # AR and the chain
+    eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0}
+    runner = eng._runner
+
+    def slowed(B, params, spec, mode=None):
+        run = runner(B, params, spec, mode)
+        pause = 0.03 if mode == ("ar", 1) else 0.15
+        return lambda: (time.sleep(pause), run())
+
+    monkeypatch.setattr(eng, "_runner", slowed)
+    seen = []
+    observe = engine_mod.StepPlanner.observe
+
+    def spy(self, mode, tokens, ms=None, rows=1):
+        seen.append((mode, ms))
+        return observe(self, mode, tokens, ms, rows)
+
+    monkeypatch.setattr(engine_mod.StepPlanner, "observe", spy)
+    res = eng.generate(prompts, params, concurrency=2)
+    assert res.token_ids == want
+    ar = [ms for m, ms in seen if m == ("ar", 1) and ms is not None]
+    chain = [ms for m, ms in seen if m == ("chain", 8) and ms is not None]
+    assert len(ar) >= 3 and chain, seen  # AR's 3 timings first, then the chain (8 tokens a step) wins
+    assert max(ar) < 120 and min(chain) >= 150, seen

@@ -338,3 +338,22 @@ def test_step_planner_with_a_pipelined_caller():
     p.skip()  # the pending AR step was not observed (no live request): forgotten, oldest first
     assert [e[0] for e in p.pending] == [("chain", 8)]
     assert p.report()["chain8"]["steps"] == 2 and p.report()["ar"]["steps"] == 5
+
+
+def test_first_mode_waits_for_its_timings_when_an_observation_has_no_time():
+    """A pipelined caller whose first observed step carries no time (a refill's prefill in its interval) still
+    gets the decode's first mode until that mode is timed; a caller that never times (table only) is held
+    for at most FIRST_TIMED untimed steps."""
+    costs = {AR: 1.0, ("chain", 8): 1.2}
+    p = StepPlanner(costs)
+    assert [p.choose(), p.choose()] == [AR, AR]
+    p.observe(AR, 1.0)  # no time
+    assert p.choose() == AR  # nothing timed yet: the first mode again (the probe waited)
+    p.observe(AR, 1.0, ms=1.0)
+    assert p.choose() == AR and p.timed[AR] == 1
+    table_only = StepPlanner(costs)
+    picks = [table_only.choose()]
+    for _ in range(6):
+        picks.append(table_only.choose())
+        table_only.observe(picks[-2], 1.0 if picks[-2] == AR else 4.0)
+    assert picks[:3] == [AR, AR, AR] and ("chain", 8) in picks, picks

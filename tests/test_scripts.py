@@ -69,6 +69,9 @@ def test_all_caches_joins_the_finished_caches_in_name_order(tmp_path):
     (comma / "k" / "summary.json").write_text("{}")
     r = pick(comma)
     assert r.returncode == 1 and "holds a comma, which separates the trainer's train= list" in r.stderr
+    r = subprocess.run(["bash", str(REPO / "scripts/smollm2/one_cache.sh"), str(tmp_path), "--all"],
+                       capture_output=True, text=True)  # --all after DIR: refused, not ignored
+    assert r.returncode == 2 and r.stdout == "" and "unexpected arguments after DIR: --all" in r.stderr
 
 
 def test_recipe_unpacks_several_packs_and_trains_on_all_caches(tmp_path):
@@ -166,3 +169,23 @@ def test_recipe_fresh_samples_skip_the_greedy_job(tmp_path):
     w = tmp_path / "w"
     assert outs == [f"{w}/regen-train-sample4", f"{w}/regen-train-sample5", f"{w}/regen-eval-greedy"]
     assert seeds == ["4", "5", "0"]
+
+
+def test_summarize_reports_the_union_of_several_train_caches(tmp_path):
+    """TRAIN_CACHES=all trains on every cache in tok-train: the recipe summary counts all of them (it took
+    the first one only), and one cache is reported as it is."""
+    import json
+
+    from scripts.smollm2.summarize import data_report
+
+    for name, seqs, toks in (("aaa", 24, 1000), ("bbb", 16, 700)):
+        d = tmp_path / "tok-train" / name
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"sequences": seqs, "tokens": toks, "rows": seqs}))
+    (tmp_path / "tok-eval" / "ccc").mkdir(parents=True)
+    (tmp_path / "tok-eval" / "ccc" / "summary.json").write_text(json.dumps({"sequences": 5, "tokens": 50}))
+    rep = data_report(tmp_path)
+    assert rep["tokenize_train"]["caches"] == ["aaa", "bbb"]
+    assert (rep["tokenize_train"]["sequences"], rep["tokenize_train"]["tokens"]) == (40, 1700)
+    assert [p["sequences"] for p in rep["tokenize_train"]["parts"]] == [24, 16]
+    assert rep["tokenize_eval"] == {"sequences": 5, "tokens": 50}

@@ -339,7 +339,8 @@ def test_concat_rows_refuse_parts_tokenized_differently(two_caches, tmp_path):
             open_sources(f"{a},{b},{c}")
     jl = tmp_path / "rows.jsonl"  # a .jsonl records no chat template: it cannot join a cache
     jl.write_text(json.dumps({"input_ids": [1, 2], "loss_mask": [0, 1]}) + "\n")
-    with pytest.raises(ValueError, match=re.escape(f"{a} and {jl} disagree on tokenizer: '/x/tok' vs None")):
+    with pytest.raises(ValueError, match=re.escape(f"{a} and {jl} disagree on tokenizer: '/x/tok' vs None ({jl} "
+                                                   "records no tokenizer: a .jsonl file")):
         open_sources(f"{a},{jl}")
 
 

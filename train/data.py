@@ -378,8 +378,11 @@ class ConcatRows:
             for key in self.CHECKED:
                 field, a, b = self._compared(0, k, key)
                 if a != b:
+                    unknown = [self.paths[i] for i, v in ((0, a), (k, b)) if v is None]
+                    why = (f" ({', '.join(unknown)} records no {field}: a .jsonl file, or a cache made before "
+                           "data.tokenize recorded it)" if unknown else "")
                     raise ValueError(f"train sources {self.paths[0]} and {self.paths[k]} disagree on {field}: {a!r} "
-                                     f"vs {b!r}; rows tokenized differently cannot be trained on together")
+                                     f"vs {b!r}{why}; rows tokenized differently cannot be trained on together")
         tops = [part.max_token for part in self.parts if part.max_token is not None]
         self.max_token: tuple[int, str] | None = max(tops, key=lambda t: t[0]) if tops else None
 

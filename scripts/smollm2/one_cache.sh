@@ -9,6 +9,7 @@ set -euo pipefail
 all=0
 if [ "${1:-}" = --all ]; then all=1; shift; fi
 dir=${1:?usage: one_cache.sh [--all] DIR}
+[ $# -eq 1 ] || { echo "error: one_cache.sh: unexpected arguments after DIR: ${*:2} (usage: one_cache.sh [--all] DIR)" >&2; exit 2; }
 LC_ALL=C  # the glob's order (--all: the train list's order, hence the data digest) independent of the locale
 found=()
 for f in "$dir"/*/summary.json; do  # no dotglob: .KEY.tmp-PID/ is not matched

@@ -51,7 +51,14 @@ def data_report(work: Path) -> dict:
     out["train_answer_tokens"] = sum(v["generated_tokens"] for v in train)
     for split in ("train", "eval"):
         caches = sorted((work / f"tok-{split}").glob("*/summary.json"))
-        out[f"tokenize_{split}"] = read_json(caches[0]) if caches else None
+        parts = [read_json(c) for c in caches]
+        if len(parts) > 1:  # TRAIN_CACHES=all: the trainer read their union
+            out[f"tokenize_{split}"] = {
+                "caches": [c.parent.name for c in caches],
+                **{k: sum(p.get(k) or 0 for p in parts) for k in ("sequences", "tokens")},
+                "parts": parts}
+        else:
+            out[f"tokenize_{split}"] = parts[0] if parts else None
     return out
 
 
