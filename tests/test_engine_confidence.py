@@ -141,8 +141,8 @@ def test_planner_loop_receives_the_confidence(stories_dir, stories, monkeypatch)
 def test_planner_loop_times_each_step_as_its_own_mode(stories_dir, stories, monkeypatch):  # noqa: F811
     """The pipelined planner loop observes step k after launching step k + 1; on the CPU a step runs inside its
     launch call, so each observed time must be the launch-to-launch interval of that step's own mode (the loop
-    once charged the next step's time to it). AR steps are slowed by 30 ms and chain steps by 150 ms: every
-    timed AR step measures under 120 ms and every timed chain step at least 150 ms."""
+    once charged the next step's time to it). AR steps are slowed by 20 ms and chain steps by 400 ms: every
+    timed chain step measures at least 400 ms and every timed AR step less (a loaded CPU adds some to both)."""
     import time
 
     target, _, folder = stories
@@ -157,7 +157,7 @@ def test_planner_loop_times_each_step_as_its_own_mode(stories_dir, stories, monk
 
     def slowed(B, params, spec, mode=None):
         run = runner(B, params, spec, mode)
-        pause = 0.03 if mode == ("ar", 1) else 0.15
+        pause = 0.02 if mode == ("ar", 1) else 0.4
         return lambda: (time.sleep(pause), run())
 
     monkeypatch.setattr(eng, "_runner", slowed)
@@ -174,4 +174,4 @@ def test_planner_loop_times_each_step_as_its_own_mode(stories_dir, stories, monk
     ar = [ms for m, ms in seen if m == ("ar", 1) and ms is not None]
     chain = [ms for m, ms in seen if m == ("chain", 8) and ms is not None]
     assert len(ar) >= 3 and chain, seen  # AR's 3 timings first, then the chain (8 tokens a step) wins
-    assert max(ar) < 120 and min(chain) >= 150, seen
+    assert max(ar) < 400 <= min(chain), seen
