@@ -497,12 +497,12 @@ class Engine:
         buf.copy_(torch.cat([s.done, s.nonfinite.to(torch.int8)]), non_blocking=True)
         return self._event()
 
-    def _event(self):
+    def _event(self, timing: bool = False):
         """A CUDA event recorded on the current stream after the work enqueued so far (None on the CPU,
-        where that work is already done)."""
+        where that work is already done); ``timing``: one that ``elapsed_time`` can read (the planner loop)."""
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=timing)
         event.record()
         return event
 
@@ -631,11 +631,7 @@ class Engine:
         def snapshot(buf):
             buf.copy_(torch.cat([s.done.to(torch.int32), s.nonfinite.to(torch.int32), s.out_len,
                                  s.conf.view(torch.int32)]), non_blocking=True)
-            if not cuda:
-                return None
-            event = torch.cuda.Event(enable_timing=True)  # its time closes the step before it (planner)
-            event.record()
-            return event
+            return self._event(timing=True)  # its time closes the step before it
 
         cur = 0
         # (buffer, event, slot owners when taken, a prefill ran since the previous snapshot)

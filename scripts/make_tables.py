@@ -142,59 +142,64 @@ def _continuation_tables(r: dict) -> list[str]:
     return out + ["", f"Command: `{r['command']}`", ""]
 
 
+def _continuation_facts(r: dict, name: str, init: str) -> tuple[str, str]:
+    """(provenance, training sentence) of a continuation run: device, date, commit and the results link; its
+    steps warm-started from ``init``, learning rate and throughput."""
+    t = r["train"]
+    prov = (f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` ([`results/{name}`](results/{name}); "
+            f"{r['commit_note']})")
+    train = (f"{t['steps']} steps warm-started from {init} (same settings, cosine from lr {t['config']['lr']:g}), "
+             f"{t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
+             f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s")
+    return prov, train
+
+
+def _shipped_before(r: dict, commit: str) -> str:
+    """The H200 benchmark of a continuation's draft that is no longer the shipped one."""
+    b = r["bench"]["T0-c1"]
+    return (f"Its draft on the H200 benchmark (T = 0, concurrency 1, 20 prompts per task): mean τ {b['mean_tau']:.2f}, "
+            f"{b['mean_speedup']:.2f}× (`bench` in the JSON; `git show {commit}:checkpoints/smollm2-135m-dspine` is "
+            "that draft).")
+
+
 def continue_section() -> list[str]:
     """The shipped draft's warm-started continuations of the recipe's DSpine draft, newest first."""
     out = []
     r = load("smollm2-continue3-h200.json")
     if r:
-        g, t, b = r["regen"], r["train"], r["bench"]["T0-c1"]
+        g, b, pack = r["regen"], r["bench"]["T0-c1"], r["data"]["pack"]
+        prov, train = _continuation_facts(r, "smollm2-continue3-h200.json", "the second continuation's draft")
         out += ["#### The shipped draft: the recipe's DSpine draft trained further, three times, on one H200", "",
-                f"Third continuation (the shipped draft): {r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` "
-                f"([`results/smollm2-continue3-h200.json`](results/smollm2-continue3-h200.json); {r['commit_note']}). "
+                f"Third continuation (the shipped draft): {prov}. "
                 f"Fresh answers: the recipe's data stages with `GREEDY=0 SAMPLE_SEED0=3 SAMPLES=4 REGEN_PAR=4` (four new "
                 f"T = 0.8 seeds, no greedy job), {g['answer_tokens'] / 1e6:.1f} M answer tokens in a "
                 f"{g['regen_stage_s']:.0f} s regeneration stage, {g['tokens_per_s_stage']:,} tok/s including start-ups; "
-                f"{r['data']['pack']['sequences']:,} sequences, {r['data']['pack']['tokens'] / 1e6:.1f} M tokens, a "
-                f"{r['data']['pack']['compressed_bytes'] / 1e6:.1f} MB pack. Then {t['steps']} steps warm-started from the "
-                f"second continuation's draft (same settings, cosine from lr {t['config']['lr']:g}), "
-                f"{t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
-                f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s. Steps so far: "
+                f"{pack['sequences']:,} sequences, {pack['tokens'] / 1e6:.1f} M tokens, a "
+                f"{pack['compressed_bytes'] / 1e6:.1f} MB pack. Then {train}. Steps so far: "
                 + ", ".join(f"{k} {v:,}" for k, v in r["steps_total"].items()) + ". Its benchmark is the shipped-draft "
                 f"tables above (T = 0, concurrency 1: mean τ {b['mean_tau']:.2f}, {b['mean_speedup']:.2f}×).", ""]
         out += _continuation_tables(r)
     r = load("smollm2-continue2-h200.json")
     if r:
-        t = r["train"]
-        b = r["bench"]["T0-c1"]
+        pack = r["data"]["pack"]
+        prov, train = _continuation_facts(r, "smollm2-continue2-h200.json", "the first continuation's draft")
         out += [("#### Second continuation (the draft shipped before the third)" if out else
                  "#### The shipped draft: the recipe's DSpine draft trained further, twice, on one H200"), "",
-                f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` "
-                f"([`results/smollm2-continue2-h200.json`](results/smollm2-continue2-h200.json); {r['commit_note']}). "
-                f"The first continuation's tokenized data again ({r['data']['pack']['sequences']:,} sequences, "
-                f"{r['data']['pack']['tokens'] / 1e6:.1f} M tokens, unpacked from its "
-                f"{r['data']['pack']['compressed_bytes'] / 1e6:.1f} MB pack, no regeneration), "
-                f"{t['steps']} steps warm-started from the first continuation's draft (same settings, cosine from lr "
-                f"{t['config']['lr']:g}), {t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
-                f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s. Its draft on the H200 benchmark (T = 0, "
-                f"concurrency 1, 20 prompts per task): mean τ {b['mean_tau']:.2f}, {b['mean_speedup']:.2f}× (`bench` in "
-                "the JSON; `git show e39ad58:checkpoints/smollm2-135m-dspine` is that draft).", ""]
+                f"{prov}. The first continuation's tokenized data again ({pack['sequences']:,} sequences, "
+                f"{pack['tokens'] / 1e6:.1f} M tokens, unpacked from its {pack['compressed_bytes'] / 1e6:.1f} MB pack, "
+                f"no regeneration), {train}. {_shipped_before(r, 'e39ad58')}", ""]
         out += _continuation_tables(r)
     r = load("smollm2-continue-h200.json")
     if not r:
         return out
-    g, t = r["regen"], r["train"]
-    b = r["bench"]["T0-c1"]
+    g = r["regen"]
+    prov, train = _continuation_facts(r, "smollm2-continue-h200.json", "the recipe's DSpine draft")
     out += ["#### First continuation (the draft shipped before the second; its data is reused by the second)" if out else
             "#### The shipped draft: the recipe's DSpine draft trained further on one H200", "",
-            f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` ([`results/smollm2-continue-h200.json`]"
-            f"(results/smollm2-continue-h200.json); {r['commit_note']}). Fresh data from the recipe's data stages "
-            f"(regeneration with `REGEN_PAR=4`: {g['answer_tokens'] / 1e6:.1f} M answer tokens in {g['regen_stage_s']:.0f} s, "
-            f"{g['tokens_per_s_stage']:,} tok/s including start-ups, against 544 s one job at a time), then "
-            f"{t['steps']} steps warm-started from the recipe's DSpine draft (same settings, cosine from lr "
-            f"{t['config']['lr']:g}), {t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
-            f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s. Its draft on the H200 benchmark (T = 0, concurrency 1, "
-            f"20 prompts per task): mean τ {b['mean_tau']:.2f}, {b['mean_speedup']:.2f}× (`bench` in the JSON; "
-            f"`git show 33657e2:checkpoints/smollm2-135m-dspine` is that draft).", ""]
+            f"{prov}. Fresh data from the recipe's data stages (regeneration with `REGEN_PAR=4`: "
+            f"{g['answer_tokens'] / 1e6:.1f} M answer tokens in {g['regen_stage_s']:.0f} s, {g['tokens_per_s_stage']:,} "
+            f"tok/s including start-ups, against 544 s one job at a time), then {train}. {_shipped_before(r, '33657e2')}",
+            ""]
     return out + _continuation_tables(r)
 
 

@@ -57,24 +57,6 @@ def launch(q, k, v, cache_len, scale, bn, warps, stages, per_sm):
     return out
 
 
-def launch_combine(pa, pm, pl, out, br, warps, ordered):
-    import triton
-
-    BH, NS, TG, D = pa.shape
-    B, _, Hq, _ = out.shape
-    Hkv = BH // B
-    _, bs, bd = ac._combine_blocks(NS, TG, D, ordered)
-    num_rb = triton.cdiv(TG, br)
-    args = (pa, pm, pl, out, out.stride(0), out.stride(1), out.stride(2), Hkv, NS, TG, num_rb)
-    if ordered:
-        ac._combine_ordered_kernel[(BH * num_rb,)](*args, G=Hq // Hkv, D=D, BLOCK_R=br, BLOCK_D=bd,
-                                                   num_warps=warps, enable_fp_fusion=False)
-    else:
-        ac._combine_kernel[(BH * num_rb,)](*args, G=Hq // Hkv, D=D, BLOCK_R=br, BLOCK_S=bs, BLOCK_D=bd,
-                                           num_warps=warps)
-    return out
-
-
 def sweep_combine():
     """The combine at batch 8 (B·Hkv = 64, NS = 3, D = 128): G·T = 64 (spec, T = 16) and 4 (decode)."""
     import triton.testing
@@ -96,8 +78,10 @@ def sweep_combine():
                     continue
                 try:
                     out.fill_(float("nan"))
-                    ok = (launch_combine(pa, pm, pl, out, br, warps, ordered).float() - ref).abs().max().item() < 2e-2
-                    t = bench(functools.partial(launch_combine, pa, pm, pl, out, br, warps, ordered))
+                    run = functools.partial(combine_partials_triton, pa, pm, pl, out, ordered, block_r=br,
+                                            num_warps=warps)
+                    ok = (run().float() - ref).abs().max().item() < 2e-2
+                    t = bench(run)
                 except Exception as e:  # e.g. out of registers
                     results.append(dict(TG=TG, NS=NS, ordered=ordered, br=br, warps=warps, error=str(e)[:200]))
                     continue

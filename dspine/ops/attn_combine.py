@@ -127,7 +127,10 @@ def _combine_blocks(NS: int, TG: int, D: int, ordered: bool) -> tuple[int, int, 
     return br, bs, bd
 
 
-def combine_partials_triton(part_acc, part_m, part_l, out, ordered: bool = False):
+def combine_partials_triton(part_acc, part_m, part_l, out, ordered: bool = False, *, block_r: int | None = None,
+                            num_warps: int = 4):
+    """The Triton launch; ``block_r`` (rows per program, a power of two) and ``num_warps`` override the
+    defaults of :func:`_combine_blocks` (benchmarks/kernels/tune_attention.py sweeps them)."""
     BH, NS, TG, D = part_acc.shape
     B, T, Hq, _ = out.shape
     Hkv = BH // B
@@ -135,15 +138,16 @@ def combine_partials_triton(part_acc, part_m, part_l, out, ordered: bool = False
     if out.stride(-1) != 1:
         raise ValueError("out must have a contiguous last dim")
     br, bs, bd = _combine_blocks(NS, TG, D, ordered)
+    br = block_r or br
     num_rb = triton.cdiv(TG, br)
     args = (part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), Hkv, NS, TG, num_rb)
     if ordered:
         _combine_ordered_kernel[(BH * num_rb,)](
             *args, G=G, D=D, BLOCK_R=br, BLOCK_D=bd,
-            num_warps=4, enable_fp_fusion=False,  # the torch reference's separate products and sums
+            num_warps=num_warps, enable_fp_fusion=False,  # the torch reference's separate products and sums
         )
         return out
-    _combine_kernel[(BH * num_rb,)](*args, G=G, D=D, BLOCK_R=br, BLOCK_S=bs, BLOCK_D=bd, num_warps=4)
+    _combine_kernel[(BH * num_rb,)](*args, G=G, D=D, BLOCK_R=br, BLOCK_S=bs, BLOCK_D=bd, num_warps=num_warps)
     return out
 
 
