@@ -40,3 +40,18 @@ def test_profile_step_tiny_cpu_writes_the_table(tmp_path):
         assert all(a["us_per_step"] >= b["us_per_step"] for a, b in zip(r["top"], r["top"][1:]))
     # the speculative step does the AR step's target work over a block, plus the draft
     assert rec["batch1"]["spec"]["kernels_per_step"] > rec["batch1"]["ar"]["kernels_per_step"]
+
+
+def test_bench_engine_skip_peers_keeps_engine_keys_only(tmp_path):
+    out = tmp_path / "engine.json"
+    bench_engine.main(["--tiny", "--cpu", "--skip-peers", "--iters", "1", "--prompt", "16", "--new-tokens", "32",
+                       "--output", str(out)])
+    rec = json.loads(out.read_text())
+    for b in ("batch1", "batch8"):
+        row = rec[b]
+        assert "hf_generate_tok_per_s" not in row and "compiled_hf_tok_per_s" not in row
+        assert row["spec_step_ms"] > 0 and row["ar_step_ms"] > 0
+        assert row["spec_step_over_ar_step"] == row["spec_step_ms"] / row["ar_step_ms"]
+        # force_accept=6: every full step commits 7 tokens; the last step of 32 tokens is cut short
+        assert 5.0 < row["oracle_tau"] <= 7.0
+    assert "hf_generate_tok_per_s" not in rec and rec["spec_step_over_ar_step"] == rec["batch1"]["spec_step_over_ar_step"]

@@ -11,7 +11,8 @@ Measures, after warm-up, with CUDA events around graph replays:
   draft context append) over one AR step, both graph replays;
 * ``oracle_speedup_tau7``: a benchmark-only oracle that accepts exactly 6 draft tokens per step
   (τ = 7) against the engine's own AR, end to end over 256 tokens;
-* ``hf_generate_tok_per_s``: transformers ``generate`` on the same weights, same prompt.
+* ``hf_generate_tok_per_s``: transformers ``generate`` on the same weights, same prompt
+  (``--skip-peers`` leaves out this and the compiled peer below).
 The same numbers at batch 8. At batch 1 only, the stronger peer:
 * ``compiled_hf_tok_per_s``: transformers ``generate`` with a static cache, whose decode step
   transformers compiles with ``torch.compile`` (its auto-compile on CUDA, mode "reduce-overhead":
@@ -213,17 +214,17 @@ def run(args) -> dict:
         row["oracle_speedup_tau7"] = row["oracle_tok_per_s"] / row["ar_tok_per_s"]
         row["oracle_speedup_from_steps"] = 7 / row["spec_step_over_ar_step"]
         del oracle
-        # transformers generate on the same weights
-        ids = torch.tensor(prompts, device=dev)
-        n_hf = min(args.new_tokens, 32)
-        with torch.inference_mode():
-            hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
-            t = time.perf_counter()
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_hf, min_new_tokens=n_hf,
-                        do_sample=False, pad_token_id=0)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-        row["hf_generate_tok_per_s"] = B * n_hf / (time.perf_counter() - t)
+        if not args.skip_peers:  # transformers generate on the same weights
+            ids = torch.tensor(prompts, device=dev)
+            n_hf = min(args.new_tokens, 32)
+            with torch.inference_mode():
+                hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+                t = time.perf_counter()
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_hf, min_new_tokens=n_hf,
+                            do_sample=False, pad_token_id=0)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+            row["hf_generate_tok_per_s"] = B * n_hf / (time.perf_counter() - t)
         if bw:
             row["ar_fraction_of_floor"] = row["ar_tok_per_s"] / B / res["bandwidth_floor_tok_per_s"]
         res[f"batch{B}"] = row
@@ -233,13 +234,15 @@ def run(args) -> dict:
         res["peak_memory_GB"] = torch.cuda.max_memory_allocated() / 1e9
     del target, draft
     gc.collect()
-    peer_row = peer()  # last: torch.compile's state does not touch the engine's timings
-    res["batch1"].update(peer_row)
-    print(f"batch 1 compiled transformers: {peer_row}", flush=True)
+    if not args.skip_peers:
+        peer_row = peer()  # last: torch.compile's state does not touch the engine's timings
+        res["batch1"].update(peer_row)
+        print(f"batch 1 compiled transformers: {peer_row}", flush=True)
     # the headline numbers at batch 1
     for k in ("ar_tok_per_s", "spec_step_over_ar_step", "oracle_speedup_tau7", "hf_generate_tok_per_s",
               "compiled_hf_tok_per_s"):
-        res[k] = res["batch1"][k]
+        if k in res["batch1"]:
+            res[k] = res["batch1"][k]
     return res
 
 
@@ -257,6 +260,9 @@ def main(argv=None) -> int:
                     help="measure only the compiled-transformers peer (batch 1; no engine)")
     ap.add_argument("--compiled-new-tokens", type=int, default=128,
                     help="new tokens of the compiled peer's long generation (the short one has 16)")
+    ap.add_argument("--skip-peers", action="store_true",
+                    help="engine numbers only: no transformers generate / compiled-transformers peer (their keys are "
+                         "left out; about 2 of the ~3 minutes at Qwen3-8B shape)")
     ap.add_argument("--compiled-reps", type=int, default=3, help="timed generations per length (median)")
     args = ap.parse_args(argv)
     if args.compiled_new_tokens <= 16:
