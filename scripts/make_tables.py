@@ -40,7 +40,7 @@ def smollm2_section() -> list[str]:
         r = json.loads(path.read_text())
         a = r["args"]
         samp = "greedy" if a["temperature"] == 0 else f"T={a['temperature']:g}, top_p {a['top_p']:g}, top_k {a['top_k']}"
-        trained = ("The shipped DSpine draft (the recipe's, trained further three times: continuations below)" if "-shipped-" in path.name
+        trained = ("The shipped DSpine draft (the recipe's, trained further four times: continuations below)" if "-shipped-" in path.name
                    else "GPU-trained drafts (recipe below)" if "-h200-" in path.name else "CPU-trained drafts")
         out.append(f"**{trained}, {samp}, concurrency {a['concurrency']}, {a['num_prompts']} prompts per task, "
                    f"{a['max_new_tokens']} new tokens, backend `{r['backend']}` on {r['device']}** "
@@ -165,19 +165,33 @@ def _shipped_before(r: dict, commit: str) -> str:
 def continue_section() -> list[str]:
     """The shipped draft's warm-started continuations of the recipe's DSpine draft, newest first."""
     out = []
-    r = load("smollm2-continue3-h200.json")
+    r = load("smollm2-continue4-h200.json")
     if r:
-        g, b, pack = r["regen"], r["bench"]["T0-c1"], r["data"]["pack"]
-        prov, train = _continuation_facts(r, "smollm2-continue3-h200.json", "the second continuation's draft")
-        out += ["#### The shipped draft: the recipe's DSpine draft trained further, three times, on one H200", "",
-                f"Third continuation (the shipped draft): {prov}. "
-                f"Fresh answers: the recipe's data stages with `GREEDY=0 SAMPLE_SEED0=3 SAMPLES=4 REGEN_PAR=4` (four new "
-                f"T = 0.8 seeds, no greedy job), {g['answer_tokens'] / 1e6:.1f} M answer tokens in a "
-                f"{g['regen_stage_s']:.0f} s regeneration stage, {g['tokens_per_s_stage']:,} tok/s including start-ups; "
-                f"{pack['sequences']:,} sequences, {pack['tokens'] / 1e6:.1f} M tokens, a "
-                f"{pack['compressed_bytes'] / 1e6:.1f} MB pack. Then {train}. Steps so far: "
+        g, b, (new, prev) = r["regen"], r["bench"]["T0-c1"], r["data"]["packs"]
+        prov, train = _continuation_facts(r, "smollm2-continue4-h200.json", "the third continuation's draft")
+        out += ["#### The shipped draft: the recipe's DSpine draft trained further, four times, on one H200", "",
+                f"Fourth continuation (the shipped draft): {prov}. "
+                f"Fresh answers: the recipe's data stages with `GREEDY=0 SAMPLE_SEED0=7 SAMPLES=4 REGEN_PAR=4` (T = 0.8 "
+                f"seeds 8-11), {g['answer_tokens'] / 1e6:.1f} M answer tokens in a {g['regen_stage_s']:.0f} s "
+                f"regeneration stage, {g['tokens_per_s_stage']:,} tok/s including start-ups ({new['sequences']:,} "
+                f"sequences, {new['tokens'] / 1e6:.1f} M tokens, a {new['compressed_bytes'] / 1e6:.1f} MB pack), trained "
+                f"together with the third continuation's answers (seeds 4-7, its pack unpacked beside it; "
+                f"`TRAIN_CACHES=all`): {r['data']['train_rows']:,} sequences, {r['data']['train_tokens'] / 1e6:.1f} M "
+                f"tokens. Then {train}. Steps so far: "
                 + ", ".join(f"{k} {v:,}" for k, v in r["steps_total"].items()) + ". Its benchmark is the shipped-draft "
                 f"tables above (T = 0, concurrency 1: mean τ {b['mean_tau']:.2f}, {b['mean_speedup']:.2f}×).", ""]
+        out += _continuation_tables(r)
+    r = load("smollm2-continue3-h200.json")
+    if r:
+        g, pack = r["regen"], r["data"]["pack"]
+        prov, train = _continuation_facts(r, "smollm2-continue3-h200.json", "the second continuation's draft")
+        out += [("#### Third continuation (the draft shipped before the fourth; its data is reused by the fourth)" if out
+                 else "#### The shipped draft: the recipe's DSpine draft trained further, three times, on one H200"), "",
+                f"{prov}. Fresh answers: the recipe's data stages with `GREEDY=0 SAMPLE_SEED0=3 SAMPLES=4 REGEN_PAR=4` "
+                f"(four new T = 0.8 seeds, no greedy job), {g['answer_tokens'] / 1e6:.1f} M answer tokens in a "
+                f"{g['regen_stage_s']:.0f} s regeneration stage, {g['tokens_per_s_stage']:,} tok/s including start-ups; "
+                f"{pack['sequences']:,} sequences, {pack['tokens'] / 1e6:.1f} M tokens, a "
+                f"{pack['compressed_bytes'] / 1e6:.1f} MB pack. Then {train}. {_shipped_before(r, '8f1ea67')}", ""]
         out += _continuation_tables(r)
     r = load("smollm2-continue2-h200.json")
     if r:
@@ -520,6 +534,24 @@ def profile_section() -> list[str]:
                 "`dspine.ops.lm_head` flattens the rows first (tests/test_kernels_lm_head.py asserts `aten::mm`). "
                 "What is left is mostly the layers' GEMMs at 128 rows against 8 (the top kernel) and the attention "
                 "combine kernel."]
+        comb = next((x for x in b8["top"] if x["name"] == "_combine_kernel"), None)
+        cb = (r.get("before_combine_rewrite") or {}).get("batch8_spec_combine")
+        if comb and cb:
+            out[-1] += (f" The combine takes {comb['us_per_call']:.1f} µs a call ({comb['count_per_step']:.0f} calls, "
+                        f"{comb['us_per_step'] / 1000:.2f} ms a step) with up to 16 rows per program, against "
+                        f"{cb['us_per_call']:.1f} µs with one row per program (commit "
+                        f"`{r['before_combine_rewrite']['commit'][:10]}`): merging rows did not shorten it.")
+        sw = load("combine-sweep-h200.json")
+        if comb and sw:
+            spec = [x for x in sw["rows"] if "us" in x and x["TG"] == 64 and x["BH"] == 64 and not x["ordered"] and x["ok"]]
+            by_w = {w: [x["us"] for x in spec if x["warps"] == w] for w in (1, 2, 4, 8)}
+            best = min(spec, key=lambda x: x["us"])
+            out[-1] += (f" The kernel alone at that shape ([`results/combine-sweep-h200.json`](results/combine-sweep-h200.json), "
+                        f"CUDA-graph replays, commit `{sw['commit'][:10]}`) took {min(by_w[4] + by_w[8]):.1f}-{max(by_w[4] + by_w[8]):.1f} "
+                        f"µs with 4 or 8 warps whatever its rows per program, {min(by_w[2]):.1f}-{max(by_w[2]):.1f} µs with "
+                        f"2 and {min(by_w[1]):.1f}-{max(by_w[1]):.1f} µs with 1 (best {best['us']:.1f} µs: {best['br']} rows, "
+                        f"{best['warps']} warp): the warps, not the program count, made it slow. Its default is now that "
+                        "best launch (one warp per 4,096 fp32 of the tile); the step is not re-profiled with it yet.")
     out += ["", f"Command: `{r['command']}`", ""]
     return out
 

@@ -100,11 +100,14 @@ def test_combine_budget_can_fail():
 
 
 def test_combine_blocks():
-    assert _combine_blocks(3, 64, 128, ordered=False) == (16, 4, 128)  # the H200 spec-step shape
-    assert _combine_blocks(3, 4, 128, ordered=False) == (4, 4, 128)  # decode: all 4 rows in one program
-    assert _combine_blocks(64, 64, 128, ordered=False) == (1, 64, 128)
-    assert _combine_blocks(64, 64, 128, ordered=True) == (16, 64, 128)
-    assert _combine_blocks(1, 20, 80, ordered=False) == (16, 2, 128)
+    # (rows per program, BLOCK_S, BLOCK_D, warps); the H200 sweep (results/combine-sweep-h200.json) picked
+    # 8 rows and 1 warp at the batch-8 spec shape: 2.4 us a call against 12-14 us at 4 warps
+    assert _combine_blocks(3, 64, 128, ordered=False) == (8, 4, 128, 1)
+    assert _combine_blocks(3, 4, 128, ordered=False) == (4, 4, 128, 1)  # decode: all 4 rows in one program
+    assert _combine_blocks(17, 64, 128, ordered=False) == (1, 32, 128, 1)  # batch-1 spec: 17 splits
+    assert _combine_blocks(64, 64, 128, ordered=False) == (1, 64, 128, 2)  # 8192 fp32: two warps
+    assert _combine_blocks(64, 64, 128, ordered=True) == (16, 64, 128, 4)  # the loop holds [16, 128] only
+    assert _combine_blocks(1, 20, 80, ordered=False) == (16, 2, 128, 1)
 
 
 # ----------------------------------------------------------------------------- exact mode

@@ -5,7 +5,8 @@
 Calls the kernel directly with each (BLOCK_N, num_warps, num_stages, programs-per-SM target) at
 Qwen3-8B shapes, checks each result against the default launcher, and prints the best per shape.
 ``--combine`` sweeps the split-K combine instead (rows per program × num_warps, both modes) at
-batch 8's spec and decode shapes; BLOCK_R = 1 is the former one-row-per-program launch.
+batch 8's spec and decode shapes and batch 1's spec shape (results/combine-sweep-h200.json: ``rows``
+with the command, GPU, date and commit); BLOCK_R = 1 is the former one-row-per-program launch.
 Used to pick the defaults in dspine/ops/verify_attention.py and attn_combine.py; not part of the
 test suite.
 """
@@ -58,16 +59,17 @@ def launch(q, k, v, cache_len, scale, bn, warps, stages, per_sm):
 
 
 def sweep_combine():
-    """The combine at batch 8 (B·Hkv = 64, NS = 3, D = 128): G·T = 64 (spec, T = 16) and 4 (decode)."""
+    """The combine at Qwen3-8B's engine shapes (D = 128, G = 4): batch 8 (B·Hkv = 64, NS = 3) with G·T = 64
+    (spec, T = 16) and 4 (decode); batch 1 (B·Hkv = 8, NS = 17) with G·T = 64 (spec)."""
     import triton.testing
 
     results = []
-    for TG in (64, 4):
-        NS, G = 3, 4
-        pm = 8 * torch.randn(64, NS, TG, device="cuda")
+    for BH, NS, TG in ((64, 3, 64), (64, 3, 4), (8, 17, 64)):
+        G = 4
+        pm = 8 * torch.randn(BH, NS, TG, device="cuda")
         pl = 1 + 20 * torch.rand_like(pm)
-        pa = torch.randn(64, NS, TG, 128, device="cuda") * pl[..., None]
-        out = torch.empty(8, TG // G, 32, 128, device="cuda", dtype=torch.bfloat16)
+        pa = torch.randn(BH, NS, TG, 128, device="cuda") * pl[..., None]
+        out = torch.empty(BH // 8, TG // G, 32, 128, device="cuda", dtype=torch.bfloat16)
         ref = combine_partials_torch(pa, pm, pl, torch.empty_like(out)).float()
         bench = lambda fn: 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
         for ordered in (False, True):
@@ -83,17 +85,19 @@ def sweep_combine():
                     ok = (run().float() - ref).abs().max().item() < 2e-2
                     t = bench(run)
                 except Exception as e:  # e.g. out of registers
-                    results.append(dict(TG=TG, NS=NS, ordered=ordered, br=br, warps=warps, error=str(e)[:200]))
+                    results.append(dict(BH=BH, TG=TG, NS=NS, ordered=ordered, br=br, warps=warps, error=str(e)[:200]))
                     continue
-                results.append(dict(TG=TG, NS=NS, ordered=ordered, br=br, warps=warps, us=t, ok=ok))
+                results.append(dict(BH=BH, TG=TG, NS=NS, ordered=ordered, br=br, warps=warps, us=t, ok=ok))
                 if ok:
                     timed[br, warps] = t
             (br, warps), best = min(timed.items(), key=lambda kv: kv[1])
             per_row = timed.get((1, 1 if ordered else 4), float("nan"))  # the former launch's num_warps
-            print(f"combine G·T={TG} NS={NS} {'ordered' if ordered else 'fast'}: default {default:.1f} us "
-                  f"(BLOCK_R={ac._combine_blocks(NS, TG, 128, ordered)[0]}), one row per program {per_row:.1f} us, "
+            dflt = ac._combine_blocks(NS, TG, 128, ordered)
+            print(f"combine B·Hkv={BH} G·T={TG} NS={NS} {'ordered' if ordered else 'fast'}: default {default:.1f} us "
+                  f"(BLOCK_R={dflt[0]}, warps={dflt[3]}), one row per program {per_row:.1f} us, "
                   f"best {best:.1f} us at BLOCK_R={br} warps={warps}", flush=True)
-            results.append(dict(TG=TG, NS=NS, ordered=ordered, default_us=default, per_row_us=per_row))
+            results.append(dict(BH=BH, TG=TG, NS=NS, ordered=ordered, default_us=default, per_row_us=per_row,
+                                default_block_r=dflt[0], default_warps=dflt[3]))
     return results
 
 
@@ -105,7 +109,9 @@ def main():
     ap.add_argument("--combine", action="store_true", help="sweep the split-K combine only")
     args = ap.parse_args()
     if args.combine:
-        results = sweep_combine()
+        from dspine.provenance import provenance
+
+        results = {**provenance(), "rows": sweep_combine()}
         if args.output:
             Path(args.output).write_text(json.dumps(results, indent=1))
         return

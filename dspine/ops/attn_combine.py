@@ -17,11 +17,15 @@ Kernel: grid (B·Hkv·cdiv(G·T, BLOCK_R),); a program merges BLOCK_R consecutiv
 (b, kv head): m and l as [BLOCK_S, BLOCK_R] tiles, acc as one [BLOCK_S, BLOCK_R, BLOCK_D] tile in
 the partials' memory order (BLOCK_S = next_pow2(NS); every load issued at once), reduced over the
 split axis, stored as [BLOCK_R, BLOCK_D]. BLOCK_R: the largest power of two ≤ 16 and ≤ next_pow2(G·T)
-whose acc tile holds ≤ 8192 fp32 (1 for wide tiles, e.g. NS > 16 at D = 128). Why: one program
-per row was latency-bound. On an H200 at Qwen3-8B's batch-8 speculative step (B·Hkv = 64, G·T = 64,
-NS = 3, D = 128: 4096 programs of a [4, 128] tile) it took 13.1 µs per call, 41 calls = 0.54 ms of
-a 7.45 ms step, where its 7.4 MB of traffic needs ~2 µs (batch-8 decode, 256 programs: 2.0 µs;
-results/profile-step-h200.json). That shape is now 256 programs of [4, 16, 128].
+whose acc tile holds ≤ 4096 fp32 (1 for wide tiles, e.g. NS > 8 at D = 128); one warp per 4096
+elements of the tile (128 fp32 per thread). Why: measured on an H200 at Qwen3-8B's batch-8 speculative
+step (B·Hkv = 64, G·T = 64, NS = 3, D = 128; results/combine-sweep-h200.json, rows per program ×
+warps), every launch with 4 or 8 warps took 12-14 µs a call whatever its rows per program (the
+reduction over the split axis of a 3-D tile spread over several warps), 2 warps 5-6 µs, 1 warp
+2.4-3.7 µs (best: 8 rows per program, 2.4 µs, where the 7.4 MB of traffic needs ~2 µs); the
+engine's step profile had it at 13.1 µs × 41 calls = 0.54 ms of a 7.45 ms step
+(results/profile-step-h200.json). At the batch-8 decode shape (G·T = 4) 1 warp took 1.4-1.8 µs
+against 2.7 µs with 4. Wider tiles (NS > 8 at D = 128, batch 1: NS up to 17) are not measured yet.
 Memory traffic: reads NS·(D+2)·4 bytes and writes D·sizeof(out) bytes per row (at the shape
 above: 6.4 MB read, 1.0 MB written).
 
@@ -41,8 +45,9 @@ from ._common import check_impl, next_pow2, tl, triton
 
 __all__ = ["combine_partials"]
 
-_MAX_ROWS = 16  # rows per program: keeps ≥ 2 programs per H200 SM at the shape in the docstring
-_TILE = 8192  # fp32 elements of the acc tile one program holds (32 KB: 64 per thread at 4 warps)
+_MAX_ROWS = 16  # rows per program
+_TILE = 4096  # fp32 elements of the unordered kernel's acc tile per program, and per warp (128 per thread)
+_TILE_ORDERED = 8192  # the ordered kernel's [BLOCK_R, BLOCK_D] tile (4 warps: 64 fp32 per thread)
 
 
 @triton.jit
@@ -117,18 +122,20 @@ def _combine_kernel(
     tl.store(out_ptr, o.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
-def _combine_blocks(NS: int, TG: int, D: int, ordered: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_S, BLOCK_D): the most rows (≤ _MAX_ROWS, ≤ the rows there are) whose acc tile
-    ([BLOCK_S, BLOCK_R, BLOCK_D], or [BLOCK_R, BLOCK_D] for the ordered loop) fits in _TILE."""
+def _combine_blocks(NS: int, TG: int, D: int, ordered: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_R, BLOCK_S, BLOCK_D, num_warps): the most rows (≤ _MAX_ROWS, ≤ the rows there are) whose acc
+    tile fits (unordered: [BLOCK_S, BLOCK_R, BLOCK_D] ≤ _TILE, one warp per _TILE elements; ordered loop:
+    [BLOCK_R, BLOCK_D] ≤ _TILE_ORDERED, 4 warps)."""
     bs = max(2, next_pow2(NS))
     bd = max(16, next_pow2(D))
-    per_row = bd if ordered else bs * bd
-    br = max(1, min(_MAX_ROWS, next_pow2(TG), _TILE // per_row))
-    return br, bs, bd
+    if ordered:
+        return max(1, min(_MAX_ROWS, next_pow2(TG), _TILE_ORDERED // bd)), bs, bd, 4
+    br = max(1, min(_MAX_ROWS, next_pow2(TG), _TILE // (bs * bd)))
+    return br, bs, bd, max(1, br * bs * bd // _TILE)
 
 
 def combine_partials_triton(part_acc, part_m, part_l, out, ordered: bool = False, *, block_r: int | None = None,
-                            num_warps: int = 4):
+                            num_warps: int | None = None):
     """The Triton launch; ``block_r`` (rows per program, a power of two) and ``num_warps`` override the
     defaults of :func:`_combine_blocks` (benchmarks/kernels/tune_attention.py sweeps them)."""
     BH, NS, TG, D = part_acc.shape
@@ -137,8 +144,8 @@ def combine_partials_triton(part_acc, part_m, part_l, out, ordered: bool = False
     G = Hq // Hkv
     if out.stride(-1) != 1:
         raise ValueError("out must have a contiguous last dim")
-    br, bs, bd = _combine_blocks(NS, TG, D, ordered)
-    br = block_r or br
+    br, bs, bd, warps = _combine_blocks(NS, TG, D, ordered)
+    br, num_warps = block_r or br, num_warps or warps
     num_rb = triton.cdiv(TG, br)
     args = (part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), Hkv, NS, TG, num_rb)
     if ordered:

@@ -43,14 +43,17 @@
 #   sampled jobs use seeds SAMPLE_SEED0+1 .. SAMPLE_SEED0+SAMPLES, so a later lease with SAMPLE_SEED0=3
 #   draws answers the earlier one did not), GREEDY (1; 0 skips the greedy train job, which would repeat
 #   the earlier lease's answers token for token).
-# The shipped draft checkpoints/smollm2-135m-dspine took three continuations of the recipe's DSpine draft:
+# The shipped draft checkpoints/smollm2-135m-dspine took four continuations of the recipe's DSpine draft:
 #   1. the data stages (with REGEN_PAR=4), then ARMS=dspine STEPS=1728 DSPINE_INIT=<the recipe's draft, git show
 #      ebc9baa:checkpoints/smollm2-135m-dspine> recipe.sh train (results/smollm2-continue-h200.json);
 #   2. PACK_DIR=<the pack of 1> recipe.sh unpack, then ARMS=dspine STEPS=2656 DSPINE_INIT=<the draft of 1, git show
 #      33657e2:checkpoints/smollm2-135m-dspine> recipe.sh train bench (results/smollm2-continue2-h200.json);
 #   3. (a fresh WORK) GREEDY=0 SAMPLE_SEED0=3 SAMPLES=4 REGEN_PAR=4 recipe.sh convert data regen tokenize pack, then ARMS=dspine
 #      STEPS=2048 DSPINE_INIT=<the draft of 2, git show e39ad58:checkpoints/smollm2-135m-dspine> recipe.sh train
-#      bench (results/smollm2-continue3-h200.json).
+#      bench (results/smollm2-continue3-h200.json);
+#   4. (a fresh WORK) GREEDY=0 SAMPLE_SEED0=7 SAMPLES=4 REGEN_PAR=4 recipe.sh convert data regen tokenize pack, then
+#      PACK_DIR=<the pack of 3> recipe.sh unpack, then TRAIN_CACHES=all ARMS=dspine STEPS=1600 DSPINE_INIT=<the draft
+#      of 3, git show 8f1ea67:checkpoints/smollm2-135m-dspine> recipe.sh train bench (results/smollm2-continue4-h200.json).
 #   A folder from `git show`: mkdir -p D && for f in config.json model.safetensors; do
 #   git show 33657e2:checkpoints/smollm2-135m-dspine/$f > D/$f; done
 # Stages regen/train/bench/scaling refuse to start without a CUDA GPU (RECIPE_ALLOW_CPU=1 lets them try).
