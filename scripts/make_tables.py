@@ -132,6 +132,28 @@ def recipe_section() -> list[str]:
     return out
 
 
+def arms_section() -> list[str]:
+    """DSpine against DFlash, paired per prompt (scripts/smollm2/compare_arms.py)."""
+    r = load("smollm2-arms-h200.json")
+    if not r:
+        return []
+    out = ["#### DSpine against DFlash, paired by prompt", "",
+           f"`scripts/smollm2/compare_arms.py` over the recipe's benchmark files ({r['comparisons'][0]['gpu']}, "
+           f"commit `{str(r['comparisons'][0]['bench_commit'])[:10]}`; comparison at commit `{r['commit'][:10]}`, "
+           "[`results/smollm2-arms-h200.json`](results/smollm2-arms-h200.json)): both drafts decoded the same prompts "
+           "in one run, so prompts are resampled in pairs (within each task) and the spread both drafts share "
+           f"cancels. Goal: DSpine ≥ +{100 * r['goal_rel']:.0f}%.", "",
+           "| T | concurrency | prompts per task | seed | DSpine mean τ | DFlash mean τ | DSpine ÷ DFlash − 1 [95% CI] |",
+           "|---|---|---|---|---|---|---|"]
+    for c in r["comparisons"]:
+        rows = {**c["seeds"], **({"mean of seeds": c["all_seeds"]} if "all_seeds" in c else {})}
+        for seed, e in rows.items():
+            out.append(f"| {c['temperature']:g} | {c['concurrency']} | {c['num_prompts']} | {seed} | "
+                       f"{e['dspine_mean_tau']:.3f} | {e['dflash_mean_tau']:.3f} | {100 * e['rel']:+.1f}% "
+                       f"[{100 * e['rel_ci95'][0]:+.1f}, {100 * e['rel_ci95'][1]:+.1f}] |")
+    return out + ["", f"Command: `{r['command']}`", ""]
+
+
 def _continuation_tables(r: dict) -> list[str]:
     """A continuation run's stage timings, its in-trainer evaluations and its command."""
     out = ["| stage | wall clock |", "|---|---|"]
@@ -558,7 +580,7 @@ def profile_section() -> list[str]:
 
 def render() -> str:
     lines = [BEGIN, ""]
-    for section in (smollm2_section, continue_section, recipe_section, ab_loss_section, training_section, stories_section,
+    for section in (smollm2_section, continue_section, recipe_section, arms_section, ab_loss_section, training_section, stories_section,
                     engine_section, draft_step_section, profile_section, lm_head_section, verify_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()

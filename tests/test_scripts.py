@@ -112,6 +112,13 @@ def test_recipe_unpacks_several_packs_and_trains_on_all_caches(tmp_path):
     assert r.returncode != 0  # no target here: the run itself fails, its queue file stays
     queue = (w / "train.gpu0").read_text()
     assert f" train={w}/tok-train/train1,{w}/tok-train/train2,{w}/tok-train/train3 eval={w}/tok-eval/eval1 " in queue
+    # two seeds of both arms, TRAIN_PAR=2: two queues side by side on the one GPU, two runs each, in order
+    r = recipe("train", RECIPE_ALLOW_CPU="1", TRAIN_CACHES="all", SEEDS="0 1", TRAIN_PAR="2")
+    assert r.returncode != 0
+    runs = lambda q: [line.split("output_dir=")[1].split()[0].rsplit("/", 1)[1]
+                      for line in (w / f"train.gpu{q}").read_text().splitlines()]
+    assert runs(0) == ["train-dspine-s0", "train-dspine-s1"] and runs(1) == ["train-dflash-s0", "train-dflash-s1"]
+    assert not (w / "train.gpu2").exists()
 
 
 def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
@@ -129,6 +136,9 @@ def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
                               ({"SAMPLE_SEED0": "9223372036854775807"}, "regen", "error: SAMPLE_SEED0='9223372036854775807'"),
                               ({"SAMPLES": "010"}, "regen", "error: SAMPLES='010': must be an integer from 0 to 999"),
                               ({"REGEN_PAR": "04"}, "regen", "error: REGEN_PAR='04': must be an integer >= 1"),
+                              ({"TRAIN_PAR": "0"}, "train", "error: TRAIN_PAR='0': must be an integer >= 1"),
+                              ({"SEEDS": "0 x"}, "train", "error: SEEDS='0 x': 'x' is not an integer >= 0"),
+                              ({"SEEDS": "  "}, "train", "error: SEEDS is empty"),
                               ({"GREEDY": "2"}, "regen", "error: GREEDY='2': must be 0 or 1"),
                               ({"GREEDY": "0", "SAMPLES": "0"}, "regen", "error: GREEDY=0 and SAMPLES=0"),
                               ({"TRAIN_CACHES": "bad"}, "unpack", "error: TRAIN_CACHES='bad': must be one (the single "
@@ -154,6 +164,27 @@ def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
     r = subprocess.run(summ, capture_output=True, text=True)
     assert r.returncode == 2 and "summarize does not replace results" in r.stderr
     assert (tmp_path / "res" / "smollm2-recipe-h200.json").read_text() == "{}"
+
+
+def test_recipe_benches_every_seed_of_both_arms(tmp_path):
+    """SEEDS="0 3": the bench stage puts both seeds' latest drafts of both arms into one infer.bench run per
+    setting, seed 0 under the plain labels and seed 3 under DSpine-s3 / DFlash-s3."""
+    w = tmp_path / "w"
+    for name in ("dspine", "dflash"):
+        for seed, step in ((0, 16), (3, 24)):
+            (w / f"train-{name}-s{seed}" / f"step-{step}" / "draft").mkdir(parents=True)
+            (w / f"train-{name}-s{seed}" / "latest").write_text(f"step-{step}\n")
+    env = {**os.environ, "WORK": str(w), "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "SEEDS": "0 3"}
+    r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), "bench"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0  # no target here: the bench runs fail, their queue file stays
+    lines = (w / "bench.gpu0").read_text().splitlines()
+    assert len(lines) == 4  # T = 0 / 1 x concurrency 1 / 8
+    for line in lines:
+        drafts = [x.split("=", 1) for x in line.split(" --draft ")[1:]]
+        drafts = {k: v.split()[0] for k, v in drafts}
+        assert drafts == {"DSpine": f"{w}/train-dspine-s0/step-16/draft", "DFlash": f"{w}/train-dflash-s0/step-16/draft",
+                          "DSpine-s3": f"{w}/train-dspine-s3/step-24/draft",
+                          "DFlash-s3": f"{w}/train-dflash-s3/step-24/draft"}, line
 
 
 def test_recipe_fresh_samples_skip_the_greedy_job(tmp_path):

@@ -16,10 +16,13 @@
 #             tok-train gets the cache of every pack folder in PACK_DIR that is not there yet (its pack.json's
 #             cache_name), tok-eval the first pack folder's, only when it holds no cache (eval sets are identical)
 #   train     DSpine (injection residual) and DFlash (injection none) drafts with identical settings, for each
-#             seed in SEEDS; one run per GPU when there are enough GPUs, else one after the other on a GPU
-#             (two runs sharing an H200 took 0.66 s/step each against 0.28 s/step alone: results/smollm2-ab-loss-h200.json)
+#             seed in SEEDS; one run per GPU when there are enough GPUs, else one after the other on a GPU, or
+#             TRAIN_PAR side by side per GPU (two runs sharing an H200 took 0.66 s/step each against 0.28 s/step
+#             alone: results/smollm2-ab-loss-h200.json)
 #   bench     infer.bench on the five tasks at T=0 and T=1 (top_p 0.95, top_k 20), concurrency 1 (BENCH_C1
-#             prompts per task) and 8 (BENCH_C8), BENCH_NEW new tokens, seed-0 drafts, AR of the same engine
+#             prompts per task) and 8 (BENCH_C8), BENCH_NEW new tokens, AR of the same engine; every trained
+#             seed's drafts in one run (labels DSpine / DFlash for seed 0, DSpine-s1 / DFlash-s1 ... for the
+#             others; scripts/smollm2/compare_arms.py then gives the paired DSpine-vs-DFlash difference per seed)
 #   scaling   tau of every saved checkpoint (T=0, concurrency 8, SCALE_PROMPTS per task, 256 tokens, no AR)
 #   summary   results JSON + plots (scripts/smollm2/summarize.py)
 # Every stage's wall clock goes to $WORK/timings.jsonl (also printed).
@@ -29,7 +32,8 @@
 #              recipe.sh convert unpack train bench scaling summary
 #   (packs of two regeneration leases: PACK_DIR="<pack 1> <pack 2>" TRAIN_CACHES=all trains on both caches)
 # Knobs (env): WORK (runs/smollm2), NGPU (all visible), SAMPLES (3), SAMPLE_T (0.8), MAX_NEW (1024),
-#   REGEN_CONC (engine slots per job, 512), REGEN_PAR (regeneration jobs side by side per GPU, 1),
+#   REGEN_CONC (engine slots per job, 512), REGEN_PAR (regeneration jobs side by side per GPU, 1), TRAIN_PAR
+#   (training runs side by side per GPU, 1),
 #   REGEN_CHUNK (rows per resumable write, 4096), REGEN_LIMIT (rows), ARMS (drafts to train: "dspine dflash"),
 #   STEPS (optimizer steps per draft, 2000) or TRAIN_MINUTES (wall clock per run: STEPS from a 30-step
 #   calibration), SEEDS ("0"), TRAIN_OVERRIDES (extra key=value for every run, e.g. "distill=kl"),
@@ -82,6 +86,11 @@ arms_set=${ARMS-x}
 [ -n "${arms_set//[[:space:]]/}" ] || { echo "error: ARMS is empty: give dspine, dflash or both" >&2; exit 2; }
 # integers in decimal without a leading zero (bash arithmetic reads 08 as bad octal, 010 as 8) and at most 9 digits
 [[ "${REGEN_PAR:-1}" =~ ^[1-9][0-9]{0,8}$ ]] || { echo "error: REGEN_PAR='${REGEN_PAR}': must be an integer >= 1" >&2; exit 2; }
+[[ "${TRAIN_PAR:-1}" =~ ^[1-9][0-9]{0,8}$ ]] || { echo "error: TRAIN_PAR='${TRAIN_PAR}': must be an integer >= 1" >&2; exit 2; }
+for seed in $SEEDS; do
+  [[ "$seed" =~ ^(0|[1-9][0-9]{0,8})$ ]] || { echo "error: SEEDS='${SEEDS}': '$seed' is not an integer >= 0 (decimal, no leading zero)" >&2; exit 2; }
+done
+[ -n "${SEEDS//[[:space:]]/}" ] || { echo "error: SEEDS is empty: give at least one seed (e.g. SEEDS=\"0 1\")" >&2; exit 2; }
 [[ "${SAMPLE_SEED0:-0}" =~ ^(0|[1-9][0-9]{0,8})$ ]] || { echo "error: SAMPLE_SEED0='${SAMPLE_SEED0}': must be an integer >= 0 (decimal, no leading zero, at most 9 digits)" >&2; exit 2; }
 [[ "${GREEDY:-1}" =~ ^[01]$ ]] || { echo "error: GREEDY='${GREEDY}': must be 0 or 1" >&2; exit 2; }
 [[ "$SAMPLES" =~ ^(0|[1-9][0-9]{0,2})$ ]] || { echo "error: SAMPLES='${SAMPLES}': must be an integer from 0 to 999 (decimal, no leading zero)" >&2; exit 2; }
@@ -265,12 +274,13 @@ if has train && [ -z "${STEPS_SET:-}" ] && [ -n "${TRAIN_MINUTES:-}" ]; then
     CUDA_VISIBLE_DEVICES=0 bash -c "$cmd"
   }
   timed calibrate calib
-  STEPS=$(python - "$WORK/train-calib-s0/metrics.jsonl" "$TRAIN_MINUTES" "$NGPU" "$SEEDS" <<'EOF2'
+  n_arms=0; arm dspine && n_arms=$((n_arms + 1)); arm dflash && n_arms=$((n_arms + 1))
+  STEPS=$(python - "$WORK/train-calib-s0/metrics.jsonl" "$TRAIN_MINUTES" "$NGPU" "$SEEDS" "$n_arms" <<'EOF2'
 import json, sys
 rows = [json.loads(x) for x in open(sys.argv[1]) if '"loss"' in x]
 step_s = sorted(r["step_s"] for r in rows[1:])[len(rows[1:]) // 2]
-runs = 2 * len(sys.argv[4].split())
-share = -(-runs // int(sys.argv[3]))  # runs per GPU, one after the other
+runs = int(sys.argv[5]) * len(sys.argv[4].split())
+share = -(-runs // int(sys.argv[3]))  # runs per GPU (side by side under TRAIN_PAR: about as slow in total)
 print(int(float(sys.argv[2]) * 60 / (step_s * share * 1.1)) // 8 * 8)  # 10% for evals and checkpoints
 EOF2
 )
@@ -284,17 +294,18 @@ if has train; then
     for pair in dspine:residual dflash:none; do
       name=${pair%%:*}; inj=${pair##*:}
       arm "$name" || continue
-      g=$((i % NGPU))  # runs beyond the GPU count queue on a GPU (one line each), one after the other
+      # queue i % (NGPU·TRAIN_PAR): TRAIN_PAR queues side by side on each GPU, further runs one after the other
+      g=$((i % (NGPU * ${TRAIN_PAR:-1})))
       train_cmd "$name" "$inj" "$seed" >> "$WORK/train.gpu$g"
       i=$((i + 1))
     done
   done
-  timed train run_queues train
+  timed train run_queues train "${TRAIN_PAR:-1}"
   for f in "$WORK"/logs/train-*.log; do echo "== $f"; tail -n 3 "$f"; done
 fi
 
 # ------------------------------------------------------------------------------------------- bench
-latest() { echo "$WORK/train-$1-s0/$(cat "$WORK/train-$1-s0/latest")/draft"; }
+latest() { echo "$WORK/train-$1-s${2:-0}/$(cat "$WORK/train-$1-s${2:-0}/latest")/draft"; }  # latest NAME [SEED]
 if has bench; then
   rm -f "$WORK"/bench.gpu*
   mkdir -p "$WORK/bench"
@@ -305,8 +316,11 @@ if has bench; then
       out=$WORK/bench/smollm2-h200-T$temp-c$conc.json
       if [ -f "$out" ]; then log "$out exists: not benched again (delete it to bench the current drafts)"; continue; fi
       drafts=""
-      arm dspine && drafts+=" --draft DSpine=$(latest dspine)"
-      arm dflash && drafts+=" --draft DFlash=$(latest dflash)"
+      for seed in $SEEDS; do  # seed 0 keeps the plain labels; the others get a -s<seed> suffix
+        sfx=""; [ "$seed" = 0 ] || sfx="-s$seed"
+        arm dspine && drafts+=" --draft DSpine$sfx=$(latest dspine "$seed")"
+        arm dflash && drafts+=" --draft DFlash$sfx=$(latest dflash "$seed")"
+      done
       echo "python -m infer.bench --target $TARGET$drafts" \
            "--datasets gsm8k,math500,humaneval,mbpp,mt-bench --num-prompts $n --max-new-tokens ${BENCH_NEW:-512}" \
            "--temperature $temp $samp --concurrency $conc --output-json $out > $WORK/logs/bench-T$temp-c$conc.log 2>&1" \

@@ -1,0 +1,148 @@
+"""DSpine against DFlash at equal data, steps and seed: the paired difference of mean τ, per seed.
+
+    python scripts/smollm2/compare_arms.py --bench runs/smollm2/bench/smollm2-h200-T0-c8.json \
+        runs/smollm2/bench/smollm2-h200-T1-c8.json --output results/smollm2-arms-h200.json
+
+Input: ``infer.bench --output-json`` files whose drafts come in pairs ``DSpine`` / ``DFlash`` (seed 0)
+and ``DSpine-s<k>`` / ``DFlash-s<k>`` (seed k), as ``scripts/smollm2/recipe.sh`` benches them with
+``SEEDS="0 1"``. Both drafts of a pair decoded the same prompts in the same run (alternating order).
+
+Per file and seed: each arm's mean τ (the mean over tasks of the task's τ = Σ committed / Σ verify
+steps, the ``mean_tau`` of infer.bench), the relative difference ``rel = τ_DSpine / τ_DFlash − 1`` and
+its 95% paired percentile-bootstrap interval: prompts are resampled with replacement within each task,
+the same indices for both arms, so the prompt-to-prompt spread that both arms share cancels (Efron &
+Tibshirani 1993, §13). ``all_seeds`` does the same for the arms' means averaged over the seeds (one
+index draw per task for every draft). ``goal_met``: rel ≥ +5% (the issue's goal), judged on the point
+estimate; ``interval_excludes_zero`` says whether the difference is resolved at all.
+Writes JSON with the command, date and commit; prints one line per file and seed.
+
+Raises SystemExit with the file and field named when a file lacks a pair, a task or the per-prompt
+counts, or when the two arms of a pair saw a different number of prompts in a task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+GOAL = 0.05  # DSpine ≥ +5% over DFlash (the issue's goal)
+_LABEL = re.compile(r"^(DSpine|DFlash)(?:-s(\d+))?$")
+
+
+def _pairs(path: Path, rec: dict) -> dict[int, tuple[str, str]]:
+    """seed -> (DSpine label, DFlash label), from the labels of every task."""
+    labels = {lab for t in rec["tasks"] for lab in t["drafts"]}
+    seeds: dict[int, dict[str, str]] = {}
+    for lab in labels:
+        m = _LABEL.match(lab)
+        if m:
+            seeds.setdefault(int(m[2] or 0), {})[m[1]] = lab
+    pairs = {s: (d["DSpine"], d["DFlash"]) for s, d in seeds.items() if len(d) == 2}
+    if not pairs:
+        raise SystemExit(f"error: {path}: no DSpine / DFlash pair among the drafts {sorted(labels)} "
+                         "(labels DSpine, DFlash, DSpine-s<k>, DFlash-s<k>)")
+    return dict(sorted(pairs.items()))
+
+
+def _counts(path: Path, rec: dict, labels: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per task: committed and steps tensors ``[len(labels), prompts]`` float64."""
+    out = []
+    for t in rec["tasks"]:
+        rows = []
+        for lab in labels:
+            d = t["drafts"].get(lab)
+            if d is None:
+                raise SystemExit(f"error: {path}: task {t['task']} has no draft {lab!r}")
+            if "per_prompt_committed" not in d or "per_prompt_steps" not in d:
+                raise SystemExit(f"error: {path}: task {t['task']}, draft {lab}: no per_prompt_committed / "
+                                 "per_prompt_steps (an infer.bench file from before they were recorded?)")
+            rows.append((d["per_prompt_committed"], d["per_prompt_steps"]))
+        n = {len(c) for c, _ in rows} | {len(s) for _, s in rows}
+        if len(n) != 1:
+            raise SystemExit(f"error: {path}: task {t['task']}: the drafts {labels} saw different prompt counts "
+                             f"{sorted(n)}; a paired comparison needs the same prompts")
+        out.append((torch.tensor([c for c, _ in rows], dtype=torch.float64),
+                    torch.tensor([s for _, s in rows], dtype=torch.float64)))
+    if not out:
+        raise SystemExit(f"error: {path}: no tasks")
+    return out
+
+
+def mean_taus(counts, idx=None) -> torch.Tensor:
+    """Mean over tasks of each draft's τ: ``[drafts]``, or ``[n, drafts]`` for bootstrap indices
+    ``idx`` (one ``[n, prompts]`` int64 tensor per task)."""
+    acc = 0
+    for k, (c, s) in enumerate(counts):
+        if idx is None:
+            acc = acc + c.sum(-1) / s.sum(-1).clamp(min=1)
+        else:
+            i = idx[k]  # [n, P]
+            acc = acc + (c[:, i].sum(-1) / s[:, i].sum(-1).clamp(min=1)).T  # [n, drafts]
+    return acc / len(counts)
+
+
+def compare(path: Path, n: int = 2000, seed: int = 0) -> dict:
+    """The comparison record of one bench file (module docstring)."""
+    rec = json.loads(path.read_text())
+    pairs = _pairs(path, rec)
+    labels = [lab for pair in pairs.values() for lab in pair]  # DSpine, DFlash per seed, in seed order
+    counts = _counts(path, rec, labels)
+    g = torch.Generator().manual_seed(seed)
+    idx = [torch.randint(0, c.shape[1], (n, c.shape[1]), generator=g) for c, _ in counts]
+    point, boot = mean_taus(counts), mean_taus(counts, idx)  # [D], [n, D]
+    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+
+    def entry(sp: torch.Tensor, fl: torch.Tensor, bsp: torch.Tensor, bfl: torch.Tensor) -> dict:
+        rel = float(sp / fl - 1)
+        lo, hi = torch.quantile(bsp / bfl - 1, q).tolist()
+        return {"dspine_mean_tau": float(sp), "dflash_mean_tau": float(fl), "rel": rel, "rel_ci95": [lo, hi],
+                "goal_met": rel >= GOAL, "interval_excludes_zero": lo > 0 or hi < 0}
+
+    seeds = {}
+    for j, (s, pair) in enumerate(pairs.items()):
+        seeds[str(s)] = {"labels": list(pair), **entry(point[2 * j], point[2 * j + 1], boot[:, 2 * j], boot[:, 2 * j + 1])}
+    a = rec.get("args", {})
+    out = {"bench": str(path), "temperature": a.get("temperature"), "concurrency": a.get("concurrency"),
+           "num_prompts": a.get("num_prompts"), "max_new_tokens": a.get("max_new_tokens"),
+           "bench_commit": rec.get("commit"), "gpu": rec.get("gpu"), "seeds": seeds}
+    if len(pairs) > 1:
+        out["all_seeds"] = entry(point[0::2].mean(), point[1::2].mean(), boot[:, 0::2].mean(1), boot[:, 1::2].mean(1))
+    return out
+
+
+def main(argv=None) -> int:
+    from dspine.provenance import provenance
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bench", nargs="+", required=True, help="infer.bench --output-json files")
+    ap.add_argument("--output", default=None, help="write the JSON here (refuses to replace an existing file)")
+    ap.add_argument("--resamples", type=int, default=2000)
+    args = ap.parse_args(argv)
+    if args.resamples < 100:
+        ap.error(f"--resamples={args.resamples}: use at least 100")
+    if args.output and Path(args.output).exists():
+        ap.error(f"--output {args.output} exists; give another path or delete it")
+    for b in args.bench:
+        if not Path(b).is_file():
+            ap.error(f"--bench {b}: no such file")
+    rows = [compare(Path(b), args.resamples) for b in args.bench]
+    for r in rows:
+        for s, e in {**r["seeds"], **({"all": r["all_seeds"]} if "all_seeds" in r else {})}.items():
+            print(f"T={r['temperature']} c{r['concurrency']} seed {s}: DSpine {e['dspine_mean_tau']:.3f} vs DFlash "
+                  f"{e['dflash_mean_tau']:.3f}: {100 * e['rel']:+.1f}% [{100 * e['rel_ci95'][0]:+.1f}, "
+                  f"{100 * e['rel_ci95'][1]:+.1f}] (goal +{100 * GOAL:.0f}%: {'met' if e['goal_met'] else 'missed'})")
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps({**provenance(), "goal_rel": GOAL, "comparisons": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
