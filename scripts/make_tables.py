@@ -168,8 +168,8 @@ def _continuation_facts(r: dict, name: str, init: str) -> tuple[str, str]:
     """(provenance, training sentence) of a continuation run: device, date, commit and the results link; its
     steps warm-started from ``init``, learning rate and throughput."""
     t = r["train"]
-    prov = (f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` ([`results/{name}`](results/{name}); "
-            f"{r['commit_note']})")
+    note = f"; {r['commit_note']}" if r.get("commit_note") else ""
+    prov = f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}` ([`results/{name}`](results/{name}){note})"
     train = (f"{t['steps']} steps warm-started from {init} (same settings, cosine from lr {t['config']['lr']:g}), "
              f"{t['median_step_s']:.2f} s/step, {t['median_tokens_per_s']:,.0f} tokens/s, "
              f"{t['median_anchor_blocks_per_s']:,.0f} anchor blocks/s")
@@ -338,16 +338,19 @@ def engine_section() -> list[str]:
     if "dspine_step_over_dflash_step" in b1:
         out.append(f"| DSpine step ÷ DFlash step (see the injection table below) | {b1['dspine_step_over_dflash_step']:.3f} | "
                    f"{b8['dspine_step_over_dflash_step']:.3f} | ≤ 1.03 — {ok(b1['dspine_step_over_dflash_step'] <= 1.03)} |")
-    if "compiled_hf_tok_per_s" in b1:
-        out.append(f"| transformers static cache + `torch.compile`, same weights | {b1['compiled_hf_tok_per_s']:.0f} tok/s | | |")
-    out += [
-        f"| transformers `generate`, same weights | {b1['hf_generate_tok_per_s']:.1f} tok/s | "
-        f"{b8['hf_generate_tok_per_s']:.1f} tok/s | |",
-        "",
-        f"Command: `{e['command']}`",
-        "",
-    ]
-    return out
+    carried = e.get("carried_over", {})
+    mark = "¹" if carried else ""
+    if b1.get("compiled_hf_tok_per_s") is not None:
+        out.append(f"| transformers static cache + `torch.compile`, same weights{mark} | "
+                   f"{b1['compiled_hf_tok_per_s']:.0f} tok/s | | |")
+    if "hf_generate_tok_per_s" in b1:
+        b8_hf = f"{b8['hf_generate_tok_per_s']:.1f} tok/s" if "hf_generate_tok_per_s" in b8 else ""
+        out.append(f"| transformers `generate`, same weights{mark} | {b1['hf_generate_tok_per_s']:.1f} tok/s | {b8_hf} | |")
+    out += ["", f"Command: `{e['command']}`"]
+    if carried:
+        out.append(f"¹ Not from this command (`--skip-peers` leaves the transformers peers out): carried over from "
+                   f"{carried['from']}.")
+    return out + [""]
 
 
 def verify_section() -> list[str]:
@@ -385,7 +388,7 @@ def verify_section() -> list[str]:
         sm = r["smollm2"]
         out += [f"Re-measured with the rewritten planner and the shipped draft: {r['gpu']}, {r['date'][:10]}, commit "
                 f"`{r['commit'][:10]}`, [`results/verify-planner-h200.json`](results/verify-planner-h200.json) "
-                f"({r['commit_note']}). {sm['num_prompts']} prompts per task, {sm['max_new_tokens']} new tokens; tree "
+                f"({r.get('commit_note', 'no note')}). {sm['num_prompts']} prompts per task, {sm['max_new_tokens']} new tokens; tree "
                 f"of {sm['tree_budget']} against the chain at T = 0, concurrency 1: τ {sm['chain_mean_tau']:.2f} → "
                 f"{sm['tree_mean_tau']:.2f} ({sm['tree_tau_over_chain_tau']:.2f}×), tok/s "
                 f"{sm['tree_speedup_over_chain']:.2f}× the chain's.", "",
@@ -556,26 +559,42 @@ def profile_section() -> list[str]:
                 "`dspine.ops.lm_head` flattens the rows first (tests/test_kernels_lm_head.py asserts `aten::mm`). "
                 "What is left is mostly the layers' GEMMs at 128 rows against 8 (the top kernel) and the attention "
                 "combine kernel."]
-        comb = next((x for x in b8["top"] if x["name"] == "_combine_kernel"), None)
-        cb = (r.get("before_combine_rewrite") or {}).get("batch8_spec_combine")
-        if comb and cb:
-            out[-1] += (f" The combine takes {comb['us_per_call']:.1f} µs a call ({comb['count_per_step']:.0f} calls, "
-                        f"{comb['us_per_step'] / 1000:.2f} ms a step) with up to 16 rows per program, against "
-                        f"{cb['us_per_call']:.1f} µs with one row per program (commit "
-                        f"`{r['before_combine_rewrite']['commit'][:10]}`): merging rows did not shorten it.")
-        sw = load("combine-sweep-h200.json")
-        if comb and sw:
-            spec = [x for x in sw["rows"] if "us" in x and x["TG"] == 64 and x["BH"] == 64 and not x["ordered"] and x["ok"]]
-            by_w = {w: [x["us"] for x in spec if x["warps"] == w] for w in (1, 2, 4, 8)}
-            best = min(spec, key=lambda x: x["us"])
-            out[-1] += (f" The kernel alone at that shape ([`results/combine-sweep-h200.json`](results/combine-sweep-h200.json), "
-                        f"CUDA-graph replays, commit `{sw['commit'][:10]}`) took {min(by_w[4] + by_w[8]):.1f}-{max(by_w[4] + by_w[8]):.1f} "
-                        f"µs with 4 or 8 warps whatever its rows per program, {min(by_w[2]):.1f}-{max(by_w[2]):.1f} µs with "
-                        f"2 and {min(by_w[1]):.1f}-{max(by_w[1]):.1f} µs with 1 (best {best['us']:.1f} µs: {best['br']} rows, "
-                        f"{best['warps']} warp): the warps, not the program count, made it slow. Its default is now that "
-                        "best launch (one warp per 4,096 fp32 of the tile); the step is not re-profiled with it yet.")
+    combine = _combine_sentences(r, b8)
+    if combine:
+        out += ["", combine]
     out += ["", f"Command: `{r['command']}`", ""]
     return out
+
+
+def _combine_sentences(r: dict, b8: dict | None) -> str:
+    """The split-K combine in the batch-8 spec profile, its previous profile and the launch sweep
+    (results/combine-sweep-h200.json: a dict with ``rows``, or the bare list of its first version)."""
+    comb = next((x for x in (b8 or {}).get("top", []) if x["name"] == "_combine_kernel"), None)
+    if not comb:
+        return ""
+    text = (f"The split-K attention combine in that profile: {comb['us_per_call']:.1f} µs a call "
+            f"({comb['count_per_step']:.0f} calls, {comb['us_per_step'] / 1000:.2f} ms a step).")
+    prev = r.get("before_combine_rewrite") or {}
+    cb = prev.get("batch8_spec_combine")
+    if cb:
+        text += (f" With one row per program (commit `{str(prev.get('commit', '?'))[:10]}`) it took "
+                 f"{cb['us_per_call']:.1f} µs: merging up to 16 rows per program did not shorten it.")
+    sw = load("combine-sweep-h200.json")
+    rows = sw.get("rows", []) if isinstance(sw, dict) else (sw or [])
+    spec = [x for x in rows if "us" in x and x.get("ok") and x.get("TG") == 64 and x.get("BH", 64) == 64
+            and not x.get("ordered")]
+    if not spec:
+        return text
+    span = lambda ws: (lambda v: f"{min(v):.1f}-{max(v):.1f} µs" if v else None)([x["us"] for x in spec if x["warps"] in ws])
+    parts = [f"{span(ws)} with {name}" for ws, name in (((4, 8), "4 or 8 warps"), ((2,), "2"), ((1,), "1"))
+             if span(ws)]
+    best = min(spec, key=lambda x: x["us"])
+    commit = sw.get("commit", "?") if isinstance(sw, dict) else "?"
+    return text + (f" The kernel alone at that shape ([`results/combine-sweep-h200.json`](results/combine-sweep-h200.json), "
+                   f"CUDA-graph replays, commit `{commit[:10]}`): " + ", ".join(parts) + f" (best {best['us']:.1f} µs: "
+                   f"{best['br']} rows per program, {best['warps']} warp{'s' if best['warps'] > 1 else ''}); the "
+                   "warps, not the program count, made it slow. The default launch is now one warp per 4,096 fp32 of "
+                   "the tile (8 rows at this shape); the profile above ran with the launch of its own commit.")
 
 
 def render() -> str:

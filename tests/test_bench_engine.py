@@ -55,3 +55,12 @@ def test_bench_engine_skip_peers_keeps_engine_keys_only(tmp_path):
         # force_accept=6: every full step commits 7 tokens; the last step of 32 tokens is cut short
         assert 5.0 < row["oracle_tau"] <= 7.0
     assert "hf_generate_tok_per_s" not in rec and rec["spec_step_over_ar_step"] == rec["batch1"]["spec_step_over_ar_step"]
+
+
+@pytest.mark.parametrize("argv, msg", [(["--block", "4"], "--block=4: the tau = 7 oracle"),
+                                       (["--compiled-hf-only"], "exclude each other"),
+                                       (["--new-tokens", "0"], "must be >= 1")])
+def test_bench_engine_refuses_settings_it_cannot_measure(argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        bench_engine.main(["--tiny", "--cpu", "--skip-peers", *argv])
+    assert msg in capsys.readouterr().err

@@ -196,7 +196,7 @@ def run(args) -> dict:
         row: dict = {}
         eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens)
         # end to end (prefill excluded from tok/s: decode tokens over decode time)
-        eng.generate(prompts, SamplingParams(max_new_tokens=16), use_draft=False)  # warm-up + capture
+        eng.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)), use_draft=False)  # warm-up + capture
         ar = eng.generate(prompts, greedy, use_draft=False)
         row["ar_tok_per_s"] = ar.num_tokens / (ar.elapsed_s - ar.prefill_s)
         # per-step graph replays
@@ -207,7 +207,7 @@ def run(args) -> dict:
         row["spec_step_over_ar_step"] = row["spec_step_ms"] / row["ar_step_ms"]
         del eng
         oracle = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens, force_accept=6)
-        oracle.generate(prompts, SamplingParams(max_new_tokens=16))
+        oracle.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)))
         orc = oracle.generate(prompts, greedy)
         row["oracle_tau"] = orc.stats.tau
         row["oracle_tok_per_s"] = orc.num_tokens / (orc.elapsed_s - orc.prefill_s)
@@ -267,6 +267,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.compiled_new_tokens <= 16:
         ap.error(f"--compiled-new-tokens={args.compiled_new_tokens} must exceed the short generation's 16")
+    if args.skip_peers and args.compiled_hf_only:
+        ap.error("--skip-peers and --compiled-hf-only exclude each other (the second measures only a peer)")
+    if args.block < 8:
+        ap.error(f"--block={args.block}: the tau = 7 oracle accepts 6 draft tokens a step, so the block needs >= 8 slots")
+    if args.new_tokens < 1 or args.prompt < 1:
+        ap.error(f"--prompt={args.prompt} and --new-tokens={args.new_tokens} must be >= 1")
     res = run(args)
     text = json.dumps(res, indent=1)
     if args.output:

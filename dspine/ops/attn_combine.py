@@ -20,9 +20,9 @@ split axis, stored as [BLOCK_R, BLOCK_D]. BLOCK_R: the largest power of two ≤ 
 whose acc tile holds ≤ 4096 fp32 (1 for wide tiles, e.g. NS > 16 at D = 128); one warp per 4096
 elements of the tile (128 fp32 per thread). Why: measured on an H200 at Qwen3-8B's batch-8 speculative
 step (B·Hkv = 64, G·T = 64, NS = 3, D = 128; results/combine-sweep-h200.json, rows per program ×
-warps), every launch with 4 or 8 warps took 12-14 µs a call whatever its rows per program (the
-reduction over the split axis of a 3-D tile spread over several warps), 2 warps 5-6 µs, 1 warp
-2.4-3.7 µs (best: 8 rows per program, 2.4 µs, where the 7.4 MB of traffic needs ~2 µs); the
+warps), every launch with 4 or 8 warps took 10.5-13.8 µs a call whatever its rows per program (the
+reduction over the split axis of a 3-D tile spread over several warps), 2 warps 5.1-7.0 µs, 1 warp
+2.4-3.7 µs up to 16 rows (best: 8 rows per program, 2.4 µs, where the 7.4 MB of traffic needs ~2 µs); the
 engine's step profile had it at 13.1 µs × 41 calls = 0.54 ms of a 7.45 ms step
 (results/profile-step-h200.json). At the batch-8 decode shape (G·T = 4) 1 warp took 1.4-1.8 µs
 against 2.7 µs with 4. Wider tiles (NS > 4 at D = 128; batch 1 has NS up to 17) are not measured yet.
@@ -131,7 +131,7 @@ def _combine_blocks(NS: int, TG: int, D: int, ordered: bool) -> tuple[int, int, 
     if ordered:
         return max(1, min(_MAX_ROWS, next_pow2(TG), _TILE_ORDERED // bd)), bs, bd, 4
     br = max(1, min(_MAX_ROWS, next_pow2(TG), _TILE // (bs * bd)))
-    return br, bs, bd, max(1, br * bs * bd // _TILE)
+    return br, bs, bd, min(8, max(1, br * bs * bd // _TILE))  # ≤ 4 for the NS ≤ 64, D ≤ 256 of the callers
 
 
 def combine_partials_triton(part_acc, part_m, part_l, out, ordered: bool = False, *, block_r: int | None = None,
