@@ -56,7 +56,7 @@ def test_soft_ce_value_and_gradient_equal_the_formula_fp64(alpha, T):
     ref, ref_kl, ref_ce = ref.detach(), ref_kl.detach(), ref_ce.detach()
     for fn in (fused_linear_soft_cross_entropy, naive_linear_soft_cross_entropy):
         h = hidden.clone().requires_grad_(True)
-        loss, correct, agree, kl, ce = fn(h, weight, labels, w, target, index, alpha, T, 5)
+        loss, correct, agree, kl, ce, _ = fn(h, weight, labels, w, target, index, alpha, T, 5)
         (loss * 3.0).backward()  # a non-unit upstream gradient
         assert float(loss.detach()) == pytest.approx(float(ref), rel=1e-12)
         assert float(kl) == pytest.approx(float(ref_kl), rel=1e-10) and float(kl) > 0.1
@@ -74,7 +74,7 @@ def test_soft_ce_does_not_depend_on_the_chunk_size():
     outs = []
     for chunk in (1, 5, 16, 37, 1000):
         h = args[0].clone().requires_grad_(True)
-        loss, correct, agree, kl, ce = fused_linear_soft_cross_entropy(h, *args[1:], 0.25, 1.5, chunk)
+        loss, correct, agree, kl, ce, _ = fused_linear_soft_cross_entropy(h, *args[1:], 0.25, 1.5, chunk)
         loss.backward()
         outs.append((float(loss.detach()), float(kl), float(ce), correct, agree, h.grad))
     for o in outs[1:]:
@@ -98,7 +98,7 @@ def test_kl_with_a_one_hot_target_equals_hard_ce():
     target = 200.0 * F.one_hot(labels, 24).float()  # exp(-200) underflows: p is exactly one-hot in fp32
     index = torch.arange(len(labels))
     h_kl, h_ce = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
-    kl_loss, correct, agree, kl, _ = fused_linear_soft_cross_entropy(h_kl, weight, labels, w, target, index, 0.0, 1.0, 8)
+    kl_loss, correct, agree, kl, _, _ = fused_linear_soft_cross_entropy(h_kl, weight, labels, w, target, index, 0.0, 1.0, 8)
     ce_loss, ce_correct = fused_linear_cross_entropy(h_ce, weight, labels, w, 8)
     kl_loss.backward()
     ce_loss.backward()
@@ -106,6 +106,26 @@ def test_kl_with_a_one_hot_target_equals_hard_ce():
     assert float(kl) == pytest.approx(float(ce_loss), rel=1e-6)  # H(one-hot) = 0: KL = CE
     assert (h_kl.grad - h_ce.grad).abs().max() < 1e-6
     assert torch.equal(agree, correct) and torch.equal(correct, ce_correct)
+
+
+@pytest.mark.parametrize("T", [1.0, 2.0])
+def test_overlap_is_the_sampling_acceptance_and_only_without_a_gradient(T):
+    """Without a gradient kept, the fused op returns per row Σ_v min(p_v, q_v) (p, q at temperature T), the
+    naive reference's value, for any chunk size; 1 when draft and target rows coincide; with a gradient, none."""
+    hidden, weight, labels, w, target, index = soft_case(11)
+    z, u = hidden @ weight.t(), target[index] @ weight.t()
+    ref = torch.minimum(torch.softmax(z / T, -1), torch.softmax(u / T, -1)).sum(-1)
+    assert 0.01 < float(ref.min()) and float(ref.max()) < 0.999  # a real spread of values to compare
+    for chunk in (1, 7, 1000):
+        with torch.no_grad():
+            got = fused_linear_soft_cross_entropy(hidden, weight, labels, w, target, index, 0.5, T, chunk)[5]
+        assert (got - ref).abs().max() < 1e-12
+    assert (naive_linear_soft_cross_entropy(hidden, weight, labels, w, target, index, 0.5, T)[5] - ref).abs().max() < 1e-12
+    with torch.no_grad():  # the target's own rows as the draft's: q = p
+        same = fused_linear_soft_cross_entropy(target[index], weight, labels, w, target, index, 0.0, T, 5)[5]
+    assert (same - 1).abs().max() < 1e-12
+    h = hidden.clone().requires_grad_(True)
+    assert fused_linear_soft_cross_entropy(h, weight, labels, w, target, index, 0.5, T, 5)[5].numel() == 0
 
 
 @pytest.mark.gpu
@@ -117,7 +137,7 @@ def test_soft_ce_cuda_bf16_weight_close_to_fp32_reference():
     target, labels = torch.randn(R, H, generator=g), torch.randint(0, V, (R,), generator=g)
     w, index = torch.rand(R, generator=g), torch.randperm(R, generator=g)
     h = hidden.cuda().requires_grad_(True)
-    loss, _, agree, kl, _ = fused_linear_soft_cross_entropy(h, weight.cuda().bfloat16(), labels.cuda(), w.cuda(),
+    loss, _, agree, kl, _, _ = fused_linear_soft_cross_entropy(h, weight.cuda().bfloat16(), labels.cuda(), w.cuda(),
                                                            target.cuda().bfloat16(), index.cuda(), 0.0, 1.0, 1024)
     loss.backward()
     h64 = hidden.double().requires_grad_(True)
@@ -265,6 +285,14 @@ def test_trainer_with_kl_learns_and_resumes_exactly(kd_data, tmp_path):
     assert evals[1]["eval/kl"] < evals[0]["eval/kl"]
     assert evals[1]["eval/ce"] < evals[0]["eval/ce"] and 0 < sum(evals[1]["eval/argmax_agree_at_pos"]) < 7
     assert 1.0 <= evals[1]["eval/tau_sim_agree"] <= 8 and "eval/tau_real" in evals[1]
+    # T > 0 proxy: the sampling overlap per slot in (0, 1) and tau_sim of it; train rows do not carry it
+    from train.loss import tau_sim
+
+    for e in evals:
+        assert all(0 < x < 1 for x in e["eval/overlap_at_pos"]) and len(e["eval/overlap_at_pos"]) == 7
+        assert e["eval/tau_sim_sample"] == pytest.approx(tau_sim(e["eval/overlap_at_pos"])[0], rel=1e-12)
+        assert 1.0 < e["eval/tau_sim_sample"] < 8.0
+    assert not any("overlap" in k for r in train for k in r)
     # resume: 12 steps, stop, resume == 24 straight steps, bitwise
     run_distill(*kd_data, *COMMON, f"output_dir={split}", "stop_after_steps=12")
     run_distill(*kd_data, *COMMON, f"output_dir={split}")

@@ -190,6 +190,15 @@ def test_loss_stats_sum_over_ranks_before_dividing():
     pooled = LossStats.from_vector(a.to_vector() + b.to_vector())
     assert pooled.accuracy == [0.25]
     assert pooled.loss_sum == 4.0 and pooled.count.tolist() == [0, 4]
+    assert pooled.overlap_rate is None and pooled.agreement is None
+    # the sampling overlap (fp64 sums, evaluation only) pools the same way: (0.9 + 3 x 0.5) / 4 = 0.6
+    c = LossStats(1.0, 1.0, torch.tensor([0, 1]), torch.tensor([0, 1]), soft=True,
+                  overlap=torch.tensor([0.0, 0.9], dtype=torch.float64), overlap_on=True)
+    d = LossStats(3.0, 3.0, torch.tensor([0, 3]), torch.tensor([0, 0]), soft=True,
+                  overlap=torch.tensor([0.0, 1.5], dtype=torch.float64), overlap_on=True)
+    both = LossStats.from_vector(c.to_vector() + d.to_vector())
+    assert both.overlap_rate == pytest.approx([0.6]) and both.soft and both.overlap_on
+    assert LossStats.zeros(2).add(c).add(d).overlap_rate == pytest.approx([0.6])
 
 
 # ------------------------------------------------------------------------------------- block mask

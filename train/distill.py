@@ -266,6 +266,8 @@ def train(cfg) -> int:
                 bar.write(f"step {n}: eval loss {res_eval['eval/loss']:.4f}, tau_sim {res_eval['eval/tau_sim']:.3f}"
                           + (f", tau_real {res_eval['eval/tau_real']:.3f}" if "eval/tau_real" in res_eval else "")
                           + f", kl {res_eval['eval/kl']:.4f}, tau_sim_agree {res_eval['eval/tau_sim_agree']:.3f}"
+                          + (f", tau_sim_sample {res_eval['eval/tau_sim_sample']:.3f}" if "eval/tau_sim_sample" in res_eval
+                             else "")
                           + f" ({res_eval['eval/seconds']:.1f} s, tau_real {res_eval['eval/tau_real_seconds']:.1f} s)")
         if n == stop or interrupted or (cfg.save_every and n % cfg.save_every == 0):
             pos = order.position(n)  # where the next step starts reading
@@ -351,7 +353,10 @@ EMPTY_ROW = {"input_ids": [0], "loss_mask": [0]}
 def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3,
              batch_verify: bool = True, pad_batches: bool | None = None) -> dict:
     """Held-out loss, teacher-forced accuracy per slot, tau_sim and tau_real; also the hard-label CE, the KL
-    to the target's distribution, the argmax agreement per slot and tau_sim_agree (tau_sim from it).
+    to the target's distribution, the argmax agreement per slot and tau_sim_agree (tau_sim from it), and
+    the sampling overlap Σ_v min(p_v, q_v) per slot with tau_sim_sample (tau_sim from it: the τ of
+    sampled drafting with rejection sampling, target and draft at ``distill_temperature`` without top-k /
+    top-p, teacher forced; for choosing recipes at T > 0).
 
     Per-slot counts are summed over ranks before dividing (docs/method.md §8.9); anchors are drawn from a
     fixed generator so evals at different steps see the same blocks. tau_real decodes
@@ -389,6 +394,9 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
            "eval/acc_at_pos": acc, "eval/accept_at_pos": at_pos, "eval/tau_sim": tau,
            **soft_metrics(stats, "eval/")}
     out["eval/tau_sim_agree"] = tau_sim(stats.agreement)[0]  # T = 0 acceptance tests the target's argmax
+    if stats.overlap_rate is not None:  # T > 0: a sampled draft token passes with probability Σ min(p, q)
+        out["eval/overlap_at_pos"] = stats.overlap_rate
+        out["eval/tau_sim_sample"] = tau_sim(stats.overlap_rate)[0]
     t_loss = time.perf_counter()
     if cfg.eval_prompts:
         from dspine.sampling import SamplingParams

@@ -245,8 +245,11 @@ class FusedLinearSoftCE(torch.autograd.Function):
     Inputs: hidden ``[R, H]``, weight ``[V, H]``, labels int64 ``[R]``, row_weights ``[R]``,
     target_hidden ``[U, H]`` (target rows after its final norm), target_index int64 ``[R]`` (row of
     target_hidden for each row). Outputs: loss sum Σ w·loss_r (scalar), bool ``[R]`` argmax(z) ==
-    label, bool ``[R]`` argmax(z) == argmax(u), Σ w·KL(p ‖ q) and Σ w·CE(y, softmax(z)) (scalars;
-    only the first output is differentiable).
+    label, bool ``[R]`` argmax(z) == argmax(u), Σ w·KL(p ‖ q) and Σ w·CE(y, softmax(z)) (scalars), and
+    without a gradient to keep (evaluation) the overlap ``Σ_v min(p_v, q_v)`` per row (``[R]``, the
+    probability that rejection sampling accepts a token drawn from q when the target samples from p
+    [Leviathan et al. 2023, §3]; an empty tensor when a gradient is kept, where it would cost a
+    ``[chunk, V]`` buffer). Only the first output is differentiable.
     """
 
     @staticmethod
@@ -259,6 +262,7 @@ class FusedLinearSoftCE(torch.autograd.Function):
         correct = torch.empty(R, dtype=torch.bool, device=dev)
         agree = torch.empty(R, dtype=torch.bool, device=dev)
         total, kl_total, ce_total = (torch.zeros((), dtype=acc, device=dev) for _ in range(3))
+        overlap = torch.empty(0 if need_grad else R, dtype=acc, device=dev)
         T, a = float(temperature), float(alpha)
         for s in range(0, R, chunk_size):
             e = min(s + chunk_size, R)
@@ -281,6 +285,8 @@ class FusedLinearSoftCE(torch.autograd.Function):
             total += (w * row).sum()
             kl_total += (w * kl).sum()
             ce_total += (w * ce).sum()
+            if not need_grad:  # min(q, p) in the log_q buffer: no new [c, V] tensor
+                overlap[s:e] = torch.minimum(log_q.exp_(), p, out=log_q).sum(-1)
             if need_grad:
                 # (1-α)·T·(q - p) + α·(softmax(z) - onehot(y)), built in the log_q buffer
                 g = log_q.exp_().sub_(p).mul_((1.0 - a) * T)
@@ -291,8 +297,8 @@ class FusedLinearSoftCE(torch.autograd.Function):
                 grad[s:e] = (g.to(weight.dtype) @ weight).to(acc)
         ctx.save_for_backward(grad)
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(correct, agree, kl_total, ce_total)
-        return total, correct, agree, kl_total, ce_total
+        ctx.mark_non_differentiable(correct, agree, kl_total, ce_total, overlap)
+        return total, correct, agree, kl_total, ce_total, overlap
 
     @staticmethod
     def backward(ctx, grad_total, *_unused):
@@ -311,7 +317,8 @@ def _check_soft_args(alpha: float, temperature: float, chunk_size: int) -> None:
 
 def fused_linear_soft_cross_entropy(hidden, weight, labels, row_weights, target_hidden, target_index,
                                     alpha: float = 0.0, temperature: float = 1.0, chunk_size: int = 2048):
-    """``(Σ w·loss, argmax == label, argmax == target argmax, Σ w·KL, Σ w·CE_hard)``; see :class:`FusedLinearSoftCE`.
+    """``(Σ w·loss, argmax == label, argmax == target argmax, Σ w·KL, Σ w·CE_hard, overlap)``; see
+    :class:`FusedLinearSoftCE` (``overlap`` is empty when a gradient is kept).
 
     Raises ValueError for chunk_size < 1, alpha outside [0, 1] or temperature <= 0."""
     _check_soft_args(alpha, temperature, chunk_size)
@@ -322,7 +329,7 @@ def fused_linear_soft_cross_entropy(hidden, weight, labels, row_weights, target_
 def naive_linear_soft_cross_entropy(hidden, weight, labels, row_weights, target_hidden, target_index,
                                     alpha: float = 0.0, temperature: float = 1.0, chunk_size: int = 0):
     """Reference with the same signature: full ``[R, V]`` logits, ``F.cross_entropy`` with soft targets
-    and ``F.kl_div``; autograd gives the gradient."""
+    and ``F.kl_div``; autograd gives the gradient. The overlap is always computed."""
     _check_soft_args(alpha, temperature, max(chunk_size, 1))
     acc = torch.promote_types(weight.dtype, torch.float32)
     z = (hidden.to(weight.dtype) @ weight.t()).to(acc)
@@ -335,7 +342,8 @@ def naive_linear_soft_cross_entropy(hidden, weight, labels, row_weights, target_
     w = row_weights.to(acc)
     loss = (w * (alpha * ce + (1 - alpha) * temperature ** 2 * soft)).sum()
     zmax = z.argmax(-1)
-    return loss, zmax == labels, zmax == u.argmax(-1), (w * kl).sum().detach(), (w * ce).sum().detach()
+    overlap = torch.minimum(torch.softmax(z / temperature, -1), p).sum(-1).detach()
+    return loss, zmax == labels, zmax == u.argmax(-1), (w * kl).sum().detach(), (w * ce).sum().detach(), overlap
 
 
 # ------------------------------------------------------------------------------- block loss
@@ -348,8 +356,9 @@ class LossStats:
     loss_sum = Σ w·loss (the trained objective), weight_sum = Σ w, ce_sum = Σ w·CE(label), kl_sum =
     Σ w·KL(p_target ‖ q_draft) (Python floats), count[k] = weighted rows of slot k, correct[k] = those
     where the draft's argmax equals the label, agree[k] = those where it equals the target's argmax
-    (int64 ``[bs]``). ``soft`` says whether the target's distribution was computed (kl_sum and agree
-    are 0 otherwise)."""
+    (int64 ``[bs]``), overlap[k] = Σ over those rows of Σ_v min(p_v, q_v) (fp64 ``[bs]``). ``soft`` says
+    whether the target's distribution was computed (kl_sum and agree are 0 otherwise), ``overlap_on``
+    whether the overlap was (evaluation: no gradient kept)."""
 
     loss_sum: float
     weight_sum: float
@@ -359,10 +368,14 @@ class LossStats:
     kl_sum: float = 0.0
     agree: torch.Tensor | None = None
     soft: bool = False
+    overlap: torch.Tensor | None = None
+    overlap_on: bool = False
 
     def __post_init__(self):
         if self.agree is None:
             self.agree = torch.zeros_like(self.count)
+        if self.overlap is None:
+            self.overlap = torch.zeros(len(self.count), dtype=torch.float64)
 
     @classmethod
     def zeros(cls, block_size: int) -> LossStats:
@@ -376,21 +389,26 @@ class LossStats:
         self.count += other.count
         self.correct += other.correct
         self.agree += other.agree
+        self.overlap += other.overlap
         self.soft = self.soft or other.soft
+        self.overlap_on = self.overlap_on or other.overlap_on
         return self
 
     def to_vector(self) -> torch.Tensor:
-        """fp64 ``[5 + 3·bs]`` for one all-reduce: (loss_sum, weight_sum, ce_sum, kl_sum, soft, count, correct, agree)."""
-        head = [self.loss_sum, self.weight_sum, self.ce_sum, self.kl_sum, float(self.soft)]
+        """fp64 ``[6 + 4·bs]`` for one all-reduce: (loss_sum, weight_sum, ce_sum, kl_sum, soft, overlap_on, count,
+        correct, agree, overlap)."""
+        head = [self.loss_sum, self.weight_sum, self.ce_sum, self.kl_sum, float(self.soft), float(self.overlap_on)]
         return torch.cat([torch.tensor(head, dtype=torch.float64), self.count.double(), self.correct.double(),
-                          self.agree.double()])
+                          self.agree.double(), self.overlap.double()])
 
     @classmethod
     def from_vector(cls, v: torch.Tensor) -> LossStats:
         v = v.double().cpu()
-        bs = (len(v) - 5) // 3
-        n = lambda i: v[5 + i * bs: 5 + (i + 1) * bs].round().long()
-        return cls(float(v[0]), float(v[1]), n(0), n(1), float(v[2]), float(v[3]), n(2), bool(v[4] > 0))
+        bs = (len(v) - 6) // 4
+        part = lambda i: v[6 + i * bs: 6 + (i + 1) * bs]
+        n = lambda i: part(i).round().long()
+        return cls(float(v[0]), float(v[1]), n(0), n(1), float(v[2]), float(v[3]), n(2), bool(v[4] > 0),
+                   part(3).clone(), bool(v[5] > 0))
 
     @property
     def accuracy(self) -> list[float]:
@@ -404,6 +422,15 @@ class LossStats:
         if not self.soft:
             return None
         return [c / n if n else float("nan") for c, n in zip(self.agree.tolist()[1:], self.count.tolist()[1:])]
+
+    @property
+    def overlap_rate(self) -> list[float] | None:
+        """Mean of Σ_v min(p_v, q_v) over slot k's rows (k = 1..bs-1): the chance that a token sampled from
+        the draft is accepted when the target samples from its distribution (T = 1 at distill_temperature
+        1, no top-k / top-p), teacher forced; None when it was not computed."""
+        if not self.overlap_on:
+            return None
+        return [o / n if n else float("nan") for o, n in zip(self.overlap.tolist()[1:], self.count.tolist()[1:])]
 
 
 @dataclass
@@ -457,14 +484,18 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
             t = distill.norm(distill.last_hidden.reshape(B * S, -1).index_select(0, uniq))
         fn = fused_linear_soft_cross_entropy if fused else naive_linear_soft_cross_entropy
         if len(rows):
-            loss_sum, correct, agree, kl_sum, ce_sum = fn(h, lm_head_weight, y, w, t, index, distill.alpha,
-                                                          distill.temperature, chunk_size)
+            loss_sum, correct, agree, kl_sum, ce_sum, overlap = fn(h, lm_head_weight, y, w, t, index, distill.alpha,
+                                                                   distill.temperature, chunk_size)
         else:  # as below: a zero with a graph
             loss_sum, kl_sum, ce_sum = hidden.float().sum() * 0.0, 0.0, 0.0
             correct = agree = torch.zeros(0, dtype=torch.bool, device=hidden.device)
+            overlap = torch.zeros(0, device=hidden.device)
+        on = overlap.numel() == len(rows) if len(rows) else not torch.is_grad_enabled()  # computed: no gradient kept
+        per_slot = (torch.bincount(slots, weights=overlap.double(), minlength=block_size).cpu() if on and len(rows)
+                    else torch.zeros(block_size, dtype=torch.float64))
         stats = LossStats(float(loss_sum.detach()), float(w.double().sum()), count,
                           torch.bincount(slots[correct], minlength=block_size).cpu(), float(ce_sum), float(kl_sum),
-                          torch.bincount(slots[agree], minlength=block_size).cpu(), True)
+                          torch.bincount(slots[agree], minlength=block_size).cpu(), True, per_slot, on)
         return loss_sum, stats
     if len(rows):
         if fused:
