@@ -358,7 +358,8 @@ class LossStats:
     where the draft's argmax equals the label, agree[k] = those where it equals the target's argmax
     (int64 ``[bs]``), overlap[k] = Σ over those rows of Σ_v min(p_v, q_v) (fp64 ``[bs]``). ``soft`` says
     whether the target's distribution was computed (kl_sum and agree are 0 otherwise), ``overlap_on``
-    whether the overlap was (evaluation: no gradient kept)."""
+    whether the overlap was (the fused op computes it only when no gradient is kept, i.e. at evaluation; the
+    naive reference always)."""
 
     loss_sum: float
     weight_sum: float
