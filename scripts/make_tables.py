@@ -158,9 +158,11 @@ def _continuation_tables(r: dict) -> list[str]:
     """A continuation run's stage timings, its in-trainer evaluations and its command."""
     out = ["| stage | wall clock |", "|---|---|"]
     out += [f"| {x['stage']} | {x['seconds']:.0f} s |" for x in r["timings"]]
-    out += ["", "| step | eval loss | τ_sim | τ_real (eval prompts) |", "|---|---|---|---|"]
+    sample = any("eval/tau_sim_sample" in e for e in r["train"]["evals"])  # T > 0 proxy, logged since 04788e6
+    out += ["", "| step | eval loss | τ_sim | τ_real (eval prompts) |" + (" τ_sim_sample |" if sample else ""),
+            "|---|---|---|---|" + ("---|" if sample else "")]
     out += [f"| {e['step']} | {fmt(e['eval/loss'], 3)} | {fmt(e['eval/tau_sim'])} | {fmt(e['eval/tau_real'])} |"
-            for e in r["train"]["evals"]]
+            + (f" {fmt(e.get('eval/tau_sim_sample'))} |" if sample else "") for e in r["train"]["evals"]]
     return out + ["", f"Command: `{r['command']}`", ""]
 
 

@@ -65,6 +65,8 @@ def test_tables_survive_results_written_without_optional_keys(tmp_path, monkeypa
     for name in ("verify-planner-h200.json", "smollm2-continue4-h200.json"):
         d = json.loads((res / name).read_text())
         d.pop("commit_note")
+        if "continue4" in name:  # a run that logged the T > 0 proxy at its first evaluation only
+            d["train"]["evals"][0]["eval/tau_sim_sample"] = 2.5
         (res / name).write_text(json.dumps(d))
     sw = json.loads((res / "combine-sweep-h200.json").read_text())["rows"]
     for x in sw:
@@ -80,3 +82,5 @@ def test_tables_survive_results_written_without_optional_keys(tmp_path, monkeypa
     assert "The split-K attention combine in that profile: 13.0 µs a call" in text
     assert "(best 2.4 µs: 8 rows per program, 1 warp)" in text and "commit `?`" in text
     assert "Fourth continuation (the shipped draft)" in text
+    assert "| τ_real (eval prompts) | τ_sim_sample |" in text and "| 2.97 | 2.64 | 2.50 |" in text
+    assert "| 2.90 | – |" in text  # an evaluation without it
