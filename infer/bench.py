@@ -301,16 +301,28 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def task_bootstrap(counts: list[tuple[torch.Tensor, torch.Tensor]], n: int = 2000,
+                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean over tasks of τ for D drafts decoded on the same prompts, and n bootstrap resamples of it.
+
+    ``counts``: per task, (committed, steps) float64 ``[D, P]`` (P prompts of that task; a task's τ =
+    Σ committed / Σ steps). Returns (``[D]``, ``[n, D]``): prompts are resampled with replacement within
+    each task, with the same indices for every draft, so in a difference of drafts the prompt-to-prompt
+    spread they share cancels (a paired bootstrap; Efron & Tibshirani 1993, §13)."""
+    g = torch.Generator().manual_seed(seed)
+    point = boot = 0
+    for c, s in counts:
+        i = torch.randint(0, c.shape[1], (n, c.shape[1]), generator=g)  # [n, P]
+        point = point + c.sum(-1) / s.sum(-1).clamp(min=1)
+        boot = boot + (c[:, i].sum(-1) / s[:, i].sum(-1).clamp(min=1)).T
+    return point / len(counts), boot / len(counts)
+
+
 def mean_tau_ci(draft_rows: list[dict], n: int = 2000, seed: int = 0) -> list[float]:
     """95% bootstrap interval of the mean over tasks of τ: prompts resampled within each task."""
-    g = torch.Generator().manual_seed(seed)
-    means = torch.zeros(n, dtype=torch.float64)
-    for d in draft_rows:
-        c = torch.tensor(d["per_prompt_committed"], dtype=torch.float64)
-        s = torch.tensor(d["per_prompt_steps"], dtype=torch.float64)
-        idx = torch.randint(0, len(c), (n, len(c)), generator=g)
-        means += c[idx].sum(1) / s[idx].sum(1).clamp(min=1)
-    means /= len(draft_rows)
+    counts = [tuple(torch.tensor([d[k]], dtype=torch.float64) for k in ("per_prompt_committed", "per_prompt_steps"))
+              for d in draft_rows]
+    means = task_bootstrap(counts, n, seed)[1][:, 0]
     lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return [lo, hi]
 

@@ -9,9 +9,8 @@ and ``DSpine-s<k>`` / ``DFlash-s<k>`` (seed k), as ``scripts/smollm2/recipe.sh``
 
 Per file and seed: each arm's mean τ (the mean over tasks of the task's τ = Σ committed / Σ verify
 steps, the ``mean_tau`` of infer.bench), the relative difference ``rel = τ_DSpine / τ_DFlash − 1`` and
-its 95% paired percentile-bootstrap interval: prompts are resampled with replacement within each task,
-the same indices for both arms, so the prompt-to-prompt spread that both arms share cancels (Efron &
-Tibshirani 1993, §13). ``all_seeds`` does the same for the arms' means averaged over the seeds (one
+its 95% paired percentile-bootstrap interval (``infer.bench.task_bootstrap``: prompts resampled with
+replacement within each task, the same indices for both arms, so the spread both arms share cancels). ``all_seeds`` does the same for the arms' means averaged over the seeds (one
 index draw per task for every draft). ``goal_met``: rel ≥ +5% (the issue's goal), judged on the point
 estimate; ``interval_excludes_zero`` says whether the difference is resolved at all.
 Writes JSON with the command, date and commit; prints one line per file and seed.
@@ -31,6 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from infer.bench import task_bootstrap  # noqa: E402
 
 GOAL = 0.05  # DSpine ≥ +5% over DFlash (the issue's goal)
 _LABEL = re.compile(r"^(DSpine|DFlash)(?:-s(\d+))?$")
@@ -75,28 +76,12 @@ def _counts(path: Path, rec: dict, labels: list[str]) -> list[tuple[torch.Tensor
     return out
 
 
-def mean_taus(counts, idx=None) -> torch.Tensor:
-    """Mean over tasks of each draft's τ: ``[drafts]``, or ``[n, drafts]`` for bootstrap indices
-    ``idx`` (one ``[n, prompts]`` int64 tensor per task)."""
-    acc = 0
-    for k, (c, s) in enumerate(counts):
-        if idx is None:
-            acc = acc + c.sum(-1) / s.sum(-1).clamp(min=1)
-        else:
-            i = idx[k]  # [n, P]
-            acc = acc + (c[:, i].sum(-1) / s[:, i].sum(-1).clamp(min=1)).T  # [n, drafts]
-    return acc / len(counts)
-
-
 def compare(path: Path, n: int = 2000, seed: int = 0) -> dict:
     """The comparison record of one bench file (module docstring)."""
     rec = json.loads(path.read_text())
     pairs = _pairs(path, rec)
     labels = [lab for pair in pairs.values() for lab in pair]  # DSpine, DFlash per seed, in seed order
-    counts = _counts(path, rec, labels)
-    g = torch.Generator().manual_seed(seed)
-    idx = [torch.randint(0, c.shape[1], (n, c.shape[1]), generator=g) for c, _ in counts]
-    point, boot = mean_taus(counts), mean_taus(counts, idx)  # [D], [n, D]
+    point, boot = task_bootstrap(_counts(path, rec, labels), n, seed)  # [D], [n, D]
     q = torch.tensor([0.025, 0.975], dtype=torch.float64)
 
     def entry(sp: torch.Tensor, fl: torch.Tensor, bsp: torch.Tensor, bfl: torch.Tensor) -> dict:
