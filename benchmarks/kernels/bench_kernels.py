@@ -59,12 +59,20 @@ def case_verify(B, S, T):
     return f"verify_attention B{B} S{S} T{T}", run, nbytes
 
 
+def random_partials(BH: int, NS: int, TG: int, D: int, device="cuda"):
+    """Split-K partials in attn_combine's layout (acc ``[BH, NS, TG, D]``, m and l ``[BH, NS, TG]``, fp32):
+    log2-domain maxima around 0 ± 8, sums 1..21 and accumulators scaled by their sum, as the attention
+    kernels leave them (also benchmarks/kernels/tune_attention.py --combine)."""
+    pm = 8 * torch.randn(BH, NS, TG, device=device)
+    pl = 1 + 20 * torch.rand_like(pm)
+    pa = torch.randn(BH, NS, TG, D, device=device) * pl[..., None]
+    return pa, pm, pl
+
+
 def case_combine(B, T, NS):
     """The split-K second pass of verify_attention on its own (NS = 3: batch 8 at 132 SMs)."""
     TG = HQ // HKV * T
-    pm = 8 * torch.randn(B * HKV, NS, TG, device="cuda")
-    pl = 1 + 20 * torch.rand_like(pm)
-    pa = torch.randn(B * HKV, NS, TG, D, device="cuda") * pl[..., None]
+    pa, pm, pl = random_partials(B * HKV, NS, TG, D)
     out = torch.empty(B, T, HQ, D, device="cuda", dtype=DT)
     nbytes = B * HKV * TG * (NS * (D + 2) * 4 + D * 2)
     run = lambda impl: (lambda: combine_partials(pa, pm, pl, out, impl=impl))

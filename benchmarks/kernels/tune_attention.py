@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.kernels.bench_kernels import random_partials  # noqa: E402
 from dspine.ops import attn_combine as ac  # noqa: E402
 from dspine.ops import verify_attention as va  # noqa: E402
 from dspine.ops.attn_combine import combine_partials_torch, combine_partials_triton  # noqa: E402
@@ -66,9 +67,7 @@ def sweep_combine():
     results = []
     for BH, NS, TG in ((64, 3, 64), (64, 3, 4), (8, 17, 64)):
         G = 4
-        pm = 8 * torch.randn(BH, NS, TG, device="cuda")
-        pl = 1 + 20 * torch.rand_like(pm)
-        pa = torch.randn(BH, NS, TG, 128, device="cuda") * pl[..., None]
+        pa, pm, pl = random_partials(BH, NS, TG, 128)
         out = torch.empty(BH // 8, TG // G, 32, 128, device="cuda", dtype=torch.bfloat16)
         ref = combine_partials_torch(pa, pm, pl, torch.empty_like(out)).float()
         bench = lambda fn: 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
