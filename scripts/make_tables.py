@@ -31,7 +31,8 @@ def fmt(x, nd=2):
 
 
 def smollm2_section() -> list[str]:
-    runs = sorted((p for p in RESULTS.glob("smollm2*-T*-c*.json") if not p.stem.endswith("-divergence")),
+    runs = sorted((p for p in RESULTS.glob("smollm2*-T*-c*.json")  # the arms' files: arms_section
+                   if not p.stem.endswith("-divergence") and "-arms-" not in p.stem),
                   key=lambda p: ("-cpu-" in p.name, "-shipped-" not in p.name, p.name))  # shipped draft, GPU, CPU
     if not runs:
         return []
@@ -133,25 +134,45 @@ def recipe_section() -> list[str]:
 
 
 def arms_section() -> list[str]:
-    """DSpine against DFlash, paired per prompt (scripts/smollm2/compare_arms.py)."""
-    r = load("smollm2-arms-h200.json")
-    if not r:
+    """DSpine against DFlash, paired per prompt (scripts/smollm2/compare_arms.py): the two-seed run
+    (smollm2-arms2-h200.json, drafts trained for the comparison) and the recipe's seed 0 (smollm2-arms-h200.json)."""
+    two, one = load("smollm2-arms2-h200.json"), load("smollm2-arms-h200.json")
+    if not (two or one):
         return []
+    r = two or one
     out = ["#### DSpine against DFlash, paired by prompt", "",
-           f"`scripts/smollm2/compare_arms.py` over the recipe's benchmark files ({r['comparisons'][0]['gpu']}, "
-           f"commit `{str(r['comparisons'][0]['bench_commit'])[:10]}`; comparison at commit `{r['commit'][:10]}`, "
-           "[`results/smollm2-arms-h200.json`](results/smollm2-arms-h200.json)): both drafts decoded the same prompts "
-           "in one run, so prompts are resampled in pairs (within each task) and the spread both drafts share "
-           f"cancels. Goal: DSpine ≥ +{100 * r['goal_rel']:.0f}%.", "",
-           "| T | concurrency | prompts per task | seed | DSpine mean τ | DFlash mean τ | DSpine ÷ DFlash − 1 [95% CI] |",
-           "|---|---|---|---|---|---|---|"]
-    for c in r["comparisons"]:
-        rows = {**c["seeds"], **({"mean of seeds": c["all_seeds"]} if "all_seeds" in c else {})}
-        for seed, e in rows.items():
-            out.append(f"| {c['temperature']:g} | {c['concurrency']} | {c['num_prompts']} | {seed} | "
-                       f"{e['dspine_mean_tau']:.3f} | {e['dflash_mean_tau']:.3f} | {100 * e['rel']:+.1f}% "
-                       f"[{100 * e['rel_ci95'][0]:+.1f}, {100 * e['rel_ci95'][1]:+.1f}] |")
-    return out + ["", f"Command: `{r['command']}`", ""]
+           "`scripts/smollm2/compare_arms.py`: both drafts decoded the same prompts in one run, so prompts are "
+           "resampled in pairs (within each task) and the spread both drafts share cancels; the mean of seeds "
+           f"resamples both seeds' prompts together. Goal: DSpine ≥ +{100 * r['goal_rel']:.0f}%.", ""]
+
+    def table(r: dict) -> list[str]:
+        rows = ["| T | concurrency | prompts per task | seed | DSpine mean τ | DFlash mean τ | DSpine ÷ DFlash − 1 [95% CI] |",
+                "|---|---|---|---|---|---|---|"]
+        for c in r["comparisons"]:
+            seeds = {**c["seeds"], **({"mean of seeds": c["all_seeds"]} if "all_seeds" in c else {})}
+            for seed, e in seeds.items():
+                rows.append(f"| {c['temperature']:g} | {c['concurrency']} | {c['num_prompts']} | {seed} | "
+                            f"{e['dspine_mean_tau']:.3f} | {e['dflash_mean_tau']:.3f} | {100 * e['rel']:+.1f}% "
+                            f"[{100 * e['rel_ci95'][0]:+.1f}, {100 * e['rel_ci95'][1]:+.1f}] |")
+        return rows + ["", f"Command: `{r['command']}`", ""]
+
+    if two:
+        t = two["train"]
+        last = {k: v[-1] for k, v in t["evals"].items() if v}
+        out += [f"Two seeds, drafts trained for the comparison ({two['comparisons'][0]['gpu']}, commit "
+                f"`{two['commit'][:10]}`, [`results/smollm2-arms2-h200.json`](results/smollm2-arms2-h200.json)): "
+                f"DSpine and DFlash × seeds 0 and 1 from scratch, side by side on one GPU, on the same "
+                f"{t['data']['train_rows']:,} sampled answers ({t['data']['train_tokens'] / 1e6:.1f} M tokens), "
+                f"{t['steps']} steps each ({t['wall_s']:.0f} s). {t['note']}. Final in-trainer evals (τ_sim / "
+                "τ_sim_sample): " + ", ".join(f"{k} {e['tau_sim']:.3f} / {e['tau_sim_sample']:.3f}"
+                                               for k, e in sorted(last.items())) + ".", ""]
+        out += table(two) + [f"Training: `{t['command']}`", ""]
+    if one:
+        out += [f"Seed 0 of the recipe (the benchmark files of the 1,592-step drafts; {one['comparisons'][0]['gpu']}, "
+                f"commit `{str(one['comparisons'][0]['bench_commit'])[:10]}`; comparison at commit `{one['commit'][:10]}`, "
+                "[`results/smollm2-arms-h200.json`](results/smollm2-arms-h200.json)):", ""]
+        out += table(one)
+    return out
 
 
 def _continuation_tables(r: dict) -> list[str]:
@@ -191,7 +212,7 @@ def continue_section() -> list[str]:
     out = []
     r = load("smollm2-continue4-h200.json")
     if r:
-        g, b, (new, prev) = r["regen"], r["bench"]["T0-c1"], r["data"]["packs"]
+        g, b, (new, _) = r["regen"], r["bench"]["T0-c1"], r["data"]["packs"]
         prov, train = _continuation_facts(r, "smollm2-continue4-h200.json", "the third continuation's draft")
         out += ["#### The shipped draft: the recipe's DSpine draft trained further, four times, on one H200", "",
                 f"Fourth continuation (the shipped draft): {prov}. "
@@ -406,7 +427,9 @@ def verify_section() -> list[str]:
             out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | "
                        f"{p['chain_tok_per_s']:.0f} | {p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | "
                        f"{p['planner_over_best_static']:.2f} — {ok(p['planner_over_best_static'] >= 0.98)} | {share} |")
-        out += ["", f"Command: `{r['command']}`", ""]
+        cmds = r.get("planner_commands", {})
+        out += ["", "Commands: " + "; ".join(f"`{cmds[k]}`" for k in ("c1_c8_T0", "c1_c8_T1", "c32_c64_T0_T1") if k in cmds)
+                if cmds else f"Command: `{r['command']}`", ""]
     return out
 
 
@@ -559,8 +582,10 @@ def profile_section() -> list[str]:
                 f"and the batch 8 spec step took {before['batch8_spec_kernel_us_per_step'] / 1000:.2f} ms of kernels "
                 f"({before['batch8_spec_kernel_us_per_step'] / before['batch8_ar_kernel_us_per_step']:.2f} × AR). "
                 "`dspine.ops.lm_head` flattens the rows first (tests/test_kernels_lm_head.py asserts `aten::mm`). "
-                "What is left is mostly the layers' GEMMs at 128 rows against 8 (the top kernel) and the attention "
-                "combine kernel."]
+                "What is left is mostly GEMMs: the cuBLAS (`nvjet`) kernels take "
+                f"{sum(x['us_per_step'] for x in b8['top'] if x['name'].startswith('nvjet')) / 1000:.2f} ms of the spec "
+                f"step against {sum(x['us_per_step'] for x in a8['top'] if x['name'].startswith('nvjet')) / 1000:.2f} ms "
+                "of the AR step (the layers at 128 rows, 8 of them the target's verify block of 16, against 8)."]
     combine = _combine_sentences(r, b8)
     if combine:
         out += ["", combine]
@@ -575,16 +600,18 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
     if not comb:
         return ""
     text = (f"The split-K attention combine in that profile: {comb['us_per_call']:.1f} µs a call "
-            f"({comb['count_per_step']:.0f} calls, {comb['us_per_step'] / 1000:.2f} ms a step).")
-    prev = r.get("before_combine_rewrite") or {}
+            f"({comb['count_per_step']:.0f} calls, {comb['us_per_step'] / 1000:.2f} ms a step)")
+    prev = r.get("before_one_warp_combine") or {}
     cb = prev.get("batch8_spec_combine")
     if cb:
-        text += (f" With one row per program (commit `{str(prev.get('commit', '?'))[:10]}`) it took "
-                 f"{cb['us_per_call']:.1f} µs: merging up to 16 rows per program did not shorten it.")
+        text += (f", against {cb['us_per_call']:.1f} µs ({cb['us_per_step'] / 1000:.2f} ms a step) with the 4-warp launch "
+                 f"of commit `{str(prev.get('commit', '?'))[:10]}`; the batch 8 spec step's kernel time went from "
+                 f"{prev['batch8_spec_kernel_us_per_step'] / 1000:.2f} to {r['batch8']['spec']['kernel_us_per_step'] / 1000:.2f} ms")
+    text += "."
     sw = load("combine-sweep-h200.json")
     rows = sw.get("rows", []) if isinstance(sw, dict) else (sw or [])
-    spec = [x for x in rows if "us" in x and x.get("ok") and x.get("TG") == 64 and x.get("BH", 64) == 64
-            and not x.get("ordered")]
+    timed = [x for x in rows if "us" in x and x.get("ok")]
+    spec = [x for x in timed if x.get("TG") == 64 and x.get("BH", 64) == 64 and not x.get("ordered")]
     if not spec:
         return text
     span = lambda ws: (lambda v: f"{min(v):.1f}-{max(v):.1f} µs" if v else None)([x["us"] for x in spec if x["warps"] in ws])
@@ -592,11 +619,21 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
              if span(ws)]
     best = min(spec, key=lambda x: x["us"])
     commit = sw.get("commit", "?") if isinstance(sw, dict) else "?"
-    return text + (f" The kernel alone at that shape ([`results/combine-sweep-h200.json`](results/combine-sweep-h200.json), "
-                   f"CUDA-graph replays, commit `{commit[:10]}`): " + ", ".join(parts) + f" (best {best['us']:.1f} µs: "
-                   f"{best['br']} rows per program, {best['warps']} warp{'s' if best['warps'] > 1 else ''}); the "
-                   "warps, not the program count, made it slow. The default launch is now one warp per 4,096 fp32 of "
-                   "the tile (8 rows at this shape); the profile above ran with the launch of its own commit.")
+    text += (f" The kernel alone at the batch-8 spec shape ([`results/combine-sweep-h200.json`](results/combine-sweep-h200.json), "
+             f"CUDA-graph replays, commit `{commit[:10]}`): " + ", ".join(parts) + f" (best {best['us']:.1f} µs: "
+             f"{best['br']} rows per program, {best['warps']} warp{'s' if best['warps'] > 1 else ''}): the warps, not "
+             "the program count, made it slow, and the default launch is one warp per 4,096 fp32 of the tile.")
+    dflt = {(x["BH"], x["TG"], x["NS"], x["ordered"]): x for x in rows if "default_us" in x}
+    b1 = dflt.get((8, 64, 17, True))
+    if b1:
+        best1 = min((x for x in timed if (x["BH"], x["TG"], x["NS"], x["ordered"]) == (8, 64, 17, True)),
+                    key=lambda x: x["us"])
+        text += (f" The ordered combine of exact mode at the batch-1 shape (B·Hkv = 8, 17 splits) took "
+                 f"{b1['default_us']:.1f} µs with that commit's {b1['default_block_r']} rows per program against "
+                 f"{best1['us']:.1f} µs at {best1['br']} row{'s' if best1['br'] > 1 else ''} and {best1['warps']} "
+                 f"warp{'s' if best1['warps'] > 1 else ''}: its default is now 4 rows, 4 warps (within 3% of the best "
+                 "at the three measured shapes), not yet profiled in a step.")
+    return text
 
 
 def render() -> str:

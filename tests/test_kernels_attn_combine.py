@@ -106,7 +106,9 @@ def test_combine_blocks():
     assert _combine_blocks(3, 4, 128, ordered=False) == (4, 4, 128, 1)  # decode: all 4 rows in one program
     assert _combine_blocks(17, 64, 128, ordered=False) == (1, 32, 128, 1)  # batch-1 spec: 17 splits
     assert _combine_blocks(64, 64, 128, ordered=False) == (1, 64, 128, 2)  # 8192 fp32: two warps
-    assert _combine_blocks(64, 64, 128, ordered=True) == (16, 64, 128, 4)  # the loop holds [16, 128] only
+    assert _combine_blocks(64, 64, 128, ordered=True) == (4, 64, 128, 4)  # 4 rows: enough programs at batch 1
+    assert _combine_blocks(17, 64, 128, ordered=True) == (4, 32, 128, 4)
+    assert _combine_blocks(3, 2, 128, ordered=True) == (2, 4, 128, 4)  # fewer rows than 4
     assert _combine_blocks(1, 20, 80, ordered=False) == (16, 2, 128, 1)
 
 

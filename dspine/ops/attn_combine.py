@@ -25,7 +25,8 @@ reduction over the split axis of a 3-D tile spread over several warps), 2 warps 
 2.4-3.7 µs up to 16 rows (best: 8 rows per program, 2.4 µs, where the 7.4 MB of traffic needs ~2 µs); the
 engine's step profile had it at 13.1 µs × 41 calls = 0.54 ms of a 7.45 ms step
 (results/profile-step-h200.json). At the batch-8 decode shape (G·T = 4) 1 warp took 1.4-1.8 µs
-against 2.7 µs with 4. Wider tiles (NS > 4 at D = 128; batch 1 has NS up to 17) are not measured yet.
+against 2.7 µs with 4. At batch 1's 17 splits (B·Hkv = 8, G·T = 64: a [32, 1, 128] tile) the default (1 row,
+1 warp) was the best of the sweep, 2.3 µs.
 Memory traffic: reads NS·(D+2)·4 bytes and writes D·sizeof(out) bytes per row (at the shape
 above: 6.4 MB read, 1.0 MB written).
 
@@ -34,7 +35,10 @@ online-softmax update ``M' = max(M, m_s)``, ``L' = L·2^(M−M') + l_s·2^(m_s�
 starting from (−1e30, 0, 0). A split with no visible key is then an exact no-op (factors 1 and 0)
 and a row's result depends only on its own splits, not on NS or on which program merged it. Its
 kernel loops over the splits with [BLOCK_R, BLOCK_D] tiles; every operation is elementwise per row
-(no fp contraction), so a row's bits do not depend on BLOCK_R or on its neighbours.
+(no fp contraction), so a row's bits do not depend on BLOCK_R or on its neighbours. BLOCK_R: 4 rows (or
+fewer where G·T is smaller), 4 warps. Measured in the same sweep: the previous 16 rows per program took 10.2 µs at
+batch 1's shape (B·Hkv = 8: 32 programs for 132 SMs) against 4.8 µs with 4 rows (best 4.7 µs), and at the batch-8
+shape 3.3 µs against 2.9 µs (best 2.8 µs); at the batch-8 decode shape (G·T = 4) every setting took 1.8 µs.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ __all__ = ["combine_partials"]
 
 _MAX_ROWS = 16  # rows per program
 _TILE = 4096  # fp32 elements of the unordered kernel's acc tile per program, and per warp (128 per thread)
-_TILE_ORDERED = 8192  # the ordered kernel's [BLOCK_R, BLOCK_D] tile (4 warps: 64 fp32 per thread)
+_ORDERED_ROWS = 4  # rows per program of the ordered kernel (4 warps; module docstring)
 
 
 @triton.jit
@@ -125,11 +129,11 @@ def _combine_kernel(
 def _combine_blocks(NS: int, TG: int, D: int, ordered: bool) -> tuple[int, int, int, int]:
     """(BLOCK_R, BLOCK_S, BLOCK_D, num_warps): the most rows (≤ _MAX_ROWS, ≤ the rows there are) whose acc
     tile fits (unordered: [BLOCK_S, BLOCK_R, BLOCK_D] ≤ _TILE, one warp per _TILE elements; ordered loop:
-    [BLOCK_R, BLOCK_D] ≤ _TILE_ORDERED, 4 warps)."""
+    _ORDERED_ROWS rows, 4 warps)."""
     bs = max(2, next_pow2(NS))
     bd = max(16, next_pow2(D))
     if ordered:
-        return max(1, min(_MAX_ROWS, next_pow2(TG), _TILE_ORDERED // bd)), bs, bd, 4
+        return max(1, min(_ORDERED_ROWS, next_pow2(TG))), bs, bd, 4
     br = max(1, min(_MAX_ROWS, next_pow2(TG), _TILE // (bs * bd)))
     return br, bs, bd, min(8, max(1, br * bs * bd // _TILE))  # ≤ 4 for the NS ≤ 64, D ≤ 256 of the callers
 
