@@ -623,11 +623,11 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
              f"CUDA-graph replays, commit `{commit[:10]}`): " + ", ".join(parts) + f" (best {best['us']:.1f} µs: "
              f"{best['br']} rows per program, {best['warps']} warp{'s' if best['warps'] > 1 else ''}): the warps, not "
              "the program count, made it slow, and the default launch is one warp per 4,096 fp32 of the tile.")
-    dflt = {(x["BH"], x["TG"], x["NS"], x["ordered"]): x for x in rows if "default_us" in x}
-    b1 = dflt.get((8, 64, 17, True))
-    if b1:
-        best1 = min((x for x in timed if (x["BH"], x["TG"], x["NS"], x["ordered"]) == (8, 64, 17, True)),
-                    key=lambda x: x["us"])
+    shape = lambda x: (x.get("BH"), x.get("TG"), x.get("NS"), x.get("ordered"))
+    b1 = next((x for x in rows if shape(x) == (8, 64, 17, True) and "default_us" in x), None)
+    runs1 = [x for x in timed if shape(x) == (8, 64, 17, True) and "br" in x and "warps" in x]
+    if b1 and runs1 and "default_block_r" in b1:
+        best1 = min(runs1, key=lambda x: x["us"])
         text += (f" The ordered combine of exact mode at the batch-1 shape (B·Hkv = 8, 17 splits) took "
                  f"{b1['default_us']:.1f} µs with that commit's {b1['default_block_r']} rows per program against "
                  f"{best1['us']:.1f} µs at {best1['br']} row{'s' if best1['br'] > 1 else ''} and {best1['warps']} "
