@@ -73,13 +73,13 @@ def test_tables_survive_results_written_without_optional_keys(tmp_path, monkeypa
         x.pop("BH", None)
     (res / "combine-sweep-h200.json").write_text(json.dumps(sw))
     p = json.loads((res / "profile-step-h200.json").read_text())
-    p.pop("before_flatten"), p.pop("before_combine_rewrite")
+    p.pop("before_flatten"), p.pop("before_combine_rewrite"), p.pop("before_one_warp_combine")
     (res / "profile-step-h200.json").write_text(json.dumps(p))
     monkeypatch.setattr(make_tables, "RESULTS", res)
     monkeypatch.setattr(make_tables, "ROOT", tmp_path)
     text = make_tables.render()
     assert "transformers `generate`" not in text and "¹" not in text
-    assert "The split-K attention combine in that profile: 13.0 µs a call" in text
+    assert "The split-K attention combine in that profile: 2.6 µs a call (41 calls, 0.11 ms a step)." in text
     assert "(best 2.4 µs: 8 rows per program, 1 warp)" in text and "commit `?`" in text
     assert "Fourth continuation (the shipped draft)" in text
     assert "| τ_real (eval prompts) | τ_sim_sample |" in text and "| 2.97 | 2.64 | 2.50 |" in text
