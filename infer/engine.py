@@ -55,7 +55,8 @@ class _Slots:
     anchor        [B] int64   last committed token: slot 0 of the next block
     lengths       [B] int32   committed positions in the target KV cache and the draft context; the
                               anchor sits at position lengths[b]. Shared with the draft cache view,
-                              whose append advances it by a + 1 per live row
+                              whose append advances it by a + 1 per live row (planner: the draft context
+                              holds lengths - pend_count of them, below)
     seeds         [B] int64   the request's seed (``dspine.sampling`` streams)
     out_tokens    [B, max_new] int64  generated tokens, prefill token first
     out_len       [B] int32   tokens in out_tokens; also the sampler's output position
@@ -69,9 +70,23 @@ class _Slots:
     offsets       [verify_size] int64  0 .. verify_size - 1 (static: no arange launch per step)
     conf          [B] fp32    planner only: the draft's confidence of the last speculative step, expected
                               committed tokens of its chain (:func:`chain_confidence`); stale after an AR step
+
+    Planner only (``pending = (F, k·H, dtype)``, ``F = Engine.ar_defer``): the deferred draft-context append of
+    the AR steps (:meth:`Engine._ar_step`, :meth:`Engine._flush_step`); None (pend_max 0) otherwise.
+
+    pend_max      int         F: most pending features per row (``Engine.ar_defer`` when the slots were made)
+    pend_feats    [B·F + 1, k·H] model dtype  target features of the AR steps since the last flush: row b's
+                              t-th at index b·F + t (a view ``[B, F, k·H]`` of the first B·F); the last index
+                              is a scratch row that takes the writes of idle rows (and of a row past F)
+    pend_count    [B] int32   pending features per row: the draft context of row b holds
+                              lengths[b] - pend_count[b] positions
+    pend_base     [B] int64   b·F (static)
+    pend_lengths  [B] int32   the flush's draft-context lengths: lengths - pend_count, advanced to lengths
+                              by the flush's append
     """
 
-    def __init__(self, B: int, verify_size: int, block_size: int, max_new: int, device, mask_id: int):
+    def __init__(self, B: int, verify_size: int, block_size: int, max_new: int, device, mask_id: int,
+                 pending: tuple[int, int, torch.dtype] | None = None):
         i32, i64 = torch.int32, torch.int64
         self.B, self.verify_size = B, verify_size
         self.anchor = torch.zeros(B, dtype=i64, device=device)
@@ -88,6 +103,15 @@ class _Slots:
         self.no_draft = torch.zeros(B, dtype=i32, device=device)
         self.offsets = torch.arange(verify_size, dtype=i64, device=device)
         self.conf = torch.ones(B, dtype=torch.float32, device=device)
+        self.pend_max = 0
+        self.pend_feats = self.pend_count = self.pend_base = self.pend_lengths = None
+        if pending is not None:
+            F_, width, dtype = pending
+            self.pend_max = F_
+            self.pend_feats = torch.zeros(B * F_ + 1, width, dtype=dtype, device=device)
+            self.pend_count = torch.zeros(B, dtype=i32, device=device)
+            self.pend_base = torch.arange(B, dtype=i64, device=device) * F_
+            self.pend_lengths = torch.zeros(B, dtype=i32, device=device)
 
 
 def chain_confidence(p: torch.Tensor) -> torch.Tensor:
@@ -124,7 +148,10 @@ class Engine:
             ``PLAN_TREES`` nodes per step from step times measured at start-up, corrected by the wall
             time of every step it runs (host clock between the loop's per-step flag reads: no extra
             sync; ``plan_online = False`` keeps the start-up table), and the measured acceptance;
-            None = always ``verify`` / ``tree_budget``.
+            None = always ``verify`` / ``tree_budget``. The planner's AR steps defer the draft-context
+            append to a flush every ``ar_defer`` AR steps and before a speculative one (:meth:`_ar_step`,
+            :meth:`_decode_planned`; ``defer_ar_append = False``: append in every AR step, tests and
+            benchmarks).
         exact: bit-exact mode (issue 13; default ``infer.model.EXACT_DEFAULT``): the target's decode and
             verify steps use row-invariant kernels and each prompt is prefilled in its own pass, so
             greedy speculative output equals this engine's autoregressive output bit for bit, in
@@ -132,6 +159,12 @@ class Engine:
     """
 
     PLAN_TREES = (32, 64)
+    # planner AR steps per draft-context flush (F): a flush is one append of [B, F, k·H] (static shape,
+    # whatever is pending), about as many launches as one per-step append, shared by up to F AR steps; its
+    # fc and K/V GEMMs run over B·F rows, like the draft block's B·16 rows of the shipped drafts (block 16)
+    # in every speculative step, so a larger F buys little amortisation for GEMMs that are no longer
+    # launch-bound and a larger static buffer (benchmarks/engine/bench_planner_ar.py measures the flush)
+    AR_DEFER = 16
 
     def __init__(self, target: EngineTarget, draft: DSpineDraftModel | None, eos_token_ids, max_batch: int = 8,
                  max_seq: int = 4096, cuda_graphs: bool | None = None, verify_size: int | None = None,
@@ -178,6 +211,8 @@ class Engine:
         self.planner_report: dict | None = None
         self.last_confidence: dict | None = None  # planner: the confidence passed with the latest choice
         self.plan_online = True  # the planner learns step times from the measured wall time per step
+        self.ar_defer = self.AR_DEFER  # F (read when a batch size's slots are made: _Slots.pend_max)
+        self.defer_ar_append = True  # False: the planner's AR steps append to the draft context each step
         self._costs: dict[tuple, dict] = {}
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
         self.eos_set = set(int(e) for e in eos_token_ids)
@@ -208,8 +243,11 @@ class Engine:
     def _slots_for(self, B: int) -> _Slots:
         if B not in self._slots:
             cfg = self.draft.config if self.draft is not None else None
+            pending = None
+            if self.budget == "auto":  # the planner's deferred AR appends (_ar_step)
+                pending = (self.ar_defer, self.draft.fc.in_features, self.target.embed.dtype)
             self._slots[B] = _Slots(B, self.verify_size, self.block_size, self.max_new_cap, self.device,
-                                    cfg.mask_token_id if cfg else 0)
+                                    cfg.mask_token_id if cfg else 0, pending)
         return self._slots[B]
 
     def _cache_view(self, B: int):
@@ -347,10 +385,17 @@ class Engine:
         draft_cache.append(path_feats, (a.to(torch.int32) + 1) * live, impl=self.impl)  # advances s.lengths
         s.anchor.copy_(torch.where(live, bonus, s.anchor))
 
-    def _ar_step(self, slots: _Slots, kv: KVCache, params: SamplingParams, draft_cache: DraftCache | None = None):
-        """One autoregressive step for all B slots: the anchor through the target, next token, commit.
-        With ``draft_cache`` (a planner's AR step between speculative ones) the anchor's features go to
-        the draft context, which advances ``lengths``."""
+    def _ar_step(self, slots: _Slots, kv: KVCache, params: SamplingParams, draft_cache: DraftCache | None = None,
+                 defer: bool = False):
+        """One autoregressive step for all B slots: the anchor through the target at position ``lengths``,
+        next token (argmax, or sampled at output position ``out_len``), commit; ``lengths += live``.
+
+        With ``draft_cache`` (a planner's AR step between speculative ones) the anchor's target features
+        ``[B, 1, k·H]`` are kept for the draft context: ``defer`` (the planner's default) scatters them into
+        ``pend_feats[b·F + pend_count[b]]`` of the live rows (idle rows, and a row past F, into the scratch
+        row) and ``pend_count += live``, for :meth:`_flush_step` to append later (the host flushes after F AR
+        steps and before a speculative step: :meth:`_decode_planned`); without ``defer`` they are appended
+        now (``DraftCache.append``: fc GEMM, norm, per draft layer a K/V GEMM and the cache write)."""
         s = slots
         tok = s.anchor[:, None]
         logits, feats = self.target.forward_step(tok, s.lengths[:, None].long(), kv, s.lengths,
@@ -368,26 +413,56 @@ class Engine:
                     impl=self.impl, anchor=s.anchor)
         if draft_cache is None:
             s.lengths.add_(live)
+        elif defer:  # index ops only: no host sync, no data-dependent shape (CUDA graph)
+            ok = live & (s.pend_count < s.pend_max)
+            idx = torch.where(ok, s.pend_base + s.pend_count, s.pend_feats.shape[0] - 1)
+            s.pend_feats.index_copy_(0, idx, feats[:, 0])
+            s.pend_count.add_(live)
+            s.lengths.add_(live)
         else:
             draft_cache.append(feats, live.to(torch.int32), impl=self.impl)
 
+    def _flush_step(self, slots: _Slots, draft_cache: DraftCache):
+        """The deferred draft-context append of the planner's AR steps (no host sync; a CUDA graph of its
+        own, not a planner mode): ``pend_lengths = lengths - pend_count``, then ``append_context`` of
+        ``pend_feats [B, F, k·H]`` with counts ``pend_count`` over ``draft_cache``, a view whose lengths are
+        ``pend_lengths`` (so row b's pending features go to positions lengths[b] - pend_count[b] ..
+        lengths[b] - 1, and the append advances ``pend_lengths`` to ``lengths``), then ``pend_count = 0``.
+        Rows with none pending write only the cache's scratch slot."""
+        s = slots
+        torch.sub(s.lengths, s.pend_count, out=s.pend_lengths)
+        draft_cache.append(s.pend_feats[:-1].view(s.B, s.pend_max, -1), s.pend_count, impl=self.impl)
+        s.pend_count.zero_()
+
     def _runner(self, B: int, params: SamplingParams, spec: bool, mode: tuple[str, int] | None = None):
         """The step for this configuration: a replayable CUDA graph, or the eager function. ``mode``
-        (planner): ("ar", 1) | ("chain", n) | ("tree", n), default the engine's (spec) or plain AR."""
+        (planner): ("ar", 1) | ("chain", n) | ("tree", n), default the engine's (spec) or plain AR; or
+        ("flush", F): the planner's draft-context flush (:meth:`_flush_step`; not a planner mode, one graph
+        per B whatever the sampling settings). A planner AR step (spec) defers its append iff
+        ``defer_ar_append`` was set when its runner was made (part of the graph's key).
+        Building a graph resets the slots (idle, empty): build every runner before admitting rows."""
         slots, (kv, draft_cache) = self._slots_for(B), self._cache_view(B)
         mode = mode or (self.mode if spec else ("ar", 1))
-        # the LM heads this step runs: target over B·T rows, draft over B·(verify_size - 1)
-        self._tune_lm_head([B * mode[1]] + ([B * (self.verify_size - 1)] if mode[0] != "ar" else []))
-        if mode[0] == "ar":
-            fn = lambda: self._ar_step(slots, kv, params, draft_cache if spec else None)
+        defer = spec and mode[0] == "ar" and self.budget == "auto" and self.defer_ar_append
+        key = (B, spec, mode, params.temperature, params.top_p, params.top_k, defer)
+        if mode[0] != "flush":
+            # the LM heads this step runs: target over B·T rows, draft over B·(verify_size - 1)
+            self._tune_lm_head([B * mode[1]] + ([B * (self.verify_size - 1)] if mode[0] != "ar" else []))
+        if mode[0] == "flush":
+            flush_cache = self.draft_cache.view(B, lengths=slots.pend_lengths)
+            fn = lambda: self._flush_step(slots, flush_cache)
+            key = (B, mode)
+        elif mode[0] == "ar":
+            fn = lambda: self._ar_step(slots, kv, params, draft_cache if spec else None, defer)
         else:
             fn = lambda: self._spec_step(slots, kv, draft_cache, params, mode)
         if not self.cuda_graphs:
             return fn
-        key = (B, spec, mode, params.temperature, params.top_p, params.top_k)
         if key not in self._graphs:
             slots.done.fill_(1)  # warm-up and capture on idle slots: commits nothing, lengths stay
             slots.lengths.zero_()
+            if slots.pend_count is not None:  # nothing pending: the flush's warm-up writes the scratch slot
+                slots.pend_count.zero_()
             if self._capture_stream is None:
                 # the engine's own capture stream: torch keys cuBLAS workspaces by stream, and recent
                 # versions free a stream's workspace when any graph captured on it is destroyed
@@ -425,8 +500,10 @@ class Engine:
 
     def _step_costs(self, B: int, params: SamplingParams) -> dict:
         """Milliseconds of one step of every planner mode at batch B (median of 5 after warm-up and graph
-        capture, idle rows), measured once per (B, sampling settings) on this device."""
-        key = (B, params.temperature, params.top_p, params.top_k)
+        capture, idle rows), measured once per (B, sampling settings, ``defer_ar_append``) on this device.
+        The AR mode is the planner's AR step as the loop runs it: with ``defer_ar_append`` the step that
+        leaves its features pending; the flush (not a mode) is not in the table."""
+        key = (B, params.temperature, params.top_p, params.top_k, self.defer_ar_append)
         if key not in self._costs:
             s, costs = self._slots_for(B), {}
             for mode in self.plan_modes:
@@ -489,6 +566,12 @@ class Engine:
         if spec:  # the prompts' context K/V, padded to [n, max P, k·H]; lengths become P
             padded = torch.nn.utils.rnn.pad_sequence(list(feats.split(lens)), batch_first=True)
             draft_cache.append(padded, lengths, rows=idx, impl=self.impl)
+            if s.pend_count is not None:
+                # the planner's deferred AR appends (_ar_step): an admitted slot's pending features are its
+                # finished request's, and a later flush would write them at lengths - pend_count, over the
+                # new prompt's context: drop them here (no flush before a refill: the rows still decoding
+                # keep theirs for the next flush; this also clears what a previous generate left pending)
+                s.pend_count[idx] = 0
 
     # -- the decode loops ------------------------------------------------------------------------
     def _flags_async(self, s: _Slots, buf: torch.Tensor):
@@ -601,7 +684,7 @@ class Engine:
         return n_steps
 
     def _decode_planned(self, s: _Slots, B: int, width: int, planner: StepPlanner, params: SamplingParams,
-                        owner, queue, refill, admit, results, reasons, stats) -> int:
+                        owner, queue, refill, admit, results, reasons, stats, flush=None) -> int:
         """The decode loop of the verify-budget planner; returns the steps run.
 
         Pipelined like :meth:`_decode_pipelined` (issue 16: the earlier loop read the flags after every step,
@@ -623,7 +706,24 @@ class Engine:
         of the observed step, its mean over the rows observed, is passed to the next choice as the
         predicted committed tokens of every speculative mode (``infer.planner``, "Calibration"): the
         draft's view of a passage two steps old. After an AR step (no draft ran) or with no such row the
-        planner gets none."""
+        planner gets none.
+
+        Deferred draft context (``flush``: the runner of :meth:`_flush_step`, None when
+        ``defer_ar_append`` is off): the AR steps leave their target features pending (``pend_feats``,
+        ``pend_count``: :meth:`_ar_step`) instead of appending them, so an AR step is the plain AR step
+        plus its features and one scatter. The host counts the AR steps launched since the last flush and
+        launches the flush (stream-ordered, no sync) just before the next step when that step is
+        speculative (its draft reads the context) or when F = ``ar_defer`` AR steps ran (so no row has more
+        than F pending: the flush goes in right after the F-th, before the step that would overflow; at
+        most a refill's prefill in between, which leaves the other rows' pending features valid). An
+        admission needs no flush:
+        ``_admit`` drops the pending features of the slots it refills (their requests are finished), and
+        the rows still decoding keep theirs. Rows left pending when the loop ends are dropped at the next
+        admission. The flush is launched after the launch time of the step it precedes is taken and after
+        the snapshot that closes the step before, so its time is in the measured interval of the step after
+        it (GPU and CPU alike): a speculative step after an AR stretch, or the (F + 1)-th AR step, carries
+        the cost of one flush; the start-up table (:meth:`_step_costs`) times the deferring AR step
+        without it."""
         cuda, prof = self.device.type == "cuda", self.loop_profile
         n = 3 * B + 2  # done [B], nonfinite [2], out_len [B], conf [B] (fp32 bits), all as int32
         bufs = [torch.empty(n, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
@@ -641,12 +741,17 @@ class Engine:
         predicted = None
         pending: list = []  # harvests in flight
         n_steps = 0
+        ar_pending = 0  # AR steps launched since the last flush: no row has more features pending
         while True:
             t0 = time.perf_counter()
             mode = planner.choose(predicted)
             self.last_confidence = predicted  # tests, debugging
             launched.append((mode, time.perf_counter()))
+            if ar_pending and (mode[0] != "ar" or ar_pending == s.pend_max):
+                flush()  # the draft reads its context in this step, or F are pending
+                ar_pending = 0
             self._runner(B, params, True, mode)()
+            ar_pending += flush is not None and mode[0] == "ar"
             n_steps += 1
             cur ^= 1
             nxt = [bufs[cur], snapshot(bufs[cur]), list(owner), False]  # after this step
@@ -732,6 +837,9 @@ class Engine:
         kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
         planner = StepPlanner(self._step_costs(B, params)) if spec and self.budget == "auto" else None
+        flush = None  # the planner's draft-context flush, made (captured) before any row is admitted
+        if planner is not None and self.defer_ar_append:
+            flush = self._runner(B, params, True, ("flush", s.pend_max))
         t0 = time.perf_counter()
         prefill_s = 0.0
         self.loop_profile = dict.fromkeys(("launch_s", "wait_s", "host_s"), 0.0)
@@ -763,7 +871,7 @@ class Engine:
                                              stats)
         else:
             n_steps = self._decode_planned(s, B, width, planner, params, owner, queue, refill, admit, results,
-                                           reasons, stats)
+                                           reasons, stats, flush)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.planner_report = planner.report() if planner is not None else None

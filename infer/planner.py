@@ -3,11 +3,14 @@
 A mode is ``("ar", 1)``, ``("chain", verify_size)`` or ``("tree", nodes)``. Cost model: the step time of
 every mode at the running batch size, measured by the engine at start-up on its own device (graph
 replays on a GPU, idle rows, empty context), then corrected online by the wall time the engine measures
-for every step it runs (:class:`StepPlanner`, "Online cost"). Benefit: committed tokens per live request
-per step, a moving average of what each mode actually committed (AR commits exactly 1); when the caller
-also gives a per-step confidence (predicted tokens per mode, e.g. from draft probabilities or a
-confidence head), the planner uses it after calibrating it online against what each mode realized
-("Calibration"). The engine (``--budget auto``) gives, after every speculative step, one value for every
+for every step it runs (:class:`StepPlanner`, "Online cost"). The engine's AR step leaves the draft-context
+append of its features pending; a flush every ``Engine.AR_DEFER`` (16) AR steps and before a speculative
+step appends them, its time inside the measured time of the step after it
+(``infer.engine.Engine._decode_planned``). Benefit: committed tokens per live request per step, a moving
+average of what each mode actually committed (AR commits exactly 1); when the caller also gives a per-step
+confidence (predicted tokens per mode, e.g. from draft probabilities or a confidence head), the planner
+uses it after calibrating it online against what each mode realized ("Calibration").
+The engine (``--budget auto``) gives, after every speculative step, one value for every
 speculative mode: the mean over the step's live rows of the expected committed tokens of the draft's
 chain, ``1 + Σ_k Π_{j≤k} p_j`` (p_j the draft's probability of its own token at slot j, the argmax's at
 T = 0; ``infer.engine.chain_confidence``), written inside the step (CUDA graph) and read with the

@@ -20,12 +20,12 @@ def test_tiny_cpu_run_times_the_same_steps(tmp_path):
     assert rec["command"].startswith("python benchmarks/engine/bench_planner_loop.py") and rec["date"]
     assert [(p["batch"], p["temperature"]) for p in rec["points"]] == [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
     for p in rec["points"]:
-        for name in ("ar", "chain", "planner_ar", "planner_chain"):
+        for name in ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_chain"):
             row = p[name]
             assert row["tokens"] == 9 * p["batch"]  # no EOS: every request makes all its tokens
             assert row["tok_per_s"] > 0 and row["ms_per_step"] > 0 and row["launch_ms"] > 0
         # the planner with one mode runs that mode's steps: AR makes one token a step (8 after the prefill's)
-        assert p["ar"]["steps"] == p["planner_ar"]["steps"] >= 8
+        assert p["ar"]["steps"] == p["planner_ar"]["steps"] == p["planner_ar_immediate"]["steps"] >= 8
         assert abs(p["planner_ar_over_ar"] - p["planner_ar"]["tok_per_s"] / p["ar"]["tok_per_s"]) < 1e-12
         if p["temperature"] == 0:  # greedy: the same tokens, so the same accepts and steps as the fixed chain
             assert p["chain"]["steps"] == p["planner_chain"]["steps"]

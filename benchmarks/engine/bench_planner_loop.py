@@ -11,7 +11,10 @@ requests as slots (one wave: every slot busy from the first step). For each batc
 - ``ar``: the engine without the draft (``use_draft=False``: the plain pipelined loop, plain AR steps);
 - ``chain``: the fixed chain of ``verify_size`` (the plain pipelined loop);
 - ``planner_ar``: ``budget="auto"`` with AR as the planner's only mode (``Engine.plan_modes``), so every step is
-  the planner's AR step and every step goes through the planner's loop (choose, snapshot, observe);
+  the planner's AR step and every step goes through the planner's loop (choose, snapshot, observe); its AR
+  steps leave their draft features pending, flushed every ``Engine.AR_DEFER`` steps (the default);
+- ``planner_ar_immediate``: the same with ``defer_ar_append = False`` (the draft-context append in every AR
+  step, as before the deferral);
 - ``planner_chain``: ``budget="auto"`` with the chain as its only mode.
 
 ``planner_ar`` ÷ ``ar`` and ``planner_chain`` ÷ ``chain`` are the planner's loop and step overhead against the
@@ -43,7 +46,7 @@ from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
 from infer.model import ModelArgs  # noqa: E402
 
-CONFIGS = ("ar", "chain", "planner_ar", "planner_chain")
+CONFIGS = ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_chain")
 
 
 def params_for(temperature: float, new: int) -> SamplingParams:
@@ -72,26 +75,23 @@ def run(args) -> dict:
         prompts = [torch.randint(0, a.vocab_size - 2, (args.context,), generator=g).tolist() for _ in range(B)]
         fixed = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new)
         planners = {}
-        for name, mode in (("planner_ar", ("ar", 1)), ("planner_chain", ("chain", fixed.verify_size))):
+        for name, mode, defer in (("planner_ar", ("ar", 1), True), ("planner_ar_immediate", ("ar", 1), False),
+                                  ("planner_chain", ("chain", fixed.verify_size), True)):
             eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new, budget="auto")
             eng.plan_modes = [mode]  # the planner's only mode: every step is that mode, through the planner's loop
+            eng.defer_ar_append = defer
             planners[name] = eng
-        runs = {
-            "ar": lambda p: fixed.generate(prompts, p, use_draft=False),
-            "chain": lambda p: fixed.generate(prompts, p),
-            "planner_ar": lambda p: planners["planner_ar"].generate(prompts, p),
-            "planner_chain": lambda p: planners["planner_chain"].generate(prompts, p),
-        }
         engines = {"ar": fixed, "chain": fixed, **planners}
+        planners.clear()
         for temperature in [float(x) for x in args.temperatures.split(",")]:
             params = params_for(temperature, args.new)
             for name in CONFIGS:  # warm-up: graph capture, kernel compilation, the planner's cost table
-                runs[name](params)
+                engines[name].generate(prompts, params, use_draft=name != "ar")
             rows = {name: [] for name in CONFIGS}
             for rep in range(args.reps):
                 order = CONFIGS if rep % 2 == 0 else CONFIGS[::-1]
                 for name in order:
-                    out = runs[name](params)
+                    out = engines[name].generate(prompts, params, use_draft=name != "ar")
                     prof = dict(engines[name].loop_profile)
                     tokens = sum(len(r) for r in out.token_ids)
                     decode_s = prof["wall_s"] - prof["prefill_s"]
@@ -104,14 +104,17 @@ def run(args) -> dict:
             for name in CONFIGS:
                 point[name] = {k: statistics.median(r[k] for r in rows[name]) for k in rows[name][0]}
             point["planner_ar_over_ar"] = point["planner_ar"]["tok_per_s"] / point["ar"]["tok_per_s"]
+            point["planner_ar_immediate_over_ar"] = point["planner_ar_immediate"]["tok_per_s"] / point["ar"]["tok_per_s"]
             point["planner_chain_over_chain"] = point["planner_chain"]["tok_per_s"] / point["chain"]["tok_per_s"]
             res["points"].append(point)
             print(f"B={B} T={temperature:g}: " + ", ".join(
                 f"{n} {point[n]['tok_per_s']:.0f} tok/s ({point[n]['ms_per_step']:.3f} ms/step, launch "
                 f"{point[n]['launch_ms']:.3f} wait {point[n]['wait_ms']:.3f} host {point[n]['host_ms']:.3f})"
-                for n in CONFIGS) + f"; planner_ar/ar {point['planner_ar_over_ar']:.3f}, planner_chain/chain "
+                for n in CONFIGS) + f"; planner_ar/ar {point['planner_ar_over_ar']:.3f} (immediate append "
+                f"{point['planner_ar_immediate_over_ar']:.3f}), planner_chain/chain "
                 f"{point['planner_chain_over_chain']:.3f}", flush=True)
-        del fixed, planners, engines, runs
+        engines.clear()
+        del fixed
         if cuda:
             torch.cuda.empty_cache()
     return res

@@ -1,0 +1,203 @@
+"""The planner's deferred draft-context append (``Engine(budget="auto")``): AR steps leave their target
+features pending (``pend_feats``, ``pend_count``), a flush appends them (``Engine._flush_step``), the loop
+flushes before a speculative step and after F AR steps, and an admission drops a refilled slot's pending
+features (``Engine._admit``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspine.model import DraftCache
+from dspine.reference import ReferenceDecoder
+from dspine.sampling import SamplingParams
+from infer import engine as engine_mod
+from tests.test_engine import PROMPTS, _engine
+from tests.test_engine_tree import stories  # noqa: F401 (module fixture: target + random block-8 draft)
+
+AR, CHAIN, TREE = ("ar", 1), ("chain", 8), ("tree", 24)
+SAMPLED = dict(temperature=1.0, top_p=0.9, top_k=40, seed=5)
+# a forced mode sequence (repeated): AR stretches longer than F = 16 (a flush after the 16th AR step), shorter
+# ones, a tree and chains after AR (a flush before each), and a chain after a chain (nothing pending)
+PATTERN = [AR] * 20 + [CHAIN] + [AR] * 3 + [TREE] + [AR] * 17 + [CHAIN, CHAIN]
+
+
+def _admitted(stories_dir, folder, params, defer, B=4, **kw):
+    """An auto-budget engine with PROMPTS[:B] prefilled into slots 0..B-1; its planner AR step (deferring or
+    appending at once) and its flush, both built before the admission (a CUDA graph capture resets the slots)."""
+    eng = _engine(stories_dir, folder, budget="auto", **kw)
+    eng.defer_ar_append = defer
+    s = eng._slots_for(B)
+    kv, dcache = eng._cache_view(B)
+    step = eng._runner(B, params, True, AR)
+    flush = eng._runner(B, params, True, ("flush", eng.ar_defer))
+    eng._admit(s, list(enumerate(PROMPTS[:B])), params, True, kv, dcache, [11 + b for b in range(B)])
+    return SimpleNamespace(eng=eng, s=s, dcache=dcache, step=step, flush=flush)
+
+
+def _assert_same_context(a, b, tol=1e-5):
+    """Equal lengths, and draft K/V equal within ``tol`` at every row's positions < lengths."""
+    assert torch.equal(a.s.lengths, b.s.lengths) and torch.equal(a.dcache.lengths, b.dcache.lengths)
+    for i in range(len(a.dcache.k)):
+        for row, n in enumerate(a.s.lengths.tolist()):
+            for ca, cb in ((a.dcache.k[i], b.dcache.k[i]), (a.dcache.v[i], b.dcache.v[i])):
+                torch.testing.assert_close(ca[row, :, :n], cb[row, :, :n], rtol=tol, atol=tol)
+
+
+def _check_deferral(stories_dir, folder, temperature, **kw):
+    params = SamplingParams(max_new_tokens=60, **(SAMPLED if temperature else {}))
+    deferred = _admitted(stories_dir, folder, params, True, **kw)
+    immediate = _admitted(stories_dir, folder, params, False, **kw)
+    s, F = deferred.s, deferred.eng.ar_defer
+    assert immediate.s.pend_count is not None and F == 16
+    for k in (1, 5, F):
+        start = s.lengths.clone()
+        for run in (deferred, immediate):
+            run.s.done.copy_(torch.tensor([0, 1, 0, 0], dtype=torch.int8))  # row 1 idle throughout
+            for t in range(k):
+                if t == 2:
+                    run.s.done[3] = 1  # row 3 idle after 2 steps
+                run.step()
+        # pending = the steps each row was live in; lengths advanced as by the immediate append
+        assert torch.equal(s.pend_count, s.lengths - start) and torch.equal(s.lengths, immediate.s.lengths)
+        assert s.pend_count.tolist()[1:] == [0, k, min(k, 2)] and int(s.pend_count[0]) == k, s.pend_count
+        assert not immediate.s.pend_count.any()
+        deferred.flush()
+        assert not s.pend_count.any() and torch.equal(s.pend_lengths, s.lengths)
+        assert torch.equal(s.out_tokens, immediate.s.out_tokens)
+        assert torch.equal(s.out_len, immediate.s.out_len)
+        # not bit for bit: the flush's fc and K/V GEMMs run over B·F rows, the immediate append's over B, and the
+        # BLAS blocks them differently (fp32 rounding, ~1e-6 here)
+        _assert_same_context(deferred, immediate)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_deferred_append_then_flush_equals_the_immediate_append(stories_dir, stories, temperature):  # noqa: F811
+    """k = 1, 5 and F planner AR steps that defer, then a flush, against the same steps appending at once (two
+    engines from the same state; greedy and sampled): equal lengths and output, draft K/V equal within fp32
+    rounding at every position < lengths of every row; row 1 idle throughout, row 3 idle after 2 steps."""
+    _check_deferral(stories_dir, stories[2], temperature)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_deferred_append_in_the_cuda_graph(stories_dir, stories, temperature):  # noqa: F811
+    """The same with the AR steps and the flush replayed as CUDA graphs (static buffers, no host sync)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _check_deferral(stories_dir, stories[2], temperature, device="cuda", impl="triton", cuda_graphs=True)
+
+
+def _check_context(eng, s, dcache, prompts, tol=1e-4):
+    """Every live row's draft context, read by the speculative step about to run: nothing pending, and the
+    K/V of positions < lengths equal to those of its committed tokens (prompt + output but the anchor)
+    prefilled through the target into a fresh draft cache (fp32: incremental and prefill features differ
+    by rounding only; a stale or missing position differs by O(1))."""
+    owner = eng.slot_owner
+    for b in range(s.B):
+        if s.done[b] or owner[b] is None:
+            continue
+        assert s.pend_count is None or s.pend_count[b] == 0, ("pending features at a speculative step", b)
+        n = int(dcache.lengths[b])
+        seq = prompts[owner[b]] + s.out_tokens[b, : int(s.out_len[b])].tolist()
+        assert n == len(seq) - 1, (b, n, len(seq))
+        _, feats = eng.target.prefill_packed([torch.tensor(seq[:n])], [0], eng.target.new_cache(1, n + 1))
+        ref = DraftCache(eng.draft, 1, eng.draft_cache.capacity)
+        ref.append(feats[None], torch.tensor([n]))
+        for i in range(len(ref.k)):
+            for got, want in ((dcache.k[i], ref.k[i]), (dcache.v[i], ref.v[i])):
+                err = (got[b, :, :n] - want[0, :, :n]).abs().max()
+                assert err <= tol * (1 + want[0, :, :n].abs().max()), (b, i, float(err))
+
+
+def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True):
+    """An auto-budget engine whose planner runs PATTERN (its bookkeeping runs, its choice is replaced), with a
+    log of the device calls: ("ar", most pending after it), ("flush", most pending before it), ("spec", mode)
+    (after checking every live row's draft context) and ("admit", pending of the admitted slots)."""
+    eng = _engine(stories_dir, folder, budget="auto")
+    eng.defer_ar_append = defer
+    eng.PLAN_TREES = (24,)
+    eng.plan_modes = eng.plan_modes[:2] + [TREE]
+    eng._step_costs = lambda B, params: {AR: 0.6, CHAIN: 1.0, TREE: 1.0}
+    choose = engine_mod.StepPlanner.choose
+
+    def scripted(self, predicted=None):
+        choose(self, predicted)
+        return PATTERN[(self.step - 1) % len(PATTERN)]
+
+    monkeypatch.setattr(engine_mod.StepPlanner, "choose", scripted)
+    log = []
+    ar_step, flush_step, spec_step, admit = eng._ar_step, eng._flush_step, eng._spec_step, eng._admit
+
+    def ar(s, *a):
+        ar_step(s, *a)
+        log.append(("ar", int(s.pend_count.max())))
+
+    def flush(s, dcache):
+        log.append(("flush", int(s.pend_count.max())))
+        flush_step(s, dcache)
+
+    def spec(s, kv, dcache, params, mode=None):
+        _check_context(eng, s, dcache, prompts)
+        log.append(("spec", mode))
+        spec_step(s, kv, dcache, params, mode)
+
+    def admitted(s, items, *a):
+        log.append(("admit", s.pend_count[[b for b, _ in items]].tolist()))
+        admit(s, items, *a)
+
+    eng._ar_step, eng._flush_step, eng._spec_step, eng._admit = ar, flush, spec, admitted
+    return eng, log
+
+
+def _assert_flushes(log, F=16):
+    """Pending never above F; a flush before every speculative step after AR steps, after the F-th AR step,
+    and an admission into slots with features pending (dropped by _admit) followed by speculative steps."""
+    assert max(p for kind, p in log if kind == "ar") == F
+    for prev, cur in zip(log, log[1:]):
+        if cur[0] == "spec":
+            assert prev[0] != "ar", "AR steps then a speculative step without a flush"
+    flushes = [(prev, nxt) for prev, (kind, _), nxt in zip(log, log[1:], log[2:]) if kind == "flush"]
+    assert any(nxt[0] == "spec" for _, nxt in flushes)  # (a)
+    assert any(prev == ("ar", F) and nxt[0] == "ar" for prev, nxt in flushes)  # (b)
+    refills = [i for i, (kind, pend) in enumerate(log) if kind == "admit" and any(pend)]
+    assert refills and any(kind == "spec" for kind, _ in log[refills[0] :])  # (c)
+
+
+def test_planner_with_deferred_appends_is_lossless(stories_dir, stories, monkeypatch):  # noqa: F811
+    """--budget auto, greedy, 6 prompts at concurrency 3 (refills), the forced PATTERN: the output is the plain
+    engine's (chain, AR) and the target's; at every speculative step every live row's draft context is the
+    context of its committed tokens; the flushes before speculative steps, after F AR steps, and the admission
+    dropping a refilled slot's pending features are all exercised (removing either the flush before a
+    speculative step or _admit's pend_count reset makes the context check fail)."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=40)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    plain = _engine(stories_dir, folder)
+    assert plain.generate(PROMPTS, params, concurrency=3).token_ids == want
+    assert plain.generate(PROMPTS, params, concurrency=3, use_draft=False).token_ids == want
+    eng, log = _forced_planner_engine(stories_dir, folder, PROMPTS, monkeypatch)
+    res = eng.generate(PROMPTS, params, concurrency=3)
+    assert res.token_ids == want
+    _assert_flushes(log)
+    assert {m for kind, m in log if kind == "spec"} == {CHAIN, TREE}
+
+
+def test_planner_deferral_keeps_sampled_output(stories_dir, stories, monkeypatch):  # noqa: F811
+    """T = 1, same seeds, the forced PATTERN: deferring and immediate appends give the same tokens (the same
+    steps draw from the same streams; the draft's K/V differ by fp32 rounding only, no sample parts here),
+    every speculative step reads the right draft context in both, and the immediate engine never flushes."""
+    params = SamplingParams(max_new_tokens=40, **SAMPLED)
+    out = {}
+    for defer in (True, False):
+        eng, log = _forced_planner_engine(stories_dir, stories[2], PROMPTS, monkeypatch, defer)
+        out[defer] = eng.generate(PROMPTS, params, concurrency=3).token_ids
+        if defer:
+            _assert_flushes(log)
+        else:
+            assert not any(kind == "flush" for kind, _ in log)
+            assert all(p == 0 for kind, p in log if kind == "ar")
+    assert out[True] == out[False]
+    assert len({tuple(t) for t in out[True]}) == len(PROMPTS)
