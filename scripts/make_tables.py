@@ -433,6 +433,42 @@ def verify_section() -> list[str]:
     return out
 
 
+def planner_loop_section() -> list[str]:
+    """The planner's own cost against the fixed configuration it runs (bench_planner_loop.py, bench_planner_ar.py)."""
+    lp, ar = load("planner-loop-h200.json"), load("planner-ar-h200.json")
+    if not lp:
+        return []
+    out = ["#### What the planner's loop costs (SmolLM2-135M shape, random weights)", "",
+           f"{lp['gpu'] or lp['device']}, {lp['date'][:10]}, commit `{lp['commit'][:10]}`, "
+           "[`results/planner-loop-h200.json`](results/planner-loop-h200.json): `--budget auto` restricted to one mode "
+           "(every step AR, or every step the chain) against the engine running that mode without the planner, "
+           f"{lp['context']}-token prompts, {lp['new_tokens']} new tokens, one request per slot, decode tok/s "
+           f"(median of {lp['reps']}). `planner AR, immediate` appends the draft context in every AR step (as before "
+           "the deferral); `planner AR` leaves it pending and flushes every 16 steps.", "",
+           "| batch | T | AR tok/s | planner AR ÷ AR | planner AR, immediate ÷ AR | chain tok/s | planner chain ÷ chain |",
+           "|---|---|---|---|---|---|---|"]
+    for p in lp["points"]:
+        out.append(f"| {p['batch']} | {p['temperature']:g} | {p['ar']['tok_per_s']:,.0f} | {p['planner_ar_over_ar']:.3f} | "
+                   f"{p['planner_ar_immediate_over_ar']:.3f} | {p['chain']['tok_per_s']:,.0f} | "
+                   f"{p['planner_chain_over_chain']:.3f} |")
+    if lp.get("note"):
+        out += ["", f"Note: {lp['note']}."]
+    out += ["", f"Command: `{lp['command']}`", ""]
+    if ar:
+        rows = [(b, t, ar[f"batch{b}"][f"T{t:g}"]) for b in ar["batches"] for t in ar["temperatures"]
+                if f"T{t:g}" in ar.get(f"batch{b}", {})]
+        out += [f"One AR step alone (CUDA-graph replays, {ar['context']}-token context, "
+                "[`results/planner-ar-h200.json`](results/planner-ar-h200.json)), ÷ the plain AR step:", "",
+                "| batch | T | plain AR step | with the append | deferred | flush (once per 16) | deferred + flush ÷ 16 |",
+                "|---|---|---|---|---|---|---|"]
+        for b, t, r in rows:
+            out.append(f"| {b} | {t:g} | {r['plain_ar_ms']:.3f} ms | {r['immediate_ar_over_plain_ar']:.3f} | "
+                       f"{r['deferred_ar_over_plain_ar']:.3f} | {1000 * r['flush_ms']:.0f} µs | "
+                       f"{r['deferred_plus_flush_over_F_over_plain_ar']:.3f} |")
+        out += ["", f"Command: `{ar['command']}`", ""]
+    return out
+
+
 def exact_section() -> list[str]:
     x = load("exact-h200.json")
     if not x:
@@ -639,7 +675,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (smollm2_section, continue_section, recipe_section, arms_section, ab_loss_section, training_section, stories_section,
-                    engine_section, draft_step_section, profile_section, lm_head_section, verify_section, exact_section,
+                    engine_section, draft_step_section, profile_section, lm_head_section, verify_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)
