@@ -209,6 +209,7 @@ class Engine:
         if budget == "auto":
             self.verified_per_step = max(self.PLAN_TREES)
         self.planner_report: dict | None = None
+        self.slot_owner: list[int | None] | None = None  # generate: prompt index per slot, None = free
         self.last_confidence: dict | None = None  # planner: the confidence passed with the latest choice
         self.plan_online = True  # the planner learns step times from the measured wall time per step
         self.ar_defer = self.AR_DEFER  # F (read when a batch size's slots are made: _Slots.pend_max)
@@ -461,6 +462,14 @@ class Engine:
         if not self.cuda_graphs:
             return fn
         if key not in self._graphs:
+            owner = self.slot_owner or []
+            if any(o is not None for o in owner[:B]):
+                # the warm-up below runs the step on emptied slots: mid-decode it would overwrite the live
+                # rows' state and KV cache (every runner of a decode is made before its first admission)
+                raise RuntimeError(f"CUDA graph for step {key} requested while requests are decoding (slots "
+                                   f"{[b for b, o in enumerate(owner[:B]) if o is not None]}); make every runner "
+                                   "before admitting rows (a planner mode added to plan_modes after its cost table "
+                                   "was measured?)")
             slots.done.fill_(1)  # warm-up and capture on idle slots: commits nothing, lengths stay
             slots.lengths.zero_()
             if slots.pend_count is not None:  # nothing pending: the flush's warm-up writes the scratch slot
@@ -502,10 +511,10 @@ class Engine:
 
     def _step_costs(self, B: int, params: SamplingParams) -> dict:
         """Milliseconds of one step of every planner mode at batch B (median of 5 after warm-up and graph
-        capture, idle rows), measured once per (B, sampling settings, ``defer_ar_append``) on this device.
+        capture, idle rows), measured once per (B, sampling settings, ``defer_ar_append``, ``plan_modes``) on this device.
         The AR mode is the planner's AR step as the loop runs it: with ``defer_ar_append`` the step that
         leaves its features pending; the flush (not a mode) is not in the table."""
-        key = (B, params.temperature, params.top_p, params.top_k, self.defer_ar_append)
+        key = (B, params.temperature, params.top_p, params.top_k, self.defer_ar_append, tuple(self.plan_modes))
         if key not in self._costs:
             s, costs = self._slots_for(B), {}
             for mode in self.plan_modes:
@@ -825,6 +834,7 @@ class Engine:
                 never a silent "τ = 1".
         """
         params.validate()
+        self.slot_owner = None  # no request decoding until this call admits (a failed call may have left owners)
         if not prompts:
             raise ValueError("generate: no prompts")
         if concurrency is not None and concurrency < 1:

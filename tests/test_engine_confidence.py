@@ -175,3 +175,32 @@ def test_planner_loop_times_each_step_as_its_own_mode(stories_dir, stories, monk
     chain = [ms for m, ms in seen if m == ("chain", 8) and ms is not None]
     assert len(ar) >= 3 and chain, seen  # AR's 3 timings first, then the chain (8 tokens a step) wins
     assert max(ar) < 400 <= min(chain), seen
+
+
+def test_graph_capture_mid_decode_is_refused(stories_dir, stories, monkeypatch):  # noqa: F811
+    """A CUDA-graph capture empties the slots (warm-up on idle rows): mid-decode it would overwrite the live rows'
+    state and KV cache, so _runner refuses it with the slots it would clobber, before touching CUDA."""
+    folder = stories[2]
+    greedy = SamplingParams(max_new_tokens=8)
+    eng, s, _, _ = _admitted(stories_dir, folder, greedy, ("chain", 8), B=4)
+    lengths = s.lengths.clone()
+    eng.cuda_graphs = True  # the capture path (on the CPU it would fail in torch.cuda: the guard comes first)
+    with pytest.raises(RuntimeError, match=r"requested while requests are decoding \(slots \[0, 1, 2, 3\]\)"):
+        eng._runner(4, greedy, True, ("tree", 32))
+    assert torch.equal(s.lengths, lengths) and not bool(s.done.any())  # nothing was reset
+    eng.slot_owner = [None] * 4  # every request finished: a capture may empty the slots again
+    monkeypatch.setattr(engine_mod.torch.cuda, "Stream", lambda: (_ for _ in ()).throw(AssertionError("capture")))
+    with pytest.raises(AssertionError, match="capture"):  # got past the guard, into the capture
+        eng._runner(4, greedy, True, ("tree", 32))
+
+
+def test_cost_table_follows_plan_modes(stories_dir, stories):  # noqa: F811
+    """The start-up cost table is cached per plan_modes: a mode added afterwards is timed (and its graph made)
+    before the next decode admits, not first built mid-decode."""
+    folder = stories[2]
+    eng = _engine(stories_dir, folder, budget="auto")
+    greedy = SamplingParams(max_new_tokens=8)
+    eng.plan_modes = [("ar", 1)]
+    assert set(eng._step_costs(2, greedy)) == {("ar", 1)}
+    eng.plan_modes = [("ar", 1), ("chain", eng.verify_size)]
+    assert set(eng._step_costs(2, greedy)) == {("ar", 1), ("chain", eng.verify_size)}
