@@ -145,9 +145,10 @@ class Engine:
             moved into consecutive cache rows inside the step).
         tree_budget: nodes per tree, anchor included, 2..64 (``verify="tree"``).
         budget: "auto" = the verify-budget planner (``infer.planner``) picks AR, the chain or a tree of
-            ``PLAN_TREES`` nodes per step from step times measured at start-up, corrected by the wall
-            time of every step it runs (host clock between the loop's per-step flag reads: no extra
-            sync; ``plan_online = False`` keeps the start-up table), and the measured acceptance;
+            ``PLAN_TREES`` nodes per step from step times measured at start-up, corrected by the measured
+            time of every step it runs (GPU: CUDA events between the snapshots around the step; CPU: host
+            time from its launch to the next: no extra sync; ``plan_online = False`` keeps the start-up
+            table), and the measured acceptance;
             None = always ``verify`` / ``tree_budget``. The planner's AR steps defer the draft-context
             append to a flush every ``ar_defer`` AR steps and before a speculative one (:meth:`_ar_step`,
             :meth:`_decode_planned`; ``defer_ar_append = False``: append in every AR step, tests and
@@ -212,7 +213,8 @@ class Engine:
         self.slot_owner: list[int | None] | None = None  # generate: prompt index per slot, None = free
         self.last_confidence: dict | None = None  # planner: the confidence passed with the latest choice
         self.plan_online = True  # the planner learns step times from the measured wall time per step
-        self.ar_defer = self.AR_DEFER  # F (read when a batch size's slots are made: _Slots.pend_max)
+        self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
+        # before the first generate at that batch size; later changes do not reach slots already made
         self.defer_ar_append = True  # False: the planner's AR steps append to the draft context each step
         self._costs: dict[tuple, dict] = {}
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
@@ -246,6 +248,9 @@ class Engine:
             cfg = self.draft.config if self.draft is not None else None
             pending = None
             if self.budget == "auto":  # the planner's deferred AR appends (_ar_step)
+                if not isinstance(self.ar_defer, int) or self.ar_defer < 1:
+                    raise ValueError(f"Engine.ar_defer={self.ar_defer!r}: must be an int >= 1 (AR steps per "
+                                     "draft-context flush); defer_ar_append = False appends in every AR step")
                 pending = (self.ar_defer, self.draft.fc.in_features, self.target.embed.dtype)
             self._slots[B] = _Slots(B, self.verify_size, self.block_size, self.max_new_cap, self.device,
                                     cfg.mask_token_id if cfg else 0, pending)

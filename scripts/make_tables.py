@@ -426,7 +426,7 @@ def verify_section() -> list[str]:
             share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
             out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | "
                        f"{p['chain_tok_per_s']:.0f} | {p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | "
-                       f"{p['planner_over_best_static']:.2f} — {ok(p['planner_over_best_static'] >= 0.98)} | {share} |")
+                       f"{p['planner_over_best_static']:.3f} — {ok(p['planner_over_best_static'] >= 0.98)} | {share} |")
         cmds = r.get("planner_commands", {})
         out += ["", "Commands: " + "; ".join(f"`{cmds[k]}`" for k in ("c1_c8_T0", "c1_c8_T1", "c32_c64_T0_T1") if k in cmds)
                 if cmds else f"Command: `{r['command']}`", ""]
@@ -444,7 +444,7 @@ def planner_loop_section() -> list[str]:
            "(every step AR, or every step the chain) against the engine running that mode without the planner, "
            f"{lp['context']}-token prompts, {lp['new_tokens']} new tokens, one request per slot, decode tok/s "
            f"(median of {lp['reps']}). `planner AR, immediate` appends the draft context in every AR step (as before "
-           "the deferral); `planner AR` leaves it pending and flushes every 16 steps.", "",
+           f"the deferral); `planner AR` leaves it pending and flushes every {lp.get('flush_rows', 16)} steps.", "",
            "| batch | T | AR tok/s | planner AR ÷ AR | planner AR, immediate ÷ AR | chain tok/s | planner chain ÷ chain |",
            "|---|---|---|---|---|---|---|"]
     for p in lp["points"]:
@@ -459,7 +459,8 @@ def planner_loop_section() -> list[str]:
                 if f"T{t:g}" in ar.get(f"batch{b}", {})]
         out += [f"One AR step alone (CUDA-graph replays, {ar['context']}-token context, "
                 "[`results/planner-ar-h200.json`](results/planner-ar-h200.json)), ÷ the plain AR step:", "",
-                "| batch | T | plain AR step | with the append | deferred | flush (once per 16) | deferred + flush ÷ 16 |",
+                f"| batch | T | plain AR step | with the append | deferred | flush (once per {ar['flush_rows']}) | "
+                f"deferred + flush ÷ {ar['flush_rows']} |",
                 "|---|---|---|---|---|---|---|"]
         for b, t, r in rows:
             out.append(f"| {b} | {t:g} | {r['plain_ar_ms']:.3f} ms | {r['immediate_ar_over_plain_ar']:.3f} | "

@@ -19,7 +19,8 @@ def test_tiny_cpu_run_writes_every_time(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["command"] and rec["device"] and rec["date"] and rec["commit"]
     assert rec["shape"] == "tiny" and rec["flush_rows"] == 16 and rec["context"] == 32
-    assert len(r.stdout.strip().splitlines()) == 4  # one summary line per point
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 5 and lines[-1] == f"wrote {out}"  # one summary line per point, then the file
     times = ("plain_ar_ms", "immediate_ar_ms", "deferred_ar_ms", "flush_ms", "deferred_plus_flush_over_F_ms")
     for b in (1, 2):
         assert set(rec[f"batch{b}"]) == {"T0", "T1"}

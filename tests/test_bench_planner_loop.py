@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -29,3 +31,34 @@ def test_tiny_cpu_run_times_the_same_steps(tmp_path):
         assert abs(p["planner_ar_over_ar"] - p["planner_ar"]["tok_per_s"] / p["ar"]["tok_per_s"]) < 1e-12
         if p["temperature"] == 0:  # greedy: the same tokens, so the same accepts and steps as the fixed chain
             assert p["chain"]["steps"] == p["planner_chain"]["steps"]
+
+
+@pytest.mark.parametrize("bad", [["--batches", "0"], ["--batches", ""], ["--batches", "1,x"], ["--batches", "2,2"],
+                                 ["--temperatures", "abc"], ["--temperatures", "0,-1"], ["--new", "0"]])
+def test_bad_lists_are_usage_errors_before_any_work(bad, capsys):
+    from benchmarks.engine import bench_planner_loop
+
+    with pytest.raises(SystemExit) as e:
+        bench_planner_loop.main(["--tiny", "--device", "cpu", *bad])
+    assert e.value.code == 2 and f"{bad[0]}" in capsys.readouterr().err
+
+
+def test_every_finished_point_is_on_disk(tmp_path, monkeypatch):
+    """The JSON is rewritten after each point: a run that fails at its second batch size keeps the first."""
+    from benchmarks.engine import bench_planner_loop
+    from infer.engine import Engine
+
+    out = tmp_path / "pl.json"
+    real = Engine.generate
+
+    def fail_at_batch_2(self, prompts, *a, **kw):
+        if len(prompts) == 2:
+            raise RuntimeError("stopped")
+        return real(self, prompts, *a, **kw)
+
+    monkeypatch.setattr(Engine, "generate", fail_at_batch_2)
+    with pytest.raises(RuntimeError, match="stopped"):
+        bench_planner_loop.main(["--tiny", "--device", "cpu", "--batches", "1,2", "--temperatures", "0",
+                                 "--context", "8", "--new", "4", "--reps", "1", "--output", str(out)])
+    rec = json.loads(out.read_text())
+    assert [p["batch"] for p in rec["points"]] == [1] and rec["flush_rows"] == Engine.AR_DEFER

@@ -77,6 +77,13 @@ def test_refusals_name_the_file_and_field(tmp_path):
     assert out.read_text() == "{}"
     with pytest.raises(SystemExit):
         compare_arms.main(["--bench", str(tmp_path / "missing.json")])
+    for name, text in (("notjson.json", "tau 2.1"), ("list.json", "[1, 2]"), ("empty.json", "{}"),
+                       ("other.json", json.dumps({"batches": [1], "batch1": {}})),
+                       ("bad-task.json", json.dumps({"tasks": [{"task": "gsm8k"}]}))):
+        (tmp_path / name).write_text(text)
+        what = "not JSON" if name == "notjson.json" else "no 'tasks' list of objects with 'drafts'"
+        with pytest.raises(SystemExit, match=rf"{name}: {what}"):
+            compare_arms.compare(tmp_path / name)
 
 
 def test_main_writes_provenance_and_every_file(tmp_path, capsys):

@@ -201,3 +201,11 @@ def test_planner_deferral_keeps_sampled_output(stories_dir, stories, monkeypatch
             assert all(p == 0 for kind, p in log if kind == "ar")
     assert out[True] == out[False]
     assert len({tuple(t) for t in out[True]}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5])
+def test_ar_defer_must_be_a_positive_int(stories_dir, stories, bad):  # noqa: F811
+    eng = _engine(stories_dir, stories[2], budget="auto")
+    eng.ar_defer = bad
+    with pytest.raises(ValueError, match=rf"Engine.ar_defer={bad!r}: must be an int >= 1"):
+        eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4))

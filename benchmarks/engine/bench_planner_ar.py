@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.bench_draft_step import DRAFTS, TARGETS, random_draft, random_target  # noqa: E402
+from benchmarks.engine.bench_planner_loop import int_list, temp_list  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
@@ -166,9 +167,12 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default=None, help="JSON file to write")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shape instead of SmolLM2-135M (CPU smoke test)")
-    ap.add_argument("--batches", default="1,8,32,64", help="comma-separated batch sizes")
+    ap.add_argument("--batches", type=int_list, default=[1, 8, 32, 64], help="comma-separated batch sizes")
     ap.add_argument(
-        "--temperatures", default="0,1", help="comma-separated; T > 0 samples with top_p 0.95, top_k 20"
+        "--temperatures",
+        type=temp_list,
+        default=[0.0, 1.0],
+        help="comma-separated; T > 0 samples with top_p 0.95, top_k 20",
     )
     ap.add_argument(
         "--context", type=int, default=None, help="prompt tokens per row (default 512; --tiny 32)"
@@ -184,22 +188,13 @@ def main(argv=None) -> int:
     for name, full, tiny in (("context", 512, 32), ("iters", 100, 5), ("reps", 10, 3), ("warmup", 2, 1)):
         if getattr(args, name) is None:  # --tiny: a smoke run of seconds on the CPU
             setattr(args, name, tiny if args.tiny else full)
-    try:
-        args.batches = [int(x) for x in args.batches.split(",")]
-        args.temperatures = [float(x) for x in args.temperatures.split(",")]
-    except ValueError:
-        ap.error(
-            f"--batches={args.batches!r} and --temperatures={args.temperatures!r} must be comma-separated numbers"
-        )
-    if (
-        min(args.batches + [args.context, args.iters, args.reps]) < 1
-        or min(args.temperatures + [args.warmup]) < 0
-    ):
-        ap.error("batch sizes, --context, --iters and --reps must be >= 1, --warmup and temperatures >= 0")
+    if min(args.context, args.iters, args.reps) < 1 or args.warmup < 0:
+        ap.error("--context, --iters and --reps must be >= 1, --warmup >= 0")
     res = run(args)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(res, indent=1))
+        print(f"wrote {args.output}")
     return 0
 
 

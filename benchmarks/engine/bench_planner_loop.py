@@ -6,7 +6,7 @@
 Random weights at SmolLM2-135M shape (``--tiny``: a tiny shape), a 3-layer DSpine draft, ``--context`` random
 prompt tokens per request, exactly ``--new`` new tokens per request (no EOS in the vocabulary's reach), as many
 requests as slots (one wave: every slot busy from the first step). For each batch size B and temperature,
-``Engine.generate`` decodes the same prompts in four configurations, in alternating order, ``--reps`` times:
+``Engine.generate`` decodes the same prompts in five configurations, in alternating order, ``--reps`` times:
 
 - ``ar``: the engine without the draft (``use_draft=False``: the plain pipelined loop, plain AR steps);
 - ``chain``: the fixed chain of ``verify_size`` (the plain pipelined loop);
@@ -25,7 +25,8 @@ rejected (τ ≈ 1): the chain rows measure the loop, not a speedup.
 Per configuration: decode tok/s = new tokens ÷ (wall − prefill) (median over reps), ms per step, and the
 loop's own split per step (``Engine.loop_profile``: ``launch_ms`` host time to choose and launch a step,
 ``wait_ms`` host time blocked on the device, ``host_ms`` the host's bookkeeping after the wait). A loop whose
-``wait_ms`` is near 0 is host-bound: the device waits for the host.
+``wait_ms`` is near 0 is host-bound: the device waits for the host. The JSON (``flush_rows`` = ``Engine.AR_DEFER``)
+is rewritten after every point, so a run stopped part way keeps the points it finished.
 """
 
 from __future__ import annotations
@@ -49,6 +50,34 @@ from infer.model import ModelArgs  # noqa: E402
 CONFIGS = ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_chain")
 
 
+def int_list(text: str) -> list[int]:
+    """``--batches``: distinct comma-separated integers >= 1 (argparse type: a bad list is a usage error)."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if min(out) < 1 or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be >= 1 and distinct")
+    return out
+
+
+def temp_list(text: str) -> list[float]:
+    """``--temperatures``: distinct comma-separated numbers >= 0."""
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if min(out) < 0 or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: temperatures must be >= 0 and distinct")
+    return out
+
+
+def write(res: dict, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(res, indent=1))
+
+
 def params_for(temperature: float, new: int) -> SamplingParams:
     if temperature == 0:
         return SamplingParams(max_new_tokens=new)
@@ -68,10 +97,11 @@ def run(args) -> dict:
     draft = random_draft(a, d["layers"], "residual", d["rank"], dev, dtype)
     target = random_target(a, draft.config.target_layer_ids, dev, dtype, impl)
     res: dict = {**provenance(), "shape": shape, "dtype": str(dtype), "impl": impl, "context": args.context,
-                 "new_tokens": args.new, "reps": args.reps, "draft_layers": d["layers"], "points": []}
+                 "new_tokens": args.new, "reps": args.reps, "draft_layers": d["layers"],
+                 "flush_rows": Engine.AR_DEFER, "points": []}
     g = torch.Generator().manual_seed(0)
     max_seq = args.context + args.new + 64
-    for B in [int(x) for x in args.batches.split(",")]:
+    for B in args.batches:
         prompts = [torch.randint(0, a.vocab_size - 2, (args.context,), generator=g).tolist() for _ in range(B)]
         fixed = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new)
         planners = {}
@@ -83,7 +113,7 @@ def run(args) -> dict:
             planners[name] = eng
         engines = {"ar": fixed, "chain": fixed, **planners}
         planners.clear()
-        for temperature in [float(x) for x in args.temperatures.split(",")]:
+        for temperature in args.temperatures:
             params = params_for(temperature, args.new)
             for name in CONFIGS:  # warm-up: graph capture, kernel compilation, the planner's cost table
                 engines[name].generate(prompts, params, use_draft=name != "ar")
@@ -107,6 +137,7 @@ def run(args) -> dict:
             point["planner_ar_immediate_over_ar"] = point["planner_ar_immediate"]["tok_per_s"] / point["ar"]["tok_per_s"]
             point["planner_chain_over_chain"] = point["planner_chain"]["tok_per_s"] / point["chain"]["tok_per_s"]
             res["points"].append(point)
+            write(res, args.output)  # after every point: a run stopped part way keeps what it measured
             print(f"B={B} T={temperature:g}: " + ", ".join(
                 f"{n} {point[n]['tok_per_s']:.0f} tok/s ({point[n]['ms_per_step']:.3f} ms/step, launch "
                 f"{point[n]['launch_ms']:.3f} wait {point[n]['wait_ms']:.3f} host {point[n]['host_ms']:.3f})"
@@ -125,8 +156,10 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default=None, help="JSON file to write")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
-    ap.add_argument("--batches", default="1,8,32,64", help="comma-separated batch sizes (requests = slots)")
-    ap.add_argument("--temperatures", default="0,1", help="comma-separated; T > 0 uses top_p 0.95, top_k 20")
+    ap.add_argument("--batches", type=int_list, default=[1, 8, 32, 64],
+                    help="comma-separated batch sizes (requests = slots)")
+    ap.add_argument("--temperatures", type=temp_list, default=[0.0, 1.0],
+                    help="comma-separated; T > 0 uses top_p 0.95, top_k 20")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     ap.add_argument("--new", type=int, default=256, help="new tokens per request (all of them: no EOS)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each configuration (median)")
@@ -135,9 +168,8 @@ def main(argv=None) -> int:
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     res = run(args)
+    write(res, args.output)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(res, indent=1))
         print(f"wrote {args.output}")
     return 0
 

@@ -76,9 +76,24 @@ def _counts(path: Path, rec: dict, labels: list[str]) -> list[tuple[torch.Tensor
     return out
 
 
+def _load(path: Path) -> dict:
+    """An infer.bench --output-json record: a JSON object with a non-empty ``tasks`` list of objects that
+    each hold ``drafts`` (SystemExit naming the file and what is missing otherwise)."""
+    try:
+        rec = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: {path}: not JSON ({e}); expected an infer.bench --output-json file") from None
+    tasks = rec.get("tasks") if isinstance(rec, dict) else None
+    if not isinstance(tasks, list) or not all(isinstance(t, dict) and isinstance(t.get("drafts"), dict)
+                                              for t in tasks):
+        raise SystemExit(f"error: {path}: no 'tasks' list of objects with 'drafts' (not an infer.bench "
+                         "--output-json file?)")
+    return rec
+
+
 def compare(path: Path, n: int = 2000, seed: int = 0) -> dict:
     """The comparison record of one bench file (module docstring)."""
-    rec = json.loads(path.read_text())
+    rec = _load(path)
     pairs = _pairs(path, rec)
     labels = [lab for pair in pairs.values() for lab in pair]  # DSpine, DFlash per seed, in seed order
     point, boot = task_bootstrap(_counts(path, rec, labels), n, seed)  # [D], [n, D]
