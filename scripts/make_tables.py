@@ -150,6 +150,10 @@ def arms_section() -> list[str]:
                 "|---|---|---|---|---|---|---|"]
         for c in r["comparisons"]:
             seeds = {**c["seeds"], **({"mean of seeds": c["all_seeds"]} if "all_seeds" in c else {})}
+            for v, g in c.get("variants", {}).items():  # recipe.sh VARIANTS: DSpine-NAME against DFlash
+                seeds |= {f"{seed} (DSpine-{v})": e for seed, e in g["seeds"].items()}
+                if "all_seeds" in g:
+                    seeds[f"mean of seeds (DSpine-{v})"] = g["all_seeds"]
             for seed, e in seeds.items():
                 rows.append(f"| {c['temperature']:g} | {c['concurrency']} | {c['num_prompts']} | {seed} | "
                             f"{e['dspine_mean_tau']:.3f} | {e['dflash_mean_tau']:.3f} | {100 * e['rel']:+.1f}% "

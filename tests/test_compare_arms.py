@@ -95,3 +95,25 @@ def test_main_writes_provenance_and_every_file(tmp_path, capsys):
     assert rec["command"] and rec["date"] and rec["goal_rel"] == 0.05
     assert [c["bench"] for c in rec["comparisons"]] == files
     assert capsys.readouterr().out.count("seed 0: DSpine 2.500 vs DFlash 2.500: +0.0%") == 2
+
+
+def test_injection_variants_pair_with_the_dflash_of_their_seed(tmp_path, capsys):
+    """DSpine-kv / DSpine-kv-s1 (recipe.sh VARIANTS) are compared with DFlash / DFlash-s1 under variants.kv; the
+    plain pairs keep their place and their numbers; a label like DSpine-s1 is a seed, never a variant."""
+    base = [([20, 30, 10], [10, 10, 5]), ([8, 12, 40], [4, 6, 10])]
+    scaled = lambda f: [([f * x for x in c], st) for c, st in base]
+    drafts = {"DSpine": scaled(1.0), "DFlash": base, "DSpine-s1": scaled(0.9), "DFlash-s1": base,
+              "DSpine-kv": scaled(1.2), "DSpine-kv-s1": scaled(1.1)}
+    path = _bench(tmp_path / "v.json", drafts)
+    r = compare_arms.compare(path)
+    plain = compare_arms.compare(_bench(tmp_path / "p.json", {k: v for k, v in drafts.items() if "kv" not in k}))
+    assert r["seeds"] == plain["seeds"] and r["all_seeds"] == plain["all_seeds"]
+    kv = r["variants"]["kv"]
+    assert kv["seeds"]["0"]["labels"] == ["DSpine-kv", "DFlash"] and kv["seeds"]["1"]["labels"] == ["DSpine-kv-s1", "DFlash-s1"]
+    assert kv["seeds"]["0"]["rel"] == pytest.approx(0.2) and kv["seeds"]["1"]["rel"] == pytest.approx(0.1)
+    assert kv["all_seeds"]["rel"] == pytest.approx(0.15) and kv["all_seeds"]["rel_ci95"] == pytest.approx([0.15, 0.15])
+    only = compare_arms.compare(_bench(tmp_path / "o.json", {"DSpine-r0": scaled(0.5), "DFlash": base}))
+    assert only["seeds"] == {} and only["variants"]["r0"]["seeds"]["0"]["rel"] == pytest.approx(-0.5)
+    compare_arms.main(["--bench", str(path)])
+    out = capsys.readouterr().out
+    assert "seed all: DSpine-kv 3.105 vs DFlash 2.700: +15.0% [+15.0, +15.0]" in out

@@ -142,7 +142,11 @@ def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
                               ({"GREEDY": "2"}, "regen", "error: GREEDY='2': must be 0 or 1"),
                               ({"GREEDY": "0", "SAMPLES": "0"}, "regen", "error: GREEDY=0 and SAMPLES=0"),
                               ({"TRAIN_CACHES": "bad"}, "unpack", "error: TRAIN_CACHES='bad': must be one (the single "
-                                                                  "cache in $WORK/tok-train) or all")):
+                                                                  "cache in $WORK/tok-train) or all"),
+                              ({"VARIANTS": "kv"}, "train", "error: VARIANTS='kv': 'kv' is not NAME:key=value"),
+                              ({"VARIANTS": "s1:injection=kv"}, "train", "error: VARIANTS='s1:injection=kv'"),
+                              ({"VARIANTS": "KV:injection=kv"}, "train", "error: VARIANTS='KV:injection=kv'"),
+                              ({"VARIANTS": "kv:injection=kv+"}, "train", "error: VARIANTS='kv:injection=kv+'")):
         r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), stage], env={**env, **extra, "NGPU": "1"},
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.startswith(msg), (extra, stage, r.stderr)
@@ -185,6 +189,41 @@ def test_recipe_benches_every_seed_of_both_arms(tmp_path):
         assert drafts == {"DSpine": f"{w}/train-dspine-s0/step-16/draft", "DFlash": f"{w}/train-dflash-s0/step-16/draft",
                           "DSpine-s3": f"{w}/train-dspine-s3/step-24/draft",
                           "DFlash-s3": f"{w}/train-dflash-s3/step-24/draft"}, line
+
+
+def test_recipe_trains_and_benches_injection_variants(tmp_path):
+    """VARIANTS="kv:injection=kv r0:injection_rank=0+lr=0.002": per seed, dspine-kv and dspine-r0 runs after the
+    two arms, their overrides last (so they win over injection=residual), no warm start even with DRAFT_INIT; the
+    bench stage adds DSpine-kv[-s<k>] and DSpine-r0[-s<k>]."""
+    w = tmp_path / "w"
+    tok = w / "tok-train" / "c"
+    tok.mkdir(parents=True)
+    (tok / "summary.json").write_text(json.dumps({"sequences": 5, "tokens": 35}))
+    (w / "tok-eval" / "e").mkdir(parents=True)
+    (w / "tok-eval" / "e" / "summary.json").write_text(json.dumps({"sequences": 2, "tokens": 14}))
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "WORK": str(w),
+           "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "SEEDS": "0 1", "STEPS": "16", "DRAFT_INIT": str(tmp_path / "init"),
+           "VARIANTS": "kv:injection=kv r0:injection_rank=0+lr=0.002"}
+    r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), "train"], env=env, capture_output=True,
+                       text=True, cwd=REPO)
+    assert r.returncode != 0  # no target here: the runs fail, their queue file stays
+    lines = (w / "train.gpu0").read_text().splitlines()
+    runs = [x.split("output_dir=")[1].split()[0].rsplit("/", 1)[1] for x in lines]
+    assert runs == ["train-dspine-s0", "train-dflash-s0", "train-dspine-kv-s0", "train-dspine-r0-s0",
+                    "train-dspine-s1", "train-dflash-s1", "train-dspine-kv-s1", "train-dspine-r0-s1"]
+    kv, r0 = lines[2], lines[3]
+    assert kv.index("injection=residual") < kv.index("injection=kv") and "draft_init=" not in kv
+    assert "injection_rank=0 lr=0.002" in r0 and "draft_init=" not in r0
+    assert f"draft_init={tmp_path}/init/dspine" in lines[0]
+    for name in ("dspine", "dflash", "dspine-kv", "dspine-r0"):
+        for seed in (0, 1):
+            (w / f"train-{name}-s{seed}" / "step-16" / "draft").mkdir(parents=True)
+            (w / f"train-{name}-s{seed}" / "latest").write_text("step-16\n")
+    r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), "bench"], env=env, capture_output=True,
+                       text=True, cwd=REPO)
+    labels = [x.split("=", 1)[0] for x in (w / "bench.gpu0").read_text().splitlines()[0].split(" --draft ")[1:]]
+    assert labels == ["DSpine", "DFlash", "DSpine-kv", "DSpine-r0", "DSpine-s1", "DFlash-s1", "DSpine-kv-s1",
+                      "DSpine-r0-s1"]
 
 
 def test_recipe_fresh_samples_skip_the_greedy_job(tmp_path):

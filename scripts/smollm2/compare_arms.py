@@ -5,7 +5,9 @@
 
 Input: ``infer.bench --output-json`` files whose drafts come in pairs ``DSpine`` / ``DFlash`` (seed 0)
 and ``DSpine-s<k>`` / ``DFlash-s<k>`` (seed k), as ``scripts/smollm2/recipe.sh`` benches them with
-``SEEDS="0 1"``. Both drafts of a pair decoded the same prompts in the same run (alternating order).
+``SEEDS="0 1"``; injection variants (``VARIANTS``) as ``DSpine-NAME[-s<k>]``, each paired with the DFlash
+draft of its seed (under ``variants.NAME``, same fields). Both drafts of a pair decoded the same prompts in the
+same run (alternating order).
 
 Per file and seed: each arm's mean τ (the mean over tasks of the task's τ = Σ committed / Σ verify
 steps, the ``mean_tau`` of infer.bench), the relative difference ``rel = τ_DSpine / τ_DFlash − 1`` and
@@ -34,21 +36,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from infer.bench import task_bootstrap  # noqa: E402
 
 GOAL = 0.05  # DSpine ≥ +5% over DFlash (the issue's goal)
-_LABEL = re.compile(r"^(DSpine|DFlash)(?:-s(\d+))?$")
+# DSpine[-VARIANT][-s<k>] / DFlash[-s<k>]: VARIANT a recipe.sh VARIANTS name (lower case, not s<k>)
+_LABEL = re.compile(r"^(?:(DSpine)(?:-(?!s\d+$)([a-z][a-z0-9]*))?|(DFlash))(?:-s(\d+))?$")
 
 
-def _pairs(path: Path, rec: dict) -> dict[int, tuple[str, str]]:
-    """seed -> (DSpine label, DFlash label), from the labels of every task."""
+def _pairs(path: Path, rec: dict) -> dict[tuple[str, int], tuple[str, str]]:
+    """(variant, seed) -> (DSpine label, DFlash label) from the labels of every task; variant "" is plain DSpine,
+    every variant is paired with the DFlash draft of its seed."""
     labels = {lab for t in rec["tasks"] for lab in t["drafts"]}
-    seeds: dict[int, dict[str, str]] = {}
+    dspine: dict[tuple[str, int], str] = {}
+    dflash: dict[int, str] = {}
     for lab in labels:
         m = _LABEL.match(lab)
-        if m:
-            seeds.setdefault(int(m[2] or 0), {})[m[1]] = lab
-    pairs = {s: (d["DSpine"], d["DFlash"]) for s, d in seeds.items() if len(d) == 2}
+        if m and m[1]:
+            dspine[(m[2] or "", int(m[4] or 0))] = lab
+        elif m:
+            dflash[int(m[4] or 0)] = lab
+    pairs = {k: (lab, dflash[k[1]]) for k, lab in dspine.items() if k[1] in dflash}
     if not pairs:
         raise SystemExit(f"error: {path}: no DSpine / DFlash pair among the drafts {sorted(labels)} "
-                         "(labels DSpine, DFlash, DSpine-s<k>, DFlash-s<k>)")
+                         "(labels DSpine, DFlash, DSpine-s<k>, DFlash-s<k>, DSpine-VARIANT[-s<k>])")
     return dict(sorted(pairs.items()))
 
 
@@ -95,7 +102,8 @@ def compare(path: Path, n: int = 2000, seed: int = 0) -> dict:
     """The comparison record of one bench file (module docstring)."""
     rec = _load(path)
     pairs = _pairs(path, rec)
-    labels = [lab for pair in pairs.values() for lab in pair]  # DSpine, DFlash per seed, in seed order
+    labels = sorted({lab for pair in pairs.values() for lab in pair})  # every draft once: one bootstrap column each
+    col = {lab: j for j, lab in enumerate(labels)}
     point, boot = task_bootstrap(_counts(path, rec, labels), n, seed)  # [D], [n, D]
     q = torch.tensor([0.025, 0.975], dtype=torch.float64)
 
@@ -105,15 +113,28 @@ def compare(path: Path, n: int = 2000, seed: int = 0) -> dict:
         return {"dspine_mean_tau": float(sp), "dflash_mean_tau": float(fl), "rel": rel, "rel_ci95": [lo, hi],
                 "goal_met": rel >= GOAL, "interval_excludes_zero": lo > 0 or hi < 0}
 
-    seeds = {}
-    for j, (s, pair) in enumerate(pairs.items()):
-        seeds[str(s)] = {"labels": list(pair), **entry(point[2 * j], point[2 * j + 1], boot[:, 2 * j], boot[:, 2 * j + 1])}
+    def group(variant: str) -> dict:
+        """The variant's per-seed entries and, over two seeds or more, the entry of the seeds' means."""
+        mine = {s: pair for (v, s), pair in pairs.items() if v == variant}
+        sp, fl = [col[p[0]] for p in mine.values()], [col[p[1]] for p in mine.values()]
+        res = {"seeds": {str(s): {"labels": list(p), **entry(point[col[p[0]]], point[col[p[1]]], boot[:, col[p[0]]],
+                                                              boot[:, col[p[1]]])} for s, p in mine.items()}}
+        if len(mine) > 1:
+            res["all_seeds"] = entry(point[sp].mean(), point[fl].mean(), boot[:, sp].mean(1), boot[:, fl].mean(1))
+        return res
+
     a = rec.get("args", {})
     out = {"bench": str(path), "temperature": a.get("temperature"), "concurrency": a.get("concurrency"),
            "num_prompts": a.get("num_prompts"), "max_new_tokens": a.get("max_new_tokens"),
-           "bench_commit": rec.get("commit"), "gpu": rec.get("gpu"), "seeds": seeds}
-    if len(pairs) > 1:
-        out["all_seeds"] = entry(point[0::2].mean(), point[1::2].mean(), boot[:, 0::2].mean(1), boot[:, 1::2].mean(1))
+           "bench_commit": rec.get("commit"), "gpu": rec.get("gpu")}
+    variants = sorted({v for v, _ in pairs})
+    if "" in variants:
+        out |= group("")
+    else:
+        out["seeds"] = {}
+    named = [v for v in variants if v]
+    if named:
+        out["variants"] = {v: group(v) for v in named}
     return out
 
 
@@ -134,10 +155,12 @@ def main(argv=None) -> int:
             ap.error(f"--bench {b}: no such file")
     rows = [compare(Path(b), args.resamples) for b in args.bench]
     for r in rows:
-        for s, e in {**r["seeds"], **({"all": r["all_seeds"]} if "all_seeds" in r else {})}.items():
-            print(f"T={r['temperature']} c{r['concurrency']} seed {s}: DSpine {e['dspine_mean_tau']:.3f} vs DFlash "
-                  f"{e['dflash_mean_tau']:.3f}: {100 * e['rel']:+.1f}% [{100 * e['rel_ci95'][0]:+.1f}, "
-                  f"{100 * e['rel_ci95'][1]:+.1f}] (goal +{100 * GOAL:.0f}%: {'met' if e['goal_met'] else 'missed'})")
+        groups = {"": r, **{f"-{v}": g for v, g in r.get("variants", {}).items()}}
+        for name, g in groups.items():
+            for s, e in {**g["seeds"], **({"all": g["all_seeds"]} if "all_seeds" in g else {})}.items():
+                print(f"T={r['temperature']} c{r['concurrency']} seed {s}: DSpine{name} {e['dspine_mean_tau']:.3f} vs DFlash "
+                      f"{e['dflash_mean_tau']:.3f}: {100 * e['rel']:+.1f}% [{100 * e['rel_ci95'][0]:+.1f}, "
+                      f"{100 * e['rel_ci95'][1]:+.1f}] (goal +{100 * GOAL:.0f}%: {'met' if e['goal_met'] else 'missed'})")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps({**provenance(), "goal_rel": GOAL, "comparisons": rows}, indent=1))

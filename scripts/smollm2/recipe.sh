@@ -35,6 +35,9 @@
 #   REGEN_CONC (engine slots per job, 512), REGEN_PAR (regeneration jobs side by side per GPU, 1), TRAIN_PAR
 #   (training runs side by side per GPU, 1),
 #   REGEN_CHUNK (rows per resumable write, 4096), REGEN_LIMIT (rows), ARMS (drafts to train: "dspine dflash"),
+#   VARIANTS (extra DSpine arms for the injection study, each NAME:key=value[+key=value...], e.g.
+#   "kv:injection=kv r0:injection_rank=0": trained from scratch per seed as train-dspine-NAME-s<k> with those
+#   trainer overrides last, benched as DSpine-NAME[-s<k>]; scripts/smollm2/compare_arms.py pairs each with DFlash),
 #   STEPS (optimizer steps per draft, 2000) or TRAIN_MINUTES (wall clock per run: STEPS from a 30-step
 #   calibration), SEEDS ("0"), TRAIN_OVERRIDES (extra key=value for every run, e.g. "distill=kl"),
 #   BENCH_C1 (20), BENCH_C8 (40), BENCH_NEW (512), SCALE_PROMPTS (8), RESULTS (results JSON prefix),
@@ -94,6 +97,11 @@ done
 [[ "${SAMPLE_SEED0:-0}" =~ ^(0|[1-9][0-9]{0,8})$ ]] || { echo "error: SAMPLE_SEED0='${SAMPLE_SEED0}': must be an integer >= 0 (decimal, no leading zero, at most 9 digits)" >&2; exit 2; }
 [[ "${GREEDY:-1}" =~ ^[01]$ ]] || { echo "error: GREEDY='${GREEDY}': must be 0 or 1" >&2; exit 2; }
 [[ "$SAMPLES" =~ ^(0|[1-9][0-9]{0,2})$ ]] || { echo "error: SAMPLES='${SAMPLES}': must be an integer from 0 to 999 (decimal, no leading zero)" >&2; exit 2; }
+for v in ${VARIANTS:-}; do  # NAME:key=value[+key=value...]: extra DSpine arms (injection variants)
+  [[ "$v" =~ ^[a-z][a-z0-9]*:[a-z_]+=[^+[:space:]]+(\+[a-z_]+=[^+[:space:]]+)*$ ]] && [[ ! "${v%%:*}" =~ ^s[0-9]+$ ]] || {
+    echo "error: VARIANTS='${VARIANTS}': '$v' is not NAME:key=value[+key=value...] (NAME lower-case letters and" \
+         "digits, not s<k>; e.g. kv:injection=kv r0:injection_rank=0)" >&2; exit 2; }
+done
 [[ "${TRAIN_CACHES:-one}" =~ ^(one|all)$ ]] || { echo "error: TRAIN_CACHES='${TRAIN_CACHES}': must be one (the single cache in \$WORK/tok-train) or all (every cache there)" >&2; exit 2; }
 for st in regen train bench scaling; do  # the CUDA engine and the trainer's recipe settings need a GPU
   if [[ " $STAGES " == *" $st "* ]] && [ "${RECIPE_ALLOW_CPU:-0}" != 1 ] && \
@@ -256,14 +264,15 @@ if has train; then  # here, not in train_cmd: a refusal inside $(train_cmd ...) 
   EVAL_CACHE=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-eval")
 fi
 init_arg() {  # init_arg NAME: the trainer's draft_init for arm NAME (DSPINE_INIT / DFLASH_INIT, else DRAFT_INIT/NAME)
+  [[ "$1" == *-* ]] && return 0  # a VARIANTS arm (dspine-NAME) starts from scratch: its shapes may differ
   local var=${1^^}_INIT
   if [ -n "${!var:-}" ]; then echo "draft_init=${!var}"; elif [ -n "${DRAFT_INIT:-}" ]; then echo "draft_init=$DRAFT_INIT/$1"; fi
 }
-train_cmd() {  # train_cmd NAME INJECTION SEED
+train_cmd() {  # train_cmd NAME INJECTION SEED [OVERRIDES]: OVERRIDES (a VARIANTS arm's) come last and win
   echo "accelerate launch --num_processes 1 --num_machines 1 --dynamo_backend no" \
        "train/distill.py --config configs/smollm2-135m-dspine.yaml target=$TARGET train=$TRAIN_CACHE eval=$EVAL_CACHE" \
        "injection=$2 seed=$3 output_dir=$WORK/train-$1-s$3 max_steps=$STEPS save_every=$((STEPS / 8))" \
-       "eval_every=$((STEPS / 4)) keep_last=0 $(init_arg "${1/calib/dspine}") ${TRAIN_OVERRIDES:-}" \
+       "eval_every=$((STEPS / 4)) keep_last=0 $(init_arg "${1/calib/dspine}") ${TRAIN_OVERRIDES:-} ${4:-}" \
        "> $WORK/logs/train-$1-s$3.log 2>&1"
 }
 if has train && [ -z "${STEPS_SET:-}" ] && [ -n "${TRAIN_MINUTES:-}" ]; then
@@ -299,6 +308,11 @@ if has train; then
       train_cmd "$name" "$inj" "$seed" >> "$WORK/train.gpu$g"
       i=$((i + 1))
     done
+    for v in ${VARIANTS:-}; do  # dspine-NAME: residual injection with the variant's overrides, from scratch
+      g=$((i % (NGPU * ${TRAIN_PAR:-1})))
+      train_cmd "dspine-${v%%:*}" residual "$seed" "$(echo "${v#*:}" | tr '+' ' ')" >> "$WORK/train.gpu$g"
+      i=$((i + 1))
+    done
   done
   timed train run_queues train "${TRAIN_PAR:-1}"
   for f in "$WORK"/logs/train-*.log; do echo "== $f"; tail -n 3 "$f"; done
@@ -320,6 +334,7 @@ if has bench; then
         sfx=""; [ "$seed" = 0 ] || sfx="-s$seed"
         arm dspine && drafts+=" --draft DSpine$sfx=$(latest dspine "$seed")"
         arm dflash && drafts+=" --draft DFlash$sfx=$(latest dflash "$seed")"
+        for v in ${VARIANTS:-}; do drafts+=" --draft DSpine-${v%%:*}$sfx=$(latest "dspine-${v%%:*}" "$seed")"; done
       done
       echo "python -m infer.bench --target $TARGET$drafts" \
            "--datasets gsm8k,math500,humaneval,mbpp,mt-bench --num-prompts $n --max-new-tokens ${BENCH_NEW:-512}" \
