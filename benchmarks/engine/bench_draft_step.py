@@ -84,6 +84,24 @@ def random_draft(a: ModelArgs, layers: int, injection: str, rank: int, dev, dtyp
     return draft
 
 
+def random_setup(device: str, shape: str):
+    """The benchmarks' random-weight pair on ``device``: bf16 + Triton on CUDA, fp32 + torch on the CPU; the
+    target of ``TARGETS[shape]`` and a DSpine draft (residual injection) of ``DRAFTS[shape]``.
+    Returns ``(dev, dtype, impl, ModelArgs, draft spec dict, draft, target)``.
+    Raises SystemExit: a CUDA device asked for where torch sees none."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --tiny for the smoke run)")
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    impl = "triton" if cuda else "torch"
+    a = ModelArgs(**TARGETS[shape])
+    d = DRAFTS[shape]
+    draft = random_draft(a, d["layers"], "residual", d["rank"], dev, dtype)
+    target = random_target(a, draft.config.target_layer_ids, dev, dtype, impl)
+    return dev, dtype, impl, a, d, draft, target
+
+
 def graphed(fn, dev):
     """``fn`` as a CUDA graph replay (after two eager warm-up calls on its own stream, which the capture
     uses too); eager on the CPU. The caller keeps alive every tensor ``fn`` reads: the graph holds

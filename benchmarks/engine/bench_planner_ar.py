@@ -37,12 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.engine.bench_draft_step import DRAFTS, TARGETS, random_draft, random_target  # noqa: E402
-from benchmarks.engine.bench_planner_loop import int_list, temp_list  # noqa: E402
+from benchmarks.engine.bench_draft_step import random_setup  # noqa: E402
+from benchmarks.engine.bench_planner_loop import int_list, params_for, temp_list  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
-from infer.model import ModelArgs  # noqa: E402
 
 VARIANTS = ("plain_ar", "immediate_ar", "deferred_ar", "flush")
 
@@ -72,11 +71,7 @@ def median_ms(fns: dict, iters: int, reps: int, warmup: int, dev) -> dict:
 
 
 def sampling(t: float) -> SamplingParams:
-    return (
-        SamplingParams(temperature=t, top_p=0.95, top_k=20, max_new_tokens=16)
-        if t > 0
-        else SamplingParams(max_new_tokens=16)
-    )
+    return params_for(t, 16)
 
 
 def runners(eng: Engine, B: int, params: SamplingParams) -> dict:
@@ -95,19 +90,9 @@ def runners(eng: Engine, B: int, params: SamplingParams) -> dict:
 
 @torch.inference_mode()
 def run(args) -> dict:
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(
-            "--device cuda but torch sees no CUDA device (use --device cpu --tiny for the smoke run)"
-        )
-    cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    impl = "triton" if cuda else "torch"
     shape = "tiny" if args.tiny else "smollm2"
-    a = ModelArgs(**TARGETS[shape])
-    d = DRAFTS[shape]
-    draft = random_draft(a, d["layers"], "residual", d["rank"], dev, dtype)
-    target = random_target(a, draft.config.target_layer_ids, dev, dtype, impl)
+    dev, dtype, impl, a, d, draft, target = random_setup(args.device, shape)
+    cuda = dev.type == "cuda"
     res: dict = {
         **provenance(),
         "shape": shape,

@@ -41,35 +41,32 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.engine.bench_draft_step import DRAFTS, TARGETS, random_draft, random_target  # noqa: E402
+from benchmarks.engine.bench_draft_step import random_setup  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
-from infer.model import ModelArgs  # noqa: E402
 
 CONFIGS = ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_chain")
 
 
-def int_list(text: str) -> list[int]:
-    """``--batches``: distinct comma-separated integers >= 1 (argparse type: a bad list is a usage error)."""
-    try:
-        out = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if min(out) < 1 or len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be >= 1 and distinct")
-    return out
+def _distinct_list(cast, what: str, least: float):
+    """An argparse type: distinct comma-separated ``cast`` values >= ``least`` (a bad list is a usage error)."""
+
+    def parse(text: str) -> list:
+        try:
+            out = [cast(x) for x in text.split(",")]
+        except ValueError:
+            kind = "integers" if cast is int else "numbers"
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind}") from None
+        if min(out) < least or len(set(out)) != len(out):
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be >= {least:g} and distinct")
+        return out
+
+    return parse
 
 
-def temp_list(text: str) -> list[float]:
-    """``--temperatures``: distinct comma-separated numbers >= 0."""
-    try:
-        out = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
-    if min(out) < 0 or len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"{text!r}: temperatures must be >= 0 and distinct")
-    return out
+int_list = _distinct_list(int, "batch sizes", 1)  # --batches
+temp_list = _distinct_list(float, "temperatures", 0)  # --temperatures
 
 
 def write(res: dict, path: str | None) -> None:
@@ -79,23 +76,16 @@ def write(res: dict, path: str | None) -> None:
 
 
 def params_for(temperature: float, new: int) -> SamplingParams:
+    """Greedy at T = 0, else temperature sampling with top_p 0.95, top_k 20 (the project's T > 0 setting)."""
     if temperature == 0:
         return SamplingParams(max_new_tokens=new)
     return SamplingParams(max_new_tokens=new, temperature=temperature, top_p=0.95, top_k=20)
 
 
 def run(args) -> dict:
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --tiny for the smoke run)")
-    cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    impl = "triton" if cuda else "torch"
     shape = "tiny" if args.tiny else "smollm2"
-    a = ModelArgs(**TARGETS[shape])
-    d = DRAFTS[shape]
-    draft = random_draft(a, d["layers"], "residual", d["rank"], dev, dtype)
-    target = random_target(a, draft.config.target_layer_ids, dev, dtype, impl)
+    dev, dtype, impl, a, d, draft, target = random_setup(args.device, shape)
+    cuda = dev.type == "cuda"
     res: dict = {**provenance(), "shape": shape, "dtype": str(dtype), "impl": impl, "context": args.context,
                  "new_tokens": args.new, "reps": args.reps, "draft_layers": d["layers"],
                  "flush_rows": Engine.AR_DEFER, "points": []}

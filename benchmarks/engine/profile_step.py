@@ -35,11 +35,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.engine.bench_draft_step import DRAFTS, TARGETS, random_draft, random_target  # noqa: E402
+from benchmarks.engine.bench_draft_step import random_setup  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
-from infer.model import ModelArgs  # noqa: E402
 
 TOP = 25
 
@@ -86,17 +85,9 @@ def profile_step(step, steps: int, warmup: int, cuda: bool) -> dict:
 
 @torch.inference_mode()
 def run(args) -> dict:
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --tiny for the smoke run)")
-    cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    impl = "triton" if cuda else "torch"
     shape = "tiny" if args.tiny else "qwen3-8b"
-    a = ModelArgs(**TARGETS[shape])
-    d = DRAFTS[shape]
-    draft = random_draft(a, d["layers"], "residual", d["rank"], dev, dtype)
-    target = random_target(a, draft.config.target_layer_ids, dev, dtype, impl)
+    dev, dtype, impl, a, d, draft, target = random_setup(args.device, shape)
+    cuda = dev.type == "cuda"
     res: dict = {**provenance(), "shape": shape, "dtype": str(dtype), "impl": impl, "cuda_graphs": False,
                  "context": args.context, "steps": args.steps, "draft_layers": d["layers"],
                  "block_size": draft.config.block_size}
