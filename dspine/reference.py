@@ -35,7 +35,7 @@ from dspine import sampling as rng
 from dspine.config import target_layer_types
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample
-from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sample
+from dspine.sampling import SamplingParams, draft_distribution, logits_to_probs, nonfinite_error, sample
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetAdapter
 from dspine.tree import Tree, build_tree, node_uniforms, path_nodes, verify_tree
@@ -313,8 +313,7 @@ class ReferenceDecoder:
                 block[:, 1:W] = d_logits.argmax(-1)
                 p_draft = None
             else:
-                p_draft, d_ids = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k,
-                                                 with_ids=True)
+                p_draft, d_ids = draft_distribution(d_logits, params)
                 block[:, 1:W] = sample(p_draft, seed, rng.STREAM_DRAFT, slot_pos, d_ids)
             tree = None
             if self.verify == "tree":  # scores: the sampling distribution, or softmax(logits) at T = 0

@@ -34,18 +34,33 @@ class SamplingParams:
     """Decoding settings. ``temperature == 0`` means greedy (top-p/top-k ignored); ``seed`` seeds the
     per-request streams (module docstring).
 
-    Raises ValueError (from :meth:`validate`) on a negative or non-finite temperature, ``top_p`` outside
-    (0, 1], a negative ``top_k`` or ``max_new_tokens < 1``."""
+    ``draft_temperature`` (T > 0 only; None = ``temperature``): the temperature the draft's tokens are
+    sampled at, with the same top-k/top-p; 0 drafts the draft's argmax (q one-hot). The output still
+    follows the target's distribution at ``temperature``: the rejection rule takes the q actually
+    sampled from (:func:`draft_distribution`), so only the acceptance rate changes. A block draft samples
+    every slot from its own marginal, independently of the tokens drafted before it; a draft sharper than
+    that marginal keeps the drafted chain coherent (docs/method.md §5).
+
+    Raises ValueError (from :meth:`validate`) on a negative or non-finite temperature or draft
+    temperature, a draft temperature with ``temperature == 0``, ``top_p`` outside (0, 1], a negative
+    ``top_k`` or ``max_new_tokens < 1``."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 256
     seed: int = 0
+    draft_temperature: float | None = None  # None = temperature; 0 = the draft's argmax
 
     def validate(self) -> SamplingParams:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature={self.temperature} must be a finite number >= 0")
+        if self.draft_temperature is not None:
+            if not (math.isfinite(self.draft_temperature) and self.draft_temperature >= 0):
+                raise ValueError(f"draft_temperature={self.draft_temperature} must be a finite number >= 0")
+            if self.temperature == 0:
+                raise ValueError(f"draft_temperature={self.draft_temperature} is for sampling (temperature > 0); "
+                                 "greedy decoding drafts the draft's argmax")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
@@ -57,6 +72,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def draft_distribution(logits: torch.Tensor, params: SamplingParams):
+    """The draft's sampling distribution at T > 0: ``logits [..., V]`` -> ``(q [..., V] fp32, ids)`` as
+    :func:`logits_to_probs` with ``with_ids=True``, at ``params.draft_temperature`` (None: the target's
+    temperature) and the target's top-k/top-p. Draft temperature 0 gives the argmax one-hot, ``ids
+    [..., 1]`` (:func:`sample` then returns the argmax, and the rejection rule accepts it with the
+    target's probability of it). Sync-free."""
+    t = params.temperature if params.draft_temperature is None else params.draft_temperature
+    if t == 0:
+        ids = logits.argmax(-1, keepdim=True)
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, ids, 1.0), ids
+    return logits_to_probs(logits, t, params.top_p, params.top_k, with_ids=True)
 
 
 TOP_K_FAST_MAX = 256  # top_k up to this takes the candidate path (0 forces the dense reference path)
@@ -222,13 +250,20 @@ def nonfinite_error(who: str) -> FloatingPointError:
     return FloatingPointError(f"non-finite {who} logits (NaN/Inf): {hint}")
 
 
+DRAFT_TEMPERATURE_HELP = ("temperature the draft's tokens are sampled at (default: --temperature; 0: the draft's "
+                          "argmax), with the same top-k/top-p; lossless at any value, changes only the acceptance "
+                          "rate; sampling only")
+
+
 def sampling_params(args):
-    """``SamplingParams`` from the CLI flags (``--temperature --top-p --top-k --max-new-tokens --seed``),
+    """``SamplingParams`` from the CLI flags (``--temperature --top-p --top-k --max-new-tokens --seed``, and
+    ``--draft-temperature`` where the CLI has it),
     validated; a ValueError names the flag (``--top-p=nan must be in (0, 1]``); a warning on stderr names
     ``--top-p`` / ``--top-k`` given with ``--temperature 0`` (greedy ignores them). Shared by every CLI that
     samples (``infer.generate``, ``infer.bench``, ``data.regenerate``)."""
     try:
-        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed,
+                                getattr(args, "draft_temperature", None)).validate()
     except ValueError as e:
         field, _, rest = str(e).partition("=")
         raise ValueError(f"--{field.replace('_', '-')}={rest}") from None

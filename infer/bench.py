@@ -19,6 +19,7 @@ Ctrl-C ends it with exit status 130 and writes the finished tasks to the JSON wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspine.sampling import SamplingParams
+from dspine.sampling import DRAFT_TEMPERATURE_HELP, SamplingParams
 from dspine.stats import AcceptStats
 
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
@@ -371,6 +372,7 @@ def build_parser():
     ap.add_argument("--max-prompt-tokens", type=int, default=1536)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--draft-temperature", type=float, default=None, help=DRAFT_TEMPERATURE_HELP)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=1)
@@ -478,7 +480,7 @@ def main(argv=None) -> int:
         from infer.datasets import load_eval_prompts
 
         warm = [encode(runner, p.turns[0]) for p in load_eval_prompts(tasks[0], args.concurrency, args.data_dir)]
-        wp = SamplingParams(args.temperature, args.top_p, args.top_k, min(32, args.max_new_tokens), args.seed)
+        wp = dataclasses.replace(params, max_new_tokens=min(32, args.max_new_tokens))
         for label in [None, *runner.drafts]:
             runner.run(warm, wp, label)
         for i, t in enumerate(tqdm(tasks, desc="tasks", unit="task")):

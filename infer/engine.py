@@ -40,7 +40,7 @@ from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
 from dspine.ops.lm_head import pick as pick_lm_head
 from dspine.reference import check_prompts, request_seeds
-from dspine.sampling import SamplingParams, logits_to_probs, nonfinite_error, sample
+from dspine.sampling import SamplingParams, draft_distribution, logits_to_probs, nonfinite_error, sample
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
 from dspine.tree import ancestor_bits, build_tree, node_uniforms, path_nodes, verify_tree
@@ -312,10 +312,11 @@ class Engine:
         else:
             out_pos = s.out_len.long()  # [B] the step's first output position
             slot_pos = out_pos[:, None] + s.offsets[:K]  # [B, K]: draft token k at n + k - 1
-            p_draft, d_ids = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
+            p_draft, d_ids = draft_distribution(d_logits, params)
             draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos, d_ids, impl=self.impl)
             if self.budget == "auto":
-                s.conf.copy_(chain_confidence(p_draft.gather(-1, draft_tokens[..., None])[..., 0]))
+                s.conf.copy_(chain_confidence(self._conf_probs(d_logits, p_draft, params)
+                                              .gather(-1, draft_tokens[..., None])[..., 0]))
         torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
         positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
         t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths, exact=self.exact,
@@ -337,6 +338,15 @@ class Engine:
                     impl=self.impl, anchor=s.anchor)  # anchor = bonus for live rows
         draft_cache.append(feats, (a + 1) * live, impl=self.impl)  # a int32; advances s.lengths
 
+    @staticmethod
+    def _conf_probs(d_logits: torch.Tensor, p_draft: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The draft distribution the planner's confidence reads at T > 0 (``[B, K, V]`` fp32): the sampling
+        distribution ``p_draft``, or, with a draft temperature, the draft at the target's temperature and
+        cuts (the sampled q is sharper than the acceptance it predicts, one-hot at draft temperature 0)."""
+        if params.draft_temperature is None:
+            return p_draft
+        return logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
+
     def _tree_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams, N: int):
         """One tree-verify step for all B slots, without host sync (``dspine.tree``).
 
@@ -356,11 +366,12 @@ class Engine:
             q = torch.softmax(d_logits.float(), -1)
             chain = d_logits.argmax(-1)
         else:
-            q, d_ids = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
+            q, d_ids = draft_distribution(d_logits, params)
             chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device), d_ids,
                            impl=self.impl)
         if self.budget == "auto":  # the chain's confidence over the planner chain's slots (_spec_step)
-            s.conf.copy_(chain_confidence(q.gather(-1, chain[..., None])[:, : s.verify_size - 1, 0]))
+            p_conf = q if params.greedy else self._conf_probs(d_logits, q, params)
+            s.conf.copy_(chain_confidence(p_conf.gather(-1, chain[..., None])[:, : s.verify_size - 1, 0]))
         tree = build_tree(s.anchor, q, N, chain_tokens=chain)
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths,
@@ -452,7 +463,7 @@ class Engine:
         slots, (kv, draft_cache) = self._slots_for(B), self._cache_view(B)
         mode = mode or (self.mode if spec else ("ar", 1))
         defer = spec and mode[0] == "ar" and self.budget == "auto" and self.defer_ar_append
-        key = (B, spec, mode, params.temperature, params.top_p, params.top_k, defer)
+        key = (B, spec, mode, params.temperature, params.top_p, params.top_k, params.draft_temperature, defer)
         if mode[0] != "flush":
             # the LM heads this step runs: target over B·T rows, draft over B·(verify_size - 1)
             self._tune_lm_head([B * mode[1]] + ([B * (self.verify_size - 1)] if mode[0] != "ar" else []))
@@ -519,7 +530,8 @@ class Engine:
         capture, idle rows), measured once per (B, sampling settings, ``defer_ar_append``, ``plan_modes``) on this device.
         The AR mode is the planner's AR step as the loop runs it: with ``defer_ar_append`` the step that
         leaves its features pending; the flush (not a mode) is not in the table."""
-        key = (B, params.temperature, params.top_p, params.top_k, self.defer_ar_append, tuple(self.plan_modes))
+        key = (B, params.temperature, params.top_p, params.top_k, params.draft_temperature, self.defer_ar_append,
+               tuple(self.plan_modes))
         if key not in self._costs:
             s, costs = self._slots_for(B), {}
             for mode in self.plan_modes:

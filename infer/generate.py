@@ -31,7 +31,7 @@ from dspine.reference import (
     reference_verify_size,
     set_cpu_threads,
 )
-from dspine.sampling import sampling_params
+from dspine.sampling import DRAFT_TEMPERATURE_HELP, sampling_params
 from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer, resolve_model_path
 from infer.datasets import load_eval_prompts
 from infer.engine import load_engine
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--draft-temperature", type=float, default=None, help=DRAFT_TEMPERATURE_HELP)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=None,

@@ -41,6 +41,10 @@ def smollm2_section() -> list[str]:
         r = json.loads(path.read_text())
         a = r["args"]
         samp = "greedy" if a["temperature"] == 0 else f"T={a['temperature']:g}, top_p {a['top_p']:g}, top_k {a['top_k']}"
+        if a.get("draft_temperature") is not None:
+            samp += f", draft temperature {a['draft_temperature']:g}" + (" (argmax)" if a["draft_temperature"] == 0 else "")
+        if a.get("budget"):
+            samp += f", planner (`--budget {a['budget']}`)"
         trained = ("The shipped DSpine draft (the recipe's, trained further four times: continuations below)" if "-shipped-" in path.name
                    else "GPU-trained drafts (recipe below)" if "-h200-" in path.name else "CPU-trained drafts")
         out.append(f"**{trained}, {samp}, concurrency {a['concurrency']}, {a['num_prompts']} prompts per task, "

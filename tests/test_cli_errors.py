@@ -107,6 +107,8 @@ def test_bench_checks_arguments_and_paths_before_loading(stories_dir, tmp_path, 
         (["--block-size", "1"], "--block-size 1: must be >= 2"),
         (["--data-dir", str(tmp_path / "nope")], f"--data-dir {tmp_path / 'nope'}: no such folder"),
         (["--dtype", "fp16"], "--dtype 'fp16': choose auto, bf16 or fp32"),
+        (["--temperature", "1", "--draft-temperature", "-1"], "--draft-temperature=-1.0 must be a finite number >= 0"),
+        (["--draft-temperature", "0.5"], "--draft-temperature=0.5 is for sampling (temperature > 0)"),
     ]
     for extra, message in cases:
         _fast_error(bench.main, [*base, *extra], capsys, message)

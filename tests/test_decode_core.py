@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -140,5 +141,11 @@ def test_same_prompt_and_seed_give_the_same_sample_at_any_concurrency(stories_di
         outputs[name] = alone
     # the same sampler and streams: engine and reference agree token for token (fp32 logits)
     assert outputs["engine"] == outputs["reference"]
+    # a draft temperature (and the argmax draft) reaches both decoders the same way
+    for t in (0.4, 0.0):
+        dt = dataclasses.replace(T1, draft_temperature=t)
+        got = {name: dec.generate(PROMPTS, dt, seeds=[s, 3, 4, 5]) for name, dec in decoders(stories_dir, stories).items()}
+        assert got["engine"].token_ids == got["reference"].token_ids, t
+        assert got["engine"].stats.hist == got["reference"].stats.hist, t
     # and the seed matters
     assert ReferenceDecoder(stories[0], stories[1], [2]).generate([p], T1, seeds=[s + 1]).token_ids[0] != outputs["reference"]

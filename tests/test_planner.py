@@ -357,3 +357,24 @@ def test_first_mode_waits_for_its_timings_when_an_observation_has_no_time():
         picks.append(table_only.choose())
         table_only.observe(picks[-2], 1.0 if picks[-2] == AR else 4.0)
     assert picks[:3] == [AR, AR, AR] and ("chain", 8) in picks, picks
+
+
+def test_confidence_reads_the_draft_at_the_requests_temperature():
+    """With a draft temperature the sampled q is sharper than the acceptance it predicts (one-hot at 0): the
+    planner's confidence reads the draft at the request's temperature and cuts instead; without one it is q."""
+    import torch
+
+    from dspine.sampling import SamplingParams, draft_distribution, logits_to_probs
+    from infer.engine import Engine
+
+    g = torch.Generator().manual_seed(0)
+    d_logits = torch.randn(2, 3, 11, generator=g)
+    plain = SamplingParams(temperature=1.0, top_p=0.9, top_k=6)
+    q, _ = draft_distribution(d_logits, plain)
+    assert Engine._conf_probs(d_logits, q, plain) is q
+    for t in (0.0, 0.5):
+        sharp = SamplingParams(temperature=1.0, top_p=0.9, top_k=6, draft_temperature=t)
+        q_sharp, _ = draft_distribution(d_logits, sharp)
+        conf = Engine._conf_probs(d_logits, q_sharp, sharp)
+        assert torch.allclose(conf, logits_to_probs(d_logits, 1.0, 0.9, 6)) and torch.allclose(conf, q)
+        assert (q_sharp.amax(-1) > conf.amax(-1)).all()  # the sampled q is sharper

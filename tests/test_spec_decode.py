@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -12,7 +13,7 @@ from scipy.stats import chisquare
 from dspine import sampling as rng
 from dspine.ops.accept import accept_sample
 from dspine.reference import ReferenceDecoder
-from dspine.sampling import SamplingParams, logits_to_probs, sample
+from dspine.sampling import SamplingParams, draft_distribution, logits_to_probs, sample
 from dspine.target import TargetSpec, load_target
 from tests.helpers import oracle_reference_decoder as oracle
 from tests.helpers import random_draft
@@ -142,6 +143,49 @@ def test_chain_rejection_sampling_is_exact(temperature, top_p, top_k):
     assert pvalue(first, p_t[0, 0]) < 1e-6
 
 
+@pytest.mark.parametrize("draft_temperature", [0.5, 0.0])
+def test_chain_rejection_at_a_draft_temperature_is_exact(draft_temperature):
+    """The draft sampled at its own temperature (0: its argmax, q one-hot) through draft_distribution:
+    the emitted tokens still follow the target's distribution at the target's temperature, and with
+    the argmax draft the first slot is accepted with the target's probability of that token."""
+    g = torch.Generator().manual_seed(3)
+    V, K, N = 12, 3, 100_000
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=8, draft_temperature=draft_temperature).validate()
+    t_logits = torch.randn(K + 1, V, generator=g) * 1.5
+    d_logits = 0.5 * t_logits + torch.randn(K + 1, V, generator=g)
+    p_t = logits_to_probs(t_logits, 1.0, 0.9, 8).expand(N, K + 1, V)
+    p_d, d_ids = draft_distribution(d_logits[:K].expand(N, K, V), params)
+    seeds, n = torch.arange(N) * 5 + 1, torch.full((N,), 3)
+    slot_pos = n[:, None] + torch.arange(K)
+    draft = sample(p_d, seeds, rng.STREAM_DRAFT, slot_pos, d_ids)
+    u = rng.uniforms(seeds, rng.STREAM_ACCEPT, slot_pos)
+    noise = rng.exponentials(seeds, rng.STREAM_TARGET, n[:, None], V)[:, 0]
+    acc, bonus = accept_sample(draft, p_t, p_d, u, noise, impl="torch")
+    first = torch.where(acc >= 1, draft[:, 0], bonus)
+    assert pvalue(first, p_t[0, 0]) > 0.01
+    if draft_temperature == 0:
+        top = d_logits[0].argmax()
+        assert (draft[:, 0] == top).all() and p_d[0, 0, top] == 1 and p_d[0, 0].sum() == 1
+        assert abs((acc >= 1).float().mean().item() - p_t[0, 0, top].item()) < 0.005
+    else:  # sharper than the draft at T = 1: a different q, the same target distribution out
+        q1 = logits_to_probs(d_logits[0], 1.0, 0.9, 8)
+        assert p_d[0, 0].max() > q1.max() + 0.05
+
+
+def test_draft_temperature_changes_acceptance_only(stories_dir):
+    """Reference decoder on stories260K with a random draft: another draft temperature gives another
+    (seeded, repeatable) sample, with the same length and consistent stats."""
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = random_draft(target, block_size=8, mask=0)
+    dec = ReferenceDecoder(target, draft, [2])
+    base = SamplingParams(temperature=1.0, top_p=0.95, top_k=20, max_new_tokens=30, seed=7)
+    runs = {t: dec.generate([[1, 403]], dataclasses.replace(base, draft_temperature=t)) for t in (None, 1.0, 0.3, 0.0)}
+    assert runs[None].token_ids == runs[1.0].token_ids  # None is the target's temperature
+    assert runs[0.0].token_ids == dec.generate([[1, 403]], dataclasses.replace(base, draft_temperature=0.0)).token_ids
+    for r in runs.values():
+        assert len(r.token_ids[0]) == 30 and abs(r.stats.tau - (1 + sum(r.stats.accept_at_pos))) < 1e-12
+
+
 def test_hash_sampler_samples_the_distribution():
     """The counter-based race draws v with probability p_v: across 10^5 requests at one position,
     and along 10^5 positions of one request (its stream), for each of the three streams."""
@@ -179,6 +223,12 @@ def test_sampling_params_and_spec_errors():
         SamplingParams(temperature=-1).validate()
     with pytest.raises(ValueError, match="temperature > 0"):
         logits_to_probs(torch.zeros(3), 0.0)
+    with pytest.raises(ValueError, match="draft_temperature=-0.5 must be"):
+        SamplingParams(temperature=1.0, draft_temperature=-0.5).validate()
+    with pytest.raises(ValueError, match="draft_temperature=nan must be"):
+        SamplingParams(temperature=1.0, draft_temperature=float("nan")).validate()
+    with pytest.raises(ValueError, match="draft_temperature=0.5 is for sampling"):
+        SamplingParams(temperature=0.0, draft_temperature=0.5).validate()
 
 
 def test_target_spec_reads_special_ids(stories_dir, tiny_qwen3_dir):
