@@ -32,7 +32,7 @@ def fmt(x, nd=2):
 
 def smollm2_section() -> list[str]:
     runs = sorted((p for p in RESULTS.glob("smollm2*-T*-c*.json")  # the arms' files: arms_section
-                   if not p.stem.endswith("-divergence") and "-arms-" not in p.stem),
+                   if not p.stem.endswith("-divergence") and "-arms-" not in p.stem and "-variants-" not in p.stem),
                   key=lambda p: ("-cpu-" in p.name, "-shipped-" not in p.name, p.name))  # shipped draft, GPU, CPU
     if not runs:
         return []
@@ -140,10 +140,10 @@ def recipe_section() -> list[str]:
 def arms_section() -> list[str]:
     """DSpine against DFlash, paired per prompt (scripts/smollm2/compare_arms.py): the two-seed run
     (smollm2-arms2-h200.json, drafts trained for the comparison) and the recipe's seed 0 (smollm2-arms-h200.json)."""
-    two, one = load("smollm2-arms2-h200.json"), load("smollm2-arms-h200.json")
-    if not (two or one):
+    two, one, var = load("smollm2-arms2-h200.json"), load("smollm2-arms-h200.json"), load("smollm2-variants-h200.json")
+    if not (two or one or var):
         return []
-    r = two or one
+    r = two or one or var
     out = ["#### DSpine against DFlash, paired by prompt", "",
            "`scripts/smollm2/compare_arms.py`: both drafts decoded the same prompts in one run, so prompts are "
            "resampled in pairs (within each task) and the spread both drafts share cancels; the mean of seeds "
@@ -175,6 +175,17 @@ def arms_section() -> list[str]:
                 "τ_sim_sample): " + ", ".join(f"{k} {e['tau_sim']:.3f} / {e['tau_sim_sample']:.3f}"
                                                for k, e in sorted(last.items())) + ".", ""]
         out += table(two) + [f"Training: `{t['command']}`", ""]
+    if var:
+        t = var["train"]
+        last = {k: v[-1] for k, v in t["evals"].items() if v}
+        out += [f"Injection variants, seed 0 ({var['comparisons'][0]['gpu']}, commit `{var['commit'][:10]}`, "
+                "[`results/smollm2-variants-h200.json`](results/smollm2-variants-h200.json)): "
+                f"{t['what']}; {t['steps']} steps each on the same {t['data']['train_rows']:,} sampled answers. "
+                f"{t['note']}. Final in-trainer evals (eval loss / τ_sim / τ_real): "
+                + ", ".join(f"{k} {e['loss']:.3f} / {e['tau_sim']:.3f} / {e['tau_real']:.3f}" for k, e in sorted(last.items()))
+                + ". Wall clock per run side by side: " + ", ".join(f"{k} {v} s" for k, v in t["wall_s_per_run"].items())
+                + ".", ""]
+        out += table(var) + [f"Training: `{t['command']}`", ""]
     if one:
         out += [f"Seed 0 of the recipe (the benchmark files of the 1,592-step drafts; {one['comparisons'][0]['gpu']}, "
                 f"commit `{str(one['comparisons'][0]['bench_commit'])[:10]}`; comparison at commit `{one['commit'][:10]}`, "
@@ -435,9 +446,12 @@ def verify_section() -> list[str]:
             out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | "
                        f"{p['chain_tok_per_s']:.0f} | {p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | "
                        f"{p['planner_over_best_static']:.3f} — {ok(p['planner_over_best_static'] >= 0.98)} | {share} |")
-        cmds = r.get("planner_commands", {})
-        out += ["", "Commands: " + "; ".join(f"`{cmds[k]}`" for k in ("c1_c8_T0", "c1_c8_T1", "c32_c64_T0_T1") if k in cmds)
-                if cmds else f"Command: `{r['command']}`", ""]
+        b = r.get("before")
+        if b and isinstance(b.get("planner_over_best_static"), dict):
+            out += ["", f"Before this run (commit `{b['commit'][:10]}`; {b['note']}), planner ÷ best fixed: "
+                    + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in b["planner_over_best_static"].items()) + "."]
+        cmds = {k: v for k, v in r.get("planner_commands", {}).items() if isinstance(v, str) and v.startswith("python ")}
+        out += ["", "Commands: " + "; ".join(f"`{c}`" for c in cmds.values()) if cmds else f"Command: `{r['command']}`", ""]
     return out
 
 
@@ -461,6 +475,10 @@ def planner_loop_section() -> list[str]:
                    f"{p['planner_chain_over_chain']:.3f} |")
     if lp.get("note"):
         out += ["", f"Note: {lp['note']}."]
+    if lp.get("before"):
+        b = lp["before"]
+        out += ["", f"Before this run (commit `{b['commit'][:10]}`, {b['note']}), planner chain ÷ chain: "
+                + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in b["planner_chain_over_chain"].items()) + "."]
     out += ["", f"Command: `{lp['command']}`", ""]
     if ar:
         rows = [(b, t, ar[f"batch{b}"][f"T{t:g}"]) for b in ar["batches"] for t in ar["temperatures"]
@@ -492,6 +510,11 @@ def exact_section() -> list[str]:
         out.append(f"| {run['target']} | {run['batch']} | {'on' if run['cuda_graphs'] else 'off'} | "
                    f"{run['identical']}/{run['compared']} | {run['tau']:.2f} |")
     worst = max(r.values())
+    if x.get("cost_commit"):
+        c = x["cost_before"]["exact_over_fast"]
+        out += ["", f"Cost measured on {x['cost_date'][:10]}, commit `{x['cost_commit'][:10]}` ({x['cost_note']}); the "
+                f"previous cost run (commit `{x['cost_before']['commit'][:10]}`, {x['cost_before']['note']}): "
+                + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in c.items()) + "."]
     out += ["", "Cost at Qwen3-8B shape, exact ÷ fast step time (same run): AR batch 1 "
             f"{r['ar_step_bs1']:.2f}, spec batch 1 {r['spec_step_bs1']:.2f}, AR batch 8 {r['ar_step_bs8']:.2f}, "
             f"spec batch 8 {r['spec_step_bs8']:.2f} (goal ≤ 1.05: {'met' if worst <= 1.05 else '**missed**'}; "
@@ -597,6 +620,31 @@ def ab_loss_section() -> list[str]:
     return out
 
 
+def draft_temperature_section() -> list[str]:
+    r = load("smollm2-draft-temperature-h200.json")
+    if not r:
+        return []
+    out = ["#### Draft temperature at T = 1 (`--draft-temperature`)", "",
+           f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}`, "
+           "[`results/smollm2-draft-temperature-h200.json`](results/smollm2-draft-temperature-h200.json): the shipped "
+           "draft's tokens sampled at their own temperature (0: its argmax) while the target samples at T = 1, top_p 0.95, "
+           "top_k 20; lossless at any value (docs/method.md §5). Sweep at concurrency 8, 20 prompts per task, 512 new "
+           "tokens:", "", "| draft temperature | " + " | ".join(r["sweep_c8_20_prompts"][0]["tau_per_task"]) + " | mean τ [95% CI] |",
+           "|---|" + "---|" * (len(r["sweep_c8_20_prompts"][0]["tau_per_task"]) + 1)]
+    for e in r["sweep_c8_20_prompts"]:
+        lo, hi = e["mean_tau_ci95"]
+        out.append(f"| {e['draft_temperature']:g} | " + " | ".join(f"{v:.2f}" for v in e["tau_per_task"].values())
+                   + f" | {e['mean_tau']:.3f} [{lo:.3f}, {hi:.3f}] |")
+    out += ["", "The best value with the AR baseline, against the default (the target's temperature) from the shipped-draft "
+            "tables:", "", "| concurrency | draft temperature | mean τ | speedup | default: mean τ | default: speedup |",
+            "|---|---|---|---|---|---|"]
+    for c, e in r["best_with_ar"].items():
+        out.append(f"| {c[1:]} | {e['draft_temperature']:g} | {e['mean_tau']:.3f} | {e['mean_speedup']:.2f}× | "
+                   f"{e['default_mean_tau']:.3f} | {e['default_mean_speedup']:.2f}× |")
+    out += ["", r["conclusion"], "", f"Command: `{r['command']}`", ""]
+    return out
+
+
 def profile_section() -> list[str]:
     r = load("profile-step-h200.json")
     if not r:
@@ -683,7 +731,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 
 def render() -> str:
     lines = [BEGIN, ""]
-    for section in (smollm2_section, continue_section, recipe_section, arms_section, ab_loss_section, training_section, stories_section,
+    for section in (smollm2_section, continue_section, recipe_section, arms_section, ab_loss_section, draft_temperature_section, training_section, stories_section,
                     engine_section, draft_step_section, profile_section, lm_head_section, verify_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
