@@ -38,6 +38,7 @@ from dspine import sampling as rng
 from dspine.checkpoint import load_draft
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
+from dspine.ops.argmax_prob import argmax_prob
 from dspine.ops.lm_head import pick as pick_lm_head
 from dspine.reference import check_prompts, request_seeds
 from dspine.sampling import SamplingParams, draft_distribution, logits_to_probs, nonfinite_error, sample
@@ -303,12 +304,14 @@ class Engine:
         d_logits = self.draft_logits(s.draft_block, draft_cache)
         s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
         if params.greedy:
-            draft_tokens = d_logits.argmax(-1)
-            if self.budget == "auto":  # the argmax's probability: one fused softmax (fp32 out) and a max over V
-                # (was exp(max - logsumexp) of an fp32 copy: about twice the memory passes over [B, K, V]; on the
-                # H200 the planner's greedy chain step ran 0.81-0.94 x the fixed chain's at batch 8-64, T = 0 only:
+            if self.budget == "auto":  # the argmax and its probability in one pass over [B, K, V]
+                # (dspine.ops.argmax_prob; an fp32 softmax, a max and the argmax took about 7 passes, and the
+                # planner's greedy chain step ran 0.86 x the fixed chain's at batch 64 on the H200:
                 # results/planner-loop-h200.json, planner_chain_over_chain)
-                s.conf.copy_(chain_confidence(torch.softmax(d_logits, -1, dtype=torch.float32).amax(-1)))
+                draft_tokens, p_top = argmax_prob(d_logits, impl=self.impl)
+                s.conf.copy_(chain_confidence(p_top))
+            else:
+                draft_tokens = d_logits.argmax(-1)
         else:
             out_pos = s.out_len.long()  # [B] the step's first output position
             slot_pos = out_pos[:, None] + s.offsets[:K]  # [B, K]: draft token k at n + k - 1
@@ -770,6 +773,10 @@ class Engine:
         pending: list = []  # harvests in flight
         n_steps = 0
         ar_pending = 0  # AR steps launched since the last flush: no row has more features pending
+        # each mode's step fetched once (graph replay or eager step): _runner builds the key, the slot and
+        # cache views and checks the LM-head choices on every call, ~70 µs of host time a step (SmolLM2, CPU
+        # host), which a host-bound step at concurrency 1 pays in full; _decode_pipelined fetches its step once
+        runners: dict = {}
         while True:
             t0 = time.perf_counter()
             mode = planner.choose(predicted)
@@ -778,7 +785,10 @@ class Engine:
             if ar_pending and (mode[0] != "ar" or ar_pending == s.pend_max):
                 flush()  # the draft reads its context in this step, or F are pending
                 ar_pending = 0
-            self._runner(B, params, True, mode)()
+            run = runners.get(mode)
+            if run is None:
+                run = runners[mode] = self._runner(B, params, True, mode)
+            run()
             ar_pending += flush is not None and mode[0] == "ar"
             n_steps += 1
             cur ^= 1

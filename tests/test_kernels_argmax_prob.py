@@ -1,0 +1,59 @@
+"""The planner's greedy confidence kernel (``dspine.ops.argmax_prob``): the argmax and its softmax probability
+in one pass, against the torch path (``argmax`` + fp32 ``softmax().amax``) and a float64 reference, on odd
+shapes, ties (the lowest id wins, as ``torch.argmax``), -inf entries, a one-hot row and the bf16 logits the
+engine passes; bad inputs raise."""
+
+import tests.kernel_env as env  # noqa: I001  (must precede the kernel imports)
+
+import pytest
+import torch
+
+from dspine.ops.argmax_prob import argmax_prob
+
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(not env.TRITON_CPU, reason=str(env.TRITON_CPU_SKIP)))
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not env.HAS_CUDA, reason="no CUDA")])
+
+
+def _logits(shape, gen, dtype):
+    x = 4 * torch.randn(*shape, generator=gen)
+    flat = x.view(-1, shape[-1])
+    V = shape[-1]
+    flat[0, : V // 2] = float("-inf")  # masked entries: never the argmax, zero probability
+    if flat.shape[0] > 1:
+        flat[1] = 0.0
+        flat[1, V - 1] = 1.0 if V > 1 else 0.0
+    if flat.shape[0] > 2 and V > 3:  # a tie: the lowest id wins
+        flat[2, 1] = flat[2, 3] = flat[2].max() + 1
+    if flat.shape[0] > 3:
+        flat[3] = -1e4
+        flat[3, V // 3] = 0.0  # one-hot after softmax: p = 1
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (2, 3, 2049), (4, 4100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_prob_kernel_is_the_torch_path(device, shape, dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = _logits(shape, g, dtype).to(device)
+    idx, p = argmax_prob(x, impl="triton")
+    want_idx, want_p = argmax_prob(x, impl="torch")
+    assert idx.shape == p.shape == shape[:-1] and idx.dtype == torch.int64 and p.dtype == torch.float32
+    assert torch.equal(idx, want_idx) and torch.equal(idx, x.argmax(-1))
+    exact = torch.softmax(x.double(), -1).amax(-1).float()
+    assert torch.allclose(p, exact, rtol=2e-6, atol=0) and torch.allclose(want_p, exact, rtol=2e-6, atol=0)
+    flat_i, flat_p = idx.view(-1).cpu(), p.view(-1).cpu()
+    V = shape[-1]
+    assert flat_i[0] >= V // 2
+    if flat_i.numel() > 2 and V > 3:
+        assert flat_i[2] == 1
+    if flat_i.numel() > 3:
+        assert flat_i[3] == V // 3 and flat_p[3] == 1.0
+
+
+def test_argmax_prob_rejects_bad_inputs():
+    for bad in (torch.zeros(()), torch.zeros(3, 0), torch.zeros(2, 4, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="argmax_prob needs logits"):
+            argmax_prob(bad)
+    with pytest.raises(ValueError):
+        argmax_prob(torch.zeros(2, 4), impl="cuda")
