@@ -35,7 +35,14 @@ from dspine import sampling as rng
 from dspine.config import target_layer_types
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample
-from dspine.sampling import SamplingParams, draft_distribution, logits_to_probs, nonfinite_error, sample
+from dspine.sampling import (
+    SamplingParams,
+    check_tree_draft_temperature,
+    draft_distribution,
+    logits_to_probs,
+    nonfinite_error,
+    sample,
+)
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetAdapter
 from dspine.tree import Tree, build_tree, node_uniforms, path_nodes, verify_tree
@@ -222,6 +229,7 @@ class ReferenceDecoder:
         prompt, bad params, a ``seeds`` list of the wrong length), FloatingPointError (non-finite logits).
         """
         params.validate()
+        check_tree_draft_temperature(params, self.verify == "tree" and self.draft is not None)
         check_prompts(prompts)
         t0 = time.perf_counter()
         dev = self.target.device

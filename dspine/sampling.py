@@ -29,6 +29,9 @@ from dspine.counter_hash import _GOLDEN, _M1, _M2, _mix64, _signed, _to_unit  # 
 STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT = 1, 2, 3
 
 
+MIN_TEMPERATURE = 1e-6  # smallest positive (draft) temperature: |logits| up to ~1e32 stay finite in fp32 after / T
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings. ``temperature == 0`` means greedy (top-p/top-k ignored); ``seed`` seeds the
@@ -42,8 +45,9 @@ class SamplingParams:
     that marginal keeps the drafted chain coherent (docs/method.md §5).
 
     Raises ValueError (from :meth:`validate`) on a negative or non-finite temperature or draft
-    temperature, a draft temperature with ``temperature == 0``, ``top_p`` outside (0, 1], a negative
-    ``top_k`` or ``max_new_tokens < 1``."""
+    temperature, one in (0, ``MIN_TEMPERATURE``) (logits / T would overflow fp32: use 0), a draft
+    temperature > 0 with ``temperature == 0``, ``top_p`` outside (0, 1], a negative ``top_k`` or
+    ``max_new_tokens < 1``."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -55,10 +59,16 @@ class SamplingParams:
     def validate(self) -> SamplingParams:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature={self.temperature} must be a finite number >= 0")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature} must be 0 (greedy) or >= {MIN_TEMPERATURE:g} "
+                             "(logits / T overflow fp32 below that)")
         if self.draft_temperature is not None:
             if not (math.isfinite(self.draft_temperature) and self.draft_temperature >= 0):
                 raise ValueError(f"draft_temperature={self.draft_temperature} must be a finite number >= 0")
-            if self.temperature == 0:
+            if 0 < self.draft_temperature < MIN_TEMPERATURE:
+                raise ValueError(f"draft_temperature={self.draft_temperature} must be 0 (the draft's argmax) or >= "
+                                 f"{MIN_TEMPERATURE:g} (logits / T overflow fp32 below that)")
+            if self.temperature == 0 and self.draft_temperature != 0:
                 raise ValueError(f"draft_temperature={self.draft_temperature} is for sampling (temperature > 0); "
                                  "greedy decoding drafts the draft's argmax")
         if not 0 < self.top_p <= 1:
@@ -72,6 +82,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_tree_draft_temperature(params: SamplingParams, tree: bool) -> None:
+    """Raise ValueError for tree verification with draft temperature 0: the tree is built from the draft's
+    distribution, one-hot at 0, so every node off the chain would be padding that the verify pays for."""
+    if tree and params.draft_temperature == 0 and not params.greedy:
+        raise ValueError("draft_temperature=0 with tree verification: the tree is built from the draft's distribution, "
+                         "one-hot at 0; use chain verification or a draft temperature > 0")
 
 
 def draft_distribution(logits: torch.Tensor, params: SamplingParams):
@@ -251,8 +269,9 @@ def nonfinite_error(who: str) -> FloatingPointError:
 
 
 DRAFT_TEMPERATURE_HELP = ("temperature the draft's tokens are sampled at (default: --temperature; 0: the draft's "
-                          "argmax), with the same top-k/top-p; lossless at any value, changes only the acceptance "
-                          "rate; sampling only")
+                          "argmax), with the same top-k/top-p; sampling only. The output still follows the target's "
+                          "distribution at --temperature (the text drawn for a seed may change); the acceptance "
+                          "rate changes. Not with --verify tree at 0 (the tree needs the draft's distribution)")
 
 
 def sampling_params(args):

@@ -514,7 +514,8 @@ def main(argv=None) -> int:
                 margin = m.get("ar_top2_margin")
                 print(f"  {r['task']}: differs from AR at output position {m['position']}"
                       + (f", target top-2 margin {margin:.4f} (tokens {m['ar_top2']})" if margin is not None else ""))
-    print(f"[{runner.backend}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}, concurrency "
+    dt = "" if args.draft_temperature is None else f", draft temperature {args.draft_temperature}"
+    print(f"[{runner.backend}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}{dt}, concurrency "
           f"{args.concurrency}, max_new_tokens {args.max_new_tokens}; tau counts the bonus token]")
     result = {**provenance(), "label": args.label, "backend": runner.backend, "args": vars(args),
               "interrupted": False, "tasks": rows, "summary": summary}

@@ -41,7 +41,14 @@ from dspine.ops.accept import accept_greedy, accept_sample, commit_step
 from dspine.ops.argmax_prob import argmax_prob
 from dspine.ops.lm_head import pick as pick_lm_head
 from dspine.reference import check_prompts, request_seeds
-from dspine.sampling import SamplingParams, draft_distribution, logits_to_probs, nonfinite_error, sample
+from dspine.sampling import (
+    SamplingParams,
+    check_tree_draft_temperature,
+    draft_distribution,
+    logits_to_probs,
+    nonfinite_error,
+    sample,
+)
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
 from dspine.tree import ancestor_bits, build_tree, node_uniforms, path_nodes, verify_tree
@@ -861,6 +868,10 @@ class Engine:
                 never a silent "τ = 1".
         """
         params.validate()
+        # (the planner's tree modes stay: at draft temperature 0 they cost more than the chain for its τ, and it
+        # stops choosing them)
+        check_tree_draft_temperature(params, use_draft and self.draft is not None and self.mode[0] == "tree"
+                                     and self.budget != "auto")
         self.slot_owner = None  # no request decoding until this call admits (a failed call may have left owners)
         if not prompts:
             raise ValueError("generate: no prompts")

@@ -141,6 +141,10 @@ def check_decode_args(args) -> None:
             raise ValueError(f"--tree-budget {args.tree_budget}: must be in 2..64")
         if args.block_size is not None:
             raise ValueError("--block-size applies to --verify chain (a tree's size is --tree-budget)")
+    if args.verify == "tree" and args.budget is None and getattr(args, "draft_temperature", None) == 0:
+        raise ValueError("--draft-temperature 0 with --verify tree: the tree is built from the draft's distribution, "
+                         "which is one-hot at 0 (every node off the chain would be padding); use --verify chain or a "
+                         "draft temperature > 0")
     if args.exact and (args.verify == "tree" or args.budget is not None):
         raise ValueError("--exact supports --verify chain without --budget")
     if args.no_chat_template and (args.system is not None or args.enable_thinking):
@@ -153,10 +157,12 @@ def check_decode_args(args) -> None:
 def refuse_draft_options(args, others: tuple[tuple[str, bool], ...] = ()) -> None:
     """Without a draft: refuse the options that act on the draft only (``others``: more (flag, given) pairs)."""
     given = (("--block-size", args.block_size is not None), ("--verify tree", args.verify == "tree"),
-             ("--budget auto", args.budget is not None), *others)
+             ("--budget auto", args.budget is not None),
+             ("--draft-temperature", getattr(args, "draft_temperature", None) is not None), *others)
     for flag, on in given:
         if on:
-            value = f" {args.block_size}" if flag == "--block-size" else ""
+            value = {"--block-size": f" {args.block_size}",
+                     "--draft-temperature": f" {getattr(args, 'draft_temperature', None)}"}.get(flag, "")
             raise ValueError(f"{flag}{value} needs a draft (without one the target decodes autoregressively)")
 
 

@@ -184,8 +184,11 @@ def arms_section() -> list[str]:
                 f"{t['note']}. Final in-trainer evals (eval loss / τ_sim / τ_real): "
                 + ", ".join(f"{k} {e['loss']:.3f} / {e['tau_sim']:.3f} / {e['tau_real']:.3f}" for k, e in sorted(last.items()))
                 + ". Wall clock per run side by side: " + ", ".join(f"{k} {v} s" for k, v in t["wall_s_per_run"].items())
-                + ".", ""]
-        out += table(var) + [f"Training: `{t['command']}`", ""]
+                + f" ({t['wall_note']}).", ""]
+        out += table(var) + [f"Training: `{t['command']}`; benchmarks: "
+                             + "; ".join(f"`{c}`" for c in var["bench_commands"].values()), ""]
+        out += [f"Per-position acceptance, T = {T}: ![accept_at_pos](results/smollm2-h200-variants-T{T}-c8.png)"
+                for T in (0, 1) if (RESULTS / f"smollm2-h200-variants-T{T}-c8.png").is_file()] + [""]
     if one:
         out += [f"Seed 0 of the recipe (the benchmark files of the 1,592-step drafts; {one['comparisons'][0]['gpu']}, "
                 f"commit `{str(one['comparisons'][0]['bench_commit'])[:10]}`; comparison at commit `{one['commit'][:10]}`, "
@@ -430,7 +433,8 @@ def verify_section() -> list[str]:
         sm = r["smollm2"]
         out += [f"Re-measured with the rewritten planner and the shipped draft: {r['gpu']}, {r['date'][:10]}, commit "
                 f"`{r['commit'][:10]}`, [`results/verify-planner-h200.json`](results/verify-planner-h200.json) "
-                f"({r.get('commit_note', 'no note')}). {sm['num_prompts']} prompts per task, {sm['max_new_tokens']} new tokens; tree "
+                f"({r.get('commit_note', 'no note')}). Planner points: {r['planner_commands'].get('note', '')}; "
+                f"chain against tree: {sm['num_prompts']} prompts per task, {sm['max_new_tokens']} new tokens, tree "
                 f"of {sm['tree_budget']} against the chain at T = 0, concurrency 1: τ {sm['chain_mean_tau']:.2f} → "
                 f"{sm['tree_mean_tau']:.2f} ({sm['tree_tau_over_chain_tau']:.2f}×), tok/s "
                 f"{sm['tree_speedup_over_chain']:.2f}× the chain's.", "",
@@ -624,24 +628,26 @@ def draft_temperature_section() -> list[str]:
     r = load("smollm2-draft-temperature-h200.json")
     if not r:
         return []
-    out = ["#### Draft temperature at T = 1 (`--draft-temperature`)", "",
+    st = r["settings"]
+    out = [f"#### Draft temperature at T = {st['temperature']:g} (`--draft-temperature`)", "",
            f"{r['device']}, {r['date'][:10]}, commit `{r['commit'][:10]}`, "
            "[`results/smollm2-draft-temperature-h200.json`](results/smollm2-draft-temperature-h200.json): the shipped "
-           "draft's tokens sampled at their own temperature (0: its argmax) while the target samples at T = 1, top_p 0.95, "
-           "top_k 20; lossless at any value (docs/method.md §5). Sweep at concurrency 8, 20 prompts per task, 512 new "
-           "tokens:", "", "| draft temperature | " + " | ".join(r["sweep_c8_20_prompts"][0]["tau_per_task"]) + " | mean τ [95% CI] |",
+           f"draft's tokens sampled at their own temperature (0: its argmax) while the target samples at T = {st['temperature']:g}, "
+           f"top_p {st['top_p']:g}, top_k {st['top_k']}; lossless at any value (docs/method.md §5). Sweep at concurrency "
+           f"{st['sweep_concurrency']}, {st['sweep_num_prompts']} prompts per task, {st['max_new_tokens']} new tokens:", "", "| draft temperature | " + " | ".join(r["sweep_c8_20_prompts"][0]["tau_per_task"]) + " | mean τ [95% CI] |",
            "|---|" + "---|" * (len(r["sweep_c8_20_prompts"][0]["tau_per_task"]) + 1)]
     for e in r["sweep_c8_20_prompts"]:
         lo, hi = e["mean_tau_ci95"]
         out.append(f"| {e['draft_temperature']:g} | " + " | ".join(f"{v:.2f}" for v in e["tau_per_task"].values())
                    + f" | {e['mean_tau']:.3f} [{lo:.3f}, {hi:.3f}] |")
     out += ["", "The best value with the AR baseline, against the default (the target's temperature) from the shipped-draft "
-            "tables:", "", "| concurrency | draft temperature | mean τ | speedup | default: mean τ | default: speedup |",
-            "|---|---|---|---|---|---|"]
+            "tables:", "", "| concurrency | prompts per task | draft temperature | mean τ | speedup | default: mean τ | "
+            "default: speedup |", "|---|---|---|---|---|---|---|"]
     for c, e in r["best_with_ar"].items():
-        out.append(f"| {c[1:]} | {e['draft_temperature']:g} | {e['mean_tau']:.3f} | {e['mean_speedup']:.2f}× | "
-                   f"{e['default_mean_tau']:.3f} | {e['default_mean_speedup']:.2f}× |")
-    out += ["", r["conclusion"], "", f"Command: `{r['command']}`", ""]
+        out.append(f"| {c[1:]} | {st['best_num_prompts'][c]} | {e['draft_temperature']:g} | {e['mean_tau']:.3f} | "
+                   f"{e['mean_speedup']:.2f}× | {e['default_mean_tau']:.3f} | {e['default_mean_speedup']:.2f}× |")
+    out += ["", r["conclusion"], "", f"Commands: `{r['command']}`; then "
+            + "; ".join(f"`{c}`" for c in r["best_commands"]), ""]
     return out
 
 

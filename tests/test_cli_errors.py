@@ -85,6 +85,8 @@ def test_generate_checks_arguments_and_paths_before_loading(stories_dir, tmp_pat
         (["--prompt", "hi", "--dtype", "fp8"], "--dtype 'fp8': choose auto, bf16 or fp32"),
         (["--prompt", "hi", "--draft", str(DRAFT), "--block-size", "32"], "--block-size 32 exceeds the draft's block size 16"),
         (["--prompt", "hi", "--draft", str(DRAFT)], "draft/target mismatch"),  # SmolLM2 draft vs stories260K
+        (["--prompt", "hi", "--draft", "none", "--temperature", "1", "--draft-temperature", "0.5"],
+         "--draft-temperature 0.5 needs a draft"),
     ]
     for extra, message in cases:
         _fast_error(generate.main, [*base, *extra], capsys, message)
@@ -109,6 +111,10 @@ def test_bench_checks_arguments_and_paths_before_loading(stories_dir, tmp_path, 
         (["--dtype", "fp16"], "--dtype 'fp16': choose auto, bf16 or fp32"),
         (["--temperature", "1", "--draft-temperature", "-1"], "--draft-temperature=-1.0 must be a finite number >= 0"),
         (["--draft-temperature", "0.5"], "--draft-temperature=0.5 is for sampling (temperature > 0)"),
+        (["--temperature", "1e-39"], "--temperature=1e-39 must be 0 (greedy) or >= 1e-06"),
+        (["--temperature", "1", "--draft-temperature", "0.5"], "--draft-temperature 0.5 needs a draft"),
+        (["--draft", str(stories_dir), "--temperature", "1", "--draft-temperature", "0", "--verify", "tree"],
+         "--draft-temperature 0 with --verify tree"),
     ]
     for extra, message in cases:
         _fast_error(bench.main, [*base, *extra], capsys, message)

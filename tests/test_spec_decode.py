@@ -172,9 +172,10 @@ def test_chain_rejection_at_a_draft_temperature_is_exact(draft_temperature):
         assert p_d[0, 0].max() > q1.max() + 0.05
 
 
-def test_draft_temperature_changes_acceptance_only(stories_dir):
-    """Reference decoder on stories260K with a random draft: another draft temperature gives another
-    (seeded, repeatable) sample, with the same length and consistent stats."""
+def test_draft_temperature_runs_are_seeded_and_consistent(stories_dir):
+    """Reference decoder on stories260K with a random draft: at every draft temperature a run is repeatable
+    for its seed, None means the target's temperature, lengths and stats are consistent; tree verification
+    refuses the argmax draft (its tree would be padding)."""
     target = load_target(str(stories_dir), dtype="fp32")
     draft = random_draft(target, block_size=8, mask=0)
     dec = ReferenceDecoder(target, draft, [2])
@@ -184,6 +185,10 @@ def test_draft_temperature_changes_acceptance_only(stories_dir):
     assert runs[0.0].token_ids == dec.generate([[1, 403]], dataclasses.replace(base, draft_temperature=0.0)).token_ids
     for r in runs.values():
         assert len(r.token_ids[0]) == 30 and abs(r.stats.tau - (1 + sum(r.stats.accept_at_pos))) < 1e-12
+    tree = ReferenceDecoder(target, draft, [2], verify="tree", tree_budget=8)
+    with pytest.raises(ValueError, match="draft_temperature=0 with tree verification"):
+        tree.generate([[1, 403]], dataclasses.replace(base, draft_temperature=0.0))
+    assert len(tree.generate([[1, 403]], dataclasses.replace(base, draft_temperature=0.5)).token_ids[0]) == 30
 
 
 def test_hash_sampler_samples_the_distribution():
@@ -229,6 +234,13 @@ def test_sampling_params_and_spec_errors():
         SamplingParams(temperature=1.0, draft_temperature=float("nan")).validate()
     with pytest.raises(ValueError, match="draft_temperature=0.5 is for sampling"):
         SamplingParams(temperature=0.0, draft_temperature=0.5).validate()
+    SamplingParams(temperature=0.0, draft_temperature=0.0).validate()  # greedy drafts the argmax anyway
+    for bad in (1e-39, 1e-7):  # logits / T overflows fp32 (tau 1, or NaN probabilities): refused, 0 is greedy
+        with pytest.raises(ValueError, match=f"temperature={bad} must be 0 \\(greedy\\) or >= 1e-06"):
+            SamplingParams(temperature=bad).validate()
+        with pytest.raises(ValueError, match=f"draft_temperature={bad} must be 0 \\(the draft's argmax\\) or >= 1e-06"):
+            SamplingParams(temperature=1.0, draft_temperature=bad).validate()
+    SamplingParams(temperature=1e-6, draft_temperature=1e-6).validate()
 
 
 def test_target_spec_reads_special_ids(stories_dir, tiny_qwen3_dir):
