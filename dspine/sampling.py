@@ -40,9 +40,10 @@ class SamplingParams:
     ``draft_temperature`` (T > 0 only; None = ``temperature``): the temperature the draft's tokens are
     sampled at, with the same top-k/top-p; 0 drafts the draft's argmax (q one-hot). The output still
     follows the target's distribution at ``temperature``: the rejection rule takes the q actually
-    sampled from (:func:`draft_distribution`), so only the acceptance rate changes. A block draft samples
-    every slot from its own marginal, independently of the tokens drafted before it; a draft sharper than
-    that marginal keeps the drafted chain coherent (docs/method.md §5).
+    sampled from (:func:`draft_distribution`); the acceptance rate changes, and so may the text drawn for
+    a given seed. A block draft samples every slot from its own marginal, independently of the tokens
+    drafted before it, so a sharper q might keep the drafted chain coherent (docs/method.md §5); on the
+    shipped SmolLM2 draft no value beat the default (results/smollm2-draft-temperature-h200.json).
 
     Raises ValueError (from :meth:`validate`) on a negative or non-finite temperature or draft
     temperature, one in (0, ``MIN_TEMPERATURE``) (logits / T would overflow fp32: use 0), a draft
