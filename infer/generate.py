@@ -5,8 +5,8 @@
 
 Without ``--draft`` it decodes autoregressively with the same backend. ``--json`` prints one object:
 ``num_tokens``, ``accept_len`` (τ, bonus token included), ``accept_at_pos``, ``accept_hist``,
-``verify_steps``, ``committed_tokens``, ``tok_per_s`` over the whole call, ``threads`` (torch's CPU
-threads), and per prompt ``text``, ``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and
+``verify_steps``, ``committed_tokens``, ``tok_per_s`` over the whole call, ``sampling`` (the decoding
+settings: temperature, top_p, top_k, max_new_tokens, seed, draft_temperature), ``threads`` (torch's CPU threads), and per prompt ``text``, ``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and
 steps — at the top level for one prompt, in ``batch`` (one entry per prompt, adding up to the top level)
 for several.
 Non-finite logits (NaN weights, fp16 overflow) end it with one ``error:`` line and exit status 2.
@@ -15,6 +15,7 @@ Non-finite logits (NaN weights, fp16 overflow) end it with one ``error:`` line a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -236,6 +237,7 @@ def run(args) -> dict:
     decode, eos = (_engine if backend == "cuda" else _reference)(args, params, path, gguf, draft_path, spec, prompts)
     res = decode(True)
     out = report(tokenizer, res, eos, backend)
+    out["sampling"] = dataclasses.asdict(params)  # temperature, top_p, top_k, max_new_tokens, seed, draft_temperature
     out["threads"] = args.threads
     if backend == "cuda":
         out["exact"] = bool(args.exact)
