@@ -178,7 +178,8 @@ def arms_section() -> list[str]:
     if var:
         t = var["train"]
         last = {k: v[-1] for k, v in t["evals"].items() if v}
-        out += [f"Injection variants, seed 0 ({var['comparisons'][0]['gpu']}, commit `{var['commit'][:10]}`, "
+        seeds = sorted({k for c in var["comparisons"] for k in c["seeds"]}, key=int)
+        out += [f"Injection variants, seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)} ({var['comparisons'][0]['gpu']}, commit `{var['commit'][:10]}`, "
                 "[`results/smollm2-variants-h200.json`](results/smollm2-variants-h200.json)): "
                 f"{t['what']}; {t['steps']} steps each on the same {t['data']['train_rows']:,} sampled answers. "
                 f"{t['note']}. Final in-trainer evals (eval loss / τ_sim / τ_real): "
