@@ -27,7 +27,6 @@ each variant over ``plain_ar_ms``. JSON: provenance, settings, ``flush_rows`` (F
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.bench_draft_step import random_setup  # noqa: E402
-from benchmarks.engine.bench_planner_loop import int_list, params_for, temp_list  # noqa: E402
+from benchmarks.engine.bench_planner_loop import int_list, params_for, temp_list, write  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
@@ -177,8 +176,7 @@ def main(argv=None) -> int:
         ap.error("--context, --iters and --reps must be >= 1, --warmup >= 0")
     res = run(args)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(res, indent=1))
+        write(res, args.output)
         print(f"wrote {args.output}")
     return 0
 

@@ -32,7 +32,6 @@ is rewritten after every point, so a run stopped part way keeps the points it fi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.bench_draft_step import random_setup  # noqa: E402
+from dspine.io import atomic_write_json  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
@@ -70,9 +70,11 @@ temp_list = _distinct_list(float, "temperatures", 0)  # --temperatures
 
 
 def write(res: dict, path: str | None) -> None:
+    """The record to ``path`` (none: nothing), through a temp file and a rename: rewritten after every point,
+    a run killed mid-write keeps the previous points."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(res, indent=1))
+        atomic_write_json(path, res, indent=1, allow_nan=True)
 
 
 def params_for(temperature: float, new: int) -> SamplingParams:
