@@ -193,6 +193,47 @@ def test_zero_gate_injection_is_exactly_dflash(dflash_dir, tmp_path):
         assert torch.equal(again.forward_train(emb, feats, anchors), spine.forward_train(emb, feats, anchors))
 
 
+def test_warm_start_across_injection_modes(tmp_path, caplog):
+    """residual -> kv: shared tensors copied, the residual's injection left out, kv's k/v_proj zero;
+    kv -> residual: zero gates, so the result equals the kv source's weights without injection (DFlash)."""
+    res = _spine("residual")
+    with torch.no_grad():
+        for layer in res.layers:
+            layer.adjacent.gate.normal_()
+    save_draft(res, tmp_path / "res")
+    kv = _spine("kv")
+    with caplog.at_level("WARNING", logger="dspine.checkpoint"):
+        kept = warm_start(kv, tmp_path / "res")
+    n_res_inj = sum(".adjacent." in k for k in res.state_dict())
+    assert f"its {n_res_inj} injection tensors are not loaded" in caplog.text
+    assert sorted(kept) == sorted(k for k in kv.state_dict() if ".adjacent." in k)
+    src = res.state_dict()
+    for k, v in kv.state_dict().items():
+        if ".adjacent." not in k:
+            assert torch.equal(v, src[k]), k
+    for layer in kv.layers:
+        assert torch.count_nonzero(layer.adjacent.v_proj.weight) == 0
+        assert torch.count_nonzero(layer.adjacent.k_proj.weight) == 0
+        assert torch.count_nonzero(layer.adjacent.norm.weight - 1) == 0  # the model's own init
+    # kv -> residual and kv -> DFlash: the same function (zero gates)
+    with torch.no_grad():
+        for layer in kv.layers:
+            layer.adjacent.v_proj.weight.normal_()
+            layer.adjacent.k_proj.weight.normal_()
+    save_draft(kv, tmp_path / "kv")
+    back, plain = _spine("residual"), _spine("none")
+    warm_start(back, tmp_path / "kv")
+    warm_start(plain, tmp_path / "kv")
+    g = torch.Generator().manual_seed(5)
+    feats, emb = torch.randn(1, 30, K_LAYERS * H, generator=g), torch.randn(1, 2 * BS, H, generator=g)
+    anchors = torch.tensor([[4, 20]])
+    with torch.no_grad():
+        out_back, out_plain = back.forward_train(emb, feats, anchors), plain.forward_train(emb, feats, anchors)
+        out_kv = kv.forward_train(emb, feats, anchors)
+    assert torch.equal(out_back, out_plain)
+    assert (out_kv - out_plain).abs().max() > 1e-3  # the kv source's own injection did act
+
+
 def test_injection_shift_stays_inside_blocks_and_never_looks_ahead():
     from dspine.model import AdjacentInjection
 
