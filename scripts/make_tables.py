@@ -32,7 +32,8 @@ def fmt(x, nd=2):
 
 def smollm2_section() -> list[str]:
     runs = sorted((p for p in RESULTS.glob("smollm2*-T*-c*.json")  # the arms' files: arms_section
-                   if not p.stem.endswith("-divergence") and "-arms-" not in p.stem and "-variants-" not in p.stem),
+                   if not p.stem.endswith("-divergence")
+                   and not any(x in p.stem for x in ("-arms-", "-variants-", "-kv2seeds-", "-kvcont-"))),
                   key=lambda p: ("-cpu-" in p.name, "-shipped-" not in p.name, p.name))  # shipped draft, GPU, CPU
     if not runs:
         return []
@@ -140,10 +141,11 @@ def recipe_section() -> list[str]:
 def arms_section() -> list[str]:
     """DSpine against DFlash, paired per prompt (scripts/smollm2/compare_arms.py): the two-seed run
     (smollm2-arms2-h200.json, drafts trained for the comparison) and the recipe's seed 0 (smollm2-arms-h200.json)."""
-    two, one, var = load("smollm2-arms2-h200.json"), load("smollm2-arms-h200.json"), load("smollm2-variants-h200.json")
-    if not (two or one or var):
+    two, one = load("smollm2-arms2-h200.json"), load("smollm2-arms-h200.json")
+    variants = [(tag, v) for tag in ("kv2seeds", "variants") if (v := load(f"smollm2-{tag}-h200.json"))]
+    if not (two or one or variants):
         return []
-    r = two or one or var
+    r = two or one or variants[0][1]
     out = ["#### DSpine against DFlash, paired by prompt", "",
            "`scripts/smollm2/compare_arms.py`: both drafts decoded the same prompts in one run, so prompts are "
            "resampled in pairs (within each task) and the spread both drafts share cancels; the mean of seeds "
@@ -175,12 +177,13 @@ def arms_section() -> list[str]:
                 "τ_sim_sample): " + ", ".join(f"{k} {e['tau_sim']:.3f} / {e['tau_sim_sample']:.3f}"
                                                for k, e in sorted(last.items())) + ".", ""]
         out += table(two) + [f"Training: `{t['command']}`", ""]
-    if var:
+    for tag, var in variants:
         t = var["train"]
         last = {k: v[-1] for k, v in t["evals"].items() if v}
-        seeds = sorted({k for c in var["comparisons"] for k in c["seeds"]}, key=int)
+        seeds = sorted({k for c in var["comparisons"] for g in [c, *c.get("variants", {}).values()] for k in g["seeds"]},
+                       key=int)
         out += [f"Injection variants, seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)} ({var['comparisons'][0]['gpu']}, commit `{var['commit'][:10]}`, "
-                "[`results/smollm2-variants-h200.json`](results/smollm2-variants-h200.json)): "
+                f"[`results/smollm2-{tag}-h200.json`](results/smollm2-{tag}-h200.json)): "
                 f"{t['what']}; {t['steps']} steps each on the same {t['data']['train_rows']:,} sampled answers. "
                 f"{t['note']}. Final in-trainer evals (eval loss / τ_sim / τ_real): "
                 + ", ".join(f"{k} {e['loss']:.3f} / {e['tau_sim']:.3f} / {e['tau_real']:.3f}" for k, e in sorted(last.items()))
@@ -188,8 +191,8 @@ def arms_section() -> list[str]:
                 + f" ({t['wall_note']}).", ""]
         out += table(var) + [f"Training: `{t['command']}`; benchmarks: "
                              + "; ".join(f"`{c}`" for c in var["bench_commands"].values()), ""]
-        out += [f"Per-position acceptance, T = {T}: ![accept_at_pos](results/smollm2-h200-variants-T{T}-c8.png)"
-                for T in (0, 1) if (RESULTS / f"smollm2-h200-variants-T{T}-c8.png").is_file()] + [""]
+        out += [f"Per-position acceptance, T = {T}: ![accept_at_pos](results/smollm2-h200-{tag}-T{T}-c8.png)"
+                for T in (0, 1) if (RESULTS / f"smollm2-h200-{tag}-T{T}-c8.png").is_file()] + [""]
     if one:
         out += [f"Seed 0 of the recipe (the benchmark files of the 1,592-step drafts; {one['comparisons'][0]['gpu']}, "
                 f"commit `{str(one['comparisons'][0]['bench_commit'])[:10]}`; comparison at commit `{one['commit'][:10]}`, "
@@ -545,6 +548,27 @@ def hybrid_section() -> list[str]:
     return out
 
 
+def kvcont_section() -> list[str]:
+    """The shipped draft warm-started into the kv injection (smollm2-kvcont-h200.json) and the bench order effect."""
+    k = load("smollm2-kvcont-h200.json")
+    if not k:
+        return []
+    b = k["bench"]
+    last = k["evals"][-1]
+    out = ["#### The shipped draft continued with the kv injection", "",
+           f"{k['gpu']}, {k['date'][:10]}, commit `{k['commit'][:10]}`, "
+           "[`results/smollm2-kvcont-h200.json`](results/smollm2-kvcont-h200.json): " + k["what"]
+           + f". Final in-trainer eval: loss {last['loss']:.3f}, τ_sim {last['tau_sim']:.3f}, τ_real {last['tau_real']:.3f}"
+           f" ({k['shipped_draft_in_trainer']}). Concurrency 8, 40 prompts per task, 512 new tokens:", "",
+           "| draft | mean τ, T = 0 | mean τ, T = 1 | speedup, T = 0 (shipped listed first) | speedup, T = 0 (kv listed first) |",
+           "|---|---|---|---|---|"]
+    for lab in b["T0_c8"]["mean_tau"]:
+        out.append(f"| {lab} | {b['T0_c8']['mean_tau'][lab]:.3f} | {b['T1_c8']['mean_tau'][lab]:.3f} | "
+                   f"{b['T0_c8']['mean_speedup'][lab]:.2f}× | {b['T0_c8_drafts_swapped']['mean_speedup'][lab]:.2f}× |")
+    out += ["", k["conclusion"][0].upper() + k["conclusion"][1:] + ".", "", f"Training: `{k['command']}`", ""]
+    return out
+
+
 def draft_step_section() -> list[str]:
     d = load("engine-smollm2-h200.json")
     if not d:
@@ -555,16 +579,23 @@ def draft_step_section() -> list[str]:
            f"{d['context']}-token context per row, whole speculative step (draft block + verify + accept + commit + "
            "context append) as one CUDA graph replay; DFlash and DSpine timed in the same run, alternating, "
            "warm-up rounds dropped, medians.", "",
-           "| shape | batch | DFlash step | DSpine step | ratio | draft alone: ratio |", "|---|---|---|---|---|---|"]
+           "| shape | batch | DFlash step | DSpine step | ratio | draft alone: ratio | DSpine-kv step | ratio | draft alone: ratio |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for shape, r in d["shapes"].items():
         for key in sorted(k for k in r if k.startswith("batch")):
             b = r[key]
             alone = f"{b['dspine_draft_over_dflash_draft']:.3f}" if "dspine_draft_over_dflash_draft" in b else ""
+            kv = (f"{b['dspine_kv_step_ms']:.3f} ms | {b['dspine_kv_step_over_dflash_step']:.3f} | "
+                  f"{b['dspine_kv_draft_over_dflash_draft']:.3f}") if "dspine_kv_step_ms" in b else "| |"
             out.append(f"| {shape} | {key[5:]} | {b['dflash_step_ms']:.3f} ms | {b['dspine_step_ms']:.3f} ms | "
-                       f"{b['dspine_step_over_dflash_step']:.3f} | {alone} |")
+                       f"{b['dspine_step_over_dflash_step']:.3f} | {alone} | {kv} |")
     ok = "met" if d["dspine_step_over_dflash_step"] <= 1.03 else "**missed**"
-    out += ["", f"Largest step ratio {d['dspine_step_over_dflash_step']:.3f} (target ≤ 1.03: {ok}). "
-            f"Command: `{d['command']}`", ""]
+    out += ["", f"Largest step ratio {d['dspine_step_over_dflash_step']:.3f} for the residual injection (target ≤ 1.03: {ok})"]
+    if "dspine_kv_step_over_dflash_step" in d:
+        kv = d["dspine_kv_step_over_dflash_step"]
+        out[-1] += f", {kv:.3f} for the kv injection ({'met' if kv <= 1.03 else '**missed**'})"
+    out[-1] += f". Command: `{d['command']}`"
+    out.append("")
     return out
 
 
@@ -738,7 +769,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 
 def render() -> str:
     lines = [BEGIN, ""]
-    for section in (smollm2_section, continue_section, recipe_section, arms_section, ab_loss_section, draft_temperature_section, training_section, stories_section,
+    for section in (smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section,
                     engine_section, draft_step_section, profile_section, lm_head_section, verify_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()

@@ -40,6 +40,7 @@ def test_bench_json_on_the_cpu(stories_dir, draft_dir, tmp_path, backend):
     res = json.loads(out.read_text())
     orders = [t["run_order"] for t in res["tasks"]]
     assert orders == [["AR", "A", "B"], ["A", "B", "AR"], ["B", "AR", "A"]]  # rotated per task
+    assert res["args"]["warmup"] == "start"  # auto: the per-task warm-up only on a CUDA device
     for t in res["tasks"]:
         for d in t["drafts"].values():
             assert d["tau"] == pytest.approx(1 + sum(d["accept_at_pos"]))
@@ -168,3 +169,39 @@ def test_generate_ctrl_c_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(generate, "run", interrupted)
     assert generate.main(["--prompt", "hi"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted: nothing generated was printed"
+
+
+def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_draft, monkeypatch):
+    """--warmup task: every configuration decodes the task twice, the first pass untimed, and the row
+    holds the second pass (same prompts, same tokens at T = 0); --warmup start: once."""
+    import argparse
+
+    from dspine.sampling import SamplingParams
+    from dspine.stats import AcceptStats
+
+    calls = []
+
+    class Runner:
+        drafts = {"D": str(stories_draft)}
+        planner_steps: dict = {}
+        tokenizer = type("T", (), {"decode": staticmethod(lambda ids, **kw: " ".join(map(str, ids)))})()
+        spec = type("S", (), {"eos_ids": {0}})()
+        verified_per_step = {"D": 4}
+        args = argparse.Namespace(num_prompts=2, data_dir=str(shared_path("data", "eval")), verify="chain",
+                                  exact=False)
+
+        def run(self, prompts, params, label):
+            calls.append(label)
+            secs = 10.0 if calls.count(label) == 1 else 1.0  # the first pass pays a one-time cost
+            stats = AcceptStats(4, [0, 2 * len(prompts), 0, 0, 0])  # two steps of one token per prompt
+            return [[5, 6, 7]] * len(prompts), stats, secs, [2] * len(prompts)
+
+    monkeypatch.setattr(bench, "encode", lambda runner, text, history=None: [1, 2, 3])
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    for warm, runs, secs in ((True, 2, 1.0), (False, 1, 10.0)):
+        calls.clear()
+        row = bench.run_task(Runner(), "gsm8k", params, do_ar=True, warmup=warm)
+        assert calls == [None, "D"] * runs
+        assert row["ar"]["seconds"] == row["drafts"]["D"]["seconds"] == secs
+        assert row["drafts"]["D"]["speedup"] == pytest.approx(1.0)
+        assert row["drafts"]["D"]["greedy_equal"] == 2

@@ -45,7 +45,10 @@
 #   by spaces import one train cache each), TRAIN_CACHES (one: train on the one cache in $WORK/tok-train, refusing
 #   several; all: on every finished cache there, as the trainer's train=a,b list sorted by folder name), DRAFT_INIT (warm start:
 #   each run starts from DRAFT_INIT/dspine or DRAFT_INIT/dflash through the trainer's draft_init),
-#   DSPINE_INIT / DFLASH_INIT (one arm's warm start, a draft folder: it wins over DRAFT_INIT), OVERWRITE
+#   DSPINE_INIT / DFLASH_INIT (one arm's warm start, a draft folder: it wins over DRAFT_INIT; a warm-started
+#   run keeps its draft's injection), DSPINE_INJECTION (kv: the DSpine arm's injection from scratch; residual
+#   before 2026-12-02: kv led DFlash by +8.4% / +6.4% at T = 0 / 1 over two seeds, residual by 0-2%,
+#   results/smollm2-kv2seeds-h200.json and results/smollm2-variants-h200.json), OVERWRITE
 #   (summary: replace existing files under RESULTS; without it summary refuses), SAMPLE_SEED0 (0: the
 #   sampled jobs use seeds SAMPLE_SEED0+1 .. SAMPLE_SEED0+SAMPLES, so a later lease with SAMPLE_SEED0=3
 #   draws answers the earlier one did not), GREEDY (1; 0 skips the greedy train job, which would repeat
@@ -85,6 +88,8 @@ done
 for arm in ${ARMS:-dspine dflash}; do
   [[ " dspine dflash " == *" $arm "* ]] || { echo "error: ARMS='${ARMS:-}': unknown draft '$arm' (dspine, dflash)" >&2; exit 2; }
 done
+DSPINE_INJECTION=${DSPINE_INJECTION:-kv}
+[[ " kv residual " == *" $DSPINE_INJECTION "* ]] || { echo "error: DSPINE_INJECTION='$DSPINE_INJECTION': give kv or residual" >&2; exit 2; }
 arms_set=${ARMS-x}
 [ -n "${arms_set//[[:space:]]/}" ] || { echo "error: ARMS is empty: give dspine, dflash or both" >&2; exit 2; }
 # integers in decimal without a leading zero (bash arithmetic reads 08 as bad octal, 010 as 8) and at most 9 digits
@@ -269,17 +274,20 @@ init_arg() {  # init_arg NAME: the trainer's draft_init for arm NAME (DSPINE_INI
   if [ -n "${!var:-}" ]; then echo "draft_init=${!var}"; elif [ -n "${DRAFT_INIT:-}" ]; then echo "draft_init=$DRAFT_INIT/$1"; fi
 }
 train_cmd() {  # train_cmd NAME INJECTION SEED [OVERRIDES]: OVERRIDES (a VARIANTS arm's) come last and win
+  local init inj
+  init=$(init_arg "${1/calib/dspine}")
+  inj="injection=$2"; [ -n "$init" ] && inj=""  # a warm start keeps its draft's injection (draft_init's config)
   echo "accelerate launch --num_processes 1 --num_machines 1 --dynamo_backend no" \
        "train/distill.py --config configs/smollm2-135m-dspine.yaml target=$TARGET train=$TRAIN_CACHE eval=$EVAL_CACHE" \
-       "injection=$2 seed=$3 output_dir=$WORK/train-$1-s$3 max_steps=$STEPS save_every=$((STEPS / 8))" \
-       "eval_every=$((STEPS / 4)) keep_last=0 $(init_arg "${1/calib/dspine}") ${TRAIN_OVERRIDES:-} ${4:-}" \
+       "$inj seed=$3 output_dir=$WORK/train-$1-s$3 max_steps=$STEPS save_every=$((STEPS / 8))" \
+       "eval_every=$((STEPS / 4)) keep_last=0 $init ${TRAIN_OVERRIDES:-} ${4:-}" \
        "> $WORK/logs/train-$1-s$3.log 2>&1"
 }
 if has train && [ -z "${STEPS_SET:-}" ] && [ -n "${TRAIN_MINUTES:-}" ]; then
   # calibrate: 30 steps of the DSpine run (the first 10 hold compilation), then STEPS = budget / step time
   calib() {
     local cmd
-    cmd=$(STEPS=1000 train_cmd calib residual 0 | sed "s|max_steps=1000|max_steps=1000 stop_after_steps=30 log_every=10 eval=null save_every=0|")
+    cmd=$(STEPS=1000 train_cmd calib "$DSPINE_INJECTION" 0 | sed "s|max_steps=1000|max_steps=1000 stop_after_steps=30 log_every=10 eval=null save_every=0|")
     CUDA_VISIBLE_DEVICES=0 bash -c "$cmd"
   }
   timed calibrate calib
@@ -300,7 +308,7 @@ if has train; then
   rm -f "$WORK"/train.gpu*
   i=0
   for seed in $SEEDS; do
-    for pair in dspine:residual dflash:none; do
+    for pair in "dspine:$DSPINE_INJECTION" dflash:none; do
       name=${pair%%:*}; inj=${pair##*:}
       arm "$name" || continue
       # queue i % (NGPU·TRAIN_PAR): TRAIN_PAR queues side by side on each GPU, further runs one after the other
