@@ -195,6 +195,9 @@ class AdjacentInjection(nn.Module):
             kvd = config.num_key_value_heads * config.head_dim
             self.k_proj = nn.Linear(H, kvd, bias=False)
             self.v_proj = nn.Linear(H, kvd, bias=False)
+            # inference (fuse_weights): the layer's q/k/v and this k/v over one unit-weight RMSNorm of h
+            self.register_buffer("qkvkv_weight", None, persistent=False)
+            self.register_buffer("unit_weight", None, persistent=False)
 
     @staticmethod
     def previous(h: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -264,11 +267,29 @@ class DraftLayer(nn.Module):
         at Qwen3-8B shape (H200, bf16, N = 16, full rank): ≈ 3 µs + 33.5 MB / 4.2 TB/s ≈ 11 µs per
         layer, ≈ 55 µs for 5 layers, ≈ 0.9% of the 6.5 ms speculative step (results/engine-h200.json);
         SmolLM2 (H = 576, rank 128 folded): ≈ 6 µs per layer, 3 layers ≈ 2% of a ≈ 1 ms step.
-        With the kv injection the extra K/V are written by one ``qk_norm_rope_cache``."""
+        With the kv injection and fused weights (:meth:`DSpineDraftModel.fuse_weights`), both norms of h
+        (``input_layernorm`` and the injection's) are one unit-weight RMSNorm ``u = h / rms(h)`` whose
+        weights are folded into one GEMM: ``[q; k; v; k'; v'] = u · [W_qkv·diag(w_in); W_kv'·diag(w_adj)]ᵀ``
+        (equal in exact arithmetic: ``W (u ⊙ w) = (W diag(w)) u``). Row s's ``k'/v'`` is slot s+1's
+        extra key/value, written at position s by one ``qk_norm_rope_cache`` into slot s+1 of a scratch
+        of bs+1 slots (slot 0's extra key is masked). Over a DFlash layer that costs one launch and
+        4·Hkv·D more GEMM columns (unfused: a shifted norm, two GEMMs, a concatenation and the write)."""
         at, eps, bs = self.self_attn, self.input_layernorm.eps, ctx.block_size
         B, N = h.shape[0] // bs, h.shape[0]
         Hq, Hkv, D = at.num_heads, at.num_kv_heads, at.head_dim
         k_extra = v_extra = gate = None
+        adj = self.adjacent
+        if adj is not None and adj.mode == "kv" and adj.qkvkv_weight is not None:
+            if delta is None:
+                u = rms_norm(h, adj.unit_weight, eps, impl=impl)
+            else:
+                u, h = rms_norm(delta, adj.unit_weight, eps, residual=h, impl=impl)
+            q, k, v, k2, v2 = F.linear(u, adj.qkvkv_weight).split([Hq * D] + [Hkv * D] * 4, dim=-1)
+            kx, vx = ctx.scratch(B, Hkv, D, h.dtype, extra_slot=True)
+            qk_norm_rope_cache(None, k2.reshape(N, Hkv, D), v2.reshape(N, Hkv, D), None, at.k_norm.weight, eps,
+                               ctx.cos, ctx.sin, ctx.positions, kx, vx, ctx.rows, ctx.slots + 1, impl=impl)
+            k_extra, v_extra = kx[:, :, :bs].transpose(1, 2), vx[:, :, :bs].transpose(1, 2)
+            return self._attend_mlp(h, q, k, v, k_ctx, v_ctx, ctx, k_extra, v_extra, impl)
         if self.adjacent is not None:
             adj = self.adjacent
             prev, h = shift_rms_norm(h if delta is None else delta, adj.norm.weight, eps, bs,
@@ -290,6 +311,14 @@ class DraftLayer(nn.Module):
         else:
             x, h = rms_norm(delta, w, eps, residual=h, scale=gate, impl=impl)
         q, k, v = at.project(x).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        return self._attend_mlp(h, q, k, v, k_ctx, v_ctx, ctx, k_extra, v_extra, impl)
+
+    def _attend_mlp(self, h, q, k, v, k_ctx, v_ctx, ctx: BlockContext, k_extra, v_extra, impl: str):
+        """The rest of :meth:`block_step` after the q/k/v projection (rows ``[N, ·]``): RoPE + q/k norms,
+        block attention over context, block (and extra) keys, o_proj, residual add, MLP."""
+        at, eps, bs = self.self_attn, self.input_layernorm.eps, ctx.block_size
+        B, N = h.shape[0] // bs, h.shape[0]
+        Hq, Hkv, D = at.num_heads, at.num_kv_heads, at.head_dim
         k_blk, v_blk = ctx.scratch(B, Hkv, D, h.dtype)
         q = qk_norm_rope_cache(q.reshape(N, Hq, D), k.reshape(N, Hkv, D), v.reshape(N, Hkv, D), at.q_norm.weight,
                                at.k_norm.weight, eps, ctx.cos, ctx.sin, ctx.positions, k_blk, v_blk, ctx.rows,
@@ -317,9 +346,10 @@ class BlockContext:
     window: int | None  # sliding_window of sliding layers
     causal: bool  # block_attention == "causal"
 
-    def scratch(self, B: int, Hkv: int, D: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two ``[B, Hkv, bs, D]`` buffers for the block's own keys/values (never kept)."""
-        shape = (B, Hkv, self.block_size, D)
+    def scratch(self, B: int, Hkv: int, D: int, dtype, extra_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ``[B, Hkv, bs, D]`` buffers for the block's own keys/values (never kept); ``extra_slot``:
+        ``[B, Hkv, bs + 1, D]`` (the fused kv injection writes row s at slot s + 1)."""
+        shape = (B, Hkv, self.block_size + int(extra_slot), D)
         dev = self.positions.device
         return torch.empty(shape, device=dev, dtype=dtype), torch.empty(shape, device=dev, dtype=dtype)
 
@@ -570,6 +600,19 @@ class DSpineDraftModel(PreTrainedModel):
             if at.qkv_weight is None or at.q_proj.weight.data_ptr() != at.qkv_weight.data_ptr():
                 fuse(at, "qkv_weight", [at.q_proj, at.k_proj, at.v_proj])  # not fused, or moved apart by .to()
                 fuse(mlp, "gate_up_weight", [mlp.gate_proj, mlp.up_proj])
+            if adj is not None and adj.mode == "kv":  # norms folded into one GEMM (DraftLayer.block_step)
+                w_in, w_adj = layer.input_layernorm.weight.float(), adj.norm.weight.float()
+                folded = torch.cat([at.qkv_weight.float() * w_in, torch.cat([adj.k_proj.weight, adj.v_proj.weight]).float()
+                                    * w_adj]).to(at.qkv_weight.dtype)
+                unit = torch.ones_like(layer.input_layernorm.weight)
+                for name, value in (("qkvkv_weight", folded), ("unit_weight", unit)):
+                    old = getattr(adj, name)
+                    if old is not None and old.device == value.device and old.dtype == value.dtype and \
+                            old.shape == value.shape:
+                        with torch.inference_mode(torch.is_inference(old)):
+                            old.copy_(value)  # in place: current values at the same address
+                    else:
+                        setattr(adj, name, value)
             if adj is not None and adj.mode == "residual" and isinstance(adj.proj, LowRank):
                 up, down = adj.proj.up.weight, adj.proj.down.weight  # [H, r], [r, H]
                 if up.shape[0] ** 2 <= 2 * up.numel() + (1 << 22):

@@ -162,6 +162,19 @@ def test_fuse_weights_keeps_the_checkpoint_layout(injection, rank):
     at = model.layers[0].self_attn
     assert at.q_proj.weight.data_ptr() == at.qkv_weight.data_ptr()  # a view: no second copy
     adj = model.layers[0].adjacent
+    if injection == "kv":  # both norms folded into one [q; k; v; k'; v'] weight that follows new weights in place
+        layer = model.layers[0]
+
+        def want():
+            return torch.cat([at.qkv_weight * layer.input_layernorm.weight,
+                              torch.cat([adj.k_proj.weight, adj.v_proj.weight]) * adj.norm.weight])
+
+        assert torch.allclose(adj.qkvkv_weight, want()) and torch.equal(adj.unit_weight, torch.ones(H))
+        with torch.no_grad():
+            adj.k_proj.weight.mul_(2)
+            layer.input_layernorm.weight.add_(1)
+        model.fuse_weights()
+        assert adj.qkvkv_weight.data_ptr() in fused and torch.allclose(adj.qkvkv_weight, want())
     if rank:  # the folded low-rank injection follows new weights, at the same address
         with torch.no_grad():
             adj.proj.up.weight.mul_(2)

@@ -246,3 +246,25 @@ def test_engine_batched_refill_keeps_outputs(stories_dir, stories, refill):
     for spec in (False, True):
         got = eng.generate(prompts, params, concurrency=5, use_draft=spec, refill=refill)
         assert got.token_ids == want, (refill, spec)
+
+
+def test_engine_kv_draft_fused_path_decodes_like_the_reference(stories_dir, tmp_path):
+    """A kv-injection draft in the engine runs the fused path (both norms folded into one GEMM,
+    DraftLayer.block_step); in fp32 its greedy output is the target's and every prompt's acceptance
+    histogram equals the reference decoder's, which runs the unfused layer. (An untrained draft commits
+    about one token a step: the draft logits themselves are compared in tests/test_draft_parity.py.)"""
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = random_draft(target, block_size=8, mask=0, injection="kv")
+    with torch.no_grad():  # non-trivial norms: a wrong fold would change the draft's proposals
+        for layer in draft.layers:
+            layer.input_layernorm.weight.mul_(1 + 0.3 * torch.randn_like(layer.input_layernorm.weight))
+            layer.adjacent.norm.weight.mul_(1 + 0.3 * torch.randn_like(layer.adjacent.norm.weight))
+    folder = save_draft(draft, tmp_path / "kv")
+    eng = _engine(stories_dir, folder)
+    assert all(layer.adjacent.qkvkv_weight is not None for layer in eng.draft.layers)
+    params = SamplingParams(max_new_tokens=24)
+    got = eng.generate(PROMPTS, params, concurrency=3)
+    ref = ReferenceDecoder(target, draft, [2], verify_size=8).generate(PROMPTS, params)
+    ar = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params)
+    assert got.token_ids == ref.token_ids == ar.token_ids
+    assert [s.hist for s in got.prompt_stats] == [s.hist for s in ref.prompt_stats]
