@@ -32,6 +32,7 @@ from dspine.sampling import DRAFT_TEMPERATURE_HELP, SamplingParams
 from dspine.stats import AcceptStats
 
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
+PROFILE_KEYS = ("prefill_s", "launch_s", "wait_s", "host_s")  # Engine.loop_profile, summed per task in the JSON
 
 
 def parse_drafts(values: list[str] | None) -> dict[str, str]:
@@ -142,6 +143,9 @@ class Runner:
         return float(top.values[0] - top.values[1]), top.indices.tolist()
 
     def run(self, prompts: list[list[int]], params: SamplingParams, label: str | None):
+        """Decode ``prompts`` with configuration ``label`` (None: AR) -> (tokens, stats, seconds, verify steps
+        per prompt, profile): on the engine ``profile`` holds the call's seconds in prefill and in the
+        decode loop's launches, device waits and host work (``Engine.loop_profile``); {} otherwise."""
         dec = self.decoders[label]
         if self.backend == "cuda":
             dec.target.layer_ids, dec.target.last_layer_features = self._layer_ids[label] if label else ([], "post_norm")
@@ -150,7 +154,8 @@ class Runner:
                 for mode, e in dec.planner_report.items():
                     tot = self.planner_steps.setdefault(label, {}).setdefault(mode, {"steps": 0})
                     tot.update(step_ms=e["step_ms"], measured_ms=e["measured_ms"], steps=tot["steps"] + e["steps"])
-            return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt)
+            prof = {k: dec.loop_profile.get(k, 0.0) for k in PROFILE_KEYS}
+            return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt), prof
         if label is not None:
             dec.target.set_layer_ids(dec.draft.config.target_layer_ids, dec.draft.config.last_layer_features)
         tokens, stats, secs, steps = [], None, 0.0, []
@@ -160,7 +165,7 @@ class Runner:
             stats = r.stats if stats is None else stats.merge(r.stats)
             secs += r.elapsed_s
             steps += list(r.steps_per_prompt)
-        return tokens, stats, secs, steps
+        return tokens, stats, secs, steps, {}
 
 
 def encode(runner: Runner, text: str, history=None) -> list[int]:
@@ -215,14 +220,15 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
 
     def decode(label):
         """Every turn of every prompt with configuration ``label``: (prompts, tokens, stats, seconds,
-        tokens counted, committed per prompt, verify steps per prompt)."""
+        tokens counted, committed per prompt, verify steps per prompt, profile summed over the turns)."""
         histories = [[] for _ in items]
-        all_tokens, all_prompts, stats, secs, n_tok = [], [], None, 0.0, 0
+        all_tokens, all_prompts, stats, secs, n_tok, prof = [], [], None, 0.0, 0, {}
         per_committed, per_steps = [0] * len(items), [0] * len(items)
         for turn in range(max(len(x.turns) for x in items)):
             idx = [i for i, x in enumerate(items) if turn < len(x.turns)]
             prompts = [encode(runner, items[i].turns[turn], histories[i]) for i in idx]
-            tokens, st, s, steps = runner.run(prompts, params, label)
+            tokens, st, s, steps, p = runner.run(prompts, params, label)
+            prof = {k: prof.get(k, 0.0) + v for k, v in p.items()}
             for i, toks, n_steps in zip(idx, tokens, steps):
                 text = runner.tokenizer.decode([t for t in toks if t not in runner.spec.eos_ids], skip_special_tokens=True)
                 histories[i] += [{"role": "user", "content": items[i].turns[turn]}, {"role": "assistant", "content": text}]
@@ -233,15 +239,23 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
             stats = st if stats is None else stats.merge(st)
             secs += s
             n_tok += sum(len(t) for t in tokens)
-        return all_prompts, all_tokens, stats, secs, n_tok, per_committed, per_steps
+        return all_prompts, all_tokens, stats, secs, n_tok, per_committed, per_steps, prof
 
+    warm: dict = {}  # label -> (seconds, profile) of the untimed pass
     if warmup:
         for label in labels:
-            decode(label)
+            r = decode(label)
+            warm[label] = (r[3], r[7])
             runner.planner_steps.pop(label, None)  # the planner's choices of the timed pass only
     for label in labels:
-        all_prompts, all_tokens, stats, secs, n_tok, per_committed, per_steps = decode(label)
+        all_prompts, all_tokens, stats, secs, n_tok, per_committed, per_steps, prof = decode(label)
         row = {"tok_per_s": n_tok / secs, "num_tokens": n_tok, "seconds": secs, **stats.to_dict()}
+        if prof:
+            row["profile"] = prof
+        if label in warm:  # what the one-time costs were: the untimed pass against the timed one
+            row["warmup_seconds"] = warm[label][0]
+            if warm[label][1]:
+                row["warmup_profile"] = warm[label][1]
         if label is not None:
             row["tau_ci95"] = bootstrap_ci(per_committed, per_steps)
             row["verify"], row["verified_tokens_per_step"] = runner.args.verify, runner.verified_per_step[label]

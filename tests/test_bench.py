@@ -49,6 +49,11 @@ def test_bench_json_on_the_cpu(stories_dir, draft_dir, tmp_path, backend):
             lo, hi = d["tau_ci95"]
             assert lo <= d["tau"] + 1e-9 and d["tau"] <= hi + 1e-9
             assert d["greedy_equal"] == d["greedy_compared"] == 2  # fp32: lossless
+            if backend == "cuda":  # the engine's time split: prefill and the decode loop
+                assert set(d["profile"]) == set(bench.PROFILE_KEYS) and d["profile"]["prefill_s"] > 0
+                assert sum(d["profile"].values()) <= d["seconds"] + 1e-6
+            else:
+                assert "profile" not in d
     for label in ("A", "B"):
         s = res["summary"][label]
         lo, hi = s["mean_tau_ci95"]
@@ -194,7 +199,7 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
             calls.append(label)
             secs = 10.0 if calls.count(label) == 1 else 1.0  # the first pass pays a one-time cost
             stats = AcceptStats(4, [0, 2 * len(prompts), 0, 0, 0])  # two steps of one token per prompt
-            return [[5, 6, 7]] * len(prompts), stats, secs, [2] * len(prompts)
+            return [[5, 6, 7]] * len(prompts), stats, secs, [2] * len(prompts), {"prefill_s": secs / 2}
 
     monkeypatch.setattr(bench, "encode", lambda runner, text, history=None: [1, 2, 3])
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -203,5 +208,11 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
         row = bench.run_task(Runner(), "gsm8k", params, do_ar=True, warmup=warm)
         assert calls == [None, "D"] * runs
         assert row["ar"]["seconds"] == row["drafts"]["D"]["seconds"] == secs
+        assert row["drafts"]["D"]["profile"] == {"prefill_s": secs / 2}
+        if warm:  # the untimed pass is recorded beside the timed one
+            assert row["ar"]["warmup_seconds"] == row["drafts"]["D"]["warmup_seconds"] == 10.0
+            assert row["drafts"]["D"]["warmup_profile"] == {"prefill_s": 5.0}
+        else:
+            assert "warmup_seconds" not in row["ar"]
         assert row["drafts"]["D"]["speedup"] == pytest.approx(1.0)
         assert row["drafts"]["D"]["greedy_equal"] == 2
