@@ -234,11 +234,19 @@ def warm_start(model: DSpineDraftModel, source_dir: str | Path) -> list[str]:
     tensors are left out (their names are logged). Returns the keys that kept their init.
 
     Raises:
-        ValueError: any other missing/unexpected tensor or a shape mismatch (the message names the folder).
+        ValueError: the same injection mode with another ``injection_rank`` / ``injection_layers`` (named),
+            any other missing/unexpected tensor or a shape mismatch (the message names the folder).
     """
     folder = resolve_checkpoint(str(source_dir))
     state = read_state_dict(folder)
-    src_mode = load_config(folder).injection
+    src = load_config(folder)
+    src_mode, own = src.injection, model.config
+    if src_mode == own.injection != "none":  # the same mode: its tensors load, so their shapes must agree
+        diff = [f"{k} {getattr(src, k)!r} in the source, {getattr(own, k)!r} in the model"
+                for k in (("injection_rank",) if src_mode == "residual" else ()) + ("injection_layers",)
+                if getattr(src, k) != getattr(own, k)]
+        if diff:
+            raise ValueError(f"{folder}: {'; '.join(diff)} (set them to the source's, or train from scratch)")
     if src_mode not in ("none", model.config.injection):
         dropped = sorted(k for k in state if ".adjacent." in k)
         state = {k: v for k, v in state.items() if k not in dropped}

@@ -98,7 +98,7 @@ class Runner:
 
             dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
             layer_ids = sorted({i for m in models.values() for i in m.config.target_layer_ids})
-            impl = "triton" if args.device == "cuda" else "torch"
+            impl = "triton" if torch.device(args.device).type == "cuda" else "torch"
             target = EngineTarget.from_pretrained(path, gguf, device=args.device, dtype=dtype, layer_ids=layer_ids,
                                                   impl=impl)
             kw = dict(max_batch=args.concurrency, max_seq=max_seq, max_new_cap=args.max_new_tokens, exact=args.exact)
@@ -469,6 +469,12 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     if args.device is not None and args.backend != "cuda":
         raise ValueError(f"--device {args.device} places the engine: give --backend cuda with it")
     args.device = args.device or "cuda"
+    try:
+        device_type = torch.device(args.device).type
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r}: not a torch device (cuda, cuda:N or cpu)") from None
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"--device {args.device!r}: the engine runs on cuda or cpu")
     if args.budget == "auto" and args.backend == "reference":
         raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
     if args.exact and args.backend == "reference":
@@ -496,7 +502,7 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
             raise ValueError(f"{flag} {path}: cannot create it under {parent} (not a writable folder)")
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder")
-    if args.backend == "cuda" and args.device == "cuda" and not torch.cuda.is_available():
+    if args.backend == "cuda" and device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
     return tasks, params
 
@@ -519,8 +525,12 @@ def main(argv=None) -> int:
         wp = dataclasses.replace(params, max_new_tokens=min(32, args.max_new_tokens))
         for label in [None, *runner.drafts]:
             runner.run(warm, wp, label)
+        runner.planner_steps.clear()  # the planner's choices of the timed runs only
+        if runner.backend != "cuda":
+            args.device = None  # the reference backend runs where the target loads (the CPU)
         if args.warmup == "auto":
-            args.warmup = "task" if runner.backend == "cuda" and (args.device or "cuda") == "cuda" else "start"
+            on_gpu = runner.backend == "cuda" and torch.device(args.device).type == "cuda"
+            args.warmup = "task" if on_gpu else "start"
         for i, t in enumerate(tqdm(tasks, desc="tasks", unit="task")):
             rows.append(run_task(runner, t, params, do_ar=not args.no_ar, order_shift=i, warmup=args.warmup == "task"))
     except (ValueError, OSError, RuntimeError, FloatingPointError) as e:  # OSError: an unreachable Hub id, files

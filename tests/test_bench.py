@@ -41,6 +41,7 @@ def test_bench_json_on_the_cpu(stories_dir, draft_dir, tmp_path, backend):
     orders = [t["run_order"] for t in res["tasks"]]
     assert orders == [["AR", "A", "B"], ["A", "B", "AR"], ["B", "AR", "A"]]  # rotated per task
     assert res["args"]["warmup"] == "start"  # auto: the per-task warm-up only on a CUDA device
+    assert res["args"]["device"] == ("cpu" if backend == "cuda" else None)  # the reference backend places nothing
     for t in res["tasks"]:
         for d in t["drafts"].values():
             assert d["tau"] == pytest.approx(1 + sum(d["accept_at_pos"]))
@@ -216,3 +217,25 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
             assert "warmup_seconds" not in row["ar"]
         assert row["drafts"]["D"]["speedup"] == pytest.approx(1.0)
         assert row["drafts"]["D"]["greedy_equal"] == 2
+
+
+def test_bench_device_is_checked_and_planner_counts_skip_the_warmup(stories_dir, draft_dir, tmp_path, capsys):
+    """--device names a torch device the engine runs on; cuda:N without a GPU gets the CUDA message. The
+    planner's choices count the timed runs only: the start-up warm-up's steps are not added to the first task."""
+    base = ["--target", str(stories_dir), "--data-dir", str(shared_path("data", "eval")), "--no-chat-template",
+            "--backend", "cuda", "--datasets", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "12"]
+    for dev, msg in (("bogus", "--device 'bogus': not a torch device"), ("meta", "--device 'meta': the engine runs on")):
+        assert bench.main(base + ["--device", dev]) == 2 and msg in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench.main(base + ["--device", "cuda:0"]) == 2
+        assert "--backend cuda needs a CUDA GPU" in capsys.readouterr().err
+    steps = {}
+    for warm in ("start", "task"):
+        out = tmp_path / f"{warm}.json"
+        assert bench.main(base + ["--device", "cpu", "--dtype", "fp32", "--draft", f"D={draft_dir}", "--budget", "auto",
+                                  "--temperature", "1", "--concurrency", "2", "--warmup", warm,
+                                  "--output-json", str(out)]) == 0
+        d = json.loads(out.read_text())["tasks"][0]["drafts"]["D"]
+        steps[warm] = sum(e["steps"] for e in d["planner_choices"].values())  # batched loop steps
+        assert 0 < steps[warm] <= d["verify_steps"]  # verify_steps: per prompt, summed over the rows
+    assert steps["start"] == steps["task"]  # the same timed run; before the fix "start" added the warm-up's

@@ -196,7 +196,9 @@ def test_distill_names_bad_data_and_paths(stories_dir, tmp_path):
             (empty, [], f"config key 'train': {empty} has no rows"),
             (text, [], f"{text}:1: invalid JSON"),
             (rows, [f"output_dir={afile}"], f"config key 'output_dir': {afile} is an existing file"),
-            (rows, [f"draft_init={tmp_path / 'nope'}"], f"config key 'draft_init': {tmp_path / 'nope'} is not a draft folder")]:
+            (rows, [f"draft_init={tmp_path / 'nope'}"], f"config key 'draft_init': {tmp_path / 'nope'} is not a draft folder"),
+            # relative, without ./: its first folder exists here, so it is a local path, not a Hub id
+            (rows, ["init_from=tests/no-such-draft"], "config key 'init_from': tests/no-such-draft is not a draft folder")]:
         cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config",
                str(REPO / "configs" / "stories260k-cpu.yaml"), f"target={stories_dir}", f"train={train}", "eval=null",
                f"output_dir={tmp_path / 'out'}", *extra]

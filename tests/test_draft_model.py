@@ -232,6 +232,10 @@ def test_warm_start_across_injection_modes(tmp_path, caplog):
         out_kv = kv.forward_train(emb, feats, anchors)
     assert torch.equal(out_back, out_plain)
     assert (out_kv - out_plain).abs().max() > 1e-3  # the kv source's own injection did act
+    # the same mode with another rank: named, not a list of unexpected tensors
+    low = _spine("residual", injection_rank=4)
+    with pytest.raises(ValueError, match=r"injection_rank 0 in the source, 4 in the model"):
+        warm_start(low, tmp_path / "res")
 
 
 def test_injection_shift_stays_inside_blocks_and_never_looks_ahead():

@@ -261,23 +261,67 @@ def test_summarize_reports_the_union_of_several_train_caches(tmp_path):
     assert rep["tokenize_eval"] == {"sequences": 5, "tokens": 50}
 
 
-@pytest.mark.parametrize("inj, want", [(None, "kv"), ("residual", "residual"), ("bogus", None)])
+def _recipe_train(tmp_path, **env_extra):
+    w = tmp_path / "w"
+    for sub in ("tok-train/c", "tok-eval/e"):
+        (w / sub).mkdir(parents=True, exist_ok=True)
+        (w / sub / "summary.json").write_text(json.dumps({"sequences": 2, "tokens": 14}))
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "WORK": str(w),
+           "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "STEPS": "16", **env_extra}
+    r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), "train"], env=env, capture_output=True,
+                       text=True, cwd=REPO)
+    assert r.returncode != 0  # no target here: the runs fail (or a value is refused)
+    queue = w / "train.gpu0"
+    return r, queue.read_text().splitlines() if queue.exists() else None
+
+
+@pytest.mark.parametrize("inj, want", [(None, "kv"), ("residual", "residual"), ("bogus", None), ("kv residual", None),
+                                       ("", None)])
 def test_recipe_dspine_arm_injection_from_scratch(tmp_path, inj, want):
     """From scratch the DSpine arm trains with DSPINE_INJECTION (default kv: +8.4% / +6.4% over DFlash at two
     seeds, results/smollm2-kv2seeds-h200.json), DFlash with none; anything else is refused before a run starts."""
-    w = tmp_path / "w"
-    for sub in ("tok-train/c", "tok-eval/e"):
-        (w / sub).mkdir(parents=True)
-        (w / sub / "summary.json").write_text(json.dumps({"sequences": 2, "tokens": 14}))
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "WORK": str(w),
-           "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "STEPS": "16", **({"DSPINE_INJECTION": inj} if inj else {})}
-    r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), "train"], env=env, capture_output=True,
-                       text=True, cwd=REPO)
-    assert r.returncode != 0  # no target here: the runs fail (or the value is refused)
+    r, lines = _recipe_train(tmp_path, **({} if inj is None else {"DSPINE_INJECTION": inj}))
     if want is None:
-        assert r.returncode == 2 and "error: DSPINE_INJECTION='bogus': give kv or residual" in r.stderr
-        assert not (w / "train.gpu0").exists()
+        assert r.returncode == 2 and f"error: DSPINE_INJECTION='{inj}': give kv or residual" in r.stderr
+        assert lines is None
         return
-    dspine, dflash = (w / "train.gpu0").read_text().splitlines()
+    dspine, dflash = lines
     assert f" injection={want} " in dspine and "draft_init=" not in dspine
     assert " injection=none " in dflash
+
+
+def test_recipe_warm_starts_keep_or_check_the_injection(tmp_path):
+    """A DSpine warm start keeps its draft's injection (no injection= passed) and is refused when that draft has
+    none or when DSPINE_INJECTION names another; a DFlash warm start always passes injection=none, so the trainer
+    refuses a draft with an injection (its draft_init check)."""
+    res, dfl = tmp_path / "res", tmp_path / "dfl"
+    for folder, cfg in ((res, {"dspine_config": {"injection": "residual"}}), (dfl, {})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(cfg))
+    r, lines = _recipe_train(tmp_path / "a", DSPINE_INIT=str(res), DFLASH_INIT=str(res))
+    dspine, dflash = lines
+    assert f"draft_init={res}" in dspine and "injection=" not in dspine
+    assert f"draft_init={res}" in dflash and " injection=none " in dflash
+    r, lines = _recipe_train(tmp_path / "b", DSPINE_INIT=str(res), DSPINE_INJECTION="residual")
+    assert "injection=" not in lines[0]  # agrees: kept
+    r, lines = _recipe_train(tmp_path / "c", DSPINE_INIT=str(res), DSPINE_INJECTION="kv")
+    assert r.returncode == 2 and lines is None
+    assert f"error: DSPINE_INJECTION=kv but the warm start {res} has injection residual" in r.stderr
+    r, lines = _recipe_train(tmp_path / "d", DSPINE_INIT=str(dfl))
+    assert r.returncode == 2 and lines is None and f"the DSpine warm start {dfl} is a DFlash draft" in r.stderr
+
+
+def test_summarize_names_a_warm_started_run_injection(tmp_path):
+    """A warm start passes no injection= (its draft's is kept): train_report reads it from the saved draft."""
+    from scripts.smollm2.summarize import train_report
+
+    run = tmp_path / "train-dspine-s0"
+    (run / "step-8" / "draft").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"injection": None, "seed": 0}))
+    (run / "latest").write_text("step-8\n")
+    (run / "step-8" / "draft" / "config.json").write_text(json.dumps({"dspine_config": {"injection": "residual"}}))
+    assert train_report(run)["config"]["injection"] == "residual"
+    (run / "step-8" / "draft" / "config.json").write_text(json.dumps({}))  # a DFlash draft
+    assert train_report(run)["config"]["injection"] == "none"
+    (run / "config.json").write_text(json.dumps({"injection": "kv"}))  # given: kept
+    assert train_report(run)["config"]["injection"] == "kv"

@@ -94,7 +94,9 @@ def train(cfg) -> int:
         raise ConfigError(f"config key 'output_dir': {out} is an existing file; give a folder")
     for key in ("draft_init", "init_from"):  # local folders that must exist (Hub ids are fetched later)
         path = getattr(cfg, key)
-        if path and path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+        # local: an explicit path, or one whose first folder exists here (runs/x), not a Hub id (org/name)
+        local = path and (path.startswith((".", "/", "~")) or ("/" in path and Path(path.split("/")[0]).is_dir()))
+        if local and not Path(path).expanduser().is_dir():
             raise ConfigError(f"config key '{key}': {path} is not a draft folder")
     if cfg.draft_init and Path(cfg.draft_init).expanduser().is_dir():  # a step-N folder given for its draft/
         run_config.load_draft_init(str(Path(cfg.draft_init).expanduser()))

@@ -15,7 +15,7 @@
 #   unpack    (named only) the tok-* caches that are missing <- $PACK_DIR/tok-{train,eval} (data.pack import):
 #             tok-train gets the cache of every pack folder in PACK_DIR that is not there yet (its pack.json's
 #             cache_name), tok-eval the first pack folder's, only when it holds no cache (eval sets are identical)
-#   train     DSpine (injection residual) and DFlash (injection none) drafts with identical settings, for each
+#   train     DSpine (injection DSPINE_INJECTION, kv) and DFlash (injection none) drafts with identical settings, for each
 #             seed in SEEDS; one run per GPU when there are enough GPUs, else one after the other on a GPU, or
 #             TRAIN_PAR side by side per GPU (two runs sharing an H200 took 0.66 s/step each against 0.28 s/step
 #             alone: results/smollm2-ab-loss-h200.json)
@@ -36,7 +36,7 @@
 #   (training runs side by side per GPU, 1),
 #   REGEN_CHUNK (rows per resumable write, 4096), REGEN_LIMIT (rows), ARMS (drafts to train: "dspine dflash"),
 #   VARIANTS (extra DSpine arms for the injection study, each NAME:key=value[+key=value...], e.g.
-#   "kv:injection=kv r0:injection_rank=0": trained from scratch per seed as train-dspine-NAME-s<k> with those
+#   "res:injection=residual r0:injection=residual+injection_rank=0": trained from scratch per seed as train-dspine-NAME-s<k> with those
 #   trainer overrides last, benched as DSpine-NAME[-s<k>]; scripts/smollm2/compare_arms.py pairs each with DFlash),
 #   STEPS (optimizer steps per draft, 2000) or TRAIN_MINUTES (wall clock per run: STEPS from a 30-step
 #   calibration), SEEDS ("0"), TRAIN_OVERRIDES (extra key=value for every run, e.g. "distill=kl"),
@@ -88,8 +88,9 @@ done
 for arm in ${ARMS:-dspine dflash}; do
   [[ " dspine dflash " == *" $arm "* ]] || { echo "error: ARMS='${ARMS:-}': unknown draft '$arm' (dspine, dflash)" >&2; exit 2; }
 done
-DSPINE_INJECTION=${DSPINE_INJECTION:-kv}
-[[ " kv residual " == *" $DSPINE_INJECTION "* ]] || { echo "error: DSPINE_INJECTION='$DSPINE_INJECTION': give kv or residual" >&2; exit 2; }
+DSPINE_INJECTION_SET=${DSPINE_INJECTION+x}  # given by the user: a warm start must agree with it
+DSPINE_INJECTION=${DSPINE_INJECTION-kv}
+[[ "$DSPINE_INJECTION" =~ ^(kv|residual)$ ]] || { echo "error: DSPINE_INJECTION='$DSPINE_INJECTION': give kv or residual" >&2; exit 2; }
 arms_set=${ARMS-x}
 [ -n "${arms_set//[[:space:]]/}" ] || { echo "error: ARMS is empty: give dspine, dflash or both" >&2; exit 2; }
 # integers in decimal without a leading zero (bash arithmetic reads 08 as bad octal, 010 as 8) and at most 9 digits
@@ -273,10 +274,25 @@ init_arg() {  # init_arg NAME: the trainer's draft_init for arm NAME (DSPINE_INI
   local var=${1^^}_INIT
   if [ -n "${!var:-}" ]; then echo "draft_init=${!var}"; elif [ -n "${DRAFT_INIT:-}" ]; then echo "draft_init=$DRAFT_INIT/$1"; fi
 }
+if has train && arm dspine; then  # a DSpine warm start: its draft has an injection, the one DSPINE_INJECTION names
+  d_init=$(init_arg dspine); d_init=${d_init#draft_init=}
+  if [ -n "$d_init" ] && [ -f "$d_init/config.json" ]; then
+    have=$(python -c "import json, sys; print((json.load(open(sys.argv[1])).get('dspine_config') or {}).get('injection', 'none'))" \
+           "$d_init/config.json") || { echo "error: $d_init/config.json: not a readable draft config" >&2; exit 2; }
+    [ "$have" != none ] || { echo "error: the DSpine warm start $d_init is a DFlash draft (no injection); give a DSpine" \
+                             "draft, or train the DSpine arm from scratch" >&2; exit 2; }
+    if [ -n "$DSPINE_INJECTION_SET" ] && [ "$have" != "$DSPINE_INJECTION" ]; then
+      echo "error: DSPINE_INJECTION=$DSPINE_INJECTION but the warm start $d_init has injection $have (a warm start keeps" \
+           "its draft's injection: unset DSPINE_INJECTION, or convert with the trainer's init_from)" >&2; exit 2
+    fi
+  fi
+fi
 train_cmd() {  # train_cmd NAME INJECTION SEED [OVERRIDES]: OVERRIDES (a VARIANTS arm's) come last and win
   local init inj
   init=$(init_arg "${1/calib/dspine}")
-  inj="injection=$2"; [ -n "$init" ] && inj=""  # a warm start keeps its draft's injection (draft_init's config)
+  # a DSpine warm start keeps its draft's injection (draft_init's config; checked above); DFlash always says none,
+  # so the trainer refuses a DFlash warm start from a draft with an injection
+  inj="injection=$2"; [ -n "$init" ] && [ "$2" != none ] && inj=""
   echo "accelerate launch --num_processes 1 --num_machines 1 --dynamo_backend no" \
        "train/distill.py --config configs/smollm2-135m-dspine.yaml target=$TARGET train=$TRAIN_CACHE eval=$EVAL_CACHE" \
        "$inj seed=$3 output_dir=$WORK/train-$1-s$3 max_steps=$STEPS save_every=$((STEPS / 8))" \

@@ -84,6 +84,11 @@ def train_report(run: Path) -> dict:
     cfg = read_json(run / "config.json") or {}
     rep["config"] = {k: cfg.get(k) for k in ("injection", "seed", "lr", "micro_batch_size", "anchors_per_seq",
                                               "max_length", "max_steps", "layers", "injection_rank")}
+    if rep["config"]["injection"] is None:  # a warm start (draft_init) takes its draft's: read the saved draft's
+        latest = (run / "latest").read_text().strip() if (run / "latest").is_file() else None
+        draft = read_json(run / latest / "draft" / "config.json") if latest else None
+        if draft is not None:
+            rep["config"]["injection"] = (draft.get("dspine_config") or {}).get("injection", "none")
     return rep
 
 
