@@ -229,8 +229,8 @@ def warm_start(model: DSpineDraftModel, source_dir: str | Path) -> list[str]:
     and ``adjacent.v_proj`` weights: every query's extra key and value start at zero (score 0), so the
     attention output is the source's times ``1 - p``, ``p = 1 / (1 + Σ_j exp(s_j))`` over the query's
     other scaled scores ``s_j``. A trained ``residual`` source loses what its own injection added (the
-    shipped SmolLM2 draft: loss 3.63 -> 5.01 on one CPU batch, the same with a random extra key). A source trained with another
-    injection mode (``residual`` into ``kv`` or back) gives its shared tensors; its own injection
+    shipped SmolLM2 draft: loss 3.63 -> 5.01 on one CPU batch, the same with a random extra key). A
+    source trained with another injection mode (``residual`` into ``kv`` or back) gives its shared tensors; its own injection
     tensors are left out (their names are logged). Returns the keys that kept their init.
 
     Raises:
@@ -254,9 +254,9 @@ def warm_start(model: DSpineDraftModel, source_dir: str | Path) -> list[str]:
                        folder, src_mode, model.config.injection, len(dropped), ", ".join(dropped[:3]))
     kept = load_weights(model, state, str(folder), allow_missing_prefixes=(".adjacent.",))
     if model.config.injection == "kv":
-        own = dict(model.named_parameters())
+        params = dict(model.named_parameters())
         with torch.no_grad():
             for k in kept:
                 if k.endswith(("adjacent.k_proj.weight", "adjacent.v_proj.weight")):
-                    own[k].zero_()
+                    params[k].zero_()
     return kept

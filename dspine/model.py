@@ -578,7 +578,10 @@ class DSpineDraftModel(PreTrainedModel):
         """Inference only: q/k/v and gate/up each become one weight (non-persistent buffers) and the
         original parameters views of it, so ``state_dict`` keeps the DFlash names and no memory is
         doubled. A low-rank injection whose H×H product is small (≤ 2rH + 4M elements: one GEMM over it
-        costs less than a second launch) gets ``up·down`` folded into one weight. Call after the last
+        costs less than a second launch) gets ``up·down`` folded into one weight. A kv injection gets
+        ``[W_qkv·diag(w_in); W_kv'·diag(w_adj)]`` (:meth:`DraftLayer.block_step`), a second copy of the
+        layer's q/k/v weight plus the injection's k/v (SmolLM2: 0.8 M elements a layer; Qwen3-8B shape:
+        34 M), refreshed in place by a later call. Call after the last
         ``.to()`` (which moves buffer and views apart). Idempotent, and a layer whose views are intact
         keeps its fused tensors (an engine's CUDA graphs hold their addresses: a second engine over the
         same draft must not replace them). Returns self.
