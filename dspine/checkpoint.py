@@ -234,13 +234,17 @@ def warm_start(model: DSpineDraftModel, source_dir: str | Path) -> list[str]:
     tensors are left out (their names are logged). Returns the keys that kept their init.
 
     Raises:
-        ValueError: the same injection mode with another ``injection_rank`` / ``injection_layers`` (named),
+        ValueError: another number of layers, or the same injection mode with another ``injection_rank`` /
+            ``injection_layers`` (named),
             any other missing/unexpected tensor or a shape mismatch (the message names the folder).
     """
     folder = resolve_checkpoint(str(source_dir))
     state = read_state_dict(folder)
     src = load_config(folder)
     src_mode, own = src.injection, model.config
+    if src.num_hidden_layers != own.num_hidden_layers:
+        raise ValueError(f"{folder}: layers {src.num_hidden_layers} in the source, {own.num_hidden_layers} in the "
+                         "model (set layers to the source's, or train from scratch)")
     if src_mode == own.injection != "none":  # the same mode: its tensors load, so their shapes must agree
         diff = [f"{k} {getattr(src, k)!r} in the source, {getattr(own, k)!r} in the model"
                 for k in (("injection_rank",) if src_mode == "residual" else ()) + ("injection_layers",)

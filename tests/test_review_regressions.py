@@ -250,7 +250,7 @@ def test_distill_value_errors_are_one_line(stories_dir, tmp_path):
         (("block_size=300", "max_length=512"), "draft RoPE range shorter than the requested context"),
         ((f"train={conv}",), f"{conv}:1 is a conversation, not tokenized rows: run python -m data.tokenize first"),
         ((f"train={few}",), "config key 'train': 1 rows are fewer than one global batch of 4"),
-        ((f"init_from={other}",), f"config key 'init_from': {other}: missing tensors"),
+        ((f"init_from={other}",), f"config key 'init_from': {other}: layers 1 in the source, 2 in the model"),
         ((f"output_dir={broken}",), f"points to {broken / 'step-2'}, an incomplete checkpoint (no state)"),
     ]
     for extra, message in cases:
