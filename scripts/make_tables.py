@@ -78,6 +78,9 @@ def smollm2_section() -> list[str]:
                        f"(bf16, one bf16 step at these logit sizes); the 16-slot verify pass rounds differently from the "
                        f"1-token AR pass in bf16 ([`{div.relative_to(ROOT)}`]({div.relative_to(ROOT)})). In fp32 the "
                        "outputs are identical (tests/test_shipped_draft.py).")
+        if r["backend"] == "cuda" and a.get("warmup") != "task" and any("ar" in t for t in r["tasks"]):
+            out.append("Timed after the start-up warm-up only (before `--warmup task`): the first configuration of "
+                       "each task may carry a one-time cost, so these speedups are biased (Status and known gaps).")
         out.append(f"Command: `{r['command']}`")
         if "-cpu-" in path.name:
             out.append("(Its `checkpoints/smollm2-135m-dspine` is the CPU-trained draft shipped until the GPU one replaced "
