@@ -84,6 +84,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def step_key(self) -> tuple:
+        """The settings a compiled decoding step depends on (temperature, top_p, top_k, draft_temperature),
+        for the engine's CUDA-graph and step-cost caches; max_new_tokens and seed are runtime state."""
+        return self.temperature, self.top_p, self.top_k, self.draft_temperature
+
 
 def check_tree_draft_temperature(params: SamplingParams, tree: bool) -> None:
     """Raise ValueError for tree verification with draft temperature 0: the tree is built from the draft's

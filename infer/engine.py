@@ -473,7 +473,7 @@ class Engine:
         slots, (kv, draft_cache) = self._slots_for(B), self._cache_view(B)
         mode = mode or (self.mode if spec else ("ar", 1))
         defer = spec and mode[0] == "ar" and self.budget == "auto" and self.defer_ar_append
-        key = (B, spec, mode, params.temperature, params.top_p, params.top_k, params.draft_temperature, defer)
+        key = (B, spec, mode, *params.step_key, defer)
         if mode[0] != "flush":
             # the LM heads this step runs: target over B·T rows, draft over B·(verify_size - 1)
             self._tune_lm_head([B * mode[1]] + ([B * (self.verify_size - 1)] if mode[0] != "ar" else []))
@@ -540,8 +540,7 @@ class Engine:
         capture, idle rows), measured once per (B, sampling settings, ``defer_ar_append``, ``plan_modes``) on this device.
         The AR mode is the planner's AR step as the loop runs it: with ``defer_ar_append`` the step that
         leaves its features pending; the flush (not a mode) is not in the table."""
-        key = (B, params.temperature, params.top_p, params.top_k, params.draft_temperature, self.defer_ar_append,
-               tuple(self.plan_modes))
+        key = (B, *params.step_key, self.defer_ar_append, tuple(self.plan_modes))
         if key not in self._costs:
             s, costs = self._slots_for(B), {}
             for mode in self.plan_modes:
