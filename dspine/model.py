@@ -37,6 +37,7 @@ from dspine.config import DSpineConfig
 from dspine.ops.draft_attention import draft_attention
 from dspine.ops.rmsnorm import rms_norm, shift_rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
+from dspine.ops.sdpa import sdpa
 from dspine.ops.silu_mul import silu_mul
 
 
@@ -85,7 +86,7 @@ def attend(q, k, v, mask, scale: float) -> torch.Tensor:
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = sdpa(q, k, v, attn_mask=mask, scale=scale)
     else:
         from torch.nn.attention.flex_attention import flex_attention
 

@@ -55,6 +55,7 @@ from dspine.ops.linear import linear
 from dspine.ops.lm_head import lm_head as lm_head_op
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
+from dspine.ops.sdpa import backends_context, sdpa
 from dspine.ops.silu_mul import silu_mul
 from dspine.ops.tree_attention import tree_attention
 from dspine.ops.verify_attention import verify_attention
@@ -420,8 +421,8 @@ class EngineTarget(nn.Module):
         if w is not None and w < P:
             j = torch.arange(P, device=q.device)
             mask = (j[None, :] <= j[:, None]) & (j[None, :] > j[:, None] - w)  # [P, P]
-        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                              enable_gqa=a.num_heads != a.num_kv_heads)
+        return sdpa(q, kc, vc, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                    enable_gqa=a.num_heads != a.num_kv_heads)
 
     # packed prefill attention through one varlen flash call (issue 11); set False after a failed call
     varlen_prefill = True
@@ -460,8 +461,9 @@ class EngineTarget(nn.Module):
                 k = k.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
                 v = v.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
         try:
-            o = varlen_attn(q.reshape(N, a.num_heads, a.head_dim), k, v, cu, cu, max_len, max_len,
-                            scale=self.scale, window_size=(-1, 0), **gqa)
+            with backends_context(q.device):  # as the per-prompt SDPA: no cuDNN plan per new shape
+                o = varlen_attn(q.reshape(N, a.num_heads, a.head_dim), k, v, cu, cu, max_len, max_len,
+                                scale=self.scale, window_size=(-1, 0), **gqa)
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, TypeError) as e:

@@ -1,0 +1,170 @@
+"""Prefill time for prompt lengths the engine has not seen before against lengths it has (time to first token).
+
+    python benchmarks/engine/bench_prefill.py --output results/prefill-h200.json
+    python benchmarks/engine/bench_prefill.py --device cpu --tiny --output /tmp/prefill.json   # smoke
+
+Why: ``infer.bench`` on an H200 showed that the first pass of a configuration over a task's prompts
+spends 0.5-2 s more in prefill than a second pass over the same prompts (``warmup_profile.prefill_s``
+against ``profile.prefill_s`` in results/smollm2-h200-shipped-*.json; decode time equal), i.e. tens of
+milliseconds per prompt length seen for the first time. A server sees new lengths all the time, so
+that cost is paid by users, not only by benchmarks.
+
+What it does: a random-weight AR engine of the SmolLM2-135M shape (bf16 on CUDA), one fresh process
+per ``--settings`` entry (so process-wide caches start cold), each timing ``Engine.generate`` with one
+new token on: ``--lengths`` prompts of distinct lengths never seen (``first``), the same prompts again
+(``repeat``), and the same for packed admissions of 8 prompts at once (concurrency 8: one packed
+prefill per group). Settings (the backends :func:`dspine.ops.sdpa.sdpa` allows the prompt attention):
+``torch_default`` (torch's own choice: cuDNN on an H200; the engine before results/prefill-h200.json),
+``no_cudnn`` (flash, memory-efficient, math: the engine's default since), ``flash`` (flash only).
+``--profile`` adds torch.profiler's ten most expensive ops (self CPU time) of a first and a repeat
+pass in the ``torch_default`` setting.
+
+Writes JSON: per setting ``c1_first_ms`` / ``c1_repeat_ms`` (median prefill time per prompt),
+``c8_first_ms`` / ``c8_repeat_ms`` (median per packed group of 8; packed prompts attend in one varlen
+flash call, so only a refill of one prompt goes through SDPA) and ``sdp_backends``, plus the profiler
+tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.engine.bench_draft_step import TARGETS, random_target  # noqa: E402
+from dspine.ops import sdpa as sdpa_mod  # noqa: E402
+from dspine.provenance import provenance  # noqa: E402
+from dspine.sampling import SamplingParams  # noqa: E402
+from infer.engine import Engine  # noqa: E402
+from infer.model import ModelArgs  # noqa: E402
+
+SETTINGS = ("torch_default", "no_cudnn", "flash")
+
+
+def apply_setting(name: str) -> None:
+    """Choose the SDPA backends :func:`dspine.ops.sdpa.sdpa` allows for setting ``name`` (one of SETTINGS)."""
+    if name == "torch_default":
+        sdpa_mod.BACKENDS = None
+    elif name == "flash":
+        sdpa_mod.BACKENDS = ("FLASH_ATTENTION",)
+    elif name != "no_cudnn":
+        raise ValueError(f"unknown setting {name!r}; expected one of {SETTINGS}")
+
+
+def backends() -> list[str] | str:
+    """The SDPA backends the engine's prefill may use in this setting."""
+    return list(sdpa_mod.BACKENDS) if sdpa_mod.BACKENDS is not None else "torch's choice (cuDNN first on an H200)"
+
+
+def prompts_of(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    g = random.Random(seed)
+    return [[g.randrange(1, vocab - 1) for _ in range(n)] for n in lengths]
+
+
+def run_setting(args) -> dict:
+    """One setting in this process: the medians of the module docstring."""
+    apply_setting(args.setting)
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a = ModelArgs(**TARGETS["tiny" if args.tiny else "smollm2"])
+    target = random_target(a, [], dev, dtype, "triton" if dev.type == "cuda" else "torch")
+    eng = Engine(target, None, [-1], max_batch=8, max_seq=args.max_len + 8, max_new_cap=2)
+    one = SamplingParams(max_new_tokens=1)
+    g = random.Random(0)
+    # start-up: graph capture and every kernel compiled once, on lengths outside the measured ones
+    warm = prompts_of([args.max_len - 1, args.max_len - 2] * 4, a.vocab_size, 1)
+    eng.generate(warm[:1], one, concurrency=1)
+    eng.generate(warm, one, concurrency=8)
+    used = {args.max_len - 1, args.max_len - 2}
+
+    def fresh(n: int) -> list[int]:
+        out = []
+        while len(out) < n:
+            x = g.randrange(16, args.max_len - 3)
+            if x not in used:
+                used.add(x)
+                out.append(x)
+        return out
+
+    def time_c1(ps):
+        ms = []
+        for p in ps:
+            r = eng.generate([p], one, concurrency=1)
+            ms.append(1e3 * r.prefill_s)
+        return ms
+
+    def time_c8(groups):
+        return [1e3 * eng.generate(grp, one, concurrency=8).prefill_s for grp in groups]
+
+    c1 = prompts_of(fresh(args.lengths), a.vocab_size, 2)
+    c8 = [prompts_of(fresh(8), a.vocab_size, 3 + i) for i in range(args.lengths // 4)]
+    out = {"setting": args.setting, "sdp_backends": backends(),
+           "c1_first_ms": time_c1(c1), "c1_repeat_ms": time_c1(c1),
+           "c8_first_ms": time_c8(c8), "c8_repeat_ms": time_c8(c8)}
+    if args.profile and args.setting == "torch_default":
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        ps = prompts_of(fresh(5), a.vocab_size, 99)
+        for name in ("profile_first", "profile_repeat"):
+            with profile(activities=acts) as prof:
+                time_c1(ps)
+            out[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=60)
+    for k in [k for k in out if k.endswith("_ms")]:
+        out[k.replace("_ms", "_median_ms")] = statistics.median(out[k])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--output", default=None, help="JSON file")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny target (CPU smoke test)")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {SETTINGS}")
+    ap.add_argument("--setting", default=None, help=argparse.SUPPRESS)  # the child process
+    ap.add_argument("--lengths", type=int, default=20, help="prompts of distinct new lengths per pass (default 20)")
+    ap.add_argument("--max-len", type=int, default=600, help="longest prompt (default 600)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profiler tables of a first and a repeat pass (torch_default setting)")
+    args = ap.parse_args(argv)
+    if args.setting:
+        print("RESULT " + json.dumps(run_setting(args)), flush=True)
+        return 0
+    runs = {}
+    for s in args.settings.split(","):
+        if s not in SETTINGS:
+            ap.error(f"--settings: unknown setting {s!r}; expected some of {SETTINGS}")
+        cmd = [sys.executable, __file__, "--setting", s, "--device", args.device, "--lengths", str(args.lengths),
+               "--max-len", str(args.max_len)] + (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if p.returncode != 0 or not line:
+            print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
+            runs[s] = {"error": f"exit {p.returncode}", "stderr_tail": p.stderr[-2000:]}
+            continue
+        runs[s] = json.loads(line[0][7:])
+        r = runs[s]
+        print(f"{s}: c1 first {r['c1_first_median_ms']:.1f} ms, repeat {r['c1_repeat_median_ms']:.1f} ms; "
+              f"c8 first {r['c8_first_median_ms']:.1f} ms, repeat {r['c8_repeat_median_ms']:.1f} ms; {r['sdp_backends']}",
+              flush=True)
+        for k in ("profile_first", "profile_repeat"):
+            if k in r:
+                print(k, r[k], sep="\n", flush=True)
+    res = {**provenance(), "device": args.device, "target": "tiny" if args.tiny else "smollm2 (random bf16)",
+           "lengths": args.lengths, "max_len": args.max_len, "runs": runs}
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(res, indent=1))
+    return 0 if all("error" not in r for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
