@@ -603,6 +603,29 @@ def draft_step_section() -> list[str]:
     return out
 
 
+def prefill_section() -> list[str]:
+    """Prefill of prompt lengths seen for the first time against repeated ones (bench_prefill.py)."""
+    d = load("prefill-h200.json")
+    if not d:
+        return []
+    out = ["### Prefill of a prompt length the engine has not seen before (time to first token)", "",
+           f"{d['gpu']}, {d['date'][:10]}, commit `{d['commit'][:10]}`, "
+           "[`results/prefill-h200.json`](results/prefill-h200.json): random bf16 SmolLM2-135M-shape target, one "
+           f"fresh process per setting, {d['lengths']} prompts of distinct lengths up to {d['max_len']} tokens, each "
+           "prefilled once (first) and again (repeat); packed: groups of 8 prompts admitted together. Median ms; "
+           "the setting is the set of SDPA backends the prompt attention may use.", "",
+           "| SDPA backends | new length | repeated length | packed 8, new | packed 8, repeated |", "|---|---|---|---|---|"]
+    names = {"torch_default": "torch's choice (cuDNN on the H200; the engine before)",
+             "no_cudnn": "flash, memory-efficient, math (**the engine now**)", "flash": "flash only"}
+    for k, r in d["runs"].items():
+        if "error" in r:
+            continue
+        out.append(f"| {names.get(k, k)} | {r['c1_first_median_ms']:.1f} | {r['c1_repeat_median_ms']:.1f} | "
+                   f"{r['c8_first_median_ms']:.1f} | {r['c8_repeat_median_ms']:.1f} |")
+    out += ["", d["conclusion"] + f" ({d['commit_note']}.) Command: `{d['command']}`", ""]
+    return out
+
+
 def trainer_section() -> list[str]:
     t = load("train-h200.json")
     if not t:
@@ -774,7 +797,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section,
-                    engine_section, draft_step_section, profile_section, lm_head_section, verify_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)
