@@ -52,6 +52,71 @@ def parse_drafts(values: list[str] | None) -> dict[str, str]:
     return out
 
 
+CONFIG_KEYS = ("verify", "tree_budget", "budget")
+
+
+def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
+    """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget"}}, one
+    entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` / ``--budget`` with the label's
+    overrides. So one run can time several verify modes of one draft (``--draft chain=D --draft auto=D
+    --config auto:budget=auto``), alternated per task like any drafts.
+
+    Raises ValueError naming the item: an unknown label or key, a bad value, a label given twice, a tree
+    budget without tree verify, and the run-wide rules (``--exact`` is chain only, a tree needs a draft
+    temperature above 0, the reference backend has neither trees under a budget nor the planner)."""
+    base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget}
+    out = {label: dict(base) for label in labels}
+    seen = set()
+    for item in values or []:
+        label, sep, rest = item.partition(":")
+        if not sep or not rest:
+            raise ValueError(f"--config {item!r}: give LABEL:KEY=VALUE[,KEY=VALUE] (keys {', '.join(CONFIG_KEYS)})")
+        if label not in out:
+            raise ValueError(f"--config {item!r}: {label!r} is not a --draft label (labels: {', '.join(out) or 'none'})")
+        if label in seen:
+            raise ValueError(f"--config {item!r}: label {label!r} given twice (put its keys in one --config)")
+        seen.add(label)
+        given = {}
+        for kv in rest.split(","):
+            key, eq, value = kv.partition("=")
+            key = key.strip().replace("-", "_")
+            if not eq or key not in CONFIG_KEYS:
+                raise ValueError(f"--config {item!r}: {kv!r} is not KEY=VALUE with a key of {', '.join(CONFIG_KEYS)}")
+            given[key] = value.strip()
+        c = out[label]
+        if "verify" in given:
+            if given["verify"] not in ("chain", "tree"):
+                raise ValueError(f"--config {item!r}: verify={given['verify']!r}; expected chain or tree")
+            c["verify"] = given["verify"]
+            if c["verify"] == "chain":
+                c["tree_budget"] = None
+        if "budget" in given:
+            if given["budget"] not in ("auto", "none"):
+                raise ValueError(f"--config {item!r}: budget={given['budget']!r}; expected auto or none")
+            c["budget"] = None if given["budget"] == "none" else "auto"
+        if "tree_budget" in given:
+            try:
+                c["tree_budget"] = int(given["tree_budget"])
+            except ValueError:
+                raise ValueError(f"--config {item!r}: tree_budget={given['tree_budget']!r} is not an integer") from None
+        if c["verify"] == "tree":
+            c["tree_budget"] = 32 if c["tree_budget"] is None else c["tree_budget"]
+            if not 2 <= c["tree_budget"] <= 64:
+                raise ValueError(f"--config {item!r}: tree_budget={c['tree_budget']} must be in 2..64")
+        elif c["tree_budget"] is not None:
+            raise ValueError(f"--config {item!r}: tree_budget applies to verify=tree only")
+    for label, c in out.items():
+        if args.exact and (c["verify"] == "tree" or c["budget"] is not None):
+            raise ValueError(f"--exact supports chain verify without a budget; draft {label!r} has verify="
+                             f"{c['verify']}, budget={c['budget']}")
+        if c["verify"] == "tree" and c["budget"] is None and getattr(args, "draft_temperature", None) == 0:
+            raise ValueError(f"draft {label!r}: --draft-temperature 0 with verify=tree (the tree is built from the "
+                             "draft's distribution, one-hot at 0)")
+        if c["budget"] is not None and args.backend == "reference":
+            raise ValueError(f"draft {label!r}: budget=auto needs the engine (--backend cuda; --device cpu on a CPU)")
+    return out
+
+
 class Runner:
     """The target once, every draft beside it: ``run(prompts, params, draft_label or None)``."""
 
@@ -59,6 +124,8 @@ class Runner:
         from dspine.target import TargetSpec, assert_compatible, load_tokenizer, resolve_model_path
 
         self.args = args
+        # per draft label: verify / tree_budget / budget (check_args fills it; the run-wide flags otherwise)
+        self.configs = getattr(args, "configs", None) or parse_configs(None, parse_drafts(args.draft), args)
         path, gguf = resolve_model_path(args.target, args.gguf_file)
         self.spec = TargetSpec.from_pretrained(path, gguf)
         self.backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "reference")
@@ -71,7 +138,8 @@ class Runner:
         if args.exact is None:  # the engine's default; the reference backend has no exact mode
             from infer.model import EXACT_DEFAULT
 
-            args.exact = EXACT_DEFAULT and self.backend == "cuda" and args.verify == "chain" and args.budget is None
+            args.exact = EXACT_DEFAULT and self.backend == "cuda" and all(
+                c["verify"] == "chain" and c["budget"] is None for c in self.configs.values())
         self.tokenizer = load_tokenizer(path, gguf)
         self.eos = sorted(self.spec.eos_ids)
         self.drafts = parse_drafts(args.draft)
@@ -105,8 +173,9 @@ class Runner:
             self.decoders[None] = Engine(target, None, self.eos, **kw)
             for label, m in models.items():
                 # each draft reads its own layers: the target returns them in the draft's order
-                self.decoders[label] = Engine(target, m, self.eos, verify_size=args.block_size, verify=args.verify,
-                                              tree_budget=args.tree_budget, budget=args.budget, **kw)
+                c = self.configs[label]
+                self.decoders[label] = Engine(target, m, self.eos, verify_size=args.block_size, verify=c["verify"],
+                                              tree_budget=c["tree_budget"], budget=c["budget"], **kw)
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
         else:
@@ -124,9 +193,9 @@ class Runner:
                 self.decoders[label] = ReferenceDecoder(target, m.to(target.dtype), self.eos, verify=args.verify,
                                                         tree_budget=args.tree_budget, verify_size=args.block_size)
         # target positions verified per step and request (anchor included)
-        self.verified_per_step = {label: "auto" if args.budget else args.tree_budget if args.verify == "tree"
-                                  else (args.block_size or bs)
-                                  for label, bs in self.block_size.items()}
+        self.verified_per_step = {label: "auto" if c["budget"] else c["tree_budget"] if c["verify"] == "tree"
+                                  else (args.block_size or self.block_size[label])
+                                  for label, c in self.configs.items()}
 
     @torch.inference_mode()
     def top2(self, ids: list[int]) -> tuple[float, list[int]]:
@@ -258,7 +327,10 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
                 row["warmup_profile"] = warm[label][1]
         if label is not None:
             row["tau_ci95"] = bootstrap_ci(per_committed, per_steps)
-            row["verify"], row["verified_tokens_per_step"] = runner.args.verify, runner.verified_per_step[label]
+            c = runner.configs[label]
+            row["verify"], row["verified_tokens_per_step"] = c["verify"], runner.verified_per_step[label]
+            if c["budget"] is not None:
+                row["budget"] = c["budget"]
             if label in runner.planner_steps:
                 row["planner_choices"] = runner.planner_steps.pop(label)
             row["per_prompt_committed"], row["per_prompt_steps"] = per_committed, per_steps
@@ -418,6 +490,10 @@ def build_parser():
     ap.add_argument("--budget", default=None, choices=["auto"],
                     help="auto: per step, AR, the chain or a tree of 32/64 nodes by measured step time and acceptance "
                          "(infer.planner; --backend cuda); default: always --verify / --tree-budget")
+    ap.add_argument("--config", action="append", default=None, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                    help="the draft LABEL's own verify / tree_budget / budget (over the run-wide flags), e.g. "
+                         "--draft chain=D --draft auto=D --config auto:budget=auto: several verify modes of one draft "
+                         "timed in one run, alternated per task")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None,
@@ -486,6 +562,9 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
             raise ValueError(f"--draft {label}={path}: give [LABEL=]PATH with a path and a label")
         if not Path(path).is_dir() and (looks_local(path) or Path(path).exists()):
             raise FileNotFoundError(f"--draft {label}={path}: no such draft folder")
+    if args.config and args.backend == "reference":
+        raise ValueError("--config needs the engine (--backend cuda; --device cpu on a CPU)")
+    args.configs = parse_configs(args.config, parse_drafts(args.draft), args)
     if args.plot is None and args.output_json and args.draft:  # derived once; main() writes it there
         args.plot = str(Path(args.output_json).with_suffix(".png"))
     outputs = {"--output-json": args.output_json, "--plot": args.plot}
@@ -555,7 +634,9 @@ def main(argv=None) -> int:
         extra = f", mean speedup {e['mean_speedup']:.2f}x" if "mean_speedup" in e else ""
         eq = f", greedy == AR on {e['greedy_equal']}/{e['greedy_compared']}" if "greedy_compared" in e else ""
         ci = f" [95% CI {e['mean_tau_ci95'][0]:.3f}, {e['mean_tau_ci95'][1]:.3f}]" if "mean_tau_ci95" in e else ""
-        print(f"{label}: mean tau {e['mean_tau']:.3f}{ci}{extra}{eq}, --verify {args.verify}: "
+        c = runner.configs[label]
+        mode = c["verify"] + (" --budget auto" if c["budget"] else "")
+        print(f"{label}: mean tau {e['mean_tau']:.3f}{ci}{extra}{eq}, --verify {mode}: "
               f"{runner.verified_per_step[label]} verified tokens per step")
         for r in rows:  # fast mode: where outputs part, and how close the target's top-2 were there
             for m in r["drafts"].get(label, {}).get("greedy_mismatches", []):

@@ -193,6 +193,7 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
         tokenizer = type("T", (), {"decode": staticmethod(lambda ids, **kw: " ".join(map(str, ids)))})()
         spec = type("S", (), {"eos_ids": {0}})()
         verified_per_step = {"D": 4}
+        configs = {"D": {"verify": "chain", "tree_budget": None, "budget": None}}
         args = argparse.Namespace(num_prompts=2, data_dir=str(shared_path("data", "eval")), verify="chain",
                                   exact=False)
 
@@ -239,3 +240,66 @@ def test_bench_device_is_checked_and_planner_counts_skip_the_warmup(stories_dir,
         steps[warm] = sum(e["steps"] for e in d["planner_choices"].values())  # batched loop steps
         assert 0 < steps[warm] <= d["verify_steps"]  # verify_steps: per prompt, summed over the rows
     assert steps["start"] == steps["task"]  # the same timed run; before the fix "start" added the warm-up's
+
+
+def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, tmp_path):
+    """--config: one run times the chain, a tree and the planner of one draft, alternated per task; each row
+    records its own verify mode and verified tokens per step, the planner's row its choices; greedy fp32
+    output equals AR for all three (lossless whatever the mode)."""
+    out = tmp_path / "c.json"
+    code = bench.main(["--target", str(stories_dir), "--draft", f"chain={draft_dir}", "--draft", f"tree={draft_dir}",
+                       "--draft", f"auto={draft_dir}", "--config", "tree:verify=tree,tree_budget=12",
+                       "--config", "auto:budget=auto", "--datasets", "gsm8k,mbpp",
+                       "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2", "--max-new-tokens", "10",
+                       "--no-chat-template", "--backend", "cuda", "--device", "cpu", "--dtype", "fp32",
+                       "--concurrency", "2", "--output-json", str(out)])
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert [t["run_order"] for t in res["tasks"]] == [["AR", "chain", "tree", "auto"], ["chain", "tree", "auto", "AR"]]
+    assert res["args"]["configs"] == {"chain": {"verify": "chain", "tree_budget": None, "budget": None},
+                                      "tree": {"verify": "tree", "tree_budget": 12, "budget": None},
+                                      "auto": {"verify": "chain", "tree_budget": None, "budget": "auto"}}
+    for t in res["tasks"]:
+        d = t["drafts"]
+        assert (d["chain"]["verify"], d["chain"]["verified_tokens_per_step"]) == ("chain", 8)  # the draft's block
+        assert (d["tree"]["verify"], d["tree"]["verified_tokens_per_step"]) == ("tree", 12)
+        assert d["auto"]["verified_tokens_per_step"] == "auto" and d["auto"]["budget"] == "auto"
+        assert sum(e["steps"] for e in d["auto"]["planner_choices"].values()) > 0
+        assert "planner_choices" not in d["chain"] and "budget" not in d["chain"]
+        for row in d.values():
+            assert row["greedy_equal"] == row["greedy_compared"] == 2
+
+
+@pytest.mark.parametrize("config, msg", [
+    (["--config", "X:budget=auto"], "'X' is not a --draft label (labels: D)"),
+    (["--config", "D"], "give LABEL:KEY=VALUE"),
+    (["--config", "D:speed=fast"], "'speed=fast' is not KEY=VALUE with a key of verify, tree_budget, budget"),
+    (["--config", "D:verify=graph"], "verify='graph'; expected chain or tree"),
+    (["--config", "D:budget=2"], "budget='2'; expected auto or none"),
+    (["--config", "D:tree_budget=8"], "tree_budget applies to verify=tree only"),
+    (["--config", "D:verify=tree,tree_budget=99"], "tree_budget=99 must be in 2..64"),
+    (["--config", "D:verify=tree,tree_budget=x"], "tree_budget='x' is not an integer"),
+    (["--config", "D:budget=auto", "--config", "D:verify=tree"], "label 'D' given twice"),
+    (["--config", "D:budget=auto", "--exact"], "--exact supports chain verify without a budget; draft 'D'"),
+    (["--config", "D:verify=tree", "--draft-temperature", "0"], "--draft-temperature 0 with verify=tree"),
+    (["--config", "D:budget=auto", "--backend", "reference"], "--config needs the engine"),
+])
+def test_config_errors_name_the_item(stories_dir, draft_dir, capsys, config, msg):
+    argv = ["--target", str(stories_dir), "--draft", f"D={draft_dir}", "--datasets", "gsm8k", "--no-chat-template",
+            "--data-dir", str(shared_path("data", "eval"))]
+    if "--backend" not in config:
+        argv += ["--backend", "cuda", "--device", "cpu"]
+    assert bench.main(argv + config) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_config_none_overrides_a_run_wide_budget():
+    """budget=none takes one label back to the fixed mode of a run-wide --budget auto; verify=chain drops a
+    run-wide tree budget."""
+    import argparse
+
+    args = argparse.Namespace(verify="tree", tree_budget=16, budget="auto", exact=None, draft_temperature=None,
+                              backend="cuda")
+    c = bench.parse_configs(["a:budget=none,verify=chain"], {"a": "p", "b": "p"}, args)
+    assert c == {"a": {"verify": "chain", "tree_budget": None, "budget": None},
+                 "b": {"verify": "tree", "tree_budget": 16, "budget": "auto"}}

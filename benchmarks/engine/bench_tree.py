@@ -9,14 +9,17 @@
    ``--iters`` after warm-up, for the chain of 16 and trees of 16, 32 and 64 nodes, at batch 1 and 8.
    The draft is an oracle (``force_accept``: the chain's first 6 tokens are accepted), so the cost
    does not depend on random weights agreeing. ``step_ms_over_chain16`` = tree step ÷ chain step.
-2. With ``--smollm2 GGUF --draft DIR``: ``infer.bench`` on the 5 tasks at T = 0, concurrency 1, once
-   with ``--verify chain`` and once with ``--verify tree --tree-budget N`` (same draft, same prompts,
-   warm-up excluded): ``tree_tau_over_chain_tau`` (mean τ over tasks) and ``tree_speedup_over_chain``
-   (mean over tasks of tree tok/s ÷ chain tok/s).
+2. With ``--smollm2 GGUF --draft DIR``: one ``infer.bench`` run on the 5 tasks at T = 0, concurrency 1,
+   with the draft twice, as ``chain`` and as ``tree`` (``--config tree:verify=tree,tree_budget=N``): same
+   prompts, alternated per task, warm-up excluded: ``tree_tau_over_chain_tau`` (mean τ over tasks) and
+   ``tree_speedup_over_chain`` (mean over tasks of tree tok/s ÷ chain tok/s).
 3. With ``--planner C:T[,C:T...]`` (and ``--smollm2``/``--draft``): for each concurrency C and temperature
-   T, ``infer.bench`` with AR, the fixed chain, the fixed tree and ``--budget auto``; appends
-   ``{concurrency, temperature, planner_tok_per_s, ar_tok_per_s, best_static_tok_per_s, ...}`` to
-   ``planner`` (mean tok/s over the tasks; at T > 0: top_p 0.95, top_k 20).
+   T, one ``infer.bench`` run with AR, the fixed chain, the fixed tree and the planner (``auto``:
+   ``--config auto:budget=auto``), alternated per task; appends ``{concurrency, temperature,
+   planner_tok_per_s, ar_tok_per_s, best_static_tok_per_s, planner_over_best_static, planner_over_ar,
+   ...}`` to ``planner`` (mean tok/s over the tasks; at T > 0: top_p 0.95, top_k 20). Separate runs per
+   configuration (before 2026-12-02) let run-to-run drift and the order of runs into the comparison.
+   ``--keep-runs DIR`` keeps every ``infer.bench`` JSON (per-task τ, tok/s, the engine's time split).
 Writes JSON (command, GPU, date, commit via ``dspine.provenance``, also inside each part); with
 ``--merge`` the parts measured now replace those keys of an existing ``--output`` file, so the two parts
 can run as two commands into one file. ``--tiny`` runs tiny shapes on the CPU (eager, torch kernels;
@@ -89,23 +92,23 @@ def step_costs(args, dev) -> dict:
     return out
 
 
-def bench_runs(args, base: list[str], configs: dict[str, list[str]]) -> dict:
-    """``infer.bench`` once per named config (extra flags) on the same prompts -> {name: its JSON}."""
+def bench_run(args, argv: list[str], name: str) -> dict:
+    """One ``infer.bench`` run with flags ``argv`` -> its JSON (also kept as ``--keep-runs``/``name``.json)."""
     from infer import bench
 
-    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in configs.items():
-            path = Path(tmp) / f"{name}.json"
-            if bench.main([*base, *extra, "--output-json", str(path)]) != 0:
-                raise RuntimeError(f"infer.bench {' '.join(extra)} failed (its error is printed above)")
-            runs[name] = json.loads(path.read_text())
-    return runs
+        path = Path(args.keep_runs) / f"{name}.json" if args.keep_runs else Path(tmp) / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if bench.main([*argv, "--output-json", str(path), "--overwrite"]) != 0:
+            raise RuntimeError(f"infer.bench {' '.join(argv)} failed (its error is printed above)")
+        return json.loads(path.read_text())
 
 
 def bench_base(args, concurrency: int = 1, temperature: float = 0.0) -> list[str]:
-    """``infer.bench`` flags shared by every run: the target, the draft labelled D, the tasks, the settings."""
-    base = ["--target", args.smollm2, "--draft", f"D={args.draft}", "--datasets", args.datasets,
+    """``infer.bench`` flags shared by every run: the target, the draft under the labels chain, tree and
+    auto (the tree and the planner set by ``--config``), the tasks, the settings."""
+    base = ["--target", args.smollm2, "--draft", f"chain={args.draft}", "--draft", f"tree={args.draft}",
+            "--config", f"tree:verify=tree,tree_budget={args.tree_budget}", "--datasets", args.datasets,
             "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
             "--temperature", str(temperature), "--concurrency", str(concurrency)]  # fmt: skip
     if temperature > 0:
@@ -119,16 +122,21 @@ def bench_base(args, concurrency: int = 1, temperature: float = 0.0) -> list[str
     return base
 
 
+def mean_over_tasks(run: dict, label: str, key: str) -> float:
+    rows = [t["ar"] if label == "AR" else t["drafts"][label] for t in run["tasks"]]
+    return sum(r[key] for r in rows) / len(rows)
+
+
 def smollm2(args) -> dict:
-    """infer.bench with --verify chain, then --verify tree, on the same prompts; the two summaries compared."""
-    tree = ["--verify", "tree", "--tree-budget", str(args.tree_budget)]
-    runs = bench_runs(args, bench_base(args) + ["--no-ar"], {"chain": ["--verify", "chain"], "tree": tree})
+    """The chain and the tree of one draft in one ``infer.bench`` run (alternated per task, each task
+    warmed up with both first on a GPU), compared."""
+    run = bench_run(args, bench_base(args) + ["--no-ar"], "chain-tree")
     per_task = []
-    for c, t in zip(runs["chain"]["tasks"], runs["tree"]["tasks"]):
-        dc, dt = c["drafts"]["D"], t["drafts"]["D"]
+    for t in run["tasks"]:
+        dc, dt = t["drafts"]["chain"], t["drafts"]["tree"]
         per_task.append(
             {
-                "task": c["task"],
+                "task": t["task"],
                 "chain_tau": dc["tau"],
                 "tree_tau": dt["tau"],
                 "chain_tok_per_s": dc["tok_per_s"],
@@ -136,7 +144,7 @@ def smollm2(args) -> dict:
                 "tree_speedup_over_chain": dt["tok_per_s"] / dc["tok_per_s"],
             }
         )
-    chain_tau, tree_tau = (runs[v]["summary"]["D"]["mean_tau"] for v in ("chain", "tree"))
+    chain_tau, tree_tau = (run["summary"][v]["mean_tau"] for v in ("chain", "tree"))
     return {
         "target": args.smollm2,
         "draft": args.draft,
@@ -154,23 +162,23 @@ def smollm2(args) -> dict:
 
 
 def planner_points(args) -> list[dict]:
-    """Planner against AR and the best fixed configuration at each ``--planner`` point (module docstring)."""
+    """Planner against AR and the best fixed configuration at each ``--planner`` point (module docstring):
+    AR, the chain, the tree and the planner of one draft in one ``infer.bench`` run per point, so all four
+    decode the same prompts, alternated per task and warmed up per task on a GPU."""
     out = []
     for point in args.planner.split(","):
         c, t = point.split(":")
-        tree = ["--verify", "tree", "--tree-budget", str(args.tree_budget), "--no-ar"]
-        configs = {"chain": ["--verify", "chain"], "tree": tree, "auto": ["--budget", "auto", "--no-ar"]}
-        runs = bench_runs(args, bench_base(args, int(c), float(t)), configs)
-        tok = {
-            n: sum(x["drafts"]["D"]["tok_per_s"] for x in r["tasks"]) / len(r["tasks"])
-            for n, r in runs.items()
-        }
-        ar = sum(x["ar"]["tok_per_s"] for x in runs["chain"]["tasks"]) / len(runs["chain"]["tasks"])
-        best = max(ar, tok["chain"], tok["tree"])
+        argv = bench_base(args, int(c), float(t)) + ["--draft", f"auto={args.draft}", "--config", "auto:budget=auto"]
+        run = bench_run(args, argv, f"planner-c{c}-T{t}")
+        tok = {n: mean_over_tasks(run, n, "tok_per_s") for n in ("AR", "chain", "tree", "auto")}
+        best = max(tok["AR"], tok["chain"], tok["tree"])
         out.append({"concurrency": int(c), "temperature": float(t), "planner_tok_per_s": tok["auto"],
-                    "ar_tok_per_s": ar, "chain_tok_per_s": tok["chain"], "tree_tok_per_s": tok["tree"],
+                    "ar_tok_per_s": tok["AR"], "chain_tok_per_s": tok["chain"], "tree_tok_per_s": tok["tree"],
                     "best_static_tok_per_s": best, "planner_over_best_static": tok["auto"] / best,
-                    "planner_choices_per_task": [x["drafts"]["D"].get("planner_choices") for x in runs["auto"]["tasks"]]})  # fmt: skip
+                    "planner_over_ar": tok["auto"] / tok["AR"],
+                    "mean_tau": {n: run["summary"][n]["mean_tau"] for n in ("chain", "tree", "auto")},
+                    "same_run": True, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+                    "planner_choices_per_task": [x["drafts"]["auto"].get("planner_choices") for x in run["tasks"]]})  # fmt: skip
         print(f"planner point {out[-1]}", flush=True)
     return out
 
@@ -199,6 +207,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--merge", action="store_true", help="update an existing --output file with the parts run now"
     )
+    ap.add_argument("--keep-runs", default=None, metavar="DIR", help="keep each infer.bench JSON in DIR")
     args = ap.parse_args(argv)
     if (args.smollm2 is None) != (args.draft is None):
         ap.error("--smollm2 and --draft go together")

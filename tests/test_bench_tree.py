@@ -1,0 +1,46 @@
+"""benchmarks/engine/bench_tree.py on the CPU (--tiny, stories260K target, random draft): the chain-vs-tree
+part and a planner point, each one infer.bench run with the configurations alternated per task."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dspine.checkpoint import save_draft
+from dspine.target import load_target
+from tests.conftest import REPO, shared_path
+from tests.helpers import random_draft
+
+
+@pytest.fixture(scope="module")
+def draft_dir(stories_dir, tmp_path_factory):
+    target = load_target(str(stories_dir), dtype="fp32")
+    return save_draft(random_draft(target, block_size=8, mask=0), tmp_path_factory.mktemp("tree_draft"))
+
+
+def test_tiny_chain_tree_and_planner_point(stories_dir, draft_dir, tmp_path):
+    out, runs = tmp_path / "verify.json", tmp_path / "runs"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "engine" / "bench_tree.py"), "--tiny", "--skip-steps",
+           "--smollm2", str(stories_dir), "--draft", str(draft_dir), "--planner", "2:0", "--tree-budget", "12",
+           "--datasets", "gsm8k,mbpp", "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2",
+           "--max-new-tokens", "8", "--keep-runs", str(runs), "--output", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    kept = json.loads((runs / "planner-c2-T0.json").read_text())
+    assert [t["run_order"] for t in kept["tasks"]] == [["AR", "chain", "tree", "auto"], ["chain", "tree", "auto", "AR"]]
+    (p,) = res["planner"]
+    ar = sum(t["ar"]["tok_per_s"] for t in kept["tasks"]) / 2
+    tok = {n: sum(t["drafts"][n]["tok_per_s"] for t in kept["tasks"]) / 2 for n in ("chain", "tree", "auto")}
+    assert p["ar_tok_per_s"] == pytest.approx(ar) and p["planner_tok_per_s"] == pytest.approx(tok["auto"])
+    assert p["best_static_tok_per_s"] == pytest.approx(max(ar, tok["chain"], tok["tree"]))
+    assert p["planner_over_best_static"] == pytest.approx(tok["auto"] / p["best_static_tok_per_s"])
+    assert p["planner_over_ar"] == pytest.approx(tok["auto"] / ar) and p["same_run"] is True
+    assert len(p["planner_choices_per_task"]) == 2 and all(p["planner_choices_per_task"])
+    sm = json.loads((runs / "chain-tree.json").read_text())
+    assert "ar" not in sm["tasks"][0] and sm["tasks"][0]["drafts"]["tree"]["verified_tokens_per_step"] == 12
+    assert res["smollm2"]["tree_tau_over_chain_tau"] == pytest.approx(
+        sm["summary"]["tree"]["mean_tau"] / sm["summary"]["chain"]["mean_tau"])
