@@ -55,7 +55,7 @@ from dspine.ops.linear import linear
 from dspine.ops.lm_head import lm_head as lm_head_op
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
-from dspine.ops.sdpa import backends_context, sdpa
+from dspine.ops.sdpa import backends_context
 from dspine.ops.silu_mul import silu_mul
 from dspine.ops.tree_attention import tree_attention
 from dspine.ops.verify_attention import verify_attention
@@ -414,15 +414,20 @@ class EngineTarget(nn.Module):
 
     def _prompt_attention(self, i: int, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         """Causal SDPA of a prompt's queries q ``[1, Hq, P, D]`` over its own keys kc/vc ``[1, Hkv, P, D]``;
-        a sliding layer masks keys before p - window + 1."""
+        a sliding layer masks keys before p - window + 1. Called inside :meth:`prefill_packed`'s
+        :func:`~dspine.ops.sdpa.backends_context` (no cuDNN: it plans every new prompt length)."""
         a, w = self.args, self.window(i)
         P = q.shape[2]
+        gqa = a.num_heads != a.num_kv_heads
         mask = None
         if w is not None and w < P:
             j = torch.arange(P, device=q.device)
             mask = (j[None, :] <= j[:, None]) & (j[None, :] > j[:, None] - w)  # [P, P]
-        return sdpa(q, kc, vc, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                    enable_gqa=a.num_heads != a.num_kv_heads)
+            if gqa:  # SDPA's GQA flag takes flash or math only, and flash no mask: repeat for memory-efficient
+                kc, vc = (x.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1) for x in (kc, vc))
+                gqa = False
+        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                              enable_gqa=gqa)
 
     # packed prefill attention through one varlen flash call (issue 11); set False after a failed call
     varlen_prefill = True
@@ -460,10 +465,10 @@ class EngineTarget(nn.Module):
             else:  # torch <= 2.11: no GQA flag, so each key/value head is repeated for its query heads
                 k = k.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
                 v = v.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
-        try:
-            with backends_context(q.device):  # as the per-prompt SDPA: no cuDNN plan per new shape
-                o = varlen_attn(q.reshape(N, a.num_heads, a.head_dim), k, v, cu, cu, max_len, max_len,
-                                scale=self.scale, window_size=(-1, 0), **gqa)
+        try:  # (varlen_attn picks its kernel itself: flash, or cuDNN on sm90/sm100 in releases that follow the
+            # SDPA backend priority, which the prefill's backends_context then steers away from; see dspine.ops.sdpa)
+            o = varlen_attn(q.reshape(N, a.num_heads, a.head_dim), k, v, cu, cu, max_len, max_len,
+                            scale=self.scale, window_size=(-1, 0), **gqa)
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, TypeError) as e:
@@ -625,7 +630,8 @@ class EngineTarget(nn.Module):
 
         pos = torch.arange(P, device=tokens.device)
         bidx = torch.full((P,), slot, device=tokens.device, dtype=torch.long)
-        x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features)
+        with backends_context(tokens.device):
+            x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features)
         h, _ = rms_norm(x[-1:], self.norm, a.rms_norm_eps, residual=residual[-1:], impl=self.impl)
         return F.linear(h, self.head)[0], self._features(feats, want_features)
 
@@ -680,12 +686,13 @@ class EngineTarget(nn.Module):
             return torch.cat([linear_attention.prefill(a, L, i, h[starts[j]:starts[j + 1]], s, cache, self.impl)
                               for j, s in enumerate(slots)])
 
-        try:
-            x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
-        except _VarlenFailed as e:  # no flash kernel for this GPU, an older varlen_attn: the loop, from now on
-            print(f"note: varlen prefill attention failed ({e}); using one SDPA call per prompt", flush=True)
-            self.varlen_prefill = varlen = False
-            x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
+        with backends_context(dev):  # one switch per prefill (about 12 µs of host time each way)
+            try:
+                x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
+            except _VarlenFailed as e:  # no flash kernel for this GPU, an older varlen_attn: the loop, from now on
+                print(f"note: varlen prefill attention failed ({e}); using one SDPA call per prompt", flush=True)
+                self.varlen_prefill = varlen = False
+                x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
         last = torch.tensor([e - 1 for e in starts[1:]], device=dev)
         h, _ = rms_norm(x[last], self.norm, a.rms_norm_eps, residual=residual[last], impl=self.impl)
         return F.linear(h, self.head), self._features(feats, want_features)

@@ -30,17 +30,78 @@ def test_backend_names_exist():
     assert "CUDNN_ATTENTION" not in sdpa_mod.BACKENDS
 
 
+def _reference(q, k, v, mask=None, causal=False, scale=None):
+    """Attention written out: softmax(q kᵀ · scale + mask) v, K/V heads repeated for their query heads."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
 @pytest.mark.parametrize("kwargs", [dict(is_causal=True, enable_gqa=True), dict(scale=0.3, enable_gqa=True)])
-def test_cpu_equals_torch(kwargs):
-    q, k, v = _qkv("cpu", torch.float32)
-    assert torch.equal(sdpa(q, k, v, **kwargs), F.scaled_dot_product_attention(q, k, v, **kwargs))
+def test_cpu_matches_written_out_attention(kwargs):
+    q, k, v = _qkv("cpu", torch.float64)
+    ref = _reference(q, k, v, causal=kwargs.get("is_causal", False), scale=kwargs.get("scale"))
+    assert torch.allclose(sdpa(q, k, v, **kwargs), ref, atol=1e-12)
 
 
-def test_masked_cpu_equals_torch():
-    q, k, v = _qkv("cpu", torch.float32, Tq=3, Tk=9, Hkv=4)
+def test_masked_cpu_matches_written_out_attention():
+    q, k, v = _qkv("cpu", torch.float64, Tq=3, Tk=9, Hkv=4)
     mask = torch.rand(2, 1, 3, 9, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[..., 0] = True
-    assert torch.equal(sdpa(q, k, v, attn_mask=mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert torch.allclose(sdpa(q, k, v, attn_mask=mask), _reference(q, k, v, mask=mask), atol=1e-12)
+
+
+def test_backends_context_switches_torch_flags_on_cuda_only(monkeypatch):
+    """On a CUDA device the context turns cuDNN SDPA off (and the allowed backends on) and restores the
+    flags on exit, also after an error; on the CPU, or with BACKENDS = None, it leaves them alone."""
+    b = torch.backends.cuda
+    before = (b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled())
+    b.enable_cudnn_sdp(True)
+    try:
+        with sdpa_mod.backends_context(torch.device("cuda")):
+            assert not b.cudnn_sdp_enabled() and b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled()
+        assert b.cudnn_sdp_enabled()
+        with pytest.raises(RuntimeError, match="boom"):
+            with sdpa_mod.backends_context(torch.device("cuda", 0)):
+                raise RuntimeError("boom")
+        assert b.cudnn_sdp_enabled()
+        with sdpa_mod.backends_context(torch.device("cpu")):
+            assert b.cudnn_sdp_enabled()
+        monkeypatch.setattr(sdpa_mod, "BACKENDS", None)
+        with sdpa_mod.backends_context(torch.device("cuda")):
+            assert b.cudnn_sdp_enabled()
+        monkeypatch.setattr(sdpa_mod, "BACKENDS", ("FLASH_ATTENTION",))
+        with sdpa_mod.backends_context(torch.device("cuda")):
+            assert b.flash_sdp_enabled() and not b.mem_efficient_sdp_enabled() and not b.math_sdp_enabled()
+    finally:
+        for flag, on in zip((b.enable_cudnn_sdp, b.enable_flash_sdp, b.enable_mem_efficient_sdp, b.enable_math_sdp),
+                            before):
+            flag(on)
+
+
+def test_sliding_gqa_prompt_attention_matches_written_out():
+    """infer.model's prompt attention of a sliding layer under GQA (K/V repeated, no SDPA GQA flag with a
+    mask) against attention written out with the window mask."""
+    from infer.model import EngineTarget, ModelArgs
+
+    a = ModelArgs(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                  max_position_embeddings=64, tie_word_embeddings=False, qk_norm=True, qkv_bias=False,
+                  windows=(3, None))
+    with torch.device("meta"):
+        t = EngineTarget(a, [], "torch")
+    q, k, v = _qkv("cpu", torch.float64, Tq=7, Tk=7, Hq=4, Hkv=2, D=8)
+    q, k, v = q[:1], k[:1], v[:1]
+    j = torch.arange(7)
+    window = (j[None, :] <= j[:, None]) & (j[None, :] > j[:, None] - 3)
+    assert t.window(0) == 3 and t.window(1) is None
+    assert torch.allclose(t._prompt_attention(0, q, k, v), _reference(q, k, v, mask=window, scale=t.scale), atol=1e-12)
+    assert torch.allclose(t._prompt_attention(1, q, k, v), _reference(q, k, v, causal=True, scale=t.scale), atol=1e-12)
 
 
 @pytest.mark.gpu
@@ -76,8 +137,22 @@ def test_prefill_bench_tiny_cpu(tmp_path):
     assert rec["runs"]["no_cudnn"]["sdp_backends"] == list(sdpa_mod.BACKENDS)
 
 
-def test_prefill_bench_rejects_unknown_setting(tmp_path):
+@pytest.mark.parametrize("extra, msg", [
+    (["--settings", "no_cudnn,cudnn_fast"], "unknown setting 'cudnn_fast'"),
+    (["--lengths", "0"], "--lengths 0: must be >= 4"),
+    (["--lengths", "4", "--max-len", "30"], "--max-len 30: prompts of 16 .. 26 tokens give 11 distinct lengths, and "
+                                            "--lengths 4 needs 12: raise --max-len to 31"),
+    (["--max-len", "10"], "--max-len 10: prompts of 16 .. 6 tokens give 0 distinct lengths"),
+    (["--device", "bogus"], "--device 'bogus': not a torch device"),
+    (["--output", "{tmp}"], "is a folder; give a file name"),
+    (["--output", "{tmp}/old.json"], "exists; pass --overwrite"),
+])
+def test_prefill_bench_checks_arguments_before_any_run(tmp_path, extra, msg):
+    """Every bad argument fails in the parent, before a child process starts (exit 2, the argument named)."""
+    (tmp_path / "old.json").write_text("{}")
+    extra = [x.replace("{tmp}", str(tmp_path)) for x in extra]
     cmd = [sys.executable, str(REPO / "benchmarks" / "engine" / "bench_prefill.py"), "--device", "cpu", "--tiny",
-           "--settings", "cudnn_fast"]
+           *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert r.returncode == 2 and "unknown setting 'cudnn_fast'" in r.stderr
+    assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]
+    assert "RESULT" not in r.stdout and (tmp_path / "old.json").read_text() == "{}"

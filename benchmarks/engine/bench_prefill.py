@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -86,12 +87,12 @@ def run_setting(args) -> dict:
     used = {args.max_len - 1, args.max_len - 2}
 
     def fresh(n: int) -> list[int]:
-        out = []
-        while len(out) < n:
-            x = g.randrange(16, args.max_len - 3)
-            if x not in used:
-                used.add(x)
-                out.append(x)
+        """n prompt lengths in 16 .. max_len - 4 not used before (main() checks that enough exist)."""
+        left = [x for x in range(16, args.max_len - 3) if x not in used]
+        if len(left) < n:
+            raise ValueError(f"--max-len {args.max_len}: {len(left)} unused prompt lengths left, {n} needed")
+        out = g.sample(left, n)
+        used.update(out)
         return out
 
     def time_c1(ps):
@@ -134,20 +135,54 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=600, help="longest prompt (default 600)")
     ap.add_argument("--profile", action="store_true",
                     help="profiler tables of a first and a repeat pass (torch_default setting)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per setting's process (default 900)")
     args = ap.parse_args(argv)
     if args.setting:
         print("RESULT " + json.dumps(run_setting(args)), flush=True)
         return 0
+    settings = [x.strip() for x in args.settings.split(",")]
+    bad = [x for x in settings if x not in SETTINGS]
+    if bad or not settings:
+        ap.error(f"--settings {args.settings!r}: unknown setting {bad[0]!r}; expected some of {SETTINGS}" if bad
+                 else f"--settings {args.settings!r}: give at least one of {SETTINGS}")
+    if args.lengths < 4:
+        ap.error(f"--lengths {args.lengths}: must be >= 4 (the packed part admits groups of 8, --lengths // 4 of them)")
+    need = args.lengths + 8 * (args.lengths // 4) + (5 if args.profile else 0)  # distinct new lengths used
+    if args.max_len - 19 < need:
+        ap.error(f"--max-len {args.max_len}: prompts of 16 .. {args.max_len - 4} tokens give {max(args.max_len - 19, 0)} "
+                 f"distinct lengths, and --lengths {args.lengths} needs {need}: raise --max-len to {need + 19} or more")
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r}: not a torch device (cuda, cuda:N or cpu)")
+    if dev.type not in ("cuda", "cpu"):
+        ap.error(f"--device {args.device!r}: the engine runs on cuda or cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA GPU is visible (use --device cpu --tiny for a smoke run)")
+    if args.output:
+        out = Path(args.output)
+        if out.is_dir():
+            ap.error(f"--output {args.output} is a folder; give a file name")
+        if out.exists() and not args.overwrite:
+            ap.error(f"--output {args.output} exists; pass --overwrite to replace it or choose another name")
+        parent = next((q for q in out.parents if q.exists()), Path("."))
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            ap.error(f"--output {args.output}: cannot create it under {parent} (not a writable folder)")
     runs = {}
-    for s in args.settings.split(","):
-        if s not in SETTINGS:
-            ap.error(f"--settings: unknown setting {s!r}; expected some of {SETTINGS}")
+    for s in settings:
         cmd = [sys.executable, __file__, "--setting", s, "--device", args.device, "--lengths", str(args.lengths),
                "--max-len", str(args.max_len)] + (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{s}: no result within --timeout {args.timeout:g} s", file=sys.stderr)
+            runs[s] = {"error": f"timeout after {args.timeout:g} s"}
+            continue
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode != 0 or not line:
-            print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
+            last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+            print(f"{s}: failed (exit {p.returncode}): {last}", file=sys.stderr)
             runs[s] = {"error": f"exit {p.returncode}", "stderr_tail": p.stderr[-2000:]}
             continue
         runs[s] = json.loads(line[0][7:])
