@@ -68,7 +68,7 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
     out = {label: dict(base) for label in labels}
     seen = set()
     for item in values or []:
-        label, sep, rest = item.partition(":")
+        label, sep, rest = item.rpartition(":")  # a label may hold ':'; keys and values never do
         if not sep or not rest:
             raise ValueError(f"--config {item!r}: give LABEL:KEY=VALUE[,KEY=VALUE] (keys {', '.join(CONFIG_KEYS)})")
         if label not in out:
@@ -82,6 +82,8 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
             key = key.strip().replace("-", "_")
             if not eq or key not in CONFIG_KEYS:
                 raise ValueError(f"--config {item!r}: {kv!r} is not KEY=VALUE with a key of {', '.join(CONFIG_KEYS)}")
+            if key in given:
+                raise ValueError(f"--config {item!r}: key {key!r} given twice")
             given[key] = value.strip()
         c = out[label]
         if "verify" in given:
@@ -125,7 +127,8 @@ class Runner:
 
         self.args = args
         # per draft label: verify / tree_budget / budget (check_args fills it; the run-wide flags otherwise)
-        self.configs = getattr(args, "configs", None) or parse_configs(None, parse_drafts(args.draft), args)
+        self.configs = getattr(args, "configs", None) or parse_configs(getattr(args, "config", None),
+                                                                        parse_drafts(args.draft), args)
         path, gguf = resolve_model_path(args.target, args.gguf_file)
         self.spec = TargetSpec.from_pretrained(path, gguf)
         self.backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "reference")
@@ -135,6 +138,11 @@ class Runner:
                   "reference backend", file=sys.stderr)
             self.backend = "reference"
         self.spec.check_supported(engine=self.backend == "cuda")
+        base = parse_configs(None, parse_drafts(args.draft), args)
+        if self.backend != "cuda" and self.configs != base:  # e.g. --backend auto without a GPU: never dropped silently
+            raise ValueError(f"--config needs the engine, and this run uses the {self.backend} backend "
+                             "(--backend auto without a CUDA GPU, or a target the engine does not run); give "
+                             "--backend cuda (--device cpu on a CPU)")
         if args.exact is None:  # the engine's default; the reference backend has no exact mode
             from infer.model import EXACT_DEFAULT
 
@@ -174,7 +182,8 @@ class Runner:
             for label, m in models.items():
                 # each draft reads its own layers: the target returns them in the draft's order
                 c = self.configs[label]
-                self.decoders[label] = Engine(target, m, self.eos, verify_size=args.block_size, verify=c["verify"],
+                vs = args.block_size if c["verify"] == "chain" else None  # --block-size: the chain labels' width
+                self.decoders[label] = Engine(target, m, self.eos, verify_size=vs, verify=c["verify"],
                                               tree_budget=c["tree_budget"], budget=c["budget"], **kw)
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
@@ -491,9 +500,10 @@ def build_parser():
                     help="auto: per step, AR, the chain or a tree of 32/64 nodes by measured step time and acceptance "
                          "(infer.planner; --backend cuda); default: always --verify / --tree-budget")
     ap.add_argument("--config", action="append", default=None, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
-                    help="the draft LABEL's own verify / tree_budget / budget (over the run-wide flags), e.g. "
-                         "--draft chain=D --draft auto=D --config auto:budget=auto: several verify modes of one draft "
-                         "timed in one run, alternated per task")
+                    help="the draft LABEL's own verify (chain|tree), tree_budget (2..64) or budget (auto|none) over "
+                         "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "
+                         "--config auto:budget=auto: several verify modes of one draft timed in one run, alternated "
+                         "per task (engine only; --block-size applies to the chain labels)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None,

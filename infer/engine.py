@@ -400,12 +400,17 @@ class Engine:
             noise = rng.bonus_noise(s.seeds, rng.STREAM_TARGET, out_pos, p_target.shape[-1], t_ids)
             last, a, bonus = verify_tree(tree, p_target=p_target, q=q, u=node_uniforms(tree, s.seeds, out_pos),
                                          exp_noise=noise)
-        path = path_nodes(tree, last, K)  # [B, K + 1]: node at depth d (identity past depth a)
+        # [B, Kp + 1]: node at depth d (identity past depth a); a tree of N nodes is at most N - 1 deep, so a
+        # budget below the block keeps the path (and the K/V move) to N entries
+        Kp = min(K, N - 1)
+        path = path_nodes(tree, last, Kp)
         live = s.done == 0
-        commit_step(tree.tokens.gather(1, path), a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos,
-                    s.hist, impl=self.impl)
+        tok = tree.tokens.gather(1, path)
+        if Kp < K:  # commit_step takes the block's K + 1 columns; those past depth a are never read
+            tok = torch.cat([tok, tok.new_zeros(s.B, K - Kp)], 1)
+        commit_step(tok, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist, impl=self.impl)
         src = s.lengths[:, None].long() + path
-        dst = s.lengths[:, None].long() + torch.arange(K + 1, device=self.device)
+        dst = s.lengths[:, None].long() + torch.arange(Kp + 1, device=self.device)
         _, Hkv, _, D = kv.k[0].shape
         src, dst = (i[:, None, :, None].expand(-1, Hkv, -1, D) for i in (src, dst))
         for c in kv.k + kv.v:  # [B, Hkv, S, D]: each layer's reads come before its writes

@@ -283,6 +283,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:budget=auto", "--exact"], "--exact supports chain verify without a budget; draft 'D'"),
     (["--config", "D:verify=tree", "--draft-temperature", "0"], "--draft-temperature 0 with verify=tree"),
     (["--config", "D:budget=auto", "--backend", "reference"], "--config needs the engine"),
+    (["--config", "D:verify=tree,verify=chain"], "key 'verify' given twice"),
 ])
 def test_config_errors_name_the_item(stories_dir, draft_dir, capsys, config, msg):
     argv = ["--target", str(stories_dir), "--draft", f"D={draft_dir}", "--datasets", "gsm8k", "--no-chat-template",
@@ -303,3 +304,29 @@ def test_config_none_overrides_a_run_wide_budget():
     c = bench.parse_configs(["a:budget=none,verify=chain"], {"a": "p", "b": "p"}, args)
     assert c == {"a": {"verify": "chain", "tree_budget": None, "budget": None},
                  "b": {"verify": "tree", "tree_budget": 16, "budget": "auto"}}
+
+
+def test_config_is_never_dropped_by_the_reference_backend(stories_dir, draft_dir, capsys, monkeypatch):
+    """--backend auto without a GPU runs the reference backend, which has no per-label settings: refused, not
+    run as the chain while the JSON says tree."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["--target", str(stories_dir), "--draft", f"c={draft_dir}", "--draft", f"t={draft_dir}",
+            "--config", "t:verify=tree", "--datasets", "gsm8k", "--no-chat-template",
+            "--data-dir", str(shared_path("data", "eval"))]
+    assert bench.main(argv) == 2
+    assert "--config needs the engine, and this run uses the reference backend" in capsys.readouterr().err
+
+
+def test_config_label_with_colon_and_block_size_for_chain_labels(stories_dir, draft_dir, tmp_path):
+    """A label may hold ':' (the last ':' splits); --block-size sets the chain label's width and leaves the tree
+    label alone."""
+    out = tmp_path / "c.json"
+    assert bench.main(["--target", str(stories_dir), "--draft", f"a:b={draft_dir}", "--draft", f"t={draft_dir}",
+                       "--config", "t:verify=tree,tree_budget=6", "--config", "a:b:budget=none", "--block-size", "4",
+                       "--datasets", "gsm8k", "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2",
+                       "--max-new-tokens", "8", "--no-chat-template", "--backend", "cuda", "--device", "cpu",
+                       "--dtype", "fp32", "--no-ar", "--output-json", str(out)]) == 0
+    d = json.loads(out.read_text())["tasks"][0]["drafts"]
+    assert (d["a:b"]["verify"], d["a:b"]["verified_tokens_per_step"]) == ("chain", 4)
+    assert (d["t"]["verify"], d["t"]["verified_tokens_per_step"]) == ("tree", 6)
+    assert len(d["a:b"]["accept_hist"]) == 4  # accept lengths 0..3 of a 4-wide chain

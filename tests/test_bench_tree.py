@@ -44,3 +44,17 @@ def test_tiny_chain_tree_and_planner_point(stories_dir, draft_dir, tmp_path):
     assert "ar" not in sm["tasks"][0] and sm["tasks"][0]["drafts"]["tree"]["verified_tokens_per_step"] == 12
     assert res["smollm2"]["tree_tau_over_chain_tau"] == pytest.approx(
         sm["summary"]["tree"]["mean_tau"] / sm["summary"]["chain"]["mean_tau"])
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--planner", "2:0,2:0.0"], "a point given twice"),
+    (["--planner", "x:0"], "CONCURRENCY is an integer"),
+    (["--planner", "2:0", "--keep-runs", "{file}"], "exists and is not a folder"),
+])
+def test_bench_tree_checks_planner_points_and_keep_runs(stories_dir, draft_dir, tmp_path, extra, msg):
+    (tmp_path / "f").write_text("")
+    extra = [x.replace("{file}", str(tmp_path / "f")) for x in extra]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "engine" / "bench_tree.py"), "--tiny", "--skip-steps",
+           "--smollm2", str(stories_dir), "--draft", str(draft_dir), *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]

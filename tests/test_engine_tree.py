@@ -71,6 +71,22 @@ def test_engine_tree_greedy_equals_chain(stories_dir, stories):
         _engine(stories_dir, folder, verify="beam")
 
 
+@pytest.mark.parametrize("budget", [2, 5])
+def test_engine_tree_budget_below_the_block(stories_dir, stories, budget):
+    """A tree of fewer nodes than the block's slots (N - 1 < K = 7) is at most N - 1 deep: the accepted path,
+    its K/V move and the committed tokens stay within the N nodes (an index error before the fix), output
+    lossless, accept lengths capped at N - 1."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=40)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    eng = second_choice_engine(_engine(stories_dir, folder, verify="tree", tree_budget=budget),
+                               [p + w for p, w in zip(PROMPTS, want)])
+    res = eng.generate(PROMPTS, params, concurrency=3)
+    assert res.token_ids == want
+    hist = res.stats.hist  # hist[n]: steps that committed n tokens (n - 1 drafted tokens accepted + the bonus)
+    assert sum(hist[budget + 1 :]) == 0 and sum(hist[2 : budget + 1]) > 0  # 1..N-1 accepted, never more
+
+
 def test_engine_tree_sampling_is_seeded_per_request(stories_dir, stories):
     """T > 0: a prompt's output depends only on its seed, not on the concurrency (rows are independent)."""
     eng = _engine(stories_dir, stories[2], verify="tree", tree_budget=12)

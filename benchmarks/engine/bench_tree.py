@@ -215,6 +215,15 @@ def main(argv=None) -> int:
         ap.error("--planner needs --smollm2 and --draft")
     if args.planner and not all(len(p.split(":")) == 2 for p in args.planner.split(",")):
         ap.error(f"--planner {args.planner!r}: give CONCURRENCY:TEMPERATURE pairs, e.g. 1:0,8:1")
+    if args.planner:
+        try:
+            pts = [(int(c), float(t)) for c, t in (p.split(":") for p in args.planner.split(","))]
+        except ValueError:
+            ap.error(f"--planner {args.planner!r}: CONCURRENCY is an integer, TEMPERATURE a number, e.g. 1:0,8:1")
+        if len(set(pts)) < len(pts):
+            ap.error(f"--planner {args.planner!r}: a point given twice")
+    if args.keep_runs and Path(args.keep_runs).exists() and not Path(args.keep_runs).is_dir():
+        ap.error(f"--keep-runs {args.keep_runs}: exists and is not a folder")
     if not args.tiny and not torch.cuda.is_available():
         print(
             "error: bench_tree.py measures a CUDA GPU and none is visible; use --tiny for a CPU smoke run",
