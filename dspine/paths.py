@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -41,6 +42,21 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 def looks_local(path_or_id: str) -> bool:
     """True for a string that can only be a local path: it starts with ``/ . ~`` or is no Hub id."""
     return path_or_id.startswith(("/", ".", "~")) or not _HUB_ID.fullmatch(path_or_id)
+
+
+def check_output_file(flag: str, path: str | Path, overwrite: bool) -> None:
+    """Check, before any work, that the output file ``path`` of option ``flag`` can be written: not a folder,
+    not an existing file unless ``overwrite``, its nearest existing parent a writable folder.
+
+    Raises ValueError naming ``flag`` and the path."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file name")
+    if p.exists() and not overwrite:
+        raise ValueError(f"{flag} {path} exists; pass --overwrite to replace it or choose another name")
+    parent = next((q for q in p.parents if q.exists()), Path("."))
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: cannot create it under {parent} (not a writable folder)")
 
 
 def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str = "target",

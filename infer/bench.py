@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -126,9 +125,10 @@ class Runner:
         from dspine.target import TargetSpec, assert_compatible, load_tokenizer, resolve_model_path
 
         self.args = args
+        self.drafts = parse_drafts(args.draft)
         # per draft label: verify / tree_budget / budget (check_args fills it; the run-wide flags otherwise)
-        self.configs = getattr(args, "configs", None) or parse_configs(getattr(args, "config", None),
-                                                                        parse_drafts(args.draft), args)
+        self.configs = getattr(args, "configs", None) or parse_configs(getattr(args, "config", None), self.drafts,
+                                                                        args)
         path, gguf = resolve_model_path(args.target, args.gguf_file)
         self.spec = TargetSpec.from_pretrained(path, gguf)
         self.backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "reference")
@@ -138,8 +138,7 @@ class Runner:
                   "reference backend", file=sys.stderr)
             self.backend = "reference"
         self.spec.check_supported(engine=self.backend == "cuda")
-        base = parse_configs(None, parse_drafts(args.draft), args)
-        if self.backend != "cuda" and self.configs != base:  # e.g. --backend auto without a GPU: never dropped silently
+        if self.backend != "cuda" and getattr(args, "config", None):  # --backend auto without a GPU: never dropped
             raise ValueError(f"--config needs the engine, and this run uses the {self.backend} backend "
                              "(--backend auto without a CUDA GPU, or a target the engine does not run); give "
                              "--backend cuda (--device cpu on a CPU)")
@@ -150,7 +149,6 @@ class Runner:
                 c["verify"] == "chain" and c["budget"] is None for c in self.configs.values())
         self.tokenizer = load_tokenizer(path, gguf)
         self.eos = sorted(self.spec.eos_ids)
-        self.drafts = parse_drafts(args.draft)
         limit = self.spec.max_position_embeddings
         if limit and args.max_prompt_tokens + args.max_new_tokens + 64 > limit:
             # keep the end of long prompts so that prompt + new tokens fit the target's context
@@ -533,7 +531,7 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
 
     Returns the task names and the sampling settings. Raises ValueError / FileNotFoundError naming
     the argument."""
-    from dspine.paths import looks_local
+    from dspine.paths import check_output_file, looks_local
     from infer.datasets import task_name
     from infer.generate import check_decode_args, refuse_draft_options
 
@@ -579,16 +577,8 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
         args.plot = str(Path(args.output_json).with_suffix(".png"))
     outputs = {"--output-json": args.output_json, "--plot": args.plot}
     for flag, path in outputs.items():  # before any work: a benchmark must not end in an unwritable path
-        if path is None:
-            continue
-        p = Path(path)
-        if p.is_dir():
-            raise ValueError(f"{flag} {path} is a folder; give a file name")
-        if p.exists() and not args.overwrite:
-            raise ValueError(f"{flag} {path} exists; pass --overwrite to replace it or choose another name")
-        parent = next((q for q in p.parents if q.exists()), Path("."))
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise ValueError(f"{flag} {path}: cannot create it under {parent} (not a writable folder)")
+        if path is not None:
+            check_output_file(flag, path, args.overwrite)
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder")
     if args.backend == "cuda" and device_type == "cuda" and not torch.cuda.is_available():

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.bench_draft_step import TARGETS, random_target  # noqa: E402
 from dspine.ops import sdpa as sdpa_mod  # noqa: E402
+from dspine.paths import check_output_file  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
@@ -161,14 +161,10 @@ def main(argv=None) -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: no CUDA GPU is visible (use --device cpu --tiny for a smoke run)")
     if args.output:
-        out = Path(args.output)
-        if out.is_dir():
-            ap.error(f"--output {args.output} is a folder; give a file name")
-        if out.exists() and not args.overwrite:
-            ap.error(f"--output {args.output} exists; pass --overwrite to replace it or choose another name")
-        parent = next((q for q in out.parents if q.exists()), Path("."))
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            ap.error(f"--output {args.output}: cannot create it under {parent} (not a writable folder)")
+        try:
+            check_output_file("--output", args.output, args.overwrite)
+        except ValueError as e:
+            ap.error(str(e))
     runs = {}
     for s in settings:
         cmd = [sys.executable, __file__, "--setting", s, "--device", args.device, "--lengths", str(args.lengths),
