@@ -28,10 +28,14 @@ DEV = "cpu"
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16 if a.element_size() == 2
-                                                                             else torch.int32),
-                                                                     b.view(torch.int16 if b.element_size() == 2
-                                                                            else torch.int32))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+            b.view(torch.int16 if b.element_size() == 2 else torch.int32),
+        )
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -58,6 +62,32 @@ def test_linear_rows_do_not_depend_on_m(impl):
         linear(x, torch.zeros(N, K + 1, dtype=torch.bfloat16), impl=impl)
 
 
+@needs_interp
+def test_linear_split_k_same_bits_both_ways():
+    """A split configuration sums K in fixed chunks: spread over programs (fp32 partials + the ordered
+    reduce) or all in one program, the bits are the same, for every M; and rows stay M-invariant."""
+    from dspine.ops.linear import chunk_k, linear_triton
+
+    g = torch.Generator().manual_seed(1)
+    M, K, N = 19, 600, 96
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(torch.bfloat16)
+    bias = torch.randn(N, generator=g).to(torch.bfloat16)
+    cfg = (16, 32, 64, 4, 2, 3)
+    assert chunk_k(K, 3) == 256  # chunks of 256, 256 and 88 columns
+    full = linear_triton(x, w, bias, cfg=cfg, split_programs=False)
+    for m in (1, 3, 16, 19):
+        for sp in (True, False):
+            assert _bits_equal(linear_triton(x[:m], w, bias, cfg=cfg, split_programs=sp), full[:m]), (m, sp)
+    ref = x.float() @ w.float().T + bias.float()
+    assert (full.float() - ref).abs().max().item() <= 2 * 2**-8 * ref.abs().max().item()
+    # the chunked sum is a different summation from the unsplit one: it is exact only against itself
+    one = linear_triton(x, w, bias, cfg=cfg[:5])
+    assert (one.float() - ref).abs().max().item() <= 2 * 2**-8 * ref.abs().max().item()
+    with pytest.raises(ValueError, match="split"):
+        linear_triton(x, w, cfg=(16, 32, 64, 4, 2, 0))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window", [None, 70])
 def test_verify_attention_exact_queries_do_not_depend_on_block_or_batch(impl, window):
@@ -76,8 +106,16 @@ def test_verify_attention_exact_queries_do_not_depend_on_block_or_batch(impl, wi
     assert _bits_equal(narrow, block[:, :4])
     for b in (0, 2):
         for t in (0, 7, 15):
-            one = verify_attention(q[b : b + 1, t : t + 1].contiguous(), k[b : b + 1], v[b : b + 1], lens[b : b + 1] + t,
-                                   scale, impl=impl, window=window, exact=True)
+            one = verify_attention(
+                q[b : b + 1, t : t + 1].contiguous(),
+                k[b : b + 1],
+                v[b : b + 1],
+                lens[b : b + 1] + t,
+                scale,
+                impl=impl,
+                window=window,
+                exact=True,
+            )
             assert _bits_equal(one[0, 0], block[b, t]), (b, t)
     fast = verify_attention(q, k, v, lens, scale, impl=impl, window=window)
     assert (fast.float() - block.float()).abs().max().item() <= 2**-6  # same op, other rounding
@@ -89,12 +127,24 @@ def _tiny_target(dtype=torch.bfloat16, impl="torch", layers=2, window=None):
 
     torch.manual_seed(0)
     extra = dict(use_sliding_window=True, sliding_window=window, max_window_layers=0) if window else {}
-    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                      rope_theta=1e4, tie_word_embeddings=False, initializer_range=0.2, **extra)
+    cfg = Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rope_theta=1e4,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        **extra,
+    )
     hf = Qwen3ForCausalLM(cfg).eval()
-    return EngineTarget.from_hf_state(ModelArgs.from_hf_config(cfg), hf.state_dict(), DEV, dtype, [0, layers - 1],
-                                      impl)
+    return EngineTarget.from_hf_state(
+        ModelArgs.from_hf_config(cfg), hf.state_dict(), DEV, dtype, [0, layers - 1], impl
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -128,7 +178,9 @@ def test_target_step_logits_width_and_batch_invariant(impl):
                 feats.append(ft)
             assert _bits_equal(torch.cat(parts, 1)[0], wide[1, :n]), width
             assert _bits_equal(torch.cat(feats, 1)[0], wide_f[1, :n]), width
-    assert (fast.float() - wide.float()).abs().max().item() < 0.1  # fast mode: the same logits up to bf16 rounding
+    assert (
+        fast.float() - wide.float()
+    ).abs().max().item() < 0.1  # fast mode: the same logits up to bf16 rounding
     with pytest.raises(ValueError, match="tree"):
         tgt.forward_step(cont, pos, cache, lens, exact=True, tree_bits=torch.ones(3, T, dtype=torch.long))
 
@@ -139,11 +191,20 @@ def _draft_for(tgt: EngineTarget, block=8):
 
     a = tgt.args
     torch.manual_seed(1)
-    cfg = DSpineConfig(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-                       num_hidden_layers=1, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
-                       head_dim=a.head_dim, block_size=block, num_target_layers=a.num_layers,
-                       max_position_embeddings=a.max_position_embeddings, rope_theta=a.rope_theta,
-                       dflash_config={"mask_token_id": a.vocab_size - 1, "target_layer_ids": tgt.layer_ids})
+    cfg = DSpineConfig(
+        vocab_size=a.vocab_size,
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads,
+        head_dim=a.head_dim,
+        block_size=block,
+        num_target_layers=a.num_layers,
+        max_position_embeddings=a.max_position_embeddings,
+        rope_theta=a.rope_theta,
+        dflash_config={"mask_token_id": a.vocab_size - 1, "target_layer_ids": tgt.layer_ids},
+    )
     return DSpineDraftModel(cfg).eval()
 
 
@@ -176,16 +237,38 @@ def test_bench_exact_mode_compares_spec_with_ar(stories_dir, tmp_path):
     from tests.conftest import shared_path
     from tests.helpers import random_draft
 
-    draft = save_draft(random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d")
+    draft = save_draft(
+        random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d"
+    )
     out = tmp_path / "b.json"
-    argv = ["--target", str(stories_dir), "--draft", f"D={draft}", "--datasets", "gsm8k", "--num-prompts", "2",
-            "--data-dir", str(shared_path("data", "eval")), "--max-new-tokens", "12", "--no-chat-template",
-            "--concurrency", "2", "--output-json", str(out)]
+    argv = [
+        "--target",
+        str(stories_dir),
+        "--draft",
+        f"D={draft}",
+        "--datasets",
+        "gsm8k",
+        "--num-prompts",
+        "2",
+        "--data-dir",
+        str(shared_path("data", "eval")),
+        "--max-new-tokens",
+        "12",
+        "--no-chat-template",
+        "--concurrency",
+        "2",
+        "--output-json",
+        str(out),
+    ]
     assert bench.main([*argv, "--backend", "cuda", "--device", "cpu", "--dtype", "bf16", "--exact"]) == 0
     d = json.loads(out.read_text())["tasks"][0]["drafts"]["D"]
-    assert d["exact"] is True and d["greedy_equal"] == d["greedy_compared"] == 2 and d["greedy_mismatches"] == []
+    assert (
+        d["exact"] is True and d["greedy_equal"] == d["greedy_compared"] == 2 and d["greedy_mismatches"] == []
+    )
     assert bench.main([*argv, "--backend", "reference", "--exact"]) == 2
-    assert bench.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and bench.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert (
+        bench.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and bench.first_divergence([1, 2], [1, 2, 3]) == 2
+    )
 
 
 def test_bench_reports_divergence_and_fails_in_exact_mode(stories_dir, tmp_path, monkeypatch):
@@ -197,7 +280,9 @@ def test_bench_reports_divergence_and_fails_in_exact_mode(stories_dir, tmp_path,
     from tests.conftest import shared_path
     from tests.helpers import random_draft
 
-    draft = save_draft(random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d")
+    draft = save_draft(
+        random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d"
+    )
     run = bench.Runner.run
 
     def corrupt(self, prompts, params, label):
@@ -208,9 +293,29 @@ def test_bench_reports_divergence_and_fails_in_exact_mode(stories_dir, tmp_path,
 
     monkeypatch.setattr(bench.Runner, "run", corrupt)
     out = tmp_path / "b.json"
-    argv = ["--target", str(stories_dir), "--draft", f"D={draft}", "--datasets", "gsm8k", "--num-prompts", "2",
-            "--data-dir", str(shared_path("data", "eval")), "--max-new-tokens", "8", "--no-chat-template",
-            "--output-json", str(out), "--backend", "cuda", "--device", "cpu", "--dtype", "bf16"]
+    argv = [
+        "--target",
+        str(stories_dir),
+        "--draft",
+        f"D={draft}",
+        "--datasets",
+        "gsm8k",
+        "--num-prompts",
+        "2",
+        "--data-dir",
+        str(shared_path("data", "eval")),
+        "--max-new-tokens",
+        "8",
+        "--no-chat-template",
+        "--output-json",
+        str(out),
+        "--backend",
+        "cuda",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bf16",
+    ]
     assert bench.main(argv) == 0
     d = json.loads(out.read_text())["tasks"][0]["drafts"]["D"]
     assert d["exact"] is False and d["greedy_equal"] == 1 and len(d["greedy_mismatches"]) == 1
@@ -248,8 +353,15 @@ def test_verify_attention_cuda_exact(window):
     block = verify_attention(q, k, v, lens, D**-0.5, window=window, exact=True)
     for b in range(B):
         for t in range(T):
-            one = verify_attention(q[b : b + 1, t : t + 1].contiguous(), k[b : b + 1], v[b : b + 1],
-                                   lens[b : b + 1] + t, D**-0.5, window=window, exact=True)
+            one = verify_attention(
+                q[b : b + 1, t : t + 1].contiguous(),
+                k[b : b + 1],
+                v[b : b + 1],
+                lens[b : b + 1] + t,
+                D**-0.5,
+                window=window,
+                exact=True,
+            )
             assert _bits_equal(one[0, 0], block[b, t]), (b, t)
     # a larger cache (more, empty splits) does not change the result
     k2, v2 = torch.cat([k, k], 2), torch.cat([v, v], 2)
@@ -266,15 +378,29 @@ def test_engine_cuda_exact_spec_equals_ar(graphs):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                      rope_theta=1e6, tie_word_embeddings=False, initializer_range=0.1)
+    cfg = Qwen3Config(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
     hf = Qwen3ForCausalLM(cfg).eval()
-    tgt = EngineTarget.from_hf_state(ModelArgs.from_hf_config(cfg), hf.state_dict(), "cuda", torch.bfloat16, [0, 3],
-                                     "triton")
+    tgt = EngineTarget.from_hf_state(
+        ModelArgs.from_hf_config(cfg), hf.state_dict(), "cuda", torch.bfloat16, [0, 3], "triton"
+    )
     draft = _draft_for(tgt, block=16)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 4000, (int(n),), generator=g).tolist() for n in torch.randint(3, 300, (16,), generator=g)]
+    prompts = [
+        torch.randint(0, 4000, (int(n),), generator=g).tolist()
+        for n in torch.randint(3, 300, (16,), generator=g)
+    ]
     params = SamplingParams(max_new_tokens=160)
     eng = Engine(tgt, draft, [-1], max_batch=8, max_seq=600, exact=True, cuda_graphs=graphs)
     ar = eng.generate(prompts, params, use_draft=False, concurrency=8).token_ids
@@ -298,15 +424,33 @@ def test_bench_exact_smoke(stories_dir, tmp_path):
     from tests.conftest import shared_path
     from tests.helpers import random_draft
 
-    draft = save_draft(random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d")
+    draft = save_draft(
+        random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0), tmp_path / "d"
+    )
     out = tmp_path / "exact.json"
     common = ["--tiny", "--cpu", "--output", str(out), "--data-dir", str(shared_path("data", "eval"))]
-    assert bench_exact.main([*common, "--parts", "smollm2", "--smollm2-target", str(stories_dir),
-                             "--smollm2-draft", str(draft)]) == 0
+    assert (
+        bench_exact.main(
+            [
+                *common,
+                "--parts",
+                "smollm2",
+                "--smollm2-target",
+                str(stories_dir),
+                "--smollm2-draft",
+                str(draft),
+            ]
+        )
+        == 0
+    )
     assert bench_exact.main([*common, "--parts", "8b,cost", "--append", "--8b-prompts", "3"]) == 0
     res = json.loads(out.read_text())
-    assert [(r["target"], r["batch"]) for r in res["runs"]] == [("smollm2", 1), ("smollm2", 8), ("tiny-random", 1),
-                                                                ("tiny-random", 8)]
+    assert [(r["target"], r["batch"]) for r in res["runs"]] == [
+        ("smollm2", 1),
+        ("smollm2", 8),
+        ("tiny-random", 1),
+        ("tiny-random", 8),
+    ]
     assert [r["compared"] for r in res["runs"]] == [5, 5, 3, 3]
     assert all(r["identical"] == r["compared"] and r["cuda_graphs"] is False for r in res["runs"])
     assert res["runs"][2]["tau"] > 2.0  # the oracle draft: blocks accepted deep
@@ -321,16 +465,53 @@ def test_bench_linear_smoke():
     from benchmarks.kernels import bench_linear
 
     res = bench_linear.run(type("A", (), {"tiny": True, "ctx": 300})())
-    assert set(res["per_token_step"]) == {"64,32,128,4,3", "16,32,64,4,2"}
-    assert all(v["row_invariant"] for v in res["per_token_step"].values()) and res["best_config"] in res["per_token_step"]
+    assert set(res["per_token_step"]) == {"64,32,128,4,3", "16,32,64,4,2,3"}
+    assert (
+        all(v["row_invariant"] for v in res["per_token_step"].values())
+        and res["best_config"] in res["per_token_step"]
+    )
     assert [(a["B"], a["T"]) for a in res["attention"]] == [(1, 1), (2, 4)]
 
 
 def test_generate_refuses_exact_where_it_does_not_exist(stories_dir, capsys):
     from infer import generate
 
-    base = ["--target", str(stories_dir), "--draft", "none", "--prompt", "hi", "--backend", "reference", "--exact"]
+    base = [
+        "--target",
+        str(stories_dir),
+        "--draft",
+        "none",
+        "--prompt",
+        "hi",
+        "--backend",
+        "reference",
+        "--exact",
+    ]
     assert generate.main(base) == 2
     assert "--exact needs the engine" in capsys.readouterr().err
     assert generate.main([*base, "--verify", "tree"]) == 2
     assert "--exact supports --verify chain" in capsys.readouterr().err
+
+
+def test_tuned_tile_file_of_the_h200(tmp_path, monkeypatch):
+    """The committed H200 file is read and valid (every Qwen3-8B weight, tiles mixed by M as measured
+    bitwise equal there); a broken file is refused with its path named."""
+    from dspine.ops import linear as lin
+
+    t = lin.tuned("NVIDIA H200")
+    assert t["mixed_row_tiles"] is True
+    assert set(t["weights"]) == {"6144,4096", "4096,4096", "24576,4096", "4096,12288", "151936,4096"}
+    for e in t["weights"].values():
+        assert e["small"][0] == 16 and e["large"][0] >= 64 and e["split"] in (1, 4)
+        assert lin.CHUNK_GRANULE % e["small"][2] == 0 and lin.CHUNK_GRANULE % e["large"][2] == 0
+    assert lin.tuned("No Such GPU") == {}
+    monkeypatch.setattr(lin, "TUNED_DIR", tmp_path)
+    (tmp_path / "linear-Bad_GPU.json").write_text(
+        '{"mixed_row_tiles": true, "weights": {"64,64": {"split": 0}}}'
+    )
+    lin.tuned.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="linear-Bad_GPU.json"):
+            lin.tuned("Bad GPU")
+    finally:
+        lin.tuned.cache_clear()

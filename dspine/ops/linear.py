@@ -6,13 +6,16 @@ of rows M (1..any) and whatever the other rows hold. cuBLAS does not promise tha
 kernel (tile shape, split-K, gemv vs gemm) from M, so a 16-row verify pass can round a position
 differently from a 1-row decode step (issue 13).
 
-Kernel: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); each program owns a BLOCK_M × BLOCK_N tile of y
-and walks K in BLOCK_K tiles, in increasing order, accumulating ``tl.dot`` in fp32. The row tiles
-of one column tile are neighbours in launch order, so a weight tile read by several row tiles
-can come from L2 after the first (not measured yet). The configuration (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-num_stages) comes from (N, K, dtype, device) only (:func:`config`; ``CONFIG_OVERRIDE`` for
-tuning). So for a given weight the compiled kernel and each output element's reduction order
-over K are the same for every M; no split-K, no M-dependent choice.
+Kernel: K is cut into ``split`` chunks (:func:`split_k`, from the weight and device only; chunk
+starts at multiples of CHUNK_GRANULE). Each chunk is summed on its own in fp32, BLOCK_K tiles in
+increasing K order through ``tl.dot``, and the chunk sums are added in chunk order starting from 0.0;
+the bias is added last, then one rounding. Where those sums run is a matter of time only: for few
+rows (M <= SPLIT_PROGRAMS_MAX_M) each chunk gets its own programs, which write fp32 partials that a
+second kernel adds in chunk order; for more rows one program sums all chunks of its tile. The tile
+configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) changes neither the chunks nor the order of
+the tensor-core k16 steps, so :func:`config` may pick it from M (``mixed_row_tiles``; checked bitwise on the
+device by benchmarks/kernels/bench_linear.py --cross, recorded in the device's tuned file
+``tuned/linear-<GPU>.json``); ``CONFIG_OVERRIDE`` fixes it for tuning.
 Layouts: x [..., K] (leading dims flattened to M rows; last dim contiguous), w [N, K] contiguous
 (nn.Linear's layout), bias [N] or None. Returns y [..., N] in x's dtype.
 Memory traffic: W once per row tile (N · K · bytes each; from L2 after the first when the row tiles
@@ -28,24 +31,55 @@ invariant by construction (slow; for tests and the CPU engine).
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from ._common import check_impl, dot_precision, num_sms, tl, triton
 
-__all__ = ["linear", "linear_torch", "linear_triton", "config", "CONFIG_OVERRIDE"]
+__all__ = [
+    "linear",
+    "linear_torch",
+    "linear_triton",
+    "config",
+    "chunk_k",
+    "split_k",
+    "CONFIG_OVERRIDE",
+    "SPLIT_PROGRAMS_MAX_M",
+    "SMALL_M",
+    "FAST_MAX_M",
+    "use_in_fast_mode",
+    "tuned",
+]
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every shape when set (tuning:
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, split]) for every shape when set (tuning:
 # benchmarks/kernels/bench_linear.py); None = :func:`config`'s choice.
-CONFIG_OVERRIDE: tuple[int, int, int, int, int] | None = None
+CONFIG_OVERRIDE: tuple[int, ...] | None = None
 
 
 @triton.jit
 def _linear_kernel(
-    X, W, Bias, Y, M, N, K,
-    stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+    X,
+    W,
+    Bias,
+    Y,
+    P,
+    M,
+    N,
+    K,
+    CHUNK_K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_PROGRAMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run together (L2 reuse)
     pid_n = tl.program_id(1)
@@ -54,45 +88,172 @@ def _linear_kernel(
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # fixed order: the row's reduction never depends on M
-        k = k0 + rk
-        k_ok = k < K
-        x = tl.load(X + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(W + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PREC)  # w tile [BLOCK_K, BLOCK_N]
+    if SPLIT_PROGRAMS:  # this program: K chunk pid(2) alone; fp32 partial to P[chunk, M, N]
+        c0 = tl.program_id(2) * CHUNK_K
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(c0, tl.minimum(c0 + CHUNK_K, K), BLOCK_K):
+            k = k0 + rk
+            k_ok = k < K
+            x = tl.load(
+                X + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w = tl.load(
+                W + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+            )
+            acc = tl.dot(x, w, acc, input_precision=PREC)
+        tl.store(
+            P + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :],
+            acc,
+            mask=m_ok[:, None] & n_ok[None, :],
+        )
+    else:  # every chunk here, summed in chunk order exactly as _linear_reduce_kernel sums the partials
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for c0 in range(0, K, CHUNK_K):
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(c0, tl.minimum(c0 + CHUNK_K, K), BLOCK_K):  # fixed order, never dependent on M
+                k = k0 + rk
+                k_ok = k < K
+                x = tl.load(
+                    X + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+                )
+                w = tl.load(
+                    W + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+                )
+                acc = tl.dot(x, w, acc, input_precision=PREC)  # w tile [BLOCK_K, BLOCK_N]
+            total += acc
+        if HAS_BIAS:
+            total += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            Y + rm[:, None] * stride_ym + rn[None, :],
+            total.to(Y.dtype.element_ty),
+            mask=m_ok[:, None] & n_ok[None, :],
+        )
+
+
+@triton.jit
+def _linear_reduce_kernel(
+    P, Bias, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr
+):
+    i = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ok = i < M * N
+    total = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT):  # chunk order, from 0.0: the same fp32 sums as the one-program path
+        total += tl.load(P + s * M * N + i, mask=ok, other=0.0)
+    n = i % N
     if HAS_BIAS:
-        acc += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        total += tl.load(Bias + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + (i // N) * stride_ym + n, total.to(Y.dtype.element_ty), mask=ok)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
 
 
 def _check(x, w, bias):
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
-        raise ValueError(f"linear: x [..., {x.shape[-1]}] and weight {tuple(w.shape)} do not match (want [N, K])")
+        raise ValueError(
+            f"linear: x [..., {x.shape[-1]}] and weight {tuple(w.shape)} do not match (want [N, K])"
+        )
     if bias is not None and tuple(bias.shape) != (w.shape[0],):
         raise ValueError(f"linear: bias {tuple(bias.shape)} must be [{w.shape[0]}]")
     if x.dtype != w.dtype:
         raise ValueError(f"linear: x is {x.dtype}, weight is {w.dtype}")
 
 
-def config(N: int, K: int, dtype: torch.dtype, device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the weight's shape only, never from M.
+def _cfg6(cfg) -> tuple[int, int, int, int, int, int]:
+    """A 5-tuple (no split) or 6-tuple configuration as (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split)."""
+    cfg = tuple(int(v) for v in cfg)
+    if len(cfg) == 5:
+        cfg = (*cfg, 1)
+    if len(cfg) != 6 or min(cfg) < 1:
+        raise ValueError(
+            f"linear: configuration {cfg} is not (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split])"
+        )
+    return cfg
 
-    One row tile up to 64 rows (4 verify blocks of 16 at 8B shape); BLOCK_N 64, or 32 when 64-wide
-    tiles would leave streaming multiprocessors idle at one row tile (the memory-bound decode of a
-    small N). fp32 (tests, CPU) uses a smaller K tile. Not tuned on a GPU yet: see
-    benchmarks/kernels/bench_linear.py.
+
+# K chunks start at multiples of this many columns, whatever BLOCK_K (64, 128 and 256 divide it), so that
+# the chunks, and with them the sums, do not depend on the tile configuration.
+CHUNK_GRANULE = 256
+
+
+def chunk_k(K: int, split: int) -> int:
+    """Length of one K chunk: ``split`` chunks of whole CHUNK_GRANULE column groups covering K (the last
+    chunk may be shorter, and fewer than ``split`` chunks result when K is small)."""
+    return _cdiv(_cdiv(K, split), CHUNK_GRANULE) * CHUNK_GRANULE
+
+
+def split_k(N: int, K: int, device) -> int:
+    """K chunks of a weight [N, K]: 4 when 64-wide column tiles give fewer than two programs per streaming
+    multiprocessor (o, down and qkv of Qwen3-8B on an H200), else 1. From the weight and the device only."""
+    if _cdiv(N, 64) >= 2 * num_sms(device):
+        return 1
+    return max(1, min(4, K // (4 * CHUNK_GRANULE)))
+
+
+# M up to which the "small" tile configuration is used (16-row tiles: mma.sync), above it the "large"
+# one (64-row tiles or wider: wgmma on Hopper). A tile configuration changes neither the chunks nor the
+# order of the BLOCK_K tiles and tensor-core k16 steps, so the sums should not change with it; the
+# device's tuned file says whether that held bitwise there (``mixed_row_tiles``, written by
+# benchmarks/kernels/bench_linear.py --cross --write-tuned); without a file, one configuration for all M.
+SMALL_M = 16
+TUNED_DIR = Path(__file__).with_name("tuned")
+
+
+@functools.cache
+def tuned(device_name: str) -> dict:
+    """The tuned tiles of one GPU model: ``TUNED_DIR/linear-<name>.json`` ({} if there is none).
+
+    Format: {"mixed_row_tiles": bool, "weights": {"N,K": {"split": S, "small": [BM, BN, BK, warps,
+    stages], "large": [...], "programs": {"small": bool, "large": bool}}}}; ``programs``: K chunks over
+    programs at that size. Raises ValueError naming the file when it is not that."""
+    path = TUNED_DIR / f"linear-{device_name.replace(' ', '_')}.json"
+    if not path.is_file():
+        return {}
+    try:
+        d = json.loads(path.read_text())
+        for key, e in d["weights"].items():
+            n, k = (int(v) for v in key.split(","))
+            _cfg6((*e["small"], e["split"])), _cfg6((*e["large"], e["split"]))
+            bool(e["programs"]["small"]), bool(e["programs"]["large"])
+        bool(d["mixed_row_tiles"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a tuned-tile file ({type(e).__name__}: {e})") from e
+    return d
+
+
+def config(N: int, K: int, dtype: torch.dtype, device, M: int = 1) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split) for x [M, K] · w[N, K]ᵀ.
+
+    ``split`` comes from the weight and device only (the device's tuned file, else :func:`split_k`);
+    the tile configuration may depend on M where the tuned file says that keeps the bits
+    (``mixed_row_tiles``). Measured on an H200 (results/exact-kernels-h200.json): 16-row tiles with
+    64-column, 128-deep K tiles beat cuBLAS at M <= 16 on every Qwen3-8B weight. fp32 (tests, the CPU
+    interpreter) uses 32-deep K tiles and one row-tile size.
     """
-    del K
     if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
-    bn = 64 if triton.cdiv(N, 64) >= num_sms(device) else 32
-    bk = 32 if dtype == torch.float32 else 128
-    return 64, bn, bk, 4, 3
+        return _cfg6(CONFIG_OVERRIDE)
+    if dtype == torch.float32:
+        return 64, 32, 32, 4, 2, split_k(N, K, device)
+    t = tuned(torch.cuda.get_device_name(device)) if device.type == "cuda" else {}
+    e = t.get("weights", {}).get(f"{N},{K}")
+    if e is not None:
+        size = "small" if M <= SMALL_M and t["mixed_row_tiles"] else "large"
+        return _cfg6((*e[size], e["split"]))
+    if device.type == "cuda" and t.get("mixed_row_tiles") and M <= SMALL_M:
+        return 16, 64, 128, 4, 4, split_k(N, K, device)
+    return 64, 64, 128, 4, 4, split_k(N, K, device)
 
 
-def linear_triton(x, w, bias=None, cfg: tuple[int, int, int, int, int] | None = None):
+# Largest M that splits K over programs (fp32 partials + one reduce launch); above it every program
+# sums its chunks itself. Either way the sums are the same, so this only moves time.
+SPLIT_PROGRAMS_MAX_M = 16
+
+
+def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_programs: bool | None = None):
+    """Row-invariant ``x · wᵀ (+ bias)`` (module docstring). ``cfg``: a 5- or 6-tuple (:func:`config`);
+    ``split_programs``: spread the K chunks over programs (None: when M <= SPLIT_PROGRAMS_MAX_M); the
+    result is bitwise the same either way."""
     _check(x, w, bias)
     N, K = w.shape
     if w.stride(1) != 1 or w.stride(0) != K:
@@ -105,13 +266,56 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, int, int, int, int] | None = 
     if M == 0 or N == 0:
         return y
     y2 = y.view(M, N)
-    bm, bn, bk, warps, stages = cfg or config(N, K, x.dtype, x.device)
-    _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x2, w, bias if bias is not None else w, y2, M, N, K,
-        x2.stride(0), w.stride(0), y2.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, PREC=dot_precision(x.dtype),
-        num_warps=warps, num_stages=stages,
+    bm, bn, bk, warps, stages, split = _cfg6(cfg or config(N, K, x.dtype, x.device, M))
+    if CHUNK_GRANULE % bk:
+        raise ValueError(f"linear: BLOCK_K {bk} must divide CHUNK_GRANULE {CHUNK_GRANULE}")
+    ck = chunk_k(K, split)
+    n_chunks = _cdiv(K, ck)
+    if split_programs is None:
+        split_programs = M <= SPLIT_PROGRAMS_MAX_M
+        if cfg is None and CONFIG_OVERRIDE is None and x.is_cuda and x.dtype != torch.float32:
+            t = tuned(torch.cuda.get_device_name(x.device))
+            e = t.get("weights", {}).get(f"{N},{K}")
+            if e is not None:
+                split_programs = e["programs"]["small" if M <= SMALL_M and t["mixed_row_tiles"] else "large"]
+    split_programs = bool(split_programs) and n_chunks > 1
+    part = torch.empty(n_chunks, M, N, device=x.device, dtype=torch.float32) if split_programs else y2
+    _linear_kernel[(_cdiv(M, bm), _cdiv(N, bn), n_chunks if split_programs else 1)](
+        x2,
+        w,
+        bias if bias is not None else w,
+        y2,
+        part,
+        M,
+        N,
+        K,
+        ck,
+        x2.stride(0),
+        w.stride(0),
+        y2.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SPLIT_PROGRAMS=split_programs,
+        HAS_BIAS=bias is not None,
+        PREC=dot_precision(x.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
+    if split_programs:
+        block = 1024
+        _linear_reduce_kernel[(_cdiv(M * N, block),)](
+            part,
+            bias if bias is not None else w,
+            y2,
+            M,
+            N,
+            y2.stride(0),
+            SPLIT=n_chunks,
+            BLOCK=block,
+            HAS_BIAS=bias is not None,
+            num_warps=4,
+        )
     return y
 
 
@@ -125,14 +329,33 @@ def linear_torch(x, w, bias=None):
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+# The fast (non-exact) path takes this kernel too for large bf16 weights at M <= FAST_MAX_M rows, where it beat
+# cuBLAS on every Qwen3-8B weight on an H200 (results/exact-kernels-h200.json); cuBLAS otherwise.
+FAST_MAX_M = 16
+FAST_MIN_DIM = 2048
+
+
+def use_in_fast_mode(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``linear(exact=False, impl="triton")`` runs the row-invariant kernel instead of cuBLAS."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and min(w.shape) >= FAST_MIN_DIM
+        and x.numel() // x.shape[-1] <= FAST_MAX_M
+    )
+
+
 def linear(x, w, bias=None, impl: str = "triton", exact: bool = True):
     """``x [..., K] · w[N, K]ᵀ (+ bias [N])`` -> ``[..., N]`` in x's dtype.
 
     ``exact=True``: row invariant (module docstring), Triton kernel or the row-by-row reference
-    by ``impl``. ``exact=False``: plain ``F.linear`` (cuBLAS / the CPU BLAS), whatever ``impl``.
+    by ``impl``. ``exact=False``: ``F.linear`` (cuBLAS / the CPU BLAS), except the Triton kernel where
+    :func:`use_in_fast_mode` says it is faster.
     Raises ValueError on mismatched shapes or dtypes.
     """
     if not exact:
+        if impl == "triton" and use_in_fast_mode(x, w):
+            return linear_triton(x, w, bias)
         return F.linear(x, w, bias)
     check_impl(impl)
     return linear_triton(x, w, bias) if impl == "triton" else linear_torch(x, w, bias)
