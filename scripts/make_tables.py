@@ -400,6 +400,12 @@ def engine_section() -> list[str]:
         b8_hf = f"{b8['hf_generate_tok_per_s']:.1f} tok/s" if "hf_generate_tok_per_s" in b8 else ""
         out.append(f"| transformers `generate`, same weights{mark} | {b1['hf_generate_tok_per_s']:.1f} tok/s | {b8_hf} | |")
     out += ["", f"Command: `{e['command']}`"]
+    if e.get("before"):
+        b = e["before"]
+        out.append(f"Before (commit `{b['commit'][:10]}`, {b['date'][:10]}; {b['note']}): AR batch 1 {b['batch1_ar_tok_per_s']:.0f} "
+                   f"tok/s ({b['batch1_ar_fraction_of_floor']:.0%} of floor), spec ÷ AR {b['batch1_spec_step_over_ar_step']:.2f} / "
+                   f"{b['batch8_spec_step_over_ar_step']:.2f}, oracle {b['batch1_oracle_speedup_tau7']:.2f}× / "
+                   f"{b['batch8_oracle_speedup_tau7']:.2f}×.")
     if carried:
         out.append(f"¹ Not from this command (`--skip-peers` leaves the transformers peers out): carried over from "
                    f"{carried['from']}.")
@@ -515,18 +521,19 @@ def exact_section() -> list[str]:
     r = x["exact_over_fast"]
     out = ["### Exact mode: speculative output bitwise equal to the engine's own AR output in bf16 (issue 13)", "",
            f"{x['gpu']}, {x['date'][:10]}, commit `{x['commit'][:10]}`, [`results/exact-h200.json`](results/exact-h200.json). "
-           "`--exact`: row-invariant GEMM for decode/verify, fixed 256-key attention chunks with an ordered combine, "
+           "`--exact`: row-invariant GEMM for decode/verify (K chunks fixed per weight, tile configuration by M from the "
+           "device's tuned file `dspine/ops/tuned/`), fixed 256-key attention chunks with an ordered combine, "
            "one prefill per prompt; greedy, bf16.", "",
            "| target | batch | CUDA graphs | identical to AR | τ |", "|---|---|---|---|---|"]
     for run in x["runs"]:
         out.append(f"| {run['target']} | {run['batch']} | {'on' if run['cuda_graphs'] else 'off'} | "
                    f"{run['identical']}/{run['compared']} | {run['tau']:.2f} |")
     worst = max(r.values())
-    if x.get("cost_commit"):
-        c = x["cost_before"]["exact_over_fast"]
-        out += ["", f"Cost measured on {x['cost_date'][:10]}, commit `{x['cost_commit'][:10]}` ({x['cost_note']}); the "
-                f"previous cost run (commit `{x['cost_before']['commit'][:10]}`, {x['cost_before']['note']}): "
-                + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in c.items()) + "."]
+    if x.get("summary"):
+        out += ["", x["summary"]]
+    for b in x.get("before", []):
+        out += ["", f"Before (commit `{b['commit'][:10]}`, {b['date']}; {b['note']}): "
+                + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in b["exact_over_fast"].items()) + "."]
     out += ["", "Cost at Qwen3-8B shape, exact ÷ fast step time (same run): AR batch 1 "
             f"{r['ar_step_bs1']:.2f}, spec batch 1 {r['spec_step_bs1']:.2f}, AR batch 8 {r['ar_step_bs8']:.2f}, "
             f"spec batch 8 {r['spec_step_bs8']:.2f} (goal ≤ 1.05: {'met' if worst <= 1.05 else '**missed**'}; "
@@ -646,9 +653,30 @@ def trainer_section() -> list[str]:
         "",
         "FLOPs counted: target forward, draft forward + backward, frozen lm_head forward + input-gradient "
         "(formula in `benchmarks/train/bench_train.py`).",
+        *ab_rows(t),
         f"Command: `{t['command']}`",
         "",
     ]
+
+
+def ab_rows(t: dict) -> list[str]:
+    """The A/B of the step options in one process (bench_train.py --ab), if the file holds one."""
+    ab = t.get("ab")
+    if not ab:
+        return []
+    names = {"ce": "fused-CE chunk compiled", "fa": "fused AdamW", "tc": "target layers compiled", "dc": "draft layers compiled"}
+    out = ["", f"Step options, timed in interleaved rounds in one process (the row above is the fastest, `{t['results']['variant']}`; "
+           "the trainer's defaults on CUDA):", "",
+           "| options | step | tokens/s | anchor-blocks/s | MFU vs datasheet | loss at init |", "|---|---|---|---|---|---|"]
+    for name, v in ab.items():
+        label = "none" if name == "base" else " + ".join(names.get(p, p) for p in name.split("+"))
+        out.append(f"| {label} | {v['step_time_s_median'] * 1e3:.0f} ms | {v['tokens_per_s']:.0f} | {v['anchor_blocks_per_s']:.0f} | "
+                   f"{v['mfu_vs_datasheet']:.1%} | {v['loss_at_init']:.4f} |")
+    b = t.get("before")
+    if b:
+        out += ["", f"Before (commit `{b['git_commit'][:10]}`, {b['date'][:10]}; {b['note']}): {b['tokens_per_s']:.0f} tok/s, "
+                f"MFU {b['mfu_vs_datasheet']:.1%}."]
+    return out + [""]
 
 
 def lossless_section() -> list[str]:

@@ -83,10 +83,47 @@ def test_auto_settings():
     cfg = RunConfig(target="t", train="d")
     assert resolve_device_settings(cfg, cuda=True) == {"target_dtype": "bf16", "mixed_precision": "bf16",
                                                         "attn": "flex", "pad_to_multiple": 512,
-                                                        "data_workers": 2}
+                                                        "data_workers": 2, "ce_impl": "compiled",
+                                                        "adamw_impl": "fused", "compile_layers": "both"}
     assert resolve_device_settings(cfg, cuda=False) == {"target_dtype": "fp32", "mixed_precision": "no",
                                                          "attn": "dense", "pad_to_multiple": 1,
-                                                         "data_workers": 0}
+                                                         "data_workers": 0, "ce_impl": "eager",
+                                                         "adamw_impl": "default", "compile_layers": "none"}
+
+
+def test_step_speedups_auto_and_explicit():
+    """ce_impl, adamw_impl, compile_layers (issue 15): auto = on with CUDA, off on the CPU; explicit values are
+    kept on either; compile_layers auto needs padded lengths and leaves the ZeRO-3 draft eager."""
+    keys = ("ce_impl", "adamw_impl", "compile_layers")
+    cfg = RunConfig(target="t", train="d")
+    assert (cfg.ce_impl, cfg.adamw_impl, cfg.compile_layers) == ("auto", "auto", "auto")
+    resolved = lambda c, **kw: tuple(resolve_device_settings(c, **kw)[k] for k in keys)
+    assert resolved(cfg, cuda=True, zero3=True) == ("compiled", "fused", "target")
+    assert resolved(cfg, cuda=False, zero3=True) == ("eager", "default", "none")
+    # dense attention on CUDA pads to 1 token: every length would compile, so auto leaves the layers eager
+    assert resolved(load(None, ["target=t", "train=d", "attn=dense"]), cuda=True) == ("compiled", "fused", "none")
+    assert resolved(load(None, ["target=t", "train=d", "attn=dense", "pad_to_multiple=256"]), cuda=True)[2] == "both"
+    explicit = load(None, ["target=t", "train=d", "ce_impl=compiled", "adamw_impl=fused", "compile_layers=draft"])
+    assert resolved(explicit, cuda=False) == resolved(explicit, cuda=True, zero3=True) == ("compiled", "fused", "draft")
+    off = load(None, ["target=t", "train=d", "ce_impl=eager", "adamw_impl=default", "compile_layers=none"])
+    assert resolved(off, cuda=True) == ("eager", "default", "none")
+
+
+@pytest.mark.parametrize("key, value, choices", [
+    ("ce_impl", "fast", "['auto', 'eager', 'compiled']"),
+    ("adamw_impl", "foreach", "['auto', 'fused', 'default']"),
+    ("compile_layers", "all", "['auto', 'none', 'target', 'draft', 'both']"),
+])
+def test_step_speedups_bad_values_name_the_key(tmp_path, key, value, choices):
+    shown = f"config key '{key}': '{value}' is not one of {choices}"
+    for yaml_text, cli in ((f"{key}: {value}\n", []), ("", [f"{key}={value}"])):
+        with pytest.raises(ConfigError) as e:
+            load(write(tmp_path, "target: t\ntrain: d\n" + yaml_text), cli)
+        assert shown in str(e.value)
+    with pytest.raises(ConfigError) as e:  # YAML reads an unquoted `on` as a boolean
+        load(write(tmp_path, f"target: t\ntrain: d\n{key}: on\n"))
+    assert str(e.value) == (f"config key '{key}': expected one of {choices}, got True (YAML reads an unquoted "
+                            "yes/no/on/off/true/false as a boolean; quote the value)")
 
 
 def test_distill_cli_fails_fast_on_bad_config(tmp_path):

@@ -70,6 +70,11 @@ class RunConfig:
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, no on CPU) | bf16 | no
     attn: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense
     loss_chunk_size: int = 2048  # rows per lm_head chunk in the fused cross entropy
+    ce_impl: str = "auto"  # chunk math of the fused CE: auto (compiled on CUDA, eager on CPU) | eager | compiled
+    adamw_impl: str = "auto"  # torch AdamW kernel: auto (fused on CUDA, default on CPU) | fused | default (foreach
+    # on CUDA, for-loop on CPU)
+    compile_layers: str = "auto"  # regional torch.compile of decoder layers: auto (both on CUDA with padded lengths,
+    # target only under ZeRO-3; none on CPU) | none | target | draft | both
     data_workers: int | None = None  # processes building the next steps' batches (None = 2 on CUDA, 0 on CPU)
     pad_to_multiple: int = 0  # right-pad sequence length to a multiple (0 = auto: 512 with flex, else 1)
     seed: int = 0  # init, data order (per epoch) and anchor sampling (per step, rank, micro-step)
@@ -103,6 +108,9 @@ CHOICES: dict[str, tuple] = {
     "save_dtype": ("bf16", "fp32"),
     "report_to": ("wandb", "none"),
     "distill": ("ce", "kl", "mix"),
+    "ce_impl": ("auto", "eager", "compiled"),
+    "adamw_impl": ("auto", "fused", "default"),
+    "compile_layers": ("auto", "none", "target", "draft", "both"),
 }
 MIX_ALPHA = 0.5  # distill_alpha of distill=mix when unset
 POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every")
@@ -159,6 +167,10 @@ def _coerce(key: str, value, tp, from_cli: bool):
             return value
         if from_cli and isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, bool) and key in CHOICES:  # YAML 1.1 reads yes/no/on/off/true/false as booleans
+            shown = [a for a in CHOICES[key] if a is not None]
+            raise ConfigError(f"config key {key!r}: expected one of {shown}, got {value!r} (YAML reads an unquoted "
+                              "yes/no/on/off/true/false as a boolean; quote the value)")
     raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
@@ -360,8 +372,14 @@ def load_draft_init(path: str):
         raise ConfigError(f"config key 'draft_init': {e}") from None
 
 
-def resolve_device_settings(cfg: RunConfig, cuda: bool) -> dict:
-    """The ``auto`` fields made concrete: target dtype, mixed precision, attention backend, length padding.
+def resolve_device_settings(cfg: RunConfig, cuda: bool, zero3: bool = False) -> dict:
+    """The ``auto`` fields made concrete: target dtype, mixed precision, attention backend, length padding,
+    data workers and the step speed-ups (``ce_impl``, ``adamw_impl``, ``compile_layers``; all on with CUDA,
+    off on the CPU so that CPU runs start without compiling; an explicit value is kept on either).
+
+    ``compile_layers: auto`` compiles the target's and the draft's layers on CUDA when lengths are padded to
+    a few buckets (``pad_to_multiple`` > 1; each padded length compiles once), the target's only under
+    DeepSpeed ZeRO-3 (``zero3``: compiling partitioned draft layers is untested).
 
     Raises:
         ConfigError: ``attn: flex`` without CUDA (flex_attention has no CPU backward).
@@ -370,11 +388,18 @@ def resolve_device_settings(cfg: RunConfig, cuda: bool) -> dict:
         raise ConfigError("config key 'attn': flex needs a CUDA GPU (flex_attention has no CPU backward); "
                           "use attn=dense (or auto) on the CPU")
     attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "dense")
+    # flex_attention is compiled per shape: a few length buckets keep recompiles bounded
+    pad = cfg.pad_to_multiple or (512 if attn == "flex" else 1)
+    compile_layers = cfg.compile_layers
+    if compile_layers == "auto":
+        compile_layers = "none" if not cuda or pad == 1 else ("target" if zero3 else "both")
     return {
         "target_dtype": cfg.target_dtype if cfg.target_dtype != "auto" else ("bf16" if cuda else "fp32"),
         "mixed_precision": cfg.mixed_precision if cfg.mixed_precision != "auto" else ("bf16" if cuda else "no"),
         "attn": attn,
-        # flex_attention is compiled per shape: a few length buckets keep recompiles bounded
-        "pad_to_multiple": cfg.pad_to_multiple or (512 if attn == "flex" else 1),
+        "pad_to_multiple": pad,
         "data_workers": cfg.data_workers if cfg.data_workers is not None else (2 if cuda else 0),
+        "ce_impl": cfg.ce_impl if cfg.ce_impl != "auto" else ("compiled" if cuda else "eager"),
+        "adamw_impl": cfg.adamw_impl if cfg.adamw_impl != "auto" else ("fused" if cuda else "default"),
+        "compile_layers": compile_layers,
     }

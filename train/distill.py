@@ -47,6 +47,7 @@ from train.data import (
     step_loader,
 )
 from train.loss import LossStats, anchor_generator, tau_sim
+from train.speed import compile_layers, eager_forwards, length_buckets, set_fused_adam
 from train.step import StepSettings, make_optimizer, make_scheduler, micro_loss, reduce_sum, train_step
 
 
@@ -83,12 +84,14 @@ def train(cfg) -> int:
     # ---------------------------------------------------------------------------------------- init
     with config_errors("target"):  # an unsupported target (layer types, RoPE) is refused before any heavy work
         TargetSpec.from_pretrained(cfg.target, with_tokenizer=False).check_supported()
-    dev = run_config.resolve_device_settings(cfg, torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    dev = run_config.resolve_device_settings(cfg, cuda)
     accelerator = Accelerator(mixed_precision=dev["mixed_precision"], gradient_accumulation_steps=cfg.grad_accum,
                               log_with="wandb" if cfg.report_to == "wandb" else None)
     rank, world, main_proc = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     zero3 = deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
+    dev = run_config.resolve_device_settings(cfg, cuda, zero3)  # compile_layers: auto depends on the ZeRO stage
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"config key 'output_dir': {out} is an existing file; give a folder")
@@ -172,7 +175,7 @@ def train(cfg) -> int:
     eos_ids = sorted(TargetSpec.from_adapter(target, tokenizer).eos_ids)
     alpha = run_config.MIX_ALPHA if cfg.distill_alpha is None else cfg.distill_alpha
     settings = StepSettings(dcfg.block_size, dev["attn"], cfg.loss_chunk_size, cfg.grad_clip, cfg.distill, alpha,
-                            cfg.distill_temperature)
+                            cfg.distill_temperature, ce_impl=dev["ce_impl"])
     batch_kw = dict(max_length=cfg.max_length, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
                     gamma=cfg.gamma, anchors_per_seq=cfg.anchors_per_seq, pad_to_multiple=dev["pad_to_multiple"],
                     static_anchors=dev["attn"] == "flex")
@@ -183,7 +186,8 @@ def train(cfg) -> int:
               f"global batch {order.global_batch}, {total_steps} steps; {world} rank(s), {accelerator.distributed_type}")
 
     # ---------------------------------------------------------------------------------------- optimizer
-    optimizer = make_optimizer(draft, cfg.lr, cfg.weight_decay, cfg.betas)
+    fused = dev["adamw_impl"] == "fused"
+    optimizer = make_optimizer(draft, cfg.lr, cfg.weight_decay, cfg.betas, fused=fused)
     scheduler = make_scheduler(optimizer, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
     draft, optimizer = accelerator.prepare(draft, optimizer)
     accelerator.register_for_checkpointing(scheduler)
@@ -193,6 +197,13 @@ def train(cfg) -> int:
         start, skipped_total = state["step"], state["skipped_rows"]
         if main_proc:
             print(f"resumed from {resume}: step {start}, epoch {state['epoch']}, index {state['index']}")
+    # the inner torch AdamW (also under DeepSpeed) on the chosen kernel after a resume too: a loaded state_dict
+    # brings the checkpoint's param-group flags, and the `step` state must sit where the kernel reads it
+    # (on the device for fused)
+    set_fused_adam(optimizer, fused)
+    # after prepare: the forwards of the modules that run (DDP/DeepSpeed wrap only the draft as a whole)
+    compiled = compile_layers(target, accelerator.unwrap_model(draft), dev["compile_layers"],
+                              length_buckets(cfg.max_length, dev["pad_to_multiple"]))
     if main_proc:
         run_config.save(cfg, out, extra={"resolved": dev, "world_size": world})
         truncate_jsonl(out / "metrics.jsonl", start)
@@ -262,7 +273,8 @@ def train(cfg) -> int:
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             window = new_window()
         if eval_rows is not None and not interrupted and (n == total_steps or (cfg.eval_every and n % cfg.eval_every == 0)):
-            res_eval = evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3)
+            res_eval = evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3,
+                                compiled=compiled)
             log({"step": n, **res_eval})
             if main_proc:
                 bar.write(f"step {n}: eval loss {res_eval['eval/loss']:.4f}, tau_sim {res_eval['eval/tau_sim']:.3f}"
@@ -353,7 +365,7 @@ EMPTY_ROW = {"input_ids": [0], "loss_mask": [0]}
 
 
 def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3,
-             batch_verify: bool = True, pad_batches: bool | None = None) -> dict:
+             batch_verify: bool = True, pad_batches: bool | None = None, compiled=()) -> dict:
     """Held-out loss, teacher-forced accuracy per slot, tau_sim and tau_real; also the hard-label CE, the KL
     to the target's distribution, the argmax agreement per slot and tau_sim_agree (tau_sim from it), and
     the sampling overlap Σ_v min(p_v, q_v) per slot with tau_sim_sample (tau_sim from it: the τ of
@@ -373,7 +385,10 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
 
     Wall-clock seconds (this rank's; the loss part ends after the all-reduce): ``eval/seconds`` in all,
     ``eval/loss_seconds`` (loss, tau_sim, KL over the held-out rows) and ``eval/tau_real_seconds`` (the
-    decode on rank 0 and the wait of the other ranks for it; 0 without ``eval_prompts``)."""
+    decode on rank 0 and the wait of the other ranks for it; 0 without ``eval_prompts``).
+
+    ``compiled``: the trainer's :class:`train.speed.Forwards` (``compile_layers``); the loss part runs them
+    compiled (training shapes), the tau_real decode eager (its lengths grow every step: one compile each)."""
     from dspine.reference import ReferenceDecoder
 
     t0 = time.perf_counter()
@@ -408,7 +423,7 @@ def evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcf
         if accelerator.is_main_process:
             prompts = eval_prompts(eval_rows, cfg.eval_prompts, cfg.eval_prompt_min_tokens)
             model.eval()
-            with accelerator.autocast(), torch.profiler.record_function("eval/tau_real"):
+            with eager_forwards(compiled), accelerator.autocast(), torch.profiler.record_function("eval/tau_real"):
                 res = ReferenceDecoder(target, model, eos_ids, batch_verify=batch_verify and
                                        ReferenceDecoder.can_batch_verify(target)).generate(
                     prompts, SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens))
@@ -496,11 +511,14 @@ def resolve_resume(cfg, out: Path) -> Path | None:
 
 
 # Keys that may change between a checkpoint and its resumed run; any other change breaks the exact
-# continuation (optimizer, schedule, model or data) and is refused.
+# continuation (optimizer, schedule, model or data) and is refused. The step speed-ups (ce_impl, adamw_impl,
+# compile_layers) run the same math with other kernels: a change moves only the rounding (a bitwise
+# continuation needs the same values), and turns one off when it fails on a machine.
 RESUME_MUTABLE = {
     "resume_from", "output_dir", "max_steps", "epochs", "stop_after_steps", "save_every", "keep_last",
     "save_dtype", "eval", "eval_every", "eval_max_rows", "eval_prompts", "eval_prompt_min_tokens",
     "eval_max_new_tokens", "log_every", "log_samples", "report_to", "wandb_project", "wandb_run_name", "wandb_tags",
+    "ce_impl", "adamw_impl", "compile_layers",
 }
 
 

@@ -102,10 +102,12 @@ def train_step(accelerator, draft, target, optimizer, scheduler, batches: list[M
     }
 
 
-def make_optimizer(draft: torch.nn.Module, lr: float, weight_decay: float, betas) -> torch.optim.Optimizer:
-    """AdamW over the draft's trainable parameters (fp32 master weights; docs/method.md §4)."""
+def make_optimizer(draft: torch.nn.Module, lr: float, weight_decay: float, betas,
+                   fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the draft's trainable parameters (fp32 master weights; docs/method.md §4); ``fused``: torch's
+    fused kernel (one launch for all parameters; ``train.speed.set_fused_adam`` switches a built one)."""
     params = [p for p in draft.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), fused=fused or None)
 
 
 def lr_lambda(step: int, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:

@@ -10,6 +10,8 @@
 Step options (A/B variants are ``+``-joined names; ``base`` = none): ``ce`` the fused-CE chunk math under
 torch.compile (``train.loss.ce_chunk``), ``fa`` PyTorch's fused CUDA AdamW, ``tc`` regional torch.compile of
 the target's decoder layers, ``dc`` the same for the draft layers, ``chunkN`` N rows per lm_head chunk.
+The trainer's run config has the first four (``ce_impl``, ``adamw_impl``, ``compile_layers``; on by default on
+CUDA), through the same code (``train.speed``).
 Variants share one model, optimizer and data stream and are timed in interleaved rounds (each after its
 own warm-up), so they see the same GPU state; every variant trains the same anchors per sequence.
 ``results`` holds the fastest variant (``variant`` names it), ``ab`` all of them, and ``loss_at_init`` the
@@ -54,6 +56,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+
+from train.speed import Forwards, set_fused_adam  # the trainer's compile_layers / adamw_impl code
 
 DATASHEET_BF16_TFLOPS = 989.0  # H200 SXM dense bf16
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -172,42 +176,6 @@ def parse_variant(name: str, default_chunk: int) -> dict:
         else:
             raise ValueError(f"--ab variant {name!r}: unknown part {part!r} (base, {', '.join(VARIANT_KEYS)}, chunkN)")
     return v
-
-
-class Forwards:
-    """Eager and compiled ``forward`` of each module in a list, switchable at run time (regional compile)."""
-
-    def __init__(self, modules):
-        self.modules = list(modules)
-        self.eager = [m.forward for m in self.modules]
-        self.compiled = None
-
-    def use(self, compiled: bool) -> None:
-        if compiled and self.compiled is None:
-            self.compiled = [torch.compile(f, dynamic=False) for f in self.eager]
-        for m, e, c in zip(self.modules, self.eager, self.compiled or self.eager):
-            m.forward = c if compiled else e
-
-
-def torch_optimizer(opt):
-    """The ``torch.optim`` optimizer inside accelerate's (and DeepSpeed's) wrappers."""
-    while hasattr(opt, "optimizer") and opt.optimizer is not opt:
-        opt = opt.optimizer
-    return opt
-
-
-def set_fused_adam(opt, fused: bool) -> None:
-    """Switch a torch AdamW between its fused CUDA kernel and the default (foreach) path, moving the
-    ``step`` state where each path keeps it (device for fused, CPU otherwise)."""
-    inner = torch_optimizer(opt)
-    for group in inner.param_groups:
-        group["fused"] = fused or None
-        if fused:
-            group["foreach"] = None
-        for p in group["params"]:
-            st = inner.state.get(p)
-            if st and "step" in st:
-                st["step"] = st["step"].to(p.device if fused else "cpu")
 
 
 def profile_table(fn, steps: int, device, top: int = 25) -> list[dict]:
