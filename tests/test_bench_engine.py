@@ -54,6 +54,10 @@ def test_bench_engine_skip_peers_keeps_engine_keys_only(tmp_path):
         assert row["spec_step_over_ar_step"] == row["spec_step_ms"] / row["ar_step_ms"]
         # force_accept=6: every full step commits 7 tokens; the last step of 32 tokens is cut short
         assert 5.0 < row["oracle_tau"] <= 7.0
+        # the AR decode loop's breakdown: 32 tokens per row in 32 steps (+1 idle step after the last)
+        prof = row["ar_loop_profile"]
+        assert prof["steps"] in (32, 33) and prof["tokens"] == 32 * (1 if b == "batch1" else 8)
+        assert row["ar_decode_ms_per_step"] == pytest.approx(1e3 * (prof["wall_s"] - prof["prefill_s"]) / prof["steps"])
     assert "hf_generate_tok_per_s" not in rec and rec["spec_step_over_ar_step"] == rec["batch1"]["spec_step_over_ar_step"]
 
 

@@ -515,3 +515,74 @@ def test_tuned_tile_file_of_the_h200(tmp_path, monkeypatch):
             lin.tuned("Bad GPU")
     finally:
         lin.tuned.cache_clear()
+
+
+def test_tuned_file_takes_cublas_where_it_gave_the_kernels_bits():
+    """bench_linear's tuned-file writer: a weight whose cuBLAS result equalled the one-pass kernel at every
+    large M gets split 1 and ``cublas_m`` (its large-M time counts as cuBLAS's), even where split 4 had
+    faster small-M tiles than split 1 has large-M tiles; without agreement the faster split wins."""
+    from benchmarks.kernels import bench_linear as bl
+
+    ms = (1, 16, 128)
+
+    def rows(name, split, small_us, large_us):
+        t = (16, 64, 128, 4, 4)
+        us = {f"M{m}/{sp}": (small_us if m <= 16 else large_us) for m in ms for sp in (False, True)}
+        return {
+            "weight": name,
+            "N": 64,
+            "K": 512,
+            "split": split,
+            "tile": list(t),
+            "bits_equal_to_first_tile": True,
+            "us": us,
+        }
+
+    def summary(name, agree):
+        best = {f"M{m}": {"cublas_us": 10.0} for m in ms}
+        return {
+            f"{name}/split1": {"all_bits_equal": True, "best_by_m": best, "cublas_agrees_m": agree},
+            f"{name}/split4": {"all_bits_equal": True, "best_by_m": best},
+        }
+
+    r = [rows("w", 1, 10.5, 15.0), rows("w", 4, 9.0, 14.0)]
+    with_agree = bl.tuned_file(r, summary("w", [[1, 256]]), ms)["weights"]["64,512"]
+    assert with_agree["split"] == 1 and with_agree["cublas_m"] == [[1, 256]]
+    assert with_agree["worst_ratio_to_cublas"] == pytest.approx(1.05)
+    without = bl.tuned_file(r, summary("w", [[1, 100]]), ms)["weights"]["64,512"]
+    assert (
+        without["split"] == 4
+        and "cublas_m" not in without
+        and without["worst_ratio_to_cublas"] == pytest.approx(1.4)
+    )
+    assert bl.ranges([5, 1, 2, 3, 7]) == [[1, 3], [5, 5], [7, 7]] and bl.ranges([]) == []
+
+
+def test_tuned_file_refuses_cublas_rows_without_split_1(tmp_path, monkeypatch):
+    from dspine.ops import linear as lin
+
+    monkeypatch.setattr(lin, "TUNED_DIR", tmp_path)
+    entry = {
+        "split": 4,
+        "small": [16, 64, 128, 4, 4],
+        "large": [64, 64, 128, 4, 4],
+        "programs": {"small": True, "large": False},
+        "cublas_m": [[17, 256]],
+    }
+    for name, e in (("A", entry), ("B", {**entry, "split": 1, "cublas_m": [[9, 3]]})):
+        (tmp_path / f"linear-{name}.json").write_text(
+            json.dumps({"mixed_row_tiles": True, "weights": {"64,512": e}})
+        )
+    lin.tuned.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="linear-A.json.*needs split 1"):
+            lin.tuned("A")
+        with pytest.raises(ValueError, match=r"linear-B.json.*\[9, 3\]"):
+            lin.tuned("B")
+        (tmp_path / "linear-C.json").write_text(
+            json.dumps({"mixed_row_tiles": True, "weights": {"64,512": {**entry, "split": 1}}})
+        )
+        assert lin.tuned("C")["weights"]["64,512"]["cublas_m"] == [[17, 256]]
+        assert lin.in_ranges(17, [[17, 256]]) and not lin.in_ranges(16, [[17, 256]])
+    finally:
+        lin.tuned.cache_clear()

@@ -6,7 +6,8 @@ Measures, after warm-up, with CUDA events around graph replays:
 * the two ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 GEMM;
 * ``bandwidth_floor_tok_per_s`` = measured copy bandwidth ÷ weight bytes (AR at batch 1 must
   read every weight once per token; docs/method.md §7);
-* ``ar_tok_per_s``: the engine's autoregressive decode, 512-token prompt, 256 new tokens;
+* ``ar_tok_per_s``: the engine's autoregressive decode, 512-token prompt, 256 new tokens (with
+  ``ar_loop_profile``, the decode loop's ``Engine.loop_profile``, and ``ar_decode_ms_per_step``);
 * ``spec_step_over_ar_step``: one speculative step (draft block 16 + verify 16 + accept + commit +
   draft context append) over one AR step, both graph replays;
 * ``oracle_speedup_tau7``: a benchmark-only oracle that accepts exactly 6 draft tokens per step
@@ -199,6 +200,10 @@ def run(args) -> dict:
         eng.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)), use_draft=False)  # warm-up + capture
         ar = eng.generate(prompts, greedy, use_draft=False)
         row["ar_tok_per_s"] = ar.num_tokens / (ar.elapsed_s - ar.prefill_s)
+        # where the decode loop's time went (host launch, device wait, host bookkeeping; seconds), against the
+        # graph replay timed alone below: the gap between the two is time outside the step
+        row["ar_loop_profile"] = {k: v for k, v in eng.loop_profile.items() if isinstance(v, (int, float))}
+        row["ar_decode_ms_per_step"] = 1e3 * (ar.elapsed_s - ar.prefill_s) / max(1, eng.loop_profile.get("steps", 1))
         # per-step graph replays
         ar_step = eng._runner(B, greedy, spec=False)
         spec_step = eng._runner(B, greedy, spec=True)
@@ -228,7 +233,7 @@ def run(args) -> dict:
         if bw:
             row["ar_fraction_of_floor"] = row["ar_tok_per_s"] / B / res["bandwidth_floor_tok_per_s"]
         res[f"batch{B}"] = row
-        print(f"batch {B}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items()), flush=True)
+        print(f"batch {B}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items() if isinstance(v, (int, float))), flush=True)
         gc.collect()
     if dev.type == "cuda":
         res["peak_memory_GB"] = torch.cuda.max_memory_allocated() / 1e9

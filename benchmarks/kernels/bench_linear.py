@@ -336,7 +336,20 @@ def cross(args) -> dict:
                     "ratio": r["us"][k] / cub[m],
                 }
             key = f"{name}/split{split}"
+            extra = {}
+            if (
+                split == 1 and ok
+            ):  # cuBLAS against the one-pass kernel at every M up to 2 x max(ms): same bits?
+                x2 = torch.randn(2 * max(ms), K, device=dev, generator=g).bfloat16()
+                ref2 = lin.linear_triton(x2, w, cfg=(*ok[0]["tile"], 1), split_programs=False)
+                agree = [
+                    m
+                    for m in range(1, x2.shape[0] + 1)
+                    if torch.equal(torch.nn.functional.linear(x2[:m], w), ref2[:m])
+                ]
+                extra["cublas_agrees_m"] = ranges(agree)
             summary[key] = {
+                **extra,
                 "all_bits_equal": all(r["bits_equal_to_first_tile"] for r in ok),
                 "tiles_run": len(ok),
                 "best_by_m": best,
@@ -352,10 +365,22 @@ def cross(args) -> dict:
     return {"cross": rows, "cross_summary": summary, "tuned": tuned_file(rows, summary, ms)}
 
 
+def ranges(ms: list[int]) -> list[list[int]]:
+    """Sorted integers as inclusive [lo, hi] runs: [1, 2, 3, 7] -> [[1, 3], [7, 7]]."""
+    out: list[list[int]] = []
+    for m in sorted(ms):
+        if out and m == out[-1][1] + 1:
+            out[-1][1] = m
+        else:
+            out.append([m, m])
+    return out
+
+
 def tuned_file(rows: list[dict], summary: dict, ms) -> dict:
     """dspine.ops.linear's tuned-tile file from a --cross run: 16-row-and-wider tiles mixed by M only if
     every tile gave the same bits as the others in every split; per weight, the split whose best tiles
-    have the lowest worst time ratio to cuBLAS over M."""
+    have the lowest worst time ratio to cuBLAS over M, counting cuBLAS itself at the large M where it
+    gave the one-pass kernel's bits (``cublas_m``, split 1)."""
     mixed = bool(summary) and all(v["all_bits_equal"] for v in summary.values())
     small_ms = [m for m in ms if m <= lin.SMALL_M]
     large_ms = [m for m in ms if m > lin.SMALL_M]
@@ -379,14 +404,23 @@ def tuned_file(rows: list[dict], summary: dict, ms) -> dict:
                             opts.append((max(r["us"][f"M{m}/{sp}"] / cub[m] for m in group), r["tile"], sp))
                 return min(opts)
 
+            # split 1: where cuBLAS gave the kernel's bits (every large M of the sweep), the exact path runs
+            # cuBLAS there, at cuBLAS's time (ratio 1)
+            agree = summary[f"{name}/split{split}"].get("cublas_agrees_m", []) if split == 1 else []
+            cub_large = bool(large_ms) and all(lin.in_ranges(m, agree) for m in large_ms)
             if mixed and small_ms and large_ms:
                 s_, l_ = best(small_ms), best(large_ms)
-                choices.append((max(s_[0], l_[0]), split, s_, l_))
+                if cub_large and l_[0] > 1.0:
+                    l_ = (1.0, l_[1], l_[2])
+                choices.append((max(s_[0], l_[0]), split, s_, l_, agree))
             else:
                 a = best(list(ms))
-                choices.append((a[0], split, a, a))
+                if cub_large and small_ms:
+                    s_ = best(small_ms)
+                    a = (max(s_[0], 1.0), a[1], a[2]) if s_[0] <= a[0] else a
+                choices.append((a[0], split, a, a, agree))
         if choices:
-            worst, split, s_, l_ = min(choices, key=lambda c: c[0])
+            worst, split, s_, l_, agree = min(choices, key=lambda c: c[0])
             r0 = next(r for r in rows if r["weight"] == name and "N" in r)
             weights[f"{r0['N']},{r0['K']}"] = {
                 "split": split,
@@ -396,6 +430,8 @@ def tuned_file(rows: list[dict], summary: dict, ms) -> dict:
                 "worst_ratio_to_cublas": worst,
                 "weight": name,
             }
+            if agree:
+                weights[f"{r0['N']},{r0['K']}"]["cublas_m"] = agree
     return {"mixed_row_tiles": mixed, "weights": weights}
 
 

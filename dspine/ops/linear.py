@@ -15,7 +15,9 @@ second kernel adds in chunk order; for more rows one program sums all chunks of 
 configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) changes neither the chunks nor the order of
 the tensor-core k16 steps, so :func:`config` may pick it from M (``mixed_row_tiles``; checked bitwise on the
 device by benchmarks/kernels/bench_linear.py --cross, recorded in the device's tuned file
-``tuned/linear-<GPU>.json``); ``CONFIG_OVERRIDE`` fixes it for tuning.
+``tuned/linear-<GPU>.json``); ``CONFIG_OVERRIDE`` fixes it for tuning. Where that file says cuBLAS gave
+the one-pass (split 1) kernel's bits at a row count above SMALL_M (``cublas_m``), the exact path calls
+cuBLAS there instead (:func:`cublas_agrees`).
 Layouts: x [..., K] (leading dims flattened to M rows; last dim contiguous), w [N, K] contiguous
 (nn.Linear's layout), bias [N] or None. Returns y [..., N] in x's dtype.
 Memory traffic: W once per row tile (N · K · bytes each; from L2 after the first when the row tiles
@@ -53,6 +55,8 @@ __all__ = [
     "FAST_MAX_M",
     "use_in_fast_mode",
     "tuned",
+    "cublas_agrees",
+    "in_ranges",
 ]
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, split]) for every shape when set (tuning:
@@ -205,8 +209,10 @@ def tuned(device_name: str) -> dict:
     """The tuned tiles of one GPU model: ``TUNED_DIR/linear-<name>.json`` ({} if there is none).
 
     Format: {"mixed_row_tiles": bool, "weights": {"N,K": {"split": S, "small": [BM, BN, BK, warps,
-    stages], "large": [...], "programs": {"small": bool, "large": bool}}}}; ``programs``: K chunks over
-    programs at that size. Raises ValueError naming the file when it is not that."""
+    stages], "large": [...], "programs": {"small": bool, "large": bool}, "cublas_m": [[lo, hi], ...]}}};
+    ``programs``: K chunks over programs at that size; ``cublas_m`` (optional, split 1 only): row counts
+    at which cuBLAS (``F.linear``, no bias) gave this kernel's bits on the device, so the exact path may
+    call it there (:func:`cublas_agrees`). Raises ValueError naming the file when it is not that."""
     path = TUNED_DIR / f"linear-{device_name.replace(' ', '_')}.json"
     if not path.is_file():
         return {}
@@ -216,10 +222,36 @@ def tuned(device_name: str) -> dict:
             n, k = (int(v) for v in key.split(","))
             _cfg6((*e["small"], e["split"])), _cfg6((*e["large"], e["split"]))
             bool(e["programs"]["small"]), bool(e["programs"]["large"])
+            for lo, hi in e.get("cublas_m", []):
+                if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                    raise ValueError(
+                        f"weight {key}: cublas_m range {[lo, hi]} is not [lo, hi] with 1 <= lo <= hi"
+                    )
+            if e.get("cublas_m") and e["split"] != 1:
+                raise ValueError(f"weight {key}: cublas_m needs split 1 (cuBLAS sums K in one pass)")
         bool(d["mixed_row_tiles"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a tuned-tile file ({type(e).__name__}: {e})") from e
     return d
+
+
+def in_ranges(m: int, ranges) -> bool:
+    """Whether ``m`` lies in one of the inclusive ``[lo, hi]`` ranges."""
+    return any(lo <= m <= hi for lo, hi in ranges)
+
+
+def cublas_agrees(x2: torch.Tensor, w: torch.Tensor, bias) -> bool:
+    """Whether the exact path may run ``F.linear`` for x2 [M, K] · wᵀ: M > SMALL_M and the device's tuned
+    file lists M under the weight's ``cublas_m`` (cuBLAS gave this kernel's bits at that M on the device), no bias,
+    bf16/fp16, and both operands 256-byte aligned and contiguous as in the check (cuBLAS may pick
+    another kernel for other alignments)."""
+    if bias is not None or not x2.is_cuda or x2.dtype == torch.float32 or CONFIG_OVERRIDE is not None:
+        return False
+    if x2.data_ptr() % 256 or w.data_ptr() % 256 or not x2.is_contiguous():
+        return False
+    e = tuned(torch.cuda.get_device_name(x2.device)).get("weights", {}).get(f"{w.shape[0]},{w.shape[1]}")
+    M = x2.shape[0]  # at M <= SMALL_M the kernel is the faster one (results/exact-kernels-cross-h200.json)
+    return e is not None and e["split"] == 1 and M > SMALL_M and in_ranges(M, e.get("cublas_m", ()))
 
 
 def config(N: int, K: int, dtype: torch.dtype, device, M: int = 1) -> tuple[int, int, int, int, int, int]:
@@ -358,4 +390,6 @@ def linear(x, w, bias=None, impl: str = "triton", exact: bool = True):
             return linear_triton(x, w, bias)
         return F.linear(x, w, bias)
     check_impl(impl)
+    if impl == "triton" and cublas_agrees(x.reshape(-1, x.shape[-1]), w, bias):
+        return F.linear(x, w)  # the same bits as linear_triton here (checked on the device: tuned file)
     return linear_triton(x, w, bias) if impl == "triton" else linear_torch(x, w, bias)
