@@ -175,7 +175,8 @@ class Runner:
             impl = "triton" if torch.device(args.device).type == "cuda" else "torch"
             target = EngineTarget.from_pretrained(path, gguf, device=args.device, dtype=dtype, layer_ids=layer_ids,
                                                   impl=impl)
-            kw = dict(max_batch=args.concurrency, max_seq=max_seq, max_new_cap=args.max_new_tokens, exact=args.exact)
+            kw = dict(max_batch=args.concurrency, max_seq=max_seq, max_new_cap=args.max_new_tokens, exact=args.exact,
+                      prefill_buckets=args.prefill_buckets)
             self.decoders[None] = Engine(target, None, self.eos, **kw)
             for label, m in models.items():
                 # each draft reads its own layers: the target returns them in the draft's order
@@ -194,6 +195,8 @@ class Runner:
                 raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
             if args.exact:
                 raise ValueError("--exact needs the engine (--backend cuda; --device cpu on a CPU)")
+            if args.prefill_buckets:
+                raise ValueError("--prefill-buckets needs the engine (--backend cuda; --device cpu on a CPU)")
             target = load_target(path, gguf, dtype="fp32" if args.dtype == "auto" else args.dtype)
             self.decoders[None] = ReferenceDecoder(target, None, self.eos)
             for label, m in models.items():
@@ -518,6 +521,9 @@ def build_parser():
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                     help="bit-exact mode of the engine (issue 13): greedy spec output must equal the AR output "
                          "(default: infer.model.EXACT_DEFAULT on the engine, off on the reference backend)")
+    ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
+                    help="engine: prefill each prompt alone, padded to a length bucket, one CUDA graph per bucket "
+                         "(default: infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule)")
     ap.add_argument("--output-json", default=None, help="result JSON (refused if it exists, unless --overwrite)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --output-json / --plot file")
     ap.add_argument("--plot", default=None,
@@ -563,6 +569,8 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
         raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
     if args.exact and args.backend == "reference":
         raise ValueError("--exact needs the engine (--backend cuda; --device cpu on a CPU)")
+    if args.prefill_buckets and args.backend == "reference":
+        raise ValueError("--prefill-buckets needs the engine (--backend cuda; --device cpu on a CPU)")
     if not args.draft:
         refuse_draft_options(args, (("--no-ar", args.no_ar), ("--plot", args.plot is not None)))
     for label, path in parse_drafts(args.draft).items():

@@ -52,6 +52,7 @@ from dspine.sampling import (
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
 from dspine.tree import ancestor_bits, build_tree, node_uniforms, path_nodes, verify_tree
+from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import StepPlanner
 
@@ -165,8 +166,20 @@ class Engine:
             verify steps use row-invariant kernels and each prompt is prefilled in its own pass, so
             greedy speculative output equals this engine's autoregressive output bit for bit, in
             bf16 too, at any batch size, with or without CUDA graphs. Chain verify only.
+        prefill_buckets: prefill each prompt alone, padded to a length bucket (``infer.model.prefill_bucket``)
+            at static shapes (:meth:`EngineTarget.prefill_static`), as one CUDA graph per bucket when
+            ``cuda_graphs`` (made at a bucket's first prompt): the eager prefill of a small target is bound
+            by its ~12 launches per layer (16 ms for a repeated length of the SmolLM2 shape on an H200,
+            results/prefill-h200.json). None = ``PREFILL_BUCKETS_AUTO`` and CUDA graphs and an
+            attention-only target of hidden size <= ``PREFILL_BUCKETS_MAX_HIDDEN`` (large targets' prefill is
+            compute-bound: padding would only add work). A prompt's prefill then does not depend on the
+            prompts admitted with it.
     """
 
+    # prefill_buckets=None's default: off until benchmarks/engine/bench_prefill.py (setting "buckets") and
+    # infer.bench have measured the graphed prefill on a GPU
+    PREFILL_BUCKETS_AUTO = False
+    PREFILL_BUCKETS_MAX_HIDDEN = 2048
     PLAN_TREES = (32, 64)
     # planner AR steps per draft-context flush (F): a flush is one append of [B, F, k·H] (static shape,
     # whatever is pending), about as many launches as one per-step append, shared by up to F AR steps; its
@@ -178,7 +191,8 @@ class Engine:
     def __init__(self, target: EngineTarget, draft: DSpineDraftModel | None, eos_token_ids, max_batch: int = 8,
                  max_seq: int = 4096, cuda_graphs: bool | None = None, verify_size: int | None = None,
                  force_accept: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
-                 tree_budget: int = 32, budget: str | None = None, exact: bool | None = None):
+                 tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
+                 prefill_buckets: bool | None = None):
         self.target = target
         self.exact = EXACT_DEFAULT if exact is None else bool(exact)
         if self.exact and (verify != "chain" or budget is not None):
@@ -192,6 +206,14 @@ class Engine:
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        if prefill_buckets is None:
+            prefill_buckets = (self.PREFILL_BUCKETS_AUTO and self.cuda_graphs and not target.args.hybrid
+                               and target.args.hidden_size <= self.PREFILL_BUCKETS_MAX_HIDDEN)
+        if prefill_buckets and target.args.hybrid:
+            raise ValueError(f"prefill_buckets=True: target model_type={target.args.model_type!r} has linear-attention "
+                             "layers, whose recurrent state would run over the padding")
+        self.prefill_buckets = bool(prefill_buckets)
+        self._prefill_graphs: dict[tuple, tuple] = {}  # (bucket, want_features) -> (graph, inputs, outputs)
         if target.embed.dtype == torch.float16 and target.args.model_type.startswith("qwen"):
             raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
         if draft is not None:
@@ -582,7 +604,11 @@ class Engine:
         lens = [len(x) for _, x in items]
         # one host-to-device copy for all prompts (a pageable copy syncs: once, not once per prompt)
         ids = list(torch.tensor([t for _, prompt in items for t in prompt], dtype=torch.long, device=dev).split(lens))
-        if self.exact:  # one pass per prompt: its prefill must not depend on the prompts admitted with it
+        if self.prefill_buckets:  # one padded pass per prompt (a CUDA graph per length bucket)
+            outs = [self._prefill_bucketed(x, b, kv, spec) for x, b in zip(ids, slots)]
+            logits = torch.cat([o[0] for o in outs])
+            feats = torch.cat([o[1] for o in outs]) if outs[0][1] is not None else None
+        elif self.exact:  # one pass per prompt: its prefill must not depend on the prompts admitted with it
             outs = [self.target.prefill_packed([x], [b], kv, want_features=spec) for x, b in zip(ids, slots)]
             logits = torch.cat([o[0] for o in outs])
             feats = torch.cat([o[1] for o in outs]) if outs[0][1] is not None else None
@@ -614,6 +640,55 @@ class Engine:
                 # new prompt's context: drop them here (no flush before a refill: the rows still decoding
                 # keep theirs for the next flush; this also clears what a previous generate left pending)
                 s.pend_count[idx] = 0
+
+    def _prefill_bucketed(self, x: torch.Tensor, slot: int, kv: KVCache, want_features: bool):
+        """Prefill prompt ``x [P]`` (int64, on the device) into batch slot ``slot`` through
+        :meth:`EngineTarget.prefill_static` at its length bucket: a replay of the bucket's CUDA graph (captured
+        here at the bucket's first prompt, on this slot, which is being admitted: the capture's warm-up writes
+        only its cache rows), or the same call eagerly without CUDA graphs. Returns logits ``[1, V]`` and
+        features ``[P, k·H]`` (or None), copied out of the graph's static outputs. ``kv`` (a view of the
+        first slots) shares the engine cache's storage; the graph runs on the whole cache, so one graph per
+        bucket serves every slot and batch size."""
+        del kv
+        kv = self.cache
+        P = int(x.shape[0])
+        Pb = infer_model.prefill_bucket(P, kv.seq)
+        key = (Pb, want_features)
+        entry = self._prefill_graphs.get(key)
+        if entry is None:
+            dev = self.device
+            inputs = (torch.zeros(Pb, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                      torch.zeros(1, dtype=torch.long, device=dev))
+            fn = lambda: self.target.prefill_static(*inputs, kv, want_features)  # noqa: E731
+            graph = None
+            if self.cuda_graphs:
+                inputs[1].fill_(slot)
+                inputs[2].fill_(P - 1)
+                if self._capture_stream is None:
+                    self._capture_stream = torch.cuda.Stream()
+                side = self._capture_stream
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        fn()  # compiles the Triton kernels, warms cuBLAS / SDPA for this shape
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=side):
+                    outputs = fn()
+            else:
+                outputs = None
+            entry = self._prefill_graphs[key] = (graph, inputs, outputs, fn)
+        graph, (tok, slot_buf, last), outputs, fn = entry
+        tok[:P] = x
+        tok[P:] = 0  # padding: any valid id
+        slot_buf.fill_(slot)
+        last.fill_(P - 1)
+        if graph is not None:
+            graph.replay()
+            logits, feats = outputs
+        else:
+            logits, feats = fn()
+        return logits.clone(), None if feats is None else feats[:P].clone()
 
     # -- the decode loops ------------------------------------------------------------------------
     def _flags_async(self, s: _Slots, buf: torch.Tensor):
@@ -943,8 +1018,10 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
                 dtype=torch.bfloat16, impl: str | None = None, max_batch: int = 8, max_seq: int = 4096,
                 cuda_graphs: bool | None = None, verify_size: int | None = None, eos_token_ids=None,
                 check_max_context: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
-                tree_budget: int = 32, budget: str | None = None, exact: bool | None = None):
-    """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine`.
+                tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
+                prefill_buckets: bool | None = None):
+    """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine` (keyword
+    arguments as :class:`Engine`'s).
 
     Raises:
         ValueError: draft/target mismatch (every failed check listed), fp16 with a Qwen target.
@@ -964,4 +1041,4 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
     return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
                   verify_size=verify_size, max_new_cap=max_new_cap, verify=verify, tree_budget=tree_budget,
-                  budget=budget, exact=exact), spec
+                  budget=budget, exact=exact, prefill_buckets=prefill_buckets), spec

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                     help="bit-exact engine mode (issue 13): greedy spec output equals the engine's AR output in bf16 "
                          "too (default: infer.model.EXACT_DEFAULT; engine only)")
+    ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
+                    help="engine: prefill each prompt padded to a length bucket, one CUDA graph per bucket (default: "
+                         "infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule; engine only)")
     return ap
 
 
@@ -218,6 +221,8 @@ def run(args) -> dict:
     args.threads = set_cpu_threads(args.threads)
     if args.exact and backend == "reference":
         raise ValueError("--exact needs the engine (--backend cuda on a GPU)")
+    if args.prefill_buckets and backend == "reference":
+        raise ValueError("--prefill-buckets needs the engine (--backend cuda on a GPU)")
     tokenizer = load_tokenizer(path, gguf)
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
@@ -278,7 +283,8 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
     engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
                             max_seq=longest + args.max_new_tokens + 64, verify_size=args.block_size,
                             check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens,
-                            verify=args.verify, tree_budget=args.tree_budget, budget=args.budget, exact=args.exact)
+                            verify=args.verify, tree_budget=args.tree_budget, budget=args.budget, exact=args.exact,
+                            prefill_buckets=args.prefill_buckets)
 
     def decode(use: bool):
         engine.generate(prompts, params, use_draft=use)

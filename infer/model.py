@@ -69,6 +69,16 @@ HYBRID = ("qwen3_5_text", "qwen3_next")  # gated delta-rule + gated full attenti
 EXACT_DEFAULT = False
 
 
+def prefill_bucket(P: int, capacity: int) -> int:
+    """Padded length of a bucketed prefill (:meth:`EngineTarget.prefill_static`): the next multiple of 64
+    up to 512 tokens, of 256 above (at most 25% padding past 512, 14 buckets up to 2,048), capped at the
+    cache ``capacity``. Raises ValueError for P < 1 or P > capacity."""
+    if not 1 <= P <= capacity:
+        raise ValueError(f"prompt of {P} tokens: need 1 <= P <= {capacity} (the cache's positions)")
+    step = 64 if P <= 512 else 256
+    return min(-(-P // step) * step, capacity)
+
+
 @dataclass
 class ModelArgs:
     model_type: str
@@ -634,6 +644,44 @@ class EngineTarget(nn.Module):
             x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features)
         h, _ = rms_norm(x[-1:], self.norm, a.rms_norm_eps, residual=residual[-1:], impl=self.impl)
         return F.linear(h, self.head)[0], self._features(feats, want_features)
+
+    def prefill_static(self, tokens: torch.Tensor, slot: torch.Tensor, last: torch.Tensor, cache: KVCache,
+                       want_features: bool = True):
+        """One prompt padded to a fixed length, with no host-side values: static shapes, so one CUDA graph of
+        it serves every slot and every prompt of its length bucket (:func:`prefill_bucket`).
+
+        Args:
+            tokens: ``[Pb]`` int64, the prompt followed by any valid ids (padding).
+            slot: ``[1]`` int64 on the device, the batch slot written.
+            last: ``[1]`` int64 on the device, the prompt's last position (P - 1).
+        Returns:
+            logits ``[1, V]`` at ``last`` and features ``[Pb, k*H]`` (or None); rows past ``last`` are padding.
+
+        K/V are written at positions 0..Pb-1 of the slot: the padding's rows lie past the prompt, where
+        decoding writes before it reads. Attention is causal over the rows just written (gathered from the
+        cache by slot and position), so no real position sees the padding; each position's result equals
+        :meth:`prefill`'s up to matmul rounding (exactly in fp32 on the CPU reference path). Attention-only
+        targets (a hybrid target's recurrent state would run over the padding)."""
+        a = self.args
+        if a.hybrid:
+            raise ValueError("prefill_static: hybrid targets (linear-attention layers) prefill unpadded")
+        Pb = tokens.shape[0]
+        if Pb > cache.seq:
+            raise ValueError(f"padded prompt of {Pb} tokens does not fit the cache ({cache.seq} positions)")
+        Hq, D = a.num_heads, a.head_dim
+        pos = torch.arange(Pb, device=tokens.device)
+        bidx = slot.expand(Pb)
+
+        def attend(i, q):
+            kc = cache.k[i][bidx, :, pos].transpose(0, 1)[None]  # [1, Hkv, Pb, D]
+            vc = cache.v[i][bidx, :, pos].transpose(0, 1)[None]
+            o = self._prompt_attention(i, q.view(1, Pb, Hq, D).transpose(1, 2), kc, vc)
+            return o.transpose(1, 2).reshape(Pb, Hq * D)
+
+        with backends_context(tokens.device):
+            x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features)
+        h, _ = rms_norm(x[last], self.norm, a.rms_norm_eps, residual=residual[last], impl=self.impl)
+        return F.linear(h, self.head), self._features(feats, want_features)
 
     def prefill_packed(self, prompts: list[torch.Tensor], slots: list[int], cache: KVCache,
                        want_features: bool = True):

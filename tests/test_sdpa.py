@@ -123,18 +123,18 @@ def test_prefill_bench_tiny_cpu(tmp_path):
     """benchmarks/engine/bench_prefill.py --device cpu --tiny: one child process per setting, medians recorded."""
     out = tmp_path / "prefill.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "engine" / "bench_prefill.py"), "--device", "cpu", "--tiny",
-           "--lengths", "4", "--max-len", "48", "--settings", "torch_default,no_cudnn", "--output", str(out)]
+           "--lengths", "4", "--max-len", "48", "--settings", "torch_default,no_cudnn,buckets", "--output", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads(out.read_text())
-    assert set(rec["runs"]) == {"torch_default", "no_cudnn"} and rec["command"] and rec["date"]
+    assert set(rec["runs"]) == {"torch_default", "no_cudnn", "buckets"} and rec["command"] and rec["date"]
     for name, run in rec["runs"].items():
         assert run["setting"] == name
         assert len(run["c1_first_ms"]) == 4 and len(run["c8_first_ms"]) == 1 and min(run["c1_repeat_ms"]) > 0
         for k in ("c1_first", "c1_repeat", "c8_first", "c8_repeat"):
             assert run[f"{k}_median_ms"] == statistics.median(run[f"{k}_ms"])
     assert rec["runs"]["torch_default"]["sdp_backends"].startswith("torch's choice")
-    assert rec["runs"]["no_cudnn"]["sdp_backends"] == list(sdpa_mod.BACKENDS)
+    assert rec["runs"]["no_cudnn"]["sdp_backends"] == list(sdpa_mod.BACKENDS) == rec["runs"]["buckets"]["sdp_backends"]
 
 
 @pytest.mark.parametrize("extra, msg", [

@@ -15,7 +15,9 @@ new token on: ``--lengths`` prompts of distinct lengths never seen (``first``), 
 (``repeat``), and the same for packed admissions of 8 prompts at once (concurrency 8: one packed
 prefill per group). Settings (the backends :func:`dspine.ops.sdpa.sdpa` allows the prompt attention):
 ``torch_default`` (torch's own choice: cuDNN on an H200; the engine before results/prefill-h200.json),
-``no_cudnn`` (flash, memory-efficient, math: the engine's default since), ``flash`` (flash only).
+``no_cudnn`` (flash, memory-efficient, math: the engine's default since), ``flash`` (flash only),
+``buckets`` (``no_cudnn`` with ``Engine(prefill_buckets=True)``: each prompt alone, padded to its length
+bucket, one CUDA graph per bucket; "first" then means the bucket's first prompt, which captures its graph).
 ``--profile`` adds torch.profiler's ten most expensive ops (self CPU time) of a first and a repeat
 pass in the ``torch_default`` setting.
 
@@ -47,7 +49,7 @@ from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
 from infer.model import ModelArgs  # noqa: E402
 
-SETTINGS = ("torch_default", "no_cudnn", "flash")
+SETTINGS = ("torch_default", "no_cudnn", "flash", "buckets")
 
 
 def apply_setting(name: str) -> None:
@@ -56,7 +58,7 @@ def apply_setting(name: str) -> None:
         sdpa_mod.BACKENDS = None
     elif name == "flash":
         sdpa_mod.BACKENDS = ("FLASH_ATTENTION",)
-    elif name != "no_cudnn":
+    elif name not in ("no_cudnn", "buckets"):
         raise ValueError(f"unknown setting {name!r}; expected one of {SETTINGS}")
 
 
@@ -77,7 +79,8 @@ def run_setting(args) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     a = ModelArgs(**TARGETS["tiny" if args.tiny else "smollm2"])
     target = random_target(a, [], dev, dtype, "triton" if dev.type == "cuda" else "torch")
-    eng = Engine(target, None, [-1], max_batch=8, max_seq=args.max_len + 8, max_new_cap=2)
+    eng = Engine(target, None, [-1], max_batch=8, max_seq=args.max_len + 8, max_new_cap=2,
+                 prefill_buckets=args.setting == "buckets")
     one = SamplingParams(max_new_tokens=1)
     g = random.Random(0)
     # start-up: graph capture and every kernel compiled once, on lengths outside the measured ones

@@ -1,0 +1,128 @@
+"""Bucketed prefill (``Engine(prefill_buckets=True)``): each prompt alone, padded to a length bucket at static
+shapes (``EngineTarget.prefill_static``), one CUDA graph per bucket on the GPU. On the CPU the same padded pass
+runs eagerly: its logits, features and K/V rows equal the unpadded prefill's, and the engine's greedy output is
+unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspine.reference import ReferenceDecoder
+from dspine.sampling import SamplingParams
+from dspine.target import load_target
+from infer.engine import load_engine
+from infer.model import EngineTarget, prefill_bucket
+
+PROMPTS = [[1], [1, 403, 407], [1, 403, 407, 261, 378, 432, 383], [1, 300], [1, 301, 302, 303, 304], [1, 410]]
+
+
+def test_prefill_bucket_lengths():
+    assert [prefill_bucket(p, 4096) for p in (1, 64, 65, 500, 512, 513, 768, 769, 2048)] == [
+        64, 64, 128, 512, 512, 768, 768, 1024, 2048]
+    assert prefill_bucket(70, 100) == 100  # capped at the cache
+    for bad in (0, 101):
+        with pytest.raises(ValueError, match="1 <= P <= 100"):
+            prefill_bucket(bad, 100)
+
+
+@pytest.fixture(scope="module")
+def swa_dir(tmp_path_factory):
+    """A tiny random Qwen3 with sliding-window layers (window 5; layer 0 full)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      rope_theta=1e4, tie_word_embeddings=False, eos_token_id=None, pad_token_id=0,
+                      bos_token_id=None, initializer_range=0.1, use_sliding_window=True, sliding_window=5,
+                      max_window_layers=1)
+    out = tmp_path_factory.mktemp("tiny_swa_buckets")
+    Qwen3ForCausalLM(cfg).eval().save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("which", ["stories", "qwen3", "swa"])
+def test_prefill_static_equals_prefill(which, stories_dir, tiny_qwen3_dir, swa_dir):
+    path = {"stories": stories_dir, "qwen3": tiny_qwen3_dir, "swa": swa_dir}[which]
+    eng = EngineTarget.from_pretrained(str(path), device="cpu", dtype=torch.float32, layer_ids=[0, 1], impl="torch")
+    g = torch.Generator().manual_seed(3)
+    P, slot = 23, 2
+    ids = torch.randint(3, 250, (P,), generator=g)
+    ref_cache, cache = eng.new_cache(3, 128), eng.new_cache(3, 128)
+    want_logits, want_feats = eng.prefill(ids, slot, ref_cache)
+    Pb = prefill_bucket(P, cache.seq)
+    tokens = torch.cat([ids, torch.randint(3, 250, (Pb - P,), generator=g)])  # padding: any ids
+    logits, feats = eng.prefill_static(tokens, torch.tensor([slot]), torch.tensor([P - 1]), cache)
+    assert logits.shape == (1, eng.args.vocab_size) and feats.shape[0] == Pb
+    assert torch.allclose(logits[0], want_logits, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(feats[:P], want_feats, atol=1e-5, rtol=1e-5)
+    for i in range(eng.args.num_layers):
+        assert torch.allclose(cache.k[i][slot, :, :P], ref_cache.k[i][slot, :, :P], atol=1e-5)  # matmul rounding
+        assert torch.allclose(cache.v[i][slot, :, :P], ref_cache.v[i][slot, :, :P], atol=1e-5)
+        assert cache.k[i][[0, 1]].abs().sum() == 0  # the other slots untouched
+
+
+def test_engine_prefill_buckets_keep_greedy_output(stories_dir, tmp_path):
+    from dspine.checkpoint import save_draft
+    from tests.helpers import random_draft
+
+    target = load_target(str(stories_dir), dtype="fp32")
+    folder = save_draft(random_draft(target, block_size=8, mask=0), tmp_path / "draft")
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, SamplingParams(max_new_tokens=40)).token_ids
+    eng, _ = load_engine(str(stories_dir), None, str(folder), device="cpu", dtype=torch.float32, impl="torch",
+                         max_seq=500, eos_token_ids=[2], prefill_buckets=True)
+    assert eng.prefill_buckets and not eng.cuda_graphs
+    for conc in (1, 3, 6):
+        assert eng.generate(PROMPTS, SamplingParams(max_new_tokens=40), concurrency=conc).token_ids == want, conc
+    assert eng.generate(PROMPTS, SamplingParams(max_new_tokens=40), use_draft=False).token_ids == want
+    assert {k[0] for k in eng._prefill_graphs} == {64}  # one bucket for all these prompts; no graphs on the CPU
+    off, _ = load_engine(str(stories_dir), None, str(folder), device="cpu", dtype=torch.float32, impl="torch",
+                         max_seq=500, eos_token_ids=[2])
+    assert not off.prefill_buckets  # auto: only with CUDA graphs
+
+
+@pytest.mark.gpu
+def test_engine_prefill_graphs_cuda(stories_dir, tmp_path):
+    """CUDA graphs per bucket: the same greedy output as the eager unpadded prefill, one graph per bucket."""
+    target = load_target(str(stories_dir), dtype="fp32")
+    from dspine.checkpoint import save_draft
+    from tests.helpers import random_draft
+
+    folder = save_draft(random_draft(target, block_size=8, mask=0), tmp_path / "draft")
+    kw = dict(device="cuda", dtype=torch.float32, impl="triton", max_seq=500, eos_token_ids=[2])
+    plain, _ = load_engine(str(stories_dir), None, str(folder), prefill_buckets=False, **kw)
+    graphed, _ = load_engine(str(stories_dir), None, str(folder), **kw)
+    assert graphed.prefill_buckets and graphed.cuda_graphs
+    prompts = PROMPTS + [[1] + list(range(300, 370))]  # a second bucket (71 tokens -> 128)
+    want = plain.generate(prompts, SamplingParams(max_new_tokens=40), concurrency=3).token_ids
+    assert graphed.generate(prompts, SamplingParams(max_new_tokens=40), concurrency=3).token_ids == want
+    assert sorted(k[0] for k in graphed._prefill_graphs) == [64, 128]
+    assert all(v[0] is not None for v in graphed._prefill_graphs.values())
+
+
+def test_cli_prefill_buckets(stories_dir, tmp_path, capsys):
+    """--prefill-buckets: refused on the reference backend (infer.generate, infer.bench); on the engine
+    (CPU, eager) infer.bench runs with it and the greedy output equals the AR output."""
+    import json
+
+    from dspine.checkpoint import save_draft
+    from infer import bench, generate
+    from tests.conftest import shared_path
+    from tests.helpers import random_draft
+
+    base = ["--target", str(stories_dir), "--draft", "none", "--prompt", "hi", "--backend", "reference",
+            "--prefill-buckets"]
+    assert generate.main(base) == 2
+    assert "--prefill-buckets needs the engine" in capsys.readouterr().err
+    folder = save_draft(random_draft(load_target(str(stories_dir), dtype="fp32"), block_size=8, mask=0),
+                        tmp_path / "draft")
+    argv = ["--target", str(stories_dir), "--draft", f"D={folder}", "--datasets", "gsm8k", "--data-dir",
+            str(shared_path("data", "eval")), "--num-prompts", "2", "--max-new-tokens", "8", "--no-chat-template",
+            "--dtype", "fp32", "--prefill-buckets"]
+    assert bench.main([*argv, "--backend", "reference", "--output-json", str(tmp_path / "r.json")]) == 2
+    assert "--prefill-buckets needs the engine" in capsys.readouterr().err
+    out = tmp_path / "b.json"
+    assert bench.main([*argv, "--backend", "cuda", "--device", "cpu", "--output-json", str(out)]) == 0
+    d = json.loads(out.read_text())["tasks"][0]["drafts"]["D"]
+    assert d["greedy_equal"] == d["greedy_compared"] == 2
