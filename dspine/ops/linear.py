@@ -361,20 +361,19 @@ def linear_torch(x, w, bias=None):
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-# The fast (non-exact) path takes this kernel too for large bf16 weights at M <= FAST_MAX_M rows, where it beat
-# cuBLAS on every Qwen3-8B weight on an H200 (results/exact-kernels-h200.json); cuBLAS otherwise.
+# The fast (non-exact) path takes this kernel too at M <= FAST_MAX_M rows for the bf16 weights of the device's
+# tuned file (measured there): on the H200 it ran 0.72-0.97x cuBLAS's time on four of the five Qwen3-8B weights
+# and 1.06x on qkv, and the engine's AR step went from 4.65 to 4.46 ms (results/exact-kernels-cross-h200.json,
+# results/engine-h200.json); cuBLAS for every other shape and above FAST_MAX_M.
 FAST_MAX_M = 16
-FAST_MIN_DIM = 2048
 
 
 def use_in_fast_mode(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``linear(exact=False, impl="triton")`` runs the row-invariant kernel instead of cuBLAS."""
-    return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
-        and min(w.shape) >= FAST_MIN_DIM
-        and x.numel() // x.shape[-1] <= FAST_MAX_M
-    )
+    """Whether ``linear(exact=False, impl="triton")`` runs the row-invariant kernel instead of cuBLAS: CUDA,
+    bf16, at most FAST_MAX_M rows, and the weight's shape in the device's tuned file."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(1, x.shape[-1]) <= FAST_MAX_M):
+        return False
+    return f"{w.shape[0]},{w.shape[1]}" in tuned(torch.cuda.get_device_name(x.device)).get("weights", {})
 
 
 def linear(x, w, bias=None, impl: str = "triton", exact: bool = True):
