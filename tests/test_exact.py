@@ -11,6 +11,7 @@ the engine end to end with CUDA graphs.
 import tests.kernel_env as kenv  # noqa: I001  (before the kernel modules: sets TRITON_INTERPRET)
 
 import json
+import re
 
 import pytest
 import torch
@@ -584,5 +585,85 @@ def test_tuned_file_refuses_cublas_rows_without_split_1(tmp_path, monkeypatch):
         )
         assert lin.tuned("C")["weights"]["64,512"]["cublas_m"] == [[17, 256]]
         assert lin.in_ranges(17, [[17, 256]]) and not lin.in_ranges(16, [[17, 256]])
+    finally:
+        lin.tuned.cache_clear()
+
+
+def test_identity_runs_compare_ar_by_prompt_not_position(monkeypatch):
+    """bench_exact's AR-equal-to-first-configuration count keys each output by its prompt: the graphs-off runs
+    decode a subset (eager_prompts) whose positions differ from the full list's."""
+    from types import SimpleNamespace
+
+    from benchmarks.engine import bench_exact
+
+    class Stub:
+        cuda_graphs = False
+
+        def generate(self, prompts, params, concurrency=1, use_draft=True):
+            return SimpleNamespace(
+                token_ids=[[sum(p) % 7, len(p)] for p in prompts], stats=SimpleNamespace(tau=1.0)
+            )
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    prompts = [[1, 2], [3], [4, 5, 6], [7, 8]]
+    report: list = []
+    bench_exact.identity_runs(
+        "stub", lambda graphs: Stub(), prompts, [prompts[2], prompts[0]], 4, None, report
+    )
+    assert [(r["compared"], r["identical"], r["ar_equal_to_first_config"]) for r in report] == [
+        (4, 4, 4),
+        (4, 4, 4),
+        (2, 2, 2),
+        (2, 2, 2),
+    ]
+
+
+@needs_interp
+def test_linear_edge_cases_k0_and_bias_dtype():
+    from dspine.ops.linear import linear_torch, linear_triton
+
+    x = torch.randn(3, 0).to(torch.bfloat16)
+    w = torch.zeros(5, 0, dtype=torch.bfloat16)
+    b = torch.randn(5).to(torch.bfloat16)
+    for fn in (linear_triton, linear_torch):
+        assert torch.equal(fn(x, w, b), b.expand(3, 5)) and torch.equal(
+            fn(x, w), torch.zeros(3, 5, dtype=torch.bfloat16)
+        )
+        with pytest.raises(ValueError, match="bias is torch.float32"):
+            fn(torch.randn(3, 8).to(torch.bfloat16), torch.randn(5, 8).to(torch.bfloat16), torch.randn(5))
+
+
+@pytest.mark.parametrize(
+    "patch, msg",
+    [
+        ({"mixed_row_tiles": "false"}, "mixed_row_tiles must be true or false"),
+        ({"w": {"programs": {"small": "no", "large": False}}}, "programs.small must be true or false"),
+        ({"w": {"small": [16, 64, 96, 4, 4]}}, "BLOCK_K must divide 256"),
+        ({"w": {"large": [24, 64, 128, 4, 4]}}, "powers of 2"),
+        ({"w": {"split": 2.7}}, "split 2.7 must be an integer"),
+        ({"key": "64, 512"}, "'64, 512' is not 'N,K'"),
+        ({"w": {"small_ratio_to_cublas": "fast"}}, "small_ratio_to_cublas 'fast'"),
+    ],
+)
+def test_tuned_file_refuses_loose_values(tmp_path, monkeypatch, patch, msg):
+    from dspine.ops import linear as lin
+
+    entry = {
+        "split": 1,
+        "small": [16, 64, 128, 4, 4],
+        "large": [64, 64, 128, 4, 4],
+        "programs": {"small": False, "large": False},
+        **patch.get("w", {}),
+    }
+    d = {
+        "mixed_row_tiles": patch.get("mixed_row_tiles", True),
+        "weights": {patch.get("key", "64,512"): entry},
+    }
+    monkeypatch.setattr(lin, "TUNED_DIR", tmp_path)
+    (tmp_path / "linear-X.json").write_text(json.dumps(d))
+    lin.tuned.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=f"linear-X.json.*{re.escape(msg)}"):
+            lin.tuned("X")
     finally:
         lin.tuned.cache_clear()

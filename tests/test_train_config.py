@@ -107,6 +107,12 @@ def test_step_speedups_auto_and_explicit():
     assert resolved(explicit, cuda=False) == resolved(explicit, cuda=True, zero3=True) == ("compiled", "fused", "draft")
     off = load(None, ["target=t", "train=d", "ce_impl=eager", "adamw_impl=default", "compile_layers=none"])
     assert resolved(off, cuda=True) == ("eager", "default", "none")
+    # the compiled chunk math belongs to the hard-label CE: kl / mix resolve auto to eager and refuse compiled
+    for distill in ("kl", "mix"):
+        assert resolved(load(None, ["target=t", "train=d", f"distill={distill}"]), cuda=True)[0] == "eager"
+        with pytest.raises(ConfigError, match="ce_impl': compiled applies to the hard-label CE only"):
+            resolve_device_settings(load(None, ["target=t", "train=d", f"distill={distill}", "ce_impl=compiled"]),
+                                    cuda=True)
 
 
 @pytest.mark.parametrize("key, value, choices", [

@@ -299,3 +299,26 @@ def test_trainer_speedups_same_loss_eager_decode_and_exact_resume(stories_dir, t
     resumed, resumed_rows, _ = run("resumed", *fast)
     resumed_train = [(r["step"], r["loss"], r["grad_norm"]) for r in resumed_rows if "loss" in r]
     assert resumed_train == [(r["step"], r["loss"], r["grad_norm"]) for r in train]
+
+
+def test_resume_notes_changed_speedups(tmp_path, capsys):
+    """A resume whose resolved step speed-ups differ from the checkpoint's prints a note (the continuation is
+    not bitwise); the same ones print nothing; a checkpoint from before the options counts as eager."""
+    import json
+
+    from train import config as run_config
+    from train.distill import check_resumed_config
+
+    cfg = run_config.RunConfig(target="t", train="d")
+    ran = {"ce_impl": "eager", "adamw_impl": "default", "compile_layers": "none"}
+    (tmp_path / "config.json").write_text(json.dumps({**run_config.to_dict(cfg), "resolved": ran}))
+    check_resumed_config(tmp_path, cfg, dict(ran))
+    assert "note" not in capsys.readouterr().out
+    check_resumed_config(tmp_path, cfg, {**ran, "adamw_impl": "fused", "compile_layers": "both"})
+    out = capsys.readouterr().out
+    assert "adamw_impl: default -> fused; compile_layers: none -> both" in out and "not bitwise" in out
+    (tmp_path / "config.json").write_text(json.dumps(run_config.to_dict(cfg)))  # saved before the options
+    check_resumed_config(tmp_path, cfg, dict(ran))
+    assert "note" not in capsys.readouterr().out  # it ran eager / default / none
+    check_resumed_config(tmp_path, cfg, {**ran, "ce_impl": "compiled"})
+    assert "ce_impl: eager -> compiled" in capsys.readouterr().out

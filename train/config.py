@@ -70,7 +70,8 @@ class RunConfig:
     mixed_precision: str = "auto"  # auto (bf16 on CUDA, no on CPU) | bf16 | no
     attn: str = "auto"  # auto (flex on CUDA, dense on CPU) | flex | dense
     loss_chunk_size: int = 2048  # rows per lm_head chunk in the fused cross entropy
-    ce_impl: str = "auto"  # chunk math of the fused CE: auto (compiled on CUDA, eager on CPU) | eager | compiled
+    ce_impl: str = "auto"  # chunk math of the fused hard-label CE: auto (compiled on CUDA with distill=ce, else
+    # eager) | eager | compiled (distill=ce only: kl and mix take the soft-target path)
     adamw_impl: str = "auto"  # torch AdamW kernel: auto (fused on CUDA, default on CPU) | fused | default (foreach
     # on CUDA, for-loop on CPU)
     compile_layers: str = "auto"  # regional torch.compile of decoder layers: auto (both on CUDA with padded lengths,
@@ -387,6 +388,9 @@ def resolve_device_settings(cfg: RunConfig, cuda: bool, zero3: bool = False) -> 
     if cfg.attn == "flex" and not cuda:
         raise ConfigError("config key 'attn': flex needs a CUDA GPU (flex_attention has no CPU backward); "
                           "use attn=dense (or auto) on the CPU")
+    if cfg.ce_impl == "compiled" and cfg.distill != "ce":
+        raise ConfigError(f"config key 'ce_impl': compiled applies to the hard-label CE only (distill=ce); "
+                          f"distill={cfg.distill} takes the soft-target path: use ce_impl=auto or eager")
     attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "dense")
     # flex_attention is compiled per shape: a few length buckets keep recompiles bounded
     pad = cfg.pad_to_multiple or (512 if attn == "flex" else 1)
@@ -399,7 +403,8 @@ def resolve_device_settings(cfg: RunConfig, cuda: bool, zero3: bool = False) -> 
         "attn": attn,
         "pad_to_multiple": pad,
         "data_workers": cfg.data_workers if cfg.data_workers is not None else (2 if cuda else 0),
-        "ce_impl": cfg.ce_impl if cfg.ce_impl != "auto" else ("compiled" if cuda else "eager"),
+        # the compiled chunk math is the hard-label CE's (train.loss): distill kl / mix take the soft path
+        "ce_impl": cfg.ce_impl if cfg.ce_impl != "auto" else ("compiled" if cuda and cfg.distill == "ce" else "eager"),
         "adamw_impl": cfg.adamw_impl if cfg.adamw_impl != "auto" else ("fused" if cuda else "default"),
         "compile_layers": compile_layers,
     }

@@ -105,7 +105,7 @@ def train(cfg) -> int:
         run_config.load_draft_init(str(Path(cfg.draft_init).expanduser()))
     resume = resolve_resume(cfg, out)
     if resume is not None:
-        check_resumed_config(resume, cfg)  # before anything is written: a refused resume changes nothing
+        check_resumed_config(resume, cfg, dev)  # before anything is written: a refused resume changes nothing
     for key in ("train", "eval"):  # train may list several sources (train.data.split_sources)
         value = getattr(cfg, key)
         with config_errors(key):
@@ -560,8 +560,13 @@ def check_trainable(rows, path: str, limit: int = 2000) -> None:
                               "supervised tokens (loss_mask), so there is nothing to train on")
 
 
-def check_resumed_config(ckpt: Path, cfg) -> None:
-    """Refuse a resume whose run config differs from the checkpoint's in a key outside RESUME_MUTABLE."""
+SPEEDUP_KEYS = ("ce_impl", "adamw_impl", "compile_layers")
+
+
+def check_resumed_config(ckpt: Path, cfg, resolved: dict | None = None) -> None:
+    """Refuse a resume whose run config differs from the checkpoint's in a key outside RESUME_MUTABLE; print a
+    note when the resolved step speed-ups (``resolved``: this run's, SPEEDUP_KEYS) differ from the ones the
+    checkpoint ran with (same math, other rounding: the continuation is no longer bitwise)."""
     saved_file = ckpt / "config.json"
     if not saved_file.is_file():
         return
@@ -575,6 +580,13 @@ def check_resumed_config(ckpt: Path, cfg) -> None:
     if changed:
         raise ConfigError(f"resume from {ckpt}: the run config changed ({'; '.join(changed)}); an exact continuation "
                           "needs the checkpoint's values — restore them, or start a new output_dir with init_from")
+    # a checkpoint from before the options ran what they now call eager / default / none
+    ran = {"ce_impl": "eager", "adamw_impl": "default", "compile_layers": "none", **(saved.get("resolved") or {})}
+    moved = [f"{k}: {ran[k]} -> {resolved[k]}" for k in SPEEDUP_KEYS if resolved is not None and ran[k] != resolved[k]]
+    if moved:
+        print(f"note: resume from {ckpt}: step speed-ups differ from the checkpoint's run ({'; '.join(moved)}): the "
+              "same math with other rounding, so the continuation is not bitwise; set them to the checkpoint's values "
+              "for an exact one", flush=True)
 
 
 def check_resume(state: dict, cfg, world: int, total_steps: int) -> None:

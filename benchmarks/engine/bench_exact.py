@@ -63,7 +63,7 @@ def identity_runs(name: str, make_engine, prompts: list[list[int]], eager_prompt
     the device oracle over the AR output (every n-th position corrupted) instead of the engine's draft.
     On the CPU (``cpu`` or no CUDA) only the graphs-off runs, on all of ``prompts``."""
     params = SamplingParams(max_new_tokens=max_new)
-    first_ar: dict[int, list[int]] = {}  # prompt index -> AR output of the first configuration
+    first_ar: dict[tuple, list[int]] = {}  # prompt tokens -> AR output of the first configuration that ran it
     for graphs in (True, False) if torch.cuda.is_available() and not cpu else (False,):
         use = prompts if graphs or cpu or not torch.cuda.is_available() else eager_prompts
         for batch in (1, 8):
@@ -74,7 +74,8 @@ def identity_runs(name: str, make_engine, prompts: list[list[int]], eager_prompt
                 install_device_oracle(eng, [p + a for p, a in zip(use, ar)], every=oracle_every)
             spec = eng.generate(use, params, concurrency=batch)
             same = [s == a for s, a in zip(spec.token_ids, ar)]
-            ar_same = [first_ar.setdefault(i, a) == a for i, a in enumerate(ar)]
+            # keyed by the prompt: the graphs-off runs take a subset (eager_prompts) in another order
+            ar_same = [first_ar.setdefault(tuple(p), a) == a for p, a in zip(use, ar)]
             row = {"target": name, "batch": batch, "cuda_graphs": eng.cuda_graphs, "compared": len(use),
                    "identical": sum(same), "tau": spec.stats.tau, "max_new_tokens": max_new,
                    "ar_equal_to_first_config": sum(ar_same),

@@ -103,9 +103,11 @@ def us(fn, cuda: bool) -> float:
 
 @torch.inference_mode()
 def run(args) -> dict:
-    cuda = torch.cuda.is_available() and not args.tiny
+    cuda = torch.cuda.is_available()  # --tiny on a GPU machine: the tiny shapes on the GPU (compiled kernels)
     dev = "cuda" if cuda else "cpu"
-    shapes, ms, configs = (SHAPES, MS, CONFIGS) if cuda else (TINY_SHAPES, TINY_MS, TINY_CONFIGS)
+    shapes, ms, configs = (
+        (TINY_SHAPES, TINY_MS, TINY_CONFIGS) if args.tiny or not cuda else (SHAPES, MS, CONFIGS)
+    )
     g = torch.Generator(device=dev).manual_seed(0)
     res: dict = {"linear": [], "per_token_step": {}, "attention": []}
     cublas: dict = {}
@@ -233,8 +235,9 @@ def run(args) -> dict:
             f"best (lowest worst ratio over M): {res['best_config']}  {good[res['best_config']]['worst_ratio']:.3f}"
         )
     # attention: exact vs fast, Qwen3-8B heads
-    B_T = ((1, 1), (1, 16), (8, 1), (8, 16)) if cuda else ((1, 1), (2, 4))
-    Hkv, G, D, S = (8, 4, 128, args.ctx) if cuda else (2, 2, 32, 300)
+    big = cuda and not args.tiny
+    B_T = ((1, 1), (1, 16), (8, 1), (8, 16)) if big else ((1, 1), (2, 4))
+    Hkv, G, D, S = (8, 4, 128, args.ctx) if big else (2, 2, 32, 300)
     for B, T in B_T:
         q = torch.randn(B, T, Hkv * G, D, device=dev, generator=g).bfloat16()
         k = torch.randn(B, Hkv, S + 64, D, device=dev, generator=g).bfloat16()
@@ -271,9 +274,11 @@ def run(args) -> dict:
 def cross(args) -> dict:
     """Tile configurations against each other: bitwise equal outputs within a split (the tiles change
     only where the sums run), and the time of each at each M, K chunks over programs and not."""
-    cuda = torch.cuda.is_available() and not args.tiny
+    cuda = torch.cuda.is_available()  # --tiny on a GPU machine: the tiny shapes on the GPU (compiled kernels)
     dev = "cuda" if cuda else "cpu"
-    shapes, ms, tiles = (SHAPES, MS, CROSS_TILES) if cuda else (TINY_SHAPES, TINY_MS, TINY_CROSS_TILES)
+    shapes, ms, tiles = (
+        (TINY_SHAPES, TINY_MS, TINY_CROSS_TILES) if args.tiny or not cuda else (SHAPES, MS, CROSS_TILES)
+    )
     g = torch.Generator(device=dev).manual_seed(0)
     rows, summary = [], {}
     for name, (N, K) in shapes.items():
@@ -323,6 +328,10 @@ def cross(args) -> dict:
                     )
             ok = [r for r in rows if r["weight"] == name and r["split"] == split and "us" in r]
             best = {}
+            if not ok:  # every tile of this split failed (errors recorded in rows)
+                summary[f"{name}/split{split}"] = {"all_bits_equal": False, "tiles_run": 0, "best_by_m": {}}
+                print(f"{name}/split{split}: no tile ran", flush=True)
+                continue
             for m in ms:
                 k, r = min(
                     ((k, r) for r in ok for k in r["us"] if k.startswith(f"M{m}/")),
@@ -422,6 +431,21 @@ def tuned_file(rows: list[dict], summary: dict, ms) -> dict:
         if choices:
             worst, split, s_, l_, agree = min(choices, key=lambda c: c[0])
             r0 = next(r for r in rows if r["weight"] == name and "N" in r)
+            # the chosen small tile's mean time over cuBLAS's at M <= SMALL_M: < 1 puts the fast path on it
+            ok = [
+                r
+                for r in rows
+                if r["weight"] == name and r["split"] == split and "us" in r and r["tile"] == s_[1]
+            ]
+            cub = summary[f"{name}/split{split}"]["best_by_m"]
+            small_ratio = (
+                (
+                    sum(ok[0]["us"][f"M{m}/{s_[2]}"] / cub[f"M{m}"]["cublas_us"] for m in small_ms)
+                    / len(small_ms)
+                )
+                if ok and small_ms
+                else None
+            )
             weights[f"{r0['N']},{r0['K']}"] = {
                 "split": split,
                 "small": s_[1],
@@ -430,6 +454,8 @@ def tuned_file(rows: list[dict], summary: dict, ms) -> dict:
                 "worst_ratio_to_cublas": worst,
                 "weight": name,
             }
+            if small_ratio is not None:
+                weights[f"{r0['N']},{r0['K']}"]["small_ratio_to_cublas"] = small_ratio
             if agree:
                 weights[f"{r0['N']},{r0['K']}"]["cublas_m"] = agree
     return {"mixed_row_tiles": mixed, "weights": weights}

@@ -10,8 +10,9 @@ Kernel: K is cut into ``split`` chunks (:func:`split_k`, from the weight and dev
 starts at multiples of CHUNK_GRANULE). Each chunk is summed on its own in fp32, BLOCK_K tiles in
 increasing K order through ``tl.dot``, and the chunk sums are added in chunk order starting from 0.0;
 the bias is added last, then one rounding. Where those sums run is a matter of time only: for few
-rows (M <= SPLIT_PROGRAMS_MAX_M) each chunk gets its own programs, which write fp32 partials that a
-second kernel adds in chunk order; for more rows one program sums all chunks of its tile. The tile
+rows (M <= SPLIT_PROGRAMS_MAX_M, or as the device's tuned file says up to SPLIT_PROGRAMS_LIMIT) each chunk
+gets its own programs, which write fp32 partials that a second kernel adds in chunk order; otherwise one
+program sums all chunks of its tile. The tile
 configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) changes neither the chunks nor the order of
 the tensor-core k16 steps, so :func:`config` may pick it from M (``mixed_row_tiles``; checked bitwise on the
 device by benchmarks/kernels/bench_linear.py --cross, recorded in the device's tuned file
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -51,6 +53,7 @@ __all__ = [
     "split_k",
     "CONFIG_OVERRIDE",
     "SPLIT_PROGRAMS_MAX_M",
+    "SPLIT_PROGRAMS_LIMIT",
     "SMALL_M",
     "FAST_MAX_M",
     "use_in_fast_mode",
@@ -139,10 +142,11 @@ def _linear_reduce_kernel(
     P, Bias, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr
 ):
     i = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    ok = i < M * N
+    mn = M.to(tl.int64) * N  # int64: M·N·SPLIT may pass 2^31
+    ok = i < mn
     total = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(SPLIT):  # chunk order, from 0.0: the same fp32 sums as the one-program path
-        total += tl.load(P + s * M * N + i, mask=ok, other=0.0)
+        total += tl.load(P + s * mn + i, mask=ok, other=0.0)
     n = i % N
     if HAS_BIAS:
         total += tl.load(Bias + n, mask=ok, other=0.0).to(tl.float32)
@@ -162,6 +166,8 @@ def _check(x, w, bias):
         raise ValueError(f"linear: bias {tuple(bias.shape)} must be [{w.shape[0]}]")
     if x.dtype != w.dtype:
         raise ValueError(f"linear: x is {x.dtype}, weight is {w.dtype}")
+    if bias is not None and bias.dtype != w.dtype:
+        raise ValueError(f"linear: bias is {bias.dtype}, weight is {w.dtype}")
 
 
 def _cfg6(cfg) -> tuple[int, int, int, int, int, int]:
@@ -188,8 +194,9 @@ def chunk_k(K: int, split: int) -> int:
 
 
 def split_k(N: int, K: int, device) -> int:
-    """K chunks of a weight [N, K]: 4 when 64-wide column tiles give fewer than two programs per streaming
-    multiprocessor (o, down and qkv of Qwen3-8B on an H200), else 1. From the weight and the device only."""
+    """K chunks of a weight [N, K] without a tuned file: when 64-wide column tiles give fewer than two programs
+    per streaming multiprocessor, up to 4 chunks of at least 4·CHUNK_GRANULE columns (4 for K >= 4096, 2-3 for
+    2048 <= K < 4096, 1 below), else 1. From the weight and the device only."""
     if _cdiv(N, 64) >= 2 * num_sms(device):
         return 1
     return max(1, min(4, K // (4 * CHUNK_GRANULE)))
@@ -209,8 +216,11 @@ def tuned(device_name: str) -> dict:
     """The tuned tiles of one GPU model: ``TUNED_DIR/linear-<name>.json`` ({} if there is none).
 
     Format: {"mixed_row_tiles": bool, "weights": {"N,K": {"split": S, "small": [BM, BN, BK, warps,
-    stages], "large": [...], "programs": {"small": bool, "large": bool}, "cublas_m": [[lo, hi], ...]}}};
-    ``programs``: K chunks over programs at that size; ``cublas_m`` (optional, split 1 only): row counts
+    stages], "large": [...], "programs": {"small": bool, "large": bool}, "small_ratio_to_cublas": r,
+    "cublas_m": [[lo, hi], ...]}}}; ``programs``: K chunks over programs at that size (up to
+    SPLIT_PROGRAMS_LIMIT rows); ``small_ratio_to_cublas`` (optional): the small tile's mean time over
+    cuBLAS's at M <= SMALL_M, < 1 puts the fast path on this kernel (:func:`use_in_fast_mode`);
+    ``cublas_m`` (optional, split 1 only): row counts
     at which cuBLAS (``F.linear``, no bias) gave this kernel's bits on the device, so the exact path may
     call it there (:func:`cublas_agrees`). Raises ValueError naming the file when it is not that."""
     path = TUNED_DIR / f"linear-{device_name.replace(' ', '_')}.json"
@@ -218,21 +228,52 @@ def tuned(device_name: str) -> dict:
         return {}
     try:
         d = json.loads(path.read_text())
-        for key, e in d["weights"].items():
-            n, k = (int(v) for v in key.split(","))
-            _cfg6((*e["small"], e["split"])), _cfg6((*e["large"], e["split"]))
-            bool(e["programs"]["small"]), bool(e["programs"]["large"])
-            for lo, hi in e.get("cublas_m", []):
-                if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-                    raise ValueError(
-                        f"weight {key}: cublas_m range {[lo, hi]} is not [lo, hi] with 1 <= lo <= hi"
-                    )
-            if e.get("cublas_m") and e["split"] != 1:
-                raise ValueError(f"weight {key}: cublas_m needs split 1 (cuBLAS sums K in one pass)")
-        bool(d["mixed_row_tiles"])
+        _check_tuned(d)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a tuned-tile file ({type(e).__name__}: {e})") from e
     return d
+
+
+def _check_tuned(d: dict) -> None:
+    """Raise on anything :func:`tuned`'s format does not allow (types exact: a string is no bool)."""
+    if not isinstance(d.get("mixed_row_tiles"), bool):
+        raise ValueError(f"mixed_row_tiles must be true or false, got {d.get('mixed_row_tiles')!r}")
+    if not isinstance(d.get("weights"), dict):
+        raise ValueError("weights must be an object of 'N,K' keys")
+    for key, e in d["weights"].items():
+        if not re.fullmatch(r"[1-9][0-9]*,[1-9][0-9]*", key):
+            raise ValueError(f"weight key {key!r} is not 'N,K' (two positive integers, no spaces)")
+        split = e["split"]
+        if not (isinstance(split, int) and not isinstance(split, bool) and split >= 1):
+            raise ValueError(f"weight {key}: split {split!r} must be an integer >= 1")
+        for size in ("small", "large"):
+            tile = e[size]
+            if not (
+                isinstance(tile, list) and len(tile) == 5 and all(isinstance(v, int) and v >= 1 for v in tile)
+            ):
+                raise ValueError(
+                    f"weight {key}: {size} {tile!r} is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages]"
+                )
+            if any(v & (v - 1) for v in tile[:4]) or CHUNK_GRANULE % tile[2]:
+                raise ValueError(
+                    f"weight {key}: {size} {tile}: block sizes and warps must be powers of 2 and "
+                    f"BLOCK_K must divide {CHUNK_GRANULE}"
+                )
+            if not isinstance(e["programs"][size], bool):
+                raise ValueError(f"weight {key}: programs.{size} must be true or false")
+        ratio = e.get("small_ratio_to_cublas")
+        if ratio is not None and not (isinstance(ratio, (int, float)) and ratio > 0):
+            raise ValueError(f"weight {key}: small_ratio_to_cublas {ratio!r} must be a positive number")
+        for r in e.get("cublas_m", []):
+            if not (
+                isinstance(r, list)
+                and len(r) == 2
+                and all(isinstance(v, int) for v in r)
+                and 1 <= r[0] <= r[1]
+            ):
+                raise ValueError(f"weight {key}: cublas_m range {r!r} is not [lo, hi] with 1 <= lo <= hi")
+        if e.get("cublas_m") and split != 1:
+            raise ValueError(f"weight {key}: cublas_m needs split 1 (cuBLAS sums K in one pass)")
 
 
 def in_ranges(m: int, ranges) -> bool:
@@ -259,9 +300,10 @@ def config(N: int, K: int, dtype: torch.dtype, device, M: int = 1) -> tuple[int,
 
     ``split`` comes from the weight and device only (the device's tuned file, else :func:`split_k`);
     the tile configuration may depend on M where the tuned file says that keeps the bits
-    (``mixed_row_tiles``). Measured on an H200 (results/exact-kernels-h200.json): 16-row tiles with
-    64-column, 128-deep K tiles beat cuBLAS at M <= 16 on every Qwen3-8B weight. fp32 (tests, the CPU
-    interpreter) uses 32-deep K tiles and one row-tile size.
+    (``mixed_row_tiles``). Without a file entry: 16-row tiles (64 columns, 128-deep K) at M <= 16 where the
+    file allows mixing, else 64-row tiles; on the H200 16-row tiles ran 0.72-1.07x cuBLAS's time at M <= 16
+    on the Qwen3-8B weights (results/exact-kernels-cross-h200.json). fp32 (tests, the CPU interpreter)
+    uses 32-deep K tiles and one row-tile size.
     """
     if CONFIG_OVERRIDE is not None:
         return _cfg6(CONFIG_OVERRIDE)
@@ -277,17 +319,24 @@ def config(N: int, K: int, dtype: torch.dtype, device, M: int = 1) -> tuple[int,
     return 64, 64, 128, 4, 4, split_k(N, K, device)
 
 
-# Largest M that splits K over programs (fp32 partials + one reduce launch); above it every program
-# sums its chunks itself. Either way the sums are the same, so this only moves time.
+# Largest M that splits K over programs by default (fp32 partials + one reduce launch); above it every program
+# sums its chunks itself, unless the tuned file says otherwise for that size, and never above
+# SPLIT_PROGRAMS_LIMIT (the partials take split·M·N·4 bytes: a prompt-length M would take gigabytes). Either
+# way the sums are the same, so this only moves time.
 SPLIT_PROGRAMS_MAX_M = 16
+SPLIT_PROGRAMS_LIMIT = 256
 
 
 def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_programs: bool | None = None):
     """Row-invariant ``x · wᵀ (+ bias)`` (module docstring). ``cfg``: a 5- or 6-tuple (:func:`config`);
-    ``split_programs``: spread the K chunks over programs (None: when M <= SPLIT_PROGRAMS_MAX_M); the
-    result is bitwise the same either way."""
+    ``split_programs``: spread the K chunks over programs (None: when M <= SPLIT_PROGRAMS_MAX_M, or as the
+    device's tuned file says, never above SPLIT_PROGRAMS_LIMIT rows); the result is bitwise the same either
+    way. Raises ValueError on mismatched shapes or dtypes (bias included) and a non-contiguous weight."""
     _check(x, w, bias)
     N, K = w.shape
+    if K == 0:  # an empty sum: the bias (or zeros), as F.linear gives
+        y = torch.zeros(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+        return y + bias if bias is not None else y
     if w.stride(1) != 1 or w.stride(0) != K:
         raise ValueError("linear: weight must be contiguous [N, K]")
     x2 = x.reshape(-1, K)
@@ -297,6 +346,10 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
     y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return y
+    if K == 0:  # an empty sum: the bias (or zeros), as F.linear gives
+        return y.copy_(
+            (bias if bias is not None else torch.zeros(N, device=x.device, dtype=x.dtype)).expand_as(y)
+        )
     y2 = y.view(M, N)
     bm, bn, bk, warps, stages, split = _cfg6(cfg or config(N, K, x.dtype, x.device, M))
     if CHUNK_GRANULE % bk:
@@ -310,6 +363,7 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
             e = t.get("weights", {}).get(f"{N},{K}")
             if e is not None:
                 split_programs = e["programs"]["small" if M <= SMALL_M and t["mixed_row_tiles"] else "large"]
+        split_programs = split_programs and M <= SPLIT_PROGRAMS_LIMIT
     split_programs = bool(split_programs) and n_chunks > 1
     part = torch.empty(n_chunks, M, N, device=x.device, dtype=torch.float32) if split_programs else y2
     _linear_kernel[(_cdiv(M, bm), _cdiv(N, bn), n_chunks if split_programs else 1)](
@@ -354,6 +408,8 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
 def linear_torch(x, w, bias=None):
     """Reference: ``F.linear`` row by row on fresh contiguous copies (row invariant by construction)."""
     _check(x, w, bias)
+    if w.shape[1] == 0:  # an empty sum: F.linear's bias (or zeros)
+        return F.linear(x, w, bias)
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.empty(x2.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
     for m in range(x2.shape[0]):
@@ -361,19 +417,21 @@ def linear_torch(x, w, bias=None):
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-# The fast (non-exact) path takes this kernel too at M <= FAST_MAX_M rows for the bf16 weights of the device's
-# tuned file (measured there): on the H200 it ran 0.72-0.97x cuBLAS's time on four of the five Qwen3-8B weights
-# and 1.06x on qkv, and the engine's AR step went from 4.65 to 4.46 ms (results/exact-kernels-cross-h200.json,
-# results/engine-h200.json); cuBLAS for every other shape and above FAST_MAX_M.
+# The fast (non-exact) path takes this kernel too at M <= FAST_MAX_M rows for the bf16 weights whose small tile
+# the device's tuned file measured faster than cuBLAS (``small_ratio_to_cublas`` < 1). On the H200: o 0.82,
+# down 0.93, lm_head 0.96, gate_up 0.98 (mean over M = 1, 8, 16), qkv 1.06 (stays on cuBLAS);
+# results/exact-kernels-cross-h200.json. cuBLAS for every other shape and above FAST_MAX_M.
 FAST_MAX_M = 16
 
 
 def use_in_fast_mode(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``linear(exact=False, impl="triton")`` runs the row-invariant kernel instead of cuBLAS: CUDA,
-    bf16, at most FAST_MAX_M rows, and the weight's shape in the device's tuned file."""
+    bf16, at most FAST_MAX_M rows, and the device's tuned file measured the weight's small tile faster than
+    cuBLAS (``small_ratio_to_cublas`` < 1)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(1, x.shape[-1]) <= FAST_MAX_M):
         return False
-    return f"{w.shape[0]},{w.shape[1]}" in tuned(torch.cuda.get_device_name(x.device)).get("weights", {})
+    e = tuned(torch.cuda.get_device_name(x.device)).get("weights", {}).get(f"{w.shape[0]},{w.shape[1]}")
+    return e is not None and e.get("small_ratio_to_cublas", float("inf")) < 1.0
 
 
 def linear(x, w, bias=None, impl: str = "triton", exact: bool = True):
