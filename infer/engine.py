@@ -213,7 +213,8 @@ class Engine:
             raise ValueError(f"prefill_buckets=True: target model_type={target.args.model_type!r} has linear-attention "
                              "layers, whose recurrent state would run over the padding")
         self.prefill_buckets = bool(prefill_buckets)
-        self._prefill_graphs: dict[tuple, tuple] = {}  # (bucket, want_features) -> (graph, inputs, outputs)
+        # (bucket, want_features) -> (graph or None, static inputs, static outputs, the eager call)
+        self._prefill_graphs: dict[tuple, tuple] = {}
         if target.embed.dtype == torch.float16 and target.args.model_type.startswith("qwen"):
             raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
         if draft is not None:
