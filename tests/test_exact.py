@@ -667,3 +667,19 @@ def test_tuned_file_refuses_loose_values(tmp_path, monkeypatch, patch, msg):
             lin.tuned("X")
     finally:
         lin.tuned.cache_clear()
+
+
+@needs_interp
+def test_bench_linear_cross_tiny_writes_a_loadable_tuned_file():
+    """bench_linear --cross --tiny: every (weight, split) summarised, the cuBLAS check recorded for split 1, and
+    the tuned file it derives passes dspine.ops.linear's validation."""
+    from benchmarks.kernels import bench_linear
+    from dspine.ops import linear as lin
+
+    res = bench_linear.cross(type("A", (), {"tiny": True})())
+    assert set(res["cross_summary"]) == {"a/split1", "a/split4"}
+    agree = res["cross_summary"]["a/split1"]["cublas_agrees_m"]
+    assert all(1 <= lo <= hi <= 32 for lo, hi in agree)
+    lin._check_tuned(res["tuned"])
+    e = res["tuned"]["weights"]["96,300"]
+    assert e["split"] in (1, 4) and e["small_ratio_to_cublas"] > 0
