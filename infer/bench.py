@@ -178,6 +178,7 @@ class Runner:
             kw = dict(max_batch=args.concurrency, max_seq=max_seq, max_new_cap=args.max_new_tokens, exact=args.exact,
                       prefill_buckets=args.prefill_buckets)
             self.decoders[None] = Engine(target, None, self.eos, **kw)
+            args.prefill_buckets = self.decoders[None].prefill_buckets  # the resolved value, for the JSON
             for label, m in models.items():
                 # each draft reads its own layers: the target returns them in the draft's order
                 c = self.configs[label]

@@ -215,6 +215,7 @@ class Engine:
         self.prefill_buckets = bool(prefill_buckets)
         # (bucket, want_features) -> (graph or None, static inputs, static outputs, the eager call)
         self._prefill_graphs: dict[tuple, tuple] = {}
+        self._prefill_pool = None  # the CUDA graph memory pool the prefill graphs share
         if target.embed.dtype == torch.float16 and target.args.model_type.startswith("qwen"):
             raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
         if draft is not None:
@@ -649,10 +650,13 @@ class Engine:
         only its cache rows), or the same call eagerly without CUDA graphs. Returns logits ``[1, V]`` and
         features ``[P, k·H]`` (or None), copied out of the graph's static outputs. ``kv`` (a view of the
         first slots) shares the engine cache's storage; the graph runs on the whole cache, so one graph per
-        bucket serves every slot and batch size."""
-        del kv
-        kv = self.cache
+        bucket serves every slot and batch size. A prompt longer than ``infer.model.PREFILL_BUCKET_MAX`` takes
+        the unpadded pass (:meth:`EngineTarget.prefill_packed`) instead."""
         P = int(x.shape[0])
+        if P > infer_model.PREFILL_BUCKET_MAX:  # beyond the buckets: the unpadded pass, eagerly
+            logits, feats = self.target.prefill_packed([x], [slot], kv, want_features=want_features)
+            return logits, feats
+        kv = self.cache
         Pb = infer_model.prefill_bucket(P, kv.seq)
         key = (Pb, want_features)
         entry = self._prefill_graphs.get(key)
@@ -673,8 +677,12 @@ class Engine:
                     for _ in range(2):
                         fn()  # compiles the Triton kernels, warms cuBLAS / SDPA for this shape
                 torch.cuda.current_stream().wait_stream(side)
+                if self._prefill_pool is None:
+                    # one memory pool for all buckets: replays never overlap (one stream) and each replay's
+                    # outputs are copied out before the next, so the graphs may share their scratch memory
+                    self._prefill_pool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=side):
+                with torch.cuda.graph(graph, pool=self._prefill_pool, stream=side):
                     outputs = fn()
             else:
                 outputs = None

@@ -246,6 +246,7 @@ def run(args) -> dict:
     out["threads"] = args.threads
     if backend == "cuda":
         out["exact"] = bool(args.exact)
+        out["prefill_buckets"] = bool(args.prefill_buckets)
     if draft_cfg is not None:
         out["verify"] = args.verify
         out["verified_tokens_per_step"] = ("auto" if args.budget else args.tree_budget if args.verify == "tree"
@@ -285,6 +286,7 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
                             check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens,
                             verify=args.verify, tree_budget=args.tree_budget, budget=args.budget, exact=args.exact,
                             prefill_buckets=args.prefill_buckets)
+    args.prefill_buckets = engine.prefill_buckets  # the resolved value, for --json
 
     def decode(use: bool):
         engine.generate(prompts, params, use_draft=use)

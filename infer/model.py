@@ -70,13 +70,18 @@ EXACT_DEFAULT = False
 
 
 def prefill_bucket(P: int, capacity: int) -> int:
-    """Padded length of a bucketed prefill (:meth:`EngineTarget.prefill_static`): the next multiple of 64
-    up to 512 tokens, of 256 above (at most 25% padding past 512, 14 buckets up to 2,048), capped at the
-    cache ``capacity``. Raises ValueError for P < 1 or P > capacity."""
-    if not 1 <= P <= capacity:
-        raise ValueError(f"prompt of {P} tokens: need 1 <= P <= {capacity} (the cache's positions)")
-    step = 64 if P <= 512 else 256
+    """Padded length of a bucketed prefill (:meth:`EngineTarget.prefill_static`): the next multiple of 64 up
+    to 512 tokens (at most 63 tokens of padding), of 256 up to 2,048 (up to 50% past 512, 255 tokens), of 1,024
+    up to PREFILL_BUCKET_MAX (8,192), capped at the cache ``capacity``: 20 buckets at most. Raises ValueError
+    for P < 1 or P > min(capacity, PREFILL_BUCKET_MAX) (longer prompts prefill unpadded)."""
+    if not 1 <= P <= min(capacity, PREFILL_BUCKET_MAX):
+        raise ValueError(f"prompt of {P} tokens: need 1 <= P <= {min(capacity, PREFILL_BUCKET_MAX)} (the cache's "
+                         f"positions, and PREFILL_BUCKET_MAX for a bucketed prefill)")
+    step = 64 if P <= 512 else 256 if P <= 2048 else 1024
     return min(-(-P // step) * step, capacity)
+
+
+PREFILL_BUCKET_MAX = 8192  # longest bucketed prefill; longer prompts take the unpadded pass
 
 
 @dataclass
@@ -660,8 +665,9 @@ class EngineTarget(nn.Module):
         K/V are written at positions 0..Pb-1 of the slot: the padding's rows lie past the prompt, where
         decoding writes before it reads. Attention is causal over the rows just written (gathered from the
         cache by slot and position), so no real position sees the padding; each position's result equals
-        :meth:`prefill`'s up to matmul rounding (exactly in fp32 on the CPU reference path). Attention-only
-        targets (a hybrid target's recurrent state would run over the padding)."""
+        :meth:`prefill`'s up to matmul rounding (the matmuls see Pb rows instead of P: about 1e-6 in fp32, bf16
+        rounding in bf16, so greedy output can part at near-ties in bf16). Attention-only targets (a hybrid
+        target's recurrent state would run over the padding)."""
         a = self.args
         if a.hybrid:
             raise ValueError("prefill_static: hybrid targets (linear-attention layers) prefill unpadded")
@@ -670,7 +676,7 @@ class EngineTarget(nn.Module):
             raise ValueError(f"padded prompt of {Pb} tokens does not fit the cache ({cache.seq} positions)")
         Hq, D = a.num_heads, a.head_dim
         pos = torch.arange(Pb, device=tokens.device)
-        bidx = slot.expand(Pb)
+        bidx = slot.expand(Pb).contiguous()  # kernels read index vectors packed (dspine.ops.rope)
 
         def attend(i, q):
             kc = cache.k[i][bidx, :, pos].transpose(0, 1)[None]  # [1, Hkv, Pb, D]

@@ -683,3 +683,35 @@ def test_bench_linear_cross_tiny_writes_a_loadable_tuned_file():
     lin._check_tuned(res["tuned"])
     e = res["tuned"]["weights"]["96,300"]
     assert e["split"] in (1, 4) and e["small_ratio_to_cublas"] > 0
+
+
+def test_tuned_file_bitwise_findings_need_the_same_versions(tmp_path, monkeypatch):
+    """A tuned file measured with other torch / Triton versions keeps its tiles but not its bitwise findings
+    (mixed row tiles, cuBLAS rows): _same_versions says so, with a warning; no versions recorded counts as
+    matching (the files written before the writer recorded them)."""
+    from dspine.ops import linear as lin
+
+    entry = {
+        "split": 1,
+        "small": [16, 64, 128, 4, 4],
+        "large": [64, 64, 128, 4, 4],
+        "programs": {"small": False, "large": False},
+    }
+    monkeypatch.setattr(lin, "TUNED_DIR", tmp_path)
+    for name, extra in (
+        ("Old", {"versions": {"torch": "0.1", "triton": "0.1"}}),
+        ("Same", {"versions": lin.versions()}),
+        ("None", {}),
+    ):
+        (tmp_path / f"linear-{name}.json").write_text(
+            json.dumps({"mixed_row_tiles": True, "weights": {"64,512": entry}, **extra})
+        )
+    lin.tuned.cache_clear()
+    lin._same_versions.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="not used; rerun benchmarks/kernels/bench_linear.py --cross"):
+            assert lin._same_versions("Old") is False
+        assert lin._same_versions("Same") is True and lin._same_versions("None") is True
+    finally:
+        lin.tuned.cache_clear()
+        lin._same_versions.cache_clear()

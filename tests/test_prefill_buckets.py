@@ -18,12 +18,13 @@ PROMPTS = [[1], [1, 403, 407], [1, 403, 407, 261, 378, 432, 383], [1, 300], [1, 
 
 
 def test_prefill_bucket_lengths():
-    assert [prefill_bucket(p, 4096) for p in (1, 64, 65, 500, 512, 513, 768, 769, 2048)] == [
-        64, 64, 128, 512, 512, 768, 768, 1024, 2048]
+    assert [prefill_bucket(p, 10_000) for p in (1, 64, 65, 500, 512, 513, 768, 769, 2048, 2049, 8192)] == [
+        64, 64, 128, 512, 512, 768, 768, 1024, 2048, 3072, 8192]
+    assert len({prefill_bucket(p, 10_000) for p in range(1, 8193)}) == 20
     assert prefill_bucket(70, 100) == 100  # capped at the cache
-    for bad in (0, 101):
-        with pytest.raises(ValueError, match="1 <= P <= 100"):
-            prefill_bucket(bad, 100)
+    for bad, cap in ((0, 100), (101, 100), (8193, 10_000)):
+        with pytest.raises(ValueError, match=f"1 <= P <= {min(cap, 8192)}"):
+            prefill_bucket(bad, cap)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_engine_prefill_graphs_cuda(stories_dir, tmp_path):
     folder = save_draft(random_draft(target, block_size=8, mask=0), tmp_path / "draft")
     kw = dict(device="cuda", dtype=torch.float32, impl="triton", max_seq=500, eos_token_ids=[2])
     plain, _ = load_engine(str(stories_dir), None, str(folder), prefill_buckets=False, **kw)
-    graphed, _ = load_engine(str(stories_dir), None, str(folder), **kw)
+    graphed, _ = load_engine(str(stories_dir), None, str(folder), prefill_buckets=True, **kw)
     assert graphed.prefill_buckets and graphed.cuda_graphs
     prompts = PROMPTS + [[1] + list(range(300, 370))]  # a second bucket (71 tokens -> 128)
     want = plain.generate(prompts, SamplingParams(max_new_tokens=40), concurrency=3).token_ids
@@ -126,3 +127,37 @@ def test_cli_prefill_buckets(stories_dir, tmp_path, capsys):
     assert bench.main([*argv, "--backend", "cuda", "--device", "cpu", "--output-json", str(out)]) == 0
     d = json.loads(out.read_text())["tasks"][0]["drafts"]["D"]
     assert d["greedy_equal"] == d["greedy_compared"] == 2
+
+
+def test_padded_prefill_with_the_triton_kernels(stories_dir, tmp_path):
+    """The Triton kernels (interpreter) read index vectors packed: the slot index, a stride-0 view in
+    prefill_static, must reach them contiguous or rows past the first land in other slots. K/V of the padded
+    pass under impl="triton" equal the torch path's, other slots stay untouched, and the engine's greedy output
+    with buckets equals the reference decoder's."""
+    import tests.kernel_env as env
+    from dspine.checkpoint import save_draft
+    from dspine.ops.rope import qk_norm_rope_cache
+    from tests.helpers import random_draft
+
+    if not env.TRITON_CPU:
+        pytest.skip(str(env.TRITON_CPU_SKIP))
+    g = torch.Generator().manual_seed(0)
+    N, H, D, S = 40, 2, 16, 64
+    q, k, v = (torch.randn(N, H, D, generator=g) for _ in range(3))
+    cos, sin = torch.randn(S, D // 2, generator=g), torch.randn(S, D // 2, generator=g)
+    pos = torch.arange(N)
+    outs = []
+    for impl in ("torch", "triton"):
+        kc, vc = torch.zeros(3, H, S, D), torch.zeros(3, H, S, D)
+        qo = qk_norm_rope_cache(q, k, v, None, None, 1e-6, cos, sin, pos, kc, vc, torch.tensor([2]).expand(N), pos,
+                                impl=impl)
+        outs.append((qo, kc, vc))
+    assert torch.allclose(outs[0][1], outs[1][1], atol=1e-6) and torch.allclose(outs[0][2], outs[1][2], atol=1e-6)
+    assert outs[1][1][:2].abs().sum() == 0 and outs[1][1][2, :, :N].abs().sum() > 0
+
+    target = load_target(str(stories_dir), dtype="fp32")
+    folder = save_draft(random_draft(target, block_size=8, mask=0), tmp_path / "draft")
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS[:3], SamplingParams(max_new_tokens=12)).token_ids
+    eng, _ = load_engine(str(stories_dir), None, str(folder), device="cpu", dtype=torch.float32, impl="triton",
+                         max_seq=200, eos_token_ids=[2], prefill_buckets=True)
+    assert eng.generate(PROMPTS[:3], SamplingParams(max_new_tokens=12), concurrency=2).token_ids == want

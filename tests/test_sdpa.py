@@ -135,6 +135,8 @@ def test_prefill_bench_tiny_cpu(tmp_path):
             assert run[f"{k}_median_ms"] == statistics.median(run[f"{k}_ms"])
     assert rec["runs"]["torch_default"]["sdp_backends"].startswith("torch's choice")
     assert rec["runs"]["no_cudnn"]["sdp_backends"] == list(sdpa_mod.BACKENDS) == rec["runs"]["buckets"]["sdp_backends"]
+    b = rec["runs"]["buckets"]  # every measured length falls in the bucket the warm-up already met
+    assert [b[f"{k}_new_buckets"] for k in ("c1_first", "c1_repeat", "c8_first", "c8_repeat")] == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("extra, msg", [

@@ -105,7 +105,8 @@ def train(cfg) -> int:
         run_config.load_draft_init(str(Path(cfg.draft_init).expanduser()))
     resume = resolve_resume(cfg, out)
     if resume is not None:
-        check_resumed_config(resume, cfg, dev)  # before anything is written: a refused resume changes nothing
+        check_resumed_config(resume, cfg, dev if main_proc else None)  # before anything is written: a refused
+        # resume changes nothing (the speed-up note: once, on the main process)
     for key in ("train", "eval"):  # train may list several sources (train.data.split_sources)
         value = getattr(cfg, key)
         with config_errors(key):
@@ -582,6 +583,8 @@ def check_resumed_config(ckpt: Path, cfg, resolved: dict | None = None) -> None:
                           "needs the checkpoint's values — restore them, or start a new output_dir with init_from")
     # a checkpoint from before the options ran what they now call eager / default / none
     ran = {"ce_impl": "eager", "adamw_impl": "default", "compile_layers": "none", **(saved.get("resolved") or {})}
+    if saved.get("distill", "ce") != "ce":  # kl / mix never ran the hard-label CE's chunk math, whatever it recorded
+        ran["ce_impl"] = "eager"
     moved = [f"{k}: {ran[k]} -> {resolved[k]}" for k in SPEEDUP_KEYS if resolved is not None and ran[k] != resolved[k]]
     if moved:
         print(f"note: resume from {ckpt}: step speed-ups differ from the checkpoint's run ({'; '.join(moved)}): the "

@@ -17,7 +17,9 @@ prefill per group). Settings (the backends :func:`dspine.ops.sdpa.sdpa` allows t
 ``torch_default`` (torch's own choice: cuDNN on an H200; the engine before results/prefill-h200.json),
 ``no_cudnn`` (flash, memory-efficient, math: the engine's default since), ``flash`` (flash only),
 ``buckets`` (``no_cudnn`` with ``Engine(prefill_buckets=True)``: each prompt alone, padded to its length
-bucket, one CUDA graph per bucket; "first" then means the bucket's first prompt, which captures its graph).
+bucket, one CUDA graph per bucket). For ``buckets`` "first" is still a length's first prompt, whose bucket may
+already have its graph (the warm-up lengths fill the top bucket); ``<phase>_new_buckets`` counts the graphs each
+phase captured.
 ``--profile`` adds torch.profiler's ten most expensive ops (self CPU time) of a first and a repeat
 pass in the ``torch_default`` setting.
 
@@ -110,9 +112,13 @@ def run_setting(args) -> dict:
 
     c1 = prompts_of(fresh(args.lengths), a.vocab_size, 2)
     c8 = [prompts_of(fresh(8), a.vocab_size, 3 + i) for i in range(args.lengths // 4)]
-    out = {"setting": args.setting, "sdp_backends": backends(),
-           "c1_first_ms": time_c1(c1), "c1_repeat_ms": time_c1(c1),
-           "c8_first_ms": time_c8(c8), "c8_repeat_ms": time_c8(c8)}
+    out = {"setting": args.setting, "sdp_backends": backends()}
+    for name, fn, arg in (("c1_first", time_c1, c1), ("c1_repeat", time_c1, c1), ("c8_first", time_c8, c8),
+                          ("c8_repeat", time_c8, c8)):
+        before = len(eng._prefill_graphs)
+        out[f"{name}_ms"] = fn(arg)
+        if args.setting == "buckets":  # prefill graphs captured in this phase (a bucket's first prompt)
+            out[f"{name}_new_buckets"] = len(eng._prefill_graphs) - before
     if args.profile and args.setting == "torch_default":
         from torch.profiler import ProfilerActivity, profile
 

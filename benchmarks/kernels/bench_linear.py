@@ -458,7 +458,7 @@ def tuned_file(rows: list[dict], summary: dict, ms) -> dict:
                 weights[f"{r0['N']},{r0['K']}"]["small_ratio_to_cublas"] = small_ratio
             if agree:
                 weights[f"{r0['N']},{r0['K']}"]["cublas_m"] = agree
-    return {"mixed_row_tiles": mixed, "weights": weights}
+    return {"mixed_row_tiles": mixed, "weights": weights, "versions": lin.versions()}
 
 
 def main(argv=None) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -217,7 +218,7 @@ def tuned(device_name: str) -> dict:
 
     Format: {"mixed_row_tiles": bool, "weights": {"N,K": {"split": S, "small": [BM, BN, BK, warps,
     stages], "large": [...], "programs": {"small": bool, "large": bool}, "small_ratio_to_cublas": r,
-    "cublas_m": [[lo, hi], ...]}}}; ``programs``: K chunks over programs at that size (up to
+    "cublas_m": [[lo, hi], ...]}}, "versions": {"torch": ..., "triton": ...}}; ``programs``: K chunks over programs at that size (up to
     SPLIT_PROGRAMS_LIMIT rows); ``small_ratio_to_cublas`` (optional): the small tile's mean time over
     cuBLAS's at M <= SMALL_M, < 1 puts the fast path on this kernel (:func:`use_in_fast_mode`);
     ``cublas_m`` (optional, split 1 only): row counts
@@ -240,6 +241,8 @@ def _check_tuned(d: dict) -> None:
         raise ValueError(f"mixed_row_tiles must be true or false, got {d.get('mixed_row_tiles')!r}")
     if not isinstance(d.get("weights"), dict):
         raise ValueError("weights must be an object of 'N,K' keys")
+    if "versions" in d and not isinstance(d["versions"], dict):
+        raise ValueError(f"versions must be an object (torch, triton), got {d['versions']!r}")
     for key, e in d["weights"].items():
         if not re.fullmatch(r"[1-9][0-9]*,[1-9][0-9]*", key):
             raise ValueError(f"weight key {key!r} is not 'N,K' (two positive integers, no spaces)")
@@ -249,10 +252,14 @@ def _check_tuned(d: dict) -> None:
         for size in ("small", "large"):
             tile = e[size]
             if not (
-                isinstance(tile, list) and len(tile) == 5 and all(isinstance(v, int) and v >= 1 for v in tile)
+                isinstance(tile, list)
+                and len(tile) == 5
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in tile)
+                and min(tile[:3]) >= 16
             ):
                 raise ValueError(
-                    f"weight {key}: {size} {tile!r} is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages]"
+                    f"weight {key}: {size} {tile!r} is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages] "
+                    "(integers; block sizes >= 16, tl.dot's least)"
                 )
             if any(v & (v - 1) for v in tile[:4]) or CHUNK_GRANULE % tile[2]:
                 raise ValueError(
@@ -262,18 +269,42 @@ def _check_tuned(d: dict) -> None:
             if not isinstance(e["programs"][size], bool):
                 raise ValueError(f"weight {key}: programs.{size} must be true or false")
         ratio = e.get("small_ratio_to_cublas")
-        if ratio is not None and not (isinstance(ratio, (int, float)) and ratio > 0):
+        if ratio is not None and not (
+            isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < float("inf")
+        ):
             raise ValueError(f"weight {key}: small_ratio_to_cublas {ratio!r} must be a positive number")
         for r in e.get("cublas_m", []):
             if not (
                 isinstance(r, list)
                 and len(r) == 2
-                and all(isinstance(v, int) for v in r)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
                 and 1 <= r[0] <= r[1]
             ):
                 raise ValueError(f"weight {key}: cublas_m range {r!r} is not [lo, hi] with 1 <= lo <= hi")
         if e.get("cublas_m") and split != 1:
             raise ValueError(f"weight {key}: cublas_m needs split 1 (cuBLAS sums K in one pass)")
+
+
+def versions() -> dict:
+    """The library versions a tuned file's bitwise findings depend on (the writer records them)."""
+    return {"torch": torch.__version__, "triton": getattr(triton, "__version__", None)}
+
+
+@functools.cache
+def _same_versions(device_name: str) -> bool:
+    """Whether the device's tuned file was measured with this torch and Triton (a file without ``versions``
+    counts as matching). Its bitwise findings (``mixed_row_tiles``, ``cublas_m``) hold only there; otherwise
+    they are set aside with a one-time warning, and its tiles serve for speed only."""
+    want = tuned(device_name).get("versions")
+    if want is None or want == versions():
+        return True
+    warnings.warn(
+        f"dspine.ops.linear: the tuned file for {device_name!r} was measured with {want}, this is "
+        f"{versions()}: its bitwise findings (mixed row tiles, cuBLAS rows) are not used; rerun "
+        "benchmarks/kernels/bench_linear.py --cross --write-tuned to measure them here",
+        stacklevel=3,
+    )
+    return False
 
 
 def in_ranges(m: int, ranges) -> bool:
@@ -290,9 +321,16 @@ def cublas_agrees(x2: torch.Tensor, w: torch.Tensor, bias) -> bool:
         return False
     if x2.data_ptr() % 256 or w.data_ptr() % 256 or not x2.is_contiguous():
         return False
-    e = tuned(torch.cuda.get_device_name(x2.device)).get("weights", {}).get(f"{w.shape[0]},{w.shape[1]}")
+    name = torch.cuda.get_device_name(x2.device)
+    e = tuned(name).get("weights", {}).get(f"{w.shape[0]},{w.shape[1]}")
     M = x2.shape[0]  # at M <= SMALL_M the kernel is the faster one (results/exact-kernels-cross-h200.json)
-    return e is not None and e["split"] == 1 and M > SMALL_M and in_ranges(M, e.get("cublas_m", ()))
+    return (
+        e is not None
+        and e["split"] == 1
+        and M > SMALL_M
+        and in_ranges(M, e.get("cublas_m", ()))
+        and _same_versions(name)
+    )
 
 
 def config(N: int, K: int, dtype: torch.dtype, device, M: int = 1) -> tuple[int, int, int, int, int, int]:
@@ -309,12 +347,13 @@ def config(N: int, K: int, dtype: torch.dtype, device, M: int = 1) -> tuple[int,
         return _cfg6(CONFIG_OVERRIDE)
     if dtype == torch.float32:
         return 64, 32, 32, 4, 2, split_k(N, K, device)
-    t = tuned(torch.cuda.get_device_name(device)) if device.type == "cuda" else {}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    t = tuned(name) if name else {}
+    mixed = bool(t.get("mixed_row_tiles")) and _same_versions(name)
     e = t.get("weights", {}).get(f"{N},{K}")
     if e is not None:
-        size = "small" if M <= SMALL_M and t["mixed_row_tiles"] else "large"
-        return _cfg6((*e[size], e["split"]))
-    if device.type == "cuda" and t.get("mixed_row_tiles") and M <= SMALL_M:
+        return _cfg6((*e["small" if M <= SMALL_M and mixed else "large"], e["split"]))
+    if mixed and M <= SMALL_M:
         return 16, 64, 128, 4, 4, split_k(N, K, device)
     return 64, 64, 128, 4, 4, split_k(N, K, device)
 
@@ -359,10 +398,12 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
     if split_programs is None:
         split_programs = M <= SPLIT_PROGRAMS_MAX_M
         if cfg is None and CONFIG_OVERRIDE is None and x.is_cuda and x.dtype != torch.float32:
-            t = tuned(torch.cuda.get_device_name(x.device))
+            name = torch.cuda.get_device_name(x.device)
+            t = tuned(name)
             e = t.get("weights", {}).get(f"{N},{K}")
             if e is not None:
-                split_programs = e["programs"]["small" if M <= SMALL_M and t["mixed_row_tiles"] else "large"]
+                mixed = t["mixed_row_tiles"] and _same_versions(name)
+                split_programs = e["programs"]["small" if M <= SMALL_M and mixed else "large"]
         split_programs = split_programs and M <= SPLIT_PROGRAMS_LIMIT
     split_programs = bool(split_programs) and n_chunks > 1
     part = torch.empty(n_chunks, M, N, device=x.device, dtype=torch.float32) if split_programs else y2
@@ -430,8 +471,10 @@ def use_in_fast_mode(x: torch.Tensor, w: torch.Tensor) -> bool:
     cuBLAS (``small_ratio_to_cublas`` < 1)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(1, x.shape[-1]) <= FAST_MAX_M):
         return False
-    e = tuned(torch.cuda.get_device_name(x.device)).get("weights", {}).get(f"{w.shape[0]},{w.shape[1]}")
-    return e is not None and e.get("small_ratio_to_cublas", float("inf")) < 1.0
+    name = torch.cuda.get_device_name(x.device)
+    e = tuned(name).get("weights", {}).get(f"{w.shape[0]},{w.shape[1]}")
+    # the measured gain is the small tile's: without mixed tiles (other versions) the kernel would run its large one
+    return e is not None and e.get("small_ratio_to_cublas", float("inf")) < 1.0 and _same_versions(name)
 
 
 def linear(x, w, bias=None, impl: str = "triton", exact: bool = True):
@@ -447,6 +490,11 @@ def linear(x, w, bias=None, impl: str = "triton", exact: bool = True):
             return linear_triton(x, w, bias)
         return F.linear(x, w, bias)
     check_impl(impl)
-    if impl == "triton" and cublas_agrees(x.reshape(-1, x.shape[-1]), w, bias):
-        return F.linear(x, w)  # the same bits as linear_triton here (checked on the device: tuned file)
+    if impl == "triton" and x.is_cuda:
+        _check(x, w, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        if cublas_agrees(
+            x2, w, bias
+        ):  # the same bits as linear_triton here (checked on the device: tuned file)
+            return F.linear(x2, w).view(*x.shape[:-1], w.shape[0])
     return linear_triton(x, w, bias) if impl == "triton" else linear_torch(x, w, bias)

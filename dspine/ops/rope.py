@@ -130,6 +130,9 @@ def qk_norm_rope_cache_triton(q, k, v, q_norm_weight, k_norm_weight, eps, cos, s
     tensors = [k, v, k_cache, v_cache, cos, sin] + ([q] if q is not None else [])
     if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("q, k, v, caches and tables need a contiguous last dim")
+    # the kernel reads positions / batch_idx / cache_pos as packed vectors (index n): a stride-0 view (expand)
+    # or a strided slice would read past its storage
+    positions, batch_idx, cache_pos = (t.contiguous() for t in (positions, batch_idx, cache_pos))
     has_q = q is not None
     if has_q:
         Hq = q.shape[1]
