@@ -69,6 +69,21 @@ CONFIG_OVERRIDE: tuple[int, ...] | None = None
 
 
 @triton.jit
+def _chunk_dot(X, W, rm, rn, m_ok, n_ok, rk, c0, c1, K, stride_xm, stride_wn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """fp32 sum of x[rm, k] · w[rn, k] over k in [c0, min(c1, K)): BLOCK_K tiles in increasing K order
+    through ``tl.dot`` (the order never depends on M)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(c0, tl.minimum(c1, K), BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(X + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PREC)  # w tile [BLOCK_K, BLOCK_N]
+    return acc
+
+
+@triton.jit
 def _linear_kernel(
     X,
     W,
@@ -98,17 +113,8 @@ def _linear_kernel(
     n_ok = rn < N
     if SPLIT_PROGRAMS:  # this program: K chunk pid(2) alone; fp32 partial to P[chunk, M, N]
         c0 = tl.program_id(2) * CHUNK_K
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(c0, tl.minimum(c0 + CHUNK_K, K), BLOCK_K):
-            k = k0 + rk
-            k_ok = k < K
-            x = tl.load(
-                X + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            w = tl.load(
-                W + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
-            )
-            acc = tl.dot(x, w, acc, input_precision=PREC)
+        acc = _chunk_dot(X, W, rm, rn, m_ok, n_ok, rk, c0, c0 + CHUNK_K, K, stride_xm, stride_wn,
+                         BLOCK_M, BLOCK_N, BLOCK_K, PREC)
         tl.store(
             P + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :],
             acc,
@@ -117,18 +123,8 @@ def _linear_kernel(
     else:  # every chunk here, summed in chunk order exactly as _linear_reduce_kernel sums the partials
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for c0 in range(0, K, CHUNK_K):
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(c0, tl.minimum(c0 + CHUNK_K, K), BLOCK_K):  # fixed order, never dependent on M
-                k = k0 + rk
-                k_ok = k < K
-                x = tl.load(
-                    X + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
-                )
-                w = tl.load(
-                    W + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
-                )
-                acc = tl.dot(x, w, acc, input_precision=PREC)  # w tile [BLOCK_K, BLOCK_N]
-            total += acc
+            total += _chunk_dot(X, W, rm, rn, m_ok, n_ok, rk, c0, c0 + CHUNK_K, K, stride_xm, stride_wn,
+                                BLOCK_M, BLOCK_N, BLOCK_K, PREC)
         if HAS_BIAS:
             total += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(
