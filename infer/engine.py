@@ -529,18 +529,7 @@ class Engine:
             slots.lengths.zero_()
             if slots.pend_count is not None:  # nothing pending: the flush's warm-up writes the scratch slot
                 slots.pend_count.zero_()
-            if self._capture_stream is None:
-                # the engine's own capture stream: torch keys cuBLAS workspaces by stream, and recent
-                # versions free a stream's workspace when any graph captured on it is destroyed
-                # (pytorch#193402): on torch's shared default capture stream, another library's graph
-                # could take the workspace our graphs replay
-                self._capture_stream = torch.cuda.Stream()
-            side = self._capture_stream
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    fn()  # compiles the Triton kernels, warms cuBLAS
-            torch.cuda.current_stream().wait_stream(side)
+            side = self._warm_up(fn)
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, stream=side):
@@ -563,6 +552,24 @@ class Engine:
             graph.replay()
 
         return replay
+
+    def _warm_up(self, fn) -> torch.cuda.Stream:
+        """Run ``fn`` twice on the engine's capture stream (compiles the Triton kernels, warms cuBLAS and SDPA
+        for its shapes), ordered after the current stream's work and before what follows; returns the stream,
+        on which the caller captures ``fn``'s graph."""
+        if self._capture_stream is None:
+            # the engine's own capture stream: torch keys cuBLAS workspaces by stream, and recent
+            # versions free a stream's workspace when any graph captured on it is destroyed
+            # (pytorch#193402): on torch's shared default capture stream, another library's graph
+            # could take the workspace our graphs replay
+            self._capture_stream = torch.cuda.Stream()
+        side = self._capture_stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        return side
 
     def _step_costs(self, B: int, params: SamplingParams) -> dict:
         """Milliseconds of one step of every planner mode at batch B (median of 5 after warm-up and graph
@@ -669,14 +676,7 @@ class Engine:
             if self.cuda_graphs:
                 inputs[1].fill_(slot)
                 inputs[2].fill_(P - 1)
-                if self._capture_stream is None:
-                    self._capture_stream = torch.cuda.Stream()
-                side = self._capture_stream
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        fn()  # compiles the Triton kernels, warms cuBLAS / SDPA for this shape
-                torch.cuda.current_stream().wait_stream(side)
+                side = self._warm_up(fn)
                 if self._prefill_pool is None:
                     # one memory pool for all buckets: replays never overlap (one stream) and each replay's
                     # outputs are copied out before the next, so the graphs may share their scratch memory
