@@ -435,10 +435,9 @@ class Engine:
         commit_step(tok, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist, impl=self.impl)
         src = s.lengths[:, None].long() + path
         dst = s.lengths[:, None].long() + torch.arange(Kp + 1, device=self.device)
-        _, Hkv, _, D = kv.k[0].shape
-        src, dst = (i[:, None, :, None].expand(-1, Hkv, -1, D) for i in (src, dst))
-        for c in kv.k + kv.v:  # [B, Hkv, S, D]: each layer's reads come before its writes
-            c.scatter_(2, dst, c.gather(2, src))
+        two, La, _, Hkv, _, D = kv.kv.shape  # every attention layer's K and V at once: all reads, then the writes
+        src, dst = (i[None, None, :, None, :, None].expand(two, La, -1, Hkv, -1, D) for i in (src, dst))
+        kv.kv.scatter_(4, dst, kv.kv.gather(4, src))
         path_feats = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
         draft_cache.append(path_feats, (a.to(torch.int32) + 1) * live, impl=self.impl)  # advances s.lengths
         s.anchor.copy_(torch.where(live, bonus, s.anchor))

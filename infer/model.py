@@ -258,7 +258,8 @@ def rope_permutation(a: ModelArgs) -> torch.Tensor | None:
 
 class KVCache:
     """Static per-slot target state. Attention layers: K/V ``[B, Hkv, S, D]``, position j of batch slot b
-    at ``[b, :, j]`` (None for linear layers). Linear (gated delta-rule) layers: ``conv[i]``
+    at ``[b, :, j]`` (None for linear layers), views of one tensor ``kv [2, La, B, Hkv, S, D]`` (K then V of
+    the La attention layers in layer order; None without attention layers). Linear (gated delta-rule) layers: ``conv[i]``
     ``[B, C, K-1]`` (model dtype) and ``state[i]`` ``[B, Hv, Dk, Dv]`` fp32 (None for attention layers),
     plus ``pending`` (the inputs of the last verify step, :func:`infer.linear_attention.commit`). And
     the RoPE tables (cos, sin) ``[S, D/2]`` fp32 of its positions. The cache owns the tables, so a CUDA
@@ -267,8 +268,14 @@ class KVCache:
     def __init__(self, a: ModelArgs, batch: int, seq: int, device, dtype):
         shape = (batch, a.num_kv_heads, seq, a.head_dim)
         kinds = a.layer_kinds or ("attention",) * a.num_layers
-        att = lambda: [torch.zeros(shape, device=device, dtype=dtype) if k == "attention" else None for k in kinds]
-        self.k, self.v = att(), att()
+        n_att = sum(k == "attention" for k in kinds)
+        # one tensor for every attention layer's K and V, so a step that moves K/V rows (the tree step's
+        # accepted path) does it in one gather and one scatter for all layers instead of two per layer
+        self.kv = torch.zeros(2, n_att, *shape, device=device, dtype=dtype) if n_att else None
+        slot = iter(range(n_att))
+        att_ids = [next(slot) if k == "attention" else None for k in kinds]
+        self.k = [None if j is None else self.kv[0, j] for j in att_ids]
+        self.v = [None if j is None else self.kv[1, j] for j in att_ids]
         conv = 2 * a.lin_k_heads * a.lin_k_dim + a.lin_v_heads * a.lin_v_dim
         self.conv = [torch.zeros(batch, conv, a.conv_kernel - 1, device=device, dtype=dtype) if k == "linear"
                      else None for k in kinds]
@@ -283,6 +290,7 @@ class KVCache:
         out = copy.copy(self)
         cut = lambda xs: [None if x is None else x[:batch] for x in xs]
         out.k, out.v, out.conv, out.state, out.batch = cut(self.k), cut(self.v), cut(self.conv), cut(self.state), batch
+        out.kv = None if self.kv is None else self.kv[:, :, :batch]
         out.pending = {}
         return out
 
