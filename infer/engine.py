@@ -273,6 +273,10 @@ class Engine:
         # the last generate call's loop: seconds launching steps, waiting for the device's flags, in host
         # bookkeeping (flags, harvest), admitting (prefill); steps, wall_s, tokens (benchmarks, --profile)
         self.loop_profile: dict = {}
+        # benchmarks: time every decode step on the device too (CUDA events around each step of the loop without
+        # a planner: loop_profile["device_step_s"], their sum, and "device_loop_s", first step's start to the last
+        # one's end), so the loop's time outside the steps can be told from slower steps
+        self.profile_device = False
 
     # -- state views ---------------------------------------------------------------------------
     def _slots_for(self, B: int) -> _Slots:
@@ -774,9 +778,14 @@ class Engine:
         snap = (bufs[cur], self._flags_async(s, bufs[cur]))  # the flags before the next step
         pending: list = []  # harvests in flight
         n_steps = 0
+        marks = [] if cuda and self.profile_device else None  # (event before, event after) per step
         while True:
             t0 = time.perf_counter()
+            if marks is not None:
+                marks.append((self._event(timing=True), None))
             step()
+            if marks is not None:
+                marks[-1] = (marks[-1][0], self._event(timing=True))
             n_steps += 1
             cur ^= 1
             nxt = (bufs[cur], self._flags_async(s, bufs[cur]))  # the flags after this step
@@ -806,6 +815,10 @@ class Engine:
             if not any(o is not None for o in owner):
                 break
         self._harvest_finish(pending, width, results, reasons, stats)
+        if marks:
+            marks[-1][1].synchronize()
+            prof["device_step_s"] = sum(a.elapsed_time(b) for a, b in marks) / 1e3
+            prof["device_loop_s"] = marks[0][0].elapsed_time(marks[-1][1]) / 1e3
         return n_steps
 
     def _decode_planned(self, s: _Slots, B: int, width: int, planner: StepPlanner, params: SamplingParams,
@@ -930,6 +943,10 @@ class Engine:
             if not any(o is not None for o in owner):
                 break
         self._harvest_finish(pending, width, results, reasons, stats)
+        if marks:
+            marks[-1][1].synchronize()
+            prof["device_step_s"] = sum(a.elapsed_time(b) for a, b in marks) / 1e3
+            prof["device_loop_s"] = marks[0][0].elapsed_time(marks[-1][1]) / 1e3
         return n_steps
 
     # -- public ----------------------------------------------------------------------------------

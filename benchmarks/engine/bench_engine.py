@@ -7,7 +7,10 @@ Measures, after warm-up, with CUDA events around graph replays:
 * ``bandwidth_floor_tok_per_s`` = measured copy bandwidth ÷ weight bytes (AR at batch 1 must
   read every weight once per token; docs/method.md §7);
 * ``ar_tok_per_s``: the engine's autoregressive decode, 512-token prompt, 256 new tokens (with
-  ``ar_loop_profile``, the decode loop's ``Engine.loop_profile``, and ``ar_decode_ms_per_step``);
+  ``ar_loop_profile``, the decode loop's ``Engine.loop_profile``, ``ar_decode_ms_per_step``, and on CUDA
+  ``ar_device_step_ms_in_loop`` / ``ar_device_loop_ms_per_step``: each step of that loop timed on the device,
+  and the device's span of the loop, per step: the first against ``ar_step_ms`` says whether steps run slower
+  in the loop, the second against ``ar_decode_ms_per_step`` how much of the loop lies outside it);
 * ``spec_step_over_ar_step``: one speculative step (draft block 16 + verify 16 + accept + commit +
   draft context append) over one AR step, both graph replays;
 * ``oracle_speedup_tau7``: a benchmark-only oracle that accepts exactly 6 draft tokens per step
@@ -198,12 +201,18 @@ def run(args) -> dict:
         eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens)
         # end to end (prefill excluded from tok/s: decode tokens over decode time)
         eng.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)), use_draft=False)  # warm-up + capture
+        eng.profile_device = True  # device time per step inside the loop (loop_profile: device_step_s, device_loop_s)
         ar = eng.generate(prompts, greedy, use_draft=False)
+        eng.profile_device = False
         row["ar_tok_per_s"] = ar.num_tokens / (ar.elapsed_s - ar.prefill_s)
         # where the decode loop's time went (host launch, device wait, host bookkeeping; seconds), against the
         # graph replay timed alone below: the gap between the two is time outside the step
         row["ar_loop_profile"] = {k: v for k, v in eng.loop_profile.items() if isinstance(v, (int, float))}
-        row["ar_decode_ms_per_step"] = 1e3 * (ar.elapsed_s - ar.prefill_s) / max(1, eng.loop_profile.get("steps", 1))
+        n_steps = max(1, eng.loop_profile.get("steps", 1))
+        row["ar_decode_ms_per_step"] = 1e3 * (ar.elapsed_s - ar.prefill_s) / n_steps
+        if "device_step_s" in eng.loop_profile:  # the same steps timed on the device, and the device's span
+            row["ar_device_step_ms_in_loop"] = 1e3 * eng.loop_profile["device_step_s"] / n_steps
+            row["ar_device_loop_ms_per_step"] = 1e3 * eng.loop_profile["device_loop_s"] / n_steps
         # per-step graph replays
         ar_step = eng._runner(B, greedy, spec=False)
         spec_step = eng._runner(B, greedy, spec=True)
