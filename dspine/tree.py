@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from dspine import sampling as rng
+from dspine.ops.tree_verify import path_from_mask, verify_tree_greedy, verify_tree_sample
 
 STREAM_TREE = 4  # dspine.sampling's streams 1-3 are the target's, the draft's and the chain's
 
@@ -166,11 +167,8 @@ def ancestor_bits(anc: torch.Tensor) -> torch.Tensor:
 def path_nodes(tree: Tree, last: torch.Tensor, K: int) -> torch.Tensor:
     """``[B, K + 1]`` int64: the node at depth 0..K of the path from the root to ``last [B]`` (depth a);
     entries past depth a hold their own index, so moving row ``path[d]`` to row d leaves them in place."""
-    B, N = tree.parent.shape
-    on_path = tree.anc[torch.arange(B, device=last.device), last]  # [B, N]
-    slot = torch.where(on_path, tree.depth, K + 1)  # off-path nodes land in a dropped column
-    path = torch.arange(K + 2, device=last.device).expand(B, K + 2).clone()
-    return path.scatter_(1, slot, torch.arange(N, device=last.device).expand(B, N))[:, : K + 1]
+    on_path = tree.anc[torch.arange(tree.parent.shape[0], device=last.device), last]  # [B, N]
+    return path_from_mask(on_path, tree.depth, K)
 
 
 def node_uniforms(tree: Tree, seeds: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
@@ -200,33 +198,15 @@ def verify_tree(
     fp32 (the draft distributions the chain tokens were sampled from), ``u [B, N]`` fp32
     U(0, 1) per node, ``exp_noise [B, V]`` fp32 Exp(1) for the bonus race.
     Returns (last [B] int64: the last accepted node, num_accepted [B] int32 = its depth,
-    bonus [B] int64). Raises ValueError if neither or both modes are given.
+    bonus [B] int64). Raises ValueError if neither or both modes are given, or on shapes and dtypes.
+    The torch reference of ``dspine.ops.tree_verify`` (``impl="torch"``), whose Triton kernels do the same
+    in a few launches.
     """
     greedy = target_argmax is not None
     if greedy == (p_target is not None):
         raise ValueError("give target_argmax (T = 0) or p_target, q, u, exp_noise (T > 0)")
-    B, N = tree.tokens.shape
-    rows = torch.arange(B, device=tree.tokens.device)
-    cur = torch.zeros(B, dtype=torch.long, device=rows.device)
-    if greedy:  # node i is reachable iff every node on its path matches the argmax at its parent
-        match = (tree.parent >= 0) & (tree.tokens == target_argmax.gather(1, tree.parent.clamp_min(0)))
-        match[:, 0] = True
-        ok = ~(tree.anc & ~match[:, None, :]).any(-1)  # [B, N]; the ok nodes form one path
-        cur = torch.where(ok, tree.depth, -1).argmax(1)
-        return cur, tree.depth[rows, cur].to(torch.int32), target_argmax[rows, cur]
-    r = p_target[:, 0]
-    for i in range(1, N):
-        x = tree.tokens[:, i]
-        cand = tree.parent[:, i] == cur
-        q_i = q[rows, (tree.depth[:, i] - 1).clamp_min(0)]  # [B, V]: the chain child's proposal
-        r_x = r.gather(1, x[:, None])[:, 0]
-        sampled = tree.chain[:, i]
-        ok = torch.where(sampled, u[:, i] * q_i.gather(1, x[:, None])[:, 0] < r_x, u[:, i] * r.sum(-1) < r_x)
-        rejected = cand & ~ok
-        r_rej = torch.where(sampled[:, None], (r - q_i).clamp_min(0.0), r.scatter(1, x[:, None], 0.0))
-        cur = torch.where(cand & ok, i, cur)
-        r = torch.where((cand & ok)[:, None], p_target[:, i], torch.where(rejected[:, None], r_rej, r))
-    p_cur = p_target[rows, cur]
-    w = torch.where((r > 0).any(-1, keepdim=True), r, p_cur)  # an all-zero residual: rounding only
-    bonus = torch.where(w > 0, w / exp_noise, torch.full_like(w, -1.0)).argmax(-1)
-    return cur, tree.depth[rows, cur].to(torch.int32), bonus
+    if greedy:
+        return verify_tree_greedy(tree.tokens, tree.parent, tree.depth, tree.anc, target_argmax, impl="torch")
+    return verify_tree_sample(
+        tree.tokens, tree.parent, tree.depth, tree.chain, p_target, q, u, exp_noise, impl="torch"
+    )
