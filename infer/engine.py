@@ -40,6 +40,7 @@ from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
 from dspine.ops.argmax_prob import argmax_prob
 from dspine.ops.lm_head import pick as pick_lm_head
+from dspine.ops.tree_verify import verify_tree_greedy, verify_tree_sample
 from dspine.reference import check_prompts, request_seeds
 from dspine.sampling import (
     SamplingParams,
@@ -51,7 +52,7 @@ from dspine.sampling import (
 )
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
-from dspine.tree import ancestor_bits, build_tree, node_uniforms, path_nodes, verify_tree
+from dspine.tree import ancestor_bits, build_tree, node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import StepPlanner
@@ -411,27 +412,30 @@ class Engine:
             p_conf = q if params.greedy else self._conf_probs(d_logits, q, params)
             s.conf.copy_(chain_confidence(p_conf.gather(-1, chain[..., None])[:, : s.verify_size - 1, 0]))
         tree = build_tree(s.anchor, q, N, chain_tokens=chain)
+        bits = ancestor_bits(tree.anc)  # [B, N] int64: the tree attention's mask and the greedy verify's ancestors
         positions = s.lengths[:, None].long() + tree.depth
-        t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths,
-                                                   tree_bits=ancestor_bits(tree.anc),
+        t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths, tree_bits=bits,
                                                    lm_head=self.lm_head_choice.get(tree.tokens.numel(), "linear"))
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         rows = torch.arange(s.B, device=self.device)
+        # path [B, Kp + 1]: node at depth d (identity past depth a); a tree of N nodes is at most N - 1 deep, so a
+        # budget below the block keeps the path (and the K/V move) to N entries. dspine.ops.tree_verify returns it
+        # with the acceptance (a fixed number of launches whatever N: no per-node loop)
+        Kp = min(K, N - 1)
         if self.force_accept is not None:  # the chain node at depth a
             a = torch.full((s.B,), min(self.force_accept, K, N - 1), dtype=torch.int32, device=self.device)
             last = (tree.chain & (tree.depth == a[:, None])).int().argmax(1)
             bonus = t_logits[rows, last].argmax(-1)
+            path = path_nodes(tree, last, Kp)
         elif params.greedy:
-            last, a, bonus = verify_tree(tree, target_argmax=t_logits.argmax(-1))
+            last, a, bonus, path = verify_tree_greedy(tree.tokens, tree.parent, tree.depth, bits,
+                                                      t_logits.argmax(-1), impl=self.impl, path_depth=Kp)
         else:
             p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
             noise = rng.bonus_noise(s.seeds, rng.STREAM_TARGET, out_pos, p_target.shape[-1], t_ids)
-            last, a, bonus = verify_tree(tree, p_target=p_target, q=q, u=node_uniforms(tree, s.seeds, out_pos),
-                                         exp_noise=noise)
-        # [B, Kp + 1]: node at depth d (identity past depth a); a tree of N nodes is at most N - 1 deep, so a
-        # budget below the block keeps the path (and the K/V move) to N entries
-        Kp = min(K, N - 1)
-        path = path_nodes(tree, last, Kp)
+            last, a, bonus, path = verify_tree_sample(tree.tokens, tree.parent, tree.depth, tree.chain, p_target, q,
+                                                      node_uniforms(tree, s.seeds, out_pos), noise, impl=self.impl,
+                                                      path_depth=Kp)
         live = s.done == 0
         tok = tree.tokens.gather(1, path)
         if Kp < K:  # commit_step takes the block's K + 1 columns; those past depth a are never read
@@ -943,10 +947,6 @@ class Engine:
             if not any(o is not None for o in owner):
                 break
         self._harvest_finish(pending, width, results, reasons, stats)
-        if marks:
-            marks[-1][1].synchronize()
-            prof["device_step_s"] = sum(a.elapsed_time(b) for a, b in marks) / 1e3
-            prof["device_loop_s"] = marks[0][0].elapsed_time(marks[-1][1]) / 1e3
         return n_steps
 
     # -- public ----------------------------------------------------------------------------------

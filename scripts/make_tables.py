@@ -656,7 +656,27 @@ def trainer_section() -> list[str]:
         *ab_rows(t),
         f"Command: `{t['command']}`",
         "",
+        *launcher_rows(t),
     ]
+
+
+def launcher_rows(t: dict) -> list[str]:
+    """The same step under other launchers (``launchers``: label -> a bench_train.py --ab result), beside ZeRO-2."""
+    runs = t.get("launchers")
+    if not runs:
+        return []
+    out = ["The same step under ZeRO-2 (above), ZeRO-3 and plain accelerate without DeepSpeed, one GPU each; the first "
+           "row of each is the step without options, the second the fastest of its A/B (ZeRO-3: the draft layers are not "
+           "compiled there, as the trainer's `compile_layers: auto` does):", "",
+           "| launcher | options | step | tokens/s | anchor-blocks/s | MFU vs datasheet | peak memory |", "|---|---|---|---|---|---|---|"]
+    zero2 = [("ZeRO-2", n, v) for n, v in t["ab"].items() if n in ("base", t["results"]["variant"])]
+    rows = zero2 + [(label, n, v) for label, r in runs.items() for n, v in r["ab"].items()]
+    for label, name, v in rows:
+        out.append(f"| {label} | {name} | {v['step_time_s_median'] * 1e3:.0f} ms | {v['tokens_per_s']:.0f} | "
+                   f"{v['anchor_blocks_per_s']:.0f} | {v['mfu_vs_datasheet']:.1%} | {v['peak_memory_gib']:.1f} GiB |")
+    out += [""] + [f"{label}: {r['gpu']}, {r['date'][:10]}, commit `{r['git_commit'][:10]}`: `{r['command']}`"
+                   for label, r in runs.items()]
+    return out + [""]
 
 
 def ab_rows(t: dict) -> list[str]:
