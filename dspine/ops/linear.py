@@ -134,7 +134,7 @@ def _linear_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "N"])
 def _linear_reduce_kernel(
     P, Bias, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr
 ):
