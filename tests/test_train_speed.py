@@ -137,6 +137,28 @@ def test_set_fused_adam_reaches_the_inner_optimizer_and_keeps_resume_exact():
     speed.set_fused_adam(wrapped, False)
     assert all(g["fused"] is None for g in inner.param_groups)
     assert all(st.device.type == "cpu" and float(st) == 2 for st in steps_state())
+    # ZeRO-3 empties each group's params outside its step: the state is still reached (by its own keys). On a
+    # CPU both paths keep ``step`` on the CPU, so a recording stand-in shows where each state was sent
+    class Step:
+        def __init__(self, real):
+            self.real, self.sent = real, []
+
+        def to(self, device):
+            self.sent.append(str(device))
+            return self
+
+    kept = [g["params"] for g in inner.param_groups]
+    for g in inner.param_groups:
+        g["params"] = []
+    for p in m.parameters():
+        inner.state[p]["step"] = Step(inner.state[p]["step"])
+    speed.set_fused_adam(wrapped, True)
+    assert [st.sent for st in steps_state()] == [["cpu"]] * len(list(m.parameters()))  # fused: the param's device
+    for g, params in zip(inner.param_groups, kept):
+        g["params"] = params
+    for p in m.parameters():
+        inner.state[p]["step"] = inner.state[p]["step"].real
+    speed.set_fused_adam(wrapped, False)
 
     # resume: 2 fused steps, state saved, loaded into a default-path optimizer, switched to fused, 2 more steps
     straight = model()

@@ -97,13 +97,15 @@ def set_fused_adam(opt, fused: bool) -> None:
     ``step`` state where each path keeps it (the parameter's device for fused, CPU otherwise).
 
     Reaches the inner optimizer through accelerate's and DeepSpeed's (ZeRO-2/3) wrappers. Idempotent: called
-    again after a checkpoint load it puts a restored ``step`` back where the chosen path expects it."""
+    again after a checkpoint load it puts a restored ``step`` back where the chosen path expects it. The state
+    is walked by its own keys, not through ``param_groups``: ZeRO-3 empties a group's ``params`` outside its
+    step (it puts the group's fp32 partition there only while stepping), so a state reached through the
+    groups would keep a CPU ``step`` that the fused kernel refuses."""
     inner = torch_optimizer(opt)
     for group in inner.param_groups:
         group["fused"] = fused or None
         if fused:
             group["foreach"] = None
-        for p in group["params"]:
-            st = inner.state.get(p)
-            if st and "step" in st:
-                st["step"] = st["step"].to(p.device if fused else "cpu")
+    for p, st in inner.state.items():
+        if isinstance(st, dict) and "step" in st and isinstance(p, torch.Tensor):
+            st["step"] = st["step"].to(p.device if fused else "cpu")
