@@ -409,6 +409,11 @@ def engine_section() -> list[str]:
     if carried:
         out.append(f"¹ Not from this command (`--skip-peers` leaves the transformers peers out): carried over from "
                    f"{carried['from']}.")
+    if "ar_device_step_ms_in_loop" in b1:
+        out += ["", f"Decode loop at batch 1: {b1['ar_decode_ms_per_step']:.2f} ms a token (wall), the device's span of the loop "
+                f"{b1['ar_device_loop_ms_per_step']:.2f} ms and its steps {b1['ar_device_step_ms_in_loop']:.2f} ms a step "
+                f"(CUDA events around each step), against {b1['ar_step_ms']:.2f} ms for the same graph timed alone. "
+                + e.get("loop_note", "")]
     return out + [""]
 
 
@@ -665,9 +670,8 @@ def launcher_rows(t: dict) -> list[str]:
     runs = t.get("launchers")
     if not runs:
         return []
-    out = ["The same step under ZeRO-2 (above), ZeRO-3 and plain accelerate without DeepSpeed, one GPU each; the first "
-           "row of each is the step without options, the second the fastest of its A/B (ZeRO-3: the draft layers are not "
-           "compiled there, as the trainer's `compile_layers: auto` does):", "",
+    out = ["The same step under other launchers, one GPU each; the first row of each is the step without options, the "
+           "second the fastest of its A/B:", "",
            "| launcher | options | step | tokens/s | anchor-blocks/s | MFU vs datasheet | peak memory |", "|---|---|---|---|---|---|---|"]
     zero2 = [("ZeRO-2", n, v) for n, v in t["ab"].items() if n in ("base", t["results"]["variant"])]
     rows = zero2 + [(label, n, v) for label, r in runs.items() for n, v in r["ab"].items()]
@@ -676,6 +680,9 @@ def launcher_rows(t: dict) -> list[str]:
                    f"{v['anchor_blocks_per_s']:.0f} | {v['mfu_vs_datasheet']:.1%} | {v['peak_memory_gib']:.1f} GiB |")
     out += [""] + [f"{label}: {r['gpu']}, {r['date'][:10]}, commit `{r['git_commit'][:10]}`: `{r['command']}`"
                    for label, r in runs.items()]
+    z3 = t.get("zero3_attempt")
+    if z3:
+        out += ["", f"ZeRO-3 (commit `{z3['commit'][:10]}`, {z3['date']}; `{z3['command']}`): {z3['result']}."]
     return out + [""]
 
 
