@@ -10,7 +10,8 @@ W - 1 most probable other tokens. A node's score is Σ log q along its path (the
 probabilities). Every node on the chain path c_1 .. c_min(K, N-1) is kept first, so a tree always
 contains the chain and its τ is never below the chain's on the same draft; the other N - 1 - K
 slots take the best-scoring paths, found depth by depth with a beam of N - 1 nodes. Fixed shapes,
-sort/gather only, no host sync: graph-safe.
+sort/gather only, no host sync: graph-safe. ``dspine.ops.tree_build.build_tree_fused`` returns the same
+tree, its ancestor mask and bits from one Triton launch after :func:`tree_candidates`.
 
 Node layout (breadth first): node 0 is the anchor (depth 0); nodes 1..N-1 are sorted by depth,
 then by decreasing score (padding last), so a chain node is the first child of its parent and every parent comes
@@ -51,6 +52,7 @@ STREAM_TREE = 4  # dspine.sampling's streams 1-3 are the target's, the draft's a
 __all__ = [
     "Tree",
     "build_tree",
+    "tree_candidates",
     "verify_tree",
     "ancestor_mask",
     "ancestor_bits",
@@ -68,10 +70,30 @@ class Tree:
     depth: torch.Tensor  # [B, N] int64
     chain: torch.Tensor  # [B, N] bool: node is on the chain path (root included)
     anc: torch.Tensor  # [B, N, N] bool ancestor mask (:func:`ancestor_mask`)
+    bits: torch.Tensor | None = None  # [B, N] int64 ancestor_bits(anc), when the builder made them
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
+
+
+def tree_candidates(
+    anchor: torch.Tensor, q: torch.Tensor, budget: int, chain_tokens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W = min(budget - 1, V) candidates of every depth, shared by :func:`build_tree` and the fused
+    builder (``dspine.ops.tree_build``): (cand ``[B, K, W]`` int64: the chain token, then the W - 1 most
+    probable others; logq ``[B, K, W]``: log q of each, -inf where q = 0). Arguments as :func:`build_tree`;
+    raises ValueError on a budget < 2 or mismatched shapes."""
+    B, K, V = q.shape
+    if budget < 2:
+        raise ValueError(f"tree budget={budget} must be >= 2 (the anchor and at least one draft token)")
+    if anchor.shape != (B,) or (chain_tokens is not None and chain_tokens.shape != (B, K)):
+        raise ValueError(f"anchor must be [{B}] and chain_tokens [{B}, {K}]")
+    W = min(budget - 1, V)
+    chain_tok = q.argmax(-1) if chain_tokens is None else chain_tokens
+    others = torch.topk(q.scatter(-1, chain_tok[..., None], -1.0), W - 1, dim=-1).indices
+    cand = torch.cat([chain_tok[..., None], others], dim=-1)
+    return cand, q.gather(-1, cand).log()  # log 0 = -inf: never a real node
 
 
 def build_tree(
@@ -87,18 +109,10 @@ def build_tree(
             default ``q.argmax(-1)``.
     Returns :class:`Tree`. Raises ValueError on a budget < 2 or mismatched shapes.
     """
-    B, K, V = q.shape
-    if budget < 2:
-        raise ValueError(f"tree budget={budget} must be >= 2 (the anchor and at least one draft token)")
-    if anchor.shape != (B,) or (chain_tokens is not None and chain_tokens.shape != (B, K)):
-        raise ValueError(f"anchor must be [{B}] and chain_tokens [{B}, {K}]")
+    B, K, _ = q.shape
+    cand, logq = tree_candidates(anchor, q, budget, chain_tokens)
     dev = q.device
-    M, W = budget - 1, min(budget - 1, V)
-    chain_tok = q.argmax(-1) if chain_tokens is None else chain_tokens
-    # per-depth candidates [B, K, W]: the chain token, then the W - 1 best others
-    others = torch.topk(q.scatter(-1, chain_tok[..., None], -1.0), W - 1, dim=-1).indices
-    cand = torch.cat([chain_tok[..., None], others], dim=-1)
-    logq = q.gather(-1, cand).log()  # [B, K, W]; log 0 = -inf: never a real node
+    M, W = budget - 1, cand.shape[-1]
 
     j0 = torch.arange(W, device=dev) == 0
     # beam at depth 0: slot 0 = the root; scores s, sort keys (chain = +inf), chain flags

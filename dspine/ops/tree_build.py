@@ -1,0 +1,278 @@
+"""Best-first token tree, ancestor mask and ancestor bits in one launch (``dspine.tree``).
+
+Op: ``dspine.tree.build_tree`` bit for bit (best first under a node budget N, chain first, breadth-first
+layout, padding: that module's docstring), plus ``anc = ancestor_mask(parent)`` and
+``bits = ancestor_bits(anc)``. The per-depth candidates (``dspine.tree.tree_candidates``: the chain
+token, the W - 1 most probable others and their log q) stay in torch, a few kernels over q; the log is
+torch's, so both paths add the same fp32 numbers. The rest (in torch a K-long loop of sort, gather and
+cat kernels, then ceil(log2 N) batched matmuls) is one Triton program per row:
+
+  * the beam of depth d is the chain node (slot 0, score kept apart) and slots 1..M-1 (M = N - 1), best
+    first. Depth d + 1 keeps the chain child (key +inf: always slot 0) and the best M - 1 of the other
+    children, ordered as torch's stable descending sort orders them: by score ``s[m] + logq[d, j]``
+    (fp32), ties by lower flat index m·W + j. Each child is packed into one int64 whose ascending order
+    is that order. The children of slots 1.. at candidate j form a list already sorted (the beam is best
+    first and fp32 addition is monotone), so the best BM of the W lists are a bitonic merge tree, with
+    no sort [Batcher 1968]; the chain node's W - 1 other children are sorted (BM entries) and merged in.
+  * the best M over all depths: the min(K, M) chain nodes (+inf), then the best of the recorded slots
+    1.. of every depth, again sorted lists merged. Node index = 1 + the picks with a lower flat index
+    (depth, then slot: breadth first); padding (score -inf) fills the last nodes.
+  * parents by matching flat indices; ancestor bits by pointer jumping over the parents (read back in
+    node order after a barrier, ceil(log2(min(K, M) + 1)) rounds of one-hot gathers); the mask from them.
+
+Packed key: bits 63..32 hold -score as an int32 in float order (negative floats have their 31 low bits
+flipped); the index lies below. Scores are never NaN (q >= 0) nor -0.0 (log q <= 0 added to a +0.0
+root), the two cases where this integer order would differ from torch's float order; +inf sorts first,
+-inf last. Comparator layers work on the [2] * L hypercube of a power-of-2 vector.
+
+Layouts: anchor [B] int64; q [B, K, V] fp32 (rows sum to 1); chain_tokens [B, K] int64 (default
+argmax). Returns ``dspine.tree.Tree``: tokens, parent, depth [B, N] int64, chain [B, N] bool,
+anc [B, N, N] bool, bits [B, N] int64. Constraints: 2 <= N <= 64 (one bit per node), 1 <= K <= 64.
+No host sync and fixed shapes: CUDA-graph capturable. Kernel memory traffic per row: 8·K·W bytes of
+log q read, at most 8·N of token gathers, 33·N + N² bytes written; torch's candidate selection reads q
+about three times and writes one copy of it (the chain token masked out before top-k).
+Exactness: ``build_tree_triton`` and ``build_tree_torch`` return identical tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspine.tree import Tree, ancestor_bits, build_tree, tree_candidates
+
+from ._common import check_impl, next_pow2, tl, triton
+
+__all__ = ["build_tree_fused", "build_tree_triton", "build_tree_torch"]
+
+MAX_NODES = 64  # one int64 bitmask per node
+MAX_DEPTH = 64  # the picks of all depths are held in registers ([BK, BM] int64)
+
+
+@triton.jit
+def _packed_key(score):
+    """int32 in ascending order for descending fp32 scores (-0.0 and NaN excluded)."""
+    u = (-score).to(tl.int32, bitcast=True)
+    return u ^ ((u >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _unpacked_score(hi):
+    """The fp32 score of a high word made by _packed_key (the map is its own inverse)."""
+    u = hi ^ ((hi >> 31) & 0x7FFFFFFF)
+    return -(u.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _bit(L: tl.constexpr, t: tl.constexpr):
+    """Bit t of the flat index (0/1) as a tensor broadcastable to the hypercube [2] * L."""
+    return tl.reshape(tl.arange(0, 2), [1] * (L - 1 - t) + [2] + [1] * t)
+
+
+@triton.jit
+def _exchange(h, L: tl.constexpr, t: tl.constexpr, desc):
+    """One comparator layer on the int64 hypercube h: each pair of flat indices differing in bit t is put
+    in ascending order where desc is 0, descending where 1. The partner is the pair's sum minus the
+    entry (a wrapping int64 sum is still exact): one sum over a dim of size 2."""
+    partner = tl.sum(h, axis=L - 1 - t, keep_dims=True) - h
+    take_min = (_bit(L, t) ^ desc) == 0
+    return tl.where(take_min, tl.minimum(h, partner), tl.maximum(h, partner))
+
+
+@triton.jit
+def _merge(h, L: tl.constexpr, G: tl.constexpr, desc):
+    """Bitonic merge of every block of 2^G consecutive entries (a bitonic sequence each) [Batcher 1968]."""
+    for u in tl.static_range(G):
+        h = _exchange(h, L, G - 1 - u, desc)
+    return h
+
+
+@triton.jit
+def _direction(L: tl.constexpr, s: tl.constexpr):
+    """Sort direction of the blocks of 2^s: bit s of the index (alternating), ascending for the whole."""
+    if s < L:
+        return _bit(L, s)
+    else:
+        return 0
+
+
+@triton.jit
+def _smallest(x, L: tl.constexpr, G: tl.constexpr, SORTED: tl.constexpr):
+    """The 2^G smallest of the 2^L entries of 1-D int64 x, ascending (1 <= G <= L). Blocks of 2^G are
+    sorted (skipped if SORTED: already ascending where bit G of the index is 0, descending where 1);
+    then L - G halvings, each keeping the smaller entry of every pair of opposite-ordered neighbour
+    blocks (a bitonic block of their 2^G smallest) and merging it again [Shanbhag et al. 2018, bitonic
+    top-k]."""
+    h = tl.reshape(x, [2] * L)
+    if not SORTED:
+        for s in tl.static_range(1, G + 1):
+            h = _merge(h, L, s, _direction(L, s))
+    for r in tl.static_range(L - G):
+        h = tl.min(h, axis=L - r - 1 - G)  # the dim of bit G
+        h = _merge(h, L - r - 1, G, _direction(L - r - 1, G))
+    return tl.reshape(h, [2**G])
+
+
+@triton.jit
+def _reversed(x, L: tl.constexpr):
+    """1-D int x of 2^L entries in reverse order (every index bit flipped, one pair swap per bit)."""
+    h = tl.reshape(x, [2] * L)
+    for t in tl.static_range(L):
+        h = tl.sum(h, axis=t, keep_dims=True) - h
+    return tl.reshape(h, [2**L])
+
+
+@triton.jit
+def _build_tree_kernel(
+    LogQ, Cand, Anchor, Tokens, Parent, Depth, Chain, Anc, Bits,
+    stride_lb, stride_lk, stride_cb, stride_ck, stride_a,
+    K, M, W, N, KC,
+    BM: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+    LOG_M: tl.constexpr, LOG_W: tl.constexpr, LOG_K: tl.constexpr, ROUNDS: tl.constexpr,
+):  # fmt: skip
+    IDX: tl.constexpr = LOG_M + LOG_W + 1  # bits of a child's index m·BW + j (m <= BM)
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BM)  # position in a beam: slot c + 1 (slot 0, the chain node, is kept apart)
+    j = tl.arange(0, BW)  # candidate column
+    dk = tl.arange(0, BK)
+    empty = tl.full([BM], 0x7FFFFFFF, tl.int64) << 32  # after every key (-inf is 0x7F800000 << 32)
+    # the children of beam slot m >= 1 at candidate j, as BW lists of BM over the slots: slot m = c + 1 in
+    # ascending lists (even j), m = BM - c in descending ones (odd j); the beam is best first, so each
+    # list is sorted in packed order and the BM best of all are a merge (_smallest, SORTED)
+    odd = (j % 2 == 1)[:, None]
+    m2 = tl.where(odd, BM - c[None, :], c[None, :] + 1)
+    idx2 = (m2 * BW + j[:, None]).to(tl.int64)
+    live2 = (m2 < M) & (j < W)[:, None]
+    chain_s = tl.zeros([BM], tl.float32)  # the chain node's score (every lane)
+    rest = tl.full([BM], float("-inf"), tl.float32)  # scores of beam slots 1.. (at c = slot - 1)
+    picks = tl.full([BK, BM], 0x7FFFFFFF, tl.int64) << 32  # slots >= 1 of every depth, packed
+    lq_row = LogQ + b * stride_lb
+    for d in range(K):
+        lq = tl.load(lq_row + d * stride_lk + j, mask=j < W, other=float("-inf"))
+        lq_c = tl.load(lq_row + d * stride_lk + c, mask=(c >= 1) & (c < W), other=float("-inf"))
+        lq0 = tl.load(lq_row + d * stride_lk)
+        rev = _reversed(rest.to(tl.int32, bitcast=True), LOG_M).to(tl.float32, bitcast=True)
+        score = tl.where(odd, rev[None, :], rest[None, :]) + lq[:, None]
+        lists = tl.where(live2, (_packed_key(score).to(tl.int64) << 32) | idx2, empty[None, :])
+        best = _smallest(tl.reshape(lists, [BW * BM]), LOG_W + LOG_M, LOG_M, True)
+        # the chain node's children but its chain child (+inf, always slot 0): index j, sorted descending
+        kids = (_packed_key(chain_s + lq_c).to(tl.int64) << 32) | c.to(tl.int64)
+        kids = ~_smallest(~tl.where((c >= 1) & (c < W), kids, empty), LOG_M, LOG_M, False)
+        best = tl.reshape(_merge(tl.reshape(tl.minimum(best, kids), [2] * LOG_M), LOG_M, LOG_M, 0), [BM])
+        hi = best >> 32
+        chain_s = chain_s + lq0
+        rest = tl.where(c < M - 1, _unpacked_score(hi.to(tl.int32)), float("-inf"))
+        # recorded with flat index d·BM + slot; odd depths reversed for the final merge (SORTED)
+        rec = (hi << 32) | ((d * BM + c + 1).to(tl.int64) << IDX) | (best & ((1 << IDX) - 1))
+        rec = tl.where(c < M - 1, rec, empty)
+        rec = tl.where(d % 2 == 1, _reversed(rec, LOG_M), rec)
+        picks = tl.where((dk == d)[:, None], rec[None, :], picks)
+
+    # the best M: the KC = min(K, M) chain nodes (key +inf, slot 0 of depths 0..KC-1) and the best M - KC
+    # recorded slots; node order: flat index ascending (depth, then slot); padding last
+    top = _smallest(tl.reshape(picks, [BK * BM]), LOG_K + LOG_M, LOG_M, True)
+    real = (c < M - KC) & ((top >> 32) < 0x7F800000)
+    f = tl.where(real, (top >> IDX) & ((1 << (LOG_K + LOG_M)) - 1), 1 << 30)  # flat index d·BM + slot
+    dep = f // BM
+    m = (top & ((1 << IDX) - 1)) // BW  # the parent's slot at depth d - 1
+    col = top & (BW - 1)  # its candidate column
+    below = (f[None, :] < f[:, None]).to(tl.int32)  # [BM, BM]: picks before pick c
+    node = tl.where(real, 1 + tl.minimum(KC, dep + 1) + tl.sum(below, axis=1), 1 + KC + c)
+    pf = (dep - 1) * BM + m  # the parent's flat index
+    found = (m == 0) | (tl.sum(((f[None, :] == pf[:, None]) & real[None, :]).to(tl.int32), axis=1) > 0)
+    ups = tl.sum((f[None, :] < pf[:, None]).to(tl.int32), axis=1)  # picks before the parent
+    p_node = 1 + tl.minimum(KC, dep - 1 + (m > 0).to(tl.int64)) + ups  # chain nodes before it, then those
+    parent = tl.where(real, tl.where(dep == 0, 0, tl.where(found, p_node, -1)), -1)
+    tok = tl.load(Cand + b * stride_cb + dep * stride_ck + col, mask=real, other=0)
+    out = b * N + node
+    ok = c < M - KC
+    tl.store(Tokens + out, tl.where(real, tok, 0), mask=ok)
+    tl.store(Parent + out, parent.to(tl.int64), mask=ok)
+    tl.store(Depth + out, tl.where(real, dep + 1, 0).to(tl.int64), mask=ok)
+    tl.store(Chain + out, tl.zeros([BM], tl.int1).to(Chain.dtype.element_ty), mask=ok)
+    # chain nodes, depth e = 0..KC-1: node 1 + e + the picks before it; its parent the one above
+    e = dk
+    before = tl.sum((f[None, :] < (e * BM)[:, None]).to(tl.int32), axis=1)
+    before_up = tl.sum((f[None, :] < ((e - 1) * BM)[:, None]).to(tl.int32), axis=1)
+    out = b * N + 1 + e + before
+    ok = e < KC
+    chain_tok = tl.load(Cand + b * stride_cb + e * stride_ck, mask=ok, other=0)
+    tl.store(Tokens + out, chain_tok, mask=ok)
+    tl.store(Parent + out, tl.where(e == 0, 0, e + before_up).to(tl.int64), mask=ok)
+    tl.store(Depth + out, (e + 1).to(tl.int64), mask=ok)
+    tl.store(Chain + out, (e >= 0).to(Chain.dtype.element_ty), mask=ok)
+    # the root
+    n = tl.arange(0, BN)
+    first = n == 0
+    tl.store(Tokens + b * N + n, tl.load(Anchor + b * stride_a + n * 0), mask=first)
+    tl.store(Parent + b * N + n, tl.full([BN], -1, tl.int64), mask=first)
+    tl.store(Depth + b * N + n, tl.zeros([BN], tl.int64), mask=first)
+    tl.store(Chain + b * N + n, first.to(Chain.dtype.element_ty), mask=first)
+    tl.debug_barrier()  # the parents above, written by other threads, are read back in node order
+
+    # ancestors by pointer jumping: bits[n] = the nodes from n up to (not including) jump[n], -1 = none
+    jump = tl.load(Parent + b * N + n, mask=n < N, other=-1)
+    bits = tl.where(n < N, tl.full([BN], 1, tl.int64) << n.to(tl.int64), 0)
+    for _ in tl.static_range(ROUNDS):  # each round doubles the levels covered
+        hit = jump[:, None] == n[None, :]
+        bits = bits | tl.sum(tl.where(hit, bits[None, :], 0), axis=1)  # one term: the sum is that bit set
+        jump = tl.where(jump >= 0, tl.sum(tl.where(hit, jump[None, :] + 1, 0), axis=1) - 1, jump)
+    tl.store(Bits + b * N + n, bits, mask=n < N)
+    row = ((bits[:, None] >> n[None, :].to(tl.int64)) & 1) != 0
+    tl.store(Anc + (b * N + n)[:, None] * N + n[None, :], row.to(Anc.dtype.element_ty),
+             mask=(n < N)[:, None] & (n < N)[None, :])  # fmt: skip
+
+
+def _check(anchor, q, budget, chain_tokens):
+    if q.dim() != 3 or q.dtype != torch.float32:
+        raise ValueError(f"q must be [B, K, V] fp32, got {q.dtype} {tuple(q.shape)}")
+    B, K, V = q.shape
+    if not 2 <= budget <= MAX_NODES:
+        raise ValueError(f"tree budget={budget} must be in [2, {MAX_NODES}] (root + nodes, one bit each)")
+    if not 1 <= K <= MAX_DEPTH or V < 1:
+        raise ValueError(f"q of {K} depths and {V} tokens: need 1 <= K <= {MAX_DEPTH} and V >= 1")
+    for name, t in (("anchor", anchor), ("chain_tokens", chain_tokens)):
+        if t is not None and (t.dtype != torch.int64 or t.device != q.device):
+            raise ValueError(f"{name} must be int64 on {q.device}, got {t.dtype} on {t.device}")
+    return B, K, V
+
+
+def build_tree_triton(anchor, q, budget, chain_tokens=None) -> Tree:
+    B, K, _ = _check(anchor, q, budget, chain_tokens)
+    cand, logq = tree_candidates(anchor, q, budget, chain_tokens)  # [B, K, W] each
+    N, M, W = budget, budget - 1, cand.shape[-1]
+    dev = q.device
+    tokens, parent, depth, bits = (torch.empty(B, N, dtype=torch.int64, device=dev) for _ in range(4))
+    chain = torch.empty(B, N, dtype=torch.bool, device=dev)
+    anc = torch.empty(B, N, N, dtype=torch.bool, device=dev)
+    if B > 0:
+        bm, bw, bk, bn = max(2, next_pow2(M)), max(2, next_pow2(W)), max(2, next_pow2(K)), next_pow2(N)
+        _build_tree_kernel[(B,)](
+            logq, cand, anchor, tokens, parent, depth, chain, anc, bits,
+            logq.stride(0), logq.stride(1), cand.stride(0), cand.stride(1), anchor.stride(0),
+            K, M, W, N, min(K, M),
+            BM=bm, BW=bw, BK=bk, BN=bn,
+            LOG_M=bm.bit_length() - 1, LOG_W=bw.bit_length() - 1, LOG_K=bk.bit_length() - 1,
+            ROUNDS=min(K, M).bit_length(),
+            num_warps=8 if max(bm * bw, bk * bm, bn * bn) >= 2048 else 4,  # sm_90, triton 3.9: no spills
+        )  # fmt: skip
+    return Tree(tokens=tokens, parent=parent, depth=depth, chain=chain, anc=anc, bits=bits)
+
+
+def build_tree_torch(anchor, q, budget, chain_tokens=None) -> Tree:
+    """Reference: ``dspine.tree.build_tree`` (its ancestor mask by matrix squaring) and ``ancestor_bits``."""
+    _check(anchor, q, budget, chain_tokens)
+    tree = build_tree(anchor, q, budget, chain_tokens)
+    tree.bits = ancestor_bits(tree.anc)
+    return tree
+
+
+def build_tree_fused(anchor, q, budget, chain_tokens=None, impl: str = "triton") -> Tree:
+    """Best-first token tree of ``budget`` nodes per row with its ancestor mask and bits (module docstring).
+
+    Args: anchor ``[B]`` int64 root tokens; q ``[B, K, V]`` fp32 draft distributions of depths 1..K;
+    budget N (2..64, root included); chain_tokens ``[B, K]`` int64 (default ``q.argmax(-1)``).
+    Returns ``dspine.tree.Tree`` with ``bits`` set. Raises ValueError on shapes, dtypes or N, K out of range.
+    """
+    check_impl(impl)
+    fn = build_tree_triton if impl == "triton" else build_tree_torch
+    return fn(anchor, q, budget, chain_tokens)

@@ -1,0 +1,163 @@
+"""dspine.ops.tree_build: the fused tree builder (Triton: interpreter on the CPU, compiled on CUDA) returns
+exactly the torch reference's tree (dspine.tree.build_tree), ancestor mask and ancestor bits."""
+
+import tests.kernel_env as env  # noqa: I001  (must precede the kernel imports)
+
+import json
+
+import pytest
+import torch
+
+from dspine.ops.tree_build import build_tree_fused
+from dspine.tree import ancestor_bits, ancestor_mask, build_tree
+
+CPU = pytest.mark.skipif(not env.TRITON_CPU, reason=str(env.TRITON_CPU_SKIP))
+FIELDS = ("tokens", "parent", "depth", "chain", "anc", "bits")
+
+
+def draft(kind: str, B: int, K: int, V: int, seed: int, device="cpu"):
+    """(q [B, K, V] fp32, chain_tokens [B, K] or None) of one kind:
+    random: softmax(3·randn); ties: integer weights 0..3 (exact ties in q, in log q and in path sums,
+    a quarter zeros); sparse: 3 nonzero tokens per depth (most of a large tree is padding);
+    sampled: random q with chain tokens drawn from q (not the argmax: T > 0), row 0's at depth 0 a
+    token of q = 0."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        w = torch.randint(0, 4, (B, K, V), generator=g).float()
+        w[..., 0] += 1  # no all-zero row
+        q = w / w.sum(-1, keepdim=True)
+    else:
+        q = torch.softmax(3 * torch.randn(B, K, V, generator=g), -1)
+    if kind == "sparse":
+        keep = torch.rand(B, K, V, generator=g).argsort(-1)[..., :3]
+        q = torch.zeros_like(q).scatter(-1, keep, q.gather(-1, keep))
+        q = q / q.sum(-1, keepdim=True)
+    chain = None
+    if kind == "sampled":
+        chain = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
+        q[0, 0, (chain[0, 0] + 1) % V] = 0.0
+        chain[0, 0] = (chain[0, 0] + 1) % V
+    return q.to(device), None if chain is None else chain.to(device)
+
+
+def assert_same(got, want):
+    for f in FIELDS:
+        a, b = getattr(got, f), getattr(want, f)
+        assert a.dtype == b.dtype and a.shape == b.shape, f
+        rows = (a != b).flatten(1).any(1).nonzero().flatten().tolist()
+        assert torch.equal(a, b), f"{f} differs in rows {rows}"
+
+
+def check(kind, B, K, V, N, seed, device):
+    q, chain = draft(kind, B, K, V, seed, device)
+    anchor = torch.arange(100, 100 + B, device=device)
+    want = build_tree(anchor, q, N, chain)
+    assert torch.equal(want.anc, ancestor_mask(want.parent))
+    want.bits = ancestor_bits(want.anc)
+    got = build_tree_fused(anchor, q, N, chain, impl="triton")
+    assert_same(got, want)
+    return got, want
+
+
+CASES = [
+    # kind, B, K, V, N, seeds
+    ("random", 3, 15, 300, 16, (0, 1)),
+    ("random", 1, 15, 400, 64, (3,)),
+    ("random", 5, 1, 300, 64, (4,)),
+    ("random", 1, 15, 1000, 33, (5,)),
+    ("random", 5, 4, 100, 32, (6,)),
+    ("random", 5, 15, 50, 2, (7,)),
+    ("random", 5, 15, 50, 3, (8,)),
+    ("random", 1, 31, 100, 64, (9,)),  # the deepest block (32 slots)
+    ("random", 3, 15, 2, 64, (10,)),  # W = V = 2 < N - 1
+    ("random", 3, 15, 5, 16, (11,)),
+    ("ties", 3, 15, 40, 64, (12,)),
+    ("ties", 5, 6, 200, 32, (14,)),
+    ("ties", 1, 15, 3, 3, (15,)),
+    ("sparse", 5, 2, 100, 64, (16,)),  # 3 + 9 real nodes: the rest is padding
+    ("sparse", 5, 1, 100, 16, (17,)),
+    ("sparse", 1, 15, 100, 16, (18,)),  # zeros among the candidates, no padding left
+    ("sampled", 3, 15, 200, 33, (19,)),
+    ("sampled", 1, 1, 10, 2, (21,)),
+]
+
+
+@CPU
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-B{c[1]}K{c[2]}V{c[3]}N{c[4]}")
+def test_triton_equals_torch_interpreter(case):
+    kind, B, K, V, N, seeds = case
+    for seed in seeds:
+        got, want = check(kind, B, K, V, N, seed, "cpu")
+        paths = sum(3**d for d in range(1, K + 1))
+        if kind == "sparse" and paths < N - 1:  # every path of q > 0 is a node, the rest padding
+            pad = got.parent[:, 1:] < 0
+            assert (pad.sum(1) == N - 1 - paths).all() and (got.depth[:, 1:][pad] == 0).all()
+            assert (got.tokens[:, 1:][pad] == 0).all() and not got.chain[:, 1:][pad].any()
+        if kind == "sampled":  # chain tokens that are not the argmax are kept first
+            chain_nodes = got.tokens[:, 1:][got.chain[:, 1:]].view(B, min(K, N - 1))
+            assert torch.equal(chain_nodes, draft(kind, B, K, V, seed)[1][:, : N - 1])
+
+
+@CPU
+def test_ties_are_broken_like_torchs_stable_sort():
+    """Paths (0, 1) and (1, 0) score log 0.5 + log 0.3 both (fp32 addition commutes: an exact tie) and the
+    budget keeps one: the lower flat index, (0, 1) (beam slot 1 at depth 2 before slot 2), as torch's
+    stable sort does."""
+    q = torch.tensor([[[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]])
+    anchor = torch.tensor([7])
+    got = build_tree_fused(anchor, q, 6)
+    assert got.tokens.tolist() == [[7, 0, 1, 2, 0, 1]] and got.parent.tolist() == [[-1, 0, 0, 0, 1, 1]]
+    assert_same(got, build_tree_fused(anchor, q, 6, impl="torch"))
+
+
+def test_bad_inputs_raise():
+    q = torch.softmax(torch.randn(2, 3, 10), -1)
+    a = torch.zeros(2, dtype=torch.long)
+    for impl in ("triton", "torch"):
+        for kwargs, msg in [
+            (dict(budget=1), r"budget=1 must be in \[2, 64\]"),
+            (dict(budget=65), r"budget=65"),
+            (dict(q=q.bfloat16()), "fp32"),
+            (dict(q=q[:, :0]), "1 <= K"),
+            (dict(anchor=a.int()), "anchor must be int64"),
+            (dict(anchor=a[:1]), r"anchor must be \[2\]"),
+            (dict(chain_tokens=torch.zeros(2, 2, dtype=torch.long)), r"chain_tokens \[2, 3\]"),
+        ]:
+            args = dict(anchor=a, q=q, budget=8, chain_tokens=None) | kwargs
+            with pytest.raises(ValueError, match=msg):
+                build_tree_fused(**args, impl=impl)
+    with pytest.raises(ValueError, match="impl"):
+        build_tree_fused(a, q, 8, impl="cuda")
+
+
+@CPU
+def test_bench_tree_build_tiny(tmp_path):
+    from benchmarks.kernels import bench_tree_build
+
+    out = tmp_path / "tree.json"
+    assert bench_tree_build.main(["--tiny", "--output", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["commit"] and res["triton"]
+    assert [(r["B"], r["N"]) for r in res["rows"]] == [(1, 5), (1, 9), (2, 5), (2, 9)]
+    assert all(r["equal"] and min(r["torch_us"], r["fused_us"], r["candidates_us"]) > 0 for r in res["rows"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not env.HAS_CUDA, reason="no CUDA")
+def test_triton_equals_torch_cuda():
+    """SmolLM2's vocabulary at batch 8, every budget the engine uses; then one CUDA-graph capture replayed
+    on new distributions (no host sync inside, fixed shapes)."""
+    for kind, seed in (("random", 0), ("ties", 1), ("sampled", 2), ("sparse", 3)):
+        for N in (2, 16, 32, 33, 64):
+            check(kind, 8, 15, 49152, N, seed, "cuda")
+    check("random", 64, 31, 1000, 64, 4, "cuda")
+    q, _ = draft("random", 8, 15, 49152, 5, "cuda")
+    anchor = torch.arange(8, device="cuda")
+    build_tree_fused(anchor, q, 32)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = build_tree_fused(anchor, q, 32)
+    for seed in (6, 7):
+        q.copy_(draft("ties" if seed == 7 else "random", 8, 15, 49152, seed, "cuda")[0])
+        graph.replay()
+        assert_same(got, build_tree_fused(anchor, q, 32, impl="torch"))
