@@ -40,6 +40,7 @@ from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
 from dspine.ops.argmax_prob import argmax_prob
 from dspine.ops.lm_head import pick as pick_lm_head
+from dspine.ops.tree_build import build_tree_fused
 from dspine.ops.tree_verify import verify_tree_greedy, verify_tree_sample
 from dspine.reference import check_prompts, request_seeds
 from dspine.sampling import (
@@ -52,7 +53,7 @@ from dspine.sampling import (
 )
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
-from dspine.tree import ancestor_bits, build_tree, node_uniforms, path_nodes
+from dspine.tree import node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import StepPlanner
@@ -411,8 +412,10 @@ class Engine:
         if self.budget == "auto":  # the chain's confidence over the planner chain's slots (_spec_step)
             p_conf = q if params.greedy else self._conf_probs(d_logits, q, params)
             s.conf.copy_(chain_confidence(p_conf.gather(-1, chain[..., None])[:, : s.verify_size - 1, 0]))
-        tree = build_tree(s.anchor, q, N, chain_tokens=chain)
-        bits = ancestor_bits(tree.anc)  # [B, N] int64: the tree attention's mask and the greedy verify's ancestors
+        # one Triton program per row builds the tree, its ancestor mask and bits (dspine.ops.tree_build), after
+        # torch's per-depth candidate selection; bits [B, N] int64: the tree attention's mask and the verify's ancestors
+        tree = build_tree_fused(s.anchor, q, N, chain_tokens=chain, impl=self.impl)
+        bits = tree.bits
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths, tree_bits=bits,
                                                    lm_head=self.lm_head_choice.get(tree.tokens.numel(), "linear"))
