@@ -277,7 +277,8 @@ class Engine:
         self.loop_profile: dict = {}
         # benchmarks: time every decode step on the device too (CUDA events around each step of the loop without
         # a planner: loop_profile["device_step_s"], their sum, and "device_loop_s", first step's start to the last
-        # one's end), so the loop's time outside the steps can be told from slower steps
+        # one's end, refills' prefills inside it included), so the loop's time outside the steps can be told from
+        # slower steps
         self.profile_device = False
 
     # -- state views ---------------------------------------------------------------------------
@@ -393,8 +394,9 @@ class Engine:
         Draft distributions ``[B, K, V]`` -> chain tokens (argmax, or sampled as in :meth:`_spec_step`)
         -> a best-first tree of N nodes ``[B, N]`` -> the target over the nodes at RoPE
         positions lengths + depth, K/V written at rows lengths + node, tree attention (ancestor
-        bitmasks) -> acceptance (``verify_tree``) -> the accepted path's K/V rows moved to rows
-        lengths .. lengths + a (gather, then scatter) -> commit -> the path's features into the draft
+        bitmasks) -> acceptance and the accepted path (``dspine.ops.tree_verify``; with ``force_accept``, the chain
+        node at that depth, no acceptance kernel) -> the path's K/V rows moved to rows lengths .. lengths + a (one
+        gather, then one scatter, over every attention layer's K and V) -> commit -> the path's features into the draft
         context -> anchor = bonus.
         """
         s, K = slots, self.block_size - 1
@@ -718,7 +720,7 @@ class Engine:
 
     def _event(self, timing: bool = False):
         """A CUDA event recorded on the current stream after the work enqueued so far (None on the CPU,
-        where that work is already done); ``timing``: one that ``elapsed_time`` can read (the planner loop)."""
+        where that work is already done); ``timing``: one that ``elapsed_time`` can read (the planner loop, ``profile_device``)."""
         if self.device.type != "cuda":
             return None
         event = torch.cuda.Event(enable_timing=timing)

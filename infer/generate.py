@@ -262,12 +262,19 @@ def run(args) -> dict:
 
 
 def _reference(args, params, path, gguf, draft_path, spec, prompts):
-    """(decode(use_draft) -> GenerationResult, eos ids) of the reference backend (the draft was checked in run())."""
+    """(decode(use_draft) -> GenerationResult, eos ids) of the reference backend (the draft was checked in run()); each
+    decode first runs a few tokens untimed (the first call's allocations and thread start-up stay out of the timing)."""
     target = load_target(path, gguf, dtype=torch.float32 if args.dtype == "auto" else args.dtype)
     draft = load_draft(draft_path, dtype=target.dtype) if draft_path is not None else None
     kw = dict(verify_size=args.block_size, verify=args.verify, tree_budget=args.tree_budget) if draft is not None else {}
-    return lambda use: ReferenceDecoder(target, draft if use else None, spec.eos_ids, **(kw if use else {})).generate(
-        prompts, params), spec.eos_ids
+    warm = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 4))
+
+    def decode(use: bool):
+        dec = ReferenceDecoder(target, draft if use else None, spec.eos_ids, **(kw if use else {}))
+        dec.generate(prompts, warm)
+        return dec.generate(prompts, params)
+
+    return decode, spec.eos_ids
 
 
 def _engine(args, params, path, gguf, draft_path, spec, prompts):

@@ -152,8 +152,11 @@ def test_set_fused_adam_reaches_the_inner_optimizer_and_keeps_resume_exact():
         g["params"] = []
     for p in m.parameters():
         inner.state[p]["step"] = Step(inner.state[p]["step"])
+    ghost = torch.empty(1, device="meta")  # a state key on another device: fused must send its step there
+    inner.state[ghost] = {"step": Step(None)}
     speed.set_fused_adam(wrapped, True)
     assert [st.sent for st in steps_state()] == [["cpu"]] * len(list(m.parameters()))  # fused: the param's device
+    assert inner.state.pop(ghost)["step"].sent == ["meta"]
     for g, params in zip(inner.param_groups, kept):
         g["params"] = params
     for p in m.parameters():

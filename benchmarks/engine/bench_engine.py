@@ -202,8 +202,10 @@ def run(args) -> dict:
         # end to end (prefill excluded from tok/s: decode tokens over decode time)
         eng.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)), use_draft=False)  # warm-up + capture
         eng.profile_device = True  # device time per step inside the loop (loop_profile: device_step_s, device_loop_s)
-        ar = eng.generate(prompts, greedy, use_draft=False)
-        eng.profile_device = False
+        try:
+            ar = eng.generate(prompts, greedy, use_draft=False)
+        finally:
+            eng.profile_device = False
         row["ar_tok_per_s"] = ar.num_tokens / (ar.elapsed_s - ar.prefill_s)
         # where the decode loop's time went (host launch, device wait, host bookkeeping; seconds), against the
         # graph replay timed alone below: the gap between the two is time outside the step

@@ -30,7 +30,8 @@ tree): at most one chain child per node among the children after it. Nodes whose
 them are never tested (as in the walk); duplicate sibling tokens are handled.
 
 Why: ``dspine.tree.verify_tree`` walks the nodes in Python, ~15 kernels over [B, V] per node, then
-``path_nodes``: ~500 launches per step at N = 64. Here: 3 launches (sampling) or 1 (greedy), any N.
+``path_nodes``: ~500 launches per step at N = 64. Here: 3 launches (sampling) or 1 (greedy), whatever N
+(N <= 64 on the Triton path: one int64 bitmask per node).
 
 Kernels (sampling): (1) grid (B, S1): for every node with a deterministic child, fp64 partial sums over a
 V slice of p_target[node] and of max(p_target[node] − q, 0) (q of its chain child); rows of other nodes
