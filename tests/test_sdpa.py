@@ -158,3 +158,32 @@ def test_prefill_bench_checks_arguments_before_any_run(tmp_path, extra, msg):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]
     assert "RESULT" not in r.stdout and (tmp_path / "old.json").read_text() == "{}"
+
+
+def test_kv_cache_layers_are_views_of_one_tensor():
+    """infer.model.KVCache: every attention layer's K and V are views of ``kv [2, La, B, Hkv, S, D]`` (K then V, in
+    layer order; linear layers have none), also through ``view(batch)``, so one gather/scatter over ``kv`` moves
+    rows of every layer (the tree step's accepted path)."""
+    import dataclasses
+
+    from infer.model import KVCache, ModelArgs
+
+    a = ModelArgs(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                  max_position_embeddings=64, tie_word_embeddings=False, qk_norm=True, qkv_bias=False)
+    c = KVCache(a, batch=3, seq=10, device="cpu", dtype=torch.float32)
+    assert c.kv.shape == (2, 3, 3, 2, 10, 8)
+    for i in range(3):
+        c.k[i][1, 0, 4] = 1.0 + i
+        c.v[i][2, 1, 7] = -1.0 - i
+    assert torch.equal(c.kv[0, :, 1, 0, 4, 0], torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(c.kv[1, :, 2, 1, 7, 0], torch.tensor([-1.0, -2.0, -3.0]))
+    v = c.view(2)
+    assert v.kv.shape == (2, 3, 2, 2, 10, 8) and v.kv.data_ptr() == c.kv.data_ptr()
+    v.kv[0, 2, 1, 0, 4] = 9.0  # through the batch view's stacked tensor, seen by the full cache's layer view
+    assert torch.equal(c.k[2][1, 0, 4], torch.full((8,), 9.0)) and torch.equal(v.k[2][1, 0, 4], c.k[2][1, 0, 4])
+    hybrid = dataclasses.replace(a, layer_kinds=("linear", "attention", "linear"), lin_k_heads=1, lin_v_heads=1,
+                                 lin_k_dim=4, lin_v_dim=4, conv_kernel=4)
+    h = KVCache(hybrid, batch=2, seq=10, device="cpu", dtype=torch.float32)
+    assert h.kv.shape[1] == 1 and h.k[0] is None and h.v[2] is None
+    assert h.k[1].data_ptr() == h.kv[0, 0].data_ptr() and h.v[1].data_ptr() == h.kv[1, 0].data_ptr()
