@@ -270,7 +270,8 @@ class KVCache:
         kinds = a.layer_kinds or ("attention",) * a.num_layers
         n_att = sum(k == "attention" for k in kinds)
         # one tensor for every attention layer's K and V, so a step that moves K/V rows (the tree step's
-        # accepted path) does it in one gather and one scatter for all layers instead of two per layer
+        # accepted path) does it in one gather and one scatter for all layers instead of a gather and a scatter
+        # for K and for V in every layer
         self.kv = torch.zeros(2, n_att, *shape, device=device, dtype=dtype) if n_att else None
         slot = iter(range(n_att))
         att_ids = [next(slot) if k == "attention" else None for k in kinds]
