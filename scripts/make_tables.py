@@ -671,9 +671,10 @@ def launcher_rows(t: dict) -> list[str]:
     if not runs:
         return []
     out = ["The same step under other launchers, one GPU each (separate runs: timed steps and commits in each run's "
-           "line below); per launcher the step without options and the fastest of its A/B. Peak memory is the whole "
-           "A/B process's, not per option:", "",
-           "| launcher | options | step | tokens/s | anchor-blocks/s | MFU vs datasheet | peak memory (whole run) |",
+           "line below); per launcher the step without options and the fastest of its A/B. Peak memory: of the "
+           "option's timed steps, or, marked *, of the whole A/B process (runs before bench_train.py measured it per "
+           "option):", "",
+           "| launcher | options | step | tokens/s | anchor-blocks/s | MFU vs datasheet | peak memory |",
            "|---|---|---|---|---|---|---|"]
     first = f"ZeRO-{t['config']['zero_stage']}"
     zero2 = [(first, n, v) for n, v in t["ab"].items() if n in ("base", t["results"]["variant"])]
@@ -681,7 +682,8 @@ def launcher_rows(t: dict) -> list[str]:
     rows = zero2 + [(label, n, v) for label, r in runs.items() for n, v in r["ab"].items() if n in ("base", best[label])]
     for label, name, v in rows:
         out.append(f"| {label} | {name} | {v['step_time_s_median'] * 1e3:.0f} ms | {v['tokens_per_s']:.0f} | "
-                   f"{v['anchor_blocks_per_s']:.0f} | {v['mfu_vs_datasheet']:.1%} | {v['peak_memory_gib']:.1f} GiB |")
+                   f"{v['anchor_blocks_per_s']:.0f} | {v['mfu_vs_datasheet']:.1%} | {v['peak_memory_gib']:.1f} GiB"
+                   f"{'' if v.get('peak_memory_scope') == 'variant' else '*'} |")
     out += [""] + [f"{label}: {r['gpu']}, {r['date'][:10]}, commit `{r['git_commit'][:10]}`, {r['results']['timed_steps']} timed "
                    f"steps (ZeRO-2 row: {t['results']['timed_steps']}): `{r['command']}`" for label, r in runs.items()]
     z3 = t.get("zero3_attempt")

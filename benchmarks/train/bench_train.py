@@ -329,9 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     timed = {name: {"times": [], "losses": [], "flops": [], "tokens": [], "blocks": []} for name in variants}
     rounds = max(1, min(args.ab_rounds, args.steps)) if len(variants) > 1 else 1
     per_round = [args.steps // rounds + (r < args.steps % rounds) for r in range(rounds)]
+    peak_by = dict.fromkeys(variants, 0.0)  # GiB: each variant's timed steps (the model and optimizer state included)
     for r in range(rounds):
         for name, v in variants.items():
             apply(v)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             for _ in range(per_round[r]):
                 dt, res, f, blocks = one_step(v)
                 rec = timed[name]
@@ -341,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                 rec["tokens"].append(res["tokens"])
                 rec["blocks"].append(blocks)
                 print(f"[{name}] step {len(rec['times'])}/{args.steps}: {dt * 1e3:.1f} ms, loss {res['loss']:.4f}", flush=True)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-    peak_all = [float(x) for x in gather_all(accelerator, peak)] if cuda else None
+            if cuda:
+                peak_by[name] = max(peak_by[name], torch.cuda.max_memory_allocated(device) / 2**30)
+    peak_all_by = {n: [float(x) for x in gather_all(accelerator, peak_by[n])] if cuda else None for n in variants}
     profile = None
     if args.profile:
         first = next(iter(variants.values()))
@@ -366,8 +370,9 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s_per_gpu": sum(rec["tokens"]) / sum(times) / world,
             "anchor_blocks_per_s": sum(rec["blocks"]) / sum(times),
             "anchors_per_seq": args.anchors,
-            "peak_memory_gib": peak_all[0] if peak_all else None,
-            "peak_memory_gib_per_gpu": peak_all,
+            "peak_memory_gib": peak_all_by[name][0] if peak_all_by[name] else None,  # this variant's timed steps
+            "peak_memory_gib_per_gpu": peak_all_by[name],
+            "peak_memory_scope": "variant",
             "flops_per_step": step_f, "flops_per_step_by_part": parts,
             "model_tflops_per_s": achieved,
             "datasheet_bf16_tflops": DATASHEET_BF16_TFLOPS,
