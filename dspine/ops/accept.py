@@ -86,6 +86,35 @@ def accept_greedy(draft_tokens, target_argmax, impl: str = "triton"):
 
 
 @triton.jit
+def _race_parts_store(PartBest, PartIdx, PartAny, b, sp, num_splits, best_r, best_t, idx_r, idx_t, any_r):
+    """One V slice's race results (``[B, splits, 2]`` fp32 best scores and int32 indices of the residual and
+    of the target race, ``[B, splits]`` int32 any-residual flag): the layout :func:`_race_parts_merge` reads."""
+    off = (b * num_splits + sp) * 2
+    tl.store(PartBest + off, best_r)
+    tl.store(PartBest + off + 1, best_t)
+    tl.store(PartIdx + off, idx_r)
+    tl.store(PartIdx + off + 1, idx_t)
+    tl.store(PartAny + b * num_splits + sp, any_r)
+
+
+@triton.jit
+def _race_parts_merge(PartBest, PartIdx, PartAny, b, num_splits, BLOCK_S: tl.constexpr):
+    """Row b's winners over its slices (the lowest slice among equal maxima: the global first index) and
+    whether any slice had residual mass: (idx_r, idx_t, any_r)."""
+    s = tl.arange(0, BLOCK_S)
+    ok = s < num_splits
+    base = (b * num_splits + s) * 2
+    best_r = tl.load(PartBest + base, mask=ok, other=-3.0)
+    best_t = tl.load(PartBest + base + 1, mask=ok, other=-3.0)
+    j_r = tl.argmax(best_r, axis=0)
+    j_t = tl.argmax(best_t, axis=0)
+    idx_r = tl.sum(tl.where(s == j_r, tl.load(PartIdx + base, mask=ok, other=0), 0), axis=0)
+    idx_t = tl.sum(tl.where(s == j_t, tl.load(PartIdx + base + 1, mask=ok, other=0), 0), axis=0)
+    any_r = tl.max(tl.load(PartAny + b * num_splits + s, mask=ok, other=0), axis=0)
+    return idx_r, idx_t, any_r
+
+
+@triton.jit
 def _accept_sample_partial_kernel(
     Draft, PT, PD, U, E, NumAcc, PartBest, PartIdx, PartAny,
     stride_db, stride_ptb, stride_ptk, stride_pdb, stride_pdk, stride_ub, stride_eb,
@@ -135,28 +164,14 @@ def _accept_sample_partial_kernel(
         idx_t = tl.where(c_t > best_t, i_t, idx_t)
         best_t = tl.maximum(c_t, best_t)
         any_r = tl.maximum(any_r, tl.max((r > 0).to(tl.int32), axis=0))
-    off = (b * num_splits + sp) * 2
-    tl.store(PartBest + off, best_r)
-    tl.store(PartBest + off + 1, best_t)
-    tl.store(PartIdx + off, idx_r)
-    tl.store(PartIdx + off + 1, idx_t)
-    tl.store(PartAny + b * num_splits + sp, any_r)
+    _race_parts_store(PartBest, PartIdx, PartAny, b, sp, num_splits, best_r, best_t, idx_r, idx_t, any_r)
 
 
 @triton.jit
 def _accept_sample_reduce_kernel(NumAcc, Bonus, PartBest, PartIdx, PartAny, K, num_splits,
                                  BLOCK_S: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    ok = s < num_splits
-    base = (b * num_splits + s) * 2
-    best_r = tl.load(PartBest + base, mask=ok, other=-3.0)
-    best_t = tl.load(PartBest + base + 1, mask=ok, other=-3.0)
-    j_r = tl.argmax(best_r, axis=0)  # lowest split among equal maxima: global first index
-    j_t = tl.argmax(best_t, axis=0)
-    idx_r = tl.sum(tl.where(s == j_r, tl.load(PartIdx + base, mask=ok, other=0), 0), axis=0)
-    idx_t = tl.sum(tl.where(s == j_t, tl.load(PartIdx + base + 1, mask=ok, other=0), 0), axis=0)
-    any_r = tl.max(tl.load(PartAny + b * num_splits + s, mask=ok, other=0), axis=0)
+    idx_r, idx_t, any_r = _race_parts_merge(PartBest, PartIdx, PartAny, b, num_splits, BLOCK_S)
     a = tl.load(NumAcc + b)
     use_res = (a < K) & (any_r > 0)
     tl.store(Bonus + b, tl.where(use_res, idx_r, idx_t).to(tl.int64))

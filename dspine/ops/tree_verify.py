@@ -59,6 +59,7 @@ from __future__ import annotations
 import torch
 
 from ._common import check_impl, next_pow2, num_sms, tl, triton
+from .accept import _race_parts_merge, _race_parts_store
 
 __all__ = ["verify_tree_greedy", "verify_tree_sample", "path_from_mask", "MAX_NODES"]
 
@@ -474,27 +475,13 @@ def _tree_sample_kernel(
         idx_t = tl.where(c_t > best_t, i_t, idx_t)
         best_t = tl.maximum(c_t, best_t)
         any_r = tl.maximum(any_r, tl.max(tl.max((r > 0).to(tl.int32), axis=1), axis=0))
-    off = (b * num_splits + sp) * 2
-    tl.store(PartBest + off, best_r)
-    tl.store(PartBest + off + 1, best_t)
-    tl.store(PartIdx + off, idx_r)
-    tl.store(PartIdx + off + 1, idx_t)
-    tl.store(PartAny + b * num_splits + sp, any_r)
+    _race_parts_store(PartBest, PartIdx, PartAny, b, sp, num_splits, best_r, best_t, idx_r, idx_t, any_r)
 
 
 @triton.jit
 def _race_merge_kernel(Bonus, PartBest, PartIdx, PartAny, num_splits, BLOCK_S: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    ok = s < num_splits
-    base = (b * num_splits + s) * 2
-    best_r = tl.load(PartBest + base, mask=ok, other=-3.0)
-    best_t = tl.load(PartBest + base + 1, mask=ok, other=-3.0)
-    j_r = tl.argmax(best_r, axis=0)  # lowest split among equal maxima: the global first index
-    j_t = tl.argmax(best_t, axis=0)
-    idx_r = tl.sum(tl.where(s == j_r, tl.load(PartIdx + base, mask=ok, other=0), 0), axis=0)
-    idx_t = tl.sum(tl.where(s == j_t, tl.load(PartIdx + base + 1, mask=ok, other=0), 0), axis=0)
-    any_r = tl.max(tl.load(PartAny + b * num_splits + s, mask=ok, other=0), axis=0)
+    idx_r, idx_t, any_r = _race_parts_merge(PartBest, PartIdx, PartAny, b, num_splits, BLOCK_S)
     tl.store(Bonus + b, tl.where(any_r > 0, idx_r, idx_t).to(tl.int64))
 
 
