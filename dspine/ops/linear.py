@@ -303,6 +303,17 @@ def _same_versions(device_name: str) -> bool:
     return False
 
 
+def _weight_entry(device_name: str, N: int, K: int) -> dict | None:
+    """The tuned file's entry of weight ``[N, K]`` on this GPU model (None without one)."""
+    return tuned(device_name).get("weights", {}).get(f"{N},{K}")
+
+
+def _mixed_rows(device_name: str) -> bool:
+    """Whether tiles may be picked by M on this GPU model: the tuned file found them bitwise equal
+    (``mixed_row_tiles``) with this torch and Triton."""
+    return bool(tuned(device_name).get("mixed_row_tiles")) and _same_versions(device_name)
+
+
 def in_ranges(m: int, ranges) -> bool:
     """Whether ``m`` lies in one of the inclusive ``[lo, hi]`` ranges."""
     return any(lo <= m <= hi for lo, hi in ranges)
@@ -318,7 +329,7 @@ def cublas_agrees(x2: torch.Tensor, w: torch.Tensor, bias) -> bool:
     if x2.data_ptr() % 256 or w.data_ptr() % 256 or not x2.is_contiguous():
         return False
     name = torch.cuda.get_device_name(x2.device)
-    e = tuned(name).get("weights", {}).get(f"{w.shape[0]},{w.shape[1]}")
+    e = _weight_entry(name, *w.shape)
     M = x2.shape[0]  # at M <= SMALL_M the kernel is the faster one (results/exact-kernels-cross-h200.json)
     return (
         e is not None
@@ -344,9 +355,8 @@ def config(N: int, K: int, dtype: torch.dtype, device, M: int = 1) -> tuple[int,
     if dtype == torch.float32:
         return 64, 32, 32, 4, 2, split_k(N, K, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    t = tuned(name) if name else {}
-    mixed = bool(t.get("mixed_row_tiles")) and _same_versions(name)
-    e = t.get("weights", {}).get(f"{N},{K}")
+    mixed = bool(name) and _mixed_rows(name)
+    e = _weight_entry(name, N, K) if name else None
     if e is not None:
         return _cfg6((*e["small" if M <= SMALL_M and mixed else "large"], e["split"]))
     if mixed and M <= SMALL_M:
@@ -381,10 +391,6 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
     y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return y
-    if K == 0:  # an empty sum: the bias (or zeros), as F.linear gives
-        return y.copy_(
-            (bias if bias is not None else torch.zeros(N, device=x.device, dtype=x.dtype)).expand_as(y)
-        )
     y2 = y.view(M, N)
     bm, bn, bk, warps, stages, split = _cfg6(cfg or config(N, K, x.dtype, x.device, M))
     if CHUNK_GRANULE % bk:
@@ -395,11 +401,9 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
         split_programs = M <= SPLIT_PROGRAMS_MAX_M
         if cfg is None and CONFIG_OVERRIDE is None and x.is_cuda and x.dtype != torch.float32:
             name = torch.cuda.get_device_name(x.device)
-            t = tuned(name)
-            e = t.get("weights", {}).get(f"{N},{K}")
+            e = _weight_entry(name, N, K)
             if e is not None:
-                mixed = t["mixed_row_tiles"] and _same_versions(name)
-                split_programs = e["programs"]["small" if M <= SMALL_M and mixed else "large"]
+                split_programs = e["programs"]["small" if M <= SMALL_M and _mixed_rows(name) else "large"]
         split_programs = split_programs and M <= SPLIT_PROGRAMS_LIMIT
     split_programs = bool(split_programs) and n_chunks > 1
     part = torch.empty(n_chunks, M, N, device=x.device, dtype=torch.float32) if split_programs else y2
@@ -468,7 +472,7 @@ def use_in_fast_mode(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(1, x.shape[-1]) <= FAST_MAX_M):
         return False
     name = torch.cuda.get_device_name(x.device)
-    e = tuned(name).get("weights", {}).get(f"{w.shape[0]},{w.shape[1]}")
+    e = _weight_entry(name, *w.shape)
     # the measured gain is the small tile's: without mixed tiles (other versions) the kernel would run its large one
     return e is not None and e.get("small_ratio_to_cublas", float("inf")) < 1.0 and _same_versions(name)
 
