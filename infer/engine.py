@@ -790,11 +790,10 @@ class Engine:
         marks = [] if cuda and self.profile_device else None  # (event before, event after) per step
         while True:
             t0 = time.perf_counter()
-            if marks is not None:
-                marks.append((self._event(timing=True), None))
+            before = self._event(timing=True) if marks is not None else None
             step()
             if marks is not None:
-                marks[-1] = (marks[-1][0], self._event(timing=True))
+                marks.append((before, self._event(timing=True)))
             n_steps += 1
             cur ^= 1
             nxt = (bufs[cur], self._flags_async(s, bufs[cur]))  # the flags after this step
