@@ -417,6 +417,39 @@ def engine_section() -> list[str]:
     return out + [""]
 
 
+def tree_extra_rows(v: dict) -> list[str]:
+    """The same chain-vs-tree comparison at T = 1, the run before the fused tree kernels, and those kernels' times."""
+    out = []
+    b = v.get("smollm2_before")
+    if b:
+        out += [f"Before the fused tree kernels (commit `{b['provenance']['commit'][:10]}`, the draft shipped then, "
+                f"{b['num_prompts']} prompts per task): τ {b['chain_mean_tau']:.2f} → {b['tree_mean_tau']:.2f}, tree tok/s "
+                f"{b['tree_speedup_over_chain']:.2f}× the chain's.", ""]
+    t1 = v.get("smollm2_T1")
+    if t1:
+        s = t1["summary"]
+        mean = lambda n: sum(t[n]["tok_per_s"] for t in t1["tasks"]) / len(t1["tasks"])
+        out += [f"Same draft at T = 1 (top_p {t1['top_p']}, top_k {t1['top_k']}), concurrency 1, {t1['num_prompts']} prompts "
+                f"per task (commit `{t1['commit'][:10]}`): chain τ {s['chain']['mean_tau']:.2f} "
+                f"[{s['chain']['mean_tau_ci95'][0]:.2f}, {s['chain']['mean_tau_ci95'][1]:.2f}], tree τ "
+                f"{s['tree']['mean_tau']:.2f} [{s['tree']['mean_tau_ci95'][0]:.2f}, {s['tree']['mean_tau_ci95'][1]:.2f}] "
+                f"(95% bootstrap over prompts); tok/s {mean('chain'):.0f} chain, {mean('tree'):.0f} tree. `{t1['command']}`", ""]
+    k = v.get("tree_kernels")
+    if k:
+        b1 = {r["N"]: r for r in k["build"]["rows"] if r["B"] == 1}
+        vs = {(r["N"], r["op"]): r for r in k["verify"]["rows"] if r["B"] == 1}
+        out += ["Tree kernels at batch 1, SmolLM2 vocabulary, inside CUDA graphs (`benchmarks/kernels/bench_tree_build.py`, "
+                "`bench_tree_verify.py`; results bitwise equal to the torch references):", "",
+                "| nodes | build: torch | build: top-k candidates + fused kernel | of which the kernel | verify T>0: torch | verify T>0: Triton |",
+                "|---|---|---|---|---|---|"]
+        for n in sorted(b1):
+            r = b1[n]
+            out.append(f"| {n} | {r['torch_graph_us']:.0f} µs | {r['fused_graph_us']:.0f} µs | {r['kernel_graph_us']:.0f} µs | "
+                       f"{vs[(n, 'sample')]['torch_graph_us']:.0f} µs | {vs[(n, 'sample')]['triton_graph_us']:.0f} µs |")
+        out.append("")
+    return out
+
+
 def verify_section() -> list[str]:
     v = load("verify-h200.json")
     if not v:
@@ -424,21 +457,22 @@ def verify_section() -> list[str]:
     sm, sc = v["smollm2"], v["step_cost"]
     ok = lambda good: "met" if good else "**missed**"
     out = ["### Tree verification and the verify-budget planner (issue 16)", "",
-           f"{v['gpu']}, {v['date'][:10]}, commit `{v['commit'][:10]}`, [`results/verify-h200.json`](results/verify-h200.json). "
-           f"SmolLM2-135M with the recipe's DSpine draft (shipped until the continuation of 2026-12-01 replaced it), T = 0, concurrency 1, {sm['num_prompts']} prompts per task, "
+           f"{v['gpu']}, [`results/verify-h200.json`](results/verify-h200.json). Chain against tree ({sm['provenance']['date'][:10]}, "
+           f"commit `{sm['provenance']['commit'][:10]}`): SmolLM2-135M with the shipped DSpine draft (`checkpoints/smollm2-135m-dspine`), T = 0, concurrency 1, {sm['num_prompts']} prompts per task, "
            f"{sm['max_new_tokens']} new tokens, tree of {sm['tree_budget']} nodes against the chain of 16:", "",
            "| chain τ | tree τ | tree τ ÷ chain τ (goal ≥ 1.3) | tree tok/s ÷ chain tok/s (goal ≥ 1.15) |", "|---|---|---|---|",
            f"| {sm['chain_mean_tau']:.2f} | {sm['tree_mean_tau']:.2f} | {sm['tree_tau_over_chain_tau']:.2f} — "
            f"{ok(sm['tree_tau_over_chain_tau'] >= 1.3)} | {sm['tree_speedup_over_chain']:.2f} — "
-           f"{ok(sm['tree_speedup_over_chain'] >= 1.15)} |", "",
-           f"Whole speculative step at Qwen3-8B shape (random weights, oracle draft, {sc['prompt_tokens']}-token prompt), "
+           f"{ok(sm['tree_speedup_over_chain'] >= 1.15)} |", "", *tree_extra_rows(v),
+           f"Whole speculative step at Qwen3-8B shape ({sc['provenance']['date'][:10]}, commit `{sc['provenance']['commit'][:10]}`; "
+           f"random weights, oracle draft, {sc['prompt_tokens']}-token prompt), "
            "tree step ÷ chain-16 step:", "",
            "| batch | chain 16 | tree 16 | tree 32 | tree 64 |", "|---|---|---|---|---|"]
     for b in ("batch1", "batch8"):
         r = sc[b]
         out.append(f"| {b[5:]} | {r['chain16_step_ms']:.2f} ms | " + " | ".join(
             f"{r[f'tree{n}_step_over_chain16']:.2f}" for n in (16, 32, 64)) + " |")
-    out += ["", "Planner (`--budget auto`) against AR, the fixed chain and the fixed tree (mean tok/s over the 5 tasks; "
+    out += ["", f"Planner (`--budget auto`; {v['date'][:10]}, commit `{v['commit'][:10]}`) against AR, the fixed chain and the fixed tree (mean tok/s over the 5 tasks; "
             "T = 1: top_p 0.95, top_k 20):", "",
             "| concurrency | T | AR | chain 16 | tree 32 | planner | planner ÷ best fixed (goal ≥ 0.98) |",
             "|---|---|---|---|---|---|---|"]
@@ -473,6 +507,13 @@ def verify_section() -> list[str]:
         if b and isinstance(b.get("planner_over_best_static"), dict):
             out += ["", f"Before this run (commit `{b['commit'][:10]}`; {b['note']}), planner ÷ best fixed: "
                     + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in b["planner_over_best_static"].items()) + "."]
+        q = r.get("prefill_buckets_point")
+        if q:
+            out += ["", f"The concurrency-{q['concurrency']} T = {q['temperature']:g} point again with bucketed prefill "
+                    f"(`--prefill-buckets`; commit `{q['commit'][:10]}`, {q['date'][:10]}): AR {q['ar_tok_per_s']:.0f}, chain "
+                    f"{q['chain_tok_per_s']:.0f}, tree {q['tree_tok_per_s']:.0f}, planner {q['planner_tok_per_s']:.0f} tok/s; "
+                    f"planner ÷ best fixed {q['planner_over_best_static']:.3f} — {ok(q['planner_over_best_static'] >= 0.98)}. "
+                    f"`{q['command']}`"]
         cmds = {k: v for k, v in r.get("planner_commands", {}).items() if isinstance(v, str) and v.startswith("python ")}
         out += ["", "Commands: " + "; ".join(f"`{c}`" for c in cmds.values()) if cmds else f"Command: `{r['command']}`", ""]
     return out
@@ -543,6 +584,11 @@ def exact_section() -> list[str]:
             f"{r['ar_step_bs1']:.2f}, spec batch 1 {r['spec_step_bs1']:.2f}, AR batch 8 {r['ar_step_bs8']:.2f}, "
             f"spec batch 8 {r['spec_step_bs8']:.2f} (goal ≤ 1.05: {'met' if worst <= 1.05 else '**missed**'}; "
             "exact mode stays opt-in).", "", "Commands: " + "; ".join(f"`{c}`" for c in x.get("commands", [x["command"]])), ""]
+    g = load("gpu-tests-h200.json")
+    if g:
+        out += [f"GPU test suite ({g['gpu']}, {g['date'][:10]}, commit `{g['commit'][:10]}`, "
+                f"[`results/gpu-tests-h200.json`](results/gpu-tests-h200.json)): {g['passed']} passed, {g['failed']} failed — "
+                + "; ".join(f"`{r['command']}` {r['passed']} passed in {r['seconds']:.0f} s" for r in g["runs"]) + ".", ""]
     return out
 
 
