@@ -46,6 +46,9 @@ def smollm2_section() -> list[str]:
             samp += f", draft temperature {a['draft_temperature']:g}" + (" (argmax)" if a["draft_temperature"] == 0 else "")
         if a.get("budget"):
             samp += f", planner (`--budget {a['budget']}`)"
+        trees = {lab: c["tree_budget"] for lab, c in (a.get("configs") or {}).items() if c.get("verify") == "tree"}
+        if trees:
+            samp += ", " + ", ".join(f"`{lab}` = `--verify tree` of {n} nodes" for lab, n in trees.items()) + " (the others a chain of 16)"
         trained = ("The shipped DSpine draft (the recipe's, trained further four times: continuations below)" if "-shipped-" in path.name
                    else "GPU-trained drafts (recipe below)" if "-h200-" in path.name else "CPU-trained drafts")
         out.append(f"**{trained}, {samp}, concurrency {a['concurrency']}, {a['num_prompts']} prompts per task, "
@@ -58,9 +61,12 @@ def smollm2_section() -> list[str]:
         for lab in labels:
             cells = [fmt(t["drafts"][lab]["tau"]) for t in r["tasks"]]
             s = r["summary"][lab]
-            out.append(f"| {lab} | " + " | ".join(cells) + f" | **{fmt(s['mean_tau'])}** | {fmt(s.get('mean_speedup'))}× |")
+            sp = s.get("mean_speedup")
+            out.append(f"| {lab} | " + " | ".join(cells) + f" | **{fmt(s['mean_tau'])}** | "
+                       + (f"{fmt(sp)}× |" if sp is not None else "– (no AR in this run) |"))
         ar = [t.get("ar", {}).get("tok_per_s") for t in r["tasks"]]
-        out.append("| AR tok/s | " + " | ".join(fmt(x, 1) for x in ar) + " | | |")
+        if any(x is not None for x in ar):
+            out.append("| AR tok/s | " + " | ".join(fmt(x, 1) for x in ar) + " | | |")
         for lab in labels:
             out.append(f"| {lab} tok/s | " + " | ".join(fmt(t["drafts"][lab]["tok_per_s"], 1) for t in r["tasks"]) + " | | |")
         eq = [f"{lab}: {r['summary'][lab]['greedy_equal']}/{r['summary'][lab]['greedy_compared']}"
