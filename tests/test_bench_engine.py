@@ -29,10 +29,10 @@ def test_compiled_peer_refuses_a_short_long_generation():
 def test_profile_step_tiny_cpu_writes_the_table(tmp_path):
     out = tmp_path / "profile.json"
     profile_step.main(["--tiny", "--device", "cpu", "--batch", "1", "--context", "8", "--steps", "1",
-                       "--warmup", "0", "--output", str(out)])
+                       "--warmup", "0", "--kinds", "ar,spec,tree8", "--output", str(out)])
     rec = json.loads(out.read_text())
-    assert rec["command"] and rec["date"] and rec["cuda_graphs"] is False
-    for kind in ("ar", "spec"):
+    assert rec["command"] and rec["date"] and rec["cuda_graphs"] is False and rec["kinds"] == ["ar", "spec", "tree8"]
+    for kind in ("ar", "spec", "tree8"):
         r = rec["batch1"][kind]
         assert 0 < len(r["top"]) <= profile_step.TOP and r["kernels_per_step"] > 0
         assert abs(sum(k["fraction"] for k in r["top"]) - sum(k["us_per_step"] for k in r["top"])
@@ -40,6 +40,12 @@ def test_profile_step_tiny_cpu_writes_the_table(tmp_path):
         assert all(a["us_per_step"] >= b["us_per_step"] for a, b in zip(r["top"], r["top"][1:]))
     # the speculative step does the AR step's target work over a block, plus the draft
     assert rec["batch1"]["spec"]["kernels_per_step"] > rec["batch1"]["ar"]["kernels_per_step"]
+    # the tree step adds the candidates, the build, the path's K/V move to the chain step's work
+    assert rec["batch1"]["tree8"]["kernels_per_step"] > rec["batch1"]["spec"]["kernels_per_step"]
+    assert rec["batch1"]["tree8_kernel_time_over_spec"] == (rec["batch1"]["tree8"]["kernel_us_per_step"]
+                                                           / rec["batch1"]["spec"]["kernel_us_per_step"])
+    with pytest.raises(SystemExit):
+        profile_step.main(["--tiny", "--device", "cpu", "--kinds", "ar,tree65"])
 
 
 def test_bench_engine_skip_peers_keeps_engine_keys_only(tmp_path):
