@@ -399,15 +399,24 @@ def table(rows: list[dict]) -> str:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per draft: mean τ over tasks, τ pooled over all steps, mean speedup."""
+    """Per draft: mean τ over tasks, τ pooled over all steps, mean speedup.
+
+    A task in which the draft made no verify step (every output ended at its first token, e.g.
+    ``--max-new-tokens 1`` or an immediate EOS) has no τ (``None``): it is left out of ``mean_tau`` and its
+    interval and counted in ``tasks_without_steps``; ``mean_tau`` is None when no task has a step."""
     out: dict = {}
     labels = sorted({label for r in rows for label in r["drafts"]})
     for label in labels:
         ds = [r["drafts"][label] for r in rows if label in r["drafts"]]
         hist = [sum(x) for x in zip(*(d["accept_hist"] for d in ds))]
-        entry = {"mean_tau": sum(d["tau"] for d in ds) / len(ds), "pooled_tau": AcceptStats(len(hist), [0] + hist).tau}
-        if all("per_prompt_steps" in d for d in ds):
-            entry["mean_tau_ci95"] = mean_tau_ci(ds)
+        stepped = [d for d in ds if d.get("tau") is not None]
+        pooled = AcceptStats(len(hist), [0] + hist)
+        entry = {"mean_tau": sum(d["tau"] for d in stepped) / len(stepped) if stepped else None,
+                 "pooled_tau": pooled.tau if pooled.steps else None}
+        if len(stepped) < len(ds):
+            entry["tasks_without_steps"] = len(ds) - len(stepped)
+        if stepped and all("per_prompt_steps" in d for d in stepped):
+            entry["mean_tau_ci95"] = mean_tau_ci(stepped)
         if all("speedup" in d for d in ds):
             entry["mean_speedup"] = sum(d["speedup"] for d in ds) / len(ds)
         if all("greedy_compared" in d for d in ds):
@@ -460,7 +469,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             if label in r["drafts"]:
                 d = r["drafts"][label]
                 acc = d["accept_at_pos"]
-                ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['task']} (τ={d['tau']:.2f})")
+                tau = "n/a" if d.get("tau") is None else f"{d['tau']:.2f}"
+                ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['task']} (τ={tau})")
         ax.set_xlabel("draft position k")
         ax.set_ylabel("accept_at_pos[k]: steps with ≥ k accepted")
         ax.set_ylim(0, 1)
@@ -473,7 +483,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def build_parser():
-    from dspine.reference import THREADS_HELP
+    from dspine.reference import CPU_VERIFY_WIDTH, THREADS_HELP
 
     ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
@@ -493,7 +503,7 @@ def build_parser():
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=None,
                     help="positions verified per step: the anchor and the first N-1 drafted tokens (N <= the smallest draft block; default: the whole block on the engine, "
-                         "3 on the reference backend: dspine.reference.CPU_VERIFY_WIDTH)")
+                         f"{CPU_VERIFY_WIDTH} on the reference backend: dspine.reference.CPU_VERIFY_WIDTH)")
     ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
                     help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
     ap.add_argument("--tree-budget", type=int, default=None,
@@ -645,7 +655,9 @@ def main(argv=None) -> int:
         ci = f" [95% CI {e['mean_tau_ci95'][0]:.3f}, {e['mean_tau_ci95'][1]:.3f}]" if "mean_tau_ci95" in e else ""
         c = runner.configs[label]
         mode = c["verify"] + (" --budget auto" if c["budget"] else "")
-        print(f"{label}: mean tau {e['mean_tau']:.3f}{ci}{extra}{eq}, --verify {mode}: "
+        tau = "n/a (no verify step)" if e["mean_tau"] is None else f"{e['mean_tau']:.3f}"
+        none = f" ({e['tasks_without_steps']} task(s) without a verify step left out)" if "tasks_without_steps" in e else ""
+        print(f"{label}: mean tau {tau}{ci}{none}{extra}{eq}, --verify {mode}: "
               f"{runner.verified_per_step[label]} verified tokens per step")
         for r in rows:  # fast mode: where outputs part, and how close the target's top-2 were there
             for m in r["drafts"].get(label, {}).get("greedy_mismatches", []):

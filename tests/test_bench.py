@@ -115,7 +115,7 @@ def test_reference_backend_threads_verify_width_and_plot_path(stories_dir, stori
 
     res = _bench(stories_dir, stories_draft, tmp_path, "--no-ar", "--threads", str(keep_threads))
     assert res["args"]["threads"] == keep_threads == torch.get_num_threads()
-    assert res["args"]["block_size"] == 3 and res["tasks"][0]["drafts"]["D"]["verified_tokens_per_step"] == 3
+    assert res["args"]["block_size"] == 4 and res["tasks"][0]["drafts"]["D"]["verified_tokens_per_step"] == 4
     assert res["args"]["plot"] == str(tmp_path / "bench.png") and (tmp_path / "bench.png").stat().st_size > 1000
     assert "--threads" in build_parser().format_help()
 
@@ -123,7 +123,7 @@ def test_reference_backend_threads_verify_width_and_plot_path(stories_dir, stori
 def test_reference_verify_size_is_one_rule():
     from dspine.reference import CPU_VERIFY_WIDTH, reference_verify_size
 
-    assert reference_verify_size(None, "chain", [16]) == CPU_VERIFY_WIDTH == 3
+    assert reference_verify_size(None, "chain", [16]) == CPU_VERIFY_WIDTH == 4
     assert reference_verify_size(None, "chain", [16, 2]) == 2  # the smallest draft block caps it
     assert reference_verify_size(5, "chain", [16]) == 5  # given: kept
     assert reference_verify_size(None, "tree", [16]) is None  # a tree's size is its budget
@@ -330,3 +330,31 @@ def test_config_label_with_colon_and_block_size_for_chain_labels(stories_dir, dr
     assert (d["a:b"]["verify"], d["a:b"]["verified_tokens_per_step"]) == ("chain", 4)
     assert (d["t"]["verify"], d["t"]["verified_tokens_per_step"]) == ("tree", 6)
     assert len(d["a:b"]["accept_hist"]) == 4  # accept lengths 0..3 of a 4-wide chain
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_a_run_without_verify_steps_is_summarized_and_written(stories_dir, draft_dir, tmp_path, capsys, backend):
+    """--max-new-tokens 1: every output ends at its prefill token, so no draft makes a verify step. The run
+    used to die in summarize (None τ summed) and lose its JSON; now τ is n/a, the JSON is written, and a
+    task without steps is left out of a mean that other tasks have."""
+    out = tmp_path / "none.json"
+    argv = ["--target", str(stories_dir), "--draft", f"chain={draft_dir}", "--datasets", "gsm8k",
+            "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2", "--max-new-tokens", "1",
+            "--no-chat-template", "--backend", backend, "--output-json", str(out)]
+    if backend == "cuda":
+        argv += ["--device", "cpu", "--dtype", "fp32", "--draft", f"tree={draft_dir}", "--config", "tree:verify=tree,tree_budget=8"]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    for label, e in res["summary"].items():
+        assert e["mean_tau"] is None and e["pooled_tau"] is None and e["tasks_without_steps"] == 1, label
+        assert "mean_tau_ci95" not in e
+        assert res["tasks"][0]["drafts"][label]["verify_steps"] == 0
+    assert "mean tau n/a (no verify step)" in capsys.readouterr().out
+    # one task with steps and one without: the mean is the stepped task's τ
+    rows = [{"task": "a", "drafts": {"D": {"tau": 3.0, "accept_hist": [0, 0, 1], "per_prompt_committed": [3],
+                                           "per_prompt_steps": [1]}}},
+            {"task": "b", "drafts": {"D": {"tau": None, "accept_hist": [0, 0, 0], "per_prompt_committed": [0],
+                                           "per_prompt_steps": [0]}}}]
+    s = bench.summarize(rows)["D"]
+    assert s["mean_tau"] == 3.0 and s["pooled_tau"] == 3.0 and s["tasks_without_steps"] == 1
+    assert s["mean_tau_ci95"] == [3.0, 3.0]

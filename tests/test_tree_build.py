@@ -117,6 +117,9 @@ def test_bad_inputs_raise():
         for kwargs, msg in [
             (dict(budget=1), r"budget=1 must be in \[2, 64\]"),
             (dict(budget=65), r"budget=65"),
+            (dict(budget=4.0), r"budget must be a Python int, got float 4\.0"),
+            (dict(budget=torch.tensor(4)), r"budget must be a Python int, got Tensor"),
+            (dict(budget=True), r"budget must be a Python int, got bool"),
             (dict(q=q.bfloat16()), "fp32"),
             (dict(q=q[:, :0]), "1 <= K"),
             (dict(anchor=a.int()), "anchor must be int64"),

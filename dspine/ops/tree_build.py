@@ -226,6 +226,8 @@ def _check(anchor, q, budget, chain_tokens):
     if q.dim() != 3 or q.dtype != torch.float32:
         raise ValueError(f"q must be [B, K, V] fp32, got {q.dtype} {tuple(q.shape)}")
     B, K, V = q.shape
+    if not isinstance(budget, int) or isinstance(budget, bool):  # a shape, fixed per CUDA graph: never a tensor
+        raise ValueError(f"tree budget must be a Python int, got {type(budget).__name__} {budget!r}")
     if not 2 <= budget <= MAX_NODES:
         raise ValueError(f"tree budget={budget} must be in [2, {MAX_NODES}] (root + nodes, one bit each)")
     if not 1 <= K <= MAX_DEPTH or V < 1:
@@ -270,8 +272,10 @@ def build_tree_fused(anchor, q, budget, chain_tokens=None, impl: str = "triton")
     """Best-first token tree of ``budget`` nodes per row with its ancestor mask and bits (module docstring).
 
     Args: anchor ``[B]`` int64 root tokens; q ``[B, K, V]`` fp32 draft distributions of depths 1..K;
-    budget N (2..64, root included); chain_tokens ``[B, K]`` int64 (default ``q.argmax(-1)``).
-    Returns ``dspine.tree.Tree`` with ``bits`` set. Raises ValueError on shapes, dtypes or N, K out of range.
+    budget N (a Python int, 2..64, root included); chain_tokens ``[B, K]`` int64 with values in [0, V)
+    (default ``q.argmax(-1)``; not checked: that would sync the host inside the engine's CUDA graph).
+    Returns ``dspine.tree.Tree`` with ``bits`` set. Raises ValueError on shapes, dtypes, a non-int budget or
+    N, K out of range.
     """
     check_impl(impl)
     fn = build_tree_triton if impl == "triton" else build_tree_torch
