@@ -6,8 +6,9 @@
 What the tree engine's step ran after the target's forward before it called these ops
 (``infer/engine.py::Engine._tree_step``): at T > 0 ``dspine.tree.verify_tree`` (a Python loop over the N
 nodes, ~15 kernels per node over [B, V]) then ``path_nodes``; at T = 0 ``verify_tree`` with the [B, N, N]
-ancestor mask then ``path_nodes`` (the torch side here). The Triton side, which the engine now runs, is ``verify_tree_sample`` (3 launches) or ``verify_tree_greedy`` on the packed ancestor bits
-(1 launch), both writing the path. Shapes: B 1 and 8, N 16, 32, 64, K 15, V 49,152 (SmolLM2); trees from
+ancestor mask then ``path_nodes`` (the torch side here). The Triton side, which the engine now runs, is
+``verify_tree_sample`` (3 launches) or ``verify_tree_greedy`` on the packed ancestor bits (1 launch), both
+writing the path. Shapes: B 1 and 8, N 16, 32, 64, K 15, V 49,152 (SmolLM2); trees from
 ``build_tree`` over random drafts, targets that follow the draft to a per-row degree (paths of every
 depth). Times: medians in µs of ``triton.testing.do_bench`` (eager: includes the Python launch overhead)
 and ``do_bench_cudagraph`` (replayed as the engine's captured step); on the CPU (``--tiny``) the host

@@ -27,8 +27,9 @@ p_target ``[B, N, V]`` fp32, q ``[B, K, V]`` fp32, u ``[B, N]`` fp32 in [0, 1), 
 (``dspine.tree.ancestor_bits``). Unit stride over V. Triton: N <= 64.
 Preconditions of the Triton sampling path (``build_tree``'s trees meet them; the torch path takes any
 tree): at most one chain child per node among the children after it; tokens in 0..V-1 and depths in 0..K
-(the Triton path clamps values out of range where the torch path raises; neither is checked on the device). Nodes whose parent is not before
-them are never tested (as in the walk); duplicate sibling tokens are handled.
+(the Triton path clamps values out of range where the torch path raises; neither is checked on the
+device). Nodes whose parent is not before them are never tested (as in the walk); duplicate sibling tokens
+are handled.
 
 Why: ``dspine.tree.verify_tree`` walks the nodes in Python, ~15 kernels over [B, V] per node, then
 ``path_nodes``: ~500 launches per step at N = 64. Here: 3 launches (sampling) or 1 (greedy), whatever N
