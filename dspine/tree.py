@@ -58,6 +58,7 @@ __all__ = [
     "ancestor_bits",
     "path_nodes",
     "node_uniforms",
+    "top_others",
 ]
 
 
@@ -82,8 +83,10 @@ def tree_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The W = min(budget - 1, V) candidates of every depth, shared by :func:`build_tree` and the fused
     builder (``dspine.ops.tree_build``): (cand ``[B, K, W]`` int64: the chain token, then the W - 1 most
-    probable others; logq ``[B, K, W]``: log q of each, -inf where q = 0). Arguments as :func:`build_tree`;
-    raises ValueError on a budget < 2 or mismatched shapes."""
+    probable others; logq ``[B, K, W]``: log q of each, -inf where q = 0). Others are ordered by q
+    descending, equal q by lower token id (so the candidates do not depend on the top-k algorithm:
+    ``dspine.ops.tree_candidates`` selects the same ones). Arguments as :func:`build_tree`; raises
+    ValueError on a budget < 2 or mismatched shapes."""
     B, K, V = q.shape
     if budget < 2:
         raise ValueError(f"tree budget={budget} must be >= 2 (the anchor and at least one draft token)")
@@ -91,9 +94,20 @@ def tree_candidates(
         raise ValueError(f"anchor must be [{B}] and chain_tokens [{B}, {K}]")
     W = min(budget - 1, V)
     chain_tok = q.argmax(-1) if chain_tokens is None else chain_tokens
-    others = torch.topk(q.scatter(-1, chain_tok[..., None], -1.0), W - 1, dim=-1).indices
-    cand = torch.cat([chain_tok[..., None], others], dim=-1)
+    cand = torch.cat([chain_tok[..., None], top_others(q, chain_tok, W - 1)], dim=-1)
     return cand, q.gather(-1, cand).log()  # log 0 = -inf: never a real node
+
+
+def top_others(q: torch.Tensor, chain_tok: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` tokens of highest q ``[B, K, V]`` fp32 (>= 0) other than ``chain_tok [B, K]``, as
+    ``[B, K, n]`` int64: q descending, ties by lower token id. One int64 key per token (q's fp32 bits,
+    which order like q for q >= 0, above 31 bits of reversed token id), so every key is distinct and
+    torch's top-k returns one order whatever its algorithm. Requires n <= V - 1."""
+    V = q.shape[-1]
+    low = 0x7FFFFFFF - torch.arange(V, device=q.device, dtype=torch.int64)
+    key = (q.float().contiguous().view(torch.int32).to(torch.int64) << 32) | low
+    key = key.scatter(-1, chain_tok[..., None], torch.iinfo(torch.int64).min)
+    return 0x7FFFFFFF - (key.topk(n, dim=-1).values & 0x7FFFFFFF)
 
 
 def build_tree(

@@ -79,6 +79,8 @@ CASES = [
     ("sparse", 1, 15, 100, 16, (18,)),  # zeros among the candidates, no padding left
     ("sampled", 3, 15, 200, 33, (19,)),
     ("sampled", 1, 1, 10, 2, (21,)),
+    ("ties", 2, 3, 3000, 64, (22,)),  # candidates from 3 vocabulary chunks (dspine.ops.tree_build.candidates_triton)
+    ("sampled", 1, 2, 2500, 16, (23,)),
 ]
 
 
@@ -108,6 +110,31 @@ def test_ties_are_broken_like_torchs_stable_sort():
     got = build_tree_fused(anchor, q, 6)
     assert got.tokens.tolist() == [[7, 0, 1, 2, 0, 1]] and got.parent.tolist() == [[-1, 0, 0, 0, 1, 1]]
     assert_same(got, build_tree_fused(anchor, q, 6, impl="torch"))
+
+
+@CPU
+@pytest.mark.parametrize("V,W", [(10, 10), (10, 4), (1500, 33), (2100, 2), (5000, 64)])
+def test_candidates_match_a_sort_by_q_then_token_id(V, W):
+    """Both candidate paths (``dspine.tree.top_others`` in torch, the two Triton launches) pick the chain token
+    and then the W - 1 others by q descending, equal q by lower token id: checked against Python's sort of
+    (-q, token) on integer-weight q (many exact ties, zeros) with chain tokens that are not the argmax."""
+    from dspine.ops.tree_build import candidates_triton
+    from dspine.tree import tree_candidates
+
+    g = torch.Generator().manual_seed(V + W)
+    w = torch.randint(0, 3, (2, 3, V), generator=g).float()
+    w[..., -1] += 1
+    q = w / w.sum(-1, keepdim=True)
+    chain = torch.randint(0, V, (2, 3), generator=g)
+    for given in (chain, None):  # None: column 0 is the argmax (ties: the lower id, as torch.argmax)
+        cand, qv = candidates_triton(q, given, W)
+        ref, logq = tree_candidates(torch.zeros(2, dtype=torch.long), q, W + 1, given)
+        for b in range(2):
+            for k in range(3):
+                c = int(chain[b, k]) if given is not None else int(q[b, k].argmax())
+                others = sorted((t for t in range(V) if t != c), key=lambda t: (-float(q[b, k, t]), t))
+                assert cand[b, k].tolist() == ref[b, k].tolist() == [c] + others[: W - 1]
+        assert torch.equal(qv, q.gather(-1, cand)) and torch.equal(qv.log(), logq)
 
 
 def test_bad_inputs_raise():

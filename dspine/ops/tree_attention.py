@@ -122,7 +122,8 @@ def _check(q, k_cache, v_cache, tree_bits):
     return B, T, Hq, D, Hkv, S
 
 
-def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, out=None, num_splits=None):
+def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, out=None, num_splits=None,
+                          blocks=None):
     B, T, Hq, D, Hkv, S = _check(q, k_cache, v_cache, tree_bits)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or tree_bits.stride(-1) != 1:
         raise ValueError("q, k_cache, v_cache, tree_bits need a contiguous last dim")
@@ -130,7 +131,8 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, o
         raise ValueError(f"head_dim {D} > 256 is not supported")
     G = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
-    (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(q, Hkv, S, num_splits, out)
+    plan = _launch_plan(q, Hkv, S, num_splits, out, blocks=blocks)
+    (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = plan
     split = ns > 1
     _tree_attn_kernel[(B * Hkv * num_mb, ns)](
         q, k_cache, v_cache, cache_len, tree_bits, out, part_acc, part_m, part_l,
@@ -150,9 +152,10 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, o
     return out
 
 
-def tree_attention_torch(q, k_cache, v_cache, cache_len, tree_bits, scale, *, out=None, num_splits=None):
+def tree_attention_torch(q, k_cache, v_cache, cache_len, tree_bits, scale, *, out=None, num_splits=None,
+                         blocks=None):
     """Reference: masked softmax in fp32 over the whole cache (no host sync, graph-capturable)."""
-    del num_splits
+    del num_splits, blocks
     B, T, Hq, D, Hkv, S = _check(q, k_cache, v_cache, tree_bits)
     G = Hq // Hkv
     qr = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
@@ -176,15 +179,16 @@ def tree_attention_torch(q, k_cache, v_cache, cache_len, tree_bits, scale, *, ou
 
 
 def tree_attention(q, k_cache, v_cache, cache_len, tree_bits, scale, impl: str = "triton", *, out=None,
-                   num_splits=None):  # fmt: skip
+                   num_splits=None, blocks=None):  # fmt: skip
     """Tree attention of q [B, T, Hq, D] over k/v_cache [B, Hkv, S, D]: the prefix below cache_len[b]
     and the ancestors (``tree_bits [B, T]`` int64) of each node (module docstring).
 
     Returns out [B, T, Hq, D] in q's dtype (written into ``out`` if given). ``num_splits`` overrides
-    the split-K count (tests). Raises ValueError on inconsistent shapes, T > 64 or non-int64 bits.
+    the split-K count (tests); ``blocks`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) the tile rule (tuning).
+    Raises ValueError on inconsistent shapes, T > 64 or non-int64 bits.
     """
     check_impl(impl)
     fn = tree_attention_triton if impl == "triton" else tree_attention_torch
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return fn(q, k_cache, v_cache, cache_len, tree_bits, scale, out=out, num_splits=num_splits)
+    return fn(q, k_cache, v_cache, cache_len, tree_bits, scale, out=out, num_splits=num_splits, blocks=blocks)

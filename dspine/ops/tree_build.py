@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from dspine.tree import Tree, ancestor_bits, build_tree, tree_candidates
+from dspine.tree import Tree, ancestor_bits, build_tree
 
 from ._common import check_impl, next_pow2, tl, triton
 
@@ -222,6 +222,87 @@ def _build_tree_kernel(
              mask=(n < N)[:, None] & (n < N)[None, :])  # fmt: skip
 
 
+@triton.jit
+def _cand_chunk_kernel(
+    Q, Chain, Part, V, stride_q, CHUNK_ITEMS,
+    CHUNK: tl.constexpr, L: tl.constexpr, G: tl.constexpr, HAS_CHAIN: tl.constexpr,
+):  # fmt: skip
+    """Program (row r, chunk c): the 2^G best tokens of q[r, c·CHUNK : (c+1)·CHUNK] (other than Chain[r] if
+    HAS_CHAIN), as complemented keys ~((fp32 bits of q) << 32 | 0x7FFFFFFF - token): ascending (best first) in
+    even chunks, descending in odd ones, the block order ``_smallest(..., SORTED=True)`` merges."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(Q + r * stride_q + offs, mask=offs < V, other=0.0)
+    key = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - offs).to(tl.int64)
+    ok = offs < V
+    if HAS_CHAIN:
+        ok = ok & (offs != tl.load(Chain + r))
+    key = tl.where(ok, key, -0x7FFFFFFFFFFFFFFF - 1)  # int64 min: never picked
+    top = _smallest(~key, L, G, False)
+    top = tl.where(c % 2 == 1, _reversed(top, G), top)
+    tl.store(Part + (r * CHUNK_ITEMS + c) * (2**G) + tl.arange(0, 2**G), top)
+
+
+@triton.jit
+def _cand_merge_kernel(
+    Part, Q, Chain, Cand, Val, stride_q, W, ITEMS,
+    L: tl.constexpr, G: tl.constexpr, HAS_CHAIN: tl.constexpr,
+):  # fmt: skip
+    """Program r: the best of row r's chunk picks (ITEMS keys): W - 1 after the chain token in column 0
+    (HAS_CHAIN), else W (column 0 the argmax); Val = q of each (the key's high word: the same fp32 value)."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, 2**L)
+    k = tl.load(Part + r * ITEMS + i, mask=i < ITEMS, other=0x7FFFFFFFFFFFFFFF)
+    top = ~_smallest(k, L, G, True)  # best first
+    j = tl.arange(0, 2**G)
+    tok = (0x7FFFFFFF - (top & 0x7FFFFFFF)).to(tl.int64)
+    val = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    first = 1 if HAS_CHAIN else 0
+    ok = j < W - first
+    tl.store(Cand + r * W + first + j, tok, mask=ok)
+    tl.store(Val + r * W + first + j, val, mask=ok)
+    if HAS_CHAIN:
+        chain = tl.load(Chain + r)
+        tl.store(Cand + r * W, chain)
+        tl.store(Val + r * W, tl.load(Q + r * stride_q + chain))
+
+
+def candidates_triton(q: torch.Tensor, chain_tok: torch.Tensor | None, W: int, num_warps: int | None = None):
+    """``dspine.tree.tree_candidates``'s (cand, q of each) with ``top_others``'s order, in two launches: per
+    (row, chunk of the vocabulary) the best 2^G keys by a bitonic top-k (``_smallest``), then per row the
+    best of those. q ``[B, K, V]`` fp32 (>= 0, last dim contiguous), chain_tok ``[B, K]`` int64 or None (the
+    argmax: column 0 is then the best token, ties to the lower id as ``torch.argmax``), 1 <= W <= V.
+    Returns cand ``[B, K, W]`` int64 and q values ``[B, K, W]`` fp32. Memory traffic: q read once, plus
+    16·B·K·(V / chunk)·2^G bytes of chunk picks."""
+    B, K, V = q.shape
+    R = B * K
+    cand = torch.empty(B, K, W, dtype=torch.int64, device=q.device)
+    val = torch.empty(B, K, W, dtype=torch.float32, device=q.device)
+    if R == 0:
+        return cand, val
+    qr = q.reshape(R, V)
+    has_chain = chain_tok is not None
+    ch = chain_tok.reshape(R).contiguous() if has_chain else qr  # (unused without a chain)
+    n = W - 1 if has_chain else W  # picks besides the chain token
+    if n == 0:
+        cand[..., 0] = chain_tok
+        val[..., 0] = q.gather(-1, chain_tok[..., None])[..., 0]
+        return cand, val
+    bg = max(2, next_pow2(n))  # _smallest keeps 2^G >= 2
+    chunk = max(bg, min(next_pow2(V), max(1024, next_pow2(triton.cdiv(V, 64)))))
+    C = triton.cdiv(V, chunk)
+    part = torch.empty(R, C, bg, dtype=torch.int64, device=q.device)
+    lg, lc = bg.bit_length() - 1, chunk.bit_length() - 1
+    _cand_chunk_kernel[(R, C)](qr, ch, part, V, qr.stride(0), C, CHUNK=chunk, L=lc, G=lg, HAS_CHAIN=has_chain,
+                               num_warps=num_warps or (8 if chunk >= 4096 else 4))
+    items = C * bg
+    lm = max(next_pow2(items), bg).bit_length() - 1
+    _cand_merge_kernel[(R,)](part, qr, ch, cand, val, qr.stride(0), W, items, L=lm, G=lg, HAS_CHAIN=has_chain,
+                             num_warps=8 if items > 2048 else 4)
+    return cand, val
+
+
 def _check(anchor, q, budget, chain_tokens):
     if q.dim() != 3 or q.dtype != torch.float32:
         raise ValueError(f"q must be [B, K, V] fp32, got {q.dtype} {tuple(q.shape)}")
@@ -232,16 +313,21 @@ def _check(anchor, q, budget, chain_tokens):
         raise ValueError(f"tree budget={budget} must be in [2, {MAX_NODES}] (root + nodes, one bit each)")
     if not 1 <= K <= MAX_DEPTH or V < 1:
         raise ValueError(f"q of {K} depths and {V} tokens: need 1 <= K <= {MAX_DEPTH} and V >= 1")
+    if anchor.shape != (B,) or (chain_tokens is not None and chain_tokens.shape != (B, K)):
+        raise ValueError(f"anchor must be [{B}] and chain_tokens [{B}, {K}], got {tuple(anchor.shape)} and "
+                         f"{None if chain_tokens is None else tuple(chain_tokens.shape)}")
     for name, t in (("anchor", anchor), ("chain_tokens", chain_tokens)):
         if t is not None and (t.dtype != torch.int64 or t.device != q.device):
             raise ValueError(f"{name} must be int64 on {q.device}, got {t.dtype} on {t.device}")
     return B, K, V
 
 
-def build_tree_triton(anchor, q, budget, chain_tokens=None) -> Tree:
+def build_tree_triton(anchor, q, budget, chain_tokens=None, num_warps: int | None = None) -> Tree:
     B, K, _ = _check(anchor, q, budget, chain_tokens)
-    cand, logq = tree_candidates(anchor, q, budget, chain_tokens)  # [B, K, W] each
-    N, M, W = budget, budget - 1, cand.shape[-1]
+    N, M, W = budget, budget - 1, min(budget - 1, q.shape[-1])
+    # [B, K, W] each; without chain tokens column 0 is the argmax (the same token as tree_candidates' q.argmax)
+    cand, qv = candidates_triton(q if q.stride(-1) == 1 else q.contiguous(), chain_tokens, W)
+    logq = qv.log()  # torch's log, as in tree_candidates: both paths add the same fp32 numbers
     dev = q.device
     tokens, parent, depth, bits = (torch.empty(B, N, dtype=torch.int64, device=dev) for _ in range(4))
     chain = torch.empty(B, N, dtype=torch.bool, device=dev)
@@ -255,7 +341,9 @@ def build_tree_triton(anchor, q, budget, chain_tokens=None) -> Tree:
             BM=bm, BW=bw, BK=bk, BN=bn,
             LOG_M=bm.bit_length() - 1, LOG_W=bw.bit_length() - 1, LOG_K=bk.bit_length() - 1,
             ROUNDS=min(K, M).bit_length(),
-            num_warps=8 if max(bm * bw, bk * bm, bn * bn) >= 2048 else 4,  # sm_90, triton 3.9: no spills
+            # 8 warps from N = 32 (results/tune-tree-step-h200.json, 2026-12-02: N = 32, batch 1 96 µs against 114
+            # with 4; N = 16 equal), sm_90: no spills
+            num_warps=num_warps or (8 if max(bm * bw, bk * bm, bn * bn) >= 1024 else 4),
         )  # fmt: skip
     return Tree(tokens=tokens, parent=parent, depth=depth, chain=chain, anc=anc, bits=bits)
 

@@ -16,7 +16,7 @@ Positions past ``cache_len[b] + T`` are never read, so stale or poisoned cache r
 Kernel (flash-decoding): grid (B·Hkv·row_blocks, splits). The G·T query rows of one kv head are
 packed into the M dimension of tl.dot (row r = t·G + g), so each K/V tile is read once per kv
 head, not once per query head. The key range [0, S) is cut into ``splits`` equal chunks (chosen
-from shapes only: about one program per SM, ≥ 256 keys per chunk); a chunk beyond a
+from shapes only: about one program per SM, ≥ MIN_CHUNK keys per chunk); a chunk beyond a
 row's length does no work. Partials (m, l, acc) in fp32 are merged by ``attn_combine``; with one
 split the kernel writes ``out`` directly. No launcher reads a device tensor, so launches can be
 captured in a CUDA graph.
@@ -129,24 +129,32 @@ def _attn_blocks(D: int, dtype: torch.dtype, rows: int) -> tuple[int, int, int, 
 
     Measured on an H200 at Qwen3-8B shapes (benchmarks/kernels/tune_attention.py): BLOCK_N 64,
     4 warps, 3 stages and one program per SM beat 8 warps / 2 stages by up to 1.9× (T = 16).
+    BLOCK_M at most 64 in bf16 (results/tune-tree-step-h200.json: 128 packed rows in one tile took
+    11.2 µs against 8.0 in two of 64 at SmolLM2's heads, T = 32; 13.3 against 9.4 at Qwen3-8B's).
     fp32 and D = 256 use smaller tiles and 2 stages to stay inside shared memory.
     """
     bd = block_d(D)
     if dtype == torch.float32:
         cap_m, bn, stages = (32, 32, 2) if bd >= 256 else (64, 32, 2)
     else:
-        cap_m, bn, stages = (64, 32, 2) if bd >= 256 else (128, 64, 3)
+        cap_m, bn, stages = (64, 32, 2) if bd >= 256 else (64, 64, 3)
     bm = min(cap_m, max(16, next_pow2(rows)))
     warps = 8 if bm * bd > 8192 else 4
     return bm, bn, bd, warps, stages
 
 
+MIN_CHUNK = 64  # keys per split at least (was 256 until results/tune-tree-step-h200.json, 2026-12-02: at batch 1
+# a 600-token context split into chunks of 64 took 4.98 µs against 6.73 in chunks of 256 at SmolLM2's heads, T = 16,
+# and 6.47 against 8.36 at Qwen3-8B's: few kv heads give few programs, and splits are the parallelism left)
+
+
 def _split_plan(base_programs: int, keys: int, block_n: int, device, num_splits: int | None):
-    """(splits, chunk): chunk is a multiple of block_n and splits·chunk ≥ keys."""
+    """(splits, chunk): chunk is a multiple of block_n and splits·chunk ≥ keys. Default: about one program
+    per SM (``base_programs`` = batch · kv heads · row tiles), at least ``MIN_CHUNK`` keys per split."""
     keys = max(keys, 1)
     if num_splits is None:
         target = num_sms(device)
-        max_splits = min(64, triton.cdiv(keys, max(256, block_n)))
+        max_splits = min(64, triton.cdiv(keys, max(MIN_CHUNK, block_n)))
         num_splits = max(1, min(max_splits, triton.cdiv(target, base_programs)))
     num_splits = max(1, min(int(num_splits), 64))
     chunk = triton.cdiv(triton.cdiv(keys, num_splits), block_n) * block_n
@@ -158,14 +166,21 @@ def _check_window(window):
         raise ValueError(f"window={window!r}: expected None or an int >= 1")
 
 
-def _launch_plan(q, Hkv: int, S: int, num_splits, out, exact: bool = False):
+def _launch_plan(q, Hkv: int, S: int, num_splits, out, exact: bool = False, blocks=None):
     """Block sizes, row-tile count, KV split plan and fp32 partial buffers of a verify-layout attention
     launch (q ``[B, T, Hq, D]``): shared by this op and ``dspine.ops.tree_attention``. The partials are
     ``out`` itself (unused) when the plan does not split. ``exact``: the fixed plan of exact mode
-    (module docstring; ``num_splits`` ignored), always with partials."""
+    (module docstring; ``num_splits`` ignored), always with partials. ``blocks`` = (BLOCK_M, BLOCK_N,
+    num_warps, num_stages) replaces the shape rule (benchmarks/kernels/tune_tree_step.py sweeps it)."""
     B, T, Hq, D = q.shape
     G = Hq // Hkv
-    blocks = _attn_blocks(D, q.dtype, EXACT_ROWS if exact else G * T)
+    if blocks is not None and not exact:
+        bm, bn, warps, stages = (int(x) for x in blocks)
+        if bm < 16 or bn < 16 or bm & (bm - 1) or bn & (bn - 1):
+            raise ValueError(f"blocks={blocks}: BLOCK_M and BLOCK_N must be powers of two >= 16")
+        blocks = (bm, bn, block_d(D), warps, stages)
+    else:
+        blocks = _attn_blocks(D, q.dtype, EXACT_ROWS if exact else G * T)
     num_mb = triton.cdiv(G * T, blocks[0])
     if exact:
         ns, chunk = triton.cdiv(max(S, 1), EXACT_CHUNK), EXACT_CHUNK
@@ -181,7 +196,7 @@ def _launch_plan(q, Hkv: int, S: int, num_splits, out, exact: bool = False):
 
 
 def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None,
-                            exact=False):
+                            exact=False, blocks=None):
     _check_window(window)
     B, T, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
@@ -194,7 +209,7 @@ def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, 
     G = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
     (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(
-        q, Hkv, S, num_splits, out, exact)
+        q, Hkv, S, num_splits, out, exact, blocks)
     split = ns > 1 or exact
     _verify_attn_kernel[(B * Hkv * num_mb, ns)](
         q, k_cache, v_cache, cache_len, out, part_acc, part_m, part_l,
@@ -214,11 +229,11 @@ def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, 
 
 
 def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None,
-                           exact=False):
+                           exact=False, blocks=None):
     """Reference: masked softmax in fp32 over the whole cache (no host sync, graph-capturable).
     ``exact``: every (batch row, query) computed alone, as a T = 1 query of a batch of 1 at position
     cache_len[b] + t, so every call has the same shapes whatever B and T are."""
-    del num_splits
+    del num_splits, blocks
     _check_window(window)
     B, T, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
@@ -256,7 +271,7 @@ def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, n
 
 
 def verify_attention(q, k_cache, v_cache, cache_len, scale, impl: str = "triton", *, out=None,
-                     num_splits=None, window: int | None = None, exact: bool = False):
+                     num_splits=None, window: int | None = None, exact: bool = False, blocks=None):
     """Causal attention of q [B, T, Hq, D] over k/v_cache [B, Hkv, S, D] up to cache_len[b] + t.
 
     Returns out [B, T, Hq, D] in q's dtype (written into ``out`` if given). ``num_splits``
@@ -264,10 +279,12 @@ def verify_attention(q, k_cache, v_cache, cache_len, scale, impl: str = "triton"
     None = full causal): a query at position p sees keys p − window + 1 .. p only. Raises
     ValueError on inconsistent shapes or a window that is not an int >= 1. ``exact``: each query's
     result bitwise independent of B, T and S (module docstring; ``num_splits`` is then ignored).
-    See the module docstring for layouts and numerics.
+    ``blocks`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile rule (tuning; ignored in
+    exact mode and by the torch path). See the module docstring for layouts and numerics.
     """
     check_impl(impl)
     fn = verify_attention_triton if impl == "triton" else verify_attention_torch
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return fn(q, k_cache, v_cache, cache_len, scale, out=out, num_splits=num_splits, window=window, exact=exact)
+    return fn(q, k_cache, v_cache, cache_len, scale, out=out, num_splits=num_splits, window=window, exact=exact,
+              blocks=blocks)
