@@ -191,3 +191,19 @@ def test_triton_equals_torch_cuda():
         q.copy_(draft("ties" if seed == 7 else "random", 8, 15, 49152, seed, "cuda")[0])
         graph.replay()
         assert_same(got, build_tree_fused(anchor, q, 32, impl="torch"))
+
+
+@CPU
+def test_tune_tree_step_tiny(tmp_path):
+    """The sweep script's smoke run (interpreter): every variant it times returns the default's result."""
+    from benchmarks.kernels import tune_tree_step
+
+    out = tmp_path / "tune.json"
+    assert tune_tree_step.main(["--tiny", "--parts", "candidates,build,attention", "--output", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["commit"] and [r["ok"] for r in res["candidates"]] == [True]
+    assert [(r["B"], r["N"]) for r in res["build"]] == [(1, 5), (1, 9), (8, 5), (8, 9)]
+    assert all(r["ok"] and r["us"] > 0 for r in res["build"])
+    att = res["attention"]
+    assert len(att) == 6 and all(r["ok"] for r in att)  # 3 ops x (default split, 16-key chunks)
+    assert {r["chunk"] for r in att} == {None, 16}

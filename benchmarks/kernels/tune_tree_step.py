@@ -67,6 +67,17 @@ def tree_bits_for(B, T, dev, g):
     return ancestor_bits(tree.anc).to(dev)
 
 
+def attention_call(op, q, k, v, clen, bits):
+    """call(blocks=None, splits=None) -> the op's output with that launch plan."""
+
+    def call(blocks=None, splits=None):
+        if op == "tree":
+            return tree_attention(q, k, v, clen, bits, None, "triton", num_splits=splits, blocks=blocks)
+        return verify_attention(q, k, v, clen, None, "triton", num_splits=splits, blocks=blocks)
+
+    return call
+
+
 def attention(args, cuda, dev, t) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -84,13 +95,7 @@ def attention(args, cuda, dev, t) -> list[dict]:
         v = torch.randn(B, Hkv, S, D, generator=g).to(dev, dtype)
         clen = torch.full((B,), ctx, dtype=torch.int32, device=dev)
         bits = tree_bits_for(B, T, dev, g)
-        impl = "triton"
-
-        def call(blocks=None, splits=None):
-            if op == "tree":
-                return tree_attention(q, k, v, clen, bits, None, impl, num_splits=splits, blocks=blocks)
-            return verify_attention(q, k, v, clen, None, impl, num_splits=splits, blocks=blocks)
-
+        call = attention_call(op, q, k, v, clen, bits)
         want = call()
         default = t(call)
         best = (default, "default")
@@ -99,7 +104,7 @@ def attention(args, cuda, dev, t) -> list[dict]:
             if bm > max(32, 1 << (rows_g - 1).bit_length()) or (warps == 8 and bm < 64):
                 continue
             splits = None if chunk is None else -(-S // chunk)
-            fn = lambda blocks=(bm, bn, warps, stages), splits=splits: call(blocks, splits)  # noqa: E731
+            fn = lambda blocks=(bm, bn, warps, stages), splits=splits, call=call: call(blocks, splits)  # noqa: E731
             try:
                 got = fn()
                 ok = torch.allclose(got.float(), want.float(), atol=2e-2 if cuda else 1e-4, rtol=0)
@@ -131,7 +136,7 @@ def build(args, cuda, dev, t) -> list[dict]:
             case.append({"B": B, "N": N, "warps": w, "us": t(lambda q=q, a=a, N=N, w=w: build_tree_triton(
                 a, q, N, num_warps=w)), "ok": ok})
         rows += case
-        print("build B%d N%d: " % (B, N) + ", ".join(f"w{r['warps']} {r['us']:.1f}" for r in case), flush=True)
+        print(f"build B{B} N{N}: " + ", ".join(f"w{r['warps']} {r['us']:.1f}" for r in case), flush=True)
     return rows
 
 
@@ -148,8 +153,8 @@ def candidates(args, cuda, dev, t) -> list[dict]:
         ref = tree_candidates(a, q, N, chain)
         cand, qv = candidates_triton(q, chain, W)
         ok = torch.equal(cand, ref[0]) and torch.equal(qv.log(), ref[1])
-        torch_us = t(lambda: tree_candidates(a, q, N, chain))
-        fused_us = t(lambda: candidates_triton(q, chain, W)[1].log())
+        torch_us = t(lambda a=a, q=q, N=N, chain=chain: tree_candidates(a, q, N, chain))
+        fused_us = t(lambda q=q, chain=chain, W=W: candidates_triton(q, chain, W)[1].log())
         rows.append({"B": B, "V": V, "N": N, "torch_us": torch_us, "fused_us": fused_us, "ok": ok})
         print(f"candidates B{B} V{V} N{N}: torch {torch_us:.1f} us, fused {fused_us:.1f} us, equal {ok}", flush=True)
     return rows
