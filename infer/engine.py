@@ -415,7 +415,7 @@ class Engine:
             p_conf = q if params.greedy else self._conf_probs(d_logits, q, params)
             s.conf.copy_(chain_confidence(p_conf.gather(-1, chain[..., None])[:, : s.verify_size - 1, 0]))
         # one Triton program per row builds the tree, its ancestor mask and bits (dspine.ops.tree_build), after
-        # torch's per-depth candidate selection; bits [B, N] int64: the tree attention's mask and the verify's ancestors
+        # the per-depth candidates (two more launches); bits [B, N] int64: the tree attention's mask and the verify's ancestors
         tree = build_tree_fused(s.anchor, q, N, chain_tokens=chain, impl=self.impl)
         bits = tree.bits
         positions = s.lengths[:, None].long() + tree.depth

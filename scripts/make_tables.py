@@ -426,11 +426,28 @@ def engine_section() -> list[str]:
 def tree_extra_rows(v: dict) -> list[str]:
     """The same chain-vs-tree comparison at T = 1, the run before the fused tree kernels, and those kernels' times."""
     out = []
-    b = v.get("smollm2_before")
-    if b:
-        out += [f"Before the fused tree kernels (commit `{b['provenance']['commit'][:10]}`, the draft shipped then, "
-                f"{b['num_prompts']} prompts per task): τ {b['chain_mean_tau']:.2f} → {b['tree_mean_tau']:.2f}, tree tok/s "
-                f"{b['tree_speedup_over_chain']:.2f}× the chain's.", ""]
+    before = v.get("smollm2_before")
+    for b in before if isinstance(before, list) else [before] if before else []:
+        out += [f"{b.get('label', 'Before the fused tree kernels')} (commit `{b['provenance']['commit'][:10]}`, "
+                f"{b['num_prompts']} prompts per task): τ {b['chain_mean_tau']:.2f} → {b['tree_mean_tau']:.2f} "
+                f"({b['tree_tau_over_chain_tau']:.2f}×), tree tok/s {b['tree_speedup_over_chain']:.2f}× the chain's.", ""]
+    t = load(v["tune_file"].removeprefix("results/")) if v.get("tune_file") else None
+    if t:
+        cand = {(r["B"], r["V"], r["N"]): r for r in t["candidates"]}
+        build = {(r["B"], r["N"], r["warps"]): r["us"] for r in t["build"]}
+        att = [r for r in t["attention"] if r.get("ok") and r["shape"] == "smollm2" and r["B"] == 1]
+        pick = lambda op, T, chunk: min(r["us"] for r in att if (r["op"], r["T"], r["chunk"], r["bm"], r["bn"], r["warps"],
+                                                                  r["stages"]) == (op, T, chunk, 64, 64, 4, 3))
+        dflt = {(r["op"], r["T"]): r["default_us"] for r in att}
+        c32 = cand[(1, 49152, 32)]
+        out += [f"What made the tree step faster at 1b55f86 ([`{v['tune_file']}`]({v['tune_file']}), "
+                f"`python benchmarks/kernels/tune_tree_step.py`, CUDA-graph µs at batch 1): the per-depth candidates in two "
+                f"Triton launches ({c32['fused_us']:.0f} µs against {c32['torch_us']:.0f} for torch's scatter and top-k at "
+                f"32 nodes, V 49,152; same candidates, ties to the lower token id); attention split into chunks of 64 keys "
+                f"and row tiles of at most 64 (SmolLM2 heads, 600-token context: tree of 32 {dflt[('tree', 32)]:.1f} → "
+                f"{pick('tree', 32, 64):.1f} µs a layer, chain verify {dflt[('verify', 16)]:.1f} → {pick('verify', 16, 64):.1f}); "
+                f"the tree build with 8 warps from 32 nodes ({build[(1, 32, 4)]:.0f} → {build[(1, 32, 8)]:.0f} µs, "
+                f"candidates included).", ""]
     t1 = v.get("smollm2_T1")
     if t1:
         s = t1["summary"]
@@ -444,7 +461,8 @@ def tree_extra_rows(v: dict) -> list[str]:
     if k:
         b1 = {r["N"]: r for r in k["build"]["rows"] if r["B"] == 1}
         vs = {(r["N"], r["op"]): r for r in k["verify"]["rows"] if r["B"] == 1}
-        out += ["Tree kernels at batch 1, SmolLM2 vocabulary, inside CUDA graphs (`benchmarks/kernels/bench_tree_build.py`, "
+        out += [f"Tree kernels at batch 1 (commit `{k['build']['commit'][:10]}`, "
+                "before the fused candidates above), SmolLM2 vocabulary, inside CUDA graphs (`benchmarks/kernels/bench_tree_build.py`, "
                 "`bench_tree_verify.py`; results bitwise equal to the torch references):", "",
                 "| nodes | build: torch | build: top-k candidates + fused kernel | of which the kernel | verify T>0: torch | verify T>0: Triton |",
                 "|---|---|---|---|---|---|"]
@@ -478,19 +496,28 @@ def verify_section() -> list[str]:
         r = sc[b]
         out.append(f"| {b[5:]} | {r['chain16_step_ms']:.2f} ms | " + " | ".join(
             f"{r[f'tree{n}_step_over_chain16']:.2f}" for n in (16, 32, 64)) + " |")
-    out += ["", f"Planner (`--budget auto`; {v['date'][:10]}, commit `{v['commit'][:10]}`) against AR, the fixed chain and the fixed tree (mean tok/s over the 5 tasks; "
-            "T = 1: top_p 0.95, top_k 20):", "",
+    out += ["", "Planner (`--budget auto`) against AR, the fixed chain and the fixed tree, the latest run of each point (mean "
+            "tok/s over the 5 tasks; T = 1: top_p 0.95, top_k 20; commit and command of each point in the JSON):", "",
             "| concurrency | T | AR | chain 16 | tree 32 | planner | planner ÷ best fixed (goal ≥ 0.98) |",
             "|---|---|---|---|---|---|---|"]
+    out[-1] = "|---|---|---|---|---|---|---|---|---|"
+    out[-2] = out[-2] + " planner's steps | commit |"
     for p in v["planner"]:
+        steps: dict = {}
+        for task in p.get("planner_choices_per_task", []):
+            for mode, e in task.items():
+                steps[mode] = steps.get(mode, 0) + e["steps"]
+        total = sum(steps.values()) or 1
+        share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
         out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
-                   f"{p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | {p['planner_over_best_static']:.2f} — "
-                   f"{ok(p['planner_over_best_static'] >= 0.98)} |")
+                   f"{p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | {p['planner_over_best_static']:.3f} — "
+                   f"{ok(p['planner_over_best_static'] >= 0.98)} | {share} | `{p['provenance']['commit'][:7]}` |")
     out += ["", v.get("note", ""), "", "Commands: " + "; ".join(f"`{c}`" for c in v["commands"]), ""]
     r = load("verify-planner-h200.json")
     if r:
         sm = r["smollm2"]
-        out += [f"Re-measured with the rewritten planner and the shipped draft: {r['gpu']}, {r['date'][:10]}, commit "
+        out += [f"The previous run of all eight points (the rewritten planner, the shipped draft, before the tree-step "
+                f"speed-ups of 1b55f86): {r['gpu']}, {r['date'][:10]}, commit "
                 f"`{r['commit'][:10]}`, [`results/verify-planner-h200.json`](results/verify-planner-h200.json) "
                 f"({r.get('commit_note', 'no note')}). Planner points: {r['planner_commands'].get('note', '')}; "
                 f"chain against tree: {sm['num_prompts']} prompts per task, {sm['max_new_tokens']} new tokens, tree "

@@ -1,11 +1,13 @@
-"""Best-first token tree, ancestor mask and ancestor bits in one launch (``dspine.tree``).
+"""Best-first token tree, ancestor mask and ancestor bits in three launches (``dspine.tree``).
 
 Op: ``dspine.tree.build_tree`` bit for bit (best first under a node budget N, chain first, breadth-first
 layout, padding: that module's docstring), plus ``anc = ancestor_mask(parent)`` and
 ``bits = ancestor_bits(anc)``. The per-depth candidates (``dspine.tree.tree_candidates``: the chain
-token, the W - 1 most probable others and their log q) stay in torch, a few kernels over q; the log is
-torch's, so both paths add the same fp32 numbers. The rest (in torch a K-long loop of sort, gather and
-cat kernels, then ceil(log2 N) batched matmuls) is one Triton program per row:
+token, the W - 1 most probable others by q, equal q by lower token id) are two launches
+(:func:`candidates_triton`): per (row, vocabulary chunk of 1,024+ tokens) the best 2^G keys by a bitonic
+top-k, then per row the best of those; their log is torch's, so both paths add the same fp32 numbers. The
+rest (in torch a K-long loop of sort, gather and cat kernels, then ceil(log2 N) batched matmuls) is one
+Triton program per row:
 
   * the beam of depth d is the chain node (slot 0, score kept apart) and slots 1..M-1 (M = N - 1), best
     first. Depth d + 1 keeps the chain child (key +inf: always slot 0) and the best M - 1 of the other
@@ -29,8 +31,8 @@ Layouts: anchor [B] int64; q [B, K, V] fp32 (rows sum to 1); chain_tokens [B, K]
 argmax). Returns ``dspine.tree.Tree``: tokens, parent, depth [B, N] int64, chain [B, N] bool,
 anc [B, N, N] bool, bits [B, N] int64. Constraints: 2 <= N <= 64 (one bit per node), 1 <= K <= 64.
 No host sync and fixed shapes: CUDA-graph capturable. Kernel memory traffic per row: 8·K·W bytes of
-log q read, at most 8·N of token gathers, 33·N + N² bytes written; torch's candidate selection reads q
-about three times and writes one copy of it (the chain token masked out before top-k).
+log q read, at most 8·N of token gathers, 33·N + N² bytes written; the candidates read q once and write
+16·(V / chunk)·2^G bytes of chunk picks per (row, depth).
 Exactness: ``build_tree_triton`` and ``build_tree_torch`` return identical tensors.
 """
 
