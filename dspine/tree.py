@@ -85,7 +85,7 @@ def tree_candidates(
     builder (``dspine.ops.tree_build``): (cand ``[B, K, W]`` int64: the chain token, then the W - 1 most
     probable others; logq ``[B, K, W]``: log q of each, -inf where q = 0). Others are ordered by q
     descending, equal q by lower token id (so the candidates do not depend on the top-k algorithm:
-    ``dspine.ops.tree_candidates`` selects the same ones). Arguments as :func:`build_tree`; raises
+    ``dspine.ops.tree_build.candidates_triton`` selects the same ones). Arguments as :func:`build_tree`; raises
     ValueError on a budget < 2 or mismatched shapes."""
     B, K, V = q.shape
     if budget < 2:
@@ -100,12 +100,12 @@ def tree_candidates(
 
 def top_others(q: torch.Tensor, chain_tok: torch.Tensor, n: int) -> torch.Tensor:
     """The ``n`` tokens of highest q ``[B, K, V]`` fp32 (>= 0) other than ``chain_tok [B, K]``, as
-    ``[B, K, n]`` int64: q descending, ties by lower token id. One int64 key per token (q's fp32 bits,
+    ``[B, K, n]`` int64: q descending, ties by lower token id (-0.0 counts as 0). One int64 key per token (q's fp32 bits,
     which order like q for q >= 0, above 31 bits of reversed token id), so every key is distinct and
     torch's top-k returns one order whatever its algorithm. Requires n <= V - 1."""
     V = q.shape[-1]
     low = 0x7FFFFFFF - torch.arange(V, device=q.device, dtype=torch.int64)
-    key = (q.float().contiguous().view(torch.int32).to(torch.int64) << 32) | low
+    key = ((q.float() + 0.0).contiguous().view(torch.int32).to(torch.int64) << 32) | low  # -0.0 + 0.0 = +0.0
     key = key.scatter(-1, chain_tok[..., None], torch.iinfo(torch.int64).min)
     return 0x7FFFFFFF - (key.topk(n, dim=-1).values & 0x7FFFFFFF)
 

@@ -404,9 +404,9 @@ class Engine:
         d_logits = self.draft_logits(s.draft_block, draft_cache)
         s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
         out_pos = s.out_len.long()
-        if params.greedy:  # chain = the argmax; build_tree_fused finds it with the candidates unless the planner needs it
-            q = torch.softmax(d_logits.float(), -1)
-            chain = d_logits.argmax(-1) if self.budget == "auto" else None
+        if params.greedy:  # chain = q's argmax (ties: the lower id); build_tree_fused finds it with the candidates
+            q = torch.softmax(d_logits.float(), -1)  # unless the planner needs it first (the same token either way)
+            chain = q.argmax(-1) if self.budget == "auto" else None
         else:
             q, d_ids = draft_distribution(d_logits, params)
             chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device), d_ids,

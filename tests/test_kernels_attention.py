@@ -241,3 +241,24 @@ def test_attention_cuda_graph_replay():
     torch.cuda.synchronize()
     torch.testing.assert_close(out_v, verify_attention(q, k, v, cache_len, 0.1, impl="torch"), atol=2e-2, rtol=0)
     torch.testing.assert_close(out_d, run_draft(args, None, False, 0.1, impl="torch"), atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(not env.TRITON_CPU, reason=str(env.TRITON_CPU_SKIP))
+def test_blocks_override_equals_default_and_is_checked():
+    """blocks=(BLOCK_M, BLOCK_N, num_warps, num_stages) (tune_tree_step.py's sweep) gives the default plan's result
+    within fp32 rounding; a malformed plan raises a ValueError that names it."""
+    from dspine.ops.tree_attention import tree_attention
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 5, 4, 16, generator=g)
+    k, v = torch.randn(2, 2, 40, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g)
+    clen = torch.tensor([3, 30], dtype=torch.int32)
+    bits = torch.tensor([[1, 3, 5, 11, 19]] * 2, dtype=torch.int64)
+    want = verify_attention(q, k, v, clen, None, "torch")
+    got = verify_attention(q, k, v, clen, None, "triton", blocks=(16, 16, 2, 2), num_splits=3)
+    assert torch.allclose(got, want, atol=2e-5)
+    want = tree_attention(q, k, v, clen, bits, None, "torch")
+    assert torch.allclose(tree_attention(q, k, v, clen, bits, None, "triton", blocks=(32, 16, 4, 1)), want, atol=2e-5)
+    for bad in [(8, 16, 4, 2), (16, 16, 3, 2), (16, 16, 4, 0), (16, 16, 4), (16.5, 16, 4, 2), "x"]:
+        with pytest.raises(ValueError, match="blocks="):
+            verify_attention(q, k, v, clen, None, "triton", blocks=bad)

@@ -202,8 +202,36 @@ def test_tune_tree_step_tiny(tmp_path):
     assert tune_tree_step.main(["--tiny", "--parts", "candidates,build,attention", "--output", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["commit"] and [r["ok"] for r in res["candidates"]] == [True]
-    assert [(r["B"], r["N"]) for r in res["build"]] == [(1, 5), (1, 9), (8, 5), (8, 9)]
+    assert [(r["B"], r["N"]) for r in res["build"]] == [(1, 5), (1, 9)]
     assert all(r["ok"] and r["us"] > 0 for r in res["build"])
     att = res["attention"]
     assert len(att) == 6 and all(r["ok"] for r in att)  # 3 ops x (default split, 16-key chunks)
     assert {r["chunk"] for r in att} == {None, 16}
+
+
+@CPU
+def test_candidates_input_checks_strides_and_negative_zero():
+    """candidates_triton refuses bad W / dtype / chain shapes by name, reads a strided q correctly and ranks -0.0
+    as 0 (both paths)."""
+    from dspine.ops.tree_build import candidates_triton
+    from dspine.tree import tree_candidates
+
+    g = torch.Generator().manual_seed(3)
+    big = torch.randint(0, 3, (2, 3, 300), generator=g).float()
+    big = big / big.sum(-1, keepdim=True)
+    q = big[..., ::2]  # last-dim stride 2
+    cand, qv = candidates_triton(q, None, 9)
+    ref, _ = tree_candidates(torch.zeros(2, dtype=torch.long), q.contiguous(), 10)
+    assert torch.equal(cand, ref) and torch.equal(qv, q.gather(-1, cand))
+    z = torch.zeros(1, 1, 20)
+    z[..., 15:] = 0.2
+    z[..., :10] = -0.0
+    cand, _ = candidates_triton(z, None, 12)
+    ref, _ = tree_candidates(torch.zeros(1, dtype=torch.long), z, 13)
+    assert cand[0, 0].tolist() == ref[0, 0].tolist() == [15, 16, 17, 18, 19, *range(7)]
+    p = torch.softmax(torch.randn(1, 2, 4), -1)
+    for args, msg in [((p, None, 5), r"W=5 .* \[1, V=4\]"), ((p, None, 0), "W=0"), ((p.bfloat16(), None, 2), "fp32"),
+                      ((p, torch.zeros(1, 3, dtype=torch.long), 2), r"chain_tok must be int64 \[1, 2\]"),
+                      ((p, torch.zeros(1, 2, dtype=torch.int32), 2), "int32")]:
+        with pytest.raises(ValueError, match=msg):
+            candidates_triton(*args)

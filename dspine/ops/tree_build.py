@@ -44,7 +44,7 @@ from dspine.tree import Tree, ancestor_bits, build_tree
 
 from ._common import check_impl, next_pow2, tl, triton
 
-__all__ = ["build_tree_fused", "build_tree_triton", "build_tree_torch"]
+__all__ = ["build_tree_fused", "build_tree_triton", "build_tree_torch", "candidates_triton"]
 
 MAX_NODES = 64  # one int64 bitmask per node
 MAX_DEPTH = 64  # the picks of all depths are held in registers ([BK, BM] int64)
@@ -235,7 +235,7 @@ def _cand_chunk_kernel(
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(Q + r * stride_q + offs, mask=offs < V, other=0.0)
+    x = tl.load(Q + r * stride_q + offs, mask=offs < V, other=0.0) + 0.0  # -0.0 + 0.0 = +0.0: one key for zero
     key = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - offs).to(tl.int64)
     ok = offs < V
     if HAS_CHAIN:
@@ -276,14 +276,23 @@ def candidates_triton(q: torch.Tensor, chain_tok: torch.Tensor | None, W: int, n
     best of those. q ``[B, K, V]`` fp32 (>= 0, last dim contiguous), chain_tok ``[B, K]`` int64 or None (the
     argmax: column 0 is then the best token, ties to the lower id as ``torch.argmax``), 1 <= W <= V.
     Returns cand ``[B, K, W]`` int64 and q values ``[B, K, W]`` fp32. Memory traffic: q read once, plus
-    16·B·K·(V / chunk)·2^G bytes of chunk picks."""
+    16·B·K·(V / chunk)·2^G bytes of chunk picks. Raises ValueError on a q that is not ``[B, K, V]`` fp32, chain
+    tokens of another shape or dtype, or W outside [1, V]. (-0.0 in q counts as +0.0.)"""
+    if q.dim() != 3 or q.dtype != torch.float32:
+        raise ValueError(f"q must be [B, K, V] fp32, got {q.dtype} {tuple(q.shape)}")
     B, K, V = q.shape
+    if isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= V:
+        raise ValueError(f"W={W!r} candidates per depth: need an int in [1, V={V}]")
+    if chain_tok is not None and (chain_tok.shape != (B, K) or chain_tok.dtype != torch.int64):
+        raise ValueError(f"chain_tok must be int64 [{B}, {K}], got {chain_tok.dtype} {tuple(chain_tok.shape)}")
     R = B * K
     cand = torch.empty(B, K, W, dtype=torch.int64, device=q.device)
     val = torch.empty(B, K, W, dtype=torch.float32, device=q.device)
     if R == 0:
         return cand, val
     qr = q.reshape(R, V)
+    if qr.stride(1) != 1:  # the kernels read a row as one contiguous run
+        qr = qr.contiguous()
     has_chain = chain_tok is not None
     ch = chain_tok.reshape(R).contiguous() if has_chain else qr  # (unused without a chain)
     n = W - 1 if has_chain else W  # picks besides the chain token

@@ -174,10 +174,15 @@ def _launch_plan(q, Hkv: int, S: int, num_splits, out, exact: bool = False, bloc
     num_warps, num_stages) replaces the shape rule (benchmarks/kernels/tune_tree_step.py sweeps it)."""
     B, T, Hq, D = q.shape
     G = Hq // Hkv
+    if blocks is not None:
+        ok = isinstance(blocks, (tuple, list)) and len(blocks) == 4 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in blocks)
+        if not ok or blocks[0] < 16 or blocks[1] < 16 or blocks[0] & (blocks[0] - 1) or blocks[1] & (blocks[1] - 1) \
+                or blocks[2] not in (1, 2, 4, 8, 16) or blocks[3] < 1:
+            raise ValueError(f"blocks={blocks!r}: expected (BLOCK_M, BLOCK_N, num_warps, num_stages) ints, BLOCK_M "
+                             f"and BLOCK_N powers of two >= 16, num_warps in 1, 2, 4, 8, 16, num_stages >= 1")
     if blocks is not None and not exact:
-        bm, bn, warps, stages = (int(x) for x in blocks)
-        if bm < 16 or bn < 16 or bm & (bm - 1) or bn & (bn - 1):
-            raise ValueError(f"blocks={blocks}: BLOCK_M and BLOCK_N must be powers of two >= 16")
+        bm, bn, warps, stages = blocks
         blocks = (bm, bn, block_d(D), warps, stages)
     else:
         blocks = _attn_blocks(D, q.dtype, EXACT_ROWS if exact else G * T)
