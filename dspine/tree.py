@@ -59,6 +59,7 @@ __all__ = [
     "path_nodes",
     "node_uniforms",
     "top_others",
+    "chain_accepted",
 ]
 
 
@@ -197,6 +198,22 @@ def path_nodes(tree: Tree, last: torch.Tensor, K: int) -> torch.Tensor:
     entries past depth a hold their own index, so moving row ``path[d]`` to row d leaves them in place."""
     on_path = tree.anc[torch.arange(tree.parent.shape[0], device=last.device), last]  # [B, N]
     return path_from_mask(on_path, tree.depth, K)
+
+
+def chain_accepted(chain: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int32: the draft tokens the chain alone would have accepted in this verification — the chain
+    nodes on the accepted path below the root. ``chain [B, N]`` bool (``Tree.chain``), ``path [B, Kp + 1]``
+    int64 (the node at each depth, :func:`path_nodes`; entries past depth a are ignored), ``num_accepted [B]``
+    (a, the path's depth).
+
+    Exact, not an estimate: the chain node is the first child of its parent and is tested first, against the
+    target's unmodified distribution at that node with the chain's own test (T = 0: the argmax; T > 0:
+    ``u · q(x) < p(x)`` with the chain decoder's uniform, :func:`node_uniforms`). So the path follows the chain
+    exactly as long as the chain step would accept, and leaves it where the chain step would stop (or the
+    tree's chain ends, at depth min(K, N - 1): a count equal to that depth is censored there)."""
+    depth = torch.arange(path.shape[1], device=path.device)
+    on = chain.gather(1, path) & (depth <= num_accepted[:, None])
+    return on.sum(1, dtype=torch.int32) - 1  # the root is on every path
 
 
 def node_uniforms(tree: Tree, seeds: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:

@@ -165,7 +165,7 @@ class Runner:
             assert_compatible(self.spec, models[label].config, max_context=max_seq - 64)
         self.block_size = {label: m.config.block_size for label, m in models.items()}
         self.decoders = {}
-        self.planner_steps: dict = {}  # label -> mode -> {"steps", "step_ms", "measured_ms"} (--budget auto)
+        self.planner_steps: dict = {}  # label -> mode -> {"steps", "paired", "step_ms", "measured_ms"} (--budget auto)
         if self.backend == "cuda":
             from infer.engine import Engine
             from infer.model import EngineTarget
@@ -222,6 +222,19 @@ class Runner:
         top = logits.float().topk(2)
         return float(top.values[0] - top.values[1]), top.indices.tolist()
 
+    def planner_memory(self, label: str | None, memory: dict | None = None) -> dict | None:
+        """The acceptance memory of configuration ``label``'s planner (``Engine.plan_token_memory``, a copy),
+        or with ``memory`` set it back to that copy; None off the engine."""
+        import copy
+
+        dec = self.decoders[label]
+        if not hasattr(dec, "plan_token_memory"):
+            return None
+        if memory is None:
+            return copy.deepcopy(dec.plan_token_memory)
+        dec.plan_token_memory = memory
+        return memory
+
     def run(self, prompts: list[list[int]], params: SamplingParams, label: str | None):
         """Decode ``prompts`` with configuration ``label`` (None: AR) -> (tokens, stats, seconds, verify steps
         per prompt, profile): on the engine ``profile`` holds the call's seconds in prefill and in the
@@ -232,8 +245,9 @@ class Runner:
             r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
             if dec.planner_report is not None:  # the planner's choices, summed over the task's calls
                 for mode, e in dec.planner_report.items():
-                    tot = self.planner_steps.setdefault(label, {}).setdefault(mode, {"steps": 0})
-                    tot.update(step_ms=e["step_ms"], measured_ms=e["measured_ms"], steps=tot["steps"] + e["steps"])
+                    tot = self.planner_steps.setdefault(label, {}).setdefault(mode, {"steps": 0, "paired": 0})
+                    tot.update(step_ms=e["step_ms"], measured_ms=e["measured_ms"], steps=tot["steps"] + e["steps"],
+                               paired=tot["paired"] + e["paired"])
             prof = {k: dec.loop_profile.get(k, 0.0) for k in PROFILE_KEYS}
             return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt), prof
         if label is not None:
@@ -324,7 +338,11 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
     warm: dict = {}  # label -> (seconds, profile) of the untimed pass
     if warmup:
         for label in labels:
+            # the planner's acceptance memory as it was before this task (infer.planner, "Across calls"): the
+            # timed pass must not learn from its own prompts; the step-time model it learned is kept
+            memory = runner.planner_memory(label)
             r = decode(label)
+            runner.planner_memory(label, memory)
             warm[label] = (r[3], r[7])
             runner.planner_steps.pop(label, None)  # the planner's choices of the timed pass only
     for label in labels:

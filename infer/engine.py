@@ -53,7 +53,7 @@ from dspine.sampling import (
 )
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
-from dspine.tree import node_uniforms, path_nodes
+from dspine.tree import chain_accepted, node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import StepPlanner
@@ -81,6 +81,9 @@ class _Slots:
     offsets       [verify_size] int64  0 .. verify_size - 1 (static: no arange launch per step)
     conf          [B] fp32    planner only: the draft's confidence of the last speculative step, expected
                               committed tokens of its chain (:func:`chain_confidence`); stale after an AR step
+    chain_acc     [B] int32   planner only: draft tokens the chain would have accepted in the last tree step
+                              (the chain nodes on its accepted path, :meth:`Engine._tree_step`); stale after
+                              any other step
 
     Planner only (``pending = (F, k·H, dtype)``, ``F = Engine.ar_defer``): the deferred draft-context append of
     the AR steps (:meth:`Engine._ar_step`, :meth:`Engine._flush_step`); None (pend_max 0) otherwise.
@@ -114,6 +117,7 @@ class _Slots:
         self.no_draft = torch.zeros(B, dtype=i32, device=device)
         self.offsets = torch.arange(verify_size, dtype=i64, device=device)
         self.conf = torch.ones(B, dtype=torch.float32, device=device)
+        self.chain_acc = torch.zeros(B, dtype=i32, device=device)
         self.pend_max = 0
         self.pend_feats = self.pend_count = self.pend_base = self.pend_lengths = None
         if pending is not None:
@@ -251,6 +255,11 @@ class Engine:
         # before the first generate at that batch size; later changes do not reach slots already made
         self.defer_ar_append = True  # False: the planner's AR steps append to the draft context each step
         self._costs: dict[tuple, dict] = {}
+        # what the planner learned, per _plan_key, kept from one generate to the next (infer.planner, "Across
+        # calls"): the online cost model (with plan_online) and, with plan_memory, the acceptance
+        self.plan_cost_memory: dict[tuple, dict] = {}  # StepPlanner.cost_state() of the last generate
+        self.plan_token_memory: dict[tuple, dict] = {}  # StepPlanner.token_state() of the last generate
+        self.plan_memory = True  # False: every generate's planner starts with no token averages
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
         self.eos_set = set(int(e) for e in eos_token_ids)
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -442,6 +451,8 @@ class Engine:
                                                       node_uniforms(tree, s.seeds, out_pos), noise, impl=self.impl,
                                                       path_depth=Kp)
         live = s.done == 0
+        if self.budget == "auto":  # the paired observation of the chain (infer.planner, "Paired observations")
+            s.chain_acc.copy_(chain_accepted(tree.chain, path, a))
         tok = tree.tokens.gather(1, path)
         if Kp < K:  # commit_step takes the block's K + 1 columns; those past depth a are never read
             tok = torch.cat([tok, tok.new_zeros(s.B, K - Kp)], 1)
@@ -583,12 +594,16 @@ class Engine:
         torch.cuda.current_stream().wait_stream(side)
         return side
 
+    def _plan_key(self, B: int, params: SamplingParams) -> tuple:
+        """The planner's cost-table key: batch size, sampling settings, ``defer_ar_append``, ``plan_modes``."""
+        return (B, *params.step_key, self.defer_ar_append, tuple(self.plan_modes))
+
     def _step_costs(self, B: int, params: SamplingParams) -> dict:
         """Milliseconds of one step of every planner mode at batch B (median of 5 after warm-up and graph
         capture, idle rows), measured once per (B, sampling settings, ``defer_ar_append``, ``plan_modes``) on this device.
         The AR mode is the planner's AR step as the loop runs it: with ``defer_ar_append`` the step that
         leaves its features pending; the flush (not a mode) is not in the table."""
-        key = (B, *params.step_key, self.defer_ar_append, tuple(self.plan_modes))
+        key = self._plan_key(B, params)
         if key not in self._costs:
             s, costs = self._slots_for(B), {}
             for mode in self.plan_modes:
@@ -871,12 +886,15 @@ class Engine:
         the cost of one flush; the start-up table (:meth:`_step_costs`) times the deferring AR step
         without it."""
         cuda, prof = self.device.type == "cuda", self.loop_profile
-        n = 3 * B + 2  # done [B], nonfinite [2], out_len [B], conf [B] (fp32 bits), all as int32
+        n = 4 * B + 2  # done [B], nonfinite [2], out_len [B], conf [B] (fp32 bits), chain_acc [B], all as int32
         bufs = [torch.empty(n, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        # paired observations: a tree step tells what each chain mode would have committed, if the tree holds
+        # its whole chain (min(K, N - 1) >= n - 1): chain mode -> verify size
+        chains = [m for m in self.plan_modes if m[0] == "chain"]
 
         def snapshot(buf):
             buf.copy_(torch.cat([s.done.to(torch.int32), s.nonfinite.to(torch.int32), s.out_len,
-                                 s.conf.view(torch.int32)]), non_blocking=True)
+                                 s.conf.view(torch.int32), s.chain_acc]), non_blocking=True)
             return self._event(timing=True)  # its time closes the step before it
 
         cur = 0
@@ -914,7 +932,7 @@ class Engine:
             t2 = time.perf_counter()
             vals = snap[0].tolist()
             flags, out_len = vals[:B + 2], vals[B + 2 : 2 * B + 2]
-            conf = snap[0][2 * B + 2 :].view(torch.float32).tolist()
+            conf = snap[0][2 * B + 2 : 3 * B + 2].view(torch.float32).tolist()
             self._harvest_finish(pending, width, results, reasons, stats)
             self._check_finite(flags, B)
             predicted = None
@@ -925,9 +943,16 @@ class Engine:
                     ms = None
                     if self.plan_online and not snap[3]:  # no prefill in the interval
                         ms = base[3].elapsed_time(snap[1]) if cuda else (launched[0][1] - t_launch) * 1e3
-                    planner.observe(done_mode, sum(out_len[b] - base[0][b] for b in rows) / len(rows), ms, len(rows))
+                    done = [out_len[b] - base[0][b] for b in rows]  # committed tokens per observed row
+                    planner.observe(done_mode, sum(done) / len(rows), ms, len(rows))
                     if done_mode[0] != "ar":
                         c = sum(conf[b] for b in rows) / len(rows)
+                        if done_mode[0] == "tree":  # committed as the chain, capped by the tree's (EOS, max_new)
+                            acc = vals[3 * B + 2 :]
+                            for m in chains:
+                                if min(self.block_size - 1, done_mode[1] - 1) >= m[1] - 1:
+                                    x = sum(min(acc[b] + 1, m[1], d) for b, d in zip(rows, done)) / len(rows)
+                                    planner.observe_paired(m, x, len(rows))
                         predicted = {m: c for m in self.plan_modes if m[0] != "ar"}
                 else:
                     planner.skip()
@@ -995,6 +1020,12 @@ class Engine:
         kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
         planner = StepPlanner(self._step_costs(B, params)) if spec and self.budget == "auto" else None
+        if planner is not None:  # what the previous generate at this key learned (infer.planner, "Across calls")
+            key = self._plan_key(B, params)
+            if self.plan_online and key in self.plan_cost_memory:
+                planner.load_cost_state(self.plan_cost_memory[key])
+            if self.plan_memory and key in self.plan_token_memory:
+                planner.load_token_state(self.plan_token_memory[key])
         flush = None  # the planner's draft-context flush, made (captured) before any row is admitted
         if planner is not None and self.defer_ar_append:
             flush = self._runner(B, params, True, ("flush", s.pend_max))
@@ -1033,6 +1064,11 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.planner_report = planner.report() if planner is not None else None
+        if planner is not None:
+            if self.plan_online:
+                self.plan_cost_memory[self._plan_key(B, params)] = planner.cost_state()
+            if self.plan_memory:
+                self.plan_token_memory[self._plan_key(B, params)] = planner.token_state()
         elapsed = time.perf_counter() - t0
         self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed,
                                  tokens=sum(len(r) for r in results))

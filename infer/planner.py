@@ -85,6 +85,36 @@ tokens above, P the average prediction, the ratio clipped to [1/3, 3] and the re
 an easy or hard passage is seen the step it starts, and a mode never run stays unknown (rule 2's
 ceiling) whatever its prediction.
 
+Paired observations (:meth:`StepPlanner.observe_paired`): a tree always holds the draft's chain as the first
+child at every depth (``dspine.tree``), and verification tests a node's first child before its siblings
+against the unmodified target distribution, with the chain's own test (T = 0: the target's argmax; T > 0:
+``u · q(x) < p(x)`` with the chain's uniform). So the chain nodes on a tree step's accepted path are exactly
+what the chain step would have accepted from the same draft block, at any temperature (up to the bf16
+rounding of a different attention kernel). The engine counts them inside the tree step and, after it
+observes a tree step, gives the planner what every chain mode the tree covers (``min(K, N - 1) ≥ n - 1``)
+would have committed, capped like the tree by EOS and ``max_new_tokens``. The planner then (a) updates the
+chain's averages as if it had run, (b) keeps, per tree mode, the slow average of its *lead* over the chain on
+the same steps (tree tokens − chain tokens) and the variance of that lead, and estimates the tree as the
+chain's current estimate + the lead + ``√(var / (n·r̄))`` (n the lead's effective samples), instead of
+relaxing the tree's own average towards its long-run mean, and (c) never probes a mode paired within the
+last ``PAIRED_FRESH`` steps and timed once (its tokens are being observed; it runs when it is the best). A
+passage's difficulty is then read from both modes' steps while the tree's lead, which changes slowly, is
+learned from every tree step. Without them (issue 16, concurrency 1, T = 0) the planner ran 0.92 × the
+tree, switching between chain and tree at 36% / 53% of its steps: one request's tokens per step are noisy
+and the mode not run was judged on its long-run average while the passage changed. On a replay of passages
+(tests/test_planner.py) the planner with them is at 0.999 × the better fixed mode where the tree leads by
+1.2 tokens (0.993 without) and 0.992 where it leads by 0.1 (0.969 without).
+
+Across calls: the engine keeps what its planner learned at each batch size and sampling setting from one
+``generate`` to the next, as a server keeps one planner running: the online cost model
+(:meth:`StepPlanner.cost_state`) and the acceptance — token averages, calibration, leads —
+(:meth:`StepPlanner.token_state`; ``Engine.plan_memory = False`` starts each call without it). A call then
+needs no first AR steps to time and no probes to relearn what the previous requests showed; the fast
+averages follow the new requests within a few steps (issue 16: at concurrency 32 a task of 64 prompts
+was about 165 steps, of which the cold start's AR steps and probes took several percent). ``infer.bench``
+restores the acceptance memory after each untimed warm-up pass, so a timed pass never learns from its own
+prompts, only from the tasks before it.
+
 ``benchmarks/engine/sim_planner.py`` replays the recorded H200 cost tables with a synthetic acceptance
 process, a true step time that differs from the table (factors per mode, host time, context growth,
 timer noise) and a miscalibrated confidence; it reports this planner and the table-only one.
@@ -101,6 +131,7 @@ FIRST_CLIP = 3.0  # a timed step counts within 1/3 .. 3 × the estimate it was c
 BONUS_VAR = 1.5  # token² per request in the standard-error bonus (module docstring, "Averages")
 FIRST_TIMED = 3  # timings of the decode's first mode before any other runs (module docstring, "Online cost")
 PENDING = 8  # unobserved choices kept by StepPlanner (the engine has at most 2)
+PAIRED_FRESH = 4  # steps a paired observation keeps its mode from being probed (module docstring, "Paired ...")
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 
 
@@ -123,6 +154,7 @@ def choose_mode(
     warmup: float = 2.0,
     headroom: float = 2.0,
     gain: float = 2.0,
+    settled: frozenset = frozenset(),
 ) -> tuple[Mode, float, float]:
     """One planner decision (module docstring, rule 1-3).
 
@@ -135,6 +167,8 @@ def choose_mode(
             with what each probe committed).
         share, warmup, headroom, gain: rule 2-3 of the module docstring (``warmup`` in steps of the
             cheapest mode).
+        settled: modes never probed (their tokens are observed without running them: "Paired
+            observations"); they run when they are the best mode.
     Returns:
         ``(mode, lost, rate)``: the mode to run, the milliseconds this step is expected to lose against
         the best mode (0 when it is the best mode) and the best mode's tokens per millisecond.
@@ -153,7 +187,7 @@ def choose_mode(
             return min(cap, headroom * est[m])
         return min(cap, gain * max(spec)) if spec else cap
 
-    plausible = [m for m in costs if m != best and ceiling(m) / costs[m] > rate]
+    plausible = [m for m in costs if m != best and m not in settled and ceiling(m) / costs[m] > rate]
     if not plausible:
         return best, 0.0, rate
     probe = min(plausible, key=lambda m: costs[m])
@@ -206,6 +240,13 @@ class StepPlanner:
         self.real: dict[Mode, float | None] = {m: None for m in costs}  # mean realized, same steps
         self.calibrated: Counter = Counter()  # steps with a prediction per mode
         self.choices: Counter = Counter()
+        self.paired: Counter = Counter()  # paired observations per mode (observe_paired)
+        self.last_predicted: float | None = None  # the confidence given with the step observed last
+        self.last_observed: tuple[Mode, float] = (("ar", 1), 1.0)  # the step observed last: mode, tokens
+        # run mode -> (paired mode, slow averages of the run mode's tokens minus the paired mode's on the same
+        # steps and of that difference's squared deviation): module docstring, "Paired observations"
+        self.lead: dict[Mode, tuple[Mode, float, float]] = {}
+        self.lead_steps: Counter = Counter()  # paired steps behind each lead
         self.untimed = 0  # steps observed without a time
         self.step = 0
         self.spent_ms = 0.0  # step time of the modes run (measured where given, else estimated)
@@ -240,17 +281,28 @@ class StepPlanner:
     def tokens(self) -> dict[Mode, float | None]:
         """Expected committed tokens per request per step of each mode (``None``: never run): the fast
         average, relaxing towards the slow one plus its standard error by ``1 - decay`` per step the mode
-        is not run (module docstring, "Averages")."""
+        is not run (module docstring, "Averages"); for a mode with a lead over a paired mode, that mode's
+        estimate + the lead + the lead's standard error ("Paired observations")."""
         out = {}
-        for m, f in self.fast.items():
+        for m in sorted(self.fast, key=lambda m: m in self.lead):  # a paired mode before the modes scaled by it
+            f = self.fast[m]
             if f is None or m[0] == "ar":
                 out[m] = f
             else:
                 n = min(self.seen[m], 2.0 / self.slow_decay - 1)  # effective samples of the slow average
-                target = self.slow[m] + math.sqrt(BONUS_VAR / (n * self.rows[m]))
+                bonus = math.sqrt(BONUS_VAR / (n * self.rows[m]))
+                if m in self.lead and out.get(self.lead[m][0]) is not None:
+                    # the paired mode's estimate now plus this mode's average lead over it (module docstring,
+                    # "Paired observations"): the passage is read from both modes' steps
+                    ref, lead, var = self.lead[m]
+                    k = min(self.lead_steps[m], 2.0 / self.slow_decay - 1)
+                    bonus = math.sqrt(var / (k * self.rows[m]))
+                    out[m] = min(out[ref] + lead + bonus, float(max_tokens(m, self.table)))
+                    continue
+                target = self.slow[m] + bonus
                 keep = (1 - self.decay) ** (self.step - self.last_seen[m])
                 out[m] = target + keep * (f - target)
-        return out
+        return {m: out[m] for m in self.fast}
 
     def expected(self, predicted: dict[Mode, float] | None = None) -> dict[Mode, float | None]:
         """:attr:`tokens`, scaled by this step's confidence (module docstring, "Calibration")."""
@@ -281,8 +333,12 @@ class StepPlanner:
             # a probe not yet observed: no second one before its result is in (the engine chooses a step before
             # it observes the previous one), so this step exploits
             probing = any(e[3] is not None for e in self.pending)
+            # a mode paired within the last steps and timed once is not probed: its tokens are being observed
+            settled = frozenset(m for m in self.table if self.paired[m] and self.timed[m]
+                                and self.step - self.last_seen[m] <= PAIRED_FRESH)
             mode, loss, rate = choose_mode(
-                costs, self.expected(predicted), self.spent_ms, math.inf if probing else self.lost_ms, **self.rule
+                costs, self.expected(predicted), self.spent_ms, math.inf if probing else self.lost_ms, **self.rule,
+                settled=settled,
             )
         self.step += 1
         self.spent_ms += costs[mode]
@@ -333,8 +389,66 @@ class StepPlanner:
         if probe is not None:
             loss, rate = probe  # settle: the real loss of this probe, a lucky one gives time back
             self.lost_ms += ms - tokens_per_request / rate - loss
-        if mode[0] == "ar":
-            return
+        self.last_predicted, self.last_observed = predicted, (mode, tokens_per_request)
+        if mode[0] != "ar":
+            self._record(mode, tokens_per_request, rows, predicted)
+
+    def observe_paired(self, mode: Mode, tokens_per_request: float, rows: int = 1) -> None:
+        """Record what a step of ``mode`` *would have* committed in the step just observed (:meth:`observe`),
+        which ran another mode (module docstring, "Paired observations"): token averages, and calibration
+        against the confidence given with that step; no time, no choice consumed, no probe settled.
+        Raises ValueError for a mode outside the cost table."""
+        if mode not in self.table:
+            raise ValueError(f"paired mode {mode} is not in the planner's cost table {sorted(self.table)}")
+        if mode[0] != "ar":
+            self.paired[mode] += 1
+            self._record(mode, tokens_per_request, rows, self.last_predicted)
+            run, x_run = self.last_observed
+            if run[0] != "ar" and run != mode:  # the run mode's lead over this one, a slow average
+                n = self.lead_steps[run] = self.lead_steps[run] + 1
+                w = max(self.slow_decay, 1.0 / n)
+                _, lead, var = self.lead.get(run, (mode, 0.0, BONUS_VAR))
+                d = x_run - tokens_per_request - lead
+                self.lead[run] = (mode, lead + w * d, var + w * (d * d - var))
+
+    def cost_state(self) -> dict:
+        """The online cost model (measured ÷ table ratios, their timing counts and first timings), for
+        :meth:`load_cost_state` of the next planner on the same device, batch size and sampling settings."""
+        return {"ratio": dict(self.ratio), "timed": dict(self.timed), "first": {m: list(v) for m, v in self.first.items()}}
+
+    def load_cost_state(self, state: dict) -> None:
+        """Start from an earlier planner's cost model (:meth:`cost_state`; module docstring, "Online cost"):
+        its modes' ratios are taken as measured, so the decode's first mode is not re-timed 3 times and no
+        mode's step time is re-learned from the start-up table. Token averages are not carried: they belong
+        to the earlier requests. Raises ValueError if ``state`` holds a mode not in this table."""
+        extra = set(state["ratio"]) - set(self.table)
+        if extra:
+            raise ValueError(f"cost state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}")
+        for m, r in state["ratio"].items():
+            if r is not None:
+                self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
+
+    TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps")
+
+    def token_state(self) -> dict:
+        """The learned acceptance (token averages, calibration, the leads of paired modes), for
+        :meth:`load_token_state` of the next planner of the same engine, batch size and sampling settings."""
+        return {f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}
+
+    def load_token_state(self, state: dict) -> None:
+        """Start from an earlier planner's acceptance (:meth:`token_state`; module docstring, "Across calls"):
+        every mode counts as seen at step 0, so the averages are taken as they were, and the fast ones then
+        follow the new requests. Raises ValueError if ``state`` holds a mode not in this table."""
+        extra = set(state["fast"]) - set(self.table)
+        if extra:
+            raise ValueError(f"token state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}")
+        for f in self.TOKEN_FIELDS:  # (Counter.update would add the counts: replace)
+            cur = getattr(self, f)
+            setattr(self, f, Counter(state[f]) if isinstance(cur, Counter) else {**cur, **state[f]})
+        self.last_seen = {m: 0 for m in self.table}
+
+    def _record(self, mode: Mode, tokens_per_request: float, rows: int, predicted: float | None) -> None:
+        """Token averages and calibration of a speculative ``mode`` (module docstring, "Averages")."""
         if predicted is not None:
             n = self.calibrated[mode] + 1
             w = max(self.cal_decay, 1.0 / n)
@@ -354,14 +468,16 @@ class StepPlanner:
         self.fast[mode] = x if old is None else old + w * (x - old)
 
     def report(self) -> dict:
-        """``{mode name: {"steps", "step_ms", "measured_ms", "tokens_per_step", "calibration"}}``, e.g.
-        ``"tree32"``: ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
-        timed), ``tokens_per_step`` the slow average (``None``: never run), ``calibration`` realized ÷
-        predicted accepted tokens (``None``: no prediction given)."""
+        """``{mode name: {"steps", "paired", "step_ms", "measured_ms", "tokens_per_step", "calibration"}}``,
+        e.g. ``"tree32"``: ``steps`` the steps it ran, ``paired`` the paired observations it got from steps
+        of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
+        timed), ``tokens_per_step`` the slow average (``None``: never run nor paired), ``calibration``
+        realized ÷ predicted accepted tokens (``None``: no prediction given)."""
         costs = self.costs
         return {
             f"{m[0]}{m[1] if m[0] != 'ar' else ''}": {
                 "steps": self.choices[m],
+                "paired": self.paired[m],
                 "step_ms": self.table[m],
                 "measured_ms": costs[m] if self.timed[m] else None,
                 "tokens_per_step": self.slow[m],

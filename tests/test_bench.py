@@ -197,8 +197,16 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
         args = argparse.Namespace(num_prompts=2, data_dir=str(shared_path("data", "eval")), verify="chain",
                                   exact=False)
 
+        def planner_memory(self, label, memory=None):
+            if memory is None:
+                return dict(self.memory.get(label, {}))
+            self.memory[label] = memory
+
         def run(self, prompts, params, label):
             calls.append(label)
+            self.seen.append(dict(self.memory.get(label, {})))
+            if label == "D":
+                self.memory["D"] = {"learned": calls.count(label)}
             secs = 10.0 if calls.count(label) == 1 else 1.0  # the first pass pays a one-time cost
             stats = AcceptStats(4, [0, 2 * len(prompts), 0, 0, 0])  # two steps of one token per prompt
             return [[5, 6, 7]] * len(prompts), stats, secs, [2] * len(prompts), {"prefill_s": secs / 2}
@@ -207,8 +215,13 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
     for warm, runs, secs in ((True, 2, 1.0), (False, 1, 10.0)):
         calls.clear()
-        row = bench.run_task(Runner(), "gsm8k", params, do_ar=True, warmup=warm)
+        runner = Runner()
+        runner.memory = {"D": {"before": 1}}  # a planner's acceptance memory: the warm-up must leave it as it was
+        runner.seen = []  # the memory each pass started from
+        row = bench.run_task(runner, "gsm8k", params, do_ar=True, warmup=warm)
         assert calls == [None, "D"] * runs
+        # each pass of D starts from the memory before the task: the timed one does not see the warm-up's
+        assert [m for m, c in zip(runner.seen, calls) if c == "D"] == [{"before": 1}] * runs
         assert row["ar"]["seconds"] == row["drafts"]["D"]["seconds"] == secs
         assert row["drafts"]["D"]["profile"] == {"prefill_s": secs / 2}
         if warm:  # the untimed pass is recorded beside the timed one

@@ -261,6 +261,9 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
     # online (the default): every step timed between the loop's flag reads, prefills excluded; this CPU's
     # steps are far above the fake table's 0.6-1 ms, and AR (timed first) is taken as measured
     eng.plan_online = True
+    key = eng._plan_key(3, params)
+    assert set(eng.plan_token_memory) == {key} and not eng.plan_cost_memory  # table only: no costs learned
+    eng.plan_token_memory.clear()  # a cold start: AR is timed first
     res = eng.generate(PROMPTS, params, concurrency=3)
     assert res.token_ids == want
     rep = eng.planner_report
@@ -268,10 +271,59 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
     assert rep["ar"]["measured_ms"] is not None and all(e["measured_ms"] > e["step_ms"] for e in timed)
     wall_ms = (res.elapsed_s - res.prefill_s) * 1e3
     assert rep["ar"]["measured_ms"] * rep["ar"]["steps"] < wall_ms, (rep, wall_ms)
+    assert rep["ar"]["steps"] >= 3  # the cold start's timed AR steps
+    # the next call starts from what this one learned (infer.planner, "Across calls"): no AR step to time,
+    # the tree (4+ tokens a step, at a measured cost far below 4 AR steps here) from the first step
+    memory = eng.plan_cost_memory[key]
+    assert memory["timed"][("ar", 1)] >= 3 and eng.plan_token_memory[key]["slow"][("tree", 24)] > 2
+    res = eng.generate(PROMPTS, params, concurrency=3)
+    assert res.token_ids == want and eng.planner_report["ar"]["steps"] == 0, eng.planner_report
     costs = _engine(stories_dir, folder, budget="auto")._step_costs(2, params)  # measured on this CPU
     assert set(costs) == {("ar", 1), ("chain", 8), ("tree", 32), ("tree", 64)} and min(costs.values()) > 0
     with pytest.raises(ValueError, match="budget='fixed'"):
         _engine(stories_dir, folder, budget="fixed")
+
+
+def test_engine_tree_step_counts_the_chains_accepted_tokens(stories_dir, stories):
+    """--budget auto: after every tree step ``chain_acc`` holds what the chain would have accepted from the
+    same draft block (leading draft argmaxes equal to the greedy continuation), and the planner gets it as a
+    paired observation of the chain (its tokens_per_step then averages min(chain_acc + 1, verify_size))."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=40)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    full = [p + w for p, w in zip(PROMPTS, want)]
+    eng = second_choice_engine(_engine(stories_dir, folder, budget="auto"), full)
+    eng.PLAN_TREES = (24,)
+    eng.plan_modes = eng.plan_modes[:2] + [("tree", 24)]
+    eng._step_costs = lambda B, params: {("ar", 1): 2.0, ("chain", 8): 1.9, ("tree", 24): 1.0}  # trees win
+    eng.plan_online = False
+    drafted, checked = {}, []
+    draft_logits, tree_step = eng.draft_logits, eng._tree_step
+
+    def recording_draft(block, cache):
+        drafted["logits"], drafted["start"] = draft_logits(block, cache), cache.lengths.clone()
+        return drafted["logits"]
+
+    def checking_tree_step(slots, kv, draft_cache, params, N):
+        live = [b for b in range(slots.B) if not slots.done[b]]
+        tree_step(slots, kv, draft_cache, params, N)
+        chain = drafted["logits"].argmax(-1)  # [B, K]
+        for b in live:
+            seq, start = full[eng.slot_owner[b]], int(drafted["start"][b])
+            n = 0
+            while n < chain.shape[1] and start + n + 1 < len(seq) and int(chain[b, n]) == seq[start + n + 1]:
+                n += 1
+            checked.append((int(slots.chain_acc[b]), n))
+
+    eng.draft_logits, eng._tree_step = recording_draft, checking_tree_step
+    res = eng.generate(PROMPTS, params, concurrency=3)
+    assert res.token_ids == want
+    assert len(checked) > 10 and all(got == n for got, n in checked), checked
+    assert {n for _, n in checked} >= {0, 1, 2}  # the second-choice draft stops the chain early and late
+    rep = eng.planner_report
+    assert rep["tree24"]["steps"] > 5 and rep["chain8"]["steps"] <= 2
+    assert rep["chain8"]["paired"] >= rep["tree24"]["steps"] - 3  # every observed tree step but the last
+    assert 1 < rep["chain8"]["tokens_per_step"] < rep["tree24"]["tokens_per_step"]
 
 
 def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, capsys):

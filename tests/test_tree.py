@@ -12,7 +12,16 @@ from scipy.stats import chisquare
 from dspine import sampling as rng
 from dspine.ops.accept import accept_greedy, accept_sample
 from dspine.sampling import logits_to_probs, sample
-from dspine.tree import Tree, ancestor_bits, ancestor_mask, build_tree, node_uniforms, path_nodes, verify_tree
+from dspine.tree import (
+    Tree,
+    ancestor_bits,
+    ancestor_mask,
+    build_tree,
+    chain_accepted,
+    node_uniforms,
+    path_nodes,
+    verify_tree,
+)
 
 
 def paths(tree: Tree, b: int) -> list[tuple[int, ...]]:
@@ -139,6 +148,51 @@ def test_chain_sized_tree_is_the_chain():
     a_ref, bonus_ref = accept_sample(draft, p_t, p_d, u[:, 1:], e, impl="torch")
     assert torch.equal(a, a_ref) and torch.equal(bonus, bonus_ref)
     assert 0 < a.float().mean() < K
+
+
+@pytest.mark.parametrize("N", [4, 8, 14])
+def test_chain_accepted_on_a_tree_path_is_the_chain_step(N):
+    """The chain nodes on a tree's accepted path are what the chain step accepts from the same draft block
+    (the planner's paired observation), greedy and sampled; a tree of N - 1 < K nodes is a chain cut at N - 1."""
+    g = torch.Generator().manual_seed(N)
+    B, K, V = 300, 5, 6
+    d_logits = 2 * torch.randn(B, K, V, generator=g)
+    anchor = torch.zeros(B, dtype=torch.long)
+    chain_len = min(K, N - 1)
+
+    def chain_nodes(tree):  # [B, chain_len + 1]: the chain node at depth 0 .. chain_len
+        at = [(tree.chain & (tree.depth == d)).int().argmax(1) for d in range(chain_len + 1)]
+        return torch.stack(at, 1)
+
+    # greedy: the target's argmax at a chain node is its chain child's token with probability 0.7
+    tree = build_tree(anchor, torch.softmax(d_logits, -1), N)
+    t_arg = torch.randint(0, V, (B, N), generator=g)
+    nodes = chain_nodes(tree)
+    child = tree.tokens.gather(1, nodes[:, 1:])
+    hit = torch.rand(B, chain_len, generator=g) < 0.7
+    t_arg.scatter_(1, nodes[:, :-1], torch.where(hit, child, t_arg.gather(1, nodes[:, :-1])))
+    last, a, _ = verify_tree(tree, target_argmax=t_arg)
+    got = chain_accepted(tree.chain, path_nodes(tree, last, chain_len), a)
+    want, _ = accept_greedy(child, t_arg.gather(1, nodes), impl="torch")
+    assert torch.equal(got, want)
+    assert (got == chain_len).any() and (got == 0).any()
+    assert (a > got).any() == (N - 1 > K)  # the tree went past the chain where it holds other nodes
+    # sampled: the chain's test against the target's distribution at each chain node, with its uniforms
+    p_d = logits_to_probs(d_logits, 1.0)
+    seeds, n = torch.arange(B) + 11, torch.full((B,), 4)
+    draft = sample(p_d, seeds, rng.STREAM_DRAFT, n[:, None] + torch.arange(K))
+    tree = build_tree(anchor, p_d, N, chain_tokens=draft)
+    p_t = logits_to_probs(2 * torch.randn(B, N, V, generator=g), 1.0)
+    u = node_uniforms(tree, seeds, n)
+    e = rng.exponentials(seeds, rng.STREAM_TARGET, n[:, None], V)[:, 0]
+    last, a, _ = verify_tree(tree, p_target=p_t, q=p_d, u=u, exp_noise=e)
+    got = chain_accepted(tree.chain, path_nodes(tree, last, chain_len), a)
+    nodes = chain_nodes(tree)
+    pt_chain = p_t.gather(1, nodes[..., None].expand(-1, -1, V))
+    want, _ = accept_sample(draft[:, :chain_len], pt_chain, p_d[:, :chain_len], u.gather(1, nodes[:, 1:]), e,
+                            impl="torch")
+    assert torch.equal(got, want)
+    assert (a > got).any() == (N - 1 > K) and (got == 0).any() and (got >= 2).any()
 
 
 def pvalue(tokens, probs):

@@ -146,19 +146,28 @@ def simulate(
             predicted = {m: c for m in costs if m[0] != "ar"}
         mode = planner.choose(predicted)
         most = max_tokens(mode, costs)
-        p = accept_prob(tau[mode], most) if mode[0] != "ar" else 0.0
-        committed = 0
+        # a tree step: the chain's draw (what the chain would have committed: its paired observation) plus the
+        # tree's lead over the chain, floor(lead) + Bernoulli(frac(lead)) tokens, within the tree's depth
+        tree = mode[0] == "tree" and chain is not None
+        p = accept_prob(tau[chain if tree else mode], max_tokens(chain, costs) if tree else most)
+        lead = tau[mode] - tau[chain] if tree else 0.0
+        committed = chain_count = 0
         for _ in range(batch):
             n = 1
-            while n < most and rng.random() < p:
+            while n < (chain[1] if tree else most) and mode[0] != "ar" and rng.random() < p:
                 n += 1
+            chain_count += n
+            if tree:
+                n = min(most, n + int(lead) + (rng.random() < lead - int(lead)))
             committed += n
         true = mm.true_ms(mode, costs[mode], done)
         seen = true * rng.lognormvariate(0, mm.noise) * (5.0 if rng.random() < mm.spikes else 1.0)
-        backlog.append((mode, committed / batch, seen, tau))
+        backlog.append((mode, committed / batch, seen, tau, chain_count / batch if tree else None))
         if len(backlog) > mm.lag:  # the engine observes step k - lag after launching step k
-            m0, c0, s0, tau0 = backlog.popleft()
+            m0, c0, s0, tau0, paired = backlog.popleft()
             planner.observe(m0, c0, s0 if online else None, batch)
+            if paired is not None:  # infer.engine gives it after every tree step (its chain is whole)
+                planner.observe_paired(chain, paired, batch)
             prev = (m0, tau0)
         done += committed / batch
         tok += tau[mode]
