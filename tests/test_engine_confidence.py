@@ -204,3 +204,52 @@ def test_cost_table_follows_plan_modes(stories_dir, stories):  # noqa: F811
     assert set(eng._step_costs(2, greedy)) == {("ar", 1)}
     eng.plan_modes = [("ar", 1), ("chain", eng.verify_size)]
     assert set(eng._step_costs(2, greedy)) == {("ar", 1), ("chain", eng.verify_size)}
+
+
+def _check_chain_accepted(stories_dir, folder, temperature, oracle=None, **kw):
+    """One tree step writes into ``chain_acc`` what one chain step from the same state accepts (same draft
+    block, same seeds): the planner's paired observation (``infer.planner``, "Paired observations").
+    ``oracle = (target, corrupt)``: the draft is the greedy continuation with a fraction ``corrupt`` of its
+    slots wrong (eager engines only), so the chain stops at varied depths. Returns the counts compared."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=30, seed=5)
+    if oracle is not None:
+        want = ReferenceDecoder(oracle[0], None, [2]).generate(PROMPTS[:4], SamplingParams(max_new_tokens=40))
+        reference = [p + w for p, w in zip(PROMPTS, want.token_ids)]
+    committed = {}
+    for mode in (("chain", 8), ("tree", 32)):
+        eng, s, _, step = _admitted(stories_dir, folder, params, mode, **kw)
+        if oracle is not None:
+            oracle_engine(eng, reference, corrupt=oracle[1], seed=3)
+        before = s.out_len.clone()
+        s.chain_acc.fill_(-1)  # a step that does not write it fails below
+        step()
+        committed[mode] = (s.out_len - before).cpu()
+        if mode[0] == "chain":
+            tokens = [s.out_tokens[b, int(before[b]) : int(s.out_len[b])].tolist() for b in range(s.B)]
+        else:
+            got = s.chain_acc.cpu()
+    rows = [b for b in range(len(got)) if 2 not in tokens[b]]  # no EOS cut the chain's commit
+    assert len(rows) >= 3
+    chain_a = committed[("chain", 8)] - 1  # accepted draft tokens of the chain step
+    assert torch.equal(got[rows], chain_a[rows].to(got.dtype)), (got, chain_a)
+    assert bool((committed[("tree", 32)][rows] >= committed[("chain", 8)][rows]).all())
+    return got[rows]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tree_step_counts_what_the_chain_step_accepts(stories_dir, stories, temperature):  # noqa: F811
+    got = _check_chain_accepted(stories_dir, stories[2], temperature, oracle=(stories[0], 0.3))
+    assert len(set(got.tolist())) >= 2 and int(got.max()) >= 2, got  # the chain stopped at varied depths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_tree_step_counts_the_chain_on_the_gpu(stories_dir, stories, temperature, graphs):  # noqa: F811
+    """The same with the Triton kernels: inside the tree step's CUDA graph (the untrained draft: the count
+    is written there, here 0), and eagerly with the oracle draft (varied counts)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    oracle = None if graphs else (stories[0], 0.3)
+    _check_chain_accepted(stories_dir, stories[2], temperature, oracle, device="cuda", impl="triton",
+                          cuda_graphs=graphs)
