@@ -251,6 +251,11 @@ class Engine:
         self.slot_owner: list[int | None] | None = None  # generate: prompt index per slot, None = free
         self.last_confidence: dict | None = None  # planner: the confidence passed with the latest choice
         self.plan_online = True  # the planner learns step times from the measured wall time per step
+        # when the planner gets the draft's chain confidence (_decode_planned): "greedy" (T = 0 only), "always",
+        # "never". At T > 0 it is Π q(sampled token), not the acceptance Σ min(p, q) it would have to predict:
+        # on the H200 (SmolLM2, concurrency 1, T = 1, 5 tasks x 5 prompts, 512 tokens) the planner given it took
+        # AR at 34% of its steps and ran 0.92 x the fixed tree (results/verify-h200.json, planner_confidence_T1)
+        self.plan_confidence = "greedy"
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
         # before the first generate at that batch size; later changes do not reach slots already made
         self.defer_ar_append = True  # False: the planner's AR steps append to the draft context each step
@@ -867,7 +872,10 @@ class Engine:
         of the observed step, its mean over the rows observed, is passed to the next choice as the
         predicted committed tokens of every speculative mode (``infer.planner``, "Calibration"): the
         draft's view of a passage two steps old. After an AR step (no draft ran) or with no such row the
-        planner gets none.
+        planner gets none; with ``plan_confidence = "greedy"`` (the default) it gets none at T > 0 either.
+        Paired observations: after a tree step, what the chain would have committed (``chain_acc``, the
+        chain nodes on the accepted path, + 1, capped by the tree's committed tokens), per chain mode the
+        tree covers (``infer.planner``, "Paired observations").
 
         Deferred draft context (``flush``: the runner of :meth:`_flush_step`, None when
         ``defer_ar_append`` is off): the AR steps leave their target features pending (``pend_feats``,
@@ -885,6 +893,8 @@ class Engine:
         it (GPU and CPU alike): a speculative step after an AR stretch, or the (F + 1)-th AR step, carries
         the cost of one flush; the start-up table (:meth:`_step_costs`) times the deferring AR step
         without it."""
+        if self.plan_confidence not in ("greedy", "always", "never"):
+            raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")
         cuda, prof = self.device.type == "cuda", self.loop_profile
         n = 4 * B + 2  # done [B], nonfinite [2], out_len [B], conf [B] (fp32 bits), chain_acc [B], all as int32
         bufs = [torch.empty(n, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
@@ -953,7 +963,8 @@ class Engine:
                                 if min(self.block_size - 1, done_mode[1] - 1) >= m[1] - 1:
                                     x = sum(min(acc[b] + 1, m[1], d) for b, d in zip(rows, done)) / len(rows)
                                     planner.observe_paired(m, x, len(rows))
-                        predicted = {m: c for m in self.plan_modes if m[0] != "ar"}
+                        if self.plan_confidence == "always" or (self.plan_confidence == "greedy" and params.greedy):
+                            predicted = {m: c for m in self.plan_modes if m[0] != "ar"}
                 else:
                     planner.skip()
             base = (out_len, [not f for f in flags[:B]], snap[2], snap[1])

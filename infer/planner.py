@@ -289,17 +289,14 @@ class StepPlanner:
             if f is None or m[0] == "ar":
                 out[m] = f
             else:
-                n = min(self.seen[m], 2.0 / self.slow_decay - 1)  # effective samples of the slow average
-                bonus = math.sqrt(BONUS_VAR / (n * self.rows[m]))
                 if m in self.lead and out.get(self.lead[m][0]) is not None:
                     # the paired mode's estimate now plus this mode's average lead over it (module docstring,
                     # "Paired observations"): the passage is read from both modes' steps
-                    ref, lead, var = self.lead[m]
-                    k = min(self.lead_steps[m], 2.0 / self.slow_decay - 1)
-                    bonus = math.sqrt(var / (k * self.rows[m]))
-                    out[m] = min(out[ref] + lead + bonus, float(max_tokens(m, self.table)))
+                    ref, lead, _ = self.lead[m]
+                    out[m] = min(out[ref] + lead, float(max_tokens(m, self.table)))
                     continue
-                target = self.slow[m] + bonus
+                n = min(self.seen[m], 2.0 / self.slow_decay - 1)  # effective samples of the slow average
+                target = self.slow[m] + math.sqrt(BONUS_VAR / (n * self.rows[m]))
                 keep = (1 - self.decay) ** (self.step - self.last_seen[m])
                 out[m] = target + keep * (f - target)
         return {m: out[m] for m in self.fast}

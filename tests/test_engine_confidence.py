@@ -138,6 +138,28 @@ def test_planner_loop_receives_the_confidence(stories_dir, stories, monkeypatch)
     assert outputs[True] == outputs[False] == want
 
 
+def test_planner_gets_the_confidence_at_t0_only_by_default(stories_dir, stories, monkeypatch):  # noqa: F811
+    """``Engine.plan_confidence``: "greedy" (default) gives the chain confidence at T = 0 and none at T > 0,
+    "always" at any temperature, "never" none."""
+    target, _, folder = stories
+    given = []
+    choose = engine_mod.StepPlanner.choose
+
+    def spy(self, predicted=None):
+        given.append(predicted is not None)
+        return choose(self, predicted)
+
+    monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy)
+    for temperature, setting, want in ((0.0, "greedy", True), (1.0, "greedy", False), (1.0, "always", True),
+                                       (0.0, "never", False)):
+        eng = _engine(stories_dir, folder, budget="auto")
+        eng._step_costs = lambda B, params: {m: 1.0 + 0.1 * (m[0] != "ar") for m in eng.plan_modes}
+        eng.plan_online, eng.plan_confidence = False, setting
+        given.clear()
+        eng.generate(PROMPTS[:2], SamplingParams(temperature=temperature, max_new_tokens=24, seed=1), concurrency=2)
+        assert any(given) == want, (temperature, setting, given)
+
+
 def test_planner_loop_times_each_step_as_its_own_mode(stories_dir, stories, monkeypatch):  # noqa: F811
     """The pipelined planner loop observes step k after launching step k + 1; on the CPU a step runs inside its
     launch call, so each observed time must be the launch-to-launch interval of that step's own mode (the loop
