@@ -153,7 +153,7 @@ def test_planner_gets_the_confidence_at_t0_only_by_default(stories_dir, stories,
     for temperature, setting, want in ((0.0, "greedy", True), (1.0, "greedy", False), (1.0, "always", True),
                                        (0.0, "never", False)):
         eng = _engine(stories_dir, folder, budget="auto")
-        eng._step_costs = lambda B, params: {m: 1.0 + 0.1 * (m[0] != "ar") for m in eng.plan_modes}
+        eng._step_costs = lambda B, params, modes=eng.plan_modes: {m: 1.0 + 0.1 * (m[0] != "ar") for m in modes}
         eng.plan_online, eng.plan_confidence = False, setting
         given.clear()
         eng.generate(PROMPTS[:2], SamplingParams(temperature=temperature, max_new_tokens=24, seed=1), concurrency=2)
