@@ -31,7 +31,9 @@ from dspine.sampling import DRAFT_TEMPERATURE_HELP, SamplingParams
 from dspine.stats import AcceptStats
 
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
-PROFILE_KEYS = ("prefill_s", "launch_s", "wait_s", "host_s")  # Engine.loop_profile, summed per task in the JSON
+# Engine.loop_profile, summed per task in the JSON (admit_*: CUDA only, the part of prefill_s spent waiting for
+# the steps in flight, and the admissions' device time)
+PROFILE_KEYS = ("prefill_s", "launch_s", "wait_s", "host_s", "admit_wait_s", "admit_device_s")
 
 
 def parse_drafts(values: list[str] | None) -> dict[str, str]:

@@ -287,7 +287,8 @@ class Engine:
         self.lm_head_tune = self.device.type == "cuda" and self.impl == "triton" and not self.exact
         self.lm_head_timer = None  # timer(name, fn) -> µs for lm_head.pick (None: CUDA events)
         # the last generate call's loop: seconds launching steps, waiting for the device's flags, in host
-        # bookkeeping (flags, harvest), admitting (prefill); steps, wall_s, tokens (benchmarks, --profile)
+        # bookkeeping (flags, harvest), admitting (prefill); steps, wall_s, tokens (benchmarks, --profile); on CUDA
+        # admit_wait_s (of prefill_s, waiting for the steps in flight) and admit_device_s (the admissions' device time)
         self.loop_profile: dict = {}
         # benchmarks: time every decode step on the device too (CUDA events around each step of the loop without
         # a planner: loop_profile["device_step_s"], their sum, and "device_loop_s", first step's start to the last
@@ -1052,6 +1053,8 @@ class Engine:
         s.done.fill_(1)
         s.nonfinite.zero_()
 
+        admit_wait, events = [0.0], []  # seconds waiting for steps in flight; CUDA events around each admission
+
         def admit(free: list[int]):
             nonlocal prefill_s
             tp = time.perf_counter()
@@ -1062,7 +1065,15 @@ class Engine:
                 owner[b], prompt = queue.popleft()
                 items.append((b, prompt))
             if items:
+                if self.device.type == "cuda":  # the wait for the steps in flight (the admission's first
+                    # pageable copy would wait for them anyway), apart from the admission's own host time
+                    torch.cuda.current_stream(self.device).synchronize()
+                    admit_wait[0] += time.perf_counter() - tp
+                    events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                    events[-1][0].record()
                 self._admit(s, items, params, spec, kv, draft_cache, [seeds[owner[b]] for b, _ in items])
+                if self.device.type == "cuda":
+                    events[-1][1].record()
             prefill_s += time.perf_counter() - tp
 
         admit(list(range(B)))
@@ -1082,7 +1093,8 @@ class Engine:
                 self.plan_token_memory[self._plan_key(B, params)] = planner.token_state()
         elapsed = time.perf_counter() - t0
         self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed,
-                                 tokens=sum(len(r) for r in results))
+                                 tokens=sum(len(r) for r in results), admit_wait_s=admit_wait[0],
+                                 admit_device_s=sum(a.elapsed_time(b) for a, b in events) / 1e3)
         return GenerationResult(results, reasons, stats, elapsed, prefill_s, n_steps)
 
 
