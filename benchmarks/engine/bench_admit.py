@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--counts", default="1,2,8,32", help="prompts admitted at once")
     ap.add_argument("--prompt-len", type=int, default=160, help="tokens per prompt (random ids)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--profile", action="store_true", help="torch profiler table of one admission of 2 prompts")
+    ap.add_argument("--profile", action="store_true", help="torch profiler table of one speculative admission of 2 prompts (1 if --counts is 1)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.counts.split(",")]
@@ -100,10 +100,11 @@ def main(argv=None) -> int:
     out = {**provenance(), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dtype": str(dtype), "target": args.target, "draft": args.draft, "rows": rows}
     if args.profile:
-        items = [(b, torch.randint(10, V, (args.prompt_len,), generator=g).tolist()) for b in range(2)]
+        k = min(2, B)
+        items = [(b, torch.randint(10, V, (args.prompt_len,), generator=g).tolist()) for b in range(k)]
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with torch.profiler.profile(activities=acts) as prof:
-            eng._admit(s, items, params, True, kv, dcache, [0, 1])
+            eng._admit(s, items, params, True, kv, dcache, list(range(k)))
             if dev.type == "cuda":
                 torch.cuda.synchronize()
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
