@@ -115,6 +115,8 @@ def bench_base(args, concurrency: int = 1, temperature: float = 0.0) -> list[str
         base += ["--top-p", "0.95", "--top-k", "20"]
     if args.data_dir:
         base += ["--data-dir", args.data_dir]
+    if args.prefill_buckets is not None:
+        base += ["--prefill-buckets" if args.prefill_buckets else "--no-prefill-buckets"]
     if args.tiny:
         base += ["--backend", "cuda", "--device", "cpu", "--dtype", "fp32", "--no-chat-template"]
     else:
@@ -208,6 +210,8 @@ def main(argv=None) -> int:
         "--merge", action="store_true", help="update an existing --output file with the parts run now"
     )
     ap.add_argument("--keep-runs", default=None, metavar="DIR", help="keep each infer.bench JSON in DIR")
+    ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
+                    help="passed to every infer.bench run (default: the engine's)")
     args = ap.parse_args(argv)
     if (args.smollm2 is None) != (args.draft is None):
         ap.error("--smollm2 and --draft go together")
