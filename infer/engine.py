@@ -288,7 +288,8 @@ class Engine:
         self.lm_head_timer = None  # timer(name, fn) -> µs for lm_head.pick (None: CUDA events)
         # the last generate call's loop: seconds launching steps, waiting for the device's flags, in host
         # bookkeeping (flags, harvest), admitting (prefill); steps, wall_s, tokens (benchmarks, --profile); on CUDA
-        # admit_wait_s (of prefill_s, waiting for the steps in flight) and admit_device_s (the admissions' device time)
+        # admit_wait_s (of prefill_s, waiting for the steps in flight) and admit_device_s (the admissions' device time);
+        # admits: the admissions (prefill calls) of the call
         self.loop_profile: dict = {}
         # benchmarks: time every decode step on the device too (CUDA events around each step of the loop without
         # a planner: loop_profile["device_step_s"], their sum, and "device_loop_s", first step's start to the last
@@ -1053,7 +1054,8 @@ class Engine:
         s.done.fill_(1)
         s.nonfinite.zero_()
 
-        admit_wait, events = [0.0], []  # seconds waiting for steps in flight; CUDA events around each admission
+        # seconds waiting for steps in flight; CUDA events around each admission; admissions (prefill calls)
+        admit_wait, events, admits = [0.0], [], [0]
 
         def admit(free: list[int]):
             nonlocal prefill_s
@@ -1065,6 +1067,7 @@ class Engine:
                 owner[b], prompt = queue.popleft()
                 items.append((b, prompt))
             if items:
+                admits[0] += 1
                 if self.device.type == "cuda":  # the wait for the steps in flight (the admission's first
                     # pageable copy would wait for them anyway), apart from the admission's own host time
                     torch.cuda.current_stream(self.device).synchronize()
@@ -1094,7 +1097,7 @@ class Engine:
         elapsed = time.perf_counter() - t0
         self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed,
                                  tokens=sum(len(r) for r in results), admit_wait_s=admit_wait[0],
-                                 admit_device_s=sum(a.elapsed_time(b) for a, b in events) / 1e3)
+                                 admit_device_s=sum(a.elapsed_time(b) for a, b in events) / 1e3, admits=admits[0])
         return GenerationResult(results, reasons, stats, elapsed, prefill_s, n_steps)
 
 

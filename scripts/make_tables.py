@@ -512,6 +512,14 @@ def verify_section() -> list[str]:
         out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
                    f"{p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | {p['planner_over_best_static']:.3f} — "
                    f"{ok(p['planner_over_best_static'] >= 0.98)} | {share} | `{p['provenance']['commit'][:7]}` |")
+    if v.get("planner_note"):
+        out += ["", v["planner_note"]]
+    for key, label in (("planner_before_paired", "Before this session's planner (no paired observations)"),
+                       ("planner_first_paired", "The first paired planner (a bonus on the lead, the confidence at T = 1)")):
+        if v.get(key):
+            out += ["", f"{label}, planner ÷ best fixed: " + ", ".join(
+                f"c{p['concurrency']} T{p['temperature']:g} {p['planner_over_best_static']:.3f} "
+                f"(`{p['provenance']['commit'][:7]}`)" for p in v[key]) + "."]
     out += ["", v.get("note", ""), "", "Commands: " + "; ".join(f"`{c}`" for c in v["commands"]), ""]
     r = load("verify-planner-h200.json")
     if r:
