@@ -254,7 +254,7 @@ class Engine:
         # when the planner gets the draft's chain confidence (_decode_planned): "greedy" (T = 0 only), "always",
         # "never". At T > 0 it is Π q(sampled token), not the acceptance Σ min(p, q) it would have to predict:
         # on the H200 (SmolLM2, concurrency 1, T = 1, 5 tasks x 5 prompts, 512 tokens) the planner given it took
-        # AR at 34% of its steps and ran 0.92 x the fixed tree (results/verify-h200.json, planner_confidence_T1)
+        # AR at 34% of its steps and ran 0.92 x the fixed tree (results/verify-h200.json, planner_first_paired; 1.001 x without it)
         self.plan_confidence = "greedy"
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
         # before the first generate at that batch size; later changes do not reach slots already made
@@ -1033,8 +1033,8 @@ class Engine:
         kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
         planner = StepPlanner(self._step_costs(B, params)) if spec and self.budget == "auto" else None
+        key = self._plan_key(B, params)
         if planner is not None:  # what the previous generate at this key learned (infer.planner, "Across calls")
-            key = self._plan_key(B, params)
             if self.plan_online and key in self.plan_cost_memory:
                 planner.load_cost_state(self.plan_cost_memory[key])
             if self.plan_memory and key in self.plan_token_memory:
@@ -1091,9 +1091,9 @@ class Engine:
         self.planner_report = planner.report() if planner is not None else None
         if planner is not None:
             if self.plan_online:
-                self.plan_cost_memory[self._plan_key(B, params)] = planner.cost_state()
+                self.plan_cost_memory[key] = planner.cost_state()
             if self.plan_memory:
-                self.plan_token_memory[self._plan_key(B, params)] = planner.token_state()
+                self.plan_token_memory[key] = planner.token_state()
         elapsed = time.perf_counter() - t0
         self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed,
                                  tokens=sum(len(r) for r in results), admit_wait_s=admit_wait[0],

@@ -94,9 +94,9 @@ rounding of a different attention kernel). The engine counts them inside the tre
 observes a tree step, gives the planner what every chain mode the tree covers (``min(K, N - 1) ≥ n - 1``)
 would have committed, capped like the tree by EOS and ``max_new_tokens``. The planner then (a) updates the
 chain's averages as if it had run, (b) keeps, per tree mode, the slow average of its *lead* over the chain on
-the same steps (tree tokens − chain tokens) and the variance of that lead, and estimates the tree as the
-chain's current estimate + the lead + ``√(var / (n·r̄))`` (n the lead's effective samples), instead of
-relaxing the tree's own average towards its long-run mean, and (c) never probes a mode paired within the
+the same steps (tree tokens − chain tokens), and estimates the tree as the chain's current estimate + the
+lead (no bonus: rule 3's probes explore it), instead of relaxing the tree's own average towards its
+long-run mean, and (c) never probes a mode paired within the
 last ``PAIRED_FRESH`` steps and timed once (its tokens are being observed; it runs when it is the best). A
 passage's difficulty is then read from both modes' steps while the tree's lead, which changes slowly, is
 learned from every tree step. Without them (issue 16, concurrency 1, T = 0) the planner ran 0.92 × the
@@ -243,9 +243,9 @@ class StepPlanner:
         self.paired: Counter = Counter()  # paired observations per mode (observe_paired)
         self.last_predicted: float | None = None  # the confidence given with the step observed last
         self.last_observed: tuple[Mode, float] = (("ar", 1), 1.0)  # the step observed last: mode, tokens
-        # run mode -> (paired mode, slow averages of the run mode's tokens minus the paired mode's on the same
-        # steps and of that difference's squared deviation): module docstring, "Paired observations"
-        self.lead: dict[Mode, tuple[Mode, float, float]] = {}
+        # run mode -> (paired mode, slow average of the run mode's tokens minus the paired mode's on the same
+        # steps): module docstring, "Paired observations"
+        self.lead: dict[Mode, tuple[Mode, float]] = {}
         self.lead_steps: Counter = Counter()  # paired steps behind each lead
         self.untimed = 0  # steps observed without a time
         self.step = 0
@@ -282,7 +282,7 @@ class StepPlanner:
         """Expected committed tokens per request per step of each mode (``None``: never run): the fast
         average, relaxing towards the slow one plus its standard error by ``1 - decay`` per step the mode
         is not run (module docstring, "Averages"); for a mode with a lead over a paired mode, that mode's
-        estimate + the lead + the lead's standard error ("Paired observations")."""
+        estimate + the lead ("Paired observations")."""
         out = {}
         for m in sorted(self.fast, key=lambda m: m in self.lead):  # a paired mode before the modes scaled by it
             f = self.fast[m]
@@ -292,7 +292,7 @@ class StepPlanner:
                 if m in self.lead and out.get(self.lead[m][0]) is not None:
                     # the paired mode's estimate now plus this mode's average lead over it (module docstring,
                     # "Paired observations"): the passage is read from both modes' steps
-                    ref, lead, _ = self.lead[m]
+                    ref, lead = self.lead[m]
                     out[m] = min(out[ref] + lead, float(max_tokens(m, self.table)))
                     continue
                 n = min(self.seen[m], 2.0 / self.slow_decay - 1)  # effective samples of the slow average
@@ -404,9 +404,8 @@ class StepPlanner:
             if run[0] != "ar" and run != mode:  # the run mode's lead over this one, a slow average
                 n = self.lead_steps[run] = self.lead_steps[run] + 1
                 w = max(self.slow_decay, 1.0 / n)
-                _, lead, var = self.lead.get(run, (mode, 0.0, BONUS_VAR))
-                d = x_run - tokens_per_request - lead
-                self.lead[run] = (mode, lead + w * d, var + w * (d * d - var))
+                lead = self.lead.get(run, (mode, 0.0))[1]
+                self.lead[run] = (mode, lead + w * (x_run - tokens_per_request - lead))
 
     def cost_state(self) -> dict:
         """The online cost model (measured ÷ table ratios, their timing counts and first timings), for
