@@ -273,10 +273,12 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
     assert rep["ar"]["measured_ms"] * rep["ar"]["steps"] < wall_ms, (rep, wall_ms)
     cold_ar = rep["ar"]["steps"]
     assert cold_ar >= 3  # the cold start's timed AR steps
-    # the next call starts from what this one learned (infer.planner, "Across calls"): no AR step to time, the
-    # speculative mode it found best (2+ tokens a step, at a measured cost below 2 AR steps here) from the start
+    # the next call starts from what this one learned (infer.planner, "Across calls"): the memory holds this
+    # call's token averages exactly (what it learned depends on this CPU's step times) and AR's timings
     memory, learned = eng.plan_cost_memory[key], eng.plan_token_memory[key]["slow"]
-    assert memory["timed"][("ar", 1)] >= 3 and max(x or 0 for m, x in learned.items() if m[0] != "ar") > 2
+    assert memory["timed"][("ar", 1)] >= 3
+    assert {f"{m[0]}{m[1] if m[0] != 'ar' else ''}": x for m, x in learned.items()} == {
+        k: e["tokens_per_step"] for k, e in rep.items()}
     res = eng.generate(PROMPTS, params, concurrency=3)
     # (no first AR steps to time; on a loaded CPU the measured costs may still make AR the best mode)
     assert res.token_ids == want and eng.planner_report["ar"]["steps"] <= cold_ar, eng.planner_report
