@@ -247,9 +247,10 @@ class Runner:
             r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
             if dec.planner_report is not None:  # the planner's choices, summed over the task's calls
                 for mode, e in dec.planner_report.items():
-                    tot = self.planner_steps.setdefault(label, {}).setdefault(mode, {"steps": 0, "paired": 0})
+                    tot = self.planner_steps.setdefault(label, {}).setdefault(
+                        mode, {"steps": 0, "drain_steps": 0, "paired": 0})
                     tot.update(step_ms=e["step_ms"], measured_ms=e["measured_ms"], steps=tot["steps"] + e["steps"],
-                               paired=tot["paired"] + e["paired"])
+                               drain_steps=tot["drain_steps"] + e["drain_steps"], paired=tot["paired"] + e["paired"])
             prof = {k: dec.loop_profile.get(k, 0.0) for k in PROFILE_KEYS}
             return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt), prof
         if label is not None:

@@ -265,6 +265,9 @@ class Engine:
         self.plan_cost_memory: dict[tuple, dict] = {}  # StepPlanner.cost_state() of the last generate
         self.plan_token_memory: dict[tuple, dict] = {}  # StepPlanner.token_state() of the last generate
         self.plan_memory = True  # False: every generate's planner starts with no token averages
+        # once no prompt is queued, the planner compares modes on the time to finish the last live request
+        # (infer.planner, "Drain"); False: on tokens per millisecond to the end
+        self.plan_drain = True
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
         self.eos_set = set(int(e) for e in eos_token_ids)
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -647,10 +650,10 @@ class Engine:
         lens = [len(x) for _, x in items]
         # one host-to-device copy for all prompts (a pageable copy syncs: once, not once per prompt)
         ids = list(torch.tensor([t for _, prompt in items for t in prompt], dtype=torch.long, device=dev).split(lens))
+        appended = False  # the draft-context K/V already written (inside the bucketed prefill)
         if self.prefill_buckets:  # one padded pass per prompt (a CUDA graph per length bucket)
-            outs = [self._prefill_bucketed(x, b, kv, spec) for x, b in zip(ids, slots)]
-            logits = torch.cat([o[0] for o in outs])
-            feats = torch.cat([o[1] for o in outs]) if outs[0][1] is not None else None
+            outs = [self._prefill_bucketed(x, b, kv, spec, draft_cache if spec else None) for x, b in zip(ids, slots)]
+            logits, feats, appended = torch.cat([o[0] for o in outs]), None, spec
         elif self.exact:  # one pass per prompt: its prefill must not depend on the prompts admitted with it
             outs = [self.target.prefill_packed([x], [b], kv, want_features=spec) for x, b in zip(ids, slots)]
             logits = torch.cat([o[0] for o in outs])
@@ -668,15 +671,17 @@ class Engine:
                            ids, impl=self.impl)
         s.anchor[idx] = first
         lengths = torch.tensor(lens, dtype=torch.int32, device=dev)
-        s.lengths[idx] = 0 if spec else lengths
+        if not appended:  # (the bucketed prefill set the draft-context lengths it wrote)
+            s.lengths[idx] = 0 if spec else lengths
         s.out_tokens[idx, 0] = first
         s.out_len[idx] = 1
         s.max_new[idx] = params.max_new_tokens
         s.done[idx] = (torch.isin(first, self.eos) | (params.max_new_tokens <= 1)).to(torch.int8)
         s.hist[idx] = 0
         if spec:  # the prompts' context K/V, padded to [n, max P, k·H]; lengths become P
-            padded = torch.nn.utils.rnn.pad_sequence(list(feats.split(lens)), batch_first=True)
-            draft_cache.append(padded, lengths, rows=idx, impl=self.impl)
+            if not appended:
+                padded = torch.nn.utils.rnn.pad_sequence(list(feats.split(lens)), batch_first=True)
+                draft_cache.append(padded, lengths, rows=idx, impl=self.impl)
             if s.pend_count is not None:
                 # the planner's deferred AR appends (_ar_step): an admitted slot's pending features are its
                 # finished request's, and a later flush would write them at lengths - pend_count, over the
@@ -684,7 +689,8 @@ class Engine:
                 # keep theirs for the next flush; this also clears what a previous generate left pending)
                 s.pend_count[idx] = 0
 
-    def _prefill_bucketed(self, x: torch.Tensor, slot: int, kv: KVCache, want_features: bool):
+    def _prefill_bucketed(self, x: torch.Tensor, slot: int, kv: KVCache, want_features: bool,
+                          draft_cache: DraftCache | None = None):
         """Prefill prompt ``x [P]`` (int64, on the device) into batch slot ``slot`` through
         :meth:`EngineTarget.prefill_static` at its length bucket: a replay of the bucket's CUDA graph (captured
         here at the bucket's first prompt, on this slot, which is being admitted: the capture's warm-up writes
@@ -692,20 +698,41 @@ class Engine:
         features ``[P, k·H]`` (or None), copied out of the graph's static outputs. ``kv`` (a view of the
         first slots) shares the engine cache's storage; the graph runs on the whole cache, so one graph per
         bucket serves every slot and batch size. A prompt longer than ``infer.model.PREFILL_BUCKET_MAX`` takes
-        the unpadded pass (:meth:`EngineTarget.prefill_packed`) instead."""
+        the unpadded pass (:meth:`EngineTarget.prefill_packed`) instead.
+
+        ``draft_cache`` (with ``want_features``; a view of the first B slots whose lengths are the slots'): the
+        prompt's draft-context K/V are written in the same pass (the slot's length set to 0, then the append of
+        the first P feature rows, the padding's rows going to the scratch slot), inside the graph, and the
+        features are not returned (None). One graph per bucket and batch size B then: the graph holds the
+        B slots' length tensor. The eager append of a single admitted prompt is ~30 launches and costs
+        1.5-2.5 ms of host time on SmolLM2 (results/admit-h200.json), about what the graphed target prefill
+        takes."""
         P = int(x.shape[0])
+        dev = self.device
         if P > infer_model.PREFILL_BUCKET_MAX:  # beyond the buckets: the unpadded pass, eagerly
             logits, feats = self.target.prefill_packed([x], [slot], kv, want_features=want_features)
+            if draft_cache is not None:
+                rows = torch.tensor([slot], device=dev)
+                draft_cache.lengths[rows] = 0
+                draft_cache.append(feats[None], torch.tensor([P], device=dev), rows=rows, impl=self.impl)
+                feats = None
             return logits, feats
         kv = self.cache
         Pb = infer_model.prefill_bucket(P, kv.seq)
-        key = (Pb, want_features)
+        key = (Pb, want_features, None if draft_cache is None else int(draft_cache.lengths.shape[0]))
         entry = self._prefill_graphs.get(key)
         if entry is None:
-            dev = self.device
             inputs = (torch.zeros(Pb, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
                       torch.zeros(1, dtype=torch.long, device=dev))
-            fn = lambda: self.target.prefill_static(*inputs, kv, want_features)  # noqa: E731
+
+            def fn(dc=draft_cache):
+                logits, feats = self.target.prefill_static(*inputs, kv, want_features)
+                if dc is not None:  # rerunnable: the slot's length is reset before the append
+                    dc.lengths.index_fill_(0, inputs[1], 0)
+                    dc.append(feats[None], inputs[2] + 1, rows=inputs[1], impl=self.impl)
+                    feats = None
+                return logits, feats
+
             graph = None
             if self.cuda_graphs:
                 inputs[1].fill_(slot)
@@ -922,9 +949,21 @@ class Engine:
         # cache views and checks the LM-head choices on every call, ~70 µs of host time a step (SmolLM2, CPU
         # host), which a host-bound step at concurrency 1 pays in full; _decode_pipelined fetches its step once
         runners: dict = {}
+        # per slot, its request's chain(-equivalent) committed tokens and steps: chain steps, and the chain nodes of
+        # tree steps (the drain rule, infer.planner "Drain"); reset when the slot is refilled
+        row_tokens, row_steps, row_sq = [0] * B, [0] * B, [0] * B
+        cap = max((m[1] for m in chains), default=0)  # the longest chain mode: a tree step's chain-equivalent
         while True:
             t0 = time.perf_counter()
-            mode = planner.choose(predicted)
+            drain = None
+            if self.plan_drain and not queue and base is not None:
+                # the batch's requests: (tokens it may still commit, chain tokens, steps, tokens²); 0 to commit once
+                # finished (its slot keeps its counts until refilled); a slot refilled after the snapshot read
+                # last has committed only its first token
+                drain = [(0 if owner[b] is None or not (base[1][b] or base[2][b] != owner[b]) else
+                          params.max_new_tokens - (base[0][b] if base[2][b] == owner[b] else 1),
+                          row_tokens[b], row_steps[b], row_sq[b]) for b in range(B) if owner[b] is not None or row_steps[b]]
+            mode = planner.choose(predicted, drain)
             self.last_confidence = predicted  # tests, debugging
             launched.append((mode, time.perf_counter()))
             if ar_pending and (mode[0] != "ar" or ar_pending == s.pend_max):
@@ -959,12 +998,18 @@ class Engine:
                     planner.observe(done_mode, sum(done) / len(rows), ms, len(rows))
                     if done_mode[0] != "ar":
                         c = sum(conf[b] for b in rows) / len(rows)
+                        chain_done = done
                         if done_mode[0] == "tree":  # committed as the chain, capped by the tree's (EOS, max_new)
                             acc = vals[3 * B + 2 :]
                             for m in chains:
                                 if min(self.block_size - 1, done_mode[1] - 1) >= m[1] - 1:
                                     x = sum(min(acc[b] + 1, m[1], d) for b, d in zip(rows, done)) / len(rows)
                                     planner.observe_paired(m, x, len(rows))
+                            chain_done = [min(acc[b] + 1, cap, d) for b, d in zip(rows, done)] if cap else ()
+                        for b, d in zip(rows, chain_done):
+                            row_tokens[b] += d
+                            row_steps[b] += 1
+                            row_sq[b] += d * d
                         if self.plan_confidence == "always" or (self.plan_confidence == "greedy" and params.greedy):
                             predicted = {m: c for m in self.plan_modes if m[0] != "ar"}
                 else:
@@ -979,6 +1024,8 @@ class Engine:
             t3 = time.perf_counter()
             if self._refill_now(queue, free, refill, B):
                 admit(free)
+                for b in free:
+                    row_tokens[b] = row_steps[b] = row_sq[b] = 0
                 # the snapshot after this step and the refill (same buffer: stream order, last wins); its
                 # interval holds the prefill, so the step it closes is observed without a time
                 nxt = [bufs[cur], snapshot(bufs[cur]), list(owner), True]

@@ -115,6 +115,20 @@ was about 165 steps, of which the cold start's AR steps and probes took several 
 restores the acceptance memory after each untimed warm-up pass, so a timed pass never learns from its own
 prompts, only from the tasks before it.
 
+Drain: while requests wait to be admitted, a finished request's slot is refilled, so the tokens committed per
+millisecond are what to maximise. Once none waits, the batch keeps its size (a finished row's slot idles in every
+step) and the call ends with its last request, so the rule compares the modes on the time to finish that one:
+per request of the batch, the engine gives the tokens it may still commit (0 once finished) and its
+chain(-equivalent) acceptance (chain steps, and the chain nodes of tree steps); :func:`drain_tokens` maps each speculative mode's estimate to
+what it commits per step for the request that would finish last under it, and rule 1-3 run on those values.
+Requests differ: the rows left in a batch's tail are the hard ones, and a mode that commits more tokens per
+millisecond on average can still take longer to finish them (issue 16, concurrency 64, T = 0, 64 prompts of 256
+tokens: the planner ran the chain, whose batch average beat AR's rate by 1.5 ×, yet AR finished 4 of 5 tasks
+1.1-1.3 × sooner; on math500 the chain needed 147 steps for the last request's 256 tokens, 1.74 per step, where
+its step costs 2 AR steps). A request's own acceptance is shrunk towards the batch's pooled one as far as
+the requests' spread is explained by chance (one request's tokens per step are noisy, and the rule looks at the
+extreme request).
+
 ``benchmarks/engine/sim_planner.py`` replays the recorded H200 cost tables with a synthetic acceptance
 process, a true step time that differs from the table (factors per mode, host time, context growth,
 timer noise) and a miscalibrated confidence; it reports this planner and the table-only one.
@@ -198,6 +212,58 @@ def choose_mode(
     return best, 0.0, rate
 
 
+def drain_tokens(tokens: dict[Mode, float | None], drain, modes) -> dict[Mode, float | None]:
+    """Token estimates for the drain rule (module docstring, "Drain"): each speculative mode's ``tokens`` mapped
+    to the AR-equivalent tokens per step of the request that would finish last under it.
+
+    Args:
+        tokens: committed tokens per request per step of each mode (``None``: unknown), the batch's estimate.
+        drain: one ``(remaining, chain_tokens, chain_steps, chain_tokens_sq)`` per request in the batch: the
+            tokens it may still commit (``max_new_tokens`` − committed; 0 once finished), and the sum, count and
+            sum of squares of the tokens its chain(-equivalent) steps committed.
+        modes: the cost table's modes (:func:`max_tokens`).
+    Returns:
+        ``R / max_i(remaining_i / τ_i(m))`` per mode over the live requests (remaining > 0), R their largest
+        remaining: AR's 1 stays 1, and with equal requests a mode keeps its ``tokens``.
+        ``τ_i(m) = 1 + (tokens[m] − 1) × g_i`` (clipped to [1, max_tokens]), ``g_i = â_i / ā``: ā the accepted
+        draft tokens per chain step pooled over every request of the batch, finished ones included (the
+        requests the batch's averages were made of: once the easy requests are done, the estimate they raised
+        is scaled down for the hard ones left); â_i request i's own mean a_i shrunk towards ā by the empirical
+        Bayes weight ``v / (v + s² / n_i)`` (s² the within-request variance of a step's tokens, pooled; v the
+        variance between requests, the spread of the a_i less the part s² / n_i explains, at least 0), so
+        requests that differ only by chance are not told apart: the rule looks at the extreme request, and
+        without shrinking the unluckiest of 64 equal requests would stand for the batch. Unchanged with no live
+        request or no chain step yet.
+    """
+    live = [d for d in drain if d[0] > 0]
+    steps = sum(d[2] for d in drain)
+    pooled = sum(d[1] - d[2] for d in drain) / steps if steps else 0.0  # accepted draft tokens per chain step
+    if not live or pooled <= 0:
+        return dict(tokens)
+    seen = [d for d in drain if d[2]]
+    many = [d for d in seen if d[2] > 1]
+    dof = sum(d[2] - 1 for d in many)
+    within = (sum(q - t * t / n for _, t, n, q in many) / dof if dof else pooled * (1 + pooled))  # geometric's
+    between = max(0.0, sum(((t - n) / n - pooled) ** 2 - within / n for _, t, n, _ in seen) / len(seen))
+
+    def shrunk(t, n):
+        if not n or not between:
+            return pooled
+        return pooled + between / (between + within / n) * ((t - n) / n - pooled)
+
+    g = [shrunk(t, n) / pooled for _, t, n, _ in live]
+    R = max(d[0] for d in live)
+    out = {}
+    for m, x in tokens.items():
+        if x is None or m[0] == "ar":
+            out[m] = x
+            continue
+        cap = float(max_tokens(m, modes))
+        worst = max(d[0] / min(max(1.0 + (x - 1.0) * gi, 1.0), cap) for d, gi in zip(live, g))
+        out[m] = R / worst
+    return out
+
+
 class StepPlanner:
     """Chooses one mode per engine step (module docstring).
 
@@ -248,13 +314,15 @@ class StepPlanner:
         self.lead: dict[Mode, tuple[Mode, float]] = {}
         self.lead_steps: Counter = Counter()  # paired steps behind each lead
         self.untimed = 0  # steps observed without a time
+        self.drain_choices: Counter = Counter()  # choices made under the drain rule, per mode
         self.step = 0
         self.spent_ms = 0.0  # step time of the modes run (measured where given, else estimated)
         self.lost_ms = 0.0  # time lost to probes against the best mode (negative: probes gained)
         # choices not yet observed, oldest first (the engine observes a step one step late, after it has
-        # chosen the next): mode, its estimated ms, its predicted tokens, its probe (charged loss, best rate)
+        # chosen the next): mode, its estimated ms, its predicted tokens, its probe (charged loss, best rate, the
+        # drain rule's tokens ÷ the mode's estimate when chosen)
         # (at most PENDING kept: a caller that never observes does not grow it)
-        self.pending: deque[tuple[Mode, float, float | None, tuple[float, float] | None]] = deque(maxlen=PENDING)
+        self.pending: deque[tuple[Mode, float, float | None, tuple[float, float, float] | None]] = deque(maxlen=PENDING)
 
     @property
     def costs(self) -> dict[Mode, float]:
@@ -315,15 +383,19 @@ class StepPlanner:
         tok = self.tokens[mode]
         return None if tok is None else tok / self.costs[mode]
 
-    def choose(self, predicted: dict[Mode, float] | None = None) -> Mode:
+    def choose(self, predicted: dict[Mode, float] | None = None, drain=None) -> Mode:
         """The mode for this step. ``predicted``: optional confidence, committed tokens per request per
-        speculative mode this step would commit (bonus included), calibrated online."""
+        speculative mode this step would commit (bonus included), calibrated online. ``drain``: no request
+        waiting to be admitted, one ``(remaining tokens, chain tokens, chain steps, chain tokens²)`` per request
+        of the batch (:func:`drain_tokens`): the modes are compared on the time to finish the last live one (module
+        docstring, "Drain"); None: on tokens per millisecond."""
         costs = self.costs
         timed = [m for m in self.table if self.timed[m]]
         # nothing timed yet and a step in flight (a pipelined caller): the decode's first mode again, until it is
         # timed or FIRST_TIMED steps came back without a time (a caller that never times: table only)
         if not timed and self.pending and self.untimed < FIRST_TIMED:
             timed = [self.pending[0][0]]
+        scale = 1.0
         if len(timed) == 1 and self.timed[timed[0]] < FIRST_TIMED:  # the decode's first mode: 3 timings first
             mode, loss, rate = timed[0], 0.0, None
         else:
@@ -333,15 +405,21 @@ class StepPlanner:
             # a mode paired within the last steps and timed once is not probed: its tokens are being observed
             settled = frozenset(m for m in self.table if self.paired[m] and self.timed[m]
                                 and self.step - self.last_seen[m] <= PAIRED_FRESH)
+            tokens = raw = self.expected(predicted)
+            if drain is not None:
+                tokens = drain_tokens(raw, drain, self.table)
             mode, loss, rate = choose_mode(
-                costs, self.expected(predicted), self.spent_ms, math.inf if probing else self.lost_ms, **self.rule,
-                settled=settled,
+                costs, tokens, self.spent_ms, math.inf if probing else self.lost_ms, **self.rule, settled=settled,
             )
+            if drain is not None:
+                self.drain_choices[mode] += 1
+                if raw.get(mode):  # a probe is settled in the same terms: its tokens as the drain rule counts them
+                    scale = tokens[mode] / raw[mode]
         self.step += 1
         self.spent_ms += costs[mode]
         self.lost_ms += loss
         # a probe is charged what it is expected to lose; observe() settles the charge with what it committed
-        probe = (loss, rate) if loss > 0 else None
+        probe = (loss, rate, scale) if loss > 0 else None
         self.pending.append((mode, costs[mode], (predicted or {}).get(mode), probe))
         self.choices[mode] += 1
         return mode
@@ -384,8 +462,8 @@ class StepPlanner:
         else:
             ms = est_ms
         if probe is not None:
-            loss, rate = probe  # settle: the real loss of this probe, a lucky one gives time back
-            self.lost_ms += ms - tokens_per_request / rate - loss
+            loss, rate, scale = probe  # settle: the real loss of this probe, a lucky one gives time back
+            self.lost_ms += ms - scale * tokens_per_request / rate - loss
         self.last_predicted, self.last_observed = predicted, (mode, tokens_per_request)
         if mode[0] != "ar":
             self._record(mode, tokens_per_request, rows, predicted)
@@ -464,15 +542,16 @@ class StepPlanner:
         self.fast[mode] = x if old is None else old + w * (x - old)
 
     def report(self) -> dict:
-        """``{mode name: {"steps", "paired", "step_ms", "measured_ms", "tokens_per_step", "calibration"}}``,
-        e.g. ``"tree32"``: ``steps`` the steps it ran, ``paired`` the paired observations it got from steps
-        of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
+        """``{mode name: {"steps", "drain_steps", "paired", "step_ms", "measured_ms", "tokens_per_step",
+        "calibration"}}``, e.g. ``"tree32"``: ``steps`` the steps it ran (``drain_steps`` of them chosen by the
+        drain rule), ``paired`` the paired observations it got from steps of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
         timed), ``tokens_per_step`` the slow average (``None``: never run nor paired), ``calibration``
         realized ÷ predicted accepted tokens (``None``: no prediction given)."""
         costs = self.costs
         return {
             f"{m[0]}{m[1] if m[0] != 'ar' else ''}": {
                 "steps": self.choices[m],
+                "drain_steps": self.drain_choices[m],
                 "paired": self.paired[m],
                 "step_ms": self.table[m],
                 "measured_ms": costs[m] if self.timed[m] else None,

@@ -104,8 +104,8 @@ def test_planner_loop_receives_the_confidence(stories_dir, stories, monkeypatch)
     seen = []
     choose = engine_mod.StepPlanner.choose
 
-    def spy(self, predicted=None):
-        mode = choose(self, predicted)
+    def spy(self, predicted=None, drain=None):
+        mode = choose(self, predicted, drain)
         seen.append((predicted, mode))
         return mode
 
@@ -118,7 +118,7 @@ def test_planner_loop_receives_the_confidence(stories_dir, stories, monkeypatch)
         eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
         eng.plan_online = False
         if not with_conf:
-            monkeypatch.setattr(engine_mod.StepPlanner, "choose", lambda self, predicted=None: choose(self))
+            monkeypatch.setattr(engine_mod.StepPlanner, "choose", lambda self, predicted=None, drain=None: choose(self, None, drain))
         seen.clear()
         res = eng.generate(prompts, params, concurrency=2)
         outputs[with_conf] = res.token_ids
@@ -145,9 +145,9 @@ def test_planner_gets_the_confidence_at_t0_only_by_default(stories_dir, stories,
     given = []
     choose = engine_mod.StepPlanner.choose
 
-    def spy(self, predicted=None):
+    def spy(self, predicted=None, drain=None):
         given.append(predicted is not None)
-        return choose(self, predicted)
+        return choose(self, predicted, drain)
 
     monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy)
     for temperature, setting, want in ((0.0, "greedy", True), (1.0, "greedy", False), (1.0, "always", True),

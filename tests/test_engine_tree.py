@@ -288,6 +288,47 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
         _engine(stories_dir, folder, budget="fixed")
 
 
+def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, monkeypatch):
+    """Once no prompt is queued, the planner loop passes every request of the batch to the drain rule
+    (infer.planner, "Drain"): (tokens it may still commit, chain(-equivalent) tokens, steps, tokens²), the
+    finished ones with 0 left; before that and with ``plan_drain = False``, nothing. Output stays greedy."""
+    from infer import engine as engine_mod
+
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=40)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    seen = []
+    choose = engine_mod.StepPlanner.choose
+
+    def spy(self, predicted=None, drain=None):
+        seen.append(drain)
+        return choose(self, predicted, drain)
+
+    monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy)
+    for on in (True, False):
+        eng = second_choice_engine(_engine(stories_dir, folder, budget="auto"), [p + w for p, w in zip(PROMPTS, want)])
+        eng.PLAN_TREES = (24,)
+        eng.plan_modes = eng.plan_modes[:2] + [("tree", 24)]
+        eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
+        eng.plan_online, eng.plan_drain = False, on
+        seen.clear()
+        assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
+        rep = eng.planner_report
+        if not on:
+            assert all(d is None for d in seen) and not any(e["drain_steps"] for e in rep.values())
+            continue
+        first = next(i for i, d in enumerate(seen) if d is not None)  # the queue (6 prompts, 3 slots) ran dry
+        assert first > 3 and all(d is not None for d in seen[first:]), seen
+        assert 0 < sum(e["drain_steps"] for e in rep.values()) <= len(seen) - first
+        for d in seen[first:]:
+            assert 1 <= len(d) <= 3
+            for r, t, n, q in d:
+                assert 0 <= r <= 39 and n <= t <= 8 * n and t <= q <= 8 * t, d
+        assert seen[first] == [(39, 0, 0, 0)] * 3  # the second wave, just admitted: one token each, no step yet
+        assert any(r > 0 and n > 0 for d in seen[first:] for r, _, n, _ in d)  # live requests with chain steps
+        assert any(r == 0 for r, *_ in seen[-1]) or len(seen[-1]) == 1, seen[-1]  # a finished one is kept
+
+
 def test_engine_tree_step_counts_the_chains_accepted_tokens(stories_dir, stories):
     """--budget auto: after every tree step ``chain_acc`` holds what the chain would have accepted from the
     same draft block (leading draft argmaxes equal to the greedy continuation), and the planner gets it as a

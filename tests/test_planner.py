@@ -19,7 +19,7 @@ from benchmarks.engine.sim_planner import (
     replay,
     simulate,
 )
-from infer.planner import BONUS_VAR, StepPlanner, choose_mode, max_tokens
+from infer.planner import BONUS_VAR, StepPlanner, choose_mode, drain_tokens, max_tokens
 
 AR, CHAIN, TREE32, TREE64 = MODES
 
@@ -286,8 +286,8 @@ def test_sim_engine_confidence_is_two_steps_old_and_one_value(monkeypatch):
     seen = []
     choose = StepPlanner.choose
 
-    def spy(self, predicted=None):
-        mode = choose(self, predicted)
+    def spy(self, predicted=None, drain=None):
+        mode = choose(self, predicted, drain)
         seen.append((predicted, mode))
         return mode
 
@@ -491,3 +491,84 @@ def test_token_state_carries_the_acceptance():
     assert q.choose() == TREE32  # the chain's 3 + the lead of 1 tokens in 1.4 ms: no AR step first
     with pytest.raises(ValueError, match="not in the planner's table"):
         StepPlanner({AR: 1.0, CHAIN: 1.0}).load_token_state(state)
+
+
+def test_drain_tokens_maps_each_mode_to_the_request_that_finishes_last():
+    tokens = {AR: 1.0, CHAIN: 3.0, TREE32: None}
+    same = [(100, 30, 10, 100), (100, 30, 10, 100)]  # equal requests, no spread: every estimate unchanged
+    assert drain_tokens(tokens, same, MODES) == pytest.approx(tokens)
+    assert drain_tokens(tokens, [(0, 5, 1, 25)], MODES) == tokens  # no live request: unchanged
+    assert drain_tokens({AR: 1.0, CHAIN: 14.0}, [(50, 0, 0, 0)], MODES)[CHAIN] == 14.0  # no chain step yet
+    # request 0 accepts 2 draft tokens per chain step (always 3 tokens: no spread within), request 1 0.5
+    # (1 and 2 tokens, half each): pooled 1.25; within-request variance 2.5 / 18 per step; between requests
+    # 0.5625 - (2.5 / 18) / 10; request 1 shrunk by v / (v + s² / 10), and its chain commits 1 + 2 × g
+    mixed = [(100, 30, 10, 90), (100, 15, 10, 25)]
+    s2 = 2.5 / 18
+    v = 0.75**2 - s2 / 10
+    g1 = (1.25 - v / (v + s2 / 10) * 0.75) / 1.25
+    assert drain_tokens(tokens, mixed, MODES)[CHAIN] == pytest.approx(1 + 2 * g1)  # the slower one finishes last
+    assert drain_tokens(tokens, mixed, MODES)[AR] == 1.0 and drain_tokens(tokens, mixed, MODES)[TREE32] is None
+    # the slow request nearly done, the fast one with all its tokens to go: the fast one sets the time
+    late = [(100, 30, 10, 90), (10, 15, 10, 25)]
+    g0 = (1.25 + v / (v + s2 / 10) * 0.75) / 1.25
+    assert drain_tokens(tokens, late, MODES)[CHAIN] == pytest.approx(1 + 2 * g0)
+    # the fast request finished: still in the pooled mean, so the slow one left is scaled down from the estimate
+    assert drain_tokens(tokens, [(0, 30, 10, 90), (100, 15, 10, 25)], MODES)[CHAIN] == pytest.approx(1 + 2 * g1)
+
+
+def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True):
+    """Milliseconds to finish one batch with no queue (the batch keeps its size to the end). Request i accepts
+    each draft token with probability ``accept[i]`` (a chain of 16 commits 1 + accepted, at most 16); every
+    step costs its table time, which the planner is told."""
+    rng = random.Random(seed)
+    planner = StepPlanner(costs)
+    n = len(accept)
+    rem, tok, steps, sq, ms = [max_new] * n, [0] * n, [0] * n, [0] * n, 0.0
+    while any(rem):
+        live = [i for i in range(n) if rem[i]]
+        if fixed is None:
+            mode = planner.choose(drain=list(zip(rem, tok, steps, sq)) if drain else None)
+        else:
+            mode = fixed
+        ms += costs[mode]
+        done = []
+        for i in live:
+            a = 0
+            while mode[0] != "ar" and a < 15 and rng.random() < accept[i]:
+                a += 1
+            k = min(1 + a, rem[i])
+            rem[i] -= k
+            done.append(k)
+            if mode[0] != "ar":
+                tok[i], steps[i], sq[i] = tok[i] + k, steps[i] + 1, sq[i] + k * k
+        if fixed is None:
+            planner.observe(mode, sum(done) / len(live), costs[mode], len(live))
+    return ms
+
+
+@pytest.mark.parametrize("spread", ["equal 0.75", "equal 0.6", "uniform 0.3-0.9"])
+def test_drain_rule_finishes_the_batch_with_its_slowest_request(spread):
+    """64 requests of 256 tokens, no queue, a chain step costing 2 AR steps (issue 16's concurrency 64, T = 0).
+    Equal requests accepting 75% (60%) of draft tokens: the chain finishes first, and the drain rule keeps it:
+    the requests' spread is chance, shrunk away, so it decides as the throughput rule. Requests accepting 30-90%:
+    the batch's average favours the chain, but its hardest requests commit fewer tokens per chain step than 2:
+    AR finishes first, the throughput rule runs 1.3 × AR's time, and the drain rule finds AR."""
+    costs = {AR: 1.2, CHAIN: 2.4}
+    rng = random.Random(5)
+    accept = ([rng.uniform(0.3, 0.9) for _ in range(64)] if spread.startswith("uniform")
+              else [float(spread.split()[1])] * 64)
+    runs = {k: sum(drain_batch(costs, accept, 256, seed, **kw) for seed in range(4))
+            for k, kw in {"ar": dict(fixed=AR), "chain": dict(fixed=CHAIN), "drain": {},
+                          "throughput": dict(drain=False)}.items()}
+    best = min(runs["ar"], runs["chain"])
+    assert runs["drain"] <= 1.06 * best, runs
+    if spread.startswith("uniform"):
+        assert runs["chain"] > 1.4 * runs["ar"] and runs["throughput"] > 1.25 * runs["drain"], runs
+    else:
+        assert runs["chain"] < runs["ar"] and runs["drain"] == runs["throughput"], runs
+
+
+def test_drain_rule_with_one_request_is_the_throughput_rule():
+    costs = {AR: 1.2, CHAIN: 2.4}
+    for seed in range(3):
+        assert drain_batch(costs, [0.5], 300, seed) == drain_batch(costs, [0.5], 300, seed, drain=False)

@@ -123,8 +123,8 @@ def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True
     eng._step_costs = lambda B, params: {AR: 0.6, CHAIN: 1.0, TREE: 1.0}
     choose = engine_mod.StepPlanner.choose
 
-    def scripted(self, predicted=None):
-        choose(self, predicted)
+    def scripted(self, predicted=None, drain=None):
+        choose(self, predicted, drain)
         return PATTERN[(self.step - 1) % len(PATTERN)]
 
     monkeypatch.setattr(engine_mod.StepPlanner, "choose", scripted)

@@ -83,6 +83,42 @@ def test_engine_prefill_buckets_keep_greedy_output(stories_dir, tmp_path):
     assert not off.prefill_buckets  # auto: only with CUDA graphs
 
 
+def test_bucketed_admission_writes_the_draft_context(stories_dir, tmp_path):
+    """With a draft, the bucketed prefill writes each admitted prompt's draft-context K/V in its own pass (inside
+    the bucket's graph on a GPU): the draft cache and the lengths equal the unbucketed admission's, the padding's
+    rows are not written, a slot not admitted keeps its length, and each (bucket, batch size) has its own pass."""
+    from dspine.checkpoint import save_draft
+    from tests.helpers import random_draft
+
+    target = load_target(str(stories_dir), dtype="fp32")
+    folder = save_draft(random_draft(target, block_size=8, mask=0), tmp_path / "draft")
+    kw = dict(device="cpu", dtype=torch.float32, impl="torch", max_seq=500, eos_token_ids=[2])
+    engines = [load_engine(str(stories_dir), None, str(folder), prefill_buckets=b, **kw)[0] for b in (False, True)]
+    prompts = {3: PROMPTS[2], 1: [1] + list(range(300, 370)), 0: PROMPTS[0]}  # buckets 64, 128, 64
+    for eng in engines:
+        s = eng._slots_for(4)
+        kv, dc = eng._cache_view(4)
+        s.lengths.fill_(99)  # stale lengths of an earlier request: overwritten, slot 2 (not admitted) kept
+        eng._admit(s, list(prompts.items()), SamplingParams(max_new_tokens=8), True, kv, dc, [0, 1, 2])
+    plain, bucketed = engines
+    want = [len(prompts[0]), len(prompts[1]), 99, len(prompts[3])]
+    assert plain._slots_for(4).lengths.tolist() == bucketed._slots_for(4).lengths.tolist() == want
+    for i in range(len(plain.draft.layers)):
+        for b, p in prompts.items():
+            for a, c in ((plain.draft_cache.k[i], bucketed.draft_cache.k[i]),
+                         (plain.draft_cache.v[i], bucketed.draft_cache.v[i])):
+                assert c[b, :, : len(p)].abs().sum() > 0
+                assert torch.allclose(a[b, :, : len(p)], c[b, :, : len(p)], atol=1e-5), (i, b)
+                assert c[b, :, len(p) : 128].abs().sum() == 0  # the padding went to the scratch slot
+        assert bucketed.draft_cache.k[i][2].abs().sum() == 0
+    assert set(bucketed._prefill_graphs) == {(64, True, 4), (128, True, 4)}
+    s2 = bucketed._slots_for(2)
+    kv, dc = bucketed._cache_view(2)
+    bucketed._admit(s2, [(1, PROMPTS[1])], SamplingParams(max_new_tokens=8), True, kv, dc, [0])
+    assert s2.lengths[1] == len(PROMPTS[1]) and (64, True, 2) in bucketed._prefill_graphs  # its own pass at B = 2
+    assert bucketed._slots_for(4).lengths.tolist() == want  # B = 4's lengths untouched
+
+
 @pytest.mark.gpu
 def test_engine_prefill_graphs_cuda(stories_dir, tmp_path):
     """CUDA graphs per bucket: the same greedy output as the eager unpadded prefill, one graph per bucket."""

@@ -56,6 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=160, help="tokens per prompt (random ids)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="torch profiler table of one speculative admission of 2 prompts (1 if --counts is 1)")
+    ap.add_argument("--prefill-buckets", action="store_true",
+                    help="also time each admission with Engine.prefill_buckets (one CUDA graph per length bucket, "
+                         "the draft-context append inside it): keys admit_ms_ar_buckets, admit_ms_spec_buckets")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.counts.split(",")]
@@ -65,7 +68,8 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype] or (
         torch.bfloat16 if dev.type == "cuda" else torch.float32)
     eng, _ = load_engine(args.target, None, args.draft, device=dev, dtype=dtype, max_batch=max(counts),
-                         max_seq=args.prompt_len + 300, impl="triton" if dev.type == "cuda" else "torch")
+                         max_seq=args.prompt_len + 300, impl="triton" if dev.type == "cuda" else "torch",
+                         prefill_buckets=False)
     B = max(counts)
     s = eng._slots_for(B)
     kv, dcache = eng._cache_view(B)
@@ -82,6 +86,11 @@ def main(argv=None) -> int:
         for spec in (False, True):
             row[f"admit_ms_{'spec' if spec else 'ar'}"] = timed(
                 partial(eng._admit, s, items, params, spec, kv, dcache, list(range(n))), dev, args.reps)
+            if args.prefill_buckets:  # the same admission, each prompt one graph replay of its length bucket
+                eng.prefill_buckets = True
+                row[f"admit_ms_{'spec' if spec else 'ar'}_buckets"] = timed(
+                    partial(eng._admit, s, items, params, spec, kv, dcache, list(range(n))), dev, args.reps)
+                eng.prefill_buckets = False
             row[f"prefill_ms_{'features' if spec else 'plain'}"] = timed(
                 partial(eng.target.prefill_packed, ids, slots, kv, want_features=spec), dev, args.reps)
         _, feats = eng.target.prefill_packed(ids, slots, kv, want_features=True)
