@@ -187,6 +187,7 @@ class Runner:
                 vs = args.block_size if c["verify"] == "chain" else None  # --block-size: the chain labels' width
                 self.decoders[label] = Engine(target, m, self.eos, verify_size=vs, verify=c["verify"],
                                               tree_budget=c["tree_budget"], budget=c["budget"], **kw)
+                self.decoders[label].plan_drain = args.plan_drain
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
         else:
@@ -556,6 +557,9 @@ def build_parser():
     ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
                     help="engine: prefill each prompt alone, padded to a length bucket, one CUDA graph per bucket "
                          "(default: infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule)")
+    ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=True,
+                    help="--budget auto: the planner's drain rule once no prompt is queued (infer.planner, \"Drain\"); "
+                         "--no-plan-drain: tokens per millisecond to the end")
     ap.add_argument("--output-json", default=None, help="result JSON (refused if it exists, unless --overwrite)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --output-json / --plot file")
     ap.add_argument("--plot", default=None,

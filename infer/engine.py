@@ -178,14 +178,20 @@ class Engine:
             by its ~12 launches per layer (16 ms for a repeated length of the SmolLM2 shape on an H200,
             results/prefill-h200.json). None = ``PREFILL_BUCKETS_AUTO`` and CUDA graphs and an
             attention-only target of hidden size <= ``PREFILL_BUCKETS_MAX_HIDDEN`` (large targets' prefill is
-            compute-bound: padding would only add work). A prompt's prefill then does not depend on the
-            prompts admitted with it.
+            compute-bound: padding would only add work). An admission of more than
+            ``PREFILL_BUCKETS_MAX_PROMPTS`` prompts (8; the batch's first, a large refill) takes the packed pass
+            instead, which is faster for many prompts (one pass, not one per prompt), except in exact mode, where
+            every prompt is prefilled alone anyway.
     """
 
-    # prefill_buckets=None's default: off until benchmarks/engine/bench_prefill.py (setting "buckets") and
-    # infer.bench have measured the graphed prefill on a GPU
-    PREFILL_BUCKETS_AUTO = False
+    # prefill_buckets=None's default. Measured on the H200 (SmolLM2-135M, prompts of 160 tokens,
+    # results/admit-h200.json "buckets"): an admission of 1 / 2 / 8 prompts takes 1.9 / 3.4 / 13.1 ms as bucket
+    # graph replays against 13.1 / 20.0 / 21.1 ms eager and packed (2.1 / 3.8 / 12.8 against 21.9 / 28.6 / 19.1
+    # with the draft context), but 32 prompts take 48.1 against 18.9 ms: replays are one per prompt, so an
+    # admission of more than PREFILL_BUCKETS_MAX_PROMPTS prompts takes the packed pass
+    PREFILL_BUCKETS_AUTO = True
     PREFILL_BUCKETS_MAX_HIDDEN = 2048
+    PREFILL_BUCKETS_MAX_PROMPTS = 8
     PLAN_TREES = (32, 64)
     # planner AR steps per draft-context flush (F): a flush is one append of [B, F, k·H] (static shape,
     # whatever is pending), about as many launches as one per-step append, shared by up to F AR steps; its
@@ -651,7 +657,8 @@ class Engine:
         # one host-to-device copy for all prompts (a pageable copy syncs: once, not once per prompt)
         ids = list(torch.tensor([t for _, prompt in items for t in prompt], dtype=torch.long, device=dev).split(lens))
         appended = False  # the draft-context K/V already written (inside the bucketed prefill)
-        if self.prefill_buckets:  # one padded pass per prompt (a CUDA graph per length bucket)
+        if self.prefill_buckets and (len(items) <= self.PREFILL_BUCKETS_MAX_PROMPTS or self.exact):
+            # one padded pass per prompt (a CUDA graph per length bucket); many prompts: one packed pass below
             outs = [self._prefill_bucketed(x, b, kv, spec, draft_cache if spec else None) for x, b in zip(ids, slots)]
             logits, feats, appended = torch.cat([o[0] for o in outs]), None, spec
         elif self.exact:  # one pass per prompt: its prefill must not depend on the prompts admitted with it

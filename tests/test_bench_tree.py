@@ -26,12 +26,13 @@ def test_tiny_chain_tree_and_planner_point(stories_dir, draft_dir, tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "engine" / "bench_tree.py"), "--tiny", "--skip-steps",
            "--smollm2", str(stories_dir), "--draft", str(draft_dir), "--planner", "2:0", "--tree-budget", "12",
            "--datasets", "gsm8k,mbpp", "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2",
-           "--max-new-tokens", "8", "--keep-runs", str(runs), "--output", str(out), "--prefill-buckets"]
+           "--max-new-tokens", "8", "--keep-runs", str(runs), "--output", str(out), "--prefill-buckets",
+           "--no-plan-drain"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     kept = json.loads((runs / "planner-c2-T0.json").read_text())
-    assert kept["args"]["prefill_buckets"] is True  # passed through to infer.bench
+    assert kept["args"]["prefill_buckets"] is True and kept["args"]["plan_drain"] is False  # passed through
     assert [t["run_order"] for t in kept["tasks"]] == [["AR", "chain", "tree", "auto"], ["chain", "tree", "auto", "AR"]]
     (p,) = res["planner"]
     ar = sum(t["ar"]["tok_per_s"] for t in kept["tasks"]) / 2

@@ -117,6 +117,15 @@ def test_bucketed_admission_writes_the_draft_context(stories_dir, tmp_path):
     bucketed._admit(s2, [(1, PROMPTS[1])], SamplingParams(max_new_tokens=8), True, kv, dc, [0])
     assert s2.lengths[1] == len(PROMPTS[1]) and (64, True, 2) in bucketed._prefill_graphs  # its own pass at B = 2
     assert bucketed._slots_for(4).lengths.tolist() == want  # B = 4's lengths untouched
+    # more prompts than PREFILL_BUCKETS_MAX_PROMPTS in one admission: the packed pass (no bucket pass made), same
+    # draft context
+    bucketed.PREFILL_BUCKETS_MAX_PROMPTS = 2
+    s3 = bucketed._slots_for(3)
+    kv, dc = bucketed._cache_view(3)
+    bucketed._admit(s3, [(0, PROMPTS[1]), (1, PROMPTS[2]), (2, PROMPTS[4])], SamplingParams(max_new_tokens=8), True,
+                    kv, dc, [0, 1, 2])
+    assert not any(k[2] == 3 for k in bucketed._prefill_graphs)
+    assert s3.lengths.tolist() == [len(PROMPTS[1]), len(PROMPTS[2]), len(PROMPTS[4])]
 
 
 @pytest.mark.gpu

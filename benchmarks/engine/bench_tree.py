@@ -117,6 +117,8 @@ def bench_base(args, concurrency: int = 1, temperature: float = 0.0) -> list[str
         base += ["--data-dir", args.data_dir]
     if args.prefill_buckets is not None:
         base += ["--prefill-buckets" if args.prefill_buckets else "--no-prefill-buckets"]
+    if args.plan_drain is not None:
+        base += ["--plan-drain" if args.plan_drain else "--no-plan-drain"]
     if args.tiny:
         base += ["--backend", "cuda", "--device", "cpu", "--dtype", "fp32", "--no-chat-template"]
     else:
@@ -212,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-runs", default=None, metavar="DIR", help="keep each infer.bench JSON in DIR")
     ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
                     help="passed to every infer.bench run (default: the engine's)")
+    ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
+                    help="passed to every infer.bench run (default: infer.bench's, on)")
     args = ap.parse_args(argv)
     if (args.smollm2 is None) != (args.draft is None):
         ap.error("--smollm2 and --draft go together")
