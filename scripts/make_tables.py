@@ -514,49 +514,23 @@ def verify_section() -> list[str]:
                    f"{ok(p['planner_over_best_static'] >= 0.98)} | {share} | `{p['provenance']['commit'][:7]}` |")
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
-    for key, label in (("planner_before_paired", "Before this session's planner (no paired observations)"),
-                       ("planner_first_paired", "The first paired planner (a bonus on the lead, the confidence at T = 1)")):
-        if v.get(key):
-            out += ["", f"{label}, planner ÷ best fixed: " + ", ".join(
-                f"c{p['concurrency']} T{p['temperature']:g} {p['planner_over_best_static']:.3f} "
-                f"(`{p['provenance']['commit'][:7]}`)" for p in v[key]) + "."]
-    out += ["", v.get("note", ""), "", "Commands: " + "; ".join(f"`{c}`" for c in v["commands"]), ""]
+    history = (("planner_buckets_every_admission", "Same code an hour earlier, bucketed prefill on every admission"),
+               ("planner_c32_T1_no_buckets", "Eager packed prefill"),
+               ("planner_before_drain", "Before the drain rule"),
+               ("planner_first_paired", "The first paired planner (a bonus on the lead, the confidence at T = 1)"),
+               ("planner_before_paired", "Before paired observations"))
+    lines = [f"- {label}: " + ", ".join(f"c{p['concurrency']} T{p['temperature']:g} {p['planner_over_best_static']:.3f}"
+                                       for p in v[key]) + f" (`{v[key][0]['provenance']['commit'][:7]}`)"
+             for key, label in history if v.get(key)]
     r = load("verify-planner-h200.json")
     if r:
-        sm = r["smollm2"]
-        out += [f"The previous run of all eight points (the rewritten planner, the shipped draft, before the tree-step "
-                f"speed-ups of 1b55f86): {r['gpu']}, {r['date'][:10]}, commit "
-                f"`{r['commit'][:10]}`, [`results/verify-planner-h200.json`](results/verify-planner-h200.json) "
-                f"({r.get('commit_note', 'no note')}). Planner points: {r['planner_commands'].get('note', '')}; "
-                f"chain against tree: {sm['num_prompts']} prompts per task, {sm['max_new_tokens']} new tokens, tree "
-                f"of {sm['tree_budget']} against the chain at T = 0, concurrency 1: τ {sm['chain_mean_tau']:.2f} → "
-                f"{sm['tree_mean_tau']:.2f} ({sm['tree_tau_over_chain_tau']:.2f}×), tok/s "
-                f"{sm['tree_speedup_over_chain']:.2f}× the chain's.", "",
-                "| concurrency | T | AR | chain 16 | tree 32 | planner | planner ÷ best fixed (goal ≥ 0.98) | "
-                "planner's steps |", "|---|---|---|---|---|---|---|---|"]
-        for p in r["planner"]:
-            steps = {}
-            for task in p["planner_choices_per_task"]:
-                for mode, e in task.items():
-                    steps[mode] = steps.get(mode, 0) + e["steps"]
-            total = sum(steps.values())
-            share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
-            out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | "
-                       f"{p['chain_tok_per_s']:.0f} | {p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | "
-                       f"{p['planner_over_best_static']:.3f} — {ok(p['planner_over_best_static'] >= 0.98)} | {share} |")
-        b = r.get("before")
-        if b and isinstance(b.get("planner_over_best_static"), dict):
-            out += ["", f"Before this run (commit `{b['commit'][:10]}`; {b['note']}), planner ÷ best fixed: "
-                    + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in b["planner_over_best_static"].items()) + "."]
-        q = r.get("prefill_buckets_point")
-        if q:
-            out += ["", f"The concurrency-{q['concurrency']} T = {q['temperature']:g} point again with bucketed prefill "
-                    f"(`--prefill-buckets`; commit `{q['commit'][:10]}`, {q['date'][:10]}): AR {q['ar_tok_per_s']:.0f}, chain "
-                    f"{q['chain_tok_per_s']:.0f}, tree {q['tree_tok_per_s']:.0f}, planner {q['planner_tok_per_s']:.0f} tok/s; "
-                    f"planner ÷ best fixed {q['planner_over_best_static']:.3f} — {ok(q['planner_over_best_static'] >= 0.98)}. "
-                    f"`{q['command']}`"]
-        cmds = {k: v for k, v in r.get("planner_commands", {}).items() if isinstance(v, str) and v.startswith("python ")}
-        out += ["", "Commands: " + "; ".join(f"`{c}`" for c in cmds.values()) if cmds else f"Command: `{r['command']}`", ""]
+        lines.append(f"- The rewritten planner before the tree-step speed-ups ([`results/verify-planner-h200.json`]"
+                     f"(results/verify-planner-h200.json)): " + ", ".join(
+                         f"c{p['concurrency']} T{p['temperature']:g} {p['planner_over_best_static']:.3f}" for p in r["planner"])
+                     + f" (`{r['commit'][:7]}`)")
+    if lines:
+        out += ["", "Planner ÷ best fixed in earlier runs (same points, same JSON unless linked):", "", *lines]
+    out += ["", v.get("note", ""), "", "Commands: " + "; ".join(f"`{c}`" for c in v["commands"]), ""]
     return out
 
 
