@@ -199,6 +199,9 @@ class Engine:
     # in every speculative step, so a larger F buys little amortisation for GEMMs that are no longer
     # launch-bound and a larger static buffer (benchmarks/engine/bench_planner_ar.py measures the flush)
     AR_DEFER = 16
+    # planner choices per refresh of the drain rule's request list once no prompt is queued (infer.planner, "Drain";
+    # StepPlanner.choose keeps the last one in force in between)
+    PLAN_DRAIN_EVERY = 8
 
     def __init__(self, target: EngineTarget, draft: DSpineDraftModel | None, eos_token_ids, max_batch: int = 8,
                  max_seq: int = 4096, cuda_graphs: bool | None = None, verify_size: int | None = None,
@@ -959,11 +962,12 @@ class Engine:
         # per slot, its request's chain(-equivalent) committed tokens and steps: chain steps, and the chain nodes of
         # tree steps (the drain rule, infer.planner "Drain"); reset when the slot is refilled
         row_tokens, row_steps, row_sq = [0] * B, [0] * B, [0] * B
+        drain_age = 0  # choices since the queue ran dry: the batch goes to the planner every PLAN_DRAIN_EVERY
         cap = max((m[1] for m in chains), default=0)  # the longest chain mode: a tree step's chain-equivalent
         while True:
             t0 = time.perf_counter()
             drain = None
-            if self.plan_drain and not queue and base is not None:
+            if self.plan_drain and not queue and base is not None and drain_age % self.PLAN_DRAIN_EVERY == 0:
                 # the batch's requests: (tokens it may still commit, chain tokens, steps, tokens²); 0 to commit once
                 # finished (its slot keeps its counts until refilled); a slot refilled after the snapshot read
                 # last has committed only its first token
@@ -971,6 +975,7 @@ class Engine:
                           params.max_new_tokens - (base[0][b] if base[2][b] == owner[b] else 1),
                           row_tokens[b], row_steps[b], row_sq[b]) for b in range(B) if owner[b] is not None or row_steps[b]]
             mode = planner.choose(predicted, drain)
+            drain_age += drain is not None or drain_age > 0
             self.last_confidence = predicted  # tests, debugging
             launched.append((mode, time.perf_counter()))
             if ar_pending and (mode[0] != "ar" or ar_pending == s.pend_max):

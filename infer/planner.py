@@ -119,8 +119,10 @@ Drain: while requests wait to be admitted, a finished request's slot is refilled
 millisecond are what to maximise. Once none waits, the batch keeps its size (a finished row's slot idles in every
 step) and the call ends with its last request, so the rule compares the modes on the time to finish that one:
 per request of the batch, the engine gives the tokens it may still commit (0 once finished) and its
-chain(-equivalent) acceptance (chain steps, and the chain nodes of tree steps); :func:`drain_tokens` maps each speculative mode's estimate to
-what it commits per step for the request that would finish last under it, and rule 1-3 run on those values.
+chain(-equivalent) acceptance (chain steps, and the chain nodes of tree steps), every ``Engine.PLAN_DRAIN_EVERY``
+(8) steps; :func:`drain_tokens` maps each speculative mode's estimate to what it commits per step for the request
+that would finish last under it (a chain scaled by the request's acceptance, a tree as that chain plus the tree's
+lead), and rule 1-3 run on those values until the next refresh.
 Requests differ: the rows left in a batch's tail are the hard ones, and a mode that commits more tokens per
 millisecond on average can still take longer to finish them (issue 16, concurrency 64, T = 0, 64 prompts of 256
 tokens: the planner ran the chain, whose batch average beat AR's rate by 1.5 ×, yet AR finished 4 of 5 tasks
@@ -225,7 +227,10 @@ def drain_tokens(tokens: dict[Mode, float | None], drain, modes) -> dict[Mode, f
     Returns:
         ``R / max_i(remaining_i / τ_i(m))`` per mode over the live requests (remaining > 0), R their largest
         remaining: AR's 1 stays 1, and with equal requests a mode keeps its ``tokens``.
-        ``τ_i(m) = 1 + (tokens[m] − 1) × g_i`` (clipped to [1, max_tokens]), ``g_i = â_i / ā``: ā the accepted
+        ``τ_i(m) = 1 + (tokens[m] − 1) × g_i`` for a chain, and for a tree the longest chain's τ_i plus the tree's
+        lead over it in ``tokens`` (the planner's model of a tree: "Paired observations"; scaling a tree's
+        tokens like the chain's would take from the hard requests the alternatives that help them most), all
+        clipped to [1, max_tokens], where ``g_i = â_i / ā``: ā the accepted
         draft tokens per chain step pooled over every request of the batch, finished ones included (the
         requests the batch's averages were made of: once the easy requests are done, the estimate they raised
         is scaled down for the hard ones left); â_i request i's own mean a_i shrunk towards ā by the empirical
@@ -253,13 +258,19 @@ def drain_tokens(tokens: dict[Mode, float | None], drain, modes) -> dict[Mode, f
 
     g = [shrunk(t, n) / pooled for _, t, n, _ in live]
     R = max(d[0] for d in live)
+    chains = [m for m in tokens if m[0] == "chain" and tokens[m] is not None]
+    ref = max(chains, key=lambda m: m[1]) if chains else None  # a tree's per-request τ: this chain's + the lead
     out = {}
     for m, x in tokens.items():
         if x is None or m[0] == "ar":
             out[m] = x
             continue
         cap = float(max_tokens(m, modes))
-        worst = max(d[0] / min(max(1.0 + (x - 1.0) * gi, 1.0), cap) for d, gi in zip(live, g))
+        if m[0] == "tree" and ref is not None:
+            base, lead = tokens[ref], x - tokens[ref]
+        else:
+            base, lead = x, 0.0
+        worst = max(d[0] / min(max(1.0 + (base - 1.0) * gi + lead, 1.0), cap) for d, gi in zip(live, g))
         out[m] = R / worst
     return out
 
@@ -315,6 +326,7 @@ class StepPlanner:
         self.lead_steps: Counter = Counter()  # paired steps behind each lead
         self.untimed = 0  # steps observed without a time
         self.drain_choices: Counter = Counter()  # choices made under the drain rule, per mode
+        self.drain_scale: dict[Mode, float] | None = None  # drain tokens ÷ estimate per mode (choose's drain)
         self.step = 0
         self.spent_ms = 0.0  # step time of the modes run (measured where given, else estimated)
         self.lost_ms = 0.0  # time lost to probes against the best mode (negative: probes gained)
@@ -388,8 +400,15 @@ class StepPlanner:
         speculative mode this step would commit (bonus included), calibrated online. ``drain``: no request
         waiting to be admitted, one ``(remaining tokens, chain tokens, chain steps, chain tokens²)`` per request
         of the batch (:func:`drain_tokens`): the modes are compared on the time to finish the last live one (module
-        docstring, "Drain"); None: on tokens per millisecond."""
+        docstring, "Drain"); it stays in force, as each mode's drain tokens ÷ its estimate, until the next
+        ``drain`` (the engine gives one every ``PLAN_DRAIN_EVERY`` steps: the ratios move slowly, and mapping a
+        batch of 64 requests costs tens of µs of host time) or :meth:`end_drain`. None before any: tokens per
+        millisecond."""
         costs = self.costs
+        if drain is not None:
+            raw = self.expected(predicted)
+            mapped = drain_tokens(raw, drain, self.table)
+            self.drain_scale = {m: mapped[m] / x for m, x in raw.items() if x and m[0] != "ar"}
         timed = [m for m in self.table if self.timed[m]]
         # nothing timed yet and a step in flight (a pipelined caller): the decode's first mode again, until it is
         # timed or FIRST_TIMED steps came back without a time (a caller that never times: table only)
@@ -406,12 +425,13 @@ class StepPlanner:
             settled = frozenset(m for m in self.table if self.paired[m] and self.timed[m]
                                 and self.step - self.last_seen[m] <= PAIRED_FRESH)
             tokens = raw = self.expected(predicted)
-            if drain is not None:
-                tokens = drain_tokens(raw, drain, self.table)
+            if self.drain_scale is not None:
+                tokens = {m: x * self.drain_scale.get(m, 1.0) if x is not None and m[0] != "ar" else x
+                          for m, x in raw.items()}
             mode, loss, rate = choose_mode(
                 costs, tokens, self.spent_ms, math.inf if probing else self.lost_ms, **self.rule, settled=settled,
             )
-            if drain is not None:
+            if self.drain_scale is not None:
                 self.drain_choices[mode] += 1
                 if raw.get(mode):  # a probe is settled in the same terms: its tokens as the drain rule counts them
                     scale = tokens[mode] / raw[mode]
@@ -423,6 +443,10 @@ class StepPlanner:
         self.pending.append((mode, costs[mode], (predicted or {}).get(mode), probe))
         self.choices[mode] += 1
         return mode
+
+    def end_drain(self) -> None:
+        """Back to tokens per millisecond (a caller whose queue refills: :meth:`choose`'s ``drain``)."""
+        self.drain_scale = None
 
     def skip(self) -> None:
         """Forget the oldest choice not yet observed (its step is not observed: e.g. no request was live in

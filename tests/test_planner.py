@@ -508,6 +508,10 @@ def test_drain_tokens_maps_each_mode_to_the_request_that_finishes_last():
     g1 = (1.25 - v / (v + s2 / 10) * 0.75) / 1.25
     assert drain_tokens(tokens, mixed, MODES)[CHAIN] == pytest.approx(1 + 2 * g1)  # the slower one finishes last
     assert drain_tokens(tokens, mixed, MODES)[AR] == 1.0 and drain_tokens(tokens, mixed, MODES)[TREE32] is None
+    # a tree: the request's chain τ plus the tree's lead over the chain (here 1 token), not scaled like the chain
+    with_tree = drain_tokens({**tokens, TREE32: 4.0}, mixed, MODES)
+    assert with_tree[TREE32] == pytest.approx(2 + 2 * g1) and with_tree[CHAIN] == pytest.approx(1 + 2 * g1)
+    assert drain_tokens({AR: 1.0, TREE32: 4.0}, mixed, MODES)[TREE32] == pytest.approx(1 + 3 * g1)  # no chain
     # the slow request nearly done, the fast one with all its tokens to go: the fast one sets the time
     late = [(100, 30, 10, 90), (10, 15, 10, 25)]
     g0 = (1.25 + v / (v + s2 / 10) * 0.75) / 1.25
@@ -516,10 +520,11 @@ def test_drain_tokens_maps_each_mode_to_the_request_that_finishes_last():
     assert drain_tokens(tokens, [(0, 30, 10, 90), (100, 15, 10, 25)], MODES)[CHAIN] == pytest.approx(1 + 2 * g1)
 
 
-def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True):
+def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1):
     """Milliseconds to finish one batch with no queue (the batch keeps its size to the end). Request i accepts
     each draft token with probability ``accept[i]`` (a chain of 16 commits 1 + accepted, at most 16); every
-    step costs its table time, which the planner is told."""
+    step costs its table time, which the planner is told. The planner gets the batch every ``every`` steps
+    (the engine: ``Engine.PLAN_DRAIN_EVERY``)."""
     rng = random.Random(seed)
     planner = StepPlanner(costs)
     n = len(accept)
@@ -527,7 +532,8 @@ def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True):
     while any(rem):
         live = [i for i in range(n) if rem[i]]
         if fixed is None:
-            mode = planner.choose(drain=list(zip(rem, tok, steps, sq)) if drain else None)
+            give = drain and planner.step % every == 0
+            mode = planner.choose(drain=list(zip(rem, tok, steps, sq)) if give else None)
         else:
             mode = fixed
         ms += costs[mode]
@@ -546,26 +552,49 @@ def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True):
     return ms
 
 
+@pytest.mark.parametrize("every", [1, 8])
 @pytest.mark.parametrize("spread", ["equal 0.75", "equal 0.6", "uniform 0.3-0.9"])
-def test_drain_rule_finishes_the_batch_with_its_slowest_request(spread):
+def test_drain_rule_finishes_the_batch_with_its_slowest_request(spread, every):
     """64 requests of 256 tokens, no queue, a chain step costing 2 AR steps (issue 16's concurrency 64, T = 0).
     Equal requests accepting 75% (60%) of draft tokens: the chain finishes first, and the drain rule keeps it:
     the requests' spread is chance, shrunk away, so it decides as the throughput rule. Requests accepting 30-90%:
     the batch's average favours the chain, but its hardest requests commit fewer tokens per chain step than 2:
-    AR finishes first, the throughput rule runs 1.3 × AR's time, and the drain rule finds AR."""
+    AR finishes first, the throughput rule runs 1.3 × AR's time, and the drain rule finds AR (given the batch every
+    step or every 8)."""
     costs = {AR: 1.2, CHAIN: 2.4}
     rng = random.Random(5)
     accept = ([rng.uniform(0.3, 0.9) for _ in range(64)] if spread.startswith("uniform")
               else [float(spread.split()[1])] * 64)
     runs = {k: sum(drain_batch(costs, accept, 256, seed, **kw) for seed in range(4))
-            for k, kw in {"ar": dict(fixed=AR), "chain": dict(fixed=CHAIN), "drain": {},
+            for k, kw in {"ar": dict(fixed=AR), "chain": dict(fixed=CHAIN), "drain": dict(every=every),
                           "throughput": dict(drain=False)}.items()}
     best = min(runs["ar"], runs["chain"])
     assert runs["drain"] <= 1.06 * best, runs
     if spread.startswith("uniform"):
-        assert runs["chain"] > 1.4 * runs["ar"] and runs["throughput"] > 1.25 * runs["drain"], runs
+        assert runs["chain"] > 1.4 * runs["ar"] and runs["throughput"] > 1.2 * runs["drain"], runs
     else:
         assert runs["chain"] < runs["ar"] and runs["drain"] == runs["throughput"], runs
+
+
+def test_drain_stays_in_force_until_the_next_or_end_drain():
+    """choose(drain=...) keeps each mode's drain tokens ÷ estimate for the choices without one (the engine gives
+    the batch every few steps); end_drain() returns to tokens per millisecond. The report counts drain choices."""
+    costs = {AR: 1.0, CHAIN: 3.0}
+    p = StepPlanner(costs)
+    for m, x in ((AR, 1.0), (AR, 1.0), (AR, 1.0), (CHAIN, 4.0)):
+        p.choose()
+        p.observe(m, x, costs[m], rows=2)
+    assert p.choose() == CHAIN  # 4 tokens in 3 ms beat AR's 1 in 1 ms
+    p.observe(CHAIN, 4.0, 3.0, rows=2)
+    # request 1 accepts 0.05 draft tokens per chain step, request 0 3: request 1's chain commits ~1.1 tokens a step,
+    # at most 2.2 (the probing headroom) in 3 ms: AR, not even probed
+    slow = [(100, 80, 20, 320), (100, 21, 20, 23)]
+    assert p.choose(drain=slow) == AR and p.drain_scale[CHAIN] < 0.3
+    p.observe(AR, 1.0, 1.0, rows=2)
+    assert p.choose() == AR and p.report()["ar"]["drain_steps"] == 2  # still in force
+    p.observe(AR, 1.0, 1.0, rows=2)
+    p.end_drain()
+    assert p.choose() == CHAIN and p.report()["chain16"]["drain_steps"] == 0
 
 
 def test_drain_rule_with_one_request_is_the_throughput_rule():

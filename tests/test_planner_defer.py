@@ -112,11 +112,11 @@ def _check_context(eng, s, dcache, prompts, tol=1e-4):
                 assert err <= tol * (1 + want[0, :, :n].abs().max()), (b, i, float(err))
 
 
-def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True):
+def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True, **kw):
     """An auto-budget engine whose planner runs PATTERN (its bookkeeping runs, its choice is replaced), with a
     log of the device calls: ("ar", most pending after it), ("flush", most pending before it), ("spec", mode)
     (after checking every live row's draft context) and ("admit", pending of the admitted slots)."""
-    eng = _engine(stories_dir, folder, budget="auto")
+    eng = _engine(stories_dir, folder, budget="auto", **kw)
     eng.defer_ar_append = defer
     eng.PLAN_TREES = (24,)
     eng.plan_modes = eng.plan_modes[:2] + [TREE]
@@ -166,19 +166,22 @@ def _assert_flushes(log, F=16):
     assert refills and any(kind == "spec" for kind, _ in log[refills[0] :])  # (c)
 
 
-def test_planner_with_deferred_appends_is_lossless(stories_dir, stories, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("buckets", [False, True])
+def test_planner_with_deferred_appends_is_lossless(stories_dir, stories, monkeypatch, buckets):  # noqa: F811
     """--budget auto, greedy, 6 prompts at concurrency 3 (refills), the forced PATTERN: the output is the plain
     engine's (chain, AR) and the target's; at every speculative step every live row's draft context is the
     context of its committed tokens; the flushes before speculative steps, after F AR steps, and the admission
     dropping a refilled slot's pending features are all exercised (removing either the flush before a
-    speculative step or _admit's pend_count reset makes the context check fail)."""
+    speculative step or _admit's pend_count reset makes the context check fail). With bucketed prefill the
+    admissions write the draft context inside the bucketed pass: the same checks hold."""
     target, _, folder = stories
     params = SamplingParams(max_new_tokens=40)
     want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
     plain = _engine(stories_dir, folder)
     assert plain.generate(PROMPTS, params, concurrency=3).token_ids == want
     assert plain.generate(PROMPTS, params, concurrency=3, use_draft=False).token_ids == want
-    eng, log = _forced_planner_engine(stories_dir, folder, PROMPTS, monkeypatch)
+    eng, log = _forced_planner_engine(stories_dir, folder, PROMPTS, monkeypatch, prefill_buckets=buckets)
+    assert eng.prefill_buckets == buckets
     res = eng.generate(PROMPTS, params, concurrency=3)
     assert res.token_ids == want
     _assert_flushes(log)
