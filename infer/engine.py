@@ -1036,8 +1036,9 @@ class Engine:
             t3 = time.perf_counter()
             if self._refill_now(queue, free, refill, B):
                 admit(free)
-                for b in free:
-                    row_tokens[b] = row_steps[b] = row_sq[b] = 0
+                for b in free:  # the refilled slots (a finished request's counts stay while its slot idles)
+                    if owner[b] is not None:
+                        row_tokens[b] = row_steps[b] = row_sq[b] = 0
                 # the snapshot after this step and the refill (same buffer: stream order, last wins); its
                 # interval holds the prefill, so the step it closes is observed without a time
                 nxt = [bufs[cur], snapshot(bufs[cur]), list(owner), True]
