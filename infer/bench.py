@@ -131,6 +131,8 @@ class Runner:
         # per draft label: verify / tree_budget / budget (check_args fills it; the run-wide flags otherwise)
         self.configs = getattr(args, "configs", None) or parse_configs(getattr(args, "config", None), self.drafts,
                                                                         args)
+        if getattr(args, "plan_drain", None) is not None and not any(c["budget"] for c in self.configs.values()):
+            raise ValueError("--plan-drain / --no-plan-drain apply to --budget auto only (no configuration has it)")
         path, gguf = resolve_model_path(args.target, args.gguf_file)
         self.spec = TargetSpec.from_pretrained(path, gguf)
         self.backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "reference")
@@ -167,7 +169,8 @@ class Runner:
             assert_compatible(self.spec, models[label].config, max_context=max_seq - 64)
         self.block_size = {label: m.config.block_size for label, m in models.items()}
         self.decoders = {}
-        self.planner_steps: dict = {}  # label -> mode -> {"steps", "paired", "step_ms", "measured_ms"} (--budget auto)
+        # label -> mode -> {"steps", "drain_steps", "paired", "step_ms", "measured_ms"} (--budget auto)
+        self.planner_steps: dict = {}
         if self.backend == "cuda":
             from infer.engine import Engine
             from infer.model import EngineTarget
@@ -187,7 +190,7 @@ class Runner:
                 vs = args.block_size if c["verify"] == "chain" else None  # --block-size: the chain labels' width
                 self.decoders[label] = Engine(target, m, self.eos, verify_size=vs, verify=c["verify"],
                                               tree_budget=c["tree_budget"], budget=c["budget"], **kw)
-                self.decoders[label].plan_drain = args.plan_drain
+                self.decoders[label].plan_drain = args.plan_drain is not False
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
         else:
@@ -555,11 +558,12 @@ def build_parser():
                     help="bit-exact mode of the engine (issue 13): greedy spec output must equal the AR output "
                          "(default: infer.model.EXACT_DEFAULT on the engine, off on the reference backend)")
     ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
-                    help="engine: prefill each prompt alone, padded to a length bucket, one CUDA graph per bucket "
-                         "(default: infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule)")
-    ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=True,
-                    help="--budget auto: the planner's drain rule once no prompt is queued (infer.planner, \"Drain\"); "
-                         "--no-plan-drain: tokens per millisecond to the end")
+                    help="engine: prefill each prompt alone, padded to a length bucket, one CUDA graph per bucket, for "
+                         "admissions of up to Engine.PREFILL_BUCKETS_MAX_PROMPTS (8) prompts (more: one packed pass; "
+                         "default: infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule)")
+    ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
+                    help="--budget auto (engine): the planner's drain rule once no prompt is queued (infer.planner, "
+                         "\"Drain\"; default on); --no-plan-drain: tokens per millisecond to the end")
     ap.add_argument("--output-json", default=None, help="result JSON (refused if it exists, unless --overwrite)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --output-json / --plot file")
     ap.add_argument("--plot", default=None,
@@ -607,6 +611,9 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
         raise ValueError("--exact needs the engine (--backend cuda; --device cpu on a CPU)")
     if args.prefill_buckets and args.backend == "reference":
         raise ValueError("--prefill-buckets needs the engine (--backend cuda; --device cpu on a CPU)")
+    if args.plan_drain is not None and args.backend == "reference":
+        raise ValueError("--plan-drain / --no-plan-drain need the engine's --budget auto (--backend cuda; --device cpu "
+                         "on a CPU)")
     if not args.draft:
         refuse_draft_options(args, (("--no-ar", args.no_ar), ("--plot", args.plot is not None)))
     for label, path in parse_drafts(args.draft).items():

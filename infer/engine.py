@@ -164,6 +164,8 @@ class Engine:
             time of every step it runs (GPU: CUDA events between the snapshots around the step; CPU: host
             time from its launch to the next: no extra sync; ``plan_online = False`` keeps the start-up
             table), and the measured acceptance;
+            once no prompt is queued, it compares the modes on the time to finish the batch's last request
+            (``plan_drain``, on by default; per-slot chain acceptance counted by :meth:`_decode_planned`);
             None = always ``verify`` / ``tree_budget``. The planner's AR steps defer the draft-context
             append to a flush every ``ar_defer`` AR steps and before a speculative one (:meth:`_ar_step`,
             :meth:`_decode_planned`; ``defer_ar_append = False``: append in every AR step, tests and
@@ -228,7 +230,8 @@ class Engine:
             raise ValueError(f"prefill_buckets=True: target model_type={target.args.model_type!r} has linear-attention "
                              "layers, whose recurrent state would run over the padding")
         self.prefill_buckets = bool(prefill_buckets)
-        # (bucket, want_features) -> (graph or None, static inputs, static outputs, the eager call)
+        # (bucket, want_features, batch size with the draft-context append or None) -> (graph or None, static
+        # inputs, static outputs, the eager call)
         self._prefill_graphs: dict[tuple, tuple] = {}
         self._prefill_pool = None  # the CUDA graph memory pool the prefill graphs share
         if target.embed.dtype == torch.float16 and target.args.model_type.startswith("qwen"):
@@ -706,8 +709,8 @@ class Engine:
         here at the bucket's first prompt, on this slot, which is being admitted: the capture's warm-up writes
         only its cache rows), or the same call eagerly without CUDA graphs. Returns logits ``[1, V]`` and
         features ``[P, k·H]`` (or None), copied out of the graph's static outputs. ``kv`` (a view of the
-        first slots) shares the engine cache's storage; the graph runs on the whole cache, so one graph per
-        bucket serves every slot and batch size. A prompt longer than ``infer.model.PREFILL_BUCKET_MAX`` takes
+        first slots) shares the engine cache's storage; the graph runs on the whole cache, so without the
+        draft context one graph per bucket serves every slot and batch size. A prompt longer than ``infer.model.PREFILL_BUCKET_MAX`` takes
         the unpadded pass (:meth:`EngineTarget.prefill_packed`) instead.
 
         ``draft_cache`` (with ``want_features``; a view of the first B slots whose lengths are the slots'): the
@@ -915,6 +918,10 @@ class Engine:
         Paired observations: after a tree step, what the chain would have committed (``chain_acc``, the
         chain nodes on the accepted path, + 1, capped by the tree's committed tokens), per chain mode the
         tree covers (``infer.planner``, "Paired observations").
+        Drain (``plan_drain``): per slot, the committed tokens, count and sum of squares of its request's chain
+        steps and of the chain parts of its tree steps, reset when the slot is refilled (a finished request's
+        stay while its slot idles); once the queue is empty, the planner gets them with each request's
+        remaining tokens every ``PLAN_DRAIN_EVERY`` choices (``infer.planner``, "Drain").
 
         Deferred draft context (``flush``: the runner of :meth:`_flush_step`, None when
         ``defer_ar_append`` is off): the AR steps leave their target features pending (``pend_feats``,

@@ -81,8 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bit-exact engine mode (issue 13): greedy spec output equals the engine's AR output in bf16 "
                          "too (default: infer.model.EXACT_DEFAULT; engine only)")
     ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
-                    help="engine: prefill each prompt padded to a length bucket, one CUDA graph per bucket (default: "
+                    help="engine: prefill each prompt padded to a length bucket, one CUDA graph per bucket, for admissions "
+                         "of up to Engine.PREFILL_BUCKETS_MAX_PROMPTS (8) prompts (default: "
                          "infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule; engine only)")
+    ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
+                    help="--budget auto: the planner's drain rule once no prompt is queued (infer.planner, \"Drain\"; "
+                         "default on); --no-plan-drain: tokens per millisecond to the end")
     return ap
 
 
@@ -194,6 +198,8 @@ def run(args) -> dict:
         raise RuntimeError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
     if args.budget == "auto" and backend == "reference":
         raise ValueError("--budget auto needs the engine (--backend cuda on a GPU)")
+    if args.plan_drain is not None and args.budget != "auto":
+        raise ValueError("--plan-drain / --no-plan-drain apply to --budget auto only")
     target_path, draft_path = resolve_models(args)
     if draft_path is None:
         refuse_draft_options(args, (("--compare-ar", args.compare_ar),))
@@ -294,6 +300,7 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
                             verify=args.verify, tree_budget=args.tree_budget, budget=args.budget, exact=args.exact,
                             prefill_buckets=args.prefill_buckets)
     args.prefill_buckets = engine.prefill_buckets  # the resolved value, for --json
+    engine.plan_drain = args.plan_drain is not False
 
     def decode(use: bool):
         engine.generate(prompts, params, use_draft=use)

@@ -567,8 +567,9 @@ class StepPlanner:
 
     def report(self) -> dict:
         """``{mode name: {"steps", "drain_steps", "paired", "step_ms", "measured_ms", "tokens_per_step",
-        "calibration"}}``, e.g. ``"tree32"``: ``steps`` the steps it ran (``drain_steps`` of them chosen by the
-        drain rule), ``paired`` the paired observations it got from steps of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
+        "calibration"}}``, e.g. ``"tree32"``: ``steps`` the steps it ran (``drain_steps`` of them chosen while a
+        drain was in force, whether or not it changed the choice: with one request, or before any chain step,
+        it maps every mode to its own estimate), ``paired`` the paired observations it got from steps of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
         timed), ``tokens_per_step`` the slow average (``None``: never run nor paired), ``calibration``
         realized ÷ predicted accepted tokens (``None``: no prediction given)."""
         costs = self.costs

@@ -519,15 +519,19 @@ def verify_section() -> list[str]:
                ("planner_before_drain", "Before the drain rule"),
                ("planner_first_paired", "The first paired planner (a bonus on the lead, the confidence at T = 1)"),
                ("planner_before_paired", "Before paired observations"))
-    lines = [f"- {label}: " + ", ".join(f"c{p['concurrency']} T{p['temperature']:g} {p['planner_over_best_static']:.3f}"
-                                       for p in v[key]) + f" (`{v[key][0]['provenance']['commit'][:7]}`)"
-             for key, label in history if v.get(key)]
+    def points(ps):  # one commit for the line, or one per point where they differ
+        commits = {p["provenance"]["commit"][:7] for p in ps}
+        each = len(commits) > 1
+        line = ", ".join(f"c{p['concurrency']} T{p['temperature']:g} {p['planner_over_best_static']:.3f}"
+                         + (f" (`{p['provenance']['commit'][:7]}`)" if each else "") for p in ps)
+        return line + ("" if each else f" (`{commits.pop()}`)")
+
+    lines = [f"- {label}: {points(v[key])}" for key, label in history if v.get(key)]
     r = load("verify-planner-h200.json")
     if r:
         lines.append(f"- The rewritten planner before the tree-step speed-ups ([`results/verify-planner-h200.json`]"
-                     f"(results/verify-planner-h200.json)): " + ", ".join(
-                         f"c{p['concurrency']} T{p['temperature']:g} {p['planner_over_best_static']:.3f}" for p in r["planner"])
-                     + f" (`{r['commit'][:7]}`)")
+                     f"(results/verify-planner-h200.json); {r.get('commit_note', r['commit'][:7])}): " + ", ".join(
+                         f"c{p['concurrency']} T{p['temperature']:g} {p['planner_over_best_static']:.3f}" for p in r["planner"]))
     if lines:
         out += ["", "Planner ÷ best fixed in earlier runs (same points, same JSON unless linked):", "", *lines]
     out += ["", v.get("note", ""), "", "Commands: " + "; ".join(f"`{c}`" for c in v["commands"]), ""]

@@ -416,3 +416,18 @@ def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, c
     assert all(c["step_ms"] > 0 for c in d["planner_choices"].values())
     assert bench.main(["--target", str(stories_dir), "--budget", "auto", "--backend", "reference"]) == 2
     assert "--budget auto needs the engine" in capsys.readouterr().err
+    # --plan-drain: the engine's --budget auto only
+    base = ["--target", str(stories_dir), "--draft", f"P={stories[2]}", "--no-plan-drain"]
+    assert bench.main([*base, "--backend", "reference"]) == 2
+    assert "--plan-drain / --no-plan-drain need the engine" in capsys.readouterr().err
+    assert bench.main([*base, "--backend", "cuda", "--device", "cpu", "--dtype", "fp32"]) == 2
+    assert "apply to --budget auto only" in capsys.readouterr().err
+    assert d["planner_choices"]["ar"]["drain_steps"] <= d["planner_choices"]["ar"]["steps"]
+
+
+def test_generate_plan_drain_needs_budget_auto(stories_dir, stories, capsys):
+    from infer import generate
+
+    argv = ["--target", str(stories_dir), "--draft", str(stories[2]), "--prompt", "hi", "--no-plan-drain"]
+    assert generate.main(argv) == 2
+    assert "--plan-drain / --no-plan-drain apply to --budget auto only" in capsys.readouterr().err

@@ -57,8 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="torch profiler table of one speculative admission of 2 prompts (1 if --counts is 1)")
     ap.add_argument("--prefill-buckets", action="store_true",
-                    help="also time each admission with Engine.prefill_buckets (one CUDA graph per length bucket, "
-                         "the draft-context append inside it): keys admit_ms_ar_buckets, admit_ms_spec_buckets")
+                    help="also time each admission with Engine.prefill_buckets (one CUDA graph replay per prompt at its "
+                         "length bucket, the draft-context append inside it), at every count (the engine's own cap, "
+                         "Engine.PREFILL_BUCKETS_MAX_PROMPTS, lifted): keys admit_ms_ar_buckets, admit_ms_spec_buckets")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.counts.split(",")]
@@ -87,10 +88,12 @@ def main(argv=None) -> int:
             row[f"admit_ms_{'spec' if spec else 'ar'}"] = timed(
                 partial(eng._admit, s, items, params, spec, kv, dcache, list(range(n))), dev, args.reps)
             if args.prefill_buckets:  # the same admission, each prompt one graph replay of its length bucket
-                eng.prefill_buckets = True
+                # (whatever the count: the engine's cap, PREFILL_BUCKETS_MAX_PROMPTS, lifted for this timing)
+                eng.prefill_buckets, eng.PREFILL_BUCKETS_MAX_PROMPTS = True, max(counts)
                 row[f"admit_ms_{'spec' if spec else 'ar'}_buckets"] = timed(
                     partial(eng._admit, s, items, params, spec, kv, dcache, list(range(n))), dev, args.reps)
                 eng.prefill_buckets = False
+                del eng.PREFILL_BUCKETS_MAX_PROMPTS  # back to the class's
             row[f"prefill_ms_{'features' if spec else 'plain'}"] = timed(
                 partial(eng.target.prefill_packed, ids, slots, kv, want_features=spec), dev, args.reps)
         _, feats = eng.target.prefill_packed(ids, slots, kv, want_features=True)

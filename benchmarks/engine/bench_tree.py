@@ -117,8 +117,6 @@ def bench_base(args, concurrency: int = 1, temperature: float = 0.0) -> list[str
         base += ["--data-dir", args.data_dir]
     if args.prefill_buckets is not None:
         base += ["--prefill-buckets" if args.prefill_buckets else "--no-prefill-buckets"]
-    if args.plan_drain is not None:
-        base += ["--plan-drain" if args.plan_drain else "--no-plan-drain"]
     if args.tiny:
         base += ["--backend", "cuda", "--device", "cpu", "--dtype", "fp32", "--no-chat-template"]
     else:
@@ -173,6 +171,8 @@ def planner_points(args) -> list[dict]:
     for point in args.planner.split(","):
         c, t = point.split(":")
         argv = bench_base(args, int(c), float(t)) + ["--draft", f"auto={args.draft}", "--config", "auto:budget=auto"]
+        if args.plan_drain is not None:
+            argv += ["--plan-drain" if args.plan_drain else "--no-plan-drain"]
         run = bench_run(args, argv, f"planner-c{c}-T{t}")
         tok = {n: mean_over_tasks(run, n, "tok_per_s") for n in ("AR", "chain", "tree", "auto")}
         best = max(tok["AR"], tok["chain"], tok["tree"])
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
                     help="passed to every infer.bench run (default: the engine's)")
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
-                    help="passed to every infer.bench run (default: infer.bench's, on)")
+                    help="passed to the --planner points' infer.bench runs (default: infer.bench's, on)")
     args = ap.parse_args(argv)
     if (args.smollm2 is None) != (args.draft is None):
         ap.error("--smollm2 and --draft go together")
