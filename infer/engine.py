@@ -1002,7 +1002,6 @@ class Engine:
             t2 = time.perf_counter()
             vals = snap[0].tolist()
             flags, out_len = vals[:B + 2], vals[B + 2 : 2 * B + 2]
-            conf = snap[0][2 * B + 2 : 3 * B + 2].view(torch.float32).tolist()
             self._harvest_finish(pending, width, results, reasons, stats)
             self._check_finite(flags, B)
             predicted = None
@@ -1016,6 +1015,7 @@ class Engine:
                     done = [out_len[b] - base[0][b] for b in rows]  # committed tokens per observed row
                     planner.observe(done_mode, sum(done) / len(rows), ms, len(rows))
                     if done_mode[0] != "ar":
+                        conf = snap[0][2 * B + 2 : 3 * B + 2].view(torch.float32).tolist()  # (spec steps only)
                         c = sum(conf[b] for b in rows) / len(rows)
                         chain_done = done
                         if done_mode[0] == "tree":  # committed as the chain, capped by the tree's (EOS, max_new)
