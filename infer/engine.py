@@ -725,9 +725,7 @@ class Engine:
         if P > infer_model.PREFILL_BUCKET_MAX:  # beyond the buckets: the unpadded pass, eagerly
             logits, feats = self.target.prefill_packed([x], [slot], kv, want_features=want_features)
             if draft_cache is not None:
-                rows = torch.tensor([slot], device=dev)
-                draft_cache.lengths[rows] = 0
-                draft_cache.append(feats[None], torch.tensor([P], device=dev), rows=rows, impl=self.impl)
+                self._write_context(draft_cache, feats, torch.tensor([P], device=dev), torch.tensor([slot], device=dev))
                 feats = None
             return logits, feats
         kv = self.cache
@@ -740,9 +738,8 @@ class Engine:
 
             def fn(dc=draft_cache):
                 logits, feats = self.target.prefill_static(*inputs, kv, want_features)
-                if dc is not None:  # rerunnable: the slot's length is reset before the append
-                    dc.lengths.index_fill_(0, inputs[1], 0)
-                    dc.append(feats[None], inputs[2] + 1, rows=inputs[1], impl=self.impl)
+                if dc is not None:
+                    self._write_context(dc, feats, inputs[2] + 1, inputs[1])
                     feats = None
                 return logits, feats
 
@@ -772,6 +769,12 @@ class Engine:
         else:
             logits, feats = fn()
         return logits.clone(), None if feats is None else feats[:P].clone()
+
+    def _write_context(self, draft_cache: DraftCache, feats: torch.Tensor, count: torch.Tensor, slot: torch.Tensor):
+        """A prompt's draft context from scratch: slot ``slot [1]``'s length set to 0, then the first ``count [1]``
+        rows of ``feats [P, k·H]`` appended (no host sync: graph-safe, and rerunnable for a graph's warm-up)."""
+        draft_cache.lengths.index_fill_(0, slot, 0)
+        draft_cache.append(feats[None], count, rows=slot, impl=self.impl)
 
     # -- the decode loops ------------------------------------------------------------------------
     def _flags_async(self, s: _Slots, buf: torch.Tensor):
@@ -978,11 +981,17 @@ class Engine:
                 # the batch's requests: (tokens it may still commit, chain tokens, steps, tokens²); 0 to commit once
                 # finished (its slot keeps its counts until refilled); a slot refilled after the snapshot read
                 # last has committed only its first token
-                drain = [(0 if owner[b] is None or not (base[1][b] or base[2][b] != owner[b]) else
-                          params.max_new_tokens - (base[0][b] if base[2][b] == owner[b] else 1),
-                          row_tokens[b], row_steps[b], row_sq[b]) for b in range(B) if owner[b] is not None or row_steps[b]]
+                drain = []
+                for b in range(B):
+                    if owner[b] is None and not row_steps[b]:
+                        continue
+                    fresh = base[2][b] != owner[b]  # refilled after the snapshot
+                    live = owner[b] is not None and (fresh or base[1][b])
+                    left = params.max_new_tokens - (1 if fresh else base[0][b]) if live else 0
+                    drain.append((left, row_tokens[b], row_steps[b], row_sq[b]))
             mode = planner.choose(predicted, drain)
-            drain_age += drain is not None or drain_age > 0
+            if drain is not None or drain_age:  # counting from the first drain given
+                drain_age += 1
             self.last_confidence = predicted  # tests, debugging
             launched.append((mode, time.perf_counter()))
             if ar_pending and (mode[0] != "ar" or ar_pending == s.pend_max):

@@ -405,6 +405,7 @@ class StepPlanner:
         batch of 64 requests costs tens of µs of host time) or :meth:`end_drain`. None before any: tokens per
         millisecond."""
         costs = self.costs
+        raw = None  # this step's token estimates, computed once
         if drain is not None:
             raw = self.expected(predicted)
             mapped = drain_tokens(raw, drain, self.table)
@@ -424,7 +425,7 @@ class StepPlanner:
             # a mode paired within the last steps and timed once is not probed: its tokens are being observed
             settled = frozenset(m for m in self.table if self.paired[m] and self.timed[m]
                                 and self.step - self.last_seen[m] <= PAIRED_FRESH)
-            tokens = raw = self.expected(predicted)
+            tokens = raw = self.expected(predicted) if raw is None else raw
             if self.drain_scale is not None:
                 tokens = {m: x * self.drain_scale.get(m, 1.0) if x is not None and m[0] != "ar" else x
                           for m, x in raw.items()}
