@@ -193,6 +193,13 @@ class Runner:
                 self.decoders[label].plan_drain = args.plan_drain is not False
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
+            # every prefill graph a task's admissions could need, made before any timing (Engine.capture_prefill:
+            # MT-Bench's second-turn prompts differ between configurations and passes)
+            batch = min(args.concurrency, args.num_prompts)
+            for label, dec in self.decoders.items():
+                dec.target.layer_ids, dec.target.last_layer_features = (self._layer_ids[label] if label
+                                                                         else ([], "post_norm"))  # as run() sets them
+                dec.capture_prefill(batch, args.max_prompt_tokens, use_draft=label is not None)
         else:
             from dspine.reference import ReferenceDecoder, reference_verify_size
             from dspine.target import load_target

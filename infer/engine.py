@@ -39,6 +39,7 @@ from dspine.checkpoint import load_draft
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
 from dspine.ops.argmax_prob import argmax_prob
+from dspine.ops.defer import defer_features
 from dspine.ops.lm_head import pick as pick_lm_head
 from dspine.ops.tree_build import build_tree_fused
 from dspine.ops.tree_verify import verify_tree_greedy, verify_tree_sample
@@ -72,11 +73,11 @@ class _Slots:
     out_tokens    [B, max_new] int64  generated tokens, prefill token first
     out_len       [B] int32   tokens in out_tokens; also the sampler's output position
     max_new       [B] int32   the request's max_new_tokens
-    done          [B] int8    1 = finished or idle: the step computes the row but commits nothing
+    done          [B] int32   1 = finished or idle: the step computes the row but commits nothing
     hist          [B, verify_size + 1] int32  hist[b, n] = this request's steps that committed n tokens
     verify_block  [B, verify_size] int64  anchor + the K = verify_size - 1 draft tokens the target verifies
     draft_block   [B, block_size] int64  anchor + MASK x (block_size - 1): the draft's input
-    nonfinite     [2] bool    target / draft logits were NaN or Inf since the flags were cleared
+    nonfinite     [2] int32   target / draft logits were NaN or Inf since the flags were cleared (1)
     no_draft      [B] int32   zeros: "0 accepted" for the autoregressive commit
     offsets       [verify_size] int64  0 .. verify_size - 1 (static: no arange launch per step)
     conf          [B] fp32    planner only: the draft's confidence of the last speculative step, expected
@@ -84,6 +85,10 @@ class _Slots:
     chain_acc     [B] int32   planner only: draft tokens the chain would have accepted in the last tree step
                               (the chain nodes on its accepted path, :meth:`Engine._tree_step`); stale after
                               any other step
+    state         [4B + 2] int32  one buffer of which ``done``, ``nonfinite``, ``out_len``, ``conf`` (its fp32
+                              bits) and ``chain_acc`` are views, in this order: what the decode loops read
+                              after a step crosses the bus in one copy of a prefix of it (the flags:
+                              ``state[:B + 2]``; the planner: all of it), no gather kernel per step
 
     Planner only (``pending = (F, k·H, dtype)``, ``F = Engine.ar_defer``): the deferred draft-context append of
     the AR steps (:meth:`Engine._ar_step`, :meth:`Engine._flush_step`); None (pend_max 0) otherwise.
@@ -91,10 +96,9 @@ class _Slots:
     pend_max      int         F: most pending features per row (``Engine.ar_defer`` when the slots were made)
     pend_feats    [B·F + 1, k·H] model dtype  target features of the AR steps since the last flush: row b's
                               t-th at index b·F + t (a view ``[B, F, k·H]`` of the first B·F); the last index
-                              is a scratch row that takes the writes of idle rows (and of a row past F)
+                              is a scratch row (the torch path of ``defer_features`` writes idle rows there)
     pend_count    [B] int32   pending features per row: the draft context of row b holds
                               lengths[b] - pend_count[b] positions
-    pend_base     [B] int64   b·F (static)
     pend_lengths  [B] int32   the flush's draft-context lengths: lengths - pend_count, advanced to lengths
                               by the flush's append
     """
@@ -107,25 +111,25 @@ class _Slots:
         self.lengths = torch.zeros(B, dtype=i32, device=device)
         self.seeds = torch.zeros(B, dtype=i64, device=device)
         self.out_tokens = torch.zeros(B, max_new, dtype=i64, device=device)
-        self.out_len = torch.zeros(B, dtype=i32, device=device)
+        # done, nonfinite, out_len, conf, chain_acc: views of one buffer (the class docstring's ``state``)
+        self.state = torch.zeros(4 * B + 2, dtype=i32, device=device)
+        self.done, self.nonfinite, self.out_len, conf, self.chain_acc = self.state.split([B, 2, B, B, B])
+        self.conf = conf.view(torch.float32)
+        self.done.fill_(1)
+        self.conf.fill_(1.0)
         self.max_new = torch.ones(B, dtype=i32, device=device)
-        self.done = torch.ones(B, dtype=torch.int8, device=device)
         self.hist = torch.zeros(B, verify_size + 1, dtype=i32, device=device)
         self.verify_block = torch.zeros(B, verify_size, dtype=i64, device=device)
         self.draft_block = torch.full((B, block_size), mask_id, dtype=i64, device=device)
-        self.nonfinite = torch.zeros(2, dtype=torch.bool, device=device)
         self.no_draft = torch.zeros(B, dtype=i32, device=device)
         self.offsets = torch.arange(verify_size, dtype=i64, device=device)
-        self.conf = torch.ones(B, dtype=torch.float32, device=device)
-        self.chain_acc = torch.zeros(B, dtype=i32, device=device)
         self.pend_max = 0
-        self.pend_feats = self.pend_count = self.pend_base = self.pend_lengths = None
+        self.pend_feats = self.pend_count = self.pend_lengths = None
         if pending is not None:
             F_, width, dtype = pending
             self.pend_max = F_
             self.pend_feats = torch.zeros(B * F_ + 1, width, dtype=dtype, device=device)
             self.pend_count = torch.zeros(B, dtype=i32, device=device)
-            self.pend_base = torch.arange(B, dtype=i64, device=device) * F_
             self.pend_lengths = torch.zeros(B, dtype=i32, device=device)
 
 
@@ -494,9 +498,10 @@ class Engine:
         next token (argmax, or sampled at output position ``out_len``), commit; ``lengths += live``.
 
         With ``draft_cache`` (a planner's AR step between speculative ones) the anchor's target features
-        ``[B, 1, k·H]`` are kept for the draft context: ``defer`` (the planner's default) scatters them into
-        ``pend_feats[b·F + pend_count[b]]`` of the live rows (idle rows, and a row past F, into the scratch
-        row) and ``pend_count += live``, for :meth:`_flush_step` to append later (the host flushes after F AR
+        ``[B, 1, k·H]`` are kept for the draft context: ``defer`` (the planner's default) writes them into
+        ``pend_feats[b·F + pend_count[b]]`` of the live rows (a row past F writes nothing) and
+        ``pend_count += live``, ``lengths += live`` (:func:`dspine.ops.defer.defer_features`, one kernel, before
+        the commit), for :meth:`_flush_step` to append later (the host flushes after F AR
         steps and before a speculative step: :meth:`_decode_planned`); without ``defer`` they are appended
         now (``DraftCache.append``: fc GEMM, norm, per draft layer a K/V GEMM and the cache write)."""
         s = slots
@@ -511,16 +516,15 @@ class Engine:
         else:
             probs, ids = logits_to_probs(logits, params.temperature, params.top_p, params.top_k, with_ids=True)
             nxt = sample(probs, s.seeds, rng.STREAM_TARGET, s.out_len.long(), ids, impl=self.impl)
+        if draft_cache is not None and defer:  # one kernel, before the commit changes done (dspine.ops.defer)
+            defer_features(feats[:, 0], s.done, s.pend_feats, s.pend_count, s.lengths, s.pend_max, impl=self.impl)
+            commit_step(tok, s.no_draft, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
+                        impl=self.impl, anchor=s.anchor)
+            return
         live = s.done == 0
         commit_step(tok, s.no_draft, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
                     impl=self.impl, anchor=s.anchor)
         if draft_cache is None:
-            s.lengths.add_(live)
-        elif defer:  # index ops only: no host sync, no data-dependent shape (CUDA graph)
-            ok = live & (s.pend_count < s.pend_max)
-            idx = torch.where(ok, s.pend_base + s.pend_count, s.pend_feats.shape[0] - 1)
-            s.pend_feats.index_copy_(0, idx, feats[:, 0])
-            s.pend_count.add_(live)
             s.lengths.add_(live)
         else:
             draft_cache.append(feats, live.to(torch.int32), impl=self.impl)
@@ -689,7 +693,7 @@ class Engine:
         s.out_tokens[idx, 0] = first
         s.out_len[idx] = 1
         s.max_new[idx] = params.max_new_tokens
-        s.done[idx] = (torch.isin(first, self.eos) | (params.max_new_tokens <= 1)).to(torch.int8)
+        s.done[idx] = (torch.isin(first, self.eos) | (params.max_new_tokens <= 1)).to(torch.int32)
         s.hist[idx] = 0
         if spec:  # the prompts' context K/V, padded to [n, max P, k·H]; lengths become P
             if not appended:
@@ -776,11 +780,57 @@ class Engine:
         draft_cache.lengths.index_fill_(0, slot, 0)
         draft_cache.append(feats[None], count, rows=slot, impl=self.impl)
 
+    @torch.inference_mode()
+    def capture_prefill(self, batch: int, max_prompt: int, use_draft: bool = True) -> int:
+        """Make now the bucketed-prefill graphs that admissions of prompts of up to ``max_prompt`` tokens into a
+        batch of ``batch`` slots would make at their bucket's first prompt; returns how many were made (0 without
+        ``prefill_buckets``, or when all exist; without CUDA graphs the entries hold the static inputs of the
+        eager pass, each run once).
+
+        A graph is made on first use, mid-decode (its warm-up runs the prefill twice eagerly, then captures:
+        about three eager prefills, 40-50 ms on SmolLM2), so a timed run that meets a new length bucket pays for it:
+        MT-Bench's second turn holds the model's own first answer, whose length changes with the configuration
+        (issue 16: the planner's admissions at concurrency 8, T = 0, took 0.154 s of device time against the
+        chain's 0.064 s on the same prompts). ``infer.bench`` calls this for every configuration before its
+        first task, with ``--max-prompt-tokens``; a server would at start-up. Each graph is made on slot 0 (its
+        target KV and draft context are overwritten by the next admission), so no request may be decoding.
+
+        Args:
+            batch: the batch size (slots) of the ``generate`` calls to come (``min(concurrency, prompts)``): with
+                the draft context the graph holds the slots' length tensor, one graph per batch size.
+            max_prompt: the longest prompt to come, in tokens (capped at ``max_seq - 1`` and
+                ``infer.model.PREFILL_BUCKET_MAX``: longer prompts take the unpadded pass).
+            use_draft: the calls' ``use_draft`` (with a draft: the graphs that also write the draft context).
+        Raises:
+            ValueError: ``batch`` outside 1..max_batch, or ``max_prompt`` < 1.
+            RuntimeError: a request is decoding (a ``generate`` in progress).
+        """
+        if not 1 <= batch <= self.max_batch or max_prompt < 1:
+            raise ValueError(f"capture_prefill: batch={batch} must be in 1..{self.max_batch} and max_prompt={max_prompt} "
+                             ">= 1")
+        if any(o is not None for o in (self.slot_owner or [])):
+            raise RuntimeError("capture_prefill: requests are decoding; call it between generate calls")
+        if not self.prefill_buckets:
+            return 0
+        spec = use_draft and self.draft is not None
+        kv, draft_cache = self._cache_view(batch)
+        cap = self.cache.seq
+        top = min(max_prompt, self.max_seq - 1, infer_model.PREFILL_BUCKET_MAX)  # a prompt leaves room for a token
+        made = 0
+        for Pb in sorted({infer_model.prefill_bucket(p, cap) for p in range(1, top + 1)}):
+            if (Pb, spec, batch if spec else None) in self._prefill_graphs:
+                continue
+            self._prefill_bucketed(torch.zeros(Pb, dtype=torch.long, device=self.device), 0, kv, spec,
+                                   draft_cache if spec else None)
+            made += 1
+        return made
+
     # -- the decode loops ------------------------------------------------------------------------
     def _flags_async(self, s: _Slots, buf: torch.Tensor):
-        """Enqueue a copy of ``done [B]`` + ``nonfinite [2]`` into the host buffer ``buf [B + 2]`` int8
-        (pinned on a GPU); returns the CUDA event that marks it complete (None on the CPU: already done)."""
-        buf.copy_(torch.cat([s.done, s.nonfinite.to(torch.int8)]), non_blocking=True)
+        """Enqueue a copy of ``done [B]`` + ``nonfinite [2]`` (``state[:B + 2]``: one copy, no kernel) into the host
+        buffer ``buf [B + 2]`` int32 (pinned on a GPU); returns the CUDA event that marks it complete (None on the
+        CPU: already done)."""
+        buf.copy_(s.state[: s.B + 2], non_blocking=True)
         return self._event()
 
     def _event(self, timing: bool = False):
@@ -847,7 +897,7 @@ class Engine:
         prefill attention is one varlen call when admitted with others and SDPA when alone, so greedy output can
         part at near-ties, as with any change of concurrency."""
         cuda, prof = self.device.type == "cuda", self.loop_profile
-        bufs = [torch.empty(B + 2, dtype=torch.int8, pin_memory=cuda) for _ in range(2)]
+        bufs = [torch.empty(B + 2, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         cur = 0
         snap = (bufs[cur], self._flags_async(s, bufs[cur]))  # the flags before the next step
         pending: list = []  # harvests in flight
@@ -945,15 +995,14 @@ class Engine:
         if self.plan_confidence not in ("greedy", "always", "never"):
             raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")
         cuda, prof = self.device.type == "cuda", self.loop_profile
-        n = 4 * B + 2  # done [B], nonfinite [2], out_len [B], conf [B] (fp32 bits), chain_acc [B], all as int32
-        bufs = [torch.empty(n, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        # _Slots.state: done [B], nonfinite [2], out_len [B], conf [B] (fp32 bits), chain_acc [B], all int32
+        bufs = [torch.empty(4 * B + 2, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         # paired observations: a tree step tells what each chain mode would have committed, if the tree holds
         # its whole chain (min(K, N - 1) >= n - 1): chain mode -> verify size
         chains = [m for m in self.plan_modes if m[0] == "chain"]
 
         def snapshot(buf):
-            buf.copy_(torch.cat([s.done.to(torch.int32), s.nonfinite.to(torch.int32), s.out_len,
-                                 s.conf.view(torch.int32), s.chain_acc]), non_blocking=True)
+            buf.copy_(s.state, non_blocking=True)  # one copy, no kernel
             return self._event(timing=True)  # its time closes the step before it
 
         cur = 0

@@ -537,12 +537,19 @@ class EngineTarget(nn.Module):
         cos, sin = cache.cos, cache.sin
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         x = F.embedding(tokens, self.embed)
-        residual, feats = None, {}
+        residual = None
+        # the draft's features [N, k·H]: layer i's output (residual + x) is the residual sum that layer i + 1's
+        # input norm computes anyway, so that norm writes it into i's column block (no add, no concatenation)
+        ids, H = (self.layer_ids if want_features else []), a.hidden_size
+        feats = x.new_empty(N, len(ids) * H) if ids else None
+        col = self._feature_columns() if ids else {}
+        into = None  # the column block the next input norm writes its residual sum into
         for i, L in enumerate(self.layers):
             if residual is None:
                 h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, impl=impl), x
             else:
-                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl)
+                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl, residual_out=into)
+            into = None
             if L.kind == "linear":
                 x = mix(i, L, h)
             else:
@@ -557,18 +564,35 @@ class EngineTarget(nn.Module):
                 x = linear(o, L.o, impl=impl, exact=exact)
             h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
             x = self._mlp(L, h, exact)
-            if want_features and i in self.layer_ids:
-                feats[i] = residual + x  # the HF decoder layer's output
+            if i in col:  # the HF decoder layer's output, residual + x
+                block = feats[:, col[i] * H : (col[i] + 1) * H]
+                if i + 1 < len(self.layers):
+                    into = block
+                else:
+                    torch.add(residual, x, out=block)
         return x, residual, feats
 
-    def _features(self, feats: dict, want: bool):
-        if not want or not self.layer_ids:
+    def _feature_columns(self) -> dict[int, int]:
+        """Target layer id -> its column block in the features (its first position in ``layer_ids``)."""
+        col: dict[int, int] = {}
+        for j, i in enumerate(self.layer_ids):
+            col.setdefault(i, j)
+        return col
+
+    def _features(self, feats: torch.Tensor | None, want: bool) -> torch.Tensor | None:
+        """The features ``[N, k·H]`` that :meth:`_layers` wrote, finished: the last layer's block through the final
+        norm (``last_layer_features == "post_norm"``), a repeated layer id's block copied from its first."""
+        if not want or feats is None:
             return None
-        last = self.args.num_layers - 1
-        if self.last_layer_features == "post_norm" and last in feats:
+        H, last, col = self.args.hidden_size, self.args.num_layers - 1, self._feature_columns()
+        if self.last_layer_features == "post_norm" and last in col:
             # DFlash's convention: the last layer's feature is HF hidden_states[L], after the final norm
-            feats = {**feats, last: rms_norm(feats[last], self.norm, self.args.rms_norm_eps, impl=self.impl)}
-        return torch.cat([feats[i] for i in self.layer_ids], dim=-1)
+            block = feats[:, col[last] * H : (col[last] + 1) * H]
+            rms_norm(block, self.norm, self.args.rms_norm_eps, impl=self.impl, out=block)
+        for j, i in enumerate(self.layer_ids):
+            if col[i] != j:
+                feats[:, j * H : (j + 1) * H] = feats[:, col[i] * H : (col[i] + 1) * H]
+        return feats
 
     def forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, cache_len: torch.Tensor,
                      want_features: bool = True, tree_bits: torch.Tensor | None = None, exact: bool = False,

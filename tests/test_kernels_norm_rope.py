@@ -118,6 +118,31 @@ def test_rms_norm_scaled_residual(dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_residual_out_into_a_column_block(dtype, device):
+    """``residual_out``: the sum lands in a strided column block of a wider buffer (the engine target's draft
+    features), equal to the fresh sum, the rest of the buffer untouched, and the returned residual is that block."""
+    g = torch.Generator().manual_seed(4)
+    x, res = torch.randn(7, 96, generator=g).to(dtype).to(device), torch.randn(7, 96, generator=g).to(dtype).to(device)
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype).to(device)
+    for impl in ("torch", "triton"):
+        buf = torch.full((7, 3 * 96), 7.0, dtype=dtype, device=device)
+        block = buf[:, 96:192]
+        y, r = rms_norm(x, w, 1e-6, residual=res, impl=impl, residual_out=block)
+        want_y, want_r = rms_norm(x, w, 1e-6, residual=res, impl=impl)
+        assert r.data_ptr() == block.data_ptr() and torch.equal(block, res + x), impl
+        assert torch.equal(y, want_y) and torch.equal(r, want_r), impl
+        assert (buf[:, :96] == 7).all() and (buf[:, 192:] == 7).all(), impl
+        # and as the next norm's residual input (row stride 3·H)
+        y2, r2 = rms_norm(x, w, 1e-6, residual=block, impl=impl)
+        assert torch.equal(r2, res + x + x) and torch.equal(y2, rms_norm(x, w, 1e-6, residual=want_r, impl=impl)[0])
+    with pytest.raises(ValueError, match="residual_out"):
+        rms_norm(x, w, 1e-6, impl="torch", residual_out=torch.empty_like(x))  # no residual
+    with pytest.raises(ValueError, match="residual_out"):
+        rms_norm(x, w, 1e-6, residual=res, impl="torch", residual_out=torch.empty(7, 95, dtype=dtype, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("bs", [1, 4, 16])
 def test_shift_rms_norm(dtype, device, with_residual, bs):

@@ -46,11 +46,13 @@ def test_adapter_features_equal_hf_hidden_states_post_norm(target_dir, layer_ids
 
 
 @pytest.mark.parametrize("convention", ["post_norm", "pre_norm"])
-def test_engine_features_equal_the_adapter(target_dir, convention):
+@pytest.mark.parametrize("layer_ids", [[0, LAYERS - 1], [LAYERS - 1, 1, 0], [1, 1, 0]], ids=str)
+def test_engine_features_equal_the_adapter(target_dir, convention, layer_ids):
+    """The engine writes a layer's output into its column block from the next layer's fused norm (the last
+    layer's by an add): any order, the last layer (either convention) and a repeated id equal the adapter's."""
     from dspine.target import load_target
     from infer.model import EngineTarget
 
-    layer_ids = [0, LAYERS - 1]
     ref = load_target(str(target_dir), dtype="fp32")
     ref.set_layer_ids(layer_ids, convention)
     eng = EngineTarget.from_pretrained(str(target_dir), device="cpu", dtype=torch.float32, layer_ids=layer_ids,

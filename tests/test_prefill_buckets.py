@@ -128,6 +128,40 @@ def test_bucketed_admission_writes_the_draft_context(stories_dir, tmp_path):
     assert s3.lengths.tolist() == [len(PROMPTS[1]), len(PROMPTS[2]), len(PROMPTS[4])]
 
 
+def test_capture_prefill_makes_what_admissions_would(stories_dir, tmp_path):
+    """Engine.capture_prefill makes, before a decode, the bucket entries (graphs on a GPU) that its admissions would
+    make at their first prompt, under the same keys: a later generate at that batch size makes none, and its output
+    is unchanged; calls between decodes only, with checked arguments."""
+    from dspine.checkpoint import save_draft
+    from tests.helpers import random_draft
+
+    target = load_target(str(stories_dir), dtype="fp32")
+    folder = save_draft(random_draft(target, block_size=8, mask=0), tmp_path / "draft")
+    prompts = PROMPTS + [[1] + list(range(300, 370))]  # 71 tokens: bucket 128
+    want = ReferenceDecoder(target, None, [2]).generate(prompts, SamplingParams(max_new_tokens=20)).token_ids
+    eng, _ = load_engine(str(stories_dir), None, str(folder), device="cpu", dtype=torch.float32, impl="torch",
+                         max_seq=500, eos_token_ids=[2], prefill_buckets=True, max_batch=4)
+    assert eng.capture_prefill(3, 71) == 2 and eng.capture_prefill(3, 71) == 0
+    assert eng.capture_prefill(3, 71, use_draft=False) == 2
+    keys = set(eng._prefill_graphs)
+    assert keys == {(64, True, 3), (128, True, 3), (64, False, None), (128, False, None)}
+    for use_draft in (True, False):
+        got = eng.generate(prompts, SamplingParams(max_new_tokens=20), concurrency=3, use_draft=use_draft).token_ids
+        assert got == want, use_draft
+    assert set(eng._prefill_graphs) == keys  # nothing made during the decodes
+    assert eng.capture_prefill(2, 10_000) == 8  # prompts up to max_seq - 1 = 499: buckets 64 .. 448, and 509 (the cache)
+    for bad in (dict(batch=0, max_prompt=5), dict(batch=5, max_prompt=5), dict(batch=1, max_prompt=0)):
+        with pytest.raises(ValueError, match="capture_prefill"):
+            eng.capture_prefill(**bad)
+    eng.slot_owner = [None, 4, None]
+    with pytest.raises(RuntimeError, match="requests are decoding"):
+        eng.capture_prefill(1, 5)
+    eng.slot_owner = None
+    off, _ = load_engine(str(stories_dir), None, str(folder), device="cpu", dtype=torch.float32, impl="torch",
+                         max_seq=500, eos_token_ids=[2], prefill_buckets=False)
+    assert off.capture_prefill(3, 71) == 0 and not off._prefill_graphs
+
+
 @pytest.mark.gpu
 def test_engine_prefill_graphs_cuda(stories_dir, tmp_path):
     """CUDA graphs per bucket: the same greedy output as the eager unpadded prefill, one graph per bucket."""
@@ -145,6 +179,12 @@ def test_engine_prefill_graphs_cuda(stories_dir, tmp_path):
     assert graphed.generate(prompts, SamplingParams(max_new_tokens=40), concurrency=3).token_ids == want
     assert sorted(k[0] for k in graphed._prefill_graphs) == [64, 128]
     assert all(v[0] is not None for v in graphed._prefill_graphs.values())
+    # the graphs made before the decode (Engine.capture_prefill) are the ones it replays: none made during it
+    pre, _ = load_engine(str(stories_dir), None, str(folder), prefill_buckets=True, **kw)
+    assert pre.capture_prefill(3, 71) == 2 and all(v[0] is not None for v in pre._prefill_graphs.values())
+    keys = set(pre._prefill_graphs)
+    assert pre.generate(prompts, SamplingParams(max_new_tokens=40), concurrency=3).token_ids == want
+    assert set(pre._prefill_graphs) == keys
 
 
 def test_cli_prefill_buckets(stories_dir, tmp_path, capsys):

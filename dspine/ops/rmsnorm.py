@@ -64,8 +64,12 @@ def _rows(x):
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _check(x, weight, residual, scale):
+def _check(x, weight, residual, scale, residual_out=None):
     H = x.shape[-1]
+    if residual_out is not None and (residual is None or residual_out.shape != x.shape
+                                     or residual_out.dtype != x.dtype or residual_out.stride(-1) != 1):
+        raise ValueError(f"residual_out must be given with a residual, with x's shape {tuple(x.shape)} and dtype "
+                         f"{x.dtype} and a unit last stride, got {tuple(residual_out.shape)} {residual_out.dtype}")
     if weight.shape != (H,) or (scale is not None and scale.shape != (H,)):
         raise ValueError(f"weight and scale must be [{H}], got {tuple(weight.shape)}")
     if scale is not None and residual is None:
@@ -74,8 +78,8 @@ def _check(x, weight, residual, scale):
         raise ValueError("residual must have x's shape")
 
 
-def _launch(x, weight, eps, residual, scale, out, block_size):
-    _check(x, weight, residual, scale)
+def _launch(x, weight, eps, residual, scale, out, block_size, residual_out=None):
+    _check(x, weight, residual, scale, residual_out)
     H = x.shape[-1]
     if H > 65536:
         raise ValueError(f"hidden size {H} > 65536 is not supported")
@@ -85,8 +89,8 @@ def _launch(x, weight, eps, residual, scale, out, block_size):
     y2 = y.view(-1, H)
     if residual is not None:
         r_in = _rows(residual)
-        r_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        r2 = r_out.view(-1, H)
+        r_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual_out is None else residual_out
+        r2 = r_out.view(-1, H) if residual_out is None else r_out.reshape(-1, H)  # a strided slice stays a view
     else:
         r_in = r2 = x2  # unused
     if N > 0:
@@ -102,13 +106,15 @@ def _launch(x, weight, eps, residual, scale, out, block_size):
     return y if residual is None else (y, r_out)
 
 
-def rms_norm_torch(x, weight, eps, residual=None, *, out=None, scale=None):
+def rms_norm_torch(x, weight, eps, residual=None, *, out=None, scale=None, residual_out=None):
     """Reference: the HF op sequence, in plain PyTorch."""
-    _check(x, weight, residual, scale)
+    _check(x, weight, residual, scale, residual_out)
     if residual is not None:
         if scale is not None:
             x = (x.float() * scale.float()).to(x.dtype)  # == torch's bf16 mul: one rounding
         x = (x.float() + residual.float()).to(x.dtype)  # == torch's bf16 add: one rounding
+        if residual_out is not None:
+            x = residual_out.copy_(x)
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = (normed.float() * weight.float()).to(x.dtype)
@@ -118,16 +124,19 @@ def rms_norm_torch(x, weight, eps, residual=None, *, out=None, scale=None):
     return y if residual is None else (y, x)
 
 
-def rms_norm(x, weight, eps, residual=None, impl: str = "triton", *, out=None, scale=None):
+def rms_norm(x, weight, eps, residual=None, impl: str = "triton", *, out=None, scale=None, residual_out=None):
     """RMSNorm of x [..., H] with weight [H]; with ``residual`` returns (y, scale ⊙ x + residual).
 
-    Outputs in x's dtype; ``out`` (y only) may be given for static buffers. Raises ValueError on
-    shape mismatch or a ``scale`` without ``residual``. Numerics: see the module docstring.
+    Outputs in x's dtype; ``out`` (y only) may be given for static buffers, and ``residual_out`` (with a
+    residual; x's shape and dtype, unit last stride, any row stride) receives the sum, which is then the second
+    return value: the engine's target writes a layer's output straight into its column block of the draft
+    features ``[N, k·H]`` this way (``infer.model.EngineTarget._layers``). Raises ValueError on shape mismatch or
+    a ``scale`` without ``residual``. Numerics: see the module docstring.
     """
     check_impl(impl)
     if impl == "triton":
-        return _launch(x, weight, eps, residual, scale, out, 0)
-    return rms_norm_torch(x, weight, eps, residual, out=out, scale=scale)
+        return _launch(x, weight, eps, residual, scale, out, 0, residual_out)
+    return rms_norm_torch(x, weight, eps, residual, out=out, scale=scale, residual_out=residual_out)
 
 
 def shift_rms_norm(x, weight, eps, block_size: int, residual=None, impl: str = "triton"):
