@@ -546,33 +546,56 @@ class DSpineDraftModel(PreTrainedModel):
         rows go to the cache's scratch slot, so the caller sizes the cache (positions < capacity).
         """
         n, T, _ = features.shape
-        dev, dt, eps = features.device, self.fc.weight.dtype, self.config.rms_norm_eps
-        Hkv, D = self.config.num_key_value_heads, self.config.head_dim
+        dev = features.device
         rows = torch.arange(n, device=dev) if rows is None else rows.to(dev).long()
         counts = counts.to(dev).long()
         start = cache.lengths[rows].long()
         pos = start[:, None] + torch.arange(T, device=dev)  # [n, T]
-        keep = pos < (start + counts)[:, None]
-        with torch.autocast(dev.type, enabled=False):
+        end = (start + counts)[:, None].expand(n, T)
+        self._write_kv(cache, features.reshape(n * T, -1), rows.repeat_interleave(T), pos.reshape(-1),
+                       (pos < end).reshape(-1), end.reshape(-1), impl)
+        cache.lengths.index_copy_(0, rows, (start + counts).to(cache.lengths.dtype))
+
+    def append_packed(self, cache: DraftCache, features: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
+                      impl: str = "torch") -> None:
+        """:meth:`append_context` for features packed back to back (an admission's prompts, as the target's packed
+        prefill returns them): ``features [N, k·H]`` holds ``counts[j]`` rows of batch row ``rows[j]``, then the
+        next row's (``N = Σ counts``; no padding, so no padded rows through the fc and K/V GEMMs). The same K/V as
+        the padded call up to the GEMMs' rounding at another row count. No host sync."""
+        n, N = rows.shape[0], features.shape[0]
+        dev = features.device
+        rows, counts = rows.to(dev).long(), counts.to(dev).long()
+        seg = torch.repeat_interleave(torch.arange(n, device=dev), counts, output_size=N)  # row of each entry
+        start = cache.lengths[rows].long()
+        pos = start[seg] + torch.arange(N, device=dev) - (torch.cumsum(counts, 0) - counts)[seg]
+        end = (start + counts)[seg]
+        self._write_kv(cache, features, rows[seg], pos, torch.ones_like(pos, dtype=torch.bool), end, impl)
+        cache.lengths.index_copy_(0, rows, (start + counts).to(cache.lengths.dtype))
+
+    def _write_kv(self, cache: DraftCache, features: torch.Tensor, bidx: torch.Tensor, pos: torch.Tensor,
+                  keep: torch.Tensor, end: torch.Tensor, impl: str) -> None:
+        """K/V of ``features [M, k·H]`` into ``cache``: entry m at batch row ``bidx[m]``, position ``pos[m]``, kept if
+        ``keep[m]`` (else the scratch slot); ``end[m]`` is its row's length after the append (a sliding layer's ring
+        skips entries evicted within the append). All ``[M]``, int64 / bool."""
+        dt, eps = self.fc.weight.dtype, self.config.rms_norm_eps
+        Hkv, D = self.config.num_key_value_heads, self.config.head_dim
+        with torch.autocast(features.device.type, enabled=False):
             c = rms_norm(F.linear(features.to(dt), self.fc.weight), self.hidden_norm.weight, eps, impl=impl)
-            c = c.reshape(n * T, -1)
-            table_pos = pos.clamp(max=cache.cos.shape[0] - 1).reshape(-1)  # discarded rows may run past it
-            bidx = rows.repeat_interleave(T)
+            table_pos = pos.clamp(max=cache.cos.shape[0] - 1)  # discarded rows may run past it
             index = {}  # (sliding, cap) -> cache index of each row: shared by the layers of that kind
             for i, layer in enumerate(self.layers):
                 cap = cache.caps[i]
                 if (layer.sliding, cap) not in index:
                     if layer.sliding:  # ring: position j at j % cap; rows evicted within this append are skipped
-                        slot, ok = pos % cap, keep & (pos >= (start + counts)[:, None] - cap)
+                        slot, ok = pos % cap, keep & (pos >= end - cap)
                     else:
                         slot, ok = pos, keep & (pos < cap)
-                    index[layer.sliding, cap] = torch.where(ok, slot, cap).reshape(-1)  # cap = the scratch slot
+                    index[layer.sliding, cap] = torch.where(ok, slot, cap)  # cap = the scratch slot
                 slot = index[layer.sliding, cap]
                 k, v = layer.self_attn.project(c, with_q=False).split(Hkv * D, dim=-1)
                 qk_norm_rope_cache(None, k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D), None,
                                    layer.self_attn.k_norm.weight, eps, cache.cos, cache.sin, table_pos,
                                    cache.k[i], cache.v[i], bidx, slot, impl=impl)
-        cache.lengths.index_copy_(0, rows, (start + counts).to(cache.lengths.dtype))
 
     @torch.no_grad()
     def fuse_weights(self) -> DSpineDraftModel:
@@ -674,6 +697,11 @@ class DraftCache:
         """Append the first ``counts[j]`` rows of ``features [n, T, k*H]`` (see
         :meth:`DSpineDraftModel.append_context`)."""
         self.model.append_context(self, features, counts, rows, impl)
+
+    def append_packed(self, features: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
+                      impl: str = "torch") -> None:
+        """Append ``features [Σ counts, k*H]`` packed row after row (see :meth:`DSpineDraftModel.append_packed`)."""
+        self.model.append_packed(self, features, counts, rows, impl)
 
 
 def count_parameters(model: nn.Module) -> int:

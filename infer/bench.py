@@ -33,7 +33,7 @@ from dspine.stats import AcceptStats
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
 # Engine.loop_profile, summed per task in the JSON (admit_*: CUDA only, the part of prefill_s spent waiting for
 # the steps in flight, and the admissions' device time; admits: how many admissions)
-PROFILE_KEYS = ("prefill_s", "launch_s", "wait_s", "host_s", "admit_wait_s", "admit_device_s", "admits")
+PROFILE_KEYS = ("prefill_s", "launch_s", "wait_s", "host_s", "admit_device_s", "admits")
 
 
 def parse_drafts(values: list[str] | None) -> dict[str, str]:

@@ -307,7 +307,7 @@ class Engine:
         self.lm_head_timer = None  # timer(name, fn) -> µs for lm_head.pick (None: CUDA events)
         # the last generate call's loop: seconds launching steps, waiting for the device's flags, in host
         # bookkeeping (flags, harvest), admitting (prefill); steps, wall_s, tokens (benchmarks, --profile); on CUDA
-        # admit_wait_s (of prefill_s, waiting for the steps in flight) and admit_device_s (the admissions' device time);
+        # admit_device_s (the admissions' device time: from the end of the step in flight to the admission's end);
         # admits: the admissions (prefill calls) of the call
         self.loop_profile: dict = {}
         # benchmarks: time every decode step on the device too (CUDA events around each step of the loop without
@@ -664,8 +664,13 @@ class Engine:
         dev = self.device
         slots = [b for b, _ in items]
         lens = [len(x) for _, x in items]
-        # one host-to-device copy for all prompts (a pageable copy syncs: once, not once per prompt)
-        ids = list(torch.tensor([t for _, prompt in items for t in prompt], dtype=torch.long, device=dev).split(lens))
+        # the prompts, slots, seeds and lengths in one host-to-device copy that does not wait for the step in flight
+        # (infer.model.to_device): the admission queues behind it, its host work overlapping the device's
+        n, N = len(items), sum(lens)
+        host = infer_model.to_device([t for _, prompt in items for t in prompt] + slots + list(seeds) + lens,
+                                     torch.long, dev)
+        ids = list(host[:N].split(lens))
+        idx, seeds_d, lengths = host[N : N + n], host[N + n : N + 2 * n], host[N + 2 * n :].to(torch.int32)
         appended = False  # the draft-context K/V already written (inside the bucketed prefill)
         if self.prefill_buckets and (len(items) <= self.PREFILL_BUCKETS_MAX_PROMPTS or self.exact):
             # one padded pass per prompt (a CUDA graph per length bucket); many prompts: one packed pass below
@@ -678,8 +683,7 @@ class Engine:
         else:
             logits, feats = self.target.prefill_packed(ids, slots, kv, want_features=spec)  # [n, V], [ΣP, k·H]
         s.nonfinite[0] |= ~torch.isfinite(logits).all()
-        idx = torch.tensor(slots, device=dev)
-        s.seeds[idx] = torch.tensor(seeds, dtype=s.seeds.dtype, device=dev)
+        s.seeds[idx] = seeds_d.to(s.seeds.dtype)
         if params.greedy:
             first = logits.argmax(-1)
         else:
@@ -687,7 +691,6 @@ class Engine:
             first = sample(probs, s.seeds[idx], rng.STREAM_TARGET, torch.zeros(len(items), dtype=torch.long, device=dev),
                            ids, impl=self.impl)
         s.anchor[idx] = first
-        lengths = torch.tensor(lens, dtype=torch.int32, device=dev)
         if not appended:  # (the bucketed prefill set the draft-context lengths it wrote)
             s.lengths[idx] = 0 if spec else lengths
         s.out_tokens[idx, 0] = first
@@ -695,10 +698,9 @@ class Engine:
         s.max_new[idx] = params.max_new_tokens
         s.done[idx] = (torch.isin(first, self.eos) | (params.max_new_tokens <= 1)).to(torch.int32)
         s.hist[idx] = 0
-        if spec:  # the prompts' context K/V, padded to [n, max P, k·H]; lengths become P
+        if spec:  # the prompts' context K/V from the packed features [Σ P, k·H]; lengths become P
             if not appended:
-                padded = torch.nn.utils.rnn.pad_sequence(list(feats.split(lens)), batch_first=True)
-                draft_cache.append(padded, lengths, rows=idx, impl=self.impl)
+                draft_cache.append_packed(feats, lengths, idx, impl=self.impl)
             if s.pend_count is not None:
                 # the planner's deferred AR appends (_ar_step): an admitted slot's pending features are its
                 # finished request's, and a later flush would write them at lengths - pend_count, over the
@@ -729,7 +731,8 @@ class Engine:
         if P > infer_model.PREFILL_BUCKET_MAX:  # beyond the buckets: the unpadded pass, eagerly
             logits, feats = self.target.prefill_packed([x], [slot], kv, want_features=want_features)
             if draft_cache is not None:
-                self._write_context(draft_cache, feats, torch.tensor([P], device=dev), torch.tensor([slot], device=dev))
+                count_slot = infer_model.to_device([P, slot], torch.long, dev)
+                self._write_context(draft_cache, feats, count_slot[:1], count_slot[1:])
                 feats = None
             return logits, feats
         kv = self.cache
@@ -1179,8 +1182,8 @@ class Engine:
         s.done.fill_(1)
         s.nonfinite.zero_()
 
-        # seconds waiting for steps in flight; CUDA events around each admission; admissions (prefill calls)
-        admit_wait, events, admits = [0.0], [], [0]
+        # CUDA events around each admission; admissions (prefill calls)
+        events, admits = [], [0]
 
         def admit(free: list[int]):
             nonlocal prefill_s
@@ -1193,10 +1196,7 @@ class Engine:
                 items.append((b, prompt))
             if items:
                 admits[0] += 1
-                if self.device.type == "cuda":  # the wait for the steps in flight (the admission's first
-                    # pageable copy would wait for them anyway), apart from the admission's own host time
-                    torch.cuda.current_stream(self.device).synchronize()
-                    admit_wait[0] += time.perf_counter() - tp
+                if self.device.type == "cuda":  # no sync: the admission queues behind the step in flight
                     events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                     events[-1][0].record()
                 self._admit(s, items, params, spec, kv, draft_cache, [seeds[owner[b]] for b, _ in items])
@@ -1221,8 +1221,7 @@ class Engine:
                 self.plan_token_memory[key] = planner.token_state()
         elapsed = time.perf_counter() - t0
         self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed,
-                                 tokens=sum(len(r) for r in results), admit_wait_s=admit_wait[0],
-                                 admit_device_s=sum(a.elapsed_time(b) for a, b in events) / 1e3, admits=admits[0])
+                                 tokens=sum(len(r) for r in results), admit_device_s=sum(a.elapsed_time(b) for a, b in events) / 1e3, admits=admits[0])
         return GenerationResult(results, reasons, stats, elapsed, prefill_s, n_steps)
 
 

@@ -69,6 +69,16 @@ HYBRID = ("qwen3_5_text", "qwen3_next")  # gated delta-rule + gated full attenti
 EXACT_DEFAULT = False
 
 
+def to_device(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """Host integers as a tensor on ``device`` without a stream sync: on CUDA a pinned copy with
+    ``non_blocking`` (a copy from pageable memory waits for the stream's work in flight first, CUDA's rule for
+    host-to-device copies from pageable memory, so an admission made while a decode step runs would idle the
+    device for the rest of that step). torch's pinned allocator keeps the host block until the copy is done."""
+    t = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def prefill_bucket(P: int, capacity: int) -> int:
     """Padded length of a bucketed prefill (:meth:`EngineTarget.prefill_static`): the next multiple of 64 up
     to 512 tokens (at most 63 tokens of padding), of 256 up to 2,048 (up to 50% past 512, 255 tokens), of 1,024
@@ -748,15 +758,20 @@ class EngineTarget(nn.Module):
         Hq, D = a.num_heads, a.head_dim
         dev = prompts[0].device
         tokens = torch.cat(prompts)
-        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
-        bidx = torch.cat([torch.full((n,), s, device=dev, dtype=torch.long) for n, s in zip(lens, slots)])
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
+        # positions and slots per token from one host-to-device copy, no sync (to_device) and no launch per prompt
+        k, N = len(prompts), starts[-1]
+        meta = to_device(starts + list(slots) + lens, torch.long, dev)
+        starts_d, slots_d, lens_d = meta[: k + 1], meta[k + 1 : 2 * k + 1], meta[2 * k + 1 :]
+        seg = torch.repeat_interleave(torch.arange(k, device=dev), lens_d, output_size=N)  # prompt of each token
+        pos = torch.arange(N, device=dev) - starts_d[seg]
+        bidx = slots_d[seg]
 
         varlen = self._varlen_ok(len(prompts), dev)
         if varlen:
-            cu = torch.tensor(starts, dtype=torch.int32, device=dev)
+            cu = starts_d.to(torch.int32)
 
         def attend(i, q):
             if varlen and self.window(i) is None:
@@ -780,6 +795,6 @@ class EngineTarget(nn.Module):
                 print(f"note: varlen prefill attention failed ({e}); using one SDPA call per prompt", flush=True)
                 self.varlen_prefill = varlen = False
                 x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features, mix=mix)
-        last = torch.tensor([e - 1 for e in starts[1:]], device=dev)
+        last = starts_d[1:] - 1
         h, _ = rms_norm(x[last], self.norm, a.rms_norm_eps, residual=residual[last], impl=self.impl)
         return F.linear(h, self.head), self._features(feats, want_features)

@@ -310,3 +310,39 @@ def test_gradients_reach_only_the_draft(stories_dir):
     assert all(p.grad is None and not p.requires_grad for p in target.parameters())
     assert all(p.grad is not None for n, p in draft.named_parameters() if ".adjacent.gate" not in n)
     assert all(p.grad is not None for n, p in draft.named_parameters())  # gate gets grad even at zero
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_append_packed_equals_the_padded_append(impl):
+    """DraftCache.append_packed (an admission's packed features, no padding) writes the same K/V and lengths as
+    the padded append_context, for full and sliding-window layers (ring of 6 + block: prompts longer than the ring
+    evict within the append), rows in any order, from non-zero lengths; padded rows never reach the cache."""
+    import tests.kernel_env as env
+
+    if impl == "triton" and not env.TRITON_CPU:
+        pytest.skip(str(env.TRITON_CPU_SKIP))
+    cfg = dflash_config_json(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    cfg.pop("model_type")
+    m = DSpineDraftModel(DSpineConfig(**cfg)).eval()
+    g = torch.Generator().manual_seed(7)
+    lens, rows, start = [5, 17, 1], torch.tensor([3, 0, 2]), torch.tensor([0, 4, 2, 0], dtype=torch.int32)
+    feats = torch.randn(sum(lens), K_LAYERS * H, generator=g)
+    padded = torch.nn.utils.rnn.pad_sequence(list(feats.split(lens)), batch_first=True)
+    padded[0, 5:] = padded[2, 1:] = 1e3  # padding that must not land anywhere
+    caches = [DraftCache(m, 4, 40) for _ in range(2)]
+    for c in caches:
+        c.lengths.copy_(start)
+    with torch.no_grad():
+        caches[0].append(padded, torch.tensor(lens), rows=rows, impl=impl)
+        caches[1].append_packed(feats, torch.tensor(lens), rows, impl=impl)
+    want_len = start.clone()
+    want_len[rows] += torch.tensor(lens, dtype=torch.int32)
+    assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == want_len.tolist()
+    for i in range(len(m.layers)):
+        cap = caches[0].caps[i]
+        for a, b in ((caches[0].k[i], caches[1].k[i]), (caches[0].v[i], caches[1].v[i])):
+            torch.testing.assert_close(a[..., :cap, :], b[..., :cap, :], rtol=1e-5, atol=1e-5)
+    full = caches[1].k[1]  # the full-attention layer: exactly the appended positions are written
+    for row, (lo, hi) in {3: (0, 5), 0: (0, 17), 2: (2, 3), 1: (0, 0)}.items():
+        written = (full[row].abs().sum((0, 2)) > 0).nonzero().flatten().tolist()
+        assert written == list(range(lo, hi)), (row, written)

@@ -182,7 +182,10 @@ def test_engine_refuses_tree_and_exact_for_hybrid(hybrid):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_engine_triton_equals_transformers(hybrid, graphs):
     """H200: fla-core's chunked / recurrent kernels (impl "triton") in fp32: steps, rollback and greedy
-    output against transformers; with and without CUDA graphs."""
+    output against transformers; with and without CUDA graphs. Skipped, with the reason, where fla-core is not
+    installed (the GPU machine's small wheel set: its other tests need no fla)."""
+    pytest.importorskip("fla", reason="impl='triton' of the gated delta rule needs fla-core (pip install --no-deps "
+                        "fla-core einops)")
     out, ref, want = hybrid
     _check_steps(_engine_target(out, device="cuda", impl="triton"), ref, "cuda", 2e-3)
     draft = random_draft(load_target(str(out), dtype="fp32"), block_size=16, mask=1)
