@@ -514,7 +514,10 @@ def verify_section() -> list[str]:
                    f"{ok(p['planner_over_best_static'] >= 0.98)} | {share} | `{p['provenance']['commit'][:7]}` |")
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
-    history = (("planner_buckets_every_admission", "Same code an hour earlier, bucketed prefill on every admission"),
+    history = (("planner_c32_c64_before_sync_free_admission", "Concurrency 32 and 64 an hour earlier, admissions still "
+                "waiting for the step in flight"),
+               ("planner_drain_2d9218a", "The drain rule, before the step-overhead work (previous session)"),
+               ("planner_buckets_every_admission", "Same code an hour earlier, bucketed prefill on every admission"),
                ("planner_c32_T1_no_buckets", "Eager packed prefill"),
                ("planner_before_drain", "Before the drain rule"),
                ("planner_first_paired", "The first paired planner (a bonus on the lead, the confidence at T = 1)"),
@@ -558,10 +561,12 @@ def planner_loop_section() -> list[str]:
                    f"{p['planner_chain_over_chain']:.3f} |")
     if lp.get("note"):
         out += ["", f"Note: {lp['note']}."]
-    if lp.get("before"):
-        b = lp["before"]
-        out += ["", f"Before this run (commit `{b['commit'][:10]}`, {b['note']}), planner chain ÷ chain: "
-                + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in b["planner_chain_over_chain"].items()) + "."]
+    befores = lp.get("before") or []
+    for b in [befores] if isinstance(befores, dict) else befores:
+        for what, label in (("planner_ar_over_ar", "planner AR ÷ AR"), ("planner_chain_over_chain", "planner chain ÷ chain")):
+            if b.get(what):
+                out += ["", f"Before (commit `{b['commit'][:10]}`, {b['note']}), {label}: "
+                        + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in b[what].items()) + "."]
     out += ["", f"Command: `{lp['command']}`", ""]
     if ar:
         rows = [(b, t, ar[f"batch{b}"][f"T{t:g}"]) for b in ar["batches"] for t in ar["temperatures"]
@@ -575,6 +580,9 @@ def planner_loop_section() -> list[str]:
             out.append(f"| {b} | {t:g} | {r['plain_ar_ms']:.3f} ms | {r['immediate_ar_over_plain_ar']:.3f} | "
                        f"{r['deferred_ar_over_plain_ar']:.3f} | {1000 * r['flush_ms']:.0f} µs | "
                        f"{r['deferred_plus_flush_over_F_over_plain_ar']:.3f} |")
+        for b in ar.get("before", []):
+            out += ["", f"Before (commit `{b['commit'][:10]}`, {b['note']}), deferred ÷ plain: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in b["deferred_ar_over_plain_ar"].items()) + "."]
         out += ["", f"Command: `{ar['command']}`", ""]
     return out
 
@@ -608,6 +616,9 @@ def exact_section() -> list[str]:
         out += [f"GPU test suite ({g['gpu']}, {g['date'][:10]}, commit `{g['commit'][:10]}`, "
                 f"[`results/gpu-tests-h200.json`](results/gpu-tests-h200.json)): {g['passed']} passed, {g['failed']} failed — "
                 + "; ".join(f"`{r['command']}` {r['passed']} passed in {r['seconds']:.0f} s" for r in g["runs"]) + ".", ""]
+        for r in g.get("later", []):
+            out += [f"Later run (commit `{r['commit'][:10]}`, {r['date']}): `{r['command']}` {r['passed']} passed, "
+                    f"{r['failed']} failed in {r['seconds']:.0f} s — {r['note']}.", ""]
     return out
 
 

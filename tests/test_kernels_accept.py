@@ -177,7 +177,7 @@ def commit_inputs(device, done_dtype=torch.bool):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("done_dtype", [torch.bool, torch.int8], ids=str)
+@pytest.mark.parametrize("done_dtype", [torch.bool, torch.int8, torch.int32], ids=str)
 def test_commit_step_crafted(impl, device, done_dtype):
     s = commit_inputs(device, done_dtype)
     commit_step(**s, impl=impl)

@@ -20,7 +20,7 @@ Ops (K = block_size − 1 draft tokens per row, B rows):
 Layouts: draft_tokens [B, K] int64; target_argmax [B, K+1] int64; p_target [B, K+1, V] fp32;
 p_draft [B, K, V] fp32; uniform [B, K] fp32; exp_noise [B, V] fp32 (> 0); block_tokens [B, K+1]
 int64 (slot 0 = anchor); num_accepted [B] int32; bonus, anchor [B] int64; out_tokens [B, L] int64;
-out_len, max_new [B] int32; done [B] bool or int8; eos_ids [E] int64; hist [B, K+2] int32.
+out_len, max_new [B] int32; done [B] bool, int8 or int32 (the engine's); eos_ids [E] int64; hist [B, K+2] int32.
 Last dims contiguous. Kernels: one program per row, except accept_sample: grid (B, splits), each
 program redoes the K-long acceptance scan and loops over its vocabulary slice in chunks of
 BLOCK_V, then a one-program-per-row pass merges the slices (splits from shapes: about one program
