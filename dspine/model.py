@@ -556,6 +556,7 @@ class DSpineDraftModel(PreTrainedModel):
                        (pos < end).reshape(-1), end.reshape(-1), impl)
         cache.lengths.index_copy_(0, rows, (start + counts).to(cache.lengths.dtype))
 
+    @torch.no_grad()
     def append_packed(self, cache: DraftCache, features: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
                       impl: str = "torch") -> None:
         """:meth:`append_context` for features packed back to back (an admission's prompts, as the target's packed

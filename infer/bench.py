@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 from pathlib import Path
 
@@ -31,8 +32,8 @@ from dspine.sampling import DRAFT_TEMPERATURE_HELP, SamplingParams
 from dspine.stats import AcceptStats
 
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
-# Engine.loop_profile, summed per task in the JSON (admit_*: CUDA only, the part of prefill_s spent waiting for
-# the steps in flight, and the admissions' device time; admits: how many admissions)
+# Engine.loop_profile, summed per task in the JSON (admit_device_s: CUDA only, the admissions' device time; admits:
+# how many admissions)
 PROFILE_KEYS = ("prefill_s", "launch_s", "wait_s", "host_s", "admit_device_s", "admits")
 
 
@@ -193,13 +194,7 @@ class Runner:
                 self.decoders[label].plan_drain = args.plan_drain is not False
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
-            # every prefill graph a task's admissions could need, made before any timing (Engine.capture_prefill:
-            # MT-Bench's second-turn prompts differ between configurations and passes)
-            batch = min(args.concurrency, args.num_prompts)
-            for label, dec in self.decoders.items():
-                dec.target.layer_ids, dec.target.last_layer_features = (self._layer_ids[label] if label
-                                                                         else ([], "post_norm"))  # as run() sets them
-                dec.capture_prefill(batch, args.max_prompt_tokens, use_draft=label is not None)
+            self.capture_prefill(min(args.concurrency, args.num_prompts))
         else:
             from dspine.reference import ReferenceDecoder, reference_verify_size
             from dspine.target import load_target
@@ -220,6 +215,18 @@ class Runner:
         self.verified_per_step = {label: "auto" if c["budget"] else c["tree_budget"] if c["verify"] == "tree"
                                   else (args.block_size or self.block_size[label])
                                   for label, c in self.configs.items()}
+
+    def capture_prefill(self, batch: int) -> None:
+        """Make every prefill graph that admissions of up to ``--max-prompt-tokens`` tokens into ``batch`` slots
+        could need, for every configuration, before any timing (``Engine.capture_prefill``: MT-Bench's second-turn
+        prompts hold each configuration's own first answer, so their length buckets differ between configurations
+        and passes); graphs already made are kept. No-op off the engine."""
+        if self.backend != "cuda":
+            return
+        for label, dec in self.decoders.items():
+            dec.target.layer_ids, dec.target.last_layer_features = (self._layer_ids[label] if label
+                                                                     else ([], "post_norm"))  # as run() sets them
+            dec.capture_prefill(batch, self.args.max_prompt_tokens, use_draft=label is not None)
 
     @torch.inference_mode()
     def top2(self, ids: list[int]) -> tuple[float, list[int]]:
@@ -320,6 +327,7 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
         print(f"note: {task} has {len(items)} prompts; --num-prompts {runner.args.num_prompts} runs all {len(items)}",
               file=sys.stderr)
     out: dict = {"task": task, "num_prompts": len(items), "drafts": {}}
+    runner.capture_prefill(min(runner.args.concurrency, len(items)))  # a task with fewer prompts: its batch size
     labels = ([None] if do_ar or not runner.drafts else []) + list(runner.drafts)
     shift = order_shift % len(labels)
     labels = labels[shift:] + labels[:shift]
@@ -328,7 +336,18 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
 
     def decode(label):
         """Every turn of every prompt with configuration ``label``: (prompts, tokens, stats, seconds,
-        tokens counted, committed per prompt, verify steps per prompt, profile summed over the turns)."""
+        tokens counted, committed per prompt, verify steps per prompt, profile summed over the turns). Python's
+        garbage collector runs before the pass and is off during it: the harness keeps every output, and a full
+        collection inside a timed decode is a host stall of the configuration that happens to trigger it (issue 16:
+        one planner pass at concurrency 64 spent 0.26 s launching steps where the other tasks spent 0.01-0.06 s)."""
+        gc.collect()
+        gc.disable()
+        try:
+            return _decode(label)
+        finally:
+            gc.enable()
+
+    def _decode(label):
         histories = [[] for _ in items]
         all_tokens, all_prompts, stats, secs, n_tok, prof = [], [], None, 0.0, 0, {}
         per_committed, per_steps = [0] * len(items), [0] * len(items)

@@ -793,8 +793,8 @@ class Engine:
         A graph is made on first use, mid-decode (its warm-up runs the prefill twice eagerly, then captures:
         about three eager prefills, 40-50 ms on SmolLM2), so a timed run that meets a new length bucket pays for it:
         MT-Bench's second turn holds the model's own first answer, whose length changes with the configuration
-        (issue 16: the planner's admissions at concurrency 8, T = 0, took 0.154 s of device time against the
-        chain's 0.064 s on the same prompts). ``infer.bench`` calls this for every configuration before its
+        (issue 16: the planner's MT-Bench admissions at concurrency 8, T = 0, took 0.154 s of device time against
+        the chain's 0.064 s; results/verify-h200.json, ``planner_drain_2d9218a``, ``per_task``). ``infer.bench`` calls this for every configuration before its
         first task, with ``--max-prompt-tokens``; a server would at start-up. Each graph is made on slot 0 (its
         target KV and draft context are overwritten by the next admission), so no request may be decoding.
 
@@ -805,10 +805,11 @@ class Engine:
                 ``infer.model.PREFILL_BUCKET_MAX``: longer prompts take the unpadded pass).
             use_draft: the calls' ``use_draft`` (with a draft: the graphs that also write the draft context).
         Raises:
-            ValueError: ``batch`` outside 1..max_batch, or ``max_prompt`` < 1.
+            ValueError: ``batch`` not an int in 1..max_batch, or ``max_prompt`` not an int >= 1.
             RuntimeError: a request is decoding (a ``generate`` in progress).
         """
-        if not 1 <= batch <= self.max_batch or max_prompt < 1:
+        if not (isinstance(batch, int) and isinstance(max_prompt, int)) or not 1 <= batch <= self.max_batch \
+                or max_prompt < 1:
             raise ValueError(f"capture_prefill: batch={batch} must be in 1..{self.max_batch} and max_prompt={max_prompt} "
                              ">= 1")
         if any(o is not None for o in (self.slot_owner or [])):
@@ -1146,7 +1147,7 @@ class Engine:
         # stops choosing them)
         check_tree_draft_temperature(params, use_draft and self.draft is not None and self.mode[0] == "tree"
                                      and self.budget != "auto")
-        self.slot_owner = None  # no request decoding until this call admits (a failed call may have left owners)
+        self.slot_owner = None  # no request decoding until this call admits
         if not prompts:
             raise ValueError("generate: no prompts")
         if concurrency is not None and concurrency < 1:
@@ -1204,13 +1205,17 @@ class Engine:
                     events[-1][1].record()
             prefill_s += time.perf_counter() - tp
 
-        admit(list(range(B)))
-        if planner is None:
-            n_steps = self._decode_pipelined(s, B, width, step, owner, queue, refill, admit, results, reasons,
-                                             stats)
-        else:
-            n_steps = self._decode_planned(s, B, width, planner, params, owner, queue, refill, admit, results,
-                                           reasons, stats, flush)
+        try:
+            admit(list(range(B)))
+            if planner is None:
+                n_steps = self._decode_pipelined(s, B, width, step, owner, queue, refill, admit, results, reasons,
+                                                 stats)
+            else:
+                n_steps = self._decode_planned(s, B, width, planner, params, owner, queue, refill, admit, results,
+                                               reasons, stats, flush)
+        except BaseException:
+            self.slot_owner = None  # no request decodes after a failed call (capture_prefill, _runner check it)
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.planner_report = planner.report() if planner is not None else None

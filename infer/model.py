@@ -583,8 +583,13 @@ class EngineTarget(nn.Module):
         return x, residual, feats
 
     def _feature_columns(self) -> dict[int, int]:
-        """Target layer id -> its column block in the features (its first position in ``layer_ids``)."""
+        """Target layer id -> its column block in the features (its first position in ``layer_ids``). Raises
+        ValueError for an id outside 0 .. num_layers - 1 (its block would never be written)."""
         col: dict[int, int] = {}
+        bad = [i for i in self.layer_ids if not 0 <= i < self.args.num_layers]
+        if bad:
+            raise ValueError(f"feature layer ids {bad} outside the target's layers 0..{self.args.num_layers - 1} "
+                             f"(layer_ids={self.layer_ids})")
         for j, i in enumerate(self.layer_ids):
             col.setdefault(i, j)
         return col

@@ -514,8 +514,8 @@ def verify_section() -> list[str]:
                    f"{ok(p['planner_over_best_static'] >= 0.98)} | {share} | `{p['provenance']['commit'][:7]}` |")
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
-    history = (("planner_c32_c64_before_sync_free_admission", "Concurrency 32 and 64 an hour earlier, admissions still "
-                "waiting for the step in flight"),
+    history = (("planner_c32_c64_before_sync_free_admission", "Concurrency 32 and 64 half an hour earlier, admissions "
+                "still waiting for the step in flight"),
                ("planner_drain_2d9218a", "The drain rule, before the step-overhead work (previous session)"),
                ("planner_buckets_every_admission", "Same code an hour earlier, bucketed prefill on every admission"),
                ("planner_c32_T1_no_buckets", "Eager packed prefill"),

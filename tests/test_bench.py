@@ -196,7 +196,10 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
         verified_per_step = {"D": 4}
         configs = {"D": {"verify": "chain", "tree_budget": None, "budget": None}}
         args = argparse.Namespace(num_prompts=2, data_dir=str(shared_path("data", "eval")), verify="chain",
-                                  exact=False)
+                                  exact=False, concurrency=8)
+
+        def capture_prefill(self, batch):  # the prefill graphs of the task's batch size, before any pass
+            calls.append(("capture", batch))
 
         def planner_memory(self, label, memory=None):
             if memory is None:
@@ -204,7 +207,10 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
             self.memory[label] = memory
 
         def run(self, prompts, params, label):
+            import gc
+
             calls.append(label)
+            self.gc.append(gc.isenabled())  # off during every pass (infer.bench decode)
             self.seen.append(dict(self.memory.get(label, {})))
             if label == "D":
                 self.memory["D"] = {"learned": calls.count(label)}
@@ -219,8 +225,13 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
         runner = Runner()
         runner.memory = {"D": {"before": 1}}  # a planner's acceptance memory: the warm-up must leave it as it was
         runner.seen = []  # the memory each pass started from
+        runner.gc = []
         row = bench.run_task(runner, "gsm8k", params, do_ar=True, warmup=warm)
-        assert calls == [None, "D"] * runs
+        import gc
+
+        assert runner.gc == [False] * (2 * runs) and gc.isenabled()
+        assert calls == [("capture", 2)] + [None, "D"] * runs  # concurrency 8, 2 prompts: batches of 2
+        calls.pop(0)
         # each pass of D starts from the memory before the task: the timed one does not see the warm-up's
         assert [m for m, c in zip(runner.seen, calls) if c == "D"] == [{"before": 1}] * runs
         assert row["ar"]["seconds"] == row["drafts"]["D"]["seconds"] == secs

@@ -139,6 +139,11 @@ def test_rms_norm_residual_out_into_a_column_block(dtype, device):
         rms_norm(x, w, 1e-6, impl="torch", residual_out=torch.empty_like(x))  # no residual
     with pytest.raises(ValueError, match="residual_out"):
         rms_norm(x, w, 1e-6, residual=res, impl="torch", residual_out=torch.empty(7, 95, dtype=dtype, device=device))
+    x3, r3 = x.view(7, 1, 96), res.view(7, 1, 96)
+    for impl in ("torch", "triton"):  # rows not one stride apart (3-D and strided): refused, not written to a copy
+        with pytest.raises(ValueError, match="rows one stride apart"):
+            rms_norm(x3, w, 1e-6, residual=r3, impl=impl,
+                     residual_out=torch.empty(7, 2, 192, dtype=dtype, device=device)[:, :1, :96])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -70,6 +70,16 @@ def test_engine_features_equal_the_adapter(target_dir, convention, layer_ids):
     torch.testing.assert_close(step[0], full, rtol=1e-5, atol=1e-5)
 
 
+def test_engine_feature_layer_out_of_range_raises(target_dir):
+    from infer.model import EngineTarget
+
+    for bad in ([LAYERS], [-1], [0, LAYERS + 4]):
+        eng = EngineTarget.from_pretrained(str(target_dir), device="cpu", dtype=torch.float32, layer_ids=bad,
+                                           impl="torch")
+        with pytest.raises(ValueError, match="outside the target's layers"):
+            eng.prefill(_ids()[0], 0, eng.new_cache(1, 64))
+
+
 def test_config_records_the_convention_and_reads_old_files(tmp_path):
     from dspine.checkpoint import load_config, save_draft
     from dspine.model import DSpineDraftModel

@@ -153,10 +153,15 @@ def test_capture_prefill_makes_what_admissions_would(stories_dir, tmp_path):
     for bad in (dict(batch=0, max_prompt=5), dict(batch=5, max_prompt=5), dict(batch=1, max_prompt=0)):
         with pytest.raises(ValueError, match="capture_prefill"):
             eng.capture_prefill(**bad)
+    with pytest.raises(ValueError, match="capture_prefill"):
+        eng.capture_prefill(2.5, 5)
     eng.slot_owner = [None, 4, None]
     with pytest.raises(RuntimeError, match="requests are decoding"):
         eng.capture_prefill(1, 5)
     eng.slot_owner = None
+    with pytest.raises(ValueError, match="exceeds the engine context"):  # a failed generate leaves no request decoding
+        eng.generate([[1] * 490], SamplingParams(max_new_tokens=20))
+    assert eng.slot_owner is None and eng.capture_prefill(1, 5) == 1  # B = 1: its bucket made now
     off, _ = load_engine(str(stories_dir), None, str(folder), device="cpu", dtype=torch.float32, impl="torch",
                          max_seq=500, eos_token_ids=[2], prefill_buckets=False)
     assert off.capture_prefill(3, 71) == 0 and not off._prefill_graphs

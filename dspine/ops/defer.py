@@ -6,9 +6,9 @@ F writes nothing: the host flushes before that happens), then ``pend_count[b] +=
 Idle rows change nothing. ``infer.engine.Engine._ar_step`` and ``_flush_step`` describe the protocol.
 
 Why: the torch path is 7 small kernels (the live mask, the bound, the row index, a ``where``, the
-``index_copy`` and two increments), about 2.5 µs each inside a CUDA graph; at SmolLM2 size the planner's AR
-step cost 1.3 % more than the plain AR step (results/planner-ar-h200.json, batch 32, T = 1) and the planner
-ran 0.95-0.97 × the AR engine where AR is the best mode (results/verify-h200.json). One kernel does it.
+``index_copy`` and two increments), about 2.5 µs each inside a CUDA graph. With them the planner's AR step cost
+1.2-2.6% more than the plain AR step at SmolLM2 size (results/planner-ar-h200.json, ``before``); with this one
+kernel 0.989-1.000 × (the same file's current points).
 
 Layouts: feats ``[B, D]`` (unit stride over D, any float dtype, that of pend_feats); done ``[B]`` int8/int32/bool;
 pend_feats ``[B·F + 1, D]`` contiguous (the last row is the torch path's scratch row for idle rows);

@@ -67,9 +67,11 @@ def _rows(x):
 def _check(x, weight, residual, scale, residual_out=None):
     H = x.shape[-1]
     if residual_out is not None and (residual is None or residual_out.shape != x.shape
-                                     or residual_out.dtype != x.dtype or residual_out.stride(-1) != 1):
+                                     or residual_out.dtype != x.dtype or residual_out.stride(-1) != 1
+                                     or not (residual_out.dim() == 2 or residual_out.is_contiguous())):
         raise ValueError(f"residual_out must be given with a residual, with x's shape {tuple(x.shape)} and dtype "
-                         f"{x.dtype} and a unit last stride, got {tuple(residual_out.shape)} {residual_out.dtype}")
+                         f"{x.dtype}, unit last stride and rows one stride apart (2-D, or contiguous), got "
+                         f"{tuple(residual_out.shape)} {residual_out.dtype} strides {residual_out.stride()}")
     if weight.shape != (H,) or (scale is not None and scale.shape != (H,)):
         raise ValueError(f"weight and scale must be [{H}], got {tuple(weight.shape)}")
     if scale is not None and residual is None:
@@ -90,7 +92,7 @@ def _launch(x, weight, eps, residual, scale, out, block_size, residual_out=None)
     if residual is not None:
         r_in = _rows(residual)
         r_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual_out is None else residual_out
-        r2 = r_out.view(-1, H) if residual_out is None else r_out.reshape(-1, H)  # a strided slice stays a view
+        r2 = r_out.view(-1, H)  # residual_out: 2-D (any row stride) or contiguous (_check), so a view
     else:
         r_in = r2 = x2  # unused
     if N > 0:
