@@ -194,7 +194,6 @@ class Runner:
                 self.decoders[label].plan_drain = args.plan_drain is not False
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
-            self.capture_prefill(min(args.concurrency, args.num_prompts))
         else:
             from dspine.reference import ReferenceDecoder, reference_verify_size
             from dspine.target import load_target
@@ -327,7 +326,7 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
         print(f"note: {task} has {len(items)} prompts; --num-prompts {runner.args.num_prompts} runs all {len(items)}",
               file=sys.stderr)
     out: dict = {"task": task, "num_prompts": len(items), "drafts": {}}
-    runner.capture_prefill(min(runner.args.concurrency, len(items)))  # a task with fewer prompts: its batch size
+    runner.capture_prefill(min(runner.args.concurrency, len(items)))  # before any pass, at the task's batch size
     labels = ([None] if do_ar or not runner.drafts else []) + list(runner.drafts)
     shift = order_shift % len(labels)
     labels = labels[shift:] + labels[:shift]

@@ -516,14 +516,15 @@ class Engine:
         else:
             probs, ids = logits_to_probs(logits, params.temperature, params.top_p, params.top_k, with_ids=True)
             nxt = sample(probs, s.seeds, rng.STREAM_TARGET, s.out_len.long(), ids, impl=self.impl)
-        if draft_cache is not None and defer:  # one kernel, before the commit changes done (dspine.ops.defer)
+        defer = draft_cache is not None and defer
+        if defer:  # one kernel, before the commit changes done (dspine.ops.defer)
             defer_features(feats[:, 0], s.done, s.pend_feats, s.pend_count, s.lengths, s.pend_max, impl=self.impl)
-            commit_step(tok, s.no_draft, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
-                        impl=self.impl, anchor=s.anchor)
-            return
-        live = s.done == 0
+        else:
+            live = s.done == 0
         commit_step(tok, s.no_draft, nxt, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, :2],
                     impl=self.impl, anchor=s.anchor)
+        if defer:
+            return
         if draft_cache is None:
             s.lengths.add_(live)
         else:
@@ -794,8 +795,8 @@ class Engine:
         about three eager prefills, 40-50 ms on SmolLM2), so a timed run that meets a new length bucket pays for it:
         MT-Bench's second turn holds the model's own first answer, whose length changes with the configuration
         (issue 16: the planner's MT-Bench admissions at concurrency 8, T = 0, took 0.154 s of device time against
-        the chain's 0.064 s; results/verify-h200.json, ``planner_drain_2d9218a``, ``per_task``). ``infer.bench`` calls this for every configuration before its
-        first task, with ``--max-prompt-tokens``; a server would at start-up. Each graph is made on slot 0 (its
+        the chain's 0.064 s; results/verify-h200.json, ``planner_drain_2d9218a``, ``per_task``). ``infer.bench`` calls this for every configuration before each
+        task, at the task's batch size, with ``--max-prompt-tokens``; a server would at start-up. Each graph is made on slot 0 (its
         target KV and draft context are overwritten by the next admission), so no request may be decoding.
 
         Args:
@@ -866,8 +867,7 @@ class Engine:
         Stream order keeps it correct: the copy is enqueued before any refill of these slots, and a done
         row is not changed by the steps in between."""
         cuda = self.device.type == "cuda"
-        idx = torch.tensor(rows, dtype=torch.long)
-        idx = idx.pin_memory().to(self.device, non_blocking=True) if cuda else idx
+        idx = infer_model.to_device(rows, torch.long, self.device)
         packed = torch.cat([s.out_len.index_select(0, idx)[:, None].long(),
                             s.hist.index_select(0, idx)[:, : width + 1].long(),
                             s.out_tokens.index_select(0, idx)], dim=1)
