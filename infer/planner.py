@@ -29,7 +29,12 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
 2. Prune: a mode is worth probing only if its *ceiling* divided by its step time beats the best rate.
    The ceiling is at most the tokens one step of the mode can commit (1 for AR, ``verify_size`` for a
    chain, ``min(nodes, verify_size)`` for a tree: its depth is the draft block's). A measured mode's
-   ceiling is also at most ``headroom`` × its own average; an unrun mode's at most ``gain`` × the best
+   ceiling is also at most ``1 + (headroom − 1) × max(1, √(PRIOR_ROWS / n)) / √r`` × its own average (n its
+   observations, r its requests per observation): one request's tokens per step can double from one passage
+   to the next, a mean over 32 requests cannot, so at concurrency 32 the ceiling is 1.18 × the average once
+   the mode has 4 observations (issue 16, concurrency 32, T = 1: the chain's 2× ceiling had it probed 3-6
+   times a task at 3.6 AR steps each, and its early finishes split the admissions; at T = 0 the tree of 32
+   was probed 15-41 times a task at 1.6 chain steps). An unrun mode's at most ``gain`` × the best
    average of the measured speculative modes (the same draft: on SmolLM2 the tree of 32 commits 1.32 ×
    the chain's tokens, published block-draft trees about 1.4 ×). A mode that cannot win is never run;
    on the H200 tables of issue 16 a tree step at concurrency 64 costs 17-27 AR steps.
@@ -123,6 +128,17 @@ chain(-equivalent) acceptance (chain steps, and the chain nodes of tree steps), 
 (8) steps; :func:`drain_tokens` maps each speculative mode's estimate to what it commits per step for the request
 that would finish last under it (a chain scaled by the request's acceptance, a tree as that chain plus the tree's
 lead), and rule 1-3 run on those values until the next refresh.
+Which request finishes last is not known, only each one's acceptance so far: :func:`drain_tokens` takes each
+request's acceptance as the empirical Bayes posterior of a normal model (its own mean shrunk towards the batch's,
+with the posterior's variance) and the finishing step as Blom's expected maximum over the live requests. The
+variance between requests weighs this batch's estimate against a prior by the chain steps per request: the spread
+the previous call's drain used, relative to its mean acceptance (``StepPlanner.spread``, carried across calls with
+the acceptance). So a batch whose every request starts together (concurrency 64, 64 prompts: in its drain from the
+first step, before any chain step) is judged on its expected slowest request from the start, not on the batch's
+average. On a replay of the five tasks at concurrency 64, T = 0, with each task's mean τ and spread between requests
+measured on the H200 (results/smollm2-h200-shipped-T0-c8.json) and the H200 step costs (AR 1.12 ms, chain 2.39 ms),
+the planner takes 0.996 × AR's time (the previous rule 1.06 ×: it ran the chain on the batch's average for 40-90 steps
+before its per-request data showed the slow requests).
 Requests differ: the rows left in a batch's tail are the hard ones, and a mode that commits more tokens per
 millisecond on average can still take longer to finish them (issue 16, concurrency 64, T = 0, 64 prompts of 256
 tokens: the planner ran the chain, whose batch average beat AR's rate by 1.5 ×, yet AR finished 4 of 5 tasks
@@ -141,14 +157,21 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 
+import torch
+
 Mode = tuple[str, int]
 LOG_CLIP = math.log(1.25)  # largest log step-time residual one timed step contributes (online cost)
 FIRST_CLIP = 3.0  # a timed step counts within 1/3 .. 3 × the estimate it was chosen with
 BONUS_VAR = 1.5  # token² per request in the standard-error bonus (module docstring, "Averages")
 FIRST_TIMED = 3  # timings of the decode's first mode before any other runs (module docstring, "Online cost")
 PENDING = 8  # unobserved choices kept by StepPlanner (the engine has at most 2)
-PAIRED_FRESH = 4  # steps a paired observation keeps its mode from being probed (module docstring, "Paired ...")
+PAIRED_FRESH = (
+    4  # steps a paired observation keeps its mode from being probed (module docstring, "Paired ...")
+)
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
+SPREAD_STEPS = (
+    16.0  # chain steps per request at which this batch's spread and the prior weigh the same (Drain)
+)
 
 
 def max_tokens(mode: Mode, modes) -> int:
@@ -171,6 +194,8 @@ def choose_mode(
     headroom: float = 2.0,
     gain: float = 2.0,
     settled: frozenset = frozenset(),
+    rows: dict[Mode, float] | None = None,
+    seen: dict[Mode, int] | None = None,
 ) -> tuple[Mode, float, float]:
     """One planner decision (module docstring, rule 1-3).
 
@@ -185,6 +210,9 @@ def choose_mode(
             cheapest mode).
         settled: modes never probed (their tokens are observed without running them: "Paired
             observations"); they run when they are the best mode.
+        rows, seen: requests per observation and observations of each measured mode (``None``: 1 each); its
+            ceiling's headroom is ``1 + (headroom - 1) × max(1, √(PRIOR_ROWS / seen)) / √rows`` (module
+            docstring, rule 2).
     Returns:
         ``(mode, lost, rate)``: the mode to run, the milliseconds this step is expected to lose against
         the best mode (0 when it is the best mode) and the best mode's tokens per millisecond.
@@ -200,7 +228,10 @@ def choose_mode(
     def ceiling(m: Mode) -> float:
         cap = max_tokens(m, costs)
         if est[m] is not None:
-            return min(cap, headroom * est[m])
+            r, n = max((rows or {}).get(m, 1.0), 1.0), max((seen or {}).get(m, 1), 1)
+            return min(
+                cap, (1.0 + (headroom - 1.0) * max(1.0, math.sqrt(PRIOR_ROWS / n)) / math.sqrt(r)) * est[m]
+            )
         return min(cap, gain * max(spec)) if spec else cap
 
     plausible = [m for m in costs if m != best and m not in settled and ceiling(m) / costs[m] > rate]
@@ -214,7 +245,35 @@ def choose_mode(
     return best, 0.0, rate
 
 
-def drain_tokens(tokens: dict[Mode, float | None], drain, modes) -> dict[Mode, float | None]:
+def drain_spread(drain) -> tuple[float, float, float, float]:
+    """The batch's chain acceptance for the drain rule (module docstring, "Drain").
+
+    Args:
+        drain: one ``(remaining, chain_tokens, chain_steps, chain_tokens_sq)`` per request (:func:`drain_tokens`).
+    Returns:
+        ``(pooled, within, between, steps)``: accepted draft tokens per chain step pooled over every request (0.0
+        before any chain step); the within-request variance of one step's tokens, pooled over the requests with 2
+        or more steps (a geometric's ``pooled × (1 + pooled)`` without any); the variance of the requests' mean
+        acceptances less the part ``within / n_i`` explains (at least 0; 0.0 with no chain step); the mean chain
+        steps per request that has any (0.0 if none).
+    """
+    steps = sum(d[2] for d in drain)
+    pooled = sum(d[1] - d[2] for d in drain) / steps if steps else 0.0
+    seen = [d for d in drain if d[2]]
+    many = [d for d in seen if d[2] > 1]
+    dof = sum(d[2] - 1 for d in many)
+    within = sum(q - t * t / n for _, t, n, q in many) / dof if dof else pooled * (1 + pooled)
+    between = (
+        max(0.0, sum(((t - n) / n - pooled) ** 2 - within / n for _, t, n, _ in seen) / len(seen))
+        if seen
+        else 0.0
+    )
+    return pooled, within, between, steps / len(seen) if seen else 0.0
+
+
+def drain_tokens(
+    tokens: dict[Mode, float | None], drain, modes, prior: float | None = None
+) -> dict[Mode, float | None]:
     """Token estimates for the drain rule (module docstring, "Drain"): each speculative mode's ``tokens`` mapped
     to the AR-equivalent tokens per step of the request that would finish last under it.
 
@@ -224,55 +283,100 @@ def drain_tokens(tokens: dict[Mode, float | None], drain, modes) -> dict[Mode, f
             tokens it may still commit (``max_new_tokens`` − committed; 0 once finished), and the sum, count and
             sum of squares of the tokens its chain(-equivalent) steps committed.
         modes: the cost table's modes (:func:`max_tokens`).
+        prior: the variance between requests' acceptances relative to the pooled acceptance squared, learned on
+            earlier requests (:attr:`StepPlanner.spread`); ``None``: only this batch's.
     Returns:
-        ``R / max_i(remaining_i / τ_i(m))`` per mode over the live requests (remaining > 0), R their largest
-        remaining: AR's 1 stays 1, and with equal requests a mode keeps its ``tokens``.
-        ``τ_i(m) = 1 + (tokens[m] − 1) × g_i`` for a chain, and for a tree the longest chain's τ_i plus the tree's
-        lead over it in ``tokens`` (the planner's model of a tree: "Paired observations"; scaling a tree's
-        tokens like the chain's would take from the hard requests the alternatives that help them most), all
-        clipped to [1, max_tokens], where ``g_i = â_i / ā``: ā the accepted
-        draft tokens per chain step pooled over every request of the batch, finished ones included (the
-        requests the batch's averages were made of: once the easy requests are done, the estimate they raised
-        is scaled down for the hard ones left); â_i request i's own mean a_i shrunk towards ā by the empirical
-        Bayes weight ``v / (v + s² / n_i)`` (s² the within-request variance of a step's tokens, pooled; v the
-        variance between requests, the spread of the a_i less the part s² / n_i explains, at least 0), so
-        requests that differ only by chance are not told apart: the rule looks at the extreme request, and
-        without shrinking the unluckiest of 64 equal requests would stand for the batch. Unchanged with no live
-        request or no chain step yet.
+        ``R / y(m)`` per mode, R the largest remaining of the live requests (remaining > 0) and ``y(m)`` the
+        expected largest number of steps one of them needs under mode m: AR's 1 stays 1, and with equal requests
+        a mode keeps its ``tokens``. Request i commits ``τ_i(m) = 1 + (tokens[m] − 1) × a_i / ā`` per chain step,
+        a tree that of the longest chain plus the tree's lead over it in ``tokens`` (the planner's model of a
+        tree: "Paired observations"; scaling a tree's tokens like the chain's would take from the hard requests
+        the alternatives that help them most), clipped to [1, max_tokens]; ā is the accepted draft tokens per
+        chain step pooled over every request of the batch, finished ones included (:func:`drain_spread`: once
+        the easy requests are done, the estimate they raised is scaled down for the hard ones left), or before
+        any chain step with a ``prior`` the longest chain's ``tokens`` − 1. a_i is unknown: normal with the
+        empirical Bayes posterior of a normal-normal model, mean ``â_i = ā + k_i (mean_i − ā)`` and variance
+        ``v (1 − k_i)``, ``k_i = v / (v + s² / n_i)`` (n_i its chain steps, s² the within-request variance, v the
+        variance between requests: this batch's estimate weighted ``n̄ / (n̄ + SPREAD_STEPS)``, n̄ the mean chain
+        steps per request, and the ``prior`` (0 without one) the rest: over a few steps per request the estimate is
+        mostly noise, and trusted at once it would make 64 equal requests look spread). ``y(m)`` solves
+        ``Σ_i P(remaining_i / τ_i(m) > y) = 0.625 L / (L + 0.25)`` over the L live requests: Blom's approximation
+        of the expected maximum of L normals (G. Blom, *Statistical Estimates and Transformed Beta-Variables*,
+        1958), here over requests that need not be equal. Requests that differ only by chance are not told
+        apart, and a spread the steps cannot show yet (a prior) still makes the slowest of L requests slower
+        than the mean. Unchanged with no live request, or with no chain step and no prior.
     """
     live = [d for d in drain if d[0] > 0]
-    steps = sum(d[2] for d in drain)
-    pooled = sum(d[1] - d[2] for d in drain) / steps if steps else 0.0  # accepted draft tokens per chain step
+    pooled, within, between, nbar = drain_spread(drain)
+    chains = [m for m in tokens if m[0] == "chain" and tokens[m] is not None]
+    ref = (
+        max(chains, key=lambda m: m[1]) if chains else None
+    )  # a tree's per-request τ: this chain's + the lead
+    if not nbar and prior is not None and ref is not None:
+        pooled, within = tokens[ref] - 1.0, (tokens[ref] - 1.0) * tokens[ref]
     if not live or pooled <= 0:
         return dict(tokens)
-    seen = [d for d in drain if d[2]]
-    many = [d for d in seen if d[2] > 1]
-    dof = sum(d[2] - 1 for d in many)
-    within = (sum(q - t * t / n for _, t, n, q in many) / dof if dof else pooled * (1 + pooled))  # geometric's
-    between = max(0.0, sum(((t - n) / n - pooled) ** 2 - within / n for _, t, n, _ in seen) / len(seen))
-
-    def shrunk(t, n):
-        if not n or not between:
-            return pooled
-        return pooled + between / (between + within / n) * ((t - n) / n - pooled)
-
-    g = [shrunk(t, n) / pooled for _, t, n, _ in live]
-    R = max(d[0] for d in live)
-    chains = [m for m in tokens if m[0] == "chain" and tokens[m] is not None]
-    ref = max(chains, key=lambda m: m[1]) if chains else None  # a tree's per-request τ: this chain's + the lead
-    out = {}
-    for m, x in tokens.items():
-        if x is None or m[0] == "ar":
-            out[m] = x
-            continue
+    w = nbar / (
+        nbar + SPREAD_STEPS
+    )  # this batch's between-request variance is noise over few steps per request
+    v = w * between + (1.0 - w) * (prior or 0.0) * pooled * pooled
+    rem = torch.tensor([float(d[0]) for d in live], dtype=torch.float64)
+    n = torch.tensor([float(d[2]) for d in live], dtype=torch.float64)
+    mean = torch.tensor([(d[1] - d[2]) / d[2] if d[2] else pooled for d in live], dtype=torch.float64)
+    k = v / (v + within / n.clamp(min=1e-9)) if v > 0 else torch.zeros_like(n)
+    k = torch.where(n > 0, k, torch.zeros_like(k))
+    ahat = pooled + k * (mean - pooled)
+    sd = (v * (1.0 - k)).clamp(min=0.0).sqrt()
+    target = 0.625 * len(live) / (len(live) + 0.25)
+    R = float(rem.max())
+    spec = [m for m, x in tokens.items() if x is not None and m[0] != "ar"]
+    out = dict(tokens)
+    if not spec:
+        return out
+    grid = []  # (mode, base, lead, cap) of the modes whose τ_i depends on a_i with more than one request
+    for m in spec:
         cap = float(max_tokens(m, modes))
-        if m[0] == "tree" and ref is not None:
-            base, lead = tokens[ref], x - tokens[ref]
+        base, lead = (
+            (tokens[ref], tokens[m] - tokens[ref]) if m[0] == "tree" and ref is not None else (tokens[m], 0.0)
+        )
+        if (
+            base <= 1.0 or len(live) == 1
+        ):  # τ the same for every request, or one request: y = R / τ(its median)
+            a = float(ahat[0]) if base > 1.0 else 0.0
+            out[m] = min(max(1.0 + (base - 1.0) * a / pooled + lead, 1.0), cap)
         else:
-            base, lead = x, 0.0
-        worst = max(d[0] / min(max(1.0 + (base - 1.0) * gi + lead, 1.0), cap) for d, gi in zip(live, g))
-        out[m] = R / worst
+            grid.append((m, base, lead, cap))
+    if grid:
+        ms, base, lead, cap = zip(*grid)
+        steps = _expected_max_steps(rem, ahat, sd, pooled, base, lead, cap, target)
+        out.update({m: R / y for m, y in zip(ms, steps.tolist())})
     return out
+
+
+def _expected_max_steps(rem, ahat, sd, pooled, base, lead, cap, target, grid=16, rounds=4) -> torch.Tensor:
+    """Per mode j, ``y_j`` with ``Σ_i P(rem_i / τ_ij > y_j) = target`` (:func:`drain_tokens`), ``τ_ij = clip(1 +
+    (base_j − 1) a_i / pooled + lead_j, 1, cap_j)`` (``base_j > 1``), ``a_i ~ N(ahat_i, sd_i²)`` (``sd_i = 0``:
+    known). The count
+    falls with y from L at 0 to 0 at ``max(rem)``; ``rounds`` of a ``grid``-point search, each inside the bracket
+    of the last, all modes in one batch of tensor operations per round (~0.3 ms of host time at 64 requests on a
+    2-core CPU). ``rem``, ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``lead``, ``cap``: M floats. Returns float64
+    ``[M]``."""
+    f64 = dict(dtype=torch.float64)
+    base, lead, cap = (torch.tensor(x, **f64)[:, None, None] for x in (base, lead, cap))  # [M, 1, 1]
+    slope = pooled / (base - 1.0)  # accepted tokens per unit of τ above 1 + lead (base > 1)
+    lo = torch.zeros(base.shape[0], 1, 1, **f64)
+    width = torch.full_like(lo, float(rem.max()))
+    steps = torch.arange(1, grid + 1, **f64)[None, :, None] / grid  # [1, G, 1]
+    sd = sd.clamp(min=1e-12)  # a known a_i: Φ of ±1e12 σ is its indicator
+    for _ in range(rounds):
+        y = lo + width * steps  # [M, G, 1]
+        u = rem / y  # the τ request i needs to finish within y steps: [M, G, L]
+        p = torch.special.ndtr(((u - 1.0 - lead) * slope - ahat) / sd)  # P(τ_i < u) = P(a_i < a*)
+        p = torch.where(u <= 1.0, 0.0, torch.where(u > cap, 1.0, p))
+        j = (p.sum(dim=2, keepdim=True) > target).sum(dim=1, keepdim=True)  # grid points above the target
+        width = width / grid
+        lo = lo + j * width
+    return (lo + width / 2).flatten().clamp(min=1e-9)
 
 
 class StepPlanner:
@@ -327,6 +431,11 @@ class StepPlanner:
         self.untimed = 0  # steps observed without a time
         self.drain_choices: Counter = Counter()  # choices made under the drain rule, per mode
         self.drain_scale: dict[Mode, float] | None = None  # drain tokens ÷ estimate per mode (choose's drain)
+        # variance between requests' chain acceptances ÷ the pooled acceptance²: drain_tokens' prior, from an earlier
+        # call (load_token_state), and the one its latest drain with a chain step used (this batch's estimate weighted
+        # with the prior as in drain_tokens), which token_state carries on
+        self.spread_prior: float | None = None
+        self.spread: float | None = None
         self.step = 0
         self.spent_ms = 0.0  # step time of the modes run (measured where given, else estimated)
         self.lost_ms = 0.0  # time lost to probes against the best mode (negative: probes gained)
@@ -334,7 +443,9 @@ class StepPlanner:
         # chosen the next): mode, its estimated ms, its predicted tokens, its probe (charged loss, best rate, the
         # drain rule's tokens ÷ the mode's estimate when chosen)
         # (at most PENDING kept: a caller that never observes does not grow it)
-        self.pending: deque[tuple[Mode, float, float | None, tuple[float, float, float] | None]] = deque(maxlen=PENDING)
+        self.pending: deque[tuple[Mode, float, float | None, tuple[float, float, float] | None]] = deque(
+            maxlen=PENDING
+        )
 
     @property
     def costs(self) -> dict[Mode, float]:
@@ -364,7 +475,9 @@ class StepPlanner:
         is not run (module docstring, "Averages"); for a mode with a lead over a paired mode, that mode's
         estimate + the lead ("Paired observations")."""
         out = {}
-        for m in sorted(self.fast, key=lambda m: m in self.lead):  # a paired mode before the modes scaled by it
+        for m in sorted(
+            self.fast, key=lambda m: m in self.lead
+        ):  # a paired mode before the modes scaled by it
             f = self.fast[m]
             if f is None or m[0] == "ar":
                 out[m] = f
@@ -408,7 +521,11 @@ class StepPlanner:
         raw = None  # this step's token estimates, computed once
         if drain is not None:
             raw = self.expected(predicted)
-            mapped = drain_tokens(raw, drain, self.table)
+            mapped = drain_tokens(raw, drain, self.table, self.spread_prior)
+            pooled, _, between, nbar = drain_spread(drain)
+            if nbar and pooled > 0:  # the spread drain_tokens used, for later batches
+                w = nbar / (nbar + SPREAD_STEPS)
+                self.spread = w * between / pooled**2 + (1.0 - w) * (self.spread_prior or 0.0)
             self.drain_scale = {m: mapped[m] / x for m, x in raw.items() if x and m[0] != "ar"}
         timed = [m for m in self.table if self.timed[m]]
         # nothing timed yet and a step in flight (a pipelined caller): the decode's first mode again, until it is
@@ -423,18 +540,32 @@ class StepPlanner:
             # it observes the previous one), so this step exploits
             probing = any(e[3] is not None for e in self.pending)
             # a mode paired within the last steps and timed once is not probed: its tokens are being observed
-            settled = frozenset(m for m in self.table if self.paired[m] and self.timed[m]
-                                and self.step - self.last_seen[m] <= PAIRED_FRESH)
+            settled = frozenset(
+                m
+                for m in self.table
+                if self.paired[m] and self.timed[m] and self.step - self.last_seen[m] <= PAIRED_FRESH
+            )
             tokens = raw = self.expected(predicted) if raw is None else raw
             if self.drain_scale is not None:
-                tokens = {m: x * self.drain_scale.get(m, 1.0) if x is not None and m[0] != "ar" else x
-                          for m, x in raw.items()}
+                tokens = {
+                    m: x * self.drain_scale.get(m, 1.0) if x is not None and m[0] != "ar" else x
+                    for m, x in raw.items()
+                }
             mode, loss, rate = choose_mode(
-                costs, tokens, self.spent_ms, math.inf if probing else self.lost_ms, **self.rule, settled=settled,
+                costs,
+                tokens,
+                self.spent_ms,
+                math.inf if probing else self.lost_ms,
+                **self.rule,
+                settled=settled,
+                rows=self.rows,
+                seen=self.seen,
             )
             if self.drain_scale is not None:
                 self.drain_choices[mode] += 1
-                if raw.get(mode):  # a probe is settled in the same terms: its tokens as the drain rule counts them
+                if raw.get(
+                    mode
+                ):  # a probe is settled in the same terms: its tokens as the drain rule counts them
                     scale = tokens[mode] / raw[mode]
         self.step += 1
         self.spent_ms += costs[mode]
@@ -470,7 +601,9 @@ class StepPlanner:
             before = est_ms / self.table[mode]  # the ratio used for this step
             x = ms / self.table[mode]
             # no other mode measured yet and fewer than FIRST_TIMED timings of this one: take x as it is
-            first = self.timed[mode] < FIRST_TIMED and all(r is None for k, r in self.ratio.items() if k != mode)
+            first = self.timed[mode] < FIRST_TIMED and all(
+                r is None for k, r in self.ratio.items() if k != mode
+            )
             if not first:
                 x = min(max(x, before / FIRST_CLIP), FIRST_CLIP * before)
             ms = x * self.table[mode]
@@ -513,7 +646,11 @@ class StepPlanner:
     def cost_state(self) -> dict:
         """The online cost model (measured ÷ table ratios, their timing counts and first timings), for
         :meth:`load_cost_state` of the next planner on the same device, batch size and sampling settings."""
-        return {"ratio": dict(self.ratio), "timed": dict(self.timed), "first": {m: list(v) for m, v in self.first.items()}}
+        return {
+            "ratio": dict(self.ratio),
+            "timed": dict(self.timed),
+            "first": {m: list(v) for m, v in self.first.items()},
+        }
 
     def load_cost_state(self, state: dict) -> None:
         """Start from an earlier planner's cost model (:meth:`cost_state`; module docstring, "Online cost"):
@@ -522,7 +659,9 @@ class StepPlanner:
         to the earlier requests. Raises ValueError if ``state`` holds a mode not in this table."""
         extra = set(state["ratio"]) - set(self.table)
         if extra:
-            raise ValueError(f"cost state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}")
+            raise ValueError(
+                f"cost state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}"
+            )
         for m, r in state["ratio"].items():
             if r is not None:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
@@ -532,7 +671,8 @@ class StepPlanner:
     def token_state(self) -> dict:
         """The learned acceptance (token averages, calibration, the leads of paired modes), for
         :meth:`load_token_state` of the next planner of the same engine, batch size and sampling settings."""
-        return {f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}
+        spread = self.spread if self.spread is not None else self.spread_prior
+        return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, "spread": spread}
 
     def load_token_state(self, state: dict) -> None:
         """Start from an earlier planner's acceptance (:meth:`token_state`; module docstring, "Across calls"):
@@ -540,10 +680,13 @@ class StepPlanner:
         follow the new requests. Raises ValueError if ``state`` holds a mode not in this table."""
         extra = set(state["fast"]) - set(self.table)
         if extra:
-            raise ValueError(f"token state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}")
+            raise ValueError(
+                f"token state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}"
+            )
         for f in self.TOKEN_FIELDS:  # (Counter.update would add the counts: replace)
             cur = getattr(self, f)
             setattr(self, f, Counter(state[f]) if isinstance(cur, Counter) else {**cur, **state[f]})
+        self.spread_prior, self.spread = state.get("spread"), None
         self.last_seen = {m: 0 for m in self.table}
 
     def _record(self, mode: Mode, tokens_per_request: float, rows: int, predicted: float | None) -> None:

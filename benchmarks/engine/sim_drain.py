@@ -1,0 +1,132 @@
+"""Replay of the planner's drain rule (``infer.planner``, "Drain") on batches with no queue; CPU only.
+
+    python benchmarks/engine/sim_drain.py [--seeds 6] [--output results/sim-drain-cpu.json]
+
+Not a GPU measurement. Five tasks in a row, as ``infer.bench`` runs them at concurrency 64 with 64 prompts of 256
+new tokens: every request starts together, so the whole decode is the batch's drain. Request i accepts each draft
+token with probability ``p_i``, its mean accepted tokens per chain step ``p_i / (1 - p_i)`` drawn from a normal with
+the task's mean and spread between requests (:data:`TASKS`: the per-prompt τ of the shipped SmolLM2 draft on the
+H200 at concurrency 8, T = 0, results/smollm2-h200-shipped-T0-c8.json). Step times are the H200's at concurrency 64,
+T = 0 (AR 1.12 ms, chain of 16 2.39 ms: ``measured_ms`` of results/verify-h200.json ``planner``); the planner is told
+them exactly. Per task, as in ``infer.bench``: an untimed pass, then the planner's acceptance memory goes back to
+what the earlier tasks left and the timed pass runs; the cost model carries over. Reported: milliseconds per task of
+AR, the chain and the planner (the drain given every ``Engine.PLAN_DRAIN_EVERY`` = 8 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from infer.planner import StepPlanner  # noqa: E402
+
+AR, CHAIN = ("ar", 1), ("chain", 16)
+COSTS = {AR: 1.12, CHAIN: 2.39}
+# task, mean τ of the chain (bonus included), standard deviation of the requests' mean accepted tokens per step
+# (their spread less the part a request's own step-to-step noise explains)
+TASKS = [
+    ("gsm8k", 3.95, 0.64),
+    ("math500", 2.94, 0.72),
+    ("humaneval", 2.78, 0.45),
+    ("mbpp", 2.90, 0.32),
+    ("mt-bench", 2.66, 0.61),
+]
+
+
+def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, planner=None) -> float:
+    """Milliseconds to finish one batch with no queue (the batch keeps its size to the end). Request i accepts
+    each draft token with probability ``accept[i]`` (a chain of 16 commits 1 + accepted, at most 16); every
+    step costs its table time, which the planner is told. ``fixed``: run that mode every step instead of the
+    planner; ``drain``: give the planner the batch (else it runs its throughput rule) every ``every`` steps (the
+    engine: ``Engine.PLAN_DRAIN_EVERY``); ``planner``: the one to use (a fresh one by default)."""
+    rng = random.Random(seed)
+    planner = planner or StepPlanner(costs)
+    n = len(accept)
+    rem, tok, steps, sq, ms = [max_new] * n, [0] * n, [0] * n, [0] * n, 0.0
+    while any(rem):
+        live = [i for i in range(n) if rem[i]]
+        if fixed is None:
+            give = drain and planner.step % every == 0
+            mode = planner.choose(drain=list(zip(rem, tok, steps, sq)) if give else None)
+        else:
+            mode = fixed
+        ms += costs[mode]
+        done = []
+        for i in live:
+            a = 0
+            while mode[0] != "ar" and a < 15 and rng.random() < accept[i]:
+                a += 1
+            k = min(1 + a, rem[i])
+            rem[i] -= k
+            done.append(k)
+            if mode[0] != "ar":
+                tok[i], steps[i], sq[i] = tok[i] + k, steps[i] + 1, sq[i] + k * k
+        if fixed is None:
+            planner.observe(mode, sum(done) / len(live), costs[mode], len(live))
+    return ms
+
+
+def replay_tasks(seed: int, batch: int = 64, max_new: int = 256, every: int = 8) -> dict[str, list[float]]:
+    """Milliseconds per task of ``ar``, ``chain`` and ``planner`` for one draw of the requests (module docstring)."""
+    rng = random.Random(seed)
+    out: dict[str, list[float]] = {"ar": [], "chain": [], "planner": []}
+    cost_state = token_state = None
+    for k, (_, tau, sd) in enumerate(TASKS):
+        accept = []
+        for _ in range(batch):
+            a = max(0.05, rng.gauss(tau - 1.0, sd))
+            accept.append(a / (1.0 + a))
+        out["ar"].append(drain_batch(COSTS, accept, max_new, seed, fixed=AR))
+        out["chain"].append(drain_batch(COSTS, accept, max_new, seed, fixed=CHAIN))
+        passes = []
+        for run_seed in (seed + 1000 + k, seed):  # untimed pass, then the timed one from the same memory
+            p = StepPlanner(COSTS)
+            if cost_state is not None:
+                p.load_cost_state(cost_state)
+            if token_state is not None:
+                p.load_token_state(token_state)
+            passes.append((drain_batch(COSTS, accept, max_new, run_seed, every=every, planner=p), p))
+            cost_state = p.cost_state()
+        ms, p = passes[1]
+        out["planner"].append(ms)
+        token_state = p.token_state()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=6, help="draws of the requests")
+    ap.add_argument("--output", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    runs = [replay_tasks(s) for s in range(args.seeds)]
+    per_task = {k: [statistics.mean(r[k][i] for r in runs) for i in range(len(TASKS))] for k in runs[0]}
+    total = {k: sum(v) for k, v in per_task.items()}
+    for k, v in per_task.items():
+        print(f"{k:8s} " + " ".join(f"{x:7.1f}" for x in v) + f"   total {total[k]:7.1f} ms")
+    result = {
+        "command": "python benchmarks/engine/sim_drain.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "tasks": [t[0] for t in TASKS],
+        "costs_ms": {"ar": COSTS[AR], "chain16": COSTS[CHAIN]},
+        "seeds": args.seeds,
+        "ms_per_task": per_task,
+        "total_ms": total,
+        "planner_over_ar_time": total["planner"] / total["ar"],
+        "planner_over_best_fixed_time": total["planner"] / min(total["ar"], total["chain"]),
+    }
+    print(
+        f"planner time / AR {result['planner_over_ar_time']:.3f}, / best fixed {result['planner_over_best_fixed_time']:.3f}"
+    )
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
