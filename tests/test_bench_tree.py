@@ -42,6 +42,10 @@ def test_tiny_chain_tree_and_planner_point(stories_dir, draft_dir, tmp_path):
     assert p["planner_over_best_static"] == pytest.approx(tok["auto"] / p["best_static_tok_per_s"])
     assert p["planner_over_ar"] == pytest.approx(tok["auto"] / ar) and p["same_run"] is True
     assert len(p["planner_choices_per_task"]) == 2 and all(p["planner_choices_per_task"])
+    for row, t in zip(p["per_task"], kept["tasks"]):  # per task and configuration, from the kept run
+        assert row["task"] == t["task"] and set(row) == {"task", "ar", "chain", "tree", "auto"}
+        assert row["auto"]["seconds"] == pytest.approx(t["drafts"]["auto"]["seconds"], abs=1e-4)
+        assert row["ar"]["admits"] == t["ar"]["profile"]["admits"] >= 1
     sm = json.loads((runs / "chain-tree.json").read_text())
     assert "ar" not in sm["tasks"][0] and sm["tasks"][0]["drafts"]["tree"]["verified_tokens_per_step"] == 12
     assert res["smollm2"]["tree_tau_over_chain_tau"] == pytest.approx(

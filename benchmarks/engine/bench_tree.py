@@ -129,6 +129,19 @@ def mean_over_tasks(run: dict, label: str, key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
+def per_task(run: dict) -> list[dict]:
+    """Per task of one ``infer.bench`` run, per configuration (``ar``, then each draft label): seconds, tok/s and
+    the summed ``prefill_s``, ``admit_device_s`` and ``admits`` of its timed pass (``infer.bench`` PROFILE_KEYS)."""
+    out = []
+    for t in run["tasks"]:
+        rows = {"ar": t["ar"], **t["drafts"]} if t.get("ar") else dict(t["drafts"])
+        out.append({"task": t["task"], **{
+            label: {"seconds": round(r["seconds"], 4), "tok_per_s": round(r["tok_per_s"], 1),
+                    **{k: round(r.get("profile", {}).get(k, 0.0), 4) for k in ("prefill_s", "admit_device_s", "admits")}}
+            for label, r in rows.items()}})  # fmt: skip
+    return out
+
+
 def smollm2(args) -> dict:
     """The chain and the tree of one draft in one ``infer.bench`` run (alternated per task, each task
     warmed up with both first on a GPU), compared."""
@@ -182,7 +195,8 @@ def planner_points(args) -> list[dict]:
                     "planner_over_ar": tok["auto"] / tok["AR"],
                     "mean_tau": {n: run["summary"][n]["mean_tau"] for n in ("chain", "tree", "auto")},
                     "same_run": True, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-                    "planner_choices_per_task": [x["drafts"]["auto"].get("planner_choices") for x in run["tasks"]]})  # fmt: skip
+                    "planner_choices_per_task": [x["drafts"]["auto"].get("planner_choices") for x in run["tasks"]],
+                    "per_task": per_task(run)})  # fmt: skip
         print(f"planner point {out[-1]}", flush=True)
     return out
 
