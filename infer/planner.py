@@ -29,10 +29,10 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
 2. Prune: a mode is worth probing only if its *ceiling* divided by its step time beats the best rate.
    The ceiling is at most the tokens one step of the mode can commit (1 for AR, ``verify_size`` for a
    chain, ``min(nodes, verify_size)`` for a tree: its depth is the draft block's). A measured mode's
-   ceiling is also at most ``1 + (headroom − 1) × max(1, √(PRIOR_ROWS / n)) / √r`` × its own average (n its
-   observations, r its requests per observation): one request's tokens per step can double from one passage
-   to the next, a mean over 32 requests cannot, so at concurrency 32 the ceiling is 1.18 × the average once
-   the mode has 4 observations (issue 16, concurrency 32, T = 1: the chain's 2× ceiling had it probed 3-6
+   ceiling is also at most ``1 + (headroom − 1) × min(1, max(1, √(PRIOR_ROWS / n)) / √r)`` × its own average
+   (n its observations, r its requests per observation; r = 1 under the drain rule, whose tokens are the
+   slowest request's): one request's tokens per step can double from one passage to the next, a mean over 32
+   requests cannot, so at concurrency 32 the ceiling is 1.18 × the average once the mode has 4 observations (issue 16, concurrency 32, T = 1: the chain's 2× ceiling had it probed 3-6
    times a task at 3.6 AR steps each, and its early finishes split the admissions; at T = 0 the tree of 32
    was probed 15-41 times a task at 1.6 chain steps). An unrun mode's at most ``gain`` × the best
    average of the measured speculative modes (the same draft: on SmolLM2 the tree of 32 commits 1.32 ×
@@ -130,15 +130,21 @@ that would finish last under it (a chain scaled by the request's acceptance, a t
 lead), and rule 1-3 run on those values until the next refresh.
 Which request finishes last is not known, only each one's acceptance so far: :func:`drain_tokens` takes each
 request's acceptance as the empirical Bayes posterior of a normal model (its own mean shrunk towards the batch's,
-with the posterior's variance) and the finishing step as Blom's expected maximum over the live requests. The
-variance between requests weighs this batch's estimate against a prior by the chain steps per request: the spread
-the previous call's drain used, relative to its mean acceptance (``StepPlanner.spread``, carried across calls with
-the acceptance). So a batch whose every request starts together (concurrency 64, 64 prompts: in its drain from the
-first step, before any chain step) is judged on its expected slowest request from the start, not on the batch's
-average. On a replay of the five tasks at concurrency 64, T = 0, with each task's mean τ and spread between requests
-measured on the H200 (results/smollm2-h200-shipped-T0-c8.json) and the H200 step costs (AR 1.12 ms, chain 2.39 ms),
-the planner takes 0.996 × AR's time (the previous rule 1.06 ×: it ran the chain on the batch's average for 40-90 steps
-before its per-request data showed the slow requests).
+with the posterior's variance) and the finishing step as the median of the last request's, the requests taken as
+independent. The variance between requests weighs this batch's estimate against a prior by the chain steps per
+request: the spread the previous call's drain used (``StepPlanner.spread``, carried across calls with the
+acceptance; ``DEFAULT_SPREAD``, a standard deviation of 0.5 accepted tokens per step, before any call). So a batch
+whose every request starts together (concurrency 64, 64 prompts: in its drain from the first step, before any chain
+step) is judged on its likely slowest request from the start, not on the batch's average. The prior is absolute
+(tokens², not relative to the mean): the five tasks' spreads between requests do not grow with their means (gsm8k,
+the highest mean at 2.95 accepted tokens per step, spreads 0.64; math500 at 1.94 spreads 0.72; T = 0), and a
+relative prior made a later easy batch look as uneven as a hard one. Under the drain rule a mode's probing ceiling keeps the full ``headroom`` (its tokens are one request's), so a
+prior that is too pessimistic is still probed. benchmarks/engine/sim_drain.py replays the five tasks at
+concurrency 64, T = 0, with each task's mean τ and spread between requests measured on the H200
+(results/smollm2-h200-shipped-T0-c8.json) and the H200 step costs (AR 1.12 ms, chain 2.39 ms): the planner takes
+1.004 × AR's time with the tasks in either order and within 2% of the chain on gsm8k, the one task where the chain
+finishes first (the previous rule 1.059 × AR's time: it ran the chain on the batch's average for 40-90 steps before
+its per-request data showed the slow requests; results/sim-drain-cpu.json).
 Requests differ: the rows left in a batch's tail are the hard ones, and a mode that commits more tokens per
 millisecond on average can still take longer to finish them (issue 16, concurrency 64, T = 0, 64 prompts of 256
 tokens: the planner ran the chain, whose batch average beat AR's rate by 1.5 ×, yet AR finished 4 of 5 tasks
@@ -157,7 +163,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 
-import torch
+import numpy as np
 
 Mode = tuple[str, int]
 LOG_CLIP = math.log(1.25)  # largest log step-time residual one timed step contributes (online cost)
@@ -165,13 +171,15 @@ FIRST_CLIP = 3.0  # a timed step counts within 1/3 .. 3 × the estimate it was c
 BONUS_VAR = 1.5  # token² per request in the standard-error bonus (module docstring, "Averages")
 FIRST_TIMED = 3  # timings of the decode's first mode before any other runs (module docstring, "Online cost")
 PENDING = 8  # unobserved choices kept by StepPlanner (the engine has at most 2)
-PAIRED_FRESH = (
-    4  # steps a paired observation keeps its mode from being probed (module docstring, "Paired ...")
-)
+# steps a paired observation keeps its mode from being probed (module docstring, "Paired ...")
+PAIRED_FRESH = 4
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
-SPREAD_STEPS = (
-    16.0  # chain steps per request at which this batch's spread and the prior weigh the same (Drain)
-)
+# chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
+SPREAD_STEPS = 16.0
+# the drain rule's prior spread of a planner with no earlier call (variance between requests' accepted draft tokens
+# per chain step, tokens²): sd 0.5, within the 0.32-0.72 of the shipped SmolLM2 draft's five tasks at T = 0 on the
+# H200 (per-prompt τ of results/smollm2-h200-shipped-T0-c8.json; 0.17-0.31 at T = 1)
+DEFAULT_SPREAD = 0.25
 
 
 def max_tokens(mode: Mode, modes) -> int:
@@ -210,9 +218,9 @@ def choose_mode(
             cheapest mode).
         settled: modes never probed (their tokens are observed without running them: "Paired
             observations"); they run when they are the best mode.
-        rows, seen: requests per observation and observations of each measured mode (``None``: 1 each); its
-            ceiling's headroom is ``1 + (headroom - 1) × max(1, √(PRIOR_ROWS / seen)) / √rows`` (module
-            docstring, rule 2).
+        rows, seen: requests per observation and observations of each measured mode (``None``: 1 request,
+            PRIOR_ROWS observations); its ceiling's headroom is ``1 + (headroom - 1) × min(1, max(1, √(PRIOR_ROWS /
+            seen)) / √rows)`` (module docstring, rule 2): ``headroom`` at one request per step.
     Returns:
         ``(mode, lost, rate)``: the mode to run, the milliseconds this step is expected to lose against
         the best mode (0 when it is the best mode) and the best mode's tokens per millisecond.
@@ -228,10 +236,9 @@ def choose_mode(
     def ceiling(m: Mode) -> float:
         cap = max_tokens(m, costs)
         if est[m] is not None:
-            r, n = max((rows or {}).get(m, 1.0), 1.0), max((seen or {}).get(m, 1), 1)
-            return min(
-                cap, (1.0 + (headroom - 1.0) * max(1.0, math.sqrt(PRIOR_ROWS / n)) / math.sqrt(r)) * est[m]
-            )
+            r, n = max((rows or {}).get(m, 1.0), 1.0), max((seen or {}).get(m, PRIOR_ROWS), 1)
+            narrow = min(1.0, max(1.0, math.sqrt(PRIOR_ROWS / n)) / math.sqrt(r))
+            return min(cap, (1.0 + (headroom - 1.0) * narrow) * est[m])
         return min(cap, gain * max(spec)) if spec else cap
 
     plausible = [m for m in costs if m != best and m not in settled and ceiling(m) / costs[m] > rate]
@@ -280,103 +287,107 @@ def drain_tokens(
     Args:
         tokens: committed tokens per request per step of each mode (``None``: unknown), the batch's estimate.
         drain: one ``(remaining, chain_tokens, chain_steps, chain_tokens_sq)`` per request in the batch: the
-            tokens it may still commit (``max_new_tokens`` − committed; 0 once finished), and the sum, count and
-            sum of squares of the tokens its chain(-equivalent) steps committed.
+            tokens it may still commit (``max_new_tokens`` − committed; 0 or less once finished), and the sum,
+            count and sum of squares of the tokens its chain(-equivalent) steps committed.
         modes: the cost table's modes (:func:`max_tokens`).
-        prior: the variance between requests' acceptances relative to the pooled acceptance squared, learned on
-            earlier requests (:attr:`StepPlanner.spread`); ``None``: only this batch's.
+        prior: the variance between requests' mean accepted draft tokens per chain step, learned on earlier
+            requests (:attr:`StepPlanner.spread`); ``None``: only this batch's.
     Returns:
-        ``R / y(m)`` per mode, R the largest remaining of the live requests (remaining > 0) and ``y(m)`` the
-        expected largest number of steps one of them needs under mode m: AR's 1 stays 1, and with equal requests
-        a mode keeps its ``tokens``. Request i commits ``τ_i(m) = 1 + (tokens[m] − 1) × a_i / ā`` per chain step,
-        a tree that of the longest chain plus the tree's lead over it in ``tokens`` (the planner's model of a
-        tree: "Paired observations"; scaling a tree's tokens like the chain's would take from the hard requests
-        the alternatives that help them most), clipped to [1, max_tokens]; ā is the accepted draft tokens per
-        chain step pooled over every request of the batch, finished ones included (:func:`drain_spread`: once
-        the easy requests are done, the estimate they raised is scaled down for the hard ones left), or before
-        any chain step with a ``prior`` the longest chain's ``tokens`` − 1. a_i is unknown: normal with the
-        empirical Bayes posterior of a normal-normal model, mean ``â_i = ā + k_i (mean_i − ā)`` and variance
-        ``v (1 − k_i)``, ``k_i = v / (v + s² / n_i)`` (n_i its chain steps, s² the within-request variance, v the
-        variance between requests: this batch's estimate weighted ``n̄ / (n̄ + SPREAD_STEPS)``, n̄ the mean chain
-        steps per request, and the ``prior`` (0 without one) the rest: over a few steps per request the estimate is
-        mostly noise, and trusted at once it would make 64 equal requests look spread). ``y(m)`` solves
-        ``Σ_i P(remaining_i / τ_i(m) > y) = 0.625 L / (L + 0.25)`` over the L live requests: Blom's approximation
-        of the expected maximum of L normals (G. Blom, *Statistical Estimates and Transformed Beta-Variables*,
-        1958), here over requests that need not be equal. Requests that differ only by chance are not told
-        apart, and a spread the steps cannot show yet (a prior) still makes the slowest of L requests slower
-        than the mean. Unchanged with no live request, or with no chain step and no prior.
+        ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
+        > 0), ``y(m)`` the median of the number of steps the last of them needs under mode m. AR's 1 stays 1;
+        with equal requests and no prior (or a prior of 0) a mode keeps its ``tokens``. Request i commits
+        ``τ_i(m) = 1 + (tokens[m] − 1) × a_i / ā`` per chain step, a tree that of the longest chain plus the tree's
+        lead over it in ``tokens`` (the planner's model of a tree: "Paired observations"; scaling a tree's tokens
+        like the chain's would take from the hard requests the alternatives that help them most), clipped to
+        [1, max_tokens]; ā is the accepted draft tokens per chain step pooled over every request of the batch,
+        finished ones included (:func:`drain_spread`: once the easy requests are done, the estimate they raised
+        is scaled down for the hard ones left), or before any chain step with a ``prior`` the longest chain's
+        ``tokens`` − 1. a_i is unknown: normal with the empirical Bayes posterior of a normal-normal model, mean
+        ``â_i = ā + k_i (mean_i − ā)`` and variance ``v (1 − k_i)``, ``k_i = v / (v + s² / n_i)`` (n_i its chain
+        steps, s² the within-request variance, v the variance between requests: ``w × this batch's estimate +
+        (1 − w) × prior``, ``w = n̄ / (n̄ + SPREAD_STEPS)``, n̄ the mean chain steps per request, the prior
+        term 0 without a prior: over a few steps per request the batch's estimate is mostly noise, and trusted at
+        once it would make 64 equal requests look spread). ``y(m)`` solves ``Π_i P(remaining_i / τ_i(m) ≤ y) =
+        1/2`` over the live requests, taken as independent: one request's median, the largest of known ones, and
+        for L equal requests of spread σ the median of their maximum (Φ⁻¹(2^(−1/L)), 2.33 σ beyond the mean at
+        L = 64; its mean is 2.41 σ); a request sure to finish early does not count. Requests that differ only by
+        chance are not told apart, and a spread the steps cannot show yet (a prior) still makes the slowest of L
+        requests slower than the mean. Unchanged with no live request, no chain step and no prior, no chain
+        estimate with a prior, or ā ≤ 0.
     """
     live = [d for d in drain if d[0] > 0]
     pooled, within, between, nbar = drain_spread(drain)
     chains = [m for m in tokens if m[0] == "chain" and tokens[m] is not None]
-    ref = (
-        max(chains, key=lambda m: m[1]) if chains else None
-    )  # a tree's per-request τ: this chain's + the lead
+    ref = max(chains, key=lambda m: m[1]) if chains else None  # a tree's per-request τ: this chain's + the lead
     if not nbar and prior is not None and ref is not None:
         pooled, within = tokens[ref] - 1.0, (tokens[ref] - 1.0) * tokens[ref]
-    if not live or pooled <= 0:
+    if not live or not pooled > 0:
         return dict(tokens)
-    w = nbar / (
-        nbar + SPREAD_STEPS
-    )  # this batch's between-request variance is noise over few steps per request
-    v = w * between + (1.0 - w) * (prior or 0.0) * pooled * pooled
-    rem = torch.tensor([float(d[0]) for d in live], dtype=torch.float64)
-    n = torch.tensor([float(d[2]) for d in live], dtype=torch.float64)
-    mean = torch.tensor([(d[1] - d[2]) / d[2] if d[2] else pooled for d in live], dtype=torch.float64)
-    k = v / (v + within / n.clamp(min=1e-9)) if v > 0 else torch.zeros_like(n)
-    k = torch.where(n > 0, k, torch.zeros_like(k))
+    w = nbar / (nbar + SPREAD_STEPS)  # this batch's between-request variance is noise over few steps per request
+    v = max(w * between + (1.0 - w) * max(prior or 0.0, 0.0), 0.0)
+    rem = np.array([float(d[0]) for d in live])
+    n = np.array([float(d[2]) for d in live])
+    mean = np.array([(d[1] - d[2]) / d[2] if d[2] else pooled for d in live])
+    k = np.where(n > 0, v / (v + within / np.maximum(n, 1e-9)), 0.0) if v > 0 else np.zeros_like(n)
     ahat = pooled + k * (mean - pooled)
-    sd = (v * (1.0 - k)).clamp(min=0.0).sqrt()
-    target = 0.625 * len(live) / (len(live) + 0.25)
+    sd = np.sqrt(np.maximum(v * (1.0 - k), 0.0))
     R = float(rem.max())
-    spec = [m for m, x in tokens.items() if x is not None and m[0] != "ar"]
     out = dict(tokens)
-    if not spec:
-        return out
     grid = []  # (mode, base, lead, cap) of the modes whose τ_i depends on a_i with more than one request
-    for m in spec:
+    for m, x in tokens.items():
+        if x is None or m[0] == "ar":
+            continue
         cap = float(max_tokens(m, modes))
-        base, lead = (
-            (tokens[ref], tokens[m] - tokens[ref]) if m[0] == "tree" and ref is not None else (tokens[m], 0.0)
-        )
-        if (
-            base <= 1.0 or len(live) == 1
-        ):  # τ the same for every request, or one request: y = R / τ(its median)
+        base, lead = (tokens[ref], x - tokens[ref]) if m[0] == "tree" and ref is not None else (x, 0.0)
+        if not base > 1.0 or len(live) == 1:  # τ the same for every request, or one request: R / τ(its median)
             a = float(ahat[0]) if base > 1.0 else 0.0
             out[m] = min(max(1.0 + (base - 1.0) * a / pooled + lead, 1.0), cap)
         else:
             grid.append((m, base, lead, cap))
     if grid:
-        ms, base, lead, cap = zip(*grid)
-        steps = _expected_max_steps(rem, ahat, sd, pooled, base, lead, cap, target)
-        out.update({m: R / y for m, y in zip(ms, steps.tolist())})
+        ms, base, lead, cap = (list(x) for x in zip(*grid))
+        steps = _median_last_finish(rem, ahat, sd, pooled, np.array(base), np.array(lead), np.array(cap))
+        out.update({m: min(max(R / y, 1.0), c) for m, y, c in zip(ms, steps.tolist(), cap)})
     return out
 
 
-def _expected_max_steps(rem, ahat, sd, pooled, base, lead, cap, target, grid=16, rounds=4) -> torch.Tensor:
-    """Per mode j, ``y_j`` with ``Σ_i P(rem_i / τ_ij > y_j) = target`` (:func:`drain_tokens`), ``τ_ij = clip(1 +
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    """Φ(z) through erfc's Chebyshev fit (Press et al., *Numerical Recipes in C*, 2nd ed., §6.2, erfcc:
+    fractional error below 1.2e-7). numpy, not torch: element-wise numpy never enters a thread pool, and a
+    torch op on CPU tensors can (the planner runs on the engine's launching thread)."""
+    x = np.abs(z) * (1.0 / math.sqrt(2.0))
+    t = 1.0 / (1.0 + 0.5 * x)
+    poly = 0.17087277
+    for c in (-0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806, 0.09678418, 0.37409196, 1.00002368,
+              -1.26551223):  # fmt: skip
+        poly = c + t * poly
+    tail = 0.5 * t * np.exp(-x * x + poly)  # Φ(-|z|)
+    return np.where(z < 0, tail, 1.0 - tail)
+
+
+def _median_last_finish(rem, ahat, sd, pooled, base, lead, cap, grid=16, rounds=5) -> np.ndarray:
+    """Per mode j, ``y_j`` with ``Π_i P(rem_i / τ_ij ≤ y_j) = 1/2`` (:func:`drain_tokens`), ``τ_ij = clip(1 +
     (base_j − 1) a_i / pooled + lead_j, 1, cap_j)`` (``base_j > 1``), ``a_i ~ N(ahat_i, sd_i²)`` (``sd_i = 0``:
-    known). The count
-    falls with y from L at 0 to 0 at ``max(rem)``; ``rounds`` of a ``grid``-point search, each inside the bracket
-    of the last, all modes in one batch of tensor operations per round (~0.3 ms of host time at 64 requests on a
-    2-core CPU). ``rem``, ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``lead``, ``cap``: M floats. Returns float64
-    ``[M]``."""
-    f64 = dict(dtype=torch.float64)
-    base, lead, cap = (torch.tensor(x, **f64)[:, None, None] for x in (base, lead, cap))  # [M, 1, 1]
-    slope = pooled / (base - 1.0)  # accepted tokens per unit of τ above 1 + lead (base > 1)
-    lo = torch.zeros(base.shape[0], 1, 1, **f64)
-    width = torch.full_like(lo, float(rem.max()))
-    steps = torch.arange(1, grid + 1, **f64)[None, :, None] / grid  # [1, G, 1]
-    sd = sd.clamp(min=1e-12)  # a known a_i: Φ of ±1e12 σ is its indicator
-    for _ in range(rounds):
-        y = lo + width * steps  # [M, G, 1]
-        u = rem / y  # the τ request i needs to finish within y steps: [M, G, L]
-        p = torch.special.ndtr(((u - 1.0 - lead) * slope - ahat) / sd)  # P(τ_i < u) = P(a_i < a*)
-        p = torch.where(u <= 1.0, 0.0, torch.where(u > cap, 1.0, p))
-        j = (p.sum(dim=2, keepdim=True) > target).sum(dim=1, keepdim=True)  # grid points above the target
-        width = width / grid
-        lo = lo + j * width
-    return (lo + width / 2).flatten().clamp(min=1e-9)
+    known). Σ_i log P(finished by y) rises with y from −∞ at 0 to 0 at ``max(rem)``; ``rounds`` of a
+    ``grid``-point search, each inside the bracket of the last (``max(rem) / grid^rounds`` wide at the end),
+    all modes at once. ``rem``, ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``lead``, ``cap``: float64 ``[M]``.
+    Returns float64 ``[M]``."""
+    base, lead, cap = base[:, None, None], lead[:, None, None], cap[:, None, None]  # [M, 1, 1]
+    slope = pooled / (base - 1.0)  # accepted tokens per unit of τ above 1 + lead
+    sd = np.maximum(sd, 1e-12)  # a known a_i: Φ of ±1e12 σ is its indicator
+    lo = np.zeros((base.shape[0], 1, 1))
+    width = np.full_like(lo, float(rem.max()))
+    frac = (np.arange(1, grid + 1, dtype=np.float64) / grid)[None, :, None]  # [1, G, 1]
+    half = -math.log(2.0)
+    with np.errstate(divide="ignore"):
+        for _ in range(rounds):
+            u = rem / (lo + width * frac)  # [M, G, L]: the τ request i needs to finish within y steps
+            late = _normal_cdf(((u - 1.0 - lead) * slope - ahat) / sd)  # P(τ_i < u) = P(a_i < a*)
+            late = np.where(u <= 1.0, 0.0, np.where(u > cap, 1.0, late))
+            below = (np.log1p(-late).sum(axis=2, keepdims=True) < half).sum(axis=1, keepdims=True)
+            width = width / grid
+            lo = lo + below * width  # grid points where the last request is more likely than not still running
+    return np.maximum((lo + width / 2).ravel(), 1e-9)
 
 
 class StepPlanner:
@@ -431,10 +442,10 @@ class StepPlanner:
         self.untimed = 0  # steps observed without a time
         self.drain_choices: Counter = Counter()  # choices made under the drain rule, per mode
         self.drain_scale: dict[Mode, float] | None = None  # drain tokens ÷ estimate per mode (choose's drain)
-        # variance between requests' chain acceptances ÷ the pooled acceptance²: drain_tokens' prior, from an earlier
+        # variance between requests' accepted draft tokens per chain step: drain_tokens' prior, from an earlier
         # call (load_token_state), and the one its latest drain with a chain step used (this batch's estimate weighted
         # with the prior as in drain_tokens), which token_state carries on
-        self.spread_prior: float | None = None
+        self.spread_prior: float | None = DEFAULT_SPREAD
         self.spread: float | None = None
         self.step = 0
         self.spent_ms = 0.0  # step time of the modes run (measured where given, else estimated)
@@ -515,7 +526,7 @@ class StepPlanner:
         of the batch (:func:`drain_tokens`): the modes are compared on the time to finish the last live one (module
         docstring, "Drain"); it stays in force, as each mode's drain tokens ÷ its estimate, until the next
         ``drain`` (the engine gives one every ``PLAN_DRAIN_EVERY`` steps: the ratios move slowly, and mapping a
-        batch of 64 requests costs tens of µs of host time) or :meth:`end_drain`. None before any: tokens per
+        batch of 64 requests costs about 1 ms of host time on a 2-core CPU, :func:`drain_tokens`) or :meth:`end_drain`. None before any: tokens per
         millisecond."""
         costs = self.costs
         raw = None  # this step's token estimates, computed once
@@ -525,7 +536,7 @@ class StepPlanner:
             pooled, _, between, nbar = drain_spread(drain)
             if nbar and pooled > 0:  # the spread drain_tokens used, for later batches
                 w = nbar / (nbar + SPREAD_STEPS)
-                self.spread = w * between / pooled**2 + (1.0 - w) * (self.spread_prior or 0.0)
+                self.spread = w * between + (1.0 - w) * max(self.spread_prior or 0.0, 0.0)
             self.drain_scale = {m: mapped[m] / x for m, x in raw.items() if x and m[0] != "ar"}
         timed = [m for m in self.table if self.timed[m]]
         # nothing timed yet and a step in flight (a pipelined caller): the decode's first mode again, until it is
@@ -558,7 +569,8 @@ class StepPlanner:
                 math.inf if probing else self.lost_ms,
                 **self.rule,
                 settled=settled,
-                rows=self.rows,
+                # the drain rule's tokens are one request's, the slowest: no mean over the batch's requests
+                rows=self.rows if self.drain_scale is None else None,
                 seen=self.seen,
             )
             if self.drain_scale is not None:
@@ -669,7 +681,8 @@ class StepPlanner:
     TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps")
 
     def token_state(self) -> dict:
-        """The learned acceptance (token averages, calibration, the leads of paired modes), for
+        """The learned acceptance (token averages, calibration, the leads of paired modes, and under ``"spread"`` the
+        drain rule's spread between requests: :attr:`spread`, else the prior it started with), for
         :meth:`load_token_state` of the next planner of the same engine, batch size and sampling settings."""
         spread = self.spread if self.spread is not None else self.spread_prior
         return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, "spread": spread}
@@ -677,7 +690,8 @@ class StepPlanner:
     def load_token_state(self, state: dict) -> None:
         """Start from an earlier planner's acceptance (:meth:`token_state`; module docstring, "Across calls"):
         every mode counts as seen at step 0, so the averages are taken as they were, and the fast ones then
-        follow the new requests. Raises ValueError if ``state`` holds a mode not in this table."""
+        follow the new requests; its ``"spread"`` becomes the drain rule's prior (``DEFAULT_SPREAD`` if absent, as in
+        a state written before it existed). Raises ValueError if ``state`` holds a mode not in this table."""
         extra = set(state["fast"]) - set(self.table)
         if extra:
             raise ValueError(
@@ -686,7 +700,7 @@ class StepPlanner:
         for f in self.TOKEN_FIELDS:  # (Counter.update would add the counts: replace)
             cur = getattr(self, f)
             setattr(self, f, Counter(state[f]) if isinstance(cur, Counter) else {**cur, **state[f]})
-        self.spread_prior, self.spread = state.get("spread"), None
+        self.spread_prior, self.spread = state.get("spread", DEFAULT_SPREAD), None
         self.last_seen = {m: 0 for m in self.table}
 
     def _record(self, mode: Mode, tokens_per_request: float, rows: int, predicted: float | None) -> None:
