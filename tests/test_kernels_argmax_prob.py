@@ -41,7 +41,9 @@ def test_argmax_prob_kernel_is_the_torch_path(device, shape, dtype):
     assert idx.shape == p.shape == shape[:-1] and idx.dtype == torch.int64 and p.dtype == torch.float32
     assert torch.equal(idx, want_idx) and torch.equal(idx, x.argmax(-1))
     exact = torch.softmax(x.double(), -1).amax(-1).float()
-    assert torch.allclose(p, exact, rtol=2e-6, atol=0) and torch.allclose(want_p, exact, rtol=2e-6, atol=0)
+    # the kernel within 2e-6 of float64; the torch path's fp32 softmax sums 4100 exps in the CPU's vector order
+    # (AVX2: 2.9e-6 off at (4, 4100); ~√V × 2^-24 expected), so 1e-5
+    assert torch.allclose(p, exact, rtol=2e-6, atol=0) and torch.allclose(want_p, exact, rtol=1e-5, atol=0)
     flat_i, flat_p = idx.view(-1).cpu(), p.view(-1).cpu()
     V = shape[-1]
     assert flat_i[0] >= V // 2
