@@ -555,12 +555,11 @@ def brute_drain(tokens, drain, modes, prior=None):
             out[m] = x
             continue
         cap = max_tokens(m, modes)
-        base, lead = (tokens[chain], x - tokens[chain]) if m[0] == "tree" and chain is not None else (x, 0.0)
-        if base <= 1:  # the same τ for every request
-            out[m] = min(max(1 + lead, 1.0), cap)
+        if x <= 1:  # the same τ for every request
+            out[m] = 1.0
             continue
 
-        def all_done(y, cap=cap, lead=lead, base=base):  # P(every live request finished within y steps)
+        def all_done(y, cap=cap, x=x):  # P(every live request finished within y steps)
             p = 1.0
             for rem, mu, sd in post:
                 u = rem / y
@@ -568,7 +567,7 @@ def brute_drain(tokens, drain, modes, prior=None):
                     continue
                 if u > cap:
                     return 0.0
-                astar = (u - 1 - lead) * pooled / (base - 1)
+                astar = (u - 1) * pooled / (x - 1)
                 p *= 1 - (NormalDist(mu, sd).cdf(astar) if sd > 0 else float(mu < astar))
             return p
 
@@ -601,10 +600,11 @@ def test_drain_tokens_maps_each_mode_to_the_request_that_finishes_last():
     got = drain_tokens(tokens, mixed, MODES)
     assert close(got, brute_drain(tokens, mixed, MODES))
     assert 1.0 < got[CHAIN] < 3.0 and got[AR] == 1.0 and got[TREE32] is None
-    # a tree: the request's chain τ plus the tree's lead over the chain (here 1 token), not scaled like the chain
+    # a tree: scaled like the chain (its 4 tokens: 1 + 3 × the request's acceptance ÷ the pooled one)
     with_tree = {**tokens, TREE32: 4.0}
     assert close(drain_tokens(with_tree, mixed, MODES), brute_drain(with_tree, mixed, MODES))
-    assert drain_tokens(with_tree, mixed, MODES)[TREE32] > got[CHAIN] + 0.9
+    t = drain_tokens(with_tree, mixed, MODES)
+    assert (t[TREE32] - 1) / 3 == pytest.approx((got[CHAIN] - 1) / 2, rel=1e-3)
     no_chain = {AR: 1.0, TREE32: 4.0}
     assert close(drain_tokens(no_chain, mixed, MODES), brute_drain(no_chain, mixed, MODES))
     # the slow request nearly done, the fast one with all its tokens to go: the fast one sets the time
@@ -633,7 +633,7 @@ def test_drain_tokens_prior_and_random_batches_against_the_brute_force():
     fresh = [(50, 0, 0, 0)] * 64
     got = drain_tokens(tokens, fresh, MODES, prior=0.25)  # sd 0.5 accepted tokens
     a = 2.0 + 0.5 * NormalDist().inv_cdf(1 - 0.5 ** (1 / 64))
-    assert got[CHAIN] == pytest.approx(1 + a, rel=1e-4) and got[TREE32] == pytest.approx(1.5 + a, rel=1e-4)
+    assert got[CHAIN] == pytest.approx(1 + a, rel=1e-4) and got[TREE32] == pytest.approx(1 + 1.25 * a, rel=1e-4)
     assert drain_tokens(tokens, fresh[:1], MODES, prior=0.25)[CHAIN] == pytest.approx(3.0, rel=1e-4)
     assert drain_tokens(tokens, fresh, MODES, prior=0.0)[CHAIN] == pytest.approx(3.0, rel=1e-4)
     one = drain_tokens(tokens, [(256, 30, 10, 100)], MODES, prior=0.1)[CHAIN]
