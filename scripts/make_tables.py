@@ -514,7 +514,9 @@ def verify_section() -> list[str]:
                    f"{ok(p['planner_over_best_static'] >= 0.98)} | {share} | `{p['provenance']['commit'][:7]}` |")
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
-    history = (("planner_c32_c64_before_sync_free_admission", "Concurrency 32 and 64 half an hour earlier, admissions "
+    history = (("planner_session19", "Before the drain rule's spread prior and the probing ceiling narrowed by requests per "
+                "step (previous session)"),
+               ("planner_c32_c64_before_sync_free_admission", "Concurrency 32 and 64 half an hour earlier, admissions "
                 "still waiting for the step in flight"),
                ("planner_drain_2d9218a", "The drain rule, before the step-overhead work (previous session)"),
                ("planner_buckets_every_admission", "Same code an hour earlier, bucketed prefill on every admission"),
