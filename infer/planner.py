@@ -142,9 +142,9 @@ relative prior made a later easy batch look as uneven as a hard one. Under the d
 prior that is too pessimistic is still probed. benchmarks/engine/sim_drain.py replays the five tasks at
 concurrency 64, T = 0, with each task's mean τ and spread between requests measured on the H200
 (results/smollm2-h200-shipped-T0-c8.json) and the H200 step costs (AR 1.12 ms, chain 2.39 ms): the planner takes
-1.004 × AR's time with the tasks in either order and within 2% of the chain on gsm8k, the one task where the chain
-finishes first (the previous rule 1.059 × AR's time: it ran the chain on the batch's average for 40-90 steps before
-its per-request data showed the slow requests; results/sim-drain-cpu.json).
+1.002 and 1.001 × AR's time with the tasks in one order and the other and within 2% of the chain on gsm8k, the one
+task where the chain finishes first (the previous rule 1.059 and 1.051 ×: it ran the chain on the batch's average
+for 17-123 steps a task before its per-request data showed the slow requests; results/sim-drain-cpu.json).
 Requests differ: the rows left in a batch's tail are the hard ones, and a mode that commits more tokens per
 millisecond on average can still take longer to finish them (issue 16, concurrency 64, T = 0, 64 prompts of 256
 tokens: the planner ran the chain, whose batch average beat AR's rate by 1.5 ×, yet AR finished 4 of 5 tasks
@@ -278,6 +278,24 @@ def drain_spread(drain) -> tuple[float, float, float, float]:
     return pooled, within, between, steps / len(seen) if seen else 0.0
 
 
+def spread_weight(drain) -> float:
+    """Weight of this batch's between-request variance against the prior (:func:`drain_tokens`): ``n̄ / (n̄ +
+    SPREAD_STEPS) × (m − 1) / (m − 1 + PRIOR_ROWS)``, n̄ the mean chain steps of the m requests that have any: few
+    steps per request make the estimate mostly noise, and one request's is 0 by construction (no evidence of no
+    spread). ``drain`` as in :func:`drain_tokens`."""
+    seen = [d[2] for d in drain if d[2]]
+    m = len(seen)
+    if m < 2:
+        return 0.0
+    nbar = sum(seen) / m
+    return nbar / (nbar + SPREAD_STEPS) * (m - 1) / (m - 1 + PRIOR_ROWS)
+
+
+def _finite_prior(prior) -> float | None:
+    """``prior`` if it is a finite number ≥ 0, else ``None`` (a corrupted state is no prior)."""
+    return float(prior) if prior is not None and math.isfinite(prior) and prior >= 0 else None
+
+
 def drain_tokens(
     tokens: dict[Mode, float | None], drain, modes, prior: float | None = None
 ) -> dict[Mode, float | None]:
@@ -306,17 +324,18 @@ def drain_tokens(
         ``tokens`` − 1. a_i is unknown: normal with the empirical Bayes posterior of a normal-normal model, mean
         ``â_i = ā + k_i (mean_i − ā)`` and variance ``v (1 − k_i)``, ``k_i = v / (v + s² / n_i)`` (n_i its chain
         steps, s² the within-request variance, v the variance between requests: ``w × this batch's estimate +
-        (1 − w) × prior``, ``w = n̄ / (n̄ + SPREAD_STEPS)``, n̄ the mean chain steps per request, the prior
-        term 0 without a prior: over a few steps per request the batch's estimate is mostly noise, and trusted at
-        once it would make 64 equal requests look spread). ``y(m)`` solves ``Π_i P(remaining_i / τ_i(m) ≤ y) =
+        (1 − w) × prior``, w from :func:`spread_weight`, the prior term 0 without a prior (or with a prior that
+        is not a finite number ≥ 0): over a few steps per request the batch's estimate is mostly noise, and
+        trusted at once it would make 64 equal requests look spread). ``y(m)`` solves ``Π_i P(remaining_i / τ_i(m) ≤ y) =
         1/2`` over the live requests, taken as independent: one request's median, the largest of known ones, and
-        for L equal requests of spread σ the median of their maximum (Φ⁻¹(2^(−1/L)), 2.33 σ beyond the mean at
-        L = 64; its mean is 2.41 σ); a request sure to finish early does not count. Requests that differ only by
+        for L equal requests of spread σ the median of their maximum (Φ⁻¹(2^(−1/L)), 2.30 σ beyond the mean at
+        L = 64; its mean is 2.34 σ); a request sure to finish early does not count. Requests that differ only by
         chance are not told apart, and a spread the steps cannot show yet (a prior) still makes the slowest of L
         requests slower than the mean. Unchanged with no live request, no chain step and no prior, no chain
         estimate with a prior, or ā ≤ 0.
     """
     live = [d for d in drain if d[0] > 0]
+    prior = _finite_prior(prior)
     pooled, within, between, nbar = drain_spread(drain)
     chains = [m for m in tokens if m[0] == "chain" and tokens[m] is not None]
     ref = max(chains, key=lambda m: m[1]) if chains else None  # the pooled acceptance before any chain step
@@ -324,8 +343,8 @@ def drain_tokens(
         pooled, within = tokens[ref] - 1.0, (tokens[ref] - 1.0) * tokens[ref]
     if not live or not pooled > 0:
         return dict(tokens)
-    w = nbar / (nbar + SPREAD_STEPS)  # this batch's between-request variance is noise over few steps per request
-    v = max(w * between + (1.0 - w) * max(prior or 0.0, 0.0), 0.0)
+    w = spread_weight(drain)
+    v = max(w * between + (1.0 - w) * (prior or 0.0), 0.0)
     rem = np.array([float(d[0]) for d in live])
     n = np.array([float(d[2]) for d in live])
     mean = np.array([(d[1] - d[2]) / d[2] if d[2] else pooled for d in live])
@@ -535,8 +554,8 @@ class StepPlanner:
             mapped = drain_tokens(raw, drain, self.table, self.spread_prior)
             pooled, _, between, nbar = drain_spread(drain)
             if nbar and pooled > 0:  # the spread drain_tokens used, for later batches
-                w = nbar / (nbar + SPREAD_STEPS)
-                self.spread = w * between + (1.0 - w) * max(self.spread_prior or 0.0, 0.0)
+                w = spread_weight(drain)
+                self.spread = w * between + (1.0 - w) * (_finite_prior(self.spread_prior) or 0.0)
             self.drain_scale = {m: mapped[m] / x for m, x in raw.items() if x and m[0] != "ar"}
         timed = [m for m in self.table if self.timed[m]]
         # nothing timed yet and a step in flight (a pipelined caller): the decode's first mode again, until it is
@@ -700,7 +719,7 @@ class StepPlanner:
         for f in self.TOKEN_FIELDS:  # (Counter.update would add the counts: replace)
             cur = getattr(self, f)
             setattr(self, f, Counter(state[f]) if isinstance(cur, Counter) else {**cur, **state[f]})
-        self.spread_prior, self.spread = state.get("spread", DEFAULT_SPREAD), None
+        self.spread_prior, self.spread = _finite_prior(state.get("spread", DEFAULT_SPREAD)), None
         self.last_seen = {m: 0 for m in self.table}
 
     def _record(self, mode: Mode, tokens_per_request: float, rows: int, predicted: float | None) -> None:
@@ -726,8 +745,8 @@ class StepPlanner:
     def report(self) -> dict:
         """``{mode name: {"steps", "drain_steps", "paired", "step_ms", "measured_ms", "tokens_per_step",
         "calibration"}}``, e.g. ``"tree32"``: ``steps`` the steps it ran (``drain_steps`` of them chosen while a
-        drain was in force, whether or not it changed the choice: with one request, or before any chain step,
-        it maps every mode to its own estimate), ``paired`` the paired observations it got from steps of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
+        drain was in force, whether or not it changed the choice: with one request it maps every mode to its
+        own estimate, and before any chain step too when there is no prior), ``paired`` the paired observations it got from steps of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
         timed), ``tokens_per_step`` the slow average (``None``: never run nor paired), ``calibration``
         realized ÷ predicted accepted tokens (``None``: no prediction given)."""
         costs = self.costs

@@ -28,6 +28,7 @@ from infer.planner import (
     choose_mode,
     drain_tokens,
     max_tokens,
+    spread_weight,
 )
 
 AR, CHAIN, TREE32, TREE64 = MODES
@@ -540,7 +541,9 @@ def brute_drain(tokens, drain, modes, prior=None):
     live = [d for d in drain if d[0] > 0]
     if not live or pooled <= 0:
         return dict(tokens)
-    w = nbar / (nbar + SPREAD_STEPS)
+    m = len(seen)
+    w = nbar / (nbar + SPREAD_STEPS) * (m - 1) / (m - 1 + PRIOR_ROWS) if m > 1 else 0.0
+    prior = prior if prior is not None and math.isfinite(prior) and prior >= 0 else None
     v = max(w * between + (1 - w) * max(prior or 0.0, 0.0), 0.0)
     post = []  # (remaining, posterior mean, posterior sd) per live request
     for rem, t, n, _ in live:
@@ -623,7 +626,7 @@ def test_drain_tokens_maps_each_mode_to_the_request_that_finishes_last():
 
 def test_drain_tokens_prior_and_random_batches_against_the_brute_force():
     """No chain step yet but a prior spread: every request is the batch's estimate with the prior's spread, and the
-    median of the slowest of 64 sits at Φ⁻¹(1 - 2^(-1/64)) below the mean (2.33 standard deviations); one request:
+    median of the slowest of 64 sits at Φ⁻¹(1 - 2^(-1/64)) below the mean (2.30 standard deviations); one request:
     its median. Requests sure to finish early do not move it. Random batches (finished and unseen rows, trees,
     chains and trees of fewer nodes than the block, a prior or none) match brute_drain; no result leaves
     [1, max_tokens]."""
@@ -649,7 +652,7 @@ def test_drain_tokens_prior_and_random_batches_against_the_brute_force():
             n = rng.choice([0, 1, 3, 12, 40])
             ks = [1 + min(int(rng.expovariate(1 / rng.uniform(0.3, 3.0))), 15) for _ in range(n)]
             batch.append((rng.choice([0, 7, 100, 256]), sum(ks), n, sum(k * k for k in ks)))
-        prior = rng.choice([None, 0.0, 0.05, 0.3])
+        prior = rng.choice([None, 0.0, 0.05, 0.3, -1.0, math.nan, math.inf])
         toks = {AR: 1.0, CHAIN: rng.uniform(1.0, 9.0), TREE32: None}
         toks[TREE32] = toks[CHAIN] + rng.choice([0.0, 0.8])
         if case % 3 == 0:  # short chains and trees: results at their cap
@@ -657,6 +660,29 @@ def test_drain_tokens_prior_and_random_batches_against_the_brute_force():
         got = drain_tokens(toks, batch, modes, prior)
         assert close(got, brute_drain(toks, batch, modes, prior), rel=2e-4), (case, batch, prior)
         assert all(1.0 <= x <= max_tokens(m, modes) for m, x in got.items() if x is not None), (case, got)
+
+
+def test_drain_spread_weight_and_bad_priors():
+    """spread_weight: 0 with fewer than two requests that have chain steps (one request's spread is 0 by
+    construction, no evidence), rising with steps per request and with requests. A prior that is not a finite
+    number ≥ 0 counts as none: drain_tokens leaves a fresh batch unchanged, results stay finite and within
+    [1, max_tokens], and a planner loading such a state has no prior."""
+    assert spread_weight([(100, 300, 100, 1200)]) == 0.0 and spread_weight([(100, 0, 0, 0)] * 8) == 0.0
+    two, many = [(100, 300, 100, 1200)] * 2, [(100, 300, 100, 1200)] * 64
+    assert spread_weight(two) == pytest.approx(100 / 116 * 1 / 5)
+    assert spread_weight(many) == pytest.approx(100 / 116 * 63 / 67) and spread_weight(many) > spread_weight(two)
+    p = StepPlanner({AR: 1.0, CHAIN: 3.0})
+    p.choose(drain=[(100, 300, 100, 1200)])
+    assert p.spread == pytest.approx(p.spread_prior)  # one request: the prior carried on unchanged
+    tokens = {AR: 1.0, CHAIN: 3.0, TREE32: 3.5}
+    for bad in (math.nan, math.inf, -0.5):
+        assert drain_tokens(tokens, [(100, 0, 0, 0)] * 8, MODES, bad) == tokens
+        for batch in ([(100, 30, 10, 100)], [(100, 30, 10, 100), (50, 12, 10, 16)]):
+            got = drain_tokens(tokens, batch, MODES, bad)
+            assert all(1.0 <= x <= 16.0 for m, x in got.items()), (bad, got)
+        q = StepPlanner({AR: 1.0, CHAIN: 3.0})
+        q.load_token_state({**p.token_state(), "spread": bad})
+        assert q.spread_prior is None
 
 
 def test_probing_headroom_narrows_with_the_requests_per_step():
@@ -718,8 +744,9 @@ def test_drain_rule_finishes_the_batch_with_its_slowest_request(spread, every):
 
 
 def test_drain_spread_is_learned_and_is_the_next_batch_prior():
-    """A batch's between-request spread (variance of accepted tokens per step, weighted towards the prior, here 0, while the
-    drain has few chain steps per request: drain_tokens) goes into token_state and is the next planner's prior: with no chain step of its own yet, 64 requests
+    """A batch's between-request spread (variance of accepted tokens per step, weighted towards the prior,
+    DEFAULT_SPREAD, while the drain has few chain steps or few requests: spread_weight) goes into token_state and is
+    the next planner's prior: with no chain step of its own yet, 64 requests
     whose batch estimate (3 tokens in 2.4 ms) beats AR (1 in 1.2) are mapped to their expected slowest, and AR is
     chosen from the first drain; without the prior the same planner runs the chain."""
     costs = {AR: 1.2, CHAIN: 2.4}
