@@ -318,7 +318,8 @@ def drain_tokens(
         speculative mode scaled alike, so the spread moves the choice between AR and the speculative modes, not
         among them (with a tree as the request's chain plus the batch's lead, a hard request's expected slowest
         made the trees look better for it, and at concurrency 8, T = 0 on the H200 the drain ran the tree of 64
-        7-53 steps a task, was 0-34: 0.956 × the best fixed mode against 1.020 before the spread); ā is the accepted draft tokens per chain step pooled over every request of the batch,
+        7-53 steps a task, was 0-34: 0.956 × the best fixed mode against 1.020 before the spread; scaled alike,
+        1.004 with 0-13); ā is the accepted draft tokens per chain step pooled over every request of the batch,
         finished ones included (:func:`drain_spread`: once the easy requests are done, the estimate they raised
         is scaled down for the hard ones left), or before any chain step with a ``prior`` the longest chain's
         ``tokens`` − 1. a_i is unknown: normal with the empirical Bayes posterior of a normal-normal model, mean

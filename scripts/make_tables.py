@@ -514,7 +514,9 @@ def verify_section() -> list[str]:
                    f"{ok(p['planner_over_best_static'] >= 0.98)} | {share} | `{p['provenance']['commit'][:7]}` |")
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
-    history = (("planner_session19", "Before the drain rule's spread prior and the probing ceiling narrowed by requests per "
+    history = (("planner_c8_T0_tree_lead_in_drain", "Concurrency 8, T = 0 on d11cfd7, the trees valued as the chain plus "
+                "the batch's lead in the drain"),
+               ("planner_session19", "Before the drain rule's spread prior and the probing ceiling narrowed by requests per "
                 "step (previous session)"),
                ("planner_c32_c64_before_sync_free_admission", "Concurrency 32 and 64 half an hour earlier, admissions "
                 "still waiting for the step in flight"),
