@@ -132,7 +132,7 @@ Which request finishes last is not known, only each one's acceptance so far: :fu
 request's acceptance as the empirical Bayes posterior of a normal model (its own mean shrunk towards the batch's,
 with the posterior's variance) and the finishing step as the median of the last request's, the requests taken as
 independent. The variance between requests weighs this batch's estimate against a prior by the chain steps per
-request: the spread the previous call's drain used (``StepPlanner.spread``, carried across calls with the
+request and the number of requests (:func:`spread_weight`): the spread the previous call's drain used (``StepPlanner.spread``, carried across calls with the
 acceptance; ``DEFAULT_SPREAD``, a standard deviation of 0.5 accepted tokens per step, before any call). So a batch
 whose every request starts together (concurrency 64, 64 prompts: in its drain from the first step, before any chain
 step) is judged on its likely slowest request from the start, not on the batch's average. The prior is absolute
@@ -258,7 +258,7 @@ def drain_spread(drain) -> tuple[float, float, float, float]:
     Args:
         drain: one ``(remaining, chain_tokens, chain_steps, chain_tokens_sq)`` per request (:func:`drain_tokens`).
     Returns:
-        ``(pooled, within, between, steps)``: accepted draft tokens per chain step pooled over every request (0.0
+        ``(pooled, within, between, nbar)``: accepted draft tokens per chain step pooled over every request (0.0
         before any chain step); the within-request variance of one step's tokens, pooled over the requests with 2
         or more steps (a geometric's ``pooled × (1 + pooled)`` without any); the variance of the requests' mean
         acceptances less the part ``within / n_i`` explains (at least 0; 0.0 with no chain step); the mean chain
@@ -506,9 +506,8 @@ class StepPlanner:
         is not run (module docstring, "Averages"); for a mode with a lead over a paired mode, that mode's
         estimate + the lead ("Paired observations")."""
         out = {}
-        for m in sorted(
-            self.fast, key=lambda m: m in self.lead
-        ):  # a paired mode before the modes scaled by it
+        # a paired mode before the modes scaled by it
+        for m in sorted(self.fast, key=lambda m: m in self.lead):
             f = self.fast[m]
             if f is None or m[0] == "ar":
                 out[m] = f
@@ -546,7 +545,8 @@ class StepPlanner:
         of the batch (:func:`drain_tokens`): the modes are compared on the time to finish the last live one (module
         docstring, "Drain"); it stays in force, as each mode's drain tokens ÷ its estimate, until the next
         ``drain`` (the engine gives one every ``PLAN_DRAIN_EVERY`` steps: the ratios move slowly, and mapping a
-        batch of 64 requests costs about 1 ms of host time on a 2-core CPU, :func:`drain_tokens`) or :meth:`end_drain`. None before any: tokens per
+        batch of 64 requests costs about 1 ms of host time on a 2-core CPU, :func:`drain_tokens`) or
+        :meth:`end_drain`. None before any: tokens per
         millisecond."""
         costs = self.costs
         raw = None  # this step's token estimates, computed once
@@ -595,9 +595,8 @@ class StepPlanner:
             )
             if self.drain_scale is not None:
                 self.drain_choices[mode] += 1
-                if raw.get(
-                    mode
-                ):  # a probe is settled in the same terms: its tokens as the drain rule counts them
+                # a probe is settled in the same terms: its tokens as the drain rule counts them
+                if raw.get(mode):
                     scale = tokens[mode] / raw[mode]
         self.step += 1
         self.spent_ms += costs[mode]
