@@ -291,6 +291,13 @@ def spread_weight(drain) -> float:
     return nbar / (nbar + SPREAD_STEPS) * (m - 1) / (m - 1 + PRIOR_ROWS)
 
 
+def spread_variance(drain, between: float, prior) -> float:
+    """The variance between requests :func:`drain_tokens` uses, tokens²: ``w × between + (1 − w) × prior``, w from
+    :func:`spread_weight`, the prior term 0 without a finite prior ≥ 0; ``between`` from :func:`drain_spread`."""
+    w = spread_weight(drain)
+    return w * between + (1.0 - w) * (_finite_prior(prior) or 0.0)
+
+
 def _finite_prior(prior) -> float | None:
     """``prior`` if it is a finite number ≥ 0, else ``None`` (a corrupted state is no prior)."""
     return float(prior) if prior is not None and math.isfinite(prior) and prior >= 0 else None
@@ -344,8 +351,7 @@ def drain_tokens(
         pooled, within = tokens[ref] - 1.0, (tokens[ref] - 1.0) * tokens[ref]
     if not live or not pooled > 0:
         return dict(tokens)
-    w = spread_weight(drain)
-    v = max(w * between + (1.0 - w) * (prior or 0.0), 0.0)
+    v = spread_variance(drain, between, prior)
     rem = np.array([float(d[0]) for d in live])
     n = np.array([float(d[2]) for d in live])
     mean = np.array([(d[1] - d[2]) / d[2] if d[2] else pooled for d in live])
@@ -555,8 +561,7 @@ class StepPlanner:
             mapped = drain_tokens(raw, drain, self.table, self.spread_prior)
             pooled, _, between, nbar = drain_spread(drain)
             if nbar and pooled > 0:  # the spread drain_tokens used, for later batches
-                w = spread_weight(drain)
-                self.spread = w * between + (1.0 - w) * (_finite_prior(self.spread_prior) or 0.0)
+                self.spread = spread_variance(drain, between, self.spread_prior)
             self.drain_scale = {m: mapped[m] / x for m, x in raw.items() if x and m[0] != "ar"}
         timed = [m for m in self.table if self.timed[m]]
         # nothing timed yet and a step in flight (a pipelined caller): the decode's first mode again, until it is
