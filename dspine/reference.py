@@ -152,7 +152,8 @@ class ReferenceDecoder:
             ``verify_size - 1`` deep). A narrower verify is cheaper where the target's cost grows
             with the tokens per forward (a CPU).
         verify: "chain" (the draft's argmax/sampled block) or "tree" (``dspine.tree``).
-        tree_budget: nodes per tree, anchor included (``verify="tree"``).
+        tree_budget: nodes per tree, anchor included (``verify="tree"``); built best first at T = 0, the
+            chain first at T > 0 (``dspine.tree.build_tree``'s ``chain_first``).
         batch_verify: one target forward per step for all rows (prefill and chain verify) on one
             batched HF cache instead of one forward per row: right-padded prompts, and rejected
             verify slots stay in the cache as masked columns (a 4D additive mask ``[B, 1, W, C + W]``
@@ -328,7 +329,10 @@ class ReferenceDecoder:
             tree = None
             if self.verify == "tree":  # scores: the sampling distribution, or softmax(logits) at T = 0
                 q = torch.softmax(d_logits, -1) if params.greedy else p_draft
-                tree = build_tree(block[:, 0], q, self.tree_budget, chain_tokens=block[:, 1:W])
+                # best first at T = 0, the chain first at T > 0 (its rejection sampling needs it): the engine's
+                # default (infer.engine.Engine's tree_chain_first)
+                tree = build_tree(block[:, 0], q, self.tree_budget, chain_tokens=block[:, 1:W],
+                                  chain_first=not params.greedy)
             block = block[:, :W]  # the verified slots of the chain
 
             # -- verify + accept, row by row (the acceptance rule of dspine.ops.accept) ----------------

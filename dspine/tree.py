@@ -7,10 +7,18 @@ several candidates per depth under a node budget N (anchor included) in one targ
 Construction (:func:`build_tree`), best-first: each depth has W = min(N - 1, V) candidate tokens:
 the *chain token* c_d (argmax of q[d] at T = 0, the token sampled from q[d] at T > 0), then the
 W - 1 most probable other tokens. A node's score is Σ log q along its path (the product of draft
-probabilities). Every node on the chain path c_1 .. c_min(K, N-1) is kept first, so a tree always
-contains the chain and its τ is never below the chain's on the same draft; the other N - 1 - K
-slots take the best-scoring paths, found depth by depth with a beam of N - 1 nodes. Fixed shapes,
-sort/gather only, no host sync: graph-safe. ``dspine.ops.tree_build.build_tree_fused`` returns the same
+probabilities). Two rules (``chain_first``):
+  * chain first (T > 0, and on request): every node on the chain path c_1 .. c_min(K, N-1) is kept
+    first, so a tree always contains the chain and its τ is never below the chain's on the same draft;
+    the other N - 1 - K slots take the best-scoring paths. T > 0 needs it: the chain child's test
+    treats it as a draw from q[d], which holds only if the tree keeps it whatever it scores.
+  * best first (the engine's default at T = 0): the N - 1 best-scoring paths, the chain's nodes among
+    them only where they score in. A block draft's deep positions are uncertain, so a sibling near the
+    root often outscores them: on SmolLM2 with the shipped draft this raised τ at 32 nodes from 1.30 to
+    1.39 × the chain's in the CPU replay of benchmarks/reference/tree_policy.py
+    (results/tree-policy-cpu.json). Lossless at T = 0 whatever the tree (the target's argmax decides).
+Both are found depth by depth with a beam of N - 1 nodes. Fixed shapes, sort/gather only, no host
+sync: graph-safe. ``dspine.ops.tree_build.build_tree_fused`` returns the same
 tree, its ancestor mask and bits from one Triton launch after :func:`tree_candidates`.
 
 Node layout (breadth first): node 0 is the anchor (depth 0); nodes 1..N-1 are sorted by depth,
@@ -112,7 +120,8 @@ def top_others(q: torch.Tensor, chain_tok: torch.Tensor, n: int) -> torch.Tensor
 
 
 def build_tree(
-    anchor: torch.Tensor, q: torch.Tensor, budget: int, chain_tokens: torch.Tensor | None = None
+    anchor: torch.Tensor, q: torch.Tensor, budget: int, chain_tokens: torch.Tensor | None = None,
+    chain_first: bool = True,
 ) -> Tree:
     """Best-first token tree of ``budget`` nodes per row (module docstring).
 
@@ -122,6 +131,8 @@ def build_tree(
         budget: N, nodes per tree including the root (N >= 2).
         chain_tokens: ``[B, K]`` int64 chain tokens (the sampled draft tokens at T > 0);
             default ``q.argmax(-1)``.
+        chain_first: keep the chain path first (the default; T > 0 needs it, module docstring). False: the
+            best N - 1 paths by score alone, the chain nodes flagged where they score in (T = 0 only).
     Returns :class:`Tree`. Raises ValueError on a budget < 2 or mismatched shapes.
     """
     B, K, _ = q.shape
@@ -139,7 +150,7 @@ def build_tree(
     for d in range(K):
         cs = (s[:, :, None] + logq[:, d, None, :]).reshape(B, M * W)  # children of every beam slot
         cc = (on_chain[:, :, None] & j0).reshape(B, M * W)
-        key = torch.where(cc, float("inf"), cs)  # a Python scalar: no host-to-device copy in a graph
+        key = torch.where(cc, float("inf"), cs) if chain_first else cs  # a Python scalar: no host copy in a graph
         # stable: equal keys keep the parent-major order, so a parent always ranks before its children
         order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :M]
         s, on_chain = cs.gather(1, order), cc.gather(1, order)
@@ -210,7 +221,8 @@ def chain_accepted(chain: torch.Tensor, path: torch.Tensor, num_accepted: torch.
     target's unmodified distribution at that node with the chain's own test (T = 0: the argmax; T > 0:
     ``u · q(x) < p(x)`` with the chain decoder's uniform, :func:`node_uniforms`). So the path follows the chain
     exactly as long as the chain step would accept, and leaves it where the chain step would stop (or the
-    tree's chain ends, at depth min(K, N - 1): a count equal to that depth is censored there)."""
+    tree's chain ends: at depth min(K, N - 1) with the chain first, and where its next node scored out of a
+    best-first tree; a count equal to that depth is censored there)."""
     depth = torch.arange(path.shape[1], device=path.device)
     on = chain.gather(1, path) & (depth <= num_accepted[:, None])
     return on.sum(1, dtype=torch.int32) - 1  # the root is on every path

@@ -54,7 +54,8 @@ def parse_drafts(values: list[str] | None) -> dict[str, str]:
     return out
 
 
-CONFIG_KEYS = ("verify", "tree_budget", "budget")
+CONFIG_KEYS = ("verify", "tree_budget", "budget", "chain_first")
+CHAIN_FIRST = {"auto": None, "yes": True, "no": False}  # Engine's tree_chain_first
 
 
 def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
@@ -66,7 +67,7 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
     Raises ValueError naming the item: an unknown label or key, a bad value, a label given twice, a tree
     budget without tree verify, and the run-wide rules (``--exact`` is chain only, a tree needs a draft
     temperature above 0, the reference backend has neither trees under a budget nor the planner)."""
-    base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget}
+    base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None}
     out = {label: dict(base) for label in labels}
     seen = set()
     for item in values or []:
@@ -98,6 +99,10 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
             if given["budget"] not in ("auto", "none"):
                 raise ValueError(f"--config {item!r}: budget={given['budget']!r}; expected auto or none")
             c["budget"] = None if given["budget"] == "none" else "auto"
+        if "chain_first" in given:
+            if given["chain_first"] not in CHAIN_FIRST:
+                raise ValueError(f"--config {item!r}: chain_first={given['chain_first']!r}; expected auto, yes or no")
+            c["chain_first"] = CHAIN_FIRST[given["chain_first"]]
         if "tree_budget" in given:
             try:
                 c["tree_budget"] = int(given["tree_budget"])
@@ -116,6 +121,12 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
         if c["verify"] == "tree" and c["budget"] is None and getattr(args, "draft_temperature", None) == 0:
             raise ValueError(f"draft {label!r}: --draft-temperature 0 with verify=tree (the tree is built from the "
                              "draft's distribution, one-hot at 0)")
+        if c["chain_first"] is not None and args.backend == "reference":
+            raise ValueError(f"draft {label!r}: chain_first applies to the engine (the reference backend builds its "
+                             "trees best first at T = 0, the chain first at T > 0)")
+        if c["chain_first"] is False and getattr(args, "temperature", 0.0) > 0:
+            raise ValueError(f"draft {label!r}: chain_first=no at --temperature {args.temperature} (the tree's "
+                             "rejection sampling needs the sampled chain in every tree)")
         if c["budget"] is not None and args.backend == "reference":
             raise ValueError(f"draft {label!r}: budget=auto needs the engine (--backend cuda; --device cpu on a CPU)")
     return out
@@ -190,7 +201,8 @@ class Runner:
                 c = self.configs[label]
                 vs = args.block_size if c["verify"] == "chain" else None  # --block-size: the chain labels' width
                 self.decoders[label] = Engine(target, m, self.eos, verify_size=vs, verify=c["verify"],
-                                              tree_budget=c["tree_budget"], budget=c["budget"], **kw)
+                                              tree_budget=c["tree_budget"], budget=c["budget"],
+                                              tree_chain_first=c["chain_first"], **kw)
                 self.decoders[label].plan_drain = args.plan_drain is not False
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
@@ -390,6 +402,8 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
             row["tau_ci95"] = bootstrap_ci(per_committed, per_steps)
             c = runner.configs[label]
             row["verify"], row["verified_tokens_per_step"] = c["verify"], runner.verified_per_step[label]
+            if c["chain_first"] is not None:
+                row["tree_chain_first"] = c["chain_first"]
             if c["budget"] is not None:
                 row["budget"] = c["budget"]
             if label in runner.planner_steps:
@@ -562,7 +576,8 @@ def build_parser():
                     help="auto: per step, AR, the chain or a tree of 32/64 nodes by measured step time and acceptance "
                          "(infer.planner; --backend cuda); default: always --verify / --tree-budget")
     ap.add_argument("--config", action="append", default=None, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
-                    help="the draft LABEL's own verify (chain|tree), tree_budget (2..64) or budget (auto|none) over "
+                    help="the draft LABEL's own verify (chain|tree), tree_budget (2..64), budget (auto|none) or "
+                         "chain_first (auto|yes|no: Engine's tree_chain_first; auto = best first at T = 0) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "
                          "--config auto:budget=auto: several verify modes of one draft timed in one run, alternated "
                          "per task (engine only; --block-size applies to the chain labels)")

@@ -163,6 +163,13 @@ class Engine:
             ``dspine.tree``: tree attention over the static cache, then the accepted path's K/V are
             moved into consecutive cache rows inside the step).
         tree_budget: nodes per tree, anchor included, 2..64 (``verify="tree"``).
+        tree_chain_first: whether a tree keeps the draft's whole chain first (``dspine.tree.build_tree``'s
+            ``chain_first``). None (default): at T = 0 every node by its path score alone, which spends the
+            budget on siblings that outscore the chain's deep nodes (lossless: the output is the target's
+            greedy output whatever the tree); at T > 0 chain first, which the tree's rejection sampling needs
+            (the chain child is a draw from q only if it is always in the tree), and with ``force_accept``
+            (its accepted node is the chain's). True: chain first at any temperature. False: never; refused
+            at T > 0 (:meth:`generate` raises ValueError).
         budget: "auto" = the verify-budget planner (``infer.planner``) picks AR, the chain or a tree of
             ``PLAN_TREES`` nodes per step from step times measured at start-up, corrected by the measured
             time of every step it runs (GPU: CUDA events between the snapshots around the step; CPU: host
@@ -213,7 +220,7 @@ class Engine:
                  max_seq: int = 4096, cuda_graphs: bool | None = None, verify_size: int | None = None,
                  force_accept: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
                  tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
-                 prefill_buckets: bool | None = None):
+                 prefill_buckets: bool | None = None, tree_chain_first: bool | None = None):
         self.target = target
         self.exact = EXACT_DEFAULT if exact is None else bool(exact)
         if self.exact and (verify != "chain" or budget is not None):
@@ -257,6 +264,9 @@ class Engine:
         if budget not in (None, "auto") or (budget == "auto" and draft is None):
             raise ValueError(f"budget={budget!r} must be None or 'auto' (the planner needs a draft)")
         self.verify, self.tree_budget, self.budget = verify, tree_budget, budget
+        if tree_chain_first not in (None, True, False):
+            raise ValueError(f"tree_chain_first={tree_chain_first!r} must be None, True or False")
+        self.tree_chain_first = tree_chain_first
         self.mode = ("tree", tree_budget) if verify == "tree" else ("chain", self.verify_size)
         self.plan_modes = [("ar", 1), ("chain", self.verify_size)] + [("tree", n) for n in self.PLAN_TREES]
         # target positions written per step (anchor included)
@@ -423,6 +433,16 @@ class Engine:
             return p_draft
         return logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
 
+    def chain_first(self, params: SamplingParams) -> bool:
+        """Whether this run's trees keep the chain first (``tree_chain_first``; None: at T > 0 or with
+        ``force_accept`` only). Raises ValueError for ``tree_chain_first=False`` at T > 0."""
+        if self.tree_chain_first is None:
+            return not params.greedy or self.force_accept is not None
+        if not self.tree_chain_first and not params.greedy:
+            raise ValueError(f"tree_chain_first=False at temperature {params.temperature}: the tree's rejection "
+                             "sampling needs the sampled chain in every tree (use None or True)")
+        return self.tree_chain_first
+
     def _tree_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams, N: int):
         """One tree-verify step for all B slots, without host sync (``dspine.tree``).
 
@@ -451,7 +471,8 @@ class Engine:
             s.conf.copy_(chain_confidence(p_conf.gather(-1, chain[..., None])[:, : s.verify_size - 1, 0]))
         # one Triton program per row builds the tree, its ancestor mask and bits (dspine.ops.tree_build), after
         # the per-depth candidates (two more launches); bits [B, N] int64: the tree attention's mask and the verify's ancestors
-        tree = build_tree_fused(s.anchor, q, N, chain_tokens=chain, impl=self.impl)
+        tree = build_tree_fused(s.anchor, q, N, chain_tokens=chain, impl=self.impl,
+                                chain_first=self.chain_first(params))
         bits = tree.bits
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths, tree_bits=bits,
@@ -1138,7 +1159,7 @@ class Engine:
 
         Raises:
             ValueError: no prompts, concurrency < 1, a prompt that does not fit the context, empty prompts,
-                a bad ``seeds`` list.
+                a bad ``seeds`` list, ``tree_chain_first=False`` at T > 0.
             FloatingPointError: non-finite target or draft logits (e.g. fp16 overflow, NaN weights),
                 never a silent "τ = 1".
         """
@@ -1147,6 +1168,8 @@ class Engine:
         # stops choosing them)
         check_tree_draft_temperature(params, use_draft and self.draft is not None and self.mode[0] == "tree"
                                      and self.budget != "auto")
+        if use_draft and self.draft is not None and (self.mode[0] == "tree" or self.budget == "auto"):
+            self.chain_first(params)  # tree_chain_first=False at T > 0 raises here, before any work
         self.slot_owner = None  # no request decoding until this call admits
         if not prompts:
             raise ValueError("generate: no prompts")

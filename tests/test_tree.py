@@ -89,6 +89,32 @@ def test_build_tree_is_best_first_and_holds_the_chain(N):
         assert tree.chain[b, 1:].tolist() == on_chain
 
 
+@pytest.mark.parametrize("N", [2, 4, 9, 20, 40])
+def test_build_tree_without_chain_first_is_the_best_paths(N):
+    """chain_first=False against brute force: the N - 1 best path scores (the set; ties aside: continuous q),
+    breadth first, and a node is flagged chain iff its path is a prefix of the argmax chain."""
+    g = torch.Generator().manual_seed(100 + N)
+    B, K, V = 2, 3, 5
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1)
+    tree = build_tree(torch.tensor([11, 12]), q, N, chain_first=False)
+    forced = build_tree(torch.tensor([11, 12]), q, N)
+    assert torch.equal(tree.anc, ancestor_mask(tree.parent))
+    for b in range(B):
+        chain = tuple(q[b].argmax(-1).tolist())
+        every = [p for n in range(1, K + 1) for p in itertools.product(range(V), repeat=n)]
+        logq = q[b].log().tolist()
+        key = {p: sum(logq[d][t] for d, t in enumerate(p)) for p in every}
+        want = sorted(every, key=key.get, reverse=True)[: N - 1]
+        got = paths(tree, b)
+        assert sorted(got) == sorted(want)
+        assert [len(p) for p in got] == sorted(len(p) for p in got)
+        assert tree.chain[b, 1:].tolist() == [p == chain[: len(p)] for p in got]
+        # the same budget spent on better paths: the sum of scores is at least the chain-first tree's
+        assert sum(key[p] for p in got) >= sum(key[p] for p in paths(forced, b)) - 1e-6
+    if N == 4:  # a budget where the deepest chain node is outscored by a shallow sibling (this seed)
+        assert not torch.equal(tree.tokens, forced.tokens)
+
+
 def test_build_tree_pads_when_the_draft_has_few_tokens():
     q = torch.zeros(1, 2, 6)
     q[0, 0, 3] = q[0, 1, 4] = 1.0  # one token per depth has mass: the chain, then padding

@@ -48,13 +48,13 @@ def assert_same(got, want):
         assert torch.equal(a, b), f"{f} differs in rows {rows}"
 
 
-def check(kind, B, K, V, N, seed, device):
+def check(kind, B, K, V, N, seed, device, chain_first=True):
     q, chain = draft(kind, B, K, V, seed, device)
     anchor = torch.arange(100, 100 + B, device=device)
-    want = build_tree(anchor, q, N, chain)
+    want = build_tree(anchor, q, N, chain, chain_first=chain_first)
     assert torch.equal(want.anc, ancestor_mask(want.parent))
     want.bits = ancestor_bits(want.anc)
-    got = build_tree_fused(anchor, q, N, chain, impl="triton")
+    got = build_tree_fused(anchor, q, N, chain, impl="triton", chain_first=chain_first)
     assert_same(got, want)
     return got, want
 
@@ -98,6 +98,33 @@ def test_triton_equals_torch_interpreter(case):
         if kind == "sampled":  # chain tokens that are not the argmax are kept first
             chain_nodes = got.tokens[:, 1:][got.chain[:, 1:]].view(B, min(K, N - 1))
             assert torch.equal(chain_nodes, draft(kind, B, K, V, seed)[1][:, : N - 1])
+
+
+@CPU
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-B{c[1]}K{c[2]}V{c[3]}N{c[4]}")
+def test_best_first_triton_equals_torch_interpreter(case):
+    """chain_first=False (``_best_first_kernel``): the same tensors as the torch reference on every case, the
+    chain flags where the chain nodes scored in; a sampled chain token of q = 0 is never a node."""
+    kind, B, K, V, N, seeds = case
+    for seed in seeds:
+        got, _ = check(kind, B, K, V, N, seed, "cpu", chain_first=False)
+        real = got.parent[:, 1:] >= 0
+        assert (got.depth[:, 1:][real] >= 1).all() and not got.chain[:, 1:][~real].any()
+        assert (got.chain[:, 1:].sum(1) <= min(K, N - 1)).all()
+
+
+@CPU
+def test_best_first_drops_deep_chain_nodes_for_better_siblings():
+    """A confident first token, then flat depths: chain_first keeps the whole chain, best first spends the
+    budget on depth 1 and 2 (scores: the first token's 0.9 times 0.3 or 0.25 beat 0.9 · 0.3 · 0.3)."""
+    q = torch.tensor([[[0.9, 0.05, 0.05, 0.0], [0.3, 0.25, 0.25, 0.2], [0.3, 0.25, 0.25, 0.2]]])
+    anchor = torch.tensor([5])
+    got = build_tree_fused(anchor, q, 5, chain_first=False)
+    assert got.tokens.tolist() == [[5, 0, 0, 1, 2]] and got.parent.tolist() == [[-1, 0, 1, 1, 1]]
+    assert got.chain.tolist() == [[True, True, True, False, False]]
+    assert_same(got, build_tree_fused(anchor, q, 5, impl="torch", chain_first=False))
+    forced = build_tree_fused(anchor, q, 5)
+    assert forced.depth.tolist() == [[0, 1, 2, 2, 3]]
 
 
 @CPU
@@ -179,8 +206,10 @@ def test_triton_equals_torch_cuda():
     on new distributions (no host sync inside, fixed shapes)."""
     for kind, seed in (("random", 0), ("ties", 1), ("sampled", 2), ("sparse", 3)):
         for N in (2, 16, 32, 33, 64):
-            check(kind, 8, 15, 49152, N, seed, "cuda")
+            for chain_first in (True, False):
+                check(kind, 8, 15, 49152, N, seed, "cuda", chain_first=chain_first)
     check("random", 64, 31, 1000, 64, 4, "cuda")
+    check("random", 64, 31, 1000, 64, 4, "cuda", chain_first=False)
     q, _ = draft("random", 8, 15, 49152, 5, "cuda")
     anchor = torch.arange(8, device="cuda")
     build_tree_fused(anchor, q, 32)  # compile outside the capture

@@ -1,6 +1,6 @@
 """Best-first token tree, ancestor mask and ancestor bits in three launches (``dspine.tree``).
 
-Op: ``dspine.tree.build_tree`` bit for bit (best first under a node budget N, chain first, breadth-first
+Op: ``dspine.tree.build_tree`` bit for bit (best first under a node budget N, chain first or not, breadth-first
 layout, padding: that module's docstring), plus ``anc = ancestor_mask(parent)`` and
 ``bits = ancestor_bits(anc)``. The per-depth candidates (``dspine.tree.tree_candidates``: the chain
 token, the W - 1 most probable others by q, equal q by lower token id) are two launches
@@ -19,6 +19,9 @@ Triton program per row:
   * the best M over all depths: the min(K, M) chain nodes (+inf), then the best of the recorded slots
     1.. of every depth, again sorted lists merged. Node index = 1 + the picks with a lower flat index
     (depth, then slot: breadth first); padding (score -inf) fills the last nodes.
+  * without the chain first (``chain_first=False``, ``_best_first_kernel``): the beam is slots 0..M-1, every
+    slot's W children in the lists (the chain node's too), and the lane of the chain node is followed from
+    depth to depth for the chain flags (-1 once it scored out).
   * parents by matching flat indices; ancestor bits by pointer jumping over the parents (read back in
     node order after a barrier, ceil(log2(min(K, M) + 1)) rounds of one-hot gathers); the mask from them.
 
@@ -124,6 +127,31 @@ def _reversed(x, L: tl.constexpr):
 
 
 @triton.jit
+def _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Anchor, b, stride_a, N,
+                        BN: tl.constexpr, ROUNDS: tl.constexpr):  # fmt: skip
+    """Node 0 (the anchor), then every node's ancestor bits and mask row from the parents stored so far."""
+    n = tl.arange(0, BN)
+    first = n == 0
+    tl.store(Tokens + b * N + n, tl.load(Anchor + b * stride_a + n * 0), mask=first)
+    tl.store(Parent + b * N + n, tl.full([BN], -1, tl.int64), mask=first)
+    tl.store(Depth + b * N + n, tl.zeros([BN], tl.int64), mask=first)
+    tl.store(Chain + b * N + n, first.to(Chain.dtype.element_ty), mask=first)
+    tl.debug_barrier()  # the parents above, written by other threads, are read back in node order
+
+    # ancestors by pointer jumping: bits[n] = the nodes from n up to (not including) jump[n], -1 = none
+    jump = tl.load(Parent + b * N + n, mask=n < N, other=-1)
+    bits = tl.where(n < N, tl.full([BN], 1, tl.int64) << n.to(tl.int64), 0)
+    for _ in tl.static_range(ROUNDS):  # each round doubles the levels covered
+        hit = jump[:, None] == n[None, :]
+        bits = bits | tl.sum(tl.where(hit, bits[None, :], 0), axis=1)  # one term: the sum is that bit set
+        jump = tl.where(jump >= 0, tl.sum(tl.where(hit, jump[None, :] + 1, 0), axis=1) - 1, jump)
+    tl.store(Bits + b * N + n, bits, mask=n < N)
+    row = ((bits[:, None] >> n[None, :].to(tl.int64)) & 1) != 0
+    tl.store(Anc + (b * N + n)[:, None] * N + n[None, :], row.to(Anc.dtype.element_ty),
+             mask=(n < N)[:, None] & (n < N)[None, :])  # fmt: skip
+
+
+@triton.jit
 def _build_tree_kernel(
     LogQ, Cand, Anchor, Tokens, Parent, Depth, Chain, Anc, Bits,
     stride_lb, stride_lk, stride_cb, stride_ck, stride_a,
@@ -202,26 +230,77 @@ def _build_tree_kernel(
     tl.store(Parent + out, tl.where(e == 0, 0, e + before_up).to(tl.int64), mask=ok)
     tl.store(Depth + out, (e + 1).to(tl.int64), mask=ok)
     tl.store(Chain + out, (e >= 0).to(Chain.dtype.element_ty), mask=ok)
-    # the root
-    n = tl.arange(0, BN)
-    first = n == 0
-    tl.store(Tokens + b * N + n, tl.load(Anchor + b * stride_a + n * 0), mask=first)
-    tl.store(Parent + b * N + n, tl.full([BN], -1, tl.int64), mask=first)
-    tl.store(Depth + b * N + n, tl.zeros([BN], tl.int64), mask=first)
-    tl.store(Chain + b * N + n, first.to(Chain.dtype.element_ty), mask=first)
-    tl.debug_barrier()  # the parents above, written by other threads, are read back in node order
+    _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Anchor, b, stride_a, N, BN, ROUNDS)
 
-    # ancestors by pointer jumping: bits[n] = the nodes from n up to (not including) jump[n], -1 = none
-    jump = tl.load(Parent + b * N + n, mask=n < N, other=-1)
-    bits = tl.where(n < N, tl.full([BN], 1, tl.int64) << n.to(tl.int64), 0)
-    for _ in tl.static_range(ROUNDS):  # each round doubles the levels covered
-        hit = jump[:, None] == n[None, :]
-        bits = bits | tl.sum(tl.where(hit, bits[None, :], 0), axis=1)  # one term: the sum is that bit set
-        jump = tl.where(jump >= 0, tl.sum(tl.where(hit, jump[None, :] + 1, 0), axis=1) - 1, jump)
-    tl.store(Bits + b * N + n, bits, mask=n < N)
-    row = ((bits[:, None] >> n[None, :].to(tl.int64)) & 1) != 0
-    tl.store(Anc + (b * N + n)[:, None] * N + n[None, :], row.to(Anc.dtype.element_ty),
-             mask=(n < N)[:, None] & (n < N)[None, :])  # fmt: skip
+
+@triton.jit
+def _best_first_kernel(
+    LogQ, Cand, Anchor, Tokens, Parent, Depth, Chain, Anc, Bits,
+    stride_lb, stride_lk, stride_cb, stride_ck, stride_a,
+    K, M, W, N,
+    BM: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+    LOG_M: tl.constexpr, LOG_W: tl.constexpr, LOG_K: tl.constexpr, ROUNDS: tl.constexpr,
+):  # fmt: skip
+    """``_build_tree_kernel`` without the chain kept first (``chain_first=False``): the beam of every depth is
+    slots 0..M-1 at lanes c = slot, the chain node among them while it scores in; its lane is followed
+    (``chain_lane``, -1 once it fell out) for the chain flags."""
+    IDX: tl.constexpr = LOG_M + LOG_W + 1  # bits of a child's index m·BW + j (m < BM)
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BM)
+    j = tl.arange(0, BW)
+    dk = tl.arange(0, BK)
+    empty = tl.full([BM], 0x7FFFFFFF, tl.int64) << 32
+    # the children of slot m at candidate j, as BW lists over the slots, ascending (even j) or descending
+    # (odd j) in packed order: the beam is best first, so the BM best of all are a merge (_smallest, SORTED)
+    odd = (j % 2 == 1)[:, None]
+    m2 = tl.where(odd, BM - 1 - c[None, :], c[None, :])
+    idx2 = (m2 * BW + j[:, None]).to(tl.int64)
+    live2 = (m2 < M) & (j < W)[:, None]
+    beam = tl.where(c == 0, 0.0, float("-inf"))  # scores of slots 0..M-1; depth 0: the root alone
+    chain_lane = 0  # the root is the chain's first node
+    chain_at = tl.full([BK], -1, tl.int32)  # the chain node's slot at every depth, -1: not in the beam
+    picks = tl.full([BK, BM], 0x7FFFFFFF, tl.int64) << 32
+    lq_row = LogQ + b * stride_lb
+    for d in range(K):
+        lq = tl.load(lq_row + d * stride_lk + j, mask=j < W, other=float("-inf"))
+        rev = _reversed(beam.to(tl.int32, bitcast=True), LOG_M).to(tl.float32, bitcast=True)
+        score = tl.where(odd, rev[None, :], beam[None, :]) + lq[:, None]
+        lists = tl.where(live2, (_packed_key(score).to(tl.int64) << 32) | idx2, empty[None, :])
+        best = _smallest(tl.reshape(lists, [BW * BM]), LOG_W + LOG_M, LOG_M, True)
+        hi = best >> 32
+        keep = c < M
+        kid = best & ((1 << IDX) - 1)
+        beam = tl.where(keep, _unpacked_score(hi.to(tl.int32)), float("-inf"))
+        is_chain = keep & (hi < 0x7F800000) & (kid == chain_lane * BW) & (chain_lane >= 0)
+        chain_lane = tl.max(tl.where(is_chain, c, -1), axis=0)
+        chain_at = tl.where(dk == d, chain_lane, chain_at)
+        rec = (hi << 32) | ((d * BM + c).to(tl.int64) << IDX) | kid  # flat index d·BM + slot
+        rec = tl.where(keep, rec, empty)
+        rec = tl.where(d % 2 == 1, _reversed(rec, LOG_M), rec)
+        picks = tl.where((dk == d)[:, None], rec[None, :], picks)
+
+    # the best M of all depths; node order: flat index ascending (depth, then slot); padding last
+    top = _smallest(tl.reshape(picks, [BK * BM]), LOG_K + LOG_M, LOG_M, True)
+    real = (c < M) & ((top >> 32) < 0x7F800000)
+    f = tl.where(real, (top >> IDX) & ((1 << (LOG_K + LOG_M)) - 1), 1 << 30)
+    dep = f // BM
+    m = (top & ((1 << IDX) - 1)) // BW  # the parent's slot at depth d - 1
+    col = top & (BW - 1)
+    node = tl.where(real, 1 + tl.sum((f[None, :] < f[:, None]).to(tl.int32), axis=1), 1 + c)
+    pf = (dep - 1) * BM + m
+    found = tl.sum(((f[None, :] == pf[:, None]) & real[None, :]).to(tl.int32), axis=1) > 0
+    p_node = 1 + tl.sum((f[None, :] < pf[:, None]).to(tl.int32), axis=1)
+    parent = tl.where(real, tl.where(dep == 0, 0, tl.where(found, p_node, -1)), -1)
+    lane_of_chain = tl.sum(tl.where(dk[None, :] == dep[:, None], chain_at[None, :], 0), axis=1)
+    on_chain = real & ((f % BM) == lane_of_chain)
+    tok = tl.load(Cand + b * stride_cb + dep * stride_ck + col, mask=real, other=0)
+    out = b * N + node
+    ok = c < M
+    tl.store(Tokens + out, tl.where(real, tok, 0), mask=ok)
+    tl.store(Parent + out, parent.to(tl.int64), mask=ok)
+    tl.store(Depth + out, tl.where(real, dep + 1, 0).to(tl.int64), mask=ok)
+    tl.store(Chain + out, on_chain.to(Chain.dtype.element_ty), mask=ok)
+    _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Anchor, b, stride_a, N, BN, ROUNDS)
 
 
 @triton.jit
@@ -333,7 +412,7 @@ def _check(anchor, q, budget, chain_tokens):
     return B, K, V
 
 
-def build_tree_triton(anchor, q, budget, chain_tokens=None, num_warps: int | None = None) -> Tree:
+def build_tree_triton(anchor, q, budget, chain_tokens=None, num_warps: int | None = None, chain_first: bool = True) -> Tree:
     B, K, _ = _check(anchor, q, budget, chain_tokens)
     N, M, W = budget, budget - 1, min(budget - 1, q.shape[-1])
     # [B, K, W] each; without chain tokens column 0 is the argmax (the same token as tree_candidates' q.argmax)
@@ -345,10 +424,11 @@ def build_tree_triton(anchor, q, budget, chain_tokens=None, num_warps: int | Non
     anc = torch.empty(B, N, N, dtype=torch.bool, device=dev)
     if B > 0:
         bm, bw, bk, bn = max(2, next_pow2(M)), max(2, next_pow2(W)), max(2, next_pow2(K)), next_pow2(N)
-        _build_tree_kernel[(B,)](
+        kernel, extra = (_build_tree_kernel, (min(K, M),)) if chain_first else (_best_first_kernel, ())
+        kernel[(B,)](
             logq, cand, anchor, tokens, parent, depth, chain, anc, bits,
             logq.stride(0), logq.stride(1), cand.stride(0), cand.stride(1), anchor.stride(0),
-            K, M, W, N, min(K, M),
+            K, M, W, N, *extra,
             BM=bm, BW=bw, BK=bk, BN=bn,
             LOG_M=bm.bit_length() - 1, LOG_W=bw.bit_length() - 1, LOG_K=bk.bit_length() - 1,
             ROUNDS=min(K, M).bit_length(),
@@ -359,23 +439,24 @@ def build_tree_triton(anchor, q, budget, chain_tokens=None, num_warps: int | Non
     return Tree(tokens=tokens, parent=parent, depth=depth, chain=chain, anc=anc, bits=bits)
 
 
-def build_tree_torch(anchor, q, budget, chain_tokens=None) -> Tree:
+def build_tree_torch(anchor, q, budget, chain_tokens=None, chain_first: bool = True) -> Tree:
     """Reference: ``dspine.tree.build_tree`` (its ancestor mask by matrix squaring) and ``ancestor_bits``."""
     _check(anchor, q, budget, chain_tokens)
-    tree = build_tree(anchor, q, budget, chain_tokens)
+    tree = build_tree(anchor, q, budget, chain_tokens, chain_first=chain_first)
     tree.bits = ancestor_bits(tree.anc)
     return tree
 
 
-def build_tree_fused(anchor, q, budget, chain_tokens=None, impl: str = "triton") -> Tree:
+def build_tree_fused(anchor, q, budget, chain_tokens=None, impl: str = "triton", chain_first: bool = True) -> Tree:
     """Best-first token tree of ``budget`` nodes per row with its ancestor mask and bits (module docstring).
 
     Args: anchor ``[B]`` int64 root tokens; q ``[B, K, V]`` fp32 draft distributions of depths 1..K;
     budget N (a Python int, 2..64, root included); chain_tokens ``[B, K]`` int64 with values in [0, V)
-    (default ``q.argmax(-1)``; not checked: that would sync the host inside the engine's CUDA graph).
+    (default ``q.argmax(-1)``; not checked: that would sync the host inside the engine's CUDA graph);
+    chain_first: keep the chain path first (``dspine.tree.build_tree``); False: every node by its score alone.
     Returns ``dspine.tree.Tree`` with ``bits`` set. Raises ValueError on shapes, dtypes, a non-int budget or
     N, K out of range.
     """
     check_impl(impl)
     fn = build_tree_triton if impl == "triton" else build_tree_torch
-    return fn(anchor, q, budget, chain_tokens)
+    return fn(anchor, q, budget, chain_tokens, chain_first=chain_first)
