@@ -426,6 +426,24 @@ def engine_section() -> list[str]:
 def tree_extra_rows(v: dict) -> list[str]:
     """The same chain-vs-tree comparison at T = 1, the run before the fused tree kernels, and those kernels' times."""
     out = []
+    bud = v.get("smollm2_budgets")
+    if bud:
+        sm = v["smollm2"]
+        out += [f"Every tree in that run (same prompts, alternated per task; {'best first' if not sm.get('chain_first') else 'chain first'}"
+                f" unless marked, `{sm['file']}`): " + ", ".join(
+                    f"{e['tree_budget']} nodes{' chain first' if e['chain_first'] else ''}: τ {e['tree_mean_tau']:.2f} "
+                    f"({e['tree_tau_over_chain_tau']:.2f}×), tok/s {e['tree_speedup_over_chain']:.2f}×"
+                    for e in bud.values()) + ".", ""]
+    pol = load(v["tree_policy_cpu"].removeprefix("results/")) if v.get("tree_policy_cpu") else None
+    if pol:
+        r = pol["tau_over_chain"]
+        out += [f"The same rules replayed offline at T = 0 on the CPU ([`{v['tree_policy_cpu']}`]({v['tree_policy_cpu']}), "
+                f"`benchmarks/reference/tree_policy.py`, fp32, {pol['num_prompts']} prompts per task, up to "
+                f"{pol['max_new_tokens']} tokens; the target's greedy output, the draft's q at every anchor of it): "
+                "τ ÷ chain τ with the chain first / best first / best first on calibrated probabilities (Platt scaling "
+                "per depth, two folds) at " + ", ".join(
+                    f"{n} nodes {r[f'product_forced_N{n}']:.2f} / {r[f'product_free_N{n}']:.2f} / "
+                    f"{r[f'calibrated_free_N{n}']:.2f}" for n in pol["budgets"]) + ".", ""]
     before = v.get("smollm2_before")
     for b in before if isinstance(before, list) else [before] if before else []:
         out += [f"{b.get('label', 'Before the fused tree kernels')} (commit `{b['provenance']['commit'][:10]}`, "
@@ -483,7 +501,8 @@ def verify_section() -> list[str]:
     out = ["### Tree verification and the verify-budget planner (issue 16)", "",
            f"{v['gpu']}, [`results/verify-h200.json`](results/verify-h200.json). Chain against tree ({sm['provenance']['date'][:10]}, "
            f"commit `{sm['provenance']['commit'][:10]}`): SmolLM2-135M with the shipped DSpine draft (`checkpoints/smollm2-135m-dspine`), T = 0, concurrency 1, {sm['num_prompts']} prompts per task, "
-           f"{sm['max_new_tokens']} new tokens, tree of {sm['tree_budget']} nodes against the chain of 16:", "",
+           f"{sm['max_new_tokens']} new tokens, tree of {sm['tree_budget']} nodes "
+           f"({'chain first' if sm.get('chain_first', True) else 'best first, the default at T = 0'}) against the chain of 16:", "",
            "| chain τ | tree τ | tree τ ÷ chain τ (goal ≥ 1.3) | tree tok/s ÷ chain tok/s (goal ≥ 1.15) |", "|---|---|---|---|",
            f"| {sm['chain_mean_tau']:.2f} | {sm['tree_mean_tau']:.2f} | {sm['tree_tau_over_chain_tau']:.2f} — "
            f"{ok(sm['tree_tau_over_chain_tau'] >= 1.3)} | {sm['tree_speedup_over_chain']:.2f} — "
@@ -514,7 +533,9 @@ def verify_section() -> list[str]:
                    f"{ok(p['planner_over_best_static'] >= 0.98)} | {share} | `{p['provenance']['commit'][:7]}` |")
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
-    history = (("planner_c8_T0_tree_lead_in_drain", "Concurrency 8, T = 0 on d11cfd7, the trees valued as the chain plus "
+    history = (("planner_c8_T0_rerun", "Concurrency 8, T = 0 re-run a minute later (same code)"),
+               ("planner_chain_first_trees", "T = 0 with the chain first in every tree (the rule before 69597a3)"),
+               ("planner_c8_T0_tree_lead_in_drain", "Concurrency 8, T = 0 on d11cfd7, the trees valued as the chain plus "
                 "the batch's lead in the drain"),
                ("planner_session19", "Before the drain rule's spread prior and the probing ceiling narrowed by requests per "
                 "step (previous session)"),

@@ -32,10 +32,8 @@ that the Python best-first here is that rule (``product_forced`` and ``builder``
 from __future__ import annotations
 
 import argparse
-import datetime
 import heapq
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -52,21 +50,14 @@ TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 
 
 def greedy_continuation(target, ids: list[int], n: int, eos: set[int]) -> list[int]:
-    """The target's greedy tokens after ``ids`` (at most n, stopping after an end token), KV-cached."""
-    model = target.model
-    out: list[int] = []
-    past = None
+    """The target's greedy tokens after ``ids`` (at most n, ending with an end token if one came):
+    transformers' ``generate`` with ``do_sample=False``."""
     x = torch.tensor([ids])
     with torch.no_grad():
-        for _ in range(n):
-            r = model(input_ids=x, past_key_values=past, use_cache=True)
-            past = r.past_key_values
-            t = int(r.logits[0, -1].float().argmax())
-            out.append(t)
-            if t in eos:
-                break
-            x = torch.tensor([[t]])
-    return out
+        y = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                  eos_token_id=sorted(eos) or None, pad_token_id=(sorted(eos) or [0])[0],
+                                  temperature=None, top_p=None, top_k=None)
+    return y[0, len(ids):].tolist()
 
 
 def draft_q(target, draft, seq: list[int], first: int, chunk: int = 32):
@@ -326,11 +317,10 @@ def main(argv=None) -> int:
 
     keys = list(next(iter(per_task.values())).keys())
     tau = {k: sum(per_task[t][k][0] / per_task[t][k][1] for t in per_task) / len(per_task) for k in keys}
+    from dspine.provenance import provenance
+
     report = {
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
+        **provenance([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "target": args.target, "draft": args.draft, "num_prompts": args.num_prompts,
         "max_new_tokens": args.max_new_tokens, "budgets": budgets,
         "mean_tau": tau,
