@@ -46,9 +46,14 @@ def smollm2_section() -> list[str]:
             samp += f", draft temperature {a['draft_temperature']:g}" + (" (argmax)" if a["draft_temperature"] == 0 else "")
         if a.get("budget"):
             samp += f", planner (`--budget {a['budget']}`)"
-        trees = {lab: c["tree_budget"] for lab, c in (a.get("configs") or {}).items() if c.get("verify") == "tree"}
-        if trees:
-            samp += ", " + ", ".join(f"`{lab}` = `--verify tree` of {n} nodes" for lab, n in trees.items()) + " (the others a chain of 16)"
+        cfg = a.get("configs") or {}
+        first = {True: ", chain first", False: ", best first"}
+        trees = {lab: f"`--verify tree` of {c['tree_budget']} nodes{first.get(c.get('chain_first'), '')}"
+                 for lab, c in cfg.items() if c.get("verify") == "tree" and not c.get("budget")}
+        auto = {lab: f"the planner (`budget=auto`{first.get(c.get('chain_first'), '')})"
+                for lab, c in cfg.items() if c.get("budget")}
+        if trees or auto:
+            samp += ", " + ", ".join(f"`{lab}` = {d}" for lab, d in {**trees, **auto}.items()) + " (the others a chain of 16)"
         trained = ("The shipped DSpine draft (the recipe's, trained further four times: continuations below)" if "-shipped-" in path.name
                    else "GPU-trained drafts (recipe below)" if "-h200-" in path.name else "CPU-trained drafts")
         out.append(f"**{trained}, {samp}, concurrency {a['concurrency']}, {a['num_prompts']} prompts per task, "
