@@ -167,9 +167,12 @@ class Engine:
             ``chain_first``). None (default): at T = 0 every node by its path score alone, which spends the
             budget on siblings that outscore the chain's deep nodes (lossless: the output is the target's
             greedy output whatever the tree); at T > 0 chain first, which the tree's rejection sampling needs
-            (the chain child is a draw from q only if it is always in the tree), and with ``force_accept``
-            (its accepted node is the chain's). True: chain first at any temperature. False: never; refused
-            at T > 0 (:meth:`generate` raises ValueError).
+            (the chain child is a draw from q only if it is always in the tree), with ``force_accept`` (its
+            accepted node is the chain's) and under the planner (``budget="auto"``: its paired observation of
+            the chain counts the chain nodes on a tree's accepted path, exact only if the tree holds the whole
+            chain). True: chain first everywhere; for a draft that is right but unsure at its deep slots, whose
+            best-first trees trade deep chain nodes for siblings that fail. False: never; refused at T > 0 and
+            with ``force_accept`` (:meth:`generate` raises ValueError).
         budget: "auto" = the verify-budget planner (``infer.planner``) picks AR, the chain or a tree of
             ``PLAN_TREES`` nodes per step from step times measured at start-up, corrected by the measured
             time of every step it runs (GPU: CUDA events between the snapshots around the step; CPU: host
@@ -264,7 +267,7 @@ class Engine:
         if budget not in (None, "auto") or (budget == "auto" and draft is None):
             raise ValueError(f"budget={budget!r} must be None or 'auto' (the planner needs a draft)")
         self.verify, self.tree_budget, self.budget = verify, tree_budget, budget
-        if tree_chain_first not in (None, True, False):
+        if not (tree_chain_first is None or isinstance(tree_chain_first, bool)):
             raise ValueError(f"tree_chain_first={tree_chain_first!r} must be None, True or False")
         self.tree_chain_first = tree_chain_first
         self.mode = ("tree", tree_budget) if verify == "tree" else ("chain", self.verify_size)
@@ -434,13 +437,18 @@ class Engine:
         return logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
 
     def chain_first(self, params: SamplingParams) -> bool:
-        """Whether this run's trees keep the chain first (``tree_chain_first``; None: at T > 0 or with
-        ``force_accept`` only). Raises ValueError for ``tree_chain_first=False`` at T > 0."""
+        """Whether this run's trees keep the chain first (``tree_chain_first``; None: at T > 0, with
+        ``force_accept`` and under the planner, ``budget="auto"``, whose paired observations of the chain need the
+        whole chain in the tree). Raises ValueError for ``tree_chain_first=False`` at T > 0 or with
+        ``force_accept`` (whose accepted node is the chain's at the forced depth)."""
         if self.tree_chain_first is None:
-            return not params.greedy or self.force_accept is not None
+            return not params.greedy or self.force_accept is not None or self.budget == "auto"
         if not self.tree_chain_first and not params.greedy:
             raise ValueError(f"tree_chain_first=False at temperature {params.temperature}: the tree's rejection "
                              "sampling needs the sampled chain in every tree (use None or True)")
+        if not self.tree_chain_first and self.force_accept is not None:
+            raise ValueError("tree_chain_first=False with force_accept: the forced acceptance takes the chain's node "
+                             "at that depth, which a best-first tree may not hold (use None or True)")
         return self.tree_chain_first
 
     def _tree_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams, N: int):
