@@ -23,7 +23,8 @@ sync: graph-safe. ``dspine.ops.tree_build.build_tree_fused`` returns the same
 tree, its ancestor mask and bits from one Triton launch after :func:`tree_candidates`.
 
 Node layout (breadth first): node 0 is the anchor (depth 0); nodes 1..N-1 are sorted by depth,
-then by decreasing score (padding last), so a chain node is the first child of its parent and every parent comes
+then by decreasing score (padding last), so a chain node is the first child of its parent (with the chain
+first at any chain tokens; best first where they are the argmax, as at T = 0) and every parent comes
 before its children. A node that could not be filled (score -inf: fewer than N - 1 tokens with
 q > 0) is *padding*: parent -1, never accepted.
 
@@ -134,9 +135,12 @@ def build_tree(
             default ``q.argmax(-1)``.
         chain_first: keep the chain path first (the default; T > 0 needs it, module docstring). False: the
             best N - 1 paths by score alone, the chain nodes flagged where they score in (T = 0 only).
-    Returns :class:`Tree`. Raises ValueError on a budget < 2 or mismatched shapes.
+    Returns :class:`Tree`. Raises ValueError on a budget < 2, mismatched shapes or a chain_first that is not a
+    bool.
     """
     B, K, _ = q.shape
+    if not isinstance(chain_first, bool):
+        raise ValueError(f"chain_first={chain_first!r} must be True or False")
     cand, logq = tree_candidates(anchor, q, budget, chain_tokens)
     dev = q.device
     M, W = budget - 1, cand.shape[-1]

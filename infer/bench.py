@@ -59,7 +59,7 @@ CHAIN_FIRST = {"auto": None, "yes": True, "no": False}  # Engine's tree_chain_fi
 
 
 def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
-    """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget"}}, one
+    """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget", "chain_first"}}, one
     entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` / ``--budget`` with the label's
     overrides. So one run can time several verify modes of one draft (``--draft chain=D --draft auto=D
     --config auto:budget=auto``), alternated per task like any drafts.
@@ -121,6 +121,9 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
         if c["verify"] == "tree" and c["budget"] is None and getattr(args, "draft_temperature", None) == 0:
             raise ValueError(f"draft {label!r}: --draft-temperature 0 with verify=tree (the tree is built from the "
                              "draft's distribution, one-hot at 0)")
+        if c["chain_first"] is not None and c["verify"] != "tree" and c["budget"] is None:
+            raise ValueError(f"draft {label!r}: chain_first applies to verify=tree or budget=auto (this label verifies "
+                             "the chain only)")
         if c["chain_first"] is not None and args.backend == "reference":
             raise ValueError(f"draft {label!r}: chain_first applies to the engine (the reference backend builds its "
                              "trees best first at T = 0, the chain first at T > 0)")
@@ -402,8 +405,8 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
             row["tau_ci95"] = bootstrap_ci(per_committed, per_steps)
             c = runner.configs[label]
             row["verify"], row["verified_tokens_per_step"] = c["verify"], runner.verified_per_step[label]
-            if c["chain_first"] is not None:
-                row["tree_chain_first"] = c["chain_first"]
+            if c["verify"] == "tree" or c["budget"] is not None:  # the rule in force (Engine.chain_first's default)
+                row["tree_chain_first"] = c["chain_first"] if c["chain_first"] is not None else params.temperature > 0
             if c["budget"] is not None:
                 row["budget"] = c["budget"]
             if label in runner.planner_steps:

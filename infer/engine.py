@@ -167,12 +167,14 @@ class Engine:
             ``chain_first``). None (default): at T = 0 every node by its path score alone, which spends the
             budget on siblings that outscore the chain's deep nodes (lossless: the output is the target's
             greedy output whatever the tree); at T > 0 chain first, which the tree's rejection sampling needs
-            (the chain child is a draw from q only if it is always in the tree), with ``force_accept`` (its
-            accepted node is the chain's) and under the planner (``budget="auto"``: its paired observation of
-            the chain counts the chain nodes on a tree's accepted path, exact only if the tree holds the whole
-            chain). True: chain first everywhere; for a draft that is right but unsure at its deep slots, whose
-            best-first trees trade deep chain nodes for siblings that fail. False: never; refused at T > 0 and
-            with ``force_accept`` (:meth:`generate` raises ValueError).
+            (the chain child is a draw from q only if it is always in the tree) and with ``force_accept`` (its
+            accepted node is the chain's). Under the planner (``budget="auto"``) at T = 0 its trees are best first
+            too, so its paired observation of the chain (the chain nodes on a tree's accepted path) is censored
+            where a tree dropped the chain's deeper nodes: the chain is undervalued then (``infer.planner``,
+            "Paired observations"; on the H200 best-first trees still served it better: results/verify-h200.json
+            ``planner_chain_first_in_planner``). True: chain first everywhere; for a draft that is right but
+            unsure at its deep slots, whose best-first trees trade deep chain nodes for siblings that fail.
+            False: never; refused at T > 0 and with ``force_accept`` (:meth:`generate` raises ValueError).
         budget: "auto" = the verify-budget planner (``infer.planner``) picks AR, the chain or a tree of
             ``PLAN_TREES`` nodes per step from step times measured at start-up, corrected by the measured
             time of every step it runs (GPU: CUDA events between the snapshots around the step; CPU: host
@@ -437,12 +439,11 @@ class Engine:
         return logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
 
     def chain_first(self, params: SamplingParams) -> bool:
-        """Whether this run's trees keep the chain first (``tree_chain_first``; None: at T > 0, with
-        ``force_accept`` and under the planner, ``budget="auto"``, whose paired observations of the chain need the
-        whole chain in the tree). Raises ValueError for ``tree_chain_first=False`` at T > 0 or with
-        ``force_accept`` (whose accepted node is the chain's at the forced depth)."""
+        """Whether this run's trees keep the chain first (``tree_chain_first``; None: at T > 0 and with
+        ``force_accept`` only). Raises ValueError for ``tree_chain_first=False`` at T > 0 or with ``force_accept``
+        (whose accepted node is the chain's at the forced depth)."""
         if self.tree_chain_first is None:
-            return not params.greedy or self.force_accept is not None or self.budget == "auto"
+            return not params.greedy or self.force_accept is not None
         if not self.tree_chain_first and not params.greedy:
             raise ValueError(f"tree_chain_first=False at temperature {params.temperature}: the tree's rejection "
                              "sampling needs the sampled chain in every tree (use None or True)")
@@ -1003,7 +1004,8 @@ class Engine:
         planner gets none; with ``plan_confidence = "greedy"`` (the default) it gets none at T > 0 either.
         Paired observations: after a tree step, what the chain would have committed (``chain_acc``, the
         chain nodes on the accepted path, + 1, capped by the tree's committed tokens), per chain mode the
-        tree covers (``infer.planner``, "Paired observations").
+        tree covers (``infer.planner``, "Paired observations"); a lower bound where a best-first tree (T = 0)
+        dropped the chain's deeper nodes.
         Drain (``plan_drain``): per slot, the committed tokens, count and sum of squares of its request's chain
         steps and of the chain parts of its tree steps, reset when the slot is refilled (a finished request's
         stay while its slot idles); once the queue is empty, the planner gets them with each request's
@@ -1270,7 +1272,7 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
                 cuda_graphs: bool | None = None, verify_size: int | None = None, eos_token_ids=None,
                 check_max_context: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
                 tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
-                prefill_buckets: bool | None = None):
+                prefill_buckets: bool | None = None, tree_chain_first: bool | None = None):
     """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine` (keyword
     arguments as :class:`Engine`'s).
 
@@ -1292,4 +1294,4 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
     return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
                   verify_size=verify_size, max_new_cap=max_new_cap, verify=verify, tree_budget=tree_budget,
-                  budget=budget, exact=exact, prefill_buckets=prefill_buckets), spec
+                  budget=budget, exact=exact, prefill_buckets=prefill_buckets, tree_chain_first=tree_chain_first), spec

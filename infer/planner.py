@@ -90,12 +90,16 @@ tokens above, P the average prediction, the ratio clipped to [1/3, 3] and the re
 an easy or hard passage is seen the step it starts, and a mode never run stays unknown (rule 2's
 ceiling) whatever its prediction.
 
-Paired observations (:meth:`StepPlanner.observe_paired`): a tree always holds the draft's chain as the first
-child at every depth (``dspine.tree``), and verification tests a node's first child before its siblings
+Paired observations (:meth:`StepPlanner.observe_paired`): a chain-first tree holds the draft's chain as the
+first child at every depth (``dspine.tree``), and verification tests a node's first child before its siblings
 against the unmodified target distribution, with the chain's own test (T = 0: the target's argmax; T > 0:
 ``u · q(x) < p(x)`` with the chain's uniform). So the chain nodes on a tree step's accepted path are exactly
 what the chain step would have accepted from the same draft block, at any temperature (up to the bf16
-rounding of a different attention kernel). The engine counts them inside the tree step and, after it
+rounding of a different attention kernel). At T = 0 the engine's trees are best first
+(``Engine.tree_chain_first``), which may drop the chain's deeper nodes: the count is then a lower bound (the
+chain stopped where the tree's chain ended), and the chain is undervalued by as much; measured on the H200
+with the shipped SmolLM2 draft, best-first trees still served the planner better (1.015 against 0.921 of the
+best fixed mode at concurrency 1, 0.94 against 0.95 at 8: results/verify-h200.json). The engine counts them inside the tree step and, after it
 observes a tree step, gives the planner what every chain mode the tree covers (``min(K, N - 1) ≥ n - 1``)
 would have committed, capped like the tree by EOS and ``max_new_tokens``. The planner then (a) updates the
 chain's averages as if it had run, (b) keeps, per tree mode, the slow average of its *lead* over the chain on

@@ -434,7 +434,7 @@ def tree_extra_rows(v: dict) -> list[str]:
     bud = v.get("smollm2_budgets")
     if bud:
         sm = v["smollm2"]
-        out += [f"Every tree in that run (same prompts, alternated per task; {'best first' if not sm.get('chain_first') else 'chain first'}"
+        out += [f"Every tree in that run (same prompts, alternated per task; {'chain first' if sm.get('chain_first', True) else 'best first'}"
                 f" unless marked, `{sm['file']}`): " + ", ".join(
                     f"{e['tree_budget']} nodes{' chain first' if e['chain_first'] else ''}: τ {e['tree_mean_tau']:.2f} "
                     f"({e['tree_tau_over_chain_tau']:.2f}×), tok/s {e['tree_speedup_over_chain']:.2f}×"
@@ -538,7 +538,8 @@ def verify_section() -> list[str]:
                    f"{ok(p['planner_over_best_static'] >= 0.98)} | {share} | `{p['provenance']['commit'][:7]}` |")
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
-    history = (("planner_c8_T0_rerun", "Concurrency 8, T = 0 re-run a minute later (same code)"),
+    history = (("planner_chain_first_in_planner", "T = 0, the planner's trees chain first, the fixed tree best first"),
+               ("planner_c8_T0_rerun", "Concurrency 8, T = 0 re-run a minute later (same code)"),
                ("planner_chain_first_trees", "T = 0 with the chain first in every tree (the rule before 69597a3)"),
                ("planner_c8_T0_tree_lead_in_drain", "Concurrency 8, T = 0 on d11cfd7, the trees valued as the chain plus "
                 "the batch's lead in the drain"),

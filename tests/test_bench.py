@@ -313,6 +313,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:verify=tree,verify=chain"], "key 'verify' given twice"),
     (["--config", "D:verify=tree,chain_first=maybe"], "chain_first='maybe'; expected auto, yes or no"),
     (["--config", "D:verify=tree,chain_first=no", "--temperature", "1"], "chain_first=no at --temperature 1.0"),
+    (["--config", "D:chain_first=yes"], "chain_first applies to verify=tree or budget=auto"),
 ])
 def test_config_errors_name_the_item(stories_dir, draft_dir, capsys, config, msg):
     argv = ["--target", str(stories_dir), "--draft", f"D={draft_dir}", "--datasets", "gsm8k", "--no-chat-template",

@@ -87,6 +87,37 @@ def test_engine_tree_budget_below_the_block(stories_dir, stories, budget):
     assert sum(hist[budget + 1 :]) == 0 and sum(hist[2 : budget + 1]) > 0  # 1..N-1 accepted, never more
 
 
+def test_engine_tree_rule_by_temperature_and_its_refusals(stories_dir, stories):
+    """tree_chain_first: None builds best first at T = 0 and chain first at T > 0 and with force_accept; every rule
+    is lossless at T = 0 (the second-choice draft's trees differ between the rules); False is refused at T > 0 and
+    with force_accept, a non-bool at construction."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=30)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    full = [p + w for p, w in zip(PROMPTS, want)]
+    hot = SamplingParams(temperature=1.0, max_new_tokens=4)
+    taus = {}
+    for rule in (None, True, False):
+        eng = second_choice_engine(_engine(stories_dir, folder, verify="tree", tree_budget=6, tree_chain_first=rule), full)
+        assert eng.chain_first(params) is (rule is True)
+        if rule is not False:
+            assert eng.chain_first(hot) is True
+        res = eng.generate(PROMPTS, params, concurrency=3)
+        assert res.token_ids == want, rule
+        taus[rule] = res.stats.tau
+    assert taus[None] == taus[False] and taus[False] != taus[True]
+    eng = _engine(stories_dir, folder, verify="tree", tree_budget=6, tree_chain_first=False)
+    with pytest.raises(ValueError, match="tree_chain_first=False at temperature 1.0"):
+        eng.generate(PROMPTS[:1], hot)
+    eng.force_accept = 2  # a benchmark setting (bench_tree's oracle steps)
+    with pytest.raises(ValueError, match="with force_accept"):
+        eng.generate(PROMPTS[:1], params)
+    eng.tree_chain_first = None
+    assert eng.chain_first(params) is True
+    with pytest.raises(ValueError, match="tree_chain_first=1 must be None, True or False"):
+        _engine(stories_dir, folder, verify="tree", tree_budget=6, tree_chain_first=1)
+
+
 def test_engine_tree_sampling_is_seeded_per_request(stories_dir, stories):
     """T > 0: a prompt's output depends only on its seed, not on the concurrency (rows are independent)."""
     eng = _engine(stories_dir, stories[2], verify="tree", tree_budget=12)

@@ -113,6 +113,8 @@ def test_build_tree_without_chain_first_is_the_best_paths(N):
         assert sum(key[p] for p in got) >= sum(key[p] for p in paths(forced, b)) - 1e-6
     if N == 4:  # a budget where the deepest chain node is outscored by a shallow sibling (this seed)
         assert not torch.equal(tree.tokens, forced.tokens)
+    with pytest.raises(ValueError, match="chain_first=None must be True or False"):
+        build_tree(torch.tensor([11, 12]), q, N, chain_first=None)
 
 
 def test_build_tree_pads_when_the_draft_has_few_tokens():

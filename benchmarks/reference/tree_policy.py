@@ -16,17 +16,18 @@ token) and moves on by as many; τ = tokens ÷ steps per prompt, averaged per ta
 Policies (best first under a node budget N, root included, W = N - 1 candidates per depth as
 ``dspine.tree.tree_candidates``): a node's score is the sum of a per-node log weight along its path.
   * ``chain``: the argmax chain of K nodes (``--budgets`` does not apply).
-  * ``product``: log q of the node's token (``dspine.tree.build_tree``: the chain forced first).
+  * ``product``: log q of the node's token (``dspine.tree.build_tree``'s score).
   * ``calibrated``: log p̂, p̂ = σ(a + b·log q) fitted by logistic regression (Platt scaling) per depth and
     per kind of parent (on the chain or off it) on the other half of the prompts (two folds): the
     probability that the node's token is the target's given that its parent's path was, so the best-first
     tree maximizes the expected accepted length 1 + Σ_nodes Π p̂ along the path [the expected-length
     argument of SpecInfer / Sequoia-style tree selection].
-Each with the chain forced first (``forced``, the shipped rule: τ never below the chain's) and without
-(``free``).
+Each with the chain forced first (``forced``: ``build_tree(chain_first=True)``, the engine's rule at T > 0, τ
+never below the chain's) and without (``free``: ``chain_first=False``, the engine's default at T = 0).
 
-Also reported: the same replay of the shipped builder ``dspine.tree.build_tree`` (product, forced) as a check
-that the Python best-first here is that rule (``product_forced`` and ``builder`` must agree).
+Also reported: the same replay of ``dspine.tree.build_tree`` with the chain first (``builder``) as a check that
+the Python best-first here is that rule (``product_forced`` and ``builder`` must agree; tests/test_tree_policy.py
+checks both rules against it).
 """
 
 from __future__ import annotations
@@ -209,8 +210,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    budgets = [int(b) for b in args.budgets.split(",")]
-    if any(not 2 <= b <= 64 for b in budgets):
+    try:
+        budgets = [int(b) for b in args.budgets.split(",")]
+    except ValueError:
+        raise SystemExit(f"--budgets {args.budgets!r}: give comma-separated integers in [2, 64]") from None
+    if not budgets or any(not 2 <= b <= 64 for b in budgets):
         raise SystemExit(f"--budgets {args.budgets}: each must be in [2, 64]")
     out_path = Path(args.output)
     if out_path.exists():

@@ -454,9 +454,11 @@ def build_tree_fused(anchor, q, budget, chain_tokens=None, impl: str = "triton",
     budget N (a Python int, 2..64, root included); chain_tokens ``[B, K]`` int64 with values in [0, V)
     (default ``q.argmax(-1)``; not checked: that would sync the host inside the engine's CUDA graph);
     chain_first: keep the chain path first (``dspine.tree.build_tree``); False: every node by its score alone.
-    Returns ``dspine.tree.Tree`` with ``bits`` set. Raises ValueError on shapes, dtypes, a non-int budget or
-    N, K out of range.
+    Returns ``dspine.tree.Tree`` with ``bits`` set. Raises ValueError on shapes, dtypes, a non-int budget,
+    N, K out of range or a chain_first that is not a bool.
     """
     check_impl(impl)
+    if not isinstance(chain_first, bool):
+        raise ValueError(f"chain_first={chain_first!r} must be True or False")
     fn = build_tree_triton if impl == "triton" else build_tree_torch
     return fn(anchor, q, budget, chain_tokens, chain_first=chain_first)
