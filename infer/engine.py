@@ -171,8 +171,8 @@ class Engine:
             accepted node is the chain's). Under the planner (``budget="auto"``) at T = 0 its trees are best first
             too, so its paired observation of the chain (the chain nodes on a tree's accepted path) is censored
             where a tree dropped the chain's deeper nodes: the chain is undervalued then (``infer.planner``,
-            "Paired observations"; on the H200 best-first trees still served it better: results/verify-h200.json
-            ``planner_chain_first_in_planner``). True: chain first everywhere; for a draft that is right but
+            "Paired observations"; on the H200 it still did better with best-first trees at concurrency 1 and as
+            well at 8: results/verify-h200.json ``planner_chain_first_in_planner``). True: chain first everywhere; for a draft that is right but
             unsure at its deep slots, whose best-first trees trade deep chain nodes for siblings that fail.
             False: never; refused at T > 0 and with ``force_accept`` (:meth:`generate` raises ValueError).
         budget: "auto" = the verify-budget planner (``infer.planner``) picks AR, the chain or a tree of
@@ -1169,7 +1169,7 @@ class Engine:
 
         Raises:
             ValueError: no prompts, concurrency < 1, a prompt that does not fit the context, empty prompts,
-                a bad ``seeds`` list, ``tree_chain_first=False`` at T > 0.
+                a bad ``seeds`` list, ``tree_chain_first=False`` at T > 0 or with ``force_accept``.
             FloatingPointError: non-finite target or draft logits (e.g. fp16 overflow, NaN weights),
                 never a silent "τ = 1".
         """

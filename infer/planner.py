@@ -98,8 +98,9 @@ what the chain step would have accepted from the same draft block, at any temper
 rounding of a different attention kernel). At T = 0 the engine's trees are best first
 (``Engine.tree_chain_first``), which may drop the chain's deeper nodes: the count is then a lower bound (the
 chain stopped where the tree's chain ended), and the chain is undervalued by as much; measured on the H200
-with the shipped SmolLM2 draft, best-first trees still served the planner better (1.015 against 0.921 of the
-best fixed mode at concurrency 1, 0.94 against 0.95 at 8: results/verify-h200.json). The engine counts them inside the tree step and, after it
+with the shipped SmolLM2 draft, the planner still did better with best-first trees at concurrency 1 (1.015
+against 0.921 of the best fixed mode) and as well at 8 (0.94 against 0.95, within a point's run-to-run
+spread): results/verify-h200.json. The engine counts them inside the tree step and, after it
 observes a tree step, gives the planner what every chain mode the tree covers (``min(K, N - 1) ≥ n - 1``)
 would have committed, capped like the tree by EOS and ``max_new_tokens``. The planner then (a) updates the
 chain's averages as if it had run, (b) keeps, per tree mode, the slow average of its *lead* over the chain on
