@@ -213,6 +213,12 @@ class ReferenceDecoder:
         mask = torch.zeros(B, 1, W, allowed.shape[-1], dtype=self.target.dtype, device=valid.device)
         return mask.masked_fill_(~allowed[:, None], torch.finfo(mask.dtype).min)
 
+    @staticmethod
+    def chain_first(params: SamplingParams) -> bool:
+        """Whether trees keep the chain first: at T > 0 only (its rejection sampling needs it; best first at
+        T = 0), the default of ``infer.engine.Engine.chain_first``."""
+        return not params.greedy
+
     def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache) -> torch.Tensor:
         """Draft logits ``[B, K, V]`` (fp32, K = verify_size - 1) for blocks ``[B, bs]`` = [anchor, MASK, ...]."""
         hidden = self.draft.forward_block(self.target.embed(block), draft_cache)
@@ -329,10 +335,8 @@ class ReferenceDecoder:
             tree = None
             if self.verify == "tree":  # scores: the sampling distribution, or softmax(logits) at T = 0
                 q = torch.softmax(d_logits, -1) if params.greedy else p_draft
-                # best first at T = 0, the chain first at T > 0 (its rejection sampling needs it): the engine's
-                # default (infer.engine.Engine's tree_chain_first)
                 tree = build_tree(block[:, 0], q, self.tree_budget, chain_tokens=block[:, 1:W],
-                                  chain_first=not params.greedy)
+                                  chain_first=self.chain_first(params))
             block = block[:, :W]  # the verified slots of the chain
 
             # -- verify + accept, row by row (the acceptance rule of dspine.ops.accept) ----------------

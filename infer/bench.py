@@ -405,8 +405,8 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
             row["tau_ci95"] = bootstrap_ci(per_committed, per_steps)
             c = runner.configs[label]
             row["verify"], row["verified_tokens_per_step"] = c["verify"], runner.verified_per_step[label]
-            if c["verify"] == "tree" or c["budget"] is not None:  # the rule in force (Engine.chain_first's default)
-                row["tree_chain_first"] = c["chain_first"] if c["chain_first"] is not None else params.temperature > 0
+            if c["verify"] == "tree" or c["budget"] is not None:  # the rule in force
+                row["tree_chain_first"] = runner.decoders[label].chain_first(params)
             if c["budget"] is not None:
                 row["budget"] = c["budget"]
             if label in runner.planner_steps:

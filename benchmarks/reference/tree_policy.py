@@ -221,6 +221,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"{out_path} exists: choose another --output (finished results are never overwritten)")
 
     from dspine.checkpoint import load_draft
+    from dspine.ops.tree_verify import verify_tree_greedy
     from dspine.prompts import encode_prompt
     from dspine.target import load_target, load_tokenizer
     from dspine.tree import build_tree
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     draft = load_draft(args.draft, dtype=torch.float32)
-    target = load_target(args.target, dtype=torch.float32, layer_ids=draft.config.target_layer_ids)
+    target = load_target(args.target, dtype=torch.float32)
     target.set_layer_ids(draft.config.target_layer_ids, draft.config.last_layer_features)
     tp = Path(args.target)
     tok = load_tokenizer(str(tp.parent), tp.name) if tp.suffix == ".gguf" else load_tokenizer(args.target)
@@ -260,15 +261,14 @@ def main(argv=None) -> int:
             builder = {}
             for N in budgets:
                 tree = build_tree(anchors, q, N)
-                ok = (tree.tokens[:, 1:] == gt.gather(1, (tree.depth[:, 1:] - 1).clamp(min=0))) & (tree.parent[:, 1:] >= 0)
-                ok = torch.cat([torch.ones(A, 1, dtype=torch.bool), ok], 1)
-                path_ok = ~(tree.anc & ~ok[:, None, :]).any(-1)
-                builder[N] = (tree.depth * path_ok).max(-1).values.tolist()
+                # the target's argmax at a node of depth d is the greedy token at depth d + 1 (-1: past the end)
+                argmax = torch.cat([gt, gt.new_full((A, 1), -1)], 1).gather(1, tree.depth)
+                builder[N] = verify_tree_greedy(tree.tokens, tree.parent, tree.depth, tree.anc, argmax,
+                                                impl="torch")[1].tolist()
             prompts.append({"task": task, "A": A, "logq": vals.clamp(min=1e-30).log(), "match": match,
                             "valid": valid, "builder": builder})
             print(f"{task} {item.id if hasattr(item, 'id') else ''}: prompt {len(ids)} + {A} tokens "
                   f"({time.time() - t0:.0f} s)", flush=True)
-        del q
 
     folds = [list(range(0, len(prompts), 2)), list(range(1, len(prompts), 2))]
     calib = {}
