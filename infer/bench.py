@@ -54,20 +54,22 @@ def parse_drafts(values: list[str] | None) -> dict[str, str]:
     return out
 
 
-CONFIG_KEYS = ("verify", "tree_budget", "budget", "chain_first")
+CONFIG_KEYS = ("verify", "tree_budget", "budget", "chain_first", "plan_trees", "confidence")
+CONFIDENCE = ("greedy", "always", "never")  # Engine.plan_confidence
 CHAIN_FIRST = {"auto": None, "yes": True, "no": False}  # Engine's tree_chain_first
 
 
 def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
-    """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget", "chain_first"}}, one
-    entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` / ``--budget`` with the label's
+    """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget", "chain_first",
+    "plan_trees", "confidence"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` / ``--budget`` with the label's
     overrides. So one run can time several verify modes of one draft (``--draft chain=D --draft auto=D
     --config auto:budget=auto``), alternated per task like any drafts.
 
     Raises ValueError naming the item: an unknown label or key, a bad value, a label given twice, a tree
     budget without tree verify, and the run-wide rules (``--exact`` is chain only, a tree needs a draft
     temperature above 0, the reference backend has neither trees under a budget nor the planner)."""
-    base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None}
+    base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None,
+            "plan_trees": None, "confidence": None}
     out = {label: dict(base) for label in labels}
     seen = set()
     for item in values or []:
@@ -103,6 +105,17 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
             if given["chain_first"] not in CHAIN_FIRST:
                 raise ValueError(f"--config {item!r}: chain_first={given['chain_first']!r}; expected auto, yes or no")
             c["chain_first"] = CHAIN_FIRST[given["chain_first"]]
+        if "plan_trees" in given:
+            from infer.planner import parse_plan_trees
+
+            try:
+                c["plan_trees"] = parse_plan_trees(given["plan_trees"])
+            except ValueError as e:
+                raise ValueError(f"--config {item!r}: {e}") from None
+        if "confidence" in given:
+            if given["confidence"] not in CONFIDENCE:
+                raise ValueError(f"--config {item!r}: confidence={given['confidence']!r}; expected {', '.join(CONFIDENCE)}")
+            c["confidence"] = given["confidence"]
         if "tree_budget" in given:
             try:
                 c["tree_budget"] = int(given["tree_budget"])
@@ -124,6 +137,11 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
         if c["chain_first"] is not None and c["verify"] != "tree" and c["budget"] is None:
             raise ValueError(f"draft {label!r}: chain_first applies to verify=tree or budget=auto (this label verifies "
                              "the chain only)")
+        if c["plan_trees"] is not None and c["budget"] is None:
+            raise ValueError(f"draft {label!r}: plan_trees applies to budget=auto (the planner's tree sizes)")
+        if c["confidence"] is not None and c["budget"] is None:
+            raise ValueError(f"draft {label!r}: confidence applies to budget=auto (when the planner gets the draft's "
+                             "confidence)")
         if c["chain_first"] is not None and args.backend == "reference":
             raise ValueError(f"draft {label!r}: chain_first applies to the engine (the reference backend builds its "
                              "trees best first at T = 0, the chain first at T > 0)")
@@ -205,8 +223,10 @@ class Runner:
                 vs = args.block_size if c["verify"] == "chain" else None  # --block-size: the chain labels' width
                 self.decoders[label] = Engine(target, m, self.eos, verify_size=vs, verify=c["verify"],
                                               tree_budget=c["tree_budget"], budget=c["budget"],
-                                              tree_chain_first=c["chain_first"], **kw)
+                                              tree_chain_first=c["chain_first"], plan_trees=c["plan_trees"], **kw)
                 self.decoders[label].plan_drain = args.plan_drain is not False
+                if c.get("confidence") is not None:
+                    self.decoders[label].plan_confidence = c["confidence"]
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
         else:
@@ -409,6 +429,8 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
                 row["tree_chain_first"] = runner.decoders[label].chain_first(params)
             if c["budget"] is not None:
                 row["budget"] = c["budget"]
+                row["plan_trees"] = list(runner.decoders[label].plan_trees)
+                row["plan_confidence"] = runner.decoders[label].plan_confidence
             if label in runner.planner_steps:
                 row["planner_choices"] = runner.planner_steps.pop(label)
             row["per_prompt_committed"], row["per_prompt_steps"] = per_committed, per_steps
@@ -576,11 +598,14 @@ def build_parser():
     ap.add_argument("--tree-budget", type=int, default=None,
                     help="tree nodes per step and request, anchor included (2..64; default 32; --verify tree only)")
     ap.add_argument("--budget", default=None, choices=["auto"],
-                    help="auto: per step, AR, the chain or a tree of 32/64 nodes by measured step time and acceptance "
+                    help="auto: per step, AR, the chain or a tree (of 32/64 nodes; --config plan_trees=) by measured step time and acceptance "
                          "(infer.planner; --backend cuda); default: always --verify / --tree-budget")
     ap.add_argument("--config", action="append", default=None, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                     help="the draft LABEL's own verify (chain|tree), tree_budget (2..64), budget (auto|none) or "
-                         "chain_first (auto|yes|no: Engine's tree_chain_first; auto = best first at T = 0) over "
+                         "chain_first (auto|yes|no: Engine's tree_chain_first; auto = best first at T = 0) or plan_trees "
+                         "(the planner's tree sizes joined by '/', e.g. 16/32, or none; budget=auto only) or confidence "
+                         "(greedy|always|never: when the planner gets the draft's confidence, Engine.plan_confidence; "
+                         "budget=auto only) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "
                          "--config auto:budget=auto: several verify modes of one draft timed in one run, alternated "
                          "per task (engine only; --block-size applies to the chain labels)")

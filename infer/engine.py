@@ -176,7 +176,7 @@ class Engine:
             unsure at its deep slots, whose best-first trees trade deep chain nodes for siblings that fail.
             False: never; refused at T > 0 and with ``force_accept`` (:meth:`generate` raises ValueError).
         budget: "auto" = the verify-budget planner (``infer.planner``) picks AR, the chain or a tree of
-            ``PLAN_TREES`` nodes per step from step times measured at start-up, corrected by the measured
+            ``plan_trees`` nodes per step from step times measured at start-up, corrected by the measured
             time of every step it runs (GPU: CUDA events between the snapshots around the step; CPU: host
             time from its launch to the next: no extra sync; ``plan_online = False`` keeps the start-up
             table), and the measured acceptance;
@@ -186,6 +186,8 @@ class Engine:
             append to a flush every ``ar_defer`` AR steps and before a speculative one (:meth:`_ar_step`,
             :meth:`_decode_planned`; ``defer_ar_append = False``: append in every AR step, tests and
             benchmarks).
+        plan_trees: the planner's tree sizes, a tuple or list (nodes, anchor included, each 2..64, distinct;
+            ``budget="auto"`` only; raises ValueError otherwise). None: ``PLAN_TREES``; ``()``: AR and the chain only.
         exact: bit-exact mode (issue 13; default ``infer.model.EXACT_DEFAULT``): the target's decode and
             verify steps use row-invariant kernels and each prompt is prefilled in its own pass, so
             greedy speculative output equals this engine's autoregressive output bit for bit, in
@@ -225,7 +227,8 @@ class Engine:
                  max_seq: int = 4096, cuda_graphs: bool | None = None, verify_size: int | None = None,
                  force_accept: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
                  tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
-                 prefill_buckets: bool | None = None, tree_chain_first: bool | None = None):
+                 prefill_buckets: bool | None = None, tree_chain_first: bool | None = None,
+                 plan_trees: tuple[int, ...] | None = None):
         self.target = target
         self.exact = EXACT_DEFAULT if exact is None else bool(exact)
         if self.exact and (verify != "chain" or budget is not None):
@@ -273,11 +276,19 @@ class Engine:
             raise ValueError(f"tree_chain_first={tree_chain_first!r} must be None, True or False")
         self.tree_chain_first = tree_chain_first
         self.mode = ("tree", tree_budget) if verify == "tree" else ("chain", self.verify_size)
-        self.plan_modes = [("ar", 1), ("chain", self.verify_size)] + [("tree", n) for n in self.PLAN_TREES]
+        trees = tuple(self.PLAN_TREES) if plan_trees is None else plan_trees
+        if (not isinstance(trees, (tuple, list)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in trees)
+                or not all(2 <= n <= 64 for n in trees) or len(set(trees)) != len(trees)):
+            raise ValueError(f"plan_trees={plan_trees!r} must be a tuple or list of distinct integer tree sizes in 2..64 "
+                             "(nodes, anchor included), or empty (the planner then picks AR or the chain)")
+        if plan_trees is not None and budget != "auto":
+            raise ValueError(f"plan_trees={plan_trees!r} applies to budget='auto' only (got budget={budget!r})")
+        self.plan_trees = tuple(sorted(trees))
+        self.plan_modes = [("ar", 1), ("chain", self.verify_size)] + [("tree", n) for n in self.plan_trees]
         # target positions written per step (anchor included)
         self.verified_per_step = tree_budget if verify == "tree" else self.verify_size
         if budget == "auto":
-            self.verified_per_step = max(self.PLAN_TREES)
+            self.verified_per_step = max((self.verify_size, *self.plan_trees))
         self.planner_report: dict | None = None
         self.slot_owner: list[int | None] | None = None  # generate: prompt index per slot, None = free
         self.last_confidence: dict | None = None  # planner: the confidence passed with the latest choice
@@ -1272,7 +1283,8 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
                 cuda_graphs: bool | None = None, verify_size: int | None = None, eos_token_ids=None,
                 check_max_context: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
                 tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
-                prefill_buckets: bool | None = None, tree_chain_first: bool | None = None):
+                prefill_buckets: bool | None = None, tree_chain_first: bool | None = None,
+                plan_trees: tuple[int, ...] | None = None):
     """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine` (keyword
     arguments as :class:`Engine`'s).
 
@@ -1294,4 +1306,5 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
     return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
                   verify_size=verify_size, max_new_cap=max_new_cap, verify=verify, tree_budget=tree_budget,
-                  budget=budget, exact=exact, prefill_buckets=prefill_buckets, tree_chain_first=tree_chain_first), spec
+                  budget=budget, exact=exact, prefill_buckets=prefill_buckets, tree_chain_first=tree_chain_first,
+                  plan_trees=plan_trees), spec

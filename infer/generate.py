@@ -36,6 +36,7 @@ from dspine.sampling import DRAFT_TEMPERATURE_HELP, sampling_params
 from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer, resolve_model_path
 from infer.datasets import load_eval_prompts
 from infer.engine import load_engine
+from infer.planner import parse_plan_trees
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tree-budget", type=int, default=None,
                     help=f"tree nodes per step, anchor included (2..64; default {TREE_BUDGET}; --verify tree only)")
     ap.add_argument("--budget", default=None, choices=["auto"],
-                    help="auto: per step, AR, the chain or a tree of 32/64 nodes by measured step time and acceptance "
+                    help="auto: per step, AR, the chain or a tree (of 32/64 nodes; --plan-trees) by measured step time and acceptance "
                          "(infer.planner; --backend cuda)")
     ap.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode in the chat template")
     ap.add_argument("--system", default=None, help="system message (chat template)")
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine: prefill each prompt padded to a length bucket, one CUDA graph per bucket, for admissions "
                          "of up to Engine.PREFILL_BUCKETS_MAX_PROMPTS (8) prompts (default: "
                          "infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule; engine only)")
+    ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
+                    help="--budget auto: the planner's tree sizes joined by '/' (e.g. 16/32), or none for AR and the "
+                         "chain only (default: infer.engine.Engine.PLAN_TREES, 32/64)")
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
                     help="--budget auto: the planner's drain rule once no prompt is queued (infer.planner, \"Drain\"; "
                          "default on); --no-plan-drain: tokens per millisecond to the end")
@@ -191,6 +195,13 @@ def run(args) -> dict:
         from infer.datasets import task_name
 
         task_name(args.dataset)
+    if getattr(args, "plan_trees", None) is not None:
+        if args.budget != "auto":
+            raise ValueError(f"--plan-trees {args.plan_trees}: applies to --budget auto only")
+        try:
+            parse_plan_trees(args.plan_trees)
+        except ValueError as e:
+            raise ValueError(f"--plan-trees: {e}") from None
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "reference"
@@ -298,7 +309,8 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
                             max_seq=longest + args.max_new_tokens + 64, verify_size=args.block_size,
                             check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens,
                             verify=args.verify, tree_budget=args.tree_budget, budget=args.budget, exact=args.exact,
-                            prefill_buckets=args.prefill_buckets)
+                            prefill_buckets=args.prefill_buckets,
+                            plan_trees=None if args.plan_trees is None else parse_plan_trees(args.plan_trees))
     args.prefill_buckets = engine.prefill_buckets  # the resolved value, for --json
     engine.plan_drain = args.plan_drain is not False
 

@@ -16,8 +16,9 @@ chain, ``1 + Σ_k Π_{j≤k} p_j`` (p_j the draft's probability of its own token
 T = 0; ``infer.engine.chain_confidence``), written inside the step (CUDA graph) and read with the
 ``out_len`` the loop already copies, so no extra sync. The engine's loop is pipelined (it chooses and
 launches step k + 1 before it reads what step k did, so the host's work overlaps the device's), so the
-value is two steps old (the block drafted then stands for the next) and the trees get the chain's value
-(calibration per mode absorbs their larger scale); after an AR step no draft ran and the engine gives none.
+value is two steps old (the block drafted then stands for the next) and the trees get the chain's value (a tree
+estimated as the chain plus its lead takes the chain's scaling, "Calibration"; otherwise calibration per mode absorbs
+its larger scale); after an AR step no draft ran and the engine gives none.
 :class:`StepPlanner` keeps the choices not yet observed in order; while a probe (rule 3) is unobserved it
 does not start another, and the decode's first mode repeats until it is timed (or 3 steps came back
 without a time). A trained confidence head is the alternative
@@ -88,7 +89,11 @@ run at least once is expected to commit ``1 + (T − 1) × (predicted − 1) / P
 tokens above, P the average prediction, the ratio clipped to [1/3, 3] and the result to
 [1, :func:`max_tokens`]. So an over- or underconfident draft costs nothing (T is what the mode realized),
 an easy or hard passage is seen the step it starts, and a mode never run stays unknown (rule 2's
-ceiling) whatever its prediction.
+ceiling) whatever its prediction. A mode estimated as its paired mode plus a lead ("Paired observations") is
+that mode's scaled estimate plus the lead: its own average prediction is over the steps it ran, and a tree run
+mostly in hard passages, scaled by its own low average, looked better than it is in every easy one (issue 16,
+H200, concurrency 1, T = 0: the tree of 64 ran 24% of the planner's steps, at 0.91 × the best fixed mode;
+tests/test_planner.py replays it).
 
 Paired observations (:meth:`StepPlanner.observe_paired`): a chain-first tree holds the draft's chain as the
 first child at every depth (``dspine.tree``), and verification tests a node's first child before its siblings
@@ -185,6 +190,19 @@ SPREAD_STEPS = 16.0
 # per chain step, tokens²): sd 0.5, within the 0.32-0.72 of the shipped SmolLM2 draft's five tasks at T = 0 on the
 # H200 (per-prompt τ of results/smollm2-h200-shipped-T0-c8.json; 0.17-0.31 at T = 1)
 DEFAULT_SPREAD = 0.25
+
+
+def parse_plan_trees(text: str) -> tuple[int, ...]:
+    """``"16/32"`` -> ``(16, 32)``, ``"none"`` -> ``()``: the planner's tree sizes as the command lines take them
+    (``infer.generate --plan-trees``, ``infer.bench --config LABEL:plan_trees=``; ``Engine(plan_trees=...)``).
+    Raises ValueError naming the text: a size that is not an integer, outside 2..64, or repeated."""
+    try:
+        sizes = () if text == "none" else tuple(int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"plan_trees={text!r}; expected tree sizes joined by '/' (e.g. 16/32) or none") from None
+    if not all(2 <= n <= 64 for n in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"plan_trees={text!r}; each size must be in 2..64, none repeated")
+    return sizes
 
 
 def max_tokens(mode: Mode, modes) -> int:
@@ -517,32 +535,50 @@ class StepPlanner:
         is not run (module docstring, "Averages"); for a mode with a lead over a paired mode, that mode's
         estimate + the lead ("Paired observations")."""
         out = {}
-        # a paired mode before the modes scaled by it
-        for m in sorted(self.fast, key=lambda m: m in self.lead):
-            f = self.fast[m]
+        for m, f in self.fast.items():
             if f is None or m[0] == "ar":
                 out[m] = f
             else:
-                if m in self.lead and out.get(self.lead[m][0]) is not None:
-                    # the paired mode's estimate now plus this mode's average lead over it (module docstring,
-                    # "Paired observations"): the passage is read from both modes' steps
-                    ref, lead = self.lead[m]
-                    out[m] = min(out[ref] + lead, float(max_tokens(m, self.table)))
-                    continue
                 n = min(self.seen[m], 2.0 / self.slow_decay - 1)  # effective samples of the slow average
                 target = self.slow[m] + math.sqrt(BONUS_VAR / (n * self.rows[m]))
                 keep = (1 - self.decay) ** (self.step - self.last_seen[m])
                 out[m] = target + keep * (f - target)
-        return {m: out[m] for m in self.fast}
+        # the paired mode's estimate now plus this mode's average lead over it (module docstring, "Paired
+        # observations"): the passage is read from both modes' steps
+        return self._with_leads(out)
+
+    def _with_leads(self, est: dict[Mode, float | None]) -> dict[Mode, float | None]:
+        """``est`` with every mode that has a lead over a paired mode set to that mode's value in the result (itself
+        resolved first when it has a lead too; a cycle stops at the mode met twice) plus the lead, clipped to
+        [1, :func:`max_tokens`]; a mode whose paired mode has no value keeps its own."""
+        out: dict[Mode, float | None] = {}
+
+        def value(m: Mode, path: tuple) -> float | None:
+            if m not in out:
+                out[m] = est[m]
+                if m in self.lead and m not in path:
+                    ref, lead = self.lead[m]
+                    r = value(ref, path + (m,)) if ref in est else None
+                    if r is not None:
+                        out[m] = min(max(r + lead, 1.0), float(max_tokens(m, self.table)))
+            return out[m]
+
+        for m in est:
+            value(m, ())
+        return {m: out[m] for m in est}
 
     def expected(self, predicted: dict[Mode, float] | None = None) -> dict[Mode, float | None]:
-        """:attr:`tokens`, scaled by this step's confidence (module docstring, "Calibration")."""
+        """:attr:`tokens`, scaled by this step's confidence (module docstring, "Calibration"); a prediction that is
+        not a finite number is ignored."""
         out = self.tokens
+        led = {m for m in self.lead if self.lead[m][0] in out and out.get(self.lead[m][0]) is not None}
         for m, x in (predicted or {}).items():
-            if m[0] != "ar" and out.get(m) is not None and self.calibrated[m] and self.pred[m] > 0:
+            if (m[0] != "ar" and m not in led and out.get(m) is not None and self.calibrated[m] and self.pred[m] > 0
+                    and math.isfinite(x)):
                 rel = min(max((x - 1.0) / self.pred[m], 1 / 3), 3.0)
                 out[m] = min(max(1.0 + (out[m] - 1.0) * rel, 1.0), float(max_tokens(m, self.table)))
-        return out
+        # a led mode: its paired mode's estimate this step plus the lead (module docstring, "Calibration")
+        return self._with_leads(out)
 
     def rate(self, mode: Mode) -> float | None:
         """Expected committed tokens per request per estimated millisecond, ``None`` before the first run."""
@@ -758,7 +794,8 @@ class StepPlanner:
         drain was in force, whether or not it changed the choice: with one request it maps every mode to its
         own estimate, and before any chain step too when there is no prior), ``paired`` the paired observations it got from steps of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
         timed), ``tokens_per_step`` the slow average (``None``: never run nor paired), ``calibration``
-        realized ÷ predicted accepted tokens (``None``: no prediction given)."""
+        realized ÷ predicted accepted tokens (``None``: no prediction given; a mode with a lead over a paired mode
+        takes that mode's scaling instead, and its own is reported only)."""
         costs = self.costs
         return {
             f"{m[0]}{m[1] if m[0] != 'ar' else ''}": {

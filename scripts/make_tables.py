@@ -480,6 +480,16 @@ def tree_extra_rows(v: dict) -> list[str]:
                 f"[{s['chain']['mean_tau_ci95'][0]:.2f}, {s['chain']['mean_tau_ci95'][1]:.2f}], tree τ "
                 f"{s['tree']['mean_tau']:.2f} [{s['tree']['mean_tau_ci95'][0]:.2f}, {s['tree']['mean_tau_ci95'][1]:.2f}] "
                 f"(95% bootstrap over prompts); tok/s {mean('chain'):.0f} chain, {mean('tree'):.0f} tree. `{t1['command']}`", ""]
+    tb = load(v["tree_build_rules"].removeprefix("results/")) if v.get("tree_build_rules") else None
+    if tb:
+        rows = {(r["B"], r["N"], r["chain_first"]): r for r in tb["rows"]}
+        out += [f"Tree build under both rules ([`{v['tree_build_rules']}`]({v['tree_build_rules']}), commit "
+                f"`{tb['commit'][:7]}`, `benchmarks/kernels/bench_tree_build.py`: candidates and tree kernel as the engine "
+                "runs them, CUDA-graph µs, SmolLM2 vocabulary, K 15), chain first / best first: " + "; ".join(
+                    f"B {b}: " + ", ".join(f"{n} nodes {rows[(b, n, True)]['fused_graph_us']:.0f} / "
+                                           f"{rows[(b, n, False)]['fused_graph_us']:.0f}" for n in (16, 32, 64))
+                    for b in (1, 8)) + f" (the trees equal torch's in {sum(r['equal'] for r in tb['rows'])} of "
+                f"{len(tb['rows'])} cases).", ""]
     k = v.get("tree_kernels")
     if k:
         b1 = {r["N"]: r for r in k["build"]["rows"] if r["B"] == 1}
@@ -520,12 +530,12 @@ def verify_section() -> list[str]:
         r = sc[b]
         out.append(f"| {b[5:]} | {r['chain16_step_ms']:.2f} ms | " + " | ".join(
             f"{r[f'tree{n}_step_over_chain16']:.2f}" for n in (16, 32, 64)) + " |")
-    out += ["", "Planner (`--budget auto`) against AR, the fixed chain and the fixed tree, the latest run of each point (mean "
-            "tok/s over the 5 tasks; T = 1: top_p 0.95, top_k 20; commit and command of each point in the JSON):", "",
-            "| concurrency | T | AR | chain 16 | tree 32 | planner | planner ÷ best fixed (goal ≥ 0.98) |",
-            "|---|---|---|---|---|---|---|"]
-    out[-1] = "|---|---|---|---|---|---|---|---|---|"
-    out[-2] = out[-2] + " planner's steps | commit |"
+    out += ["", "Planner (`--budget auto`) against AR, the fixed chain and the fixed trees, the latest run of each point (mean "
+            "tok/s over the 5 tasks; best fixed: the best of AR, the chain and every fixed tree of the run; T = 1: top_p "
+            "0.95, top_k 20; commit and command of each point in the JSON):", "",
+            "| concurrency | T | AR | chain 16 | tree 16 | tree 32 | planner | planner ÷ best fixed (goal ≥ 0.98) | "
+            "planner ÷ AR | planner's steps | commit |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in v["planner"]:
         steps: dict = {}
         for task in p.get("planner_choices_per_task", []):
@@ -533,12 +543,21 @@ def verify_section() -> list[str]:
                 steps[mode] = steps.get(mode, 0) + e["steps"]
         total = sum(steps.values()) or 1
         share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+        t16 = (p.get("fixed_tree_tok_per_s") or {}).get("16")
         out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
-                   f"{p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | {p['planner_over_best_static']:.3f} — "
-                   f"{ok(p['planner_over_best_static'] >= 0.98)} | {share} | `{p['provenance']['commit'][:7]}` |")
+                   f"{'–' if t16 is None else f'{t16:.0f}'} | {p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | "
+                   f"{p['planner_over_best_static']:.3f} — {ok(p['planner_over_best_static'] >= 0.98)} | "
+                   f"{p['planner_over_ar']:.3f} | {share} | `{p['provenance']['commit'][:7]}` |")
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
-    history = (("planner_chain_first_in_planner", "T = 0, the planner's trees chain first, the fixed tree best first"),
+    history = (("planner_before_calibration_fix", "T = 0, before the confidence scaling of led trees (same runs' "
+                "layout: fixed trees of 16 and 32)"),
+               ("planner_plan_trees_16_32", "T = 0, the planner with trees of 16 and 32 (`plan_trees=16/32`), same runs"),
+               ("planner_no_confidence", "T = 0, the planner without the draft's confidence (`confidence=never`), same runs"),
+               ("planner_plan_trees_16_32_before_fix", "T = 0, trees of 16 and 32, before the confidence fix"),
+               ("planner_plan_trees_16_32_64_before_fix", "T = 0, trees of 16, 32 and 64, before the confidence fix"),
+               ("planner_before_tree16_in_best", "T = 0, best fixed without the tree of 16 (the previous points)"),
+               ("planner_chain_first_in_planner", "T = 0, the planner's trees chain first, the fixed tree best first"),
                ("planner_c8_T0_rerun", "Concurrency 8, T = 0 re-run a minute later (same code)"),
                ("planner_chain_first_trees", "T = 0 with the chain first in every tree (the rule before 69597a3)"),
                ("planner_c8_T0_tree_lead_in_drain", "Concurrency 8, T = 0 on d11cfd7, the trees valued as the chain plus "

@@ -272,11 +272,10 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
     target, _, folder = stories
     params = SamplingParams(max_new_tokens=40)
     want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
-    eng = second_choice_engine(
-        _engine(stories_dir, folder, budget="auto"), [p + w for p, w in zip(PROMPTS, want)]
+    eng = second_choice_engine(  # small trees: a fast CPU test
+        _engine(stories_dir, folder, budget="auto", plan_trees=(24,)), [p + w for p, w in zip(PROMPTS, want)]
     )
-    eng.PLAN_TREES = (24,)  # small trees: a fast CPU test
-    eng.plan_modes = eng.plan_modes[:2] + [("tree", 24)]
+    assert eng.plan_modes == [("ar", 1), ("chain", 8), ("tree", 24)] and eng.verified_per_step == 24
     # AR cheaper than the speculative steps: the planner's first step is AR (at equal cost AR can never win)
     eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
     eng.plan_online = False  # this table, not this CPU's step times: the choices below are the table's
@@ -310,13 +309,48 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
     assert memory["timed"][("ar", 1)] >= 3
     assert {f"{m[0]}{m[1] if m[0] != 'ar' else ''}": x for m, x in learned.items()} == {
         k: e["tokens_per_step"] for k, e in rep.items()}
-    res = eng.generate(PROMPTS, params, concurrency=3)
-    # (no first AR steps to time; on a loaded CPU the measured costs may still make AR the best mode)
-    assert res.token_ids == want and eng.planner_report["ar"]["steps"] <= cold_ar, eng.planner_report
+    from infer.planner import FIRST_TIMED, StepPlanner
+
+    first_choice, choose = [], StepPlanner.choose
+
+    def spy(self, *a, **k):  # what the planner holds at its first choice of the call
+        if not first_choice:
+            first_choice.append(dict(self.timed))
+        return choose(self, *a, **k)
+
+    StepPlanner.choose = spy
+    try:
+        res = eng.generate(PROMPTS, params, concurrency=3)
+    finally:
+        StepPlanner.choose = choose
+    # no first AR steps to time: AR's timings came with the memory (whether AR then wins depends on this CPU's
+    # step times, so its step count is not asserted)
+    assert res.token_ids == want and first_choice[0][("ar", 1)] >= FIRST_TIMED, first_choice
     costs = _engine(stories_dir, folder, budget="auto")._step_costs(2, params)  # measured on this CPU
     assert set(costs) == {("ar", 1), ("chain", 8), ("tree", 32), ("tree", 64)} and min(costs.values()) > 0
     with pytest.raises(ValueError, match="budget='fixed'"):
         _engine(stories_dir, folder, budget="fixed")
+
+
+def test_engine_plan_trees_sets_the_planner_modes_or_is_refused(stories_dir, stories):
+    """plan_trees: the planner's tree sizes, sorted (the cache holds the largest tree); () leaves AR and the chain;
+    None is PLAN_TREES. Sizes outside 2..64, repeated, not integers, or given without budget='auto' are refused."""
+    _, _, folder = stories
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=(40, 16))
+    assert eng.plan_modes == [("ar", 1), ("chain", 8), ("tree", 16), ("tree", 40)] and eng.verified_per_step == 40
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=())
+    assert eng.plan_modes == [("ar", 1), ("chain", 8)] and eng.verified_per_step == 8
+    from infer.engine import Engine
+
+    eng = _engine(stories_dir, folder, budget="auto")
+    assert eng.plan_trees == Engine.PLAN_TREES and eng.verified_per_step == max(Engine.PLAN_TREES)
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=[4])  # smaller than the chain: the chain's 8 rows
+    assert eng.plan_modes == [("ar", 1), ("chain", 8), ("tree", 4)] and eng.verified_per_step == 8
+    for bad in ((1,), (16, 65), (16, 16), (16.0,), (True,), "16", 16, (n for n in (16, 32)), iter([16]), {16}):
+        with pytest.raises(ValueError, match="must be a tuple or list of distinct integer tree sizes in 2..64"):
+            _engine(stories_dir, folder, budget="auto", plan_trees=bad)
+    with pytest.raises(ValueError, match="applies to budget='auto' only"):
+        _engine(stories_dir, folder, plan_trees=(16,))
 
 
 def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, monkeypatch):
@@ -337,9 +371,8 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
 
     monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy)
     for on in (True, False):
-        eng = second_choice_engine(_engine(stories_dir, folder, budget="auto"), [p + w for p, w in zip(PROMPTS, want)])
-        eng.PLAN_TREES = (24,)
-        eng.plan_modes = eng.plan_modes[:2] + [("tree", 24)]
+        eng = second_choice_engine(_engine(stories_dir, folder, budget="auto", plan_trees=(24,)),
+                                   [p + w for p, w in zip(PROMPTS, want)])
         eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
         eng.plan_online, eng.plan_drain = False, on
         seen.clear()
@@ -369,9 +402,7 @@ def test_engine_tree_step_counts_the_chains_accepted_tokens(stories_dir, stories
     params = SamplingParams(max_new_tokens=40)
     want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
     full = [p + w for p, w in zip(PROMPTS, want)]
-    eng = second_choice_engine(_engine(stories_dir, folder, budget="auto"), full)
-    eng.PLAN_TREES = (24,)
-    eng.plan_modes = eng.plan_modes[:2] + [("tree", 24)]
+    eng = second_choice_engine(_engine(stories_dir, folder, budget="auto", plan_trees=(24,)), full)
     eng._step_costs = lambda B, params: {("ar", 1): 2.0, ("chain", 8): 1.9, ("tree", 24): 1.0}  # trees win
     eng.plan_online = False
     drafted, checked = {}, []
@@ -462,3 +493,18 @@ def test_generate_plan_drain_needs_budget_auto(stories_dir, stories, capsys):
     argv = ["--target", str(stories_dir), "--draft", str(stories[2]), "--prompt", "hi", "--no-plan-drain"]
     assert generate.main(argv) == 2
     assert "--plan-drain / --no-plan-drain apply to --budget auto only" in capsys.readouterr().err
+    base = ["--target", str(stories_dir), "--draft", str(stories[2]), "--prompt", "hi"]
+    for extra, msg in ((["--plan-trees", "16/32"], "--plan-trees 16/32: applies to --budget auto only"),
+                       (["--budget", "auto", "--plan-trees", "16/"], "--plan-trees: plan_trees='16/'; expected tree sizes"),
+                       (["--budget", "auto", "--plan-trees", "8/8"], "each size must be in 2..64, none repeated")):
+        assert generate.main(base + extra) == 2
+        assert msg in capsys.readouterr().err, extra
+
+
+def test_parse_plan_trees():
+    from infer.planner import parse_plan_trees
+
+    assert parse_plan_trees("32/16") == (32, 16) and parse_plan_trees("none") == () and parse_plan_trees("64") == (64,)
+    for bad in ("", "16,32", "1/16", "16/65", "x", "16/16", "-4"):
+        with pytest.raises(ValueError, match=f"plan_trees={bad!r}"):
+            parse_plan_trees(bad)

@@ -423,7 +423,8 @@ def test_paired_observations_track_the_chain_without_running_it():
 def passages(seed: int, lead: tuple[float, float]):
     """One request's steps: per-token acceptance changes every 40 steps (easy and hard passages); the chain
     commits 1 + Geometric tokens (at most 16), the tree the chain's count plus one token with probability
-    lead[0] and a second with lead[1] (its extra candidates), so the chain's count is the tree's pair."""
+    lead[0] and a second with lead[1] (its extra candidates), so the chain's count is the tree's pair; with the
+    passage's per-token acceptance."""
     rng = random.Random(seed)
     for i in range(3000):
         if i % 40 == 0:
@@ -431,13 +432,13 @@ def passages(seed: int, lead: tuple[float, float]):
         chain = 1
         while chain < 16 and rng.random() < p:
             chain += 1
-        yield chain, min(16, chain + (rng.random() < lead[0]) * (1 + (rng.random() < lead[1])))
+        yield chain, min(16, chain + (rng.random() < lead[0]) * (1 + (rng.random() < lead[1]))), p
 
 
 def decode(costs, seed, lead, paired=True, fixed=None):
     """Tokens per ms of the planner (or of the ``fixed`` mode) on :func:`passages`, observed one step late."""
     q, backlog, tok, ms = StepPlanner(costs), [], 0, 0.0
-    for chain, tree in passages(seed, lead):
+    for chain, tree, _ in passages(seed, lead):
         m = fixed or q.choose()
         x = {AR: 1, CHAIN: chain, TREE32: tree}[m]
         tok, ms = tok + x, ms + costs[m]
@@ -830,3 +831,68 @@ def test_drain_rule_with_one_request_is_the_throughput_rule():
     costs = {AR: 1.2, CHAIN: 2.4}
     for seed in range(3):
         assert drain_batch(costs, [0.5], 300, seed) == drain_batch(costs, [0.5], 300, seed, drain=False)
+
+
+def test_confidence_scales_a_tree_through_its_paired_chain():
+    """With the draft's confidence, a tree estimated as the chain plus its lead takes the chain's scaling for this
+    step plus the lead, not its own calibration: a tree run mostly in hard passages averaged a low prediction,
+    and scaled by it looked far better than it is in every easy one (issue 16, H200, concurrency 1, T = 0: the
+    tree of 64 ran 24% of the planner's steps, 0.91 x the best fixed mode). One request, passages as in
+    :func:`passages` (the tree of 32's), a tree of 64 that adds a token to it with probability 0.1 at 1.21 x its cost,
+    the chain's expected tokens (1 + Σ p^k) as the confidence, two steps old as in the engine: the planner
+    stays within 2% of the best fixed mode and runs the tree of 64 on few steps (measured 0.990 and 1-3% of the steps
+    a seed; before the fix 0.954 and 7-43%)."""
+    costs = {AR: 0.96, CHAIN: 1.24, TREE32: 1.43, TREE64: 1.73}
+    p = StepPlanner(costs)
+    p.lead = {TREE32: (CHAIN, 1.0), TREE64: (CHAIN, 1.5)}
+    p.fast = {AR: 1.0, CHAIN: 3.0, TREE32: 4.0, TREE64: 4.5}
+    p.slow = dict(p.fast)
+    p.seen.update({CHAIN: 5, TREE32: 5, TREE64: 5})
+    p.pred = {AR: None, CHAIN: 2.0, TREE32: 2.0, TREE64: 0.5}  # the tree of 64 seen at low predictions only
+    p.calibrated.update({CHAIN: 5, TREE32: 5, TREE64: 5})
+    exp = p.expected({CHAIN: 4.0, TREE32: 4.0, TREE64: 4.0})  # a confident step: 1.5 x the chain's mean prediction
+    assert exp[CHAIN] == pytest.approx(1 + 2.0 * 1.5)
+    assert exp[TREE32] == pytest.approx(exp[CHAIN] + 1.0) and exp[TREE64] == pytest.approx(exp[CHAIN] + 1.5)
+
+    def run(seed, fixed=None):
+        rng = random.Random(seed + 1000)  # the tree of 64's extra token
+        q, backlog, tok, ms, conf, used = StepPlanner(costs), [], 0, 0.0, None, 0
+        for chain, t32, a in passages(seed, (0.8, 0.5)):
+            x = {CHAIN: chain, TREE32: t32, TREE64: min(16, t32 + (rng.random() < 0.1))}
+            m = fixed or q.choose(None if conf is None else {k: conf for k in x})
+            used += m == TREE64
+            tok, ms = tok + x.get(m, 1), ms + costs[m]
+            backlog.append((m, x.get(m, 1), chain, 1 + sum(a**k for k in range(1, 16))))
+            if len(backlog) > 1:
+                m0, x0, c0, cf = backlog.pop(0)
+                q.observe(m0, x0, ms=costs[m0])
+                if m0[0] == "tree":
+                    q.observe_paired(CHAIN, c0)
+                conf = cf if m0[0] != "ar" else None
+        return tok / ms, used / 3000
+
+    best = [max(run(s, m)[0] for m in (CHAIN, TREE32, TREE64)) for s in range(4)]
+    got = [run(s) for s in range(4)]
+    assert sum(g[0] for g in got) / sum(best) >= 0.98, got
+    assert max(g[1] for g in got) < 0.1, got
+
+
+def test_leads_resolve_in_order_and_bad_predictions_are_ignored():
+    """A lead over a mode that has a lead itself resolves through it, whatever the set's order; a lead below the
+    paired mode never takes a mode under 1 token; a confidence that is not finite is ignored."""
+    costs = {AR: 1.0, CHAIN: 1.25, TREE32: 1.4, TREE64: 1.7}
+    p = StepPlanner(costs)
+    p.fast = {AR: 1.0, CHAIN: 3.0, TREE32: 4.0, TREE64: 4.5}
+    p.slow = dict(p.fast)
+    p.seen.update({CHAIN: 5, TREE32: 5, TREE64: 5})
+    p.pred = {AR: None, CHAIN: 2.0, TREE32: 2.0, TREE64: 2.0}
+    p.calibrated.update({CHAIN: 5, TREE32: 5, TREE64: 5})
+    p.lead = {TREE64: (TREE32, 0.5), TREE32: (CHAIN, 1.0)}
+    exp = p.expected({CHAIN: 4.0, TREE32: 4.0, TREE64: 4.0})
+    assert exp[CHAIN] == pytest.approx(4.0) and exp[TREE32] == pytest.approx(5.0) and exp[TREE64] == pytest.approx(5.5)
+    assert p.tokens[TREE64] == pytest.approx(p.tokens[CHAIN] + 1.5)
+    p.lead = {TREE32: (CHAIN, -5.0), TREE64: (TREE32, 0.5)}
+    assert p.tokens[TREE32] == 1.0 and p.expected()[TREE64] == pytest.approx(1.5)
+    p.lead = {}
+    for bad in (math.nan, math.inf):
+        assert p.expected({CHAIN: bad, TREE32: bad}) == p.tokens

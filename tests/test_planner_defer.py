@@ -116,10 +116,8 @@ def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True
     """An auto-budget engine whose planner runs PATTERN (its bookkeeping runs, its choice is replaced), with a
     log of the device calls: ("ar", most pending after it), ("flush", most pending before it), ("spec", mode)
     (after checking every live row's draft context) and ("admit", pending of the admitted slots)."""
-    eng = _engine(stories_dir, folder, budget="auto", **kw)
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=(TREE[1],), **kw)
     eng.defer_ar_append = defer
-    eng.PLAN_TREES = (24,)
-    eng.plan_modes = eng.plan_modes[:2] + [TREE]
     eng._step_costs = lambda B, params: {AR: 0.6, CHAIN: 1.0, TREE: 1.0}
     choose = engine_mod.StepPlanner.choose
 

@@ -195,7 +195,8 @@ def test_bench_tree_build_tiny(tmp_path):
     assert bench_tree_build.main(["--tiny", "--output", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["commit"] and res["triton"]
-    assert [(r["B"], r["N"]) for r in res["rows"]] == [(1, 5), (1, 9), (2, 5), (2, 9)]
+    assert [(r["B"], r["N"], r["chain_first"]) for r in res["rows"]] == [
+        (b, n, cf) for b in (1, 2) for n in (5, 9) for cf in (True, False)]
     assert all(r["equal"] and min(r["torch_us"], r["fused_us"], r["candidates_us"]) > 0 for r in res["rows"])
 
 

@@ -14,8 +14,9 @@
    prompts, alternated per task, warm-up excluded: ``tree_tau_over_chain_tau`` (mean τ over tasks) and
    ``tree_speedup_over_chain`` (mean over tasks of tree tok/s ÷ chain tok/s).
 3. With ``--planner C:T[,C:T...]`` (and ``--smollm2``/``--draft``): for each concurrency C and temperature
-   T, one ``infer.bench`` run with AR, the fixed chain, the fixed tree and the planner (``auto``:
-   ``--config auto:budget=auto``), alternated per task; appends ``{concurrency, temperature,
+   T, one ``infer.bench`` run with AR, the fixed chain, the fixed trees (``--fixed-trees``, default
+   ``--tree-budget``) and the planner (``auto``: ``--config auto:budget=auto``, ``--plan-trees`` its tree sizes),
+   alternated per task; appends ``{concurrency, temperature,
    planner_tok_per_s, ar_tok_per_s, best_static_tok_per_s, planner_over_best_static, planner_over_ar,
    ...}`` to ``planner`` (mean tok/s over the tasks; at T > 0: top_p 0.95, top_k 20). Separate runs per
    configuration (before 2026-12-02) let run-to-run drift and the order of runs into the comparison.
@@ -176,24 +177,38 @@ def smollm2(args) -> dict:
     }
 
 
+def fixed_trees(args) -> list[int]:
+    """The fixed trees a planner point is compared with: ``--fixed-trees`` (default: ``--tree-budget`` alone)."""
+    return sorted({int(n) for n in args.fixed_trees.split(",")}) if args.fixed_trees else [args.tree_budget]
+
+
 def planner_points(args) -> list[dict]:
     """Planner against AR and the best fixed configuration at each ``--planner`` point (module docstring):
-    AR, the chain, the tree and the planner of one draft in one ``infer.bench`` run per point, so all four
-    decode the same prompts, alternated per task and warmed up per task on a GPU."""
+    AR, the chain, the fixed trees (``--tree-budget`` as ``tree``, the other ``--fixed-trees`` as ``treeN``) and the
+    planner (``--plan-trees``: its tree sizes) of one draft in one ``infer.bench`` run per point, so all decode the
+    same prompts, alternated per task and warmed up per task on a GPU. ``best_static_tok_per_s`` is the best of AR,
+    the chain and every fixed tree."""
     out = []
     for point in args.planner.split(","):
         c, t = point.split(":")
-        argv = bench_base(args, int(c), float(t)) + ["--draft", f"auto={args.draft}", "--config", "auto:budget=auto"]
+        auto = "auto:budget=auto" + (f",plan_trees={args.plan_trees}" if args.plan_trees else "")
+        argv = bench_base(args, int(c), float(t)) + ["--draft", f"auto={args.draft}", "--config", auto]
+        extra = [n for n in fixed_trees(args) if n != args.tree_budget]  # fixed trees beside --tree-budget's
+        for n in extra:
+            argv += ["--draft", f"tree{n}={args.draft}", "--config", f"tree{n}:verify=tree,tree_budget={n}"]
         if args.plan_drain is not None:
             argv += ["--plan-drain" if args.plan_drain else "--no-plan-drain"]
         run = bench_run(args, argv, f"planner-c{c}-T{t}")
-        tok = {n: mean_over_tasks(run, n, "tok_per_s") for n in ("AR", "chain", "tree", "auto")}
-        best = max(tok["AR"], tok["chain"], tok["tree"])
+        trees = {args.tree_budget: "tree", **{n: f"tree{n}" for n in extra}}
+        tok = {n: mean_over_tasks(run, n, "tok_per_s") for n in ("AR", "chain", "auto", *trees.values())}
+        best = max(tok[n] for n in ("AR", "chain", *trees.values()))
         out.append({"concurrency": int(c), "temperature": float(t), "planner_tok_per_s": tok["auto"],
                     "ar_tok_per_s": tok["AR"], "chain_tok_per_s": tok["chain"], "tree_tok_per_s": tok["tree"],
+                    "fixed_tree_tok_per_s": {str(n): tok[label] for n, label in sorted(trees.items())},
+                    "plan_trees": run["tasks"][0]["drafts"]["auto"].get("plan_trees"),
                     "best_static_tok_per_s": best, "planner_over_best_static": tok["auto"] / best,
                     "planner_over_ar": tok["auto"] / tok["AR"],
-                    "mean_tau": {n: run["summary"][n]["mean_tau"] for n in ("chain", "tree", "auto")},
+                    "mean_tau": {n: run["summary"][n]["mean_tau"] for n in ("chain", "auto", *trees.values())},
                     "same_run": True, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
                     "planner_choices_per_task": [x["drafts"]["auto"].get("planner_choices") for x in run["tasks"]],
                     "per_task": per_task(run)})  # fmt: skip
@@ -218,6 +233,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--draft", default=None, help="draft folder for --smollm2")
     ap.add_argument("--tree-budget", type=int, default=32)
+    ap.add_argument("--fixed-trees", default=None, metavar="N[,N...]",
+                    help="--planner points: fixed trees run beside the --tree-budget one (which always runs, as 'tree') and "
+                         "compared with the planner")
+    ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
+                    help="--planner points: the planner's tree sizes (infer.bench plan_trees; default: the engine's)")
     ap.add_argument("--datasets", default="gsm8k,math500,humaneval,mbpp,mt-bench")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--num-prompts", type=int, default=10)
@@ -244,6 +264,20 @@ def main(argv=None) -> int:
             ap.error(f"--planner {args.planner!r}: CONCURRENCY is an integer, TEMPERATURE a number, e.g. 1:0,8:1")
         if len(set(pts)) < len(pts):
             ap.error(f"--planner {args.planner!r}: a point given twice")
+    if (args.fixed_trees or args.plan_trees) and not args.planner:
+        ap.error("--fixed-trees and --plan-trees apply to --planner points")
+    try:
+        if not all(2 <= n <= 64 for n in fixed_trees(args)):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--fixed-trees {args.fixed_trees!r}: give tree sizes in 2..64 joined by commas, e.g. 16,32")
+    if args.plan_trees:
+        from infer.planner import parse_plan_trees
+
+        try:
+            parse_plan_trees(args.plan_trees)
+        except ValueError as e:
+            ap.error(f"--plan-trees: {e}")
     if args.keep_runs and Path(args.keep_runs).exists() and not Path(args.keep_runs).is_dir():
         ap.error(f"--keep-runs {args.keep_runs}: exists and is not a folder")
     if not args.tiny and not torch.cuda.is_available():

@@ -4,11 +4,13 @@
     python benchmarks/kernels/bench_tree_build.py --tiny      # CPU smoke test (Triton interpreter)
 
 For batch 1 and 8, budgets N = 16, 32, 64, K = 15 depths and V = 49152 (SmolLM2's vocabulary), draft
-distributions softmax(3·randn): the median µs of three paths, eager (``triton.testing.do_bench``,
+distributions softmax(3·randn), both tree rules (``chain_first`` True: the chain kept first, the engine's rule at
+T > 0; False: best first, its rule at T = 0): the median µs of three paths, eager (``triton.testing.do_bench``,
 includes the Python launch overhead) and as a CUDA-graph replay (``do_bench_cudagraph``, as in the
-engine's captured step): ``torch`` (``dspine.tree.build_tree`` and ``ancestor_bits``, what the engine
-runs today), ``fused`` (``build_tree_fused``: torch's candidate selection + one Triton launch) and
-``candidates`` (``dspine.tree.tree_candidates`` alone, the torch part both share). ``equal`` records
+engine's captured step): ``torch`` (``dspine.tree.build_tree`` and ``ancestor_bits``), ``fused``
+(``build_tree_fused``, the engine's: the per-depth candidates in two Triton launches, then the tree kernel) and
+``candidates`` (``dspine.tree.tree_candidates`` alone, torch's candidate selection; before 1b55f86 the fused
+path ran it too, and ``fused`` − ``candidates`` was recorded as the tree kernel's time). ``equal`` records
 that the two builders returned identical trees on that input. ``--tiny`` runs small shapes on the CPU
 (host clock, median of 3).
 """
@@ -50,23 +52,23 @@ def run(args) -> dict:
         q = torch.softmax(3 * torch.randn(B, K, V, device=dev, generator=g), -1)
         anchor = torch.arange(B, device=dev)
         for N in shapes["budget"]:
-            paths = {
-                "torch": lambda q=q, a=anchor, N=N: build_tree_fused(a, q, N, impl="torch"),
-                "fused": lambda q=q, a=anchor, N=N: build_tree_fused(a, q, N, impl="triton"),
-                "candidates": lambda q=q, a=anchor, N=N: tree_candidates(a, q, N),
-            }
-            want, got = paths["torch"](), paths["fused"]()
-            equal = all(torch.equal(getattr(want, f), getattr(got, f)) for f in FIELDS)
-            row = {"B": B, "N": N, "equal": equal}
-            for name, fn in paths.items():
-                eager, graph = bench(fn) if cuda else (us(fn, False), None)
-                row[f"{name}_us"], row[f"{name}_graph_us"] = eager, graph
-            if cuda:
-                row["graph_speedup"] = row["torch_graph_us"] / row["fused_graph_us"]
-                row["kernel_graph_us"] = row["fused_graph_us"] - row["candidates_graph_us"]
-            res["rows"].append(row)
-            print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)  # fmt: skip
+            for cf in (True, False):
+                paths = {
+                    "torch": lambda q=q, a=anchor, N=N, cf=cf: build_tree_fused(a, q, N, impl="torch", chain_first=cf),
+                    "fused": lambda q=q, a=anchor, N=N, cf=cf: build_tree_fused(a, q, N, impl="triton", chain_first=cf),
+                    "candidates": lambda q=q, a=anchor, N=N: tree_candidates(a, q, N),
+                }
+                want, got = paths["torch"](), paths["fused"]()
+                equal = all(torch.equal(getattr(want, f), getattr(got, f)) for f in FIELDS)
+                row = {"B": B, "N": N, "chain_first": cf, "equal": equal}
+                for name, fn in paths.items():
+                    eager, graph = bench(fn) if cuda else (us(fn, False), None)
+                    row[f"{name}_us"], row[f"{name}_graph_us"] = eager, graph
+                if cuda:
+                    row["graph_speedup"] = row["torch_graph_us"] / row["fused_graph_us"]
+                res["rows"].append(row)
+                print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)  # fmt: skip
     return res
 
 
