@@ -54,14 +54,15 @@ def parse_drafts(values: list[str] | None) -> dict[str, str]:
     return out
 
 
-CONFIG_KEYS = ("verify", "tree_budget", "budget", "chain_first", "plan_trees", "confidence")
+CONFIG_KEYS = ("verify", "tree_budget", "budget", "chain_first", "plan_trees", "confidence", "drain")
 CONFIDENCE = ("greedy", "always", "never")  # Engine.plan_confidence
+DRAIN = ("off", "scaled", "lead")  # off: Engine.plan_drain False; else on with that Engine.plan_drain_model
 CHAIN_FIRST = {"auto": None, "yes": True, "no": False}  # Engine's tree_chain_first
 
 
 def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
     """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget", "chain_first",
-    "plan_trees", "confidence"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` / ``--budget`` with the label's
+    "plan_trees", "confidence", "drain"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` / ``--budget`` with the label's
     overrides. So one run can time several verify modes of one draft (``--draft chain=D --draft auto=D
     --config auto:budget=auto``), alternated per task like any drafts.
 
@@ -69,7 +70,7 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
     budget without tree verify, and the run-wide rules (``--exact`` is chain only, a tree needs a draft
     temperature above 0, the reference backend has neither trees under a budget nor the planner)."""
     base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None,
-            "plan_trees": None, "confidence": None}
+            "plan_trees": None, "confidence": None, "drain": None}
     out = {label: dict(base) for label in labels}
     seen = set()
     for item in values or []:
@@ -116,6 +117,10 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
             if given["confidence"] not in CONFIDENCE:
                 raise ValueError(f"--config {item!r}: confidence={given['confidence']!r}; expected {', '.join(CONFIDENCE)}")
             c["confidence"] = given["confidence"]
+        if "drain" in given:
+            if given["drain"] not in DRAIN:
+                raise ValueError(f"--config {item!r}: drain={given['drain']!r}; expected {', '.join(DRAIN)}")
+            c["drain"] = given["drain"]
         if "tree_budget" in given:
             try:
                 c["tree_budget"] = int(given["tree_budget"])
@@ -142,6 +147,8 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
         if c["confidence"] is not None and c["budget"] is None:
             raise ValueError(f"draft {label!r}: confidence applies to budget=auto (when the planner gets the draft's "
                              "confidence)")
+        if c["drain"] is not None and c["budget"] is None:
+            raise ValueError(f"draft {label!r}: drain applies to budget=auto (the planner's drain rule)")
         if c["chain_first"] is not None and args.backend == "reference":
             raise ValueError(f"draft {label!r}: chain_first applies to the engine (the reference backend builds its "
                              "trees best first at T = 0, the chain first at T > 0)")
@@ -224,7 +231,10 @@ class Runner:
                 self.decoders[label] = Engine(target, m, self.eos, verify_size=vs, verify=c["verify"],
                                               tree_budget=c["tree_budget"], budget=c["budget"],
                                               tree_chain_first=c["chain_first"], plan_trees=c["plan_trees"], **kw)
-                self.decoders[label].plan_drain = args.plan_drain is not False
+                self.decoders[label].plan_drain = (args.plan_drain is not False if c.get("drain") is None
+                                                   else c["drain"] != "off")
+                if c.get("drain") in ("scaled", "lead"):
+                    self.decoders[label].plan_drain_model = c["drain"]
                 if c.get("confidence") is not None:
                     self.decoders[label].plan_confidence = c["confidence"]
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
@@ -431,6 +441,8 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
                 row["budget"] = c["budget"]
                 row["plan_trees"] = list(runner.decoders[label].plan_trees)
                 row["plan_confidence"] = runner.decoders[label].plan_confidence
+                dec = runner.decoders[label]
+                row["plan_drain"] = dec.plan_drain_model if dec.plan_drain else "off"
             if label in runner.planner_steps:
                 row["planner_choices"] = runner.planner_steps.pop(label)
             row["per_prompt_committed"], row["per_prompt_steps"] = per_committed, per_steps
@@ -605,7 +617,8 @@ def build_parser():
                          "chain_first (auto|yes|no: Engine's tree_chain_first; auto = best first at T = 0) or plan_trees "
                          "(the planner's tree sizes joined by '/', e.g. 16/32, or none; budget=auto only) or confidence "
                          "(greedy|always|never: when the planner gets the draft's confidence, Engine.plan_confidence; "
-                         "budget=auto only) over "
+                         "budget=auto only) or drain (off|scaled|lead: the planner's drain rule off, or on with "
+                         "Engine.plan_drain_model; budget=auto only) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "
                          "--config auto:budget=auto: several verify modes of one draft timed in one run, alternated "
                          "per task (engine only; --block-size applies to the chain labels)")

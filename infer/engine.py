@@ -57,7 +57,7 @@ from dspine.target import TargetSpec, assert_compatible
 from dspine.tree import chain_accepted, node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
-from infer.planner import StepPlanner
+from infer.planner import DRAIN_MODELS, StepPlanner
 
 
 class _Slots:
@@ -181,7 +181,8 @@ class Engine:
             time from its launch to the next: no extra sync; ``plan_online = False`` keeps the start-up
             table), and the measured acceptance;
             once no prompt is queued, it compares the modes on the time to finish the batch's last request
-            (``plan_drain``, on by default; per-slot chain acceptance counted by :meth:`_decode_planned`);
+            (``plan_drain``, on by default; ``plan_drain_model``, ``infer.planner.DRAIN_MODELS``: how it maps a
+            tree to one request, "scaled" by default; per-slot chain acceptance counted by :meth:`_decode_planned`);
             None = always ``verify`` / ``tree_budget``. The planner's AR steps defer the draft-context
             append to a flush every ``ar_defer`` AR steps and before a speculative one (:meth:`_ar_step`,
             :meth:`_decode_planned`; ``defer_ar_append = False``: append in every AR step, tests and
@@ -310,6 +311,7 @@ class Engine:
         # once no prompt is queued, the planner compares modes on the time to finish the last live request
         # (infer.planner, "Drain"); False: on tokens per millisecond to the end
         self.plan_drain = True
+        self.plan_drain_model = "scaled"  # infer.planner.DRAIN_MODELS: how the drain rule maps a tree to one request
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
         self.eos_set = set(int(e) for e in eos_token_ids)
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -1205,7 +1207,10 @@ class Engine:
         s = self._slots_for(B)
         kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
-        planner = StepPlanner(self._step_costs(B, params)) if spec and self.budget == "auto" else None
+        if spec and self.budget == "auto" and self.plan_drain_model not in DRAIN_MODELS:
+            raise ValueError(f"Engine.plan_drain_model={self.plan_drain_model!r}: use {' or '.join(map(repr, DRAIN_MODELS))}")
+        planner = (StepPlanner(self._step_costs(B, params), drain_model=self.plan_drain_model)
+                   if spec and self.budget == "auto" else None)
         key = self._plan_key(B, params)
         if planner is not None:  # what the previous generate at this key learned (infer.planner, "Across calls")
             if self.plan_online and key in self.plan_cost_memory:

@@ -137,7 +137,10 @@ per request of the batch, the engine gives the tokens it may still commit (0 onc
 chain(-equivalent) acceptance (chain steps, and the chain nodes of tree steps), every ``Engine.PLAN_DRAIN_EVERY``
 (8) steps; :func:`drain_tokens` maps each speculative mode's estimate to what it commits per step for the request
 that would finish last under it (every speculative mode scaled alike by the request's acceptance), and rule 1-3 run
-on those values until the next refresh.
+on those values until the next refresh. ``StepPlanner(drain_model="lead")`` (``Engine.plan_drain_model``,
+``infer.bench --config LABEL:drain=lead``) maps a tree instead as the request's chain plus the tree's lead over it,
+the per-request law the H200 runs fit best (results/tree-lead-fit-h200.json); an experiment until an H200 A/B
+decides (benchmarks/engine/sim_drain_trees.py compares the two on the CPU).
 Which request finishes last is not known, only each one's acceptance so far: :func:`drain_tokens` takes each
 request's acceptance as the empirical Bayes posterior of a normal model (its own mean shrunk towards the batch's,
 with the posterior's variance) and the finishing step as the median of the last request's, the requests taken as
@@ -184,6 +187,9 @@ PENDING = 8  # unobserved choices kept by StepPlanner (the engine has at most 2)
 # steps a paired observation keeps its mode from being probed (module docstring, "Paired ...")
 PAIRED_FRESH = 4
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
+# how the drain rule maps a tree to one request (drain_tokens): "scaled" (every speculative mode scaled alike by
+# the request's chain acceptance, the default) or "lead" (the request's chain plus the tree's lead over it)
+DRAIN_MODELS = ("scaled", "lead")
 # chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
 SPREAD_STEPS = 16.0
 # the drain rule's prior spread of a planner with no earlier call (variance between requests' accepted draft tokens
@@ -327,7 +333,7 @@ def _finite_prior(prior) -> float | None:
 
 
 def drain_tokens(
-    tokens: dict[Mode, float | None], drain, modes, prior: float | None = None
+    tokens: dict[Mode, float | None], drain, modes, prior: float | None = None, leads: dict[Mode, Mode] | None = None
 ) -> dict[Mode, float | None]:
     """Token estimates for the drain rule (module docstring, "Drain"): each speculative mode's ``tokens`` mapped
     to the AR-equivalent tokens per step of the request that would finish last under it.
@@ -340,6 +346,13 @@ def drain_tokens(
         modes: the cost table's modes (:func:`max_tokens`).
         prior: the variance between requests' mean accepted draft tokens per chain step, learned on earlier
             requests (:attr:`StepPlanner.spread`); ``None``: only this batch's.
+        leads: the drain model ``"lead"`` (:data:`DRAIN_MODELS`): mode -> its paired chain mode. A mode listed
+            here whose chain has an estimate above 1 commits, per request, what that request's chain commits plus
+            the batch's lead ``tokens[mode] − tokens[chain]``: ``τ_i(m) = τ_i(chain) + tokens[m] − tokens[chain]``,
+            clipped to [1, max_tokens] (per request on the H200, a tree's τ is its chain's plus a constant lead:
+            results/tree-lead-fit-h200.json, where scaling alike under-predicts the trees of the hardest quarter
+            of the requests by 0.46-0.73 tokens per step). ``None`` (the default, ``"scaled"``): every
+            speculative mode scaled alike, below.
     Returns:
         ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
         > 0), ``y(m)`` the median of the number of steps the last of them needs under mode m. AR's 1 stays 1;
@@ -383,19 +396,25 @@ def drain_tokens(
     sd = np.sqrt(np.maximum(v * (1.0 - k), 0.0))
     R = float(rem.max())
     out = dict(tokens)
-    grid = []  # (mode, tokens, cap) of the modes whose τ_i depends on a_i with more than one request
+    # (mode, base, offset, cap) of the modes whose τ_i depends on a_i with more than one request:
+    # τ_i = clip(1 + offset + (base − 1) a_i / ā, 1, cap)
+    grid = []
     for m, x in tokens.items():
         if x is None or m[0] == "ar":
             continue
         cap = float(max_tokens(m, modes))
-        if not x > 1.0 or len(live) == 1:  # τ the same for every request, or one request: R / τ(its median)
-            a = float(ahat[0]) if x > 1.0 else 0.0
-            out[m] = min(max(1.0 + (x - 1.0) * a / pooled, 1.0), cap)
+        ref = (leads or {}).get(m)
+        base, off = x, 0.0
+        if ref is not None and ref != m and tokens.get(ref) is not None and tokens[ref] > 1.0:
+            base, off = float(tokens[ref]), x - float(tokens[ref])  # the request's chain plus the batch's lead
+        if not base > 1.0 or len(live) == 1:  # τ the same for every request, or one request: R / τ(its median)
+            a = float(ahat[0]) if base > 1.0 else 0.0
+            out[m] = min(max(1.0 + off + (base - 1.0) * a / pooled, 1.0), cap)
         else:
-            grid.append((m, x, cap))
+            grid.append((m, base, off, cap))
     if grid:
-        ms, base, cap = (list(x) for x in zip(*grid))
-        steps = _median_last_finish(rem, ahat, sd, pooled, np.array(base), np.array(cap))
+        ms, base, off, cap = (list(x) for x in zip(*grid))
+        steps = _median_last_finish(rem, ahat, sd, pooled, np.array(base), np.array(cap), offset=np.array(off))
         out.update({m: min(max(R / y, 1.0), c) for m, y, c in zip(ms, steps.tolist(), cap)})
     return out
 
@@ -414,14 +433,15 @@ def _normal_cdf(z: np.ndarray) -> np.ndarray:
     return np.where(z < 0, tail, 1.0 - tail)
 
 
-def _median_last_finish(rem, ahat, sd, pooled, base, cap, grid=16, rounds=5) -> np.ndarray:
+def _median_last_finish(rem, ahat, sd, pooled, base, cap, grid=16, rounds=5, offset=None) -> np.ndarray:
     """Per mode j, ``y_j`` with ``Π_i P(rem_i / τ_ij ≤ y_j) = 1/2`` (:func:`drain_tokens`), ``τ_ij = clip(1 +
-    (base_j − 1) a_i / pooled, 1, cap_j)`` (``base_j > 1``), ``a_i ~ N(ahat_i, sd_i²)`` (``sd_i = 0``:
-    known). Σ_i log P(finished by y) rises with y from −∞ at 0 to 0 at ``max(rem)``; ``rounds`` of a
-    ``grid``-point search, each inside the bracket of the last (``max(rem) / grid^rounds`` wide at the end),
-    all modes at once. ``rem``, ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``cap``: float64 ``[M]``.
-    Returns float64 ``[M]``."""
-    base, cap = base[:, None, None], cap[:, None, None]  # [M, 1, 1]
+    offset_j + (base_j − 1) a_i / pooled, 1, cap_j)`` (``base_j > 1``; ``offset`` None: 0), ``a_i ~ N(ahat_i,
+    sd_i²)`` (``sd_i = 0``: known). Σ_i log P(finished by y) rises with y from −∞ at 0 to 0 at ``max(rem)``;
+    ``rounds`` of a ``grid``-point search, each inside the bracket of the last (``max(rem) / grid^rounds`` wide
+    at the end), all modes at once. ``rem``, ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``cap``, ``offset``:
+    float64 ``[M]``. Returns float64 ``[M]``."""
+    off = np.zeros_like(base) if offset is None else offset
+    base, cap, off = base[:, None, None], cap[:, None, None], off[:, None, None]  # [M, 1, 1]
     slope = pooled / (base - 1.0)  # accepted tokens per unit of τ above 1
     sd = np.maximum(sd, 1e-12)  # a known a_i: Φ of ±1e12 σ is its indicator
     lo = np.zeros((base.shape[0], 1, 1))
@@ -431,7 +451,7 @@ def _median_last_finish(rem, ahat, sd, pooled, base, cap, grid=16, rounds=5) -> 
     with np.errstate(divide="ignore"):
         for _ in range(rounds):
             u = rem / (lo + width * frac)  # [M, G, L]: the τ request i needs to finish within y steps
-            late = _normal_cdf(((u - 1.0) * slope - ahat) / sd)  # P(τ_i < u) = P(a_i < a*)
+            late = _normal_cdf(((u - 1.0 - off) * slope - ahat) / sd)  # P(τ_i < u) = P(a_i < a*)
             late = np.where(u <= 1.0, 0.0, np.where(u > cap, 1.0, late))
             below = (np.log1p(-late).sum(axis=2, keepdims=True) < half).sum(axis=1, keepdims=True)
             width = width / grid
@@ -449,7 +469,9 @@ class StepPlanner:
         share, warmup, headroom, gain: the probing rule of :func:`choose_mode`.
         cost_decay: least weight of the newest measured ÷ table step time (online cost).
         cal_decay: least weight of the newest predicted / realized accepted tokens (calibration).
-    Raises ValueError on an empty or non-positive cost table.
+        drain_model: :data:`DRAIN_MODELS`: ``"scaled"`` or ``"lead"`` (:func:`drain_tokens`' ``leads``, with
+            each tree's paired chain from the paired observations).
+    Raises ValueError on an empty or non-positive cost table, or an unknown drain model.
     """
 
     def __init__(
@@ -463,9 +485,13 @@ class StepPlanner:
         gain: float = 2.0,
         cost_decay: float = 0.1,
         cal_decay: float = 0.05,
+        drain_model: str = "scaled",
     ):
         if not costs or min(costs.values()) <= 0:
             raise ValueError(f"planner costs must be a non-empty table of positive step times, got {costs}")
+        if drain_model not in DRAIN_MODELS:
+            raise ValueError(f"drain_model={drain_model!r}; expected one of {', '.join(DRAIN_MODELS)}")
+        self.drain_model = drain_model
         self.table, self.decay, self.slow_decay = dict(costs), decay, slow
         self.cost_decay, self.cal_decay = cost_decay, cal_decay
         self.rule = dict(share=share, warmup=warmup, headroom=headroom, gain=gain)
@@ -599,7 +625,8 @@ class StepPlanner:
         raw = None  # this step's token estimates, computed once
         if drain is not None:
             raw = self.expected(predicted)
-            mapped = drain_tokens(raw, drain, self.table, self.spread_prior)
+            leads = {m: ref for m, (ref, _) in self.lead.items()} if self.drain_model == "lead" else None
+            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads)
             pooled, _, between, nbar = drain_spread(drain)
             if nbar and pooled > 0:  # the spread drain_tokens used, for later batches
                 self.spread = spread_variance(drain, between, self.spread_prior)

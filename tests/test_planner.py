@@ -517,10 +517,11 @@ def test_token_state_carries_the_acceptance():
         StepPlanner({AR: 1.0, CHAIN: 1.0}).load_token_state(state)
 
 
-def brute_drain(tokens, drain, modes, prior=None):
+def brute_drain(tokens, drain, modes, prior=None, leads=None):
     """drain_tokens written out from its docstring, per request and per mode in plain Python: the empirical Bayes
     posterior of each live request's acceptance, then the median last finishing step by bisection on
-    ``Π_i P(remaining_i / τ_i ≤ y) = 1/2`` with the normal cdf of the standard library."""
+    ``Π_i P(remaining_i / τ_i ≤ y) = 1/2`` with the normal cdf of the standard library. ``leads``: mode -> its
+    chain; such a mode's τ_i is the request's chain τ_i plus ``tokens[mode] − tokens[chain]``."""
     from statistics import NormalDist
 
     steps = sum(d[2] for d in drain)
@@ -559,11 +560,15 @@ def brute_drain(tokens, drain, modes, prior=None):
             out[m] = x
             continue
         cap = max_tokens(m, modes)
+        ref = (leads or {}).get(m)
+        off = 0.0
+        if ref is not None and tokens.get(ref) is not None and tokens[ref] > 1:
+            x, off = tokens[ref], x - tokens[ref]  # τ_i = 1 + off + (chain − 1) a_i / pooled
         if x <= 1:  # the same τ for every request
             out[m] = 1.0
             continue
 
-        def all_done(y, cap=cap, x=x):  # P(every live request finished within y steps)
+        def all_done(y, cap=cap, x=x, off=off):  # P(every live request finished within y steps)
             p = 1.0
             for rem, mu, sd in post:
                 u = rem / y
@@ -571,7 +576,7 @@ def brute_drain(tokens, drain, modes, prior=None):
                     continue
                 if u > cap:
                     return 0.0
-                astar = (u - 1) * pooled / (x - 1)
+                astar = (u - 1 - off) * pooled / (x - 1)
                 p *= 1 - (NormalDist(mu, sd).cdf(astar) if sd > 0 else float(mu < astar))
             return p
 
@@ -661,6 +666,74 @@ def test_drain_tokens_prior_and_random_batches_against_the_brute_force():
         got = drain_tokens(toks, batch, modes, prior)
         assert close(got, brute_drain(toks, batch, modes, prior), rel=2e-4), (case, batch, prior)
         assert all(1.0 <= x <= max_tokens(m, modes) for m, x in got.items() if x is not None), (case, got)
+
+
+def test_drain_tokens_lead_model_maps_a_tree_as_the_request_chain_plus_the_lead():
+    """drain_model "lead": a tree is the request's chain plus the batch's lead (tokens[tree] − tokens[chain]), not
+    the chain scaled. One request: exactly its chain τ plus the lead. A slow request: the tree keeps the whole lead
+    (scaled alike it would lose part of it). Equal requests: unchanged. Random batches match brute_drain with the
+    same leads; a lead whose chain has no estimate, or an estimate of 1, falls back to scaling."""
+    tokens = {AR: 1.0, CHAIN: 3.0, TREE32: 4.0}
+    leads = {TREE32: CHAIN}
+    one = [(100, 15, 10, 25)]  # accepts 0.5 draft tokens per chain step, pooled 0.5: its chain τ 3.0
+    got = drain_tokens(tokens, one, MODES, leads=leads)
+    assert got[CHAIN] == pytest.approx(3.0) and got[TREE32] == pytest.approx(4.0)
+    mixed = [(100, 30, 10, 90), (100, 15, 10, 25)]  # accepts 2.0 and 0.5 per chain step, pooled 1.25
+    lead = drain_tokens(tokens, mixed, MODES, leads=leads)
+    scaled = drain_tokens(tokens, mixed, MODES)
+    assert close(lead, brute_drain(tokens, mixed, MODES, leads=leads))
+    assert lead[CHAIN] == pytest.approx(scaled[CHAIN], rel=1e-6)  # the chain is mapped alike by both
+    # the slowest request (known: no spread left to doubt) commits its chain τ + 1 with the tree
+    assert lead[TREE32] == pytest.approx(lead[CHAIN] + 1.0, rel=1e-3)
+    assert scaled[TREE32] < lead[TREE32]  # scaled alike, the hard request's tree loses part of its lead
+    same = [(100, 30, 10, 100)] * 2
+    assert close(drain_tokens(tokens, same, MODES, leads=leads), tokens)
+    assert close(drain_tokens({**tokens, CHAIN: None}, mixed, MODES, leads=leads),
+                 drain_tokens({**tokens, CHAIN: None}, mixed, MODES))
+    assert close(drain_tokens({**tokens, CHAIN: 1.0}, mixed, MODES, leads=leads),
+                 drain_tokens({**tokens, CHAIN: 1.0}, mixed, MODES))
+    modes = [*MODES, ("chain", 4), ("tree", 6)]
+    rng = random.Random(5)
+    for case in range(40):
+        batch = []
+        for _ in range(rng.choice([1, 2, 5, 33])):
+            n = rng.choice([0, 1, 3, 12, 40])
+            ks = [1 + min(int(rng.expovariate(1 / rng.uniform(0.3, 3.0))), 15) for _ in range(n)]
+            batch.append((rng.choice([0, 7, 100, 256]), sum(ks), n, sum(k * k for k in ks)))
+        prior = rng.choice([None, 0.0, 0.05, 0.3])
+        toks = {AR: 1.0, CHAIN: rng.uniform(1.0, 9.0)}
+        toks[TREE32] = toks[CHAIN] + rng.choice([-0.3, 0.0, 0.8, 2.5])
+        lds = {TREE32: CHAIN}
+        if case % 3 == 0:  # a short chain's tree, at its cap
+            toks.update({("chain", 4): rng.uniform(1.0, 4.0), ("tree", 6): rng.uniform(2.0, 6.0)})
+            lds[("tree", 6)] = ("chain", 4)
+        got = drain_tokens(toks, batch, modes, prior, leads=lds)
+        assert close(got, brute_drain(toks, batch, modes, prior, leads=lds), rel=2e-4), (case, batch, prior)
+        assert all(1.0 <= x <= max_tokens(m, modes) for m, x in got.items() if x is not None), (case, got)
+
+
+def test_planner_drain_model_lead_passes_the_paired_chains():
+    """StepPlanner(drain_model="lead") hands drain_tokens each led tree's chain; the default scales; an unknown
+    model is refused by name."""
+    costs = {AR: 1.0, CHAIN: 1.2, TREE32: 1.4}
+    batch = [(200, 30, 10, 90), (200, 15, 10, 25)]
+    picks = {}
+    for model in ("scaled", "lead"):
+        p = StepPlanner(costs, drain_model=model)
+        for _ in range(30):  # the tree runs with the chain paired: a lead of 1 token
+            p.choose()
+            p.observe(TREE32, 4.0, 1.4)
+            p.observe_paired(CHAIN, 3.0)
+        assert p.lead[TREE32] == (CHAIN, pytest.approx(1.0))
+        raw = p.expected()  # what choose maps (it moves the step count after)
+        p.choose(drain=batch)
+        picks[model] = dict(p.drain_scale)
+        want = drain_tokens(raw, batch, p.table, p.spread_prior, {TREE32: CHAIN} if model == "lead" else None)
+        assert picks[model][TREE32] == pytest.approx(want[TREE32] / raw[TREE32])
+    assert picks["lead"][TREE32] > picks["scaled"][TREE32]
+    assert picks["lead"][CHAIN] == pytest.approx(picks["scaled"][CHAIN])
+    with pytest.raises(ValueError, match="drain_model='tail'"):
+        StepPlanner(costs, drain_model="tail")
 
 
 def test_drain_spread_weight_and_bad_priors():
