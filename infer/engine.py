@@ -284,6 +284,12 @@ class Engine:
                              "(nodes, anchor included), or empty (the planner then picks AR or the chain)")
         if plan_trees is not None and budget != "auto":
             raise ValueError(f"plan_trees={plan_trees!r} applies to budget='auto' only (got budget={budget!r})")
+        if budget == "auto" and trees and self.verify_size != self.block_size:
+            # a tree is as deep as the draft block: its steps commit up to block_size tokens, which slots sized for
+            # a narrower chain cannot hold
+            raise ValueError(f"budget='auto' with trees {tuple(trees)} needs verify_size equal to the draft's block "
+                             f"size {self.block_size} (got {self.verify_size}); pass plan_trees=() for AR and a "
+                             "narrower chain")
         self.plan_trees = tuple(sorted(trees))
         self.plan_modes = [("ar", 1), ("chain", self.verify_size)] + [("tree", n) for n in self.plan_trees]
         # target positions written per step (anchor included)

@@ -471,7 +471,8 @@ class StepPlanner:
         cal_decay: least weight of the newest predicted / realized accepted tokens (calibration).
         drain_model: :data:`DRAIN_MODELS`: ``"scaled"`` or ``"lead"`` (:func:`drain_tokens`' ``leads``, with
             each tree's paired chain from the paired observations).
-    Raises ValueError on an empty or non-positive cost table, or an unknown drain model.
+    Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, or an
+    unknown drain model.
     """
 
     def __init__(
@@ -487,8 +488,8 @@ class StepPlanner:
         cal_decay: float = 0.05,
         drain_model: str = "scaled",
     ):
-        if not costs or min(costs.values()) <= 0:
-            raise ValueError(f"planner costs must be a non-empty table of positive step times, got {costs}")
+        if not costs or not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs.values()):
+            raise ValueError(f"planner costs must be a non-empty table of positive finite step times, got {costs}")
         if drain_model not in DRAIN_MODELS:
             raise ValueError(f"drain_model={drain_model!r}; expected one of {', '.join(DRAIN_MODELS)}")
         self.drain_model = drain_model
@@ -600,7 +601,7 @@ class StepPlanner:
         led = {m for m in self.lead if self.lead[m][0] in out and out.get(self.lead[m][0]) is not None}
         for m, x in (predicted or {}).items():
             if (m[0] != "ar" and m not in led and out.get(m) is not None and self.calibrated[m] and self.pred[m] > 0
-                    and math.isfinite(x)):
+                    and isinstance(x, (int, float)) and math.isfinite(x)):
                 rel = min(max((x - 1.0) / self.pred[m], 1 / 3), 3.0)
                 out[m] = min(max(1.0 + (out[m] - 1.0) * rel, 1.0), float(max_tokens(m, self.table)))
         # a led mode: its paired mode's estimate this step plus the lead (module docstring, "Calibration")
@@ -797,7 +798,7 @@ class StepPlanner:
 
     def _record(self, mode: Mode, tokens_per_request: float, rows: int, predicted: float | None) -> None:
         """Token averages and calibration of a speculative ``mode`` (module docstring, "Averages")."""
-        if predicted is not None:
+        if predicted is not None and isinstance(predicted, (int, float)) and math.isfinite(predicted):
             n = self.calibrated[mode] + 1
             w = max(self.cal_decay, 1.0 / n)
             for avg, x in ((self.pred, predicted - 1.0), (self.real, tokens_per_request - 1.0)):

@@ -522,3 +522,13 @@ def test_parse_plan_trees():
     for bad in ("", "16,32", "1/16", "16/65", "x", "16/16", "-4"):
         with pytest.raises(ValueError, match=f"plan_trees={bad!r}"):
             parse_plan_trees(bad)
+
+
+def test_planner_trees_need_the_full_block_width(stories_dir, stories):
+    """budget='auto' with trees and a chain narrower than the draft block is refused (a tree step commits up to
+    the block's depth); with plan_trees=() the narrower chain is fine."""
+    _, _, folder = stories
+    with pytest.raises(ValueError, match="needs verify_size equal to the draft's block size"):
+        _engine(stories_dir, folder, budget="auto", verify_size=4)
+    assert _engine(stories_dir, folder, budget="auto", verify_size=4, plan_trees=()).plan_modes == [("ar", 1),
+                                                                                                    ("chain", 4)]

@@ -712,6 +712,23 @@ def test_drain_tokens_lead_model_maps_a_tree_as_the_request_chain_plus_the_lead(
         assert all(1.0 <= x <= max_tokens(m, modes) for m, x in got.items() if x is not None), (case, got)
 
 
+def test_planner_ignores_non_finite_confidence_and_refuses_non_finite_costs():
+    """A NaN or inf confidence (or None) changes neither the step's estimate nor the calibration that later steps
+    use; a cost table with a NaN, inf or non-number step time is refused by name."""
+    costs = {AR: 1.0, CHAIN: 1.2}
+    ref, bad = StepPlanner(costs), StepPlanner(costs)
+    for k in range(12):
+        for p, pred in ((ref, None), (bad, [math.nan, math.inf, None][k % 3])):
+            p.choose({CHAIN: pred} if pred is not None or p is bad else None)
+            p.observe(CHAIN, 3.0, 1.2)
+    assert bad.pred[CHAIN] is None and bad.calibrated[CHAIN] == 0
+    assert bad.expected({CHAIN: math.nan})[CHAIN] == pytest.approx(ref.expected()[CHAIN])
+    assert bad.expected({CHAIN: None})[CHAIN] == pytest.approx(ref.expected()[CHAIN])
+    for c in (math.nan, math.inf, "1"):
+        with pytest.raises(ValueError, match="positive finite step times"):
+            StepPlanner({AR: 1.0, CHAIN: c})
+
+
 def test_planner_drain_model_lead_passes_the_paired_chains():
     """StepPlanner(drain_model="lead") hands drain_tokens each led tree's chain; the default scales; an unknown
     model is refused by name."""
