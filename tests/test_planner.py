@@ -587,6 +587,17 @@ def brute_drain(tokens, drain, modes, prior=None, leads=None):
     return out
 
 
+def random_drain_batch(rng: random.Random) -> list[tuple[int, int, int, int]]:
+    """A random drain batch for drain_tokens: 1-33 requests, finished and unseen ones among them, each with 0-40
+    chain steps of 1-16 tokens."""
+    batch = []
+    for _ in range(rng.choice([1, 2, 5, 33])):
+        n = rng.choice([0, 1, 3, 12, 40])
+        ks = [1 + min(int(rng.expovariate(1 / rng.uniform(0.3, 3.0))), 15) for _ in range(n)]
+        batch.append((rng.choice([0, 7, 100, 256]), sum(ks), n, sum(k * k for k in ks)))
+    return batch
+
+
 def close(got, want, rel=1e-4):
     """Same modes, the same ``None`` entries, the others within ``rel``."""
     return got.keys() == want.keys() and all(
@@ -653,11 +664,7 @@ def test_drain_tokens_prior_and_random_batches_against_the_brute_force():
     modes = [*MODES, ("chain", 4), ("tree", 6)]
     rng = random.Random(11)
     for case in range(60):
-        batch = []
-        for _ in range(rng.choice([1, 2, 5, 33])):
-            n = rng.choice([0, 1, 3, 12, 40])
-            ks = [1 + min(int(rng.expovariate(1 / rng.uniform(0.3, 3.0))), 15) for _ in range(n)]
-            batch.append((rng.choice([0, 7, 100, 256]), sum(ks), n, sum(k * k for k in ks)))
+        batch = random_drain_batch(rng)
         prior = rng.choice([None, 0.0, 0.05, 0.3, -1.0, math.nan, math.inf])
         toks = {AR: 1.0, CHAIN: rng.uniform(1.0, 9.0), TREE32: None}
         toks[TREE32] = toks[CHAIN] + rng.choice([0.0, 0.8])
@@ -695,11 +702,7 @@ def test_drain_tokens_lead_model_maps_a_tree_as_the_request_chain_plus_the_lead(
     modes = [*MODES, ("chain", 4), ("tree", 6)]
     rng = random.Random(5)
     for case in range(40):
-        batch = []
-        for _ in range(rng.choice([1, 2, 5, 33])):
-            n = rng.choice([0, 1, 3, 12, 40])
-            ks = [1 + min(int(rng.expovariate(1 / rng.uniform(0.3, 3.0))), 15) for _ in range(n)]
-            batch.append((rng.choice([0, 7, 100, 256]), sum(ks), n, sum(k * k for k in ks)))
+        batch = random_drain_batch(rng)
         prior = rng.choice([None, 0.0, 0.05, 0.3])
         toks = {AR: 1.0, CHAIN: rng.uniform(1.0, 9.0)}
         toks[TREE32] = toks[CHAIN] + rng.choice([-0.3, 0.0, 0.8, 2.5])
