@@ -62,13 +62,14 @@ CHAIN_FIRST = {"auto": None, "yes": True, "no": False}  # Engine's tree_chain_fi
 
 def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
     """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget", "chain_first",
-    "plan_trees", "confidence", "drain"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` / ``--budget`` with the label's
-    overrides. So one run can time several verify modes of one draft (``--draft chain=D --draft auto=D
+    "plan_trees", "confidence", "drain"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` /
+    ``--budget`` with the label's overrides. So one run can time several verify modes of one draft (``--draft chain=D --draft auto=D
     --config auto:budget=auto``), alternated per task like any drafts.
 
     Raises ValueError naming the item: an unknown label or key, a bad value, a label given twice, a tree
-    budget without tree verify, and the run-wide rules (``--exact`` is chain only, a tree needs a draft
-    temperature above 0, the reference backend has neither trees under a budget nor the planner)."""
+    budget under budget=auto (the planner's sizes are plan_trees), a tree budget without tree verify, and the
+    run-wide rules (a tree needs a draft temperature above 0, the reference backend has neither trees under a
+    budget nor the planner)."""
     base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None,
             "plan_trees": None, "confidence": None, "drain": None}
     out = {label: dict(base) for label in labels}
@@ -132,10 +133,10 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
                 raise ValueError(f"--config {item!r}: tree_budget={c['tree_budget']} must be in 2..64")
         elif c["tree_budget"] is not None:
             raise ValueError(f"--config {item!r}: tree_budget applies to verify=tree only")
+        if "tree_budget" in given and c["budget"] is not None:
+            raise ValueError(f"--config {item!r}: tree_budget with budget=auto: the planner picks its own tree sizes "
+                             f"(give them with --config {label}:plan_trees=16/32)")
     for label, c in out.items():
-        if args.exact and (c["verify"] == "tree" or c["budget"] is not None):
-            raise ValueError(f"--exact supports chain verify without a budget; draft {label!r} has verify="
-                             f"{c['verify']}, budget={c['budget']}")
         if c["verify"] == "tree" and c["budget"] is None and getattr(args, "draft_temperature", None) == 0:
             raise ValueError(f"draft {label!r}: --draft-temperature 0 with verify=tree (the tree is built from the "
                              "draft's distribution, one-hot at 0)")
@@ -189,8 +190,7 @@ class Runner:
         if args.exact is None:  # the engine's default; the reference backend has no exact mode
             from infer.model import EXACT_DEFAULT
 
-            args.exact = EXACT_DEFAULT and self.backend == "cuda" and all(
-                c["verify"] == "chain" and c["budget"] is None for c in self.configs.values())
+            args.exact = EXACT_DEFAULT and self.backend == "cuda"
         self.tokenizer = load_tokenizer(path, gguf)
         self.eos = sorted(self.spec.eos_ids)
         limit = self.spec.max_position_embeddings
@@ -585,13 +585,16 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def build_parser():
     from dspine.reference import CPU_VERIFY_WIDTH, THREADS_HELP
+    from infer.datasets import TASKS
 
     ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--gguf-file", default=None)
     ap.add_argument("--draft", action="append", default=None, metavar="[LABEL=]PATH",
                     help="draft folder; repeat to compare drafts on the same prompts (omit for AR only)")
-    ap.add_argument("--datasets", default="gsm8k,math500,humaneval,mbpp,mt-bench")
+    ap.add_argument("--datasets", default="gsm8k,math500,humaneval,mbpp,mt-bench",
+                    help=f"comma-separated eval tasks, each given once, of {', '.join(TASKS)} (infer.datasets; "
+                         "default: all of them)")
     ap.add_argument("--data-dir", default=None, help="local eval folder (default: $DSPINE_SHARED/data/eval, else the Hub)")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=512)
@@ -636,7 +639,8 @@ def build_parser():
                          "(one-time costs at new prompt shapes are not counted; twice the run time); start: only the "
                          "start-up warm-up (short prompts, 32 tokens); auto (default): task on a CUDA engine, else start")
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
-                    help="bit-exact mode of the engine (issue 13): greedy spec output must equal the AR output "
+                    help="bit-exact mode of the engine (issues 13, 16; chain, tree and planner): greedy spec output must "
+                         "equal the AR output "
                          "(default: infer.model.EXACT_DEFAULT on the engine, off on the reference backend)")
     ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
                     help="engine: prefill each prompt alone, padded to a length bucket, one CUDA graph per bucket, for "
@@ -676,7 +680,7 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     for name in ("num_prompts", "concurrency", "max_prompt_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    check_decode_args(args)
+    check_decode_args(args, plan_trees="--config LABEL:plan_trees=16/32")
     if args.device is not None and args.backend != "cuda":
         raise ValueError(f"--device {args.device} places the engine: give --backend cuda with it")
     args.device = args.device or "cuda"

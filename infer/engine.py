@@ -192,7 +192,8 @@ class Engine:
         exact: bit-exact mode (issue 13; default ``infer.model.EXACT_DEFAULT``): the target's decode and
             verify steps use row-invariant kernels and each prompt is prefilled in its own pass, so
             greedy speculative output equals this engine's autoregressive output bit for bit, in
-            bf16 too, at any batch size, with or without CUDA graphs. Chain verify only.
+            bf16 too, at any batch size, with or without CUDA graphs; with tree verify and with the planner too
+            (a tree node's target logits are those of its path decoded one token at a time, issue 16).
         prefill_buckets: prefill each prompt alone, padded to a length bucket (``infer.model.prefill_bucket``)
             at static shapes (:meth:`EngineTarget.prefill_static`), as one CUDA graph per bucket when
             ``cuda_graphs`` (made at a bucket's first prompt): the eager prefill of a small target is bound
@@ -232,8 +233,6 @@ class Engine:
                  plan_trees: tuple[int, ...] | None = None):
         self.target = target
         self.exact = EXACT_DEFAULT if exact is None else bool(exact)
-        if self.exact and (verify != "chain" or budget is not None):
-            raise ValueError(f"exact=True supports chain verify only (got verify={verify!r}, budget={budget!r})")
         if target.args.hybrid and (verify != "chain" or budget is not None or exact):
             raise ValueError(f"target model_type={target.args.model_type!r} (linear-attention layers): the engine "
                              f"runs chain verify only, without exact mode (got verify={verify!r}, budget={budget!r}, "
@@ -290,6 +289,11 @@ class Engine:
             raise ValueError(f"budget='auto' with trees {tuple(trees)} needs verify_size equal to the draft's block "
                              f"size {self.block_size} (got {self.verify_size}); pass plan_trees=() for AR and a "
                              "narrower chain")
+        windows = sorted({w for w in target.args.windows if w is not None})
+        if windows and (verify == "tree" or (budget == "auto" and trees)):
+            raise ValueError(f"the target has sliding-window layers (windows {windows}): tree verify has no window; "
+                             f"use verify='chain' (and plan_trees=() with budget='auto'), got verify={verify!r}, "
+                             f"budget={budget!r}")
         self.plan_trees = tuple(sorted(trees))
         self.plan_modes = [("ar", 1), ("chain", self.verify_size)] + [("tree", n) for n in self.plan_trees]
         # target positions written per step (anchor included)
@@ -504,6 +508,7 @@ class Engine:
         bits = tree.bits
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths, tree_bits=bits,
+                                                   exact=self.exact,
                                                    lm_head=self.lm_head_choice.get(tree.tokens.numel(), "linear"))
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         rows = torch.arange(s.B, device=self.device)

@@ -8,7 +8,8 @@ Without ``--draft`` it decodes autoregressively with the same backend. ``--json`
 ``verify_steps``, ``committed_tokens``, ``tok_per_s`` over the whole call, ``sampling`` (the decoding
 settings: temperature, top_p, top_k, max_new_tokens, seed, draft_temperature), ``threads`` (torch's CPU threads), and per prompt ``text``, ``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and
 steps — at the top level for one prompt, in ``batch`` (one entry per prompt, adding up to the top level)
-for several.
+for several. With a draft also ``verify``, ``verified_tokens_per_step``, ``plan_trees`` and ``plan_drain`` (the
+planner's tree sizes and drain rule, ``off`` or ``Engine.plan_drain_model``; null without ``--budget auto``).
 Non-finite logits (NaN weights, fp16 overflow) end it with one ``error:`` line and exit status 2.
 """
 
@@ -79,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
-                    help="bit-exact engine mode (issue 13): greedy spec output equals the engine's AR output in bf16 "
-                         "too (default: infer.model.EXACT_DEFAULT; engine only)")
+                    help="bit-exact engine mode (issues 13, 16): greedy spec output (chain, tree or planner) equals the "
+                         "engine's AR output in bf16 too (default: infer.model.EXACT_DEFAULT; engine only)")
     ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
                     help="engine: prefill each prompt padded to a length bucket, one CUDA graph per bucket, for admissions "
                          "of up to Engine.PREFILL_BUCKETS_MAX_PROMPTS (8) prompts (default: "
@@ -136,10 +137,11 @@ def report(tokenizer, res, eos: set[int], backend: str) -> dict:
     return out
 
 
-def check_decode_args(args) -> None:
+def check_decode_args(args, plan_trees: str = "--plan-trees 16/32") -> None:
     """Checks of the options infer.generate and infer.bench share, before any model is read; sets
     ``args.tree_budget`` to its default under ``--verify tree``. Raises ValueError naming the option, also
-    for an option that another one makes meaningless (it would be silently ignored)."""
+    for an option that another one makes meaningless (it would be silently ignored). ``plan_trees``: how the
+    command line gives the planner's tree sizes (named when ``--tree-budget`` meets ``--budget auto``)."""
     if args.block_size is not None and args.block_size < 2:
         raise ValueError(f"--block-size {args.block_size}: must be >= 2 (the anchor and one drafted token)")
     if args.dtype not in ("auto", "bf16", "fp32"):
@@ -148,6 +150,9 @@ def check_decode_args(args) -> None:
         raise ValueError(f"--tree-budget {args.tree_budget} applies to --verify tree only (the chain verifies "
                          "--block-size positions)")
     if args.verify == "tree":
+        if args.tree_budget is not None and args.budget is not None:
+            raise ValueError(f"--tree-budget {args.tree_budget} with --budget auto: the planner picks its own tree "
+                             f"sizes (give them with {plan_trees})")
         args.tree_budget = TREE_BUDGET if args.tree_budget is None else args.tree_budget
         if not 2 <= args.tree_budget <= 64:
             raise ValueError(f"--tree-budget {args.tree_budget}: must be in 2..64")
@@ -157,8 +162,6 @@ def check_decode_args(args) -> None:
         raise ValueError("--draft-temperature 0 with --verify tree: the tree is built from the draft's distribution, "
                          "which is one-hot at 0 (every node off the chain would be padding); use --verify chain or a "
                          "draft temperature > 0")
-    if args.exact and (args.verify == "tree" or args.budget is not None):
-        raise ValueError("--exact supports --verify chain without --budget")
     if args.no_chat_template and (args.system is not None or args.enable_thinking):
         flag = "--system" if args.system is not None else "--enable-thinking"
         raise ValueError(f"{flag} goes into the chat template, which --no-chat-template turns off")
@@ -268,8 +271,10 @@ def run(args) -> dict:
         out["verify"] = args.verify
         out["verified_tokens_per_step"] = ("auto" if args.budget else args.tree_budget if args.verify == "tree"
                                            else args.block_size or draft_cfg.block_size)
+        out["plan_trees"] = out["plan_drain"] = None  # the planner's settings, --budget auto only
         if backend == "cuda" and args.budget:
             out["planner"] = res.planner
+            out.update(res.plan)
     if args.compare_ar:
         ar = decode(False)
         out.update(ar_tok_per_s=ar.tok_per_s, speedup=res.tok_per_s / ar.tok_per_s,
@@ -301,10 +306,10 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
     if dtype is None:
         raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
     longest = max(map(len, prompts))
-    if args.exact is None:  # the default applies where exact mode exists (chain verify)
+    if args.exact is None:
         from infer.model import EXACT_DEFAULT
 
-        args.exact = EXACT_DEFAULT and args.verify == "chain" and args.budget is None
+        args.exact = EXACT_DEFAULT
     engine, _ = load_engine(path, gguf, draft_path, device="cuda", dtype=dtype, max_batch=len(prompts),
                             max_seq=longest + args.max_new_tokens + 64, verify_size=args.block_size,
                             check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens,
@@ -313,11 +318,15 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
                             plan_trees=None if args.plan_trees is None else parse_plan_trees(args.plan_trees))
     args.prefill_buckets = engine.prefill_buckets  # the resolved value, for --json
     engine.plan_drain = args.plan_drain is not False
+    # the planner's resolved settings, for --json: its tree sizes and drain rule (off, or Engine.plan_drain_model)
+    plan = ({"plan_trees": list(engine.plan_trees), "plan_drain": engine.plan_drain_model if engine.plan_drain else "off"}
+            if args.budget else {})
 
     def decode(use: bool):
         engine.generate(prompts, params, use_draft=use)
         res = engine.generate(prompts, params, use_draft=use)
         res.planner = engine.planner_report  # the planner's choices (--budget auto), else None
+        res.plan = plan
         return res
 
     return decode, engine.eos_set

@@ -23,8 +23,10 @@ Exact mode (``forward_step(exact=True)``, issue 13): every matmul of the decode/
 ``dspine.ops.linear``'s row-invariant GEMM and attention is ``verify_attention(exact=True)``; the
 norms, q/k-norm+RoPE and SwiGLU kernels are per row already. So a position's logits are bitwise
 the same in a 1-token step and in a verify block of any width, at any batch size, with or
-without CUDA graphs. Prefill keeps cuBLAS; the engine prefills one prompt per pass in exact mode
-so that a prompt's prefill does not depend on which prompts are admitted with it.
+without CUDA graphs. A tree verify (``tree_bits``) uses ``tree_attention(exact=True)``: a node's logits
+are those of the last token of its path decoded one token at a time. Prefill keeps cuBLAS; the
+engine prefills one prompt per pass in exact mode so that a prompt's prefill does not depend on
+which prompts are admitted with it.
 
 Features for the draft are the decoder-layer outputs (residual stream after layer i) at the
 draft's ``target_layer_ids``, the last layer's after the final norm under the draft's
@@ -57,7 +59,7 @@ from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
 from dspine.ops.sdpa import backends_context
 from dspine.ops.silu_mul import silu_mul
-from dspine.ops.tree_attention import tree_attention
+from dspine.ops.tree_attention import tree_attention, tree_paths
 from dspine.ops.verify_attention import verify_attention
 from dspine.paths import read_json_object
 from infer import linear_attention
@@ -622,7 +624,8 @@ class EngineTarget(nn.Module):
                 verify: token t is tree node t at RoPE position ``positions[b, t]`` (prefix + depth),
                 its K/V are written at cache_len[b] + t and it attends to the prefix and its ancestors.
             exact: row-invariant kernels (module docstring): a position's logits do not depend on T,
-                B or the other rows. Chain steps only.
+                B or the other rows; a tree node's are those of its path's last token decoded one at a time
+                (``tree_attention(exact=True)``; depth = ``positions - cache_len``).
             lm_head: the head's implementation when not ``exact`` (:meth:`logits`).
         Hybrid targets: a T = 1 step commits the linear layers' states in place; a T > 1 (verify) step
         leaves them and keeps its inputs until :meth:`commit_states` says how many tokens each row keeps.
@@ -630,19 +633,25 @@ class EngineTarget(nn.Module):
         Returns:
             logits ``[B, T, V]`` (model dtype) and features ``[B, T, k*H]`` (or None).
         Raises:
-            ValueError: ``exact`` with ``tree_bits`` (tree attention has no exact mode); a hybrid target
-                with ``tree_bits`` or ``exact``.
+            ValueError: ``tree_bits`` on a target with sliding-window layers (tree attention has no window); a
+                hybrid target with ``tree_bits`` or ``exact``.
         """
         a = self.args
-        if exact and tree_bits is not None:
-            raise ValueError("exact=True is not supported for tree verify (tree_bits given)")
+        if tree_bits is not None and any(w is not None for w in a.windows):
+            raise ValueError(f"tree verify (tree_bits given) on a target with sliding-window layers (windows "
+                             f"{sorted({w for w in a.windows if w is not None})}): tree attention has no window; "
+                             "use chain verify")
         B, T = tokens.shape
         bidx = torch.arange(B, device=tokens.device).repeat_interleave(T)
+        depth = path = None
+        if exact and tree_bits is not None:  # once per step: every layer's exact tree attention reads the same paths
+            depth = positions - cache_len[:, None].long()
+            path = tree_paths(tree_bits, depth)
 
         def attend(i, q):
             if tree_bits is not None:
                 o = tree_attention(q.view(B, T, a.num_heads, a.head_dim), cache.k[i], cache.v[i], cache_len,
-                                   tree_bits, self.scale, impl=self.impl)
+                                   tree_bits, self.scale, impl=self.impl, exact=exact, depth=depth, path=path)
                 return o.view(B * T, -1)
             o = verify_attention(q.view(B, T, a.num_heads, a.head_dim), cache.k[i], cache.v[i], cache_len,
                                  self.scale, impl=self.impl, window=self.window(i), exact=exact)

@@ -174,6 +174,7 @@ timer noise) and a miscalibrated confidence; it reports this planner and the tab
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, deque
 
 import numpy as np
@@ -201,11 +202,12 @@ DEFAULT_SPREAD = 0.25
 def parse_plan_trees(text: str) -> tuple[int, ...]:
     """``"16/32"`` -> ``(16, 32)``, ``"none"`` -> ``()``: the planner's tree sizes as the command lines take them
     (``infer.generate --plan-trees``, ``infer.bench --config LABEL:plan_trees=``; ``Engine(plan_trees=...)``).
-    Raises ValueError naming the text: a size that is not an integer, outside 2..64, or repeated."""
-    try:
-        sizes = () if text == "none" else tuple(int(x) for x in text.split("/"))
-    except ValueError:
-        raise ValueError(f"plan_trees={text!r}; expected tree sizes joined by '/' (e.g. 16/32) or none") from None
+    Raises ValueError naming the text: a size that is not plain decimal digits (no sign, '_' or spaces, which
+    int() would take), outside 2..64, or repeated."""
+    items = [] if text == "none" else text.split("/")
+    if not all(re.fullmatch(r"[0-9]+", x) for x in items):
+        raise ValueError(f"plan_trees={text!r}; expected tree sizes joined by '/' (e.g. 16/32) or none")
+    sizes = tuple(int(x) for x in items)
     if not all(2 <= n <= 64 for n in sizes) or len(set(sizes)) != len(sizes):
         raise ValueError(f"plan_trees={text!r}; each size must be in 2..64, none repeated")
     return sizes

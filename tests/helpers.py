@@ -72,7 +72,7 @@ def oracle_engine(engine, reference: list[list[int]], corrupt: float, seed: int 
 
     def draft_logits(block, cache):
         B, bs = block.shape
-        owner = engine.slot_owner
+        owner = engine.slot_owner or [None] * B  # None: the planner's start-up timing, before any admission
         ref = lambda b: reference[owner[b]] if owner[b] is not None else None
         logits = oracle_logits(ref, cache.lengths, B, bs - 1, V, corrupt, g)
         return logits[:, : engine.verify_size - 1].to(engine.device, engine.target.embed.dtype)

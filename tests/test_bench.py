@@ -140,6 +140,13 @@ def test_bench_refuses_the_ar_label_and_a_task_twice(stories_dir, stories_draft,
         assert msg in capsys.readouterr().err
 
 
+def test_datasets_help_names_the_tasks():
+    from infer.datasets import TASKS
+
+    (action,) = [a for a in bench.build_parser()._actions if a.dest == "datasets"]
+    assert action.help and all(t in action.help for t in TASKS), action.help
+
+
 def test_bench_notes_a_short_task_and_ctrl_c_keeps_the_finished_tasks(stories_dir, stories_draft, tmp_path,
                                                                         monkeypatch, capsys):
     data = tmp_path / "eval"
@@ -309,8 +316,10 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:tree_budget=8"], "tree_budget applies to verify=tree only"),
     (["--config", "D:verify=tree,tree_budget=99"], "tree_budget=99 must be in 2..64"),
     (["--config", "D:verify=tree,tree_budget=x"], "tree_budget='x' is not an integer"),
+    (["--config", "D:budget=auto,verify=tree,tree_budget=48"], "'D:budget=auto,verify=tree,tree_budget=48': tree_budget "
+     "with budget=auto: the planner picks its own tree sizes (give them with --config D:plan_trees=16/32)"),
+    (["--config", "D:verify=tree,tree_budget=48", "--budget", "auto"], "tree_budget with budget=auto"),
     (["--config", "D:budget=auto", "--config", "D:verify=tree"], "label 'D' given twice"),
-    (["--config", "D:budget=auto", "--exact"], "--exact supports chain verify without a budget; draft 'D'"),
     (["--config", "D:verify=tree", "--draft-temperature", "0"], "--draft-temperature 0 with verify=tree"),
     (["--config", "D:budget=auto", "--backend", "reference"], "--config needs the engine"),
     (["--config", "D:verify=tree,verify=chain"], "key 'verify' given twice"),

@@ -275,6 +275,8 @@ def test_options_that_would_be_ignored_are_refused(stories_dir, tmp_path, capsys
     base = ["--target", str(stories_dir), "--backend", "reference"]
     for extra, message in [
             (["--prompt", "hi", "--draft", str(DRAFT), "--tree-budget", "8"], "--tree-budget 8 applies to --verify tree only"),
+            (["--prompt", "hi", "--draft", str(DRAFT), "--verify", "tree", "--tree-budget", "48", "--budget", "auto"],
+             "--tree-budget 48 with --budget auto: the planner picks its own tree sizes (give them with --plan-trees"),
             (["--prompt", "hi", "--draft", "none", "--compare-ar"], "--compare-ar needs a draft"),
             (["--prompt", "hi", "--compare-ar"], "--compare-ar needs a draft"),  # no --draft for a non-default target
             (["--prompt", "hi", "--draft", "none", "--verify", "tree"], "--verify tree needs a draft"),
@@ -285,6 +287,9 @@ def test_options_that_would_be_ignored_are_refused(stories_dir, tmp_path, capsys
         _fast_error(generate.main, [*base, *extra], capsys, message)
     for extra, message in [
             (["--draft", str(DRAFT), "--tree-budget", "8"], "--tree-budget 8 applies to --verify tree only"),
+            (["--draft", str(DRAFT), "--verify", "tree", "--tree-budget", "48", "--budget", "auto"],
+             "--tree-budget 48 with --budget auto: the planner picks its own tree sizes (give them with --config "
+             "LABEL:plan_trees=16/32)"),
             (["--no-ar"], "--no-ar needs a draft"),
             (["--plot", str(tmp_path / "p.png")], "--plot needs a draft"),
             (["--verify", "tree"], "--verify tree needs a draft"),

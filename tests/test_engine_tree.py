@@ -515,12 +515,34 @@ def test_generate_plan_drain_needs_budget_auto(stories_dir, stories, capsys):
         assert msg in capsys.readouterr().err, extra
 
 
+def test_generate_json_reports_the_planner_settings(stories_dir, stories, capsys, monkeypatch):
+    """--json names the planner's resolved tree sizes and drain rule under --budget auto, null without it. The engine
+    runs on the CPU here: infer.generate takes --backend cuda only where CUDA is, so both are patched."""
+    import json
+
+    from infer import engine as engine_mod
+    from infer import generate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(generate, "load_engine", lambda *a, **kw: engine_mod.load_engine(*a, **{**kw, "device": "cpu"}))
+    base = ["--target", str(stories_dir), "--draft", str(stories[2]), "--prompt", "Once", "--no-chat-template",
+            "--max-new-tokens", "6", "--backend", "cuda", "--dtype", "fp32", "--json"]
+    for extra, trees, drain in (([], None, None), (["--budget", "auto"], [32, 64], "scaled"),
+                                (["--budget", "auto", "--plan-trees", "24/12", "--no-plan-drain"], [12, 24], "off")):
+        assert generate.main(base + extra) == 0, extra
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert (out["plan_trees"], out["plan_drain"]) == (trees, drain), extra
+
+
 def test_parse_plan_trees():
+    import re
+
     from infer.planner import parse_plan_trees
 
     assert parse_plan_trees("32/16") == (32, 16) and parse_plan_trees("none") == () and parse_plan_trees("64") == (64,)
-    for bad in ("", "16,32", "1/16", "16/65", "x", "16/16", "-4"):
-        with pytest.raises(ValueError, match=f"plan_trees={bad!r}"):
+    # plain decimal digits only: int() would also take a sign, '_', spaces and non-ASCII digits
+    for bad in ("", "16,32", "1/16", "16/65", "x", "16/16", "-4", "+16", "1_6", " 16", "16/ 32", "١٦"):
+        with pytest.raises(ValueError, match=re.escape(f"plan_trees={bad!r}")):
             parse_plan_trees(bad)
 
 

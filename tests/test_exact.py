@@ -182,8 +182,45 @@ def test_target_step_logits_width_and_batch_invariant(impl):
     assert (
         fast.float() - wide.float()
     ).abs().max().item() < 0.1  # fast mode: the same logits up to bf16 rounding
-    with pytest.raises(ValueError, match="tree"):
-        tgt.forward_step(cont, pos, cache, lens, exact=True, tree_bits=torch.ones(3, T, dtype=torch.long))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_target_tree_step_is_its_paths_decode(impl):
+    """bf16: the logits and features of every node of a tree verified in one step at batch 2 (exact mode) are
+    bitwise those of the last token of the node's path decoded one token at a time at batch 1 (exact mode)."""
+    from dspine.tree import ancestor_bits, ancestor_mask
+
+    tgt = _tiny_target(impl=impl)
+    g = torch.Generator().manual_seed(4)
+    T = 9
+    prompts = [torch.randint(0, 500, (n,), generator=g) for n in (6, 11)]
+    parent = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 6, 0], [-1, 0, 1, 2, 0, 4, 1, 6, 7]])
+    anc = ancestor_mask(parent)
+    depth = anc.sum(-1) - 1
+    tokens = torch.randint(0, 500, (2, T), generator=g)
+
+    def fresh(rows):
+        cache = tgt.new_cache(len(rows), 64)
+        for slot, r in enumerate(rows):
+            tgt.prefill(prompts[r], slot, cache)
+        return cache, torch.tensor([len(prompts[r]) for r in rows], dtype=torch.int32)
+
+    with torch.inference_mode():
+        cache, lens = fresh([0, 1])
+        pos = lens[:, None].long() + depth
+        tree, tree_f = tgt.forward_step(tokens, pos, cache, lens, tree_bits=ancestor_bits(anc), exact=True)
+        nodes = range(T) if impl == "torch" else (3, 7, 8)  # interpreter time
+        for b in (0, 1):
+            for t in nodes:
+                path = anc[b, t].nonzero()[:, 0].tolist()  # ancestors in index order = depth order here
+                cache1, lens1 = fresh([b])
+                for j, n in enumerate(path):
+                    lg, ft = tgt.forward_step(tokens[b : b + 1, n : n + 1], lens1[:, None].long() + j, cache1,
+                                              lens1 + j, exact=True)  # fmt: skip
+                assert _bits_equal(lg[0, 0], tree[b, t]), (b, t)
+                assert _bits_equal(ft[0, 0], tree_f[b, t]), (b, t)
+    fast, _ = tgt.forward_step(tokens, pos, fresh([0, 1])[0], lens, tree_bits=ancestor_bits(anc))
+    assert (fast.float() - tree.float()).abs().max().item() < 0.1  # fast tree: the same logits up to rounding
 
 
 def _draft_for(tgt: EngineTarget, block=8):
@@ -225,13 +262,38 @@ def test_engine_exact_spec_equals_ar_bf16():
         res = eng.generate(prompts, params, concurrency=conc)
         assert res.token_ids == ar, conc
         assert res.stats.tau > 3.0  # most tokens were committed from inside verify blocks
-    with pytest.raises(ValueError, match="chain verify only"):
-        Engine(tgt, draft, [-1], max_batch=1, max_seq=64, exact=True, verify="tree")
+
+
+@pytest.mark.parametrize("kw", [dict(verify="tree", tree_budget=12), dict(budget="auto", plan_trees=(6, 12))],
+                         ids=["tree12", "planner"])  # fmt: skip
+def test_engine_exact_tree_and_planner_equal_ar_bf16(kw):
+    """Greedy bf16 on the CPU reference path: exact mode with tree verify (every token from a tree of 12 nodes
+    built from an oracle draft with 30% wrong tokens, so accepted paths leave the draft's chain) and with the
+    planner (chain and trees mixed per step) reproduces the engine's exact AR output at concurrency 1 and 3.
+    This tiny target has no bf16 near-ties (its fast-mode trees give the same tokens): the bits are held by
+    test_target_tree_step_is_its_paths_decode here and by the gpu tests on SmolLM2-size shapes."""
+    tgt = _tiny_target(layers=2)
+    draft = _draft_for(tgt)
+    prompts = [[5, 6, 7], [9] * 11, [100, 200], [3, 1, 4, 1, 5]]
+    params = SamplingParams(max_new_tokens=24)
+    eng = Engine(tgt, draft, [-1], max_batch=3, max_seq=64, exact=True, **kw)
+    if "budget" in kw:  # a table where speculative steps pay (the CPU's own has AR fastest), not corrected online
+        eng._step_costs = lambda B, params: {("ar", 1): 2.0, ("chain", 8): 1.0, ("tree", 6): 1.1, ("tree", 12): 1.2}
+        eng.plan_online = False
+    ar = eng.generate(prompts, params, use_draft=False, concurrency=3).token_ids
+    oracle_engine(eng, [p + o for p, o in zip(prompts, ar)], corrupt=0.3)
+    for conc in (1, 3):
+        res = eng.generate(prompts, params, concurrency=conc)
+        assert res.token_ids == ar, conc
+        assert res.stats.tau > 2.0  # tokens came out of verify steps
+    if "budget" in kw:
+        ran = {m for m, r in eng.planner_report.items() if r["steps"]}
+        assert len(ran) >= 2 and ran & {"tree6", "tree12"}, eng.planner_report  # tree and other steps in one decode
 
 
 def test_bench_exact_mode_compares_spec_with_ar(stories_dir, tmp_path):
-    """``infer.bench --exact`` on the CPU engine in bf16: every greedy output equals AR (exit 0, JSON says
-    exact); ``first_divergence`` finds the parting position; --exact on the reference backend is refused."""
+    """``infer.bench --exact`` on the CPU engine in bf16: every greedy output of the chain, a tree and the
+    planner equals AR (exit 0, JSON says exact); ``first_divergence`` finds the parting position; --exact on the reference backend is refused."""
     from dspine.checkpoint import save_draft
     from dspine.target import load_target
     from infer import bench
@@ -261,11 +323,16 @@ def test_bench_exact_mode_compares_spec_with_ar(stories_dir, tmp_path):
         "--output-json",
         str(out),
     ]
-    assert bench.main([*argv, "--backend", "cuda", "--device", "cpu", "--dtype", "bf16", "--exact"]) == 0
-    d = json.loads(out.read_text())["tasks"][0]["drafts"]["D"]
-    assert (
-        d["exact"] is True and d["greedy_equal"] == d["greedy_compared"] == 2 and d["greedy_mismatches"] == []
-    )
+    trees = ["--draft", f"T={draft}", "--draft", f"P={draft}", "--config", "T:verify=tree,tree_budget=8",
+             "--config", "P:budget=auto,plan_trees=8"]  # fmt: skip
+    assert bench.main([*argv, *trees, "--backend", "cuda", "--device", "cpu", "--dtype", "bf16", "--exact"]) == 0
+    drafts = json.loads(out.read_text())["tasks"][0]["drafts"]
+    assert set(drafts) == {"D", "T", "P"} and drafts["T"]["verify"] == "tree"
+    for d in drafts.values():  # the chain, a tree of 8 and the planner
+        assert (
+            d["exact"] is True and d["greedy_equal"] == d["greedy_compared"] == 2 and d["greedy_mismatches"] == []
+        )
+    out.unlink()
     assert bench.main([*argv, "--backend", "reference", "--exact"]) == 2
     assert (
         bench.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and bench.first_divergence([1, 2], [1, 2, 3]) == 2
@@ -372,10 +439,51 @@ def test_verify_attention_cuda_exact(window):
 
 
 @pytest.mark.gpu
+def test_tree_attention_cuda_exact():
+    """Compiled kernels, Qwen3-8B heads: every node of trees of 32 nodes at batch 4 (nodes in random order,
+    contexts across the 256-key splits) has the bits of verify_attention(exact=True) for the same query as a
+    1-token step over a cache holding its path in depth order."""
+    from dspine.ops.tree_attention import tree_attention, tree_paths
+    from dspine.tree import ancestor_bits, ancestor_mask
+
+    g = torch.Generator().manual_seed(5)
+    B, T, Hkv, G, D, S = 4, 32, 8, 4, 128, 2100
+    parent = torch.full((B, T), -1, dtype=torch.long)
+    for b in range(B):
+        perm = [0] + (torch.randperm(T - 1, generator=g) + 1).tolist()
+        new = {old: n for n, old in enumerate(perm)}
+        par = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
+        parent[b] = torch.tensor([-1 if par[o] < 0 else new[par[o]] for o in perm])
+    anc = ancestor_mask(parent)
+    depth = (anc.sum(-1) - 1).cuda()
+    bits = ancestor_bits(anc).cuda()
+    k = torch.randn(B, Hkv, S, D, generator=g).bfloat16().cuda()
+    v = torch.randn(B, Hkv, S, D, generator=g).bfloat16().cuda()
+    q = torch.randn(B, T, Hkv * G, D, generator=g).bfloat16().cuda()
+    lens = torch.tensor([0, 250, 700, 2000], dtype=torch.int32, device="cuda")
+    out = tree_attention(q, k, v, lens, bits, D**-0.5, exact=True, depth=depth)
+    path = tree_paths(bits, depth)
+    for b in range(B):
+        clen = int(lens[b])
+        for t in range(T):
+            src = clen + path[b, t, : int(depth[b, t]) + 1].long()
+            k1, v1 = k[b : b + 1].clone(), v[b : b + 1].clone()
+            k1[:, :, clen : clen + len(src)] = k[b : b + 1, :, src]
+            v1[:, :, clen : clen + len(src)] = v[b : b + 1, :, src]
+            one = verify_attention(q[b : b + 1, t : t + 1].contiguous(), k1, v1, lens[b : b + 1] + int(depth[b, t]),
+                                   D**-0.5, exact=True)  # fmt: skip
+            assert _bits_equal(one[0, 0], out[b, t]), (b, t)
+    ref = tree_attention(q, k, v, lens, bits, D**-0.5, impl="torch")
+    assert (out.float() - ref.float()).abs().max().item() <= 2**-6
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
-def test_engine_cuda_exact_spec_equals_ar(graphs):
-    """bf16 on the GPU: exact speculative output equals the engine's exact AR output at concurrency 1 and
-    8 (random draft: every block verified, its anchor row committed)."""
+@pytest.mark.parametrize("kw", [{}, dict(verify="tree", tree_budget=32), dict(budget="auto", plan_trees=(16, 32))],
+                         ids=["chain", "tree32", "planner"])  # fmt: skip
+def test_engine_cuda_exact_spec_equals_ar(graphs, kw):
+    """bf16 on the GPU: exact speculative output (the chain, trees of 32, the planner) equals the engine's exact
+    AR output at concurrency 1 and 8 (random draft: every block verified, its anchor row committed)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -403,7 +511,7 @@ def test_engine_cuda_exact_spec_equals_ar(graphs):
         for n in torch.randint(3, 300, (16,), generator=g)
     ]
     params = SamplingParams(max_new_tokens=160)
-    eng = Engine(tgt, draft, [-1], max_batch=8, max_seq=600, exact=True, cuda_graphs=graphs)
+    eng = Engine(tgt, draft, [-1], max_batch=8, max_seq=600, exact=True, cuda_graphs=graphs, **kw)
     ar = eng.generate(prompts, params, use_draft=False, concurrency=8).token_ids
     assert eng.generate(prompts, params, use_draft=False, concurrency=1).token_ids == ar
     for conc in (1, 8):
@@ -490,8 +598,6 @@ def test_generate_refuses_exact_where_it_does_not_exist(stories_dir, capsys):
     ]
     assert generate.main(base) == 2
     assert "--exact needs the engine" in capsys.readouterr().err
-    assert generate.main([*base, "--verify", "tree"]) == 2
-    assert "--exact supports --verify chain" in capsys.readouterr().err
 
 
 def test_tuned_tile_file_of_the_h200(tmp_path, monkeypatch):
@@ -715,3 +821,5 @@ def test_tuned_file_bitwise_findings_need_the_same_versions(tmp_path, monkeypatc
     finally:
         lin.tuned.cache_clear()
         lin._same_versions.cache_clear()
+
+

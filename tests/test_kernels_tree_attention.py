@@ -65,3 +65,75 @@ def test_chain_tree_is_verify_attention():
     torch.testing.assert_close(out, verify_attention(q, k, v, cache_len, 0.25, impl="torch"), rtol=0, atol=0)
     with pytest.raises(ValueError, match="int64"):
         tree_attention(q, k, v, cache_len, chain.int().expand(2, 6), 0.25, impl="torch")
+
+
+def _path_cache(k, v, cache_len, b, path_slots):
+    """Row b's cache with its positions after the prefix holding ``path_slots`` (node indices in depth order),
+    as the AR decode of that path had it."""
+    clen = int(cache_len[b])
+    k1, v1 = k[b : b + 1].clone(), v[b : b + 1].clone()
+    src = clen + torch.as_tensor(path_slots, device=k.device)
+    k1[:, :, clen : clen + len(path_slots)] = k[b : b + 1, :, src]
+    v1[:, :, clen : clen + len(path_slots)] = v[b : b + 1, :, src]
+    return k1, v1
+
+
+EXACT_IMPLS = [
+    "torch",
+    pytest.param("triton", marks=CPU.marks),
+]
+
+
+@pytest.mark.parametrize("impl", EXACT_IMPLS)
+def test_tree_attention_exact_is_the_one_token_step_of_its_path(impl):
+    """Exact mode: every node's bits equal verify_attention(exact=True) of the same query as a 1-token step at
+    position prefix + depth over a cache holding its path in depth order; S = 300 gives two 256-key splits and
+    the lengths put paths across the split edge (250 + depth) and at the start (0). Nodes in random order (a
+    child may precede its parent) and stale rows poisoned."""
+    from dspine.ops.tree_attention import tree_paths
+
+    g = torch.Generator().manual_seed(3)
+    B, T, Hkv, G, D, S = 3, 12, 2, 3, 32, 300
+    dt = torch.bfloat16
+    lens = torch.tensor([250, 0, 17], dtype=torch.int32)
+    parent = torch.full((B, T), -1, dtype=torch.long)
+    for b in range(B):  # a random tree, then its nodes shuffled (root kept first)
+        par = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
+        perm = [0] + (torch.randperm(T - 1, generator=g) + 1).tolist()  # new index of old node i: perm.index(i)
+        new = {old: n for n, old in enumerate(perm)}
+        parent[b] = torch.tensor([-1 if par[old] < 0 else new[par[old]] for old in perm])
+    anc = torch.zeros(B, T, T, dtype=torch.bool)
+    depth = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        for t in range(T):
+            n = t
+            while n >= 0:
+                anc[b, t, n] = True
+                n = int(parent[b, n])
+            depth[b, t] = int(anc[b, t].sum()) - 1
+    bits = ancestor_bits(anc)
+    q = torch.randn(B, T, Hkv * G, D, generator=g).to(dt)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dt)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dt)
+    stale = torch.arange(S)[None, :] >= (lens[:, None] + T)
+    k[stale[:, None, :, None].expand_as(k)] = float("nan")
+    v[stale[:, None, :, None].expand_as(v)] = float("nan")
+    path = tree_paths(bits, depth)
+    out = tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=depth)
+    same = tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=depth, path=path)
+    assert torch.equal(out.view(torch.int16), same.view(torch.int16))
+    checked = [(0, t) for t in range(T)] + [(1, 0), (1, T - 1), (2, 5)]
+    for b, t in checked:
+        slots = path[b, t, : int(depth[b, t]) + 1].tolist()
+        assert slots[-1] == t and all(anc[b, t, n] for n in slots)  # the path ends at the node itself
+        k1, v1 = _path_cache(k, v, lens, b, slots)
+        one = verify_attention(q[b : b + 1, t : t + 1].contiguous(), k1, v1, lens[b : b + 1] + int(depth[b, t]),
+                               D**-0.5, impl=impl, exact=True)  # fmt: skip
+        assert torch.equal(one[0, 0].view(torch.int16), out[b, t].view(torch.int16)), (b, t)
+    # the same op as the fast tree attention, up to rounding
+    fast = tree_attention(q, k, v, lens, bits, D**-0.5, impl="torch")
+    assert (fast.float() - out.float()).abs().max().item() <= 2**-6
+    with pytest.raises(ValueError, match="depth"):
+        tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True)
+    with pytest.raises(ValueError, match="int32"):
+        tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=depth, path=path.long())

@@ -41,3 +41,60 @@ def test_cli_reads_bench_files_and_names_a_missing_label(tmp_path, capsys):
     assert r["concurrency"] == 8 and r["t16"]["lead"]["L"] == pytest.approx(0.8) and r["t16"]["requests"] == 6
     assert tlf.main([str(f), "--trees", "t32"]) == 2
     assert "task 'a' has no draft label 't32'" in capsys.readouterr().err
+
+
+def _task(name, committed, steps=None):
+    return {"task": name, "drafts": {lab: {"per_prompt_committed": c,
+                                           "per_prompt_steps": (steps or {}).get(lab, [10] * len(c))}
+                                     for lab, c in committed.items()}}
+
+
+def test_requests_are_paired_by_prompt_before_zero_step_ones_are_dropped(tmp_path):
+    """A prompt with no step under one label is left out under every label: each tree stays paired with the chain
+    on its own prompt (dropping per label shifted the pairs by one)."""
+    chain = [20, 30, 40, 50, 60, 70]
+    run = {"tasks": [_task("a", {"chain": chain, "t16": [c + 8 for c in chain], "t32": [c + 8 for c in chain]},
+                           steps={"chain": [0, 10, 10, 10, 10, 10], "t16": [10, 0, 10, 10, 10, 10]})]}
+    tau = tlf.per_request(run, ["chain", "t16", "t32"])
+    assert tau.shape == (3, 4) and tau[0].tolist() == [4.0, 5.0, 6.0, 7.0]
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps(run))
+    out = tmp_path / "fit.json"
+    assert tlf.main([str(f), "--output", str(out)]) == 0
+    r = json.loads(out.read_text())["files"][str(f)]
+    for label in ("t16", "t32"):
+        assert r[label]["requests"] == 4 and r[label]["lead"]["L"] == pytest.approx(0.8), label
+        assert r[label]["lead"]["rmse"] == pytest.approx(0, abs=1e-12), label
+
+
+def test_errors_name_the_file_and_label(tmp_path, capsys):
+    f = tmp_path / "run.json"
+    for run, msg in [
+            ({"tasks": [_task("a", {"chain": [20, 30, 40, 50], "t16": [28, 38, 48]})]},
+             "task 'a': the labels ran different numbers of prompts {'chain': 4, 't16': 3}"),
+            ({"tasks": [_task("a", {"chain": [20, 30, 40, 50]})]}, "task 'a' has no draft label 't16'"),
+            ({"tasks": [{"task": "a", "drafts": {"chain": {}, "t16": {}}}]},
+             "task 'a', label 'chain': no per_prompt_committed and per_prompt_steps"),
+            ({"tasks": [_task("a", {"chain": [20, 30, 40], "t16": [28, 38, 48]})]},
+             "label 't16' against 'chain': need two equal 1-D arrays of at least 4 requests"),
+            ({"results": []}, "no 'tasks' list (not an infer.bench JSON)"),
+            ({"tasks": [{"task": "a"}]}, "not an infer.bench JSON (KeyError 'drafts')")]:
+        f.write_text(json.dumps(run))
+        assert tlf.main([str(f), "--trees", "t16"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {f}" in err and msg in err, err
+    f.write_text("{")
+    assert tlf.main([str(f), "--trees", "t16"]) == 2
+    assert f"error: {f}: Expecting property name" in capsys.readouterr().err
+
+
+def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path, capsys):
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps({"tasks": [_task("a", {"chain": [20, 30, 40, 50], "t16": [28, 38, 48, 58]})]}))
+    out = tmp_path / "fit.json"
+    out.write_text("keep")
+    assert tlf.main([str(f), "--trees", "t16", "--output", str(out)]) == 2
+    assert f"--output {out} exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert out.read_text() == "keep"
+    assert tlf.main([str(f), "--trees", "t16", "--output", str(out), "--overwrite"]) == 0
+    assert json.loads(out.read_text())["files"][str(f)]["t16"]["requests"] == 4

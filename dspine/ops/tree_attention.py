@@ -18,6 +18,16 @@ merged by ``attn_combine``); only the visibility test differs: a key inside the 
 of the row's mask. Memory traffic: as verify_attention plus 8·B·T bytes of masks. Graph-safe (no
 launcher reads a device tensor). Numerics: fp32 scores and statistics, P rounded to the input dtype
 before P·V, exact (non-TF32) tl.dot for fp32.
+
+Exact mode (``exact=True``, issue 16 on top of issue 13's ``verify_attention(exact=True)``): node t's result is
+bitwise what ``verify_attention(exact=True)`` gives the same token as a 1-token step at position
+``cache_len[b] + depth[b, t]`` once its ancestors' K/V sit, in depth order, at the positions after the prefix (the
+chain of the accepted path, as the AR decode had it). The kernel reads key ``j`` of that logical sequence through the
+node's path (:func:`tree_paths`: ``path[b, t, d]`` = the ancestor at depth d), so every key lands in the same lane
+of the same ``EXACT_CHUNK``-aligned tile as in the 1-token step, and uses that step's tile configuration and its
+ordered combine. One program per (node, kv head, split), its G rows in a tile of ``EXACT_ROWS`` (rows of a tile
+never mix in tl.dot or in the row reductions, so the padding rows change nothing): the prefix is read once per
+node rather than once per row tile, the price of the gather.
 """
 
 from __future__ import annotations
@@ -28,9 +38,9 @@ import torch
 
 from ._common import check_impl, dot_precision, tl, triton
 from .attn_combine import combine_partials_triton
-from .verify_attention import _launch_plan
+from .verify_attention import _launch_plan, verify_attention_torch
 
-__all__ = ["tree_attention", "tree_attention_torch"]
+__all__ = ["tree_attention", "tree_attention_torch", "tree_paths"]
 
 _LOG2E = 1.4426950408889634
 
@@ -108,6 +118,97 @@ def _tree_attn_kernel(
                  o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
+@triton.jit
+def _tree_attn_exact_kernel(
+    Q, K, V, CacheLen, Path, Depth, PartAcc, PartM, PartL,
+    qk_scale,  # scale · log2(e)
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_pb, stride_pt, stride_db,
+    Hkv, S, T, chunk, num_splits,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    # _verify_attn_kernel's exact arithmetic for one node's G rows; only the key addresses differ (module docstring)
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    t = pid % T
+    bh = pid // T
+    b = (bh // Hkv).to(tl.int64)
+    kvh = bh % Hkv
+    TG = T * G
+
+    g = tl.arange(0, BLOCK_M)
+    row_ok = g < G
+    h = kvh * G + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q = tl.load(Q + b * stride_qb + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    clen = tl.load(CacheLen + b).to(tl.int32)
+    q_pos = clen + tl.load(Depth + b * stride_db + t).to(tl.int32)  # the node's position: prefix + depth
+    q_pos_r = q_pos + tl.zeros([BLOCK_M], tl.int32)
+
+    lo = pid_s * chunk
+    hi = tl.minimum(tl.minimum(lo + chunk, q_pos + 1), S)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    p_base = Path + b * stride_pb + t * stride_pt
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)  # logical key: the prefix, then the path in depth order
+        n_ok = n < hi
+        on_path = n_ok & (n >= clen)
+        node = tl.load(p_base + tl.where(on_path, n - clen, 0), mask=on_path, other=0)
+        slot = tl.where(on_path, clen + node, n)
+        kt = tl.load(k_base + slot[None, :] * stride_ks + d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
+        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+        vis = n_ok[None, :] & (n[None, :] <= q_pos_r[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    rows = t * G + g
+    ml_off = (bh * num_splits + pid_s) * TG + rows
+    tl.store(PartM + ml_off, m_i, mask=row_ok)
+    tl.store(PartL + ml_off, l_i, mask=row_ok)
+    tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+
+
+def tree_paths(tree_bits: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """``path [B, T, T]`` int32: ``path[b, t, d]`` = the node at depth d on node t's path from the root (itself at
+    ``d = depth[b, t]``; entries past its depth are 0 and never read). ``tree_bits [B, T]`` int64 ancestor bitmasks
+    (self included, ``dspine.tree.ancestor_bits``), ``depth [B, T]`` int (root 0). No host sync (CUDA-graph safe).
+    Assumes a node's ancestors have distinct depths (true of a tree)."""
+    B, T = tree_bits.shape
+    i = torch.arange(T, device=tree_bits.device)
+    member = ((tree_bits[:, :, None] >> i) & 1) != 0  # [B, T, T]: node i on node t's path
+    col = torch.where(member, depth.long()[:, None, :].expand(B, T, T), T)  # its depth, or the spill column T
+    path = torch.zeros(B, T, T + 1, dtype=torch.int32, device=tree_bits.device)
+    path.scatter_(2, col, i.to(torch.int32).expand(B, T, T).contiguous())
+    return path[..., :T].contiguous()
+
+
+def _check_exact(depth, path, B, T):
+    if depth is None or tuple(depth.shape) != (B, T):
+        raise ValueError(f"exact=True needs depth [{B}, {T}] (the nodes' depths), got "
+                         f"{None if depth is None else tuple(depth.shape)}")  # fmt: skip
+    if path is not None and (tuple(path.shape) != (B, T, T) or path.dtype != torch.int32):
+        raise ValueError(f"path must be int32 [{B}, {T}, {T}] (tree_paths), got {path.dtype} {tuple(path.shape)}")
+
+
 def _check(q, k_cache, v_cache, tree_bits):
     B, T, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
@@ -123,7 +224,7 @@ def _check(q, k_cache, v_cache, tree_bits):
 
 
 def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, out=None, num_splits=None,
-                          blocks=None):
+                          blocks=None, exact=False, depth=None, path=None):
     B, T, Hq, D, Hkv, S = _check(q, k_cache, v_cache, tree_bits)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or tree_bits.stride(-1) != 1:
         raise ValueError("q, k_cache, v_cache, tree_bits need a contiguous last dim")
@@ -131,6 +232,24 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, o
         raise ValueError(f"head_dim {D} > 256 is not supported")
     G = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
+    if exact:
+        _check_exact(depth, path, B, T)
+        path = tree_paths(tree_bits, depth) if path is None else path
+        (bm, bn, bd, warps, stages), _, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(
+            q, Hkv, S, None, out, exact=True)
+        _tree_attn_exact_kernel[(B * Hkv * T, ns)](
+            q, k_cache, v_cache, cache_len, path, depth, part_acc, part_m, part_l,
+            float(scale) * _LOG2E,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            path.stride(0), path.stride(1), depth.stride(0),
+            Hkv, S, T, chunk, ns,
+            G=G, D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=dot_precision(q.dtype),
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        combine_partials_triton(part_acc, part_m, part_l, out, ordered=True)
+        return out
     plan = _launch_plan(q, Hkv, S, num_splits, out, blocks=blocks)
     (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = plan
     split = ns > 1
@@ -153,10 +272,30 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, o
 
 
 def tree_attention_torch(q, k_cache, v_cache, cache_len, tree_bits, scale, *, out=None, num_splits=None,
-                         blocks=None):
-    """Reference: masked softmax in fp32 over the whole cache (no host sync, graph-capturable)."""
+                         blocks=None, exact=False, depth=None, path=None):
+    """Reference: masked softmax in fp32 over the whole cache (no host sync, graph-capturable). ``exact``: each
+    node on its own as ``verify_attention_torch(exact=True)``'s 1-token query over a copy of its row's cache whose
+    positions after the prefix hold the node's path in depth order (host loops: tests and the CPU engine)."""
     del num_splits, blocks
     B, T, Hq, D, Hkv, S = _check(q, k_cache, v_cache, tree_bits)
+    if exact:
+        _check_exact(depth, path, B, T)
+        path = (tree_paths(tree_bits, depth) if path is None else path).long()
+        o = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
+        for b in range(B):
+            clen = int(cache_len[b])
+            for t in range(T):
+                dep = int(depth[b, t])
+                src = clen + path[b, t, : dep + 1]
+                k1, v1 = k_cache[b : b + 1].clone(), v_cache[b : b + 1].clone()
+                k1[:, :, clen : clen + dep + 1] = k_cache[b : b + 1, :, src]
+                v1[:, :, clen : clen + dep + 1] = v_cache[b : b + 1, :, src]
+                o[b, t] = verify_attention_torch(q[b : b + 1, t : t + 1].clone(), k1, v1,
+                                                 cache_len[b : b + 1] + dep, scale, exact=True)[0, 0]  # fmt: skip
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
     G = Hq // Hkv
     qr = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
     j = torch.arange(S, device=q.device)
@@ -179,16 +318,22 @@ def tree_attention_torch(q, k_cache, v_cache, cache_len, tree_bits, scale, *, ou
 
 
 def tree_attention(q, k_cache, v_cache, cache_len, tree_bits, scale, impl: str = "triton", *, out=None,
-                   num_splits=None, blocks=None):  # fmt: skip
+                   num_splits=None, blocks=None, exact: bool = False, depth=None, path=None):  # fmt: skip
     """Tree attention of q [B, T, Hq, D] over k/v_cache [B, Hkv, S, D]: the prefix below cache_len[b]
     and the ancestors (``tree_bits [B, T]`` int64) of each node (module docstring).
 
     Returns out [B, T, Hq, D] in q's dtype (written into ``out`` if given). ``num_splits`` overrides
     the split-K count (tests); ``blocks`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) the tile rule (tuning).
-    Raises ValueError on inconsistent shapes, T > 64 or non-int64 bits.
+    ``exact`` (module docstring): node t's bits are ``verify_attention(exact=True)``'s for the same token at
+    position ``cache_len[b] + depth[b, t]`` after its path; needs ``depth [B, T]`` (int, root 0), takes ``path``
+    from :func:`tree_paths` if given (the engine computes it once per step, not per layer); ``num_splits`` and
+    ``blocks`` are then ignored.
+    Raises ValueError on inconsistent shapes, T > 64, non-int64 bits, or ``exact`` without a ``depth`` of [B, T]
+    (or with a ``path`` that is not int32 [B, T, T]).
     """
     check_impl(impl)
     fn = tree_attention_triton if impl == "triton" else tree_attention_torch
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return fn(q, k_cache, v_cache, cache_len, tree_bits, scale, out=out, num_splits=num_splits, blocks=blocks)
+    return fn(q, k_cache, v_cache, cache_len, tree_bits, scale, out=out, num_splits=num_splits, blocks=blocks,
+              exact=exact, depth=depth, path=path)
