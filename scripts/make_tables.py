@@ -591,6 +591,43 @@ def verify_section() -> list[str]:
     return out
 
 
+def planner_exact_section() -> list[str]:
+    """Planner points with every configuration decoding the same tokens (``--exact``; planner_points.py)."""
+    r = load("planner-exact-h200.json")
+    if not r:
+        return []
+    ok = lambda good: "met" if good else "**missed**"
+    pts = list(r["points"].values())
+    first = pts[0]
+    out = ["#### The planner on identical outputs (exact mode)", "",
+           f"{first['gpu']}, {first['date'][:10]}, commit `{first['commit'][:10]}`, SmolLM2-135M-Instruct with the shipped "
+           "draft, T = 0, `--exact` (issue 13's row-invariant kernels, trees and the planner included since this "
+           "commit): every configuration's greedy output equals AR's on every prompt (greedy == AR column), so "
+           "unlike the table above the configurations decode the same tokens and the ratios measure the planner's "
+           "choices, not bf16 near-ties. Exact mode prices a tree step higher from batch 8 on (one program per node "
+           "reads the prefix), so the best fixed mode moves to the chain there. Mean tok/s over the 5 tasks; "
+           "p: the default planner (trees 32 and 64, drain model scaled), p16: trees 16 and 32, pl: drain model lead "
+           "(`--config pl:budget=auto,drain=lead`).", "",
+           "| concurrency | prompts × tokens | AR | chain 16 | tree 16 | tree 32 | best fixed | p ÷ best (goal ≥ 0.98) | "
+           "p16 ÷ best | pl ÷ best | p ÷ AR | p's steps | greedy == AR |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in pts:
+        t, rel = p["tok_per_s"], p["planner_over_best_fixed"]
+        steps = p["planner_steps"]["p"]
+        total = sum(steps.values()) or 1
+        share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+        eq = all(a == b for a, b in p["greedy_equal"].values())
+        n = sum(b for _, b in p["greedy_equal"].values())
+        out.append(f"| {p['concurrency']} | {p['num_prompts']} × {p['max_new_tokens']} per task | {t['AR']:.0f} | "
+                   f"{t['chain']:.0f} | {t['t16']:.0f} | {t['t32']:.0f} | {p['best_fixed']} | {rel['p']:.3f} — "
+                   f"{ok(rel['p'] >= 0.98)} | {rel['p16']:.3f} | {rel['pl']:.3f} | {p['planner_over_ar']['p']:.3f} | "
+                   f"{share} | {'all ' + str(n) if eq else 'NO'} |")
+    out += ["", "Commands: `" + "`; `".join(x["command"] for x in
+                                          (json.loads((ROOT / f).read_text()) for f in r["points"])) + "`; then `"
+            + r["command"] + "`.", ""]
+    return out
+
+
 def planner_loop_section() -> list[str]:
     """The planner's own cost against the fixed configuration it runs (bench_planner_loop.py, bench_planner_ar.py)."""
     lp, ar = load("planner-loop-h200.json"), load("planner-ar-h200.json")
@@ -984,7 +1021,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)

@@ -325,3 +325,39 @@ def test_summarize_names_a_warm_started_run_injection(tmp_path):
     assert train_report(run)["config"]["injection"] == "none"
     (run / "config.json").write_text(json.dumps({"injection": "kv"}))  # given: kept
     assert train_report(run)["config"]["injection"] == "kv"
+
+
+def test_planner_points_from_bench_runs(tmp_path):
+    """benchmarks/engine/planner_points.py: per-task tok/s averaged per label, best fixed among AR and the labels
+    without a budget, each planner's ratios, greedy counts and planner steps summed; bad input named by file."""
+    import json as _json
+
+    from benchmarks.engine import planner_points as pp
+
+    def row(tok, tau, budget=None, choices=None):
+        r = {"tok_per_s": tok, "tau": tau, "greedy_equal": 2, "greedy_compared": 2, "budget": budget}
+        return r | ({"planner_choices": choices} if choices else {})
+
+    run = {"args": {"concurrency": 8, "temperature": 0.0, "exact": True, "num_prompts": 2, "max_new_tokens": 64},
+           "tasks": [{"task": "a", "ar": row(100.0, 1.0),
+                      "drafts": {"chain": row(300.0, 3.0), "t": row(200.0, 4.0),
+                                 "p": row(270.0, 3.5, "auto", {"ar": {"steps": 2}, "chain16": {"steps": 5}})}},
+                     {"task": "b", "ar": row(100.0, 1.0),
+                      "drafts": {"p": row(330.0, 3.5, "auto", {"ar": {"steps": 1}, "tree32": {"steps": 4}}),
+                                 "t": row(400.0, 5.0), "chain": row(200.0, 2.0)}}]}  # fmt: skip
+    p = pp.point(run)
+    assert p["tok_per_s"] == {"AR": 100.0, "chain": 250.0, "t": 300.0, "p": 300.0}
+    assert p["best_fixed"] == "t" and p["planner_over_best_fixed"] == {"p": 1.0} and p["planner_over_ar"] == {"p": 3.0}
+    assert p["greedy_equal"]["chain"] == [4, 4] and p["mean_tau"]["t"] == 4.5
+    assert p["planner_steps"]["p"] == {"ar": 3, "chain16": 5, "tree32": 4}
+    f = tmp_path / "run.json"
+    f.write_text(_json.dumps(run))
+    out = tmp_path / "points.json"
+    assert pp.main([str(f), "--output", str(out)]) == 0
+    assert _json.loads(out.read_text())["points"][str(f)]["best_fixed"] == "t"
+    assert pp.main([str(f), "--output", str(out)]) == 2  # exists: refused without --overwrite
+    del run["tasks"][1]["ar"]
+    f.write_text(_json.dumps(run))
+    assert pp.main([str(f)]) == 2
+    with pytest.raises(ValueError, match="no AR row"):
+        pp.point(run)

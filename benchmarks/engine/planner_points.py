@@ -1,0 +1,112 @@
+"""Planner points from ``infer.bench`` runs that timed AR, fixed verify modes and planners of one draft; CPU only.
+
+    python benchmarks/engine/planner_points.py results/planner-exact-h200-T0-c1.json [...] \
+        [--output results/planner-exact-points.json [--overwrite]]
+
+Per file (one concurrency and temperature): each configuration's tokens per second as the mean over tasks of its
+per-task tok/s (the figure ``benchmarks/engine/bench_tree.py`` reports), the best fixed configuration (AR and every
+label without ``budget``: the chain, fixed trees), and for every planner label (``budget`` = ``auto``) its ratio to
+the best fixed one and to AR. With ``--exact`` runs every greedy output equals AR's (``infer.bench`` fails otherwise),
+so the configurations decode the same tokens and the ratios measure the planner's choices, not content; the file's
+``greedy_equal`` / ``greedy_compared`` are reported per label to show it. Also per label: mean τ over tasks, the
+per-task tok/s, and the planner's steps per mode summed over tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from dspine.io import atomic_write_json  # noqa: E402
+from dspine.paths import check_output_file  # noqa: E402
+from dspine.provenance import provenance  # noqa: E402
+
+
+def point(run: dict) -> dict:
+    """One planner point of an ``infer.bench`` JSON (module docstring). Raises ValueError: no tasks, no AR row
+    (``--no-ar``), no planner label or no fixed label, or labels missing from a task."""
+    tasks = run.get("tasks") if isinstance(run, dict) else None
+    if not tasks:
+        raise ValueError("no 'tasks' (not an infer.bench JSON)")
+    if any(not t.get("ar") for t in tasks):
+        raise ValueError("a task has no AR row (run without --no-ar)")
+    labels = list(tasks[0]["drafts"])
+    if any(set(t["drafts"]) != set(labels) for t in tasks):
+        raise ValueError(f"the tasks have different draft labels (first task: {labels})")
+    planners = [x for x in labels if tasks[0]["drafts"][x].get("budget") == "auto"]
+    fixed = ["AR", *[x for x in labels if x not in planners]]
+    if not planners or len(fixed) < 2:
+        raise ValueError(f"need a planner label (budget=auto) and a fixed one; labels {labels}")
+
+    def rows(label):
+        return [t["ar"] if label == "AR" else t["drafts"][label] for t in tasks]
+
+    tok = {x: sum(r["tok_per_s"] for r in rows(x)) / len(tasks) for x in fixed + planners}
+    best = max(fixed, key=lambda x: tok[x])
+    out = {
+        "concurrency": run.get("args", {}).get("concurrency"),
+        "temperature": run.get("args", {}).get("temperature"),
+        "exact": run.get("args", {}).get("exact"),
+        "num_prompts": run.get("args", {}).get("num_prompts"),
+        "max_new_tokens": run.get("args", {}).get("max_new_tokens"),
+        "tok_per_s": {x: round(v, 1) for x, v in tok.items()},
+        "best_fixed": best,
+        "best_fixed_tok_per_s": round(tok[best], 1),
+        "planner_over_best_fixed": {x: round(tok[x] / tok[best], 4) for x in planners},
+        "planner_over_ar": {x: round(tok[x] / tok["AR"], 4) for x in planners},
+        "mean_tau": {x: round(sum(r["tau"] for r in rows(x)) / len(tasks), 4) for x in labels},
+        "greedy_equal": {x: [sum(r.get("greedy_equal", 0) for r in rows(x)),
+                             sum(r.get("greedy_compared", 0) for r in rows(x))] for x in labels},
+        "per_task_tok_per_s": {t["task"]: {x: round(r["tok_per_s"], 1) for x, r in
+                                           zip(fixed + planners, [t["ar"], *[t["drafts"][y] for y in fixed[1:] + planners]])}
+                               for t in tasks},
+        "planner_steps": {},
+    }  # fmt: skip
+    for x in planners:
+        steps: dict[str, int] = {}
+        for r in rows(x):
+            for mode, c in (r.get("planner_choices") or {}).items():
+                steps[mode] = steps.get(mode, 0) + int(c.get("steps", 0))
+        out["planner_steps"][x] = steps
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("files", nargs="+", help="infer.bench JSON files, one planner point each")
+    ap.add_argument("--output", default=None, help="result JSON (refused if it exists, unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    args = ap.parse_args(argv)
+    res: dict = {**provenance(argv if argv is None else [__file__, *argv]),
+                 "note": "CPU analysis of the runs in the files (each file's own commit, GPU and command inside it)",
+                 "points": {}}  # fmt: skip
+    try:
+        if args.output:
+            check_output_file("--output", args.output, args.overwrite)
+        for f in args.files:
+            try:
+                run = json.loads(Path(f).read_text())
+                p = point(run)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{f}: {e}") from None
+            except (KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{f}: not an infer.bench JSON ({type(e).__name__} {e})") from None
+            res["points"][f] = {"commit": run.get("commit"), "date": run.get("date"), "gpu": run.get("gpu"), **p}
+            print(f"{f}: c{p['concurrency']} T{p['temperature']:g} best fixed {p['best_fixed']} "
+                  f"{p['best_fixed_tok_per_s']:.0f} tok/s; " + "; ".join(
+                      f"{x} {p['planner_over_best_fixed'][x]:.3f} (x AR {p['planner_over_ar'][x]:.3f})"
+                      for x in p["planner_over_best_fixed"]))  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.output:
+        atomic_write_json(args.output, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
