@@ -85,17 +85,19 @@ EXACT_IMPLS = [
 
 
 @pytest.mark.parametrize("impl", EXACT_IMPLS)
-def test_tree_attention_exact_is_the_one_token_step_of_its_path(impl):
+@pytest.mark.parametrize("T, lens", [(12, [250, 0, 17]), (30, [60, 130, 0])], ids=["T12", "T30"])
+def test_tree_attention_exact_is_the_one_token_step_of_its_path(impl, T, lens):
     """Exact mode: every node's bits equal verify_attention(exact=True) of the same query as a 1-token step at
     position prefix + depth over a cache holding its path in depth order; S = 300 gives two 256-key splits and
-    the lengths put paths across the split edge (250 + depth) and at the start (0). Nodes in random order (a
-    child may precede its parent) and stale rows poisoned."""
+    the lengths put paths across the split edge (250 + depth), across a 64-key tile edge (60 + depth) and at the
+    start (0); T = 30 nodes of G = 3 rows fill two 64-row tiles, node 21 in both. Nodes in random order (a child
+    may precede its parent) and stale rows poisoned."""
     from dspine.ops.tree_attention import tree_paths
 
     g = torch.Generator().manual_seed(3)
-    B, T, Hkv, G, D, S = 3, 12, 2, 3, 32, 300
+    B, Hkv, G, D, S = 3, 2, 3, 32, 300
     dt = torch.bfloat16
-    lens = torch.tensor([250, 0, 17], dtype=torch.int32)
+    lens = torch.tensor(lens, dtype=torch.int32)
     parent = torch.full((B, T), -1, dtype=torch.long)
     for b in range(B):  # a random tree, then its nodes shuffled (root kept first)
         par = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, T)]
@@ -122,7 +124,7 @@ def test_tree_attention_exact_is_the_one_token_step_of_its_path(impl):
     out = tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=depth)
     same = tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=depth, path=path)
     assert torch.equal(out.view(torch.int16), same.view(torch.int16))
-    checked = [(0, t) for t in range(T)] + [(1, 0), (1, T - 1), (2, 5)]
+    checked = [(0, t) for t in range(T)] + [(1, 0), (1, T - 1), (2, 5)] + ([(1, 21), (2, 21)] if T > 21 else [])
     for b, t in checked:
         slots = path[b, t, : int(depth[b, t]) + 1].tolist()
         assert slots[-1] == t and all(anc[b, t, n] for n in slots)  # the path ends at the node itself
@@ -137,3 +139,17 @@ def test_tree_attention_exact_is_the_one_token_step_of_its_path(impl):
         tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True)
     with pytest.raises(ValueError, match="int32"):
         tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=depth, path=path.long())
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_bench_tree_exact_tiny(tmp_path, device):
+    """benchmarks/kernels/bench_tree_exact.py --tiny: every row's exact nodes are the 1-token steps of their paths."""
+    import json
+
+    from benchmarks.kernels import bench_tree_exact
+
+    out = tmp_path / "t.json"
+    assert bench_tree_exact.main(["--tiny", "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["heads"], r["B"], r["T"]) for r in rows] == [(h, b, 6) for h in ("smollm2", "qwen3-8b") for b in (1, 2)]
+    assert all(r["equal"] and r["exact_us"] > 0 and r["fast_us"] > 0 for r in rows)
