@@ -85,17 +85,17 @@ EXACT_IMPLS = [
 
 
 @pytest.mark.parametrize("impl", EXACT_IMPLS)
-@pytest.mark.parametrize("T, lens", [(12, [250, 0, 17]), (30, [60, 130, 0])], ids=["T12", "T30"])
+@pytest.mark.parametrize("T, lens", [(12, [250, 0, 505]), (30, [60, 130, 0])], ids=["T12", "T30"])
 def test_tree_attention_exact_is_the_one_token_step_of_its_path(impl, T, lens):
     """Exact mode: every node's bits equal verify_attention(exact=True) of the same query as a 1-token step at
-    position prefix + depth over a cache holding its path in depth order; S = 300 gives two 256-key splits and
-    the lengths put paths across the split edge (250 + depth), across a 64-key tile edge (60 + depth) and at the
-    start (0); T = 30 nodes of G = 3 rows fill two 64-row tiles, node 21 in both. Nodes in random order (a child
-    may precede its parent) and stale rows poisoned."""
+    position prefix + depth over a cache holding its path in depth order; S = 530 gives three 256-key splits and
+    the lengths put paths across the first split edge (250 + depth), across the second with the first tree tile in
+    split 1 (505 + depth), across a 64-key tile edge (60 + depth) and at the start (0); T = 30 nodes of G = 3 rows fill two 64-row tiles, node 21 in both.
+    Nodes in random order (a child may precede its parent) and stale rows poisoned."""
     from dspine.ops.tree_attention import tree_paths
 
     g = torch.Generator().manual_seed(3)
-    B, Hkv, G, D, S = 3, 2, 3, 32, 300
+    B, Hkv, G, D, S = 3, 2, 3, 32, 530
     dt = torch.bfloat16
     lens = torch.tensor(lens, dtype=torch.int32)
     parent = torch.full((B, T), -1, dtype=torch.long)
@@ -124,7 +124,7 @@ def test_tree_attention_exact_is_the_one_token_step_of_its_path(impl, T, lens):
     out = tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=depth)
     same = tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=depth, path=path)
     assert torch.equal(out.view(torch.int16), same.view(torch.int16))
-    checked = [(0, t) for t in range(T)] + [(1, 0), (1, T - 1), (2, 5)] + ([(1, 21), (2, 21)] if T > 21 else [])
+    checked = [(0, t) for t in range(T)] + [(1, 0), (1, T - 1), (2, 0), (2, 5)] + ([(1, 21), (2, 21)] if T > 21 else [])
     for b, t in checked:
         slots = path[b, t, : int(depth[b, t]) + 1].tolist()
         assert slots[-1] == t and all(anc[b, t, n] for n in slots)  # the path ends at the node itself

@@ -25,11 +25,12 @@ bitwise what ``verify_attention(exact=True)`` gives the same token as a 1-token 
 chain of the accepted path, as the AR decode had it). The kernel reads key ``j`` of that logical sequence through the
 node's path (:func:`tree_paths`: ``path[b, t, d]`` = the ancestor at depth d), so every key lands in the same lane
 of the same ``EXACT_CHUNK``-aligned tile as in the 1-token step, and uses that step's tile configuration
-(``EXACT_ROWS`` packed rows) and its ordered combine. Rows of a tile never mix in tl.dot or in the row reductions,
-so a program runs the tiles wholly inside the prefix once for all its rows (every key visible to all), as
-``verify_attention`` does, and the tiles from the first one holding a tree key on (one or two per node: a path is
-at most 64 keys) once per node of its rows, on that node's gathered keys, keeping the result for that node's rows
-only (a select, no arithmetic): the same sequence of operations per row as the 1-token step.
+(``EXACT_ROWS`` packed rows) and its ordered combine. Rows of a tile never mix in tl.dot or in the row reductions.
+Two launches: the splits wholly below the first ``BLOCK_N`` tile that holds a tree key, where every key is visible to
+every row, run as ``verify_attention`` runs them (packed rows, one read per row tile), with the empty splits past the
+paths; the split holding that tile and the next one (a path is at most 64 keys, a split 256) run one program per
+node, its G rows in a tile of ``EXACT_ROWS``, on its keys read through its path. Every row thus goes through the same
+tiles in the same order with the same values as in the 1-token step, and the splits are merged in order.
 """
 
 from __future__ import annotations
@@ -121,19 +122,19 @@ def _tree_attn_kernel(
 
 
 @triton.jit
-def _tree_attn_exact_kernel(
-    Q, K, V, CacheLen, Path, Depth, PartAcc, PartM, PartL,
+def _tree_attn_exact_prefix_kernel(
+    Q, K, V, CacheLen, PartAcc, PartM, PartL,
     qk_scale,  # scale · log2(e)
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
-    stride_pb, stride_pt, stride_db,
     Hkv, S, T, chunk, num_splits,
     G: tl.constexpr, D: tl.constexpr, NUM_MB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    # _verify_attn_kernel's exact arithmetic, row by row (module docstring): the tiles below the first one that holds
-    # a tree key are the same for every row (all visible), the others are gathered and applied node by node
+    # exact mode, the splits wholly below the first tile that holds a tree key (every key visible to every row: packed
+    # rows, _verify_attn_kernel's arithmetic) and the empty splits past the paths; _tree_attn_exact_path_kernel writes
+    # the two splits from that tile on
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blk = pid % NUM_MB
@@ -152,25 +153,22 @@ def _tree_attn_exact_kernel(
     q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     clen = tl.load(CacheLen + b).to(tl.int32)
-    q_pos = clen + tl.load(Depth + b * stride_db + t, mask=row_ok, other=0).to(tl.int32)  # prefix + depth
-
+    tree_split = (clen // BLOCK_N * BLOCK_N) // chunk  # the split holding the first tree tile
     lo = pid_s * chunk
-    first_tree_tile = clen // BLOCK_N * BLOCK_N
+    hi = tl.where(pid_s < tree_split, tl.minimum(lo + chunk, S), lo)  # below the tree split: every key visible
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(tl.minimum(lo + chunk, first_tree_tile), S)
-    for start in range(lo, hi, BLOCK_N):  # prefix tiles: one load for every row of the tile
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
         kt = tl.load(k_base + n[None, :] * stride_ks + d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
         s = tl.dot(q, kt, input_precision=PREC) * qk_scale
-        vis = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -180,38 +178,83 @@ def _tree_attn_exact_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
 
-    t_first = (m_blk * BLOCK_M) // G
-    t_last = (tl.minimum(m_blk * BLOCK_M + BLOCK_M, TG) - 1) // G
-    for j in range(t_first, t_last + 1):  # from the first tree tile on: node j's path, its rows alone updated
-        hi_j = tl.minimum(tl.minimum(lo + chunk, clen + tl.load(Depth + b * stride_db + j).to(tl.int32) + 1), S)
-        mine = t == j
-        p_base = Path + b * stride_pb + j * stride_pt
-        for start in range(tl.maximum(lo, first_tree_tile), hi_j, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)  # logical key: the prefix, then node j's path in depth order
-            n_ok = n < hi_j
-            on_path = n_ok & (n >= clen)
-            node = tl.load(p_base + tl.where(on_path, n - clen, 0), mask=on_path, other=0)
-            slot = tl.where(on_path, clen + node, n)
-            kt = tl.load(k_base + slot[None, :] * stride_ks + d[:, None],
-                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
-            s = tl.dot(q, kt, input_precision=PREC) * qk_scale
-            vis = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_new = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-            acc_new = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = tl.where(mine, m_new, m_i)
-            l_i = tl.where(mine, l_new, l_i)
-            acc = tl.where(mine[:, None], acc_new, acc)
-
+    split = rows * 0 + pid_s  # [BLOCK_M]: a vector mask (the interpreter refuses a scalar bool in one)
+    ok = row_ok & ((split < tree_split) | (split > tree_split + 1))  # the path kernel writes the other two
     ml_off = (bh * num_splits + pid_s) * TG + rows
-    tl.store(PartM + ml_off, m_i, mask=row_ok)
-    tl.store(PartL + ml_off, l_i, mask=row_ok)
-    tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(PartM + ml_off, m_i, mask=ok)
+    tl.store(PartL + ml_off, l_i, mask=ok)
+    tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _tree_attn_exact_path_kernel(
+    Q, K, V, CacheLen, Path, Depth, PartAcc, PartM, PartL,
+    qk_scale,  # scale · log2(e)
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_pb, stride_pt, stride_db,
+    Hkv, S, T, chunk, num_splits,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    # exact mode, one node's G rows (in a tile of BLOCK_M, the 1-token step's configuration) over the split holding the
+    # first tree tile (pid_s 0) or the next one (pid_s 1): its keys read through the node's path (module docstring)
+    pid = tl.program_id(0)
+    t = pid % T
+    bh = pid // T
+    b = (bh // Hkv).to(tl.int64)
+    kvh = bh % Hkv
+    TG = T * G
+
+    g = tl.arange(0, BLOCK_M)
+    row_ok = g < G
+    h = kvh * G + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q = tl.load(Q + b * stride_qb + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    clen = tl.load(CacheLen + b).to(tl.int32)
+    q_pos = clen + tl.load(Depth + b * stride_db + t).to(tl.int32)  # the node's position: prefix + depth
+    q_pos_r = q_pos + tl.zeros([BLOCK_M], tl.int32)
+    split = (clen // BLOCK_N * BLOCK_N) // chunk + tl.program_id(1)
+    valid = split < num_splits
+
+    lo = split * chunk
+    hi = tl.where(valid, tl.minimum(tl.minimum(lo + chunk, q_pos + 1), S), lo)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    p_base = Path + b * stride_pb + t * stride_pt
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)  # logical key: the prefix, then the path in depth order
+        n_ok = n < hi
+        on_path = n_ok & (n >= clen)
+        node = tl.load(p_base + tl.where(on_path, n - clen, 0), mask=on_path, other=0)
+        slot = tl.where(on_path, clen + node, n)
+        kt = tl.load(k_base + slot[None, :] * stride_ks + d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
+        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+        vis = n_ok[None, :] & (n[None, :] <= q_pos_r[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    ok = row_ok & (g * 0 + split < num_splits)
+    ml_off = (bh * num_splits + split) * TG + t * G + g
+    tl.store(PartM + ml_off, m_i, mask=ok)
+    tl.store(PartL + ml_off, l_i, mask=ok)
+    tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=ok[:, None] & d_ok[None, :])
 
 
 def tree_paths(tree_bits: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
@@ -264,16 +307,18 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, o
         path = tree_paths(tree_bits, depth) if path is None else path
         (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(
             q, Hkv, S, None, out, exact=True)
-        _tree_attn_exact_kernel[(B * Hkv * num_mb, ns)](
-            q, k_cache, v_cache, cache_len, path, depth, part_acc, part_m, part_l,
-            float(scale) * _LOG2E,
-            q.stride(0), q.stride(1), q.stride(2),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            path.stride(0), path.stride(1), depth.stride(0),
-            Hkv, S, T, chunk, ns,
-            G=G, D=D, NUM_MB=num_mb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=dot_precision(q.dtype),
-            num_warps=warps, num_stages=stages,
+        common = (float(scale) * _LOG2E, q.stride(0), q.stride(1), q.stride(2),
+                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))  # fmt: skip
+        blocks = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, PREC=dot_precision(q.dtype), num_warps=warps,
+                      num_stages=stages)  # fmt: skip
+        _tree_attn_exact_prefix_kernel[(B * Hkv * num_mb, ns)](
+            q, k_cache, v_cache, cache_len, part_acc, part_m, part_l, *common,
+            Hkv, S, T, chunk, ns, G=G, D=D, NUM_MB=num_mb, **blocks,
+        )  # fmt: skip
+        _tree_attn_exact_path_kernel[(B * Hkv * T, 2)](  # a path spans at most two splits (≤ 64 keys, 256 per split)
+            q, k_cache, v_cache, cache_len, path, depth, part_acc, part_m, part_l, *common,
+            path.stride(0), path.stride(1), depth.stride(0), Hkv, S, T, chunk, ns, G=G, D=D, **blocks,
         )  # fmt: skip
         combine_partials_triton(part_acc, part_m, part_l, out, ordered=True)
         return out
