@@ -60,7 +60,7 @@ DRAIN = ("off", "scaled", "lead")  # off: Engine.plan_drain False; else on with 
 CHAIN_FIRST = {"auto": None, "yes": True, "no": False}  # Engine's tree_chain_first
 
 
-def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
+def parse_configs(values: list[str] | None, labels, args, tree_budget_given: bool | None = None) -> dict[str, dict]:
     """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget", "chain_first",
     "plan_trees", "confidence", "drain"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` /
     ``--budget`` with the label's overrides. So one run can time several verify modes of one draft (``--draft chain=D --draft auto=D
@@ -69,7 +69,11 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
     Raises ValueError naming the item: an unknown label or key, a bad value, a label given twice, a tree
     budget under budget=auto (the planner's sizes are plan_trees), a tree budget without tree verify, and the
     run-wide rules (a tree needs a draft temperature above 0, the reference backend has neither trees under a
-    budget nor the planner)."""
+    budget nor the planner). ``tree_budget_given``: whether ``--tree-budget`` was on the command line, before
+    check_decode_args filled in its default (None: ``args.tree_budget is not None``); a given one under a label's
+    budget=auto is refused, a default one is dropped there (the planner runs its own trees, plan_trees)."""
+    if tree_budget_given is None:
+        tree_budget_given = args.tree_budget is not None
     base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None,
             "plan_trees": None, "confidence": None, "drain": None}
     out = {label: dict(base) for label in labels}
@@ -137,6 +141,12 @@ def parse_configs(values: list[str] | None, labels, args) -> dict[str, dict]:
             raise ValueError(f"--config {item!r}: tree_budget with budget=auto: the planner picks its own tree sizes "
                              f"(give them with --config {label}:plan_trees=16/32)")
     for label, c in out.items():
+        if c["budget"] is not None and c["tree_budget"] is not None:  # the run-wide one: a label's own is refused above
+            if tree_budget_given:
+                raise ValueError(f"draft {label!r}: --tree-budget {args.tree_budget} with budget=auto: the planner "
+                                 f"picks its own tree sizes (give them with --config {label}:plan_trees=16/32, or "
+                                 "drop --tree-budget)")
+            c["tree_budget"] = None  # a default the planner never ran: the JSON records what ran
         if c["verify"] == "tree" and c["budget"] is None and getattr(args, "draft_temperature", None) == 0:
             raise ValueError(f"draft {label!r}: --draft-temperature 0 with verify=tree (the tree is built from the "
                              "draft's distribution, one-hot at 0)")
@@ -212,6 +222,7 @@ class Runner:
         # label -> mode -> {"steps", "drain_steps", "paired", "step_ms", "measured_ms"} (--budget auto)
         self.planner_steps: dict = {}
         if self.backend == "cuda":
+            from dspine.reference import TREE_BUDGET  # Engine's size under verify=tree; unused by budget=auto
             from infer.engine import Engine
             from infer.model import EngineTarget
 
@@ -229,7 +240,7 @@ class Runner:
                 c = self.configs[label]
                 vs = args.block_size if c["verify"] == "chain" else None  # --block-size: the chain labels' width
                 self.decoders[label] = Engine(target, m, self.eos, verify_size=vs, verify=c["verify"],
-                                              tree_budget=c["tree_budget"], budget=c["budget"],
+                                              tree_budget=c["tree_budget"] or TREE_BUDGET, budget=c["budget"],
                                               tree_chain_first=c["chain_first"], plan_trees=c["plan_trees"], **kw)
                 self.decoders[label].plan_drain = (args.plan_drain is not False if c.get("drain") is None
                                                    else c["drain"] != "off")
@@ -680,6 +691,7 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     for name in ("num_prompts", "concurrency", "max_prompt_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    tree_budget_given = args.tree_budget is not None  # check_decode_args fills in the default under --verify tree
     check_decode_args(args, plan_trees="--config LABEL:plan_trees=16/32")
     if args.device is not None and args.backend != "cuda":
         raise ValueError(f"--device {args.device} places the engine: give --backend cuda with it")
@@ -708,7 +720,7 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
             raise FileNotFoundError(f"--draft {label}={path}: no such draft folder")
     if args.config and args.backend == "reference":
         raise ValueError("--config needs the engine (--backend cuda; --device cpu on a CPU)")
-    args.configs = parse_configs(args.config, parse_drafts(args.draft), args)
+    args.configs = parse_configs(args.config, parse_drafts(args.draft), args, tree_budget_given)
     if args.plot is None and args.output_json and args.draft:  # derived once; main() writes it there
         args.plot = str(Path(args.output_json).with_suffix(".png"))
     outputs = {"--output-json": args.output_json, "--plot": args.plot}

@@ -290,10 +290,11 @@ class Engine:
                              f"size {self.block_size} (got {self.verify_size}); pass plan_trees=() for AR and a "
                              "narrower chain")
         windows = sorted({w for w in target.args.windows if w is not None})
-        if windows and (verify == "tree" or (budget == "auto" and trees)):
+        if windows and ((verify == "tree" and budget is None) or (budget == "auto" and trees)):
             raise ValueError(f"the target has sliding-window layers (windows {windows}): tree verify has no window; "
-                             f"use verify='chain' (and plan_trees=() with budget='auto'), got verify={verify!r}, "
-                             f"budget={budget!r}")
+                             f"use verify='chain' (--verify chain), and with budget='auto' plan_trees=() (--plan-trees "
+                             f"none, --config LABEL:plan_trees=none); got verify={verify!r}, budget={budget!r}, "
+                             f"plan_trees={plan_trees!r}")
         self.plan_trees = tuple(sorted(trees))
         self.plan_modes = [("ar", 1), ("chain", self.verify_size)] + [("tree", n) for n in self.plan_trees]
         # target positions written per step (anchor included)

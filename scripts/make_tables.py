@@ -604,24 +604,27 @@ def planner_exact_section() -> list[str]:
            "draft, T = 0, `--exact` (issue 13's row-invariant kernels, trees and the planner included since this "
            "commit): every configuration's greedy output equals AR's on every prompt (greedy == AR column), so "
            "unlike the table above the configurations decode the same tokens and the ratios measure the planner's "
-           "choices, not bf16 near-ties. Exact mode prices a tree step higher from batch 8 on (one program per node "
-           "reads the prefix), so the best fixed mode moves to the chain there. Mean tok/s over the 5 tasks; "
+           "choices, not bf16 near-ties. Exact mode prices a tree step higher from batch 8 on (this commit's exact "
+           "tree kernel ran one program per node over the whole prefix; the later two-launch kernel is timed in "
+           "results/tree-exact-h200.json), so the best fixed mode moves to the chain there. Mean tok/s over the tasks; "
            "p: the default planner (trees 32 and 64, drain model scaled), p16: trees 16 and 32, pl: drain model lead "
            "(`--config pl:budget=auto,drain=lead`).", "",
            "| concurrency | prompts × tokens | AR | chain 16 | tree 16 | tree 32 | best fixed | p ÷ best (goal ≥ 0.98) | "
-           "p16 ÷ best | pl ÷ best | p ÷ AR | p's steps | greedy == AR |",
+           "p16 ÷ best | pl ÷ best | p ÷ AR | p's steps | greedy outputs == AR (each label) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, f=".0f": "–" if x is None else format(x, f)
     for p in pts:
         t, rel = p["tok_per_s"], p["planner_over_best_fixed"]
-        steps = p["planner_steps"]["p"]
+        steps = p["planner_steps"].get("p", {})
         total = sum(steps.values()) or 1
         share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
-        eq = all(a == b for a, b in p["greedy_equal"].values())
-        n = sum(b for _, b in p["greedy_equal"].values())
-        out.append(f"| {p['concurrency']} | {p['num_prompts']} × {p['max_new_tokens']} per task | {t['AR']:.0f} | "
-                   f"{t['chain']:.0f} | {t['t16']:.0f} | {t['t32']:.0f} | {p['best_fixed']} | {rel['p']:.3f} — "
-                   f"{ok(rel['p'] >= 0.98)} | {rel['p16']:.3f} | {rel['pl']:.3f} | {p['planner_over_ar']['p']:.3f} | "
-                   f"{share} | {'all ' + str(n) if eq else 'NO'} |")
+        counts = {tuple(c) for c in p["greedy_equal"].values()}
+        same = (f"{counts.pop()[0]}/{p['greedy_equal']['chain'][1]}" if len(counts) == 1 else
+                ", ".join(f"{x} {a}/{b}" for x, (a, b) in p["greedy_equal"].items()))  # fmt: skip
+        out.append(f"| {p['concurrency']} | {p['num_prompts']} × {p['max_new_tokens']} per task | {fmt(t.get('AR'))} | "
+                   f"{fmt(t.get('chain'))} | {fmt(t.get('t16'))} | {fmt(t.get('t32'))} | {p['best_fixed']} | "
+                   f"{fmt(rel.get('p'), '.3f')} — {ok((rel.get('p') or 0) >= 0.98)} | {fmt(rel.get('p16'), '.3f')} | "
+                   f"{fmt(rel.get('pl'), '.3f')} | {fmt(p['planner_over_ar'].get('p'), '.3f')} | {share} | {same} |")
     out += ["", "Commands: `" + "`; `".join(x["command"] for x in
                                           (json.loads((ROOT / f).read_text()) for f in r["points"])) + "`; then `"
             + r["command"] + "`.", ""]

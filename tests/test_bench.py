@@ -319,6 +319,11 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:budget=auto,verify=tree,tree_budget=48"], "'D:budget=auto,verify=tree,tree_budget=48': tree_budget "
      "with budget=auto: the planner picks its own tree sizes (give them with --config D:plan_trees=16/32)"),
     (["--config", "D:verify=tree,tree_budget=48", "--budget", "auto"], "tree_budget with budget=auto"),
+    (["--verify", "tree", "--tree-budget", "48", "--config", "D:budget=auto"], "draft 'D': --tree-budget 48 with "
+     "budget=auto: the planner picks its own tree sizes (give them with --config D:plan_trees=16/32, or drop "
+     "--tree-budget)"),
+    (["--verify", "tree", "--tree-budget", "32", "--config", "D:budget=auto,plan_trees=16"],  # the default's value
+     "draft 'D': --tree-budget 32 with budget=auto"),
     (["--config", "D:budget=auto", "--config", "D:verify=tree"], "label 'D' given twice"),
     (["--config", "D:verify=tree", "--draft-temperature", "0"], "--draft-temperature 0 with verify=tree"),
     (["--config", "D:budget=auto", "--backend", "reference"], "--config needs the engine"),
@@ -347,14 +352,26 @@ def test_config_errors_name_the_item(stories_dir, draft_dir, capsys, config, msg
 
 def test_config_none_overrides_a_run_wide_budget():
     """budget=none takes one label back to the fixed mode of a run-wide --budget auto; verify=chain drops a
-    run-wide tree budget."""
+    run-wide tree budget; the default tree budget (--verify tree --budget auto) is not recorded for the planner."""
     import argparse
 
-    args = argparse.Namespace(verify="tree", tree_budget=16, budget="auto", exact=None, draft_temperature=None,
-                              backend="cuda")
-    c = bench.parse_configs(["a:budget=none,verify=chain"], {"a": "p", "b": "p"}, args)
+    args = argparse.Namespace(verify="tree", tree_budget=32, budget="auto", exact=None, draft_temperature=None,
+                              backend="cuda")  # as check_decode_args leaves --verify tree --budget auto
+    c = bench.parse_configs(["a:budget=none,verify=chain"], {"a": "p", "b": "p"}, args, tree_budget_given=False)
     assert c == {"a": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "confidence": None, "drain": None},
-                 "b": {"verify": "tree", "tree_budget": 16, "budget": "auto", "chain_first": None, "plan_trees": None, "confidence": None, "drain": None}}
+                 "b": {"verify": "tree", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": None, "confidence": None, "drain": None}}
+
+
+def test_config_budget_auto_records_no_default_tree_budget(stories_dir, draft_dir):
+    """A run-wide --verify tree (default --tree-budget) and one label's budget=auto: that label ran the planner's
+    trees (plan_trees), so its config records no tree budget; the other label keeps the default's."""
+    args = bench.build_parser().parse_args([
+        "--target", str(stories_dir), "--draft", f"C={draft_dir}", "--draft", f"P={draft_dir}", "--verify", "tree",
+        "--config", "P:budget=auto", "--datasets", "gsm8k", "--no-chat-template", "--backend", "cuda", "--device",
+        "cpu", "--data-dir", str(shared_path("data", "eval"))])
+    bench.check_args(args)
+    assert (args.configs["C"]["tree_budget"], args.configs["C"]["budget"]) == (32, None)
+    assert (args.configs["P"]["tree_budget"], args.configs["P"]["budget"]) == (None, "auto")
 
 
 def test_config_is_never_dropped_by_the_reference_backend(stories_dir, draft_dir, capsys, monkeypatch):

@@ -266,12 +266,23 @@ def test_engine_exact_spec_equals_ar_bf16():
 
 @pytest.mark.parametrize("kw", [dict(verify="tree", tree_budget=12), dict(budget="auto", plan_trees=(6, 12))],
                          ids=["tree12", "planner"])  # fmt: skip
-def test_engine_exact_tree_and_planner_equal_ar_bf16(kw):
+def test_engine_exact_tree_and_planner_equal_ar_bf16(kw, monkeypatch):
     """Greedy bf16 on the CPU reference path: exact mode with tree verify (every token from a tree of 12 nodes
     built from an oracle draft with 30% wrong tokens, so accepted paths leave the draft's chain) and with the
     planner (chain and trees mixed per step) reproduces the engine's exact AR output at concurrency 1 and 3.
     This tiny target has no bf16 near-ties (its fast-mode trees give the same tokens): the bits are held by
-    test_target_tree_step_is_its_paths_decode here and by the gpu tests on SmolLM2-size shapes."""
+    test_target_tree_step_is_its_paths_decode here and by the gpu tests on SmolLM2-size shapes; here every tree
+    attention call the engine makes is checked to be the exact one, with the step's depths and paths."""
+    import infer.model
+
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append((kw.get("exact"), kw.get("depth") is not None, kw.get("path") is not None))
+        return tree_attention(*args, **kw)
+
+    tree_attention = infer.model.tree_attention
+    monkeypatch.setattr(infer.model, "tree_attention", spy)
     tgt = _tiny_target(layers=2)
     draft = _draft_for(tgt)
     prompts = [[5, 6, 7], [9] * 11, [100, 200], [3, 1, 4, 1, 5]]
@@ -286,10 +297,28 @@ def test_engine_exact_tree_and_planner_equal_ar_bf16(kw):
         res = eng.generate(prompts, params, concurrency=conc)
         assert res.token_ids == ar, conc
         assert res.stats.tau > 2.0  # tokens came out of verify steps
+    assert calls and set(calls) == {(True, True, True)}, set(calls)  # exact, with depths and paths, every time
     if "budget" in kw:
         ran = {m for m, r in eng.planner_report.items() if r["steps"]}
         assert len(ran) >= 2 and ran & {"tree6", "tree12"}, eng.planner_report  # tree and other steps in one decode
 
+
+def test_tree_verify_refused_on_sliding_window_targets():
+    """Tree attention has no sliding window: the engine refuses trees (fixed or the planner's) on a target with
+    sliding-window layers, naming the flags that avoid them, and the target refuses a tree step; the planner
+    without trees is accepted."""
+    tgt = _tiny_target(layers=2, window=8)
+    draft = _draft_for(tgt)
+    with pytest.raises(ValueError, match=r"sliding-window layers \(windows \[8\]\).*--verify chain"):
+        Engine(tgt, draft, [-1], max_seq=64, verify="tree", tree_budget=8)
+    with pytest.raises(ValueError, match="--plan-trees none"):
+        Engine(tgt, draft, [-1], max_seq=64, budget="auto")
+    assert Engine(tgt, draft, [-1], max_seq=64, budget="auto", plan_trees=()).plan_trees == ()
+    cache = tgt.new_cache(1, 64)
+    tgt.prefill(torch.tensor([1, 2, 3]), 0, cache)
+    lens = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="tree attention has no window"):
+        tgt.forward_step(torch.tensor([[4, 5]]), torch.tensor([[3, 4]]), cache, lens, tree_bits=torch.tensor([[1, 3]]))
 
 def test_bench_exact_mode_compares_spec_with_ar(stories_dir, tmp_path):
     """``infer.bench --exact`` on the CPU engine in bf16: every greedy output of the chain, a tree and the

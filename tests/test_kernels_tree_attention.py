@@ -139,6 +139,25 @@ def test_tree_attention_exact_is_the_one_token_step_of_its_path(impl, T, lens):
         tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True)
     with pytest.raises(ValueError, match="int32"):
         tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=depth, path=path.long())
+    with pytest.raises(ValueError, match="int32/int64"):
+        tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=depth.float())
+    strided = torch.zeros(B, 2 * T, dtype=torch.long)[:, ::2]  # non-contiguous depth and path give the same bits
+    strided.copy_(depth)
+    path_t = path.transpose(1, 2).contiguous().transpose(1, 2)
+    again = tree_attention(q, k, v, lens, bits, D**-0.5, impl=impl, exact=True, depth=strided, path=path_t)
+    assert torch.equal(again.view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_tree_attention_exact_refuses_more_heads_than_a_tile(device):
+    """The Triton exact path's per-node programs hold one 64-row tile (bf16): 66 query heads per kv head are refused
+    rather than left uncomputed."""
+    q = torch.randn(1, 2, 66, 16).bfloat16()
+    k = v = torch.randn(1, 1, 8, 16).bfloat16()
+    bits, depth = torch.tensor([[1, 3]]), torch.tensor([[0, 1]])
+    with pytest.raises(ValueError, match="66 query heads per kv head"):
+        tree_attention(q, k, v, torch.tensor([4], dtype=torch.int32), bits, 0.25, impl="triton", exact=True,
+                       depth=depth)  # fmt: skip
 
 
 @pytest.mark.parametrize("device", [CPU])

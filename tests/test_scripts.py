@@ -361,3 +361,28 @@ def test_planner_points_from_bench_runs(tmp_path):
     assert pp.main([str(f)]) == 2
     with pytest.raises(ValueError, match="no AR row"):
         pp.point(run)
+
+
+def test_planner_points_refuses_what_it_cannot_compare(tmp_path, capsys):
+    """planner_points.py: a file without args prints '?' for them; an AR tok/s of 0, a draft label named AR and a
+    file given twice are errors naming the file (exit status 2), not a traceback or a silent merge."""
+    import json as _json
+
+    from benchmarks.engine import planner_points as pp
+
+    def run(ar_tok=100.0, fixed="chain"):
+        rows = {fixed: {"tok_per_s": 300.0, "tau": 3.0}, "p": {"tok_per_s": 250.0, "tau": 3.0, "budget": "auto"}}
+        return {"tasks": [{"task": "a", "ar": {"tok_per_s": ar_tok, "tau": 1.0}, "drafts": rows}]}
+
+    f = tmp_path / "run.json"
+    f.write_text(_json.dumps(run()))  # no "args": concurrency and temperature unknown
+    assert pp.main([str(f)]) == 0
+    assert f"{f}: c? T? best fixed chain 300 tok/s" in capsys.readouterr().out
+    for bad, msg in ((run(ar_tok=0.0), "AR tok/s is 0"), (run(fixed="AR"), "a draft label is named 'AR'")):
+        f.write_text(_json.dumps(bad))
+        assert pp.main([str(f)]) == 2
+        assert f"error: {f}: {msg}" in capsys.readouterr().err
+    f.write_text(_json.dumps(run()))
+    for twice in (str(f), f"{tmp_path}/./run.json"):  # the same file, spelt differently
+        assert pp.main([str(f), twice]) == 2
+        assert f"error: {twice}: given twice (as {f})" in capsys.readouterr().err

@@ -98,3 +98,15 @@ def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path, capsys):
     assert out.read_text() == "keep"
     assert tlf.main([str(f), "--trees", "t16", "--output", str(out), "--overwrite"]) == 0
     assert json.loads(out.read_text())["files"][str(f)]["t16"]["requests"] == 4
+
+
+def test_a_chain_that_never_accepts_is_an_error_not_nan(tmp_path, capsys):
+    """Every chain τ 1.0 (a random draft): the accepted model's k is 0 / 0; an error naming the file and label, not a
+    NaN that the JSON writer refuses after the work."""
+    with pytest.raises(ValueError, match="every request's chain τ is 1.0: no accepted draft tokens to fit"):
+        tlf.fit(np.ones(6), np.array([1.0, 1.2, 1.0, 1.5, 1.1, 1.0]))
+    f, out = tmp_path / "run.json", tmp_path / "fit.json"
+    f.write_text(json.dumps({"tasks": [_task("a", {"chain": [10, 10, 10, 10], "t16": [12, 10, 15, 11]})]}))
+    assert tlf.main([str(f), "--trees", "t16", "--output", str(out)]) == 2
+    assert (f"error: {f}, label 't16' against 'chain': every request's chain τ is 1.0"
+            in capsys.readouterr().err) and not out.exists()

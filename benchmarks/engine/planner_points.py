@@ -28,13 +28,16 @@ from dspine.provenance import provenance  # noqa: E402
 
 def point(run: dict) -> dict:
     """One planner point of an ``infer.bench`` JSON (module docstring). Raises ValueError: no tasks, no AR row
-    (``--no-ar``), no planner label or no fixed label, or labels missing from a task."""
+    (``--no-ar``), a draft label named ``AR``, no planner label or no fixed label, labels missing from a task, or
+    an AR tok/s of 0 (no ratio to it)."""
     tasks = run.get("tasks") if isinstance(run, dict) else None
     if not tasks:
         raise ValueError("no 'tasks' (not an infer.bench JSON)")
     if any(not t.get("ar") for t in tasks):
         raise ValueError("a task has no AR row (run without --no-ar)")
     labels = list(tasks[0]["drafts"])
+    if "AR" in labels:  # its tok/s, τ and greedy counts would be read from the AR row instead
+        raise ValueError("a draft label is named 'AR', the name of the AR row here")
     if any(set(t["drafts"]) != set(labels) for t in tasks):
         raise ValueError(f"the tasks have different draft labels (first task: {labels})")
     planners = [x for x in labels if tasks[0]["drafts"][x].get("budget") == "auto"]
@@ -46,6 +49,8 @@ def point(run: dict) -> dict:
         return [t["ar"] if label == "AR" else t["drafts"][label] for t in tasks]
 
     tok = {x: sum(r["tok_per_s"] for r in rows(x)) / len(tasks) for x in fixed + planners}
+    if not tok["AR"] > 0:  # every ratio divides by it (the best fixed one is at least AR's)
+        raise ValueError(f"AR tok/s is {tok['AR']:g} (mean over tasks): no ratio to it")
     best = max(fixed, key=lambda x: tok[x])
     out = {
         "concurrency": run.get("args", {}).get("concurrency"),
@@ -87,6 +92,12 @@ def main(argv=None) -> int:
     try:
         if args.output:
             check_output_file("--output", args.output, args.overwrite)
+        seen: dict[Path, str] = {}
+        for f in args.files:  # one point per file: the same file twice would be merged into one silently
+            key = Path(f).resolve()
+            if key in seen:
+                raise ValueError(f"{f}: given twice (as {seen[key]})")
+            seen[key] = f
         for f in args.files:
             try:
                 run = json.loads(Path(f).read_text())
@@ -96,7 +107,9 @@ def main(argv=None) -> int:
             except (KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{f}: not an infer.bench JSON ({type(e).__name__} {e})") from None
             res["points"][f] = {"commit": run.get("commit"), "date": run.get("date"), "gpu": run.get("gpu"), **p}
-            print(f"{f}: c{p['concurrency']} T{p['temperature']:g} best fixed {p['best_fixed']} "
+            c, t = p["concurrency"], p["temperature"]  # None in a file without them
+            c, t = "?" if c is None else c, f"{t:g}" if isinstance(t, (int, float)) else "?"
+            print(f"{f}: c{c} T{t} best fixed {p['best_fixed']} "
                   f"{p['best_fixed_tok_per_s']:.0f} tok/s; " + "; ".join(
                       f"{x} {p['planner_over_best_fixed'][x]:.3f} (x AR {p['planner_over_ar'][x]:.3f})"
                       for x in p["planner_over_best_fixed"]))  # fmt: skip

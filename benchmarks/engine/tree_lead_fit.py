@@ -66,11 +66,14 @@ def per_request(run: dict, labels: list[str]) -> np.ndarray:
 def fit(chain: np.ndarray, tree: np.ndarray) -> dict:
     """The three models of the module docstring on paired per-request values (both ``[n]``, n ≥ 4): per model its
     parameter, ``rmse`` and ``low_quartile_bias`` (mean of tree − model over requests with ``chain`` at or below its
-    25th percentile). Raises ValueError on shapes that differ or fewer than 4 requests."""
+    25th percentile). Raises ValueError on shapes that differ, fewer than 4 requests, or a chain τ of 1.0 in every
+    request (no accepted draft token: the ``accepted`` model's k is 0 / 0)."""
     if chain.shape != tree.shape or chain.ndim != 1 or chain.size < 4:
         raise ValueError(f"need two equal 1-D arrays of at least 4 requests, got {chain.shape} and {tree.shape}")
     low = chain <= np.quantile(chain, 0.25)
     a, t = chain - 1.0, tree - 1.0
+    if not np.any(a):  # e.g. a random draft: k would be NaN, which the JSON cannot hold
+        raise ValueError("every request's chain τ is 1.0: no accepted draft tokens to fit")
     k_acc = float(np.sum(a * t) / np.sum(a * a))
     k_ratio = float(np.sum(chain * tree) / np.sum(chain * chain))
     lead = float(np.mean(tree - chain))

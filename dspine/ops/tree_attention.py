@@ -20,7 +20,7 @@ launcher reads a device tensor). Numerics: fp32 scores and statistics, P rounded
 before P·V, exact (non-TF32) tl.dot for fp32.
 
 Exact mode (``exact=True``, issue 16 on top of issue 13's ``verify_attention(exact=True)``): node t's result is
-bitwise what ``verify_attention(exact=True)`` gives the same token as a 1-token step at position
+bitwise what ``verify_attention(exact=True)`` of the same ``impl`` gives the same token as a 1-token step at position
 ``cache_len[b] + depth[b, t]`` once its ancestors' K/V sit, in depth order, at the positions after the prefix (the
 chain of the accepted path, as the AR decode had it). The kernel reads key ``j`` of that logical sequence through the
 node's path (:func:`tree_paths`: ``path[b, t, d]`` = the ancestor at depth d), so every key lands in the same lane
@@ -272,9 +272,10 @@ def tree_paths(tree_bits: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
 
 
 def _check_exact(depth, path, B, T):
-    if depth is None or tuple(depth.shape) != (B, T):
-        raise ValueError(f"exact=True needs depth [{B}, {T}] (the nodes' depths), got "
-                         f"{None if depth is None else tuple(depth.shape)}")  # fmt: skip
+    """Shapes and dtypes of exact mode's ``depth`` and ``path`` (values are not checked: no host sync)."""
+    if depth is None or tuple(depth.shape) != (B, T) or depth.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"exact=True needs depth [{B}, {T}] int32/int64 (the nodes' depths), got "
+                         f"{None if depth is None else (depth.dtype, tuple(depth.shape))}")  # fmt: skip
     if path is not None and (tuple(path.shape) != (B, T, T) or path.dtype != torch.int32):
         raise ValueError(f"path must be int32 [{B}, {T}, {T}] (tree_paths), got {path.dtype} {tuple(path.shape)}")
 
@@ -304,9 +305,14 @@ def tree_attention_triton(q, k_cache, v_cache, cache_len, tree_bits, scale, *, o
     out = torch.empty_like(q) if out is None else out
     if exact:
         _check_exact(depth, path, B, T)
-        path = tree_paths(tree_bits, depth) if path is None else path
+        # the kernels index depth and path with their leading strides only: contiguous copies (no-ops if already)
+        depth = depth.contiguous()
+        path = tree_paths(tree_bits, depth) if path is None else path.contiguous()
         (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(
             q, Hkv, S, None, out, exact=True)
+        if G > bm:
+            raise ValueError(f"exact tree attention: {G} query heads per kv head; its per-node programs hold at most "
+                             f"{bm} (one {bm}-row tile, the 1-token step's)")
         common = (float(scale) * _LOG2E, q.stride(0), q.stride(1), q.stride(2),
                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))  # fmt: skip
@@ -399,9 +405,12 @@ def tree_attention(q, k_cache, v_cache, cache_len, tree_bits, scale, impl: str =
     ``exact`` (module docstring): node t's bits are ``verify_attention(exact=True)``'s for the same token at
     position ``cache_len[b] + depth[b, t]`` after its path; needs ``depth [B, T]`` (int, root 0), takes ``path``
     from :func:`tree_paths` if given (the engine computes it once per step, not per layer); ``num_splits`` and
-    ``blocks`` are then ignored.
-    Raises ValueError on inconsistent shapes, T > 64, non-int64 bits, or ``exact`` without a ``depth`` of [B, T]
-    (or with a ``path`` that is not int32 [B, T, T]).
+    ``blocks`` are then ignored. ``depth`` must be each node's depth (the number of its ancestors, itself excluded:
+    popcount(tree_bits) − 1) and ``path`` ``tree_paths(tree_bits, depth)``; the values are not checked (a check
+    would sync the host), and inconsistent ones give wrong results, not an error.
+    Raises ValueError on inconsistent shapes, T > 64, non-int64 bits, or ``exact`` without an int32/int64 ``depth``
+    of [B, T] (or with a ``path`` that is not int32 [B, T, T]), or, on the Triton path, with more query heads per kv
+    head than one exact-mode row tile holds (64 in bf16).
     """
     check_impl(impl)
     fn = tree_attention_triton if impl == "triton" else tree_attention_torch
