@@ -602,7 +602,7 @@ def planner_exact_section() -> list[str]:
     out = ["#### The planner on identical outputs (exact mode)", "",
            f"{first['gpu']}, {first['date'][:10]}, commit `{first['commit'][:10]}`, SmolLM2-135M-Instruct with the shipped "
            "draft, T = 0, `--exact` (issue 13's row-invariant kernels, trees and the planner included since this "
-           "commit): every configuration's greedy output equals AR's on every prompt (greedy == AR column), so "
+           "commit): every configuration's greedy output equals AR's on every prompt (last column), so "
            "unlike the table above the configurations decode the same tokens and the ratios measure the planner's "
            "choices, not bf16 near-ties. Exact mode prices a tree step higher from batch 8 on (this commit's exact "
            "tree kernel ran one program per node over the whole prefix; the later two-launch kernel is timed in "
