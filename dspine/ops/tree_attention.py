@@ -41,7 +41,7 @@ import torch
 
 from ._common import check_impl, dot_precision, tl, triton
 from .attn_combine import combine_partials_triton
-from .verify_attention import _launch_plan, verify_attention_torch
+from .verify_attention import _attend_tile, _launch_plan, verify_attention_torch
 
 __all__ = ["tree_attention", "tree_attention_torch", "tree_paths"]
 
@@ -95,20 +95,12 @@ def _tree_attn_kernel(
         n_ok = n < hi
         kt = tl.load(k_base + n[None, :] * stride_ks + d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
-        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
         node = n - clen  # tree node of key n (negative: the committed prefix)
         shift = tl.where((node >= 0) & (node < 64), node, 0).to(tl.int64)
         in_tree = ((bits[:, None] >> shift[None, :]) & 1) != 0
         vis = n_ok[None, :] & ((node[None, :] < 0) | in_tree)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * stride_vs + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, kt, v_base + n[:, None] * stride_vs + d[None, :],
+                                     n_ok[:, None] & d_ok[None, :], vis, m_i, l_i, acc, qk_scale, PREC)
 
     if SPLIT:
         ml_off = (bh * num_splits + pid_s) * TG + rows
@@ -167,16 +159,8 @@ def _tree_attn_exact_prefix_kernel(
         n_ok = n < hi
         kt = tl.load(k_base + n[None, :] * stride_ks + d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
-        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * stride_vs + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, kt, v_base + n[:, None] * stride_vs + d[None, :],
+                                     n_ok[:, None] & d_ok[None, :], n_ok[None, :], m_i, l_i, acc, qk_scale, PREC)
 
     split = rows * 0 + pid_s  # [BLOCK_M]: a vector mask (the interpreter refuses a scalar bool in one)
     ok = row_ok & ((split < tree_split) | (split > tree_split + 1))  # the path kernel writes the other two
@@ -238,17 +222,9 @@ def _tree_attn_exact_path_kernel(
         slot = tl.where(on_path, clen + node, n)
         kt = tl.load(k_base + slot[None, :] * stride_ks + d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # fmt: skip
-        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
         vis = n_ok[None, :] & (n[None, :] <= q_pos_r[:, None])
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, kt, v_base + slot[:, None] * stride_vs + d[None, :],
+                                     n_ok[:, None] & d_ok[None, :], vis, m_i, l_i, acc, qk_scale, PREC)
 
     ok = row_ok & (g * 0 + split < num_splits)
     ml_off = (bh * num_splits + split) * TG + t * G + g

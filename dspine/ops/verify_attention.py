@@ -52,6 +52,24 @@ EXACT_CHUNK = 256  # exact mode: keys per split (a multiple of every BLOCK_N)
 
 
 @triton.jit
+def _attend_tile(q, kt, v_ptrs, v_mask, vis, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+    """One key tile of the flash-decoding loop, for every kernel of this module and ``tree_attention``'s (one
+    sequence of operations, so exact mode's kernels round alike): scores ``q · kt`` (scaled to log2 units) masked
+    to ``vis``, the online-softmax update of the running max ``m_i``, sum ``l_i`` and ``acc``, P rounded to V's
+    dtype before P·V; V ([BLOCK_N, BLOCK_D] at ``v_ptrs``, ``v_mask``) is loaded after the softmax statistics.
+    Returns the new ``(m_i, l_i, acc)``."""
+    s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _verify_attn_kernel(
     Q, K, V, CacheLen, Out, PartAcc, PartM, PartL,
     qk_scale,  # scale · log2(e)
@@ -99,19 +117,11 @@ def _verify_attn_kernel(
         n_ok = n < hi
         kt = tl.load(k_base + n[None, :] * stride_ks + d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
         vis = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             vis = vis & (n[None, :] > q_pos[:, None] - WINDOW)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * stride_vs + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, kt, v_base + n[:, None] * stride_vs + d[None, :],
+                                     n_ok[:, None] & d_ok[None, :], vis, m_i, l_i, acc, qk_scale, PREC)
 
     if SPLIT:
         ml_off = (bh * num_splits + pid_s) * TG + rows
