@@ -11,8 +11,9 @@ starts at multiples of CHUNK_GRANULE). Each chunk is summed on its own in fp32, 
 increasing K order through ``tl.dot``, and the chunk sums are added in chunk order starting from 0.0;
 the bias is added last, then one rounding. Where those sums run is a matter of time only: for few
 rows (M <= SPLIT_PROGRAMS_MAX_M, or as the device's tuned file says up to SPLIT_PROGRAMS_LIMIT) each chunk
-gets its own programs, which write fp32 partials that a second kernel adds in chunk order; otherwise one
-program sums all chunks of its tile. The tile
+gets its own programs, which write fp32 partials that the tile's last program to finish adds in chunk order
+(an atomic arrival count per tile; ``FUSED_REDUCE``, else a second kernel does); otherwise one program sums
+all chunks of its tile. The tile
 configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) changes neither the chunks nor the order of
 the tensor-core k16 steps, so :func:`config` may pick it from M (``mixed_row_tiles``; checked bitwise on the
 device by benchmarks/kernels/bench_linear.py --cross, recorded in the device's tuned file
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ._common import check_impl, dot_precision, num_sms, tl, triton
+from ._common import check_impl, dot_precision, num_sms, tile_counters, tl, triton
 
 __all__ = [
     "linear",
@@ -58,6 +59,7 @@ __all__ = [
     "SMALL_M",
     "FAST_MAX_M",
     "use_in_fast_mode",
+    "fast_config",
     "tuned",
     "cublas_agrees",
     "in_ranges",
@@ -90,6 +92,7 @@ def _linear_kernel(
     Bias,
     Y,
     P,
+    Count,
     M,
     N,
     K,
@@ -101,6 +104,7 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -115,11 +119,21 @@ def _linear_kernel(
         c0 = tl.program_id(2) * CHUNK_K
         acc = _chunk_dot(X, W, rm, rn, m_ok, n_ok, rk, c0, c0 + CHUNK_K, K, stride_xm, stride_wn,
                          BLOCK_M, BLOCK_N, BLOCK_K, PREC)
-        tl.store(
-            P + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :],
-            acc,
-            mask=m_ok[:, None] & n_ok[None, :],
-        )
+        mn_ok = m_ok[:, None] & n_ok[None, :]
+        tl.store(P + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=mn_ok)
+        if FUSED_REDUCE:  # the tile's last chunk program to arrive adds the partials as _linear_reduce_kernel does
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            tile = pid_n * tl.num_programs(0) + pid_m
+            arrived = tl.atomic_add(Count + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(2) - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in range(0, tl.num_programs(2)):  # chunk order, from 0.0
+                    total += tl.load(P + (s * M + rm[:, None]) * N + rn[None, :], mask=mn_ok, other=0.0,
+                                     cache_modifier=".cg")  # from L2: other SMs wrote them
+                if HAS_BIAS:
+                    total += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(Y + rm[:, None] * stride_ym + rn[None, :], total.to(Y.dtype.element_ty), mask=mn_ok)
+                tl.atomic_xchg(Count + tile, 0)  # zero for the next launch on this stream
     else:  # every chunk here, summed in chunk order exactly as _linear_reduce_kernel sums the partials
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for c0 in range(0, K, CHUNK_K):
@@ -279,6 +293,23 @@ def _check_tuned(d: dict) -> None:
                 raise ValueError(f"weight {key}: cublas_m range {r!r} is not [lo, hi] with 1 <= lo <= hi")
         if e.get("cublas_m") and split != 1:
             raise ValueError(f"weight {key}: cublas_m needs split 1 (cuBLAS sums K in one pass)")
+        if "fast" in e:
+            f = e["fast"]
+            cfg, r = f["cfg"], f["ratio_to_cublas"]
+            if not (
+                isinstance(cfg, list)
+                and len(cfg) == 6
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in cfg)
+                and min(cfg[:3]) >= 16
+                and not any(v & (v - 1) for v in cfg[:4])
+                and CHUNK_GRANULE % cfg[2] == 0
+            ):
+                raise ValueError(
+                    f"weight {key}: fast.cfg {cfg!r} is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split] "
+                    f"(integers; block sizes >= 16 and with warps powers of 2; BLOCK_K divides {CHUNK_GRANULE})"
+                )
+            if not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < float("inf")):
+                raise ValueError(f"weight {key}: fast.ratio_to_cublas {r!r} must be a positive number")
 
 
 def versions() -> dict:
@@ -370,6 +401,11 @@ def config(N: int, K: int, dtype: torch.dtype, device, M: int = 1) -> tuple[int,
 # way the sums are the same, so this only moves time.
 SPLIT_PROGRAMS_MAX_M = 16
 SPLIT_PROGRAMS_LIMIT = 256
+# Split programs: the last chunk program of each tile to finish (an atomic arrival count per tile,
+# ``_common.tile_counters``) adds the partials, in chunk order from 0.0 exactly as the reduce kernel does, so
+# the bits are the same and one launch per call goes (72 of an AR step's 452 at Qwen3-8B shape). False, or
+# no counters (a graph captured on a stream that had none): the separate ``_linear_reduce_kernel``.
+FUSED_REDUCE = True
 
 
 def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_programs: bool | None = None):
@@ -407,12 +443,15 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
         split_programs = split_programs and M <= SPLIT_PROGRAMS_LIMIT
     split_programs = bool(split_programs) and n_chunks > 1
     part = torch.empty(n_chunks, M, N, device=x.device, dtype=torch.float32) if split_programs else y2
-    _linear_kernel[(_cdiv(M, bm), _cdiv(N, bn), n_chunks if split_programs else 1)](
+    grid = (_cdiv(M, bm), _cdiv(N, bn), n_chunks if split_programs else 1)
+    count = tile_counters(x.device, grid[0] * grid[1]) if split_programs and FUSED_REDUCE else None
+    _linear_kernel[grid](
         x2,
         w,
         bias if bias is not None else w,
         y2,
         part,
+        count if count is not None else part,
         M,
         N,
         K,
@@ -424,12 +463,13 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
         BLOCK_N=bn,
         BLOCK_K=bk,
         SPLIT_PROGRAMS=split_programs,
+        FUSED_REDUCE=count is not None,
         HAS_BIAS=bias is not None,
         PREC=dot_precision(x.dtype),
         num_warps=warps,
         num_stages=stages,
     )
-    if split_programs:
+    if split_programs and count is None:
         block = 1024
         _linear_reduce_kernel[(_cdiv(M * N, block),)](
             part,
@@ -465,16 +505,30 @@ def linear_torch(x, w, bias=None):
 FAST_MAX_M = 16
 
 
-def use_in_fast_mode(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``linear(exact=False, impl="triton")`` runs the row-invariant kernel instead of cuBLAS: CUDA,
-    bf16, at most FAST_MAX_M rows, and the device's tuned file measured the weight's small tile faster than
-    cuBLAS (``small_ratio_to_cublas`` < 1)."""
+def fast_config(x: torch.Tensor, w: torch.Tensor) -> tuple[int, ...] | None:
+    """The Triton configuration ``linear(exact=False, impl="triton")`` runs instead of cuBLAS, or None for
+    cuBLAS: CUDA, bf16, at most FAST_MAX_M rows, and the device's tuned file has a ``fast`` entry for the weight
+    measured faster than cuBLAS (``fast.ratio_to_cublas`` < 1: benchmarks/kernels/tune_linear_fast.py, weights
+    streamed from HBM as in a decode step, not from L2). Fast mode needs no row invariance, so that entry's
+    split may differ from the exact path's. Without one, the exact path's small tile where the file measured
+    it faster (``small_ratio_to_cublas`` < 1)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(1, x.shape[-1]) <= FAST_MAX_M):
-        return False
+        return None
     name = torch.cuda.get_device_name(x.device)
     e = _weight_entry(name, *w.shape)
+    if e is None:
+        return None
+    if "fast" in e:
+        return tuple(e["fast"]["cfg"]) if e["fast"]["ratio_to_cublas"] < 1.0 else None
     # the measured gain is the small tile's: without mixed tiles (other versions) the kernel would run its large one
-    return e is not None and e.get("small_ratio_to_cublas", float("inf")) < 1.0 and _same_versions(name)
+    if e.get("small_ratio_to_cublas", float("inf")) < 1.0 and _same_versions(name):
+        return config(*w.shape, x.dtype, x.device, x.numel() // max(1, x.shape[-1]))
+    return None
+
+
+def use_in_fast_mode(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``linear(exact=False, impl="triton")`` runs a Triton kernel instead of cuBLAS (:func:`fast_config`)."""
+    return fast_config(x, w) is not None
 
 
 def linear(x, w, bias=None, impl: str = "triton", exact: bool = True):
@@ -486,8 +540,9 @@ def linear(x, w, bias=None, impl: str = "triton", exact: bool = True):
     Raises ValueError on mismatched shapes or dtypes.
     """
     if not exact:
-        if impl == "triton" and use_in_fast_mode(x, w):
-            return linear_triton(x, w, bias)
+        cfg = fast_config(x, w) if impl == "triton" else None
+        if cfg is not None:
+            return linear_triton(x, w, bias, cfg=cfg, split_programs=True)
         return F.linear(x, w, bias)
     check_impl(impl)
     if impl == "triton" and x.is_cuda:
