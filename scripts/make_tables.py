@@ -628,7 +628,44 @@ def planner_exact_section() -> list[str]:
     out += ["", "Commands: `" + "`; `".join(x["command"] for x in
                                           (json.loads((ROOT / f).read_text()) for f in r["points"])) + "`; then `"
             + r["command"] + "`.", ""]
-    return out
+    return out + planner_exact_rerun()
+
+
+def planner_exact_rerun() -> list[str]:
+    """The same exact-mode points re-run on a later commit (planner-exact2-h200.json): current exact tree kernel."""
+    r = load("planner-exact2-h200.json")
+    if not r:
+        return []
+    pts = list(r["points"].values())
+    first = pts[0]
+    t1 = load("planner-fast-h200-T1-c64.json")
+    out = [f"Re-run ({first['gpu']}, {first['date'][:10]}, commit `{first['commit'][:10]}`, "
+           "[`results/planner-exact2-h200.json`](results/planner-exact2-h200.json)): the same points with the "
+           "two-launch exact tree kernel (7ccce64) and the fused split-K reduce, labels AR, chain, t16, t32 and p only.",
+           "", "| concurrency | AR | chain 16 | tree 16 | tree 32 | best fixed | p ÷ best (goal ≥ 0.98) | p ÷ AR | "
+           "p's steps | greedy outputs == AR |", "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, f=".0f": "–" if x is None else format(x, f)
+    for p in pts:
+        t, rel = p["tok_per_s"], p["planner_over_best_fixed"].get("p")
+        steps = p["planner_steps"].get("p", {})
+        total = sum(steps.values()) or 1
+        share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+        eq = p["greedy_equal"]
+        same = "all" if all(a == b for a, b in eq.values()) else ", ".join(f"{x} {a}/{b}" for x, (a, b) in eq.items())
+        out.append(f"| {p['concurrency']} | {fmt(t.get('AR'))} | {fmt(t.get('chain'))} | {fmt(t.get('t16'))} | "
+                   f"{fmt(t.get('t32'))} | {p['best_fixed']} | {fmt(rel, '.3f')} — "
+                   f"{'met' if (rel or 0) >= 0.98 else '**missed**'} | {fmt(p['planner_over_ar'].get('p'), '.3f')} | "
+                   f"{share} | {same} |")
+    out += ["", "Commands: `" + "`; `".join(json.loads((ROOT / f).read_text())["command"] for f in r["points"])
+            + "`; then `" + r["command"] + "`."]
+    if t1:
+        sp = t1["summary"]["p"]["mean_speedup"]
+        out += ["", f"Fast mode, T = 1, concurrency 64, same commit "
+                "([`results/planner-fast-h200-T1-c64.json`](results/planner-fast-h200-T1-c64.json), "
+                f"`{t1['command']}`): the planner {sp:.3f} × AR (mean over the tasks of its speedup; "
+                f"mean τ {t1['summary']['p']['mean_tau']:.3f}, the chain's {t1['summary']['chain']['mean_tau']:.2f} at "
+                f"{t1['summary']['chain']['mean_speedup']:.2f} × AR): still below AR."]
+    return out + [""]
 
 
 def planner_loop_section() -> list[str]:
