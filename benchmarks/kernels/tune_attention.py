@@ -52,7 +52,7 @@ def launch(q, k, v, cache_len, scale, bn, warps, stages, per_sm):
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         Hkv, S, T, chunk, ns,
         G=G, D=D, NUM_MB=num_mb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, SPLIT=ns > 1, PREC="tf32",
-        num_warps=warps, num_stages=stages,
+        WINDOW=0, num_warps=warps, num_stages=stages, PDL=False,
     )
     if ns > 1:
         combine_partials_triton(pa, pm, pl, out)

@@ -8,6 +8,7 @@ the kernel files still import; calling ``impl="triton"`` then raises.
 from __future__ import annotations
 
 import functools
+import os
 import types
 
 import torch
@@ -17,13 +18,20 @@ try:
     import triton.language as tl
 
     HAS_TRITON = True
+    try:  # programmatic dependent launch (Hopper+): Triton >= 3.3
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+        HAS_GDC = True
+    except ImportError:
+        HAS_GDC = False
 except ImportError:  # CPU-only install: the torch references still work
     HAS_TRITON = False
     triton = types.SimpleNamespace(jit=lambda fn=None, **_: fn if fn is not None else (lambda f: f))
     tl = types.SimpleNamespace(constexpr=object)
+    HAS_GDC = False
 
 __all__ = ["HAS_TRITON", "triton", "tl", "next_pow2", "block_d", "num_sms", "dot_precision", "check_impl",
-           "tile_counters"]
+           "tile_counters", "PDL", "pdl_kwargs", "pdl_enter"]
 
 
 def next_pow2(n: int) -> int:
@@ -89,3 +97,65 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
     buf = torch.zeros(max(_MIN_COUNTERS, next_pow2(n)), dtype=torch.int32, device=device)
     _COUNTERS[key] = buf
     return buf
+
+
+# Programmatic dependent launch (PDL): the engine's step is a chain of small kernels, each of which used to start
+# only after the previous one had drained and its launch had gone through (a few hundred kernel boundaries per
+# Qwen3-8B AR step). A kernel launched with ``launch_pdl`` may be scheduled while its predecessor in the stream
+# still runs; its programs call :func:`pdl_enter` first, which waits until the predecessor has completed and its
+# writes are visible (``griddepcontrol.wait``) before any load of an input or store of an output. Modes
+# (``DSPINE_PDL``, read at import, or set ``PDL``):
+#   0  off;
+#   1  after the wait, let the successor be scheduled at once (``griddepcontrol.launch_dependents``), so that one
+#      kernel waits ahead of the running one;
+#   2  wait only: the successor is scheduled as this kernel's programs exit (its launch hides in their tail);
+#   3  (default) mode 1 for a launch over one row (a batch-1 decode's GEMVs, norms, attention), mode 2 otherwise.
+# On the H200 (benchmarks/engine/bench_engine.py at Qwen3-8B shape, results/engine-pdl-h200.json), batch 1:
+# AR 214.4 / 221.3 / 217.7 / 221.4 tok/s in modes 0 / 1 / 2 / 3; verify step 5.84 / 5.93 / 5.74 / 5.74 ms; an
+# oracle draft (tau 7) 1109 / 1123 / 1163 / 1164 tok/s. Mode 1 slows the 16-row verify step (waiting programs
+# hold SM slots that its many-program GEMMs need); triggering before the wait was worse still (AR step 4.49 ->
+# 4.94 ms, every later kernel's programs parked on the SMs). The arithmetic is untouched, so the bits are the
+# same in every mode (tests/test_pdl.py). The wait is transitive (a predecessor completes only after its own
+# wait), and a kernel launched without the attribute (torch's, cuBLAS's) waits for everything before it as
+# usual. Sources: PTX ISA, "griddepcontrol" (sm_90); CUDA programming guide, "Programmatic Dependent Launch and
+# Synchronization".
+_PDL_ENV = os.environ.get("DSPINE_PDL", "3").strip() or "3"
+if _PDL_ENV not in ("0", "1", "2", "3"):
+    raise ValueError(f"DSPINE_PDL must be 0 (off), 1, 2 or 3 (default), got {_PDL_ENV!r}")
+PDL = int(_PDL_ENV)
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_kwargs(device: torch.device, rows: int | None = None) -> dict:
+    """Launch options for a kernel that calls :func:`pdl_enter`: ``{"launch_pdl": True, "PDL": mode}`` on a CUDA
+    device of compute capability 9.0 or newer when :data:`PDL` is not 0 and Triton has ``gdc_wait``, with
+    ``mode`` 1 or 2 (mode 3 picks 1 when ``rows``, the launch's rows or tokens, is 1, else 2); ``{"PDL": 0}``
+    otherwise (the CPU interpreter, older GPUs: the kernel then skips both instructions)."""
+    mode = int(PDL)
+    if mode == 3:
+        mode = 1 if rows == 1 else 2
+    if mode and HAS_GDC and device.type == "cuda":
+        if _pdl_capable(device.index if device.index is not None else torch.cuda.current_device()):
+            return {"launch_pdl": True, "PDL": mode}
+    return {"PDL": 0}
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """First statement of a kernel launched with :func:`pdl_kwargs`: wait for the previous kernel's completion
+        and memory, then (``PDL == 1``) let the next kernel be scheduled (module comment above). No-op at 0."""
+        if PDL > 0:
+            gdc_wait()
+            if PDL == 1:
+                gdc_launch_dependents()
+
+else:
+
+    def pdl_enter(PDL):  # pragma: no cover - the torch paths never call it
+        raise RuntimeError("pdl_enter needs triton")

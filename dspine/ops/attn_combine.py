@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_impl, next_pow2, tl, triton
+from ._common import check_impl, next_pow2, pdl_enter, pdl_kwargs, tl, triton
 
 __all__ = ["combine_partials"]
 
@@ -59,8 +59,9 @@ def _combine_ordered_kernel(
     Acc, M, L, Out,
     stride_ob, stride_ot, stride_oh,
     Hkv, NS, TG, NUM_RB,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     bh = pid // NUM_RB
     b = (bh // Hkv).to(tl.int64)  # batch offsets can pass 2^31 elements
@@ -97,8 +98,9 @@ def _combine_kernel(
     stride_ob, stride_ot, stride_oh,
     Hkv, NS, TG, NUM_RB,
     G: tl.constexpr, D: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     bh = pid // NUM_RB
     b = (bh // Hkv).to(tl.int64)  # batch offsets can pass 2^31 elements
@@ -156,9 +158,11 @@ def combine_partials_triton(part_acc, part_m, part_l, out, ordered: bool = False
         _combine_ordered_kernel[(BH * num_rb,)](
             *args, G=G, D=D, BLOCK_R=br, BLOCK_D=bd,
             num_warps=num_warps, enable_fp_fusion=False,  # the torch reference's separate products and sums
+            **pdl_kwargs(out.device, B * T),
         )
         return out
-    _combine_kernel[(BH * num_rb,)](*args, G=G, D=D, BLOCK_R=br, BLOCK_S=bs, BLOCK_D=bd, num_warps=num_warps)
+    _combine_kernel[(BH * num_rb,)](*args, G=G, D=D, BLOCK_R=br, BLOCK_S=bs, BLOCK_D=bd, num_warps=num_warps,
+                                    **pdl_kwargs(out.device, B * T))
     return out
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ._common import check_impl, dot_precision, num_sms, tile_counters, tl, triton
+from ._common import check_impl, dot_precision, num_sms, pdl_enter, pdl_kwargs, tile_counters, tl, triton
 
 __all__ = [
     "linear",
@@ -107,7 +107,9 @@ def _linear_kernel(
     FUSED_REDUCE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run together (L2 reuse)
     pid_n = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -150,8 +152,10 @@ def _linear_kernel(
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _linear_reduce_kernel(
-    P, Bias, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr
+    P, Bias, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     i = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     mn = M.to(tl.int64) * N  # int64: M·N·SPLIT may pass 2^31
     ok = i < mn
@@ -468,6 +472,7 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
         PREC=dot_precision(x.dtype),
         num_warps=warps,
         num_stages=stages,
+        **pdl_kwargs(x.device, M),
     )
     if split_programs and count is None:
         block = 1024
@@ -482,6 +487,7 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
             BLOCK=block,
             HAS_BIAS=bias is not None,
             num_warps=4,
+            **pdl_kwargs(x.device, M),
         )
     return y
 

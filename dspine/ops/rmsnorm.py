@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_impl, next_pow2, tl, triton
+from ._common import check_impl, next_pow2, pdl_enter, pdl_kwargs, tl, triton
 
 __all__ = ["rms_norm", "rms_norm_torch", "shift_rms_norm"]
 
@@ -34,7 +34,9 @@ def _rms_norm_kernel(
     X, R, W, S, Y, ROut, eps,
     stride_x, stride_r, stride_y, stride_ro, H, block_size,
     BLOCK_H: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, SHIFT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -104,6 +106,7 @@ def _launch(x, weight, eps, residual, scale, out, block_size, residual_out=None)
             BLOCK_H=bh, HAS_RES=residual is not None, HAS_SCALE=scale is not None, SHIFT=block_size > 0,
             num_warps=warps,
             enable_fp_fusion=False,  # sum of squares as torch: product rounded, then added
+            **pdl_kwargs(x.device, N),
         )
     return y if residual is None else (y, r_out)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_impl, next_pow2, tl, triton
+from ._common import check_impl, next_pow2, pdl_enter, pdl_kwargs, tl, triton
 
 __all__ = ["qk_norm_rope_cache", "qk_norm_rope_cache_torch", "rope_tables"]
 
@@ -73,8 +73,9 @@ def _qk_norm_rope_cache_kernel(
     stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
     stride_on, stride_oh, Hq, Hkv,
     D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HAS_Q: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr,
+    HAS_Q: tl.constexpr, HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)
     ok_i = half < D // 2
@@ -156,7 +157,7 @@ def qk_norm_rope_cache_triton(q, k, v, q_norm_weight, k_norm_weight, eps, cos, s
             D=D, BLOCK_HQ=max(2, next_pow2(Hq)), BLOCK_HKV=max(2, next_pow2(Hkv)),
             BLOCK_HALF=max(2, next_pow2(D // 2)),
             HAS_Q=has_q, HAS_QNORM=has_q and q_norm_weight is not None,
-            HAS_KNORM=k_norm_weight is not None, num_warps=warps,
+            HAS_KNORM=k_norm_weight is not None, num_warps=warps, **pdl_kwargs(k.device, N),
             enable_fp_fusion=False,  # no mul+add -> FMA: keep HF's rounding of each product
         )
     return q_out if has_q else None

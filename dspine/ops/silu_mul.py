@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import check_impl, tl, triton
+from ._common import check_impl, pdl_enter, pdl_kwargs, tl, triton
 
 __all__ = ["silu_mul", "silu_mul_torch"]
 
@@ -25,7 +25,8 @@ BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Out, stride_gu, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Out, stride_gu, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -55,7 +56,7 @@ def silu_mul_triton(gate_up, *, out=None):
     y2 = y.view(-1, inter)
     if gu.shape[0] > 0 and inter > 0:
         _silu_mul_kernel[(gu.shape[0], triton.cdiv(inter, BLOCK))](
-            gu, y2, gu.stride(0), y2.stride(0), inter, BLOCK=BLOCK, num_warps=4,
+            gu, y2, gu.stride(0), y2.stride(0), inter, BLOCK=BLOCK, num_warps=4, **pdl_kwargs(gu.device, gu.shape[0]),
         )
     return y
 

@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from ._common import block_d, check_impl, dot_precision, next_pow2, num_sms, tl, triton
+from ._common import block_d, check_impl, dot_precision, next_pow2, num_sms, pdl_enter, pdl_kwargs, tl, triton
 from .attn_combine import combine_partials_triton
 
 __all__ = ["verify_attention", "verify_attention_torch"]
@@ -80,8 +80,9 @@ def _verify_attn_kernel(
     Hkv, S, T, chunk, num_splits,
     G: tl.constexpr, D: tl.constexpr, NUM_MB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     m_blk = pid % NUM_MB
@@ -236,7 +237,7 @@ def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, 
         Hkv, S, T, chunk, ns,
         G=G, D=D, NUM_MB=num_mb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         SPLIT=split, PREC=dot_precision(q.dtype), WINDOW=window or 0,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_kwargs(q.device, B * T),
     )
     if split:
         combine_partials_triton(part_acc, part_m, part_l, out, ordered=exact)
