@@ -87,9 +87,9 @@ def test_pdl_engine_same_output(monkeypatch, exact):
     as with it off, AR and speculative, at concurrency 1 and 4."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from dspine.sampling import SamplingParams
     from infer.engine import Engine
     from infer.model import EngineTarget, ModelArgs
-    from dspine.sampling import SamplingParams
     from tests.test_exact import _draft_for
 
     torch.manual_seed(0)
