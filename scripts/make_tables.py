@@ -417,6 +417,15 @@ def engine_section() -> list[str]:
                    f"tok/s ({b['batch1_ar_fraction_of_floor']:.0%} of floor), spec ÷ AR {b['batch1_spec_step_over_ar_step']:.2f} / "
                    f"{b['batch8_spec_step_over_ar_step']:.2f}, oracle {b['batch1_oracle_speedup_tau7']:.2f}× / "
                    f"{b['batch8_oracle_speedup_tau7']:.2f}×.")
+    pdl = load("engine-pdl-h200.json")
+    if pdl:
+        sm = pdl["summary"]
+        ar, orc, ab = sm["batch1_ar_tok_per_s"], sm["batch1_oracle_tok_per_s"], sm["same_machine_ab_batch1"]
+        out.append(f"Programmatic dependent launch ([`results/engine-pdl-h200.json`](results/engine-pdl-h200.json), "
+                   f"`DSPINE_PDL` 0 off / 1 / 2 / 3 default): batch-1 AR {ar['0']:.1f} / {ar['1']:.1f} / {ar['2']:.1f} / "
+                   f"{ar['3']:.1f} tok/s, oracle loop {orc['0']} / {orc['1']} / {orc['2']} / {orc['3']} tok/s; off vs "
+                   f"default alternated on this run's machine: AR {ab['off_ar_tok_per_s']} → {ab['default_ar_tok_per_s']}, "
+                   f"oracle {ab['off_oracle_tok_per_s']} → {ab['default_oracle_tok_per_s']} tok/s. Same bits in every mode.")
     if carried:
         out.append(f"¹ Not from this command (`--skip-peers` leaves the transformers peers out): carried over from "
                    f"{carried['from']}.")
