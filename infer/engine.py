@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from dspine import sampling as rng
 from dspine.checkpoint import load_draft
 from dspine.model import DraftCache, DSpineDraftModel
+from dspine.ops._common import set_pdl_auto
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
 from dspine.ops.argmax_prob import argmax_prob
 from dspine.ops.defer import defer_features
@@ -239,6 +240,9 @@ class Engine:
                              f"exact={exact!r}); a token tree would need tree-masked recurrent states")
         self.device = target.embed.device
         self.impl = target.impl
+        # programmatic dependent launch for this target's kernels (dspine.ops._common: on for hidden >= 2048,
+        # where it was measured to help; DSPINE_PDL overrides), set before any graph is captured
+        self.pdl_mode = set_pdl_auto(target.args.hidden_size)
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")

@@ -10,6 +10,30 @@ import dspine.ops._common as common
 from dspine.ops._common import pdl_kwargs
 
 
+def test_auto_mode_follows_the_target_size(monkeypatch):
+    """Unset DSPINE_PDL: an engine turns PDL on (mode 3) for a target of hidden size >= 2048 and off below (where
+    it slowed SmolLM2's step, results/engine-pdl-h200.json); a set PDL wins."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from infer.engine import Engine
+    from infer.model import EngineTarget, ModelArgs
+
+    assert [common.pdl_mode_for_hidden(h) for h in (576, 2047, 2048, 4096)] == [0, 0, 3, 3]
+    monkeypatch.setattr(common, "PDL", None)
+    monkeypatch.setattr(common, "PDL_AUTO_MODE", 0)
+    modes = []
+    for hidden in (64, 2048):
+        cfg = Qwen3Config(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=64)
+        hf = Qwen3ForCausalLM(cfg).eval()
+        tgt = EngineTarget.from_hf_state(ModelArgs.from_hf_config(cfg), hf.state_dict(), "cpu", torch.float32, [0],
+                                         "torch")
+        modes.append((Engine(tgt, None, [-1], max_batch=1, max_seq=32).pdl_mode, common.PDL_AUTO_MODE))
+    assert modes == [(0, 0), (3, 3)]
+    monkeypatch.setattr(common, "PDL", 2)
+    assert Engine(tgt, None, [-1], max_batch=1, max_seq=32).pdl_mode == 2 and common.PDL_AUTO_MODE == 3
+
+
 def test_pdl_off_on_cpu_and_when_switched_off(monkeypatch):
     assert pdl_kwargs(torch.device("cpu")) == {"PDL": 0}
     monkeypatch.setattr(common, "PDL", 0)

@@ -31,7 +31,7 @@ except ImportError:  # CPU-only install: the torch references still work
     HAS_GDC = False
 
 __all__ = ["HAS_TRITON", "triton", "tl", "next_pow2", "block_d", "num_sms", "dot_precision", "check_impl",
-           "tile_counters", "PDL", "pdl_kwargs", "pdl_enter"]
+           "tile_counters", "PDL", "pdl_kwargs", "pdl_enter", "pdl_mode_for_hidden", "set_pdl_auto"]
 
 
 def next_pow2(n: int) -> int:
@@ -109,20 +109,40 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
 #   1  after the wait, let the successor be scheduled at once (``griddepcontrol.launch_dependents``), so that one
 #      kernel waits ahead of the running one;
 #   2  wait only: the successor is scheduled as this kernel's programs exit (its launch hides in their tail);
-#   3  (default) mode 1 for a launch over one row (a batch-1 decode's GEMVs, norms, attention), mode 2 otherwise.
-# On the H200 (benchmarks/engine/bench_engine.py at Qwen3-8B shape, results/engine-pdl-h200.json), batch 1:
+#   3  mode 1 for a launch over one row (a batch-1 decode's GEMVs, norms, attention), mode 2 otherwise.
+# Unset (``auto``, the default): :data:`PDL_AUTO_MODE`, which ``infer.engine.Engine`` sets per target
+# (:func:`pdl_mode_for_hidden`: 3 for a target of hidden size >= PDL_MIN_HIDDEN, else 0; 0 before any engine).
+# On the H200 (results/engine-pdl-h200.json): at Qwen3-8B shape (benchmarks/engine/bench_engine.py), batch 1,
 # AR 214.4 / 221.3 / 217.7 / 221.4 tok/s in modes 0 / 1 / 2 / 3; verify step 5.84 / 5.93 / 5.74 / 5.74 ms; an
 # oracle draft (tau 7) 1109 / 1123 / 1163 / 1164 tok/s. Mode 1 slows the 16-row verify step (waiting programs
 # hold SM slots that its many-program GEMMs need); triggering before the wait was worse still (AR step 4.49 ->
-# 4.94 ms, every later kernel's programs parked on the SMs). The arithmetic is untouched, so the bits are the
-# same in every mode (tests/test_pdl.py). The wait is transitive (a predecessor completes only after its own
-# wait), and a kernel launched without the attribute (torch's, cuBLAS's) waits for everything before it as
-# usual. Sources: PTX ISA, "griddepcontrol" (sm_90); CUDA programming guide, "Programmatic Dependent Launch and
-# Synchronization".
-_PDL_ENV = os.environ.get("DSPINE_PDL", "3").strip() or "3"
-if _PDL_ENV not in ("0", "1", "2", "3"):
-    raise ValueError(f"DSPINE_PDL must be 0 (off), 1, 2 or 3 (default), got {_PDL_ENV!r}")
-PDL = int(_PDL_ENV)
+# 4.94 ms, every later kernel's programs parked on the SMs). At SmolLM2-135M's shape (hidden 576,
+# benchmarks/engine/bench_draft_step.py) the speculative step of kernels of 2-4 us got slower instead: batch 1
+# 1.200 / 1.200 / 1.255 / 1.256 ms, batch 8 1.366 / 1.437 / 1.423 / 1.422 ms; hence off below 2048. The
+# arithmetic is untouched, so the bits are the same in every mode (tests/test_pdl.py). The wait is transitive (a
+# predecessor completes only after its own wait), and a kernel launched without the attribute (torch's,
+# cuBLAS's) waits for everything before it as usual. Sources: PTX ISA, "griddepcontrol" (sm_90); CUDA
+# programming guide, "Programmatic Dependent Launch and Synchronization".
+_PDL_ENV = os.environ.get("DSPINE_PDL", "").strip().lower()
+if _PDL_ENV not in ("", "auto", "0", "1", "2", "3"):
+    raise ValueError(f"DSPINE_PDL must be auto (default), 0 (off), 1, 2 or 3, got {_PDL_ENV!r}")
+PDL: int | None = None if _PDL_ENV in ("", "auto") else int(_PDL_ENV)
+PDL_AUTO_MODE = 0
+PDL_MIN_HIDDEN = 2048
+
+
+def pdl_mode_for_hidden(hidden_size: int) -> int:
+    """The ``auto`` mode for a target of this hidden size: 3 when ``hidden_size >= PDL_MIN_HIDDEN``, else 0
+    (measured on the H200: a gain at Qwen3-8B's 4096, a loss at SmolLM2's 576; module comment above)."""
+    return 3 if hidden_size >= PDL_MIN_HIDDEN else 0
+
+
+def set_pdl_auto(hidden_size: int) -> int:
+    """Set :data:`PDL_AUTO_MODE` for a target of this hidden size (``infer.engine.Engine`` calls it before it
+    captures any graph) and return the mode launches will use (:data:`PDL` wins when set)."""
+    global PDL_AUTO_MODE
+    PDL_AUTO_MODE = pdl_mode_for_hidden(hidden_size)
+    return PDL_AUTO_MODE if PDL is None else PDL
 
 
 @functools.cache
@@ -132,10 +152,10 @@ def _pdl_capable(index: int) -> bool:
 
 def pdl_kwargs(device: torch.device, rows: int | None = None) -> dict:
     """Launch options for a kernel that calls :func:`pdl_enter`: ``{"launch_pdl": True, "PDL": mode}`` on a CUDA
-    device of compute capability 9.0 or newer when :data:`PDL` is not 0 and Triton has ``gdc_wait``, with
-    ``mode`` 1 or 2 (mode 3 picks 1 when ``rows``, the launch's rows or tokens, is 1, else 2); ``{"PDL": 0}``
+    device of compute capability 9.0 or newer when the mode (:data:`PDL`, or :data:`PDL_AUTO_MODE` when unset)
+    is not 0 and Triton has ``gdc_wait``, with ``mode`` 1 or 2 (mode 3 picks 1 when ``rows``, the launch's rows or tokens, is 1, else 2); ``{"PDL": 0}``
     otherwise (the CPU interpreter, older GPUs: the kernel then skips both instructions)."""
-    mode = int(PDL)
+    mode = PDL_AUTO_MODE if PDL is None else int(PDL)
     if mode == 3:
         mode = 1 if rows == 1 else 2
     if mode and HAS_GDC and device.type == "cuda":
