@@ -166,6 +166,7 @@ def run_shape(shape: str, args, dev, dtype, impl) -> dict:
         for name, draft in drafts.items():
             eng = Engine(target, draft, [-1], max_batch=B, max_seq=args.context + 64, max_new_cap=16)
             engines.append(eng)  # a graph replays into its engine's caches: keep every engine alive
+            out["pdl_mode"] = eng.pdl_mode  # programmatic dependent launch (dspine.ops._common; DSPINE_PDL)
             eng.generate(prompts, greedy)  # admits the rows (context ≈ args.context), compiles, captures
             steps[name] = eng._runner(B, greedy, spec=True)  # idle rows: the full step's work, state unchanged
             s = eng._slots_for(B)

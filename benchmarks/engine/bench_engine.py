@@ -199,6 +199,7 @@ def run(args) -> dict:
                                for _ in range(B - 1)]
         row: dict = {}
         eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens)
+        row["pdl_mode"] = eng.pdl_mode  # programmatic dependent launch (dspine.ops._common; DSPINE_PDL)
         # end to end (prefill excluded from tok/s: decode tokens over decode time)
         eng.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)), use_draft=False)  # warm-up + capture
         eng.profile_device = True  # device time per step inside the loop (loop_profile: device_step_s, device_loop_s)
