@@ -422,10 +422,18 @@ def engine_section() -> list[str]:
         sm = pdl["summary"]
         ar, orc, ab = sm["batch1_ar_tok_per_s"], sm["batch1_oracle_tok_per_s"], sm["same_machine_ab_batch1"]
         out.append(f"Programmatic dependent launch ([`results/engine-pdl-h200.json`](results/engine-pdl-h200.json), "
-                   f"`DSPINE_PDL` 0 off / 1 / 2 / 3 default): batch-1 AR {ar['0']:.1f} / {ar['1']:.1f} / {ar['2']:.1f} / "
+                   f"`DSPINE_PDL` 0 off / 1 / 2 / 3, the default's mode at this shape): batch-1 AR {ar['0']:.1f} / {ar['1']:.1f} / {ar['2']:.1f} / "
                    f"{ar['3']:.1f} tok/s, oracle loop {orc['0']} / {orc['1']} / {orc['2']} / {orc['3']} tok/s; off vs "
                    f"default alternated on this run's machine: AR {ab['off_ar_tok_per_s']} → {ab['default_ar_tok_per_s']}, "
-                   f"oracle {ab['off_oracle_tok_per_s']} → {ab['default_oracle_tok_per_s']} tok/s. Same bits in every mode.")
+                   f"oracle {ab['off_oracle_tok_per_s']} → {ab['default_oracle_tok_per_s']} tok/s. Same bits in every mode. "
+                   "The default (`auto`) turns it on for targets of hidden size ≥ 2048 only: at SmolLM2's shape it "
+                   "slowed the speculative step (next table's file, `pdl_modes`).")
+        ra = e.get("rerun_auto")
+        if ra:
+            out.append(f"Re-run at `{ra['commit']}` (`auto`, mode {ra['batch1_pdl_mode']} here), another lease: AR batch 1 "
+                       f"{ra['batch1_ar_tok_per_s']:.1f} tok/s ({ra['batch1_ar_fraction_of_floor']:.1%} of that run's floor, "
+                       f"{ra['bandwidth_floor_tok_per_s']:.0f} tok/s), spec ÷ AR {ra['batch1_spec_step_over_ar_step']:.2f} / "
+                       f"{ra['batch8_spec_step_over_ar_step']:.2f}, oracle {ra['batch1_oracle_speedup_tau7']:.2f}×.")
     if carried:
         out.append(f"¹ Not from this command (`--skip-peers` leaves the transformers peers out): carried over from "
                    f"{carried['from']}.")
