@@ -135,3 +135,28 @@ def test_pdl_engine_same_output(monkeypatch, exact):
                     for d in (False, True) for c in (1, 4)]
     assert got[1] == got[0]
     assert got[3] == got[0]
+
+
+def test_every_pdl_launch_targets_a_kernel_that_waits_first():
+    """docs/contracts.md: a kernel launched with ``**pdl_kwargs(...)`` takes ``PDL: tl.constexpr`` and calls
+    ``pdl_enter(PDL)`` as its first statement (after the docstring). Checked on the source of dspine/ops/, so a
+    new kernel that forgets the wait (and could read its inputs before its predecessor wrote them) fails here."""
+    import ast
+    from pathlib import Path
+
+    ops = Path(common.__file__).parent
+    kernels, launched = {}, set()
+    for f in sorted(ops.glob("*.py")):
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+                first = ast.unparse(body[0]) if body else ""
+                kernels[node.name] = ("PDL" in [a.arg for a in node.args.args], first)
+            if isinstance(node, ast.Call) and any(isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "pdl_kwargs"
+                                                  for k in node.keywords if k.arg is None):
+                launched.add((f.name, ast.unparse(node.func).split("[")[0].split(".")[-1]))
+    assert len(launched) >= 8, launched  # linear (2), rmsnorm, silu_mul, rope, verify attention, combine (2)
+    for fname, name in sorted(launched):
+        has_pdl, first = kernels[name]
+        assert has_pdl and first == "pdl_enter(PDL)", (fname, name, first)
