@@ -13,6 +13,22 @@ from tests.conftest import REPO
 SCRIPTS = sorted(p for p in (REPO / "scripts").rglob("*.sh") if "SHARED" in p.read_text())
 
 
+@pytest.fixture(scope="module")
+def fail_fast_path(tmp_path_factory) -> str:
+    """PATH for recipe.sh in which the queued runs (``accelerate launch ... train/distill.py``, ``python -m
+    infer.bench``, ``python -m data.regenerate``) fail at once, as the real ones fail in these tests (no target
+    here), without each starting torch first; every other ``python`` (the stages' helpers, data.pack) is this
+    interpreter. The tests check the queue files and the exit status, which do not depend on why a run fails."""
+    bin_dir = tmp_path_factory.mktemp("fail-fast-bin")
+    (bin_dir / "accelerate").write_text("#!/bin/sh\necho 'accelerate: stub, the run fails (no target)' >&2\nexit 1\n")
+    (bin_dir / "python").write_text(f'#!/bin/sh\ncase "$1 $2" in "-m infer.bench"|"-m data.regenerate") '
+                                    f"echo 'stub: the run fails (no target)' >&2; exit 1;; esac\n"
+                                    f'exec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_scripts_read_dspine_shared(script):
     line = next(x for x in script.read_text().splitlines() if re.match(r"SHARED=", x))
@@ -74,7 +90,7 @@ def test_all_caches_joins_the_finished_caches_in_name_order(tmp_path):
     assert r.returncode == 2 and r.stdout == "" and "unexpected arguments after DIR: --all" in r.stderr
 
 
-def test_recipe_unpacks_several_packs_and_trains_on_all_caches(tmp_path):
+def test_recipe_unpacks_several_packs_and_trains_on_all_caches(tmp_path, fail_fast_path):
     """PACK_DIR="p1 p2": unpack imports both train caches and p1's eval cache; a second unpack skips every
     pack whose cache is there (by pack.json's cache_name) and imports a newly listed one; the train stage
     passes train=<every cache, name order> with TRAIN_CACHES=all and refuses several with the default."""
@@ -88,7 +104,7 @@ def test_recipe_unpacks_several_packs_and_trains_on_all_caches(tmp_path):
         export(_cache(tmp_path / "src" / f"tr{k}", _rows(300, n=8, seed=k), name=f"train{k}"), p / "tok-train")
         export(_cache(tmp_path / "src" / f"ev{k}", _rows(300, n=4, seed=10 + k), name=f"eval{k}"), p / "tok-eval")
         packs.append(p)
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "WORK": str(w),
+    env = {**os.environ, "PATH": fail_fast_path, "WORK": str(w),
            "NGPU": "1", "PACK_DIR": f"{packs[0]}  {packs[1]}"}
     recipe = lambda *stages, **extra: subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), *stages],
                                                      env={**env, **extra}, capture_output=True, text=True, cwd=REPO)
@@ -170,7 +186,7 @@ def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
     assert (tmp_path / "res" / "smollm2-recipe-h200.json").read_text() == "{}"
 
 
-def test_recipe_benches_every_seed_of_both_arms(tmp_path):
+def test_recipe_benches_every_seed_of_both_arms(tmp_path, fail_fast_path):
     """SEEDS="0 3": the bench stage puts both seeds' latest drafts of both arms into one infer.bench run per
     setting, seed 0 under the plain labels and seed 3 under DSpine-s3 / DFlash-s3."""
     w = tmp_path / "w"
@@ -178,7 +194,7 @@ def test_recipe_benches_every_seed_of_both_arms(tmp_path):
         for seed, step in ((0, 16), (3, 24)):
             (w / f"train-{name}-s{seed}" / f"step-{step}" / "draft").mkdir(parents=True)
             (w / f"train-{name}-s{seed}" / "latest").write_text(f"step-{step}\n")
-    env = {**os.environ, "WORK": str(w), "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "SEEDS": "0 3"}
+    env = {**os.environ, "PATH": fail_fast_path, "WORK": str(w), "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "SEEDS": "0 3"}
     r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), "bench"], env=env, capture_output=True, text=True)
     assert r.returncode != 0  # no target here: the bench runs fail, their queue file stays
     lines = (w / "bench.gpu0").read_text().splitlines()
@@ -191,7 +207,7 @@ def test_recipe_benches_every_seed_of_both_arms(tmp_path):
                           "DFlash-s3": f"{w}/train-dflash-s3/step-24/draft"}, line
 
 
-def test_recipe_trains_and_benches_injection_variants(tmp_path):
+def test_recipe_trains_and_benches_injection_variants(tmp_path, fail_fast_path):
     """VARIANTS="kv:injection=kv r0:injection_rank=0+lr=0.002": per seed, dspine-kv and dspine-r0 runs after the
     two arms, their overrides last (so they win over injection=residual), no warm start even with DRAFT_INIT; the
     bench stage adds DSpine-kv[-s<k>] and DSpine-r0[-s<k>]."""
@@ -201,7 +217,7 @@ def test_recipe_trains_and_benches_injection_variants(tmp_path):
     (tok / "summary.json").write_text(json.dumps({"sequences": 5, "tokens": 35}))
     (w / "tok-eval" / "e").mkdir(parents=True)
     (w / "tok-eval" / "e" / "summary.json").write_text(json.dumps({"sequences": 2, "tokens": 14}))
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "WORK": str(w),
+    env = {**os.environ, "PATH": fail_fast_path, "WORK": str(w),
            "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "SEEDS": "0 1", "STEPS": "16", "DRAFT_INIT": str(tmp_path / "init"),
            "VARIANTS": "kv:injection=kv r0:injection_rank=0+lr=0.002"}
     r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), "train"], env=env, capture_output=True,
@@ -226,10 +242,10 @@ def test_recipe_trains_and_benches_injection_variants(tmp_path):
                       "DSpine-r0-s1"]
 
 
-def test_recipe_fresh_samples_skip_the_greedy_job(tmp_path):
+def test_recipe_fresh_samples_skip_the_greedy_job(tmp_path, fail_fast_path):
     """GREEDY=0 SAMPLE_SEED0=3 SAMPLES=2: the regen queue holds the sampled jobs with seeds 4 and 5 (new output
     folders) and the eval job, not the train greedy job that would repeat an earlier lease's answers."""
-    env = {**os.environ, "WORK": str(tmp_path / "w"), "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "GREEDY": "0",
+    env = {**os.environ, "PATH": fail_fast_path, "WORK": str(tmp_path / "w"), "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "GREEDY": "0",
            "SAMPLE_SEED0": "3", "SAMPLES": "2"}
     r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), "regen"], env=env, capture_output=True, text=True)
     assert r.returncode != 0  # no target or prompts here: the jobs themselves fail, the queue file stays
@@ -261,12 +277,12 @@ def test_summarize_reports_the_union_of_several_train_caches(tmp_path):
     assert rep["tokenize_eval"] == {"sequences": 5, "tokens": 50}
 
 
-def _recipe_train(tmp_path, **env_extra):
+def _recipe_train(tmp_path, fail_fast_path, **env_extra):
     w = tmp_path / "w"
     for sub in ("tok-train/c", "tok-eval/e"):
         (w / sub).mkdir(parents=True, exist_ok=True)
         (w / sub / "summary.json").write_text(json.dumps({"sequences": 2, "tokens": 14}))
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "WORK": str(w),
+    env = {**os.environ, "PATH": fail_fast_path, "WORK": str(w),
            "RECIPE_ALLOW_CPU": "1", "NGPU": "1", "STEPS": "16", **env_extra}
     r = subprocess.run(["bash", str(REPO / "scripts/smollm2/recipe.sh"), "train"], env=env, capture_output=True,
                        text=True, cwd=REPO)
@@ -277,10 +293,10 @@ def _recipe_train(tmp_path, **env_extra):
 
 @pytest.mark.parametrize("inj, want", [(None, "kv"), ("residual", "residual"), ("bogus", None), ("kv residual", None),
                                        ("", None)])
-def test_recipe_dspine_arm_injection_from_scratch(tmp_path, inj, want):
+def test_recipe_dspine_arm_injection_from_scratch(tmp_path, fail_fast_path, inj, want):
     """From scratch the DSpine arm trains with DSPINE_INJECTION (default kv: +8.4% / +6.4% over DFlash at two
     seeds, results/smollm2-kv2seeds-h200.json), DFlash with none; anything else is refused before a run starts."""
-    r, lines = _recipe_train(tmp_path, **({} if inj is None else {"DSPINE_INJECTION": inj}))
+    r, lines = _recipe_train(tmp_path, fail_fast_path, **({} if inj is None else {"DSPINE_INJECTION": inj}))
     if want is None:
         assert r.returncode == 2 and f"error: DSPINE_INJECTION='{inj}': give kv or residual" in r.stderr
         assert lines is None
@@ -290,7 +306,7 @@ def test_recipe_dspine_arm_injection_from_scratch(tmp_path, inj, want):
     assert " injection=none " in dflash
 
 
-def test_recipe_warm_starts_keep_or_check_the_injection(tmp_path):
+def test_recipe_warm_starts_keep_or_check_the_injection(tmp_path, fail_fast_path):
     """A DSpine warm start keeps its draft's injection (no injection= passed) and is refused when that draft has
     none or when DSPINE_INJECTION names another; a DFlash warm start always passes injection=none, so the trainer
     refuses a draft with an injection (its draft_init check)."""
@@ -298,16 +314,16 @@ def test_recipe_warm_starts_keep_or_check_the_injection(tmp_path):
     for folder, cfg in ((res, {"dspine_config": {"injection": "residual"}}), (dfl, {})):
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(cfg))
-    r, lines = _recipe_train(tmp_path / "a", DSPINE_INIT=str(res), DFLASH_INIT=str(res))
+    r, lines = _recipe_train(tmp_path / "a", fail_fast_path, DSPINE_INIT=str(res), DFLASH_INIT=str(res))
     dspine, dflash = lines
     assert f"draft_init={res}" in dspine and "injection=" not in dspine
     assert f"draft_init={res}" in dflash and " injection=none " in dflash
-    r, lines = _recipe_train(tmp_path / "b", DSPINE_INIT=str(res), DSPINE_INJECTION="residual")
+    r, lines = _recipe_train(tmp_path / "b", fail_fast_path, DSPINE_INIT=str(res), DSPINE_INJECTION="residual")
     assert "injection=" not in lines[0]  # agrees: kept
-    r, lines = _recipe_train(tmp_path / "c", DSPINE_INIT=str(res), DSPINE_INJECTION="kv")
+    r, lines = _recipe_train(tmp_path / "c", fail_fast_path, DSPINE_INIT=str(res), DSPINE_INJECTION="kv")
     assert r.returncode == 2 and lines is None
     assert f"error: DSPINE_INJECTION=kv but the warm start {res} has injection residual" in r.stderr
-    r, lines = _recipe_train(tmp_path / "d", DSPINE_INIT=str(dfl))
+    r, lines = _recipe_train(tmp_path / "d", fail_fast_path, DSPINE_INIT=str(dfl))
     assert r.returncode == 2 and lines is None and f"the DSpine warm start {dfl} is a DFlash draft" in r.stderr
 
 
