@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tests.kernel_env  # noqa: F401,I001  (sets TRITON_INTERPRET before any kernel import)
 
+import contextlib
+import copy
 import os
 from pathlib import Path
 
@@ -50,6 +52,40 @@ def tiny_qwen3_dir(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(qwen3_tokenizer_dir).save_pretrained(out)
     return out
+
+
+_GGUF_PARSES: dict = {}
+
+
+@contextlib.contextmanager
+def gguf_parse_memo():
+    """transformers parses a GGUF file (all its metadata, 49k tokenizer strings for SmolLM2: seconds) at every
+    config, tokenizer and model load from it; within this context each distinct parse (file, size, mtime, with
+    or without the tensors and for which model class and dtype) runs once per process and later ones get a deep
+    copy of its result: the same values the parse returns, as when the file is read again."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    real = gguf_utils.load_gguf_checkpoint
+
+    def memo(path, return_tensors=False, model_to_load=None, torch_dtype=None):
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, bool(return_tensors),
+               type(model_to_load).__qualname__ if return_tensors else None, torch_dtype)
+        if key not in _GGUF_PARSES:
+            _GGUF_PARSES[key] = real(path, return_tensors=return_tensors, model_to_load=model_to_load,
+                                     torch_dtype=torch_dtype)
+        return copy.deepcopy(_GGUF_PARSES[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_utils, "load_gguf_checkpoint", memo)
+        yield
+
+
+@pytest.fixture
+def gguf_memo():
+    """:func:`gguf_parse_memo` for one test."""
+    with gguf_parse_memo():
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

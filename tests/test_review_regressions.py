@@ -335,7 +335,7 @@ def test_tokenize_says_the_input_has_no_rows(qwen3_tokenizer_dir, tmp_path, caps
 
 
 @pytest.mark.slow
-def test_data_tools_accept_a_gguf_path(tmp_path, capsys):
+def test_data_tools_accept_a_gguf_path(tmp_path, capsys, gguf_memo):
     from data import regenerate, tokenize
 
     if not GGUF.is_file():

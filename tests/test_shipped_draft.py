@@ -17,9 +17,11 @@ def smollm2():
         pytest.skip(f"{DEFAULT_TARGET} missing: run `python -m infer.fetch` (the README's commands do)")
     from dspine.checkpoint import load_draft
     from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer
+    from tests.conftest import gguf_parse_memo
 
-    target = load_target(str(DEFAULT_TARGET), dtype="fp32")
-    tok = load_tokenizer(str(DEFAULT_TARGET))
+    with gguf_parse_memo():  # the config, model and tokenizer loads parse the GGUF's metadata once
+        target = load_target(str(DEFAULT_TARGET), dtype="fp32")
+        tok = load_tokenizer(str(DEFAULT_TARGET))
     draft = load_draft(DEFAULT_DRAFT, dtype=torch.float32)
     spec = TargetSpec.from_adapter(target, tok)
     assert_compatible(spec, draft.config, max_context=2048)
