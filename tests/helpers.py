@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import subprocess
 import sys
 import tempfile
@@ -124,3 +125,39 @@ def call_without_fla(fn: str, *args):
         torch.save(args, inp)
         subprocess.run([sys.executable, "-c", code, root, fn, str(inp), str(out)], check=True)
         return torch.load(out)
+
+
+_DISTILL_CASES = r"""
+import contextlib, io, json, sys, traceback
+sys.path.insert(0, sys.argv[1])
+from train.distill import main
+
+results = []
+for argv in json.load(open(sys.argv[2])):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # what the interpreter would print for an uncaught exception, and its status
+            traceback.print_exc()
+            rc = 1
+    results.append({"returncode": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
+json.dump(results, open(sys.argv[3], "w"))
+"""
+
+
+def distill_cases(cases: list[list[str]], timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """``python train/distill.py ARGV`` for each ARGV of ``cases``, one after the other in ONE child process
+    (``train.distill.main(ARGV)`` per case, its stdout/stderr captured, an uncaught exception printed as the
+    interpreter would, with exit status 1): one torch/transformers import for all of them instead of one per
+    case. For runs that stop before or after training on their own; each case's result as from subprocess.run."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="dspine-distill-") as tmp:
+        inp, out = Path(tmp, "cases.json"), Path(tmp, "results.json")
+        inp.write_text(json.dumps([[str(a) for a in argv] for argv in cases]))
+        subprocess.run([sys.executable, "-c", _DISTILL_CASES, str(root), str(inp), str(out)], check=True, cwd=root,
+                       timeout=timeout)
+        return [subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"])
+                for argv, r in zip(cases, json.loads(out.read_text()))]

@@ -181,8 +181,7 @@ def test_messages_name_the_argument_file_or_row(stories_dir, qwen3_tokenizer_dir
 
 @pytest.mark.slow
 def test_distill_names_bad_data_and_paths(stories_dir, tmp_path):
-    import subprocess
-    import sys
+    from tests.helpers import distill_cases
 
     empty, text = tmp_path / "empty.jsonl", tmp_path / "text.jsonl"
     empty.write_text("")
@@ -192,17 +191,17 @@ def test_distill_names_bad_data_and_paths(stories_dir, tmp_path):
                             for _ in range(8)))
     afile = tmp_path / "afile"
     afile.write_text("x")
-    for train, extra, message in [
+    cases = [
             (empty, [], f"config key 'train': {empty} has no rows"),
             (text, [], f"{text}:1: invalid JSON"),
             (rows, [f"output_dir={afile}"], f"config key 'output_dir': {afile} is an existing file"),
             (rows, [f"draft_init={tmp_path / 'nope'}"], f"config key 'draft_init': {tmp_path / 'nope'} is not a draft folder"),
             # relative, without ./: its first folder exists here, so it is a local path, not a Hub id
-            (rows, ["init_from=tests/no-such-draft"], "config key 'init_from': tests/no-such-draft is not a draft folder")]:
-        cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config",
-               str(REPO / "configs" / "stories260k-cpu.yaml"), f"target={stories_dir}", f"train={train}", "eval=null",
-               f"output_dir={tmp_path / 'out'}", *extra]
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+            (rows, ["init_from=tests/no-such-draft"], "config key 'init_from': tests/no-such-draft is not a draft folder")]
+    runs = distill_cases([["--config", str(REPO / "configs" / "stories260k-cpu.yaml"), f"target={stories_dir}",
+                           f"train={train}", "eval=null", f"output_dir={tmp_path / 'out'}", *extra]
+                          for train, extra, _ in cases])  # one child process (cwd: the repository) for all
+    for (_, _, message), r in zip(cases, runs, strict=True):
         assert r.returncode == 2 and message in r.stderr and "none of the first 0 rows" not in r.stderr, r.stderr[-1500:]
 
 

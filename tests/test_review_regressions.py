@@ -187,9 +187,13 @@ def test_missing_or_non_model_paths_are_named(stories_dir, tmp_path, capsys):
     assert "tokenizer runs/nope/tok: no such file or folder" in capsys.readouterr().err
 
 
+def _distill_argv(*extra):
+    return ["--config", str(REPO / "configs" / "stories260k-cpu.yaml"), "eval=null", "eval_prompts=0", "max_steps=1",
+            *extra]
+
+
 def _distill(*extra):
-    cmd = [sys.executable, str(REPO / "train" / "distill.py"), "--config", str(REPO / "configs" / "stories260k-cpu.yaml"),
-           "eval=null", "eval_prompts=0", "max_steps=1", *extra]
+    cmd = [sys.executable, str(REPO / "train" / "distill.py"), *_distill_argv(*extra)]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
 
 
@@ -227,6 +231,7 @@ def test_distill_checks_every_train_row_before_step_1(stories_dir, tmp_path):
 @pytest.mark.slow
 def test_distill_value_errors_are_one_line(stories_dir, tmp_path):
     from dspine import init as init_cli
+    from tests.helpers import distill_cases
 
     conv = tmp_path / "conv.jsonl"
     conv.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hi"}]}) + "\n")
@@ -253,9 +258,9 @@ def test_distill_value_errors_are_one_line(stories_dir, tmp_path):
         ((f"init_from={other}",), f"config key 'init_from': {other}: layers 1 in the source, 2 in the model"),
         ((f"output_dir={broken}",), f"points to {broken / 'step-2'}, an incomplete checkpoint (no state)"),
     ]
-    for extra, message in cases:
-        r = _distill(f"target={stories_dir}", f"train={data}", "micro_batch_size=4", f"output_dir={tmp_path / 'out'}",
-                     *extra)
+    runs = distill_cases([_distill_argv(f"target={stories_dir}", f"train={data}", "micro_batch_size=4",
+                                        f"output_dir={tmp_path / 'out'}", *extra) for extra, _ in cases])
+    for (extra, message), r in zip(cases, runs, strict=True):  # one child process for all the cases
         assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr[-2000:])
         assert message in r.stderr, (extra, r.stderr[-2000:])
 
