@@ -128,12 +128,13 @@ def call_without_fla(fn: str, *args):
 
 
 _DISTILL_CASES = r"""
-import contextlib, io, json, sys, traceback
+import contextlib, io, json, os, sys, traceback
 sys.path.insert(0, sys.argv[1])
 from train.distill import main
 
 results = []
-for argv in json.load(open(sys.argv[2])):
+cases, read_after = json.load(open(sys.argv[2]))
+for argv in cases:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -143,21 +144,26 @@ for argv in json.load(open(sys.argv[2])):
         except BaseException:  # what the interpreter would print for an uncaught exception, and its status
             traceback.print_exc()
             rc = 1
-    results.append({"returncode": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
+    files = {p: open(p).read() if os.path.isfile(p) else None for p in read_after}
+    results.append({"returncode": rc, "stdout": out.getvalue(), "stderr": err.getvalue(), "files": files})
 json.dump(results, open(sys.argv[3], "w"))
 """
 
 
-def distill_cases(cases: list[list[str]], timeout: int = 600) -> list[subprocess.CompletedProcess]:
+def distill_cases(cases: list[list[str]], read_after=(), timeout: int = 600) -> list[subprocess.CompletedProcess]:
     """``python train/distill.py ARGV`` for each ARGV of ``cases``, one after the other in ONE child process
     (``train.distill.main(ARGV)`` per case, its stdout/stderr captured, an uncaught exception printed as the
     interpreter would, with exit status 1): one torch/transformers import for all of them instead of one per
-    case. For runs that stop before or after training on their own; each case's result as from subprocess.run."""
+    case. For runs that stop before or after training on their own; each case's result as from subprocess.run,
+    with ``.files``: the text of each file of ``read_after`` right after that case (None: not a file)."""
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="dspine-distill-") as tmp:
         inp, out = Path(tmp, "cases.json"), Path(tmp, "results.json")
-        inp.write_text(json.dumps([[str(a) for a in argv] for argv in cases]))
+        inp.write_text(json.dumps([[[str(a) for a in argv] for argv in cases], [str(p) for p in read_after]]))
         subprocess.run([sys.executable, "-c", _DISTILL_CASES, str(root), str(inp), str(out)], check=True, cwd=root,
                        timeout=timeout)
-        return [subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"])
-                for argv, r in zip(cases, json.loads(out.read_text()))]
+        runs = []
+        for argv, r in zip(cases, json.loads(out.read_text()), strict=True):
+            runs.append(subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"]))
+            runs[-1].files = r["files"]
+        return runs

@@ -104,40 +104,51 @@ def test_data_tools_fail_early(stories_dir, tmp_path, capsys):
 @pytest.mark.slow
 def test_trainer_refuses_bad_data_and_changed_resume(stories_dir, tmp_path):
     from data.sample_target import main as sample_main
+    from tests.helpers import distill_cases
 
     data = tmp_path / "train.jsonl"
     assert sample_main(["--target", str(stories_dir), "--num", "32", "--max-new-tokens", "24", "--batch-size", "32",
                         "--out", str(data)]) == 0
-    base = [sys.executable, str(REPO / "train" / "distill.py"), "--config", str(REPO / "configs" / "stories260k-cpu.yaml"),
-            f"target={stories_dir}", "eval=null", "eval_prompts=0", "micro_batch_size=4", "log_every=1"]
+    base = ["--config", str(REPO / "configs" / "stories260k-cpu.yaml"), f"target={stories_dir}", "eval=null",
+            "eval_prompts=0", "micro_batch_size=4", "log_every=1"]
 
     def run(*extra):
-        return subprocess.run([*base, *extra], capture_output=True, text=True, cwd=REPO, timeout=300)
+        return [*base, *extra]
 
     rows = [json.loads(x) for x in data.read_text().splitlines()]
     nomask = tmp_path / "nomask.jsonl"
     nomask.write_text("".join(json.dumps({**r, "loss_mask": [0] * len(r["loss_mask"])}) + "\n" for r in rows))
-    r = run(f"train={nomask}", f"output_dir={tmp_path / 'a'}", "max_steps=2")
-    assert r.returncode == 2 and "nothing to train on" in r.stderr
     oov = tmp_path / "oov.jsonl"
     oov.write_text("".join(json.dumps({**r, "input_ids": [9999] * len(r["input_ids"])}) + "\n" for r in rows))
-    r = run(f"train={oov}", f"output_dir={tmp_path / 'b'}", "max_steps=2")
-    assert r.returncode == 2 and "token id 9999" in r.stderr
     out = tmp_path / "c"
-    assert run(f"train={data}", f"output_dir={out}", "max_steps=4", "save_every=2").returncode == 0
-    before = (out / "config.yaml").read_text()
-    r = run(f"train={data}", f"output_dir={out}", "max_steps=6", "lr=1.0")
+    # the runs up to the truncated checkpoint one after the other in one child process (tests.helpers.distill_cases),
+    # out/config.yaml and out/metrics.jsonl read after each
+    runs = distill_cases([run(f"train={nomask}", f"output_dir={tmp_path / 'a'}", "max_steps=2"),
+                          run(f"train={oov}", f"output_dir={tmp_path / 'b'}", "max_steps=2"),
+                          run(f"train={data}", f"output_dir={out}", "max_steps=4", "save_every=2"),
+                          run(f"train={data}", f"output_dir={out}", "max_steps=6", "lr=1.0"),
+                          run(f"train={data}", f"output_dir={out}", "max_steps=6", "save_every=2"),
+                          run(f"train={data}", f"output_dir={out}", "max_steps=3")],
+                         read_after=[out / "config.yaml", out / "metrics.jsonl"])
+    r = runs[0]
+    assert r.returncode == 2 and "nothing to train on" in r.stderr
+    r = runs[1]
+    assert r.returncode == 2 and "token id 9999" in r.stderr
+    assert runs[2].returncode == 0
+    before = runs[2].files[str(out / "config.yaml")]
+    r = runs[3]
     assert r.returncode == 2 and "lr: 0.003 -> 1.0" in r.stderr
-    assert (out / "config.yaml").read_text() == before  # a refused resume changes nothing
-    assert run(f"train={data}", f"output_dir={out}", "max_steps=6", "save_every=2").returncode == 0
-    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert r.files[str(out / "config.yaml")] == before  # a refused resume changes nothing
+    assert runs[4].returncode == 0
+    steps = [json.loads(x)["step"] for x in runs[4].files[str(out / "metrics.jsonl")].splitlines() if '"loss"' in x]
     assert steps == [1, 2, 3, 4, 5, 6]
     # was: a warning and exit 0 without training
-    r = run(f"train={data}", f"output_dir={out}", "max_steps=3")
+    r = runs[5]
     assert r.returncode == 2 and "checkpoint is at step 6 but this run has 3 total steps" in r.stderr
     weights = out / "step-6" / "state" / "model.safetensors"  # was: a SafetensorError traceback
     weights.write_bytes(weights.read_bytes()[:100])
-    r = run(f"train={data}", f"output_dir={out}", "max_steps=8")
+    r = subprocess.run([sys.executable, str(REPO / "train" / "distill.py"), *run(f"train={data}", f"output_dir={out}",
+                        "max_steps=8")], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"resume from {out / 'step-6'}: cannot read its state/" in r.stderr
     assert f"resume_from=<step-N folder> (available: {out / 'step-4'})" in r.stderr  # keep_last=2
