@@ -45,6 +45,17 @@ def test_main_command_runs_without_the_extras():
         "import runpy, sys\n"
         f"for m in {extras_only_modules()!r}:\n"
         "    sys.modules[m] = None\n"
+        # speed only: transformers parses the GGUF's metadata (49k tokenizer strings) at each config, model and
+        # tokenizer load; parse it once and hand out copies (the same values; the tensors are read as before)
+        "import copy, transformers.modeling_gguf_pytorch_utils as g\n"
+        "real, seen = g.load_gguf_checkpoint, {}\n"
+        "def once(path, return_tensors=False, **kw):\n"
+        "    if return_tensors:\n"
+        "        return real(path, return_tensors=True, **kw)\n"
+        "    if path not in seen:\n"
+        "        seen[path] = real(path, return_tensors=False, **kw)\n"
+        "    return copy.deepcopy(seen[path])\n"
+        "g.load_gguf_checkpoint = once\n"
         "sys.argv = ['infer.generate', '--prompt', 'hi', '--max-new-tokens', '2']\n"
         "runpy.run_module('infer.generate', run_name='__main__')\n"
     )
