@@ -54,7 +54,7 @@ def test_tiny_qwen3_batch_lossless(tiny_qwen3_dir):
     assert len({len(p) for p in prompts}) == 4
     target = load_target(str(tiny_qwen3_dir), dtype="fp32")
     eos = 151645
-    n = 40
+    n = 24  # several verify steps per row (the 151,936-token head makes each step costly)
     want = [hf_greedy(target, p, n, eos) for p in prompts]
     draft = random_draft(target, block_size=16, mask=151669)
     res = ReferenceDecoder(target, draft, [eos]).generate(prompts, SamplingParams(max_new_tokens=n))
