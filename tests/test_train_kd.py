@@ -258,6 +258,9 @@ def kd_data(tmp_path_factory, stories_dir):
     return [f"target={stories_dir}", f"train={root / 'train.jsonl'}", f"eval={root / 'eval.jsonl'}"]
 
 
+CONFIG_ARGS = ("--config", str(REPO / "configs" / "stories260k-cpu.yaml"))
+
+
 def run_distill(*overrides: str) -> None:
     import subprocess
 
@@ -272,8 +275,15 @@ def jsonl(path) -> list[dict]:
 
 
 def test_trainer_with_kl_learns_and_resumes_exactly(kd_data, tmp_path):
+    from tests.helpers import distill_cases
+
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run_distill(*kd_data, *COMMON, f"output_dir={straight}")
+    # the 24 straight steps and the first 12 of the split run one after the other in one child process (one torch
+    # start); the resume below is a new process
+    runs = distill_cases([[*CONFIG_ARGS, *kd_data, *COMMON, f"output_dir={straight}"],
+                          [*CONFIG_ARGS, *kd_data, *COMMON, f"output_dir={split}", "stop_after_steps=12"]])
+    for r in runs:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-6000:]
     rows = jsonl(straight / "metrics.jsonl")
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval/loss" in r]
@@ -293,8 +303,7 @@ def test_trainer_with_kl_learns_and_resumes_exactly(kd_data, tmp_path):
         assert e["eval/tau_sim_sample"] == pytest.approx(tau_sim(e["eval/overlap_at_pos"])[0], rel=1e-12)
         assert 1.0 < e["eval/tau_sim_sample"] < 8.0
     assert not any("overlap" in k for r in train for k in r)
-    # resume: 12 steps, stop, resume == 24 straight steps, bitwise
-    run_distill(*kd_data, *COMMON, f"output_dir={split}", "stop_after_steps=12")
+    # resume: 12 steps, stop (above), resume == 24 straight steps, bitwise
     run_distill(*kd_data, *COMMON, f"output_dir={split}")
     a, b = jsonl(straight / "metrics.jsonl"), jsonl(split / "metrics.jsonl")
     key = lambda rows, k: [r.get(k) for r in rows if "loss" in r]
