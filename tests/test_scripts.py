@@ -137,7 +137,7 @@ def test_recipe_unpacks_several_packs_and_trains_on_all_caches(tmp_path, fail_fa
     assert not (w / "train.gpu2").exists()
 
 
-def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
+def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path, capsys):
     """recipe.sh refuses unknown stages, ARMS and REGEN_PAR values before any work (exit 2, one error line);
     one_cache.sh skips a cache with 0 sequences; summarize refuses an empty work folder and never replaces an
     existing results file without --overwrite."""
@@ -172,17 +172,19 @@ def test_recipe_refuses_bad_knobs_and_summary_keeps_results(tmp_path):
         (caches / name / "summary.json").write_text(json.dumps({"sequences": n, "tokens": 7 * n}, indent=1))
     r = subprocess.run(["bash", str(REPO / "scripts/smollm2/one_cache.sh"), str(caches)], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout == f"{caches / 'b'}\n" and "holds 0 sequences; skipped" in r.stderr
-    summ = [sys.executable, str(REPO / "scripts/smollm2/summarize.py"), "--work", str(tmp_path / "empty"),
-            "--out", str(tmp_path / "res")]
-    r = subprocess.run(summ, capture_output=True, text=True)
-    assert r.returncode == 2 and "holds no recipe run" in r.stderr and not (tmp_path / "res").exists()
+    from scripts.smollm2.summarize import main as summarize  # in this process: no torch start per call
+
+    summ = ["--work", str(tmp_path / "empty"), "--out", str(tmp_path / "res")]
+    capsys.readouterr()
+    assert summarize(summ) == 2
+    assert "holds no recipe run" in capsys.readouterr().err and not (tmp_path / "res").exists()
     work = tmp_path / "empty"
     (work / "train-dspine-s0").mkdir(parents=True)
     (work / "timings.jsonl").write_text(json.dumps({"stage": "train", "seconds": 1.0, "rc": 0}) + "\n")
     (tmp_path / "res").mkdir()
     (tmp_path / "res" / "smollm2-recipe-h200.json").write_text("{}")
-    r = subprocess.run(summ, capture_output=True, text=True)
-    assert r.returncode == 2 and "summarize does not replace results" in r.stderr
+    assert summarize(summ) == 2
+    assert "summarize does not replace results" in capsys.readouterr().err
     assert (tmp_path / "res" / "smollm2-recipe-h200.json").read_text() == "{}"
 
 
