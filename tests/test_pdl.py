@@ -34,6 +34,22 @@ def test_auto_mode_follows_the_target_size(monkeypatch):
     assert Engine(tgt, None, [-1], max_batch=1, max_seq=32).pdl_mode == 2 and common.PDL_AUTO_MODE == 3
 
 
+def test_bad_env_value_is_refused_where_pdl_acts(monkeypatch):
+    """A bad DSPINE_PDL does not break an import (--help, CPU paths); an engine refuses it in one ValueError that
+    names the variable and the value."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "import dspine.ops._common as c; print(c.PDL, c._PDL_OK)"],
+                       env={**__import__("os").environ, "DSPINE_PDL": "bogus"}, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.split() == ["None", "False"], r.stderr
+    monkeypatch.setattr(common, "_PDL_OK", False)
+    monkeypatch.setenv("DSPINE_PDL", "bogus")
+    with pytest.raises(ValueError, match="DSPINE_PDL='bogus'"):
+        common.set_pdl_auto(4096)
+    assert pdl_kwargs(torch.device("cpu"), 1) == {"PDL": 0}  # the CPU interpreter: PDL never acts
+
+
 def test_pdl_off_on_cpu_and_when_switched_off(monkeypatch):
     assert pdl_kwargs(torch.device("cpu")) == {"PDL": 0}
     monkeypatch.setattr(common, "PDL", 0)

@@ -124,11 +124,18 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
 # cuBLAS's) waits for everything before it as usual. Sources: PTX ISA, "griddepcontrol" (sm_90); CUDA
 # programming guide, "Programmatic Dependent Launch and Synchronization".
 _PDL_ENV = os.environ.get("DSPINE_PDL", "").strip().lower()
-if _PDL_ENV not in ("", "auto", "0", "1", "2", "3"):
-    raise ValueError(f"DSPINE_PDL must be auto (default), 0 (off), 1, 2 or 3, got {_PDL_ENV!r}")
-PDL: int | None = None if _PDL_ENV in ("", "auto") else int(_PDL_ENV)
+_PDL_OK = _PDL_ENV in ("", "auto", "0", "1", "2", "3")
+PDL: int | None = int(_PDL_ENV) if _PDL_OK and _PDL_ENV not in ("", "auto") else None
 PDL_AUTO_MODE = 0
 PDL_MIN_HIDDEN = 2048
+
+
+def _check_pdl_env() -> None:
+    """Raise ValueError for a DSPINE_PDL that is not auto/0/1/2/3 (checked where PDL would act, an engine or a CUDA
+    launch, not at import: the CPU paths and ``--help`` work whatever it says)."""
+    if not _PDL_OK:
+        raise ValueError(f"environment variable DSPINE_PDL={os.environ.get('DSPINE_PDL')!r}: use auto (the default), "
+                         "0 (off), 1, 2 or 3 (dspine/ops/_common.py)")
 
 
 def pdl_mode_for_hidden(hidden_size: int) -> int:
@@ -139,8 +146,13 @@ def pdl_mode_for_hidden(hidden_size: int) -> int:
 
 def set_pdl_auto(hidden_size: int) -> int:
     """Set :data:`PDL_AUTO_MODE` for a target of this hidden size (``infer.engine.Engine`` calls it before it
-    captures any graph) and return the mode launches will use (:data:`PDL` wins when set)."""
+    captures any graph) and return the mode launches will use (:data:`PDL` wins when set).
+
+    Raises:
+        ValueError: ``DSPINE_PDL`` set to something other than auto, 0, 1, 2 or 3.
+    """
     global PDL_AUTO_MODE
+    _check_pdl_env()
     PDL_AUTO_MODE = pdl_mode_for_hidden(hidden_size)
     return PDL_AUTO_MODE if PDL is None else PDL
 
@@ -154,10 +166,16 @@ def pdl_kwargs(device: torch.device, rows: int | None = None) -> dict:
     """Launch options for a kernel that calls :func:`pdl_enter`: ``{"launch_pdl": True, "PDL": mode}`` on a CUDA
     device of compute capability 9.0 or newer when the mode (:data:`PDL`, or :data:`PDL_AUTO_MODE` when unset)
     is not 0 and Triton has ``gdc_wait``, with ``mode`` 1 or 2 (mode 3 picks 1 when ``rows``, the launch's rows or tokens, is 1, else 2); ``{"PDL": 0}``
-    otherwise (the CPU interpreter, older GPUs: the kernel then skips both instructions)."""
+    otherwise (the CPU interpreter, older GPUs: the kernel then skips both instructions).
+
+    Raises:
+        ValueError: on a CUDA device, ``DSPINE_PDL`` set to something other than auto, 0, 1, 2 or 3.
+    """
     mode = PDL_AUTO_MODE if PDL is None else int(PDL)
     if mode == 3:
         mode = 1 if rows == 1 else 2
+    if device.type == "cuda":
+        _check_pdl_env()
     if mode and HAS_GDC and device.type == "cuda":
         if _pdl_capable(device.index if device.index is not None else torch.cuda.current_device()):
             return {"launch_pdl": True, "PDL": mode}
