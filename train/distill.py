@@ -140,10 +140,13 @@ def train(cfg) -> int:
             for i in range(min(len(eval_rows), cfg.eval_max_rows)):
                 eval_rows.row(i)
     total_steps = cfg.max_steps or cfg.epochs * order.steps_per_epoch
+    # the rows' identity, saved with every checkpoint: a resume over other rows (an edited, cut or reordered file at
+    # the same path) would read another data order and is refused (check_resume)
+    data_id = {"train_rows": len(rows), "train_digest": rows.metadata().get("data_digest")}
     if resume is not None:  # data order and step count, before the models load
         with config_errors("resume_from"):
             state = read_json_object(resume / "trainer_state.json", "the trainer state")
-        check_resume(state, cfg, world, total_steps)
+        check_resume(state, cfg, world, total_steps, data_id)
 
     # ---------------------------------------------------------------------------------------- models
     # The target is never handed to DeepSpeed: it must not be partitioned (docs/method.md §8.13).
@@ -288,7 +291,7 @@ def train(cfg) -> int:
             pos = order.position(n)  # where the next step starts reading
             state = {"step": n, "epoch": pos.epoch, "index": pos.index, "skipped_rows": skipped_total,
                      "world_size": world, "total_steps": total_steps,
-                     **{k: getattr(cfg, k) for k in RESUME_KEYS}}
+                     **{k: getattr(cfg, k) for k in RESUME_KEYS}, **data_id}
             save_checkpoint(accelerator, draft, dcfg, cfg, dev, n, state, zero3)
         if interrupted:
             break
@@ -592,9 +595,20 @@ def check_resumed_config(ckpt: Path, cfg, resolved: dict | None = None) -> None:
               "for an exact one", flush=True)
 
 
-def check_resume(state: dict, cfg, world: int, total_steps: int) -> None:
-    """Exact continuation needs the same data order: refuse a change of the keys that define it."""
+def check_resume(state: dict, cfg, world: int, total_steps: int, data_id: dict | None = None) -> None:
+    """Exact continuation needs the same data order: refuse a change of the keys that define it, and of the
+    training rows themselves (``data_id``: ``train_rows``, their count, and ``train_digest``, the source's
+    ``data_digest``; checkpoints written before these keys existed skip that check).
+
+    Raises:
+        ConfigError: naming the key, the checkpoint's value and this run's.
+    """
     have = {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "world_size": world}
+    for key, value in (data_id or {}).items():
+        if key in state and state[key] != value:
+            raise ConfigError(f"resume: the training rows changed since the checkpoint ({key} was {state[key]!r}, now "
+                              f"{value!r}, train={cfg.train}); an exact continuation needs the same rows in the same "
+                              "order (restore the data, or start a new output_dir with init_from)")
     for key, value in have.items():
         if key in state and state[key] != value:
             raise ConfigError(f"resume: {key} was {state[key]!r} in the checkpoint but is {value!r} now; an exact "

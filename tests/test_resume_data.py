@@ -1,0 +1,19 @@
+"""A resume over other training rows is refused (fresh-clone review: a cut or reordered train file at the same path
+resumed silently, past the end of the new file)."""
+
+import pytest
+
+from train.config import ConfigError, load
+from train.distill import check_resume
+
+
+def test_resume_refuses_changed_rows_and_keeps_old_checkpoints_working():
+    cfg = load(None, ["target=t", "train=rows.jsonl", "max_steps=100"])
+    same = {"train_rows": 200, "train_digest": "abc"}
+    state = {"step": 20, **same}
+    check_resume(state, cfg, 1, 100, same)
+    with pytest.raises(ConfigError, match=r"training rows changed .*train_rows was 200, now 100, train=rows.jsonl"):
+        check_resume(state, cfg, 1, 100, {"train_rows": 100, "train_digest": "def"})
+    with pytest.raises(ConfigError, match=r"train_digest was 'abc', now 'xyz'"):  # same count, reordered or edited
+        check_resume(state, cfg, 1, 100, {"train_rows": 200, "train_digest": "xyz"})
+    check_resume({"step": 20}, cfg, 1, 100, same)  # a checkpoint from before these keys: no data check
