@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 
 
@@ -57,6 +58,12 @@ def check_output_file(flag: str, path: str | Path, overwrite: bool) -> None:
     parent = next((q for q in p.parents if q.exists()), Path("."))
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path}: cannot create it under {parent} (not a writable folder)")
+    try:  # os.access says yes to root everywhere, /proc and read-only mounts included: create a file to be sure
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".dspine-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot create it under {parent} ({e.strerror})") from None
 
 
 def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str = "target",

@@ -1,0 +1,34 @@
+"""dspine.paths.check_output_file: an output path is refused before any work when no file can be created there
+(fresh-clone review: root passes os.access everywhere, and a benchmark to /proc/x.json ran to its end, then lost
+its results in a FileNotFoundError)."""
+
+import os
+import stat
+
+import pytest
+
+from dspine.paths import check_output_file
+
+
+def test_output_file_that_cannot_be_created_is_refused_first(tmp_path):
+    check_output_file("--output-json", tmp_path / "new" / "deeper" / "r.json", False)  # missing parents: created later
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []  # the check leaves nothing behind
+    (tmp_path / "r.json").write_text("{}")
+    with pytest.raises(ValueError, match="--output-json .*r.json exists; pass --overwrite"):
+        check_output_file("--output-json", tmp_path / "r.json", False)
+    check_output_file("--output-json", tmp_path / "r.json", True)
+    with pytest.raises(ValueError, match="is a folder"):
+        check_output_file("--plot", tmp_path, False)
+    if os.path.isdir("/proc/self"):  # a pseudo file system: os.access says writable to root, creation fails
+        with pytest.raises(ValueError, match=r"--output-json /proc/x.json: cannot create it under /proc"):
+            check_output_file("--output-json", "/proc/x.json", False)
+    if os.geteuid() == 0:  # root writes into a read-only folder
+        return
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        with pytest.raises(ValueError, match="cannot create it under"):
+            check_output_file("--output-json", ro / "r.json", False)
+    finally:
+        ro.chmod(stat.S_IRWXU)
