@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         bos = bos if bos is not None else cfg.bos_token_id
         if bos is None:
             raise ValueError(f"target {args.target} has no bos_token_id to start from")
+        ctx = getattr(cfg, "max_position_embeddings", None)
+        if ctx is not None and 1 + args.max_new_tokens > ctx:  # the BOS token, then the samples
+            raise ValueError(f"--max-new-tokens {args.max_new_tokens}: the BOS token plus {args.max_new_tokens} samples "
+                             f"exceed target {args.target}'s context of {ctx} positions; give at most {ctx - 1}")
         eos = cfg.eos_token_id if cfg.eos_token_id is not None else getattr(gen_cfg, "eos_token_id", None)
         eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         rows = sample_rows(target, int(bos), eos, args.num, args.max_new_tokens, args.temperature, args.seed,

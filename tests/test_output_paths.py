@@ -32,3 +32,17 @@ def test_output_file_that_cannot_be_created_is_refused_first(tmp_path):
             check_output_file("--output-json", ro / "r.json", False)
     finally:
         ro.chmod(stat.S_IRWXU)
+
+
+def test_sample_target_refuses_samples_past_the_context(stories_dir, tmp_path, capsys):
+    """data.sample_target --max-new-tokens beyond the target's positions (stories260K: 512) is refused before any
+    sampling, naming the limit (fresh-clone review: 700 wrote a 701-token row; 100000 ran for minutes)."""
+    from data import sample_target
+
+    out = tmp_path / "s.jsonl"
+    argv = ["--target", str(stories_dir), "--num", "1", "--out", str(out)]
+    assert sample_target.main([*argv, "--max-new-tokens", "700"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 700: the BOS token plus 700 samples exceed" in err and "give at most 511" in err
+    assert not out.exists()
+    assert sample_target.main([*argv, "--max-new-tokens", "511"]) == 0 and out.is_file()
