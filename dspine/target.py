@@ -531,9 +531,12 @@ def check_compat(target: TargetSpec | TargetAdapter, draft_config, max_context: 
     if max_context is not None:
         need = max_context + draft_config.block_size
         ok = draft_config.max_position_embeddings >= need
-        rows.append(CheckRow("max_position_embeddings", f">= {need} (context {max_context} + block)",
-                             draft_config.max_position_embeddings, ok,
-                             "" if ok else "draft RoPE range shorter than the requested context"))
+        bs, have = draft_config.block_size, draft_config.max_position_embeddings
+        rows.append(CheckRow("max_position_embeddings", f"needed: >= {need} (context {max_context} + block {bs})",
+                             have, ok,
+                             "" if ok else f"draft RoPE range shorter than the requested context: the draft's "
+                                           f"{have} positions must hold the context plus one block of {bs}, so a "
+                                           f"context of at most {have - bs} tokens (prompt + new tokens)"))
         tmax = spec.max_position_embeddings
         if tmax is not None:
             rows.append(CheckRow("target max_position_embeddings", tmax, f"needs {need}", tmax >= need,
