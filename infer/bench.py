@@ -209,7 +209,8 @@ class Runner:
             args.max_prompt_tokens = limit - args.max_new_tokens - 64
             if args.max_prompt_tokens < 16:
                 raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
-                                 f"target's context of {limit} positions")
+                                 f"target's context of {limit} positions (a prompt of at least 16 tokens and 64 "
+                                 f"positions of headroom for the draft's block: give at most {limit - 80})")
         max_seq = args.max_prompt_tokens + args.max_new_tokens + 64
         from dspine.checkpoint import load_draft
 

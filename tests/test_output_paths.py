@@ -46,3 +46,15 @@ def test_sample_target_refuses_samples_past_the_context(stories_dir, tmp_path, c
     assert "--max-new-tokens 700: the BOS token plus 700 samples exceed" in err and "give at most 511" in err
     assert not out.exists()
     assert sample_target.main([*argv, "--max-new-tokens", "511"]) == 0 and out.is_file()
+
+
+def test_bench_names_the_largest_new_token_count_that_fits(stories_dir, capsys):
+    """infer.bench: too many new tokens for the target's context names the limit it enforces (a 16-token prompt and
+    64 positions of headroom), not only the refusal (fresh-clone review: 440 of 512 was refused unexplained)."""
+    from infer import bench
+
+    argv = ["--target", str(stories_dir), "--datasets", "gsm8k", "--num-prompts", "1", "--backend", "reference"]
+    assert bench.main([*argv, "--max-new-tokens", "440"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 440 leaves no room for a prompt in the target's context of 512 positions" in err
+    assert "give at most 432" in err
