@@ -294,6 +294,25 @@ def save(cfg: RunConfig, folder: str | Path, extra: dict | None = None) -> None:
     (folder / "config.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
+def key_help() -> str:
+    """One line per :class:`RunConfig` key: name, default and the comment beside its field in this file."""
+    import inspect
+    import re
+
+    notes = {}
+    for line in inspect.getsource(RunConfig).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+?(?:= (.+?))?\s+#\s*(.+)$", line)
+        if m:
+            notes[m.group(1)] = m.group(3)
+    width = max(len(f.name) for f in dataclasses.fields(RunConfig))
+    rows = []
+    for f in dataclasses.fields(RunConfig):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        rows.append(f"  {f.name:<{width}}  {default!r:<10}  {notes.get(f.name, '')}".rstrip())
+    return "\n".join(rows)
+
+
 def parse_cli(argv: list[str], prog: str, extra_flags: tuple[str, ...] = ()) -> tuple[RunConfig, dict]:
     """``--config FILE [--flag VALUE ...] key=value ...`` -> (config, {flag: value}).
 
@@ -304,8 +323,10 @@ def parse_cli(argv: list[str], prog: str, extra_flags: tuple[str, ...] = ()) -> 
     it = iter(argv)
     for arg in it:
         if arg in ("-h", "--help"):
-            raise SystemExit(f"usage: {prog} [--config FILE] " + " ".join(f"[{f} VALUE]" for f in extra_flags)
-                             + " [key=value ...]\nkeys: " + ", ".join(f.name for f in dataclasses.fields(RunConfig)))
+            print(f"usage: {prog} [--config FILE] " + "".join(f"[{f} VALUE] " for f in extra_flags)
+                  + "[key=value ...]\n\nkeys (a YAML --config sets them, key=value overrides; default, meaning):\n"
+                  + key_help())
+            raise SystemExit(0)
         name, eq, val = arg.partition("=") if arg.startswith("--") else (arg, "", "")
         if name == "--config" or name in extra_flags:
             value = val if eq else next(it, None)
