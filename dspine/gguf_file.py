@@ -125,3 +125,46 @@ def check_gguf(path: str | Path) -> None:
     if problem is not None:
         raise ValueError(f"{os.fspath(path)}: truncated or corrupt GGUF file ({problem}); download it again "
                          "(the default target: python -m infer.fetch)")
+
+
+_METADATA: dict = {}  # (realpath, size, mtime_ns) -> transformers' metadata parse of that file
+_METADATA_KEEP = 4
+
+
+def memo_gguf_metadata() -> bool:
+    """Parse each GGUF file's metadata once per process in transformers.
+
+    ``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint(path, return_tensors=False)`` reads the whole
+    metadata (SmolLM2-135M: 49k tokenizer strings, ~3-4 s on one CPU core) and ``infer.generate`` calls it five
+    times for one target (three configs, two tokenizers) before the one parse with the tensors. This wraps it so that
+    a metadata-only parse of an unchanged file (same path, size and mtime) returns a deep copy of the first one:
+    the same values as a new parse. Parses with the tensors, or with other arguments, go to transformers as before.
+    Idempotent; returns whether the wrapper is in place (False when transformers has no such function).
+    """
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        return False
+    real = getattr(gguf_utils, "load_gguf_checkpoint", None)
+    if real is None:
+        return False
+    if getattr(real, "_dspine_memo", False):
+        return True
+
+    @functools.wraps(real)
+    def load_gguf_checkpoint(gguf_checkpoint_path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or any(v is not None for v in kwargs.values()):
+            return real(gguf_checkpoint_path, return_tensors, *args, **kwargs)
+        import copy
+
+        st = os.stat(gguf_checkpoint_path)
+        key = (os.path.realpath(gguf_checkpoint_path), st.st_size, st.st_mtime_ns)
+        if key not in _METADATA:
+            while len(_METADATA) >= _METADATA_KEEP:
+                _METADATA.pop(next(iter(_METADATA)))
+            _METADATA[key] = real(gguf_checkpoint_path, return_tensors=False)
+        return copy.deepcopy(_METADATA[key])
+
+    load_gguf_checkpoint._dspine_memo = True
+    gguf_utils.load_gguf_checkpoint = load_gguf_checkpoint
+    return True

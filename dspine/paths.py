@@ -78,14 +78,17 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
         ValueError: an existing file that is not ``.gguf``, or a folder without ``config.json``; a
             truncated or corrupt GGUF file (:func:`dspine.gguf_file.check_gguf`, before transformers
             parses it).
+
+    A local GGUF file also turns on :func:`dspine.gguf_file.memo_gguf_metadata` (one metadata parse per file).
     """
-    from dspine.gguf_file import check_gguf
+    from dspine.gguf_file import check_gguf, memo_gguf_metadata
 
     p = Path(path_or_id).expanduser()
     if gguf_file is None and p.suffix == ".gguf":
         if not p.is_file():
             raise FileNotFoundError(f"{what} GGUF file not found: {path_or_id}")
         check_gguf(p)
+        memo_gguf_metadata()
         return str(p.parent), p.name
     if not p.exists():
         if looks_local(path_or_id):
@@ -97,6 +100,7 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
         if not (p / gguf_file).is_file():
             raise FileNotFoundError(f"{what} GGUF file not found: {p / gguf_file}")
         check_gguf(p / gguf_file)
+        memo_gguf_metadata()
     if gguf_file is None and (p / "config.json").is_file():
         read_json_object(p / "config.json", f"the {what}'s model config")
     elif need_config and gguf_file is None:

@@ -58,3 +58,34 @@ def test_bench_names_the_largest_new_token_count_that_fits(stories_dir, capsys):
     err = capsys.readouterr().err
     assert "--max-new-tokens 440 leaves no room for a prompt in the target's context of 512 positions" in err
     assert "give at most 432" in err
+
+
+def test_gguf_metadata_parsed_once_per_unchanged_file(tmp_path, monkeypatch):
+    """dspine.gguf_file.memo_gguf_metadata: transformers' metadata-only GGUF parse runs once per (file, size,
+    mtime); later calls get equal deep copies; a changed file, a parse with the tensors and other arguments go
+    through (infer.generate parsed SmolLM2's GGUF metadata five times: 41.7 -> 29.7 s for the README's main command
+    on this 2-core machine)."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    import dspine.gguf_file as gf
+
+    calls = []
+
+    def fake(path, return_tensors=False, model_to_load=None, torch_dtype=None):
+        calls.append((str(path), return_tensors))
+        return {"config": {"n": len(calls)}, "tokenizer": {"tokens": ["a", "b"]}}
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", fake)
+    monkeypatch.setattr(gf, "_METADATA", {})
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x")
+    assert gf.memo_gguf_metadata() and gf.memo_gguf_metadata()  # idempotent: one wrapper
+    load = gguf_utils.load_gguf_checkpoint
+    a, b = load(str(f)), load(str(f), return_tensors=False)
+    assert a == b == {"config": {"n": 1}, "tokenizer": {"tokens": ["a", "b"]}} and len(calls) == 1
+    a["tokenizer"]["tokens"].append("c")  # a caller that edits its copy changes nobody else's
+    assert load(str(f))["tokenizer"]["tokens"] == ["a", "b"] and len(calls) == 1
+    assert load(str(f), return_tensors=True)["config"] == {"n": 2}  # the tensors: always parsed
+    assert load(str(f), model_to_load=object())["config"] == {"n": 3}
+    f.write_bytes(b"xy")  # another size: parsed again
+    assert load(str(f))["config"] == {"n": 4} and len(calls) == 4
