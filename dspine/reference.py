@@ -104,8 +104,8 @@ def idle_cores(cpu_count: int | None = None, busy: int | None = None) -> int:
 def set_cpu_threads(threads: int | None) -> int:
     """Set torch's CPU threads and return the count in use.
 
-    ``threads`` given (``--threads``): exactly that. None: torch's default (one per physical core, or
-    $OMP_NUM_THREADS), lowered to :func:`idle_cores` (other runnable tasks, counted now) unless
+    ``threads`` given (``--threads``): exactly that, at most the machine's CPU count (a note on stderr when
+    capped). None: torch's default (one per physical core, or $OMP_NUM_THREADS), lowered to :func:`idle_cores` (other runnable tasks, counted now) unless
     $OMP_NUM_THREADS is set; a note on stderr says so.
 
     Raises ValueError for ``threads < 1``."""
@@ -115,6 +115,11 @@ def set_cpu_threads(threads: int | None) -> int:
     if threads is not None:
         if threads < 1:
             raise ValueError(f"--threads {threads}: must be >= 1")
+        cores = os.cpu_count() or 1
+        if threads > cores:  # extra threads only contend for the cores; 100000 of them fail to get their stacks
+            print(f"note: --threads {threads} is more than this machine's {cores} CPU cores; using {cores}",
+                  file=sys.stderr)
+            threads = cores
         torch.set_num_threads(threads)
     elif not os.environ.get("OMP_NUM_THREADS"):
         have, idle = torch.get_num_threads(), idle_cores()

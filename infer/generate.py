@@ -277,7 +277,10 @@ def run(args) -> dict:
             out.update(res.plan)
     if args.compare_ar:
         ar = decode(False)
-        out.update(ar_tok_per_s=ar.tok_per_s, speedup=res.tok_per_s / ar.tok_per_s,
+        # no verify step (every token came from the prefill, e.g. --max-new-tokens 1): the draft never ran, so a
+        # ratio of the two runs' times would be noise, not a speedup
+        speedup = res.tok_per_s / ar.tok_per_s if out.get("verify_steps") else None
+        out.update(ar_tok_per_s=ar.tok_per_s, speedup=speedup,
                    ar_equal=ar.token_ids == res.token_ids if params.greedy else None)
 
     return out
@@ -349,7 +352,9 @@ def main(argv=None) -> int:
             if "batch" in out:
                 print(f"--- prompt {i + 1}")
             print(row["text"])
-        extra = (f"  speedup {out['speedup']:.2f}x over AR ({out['ar_tok_per_s']:.1f} tok/s without the draft"
+        ratio = ("speedup n/a (no verify step: the draft never ran)" if out.get("speedup", 0) is None
+                 else f"speedup {out.get('speedup', 0):.2f}x over AR")
+        extra = (f"  {ratio} ({out['ar_tok_per_s']:.1f} tok/s without the draft"
                  + {True: ", same output", False: ", OUTPUT DIFFERS", None: ""}[out["ar_equal"]] + ")"
                  if "speedup" in out else "")
         tau = "n/a" if out["accept_len"] is None else f"{out['accept_len']:.2f}"
