@@ -36,9 +36,15 @@ def launch_cmd(*overrides: str) -> list[str]:
             *overrides]
 
 
+# two CPU ranks on a 2-core CI machine that another pytest worker shares: one torch thread per rank (the
+# stories config's advice for a shared machine); with torch's default each rank spun two threads and a 40-step
+# run once passed its 300 s timeout
+LAUNCH_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
     r = subprocess.run(launch_cmd(*overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                       env={**os.environ, **(env or {})})
+                       env={**LAUNCH_ENV, **(env or {})})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-12000:]
     return r
 
@@ -140,7 +146,7 @@ def test_resume_after_sigkill_is_exact(data, straight, tmp_path):
 
     out = tmp_path / "killed"
     proc = subprocess.Popen(launch_cmd(*data[1], *COMMON, f"output_dir={out}"), cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=LAUNCH_ENV)
     deadline = time.time() + 240
     latest = out / "latest"
     while time.time() < deadline and proc.poll() is None:
