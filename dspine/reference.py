@@ -105,8 +105,9 @@ def set_cpu_threads(threads: int | None) -> int:
     """Set torch's CPU threads and return the count in use.
 
     ``threads`` given (``--threads``): exactly that, at most the machine's CPU count (a note on stderr when
-    capped). None: torch's default (one per physical core, or $OMP_NUM_THREADS), lowered to :func:`idle_cores` (other runnable tasks, counted now) unless
-    $OMP_NUM_THREADS is set; a note on stderr says so.
+    capped). None: torch's default (one per physical core, or $OMP_NUM_THREADS), lowered to
+    :func:`idle_cores` (other runnable tasks, counted now) unless $OMP_NUM_THREADS is set; a note on stderr
+    says so.
 
     Raises ValueError for ``threads < 1``."""
     import os
