@@ -147,6 +147,8 @@ def make_draft(B, T, Hq, Hkv, D, lens, window, C, causal, extra, dtype, device, 
     k_pos, v_pos = rnd(B, Hkv, P, D), rnd(B, Hkv, P, D)  # K/V of every context position
     k_blk, v_blk = rnd(B, T, Hkv, D), rnd(B, T, Hkv, D)
     k_ext, v_ext = (rnd(B, T, Hkv, D), rnd(B, T, Hkv, D)) if extra else (None, None)
+    if extra:  # row 0 has no extra key; the engine's fused kv path never writes it
+        k_ext[:, 0], v_ext[:, 0] = float("nan"), float("nan")
     # the cache as the engine would hold it: NaN where nothing was ever written
     k_ctx = torch.full((B, Hkv, C, D), float("nan"), dtype=dtype)
     v_ctx = torch.full((B, Hkv, C, D), float("nan"), dtype=dtype)

@@ -251,7 +251,9 @@ def draft_attention_torch(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, window=
     parts_s = [s_c, s_b]
     if k_extra is not None:
         ke = k_extra.float().transpose(1, 2).repeat_interleave(G, dim=2)  # [B, Hkv, TG, D]
-        ve = v_extra.float().transpose(1, 2).repeat_interleave(G, dim=2)
+        # row 0 has no extra key: its slot may be unwritten memory (the fused kv path never writes it),
+        # and a masked NaN would still reach the output through 0 · NaN
+        ve = v_extra.float().transpose(1, 2).repeat_interleave(G, dim=2).masked_fill((t == 0)[:, None], 0.0)
         s_e = (qr * ke).sum(-1, keepdim=True).masked_fill((t == 0)[:, None], float("-inf"))
         parts_s.append(s_e)
     p = torch.softmax(torch.cat(parts_s, dim=-1) * scale, dim=-1)
