@@ -16,6 +16,17 @@ REPO = Path(__file__).resolve().parents[1]
 if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
     torch.set_num_threads(1)  # one intra-op thread per xdist worker: two workers on two cores, no oversubscription
 SHARED = Path(os.environ.get("DSPINE_SHARED", REPO.parent / "shared"))
+POISON = os.environ.get("DSPINE_TEST_POISON", "auto")
+if POISON not in ("auto", "0", "1"):
+    raise ValueError(f"DSPINE_TEST_POISON={POISON!r}: use 0, 1 or auto")
+if POISON == "1" or (POISON == "auto" and not torch.cuda.is_available()):
+    # every torch.empty comes back NaN (floats) or the dtype's max (ints), so a read of memory nobody wrote fails
+    # every time instead of when the allocator happens to hand out a NaN (CI once failed that way). torch turns the
+    # fill on with its deterministic mode; warn_only keeps ops without a deterministic variant running. On by
+    # default on the CPU (same run time); on a GPU only with DSPINE_TEST_POISON=1 (deterministic mode changes
+    # cuBLAS and scatter choices there); DSPINE_TEST_POISON=0 turns it off.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
 
 
 def shared_path(*parts: str) -> Path:
@@ -59,21 +70,24 @@ _GGUF_PARSES: dict = {}
 
 @contextlib.contextmanager
 def gguf_parse_memo():
-    """transformers parses a GGUF file (all its metadata, 49k tokenizer strings for SmolLM2: seconds) at every
-    config, tokenizer and model load from it; within this context each distinct parse (file, size, mtime, with
-    or without the tensors and for which model class and dtype) runs once per process and later ones get a deep
-    copy of its result: the same values the parse returns, as when the file is read again."""
+    """transformers parses a GGUF file at every config, tokenizer and model load from it. Metadata-only parses
+    are memoised by the library itself (dspine.gguf_file.memo_gguf_metadata, turned on here); within this context
+    a parse *with the tensors* (file, size, mtime, model class, dtype) also runs once per process and later ones
+    get a deep copy of its result: the same values the parse returns, as when the file is read again."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
+    from dspine.gguf_file import memo_gguf_metadata
+
+    memo_gguf_metadata()
     real = gguf_utils.load_gguf_checkpoint
 
     def memo(path, return_tensors=False, model_to_load=None, torch_dtype=None):
+        if not return_tensors:
+            return real(path, return_tensors=False, model_to_load=model_to_load, torch_dtype=torch_dtype)
         st = os.stat(path)
-        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, bool(return_tensors),
-               type(model_to_load).__qualname__ if return_tensors else None, torch_dtype)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, type(model_to_load).__qualname__, torch_dtype)
         if key not in _GGUF_PARSES:
-            _GGUF_PARSES[key] = real(path, return_tensors=return_tensors, model_to_load=model_to_load,
-                                     torch_dtype=torch_dtype)
+            _GGUF_PARSES[key] = real(path, return_tensors=True, model_to_load=model_to_load, torch_dtype=torch_dtype)
         return copy.deepcopy(_GGUF_PARSES[key])
 
     with pytest.MonkeyPatch.context() as mp:

@@ -93,6 +93,8 @@ def test_jsonl_and_arrow_readers_agree(tmp_path):
     for i in (4, 0, 2):
         assert a.row(i) == {"input_ids": rows[i]["input_ids"], "loss_mask": rows[i]["loss_mask"]} == b.row(i)
     assert b.metadata()["thinking"] is False and len(a.metadata()["data_digest"]) == 32
+    # taken in the open's one pass over the file: the file's blake2b-128, blank lines included
+    assert a.metadata()["data_digest"] == hashlib.blake2b(jl.read_bytes(), digest_size=16).hexdigest()
     with pytest.raises(FileNotFoundError):
         open_rows(tmp_path / "missing.jsonl")
 
