@@ -30,9 +30,11 @@ import copy
 import time
 
 import torch
+import torch.nn.functional as F
 
 from dspine import sampling as rng
 from dspine.config import target_layer_types
+from dspine.draft_vocab import check_draft_vocab, spread_logits
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample
 from dspine.sampling import (
@@ -169,15 +171,18 @@ class ReferenceDecoder:
             per step for every row (not only by the committed ones): meant for short decodes (the
             trainer's tau_real). Needs a draft, ``verify="chain"`` and a target without recurrent or
             sliding-window layers (:meth:`can_batch_verify`).
+        draft_vocab: token ids the draft may propose (``infer.engine.Engine``'s argument; ``dspine.draft_vocab``),
+            or None (the whole vocabulary).
     Raises:
         ValueError: ``verify_size`` outside 2..block size, an unknown ``verify``, a tree budget < 2,
             a tree without a draft, ``batch_verify`` without a draft, with a tree or with a target
-            that :meth:`can_batch_verify` refuses.
+            that :meth:`can_batch_verify` refuses, a ``draft_vocab`` without a draft or with ids that
+            ``dspine.draft_vocab.check_draft_vocab`` refuses.
     """
 
     def __init__(self, target: TargetAdapter, draft: DSpineDraftModel | None, eos_token_ids,
                  verify_size: int | None = None, verify: str = "chain", tree_budget: int = TREE_BUDGET,
-                 batch_verify: bool = False):
+                 batch_verify: bool = False, draft_vocab: torch.Tensor | None = None):
         if verify not in ("chain", "tree"):
             raise ValueError(f"verify={verify!r} must be 'chain' or 'tree'")
         if verify == "tree" and (draft is None or tree_budget < 2):
@@ -201,6 +206,13 @@ class ReferenceDecoder:
                 raise ValueError(f"verify_size={verify_size} must be in 2..{self.block_size} (the draft's block size)")
         else:
             self.block_size = self.verify_size = 1
+        self.draft_vocab = self.draft_head = None  # as infer.engine.Engine's
+        if draft_vocab is not None:
+            if draft is None:
+                raise ValueError("draft_vocab needs a draft (it selects the tokens the draft may propose)")
+            head = target.lm_head_weight
+            self.draft_vocab = check_draft_vocab(draft_vocab, head.shape[0]).to(head.device)
+            self.draft_head = head.index_select(0, self.draft_vocab)
 
     @staticmethod
     def can_batch_verify(target: TargetAdapter) -> bool:
@@ -228,7 +240,11 @@ class ReferenceDecoder:
     def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache) -> torch.Tensor:
         """Draft logits ``[B, K, V]`` (fp32, K = verify_size - 1) for blocks ``[B, bs]`` = [anchor, MASK, ...]."""
         hidden = self.draft.forward_block(self.target.embed(block), draft_cache)
-        return self.target.lm_head(hidden[:, 1 : self.verify_size]).float()
+        h = hidden[:, 1 : self.verify_size]
+        if self.draft_head is None:
+            return self.target.lm_head(h).float()
+        sub = F.linear(h.to(self.draft_head.dtype), self.draft_head).float()  # the draft vocabulary's rows only
+        return spread_logits(sub, self.draft_vocab, self.target.lm_head_weight.shape[0])
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams,

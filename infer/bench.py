@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dspine.draft_vocab import DRAFT_VOCAB_HELP
 from dspine.sampling import DRAFT_TEMPERATURE_HELP, SamplingParams
 from dspine.stats import AcceptStats
 
@@ -54,7 +55,7 @@ def parse_drafts(values: list[str] | None) -> dict[str, str]:
     return out
 
 
-CONFIG_KEYS = ("verify", "tree_budget", "budget", "chain_first", "plan_trees", "confidence", "drain")
+CONFIG_KEYS = ("verify", "tree_budget", "budget", "chain_first", "plan_trees", "confidence", "drain", "draft_vocab")
 CONFIDENCE = ("greedy", "always", "never")  # Engine.plan_confidence
 DRAIN = ("off", "scaled", "lead")  # off: Engine.plan_drain False; else on with that Engine.plan_drain_model
 CHAIN_FIRST = {"auto": None, "yes": True, "no": False}  # Engine's tree_chain_first
@@ -62,7 +63,7 @@ CHAIN_FIRST = {"auto": None, "yes": True, "no": False}  # Engine's tree_chain_fi
 
 def parse_configs(values: list[str] | None, labels, args, tree_budget_given: bool | None = None) -> dict[str, dict]:
     """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget", "chain_first",
-    "plan_trees", "confidence", "drain"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` /
+    "plan_trees", "confidence", "drain", "draft_vocab"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` /
     ``--budget`` with the label's overrides. So one run can time several verify modes of one draft (``--draft chain=D --draft auto=D
     --config auto:budget=auto``), alternated per task like any drafts.
 
@@ -75,7 +76,8 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
     if tree_budget_given is None:
         tree_budget_given = args.tree_budget is not None
     base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None,
-            "plan_trees": None, "confidence": None, "drain": None}
+            "plan_trees": None, "confidence": None, "drain": None,
+            "draft_vocab": getattr(args, "draft_vocab", None)}
     out = {label: dict(base) for label in labels}
     seen = set()
     for item in values or []:
@@ -126,6 +128,10 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
             if given["drain"] not in DRAIN:
                 raise ValueError(f"--config {item!r}: drain={given['drain']!r}; expected {', '.join(DRAIN)}")
             c["drain"] = given["drain"]
+        if "draft_vocab" in given:  # a file (read with the models), or none: the whole vocabulary
+            if not given["draft_vocab"]:
+                raise ValueError(f"--config {item!r}: draft_vocab= needs a file path or none")
+            c["draft_vocab"] = None if given["draft_vocab"] == "none" else given["draft_vocab"]
         if "tree_budget" in given:
             try:
                 c["tree_budget"] = int(given["tree_budget"])
@@ -219,6 +225,16 @@ class Runner:
             models[label] = load_draft(dpath, dtype=torch.float32)
             assert_compatible(self.spec, models[label].config, max_context=max_seq - 64)
         self.block_size = {label: m.config.block_size for label, m in models.items()}
+        # per label: the draft vocabulary's ids, and its {"path", "size", "coverage"} for the JSON (None: the whole
+        # vocabulary); each file is read once
+        from dspine.draft_vocab import describe, load_draft_vocab
+
+        files = {c["draft_vocab"] for c in self.configs.values() if c["draft_vocab"] is not None}
+        loaded = {f: load_draft_vocab(f, self.spec.vocab_size) for f in sorted(files)}
+        self.vocab_ids = {label: loaded[c["draft_vocab"]][0] if c["draft_vocab"] else None
+                          for label, c in self.configs.items()}
+        self.vocab_info = {label: describe(c["draft_vocab"], *loaded[c["draft_vocab"]]) if c["draft_vocab"] else None
+                           for label, c in self.configs.items()}
         self.decoders = {}
         # label -> mode -> {"steps", "drain_steps", "paired", "step_ms", "measured_ms"} (--budget auto)
         self.planner_steps: dict = {}
@@ -242,7 +258,8 @@ class Runner:
                 vs = args.block_size if c["verify"] == "chain" else None  # --block-size: the chain labels' width
                 self.decoders[label] = Engine(target, m, self.eos, verify_size=vs, verify=c["verify"],
                                               tree_budget=c["tree_budget"] or TREE_BUDGET, budget=c["budget"],
-                                              tree_chain_first=c["chain_first"], plan_trees=c["plan_trees"], **kw)
+                                              tree_chain_first=c["chain_first"], plan_trees=c["plan_trees"],
+                                              draft_vocab=self.vocab_ids[label], **kw)
                 self.decoders[label].plan_drain = (args.plan_drain is not False if c.get("drain") is None
                                                    else c["drain"] != "off")
                 if c.get("drain") in ("scaled", "lead"):
@@ -266,7 +283,8 @@ class Runner:
             self.decoders[None] = ReferenceDecoder(target, None, self.eos)
             for label, m in models.items():
                 self.decoders[label] = ReferenceDecoder(target, m.to(target.dtype), self.eos, verify=args.verify,
-                                                        tree_budget=args.tree_budget, verify_size=args.block_size)
+                                                        tree_budget=args.tree_budget, verify_size=args.block_size,
+                                                        draft_vocab=self.vocab_ids[label])
         # target positions verified per step and request (anchor included)
         self.verified_per_step = {label: "auto" if c["budget"] else c["tree_budget"] if c["verify"] == "tree"
                                   else (args.block_size or self.block_size[label])
@@ -447,6 +465,7 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
             row["tau_ci95"] = bootstrap_ci(per_committed, per_steps)
             c = runner.configs[label]
             row["verify"], row["verified_tokens_per_step"] = c["verify"], runner.verified_per_step[label]
+            row["draft_vocab"] = runner.vocab_info[label]
             if c["verify"] == "tree" or c["budget"] is not None:  # the rule in force
                 row["tree_chain_first"] = runner.decoders[label].chain_first(params)
             if c["budget"] is not None:
@@ -633,10 +652,13 @@ def build_parser():
                          "(the planner's tree sizes joined by '/', e.g. 16/32, or none; budget=auto only) or confidence "
                          "(greedy|always|never: when the planner gets the draft's confidence, Engine.plan_confidence; "
                          "budget=auto only) or drain (off|scaled|lead: the planner's drain rule off, or on with "
-                         "Engine.plan_drain_model; budget=auto only) over "
+                         "Engine.plan_drain_model; budget=auto only) or draft_vocab (a draft vocabulary file, or none "
+                         "for the whole vocabulary; over --draft-vocab) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "
                          "--config auto:budget=auto: several verify modes of one draft timed in one run, alternated "
                          "per task (engine only; --block-size applies to the chain labels)")
+    ap.add_argument("--draft-vocab", default=None, metavar="FILE", help=DRAFT_VOCAB_HELP + " (every draft label; "
+                    "--config LABEL:draft_vocab=FILE|none per label)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None,
@@ -722,6 +744,10 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     if args.config and args.backend == "reference":
         raise ValueError("--config needs the engine (--backend cuda; --device cpu on a CPU)")
     args.configs = parse_configs(args.config, parse_drafts(args.draft), args, tree_budget_given)
+    for label, c in args.configs.items():  # a draft vocabulary file that is not there fails now, not after the models
+        if c["draft_vocab"] is not None and not Path(c["draft_vocab"]).is_file():
+            flag = "--draft-vocab" if c["draft_vocab"] == args.draft_vocab else f"--config {label}:draft_vocab"
+            raise FileNotFoundError(f"{flag} {c['draft_vocab']}: no such file")
     if args.plot is None and args.output_json and args.draft:  # derived once; main() writes it there
         args.plot = str(Path(args.output_json).with_suffix(".png"))
     outputs = {"--output-json": args.output_json, "--plot": args.plot}

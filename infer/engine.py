@@ -28,6 +28,7 @@ its graph) then calls the chosen kernel. Only on a GPU with the Triton kernels a
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 
@@ -36,11 +37,13 @@ import torch.nn.functional as F
 
 from dspine import sampling as rng
 from dspine.checkpoint import load_draft
+from dspine.draft_vocab import check_draft_vocab, load_draft_vocab, spread_logits
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops._common import set_pdl_auto
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
 from dspine.ops.argmax_prob import argmax_prob
 from dspine.ops.defer import defer_features
+from dspine.ops.lm_head import lm_head as lm_head_op
 from dspine.ops.lm_head import pick as pick_lm_head
 from dspine.ops.tree_build import build_tree_fused
 from dspine.ops.tree_verify import verify_tree_greedy, verify_tree_sample
@@ -205,6 +208,12 @@ class Engine:
             ``PREFILL_BUCKETS_MAX_PROMPTS`` prompts (8; the batch's first, a large refill) takes the packed pass
             instead, which is faster for many prompts (one pass, not one per prompt), except in exact mode, where
             every prompt is prefilled alone anyway.
+        draft_vocab: token ids the draft may propose (int [N], N in 64..V, distinct; ``dspine.draft_vocab``), or
+            None (the whole vocabulary). The draft's logits are computed over those rows of the target's head only
+            (a copy of N x H weights is kept); the other tokens get the dtype's lowest finite logit, so p_d = 0
+            there. Lossless either way (the target verifies); a token outside the set is never drafted.
+            Raises ValueError (naming the first bad id) for ids :func:`dspine.draft_vocab.check_draft_vocab`
+            refuses, or given without a draft.
     """
 
     # prefill_buckets=None's default. Measured on the H200 (SmolLM2-135M, prompts of 160 tokens,
@@ -231,7 +240,7 @@ class Engine:
                  force_accept: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
                  tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
                  prefill_buckets: bool | None = None, tree_chain_first: bool | None = None,
-                 plan_trees: tuple[int, ...] | None = None):
+                 plan_trees: tuple[int, ...] | None = None, draft_vocab: torch.Tensor | None = None):
         self.target = target
         self.exact = EXACT_DEFAULT if exact is None else bool(exact)
         if target.args.hybrid and (verify != "chain" or budget is not None or exact):
@@ -262,6 +271,12 @@ class Engine:
         if draft is not None:
             draft = draft.to(device=self.device, dtype=target.embed.dtype).eval().fuse_weights()
         self.draft = draft
+        self.draft_vocab = self.draft_head = None  # ids [N] int64 and the head's rows W[ids] [N, H]
+        if draft_vocab is not None:
+            if draft is None:
+                raise ValueError("draft_vocab needs a draft (it selects the tokens the draft may propose)")
+            self.draft_vocab = check_draft_vocab(draft_vocab, target.head.shape[0]).to(self.device)
+            self.draft_head = target.head.index_select(0, self.draft_vocab).contiguous()
         self.block_size = draft.config.block_size if draft is not None else 1
         self.verify_size = verify_size or self.block_size
         if not 1 <= self.verify_size <= self.block_size:
@@ -346,6 +361,7 @@ class Engine:
         self._capture_stream = None  # torch.cuda.Stream of this engine's captures (made at the first one)
         # LM head per row count M -> dspine.ops.lm_head candidate, filled by _tune_lm_head
         self.lm_head_choice: dict[int, str] = {}
+        self.draft_lm_head_choice: dict[int, str] = {}  # the same for the draft vocabulary's head
         self.lm_head_tune = self.device.type == "cuda" and self.impl == "triton" and not self.exact
         self.lm_head_timer = None  # timer(name, fn) -> µs for lm_head.pick (None: CUDA events)
         # the last generate call's loop: seconds launching steps, waiting for the device's flags, in host
@@ -385,17 +401,29 @@ class Engine:
         whose anchor sits at ``draft_cache.lengths[b]``: the draft over the target's embedding and head."""
         hidden = self.draft.forward_block(F.embedding(block, self.target.embed), draft_cache, impl=self.impl)
         rows = block.shape[0] * (self.verify_size - 1)
-        return self.target.logits(hidden[:, 1 : self.verify_size], lm_head=self.lm_head_choice.get(rows, "linear"))
+        h = hidden[:, 1 : self.verify_size]
+        if self.draft_head is None:
+            return self.target.logits(h, lm_head=self.lm_head_choice.get(rows, "linear"))
+        # draft vocabulary (dspine.draft_vocab): logits of its N rows of the head [B, K, N], spread into [B, K, V]
+        sub = lm_head_op(h, self.draft_head, self.draft_lm_head_choice.get(rows, "linear"))
+        return spread_logits(sub, self.draft_vocab, self.target.head.shape[0])
 
-    def _tune_lm_head(self, rows: list[int]) -> None:
-        """Pick the LM head's implementation for each row count in ``rows`` not picked yet (µs per
-        candidate timed by ``dspine.ops.lm_head.pick``; one log line per row count)."""
-        for M in rows:
-            if not self.lm_head_tune or M < 1 or M in self.lm_head_choice:
+    def _tune_lm_head(self, rows: list[int], draft_rows: int | None = None) -> None:
+        """Pick the LM head's implementation for each row count in ``rows`` not picked yet, and for the draft's
+        ``draft_rows`` over the draft vocabulary's head if there is one (µs per candidate timed by
+        ``dspine.ops.lm_head.pick``; one log line per row count)."""
+        heads = [(M, self.target.head, self.lm_head_choice, "lm_head") for M in rows]
+        if draft_rows is not None:
+            if self.draft_head is None:
+                heads.append((draft_rows, self.target.head, self.lm_head_choice, "lm_head"))
+            else:
+                heads.append((draft_rows, self.draft_head, self.draft_lm_head_choice, "draft lm_head"))
+        for M, head, choices, name in heads:
+            if not self.lm_head_tune or M < 1 or M in choices:
                 continue
-            best, times = pick_lm_head(M, self.target.head, timer=self.lm_head_timer)
-            self.lm_head_choice[M] = best
-            print(f"lm_head M={M}: {best} ({times[best]:.0f} us; "
+            best, times = pick_lm_head(M, head, timer=self.lm_head_timer)
+            choices[M] = best
+            print(f"{name} M={M} N={head.shape[0]}: {best} ({times[best]:.0f} us; "
                   + ", ".join(f"{n} {t:.0f}" for n, t in times.items()) + ")", flush=True)
 
     # -- the steps -------------------------------------------------------------------------------
@@ -614,7 +642,7 @@ class Engine:
         key = (B, spec, mode, *params.step_key, defer)
         if mode[0] != "flush":
             # the LM heads this step runs: target over B·T rows, draft over B·(verify_size - 1)
-            self._tune_lm_head([B * mode[1]] + ([B * (self.verify_size - 1)] if mode[0] != "ar" else []))
+            self._tune_lm_head([B * mode[1]], B * (self.verify_size - 1) if mode[0] != "ar" else None)
         if mode[0] == "flush":
             flush_cache = self.draft_cache.view(B, lengths=slots.pend_lengths)
             fn = lambda: self._flush_step(slots, flush_cache)
@@ -1305,12 +1333,14 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
                 check_max_context: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
                 tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
                 prefill_buckets: bool | None = None, tree_chain_first: bool | None = None,
-                plan_trees: tuple[int, ...] | None = None):
+                plan_trees: tuple[int, ...] | None = None, draft_vocab=None):
     """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine` (keyword
-    arguments as :class:`Engine`'s).
+    arguments as :class:`Engine`'s; ``draft_vocab`` may also be the path of a ``dspine.draft_vocab`` file).
 
     Raises:
-        ValueError: draft/target mismatch (every failed check listed), fp16 with a Qwen target.
+        ValueError: draft/target mismatch (every failed check listed), fp16 with a Qwen target, a draft
+            vocabulary file that is not one or does not fit the target (the message names the file).
+        FileNotFoundError: no draft vocabulary file at the path.
     """
     impl = impl or ("triton" if torch.device(device).type == "cuda" else "torch")
     spec = TargetSpec.from_pretrained(target_path, gguf_file)
@@ -1325,7 +1355,9 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     target = EngineTarget.from_pretrained(target_path, gguf_file, device=device, dtype=dtype, layer_ids=layer_ids,
                                           impl=impl, last_layer_features=last_layer_features)
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
+    if isinstance(draft_vocab, (str, os.PathLike)):
+        draft_vocab, _ = load_draft_vocab(draft_vocab, target.head.shape[0])
     return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
                   verify_size=verify_size, max_new_cap=max_new_cap, verify=verify, tree_budget=tree_budget,
                   budget=budget, exact=exact, prefill_buckets=prefill_buckets, tree_chain_first=tree_chain_first,
-                  plan_trees=plan_trees), spec
+                  plan_trees=plan_trees, draft_vocab=draft_vocab), spec

@@ -9,7 +9,8 @@ Without ``--draft`` it decodes autoregressively with the same backend. ``--json`
 settings: temperature, top_p, top_k, max_new_tokens, seed, draft_temperature), ``threads`` (torch's CPU threads), and per prompt ``text``, ``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and
 steps — at the top level for one prompt, in ``batch`` (one entry per prompt, adding up to the top level)
 for several. With a draft also ``verify``, ``verified_tokens_per_step``, ``plan_trees`` and ``plan_drain`` (the
-planner's tree sizes and drain rule, ``off`` or ``Engine.plan_drain_model``; null without ``--budget auto``).
+planner's tree sizes and drain rule, ``off`` or ``Engine.plan_drain_model``; null without ``--budget auto``) and
+``draft_vocab`` (``--draft-vocab``: path, size and the file's coverage; null without one).
 Non-finite logits (NaN weights, fp16 overflow) end it with one ``error:`` line and exit status 2.
 """
 
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 
 from dspine.checkpoint import load_draft
+from dspine.draft_vocab import DRAFT_VOCAB_HELP, load_draft_vocab
+from dspine.draft_vocab import describe as describe_vocab
 from dspine.prompts import encode_prompt
 from dspine.reference import (
     CPU_VERIFY_WIDTH,
@@ -89,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
                     help="--budget auto: the planner's tree sizes joined by '/' (e.g. 16/32), or none for AR and the "
                          "chain only (default: infer.engine.Engine.PLAN_TREES, 32/64)")
+    ap.add_argument("--draft-vocab", default=None, metavar="FILE",
+                    help=DRAFT_VOCAB_HELP)
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
                     help="--budget auto: the planner's drain rule once no prompt is queued (infer.planner, \"Drain\"; "
                          "default on); --no-plan-drain: tokens per millisecond to the end")
@@ -173,11 +178,13 @@ def refuse_draft_options(args, others: tuple[tuple[str, bool], ...] = ()) -> Non
     """Without a draft: refuse the options that act on the draft only (``others``: more (flag, given) pairs)."""
     given = (("--block-size", args.block_size is not None), ("--verify tree", args.verify == "tree"),
              ("--budget auto", args.budget is not None),
-             ("--draft-temperature", getattr(args, "draft_temperature", None) is not None), *others)
+             ("--draft-temperature", getattr(args, "draft_temperature", None) is not None),
+             ("--draft-vocab", getattr(args, "draft_vocab", None) is not None), *others)
     for flag, on in given:
         if on:
             value = {"--block-size": f" {args.block_size}",
-                     "--draft-temperature": f" {getattr(args, 'draft_temperature', None)}"}.get(flag, "")
+                     "--draft-temperature": f" {getattr(args, 'draft_temperature', None)}",
+                     "--draft-vocab": f" {getattr(args, 'draft_vocab', None)}"}.get(flag, "")
             raise ValueError(f"{flag}{value} needs a draft (without one the target decodes autoregressively)")
 
 
@@ -236,6 +243,9 @@ def run(args) -> dict:
         if args.block_size is not None and draft_cfg is not None and args.block_size != draft_cfg.block_size:
             raise ValueError(f"--block-size {args.block_size} needs the engine, which does not run this target")
     spec.check_supported(engine=backend == "cuda")
+    vocab = None  # (ids, metadata) of --draft-vocab, read before the target's weights
+    if args.draft_vocab is not None:
+        vocab = load_draft_vocab(args.draft_vocab, spec.vocab_size)
     if backend == "reference":
         args.block_size = reference_verify_size(args.block_size, args.verify, [draft_cfg.block_size] if draft_cfg else [])
     args.threads = set_cpu_threads(args.threads)
@@ -259,6 +269,7 @@ def run(args) -> dict:
                          f"exceeds the target's context of {spec.max_position_embeddings} positions")
     if draft_cfg is not None:
         assert_compatible(spec, draft_cfg, max_context=need)
+    args.draft_vocab_ids = vocab[0] if vocab else None
     decode, eos = (_engine if backend == "cuda" else _reference)(args, params, path, gguf, draft_path, spec, prompts)
     res = decode(True)
     out = report(tokenizer, res, eos, backend)
@@ -272,6 +283,7 @@ def run(args) -> dict:
         out["verified_tokens_per_step"] = ("auto" if args.budget else args.tree_budget if args.verify == "tree"
                                            else args.block_size or draft_cfg.block_size)
         out["plan_trees"] = out["plan_drain"] = None  # the planner's settings, --budget auto only
+        out["draft_vocab"] = None if vocab is None else describe_vocab(args.draft_vocab, *vocab)
         if backend == "cuda" and args.budget:
             out["planner"] = res.planner
             out.update(res.plan)
@@ -295,7 +307,8 @@ def _reference(args, params, path, gguf, draft_path, spec, prompts):
     warm = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 4))
 
     def decode(use: bool):
-        dec = ReferenceDecoder(target, draft if use else None, spec.eos_ids, **(kw if use else {}))
+        dec = ReferenceDecoder(target, draft if use else None, spec.eos_ids,
+                               **({**kw, "draft_vocab": args.draft_vocab_ids} if use else {}))
         dec.generate(prompts, warm)
         return dec.generate(prompts, params)
 
@@ -317,7 +330,7 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
                             max_seq=longest + args.max_new_tokens + 64, verify_size=args.block_size,
                             check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens,
                             verify=args.verify, tree_budget=args.tree_budget, budget=args.budget, exact=args.exact,
-                            prefill_buckets=args.prefill_buckets,
+                            prefill_buckets=args.prefill_buckets, draft_vocab=args.draft_vocab_ids,
                             plan_trees=None if args.plan_trees is None else parse_plan_trees(args.plan_trees))
     args.prefill_buckets = engine.prefill_buckets  # the resolved value, for --json
     engine.plan_drain = args.plan_drain is not False

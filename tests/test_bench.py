@@ -201,7 +201,8 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
         tokenizer = type("T", (), {"decode": staticmethod(lambda ids, **kw: " ".join(map(str, ids)))})()
         spec = type("S", (), {"eos_ids": {0}})()
         verified_per_step = {"D": 4}
-        configs = {"D": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "confidence": None, "drain": None}}
+        vocab_info = {"D": None}
+        configs = {"D": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "confidence": None, "drain": None, "draft_vocab": None}}
         args = argparse.Namespace(num_prompts=2, data_dir=str(shared_path("data", "eval")), verify="chain",
                                   exact=False, concurrency=8)
 
@@ -289,9 +290,9 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     res = json.loads(out.read_text())
     assert [t["run_order"] for t in res["tasks"]] == [["AR", "chain", "tree", "auto"], ["chain", "tree", "auto", "AR"]]
     assert res["args"]["configs"] == {
-        "chain": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "confidence": None, "drain": None},
-        "tree": {"verify": "tree", "tree_budget": 12, "budget": None, "chain_first": True, "plan_trees": None, "confidence": None, "drain": None},
-        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "confidence": "never", "drain": "lead"}}
+        "chain": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "confidence": None, "drain": None, "draft_vocab": None},
+        "tree": {"verify": "tree", "tree_budget": 12, "budget": None, "chain_first": True, "plan_trees": None, "confidence": None, "drain": None, "draft_vocab": None},
+        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "confidence": "never", "drain": "lead", "draft_vocab": None}}
     for t in res["tasks"]:
         d = t["drafts"]
         assert (d["chain"]["verify"], d["chain"]["verified_tokens_per_step"]) == ("chain", 8)  # the draft's block
@@ -358,8 +359,8 @@ def test_config_none_overrides_a_run_wide_budget():
     args = argparse.Namespace(verify="tree", tree_budget=32, budget="auto", exact=None, draft_temperature=None,
                               backend="cuda")  # as check_decode_args leaves --verify tree --budget auto
     c = bench.parse_configs(["a:budget=none,verify=chain"], {"a": "p", "b": "p"}, args, tree_budget_given=False)
-    assert c == {"a": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "confidence": None, "drain": None},
-                 "b": {"verify": "tree", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": None, "confidence": None, "drain": None}}
+    assert c == {"a": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "confidence": None, "drain": None, "draft_vocab": None},
+                 "b": {"verify": "tree", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": None, "confidence": None, "drain": None, "draft_vocab": None}}
 
 
 def test_config_budget_auto_records_no_default_tree_budget(stories_dir, draft_dir):

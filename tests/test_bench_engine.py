@@ -51,8 +51,12 @@ def test_profile_step_tiny_cpu_writes_the_table(tmp_path):
 def test_bench_engine_skip_peers_keeps_engine_keys_only(tmp_path):
     out = tmp_path / "engine.json"
     bench_engine.main(["--tiny", "--cpu", "--skip-peers", "--iters", "1", "--prompt", "16", "--new-tokens", "32",
-                       "--output", str(out)])
+                       "--draft-vocab-size", "512", "--output", str(out)])
     rec = json.loads(out.read_text())
+    # the draft's logits over 512 of the 2048 head rows (tiny shape: hidden 256, fp32 on the CPU)
+    assert rec["draft_vocab_size"] == 512 and rec["head_row_bytes"] == 256 * 4
+    ar_bytes = rec["weight_bytes_excl_embedding"]
+    assert rec["spec_weight_bytes_over_ar"] == (ar_bytes + rec["draft_weight_bytes"] + 512 * 1024) / ar_bytes
     for b in ("batch1", "batch8"):
         row = rec[b]
         assert "hf_generate_tok_per_s" not in row and "compiled_hf_tok_per_s" not in row
@@ -69,7 +73,8 @@ def test_bench_engine_skip_peers_keeps_engine_keys_only(tmp_path):
 
 @pytest.mark.parametrize("argv, msg", [(["--block", "4"], "--block=4: the tau = 7 oracle"),
                                        (["--compiled-hf-only"], "exclude each other"),
-                                       (["--new-tokens", "0"], "must be >= 1")])
+                                       (["--new-tokens", "0"], "must be >= 1"),
+                                       (["--draft-vocab-size", "32"], "--draft-vocab-size=32: 0 (the whole")])
 def test_bench_engine_refuses_settings_it_cannot_measure(argv, msg, capsys):
     with pytest.raises(SystemExit):
         bench_engine.main(["--tiny", "--cpu", "--skip-peers", *argv])

@@ -11,6 +11,9 @@ Measures, after warm-up, with CUDA events around graph replays:
   ``ar_device_step_ms_in_loop`` / ``ar_device_loop_ms_per_step``: each step of that loop timed on the device,
   and the device's span of the loop, per step: the first against ``ar_step_ms`` says whether steps run slower
   in the loop, the second against ``ar_decode_ms_per_step`` how much of the loop lies outside it);
+* ``spec_weight_bytes_over_ar``: the weights a speculative step reads at batch 1 (target without its embedding
+  table, draft, the head's rows for ``draft_vocab_size`` tokens) over an AR step's: the bandwidth floor of
+  the next figure (``--draft-vocab-size N``: the draft's logits over N rows only, ``dspine.draft_vocab``);
 * ``spec_step_over_ar_step``: one speculative step (draft block 16 + verify 16 + accept + commit +
   draft context append) over one AR step, both graph replays;
 * ``oracle_speedup_tau7``: a benchmark-only oracle that accepts exactly 6 draft tokens per step
@@ -188,6 +191,19 @@ def run(args) -> dict:
     draft = dm
     total, no_embed = weight_bytes(target)
     res["weight_bytes"], res["weight_bytes_excl_embedding"] = total, no_embed
+    # --draft-vocab-size: the draft's logits over N rows of the head only (dspine.draft_vocab); which N ids does
+    # not change the step's cost, so a fixed random set
+    V = target.head.shape[0]
+    vocab = None
+    if args.draft_vocab_size:
+        vocab = torch.randperm(V, generator=torch.Generator().manual_seed(2))[: args.draft_vocab_size]
+    res["draft_vocab_size"] = args.draft_vocab_size or V
+    # weights a speculative step reads at batch 1 over those of an AR step (the floor of spec_step_over_ar_step):
+    # the target without its embedding table, plus the draft and the rows of the head it computes
+    head_row = target.head[0].numel() * target.head.element_size()
+    res["draft_weight_bytes"] = sum(p.numel() * p.element_size() for p in draft.parameters())
+    res["head_row_bytes"] = head_row
+    res["spec_weight_bytes_over_ar"] = (no_embed + res["draft_weight_bytes"] + res["draft_vocab_size"] * head_row) / no_embed
     bw = res["ceilings"]["copy_bw_GBps"]
     if bw:
         res["bandwidth_floor_tok_per_s"] = bw * 1e9 / total
@@ -198,7 +214,7 @@ def run(args) -> dict:
         prompts = [prompt1] + [torch.randint(0, a.vocab_size - 2, (args.prompt,), generator=g).tolist()
                                for _ in range(B - 1)]
         row: dict = {}
-        eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens)
+        eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens, draft_vocab=vocab)
         row["pdl_mode"] = eng.pdl_mode  # programmatic dependent launch (dspine.ops._common; DSPINE_PDL)
         # end to end (prefill excluded from tok/s: decode tokens over decode time)
         eng.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)), use_draft=False)  # warm-up + capture
@@ -223,7 +239,8 @@ def run(args) -> dict:
         row["spec_step_ms"] = timed(spec_step, args.iters)
         row["spec_step_over_ar_step"] = row["spec_step_ms"] / row["ar_step_ms"]
         del eng
-        oracle = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens, force_accept=6)
+        oracle = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens, force_accept=6,
+                        draft_vocab=vocab)
         oracle.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)))
         orc = oracle.generate(prompts, greedy)
         row["oracle_tau"] = orc.stats.tau
@@ -273,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--draft-vocab-size", type=int, default=0,
+                    help="the draft's logits over this many rows of the head (dspine.draft_vocab; a fixed random set; "
+                         "0 = the whole vocabulary)")
     ap.add_argument("--compiled-hf-only", action="store_true",
                     help="measure only the compiled-transformers peer (batch 1; no engine)")
     ap.add_argument("--compiled-new-tokens", type=int, default=128,
@@ -288,6 +308,8 @@ def main(argv=None) -> int:
         ap.error("--skip-peers and --compiled-hf-only exclude each other (the second measures only a peer)")
     if args.block < 8:
         ap.error(f"--block={args.block}: the tau = 7 oracle accepts 6 draft tokens a step, so the block needs >= 8 slots")
+    if args.draft_vocab_size and not 64 <= args.draft_vocab_size <= (TINY if args.tiny else QWEN3_8B)["vocab_size"]:
+        ap.error(f"--draft-vocab-size={args.draft_vocab_size}: 0 (the whole vocabulary) or 64..the vocabulary size")
     if args.new_tokens < 1 or args.prompt < 1:
         ap.error(f"--prompt={args.prompt} and --new-tokens={args.new_tokens} must be >= 1")
     res = run(args)

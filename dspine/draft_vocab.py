@@ -1,0 +1,183 @@
+"""A draft vocabulary: the token ids the draft may propose, a frequency-ranked subset of the target's.
+
+Why: the draft has no LM head of its own; it runs the target's (docs/method.md §2). At batch 1 that head
+is a large share of a speculative step's weight reads: Qwen3-8B's is 151,936 x 4096 bf16 = 1.24 GB,
+against 2.27 GB for five draft layers and the fc that mixes the target features (1.13 B parameters) and
+15.13 GB for one target forward without the embedding table, so at that shape a spec step reads
+(15.13 + 2.27 + 1.24) / 15.13 = 1.23 x an AR step's bytes before any overhead. SmolLM2-135M's tied head
+is 49,152 x 576 = 57 MB of its 270 MB. With a draft vocabulary of the N most frequent answer tokens the
+draft computes logits ``h · W[ids]ᵀ`` over N rows only (N = 32,768 at Qwen3-8B shape: 0.27 GB, a spec
+step then reads 1.17 x an AR step's bytes). The idea is FR-Spec's (Zhao et al. 2025, "FR-Spec:
+Accelerating Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling"); EAGLE-3
+trains its draft over such a subset.
+
+Lossless whatever the subset: the target verifies every proposal. A draft that would have proposed a
+token outside the subset proposes the best one inside; at T > 0 the draft distribution q is the softmax
+over the subset (q = 0 outside), and the acceptance rule min(1, p/q) with the residual max(0, p − q)
+keeps the target's distribution for any q (docs/method.md §5). What it can cost is τ: the share of the
+target's tokens outside the subset (``coverage`` below says how large it was on the counted data).
+
+File: safetensors with one tensor ``token_ids`` (int64 [N], ascending, distinct) and string metadata
+``format`` = ``dspine-draft-vocab``; ``python -m data.draft_vocab`` adds ``size``, ``vocab_size``,
+``coverage`` (counted tokens inside the subset / all counted tokens), ``counted_tokens``, ``counted``
+(answer or all tokens), ``keep``, ``source`` and ``source_digest`` (the rows it was counted on).
+``infer.generate`` / ``infer.bench --draft-vocab FILE`` use it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["DRAFT_VOCAB_HELP", "FORMAT", "MIN_SIZE", "select_draft_vocab", "check_draft_vocab", "spread_logits",
+           "save_draft_vocab", "load_draft_vocab", "describe"]
+
+FORMAT = "dspine-draft-vocab"
+DRAFT_VOCAB_HELP = ("a draft vocabulary (python -m data.draft_vocab; dspine.draft_vocab): the draft proposes only "
+                    "these tokens and computes its logits over their rows of the target's head (fewer bytes per "
+                    "step; lossless, may lower tau). Default: the whole vocabulary")
+MIN_SIZE = 64  # the largest token tree takes up to 64 candidates per depth (dspine.tree)
+
+
+def select_draft_vocab(counts: torch.Tensor, size: int, keep=()) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent ids of ``counts`` (int64 [V], occurrences per token id; ties: the lower
+    id first), with every id of ``keep`` (e.g. the end-of-sequence ids) in it.
+
+    Returns (ids int64 [size] ascending, coverage = counts[ids].sum() / counts.sum(); 1.0 when nothing was
+    counted). Raises ValueError for a size outside ``MIN_SIZE..V`` or a ``keep`` id outside 0..V-1, or more
+    ``keep`` ids than ``size``.
+    """
+    counts = torch.as_tensor(counts, dtype=torch.int64).flatten()
+    V = counts.numel()
+    if not MIN_SIZE <= int(size) <= V:
+        raise ValueError(f"draft vocabulary size {size}: must be in {MIN_SIZE}..{V} (the vocabulary's size)")
+    keep = sorted({int(k) for k in keep})
+    bad = [k for k in keep if not 0 <= k < V]
+    if bad:
+        raise ValueError(f"keep ids {bad} are outside the vocabulary 0..{V - 1}")
+    if len(keep) > size:
+        raise ValueError(f"{len(keep)} keep ids do not fit a draft vocabulary of {size}")
+    # rank by (count desc, id asc): a stable sort of the ids by descending count
+    order = torch.sort(counts, descending=True, stable=True).indices
+    chosen = torch.zeros(V, dtype=torch.bool)
+    if keep:
+        chosen[torch.tensor(keep)] = True
+    rest = order[~chosen[order]][: int(size) - len(keep)]
+    chosen[rest] = True
+    ids = chosen.nonzero()[:, 0]
+    total = int(counts.sum())
+    coverage = float(counts[ids].sum()) / total if total else 1.0
+    return ids, coverage
+
+
+def check_draft_vocab(ids, vocab_size: int | None, where: str = "draft vocabulary") -> torch.Tensor:
+    """``ids`` as the engine takes them: int64 [N] ascending, N in MIN_SIZE..vocab_size, every id in
+    0..vocab_size-1, no repeats (``vocab_size`` None: no upper bound). ``where`` names the source in errors
+    (a file path).
+
+    Raises ValueError naming ``where`` and the first offending value."""
+    t = torch.as_tensor(ids)
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"{where}: token_ids must be a 1-D integer tensor (got {tuple(t.shape)} {t.dtype})")
+    t = t.to(torch.int64).cpu()
+    top = "" if vocab_size is None else f"..{vocab_size - 1}"
+    out = t[(t < 0) | (t >= vocab_size)] if vocab_size is not None else t[t < 0]
+    if out.numel():
+        raise ValueError(f"{where}: token id {int(out[0])} is outside the target's vocabulary 0{top}")
+    s = torch.sort(t).values
+    dup = s[1:][s[1:] == s[:-1]]
+    if dup.numel():
+        raise ValueError(f"{where}: token id {int(dup[0])} appears more than once")
+    if t.numel() < MIN_SIZE or (vocab_size is not None and t.numel() > vocab_size):
+        most = "" if vocab_size is None else f"..{vocab_size}"
+        raise ValueError(f"{where}: {t.numel()} token ids; need {MIN_SIZE}{most}"
+                         + ("" if vocab_size is None else " (the target's vocabulary)"))
+    return s
+
+
+def spread_logits(sub: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits ``sub [..., N]`` over the draft vocabulary ``ids`` (int64 [N], on sub's device) -> ``[..., vocab_size]``
+    in sub's dtype: ``sub[..., j]`` at column ``ids[j]``, the dtype's lowest finite value everywhere else (softmax
+    gives those tokens probability 0 and argmax never picks them; finite, so a non-finite check of the logits still
+    means a broken draft). One fill and one index_copy: graph-capturable, no host sync."""
+    full = sub.new_full((*sub.shape[:-1], vocab_size), torch.finfo(sub.dtype).min)
+    return full.index_copy_(-1, ids, sub)
+
+
+def save_draft_vocab(path: str | Path, ids: torch.Tensor, metadata: dict) -> None:
+    """Write ``ids`` (checked by :func:`check_draft_vocab`; stored ascending) and ``metadata`` (values stored as
+    strings; ``format`` is always :data:`FORMAT`) to a new safetensors file, through a temporary file in the same
+    folder and a rename that never replaces an existing file.
+
+    Raises FileExistsError if ``path`` exists (a finished vocabulary is never overwritten), ValueError for ids
+    :func:`check_draft_vocab` refuses (``metadata["vocab_size"]`` bounds them when given)."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists; the draft vocabulary is not overwritten (remove it or pick another path)")
+    V = metadata.get("vocab_size")
+    ids = check_draft_vocab(ids, int(V) if V is not None else None, where=str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({"token_ids": ids.contiguous()}, tmp,
+                  metadata={**{str(k): str(v) for k, v in metadata.items()}, "format": FORMAT})
+        try:
+            os.link(tmp, path)  # fails if path appeared meanwhile: a finished file is never replaced
+        except FileExistsError:
+            raise FileExistsError(f"{path} appeared while it was written; not overwritten") from None
+        except OSError:  # a filesystem without hard links: a rename after a last check
+            if path.exists():
+                raise FileExistsError(f"{path} appeared while it was written; not overwritten") from None
+            os.replace(tmp, path)
+            return
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_draft_vocab(path: str | Path, vocab_size: int | None = None) -> tuple[torch.Tensor, dict]:
+    """(ids int64 [N] ascending, metadata) of a draft vocabulary file (module docstring).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not a safetensors draft vocabulary (``format`` metadata missing or other, no
+            ``token_ids``), or ids that :func:`check_draft_vocab` refuses (``vocab_size``: the target's;
+            None skips the range check's upper bound).
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give the draft vocabulary's .safetensors file")
+    if not path.is_file():
+        raise FileNotFoundError(f"draft vocabulary not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            names = list(f.keys())
+            ids = f.get_tensor("token_ids") if "token_ids" in names else None
+    except Exception as e:  # safetensors raises its own error types for a file that is not one
+        raise ValueError(f"{path}: not a safetensors file ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: metadata format={meta.get('format')!r}, expected {FORMAT!r} "
+                         "(write it with python -m data.draft_vocab)")
+    if ids is None:
+        raise ValueError(f"{path}: no tensor 'token_ids' (has {names})")
+    return check_draft_vocab(ids, vocab_size, where=str(path)), meta
+
+
+def describe(path: str | Path, ids: torch.Tensor, metadata: dict) -> dict:
+    """``{"path", "size", "coverage"}`` of a loaded draft vocabulary for a run's JSON (coverage: the file's
+    ``coverage`` as a float, None if it has none or it is not a number)."""
+    try:
+        coverage = float(metadata["coverage"])
+    except (KeyError, TypeError, ValueError):
+        coverage = None
+    return {"path": str(path), "size": int(ids.numel()), "coverage": coverage}
