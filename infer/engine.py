@@ -396,9 +396,10 @@ class Engine:
             draft_cache = self.draft_cache.view(B, lengths=self._slots_for(B).lengths)
         return kv, draft_cache
 
-    def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache) -> torch.Tensor:
+    def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache, spread: bool = True) -> torch.Tensor:
         """Draft logits ``[B, verify_size-1, V]`` (model dtype) for blocks ``[B, bs]`` = [anchor, MASK, ...]
-        whose anchor sits at ``draft_cache.lengths[b]``: the draft over the target's embedding and head."""
+        whose anchor sits at ``draft_cache.lengths[b]``: the draft over the target's embedding and head. With a
+        draft vocabulary and ``spread=False``: ``[B, verify_size-1, N]``, column j for token ``draft_vocab[j]``."""
         hidden = self.draft.forward_block(F.embedding(block, self.target.embed), draft_cache, impl=self.impl)
         rows = block.shape[0] * (self.verify_size - 1)
         h = hidden[:, 1 : self.verify_size]
@@ -406,7 +407,7 @@ class Engine:
             return self.target.logits(h, lm_head=self.lm_head_choice.get(rows, "linear"))
         # draft vocabulary (dspine.draft_vocab): logits of its N rows of the head [B, K, N], spread into [B, K, V]
         sub = lm_head_op(h, self.draft_head, self.draft_lm_head_choice.get(rows, "linear"))
-        return spread_logits(sub, self.draft_vocab, self.target.head.shape[0])
+        return spread_logits(sub, self.draft_vocab, self.target.head.shape[0]) if spread else sub
 
     def _tune_lm_head(self, rows: list[int], draft_rows: int | None = None) -> None:
         """Pick the LM head's implementation for each row count in ``rows`` not picked yet, and for the draft's
@@ -445,7 +446,10 @@ class Engine:
             return self._tree_step(slots, kv, draft_cache, params, mode[1])
         s, K = slots, slots.verify_size - 1
         s.draft_block[:, 0] = s.anchor
-        d_logits = self.draft_logits(s.draft_block, draft_cache)
+        # greedy with a draft vocabulary: argmax over its N columns, then the ids (the ids ascend, so ties go to
+        # the lower id as over all V columns): no [B, K, V] logits at all
+        sub = params.greedy and self.draft_vocab is not None
+        d_logits = self.draft_logits(s.draft_block, draft_cache, spread=not sub)
         s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
         if params.greedy:
             if self.budget == "auto":  # the argmax and its probability in one pass over [B, K, V]
@@ -456,6 +460,8 @@ class Engine:
                 s.conf.copy_(chain_confidence(p_top))
             else:
                 draft_tokens = d_logits.argmax(-1)
+            if sub:
+                draft_tokens = self.draft_vocab[draft_tokens]
         else:
             out_pos = s.out_len.long()  # [B] the step's first output position
             slot_pos = out_pos[:, None] + s.offsets[:K]  # [B, K]: draft token k at n + k - 1

@@ -91,14 +91,16 @@ def test_a_vocabulary_without_the_drafts_tokens_accepts_nothing(stories_dir, sto
 
 
 def test_tree_and_sampling_run_with_a_vocabulary(stories_dir, stories):
-    """Tree verify (greedy: lossless) and T = 1 chain sampling with a vocabulary: every committed draft token is
-    in it or is the target's own choice; the sampled run is reproducible from its seed."""
+    """Tree verify and the planner (greedy: lossless) and T = 1 chain sampling with a vocabulary; the sampled run is
+    reproducible from its seed and ends at the token limit or an EOS."""
     target, draft, folder = stories
     ids = _vocab(200, seed=2)
     greedy = SamplingParams(max_new_tokens=16)
     ar = ReferenceDecoder(target, None, [2]).generate(PROMPTS, greedy)
     tree = _engine(stories_dir, folder, draft_vocab=ids, verify="tree", tree_budget=16).generate(PROMPTS, greedy)
     assert tree.token_ids == ar.token_ids
+    planner = _engine(stories_dir, folder, draft_vocab=ids, budget="auto", plan_trees=(8,)).generate(PROMPTS, greedy)
+    assert planner.token_ids == ar.token_ids
     hot = SamplingParams(max_new_tokens=16, temperature=1.0)
     eng = _engine(stories_dir, folder, draft_vocab=ids)
     a, b = eng.generate(PROMPTS, hot, seeds=[5, 6, 7, 8, 9]), eng.generate(PROMPTS, hot, seeds=[5, 6, 7, 8, 9])
