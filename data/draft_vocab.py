@@ -52,10 +52,22 @@ def parse_keep(text: str | None, vocab_size: int | None = None) -> list[int]:
         except ValueError:
             raise DraftVocabError(f"--keep {text}: {part.strip()!r} is not an integer token id") from None
         if k < 0 or (vocab_size is not None and k >= vocab_size):
-            top = f"0..{vocab_size - 1} (--vocab-size {vocab_size})" if vocab_size is not None else ">= 0"
-            raise DraftVocabError(f"--keep {text}: token id {k} is outside {top}")
+            if vocab_size is None:
+                raise DraftVocabError(f"--keep {text}: token id {k} is negative")
+            raise DraftVocabError(f"--keep {text}: token id {k} is outside 0..{vocab_size - 1} (--vocab-size {vocab_size})")
         out.add(k)
     return sorted(out)
+
+
+def _where(rows, i: int) -> str:
+    """``row i of --data``, or for a list of sources ``row j of PART`` (train.data.ConcatRows)."""
+    starts, paths = getattr(rows, "starts", None), getattr(rows, "paths", None)
+    if starts is None or paths is None:
+        return f"row {i} of --data"
+    import bisect
+
+    j = bisect.bisect_right(starts, i) - 1
+    return f"row {i - starts[j]} of {paths[j]}"
 
 
 def count_tokens(rows, all_tokens: bool = False, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
@@ -87,8 +99,9 @@ def count_tokens(rows, all_tokens: bool = False, vocab_size: int | None = None) 
         if not ids.size:
             continue
         if vocab_size is not None and int(ids.max()) >= vocab_size:
+            where = _where(rows, i)
             raise DraftVocabError(
-                f"token id {int(ids.max())} in row {i} of --data is outside --vocab-size "
+                f"token id {int(ids.max())} in {where} is outside --vocab-size "
                 f"{vocab_size} (0..{vocab_size - 1}); rows tokenized for another target?"
             )
         buf.append(ids)
@@ -120,9 +133,9 @@ def build(
         raise DraftVocabError(
             f"--vocab-size {vocab_size}: must be >= {MIN_SIZE} (the smallest draft vocabulary)"
         )
-    top = f"..{vocab_size} (--vocab-size)" if vocab_size is not None else ""
     if size < MIN_SIZE or (vocab_size is not None and size > vocab_size):
-        raise DraftVocabError(f"--size {size}: must be in {MIN_SIZE}{top}")
+        want = f"in {MIN_SIZE}..{vocab_size} (--vocab-size)" if vocab_size is not None else f">= {MIN_SIZE}"
+        raise DraftVocabError(f"--size {size}: must be {want}")
     keep_ids = parse_keep(keep, vocab_size)
     if len(keep_ids) > size:
         raise DraftVocabError(f"--keep {keep}: {len(keep_ids)} ids do not fit --size {size}")
@@ -136,6 +149,9 @@ def build(
         check_output_file("--output", out, overwrite=False)
     except ValueError as e:
         raise DraftVocabError(str(e)) from None
+    for part in (p.strip() for p in data.split(",")):
+        if part and not Path(part).exists():
+            raise DraftVocabError(f"--data: {part}: no such file or folder")
     try:
         rows = open_sources(data)
     except (FileNotFoundError, ValueError) as e:

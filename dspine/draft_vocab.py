@@ -117,6 +117,8 @@ def save_draft_vocab(path: str | Path, ids: torch.Tensor, metadata: dict) -> Non
 
     from safetensors.torch import save_file
 
+    from dspine.io import default_file_mode
+
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} exists; the draft vocabulary is not overwritten (remove it or pick another path)")
@@ -128,6 +130,7 @@ def save_draft_vocab(path: str | Path, ids: torch.Tensor, metadata: dict) -> Non
     try:
         save_file({"token_ids": ids.contiguous()}, tmp,
                   metadata={**{str(k): str(v) for k, v in metadata.items()}, "format": FORMAT})
+        default_file_mode(tmp)  # safetensors and mkstemp write 0600
         try:
             os.link(tmp, path)  # fails if path appeared meanwhile: a finished file is never replaced
         except FileExistsError:
@@ -147,9 +150,10 @@ def load_draft_vocab(path: str | Path, vocab_size: int | None = None) -> tuple[t
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: not a safetensors draft vocabulary (``format`` metadata missing or other, no
-            ``token_ids``), or ids that :func:`check_draft_vocab` refuses (``vocab_size``: the target's;
-            None skips the range check's upper bound).
+        ValueError: a folder; not a safetensors draft vocabulary (``format`` metadata missing or other, no
+            ``token_ids``); metadata ``vocab_size`` other than ``vocab_size`` (the target's: a vocabulary counted
+            with another tokenizer); ids that :func:`check_draft_vocab` refuses (``vocab_size`` None skips the
+            range check's upper bound).
     """
     from safetensors import safe_open
 
@@ -170,6 +174,11 @@ def load_draft_vocab(path: str | Path, vocab_size: int | None = None) -> tuple[t
                          "(write it with python -m data.draft_vocab)")
     if ids is None:
         raise ValueError(f"{path}: no tensor 'token_ids' (has {names})")
+    counted_for = meta.get("vocab_size")
+    if vocab_size is not None and counted_for is not None and counted_for != str(vocab_size):
+        # another vocabulary size is another tokenizer: its ids would name other tokens here
+        raise ValueError(f"{path}: counted for a vocabulary of {counted_for} ids (metadata vocab_size), the target "
+                         f"has {vocab_size}; make one from rows tokenized for this target (python -m data.draft_vocab)")
     return check_draft_vocab(ids, vocab_size, where=str(path)), meta
 
 

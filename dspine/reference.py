@@ -211,8 +211,10 @@ class ReferenceDecoder:
             if draft is None:
                 raise ValueError("draft_vocab needs a draft (it selects the tokens the draft may propose)")
             head = target.lm_head_weight
-            self.draft_vocab = check_draft_vocab(draft_vocab, head.shape[0]).to(head.device)
-            self.draft_head = head.index_select(0, self.draft_vocab)
+            ids = check_draft_vocab(draft_vocab, head.shape[0])
+            if ids.numel() < head.shape[0]:  # the whole vocabulary: nothing to select
+                self.draft_vocab = ids.to(head.device)
+                self.draft_head = head.index_select(0, self.draft_vocab)
 
     @staticmethod
     def can_batch_verify(target: TargetAdapter) -> bool:

@@ -230,7 +230,12 @@ class Runner:
         from dspine.draft_vocab import describe, load_draft_vocab
 
         files = {c["draft_vocab"] for c in self.configs.values() if c["draft_vocab"] is not None}
-        loaded = {f: load_draft_vocab(f, self.spec.vocab_size) for f in sorted(files)}
+        loaded = {}
+        for f in sorted(files):
+            try:
+                loaded[f] = load_draft_vocab(f, self.spec.vocab_size)
+            except (ValueError, FileNotFoundError) as e:
+                raise type(e)(f"--draft-vocab / --config LABEL:draft_vocab: {e}") from None
         self.vocab_ids = {label: loaded[c["draft_vocab"]][0] if c["draft_vocab"] else None
                           for label, c in self.configs.items()}
         self.vocab_info = {label: describe(c["draft_vocab"], *loaded[c["draft_vocab"]]) if c["draft_vocab"] else None
@@ -657,8 +662,8 @@ def build_parser():
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "
                          "--config auto:budget=auto: several verify modes of one draft timed in one run, alternated "
                          "per task (engine only; --block-size applies to the chain labels)")
-    ap.add_argument("--draft-vocab", default=None, metavar="FILE", help=DRAFT_VOCAB_HELP + " (every draft label; "
-                    "--config LABEL:draft_vocab=FILE|none per label)")
+    ap.add_argument("--draft-vocab", default=None, metavar="FILE", help=DRAFT_VOCAB_HELP + " (every draft label, both "
+                    "backends; per label, engine only: --config LABEL:draft_vocab=FILE|none)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None,
@@ -745,9 +750,12 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
         raise ValueError("--config needs the engine (--backend cuda; --device cpu on a CPU)")
     args.configs = parse_configs(args.config, parse_drafts(args.draft), args, tree_budget_given)
     for label, c in args.configs.items():  # a draft vocabulary file that is not there fails now, not after the models
-        if c["draft_vocab"] is not None and not Path(c["draft_vocab"]).is_file():
-            flag = "--draft-vocab" if c["draft_vocab"] == args.draft_vocab else f"--config {label}:draft_vocab"
-            raise FileNotFoundError(f"{flag} {c['draft_vocab']}: no such file")
+        v = c["draft_vocab"]
+        if v is not None and not Path(v).is_file():
+            flag = "--draft-vocab" if v == args.draft_vocab else f"--config {label}:draft_vocab"
+            if not v.strip() or Path(v).is_dir():
+                raise ValueError(f"{flag} {v!r}: a folder; give the draft vocabulary's .safetensors file")
+            raise FileNotFoundError(f"{flag} {v}: no such file")
     if args.plot is None and args.output_json and args.draft:  # derived once; main() writes it there
         args.plot = str(Path(args.output_json).with_suffix(".png"))
     outputs = {"--output-json": args.output_json, "--plot": args.plot}

@@ -211,7 +211,8 @@ class Engine:
         draft_vocab: token ids the draft may propose (int [N], N in 64..V, distinct; ``dspine.draft_vocab``), or
             None (the whole vocabulary). The draft's logits are computed over those rows of the target's head only
             (a copy of N x H weights is kept); the other tokens get the dtype's lowest finite logit, so p_d = 0
-            there. Lossless either way (the target verifies); a token outside the set is never drafted.
+            there. Lossless either way (the target verifies); a token outside the set is never drafted. All V ids
+            are the same as None (``draft_vocab`` and ``draft_head`` stay None).
             Raises ValueError (naming the first bad id) for ids :func:`dspine.draft_vocab.check_draft_vocab`
             refuses, or given without a draft.
     """
@@ -275,8 +276,10 @@ class Engine:
         if draft_vocab is not None:
             if draft is None:
                 raise ValueError("draft_vocab needs a draft (it selects the tokens the draft may propose)")
-            self.draft_vocab = check_draft_vocab(draft_vocab, target.head.shape[0]).to(self.device)
-            self.draft_head = target.head.index_select(0, self.draft_vocab).contiguous()
+            ids = check_draft_vocab(draft_vocab, target.head.shape[0])
+            if ids.numel() < target.head.shape[0]:  # the whole vocabulary: nothing to select
+                self.draft_vocab = ids.to(self.device)
+                self.draft_head = target.head.index_select(0, self.draft_vocab).contiguous()
         self.block_size = draft.config.block_size if draft is not None else 1
         self.verify_size = verify_size or self.block_size
         if not 1 <= self.verify_size <= self.block_size:
@@ -432,7 +435,8 @@ class Engine:
                    mode: tuple[str, int] | None = None):
         """One speculative step for all B slots, without host sync (the CUDA graph's body).
 
-        Draft logits ``[B, K, V]`` (K = verify_size - 1) of ``draft_block`` -> draft tokens
+        Draft logits ``[B, K, V]`` (K = verify_size - 1; greedy with a draft vocabulary ``[B, K, N]``, the argmax
+        mapped through ``draft_vocab``) of ``draft_block`` -> draft tokens
         ``[B, K]`` int64 (argmax, or sampled from p_d ``[B, K, V]`` fp32 at output positions
         out_len + k - 1) -> ``verify_block [B, verify_size]`` through the target at positions
         ``lengths[b] + t``: logits ``[B, verify_size, V]`` and features ``[B, verify_size, k·H]`` ->
@@ -1358,11 +1362,11 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
         layer_ids, last_layer_features = draft_model.config.target_layer_ids, draft_model.config.last_layer_features
     if dtype == torch.float16 and spec.model_type.startswith("qwen"):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
+    if isinstance(draft_vocab, (str, os.PathLike)):  # read (and checked) before the target's weights
+        draft_vocab, _ = load_draft_vocab(draft_vocab, spec.vocab_size)
     target = EngineTarget.from_pretrained(target_path, gguf_file, device=device, dtype=dtype, layer_ids=layer_ids,
                                           impl=impl, last_layer_features=last_layer_features)
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
-    if isinstance(draft_vocab, (str, os.PathLike)):
-        draft_vocab, _ = load_draft_vocab(draft_vocab, target.head.shape[0])
     return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
                   verify_size=verify_size, max_new_cap=max_new_cap, verify=verify, tree_budget=tree_budget,
                   budget=budget, exact=exact, prefill_buckets=prefill_buckets, tree_chain_first=tree_chain_first,

@@ -245,7 +245,12 @@ def run(args) -> dict:
     spec.check_supported(engine=backend == "cuda")
     vocab = None  # (ids, metadata) of --draft-vocab, read before the target's weights
     if args.draft_vocab is not None:
-        vocab = load_draft_vocab(args.draft_vocab, spec.vocab_size)
+        if not args.draft_vocab.strip():
+            raise ValueError("--draft-vocab: give the path of a draft vocabulary file (python -m data.draft_vocab)")
+        try:
+            vocab = load_draft_vocab(args.draft_vocab, spec.vocab_size)
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"--draft-vocab: {e}") from None
     if backend == "reference":
         args.block_size = reference_verify_size(args.block_size, args.verify, [draft_cfg.block_size] if draft_cfg else [])
     args.threads = set_cpu_threads(args.threads)

@@ -991,6 +991,42 @@ def draft_temperature_section() -> list[str]:
     return out
 
 
+def draft_vocab_section() -> list[str]:
+    runs = {t: load(f"smollm2-cpu-draft-vocab-T{t}.json") for t in (0, 1)}
+    if not all(runs.values()):
+        return []
+    r0 = runs[0]
+    labels = list(r0["summary"])
+    info = {lab: r0["tasks"][0]["drafts"][lab]["draft_vocab"] for lab in labels}
+    a = r0["args"]
+    out = ["### Draft vocabulary (`--draft-vocab`): the shipped SmolLM2 draft over its most frequent answer tokens (CPU)", "",
+           f"{r0['device']}, {r0['date'][:10]}, commit `{r0['commit'][:10]}`, engine on the CPU (fp32, one thread), "
+           f"{a['num_prompts']} prompts per task, {a['max_new_tokens']} new tokens, concurrency {a['concurrency']}, the "
+           "5 tasks ([`results/smollm2-cpu-draft-vocab-T0.json`](results/smollm2-cpu-draft-vocab-T0.json), "
+           "[`-T1.json`](results/smollm2-cpu-draft-vocab-T1.json); T = 1 with top_p 0.95, top_k 20). The vocabularies "
+           "are the 4k / 8k / 16k most frequent answer tokens of the Open-PerfectBlend stand-in's 10,564 training rows "
+           "in SmolLM2's chat template (their original answers, not regenerated ones; `python -m data.draft_vocab`); "
+           "coverage = their share of those answer tokens. Speedup = spec ÷ AR tok/s of the same run on this shared "
+           "2-core machine: indicative only.", "",
+           "| draft vocabulary | coverage | T = 0 mean τ [95% CI] | τ ÷ whole | speedup | T = 1 mean τ [95% CI] | τ ÷ whole | speedup |",
+           "|---|---|---|---|---|---|---|---|"]
+    full = {t: runs[t]["summary"]["full"]["mean_tau"] for t in (0, 1)}
+    for lab in sorted(labels, key=lambda x: (info[x] or {"size": 10**9})["size"]):
+        v = info[lab]
+        name = "whole (49,152)" if v is None else f"{v['size']:,}"
+        cov = "—" if v is None else f"{100 * v['coverage']:.2f}%"
+        cells = []
+        for t in (0, 1):
+            e = runs[t]["summary"][lab]
+            lo, hi = e["mean_tau_ci95"]
+            cells += [f"{e['mean_tau']:.3f} [{lo:.3f}, {hi:.3f}]", f"{e['mean_tau'] / full[t]:.3f}", f"{e['mean_speedup']:.2f}×"]
+        out.append(f"| {name} | {cov} | " + " | ".join(cells) + " |")
+    eq = [f"{runs[0]['summary'][lab]['greedy_equal']}/{runs[0]['summary'][lab]['greedy_compared']}" for lab in labels]
+    out += ["", f"Greedy output equal to AR on {', '.join(sorted(set(eq)))} prompts for every vocabulary (lossless). "
+            f"Commands: `{runs[0]['command']}`; `{runs[1]['command']}`", ""]
+    return out
+
+
 def profile_section() -> list[str]:
     r = load("profile-step-h200.json")
     if not r:
@@ -1077,7 +1113,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 
 def render() -> str:
     lines = [BEGIN, ""]
-    for section in (smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section,
+    for section in (smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, draft_vocab_section, training_section, stories_section,
                     engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()

@@ -233,7 +233,7 @@ def test_counted_id_outside_vocab_size(rows_file, tmp_path, capsys):
     [
         ("5,x", [], ["--keep 5,x", "'x' is not an integer"]),
         ("1.5", [], ["'1.5' is not an integer"]),
-        ("-1", [], ["token id -1 is outside"]),
+        ("-1", [], ["--keep -1: token id -1 is negative"]),
         ("3,100", ["--vocab-size", "100"], ["token id 100 is outside 0..99"]),
         ("96", [], ["token id 96 is outside the counted ids 0..95", "--vocab-size"]),
         (",".join(map(str, range(65))), ["--vocab-size", "100"], ["65 ids do not fit --size 64"]),
@@ -382,3 +382,18 @@ def test_save_keeps_its_format_tag_and_checks_the_ids(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.safetensors"]
     with pytest.raises(ValueError, match="is a folder"):
         load_draft_vocab(tmp_path)
+
+
+def test_size_missing_data_and_the_part_of_a_source_list_are_named(rows_file, tmp_path, capsys):
+    """A --size below the minimum without --vocab-size says the bound; a missing --data path is called missing;
+    an id beyond --vocab-size in the second of two sources names that file and its row."""
+    out = tmp_path / "v.safetensors"
+    assert "--size 63: must be >= 64" in _refused(capsys, "--data", rows_file, "--size", 63, "--output", out)
+    missing = tmp_path / "nope.jsonl"
+    assert f"--data: {missing}: no such file or folder" in _refused(
+        capsys, "--data", missing, "--size", 64, "--output", out)
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps({"input_ids": [1, 2], "loss_mask": [1, 1]}) + "\n"
+                   + json.dumps({"input_ids": [3, 7000], "loss_mask": [0, 1]}) + "\n")
+    err = _refused(capsys, "--data", f"{rows_file},{big}", "--size", 64, "--output", out, "--vocab-size", 100)
+    assert f"token id 7000 in row 1 of {big} is outside --vocab-size 100" in err

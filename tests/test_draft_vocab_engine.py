@@ -32,9 +32,9 @@ def _vocab(n: int, V: int = 512, seed: int = 0) -> torch.Tensor:
     return torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:n]
 
 
-def _engine(stories_dir, folder, **kw):
+def _engine(stories_dir, folder, max_batch=5, **kw):
     eng, _ = load_engine(str(stories_dir), None, str(folder), device="cpu", dtype=torch.float32, impl="torch",
-                         max_seq=300, max_batch=5, eos_token_ids=[2], **kw)
+                         max_seq=300, max_batch=max_batch, eos_token_ids=[2], **kw)
     return eng
 
 
@@ -73,6 +73,44 @@ def test_greedy_is_lossless_and_equals_the_reference_decoder(stories_dir, storie
     plain = _engine(stories_dir, folder).generate(PROMPTS, params, concurrency=3)
     assert whole.token_ids == plain.token_ids and [s.hist for s in whole.prompt_stats] == [
         s.hist for s in plain.prompt_stats]
+
+
+def test_forced_acceptance_commits_the_vocabularys_argmax(stories_dir, stories):
+    """With every draft token accepted (force_accept, the benchmark's oracle) the output shows the draft's own
+    greedy tokens: 3 drafted tokens and a bonus per step after the prefill's token. Each drafted token must be a
+    vocabulary id (ids 256..511, so an unmapped column number 0..255 fails); the vocabulary's argmax mapped
+    through the ids is the argmax of the spread logits (the path of trees and sampling)."""
+    _, _, folder = stories
+    ids = torch.arange(256, 512)
+    eng = _engine(stories_dir, folder, draft_vocab=ids, max_batch=2)
+    eng.force_accept = 3
+    out = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=17)).token_ids[0]
+    assert len(out) == 17 and 2 not in out[:-1]
+    drafted = [t for i, t in enumerate(out) if i % 4 != 0]
+    assert len(drafted) == 12 and all(256 <= t < 512 for t in drafted), out
+    block = torch.tensor([[out[0]] + [0] * 7, [out[4]] + [0] * 7])
+    cache = eng.draft_cache.view(2, lengths=torch.zeros(2, dtype=torch.int32))
+    full = eng.draft_logits(block, cache)  # [2, 7, V]
+    sub = eng.draft_logits(block, cache, spread=False)  # [2, 7, N]
+    assert sub.shape == (2, 7, 256) and torch.equal(ids[sub.argmax(-1)], full.argmax(-1))
+
+
+def test_whole_vocabulary_and_foreign_files(stories_dir, stories, tmp_path, capsys):
+    """All V ids select nothing (no head copy); a file counted for another vocabulary size is refused by name,
+    with the flag, before any weights load."""
+    from dspine.draft_vocab import save_draft_vocab
+    from infer import generate
+
+    _, _, folder = stories
+    eng = _engine(stories_dir, folder, draft_vocab=torch.arange(512))
+    assert eng.draft_vocab is None and eng.draft_head is None
+    other = tmp_path / "smollm2.safetensors"
+    save_draft_vocab(other, torch.arange(64, 300), {"vocab_size": 49152})
+    code = generate.main(["--target", str(stories_dir), "--draft", str(folder), "--prompt", "x", "--no-chat-template",
+                          "--backend", "reference", "--draft-vocab", str(other)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: --draft-vocab: {other}: counted for a vocabulary of 49152 ids")
+    assert "the target has 512" in err
 
 
 def test_a_vocabulary_without_the_drafts_tokens_accepts_nothing(stories_dir, stories):
@@ -183,3 +221,27 @@ def test_bench_and_generate_take_a_vocabulary_file(stories_dir, stories, tmp_pat
     no_draft = ["--target", str(stories_dir), "--prompt", "x", "--draft", "none", "--draft-vocab", str(vocab)]
     assert generate.main(no_draft) == 2
     assert f"--draft-vocab {vocab} needs a draft" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_engine_with_a_vocabulary_is_lossless(stories_dir, stories, dtype):
+    """On the GPU (Triton kernels, CUDA graphs, the draft head's implementation picked per row count): greedy
+    chain, tree and planner output with a vocabulary equal the target's (fp32: the reference decoder's AR output;
+    bf16 in exact mode: the same engine's AR output); a T = 1 run is reproducible from its seeds."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=60)
+    ids = _vocab(200, seed=4)
+    kw = dict(device="cuda", dtype=dtype, impl="triton", max_seq=300, max_batch=5, eos_token_ids=[2],
+              exact=dtype == torch.bfloat16, draft_vocab=ids)
+    for mode in ({}, {"verify": "tree", "tree_budget": 16}, {"budget": "auto", "plan_trees": (8,)}):
+        eng, _ = load_engine(str(stories_dir), None, str(folder), **kw, **mode)
+        assert eng.draft_head.shape[0] == 200 and eng.draft_vocab.is_cuda
+        want = (ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids if dtype == torch.float32
+                else eng.generate(PROMPTS, params, use_draft=False).token_ids)
+        for conc in (1, 5):
+            assert eng.generate(PROMPTS, params, concurrency=conc).token_ids == want, (mode, conc)
+    hot = SamplingParams(max_new_tokens=40, temperature=1.0)
+    eng, _ = load_engine(str(stories_dir), None, str(folder), **kw)
+    seeds = [1, 2, 3, 4, 5]
+    assert eng.generate(PROMPTS, hot, seeds=seeds).token_ids == eng.generate(PROMPTS, hot, seeds=seeds).token_ids
