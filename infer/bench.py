@@ -775,6 +775,9 @@ def main(argv=None) -> int:
     from dspine.reference import set_cpu_threads
 
     args = build_parser().parse_args(argv)
+    # the commit, date and command when the run starts: a run of minutes to hours measures the code it loaded then,
+    # whatever is committed while it runs (the JSON adds "finished", the date it was written)
+    prov = provenance()
     rows: list[dict] = []
     try:
         tasks, params = check_args(args)
@@ -803,7 +806,8 @@ def main(argv=None) -> int:
         written = ""
         if rows and args.output_json:  # the finished tasks are complete results: keep them
             Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(Path(args.output_json), {**provenance(), "label": args.label, "backend": runner.backend,
+            atomic_write_json(Path(args.output_json), {**prov, "finished": provenance()["date"], "label": args.label,
+                                                        "backend": runner.backend,
                                                         "args": vars(args), "interrupted": True, "tasks": rows,
                                                         "summary": summarize(rows)}, indent=1, allow_nan=True)
             written = f"; wrote them to {args.output_json} (\"interrupted\": true)"
@@ -831,7 +835,7 @@ def main(argv=None) -> int:
     dt = "" if args.draft_temperature is None else f", draft temperature {args.draft_temperature}"
     print(f"[{runner.backend}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}{dt}, concurrency "
           f"{args.concurrency}, max_new_tokens {args.max_new_tokens}; tau counts the bonus token]")
-    result = {**provenance(), "label": args.label, "backend": runner.backend, "args": vars(args),
+    result = {**prov, "finished": provenance()["date"], "label": args.label, "backend": runner.backend, "args": vars(args),
               "interrupted": False, "tasks": rows, "summary": summary}
     if args.output_json:
         out = Path(args.output_json)

@@ -41,6 +41,7 @@ def test_bench_json_on_the_cpu(stories_dir, draft_dir, tmp_path, backend):
     orders = [t["run_order"] for t in res["tasks"]]
     assert orders == [["AR", "A", "B"], ["A", "B", "AR"], ["B", "AR", "A"]]  # rotated per task
     assert res["args"]["warmup"] == "start"  # auto: the per-task warm-up only on a CUDA device
+    assert res["finished"] >= res["date"]  # provenance taken when the run started; "finished" when written
     assert res["args"]["device"] == ("cpu" if backend == "cuda" else None)  # the reference backend places nothing
     for t in res["tasks"]:
         for d in t["drafts"].values():
