@@ -12,7 +12,8 @@ counted at its answer positions (``loss_mask`` 1), or at every position with ``-
 frequent ids (ties: the lower id first), with every ``--keep`` id (e.g. the end-of-sequence ids), are written
 by :func:`dspine.draft_vocab.save_draft_vocab` (file format: the docstring of ``dspine/draft_vocab.py``),
 with metadata size, coverage (counted tokens inside the subset / all counted tokens), counted_tokens,
-vocab_size, source, source_digest, counted ("answer tokens" or "all tokens") and keep.
+source, source_digest, counted ("answer tokens" or "all tokens"), keep and, with ``--vocab-size``, vocab_size
+(the engine then refuses the file for a target of another vocabulary size).
 
 Why answer tokens: the draft proposes only the tokens the target generates, which are the answer positions
 of the rows (the positions the draft is trained on); prompt tokens (system prompts, user text, the chat
@@ -186,18 +187,19 @@ def build(
         "size": int(ids.numel()),
         "coverage": f"{coverage:.6g}",
         "counted_tokens": total,
-        "vocab_size": V,
         "source": meta["data"],
         "source_digest": meta["data_digest"],
         "counted": counted,
         "keep": ",".join(map(str, keep_ids)),
     }
+    if vocab_size is not None:  # the target's size, which the loaders check (not guessed from the largest id)
+        metadata["vocab_size"] = vocab_size
     if out.exists():  # appeared while counting: still never overwrite
         raise DraftVocabError(
             f"--output {output} appeared while counting; a draft vocabulary is never overwritten"
         )
     save_draft_vocab(out, ids, metadata)
-    return {**metadata, "coverage_value": coverage}
+    return {**metadata, "coverage_value": coverage, "ids_of": V}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"wrote {args.output}: {m['size']} token ids of {m['vocab_size']}, coverage "
+        f"wrote {args.output}: {m['size']} token ids of {m['ids_of']}, coverage "
         f"{100 * m['coverage_value']:.3f}% of {m['counted_tokens']} counted {m['counted']}"
     )
     return 0
