@@ -3,8 +3,8 @@
 Why: the draft has no LM head of its own; it runs the target's (docs/method.md §2). At batch 1 that head
 is a large share of a speculative step's weight reads: Qwen3-8B's is 151,936 x 4096 bf16 = 1.24 GB,
 against 2.27 GB for five draft layers and the fc that mixes the target features (1.13 B parameters) and
-15.13 GB for one target forward without the embedding table, so at that shape a spec step reads
-(15.13 + 2.27 + 1.24) / 15.13 = 1.23 x an AR step's bytes before any overhead. SmolLM2-135M's tied head
+15.14 GB for one target forward without the embedding table, so at that shape a spec step reads
+(15.14 + 2.27 + 1.24) / 15.14 = 1.232 x an AR step's bytes before any overhead. SmolLM2-135M's tied head
 is 49,152 x 576 = 57 MB of its 270 MB. With a draft vocabulary of the N most frequent answer tokens the
 draft computes logits ``h · W[ids]ᵀ`` over N rows only (N = 32,768 at Qwen3-8B shape: 0.27 GB, a spec
 step then reads 1.17 x an AR step's bytes). The idea is FR-Spec's (Zhao et al. 2025, "FR-Spec:
@@ -18,9 +18,10 @@ keeps the target's distribution for any q (docs/method.md §5). What it can cost
 target's tokens outside the subset (``coverage`` below says how large it was on the counted data).
 
 File: safetensors with one tensor ``token_ids`` (int64 [N], ascending, distinct) and string metadata
-``format`` = ``dspine-draft-vocab``; ``python -m data.draft_vocab`` adds ``size``, ``vocab_size``,
-``coverage`` (counted tokens inside the subset / all counted tokens), ``counted_tokens``, ``counted``
-(answer or all tokens), ``keep``, ``source`` and ``source_digest`` (the rows it was counted on).
+``format`` = ``dspine-draft-vocab``; ``python -m data.draft_vocab`` adds ``size``, ``vocab_size`` (with
+``--vocab-size``: the loaders refuse the file for a target of another size), ``coverage`` (counted tokens
+inside the subset / all counted tokens), ``counted_tokens``, ``counted`` (answer or all tokens), ``keep``,
+``source`` and ``source_digest`` (the rows it was counted on).
 ``infer.generate`` / ``infer.bench --draft-vocab FILE`` use it.
 """
 
@@ -81,10 +82,10 @@ def check_draft_vocab(ids, vocab_size: int | None, where: str = "draft vocabular
     if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
         raise ValueError(f"{where}: token_ids must be a 1-D integer tensor (got {tuple(t.shape)} {t.dtype})")
     t = t.to(torch.int64).cpu()
-    top = "" if vocab_size is None else f"..{vocab_size - 1}"
     out = t[(t < 0) | (t >= vocab_size)] if vocab_size is not None else t[t < 0]
     if out.numel():
-        raise ValueError(f"{where}: token id {int(out[0])} is outside the target's vocabulary 0{top}")
+        bound = "0.." if vocab_size is None else f"the target's vocabulary 0..{vocab_size - 1}"
+        raise ValueError(f"{where}: token id {int(out[0])} is outside {bound}")
     s = torch.sort(t).values
     dup = s[1:][s[1:] == s[:-1]]
     if dup.numel():
