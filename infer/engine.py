@@ -453,7 +453,8 @@ class Engine:
         # greedy with a draft vocabulary: argmax over its N columns, then the ids (the ids ascend, so ties go to
         # the lower id as over all V columns): no [B, K, V] logits at all
         sub = params.greedy and self.draft_vocab is not None
-        d_logits = self.draft_logits(s.draft_block, draft_cache, spread=not sub)
+        d_logits = (self.draft_logits(s.draft_block, draft_cache, spread=False) if sub
+                    else self.draft_logits(s.draft_block, draft_cache))  # (tests replace draft_logits by oracles)
         s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
         if params.greedy:
             if self.budget == "auto":  # the argmax and its probability in one pass over [B, K, V]

@@ -72,7 +72,7 @@ def engine_run(model, target, blocks, features, plan_counts, impl, device="cpu")
     on = SimpleNamespace(embed=target.embed.to(dev), head=target.head.to(dev))
     on.logits = lambda h, exact=False, lm_head="linear": EngineTarget.logits(on, h, exact, lm_head)
     eng = SimpleNamespace(draft=copy.deepcopy(model).to(dev).fuse_weights(), target=on, impl=impl, verify_size=bs,
-                          lm_head_choice={})
+                          lm_head_choice={}, draft_head=None)  # the whole vocabulary (no dspine.draft_vocab)
     features = features.to(dev)
     cache = DraftCache(eng.draft, B, features.shape[1] + bs + 1)
     for b, P in enumerate(PROMPTS):

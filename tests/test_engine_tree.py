@@ -301,7 +301,10 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
     timed = [e for e in rep.values() if e["measured_ms"] is not None]
     assert rep["ar"]["measured_ms"] is not None and all(e["measured_ms"] > e["step_ms"] for e in timed)
     wall_ms = (res.elapsed_s - res.prefill_s) * 1e3
-    assert rep["ar"]["measured_ms"] * rep["ar"]["steps"] < wall_ms, (rep, wall_ms)
+    # the AR step's online estimate (log-space median, then a clipped moving average: not the mean) times the AR
+    # steps stays within the decode's wall time, prefills excluded; 25% of headroom: on a loaded CPU the product
+    # once came to 1.009 x that wall time
+    assert rep["ar"]["measured_ms"] * rep["ar"]["steps"] < 1.25 * wall_ms, (rep, wall_ms)
     cold_ar = rep["ar"]["steps"]
     assert cold_ar >= 3  # the cold start's timed AR steps
     # the next call starts from what this one learned (infer.planner, "Across calls"): the memory holds this
