@@ -61,14 +61,13 @@ def parse_keep(text: str | None, vocab_size: int | None = None) -> list[int]:
 
 
 def _where(rows, i: int) -> str:
-    """``row i of --data``, or for a list of sources ``row j of PART`` (train.data.ConcatRows)."""
-    starts, paths = getattr(rows, "starts", None), getattr(rows, "paths", None)
-    if starts is None or paths is None:
-        return f"row {i} of --data"
-    import bisect
+    """``row i of --data``, or for a list of sources ``row k of PART`` (train.data.ConcatRows.locate)."""
+    from train.data import ConcatRows
 
-    j = bisect.bisect_right(starts, i) - 1
-    return f"row {i - starts[j]} of {paths[j]}"
+    if not isinstance(rows, ConcatRows):
+        return f"row {i} of --data"
+    j, k = rows.locate(i)
+    return f"row {k} of {rows.paths[j]}"
 
 
 def count_tokens(rows, all_tokens: bool = False, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
@@ -127,7 +126,7 @@ def build(
     row readers (a missing or corrupt source)."""
     from dspine.draft_vocab import MIN_SIZE, save_draft_vocab, select_draft_vocab
     from dspine.paths import check_output_file
-    from train.data import open_sources
+    from train.data import open_sources, split_sources
 
     # every check that needs no counting first: a bad flag must not cost a pass over the data
     if vocab_size is not None and vocab_size < MIN_SIZE:
@@ -150,8 +149,12 @@ def build(
         check_output_file("--output", out, overwrite=False)
     except ValueError as e:
         raise DraftVocabError(str(e)) from None
-    for part in (p.strip() for p in data.split(",")):
-        if part and not Path(part).exists():
+    try:
+        parts = split_sources(data)
+    except ValueError as e:
+        raise DraftVocabError(f"--data: {e}") from None
+    for part in parts:
+        if not Path(part).exists():
             raise DraftVocabError(f"--data: {part}: no such file or folder")
     try:
         rows = open_sources(data)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["DRAFT_VOCAB_HELP", "FORMAT", "MIN_SIZE", "select_draft_vocab", "check_draft_vocab", "spread_logits",
-           "save_draft_vocab", "load_draft_vocab", "describe"]
+           "head_rows", "save_draft_vocab", "load_draft_vocab", "describe"]
 
 FORMAT = "dspine-draft-vocab"
 DRAFT_VOCAB_HELP = ("a draft vocabulary (python -m data.draft_vocab; dspine.draft_vocab): the draft proposes only "
@@ -95,6 +95,20 @@ def check_draft_vocab(ids, vocab_size: int | None, where: str = "draft vocabular
         raise ValueError(f"{where}: {t.numel()} token ids; need {MIN_SIZE}{most}"
                          + ("" if vocab_size is None else " (the target's vocabulary)"))
     return s
+
+
+def head_rows(ids, head: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(ids int64 [N] on head's device, ``head[ids]`` [N, H] contiguous) for a decoder's draft vocabulary, checked by
+    :func:`check_draft_vocab` against head's V rows; (None, None) for ``ids`` None or all V ids (nothing to select).
+
+    Raises ValueError as :func:`check_draft_vocab`."""
+    if ids is None:
+        return None, None
+    ids = check_draft_vocab(ids, head.shape[0])
+    if ids.numel() == head.shape[0]:
+        return None, None
+    ids = ids.to(head.device)
+    return ids, head.index_select(0, ids).contiguous()
 
 
 def spread_logits(sub: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from dspine import sampling as rng
 from dspine.config import target_layer_types
-from dspine.draft_vocab import check_draft_vocab, spread_logits
+from dspine.draft_vocab import head_rows, spread_logits
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops.accept import accept_greedy, accept_sample
 from dspine.sampling import (
@@ -206,15 +206,9 @@ class ReferenceDecoder:
                 raise ValueError(f"verify_size={verify_size} must be in 2..{self.block_size} (the draft's block size)")
         else:
             self.block_size = self.verify_size = 1
-        self.draft_vocab = self.draft_head = None  # as infer.engine.Engine's
-        if draft_vocab is not None:
-            if draft is None:
-                raise ValueError("draft_vocab needs a draft (it selects the tokens the draft may propose)")
-            head = target.lm_head_weight
-            ids = check_draft_vocab(draft_vocab, head.shape[0])
-            if ids.numel() < head.shape[0]:  # the whole vocabulary: nothing to select
-                self.draft_vocab = ids.to(head.device)
-                self.draft_head = head.index_select(0, self.draft_vocab)
+        if draft_vocab is not None and draft is None:
+            raise ValueError("draft_vocab needs a draft (it selects the tokens the draft may propose)")
+        self.draft_vocab, self.draft_head = head_rows(draft_vocab, target.lm_head_weight)  # as infer.engine.Engine's
 
     @staticmethod
     def can_batch_verify(target: TargetAdapter) -> bool:

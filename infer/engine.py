@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from dspine import sampling as rng
 from dspine.checkpoint import load_draft
-from dspine.draft_vocab import check_draft_vocab, load_draft_vocab, spread_logits
+from dspine.draft_vocab import head_rows, load_draft_vocab, spread_logits
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops._common import set_pdl_auto
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
@@ -272,14 +272,10 @@ class Engine:
         if draft is not None:
             draft = draft.to(device=self.device, dtype=target.embed.dtype).eval().fuse_weights()
         self.draft = draft
-        self.draft_vocab = self.draft_head = None  # ids [N] int64 and the head's rows W[ids] [N, H]
-        if draft_vocab is not None:
-            if draft is None:
-                raise ValueError("draft_vocab needs a draft (it selects the tokens the draft may propose)")
-            ids = check_draft_vocab(draft_vocab, target.head.shape[0])
-            if ids.numel() < target.head.shape[0]:  # the whole vocabulary: nothing to select
-                self.draft_vocab = ids.to(self.device)
-                self.draft_head = target.head.index_select(0, self.draft_vocab).contiguous()
+        if draft_vocab is not None and draft is None:
+            raise ValueError("draft_vocab needs a draft (it selects the tokens the draft may propose)")
+        # ids [N] int64 and the head's rows W[ids] [N, H]; None for the whole vocabulary
+        self.draft_vocab, self.draft_head = head_rows(draft_vocab, target.head)
         self.block_size = draft.config.block_size if draft is not None else 1
         self.verify_size = verify_size or self.block_size
         if not 1 <= self.verify_size <= self.block_size:

@@ -41,6 +41,20 @@ def stories_dir() -> Path:
     return shared_path("models", "stories260K", "hf")
 
 
+@pytest.fixture(scope="module")
+def stories(stories_dir, tmp_path_factory):
+    """(target, draft, folder): the stories260K target (fp32 TargetAdapter), an untrained block-8 draft with
+    non-zero injection gates (tests.helpers.random_draft, mask token 0) and that draft saved to a folder. One per
+    test module; a module may override it with its own variant."""
+    from dspine.checkpoint import save_draft
+    from dspine.target import load_target
+    from tests.helpers import random_draft
+
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = random_draft(target, block_size=8, mask=0)
+    return target, draft, save_draft(draft, tmp_path_factory.mktemp("draft"))
+
+
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir() -> Path:
     return shared_path("models", "qwen3-tokenizer")

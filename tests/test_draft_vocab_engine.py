@@ -6,26 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspine.checkpoint import save_draft
 from dspine.draft_vocab import spread_logits
 from dspine.ops.accept import accept_sample
 from dspine.reference import ReferenceDecoder
 from dspine.sampling import SamplingParams, draft_distribution
-from dspine.target import load_target
 from infer.engine import Engine, load_engine
 from infer.model import EngineTarget
-from tests.helpers import random_draft
 from tests.test_kernels_accept import chi2_p, first_token, random_probs, sample_inputs
 
 PROMPTS = [[1], [1, 403, 407], [1, 403, 407, 261, 378, 432, 383], [1, 300], [1, 301, 302, 303, 304]]
-
-
-@pytest.fixture(scope="module")
-def stories(stories_dir, tmp_path_factory):
-    target = load_target(str(stories_dir), dtype="fp32")
-    draft = random_draft(target, block_size=8, mask=0)
-    folder = save_draft(draft, tmp_path_factory.mktemp("draft"))
-    return target, draft, folder
 
 
 def _vocab(n: int, V: int = 512, seed: int = 0) -> torch.Tensor:

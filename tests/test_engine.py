@@ -24,14 +24,6 @@ from tests.helpers import oracle_engine, random_draft
 PROMPTS = [[1], [1, 403, 407], [1, 403, 407, 261, 378, 432, 383], [1, 300], [1, 301, 302, 303, 304], [1, 410]]
 
 
-@pytest.fixture(scope="module")
-def stories(stories_dir, tmp_path_factory):
-    target = load_target(str(stories_dir), dtype="fp32")
-    draft = random_draft(target, block_size=8, mask=0)
-    folder = save_draft(draft, tmp_path_factory.mktemp("draft"))
-    return target, draft, folder
-
-
 def _engine(stories_dir, folder, device="cpu", impl="torch", dtype=torch.float32, **kw):
     eng, _ = load_engine(str(stories_dir), None, str(folder), device=device, dtype=dtype, impl=impl,
                          max_seq=500, eos_token_ids=[2], **kw)

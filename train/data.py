@@ -402,12 +402,17 @@ class ConcatRows:
     def __len__(self) -> int:
         return self.starts[-1]
 
-    def row(self, i: int) -> dict:
+    def locate(self, i: int) -> tuple[int, int]:
+        """(part index, row index inside that part) of row ``i``; raises IndexError outside 0..len-1."""
         i = int(i)
         if not 0 <= i < len(self):
             raise IndexError(f"row {i} outside the {len(self)} rows of {','.join(self.paths)}")
         j = bisect.bisect_right(self.starts, i) - 1  # empty parts share a start; bisect_right skips them
-        return self.parts[j].row(i - self.starts[j])
+        return j, i - self.starts[j]
+
+    def row(self, i: int) -> dict:
+        j, k = self.locate(i)
+        return self.parts[j].row(k)
 
     def metadata(self) -> dict:
         """``data`` = the parts' paths joined by commas; ``data_digest`` = sha256 (hex) of the parts'
