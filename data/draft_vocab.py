@@ -1,7 +1,7 @@
 """Count the answer tokens of training rows and write a draft vocabulary: ``python -m data.draft_vocab``.
 
     python -m data.draft_vocab --data SOURCES --size N --output FILE.safetensors \\
-        [--vocab-size V] [--keep ID,ID,...] [--all-tokens]
+        [--vocab-size V] [--keep ID,ID,...] [--all-tokens] [--tokenizer PATH]
 
     python -m data.draft_vocab --data /data/cache1,/data/cache2 --size 32768 --vocab-size 151936 \\
         --keep 151643,151645 --output runs/qwen3-8b/draft_vocab.safetensors
@@ -13,7 +13,10 @@ frequent ids (ties: the lower id first), with every ``--keep`` id (e.g. the end-
 by :func:`dspine.draft_vocab.save_draft_vocab` (file format: the docstring of ``dspine/draft_vocab.py``),
 with metadata size, coverage (counted tokens inside the subset / all counted tokens), counted_tokens,
 source, source_digest, counted ("answer tokens" or "all tokens"), keep and, with ``--vocab-size``, vocab_size
-(the engine then refuses the file for a target of another vocabulary size).
+(the engine then refuses the file for a target of another vocabulary size). With the tokenizer the rows were
+tokenized with (``--tokenizer``, or the ``data.tokenize`` cache's own when that path exists here) it also records
+``tokenizer`` and ``tokens_digest`` (:func:`dspine.draft_vocab.tokens_digest`), so that a target whose tokenizer
+names other tokens with the same ids refuses the file; without one it says so on stderr and writes neither.
 
 Why answer tokens: the draft proposes only the tokens the target generates, which are the answer positions
 of the rows (the positions the draft is trained on); prompt tokens (system prompts, user text, the chat
@@ -119,12 +122,17 @@ def build(
     vocab_size: int | None = None,
     keep: str | None = None,
     all_tokens: bool = False,
+    tokenizer: str | None = None,
 ) -> dict:
-    """Count ``data`` and write the draft vocabulary ``output``; returns its metadata (as written).
+    """Count ``data`` and write the draft vocabulary ``output``; returns its metadata (as written), plus
+    ``coverage_value``, ``ids_of`` (V) and ``note`` (why no tokens_digest was written, or None).
 
-    Raises DraftVocabError (flag values, output path, empty data), FileNotFoundError / ValueError from the
-    row readers (a missing or corrupt source)."""
-    from dspine.draft_vocab import MIN_SIZE, save_draft_vocab, select_draft_vocab
+    ``tokenizer``: the tokenizer the rows were tokenized with (a folder, a .gguf file or a Hub id), for the file's
+    ``tokens_digest``; None takes the data.tokenize cache's tokenizer when that path exists on this machine.
+
+    Raises DraftVocabError (flag values, output path, empty data, a ``tokenizer`` that does not load),
+    FileNotFoundError / ValueError from the row readers (a missing or corrupt source)."""
+    from dspine.draft_vocab import MIN_SIZE, save_draft_vocab, select_draft_vocab, tokens_digest
     from dspine.paths import check_output_file
     from train.data import open_sources, split_sources
 
@@ -162,6 +170,7 @@ def build(
         raise DraftVocabError(f"--data: {e}") from None
     if len(rows) == 0:
         raise DraftVocabError(f"--data {data}: no rows")
+    tok, tok_path, note = _tokenizer(tokenizer, rows.metadata().get("tokenizer"))
 
     counts, _ = count_tokens(rows, all_tokens, vocab_size)
     counted = "all tokens" if all_tokens else "answer tokens"
@@ -197,12 +206,38 @@ def build(
     }
     if vocab_size is not None:  # the target's size, which the loaders check (not guessed from the largest id)
         metadata["vocab_size"] = vocab_size
+    if tok is not None:  # the ids' token strings, which the loaders compare with the target's tokenizer
+        metadata["tokenizer"] = tok_path
+        metadata["tokens_digest"] = tokens_digest(tok, ids)
     if out.exists():  # appeared while counting: still never overwrite
         raise DraftVocabError(
             f"--output {output} appeared while counting; a draft vocabulary is never overwritten"
         )
     save_draft_vocab(out, ids, metadata)
-    return {**metadata, "coverage_value": coverage, "ids_of": V}
+    return {**metadata, "coverage_value": coverage, "ids_of": V, "note": note}
+
+
+def _tokenizer(given: str | None, recorded: str | None):
+    """(tokenizer or None, its path, note or None): ``--tokenizer`` when given (it must load), else the row
+    source's recorded tokenizer when that path exists here; the note says why there is none."""
+    from dspine.target import load_tokenizer
+
+    if given is not None:
+        if not given.strip():
+            raise DraftVocabError("--tokenizer: give the tokenizer's folder, .gguf file or Hub id")
+        try:
+            return load_tokenizer(given), given, None
+        except (OSError, ValueError) as e:
+            raise DraftVocabError(f"--tokenizer {given}: {e}") from None
+    if recorded and Path(recorded).exists():
+        try:
+            return load_tokenizer(recorded), recorded, None
+        except (OSError, ValueError) as e:
+            return None, None, (f"the rows' tokenizer {recorded} did not load ({e}); the file has no tokens_digest "
+                                "(pass --tokenizer)")
+    why = f"the rows' tokenizer {recorded} is not on this machine" if recorded else "the rows record no tokenizer"
+    return None, None, (f"{why}: the file has no tokens_digest, so a target whose tokenizer names other tokens with "
+                        "the same ids is not detected (pass --tokenizer)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,16 +260,24 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", default=None, help="comma-separated token ids always included (e.g. the EOS ids)"
     )
     ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer the rows were tokenized with (folder, .gguf or Hub id), recorded as a digest of the "
+        "ids' tokens that the engine checks against the target's (default: the data.tokenize cache's, if it is here)",
+    )
+    ap.add_argument(
         "--all-tokens",
         action="store_true",
         help="count every position, not only the answer tokens (loss_mask 1)",
     )
     args = ap.parse_args(argv)
     try:
-        m = build(args.data, args.size, args.output, args.vocab_size, args.keep, args.all_tokens)
+        m = build(args.data, args.size, args.output, args.vocab_size, args.keep, args.all_tokens, args.tokenizer)
     except (DraftVocabError, FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if m["note"]:
+        print(f"note: {m['note']}", file=sys.stderr)
     print(
         f"wrote {args.output}: {m['size']} token ids of {m['ids_of']}, coverage "
         f"{100 * m['coverage_value']:.3f}% of {m['counted_tokens']} counted {m['counted']}"

@@ -21,8 +21,11 @@ File: safetensors with one tensor ``token_ids`` (int64 [N], ascending, distinct)
 ``format`` = ``dspine-draft-vocab``; ``python -m data.draft_vocab`` adds ``size``, ``vocab_size`` (with
 ``--vocab-size``: the loaders refuse the file for a target of another size), ``coverage`` (counted tokens
 inside the subset / all counted tokens), ``counted_tokens``, ``counted`` (answer or all tokens), ``keep``,
-``source`` and ``source_digest`` (the rows it was counted on).
-``infer.generate`` / ``infer.bench --draft-vocab FILE`` use it.
+``source`` and ``source_digest`` (the rows it was counted on), and, when it had the tokenizer, ``tokenizer``
+and ``tokens_digest`` (:func:`tokens_digest`: the ids' token strings). A vocabulary counted with another
+tokenizer of the same size passes the ``vocab_size`` check but names other tokens: ``infer.generate``,
+``infer.bench`` and ``infer.engine.load_engine`` compare ``tokens_digest`` with the target's tokenizer
+(:func:`check_tokens`) and refuse such a file. ``infer.generate`` / ``infer.bench --draft-vocab FILE`` use it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["DRAFT_VOCAB_HELP", "FORMAT", "MIN_SIZE", "select_draft_vocab", "check_draft_vocab", "spread_logits",
-           "head_rows", "save_draft_vocab", "load_draft_vocab", "describe"]
+           "head_rows", "save_draft_vocab", "load_draft_vocab", "tokens_digest", "check_tokens", "describe"]
 
 FORMAT = "dspine-draft-vocab"
 DRAFT_VOCAB_HELP = ("a draft vocabulary (python -m data.draft_vocab; dspine.draft_vocab): the draft proposes only "
@@ -195,6 +198,35 @@ def load_draft_vocab(path: str | Path, vocab_size: int | None = None) -> tuple[t
         raise ValueError(f"{path}: counted for a vocabulary of {counted_for} ids (metadata vocab_size), the target "
                          f"has {vocab_size}; make one from rows tokenized for this target (python -m data.draft_vocab)")
     return check_draft_vocab(ids, vocab_size, where=str(path)), meta
+
+
+def tokens_digest(tokenizer, ids) -> str:
+    """Hex digest (blake2b, 16 bytes) of the token strings ``tokenizer.convert_ids_to_tokens`` gives for ``ids``
+    (int [N]), in order, each followed by a NUL byte (an id the tokenizer has no token for counts as the empty
+    string). Two tokenizers give the same digest for a vocabulary exactly when its ids name the same tokens in
+    both, whatever files or formats (a GGUF, a Hugging Face folder) they were read from."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for tok in tokenizer.convert_ids_to_tokens([int(i) for i in torch.as_tensor(ids).flatten().tolist()]):
+        h.update((tok or "").encode("utf-8", "surrogatepass") + b"\0")
+    return h.hexdigest()
+
+
+def check_tokens(path: str | Path, ids: torch.Tensor, metadata: dict, tokenizer) -> None:
+    """Refuse a draft vocabulary whose ids name other tokens in ``tokenizer`` (the target's) than in the tokenizer
+    it was counted with: its metadata ``tokens_digest`` against :func:`tokens_digest` of ``ids`` here. A file
+    without ``tokens_digest`` (counted without the tokenizer at hand) or no ``tokenizer`` passes unchecked.
+
+    Raises ValueError naming ``path`` and the tokenizer the file was counted with."""
+    want = metadata.get("tokens_digest")
+    if tokenizer is None or not want:
+        return
+    got = tokens_digest(tokenizer, ids)
+    if got != want:
+        raise ValueError(f"{path}: its token ids name other tokens in the target's tokenizer than in the one it was "
+                         f"counted with ({metadata.get('tokenizer', 'unrecorded')}; tokens_digest {want}, the "
+                         f"target's {got}): make one from rows tokenized for this target (python -m data.draft_vocab)")
 
 
 def describe(path: str | Path, ids: torch.Tensor, metadata: dict) -> dict:

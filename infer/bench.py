@@ -227,13 +227,14 @@ class Runner:
         self.block_size = {label: m.config.block_size for label, m in models.items()}
         # per label: the draft vocabulary's ids, and its {"path", "size", "coverage"} for the JSON (None: the whole
         # vocabulary); each file is read once
-        from dspine.draft_vocab import describe, load_draft_vocab
+        from dspine.draft_vocab import check_tokens, describe, load_draft_vocab
 
         files = {c["draft_vocab"] for c in self.configs.values() if c["draft_vocab"] is not None}
         loaded = {}
         for f in sorted(files):
             try:
                 loaded[f] = load_draft_vocab(f, self.spec.vocab_size)
+                check_tokens(f, *loaded[f], self.tokenizer)
             except (ValueError, FileNotFoundError) as e:
                 raise type(e)(f"--draft-vocab / --config LABEL:draft_vocab: {e}") from None
         self.vocab_ids = {label: loaded[c["draft_vocab"]][0] if c["draft_vocab"] else None

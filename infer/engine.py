@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from dspine import sampling as rng
 from dspine.checkpoint import load_draft
-from dspine.draft_vocab import head_rows, load_draft_vocab, spread_logits
+from dspine.draft_vocab import check_tokens, head_rows, load_draft_vocab, spread_logits
 from dspine.model import DraftCache, DSpineDraftModel
 from dspine.ops._common import set_pdl_auto
 from dspine.ops.accept import accept_greedy, accept_sample, commit_step
@@ -1346,7 +1346,9 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
 
     Raises:
         ValueError: draft/target mismatch (every failed check listed), fp16 with a Qwen target, a draft
-            vocabulary file that is not one or does not fit the target (the message names the file).
+            vocabulary file that is not one or does not fit the target (its vocabulary size, or ids that name
+            other tokens in the target's tokenizer: ``dspine.draft_vocab.check_tokens``; the message names the
+            file).
         FileNotFoundError: no draft vocabulary file at the path.
     """
     impl = impl or ("triton" if torch.device(device).type == "cuda" else "torch")
@@ -1360,7 +1362,12 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     if dtype == torch.float16 and spec.model_type.startswith("qwen"):
         raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
     if isinstance(draft_vocab, (str, os.PathLike)):  # read (and checked) before the target's weights
-        draft_vocab, _ = load_draft_vocab(draft_vocab, spec.vocab_size)
+        vocab_path = draft_vocab
+        draft_vocab, meta = load_draft_vocab(vocab_path, spec.vocab_size)
+        if meta.get("tokens_digest"):  # its ids must name the same tokens in the target's tokenizer
+            from dspine.target import load_tokenizer
+
+            check_tokens(vocab_path, draft_vocab, meta, load_tokenizer(target_path, gguf_file))
     target = EngineTarget.from_pretrained(target_path, gguf_file, device=device, dtype=dtype, layer_ids=layer_ids,
                                           impl=impl, last_layer_features=last_layer_features)
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dspine.checkpoint import load_draft
-from dspine.draft_vocab import DRAFT_VOCAB_HELP, load_draft_vocab
+from dspine.draft_vocab import DRAFT_VOCAB_HELP, check_tokens, load_draft_vocab
 from dspine.draft_vocab import describe as describe_vocab
 from dspine.prompts import encode_prompt
 from dspine.reference import (
@@ -259,6 +259,11 @@ def run(args) -> dict:
     if args.prefill_buckets and backend == "reference":
         raise ValueError("--prefill-buckets needs the engine (--backend cuda on a GPU)")
     tokenizer = load_tokenizer(path, gguf)
+    if vocab is not None:  # its ids must name the same tokens here as where they were counted
+        try:
+            check_tokens(args.draft_vocab, *vocab, tokenizer)
+        except ValueError as e:
+            raise ValueError(f"--draft-vocab: {e}") from None
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
     if args.dataset:

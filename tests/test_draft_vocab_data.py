@@ -75,7 +75,8 @@ def test_answer_tokens_with_keep_and_vocab_size(rows_file, tmp_path, capsys):
     rc, stdout, err = _run(
         capsys, "--data", rows_file, "--size", 64, "--output", out, "--vocab-size", 100, "--keep", "5"
     )
-    assert rc == 0 and err == "", err
+    assert rc == 0 and err.startswith("note: the rows record no tokenizer: the file has no tokens_digest"), err
+    assert err.count("\n") == 1 and "tokens_digest" not in load_draft_vocab(out)[1]
     ids, meta = load_draft_vocab(out, vocab_size=100)
     want = [5, *range(10, 71), 90, 95]
     assert ids.dtype == torch.int64 and ids.tolist() == want
@@ -400,3 +401,76 @@ def test_size_missing_data_and_the_part_of_a_source_list_are_named(rows_file, tm
                    + json.dumps({"input_ids": [3, 7000], "loss_mask": [0, 1]}) + "\n")
     err = _refused(capsys, "--data", f"{rows_file},{big}", "--size", 64, "--output", out, "--vocab-size", 100)
     assert f"token id 7000 in row 1 of {big} is outside --vocab-size 100" in err
+
+
+# ------------------------------------------------------------------------------------------ tokenizer digest
+
+
+class _Renamed:
+    """A tokenizer whose ids name other tokens than ``tok``'s: id i is tok's token of id i + 1 (same vocab size)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def convert_ids_to_tokens(self, ids):
+        return self.tok.convert_ids_to_tokens([(i + 1) % len(self.tok) for i in ids])
+
+
+def test_tokenizer_digest_is_recorded_and_checked(rows_file, stories_dir, tmp_path, capsys):
+    """--tokenizer records the ids' token strings' digest; the same tokenizer passes check_tokens, one whose ids
+    name other tokens (same size) is refused by file name; a file without the digest passes unchecked."""
+    from dspine.draft_vocab import check_tokens, tokens_digest
+    from dspine.target import load_tokenizer
+
+    out = tmp_path / "v.safetensors"
+    rc, stdout, err = _run(capsys, "--data", rows_file, "--size", 64, "--output", out, "--vocab-size", 512,
+                           "--tokenizer", stories_dir)
+    assert rc == 0 and err == "", err
+    ids, meta = load_draft_vocab(out, vocab_size=512)
+    tok = load_tokenizer(str(stories_dir))
+    assert meta["tokenizer"] == str(stories_dir) and meta["tokens_digest"] == tokens_digest(tok, ids)
+    assert len(meta["tokens_digest"]) == 32
+    check_tokens(out, ids, meta, tok)  # the same tokenizer: passes
+    assert tokens_digest(_Renamed(tok), ids) != meta["tokens_digest"]
+    with pytest.raises(ValueError, match=f"{out}: its token ids name other tokens in the target's tokenizer") as e:
+        check_tokens(out, ids, meta, _Renamed(tok))
+    assert str(stories_dir) in str(e.value)
+    check_tokens(out, ids, {k: v for k, v in meta.items() if k != "tokens_digest"}, _Renamed(tok))  # no digest
+    check_tokens(out, ids, meta, None)  # no tokenizer at hand
+
+
+def test_tokenizer_from_the_cache_manifest(stories_dir, tmp_path, capsys):
+    """A data.tokenize cache whose manifest names a tokenizer path that exists here gets the digest without
+    --tokenizer; one naming a path that is not here gets a note and no digest; a --tokenizer that does not load
+    is refused before counting, naming the flag."""
+    import pyarrow as pa
+
+    from dspine.draft_vocab import tokens_digest
+    from dspine.target import load_tokenizer
+
+    def cache(name, tokenizer):
+        folder = tmp_path / name
+        folder.mkdir()
+        schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+        with pa.OSFile(str(folder / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            writer.write_batch(pa.RecordBatch.from_pydict({k: [r[k] for r in ROWS] for k in schema.names}, schema=schema))
+        (folder / "manifest.json").write_text(json.dumps({"max_length": 2048, "tokenizer": tokenizer}) + "\n")
+        (folder / "summary.json").write_text(json.dumps({"sequences": len(ROWS)}) + "\n")
+        return folder
+
+    here = cache("here", str(stories_dir))
+    rc, _, err = _run(capsys, "--data", here, "--size", 64, "--output", tmp_path / "a.safetensors")
+    assert rc == 0 and err == "", err
+    ids, meta = load_draft_vocab(tmp_path / "a.safetensors")
+    assert meta["tokens_digest"] == tokens_digest(load_tokenizer(str(stories_dir)), ids)
+
+    gone = cache("gone", str(tmp_path / "no-such-tokenizer"))
+    rc, _, err = _run(capsys, "--data", gone, "--size", 64, "--output", tmp_path / "b.safetensors")
+    assert rc == 0 and err.startswith(f"note: the rows' tokenizer {tmp_path / 'no-such-tokenizer'} is not on this "
+                                      "machine: the file has no tokens_digest"), err
+    assert "tokens_digest" not in load_draft_vocab(tmp_path / "b.safetensors")[1]
+
+    err = _refused(capsys, "--data", here, "--size", 64, "--output", tmp_path / "c.safetensors",
+                   "--tokenizer", tmp_path / "missing-tok")
+    assert err.startswith(f"error: --tokenizer {tmp_path / 'missing-tok'}: "), err
+    assert not (tmp_path / "c.safetensors").exists()

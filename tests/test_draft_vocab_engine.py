@@ -168,6 +168,41 @@ def test_bad_vocabularies_are_refused_by_name(stories_dir, stories):
         ReferenceDecoder(target, None, [2], draft_vocab=torch.arange(64))
 
 
+def test_a_vocabulary_counted_with_another_tokenizer_is_refused(stories_dir, stories, tmp_path, capsys):
+    """Same vocabulary size, other tokens: infer.generate, infer.bench and load_engine refuse a file whose
+    tokens_digest does not match the target's tokenizer, naming the file; the matching digest decodes."""
+    from dspine.draft_vocab import save_draft_vocab, tokens_digest
+    from dspine.target import load_tokenizer
+    from infer import bench, generate
+    from infer.engine import load_engine
+    from tests.conftest import shared_path
+
+    _, _, folder = stories
+    ids = torch.arange(64, 200)
+    bad, good = tmp_path / "bad.safetensors", tmp_path / "good.safetensors"
+    save_draft_vocab(bad, ids, {"vocab_size": 512, "tokenizer": "some/other-tokenizer", "tokens_digest": "0" * 32})
+    save_draft_vocab(good, ids, {"vocab_size": 512,
+                                 "tokens_digest": tokens_digest(load_tokenizer(str(stories_dir)), ids)})
+    args = ["--target", str(stories_dir), "--draft", str(folder), "--prompt", "Once upon", "--no-chat-template",
+            "--max-new-tokens", "6", "--backend", "reference"]
+    assert generate.main(args + ["--draft-vocab", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --draft-vocab: {bad}: its token ids name other tokens" in err, err
+    assert "some/other-tokenizer" in err
+    assert generate.main(args + ["--draft-vocab", str(good)]) == 0
+    capsys.readouterr()
+    assert bench.main(["--target", str(stories_dir), "--draft", f"sub={folder}", "--config", f"sub:draft_vocab={bad}",
+                       "--datasets", "gsm8k", "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "1",
+                       "--max-new-tokens", "4", "--no-chat-template", "--backend", "cuda", "--device", "cpu",
+                       "--dtype", "fp32", "--output-json", str(tmp_path / "b.json")]) == 2
+    assert f"{bad}: its token ids name other tokens" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
+    with pytest.raises(ValueError, match="its token ids name other tokens"):
+        load_engine(str(stories_dir), None, str(folder), device="cpu", dtype=torch.float32, max_seq=256, draft_vocab=bad)
+    eng, _ = load_engine(str(stories_dir), None, str(folder), device="cpu", dtype=torch.float32, max_seq=256, draft_vocab=good)
+    assert eng.draft_vocab.tolist() == ids.tolist()
+
+
 def test_bench_and_generate_take_a_vocabulary_file(stories_dir, stories, tmp_path, capsys):
     """``infer.bench --config LABEL:draft_vocab=FILE`` (engine on the CPU) and ``infer.generate --draft-vocab FILE``
     (reference backend): lossless greedy output, the file's size and coverage in the JSON, the whole-vocabulary
