@@ -48,6 +48,30 @@ def test_profile_step_tiny_cpu_writes_the_table(tmp_path):
         profile_step.main(["--tiny", "--device", "cpu", "--kinds", "ar,tree65"])
 
 
+def test_profile_step_draft_vocab_size_reaches_the_engine(tmp_path, monkeypatch):
+    """--draft-vocab-size N: the engine gets a fixed set of N distinct ids (bench_engine.py's seed), the JSON
+    records N; out-of-range sizes are refused."""
+    seen = []
+
+    class Spy(profile_step.Engine):
+        def __init__(self, *a, **kw):
+            seen.append(kw.get("draft_vocab"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(profile_step, "Engine", Spy)
+    out = tmp_path / "profile.json"
+    profile_step.main(["--tiny", "--device", "cpu", "--batch", "1", "--context", "8", "--steps", "1", "--warmup", "0",
+                       "--kinds", "spec", "--draft-vocab-size", "64", "--output", str(out)])
+    rec = json.loads(out.read_text())
+    assert rec["draft_vocab_size"] == 64 and len(seen) == 1
+    ids = seen[0]
+    assert ids.numel() == 64 and ids.unique().numel() == 64 and 0 <= int(ids.min()) and int(ids.max()) < 512
+    assert ids.tolist() == torch.randperm(512, generator=torch.Generator().manual_seed(2))[:64].tolist()
+    for bad in ("63", "513"):
+        with pytest.raises(SystemExit):
+            profile_step.main(["--tiny", "--device", "cpu", "--draft-vocab-size", bad])
+
+
 def test_bench_engine_skip_peers_keeps_engine_keys_only(tmp_path):
     out = tmp_path / "engine.json"
     bench_engine.main(["--tiny", "--cpu", "--skip-peers", "--iters", "1", "--prompt", "16", "--new-tokens", "32",

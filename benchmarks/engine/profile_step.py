@@ -9,7 +9,8 @@ engine target and a 5-layer DSpine draft (residual injection, full rank, non-zer
 ``--context``-token context per row. CUDA graphs are OFF so that every kernel shows in
 ``torch.profiler``: the step is the eager sequence of launches the graph would replay, so wall
 time here includes the host's launch overhead that the graph removes, while the kernel times are
-the graph's. ``--shape`` picks the target (``qwen3-8b``, ``smollm2``: SmolLM2-135M's layout with the
+the graph's. ``--draft-vocab-size N``: the draft's logits over N rows of the head (``dspine.draft_vocab``), as in
+``bench_engine.py``. ``--shape`` picks the target (``qwen3-8b``, ``smollm2``: SmolLM2-135M's layout with the
 3-layer draft of bench_draft_step.py, ``tiny``). For each batch size and step kind of ``--kinds`` (``ar``:
 1 token through the target; ``spec``: draft block + verify block + accept + commit + draft context append;
 ``treeN``: the tree-verify step of N nodes, greedy: draft block, candidates and tree build, the target over
@@ -95,11 +96,16 @@ def run(args) -> dict:
     res: dict = {**provenance(), "shape": shape, "dtype": str(dtype), "impl": impl, "cuda_graphs": False,
                  "context": args.context, "steps": args.steps, "draft_layers": d["layers"],
                  "block_size": draft.config.block_size, "kinds": args.kinds}
+    # --draft-vocab-size N: the draft's logits over N rows of the head (a fixed random set, as bench_engine.py's)
+    vocab = (torch.randperm(a.vocab_size, generator=torch.Generator().manual_seed(2))[: args.draft_vocab_size]
+             if args.draft_vocab_size else None)
+    res["draft_vocab_size"] = args.draft_vocab_size or a.vocab_size
     g = torch.Generator().manual_seed(1)
     greedy = SamplingParams(max_new_tokens=16)
     for B in args.batch:
         prompts = [torch.randint(0, a.vocab_size - 2, (args.context,), generator=g).tolist() for _ in range(B)]
-        eng = Engine(target, draft, [-1], max_batch=B, max_seq=args.context + 128, max_new_cap=16, cuda_graphs=False)
+        eng = Engine(target, draft, [-1], max_batch=B, max_seq=args.context + 128, max_new_cap=16, cuda_graphs=False,
+                     draft_vocab=vocab)
         eng.generate(prompts, greedy)  # fills the caches; afterwards every row is idle (done)
         row = {}
         for kind in args.kinds:
@@ -131,7 +137,13 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512, help="context tokens per row")
     ap.add_argument("--steps", type=int, default=5, help="profiled steps per kind")
     ap.add_argument("--warmup", type=int, default=3, help="eager steps before profiling (compiles the kernels)")
+    ap.add_argument("--draft-vocab-size", type=int, default=0,
+                    help="the draft's logits over this many rows of the head (dspine.draft_vocab; a fixed random set; "
+                         "0 = the whole vocabulary)")
     args = ap.parse_args(argv)
+    V = TARGETS["tiny" if args.tiny else args.shape]["vocab_size"]
+    if args.draft_vocab_size and not 64 <= args.draft_vocab_size <= V:
+        ap.error(f"--draft-vocab-size={args.draft_vocab_size}: 0 (the whole vocabulary) or 64..{V} (the vocabulary)")
     if args.steps < 1 or args.context < 1:
         ap.error(f"--steps={args.steps} and --context={args.context} must be >= 1")
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
