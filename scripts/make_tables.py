@@ -1107,15 +1107,23 @@ def profile_section() -> list[str]:
                 f"and the batch 8 spec step took {before['batch8_spec_kernel_us_per_step'] / 1000:.2f} ms of kernels "
                 f"({before['batch8_spec_kernel_us_per_step'] / before['batch8_ar_kernel_us_per_step']:.2f} × AR). "
                 "`dspine.ops.lm_head` flattens the rows first (tests/test_kernels_lm_head.py asserts `aten::mm`). "
-                "What is left is mostly GEMMs: the cuBLAS (`nvjet`) kernels take "
-                f"{sum(x['us_per_step'] for x in b8['top'] if x['name'].startswith('nvjet')) / 1000:.2f} ms of the spec "
-                f"step against {sum(x['us_per_step'] for x in a8['top'] if x['name'].startswith('nvjet')) / 1000:.2f} ms "
-                "of the AR step (the layers at 128 rows, 8 of them the target's verify block of 16, against 8)."]
+                "What is left is mostly the linears (cuBLAS `nvjet` GEMMs and the engine's `_linear_kernel`): "
+                f"{_linear_ms(b8):.2f} ms of the spec step against {_linear_ms(a8):.2f} ms of the AR step (the layers "
+                "at 128 rows, 8 of them the target's verify block of 16, against 8)."]
+    if r.get("reading"):
+        out += ["", r["reading"]]
     combine = _combine_sentences(r, b8)
     if combine:
         out += ["", combine]
     out += ["", f"Command: `{r['command']}`", ""]
     return out
+
+
+def _linear_ms(step: dict) -> float:
+    """Milliseconds per step of a profiled step's linears among its top kernels: cuBLAS (``nvjet``) GEMMs and
+    split-K reductions, and the engine's GEMV (``_linear_kernel``, ``_linear_reduce_kernel``)."""
+    return sum(x["us_per_step"] for x in step["top"]
+               if x["name"].startswith(("nvjet", "_linear")) or "splitKreduce" in x["name"]) / 1000
 
 
 def _combine_sentences(r: dict, b8: dict | None) -> str:
