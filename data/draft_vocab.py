@@ -147,6 +147,8 @@ def build(
     keep_ids = parse_keep(keep, vocab_size)
     if len(keep_ids) > size:
         raise DraftVocabError(f"--keep {keep}: {len(keep_ids)} ids do not fit --size {size}")
+    if not str(output).strip():
+        raise DraftVocabError("--output: give the path of the .safetensors file to write")
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise DraftVocabError(
@@ -276,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DraftVocabError, FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # save_draft_vocab writes a temporary file and links it: nothing half-written stays
+        print(f"interrupted: {args.output} not written", file=sys.stderr)
+        return 130
     if m["note"]:
         print(f"note: {m['note']}", file=sys.stderr)
     print(

@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 
 __all__ = ["DRAFT_VOCAB_HELP", "FORMAT", "MIN_SIZE", "select_draft_vocab", "check_draft_vocab", "spread_logits",
-           "head_rows", "save_draft_vocab", "load_draft_vocab", "tokens_digest", "check_tokens", "describe"]
+           "head_rows", "save_draft_vocab", "load_draft_vocab", "tokens_digest", "check_tokens", "unchecked_note",
+           "describe"]
 
 FORMAT = "dspine-draft-vocab"
 DRAFT_VOCAB_HELP = ("a draft vocabulary (python -m data.draft_vocab; dspine.draft_vocab): the draft proposes only "
                     "these tokens and computes its logits over their rows of the target's head (fewer bytes per "
-                    "step; lossless, may lower tau). Default: the whole vocabulary")
+                    "step; lossless, may lower tau). Default (or none): the whole vocabulary")
 MIN_SIZE = 64  # the largest token tree takes up to 64 candidates per depth (dspine.tree)
 
 
@@ -227,6 +228,16 @@ def check_tokens(path: str | Path, ids: torch.Tensor, metadata: dict, tokenizer)
         raise ValueError(f"{path}: its token ids name other tokens in the target's tokenizer than in the one it was "
                          f"counted with ({metadata.get('tokenizer', 'unrecorded')}; tokens_digest {want}, the "
                          f"target's {got}): make one from rows tokenized for this target (python -m data.draft_vocab)")
+
+
+def unchecked_note(path: str | Path, metadata: dict) -> str | None:
+    """Why a loaded draft vocabulary could not be checked against the target (None when it can): a file with
+    neither ``vocab_size`` nor ``tokens_digest`` fits any target whose vocabulary holds its ids, and if it was
+    counted with another tokenizer its ids name other tokens (lossless still, but τ falls)."""
+    if metadata.get("vocab_size") is None and not metadata.get("tokens_digest"):
+        return (f"{path} records neither vocab_size nor tokens_digest, so it is not checked against this target's "
+                "tokenizer (python -m data.draft_vocab --vocab-size V --tokenizer PATH records both)")
+    return None
 
 
 def describe(path: str | Path, ids: torch.Tensor, metadata: dict) -> dict:

@@ -85,16 +85,24 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         if not sep or not rest:
             raise ValueError(f"--config {item!r}: give LABEL:KEY=VALUE[,KEY=VALUE] (keys {', '.join(CONFIG_KEYS)})")
         if label not in out:
-            raise ValueError(f"--config {item!r}: {label!r} is not a --draft label (labels: {', '.join(out) or 'none'})")
+            hint = ("; a draft_vocab path that holds ':' or ',' cannot go in --config: give it run-wide with --draft-vocab"
+                    if "draft_vocab=" in label else "")
+            raise ValueError(f"--config {item!r}: {label!r} is not a --draft label (labels: {', '.join(out) or 'none'})"
+                             + hint)
         if label in seen:
             raise ValueError(f"--config {item!r}: label {label!r} given twice (put its keys in one --config)")
         seen.add(label)
         given = {}
+        prev = None
         for kv in rest.split(","):
             key, eq, value = kv.partition("=")
             key = key.strip().replace("-", "_")
             if not eq or key not in CONFIG_KEYS:
-                raise ValueError(f"--config {item!r}: {kv!r} is not KEY=VALUE with a key of {', '.join(CONFIG_KEYS)}")
+                hint = ("; a draft_vocab path that holds ',' cannot go in --config: give it run-wide with --draft-vocab"
+                        if prev == "draft_vocab" and not eq else "")
+                raise ValueError(f"--config {item!r}: {kv!r} is not KEY=VALUE with a key of {', '.join(CONFIG_KEYS)}"
+                                 + hint)
+            prev = key
             if key in given:
                 raise ValueError(f"--config {item!r}: key {key!r} given twice")
             given[key] = value.strip()
@@ -225,18 +233,25 @@ class Runner:
             models[label] = load_draft(dpath, dtype=torch.float32)
             assert_compatible(self.spec, models[label].config, max_context=max_seq - 64)
         self.block_size = {label: m.config.block_size for label, m in models.items()}
+        for label, c in self.configs.items():  # before the target's weights load
+            if (c["budget"] == "auto" and args.block_size is not None and args.block_size != self.block_size[label]
+                    and c["plan_trees"] != () and self.backend == "cuda"):
+                raise ValueError(f"--block-size {args.block_size} with the planner (--config {label}:budget=auto): its "
+                                 f"trees verify the draft's whole block of {self.block_size[label]}; add plan_trees=none "
+                                 f"to that --config (AR and a chain of {args.block_size}) or drop --block-size")
         # per label: the draft vocabulary's ids, and its {"path", "size", "coverage"} for the JSON (None: the whole
         # vocabulary); each file is read once
-        from dspine.draft_vocab import check_tokens, describe, load_draft_vocab
+        from dspine.draft_vocab import check_tokens, describe, load_draft_vocab, unchecked_note
 
-        files = {c["draft_vocab"] for c in self.configs.values() if c["draft_vocab"] is not None}
         loaded = {}
-        for f in sorted(files):
+        for flag, f in vocab_flags(getattr(args, "draft_vocab", None), self.configs).items():  # the run-wide one too
             try:
                 loaded[f] = load_draft_vocab(f, self.spec.vocab_size)
                 check_tokens(f, *loaded[f], self.tokenizer)
             except (ValueError, FileNotFoundError) as e:
-                raise type(e)(f"--draft-vocab / --config LABEL:draft_vocab: {e}") from None
+                raise type(e)(f"{flag}: {e}") from None
+            if unchecked_note(f, loaded[f][1]):
+                print(f"note: {flag}: {unchecked_note(f, loaded[f][1])}", file=sys.stderr)
         self.vocab_ids = {label: loaded[c["draft_vocab"]][0] if c["draft_vocab"] else None
                           for label, c in self.configs.items()}
         self.vocab_info = {label: describe(c["draft_vocab"], *loaded[c["draft_vocab"]]) if c["draft_vocab"] else None
@@ -749,13 +764,17 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
             raise FileNotFoundError(f"--draft {label}={path}: no such draft folder")
     if args.config and args.backend == "reference":
         raise ValueError("--config needs the engine (--backend cuda; --device cpu on a CPU)")
+    if args.draft_vocab is not None and not args.draft_vocab.strip():
+        raise ValueError("--draft-vocab: give the path of a draft vocabulary file (python -m data.draft_vocab)")
+    if args.draft_vocab == "none":  # the whole vocabulary, as --config LABEL:draft_vocab=none
+        args.draft_vocab = None
     args.configs = parse_configs(args.config, parse_drafts(args.draft), args, tree_budget_given)
-    for label, c in args.configs.items():  # a draft vocabulary file that is not there fails now, not after the models
-        v = c["draft_vocab"]
-        if v is not None and not Path(v).is_file():
-            flag = "--draft-vocab" if v == args.draft_vocab else f"--config {label}:draft_vocab"
-            if not v.strip() or Path(v).is_dir():
-                raise ValueError(f"{flag} {v!r}: a folder; give the draft vocabulary's .safetensors file")
+    # a draft vocabulary file that is not there fails now, not after the models; the run-wide one is checked as
+    # given, also where every label overrides it
+    for flag, v in vocab_flags(args.draft_vocab, args.configs).items():
+        if not Path(v).is_file():
+            if Path(v).is_dir():
+                raise ValueError(f"{flag} {v}: a folder; give the draft vocabulary's .safetensors file")
             raise FileNotFoundError(f"{flag} {v}: no such file")
     if args.plot is None and args.output_json and args.draft:  # derived once; main() writes it there
         args.plot = str(Path(args.output_json).with_suffix(".png"))
@@ -768,6 +787,20 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     if args.backend == "cuda" and device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--backend cuda needs a CUDA GPU; use --backend reference on the CPU")
     return tasks, params
+
+
+def vocab_flags(draft_vocab: str | None, configs: dict) -> dict[str, str]:
+    """The flags that name a draft vocabulary file -> that file: ``--draft-vocab`` (``draft_vocab``, when given,
+    used by a label or not) and ``--config LABEL[,LABEL...]:draft_vocab`` for the files only labels name
+    (``configs``: :func:`parse_configs`' result)."""
+    out = {} if draft_vocab is None else {"--draft-vocab": draft_vocab}
+    labels: dict[str, list[str]] = {}
+    for label, c in configs.items():
+        v = c["draft_vocab"]
+        if v is not None and v != draft_vocab:
+            labels.setdefault(v, []).append(label)
+    out.update({f"--config {','.join(ls)}:draft_vocab": v for v, ls in labels.items()})
+    return out
 
 
 def main(argv=None) -> int:

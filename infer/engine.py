@@ -306,7 +306,8 @@ class Engine:
             # a narrower chain cannot hold
             raise ValueError(f"budget='auto' with trees {tuple(trees)} needs verify_size equal to the draft's block "
                              f"size {self.block_size} (got {self.verify_size}); pass plan_trees=() for AR and a "
-                             "narrower chain")
+                             "narrower chain (infer.generate --plan-trees none, infer.bench --config "
+                             "LABEL:plan_trees=none)")
         windows = sorted({w for w in target.args.windows if w is not None})
         if windows and ((verify == "tree" and budget is None) or (budget == "auto" and trees)):
             raise ValueError(f"the target has sliding-window layers (windows {windows}): tree verify has no window; "

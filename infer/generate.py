@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dspine.checkpoint import load_draft
-from dspine.draft_vocab import DRAFT_VOCAB_HELP, check_tokens, load_draft_vocab
+from dspine.draft_vocab import DRAFT_VOCAB_HELP, check_tokens, load_draft_vocab, unchecked_note
 from dspine.draft_vocab import describe as describe_vocab
 from dspine.prompts import encode_prompt
 from dspine.reference import (
@@ -179,7 +179,7 @@ def refuse_draft_options(args, others: tuple[tuple[str, bool], ...] = ()) -> Non
     given = (("--block-size", args.block_size is not None), ("--verify tree", args.verify == "tree"),
              ("--budget auto", args.budget is not None),
              ("--draft-temperature", getattr(args, "draft_temperature", None) is not None),
-             ("--draft-vocab", getattr(args, "draft_vocab", None) is not None), *others)
+             ("--draft-vocab", getattr(args, "draft_vocab", None) not in (None, "none")), *others)
     for flag, on in given:
         if on:
             value = {"--block-size": f" {args.block_size}",
@@ -244,13 +244,15 @@ def run(args) -> dict:
             raise ValueError(f"--block-size {args.block_size} needs the engine, which does not run this target")
     spec.check_supported(engine=backend == "cuda")
     vocab = None  # (ids, metadata) of --draft-vocab, read before the target's weights
-    if args.draft_vocab is not None:
+    if args.draft_vocab is not None and args.draft_vocab != "none":  # none: the whole vocabulary (as infer.bench's)
         if not args.draft_vocab.strip():
             raise ValueError("--draft-vocab: give the path of a draft vocabulary file (python -m data.draft_vocab)")
         try:
             vocab = load_draft_vocab(args.draft_vocab, spec.vocab_size)
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"--draft-vocab: {e}") from None
+        if unchecked_note(args.draft_vocab, vocab[1]):
+            print(f"note: --draft-vocab: {unchecked_note(args.draft_vocab, vocab[1])}", file=sys.stderr)
     if backend == "reference":
         args.block_size = reference_verify_size(args.block_size, args.verify, [draft_cfg.block_size] if draft_cfg else [])
     args.threads = set_cpu_threads(args.threads)

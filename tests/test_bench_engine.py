@@ -103,3 +103,16 @@ def test_bench_engine_refuses_settings_it_cannot_measure(argv, msg, capsys):
     with pytest.raises(SystemExit):
         bench_engine.main(["--tiny", "--cpu", "--skip-peers", *argv])
     assert msg in capsys.readouterr().err
+
+
+def test_existing_outputs_are_not_replaced(tmp_path):
+    """bench_engine.py and profile_step.py refuse an existing --output before measuring (--overwrite replaces)."""
+    out = tmp_path / "r.json"
+    out.write_text("{}")
+    for mod, argv in ((bench_engine, ["--tiny", "--cpu", "--skip-peers"]), (profile_step, ["--tiny", "--device", "cpu"])):
+        with pytest.raises(SystemExit):
+            mod.main(argv + ["--output", str(out)])
+        assert out.read_text() == "{}"
+    profile_step.main(["--tiny", "--device", "cpu", "--batch", "1", "--context", "8", "--steps", "1", "--warmup", "0",
+                       "--kinds", "ar", "--output", str(out), "--overwrite"])
+    assert json.loads(out.read_text())["kinds"] == ["ar"]

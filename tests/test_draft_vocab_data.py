@@ -474,3 +474,18 @@ def test_tokenizer_from_the_cache_manifest(stories_dir, tmp_path, capsys):
                    "--tokenizer", tmp_path / "missing-tok")
     assert err.startswith(f"error: --tokenizer {tmp_path / 'missing-tok'}: "), err
     assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_empty_output_and_an_interrupt(rows_file, tmp_path, capsys, monkeypatch):
+    """An empty --output is refused by name; Ctrl-C while counting leaves no file and no traceback."""
+    err = _refused(capsys, "--data", rows_file, "--size", 64, "--output", "")
+    assert err.startswith("error: --output: give the path of the .safetensors file to write"), err
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "count_tokens", interrupted)
+    out = tmp_path / "v.safetensors"
+    rc, stdout, err = _run(capsys, "--data", rows_file, "--size", 64, "--output", out)
+    assert rc == 130 and stdout == "" and err.endswith(f"interrupted: {out} not written\n"), err
+    assert not out.exists() and list(tmp_path.iterdir()) == [rows_file]

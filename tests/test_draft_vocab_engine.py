@@ -247,6 +247,55 @@ def test_bench_and_generate_take_a_vocabulary_file(stories_dir, stories, tmp_pat
     assert f"--draft-vocab {vocab} needs a draft" in capsys.readouterr().err
 
 
+def test_vocabulary_flag_edges(stories_dir, stories, tmp_path, capsys):
+    """The run-wide --draft-vocab is checked as given even where every label overrides it; an empty path, a path
+    with a comma in --config, a refused file named by its --config labels; `none` in infer.generate; a file that
+    records neither vocab_size nor tokens_digest is used with a note; --block-size with the planner's trees fails
+    before the target loads, naming the CLI fix."""
+    import json
+
+    from dspine.draft_vocab import save_draft_vocab
+    from infer import bench, generate
+    from tests.conftest import shared_path
+
+    _, _, folder = stories
+    common = ["--target", str(stories_dir), "--datasets", "gsm8k", "--data-dir", str(shared_path("data", "eval")),
+              "--num-prompts", "1", "--max-new-tokens", "4", "--no-chat-template", "--backend", "cuda", "--device",
+              "cpu", "--dtype", "fp32"]
+    assert bench.main(common + ["--draft", f"a={folder}", "--draft-vocab", str(tmp_path / "nope.safetensors"),
+                                "--config", "a:draft_vocab=none"]) == 2
+    assert f"--draft-vocab {tmp_path / 'nope.safetensors'}: no such file" in capsys.readouterr().err
+    assert bench.main(common + ["--draft", f"a={folder}", "--draft-vocab", ""]) == 2
+    assert "--draft-vocab: give the path of a draft vocabulary file" in capsys.readouterr().err
+    assert bench.main(common + ["--draft", f"a={folder}", "--config", f"a:draft_vocab={tmp_path}/x,y.safetensors"]) == 2
+    assert "cannot go in --config: give it run-wide with --draft-vocab" in capsys.readouterr().err
+
+    other = tmp_path / "other.safetensors"
+    save_draft_vocab(other, torch.arange(64, 300), {"vocab_size": 49152})
+    out = tmp_path / "b.json"
+    assert bench.main(common + ["--draft", f"a={folder}", "--draft", f"b={folder}", "--config",
+                                f"a:draft_vocab={other}", "--config", f"b:draft_vocab={other}",
+                                "--output-json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --config a,b:draft_vocab: {other}: counted for a vocabulary of 49152 ids" in err, err
+    assert not out.exists()
+
+    bare = tmp_path / "bare.safetensors"
+    save_draft_vocab(bare, torch.arange(64, 300), {})
+    args = ["--target", str(stories_dir), "--draft", str(folder), "--prompt", "Once upon", "--no-chat-template",
+            "--max-new-tokens", "8", "--backend", "reference", "--json"]
+    assert generate.main(args + ["--draft-vocab", "none"]) == 0
+    assert json.loads(capsys.readouterr().out)["draft_vocab"] is None
+    assert generate.main(args + ["--draft-vocab", str(bare)]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["draft_vocab"]["size"] == 236
+    assert f"note: --draft-vocab: {bare} records neither vocab_size nor tokens_digest" in got.err
+
+    assert bench.main(common + ["--draft", f"p={folder}", "--config", "p:budget=auto", "--block-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--block-size 4 with the planner (--config p:budget=auto)" in err and "add plan_trees=none" in err, err
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_engine_with_a_vocabulary_is_lossless(stories_dir, stories, dtype):

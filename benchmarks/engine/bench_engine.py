@@ -282,7 +282,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--output", default=None)
+    ap.add_argument("--output", default=None, help="JSON file to write (an existing one only with --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--prompt", type=int, default=512)
@@ -308,15 +309,25 @@ def main(argv=None) -> int:
         ap.error("--skip-peers and --compiled-hf-only exclude each other (the second measures only a peer)")
     if args.block < 8:
         ap.error(f"--block={args.block}: the tau = 7 oracle accepts 6 draft tokens a step, so the block needs >= 8 slots")
-    if args.draft_vocab_size and not 64 <= args.draft_vocab_size <= (TINY if args.tiny else QWEN3_8B)["vocab_size"]:
-        ap.error(f"--draft-vocab-size={args.draft_vocab_size}: 0 (the whole vocabulary) or 64..the vocabulary size")
+    V = (TINY if args.tiny else QWEN3_8B)["vocab_size"]
+    if args.draft_vocab_size and not 64 <= args.draft_vocab_size <= V:
+        ap.error(f"--draft-vocab-size={args.draft_vocab_size}: 0 (the whole vocabulary) or 64..{V} (the vocabulary)")
+    if args.output:  # before minutes of measuring: an existing result is not replaced by accident
+        from dspine.paths import check_output_file
+
+        try:
+            check_output_file("--output", args.output, args.overwrite)
+        except ValueError as e:
+            ap.error(str(e))
     if args.new_tokens < 1 or args.prompt < 1:
         ap.error(f"--prompt={args.prompt} and --new-tokens={args.new_tokens} must be >= 1")
     res = run(args)
     text = json.dumps(res, indent=1)
     if args.output:
+        from dspine.io import atomic_write_json
+
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text)
+        atomic_write_json(args.output, res, indent=1, allow_nan=True)  # as printed
     print(text)
     return 0
 

@@ -128,7 +128,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--output", default=None, help="JSON file to write")
+    ap.add_argument("--output", default=None, help="JSON file to write (an existing one only with --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shape instead of Qwen3-8B (CPU smoke test; = --shape tiny)")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(TARGETS), help="target layout (random weights)")
@@ -152,10 +153,19 @@ def main(argv=None) -> int:
             ap.error(f"--kinds: unknown step kind {k!r} (ar, spec or treeN with 2 <= N <= 64)")
     if not args.kinds:
         ap.error("--kinds is empty")
+    if args.output:  # before the profile: an existing result is not replaced by accident
+        from dspine.paths import check_output_file
+
+        try:
+            check_output_file("--output", args.output, args.overwrite)
+        except ValueError as e:
+            ap.error(str(e))
     res = run(args)
     if args.output:
+        from dspine.io import atomic_write_json
+
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(res, indent=1))
+        atomic_write_json(args.output, res, indent=1, allow_nan=True)
     return 0
 
 
