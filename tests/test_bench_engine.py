@@ -88,6 +88,8 @@ def test_bench_engine_skip_peers_keeps_engine_keys_only(tmp_path):
         assert row["spec_step_over_ar_step"] == row["spec_step_ms"] / row["ar_step_ms"]
         # force_accept=6: every full step commits 7 tokens; the last step of 32 tokens is cut short
         assert 5.0 < row["oracle_tau"] <= 7.0
+        rates = row["oracle_tok_per_s_runs"]  # the reported rate is the median run's
+        assert len(rates) == 3 and row["oracle_tok_per_s"] == sorted(rates)[1]
         # the AR decode loop's breakdown: 32 tokens per row in 32 steps (+1 idle step after the last)
         prof = row["ar_loop_profile"]
         assert prof["steps"] in (32, 33) and prof["tokens"] == 32 * (1 if b == "batch1" else 8)
@@ -98,6 +100,7 @@ def test_bench_engine_skip_peers_keeps_engine_keys_only(tmp_path):
 @pytest.mark.parametrize("argv, msg", [(["--block", "4"], "--block=4: the tau = 7 oracle"),
                                        (["--compiled-hf-only"], "exclude each other"),
                                        (["--new-tokens", "0"], "must be >= 1"),
+                                       (["--oracle-reps", "0"], "--oracle-reps=0 must be >= 1"),
                                        (["--draft-vocab-size", "32"], "--draft-vocab-size=32: 0 (the whole")])
 def test_bench_engine_refuses_settings_it_cannot_measure(argv, msg, capsys):
     with pytest.raises(SystemExit):
