@@ -1045,8 +1045,10 @@ def draft_vocab_h200_section() -> list[str]:
     out = []
     if e:
         out += ["#### Draft vocabulary on the H200 at Qwen3-8B shape (`bench_engine.py --draft-vocab-size N`)", "",
-                f"{e['device']}, {e['date'][:10]}, commit `{e['commit'][:10]}`, random bf16 weights, 5-layer DSpine "
-                "draft, block 16; median of the runs per size, sizes alternated on one machine "
+                f"{e['device']}, {e['date'][:10]}, commit `{e['commit'][:10]}`"
+                + (f" ({e['commit_note']})" if e.get("commit_note") else "")
+                + ", random bf16 weights, 5-layer DSpine draft, block 16; median of the runs per size, sizes "
+                "alternated, on two machines "
                 "([`results/engine-draft-vocab-h200.json`](results/engine-draft-vocab-h200.json)). Floor = the weight "
                 "bytes a speculative step reads at batch 1 over an AR step's (target without its embedding table, draft, "
                 "N head rows).", "",
