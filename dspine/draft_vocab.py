@@ -208,9 +208,16 @@ def tokens_digest(tokenizer, ids) -> str:
     both, whatever files or formats (a GGUF, a Hugging Face folder) they were read from."""
     import hashlib
 
+    ids = [int(i) for i in torch.as_tensor(ids).flatten().tolist()]
+    try:  # ids past the tokenizer's length (a config vocab_size padded beyond it) are empty strings, not errors
+        n = len(tokenizer)
+    except TypeError:
+        n = None
+    known = [i for i in ids if n is None or 0 <= i < n]
+    names = dict(zip(known, tokenizer.convert_ids_to_tokens(known)))
     h = hashlib.blake2b(digest_size=16)
-    for tok in tokenizer.convert_ids_to_tokens([int(i) for i in torch.as_tensor(ids).flatten().tolist()]):
-        h.update((tok or "").encode("utf-8", "surrogatepass") + b"\0")
+    for i in ids:
+        h.update((names.get(i) or "").encode("utf-8", "surrogatepass") + b"\0")
     return h.hexdigest()
 
 
