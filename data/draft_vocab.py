@@ -172,7 +172,7 @@ def build(
         raise DraftVocabError(f"--data: {e}") from None
     if len(rows) == 0:
         raise DraftVocabError(f"--data {data}: no rows")
-    tok, tok_path, note = _tokenizer(tokenizer, rows.metadata().get("tokenizer"))
+    tok, tok_path, note = _tokenizer(tokenizer, rows.metadata().get("tokenizer"), _recorded_digest(rows))
 
     counts, _ = count_tokens(rows, all_tokens, vocab_size)
     counted = "all tokens" if all_tokens else "answer tokens"
@@ -219,27 +219,55 @@ def build(
     return {**metadata, "coverage_value": coverage, "ids_of": V, "note": note}
 
 
-def _tokenizer(given: str | None, recorded: str | None):
+def _recorded_digest(rows) -> str | None:
+    """The ``tokenizer_digest`` (``data.tokenize.tokenizer_digest``: the tokenizer files' hash) that the rows'
+    data.tokenize manifest records (one cache, or the first of a list, whose parts agree), else None."""
+    part = rows.parts[0] if hasattr(rows, "parts") else rows
+    return (getattr(part, "manifest", None) or {}).get("tokenizer_digest")
+
+
+def _one_line(e: Exception) -> str:
+    lines = [x for x in str(e).splitlines() if x.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def _tokenizer(given: str | None, recorded: str | None, recorded_digest: str | None = None):
     """(tokenizer or None, its path, note or None): ``--tokenizer`` when given (it must load), else the row
-    source's recorded tokenizer when that path exists here; the note says why there is none."""
+    source's recorded tokenizer when it loads here (a local path or a Hub id in the local cache); the note says why
+    there is none. When the rows' manifest records the tokenizer's file digest (``recorded_digest``), the tokenizer
+    used must have the same one: a different ``--tokenizer`` is refused, a recorded relative path that names another
+    tokenizer from this folder gives no tokens_digest (a note)."""
+    from data.tokenize import tokenizer_digest
     from dspine.target import load_tokenizer
 
     if given is not None:
         if not given.strip():
             raise DraftVocabError("--tokenizer: give the tokenizer's folder, .gguf file or Hub id")
         try:
-            return load_tokenizer(given), given, None
-        except (OSError, ValueError) as e:
-            raise DraftVocabError(f"--tokenizer {given}: {e}") from None
-    if recorded and Path(recorded).exists():
-        try:
-            return load_tokenizer(recorded), recorded, None
-        except (OSError, ValueError) as e:
-            return None, None, (f"the rows' tokenizer {recorded} did not load ({e}); the file has no tokens_digest "
-                                "(pass --tokenizer)")
-    why = f"the rows' tokenizer {recorded} is not on this machine" if recorded else "the rows record no tokenizer"
-    return None, None, (f"{why}: the file has no tokens_digest, so a target whose tokenizer names other tokens with "
-                        "the same ids is not detected (pass --tokenizer)")
+            tok = load_tokenizer(given)
+            digest = tokenizer_digest(given) if recorded_digest else None
+        except Exception as e:  # a broken tokenizer file raises KeyError, TypeError, ... from the library
+            raise DraftVocabError(f"--tokenizer {given}: {_one_line(e)}") from None
+        if recorded_digest and digest != recorded_digest:
+            raise DraftVocabError(
+                f"--tokenizer {given}: not the tokenizer the rows were tokenized with (the data.tokenize manifest "
+                f"records {recorded} with tokenizer_digest {recorded_digest}, this one has {digest}); give the "
+                "tokenizer data.tokenize was given")
+        return tok, given, None
+    if not recorded:
+        return None, None, ("the rows record no tokenizer: the file has no tokens_digest, so a target whose tokenizer "
+                            "names other tokens with the same ids is not detected (pass --tokenizer)")
+    try:
+        tok = load_tokenizer(recorded)
+        digest = tokenizer_digest(recorded) if recorded_digest else None
+    except Exception as e:  # not here (a path of another machine, a Hub id not cached) or broken
+        return None, None, (f"the rows' tokenizer {recorded} did not load here ({_one_line(e)}): the file has no "
+                            "tokens_digest (pass --tokenizer)")
+    if recorded_digest and digest != recorded_digest:
+        return None, None, (f"the rows' tokenizer {recorded} names another tokenizer here (tokenizer_digest {digest}, "
+                            f"the manifest's {recorded_digest}; a relative path?): the file has no tokens_digest "
+                            "(pass --tokenizer)")
+    return tok, recorded, None
 
 
 def main(argv: list[str] | None = None) -> int:

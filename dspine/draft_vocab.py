@@ -194,6 +194,11 @@ def load_draft_vocab(path: str | Path, vocab_size: int | None = None) -> tuple[t
     if ids is None:
         raise ValueError(f"{path}: no tensor 'token_ids' (has {names})")
     counted_for = meta.get("vocab_size")
+    if counted_for is not None:
+        try:
+            counted_for = str(int(counted_for))
+        except ValueError:
+            raise ValueError(f"{path}: metadata vocab_size={counted_for!r} is not an integer") from None
     if vocab_size is not None and counted_for is not None and counted_for != str(vocab_size):
         # another vocabulary size is another tokenizer: its ids would name other tokens here
         raise ValueError(f"{path}: counted for a vocabulary of {counted_for} ids (metadata vocab_size), the target "

@@ -99,7 +99,7 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
             key = key.strip().replace("-", "_")
             if not eq or key not in CONFIG_KEYS:
                 hint = ("; a draft_vocab path that holds ',' cannot go in --config: give it run-wide with --draft-vocab"
-                        if prev == "draft_vocab" and not eq else "")
+                        if prev == "draft_vocab" else "")
                 raise ValueError(f"--config {item!r}: {kv!r} is not KEY=VALUE with a key of {', '.join(CONFIG_KEYS)}"
                                  + hint)
             prev = key
@@ -236,9 +236,10 @@ class Runner:
         for label, c in self.configs.items():  # before the target's weights load
             if (c["budget"] == "auto" and args.block_size is not None and args.block_size != self.block_size[label]
                     and c["plan_trees"] != () and self.backend == "cuda"):
-                raise ValueError(f"--block-size {args.block_size} with the planner (--config {label}:budget=auto): its "
-                                 f"trees verify the draft's whole block of {self.block_size[label]}; add plan_trees=none "
-                                 f"to that --config (AR and a chain of {args.block_size}) or drop --block-size")
+                how = "--budget auto" if args.budget == "auto" else f"--config {label}:budget=auto"
+                raise ValueError(f"--block-size {args.block_size} with the planner of label {label} ({how}): its trees "
+                                 f"verify the draft's whole block of {self.block_size[label]}; add --config "
+                                 f"{label}:plan_trees=none (AR and a chain of {args.block_size}) or drop --block-size")
         # per label: the draft vocabulary's ids, and its {"path", "size", "coverage"} for the JSON (None: the whole
         # vocabulary); each file is read once
         from dspine.draft_vocab import check_tokens, describe, load_draft_vocab, unchecked_note

@@ -108,13 +108,25 @@ def test_bench_engine_refuses_settings_it_cannot_measure(argv, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
+def test_oracle_rate_is_the_median_for_an_even_count_too(tmp_path):
+    """--oracle-reps 2: the reported rate is the mean of the two runs (the median), not the larger one."""
+    out = tmp_path / "e.json"
+    bench_engine.main(["--tiny", "--cpu", "--skip-peers", "--iters", "1", "--prompt", "8", "--new-tokens", "16",
+                       "--oracle-reps", "2", "--output", str(out)])
+    for b in ("batch1", "batch8"):
+        row = json.loads(out.read_text())[b]
+        a, c = row["oracle_tok_per_s_runs"]
+        assert row["oracle_tok_per_s"] == pytest.approx((a + c) / 2, rel=1e-12)
+
+
 def test_existing_outputs_are_not_replaced(tmp_path):
     """bench_engine.py and profile_step.py refuse an existing --output before measuring (--overwrite replaces)."""
     out = tmp_path / "r.json"
     out.write_text("{}")
     for mod, argv in ((bench_engine, ["--tiny", "--cpu", "--skip-peers"]), (profile_step, ["--tiny", "--device", "cpu"])):
-        with pytest.raises(SystemExit):
-            mod.main(argv + ["--output", str(out)])
+        for target in (str(out), "", str(tmp_path)):  # existing file, empty name, a folder
+            with pytest.raises(SystemExit):
+                mod.main(argv + ["--output", target])
         assert out.read_text() == "{}"
     profile_step.main(["--tiny", "--device", "cpu", "--batch", "1", "--context", "8", "--steps", "1", "--warmup", "0",
                        "--kinds", "ar", "--output", str(out), "--overwrite"])

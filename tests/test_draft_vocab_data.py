@@ -466,8 +466,8 @@ def test_tokenizer_from_the_cache_manifest(stories_dir, tmp_path, capsys):
 
     gone = cache("gone", str(tmp_path / "no-such-tokenizer"))
     rc, _, err = _run(capsys, "--data", gone, "--size", 64, "--output", tmp_path / "b.safetensors")
-    assert rc == 0 and err.startswith(f"note: the rows' tokenizer {tmp_path / 'no-such-tokenizer'} is not on this "
-                                      "machine: the file has no tokens_digest"), err
+    assert rc == 0 and err.startswith(f"note: the rows' tokenizer {tmp_path / 'no-such-tokenizer'} did not load "
+                                      "here (") and "the file has no tokens_digest" in err, err
     assert "tokens_digest" not in load_draft_vocab(tmp_path / "b.safetensors")[1]
 
     err = _refused(capsys, "--data", here, "--size", 64, "--output", tmp_path / "c.safetensors",
@@ -489,3 +489,59 @@ def test_empty_output_and_an_interrupt(rows_file, tmp_path, capsys, monkeypatch)
     rc, stdout, err = _run(capsys, "--data", rows_file, "--size", 64, "--output", out)
     assert rc == 130 and stdout == "" and err.endswith(f"interrupted: {out} not written\n"), err
     assert not out.exists() and list(tmp_path.iterdir()) == [rows_file]
+
+
+def test_tokenizer_must_be_the_rows_tokenizer(stories_dir, tmp_path, capsys):
+    """With a manifest tokenizer_digest: --tokenizer of another tokenizer is refused (naming both); a recorded
+    relative path that names another tokenizer from here gives a note and no tokens_digest; a tokenizer whose files
+    are broken is one error line (--tokenizer) or a note (recorded)."""
+    import pyarrow as pa
+
+    from data.tokenize import tokenizer_digest
+    from tests.conftest import shared_path
+
+    def cache(name, tokenizer, digest):
+        folder = tmp_path / name
+        folder.mkdir()
+        schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+        with pa.OSFile(str(folder / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            writer.write_batch(pa.RecordBatch.from_pydict({k: [r[k] for r in ROWS] for k in schema.names}, schema=schema))
+        (folder / "manifest.json").write_text(json.dumps({"tokenizer": tokenizer, "tokenizer_digest": digest}) + "\n")
+        (folder / "summary.json").write_text(json.dumps({"sequences": len(ROWS)}) + "\n")
+        return folder
+
+    stories = cache("stories", str(stories_dir), tokenizer_digest(str(stories_dir)))
+    qwen = str(shared_path("models", "qwen3-tokenizer"))
+    err = _refused(capsys, "--data", stories, "--size", 64, "--output", tmp_path / "a.safetensors", "--tokenizer", qwen)
+    assert err.startswith(f"error: --tokenizer {qwen}: not the tokenizer the rows were tokenized with"), err
+    assert str(stories_dir) in err
+    rc, _, err = _run(capsys, "--data", stories, "--size", 64, "--output", tmp_path / "b.safetensors",
+                      "--tokenizer", stories_dir)
+    assert rc == 0 and err == "" and "tokens_digest" in load_draft_vocab(tmp_path / "b.safetensors")[1]
+
+    moved = cache("moved", qwen, tokenizer_digest(str(stories_dir)))  # the recorded path now names another tokenizer
+    rc, _, err = _run(capsys, "--data", moved, "--size", 64, "--output", tmp_path / "c.safetensors")
+    assert rc == 0 and err.startswith(f"note: the rows' tokenizer {qwen} names another tokenizer here"), err
+    assert "tokens_digest" not in load_draft_vocab(tmp_path / "c.safetensors")[1]
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
+    err = _refused(capsys, "--data", stories, "--size", 64, "--output", tmp_path / "d.safetensors",
+                   "--tokenizer", broken)
+    assert err.startswith(f"error: --tokenizer {broken}: "), err
+    rc, _, err = _run(capsys, "--data", cache("broken-rec", str(broken), None), "--size", 64,
+                      "--output", tmp_path / "e.safetensors")
+    assert rc == 0 and err.startswith(f"note: the rows' tokenizer {broken} did not load here ("), err
+    assert err.count("\n") == 1
+
+
+def test_vocab_size_metadata_is_compared_as_a_number(tmp_path):
+    """'049152' is 49152; a vocab_size that is not an integer is refused by name."""
+    f = tmp_path / "v.safetensors"
+    save_file({"token_ids": torch.arange(64)}, str(f), metadata={"format": FORMAT, "vocab_size": "0512"})
+    assert load_draft_vocab(f, vocab_size=512)[0].numel() == 64
+    g = tmp_path / "w.safetensors"
+    save_file({"token_ids": torch.arange(64)}, str(g), metadata={"format": FORMAT, "vocab_size": "lots"})
+    with pytest.raises(ValueError, match=f"{g}: metadata vocab_size='lots' is not an integer"):
+        load_draft_vocab(g, vocab_size=512)

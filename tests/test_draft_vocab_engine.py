@@ -293,7 +293,12 @@ def test_vocabulary_flag_edges(stories_dir, stories, tmp_path, capsys):
 
     assert bench.main(common + ["--draft", f"p={folder}", "--config", "p:budget=auto", "--block-size", "4"]) == 2
     err = capsys.readouterr().err
-    assert "--block-size 4 with the planner (--config p:budget=auto)" in err and "add plan_trees=none" in err, err
+    assert "--block-size 4 with the planner of label p (--config p:budget=auto)" in err, err
+    assert "add --config p:plan_trees=none" in err, err
+    assert bench.main(common + ["--draft", f"p={folder}", "--budget", "auto", "--block-size", "4"]) == 2
+    assert "the planner of label p (--budget auto)" in capsys.readouterr().err
+    assert bench.main(common + ["--draft", f"a={folder}", "--config", f"a:draft_vocab={tmp_path}/x,y=1.st"]) == 2
+    assert "cannot go in --config: give it run-wide with --draft-vocab" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

@@ -153,6 +153,8 @@ def main(argv=None) -> int:
             ap.error(f"--kinds: unknown step kind {k!r} (ar, spec or treeN with 2 <= N <= 64)")
     if not args.kinds:
         ap.error("--kinds is empty")
+    if args.output is not None and not args.output.strip():
+        ap.error("--output: give a file name (or leave the flag out)")
     if args.output:  # before the profile: an existing result is not replaced by accident
         from dspine.paths import check_output_file
 
