@@ -219,6 +219,13 @@ def build(
     return {**metadata, "coverage_value": coverage, "ids_of": V, "note": note}
 
 
+def _cached_hub_tokenizer(repo_id: str):
+    """The tokenizer of Hub id ``repo_id`` from the local Hugging Face cache only (raises when it is not there)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(repo_id, local_files_only=True)
+
+
 def _recorded_digest(rows) -> str | None:
     """The ``tokenizer_digest`` (``data.tokenize.tokenizer_digest``: the tokenizer files' hash) that the rows'
     data.tokenize manifest records (one cache, or the first of a list, whose parts agree), else None."""
@@ -233,7 +240,7 @@ def _one_line(e: Exception) -> str:
 
 def _tokenizer(given: str | None, recorded: str | None, recorded_digest: str | None = None):
     """(tokenizer or None, its path, note or None): ``--tokenizer`` when given (it must load), else the row
-    source's recorded tokenizer when it loads here (a local path or a Hub id in the local cache); the note says why
+    source's recorded tokenizer when it loads here (a local path, or a Hub id from the local cache only); the note says why
     there is none. When the rows' manifest records the tokenizer's file digest (``recorded_digest``), the tokenizer
     used must have the same one: a different ``--tokenizer`` is refused, a recorded relative path that names another
     tokenizer from this folder gives no tokens_digest (a note)."""
@@ -245,7 +252,7 @@ def _tokenizer(given: str | None, recorded: str | None, recorded_digest: str | N
             raise DraftVocabError("--tokenizer: give the tokenizer's folder, .gguf file or Hub id")
         try:
             tok = load_tokenizer(given)
-            digest = tokenizer_digest(given) if recorded_digest else None
+            digest = tokenizer_digest(given, tok) if recorded_digest else None
         except Exception as e:  # a broken tokenizer file raises KeyError, TypeError, ... from the library
             raise DraftVocabError(f"--tokenizer {given}: {_one_line(e)}") from None
         if recorded_digest and digest != recorded_digest:
@@ -257,9 +264,9 @@ def _tokenizer(given: str | None, recorded: str | None, recorded_digest: str | N
     if not recorded:
         return None, None, ("the rows record no tokenizer: the file has no tokens_digest, so a target whose tokenizer "
                             "names other tokens with the same ids is not detected (pass --tokenizer)")
-    try:
-        tok = load_tokenizer(recorded)
-        digest = tokenizer_digest(recorded) if recorded_digest else None
+    try:  # a Hub id only from the local cache: no network wait for a tokenizer nobody asked for
+        tok = load_tokenizer(recorded) if Path(recorded).exists() else _cached_hub_tokenizer(recorded)
+        digest = tokenizer_digest(recorded, tok) if recorded_digest else None
     except Exception as e:  # not here (a path of another machine, a Hub id not cached) or broken
         return None, None, (f"the rows' tokenizer {recorded} did not load here ({_one_line(e)}): the file has no "
                             "tokens_digest (pass --tokenizer)")

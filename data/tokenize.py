@@ -225,14 +225,15 @@ def check_template(tokenizer, template: str, thinking: bool) -> None:
 # ------------------------------------------------------------------------------------------ cache
 
 
-def tokenizer_digest(tokenizer_path: str) -> str:
-    """Hash of the tokenizer files' contents (a Hub id is saved to a temp folder first)."""
+def tokenizer_digest(tokenizer_path: str, tokenizer=None) -> str:
+    """Hash of the tokenizer files' contents (a Hub id or a .gguf is saved to a temp folder first: ``tokenizer``,
+    that path's tokenizer already loaded, saves loading it again)."""
     h = hashlib.blake2b(digest_size=16)
     folder = Path(tokenizer_path)
     tmp = None
     if not folder.is_dir():
         tmp = tempfile.mkdtemp(prefix="dspine-tok-")
-        load_tokenizer(tokenizer_path).save_pretrained(tmp)
+        (tokenizer if tokenizer is not None else load_tokenizer(tokenizer_path)).save_pretrained(tmp)
         folder = Path(tmp)
     try:
         names = sorted(n for n in TOKENIZER_FILES if (folder / n).is_file())

@@ -29,7 +29,6 @@ CPU time.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import defaultdict
