@@ -14,9 +14,11 @@ by :func:`dspine.draft_vocab.save_draft_vocab` (file format: the docstring of ``
 with metadata size, coverage (counted tokens inside the subset / all counted tokens), counted_tokens,
 source, source_digest, counted ("answer tokens" or "all tokens"), keep and, with ``--vocab-size``, vocab_size
 (the engine then refuses the file for a target of another vocabulary size). With the tokenizer the rows were
-tokenized with (``--tokenizer``, or the ``data.tokenize`` cache's own when that path exists here) it also records
-``tokenizer`` and ``tokens_digest`` (:func:`dspine.draft_vocab.tokens_digest`), so that a target whose tokenizer
-names other tokens with the same ids refuses the file; without one it says so on stderr and writes neither.
+tokenized with (``--tokenizer``, or the ``data.tokenize`` cache's own when it loads here: a local path, or a Hub id
+from the local cache) it also records ``tokenizer`` and ``tokens_digest`` (:func:`dspine.draft_vocab.tokens_digest`),
+so that a target whose tokenizer names other tokens with the same ids refuses the file; without one it says so on
+stderr and writes neither. Where the cache's manifest records ``tokenizer_digest``, the tokenizer must match it
+(another ``--tokenizer`` is refused).
 
 Why answer tokens: the draft proposes only the tokens the target generates, which are the answer positions
 of the rows (the positions the draft is trained on); prompt tokens (system prompts, user text, the chat
