@@ -251,8 +251,8 @@ class Runner:
                 check_tokens(f, *loaded[f], self.tokenizer)
             except (ValueError, FileNotFoundError) as e:
                 raise type(e)(f"{flag}: {e}") from None
-            if unchecked_note(f, loaded[f][1]):
-                print(f"note: {flag}: {unchecked_note(f, loaded[f][1])}", file=sys.stderr)
+            if note := unchecked_note(f, loaded[f][1]):
+                print(f"note: {flag}: {note}", file=sys.stderr)
         self.vocab_ids = {label: loaded[c["draft_vocab"]][0] if c["draft_vocab"] else None
                           for label, c in self.configs.items()}
         self.vocab_info = {label: describe(c["draft_vocab"], *loaded[c["draft_vocab"]]) if c["draft_vocab"] else None

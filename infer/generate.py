@@ -251,8 +251,8 @@ def run(args) -> dict:
             vocab = load_draft_vocab(args.draft_vocab, spec.vocab_size)
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"--draft-vocab: {e}") from None
-        if unchecked_note(args.draft_vocab, vocab[1]):
-            print(f"note: --draft-vocab: {unchecked_note(args.draft_vocab, vocab[1])}", file=sys.stderr)
+        if note := unchecked_note(args.draft_vocab, vocab[1]):
+            print(f"note: --draft-vocab: {note}", file=sys.stderr)
     if backend == "reference":
         args.block_size = reference_verify_size(args.block_size, args.verify, [draft_cfg.block_size] if draft_cfg else [])
     args.threads = set_cpu_threads(args.threads)

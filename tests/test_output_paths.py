@@ -19,6 +19,9 @@ def test_output_file_that_cannot_be_created_is_refused_first(tmp_path):
     check_output_file("--output-json", tmp_path / "r.json", True)
     with pytest.raises(ValueError, match="is a folder"):
         check_output_file("--plot", tmp_path, False)
+    for empty in ("", " "):  # Path("") is ".", a folder: the message names what is missing instead
+        with pytest.raises(ValueError, match="^--output: give a file name$"):
+            check_output_file("--output", empty, False)
     if os.path.isdir("/proc/self"):  # a pseudo file system: os.access says writable to root, creation fails
         with pytest.raises(ValueError, match=r"--output-json /proc/x.json: cannot create it under /proc"):
             check_output_file("--output-json", "/proc/x.json", False)

@@ -47,7 +47,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dspine.config import DSpineConfig  # noqa: E402
+from dspine.io import atomic_write_json  # noqa: E402
 from dspine.model import DSpineDraftModel  # noqa: E402
+from dspine.paths import check_output_file  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
@@ -117,6 +119,32 @@ def build(shape: dict, dev, dtype, layers: int, block: int):
     with torch.device(dev):
         dm = DSpineDraftModel(dcfg).to(dtype)
     return hf, dm
+
+
+DRAFT_VOCAB_SIZE_HELP = ("the draft's logits over this many rows of the head (dspine.draft_vocab; a fixed random set; "
+                         "0 = the whole vocabulary)")
+
+
+def random_draft_vocab(vocab_size: int, n: int) -> torch.Tensor | None:
+    """``--draft-vocab-size n``: n ids of 0..vocab_size-1 (int64 [n]) from a fixed seed, or None for n = 0 (the
+    whole vocabulary). Which ids does not change a step's cost, so every benchmark takes this one set."""
+    return torch.randperm(vocab_size, generator=torch.Generator().manual_seed(2))[:n] if n else None
+
+
+def check_draft_vocab_size(ap: argparse.ArgumentParser, n: int, vocab_size: int) -> None:
+    """argparse error unless ``--draft-vocab-size`` is 0 or in 64..vocab_size."""
+    if n and not 64 <= n <= vocab_size:
+        ap.error(f"--draft-vocab-size={n}: 0 (the whole vocabulary) or 64..{vocab_size} (the vocabulary)")
+
+
+def output_arg(ap: argparse.ArgumentParser, args) -> None:
+    """argparse error, before any measuring, when ``--output`` cannot be written (dspine.paths.check_output_file:
+    an empty name, a folder, an existing file without ``--overwrite``, an unwritable place)."""
+    if args.output is not None:
+        try:
+            check_output_file("--output", args.output, args.overwrite)
+        except ValueError as e:
+            ap.error(str(e))
 
 
 def weight_bytes(target: EngineTarget) -> tuple[int, int]:
@@ -196,9 +224,7 @@ def run(args) -> dict:
     # --draft-vocab-size: the draft's logits over N rows of the head only (dspine.draft_vocab); which N ids does
     # not change the step's cost, so a fixed random set
     V = target.head.shape[0]
-    vocab = None
-    if args.draft_vocab_size:
-        vocab = torch.randperm(V, generator=torch.Generator().manual_seed(2))[: args.draft_vocab_size]
+    vocab = random_draft_vocab(V, args.draft_vocab_size)
     res["draft_vocab_size"] = args.draft_vocab_size or V
     # weights a speculative step reads at batch 1 over those of an AR step (the floor of spec_step_over_ar_step):
     # the target without its embedding table, plus the draft and the rows of the head it computes
@@ -297,9 +323,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--draft-vocab-size", type=int, default=0,
-                    help="the draft's logits over this many rows of the head (dspine.draft_vocab; a fixed random set; "
-                         "0 = the whole vocabulary)")
+    ap.add_argument("--draft-vocab-size", type=int, default=0, help=DRAFT_VOCAB_SIZE_HELP)
     ap.add_argument("--oracle-reps", type=int, default=3, help="end-to-end oracle runs per batch size (median)")
     ap.add_argument("--compiled-hf-only", action="store_true",
                     help="measure only the compiled-transformers peer (batch 1; no engine)")
@@ -316,18 +340,8 @@ def main(argv=None) -> int:
         ap.error("--skip-peers and --compiled-hf-only exclude each other (the second measures only a peer)")
     if args.block < 8:
         ap.error(f"--block={args.block}: the tau = 7 oracle accepts 6 draft tokens a step, so the block needs >= 8 slots")
-    V = (TINY if args.tiny else QWEN3_8B)["vocab_size"]
-    if args.draft_vocab_size and not 64 <= args.draft_vocab_size <= V:
-        ap.error(f"--draft-vocab-size={args.draft_vocab_size}: 0 (the whole vocabulary) or 64..{V} (the vocabulary)")
-    if args.output is not None and not args.output.strip():
-        ap.error("--output: give a file name (or leave the flag out to print the JSON only)")
-    if args.output:  # before minutes of measuring: an existing result is not replaced by accident
-        from dspine.paths import check_output_file
-
-        try:
-            check_output_file("--output", args.output, args.overwrite)
-        except ValueError as e:
-            ap.error(str(e))
+    check_draft_vocab_size(ap, args.draft_vocab_size, (TINY if args.tiny else QWEN3_8B)["vocab_size"])
+    output_arg(ap, args)  # before minutes of measuring: an existing result is not replaced by accident
     if args.oracle_reps < 1:
         ap.error(f"--oracle-reps={args.oracle_reps} must be >= 1")
     if args.new_tokens < 1 or args.prompt < 1:
@@ -335,8 +349,6 @@ def main(argv=None) -> int:
     res = run(args)
     text = json.dumps(res, indent=1)
     if args.output:
-        from dspine.io import atomic_write_json
-
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(args.output, res, indent=1, allow_nan=True)  # as printed
     print(text)

@@ -40,6 +40,13 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.bench_draft_step import TARGETS, random_setup  # noqa: E402
+from benchmarks.engine.bench_engine import (  # noqa: E402
+    DRAFT_VOCAB_SIZE_HELP,
+    check_draft_vocab_size,
+    output_arg,
+    random_draft_vocab,
+)
+from dspine.io import atomic_write_json  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
@@ -95,9 +102,7 @@ def run(args) -> dict:
     res: dict = {**provenance(), "shape": shape, "dtype": str(dtype), "impl": impl, "cuda_graphs": False,
                  "context": args.context, "steps": args.steps, "draft_layers": d["layers"],
                  "block_size": draft.config.block_size, "kinds": args.kinds}
-    # --draft-vocab-size N: the draft's logits over N rows of the head (a fixed random set, as bench_engine.py's)
-    vocab = (torch.randperm(a.vocab_size, generator=torch.Generator().manual_seed(2))[: args.draft_vocab_size]
-             if args.draft_vocab_size else None)
+    vocab = random_draft_vocab(a.vocab_size, args.draft_vocab_size)  # --draft-vocab-size: bench_engine.py's set
     res["draft_vocab_size"] = args.draft_vocab_size or a.vocab_size
     g = torch.Generator().manual_seed(1)
     greedy = SamplingParams(max_new_tokens=16)
@@ -137,13 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512, help="context tokens per row")
     ap.add_argument("--steps", type=int, default=5, help="profiled steps per kind")
     ap.add_argument("--warmup", type=int, default=3, help="eager steps before profiling (compiles the kernels)")
-    ap.add_argument("--draft-vocab-size", type=int, default=0,
-                    help="the draft's logits over this many rows of the head (dspine.draft_vocab; a fixed random set; "
-                         "0 = the whole vocabulary)")
+    ap.add_argument("--draft-vocab-size", type=int, default=0, help=DRAFT_VOCAB_SIZE_HELP)
     args = ap.parse_args(argv)
-    V = TARGETS["tiny" if args.tiny else args.shape]["vocab_size"]
-    if args.draft_vocab_size and not 64 <= args.draft_vocab_size <= V:
-        ap.error(f"--draft-vocab-size={args.draft_vocab_size}: 0 (the whole vocabulary) or 64..{V} (the vocabulary)")
+    check_draft_vocab_size(ap, args.draft_vocab_size, TARGETS["tiny" if args.tiny else args.shape]["vocab_size"])
     if args.steps < 1 or args.context < 1:
         ap.error(f"--steps={args.steps} and --context={args.context} must be >= 1")
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -152,19 +153,9 @@ def main(argv=None) -> int:
             ap.error(f"--kinds: unknown step kind {k!r} (ar, spec or treeN with 2 <= N <= 64)")
     if not args.kinds:
         ap.error("--kinds is empty")
-    if args.output is not None and not args.output.strip():
-        ap.error("--output: give a file name (or leave the flag out)")
-    if args.output:  # before the profile: an existing result is not replaced by accident
-        from dspine.paths import check_output_file
-
-        try:
-            check_output_file("--output", args.output, args.overwrite)
-        except ValueError as e:
-            ap.error(str(e))
+    output_arg(ap, args)  # before the profile: an existing result is not replaced by accident
     res = run(args)
     if args.output:
-        from dspine.io import atomic_write_json
-
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(args.output, res, indent=1, allow_nan=True)
     return 0
