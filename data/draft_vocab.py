@@ -130,7 +130,7 @@ def build(
     ``coverage_value``, ``ids_of`` (V) and ``note`` (why no tokens_digest was written, or None).
 
     ``tokenizer``: the tokenizer the rows were tokenized with (a folder, a .gguf file or a Hub id), for the file's
-    ``tokens_digest``; None takes the data.tokenize cache's tokenizer when that path exists on this machine.
+    ``tokens_digest``; None takes the data.tokenize cache's tokenizer when it loads here (:func:`_tokenizer`).
 
     Raises DraftVocabError (flag values, output path, empty data, a ``tokenizer`` that does not load),
     FileNotFoundError / ValueError from the row readers (a missing or corrupt source)."""
