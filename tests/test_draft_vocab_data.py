@@ -47,6 +47,19 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def _cache(folder: Path, manifest: dict) -> Path:
+    """A data.tokenize cache folder of ROWS (data.arrow, then ``manifest`` as manifest.json, summary.json last)."""
+    import pyarrow as pa
+
+    folder.mkdir()
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+    with pa.OSFile(str(folder / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_pydict({k: [r[k] for r in ROWS] for k in schema.names}, schema=schema))
+    (folder / "manifest.json").write_text(json.dumps(manifest) + "\n")
+    (folder / "summary.json").write_text(json.dumps({"sequences": len(ROWS)}) + "\n")
+    return folder
+
+
 @pytest.fixture
 def rows_file(tmp_path) -> Path:
     return _jsonl(tmp_path / "rows.jsonl", ROWS)
@@ -149,18 +162,9 @@ def test_comma_separated_sources_count_their_union(tmp_path, capsys):
 
 def test_tokenize_cache_folder(tmp_path, capsys):
     """A data.tokenize cache folder (data.arrow + manifest.json + summary.json) counts as its rows do."""
-    import pyarrow as pa
-
     from dspine.io import file_digest
 
-    folder = tmp_path / "cache"
-    folder.mkdir()
-    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
-    with pa.OSFile(str(folder / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        batch = {k: [r[k] for r in ROWS] for k in schema.names}
-        writer.write_batch(pa.RecordBatch.from_pydict(batch, schema=schema))
-    (folder / "manifest.json").write_text(json.dumps({"max_length": 2048}) + "\n")
-    (folder / "summary.json").write_text(json.dumps({"sequences": len(ROWS)}) + "\n")
+    folder = _cache(tmp_path / "cache", {"max_length": 2048})
     out = tmp_path / "v.safetensors"
     rc, _, err = _run(capsys, "--data", folder, "--size", 64, "--output", out, "--keep", "5")
     assert rc == 0, err
@@ -443,20 +447,11 @@ def test_tokenizer_from_the_cache_manifest(stories_dir, tmp_path, capsys):
     """A data.tokenize cache whose manifest names a tokenizer path that exists here gets the digest without
     --tokenizer; one naming a path that is not here gets a note and no digest; a --tokenizer that does not load
     is refused before counting, naming the flag."""
-    import pyarrow as pa
-
     from dspine.draft_vocab import tokens_digest
     from dspine.target import load_tokenizer
 
     def cache(name, tokenizer):
-        folder = tmp_path / name
-        folder.mkdir()
-        schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
-        with pa.OSFile(str(folder / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            writer.write_batch(pa.RecordBatch.from_pydict({k: [r[k] for r in ROWS] for k in schema.names}, schema=schema))
-        (folder / "manifest.json").write_text(json.dumps({"max_length": 2048, "tokenizer": tokenizer}) + "\n")
-        (folder / "summary.json").write_text(json.dumps({"sequences": len(ROWS)}) + "\n")
-        return folder
+        return _cache(tmp_path / name, {"max_length": 2048, "tokenizer": tokenizer})
 
     here = cache("here", str(stories_dir))
     rc, _, err = _run(capsys, "--data", here, "--size", 64, "--output", tmp_path / "a.safetensors")
@@ -495,20 +490,11 @@ def test_tokenizer_must_be_the_rows_tokenizer(stories_dir, tmp_path, capsys):
     """With a manifest tokenizer_digest: --tokenizer of another tokenizer is refused (naming both); a recorded
     relative path that names another tokenizer from here gives a note and no tokens_digest; a tokenizer whose files
     are broken is one error line (--tokenizer) or a note (recorded)."""
-    import pyarrow as pa
-
     from data.tokenize import tokenizer_digest
     from tests.conftest import shared_path
 
     def cache(name, tokenizer, digest):
-        folder = tmp_path / name
-        folder.mkdir()
-        schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
-        with pa.OSFile(str(folder / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            writer.write_batch(pa.RecordBatch.from_pydict({k: [r[k] for r in ROWS] for k in schema.names}, schema=schema))
-        (folder / "manifest.json").write_text(json.dumps({"tokenizer": tokenizer, "tokenizer_digest": digest}) + "\n")
-        (folder / "summary.json").write_text(json.dumps({"sequences": len(ROWS)}) + "\n")
-        return folder
+        return _cache(tmp_path / name, {"tokenizer": tokenizer, "tokenizer_digest": digest})
 
     stories = cache("stories", str(stories_dir), tokenizer_digest(str(stories_dir)))
     qwen = str(shared_path("models", "qwen3-tokenizer"))
