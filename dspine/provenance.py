@@ -49,6 +49,11 @@ def command_line(argv: list[str] | None = None) -> str:
     return " ".join(shlex.quote(a) for a in first + argv[1:])
 
 
+def utc_now() -> str:
+    """The UTC date and time to the second, ISO 8601 (a result file's ``date``)."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
 def provenance(argv: list[str] | None = None) -> dict:
     """command, GPU name (None on the CPU), UTC date, git commit, torch and python versions."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -56,7 +61,7 @@ def provenance(argv: list[str] | None = None) -> dict:
         "command": command_line(argv),
         "gpu": gpu,
         "device": gpu or platform.processor() or platform.machine(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "commit": git_commit(),
         "torch": torch.__version__,
         "python": platform.python_version(),

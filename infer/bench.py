@@ -806,7 +806,7 @@ def vocab_flags(draft_vocab: str | None, configs: dict) -> dict[str, str]:
 
 def main(argv=None) -> int:
     from dspine.io import atomic_write_json
-    from dspine.provenance import provenance
+    from dspine.provenance import provenance, utc_now
     from dspine.reference import set_cpu_threads
 
     args = build_parser().parse_args(argv)
@@ -841,7 +841,7 @@ def main(argv=None) -> int:
         written = ""
         if rows and args.output_json:  # the finished tasks are complete results: keep them
             Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(Path(args.output_json), {**prov, "finished": provenance()["date"], "label": args.label,
+            atomic_write_json(Path(args.output_json), {**prov, "finished": utc_now(), "label": args.label,
                                                         "backend": runner.backend,
                                                         "args": vars(args), "interrupted": True, "tasks": rows,
                                                         "summary": summarize(rows)}, indent=1, allow_nan=True)
@@ -870,7 +870,7 @@ def main(argv=None) -> int:
     dt = "" if args.draft_temperature is None else f", draft temperature {args.draft_temperature}"
     print(f"[{runner.backend}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}{dt}, concurrency "
           f"{args.concurrency}, max_new_tokens {args.max_new_tokens}; tau counts the bonus token]")
-    result = {**prov, "finished": provenance()["date"], "label": args.label, "backend": runner.backend, "args": vars(args),
+    result = {**prov, "finished": utc_now(), "label": args.label, "backend": runner.backend, "args": vars(args),
               "interrupted": False, "tasks": rows, "summary": summary}
     if args.output_json:
         out = Path(args.output_json)
