@@ -35,10 +35,10 @@ from transformers import PreTrainedModel
 
 from dspine.config import DSpineConfig
 from dspine.ops.draft_attention import draft_attention
+from dspine.ops.linear import linear
 from dspine.ops.rmsnorm import rms_norm, shift_rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
 from dspine.ops.sdpa import sdpa
-from dspine.ops.silu_mul import silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -157,10 +157,13 @@ class DraftMLP(nn.Module):
         self.register_buffer("gate_up_weight", None, persistent=False)  # inference: fuse_weights()
 
     def forward(self, x: torch.Tensor, impl: str = "torch") -> torch.Tensor:
-        """SwiGLU of x ``[..., H]``; once fused (inference), one gate/up GEMM and ``dspine.ops.silu_mul``."""
+        """SwiGLU of x ``[..., H]``; once fused (inference), one gate/up GEMM and the down projection with
+        ``silu(gate)·up`` on its input (``dspine.ops.linear``'s fast path: cuBLAS after ``dspine.ops.silu_mul``, or
+        with ``impl="triton"`` the Triton GEMV that applies it as it loads, where the device's tuned file prefers it)."""
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight), impl=impl))
+        up = linear(x, self.gate_up_weight, impl=impl, exact=False)
+        return linear(up, self.down_proj.weight, impl=impl, exact=False, act="silu_mul")
 
 
 class LowRank(nn.Module):
@@ -311,7 +314,8 @@ class DraftLayer(nn.Module):
             x = rms_norm(h, w, eps, impl=impl)
         else:
             x, h = rms_norm(delta, w, eps, residual=h, scale=gate, impl=impl)
-        q, k, v = at.project(x).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        qkv = at.project(x) if at.qkv_weight is None else linear(x, at.qkv_weight, impl=impl, exact=False)
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         return self._attend_mlp(h, q, k, v, k_ctx, v_ctx, ctx, k_extra, v_extra, impl)
 
     def _attend_mlp(self, h, q, k, v, k_ctx, v_ctx, ctx: BlockContext, k_extra, v_extra, impl: str):
@@ -328,7 +332,8 @@ class DraftLayer(nn.Module):
         o = draft_attention(q.view(B, bs, Hq, D), k_ctx, v_ctx, ctx.lengths, k_blk.transpose(1, 2),
                             v_blk.transpose(1, 2), at.scale, window=window, causal=self.sliding or ctx.causal,
                             k_extra=k_extra, v_extra=v_extra, impl=impl)
-        y, h = rms_norm(at.o_proj(o.view(N, Hq * D)), self.post_attention_layernorm.weight, eps, residual=h, impl=impl)
+        o = linear(o.view(N, Hq * D), at.o_proj.weight, at.o_proj.bias, impl=impl, exact=False)
+        y, h = rms_norm(o, self.post_attention_layernorm.weight, eps, residual=h, impl=impl)
         return h, self.mlp(y, impl)
 
 

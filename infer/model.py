@@ -53,7 +53,7 @@ from dspine.config import (
     unsupported_rope,
 )
 from dspine.io import read_safetensors
-from dspine.ops.linear import linear
+from dspine.ops.linear import fast_config_rows, linear, linear_triton
 from dspine.ops.lm_head import lm_head as lm_head_op
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
@@ -324,6 +324,7 @@ class EngineTarget(nn.Module):
         self.last_layer_features = last_layer_features  # "post_norm" | "pre_norm" (the draft's config)
         self.impl = impl
         self.scale = a.head_dim ** -0.5
+        self.fuse_norm = "auto"  # decode/verify steps: norms folded into the linear layers (fuse_norms)
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -513,7 +514,7 @@ class EngineTarget(nn.Module):
 
     def _mlp(self, L: Layer, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
         up = linear(h, L.gate_up, impl=self.impl, exact=exact)
-        out = linear(silu_mul(up, impl=self.impl), L.down, impl=self.impl, exact=exact)
+        out = linear(up, L.down, impl=self.impl, exact=exact, act="silu_mul")  # silu(gate)·up as the kernel loads it
         if L.moe:  # the shared expert above, gated; plus the routed experts
             out = self._experts(L, h) + torch.sigmoid(F.linear(h, L.shared_gate)) * out
         return out
@@ -535,37 +536,70 @@ class EngineTarget(nn.Module):
         return (out * w.to(h.dtype)[..., None]).sum(1)
 
     # -- forwards --------------------------------------------------------------------------------
+    def fuse_norms(self, rows: int, exact: bool = False) -> bool:
+        """Whether a step of ``rows`` new tokens runs the fused path of :meth:`_layers`: each RMSNorm folded into
+        the linear layers around it (``dspine.ops.linear.linear_triton``'s ``residual=`` epilogue on the o and down
+        projections, ``norm=`` prologue on the next qkv and gate/up), so no norm kernel runs between layers.
+
+        ``fuse_norm`` (attribute): "off" never; "on" whenever it applies (Triton, not exact, attention layers with a
+        dense MLP; the tests run it in the CPU interpreter); "auto" (default) where it applies and the fast path runs
+        the Triton kernel anyway (CUDA, bf16, ``rows <= FAST_MAX_M`` and the device's tuned file prefers it for all
+        four layer weights), so that no cuBLAS call is traded for it. Not in exact mode: the fused statistic sums the
+        squares in the producer's tile order, which is not row invariant across tile configurations."""
+        a, mode = self.args, self.fuse_norm
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"fuse_norm must be 'auto', 'on' or 'off', got {mode!r}")
+        if mode == "off" or exact or self.impl != "triton" or a.hybrid or any(L.moe for L in self.layers):
+            return False
+        if mode == "on":
+            return True
+        L = self.layers[0]
+        return all(fast_config_rows(rows, w) is not None for w in (L.qkv, L.o, L.gate_up, L.down))
+
     def _layers(self, tokens: torch.Tensor, pos: torch.Tensor, bidx: torch.Tensor, cache: KVCache, attend,
-                want_features: bool, write_pos: torch.Tensor | None = None, exact: bool = False, mix=None):
+                want_features: bool, write_pos: torch.Tensor | None = None, exact: bool = False, mix=None,
+                fused: bool = False):
         """The decoder stack over N new tokens (flattened). ``attend(i, q [N, Hq, D]) -> [N, Hq*D]`` runs
         attention of layer i after this token's K/V were written at (bidx, write_pos); RoPE uses ``pos``
         (write_pos defaults to pos; they differ for tree nodes). ``mix(i, L, h [N, H]) -> [N, H]`` runs
         linear-attention layer i (hybrid targets). ``exact``: row-invariant matmuls
-        (``dspine.ops.linear``). Returns the final hidden state, the residual stream and
-        {layer id: decoder-layer output}."""
+        (``dspine.ops.linear``). ``fused``: the norms folded into the linear layers (:meth:`fuse_norms`).
+        Returns the final hidden state x, the residual stream and {layer id: decoder-layer output}; with
+        ``fused``, x is None and the residual stream already holds the last layer's output (residual + x)."""
         write_pos = pos if write_pos is None else write_pos
         a, impl = self.args, self.impl
         N = tokens.shape[0]
         cos, sin = cache.cos, cache.sin
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         x = F.embedding(tokens, self.embed)
-        residual = None
+        residual = sumsq = None
         # the draft's features [N, k·H]: layer i's output (residual + x) is the residual sum that layer i + 1's
-        # input norm computes anyway, so that norm writes it into i's column block (no add, no concatenation)
+        # input norm computes anyway, so that norm writes it into i's column block (no add, no concatenation);
+        # fused, the down projection's residual epilogue writes it there
         ids, H = (self.layer_ids if want_features else []), a.hidden_size
         feats = x.new_empty(N, len(ids) * H) if ids else None
         col = self._feature_columns() if ids else {}
         into = None  # the column block the next input norm writes its residual sum into
+
+        def lin(inp, w, bias=None, **fuse):  # fused: the fast path's Triton kernel with a prologue/epilogue
+            return linear_triton(inp, w, bias, cfg=fast_config_rows(N, w), split_programs=True, **fuse)
+
         for i, L in enumerate(self.layers):
-            if residual is None:
-                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, impl=impl), x
-            else:
-                h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl, residual_out=into)
+            h = None
+            if sumsq is None:
+                if residual is None:
+                    h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, impl=impl), x
+                else:
+                    h, residual = rms_norm(x, L.input_norm, a.rms_norm_eps, residual=residual, impl=impl,
+                                           residual_out=into)
             into = None
             if L.kind == "linear":
                 x = mix(i, L, h)
             else:
-                qkv = linear(h, L.qkv, L.qkv_bias, impl=impl, exact=exact)
+                if h is None:  # fused: the input norm of residual (the previous layer's output) as qkv loads it
+                    qkv = lin(residual, L.qkv, L.qkv_bias, norm=(L.input_norm, sumsq, a.rms_norm_eps))
+                else:
+                    qkv = linear(h, L.qkv, L.qkv_bias, impl=impl, exact=exact)
                 q, k, v, gate = qkv.split([Hq * D, Hkv * D, Hkv * D, Hq * D if a.gated_attention else 0], dim=-1)
                 q = qk_norm_rope_cache(q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D), L.q_norm, L.k_norm,
                                        a.rms_norm_eps, cos, sin, pos, cache.k[i], cache.v[i], bidx, write_pos,
@@ -573,6 +607,13 @@ class EngineTarget(nn.Module):
                 o = attend(i, q)
                 if a.gated_attention:  # Qwen3.5 / Qwen3-Next output gate
                     o = o * torch.sigmoid(gate)
+                if fused:
+                    block = feats[:, col[i] * H : (col[i] + 1) * H] if i in col else None
+                    residual, sumsq = lin(o, L.o, residual=residual)
+                    up = lin(residual, L.gate_up, norm=(L.post_norm, sumsq, a.rms_norm_eps))
+                    residual, sumsq = lin(up, L.down, act="silu_mul", residual=residual, out=block)
+                    x = None
+                    continue
                 x = linear(o, L.o, impl=impl, exact=exact)
             h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
             x = self._mlp(L, h, exact)
@@ -667,8 +708,11 @@ class EngineTarget(nn.Module):
         if tree_bits is not None:
             write = (cache_len[:, None].long() + torch.arange(T, device=tokens.device)).reshape(-1)
         x, residual, feats = self._layers(tokens.reshape(-1), positions.reshape(-1), bidx, cache, attend, want_features,
-                                          write, exact, mix)
-        h, _ = rms_norm(x, self.norm, a.rms_norm_eps, residual=residual, impl=self.impl)
+                                          write, exact, mix, fused=self.fuse_norms(B * T, exact))
+        if x is None:  # fused layers: residual is already the last layer's output
+            h = rms_norm(residual, self.norm, a.rms_norm_eps, impl=self.impl)
+        else:
+            h, _ = rms_norm(x, self.norm, a.rms_norm_eps, residual=residual, impl=self.impl)
         logits = self.logits(h, exact, lm_head).view(B, T, -1)
         f = self._features(feats, want_features)
         return logits, None if f is None else f.view(B, T, -1)

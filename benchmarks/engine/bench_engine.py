@@ -19,6 +19,9 @@ Measures, after warm-up, with CUDA events around graph replays:
 * ``oracle_speedup_tau7``: a benchmark-only oracle that accepts exactly 6 draft tokens per step
   (τ = 7) against the engine's own AR, end to end over 256 tokens (the median of ``--oracle-reps`` runs; each
   run's tok/s in ``oracle_tok_per_s_runs``; the last block of 256 tokens is cut short, so its τ is 6.89);
+* ``fuse_norm`` / ``fused_rows``: ``--fuse-norm`` and the step row counts (of 1, 8, 16, 128) at which it folds
+  the target's norms into its linear layers (``EngineTarget.fuse_norms``): alternate runs with ``off`` to see
+  what the fusion is worth;
 * ``hf_generate_tok_per_s``: transformers ``generate`` on the same weights, same prompt
   (``--skip-peers`` leaves out this and the compiled peer below).
 The same numbers at batch 8. At batch 1 only, the stronger peer:
@@ -61,6 +64,11 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
 TINY = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
             tie_word_embeddings=False)
+
+
+FUSE_NORM_CHOICES = ("auto", "on", "off")
+FUSE_NORM_HELP = ("the target's RMSNorms folded into its linear layers (infer.model.EngineTarget.fuse_norms): auto "
+                  "(the engine's default: where the fast path runs Triton GEMVs), on, off (a separate norm kernel)")
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -218,6 +226,9 @@ def run(args) -> dict:
         return res
     res["ceilings"] = ceilings(dev)
     target = EngineTarget.from_hf_state(a, hf.state_dict(), dev, dtype, dm.config.target_layer_ids, impl)
+    target.fuse_norm = args.fuse_norm  # --fuse-norm: the norms folded into the linear layers (A/B against off)
+    res["fuse_norm"] = args.fuse_norm
+    res["fused_rows"] = [m for m in (1, 8, 16, 128) if target.fuse_norms(m)]  # step rows that run the fused layers
     draft = dm
     total, no_embed = weight_bytes(target)
     res["weight_bytes"], res["weight_bytes_excl_embedding"] = total, no_embed
@@ -333,6 +344,7 @@ def main(argv=None) -> int:
                     help="engine numbers only: no transformers generate / compiled-transformers peer (their keys are "
                          "left out; about 2 of the ~3 minutes at Qwen3-8B shape)")
     ap.add_argument("--compiled-reps", type=int, default=3, help="timed generations per length (median)")
+    ap.add_argument("--fuse-norm", default="auto", choices=FUSE_NORM_CHOICES, help=FUSE_NORM_HELP)
     args = ap.parse_args(argv)
     if args.compiled_new_tokens <= 16:
         ap.error(f"--compiled-new-tokens={args.compiled_new_tokens} must exceed the short generation's 16")

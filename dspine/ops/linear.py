@@ -44,7 +44,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ._common import check_impl, dot_precision, num_sms, pdl_enter, pdl_kwargs, tile_counters, tl, triton
+from ._common import (
+    check_impl,
+    dot_precision,
+    next_pow2,
+    num_sms,
+    pdl_enter,
+    pdl_kwargs,
+    tile_counters,
+    tl,
+    triton,
+)
+from .silu_mul import silu_mul
 
 __all__ = [
     "linear",
@@ -60,6 +71,8 @@ __all__ = [
     "FAST_MAX_M",
     "use_in_fast_mode",
     "fast_config",
+    "fast_config_rows",
+    "ACTS",
     "tuned",
     "cublas_agrees",
     "in_ranges",
@@ -71,18 +84,53 @@ CONFIG_OVERRIDE: tuple[int, ...] | None = None
 
 
 @triton.jit
-def _chunk_dot(X, W, rm, rn, m_ok, n_ok, rk, c0, c1, K, stride_xm, stride_wn,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+def _load_x(X, NW, rm, k, m_ok, k_ok, K, stride_xm, rstd, PRO: tl.constexpr):
+    """x[rm, k] as the GEMV's input tile [BLOCK_M, BLOCK_K]. PRO 0: as stored. PRO 1 (``act="silu_mul"``): X holds
+    gate_up rows [gate (K) | up (K)]; silu(gate)·up with silu_mul's roundings (silu in fp32 rounded to the dtype,
+    then the product rounded). PRO 2 (``norm=``): X holds a residual sum r; ``(r·rstd)`` rounded, times the norm
+    weight, rounded (rms_norm's op sequence, rstd per row)."""
+    mk = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(X + rm[:, None] * stride_xm + k[None, :], mask=mk, other=0.0)
+    if PRO == 1:
+        u = tl.load(X + rm[:, None] * stride_xm + K + k[None, :], mask=mk, other=0.0)
+        g = x.to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+        x = (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+    elif PRO == 2:
+        nw = tl.load(NW + k, mask=k_ok, other=0.0)
+        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+        x = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _chunk_dot(X, W, NW, rm, rn, m_ok, n_ok, rk, c0, c1, K, stride_xm, stride_wn, rstd,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+               PRO: tl.constexpr):
     """fp32 sum of x[rm, k] · w[rn, k] over k in [c0, min(c1, K)): BLOCK_K tiles in increasing K order
-    through ``tl.dot`` (the order never depends on M)."""
+    through ``tl.dot`` (the order never depends on M); x through :func:`_load_x`'s prologue PRO."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(c0, tl.minimum(c1, K), BLOCK_K):
         k = k0 + rk
         k_ok = k < K
-        x = tl.load(X + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = _load_x(X, NW, rm, k, m_ok, k_ok, K, stride_xm, rstd, PRO)
         w = tl.load(W + rn[None, :] * stride_wn + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=PREC)  # w tile [BLOCK_K, BLOCK_N]
     return acc
+
+
+@triton.jit
+def _store_y(Y, Res, SumSq, total, rm, rn, m_ok, n_ok, stride_ym, stride_res, n_tiles, pid_n, RES: tl.constexpr):
+    """Round the fp32 tile to y's dtype and store it; RES: first add the residual (rounded, as torch's bf16 add)
+    and store that sum instead, with its squares summed over this tile's columns at SumSq[row, pid_n]."""
+    mn_ok = m_ok[:, None] & n_ok[None, :]
+    y = total.to(Y.dtype.element_ty)
+    if RES:
+        res = tl.load(Res + rm[:, None] * stride_res + rn[None, :], mask=mn_ok, other=0.0)
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(Y.dtype.element_ty)
+        yf = tl.where(mn_ok, y.to(tl.float32), 0.0)
+        tl.store(SumSq + rm * n_tiles + pid_n, tl.sum(yf * yf, axis=1), mask=m_ok)
+    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y, mask=mn_ok)
 
 
 @triton.jit
@@ -93,6 +141,10 @@ def _linear_kernel(
     Y,
     P,
     Count,
+    NW,
+    SumSqIn,
+    Res,
+    SumSqOut,
     M,
     N,
     K,
@@ -100,6 +152,9 @@ def _linear_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_res,
+    n_tiles_in,
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -107,6 +162,9 @@ def _linear_kernel(
     FUSED_REDUCE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PREC: tl.constexpr,
+    PRO: tl.constexpr,
+    TILES_IN: tl.constexpr,
+    RES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -117,10 +175,17 @@ def _linear_kernel(
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
+    if PRO == 2:  # the rows' RMSNorm statistic from their producer's per-tile sums of squares, in tile order
+        t = tl.arange(0, TILES_IN)
+        ss = tl.load(SumSqIn + rm[:, None] * n_tiles_in + t[None, :], mask=m_ok[:, None] & (t < n_tiles_in)[None, :],
+                     other=0.0)
+        rstd = tl.math.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    else:
+        rstd = tl.zeros([BLOCK_M], tl.float32)
     if SPLIT_PROGRAMS:  # this program: K chunk pid(2) alone; fp32 partial to P[chunk, M, N]
         c0 = tl.program_id(2) * CHUNK_K
-        acc = _chunk_dot(X, W, rm, rn, m_ok, n_ok, rk, c0, c0 + CHUNK_K, K, stride_xm, stride_wn,
-                         BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        acc = _chunk_dot(X, W, NW, rm, rn, m_ok, n_ok, rk, c0, c0 + CHUNK_K, K, stride_xm, stride_wn, rstd,
+                         BLOCK_M, BLOCK_N, BLOCK_K, PREC, PRO)
         mn_ok = m_ok[:, None] & n_ok[None, :]
         tl.store(P + (tl.program_id(2) * M + rm[:, None]) * N + rn[None, :], acc, mask=mn_ok)
         if FUSED_REDUCE:  # the tile's last chunk program to arrive adds the partials as _linear_reduce_kernel does
@@ -134,20 +199,17 @@ def _linear_kernel(
                                      cache_modifier=".cg")  # from L2: other SMs wrote them
                 if HAS_BIAS:
                     total += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(Y + rm[:, None] * stride_ym + rn[None, :], total.to(Y.dtype.element_ty), mask=mn_ok)
+                _store_y(Y, Res, SumSqOut, total, rm, rn, m_ok, n_ok, stride_ym, stride_res, tl.num_programs(1),
+                         pid_n, RES)
                 tl.atomic_xchg(Count + tile, 0)  # zero for the next launch on this stream
     else:  # every chunk here, summed in chunk order exactly as _linear_reduce_kernel sums the partials
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for c0 in range(0, K, CHUNK_K):
-            total += _chunk_dot(X, W, rm, rn, m_ok, n_ok, rk, c0, c0 + CHUNK_K, K, stride_xm, stride_wn,
-                                BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+            total += _chunk_dot(X, W, NW, rm, rn, m_ok, n_ok, rk, c0, c0 + CHUNK_K, K, stride_xm, stride_wn, rstd,
+                                BLOCK_M, BLOCK_N, BLOCK_K, PREC, PRO)
         if HAS_BIAS:
             total += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            Y + rm[:, None] * stride_ym + rn[None, :],
-            total.to(Y.dtype.element_ty),
-            mask=m_ok[:, None] & n_ok[None, :],
-        )
+        _store_y(Y, Res, SumSqOut, total, rm, rn, m_ok, n_ok, stride_ym, stride_res, tl.num_programs(1), pid_n, RES)
 
 
 @triton.jit(do_not_specialize=["M", "N"])
@@ -412,27 +474,97 @@ SPLIT_PROGRAMS_LIMIT = 256
 FUSED_REDUCE = True
 
 
-def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_programs: bool | None = None):
+ACTS = (None, "silu_mul")
+
+
+def _check_fusion(x, w, act, norm, residual, out):
+    """Shapes of the fused prologue/epilogue arguments of :func:`linear_triton` (raises ValueError naming the one
+    that does not fit). Returns (K, M): the GEMV's inner size and rows."""
+    if act not in ACTS:
+        raise ValueError(f"linear: act must be one of {ACTS}, got {act!r}")
+    if act is not None and norm is not None:
+        raise ValueError("linear: act and norm are two prologues of the input; give one")
+    if w.dim() != 2:
+        raise ValueError(f"linear: weight {tuple(w.shape)} must be [N, K]")
+    N, K = w.shape
+    width = 2 * K if act == "silu_mul" else K
+    if x.shape[-1] != width:
+        raise ValueError(f"linear: x [..., {x.shape[-1]}] does not fit weight {tuple(w.shape)}"
+                         + (f" with act='silu_mul' (want gate_up [..., {width}])" if act else " (want [N, K])"))
+    if x.dtype != w.dtype:
+        raise ValueError(f"linear: x is {x.dtype}, weight is {w.dtype}")
+    M = x.numel() // max(1, width)
+    if norm is not None:
+        nw, ss, _eps = norm
+        if tuple(nw.shape) != (K,) or nw.dtype != w.dtype:
+            raise ValueError(f"linear: norm weight {tuple(nw.shape)} {nw.dtype} must be [{K}] {w.dtype}")
+        if ss.dim() != 2 or ss.shape[0] != M or ss.dtype != torch.float32 or not ss.is_contiguous():
+            raise ValueError(f"linear: norm sums of squares {tuple(ss.shape)} {ss.dtype} must be a contiguous "
+                             f"[{M}, tiles] float32 (a residual epilogue's second output)")
+    if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], N) or residual.dtype != w.dtype):
+        raise ValueError(f"linear: residual {tuple(residual.shape)} {residual.dtype} must be "
+                         f"{(*x.shape[:-1], N)} {w.dtype}")
+    if out is not None and (out.shape[-1] != N or out.numel() != M * N or out.dtype != w.dtype
+                            or out.stride(-1) != 1 or not (out.dim() == 2 or out.is_contiguous())):
+        raise ValueError(f"linear: out {tuple(out.shape)} {out.dtype} strides {out.stride()} must hold {M} rows of "
+                         f"{N} {w.dtype} (unit last stride; 2-D with any row stride, or contiguous)")
+    return K, M
+
+
+def _rows2(t, width):
+    t2 = t.reshape(-1, width)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_programs: bool | None = None, *,
+                  act: str | None = None, norm: tuple | None = None, residual: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None):
     """Row-invariant ``x · wᵀ (+ bias)`` (module docstring). ``cfg``: a 5- or 6-tuple (:func:`config`);
     ``split_programs``: spread the K chunks over programs (None: when M <= SPLIT_PROGRAMS_MAX_M, or as the
     device's tuned file says, never above SPLIT_PROGRAMS_LIMIT rows); the result is bitwise the same either
-    way. Raises ValueError on mismatched shapes or dtypes (bias included) and a non-contiguous weight."""
-    _check(x, w, bias)
+    way.
+
+    Fusions (the engine's small-M decode/verify path, ``infer.model.EngineTarget._layers``):
+      * ``act="silu_mul"``: x is a fused gate/up projection ``[..., 2K]`` (gate first) and the input is
+        ``silu(gate)·up``, computed as it is loaded with :mod:`dspine.ops.silu_mul`'s roundings: the result is
+        bitwise ``linear_triton(silu_mul(x), w)`` (one launch and the ``[M, K]`` round trip fewer).
+      * ``norm=(weight [K], sumsq [M, T] float32, eps)``: x is a residual sum r ``[..., K]`` and the input is
+        RMSNorm(r)·weight with :mod:`dspine.ops.rmsnorm`'s op sequence; the statistic is ``Σ_t sumsq[m, t] / K``,
+        the per-tile sums of squares that a ``residual=`` epilogue wrote for these rows (tile order). The fp32
+        sum of squares runs in another order than rms_norm's, so bf16 results may differ by an ulp, and the
+        statistic depends on the producer's tile width: not for exact mode.
+      * ``residual [..., N]``: the output is ``round(y) + residual`` rounded (torch's bf16 add), and the call
+        returns ``(r, sumsq)``: r ``[..., N]`` and sumsq ``[M, cdiv(N, BLOCK_N)]`` float32, each row's sum of
+        r² over every BLOCK_N-column tile (feed to the next call's ``norm``).
+      * ``out``: a ``[..., N]`` buffer (unit last stride; 2-D with any row stride, or contiguous) that receives
+        y (or r), e.g. a column block of the draft's features.
+    Raises ValueError on mismatched shapes or dtypes (bias, fusion arguments and ``out`` included) and a
+    non-contiguous weight."""
+    if act is None and norm is None and residual is None and out is None:
+        _check(x, w, bias)
+    else:
+        _check_fusion(x, w, act, norm, residual, out)
+        if bias is not None and (tuple(bias.shape) != (w.shape[0],) or bias.dtype != w.dtype):
+            raise ValueError(f"linear: bias {tuple(bias.shape)} {bias.dtype} must be [{w.shape[0]}] {w.dtype}")
     N, K = w.shape
+    fused = act is not None or norm is not None or residual is not None or out is not None
     if K == 0:  # an empty sum: the bias (or zeros), as F.linear gives
+        if fused:
+            raise ValueError(f"linear: weight {tuple(w.shape)} has no columns; the fused forms need K >= 1")
         y = torch.zeros(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
         return y + bias if bias is not None else y
+    width = 2 * K if act == "silu_mul" else K
     if w.stride(1) != 1 or w.stride(0) != K:
         raise ValueError("linear: weight must be contiguous [N, K]")
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows2(x, width)
     M = x2.shape[0]
-    y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    if M == 0 or N == 0:
-        return y
-    y2 = y.view(M, N)
+    y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype) if out is None else out
+    y2 = y.view(M, N) if y.dim() != 2 else y
     bm, bn, bk, warps, stages, split = _cfg6(cfg or config(N, K, x.dtype, x.device, M))
+    sumsq = torch.empty(M, _cdiv(N, bn), device=x.device, dtype=torch.float32) if residual is not None else None
+    done = (y, sumsq) if residual is not None else y
+    if M == 0 or N == 0:
+        return done
     if CHUNK_GRANULE % bk:
         raise ValueError(f"linear: BLOCK_K {bk} must divide CHUNK_GRANULE {CHUNK_GRANULE}")
     ck = chunk_k(K, split)
@@ -446,9 +578,13 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
                 split_programs = e["programs"]["small" if M <= SMALL_M and _mixed_rows(name) else "large"]
         split_programs = split_programs and M <= SPLIT_PROGRAMS_LIMIT
     split_programs = bool(split_programs) and n_chunks > 1
+    count = tile_counters(x.device, _cdiv(M, bm) * _cdiv(N, bn)) if split_programs and FUSED_REDUCE else None
+    if residual is not None and split_programs and count is None:
+        split_programs = False  # the epilogue lives in the kernel's tile stores; one program per tile, same bits
     part = torch.empty(n_chunks, M, N, device=x.device, dtype=torch.float32) if split_programs else y2
     grid = (_cdiv(M, bm), _cdiv(N, bn), n_chunks if split_programs else 1)
-    count = tile_counters(x.device, grid[0] * grid[1]) if split_programs and FUSED_REDUCE else None
+    res2 = _rows2(residual, N) if residual is not None else None
+    nw, ss_in, eps = norm if norm is not None else (w, y2, 0.0)
     _linear_kernel[grid](
         x2,
         w,
@@ -456,6 +592,10 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
         y2,
         part,
         count if count is not None else part,
+        nw,
+        ss_in,
+        res2 if res2 is not None else y2,
+        sumsq if sumsq is not None else part,
         M,
         N,
         K,
@@ -463,6 +603,9 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
         x2.stride(0),
         w.stride(0),
         y2.stride(0),
+        res2.stride(0) if res2 is not None else 0,
+        ss_in.shape[1] if norm is not None else 1,
+        float(eps),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -470,6 +613,9 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
         FUSED_REDUCE=count is not None,
         HAS_BIAS=bias is not None,
         PREC=dot_precision(x.dtype),
+        PRO=1 if act == "silu_mul" else (2 if norm is not None else 0),
+        TILES_IN=next_pow2(ss_in.shape[1]) if norm is not None else 1,
+        RES=residual is not None,
         num_warps=warps,
         num_stages=stages,
         **pdl_kwargs(x.device, M),
@@ -489,7 +635,7 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
             num_warps=4,
             **pdl_kwargs(x.device, M),
         )
-    return y
+    return done
 
 
 def linear_torch(x, w, bias=None):
@@ -518,9 +664,16 @@ def fast_config(x: torch.Tensor, w: torch.Tensor) -> tuple[int, ...] | None:
     streamed from HBM as in a decode step, not from L2). Fast mode needs no row invariance, so that entry's
     split may differ from the exact path's. Without one, the exact path's small tile where the file measured
     it faster (``small_ratio_to_cublas`` < 1)."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(1, x.shape[-1]) <= FAST_MAX_M):
+    if not (x.is_cuda and x.dtype == w.dtype):
         return None
-    name = torch.cuda.get_device_name(x.device)
+    return fast_config_rows(x.numel() // max(1, x.shape[-1]), w)
+
+
+def fast_config_rows(rows: int, w: torch.Tensor) -> tuple[int, ...] | None:
+    """:func:`fast_config` for an input of ``rows`` rows in w's dtype on w's device."""
+    if not (w.is_cuda and w.dtype == torch.bfloat16 and rows <= FAST_MAX_M):
+        return None
+    name = torch.cuda.get_device_name(w.device)
     e = _weight_entry(name, *w.shape)
     if e is None:
         return None
@@ -528,7 +681,7 @@ def fast_config(x: torch.Tensor, w: torch.Tensor) -> tuple[int, ...] | None:
         return tuple(e["fast"]["cfg"]) if e["fast"]["ratio_to_cublas"] < 1.0 else None
     # the measured gain is the small tile's: without mixed tiles (other versions) the kernel would run its large one
     if e.get("small_ratio_to_cublas", float("inf")) < 1.0 and _same_versions(name):
-        return config(*w.shape, x.dtype, x.device, x.numel() // max(1, x.shape[-1]))
+        return config(*w.shape, w.dtype, w.device, rows)
     return None
 
 
@@ -537,20 +690,29 @@ def use_in_fast_mode(x: torch.Tensor, w: torch.Tensor) -> bool:
     return fast_config(x, w) is not None
 
 
-def linear(x, w, bias=None, impl: str = "triton", exact: bool = True):
+def linear(x, w, bias=None, impl: str = "triton", exact: bool = True, *, act: str | None = None):
     """``x [..., K] · w[N, K]ᵀ (+ bias [N])`` -> ``[..., N]`` in x's dtype.
 
     ``exact=True``: row invariant (module docstring), Triton kernel or the row-by-row reference
     by ``impl``. ``exact=False``: ``F.linear`` (cuBLAS / the CPU BLAS), except the Triton kernel where
-    :func:`use_in_fast_mode` says it is faster.
-    Raises ValueError on mismatched shapes or dtypes.
+    :func:`use_in_fast_mode` says it is faster. ``act="silu_mul"``: x is a gate/up projection ``[..., 2K]`` and
+    the input is ``silu(gate)·up`` (:mod:`dspine.ops.silu_mul`); where the Triton kernel runs it applies the
+    activation as it loads x (:func:`linear_triton`, the same bits), elsewhere silu_mul runs first. With ``act``
+    the exact path never takes the cuBLAS rows of :func:`cublas_agrees`.
+    Raises ValueError on mismatched shapes or dtypes, or another ``act``.
     """
+    if act not in ACTS:
+        raise ValueError(f"linear: act must be one of {ACTS}, got {act!r}")
     if not exact:
         cfg = fast_config(x, w) if impl == "triton" else None
         if cfg is not None:
-            return linear_triton(x, w, bias, cfg=cfg, split_programs=True)
-        return F.linear(x, w, bias)
+            return linear_triton(x, w, bias, cfg=cfg, split_programs=True, act=act)
+        return F.linear(x if act is None else silu_mul(x, impl=impl), w, bias)
     check_impl(impl)
+    if act is not None:
+        if impl == "triton":
+            return linear_triton(x, w, bias, act=act)
+        x = silu_mul(x, impl=impl)
     if impl == "triton" and x.is_cuda:
         _check(x, w, bias)
         x2 = x.reshape(-1, x.shape[-1])
