@@ -543,8 +543,9 @@ class EngineTarget(nn.Module):
 
         ``fuse_norm`` (attribute): "off" never; "on" whenever it applies (Triton, not exact, attention layers with a
         dense MLP; the tests run it in the CPU interpreter); "auto" (default) where it applies and the fast path runs
-        the Triton kernel anyway (CUDA, bf16, ``rows <= FAST_MAX_M`` and the device's tuned file prefers it for all
-        four layer weights), so that no cuBLAS call is traded for it. Not in exact mode: the fused statistic sums the
+        the Triton kernel anyway (``dspine.ops.linear.fast_config_rows``: CUDA, bf16, and the device's tuned file
+        prefers it for all four layer weights at this row count, ``fast`` up to 16 rows, ``fast_wide`` above), so
+        that no cuBLAS call is traded for it. Not in exact mode: the fused statistic sums the
         squares in the producer's tile order, which is not row invariant across tile configurations."""
         a, mode = self.args, self.fuse_norm
         if mode not in ("auto", "on", "off"):

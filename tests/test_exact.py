@@ -152,6 +152,44 @@ def test_tune_linear_fast_tiny_writes_fast_entries(tmp_path):
         tlf.write_tuned(tuned, json.loads(out.read_text()))
 
 
+@needs_interp
+def test_tune_linear_fast_tiny_wide_writes_fast_wide(tmp_path):
+    """--wide: the verify row counts (tiny: 20 and 40), written as a ``fast_wide`` entry with ``max_m`` = 40 beside
+    the weight's ``fast`` one, which stays."""
+    from benchmarks.kernels import tune_linear_fast as tlf
+
+    tuned = tmp_path / "linear-X.json"
+    fast = {"cfg": [16, 32, 64, 4, 2, 1], "ratio_to_cublas": 0.9}
+    tuned.write_text(json.dumps({"mixed_row_tiles": True, "weights": {"96,600": {
+        "split": 3, "small": [16, 32, 64, 4, 2], "large": [64, 32, 32, 4, 2],
+        "programs": {"small": True, "large": False}, "fast": fast}}}))  # fmt: skip
+    out = tmp_path / "r.json"
+    assert tlf.main(["--tiny", "--wide", "--output", str(out), "--write-tuned", str(tuned)]) == 0
+    res = json.loads(out.read_text())
+    assert res["wide"] is True and res["ms"] == [20, 40]
+    e = json.loads(tuned.read_text())["weights"]["96,600"]
+    best = res["weights"]["a"]["best"]
+    assert e["fast"] == fast and e["fast_wide"]["max_m"] == 40 and e["fast_wide"]["cfg"] == best["cfg"]
+    assert e["fast_wide"]["ratio_to_cublas"] == best["mean_ratio_to_cublas"]
+    assert set(e["fast_wide"]["ratio_by_m"]) == {"M20", "M40"}
+
+
+def test_fast_pick_by_rows():
+    """The fast path's tile by row count: ``fast`` at 1..16 rows, ``fast_wide`` above up to its ``max_m``, each only
+    where it beat cuBLAS; without ``fast``, the exact path's small tile where that beat cuBLAS."""
+    from dspine.ops.linear import fast_pick
+
+    e = {"fast": {"cfg": [16, 64, 128, 4, 3, 2], "ratio_to_cublas": 0.9},
+         "fast_wide": {"cfg": [128, 128, 64, 8, 3, 1], "ratio_to_cublas": 0.95, "max_m": 128}}
+    assert fast_pick(e, 1) == fast_pick(e, 16) == (16, 64, 128, 4, 3, 2)
+    assert fast_pick(e, 17) == fast_pick(e, 128) == (128, 128, 64, 8, 3, 1)
+    assert fast_pick(e, 129) is None and fast_pick(e, 0) is None and fast_pick(None, 1) is None
+    slow = {**e, "fast_wide": {**e["fast_wide"], "ratio_to_cublas": 1.02}, "fast": {**e["fast"], "ratio_to_cublas": 1.1}}
+    assert fast_pick(slow, 8) is None and fast_pick(slow, 64) is None
+    assert fast_pick({"small_ratio_to_cublas": 0.95}, 8) == "small"
+    assert fast_pick({"small_ratio_to_cublas": 1.05}, 8) is None and fast_pick({"small_ratio_to_cublas": 0.95}, 32) is None
+
+
 def test_tuned_fast_entry_checked():
     """A ``fast`` entry's configuration must be six integers with power-of-two blocks and warps, its ratio a
     positive number; the error names the weight and field."""
@@ -167,6 +205,12 @@ def test_tuned_fast_entry_checked():
         bad = {"mixed_row_tiles": True, "weights": {"8,8": {**e, "fast": {"cfg": cfg, "ratio_to_cublas": ratio}}}}
         with pytest.raises(ValueError, match=rf"weight 8,8: {msg}"):
             _check_tuned(bad)
+    wide = {"cfg": [128, 128, 64, 8, 3, 1], "ratio_to_cublas": 0.95, "max_m": 128}
+    _check_tuned({"mixed_row_tiles": True, "weights": {"8,8": {**e, "fast_wide": wide}}})
+    for bad_wide, msg in (({**wide, "max_m": 16}, "fast_wide.max_m 16"), ({**wide, "max_m": "128"}, "fast_wide.max_m"),
+                          ({**wide, "cfg": [128, 96, 64, 8, 3, 1]}, "fast_wide.cfg")):
+        with pytest.raises(ValueError, match=rf"weight 8,8: {msg}"):
+            _check_tuned({"mixed_row_tiles": True, "weights": {"8,8": {**e, "fast_wide": bad_wide}}})
 
 
 class _Spy:

@@ -2,6 +2,8 @@
 
     python benchmarks/kernels/tune_linear_fast.py --output results/linear-fast-h200.json \
         --write-tuned dspine/ops/tuned/linear-NVIDIA_H200.json
+    python benchmarks/kernels/tune_linear_fast.py --wide --output results/linear-fast-wide-h200.json \
+        --write-tuned dspine/ops/tuned/linear-NVIDIA_H200.json
     python benchmarks/kernels/tune_linear_fast.py --tiny        # CPU smoke test (Triton interpreter)
 
 Fast mode (``linear(exact=False)``) needs no row invariance, so each weight may take whatever configuration
@@ -13,7 +15,9 @@ o/qkv weights of Qwen3-8B fit in the H200's L2, where ``do_bench_cudagraph`` on 
 µs per call, median of 5 replays. Per weight: the candidate with the lowest mean ratio to cuBLAS's
 ``F.linear`` over the row counts, and its ratio per row count. ``--write-tuned`` adds it to the device's tuned
 file as that weight's ``fast`` entry (``dspine.ops.linear.fast_config`` uses it where the ratio is below 1);
-the exact path's entries are left as they are.
+the exact path's entries are left as they are. ``--wide``: the same at a batched verify's 32, 64 and 128 rows
+(where cuBLAS's GEMMs read the weights at 2.4-3.3 TB/s against the GEMV's 3.7 on the H200,
+results/profile-step-h200.json), written as ``fast_wide`` entries that ``fast_config_rows`` uses up to 128 rows.
 """
 
 from __future__ import annotations
@@ -42,8 +46,16 @@ MS = (1, 8, 16)
 TILES = [(16, bn, bk, w, st) for bn, bk, w, st in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
          if bn * bk <= 16384 and (w == 4 or bn * bk >= 8192)]
 SPLITS = (1, 2, 3, 4, 6, 8)
+# --wide: a batched verify's rows (16 a request: batch 2, 4, 8), wgmma-sized row tiles, shared memory of the
+# pipeline stages within the H200's 227 KB
+MS_WIDE = (32, 64, 128)
+TILES_WIDE = [(bm, bn, bk, w, st) for bm, bn, bk, w, st in itertools.product((64, 128), (64, 128, 256), (64, 128),
+                                                                          (4, 8), (3, 4, 5))
+              if st * (bm * bk + bk * bn) * 2 <= 200_000 and (w == 8 or bm * bn <= 128 * 64)]
+SPLITS_WIDE = (1, 2, 4)
 TINY_SHAPES = {"a": (96, 600)}
 TINY_MS = (1, 3)
+TINY_MS_WIDE = (20, 40)
 TINY_TILES = [(16, 32, 64, 4, 2)]
 TINY_SPLITS = (1, 3)
 
@@ -89,9 +101,12 @@ def run(args) -> dict:
     dev = "cuda" if cuda else "cpu"
     dt = torch.bfloat16
     shapes = TINY_SHAPES if args.tiny else {k: SHAPES[k] for k in args.weights}
-    ms, tiles, splits = (TINY_MS, TINY_TILES, TINY_SPLITS) if args.tiny else (MS, TILES, SPLITS)
+    if args.tiny:
+        ms, tiles, splits = (TINY_MS_WIDE if args.wide else TINY_MS), TINY_TILES, TINY_SPLITS
+    else:
+        ms, tiles, splits = (MS_WIDE, TILES_WIDE, SPLITS_WIDE) if args.wide else (MS, TILES, SPLITS)
     g = torch.Generator().manual_seed(0)
-    out = {"stream_mb": args.stream_mb, "ms": list(ms), "weights": {}}
+    out = {"stream_mb": args.stream_mb, "ms": list(ms), "wide": bool(args.wide), "weights": {}}
     for name, (N, K) in shapes.items():
         copies = 1 if not cuda else max(2, -(-args.stream_mb * 2**20 // (N * K * 2)))
         ws = [(torch.randn(N, K, generator=g) / K**0.5).to(dt).to(dev) for _ in range(copies)]
@@ -131,18 +146,21 @@ def run(args) -> dict:
 
 
 def write_tuned(path: Path, res: dict) -> None:
-    """Add each weight's best configuration as its ``fast`` entry of the tuned file at ``path`` (which must have
-    an entry for the weight already: the exact path's). Raises ValueError naming the file and weight otherwise."""
+    """Add each weight's best configuration as its ``fast`` entry (``fast_wide`` with ``max_m``, the largest row
+    count measured, for a ``--wide`` run) of the tuned file at ``path`` (which must have an entry for the weight
+    already: the exact path's). Raises ValueError naming the file and weight otherwise."""
     d = json.loads(path.read_text())
+    wide = bool(res.get("wide"))
     for name, w in res["weights"].items():
         key = f"{w['N']},{w['K']}"
         if key not in d.get("weights", {}):
             raise ValueError(f"{path}: no entry for weight {name} [{key}] (run bench_linear.py --cross first)")
-        d["weights"][key]["fast"] = {
+        d["weights"][key]["fast_wide" if wide else "fast"] = {
             "cfg": w["best"]["cfg"],
             "ratio_to_cublas": w["best"]["mean_ratio_to_cublas"],
             "ratio_by_m": w["best_ratio_by_m"],
-            "source": "benchmarks/kernels/tune_linear_fast.py",
+            **({"max_m": max(res["ms"])} if wide else {}),
+            "source": "benchmarks/kernels/tune_linear_fast.py" + (" --wide" if wide else ""),
             **{k: res[k] for k in ("gpu", "date", "commit") if k in res},
         }
     lin._check_tuned(d)
@@ -159,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=int, default=8, help="candidates kept per weight in the output")
     ap.add_argument("--write-tuned", default=None, metavar="FILE",
                     help="add the best configurations as fast entries to this tuned file")
+    ap.add_argument("--wide", action="store_true",
+                    help=f"a batched verify's row counts {MS_WIDE} with wgmma-sized tiles; writes fast_wide entries")
     args = ap.parse_args(argv)
     if args.stream_mb < 1:
         ap.error(f"--stream-mb {args.stream_mb}: must be at least 1")

@@ -72,6 +72,7 @@ __all__ = [
     "use_in_fast_mode",
     "fast_config",
     "fast_config_rows",
+    "fast_pick",
     "ACTS",
     "tuned",
     "cublas_agrees",
@@ -294,7 +295,9 @@ def tuned(device_name: str) -> dict:
 
     Format: {"mixed_row_tiles": bool, "weights": {"N,K": {"split": S, "small": [BM, BN, BK, warps,
     stages], "large": [...], "programs": {"small": bool, "large": bool}, "small_ratio_to_cublas": r,
-    "cublas_m": [[lo, hi], ...]}}, "versions": {"torch": ..., "triton": ...}}; ``programs``: K chunks over programs at that size (up to
+    "cublas_m": [[lo, hi], ...], "fast": {...}, "fast_wide": {...}}}, "versions": {"torch": ..., "triton": ...}};
+    ``fast`` / ``fast_wide``: the fast path's tile at <= FAST_MAX_M rows / above that up to ``max_m`` rows
+    (:func:`fast_config_rows`); ``programs``: K chunks over programs at that size (up to
     SPLIT_PROGRAMS_LIMIT rows); ``small_ratio_to_cublas`` (optional): the small tile's mean time over
     cuBLAS's at M <= SMALL_M, < 1 puts the fast path on this kernel (:func:`use_in_fast_mode`);
     ``cublas_m`` (optional, split 1 only): row counts
@@ -359,8 +362,10 @@ def _check_tuned(d: dict) -> None:
                 raise ValueError(f"weight {key}: cublas_m range {r!r} is not [lo, hi] with 1 <= lo <= hi")
         if e.get("cublas_m") and split != 1:
             raise ValueError(f"weight {key}: cublas_m needs split 1 (cuBLAS sums K in one pass)")
-        if "fast" in e:
-            f = e["fast"]
+        for field in ("fast", "fast_wide"):
+            if field not in e:
+                continue
+            f = e[field]
             cfg, r = f["cfg"], f["ratio_to_cublas"]
             if not (
                 isinstance(cfg, list)
@@ -371,11 +376,16 @@ def _check_tuned(d: dict) -> None:
                 and CHUNK_GRANULE % cfg[2] == 0
             ):
                 raise ValueError(
-                    f"weight {key}: fast.cfg {cfg!r} is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split] "
+                    f"weight {key}: {field}.cfg {cfg!r} is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split] "
                     f"(integers; block sizes >= 16 and with warps powers of 2; BLOCK_K divides {CHUNK_GRANULE})"
                 )
             if not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < float("inf")):
-                raise ValueError(f"weight {key}: fast.ratio_to_cublas {r!r} must be a positive number")
+                raise ValueError(f"weight {key}: {field}.ratio_to_cublas {r!r} must be a positive number")
+            if field == "fast_wide":
+                top = f.get("max_m")
+                if not (isinstance(top, int) and not isinstance(top, bool) and FAST_MAX_M < top <= SPLIT_PROGRAMS_LIMIT):
+                    raise ValueError(f"weight {key}: fast_wide.max_m {top!r} must be an integer in "
+                                     f"{FAST_MAX_M + 1}..{SPLIT_PROGRAMS_LIMIT}")
 
 
 def versions() -> dict:
@@ -659,7 +669,8 @@ FAST_MAX_M = 16
 
 def fast_config(x: torch.Tensor, w: torch.Tensor) -> tuple[int, ...] | None:
     """The Triton configuration ``linear(exact=False, impl="triton")`` runs instead of cuBLAS, or None for
-    cuBLAS: CUDA, bf16, at most FAST_MAX_M rows, and the device's tuned file has a ``fast`` entry for the weight
+    cuBLAS: CUDA, bf16, at most FAST_MAX_M rows (above: :func:`fast_config_rows`'s ``fast_wide``), and the
+    device's tuned file has a ``fast`` entry for the weight
     measured faster than cuBLAS (``fast.ratio_to_cublas`` < 1: benchmarks/kernels/tune_linear_fast.py, weights
     streamed from HBM as in a decode step, not from L2). Fast mode needs no row invariance, so that entry's
     split may differ from the exact path's. Without one, the exact path's small tile where the file measured
@@ -670,19 +681,33 @@ def fast_config(x: torch.Tensor, w: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def fast_config_rows(rows: int, w: torch.Tensor) -> tuple[int, ...] | None:
-    """:func:`fast_config` for an input of ``rows`` rows in w's dtype on w's device."""
-    if not (w.is_cuda and w.dtype == torch.bfloat16 and rows <= FAST_MAX_M):
+    """:func:`fast_config` for an input of ``rows`` rows in w's dtype on w's device. Above FAST_MAX_M rows (a
+    batched verify: 16 rows a request), the weight's ``fast_wide`` entry up to its ``max_m`` rows where it was
+    measured faster than cuBLAS (``tune_linear_fast.py --wide``), else None."""
+    if not (w.is_cuda and w.dtype == torch.bfloat16):
         return None
     name = torch.cuda.get_device_name(w.device)
-    e = _weight_entry(name, *w.shape)
-    if e is None:
+    pick = fast_pick(_weight_entry(name, *w.shape), rows)
+    if pick == "small":  # the measured gain is the small tile's: other versions may not run it (no mixed tiles)
+        return config(*w.shape, w.dtype, w.device, rows) if _same_versions(name) else None
+    return pick
+
+
+def fast_pick(entry: dict | None, rows: int) -> tuple[int, ...] | str | None:
+    """The fast path's choice from a weight's tuned-file entry at ``rows`` rows: its ``fast`` configuration at
+    1..FAST_MAX_M rows, its ``fast_wide`` one above that up to ``max_m``, each where measured faster than cuBLAS
+    (ratio < 1); at <= FAST_MAX_M without ``fast``, "small" (the exact path's small tile) where that was measured
+    faster (``small_ratio_to_cublas`` < 1); None (cuBLAS) otherwise."""
+    if entry is None or rows < 1:
         return None
-    if "fast" in e:
-        return tuple(e["fast"]["cfg"]) if e["fast"]["ratio_to_cublas"] < 1.0 else None
-    # the measured gain is the small tile's: without mixed tiles (other versions) the kernel would run its large one
-    if e.get("small_ratio_to_cublas", float("inf")) < 1.0 and _same_versions(name):
-        return config(*w.shape, w.dtype, w.device, rows)
-    return None
+    if rows > FAST_MAX_M:
+        wide = entry.get("fast_wide")
+        if wide is not None and rows <= wide["max_m"] and wide["ratio_to_cublas"] < 1.0:
+            return tuple(wide["cfg"])
+        return None
+    if "fast" in entry:
+        return tuple(entry["fast"]["cfg"]) if entry["fast"]["ratio_to_cublas"] < 1.0 else None
+    return "small" if entry.get("small_ratio_to_cublas", float("inf")) < 1.0 else None
 
 
 def use_in_fast_mode(x: torch.Tensor, w: torch.Tensor) -> bool:
