@@ -53,7 +53,8 @@ from dspine.config import (
     unsupported_rope,
 )
 from dspine.io import read_safetensors
-from dspine.ops.linear import fast_config_rows, linear, linear_triton
+from dspine.ops._common import env_choice
+from dspine.ops.linear import SPLIT_PROGRAMS_LIMIT, fast_config_rows, fuse_act, linear, linear_triton
 from dspine.ops.lm_head import lm_head as lm_head_op
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
@@ -69,6 +70,9 @@ HYBRID = ("qwen3_5_text", "qwen3_next")  # gated delta-rule + gated full attenti
 # Exact mode's default (engine, CLIs). Issue 13: on if it costs <= 3% against the fast mode at 8B
 # shape; off until benchmarks/engine/bench_exact.py has measured it on a GPU.
 EXACT_DEFAULT = False
+
+
+FUSE_NORM_MODES = ("auto", "on", "off")  # EngineTarget.fuse_norm
 
 
 def to_device(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
@@ -324,7 +328,8 @@ class EngineTarget(nn.Module):
         self.last_layer_features = last_layer_features  # "post_norm" | "pre_norm" (the draft's config)
         self.impl = impl
         self.scale = a.head_dim ** -0.5
-        self.fuse_norm = "auto"  # decode/verify steps: norms folded into the linear layers (fuse_norms)
+        # decode/verify steps: norms folded into the linear layers (fuse_norms); DSPINE_FUSE_NORM, default off
+        self.fuse_norm = env_choice("DSPINE_FUSE_NORM", FUSE_NORM_MODES, "off")
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -541,14 +546,15 @@ class EngineTarget(nn.Module):
         the linear layers around it (``dspine.ops.linear.linear_triton``'s ``residual=`` epilogue on the o and down
         projections, ``norm=`` prologue on the next qkv and gate/up), so no norm kernel runs between layers.
 
-        ``fuse_norm`` (attribute): "off" never; "on" whenever it applies (Triton, not exact, attention layers with a
+        ``fuse_norm`` (attribute; its default is the environment variable ``DSPINE_FUSE_NORM``, else "off" until the
+        fused path is measured on a GPU): "off" never; "on" whenever it applies (Triton, not exact, attention layers with a
         dense MLP; the tests run it in the CPU interpreter); "auto" (default) where it applies and the fast path runs
         the Triton kernel anyway (``dspine.ops.linear.fast_config_rows``: CUDA, bf16, and the device's tuned file
         prefers it for all four layer weights at this row count, ``fast`` up to 16 rows, ``fast_wide`` above), so
         that no cuBLAS call is traded for it. Not in exact mode: the fused statistic sums the
         squares in the producer's tile order, which is not row invariant across tile configurations."""
         a, mode = self.args, self.fuse_norm
-        if mode not in ("auto", "on", "off"):
+        if mode not in FUSE_NORM_MODES:
             raise ValueError(f"fuse_norm must be 'auto', 'on' or 'off', got {mode!r}")
         if mode == "off" or exact or self.impl != "triton" or a.hybrid or any(L.moe for L in self.layers):
             return False
@@ -583,7 +589,10 @@ class EngineTarget(nn.Module):
         into = None  # the column block the next input norm writes its residual sum into
 
         def lin(inp, w, bias=None, **fuse):  # fused: the fast path's Triton kernel with a prologue/epilogue
-            return linear_triton(inp, w, bias, cfg=fast_config_rows(N, w), split_programs=True, **fuse)
+            if fuse.get("act") and not fuse_act():  # DSPINE_FUSE_ACT=0: the separate activation kernel first
+                inp, fuse["act"] = silu_mul(inp, impl=impl), None
+            return linear_triton(inp, w, bias, cfg=fast_config_rows(N, w), split_programs=N <= SPLIT_PROGRAMS_LIMIT,
+                                 **fuse)
 
         for i, L in enumerate(self.layers):
             h = None

@@ -59,11 +59,15 @@ def test_profile_step_draft_vocab_size_reaches_the_engine(tmp_path, monkeypatch)
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(profile_step, "Engine", Spy)
+    monkeypatch.setattr(profile_step.apply_fusion_args.__globals__["lin"], "FUSE_ACT", None)  # --fuse-act sets it
     out = tmp_path / "profile.json"
     profile_step.main(["--tiny", "--device", "cpu", "--batch", "1", "--context", "8", "--steps", "1", "--warmup", "0",
-                       "--kinds", "spec", "--draft-vocab-size", "64", "--fuse-norm", "off", "--output", str(out)])
+                       "--kinds", "spec", "--draft-vocab-size", "64", "--fuse-norm", "on", "--fuse-act", "on",
+                       "--output", str(out)])
     rec = json.loads(out.read_text())
-    assert rec["draft_vocab_size"] == 64 and len(seen) == 1 and rec["fuse_norm"] == "off"
+    assert rec["draft_vocab_size"] == 64 and len(seen) == 1
+    # recorded as set; on the CPU's torch path no norm is folded, which fused_rows says
+    assert rec["fuse_norm"] == "on" and rec["fuse_act"] is True and rec["fused_rows"] == []
     ids = seen[0]
     assert ids.numel() == 64 and ids.unique().numel() == 64 and 0 <= int(ids.min()) and int(ids.max()) < 512
     assert ids.tolist() == torch.randperm(512, generator=torch.Generator().manual_seed(2))[:64].tolist()
@@ -95,7 +99,7 @@ def test_bench_engine_skip_peers_keeps_engine_keys_only(tmp_path):
         assert prof["steps"] in (32, 33) and prof["tokens"] == 32 * (1 if b == "batch1" else 8)
         assert row["ar_decode_ms_per_step"] == pytest.approx(1e3 * (prof["wall_s"] - prof["prefill_s"]) / prof["steps"])
     assert "hf_generate_tok_per_s" not in rec and rec["spec_step_over_ar_step"] == rec["batch1"]["spec_step_over_ar_step"]
-    assert rec["fuse_norm"] == "auto" and rec["fused_rows"] == []  # the CPU's torch path folds no norms
+    assert rec["fuse_norm"] == "off" and rec["fuse_act"] is False and rec["fused_rows"] == []  # the defaults
 
 
 @pytest.mark.parametrize("argv, msg", [(["--block", "4"], "--block=4: the tau = 7 oracle"),

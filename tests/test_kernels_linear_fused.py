@@ -106,19 +106,72 @@ def test_out_buffer_with_row_stride_and_errors():
         linear_triton(x, w, out=torch.empty(M, N + 1))
     with pytest.raises(ValueError, match="no columns"):
         linear_triton(torch.zeros(M, 0), torch.zeros(N, 0), residual=res)
+    with pytest.raises(ValueError, match="no columns"):
+        linear_triton(torch.zeros(M, 0), torch.zeros(N, 0), out=torch.empty(M, N))
     with pytest.raises(ValueError, match="act must be one of"):
         linear(gate_up, w, act="relu")
+    # out may not share memory with what other programs still read, nor hold rows that overlap
+    with pytest.raises(ValueError, match="out overlaps x"):
+        x2 = torch.randn(M, N)
+        linear_triton(x2, torch.randn(N, N), out=x2)
+    with pytest.raises(ValueError, match="rows at least"):
+        linear_triton(x, w, out=torch.empty(N).expand(M, N))
+    with pytest.raises(ValueError, match=r"must be \(1, 19, 96\)"):
+        linear_triton(x[None], w, out=torch.empty(M, N))
+    with pytest.raises(ValueError, match="norm must be"):
+        linear_triton(x, w, norm=(torch.ones(K), sumsq))
+    with pytest.raises(ValueError, match="every tile"):  # 0 columns, or fewer than any tile width leaves
+        linear_triton(x, w, norm=(torch.ones(K), torch.zeros(M, 0), 1e-6))
+    with pytest.raises(ValueError, match="every tile"):
+        linear_triton(x, w, norm=(torch.ones(K), torch.zeros(M, 7), 1e-6))  # cdiv(600, bn) is 38, 19, 10, 5, 3...
+    linear_triton(x, w, norm=(torch.ones(K), torch.ones(M, 10), 1e-6))  # bn = 64
+    with pytest.raises(ValueError, match=r"x \(\) does not fit"):
+        linear_triton(torch.tensor(1.0), w, residual=res)
+    with pytest.raises(ValueError, match="powers of 2"):
+        linear_triton(x, w, cfg=(16, 24, 64, 4, 2, 1))
+    with pytest.raises(ValueError, match=r"want gate_up \[\.\.\., 1200\]"):
+        linear(x, w, exact=False, act="silu_mul")
+    with pytest.raises(ValueError, match=r"want gate_up \[\.\.\., 1200\]"):
+        linear(gate_up[:, :-2], w, impl="torch", act="silu_mul")
 
 
 @needs_interp
 @pytest.mark.parametrize("exact", [True, False])
-def test_linear_act_routes(exact):
-    """``linear(act="silu_mul")``: the kernel's prologue where the Triton kernel runs, silu_mul then the layer
-    elsewhere: the same values as the unfused pair in every route."""
+@pytest.mark.parametrize("fuse", [True, False])
+def test_linear_act_routes(exact, fuse, monkeypatch):
+    """``linear(act="silu_mul")``: the kernel's prologue where the Triton kernel runs and FUSE_ACT is on, silu_mul
+    then the layer otherwise: the same values as the unfused pair in every route; which route ran shows in whether
+    the silu_mul kernel was launched."""
+    monkeypatch.setattr(lin, "FUSE_ACT", fuse)
+    calls = []
+    real = lin.silu_mul
+    monkeypatch.setattr(lin, "silu_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
     _, gate_up, w, _ = _data(torch.bfloat16, 4)
     for impl in ("triton", "torch"):
         want = linear(silu_mul(gate_up, impl=impl), w, impl=impl, exact=exact)
+        calls.clear()
         assert torch.equal(linear(gate_up, w, impl=impl, exact=exact, act="silu_mul"), want), impl
+        # the prologue runs only on the kernel path: exact Triton (fast mode on the CPU is torch's F.linear)
+        assert len(calls) == (0 if fuse and impl == "triton" and exact else 1), (impl, exact, fuse)
+
+
+@needs_interp
+def test_fusion_switches_from_the_environment(monkeypatch):
+    """DSPINE_FUSE_ACT (0/1, default 0) and DSPINE_FUSE_NORM (auto/on/off, default off): read where used, a bad value
+    is a ValueError naming the variable."""
+    monkeypatch.setattr(lin, "FUSE_ACT", None)
+    monkeypatch.delenv("DSPINE_FUSE_ACT", raising=False)
+    monkeypatch.delenv("DSPINE_FUSE_NORM", raising=False)
+    assert lin.fuse_act() is False and _tiny_target(torch.float32, layers=1).fuse_norm == "off"
+    monkeypatch.setenv("DSPINE_FUSE_ACT", "1")
+    monkeypatch.setenv("DSPINE_FUSE_NORM", "Auto")
+    assert lin.fuse_act() is True and _tiny_target(torch.float32, layers=1).fuse_norm == "auto"
+    monkeypatch.setenv("DSPINE_FUSE_ACT", "yes")
+    with pytest.raises(ValueError, match="DSPINE_FUSE_ACT='yes': use one of 0, 1"):
+        linear(torch.zeros(2, 8), torch.zeros(3, 4), act="silu_mul")
+    monkeypatch.setenv("DSPINE_FUSE_NORM", "always")
+    with pytest.raises(ValueError, match="DSPINE_FUSE_NORM='always'"):
+        _tiny_target(torch.float32, layers=1)
 
 
 def _tiny_target(dtype, layers=3):
@@ -143,6 +196,7 @@ def test_target_fused_layers_match_unfused(dtype, monkeypatch):
     and the final norm) where the unfused step runs 2 per layer and the final one."""
     import infer.model as im
 
+    monkeypatch.setattr(lin, "FUSE_ACT", True)
     tgt = _tiny_target(dtype)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 300, (n,), generator=g) for n in (7, 4)]
@@ -211,7 +265,7 @@ def test_fused_kernels_cuda_qwen3_8b_shapes(rows):
 
 
 @pytest.mark.gpu
-def test_engine_fused_layers_cuda_graphs():
+def test_engine_fused_layers_cuda_graphs(monkeypatch):
     """A small Qwen3 target in bf16 with ``fuse_norm="on"``: the step's logits match the unfused step's within
     bf16 rounding, and greedy speculative output from CUDA graphs equals the same engine's eager output (the
     fused kernels capture, counters and all)."""
@@ -222,6 +276,7 @@ def test_engine_fused_layers_cuda_graphs():
     from infer.model import EngineTarget, ModelArgs
     from tests.test_exact import _draft_for
 
+    monkeypatch.setattr(lin, "FUSE_ACT", True)
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,

@@ -19,9 +19,9 @@ Measures, after warm-up, with CUDA events around graph replays:
 * ``oracle_speedup_tau7``: a benchmark-only oracle that accepts exactly 6 draft tokens per step
   (τ = 7) against the engine's own AR, end to end over 256 tokens (the median of ``--oracle-reps`` runs; each
   run's tok/s in ``oracle_tok_per_s_runs``; the last block of 256 tokens is cut short, so its τ is 6.89);
-* ``fuse_norm`` / ``fused_rows``: ``--fuse-norm`` and the step row counts (of 1, 8, 16, 128) at which it folds
-  the target's norms into its linear layers (``EngineTarget.fuse_norms``): alternate runs with ``off`` to see
-  what the fusion is worth;
+* ``fuse_norm`` / ``fuse_act`` / ``fused_rows``: the fusions the run used (``--fuse-norm``, ``--fuse-act``) and the
+  step row counts (of 1, 8, 16, 128) at which the target's norms ride in its linear layers
+  (``EngineTarget.fuse_norms``): alternate runs with both off to see what the fusions are worth;
 * ``hf_generate_tok_per_s``: transformers ``generate`` on the same weights, same prompt
   (``--skip-peers`` leaves out this and the compiled peer below).
 The same numbers at batch 8. At batch 1 only, the stronger peer:
@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dspine.config import DSpineConfig  # noqa: E402
 from dspine.io import atomic_write_json  # noqa: E402
 from dspine.model import DSpineDraftModel  # noqa: E402
+from dspine.ops import linear as lin  # noqa: E402
 from dspine.paths import check_output_file  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
@@ -68,7 +69,22 @@ TINY = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_
 
 FUSE_NORM_CHOICES = ("auto", "on", "off")
 FUSE_NORM_HELP = ("the target's RMSNorms folded into its linear layers (infer.model.EngineTarget.fuse_norms): auto "
-                  "(the engine's default: where the fast path runs Triton GEMVs), on, off (a separate norm kernel)")
+                  "(where the fast path runs Triton GEMVs), on, off (a separate norm kernel); default: "
+                  "DSPINE_FUSE_NORM, else off")
+FUSE_ACT_HELP = ("SiLU-mul applied in the down projection's load (dspine.ops.linear.FUSE_ACT): on, off; default: "
+                 "DSPINE_FUSE_ACT, else off")
+
+
+def apply_fusion_args(args, target: EngineTarget) -> dict:
+    """Set ``--fuse-norm`` on the target and ``--fuse-act`` on dspine.ops.linear (each where given) and return what
+    a step runs: ``fuse_norm``, ``fuse_act`` and ``fused_rows``, the step row counts of (1, 8, 16, 128) at which the
+    target's norms are folded (``EngineTarget.fuse_norms``; empty where the mode is off or does not apply)."""
+    if args.fuse_norm is not None:
+        target.fuse_norm = args.fuse_norm
+    if args.fuse_act is not None:
+        lin.FUSE_ACT = args.fuse_act == "on"
+    return {"fuse_norm": target.fuse_norm, "fuse_act": lin.fuse_act(),
+            "fused_rows": [m for m in (1, 8, 16, 128) if target.fuse_norms(m)]}
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -226,9 +242,7 @@ def run(args) -> dict:
         return res
     res["ceilings"] = ceilings(dev)
     target = EngineTarget.from_hf_state(a, hf.state_dict(), dev, dtype, dm.config.target_layer_ids, impl)
-    target.fuse_norm = args.fuse_norm  # --fuse-norm: the norms folded into the linear layers (A/B against off)
-    res["fuse_norm"] = args.fuse_norm
-    res["fused_rows"] = [m for m in (1, 8, 16, 128) if target.fuse_norms(m)]  # step rows that run the fused layers
+    res.update(apply_fusion_args(args, target))  # --fuse-norm / --fuse-act (A/B against off)
     draft = dm
     total, no_embed = weight_bytes(target)
     res["weight_bytes"], res["weight_bytes_excl_embedding"] = total, no_embed
@@ -344,7 +358,8 @@ def main(argv=None) -> int:
                     help="engine numbers only: no transformers generate / compiled-transformers peer (their keys are "
                          "left out; about 2 of the ~3 minutes at Qwen3-8B shape)")
     ap.add_argument("--compiled-reps", type=int, default=3, help="timed generations per length (median)")
-    ap.add_argument("--fuse-norm", default="auto", choices=FUSE_NORM_CHOICES, help=FUSE_NORM_HELP)
+    ap.add_argument("--fuse-norm", default=None, choices=FUSE_NORM_CHOICES, help=FUSE_NORM_HELP)
+    ap.add_argument("--fuse-act", default=None, choices=("on", "off"), help=FUSE_ACT_HELP)
     args = ap.parse_args(argv)
     if args.compiled_new_tokens <= 16:
         ap.error(f"--compiled-new-tokens={args.compiled_new_tokens} must exceed the short generation's 16")

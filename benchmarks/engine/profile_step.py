@@ -42,8 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.engine.bench_draft_step import TARGETS, random_setup  # noqa: E402
 from benchmarks.engine.bench_engine import (  # noqa: E402
     DRAFT_VOCAB_SIZE_HELP,
+    FUSE_ACT_HELP,
     FUSE_NORM_CHOICES,
     FUSE_NORM_HELP,
+    apply_fusion_args,
     check_draft_vocab_size,
     output_arg,
     random_draft_vocab,
@@ -106,7 +108,7 @@ def run(args) -> dict:
                  "block_size": draft.config.block_size, "kinds": args.kinds}
     vocab = random_draft_vocab(a.vocab_size, args.draft_vocab_size)  # --draft-vocab-size: bench_engine.py's set
     res["draft_vocab_size"] = args.draft_vocab_size or a.vocab_size
-    target.fuse_norm = res["fuse_norm"] = args.fuse_norm
+    res.update(apply_fusion_args(args, target))
     g = torch.Generator().manual_seed(1)
     greedy = SamplingParams(max_new_tokens=16)
     for B in args.batch:
@@ -146,7 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="profiled steps per kind")
     ap.add_argument("--warmup", type=int, default=3, help="eager steps before profiling (compiles the kernels)")
     ap.add_argument("--draft-vocab-size", type=int, default=0, help=DRAFT_VOCAB_SIZE_HELP)
-    ap.add_argument("--fuse-norm", default="auto", choices=FUSE_NORM_CHOICES, help=FUSE_NORM_HELP)
+    ap.add_argument("--fuse-norm", default=None, choices=FUSE_NORM_CHOICES, help=FUSE_NORM_HELP)
+    ap.add_argument("--fuse-act", default=None, choices=("on", "off"), help=FUSE_ACT_HELP)
     args = ap.parse_args(argv)
     check_draft_vocab_size(ap, args.draft_vocab_size, TARGETS["tiny" if args.tiny else args.shape]["vocab_size"])
     if args.steps < 1 or args.context < 1:

@@ -30,8 +30,21 @@ except ImportError:  # CPU-only install: the torch references still work
     tl = types.SimpleNamespace(constexpr=object)
     HAS_GDC = False
 
-__all__ = ["HAS_TRITON", "triton", "tl", "next_pow2", "block_d", "num_sms", "dot_precision", "check_impl",
+__all__ = ["HAS_TRITON", "triton", "tl", "env_choice", "next_pow2", "block_d", "num_sms", "dot_precision", "check_impl",
            "tile_counters", "PDL", "pdl_kwargs", "pdl_enter", "pdl_mode_for_hidden", "set_pdl_auto"]
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Environment variable ``name``, stripped and lower-cased (unset or empty: ``default``).
+
+    Raises:
+        ValueError: a value outside ``choices``, naming the variable and the choices.
+    """
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"environment variable {name}={os.environ.get(name)!r}: use one of {', '.join(choices)} "
+                         f"(default {default})")
+    return value
 
 
 def next_pow2(n: int) -> int:

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from ._common import (
     check_impl,
     dot_precision,
+    env_choice,
     next_pow2,
     num_sms,
     pdl_enter,
@@ -73,6 +74,8 @@ __all__ = [
     "fast_config",
     "fast_config_rows",
     "fast_pick",
+    "fuse_act",
+    "FUSE_ACT",
     "ACTS",
     "tuned",
     "cublas_agrees",
@@ -257,6 +260,9 @@ def _cfg6(cfg) -> tuple[int, int, int, int, int, int]:
         raise ValueError(
             f"linear: configuration {cfg} is not (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split])"
         )
+    if any(v & (v - 1) for v in cfg[:4]) or min(cfg[:3]) < 16:
+        raise ValueError(f"linear: configuration {cfg}: BLOCK_M, BLOCK_N, BLOCK_K and warps must be powers of 2, "
+                         "the blocks at least 16 (tl.dot's least)")
     return cfg
 
 
@@ -485,6 +491,36 @@ FUSED_REDUCE = True
 
 
 ACTS = (None, "silu_mul")
+# Whether linear(act=...) applies the activation in the kernel's load where the Triton kernel runs (bitwise the
+# separate silu_mul kernel's output; one launch and an [M, K] round trip fewer, but every column tile reads gate and
+# up, twice the input bytes). None: environment variable DSPINE_FUSE_ACT, 0 (default, until measured on a GPU) or 1.
+FUSE_ACT: bool | None = None
+
+
+def fuse_act() -> bool:
+    """:data:`FUSE_ACT`, else ``DSPINE_FUSE_ACT`` (0 or 1; default 0). Raises ValueError on another value."""
+    return FUSE_ACT if FUSE_ACT is not None else env_choice("DSPINE_FUSE_ACT", ("0", "1"), "0") == "1"
+
+
+def _norm_tiles_ok(K: int, tiles: int) -> bool:
+    """Whether ``tiles`` per-tile sums of squares can cover K columns: cdiv(K, bn) == tiles for a power-of-two
+    tile width bn >= 16 (a residual epilogue's BLOCK_N)."""
+    bn = 16
+    while bn < 2 * max(K, 16):
+        if _cdiv(K, bn) == tiles:
+            return True
+        bn *= 2
+    return False
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors overlap (same storage, intersecting byte ranges)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    span = lambda t: (t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum((n - 1) * st for n, st in
+                                                                              zip(t.shape, t.stride()))))
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _check_fusion(x, w, act, norm, residual, out):
@@ -497,27 +533,36 @@ def _check_fusion(x, w, act, norm, residual, out):
     if w.dim() != 2:
         raise ValueError(f"linear: weight {tuple(w.shape)} must be [N, K]")
     N, K = w.shape
+    if K == 0:
+        raise ValueError(f"linear: weight {tuple(w.shape)} has no columns; the fused forms need K >= 1")
     width = 2 * K if act == "silu_mul" else K
-    if x.shape[-1] != width:
-        raise ValueError(f"linear: x [..., {x.shape[-1]}] does not fit weight {tuple(w.shape)}"
-                         + (f" with act='silu_mul' (want gate_up [..., {width}])" if act else " (want [N, K])"))
+    if x.dim() < 1 or x.shape[-1] != width:
+        raise ValueError(f"linear: x {tuple(x.shape)} does not fit weight {tuple(w.shape)}"
+                         + (f" with act='silu_mul' (want gate_up [..., {width}])" if act else " (want [..., K])"))
     if x.dtype != w.dtype:
         raise ValueError(f"linear: x is {x.dtype}, weight is {w.dtype}")
-    M = x.numel() // max(1, width)
+    M = x.numel() // width
     if norm is not None:
+        if not (isinstance(norm, (tuple, list)) and len(norm) == 3):
+            raise ValueError("linear: norm must be (weight [K], sumsq [M, tiles] float32, eps)")
         nw, ss, _eps = norm
         if tuple(nw.shape) != (K,) or nw.dtype != w.dtype:
             raise ValueError(f"linear: norm weight {tuple(nw.shape)} {nw.dtype} must be [{K}] {w.dtype}")
-        if ss.dim() != 2 or ss.shape[0] != M or ss.dtype != torch.float32 or not ss.is_contiguous():
+        if (ss.dim() != 2 or ss.shape[0] != M or ss.dtype != torch.float32 or not ss.is_contiguous()
+                or not _norm_tiles_ok(K, ss.shape[1])):
             raise ValueError(f"linear: norm sums of squares {tuple(ss.shape)} {ss.dtype} must be a contiguous "
-                             f"[{M}, tiles] float32 (a residual epilogue's second output)")
-    if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], N) or residual.dtype != w.dtype):
-        raise ValueError(f"linear: residual {tuple(residual.shape)} {residual.dtype} must be "
-                         f"{(*x.shape[:-1], N)} {w.dtype}")
-    if out is not None and (out.shape[-1] != N or out.numel() != M * N or out.dtype != w.dtype
-                            or out.stride(-1) != 1 or not (out.dim() == 2 or out.is_contiguous())):
-        raise ValueError(f"linear: out {tuple(out.shape)} {out.dtype} strides {out.stride()} must hold {M} rows of "
-                         f"{N} {w.dtype} (unit last stride; 2-D with any row stride, or contiguous)")
+                             f"[{M}, cdiv({K}, BLOCK_N)] float32 (a residual epilogue's second output, every tile)")
+    want = (*x.shape[:-1], N)
+    if residual is not None and (tuple(residual.shape) != want or residual.dtype != w.dtype):
+        raise ValueError(f"linear: residual {tuple(residual.shape)} {residual.dtype} must be {want} {w.dtype}")
+    if out is not None:
+        if (tuple(out.shape) != want or out.dtype != w.dtype or (N > 1 and out.stride(-1) != 1)
+                or not (out.dim() == 2 or out.is_contiguous()) or (out.dim() == 2 and M > 1 and out.stride(0) < N)):
+            raise ValueError(f"linear: out {tuple(out.shape)} {out.dtype} strides {out.stride()} must be {want} "
+                             f"{w.dtype} (unit last stride; 2-D with rows at least {N} apart, or contiguous)")
+        if _overlap(out, x) or any(_overlap(out, t) for t in (w, *(norm[:2] if norm is not None else ()))):
+            raise ValueError("linear: out overlaps x, the weight or the norm's tensors (other programs still read "
+                             "them); residual is the one input out may share")
     return K, M
 
 
@@ -586,8 +631,7 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
             e = _weight_entry(name, N, K)
             if e is not None:
                 split_programs = e["programs"]["small" if M <= SMALL_M and _mixed_rows(name) else "large"]
-        split_programs = split_programs and M <= SPLIT_PROGRAMS_LIMIT
-    split_programs = bool(split_programs) and n_chunks > 1
+    split_programs = bool(split_programs) and n_chunks > 1 and M <= SPLIT_PROGRAMS_LIMIT
     count = tile_counters(x.device, _cdiv(M, bm) * _cdiv(N, bn)) if split_programs and FUSED_REDUCE else None
     if residual is not None and split_programs and count is None:
         split_programs = False  # the epilogue lives in the kernel's tile stores; one program per tile, same bits
@@ -721,13 +765,19 @@ def linear(x, w, bias=None, impl: str = "triton", exact: bool = True, *, act: st
     ``exact=True``: row invariant (module docstring), Triton kernel or the row-by-row reference
     by ``impl``. ``exact=False``: ``F.linear`` (cuBLAS / the CPU BLAS), except the Triton kernel where
     :func:`use_in_fast_mode` says it is faster. ``act="silu_mul"``: x is a gate/up projection ``[..., 2K]`` and
-    the input is ``silu(gate)·up`` (:mod:`dspine.ops.silu_mul`); where the Triton kernel runs it applies the
-    activation as it loads x (:func:`linear_triton`, the same bits), elsewhere silu_mul runs first. With ``act``
-    the exact path never takes the cuBLAS rows of :func:`cublas_agrees`.
-    Raises ValueError on mismatched shapes or dtypes, or another ``act``.
+    the input is ``silu(gate)·up`` (:mod:`dspine.ops.silu_mul`); with :func:`fuse_act` on and where the Triton
+    kernel runs, the kernel applies the activation as it loads x (:func:`linear_triton`, the same bits), and the
+    exact path then does not take the cuBLAS rows of :func:`cublas_agrees`; otherwise silu_mul runs first.
+    Raises ValueError on mismatched shapes or dtypes, another ``act``, or a bad ``DSPINE_FUSE_ACT``.
     """
     if act not in ACTS:
         raise ValueError(f"linear: act must be one of {ACTS}, got {act!r}")
+    if act is not None:
+        if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != 2 * w.shape[1]:
+            raise ValueError(f"linear: x {tuple(x.shape)} does not fit weight {tuple(w.shape)} with act='silu_mul' "
+                             f"(want gate_up [..., {2 * w.shape[-1]}])")
+        if not fuse_act():  # the separate activation kernel first (DSPINE_FUSE_ACT=0, the default until measured)
+            x, act = silu_mul(x, impl=impl), None
     if not exact:
         cfg = fast_config(x, w) if impl == "triton" else None
         if cfg is not None:
