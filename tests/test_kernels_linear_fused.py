@@ -82,6 +82,23 @@ def test_residual_epilogue_and_norm_prologue(dtype, fused_reduce, monkeypatch):
 
 
 @needs_interp
+def test_norm_prologue_over_many_producer_tiles():
+    """A producer of 600 columns in 16-wide tiles leaves 38 sums of squares a row: the consumer adds them 32 at a
+    time (two passes, the second partial) and gets rms_norm's statistic."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 64, generator=g)
+    w = torch.randn(600, 64, generator=g) / 8
+    res = torch.randn(5, 600, generator=g)
+    r, sumsq = linear_triton(x, w, cfg=(16, 16, 32, 4, 2, 1), residual=res)
+    assert sumsq.shape == (5, 38)
+    w2 = torch.randn(24, 600, generator=g) / 600**0.5
+    nw = 1 + 0.2 * torch.randn(600, generator=g)
+    got = linear_triton(r, w2, cfg=(16, 16, 64, 4, 2, 1), norm=(nw, sumsq, 1e-6))
+    want = rms_norm(r, nw, 1e-6, impl="torch") @ w2.T
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@needs_interp
 def test_out_buffer_with_row_stride_and_errors():
     x, gate_up, w, res = _data(torch.float32, 2)
     feats = torch.full((M, 3 * N), float("nan"))

@@ -179,11 +179,14 @@ def _linear_kernel(
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    if PRO == 2:  # the rows' RMSNorm statistic from their producer's per-tile sums of squares, in tile order
-        t = tl.arange(0, TILES_IN)
-        ss = tl.load(SumSqIn + rm[:, None] * n_tiles_in + t[None, :], mask=m_ok[:, None] & (t < n_tiles_in)[None, :],
-                     other=0.0)
-        rstd = tl.math.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    if PRO == 2:  # the rows' RMSNorm statistic from their producer's per-tile sums of squares, TILES_IN at a time
+        total_ss = tl.zeros([BLOCK_M], tl.float32)
+        for t0 in range(0, n_tiles_in, TILES_IN):
+            t = t0 + tl.arange(0, TILES_IN)
+            ss = tl.load(SumSqIn + rm[:, None] * n_tiles_in + t[None, :],
+                         mask=m_ok[:, None] & (t < n_tiles_in)[None, :], other=0.0)
+            total_ss += tl.sum(ss, axis=1)
+        rstd = tl.math.rsqrt(total_ss / K + eps)
     else:
         rstd = tl.zeros([BLOCK_M], tl.float32)
     if SPLIT_PROGRAMS:  # this program: K chunk pid(2) alone; fp32 partial to P[chunk, M, N]
@@ -668,7 +671,7 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
         HAS_BIAS=bias is not None,
         PREC=dot_precision(x.dtype),
         PRO=1 if act == "silu_mul" else (2 if norm is not None else 0),
-        TILES_IN=next_pow2(ss_in.shape[1]) if norm is not None else 1,
+        TILES_IN=min(32, next_pow2(ss_in.shape[1])) if norm is not None else 1,  # a [BLOCK_M, 32] fp32 tile at most
         RES=residual is not None,
         num_warps=warps,
         num_stages=stages,
