@@ -136,3 +136,39 @@ def test_existing_outputs_are_not_replaced(tmp_path):
     profile_step.main(["--tiny", "--device", "cpu", "--batch", "1", "--context", "8", "--steps", "1", "--warmup", "0",
                        "--kinds", "ar", "--output", str(out), "--overwrite"])
     assert json.loads(out.read_text())["kinds"] == ["ar"]
+
+
+def test_bench_engine_ab_fusion_alternates_and_restores(tmp_path, monkeypatch):
+    """--ab-fusion 2: off, on, on, off in one process, each variant's runs at both batch sizes with the medians of
+    its headline figures and on ÷ off; the target's and the module's settings are as before afterwards; the flags
+    that would fight it are refused."""
+    from dspine.ops import linear as lin
+
+    monkeypatch.setattr(lin, "FUSE_ACT", None)
+    seen = []
+    real = bench_engine.measure_batch
+
+    def spy(args, target, *a, **k):
+        seen.append((target.fuse_norm, lin.FUSE_ACT, len(a[2])))
+        return real(args, target, *a, **k)
+
+    monkeypatch.setattr(bench_engine, "measure_batch", spy)
+    out = tmp_path / "ab.json"
+    bench_engine.main(["--tiny", "--cpu", "--ab-fusion", "2", "--iters", "1", "--prompt", "16", "--new-tokens", "16",
+                       "--oracle-reps", "1", "--output", str(out)])
+    rec = json.loads(out.read_text())
+    ab = rec["ab_fusion"]
+    assert ab["order"] == ["off", "on", "on", "off"]
+    off, on = [("off", False, 1), ("off", False, 8)], [("auto", True, 1), ("auto", True, 8)]
+    assert seen == off + on + on + off
+    for v in ("off", "on"):
+        runs = ab["variants"][v]["runs"]["batch1"]
+        assert len(runs) == 2 and all(r["fused_rows"] == [] for r in runs)  # the CPU's torch path folds nothing
+        med = ab["variants"][v]["batch1"]
+        assert med["ar_tok_per_s"] == pytest.approx(sum(r["ar_tok_per_s"] for r in runs) / 2)  # median of two
+    on, off = ab["variants"]["on"]["batch8"], ab["variants"]["off"]["batch8"]
+    assert ab["batch8_on_over_off"]["spec_step_ms"] == pytest.approx(on["spec_step_ms"] / off["spec_step_ms"])
+    assert "batch1" not in rec and lin.FUSE_ACT is None
+    for bad in (["--ab-fusion", "-1"], ["--ab-fusion", "1", "--fuse-norm", "on"], ["--ab-fusion", "1", "--fuse-act", "off"]):
+        with pytest.raises(SystemExit):
+            bench_engine.main(["--tiny", "--cpu", *bad])

@@ -21,7 +21,8 @@ Measures, after warm-up, with CUDA events around graph replays:
   run's tok/s in ``oracle_tok_per_s_runs``; the last block of 256 tokens is cut short, so its τ is 6.89);
 * ``fuse_norm`` / ``fuse_act`` / ``fused_rows``: the fusions the run used (``--fuse-norm``, ``--fuse-act``) and the
   step row counts (of 1, 8, 16, 128) at which the target's norms ride in its linear layers
-  (``EngineTarget.fuse_norms``): alternate runs with both off to see what the fusions are worth;
+  (``EngineTarget.fuse_norms``). ``--ab-fusion N`` measures what they are worth instead of one run: both off and
+  both on, alternated N times in one process (``ab_fusion``: every run, per-variant medians and on ÷ off);
 * ``hf_generate_tok_per_s``: transformers ``generate`` on the same weights, same prompt
   (``--skip-peers`` leaves out this and the compiled peer below).
 The same numbers at batch 8. At batch 1 only, the stronger peer:
@@ -224,6 +225,104 @@ def compiled_hf(hf, prompt: list[int], new_tokens: int, short: int, reps: int) -
 
 
 @torch.inference_mode()
+def measure_batch(args, target, draft, vocab, prompts: list[list[int]], max_seq: int, dev, hf=None) -> dict:
+    """One batch size's figures (module docstring): the engine's AR decode, the AR and speculative step replays, the
+    τ = 7 oracle end to end (median of ``--oracle-reps``) and, unless ``--skip-peers`` (or no ``hf``), transformers
+    ``generate``."""
+    B = len(prompts)
+    greedy = SamplingParams(max_new_tokens=args.new_tokens)
+    row: dict = {}
+    eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens, draft_vocab=vocab)
+    row["pdl_mode"] = eng.pdl_mode  # programmatic dependent launch (dspine.ops._common; DSPINE_PDL)
+    # end to end (prefill excluded from tok/s: decode tokens over decode time)
+    eng.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)), use_draft=False)  # warm-up + capture
+    eng.profile_device = True  # device time per step inside the loop (loop_profile: device_step_s, device_loop_s)
+    try:
+        ar = eng.generate(prompts, greedy, use_draft=False)
+    finally:
+        eng.profile_device = False
+    row["ar_tok_per_s"] = ar.num_tokens / (ar.elapsed_s - ar.prefill_s)
+    # where the decode loop's time went (host launch, device wait, host bookkeeping; seconds), against the
+    # graph replay timed alone below: the gap between the two is time outside the step
+    row["ar_loop_profile"] = {k: v for k, v in eng.loop_profile.items() if isinstance(v, (int, float))}
+    n_steps = max(1, eng.loop_profile.get("steps", 1))
+    row["ar_decode_ms_per_step"] = 1e3 * (ar.elapsed_s - ar.prefill_s) / n_steps
+    if "device_step_s" in eng.loop_profile:  # the same steps timed on the device, and the device's span
+        row["ar_device_step_ms_in_loop"] = 1e3 * eng.loop_profile["device_step_s"] / n_steps
+        row["ar_device_loop_ms_per_step"] = 1e3 * eng.loop_profile["device_loop_s"] / n_steps
+    # per-step graph replays
+    ar_step = eng._runner(B, greedy, spec=False)
+    spec_step = eng._runner(B, greedy, spec=True)
+    row["ar_step_ms"] = timed(ar_step, args.iters)
+    row["spec_step_ms"] = timed(spec_step, args.iters)
+    row["spec_step_over_ar_step"] = row["spec_step_ms"] / row["ar_step_ms"]
+    del eng
+    oracle = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens, force_accept=6,
+                    draft_vocab=vocab)
+    oracle.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)))
+    # the oracle's decode is short (37 steps of 7 tokens at 256 new tokens: 0.2 s at batch 1), so one run's
+    # jitter moved it by 3% between runs of one config (results/engine-draft-vocab-h200.json): median of reps
+    runs = [oracle.generate(prompts, greedy) for _ in range(args.oracle_reps)]
+    rates = [r.num_tokens / (r.elapsed_s - r.prefill_s) for r in runs]
+    row["oracle_tau"] = runs[0].stats.tau  # the same in every run: force_accept fixes the accepted tokens
+    row["oracle_tok_per_s"] = statistics.median(rates)  # an even count: the mean of the middle two
+    row["oracle_tok_per_s_runs"] = rates
+    row["oracle_speedup_tau7"] = row["oracle_tok_per_s"] / row["ar_tok_per_s"]
+    row["oracle_speedup_from_steps"] = 7 / row["spec_step_over_ar_step"]
+    del oracle
+    if not args.skip_peers and hf is not None:  # transformers generate on the same weights
+        ids = torch.tensor(prompts, device=dev)
+        n_hf = min(args.new_tokens, 32)
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            t = time.perf_counter()
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_hf, min_new_tokens=n_hf,
+                        do_sample=False, pad_token_id=0)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        row["hf_generate_tok_per_s"] = B * n_hf / (time.perf_counter() - t)
+    return row
+
+
+def ab_fusion(args, target, draft, vocab, batches: dict, max_seq: int, floor: float | None) -> dict:
+    """``--ab-fusion N``: the fusions off (``fuse_norm`` off, ``FUSE_ACT`` off) and on (auto, on), alternated N times
+    in this process over the same target and draft (a fresh engine each time, so each captures its graphs with its
+    setting), at each batch size: per variant every run's figures and the medians of the headline ones. One process:
+    the 3% between-process spread of the end-to-end oracle (results/engine-draft-vocab-h200.json) stays out of the
+    comparison."""
+    variants = {"off": ("off", False), "on": ("auto", True)}
+    keys = ("ar_tok_per_s", "ar_step_ms", "spec_step_ms", "spec_step_over_ar_step", "oracle_tok_per_s",
+            "oracle_speedup_tau7")
+    out: dict = {"order": [], "variants": {v: {"fuse_norm": n, "fuse_act": f} for v, (n, f) in variants.items()}}
+    runs: dict = {v: {f"batch{B}": [] for B in batches} for v in variants}
+    saved = target.fuse_norm, lin.FUSE_ACT
+    try:
+        for rep in range(args.ab_fusion):
+            for v in (variants if rep % 2 == 0 else reversed(list(variants))):  # off, on; then on, off; ...
+                target.fuse_norm, lin.FUSE_ACT = variants[v]
+                out["order"].append(v)
+                for B, prompts in batches.items():
+                    row = measure_batch(argparse.Namespace(**{**vars(args), "skip_peers": True}), target, draft,
+                                        vocab, prompts, max_seq, target.embed.device)
+                    row["fused_rows"] = [m for m in (1, 8, 16, 128) if target.fuse_norms(m)]
+                    if floor:
+                        row["ar_fraction_of_floor"] = row["ar_tok_per_s"] / B / floor
+                    runs[v][f"batch{B}"].append(row)
+                    print(f"ab {v} rep {rep} batch {B}: " + ", ".join(f"{k}={row[k]:.3f}" for k in keys), flush=True)
+                    gc.collect()
+    finally:
+        target.fuse_norm, lin.FUSE_ACT = saved
+    for v in variants:
+        out["variants"][v]["runs"] = runs[v]
+        for b, rows in runs[v].items():
+            out["variants"][v][b] = {k: statistics.median(r[k] for r in rows) for k in (*keys, "ar_fraction_of_floor")
+                                     if all(k in r for r in rows)}
+    for b in runs["off"]:
+        off, on = out["variants"]["off"][b], out["variants"]["on"][b]
+        out[f"{b}_on_over_off"] = {k: on[k] / off[k] for k in keys}
+    return out
+
+
 def run(args) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -262,60 +361,13 @@ def run(args) -> dict:
         res["bandwidth_floor_tok_per_s"] = bw * 1e9 / total
         res["bandwidth_floor_tok_per_s_excl_embedding"] = bw * 1e9 / no_embed
     max_seq = args.prompt + args.new_tokens + 64
-    greedy = SamplingParams(max_new_tokens=args.new_tokens)
-    for B in (1, 8):
-        prompts = [prompt1] + [torch.randint(0, a.vocab_size - 2, (args.prompt,), generator=g).tolist()
-                               for _ in range(B - 1)]
-        row: dict = {}
-        eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens, draft_vocab=vocab)
-        row["pdl_mode"] = eng.pdl_mode  # programmatic dependent launch (dspine.ops._common; DSPINE_PDL)
-        # end to end (prefill excluded from tok/s: decode tokens over decode time)
-        eng.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)), use_draft=False)  # warm-up + capture
-        eng.profile_device = True  # device time per step inside the loop (loop_profile: device_step_s, device_loop_s)
-        try:
-            ar = eng.generate(prompts, greedy, use_draft=False)
-        finally:
-            eng.profile_device = False
-        row["ar_tok_per_s"] = ar.num_tokens / (ar.elapsed_s - ar.prefill_s)
-        # where the decode loop's time went (host launch, device wait, host bookkeeping; seconds), against the
-        # graph replay timed alone below: the gap between the two is time outside the step
-        row["ar_loop_profile"] = {k: v for k, v in eng.loop_profile.items() if isinstance(v, (int, float))}
-        n_steps = max(1, eng.loop_profile.get("steps", 1))
-        row["ar_decode_ms_per_step"] = 1e3 * (ar.elapsed_s - ar.prefill_s) / n_steps
-        if "device_step_s" in eng.loop_profile:  # the same steps timed on the device, and the device's span
-            row["ar_device_step_ms_in_loop"] = 1e3 * eng.loop_profile["device_step_s"] / n_steps
-            row["ar_device_loop_ms_per_step"] = 1e3 * eng.loop_profile["device_loop_s"] / n_steps
-        # per-step graph replays
-        ar_step = eng._runner(B, greedy, spec=False)
-        spec_step = eng._runner(B, greedy, spec=True)
-        row["ar_step_ms"] = timed(ar_step, args.iters)
-        row["spec_step_ms"] = timed(spec_step, args.iters)
-        row["spec_step_over_ar_step"] = row["spec_step_ms"] / row["ar_step_ms"]
-        del eng
-        oracle = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new_tokens, force_accept=6,
-                        draft_vocab=vocab)
-        oracle.generate(prompts, SamplingParams(max_new_tokens=min(16, args.new_tokens)))
-        # the oracle's decode is short (37 steps of 7 tokens at 256 new tokens: 0.2 s at batch 1), so one run's
-        # jitter moved it by 3% between runs of one config (results/engine-draft-vocab-h200.json): median of reps
-        runs = [oracle.generate(prompts, greedy) for _ in range(args.oracle_reps)]
-        rates = [r.num_tokens / (r.elapsed_s - r.prefill_s) for r in runs]
-        row["oracle_tau"] = runs[0].stats.tau  # the same in every run: force_accept fixes the accepted tokens
-        row["oracle_tok_per_s"] = statistics.median(rates)  # an even count: the mean of the middle two
-        row["oracle_tok_per_s_runs"] = rates
-        row["oracle_speedup_tau7"] = row["oracle_tok_per_s"] / row["ar_tok_per_s"]
-        row["oracle_speedup_from_steps"] = 7 / row["spec_step_over_ar_step"]
-        del oracle
-        if not args.skip_peers:  # transformers generate on the same weights
-            ids = torch.tensor(prompts, device=dev)
-            n_hf = min(args.new_tokens, 32)
-            with torch.inference_mode():
-                hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
-                t = time.perf_counter()
-                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_hf, min_new_tokens=n_hf,
-                            do_sample=False, pad_token_id=0)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-            row["hf_generate_tok_per_s"] = B * n_hf / (time.perf_counter() - t)
+    batches = {B: [prompt1] + [torch.randint(0, a.vocab_size - 2, (args.prompt,), generator=g).tolist()
+                               for _ in range(B - 1)] for B in (1, 8)}
+    if args.ab_fusion:
+        res["ab_fusion"] = ab_fusion(args, target, draft, vocab, batches, max_seq, res.get("bandwidth_floor_tok_per_s"))
+        batches = {}  # the A/B replaces the single run (and the peers)
+    for B, prompts in batches.items():
+        row = measure_batch(args, target, draft, vocab, prompts, max_seq, dev, hf)
         if bw:
             row["ar_fraction_of_floor"] = row["ar_tok_per_s"] / B / res["bandwidth_floor_tok_per_s"]
         res[f"batch{B}"] = row
@@ -325,6 +377,8 @@ def run(args) -> dict:
         res["peak_memory_GB"] = torch.cuda.max_memory_allocated() / 1e9
     del target, draft
     gc.collect()
+    if "batch1" not in res:  # --ab-fusion: its medians are the result
+        return res
     if not args.skip_peers:
         peer_row = peer()  # last: torch.compile's state does not touch the engine's timings
         res["batch1"].update(peer_row)
@@ -360,7 +414,15 @@ def main(argv=None) -> int:
     ap.add_argument("--compiled-reps", type=int, default=3, help="timed generations per length (median)")
     ap.add_argument("--fuse-norm", default=None, choices=FUSE_NORM_CHOICES, help=FUSE_NORM_HELP)
     ap.add_argument("--fuse-act", default=None, choices=("on", "off"), help=FUSE_ACT_HELP)
+    ap.add_argument("--ab-fusion", type=int, default=0, metavar="N",
+                    help="instead of one run: the fusions off and on alternated N times in this process (ab_fusion "
+                         "in the JSON: every run and the medians; no peers)")
     args = ap.parse_args(argv)
+    if args.ab_fusion < 0:
+        ap.error(f"--ab-fusion={args.ab_fusion} must be >= 0")
+    if args.ab_fusion and (args.compiled_hf_only or args.fuse_norm or args.fuse_act):
+        ap.error("--ab-fusion sets the fusions itself (off, then auto/on): without --fuse-norm, --fuse-act and "
+                 "--compiled-hf-only")
     if args.compiled_new_tokens <= 16:
         ap.error(f"--compiled-new-tokens={args.compiled_new_tokens} must exceed the short generation's 16")
     if args.skip_peers and args.compiled_hf_only:
