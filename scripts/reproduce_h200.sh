@@ -82,11 +82,13 @@ if has hybridbench && [ ! -f "$R/hybrid-bench-h200.json" ]; then
   timed hybridbench python benchmarks/engine/bench_hybrid.py --prompt 256 --new-tokens 64 --iters 5 \
     --output "$R/hybrid-bench-h200.json"
 fi
-if has linearwide && [ ! -f "$R/linear-fast-wide-h200.json" ]; then
-  name=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
-  timed linearwide python benchmarks/kernels/tune_linear_fast.py --wide --output "$R/linear-fast-wide-h200.json" \
+linearwide() {  # the device's tuned file by its name, as dspine.ops.linear.tuned spells it
+  local name
+  name=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))") || return
+  python benchmarks/kernels/tune_linear_fast.py --wide --output "$R/linear-fast-wide-h200.json" \
     --write-tuned "dspine/ops/tuned/linear-$name.json"
-fi
+}
+if has linearwide && [ ! -f "$R/linear-fast-wide-h200.json" ]; then timed linearwide linearwide || true; fi
 if has fusion && [ ! -f "$R/engine-fusion-h200.json" ]; then
   timed fusion python benchmarks/engine/bench_engine.py --skip-peers --ab-fusion 3 --output "$R/engine-fusion-h200.json"
 fi

@@ -169,6 +169,7 @@ def test_bench_engine_ab_fusion_alternates_and_restores(tmp_path, monkeypatch):
     on, off = ab["variants"]["on"]["batch8"], ab["variants"]["off"]["batch8"]
     assert ab["batch8_on_over_off"]["spec_step_ms"] == pytest.approx(on["spec_step_ms"] / off["spec_step_ms"])
     assert "batch1" not in rec and lin.FUSE_ACT is None
+    assert not {"fuse_norm", "fuse_act", "fused_rows"} & set(rec)  # only per variant: the process default ran neither
     for bad in (["--ab-fusion", "-1"], ["--ab-fusion", "1", "--fuse-norm", "on"], ["--ab-fusion", "1", "--fuse-act", "off"]):
         with pytest.raises(SystemExit):
             bench_engine.main(["--tiny", "--cpu", *bad])

@@ -186,6 +186,10 @@ def test_fast_pick_by_rows():
     assert fast_pick(e, 129) is None and fast_pick(e, 0) is None and fast_pick(None, 1) is None
     slow = {**e, "fast_wide": {**e["fast_wide"], "ratio_to_cublas": 1.02}, "fast": {**e["fast"], "ratio_to_cublas": 1.1}}
     assert fast_pick(slow, 8) is None and fast_pick(slow, 64) is None
+    # per row count where the tuner recorded it: the ratio of the smallest measured count at or above the rows
+    by_m = {**e, "fast_wide": {**e["fast_wide"], "ratio_by_m": {"M32": 1.2, "M64": 0.9, "M128": 0.8}}}
+    assert fast_pick(by_m, 17) is None and fast_pick(by_m, 32) is None
+    assert fast_pick(by_m, 33) == fast_pick(by_m, 128) == (128, 128, 64, 8, 3, 1)
     assert fast_pick({"small_ratio_to_cublas": 0.95}, 8) == "small"
     assert fast_pick({"small_ratio_to_cublas": 1.05}, 8) is None and fast_pick({"small_ratio_to_cublas": 0.95}, 32) is None
 
@@ -208,7 +212,9 @@ def test_tuned_fast_entry_checked():
     wide = {"cfg": [128, 128, 64, 8, 3, 1], "ratio_to_cublas": 0.95, "max_m": 128}
     _check_tuned({"mixed_row_tiles": True, "weights": {"8,8": {**e, "fast_wide": wide}}})
     for bad_wide, msg in (({**wide, "max_m": 16}, "fast_wide.max_m 16"), ({**wide, "max_m": "128"}, "fast_wide.max_m"),
-                          ({**wide, "cfg": [128, 96, 64, 8, 3, 1]}, "fast_wide.cfg")):
+                          ({**wide, "cfg": [128, 96, 64, 8, 3, 1]}, "fast_wide.cfg"),
+                          ({**wide, "ratio_by_m": {"M32": 0}}, "fast_wide.ratio_by_m"),
+                          ({**wide, "ratio_by_m": {"32": 0.9}}, "fast_wide.ratio_by_m")):
         with pytest.raises(ValueError, match=rf"weight 8,8: {msg}"):
             _check_tuned({"mixed_row_tiles": True, "weights": {"8,8": {**e, "fast_wide": bad_wide}}})
 

@@ -82,6 +82,37 @@ def test_residual_epilogue_and_norm_prologue(dtype, fused_reduce, monkeypatch):
 
 
 @needs_interp
+def test_stages_retried_when_shared_memory_refuses(monkeypatch):
+    """A launch Triton refuses for its shared memory (OutOfResources) is retried with one stage fewer, and the count
+    that fit is kept for that tile and prologue: the second call launches once, with it."""
+    from dspine.ops._common import OutOfResources
+
+    _, gate_up, w, _ = _data(torch.float32, 7)
+    cfg = (16, 32, 64, 4, 4, 1)
+    monkeypatch.setattr(lin, "_STAGES_FIT", {})
+    launches = []
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def launch(*a, num_stages, **k):
+                launches.append(num_stages)
+                if num_stages > 2:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                return real[grid](*a, num_stages=num_stages, **k)
+            return launch
+
+    real = lin._linear_kernel
+    monkeypatch.setattr(lin, "_linear_kernel", Refusing())
+    got = linear_triton(gate_up, w, cfg=cfg, act="silu_mul")
+    assert launches == [4, 3, 2] and list(lin._STAGES_FIT.values()) == [2]
+    launches.clear()
+    linear_triton(gate_up, w, cfg=cfg, act="silu_mul")
+    assert launches == [2]
+    monkeypatch.setattr(lin, "_linear_kernel", real)  # never refused: the configuration's own 4 stages
+    assert torch.equal(got, linear_triton(gate_up, w, cfg=cfg, act="silu_mul"))  # stages do not change the sums
+
+
+@needs_interp
 def test_norm_prologue_over_many_producer_tiles():
     """A producer of 600 columns in 16-wide tiles leaves 38 sums of squares a row: the consumer adds them 32 at a
     time (two passes, the second partial) and gets rms_norm's statistic."""
@@ -131,6 +162,21 @@ def test_out_buffer_with_row_stride_and_errors():
     with pytest.raises(ValueError, match="out overlaps x"):
         x2 = torch.randn(M, N)
         linear_triton(x2, torch.randn(N, N), out=x2)
+    buf = torch.randn(M, 3 * N)  # column blocks of one buffer: disjoint, so allowed as x and out
+    w3 = torch.randn(N, N)
+    got = linear_triton(buf[:, :N], w3, cfg=CFGS[1], out=buf[:, 2 * N :])
+    assert torch.equal(got, linear_triton(buf[:, :N].clone(), w3, cfg=CFGS[1]))
+    with pytest.raises(ValueError, match="out overlaps x"):  # one column shared
+        linear_triton(buf[:, :N], w3, cfg=CFGS[1], out=buf[:, N - 1 : 2 * N - 1])
+    b3 = torch.zeros(2 * N)
+    with pytest.raises(ValueError, match="overlaps the bias"):
+        linear_triton(x[:1], w, b3[:N], out=b3[N // 2 : N // 2 + N].view(1, N), residual=res[:1])
+    res2 = torch.randn(M + 1, N)
+    with pytest.raises(ValueError, match="overlaps residual without being it"):
+        linear_triton(x, w, residual=res2[1:], out=res2[:-1])
+    r_in = res.clone()
+    r_out, _ = linear_triton(x, w, residual=r_in, out=r_in)  # in place: each element read, then written, by one program
+    assert torch.equal(r_out, linear_triton(x, w, residual=res)[0])
     with pytest.raises(ValueError, match="rows at least"):
         linear_triton(x, w, out=torch.empty(N).expand(M, N))
     with pytest.raises(ValueError, match=r"must be \(1, 19, 96\)"):

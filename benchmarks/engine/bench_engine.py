@@ -285,7 +285,8 @@ def measure_batch(args, target, draft, vocab, prompts: list[list[int]], max_seq:
 
 
 def ab_fusion(args, target, draft, vocab, batches: dict, max_seq: int, floor: float | None) -> dict:
-    """``--ab-fusion N``: the fusions off (``fuse_norm`` off, ``FUSE_ACT`` off) and on (auto, on), alternated N times
+    """``--ab-fusion N``: the fusions off (``fuse_norm`` off, ``FUSE_ACT`` off) and on (auto, on: the norms fold only
+    at the row counts of each run's ``fused_rows``; SiLU-mul only where the Triton GEMV runs), alternated N times
     in this process over the same target and draft (a fresh engine each time, so each captures its graphs with its
     setting), at each batch size: per variant every run's figures and the medians of the headline ones. One process:
     the 3% between-process spread of the end-to-end oracle (results/engine-draft-vocab-h200.json) stays out of the
@@ -364,6 +365,8 @@ def run(args) -> dict:
     batches = {B: [prompt1] + [torch.randint(0, a.vocab_size - 2, (args.prompt,), generator=g).tolist()
                                for _ in range(B - 1)] for B in (1, 8)}
     if args.ab_fusion:
+        for k in ("fuse_norm", "fuse_act", "fused_rows"):  # each variant records its own
+            res.pop(k)
         res["ab_fusion"] = ab_fusion(args, target, draft, vocab, batches, max_seq, res.get("bandwidth_floor_tok_per_s"))
         batches = {}  # the A/B replaces the single run (and the peers)
     for B, prompts in batches.items():

@@ -18,6 +18,7 @@ try:
     import triton.language as tl
 
     HAS_TRITON = True
+    from triton.runtime.errors import OutOfResources
     try:  # programmatic dependent launch (Hopper+): Triton >= 3.3
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -30,7 +31,10 @@ except ImportError:  # CPU-only install: the torch references still work
     tl = types.SimpleNamespace(constexpr=object)
     HAS_GDC = False
 
-__all__ = ["HAS_TRITON", "triton", "tl", "env_choice", "next_pow2", "block_d", "num_sms", "dot_precision", "check_impl",
+    class OutOfResources(Exception):  # noqa: N818  (triton's name) - never raised without triton
+        pass
+
+__all__ = ["HAS_TRITON", "OutOfResources", "triton", "tl", "env_choice", "next_pow2", "block_d", "num_sms", "dot_precision", "check_impl",
            "tile_counters", "PDL", "pdl_kwargs", "pdl_enter", "pdl_mode_for_hidden", "set_pdl_auto"]
 
 

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
+    OutOfResources,
     check_impl,
     dot_precision,
     env_choice,
@@ -390,6 +391,11 @@ def _check_tuned(d: dict) -> None:
                 )
             if not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < float("inf")):
                 raise ValueError(f"weight {key}: {field}.ratio_to_cublas {r!r} must be a positive number")
+            by_m = f.get("ratio_by_m", {})
+            if not (isinstance(by_m, dict) and all(
+                    re.fullmatch(r"M[1-9][0-9]*", k) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and 0 < v < float("inf") for k, v in by_m.items())):
+                raise ValueError(f"weight {key}: {field}.ratio_by_m {by_m!r} must map 'M<rows>' to positive numbers")
             if field == "fast_wide":
                 top = f.get("max_m")
                 if not (isinstance(top, int) and not isinstance(top, bool) and FAST_MAX_M < top <= SPLIT_PROGRAMS_LIMIT):
@@ -516,14 +522,31 @@ def _norm_tiles_ok(K: int, tiles: int) -> bool:
     return False
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses of t's elements."""
+    return t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of two tensors overlap (same storage, intersecting byte ranges)."""
+    """Whether two tensors may share an element: the same storage and intersecting byte spans, except two 2-D row
+    views with one row stride whose column ranges are disjoint (column blocks of one buffer, as the draft features'
+    blocks are). Conservative otherwise."""
     if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    span = lambda t: (t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum((n - 1) * st for n, st in
-                                                                              zip(t.shape, t.stride()))))
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    if not (a0 < b1 and b0 < a1):
+        return False
+    if a.dim() == b.dim() == 2 and a.stride() == b.stride() and a.stride(1) == 1 and a.element_size() == b.element_size():
+        row = a.stride(0) * a.element_size()
+        ca, cb = (a0 - a.untyped_storage().data_ptr()) % row, (b0 - b.untyped_storage().data_ptr()) % row
+        wa, wb = a.shape[1] * a.element_size(), b.shape[1] * b.element_size()
+        if ca + wa <= row and cb + wb <= row and (ca + wa <= cb or cb + wb <= ca):
+            return False  # disjoint columns of every row
+    return True
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def _check_fusion(x, w, act, norm, residual, out):
@@ -563,10 +586,20 @@ def _check_fusion(x, w, act, norm, residual, out):
                 or not (out.dim() == 2 or out.is_contiguous()) or (out.dim() == 2 and M > 1 and out.stride(0) < N)):
             raise ValueError(f"linear: out {tuple(out.shape)} {out.dtype} strides {out.stride()} must be {want} "
                              f"{w.dtype} (unit last stride; 2-D with rows at least {N} apart, or contiguous)")
-        if _overlap(out, x) or any(_overlap(out, t) for t in (w, *(norm[:2] if norm is not None else ()))):
+        if any(_overlap(out, t) for t in (x, w, *(norm[:2] if norm is not None else ()))):
             raise ValueError("linear: out overlaps x, the weight or the norm's tensors (other programs still read "
-                             "them); residual is the one input out may share")
+                             "them); residual is the one input out may share, element for element")
+        if residual is not None and _overlap(out, residual) and not _same_layout(out, residual):
+            raise ValueError("linear: out overlaps residual without being it (other row tiles still read it); give "
+                             "the same tensor or disjoint memory")
     return K, M
+
+
+# Pipeline stages that fit shared memory, per (tile configuration, prologue): a tile tuned as a plain GEMM
+# (tune_linear_fast.py) can need more with the silu_mul prologue, which pipelines gate and up tiles (128×64×128 at 4
+# stages: 256 KB against the H200's 227). A launch that Triton refuses for its shared memory is retried with one
+# stage fewer, and the count that fits is remembered. Stages change the pipelining only, not the sums.
+_STAGES_FIT: dict[tuple, int] = {}
 
 
 def _rows2(t, width):
@@ -604,6 +637,8 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
         _check_fusion(x, w, act, norm, residual, out)
         if bias is not None and (tuple(bias.shape) != (w.shape[0],) or bias.dtype != w.dtype):
             raise ValueError(f"linear: bias {tuple(bias.shape)} {bias.dtype} must be [{w.shape[0]}] {w.dtype}")
+        if bias is not None and out is not None and _overlap(out, bias):
+            raise ValueError("linear: out overlaps the bias (other programs still read it)")
     N, K = w.shape
     fused = act is not None or norm is not None or residual is not None or out is not None
     if K == 0:  # an empty sum: the bias (or zeros), as F.linear gives
@@ -642,41 +677,51 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
     grid = (_cdiv(M, bm), _cdiv(N, bn), n_chunks if split_programs else 1)
     res2 = _rows2(residual, N) if residual is not None else None
     nw, ss_in, eps = norm if norm is not None else (w, y2, 0.0)
-    _linear_kernel[grid](
-        x2,
-        w,
-        bias if bias is not None else w,
-        y2,
-        part,
-        count if count is not None else part,
-        nw,
-        ss_in,
-        res2 if res2 is not None else y2,
-        sumsq if sumsq is not None else part,
-        M,
-        N,
-        K,
-        ck,
-        x2.stride(0),
-        w.stride(0),
-        y2.stride(0),
-        res2.stride(0) if res2 is not None else 0,
-        ss_in.shape[1] if norm is not None else 1,
-        float(eps),
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        SPLIT_PROGRAMS=split_programs,
-        FUSED_REDUCE=count is not None,
-        HAS_BIAS=bias is not None,
-        PREC=dot_precision(x.dtype),
-        PRO=1 if act == "silu_mul" else (2 if norm is not None else 0),
-        TILES_IN=min(32, next_pow2(ss_in.shape[1])) if norm is not None else 1,  # a [BLOCK_M, 32] fp32 tile at most
-        RES=residual is not None,
-        num_warps=warps,
-        num_stages=stages,
-        **pdl_kwargs(x.device, M),
-    )
+    pro = 1 if act == "silu_mul" else (2 if norm is not None else 0)
+    key = (bm, bn, bk, warps, stages, pro, x.dtype, x.device.type)
+    while True:
+        try:
+            _linear_kernel[grid](
+                x2,
+                w,
+                bias if bias is not None else w,
+                y2,
+                part,
+                count if count is not None else part,
+                nw,
+                ss_in,
+                res2 if res2 is not None else y2,
+                sumsq if sumsq is not None else part,
+                M,
+                N,
+                K,
+                ck,
+                x2.stride(0),
+                w.stride(0),
+                y2.stride(0),
+                res2.stride(0) if res2 is not None else 0,
+                ss_in.shape[1] if norm is not None else 1,
+                float(eps),
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                SPLIT_PROGRAMS=split_programs,
+                FUSED_REDUCE=count is not None,
+                HAS_BIAS=bias is not None,
+                PREC=dot_precision(x.dtype),
+                PRO=pro,
+                TILES_IN=min(32, next_pow2(ss_in.shape[1])) if norm is not None else 1,  # a [BLOCK_M, 32] fp32 tile at most
+                RES=residual is not None,
+                num_warps=warps,
+                num_stages=_STAGES_FIT.get(key, stages),
+                **pdl_kwargs(x.device, M),
+            )
+            break
+        except OutOfResources:  # shared memory: one stage fewer (_STAGES_FIT)
+            fit = _STAGES_FIT.get(key, stages)
+            if fit <= 1:
+                raise
+            _STAGES_FIT[key] = fit - 1
     if split_programs and count is None:
         block = 1024
         _linear_reduce_kernel[(_cdiv(M * N, block),)](
@@ -740,18 +785,27 @@ def fast_config_rows(rows: int, w: torch.Tensor) -> tuple[int, ...] | None:
     return pick
 
 
+def _wide_ratio(wide: dict, rows: int) -> float:
+    """A ``fast_wide`` entry's time over cuBLAS's at ``rows``: from ``ratio_by_m`` ({"M32": r, ...}) the ratio of the
+    smallest measured row count >= rows (rows 17-32 take M32's, 33-64 M64's, ...); without per-M ratios, or above
+    every measured count, the entry's mean ``ratio_to_cublas``."""
+    by_m = sorted((int(k[1:]), r) for k, r in wide.get("ratio_by_m", {}).items())
+    return next((r for m, r in by_m if m >= rows), wide["ratio_to_cublas"])
+
+
 def fast_pick(entry: dict | None, rows: int) -> tuple[int, ...] | str | None:
     """The fast path's choice from a weight's tuned-file entry at ``rows`` rows: its ``fast`` configuration at
-    1..FAST_MAX_M rows, its ``fast_wide`` one above that up to ``max_m``, each where measured faster than cuBLAS
-    (ratio < 1); at <= FAST_MAX_M without ``fast``, "small" (the exact path's small tile) where that was measured
-    faster (``small_ratio_to_cublas`` < 1); None (cuBLAS) otherwise."""
+    1..FAST_MAX_M rows where it measured faster than cuBLAS (mean ratio < 1); above that up to ``max_m`` its
+    ``fast_wide`` one where it measured faster at that size (:func:`_wide_ratio`); at <= FAST_MAX_M without
+    ``fast``, "small" (the exact path's small tile) where that was measured faster (``small_ratio_to_cublas`` < 1);
+    None (cuBLAS) otherwise."""
     if entry is None or rows < 1:
         return None
     if rows > FAST_MAX_M:
         wide = entry.get("fast_wide")
-        if wide is not None and rows <= wide["max_m"] and wide["ratio_to_cublas"] < 1.0:
-            return tuple(wide["cfg"])
-        return None
+        if wide is None or rows > wide["max_m"]:
+            return None
+        return tuple(wide["cfg"]) if _wide_ratio(wide, rows) < 1.0 else None
     if "fast" in entry:
         return tuple(entry["fast"]["cfg"]) if entry["fast"]["ratio_to_cublas"] < 1.0 else None
     return "small" if entry.get("small_ratio_to_cublas", float("inf")) < 1.0 else None
