@@ -548,7 +548,7 @@ class EngineTarget(nn.Module):
 
         ``fuse_norm`` (attribute; its default is the environment variable ``DSPINE_FUSE_NORM``, else "off" until the
         fused path is measured on a GPU): "off" never; "on" whenever it applies (Triton, not exact, attention layers with a
-        dense MLP; the tests run it in the CPU interpreter); "auto" (default) where it applies and the fast path runs
+        dense MLP; the tests run it in the CPU interpreter); "auto" where it applies and the fast path runs
         the Triton kernel anyway (``dspine.ops.linear.fast_config_rows``: CUDA, bf16, and the device's tuned file
         prefers it for all four layer weights at this row count, ``fast`` up to 16 rows, ``fast_wide`` above), so
         that no cuBLAS call is traded for it. Not in exact mode: the fused statistic sums the

@@ -21,8 +21,9 @@ Measures, after warm-up, with CUDA events around graph replays:
   run's tok/s in ``oracle_tok_per_s_runs``; the last block of 256 tokens is cut short, so its τ is 6.89);
 * ``fuse_norm`` / ``fuse_act`` / ``fused_rows``: the fusions the run used (``--fuse-norm``, ``--fuse-act``) and the
   step row counts (of 1, 8, 16, 128) at which the target's norms ride in its linear layers
-  (``EngineTarget.fuse_norms``). ``--ab-fusion N`` measures what they are worth instead of one run: both off and
-  both on, alternated N times in one process (``ab_fusion``: every run, per-variant medians and on ÷ off);
+  (``EngineTarget.fuse_norms``). ``--ab-fusion N`` measures what they are worth instead of one run: off (both
+  off) and on (``fuse_norm`` auto, ``FUSE_ACT`` on), alternated N times in one process (``ab_fusion``: every run,
+  per-variant medians and on ÷ off);
 * ``hf_generate_tok_per_s``: transformers ``generate`` on the same weights, same prompt
   (``--skip-peers`` leaves out this and the compiled peer below).
 The same numbers at batch 8. At batch 1 only, the stronger peer:

@@ -627,8 +627,9 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
       * ``residual [..., N]``: the output is ``round(y) + residual`` rounded (torch's bf16 add), and the call
         returns ``(r, sumsq)``: r ``[..., N]`` and sumsq ``[M, cdiv(N, BLOCK_N)]`` float32, each row's sum of
         r² over every BLOCK_N-column tile (feed to the next call's ``norm``).
-      * ``out``: a ``[..., N]`` buffer (unit last stride; 2-D with any row stride, or contiguous) that receives
-        y (or r), e.g. a column block of the draft's features.
+      * ``out``: a ``[..., N]`` buffer that receives y (or r): contiguous, or 2-D with unit last stride and rows at
+        least N apart, e.g. a column block of the draft's features. It may not overlap x, the weight, the bias or
+        the norm's tensors; with ``residual`` it may be that very tensor (in place).
     Raises ValueError on mismatched shapes or dtypes (bias, fusion arguments and ``out`` included) and a
     non-contiguous weight."""
     if act is None and norm is None and residual is None and out is None:
@@ -640,10 +641,7 @@ def linear_triton(x, w, bias=None, cfg: tuple[int, ...] | None = None, split_pro
         if bias is not None and out is not None and _overlap(out, bias):
             raise ValueError("linear: out overlaps the bias (other programs still read it)")
     N, K = w.shape
-    fused = act is not None or norm is not None or residual is not None or out is not None
-    if K == 0:  # an empty sum: the bias (or zeros), as F.linear gives
-        if fused:
-            raise ValueError(f"linear: weight {tuple(w.shape)} has no columns; the fused forms need K >= 1")
+    if K == 0:  # an empty sum: the bias (or zeros), as F.linear gives (the fused forms refused it above)
         y = torch.zeros(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
         return y + bias if bias is not None else y
     width = 2 * K if act == "silu_mul" else K
