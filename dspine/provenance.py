@@ -54,9 +54,16 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+# Environment variables that change what the engine runs (kernels, launches), recorded with a result when set: the
+# command line alone does not show them.
+ENGINE_ENV = ("DSPINE_PDL", "DSPINE_FUSE_NORM", "DSPINE_FUSE_ACT", "TRITON_F32_DEFAULT")
+
+
 def provenance(argv: list[str] | None = None) -> dict:
-    """command, GPU name (None on the CPU), UTC date, git commit, torch and python versions."""
+    """command, GPU name (None on the CPU), UTC date, git commit, torch and python versions, and ``env``: those of
+    :data:`ENGINE_ENV` that are set (the key only when one is)."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    env = {k: os.environ[k] for k in ENGINE_ENV if os.environ.get(k)}
     return {
         "command": command_line(argv),
         "gpu": gpu,
@@ -65,4 +72,5 @@ def provenance(argv: list[str] | None = None) -> dict:
         "commit": git_commit(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        **({"env": env} if env else {}),
     }

@@ -172,6 +172,19 @@ def test_provenance_command_line_forms():
     assert command_line(["train/distill.py", "a=1"]) == "accelerate launch train/distill.py a=1"
 
 
+def test_provenance_records_the_engine_switches_that_are_set(monkeypatch):
+    """A result made with DSPINE_FUSE_NORM=auto says so (the command line does not); unset or empty ones are left
+    out, and without any the key is absent (older files' schema)."""
+    from dspine.provenance import ENGINE_ENV, provenance
+
+    for k in ENGINE_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert "env" not in provenance(["x"])
+    monkeypatch.setenv("DSPINE_FUSE_NORM", "auto")
+    monkeypatch.setenv("DSPINE_PDL", "")
+    assert provenance(["x"])["env"] == {"DSPINE_FUSE_NORM": "auto"}
+
+
 # ------------------------------------------------------------------------------ second review: CLI inputs
 
 GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
