@@ -251,6 +251,27 @@ def _tiny_target(dtype, layers=3):
                                       "triton")
 
 
+def _step_off_and_on(tgt, prompts: list[list[int]], toks: torch.Tensor, seq: int, calls: list | None = None) -> dict:
+    """One verify step of ``toks [B, T]`` (on the target's device) after prefilling ``prompts``, with ``fuse_norm`` off
+    and then on, each over a fresh cache of ``seq`` positions: {mode: (logits, features)}, and with ``calls`` the
+    number of entries it gained during each step ({mode + "_calls"})."""
+    out, dev = {}, toks.device
+    with torch.inference_mode():
+        for mode in ("off", "on"):
+            tgt.fuse_norm = mode
+            cache = tgt.new_cache(len(prompts), seq)
+            for slot, p in enumerate(prompts):
+                tgt.prefill(torch.tensor(p, device=dev), slot, cache)
+            lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
+            if calls is not None:
+                calls.clear()
+            out[mode] = tgt.forward_step(toks, lens[:, None].long() + torch.arange(toks.shape[1], device=dev), cache,
+                                         lens)
+            if calls is not None:
+                out[mode + "_calls"] = len(calls)
+    return out
+
+
 @needs_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_target_fused_layers_match_unfused(dtype, monkeypatch):
@@ -262,22 +283,12 @@ def test_target_fused_layers_match_unfused(dtype, monkeypatch):
     monkeypatch.setattr(lin, "FUSE_ACT", True)
     tgt = _tiny_target(dtype)
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 300, (n,), generator=g) for n in (7, 4)]
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (7, 4)]
     toks = torch.randint(0, 300, (2, 5), generator=g)
     calls = []
     real = im.rms_norm
     monkeypatch.setattr(im, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    out = {}
-    with torch.inference_mode():
-        for mode in ("off", "on"):
-            tgt.fuse_norm = mode
-            cache = tgt.new_cache(2, 32)
-            for slot, p in enumerate(prompts):
-                tgt.prefill(p, slot, cache)
-            lens = torch.tensor([7, 4], dtype=torch.int32)
-            calls.clear()
-            out[mode] = tgt.forward_step(toks, lens[:, None].long() + torch.arange(5), cache, lens)
-            out[mode + "_calls"] = len(calls)
+    out = _step_off_and_on(tgt, prompts, toks, 32, calls)
     assert out["off_calls"] == 2 * 3 + 1 + 1  # + the last layer's features through the final norm (post_norm)
     assert out["on_calls"] == 1 + 1 + 1
     (lo, fo), (ln, fn) = out["off"], out["on"]
@@ -351,15 +362,7 @@ def test_engine_fused_layers_cuda_graphs(monkeypatch):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 4000, (int(n),), generator=g).tolist() for n in (5, 40, 200)]
     toks = torch.randint(0, 4000, (3, 16), generator=g).cuda()
-    steps = {}
-    with torch.inference_mode():
-        for mode in ("off", "on"):
-            tgt.fuse_norm = mode
-            cache = tgt.new_cache(3, 512)
-            for slot, p in enumerate(prompts):
-                tgt.prefill(torch.tensor(p, device="cuda"), slot, cache)
-            lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device="cuda")
-            steps[mode] = tgt.forward_step(toks, lens[:, None].long() + torch.arange(16, device="cuda"), cache, lens)
+    steps = _step_off_and_on(tgt, prompts, toks, 512)
     (lo, fo), (ln, fn) = steps["off"], steps["on"]
     assert (ln.float() - lo.float()).abs().max().item() <= 0.05 * lo.abs().max().item()
     assert (fn.float() - fo.float()).abs().max().item() <= 0.05 * fo.abs().max().item()

@@ -85,8 +85,12 @@ def apply_fusion_args(args, target: EngineTarget) -> dict:
         target.fuse_norm = args.fuse_norm
     if args.fuse_act is not None:
         lin.FUSE_ACT = args.fuse_act == "on"
-    return {"fuse_norm": target.fuse_norm, "fuse_act": lin.fuse_act(),
-            "fused_rows": [m for m in (1, 8, 16, 128) if target.fuse_norms(m)]}
+    return {"fuse_norm": target.fuse_norm, "fuse_act": lin.fuse_act(), "fused_rows": fused_rows(target)}
+
+
+def fused_rows(target: EngineTarget) -> list[int]:
+    """The step row counts of (1, 8, 16, 128) at which the target's norms are folded now (``fuse_norms``)."""
+    return [m for m in (1, 8, 16, 128) if target.fuse_norms(m)]
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -306,7 +310,7 @@ def ab_fusion(args, target, draft, vocab, batches: dict, max_seq: int, floor: fl
                 for B, prompts in batches.items():
                     row = measure_batch(argparse.Namespace(**{**vars(args), "skip_peers": True}), target, draft,
                                         vocab, prompts, max_seq, target.embed.device)
-                    row["fused_rows"] = [m for m in (1, 8, 16, 128) if target.fuse_norms(m)]
+                    row["fused_rows"] = fused_rows(target)
                     if floor:
                         row["ar_fraction_of_floor"] = row["ar_tok_per_s"] / B / floor
                     runs[v][f"batch{B}"].append(row)
