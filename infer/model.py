@@ -54,7 +54,7 @@ from dspine.config import (
 )
 from dspine.io import read_safetensors
 from dspine.ops._common import env_choice
-from dspine.ops.linear import SPLIT_PROGRAMS_LIMIT, fast_config_rows, fuse_act, linear, linear_triton
+from dspine.ops.linear import SPLIT_PROGRAMS_LIMIT, act_input, fast_config_rows, linear, linear_triton
 from dspine.ops.lm_head import lm_head as lm_head_op
 from dspine.ops.rmsnorm import rms_norm
 from dspine.ops.rope import qk_norm_rope_cache, rope_tables
@@ -589,8 +589,7 @@ class EngineTarget(nn.Module):
         into = None  # the column block the next input norm writes its residual sum into
 
         def lin(inp, w, bias=None, **fuse):  # fused: the fast path's Triton kernel with a prologue/epilogue
-            if fuse.get("act") and not fuse_act():  # DSPINE_FUSE_ACT=0: the separate activation kernel first
-                inp, fuse["act"] = silu_mul(inp, impl=impl), None
+            inp, fuse["act"] = act_input(inp, fuse.get("act"), impl)
             return linear_triton(inp, w, bias, cfg=fast_config_rows(N, w), split_programs=N <= SPLIT_PROGRAMS_LIMIT,
                                  **fuse)
 

@@ -76,6 +76,7 @@ __all__ = [
     "fast_config_rows",
     "fast_pick",
     "fuse_act",
+    "act_input",
     "FUSE_ACT",
     "ACTS",
     "tuned",
@@ -511,6 +512,14 @@ def fuse_act() -> bool:
     return FUSE_ACT if FUSE_ACT is not None else env_choice("DSPINE_FUSE_ACT", ("0", "1"), "0") == "1"
 
 
+def act_input(x: torch.Tensor, act: str | None, impl: str) -> tuple[torch.Tensor, str | None]:
+    """``(x, act)`` for a layer whose input wants ``act``: unchanged while :func:`fuse_act` is on (the kernel applies
+    it as it loads), else ``(silu_mul(x), None)``, the separate activation kernel first."""
+    if act is None or fuse_act():
+        return x, act
+    return silu_mul(x, impl=impl), None
+
+
 def _norm_tiles_ok(K: int, tiles: int) -> bool:
     """Whether ``tiles`` per-tile sums of squares can cover K columns: cdiv(K, bn) == tiles for a power-of-two
     tile width bn >= 16 (a residual epilogue's BLOCK_N)."""
@@ -831,8 +840,7 @@ def linear(x, w, bias=None, impl: str = "triton", exact: bool = True, *, act: st
         if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != 2 * w.shape[1]:
             raise ValueError(f"linear: x {tuple(x.shape)} does not fit weight {tuple(w.shape)} with act='silu_mul' "
                              f"(want gate_up [..., {2 * w.shape[-1]}])")
-        if not fuse_act():  # the separate activation kernel first (DSPINE_FUSE_ACT=0, the default until measured)
-            x, act = silu_mul(x, impl=impl), None
+        x, act = act_input(x, act, impl)  # DSPINE_FUSE_ACT=0 (the default until measured): silu_mul first
     if not exact:
         cfg = fast_config(x, w) if impl == "triton" else None
         if cfg is not None:
