@@ -765,10 +765,6 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
             raise FileNotFoundError(f"--draft {label}={path}: no such draft folder")
     if args.config and args.backend == "reference":
         raise ValueError("--config needs the engine (--backend cuda; --device cpu on a CPU)")
-    if args.draft_vocab is not None and not args.draft_vocab.strip():
-        raise ValueError("--draft-vocab: give the path of a draft vocabulary file (python -m data.draft_vocab)")
-    if args.draft_vocab == "none":  # the whole vocabulary, as --config LABEL:draft_vocab=none
-        args.draft_vocab = None
     args.configs = parse_configs(args.config, parse_drafts(args.draft), args, tree_budget_given)
     # a draft vocabulary file that is not there fails now, not after the models; the run-wide one is checked as
     # given, also where every label overrides it

@@ -144,7 +144,8 @@ def report(tokenizer, res, eos: set[int], backend: str) -> dict:
 
 def check_decode_args(args, plan_trees: str = "--plan-trees 16/32") -> None:
     """Checks of the options infer.generate and infer.bench share, before any model is read; sets
-    ``args.tree_budget`` to its default under ``--verify tree``. Raises ValueError naming the option, also
+    ``args.tree_budget`` to its default under ``--verify tree`` and ``args.draft_vocab`` "none" to None (the whole
+    vocabulary). Raises ValueError naming the option, also
     for an option that another one makes meaningless (it would be silently ignored). ``plan_trees``: how the
     command line gives the planner's tree sizes (named when ``--tree-budget`` meets ``--budget auto``)."""
     if args.block_size is not None and args.block_size < 2:
@@ -172,6 +173,11 @@ def check_decode_args(args, plan_trees: str = "--plan-trees 16/32") -> None:
         raise ValueError(f"{flag} goes into the chat template, which --no-chat-template turns off")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads {args.threads}: must be >= 1")
+    if getattr(args, "draft_vocab", None) is not None:
+        if not args.draft_vocab.strip():
+            raise ValueError("--draft-vocab: give the path of a draft vocabulary file (python -m data.draft_vocab)")
+        if args.draft_vocab == "none":  # the whole vocabulary, as --config LABEL:draft_vocab=none
+            args.draft_vocab = None
 
 
 def refuse_draft_options(args, others: tuple[tuple[str, bool], ...] = ()) -> None:
@@ -179,7 +185,7 @@ def refuse_draft_options(args, others: tuple[tuple[str, bool], ...] = ()) -> Non
     given = (("--block-size", args.block_size is not None), ("--verify tree", args.verify == "tree"),
              ("--budget auto", args.budget is not None),
              ("--draft-temperature", getattr(args, "draft_temperature", None) is not None),
-             ("--draft-vocab", getattr(args, "draft_vocab", None) not in (None, "none")), *others)
+             ("--draft-vocab", getattr(args, "draft_vocab", None) is not None), *others)
     for flag, on in given:
         if on:
             value = {"--block-size": f" {args.block_size}",
@@ -244,9 +250,7 @@ def run(args) -> dict:
             raise ValueError(f"--block-size {args.block_size} needs the engine, which does not run this target")
     spec.check_supported(engine=backend == "cuda")
     vocab = None  # (ids, metadata) of --draft-vocab, read before the target's weights
-    if args.draft_vocab is not None and args.draft_vocab != "none":  # none: the whole vocabulary (as infer.bench's)
-        if not args.draft_vocab.strip():
-            raise ValueError("--draft-vocab: give the path of a draft vocabulary file (python -m data.draft_vocab)")
+    if args.draft_vocab is not None:  # (check_decode_args turned "none" into None: the whole vocabulary)
         try:
             vocab = load_draft_vocab(args.draft_vocab, spec.vocab_size)
         except (ValueError, FileNotFoundError) as e:
