@@ -225,7 +225,13 @@ class Engine:
     PREFILL_BUCKETS_AUTO = True
     PREFILL_BUCKETS_MAX_HIDDEN = 2048
     PREFILL_BUCKETS_MAX_PROMPTS = 8
-    PLAN_TREES = (32, 64)
+    # the planner's trees: 32 nodes alone. A second tree of near-equal rate costs the planner more than it can gain:
+    # each tree's lead over the chain is learned only on the steps that tree ran (noisy, and biased by the passages
+    # it was chosen in), so the two flip on noise. Replayed over the shipped SmolLM2 draft's real per-anchor
+    # acceptance with the H200 step times of three concurrency-1 runs (results/planner-replay-cpu.json,
+    # benchmarks/reference/planner_trace.py): trees 32 and 64 at 0.966-0.984 × the best fixed mode (the H200 measured
+    # 0.961 and 0.970 in exact mode), 32 alone at 0.994-1.004; a tree of 64 is never the best fixed mode
+    PLAN_TREES = (32,)
     # planner AR steps per draft-context flush (F): a flush is one append of [B, F, k·H] (static shape,
     # whatever is pending), about as many launches as one per-step append, shared by up to F AR steps; its
     # fc and K/V GEMMs run over B·F rows, like the draft block's B·16 rows of the shipped drafts (block 16)

@@ -1,0 +1,434 @@
+"""The verify-budget planner replayed over a real draft's acceptance, at concurrency 1 and T = 0, on the CPU (issue 16).
+
+    python benchmarks/reference/planner_trace.py record --target models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --draft checkpoints/smollm2-135m-dspine --num-prompts 6 --max-new-tokens 512 \\
+        --output results/planner-trace-cpu.json
+    python benchmarks/reference/planner_trace.py replay results/planner-trace-cpu.json \\
+        --costs results/planner-exact2-h200-T0-c1.json [--output results/planner-replay-cpu.json]
+
+``record``: at T = 0 a lossless decoder emits the target's greedy output whatever it verifies, so one greedy
+continuation per prompt fixes, at every anchor position ``a`` of it, what each verify mode would commit there
+(``benchmarks/reference/tree_policy.py``: one teacher-forced draft pass gives the draft's distributions ``q [A, K, V]``
+at every anchor). Per anchor it stores
+
+- ``chain``: accepted draft tokens of the chain (the argmax tokens up to the first miss), at most K = block − 1;
+- ``tree<N>``: accepted depth of the engine's best-first tree of N nodes (``dspine.tree.build_tree(chain_first=False)``,
+  verified by ``dspine.ops.tree_verify.verify_tree_greedy``), and ``pair<N>``: the chain nodes on its accepted path
+  (what ``infer.engine.Engine._decode_planned`` gives the planner as the chain's paired observation);
+- ``conf``: the draft's chain confidence ``infer.engine.chain_confidence`` of the argmax probabilities (what the engine
+  gives the planner after a speculative step at T = 0).
+
+``replay``: drives ``infer.planner.StepPlanner`` over each prompt as ``Engine._decode_planned`` does at concurrency 1:
+the step at position ``p`` commits ``min(accepted(p) + 1, tokens left)``; the planner chooses step k having observed
+steps up to k − 2 (the engine's pipelined loop), and its confidence is that of step k − 2 when that step was speculative;
+after a tree step it gets the paired chain observation. Step times are fixed per mode, taken from an ``infer.bench``
+JSON of the H200 (the planner's ``measured_ms`` per mode, and the fixed trees' seconds per step scaled to them for a
+tree size the planner did not run). Against it, on the same positions and step times: every fixed mode, and the
+clairvoyant schedule (dynamic programming over positions: the least time to emit the whole output choosing the mode
+at every step knowing what each commits: an upper bound no causal planner reaches). Throughput per task is pooled
+tokens ÷ pooled step milliseconds of its prompts (prefill and admission are not modelled); the mean is over tasks, as
+``infer.bench`` reports.
+
+Not a GPU measurement. What it isolates is the planner's choices: the content is one greedy output (the engine's exact
+mode decodes the same), the step times are constants, and the draft runs in fp32 on the CPU (bf16 on the GPU
+accepts somewhat differently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from benchmarks.reference import tree_policy as tp
+
+TASKS = tp.TASKS
+
+
+# ------------------------------------------------------------------------------------------------ record
+
+
+def anchor_table(q: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, budgets: list[int]) -> dict:
+    """What each verify mode commits at every anchor of one greedy output.
+
+    Args:
+        q: ``[A, K, V]`` fp32 draft distributions of depths 1..K at the A anchors.
+        greedy: ``[A, K]`` int64, the greedy token at depth d + 1 after each anchor, -1 past the output's end.
+        anchors: ``[A]`` int64, the anchor tokens (the tree roots).
+        budgets: tree sizes N (nodes, root included).
+    Returns ``{"chain": [A], "conf": [A], "tree<N>": [A], "pair<N>": [A]}`` as lists (module docstring).
+    """
+    from dspine.ops.tree_verify import verify_tree_greedy
+    from dspine.tree import build_tree
+    from infer.engine import chain_confidence
+
+    A, K, _ = q.shape
+    top = q.max(-1)
+    hit = (top.indices == greedy).int()
+    out = {"chain": hit.cumprod(-1).sum(-1).tolist(),
+           "conf": [round(float(c), 5) for c in chain_confidence(top.values)]}
+    rows = torch.arange(A)
+    for N in budgets:
+        tree = build_tree(anchors, q, N, chain_first=False)
+        argmax = torch.cat([greedy, greedy.new_full((A, 1), -1)], 1).gather(1, tree.depth)
+        cur, depth, _ = verify_tree_greedy(tree.tokens, tree.parent, tree.depth, tree.anc, argmax, impl="torch")
+        on_path = tree.anc[rows, cur]  # [A, N]: the accepted node's path, root included
+        out[f"tree{N}"] = depth.tolist()
+        out[f"pair{N}"] = ((on_path & tree.chain).sum(-1) - 1).tolist()
+    return out
+
+
+def record(args) -> int:
+    from dspine.checkpoint import load_draft
+    from dspine.prompts import encode_prompt
+    from dspine.provenance import provenance
+    from dspine.target import load_target, load_tokenizer
+    from infer.datasets import load_eval_prompts
+
+    out_path = Path(args.output)
+    if out_path.exists():
+        raise SystemExit(f"{out_path} exists: choose another --output (finished results are never overwritten)")
+    try:
+        budgets = [int(b) for b in args.budgets.split(",")]
+    except ValueError:
+        raise SystemExit(f"--budgets {args.budgets!r}: give comma-separated integers in [2, 64]") from None
+    if not budgets or any(not 2 <= b <= 64 for b in budgets):
+        raise SystemExit(f"--budgets {args.budgets}: each must be in [2, 64]")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    draft = load_draft(args.draft, dtype=torch.float32)
+    target = load_target(args.target, dtype=torch.float32)
+    target.set_layer_ids(draft.config.target_layer_ids, draft.config.last_layer_features)
+    tpath = Path(args.target)
+    tok = load_tokenizer(str(tpath.parent), tpath.name) if tpath.suffix == ".gguf" else load_tokenizer(args.target)
+    eos = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
+    K = draft.block_size - 1
+    prompts = []
+    for task in args.datasets.split(","):
+        for item in load_eval_prompts(task, args.num_prompts, args.data_dir):
+            ids = encode_prompt(tok, item.turns[0])
+            gen = tp.greedy_continuation(target, ids, args.max_new_tokens, eos)
+            seq = ids + gen
+            base = len(ids) - 1
+            q = tp.draft_q(target, draft, seq, base)  # [A, K, V], A = len(gen)
+            A = q.shape[0]
+            pos = base + torch.arange(A)[:, None] + torch.arange(1, K + 1)[None]
+            seq_t = torch.tensor(seq + [-1] * (K + 1))
+            greedy = seq_t[pos]
+            row = {"task": task, "prompt_tokens": len(ids), "tokens": len(gen),
+                   **anchor_table(q, greedy, torch.tensor(seq[base: base + A]), budgets)}
+            prompts.append(row)
+            print(f"{task}: prompt {len(ids)} + {len(gen)} tokens, chain tau "
+                  f"{tp.replay(row['chain'], len(gen))[0] / tp.replay(row['chain'], len(gen))[1]:.2f} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+    report = {
+        **provenance([sys.argv[0]] + (args.argv if args.argv is not None else sys.argv[1:])),
+        "target": args.target, "draft": args.draft, "num_prompts": args.num_prompts,
+        "max_new_tokens": args.max_new_tokens, "block_size": draft.block_size, "budgets": budgets,
+        "seconds": round(time.time() - t0, 1), "prompts": prompts,
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, separators=(",", ":")) + "\n")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ replay
+
+
+def committed(row: dict, mode, p: int) -> int:
+    """Tokens a step of ``mode`` (``("ar", 1)``, ``("chain", n)``, ``("tree", N)``) commits at anchor ``p`` of a
+    recorded prompt: accepted + 1 (the bonus), at most the mode's verify size and the tokens left."""
+    left = row["tokens"] - p
+    if mode[0] == "ar":
+        return 1
+    acc = row["chain"][p] if mode[0] == "chain" else row[f"tree{mode[1]}"][p]
+    return min(acc + 1, mode[1], left)
+
+
+def fixed_ms(row: dict, mode, true_ms: dict) -> tuple[int, float, int]:
+    """(tokens, milliseconds, steps) of decoding a recorded prompt with ``mode`` at every step (the first token
+    comes from the prefill, not counted)."""
+    p, ms, steps = 1, 0.0, 0
+    while p < row["tokens"]:
+        p += committed(row, mode, p)
+        ms += true_ms[mode]
+        steps += 1
+    return row["tokens"] - 1, ms, steps
+
+
+def clairvoyant_ms(row: dict, modes, true_ms: dict) -> float:
+    """Least milliseconds to decode a recorded prompt choosing the mode at every step knowing what each commits
+    (dynamic programming from the end: ``best[p] = min_m ms(m) + best[p + committed(m, p)]``)."""
+    A = row["tokens"]
+    best = [0.0] * (A + 1)
+    for p in range(A - 1, 0, -1):
+        best[p] = min(true_ms[m] + best[p + committed(row, m, p)] for m in modes)
+    return best[1] if A > 1 else 0.0
+
+
+def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int, planner=None, mode=None,
+             drain_every: int = 8) -> tuple[int, float, int]:
+    """(tokens, milliseconds, steps) of decoding recorded prompts at concurrency ``B``, either with one fixed
+    ``mode`` at every step or with ``planner`` (a ``StepPlanner``), the way ``Engine._decode_planned`` runs it:
+
+    - the prompts queue and take free slots in order; a request's first token comes from its prefill (not timed);
+      a request that finishes in step j is seen after step j + 1 is launched: its row idles in step j + 1, which
+      runs even when no other row is live, and its slot is refilled before step j + 2 (the engine reads a step's
+      snapshot one step late; it refills as soon as one slot is free for B <= 16);
+    - every step runs all B rows (a step's time is the mode's at batch B, idle rows included);
+    - the planner chooses step k having observed steps up to k - 2; the observation of step j is the mean over its
+      rows live before and after it of their committed tokens, its time (none for a step after a refill: its
+      interval holds a prefill), after a tree step the chain's paired tokens (mean of ``min(chain nodes on the
+      accepted path + 1, chain size, committed)``), after a speculative step the rows' mean confidence for the next
+      choice;
+    - once the queue is empty, every ``drain_every`` choices, the drain rule's per-request state
+      ``(max_new - committed, chain tokens, chain steps, chain tokens²)`` of every slot holding a request (its
+      chain-equivalent tokens: chain steps, and the chain nodes of tree steps).
+    """
+    chains = [m for m in planner.table if m[0] == "chain"] if planner is not None else []
+    cap = max((m[1] for m in chains), default=0)
+    queue = deque(range(len(rows)))
+    owner: list = [None] * B
+    pos = [0] * B  # next anchor of the slot's request; its committed tokens = pos
+    stats = [[0, 0, 0] for _ in range(B)]  # chain-equivalent tokens, steps, tokens² (the drain rule)
+    launched: deque = deque()  # (mode, {slot: (owner, committed, paired, conf)}, timed)
+    predicted, drain_age, ms, steps, fresh = None, 0, 0.0, 0, True
+
+    def live(b):
+        return owner[b] is not None and pos[b] < rows[owner[b]]["tokens"]
+
+    def admit():
+        nonlocal fresh
+        for b in range(B):
+            if owner[b] is None and queue:
+                owner[b], pos[b], stats[b], fresh = queue.popleft(), 1, [0, 0, 0], True
+
+    admit()
+    while any(o is not None for o in owner) or launched:
+        if any(o is not None for o in owner):  # the host launches while it knows of a request not finished
+            if planner is None:
+                m = mode
+            else:
+                drain = None
+                if not queue and drain_age % drain_every == 0:
+                    drain = [(max_new - pos[b] if live(b) else 0, *stats[b])
+                             for b in range(B) if owner[b] is not None or stats[b][1]]
+                m = planner.choose(predicted, drain)
+                if drain is not None or drain_age:
+                    drain_age += 1
+            step = {}
+            for b in range(B):
+                if live(b):
+                    r = rows[owner[b]]
+                    n = committed(r, m, pos[b])
+                    pair = min(r[f"pair{m[1]}"][pos[b]] + 1, n) if m[0] == "tree" else None
+                    pos[b] += n
+                    step[b] = (owner[b], n, pair, r["conf"][pos[b] - n], pos[b] >= r["tokens"])
+            launched.append((m, step, not fresh))
+            fresh = False
+            ms += true_ms[m]
+            steps += 1
+            did = True
+        else:
+            did = False
+        if len(launched) > 1 or (launched and not did):  # step k - 1 after step k is launched; the rest at the end
+            m0, step, timed = launched.popleft()
+            if planner is not None:
+                if step:
+                    planner.observe(m0, sum(v[1] for v in step.values()) / len(step),
+                                    true_ms[m0] if timed else None, len(step))
+                    predicted = None
+                    if m0[0] != "ar":
+                        if m0[0] == "tree":
+                            for c in chains:
+                                if min(verify - 1, m0[1] - 1) >= c[1] - 1:
+                                    x = sum(min(v[2], c[1]) for v in step.values()) / len(step)
+                                    planner.observe_paired(c, x, len(step))
+                        for b, v in step.items():
+                            d = v[1] if m0[0] == "chain" else min(v[2], cap or v[2])
+                            stats[b][0] += d
+                            stats[b][1] += 1
+                            stats[b][2] += d * d
+                        predicted = {k: sum(v[3] for v in step.values()) / len(step)
+                                     for k in planner.table if k[0] != "ar"}
+                else:
+                    planner.skip()
+            # requests that finished in that step are seen now: their slots are refilled before the next step
+            for b, v in step.items():
+                if v[4] and owner[b] == v[0]:
+                    owner[b] = None
+            admit()
+    return sum(r["tokens"] - 1 for r in rows), ms, steps
+
+
+def step_times(path: str, label: str) -> tuple[dict, dict]:
+    """(start-up table, measured step ms) per mode from an ``infer.bench`` JSON with a planner label: the planner's
+    ``step_ms`` and ``measured_ms`` (pooled over tasks, weighted by steps), and for a fixed tree label
+    (``verify: tree``) whose size the planner did not run, its seconds per step scaled by the planner's tree32 (or
+    nearest tree) measured ÷ that fixed tree's seconds per step."""
+    import re
+
+    run = json.loads(Path(path).read_text())
+    table, measured, steps = {}, {}, {}
+    per_step = {}  # fixed tree size -> seconds per verify step, pooled over tasks
+    for task in run["tasks"]:
+        for name, d in task["drafts"].items():
+            if name == label:
+                for k, v in d["planner_choices"].items():
+                    m = re.fullmatch(r"([a-z]+)(\d*)", k)
+                    mode = (m.group(1), int(m.group(2) or 1))
+                    table[mode] = v["step_ms"]
+                    if v["measured_ms"] is not None:
+                        w = max(v["steps"], 1)
+                        measured[mode] = measured.get(mode, 0.0) + w * v["measured_ms"]
+                        steps[mode] = steps.get(mode, 0) + w
+            elif d.get("verify") == "tree":
+                s, n = per_step.get(d["verified_tokens_per_step"], (0.0, 0))
+                per_step[d["verified_tokens_per_step"]] = (s + d["seconds"], n + d["verify_steps"])
+    if not table:
+        raise SystemExit(f"{path}: no label {label!r} with planner_choices (an infer.bench run with budget=auto)")
+    measured = {m: x / steps[m] for m, x in measured.items()}
+    for N, (s, n) in per_step.items():
+        mode = ("tree", N)
+        if mode not in measured and n:
+            ref = min((m for m in measured if m[0] == "tree" and m[1] in per_step),
+                      key=lambda m: abs(m[1] - N), default=None)
+            if ref is not None:
+                rs, rn = per_step[ref[1]]
+                measured[mode] = (s / n) / (rs / rn) * measured[ref]
+                table[mode] = table.get(mode, measured[mode] * table[ref] / measured[ref])
+    return table, measured
+
+
+def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurrency: int | None = None,
+                 **planner_args) -> dict:
+    """One point: the planner (trees ``plan_trees``, infer.planner.parse_plan_trees; ``planner_args`` to
+    ``StepPlanner``), every fixed mode and (at concurrency 1) the clairvoyant schedule over ``trace``, with the step
+    times of the ``infer.bench`` JSON ``costs`` at ``concurrency`` (default: that run's). Per task tok/s, pooled over
+    its prompts; the mean over tasks. Raises SystemExit naming the file for a tree the trace did not record or a mode
+    without a step time."""
+    from infer.planner import StepPlanner, parse_plan_trees
+
+    run_args = json.loads(Path(costs).read_text()).get("args") or {}
+    B = concurrency or int(run_args.get("concurrency") or 1)
+    table, true_ms = step_times(costs, label)
+    recorded = [("tree", N) for N in trace["budgets"]]
+    verify, max_new = trace["block_size"], trace["max_new_tokens"]
+    plan = [("ar", 1), ("chain", verify)] + [("tree", N) for N in parse_plan_trees(plan_trees)]
+    not_recorded = [m for m in plan if m[0] == "tree" and m not in recorded]
+    if not_recorded:
+        raise SystemExit(f"trace: trees {not_recorded} not recorded (record with --budgets holding them)")
+    missing = [m for m in plan + recorded if m not in true_ms]
+    if missing:
+        raise SystemExit(f"{costs}: no step time for {missing} (run the planner or a fixed tree of that size)")
+    fixed = [("ar", 1), ("chain", verify)] + recorded
+    tasks: dict = {}
+    for row in trace["prompts"]:
+        tasks.setdefault(row["task"], []).append(row)
+    per_task, cost_state, token_state, counts = {}, None, None, {}
+    for task, rows in tasks.items():
+        out = {}
+        for m in fixed:
+            tok, x, _ = batch_ms(rows, B, true_ms, verify, max_new, mode=m)
+            out[f"{m[0]}{m[1]}"] = tok / x * 1e3
+        if B == 1:
+            tok = sum(r["tokens"] - 1 for r in rows)
+            idle = min(true_ms[m] for m in fixed)  # the step in which a finish is seen: the cheapest mode
+            out["clairvoyant"] = tok / sum(clairvoyant_ms(r, fixed, true_ms) + idle for r in rows) * 1e3
+        # infer.bench runs every task once untimed first; the engine carries its planner's cost model and
+        # acceptance from one call to the next, and infer.bench restores the acceptance after the warm-up pass, so
+        # the timed pass learns from the tasks before it, not from its own prompts (infer.planner, "Across calls")
+        before = token_state
+        for _pass in ("warmup", "timed"):
+            planner = StepPlanner({m: table[m] for m in plan}, **planner_args)
+            if cost_state is not None:
+                planner.load_cost_state(cost_state)
+            if before is not None:
+                planner.load_token_state(before)
+            tok, x, _ = batch_ms(rows, B, true_ms, verify, max_new, planner=planner)
+            cost_state, token_state = planner.cost_state(), planner.token_state()
+        out["planner"] = tok / x * 1e3
+        for m, n in planner.choices.items():
+            counts[f"{m[0]}{m[1]}"] = counts.get(f"{m[0]}{m[1]}", 0) + n
+        per_task[task] = out
+    mean = {k: sum(t[k] for t in per_task.values()) / len(per_task) for k in next(iter(per_task.values()))}
+    best = max((k for k in mean if k not in ("planner", "clairvoyant")), key=mean.get)
+    return {
+        "costs": costs, "concurrency": B, "plan_trees": plan_trees, "exact": bool(run_args.get("exact")),
+        "true_ms": {f"{m[0]}{m[1]}": round(v, 4) for m, v in sorted(true_ms.items())},
+        "table_ms": {f"{m[0]}{m[1]}": round(v, 4) for m, v in sorted(table.items())},
+        "tok_per_s": mean, "best_fixed": best, "planner_over_best_fixed": mean["planner"] / mean[best],
+        "planner_over_ar": mean["planner"] / mean["ar1"],
+        "clairvoyant_over_best_fixed": mean["clairvoyant"] / mean[best] if "clairvoyant" in mean else None,
+        "planner_steps_timed": counts, "per_task_tok_per_s": per_task,
+    }
+
+
+def replay(args) -> int:
+    from dspine.provenance import provenance
+
+    out_path = Path(args.output) if args.output else None
+    if out_path is not None and out_path.exists() and not args.overwrite:
+        raise SystemExit(f"{out_path} exists: choose another --output or pass --overwrite")
+    trace = json.loads(Path(args.trace).read_text())
+    points = []
+    for costs in args.costs.split(","):
+        for plan_trees in args.plan_trees.split(","):
+            pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency)
+            points.append(pt)
+            print(f"{costs} c{pt['concurrency']} trees {plan_trees}: planner / best fixed ({pt['best_fixed']}) "
+                  f"{pt['planner_over_best_fixed']:.4f}, / AR {pt['planner_over_ar']:.3f}; clairvoyant / best "
+                  f"{pt['clairvoyant_over_best_fixed'] or float('nan'):.4f}; steps {pt['planner_steps_timed']}",
+                  flush=True)
+    report = {
+        **provenance([sys.argv[0]] + (args.argv if args.argv is not None else sys.argv[1:])),
+        "simulated": True, "trace": args.trace, "trace_commit": trace.get("commit"),
+        "trace_prompts_per_task": trace["num_prompts"], "max_new_tokens": trace["max_new_tokens"],
+        "points": points,
+    }
+    if out_path is not None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="greedy outputs and per-anchor acceptance of every mode (slow: the models run)")
+    r.add_argument("--target", required=True, help="HF folder or .gguf file of the target")
+    r.add_argument("--draft", required=True, help="draft checkpoint folder")
+    r.add_argument("--datasets", default=",".join(TASKS))
+    r.add_argument("--data-dir", default=None, help="eval sets (default: infer.datasets' default)")
+    r.add_argument("--num-prompts", type=int, default=6)
+    r.add_argument("--max-new-tokens", type=int, default=512)
+    r.add_argument("--budgets", default="16,32,64", help="tree sizes to record")
+    r.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    r.add_argument("--output", required=True)
+    r = sub.add_parser("replay", help="the planner, the fixed modes and the clairvoyant schedule over a trace")
+    r.add_argument("trace", help="a JSON written by record")
+    r.add_argument("--costs", required=True,
+                   help="infer.bench JSON(s) of the device with a planner label, comma-separated: one point each")
+    r.add_argument("--label", default="p", help="the planner's label in --costs")
+    r.add_argument("--concurrency", type=int, default=None,
+                   help="requests decoded together (default: the --costs run's; its step times are at that batch)")
+    r.add_argument("--plan-trees", default="32",
+                   help="the planner's tree sizes (infer.planner.parse_plan_trees), comma-separated: one point each")
+    r.add_argument("--output", default=None)
+    r.add_argument("--overwrite", action="store_true")
+    args = ap.parse_args(argv)
+    args.argv = argv
+    return record(args) if args.cmd == "record" else replay(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

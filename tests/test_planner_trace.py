@@ -1,0 +1,120 @@
+"""benchmarks/reference/planner_trace.py: per-anchor acceptance of every verify mode from one greedy output, and the
+planner replayed over it against the fixed modes and the clairvoyant schedule."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.reference import planner_trace as pt
+from dspine.checkpoint import save_draft
+from dspine.target import load_target
+from infer.engine import chain_confidence
+from infer.planner import StepPlanner
+from tests.conftest import shared_path
+from tests.helpers import random_draft
+
+AR, CHAIN, T4 = ("ar", 1), ("chain", 4), ("tree", 4)
+
+
+def test_anchor_table_counts_chain_tree_and_paired_chain():
+    # V = 5, K = 3, two anchors. Anchor 0: the draft's argmax is the greedy token at depths 1 and 2, not 3.
+    # Anchor 1: the argmax misses at depth 1, the second most probable token is the greedy one.
+    q = torch.full((2, 3, 5), 0.05)
+    q[0, :, 1] = 0.8
+    q[1, 0, 2], q[1, 0, 3] = 0.6, 0.2  # argmax 2, then 3
+    q[1, 1:, 4] = 0.8
+    greedy = torch.tensor([[1, 1, 0], [3, 4, -1]])
+    t = pt.anchor_table(q, greedy, torch.tensor([0, 0]), [2, 4, 6])
+    assert t["chain"] == [2, 0]
+    p = q.max(-1).values
+    assert t["conf"] == [pytest.approx(float(x), abs=1e-5) for x in chain_confidence(p)]
+    assert t["conf"][0] == pytest.approx(1 + 0.8 + 0.64 + 0.512, abs=1e-5)
+    # a tree of 2 nodes is the root and the best depth-1 node (the argmax): the chain's first node
+    assert t["tree2"] == [1, 0] and t["pair2"] == [1, 0]
+    # best first at anchor 1, by path probability: 2 (0.6), 2-4 (0.48), 2-4-4 (0.384), 3 (0.2), 3-4 (0.16). 4 nodes
+    # hold the chain alone (the greedy 3 is missed); 6 nodes hold the greedy path 3-4, off the chain
+    assert t["tree4"][1] == 0 and t["pair4"][1] == 0
+    assert t["tree6"][1] == 2 and t["pair6"][1] == 0
+    assert t["tree4"][0] == 2 and t["pair4"][0] == 2  # the chain's first 2 accepted, depth 3 misses
+
+
+def row(chain, tree4, pair4, conf=None):
+    n = len(chain)
+    return {"task": "x", "tokens": n, "chain": chain, "tree4": tree4, "pair4": pair4, "conf": conf or [2.0] * n}
+
+
+def test_fixed_and_clairvoyant_schedules():
+    r = row([3, 0, 0, 1, 0, 0, 0, 0], [3, 2, 2, 2, 2, 2, 2, 0], [3, 0, 0, 1, 0, 0, 0, 0])
+    ms = {AR: 1.0, CHAIN: 1.5, T4: 2.0}
+    # chain from anchor 1: accepted 0 -> 1 token (p 2), 0 -> p 3, 1 -> 2 tokens (p 5), 0, 0 -> p 7, 0 -> p 8
+    assert pt.fixed_ms(r, CHAIN, ms) == (7, 1.5 * 6, 6)
+    assert pt.fixed_ms(r, AR, ms) == (7, 7.0, 7)
+    # tree from 1: 2 accepted -> 3 tokens (p 4), 3 tokens (p 7), 1 token (p 8)
+    assert pt.fixed_ms(r, T4, ms) == (7, 6.0, 3)
+    assert pt.committed(r, T4, 6) == 2  # 3 would pass the end: capped by the tokens left
+    # tree, tree (p 7), then the last token by AR (1 ms) instead of a third tree step: below every fixed mode
+    assert pt.clairvoyant_ms(r, [AR, CHAIN, T4], ms) == pytest.approx(5.0)
+    assert pt.clairvoyant_ms(r, [AR], ms) == pytest.approx(7.0)
+    assert pt.clairvoyant_ms(r, [CHAIN], ms) == pytest.approx(9.0)
+
+
+def test_planner_replay_commits_every_token_and_pairs_tree_steps():
+    r = row([1] * 40, [3] * 40, [1] * 40)
+    ms = {AR: 1.0, CHAIN: 1.2, T4: 1.4}
+    planner = StepPlanner(dict(ms))
+    tok, total, steps = pt.batch_ms([r], 1, ms, 4, 40, planner=planner)
+    assert tok == 39
+    n = planner.choices
+    assert sum(n.values()) == steps and n[T4] > n[CHAIN]  # the tree commits 4 a step, the chain 2
+    assert total == pytest.approx(sum(k * ms[m] for m, k in n.items()))
+    assert planner.paired[CHAIN] >= n[T4] - 1  # every tree step observed gives the chain's tokens
+
+
+def test_batch_replay_fixed_mode_counts_steps_with_idle_rows():
+    # chain accepting 1 (2 tokens a step): a has 9 tokens after its prefill's (5 steps), b 5 (3 steps). A request's
+    # finish is seen one step late (the engine reads each step's snapshot after launching the next): its row idles
+    # in that step, which runs even when no row is live
+    a, b = row([1] * 10, [3] * 10, [1] * 10), row([1] * 6, [3] * 6, [1] * 6)
+    assert pt.batch_ms([a, b], 2, {CHAIN: 2.0}, 4, 10, mode=CHAIN) == (14, 12.0, 6)
+    assert pt.batch_ms([a, b], 1, {CHAIN: 2.0}, 4, 10, mode=CHAIN) == (14, 20.0, 10)  # 5 + 1 idle, 3 + 1
+    # c (3 one-token steps) waits for the first free slot: b's, seen after step 4, so c runs in steps 5-7
+    c = row([0] * 4, [0] * 4, [0] * 4)
+    assert pt.batch_ms([a, b, c], 2, {CHAIN: 2.0}, 4, 10, mode=CHAIN)[2] == 8
+
+
+def test_record_and_replay_tiny(stories_dir, tmp_path, capsys):
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = save_draft(random_draft(target, block_size=5, mask=0), tmp_path / "draft")
+    trace = tmp_path / "trace.json"
+    argv = ["record", "--target", str(stories_dir), "--draft", str(draft), "--datasets", "gsm8k,mbpp",
+            "--num-prompts", "1", "--max-new-tokens", "12", "--budgets", "4,6",
+            "--data-dir", str(shared_path("data", "eval")), "--output", str(trace)]
+    assert pt.main(argv) == 0
+    t = json.loads(trace.read_text())
+    assert t["commit"] and t["budgets"] == [4, 6] and t["block_size"] == 5 and len(t["prompts"]) == 2
+    for p in t["prompts"]:
+        n = p["tokens"]
+        assert 1 <= n <= 12 and len(p["chain"]) == len(p["conf"]) == len(p["tree6"]) == n
+        assert all(0 <= c <= 4 for c in p["chain"]) and all(1.0 <= c <= 5.0 for c in p["conf"])
+        assert all(pr <= tr for pr, tr in zip(p["pair6"], p["tree6"]))
+    with pytest.raises(SystemExit, match="exists"):
+        pt.main(argv)
+    # an infer.bench-like costs file: the planner label with its modes, a fixed tree of 6 nodes
+    modes = {"ar": 1.0, "chain5": 1.2, "tree4": 1.3}
+    costs = tmp_path / "bench.json"
+    costs.write_text(json.dumps({"tasks": [{"task": "gsm8k", "drafts": {
+        "p": {"planner_choices": {k: {"steps": 10, "step_ms": v, "measured_ms": 1.1 * v} for k, v in modes.items()}},
+        "t4": {"verify": "tree", "verified_tokens_per_step": 4, "seconds": 1.0, "verify_steps": 100},
+        "t6": {"verify": "tree", "verified_tokens_per_step": 6, "seconds": 1.5, "verify_steps": 100}}}]}))
+    out = tmp_path / "replay.json"
+    assert pt.main(["replay", str(trace), "--costs", str(costs), "--plan-trees", "4", "--output", str(out)]) == 0
+    rep = json.loads(out.read_text())["points"][0]
+    assert rep["concurrency"] == 1 and rep["true_ms"]["tree6"] == pytest.approx(1.5 * 1.1 * 1.3, rel=1e-3)  # scaled from tree4's measured
+    tps = rep["tok_per_s"]
+    assert tps["clairvoyant"] >= max(v for k, v in tps.items() if k not in ("planner", "clairvoyant")) - 1e-6
+    # AR: a request's tokens after its prefill's in as many 1.1 ms steps, plus the step in which its finish is seen
+    n = [p["tokens"] for p in t["prompts"]]  # one prompt per task
+    assert tps["ar1"] == pytest.approx(sum(1e3 * (k - 1) / (1.1 * k) for k in n) / 2)
+    with pytest.raises(SystemExit, match="not recorded"):
+        pt.main(["replay", str(trace), "--costs", str(costs), "--plan-trees", "8"])
