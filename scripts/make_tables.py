@@ -645,7 +645,46 @@ def planner_exact_section() -> list[str]:
     out += ["", "Commands: `" + "`; `".join(x["command"] for x in
                                           (json.loads((ROOT / f).read_text()) for f in r["points"])) + "`; then `"
             + r["command"] + "`.", ""]
-    return out + planner_exact_rerun()
+    return out + planner_exact_rerun() + planner_replay_section()
+
+
+def planner_replay_section() -> list[str]:
+    """The planner replayed over the shipped draft's real per-anchor acceptance with H200 step times (CPU;
+    benchmarks/reference/planner_trace.py): results/planner-replay*-cpu.json."""
+    files = sorted(RESULTS.glob("planner-replay*-cpu.json"))
+    if not files:
+        return []
+    out = ["#### The planner replayed over real acceptance (CPU)", "",
+           "`benchmarks/reference/planner_trace.py record` decodes each prompt's greedy output once with the target and "
+           "stores, at every anchor of it, what the chain of 16 and best-first trees of 16, 32 and 64 nodes would commit "
+           "there, the chain nodes on each tree's accepted path and the draft's chain confidence (SmolLM2-135M-Instruct "
+           "from the GGUF and the shipped draft, fp32 on this CPU). `replay` then drives `infer.planner.StepPlanner` as "
+           "`Engine._decode_planned` does (choices one step ahead of observations, paired chain tokens after tree steps, "
+           "the drain rule once the queue is empty, the step in which a finish is seen, a warm-up pass per task and the "
+           "planner's memory across tasks) with the step times an H200 run measured (`--costs`: that run's planner "
+           "`measured_ms` per mode; a fixed tree's seconds per step scaled to them for a size the planner did not run). "
+           "Not a GPU measurement: it isolates the planner's choices on real content. At concurrency 1 the "
+           "clairvoyant schedule (the best mode at every step, knowing what each commits) bounds what any planner can "
+           "reach. Planner ÷ best fixed mode (AR, chain, trees 16/32/64 of the same replay):", "",
+           "| trace (prompts per task × tokens) | H200 step times from | concurrency | best fixed | trees 32 and 64 "
+           "(the default before c34946e) | trees 16 and 32 | tree 32 (the default) | clairvoyant ÷ best |",
+           "|---|---|---|---|---|---|---|---|"]
+    for f in files:
+        r = json.loads(f.read_text())
+        pts: dict = {}
+        for p in r["points"]:
+            pts.setdefault((p["costs"], p["concurrency"]), {})[p["plan_trees"]] = p
+        for (costs, c), by in pts.items():
+            any_p = next(iter(by.values()))
+            cell = lambda k: f"{by[k]['planner_over_best_fixed']:.3f}" if k in by else "–"  # noqa: E731
+            cl = any_p["clairvoyant_over_best_fixed"]
+            out.append(f"| [{f.name}](results/{f.name}) ({r['trace_prompts_per_task']} × {r['max_new_tokens']}) | "
+                       f"`{Path(costs).name}`{' (exact)' if any_p['exact'] else ''} | {c}"
+                       f"{' (the batch never full)' if r['trace_prompts_per_task'] < c else ''} | {any_p['best_fixed']} | "
+                       f"{cell('32/64')} | {cell('16/32')} | {cell('32')} | {'–' if cl is None else f'{cl:.3f}'} |")
+        out += ["", f"Command: `{r['command']}` (trace: `{json.loads((ROOT / r['trace']).read_text())['command']}`).",
+                ""]
+    return out
 
 
 def planner_exact_rerun() -> list[str]:
