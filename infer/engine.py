@@ -229,8 +229,8 @@ class Engine:
     # each tree's lead over the chain is learned only on the steps that tree ran (noisy, and biased by the passages
     # it was chosen in), so the two flip on noise. Replayed over the shipped SmolLM2 draft's real per-anchor
     # acceptance with the H200 step times of three concurrency-1 runs (results/planner-replay-cpu.json,
-    # benchmarks/reference/planner_trace.py): trees 32 and 64 at 0.966-0.984 × the best fixed mode (the H200 measured
-    # 0.961 and 0.970 in exact mode), 32 alone at 0.994-1.004; a tree of 64 is never the best fixed mode
+    # benchmarks/reference/planner_trace.py): trees 32 and 64 at 0.971-0.982 × the best fixed mode (those H200 runs'
+    # planner: 0.958-0.970), 32 alone at 0.994-1.009; a tree of 64 is never the best fixed mode
     PLAN_TREES = (32,)
     # planner AR steps per draft-context flush (F): a flush is one append of [B, F, k·H] (static shape,
     # whatever is pending), about as many launches as one per-step append, shared by up to F AR steps; its
@@ -961,6 +961,16 @@ class Engine:
         (or as many as are queued), or the batch is empty."""
         return bool(queue) and bool(free) and (len(free) >= min(refill, len(queue)) or len(free) == B)
 
+    def _release_finished(self, s: _Slots, flags: list[int], owner: list, width: int, pending: list) -> list[int]:
+        """Harvest the rows whose ``done`` flag is set and that still have an owner (:meth:`_harvest_async`, appended
+        to ``pending``), clear their ``owner`` entries, and return the free slots (every slot without an owner)."""
+        finished = [b for b in range(len(owner)) if flags[b] and owner[b] is not None]
+        if finished:
+            pending.append(self._harvest_async(s, finished, [owner[b] for b in finished], width))
+            for b in finished:
+                owner[b] = None
+        return [b for b in range(len(owner)) if owner[b] is None]
+
     def _harvest_async(self, s: _Slots, rows: list[int], owners: list[int], width: int):
         """Enqueue the copy of finished rows (their ``out_len``, ``hist[:, :width + 1]`` and ``out_tokens``)
         into one pinned host tensor ``[n, 2 + width + max_new]`` int64: only these rows cross the bus, and
@@ -1024,12 +1034,7 @@ class Engine:
             flags = snap[0].tolist()
             self._harvest_finish(pending, width, results, reasons, stats)
             self._check_finite(flags, B)
-            finished = [b for b in range(B) if flags[b] and owner[b] is not None]
-            if finished:
-                pending.append(self._harvest_async(s, finished, [owner[b] for b in finished], width))
-                for b in finished:
-                    owner[b] = None
-            free = [b for b in range(B) if owner[b] is None]
+            free = self._release_finished(s, flags, owner, width, pending)
             t3 = time.perf_counter()
             if self._refill_now(queue, free, refill, B):
                 admit(free)
@@ -1198,12 +1203,7 @@ class Engine:
                 else:
                     planner.skip()
             base = (out_len, [not f for f in flags[:B]], snap[2], snap[1])
-            finished = [b for b in range(B) if flags[b] and owner[b] is not None]
-            if finished:
-                pending.append(self._harvest_async(s, finished, [owner[b] for b in finished], width))
-                for b in finished:
-                    owner[b] = None
-            free = [b for b in range(B) if owner[b] is None]
+            free = self._release_finished(s, flags, owner, width, pending)
             t3 = time.perf_counter()
             if self._refill_now(queue, free, refill, B):
                 admit(free)

@@ -116,5 +116,71 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys):
     # AR: a request's tokens after its prefill's in as many 1.1 ms steps, plus the step in which its finish is seen
     n = [p["tokens"] for p in t["prompts"]]  # one prompt per task
     assert tps["ar1"] == pytest.approx(sum(1e3 * (k - 1) / (1.1 * k) for k in n) / 2)
-    with pytest.raises(SystemExit, match="not recorded"):
+    with pytest.raises(SystemExit, match=r"records trees \[4, 6\], not \[8\]"):
         pt.main(["replay", str(trace), "--costs", str(costs), "--plan-trees", "8"])
+
+
+def test_one_token_outputs_and_concurrency_with_the_planner():
+    # a prompt whose output is its prefill's token alone never decodes (it used to keep its slot forever)
+    one = row([0], [0], [0])
+    assert pt.batch_ms([one], 1, {CHAIN: 2.0}, 4, 10, mode=CHAIN) == (0, 0.0, 0)
+    a, b = row([1] * 30, [3] * 30, [1] * 30), row([0] * 12, [1] * 12, [0] * 12)
+    ms = {AR: 1.0, CHAIN: 1.2, T4: 1.4}
+    planner = StepPlanner(dict(ms))
+    tok, total, steps = pt.batch_ms([a, one, b, a], 2, ms, 4, 30, planner=planner)
+    assert tok == 29 + 11 + 29 and sum(planner.choices.values()) == steps
+    assert planner.drain_choices  # the queue runs dry before the last request ends: the drain rule is given
+    assert total == pytest.approx(sum(k * ms[m] for m, k in planner.choices.items()))
+
+
+def bench_file(path, conc, planner_modes, fixed=()):
+    """An infer.bench-like JSON: label p with planner_choices, fixed tree labels (size, seconds, verify_steps)."""
+    drafts = {"p": {"planner_choices": {k: {"steps": 10, "step_ms": v, "measured_ms": 1.1 * v}
+                                        for k, v in planner_modes.items()}}}
+    for n, sec, st in fixed:
+        drafts[f"t{n}"] = {"verify": "tree", "verified_tokens_per_step": n, "seconds": sec, "verify_steps": st}
+    path.write_text(json.dumps({"args": {"concurrency": conc}, "tasks": [{"task": "gsm8k", "drafts": drafts}]}))
+    return str(path)
+
+
+def test_step_times_derives_a_fixed_tree_only_at_concurrency_one(tmp_path):
+    modes = {"ar": 1.0, "chain5": 1.2, "tree4": 1.3}
+    f1 = bench_file(tmp_path / "c1.json", 1, modes, [(4, 1.0, 100), (6, 1.5, 100)])
+    table, true = pt.step_times(f1, "p")
+    assert true[T4] == pytest.approx(1.43) and true[("tree", 6)] == pytest.approx(1.5 * 1.43)
+    assert table[("tree", 6)] == pytest.approx(1.5 * 1.3)
+    # at concurrency 8 a fixed label's verify_steps count request steps: no step time is made up from them
+    f8 = bench_file(tmp_path / "c8.json", 8, modes, [(4, 1.0, 100), (6, 1.5, 100)])
+    assert ("tree", 6) not in pt.step_times(f8, "p")[1]
+    with pytest.raises(SystemExit, match=r"no label 'q' with planner_choices \(labels run with budget=auto: p"):
+        pt.step_times(f1, "q")
+    with pytest.raises(SystemExit, match="no such file"):
+        pt.step_times(str(tmp_path / "none.json"), "p")
+    (tmp_path / "bad.json").write_text('{"prompts": []}')
+    with pytest.raises(SystemExit, match="no 'tasks' list"):
+        pt.step_times(str(tmp_path / "bad.json"), "p")
+
+
+def test_replay_cli_refuses_bad_arguments_before_any_work(tmp_path):
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"prompts": [row([1] * 8, [2] * 8, [1] * 8)], "budgets": [4], "block_size": 5,
+                                 "num_prompts": 1, "max_new_tokens": 8}))
+    costs = bench_file(tmp_path / "c1.json", 1, {"ar": 1.0, "chain5": 1.2, "tree4": 1.3})
+    base = ["replay", str(trace), "--costs", costs]
+    for extra, msg in ((["--plan-trees", "4,abc"], "--plan-trees"), (["--plan-trees", "4/4"], "none repeated"),
+                       (["--concurrency", "0"], "at least 1"), (["--output", str(tmp_path)], "is a folder")):
+        with pytest.raises(SystemExit, match=msg):
+            pt.main(base + extra)
+    empty = tmp_path / "e.json"
+    empty.write_text(json.dumps({"prompts": [], "budgets": [4], "block_size": 5}))
+    with pytest.raises(SystemExit, match="needs non-empty 'prompts'"):
+        pt.main(["replay", str(empty), "--costs", costs])
+    with pytest.raises(SystemExit, match="no step time for"):  # a recorded tree of 6 that no run timed
+        pt.replay_point({**json.loads(trace.read_text()), "budgets": [4, 6]}, costs, "p", "6")
+    assert pt.main(base + ["--plan-trees", "4, 4"]) == 0  # spaces around a comma-separated item are fine
+    # one prompt cannot fill 8 slots: the engine would run batch 1, not the run's batch 8: skipped, with the reason
+    c8 = bench_file(tmp_path / "c8.json", 8, {"ar": 1.0, "chain5": 1.2, "tree4": 1.3})
+    out = tmp_path / "r.json"
+    assert pt.main(["replay", str(trace), "--costs", f"{c8},{costs}", "--plan-trees", "4", "--output", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert [p["concurrency"] for p in rep["points"]] == [1] and "smaller batch" in rep["skipped"][0]["why"]

@@ -100,8 +100,11 @@ def record(args) -> int:
         budgets = [int(b) for b in args.budgets.split(",")]
     except ValueError:
         raise SystemExit(f"--budgets {args.budgets!r}: give comma-separated integers in [2, 64]") from None
-    if not budgets or any(not 2 <= b <= 64 for b in budgets):
-        raise SystemExit(f"--budgets {args.budgets}: each must be in [2, 64]")
+    if not budgets or any(not 2 <= b <= 64 for b in budgets) or len(set(budgets)) != len(budgets):
+        raise SystemExit(f"--budgets {args.budgets}: each must be in [2, 64], none repeated")
+    if args.max_new_tokens < 1 or args.num_prompts < 1:
+        raise SystemExit(f"--max-new-tokens {args.max_new_tokens} and --num-prompts {args.num_prompts}: "
+                         "each must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
@@ -180,73 +183,79 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
     """(tokens, milliseconds, steps) of decoding recorded prompts at concurrency ``B``, either with one fixed
     ``mode`` at every step or with ``planner`` (a ``StepPlanner``), the way ``Engine._decode_planned`` runs it:
 
-    - the prompts queue and take free slots in order; a request's first token comes from its prefill (not timed);
-      a request that finishes in step j is seen after step j + 1 is launched: its row idles in step j + 1, which
-      runs even when no other row is live, and its slot is refilled before step j + 2 (the engine reads a step's
-      snapshot one step late; it refills as soon as one slot is free for B <= 16);
+    - the prompts queue and take free slots in order; a request's first token comes from its prefill (not timed;
+      a prompt whose output is that one token never decodes and is left out);
+    - the host launches step k, then reads the snapshot taken after step k - 1: the planner chooses step k having
+      observed steps up to k - 2, and a request that finishes in step k - 1 is seen after step k is launched, so its
+      row idles in step k (which runs even when no other row is live) and its slot is refilled before step k + 1
+      (one free slot is enough at B <= 16);
     - every step runs all B rows (a step's time is the mode's at batch B, idle rows included);
-    - the planner chooses step k having observed steps up to k - 2; the observation of step j is the mean over its
-      rows live before and after it of their committed tokens, its time (none for a step after a refill: its
-      interval holds a prefill), after a tree step the chain's paired tokens (mean of ``min(chain nodes on the
-      accepted path + 1, chain size, committed)``), after a speculative step the rows' mean confidence for the next
-      choice;
-    - once the queue is empty, every ``drain_every`` choices, the drain rule's per-request state
-      ``(max_new - committed, chain tokens, chain steps, chain tokens²)`` of every slot holding a request (its
-      chain-equivalent tokens: chain steps, and the chain nodes of tree steps).
+    - the observation of step j: the mean over its rows of their committed tokens; its time, except when a refill
+      came between its launch and the snapshot that closes it (that interval holds a prefill); after a tree step
+      the chain's paired tokens (mean of ``min(chain nodes on the accepted path + 1, chain size, committed)``); after
+      a speculative step the rows' mean confidence, given to the next choice (``None`` after any other observation);
+    - once the queue is empty, from the second choice on, every ``drain_every`` choices: the drain rule's state per
+      slot holding a request or statistics, as of the last snapshot read: ``(max_new - committed, chain tokens, chain
+      steps, chain tokens²)`` (its chain-equivalent tokens: chain steps, and the chain nodes of tree steps;
+      ``max_new - 1`` for a request admitted since; 0 for one finished by then).
     """
+    rows = [r for r in rows if r["tokens"] > 1]
     chains = [m for m in planner.table if m[0] == "chain"] if planner is not None else []
     cap = max((m[1] for m in chains), default=0)
     queue = deque(range(len(rows)))
     owner: list = [None] * B
-    pos = [0] * B  # next anchor of the slot's request; its committed tokens = pos
+    pos = [0] * B  # next anchor of the slot's request after the steps launched; its committed tokens = pos
+    seen = [0] * B  # the same as of the last snapshot read (what the engine's drain knows)
     stats = [[0, 0, 0] for _ in range(B)]  # chain-equivalent tokens, steps, tokens² (the drain rule)
-    launched: deque = deque()  # (mode, {slot: (owner, committed, paired, conf)}, timed)
-    predicted, drain_age, ms, steps, fresh = None, 0, 0.0, 0, True
+    launched: deque = deque()  # [mode, {slot: (owner, committed, paired, conf, finished)}, timed]
+    predicted, drain_age, ms, steps, first = None, 0, 0.0, 0, True
 
     def live(b):
         return owner[b] is not None and pos[b] < rows[owner[b]]["tokens"]
 
-    def admit():
-        nonlocal fresh
+    def admit() -> bool:
+        took = False
         for b in range(B):
             if owner[b] is None and queue:
-                owner[b], pos[b], stats[b], fresh = queue.popleft(), 1, [0, 0, 0], True
+                owner[b], pos[b], seen[b], stats[b], took = queue.popleft(), 1, 1, [0, 0, 0], True
+        return took
 
     admit()
     while any(o is not None for o in owner) or launched:
-        if any(o is not None for o in owner):  # the host launches while it knows of a request not finished
+        did = any(o is not None for o in owner)  # the host launches while it knows of a request not finished
+        if did:
             if planner is None:
                 m = mode
             else:
                 drain = None
-                if not queue and drain_age % drain_every == 0:
-                    drain = [(max_new - pos[b] if live(b) else 0, *stats[b])
-                             for b in range(B) if owner[b] is not None or stats[b][1]]
+                if not queue and not first and drain_age % drain_every == 0:
+                    drain = [(max_new - seen[b] if owner[b] is not None and seen[b] < rows[owner[b]]["tokens"] else 0,
+                              *stats[b]) for b in range(B) if owner[b] is not None or stats[b][1]]
                 m = planner.choose(predicted, drain)
                 if drain is not None or drain_age:
                     drain_age += 1
+            first = False
             step = {}
             for b in range(B):
                 if live(b):
                     r = rows[owner[b]]
                     n = committed(r, m, pos[b])
                     pair = min(r[f"pair{m[1]}"][pos[b]] + 1, n) if m[0] == "tree" else None
+                    step[b] = (owner[b], n, pair, r["conf"][pos[b]], pos[b] + n >= r["tokens"])
                     pos[b] += n
-                    step[b] = (owner[b], n, pair, r["conf"][pos[b] - n], pos[b] >= r["tokens"])
-            launched.append((m, step, not fresh))
-            fresh = False
+            launched.append([m, step, True])
             ms += true_ms[m]
             steps += 1
-            did = True
-        else:
-            did = False
         if len(launched) > 1 or (launched and not did):  # step k - 1 after step k is launched; the rest at the end
             m0, step, timed = launched.popleft()
+            for b, v in step.items():
+                if owner[b] == v[0]:
+                    seen[b] += v[1]
             if planner is not None:
+                predicted = None
                 if step:
                     planner.observe(m0, sum(v[1] for v in step.values()) / len(step),
                                     true_ms[m0] if timed else None, len(step))
-                    predicted = None
                     if m0[0] != "ar":
                         if m0[0] == "tree":
                             for c in chains:
@@ -262,63 +271,105 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
                                      for k in planner.table if k[0] != "ar"}
                 else:
                     planner.skip()
-            # requests that finished in that step are seen now: their slots are refilled before the next step
+            # requests that finished in that step are seen now: their slots are refilled before the next step, and
+            # the step in flight is observed without a time (its closing snapshot comes after the prefill)
             for b, v in step.items():
                 if v[4] and owner[b] == v[0]:
                     owner[b] = None
-            admit()
+            if admit() and launched:
+                launched[-1][2] = False
     return sum(r["tokens"] - 1 for r in rows), ms, steps
 
 
+class NoStepTime(SystemExit):
+    """A planner mode the ``--costs`` run has no step time for: ``replay`` skips that point and records why."""
+
+
+def load_json(path: str, what: str) -> dict:
+    """A JSON object from ``path``; SystemExit naming the file (and ``what`` it should be) if it is missing or not
+    a JSON object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: no such file ({what})") from None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: not readable as JSON ({what}): {e}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: expected a JSON object ({what})")
+    return data
+
+
 def step_times(path: str, label: str) -> tuple[dict, dict]:
-    """(start-up table, measured step ms) per mode from an ``infer.bench`` JSON with a planner label: the planner's
-    ``step_ms`` and ``measured_ms`` (pooled over tasks, weighted by steps), and for a fixed tree label
-    (``verify: tree``) whose size the planner did not run, its seconds per step scaled by the planner's tree32 (or
-    nearest tree) measured ÷ that fixed tree's seconds per step."""
+    """(start-up table, measured step ms) per mode from an ``infer.bench`` JSON of the device.
+
+    Every label with ``planner_choices`` (a ``budget=auto`` run) gives its modes' ``step_ms`` (the start-up table)
+    and ``measured_ms`` (the online estimate after its steps), pooled over tasks weighted by steps; ``label``'s own
+    values take precedence. At concurrency 1 a fixed tree label (``verify: tree``) of a size no planner ran gives its
+    time as its seconds per verify step scaled by the nearest measured tree's ratio of measured ms to that tree's
+    fixed label's seconds per step (prefill and admissions cancel out). At higher concurrency a fixed label's
+    ``verify_steps`` count request steps, not engine steps, so no time is derived there. Raises SystemExit naming
+    the file and field for a file that is not an infer.bench result or has no planner ``label``."""
     import re
 
-    run = json.loads(Path(path).read_text())
-    table, measured, steps = {}, {}, {}
-    per_step = {}  # fixed tree size -> seconds per verify step, pooled over tasks
-    for task in run["tasks"]:
-        for name, d in task["drafts"].items():
-            if name == label:
+    run = load_json(path, "an infer.bench --output-json result")
+    tasks = run.get("tasks")
+    if not isinstance(tasks, list) or not tasks:
+        raise SystemExit(f"{path}: no 'tasks' list: not an infer.bench --output-json result")
+    conc = int((run.get("args") or {}).get("concurrency") or 1)
+    pooled: dict = {}  # (is label, mode) -> [Σ w·measured, Σ w, Σ w·table]
+    per_step: dict = {}  # fixed tree size -> [seconds, verify steps], pooled over tasks
+    found = False
+    for ti, task in enumerate(tasks):
+        for name, d in (task.get("drafts") or {}).items():
+            where = f"{path}: tasks[{ti}].drafts.{name}"
+            if "planner_choices" in d:
+                found |= name == label
                 for k, v in d["planner_choices"].items():
                     m = re.fullmatch(r"([a-z]+)(\d*)", k)
+                    if m is None or not isinstance(v, dict) or "step_ms" not in v or "measured_ms" not in v:
+                        raise SystemExit(f"{where}.planner_choices.{k}: expected a mode name with step_ms and measured_ms")
                     mode = (m.group(1), int(m.group(2) or 1))
-                    table[mode] = v["step_ms"]
-                    if v["measured_ms"] is not None:
-                        w = max(v["steps"], 1)
-                        measured[mode] = measured.get(mode, 0.0) + w * v["measured_ms"]
-                        steps[mode] = steps.get(mode, 0) + w
-            elif d.get("verify") == "tree":
-                s, n = per_step.get(d["verified_tokens_per_step"], (0.0, 0))
-                per_step[d["verified_tokens_per_step"]] = (s + d["seconds"], n + d["verify_steps"])
-    if not table:
-        raise SystemExit(f"{path}: no label {label!r} with planner_choices (an infer.bench run with budget=auto)")
-    measured = {m: x / steps[m] for m, x in measured.items()}
-    for N, (s, n) in per_step.items():
-        mode = ("tree", N)
-        if mode not in measured and n:
-            ref = min((m for m in measured if m[0] == "tree" and m[1] in per_step),
-                      key=lambda m: abs(m[1] - N), default=None)
-            if ref is not None:
+                    if v["measured_ms"] is None:
+                        continue
+                    w = max(int(v.get("steps") or 0), 1)
+                    acc = pooled.setdefault((name == label, mode), [0.0, 0, 0.0])
+                    acc[0] += w * v["measured_ms"]
+                    acc[1] += w
+                    acc[2] += w * v["step_ms"]
+            elif d.get("verify") == "tree" and isinstance(d.get("verified_tokens_per_step"), int):
+                if d.get("verify_steps") and d.get("seconds"):
+                    acc = per_step.setdefault(d["verified_tokens_per_step"], [0.0, 0])
+                    acc[0] += d["seconds"]
+                    acc[1] += d["verify_steps"]
+    if not found:
+        names = sorted({n for t in tasks for n, d in (t.get("drafts") or {}).items() if "planner_choices" in d})
+        raise SystemExit(f"{path}: no label {label!r} with planner_choices (labels run with budget=auto: "
+                         f"{', '.join(names) or 'none'}; choose one with --label)")
+    table, measured = {}, {}
+    for (_own, mode), (x, w, t) in sorted(pooled.items(), key=lambda kv: kv[0][0]):  # the label's last: it wins
+        measured[mode], table[mode] = x / w, t / w
+    if conc == 1:
+        for N, (sec, n) in per_step.items():
+            mode = ("tree", N)
+            ref = min((m for m in measured if m[0] == "tree" and m[1] in per_step), key=lambda m: abs(m[1] - N),
+                      default=None)
+            if mode not in measured and ref is not None:
                 rs, rn = per_step[ref[1]]
-                measured[mode] = (s / n) / (rs / rn) * measured[ref]
-                table[mode] = table.get(mode, measured[mode] * table[ref] / measured[ref])
+                measured[mode] = (sec / n) / (rs / rn) * measured[ref]
+                table[mode] = measured[mode] * table[ref] / measured[ref]
     return table, measured
 
 
 def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurrency: int | None = None,
                  **planner_args) -> dict:
     """One point: the planner (trees ``plan_trees``, infer.planner.parse_plan_trees; ``planner_args`` to
-    ``StepPlanner``), every fixed mode and (at concurrency 1) the clairvoyant schedule over ``trace``, with the step
-    times of the ``infer.bench`` JSON ``costs`` at ``concurrency`` (default: that run's). Per task tok/s, pooled over
-    its prompts; the mean over tasks. Raises SystemExit naming the file for a tree the trace did not record or a mode
-    without a step time."""
+    ``StepPlanner``), every fixed mode with a step time and (at concurrency 1) the clairvoyant schedule over
+    ``trace``, with the step times of the ``infer.bench`` JSON ``costs`` at ``concurrency`` (default: that run's).
+    Per task tok/s, pooled over its prompts; the mean over tasks. Raises SystemExit naming the file for a tree the
+    trace did not record, :class:`NoStepTime` for a planner mode without a step time."""
     from infer.planner import StepPlanner, parse_plan_trees
 
-    run_args = json.loads(Path(costs).read_text()).get("args") or {}
+    run_args = load_json(costs, "an infer.bench --output-json result").get("args") or {}
     B = concurrency or int(run_args.get("concurrency") or 1)
     table, true_ms = step_times(costs, label)
     recorded = [("tree", N) for N in trace["budgets"]]
@@ -326,14 +377,23 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     plan = [("ar", 1), ("chain", verify)] + [("tree", N) for N in parse_plan_trees(plan_trees)]
     not_recorded = [m for m in plan if m[0] == "tree" and m not in recorded]
     if not_recorded:
-        raise SystemExit(f"trace: trees {not_recorded} not recorded (record with --budgets holding them)")
-    missing = [m for m in plan + recorded if m not in true_ms]
+        raise SystemExit(f"the trace records trees {trace['budgets']}, not {[n for _, n in not_recorded]} "
+                         "(record with --budgets holding them)")
+    missing = [m for m in plan if m not in true_ms]
     if missing:
-        raise SystemExit(f"{costs}: no step time for {missing} (run the planner or a fixed tree of that size)")
-    fixed = [("ar", 1), ("chain", verify)] + recorded
+        raise NoStepTime(f"{costs}: no step time for {missing} at concurrency {run_args.get('concurrency', 1)} "
+                         "(a planner label of that run must have run it, or at concurrency 1 a fixed tree of that size)")
+    fixed = [m for m in [("ar", 1), ("chain", verify)] + recorded if m in true_ms]
     tasks: dict = {}
     for row in trace["prompts"]:
-        tasks.setdefault(row["task"], []).append(row)
+        if row["tokens"] > 1:  # a prompt whose output is its prefill's token alone never decodes
+            tasks.setdefault(row["task"], []).append(row)
+    if not tasks:
+        raise SystemExit("the trace has no prompt with more than one output token")
+    short = {t: len(r) for t, r in tasks.items() if len(r) < B}
+    if short:  # Engine.generate runs min(concurrency, prompts) slots: step times of another batch size
+        raise NoStepTime(f"{costs}: concurrency {B}, but the trace has fewer decoding prompts for {short}: the engine "
+                         "would run a smaller batch, whose step times that run did not measure")
     per_task, cost_state, token_state, counts = {}, None, None, {}
     for task, rows in tasks.items():
         out = {}
@@ -364,6 +424,7 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     best = max((k for k in mean if k not in ("planner", "clairvoyant")), key=mean.get)
     return {
         "costs": costs, "concurrency": B, "plan_trees": plan_trees, "exact": bool(run_args.get("exact")),
+        "fixed_without_step_time": [f"{m[0]}{m[1]}" for m in [("chain", verify)] + recorded if m not in true_ms],
         "true_ms": {f"{m[0]}{m[1]}": round(v, 4) for m, v in sorted(true_ms.items())},
         "table_ms": {f"{m[0]}{m[1]}": round(v, 4) for m, v in sorted(table.items())},
         "tok_per_s": mean, "best_fixed": best, "planner_over_best_fixed": mean["planner"] / mean[best],
@@ -375,15 +436,37 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
 
 def replay(args) -> int:
     from dspine.provenance import provenance
+    from infer.planner import parse_plan_trees
 
     out_path = Path(args.output) if args.output else None
+    if out_path is not None and out_path.is_dir():
+        raise SystemExit(f"--output {out_path} is a folder: give a file name")
     if out_path is not None and out_path.exists() and not args.overwrite:
         raise SystemExit(f"{out_path} exists: choose another --output or pass --overwrite")
-    trace = json.loads(Path(args.trace).read_text())
-    points = []
-    for costs in args.costs.split(","):
-        for plan_trees in args.plan_trees.split(","):
-            pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency)
+    if args.concurrency is not None and args.concurrency < 1:
+        raise SystemExit(f"--concurrency {args.concurrency}: must be at least 1")
+    costs_list = [c.strip() for c in args.costs.split(",") if c.strip()]
+    trees_list = [t.strip() for t in args.plan_trees.split(",")]
+    if not costs_list:
+        raise SystemExit("--costs: give at least one infer.bench JSON")
+    for t in trees_list:
+        try:
+            parse_plan_trees(t)
+        except ValueError as e:
+            raise SystemExit(f"--plan-trees: {e}") from None
+    trace = load_json(args.trace, "a trace written by planner_trace.py record")
+    if not trace.get("prompts") or not trace.get("budgets") or not trace.get("block_size"):
+        raise SystemExit(f"{args.trace}: needs non-empty 'prompts', 'budgets' and 'block_size' "
+                         "(a trace written by planner_trace.py record)")
+    points, skipped = [], []
+    for costs in costs_list:
+        for plan_trees in trees_list:
+            try:
+                pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency)
+            except NoStepTime as e:
+                print(f"skipped: {e}", flush=True)
+                skipped.append({"costs": costs, "plan_trees": plan_trees, "why": str(e)})
+                continue
             points.append(pt)
             print(f"{costs} c{pt['concurrency']} trees {plan_trees}: planner / best fixed ({pt['best_fixed']}) "
                   f"{pt['planner_over_best_fixed']:.4f}, / AR {pt['planner_over_ar']:.3f}; clairvoyant / best "
@@ -392,8 +475,8 @@ def replay(args) -> int:
     report = {
         **provenance([sys.argv[0]] + (args.argv if args.argv is not None else sys.argv[1:])),
         "simulated": True, "trace": args.trace, "trace_commit": trace.get("commit"),
-        "trace_prompts_per_task": trace["num_prompts"], "max_new_tokens": trace["max_new_tokens"],
-        "points": points,
+        "trace_prompts_per_task": trace.get("num_prompts"), "max_new_tokens": trace.get("max_new_tokens"),
+        "points": points, "skipped": skipped,
     }
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
