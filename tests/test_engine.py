@@ -220,10 +220,13 @@ def test_packed_prefill_equals_one_prompt_prefill(stories_dir):
     for i, (p, b) in enumerate(zip(prompts, slots)):
         want_logits, want_feats = eng.prefill(p, b, one)
         n = p.shape[0]
-        assert (logits[i] - want_logits).abs().max() < 1e-5
-        assert (feats[start : start + n] - want_feats).abs().max() < 1e-5
+        # fp32 within a few ulps of the values (K entries reach |18|, where one ulp is 1.9e-6): the packed pass runs
+        # its GEMMs over more rows, which a CPU BLAS may block differently
+        close = dict(atol=1e-5, rtol=2e-6)
+        torch.testing.assert_close(logits[i], want_logits, **close)
+        torch.testing.assert_close(feats[start : start + n], want_feats, **close)
         for layer in range(eng.args.num_layers):
-            assert (packed.k[layer][b, :, :n] - one.k[layer][b, :, :n]).abs().max() < 1e-5
+            torch.testing.assert_close(packed.k[layer][b, :, :n], one.k[layer][b, :, :n], **close)
         start += n
 
 

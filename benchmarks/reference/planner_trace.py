@@ -179,7 +179,7 @@ def clairvoyant_ms(row: dict, modes, true_ms: dict) -> float:
 
 
 def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int, planner=None, mode=None,
-             drain_every: int = 8) -> tuple[int, float, int]:
+             drain_every: int = 8, plan_drain: bool = True) -> tuple[int, float, int]:
     """(tokens, milliseconds, steps) of decoding recorded prompts at concurrency ``B``, either with one fixed
     ``mode`` at every step or with ``planner`` (a ``StepPlanner``), the way ``Engine._decode_planned`` runs it:
 
@@ -194,7 +194,8 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
       came between its launch and the snapshot that closes it (that interval holds a prefill); after a tree step
       the chain's paired tokens (mean of ``min(chain nodes on the accepted path + 1, chain size, committed)``); after
       a speculative step the rows' mean confidence, given to the next choice (``None`` after any other observation);
-    - once the queue is empty, from the second choice on, every ``drain_every`` choices: the drain rule's state per
+    - with ``plan_drain`` (``Engine.plan_drain``) once the queue is empty, from the second choice on, every
+      ``drain_every`` choices: the drain rule's state per
       slot holding a request or statistics, as of the last snapshot read: ``(max_new - committed, chain tokens, chain
       steps, chain tokens²)`` (its chain-equivalent tokens: chain steps, and the chain nodes of tree steps;
       ``max_new - 1`` for a request admitted since; 0 for one finished by then).
@@ -228,7 +229,7 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
                 m = mode
             else:
                 drain = None
-                if not queue and not first and drain_age % drain_every == 0:
+                if plan_drain and not queue and not first and drain_age % drain_every == 0:
                     drain = [(max_new - seen[b] if owner[b] is not None and seen[b] < rows[owner[b]]["tokens"] else 0,
                               *stats[b]) for b in range(B) if owner[b] is not None or stats[b][1]]
                 m = planner.choose(predicted, drain)
@@ -361,7 +362,7 @@ def step_times(path: str, label: str) -> tuple[dict, dict]:
 
 
 def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurrency: int | None = None,
-                 **planner_args) -> dict:
+                 plan_drain: bool = True, **planner_args) -> dict:
     """One point: the planner (trees ``plan_trees``, infer.planner.parse_plan_trees; ``planner_args`` to
     ``StepPlanner``), every fixed mode with a step time and (at concurrency 1) the clairvoyant schedule over
     ``trace``, with the step times of the ``infer.bench`` JSON ``costs`` at ``concurrency`` (default: that run's).
@@ -414,7 +415,7 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
                 planner.load_cost_state(cost_state)
             if before is not None:
                 planner.load_token_state(before)
-            tok, x, _ = batch_ms(rows, B, true_ms, verify, max_new, planner=planner)
+            tok, x, _ = batch_ms(rows, B, true_ms, verify, max_new, planner=planner, plan_drain=plan_drain)
             cost_state, token_state = planner.cost_state(), planner.token_state()
         out["planner"] = tok / x * 1e3
         for m, n in planner.choices.items():
@@ -423,7 +424,8 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     mean = {k: sum(t[k] for t in per_task.values()) / len(per_task) for k in next(iter(per_task.values()))}
     best = max((k for k in mean if k not in ("planner", "clairvoyant")), key=mean.get)
     return {
-        "costs": costs, "concurrency": B, "plan_trees": plan_trees, "exact": bool(run_args.get("exact")),
+        "costs": costs, "concurrency": B, "plan_trees": plan_trees, "plan_drain": plan_drain,
+        "exact": bool(run_args.get("exact")),
         "fixed_without_step_time": [f"{m[0]}{m[1]}" for m in [("chain", verify)] + recorded if m not in true_ms],
         "true_ms": {f"{m[0]}{m[1]}": round(v, 4) for m, v in sorted(true_ms.items())},
         "table_ms": {f"{m[0]}{m[1]}": round(v, 4) for m, v in sorted(table.items())},
@@ -462,7 +464,7 @@ def replay(args) -> int:
     for costs in costs_list:
         for plan_trees in trees_list:
             try:
-                pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency)
+                pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain)
             except NoStepTime as e:
                 print(f"skipped: {e}", flush=True)
                 skipped.append({"costs": costs, "plan_trees": plan_trees, "why": str(e)})
@@ -506,6 +508,8 @@ def main(argv=None) -> int:
                    help="requests decoded together (default: the --costs run's; its step times are at that batch)")
     r.add_argument("--plan-trees", default="32",
                    help="the planner's tree sizes (infer.planner.parse_plan_trees), comma-separated: one point each")
+    r.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=True,
+                   help="the drain rule once no prompt is queued (Engine.plan_drain; default on)")
     r.add_argument("--output", default=None)
     r.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
