@@ -666,7 +666,7 @@ def build_parser():
     ap.add_argument("--tree-budget", type=int, default=None,
                     help="tree nodes per step and request, anchor included (2..64; default 32; --verify tree only)")
     ap.add_argument("--budget", default=None, choices=["auto"],
-                    help="auto: per step, AR, the chain or a tree (of 32 nodes; --config plan_trees=) by measured step time and acceptance "
+                    help="auto: per step, AR, the chain or a tree (of 16 or 32 nodes; --config plan_trees=) by measured step time and acceptance "
                          "(infer.planner; --backend cuda); default: always --verify / --tree-budget")
     ap.add_argument("--config", action="append", default=None, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                     help="the draft LABEL's own verify (chain|tree), tree_budget (2..64), budget (auto|none) or "

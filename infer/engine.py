@@ -225,13 +225,15 @@ class Engine:
     PREFILL_BUCKETS_AUTO = True
     PREFILL_BUCKETS_MAX_HIDDEN = 2048
     PREFILL_BUCKETS_MAX_PROMPTS = 8
-    # the planner's trees: 32 nodes alone. A second tree of near-equal rate costs the planner more than it can gain:
-    # each tree's lead over the chain is learned only on the steps that tree ran (noisy, and biased by the passages
-    # it was chosen in), so the two flip on noise. Replayed over the shipped SmolLM2 draft's real per-anchor
-    # acceptance with the H200 step times of three concurrency-1 runs (results/planner-replay-cpu.json,
-    # benchmarks/reference/planner_trace.py): trees 32 and 64 at 0.971-0.982 × the best fixed mode (those H200 runs'
-    # planner: 0.958-0.970), 32 alone at 0.994-1.009; a tree of 64 is never the best fixed mode
-    PLAN_TREES = (32,)
+    # the planner's trees: 16 and 32 nodes. Each tree's lead over the chain is learned only on the steps that tree
+    # ran (noisy, and biased by the passages it was chosen in), so trees of near-equal rate flip on noise: every tree
+    # in the set costs a point or so where it cannot win, and the set must hold the tree that wins. Replayed over the
+    # shipped SmolLM2 draft's real per-anchor acceptance with the step times of six H200 runs
+    # (results/planner-replay16-cpu.json, benchmarks/reference/planner_trace.py; ÷ the best fixed mode): trees 16 and
+    # 32 0.992 / 0.976 at concurrency 1 / 8 in fast mode (the default), 0.960-0.998 in exact mode; trees 32 and 64
+    # (the default before) 0.986 / 0.939; the tree of 32 alone 0.998 / 0.940 (at 8 the tree of 16 is the best fixed
+    # mode, 6% over the tree of 32), 0.972-1.011 in exact mode. A tree of 64 is never the best fixed mode
+    PLAN_TREES = (16, 32)
     # planner AR steps per draft-context flush (F): a flush is one append of [B, F, k·H] (static shape,
     # whatever is pending), about as many launches as one per-step append, shared by up to F AR steps; its
     # fc and K/V GEMMs run over B·F rows, like the draft block's B·16 rows of the shipped drafts (block 16)

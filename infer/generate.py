@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tree-budget", type=int, default=None,
                     help=f"tree nodes per step, anchor included (2..64; default {TREE_BUDGET}; --verify tree only)")
     ap.add_argument("--budget", default=None, choices=["auto"],
-                    help="auto: per step, AR, the chain or a tree (of 32 nodes; --plan-trees) by measured step time and acceptance "
+                    help="auto: per step, AR, the chain or a tree (of 16 or 32 nodes; --plan-trees) by measured step time and acceptance "
                          "(infer.planner; --backend cuda)")
     ap.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode in the chat template")
     ap.add_argument("--system", default=None, help="system message (chat template)")
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule; engine only)")
     ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
                     help="--budget auto: the planner's tree sizes joined by '/' (e.g. 16/32), or none for AR and the "
-                         "chain only (default: infer.engine.Engine.PLAN_TREES, 32)")
+                         "chain only (default: infer.engine.Engine.PLAN_TREES, 16/32)")
     ap.add_argument("--draft-vocab", default=None, metavar="FILE",
                     help=DRAFT_VOCAB_HELP)
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,

@@ -665,13 +665,13 @@ def planner_replay_section() -> list[str]:
            "`measured_ms` per mode; at concurrency 1 also a fixed tree's seconds per step, scaled to them, for a size no "
            "planner ran). "
            "Not a GPU measurement: it isolates the planner's choices on real content; prefill, the planner's host "
-           "time, the AR steps' deferred draft context and bf16 near-ties are not modelled, and it reads 1-2.4 points "
-           "above the H200 run whose step times it uses (the H200 column). At concurrency 1 the clairvoyant schedule "
+           "time, the AR steps' deferred draft context and bf16 near-ties are not modelled, and it reads above the H200 "
+           "run whose step times it uses (the column of that run's own planner). At concurrency 1 the clairvoyant schedule "
            "(the best mode at every step, knowing what each commits) bounds what any planner can reach. Planner ÷ "
            "best fixed mode (AR, chain, trees 16/32/64 of the same replay, those with a step time):", "",
            "| trace (prompts per task × tokens) | H200 step times from | concurrency | best fixed | trees 32 and 64 "
-           "(the default before c34946e) | that H200 run's planner p (trees 32 and 64) | trees 16 and 32 | "
-           "tree 32 (the default) | clairvoyant ÷ best |",
+           "(the default until this replay) | that H200 run's own planner p (trees 32 and 64) | trees 16 and 32 (the "
+           "default) | tree 32 | clairvoyant ÷ best |",
            "|---|---|---|---|---|---|---|---|---|"]
 
     def measured(costs: str) -> str:

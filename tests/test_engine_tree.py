@@ -331,7 +331,7 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
     # step times, so its step count is not asserted)
     assert res.token_ids == want and first_choice[0][("ar", 1)] >= FIRST_TIMED, first_choice
     costs = _engine(stories_dir, folder, budget="auto")._step_costs(2, params)  # measured on this CPU
-    assert set(costs) == {("ar", 1), ("chain", 8), ("tree", 32)} and min(costs.values()) > 0
+    assert set(costs) == {("ar", 1), ("chain", 8), ("tree", 16), ("tree", 32)} and min(costs.values()) > 0
     with pytest.raises(ValueError, match="budget='fixed'"):
         _engine(stories_dir, folder, budget="fixed")
 
@@ -347,7 +347,7 @@ def test_engine_plan_trees_sets_the_planner_modes_or_is_refused(stories_dir, sto
     from infer.engine import Engine
 
     eng = _engine(stories_dir, folder, budget="auto")
-    assert eng.plan_trees == Engine.PLAN_TREES == (32,) and eng.verified_per_step == 32
+    assert eng.plan_trees == Engine.PLAN_TREES == (16, 32) and eng.verified_per_step == 32
     eng = _engine(stories_dir, folder, budget="auto", plan_trees=[4])  # smaller than the chain: the chain's 8 rows
     assert eng.plan_modes == [("ar", 1), ("chain", 8), ("tree", 4)] and eng.verified_per_step == 8
     for bad in ((1,), (16, 65), (16, 16), (16.0,), (True,), "16", 16, (n for n in (16, 32)), iter([16]), {16}):
@@ -491,7 +491,7 @@ def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, c
     assert code == 0
     d = json.loads(out.read_text())["tasks"][0]["drafts"]["P"]
     assert d["greedy_equal"] == d["greedy_compared"] == 2 and d["verified_tokens_per_step"] == "auto"
-    assert set(d["planner_choices"]) == {"ar", "chain8", "tree32"}
+    assert set(d["planner_choices"]) == {"ar", "chain8", "tree16", "tree32"}
     assert sum(c["steps"] for c in d["planner_choices"].values()) >= d["verify_steps"] / 2  # 2 rows per step
     assert all(c["step_ms"] > 0 for c in d["planner_choices"].values())
     assert bench.main(["--target", str(stories_dir), "--budget", "auto", "--backend", "reference"]) == 2
@@ -531,7 +531,7 @@ def test_generate_json_reports_the_planner_settings(stories_dir, stories, capsys
     monkeypatch.setattr(generate, "load_engine", lambda *a, **kw: engine_mod.load_engine(*a, **{**kw, "device": "cpu"}))
     base = ["--target", str(stories_dir), "--draft", str(stories[2]), "--prompt", "Once", "--no-chat-template",
             "--max-new-tokens", "6", "--backend", "cuda", "--dtype", "fp32", "--json"]
-    for extra, trees, drain in (([], None, None), (["--budget", "auto"], [32], "scaled"),
+    for extra, trees, drain in (([], None, None), (["--budget", "auto"], [16, 32], "scaled"),
                                 (["--budget", "auto", "--plan-trees", "24/12", "--no-plan-drain"], [12, 24], "off")):
         assert generate.main(base + extra) == 0, extra
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

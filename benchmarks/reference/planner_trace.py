@@ -506,7 +506,7 @@ def main(argv=None) -> int:
     r.add_argument("--label", default="p", help="the planner's label in --costs")
     r.add_argument("--concurrency", type=int, default=None,
                    help="requests decoded together (default: the --costs run's; its step times are at that batch)")
-    r.add_argument("--plan-trees", default="32",
+    r.add_argument("--plan-trees", default="16/32",
                    help="the planner's tree sizes (infer.planner.parse_plan_trees), comma-separated: one point each")
     r.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=True,
                    help="the drain rule once no prompt is queued (Engine.plan_drain; default on)")
