@@ -226,13 +226,13 @@ class Engine:
     PREFILL_BUCKETS_MAX_HIDDEN = 2048
     PREFILL_BUCKETS_MAX_PROMPTS = 8
     # the planner's trees: 16 and 32 nodes. Each tree's lead over the chain is learned only on the steps that tree
-    # ran (noisy, and biased by the passages it was chosen in), so trees of near-equal rate flip on noise: every tree
-    # in the set costs a point or so where it cannot win, and the set must hold the tree that wins. Replayed over the
-    # shipped SmolLM2 draft's real per-anchor acceptance with the step times of six H200 runs
-    # (results/planner-replay16-cpu.json, benchmarks/reference/planner_trace.py; ÷ the best fixed mode): trees 16 and
-    # 32 0.992 / 0.976 at concurrency 1 / 8 in fast mode (the default), 0.960-0.998 in exact mode; trees 32 and 64
-    # (the default before) 0.986 / 0.939; the tree of 32 alone 0.998 / 0.940 (at 8 the tree of 16 is the best fixed
-    # mode, 6% over the tree of 32), 0.972-1.011 in exact mode. A tree of 64 is never the best fixed mode
+    # ran (noisy, and biased by the passages it was chosen in), so trees of near-equal rate flip on noise: a tree in
+    # the set costs about a point where it cannot win, and the set should hold the tree that wins. Replayed over the
+    # shipped SmolLM2 draft's real per-anchor acceptance with the step times of six H200 runs, measured / start-up
+    # (results/planner-replay16-cpu.json, benchmarks/reference/planner_trace.py; ÷ the best fixed mode), fast mode (the
+    # default) at concurrency 1 and 8: trees 16 and 32 0.992 / 0.988 and 0.976 / 0.985; 32 and 64 (the default before)
+    # 0.986 / 0.985 and 0.939 / 0.966; 32 alone 0.998 / 0.998 and 0.940 / 0.977 (in exact mode 32 alone is ahead by up
+    # to 1.5 points). A tree of 64 is never the best fixed mode
     PLAN_TREES = (16, 32)
     # planner AR steps per draft-context flush (F): a flush is one append of [B, F, k·H] (static shape,
     # whatever is pending), about as many launches as one per-step append, shared by up to F AR steps; its

@@ -220,9 +220,9 @@ def test_packed_prefill_equals_one_prompt_prefill(stories_dir):
     for i, (p, b) in enumerate(zip(prompts, slots)):
         want_logits, want_feats = eng.prefill(p, b, one)
         n = p.shape[0]
-        # fp32 within a few ulps of the values (K entries reach |18|, where one ulp is 1.9e-6): the packed pass runs
-        # its GEMMs over more rows, which a CPU BLAS may block differently
-        close = dict(atol=1e-5, rtol=2e-6)
+        # fp32 within rounding (K entries reach |18|, where one ulp is 1.9e-6; 6 ulps seen): the packed pass runs its
+        # GEMMs over more rows, which a CPU BLAS may block differently
+        close = dict(atol=1e-5, rtol=2e-7)
         torch.testing.assert_close(logits[i], want_logits, **close)
         torch.testing.assert_close(feats[start : start + n], want_feats, **close)
         for layer in range(eng.args.num_layers):

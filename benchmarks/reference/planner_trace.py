@@ -301,6 +301,14 @@ def load_json(path: str, what: str) -> dict:
 
 
 def step_times(path: str, label: str) -> tuple[dict, dict]:
+    """:func:`_step_times`, with a file of another structure refused by name instead of a traceback."""
+    try:
+        return _step_times(path, label)
+    except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise SystemExit(f"{path}: not an infer.bench result this tool can read ({type(e).__name__}: {e})") from None
+
+
+def _step_times(path: str, label: str) -> tuple[dict, dict]:
     """(start-up table, measured step ms) per mode from an ``infer.bench`` JSON of the device.
 
     Every label with ``planner_choices`` (a ``budget=auto`` run) gives its modes' ``step_ms`` (the start-up table)
@@ -332,6 +340,8 @@ def step_times(path: str, label: str) -> tuple[dict, dict]:
                     mode = (m.group(1), int(m.group(2) or 1))
                     if v["measured_ms"] is None:
                         continue
+                    if not (float(v["measured_ms"]) > 0 and float(v["step_ms"]) > 0):
+                        raise SystemExit(f"{where}.planner_choices.{k}: step_ms and measured_ms must be positive")
                     w = max(int(v.get("steps") or 0), 1)
                     acc = pooled.setdefault((name == label, mode), [0.0, 0, 0.0])
                     acc[0] += w * v["measured_ms"]
@@ -362,17 +372,30 @@ def step_times(path: str, label: str) -> tuple[dict, dict]:
 
 
 def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurrency: int | None = None,
-                 plan_drain: bool = True, **planner_args) -> dict:
+                 plan_drain: bool = True, times: str = "measured", **planner_args) -> dict:
     """One point: the planner (trees ``plan_trees``, infer.planner.parse_plan_trees; ``planner_args`` to
     ``StepPlanner``), every fixed mode with a step time and (at concurrency 1) the clairvoyant schedule over
     ``trace``, with the step times of the ``infer.bench`` JSON ``costs`` at ``concurrency`` (default: that run's).
-    Per task tok/s, pooled over its prompts; the mean over tasks. Raises SystemExit naming the file for a tree the
-    trace did not record, :class:`NoStepTime` for a planner mode without a step time."""
+    Per task tok/s, pooled over its prompts; the mean over tasks. ``times``: the true step time of a mode is the
+    run's online estimate after its steps (``"measured"``: what the planner saw, flushes and host waits included)
+    or its start-up table (``"table"``: graph replays of the bare step). Raises SystemExit naming the file for a tree
+    the trace did not record, :class:`NoStepTime` for a planner mode without a step time or a concurrency the run
+    did not measure."""
     from infer.planner import StepPlanner, parse_plan_trees
 
     run_args = load_json(costs, "an infer.bench --output-json result").get("args") or {}
-    B = concurrency or int(run_args.get("concurrency") or 1)
+    if not isinstance(run_args, dict):
+        raise SystemExit(f"{costs}: 'args' is not an object: not an infer.bench --output-json result")
+    try:
+        run_conc = int(run_args.get("concurrency") or 1)
+    except (TypeError, ValueError):
+        raise SystemExit(f"{costs}: args.concurrency={run_args.get('concurrency')!r} is not an integer") from None
+    B = concurrency or run_conc
+    if B != run_conc:
+        raise NoStepTime(f"{costs}: its step times are at concurrency {run_conc}, not {B}")
     table, true_ms = step_times(costs, label)
+    if times == "table":
+        true_ms = dict(table)
     recorded = [("tree", N) for N in trace["budgets"]]
     verify, max_new = trace["block_size"], trace["max_new_tokens"]
     plan = [("ar", 1), ("chain", verify)] + [("tree", N) for N in parse_plan_trees(plan_trees)]
@@ -424,7 +447,7 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     mean = {k: sum(t[k] for t in per_task.values()) / len(per_task) for k in next(iter(per_task.values()))}
     best = max((k for k in mean if k not in ("planner", "clairvoyant")), key=mean.get)
     return {
-        "costs": costs, "concurrency": B, "plan_trees": plan_trees, "plan_drain": plan_drain,
+        "costs": costs, "concurrency": B, "plan_trees": plan_trees, "plan_drain": plan_drain, "times": times,
         "exact": bool(run_args.get("exact")),
         "fixed_without_step_time": [f"{m[0]}{m[1]}" for m in [("chain", verify)] + recorded if m not in true_ms],
         "true_ms": {f"{m[0]}{m[1]}": round(v, 4) for m, v in sorted(true_ms.items())},
@@ -456,24 +479,42 @@ def replay(args) -> int:
             parse_plan_trees(t)
         except ValueError as e:
             raise SystemExit(f"--plan-trees: {e}") from None
+    if out_path is not None:
+        inputs = {Path(x).resolve() for x in [args.trace, *costs_list]}
+        if out_path.resolve() in inputs:
+            raise SystemExit(f"--output {out_path} is one of the inputs: choose another file")
+        if out_path.parent.exists() and not out_path.parent.is_dir():
+            raise SystemExit(f"--output {out_path}: {out_path.parent} is not a folder")
     trace = load_json(args.trace, "a trace written by planner_trace.py record")
     if not trace.get("prompts") or not trace.get("budgets") or not trace.get("block_size"):
         raise SystemExit(f"{args.trace}: needs non-empty 'prompts', 'budgets' and 'block_size' "
                          "(a trace written by planner_trace.py record)")
+    keys = ["task", "tokens", "chain", "conf"] + [f"{k}{n}" for n in trace["budgets"] for k in ("tree", "pair")]
+    for i, row in enumerate(trace["prompts"]):
+        bad = [k for k in keys if k not in row] or [
+            k for k in keys[2:] if not isinstance(row[k], list) or len(row[k]) != row["tokens"]]
+        if bad:
+            raise SystemExit(f"{args.trace}: prompts[{i}] lacks or mis-sizes {bad} (a trace written by record)")
+    for costs in costs_list:  # every file readable before any point is computed
+        step_times(costs, args.label)
+    times_list = [t.strip() for t in args.times.split(",")]
+    if not times_list or any(t not in ("measured", "table") for t in times_list):
+        raise SystemExit(f"--times {args.times!r}: measured, table or both, comma-separated")
     points, skipped = [], []
-    for costs in costs_list:
-        for plan_trees in trees_list:
-            try:
-                pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain)
-            except NoStepTime as e:
+    for times, costs, plan_trees in ((t, c, p) for t in times_list for c in costs_list for p in trees_list):
+        try:
+            pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times)
+        except NoStepTime as e:
+            if times == times_list[0]:
                 print(f"skipped: {e}", flush=True)
                 skipped.append({"costs": costs, "plan_trees": plan_trees, "why": str(e)})
-                continue
-            points.append(pt)
-            print(f"{costs} c{pt['concurrency']} trees {plan_trees}: planner / best fixed ({pt['best_fixed']}) "
-                  f"{pt['planner_over_best_fixed']:.4f}, / AR {pt['planner_over_ar']:.3f}; clairvoyant / best "
-                  f"{pt['clairvoyant_over_best_fixed'] or float('nan'):.4f}; steps {pt['planner_steps_timed']}",
-                  flush=True)
+            continue
+        points.append(pt)
+        print(f"{times} {costs} c{pt['concurrency']} trees {plan_trees}: planner / best fixed ({pt['best_fixed']}) "
+              f"{pt['planner_over_best_fixed']:.4f}, / AR {pt['planner_over_ar']:.3f}; clairvoyant / best "
+              f"{pt['clairvoyant_over_best_fixed'] or float('nan'):.4f}; steps {pt['planner_steps_timed']}", flush=True)
+    if not points:
+        raise SystemExit("every point was skipped (reasons above): no result written")
     report = {
         **provenance([sys.argv[0]] + (args.argv if args.argv is not None else sys.argv[1:])),
         "simulated": True, "trace": args.trace, "trace_commit": trace.get("commit"),
@@ -508,6 +549,9 @@ def main(argv=None) -> int:
                    help="requests decoded together (default: the --costs run's; its step times are at that batch)")
     r.add_argument("--plan-trees", default="16/32",
                    help="the planner's tree sizes (infer.planner.parse_plan_trees), comma-separated: one point each")
+    r.add_argument("--times", default="measured",
+                   help="true step time per mode: the run's online estimate after its steps (measured) or its start-up "
+                        "table of bare graph replays (table); 'measured,table' gives every point under both")
     r.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=True,
                    help="the drain rule once no prompt is queued (Engine.plan_drain; default on)")
     r.add_argument("--output", default=None)
