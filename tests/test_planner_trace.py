@@ -100,6 +100,12 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys):
         assert all(pr <= tr for pr, tr in zip(p["pair6"], p["tree6"]))
     with pytest.raises(SystemExit, match="exists"):
         pt.main(argv)
+    # an unknown task is refused before the models load, by name
+    bad = [a if a != "gsm8k,mbpp" else "gsm8k,nope" for a in argv]
+    bad[bad.index("--output") + 1] = str(tmp_path / "other.json")
+    with pytest.raises(SystemExit, match="--datasets 'nope'"):
+        pt.main(bad)
+    assert not (tmp_path / "other.json").exists()
     # an infer.bench-like costs file: the planner label with its modes, a fixed tree of 6 nodes
     modes = {"ar": 1.0, "chain5": 1.2, "tree4": 1.3}
     costs = tmp_path / "bench.json"

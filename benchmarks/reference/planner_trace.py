@@ -102,9 +102,18 @@ def record(args) -> int:
         raise SystemExit(f"--budgets {args.budgets!r}: give comma-separated integers in [2, 64]") from None
     if not budgets or any(not 2 <= b <= 64 for b in budgets) or len(set(budgets)) != len(budgets):
         raise SystemExit(f"--budgets {args.budgets}: each must be in [2, 64], none repeated")
-    if args.max_new_tokens < 1 or args.num_prompts < 1:
-        raise SystemExit(f"--max-new-tokens {args.max_new_tokens} and --num-prompts {args.num_prompts}: "
-                         "each must be at least 1")
+    if args.max_new_tokens < 1 or args.num_prompts < 1 or args.threads < 0:
+        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}, --num-prompts {args.num_prompts} (each at least 1) "
+                         f"and --threads {args.threads} (0 or more)")
+    if out_path.parent.exists() and not out_path.parent.is_dir():
+        raise SystemExit(f"--output {out_path}: {out_path.parent} is not a folder")
+    # every task's prompts before the models load (an unknown task or a missing --data-dir fails now, not midway)
+    items = {}
+    for task in args.datasets.split(","):
+        try:
+            items[task] = list(load_eval_prompts(task, args.num_prompts, args.data_dir))
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--datasets {task!r} (--data-dir {args.data_dir}): {e}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
@@ -116,8 +125,8 @@ def record(args) -> int:
     eos = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
     K = draft.block_size - 1
     prompts = []
-    for task in args.datasets.split(","):
-        for item in load_eval_prompts(task, args.num_prompts, args.data_dir):
+    for task, task_items in items.items():
+        for item in task_items:
             ids = encode_prompt(tok, item.turns[0])
             gen = tp.greedy_continuation(target, ids, args.max_new_tokens, eos)
             seq = ids + gen
@@ -179,7 +188,7 @@ def clairvoyant_ms(row: dict, modes, true_ms: dict) -> float:
 
 
 def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int, planner=None, mode=None,
-             drain_every: int = 8, plan_drain: bool = True) -> tuple[int, float, int]:
+             drain_every: int | None = None, plan_drain: bool = True) -> tuple[int, float, int]:
     """(tokens, milliseconds, steps) of decoding recorded prompts at concurrency ``B``, either with one fixed
     ``mode`` at every step or with ``planner`` (a ``StepPlanner``), the way ``Engine._decode_planned`` runs it:
 
@@ -195,11 +204,15 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
       the chain's paired tokens (mean of ``min(chain nodes on the accepted path + 1, chain size, committed)``); after
       a speculative step the rows' mean confidence, given to the next choice (``None`` after any other observation);
     - with ``plan_drain`` (``Engine.plan_drain``) once the queue is empty, from the second choice on, every
-      ``drain_every`` choices: the drain rule's state per
+      ``drain_every`` choices (default ``Engine.PLAN_DRAIN_EVERY``): the drain rule's state per
       slot holding a request or statistics, as of the last snapshot read: ``(max_new - committed, chain tokens, chain
       steps, chain tokens²)`` (its chain-equivalent tokens: chain steps, and the chain nodes of tree steps;
       ``max_new - 1`` for a request admitted since; 0 for one finished by then).
     """
+    if drain_every is None:
+        from infer.engine import Engine
+
+        drain_every = Engine.PLAN_DRAIN_EVERY
     rows = [r for r in rows if r["tokens"] > 1]
     chains = [m for m in planner.table if m[0] == "chain"] if planner is not None else []
     cap = max((m[1] for m in chains), default=0)
