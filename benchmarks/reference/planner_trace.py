@@ -1,10 +1,11 @@
-"""The verify-budget planner replayed over a real draft's acceptance, at concurrency 1 and T = 0, on the CPU (issue 16).
+"""The verify-budget planner replayed over a real draft's acceptance at T = 0, on the CPU (issue 16).
 
     python benchmarks/reference/planner_trace.py record --target models/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --draft checkpoints/smollm2-135m-dspine --num-prompts 6 --max-new-tokens 512 \\
-        --output results/planner-trace-cpu.json
-    python benchmarks/reference/planner_trace.py replay results/planner-trace-cpu.json \\
-        --costs results/planner-exact2-h200-T0-c1.json [--output results/planner-replay-cpu.json]
+        --draft checkpoints/smollm2-135m-dspine --num-prompts 16 --max-new-tokens 512 \\
+        --output results/planner-trace16-cpu.json
+    python benchmarks/reference/planner_trace.py replay results/planner-trace16-cpu.json \\
+        --costs results/planner-exact2-h200-T0-c1.json,results/planner-sizes-h200-T0-c8.json \\
+        [--plan-trees 32/64,16/32,32] [--times measured,table] [--output results/planner-replay16-cpu.json]
 
 ``record``: at T = 0 a lossless decoder emits the target's greedy output whatever it verifies, so one greedy
 continuation per prompt fixes, at every anchor position ``a`` of it, what each verify mode would commit there
@@ -18,16 +19,16 @@ at every anchor). Per anchor it stores
 - ``conf``: the draft's chain confidence ``infer.engine.chain_confidence`` of the argmax probabilities (what the engine
   gives the planner after a speculative step at T = 0).
 
-``replay``: drives ``infer.planner.StepPlanner`` over each prompt as ``Engine._decode_planned`` does at concurrency 1:
-the step at position ``p`` commits ``min(accepted(p) + 1, tokens left)``; the planner chooses step k having observed
-steps up to k − 2 (the engine's pipelined loop), and its confidence is that of step k − 2 when that step was speculative;
-after a tree step it gets the paired chain observation. Step times are fixed per mode, taken from an ``infer.bench``
-JSON of the H200 (the planner's ``measured_ms`` per mode, and the fixed trees' seconds per step scaled to them for a
-tree size the planner did not run). Against it, on the same positions and step times: every fixed mode, and the
-clairvoyant schedule (dynamic programming over positions: the least time to emit the whole output choosing the mode
-at every step knowing what each commits: an upper bound no causal planner reaches). Throughput per task is pooled
-tokens ÷ pooled step milliseconds of its prompts (prefill and admission are not modelled); the mean is over tasks, as
-``infer.bench`` reports.
+``replay``: drives ``infer.planner.StepPlanner`` over each task's prompts as ``Engine._decode_planned`` does at the
+concurrency of the ``--costs`` run (:func:`batch_ms`: queue and refills, the pipelined observation, paired chain
+tokens, confidence, the drain rule, the idle step in which a finish is seen), a warm-up pass per task and the
+planner's memory across tasks as ``infer.bench`` keeps it. Step times are constants per mode from that H200 run
+(:func:`step_times`; ``--times measured``: its planner labels' online estimates, ``table``: their start-up table).
+Against it, on the same content and step times: every fixed mode and, at concurrency 1, the clairvoyant schedule
+(dynamic programming over positions: the least time to emit the whole output choosing the mode at every step knowing
+what each commits: an upper bound no causal planner reaches). Throughput per task is pooled tokens ÷ pooled step
+milliseconds of its prompts (prefill and admission are not modelled); the mean is over tasks, as ``infer.bench``
+reports.
 
 Not a GPU measurement. What it isolates is the planner's choices: the content is one greedy output (the engine's exact
 mode decodes the same), the step times are constants, and the draft runs in fp32 on the CPU (bf16 on the GPU
