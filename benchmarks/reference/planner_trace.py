@@ -88,6 +88,8 @@ def anchor_table(q: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, b
 
 
 def record(args) -> int:
+    """The ``record`` subcommand (module docstring): every argument and task checked before the models load; the
+    trace written once at the end, never over an existing file."""
     from dspine.checkpoint import load_draft
     from dspine.prompts import encode_prompt
     from dspine.provenance import provenance
@@ -474,6 +476,8 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
 
 
 def replay(args) -> int:
+    """The ``replay`` subcommand (module docstring): all inputs read and checked before any point is computed; one
+    point per (step-time source, costs file, tree set); points the run cannot time are skipped with the reason."""
     from dspine.provenance import provenance
     from infer.planner import parse_plan_trees
 
