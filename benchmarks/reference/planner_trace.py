@@ -90,10 +90,8 @@ def anchor_table(q: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, b
 def record(args) -> int:
     """The ``record`` subcommand (module docstring): every argument and task checked before the models load; the
     trace written once at the end, never over an existing file."""
-    from dspine.checkpoint import load_draft
     from dspine.prompts import encode_prompt
     from dspine.provenance import provenance
-    from dspine.target import load_target, load_tokenizer
     from infer.datasets import load_eval_prompts
 
     out_path = Path(args.output)
@@ -120,12 +118,7 @@ def record(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
-    draft = load_draft(args.draft, dtype=torch.float32)
-    target = load_target(args.target, dtype=torch.float32)
-    target.set_layer_ids(draft.config.target_layer_ids, draft.config.last_layer_features)
-    tpath = Path(args.target)
-    tok = load_tokenizer(str(tpath.parent), tpath.name) if tpath.suffix == ".gguf" else load_tokenizer(args.target)
-    eos = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
+    target, draft, tok, eos = tp.load_models(args.target, args.draft)
     K = draft.block_size - 1
     prompts = []
     for task, task_items in items.items():

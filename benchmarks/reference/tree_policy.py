@@ -61,6 +61,21 @@ def greedy_continuation(target, ids: list[int], n: int, eos: set[int]) -> list[i
     return y[0, len(ids):].tolist()
 
 
+def load_models(target_path: str, draft_path: str):
+    """(target, draft, tokenizer, end tokens) in fp32: the draft checkpoint, the target (HF folder, hub id or .gguf
+    file) with the draft's feature layers set, and the target's tokenizer (a .gguf file's own)."""
+    from dspine.checkpoint import load_draft
+    from dspine.target import load_target, load_tokenizer
+
+    draft = load_draft(draft_path, dtype=torch.float32)
+    target = load_target(target_path, dtype=torch.float32)
+    target.set_layer_ids(draft.config.target_layer_ids, draft.config.last_layer_features)
+    tp = Path(target_path)
+    tok = load_tokenizer(str(tp.parent), tp.name) if tp.suffix == ".gguf" else load_tokenizer(target_path)
+    eos = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
+    return target, draft, tok, eos
+
+
 def draft_q(target, draft, seq: list[int], first: int, chunk: int = 32):
     """Draft distributions ``[A, K, V]`` fp32 for the anchors ``first .. len(seq) - 2`` of ``seq``."""
     from train.loss import block_input_ids
@@ -220,20 +235,13 @@ def main(argv=None) -> int:
     if out_path.exists():
         raise SystemExit(f"{out_path} exists: choose another --output (finished results are never overwritten)")
 
-    from dspine.checkpoint import load_draft
     from dspine.ops.tree_verify import verify_tree_greedy
     from dspine.prompts import encode_prompt
-    from dspine.target import load_target, load_tokenizer
     from dspine.tree import build_tree
     from infer.datasets import load_eval_prompts
 
     t0 = time.time()
-    draft = load_draft(args.draft, dtype=torch.float32)
-    target = load_target(args.target, dtype=torch.float32)
-    target.set_layer_ids(draft.config.target_layer_ids, draft.config.last_layer_features)
-    tp = Path(args.target)
-    tok = load_tokenizer(str(tp.parent), tp.name) if tp.suffix == ".gguf" else load_tokenizer(args.target)
-    eos = {int(t) for t in ([tok.eos_token_id] if tok.eos_token_id is not None else [])}
+    target, draft, tok, eos = load_models(args.target, args.draft)
     K = draft.block_size - 1
     Wmax = max(budgets) - 1
 
