@@ -51,9 +51,6 @@ import torch
 
 from benchmarks.reference import tree_policy as tp
 
-TASKS = tp.TASKS
-
-
 # ------------------------------------------------------------------------------------------------ record
 
 
@@ -542,15 +539,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record", help="greedy outputs and per-anchor acceptance of every mode (slow: the models run)")
-    r.add_argument("--target", required=True, help="HF folder or .gguf file of the target")
-    r.add_argument("--draft", required=True, help="draft checkpoint folder")
-    r.add_argument("--datasets", default=",".join(TASKS))
-    r.add_argument("--data-dir", default=None, help="eval sets (default: infer.datasets' default)")
-    r.add_argument("--num-prompts", type=int, default=6)
-    r.add_argument("--max-new-tokens", type=int, default=512)
-    r.add_argument("--budgets", default="16,32,64", help="tree sizes to record")
-    r.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    r.add_argument("--output", required=True)
+    tp.add_run_args(r, num_prompts=6, max_new_tokens=512, budgets="16,32,64", budgets_help="tree sizes to record")
     r = sub.add_parser("replay", help="the planner, the fixed modes and the clairvoyant schedule over a trace")
     r.add_argument("trace", help="a JSON written by record")
     r.add_argument("--costs", required=True,

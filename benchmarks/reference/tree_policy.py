@@ -211,17 +211,24 @@ def calibration_samples(rows, K: int):
 # ------------------------------------------------------------------------------------------- main
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_args(ap: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int, budgets: str,
+                 budgets_help: str | None = None) -> None:
+    """The arguments of a CPU replay over the target's greedy outputs (this tool, planner_trace.py record): target,
+    draft, tasks, prompts, tokens, tree budgets, threads, output; the defaults differ per tool."""
     ap.add_argument("--target", required=True, help="HF folder or .gguf file of the target")
     ap.add_argument("--draft", required=True, help="draft checkpoint folder")
     ap.add_argument("--datasets", default=",".join(TASKS))
     ap.add_argument("--data-dir", default=None, help="eval sets (default: infer.datasets' default)")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--budgets", default="16,32,48,64")
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    ap.add_argument("--budgets", default=budgets, help=budgets_help)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--output", required=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(ap, num_prompts=8, max_new_tokens=256, budgets="16,32,48,64")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
