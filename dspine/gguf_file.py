@@ -118,9 +118,16 @@ def check_gguf(path: str | Path) -> None:
     Raises:
         ValueError: "{path}: truncated or corrupt GGUF file (<reason>)".
         FileNotFoundError: no such file.
+        ImportError: the ``gguf`` package (its quantization table; transformers reads GGUF files with it too) is
+            not installed, naming ``path`` and the install command.
     """
     p = Path(path)
     st = p.stat()
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"{os.fspath(path)}: reading a GGUF file needs the gguf package, a dependency of dspine: "
+                          "pip install 'gguf>=0.10'") from e
     problem = _check_cached(str(p.resolve()), st.st_size, st.st_mtime_ns)
     if problem is not None:
         raise ValueError(f"{os.fspath(path)}: truncated or corrupt GGUF file ({problem}); download it again "

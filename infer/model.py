@@ -328,7 +328,7 @@ class EngineTarget(nn.Module):
         self.last_layer_features = last_layer_features  # "post_norm" | "pre_norm" (the draft's config)
         self.impl = impl
         self.scale = a.head_dim ** -0.5
-        # decode/verify steps: norms folded into the linear layers (fuse_norms); DSPINE_FUSE_NORM, default off
+        # decode/verify steps: norms folded into the linear layers (fuse_norms); DSPINE_FUSE_NORM, default off (measured slower)
         self.fuse_norm = env_choice("DSPINE_FUSE_NORM", FUSE_NORM_MODES, "off")
 
     # -- loading ---------------------------------------------------------------------------------
@@ -546,8 +546,9 @@ class EngineTarget(nn.Module):
         the linear layers around it (``dspine.ops.linear.linear_triton``'s ``residual=`` epilogue on the o and down
         projections, ``norm=`` prologue on the next qkv and gate/up), so no norm kernel runs between layers.
 
-        ``fuse_norm`` (attribute; its default is the environment variable ``DSPINE_FUSE_NORM``, else "off" until the
-        fused path is measured on a GPU): "off" never; "on" whenever it applies (Triton, not exact, attention layers with a
+        ``fuse_norm`` (attribute; its default is the environment variable ``DSPINE_FUSE_NORM``, else "off": on the
+        H200 the fused path made the Qwen3-8B-shape AR step at batch 1 1.10× as long, results/engine-fusenorm-h200.json;
+        its prologue and epilogue add 16-17 µs of linear time a layer, results/linear-fusion-h200.json): "off" never; "on" whenever it applies (Triton, not exact, attention layers with a
         dense MLP; the tests run it in the CPU interpreter); "auto" where it applies and the fast path runs
         the Triton kernel anyway (``dspine.ops.linear.fast_config_rows``: CUDA, bf16, and the device's tuned file
         prefers it for all four layer weights at this row count, ``fast`` up to 16 rows, ``fast_wide`` above), so

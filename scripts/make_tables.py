@@ -645,7 +645,44 @@ def planner_exact_section() -> list[str]:
     out += ["", "Commands: `" + "`; `".join(x["command"] for x in
                                           (json.loads((ROOT / f).read_text()) for f in r["points"])) + "`; then `"
             + r["command"] + "`.", ""]
-    return out + planner_exact_rerun() + planner_replay_section()
+    return out + planner_exact_rerun() + planner_default_section() + planner_replay_section()
+
+
+def planner_default_section() -> list[str]:
+    """The planner's default trees (16 and 32) on the H200 against the tree of 32 alone and the former default
+    (32 and 64), fast and exact mode, one run each: results/planner-default-h200.json, planner-default-exact-h200.json."""
+    files = [(m, load(f)) for m, f in (("fast", "planner-default-h200.json"), ("exact", "planner-default-exact-h200.json"))]
+    files = [(m, r) for m, r in files if r]
+    if not files:
+        return []
+    first = next(iter(files[0][1]["points"].values()))
+    out = ["#### The default trees of 16 and 32 on the H200", "",
+           f"{first['gpu']}, {first['date'][:10]}, commit `{first['commit'][:10]}`, SmolLM2-135M-Instruct with the shipped "
+           "draft, T = 0, 512 new tokens, 10 prompts per task at concurrency 1 and 16 at 8: p is the planner with the "
+           "default trees (16 and 32, chosen by the replay below), p32 the tree of 32 alone, p64 the former default "
+           "(32 and 64), each ÷ the best fixed label of the same run (AR, chain, trees of 16 and 32). In fast mode the "
+           "labels part from AR at bf16 near-ties and decode different text, so their τ differ by content as well (the "
+           "fixed tree of 32 at concurrency 1: τ 3.88 fast, 4.13 exact); exact mode decodes AR's tokens everywhere.", "",
+           "| mode | concurrency | AR | chain 16 | tree 16 | tree 32 | best fixed | p ÷ best (goal ≥ 0.98) | p32 ÷ best "
+           "| p64 ÷ best | p ÷ AR | p's steps | greedy outputs == AR (p) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, f=".0f": "–" if x is None else format(x, f)  # noqa: E731
+    for mode, r in files:
+        for p in r["points"].values():
+            t, rel = p["tok_per_s"], p["planner_over_best_fixed"]
+            steps = p["planner_steps"].get("p", {})
+            total = sum(steps.values()) or 1
+            share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+            a, b = p["greedy_equal"]["p"]
+            out.append(f"| {mode} | {p['concurrency']} | {fmt(t.get('AR'))} | {fmt(t.get('chain'))} | "
+                       f"{fmt(t.get('t16'))} | {fmt(t.get('t32'))} | {p['best_fixed']} | {fmt(rel.get('p'), '.3f')} — "
+                       f"{'met' if (rel.get('p') or 0) >= 0.98 else '**missed**'} | {fmt(rel.get('p32'), '.3f')} | "
+                       f"{fmt(rel.get('p64'), '.3f')} | {fmt(p['planner_over_ar'].get('p'), '.3f')} | {share} | "
+                       f"{a}/{b} |")
+    out += ["", "Commands: " + "; ".join(
+        "`" + "`; `".join(json.loads((ROOT / f).read_text())["command"] for f in r["points"]) + "`; then `"
+        + r["command"] + "`" for _, r in files) + ". Paths as in the repo; each file's `command_as_run` has the GPU machine's.", ""]
+    return out
 
 
 def planner_replay_section() -> list[str]:
@@ -666,43 +703,58 @@ def planner_replay_section() -> list[str]:
            "planner ran). "
            "Not a GPU measurement: it isolates the planner's choices on real content; prefill, the planner's host "
            "time, the AR steps' deferred draft context and bf16 near-ties are not modelled, and it reads above the H200 "
-           "run whose step times it uses (the column of that run's own planner). At concurrency 1 the clairvoyant schedule "
+           "run whose step times it uses. Each planner cell: replay / that H200 run (its planner label with those trees "
+           "and its default confidence and drain settings, ÷ its best fixed label; – where it ran none). At concurrency 1 the clairvoyant schedule "
            "(the best mode at every step, knowing what each commits) bounds what any planner can reach. Planner ÷ "
            "best fixed mode (AR, chain, trees 16/32/64 of the same replay, those with a step time). Step times "
            "`measured`: the run's online estimate of each mode after its steps (what its planner saw, flushes and host "
            "waits included); `table`: its start-up table (bare graph replays). The two disagree on the trees at "
            "concurrency 8 in fast mode (tree 32 ÷ tree 16: 1.145 measured, 1.076 table; the run's fixed trees of 16 and "
-           "32 gave equal tok/s), which moves that row by up to 4 points:", "",
-           "| trace (prompts per task × tokens) | H200 step times from | concurrency | step times | best fixed | trees "
-           "32 and 64 (the default until this replay) | that H200 run's own planner p (trees 32 and 64) | trees 16 and "
-           "32 (the default) | tree 32 | clairvoyant ÷ best |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "32 gave equal tok/s), which moves that row by up to 4 points:", ""]
+    head = ["| trace (prompts per task × tokens) | H200 step times from | concurrency | step times | best fixed (replay) "
+            "| trees 32 and 64 (the default until 2026-12-05): replay / H200 | trees 16 and 32 (the default) | tree 32 "
+            "| clairvoyant ÷ best |",
+            "|---|---|---|---|---|---|---|---|---|"]
 
-    def measured(costs: str) -> str:
-        """p ÷ the best fixed label (AR included) of the infer.bench run itself: mean tok/s over its tasks."""
+    def measured(costs: str) -> dict:
+        """{plan trees "a/b": that planner's tok/s ÷ the best fixed label's (AR included)} of the infer.bench run
+        itself (mean tok/s over its tasks), for its planner labels with the same confidence and drain settings as
+        its label p (pl, pn and the like vary those)."""
         run = json.loads((ROOT / costs).read_text())
         tps: dict = {}
         for t in run["tasks"]:
             tps.setdefault("AR", []).append(t["ar"]["tok_per_s"])
             for k, d in t["drafts"].items():
-                if "planner_choices" not in d or k == "p":
-                    tps.setdefault(k, []).append(d["tok_per_s"])
+                tps.setdefault(k, []).append(d["tok_per_s"])
         mean = {k: sum(v) / len(v) for k, v in tps.items()}
-        return f"{mean['p'] / max(v for k, v in mean.items() if k != 'p'):.3f}" if "p" in mean else "–"
+        rows = run["tasks"][0]["drafts"]
+        planners = {k: d for k, d in rows.items() if d.get("budget")}
+        best = max(v for k, v in mean.items() if k not in planners)
+        ref = planners.get("p", {})
+        same = lambda d: all(d.get(x) == ref.get(x) for x in ("plan_confidence", "plan_drain"))  # noqa: E731
+        out: dict = {}
+        for k in sorted(planners, key=lambda k: k != "p"):  # label p first where two run the same trees
+            key = "/".join(map(str, planners[k].get("plan_trees") or []))
+            if same(planners[k]) and key not in out:
+                out[key] = mean[k] / best
+        return out
 
     for f in files:
         r = json.loads(f.read_text())
+        out += head
         pts: dict = {}
         for p in r["points"]:
             pts.setdefault((p["costs"], p["concurrency"], p.get("times", "measured")), {})[p["plan_trees"]] = p
         for (costs, c, times), by in pts.items():
             any_p = next(iter(by.values()))
-            cell = {k: f"{by[k]['planner_over_best_fixed']:.3f}" if k in by else "–" for k in ("32/64", "16/32", "32")}
+            h200 = measured(costs)
+            cell = {k: (f"{by[k]['planner_over_best_fixed']:.3f}" if k in by else "–") + " / " +
+                       (f"{h200[k]:.3f}" if k in h200 else "–") for k in ("32/64", "16/32", "32")}  # fmt: skip
             cl = any_p["clairvoyant_over_best_fixed"]
             out.append(f"| [{f.name}](results/{f.name}) ({r['trace_prompts_per_task']} × {r['max_new_tokens']}) | "
                        f"`{Path(costs).name}`{' (exact)' if any_p['exact'] else ''} | {c}"
                        f" | {times} | {any_p['best_fixed']} | "
-                       f"{cell['32/64']} | {measured(costs)} | {cell['16/32']} | {cell['32']} | "
+                       f"{cell['32/64']} | {cell['16/32']} | {cell['32']} | "
                        f"{'–' if cl is None else f'{cl:.3f}'} |")
         out += ["", f"Command: `{r['command']}` (trace: `{json.loads((ROOT / r['trace']).read_text())['command']}`).",
                 ""]

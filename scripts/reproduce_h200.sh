@@ -3,7 +3,7 @@
 #
 #   GGUF=models/SmolLM2-135M-Instruct.Q4_1.gguf DSPINE_SHARED=../shared bash scripts/reproduce_h200.sh [STAGE ...]
 #
-# Stages (default: all, in order). convert, engine, exact, hybrid, profile, linear, linearwide and fusion skip when their output
+# Stages (default: all, in order). convert, engine, exact, hybrid, profile, linear, linearwide, fusion and linearfusion skip when their output
 # exists (a killed run resumes; delete a results file to measure it again); steps, tree and planner always
 # measure and --merge their part into results/verify-h200.json. Minutes on one H200 (2026-12-01):
 #   convert   GGUF -> $WORK/smollm2-hf (bf16), the SmolLM2 target of the later stages          ~0.5
@@ -21,7 +21,9 @@
 #   linearwide tune_linear_fast.py --wide (fast-mode tiles at 32-128 rows vs cuBLAS; fast_wide entries into
 #             dspine/ops/tuned/linear-<GPU>.json) -> results/linear-fast-wide-h200.json                 ~8
 #   fusion    bench_engine.py --skip-peers --ab-fusion 3 (norms and SiLU-mul folded into the linears, off/on
-#             alternated in one process) -> results/engine-fusion-h200.json                          ~6
+#             alternated in one process) -> results/engine-fusion-h200.json                          ~2.5
+#   linearfusion bench_linear_fusion.py (each fusion's µs per linear call, the SiLU-mul prologue over K splits)
+#             -> results/linear-fusion-h200.json                                                      ~1
 #   tables    scripts/make_tables.py (README results block)
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results).
@@ -33,7 +35,7 @@ DRAFT=${DRAFT:-checkpoints/smollm2-135m-dspine}
 R=${RESULTS:-results}
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-STAGES=${*:-convert engine steps tree planner exact hybrid profile linear lmhead hybridbench linearwide fusion tables}
+STAGES=${*:-convert engine steps tree planner exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion tables}
 HF=$WORK/smollm2-hf
 mkdir -p "$WORK/logs" "$R"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -91,6 +93,9 @@ linearwide() {  # the device's tuned file by its name, as dspine.ops.linear.tune
 if has linearwide && [ ! -f "$R/linear-fast-wide-h200.json" ]; then timed linearwide linearwide || true; fi
 if has fusion && [ ! -f "$R/engine-fusion-h200.json" ]; then
   timed fusion python benchmarks/engine/bench_engine.py --skip-peers --ab-fusion 3 --output "$R/engine-fusion-h200.json"
+fi
+if has linearfusion && [ ! -f "$R/linear-fusion-h200.json" ]; then
+  timed linearfusion python benchmarks/kernels/bench_linear_fusion.py --output "$R/linear-fusion-h200.json"
 fi
 if has tables; then timed tables python scripts/make_tables.py; fi
 echo "[$(date +%T)] done; timings in $WORK/timings.jsonl"

@@ -1043,3 +1043,33 @@ def test_tuned_file_bitwise_findings_need_the_same_versions(tmp_path, monkeypatc
         lin._same_versions.cache_clear()
 
 
+
+
+@needs_interp
+def test_bench_linear_fusion_tiny(tmp_path):
+    """benchmarks/kernels/bench_linear_fusion.py --tiny: every variant of each weight timed at each row count (the act
+    prologue on the down projection only), the unfused kernels beside them, the act sweep over both configurations at
+    the first and last row count; an existing output is refused before any work, and a fused result off the unfused
+    composition is refused by name."""
+    from benchmarks.kernels import bench_linear_fusion as blf
+
+    out = tmp_path / "f.json"
+    assert blf.main(["--tiny", "--output", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["ms"] == [1, 3] and res["norm_tile"] == 64 and res["commit"]
+    for name, (N, K) in blf.TINY_SHAPES.items():
+        w = res["weights"][name]
+        assert (w["N"], w["K"], w["copies"]) == (N, K, 1)
+        for m in ("M1", "M3"):
+            row = w["by_m"][m]
+            want = {"cublas", "plain", "norm", "residual"} | ({"act"} if name == "down" else set())
+            assert set(row["us"]) == want and all(u > 0 for u in row["us"].values())
+            assert len(row["cfg"]) == 6 and row["unfused_norm_us"] > 0
+            assert ("unfused_act_us" in row) == (name == "down")
+    assert [(a["m"], tuple(a["cfg"])) for a in res["act_by_split"]] == [
+        (m, c) for m in (1, 3) for c in blf.TINY_ACT_CFGS]
+    with pytest.raises(SystemExit):
+        blf.main(["--tiny", "--output", str(out)])
+    blf._check("ok", torch.ones(2, 3), torch.ones(2, 3) * (1 + 2**-9))
+    with pytest.raises(RuntimeError, match="down M1 act: relative error 0.0625"):
+        blf._check("down M1 act", torch.ones(2, 3), torch.ones(2, 3) * 16 / 15)

@@ -46,6 +46,21 @@ def test_every_truncation_of_a_gguf_is_refused(tmp_path):
             check_gguf(bad)
 
 
+def test_a_missing_gguf_package_is_named_with_the_file(tmp_path, monkeypatch):
+    """Without the gguf package check_gguf raises ImportError naming the file and the install command (a bare
+    ModuleNotFoundError from deep inside the size check before), and caches nothing for the file."""
+    import sys
+
+    from dspine.gguf_file import check_gguf
+
+    path = small_gguf(tmp_path / "ok.gguf")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
+    with pytest.raises(ImportError, match=rf"{path}: reading a GGUF file needs the gguf package.*pip install"):
+        check_gguf(path)
+    monkeypatch.undo()
+    check_gguf(path)
+
+
 def test_the_real_target_passes_and_its_first_megabyte_does_not(tmp_path):
     from dspine.gguf_file import check_gguf
 
