@@ -108,6 +108,10 @@ def _check_cached(path: str, size: int, mtime_ns: int) -> str | None:
     return None
 
 
+class GGUFPackageMissing(ImportError, ValueError):
+    """A GGUF file was given and the ``gguf`` package is not installed (:func:`check_gguf`)."""
+
+
 def check_gguf(path: str | Path) -> None:
     """Raise ``ValueError`` naming ``path`` when it is not a complete GGUF file.
 
@@ -118,16 +122,17 @@ def check_gguf(path: str | Path) -> None:
     Raises:
         ValueError: "{path}: truncated or corrupt GGUF file (<reason>)".
         FileNotFoundError: no such file.
-        ImportError: the ``gguf`` package (its quantization table; transformers reads GGUF files with it too) is
-            not installed, naming ``path`` and the install command.
+        GGUFPackageMissing: the ``gguf`` package (its quantization table; transformers reads GGUF files with it
+            too) is not installed, naming ``path`` and the install command; a ValueError, so every CLI reports it as
+            one error line like other bad input, and an ImportError.
     """
     p = Path(path)
     st = p.stat()
     try:
         import gguf  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"{os.fspath(path)}: reading a GGUF file needs the gguf package, a dependency of dspine: "
-                          "pip install 'gguf>=0.10'") from e
+        raise GGUFPackageMissing(f"{os.fspath(path)}: reading a GGUF file needs the gguf package, a dependency of "
+                                 "dspine: pip install 'gguf>=0.10'") from e
     problem = _check_cached(str(p.resolve()), st.st_size, st.st_mtime_ns)
     if problem is not None:
         raise ValueError(f"{os.fspath(path)}: truncated or corrupt GGUF file ({problem}); download it again "

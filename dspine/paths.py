@@ -79,7 +79,8 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
         FileNotFoundError: a local-looking path, or the GGUF file, that does not exist.
         ValueError: an existing file that is not ``.gguf``, or a folder without ``config.json``; a
             truncated or corrupt GGUF file (:func:`dspine.gguf_file.check_gguf`, before transformers
-            parses it).
+            parses it); a GGUF file without the gguf package installed
+            (:class:`dspine.gguf_file.GGUFPackageMissing`, also an ImportError).
 
     A local GGUF file also turns on :func:`dspine.gguf_file.memo_gguf_metadata` (one metadata parse per file).
     """

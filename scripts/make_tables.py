@@ -656,13 +656,19 @@ def planner_default_section() -> list[str]:
     if not files:
         return []
     first = next(iter(files[0][1]["points"].values()))
+    pts = {(m, p["concurrency"]): p for m, r in files for p in r["points"].values()}
+    sizes = ", ".join(sorted({f"{p['num_prompts']} prompts per task × {p['max_new_tokens']} new tokens at concurrency "
+                              f"{c}" for (_, c), p in pts.items()}))
+    t32 = {m: pts[(m, 1)]["mean_tau"].get("t32") for m in ("fast", "exact") if (m, 1) in pts}
     out = ["#### The default trees of 16 and 32 on the H200", "",
            f"{first['gpu']}, {first['date'][:10]}, commit `{first['commit'][:10]}`, SmolLM2-135M-Instruct with the shipped "
-           "draft, T = 0, 512 new tokens, 10 prompts per task at concurrency 1 and 16 at 8: p is the planner with the "
+           f"draft, T = 0, {sizes}: p is the planner with the "
            "default trees (16 and 32, chosen by the replay below), p32 the tree of 32 alone, p64 the former default "
            "(32 and 64), each ÷ the best fixed label of the same run (AR, chain, trees of 16 and 32). In fast mode the "
-           "labels part from AR at bf16 near-ties and decode different text, so their τ differ by content as well (the "
-           "fixed tree of 32 at concurrency 1: τ 3.88 fast, 4.13 exact); exact mode decodes AR's tokens everywhere.", "",
+           "labels part from AR at bf16 near-ties and decode different text, so their τ differ by content as well"
+           + (f" (the fixed tree of 32 at concurrency 1: mean τ {t32['fast']:.2f} fast, {t32['exact']:.2f} exact)"
+              if len(t32) == 2 and None not in t32.values() else "")
+           + "; exact mode decodes AR's tokens everywhere.", "",
            "| mode | concurrency | AR | chain 16 | tree 16 | tree 32 | best fixed | p ÷ best (goal ≥ 0.98) | p32 ÷ best "
            "| p64 ÷ best | p ÷ AR | p's steps | greedy outputs == AR (p) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -703,13 +709,13 @@ def planner_replay_section() -> list[str]:
            "planner ran). "
            "Not a GPU measurement: it isolates the planner's choices on real content; prefill, the planner's host "
            "time, the AR steps' deferred draft context and bf16 near-ties are not modelled, and it reads above the H200 "
-           "run whose step times it uses. Each planner cell: replay / that H200 run (its planner label with those trees "
+           "run whose step times it uses at most points (not at fast concurrency 8). Each planner cell: replay / that H200 run (its planner label with those trees "
            "and its default confidence and drain settings, ÷ its best fixed label; – where it ran none). At concurrency 1 the clairvoyant schedule "
            "(the best mode at every step, knowing what each commits) bounds what any planner can reach. Planner ÷ "
            "best fixed mode (AR, chain, trees 16/32/64 of the same replay, those with a step time). Step times "
            "`measured`: the run's online estimate of each mode after its steps (what its planner saw, flushes and host "
            "waits included); `table`: its start-up table (bare graph replays). The two disagree on the trees at "
-           "concurrency 8 in fast mode (tree 32 ÷ tree 16: 1.145 measured, 1.076 table; the run's fixed trees of 16 and "
+           "concurrency 8 in fast mode (planner-sizes-h200-T0-c8.json: tree 32 ÷ tree 16 1.145 measured, 1.076 table; the run's fixed trees of 16 and "
            "32 gave equal tok/s), which moves that row by up to 4 points:", ""]
     head = ["| trace (prompts per task × tokens) | H200 step times from | concurrency | step times | best fixed (replay) "
             "| trees 32 and 64 (the default until 2026-12-05): replay / H200 | trees 16 and 32 (the default) | tree 32 "

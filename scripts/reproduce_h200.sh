@@ -20,7 +20,7 @@
 #             results/hybrid-bench-h200.json; it and the hybrid stage need fla-core (pip install fla-core einops)
 #   linearwide tune_linear_fast.py --wide (fast-mode tiles at 32-128 rows vs cuBLAS; fast_wide entries into
 #             dspine/ops/tuned/linear-<GPU>.json) -> results/linear-fast-wide-h200.json                 ~8
-#   fusion    bench_engine.py --skip-peers --ab-fusion 3 (norms and SiLU-mul folded into the linears, off/on
+#   fusion    bench_engine.py --skip-peers --ab-fusion 2 (norms and SiLU-mul folded into the linears, off/on
 #             alternated in one process) -> results/engine-fusion-h200.json                          ~2.5
 #   linearfusion bench_linear_fusion.py (each fusion's µs per linear call, the SiLU-mul prologue over K splits)
 #             -> results/linear-fusion-h200.json                                                      ~1
@@ -92,7 +92,7 @@ linearwide() {  # the device's tuned file by its name, as dspine.ops.linear.tune
 }
 if has linearwide && [ ! -f "$R/linear-fast-wide-h200.json" ]; then timed linearwide linearwide || true; fi
 if has fusion && [ ! -f "$R/engine-fusion-h200.json" ]; then
-  timed fusion python benchmarks/engine/bench_engine.py --skip-peers --ab-fusion 3 --output "$R/engine-fusion-h200.json"
+  timed fusion python benchmarks/engine/bench_engine.py --skip-peers --ab-fusion 2 --output "$R/engine-fusion-h200.json"
 fi
 if has linearfusion && [ ! -f "$R/linear-fusion-h200.json" ]; then
   timed linearfusion python benchmarks/kernels/bench_linear_fusion.py --output "$R/linear-fusion-h200.json"

@@ -1046,30 +1046,45 @@ def test_tuned_file_bitwise_findings_need_the_same_versions(tmp_path, monkeypatc
 
 
 @needs_interp
-def test_bench_linear_fusion_tiny(tmp_path):
+def test_bench_linear_fusion_tiny(tmp_path, monkeypatch, capsys):
     """benchmarks/kernels/bench_linear_fusion.py --tiny: every variant of each weight timed at each row count (the act
-    prologue on the down projection only), the unfused kernels beside them, the act sweep over both configurations at
-    the first and last row count; an existing output is refused before any work, and a fused result off the unfused
-    composition is refused by name."""
+    prologue on the down projection only), the unfused kernels per row count, the act sweep over its configurations
+    at the first and last row count; bad outputs and --stream-mb are refused before any work (exit 2, the flag
+    named); each fused variant is checked inside main: a wrong unfused norm or SiLU-mul composition is reported by
+    name."""
     from benchmarks.kernels import bench_linear_fusion as blf
 
     out = tmp_path / "f.json"
     assert blf.main(["--tiny", "--output", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["ms"] == [1, 3] and res["norm_tile"] == 64 and res["commit"]
+    assert res["ms"] == [1, 3] and res["norm_tile"] == 64 and res["tiny"] is True and res["commit"]
+    assert set(res["weights"]) == set(blf.TINY_SHAPES)
     for name, (N, K) in blf.TINY_SHAPES.items():
         w = res["weights"][name]
         assert (w["N"], w["K"], w["copies"]) == (N, K, 1)
         for m in ("M1", "M3"):
             row = w["by_m"][m]
             want = {"cublas", "plain", "norm", "residual"} | ({"act"} if name == "down" else set())
-            assert set(row["us"]) == want and all(u > 0 for u in row["us"].values())
-            assert len(row["cfg"]) == 6 and row["unfused_norm_us"] > 0
-            assert ("unfused_act_us" in row) == (name == "down")
-    assert [(a["m"], tuple(a["cfg"])) for a in res["act_by_split"]] == [
-        (m, c) for m in (1, 3) for c in blf.TINY_ACT_CFGS]
-    with pytest.raises(SystemExit):
-        blf.main(["--tiny", "--output", str(out)])
-    blf._check("ok", torch.ones(2, 3), torch.ones(2, 3) * (1 + 2**-9))
-    with pytest.raises(RuntimeError, match="down M1 act: relative error 0.0625"):
-        blf._check("down M1 act", torch.ones(2, 3), torch.ones(2, 3) * 16 / 15)
+            assert set(row["us"]) == want and len(row["cfg"]) == 6
+    assert set(res["unfused_by_m"]) == {"M1", "M3"}
+    assert all(set(u) == {"rms_norm_residual_us", "silu_mul_us"} for u in res["unfused_by_m"].values())
+    assert [(a["m"], tuple(a["cfg"])) for a in res["act_by_split"]] == [(m, c) for m in (1, 3) for c in blf.TINY_ACT_CFGS]
+    for bad, msg in [(["--output", str(out)], f"--output {out} exists; pass --overwrite"),
+                     (["--output", ""], "--output: give a file name"),
+                     (["--output", str(tmp_path)], "is a folder"),
+                     (["--stream-mb", "0"], "--stream-mb 0: must be at least 1")]:
+        with pytest.raises(SystemExit) as e:
+            blf.main(["--tiny", *bad])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    # the checks run inside main: an unfused reference off by a factor is refused, naming the variant
+    real_norm, real_act = blf.rms_norm, blf.silu_mul
+    monkeypatch.setattr(blf, "rms_norm", lambda x, w, eps, **kw: real_norm(x, w, eps, **kw) * 1.05)
+    with pytest.raises(RuntimeError, match=r"qkv M1 norm: relative error 0\.0[45]"):
+        blf.main(["--tiny"])
+    monkeypatch.setattr(blf, "rms_norm", real_norm)
+    monkeypatch.setattr(blf, "silu_mul", lambda x: real_act(x) * 1.05)
+    with pytest.raises(RuntimeError, match=r"down M1 act: relative error 0\.0[45]"):
+        blf.main(["--tiny"])
+    blf._check("within", torch.ones(2, 3), torch.ones(2, 3) * (1 + 2**-8))
+    with pytest.raises(RuntimeError, match=r"x: relative error 0\.01"):
+        blf._check("x", torch.ones(2, 3), torch.ones(2, 3) * (1 + 2**-6.5))

@@ -46,17 +46,26 @@ def test_every_truncation_of_a_gguf_is_refused(tmp_path):
             check_gguf(bad)
 
 
-def test_a_missing_gguf_package_is_named_with_the_file(tmp_path, monkeypatch):
-    """Without the gguf package check_gguf raises ImportError naming the file and the install command (a bare
-    ModuleNotFoundError from deep inside the size check before), and caches nothing for the file."""
+def test_a_missing_gguf_package_is_named_with_the_file(tmp_path, monkeypatch, capsys):
+    """Without the gguf package check_gguf raises GGUFPackageMissing (an ImportError and a ValueError) naming the file
+    and the install command (a bare ModuleNotFoundError from deep inside the size check before) and caches nothing;
+    a CLI given that GGUF prints it as one error line and exits 2."""
+    import re
     import sys
 
-    from dspine.gguf_file import check_gguf
+    from dspine import convert
+    from dspine.gguf_file import GGUFPackageMissing, check_gguf
 
     path = small_gguf(tmp_path / "ok.gguf")
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
-    with pytest.raises(ImportError, match=rf"{path}: reading a GGUF file needs the gguf package.*pip install"):
+    want = rf"{re.escape(str(path))}: reading a GGUF file needs the gguf package, .*pip install 'gguf>=0\.10'"
+    with pytest.raises(GGUFPackageMissing, match=want) as e:
         check_gguf(path)
+    assert isinstance(e.value, ImportError) and isinstance(e.value, ValueError)
+    assert convert.main(["--target", str(path), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(want, err[0]) and "Traceback" not in err[0]
+    assert not (tmp_path / "hf").exists()
     monkeypatch.undo()
     check_gguf(path)
 

@@ -7,22 +7,24 @@ The engine's fused decode path (``infer.model.EngineTarget._layers`` with ``fuse
 replaces the two RMSNorm kernels and the SiLU·mul kernel of a layer by a prologue or epilogue of the linear layers
 around them (``dspine.ops.linear.linear_triton``: ``norm=``, ``residual=``, ``act="silu_mul"``). Per weight and row
 count M (1, 8, 16: AR batch 1 and 8, a verify of 16), each with the weight's fast-mode configuration
-(``fast_config_rows``; the exact path's tile where the device has no tuned entry), µs per call of:
+(``fast_config_rows``; where that is None, cuBLAS's rows, the exact path's tile for M), µs per call of:
 
 * ``cublas``: ``F.linear``; ``plain``: the Triton kernel without a fusion;
 * ``norm``: with the RMSNorm prologue (``norm=(weight, sumsq, eps)``, the statistic from 64-column tiles);
 * ``residual``: with the residual epilogue (``residual=``; it also writes the per-tile sums of squares);
-* ``act`` (the down projection only): with the SiLU·mul prologue, the input ``[M, 2K]``;
-* ``unfused_norm_us`` / ``unfused_act_us``: the kernels a fusion removes (``dspine.ops.rmsnorm.rms_norm`` with its
-  residual add at ``[M, K]``, ``dspine.ops.silu_mul.silu_mul`` at ``[M, 2K]``), each timed alone.
+* ``act`` (the down projection only): with the SiLU·mul prologue, the input ``[M, 2K]``.
 
-A fusion pays where its extra µs on the linear call stay below the kernel it removes. ``act_by_split``: the act
-prologue on the down projection at M = 1 and 16 over tile configurations (``--act-cfgs``), beside the plain kernel
-with the same configuration: the prologue's SiLU runs once per program on a ``[BLOCK_M, BLOCK_K]`` tile, so its
+``unfused_by_m``: the kernels the fusions remove, each timed alone at M rows: ``rms_norm_residual_us``
+(``dspine.ops.rmsnorm.rms_norm`` with its residual add over the hidden size, o's N; a layer runs two) and
+``silu_mul_us`` (``dspine.ops.silu_mul.silu_mul`` over down's ``[M, 2K]``). A fusion pays where its extra µs on the
+linear calls stay below the kernels it removes. ``act_by_split``: the act prologue on the down projection at the
+first and last M over the tile configurations of ``ACT_CFGS``, beside the plain kernel with the same configuration: the prologue's SiLU runs once per program on a ``[BLOCK_M, BLOCK_K]`` tile, so its
 cost falls as the split (programs per tile column) rises. Timing as ``tune_linear_fast.py``: a CUDA graph over
-rotating copies of the weight (``--stream-mb``), every call streaming it from HBM; median of 5 replays. Each fused
-variant is checked against the unfused composition first (bf16, relative error ≤ 2⁻⁷ of the output's largest
-magnitude). Writes JSON with the command, GPU, date and commit.
+rotating copies of the weight (``--stream-mb``), every call streaming it from HBM; median of 5 replays (one
+wall-clock pass on the CPU). Each fused variant is checked against the unfused composition first (bf16, relative
+error ≤ 2⁻⁷ of the output's largest magnitude; the residual epilogue's per-tile sums of squares against the fp32
+sum of r² of each row, relative 2⁻⁷). Raises RuntimeError naming the variant otherwise. Writes JSON with the
+command, GPU, date and commit.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ from dspine.provenance import provenance  # noqa: E402
 MS = (1, 8, 16)
 TILE = 64  # the producer's BLOCK_N whose per-tile sums of squares feed the norm prologue
 EPS = 1e-6
-ACT_CFGS = ((16, 64, 256, 4, 4, 2), (16, 64, 256, 4, 1, 2), (16, 64, 128, 4, 4, 2), (16, 64, 64, 4, 4, 2),
-            (16, 32, 128, 4, 3, 4), (16, 64, 256, 8, 4, 2), (16, 128, 128, 4, 3, 2), (16, 64, 128, 4, 3, 4))
-TINY_SHAPES = {"qkv": (96, 128), "down": (64, 192)}
+ACT_CFGS = ((16, 64, 256, 4, 4, 2), (16, 64, 256, 4, 1, 2), (16, 64, 256, 4, 2, 2), (16, 64, 128, 4, 4, 2),
+            (16, 64, 64, 4, 4, 2), (16, 32, 128, 4, 3, 4), (16, 64, 256, 8, 4, 2), (16, 128, 128, 4, 3, 2),
+            (16, 64, 128, 4, 3, 4))
+TINY_SHAPES = {"qkv": (96, 128), "o": (128, 128), "down": (128, 192)}
 TINY_MS = (1, 3)
 TINY_ACT_CFGS = ((16, 32, 64, 4, 2, 1), (16, 32, 64, 4, 2, 3))
 
@@ -80,7 +83,9 @@ def _variants(name: str, m: int, w: torch.Tensor, cfg, g: torch.Generator) -> tu
     }
     plain = lambda inp: lin.linear_triton(inp, w, cfg=cfg, split_programs=split)  # noqa: E731
     _check(f"{name} M{m} norm", calls["norm"][1](x, w), plain(rms_norm(x, nw, EPS)))
-    _check(f"{name} M{m} residual", calls["residual"][1](x, w)[0], plain(x) + res)
+    r, sumsq = calls["residual"][1](x, w)
+    _check(f"{name} M{m} residual", r, plain(x) + res)
+    _check(f"{name} M{m} residual sums of squares", sumsq.sum(-1), r.float().pow(2).sum(-1))
     if name == "down":
         xa = torch.randn(m, 2 * K, generator=g).to(dt).to(dev)
         calls["act"] = (xa, lambda x, w: lin.linear_triton(x, w, cfg=cfg, split_programs=split, act="silu_mul"))
@@ -111,16 +116,20 @@ def run(args) -> dict:
             cfg = lin.fast_config_rows(m, ws[0]) or lin.config(N, K, dt, ws[0].device, m)
             calls, xs = _variants(name, m, ws[0], cfg, g)
             row = {"cfg": list(cfg), "us": {v: time_call(c, ws, xs[v], cuda) for v, c in calls.items()}}
-            h = xs["plain"]
-            nw = torch.ones(K, dtype=dt, device=dev)
-            row["unfused_norm_us"] = time_call(lambda x, w, nw=nw: rms_norm(x, nw, EPS, residual=x), ws[:1], h, cuda)
-            if "act" in calls:
-                row["unfused_act_us"] = time_call(lambda x, w: silu_mul(x), ws[:1], xs["act"], cuda)
             rows[f"M{m}"] = row
-            print(f"{name} M{m} {cfg}: " + ", ".join(f"{v} {u:.2f}" for v, u in row["us"].items())
-                  + f" µs; rms_norm {row['unfused_norm_us']:.2f}"
-                  + (f", silu_mul {row['unfused_act_us']:.2f}" if "unfused_act_us" in row else ""), flush=True)
+            print(f"{name} M{m} {cfg}: " + ", ".join(f"{v} {u:.2f}" for v, u in row["us"].items()) + " µs", flush=True)
         out["weights"][name] = {"N": N, "K": K, "copies": copies, "by_m": rows}
+    hidden, inter = shapes["o"][0], shapes["down"][1]
+    out["unfused_by_m"] = {}
+    nw = torch.ones(hidden, dtype=dt, device=dev)
+    for m in ms:
+        h = torch.randn(m, hidden, generator=g).to(dt).to(dev)
+        gu = torch.randn(m, 2 * inter, generator=g).to(dt).to(dev)
+        u = {"rms_norm_residual_us": time_call(lambda x, w: rms_norm(x, nw, EPS, residual=x), [None], h, cuda),
+             "silu_mul_us": time_call(lambda x, w: silu_mul(x), [None], gu, cuda)}
+        out["unfused_by_m"][f"M{m}"] = u
+        print(f"unfused M{m}: rms_norm + residual {u['rms_norm_residual_us']:.2f}, silu_mul {u['silu_mul_us']:.2f} µs",
+              flush=True)
     ws = _copies(*shapes["down"], cuda, args.stream_mb, g)
     act = []
     for m in (ms[0], ms[-1]):
@@ -142,13 +151,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.stream_mb < 1:
         ap.error(f"--stream-mb {args.stream_mb}: must be at least 1")
-    if args.output:
+    if args.output is not None:
         try:
             check_output_file("--output", args.output, args.overwrite)
         except ValueError as e:
             ap.error(str(e))
-    res = {**provenance(), **run(args)}
-    if args.output:
+    res = {**provenance(), "tiny": bool(args.tiny), **run(args)}
+    if args.output is not None:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(Path(args.output), res, indent=1)
     return 0

@@ -326,7 +326,7 @@ def _step_times(path: str, label: str) -> tuple[dict, dict]:
     the file and field for a file that is not an infer.bench result or has no planner ``label``."""
     import re
 
-    run = load_json(path, "an infer.bench --output-json result")
+    run = load_json(path, "--costs: an infer.bench --output-json result")
     tasks = run.get("tasks")
     if not isinstance(tasks, list) or not tasks:
         raise SystemExit(f"{path}: no 'tasks' list: not an infer.bench --output-json result")
@@ -389,7 +389,7 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     did not measure."""
     from infer.planner import StepPlanner, parse_plan_trees
 
-    run_args = load_json(costs, "an infer.bench --output-json result").get("args") or {}
+    run_args = load_json(costs, "--costs: an infer.bench --output-json result").get("args") or {}
     if not isinstance(run_args, dict):
         raise SystemExit(f"{costs}: 'args' is not an object: not an infer.bench --output-json result")
     try:
@@ -407,8 +407,8 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     plan = [("ar", 1), ("chain", verify)] + [("tree", N) for N in parse_plan_trees(plan_trees)]
     not_recorded = [m for m in plan if m[0] == "tree" and m not in recorded]
     if not_recorded:
-        raise SystemExit(f"the trace records trees {trace['budgets']}, not {[n for _, n in not_recorded]} "
-                         "(record with --budgets holding them)")
+        raise SystemExit(f"--plan-trees {plan_trees}: the trace records trees {trace['budgets']}, not "
+                         f"{[n for _, n in not_recorded]} (record with --budgets holding them)")
     missing = [m for m in plan if m not in true_ms]
     if missing:
         raise NoStepTime(f"{costs}: no step time for {missing} at concurrency {run_args.get('concurrency', 1)} "
