@@ -1043,8 +1043,6 @@ def test_tuned_file_bitwise_findings_need_the_same_versions(tmp_path, monkeypatc
         lin._same_versions.cache_clear()
 
 
-
-
 @needs_interp
 def test_bench_linear_fusion_tiny(tmp_path, monkeypatch, capsys):
     """benchmarks/kernels/bench_linear_fusion.py --tiny: every variant of each weight timed at each row count (the act

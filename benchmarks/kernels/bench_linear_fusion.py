@@ -18,8 +18,9 @@ count M (1, 8, 16: AR batch 1 and 8, a verify of 16), each with the weight's fas
 (``dspine.ops.rmsnorm.rms_norm`` with its residual add over the hidden size, o's N; a layer runs two) and
 ``silu_mul_us`` (``dspine.ops.silu_mul.silu_mul`` over down's ``[M, 2K]``). A fusion pays where its extra µs on the
 linear calls stay below the kernels it removes. ``act_by_split``: the act prologue on the down projection at the
-first and last M over the tile configurations of ``ACT_CFGS``, beside the plain kernel with the same configuration: the prologue's SiLU runs once per program on a ``[BLOCK_M, BLOCK_K]`` tile, so its
-cost falls as the split (programs per tile column) rises. Timing as ``tune_linear_fast.py``: a CUDA graph over
+first and last M over the tile configurations of ``ACT_CFGS``, beside the plain kernel with the same
+configuration: the prologue's SiLU runs once per program on a ``[BLOCK_M, BLOCK_K]`` tile, so its cost falls as
+the split (programs per tile column) rises. Timing as ``tune_linear_fast.py``: a CUDA graph over
 rotating copies of the weight (``--stream-mb``), every call streaming it from HBM; median of 5 replays (one
 wall-clock pass on the CPU). Each fused variant is checked against the unfused composition first (bf16, relative
 error ≤ 2⁻⁷ of the output's largest magnitude; the residual epilogue's per-tile sums of squares against the fp32
