@@ -55,7 +55,8 @@ def parse_drafts(values: list[str] | None) -> dict[str, str]:
     return out
 
 
-CONFIG_KEYS = ("verify", "tree_budget", "budget", "chain_first", "plan_trees", "confidence", "drain", "draft_vocab")
+CONFIG_KEYS = ("verify", "tree_budget", "budget", "chain_first", "plan_trees", "confidence", "conf_slope", "drain",
+               "draft_vocab")
 CONFIDENCE = ("greedy", "always", "never")  # Engine.plan_confidence
 DRAIN = ("off", "scaled", "lead")  # off: Engine.plan_drain False; else on with that Engine.plan_drain_model
 CHAIN_FIRST = {"auto": None, "yes": True, "no": False}  # Engine's tree_chain_first
@@ -76,7 +77,7 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
     if tree_budget_given is None:
         tree_budget_given = args.tree_budget is not None
     base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None,
-            "plan_trees": None, "confidence": None, "drain": None,
+            "plan_trees": None, "confidence": None, "conf_slope": None, "drain": None,
             "draft_vocab": getattr(args, "draft_vocab", None)}
     out = {label: dict(base) for label in labels}
     seen = set()
@@ -132,6 +133,13 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
             if given["confidence"] not in CONFIDENCE:
                 raise ValueError(f"--config {item!r}: confidence={given['confidence']!r}; expected {', '.join(CONFIDENCE)}")
             c["confidence"] = given["confidence"]
+        if "conf_slope" in given:
+            from infer.planner import parse_conf_slope
+
+            try:
+                c["conf_slope"] = parse_conf_slope(given["conf_slope"])
+            except ValueError as e:
+                raise ValueError(f"--config {item!r}: {e}") from None
         if "drain" in given:
             if given["drain"] not in DRAIN:
                 raise ValueError(f"--config {item!r}: drain={given['drain']!r}; expected {', '.join(DRAIN)}")
@@ -172,6 +180,9 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         if c["confidence"] is not None and c["budget"] is None:
             raise ValueError(f"draft {label!r}: confidence applies to budget=auto (when the planner gets the draft's "
                              "confidence)")
+        if c["conf_slope"] is not None and c["budget"] is None:
+            raise ValueError(f"draft {label!r}: conf_slope applies to budget=auto (how far the planner moves an estimate "
+                             "with the draft's confidence)")
         if c["drain"] is not None and c["budget"] is None:
             raise ValueError(f"draft {label!r}: drain applies to budget=auto (the planner's drain rule)")
         if c["chain_first"] is not None and args.backend == "reference":
@@ -288,6 +299,8 @@ class Runner:
                     self.decoders[label].plan_drain_model = c["drain"]
                 if c.get("confidence") is not None:
                     self.decoders[label].plan_confidence = c["confidence"]
+                if c.get("conf_slope") is not None:
+                    self.decoders[label].plan_conf_slope = c["conf_slope"]
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
         else:
@@ -364,7 +377,8 @@ class Runner:
                     tot = self.planner_steps.setdefault(label, {}).setdefault(
                         mode, {"steps": 0, "drain_steps": 0, "paired": 0})
                     tot.update(step_ms=e["step_ms"], measured_ms=e["measured_ms"], steps=tot["steps"] + e["steps"],
-                               drain_steps=tot["drain_steps"] + e["drain_steps"], paired=tot["paired"] + e["paired"])
+                               drain_steps=tot["drain_steps"] + e["drain_steps"], paired=tot["paired"] + e["paired"],
+                               conf_slope=e["conf_slope"])  # the latest call's (StepPlanner.slope)
             prof = {k: dec.loop_profile.get(k, 0.0) for k in PROFILE_KEYS}
             return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt), prof
         if label is not None:
@@ -494,6 +508,7 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
                 row["budget"] = c["budget"]
                 row["plan_trees"] = list(runner.decoders[label].plan_trees)
                 row["plan_confidence"] = runner.decoders[label].plan_confidence
+                row["plan_conf_slope"] = runner.decoders[label].plan_conf_slope
                 dec = runner.decoders[label]
                 row["plan_drain"] = dec.plan_drain_model if dec.plan_drain else "off"
             if label in runner.planner_steps:
@@ -673,7 +688,8 @@ def build_parser():
                          "chain_first (auto|yes|no: Engine's tree_chain_first; auto = best first at T = 0) or plan_trees "
                          "(the planner's tree sizes joined by '/', e.g. 16/32, or none; budget=auto only) or confidence "
                          "(greedy|always|never: when the planner gets the draft's confidence, Engine.plan_confidence; "
-                         "budget=auto only) or drain (off|scaled|lead: the planner's drain rule off, or on with "
+                         "budget=auto only) or conf_slope (auto or a number in 0..2: how far that confidence moves the "
+                         "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead: the planner's drain rule off, or on with "
                          "Engine.plan_drain_model; budget=auto only) or draft_vocab (a draft vocabulary file, or none "
                          "for the whole vocabulary; over --draft-vocab) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "

@@ -337,6 +337,9 @@ class Engine:
         # on the H200 (SmolLM2, concurrency 1, T = 1, 5 tasks x 5 prompts, 512 tokens) the planner given it took
         # AR at 34% of its steps and ran 0.92 x the fixed tree (results/verify-h200.json, planner_first_paired; 1.001 x without it)
         self.plan_confidence = "greedy"
+        # how far that confidence moves the planner's estimate (StepPlanner's conf_slope): "auto", the slope fitted
+        # online; 1.0, in proportion (the rule before 2026-12-05); 0, not at all
+        self.plan_conf_slope: float | str = "auto"
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
         # before the first generate at that batch size; later changes do not reach slots already made
         self.defer_ar_append = True  # False: the planner's AR steps append to the draft context each step
@@ -1269,7 +1272,8 @@ class Engine:
         step = self._runner(B, params, spec)
         if spec and self.budget == "auto" and self.plan_drain_model not in DRAIN_MODELS:
             raise ValueError(f"Engine.plan_drain_model={self.plan_drain_model!r}: use {' or '.join(map(repr, DRAIN_MODELS))}")
-        planner = (StepPlanner(self._step_costs(B, params), drain_model=self.plan_drain_model)
+        planner = (StepPlanner(self._step_costs(B, params), drain_model=self.plan_drain_model,
+                               conf_slope=self.plan_conf_slope)
                    if spec and self.budget == "auto" else None)
         key = self._plan_key(B, params)
         if planner is not None:  # what the previous generate at this key learned (infer.planner, "Across calls")

@@ -8,8 +8,9 @@ Without ``--draft`` it decodes autoregressively with the same backend. ``--json`
 ``verify_steps``, ``committed_tokens``, ``tok_per_s`` over the whole call, ``sampling`` (the decoding
 settings: temperature, top_p, top_k, max_new_tokens, seed, draft_temperature), ``threads`` (torch's CPU threads), and per prompt ``text``, ``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and
 steps — at the top level for one prompt, in ``batch`` (one entry per prompt, adding up to the top level)
-for several. With a draft also ``verify``, ``verified_tokens_per_step``, ``plan_trees`` and ``plan_drain`` (the
-planner's tree sizes and drain rule, ``off`` or ``Engine.plan_drain_model``; null without ``--budget auto``) and
+for several. With a draft also ``verify``, ``verified_tokens_per_step``, ``plan_trees``, ``plan_drain`` and ``plan_conf_slope`` (the
+planner's tree sizes, drain rule, ``off`` or ``Engine.plan_drain_model``, and ``Engine.plan_conf_slope``; null without
+``--budget auto``) and
 ``draft_vocab`` (``--draft-vocab``: path, size and the file's coverage; null without one).
 Non-finite logits (NaN weights, fp16 overflow) end it with one ``error:`` line and exit status 2.
 """
@@ -298,7 +299,7 @@ def run(args) -> dict:
         out["verify"] = args.verify
         out["verified_tokens_per_step"] = ("auto" if args.budget else args.tree_budget if args.verify == "tree"
                                            else args.block_size or draft_cfg.block_size)
-        out["plan_trees"] = out["plan_drain"] = None  # the planner's settings, --budget auto only
+        out["plan_trees"] = out["plan_drain"] = out["plan_conf_slope"] = None  # the planner's, --budget auto only
         out["draft_vocab"] = None if vocab is None else describe_vocab(args.draft_vocab, *vocab)
         if backend == "cuda" and args.budget:
             out["planner"] = res.planner
@@ -351,8 +352,8 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
     args.prefill_buckets = engine.prefill_buckets  # the resolved value, for --json
     engine.plan_drain = args.plan_drain is not False
     # the planner's resolved settings, for --json: its tree sizes and drain rule (off, or Engine.plan_drain_model)
-    plan = ({"plan_trees": list(engine.plan_trees), "plan_drain": engine.plan_drain_model if engine.plan_drain else "off"}
-            if args.budget else {})
+    plan = ({"plan_trees": list(engine.plan_trees), "plan_drain": engine.plan_drain_model if engine.plan_drain else "off",
+             "plan_conf_slope": engine.plan_conf_slope} if args.budget else {})
 
     def decode(use: bool):
         engine.generate(prompts, params, use_draft=use)

@@ -85,11 +85,27 @@ Calibration: per mode, a moving average (newest weight ``max(cal_decay, 1 / n)``
 *accepted* tokens (committed − 1: the bonus is certain) over the steps that had a prediction, and the
 same of the realized ones; realized ÷ predicted is the mode's calibration factor (reported). The draft's
 confidence is trusted for how this step differs from the mode's usual steps, not for its scale: a mode
-run at least once is expected to commit ``1 + (T − 1) × (predicted − 1) / P`` this step, T the averaged
-tokens above, P the average prediction, the ratio clipped to [1/3, 3] and the result to
+run at least once is expected to commit ``1 + (T − 1) × (1 + s × (ρ − 1))`` this step, ρ = ``(predicted − 1) / P``
+clipped to [1/3, 3], T the averaged tokens above, P the average prediction, and the result clipped to
 [1, :func:`max_tokens`]. So an over- or underconfident draft costs nothing (T is what the mode realized),
 an easy or hard passage is seen the step it starts, and a mode never run stays unknown (rule 2's
-ceiling) whatever its prediction. A mode estimated as its paired mode plus a lead ("Paired observations") is
+ceiling) whatever its prediction. ``s`` (``conf_slope``, :meth:`StepPlanner.slope`) is how far the confidence
+moves the estimate. With ``s = 1`` (the rule before 2026-12-05) it moves it in proportion. The confidence the
+engine gives is two steps old, and T already follows the passage, so that overshoots: over the shipped SmolLM2
+draft's greedy outputs (results/planner-trace16-cpu.json, 5,603 steps of the tree of 32), the chain's tokens in
+the sixth of steps with the highest two-step-old confidence averaged 5.76 where the proportional rule expects
+6.74, and 1.94 against 1.34 in the lowest sixth (the same-step confidence: 6.38 / 1.35). Trees led by the chain
+("Paired observations") take the chain's estimate plus a lead that does not grow with the confidence (+0.84 to
++1.04 tokens for the tree of 32 across confidence octiles), so an overshooting chain estimate wins steps the tree
+should run. ``conf_slope="auto"`` (the default) fits s online per mode: the least-squares slope through the
+origin of the realized accepted tokens' surprise ``(committed − 1) − (T − 1)`` on the proportional rule's move
+``(T − 1)(ρ − 1)`` (T as it stands when the step is recorded), moving averages with weight
+``max(cal_decay, 1 / n)``, shrunk towards 1 by ``SLOPE_PRIOR`` steps' weight and clipped to [0, ``SLOPE_MAX``]:
+it settles at 0.1-0.55 on that trace; a confidence that carries no information (benchmarks/engine/sim_planner.py's
+noise) goes to 0, one the passage follows exactly stays near 1. Replayed over that trace with the step times of
+nine H200 runs (``benchmarks/reference/planner_trace.py replay --conf-slope 1,auto``,
+results/planner-replay16-slope-cpu.json) it raised the planner from 0.985 to 0.991 of the best fixed mode on
+average and its lowest point from 0.960 to 0.978, most at concurrency 8; not measured on a GPU yet. A mode estimated as its paired mode plus a lead ("Paired observations") is
 that mode's scaled estimate plus the lead: its own average prediction is over the steps it ran, and a tree run
 mostly in hard passages, scaled by its own low average, looked better than it is in every easy one (issue 16,
 H200, concurrency 1, T = 0: the tree of 64 ran 24% of the planner's steps, at 0.91 × the best fixed mode;
@@ -197,6 +213,8 @@ SPREAD_STEPS = 16.0
 # per chain step, tokens²): sd 0.5, within the 0.32-0.72 of the shipped SmolLM2 draft's five tasks at T = 0 on the
 # H200 (per-prompt τ of results/smollm2-h200-shipped-T0-c8.json; 0.17-0.31 at T = 1)
 DEFAULT_SPREAD = 0.25
+SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
+SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
 
 
 def parse_plan_trees(text: str) -> tuple[int, ...]:
@@ -211,6 +229,21 @@ def parse_plan_trees(text: str) -> tuple[int, ...]:
     if not all(2 <= n <= 64 for n in sizes) or len(set(sizes)) != len(sizes):
         raise ValueError(f"plan_trees={text!r}; each size must be in 2..64, none repeated")
     return sizes
+
+
+def parse_conf_slope(text: str) -> float | str:
+    """``"auto"`` -> ``"auto"``, ``"0.5"`` -> ``0.5``: :class:`StepPlanner`'s ``conf_slope`` as the command lines take it
+    (``infer.bench --config LABEL:conf_slope=``, ``planner_trace.py replay --conf-slope``). Raises ValueError naming the
+    text for anything else or a number outside 0..SLOPE_MAX."""
+    if text == "auto":
+        return text
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and 0 <= x <= SLOPE_MAX):
+        raise ValueError(f"conf_slope={text!r}; expected auto or a number in 0..{SLOPE_MAX:g}")
+    return x
 
 
 def max_tokens(mode: Mode, modes) -> int:
@@ -473,8 +506,10 @@ class StepPlanner:
         cal_decay: least weight of the newest predicted / realized accepted tokens (calibration).
         drain_model: :data:`DRAIN_MODELS`: ``"scaled"`` or ``"lead"`` (:func:`drain_tokens`' ``leads``, with
             each tree's paired chain from the paired observations).
-    Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, or an
-    unknown drain model.
+        conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
+            docstring, "Calibration"; :meth:`slope`).
+    Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
+    unknown drain model or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
     """
 
     def __init__(
@@ -489,11 +524,17 @@ class StepPlanner:
         cost_decay: float = 0.1,
         cal_decay: float = 0.05,
         drain_model: str = "scaled",
+        conf_slope: float | str = "auto",
     ):
         if not costs or not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs.values()):
             raise ValueError(f"planner costs must be a non-empty table of positive finite step times, got {costs}")
         if drain_model not in DRAIN_MODELS:
             raise ValueError(f"drain_model={drain_model!r}; expected one of {', '.join(DRAIN_MODELS)}")
+        if conf_slope != "auto" and not (
+            isinstance(conf_slope, (int, float)) and math.isfinite(conf_slope) and 0 <= conf_slope <= SLOPE_MAX
+        ):
+            raise ValueError(f"conf_slope={conf_slope!r}; expected 'auto' or a number in 0..{SLOPE_MAX}")
+        self.conf_slope = conf_slope
         self.drain_model = drain_model
         self.table, self.decay, self.slow_decay = dict(costs), decay, slow
         self.cost_decay, self.cal_decay = cost_decay, cal_decay
@@ -509,6 +550,11 @@ class StepPlanner:
         self.pred: dict[Mode, float | None] = {m: None for m in costs}  # mean predicted accepted tokens
         self.real: dict[Mode, float | None] = {m: None for m in costs}  # mean realized, same steps
         self.calibrated: Counter = Counter()  # steps with a prediction per mode
+        # exponentially weighted variance of the predicted and covariance with the realized, same steps and weights
+        # (module docstring, "Calibration": conf_slope="auto")
+        self.pred_var: dict[Mode, float] = {m: 0.0 for m in costs}
+        self.pred_cov: dict[Mode, float] = {m: 0.0 for m in costs}
+        self.slope_steps: Counter = Counter()
         self.choices: Counter = Counter()
         self.paired: Counter = Counter()  # paired observations per mode (observe_paired)
         self.last_predicted: float | None = None  # the confidence given with the step observed last
@@ -563,18 +609,20 @@ class StepPlanner:
         average, relaxing towards the slow one plus its standard error by ``1 - decay`` per step the mode
         is not run (module docstring, "Averages"); for a mode with a lead over a paired mode, that mode's
         estimate + the lead ("Paired observations")."""
-        out = {}
-        for m, f in self.fast.items():
-            if f is None or m[0] == "ar":
-                out[m] = f
-            else:
-                n = min(self.seen[m], 2.0 / self.slow_decay - 1)  # effective samples of the slow average
-                target = self.slow[m] + math.sqrt(BONUS_VAR / (n * self.rows[m]))
-                keep = (1 - self.decay) ** (self.step - self.last_seen[m])
-                out[m] = target + keep * (f - target)
+        out = {m: self._own_tokens(m) for m in self.fast}
         # the paired mode's estimate now plus this mode's average lead over it (module docstring, "Paired
         # observations"): the passage is read from both modes' steps
         return self._with_leads(out)
+
+    def _own_tokens(self, m: Mode) -> float | None:
+        """:attr:`tokens` of ``m`` from its own averages alone (no lead over a paired mode)."""
+        f = self.fast[m]
+        if f is None or m[0] == "ar":
+            return f
+        n = min(self.seen[m], 2.0 / self.slow_decay - 1)  # effective samples of the slow average
+        target = self.slow[m] + math.sqrt(BONUS_VAR / (n * self.rows[m]))
+        keep = (1 - self.decay) ** (self.step - self.last_seen[m])
+        return target + keep * (f - target)
 
     def _with_leads(self, est: dict[Mode, float | None]) -> dict[Mode, float | None]:
         """``est`` with every mode that has a lead over a paired mode set to that mode's value in the result (itself
@@ -605,9 +653,25 @@ class StepPlanner:
             if (m[0] != "ar" and m not in led and out.get(m) is not None and self.calibrated[m] and self.pred[m] > 0
                     and isinstance(x, (int, float)) and math.isfinite(x)):
                 rel = min(max((x - 1.0) / self.pred[m], 1 / 3), 3.0)
+                rel = 1.0 + self.slope(m) * (rel - 1.0)
                 out[m] = min(max(1.0 + (out[m] - 1.0) * rel, 1.0), float(max_tokens(m, self.table)))
         # a led mode: its paired mode's estimate this step plus the lead (module docstring, "Calibration")
         return self._with_leads(out)
+
+    def slope(self, mode: Mode) -> float:
+        """How far this step's confidence moves ``mode``'s estimate (module docstring, "Calibration"): 1 moves it in
+        proportion (the estimate ``1 + (T - 1) × (x - 1) / P``), 0 not at all. ``conf_slope="auto"``: the regression
+        slope of the realized accepted tokens on the predicted ones over the calibrated steps, ``cov / var``, in units
+        of ``real / pred`` (1 where realized follows predicted in proportion), shrunk towards 1 by ``SLOPE_PRIOR``
+        steps' weight and clipped to [0, SLOPE_MAX]; a number: that slope."""
+        if self.conf_slope != "auto":
+            return float(self.conf_slope)
+        n, var = self.slope_steps[mode], self.pred_var[mode]
+        if n < 2 or var <= 0:
+            return 1.0
+        fit = self.pred_cov[mode] / var
+        k = min(n, 2.0 / self.cal_decay - 1)  # effective samples of the moving averages
+        return min(max((k * fit + SLOPE_PRIOR) / (k + SLOPE_PRIOR), 0.0), SLOPE_MAX)
 
     def rate(self, mode: Mode) -> float | None:
         """Expected committed tokens per request per estimated millisecond, ``None`` before the first run."""
@@ -773,7 +837,8 @@ class StepPlanner:
             if r is not None:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
 
-    TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps")
+    TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps", "pred_var",
+                    "pred_cov", "slope_steps")
 
     def token_state(self) -> dict:
         """The learned acceptance (token averages, calibration, the leads of paired modes, and under ``"spread"`` the
@@ -794,7 +859,8 @@ class StepPlanner:
             )
         for f in self.TOKEN_FIELDS:  # (Counter.update would add the counts: replace)
             cur = getattr(self, f)
-            setattr(self, f, Counter(state[f]) if isinstance(cur, Counter) else {**cur, **state[f]})
+            got = state.get(f, {})  # a state written before a field existed lacks it: that field starts afresh
+            setattr(self, f, Counter(got) if isinstance(cur, Counter) else {**cur, **got})
         self.spread_prior, self.spread = _finite_prior(state.get("spread", DEFAULT_SPREAD)), None
         self.last_seen = {m: 0 for m in self.table}
 
@@ -803,8 +869,16 @@ class StepPlanner:
         if predicted is not None and isinstance(predicted, (int, float)) and math.isfinite(predicted):
             n = self.calibrated[mode] + 1
             w = max(self.cal_decay, 1.0 / n)
-            for avg, x in ((self.pred, predicted - 1.0), (self.real, tokens_per_request - 1.0)):
-                avg[mode] = x if avg[mode] is None else avg[mode] + w * (x - avg[mode])
+            x, y = predicted - 1.0, tokens_per_request - 1.0
+            est = self._own_tokens(mode) if self.pred[mode] and self.pred[mode] > 0 else None
+            if est is not None:  # the proportional move this prediction makes and what it had to explain
+                z = (est - 1.0) * (min(max(x / self.pred[mode], 1 / 3), 3.0) - 1.0)
+                wz = max(self.cal_decay, 1.0 / (self.slope_steps[mode] + 1))
+                self.slope_steps[mode] += 1
+                self.pred_var[mode] += wz * (z * z - self.pred_var[mode])
+                self.pred_cov[mode] += wz * (z * (y - (est - 1.0)) - self.pred_cov[mode])
+            for avg, v in ((self.pred, x), (self.real, y)):
+                avg[mode] = v if avg[mode] is None else avg[mode] + w * (v - avg[mode])
             self.calibrated[mode] = n
         x, n, r = tokens_per_request, self.seen[mode] + 1, max(rows, 1)
         others = [self.slow[m] for m in self.table if m != mode and m[0] != "ar" and self.slow[m] is not None]
@@ -820,12 +894,13 @@ class StepPlanner:
 
     def report(self) -> dict:
         """``{mode name: {"steps", "drain_steps", "paired", "step_ms", "measured_ms", "tokens_per_step",
-        "calibration"}}``, e.g. ``"tree32"``: ``steps`` the steps it ran (``drain_steps`` of them chosen while a
+        "calibration", "conf_slope"}}``, e.g. ``"tree32"``: ``steps`` the steps it ran (``drain_steps`` of them chosen while a
         drain was in force, whether or not it changed the choice: with one request it maps every mode to its
         own estimate, and before any chain step too when there is no prior), ``paired`` the paired observations it got from steps of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
         timed), ``tokens_per_step`` the slow average (``None``: never run nor paired), ``calibration``
         realized ÷ predicted accepted tokens (``None``: no prediction given; a mode with a lead over a paired mode
-        takes that mode's scaling instead, and its own is reported only)."""
+        takes that mode's scaling instead, and its own is reported only), ``conf_slope`` :meth:`slope` (``None``: no
+        step with a prediction and an estimate yet)."""
         costs = self.costs
         return {
             f"{m[0]}{m[1] if m[0] != 'ar' else ''}": {
@@ -836,6 +911,7 @@ class StepPlanner:
                 "measured_ms": costs[m] if self.timed[m] else None,
                 "tokens_per_step": self.slow[m],
                 "calibration": self.calibration(m) if self.calibrated[m] else None,
+                "conf_slope": round(self.slope(m), 4) if self.slope_steps[m] else None,
             }
             for m in self.table
         }

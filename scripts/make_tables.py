@@ -697,6 +697,11 @@ def planner_replay_section() -> list[str]:
     files = sorted(RESULTS.glob("planner-replay*-cpu.json"))
     if not files:
         return []
+    # a file whose points carry conf_slope replays both slopes over the same trace and cost files as the earlier
+    # ones (whose points ran the rule of their time, conf_slope 1): the earlier ones are listed, not tabulated
+    sloped = [f for f in files if any("conf_slope" in p for p in json.loads(f.read_text())["points"])]
+    superseded = [f for f in files if f not in sloped] if sloped else []
+    files = sloped or files
     out = ["#### The planner replayed over real acceptance (CPU)", "",
            "`benchmarks/reference/planner_trace.py record` decodes each prompt's greedy output once with the target and "
            "stores, at every anchor of it, what the chain of 16 and best-first trees of 16, 32 and 64 nodes would commit "
@@ -721,6 +726,13 @@ def planner_replay_section() -> list[str]:
             "| trees 32 and 64 (the default until 2026-12-05): replay / H200 | trees 16 and 32 (the default) | tree 32 "
             "| clairvoyant ÷ best |",
             "|---|---|---|---|---|---|---|---|---|"]
+    if sloped:
+        out[-2] = out[-2][:-1] + (". Each replay cell: conf_slope 1 (the proportional confidence rule, with which "
+                                  "every H200 run so far ran) → auto (the default since 2026-12-05: `infer.planner`, "
+                                  "\"Calibration\").")
+        out += ["Earlier replays of the same trace with conf_slope 1 only: "
+                + ", ".join(f"[{f.name}](results/{f.name})" for f in superseded) + " (their points are the "
+                "conf_slope 1 values below where costs and trees agree).", ""]
 
     def measured(costs: str) -> dict:
         """{plan trees "a/b": that planner's tok/s ÷ the best fixed label's (AR included)} of the infer.bench run
@@ -750,11 +762,17 @@ def planner_replay_section() -> list[str]:
         out += head
         pts: dict = {}
         for p in r["points"]:
-            pts.setdefault((p["costs"], p["concurrency"], p.get("times", "measured")), {})[p["plan_trees"]] = p
+            pts.setdefault((p["costs"], p["concurrency"], p.get("times", "measured")), {}).setdefault(
+                p["plan_trees"], {})[p.get("conf_slope", 1.0)] = p
+        slopes = sorted({p.get("conf_slope", 1.0) for p in r["points"]}, key=lambda x: (x == "auto", str(x)))
+
+        def rep(by_slope: dict, slopes: list = slopes) -> str:
+            return " → ".join(f"{by_slope[k]['planner_over_best_fixed']:.3f}" if k in by_slope else "–" for k in slopes)
+
         for (costs, c, times), by in pts.items():
-            any_p = next(iter(by.values()))
+            any_p = next(iter(next(iter(by.values())).values()))
             h200 = measured(costs)
-            cell = {k: (f"{by[k]['planner_over_best_fixed']:.3f}" if k in by else "–") + " / " +
+            cell = {k: (rep(by[k]) if k in by else "–") + " / " +
                        (f"{h200[k]:.3f}" if k in h200 else "–") for k in ("32/64", "16/32", "32")}  # fmt: skip
             cl = any_p["clairvoyant_over_best_fixed"]
             out.append(f"| [{f.name}](results/{f.name}) ({r['trace_prompts_per_task']} × {r['max_new_tokens']}) | "
@@ -762,6 +780,15 @@ def planner_replay_section() -> list[str]:
                        f" | {times} | {any_p['best_fixed']} | "
                        f"{cell['32/64']} | {cell['16/32']} | {cell['32']} | "
                        f"{'–' if cl is None else f'{cl:.3f}'} |")
+        if len(slopes) > 1:  # the mean and lowest planner ÷ best fixed per tree set and slope, by concurrency
+            out += ["", "Over those rows, planner ÷ best fixed (mean, lowest) per conf_slope: " + "; ".join(
+                f"trees {t}, concurrency {c}: " + ", ".join(
+                    f"{k} {sum(v) / len(v):.3f} ({min(v):.3f})"
+                    for k in slopes
+                    for v in [[p["planner_over_best_fixed"] for p in r["points"] if p["plan_trees"] == t
+                               and p["concurrency"] == c and p.get("conf_slope", 1.0) == k]] if v)
+                for t in ("16/32", "32/64", "32") for c in sorted({p["concurrency"] for p in r["points"]})
+                if any(p["plan_trees"] == t and p["concurrency"] == c for p in r["points"])) + "."]
         out += ["", f"Command: `{r['command']}` (trace: `{json.loads((ROOT / r['trace']).read_text())['command']}`).",
                 ""]
     return out

@@ -536,6 +536,7 @@ def test_generate_json_reports_the_planner_settings(stories_dir, stories, capsys
         assert generate.main(base + extra) == 0, extra
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert (out["plan_trees"], out["plan_drain"]) == (trees, drain), extra
+        assert out["plan_conf_slope"] == (None if trees is None else "auto"), extra
 
 
 def test_parse_plan_trees():

@@ -28,6 +28,7 @@ from infer.planner import (
     choose_mode,
     drain_tokens,
     max_tokens,
+    parse_conf_slope,
     spread_weight,
 )
 
@@ -218,6 +219,79 @@ def test_measured_costs_send_the_planner_back_to_ar():
         m = q.choose()
         q.observe(m, 2.0 if m == CHAIN else 1.0)
     assert q.choices[CHAIN] > 190
+
+
+def test_conf_slope_moves_the_estimate_part_of_the_way():
+    """conf_slope s: this step's estimate is 1 + (T - 1) × (1 + s × (ρ - 1)), ρ the prediction over the usual
+    one (clipped to [1/3, 3]); s = 1 is the proportional rule, 0 ignores the confidence; a bad value is refused."""
+    def trained(slope):
+        p = StepPlanner({AR: 1.0, CHAIN: 1.2}, conf_slope=slope)
+        for _ in range(100):
+            m = p.choose({CHAIN: 1 + 2 * 1.5})  # realized accepted 1.5, predicted 3: T = 2.5, P = 3
+            p.observe(m, 2.5 if m == CHAIN else 1.0)
+        return p
+    for s in (0.0, 0.5, 1.0, 2.0):
+        p = trained(s)
+        assert p.slope(CHAIN) == s and p.expected({CHAIN: 4.0})[CHAIN] == pytest.approx(2.5)  # the usual: T
+        assert p.expected({CHAIN: 7.0})[CHAIN] == pytest.approx(1 + 1.5 * (1 + s * (2 - 1)))  # ρ = 2
+        assert p.expected({CHAIN: 2.5})[CHAIN] == pytest.approx(1 + 1.5 * (1 + s * (0.5 - 1)))  # ρ = 1/2
+        assert p.expected({CHAIN: 100.0})[CHAIN] == pytest.approx(min(1 + 1.5 * (1 + s * 2), 16))  # ρ clipped at 3
+    for bad in (-0.1, 2.5, math.nan, "fit", None):
+        with pytest.raises(ValueError, match="conf_slope="):
+            StepPlanner({AR: 1.0, CHAIN: 1.2}, conf_slope=bad)
+    assert parse_conf_slope("auto") == "auto" and parse_conf_slope("0.25") == 0.25 and parse_conf_slope("2") == 2.0
+    for bad in ("x", "-1", "2.01", "inf", "nan", ""):
+        with pytest.raises(ValueError, match=f"conf_slope={bad!r}"):
+            parse_conf_slope(bad)
+
+
+def _fit_slope(truth: float, seed: int = 0, steps: int = 400) -> StepPlanner:
+    """conf_slope="auto" on a chain whose passages change every few steps: the draft's confidence ρ × P (P = 2
+    accepted tokens) is right about the passage by the fraction ``truth`` (its realized accepted tokens are
+    2 × (1 + truth × (ρ - 1)) plus noise); the planner sees the step's confidence and what it committed."""
+    rng = random.Random(seed)
+    p = StepPlanner({AR: 1.0, CHAIN: 1.1}, conf_slope="auto")
+    rho = 1.0
+    for i in range(steps):
+        if i % 3 == 0:
+            rho = rng.choice((0.5, 1.0, 2.0))
+        pred = 1 + 2.0 * rho
+        m = p.choose({CHAIN: pred})
+        real = 2.0 * (1 + truth * (rho - 1)) + rng.gauss(0, 0.3)
+        p.observe(m, 1 + max(real, 0.0) if m == CHAIN else 1.0)
+    return p
+
+
+@pytest.mark.parametrize("truth", [0.0, 0.5, 1.0])
+def test_conf_slope_auto_fits_how_much_the_confidence_knows(truth):
+    """The fitted slope follows how much of the confidence's move the realized tokens carry: about 0 for a
+    confidence that knows nothing, about 1 for one that is exact (the fast average T follows the passage too, so
+    the fit is of the surprise beyond it, shrunk towards 1 by SLOPE_PRIOR steps); reported per mode."""
+    p = _fit_slope(truth)
+    assert p.choices[CHAIN] > 390
+    # over 10 seeds: 0.09-0.22, 0.53-0.66, 0.91-1.01 (SLOPE_PRIOR's 8 steps of 1 against the fit's 39)
+    lo, hi = {0.0: (0.0, 0.35), 0.5: (0.4, 0.8), 1.0: (0.8, 1.2)}[truth]
+    assert lo <= p.slope(CHAIN) <= hi, p.slope(CHAIN)
+    assert p.report()["chain16"]["conf_slope"] == pytest.approx(p.slope(CHAIN), abs=1e-4)
+    # a planner given no confidence has no fit: the proportional rule's slope, and none reported
+    q = StepPlanner({AR: 1.0, CHAIN: 1.1})
+    for _ in range(10):
+        q.observe(q.choose(), 2.0)
+    assert q.slope(CHAIN) == 1.0 and q.report()["chain16"]["conf_slope"] is None
+
+
+def test_conf_slope_fit_carries_across_calls_and_old_states_load():
+    """token_state carries the fit (its moments and steps); a state written before the fit existed loads, with the
+    fit starting afresh (slope 1 until it has steps)."""
+    p = _fit_slope(0.0)
+    state = p.token_state()
+    q = StepPlanner({AR: 1.0, CHAIN: 1.1})
+    q.load_token_state(state)
+    assert q.slope(CHAIN) == pytest.approx(p.slope(CHAIN)) and q.slope_steps[CHAIN] == p.slope_steps[CHAIN]
+    old = {k: v for k, v in state.items() if k not in ("pred_var", "pred_cov", "slope_steps")}
+    r = StepPlanner({AR: 1.0, CHAIN: 1.1})
+    r.load_token_state(old)
+    assert r.calibration(CHAIN) == pytest.approx(p.calibration(CHAIN)) and r.slope(CHAIN) == 1.0
 
 
 def test_calibration_tracks_predicted_against_realized():

@@ -122,6 +122,15 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys):
     # AR: a request's tokens after its prefill's in as many 1.1 ms steps, plus the step in which its finish is seen
     n = [p["tokens"] for p in t["prompts"]]  # one prompt per task
     assert tps["ar1"] == pytest.approx(sum(1e3 * (k - 1) / (1.1 * k) for k in n) / 2)
+    # --conf-slope: one point per slope, each recording it; the fixed modes do not depend on it
+    out2 = tmp_path / "replay2.json"
+    assert pt.main(["replay", str(trace), "--costs", str(costs), "--plan-trees", "4", "--conf-slope", "1,auto",
+                    "--output", str(out2)]) == 0
+    pts = json.loads(out2.read_text())["points"]
+    assert [p["conf_slope"] for p in pts] == [1.0, "auto"] and pts[1]["tok_per_s"]["ar1"] == tps["ar1"]
+    assert pts[0]["tok_per_s"]["tree4"] == pts[1]["tok_per_s"]["tree4"]
+    with pytest.raises(SystemExit, match="--conf-slope: conf_slope='3'"):
+        pt.main(["replay", str(trace), "--costs", str(costs), "--conf-slope", "auto,3"])
     with pytest.raises(SystemExit, match=r"records trees \[4, 6\], not \[8\]"):
         pt.main(["replay", str(trace), "--costs", str(costs), "--plan-trees", "8"])
 

@@ -469,7 +469,7 @@ def replay(args) -> int:
     """The ``replay`` subcommand (module docstring): all inputs read and checked before any point is computed; one
     point per (step-time source, costs file, tree set); points the run cannot time are skipped with the reason."""
     from dspine.provenance import provenance
-    from infer.planner import parse_plan_trees
+    from infer.planner import parse_conf_slope, parse_plan_trees
 
     out_path = Path(args.output) if args.output else None
     if out_path is not None and out_path.is_dir():
@@ -487,6 +487,10 @@ def replay(args) -> int:
             parse_plan_trees(t)
         except ValueError as e:
             raise SystemExit(f"--plan-trees: {e}") from None
+    try:
+        slopes = [parse_conf_slope(x.strip()) for x in args.conf_slope.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"--conf-slope: {e}") from None
     if out_path is not None:
         inputs = {Path(x).resolve() for x in [args.trace, *costs_list]}
         if out_path.resolve() in inputs:
@@ -509,16 +513,19 @@ def replay(args) -> int:
     if not times_list or any(t not in ("measured", "table") for t in times_list):
         raise SystemExit(f"--times {args.times!r}: measured, table or both, comma-separated")
     points, skipped = [], []
-    for times, costs, plan_trees in ((t, c, p) for t in times_list for c in costs_list for p in trees_list):
+    for times, costs, plan_trees, slope in ((t, c, p, k) for t in times_list for c in costs_list for p in trees_list
+                                            for k in slopes):
         try:
-            pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times)
+            pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times,
+                              conf_slope=slope)
         except NoStepTime as e:
-            if times == times_list[0]:
+            if times == times_list[0] and slope == slopes[0]:
                 print(f"skipped: {e}", flush=True)
                 skipped.append({"costs": costs, "plan_trees": plan_trees, "why": str(e)})
             continue
         points.append(pt)
-        print(f"{times} {costs} c{pt['concurrency']} trees {plan_trees}: planner / best fixed ({pt['best_fixed']}) "
+        pt["conf_slope"] = slope
+        print(f"{times} {costs} c{pt['concurrency']} trees {plan_trees} conf_slope {slope}: planner / best fixed ({pt['best_fixed']}) "
               f"{pt['planner_over_best_fixed']:.4f}, / AR {pt['planner_over_ar']:.3f}; clairvoyant / best "
               f"{pt['clairvoyant_over_best_fixed'] or float('nan'):.4f}; steps {pt['planner_steps_timed']}", flush=True)
     if not points:
@@ -552,6 +559,9 @@ def main(argv=None) -> int:
     r.add_argument("--times", default="measured",
                    help="true step time per mode: the run's online estimate after its steps (measured) or its start-up "
                         "table of bare graph replays (table); 'measured,table' gives every point under both")
+    r.add_argument("--conf-slope", default="auto",
+                   help="the planner's conf_slope (infer.planner.parse_conf_slope: auto, or 0..2 with 1 the rule before "
+                        "2026-12-05), comma-separated: one point each")
     r.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=True,
                    help="the drain rule once no prompt is queued (Engine.plan_drain; default on)")
     r.add_argument("--output", default=None)
