@@ -103,9 +103,10 @@ origin of the realized accepted tokens' surprise ``(committed − 1) − (T − 
 ``max(cal_decay, 1 / n)``, shrunk towards 1 by ``SLOPE_PRIOR`` steps' weight and clipped to [0, ``SLOPE_MAX``]:
 it settles at 0.1-0.55 on that trace; a confidence that carries no information (benchmarks/engine/sim_planner.py's
 noise) goes to 0, one the passage follows exactly stays near 1. Replayed over that trace with the step times of
-nine H200 runs (``benchmarks/reference/planner_trace.py replay --conf-slope 1,auto``,
-results/planner-replay16-slope-cpu.json) it raised the planner from 0.985 to 0.991 of the best fixed mode on
-average and its lowest point from 0.960 to 0.978, most at concurrency 8; not measured on a GPU yet. A mode estimated as its paired mode plus a lead ("Paired observations") is
+ten H200 runs (``benchmarks/reference/planner_trace.py replay --conf-slope 1,auto``,
+results/planner-replay16-slope-cpu.json), with the default trees of 16 and 32, it raised the planner from 0.974 to
+0.986 of the best fixed mode at concurrency 8 (mean of 8 points, all 8 higher) and left concurrency 1 level (0.994
+→ 0.995, 5 of 10 higher); lowest point 0.960 → 0.978. Not measured on a GPU yet. A mode estimated as its paired mode plus a lead ("Paired observations") is
 that mode's scaled estimate plus the lead: its own average prediction is over the steps it ran, and a tree run
 mostly in hard passages, scaled by its own low average, looked better than it is in every easy one (issue 16,
 H200, concurrency 1, T = 0: the tree of 64 ran 24% of the planner's steps, at 0.91 × the best fixed mode;

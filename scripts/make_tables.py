@@ -783,7 +783,7 @@ def planner_replay_section() -> list[str]:
         if len(slopes) > 1:  # the mean and lowest planner ÷ best fixed per tree set and slope, by concurrency
             out += ["", "Over those rows, planner ÷ best fixed (mean, lowest) per conf_slope: " + "; ".join(
                 f"trees {t}, concurrency {c}: " + ", ".join(
-                    f"{k} {sum(v) / len(v):.3f} ({min(v):.3f})"
+                    f"conf_slope {k if k == 'auto' else f'{k:g}'} {sum(v) / len(v):.3f} ({min(v):.3f})"
                     for k in slopes
                     for v in [[p["planner_over_best_fixed"] for p in r["points"] if p["plan_trees"] == t
                                and p["concurrency"] == c and p.get("conf_slope", 1.0) == k]] if v)
