@@ -24,6 +24,10 @@
 #             alternated in one process) -> results/engine-fusion-h200.json                          ~2.5
 #   linearfusion bench_linear_fusion.py (each fusion's µs per linear call, the SiLU-mul prologue over K splits)
 #             -> results/linear-fusion-h200.json                                                      ~1
+#   planslope infer.bench A/B of the planner's confidence slope (p: conf_slope=auto, the default; p1: conf_slope=1,
+#             the rule before 2026-12-05) beside AR, the chain and fixed trees of 16 and 32, T=0, fast and exact at
+#             concurrency 1 and 8, fast at 32 and 64 -> results/planner-slope-h200-{fast,exact}-T0-c*.json and
+#             their points (planner_points.py) -> results/planner-slope-h200.json                  ~14
 #   tables    scripts/make_tables.py (README results block)
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results).
@@ -35,7 +39,7 @@ DRAFT=${DRAFT:-checkpoints/smollm2-135m-dspine}
 R=${RESULTS:-results}
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-STAGES=${*:-convert engine steps tree planner exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion tables}
+STAGES=${*:-convert engine steps tree planner exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope tables}
 HF=$WORK/smollm2-hf
 mkdir -p "$WORK/logs" "$R"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -96,6 +100,26 @@ if has fusion && [ ! -f "$R/engine-fusion-h200.json" ]; then
 fi
 if has linearfusion && [ ! -f "$R/linear-fusion-h200.json" ]; then
   timed linearfusion python benchmarks/kernels/bench_linear_fusion.py --output "$R/linear-fusion-h200.json"
+fi
+planslope() {  # planslope MODE CONCURRENCY PROMPTS TOKENS: one infer.bench run of the A/B, skipped when its file exists
+  local out="$R/planner-slope-h200-$1-T0-c$2.json" exact=()
+  [ -f "$out" ] && return 0
+  [ "$1" = exact ] && exact=(--exact)
+  python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" "${exact[@]}" --temperature 0 \
+    --draft chain="$DRAFT" --draft t16="$DRAFT" --draft t32="$DRAFT" --draft p="$DRAFT" --draft p1="$DRAFT" \
+    --config t16:verify=tree,tree_budget=16 --config t32:verify=tree,tree_budget=32 --config p:budget=auto \
+    --config p1:budget=auto,conf_slope=1 --concurrency "$2" --num-prompts "$3" --max-new-tokens "$4" --output-json "$out"
+}
+if has planslope; then
+  timed planslope-fast-c1 planslope fast 1 10 512
+  timed planslope-fast-c8 planslope fast 8 16 512
+  timed planslope-exact-c1 planslope exact 1 10 512
+  timed planslope-exact-c8 planslope exact 8 16 512
+  timed planslope-fast-c32 planslope fast 32 64 256
+  timed planslope-fast-c64 planslope fast 64 64 256
+  [ -f "$R/planner-slope-h200.json" ] || timed planslope-points python benchmarks/engine/planner_points.py \
+    "$R"/planner-slope-h200-{fast,exact}-T0-c{1,8}.json "$R"/planner-slope-h200-fast-T0-c{32,64}.json \
+    --output "$R/planner-slope-h200.json"
 fi
 if has tables; then timed tables python scripts/make_tables.py; fi
 echo "[$(date +%T)] done; timings in $WORK/timings.jsonl"
