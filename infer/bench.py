@@ -269,7 +269,8 @@ class Runner:
         self.vocab_info = {label: describe(c["draft_vocab"], *loaded[c["draft_vocab"]]) if c["draft_vocab"] else None
                            for label, c in self.configs.items()}
         self.decoders = {}
-        # label -> mode -> {"steps", "drain_steps", "paired", "step_ms", "measured_ms"} (--budget auto)
+        # label -> mode -> {"steps", "drain_steps", "paired", "observed", "realized_tokens" (summed over the task's calls),
+        # "step_ms", "measured_ms", "conf_slope" (the latest call's)}: StepPlanner.report (--budget auto)
         self.planner_steps: dict = {}
         if self.backend == "cuda":
             from dspine.reference import TREE_BUDGET  # Engine's size under verify=tree; unused by budget=auto
@@ -375,9 +376,11 @@ class Runner:
             if dec.planner_report is not None:  # the planner's choices, summed over the task's calls
                 for mode, e in dec.planner_report.items():
                     tot = self.planner_steps.setdefault(label, {}).setdefault(
-                        mode, {"steps": 0, "drain_steps": 0, "paired": 0})
+                        mode, {"steps": 0, "drain_steps": 0, "paired": 0, "observed": 0, "realized_tokens": 0.0})
                     tot.update(step_ms=e["step_ms"], measured_ms=e["measured_ms"], steps=tot["steps"] + e["steps"],
                                drain_steps=tot["drain_steps"] + e["drain_steps"], paired=tot["paired"] + e["paired"],
+                               observed=tot["observed"] + e["observed"],
+                               realized_tokens=tot["realized_tokens"] + e["realized_tokens"],
                                conf_slope=e["conf_slope"])  # the latest call's (StepPlanner.slope)
             prof = {k: dec.loop_profile.get(k, 0.0) for k in PROFILE_KEYS}
             return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt), prof

@@ -557,6 +557,10 @@ class StepPlanner:
         self.pred_cov: dict[Mode, float] = {m: 0.0 for m in costs}
         self.slope_steps: Counter = Counter()
         self.choices: Counter = Counter()
+        # per mode, the steps observed and the sum of their committed tokens per request (what the mode realized in
+        # the steps the planner chose it for, against its fixed runs' τ: report())
+        self.observed: Counter = Counter()
+        self.realized: Counter = Counter()
         self.paired: Counter = Counter()  # paired observations per mode (observe_paired)
         self.last_predicted: float | None = None  # the confidence given with the step observed last
         self.last_observed: tuple[Mode, float] = (("ar", 1), 1.0)  # the step observed last: mode, tokens
@@ -795,6 +799,8 @@ class StepPlanner:
             loss, rate, scale = probe  # settle: the real loss of this probe, a lucky one gives time back
             self.lost_ms += ms - scale * tokens_per_request / rate - loss
         self.last_predicted, self.last_observed = predicted, (mode, tokens_per_request)
+        self.observed[mode] += 1
+        self.realized[mode] += tokens_per_request
         if mode[0] != "ar":
             self._record(mode, tokens_per_request, rows, predicted)
 
@@ -895,13 +901,15 @@ class StepPlanner:
 
     def report(self) -> dict:
         """``{mode name: {"steps", "drain_steps", "paired", "step_ms", "measured_ms", "tokens_per_step",
-        "calibration", "conf_slope"}}``, e.g. ``"tree32"``: ``steps`` the steps it ran (``drain_steps`` of them chosen while a
+        "calibration", "conf_slope", "observed", "realized_tokens"}}``, e.g. ``"tree32"``: ``steps`` the steps it ran (``drain_steps`` of them chosen while a
         drain was in force, whether or not it changed the choice: with one request it maps every mode to its
         own estimate, and before any chain step too when there is no prior), ``paired`` the paired observations it got from steps of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
         timed), ``tokens_per_step`` the slow average (``None``: never run nor paired), ``calibration``
         realized ÷ predicted accepted tokens (``None``: no prediction given; a mode with a lead over a paired mode
         takes that mode's scaling instead, and its own is reported only), ``conf_slope`` :meth:`slope` (``None``: no
-        step with a prediction and an estimate yet)."""
+        step with a prediction and an estimate yet), ``observed`` the steps of it observed (:meth:`observe`) and
+        ``realized_tokens`` the sum of their committed tokens per request: ``realized_tokens / observed`` is the mode's τ
+        in the steps the planner chose it for."""
         costs = self.costs
         return {
             f"{m[0]}{m[1] if m[0] != 'ar' else ''}": {
@@ -913,6 +921,8 @@ class StepPlanner:
                 "tokens_per_step": self.slow[m],
                 "calibration": self.calibration(m) if self.calibrated[m] else None,
                 "conf_slope": round(self.slope(m), 4) if self.slope_steps[m] else None,
+                "observed": self.observed[m],
+                "realized_tokens": self.realized[m],
             }
             for m in self.table
         }

@@ -301,6 +301,8 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
         assert d["tree"]["tree_chain_first"] is True and "tree_chain_first" not in d["chain"]
         assert d["auto"]["verified_tokens_per_step"] == "auto" and d["auto"]["budget"] == "auto"
         assert sum(e["steps"] for e in d["auto"]["planner_choices"].values()) > 0
+        for e in d["auto"]["planner_choices"].values():  # observed steps commit 1 .. 8 tokens per request each
+            assert e["observed"] <= e["steps"] and e["observed"] <= e["realized_tokens"] <= 8 * e["observed"]
         assert d["auto"]["plan_drain"] == "lead" and d["auto"]["plan_conf_slope"] == 0.5
         assert d["auto"]["plan_confidence"] == "never" and d["auto"]["plan_trees"] == [6, 12] and set(d["auto"]["planner_choices"]) == {"ar", "chain8", "tree6",
                                                                                              "tree12"}

@@ -1063,3 +1063,21 @@ def test_leads_resolve_in_order_and_bad_predictions_are_ignored():
     p.lead = {}
     for bad in (math.nan, math.inf):
         assert p.expected({CHAIN: bad, TREE32: bad}) == p.tokens
+
+
+def test_report_counts_what_each_mode_realized_in_the_planners_steps():
+    """report(): observed steps and the sum of their committed tokens per request, per mode: the mode's τ in the
+    steps the planner chose it for (paired observations are not counted: no step of that mode ran)."""
+    p = StepPlanner({AR: 1.0, CHAIN: 1.2, TREE32: 1.4})
+    seen: dict = {}
+    for _ in range(60):
+        m = p.choose()
+        tok = 1.0 if m == AR else (3.0 if m == CHAIN else 4.0)
+        p.observe(m, tok, rows=2)
+        if m == TREE32:
+            p.observe_paired(CHAIN, 2.0, rows=2)
+        seen[m] = seen.get(m, 0) + 1
+    rep = p.report()
+    for m, name in ((AR, "ar"), (CHAIN, "chain16"), (TREE32, "tree32")):
+        assert rep[name]["observed"] == seen.get(m, 0)
+        assert rep[name]["realized_tokens"] == pytest.approx(seen.get(m, 0) * (1.0 if m == AR else 3.0 if m == CHAIN else 4.0))

@@ -368,6 +368,13 @@ def test_planner_points_from_bench_runs(tmp_path):
     assert p["best_fixed"] == "t" and p["planner_over_best_fixed"] == {"p": 1.0} and p["planner_over_ar"] == {"p": 3.0}
     assert p["greedy_equal"]["chain"] == [4, 4] and p["mean_tau"]["t"] == 4.5
     assert p["planner_steps"]["p"] == {"ar": 3, "chain16": 5, "tree32": 4}
+    assert "planner_tau_by_mode" not in p  # runs before the planner reported what each mode realized
+    # a planner that reports its observed steps and their committed tokens: τ per mode pooled over the tasks
+    run["tasks"][0]["drafts"]["p"]["planner_choices"]["chain16"] |= {"observed": 4, "realized_tokens": 12.0}
+    run["tasks"][1]["drafts"]["p"]["planner_choices"]["tree32"] |= {"observed": 4, "realized_tokens": 18.0}
+    run["tasks"][1]["drafts"]["p"]["planner_choices"]["chain16"] = {"steps": 1, "observed": 1, "realized_tokens": 5.0}
+    run["tasks"][1]["drafts"]["p"]["planner_choices"]["tree16"] = {"steps": 0, "observed": 0, "realized_tokens": 0.0}
+    assert pp.point(run)["planner_tau_by_mode"] == {"p": {"chain16": 3.4, "tree32": 4.5}}
     f = tmp_path / "run.json"
     f.write_text(_json.dumps(run))
     out = tmp_path / "points.json"

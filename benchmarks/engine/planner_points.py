@@ -9,7 +9,8 @@ label without ``budget``: the chain, fixed trees), and for every planner label (
 the best fixed one and to AR. With ``--exact`` runs every greedy output equals AR's (``infer.bench`` fails otherwise),
 so the configurations decode the same tokens and the ratios measure the planner's choices, not content; the file's
 ``greedy_equal`` / ``greedy_compared`` are reported per label to show it. Also per label: mean τ over tasks, the
-per-task tok/s, and the planner's steps per mode summed over tasks.
+per-task tok/s, the planner's steps per mode summed over tasks and, from runs whose planner reports them, its τ per
+mode over the steps it chose that mode for (``planner_tau_by_mode``).
 """
 
 from __future__ import annotations
@@ -73,10 +74,17 @@ def point(run: dict) -> dict:
     }  # fmt: skip
     for x in planners:
         steps: dict[str, int] = {}
+        real: dict[str, list] = {}  # mode -> [observed steps, committed tokens per request] (runs that report them)
         for r in rows(x):
             for mode, c in (r.get("planner_choices") or {}).items():
                 steps[mode] = steps.get(mode, 0) + int(c.get("steps", 0))
+                if "observed" in c:
+                    acc = real.setdefault(mode, [0, 0.0])
+                    acc[0] += int(c["observed"])
+                    acc[1] += float(c["realized_tokens"])
         out["planner_steps"][x] = steps
+        if real:  # the mode's τ in the steps the planner chose it for (infer.planner.StepPlanner.report)
+            out.setdefault("planner_tau_by_mode", {})[x] = {m: round(t / n, 4) for m, (n, t) in real.items() if n}
     return out
 
 
