@@ -340,6 +340,8 @@ class Engine:
         # how far that confidence moves the planner's estimate (StepPlanner's conf_slope): "auto", the slope fitted
         # online; 1.0, in proportion (the rule before 2026-12-05); 0, not at all
         self.plan_conf_slope: float | str = "auto"
+        # benchmarks only: a fixed cycle of plan_modes the planner runs instead of deciding (StepPlanner.schedule)
+        self.plan_schedule: list | None = None
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
         # before the first generate at that batch size; later changes do not reach slots already made
         self.defer_ar_append = True  # False: the planner's AR steps append to the draft context each step
@@ -1276,6 +1278,11 @@ class Engine:
                                conf_slope=self.plan_conf_slope)
                    if spec and self.budget == "auto" else None)
         key = self._plan_key(B, params)
+        if planner is not None and self.plan_schedule:
+            off = [m for m in self.plan_schedule if m not in self.plan_modes]
+            if off:
+                raise ValueError(f"Engine.plan_schedule has modes {off} outside plan_modes {self.plan_modes}")
+            planner.schedule = list(self.plan_schedule)
         if planner is not None:  # what the previous generate at this key learned (infer.planner, "Across calls")
             if self.plan_online and key in self.plan_cost_memory:
                 planner.load_cost_state(self.plan_cost_memory[key])

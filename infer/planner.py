@@ -536,6 +536,9 @@ class StepPlanner:
         ):
             raise ValueError(f"conf_slope={conf_slope!r}; expected 'auto' or a number in 0..{SLOPE_MAX}")
         self.conf_slope = conf_slope
+        # a fixed cycle of modes that choose() runs instead of deciding (benchmarks/engine/bench_planner_loop.py
+        # --switch: what switching modes costs the loop); observations are still recorded; None: decide
+        self.schedule: list[Mode] | None = None
         self.drain_model = drain_model
         self.table, self.decay, self.slow_decay = dict(costs), decay, slow
         self.cost_decay, self.cal_decay = cost_decay, cal_decay
@@ -694,6 +697,13 @@ class StepPlanner:
         :meth:`end_drain`. None before any: tokens per
         millisecond."""
         costs = self.costs
+        if self.schedule:  # a fixed cycle of modes (benchmarks: the loop's cost of switching modes), no decision
+            mode = self.schedule[self.step % len(self.schedule)]
+            self.step += 1
+            self.spent_ms += costs[mode]
+            self.pending.append((mode, costs[mode], (predicted or {}).get(mode), None))
+            self.choices[mode] += 1
+            return mode
         raw = None  # this step's token estimates, computed once
         if drain is not None:
             raw = self.expected(predicted)

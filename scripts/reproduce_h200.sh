@@ -3,7 +3,8 @@
 #
 #   GGUF=models/SmolLM2-135M-Instruct.Q4_1.gguf DSPINE_SHARED=../shared bash scripts/reproduce_h200.sh [STAGE ...]
 #
-# Stages (default: all, in order). convert, engine, exact, hybrid, profile, linear, linearwide, fusion and linearfusion skip when their output
+# Stages (default: all, in order). convert, engine, exact, hybrid, profile, linear, linearwide, fusion, linearfusion,
+# planslope and planswitch skip when their output
 # exists (a killed run resumes; delete a results file to measure it again); steps, tree and planner always
 # measure and --merge their part into results/verify-h200.json. Minutes on one H200 (2026-12-01):
 #   convert   GGUF -> $WORK/smollm2-hf (bf16), the SmolLM2 target of the later stages          ~0.5
@@ -28,6 +29,8 @@
 #             the rule before 2026-12-05) beside AR, the chain and fixed trees of 16 and 32, T=0, fast and exact at
 #             concurrency 1 and 8, fast at 32 and 64 -> results/planner-slope-h200-{fast,exact}-T0-c*.json and
 #             their points (planner_points.py) -> results/planner-slope-h200.json                  ~14
+#   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
+#             against each alone, batch 1 and 8, T=0) -> results/planner-switch-h200.json                ~2
 #   tables    scripts/make_tables.py (README results block)
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results).
@@ -39,7 +42,7 @@ DRAFT=${DRAFT:-checkpoints/smollm2-135m-dspine}
 R=${RESULTS:-results}
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-STAGES=${*:-convert engine steps tree planner exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope tables}
+STAGES=${*:-convert engine steps tree planner exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope planswitch tables}
 HF=$WORK/smollm2-hf
 mkdir -p "$WORK/logs" "$R"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -120,6 +123,10 @@ if has planslope; then
   [ -f "$R/planner-slope-h200.json" ] || timed planslope-points python benchmarks/engine/planner_points.py \
     "$R"/planner-slope-h200-{fast,exact}-T0-c{1,8}.json "$R"/planner-slope-h200-fast-T0-c{32,64}.json \
     --output "$R/planner-slope-h200.json"
+fi
+if has planswitch && [ ! -f "$R/planner-switch-h200.json" ]; then
+  timed planswitch python benchmarks/engine/bench_planner_loop.py --switch 32 --batches 1,8 --temperatures 0 \
+    --new 128 --context 256 --reps 3 --output "$R/planner-switch-h200.json"
 fi
 if has tables; then timed tables python scripts/make_tables.py; fi
 echo "[$(date +%T)] done; timings in $WORK/timings.jsonl"

@@ -34,7 +34,8 @@ def test_tiny_cpu_run_times_the_same_steps(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [["--batches", "0"], ["--batches", ""], ["--batches", "1,x"], ["--batches", "2,2"],
-                                 ["--temperatures", "abc"], ["--temperatures", "0,-1"], ["--new", "0"]])
+                                 ["--temperatures", "abc"], ["--temperatures", "0,-1"], ["--new", "0"],
+                                 ["--switch", "1"], ["--switch", "65"]])
 def test_bad_lists_are_usage_errors_before_any_work(bad, capsys):
     from benchmarks.engine import bench_planner_loop
 
@@ -62,3 +63,38 @@ def test_every_finished_point_is_on_disk(tmp_path, monkeypatch):
                                  "--context", "8", "--new", "4", "--reps", "1", "--output", str(out)])
     rec = json.loads(out.read_text())
     assert [p["batch"] for p in rec["points"]] == [1] and rec["flush_rows"] == Engine.AR_DEFER
+
+
+def test_switch_runs_the_chain_and_the_tree_in_turn(monkeypatch, capsys):
+    """--switch N: planner_tree runs the tree of N nodes alone, planner_switch the chain and that tree in turn
+    (Engine.plan_schedule, every step through the planner's loop); switch_over_mean is its ms per step over the
+    mean of the two alone."""
+    from benchmarks.engine import bench_planner_loop
+    from infer.engine import Engine
+
+    reports = {}
+    real = Engine.generate
+
+    def keep(self, prompts, *a, **kw):
+        out = real(self, prompts, *a, **kw)
+        if self.plan_schedule:
+            reports.setdefault("switch", []).append(self.planner_report)
+        elif self.budget == "auto" and [m[0] for m in self.plan_modes] == ["tree"]:
+            reports.setdefault("tree", []).append(self.planner_report)
+        return out
+
+    monkeypatch.setattr(Engine, "generate", keep)
+    res = bench_planner_loop.run(bench_planner_loop.build_parser().parse_args(
+        ["--tiny", "--device", "cpu", "--batches", "1", "--temperatures", "0", "--context", "8", "--new", "9",
+         "--reps", "1", "--switch", "6"]))
+    p = res["points"][0]
+    assert res["switch_tree"] == 6
+    assert p["switch_over_mean"] == pytest.approx(p["planner_switch"]["ms_per_step"] / (
+        (p["planner_chain"]["ms_per_step"] + p["planner_tree"]["ms_per_step"]) / 2))
+    for rep in reports["switch"]:  # warm-up and timed call: the two modes in turn, nothing else
+        steps = {k: v["steps"] for k, v in rep.items()}
+        chain = next(k for k in steps if k.startswith("chain"))
+        assert set(steps) == {chain, "tree6"} and abs(steps[chain] - steps["tree6"]) <= 1 and steps["tree6"] >= 4
+    for rep in reports["tree"]:
+        assert {k: v["steps"] > 0 for k, v in rep.items()} == {"tree6": True}
+    assert p["planner_tree"]["tokens"] == p["planner_switch"]["tokens"] == 9

@@ -210,3 +210,19 @@ def test_ar_defer_must_be_a_positive_int(stories_dir, stories, bad):  # noqa: F8
     eng.ar_defer = bad
     with pytest.raises(ValueError, match=rf"Engine.ar_defer={bad!r}: must be an int >= 1"):
         eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4))
+
+
+def test_plan_schedule_runs_its_modes_in_turn(stories_dir, stories):  # noqa: F811
+    """Engine.plan_schedule (bench_planner_loop.py --switch): the planner's loop runs the chain and a tree in turn,
+    step after step, losslessly (greedy output = the target's); a mode outside plan_modes is refused by name."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=30)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS[:2], params).token_ids
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=(TREE[1],))
+    eng.plan_schedule = [CHAIN, TREE]
+    assert eng.generate(PROMPTS[:2], params, concurrency=2).token_ids == want
+    steps = {k: v["steps"] for k, v in eng.planner_report.items()}
+    assert steps["ar"] == 0 and abs(steps["chain8"] - steps["tree24"]) <= 1 and steps["tree24"] >= 3
+    eng.plan_schedule = [CHAIN, ("tree", 16)]
+    with pytest.raises(ValueError, match=r"plan_schedule has modes \[\('tree', 16\)\] outside plan_modes"):
+        eng.generate(PROMPTS[:2], params)

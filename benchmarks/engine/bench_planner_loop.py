@@ -15,7 +15,12 @@ requests as slots (one wave: every slot busy from the first step). For each batc
   steps leave their draft features pending, flushed every ``Engine.AR_DEFER`` steps (the default);
 - ``planner_ar_immediate``: the same with ``defer_ar_append = False`` (the draft-context append in every AR
   step, as before the deferral);
-- ``planner_chain``: ``budget="auto"`` with the chain as its only mode.
+- ``planner_chain``: ``budget="auto"`` with the chain as its only mode;
+- with ``--switch N`` also ``planner_tree``: the tree of N nodes as the only mode, and ``planner_switch``: the chain
+  and that tree in turn, step after step (``Engine.plan_schedule``: the planner's loop with no decision). Its ms per
+  step ÷ the mean of ``planner_chain``'s and ``planner_tree``'s (``switch_over_mean``) is what alternating the two
+  step graphs costs beyond the steps themselves (issue 16: on the H200 the planner's steps took 1.7-2.6% longer than
+  its modes' own steps in the fixed runs, results/planner-default*-h200-T0-c1.json).
 
 ``planner_ar`` ÷ ``ar`` and ``planner_chain`` ÷ ``chain`` are the planner's loop and step overhead against the
 configuration it chose (on the H200 at concurrency 32-64 and T = 1 it chose AR at 99-100% of its steps and ran
@@ -47,6 +52,7 @@ from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
 
 CONFIGS = ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_chain")
+SWITCH_CONFIGS = ("planner_tree", "planner_switch")  # --switch N
 
 
 def _distinct_list(cast, what: str, least: float):
@@ -90,28 +96,35 @@ def run(args) -> dict:
     cuda = dev.type == "cuda"
     res: dict = {**provenance(), "shape": shape, "dtype": str(dtype), "impl": impl, "context": args.context,
                  "new_tokens": args.new, "reps": args.reps, "draft_layers": d["layers"],
-                 "flush_rows": Engine.AR_DEFER, "points": []}
+                 "flush_rows": Engine.AR_DEFER, "switch_tree": args.switch, "points": []}
+    configs = CONFIGS + (SWITCH_CONFIGS if args.switch else ())
     g = torch.Generator().manual_seed(0)
     max_seq = args.context + args.new + 64
     for B in args.batches:
         prompts = [torch.randint(0, a.vocab_size - 2, (args.context,), generator=g).tolist() for _ in range(B)]
         fixed = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new)
         planners = {}
-        for name, mode, defer in (("planner_ar", ("ar", 1), True), ("planner_ar_immediate", ("ar", 1), False),
-                                  ("planner_chain", ("chain", fixed.verify_size), True)):
-            eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new, budget="auto")
-            eng.plan_modes = [mode]  # the planner's only mode: every step is that mode, through the planner's loop
+        chain, tree = ("chain", fixed.verify_size), ("tree", args.switch)
+        setups = [("planner_ar", [("ar", 1)], True), ("planner_ar_immediate", [("ar", 1)], False),
+                  ("planner_chain", [chain], True)]
+        if args.switch:
+            setups += [("planner_tree", [tree], True), ("planner_switch", [chain, tree], True)]
+        for name, modes, defer in setups:
+            eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new, budget="auto",
+                         plan_trees=tuple(n for k, n in modes if k == "tree") or None)
+            eng.plan_modes = modes  # the planner's only modes: every step is one of them, through the planner's loop
+            eng.plan_schedule = modes if name == "planner_switch" else None  # in turn, no decision
             eng.defer_ar_append = defer
             planners[name] = eng
         engines = {"ar": fixed, "chain": fixed, **planners}
         planners.clear()
         for temperature in args.temperatures:
             params = params_for(temperature, args.new)
-            for name in CONFIGS:  # warm-up: graph capture, kernel compilation, the planner's cost table
+            for name in configs:  # warm-up: graph capture, kernel compilation, the planner's cost table
                 engines[name].generate(prompts, params, use_draft=name != "ar")
-            rows = {name: [] for name in CONFIGS}
+            rows = {name: [] for name in configs}
             for rep in range(args.reps):
-                order = CONFIGS if rep % 2 == 0 else CONFIGS[::-1]
+                order = configs if rep % 2 == 0 else configs[::-1]
                 for name in order:
                     out = engines[name].generate(prompts, params, use_draft=name != "ar")
                     prof = dict(engines[name].loop_profile)
@@ -123,19 +136,23 @@ def run(args) -> dict:
                                        **{k.replace("_s", "_ms"): 1e3 * prof[k] / steps
                                           for k in ("launch_s", "wait_s", "host_s")}})
             point = {"batch": B, "temperature": temperature}
-            for name in CONFIGS:
+            for name in configs:
                 point[name] = {k: statistics.median(r[k] for r in rows[name]) for k in rows[name][0]}
             point["planner_ar_over_ar"] = point["planner_ar"]["tok_per_s"] / point["ar"]["tok_per_s"]
             point["planner_ar_immediate_over_ar"] = point["planner_ar_immediate"]["tok_per_s"] / point["ar"]["tok_per_s"]
             point["planner_chain_over_chain"] = point["planner_chain"]["tok_per_s"] / point["chain"]["tok_per_s"]
+            if args.switch:  # alternating the two step graphs against the mean of the two alone (ms per step)
+                point["switch_over_mean"] = point["planner_switch"]["ms_per_step"] / statistics.mean(
+                    (point["planner_chain"]["ms_per_step"], point["planner_tree"]["ms_per_step"]))
             res["points"].append(point)
             write(res, args.output)  # after every point: a run stopped part way keeps what it measured
             print(f"B={B} T={temperature:g}: " + ", ".join(
                 f"{n} {point[n]['tok_per_s']:.0f} tok/s ({point[n]['ms_per_step']:.3f} ms/step, launch "
                 f"{point[n]['launch_ms']:.3f} wait {point[n]['wait_ms']:.3f} host {point[n]['host_ms']:.3f})"
-                for n in CONFIGS) + f"; planner_ar/ar {point['planner_ar_over_ar']:.3f} (immediate append "
+                for n in configs) + f"; planner_ar/ar {point['planner_ar_over_ar']:.3f} (immediate append "
                 f"{point['planner_ar_immediate_over_ar']:.3f}), planner_chain/chain "
-                f"{point['planner_chain_over_chain']:.3f}", flush=True)
+                f"{point['planner_chain_over_chain']:.3f}"
+                + (f", switch/mean {point['switch_over_mean']:.3f}" if args.switch else ""), flush=True)
         engines.clear()
         del fixed
         if cuda:
@@ -143,7 +160,8 @@ def run(args) -> dict:
     return res
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--output", default=None, help="JSON file to write")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -155,10 +173,19 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     ap.add_argument("--new", type=int, default=256, help="new tokens per request (all of them: no EOS)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each configuration (median)")
+    ap.add_argument("--switch", type=int, default=0, metavar="N",
+                    help="also the tree of N nodes alone and the chain and that tree in turn (0: not; 2..64)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     for flag in ("context", "new", "reps"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.switch and not 2 <= args.switch <= 64:
+        ap.error(f"--switch {args.switch}: a tree size in 2..64, or 0 for none")
     res = run(args)
     write(res, args.output)
     if args.output:
