@@ -100,8 +100,8 @@ the sixth of steps with the highest two-step-old confidence averaged 5.76 where 
 should run. ``conf_slope="auto"`` (the default) fits s online per mode: the least-squares slope through the
 origin of the realized accepted tokens' surprise ``(committed − 1) − (T − 1)`` on the proportional rule's move
 ``(T − 1)(ρ − 1)`` (T as it stands when the step is recorded), moving averages with weight
-``max(cal_decay, 1 / n)``, shrunk towards 1 by ``SLOPE_PRIOR`` steps' weight and clipped to [0, ``SLOPE_MAX``]:
-it settles at 0.1-0.55 on that trace; a confidence that carries no information (benchmarks/engine/sim_planner.py's
+``max(cal_decay, 1 / n)``, with a prior of 8 steps at 1 (:meth:`StepPlanner.slope`) and clipped to [0, ``SLOPE_MAX``]:
+the chain's settles at 0-0.58 on that trace; a confidence that carries no information (benchmarks/engine/sim_planner.py's
 noise) goes to 0, one the passage follows exactly stays near 1. Replayed over that trace with the step times of
 ten H200 runs (``benchmarks/reference/planner_trace.py replay --conf-slope 1,auto``,
 results/planner-replay16-slope-cpu.json), with the default trees of 16 and 32, it raised the planner from 0.974 to
@@ -215,6 +215,7 @@ SPREAD_STEPS = 16.0
 # H200 (per-prompt τ of results/smollm2-h200-shipped-T0-c8.json; 0.17-0.31 at T = 1)
 DEFAULT_SPREAD = 0.25
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
+SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
 
 
@@ -554,8 +555,8 @@ class StepPlanner:
         self.pred: dict[Mode, float | None] = {m: None for m in costs}  # mean predicted accepted tokens
         self.real: dict[Mode, float | None] = {m: None for m in costs}  # mean realized, same steps
         self.calibrated: Counter = Counter()  # steps with a prediction per mode
-        # exponentially weighted variance of the predicted and covariance with the realized, same steps and weights
-        # (module docstring, "Calibration": conf_slope="auto")
+        # conf_slope="auto" (module docstring, "Calibration"): moving averages of the proportional rule's move z² and
+        # of z × the realized surprise, over the steps recorded with a prediction and an estimate, and their count
         self.pred_var: dict[Mode, float] = {m: 0.0 for m in costs}
         self.pred_cov: dict[Mode, float] = {m: 0.0 for m in costs}
         self.slope_steps: Counter = Counter()
@@ -668,18 +669,22 @@ class StepPlanner:
 
     def slope(self, mode: Mode) -> float:
         """How far this step's confidence moves ``mode``'s estimate (module docstring, "Calibration"): 1 moves it in
-        proportion (the estimate ``1 + (T - 1) × (x - 1) / P``), 0 not at all. ``conf_slope="auto"``: the regression
-        slope of the realized accepted tokens on the predicted ones over the calibrated steps, ``cov / var``, in units
-        of ``real / pred`` (1 where realized follows predicted in proportion), shrunk towards 1 by ``SLOPE_PRIOR``
-        steps' weight and clipped to [0, SLOPE_MAX]; a number: that slope."""
+        proportion (the estimate ``1 + (T - 1) × (x - 1) / P``), 0 not at all. ``conf_slope="auto"``: the
+        least-squares slope through the origin of the realized surprise ``(committed - 1) - (T - 1)`` on the
+        proportional rule's move ``z = (T - 1)(ρ - 1)``, ``Σ z·surprise / Σ z²`` over the moving averages' k effective
+        steps, with a prior of ``SLOPE_PRIOR`` steps at slope 1: ``(k·E[z·surprise] + λ) / (k·E[z²] + λ)``,
+        λ = SLOPE_PRIOR × max(E[z²], SLOPE_MOVE2), clipped to [0, SLOPE_MAX]. With the confidence moving by at least
+        ``√SLOPE_MOVE2`` tokens that is ``(k·fit + SLOPE_PRIOR) / (k + SLOPE_PRIOR)``, the fit shrunk by steps (a mode
+        seldom run, such as probes where AR wins, keeps a slope near 1); where it barely moves, the prior's weight
+        does not shrink with the moves, so noise cannot drive the slope to 0 or SLOPE_MAX. A number: that slope."""
         if self.conf_slope != "auto":
             return float(self.conf_slope)
-        n, var = self.slope_steps[mode], self.pred_var[mode]
-        if n < 2 or var <= 0:
+        n = self.slope_steps[mode]
+        if n < 2:  # one step fits nothing
             return 1.0
-        fit = self.pred_cov[mode] / var
         k = min(n, 2.0 / self.cal_decay - 1)  # effective samples of the moving averages
-        return min(max((k * fit + SLOPE_PRIOR) / (k + SLOPE_PRIOR), 0.0), SLOPE_MAX)
+        lam = SLOPE_PRIOR * max(SLOPE_MOVE2, self.pred_var[mode])
+        return min(max((k * self.pred_cov[mode] + lam) / (k * self.pred_var[mode] + lam), 0.0), SLOPE_MAX)
 
     def rate(self, mode: Mode) -> float | None:
         """Expected committed tokens per request per estimated millisecond, ``None`` before the first run."""
@@ -876,7 +881,8 @@ class StepPlanner:
             )
         for f in self.TOKEN_FIELDS:  # (Counter.update would add the counts: replace)
             cur = getattr(self, f)
-            got = state.get(f, {})  # a state written before a field existed lacks it: that field starts afresh
+            # a state written before the slope fit existed lacks its fields: they start afresh (any other is required)
+            got = state.get(f, {}) if f in ("pred_var", "pred_cov", "slope_steps") else state[f]
             setattr(self, f, Counter(got) if isinstance(cur, Counter) else {**cur, **got})
         self.spread_prior, self.spread = _finite_prior(state.get("spread", DEFAULT_SPREAD)), None
         self.last_seen = {m: 0 for m in self.table}
@@ -887,7 +893,8 @@ class StepPlanner:
             n = self.calibrated[mode] + 1
             w = max(self.cal_decay, 1.0 / n)
             x, y = predicted - 1.0, tokens_per_request - 1.0
-            est = self._own_tokens(mode) if self.pred[mode] and self.pred[mode] > 0 else None
+            fit = self.conf_slope == "auto" and self.pred[mode] and self.pred[mode] > 0
+            est = self._own_tokens(mode) if fit else None
             if est is not None:  # the proportional move this prediction makes and what it had to explain
                 z = (est - 1.0) * (min(max(x / self.pred[mode], 1 / 3), 3.0) - 1.0)
                 wz = max(self.cal_decay, 1.0 / (self.slope_steps[mode] + 1))
@@ -916,8 +923,9 @@ class StepPlanner:
         own estimate, and before any chain step too when there is no prior), ``paired`` the paired observations it got from steps of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
         timed), ``tokens_per_step`` the slow average (``None``: never run nor paired), ``calibration``
         realized ÷ predicted accepted tokens (``None``: no prediction given; a mode with a lead over a paired mode
-        takes that mode's scaling instead, and its own is reported only), ``conf_slope`` :meth:`slope` (``None``: no
-        step with a prediction and an estimate yet), ``observed`` the steps of it observed (:meth:`observe`) and
+        takes that mode's scaling instead, and its own is reported only), ``conf_slope`` :meth:`slope` (``None``: AR, or
+        ``"auto"`` with no step fitted yet; a tree led by the chain takes the chain's slope, and its own is reported
+        only), ``observed`` the steps of it observed (:meth:`observe`) and
         ``realized_tokens`` the sum of their committed tokens per request: ``realized_tokens / observed`` is the mode's τ
         in the steps the planner chose it for."""
         costs = self.costs
@@ -930,7 +938,8 @@ class StepPlanner:
                 "measured_ms": costs[m] if self.timed[m] else None,
                 "tokens_per_step": self.slow[m],
                 "calibration": self.calibration(m) if self.calibrated[m] else None,
-                "conf_slope": round(self.slope(m), 4) if self.slope_steps[m] else None,
+                "conf_slope": (round(self.slope(m), 4) if m[0] != "ar" and (self.conf_slope != "auto"
+                                                                          or self.slope_steps[m]) else None),
                 "observed": self.observed[m],
                 "realized_tokens": self.realized[m],
             }

@@ -283,7 +283,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     out = tmp_path / "c.json"
     code = bench.main(["--target", str(stories_dir), "--draft", f"chain={draft_dir}", "--draft", f"tree={draft_dir}",
                        "--draft", f"auto={draft_dir}", "--config", "tree:verify=tree,tree_budget=12,chain_first=yes",
-                       "--config", "auto:budget=auto,plan_trees=12/6,confidence=never,conf_slope=0.5,drain=lead", "--datasets", "gsm8k,mbpp",
+                       "--config", "auto:budget=auto,plan_trees=12/6,confidence=always,conf_slope=0.5,drain=lead", "--datasets", "gsm8k,mbpp",
                        "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2", "--max-new-tokens", "10",
                        "--no-chat-template", "--backend", "cuda", "--device", "cpu", "--dtype", "fp32",
                        "--concurrency", "2", "--output-json", str(out)])
@@ -293,7 +293,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     assert res["args"]["configs"] == {
         "chain": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
         "tree": {"verify": "tree", "tree_budget": 12, "budget": None, "chain_first": True, "plan_trees": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
-        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "confidence": "never", "conf_slope": 0.5, "drain": "lead", "draft_vocab": None}}
+        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "confidence": "always", "conf_slope": 0.5, "drain": "lead", "draft_vocab": None}}
     for t in res["tasks"]:
         d = t["drafts"]
         assert (d["chain"]["verify"], d["chain"]["verified_tokens_per_step"]) == ("chain", 8)  # the draft's block
@@ -304,7 +304,8 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
         for e in d["auto"]["planner_choices"].values():  # observed steps commit 1 .. 8 tokens per request each
             assert e["observed"] <= e["steps"] and e["observed"] <= e["realized_tokens"] <= 8 * e["observed"]
         assert d["auto"]["plan_drain"] == "lead" and d["auto"]["plan_conf_slope"] == 0.5
-        assert d["auto"]["plan_confidence"] == "never" and d["auto"]["plan_trees"] == [6, 12] and set(d["auto"]["planner_choices"]) == {"ar", "chain8", "tree6",
+        assert d["auto"]["planner_choices"]["chain8"]["conf_slope"] == 0.5  # reached the planner
+        assert d["auto"]["plan_confidence"] == "always" and d["auto"]["plan_trees"] == [6, 12] and set(d["auto"]["planner_choices"]) == {"ar", "chain8", "tree6",
                                                                                              "tree12"}
         assert "planner_choices" not in d["chain"] and "budget" not in d["chain"]
         for row in d.values():
@@ -348,6 +349,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:budget=auto,conf_slope=-0.5"], "conf_slope='-0.5'; expected auto or a number in 0..2"),
     (["--config", "D:budget=auto,conf_slope=nan"], "conf_slope='nan'; expected auto"),
     (["--config", "D:conf_slope=1"], "conf_slope applies to budget=auto"),
+    (["--config", "D:budget=auto,confidence=never,conf_slope=1"], "conf_slope with confidence=never"),
 ])
 def test_config_errors_name_the_item(stories_dir, draft_dir, capsys, config, msg):
     argv = ["--target", str(stories_dir), "--draft", f"D={draft_dir}", "--datasets", "gsm8k", "--no-chat-template",

@@ -83,7 +83,7 @@ def test_batch_replay_fixed_mode_counts_steps_with_idle_rows():
     assert pt.batch_ms([a, b, c], 2, {CHAIN: 2.0}, 4, 10, mode=CHAIN)[2] == 8
 
 
-def test_record_and_replay_tiny(stories_dir, tmp_path, capsys):
+def test_record_and_replay_tiny(stories_dir, tmp_path, capsys, monkeypatch):
     target = load_target(str(stories_dir), dtype="fp32")
     draft = save_draft(random_draft(target, block_size=5, mask=0), tmp_path / "draft")
     trace = tmp_path / "trace.json"
@@ -124,10 +124,21 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys):
     assert tps["ar1"] == pytest.approx(sum(1e3 * (k - 1) / (1.1 * k) for k in n) / 2)
     # --conf-slope: one point per slope, each recording it; the fixed modes do not depend on it
     out2 = tmp_path / "replay2.json"
+    import infer.planner as planner_mod
+
+    given = []
+
+    class Spy(planner_mod.StepPlanner):
+        def __init__(self, *a, **kw):
+            given.append(kw.get("conf_slope"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(planner_mod, "StepPlanner", Spy)
     assert pt.main(["replay", str(trace), "--costs", str(costs), "--plan-trees", "4", "--conf-slope", "1,auto",
                     "--output", str(out2)]) == 0
     pts = json.loads(out2.read_text())["points"]
     assert [p["conf_slope"] for p in pts] == [1.0, "auto"] and pts[1]["tok_per_s"]["ar1"] == tps["ar1"]
+    assert set(given) == {1.0, "auto"} and len(given) == 2 * 2 * 2  # per point: 2 tasks × warm-up and timed pass
     assert pts[0]["tok_per_s"]["tree4"] == pts[1]["tok_per_s"]["tree4"]
     with pytest.raises(SystemExit, match="--conf-slope: conf_slope='3'"):
         pt.main(["replay", str(trace), "--costs", str(costs), "--conf-slope", "auto,3"])
