@@ -727,9 +727,12 @@ def planner_replay_section() -> list[str]:
             "| clairvoyant ÷ best |",
             "|---|---|---|---|---|---|---|---|---|"]
     if sloped:
-        out[-2] = out[-2][:-1] + (". Each replay cell: conf_slope 1 (the proportional confidence rule, with which "
-                                  "every H200 run so far ran) → auto (the default since 2026-12-05: `infer.planner`, "
-                                  "\"Calibration\").")
+        names = {1.0: "1 (the proportional confidence rule, with which every H200 run so far ran)",
+                 "auto": "auto (the default since 2026-12-05: `infer.planner`, \"Calibration\")"}
+        given = sorted({p.get("conf_slope", 1.0) for f in sloped for p in json.loads(f.read_text())["points"]},
+                       key=lambda x: (x == "auto", str(x)))
+        out[-2] = out[-2][:-1] + (". Each replay cell: conf_slope " + " → ".join(
+            names[k] if k in names else f"{k:g}" for k in given) + ".")
         out += ["Earlier replays of the same trace with conf_slope 1 only: "
                 + ", ".join(f"[{f.name}](results/{f.name})" for f in superseded) + " (their points are the "
                 "conf_slope 1 values below where costs and trees agree).", ""]
