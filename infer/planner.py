@@ -893,7 +893,8 @@ class StepPlanner:
             n = self.calibrated[mode] + 1
             w = max(self.cal_decay, 1.0 / n)
             x, y = predicted - 1.0, tokens_per_request - 1.0
-            fit = self.conf_slope == "auto" and self.pred[mode] and self.pred[mode] > 0
+            # (a mode led by a paired mode takes that mode's slope: its own fit is not needed while it is led)
+            fit = self.conf_slope == "auto" and mode not in self.lead and self.pred[mode] and self.pred[mode] > 0
             est = self._own_tokens(mode) if fit else None
             if est is not None:  # the proportional move this prediction makes and what it had to explain
                 z = (est - 1.0) * (min(max(x / self.pred[mode], 1 / 3), 3.0) - 1.0)
@@ -905,9 +906,10 @@ class StepPlanner:
                 avg[mode] = v if avg[mode] is None else avg[mode] + w * (v - avg[mode])
             self.calibrated[mode] = n
         x, n, r = tokens_per_request, self.seen[mode] + 1, max(rows, 1)
-        others = [self.slow[m] for m in self.table if m != mode and m[0] != "ar" and self.slow[m] is not None]
-        if n == 1 and others:  # the first step, shrunk towards the other modes of the same draft
-            x = (r * x + PRIOR_ROWS * max(others)) / (r + PRIOR_ROWS)
+        if n == 1:  # the first step, shrunk towards the other modes of the same draft
+            others = [self.slow[m] for m in self.table if m != mode and m[0] != "ar" and self.slow[m] is not None]
+            if others:
+                x = (r * x + PRIOR_ROWS * max(others)) / (r + PRIOR_ROWS)
         self.seen[mode], self.last_seen[mode] = n, self.step
         w = max(self.slow_decay, 1.0 / n)  # a plain mean over the first observations
         self.rows[mode] += w * (r - self.rows[mode]) if n > 1 else r - self.rows[mode]
@@ -924,8 +926,8 @@ class StepPlanner:
         timed), ``tokens_per_step`` the slow average (``None``: never run nor paired), ``calibration``
         realized ÷ predicted accepted tokens (``None``: no prediction given; a mode with a lead over a paired mode
         takes that mode's scaling instead, and its own is reported only), ``conf_slope`` :meth:`slope` (``None``: AR, or
-        ``"auto"`` with no step fitted yet; a tree led by the chain takes the chain's slope, and its own is reported
-        only), ``observed`` the steps of it observed (:meth:`observe`) and
+        ``"auto"`` with no step fitted yet; a tree led by the chain takes the chain's slope, and its own, fitted only
+        while it was not led, is reported only), ``observed`` the steps of it observed (:meth:`observe`) and
         ``realized_tokens`` the sum of their committed tokens per request: ``realized_tokens / observed`` is the mode's τ
         in the steps the planner chose it for."""
         costs = self.costs
