@@ -183,9 +183,11 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         if c["conf_slope"] is not None and c["budget"] is None:
             raise ValueError(f"draft {label!r}: conf_slope applies to budget=auto (how far the planner moves an estimate "
                              "with the draft's confidence)")
-        if c["conf_slope"] is not None and c["confidence"] == "never":
-            raise ValueError(f"draft {label!r}: conf_slope with confidence=never (the planner gets no confidence to "
-                             "scale by)")
+        if c["conf_slope"] is not None and (c["confidence"] == "never" or (
+                getattr(args, "temperature", 0.0) > 0 and c["confidence"] != "always")):
+            raise ValueError(f"draft {label!r}: conf_slope with confidence={c['confidence'] or 'greedy'} at --temperature "
+                             f"{getattr(args, 'temperature', 0.0)} (the planner gets no confidence to scale by; at T > 0 "
+                             "only with confidence=always)")
         if c["drain"] is not None and c["budget"] is None:
             raise ValueError(f"draft {label!r}: drain applies to budget=auto (the planner's drain rule)")
         if c["chain_first"] is not None and args.backend == "reference":

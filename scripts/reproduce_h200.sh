@@ -5,7 +5,7 @@
 #
 # Stages (default: all, in order). convert, engine, exact, hybrid, profile, linear, linearwide, fusion, linearfusion,
 # planslope and planswitch skip when their output
-# exists (a killed run resumes; delete a results file to measure it again); steps, tree and planner always
+# exists (planslope and planswitch: a whole run's; a killed run resumes; delete a results file to measure it again); steps, tree and planner always
 # measure and --merge their part into results/verify-h200.json. Minutes on one H200 (2026-12-01):
 #   convert   GGUF -> $WORK/smollm2-hf (bf16), the SmolLM2 target of the later stages          ~0.5
 #   engine    benchmarks/engine/bench_engine.py  -> results/engine-h200.json                  ~2
@@ -104,14 +104,19 @@ fi
 if has linearfusion && [ ! -f "$R/linear-fusion-h200.json" ]; then
   timed linearfusion python benchmarks/kernels/bench_linear_fusion.py --output "$R/linear-fusion-h200.json"
 fi
-planslope() {  # planslope MODE CONCURRENCY PROMPTS TOKENS: one infer.bench run of the A/B, skipped when its file exists
+finished() {  # finished FILE: it exists and is a whole run (infer.bench: not "interrupted"; bench_planner_loop: "complete")
+  [ -f "$1" ] && python -c 'import json, sys; d = json.load(open(sys.argv[1]))
+sys.exit(0 if not d.get("interrupted") and d.get("complete", True) else 1)' "$1"
+}
+planslope() {  # planslope MODE CONCURRENCY PROMPTS TOKENS: one infer.bench run of the A/B, skipped once finished
   local out="$R/planner-slope-h200-$1-T0-c$2.json" exact=()
-  [ -f "$out" ] && return 0
+  finished "$out" && return 0
   [ "$1" = exact ] && exact=(--exact)
   python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" "${exact[@]}" --temperature 0 \
     --draft chain="$DRAFT" --draft t16="$DRAFT" --draft t32="$DRAFT" --draft p="$DRAFT" --draft p1="$DRAFT" \
     --config t16:verify=tree,tree_budget=16 --config t32:verify=tree,tree_budget=32 --config p:budget=auto \
-    --config p1:budget=auto,conf_slope=1 --concurrency "$2" --num-prompts "$3" --max-new-tokens "$4" --output-json "$out"
+    --config p1:budget=auto,conf_slope=1 --concurrency "$2" --num-prompts "$3" --max-new-tokens "$4" --output-json "$out" \
+    --overwrite
 }
 if has planslope; then
   timed planslope-fast-c1 planslope fast 1 10 512
@@ -124,9 +129,9 @@ if has planslope; then
     "$R"/planner-slope-h200-{fast,exact}-T0-c{1,8}.json "$R"/planner-slope-h200-fast-T0-c{32,64}.json \
     --output "$R/planner-slope-h200.json"
 fi
-if has planswitch && [ ! -f "$R/planner-switch-h200.json" ]; then
+if has planswitch && ! finished "$R/planner-switch-h200.json"; then
   timed planswitch python benchmarks/engine/bench_planner_loop.py --switch 32 --batches 1,8 --temperatures 0 \
-    --new 128 --context 256 --reps 3 --output "$R/planner-switch-h200.json"
+    --new 128 --context 256 --reps 3 --output "$R/planner-switch-h200.json" --overwrite
 fi
 if has tables; then timed tables python scripts/make_tables.py; fi
 echo "[$(date +%T)] done; timings in $WORK/timings.jsonl"

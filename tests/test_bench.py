@@ -350,6 +350,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:budget=auto,conf_slope=nan"], "conf_slope='nan'; expected auto"),
     (["--config", "D:conf_slope=1"], "conf_slope applies to budget=auto"),
     (["--config", "D:budget=auto,confidence=never,conf_slope=1"], "conf_slope with confidence=never"),
+    (["--config", "D:budget=auto,conf_slope=1", "--temperature", "1"], "conf_slope with confidence=greedy at --temperature 1"),
 ])
 def test_config_errors_name_the_item(stories_dir, draft_dir, capsys, config, msg):
     argv = ["--target", str(stories_dir), "--draft", f"D={draft_dir}", "--datasets", "gsm8k", "--no-chat-template",

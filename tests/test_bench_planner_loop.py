@@ -63,6 +63,12 @@ def test_every_finished_point_is_on_disk(tmp_path, monkeypatch):
                                  "--context", "8", "--new", "4", "--reps", "1", "--output", str(out)])
     rec = json.loads(out.read_text())
     assert [p["batch"] for p in rec["points"]] == [1] and rec["flush_rows"] == Engine.AR_DEFER
+    assert rec["complete"] is False  # stopped part way: marked, so reproduce_h200.sh measures it again
+    # an existing --output is refused before any work unless --overwrite
+    monkeypatch.setattr(Engine, "generate", real)
+    with pytest.raises(SystemExit) as e:
+        bench_planner_loop.main(["--tiny", "--device", "cpu", "--batches", "1", "--output", str(out)])
+    assert e.value.code == 2 and json.loads(out.read_text()) == rec
 
 
 def test_switch_runs_the_chain_and_the_tree_in_turn(monkeypatch, capsys):
@@ -89,8 +95,10 @@ def test_switch_runs_the_chain_and_the_tree_in_turn(monkeypatch, capsys):
          "--reps", "1", "--switch", "6"]))
     p = res["points"][0]
     assert res["switch_tree"] == 6
-    assert p["switch_over_mean"] == pytest.approx(p["planner_switch"]["ms_per_step"] / (
-        (p["planner_chain"]["ms_per_step"] + p["planner_tree"]["ms_per_step"]) / 2))
+    n = p["switch_steps"]
+    assert min(n.values()) >= 4 and res["complete"] is True
+    assert p["switch_over_mean"] == pytest.approx(p["planner_switch"]["ms_per_step"] * (n["chain"] + n["tree"]) / (
+        n["chain"] * p["planner_chain"]["ms_per_step"] + n["tree"] * p["planner_tree"]["ms_per_step"]))
     for rep in reports["switch"]:  # warm-up and timed call: the two modes in turn, nothing else
         steps = {k: v["steps"] for k, v in rep.items()}
         chain = next(k for k in steps if k.startswith("chain"))
@@ -98,3 +106,8 @@ def test_switch_runs_the_chain_and_the_tree_in_turn(monkeypatch, capsys):
     for rep in reports["tree"]:
         assert {k: v["steps"] > 0 for k, v in rep.items()} == {"tree6": True}
     assert p["planner_tree"]["tokens"] == p["planner_switch"]["tokens"] == 9
+    # a run too short to alternate (one decode step: the chain only) reports no switching cost
+    short = bench_planner_loop.run(bench_planner_loop.build_parser().parse_args(
+        ["--tiny", "--device", "cpu", "--batches", "1", "--temperatures", "0", "--context", "4", "--new", "2",
+         "--reps", "1", "--switch", "6"]))["points"][0]
+    assert short["switch_over_mean"] is None and short["switch_steps"]["tree"] < 4

@@ -386,6 +386,8 @@ def test_planner_points_from_bench_runs(tmp_path):
     assert pp.main([str(f)]) == 2
     with pytest.raises(ValueError, match="no AR row"):
         pp.point(run)
+    with pytest.raises(ValueError, match="interrupted"):  # a stopped infer.bench run holds part of its tasks
+        pp.point({**run, "interrupted": True})
 
 
 def test_planner_points_refuses_what_it_cannot_compare(tmp_path, capsys):

@@ -19,7 +19,8 @@ requests as slots (one wave: every slot busy from the first step). For each batc
 - with ``--switch N`` also ``planner_tree``: the tree of N nodes as the only mode, and ``planner_switch``: the chain
   and that tree in turn, step after step (``Engine.plan_schedule``: the planner's loop with no decision). Its ms per
   step ÷ the mean of ``planner_chain``'s and ``planner_tree``'s (``switch_over_mean``) is what alternating the two
-  step graphs costs beyond the steps themselves (issue 16: on the H200 the planner's steps took 1.7-2.6% longer than
+  step graphs costs beyond the steps themselves (the mean weighted by the steps of each mode the switch runs made;
+  ``None`` where either ran fewer than ``SWITCH_MIN_STEPS``) (issue 16: on the H200 the planner's steps took 1.7-2.6% longer than
   its modes' own steps in the fixed runs, results/planner-default*-h200-T0-c1.json).
 
 ``planner_ar`` ÷ ``ar`` and ``planner_chain`` ÷ ``chain`` are the planner's loop and step overhead against the
@@ -31,7 +32,8 @@ Per configuration: decode tok/s = new tokens ÷ (wall − prefill) (median over 
 loop's own split per step (``Engine.loop_profile``: ``launch_ms`` host time to choose and launch a step,
 ``wait_ms`` host time blocked on the device, ``host_ms`` the host's bookkeeping after the wait). A loop whose
 ``wait_ms`` is near 0 is host-bound: the device waits for the host. The JSON (``flush_rows`` = ``Engine.AR_DEFER``)
-is rewritten after every point, so a run stopped part way keeps the points it finished.
+is rewritten after every point, so a run stopped part way keeps the points it finished, with ``"complete": false``
+(true once every point is in). An existing ``--output`` is refused unless ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.bench_draft_step import random_setup  # noqa: E402
 from dspine.io import atomic_write_json  # noqa: E402
+from dspine.paths import check_output_file  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
 
 CONFIGS = ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_chain")
 SWITCH_CONFIGS = ("planner_tree", "planner_switch")  # --switch N
+SWITCH_MIN_STEPS = 4  # steps of each mode a planner_switch run needs for switch_over_mean
 
 
 def _distinct_list(cast, what: str, least: float):
@@ -96,7 +100,7 @@ def run(args) -> dict:
     cuda = dev.type == "cuda"
     res: dict = {**provenance(), "shape": shape, "dtype": str(dtype), "impl": impl, "context": args.context,
                  "new_tokens": args.new, "reps": args.reps, "draft_layers": d["layers"],
-                 "flush_rows": Engine.AR_DEFER, "switch_tree": args.switch, "points": []}
+                 "flush_rows": Engine.AR_DEFER, "switch_tree": args.switch, "complete": False, "points": []}
     configs = CONFIGS + (SWITCH_CONFIGS if args.switch else ())
     g = torch.Generator().manual_seed(0)
     max_seq = args.context + args.new + 64
@@ -123,10 +127,14 @@ def run(args) -> dict:
             for name in configs:  # warm-up: graph capture, kernel compilation, the planner's cost table
                 engines[name].generate(prompts, params, use_draft=name != "ar")
             rows = {name: [] for name in configs}
+            switch_steps: dict = {}  # planner_switch: steps per mode over the timed runs (Engine.planner_report)
             for rep in range(args.reps):
                 order = configs if rep % 2 == 0 else configs[::-1]
                 for name in order:
                     out = engines[name].generate(prompts, params, use_draft=name != "ar")
+                    if name == "planner_switch":
+                        for mode, e in engines[name].planner_report.items():
+                            switch_steps[mode] = switch_steps.get(mode, 0) + e["steps"]
                     prof = dict(engines[name].loop_profile)
                     tokens = sum(len(r) for r in out.token_ids)
                     decode_s = prof["wall_s"] - prof["prefill_s"]
@@ -141,9 +149,15 @@ def run(args) -> dict:
             point["planner_ar_over_ar"] = point["planner_ar"]["tok_per_s"] / point["ar"]["tok_per_s"]
             point["planner_ar_immediate_over_ar"] = point["planner_ar_immediate"]["tok_per_s"] / point["ar"]["tok_per_s"]
             point["planner_chain_over_chain"] = point["planner_chain"]["tok_per_s"] / point["chain"]["tok_per_s"]
-            if args.switch:  # alternating the two step graphs against the mean of the two alone (ms per step)
-                point["switch_over_mean"] = point["planner_switch"]["ms_per_step"] / statistics.mean(
-                    (point["planner_chain"]["ms_per_step"], point["planner_tree"]["ms_per_step"]))
+            if args.switch:  # alternating the two step graphs against the two alone, weighted by the steps each ran
+                n_chain = switch_steps.get(f"chain{chain[1]}", 0)
+                n_tree = switch_steps.get(f"tree{tree[1]}", 0)
+                point["switch_steps"] = {"chain": n_chain, "tree": n_tree}
+                # a run too short to alternate (fewer than SWITCH_MIN_STEPS of either) measures no switching: None
+                point["switch_over_mean"] = (
+                    point["planner_switch"]["ms_per_step"] * (n_chain + n_tree)
+                    / (n_chain * point["planner_chain"]["ms_per_step"] + n_tree * point["planner_tree"]["ms_per_step"])
+                    if min(n_chain, n_tree) >= SWITCH_MIN_STEPS else None)
             res["points"].append(point)
             write(res, args.output)  # after every point: a run stopped part way keeps what it measured
             print(f"B={B} T={temperature:g}: " + ", ".join(
@@ -152,18 +166,21 @@ def run(args) -> dict:
                 for n in configs) + f"; planner_ar/ar {point['planner_ar_over_ar']:.3f} (immediate append "
                 f"{point['planner_ar_immediate_over_ar']:.3f}), planner_chain/chain "
                 f"{point['planner_chain_over_chain']:.3f}"
-                + (f", switch/mean {point['switch_over_mean']:.3f}" if args.switch else ""), flush=True)
+                + (f", switch/mean {point['switch_over_mean']:.3f}" if point.get("switch_over_mean") else ""),
+                flush=True)
         engines.clear()
         del fixed
         if cuda:
             torch.cuda.empty_cache()
+    res["complete"] = True  # every point measured (a stopped run's file keeps "complete": false)
     return res
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--output", default=None, help="JSON file to write")
+    ap.add_argument("--output", default=None, help="JSON file to write (refused if it exists, unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--batches", type=int_list, default=[1, 8, 32, 64],
@@ -186,6 +203,11 @@ def main(argv=None) -> int:
             ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.switch and not 2 <= args.switch <= 64:
         ap.error(f"--switch {args.switch}: a tree size in 2..64, or 0 for none")
+    if args.output:
+        try:
+            check_output_file("--output", args.output, args.overwrite)
+        except ValueError as e:
+            ap.error(str(e))
     res = run(args)
     write(res, args.output)
     if args.output:

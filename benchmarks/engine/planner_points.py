@@ -28,12 +28,15 @@ from dspine.provenance import provenance  # noqa: E402
 
 
 def point(run: dict) -> dict:
-    """One planner point of an ``infer.bench`` JSON (module docstring). Raises ValueError: no tasks, no AR row
-    (``--no-ar``), a draft label named ``AR``, no planner label or no fixed label, labels missing from a task, or
+    """One planner point of an ``infer.bench`` JSON (module docstring). Raises ValueError: an interrupted run, no
+    tasks, no AR row (``--no-ar``), a draft label named ``AR``, no planner label or no fixed label, labels missing from a task, or
     an AR tok/s of 0 (no ratio to it)."""
     tasks = run.get("tasks") if isinstance(run, dict) else None
     if not tasks:
         raise ValueError("no 'tasks' (not an infer.bench JSON)")
+    if run.get("interrupted"):
+        raise ValueError("the run was interrupted (\"interrupted\": true): its tasks are a part of the run's; "
+                         "measure it again")
     if any(not t.get("ar") for t in tasks):
         raise ValueError("a task has no AR row (run without --no-ar)")
     labels = list(tasks[0]["drafts"])

@@ -488,7 +488,7 @@ def replay(args) -> int:
         except ValueError as e:
             raise SystemExit(f"--plan-trees: {e}") from None
     try:
-        slopes = [parse_conf_slope(x.strip()) for x in args.conf_slope.split(",")]
+        slopes = list(dict.fromkeys(parse_conf_slope(x.strip()) for x in args.conf_slope.split(",")))  # no repeats
     except ValueError as e:
         raise SystemExit(f"--conf-slope: {e}") from None
     if out_path is not None:
