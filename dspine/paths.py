@@ -45,6 +45,17 @@ def looks_local(path_or_id: str) -> bool:
     return path_or_id.startswith(("/", ".", "~")) or not _HUB_ID.fullmatch(path_or_id)
 
 
+def output_arg(ap, args) -> None:
+    """argparse error (``ap.error``), before any work, when ``args.output`` is given and cannot be written
+    (:func:`check_output_file` with ``--output`` and ``args.overwrite``: an empty name, a folder, an existing file
+    without ``--overwrite``, an unwritable place)."""
+    if args.output is not None:
+        try:
+            check_output_file("--output", args.output, args.overwrite)
+        except ValueError as e:
+            ap.error(str(e))
+
+
 def check_output_file(flag: str, path: str | Path, overwrite: bool) -> None:
     """Check, before any work, that the output file ``path`` of option ``flag`` can be written: not a folder,
     not an existing file unless ``overwrite``, its nearest existing parent a writable folder.

@@ -703,12 +703,7 @@ class StepPlanner:
         millisecond."""
         costs = self.costs
         if self.schedule:  # a fixed cycle of modes (benchmarks: the loop's cost of switching modes), no decision
-            mode = self.schedule[self.step % len(self.schedule)]
-            self.step += 1
-            self.spent_ms += costs[mode]
-            self.pending.append((mode, costs[mode], (predicted or {}).get(mode), None))
-            self.choices[mode] += 1
-            return mode
+            return self._commit(self.schedule[self.step % len(self.schedule)], costs, predicted, 0.0, None, 1.0)
         raw = None  # this step's token estimates, computed once
         if drain is not None:
             raw = self.expected(predicted)
@@ -758,6 +753,11 @@ class StepPlanner:
                 # a probe is settled in the same terms: its tokens as the drain rule counts them
                 if raw.get(mode):
                     scale = tokens[mode] / raw[mode]
+        return self._commit(mode, costs, predicted, loss, rate, scale)
+
+    def _commit(self, mode: Mode, costs: dict, predicted, loss: float, rate, scale: float) -> Mode:
+        """Book the choice of ``mode`` (its estimated time, a probe's expected loss) and keep it pending until
+        :meth:`observe`; returns ``mode``."""
         self.step += 1
         self.spent_ms += costs[mode]
         self.lost_ms += loss

@@ -55,7 +55,7 @@ from dspine.config import DSpineConfig  # noqa: E402
 from dspine.io import atomic_write_json  # noqa: E402
 from dspine.model import DSpineDraftModel  # noqa: E402
 from dspine.ops import linear as lin  # noqa: E402
-from dspine.paths import check_output_file  # noqa: E402
+from dspine.paths import output_arg  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
@@ -165,16 +165,6 @@ def check_draft_vocab_size(ap: argparse.ArgumentParser, n: int, vocab_size: int)
     """argparse error unless ``--draft-vocab-size`` is 0 or in 64..vocab_size."""
     if n and not 64 <= n <= vocab_size:
         ap.error(f"--draft-vocab-size={n}: 0 (the whole vocabulary) or 64..{vocab_size} (the vocabulary)")
-
-
-def output_arg(ap: argparse.ArgumentParser, args) -> None:
-    """argparse error, before any measuring, when ``--output`` cannot be written (dspine.paths.check_output_file:
-    an empty name, a folder, an existing file without ``--overwrite``, an unwritable place)."""
-    if args.output is not None:
-        try:
-            check_output_file("--output", args.output, args.overwrite)
-        except ValueError as e:
-            ap.error(str(e))
 
 
 def weight_bytes(target: EngineTarget) -> tuple[int, int]:

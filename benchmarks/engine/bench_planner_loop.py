@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.bench_draft_step import random_setup  # noqa: E402
 from dspine.io import atomic_write_json  # noqa: E402
-from dspine.paths import check_output_file  # noqa: E402
+from dspine.paths import output_arg  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
@@ -203,11 +203,7 @@ def main(argv=None) -> int:
             ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.switch and not 2 <= args.switch <= 64:
         ap.error(f"--switch {args.switch}: a tree size in 2..64, or 0 for none")
-    if args.output:
-        try:
-            check_output_file("--output", args.output, args.overwrite)
-        except ValueError as e:
-            ap.error(str(e))
+    output_arg(ap, args)
     res = run(args)
     write(res, args.output)
     if args.output:

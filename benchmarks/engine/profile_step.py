@@ -47,10 +47,10 @@ from benchmarks.engine.bench_engine import (  # noqa: E402
     FUSE_NORM_HELP,
     apply_fusion_args,
     check_draft_vocab_size,
-    output_arg,
     random_draft_vocab,
 )
 from dspine.io import atomic_write_json  # noqa: E402
+from dspine.paths import output_arg  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402

@@ -45,7 +45,7 @@ from dspine.io import atomic_write_json  # noqa: E402
 from dspine.ops import linear as lin  # noqa: E402
 from dspine.ops.rmsnorm import rms_norm  # noqa: E402
 from dspine.ops.silu_mul import silu_mul  # noqa: E402
-from dspine.paths import check_output_file  # noqa: E402
+from dspine.paths import output_arg  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 
 MS = (1, 8, 16)
@@ -152,11 +152,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.stream_mb < 1:
         ap.error(f"--stream-mb {args.stream_mb}: must be at least 1")
-    if args.output is not None:
-        try:
-            check_output_file("--output", args.output, args.overwrite)
-        except ValueError as e:
-            ap.error(str(e))
+    output_arg(ap, args)
     res = {**provenance(), "tiny": bool(args.tiny), **run(args)}
     if args.output is not None:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
