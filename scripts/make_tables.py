@@ -699,7 +699,8 @@ def planner_replay_section() -> list[str]:
         return []
     # a file whose points carry conf_slope replays both slopes over the same trace and cost files as the earlier
     # ones (whose points ran the rule of their time, conf_slope 1): the earlier ones are listed, not tabulated
-    sloped = [f for f in files if any("conf_slope" in p for p in json.loads(f.read_text())["points"])]
+    data = {f: json.loads(f.read_text()) for f in files}  # each file read once
+    sloped = [f for f in files if any("conf_slope" in p for p in data[f]["points"])]
     superseded = [f for f in files if f not in sloped] if sloped else []
     files = sloped or files
     out = ["#### The planner replayed over real acceptance (CPU)", "",
@@ -729,7 +730,7 @@ def planner_replay_section() -> list[str]:
     if sloped:
         names = {1.0: "1 (the proportional confidence rule, with which every H200 run so far ran)",
                  "auto": "auto (the default since 2026-12-05: `infer.planner`, \"Calibration\")"}
-        given = sorted({p.get("conf_slope", 1.0) for f in sloped for p in json.loads(f.read_text())["points"]},
+        given = sorted({p.get("conf_slope", 1.0) for f in sloped for p in data[f]["points"]},
                        key=lambda x: (x == "auto", str(x)))
         out[-2] = out[-2][:-1] + (". Each replay cell: conf_slope " + " → ".join(
             names[k] if k in names else f"{k:g}" for k in given) + ".")
@@ -761,7 +762,7 @@ def planner_replay_section() -> list[str]:
         return out
 
     for f in files:
-        r = json.loads(f.read_text())
+        r = data[f]
         out += head
         pts: dict = {}
         for p in r["points"]:
