@@ -83,6 +83,9 @@ class Tree:
     chain: torch.Tensor  # [B, N] bool: node is on the chain path (root included)
     anc: torch.Tensor  # [B, N, N] bool ancestor mask (:func:`ancestor_mask`)
     bits: torch.Tensor | None = None  # [B, N] int64 ancestor_bits(anc), when the builder made them
+    # [B, K] fp32 q of the chain token at each depth 1..K (the chain's own draft probabilities, whether or not a
+    # best-first tree kept its deep nodes), when the builder made them (dspine.ops.tree_build)
+    chain_q: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

@@ -545,20 +545,21 @@ class Engine:
         d_logits = self.draft_logits(s.draft_block, draft_cache)
         s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
         out_pos = s.out_len.long()
-        if params.greedy:  # chain = q's argmax (ties: the lower id); build_tree_fused finds it with the candidates
-            q = torch.softmax(d_logits.float(), -1)  # unless the planner needs it first (the same token either way)
-            chain = q.argmax(-1) if self.budget == "auto" else None
+        if params.greedy:  # chain = q's argmax (ties: the lower id): build_tree_fused finds it with the candidates
+            q, chain = torch.softmax(d_logits.float(), -1), None
         else:
             q, d_ids = draft_distribution(d_logits, params)
             chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device), d_ids,
                            impl=self.impl)
-        if self.budget == "auto":  # the chain's confidence over the planner chain's slots (_spec_step)
-            p_conf = q if params.greedy else self._conf_probs(d_logits, q, params)
-            s.conf.copy_(chain_confidence(p_conf.gather(-1, chain[..., None])[:, : s.verify_size - 1, 0]))
         # one Triton program per row builds the tree, its ancestor mask and bits (dspine.ops.tree_build), after
         # the per-depth candidates (two more launches); bits [B, N] int64: the tree attention's mask and the verify's ancestors
         tree = build_tree_fused(s.anchor, q, N, chain_tokens=chain, impl=self.impl,
                                 chain_first=self.chain_first(params))
+        if self.budget == "auto":  # the chain's confidence (_spec_step; with trees the planner's chain is the
+            # block's K slots): q of the chain tokens comes with the candidates, except under a draft temperature
+            p_chain = (tree.chain_q if params.greedy or params.draft_temperature is None else
+                       self._conf_probs(d_logits, q, params).gather(-1, chain[..., None])[..., 0])
+            s.conf.copy_(chain_confidence(p_chain))
         bits = tree.bits
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths, tree_bits=bits,

@@ -72,7 +72,8 @@ def test_every_finished_point_is_on_disk(tmp_path, monkeypatch):
 
 
 def test_switch_runs_the_chain_and_the_tree_in_turn(monkeypatch, capsys):
-    """--switch N: planner_tree runs the tree of N nodes alone, planner_switch the chain and that tree in turn
+    """--switch N: tree runs the fixed tree of N nodes (no planner), planner_tree that tree as the planner's only
+    mode, planner_switch the chain and that tree in turn
     (Engine.plan_schedule, every step through the planner's loop); switch_over_mean is its ms per step over the
     mean of the two alone."""
     from benchmarks.engine import bench_planner_loop
@@ -87,6 +88,8 @@ def test_switch_runs_the_chain_and_the_tree_in_turn(monkeypatch, capsys):
             reports.setdefault("switch", []).append(self.planner_report)
         elif self.budget == "auto" and [m[0] for m in self.plan_modes] == ["tree"]:
             reports.setdefault("tree", []).append(self.planner_report)
+        elif self.budget is None and self.verify == "tree":  # the fixed tree: the plain loop, no planner
+            reports.setdefault("fixed_tree", []).append(self.tree_budget)
         return out
 
     monkeypatch.setattr(Engine, "generate", keep)
@@ -105,7 +108,9 @@ def test_switch_runs_the_chain_and_the_tree_in_turn(monkeypatch, capsys):
         assert set(steps) == {chain, "tree6"} and abs(steps[chain] - steps["tree6"]) <= 1 and steps["tree6"] >= 4
     for rep in reports["tree"]:
         assert {k: v["steps"] > 0 for k, v in rep.items()} == {"tree6": True}
-    assert p["planner_tree"]["tokens"] == p["planner_switch"]["tokens"] == 9
+    assert p["planner_tree"]["tokens"] == p["planner_switch"]["tokens"] == p["tree"]["tokens"] == 9
+    assert reports["fixed_tree"] == [6, 6]  # warm-up and timed call of the fixed tree of 6
+    assert p["planner_tree_over_tree"] == pytest.approx(p["planner_tree"]["tok_per_s"] / p["tree"]["tok_per_s"])
     # a run too short to alternate (one decode step: the chain only) reports no switching cost
     short = bench_planner_loop.run(bench_planner_loop.build_parser().parse_args(
         ["--tiny", "--device", "cpu", "--batches", "1", "--temperatures", "0", "--context", "4", "--new", "2",

@@ -434,6 +434,9 @@ def test_engine_tree_step_counts_the_chains_accepted_tokens(stories_dir, stories
         live = [b for b in range(slots.B) if not slots.done[b]]
         tree_step(slots, kv, draft_cache, params, N)
         chain = drafted["logits"].argmax(-1)  # [B, K]
+        # the planner's confidence: the chain's E[tau] from q of the argmax (with trees the chain is the block's)
+        top = torch.softmax(drafted["logits"].float(), -1).max(-1).values
+        assert torch.equal(slots.conf, 1.0 + top.cumprod(-1).sum(-1))
         for b in live:
             seq, start = full[eng.slot_owner[b]], int(drafted["start"][b])
             n = 0

@@ -56,6 +56,13 @@ def check(kind, B, K, V, N, seed, device, chain_first=True):
     want.bits = ancestor_bits(want.anc)
     got = build_tree_fused(anchor, q, N, chain, impl="triton", chain_first=chain_first)
     assert_same(got, want)
+    # chain_q: q at the chain tokens (given, else the argmax), bit for bit, from both builders (the planner's
+    # confidence reads it: infer.engine.Engine._tree_step)
+    chain_tok = q.argmax(-1) if chain is None else chain
+    q_chain = q.gather(-1, chain_tok[..., None])[..., 0]
+    ref = build_tree_fused(anchor, q, N, chain, impl="torch", chain_first=chain_first)
+    for tree in (got, ref):
+        assert tree.chain_q.dtype == torch.float32 and torch.equal(tree.chain_q, q_chain)
     return got, want
 
 

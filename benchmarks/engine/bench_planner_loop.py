@@ -16,8 +16,9 @@ requests as slots (one wave: every slot busy from the first step). For each batc
 - ``planner_ar_immediate``: the same with ``defer_ar_append = False`` (the draft-context append in every AR
   step, as before the deferral);
 - ``planner_chain``: ``budget="auto"`` with the chain as its only mode;
-- with ``--switch N`` also ``planner_tree``: the tree of N nodes as the only mode, and ``planner_switch``: the chain
-  and that tree in turn, step after step (``Engine.plan_schedule``: the planner's loop with no decision). Its ms per
+- with ``--switch N`` also ``tree``: the fixed tree of N nodes (the plain pipelined loop), ``planner_tree``: that tree
+  as the planner's only mode (``planner_tree_over_tree``, as ``planner_chain_over_chain``), and ``planner_switch``: the
+  chain and that tree in turn, step after step (``Engine.plan_schedule``: the planner's loop with no decision). Its ms per
   step ÷ the mean of ``planner_chain``'s and ``planner_tree``'s (``switch_over_mean``) is what alternating the two
   step graphs costs beyond the steps themselves (the mean weighted by the steps of each mode the switch runs made;
   ``None`` where either ran fewer than ``SWITCH_MIN_STEPS``) (issue 16: on the H200 the planner's steps took 1.7-2.6% longer than
@@ -55,7 +56,7 @@ from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
 
 CONFIGS = ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_chain")
-SWITCH_CONFIGS = ("planner_tree", "planner_switch")  # --switch N
+SWITCH_CONFIGS = ("tree", "planner_tree", "planner_switch")  # --switch N
 SWITCH_MIN_STEPS = 4  # steps of each mode a planner_switch run needs for switch_over_mean
 
 
@@ -121,6 +122,9 @@ def run(args) -> dict:
             eng.defer_ar_append = defer
             planners[name] = eng
         engines = {"ar": fixed, "chain": fixed, **planners}
+        if args.switch:  # the fixed tree: no planner, the plain pipelined loop
+            engines["tree"] = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new,
+                                     verify="tree", tree_budget=args.switch)
         planners.clear()
         for temperature in args.temperatures:
             params = params_for(temperature, args.new)
@@ -150,6 +154,7 @@ def run(args) -> dict:
             point["planner_ar_immediate_over_ar"] = point["planner_ar_immediate"]["tok_per_s"] / point["ar"]["tok_per_s"]
             point["planner_chain_over_chain"] = point["planner_chain"]["tok_per_s"] / point["chain"]["tok_per_s"]
             if args.switch:  # alternating the two step graphs against the two alone, weighted by the steps each ran
+                point["planner_tree_over_tree"] = point["planner_tree"]["tok_per_s"] / point["tree"]["tok_per_s"]
                 n_chain = switch_steps.get(f"chain{chain[1]}", 0)
                 n_tree = switch_steps.get(f"tree{tree[1]}", 0)
                 point["switch_steps"] = {"chain": n_chain, "tree": n_tree}
@@ -166,6 +171,7 @@ def run(args) -> dict:
                 for n in configs) + f"; planner_ar/ar {point['planner_ar_over_ar']:.3f} (immediate append "
                 f"{point['planner_ar_immediate_over_ar']:.3f}), planner_chain/chain "
                 f"{point['planner_chain_over_chain']:.3f}"
+                + (f", planner_tree/tree {point['planner_tree_over_tree']:.3f}" if args.switch else "")
                 + (f", switch/mean {point['switch_over_mean']:.3f}" if point.get("switch_over_mean") else ""),
                 flush=True)
         engines.clear()

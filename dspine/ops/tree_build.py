@@ -436,7 +436,8 @@ def build_tree_triton(anchor, q, budget, chain_tokens=None, num_warps: int | Non
             # with 4; N = 16 equal), sm_90: no spills
             num_warps=num_warps or (8 if max(bm * bw, bk * bm, bn * bn) >= 1024 else 4),
         )  # fmt: skip
-    return Tree(tokens=tokens, parent=parent, depth=depth, chain=chain, anc=anc, bits=bits)
+    # column 0 holds the chain token (given, or the argmax) and qv its q, bit for bit
+    return Tree(tokens=tokens, parent=parent, depth=depth, chain=chain, anc=anc, bits=bits, chain_q=qv[..., 0])
 
 
 def build_tree_torch(anchor, q, budget, chain_tokens=None, chain_first: bool = True) -> Tree:
@@ -444,6 +445,8 @@ def build_tree_torch(anchor, q, budget, chain_tokens=None, chain_first: bool = T
     _check(anchor, q, budget, chain_tokens)
     tree = build_tree(anchor, q, budget, chain_tokens, chain_first=chain_first)
     tree.bits = ancestor_bits(tree.anc)
+    chain_tok = q.argmax(-1) if chain_tokens is None else chain_tokens
+    tree.chain_q = q.gather(-1, chain_tok[..., None])[..., 0]
     return tree
 
 
@@ -454,7 +457,8 @@ def build_tree_fused(anchor, q, budget, chain_tokens=None, impl: str = "triton",
     budget N (a Python int, 2..64, root included); chain_tokens ``[B, K]`` int64 with values in [0, V)
     (default ``q.argmax(-1)``; not checked: that would sync the host inside the engine's CUDA graph);
     chain_first: keep the chain path first (``dspine.tree.build_tree``); False: every node by its score alone.
-    Returns ``dspine.tree.Tree`` with ``bits`` set. Raises ValueError on shapes, dtypes, a non-int budget,
+    Returns ``dspine.tree.Tree`` with ``bits`` and ``chain_q`` (``[B, K]`` fp32: q of the chain token at each depth,
+    the values the tree's scores were built from) set. Raises ValueError on shapes, dtypes, a non-int budget,
     N, K out of range or a chain_first that is not a bool.
     """
     check_impl(impl)
