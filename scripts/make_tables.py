@@ -91,7 +91,7 @@ def smollm2_section() -> list[str]:
                        "outputs are identical (tests/test_shipped_draft.py).")
         if r["backend"] == "cuda" and a.get("warmup") != "task" and any("ar" in t for t in r["tasks"]):
             out.append("Timed after the start-up warm-up only (before `--warmup task`): the first configuration of "
-                       "each task may carry a one-time cost, so these speedups are biased (Status and known gaps).")
+                       "each task may carry a one-time cost, so these speedups are biased (docs/status.md, the benchmark order bias).")
         out.append(f"Command: `{r['command']}`")
         if "-cpu-" in path.name:
             out.append("(Its `checkpoints/smollm2-135m-dspine` is the CPU-trained draft shipped until the GPU one replaced "
