@@ -30,7 +30,8 @@
 #             concurrency 1 and 8, fast at 32 and 64 -> results/planner-slope-h200-{fast,exact}-T0-c*.json and
 #             their points (planner_points.py) -> results/planner-slope-h200.json                  ~14
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
-#             against each alone, batch 1 and 8, T=0) -> results/planner-switch-h200.json                ~2
+#             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
+#             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
 #   tables    scripts/make_tables.py (README results block)
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results).
