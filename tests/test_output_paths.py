@@ -92,3 +92,20 @@ def test_gguf_metadata_parsed_once_per_unchanged_file(tmp_path, monkeypatch):
     assert load(str(f), model_to_load=object())["config"] == {"n": 3}
     f.write_bytes(b"xy")  # another size: parsed again
     assert load(str(f))["config"] == {"n": 4} and len(calls) == 4
+
+
+@pytest.mark.parametrize("script,args", [
+    ("bench_prefill", ["--tiny", "--device", "cpu"]),
+    ("planner_points", ["results/planner-default-h200-T0-c1.json"]),
+    ("tree_lead_fit", ["results/planner-default-h200-T0-c1.json"]),
+])
+def test_benchmark_analyses_refuse_an_empty_output_name(script, args, capsys):
+    """An empty --output name is a usage error before any work (these used to skip it and write nothing)."""
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.engine.{script}").main
+    try:
+        code = main([*args, "--output", ""])  # the analyses return 2 with "error: ..."
+    except SystemExit as e:  # bench_prefill: argparse's usage error
+        code = e.code
+    assert code == 2 and "--output: give a file name" in capsys.readouterr().err

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.bench_draft_step import TARGETS, random_target  # noqa: E402
 from dspine.ops import sdpa as sdpa_mod  # noqa: E402
-from dspine.paths import check_output_file  # noqa: E402
+from dspine.paths import output_arg  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
@@ -169,11 +169,7 @@ def main(argv=None) -> int:
         ap.error(f"--device {args.device!r}: the engine runs on cuda or cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: no CUDA GPU is visible (use --device cpu --tiny for a smoke run)")
-    if args.output:
-        try:
-            check_output_file("--output", args.output, args.overwrite)
-        except ValueError as e:
-            ap.error(str(e))
+    output_arg(ap, args)  # an empty --output name is refused, not skipped
     runs = {}
     for s in settings:
         cmd = [sys.executable, __file__, "--setting", s, "--device", args.device, "--lengths", str(args.lengths),
@@ -200,7 +196,7 @@ def main(argv=None) -> int:
                 print(k, r[k], sep="\n", flush=True)
     res = {**provenance(), "device": args.device, "target": "tiny" if args.tiny else "smollm2 (random bf16)",
            "lengths": args.lengths, "max_len": args.max_len, "runs": runs}
-    if args.output:
+    if args.output is not None:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(res, indent=1))
     return 0 if all("error" not in r for r in runs.values()) else 1

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                  "note": "CPU analysis of the runs in the files (each file's own commit, GPU and command inside it)",
                  "points": {}}  # fmt: skip
     try:
-        if args.output:
+        if args.output is not None:  # an empty name is refused, not skipped
             check_output_file("--output", args.output, args.overwrite)
         seen: dict[Path, str] = {}
         for f in args.files:  # one point per file: the same file twice would be merged into one silently
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.output:
+    if args.output is not None:
         atomic_write_json(args.output, res)
     return 0
 

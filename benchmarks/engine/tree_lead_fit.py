@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                  "files": {}}
     trees = args.trees.split(",")
     try:
-        if args.output:  # before any work
+        if args.output is not None:  # before any work; an empty name is refused, not skipped
             check_output_file("--output", args.output, args.overwrite)
         for f in args.files:
             try:
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.output:
+    if args.output is not None:
         atomic_write_json(Path(args.output), res, indent=1)
     return 0
 
