@@ -45,6 +45,7 @@ from dspine.ops.argmax_prob import argmax_prob
 from dspine.ops.defer import defer_features
 from dspine.ops.lm_head import lm_head as lm_head_op
 from dspine.ops.lm_head import pick as pick_lm_head
+from dspine.ops.plan_stats import plan_stats
 from dspine.ops.tree_build import build_tree_fused
 from dspine.ops.tree_verify import verify_tree_greedy, verify_tree_sample
 from dspine.reference import check_prompts, request_seeds
@@ -58,7 +59,7 @@ from dspine.sampling import (
 )
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
-from dspine.tree import chain_accepted, node_uniforms, path_nodes
+from dspine.tree import node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import DRAIN_MODELS, StepPlanner
@@ -85,7 +86,7 @@ class _Slots:
     no_draft      [B] int32   zeros: "0 accepted" for the autoregressive commit
     offsets       [verify_size] int64  0 .. verify_size - 1 (static: no arange launch per step)
     conf          [B] fp32    planner only: the draft's confidence of the last speculative step, expected
-                              committed tokens of its chain (:func:`chain_confidence`); stale after an AR step
+                              committed tokens of its chain (``dspine.ops.plan_stats.chain_confidence``); stale after an AR step
     chain_acc     [B] int32   planner only: draft tokens the chain would have accepted in the last tree step
                               (the chain nodes on its accepted path, :meth:`Engine._tree_step`); stale after
                               any other step
@@ -135,18 +136,6 @@ class _Slots:
             self.pend_feats = torch.zeros(B * F_ + 1, width, dtype=dtype, device=device)
             self.pend_count = torch.zeros(B, dtype=i32, device=device)
             self.pend_lengths = torch.zeros(B, dtype=i32, device=device)
-
-
-def chain_confidence(p: torch.Tensor) -> torch.Tensor:
-    """Expected committed tokens of a chain step if the target accepted like the draft predicts.
-
-    ``p [B, K]`` fp32: the draft's probability of its own token at slots 1..K (at T = 0 the max
-    probability; at T > 0 the probability of the sampled token under the sampling distribution) ->
-    ``[B]`` fp32 ``1 + Σ_k Π_{j≤k} p_j`` (bonus token included): slot k is accepted iff slots 1..k are,
-    each with probability p_j if the target's next-token distribution were the draft's
-    (the chain's E[τ], e.g. Leviathan et al. 2023 eq. 1 with per-slot rates).
-    """
-    return 1.0 + p.cumprod(-1).sum(-1)
 
 
 class Engine:
@@ -472,7 +461,7 @@ class Engine:
                 # planner's greedy chain step ran 0.86 x the fixed chain's at batch 64 on the H200:
                 # results/planner-loop-h200.json, planner_chain_over_chain)
                 draft_tokens, p_top = argmax_prob(d_logits, impl=self.impl)
-                s.conf.copy_(chain_confidence(p_top))
+                plan_stats(p_top, s.conf, impl=self.impl)  # conf = chain_confidence(p_top) in one launch
             else:
                 draft_tokens = d_logits.argmax(-1)
             if sub:
@@ -483,8 +472,8 @@ class Engine:
             p_draft, d_ids = draft_distribution(d_logits, params)
             draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos, d_ids, impl=self.impl)
             if self.budget == "auto":
-                s.conf.copy_(chain_confidence(self._conf_probs(d_logits, p_draft, params)
-                                              .gather(-1, draft_tokens[..., None])[..., 0]))
+                plan_stats(self._conf_probs(d_logits, p_draft, params).gather(-1, draft_tokens[..., None])[..., 0],
+                           s.conf, impl=self.impl)
         torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
         positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
         t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths, exact=self.exact,
@@ -555,11 +544,6 @@ class Engine:
         # the per-depth candidates (two more launches); bits [B, N] int64: the tree attention's mask and the verify's ancestors
         tree = build_tree_fused(s.anchor, q, N, chain_tokens=chain, impl=self.impl,
                                 chain_first=self.chain_first(params))
-        if self.budget == "auto":  # the chain's confidence (_spec_step; with trees the planner's chain is the
-            # block's K slots): q of the chain tokens comes with the candidates, except under a draft temperature
-            p_chain = (tree.chain_q if params.greedy or params.draft_temperature is None else
-                       self._conf_probs(d_logits, q, params).gather(-1, chain[..., None])[..., 0])
-            s.conf.copy_(chain_confidence(p_chain))
         bits = tree.bits
         positions = s.lengths[:, None].long() + tree.depth
         t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths, tree_bits=bits,
@@ -586,8 +570,13 @@ class Engine:
                                                       node_uniforms(tree, s.seeds, out_pos), noise, impl=self.impl,
                                                       path_depth=Kp)
         live = s.done == 0
-        if self.budget == "auto":  # the paired observation of the chain (infer.planner, "Paired observations")
-            s.chain_acc.copy_(chain_accepted(tree.chain, path, a))
+        if self.budget == "auto":  # one launch (dspine.ops.plan_stats): the chain's confidence (_spec_step; with trees
+            # the planner's chain is the block's K slots; q of the chain tokens comes with the candidates, except under
+            # a draft temperature) and the paired observation of the chain (dspine.tree.chain_accepted; infer.planner,
+            # "Paired observations")
+            p_chain = (tree.chain_q if params.greedy or params.draft_temperature is None else
+                       self._conf_probs(d_logits, q, params).gather(-1, chain[..., None])[..., 0])
+            plan_stats(p_chain, s.conf, tree.chain, path, a, s.chain_acc, impl=self.impl)
         tok = tree.tokens.gather(1, path)
         if Kp < K:  # commit_step takes the block's K + 1 columns; those past depth a are never read
             tok = torch.cat([tok, tok.new_zeros(s.B, K - Kp)], 1)
@@ -1081,7 +1070,7 @@ class Engine:
         the bottleneck) and, on the CPU, where a step runs inside its launch call, the host time from
         launching j to launching j + 1; a step whose interval holds a prefill (a refill) is observed
         without a time.
-        Confidence: ``conf`` (:func:`chain_confidence`, written by the speculative steps on the device)
+        Confidence: ``conf`` (``dspine.ops.plan_stats.chain_confidence``, written by the speculative steps on the device)
         of the observed step, its mean over the rows observed, is passed to the next choice as the
         predicted committed tokens of every speculative mode (``infer.planner``, "Calibration"): the
         draft's view of a passage two steps old. After an AR step (no draft ran) or with no such row the

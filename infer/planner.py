@@ -13,7 +13,7 @@ uses it after calibrating it online against what each mode realized ("Calibratio
 The engine (``--budget auto``) gives, after every speculative step, one value for every
 speculative mode: the mean over the step's live rows of the expected committed tokens of the draft's
 chain, ``1 + Σ_k Π_{j≤k} p_j`` (p_j the draft's probability of its own token at slot j, the argmax's at
-T = 0; ``infer.engine.chain_confidence``), written inside the step (CUDA graph) and read with the
+T = 0; ``dspine.ops.plan_stats.chain_confidence``), written inside the step (CUDA graph) and read with the
 ``out_len`` the loop already copies, so no extra sync. The engine's loop is pipelined (it chooses and
 launches step k + 1 before it reads what step k did, so the host's work overlaps the device's), so the
 value is two steps old (the block drafted then stands for the next) and the trees get the chain's value (a tree

@@ -1,5 +1,5 @@
 """The planner's confidence input (``Engine(budget="auto")``): the draft's chain confidence written by the
-speculative steps (``infer.engine.chain_confidence``), and the planner loop passing it to ``choose``."""
+speculative steps (``dspine.ops.plan_stats.chain_confidence``), and the planner loop passing it to ``choose``."""
 
 from __future__ import annotations
 
@@ -275,3 +275,15 @@ def test_tree_step_counts_the_chain_on_the_gpu(stories_dir, stories, temperature
     oracle = None if graphs else (stories[0], 0.3)
     _check_chain_accepted(stories_dir, stories[2], temperature, oracle, device="cuda", impl="triton",
                           cuda_graphs=graphs)
+
+
+def test_tree_step_counts_the_chain_with_the_triton_kernels_interpreted(stories_dir, stories):  # noqa: F811
+    """The same through the Triton kernels in the interpreter (CPU, T = 0; about 30 s): the tree step's one-launch
+    bookkeeping (``dspine.ops.plan_stats``: confidence and chain count) and the chain step's, with the oracle
+    draft."""
+    import tests.kernel_env as env
+
+    if not env.TRITON_CPU:
+        pytest.skip(str(env.TRITON_CPU_SKIP))
+    got = _check_chain_accepted(stories_dir, stories[2], 0.0, oracle=(stories[0], 0.3), impl="triton")
+    assert len(set(got.tolist())) >= 2, got

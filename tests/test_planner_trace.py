@@ -8,8 +8,8 @@ import torch
 
 from benchmarks.reference import planner_trace as pt
 from dspine.checkpoint import save_draft
+from dspine.ops.plan_stats import chain_confidence
 from dspine.target import load_target
-from infer.engine import chain_confidence
 from infer.planner import StepPlanner
 from tests.conftest import shared_path
 from tests.helpers import random_draft

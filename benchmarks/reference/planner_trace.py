@@ -16,7 +16,7 @@ at every anchor). Per anchor it stores
 - ``tree<N>``: accepted depth of the engine's best-first tree of N nodes (``dspine.tree.build_tree(chain_first=False)``,
   verified by ``dspine.ops.tree_verify.verify_tree_greedy``), and ``pair<N>``: the chain nodes on its accepted path
   (what ``infer.engine.Engine._decode_planned`` gives the planner as the chain's paired observation);
-- ``conf``: the draft's chain confidence ``infer.engine.chain_confidence`` of the argmax probabilities (what the engine
+- ``conf``: the draft's chain confidence ``dspine.ops.plan_stats.chain_confidence`` of the argmax probabilities (what the engine
   gives the planner after a speculative step at T = 0).
 
 ``replay``: drives ``infer.planner.StepPlanner`` over each task's prompts as ``Engine._decode_planned`` does at the
@@ -64,9 +64,9 @@ def anchor_table(q: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, b
         budgets: tree sizes N (nodes, root included).
     Returns ``{"chain": [A], "conf": [A], "tree<N>": [A], "pair<N>": [A]}`` as lists (module docstring).
     """
+    from dspine.ops.plan_stats import chain_confidence
     from dspine.ops.tree_verify import verify_tree_greedy
     from dspine.tree import build_tree
-    from infer.engine import chain_confidence
 
     A, K, _ = q.shape
     top = q.max(-1)

@@ -6,7 +6,7 @@ in fp32 (the online-softmax recurrence of Milakov & Gimelshein 2018: a running m
 whenever the max grows).
 
 Why: with ``--budget auto`` at T = 0 the engine needs the draft's argmax (its tokens) and that token's
-probability (``chain_confidence``) at every draft slot, ``R = B·15`` rows of V = 49,152 (SmolLM2) to
+probability (``dspine.ops.plan_stats.chain_confidence``) at every draft slot, ``R = B·15`` rows of V = 49,152 (SmolLM2) to
 151,936 (Qwen3). The torch path, ``argmax`` plus ``softmax(x, dtype=float32).amax``, reads the bf16 logits
 three to four times and writes and reads an fp32 copy, about 7 passes of R·V·2 bytes; the kernel reads
 them once. On the H200 the planner's greedy chain step ran 0.86 × the fixed chain's at batch 64 with the

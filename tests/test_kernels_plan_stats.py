@@ -1,0 +1,76 @@
+"""The planner's per-step bookkeeping in one launch (``dspine.ops.plan_stats``): the chain's confidence equals
+``chain_confidence`` within fp32 rounding and the chain's accepted count after a tree step equals
+``dspine.tree.chain_accepted`` exactly, on real trees and paths (best first and chain first, every accept depth,
+a strided p as the tree builder hands it over, B = 0); bad inputs raise by name."""
+
+import tests.kernel_env as env  # noqa: I001  (must precede the kernel imports)
+
+import pytest
+import torch
+
+from dspine.ops.plan_stats import chain_confidence, plan_stats
+from dspine.ops.tree_build import build_tree_fused
+from dspine.tree import chain_accepted, path_nodes
+
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(not env.TRITON_CPU, reason=str(env.TRITON_CPU_SKIP)))
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not env.HAS_CUDA, reason="no CUDA")])
+
+
+def _tree_case(B, K, V, N, chain_first, seed, device):
+    """A best-first (or chain-first) tree from a random draft and a path to a random node of every row (its depth
+    a)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(3 * torch.randn(B, K, V, generator=g), -1).to(device)
+    tree = build_tree_fused(torch.arange(B, device=device), q, N, impl="torch", chain_first=chain_first)
+    last = torch.randint(0, N, (B,), generator=g).to(device)
+    if B > 1:
+        last[0] = 0  # the root: a = 0
+    if B > 2:  # the deepest chain node: the chain's whole run
+        last[1] = torch.where(tree.chain[1], tree.depth[1], -1).argmax()
+    a = tree.depth[torch.arange(B, device=device), last].to(torch.int32)
+    Kp = min(K, N - 1)
+    return tree, path_nodes(tree, last, Kp), a
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("B,K,V,N,chain_first", [(5, 15, 300, 32, False), (4, 15, 300, 16, True), (3, 7, 50, 8, False),
+                                                 (2, 1, 20, 2, True), (6, 31, 100, 64, False)])
+def test_plan_stats_kernel_is_the_torch_reference(device, B, K, V, N, chain_first):
+    for seed in range(3):
+        tree, path, a = _tree_case(B, K, V, N, chain_first, seed, device)
+        wide = torch.zeros(B, K, 3, device=device)  # strided as the Triton builder's chain_q (a column of [B, K, W])
+        wide[..., 0] = tree.chain_q
+        p = wide[..., 0]
+        state = torch.full((2 * B,), -7, dtype=torch.int32, device=device)  # views as in the engine's state buffer
+        conf, acc = state[:B].view(torch.float32), state[B:]
+        plan_stats(p, conf, tree.chain, path, a, acc, impl="triton")
+        want_acc = chain_accepted(tree.chain, path, a)
+        assert torch.equal(acc, want_acc), (acc, want_acc)
+        torch.testing.assert_close(conf, chain_confidence(p), rtol=2e-6, atol=0)
+        ref_conf, ref_acc = torch.zeros(B, device=device), torch.zeros(B, dtype=torch.int32, device=device)
+        plan_stats(p, ref_conf, tree.chain, path, a, ref_acc, impl="torch")
+        assert torch.equal(ref_acc, want_acc) and torch.equal(ref_conf, chain_confidence(p))
+        if B > 2:  # the root's path: nothing accepted; the chain's deepest node: all its chain nodes
+            assert int(acc[0]) == 0 and int(acc[1]) == int(tree.depth[1][tree.chain[1]].max())
+        # the chain step: conf only, the other half of the state untouched
+        before = acc.clone()
+        conf.zero_()
+        plan_stats(p.contiguous(), conf, impl="triton")
+        torch.testing.assert_close(conf, chain_confidence(p), rtol=2e-6, atol=0)
+        assert torch.equal(acc, before)
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_plan_stats_edge_values_and_errors(device):
+    p = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.5, 0.5, 0.5]], device=device)
+    conf = torch.zeros(3, device=device)
+    plan_stats(p, conf, impl="triton")
+    assert conf.tolist() == [4.0, 1.0, 1.875]  # 1 + 3; 1 + 0; 1 + 0.5 + 0.25 + 0.125
+    plan_stats(torch.zeros(0, 4, device=device), torch.zeros(0, device=device), impl="triton")  # B = 0: nothing
+    with pytest.raises(ValueError, match="p \\[B, K\\] fp32"):
+        plan_stats(p.double(), conf)
+    with pytest.raises(ValueError, match="go together"):
+        plan_stats(p, conf, chain=torch.zeros(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="chain must be"):
+        plan_stats(p, conf, torch.zeros(3, 4, dtype=torch.bool), torch.zeros(3, 2, dtype=torch.int64),
+                   torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int64))
