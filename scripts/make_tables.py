@@ -30,6 +30,128 @@ def fmt(x, nd=2):
     return "–" if x is None else f"{x:.{nd}f}"
 
 
+def _link(name: str) -> str:
+    return f"[`{name}`](results/{name})"
+
+
+def glance_section() -> list[str]:
+    """One row per goal of the open and closed issues: the goal, the measured value, whether it is met, the file.
+    A row whose file is missing is left out; every number is read from the file named in its row."""
+    rows: list[tuple[str, str, str, str, str]] = []  # (what, goal, measured, met, file)
+
+    def met(ok: bool) -> str:
+        return "yes" if ok else "**no**"
+
+    for name, conc, goal_sp in (("smollm2-h200-shipped-T0-c1.json", 1, 2.0), ("smollm2-h200-shipped-T0-c8.json", 8, 1.4)):
+        r = load(name)
+        if r:
+            s = next(iter(r["summary"].values()))
+            lo, hi = s["mean_tau_ci95"]
+            if conc == 1:
+                rows.append(("SmolLM2, shipped draft: τ at T = 0", "≥ 3", f"{s['mean_tau']:.2f} [{lo:.2f}, {hi:.2f}]",
+                             met(s["mean_tau"] >= 3), name))
+            rows.append((f"SmolLM2, shipped draft: speedup over AR, T = 0, concurrency {conc}", f"≥ {goal_sp:g}×",
+                         f"{s['mean_speedup']:.2f}×", met(s["mean_speedup"] >= goal_sp), name))
+    r, tr = load("smollm2-h200-shipped-T1-c1.json"), load("smollm2-h200-shipped-tree-T1-c1.json")
+    if r:
+        s = next(iter(r["summary"].values()))
+        extra = f"; `--verify tree` of 32: {tr['summary']['tree']['mean_tau']:.2f}" if tr else ""
+        rows.append(("SmolLM2, shipped draft: τ at T = 1, concurrency 1", "≥ 2.5",
+                     f"{s['mean_tau']:.2f} (chain){extra}", met(s["mean_tau"] >= 2.5),
+                     "smollm2-h200-shipped-T1-c1.json" + (", smollm2-h200-shipped-tree-T1-c1.json" if tr else "")))
+    k = load("smollm2-kv2seeds-h200.json")
+    if k:
+        cells = []
+        for c in k["comparisons"]:
+            a = c["variants"]["kv"]["all_seeds"]
+            cells.append(f"T = {c['temperature']:g}: {100 * a['rel']:+.1f}% [{100 * a['rel_ci95'][0]:+.1f}, "
+                         f"{100 * a['rel_ci95'][1]:+.1f}]")
+        ok = all(c["variants"]["kv"]["all_seeds"]["rel"] >= k["goal_rel"] for c in k["comparisons"])
+        rows.append(("DSpine (`kv`) ÷ DFlash − 1 in τ, equal data and steps, two seeds", f"≥ +{100 * k['goal_rel']:g}%",
+                     "; ".join(cells), met(ok), "smollm2-kv2seeds-h200.json"))
+    e = load("engine-smollm2-h200.json")
+    if e:
+        cells, worst = [], 0.0
+        for shape, label in (("smollm2", "SmolLM2"), ("qwen3-8b", "Qwen3-8B shape")):
+            v = [e["shapes"][shape][b]["dspine_kv_step_over_dflash_step"] for b in ("batch1", "batch8")]
+            worst = max(worst, *v)
+            cells.append(f"{label} {v[0]:.3f} / {v[1]:.3f}")
+        rows.append(("DSpine (`kv`) step ÷ DFlash step in the engine, batch 1 / 8", "≤ 1.03", "; ".join(cells),
+                     met(worst <= 1.03), "engine-smollm2-h200.json"))
+    v = load("verify-h200.json")
+    if v:
+        rows.append(("Tree τ ÷ chain τ, T = 0, concurrency 1", "≥ 1.3", f"{v['tree_tau_over_chain_tau']:.2f}",
+                     met(v["tree_tau_over_chain_tau"] >= 1.3), "verify-h200.json"))
+        rows.append(("Tree tok/s ÷ chain tok/s, T = 0, concurrency 1", "≥ 1.15", f"{v['tree_speedup_over_chain']:.2f}",
+                     met(v["tree_speedup_over_chain"] >= 1.15), "verify-h200.json"))
+        pts = v.get("planner") or []
+        if pts:
+            good = sum(p["planner_over_best_static"] >= 0.98 for p in pts)
+            low = min(pts, key=lambda p: p["planner_over_best_static"])
+            below_ar = [p for p in pts if p["planner_over_ar"] < 1]
+            rows.append(("Planner (`--budget auto`) ÷ the best fixed mode, concurrency 1-64 × T 0, 1",
+                         "≥ 0.98, never below AR",
+                         f"{good} of {len(pts)} points ≥ 0.98, lowest {low['planner_over_best_static']:.3f} "
+                         f"(concurrency {low['concurrency']}, T = {low['temperature']:g}); below AR at {len(below_ar)} "
+                         f"(lowest {min(p['planner_over_ar'] for p in pts):.3f} × AR)",
+                         met(good == len(pts) and not below_ar), "verify-h200.json"))
+    cells, files, vals = [], [], []
+    for name, mode in (("planner-default-h200.json", "fast"), ("planner-default-exact-h200.json", "exact")):
+        d = load(name)
+        if d:  # planner_points.py over infer.bench runs: label p is the planner with the defaults of its commit
+            pts = sorted(d["points"].values(), key=lambda p: p["concurrency"])
+            vals += [p["planner_over_best_fixed"]["p"] for p in pts]
+            cells.append(f"{mode} " + " / ".join(f"{p['planner_over_best_fixed']['p']:.3f}" for p in pts) + " at concurrency "
+                         + " / ".join(str(p["concurrency"]) for p in pts))
+            files.append(name)
+    if vals:
+        commit = (load(files[0]) or {}).get("commit", "?")[:7]
+        rows.append((f"Planner, trees of 16 and 32 (the default trees now; measured at {commit}, before "
+                     "`conf_slope=auto`), T = 0, ÷ the best fixed mode of the same run", "≥ 0.98",
+                     "; ".join(cells), met(min(vals) >= 0.98), ", ".join(files)))
+    x = load("exact-h200.json")
+    if x:
+        same = sum(r["identical"] for r in x["runs"])
+        total = sum(r["compared"] for r in x["runs"])
+        worst = max(x["exact_over_fast"].values())
+        rows.append(("`--exact`: greedy bf16 output bitwise equal to the engine's AR output", "all",
+                     f"{same} / {total} outputs", met(same == total), "exact-h200.json"))
+        rows.append(("`--exact` step ÷ fast step, Qwen3-8B shape, batch 1 and 8", "≤ 1.05", f"at most {worst:.3f}",
+                     met(worst <= 1.05), "exact-h200.json"))
+    g = load("engine-h200.json")
+    if g:
+        b1, b8 = g["batch1"], g["batch8"]
+        rows += [
+            ("Qwen3-8B shape: AR batch 1 ÷ the bandwidth floor", "≥ 0.85", f"{b1['ar_fraction_of_floor']:.4f} "
+             f"({b1['ar_tok_per_s']:.0f} tok/s)", met(b1["ar_fraction_of_floor"] >= 0.85), "engine-h200.json"),
+            ("Qwen3-8B shape: spec step ÷ AR step, batch 1 / 8", "≤ 1.20 / 1.35",
+             f"{b1['spec_step_over_ar_step']:.2f} / {b8['spec_step_over_ar_step']:.2f}",
+             met(b1["spec_step_over_ar_step"] <= 1.20 and b8["spec_step_over_ar_step"] <= 1.35), "engine-h200.json"),
+            ("Qwen3-8B shape: oracle τ = 7 speedup, batch 1", "≥ 5.5×", f"{b1['oracle_speedup_tau7']:.2f}×",
+             met(b1["oracle_speedup_tau7"] >= 5.5), "engine-h200.json"),
+        ]
+        if b1.get("compiled_hf_tok_per_s"):
+            rows.append(("Qwen3-8B shape: transformers, static cache + `torch.compile`, batch 1", "reported",
+                         f"{b1['compiled_hf_tok_per_s']:.0f} tok/s (the engine's AR: {b1['ar_tok_per_s']:.0f})", "yes",
+                         "engine-h200.json"))
+    c = load("smollm2-continue4-h200.json")
+    if c and c.get("regen", {}).get("regen_stage_s"):
+        jobs = c["regen"]["jobs"]
+        toks = sum(j["tokens"] for n, j in jobs.items() if "train" in n)
+        rate = toks / c["regen"]["regen_stage_s"]
+        rows.append(("Regeneration, SmolLM2, one H200 (four sampled answer sets, start-ups included)", "≥ 60k tok/s",
+                     f"{rate / 1e3:.0f}k tok/s", met(rate >= 60e3), "smollm2-continue4-h200.json"))
+    if not rows:
+        return []
+    out = ["### Goals at a glance", "",
+           "Every goal the issues set, with the value of the file in its row (the tables below give each run in full; "
+           "docs/status.md says what is behind each open one).", "",
+           "| goal | target | measured | met | file |", "|---|---|---|---|---|"]
+    for what, goal, value, ok, names in rows:
+        out.append(f"| {what} | {goal} | {value} | {ok} | " + ", ".join(_link(n) for n in names.split(", ")) + " |")
+    return out + [""]
+
+
 def smollm2_section() -> list[str]:
     runs = sorted((p for p in RESULTS.glob("smollm2*-T*-c*.json")  # the arms' files: arms_section
                    if not p.stem.endswith("-divergence")
@@ -1331,7 +1453,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 
 def render() -> str:
     lines = [BEGIN, ""]
-    for section in (smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
+    for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
                     engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()

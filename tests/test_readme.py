@@ -87,3 +87,36 @@ def test_tables_survive_results_written_without_optional_keys(tmp_path, monkeypa
     assert "Fourth continuation (the shipped draft)" in text
     assert "| τ_real (eval prompts) | τ_sim_sample |" in text and "| 2.97 | 2.64 | 2.50 |" in text
     assert "| 2.90 | – |" in text  # an evaluation without it
+
+
+def test_goals_at_a_glance_read_their_files(tmp_path, monkeypatch):
+    """The goals table (make_tables.glance_section): each row's value is its file's, its verdict follows the
+    value, and a row whose file is missing is left out."""
+    import json
+    import shutil
+
+    sys.path.insert(0, str(ROOT))
+    from scripts import make_tables
+
+    res = tmp_path / "results"
+    res.mkdir()
+    for name in ("engine-h200.json", "verify-h200.json"):
+        shutil.copy(ROOT / "results" / name, res / name)
+    monkeypatch.setattr(make_tables, "RESULTS", res)
+    text = "\n".join(make_tables.glance_section())
+    e = json.loads((res / "engine-h200.json").read_text())
+    frac = e["batch1"]["ar_fraction_of_floor"]
+    row = next(x for x in text.splitlines() if "AR batch 1 ÷ the bandwidth floor" in x)
+    assert f"| {frac:.4f} (" in row and row.split(" | ")[3] == ("yes" if frac >= 0.85 else "**no**")
+    v = json.loads((res / "verify-h200.json").read_text())
+    assert f"| {v['tree_tau_over_chain_tau']:.2f} | " in text
+    good = sum(p["planner_over_best_static"] >= 0.98 for p in v["planner"])
+    assert f"{good} of {len(v['planner'])} points ≥ 0.98" in text
+    assert "shipped draft" not in text and "Regeneration" not in text  # their files are missing: no rows
+    e["batch1"]["ar_fraction_of_floor"] = 0.86
+    (res / "engine-h200.json").write_text(json.dumps(e))
+    row = next(x for x in "\n".join(make_tables.glance_section()).splitlines() if "bandwidth floor" in x)
+    assert "| 0.8600 (" in row and row.split(" | ")[3] == "yes"
+    (res / "engine-h200.json").unlink()
+    (res / "verify-h200.json").unlink()
+    assert make_tables.glance_section() == []
