@@ -60,10 +60,13 @@ def check_output_file(flag: str, path: str | Path, overwrite: bool) -> None:
     """Check, before any work, that the output file ``path`` of option ``flag`` can be written: not a folder,
     not an existing file unless ``overwrite``, its nearest existing parent a writable folder.
 
-    Raises ValueError naming ``flag`` and the path (an empty one: give a file name)."""
+    Raises ValueError naming ``flag`` and the path (an empty one: give a file name; one ending in a slash names a
+    folder)."""
     if not str(path).strip():  # Path("") is ".", a folder: say what is missing instead
         raise ValueError(f"{flag}: give a file name")
     p = Path(path)
+    if str(path).endswith(("/", os.sep)):  # Path() drops the slash: "out/" would become a file named "out"
+        raise ValueError(f"{flag} {path} names a folder (a trailing slash); give a file name")
     if p.is_dir():
         raise ValueError(f"{flag} {path} is a folder; give a file name")
     if p.exists() and not overwrite:

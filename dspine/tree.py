@@ -84,7 +84,7 @@ class Tree:
     anc: torch.Tensor  # [B, N, N] bool ancestor mask (:func:`ancestor_mask`)
     bits: torch.Tensor | None = None  # [B, N] int64 ancestor_bits(anc), when the builder made them
     # [B, K] fp32 q of the chain token at each depth 1..K (the chain's own draft probabilities, whether or not a
-    # best-first tree kept its deep nodes), when the builder made them (dspine.ops.tree_build)
+    # best-first tree kept its deep nodes), from the candidates (build_tree and dspine.ops.tree_build)
     chain_q: torch.Tensor | None = None
 
     @property
@@ -187,6 +187,7 @@ def build_tree(
         depth=torch.cat([zero, depth], 1),
         chain=torch.cat([zero == 0, chain.gather(1, pick) & real], 1),
         anc=ancestor_mask(parent),
+        chain_q=q.gather(-1, cand[..., :1])[..., 0],  # candidate column 0 is the chain token
     )
 
 

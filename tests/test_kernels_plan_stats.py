@@ -60,6 +60,32 @@ def test_plan_stats_kernel_is_the_torch_reference(device, B, K, V, N, chain_firs
         assert torch.equal(acc, before)
 
 
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_plan_stats_reads_and_writes_through_any_strides(device):
+    """Strided chain, path, num_accepted, conf and chain_acc (every other element of a larger tensor): the same
+    values as the torch reference, and the elements between the written ones untouched (fresh-clone review: the
+    first kernel took unit strides for all but p and the path's rows, and wrote over the neighbours)."""
+    B, K, V, N = 5, 7, 60, 16
+    tree, path, a = _tree_case(B, K, V, N, False, 11, device)
+    g = torch.Generator().manual_seed(1)
+    wide_chain = torch.zeros(B, 2 * N, dtype=torch.bool, device=device)
+    wide_chain[:, ::2] = tree.chain
+    wide_chain[:, 1::2] = torch.rand(B, N, generator=g).to(device) < 0.5  # noise between the real flags
+    chain = wide_chain[:, ::2]
+    wide_path = torch.full((B, path.shape[1], 3), 99, dtype=torch.int64, device=device)
+    wide_path[..., 1] = path
+    wide_a = torch.full((B, 2), 50, dtype=torch.int64, device=device)
+    wide_a[:, 0] = a
+    p = torch.rand(B, 2 * K, generator=g).to(device)[:, ::2]
+    conf_buf = torch.full((2 * B,), -3.0, device=device)
+    acc_buf = torch.full((3 * B,), -5, dtype=torch.int32, device=device)
+    conf, acc = conf_buf[::2], acc_buf[1::3]
+    plan_stats(p, conf, chain, wide_path[..., 1], wide_a[:, 0], acc, impl="triton")
+    assert torch.equal(acc, chain_accepted(tree.chain, path, a))
+    torch.testing.assert_close(conf, chain_confidence(p), rtol=2e-6, atol=0)
+    assert (conf_buf[1::2] == -3.0).all() and (acc_buf[0::3] == -5).all() and (acc_buf[2::3] == -5).all()
+
+
 @pytest.mark.parametrize("device", [CPU])
 def test_plan_stats_edge_values_and_errors(device):
     p = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.5, 0.5, 0.5]], device=device)
@@ -71,6 +97,8 @@ def test_plan_stats_edge_values_and_errors(device):
         plan_stats(p.double(), conf)
     with pytest.raises(ValueError, match="go together"):
         plan_stats(p, conf, chain=torch.zeros(3, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="chain must be"):
-        plan_stats(p, conf, torch.zeros(3, 4, dtype=torch.bool), torch.zeros(3, 2, dtype=torch.int64),
-                   torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int64))
+    chain, path = torch.zeros(3, 4, dtype=torch.bool), torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="chain must be"):  # chain_acc int64
+        plan_stats(p, conf, chain, path, torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="num_accepted \\[B\\] int32 or int64.*num_accepted torch.float32"):
+        plan_stats(p, conf, chain, path, torch.zeros(3), torch.zeros(3, dtype=torch.int32))

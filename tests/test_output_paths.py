@@ -19,6 +19,8 @@ def test_output_file_that_cannot_be_created_is_refused_first(tmp_path):
     check_output_file("--output-json", tmp_path / "r.json", True)
     with pytest.raises(ValueError, match="is a folder"):
         check_output_file("--plot", tmp_path, False)
+    with pytest.raises(ValueError, match="names a folder \\(a trailing slash\\)"):  # not yet a folder either
+        check_output_file("--output", f"{tmp_path}/nodir/", False)
     for empty in ("", " "):  # Path("") is ".", a folder: the message names what is missing instead
         with pytest.raises(ValueError, match="^--output: give a file name$"):
             check_output_file("--output", empty, False)

@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.bench_draft_step import TARGETS, random_target  # noqa: E402
+from dspine.io import atomic_write_json  # noqa: E402
 from dspine.ops import sdpa as sdpa_mod  # noqa: E402
 from dspine.paths import output_arg  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
@@ -196,9 +197,9 @@ def main(argv=None) -> int:
                 print(k, r[k], sep="\n", flush=True)
     res = {**provenance(), "device": args.device, "target": "tiny" if args.tiny else "smollm2 (random bf16)",
            "lengths": args.lengths, "max_len": args.max_len, "runs": runs}
-    if args.output is not None:
+    if args.output is not None:  # through a temp file and a rename: a run stopped mid-write leaves no half file
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(res, indent=1))
+        atomic_write_json(args.output, res, indent=1, allow_nan=True)
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 

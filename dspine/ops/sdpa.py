@@ -7,7 +7,7 @@ seen before took 87 ms to prefill against 18 ms for a repeated length; with cuDN
 memory-efficient or math, in torch's order) 15 ms and 10.5 ms (``first_run`` of
 results/prefill-h200.json; its main run, with this module, on a busier CPU: 22 against 101 ms;
 ``benchmarks/engine/bench_prefill.py``). Every request of a server has a new length, and so had every
-first pass of ``infer.bench`` over a task (its order effect, README "Status and known gaps").
+first pass of ``infer.bench`` over a task (its order effect, docs/status.md, the benchmark order bias).
 """
 
 from __future__ import annotations

@@ -445,8 +445,6 @@ def build_tree_torch(anchor, q, budget, chain_tokens=None, chain_first: bool = T
     _check(anchor, q, budget, chain_tokens)
     tree = build_tree(anchor, q, budget, chain_tokens, chain_first=chain_first)
     tree.bits = ancestor_bits(tree.anc)
-    chain_tok = q.argmax(-1) if chain_tokens is None else chain_tokens
-    tree.chain_q = q.gather(-1, chain_tok[..., None])[..., 0]
     return tree
 
 
