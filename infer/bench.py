@@ -34,8 +34,8 @@ from dspine.stats import AcceptStats
 
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
 # Engine.loop_profile, summed per task in the JSON (admit_device_s: CUDA only, the admissions' device time; admits:
-# how many admissions)
-PROFILE_KEYS = ("prefill_s", "launch_s", "wait_s", "host_s", "admit_device_s", "admits")
+# how many admissions; steps: the decode loop's steps, one per step of the whole batch)
+PROFILE_KEYS = ("prefill_s", "launch_s", "wait_s", "host_s", "admit_device_s", "admits", "steps")
 
 
 def parse_drafts(values: list[str] | None) -> dict[str, str]:
@@ -381,11 +381,13 @@ class Runner:
             if dec.planner_report is not None:  # the planner's choices, summed over the task's calls
                 for mode, e in dec.planner_report.items():
                     tot = self.planner_steps.setdefault(label, {}).setdefault(
-                        mode, {"steps": 0, "drain_steps": 0, "paired": 0, "observed": 0, "realized_tokens": 0.0})
+                        mode, {"steps": 0, "drain_steps": 0, "paired": 0, "observed": 0, "realized_tokens": 0.0,
+                               "timed_steps": 0, "timed_ms": 0.0})
                     tot.update(step_ms=e["step_ms"], measured_ms=e["measured_ms"], steps=tot["steps"] + e["steps"],
                                drain_steps=tot["drain_steps"] + e["drain_steps"], paired=tot["paired"] + e["paired"],
                                observed=tot["observed"] + e["observed"],
                                realized_tokens=tot["realized_tokens"] + e["realized_tokens"],
+                               timed_steps=tot["timed_steps"] + e["timed_steps"], timed_ms=tot["timed_ms"] + e["timed_ms"],
                                conf_slope=e["conf_slope"])  # the latest call's (StepPlanner.slope)
             prof = {k: dec.loop_profile.get(k, 0.0) for k in PROFILE_KEYS}
             return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt), prof

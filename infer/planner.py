@@ -551,6 +551,10 @@ class StepPlanner:
         self.last_seen: dict[Mode, int] = {m: 0 for m in costs}  # step of the latest observation
         self.ratio: dict[Mode, float | None] = {m: None for m in costs}  # measured ÷ table step time
         self.timed: Counter = Counter()  # step-time observations per mode
+        # this planner's own timed steps per mode and the sum of their times as measured (before clipping; timed counts
+        # those of earlier planners too, load_cost_state): report()'s mean step time
+        self.timed_steps: Counter = Counter()
+        self.timed_ms: Counter = Counter()
         self.first: dict[Mode, list[float]] = {m: [] for m in costs}  # prior ratio + the first 3 measured
         self.pred: dict[Mode, float | None] = {m: None for m in costs}  # mean predicted accepted tokens
         self.real: dict[Mode, float | None] = {m: None for m in costs}  # mean realized, same steps
@@ -789,6 +793,8 @@ class StepPlanner:
         if self.pending:
             _, est_ms, predicted, probe = self.pending.popleft()
         if ms is not None and ms > 0:
+            self.timed_steps[mode] += 1
+            self.timed_ms[mode] += ms
             before = est_ms / self.table[mode]  # the ratio used for this step
             x = ms / self.table[mode]
             # no other mode measured yet and fewer than FIRST_TIMED timings of this one: take x as it is
@@ -920,7 +926,7 @@ class StepPlanner:
 
     def report(self) -> dict:
         """``{mode name: {"steps", "drain_steps", "paired", "step_ms", "measured_ms", "tokens_per_step",
-        "calibration", "conf_slope", "observed", "realized_tokens"}}``, e.g. ``"tree32"``: ``steps`` the steps it ran (``drain_steps`` of them chosen while a
+        "calibration", "conf_slope", "observed", "realized_tokens", "timed_steps", "timed_ms"}}``, e.g. ``"tree32"``: ``steps`` the steps it ran (``drain_steps`` of them chosen while a
         drain was in force, whether or not it changed the choice: with one request it maps every mode to its
         own estimate, and before any chain step too when there is no prior), ``paired`` the paired observations it got from steps of other modes, ``step_ms`` the start-up table, ``measured_ms`` the online estimate (``None``: never
         timed), ``tokens_per_step`` the slow average (``None``: never run nor paired), ``calibration``
@@ -929,7 +935,11 @@ class StepPlanner:
         ``"auto"`` with no step fitted yet; a tree led by the chain takes the chain's slope, and its own, fitted only
         while it was not led, is reported only), ``observed`` the steps of it observed (:meth:`observe`) and
         ``realized_tokens`` the sum of their committed tokens per request: ``realized_tokens / observed`` is the mode's τ
-        in the steps the planner chose it for."""
+        in the steps the planner chose it for; ``timed_steps`` the steps of it this planner observed with a time (not those
+        of the planner whose cost model it loaded) and ``timed_ms``
+        the sum of those times as the caller measured them (unclipped): ``timed_ms / timed_steps`` is the mode's mean
+        step time in the planner's own decode (on the engine CUDA-event time, no step with a prefill), against a
+        fixed run of that mode."""
         costs = self.costs
         return {
             f"{m[0]}{m[1] if m[0] != 'ar' else ''}": {
@@ -944,6 +954,8 @@ class StepPlanner:
                                                                           or self.slope_steps[m]) else None),
                 "observed": self.observed[m],
                 "realized_tokens": self.realized[m],
+                "timed_steps": self.timed_steps[m],
+                "timed_ms": self.timed_ms[m],
             }
             for m in self.table
         }

@@ -303,6 +303,10 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
         assert sum(e["steps"] for e in d["auto"]["planner_choices"].values()) > 0
         for e in d["auto"]["planner_choices"].values():  # observed steps commit 1 .. 8 tokens per request each
             assert e["observed"] <= e["steps"] and e["observed"] <= e["realized_tokens"] <= 8 * e["observed"]
+            assert e["timed_steps"] <= e["observed"] and (e["timed_ms"] > 0) == (e["timed_steps"] > 0)
+        assert sum(e["timed_steps"] for e in d["auto"]["planner_choices"].values()) > 0
+        for lab in ("chain", "tree", "auto"):  # the loop's steps, for ms per step (planner_points.py)
+            assert d[lab]["profile"]["steps"] >= 1
         assert d["auto"]["plan_drain"] == "lead" and d["auto"]["plan_conf_slope"] == 0.5
         assert d["auto"]["planner_choices"]["chain8"]["conf_slope"] == 0.5  # reached the planner
         assert d["auto"]["plan_confidence"] == "always" and d["auto"]["plan_trees"] == [6, 12] and set(d["auto"]["planner_choices"]) == {"ar", "chain8", "tree6",

@@ -1104,3 +1104,25 @@ def test_report_counts_what_each_mode_realized_in_the_planners_steps():
     for m, name in ((AR, "ar"), (CHAIN, "chain16"), (TREE32, "tree32")):
         assert rep[name]["observed"] == seen.get(m, 0)
         assert rep[name]["realized_tokens"] == pytest.approx(seen.get(m, 0) * (1.0 if m == AR else 3.0 if m == CHAIN else 4.0))
+        assert rep[name]["timed_steps"] == 0 and rep[name]["timed_ms"] == 0  # no times given
+
+
+def test_report_sums_the_measured_step_times_unclipped():
+    """report(): timed_steps and timed_ms, the sum of the times as given (a spike counts in full, though the cost
+    estimate clips it), so timed_ms / timed_steps is the mode's mean step time in the planner's decode."""
+    p = StepPlanner({AR: 1.0, CHAIN: 1.2})
+    given: dict = {AR: [], CHAIN: []}
+    for i in range(40):
+        m = p.choose()
+        ms = (1.1 if m == AR else 1.5) * (30.0 if i == 20 else 1.0)  # one spike
+        p.observe(m, 1.0 if m == AR else 3.0, ms=ms)
+        given[m].append(ms)
+    p.observe(p.choose(), 1.0)  # a step without a time: not counted
+    rep = p.report()
+    for m, name in ((AR, "ar"), (CHAIN, "chain16")):
+        assert rep[name]["timed_steps"] == len(given[m]) and rep[name]["timed_ms"] == pytest.approx(sum(given[m]))
+    assert sum(len(v) for v in given.values()) == 40 and max(max(v) for v in given.values() if v) > 30
+    q = StepPlanner({AR: 1.0, CHAIN: 1.2})  # the next call's planner starts from this cost model, not its counts
+    q.load_cost_state(p.cost_state())
+    q.observe(q.choose(), 1.0, ms=1.0)
+    assert sum(e["timed_steps"] for e in q.report().values()) == 1

@@ -375,6 +375,20 @@ def test_planner_points_from_bench_runs(tmp_path):
     run["tasks"][1]["drafts"]["p"]["planner_choices"]["chain16"] = {"steps": 1, "observed": 1, "realized_tokens": 5.0}
     run["tasks"][1]["drafts"]["p"]["planner_choices"]["tree16"] = {"steps": 0, "observed": 0, "realized_tokens": 0.0}
     assert pp.point(run)["planner_tau_by_mode"] == {"p": {"chain16": 3.4, "tree32": 4.5}}
+    assert "planner_step_ms_over_fixed" not in pp.point(run)  # no loop steps in the fixed runs' profiles
+    # the planner's mean step time per mode against the fixed run of that mode: both summed over the tasks
+    for t, (chain_s, tree_s) in zip(run["tasks"], ((1.2, 2.0), (1.8, 2.6))):
+        t["drafts"]["chain"] |= {"verify": "chain", "verified_tokens_per_step": 16, "seconds": chain_s,
+                                 "profile": {"prefill_s": 0.2, "steps": 500}}
+        t["drafts"]["t"] |= {"verify": "tree", "verified_tokens_per_step": 32, "seconds": tree_s,
+                             "profile": {"prefill_s": 0.2, "steps": 600}}
+    run["tasks"][0]["drafts"]["p"]["planner_choices"]["chain16"] |= {"timed_steps": 4, "timed_ms": 10.0}
+    run["tasks"][1]["drafts"]["p"]["planner_choices"]["tree32"] |= {"timed_steps": 3, "timed_ms": 11.0}
+    run["tasks"][1]["drafts"]["p"]["planner_choices"]["chain16"] |= {"timed_steps": 1, "timed_ms": 2.6}
+    got = pp.point(run)["planner_step_ms_over_fixed"]["p"]
+    assert got["chain16"] == {"planner_ms": 2.52, "fixed": "chain", "fixed_ms": 2.6, "ratio": round(2.52 / 2.6, 4)}
+    assert got["tree32"]["fixed"] == "t" and got["tree32"]["fixed_ms"] == pytest.approx(1e3 * 4.2 / 1200)
+    assert got["tree32"]["ratio"] == pytest.approx(11.0 / 3 / (1e3 * 4.2 / 1200), abs=1e-4) and set(got) == {"chain16", "tree32"}
     f = tmp_path / "run.json"
     f.write_text(_json.dumps(run))
     out = tmp_path / "points.json"

@@ -10,7 +10,10 @@ the best fixed one and to AR. With ``--exact`` runs every greedy output equals A
 so the configurations decode the same tokens and the ratios measure the planner's choices, not content; the file's
 ``greedy_equal`` / ``greedy_compared`` are reported per label to show it. Also per label: mean τ over tasks, the
 per-task tok/s, the planner's steps per mode summed over tasks and, from runs whose planner reports them, its τ per
-mode over the steps it chose that mode for (``planner_tau_by_mode``).
+mode over the steps it chose that mode for (``planner_tau_by_mode``) and its mean step time of each mode against the
+fixed run of that mode (``planner_step_ms_over_fixed``: the planner's CUDA-event times of the steps it timed, steps
+with a prefill left out, ÷ the fixed label's (seconds − prefill seconds) ÷ loop steps, both summed over tasks; on the
+H200 the planner's tree steps read 1.01-1.03 before their bookkeeping became one launch, results/planner-default*).
 """
 
 from __future__ import annotations
@@ -88,6 +91,26 @@ def point(run: dict) -> dict:
         out["planner_steps"][x] = steps
         if real:  # the mode's τ in the steps the planner chose it for (infer.planner.StepPlanner.report)
             out.setdefault("planner_tau_by_mode", {})[x] = {m: round(t / n, 4) for m, (n, t) in real.items() if n}
+    fixed_ms = {}  # mode name -> a fixed label's decode ms per loop step (runs whose profile counts the steps)
+    for x in fixed:
+        rs = rows(x)
+        n = sum((r.get("profile") or {}).get("steps", 0) for r in rs)
+        if n and all("prefill_s" in (r.get("profile") or {}) for r in rs):
+            mode = "ar" if x == "AR" else f"{rs[0].get('verify')}{rs[0].get('verified_tokens_per_step')}"
+            fixed_ms.setdefault(mode, (x, 1e3 * sum(r["seconds"] - r["profile"]["prefill_s"] for r in rs) / n))
+    for x in planners:
+        timed: dict[str, list] = {}  # mode -> [timed steps, their ms] (runs whose planner reports them)
+        for r in rows(x):
+            for mode, c in (r.get("planner_choices") or {}).items():
+                if c.get("timed_steps"):
+                    acc = timed.setdefault(mode, [0, 0.0])
+                    acc[0] += int(c["timed_steps"])
+                    acc[1] += float(c["timed_ms"])
+        ratios = {m: {"planner_ms": round(t / n, 4), "fixed": fixed_ms[m][0], "fixed_ms": round(fixed_ms[m][1], 4),
+                      "ratio": round(t / n / fixed_ms[m][1], 4)}
+                  for m, (n, t) in timed.items() if m in fixed_ms and fixed_ms[m][1] > 0}
+        if ratios:  # the planner's mean step time of each mode against that mode's fixed run (module docstring)
+            out.setdefault("planner_step_ms_over_fixed", {})[x] = ratios
     return out
 
 
