@@ -233,7 +233,8 @@ def chain_accepted(chain: torch.Tensor, path: torch.Tensor, num_accepted: torch.
     tree's chain ends: at depth min(K, N - 1) with the chain first, and where its next node scored out of a
     best-first tree; a count equal to that depth is censored there)."""
     depth = torch.arange(path.shape[1], device=path.device)
-    on = chain.gather(1, path) & (depth <= num_accepted[:, None])
+    live = depth <= num_accepted[:, None]
+    on = chain.gather(1, torch.where(live, path, 0)) & live  # entries past depth a are never read
     return on.sum(1, dtype=torch.int32) - 1  # the root is on every path
 
 

@@ -389,6 +389,14 @@ def test_planner_points_from_bench_runs(tmp_path):
     assert got["chain16"] == {"planner_ms": 2.52, "fixed": "chain", "fixed_ms": 2.6, "ratio": round(2.52 / 2.6, 4)}
     assert got["tree32"]["fixed"] == "t" and got["tree32"]["fixed_ms"] == pytest.approx(1e3 * 4.2 / 1200)
     assert got["tree32"]["ratio"] == pytest.approx(11.0 / 3 / (1e3 * 4.2 / 1200), abs=1e-4) and set(got) == {"chain16", "tree32"}
+    # a second chain of 16 with a draft vocabulary: the planner (full vocabulary) is compared with the plain chain
+    for t in run["tasks"]:
+        t["drafts"]["chainv"] = {**t["drafts"]["chain"], "seconds": 0.7}
+    run["args"]["configs"] = {"chain": {}, "t": {}, "p": {}, "chainv": {"draft_vocab": "v.safetensors"}}
+    got = pp.point(run)["planner_step_ms_over_fixed"]["p"]
+    assert got["chain16"]["fixed"] == "chain" and got["chain16"]["fixed_ms"] == 2.6
+    run["args"]["configs"]["chainv"] = {}  # two chains of the same setup: which one is meant is unknown, no ratio
+    assert set(pp.point(run)["planner_step_ms_over_fixed"]["p"]) == {"tree32"}
     f = tmp_path / "run.json"
     f.write_text(_json.dumps(run))
     out = tmp_path / "points.json"

@@ -12,8 +12,11 @@ so the configurations decode the same tokens and the ratios measure the planner'
 per-task tok/s, the planner's steps per mode summed over tasks and, from runs whose planner reports them, its τ per
 mode over the steps it chose that mode for (``planner_tau_by_mode``) and its mean step time of each mode against the
 fixed run of that mode (``planner_step_ms_over_fixed``: the planner's CUDA-event times of the steps it timed, steps
-with a prefill left out, ÷ the fixed label's (seconds − prefill seconds) ÷ loop steps, both summed over tasks; on the
-H200 the planner's tree steps read 1.01-1.03 before their bookkeeping became one launch, results/planner-default*).
+with a prefill left out, ÷ the fixed label's (seconds − prefill seconds) ÷ loop steps, both summed over tasks; the
+fixed label of the same mode, draft, draft vocabulary and chain-first rule, AR's row for AR, whose step does not keep
+the target's features for the draft as the planner's AR step does; no ratio where none or several labels match. On the
+H200 the planner's clipped online estimate of its tree steps read 1.01-1.03 × the fixed runs' time per step before
+their bookkeeping became one launch, results/planner-default*).
 """
 
 from __future__ import annotations
@@ -91,13 +94,24 @@ def point(run: dict) -> dict:
         out["planner_steps"][x] = steps
         if real:  # the mode's τ in the steps the planner chose it for (infer.planner.StepPlanner.report)
             out.setdefault("planner_tau_by_mode", {})[x] = {m: round(t / n, 4) for m, (n, t) in real.items() if n}
-    fixed_ms = {}  # mode name -> a fixed label's decode ms per loop step (runs whose profile counts the steps)
+    # the planner's mean step time per mode against the fixed run of that mode: the fixed label of the same mode name
+    # (chain16, tree32; AR's row for ar), draft, draft vocabulary and chain-first rule; none or several: no ratio
+    args = run.get("args") or {}
+    configs = args.get("configs") or {}
+    paths = dict(d.split("=", 1) for d in args.get("draft") or [] if "=" in d)
+
+    def same_setup(a: str, b: str) -> bool:  # a fixed label, b a planner label
+        ca, cb = configs.get(a) or {}, configs.get(b) or {}
+        return (paths.get(a) == paths.get(b) and ca.get("draft_vocab") == cb.get("draft_vocab")
+                and ca.get("chain_first") == cb.get("chain_first"))
+
+    fixed_ms = {}  # fixed label -> (mode name, decode ms per loop step) for runs whose profile counts the steps
     for x in fixed:
         rs = rows(x)
         n = sum((r.get("profile") or {}).get("steps", 0) for r in rs)
         if n and all("prefill_s" in (r.get("profile") or {}) for r in rs):
             mode = "ar" if x == "AR" else f"{rs[0].get('verify')}{rs[0].get('verified_tokens_per_step')}"
-            fixed_ms.setdefault(mode, (x, 1e3 * sum(r["seconds"] - r["profile"]["prefill_s"] for r in rs) / n))
+            fixed_ms[x] = (mode, 1e3 * sum(r["seconds"] - r["profile"]["prefill_s"] for r in rs) / n)
     for x in planners:
         timed: dict[str, list] = {}  # mode -> [timed steps, their ms] (runs whose planner reports them)
         for r in rows(x):
@@ -106,10 +120,14 @@ def point(run: dict) -> dict:
                     acc = timed.setdefault(mode, [0, 0.0])
                     acc[0] += int(c["timed_steps"])
                     acc[1] += float(c["timed_ms"])
-        ratios = {m: {"planner_ms": round(t / n, 4), "fixed": fixed_ms[m][0], "fixed_ms": round(fixed_ms[m][1], 4),
-                      "ratio": round(t / n / fixed_ms[m][1], 4)}
-                  for m, (n, t) in timed.items() if m in fixed_ms and fixed_ms[m][1] > 0}
-        if ratios:  # the planner's mean step time of each mode against that mode's fixed run (module docstring)
+        ratios = {}
+        for m, (n, t) in timed.items():
+            match = [f for f, (fm, ms) in fixed_ms.items() if fm == m and ms > 0 and (f == "AR" or same_setup(f, x))]
+            if len(match) == 1:
+                f = match[0]
+                ratios[m] = {"planner_ms": round(t / n, 4), "fixed": f, "fixed_ms": round(fixed_ms[f][1], 4),
+                             "ratio": round(t / n / fixed_ms[f][1], 4)}
+        if ratios:  # module docstring; the planner's AR step also keeps the features for the draft (not a plain AR step)
             out.setdefault("planner_step_ms_over_fixed", {})[x] = ratios
     return out
 
