@@ -50,12 +50,12 @@ def glance_section() -> list[str]:
     a key its row reads raises ValueError naming the file."""
     reading = {"file": None}
 
-    def load(name: str) -> dict | None:  # the module's load, remembering the file for the error message
+    def tracked(name: str) -> dict | None:  # load, remembering the file for the error message
         reading["file"] = name
-        return globals()["load"](name)
+        return load(name)
 
     try:
-        return _glance_rows(load)
+        return _glance_rows(tracked)
     except (KeyError, IndexError, TypeError, StopIteration, ZeroDivisionError) as e:
         raise ValueError(f"make_tables.py, goals table: results/{reading['file']} lacks what its row reads "
                          f"({type(e).__name__}: {e})") from e
@@ -77,7 +77,8 @@ def _glance_rows(load) -> list[str]:
                              met(s["mean_tau"] >= 3), name))
             rows.append((f"SmolLM2, shipped draft: speedup over AR, T = 0, concurrency {conc}", f"≥ {goal_sp:g}×",
                          f"{s['mean_speedup']:.2f}×", met(s["mean_speedup"] >= goal_sp), name))
-    r, vt = load("smollm2-h200-shipped-T1-c1.json"), (load("verify-h200.json") or {}).get("smollm2_T1")
+    ver = load("verify-h200.json")  # the T = 1 tree run, the tree goals and the planner points
+    r, vt = load("smollm2-h200-shipped-T1-c1.json"), (ver or {}).get("smollm2_T1")
     if r:
         s = _summary(r, "smollm2-h200-shipped-T1-c1.json")
         value, ok = f"{s['mean_tau']:.2f} (chain)", met(s["mean_tau"] >= 2.5)
@@ -108,13 +109,12 @@ def _glance_rows(load) -> list[str]:
             cells.append(f"{label} {v[0]:.3f} / {v[1]:.3f}")
         rows.append(("DSpine (`kv`) step ÷ DFlash step in the engine, batch 1 / 8", "≤ 1.03", "; ".join(cells),
                      met(worst <= 1.03), "engine-smollm2-h200.json"))
-    v = load("verify-h200.json")
-    if v:
-        rows.append(("Tree τ ÷ chain τ, T = 0, concurrency 1", "≥ 1.3", f"{v['tree_tau_over_chain_tau']:.2f}",
-                     met(v["tree_tau_over_chain_tau"] >= 1.3), "verify-h200.json"))
-        rows.append(("Tree tok/s ÷ chain tok/s, T = 0, concurrency 1", "≥ 1.15", f"{v['tree_speedup_over_chain']:.2f}",
-                     met(v["tree_speedup_over_chain"] >= 1.15), "verify-h200.json"))
-        pts = v.get("planner") or []
+    if ver:
+        rows.append(("Tree τ ÷ chain τ, T = 0, concurrency 1", "≥ 1.3", f"{ver['tree_tau_over_chain_tau']:.2f}",
+                     met(ver["tree_tau_over_chain_tau"] >= 1.3), "verify-h200.json"))
+        rows.append(("Tree tok/s ÷ chain tok/s, T = 0, concurrency 1", "≥ 1.15", f"{ver['tree_speedup_over_chain']:.2f}",
+                     met(ver["tree_speedup_over_chain"] >= 1.15), "verify-h200.json"))
+        pts = ver.get("planner") or []
         if pts:
             good = sum(p["planner_over_best_static"] >= 0.98 for p in pts)
             below_ar = [p for p in pts if p["planner_over_ar"] < 1]
@@ -130,17 +130,18 @@ def _glance_rows(load) -> list[str]:
                                                                     < 1e-9 for p in below_ar) else "")
                             + f" (lowest {min(p['planner_over_ar'] for p in pts):.3f} × AR)" if below_ar else ""),
                          met(good == len(pts) and not below_ar), "verify-h200.json"))
-    cells, files, vals = [], [], []
+    cells, files, vals, commits = [], [], [], set()
     for name, mode in (("planner-default-h200.json", "fast"), ("planner-default-exact-h200.json", "exact")):
         d = load(name)
         if d:  # planner_points.py over infer.bench runs: label p is the planner with the defaults of its commit
             pts = sorted(d["points"].values(), key=lambda p: p["concurrency"])
             vals += [p["planner_over_best_fixed"]["p"] for p in pts]
+            commits |= {str(p.get("commit") or "?")[:7] for p in pts}  # the GPU runs' (the file's: planner_points.py's)
             cells.append(f"{mode} " + " / ".join(f"{p['planner_over_best_fixed']['p']:.3f}" for p in pts) + " at concurrency "
                          + " / ".join(str(p["concurrency"]) for p in pts))
             files.append(name)
-    if vals:  # the GPU runs' commits (each point's own; the file's is planner_points.py's)
-        commit = "/".join(sorted({str(p.get("commit") or "?")[:7] for f in files for p in load(f)["points"].values()}))
+    if vals:
+        commit = "/".join(sorted(commits))
         rows.append((f"Planner, trees of 16 and 32 (the default trees now; measured at {commit}, before "
                      "`conf_slope=auto`), T = 0, ÷ the best fixed mode of the same run", "≥ 0.98",
                      "; ".join(cells), met(min(vals) >= 0.98), ", ".join(files)))

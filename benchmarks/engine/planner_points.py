@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dspine.io import atomic_write_json  # noqa: E402
 from dspine.paths import check_output_file  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
+from infer.bench import parse_drafts  # noqa: E402
 
 
 def point(run: dict) -> dict:
@@ -98,7 +99,7 @@ def point(run: dict) -> dict:
     # (chain16, tree32; AR's row for ar), draft, draft vocabulary and chain-first rule; none or several: no ratio
     args = run.get("args") or {}
     configs = args.get("configs") or {}
-    paths = dict(d.split("=", 1) for d in args.get("draft") or [] if "=" in d)
+    paths = parse_drafts(args.get("draft"))  # infer.bench's own [LABEL=]PATH rule
 
     def same_setup(a: str, b: str) -> bool:  # a fixed label, b a planner label
         ca, cb = configs.get(a) or {}, configs.get(b) or {}
