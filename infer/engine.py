@@ -472,7 +472,8 @@ class Engine:
             p_draft, d_ids = draft_distribution(d_logits, params)
             draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos, d_ids, impl=self.impl)
             if self.budget == "auto":
-                plan_stats(self._conf_probs(d_logits, p_draft, draft_tokens, params), s.conf, impl=self.impl)
+                plan_stats(self._conf_probs(d_logits, p_draft, params).gather(-1, draft_tokens[..., None])[..., 0],
+                           s.conf, impl=self.impl)
         torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
         positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
         t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths, exact=self.exact,
@@ -495,15 +496,13 @@ class Engine:
         draft_cache.append(feats, (a + 1) * live, impl=self.impl)  # a int32; advances s.lengths
 
     @staticmethod
-    def _conf_probs(d_logits: torch.Tensor, p_draft: torch.Tensor, tokens: torch.Tensor,
-                    params: SamplingParams) -> torch.Tensor:
-        """``[B, K]`` fp32: the probability of the drafted ``tokens [B, K]`` under the draft distribution the
-        planner's confidence reads at T > 0: the sampling distribution ``p_draft [B, K, V]``, or, with a draft
-        temperature, the draft at the target's temperature and cuts (the sampled q is sharper than the
-        acceptance it predicts, one-hot at draft temperature 0)."""
-        if params.draft_temperature is not None:
-            p_draft = logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
-        return p_draft.gather(-1, tokens[..., None])[..., 0]
+    def _conf_probs(d_logits: torch.Tensor, p_draft: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The draft distribution the planner's confidence reads at T > 0 (``[B, K, V]`` fp32): the sampling
+        distribution ``p_draft``, or, with a draft temperature, the draft at the target's temperature and
+        cuts (the sampled q is sharper than the acceptance it predicts, one-hot at draft temperature 0)."""
+        if params.draft_temperature is None:
+            return p_draft
+        return logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
 
     def chain_first(self, params: SamplingParams) -> bool:
         """Whether this run's trees keep the chain first (``tree_chain_first``; None: at T > 0 and with
@@ -576,7 +575,7 @@ class Engine:
             # a draft temperature) and the paired observation of the chain (dspine.tree.chain_accepted; infer.planner,
             # "Paired observations")
             p_chain = (tree.chain_q if params.greedy or params.draft_temperature is None else
-                       self._conf_probs(d_logits, q, chain, params))
+                       self._conf_probs(d_logits, q, params).gather(-1, chain[..., None])[..., 0])
             plan_stats(p_chain, s.conf, tree.chain, path, a, s.chain_acc, impl=self.impl)
         tok = tree.tokens.gather(1, path)
         if Kp < K:  # commit_step takes the block's K + 1 columns; those past depth a are never read
