@@ -11,7 +11,7 @@
 #   engine    benchmarks/engine/bench_engine.py  -> results/engine-h200.json                  ~2
 #   steps     bench_tree.py step costs at Qwen3-8B shape -> results/verify-h200.json           ~0.5
 #   tree      bench_tree.py SmolLM2 chain vs tree (T=0, concurrency 1) -> same file            ~1
-#   planner   bench_tree.py --planner at concurrency 1, 8, 32, 64 x T 0, 1 -> same file        ~11
+#   planner   bench_tree.py --planner at concurrency 1, 8, 32, 64 x T 0, 1, fixed trees of 16 and 32 -> same file ~13
 #   exact     bench_exact.py (8B identity, SmolLM2 identity, cost) -> results/exact-h200.json ~7
 #   hybrid    hybrid_lossless.py -> results/hybrid-h200.json                                   ~0.7
 #   profile   profile_step.py -> results/profile-step-h200.json                                ~1
@@ -34,13 +34,14 @@
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
 #   tables    scripts/make_tables.py (README results block)
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
-# (checkpoints/smollm2-135m-dspine), RESULTS (results).
+# (checkpoints/smollm2-135m-dspine), RESULTS (results), GPU_TAG (h200: the suffix of every results file).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/reproduce}
 GGUF=${GGUF:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 DRAFT=${DRAFT:-checkpoints/smollm2-135m-dspine}
 R=${RESULTS:-results}
+G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 STAGES=${*:-convert engine steps tree planner exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope planswitch tables}
@@ -55,62 +56,63 @@ timed() {  # timed NAME CMD...: log to $WORK/logs/NAME.log, wall clock to timing
   echo "{\"stage\": \"$name\", \"seconds\": $(($(date +%s) - t0)), \"rc\": $rc}" | tee -a "$WORK/timings.jsonl"
   return $rc
 }
-tree=(python benchmarks/engine/bench_tree.py --smollm2 "$HF" --draft "$DRAFT" --output "$R/verify-h200.json" --merge)
+tree=(python benchmarks/engine/bench_tree.py --smollm2 "$HF" --draft "$DRAFT" --output "$R/verify-$G.json" --merge)
+planner=("${tree[@]}" --skip-steps --skip-smollm2 --fixed-trees 16,32)  # the engine's default plan trees, each also fixed
 
 if has convert && [ ! -f "$HF/config.json" ]; then
   timed convert python -m dspine.convert --target "$GGUF" --out "$HF" --dtype bf16
 fi
-if has engine && [ ! -f "$R/engine-h200.json" ]; then
-  timed engine python benchmarks/engine/bench_engine.py --output "$R/engine-h200.json"
+if has engine && [ ! -f "$R/engine-$G.json" ]; then
+  timed engine python benchmarks/engine/bench_engine.py --output "$R/engine-$G.json"
 fi
-if has steps; then timed steps python benchmarks/engine/bench_tree.py --output "$R/verify-h200.json" --merge; fi
+if has steps; then timed steps python benchmarks/engine/bench_tree.py --output "$R/verify-$G.json" --merge; fi
 if has tree; then timed tree "${tree[@]}" --skip-steps --num-prompts 10; fi
 if has planner; then  # prompts per task so that every batch fills (64 for concurrency 32/64)
-  timed planner-c1 "${tree[@]}" --skip-steps --skip-smollm2 --planner 1:0,1:1 --num-prompts 5
-  timed planner-c8 "${tree[@]}" --skip-steps --skip-smollm2 --planner 8:0,8:1 --num-prompts 16
-  timed planner-c64 "${tree[@]}" --skip-steps --skip-smollm2 --planner 32:0,64:0,32:1,64:1 --num-prompts 64
+  timed planner-c1 "${planner[@]}" --planner 1:0,1:1 --num-prompts 5
+  timed planner-c8 "${planner[@]}" --planner 8:0,8:1 --num-prompts 16
+  timed planner-c64 "${planner[@]}" --planner 32:0,64:0,32:1,64:1 --num-prompts 64
 fi
-if has exact && [ ! -f "$R/exact-h200.json" ]; then
-  timed exact-8b python benchmarks/engine/bench_exact.py --parts 8b --output "$R/exact-h200.json"
+if has exact && [ ! -f "$R/exact-$G.json" ]; then
+  timed exact-8b python benchmarks/engine/bench_exact.py --parts 8b --output "$R/exact-$G.json"
   timed exact-smollm2 python benchmarks/engine/bench_exact.py --parts smollm2 --smollm2-target "$HF" --append \
-    --output "$R/exact-h200.json"
-  timed exact-cost python benchmarks/engine/bench_exact.py --parts cost --append --output "$R/exact-h200.json"
+    --output "$R/exact-$G.json"
+  timed exact-cost python benchmarks/engine/bench_exact.py --parts cost --append --output "$R/exact-$G.json"
 fi
-if has hybrid && [ ! -f "$R/hybrid-h200.json" ]; then
-  timed hybrid python benchmarks/engine/hybrid_lossless.py --output "$R/hybrid-h200.json"
+if has hybrid && [ ! -f "$R/hybrid-$G.json" ]; then
+  timed hybrid python benchmarks/engine/hybrid_lossless.py --output "$R/hybrid-$G.json"
 fi
-if has profile && [ ! -f "$R/profile-step-h200.json" ]; then
-  timed profile python benchmarks/engine/profile_step.py --output "$R/profile-step-h200.json"
+if has profile && [ ! -f "$R/profile-step-$G.json" ]; then
+  timed profile python benchmarks/engine/profile_step.py --output "$R/profile-step-$G.json"
 fi
-if has linear && [ ! -f "$R/exact-kernels-h200.json" ]; then
-  timed linear python benchmarks/kernels/bench_linear.py --output "$R/exact-kernels-h200.json"
+if has linear && [ ! -f "$R/exact-kernels-$G.json" ]; then
+  timed linear python benchmarks/kernels/bench_linear.py --output "$R/exact-kernels-$G.json"
 fi
-if has lmhead && [ ! -f "$R/lm-head-h200.json" ]; then
-  timed lmhead python benchmarks/kernels/bench_lm_head.py --output "$R/lm-head-h200.json"
+if has lmhead && [ ! -f "$R/lm-head-$G.json" ]; then
+  timed lmhead python benchmarks/kernels/bench_lm_head.py --output "$R/lm-head-$G.json"
 fi
-if has hybridbench && [ ! -f "$R/hybrid-bench-h200.json" ]; then
+if has hybridbench && [ ! -f "$R/hybrid-bench-$G.json" ]; then
   timed hybridbench python benchmarks/engine/bench_hybrid.py --prompt 256 --new-tokens 64 --iters 5 \
-    --output "$R/hybrid-bench-h200.json"
+    --output "$R/hybrid-bench-$G.json"
 fi
 linearwide() {  # the device's tuned file by its name, as dspine.ops.linear.tuned spells it
   local name
   name=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))") || return
-  python benchmarks/kernels/tune_linear_fast.py --wide --output "$R/linear-fast-wide-h200.json" \
+  python benchmarks/kernels/tune_linear_fast.py --wide --output "$R/linear-fast-wide-$G.json" \
     --write-tuned "dspine/ops/tuned/linear-$name.json"
 }
-if has linearwide && [ ! -f "$R/linear-fast-wide-h200.json" ]; then timed linearwide linearwide || true; fi
-if has fusion && [ ! -f "$R/engine-fusion-h200.json" ]; then
-  timed fusion python benchmarks/engine/bench_engine.py --skip-peers --ab-fusion 2 --output "$R/engine-fusion-h200.json"
+if has linearwide && [ ! -f "$R/linear-fast-wide-$G.json" ]; then timed linearwide linearwide || true; fi
+if has fusion && [ ! -f "$R/engine-fusion-$G.json" ]; then
+  timed fusion python benchmarks/engine/bench_engine.py --skip-peers --ab-fusion 2 --output "$R/engine-fusion-$G.json"
 fi
-if has linearfusion && [ ! -f "$R/linear-fusion-h200.json" ]; then
-  timed linearfusion python benchmarks/kernels/bench_linear_fusion.py --output "$R/linear-fusion-h200.json"
+if has linearfusion && [ ! -f "$R/linear-fusion-$G.json" ]; then
+  timed linearfusion python benchmarks/kernels/bench_linear_fusion.py --output "$R/linear-fusion-$G.json"
 fi
 finished() {  # finished FILE: it exists and is a whole run (infer.bench: not "interrupted"; bench_planner_loop: "complete")
   [ -f "$1" ] && python -c 'import json, sys; d = json.load(open(sys.argv[1]))
 sys.exit(0 if not d.get("interrupted") and d.get("complete", True) else 1)' "$1"
 }
 planslope() {  # planslope MODE CONCURRENCY PROMPTS TOKENS: one infer.bench run of the A/B, skipped once finished
-  local out="$R/planner-slope-h200-$1-T0-c$2.json" exact=()
+  local out="$R/planner-slope-$G-$1-T0-c$2.json" exact=()
   finished "$out" && return 0
   [ "$1" = exact ] && exact=(--exact)
   python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" "${exact[@]}" --temperature 0 \
@@ -126,13 +128,13 @@ if has planslope; then
   timed planslope-exact-c8 planslope exact 8 16 512
   timed planslope-fast-c32 planslope fast 32 64 256
   timed planslope-fast-c64 planslope fast 64 64 256
-  [ -f "$R/planner-slope-h200.json" ] || timed planslope-points python benchmarks/engine/planner_points.py \
-    "$R"/planner-slope-h200-{fast,exact}-T0-c{1,8}.json "$R"/planner-slope-h200-fast-T0-c{32,64}.json \
-    --output "$R/planner-slope-h200.json"
+  [ -f "$R/planner-slope-$G.json" ] || timed planslope-points python benchmarks/engine/planner_points.py \
+    "$R"/planner-slope-$G-{fast,exact}-T0-c{1,8}.json "$R"/planner-slope-$G-fast-T0-c{32,64}.json \
+    --output "$R/planner-slope-$G.json"
 fi
-if has planswitch && ! finished "$R/planner-switch-h200.json"; then
+if has planswitch && ! finished "$R/planner-switch-$G.json"; then
   timed planswitch python benchmarks/engine/bench_planner_loop.py --switch 32 --batches 1,8 --temperatures 0 \
-    --new 128 --context 256 --reps 3 --output "$R/planner-switch-h200.json" --overwrite
+    --new 128 --context 256 --reps 3 --output "$R/planner-switch-$G.json" --overwrite
 fi
 if has tables; then timed tables python scripts/make_tables.py; fi
 echo "[$(date +%T)] done; timings in $WORK/timings.jsonl"
