@@ -39,7 +39,9 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
    average of the measured speculative modes (the same draft: on SmolLM2 the tree of 32 commits 1.32 ×
    the chain's tokens, published block-draft trees about 1.4 ×). A mode that cannot win is never run;
    on the H200 tables of issue 16 a tree step at concurrency 64 costs 17-27 AR steps.
-3. Probe under a time budget: of the plausible modes the cheapest is run once when the time it is
+3. Probe under a time budget: of the plausible modes the cheapest never run (else the cheapest; so a cheap mode
+   that stays plausible without ever winning cannot take every probe from a dearer one: on the H100 at T = 1 the tree
+   of 16, the chain at a tree's price there, kept the tree of 32 from ever running) is run once when the time it is
    expected to lose (its step time minus the time the best mode needs for the tokens it is expected to
    commit; 1 token for an unrun mode) fits in ``share`` of the step time spent so far plus a warm-up
    allowance of ``warmup`` steps of the cheapest mode (at most the time spent: the first step runs AR).
@@ -310,7 +312,8 @@ def choose_mode(
     plausible = [m for m in costs if m != best and m not in settled and ceiling(m) / costs[m] > rate]
     if not plausible:
         return best, 0.0, rate
-    probe = min(plausible, key=lambda m: costs[m])
+    unrun = [m for m in plausible if est[m] is None]  # every plausible mode is probed once before any again
+    probe = min(unrun or plausible, key=lambda m: costs[m])
     loss = max(0.0, costs[probe] - (1.0 if est[probe] is None else est[probe]) / rate)
     allowance = share * spent_ms + min(spent_ms, warmup * min(costs.values()))
     if lost_ms + loss <= allowance:

@@ -364,7 +364,7 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
     from infer import engine as engine_mod
 
     target, _, folder = stories
-    params = SamplingParams(max_new_tokens=40)
+    params = SamplingParams(max_new_tokens=64)
     want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
     seen = []
     choose = engine_mod.StepPlanner.choose
@@ -403,8 +403,8 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         for d in filter(None, seen[first:]):
             assert 1 <= len(d) <= 3
             for r, t, n, q in d:
-                assert 0 <= r <= 39 and n <= t <= 8 * n and t <= q <= 8 * t, d
-        assert seen[first] == [(39, 0, 0, 0)] * 3  # the second wave, just admitted: one token each, no step yet
+                assert 0 <= r <= params.max_new_tokens - 1 and n <= t <= 8 * n and t <= q <= 8 * t, d
+        assert seen[first] == [(params.max_new_tokens - 1, 0, 0, 0)] * 3  # the second wave, just admitted: one token each, no step yet
         assert any(r > 0 and n > 0 for d in filter(None, seen) for r, _, n, _ in d)  # live, with chain steps
         assert any(r == 0 for r, *_ in seen[given[-1]]), seen[given[-1]]  # a finished request is kept
     eng.plan_drain_model = "tail"

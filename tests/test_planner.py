@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 
 import pytest
 
@@ -69,6 +70,48 @@ def test_choose_mode_bounds_unrun_trees_by_the_chain():
     assert mode == TREE32 and loss == pytest.approx(1.5 - 1.3 / 2.0)
     # no AR in the table and nothing run: the cheapest mode
     assert choose_mode({CHAIN: 2.0, TREE32: 3.0}, {CHAIN: None, TREE32: None}, 0.0, 0.0)[0] == CHAIN
+
+
+def test_choose_mode_probes_an_unrun_mode_before_a_measured_cheaper_one():
+    """Rule 3: every plausible mode is probed once before a measured one again. Cheapest-first alone let a measured
+    mode that never wins but stays plausible (at T > 0 the tree of 16 is the chain, τ 1.98 each on the H100) take every
+    probe, so the tree of 32 (τ 2.65) was never run (results/verify-h100.json, concurrency 1, T = 1)."""
+    costs = {AR: 1.14, CHAIN: 1.78, ("tree", 16): 1.94, TREE32: 2.03}
+    tokens = {AR: 1.0, CHAIN: 1.98, ("tree", 16): 1.98, TREE32: None}
+    mode, loss, rate = choose_mode(costs, tokens, 1e6, 0.0)
+    assert mode == TREE32 and rate == pytest.approx(1.98 / 1.78) and loss == pytest.approx(2.03 - 1.78 / 1.98)
+    # once the tree of 32 is measured (and loses), the cheapest plausible mode is probed again
+    mode, loss, _ = choose_mode(costs, {**tokens, TREE32: 2.0}, 1e6, 0.0)
+    assert mode == ("tree", 16) and loss == pytest.approx(1.94 - 1.98 * 1.78 / 1.98)
+
+
+def _t1_decode(modes, seed, steps=2000):
+    """A concurrency-1 decode at T = 1 against the H100's step times (results/verify-h100.json): the chain commits 1
+    + a geometric number of draft tokens (mean τ 1.98, at most 16), the chain-first tree of 16 the same, the tree of
+    32 that plus one more token 67% of the time (τ 2.65); tree steps pair the chain. Returns (tok/ms, steps per mode)."""
+    rnd, cost = random.Random(seed), {AR: 1.14, CHAIN: 1.78, ("tree", 16): 1.94, TREE32: 2.03}
+    p, tokens, ms, runs = StepPlanner({m: cost[m] for m in modes}), 0.0, 0.0, Counter()
+    for _ in range(steps):
+        m = p.choose()
+        a = 0
+        while a < 15 and rnd.random() < 0.98 / 1.98:
+            a += 1
+        t = 1 if m == AR else 1 + a + (m == TREE32 and rnd.random() < 0.67)
+        p.observe(m, float(t), cost[m])
+        if m[0] == "tree":
+            p.observe_paired(CHAIN, float(1 + a))
+        tokens, ms, runs[m] = tokens + t, ms + cost[m], runs[m] + 1
+    return tokens / ms, runs
+
+
+def test_planner_without_the_tree_that_is_the_chain_runs_the_winning_tree():
+    """At T > 0 the engine leaves out the chain-first trees of at most verify_size nodes (Engine.planner_modes): with
+    AR, the chain and the tree of 32 the planner runs the tree of 32 and matches its fixed rate (2.65 / 2.03 tok/ms);
+    on the H100 the planner with the tree of 16 kept ran 0.89 × the best fixed mode."""
+    fixed = 2.65 / 2.03
+    for seed in range(3):
+        rate, runs = _t1_decode([AR, CHAIN, TREE32], seed)
+        assert rate > 0.97 * fixed and runs[TREE32] > 0.95 * sum(runs.values()), (seed, rate, runs)
 
 
 def test_step_planner_averages_settles_probes_and_reports():

@@ -224,5 +224,5 @@ def test_plan_schedule_runs_its_modes_in_turn(stories_dir, stories):  # noqa: F8
     steps = {k: v["steps"] for k, v in eng.planner_report.items()}
     assert steps["ar"] == 0 and abs(steps["chain8"] - steps["tree24"]) <= 1 and steps["tree24"] >= 3
     eng.plan_schedule = [CHAIN, ("tree", 16)]
-    with pytest.raises(ValueError, match=r"plan_schedule has modes \[\('tree', 16\)\] outside plan_modes"):
+    with pytest.raises(ValueError, match=r"plan_schedule has modes \[\('tree', 16\)\] outside this run's planner modes"):
         eng.generate(PROMPTS[:2], params)
