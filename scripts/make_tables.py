@@ -61,6 +61,26 @@ def glance_section() -> list[str]:
                          f"({type(e).__name__}: {e})") from e
 
 
+def _planner_row(pts: list[dict], name: str, where: str = "") -> tuple | None:
+    """The goals table's row for the planner points of one file (bench_tree.py --planner), or None without any."""
+    if not pts:
+        return None
+    good = sum(p["planner_over_best_static"] >= 0.98 for p in pts)
+    below_ar = [p for p in pts if p["planner_over_ar"] < 1]
+    short = ", ".join(f"{p['planner_over_best_static']:.3f} at concurrency {p['concurrency']}, T = "
+                      f"{p['temperature']:g}" for p in pts if p["planner_over_best_static"] < 0.98)
+    trees = next((p["plan_trees"] for p in pts if p["temperature"] == 0 and p.get("plan_trees")), None)
+    return ("Planner (`--budget auto`) ÷ the best fixed mode, concurrency 1 / 8 / 32 / 64 × T = 0, 1" + where
+            + (f" (trees of {' and '.join(map(str, trees))} at T = 0)" if trees else ""),
+            "≥ 0.98, never below AR",
+            f"{good} of {len(pts)} points ≥ 0.98" + (f"; below: {short}" if short else "")
+            + (f"; below AR at {len(below_ar)} points"
+               + (", where AR is the best mode" if all(abs(p["planner_over_ar"] - p["planner_over_best_static"])
+                                                       < 1e-9 for p in below_ar) else "")
+               + f" (lowest {min(p['planner_over_ar'] for p in pts):.3f} × AR)" if below_ar else ""),
+            "yes" if good == len(pts) and not below_ar else "**no**", name)
+
+
 def _glance_rows(load) -> list[str]:
     rows: list[tuple[str, str, str, str, str]] = []  # (what, goal, measured, met, file)
 
@@ -114,22 +134,13 @@ def _glance_rows(load) -> list[str]:
                      met(ver["tree_tau_over_chain_tau"] >= 1.3), "verify-h200.json"))
         rows.append(("Tree tok/s ÷ chain tok/s, T = 0, concurrency 1", "≥ 1.15", f"{ver['tree_speedup_over_chain']:.2f}",
                      met(ver["tree_speedup_over_chain"] >= 1.15), "verify-h200.json"))
-        pts = ver.get("planner") or []
-        if pts:
-            good = sum(p["planner_over_best_static"] >= 0.98 for p in pts)
-            below_ar = [p for p in pts if p["planner_over_ar"] < 1]
-            short = ", ".join(f"{p['planner_over_best_static']:.3f} at concurrency {p['concurrency']}, T = "
-                              f"{p['temperature']:g}" for p in pts if p["planner_over_best_static"] < 0.98)
-            trees = next((p["plan_trees"] for p in pts if p["temperature"] == 0 and p.get("plan_trees")), None)
-            rows.append(("Planner (`--budget auto`) ÷ the best fixed mode, concurrency 1 / 8 / 32 / 64 × T = 0, 1"
-                         + (f" (trees of {' and '.join(map(str, trees))} at T = 0)" if trees else ""),
-                         "≥ 0.98, never below AR",
-                         f"{good} of {len(pts)} points ≥ 0.98" + (f"; below: {short}" if short else "")
-                         + (f"; below AR at {len(below_ar)} points"
-                            + (", where AR is the best mode" if all(abs(p["planner_over_ar"] - p["planner_over_best_static"])
-                                                                    < 1e-9 for p in below_ar) else "")
-                            + f" (lowest {min(p['planner_over_ar'] for p in pts):.3f} × AR)" if below_ar else ""),
-                         met(good == len(pts) and not below_ar), "verify-h200.json"))
+        row = _planner_row(ver.get("planner") or [], "verify-h200.json", " (H200)")
+        if row:
+            rows.append(row)
+    h100 = load("verify-h100.json")
+    row = _planner_row((h100 or {}).get("planner") or [], "verify-h100.json", " (H100, 2026-12-05)")
+    if row:
+        rows.append(row)
     cells, files, vals, commits = [], [], [], set()
     for name, mode in (("planner-default-h200.json", "fast"), ("planner-default-exact-h200.json", "exact")):
         d = load(name)
@@ -687,6 +698,27 @@ def tree_extra_rows(v: dict) -> list[str]:
     return out
 
 
+def _planner_points_table(pts: list[dict]) -> list[str]:
+    """Markdown table of bench_tree.py --planner points: tok/s of each configuration, the planner's ratios, its steps."""
+    out = ["| concurrency | T | AR | chain 16 | tree 16 | tree 32 | planner | planner ÷ best fixed (goal ≥ 0.98) | "
+           "planner ÷ AR | planner's steps | commit |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in pts:
+        steps: dict = {}
+        for task in p.get("planner_choices_per_task", []):
+            for mode, e in task.items():
+                steps[mode] = steps.get(mode, 0) + e["steps"]
+        total = sum(steps.values()) or 1
+        share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+        t16 = (p.get("fixed_tree_tok_per_s") or {}).get("16")
+        ok = "met" if p["planner_over_best_static"] >= 0.98 else "**missed**"
+        out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
+                   f"{'–' if t16 is None else f'{t16:.0f}'} | {p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | "
+                   f"{p['planner_over_best_static']:.3f} — {ok} | "
+                   f"{p['planner_over_ar']:.3f} | {share} | `{p['provenance']['commit'][:7]}` |")
+    return out
+
+
 def verify_section() -> list[str]:
     v = load("verify-h200.json")
     if not v:
@@ -713,21 +745,7 @@ def verify_section() -> list[str]:
     out += ["", "Planner (`--budget auto`) against AR, the fixed chain and the fixed trees, the latest run of each point (mean "
             "tok/s over the 5 tasks; best fixed: the best of AR, the chain and every fixed tree of the run; T = 1: top_p "
             "0.95, top_k 20; commit and command of each point in the JSON):", "",
-            "| concurrency | T | AR | chain 16 | tree 16 | tree 32 | planner | planner ÷ best fixed (goal ≥ 0.98) | "
-            "planner ÷ AR | planner's steps | commit |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for p in v["planner"]:
-        steps: dict = {}
-        for task in p.get("planner_choices_per_task", []):
-            for mode, e in task.items():
-                steps[mode] = steps.get(mode, 0) + e["steps"]
-        total = sum(steps.values()) or 1
-        share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
-        t16 = (p.get("fixed_tree_tok_per_s") or {}).get("16")
-        out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
-                   f"{'–' if t16 is None else f'{t16:.0f}'} | {p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | "
-                   f"{p['planner_over_best_static']:.3f} — {ok(p['planner_over_best_static'] >= 0.98)} | "
-                   f"{p['planner_over_ar']:.3f} | {share} | `{p['provenance']['commit'][:7]}` |")
+            *_planner_points_table(v["planner"])]
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
     history = (("planner_before_calibration_fix", "T = 0, before the confidence scaling of led trees (same runs' "
@@ -768,6 +786,57 @@ def verify_section() -> list[str]:
     if lines:
         out += ["", "Planner ÷ best fixed in earlier runs (same points, same JSON unless linked):", "", *lines]
     out += ["", v.get("note", ""), "", "Commands: " + "; ".join(f"`{c}`" for c in v["commands"]), ""]
+    return out
+
+
+def planner_h100_section() -> list[str]:
+    """The H100 lease of 2026-12-05: the planner points (verify-h100.json), what its loop costs per mode and per switch
+    (planner-switch-h100.json) and the confidence slope A/B (planner-slope-h100.json)."""
+    v, sw, sl = load("verify-h100.json"), load("planner-switch-h100.json"), load("planner-slope-h100.json")
+    if not (v or sw or sl):
+        return []
+    out = ["#### The planner on an H100 (2026-12-05)", ""]
+    if v:
+        out += [f"{v['gpu']}, {v['date'][:10]}, [`results/verify-h100.json`](results/verify-h100.json) (`reproduce_h200.sh "
+                "planner` with `GPU_TAG=h100`; the file's `commit_note` names the tree that ran): SmolLM2-135M-Instruct with the "
+                "shipped draft, the planner with its default trees (16 and 32) against AR, the chain and the fixed trees "
+                "of 16 and 32 in one `infer.bench` run per point, alternated per task (T = 1: top_p 0.95, top_k 20). Before "
+                "the planner left out the tree that is the chain at T > 0 (`Engine.planner_modes`, later commit).", "",
+                *_planner_points_table(v["planner"]), "",
+                "Command: " + "; ".join(dict.fromkeys(f"`{p['provenance']['command']}`" for p in v["planner"])), ""]
+    if sw:
+        out += [f"What the planner's loop costs with one mode and with two in turn ({sw['gpu']}, random weights at SmolLM2 "
+                f"shape, {sw['context']}-token prompts, {sw['new_tokens']} new tokens, median of {sw['reps']}, "
+                "[`results/planner-switch-h100.json`](results/planner-switch-h100.json)): the planner's loop running "
+                "only AR, only the chain or only the tree of "
+                f"{sw['switch_tree']} against the engine running that mode without it, and the chain and the tree in turn "
+                "against the mean of each alone (decode tok/s ratios):", "",
+                "| batch | planner AR ÷ AR | planner chain ÷ chain | planner tree ÷ tree | switch ÷ mean |",
+                "|---|---|---|---|---|"]
+        for p in sw["points"]:
+            sm = p.get("switch_over_mean")
+            out.append(f"| {p['batch']} | {p['planner_ar_over_ar']:.3f} | {p['planner_chain_over_chain']:.3f} | "
+                       f"{p['planner_tree_over_tree']:.3f} | {'–' if sm is None else f'{sm:.3f}'} |")
+        out += ["", f"Command: `{sw['command']}`", ""]
+    if sl:
+        out += ["The confidence slope A/B (`p`: `conf_slope=auto`, the default; `p1`: `conf_slope=1`, the rule before "
+                "it), each ÷ the best fixed label of the same run (AR, chain, trees of 16 and 32), and the planner's mean "
+                "step time per mode (CUDA events) ÷ the fixed run's decode time per step of that mode "
+                "([`results/planner-slope-h100.json`](results/planner-slope-h100.json), T = 0):", "",
+                "| mode | concurrency | best fixed | p ÷ best | p1 ÷ best | p's steps | p's step ms ÷ fixed, per mode |",
+                "|---|---|---|---|---|---|---|"]
+        for p in sl["points"].values():
+            rel, steps = p["planner_over_best_fixed"], p["planner_steps"].get("p", {})
+            total = sum(steps.values()) or 1
+            share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+            ratios = (p.get("planner_step_ms_over_fixed") or {}).get("p", {})
+            ms = ", ".join(f"{m} {r['ratio']:.3f}" for m, r in ratios.items())
+            out.append(f"| {'exact' if p['exact'] else 'fast'} | {p['concurrency']} | {p['best_fixed']} | "
+                       f"{rel['p']:.3f} | {rel['p1']:.3f} | {share} | {ms or '–'} |")
+        out += ["", "The step ratios are two statistics (event-timed steps against wall time per step of a run with its "
+                "admissions); the switch table above, wall time on both sides, puts the loop itself at 0.998-0.999.", "",
+                f"Command: `{sl['command']}` over the four runs of `reproduce_h200.sh planslope` (their commands in "
+                "the files).", ""]
     return out
 
 
@@ -1495,7 +1564,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)
