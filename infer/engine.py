@@ -182,8 +182,8 @@ class Engine:
             benchmarks).
         plan_trees: the planner's tree sizes, a tuple or list (nodes, anchor included, each 2..64, distinct;
             ``budget="auto"`` only; raises ValueError otherwise). None: ``PLAN_TREES``; ``()``: AR and the chain only.
-            Where the trees keep the chain first (T > 0), those of at most ``verify_size`` nodes are the chain and
-            the planner leaves them out (:meth:`planner_modes`).
+            Where the trees keep the chain first (T > 0), the tree of ``verify_size`` nodes is the chain and the
+            planner leaves it out (:meth:`planner_modes`).
         exact: bit-exact mode (issue 13; default ``infer.model.EXACT_DEFAULT``): the target's decode and
             verify steps use row-invariant kernels and each prompt is prefilled in its own pass, so
             greedy speculative output equals this engine's autoregressive output bit for bit, in
@@ -722,25 +722,27 @@ class Engine:
         return side
 
     def planner_modes(self, params: SamplingParams) -> list[tuple[str, int]]:
-        """The modes the planner chooses from in a run with ``params``: ``plan_modes`` less every tree that is the
-        chain at a tree step's price. A chain-first tree (:meth:`chain_first`: at T > 0, or with ``force_accept``)
-        of N ≤ ``verify_size`` nodes holds the chain's first N - 1 drafted tokens and nothing else, so it commits
-        what the chain (or a shorter one) commits. Kept, it also took every probe: the planner probes the cheapest
-        plausible mode first, and this one stays plausible (H100, SmolLM2, T = 1, concurrency 1, the default trees of
-        16 and 32: the tree of 16 ran τ 1.98 as the chain did, the tree of 32 was never run though its fixed run was
-        1.16 × the chain's tok/s, and the planner reached 0.89 × the best fixed mode; results/verify-h100.json)."""
+        """The modes the planner chooses from in a run with ``params``: ``plan_modes`` less the tree that is the chain
+        at a tree step's price. A chain-first tree (:meth:`chain_first`: at T > 0, or with ``force_accept``) of
+        ``verify_size`` nodes holds the chain's drafted tokens and nothing else, so it commits what the chain commits
+        (a smaller one is a shorter chain, a mode of its own, and stays). Kept, it also took every probe from the
+        tree of 32 under the rule before 2026-12-05 (the cheapest plausible mode probed first; H100, SmolLM2, T = 1,
+        concurrency 1, the default trees of 16 and 32: the tree of 16 ran τ 1.98 as the chain did, the tree of 32 was
+        never run though its fixed run was 1.16 × the chain's tok/s, and the planner reached 0.89 × the best fixed
+        mode; results/verify-h100.json)."""
         if not self.chain_first(params):
             return list(self.plan_modes)
-        return [m for m in self.plan_modes if not (m[0] == "tree" and m[1] <= self.verify_size)]
+        return [m for m in self.plan_modes if m != ("tree", self.verify_size)]
 
     def _plan_key(self, B: int, params: SamplingParams) -> tuple:
-        """The planner's cost-table key: batch size, sampling settings, ``defer_ar_append``, ``plan_modes``."""
-        return (B, *params.step_key, self.defer_ar_append, tuple(self.plan_modes))
+        """The planner's cost-table key: batch size, sampling settings, ``defer_ar_append``, this run's planner modes
+        (:meth:`planner_modes`: ``plan_modes`` and whether the trees keep the chain first)."""
+        return (B, *params.step_key, self.defer_ar_append, tuple(self.planner_modes(params)))
+
 
     def _step_costs(self, B: int, params: SamplingParams) -> dict:
         """Milliseconds of one step of every planner mode of a run with ``params`` (:meth:`planner_modes`) at batch B
-        (median of 5 after warm-up and graph capture, idle rows), measured once per (B, sampling settings,
-        ``defer_ar_append``, ``plan_modes``) on this device.
+        (median of 5 after warm-up and graph capture, idle rows), measured once per :meth:`_plan_key` on this device.
         The AR mode is the planner's AR step as the loop runs it: with ``defer_ar_append`` the step that
         leaves its features pending; the flush (not a mode) is not in the table."""
         key = self._plan_key(B, params)
@@ -1288,8 +1290,7 @@ class Engine:
             off = [m for m in self.plan_schedule if m not in modes]
             if off:
                 raise ValueError(f"Engine.plan_schedule has modes {off} outside this run's planner modes {modes} "
-                                 "(Engine.planner_modes: plan_modes less the chain-first trees of at most verify_size "
-                                 "nodes)")
+                                 "(Engine.planner_modes: plan_modes less the chain-first tree of verify_size nodes)")
             planner.schedule = list(self.plan_schedule)
         if planner is not None:  # what the previous generate at this key learned (infer.planner, "Across calls")
             if self.plan_online and key in self.plan_cost_memory:

@@ -791,52 +791,59 @@ def verify_section() -> list[str]:
 
 def planner_h100_section() -> list[str]:
     """The H100 lease of 2026-12-05: the planner points (verify-h100.json), what its loop costs per mode and per switch
-    (planner-switch-h100.json) and the confidence slope A/B (planner-slope-h100.json)."""
+    (planner-switch-h100.json) and the confidence slope A/B (planner-slope-h100.json). Each part is left out when its
+    file or its points are missing; a missing value shows as –."""
     v, sw, sl = load("verify-h100.json"), load("planner-switch-h100.json"), load("planner-slope-h100.json")
-    if not (v or sw or sl):
+    pts = (v or {}).get("planner") or []
+    loops = (sw or {}).get("points") or []
+    slopes = list(((sl or {}).get("points") or {}).values())
+    if not (pts or loops or slopes):
         return []
-    out = ["#### The planner on an H100 (2026-12-05)", ""]
-    if v:
-        out += [f"{v['gpu']}, {v['date'][:10]}, [`results/verify-h100.json`](results/verify-h100.json) (`reproduce_h200.sh "
-                "planner` with `GPU_TAG=h100`; the file's `commit_note` names the tree that ran): SmolLM2-135M-Instruct with the "
-                "shipped draft, the planner with its default trees (16 and 32) against AR, the chain and the fixed trees "
-                "of 16 and 32 in one `infer.bench` run per point, alternated per task (T = 1: top_p 0.95, top_k 20). Before "
-                "the planner left out the tree that is the chain at T > 0 (`Engine.planner_modes`, later commit).", "",
-                *_planner_points_table(v["planner"]), "",
-                "Command: " + "; ".join(dict.fromkeys(f"`{p['provenance']['command']}`" for p in v["planner"])), ""]
-    if sw:
-        out += [f"What the planner's loop costs with one mode and with two in turn ({sw['gpu']}, random weights at SmolLM2 "
-                f"shape, {sw['context']}-token prompts, {sw['new_tokens']} new tokens, median of {sw['reps']}, "
-                "[`results/planner-switch-h100.json`](results/planner-switch-h100.json)): the planner's loop running "
-                "only AR, only the chain or only the tree of "
-                f"{sw['switch_tree']} against the engine running that mode without it, and the chain and the tree in turn "
-                "against the mean of each alone (decode tok/s ratios):", "",
+    f3 = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
+    first = v if pts else sw if loops else sl
+    out = [f"#### The planner on the {first.get('gpu') or first.get('device') or '?'} ({str(first.get('date', ''))[:10]})", ""]
+    if pts:
+        out += ["[`results/verify-h100.json`](results/verify-h100.json) (`reproduce_h200.sh planner` with `GPU_TAG=h100`; "
+                "the file's `commit_note` says what ran): SmolLM2-135M-Instruct with the shipped draft, the planner with its "
+                "default trees against AR, the chain and the fixed trees of 16 and 32 in one `infer.bench` run per point, "
+                "alternated per task (T = 1: top_p 0.95, top_k 20)." + (f" {v['note']}" if v.get("note") else ""), "",
+                *_planner_points_table(pts), "",
+                "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`" for p in pts)), ""]
+    if loops:
+        ratios = [p.get(k) for p in loops for k in ("planner_ar_over_ar", "planner_chain_over_chain", "planner_tree_over_tree")]
+        ratios = [x for x in ratios if x is not None]
+        out += [f"What the planner's loop costs with one mode and with two in turn ({sw.get('gpu') or sw.get('device')}, "
+                f"random weights at SmolLM2 shape, {sw.get('context')}-token prompts, {sw.get('new_tokens')} new tokens, "
+                f"median of {sw.get('reps')}, [`results/planner-switch-h100.json`](results/planner-switch-h100.json)): the "
+                f"planner's loop running only AR, only the chain or only the tree of {sw.get('switch_tree')} against the "
+                "engine running that mode without it, and the chain and the tree in turn against the mean of each alone "
+                "(decode tok/s ratios, wall time on both sides)"
+                + (f"; one mode costs the loop {1 - max(ratios):.1%}-{1 - min(ratios):.1%} of a step" if ratios else "")
+                + ":", "",
                 "| batch | planner AR ÷ AR | planner chain ÷ chain | planner tree ÷ tree | switch ÷ mean |",
                 "|---|---|---|---|---|"]
-        for p in sw["points"]:
-            sm = p.get("switch_over_mean")
-            out.append(f"| {p['batch']} | {p['planner_ar_over_ar']:.3f} | {p['planner_chain_over_chain']:.3f} | "
-                       f"{p['planner_tree_over_tree']:.3f} | {'–' if sm is None else f'{sm:.3f}'} |")
-        out += ["", f"Command: `{sw['command']}`", ""]
-    if sl:
+        for p in loops:
+            out.append(f"| {p.get('batch')} | {f3(p.get('planner_ar_over_ar'))} | {f3(p.get('planner_chain_over_chain'))} | "
+                       f"{f3(p.get('planner_tree_over_tree'))} | {f3(p.get('switch_over_mean'))} |")
+        out += ["", f"Command: `{sw.get('command')}`", ""]
+    if slopes:
         out += ["The confidence slope A/B (`p`: `conf_slope=auto`, the default; `p1`: `conf_slope=1`, the rule before "
                 "it), each ÷ the best fixed label of the same run (AR, chain, trees of 16 and 32), and the planner's mean "
-                "step time per mode (CUDA events) ÷ the fixed run's decode time per step of that mode "
+                "step time per mode (CUDA events) ÷ the fixed run's wall time per step of that mode, admissions included "
+                "(two statistics: the loop's own cost is the table above) "
                 "([`results/planner-slope-h100.json`](results/planner-slope-h100.json), T = 0):", "",
                 "| mode | concurrency | best fixed | p ÷ best | p1 ÷ best | p's steps | p's step ms ÷ fixed, per mode |",
                 "|---|---|---|---|---|---|---|"]
-        for p in sl["points"].values():
-            rel, steps = p["planner_over_best_fixed"], p["planner_steps"].get("p", {})
+        for p in slopes:
+            rel, steps = p.get("planner_over_best_fixed") or {}, (p.get("planner_steps") or {}).get("p", {})
             total = sum(steps.values()) or 1
             share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
             ratios = (p.get("planner_step_ms_over_fixed") or {}).get("p", {})
             ms = ", ".join(f"{m} {r['ratio']:.3f}" for m, r in ratios.items())
-            out.append(f"| {'exact' if p['exact'] else 'fast'} | {p['concurrency']} | {p['best_fixed']} | "
-                       f"{rel['p']:.3f} | {rel['p1']:.3f} | {share} | {ms or '–'} |")
-        out += ["", "The step ratios are two statistics (event-timed steps against wall time per step of a run with its "
-                "admissions); the switch table above, wall time on both sides, puts the loop itself at 0.998-0.999.", "",
-                f"Command: `{sl['command']}` over the four runs of `reproduce_h200.sh planslope` (their commands in "
-                "the files).", ""]
+            out.append(f"| {'exact' if p.get('exact') else 'fast'} | {p.get('concurrency')} | {p.get('best_fixed')} | "
+                       f"{f3(rel.get('p'))} | {f3(rel.get('p1'))} | {share or '–'} | {ms or '–'} |")
+        out += ["", f"Command: `{sl.get('command')}` over the `infer.bench` runs of `reproduce_h200.sh planslope` (their "
+                "commands in the files).", ""]
     return out
 
 

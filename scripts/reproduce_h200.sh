@@ -128,9 +128,15 @@ if has planslope; then
   timed planslope-exact-c8 planslope exact 8 16 512
   timed planslope-fast-c32 planslope fast 32 64 256
   timed planslope-fast-c64 planslope fast 64 64 256
-  [ -f "$R/planner-slope-$G.json" ] || timed planslope-points python benchmarks/engine/planner_points.py \
-    "$R"/planner-slope-$G-{fast,exact}-T0-c{1,8}.json "$R"/planner-slope-$G-fast-T0-c{32,64}.json \
-    --output "$R/planner-slope-$G.json"
+  inputs=()  # the finished runs; their points again whenever one is newer than the points file
+  for f in "$R"/planner-slope-$G-{fast,exact}-T0-c{1,8}.json "$R"/planner-slope-$G-fast-T0-c{32,64}.json; do
+    if finished "$f"; then inputs+=("$f"); fi
+  done
+  if [ ${#inputs[@]} -gt 0 ] && { [ ! -f "$R/planner-slope-$G.json" ] ||
+       [ -n "$(find "${inputs[@]}" -newer "$R/planner-slope-$G.json")" ]; }; then
+    timed planslope-points python benchmarks/engine/planner_points.py "${inputs[@]}" --output "$R/planner-slope-$G.json" \
+      --overwrite
+  fi
 fi
 if has planswitch && ! finished "$R/planner-switch-$G.json"; then
   timed planswitch python benchmarks/engine/bench_planner_loop.py --switch 32 --batches 1,8 --temperatures 0 \

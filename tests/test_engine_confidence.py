@@ -228,23 +228,29 @@ def test_cost_table_follows_plan_modes(stories_dir, stories):  # noqa: F811
     assert set(eng._step_costs(2, greedy)) == {("ar", 1), ("chain", eng.verify_size)}
 
 
-def test_planner_leaves_out_the_trees_that_are_the_chain(stories_dir, stories):  # noqa: F811
-    """A chain-first tree (T > 0, or ``tree_chain_first=True``) of at most verify_size nodes holds the chain's first
-    tokens alone: the planner's table, its decode and its report go without it (Engine.planner_modes); best-first
-    trees (T = 0) keep every size."""
+def test_planner_leaves_out_the_tree_that_is_the_chain(stories_dir, stories):  # noqa: F811
+    """A chain-first tree (T > 0, or ``tree_chain_first=True``) of verify_size nodes holds the chain's tokens alone:
+    the planner's table, its decode and its report go without it (Engine.planner_modes); a smaller one (a shorter
+    chain) stays, and best-first trees (T = 0) keep every size. The cost table is keyed by the run's modes, so a
+    table made with the chain first is not reused without it."""
     eng = _engine(stories_dir, stories[2], budget="auto", plan_trees=(6, 8, 12))
     greedy = SamplingParams(max_new_tokens=6)
     sampled = SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)
     assert eng.verify_size == 8
     assert eng.planner_modes(greedy) == [("ar", 1), ("chain", 8), ("tree", 6), ("tree", 8), ("tree", 12)]
-    assert eng.planner_modes(sampled) == [("ar", 1), ("chain", 8), ("tree", 12)]
-    assert set(eng._step_costs(2, sampled)) == {("ar", 1), ("chain", 8), ("tree", 12)}
+    assert eng.planner_modes(sampled) == [("ar", 1), ("chain", 8), ("tree", 6), ("tree", 12)]
+    assert set(eng._step_costs(2, sampled)) == {("ar", 1), ("chain", 8), ("tree", 6), ("tree", 12)}
     res = eng.generate(PROMPTS[:2], sampled, concurrency=2)
-    assert set(eng.planner_report) == {"ar", "chain8", "tree12"}
+    assert set(eng.planner_report) == {"ar", "chain8", "tree6", "tree12"}
     assert sum(e["steps"] for e in eng.planner_report.values()) == res.steps
     eng.tree_chain_first = True
-    assert eng.planner_modes(greedy) == [("ar", 1), ("chain", 8), ("tree", 12)]
+    assert eng.planner_modes(greedy) == [("ar", 1), ("chain", 8), ("tree", 6), ("tree", 12)]
+    eng.generate(PROMPTS[:2], greedy, concurrency=2)
+    assert set(eng.planner_report) == {"ar", "chain8", "tree6", "tree12"}
+    eng.tree_chain_first = None  # best first again: the tree of 8 is back, with a table of its own
     eng.plan_schedule = [("chain", 8), ("tree", 8)]
+    eng.generate(PROMPTS[:2], greedy, concurrency=2)
+    assert eng.planner_report["tree8"]["steps"] >= 2
     with pytest.raises(ValueError, match=r"outside this run's planner modes .*\('tree', 12\)\]"):
         eng.generate(PROMPTS[:2], sampled, concurrency=2)
 

@@ -72,17 +72,24 @@ def test_choose_mode_bounds_unrun_trees_by_the_chain():
     assert choose_mode({CHAIN: 2.0, TREE32: 3.0}, {CHAIN: None, TREE32: None}, 0.0, 0.0)[0] == CHAIN
 
 
-def test_choose_mode_probes_an_unrun_mode_before_a_measured_cheaper_one():
-    """Rule 3: every plausible mode is probed once before a measured one again. Cheapest-first alone let a measured
-    mode that never wins but stays plausible (at T > 0 the tree of 16 is the chain, τ 1.98 each on the H100) take every
-    probe, so the tree of 32 (τ 2.65) was never run (results/verify-h100.json, concurrency 1, T = 1)."""
+def test_choose_mode_probes_the_mode_observed_least():
+    """Rule 3: the plausible mode observed least probes (never run first, then by observations, the cheapest among
+    equals). Cheapest-first let a measured mode that never wins but stays plausible (at T > 0 the tree of 16 is the
+    chain, τ 1.98 each on the H100) take every probe, so the tree of 32 (τ 2.65) was never run
+    (results/verify-h100.json, concurrency 1, T = 1)."""
     costs = {AR: 1.14, CHAIN: 1.78, ("tree", 16): 1.94, TREE32: 2.03}
     tokens = {AR: 1.0, CHAIN: 1.98, ("tree", 16): 1.98, TREE32: None}
     mode, loss, rate = choose_mode(costs, tokens, 1e6, 0.0)
     assert mode == TREE32 and rate == pytest.approx(1.98 / 1.78) and loss == pytest.approx(2.03 - 1.78 / 1.98)
-    # once the tree of 32 is measured (and loses), the cheapest plausible mode is probed again
+    # measured modes observed equally often: the cheapest plausible one
     mode, loss, _ = choose_mode(costs, {**tokens, TREE32: 2.0}, 1e6, 0.0)
     assert mode == ("tree", 16) and loss == pytest.approx(1.94 - 1.98 * 1.78 / 1.98)
+    seen = {AR: 500, CHAIN: 400, ("tree", 16): 112, TREE32: 1}
+    mode, loss, _ = choose_mode(costs, {**tokens, TREE32: 2.0}, 1e6, 0.0, seen=seen)
+    assert mode == TREE32 and loss == pytest.approx(2.03 - 2.0 * 1.78 / 1.98)
+    # its loss does not fit the allowance yet: no probe at all (a cheaper mode would spend what the tree waits for)
+    assert choose_mode(costs, {**tokens, TREE32: 2.0}, 100.0, 2.6, seen=seen)[:2] == (CHAIN, 0.0)
+    assert choose_mode(costs, {**tokens, TREE32: 2.0}, 100.0, 2.3, seen=seen)[0] == TREE32
 
 
 def _t1_decode(modes, seed, steps=2000):
@@ -112,6 +119,9 @@ def test_planner_without_the_tree_that_is_the_chain_runs_the_winning_tree():
     for seed in range(3):
         rate, runs = _t1_decode([AR, CHAIN, TREE32], seed)
         assert rate > 0.97 * fixed and runs[TREE32] > 0.95 * sum(runs.values()), (seed, rate, runs)
+        # with the tree of 16 kept, rule 3 (the mode observed least probes) still finds the tree of 32
+        rate, runs = _t1_decode([AR, CHAIN, ("tree", 16), TREE32], seed)
+        assert rate > 0.95 * fixed and runs[TREE32] > 0.9 * sum(runs.values()), (seed, rate, runs)
 
 
 def test_step_planner_averages_settles_probes_and_reports():

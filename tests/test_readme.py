@@ -78,6 +78,14 @@ def test_tables_survive_results_written_without_optional_keys(tmp_path, monkeypa
     p = json.loads((res / "profile-step-h200.json").read_text())
     p.pop("before_flatten"), p.pop("before_combine_rewrite"), p.pop("before_one_warp_combine")
     (res / "profile-step-h200.json").write_text(json.dumps(p))
+    v = json.loads((res / "verify-h100.json").read_text())  # bench_tree.py without --planner: no points
+    v.pop("planner")
+    (res / "verify-h100.json").write_text(json.dumps(v))
+    s = json.loads((res / "planner-switch-h100.json").read_text())  # bench_planner_loop.py without --switch
+    for x in s["points"]:
+        x.pop("planner_tree_over_tree"), x.pop("switch_over_mean")
+    s.pop("switch_tree")
+    (res / "planner-switch-h100.json").write_text(json.dumps(s))
     monkeypatch.setattr(make_tables, "RESULTS", res)
     monkeypatch.setattr(make_tables, "ROOT", tmp_path)
     text = make_tables.render()
@@ -87,6 +95,8 @@ def test_tables_survive_results_written_without_optional_keys(tmp_path, monkeypa
     assert "Fourth continuation (the shipped draft)" in text
     assert "| τ_real (eval prompts) | τ_sim_sample |" in text and "| 2.97 | 2.64 | 2.50 |" in text
     assert "| 2.90 | – |" in text  # an evaluation without it
+    assert "#### The planner on the NVIDIA H100 80GB HBM3 (2026-12-05)" in text and "(H100, 2026-12-05)" not in text
+    assert "| 1 | 0.993 | 0.994 | – | – |" in text and "one mode costs the loop 0.2%-0.7% of a step" in text
 
 
 def test_goals_at_a_glance_read_their_files(tmp_path, monkeypatch):
