@@ -647,12 +647,14 @@ class Engine:
         (planner): ("ar", 1) | ("chain", n) | ("tree", n), default the engine's (spec) or plain AR; or
         ("flush", F): the planner's draft-context flush (:meth:`_flush_step`; not a planner mode, one graph
         per B whatever the sampling settings). A planner AR step (spec) defers its append iff
-        ``defer_ar_append`` was set when its runner was made (part of the graph's key).
+        ``defer_ar_append`` was set when its runner was made (part of the graph's key, as a tree step's
+        :meth:`chain_first`).
         Building a graph resets the slots (idle, empty): build every runner before admitting rows."""
         slots, (kv, draft_cache) = self._slots_for(B), self._cache_view(B)
         mode = mode or (self.mode if spec else ("ar", 1))
         defer = spec and mode[0] == "ar" and self.budget == "auto" and self.defer_ar_append
-        key = (B, spec, mode, *params.step_key, defer)
+        # a tree step's graph holds its tree rule (chain first or best first: tree_chain_first may change between calls)
+        key = (B, spec, mode, *params.step_key, defer, self.chain_first(params) if mode[0] == "tree" else None)
         if mode[0] != "flush":
             # the LM heads this step runs: target over B·T rows, draft over B·(verify_size - 1)
             self._tune_lm_head([B * mode[1]], B * (self.verify_size - 1) if mode[0] != "ar" else None)

@@ -242,6 +242,24 @@ def test_bench_and_generate_verify_tree_on_the_cpu(stories_dir, stories, tmp_pat
 
 
 @pytest.mark.gpu
+def test_tree_step_graph_is_keyed_by_the_tree_rule(stories_dir, stories):
+    """A tree step's CUDA graph holds its tree rule: with ``tree_chain_first`` changed between calls the engine
+    captures a second graph instead of replaying the first (the key's last element is Engine.chain_first)."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=8)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS[:2], params).token_ids
+    eng = _engine(stories_dir, folder, device="cuda", impl="triton", cuda_graphs=True, verify="tree", tree_budget=16,
+                  tree_chain_first=True)
+    assert eng.generate(PROMPTS[:2], params, concurrency=2).token_ids == want
+    before = set(eng._graphs)
+    assert any(k[2] == ("tree", 16) and k[-1] is True for k in before)
+    eng.tree_chain_first = False
+    assert eng.generate(PROMPTS[:2], params, concurrency=2).token_ids == want
+    new = set(eng._graphs) - before
+    assert new and all(k[2] == ("tree", 16) and k[-1] is False for k in new), new
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
 def test_engine_tree_cuda_lossless(stories_dir, stories, graphs):
     """CUDA, Triton kernels, fp32: tree output == AR output, eager and under a CUDA graph, trees of 16
