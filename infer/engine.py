@@ -741,7 +741,6 @@ class Engine:
         (:meth:`planner_modes`: ``plan_modes`` and whether the trees keep the chain first)."""
         return (B, *params.step_key, self.defer_ar_append, tuple(self.planner_modes(params)))
 
-
     def _step_costs(self, B: int, params: SamplingParams) -> dict:
         """Milliseconds of one step of every planner mode of a run with ``params`` (:meth:`planner_modes`) at batch B
         (median of 5 after warm-up and graph capture, idle rows), measured once per :meth:`_plan_key` on this device.

@@ -138,7 +138,8 @@ def _glance_rows(load) -> list[str]:
         if row:
             rows.append(row)
     h100 = load("verify-h100.json")
-    row = _planner_row((h100 or {}).get("planner") or [], "verify-h100.json", " (H100, 2026-12-05)")
+    row = _planner_row((h100 or {}).get("planner") or [], "verify-h100.json",
+                       f" ({(h100 or {}).get('gpu') or '?'}, {str((h100 or {}).get('date', ''))[:10]})")
     if row:
         rows.append(row)
     cells, files, vals, commits = [], [], [], set()
