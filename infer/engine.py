@@ -728,7 +728,7 @@ class Engine:
         at a tree step's price. A chain-first tree (:meth:`chain_first`: at T > 0, or with ``force_accept``) of
         ``verify_size`` nodes holds the chain's drafted tokens and nothing else, so it commits what the chain commits
         (a smaller one is a shorter chain, a mode of its own, and stays). Kept, it also took every probe from the
-        tree of 32 under the rule before 2026-12-05 (the cheapest plausible mode probed first; H100, SmolLM2, T = 1,
+        tree of 32 (the planner probes the cheapest plausible mode, ``infer.planner`` rule 3; H100, SmolLM2, T = 1,
         concurrency 1, the default trees of 16 and 32: the tree of 16 ran τ 1.98 as the chain did, the tree of 32 was
         never run though its fixed run was 1.16 × the chain's tok/s, and the planner reached 0.89 × the best fixed
         mode; results/verify-h100.json)."""

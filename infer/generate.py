@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule; engine only)")
     ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
                     help="--budget auto: the planner's tree sizes joined by '/' (e.g. 16/32), or none for AR and the "
-                         "chain only (default: infer.engine.Engine.PLAN_TREES, 16/32)")
+                         "chain only (default: infer.engine.Engine.PLAN_TREES, 16/32; at T > 0 a tree of the verify "
+                         "size is the chain, and the planner leaves it out)")
     ap.add_argument("--draft-vocab", default=None, metavar="FILE",
                     help=DRAFT_VOCAB_HELP)
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,

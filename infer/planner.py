@@ -39,20 +39,20 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
    average of the measured speculative modes (the same draft: on SmolLM2 the tree of 32 commits 1.32 ×
    the chain's tokens, published block-draft trees about 1.4 ×). A mode that cannot win is never run;
    on the H200 tables of issue 16 a tree step at concurrency 64 costs 17-27 AR steps.
-3. Probe under a time budget: of the plausible modes the one observed least (never run first, then by
-   observations; the cheapest among equals) is run once when the time it is
+3. Probe under a time budget: of the plausible modes the cheapest is run once when the time it is
    expected to lose (its step time minus the time the best mode needs for the tokens it is expected to
    commit; 1 token for an unrun mode) fits in ``share`` of the step time spent so far plus a warm-up
    allowance of ``warmup`` steps of the cheapest mode (at most the time spent: the first step runs AR).
    :class:`StepPlanner` settles the charge with what the probe committed, so a probe that beat the
    best mode gives time back. Near-ties probe often (they lose little), distant rivals rarely, and
-   the time lost to probing stays under about ``share`` plus the warm-up (≈ 1% over 512 AR steps). While
-   that mode's loss does not fit, no other mode probes: with the cheapest plausible mode probed first (the rule
-   before 2026-12-05), a cheap mode that stays plausible without winning spent the budget on its own probes and a
-   dearer one was never run (H100, T = 1, concurrency 1: the tree of 16, the chain at a tree's price there, against
-   the tree of 32; results/verify-h100.json). On the greedy trace replay of four H200 tables
-   (``planner_trace.py replay``, trees of 16 and 32) the planner ÷ best fixed mode went from 0.9935 / 0.9784 / 0.9980
-   / 0.9849 to 0.9948 / 0.9830 / 0.9960 / 0.9834.
+   the time lost to probing stays under about ``share`` plus the warm-up (≈ 1% over 512 AR steps).
+   A cheap mode that stays plausible without ever winning takes the probes from a dearer one: on the H100 at
+   T = 1 the tree of 16 (the chain at a tree step's price there) kept the tree of 32 from ever running
+   (results/verify-h100.json), which ``infer.engine.Engine.planner_modes`` answers by leaving that tree out.
+   Probing the mode observed least instead, or a never-run one first, was tried on 2026-12-05 and dropped: the
+   first sent every probe to the persistent loser (the tree of 32 in tests/test_sim_drain_trees.py's drain model:
+   1.033 / 1.095 × the best fixed mode against 1.011 / 1.015), the second left the T = 0 trace replay of four H200
+   tables level (mean −0.05 points) and one of four simulated T = 1 decodes with the tree of 16 still on the chain.
 
 Averages: per mode a fast one (newest observation weighted ``max(decay × r / (r + PRIOR_ROWS), 1 / n)``,
 r the requests averaged in that step: one request's count is noisy, 64 requests' mean is not) follows a
@@ -317,8 +317,7 @@ def choose_mode(
     plausible = [m for m in costs if m != best and m not in settled and ceiling(m) / costs[m] > rate]
     if not plausible:
         return best, 0.0, rate
-    # the mode observed least (one never run first), the cheapest among equals; it alone may probe now
-    probe = min(plausible, key=lambda m: (-1 if est[m] is None else (seen or {}).get(m, 0), costs[m]))
+    probe = min(plausible, key=lambda m: costs[m])
     loss = max(0.0, costs[probe] - (1.0 if est[probe] is None else est[probe]) / rate)
     allowance = share * spent_ms + min(spent_ms, warmup * min(costs.values()))
     if lost_ms + loss <= allowance:

@@ -382,7 +382,7 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
     from infer import engine as engine_mod
 
     target, _, folder = stories
-    params = SamplingParams(max_new_tokens=64)
+    params = SamplingParams(max_new_tokens=40)
     want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
     seen = []
     choose = engine_mod.StepPlanner.choose

@@ -72,26 +72,6 @@ def test_choose_mode_bounds_unrun_trees_by_the_chain():
     assert choose_mode({CHAIN: 2.0, TREE32: 3.0}, {CHAIN: None, TREE32: None}, 0.0, 0.0)[0] == CHAIN
 
 
-def test_choose_mode_probes_the_mode_observed_least():
-    """Rule 3: the plausible mode observed least probes (never run first, then by observations, the cheapest among
-    equals). Cheapest-first let a measured mode that never wins but stays plausible (at T > 0 the tree of 16 is the
-    chain, τ 1.98 each on the H100) take every probe, so the tree of 32 (τ 2.65) was never run
-    (results/verify-h100.json, concurrency 1, T = 1)."""
-    costs = {AR: 1.14, CHAIN: 1.78, ("tree", 16): 1.94, TREE32: 2.03}
-    tokens = {AR: 1.0, CHAIN: 1.98, ("tree", 16): 1.98, TREE32: None}
-    mode, loss, rate = choose_mode(costs, tokens, 1e6, 0.0)
-    assert mode == TREE32 and rate == pytest.approx(1.98 / 1.78) and loss == pytest.approx(2.03 - 1.78 / 1.98)
-    # measured modes observed equally often: the cheapest plausible one
-    mode, loss, _ = choose_mode(costs, {**tokens, TREE32: 2.0}, 1e6, 0.0)
-    assert mode == ("tree", 16) and loss == pytest.approx(1.94 - 1.98 * 1.78 / 1.98)
-    seen = {AR: 500, CHAIN: 400, ("tree", 16): 112, TREE32: 1}
-    mode, loss, _ = choose_mode(costs, {**tokens, TREE32: 2.0}, 1e6, 0.0, seen=seen)
-    assert mode == TREE32 and loss == pytest.approx(2.03 - 2.0 * 1.78 / 1.98)
-    # its loss does not fit the allowance yet: no probe at all (a cheaper mode would spend what the tree waits for)
-    assert choose_mode(costs, {**tokens, TREE32: 2.0}, 100.0, 2.6, seen=seen)[:2] == (CHAIN, 0.0)
-    assert choose_mode(costs, {**tokens, TREE32: 2.0}, 100.0, 2.3, seen=seen)[0] == TREE32
-
-
 def _t1_decode(modes, seed, steps=2000):
     """A concurrency-1 decode at T = 1 against the H100's step times (results/verify-h100.json): the chain commits 1
     + a geometric number of draft tokens (mean τ 1.98, at most 16), the chain-first tree of 16 the same, the tree of
@@ -112,16 +92,16 @@ def _t1_decode(modes, seed, steps=2000):
 
 
 def test_planner_without_the_tree_that_is_the_chain_runs_the_winning_tree():
-    """At T > 0 the engine leaves out the chain-first trees of at most verify_size nodes (Engine.planner_modes): with
-    AR, the chain and the tree of 32 the planner runs the tree of 32 and matches its fixed rate (2.65 / 2.03 tok/ms);
-    on the H100 the planner with the tree of 16 kept ran 0.89 × the best fixed mode."""
+    """At T > 0 the engine leaves out the chain-first tree of verify_size nodes (Engine.planner_modes): with AR, the
+    chain and the tree of 32 the planner runs the tree of 32 and matches its fixed rate (2.65 / 2.03 tok/ms). With the
+    tree of 16 kept it is the cheapest plausible mode and takes every probe (rule 3): the tree of 32 never runs and
+    the planner stays at the chain's rate, as on the H100 (0.89 × the best fixed mode, results/verify-h100.json)."""
     fixed = 2.65 / 2.03
     for seed in range(3):
         rate, runs = _t1_decode([AR, CHAIN, TREE32], seed)
-        assert rate > 0.97 * fixed and runs[TREE32] > 0.95 * sum(runs.values()), (seed, rate, runs)
-        # with the tree of 16 kept, rule 3 (the mode observed least probes) still finds the tree of 32
-        rate, runs = _t1_decode([AR, CHAIN, ("tree", 16), TREE32], seed)
-        assert rate > 0.95 * fixed and runs[TREE32] > 0.9 * sum(runs.values()), (seed, rate, runs)
+        assert rate > 0.97 * fixed and runs[TREE32] > 0.9 * sum(runs.values()), (seed, rate, runs)
+    rate, runs = _t1_decode([AR, CHAIN, ("tree", 16), TREE32], 0)
+    assert runs[TREE32] == 0 and rate < 0.9 * fixed and rate == pytest.approx(1.98 / 1.78, rel=0.05), (rate, runs)
 
 
 def test_step_planner_averages_settles_probes_and_reports():
