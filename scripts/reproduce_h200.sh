@@ -3,8 +3,8 @@
 #
 #   GGUF=models/SmolLM2-135M-Instruct.Q4_1.gguf DSPINE_SHARED=../shared bash scripts/reproduce_h200.sh [STAGE ...]
 #
-# Stages (default: all, in order). convert, engine, exact, hybrid, profile, linear, linearwide, fusion, linearfusion,
-# planslope and planswitch skip when their output
+# Stages (default: all, in order). convert, engine, exact, hybrid, profile, linear, lmhead, hybridbench, linearwide,
+# fusion, linearfusion, planslope and planswitch skip when their output
 # exists (planslope and planswitch: a whole run's; a killed run resumes; delete a results file to measure it again); steps, tree and planner always
 # measure and --merge their part into results/verify-h200.json. Minutes on one H200 (2026-12-01):
 #   convert   GGUF -> $WORK/smollm2-hf (bf16), the SmolLM2 target of the later stages          ~0.5
@@ -33,6 +33,8 @@
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
 #   tables    scripts/make_tables.py (README results block)
+# Runs `python` from PATH (the environment with the project installed). An unknown stage, or a GPU stage without
+# CUDA, stops the script before anything runs.
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results), GPU_TAG (h200: the suffix of every results file).
 set -euo pipefail
@@ -44,7 +46,21 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-STAGES=${*:-convert engine steps tree planner exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope planswitch tables}
+ALL="convert engine steps tree planner exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope planswitch tables"
+STAGES=${*:-$ALL}
+for s in $STAGES; do
+  [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
+done
+for s in $STAGES; do  # every stage but convert and tables measures on the GPU: refuse to start without one
+  if [[ $s != convert && $s != tables ]]; then
+    python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2> /dev/null || {
+      echo "reproduce_h200.sh: stage '$s' needs a CUDA GPU and a python with torch (python here: $(command -v python ||
+        echo none)); convert and tables run without one" >&2
+      exit 2
+    }
+    break
+  fi
+done
 HF=$WORK/smollm2-hf
 mkdir -p "$WORK/logs" "$R"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
