@@ -879,11 +879,11 @@ def main(argv=None) -> int:
         eq = f", greedy == AR on {e['greedy_equal']}/{e['greedy_compared']}" if "greedy_compared" in e else ""
         ci = f" [95% CI {e['mean_tau_ci95'][0]:.3f}, {e['mean_tau_ci95'][1]:.3f}]" if "mean_tau_ci95" in e else ""
         c = runner.configs[label]
-        mode = c["verify"] + (" --budget auto" if c["budget"] else "")
+        how = ("--budget auto: the planner picks AR, the chain or a tree per step" if c["budget"] else
+               f"--verify {c['verify']}: {runner.verified_per_step[label]} verified tokens per step")
         tau = "n/a (no verify step)" if e["mean_tau"] is None else f"{e['mean_tau']:.3f}"
         none = f" ({e['tasks_without_steps']} task(s) without a verify step left out)" if "tasks_without_steps" in e else ""
-        print(f"{label}: mean tau {tau}{ci}{none}{extra}{eq}, --verify {mode}: "
-              f"{runner.verified_per_step[label]} verified tokens per step")
+        print(f"{label}: mean tau {tau}{ci}{none}{extra}{eq}, {how}")
         for r in rows:  # fast mode: where outputs part, and how close the target's top-2 were there
             for m in r["drafts"].get(label, {}).get("greedy_mismatches", []):
                 margin = m.get("ar_top2_margin")

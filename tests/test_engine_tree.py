@@ -510,6 +510,7 @@ def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, c
         ]
     )
     assert code == 0
+    assert "--budget auto: the planner picks AR, the chain or a tree per step" in capsys.readouterr().out
     d = json.loads(out.read_text())["tasks"][0]["drafts"]["P"]
     assert d["greedy_equal"] == d["greedy_compared"] == 2 and d["verified_tokens_per_step"] == "auto"
     assert set(d["planner_choices"]) == {"ar", "chain8", "tree16", "tree32"}
