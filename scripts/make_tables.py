@@ -699,6 +699,12 @@ def tree_extra_rows(v: dict) -> list[str]:
     return out
 
 
+def _step_share(steps: dict) -> str:
+    """``"chain16 9%, tree16 60%"``: each mode's share of a planner's steps (modes without a step left out)."""
+    total = sum(steps.values()) or 1
+    return ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+
+
 def _planner_points_table(pts: list[dict]) -> list[str]:
     """Markdown table of bench_tree.py --planner points: tok/s of each configuration, the planner's ratios, its steps."""
     out = ["| concurrency | T | AR | chain 16 | tree 16 | tree 32 | planner | planner ÷ best fixed (goal ≥ 0.98) | "
@@ -709,8 +715,7 @@ def _planner_points_table(pts: list[dict]) -> list[str]:
         for task in p.get("planner_choices_per_task", []):
             for mode, e in task.items():
                 steps[mode] = steps.get(mode, 0) + e["steps"]
-        total = sum(steps.values()) or 1
-        share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+        share = _step_share(steps)
         t16 = (p.get("fixed_tree_tok_per_s") or {}).get("16")
         ok = "met" if p["planner_over_best_static"] >= 0.98 else "**missed**"
         out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
@@ -837,8 +842,7 @@ def planner_h100_section() -> list[str]:
                 "|---|---|---|---|---|---|---|"]
         for p in slopes:
             rel, steps = p.get("planner_over_best_fixed") or {}, (p.get("planner_steps") or {}).get("p", {})
-            total = sum(steps.values()) or 1
-            share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+            share = _step_share(steps)
             ratios = (p.get("planner_step_ms_over_fixed") or {}).get("p", {})
             ms = ", ".join(f"{m} {r['ratio']:.3f}" for m, r in ratios.items())
             out.append(f"| {'exact' if p.get('exact') else 'fast'} | {p.get('concurrency')} | {p.get('best_fixed')} | "
@@ -873,8 +877,7 @@ def planner_exact_section() -> list[str]:
     for p in pts:
         t, rel = p["tok_per_s"], p["planner_over_best_fixed"]
         steps = p["planner_steps"].get("p", {})
-        total = sum(steps.values()) or 1
-        share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+        share = _step_share(steps)
         counts = {tuple(c) for c in p["greedy_equal"].values()}
         same = (f"{counts.pop()[0]}/{p['greedy_equal']['chain'][1]}" if len(counts) == 1 else
                 ", ".join(f"{x} {a}/{b}" for x, (a, b) in p["greedy_equal"].items()))  # fmt: skip
@@ -917,8 +920,7 @@ def planner_default_section() -> list[str]:
         for p in r["points"].values():
             t, rel = p["tok_per_s"], p["planner_over_best_fixed"]
             steps = p["planner_steps"].get("p", {})
-            total = sum(steps.values()) or 1
-            share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+            share = _step_share(steps)
             a, b = p["greedy_equal"]["p"]
             out.append(f"| {mode} | {p['concurrency']} | {fmt(t.get('AR'))} | {fmt(t.get('chain'))} | "
                        f"{fmt(t.get('t16'))} | {fmt(t.get('t32'))} | {p['best_fixed']} | {fmt(rel.get('p'), '.3f')} — "
@@ -1055,8 +1057,7 @@ def planner_exact_rerun() -> list[str]:
     for p in pts:
         t, rel = p["tok_per_s"], p["planner_over_best_fixed"].get("p")
         steps = p["planner_steps"].get("p", {})
-        total = sum(steps.values()) or 1
-        share = ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
+        share = _step_share(steps)
         eq = p["greedy_equal"]
         same = "all" if all(a == b for a, b in eq.values()) else ", ".join(f"{x} {a}/{b}" for x, (a, b) in eq.items())
         out.append(f"| {p['concurrency']} | {fmt(t.get('AR'))} | {fmt(t.get('chain'))} | {fmt(t.get('t16'))} | "
