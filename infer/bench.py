@@ -162,6 +162,19 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         if "tree_budget" in given and c["budget"] is not None:
             raise ValueError(f"--config {item!r}: tree_budget with budget=auto: the planner picks its own tree sizes "
                              f"(give them with --config {label}:plan_trees=16/32)")
+    wide = getattr(args, "plan_trees", None)  # the run-wide --plan-trees: every budget=auto label without its own
+    if wide is not None:
+        from infer.planner import parse_plan_trees
+
+        try:
+            wide_trees = parse_plan_trees(wide)
+        except ValueError as e:
+            raise ValueError(f"--plan-trees: {e}") from None
+        if not any(c["budget"] for c in out.values()):
+            raise ValueError(f"--plan-trees {wide}: applies to --budget auto only (no configuration has it)")
+        for c in out.values():
+            if c["budget"] is not None and c["plan_trees"] is None:
+                c["plan_trees"] = wide_trees
     for label, c in out.items():
         if c["budget"] is not None and c["tree_budget"] is not None:  # the run-wide one: a label's own is refused above
             if tree_budget_given:
@@ -691,7 +704,7 @@ def build_parser():
     ap.add_argument("--tree-budget", type=int, default=None,
                     help="tree nodes per step and request, anchor included (2..64; default 32; --verify tree only)")
     ap.add_argument("--budget", default=None, choices=["auto"],
-                    help="auto: per step, AR, the chain or a tree (of 16 or 32 nodes; --config plan_trees=) by measured step time and acceptance "
+                    help="auto: per step, AR, the chain or a tree (of 16 or 32 nodes; --plan-trees) by measured step time and acceptance "
                          "(infer.planner; --backend cuda); default: always --verify / --tree-budget")
     ap.add_argument("--config", action="append", default=None, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                     help="the draft LABEL's own verify (chain|tree), tree_budget (2..64), budget (auto|none) or "
@@ -728,6 +741,11 @@ def build_parser():
                     help="engine: prefill each prompt alone, padded to a length bucket, one CUDA graph per bucket, for "
                          "admissions of up to Engine.PREFILL_BUCKETS_MAX_PROMPTS (8) prompts (more: one packed pass; "
                          "default: infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule)")
+    ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
+                    help="--budget auto (engine): the planner's tree sizes joined by '/' (e.g. 16/32), or none for AR and "
+                         "the chain only, for every budget=auto label without its own --config LABEL:plan_trees= "
+                         "(default: infer.engine.Engine.PLAN_TREES, 16/32; at T > 0 a tree of the verify size is the "
+                         "chain, and the planner leaves it out)")
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
                     help="--budget auto (engine): the planner's drain rule once no prompt is queued (infer.planner, "
                          "\"Drain\"; default on); --no-plan-drain: tokens per millisecond to the end")
@@ -763,7 +781,7 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     tree_budget_given = args.tree_budget is not None  # check_decode_args fills in the default under --verify tree
-    check_decode_args(args, plan_trees="--config LABEL:plan_trees=16/32")
+    check_decode_args(args, plan_trees="--plan-trees 16/32 or --config LABEL:plan_trees=16/32")
     if args.device is not None and args.backend != "cuda":
         raise ValueError(f"--device {args.device} places the engine: give --backend cuda with it")
     args.device = args.device or "cuda"
@@ -890,7 +908,10 @@ def main(argv=None) -> int:
                 print(f"  {r['task']}: differs from AR at output position {m['position']}"
                       + (f", target top-2 margin {margin:.4f} (tokens {m['ar_top2']})" if margin is not None else ""))
     dt = "" if args.draft_temperature is None else f", draft temperature {args.draft_temperature}"
-    print(f"[{runner.backend}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}{dt}, concurrency "
+    on_gpu = runner.backend == "cuda" and torch.device(args.device).type == "cuda"
+    where = (f"engine on {prov['gpu'] or 'cuda'}" if on_gpu else
+             "engine on the CPU (--device cpu)" if runner.backend == "cuda" else "reference backend on the CPU")
+    print(f"[{where}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}{dt}, concurrency "
           f"{args.concurrency}, max_new_tokens {args.max_new_tokens}; tau counts the bonus token]")
     result = {**prov, "finished": utc_now(), "label": args.label, "backend": runner.backend, "args": vars(args),
               "interrupted": False, "tasks": rows, "summary": summary}

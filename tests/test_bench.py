@@ -29,7 +29,7 @@ def draft_dir(stories_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
-def test_bench_json_on_the_cpu(stories_dir, draft_dir, tmp_path, backend):
+def test_bench_json_on_the_cpu(stories_dir, draft_dir, tmp_path, backend, capsys):
     out = tmp_path / "b.json"
     extra = ["--device", "cpu", "--dtype", "fp32"] if backend == "cuda" else ["--dtype", "fp32"]
     code = bench.main(["--target", str(stories_dir), "--draft", f"A={draft_dir}", "--draft", f"B={draft_dir}",
@@ -43,6 +43,8 @@ def test_bench_json_on_the_cpu(stories_dir, draft_dir, tmp_path, backend):
     assert res["args"]["warmup"] == "start"  # auto: the per-task warm-up only on a CUDA device
     assert res["finished"] >= res["date"]  # provenance taken when the run started; "finished" when written
     assert res["args"]["device"] == ("cpu" if backend == "cuda" else None)  # the reference backend places nothing
+    footer = {"cuda": "[engine on the CPU (--device cpu), T=0.0", "reference": "[reference backend on the CPU, T=0.0"}
+    assert footer[backend] in capsys.readouterr().out  # where it ran, not only which backend
     for t in res["tasks"]:
         for d in t["drafts"].values():
             assert d["tau"] == pytest.approx(1 + sum(d["accept_at_pos"]))
@@ -345,6 +347,8 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:budget=auto,plan_trees=16/99"], "plan_trees='16/99'; each size must be in 2..64"),
     (["--config", "D:budget=auto,plan_trees=16/16"], "plan_trees='16/16'; each size must be in 2..64, none repeated"),
     (["--config", "D:plan_trees=16"], "plan_trees applies to budget=auto"),
+    (["--plan-trees", "16"], "--plan-trees 16: applies to --budget auto only (no configuration has it)"),
+    (["--plan-trees", "16/99", "--budget", "auto"], "--plan-trees: plan_trees='16/99'; each size must be in 2..64"),
     (["--config", "D:budget=auto,confidence=maybe"], "confidence='maybe'; expected greedy, always, never"),
     (["--config", "D:confidence=never"], "confidence applies to budget=auto"),
     (["--config", "D:budget=auto,drain=tail"], "drain='tail'; expected off, scaled, lead"),
@@ -375,6 +379,18 @@ def test_config_none_overrides_a_run_wide_budget():
     c = bench.parse_configs(["a:budget=none,verify=chain"], {"a": "p", "b": "p"}, args, tree_budget_given=False)
     assert c == {"a": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
                  "b": {"verify": "tree", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None}}
+
+
+def test_run_wide_plan_trees_fill_the_budget_auto_labels_without_their_own():
+    """--plan-trees goes to every budget=auto label that gives no plan_trees of its own; a label's own wins, and a
+    fixed-mode label keeps none (it runs no planner)."""
+    import argparse
+
+    args = argparse.Namespace(verify="chain", tree_budget=None, budget=None, exact=None, draft_temperature=None,
+                              backend="cuda", plan_trees="16/32/64")
+    c = bench.parse_configs(["a:budget=auto", "b:budget=auto,plan_trees=none"], {"a": "p", "b": "p", "c": "p"}, args)
+    assert (c["a"]["plan_trees"], c["b"]["plan_trees"], c["c"]["plan_trees"]) == ((16, 32, 64), (), None)
+    assert (c["a"]["budget"], c["b"]["budget"], c["c"]["budget"]) == ("auto", "auto", None)
 
 
 def test_config_budget_auto_records_no_default_tree_budget(stories_dir, draft_dir):
