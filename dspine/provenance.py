@@ -56,7 +56,7 @@ def utc_now() -> str:
 
 # Environment variables that change what the engine runs (kernels, launches), recorded with a result when set: the
 # command line alone does not show them.
-ENGINE_ENV = ("DSPINE_PDL", "DSPINE_FUSE_NORM", "DSPINE_FUSE_ACT", "TRITON_F32_DEFAULT")
+ENGINE_ENV = ("DSPINE_PDL", "DSPINE_FUSE_NORM", "DSPINE_FUSE_ACT", "TRITON_F32_DEFAULT", "DSPINE_PLAN_LOG")
 
 
 def provenance(argv: list[str] | None = None) -> dict:

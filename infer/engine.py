@@ -1293,6 +1293,9 @@ class Engine:
                 raise ValueError(f"Engine.plan_schedule has modes {off} outside this run's planner modes {modes} "
                                  "(Engine.planner_modes: plan_modes less the chain-first tree of verify_size nodes)")
             planner.schedule = list(self.plan_schedule)
+        plan_log = os.environ.get("DSPINE_PLAN_LOG")  # a JSONL file: one line per planned call (diagnosis)
+        if planner is not None and plan_log:
+            planner.start_log()
         if planner is not None:  # what the previous generate at this key learned (infer.planner, "Across calls")
             if self.plan_online and key in self.plan_cost_memory:
                 planner.load_cost_state(self.plan_cost_memory[key])
@@ -1355,6 +1358,14 @@ class Engine:
             if self.plan_memory:
                 self.plan_token_memory[key] = planner.token_state()
         elapsed = time.perf_counter() - t0
+        if planner is not None and planner.log is not None:
+            import json
+
+            line = {"batch": B, "prompts": len(prompts), "temperature": params.temperature,
+                    "max_new_tokens": params.max_new_tokens, "steps": n_steps, "wall_s": round(elapsed, 4),
+                    "tokens": sum(len(r) for r in results), "log": planner.log}
+            with open(plan_log, "a") as f:
+                f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed,
                                  tokens=sum(len(r) for r in results), admit_device_s=sum(a.elapsed_time(b) for a, b in events) / 1e3, admits=admits[0])
         return GenerationResult(results, reasons, stats, elapsed, prefill_s, n_steps)

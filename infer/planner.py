@@ -371,6 +371,11 @@ def spread_variance(drain, between: float, prior) -> float:
     return w * between + (1.0 - w) * (_finite_prior(prior) or 0.0)
 
 
+def _sig(x: float | None) -> float | None:
+    """``x`` rounded to 4 significant digits (None stays None): :meth:`StepPlanner.start_log`'s numbers."""
+    return None if x is None else float(f"{x:.4g}")
+
+
 def _finite_prior(prior) -> float | None:
     """``prior`` if it is a finite number ≥ 0, else ``None`` (a corrupted state is no prior)."""
     return float(prior) if prior is not None and math.isfinite(prior) and prior >= 0 else None
@@ -591,6 +596,8 @@ class StepPlanner:
         # with the prior as in drain_tokens), which token_state carries on
         self.spread_prior: float | None = DEFAULT_SPREAD
         self.spread: float | None = None
+        # an optional per-step log (None: off; :meth:`start_log`), for diagnosing a decode after the fact
+        self.log: list | None = None
         self.step = 0
         self.spent_ms = 0.0  # step time of the modes run (measured where given, else estimated)
         self.lost_ms = 0.0  # time lost to probes against the best mode (negative: probes gained)
@@ -714,7 +721,10 @@ class StepPlanner:
         millisecond."""
         costs = self.costs
         if self.schedule:  # a fixed cycle of modes (benchmarks: the loop's cost of switching modes), no decision
-            return self._commit(self.schedule[self.step % len(self.schedule)], costs, predicted, 0.0, None, 1.0)
+            mode = self.schedule[self.step % len(self.schedule)]
+            if self.log is not None:
+                self._log_choice(mode, 0.0, costs, None)
+            return self._commit(mode, costs, predicted, 0.0, None, 1.0)
         raw = None  # this step's token estimates, computed once
         if drain is not None:
             raw = self.expected(predicted)
@@ -730,6 +740,7 @@ class StepPlanner:
         if not timed and self.pending and self.untimed < FIRST_TIMED:
             timed = [self.pending[0][0]]
         scale = 1.0
+        tokens = None
         if len(timed) == 1 and self.timed[timed[0]] < FIRST_TIMED:  # the decode's first mode: 3 timings first
             mode, loss, rate = timed[0], 0.0, None
         else:
@@ -764,6 +775,8 @@ class StepPlanner:
                 # a probe is settled in the same terms: its tokens as the drain rule counts them
                 if raw.get(mode):
                     scale = tokens[mode] / raw[mode]
+        if self.log is not None:
+            self._log_choice(mode, loss, costs, tokens)
         return self._commit(mode, costs, predicted, loss, rate, scale)
 
     def _commit(self, mode: Mode, costs: dict, predicted, loss: float, rate, scale: float) -> Mode:
@@ -777,6 +790,27 @@ class StepPlanner:
         self.pending.append((mode, costs[mode], (predicted or {}).get(mode), probe))
         self.choices[mode] += 1
         return mode
+
+    def start_log(self) -> None:
+        """Keep a per-step log in :attr:`log` from now on: the modes in table order (``self.log[0]``, as
+        ``"kind:size"``) and then one entry per event, all numbers rounded to 4 significant digits:
+
+        * a choice ``["c", step, mode index, drain, probe, rates]``: ``drain`` 1 under the drain rule, ``probe``
+          the milliseconds it was expected to lose (0: exploited), ``rates`` per mode the committed tokens per
+          millisecond it was judged on (tokens ÷ estimated step time; None: no estimate; the drain rule's tokens
+          under it). The decode's first steps and a ``schedule`` have ``rates`` None (no comparison made).
+        * an observation ``["o", mode index, tokens per request, ms or None, rows]`` (:meth:`observe`).
+
+        Costs a list append per event (microseconds); the engine turns it on with ``DSPINE_PLAN_LOG``
+        (``infer.engine.Engine``)."""
+        self.log = [[f"{k}:{n}" for k, n in self.table]]
+
+    def _log_choice(self, mode: Mode, loss: float, costs: dict, tokens) -> None:
+        index = list(self.table)
+        rates = None
+        if tokens is not None:
+            rates = [_sig(tokens[m] / costs[m]) if tokens.get(m) is not None else None for m in self.table]
+        self.log.append(["c", self.step, index.index(mode), int(self.drain_scale is not None), _sig(loss), rates])
 
     def end_drain(self) -> None:
         """Back to tokens per millisecond (a caller whose queue refills: :meth:`choose`'s ``drain``)."""
@@ -794,6 +828,8 @@ class StepPlanner:
         chosen; the oldest unobserved choice of ``mode`` is this step's (older choices of other modes not
         observed are dropped as by :meth:`skip`). A ``mode`` never chosen is recorded at its estimate."""
         est_ms, predicted, probe = self.costs[mode], None, None
+        if self.log is not None:
+            self.log.append(["o", list(self.table).index(mode), _sig(tokens_per_request), _sig(ms), rows])
         self.untimed += not (ms is not None and ms > 0)
         while self.pending and self.pending[0][0] != mode:
             self.pending.popleft()

@@ -226,3 +226,35 @@ def test_plan_schedule_runs_its_modes_in_turn(stories_dir, stories):  # noqa: F8
     eng.plan_schedule = [CHAIN, ("tree", 16)]
     with pytest.raises(ValueError, match=r"plan_schedule has modes \[\('tree', 16\)\] outside this run's planner modes"):
         eng.generate(PROMPTS[:2], params)
+
+
+def test_plan_log_records_every_choice_and_observation(stories_dir, stories, tmp_path, monkeypatch):  # noqa: F811
+    """DSPINE_PLAN_LOG: one JSON line per planned call, its choices one per engine step with the mode the planner
+    ran (the counts per mode equal planner_report's), its observations those the report counts, the output
+    unchanged by logging; a second call appends a second line."""
+    import json
+
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=30)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS[:3], params).token_ids
+    path = tmp_path / "plan.jsonl"
+    monkeypatch.setenv("DSPINE_PLAN_LOG", str(path))
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=(TREE[1],))
+    for call in (1, 2):
+        res = eng.generate(PROMPTS[:3], params, concurrency=2)
+        assert res.token_ids == want
+        lines = path.read_text().splitlines()
+        assert len(lines) == call
+        rec = json.loads(lines[-1])
+        assert (rec["batch"], rec["prompts"], rec["steps"]) == (2, 3, res.steps)
+        assert rec["tokens"] == sum(map(len, res.token_ids))
+        names, events = rec["log"][0], rec["log"][1:]
+        assert names == ["ar:1", "chain:8", "tree:24"]
+        chosen = [e for e in events if e[0] == "c"]
+        assert len(chosen) == res.steps and [e[1] for e in chosen] == list(range(chosen[0][1], chosen[0][1] + res.steps))
+        report = eng.planner_report
+        for i, name in enumerate(("ar", "chain8", "tree24")):
+            assert sum(e[2] == i for e in chosen) == report[name]["steps"]
+            assert sum(e[0] == "o" and e[1] == i for e in events) == report[name]["observed"]
+        judged = [e[5] for e in chosen if e[5] is not None]
+        assert judged and all(len(r) == 3 and r[0] is not None and r[0] > 0 for r in judged)  # AR always has a rate
