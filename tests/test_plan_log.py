@@ -34,6 +34,8 @@ def test_summary_counts_and_rates(tmp_path):
     assert s["modes"]["tree:32"]["steps"] == 0 and s["modes"]["tree:32"]["tok_per_ms"] is None
     assert s["drain_choices"] == {"n": 2, "best": {"ar:1": 1, "chain:16": 1},
                                   "median_rate": {"ar:1": 1.0, "chain:16": 1.0, "tree:32": 0.9}}
+    # the one drain choice observed with a time: the chain's, 2 tokens in 2 ms with 20 requests live
+    assert s["drain_by_rows"] == {"ar:1": {}, "chain:16": {">12": {"steps": 1, "tok_per_ms": 1.0}}, "tree:32": {}}
     out = tmp_path / "s.json"
     assert plan_log.main([str(path), "--batch", "8", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["steps"] == 4
@@ -57,3 +59,14 @@ def test_no_matching_call_and_mixed_modes(tmp_path, capsys):
     other = dict(CALL, log=[["ar:1", "chain:16"], ["c", 0, 0, 0, 0.0, None]])
     with pytest.raises(ValueError, match="different modes"):
         plan_log.summarize([CALL, other])
+
+
+def test_by_point_reads_gzip(tmp_path):
+    import gzip
+
+    path = tmp_path / "p.jsonl.gz"
+    path.write_bytes(gzip.compress((json.dumps(CALL) + "\n" + json.dumps(dict(CALL, temperature=1.0)) + "\n").encode()))
+    out = tmp_path / "s.json"
+    assert plan_log.main([str(path), "--by-point", "--json", str(out)]) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [(p["batch"], p["temperature"], p["steps"]) for p in points] == [(32, 0.0, 4), (32, 1.0, 4)]

@@ -6,13 +6,15 @@ Per logged call (one ``--budget auto`` generate call; infer.bench makes one per 
 warm-up pass included) and for all of them together: the steps each mode ran in and out of the drain rule, the
 probes, the tokens per millisecond each mode realized in its observed timed steps (committed tokens per live
 request ÷ measured ms, so a batch's rate per request), and, for the choices made under the drain rule, how often
-each mode was judged the best (the highest rate it was judged on) and the median judged rates. ``--batch`` and
+each mode was judged the best (the highest rate it was judged on), the median judged rates and the realized
+rates by the number of live requests. ``--batch`` and
 ``--temperature`` keep only the calls at that concurrency and temperature.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -21,10 +23,11 @@ from pathlib import Path
 
 
 def read_log(path: str | Path) -> list[dict]:
-    """The JSON lines of a plan log. Raises ValueError naming the file and line of a line that is not a call
-    record (``batch``, ``log``)."""
+    """The JSON lines of a plan log (gzipped if its name ends in .gz). Raises ValueError naming the file and line
+    of a line that is not a call record (``batch``, ``log``)."""
     calls = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    text = gzip.decompress(Path(path).read_bytes()).decode() if str(path).endswith(".gz") else Path(path).read_text()
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -73,14 +76,47 @@ def summarize(calls: list[dict]) -> dict:
                     m["tokens"] += tokens
                     m["ms"] += ms
     out = {}
+    bands = _drain_by_rows(calls, names)
     for n, m in modes.items():
         row = {k: m[k] for k in ("steps", "drain_steps", "probes", "observed", "timed")}
         row["tokens"], row["ms"] = round(m["tokens"], 3), round(m["ms"], 3)
         row["tok_per_ms"] = round(m["tokens"] / m["ms"], 4) if m["ms"] else None
         out[n] = row
-    return {"calls": len(calls), "steps": steps, "modes": out,
+    return {"calls": len(calls), "steps": steps, "modes": out, "drain_by_rows": bands,
             "drain_choices": {"n": drain_n, "best": dict(drain_best),
                               "median_rate": {n: round(statistics.median(v), 4) for n, v in drain_rates.items()}}}
+
+
+ROW_BANDS = ((1, 1), (2, 4), (5, 12), (13, 1 << 30))  # live requests in an observed step
+
+
+def _drain_by_rows(calls: list[dict], names: list[str]) -> dict:
+    """Per mode and band of live requests (:data:`ROW_BANDS`), over the timed steps chosen under the drain rule:
+    ``{name: {"1" | "2-4" | "5-12" | ">12": {"steps", "tok_per_ms"}}}``, realized tokens per live request ÷
+    measured ms. An observation belongs to the oldest choice not yet observed of its mode (the planner's own
+    rule, ``StepPlanner.observe``); with one live request it is the rate the drain rule judged that request on."""
+    acc = {n: {} for n in names}
+    for rec in calls:
+        pending = []
+        for e in rec["log"][1:]:
+            if e[0] == "c":
+                pending.append(e)
+                continue
+            _, i, tokens, ms, rows = e
+            while pending and pending[0][2] != i:
+                pending.pop(0)
+            if not pending:
+                continue
+            choice = pending.pop(0)
+            if not choice[3] or ms is None or not ms > 0:
+                continue
+            lo, hi = next(b for b in ROW_BANDS if b[0] <= rows <= b[1])
+            key = str(lo) if lo == hi else f">{lo - 1}" if hi == 1 << 30 else f"{lo}-{hi}"
+            a = acc[names[i]].setdefault(key, [0, 0.0, 0.0])
+            a[0] += 1
+            a[1] += tokens
+            a[2] += ms
+    return {n: {k: {"steps": a[0], "tok_per_ms": round(a[1] / a[2], 4)} for k, a in b.items()} for n, b in acc.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--json", default=None, help="write the summary here too (refused if it exists)")
+    ap.add_argument("--by-point", action="store_true",
+                    help="one summary per (batch, temperature) of the calls kept, instead of one for all of them")
     args = ap.parse_args(argv)
     try:
         calls = read_log(args.log)
@@ -103,7 +141,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan_log: no call in {args.log} at batch {args.batch}, temperature {args.temperature}",
               file=sys.stderr)
         return 2
+    if args.by_point:
+        points = sorted({(c["batch"], c["temperature"]) for c in keep}, key=lambda p: (p[1], p[0]))
+        out = []
+        for b, t in points:
+            print(f"== batch {b}, temperature {t}")
+            s = summarize([c for c in keep if (c["batch"], c["temperature"]) == (b, t)])
+            _print(s)
+            out.append({"batch": b, "temperature": t, **s})
+        if args.json:
+            Path(args.json).write_text(json.dumps({"log": args.log, "points": out}, indent=1) + "\n")
+        return 0
     s = summarize(keep)
+    _print(s)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"log": args.log, "batch": args.batch,
+                                               "temperature": args.temperature, **s}, indent=1) + "\n")
+    return 0
+
+
+def _print(s: dict) -> None:
     print(f"{s['calls']} calls, {s['steps']} steps")
     print(f"{'mode':>9} {'steps':>7} {'drain':>7} {'probes':>7} {'timed':>7} {'tok/ms':>8}")
     for n, m in s["modes"].items():
@@ -111,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:>9} {m['steps']:>7} {m['drain_steps']:>7} {m['probes']:>7} {m['timed']:>7} {rate:>8}")
     d = s["drain_choices"]
     print(f"drain choices {d['n']}: judged best {d['best']}, median judged tok/ms {d['median_rate']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"log": args.log, "batch": args.batch,
-                                               "temperature": args.temperature, **s}, indent=1) + "\n")
-    return 0
+    for n, b in s["drain_by_rows"].items():
+        if b:
+            print(f"  drain, {n} by live requests: " + ", ".join(f"{k}: {v['tok_per_ms']:.3f} tok/ms ({v['steps']})"
+                                                             for k, v in b.items()))
 
 
 if __name__ == "__main__":
