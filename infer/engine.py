@@ -1363,7 +1363,8 @@ class Engine:
 
             line = {"batch": B, "prompts": len(prompts), "temperature": params.temperature,
                     "max_new_tokens": params.max_new_tokens, "steps": n_steps, "wall_s": round(elapsed, 4),
-                    "tokens": sum(len(r) for r in results), "log": planner.log}
+                    "tokens": sum(len(r) for r in results), "lengths": [len(r) for r in results],
+                    "log": planner.log}
             with open(plan_log, "a") as f:
                 f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed,

@@ -726,6 +726,8 @@ class StepPlanner:
                 self._log_choice(mode, 0.0, costs, None)
             return self._commit(mode, costs, predicted, 0.0, None, 1.0)
         raw = None  # this step's token estimates, computed once
+        if drain is not None and self.log is not None:
+            self.log.append(["d", self.step, [[d[0], d[1], d[2]] for d in drain]])
         if drain is not None:
             raw = self.expected(predicted)
             leads = {m: ref for m, (ref, _) in self.lead.items()} if self.drain_model == "lead" else None
@@ -800,6 +802,9 @@ class StepPlanner:
           millisecond it was judged on (tokens ÷ estimated step time; None: no estimate; the drain rule's tokens
           under it). The decode's first steps and a ``schedule`` have ``rates`` None (no comparison made).
         * an observation ``["o", mode index, tokens per request, ms or None, rows]`` (:meth:`observe`).
+        * a drain refresh ``["d", step, requests]`` (:meth:`choose`'s ``drain``): per request of the batch
+          ``[remaining, chain tokens, chain steps]`` as the rule got them (remaining 0 once finished), so a
+          request's finishing step and its acceptance over time can be read back against what the rule assumed.
 
         Costs a list append per event (microseconds); the engine turns it on with ``DSPINE_PLAN_LOG``
         (``infer.engine.Engine``)."""

@@ -14,6 +14,7 @@ CALL = {"batch": 32, "prompts": 64, "temperature": 0.0, "max_new_tokens": 512, "
                                ["c", 0, 0, 0, 0.0, None],  # the decode's first step: no comparison
                                ["c", 1, 1, 0, 0.5, [1.0, 1.5, None]],  # a probe of the chain
                                ["o", 0, 1.0, 1.0, 32],
+                               ["d", 2, [[100, 30, 10], [0, 40, 12]]],  # a drain refresh: ignored by the summary
                                ["c", 2, 0, 1, 0.0, [1.0, 0.8, 0.9]],  # drain: AR judged best
                                ["o", 1, 3.0, 2.0, 32],
                                ["c", 3, 1, 1, 0.0, [1.0, 1.2, 0.9]],  # drain: the chain judged best

@@ -247,7 +247,7 @@ def test_plan_log_records_every_choice_and_observation(stories_dir, stories, tmp
         assert len(lines) == call
         rec = json.loads(lines[-1])
         assert (rec["batch"], rec["prompts"], rec["steps"]) == (2, 3, res.steps)
-        assert rec["tokens"] == sum(map(len, res.token_ids))
+        assert rec["tokens"] == sum(map(len, res.token_ids)) and rec["lengths"] == [len(t) for t in res.token_ids]
         names, events = rec["log"][0], rec["log"][1:]
         assert names == ["ar:1", "chain:8", "tree:24"]
         chosen = [e for e in events if e[0] == "c"]
@@ -256,5 +256,11 @@ def test_plan_log_records_every_choice_and_observation(stories_dir, stories, tmp
         for i, name in enumerate(("ar", "chain8", "tree24")):
             assert sum(e[2] == i for e in chosen) == report[name]["steps"]
             assert sum(e[0] == "o" and e[1] == i for e in events) == report[name]["observed"]
+        # 3 prompts at concurrency 2: the queue empties after one refill; per slot still decoding (or finished with
+        # chain steps counted) [remaining, chain tokens, chain steps], remaining falling from one refresh to the next
+        drains = [e for e in events if e[0] == "d"]
+        assert drains and all(1 <= len(e[2]) <= 2 and all(len(r) == 3 and 0 <= r[0] <= 30 and r[1] >= r[2] >= 0
+                                                          for r in e[2]) for e in drains)
+        assert max(r[0] for r in drains[0][2]) > max(r[0] for r in drains[-1][2]) or len(drains) == 1
         judged = [e[5] for e in chosen if e[5] is not None]
         assert judged and all(len(r) == 3 and r[0] is not None and r[0] > 0 for r in judged)  # AR always has a rate

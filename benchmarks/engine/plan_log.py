@@ -67,7 +67,7 @@ def summarize(calls: list[dict]) -> dict:
                     drain_best[names[max(known)[1]]] += 1
                     for r, j in known:
                         drain_rates[names[j]].append(r)
-            elif e[0] == "o":
+            elif e[0] == "o":  # ("d": a drain refresh's requests, not summarised here)
                 _, i, tokens, ms, rows = e
                 m = modes[names[i]]
                 m["observed"] += 1
@@ -101,6 +101,8 @@ def _drain_by_rows(calls: list[dict], names: list[str]) -> dict:
         for e in rec["log"][1:]:
             if e[0] == "c":
                 pending.append(e)
+                continue
+            if e[0] != "o":
                 continue
             _, i, tokens, ms, rows = e
             while pending and pending[0][2] != i:
