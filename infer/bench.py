@@ -172,9 +172,12 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
             raise ValueError(f"--plan-trees: {e}") from None
         if not any(c["budget"] for c in out.values()):
             raise ValueError(f"--plan-trees {wide}: applies to --budget auto only (no configuration has it)")
-        for c in out.values():
-            if c["budget"] is not None and c["plan_trees"] is None:
-                c["plan_trees"] = wide_trees
+        takers = [c for c in out.values() if c["budget"] is not None and c["plan_trees"] is None]
+        if not takers:
+            raise ValueError(f"--plan-trees {wide}: every budget=auto label gives its own plan_trees in --config, so "
+                             "it would apply to none (drop it or one label's plan_trees)")
+        for c in takers:
+            c["plan_trees"] = wide_trees
     for label, c in out.items():
         if c["budget"] is not None and c["tree_budget"] is not None:  # the run-wide one: a label's own is refused above
             if tree_budget_given:
@@ -383,12 +386,14 @@ class Runner:
         dec.plan_token_memory = memory
         return memory
 
-    def run(self, prompts: list[list[int]], params: SamplingParams, label: str | None):
+    def run(self, prompts: list[list[int]], params: SamplingParams, label: str | None, tag: dict | None = None):
         """Decode ``prompts`` with configuration ``label`` (None: AR) -> (tokens, stats, seconds, verify steps
         per prompt, profile): on the engine ``profile`` holds the call's seconds in prefill and in the
-        decode loop's launches, device waits and host work (``Engine.loop_profile``); {} otherwise."""
+        decode loop's launches, device waits and host work (``Engine.loop_profile``); {} otherwise. ``tag``: what
+        the call is (label, task, turn, pass), written into a ``DSPINE_PLAN_LOG`` line (``Engine.plan_log_tag``)."""
         dec = self.decoders[label]
         if self.backend == "cuda":
+            dec.plan_log_tag = {"label": AR_LABEL if label is None else label, **(tag or {})}
             dec.target.layer_ids, dec.target.last_layer_features = self._layer_ids[label] if label else ([], "post_norm")
             r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
             if dec.planner_report is not None:  # the planner's choices, summed over the task's calls
@@ -467,7 +472,7 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
     out["run_order"] = [AR_LABEL if x is None else x for x in labels]
     outputs = {}
 
-    def decode(label):
+    def decode(label, phase):
         """Every turn of every prompt with configuration ``label``: (prompts, tokens, stats, seconds,
         tokens counted, committed per prompt, verify steps per prompt, profile summed over the turns). Python's
         garbage collector runs before the pass and is off during it: the harness keeps every output, and a full
@@ -476,18 +481,18 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
         gc.collect()
         gc.disable()
         try:
-            return _decode(label)
+            return _decode(label, phase)
         finally:
             gc.enable()
 
-    def _decode(label):
+    def _decode(label, phase):
         histories = [[] for _ in items]
         all_tokens, all_prompts, stats, secs, n_tok, prof = [], [], None, 0.0, 0, {}
         per_committed, per_steps = [0] * len(items), [0] * len(items)
         for turn in range(max(len(x.turns) for x in items)):
             idx = [i for i, x in enumerate(items) if turn < len(x.turns)]
             prompts = [encode(runner, items[i].turns[turn], histories[i]) for i in idx]
-            tokens, st, s, steps, p = runner.run(prompts, params, label)
+            tokens, st, s, steps, p = runner.run(prompts, params, label, {"task": task, "turn": turn, "pass": phase})
             prof = {k: prof.get(k, 0.0) + v for k, v in p.items()}
             for i, toks, n_steps in zip(idx, tokens, steps):
                 text = runner.tokenizer.decode([t for t in toks if t not in runner.spec.eos_ids], skip_special_tokens=True)
@@ -507,12 +512,12 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
             # the planner's acceptance memory as it was before this task (infer.planner, "Across calls"): the
             # timed pass must not learn from its own prompts; the step-time model it learned is kept
             memory = runner.planner_memory(label)
-            r = decode(label)
+            r = decode(label, "warmup")
             runner.planner_memory(label, memory)
             warm[label] = (r[3], r[7])
             runner.planner_steps.pop(label, None)  # the planner's choices of the timed pass only
     for label in labels:
-        all_prompts, all_tokens, stats, secs, n_tok, per_committed, per_steps, prof = decode(label)
+        all_prompts, all_tokens, stats, secs, n_tok, per_committed, per_steps, prof = decode(label, "timed")
         row = {"tok_per_s": n_tok / secs, "num_tokens": n_tok, "seconds": secs, **stats.to_dict()}
         if prof:
             row["profile"] = prof
@@ -791,6 +796,8 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
         raise ValueError(f"--device {args.device!r}: not a torch device (cuda, cuda:N or cpu)") from None
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"--device {args.device!r}: the engine runs on cuda or cpu")
+    if device_type == "cpu":
+        args.device = "cpu"  # cpu:N names the same device, which safetensors does not take
     if args.budget == "auto" and args.backend == "reference":
         raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
     if args.exact and args.backend == "reference":
@@ -810,6 +817,10 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     if args.config and args.backend == "reference":
         raise ValueError("--config needs the engine (--backend cuda; --device cpu on a CPU)")
     args.configs = parse_configs(args.config, parse_drafts(args.draft), args, tree_budget_given)
+    if any(c["budget"] for c in args.configs.values()):  # a DSPINE_PLAN_LOG that cannot be written fails now
+        from infer.planner import plan_log_path
+
+        plan_log_path()
     # a draft vocabulary file that is not there fails now, not after the models; the run-wide one is checked as
     # given, also where every label overrides it
     for flag, v in vocab_flags(args.draft_vocab, args.configs).items():
@@ -864,7 +875,7 @@ def main(argv=None) -> int:
         warm = [encode(runner, p.turns[0]) for p in load_eval_prompts(tasks[0], args.concurrency, args.data_dir)]
         wp = dataclasses.replace(params, max_new_tokens=min(32, args.max_new_tokens))
         for label in [None, *runner.drafts]:
-            runner.run(warm, wp, label)
+            runner.run(warm, wp, label, {"pass": "start"})
         runner.planner_steps.clear()  # the planner's choices of the timed runs only
         if runner.backend != "cuda":
             args.device = None  # the reference backend runs where the target loads (the CPU)
@@ -897,8 +908,12 @@ def main(argv=None) -> int:
         eq = f", greedy == AR on {e['greedy_equal']}/{e['greedy_compared']}" if "greedy_compared" in e else ""
         ci = f" [95% CI {e['mean_tau_ci95'][0]:.3f}, {e['mean_tau_ci95'][1]:.3f}]" if "mean_tau_ci95" in e else ""
         c = runner.configs[label]
-        how = ("--budget auto: the planner picks AR, the chain or a tree per step" if c["budget"] else
-               f"--verify {c['verify']}: {runner.verified_per_step[label]} verified tokens per step")
+        if c["budget"]:
+            names = {"ar": "AR", "chain": "the chain of {}", "tree": "the tree of {}"}
+            modes = runner.decoders[label].planner_modes(params)
+            how = "--budget auto: the planner picks per step among " + ", ".join(names[k].format(n) for k, n in modes)
+        else:
+            how = f"--verify {c['verify']}: {runner.verified_per_step[label]} verified tokens per step"
         tau = "n/a (no verify step)" if e["mean_tau"] is None else f"{e['mean_tau']:.3f}"
         none = f" ({e['tasks_without_steps']} task(s) without a verify step left out)" if "tasks_without_steps" in e else ""
         print(f"{label}: mean tau {tau}{ci}{none}{extra}{eq}, {how}")
@@ -909,7 +924,7 @@ def main(argv=None) -> int:
                       + (f", target top-2 margin {margin:.4f} (tokens {m['ar_top2']})" if margin is not None else ""))
     dt = "" if args.draft_temperature is None else f", draft temperature {args.draft_temperature}"
     on_gpu = runner.backend == "cuda" and torch.device(args.device).type == "cuda"
-    where = (f"engine on {prov['gpu'] or 'cuda'}" if on_gpu else
+    where = (f"engine on {torch.cuda.get_device_name(torch.device(args.device))}" if on_gpu else
              "engine on the CPU (--device cpu)" if runner.backend == "cuda" else "reference backend on the CPU")
     print(f"[{where}, T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}{dt}, concurrency "
           f"{args.concurrency}, max_new_tokens {args.max_new_tokens}; tau counts the bonus token]")

@@ -62,7 +62,7 @@ from dspine.target import TargetSpec, assert_compatible
 from dspine.tree import node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
-from infer.planner import DRAIN_MODELS, StepPlanner
+from infer.planner import DRAIN_MODELS, StepPlanner, plan_log_path
 
 
 class _Slots:
@@ -346,6 +346,8 @@ class Engine:
         # (infer.planner, "Drain"); False: on tokens per millisecond to the end
         self.plan_drain = True
         self.plan_drain_model = "scaled"  # infer.planner.DRAIN_MODELS: how the drain rule maps a tree to one request
+        # what a DSPINE_PLAN_LOG line says this call was (e.g. infer.bench's label, task, turn and pass); None: nothing
+        self.plan_log_tag: dict | None = None
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)
         self.eos_set = set(int(e) for e in eos_token_ids)
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -1293,8 +1295,9 @@ class Engine:
                 raise ValueError(f"Engine.plan_schedule has modes {off} outside this run's planner modes {modes} "
                                  "(Engine.planner_modes: plan_modes less the chain-first tree of verify_size nodes)")
             planner.schedule = list(self.plan_schedule)
-        plan_log = os.environ.get("DSPINE_PLAN_LOG")  # a JSONL file: one line per planned call (diagnosis)
-        if planner is not None and plan_log:
+        # a JSONL file: one line per planned call (diagnosis); checked before the decode, not after its work
+        plan_log = plan_log_path() if planner is not None else None
+        if plan_log:
             planner.start_log()
         if planner is not None:  # what the previous generate at this key learned (infer.planner, "Across calls")
             if self.plan_online and key in self.plan_cost_memory:
@@ -1364,7 +1367,7 @@ class Engine:
             line = {"batch": B, "prompts": len(prompts), "temperature": params.temperature,
                     "max_new_tokens": params.max_new_tokens, "steps": n_steps, "wall_s": round(elapsed, 4),
                     "tokens": sum(len(r) for r in results), "lengths": [len(r) for r in results],
-                    "log": planner.log}
+                    **({"tag": self.plan_log_tag} if self.plan_log_tag is not None else {}), "log": planner.log}
             with open(plan_log, "a") as f:
                 f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed,

@@ -228,7 +228,8 @@ SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
 
 def parse_plan_trees(text: str) -> tuple[int, ...]:
     """``"16/32"`` -> ``(16, 32)``, ``"none"`` -> ``()``: the planner's tree sizes as the command lines take them
-    (``infer.generate --plan-trees``, ``infer.bench --config LABEL:plan_trees=``; ``Engine(plan_trees=...)``).
+    (``infer.generate --plan-trees``, ``infer.bench --plan-trees`` and ``--config LABEL:plan_trees=``;
+    ``Engine(plan_trees=...)``).
     Raises ValueError naming the text: a size that is not plain decimal digits (no sign, '_' or spaces, which
     int() would take), outside 2..64, or repeated."""
     items = [] if text == "none" else text.split("/")
@@ -369,6 +370,24 @@ def spread_variance(drain, between: float, prior) -> float:
     :func:`spread_weight`, the prior term 0 without a finite prior ≥ 0; ``between`` from :func:`drain_spread`."""
     w = spread_weight(drain)
     return w * between + (1.0 - w) * (_finite_prior(prior) or 0.0)
+
+
+def plan_log_path() -> str | None:
+    """The file ``DSPINE_PLAN_LOG`` names (None: unset or empty), checked by opening it for appending (which creates
+    it). Raises ValueError naming the variable for a folder or a path that cannot be appended to."""
+    import os
+
+    path = os.environ.get("DSPINE_PLAN_LOG")
+    if not path:
+        return None
+    if os.path.isdir(path):
+        raise ValueError(f"DSPINE_PLAN_LOG={path}: a folder; give the path of a file to append to")
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"DSPINE_PLAN_LOG={path}: cannot append to it ({e.strerror})") from None
+    return path
 
 
 def _sig(x: float | None) -> float | None:
@@ -800,8 +819,11 @@ class StepPlanner:
         * a choice ``["c", step, mode index, drain, probe, rates]``: ``drain`` 1 under the drain rule, ``probe``
           the milliseconds it was expected to lose (0: exploited), ``rates`` per mode the committed tokens per
           millisecond it was judged on (tokens ÷ estimated step time; None: no estimate; the drain rule's tokens
-          under it). The decode's first steps and a ``schedule`` have ``rates`` None (no comparison made).
+          under it). The steps that time the decode's first mode (rule "Online cost": 3 timings before any other
+          mode) and a ``schedule``'s have ``rates`` None (no comparison made).
         * an observation ``["o", mode index, tokens per request, ms or None, rows]`` (:meth:`observe`).
+        * a skip ``["s"]`` (:meth:`skip`): the oldest choice not yet observed will not be (no request was live in
+          its step).
         * a drain refresh ``["d", step, requests]`` (:meth:`choose`'s ``drain``): per request of the batch
           ``[remaining, chain tokens, chain steps]`` as the rule got them (remaining 0 once finished), so a
           request's finishing step and its acceptance over time can be read back against what the rule assumed.
@@ -824,6 +846,8 @@ class StepPlanner:
     def skip(self) -> None:
         """Forget the oldest choice not yet observed (its step is not observed: e.g. no request was live in
         it); its estimated time stays in the time spent and a probe keeps its charge."""
+        if self.log is not None:
+            self.log.append(["s"])
         if self.pending:
             self.pending.popleft()
 

@@ -349,6 +349,8 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:plan_trees=16"], "plan_trees applies to budget=auto"),
     (["--plan-trees", "16"], "--plan-trees 16: applies to --budget auto only (no configuration has it)"),
     (["--plan-trees", "16/99", "--budget", "auto"], "--plan-trees: plan_trees='16/99'; each size must be in 2..64"),
+    (["--plan-trees", "16", "--config", "D:budget=auto,plan_trees=32"], "--plan-trees 16: every budget=auto label "
+     "gives its own plan_trees in --config, so it would apply to none"),
     (["--config", "D:budget=auto,confidence=maybe"], "confidence='maybe'; expected greedy, always, never"),
     (["--config", "D:confidence=never"], "confidence applies to budget=auto"),
     (["--config", "D:budget=auto,drain=tail"], "drain='tail'; expected off, scaled, lead"),
@@ -457,3 +459,15 @@ def test_a_run_without_verify_steps_is_summarized_and_written(stories_dir, draft
     s = bench.summarize(rows)["D"]
     assert s["mean_tau"] == 3.0 and s["pooled_tau"] == 3.0 and s["tasks_without_steps"] == 1
     assert s["mean_tau_ci95"] == [3.0, 3.0]
+
+
+def test_a_plan_log_that_cannot_be_written_fails_before_the_models(stories_dir, draft_dir, tmp_path, capsys,
+                                                                   monkeypatch):
+    """DSPINE_PLAN_LOG naming a folder or a file in a missing folder: refused by name before any model is read
+    (it used to fail after the first decode)."""
+    argv = ["--target", str(stories_dir), "--draft", f"D={draft_dir}", "--datasets", "gsm8k", "--no-chat-template",
+            "--data-dir", str(shared_path("data", "eval")), "--backend", "cuda", "--device", "cpu", "--budget", "auto"]
+    for bad, msg in ((tmp_path, "a folder"), (tmp_path / "no" / "p.jsonl", "cannot append to it")):
+        monkeypatch.setenv("DSPINE_PLAN_LOG", str(bad))
+        assert bench.main(argv) == 2
+        assert f"DSPINE_PLAN_LOG={bad}: {msg}" in capsys.readouterr().err

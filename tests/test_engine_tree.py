@@ -473,8 +473,14 @@ def test_engine_tree_step_counts_the_chains_accepted_tokens(stories_dir, stories
     assert 1 < rep["chain8"]["tokens_per_step"] < rep["tree24"]["tokens_per_step"]
 
 
-def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, capsys):
+def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, capsys, monkeypatch):
+    """infer.bench --budget auto on the CPU engine: greedy output equal to AR's, the summary line names the
+    planner's modes, and with DSPINE_PLAN_LOG each planned call's line is tagged with its label, task, turn and
+    pass (the start-up warm-up, the task's untimed pass, the timed one)."""
     import json
+
+    log = tmp_path / "plan.jsonl"
+    monkeypatch.setenv("DSPINE_PLAN_LOG", str(log))
 
     from infer import bench
     from tests.conftest import shared_path
@@ -505,12 +511,18 @@ def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, c
             "2",
             "--budget",
             "auto",
+            "--warmup",
+            "task",
             "--output-json",
             str(out),
         ]
     )
     assert code == 0
-    assert "--budget auto: the planner picks AR, the chain or a tree per step" in capsys.readouterr().out
+    assert "--budget auto: the planner picks per step among AR, the chain of 8, the tree of 16, the tree of 32" in (
+        capsys.readouterr().out)
+    tags = [json.loads(line)["tag"] for line in log.read_text().splitlines()]
+    assert tags == [{"label": "P", "pass": "start"}, {"label": "P", "task": "gsm8k", "turn": 0, "pass": "warmup"},
+                    {"label": "P", "task": "gsm8k", "turn": 0, "pass": "timed"}]
     d = json.loads(out.read_text())["tasks"][0]["drafts"]["P"]
     assert d["greedy_equal"] == d["greedy_compared"] == 2 and d["verified_tokens_per_step"] == "auto"
     assert set(d["planner_choices"]) == {"ar", "chain8", "tree16", "tree32"}

@@ -1,7 +1,8 @@
-"""benchmarks/engine/plan_log.py: the summary of a planner step log (DSPINE_PLAN_LOG) on a hand-made log."""
+"""benchmarks/engine/plan_log.py: the summary of a planner step log (DSPINE_PLAN_LOG) on hand-made logs."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -9,65 +10,98 @@ import pytest
 from benchmarks.engine import plan_log
 
 NAMES = ["ar:1", "chain:16", "tree:32"]
-CALL = {"batch": 32, "prompts": 64, "temperature": 0.0, "max_new_tokens": 512, "steps": 4, "wall_s": 0.01,
-        "tokens": 100, "log": [NAMES,
-                               ["c", 0, 0, 0, 0.0, None],  # the decode's first step: no comparison
-                               ["c", 1, 1, 0, 0.5, [1.0, 1.5, None]],  # a probe of the chain
-                               ["o", 0, 1.0, 1.0, 32],
-                               ["d", 2, [[100, 30, 10], [0, 40, 12]]],  # a drain refresh: ignored by the summary
-                               ["c", 2, 0, 1, 0.0, [1.0, 0.8, 0.9]],  # drain: AR judged best
-                               ["o", 1, 3.0, 2.0, 32],
-                               ["c", 3, 1, 1, 0.0, [1.0, 1.2, 0.9]],  # drain: the chain judged best
-                               ["o", 0, 1.0, None, 20],  # untimed: counted as observed, not in the rate
-                               ["o", 1, 2.0, 2.0, 20]]}
+CALL = {"batch": 32, "prompts": 64, "temperature": 0.0, "max_new_tokens": 512, "steps": 6, "wall_s": 0.01,
+        "tokens": 100, "tag": {"label": "p", "task": "gsm8k", "turn": 0, "pass": "timed"},
+        "log": [NAMES,
+                ["c", 0, 0, 0, 0.0, None],  # the decode's first step: no comparison
+                ["c", 1, 1, 0, 0.5, [1.0, 1.5, None]],  # a probe of the chain
+                ["o", 0, 1.0, 1.0, 32],
+                ["d", 2, [[100, 30, 10], [0, 40, 12]]],  # a drain refresh: not summarised
+                ["c", 2, 0, 1, 0.0, [1.0, 0.8, 0.9]],  # drain: AR judged best
+                ["o", 1, 3.0, 2.0, 32],
+                ["c", 3, 1, 1, 0.0, [1.0, 1.2, 0.9]],  # drain: the chain judged best
+                ["o", 0, 1.0, None, 20],  # untimed: counted as observed, not in the rate
+                ["c", 4, 1, 0, 0.0, [1.0, 1.1, 0.9]],  # the chain again, no longer under the drain rule
+                ["s"],  # choice 3 is never observed (no live request in its step)
+                ["o", 1, 2.0, 4.0, 1],  # choice 4's, one request live (without the skip: choice 3's)
+                ["c", 5, 0, 1, 0.0, [None, None, None]]]}  # drain, no estimate: not judged
 
 
-def test_summary_counts_and_rates(tmp_path):
-    path = tmp_path / "p.jsonl"
-    other = dict(CALL, batch=8)
-    path.write_text(json.dumps(CALL) + "\n" + json.dumps(other) + "\n")
-    s = plan_log.summarize([c for c in plan_log.read_log(path) if c["batch"] == 32])
-    assert (s["calls"], s["steps"]) == (1, 4)
-    assert s["modes"]["ar:1"] == {"steps": 2, "drain_steps": 1, "probes": 0, "observed": 2, "timed": 1,
+def _write(tmp_path, *calls, name="p.jsonl"):
+    path = tmp_path / name
+    text = "".join(json.dumps(c) + "\n" for c in calls)
+    path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    return path
+
+
+def test_summary_counts_rates_and_skips(tmp_path):
+    s = plan_log.summarize([c for c in plan_log.read_log(_write(tmp_path, CALL, dict(CALL, batch=8)))
+                            if c["batch"] == 32])
+    assert (s["calls"], s["steps"]) == (1, 6)
+    assert s["modes"]["ar:1"] == {"steps": 3, "drain_steps": 2, "probes": 0, "observed": 2, "timed": 1,
                                   "tokens": 1.0, "ms": 1.0, "tok_per_ms": 1.0}
-    assert s["modes"]["chain:16"] == {"steps": 2, "drain_steps": 1, "probes": 1, "observed": 2, "timed": 2,
-                                      "tokens": 5.0, "ms": 4.0, "tok_per_ms": 1.25}
+    assert s["modes"]["chain:16"] == {"steps": 3, "drain_steps": 1, "probes": 1, "observed": 2, "timed": 2,
+                                      "tokens": 5.0, "ms": 6.0, "tok_per_ms": 0.8333}
     assert s["modes"]["tree:32"]["steps"] == 0 and s["modes"]["tree:32"]["tok_per_ms"] is None
     assert s["drain_choices"] == {"n": 2, "best": {"ar:1": 1, "chain:16": 1},
                                   "median_rate": {"ar:1": 1.0, "chain:16": 1.0, "tree:32": 0.9}}
-    # the one drain choice observed with a time: the chain's, 2 tokens in 2 ms with 20 requests live
-    assert s["drain_by_rows"] == {"ar:1": {}, "chain:16": {">12": {"steps": 1, "tok_per_ms": 1.0}}, "tree:32": {}}
+    # the last observation is choice 4's, outside the drain rule (the skip dropped choice 3, a drain choice): no
+    # drain step was observed with a time
+    assert s["drain_by_rows"] == {"ar:1": {}, "chain:16": {}, "tree:32": {}}
+
+
+def test_main_per_point_pass_filter_and_gzip(tmp_path):
+    path = _write(tmp_path, CALL, dict(CALL, temperature=1.0), dict(CALL, tag={"pass": "warmup"}), name="p.jsonl.gz")
     out = tmp_path / "s.json"
-    assert plan_log.main([str(path), "--batch", "8", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["steps"] == 4
-    assert plan_log.main([str(path), "--batch", "8", "--json", str(out)]) == 2  # never overwritten
+    assert plan_log.main([str(path), "--pass", "timed", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [(p["batch"], p["temperature"], p["calls"]) for p in d["points"]] == [(32, 0.0, 1), (32, 1.0, 1)]
+    assert plan_log.main([str(path), "--json", str(out)]) == 2  # never overwritten
+    out2 = tmp_path / "s2.json"
+    assert plan_log.main([str(path), "--temperature", "0", "--json", str(out2)]) == 0
+    assert json.loads(out2.read_text())["points"][0]["calls"] == 2  # the warm-up pass too
 
 
-@pytest.mark.parametrize("text, msg", [("{oops\n", "p.jsonl:1: not JSON"),
-                                       ('{"batch": 1}\n', "p.jsonl:1: not a plan-log record")])
-def test_bad_lines_are_named(tmp_path, capsys, text, msg):
+def test_mixed_modes_are_summarised_per_point(tmp_path, capsys):
+    other = dict(CALL, temperature=1.0, log=[["ar:1", "chain:16"], ["c", 0, 0, 0, 0.0, None]])
+    assert plan_log.main([str(_write(tmp_path, CALL, other))]) == 0
+    assert "== batch 32, temperature 1.0" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="different modes"):
+        plan_log.summarize([CALL, other])
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("{oops\n", "p.jsonl:1: not JSON"),
+    ('{"batch": 1}\n', "p.jsonl:1: not a plan-log record"),
+    ("", "p.jsonl: no plan-log record in it"),
+    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 7, 0, 0.0, None]])) + "\n", "p.jsonl:1: mode index 7 outside the 3"),
+    (json.dumps(dict(CALL, log=[NAMES, ["o", 0, 1.0]])) + "\n", "p.jsonl:1: a 'o' event has 5 fields, this one 3"),
+    (json.dumps(dict(CALL, log=[NAMES, ["o", 0, 1.0, 1.0, 0]])) + "\n", "live requests must be an integer >= 1, got 0"),
+    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, [1.0]]])) + "\n", "rates must be None or one per mode"),
+    (json.dumps(dict(CALL, log=[NAMES, ["x"]])) + "\n", "is not a list starting with"),
+])
+def test_bad_records_are_named(tmp_path, capsys, text, msg):
     path = tmp_path / "p.jsonl"
     path.write_text(text)
     assert plan_log.main([str(path)]) == 2
     assert msg in capsys.readouterr().err
 
 
-def test_no_matching_call_and_mixed_modes(tmp_path, capsys):
-    path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps(CALL) + "\n")
-    assert plan_log.main([str(path), "--batch", "64"]) == 2
-    assert "no call in" in capsys.readouterr().err
-    other = dict(CALL, log=[["ar:1", "chain:16"], ["c", 0, 0, 0, 0.0, None]])
-    with pytest.raises(ValueError, match="different modes"):
-        plan_log.summarize([CALL, other])
-
-
-def test_by_point_reads_gzip(tmp_path):
-    import gzip
-
-    path = tmp_path / "p.jsonl.gz"
-    path.write_bytes(gzip.compress((json.dumps(CALL) + "\n" + json.dumps(dict(CALL, temperature=1.0)) + "\n").encode()))
-    out = tmp_path / "s.json"
-    assert plan_log.main([str(path), "--by-point", "--json", str(out)]) == 0
-    points = json.loads(out.read_text())["points"]
-    assert [(p["batch"], p["temperature"], p["steps"]) for p in points] == [(32, 0.0, 4), (32, 1.0, 4)]
+def test_bad_files_and_flags(tmp_path, capsys):
+    good = _write(tmp_path, CALL)
+    cases = [([str(tmp_path)], "a folder, not a plan log"),
+             ([str(tmp_path / "none.jsonl")], "not readable as a plan log"),
+             ([str(good), "--batch", "64"], "no call in"),
+             ([str(good), "--json", str(tmp_path / "no" / "o.json")], "--json"),
+             ([str(_write(tmp_path, dict(CALL, tag=None), name="t.jsonl")), "--pass", "timed"], "without a tag.pass")]
+    plain = tmp_path / "x.gz"
+    plain.write_text(json.dumps(CALL))
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(json.dumps(CALL).encode())[:-12])
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(b"\xff\xfe")
+    cases += [([str(plain)], "x.gz: not readable as a plan log"), ([str(cut)], "cut.jsonl.gz: not readable"),
+              ([str(binary)], "b.jsonl: not readable")]
+    for argv, msg in cases:
+        assert plan_log.main(argv) == 2, argv
+        assert msg in capsys.readouterr().err, argv
