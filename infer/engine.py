@@ -1364,7 +1364,8 @@ class Engine:
         if planner is not None and planner.log is not None:
             import json
 
-            line = {"batch": B, "prompts": len(prompts), "temperature": params.temperature,
+            device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+            line = {"device": device, "batch": B, "prompts": len(prompts), "temperature": params.temperature,
                     "max_new_tokens": params.max_new_tokens, "steps": n_steps, "wall_s": round(elapsed, 4),
                     "tokens": sum(len(r) for r in results), "lengths": [len(r) for r in results],
                     **({"tag": self.plan_log_tag} if self.plan_log_tag is not None else {}), "log": planner.log}

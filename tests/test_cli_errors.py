@@ -288,8 +288,8 @@ def test_options_that_would_be_ignored_are_refused(stories_dir, tmp_path, capsys
     for extra, message in [
             (["--draft", str(DRAFT), "--tree-budget", "8"], "--tree-budget 8 applies to --verify tree only"),
             (["--draft", str(DRAFT), "--verify", "tree", "--tree-budget", "48", "--budget", "auto"],
-             "--tree-budget 48 with --budget auto: the planner picks its own tree sizes (give them with --config "
-             "LABEL:plan_trees=16/32)"),
+             "--tree-budget 48 with --budget auto: the planner picks its own tree sizes (give them with --plan-trees "
+             "16/32 or --config LABEL:plan_trees=16/32)"),
             (["--no-ar"], "--no-ar needs a draft"),
             (["--plot", str(tmp_path / "p.png")], "--plot needs a draft"),
             (["--verify", "tree"], "--verify tree needs a draft"),

@@ -56,6 +56,8 @@ def test_main_per_point_pass_filter_and_gzip(tmp_path):
     assert plan_log.main([str(path), "--pass", "timed", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert [(p["batch"], p["temperature"], p["calls"]) for p in d["points"]] == [(32, 0.0, 1), (32, 1.0, 1)]
+    assert d["command"].startswith("python benchmarks/engine/plan_log.py ") and d["device"] == "unrecorded"
+    assert d["gpu"] is None and d["date"]  # the log's device: these calls name none
     assert plan_log.main([str(path), "--json", str(out)]) == 2  # never overwritten
     out2 = tmp_path / "s2.json"
     assert plan_log.main([str(path), "--temperature", "0", "--json", str(out2)]) == 0

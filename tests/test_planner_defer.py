@@ -246,7 +246,7 @@ def test_plan_log_records_every_choice_and_observation(stories_dir, stories, tmp
         lines = path.read_text().splitlines()
         assert len(lines) == call
         rec = json.loads(lines[-1])
-        assert (rec["batch"], rec["prompts"], rec["steps"]) == (2, 3, res.steps)
+        assert (rec["device"], rec["batch"], rec["prompts"], rec["steps"]) == ("cpu", 2, 3, res.steps)
         assert rec["tokens"] == sum(map(len, res.token_ids)) and rec["lengths"] == [len(t) for t in res.token_ids]
         names, events = rec["log"][0], rec["log"][1:]
         assert names == ["ar:1", "chain:8", "tree:24"]

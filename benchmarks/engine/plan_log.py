@@ -23,6 +23,8 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dspine.provenance when run as a script
+
 ROW_BANDS = ((1, 1), (2, 4), (5, 12), (13, 1 << 30))  # live requests in an observed step
 
 
@@ -212,8 +214,16 @@ def main(argv: list[str] | None = None) -> int:
         _print(s)
         out.append({"batch": b, "temperature": t, **s})
     if args.json:
-        Path(args.json).write_text(json.dumps({"log": args.log, "batch": args.batch, "temperature": args.temperature,
-                                               "pass": args.phase, "points": out}, indent=1) + "\n")
+        from dspine.provenance import command_line, utc_now
+
+        devices = sorted({str(c.get("device", "unrecorded")) for c in keep})
+        meta = {"command": command_line([__file__, *(argv if argv is not None else sys.argv[1:])]),
+                "date": utc_now(), "device": ", ".join(devices),
+                "gpu": ", ".join(d for d in devices if d not in ("cpu", "unrecorded")) or None,
+                "what": "summary of a DSPINE_PLAN_LOG file (the device is the log's: where it was measured)"}
+        Path(args.json).write_text(json.dumps({**meta, "log": args.log, "batch": args.batch,
+                                               "temperature": args.temperature, "pass": args.phase, "points": out},
+                                              indent=1) + "\n")
     return 0
 
 
