@@ -12,6 +12,7 @@
 #   steps     bench_tree.py step costs at Qwen3-8B shape -> results/verify-h200.json           ~0.5
 #   tree      bench_tree.py SmolLM2 chain vs tree (T=0, concurrency 1) -> same file            ~1
 #   planner   bench_tree.py --planner at concurrency 1, 8, 32, 64 x T 0, 1, fixed trees of 16 and 32 -> same file ~13
+#             (and the planner's step log, results/plan-log-h200-<UTC time>.jsonl.gz: benchmarks/engine/plan_log.py)
 #   exact     bench_exact.py (8B identity, SmolLM2 identity, cost) -> results/exact-h200.json ~7
 #   hybrid    hybrid_lossless.py -> results/hybrid-h200.json                                   ~0.7
 #   profile   profile_step.py -> results/profile-step-h200.json                                ~1
@@ -84,9 +85,12 @@ fi
 if has steps; then timed steps python benchmarks/engine/bench_tree.py --output "$R/verify-$G.json" --merge; fi
 if has tree; then timed tree "${tree[@]}" --skip-steps --num-prompts 10; fi
 if has planner; then  # prompts per task so that every batch fills (64 for concurrency 32/64)
-  timed planner-c1 "${planner[@]}" --planner 1:0,1:1 --num-prompts 5
-  timed planner-c8 "${planner[@]}" --planner 8:0,8:1 --num-prompts 16
-  timed planner-c64 "${planner[@]}" --planner 32:0,64:0,32:1,64:1 --num-prompts 64
+  # the planner's step log of this run (DSPINE_PLAN_LOG; benchmarks/engine/plan_log.py), a new file per run, gzipped
+  plog="$R/plan-log-$G-$(date -u +%Y%m%dT%H%M%S).jsonl"
+  DSPINE_PLAN_LOG=$plog timed planner-c1 "${planner[@]}" --planner 1:0,1:1 --num-prompts 5
+  DSPINE_PLAN_LOG=$plog timed planner-c8 "${planner[@]}" --planner 8:0,8:1 --num-prompts 16
+  DSPINE_PLAN_LOG=$plog timed planner-c64 "${planner[@]}" --planner 32:0,64:0,32:1,64:1 --num-prompts 64
+  if [ -s "$plog" ]; then gzip "$plog"; fi
 fi
 if has exact && [ ! -f "$R/exact-$G.json" ]; then
   timed exact-8b python benchmarks/engine/bench_exact.py --parts 8b --output "$R/exact-$G.json"
