@@ -217,8 +217,10 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
                 return dict(self.memory.get(label, {}))
             self.memory[label] = memory
 
-        def run(self, prompts, params, label):
+        def run(self, prompts, params, label, tag=None):
             import gc
+
+            self.tags.append(tag)
 
             calls.append(label)
             self.gc.append(gc.isenabled())  # off during every pass (infer.bench decode)
@@ -237,8 +239,13 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
         runner.memory = {"D": {"before": 1}}  # a planner's acceptance memory: the warm-up must leave it as it was
         runner.seen = []  # the memory each pass started from
         runner.gc = []
+        runner.tags = []
         row = bench.run_task(runner, "gsm8k", params, do_ar=True, warmup=warm)
         import gc
+
+        # what each call is, for a DSPINE_PLAN_LOG line: the untimed pass first, then the timed one
+        assert runner.tags == ([{"task": "gsm8k", "turn": 0, "pass": "warmup"}] * 2 if warm else []) + [
+            {"task": "gsm8k", "turn": 0, "pass": "timed"}] * 2
 
         assert runner.gc == [False] * (2 * runs) and gc.isenabled()
         assert calls == [("capture", 2)] + [None, "D"] * runs  # concurrency 8, 2 prompts: batches of 2

@@ -561,8 +561,8 @@ def test_bench_reports_divergence_and_fails_in_exact_mode(stories_dir, tmp_path,
     )
     run = bench.Runner.run
 
-    def corrupt(self, prompts, params, label):
-        tokens, *rest = run(self, prompts, params, label)
+    def corrupt(self, prompts, params, label, tag=None):
+        tokens, *rest = run(self, prompts, params, label, tag)
         if label is not None:
             tokens[0] = tokens[0][:3] + [(tokens[0][3] + 1) % 500] + tokens[0][4:]
         return (tokens, *rest)
