@@ -1361,18 +1361,18 @@ class Engine:
             if self.plan_memory:
                 self.plan_token_memory[key] = planner.token_state()
         elapsed = time.perf_counter() - t0
+        n_tokens = sum(len(r) for r in results)
         if planner is not None and planner.log is not None:
             import json
 
             device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
             line = {"device": device, "batch": B, "prompts": len(prompts), "temperature": params.temperature,
                     "max_new_tokens": params.max_new_tokens, "steps": n_steps, "wall_s": round(elapsed, 4),
-                    "tokens": sum(len(r) for r in results), "lengths": [len(r) for r in results],
+                    "tokens": n_tokens, "lengths": [len(r) for r in results],
                     **({"tag": self.plan_log_tag} if self.plan_log_tag is not None else {}), "log": planner.log}
             with open(plan_log, "a") as f:
                 f.write(json.dumps(line, separators=(",", ":")) + "\n")
-        self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed,
-                                 tokens=sum(len(r) for r in results), admit_device_s=sum(a.elapsed_time(b) for a, b in events) / 1e3, admits=admits[0])
+        self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed, tokens=n_tokens, admit_device_s=sum(a.elapsed_time(b) for a, b in events) / 1e3, admits=admits[0])
         return GenerationResult(results, reasons, stats, elapsed, prefill_s, n_steps)
 
 

@@ -831,13 +831,13 @@ class StepPlanner:
         Costs a list append per event (microseconds); the engine turns it on with ``DSPINE_PLAN_LOG``
         (``infer.engine.Engine``)."""
         self.log = [[f"{k}:{n}" for k, n in self.table]]
+        self._log_index = {m: i for i, m in enumerate(self.table)}  # mode -> its index in the log's names
 
     def _log_choice(self, mode: Mode, loss: float, costs: dict, tokens) -> None:
-        index = list(self.table)
         rates = None
         if tokens is not None:
             rates = [_sig(tokens[m] / costs[m]) if tokens.get(m) is not None else None for m in self.table]
-        self.log.append(["c", self.step, index.index(mode), int(self.drain_scale is not None), _sig(loss), rates])
+        self.log.append(["c", self.step, self._log_index[mode], int(self.drain_scale is not None), _sig(loss), rates])
 
     def end_drain(self) -> None:
         """Back to tokens per millisecond (a caller whose queue refills: :meth:`choose`'s ``drain``)."""
@@ -858,7 +858,7 @@ class StepPlanner:
         observed are dropped as by :meth:`skip`). A ``mode`` never chosen is recorded at its estimate."""
         est_ms, predicted, probe = self.costs[mode], None, None
         if self.log is not None:
-            self.log.append(["o", list(self.table).index(mode), _sig(tokens_per_request), _sig(ms), rows])
+            self.log.append(["o", self._log_index[mode], _sig(tokens_per_request), _sig(ms), rows])
         self.untimed += not (ms is not None and ms > 0)
         while self.pending and self.pending[0][0] != mode:
             self.pending.popleft()
