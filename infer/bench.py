@@ -164,12 +164,9 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
                              f"(give them with --config {label}:plan_trees=16/32)")
     wide = getattr(args, "plan_trees", None)  # the run-wide --plan-trees: every budget=auto label without its own
     if wide is not None:
-        from infer.planner import parse_plan_trees
+        from infer.planner import plan_trees_flag
 
-        try:
-            wide_trees = parse_plan_trees(wide)
-        except ValueError as e:
-            raise ValueError(f"--plan-trees: {e}") from None
+        wide_trees = plan_trees_flag(wide)
         if not any(c["budget"] for c in out.values()):
             raise ValueError(f"--plan-trees {wide}: applies to --budget auto only (no configuration has it)")
         takers = [c for c in out.values() if c["budget"] is not None and c["plan_trees"] is None]

@@ -41,7 +41,7 @@ from dspine.sampling import DRAFT_TEMPERATURE_HELP, sampling_params
 from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer, resolve_model_path
 from infer.datasets import load_eval_prompts
 from infer.engine import load_engine
-from infer.planner import parse_plan_trees
+from infer.planner import plan_trees_flag
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -216,10 +216,7 @@ def run(args) -> dict:
     if getattr(args, "plan_trees", None) is not None:
         if args.budget != "auto":
             raise ValueError(f"--plan-trees {args.plan_trees}: applies to --budget auto only")
-        try:
-            parse_plan_trees(args.plan_trees)
-        except ValueError as e:
-            raise ValueError(f"--plan-trees: {e}") from None
+        plan_trees_flag(args.plan_trees)
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "reference"
@@ -349,7 +346,7 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
                             check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens,
                             verify=args.verify, tree_budget=args.tree_budget, budget=args.budget, exact=args.exact,
                             prefill_buckets=args.prefill_buckets, draft_vocab=args.draft_vocab_ids,
-                            plan_trees=None if args.plan_trees is None else parse_plan_trees(args.plan_trees))
+                            plan_trees=None if args.plan_trees is None else plan_trees_flag(args.plan_trees))
     args.prefill_buckets = engine.prefill_buckets  # the resolved value, for --json
     engine.plan_drain = args.plan_drain is not False
     # the planner's resolved settings, for --json: its tree sizes and drain rule (off, or Engine.plan_drain_model)

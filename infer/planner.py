@@ -241,6 +241,15 @@ def parse_plan_trees(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def plan_trees_flag(text: str, flag: str = "--plan-trees") -> tuple[int, ...]:
+    """:func:`parse_plan_trees` of a command-line flag's value, its ValueError prefixed with the flag's name
+    (``"--plan-trees: plan_trees='x'; expected ..."``): what infer.generate and infer.bench report."""
+    try:
+        return parse_plan_trees(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def parse_conf_slope(text: str) -> float | str:
     """``"auto"`` -> ``"auto"``, ``"0.5"`` -> ``0.5``: :class:`StepPlanner`'s ``conf_slope`` as the command lines take it
     (``infer.bench --config LABEL:conf_slope=``, ``planner_trace.py replay --conf-slope``). Raises ValueError naming the

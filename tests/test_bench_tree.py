@@ -51,6 +51,10 @@ def test_tiny_chain_tree_and_planner_point(stories_dir, draft_dir, tmp_path):
         assert row["task"] == t["task"] and set(row) == {"task", "ar", "chain", "tree", "auto", "tree6"}
         assert row["auto"]["seconds"] == pytest.approx(t["drafts"]["auto"]["seconds"], abs=1e-4)
         assert row["ar"]["admits"] == t["ar"]["profile"]["admits"] >= 1
+        for label in ("ar", "auto"):  # the decode steps too: time per step, mode against mode
+            assert row[label]["steps"] == pytest.approx(t[label]["profile"]["steps"] if label == "ar" else
+                                                        t["drafts"][label]["profile"]["steps"], abs=1e-4)
+            assert row[label]["steps"] >= 8 and set(row[label]) >= {"host_s", "wait_s", "launch_s", "prefill_s"}
     sm = json.loads((runs / "chain-tree.json").read_text())
     assert "ar" not in sm["tasks"][0] and sm["tasks"][0]["drafts"]["tree"]["verified_tokens_per_step"] == 12
     assert res["smollm2"]["tree_tau_over_chain_tau"] == pytest.approx(

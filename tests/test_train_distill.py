@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -43,10 +44,36 @@ LAUNCH_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
-    r = subprocess.run(launch_cmd(*overrides), capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                       env={**LAUNCH_ENV, **(env or {})})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-12000:]
-    return r
+    """The launch, checked for exit code 0. On a timeout every process of the launch (launcher, agent, ranks)
+    gets SIGABRT first, so that faulthandler (PYTHONFAULTHANDLER) prints each one's Python stacks, and the
+    failure shows where the run stood (the output's tail) and where each process waited."""
+    import psutil
+
+    cmd = launch_cmd(*overrides)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True, env={**LAUNCH_ENV, "PYTHONFAULTHANDLER": "1", **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        family = [proc] + psutil.Process(proc.pid).children(recursive=True)
+        for p in reversed(family):  # the ranks first: their stacks are the ones that matter
+            try:
+                p.send_signal(signal.SIGABRT)
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            for p in family:  # the ranks run in sessions of their own: a process-group kill misses them
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            out, err = proc.communicate()
+        pytest.fail(f"no end after {timeout} s: {shlex.join(cmd)}\n--- stdout (tail)\n{out[-3000:]}\n"
+                    f"--- stderr (tail, with the stacks of the processes at the timeout)\n{err[-20000:]}")
+    assert proc.returncode == 0, out[-2000:] + err[-12000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def jsonl(path) -> list[dict]:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.engine.bench_engine import QWEN3_8B, TINY, build, timed  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
+from infer.bench import PROFILE_KEYS  # noqa: E402
 from infer.engine import Engine  # noqa: E402
 from infer.model import EngineTarget, ModelArgs  # noqa: E402
 
@@ -132,13 +133,15 @@ def mean_over_tasks(run: dict, label: str, key: str) -> float:
 
 def per_task(run: dict) -> list[dict]:
     """Per task of one ``infer.bench`` run, per configuration (``ar``, then each draft label): seconds, tok/s and
-    the summed ``prefill_s``, ``admit_device_s`` and ``admits`` of its timed pass (``infer.bench`` PROFILE_KEYS)."""
+    the decode loop's profile of its timed pass, summed (``infer.bench`` PROFILE_KEYS: ``prefill_s``, ``launch_s``,
+    ``wait_s``, ``host_s``, ``admit_device_s``, ``admits`` and ``steps``, so a mode's time per decode step,
+    ``(seconds - prefill_s) / steps``, compares with the planner's; a key the run did not record is left out)."""
     out = []
     for t in run["tasks"]:
         rows = {"ar": t["ar"], **t["drafts"]} if t.get("ar") else dict(t["drafts"])
         out.append({"task": t["task"], **{
             label: {"seconds": round(r["seconds"], 4), "tok_per_s": round(r["tok_per_s"], 1),
-                    **{k: round(r.get("profile", {}).get(k, 0.0), 4) for k in ("prefill_s", "admit_device_s", "admits")}}
+                    **{k: round(v, 4) for k, v in r.get("profile", {}).items() if k in PROFILE_KEYS}}
             for label, r in rows.items()}})  # fmt: skip
     return out
 
