@@ -718,7 +718,9 @@ def _planner_points_table(pts: list[dict]) -> list[str]:
         share = _step_share(steps)
         t16 = (p.get("fixed_tree_tok_per_s") or {}).get("16")
         ok = "met" if p["planner_over_best_static"] >= 0.98 else "**missed**"
-        out.append(f"| {p['concurrency']} | {p['temperature']:g} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
+        seeds = p.get("seeds") or [0]  # bench_tree.py --seeds: tok/s are the means over that many runs
+        temp = f"{p['temperature']:g}" + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else "")
+        out.append(f"| {p['concurrency']} | {temp} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
                    f"{'–' if t16 is None else f'{t16:.0f}'} | {p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | "
                    f"{p['planner_over_best_static']:.3f} — {ok} | "
                    f"{p['planner_over_ar']:.3f} | {share} | `{p['provenance']['commit'][:7]}` |")

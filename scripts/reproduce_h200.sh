@@ -37,7 +37,8 @@
 # Runs `python` from PATH (the environment with the project installed). An unknown stage, or a GPU stage without
 # CUDA, stops the script before anything runs.
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
-# (checkpoints/smollm2-135m-dspine), RESULTS (results), GPU_TAG (h200: the suffix of every results file).
+# (checkpoints/smollm2-135m-dspine), RESULTS (results), GPU_TAG (h200: the suffix of every results file), SEEDS (the
+# planner stage's sampling seeds at T = 1, default one run: see the planner stage).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/reproduce}
@@ -75,6 +76,9 @@ timed() {  # timed NAME CMD...: log to $WORK/logs/NAME.log, wall clock to timing
 }
 tree=(python benchmarks/engine/bench_tree.py --smollm2 "$HF" --draft "$DRAFT" --output "$R/verify-$G.json" --merge)
 planner=("${tree[@]}" --skip-steps --skip-smollm2 --fixed-trees 16,32)  # the engine's default plan trees, each also fixed
+# SEEDS=0,1,2: the T = 1 planner points run once per sampling seed, averaged (bench_tree.py --seeds; each seed adds
+# about 7 of the planner stage's 13 minutes)
+if [ -n "${SEEDS:-}" ]; then planner+=(--seeds "$SEEDS"); fi
 
 if has convert && [ ! -f "$HF/config.json" ]; then
   timed convert python -m dspine.convert --target "$GGUF" --out "$HF" --dtype bf16

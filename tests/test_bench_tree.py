@@ -47,8 +47,9 @@ def test_tiny_chain_tree_and_planner_point(stories_dir, draft_dir, tmp_path):
     assert p["planner_over_best_static"] == pytest.approx(tok["auto"] / p["best_static_tok_per_s"])
     assert p["planner_over_ar"] == pytest.approx(tok["auto"] / ar) and p["same_run"] is True
     assert len(p["planner_choices_per_task"]) == 2 and all(p["planner_choices_per_task"])
+    assert p["seeds"] == [0] and "per_seed" not in p and kept["args"]["seed"] == 0
     for row, t in zip(p["per_task"], kept["tasks"]):  # per task and configuration, from the kept run
-        assert row["task"] == t["task"] and set(row) == {"task", "ar", "chain", "tree", "auto", "tree6"}
+        assert row["task"] == t["task"] and set(row) == {"task", "seed", "ar", "chain", "tree", "auto", "tree6"}
         assert row["auto"]["seconds"] == pytest.approx(t["drafts"]["auto"]["seconds"], abs=1e-4)
         assert row["ar"]["admits"] == t["ar"]["profile"]["admits"] >= 1
         for label in ("ar", "auto"):  # the decode steps too: time per step, mode against mode
@@ -61,7 +62,34 @@ def test_tiny_chain_tree_and_planner_point(stories_dir, draft_dir, tmp_path):
         sm["summary"]["tree"]["mean_tau"] / sm["summary"]["chain"]["mean_tau"])
 
 
+def test_tiny_planner_point_over_seeds(stories_dir, draft_dir, tmp_path):
+    """--seeds at T > 0: one infer.bench run per seed (kept as -seedN), the point's tok/s the mean over the seeds,
+    per_seed with each run's ratios; the T = 0 point of the same command runs once."""
+    out, runs = tmp_path / "verify.json", tmp_path / "runs"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "engine" / "bench_tree.py"), "--tiny", "--skip-steps",
+           "--skip-smollm2", "--smollm2", str(stories_dir), "--draft", str(draft_dir), "--planner", "2:0,2:1",
+           "--tree-budget", "6", "--datasets", "gsm8k", "--data-dir", str(shared_path("data", "eval")),
+           "--num-prompts", "2", "--max-new-tokens", "8", "--keep-runs", str(runs), "--output", str(out),
+           "--no-plan-drain", "--plan-trees", "6", "--seeds", "3,5"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    t0, t1 = json.loads(out.read_text())["planner"]
+    assert t0["seeds"] == [0] and "per_seed" not in t0 and (runs / "planner-c2-T0.json").is_file()
+    kept = [json.loads((runs / f"planner-c2-T1-seed{sd}.json").read_text()) for sd in (3, 5)]
+    assert [k["args"]["seed"] for k in kept] == [3, 5] and t1["seeds"] == [3, 5]
+    mean = lambda k, n: sum(t["ar"]["tok_per_s"] if n == "AR" else t["drafts"][n]["tok_per_s"] for t in k["tasks"])
+    for n, key in (("AR", "ar_tok_per_s"), ("auto", "planner_tok_per_s"), ("chain", "chain_tok_per_s")):
+        assert t1[key] == pytest.approx((mean(kept[0], n) + mean(kept[1], n)) / 2)
+    for e, k in zip(t1["per_seed"], kept):
+        assert e["planner_over_ar"] == pytest.approx(mean(k, "auto") / mean(k, "AR"))
+    assert [row["seed"] for row in t1["per_task"]] == [3, 5] and len(t1["planner_choices_per_task"]) == 2
+    assert t1["planner_over_ar"] == pytest.approx(t1["planner_tok_per_s"] / t1["ar_tok_per_s"])
+
+
 @pytest.mark.parametrize("extra, msg", [
+    (["--planner", "2:1", "--seeds", "0,x"], "--seeds '0,x': give non-negative integers"),
+    (["--planner", "2:1", "--seeds", "1,1"], "--seeds '1,1': a seed given twice"),
+    (["--planner", "2:0", "--seeds", "0,1"], "--seeds 0,1: applies to --planner points at T > 0"),
     (["--planner", "2:0,2:0.0"], "a point given twice"),
     (["--planner", "x:0"], "CONCURRENCY is an integer"),
     (["--planner", "2:0", "--keep-runs", "{file}"], "exists and is not a folder"),

@@ -131,3 +131,20 @@ def test_goals_at_a_glance_read_their_files(tmp_path, monkeypatch):
     (res / "engine-h200.json").unlink()
     (res / "verify-h200.json").unlink()
     assert make_tables.glance_section() == []
+
+
+def test_planner_table_names_the_seeds_of_a_point():
+    """A bench_tree.py --seeds point (tok/s the means over several sampling seeds) says so in its T column; a point of
+    one run (no seeds key: files from before --seeds, or [0]) shows the temperature alone."""
+    import json
+
+    sys.path.insert(0, str(ROOT))
+    from scripts import make_tables
+
+    v = json.loads((ROOT / "results" / "verify-h100.json").read_text())
+    one, many = dict(v["planner"][-1]), {**v["planner"][-1], "seeds": [0, 1, 2]}
+    one.pop("seeds", None)
+    rows = make_tables._planner_points_table([one, many, {**one, "seeds": [0]}])[2:]
+    t = f"{one['temperature']:g}"
+    assert [r.split(" | ")[1] for r in rows] == [t, f"{t} (3 seeds)", t]
+    assert all(f"| {one['planner_over_best_static']:.3f} — " in r for r in rows)

@@ -20,6 +20,10 @@
    planner_tok_per_s, ar_tok_per_s, best_static_tok_per_s, planner_over_best_static, planner_over_ar,
    ...}`` to ``planner`` (mean tok/s over the tasks; at T > 0: top_p 0.95, top_k 20). Separate runs per
    configuration (before 2026-12-02) let run-to-run drift and the order of runs into the comparison.
+   ``--seeds S,S...``: a T > 0 point runs once per sampling seed and its tok/s are the means over the seeds
+   (``per_seed`` keeps each run's ratios): a planner's probe changes the sampled text of every live request from
+   there on, so one seed compares different texts (at concurrency 32, T = 1 on the H100 the planner ran AR in all but
+   21 steps and its per-task ratios to AR were 0.92-0.97, its texts 1-8% shorter or longer than AR's).
    ``--keep-runs DIR`` keeps every ``infer.bench`` JSON (per-task τ, tok/s, the engine's time split).
 Writes JSON (command, GPU, date, commit via ``dspine.provenance``, also inside each part); with
 ``--merge`` the parts measured now replace those keys of an existing ``--output`` file, so the two parts
@@ -201,22 +205,47 @@ def planner_points(args) -> list[dict]:
             argv += ["--draft", f"tree{n}={args.draft}", "--config", f"tree{n}:verify=tree,tree_budget={n}"]
         if args.plan_drain is not None:
             argv += ["--plan-drain" if args.plan_drain else "--no-plan-drain"]
-        run = bench_run(args, argv, f"planner-c{c}-T{t}")
+        seeds = args.seeds if float(t) > 0 else [0]
+        runs = [bench_run(args, argv + ["--seed", str(sd)], f"planner-c{c}-T{t}" + (f"-seed{sd}" if len(seeds) > 1 else ""))
+                for sd in seeds]  # fmt: skip
         trees = {args.tree_budget: "tree", **{n: f"tree{n}" for n in extra}}
-        tok = {n: mean_over_tasks(run, n, "tok_per_s") for n in ("AR", "chain", "auto", *trees.values())}
+        labels = ("AR", "chain", "auto", *trees.values())
+        per_seed = []
+        for sd, run in zip(seeds, runs):
+            tok = {n: mean_over_tasks(run, n, "tok_per_s") for n in labels}
+            best = max(tok[n] for n in ("AR", "chain", *trees.values()))
+            per_seed.append({"seed": sd, "tok_per_s": tok, "planner_over_best_static": tok["auto"] / best,
+                             "planner_over_ar": tok["auto"] / tok["AR"]})
+        tok = {n: sum(r["tok_per_s"][n] for r in per_seed) / len(runs) for n in labels}  # mean over the seeds
         best = max(tok[n] for n in ("AR", "chain", *trees.values()))
+        run = runs[0]
         out.append({"concurrency": int(c), "temperature": float(t), "planner_tok_per_s": tok["auto"],
                     "ar_tok_per_s": tok["AR"], "chain_tok_per_s": tok["chain"], "tree_tok_per_s": tok["tree"],
                     "fixed_tree_tok_per_s": {str(n): tok[label] for n, label in sorted(trees.items())},
                     "plan_trees": run["tasks"][0]["drafts"]["auto"].get("plan_trees"),
                     "best_static_tok_per_s": best, "planner_over_best_static": tok["auto"] / best,
                     "planner_over_ar": tok["auto"] / tok["AR"],
-                    "mean_tau": {n: run["summary"][n]["mean_tau"] for n in ("chain", "auto", *trees.values())},
+                    "mean_tau": {n: sum(r["summary"][n]["mean_tau"] for r in runs) / len(runs)
+                                 for n in ("chain", "auto", *trees.values())},
                     "same_run": True, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-                    "planner_choices_per_task": [x["drafts"]["auto"].get("planner_choices") for x in run["tasks"]],
-                    "per_task": per_task(run)})  # fmt: skip
+                    "seeds": seeds, **({"per_seed": per_seed} if len(seeds) > 1 else {}),
+                    "planner_choices_per_task": [x["drafts"]["auto"].get("planner_choices")
+                                                 for r in runs for x in r["tasks"]],
+                    "per_task": [{**row, "seed": sd} for sd, r in zip(seeds, runs) for row in per_task(r)]})  # fmt: skip
         print(f"planner point {out[-1]}", flush=True)
     return out
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``: ``--seeds``. Raises ValueError naming the text for an item that is not a
+    non-negative integer in plain digits, or a seed given twice."""
+    items = text.split(",")
+    if not all(x.isascii() and x.isdigit() for x in items):
+        raise ValueError(f"--seeds {text!r}: give non-negative integers joined by commas, e.g. 0,1,2")
+    seeds = [int(x) for x in items]
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"--seeds {text!r}: a seed given twice")
+    return seeds
 
 
 def main(argv=None) -> int:
@@ -253,6 +282,10 @@ def main(argv=None) -> int:
                     help="passed to every infer.bench run (default: the engine's)")
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
                     help="passed to the --planner points' infer.bench runs (default: infer.bench's, on)")
+    ap.add_argument("--seeds", default="0", metavar="S[,S...]",
+                    help="--planner points at T > 0: one infer.bench run per sampling seed (--seed), tok/s averaged "
+                         "over them (a probe changes the sampled text of every live request, so one seed's ratio "
+                         "carries the text's noise); T = 0 points run once (greedy text does not depend on the seed)")
     args = ap.parse_args(argv)
     if (args.smollm2 is None) != (args.draft is None):
         ap.error("--smollm2 and --draft go together")
@@ -275,12 +308,18 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--fixed-trees {args.fixed_trees!r}: give tree sizes in 2..64 joined by commas, e.g. 16,32")
     if args.plan_trees:
-        from infer.planner import parse_plan_trees
+        from infer.planner import plan_trees_flag
 
         try:
-            parse_plan_trees(args.plan_trees)
+            plan_trees_flag(args.plan_trees)
         except ValueError as e:
-            ap.error(f"--plan-trees: {e}")
+            ap.error(str(e))
+    try:
+        args.seeds = parse_seeds(args.seeds)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.seeds != [0] and not any(t > 0 for _, t in (pts if args.planner else [])):
+        ap.error(f"--seeds {','.join(map(str, args.seeds))}: applies to --planner points at T > 0 (none given)")
     if args.keep_runs and Path(args.keep_runs).exists() and not Path(args.keep_runs).is_dir():
         ap.error(f"--keep-runs {args.keep_runs}: exists and is not a folder")
     if not args.tiny and not torch.cuda.is_available():
