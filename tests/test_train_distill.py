@@ -43,37 +43,64 @@ def launch_cmd(*overrides: str) -> list[str]:
 LAUNCH_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
-    """The launch, checked for exit code 0. On a timeout every process of the launch (launcher, agent, ranks)
-    gets SIGABRT first, so that faulthandler (PYTHONFAULTHANDLER) prints each one's Python stacks, and the
-    failure shows where the run stood (the output's tail) and where each process waited."""
+def launched(mark: str) -> list:
+    """Every live process of the launch whose environment carries ``DSPINE_TEST_LAUNCH=mark`` (launcher, the
+    relaunching distill.py, the torch.distributed agent, the ranks; found by environment, not as children: a rank
+    whose parent died is re-parented, and the ranks run in sessions of their own)."""
     import psutil
 
-    cmd = launch_cmd(*overrides)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            start_new_session=True, env={**LAUNCH_ENV, "PYTHONFAULTHANDLER": "1", **(env or {})})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        family = [proc] + psutil.Process(proc.pid).children(recursive=True)
-        for p in reversed(family):  # the ranks first: their stacks are the ones that matter
-            try:
-                p.send_signal(signal.SIGABRT)
-            except psutil.NoSuchProcess:
-                pass
+    found = []
+    for p in psutil.process_iter():
         try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            for p in family:  # the ranks run in sessions of their own: a process-group kill misses them
+            if p.environ().get("DSPINE_TEST_LAUNCH") == mark:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def signal_all(procs, sig) -> None:
+    import psutil
+
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """The launch, checked for exit code 0. Output goes to files (no wait on a pipe's end). On a timeout the ranks
+    (the launch's processes without children) get SIGABRT, so that faulthandler (PYTHONFAULTHANDLER) prints their
+    Python stacks, which the agent and the launcher pass on as they shut down; whatever is left after 30 s is
+    killed, and the failure shows the output's tail with those stacks: where each rank waited."""
+    import tempfile
+    import uuid
+
+    cmd, mark = launch_cmd(*overrides), uuid.uuid4().hex
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO,
+                                env={**LAUNCH_ENV, "PYTHONFAULTHANDLER": "1", "DSPINE_TEST_LAUNCH": mark, **(env or {})})
+        try:
+            proc.wait(timeout=timeout)
+        except BaseException as e:  # the timeout, or Ctrl-C / pytest-timeout: leave no process of the launch behind
+            if isinstance(e, subprocess.TimeoutExpired):
+                signal_all([p for p in launched(mark) if not p.children()], signal.SIGABRT)
                 try:
-                    p.kill()
-                except psutil.NoSuchProcess:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
                     pass
-            out, err = proc.communicate()
-        pytest.fail(f"no end after {timeout} s: {shlex.join(cmd)}\n--- stdout (tail)\n{out[-3000:]}\n"
-                    f"--- stderr (tail, with the stacks of the processes at the timeout)\n{err[-20000:]}")
-    assert proc.returncode == 0, out[-2000:] + err[-12000:]
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            signal_all(launched(mark), signal.SIGKILL)
+            proc.wait(timeout=30)
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            out.seek(0), err.seek(0)
+            pytest.fail(f"no end after {timeout} s: {shlex.join(cmd)}\n--- stdout (tail)\n{out.read()[-3000:]}\n"
+                        f"--- stderr (tail, with the ranks' stacks at the timeout)\n{err.read()[-20000:]}")
+        out.seek(0), err.seek(0)
+        r = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-12000:]
+    return r
 
 
 def jsonl(path) -> list[dict]:

@@ -301,8 +301,6 @@ def train(cfg) -> int:
         if fh is not None:
             fh.close()
     accelerator.end_training()
-    if torch.distributed.is_initialized():  # every collective is done (save_checkpoint's last barrier): free the
-        torch.distributed.destroy_process_group()  # process group before exit, as torch.distributed asks
     if interrupted:
         if main_proc:
             print(f"interrupted: stopped after step {n}, saved {out / f'step-{n}'}; the same command with "

@@ -21,7 +21,9 @@
    ...}`` to ``planner`` (mean tok/s over the tasks; at T > 0: top_p 0.95, top_k 20). Separate runs per
    configuration (before 2026-12-02) let run-to-run drift and the order of runs into the comparison.
    ``--seeds S,S...``: a T > 0 point runs once per sampling seed and its tok/s are the means over the seeds
-   (``per_seed`` keeps each run's ratios): a planner's probe changes the sampled text of every live request from
+   (``per_seed`` keeps each run's ratios; ``same_run``: every seed's run holds all configurations;
+   ``planner_choices_per_task`` and ``per_task`` list the runs' tasks seed after seed, ``per_task`` rows with their
+   ``seed``; ``--keep-runs`` names a run ``planner-cC-TT-seedS.json`` unless the seeds are just 0): a planner's probe changes the sampled text of every live request from
    there on, so one seed compares different texts (at concurrency 32, T = 1 on the H100 the planner ran AR in all but
    21 steps and its per-task ratios to AR were 0.92-0.97, its texts 1-8% shorter or longer than AR's).
    ``--keep-runs DIR`` keeps every ``infer.bench`` JSON (per-task τ, tok/s, the engine's time split).
@@ -206,7 +208,7 @@ def planner_points(args) -> list[dict]:
         if args.plan_drain is not None:
             argv += ["--plan-drain" if args.plan_drain else "--no-plan-drain"]
         seeds = args.seeds if float(t) > 0 else [0]
-        runs = [bench_run(args, argv + ["--seed", str(sd)], f"planner-c{c}-T{t}" + (f"-seed{sd}" if len(seeds) > 1 else ""))
+        runs = [bench_run(args, argv + ["--seed", str(sd)], f"planner-c{c}-T{t}" + (f"-seed{sd}" if seeds != [0] else ""))
                 for sd in seeds]  # fmt: skip
         trees = {args.tree_budget: "tree", **{n: f"tree{n}" for n in extra}}
         labels = ("AR", "chain", "auto", *trees.values())
