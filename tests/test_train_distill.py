@@ -11,7 +11,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,16 +24,11 @@ from tests.conftest import REPO
 CONFIG = REPO / "configs" / "stories260k-cpu.yaml"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_cmd(*overrides: str) -> list[str]:
+    """No --main_process_port: the ranks meet at a port the OS picks as the rendezvous store binds it
+    (train/distill.py's relaunch_cpu_ranks), so launches of parallel pytest workers cannot meet at one port."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
-            "--main_process_port", str(free_port()), str(REPO / "train" / "distill.py"), "--config", str(CONFIG),
-            *overrides]
+            str(REPO / "train" / "distill.py"), "--config", str(CONFIG), *overrides]
 
 
 # two CPU ranks on a 2-core CI machine that another pytest worker shares: one torch thread per rank (the
@@ -251,3 +245,47 @@ def test_ctrl_c_saves_the_step_and_resumes(data, tmp_path):
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["step"] for x in jsonl(out / "metrics.jsonl")] == list(range(1, 17))
+
+
+@pytest.mark.parametrize("launcher, file_cfg, master_port, meet", [  # master_port: what accelerate exports
+    (["--num_processes", "2", "--cpu"], None, "29500", ["--standalone"]),
+    (["--cpu", "--num-processes=2", "--main-process-port=29533"], None, "29533",
+     ["--master_addr=127.0.0.1", "--master_port=29533"]),
+    (["--cpu", "--config_file", "{cfg}"], {"num_processes": 3, "main_process_port": 29544}, "29544",
+     ["--master_addr=127.0.0.1", "--master_port=29544"]),
+    (["--cpu", "--config_file", "{cfg}"], {"num_processes": 2}, "29500", ["--standalone"]),
+    (["--cpu", "--num_processes", "1"], None, "29500", None),
+])
+def test_cpu_ranks_meet_where_the_launcher_says(monkeypatch, tmp_path, launcher, file_cfg, master_port, meet):
+    """relaunch_cpu_ranks: the torch.distributed.run command for `accelerate launch --cpu --num_processes N`: the
+    ranks meet at the launcher's --main_process_port (command line or --config_file) when one is given, else
+    at a port the OS picks (--standalone), not at the 29500 accelerate puts in MASTER_PORT by default; N <= 1
+    runs in this process (None)."""
+    import pathlib
+
+    import yaml
+
+    from train import distill
+
+    cfg = tmp_path / "accelerate.yaml"
+    if file_cfg is not None:
+        cfg.write_text(yaml.safe_dump(file_cfg))
+    cmdline = "\0".join(["accelerate", "launch", *[a.replace("{cfg}", str(cfg)) for a in launcher], "train/distill.py"])
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", master_port)
+    monkeypatch.setattr(os, "getppid", lambda: 987654)
+    real = pathlib.Path.read_bytes
+    monkeypatch.setattr(pathlib.Path, "read_bytes",
+                        lambda p: cmdline.encode() if str(p) == "/proc/987654/cmdline" else real(p))
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    rc = distill.relaunch_cpu_ranks(["--config", "x.yaml"])
+    if meet is None:
+        assert rc is None and calls == []
+        return
+    n = (file_cfg or {}).get("num_processes", 2)
+    assert rc == 0 and calls == [[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", *meet,
+                                  str(REPO / "train" / "distill.py"), "--config", "x.yaml"]]

@@ -683,7 +683,11 @@ def relaunch_cpu_ranks(argv: list[str]) -> int | None:
 
     accelerate's launcher runs a CPU script once and leaves multi-process CPU runs to mpirun; this
     process then re-launches itself through ``torch.distributed.run`` (gloo ranks, which accelerate
-    detects as MULTI_CPU). N is read from the launcher's command line or its ``--config_file``.
+    detects as MULTI_CPU). N is read from the launcher's command line or its ``--config_file``, as is
+    ``main_process_port``: given, the ranks meet at that port; not given (accelerate's default, 29500, is then
+    in ``MASTER_PORT``), at a port the operating system picks when the rendezvous store binds
+    (``torch.distributed.run --standalone``), so two runs on one machine never meet at the same port and no
+    port is picked by one process and bound later by another.
     Returns the ranks' exit code, or None when this process is already a rank (or N <= 1)."""
     import subprocess
 
@@ -696,13 +700,16 @@ def relaunch_cpu_ranks(argv: list[str]) -> int | None:
         launcher = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
     except OSError:
         return None
-    n = launcher_option(launcher, "num_processes")
-    if n is None and launcher_option(launcher, "config_file"):
-        n = yaml.safe_load(Path(launcher_option(launcher, "config_file")).read_text()).get("num_processes")
+    n, port = launcher_option(launcher, "num_processes"), launcher_option(launcher, "main_process_port")
+    if launcher_option(launcher, "config_file"):
+        file_cfg = yaml.safe_load(Path(launcher_option(launcher, "config_file")).read_text()) or {}
+        n = file_cfg.get("num_processes") if n is None else n
+        port = file_cfg.get("main_process_port") if port is None else port
     if not n or int(n) <= 1:
         return None
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={int(n)}",
-           f"--master_addr={env['MASTER_ADDR']}", f"--master_port={env.get('MASTER_PORT', '29500')}",
+    meet = (["--standalone"] if port is None else
+            [f"--master_addr={env['MASTER_ADDR']}", f"--master_port={env.get('MASTER_PORT', port)}"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={int(n)}", *meet,
            str(Path(__file__).resolve()), *argv]
     return subprocess.call(cmd)
 
