@@ -48,6 +48,9 @@ def test_summary_counts_rates_and_skips(tmp_path):
     # the last observation is choice 4's, outside the drain rule (the skip dropped choice 3, a drain choice): no
     # drain step was observed with a time
     assert s["drain_by_rows"] == {"ar:1": {}, "chain:16": {}, "tree:32": {}}
+    # judged against realized outside the drain rule: the chain's probe (judged 1.5, 3 tokens in 2 ms) and choice 4
+    # (judged 1.1, 2 tokens in 4 ms); AR's first step made no comparison, its drain step is left to drain_by_rows
+    assert s["calibration"] == {"chain:16": {"steps": 2, "judged_tok_per_ms": 1.3, "realized_tok_per_ms": 0.8333}}
 
 
 def test_main_per_point_pass_filter_and_gzip(tmp_path):

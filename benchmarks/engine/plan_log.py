@@ -104,12 +104,17 @@ def summarize(calls: list[dict]) -> dict:
     {"steps", "tok_per_ms"}}}, "drain_choices": {"n", "best": {name: count}, "median_rate": {name: rate}}}``. A
     mode's ``tok_per_ms`` is its realized tokens per request over its timed steps' milliseconds (None without a
     timed step); ``drain_by_rows`` the same over the timed steps chosen under the drain rule, by live requests
-    (:data:`ROW_BANDS`). Raises ValueError if the calls name different modes."""
+    (:data:`ROW_BANDS`). ``calibration``: ``{name: {"steps", "judged_tok_per_ms", "realized_tok_per_ms"}}`` over
+    the timed steps chosen outside the drain rule with a comparison made: the mean rate the chosen mode was judged
+    on against what those steps realized (tokens ÷ ms); realized below judged is partly selection (a mode is
+    chosen where it is judged high), a mode far below the others is overestimated. Raises ValueError if the calls
+    name different modes."""
     names = calls[0]["log"][0]
     modes = {n: Counter() for n in names}
     drain_best: Counter = Counter()
     drain_rates: dict[str, list] = {}
     bands: dict[str, dict] = {n: {} for n in names}
+    judged: dict[str, list] = {}  # mode -> [steps, Σ judged rate, Σ tokens, Σ ms] (calibration)
     drain_n = steps = 0
     for rec in calls:
         if rec["log"][0] != names:
@@ -138,7 +143,13 @@ def summarize(calls: list[dict]) -> dict:
                     m["tokens"] += tokens
                     m["ms"] += ms
         for choice, (_, i, tokens, ms, rows) in _matched(rec):
-            if not choice[3] or ms is None or not ms > 0:
+            if ms is None or not ms > 0:
+                continue
+            if not choice[3]:
+                rate = (choice[5] or [None] * len(names))[i]
+                if rate is not None:
+                    j = judged.setdefault(names[i], [0, 0.0, 0.0, 0.0])
+                    j[0], j[1], j[2], j[3] = j[0] + 1, j[1] + rate, j[2] + tokens, j[3] + ms
                 continue
             lo, hi = next(b for b in ROW_BANDS if b[0] <= rows <= b[1])
             key = str(lo) if lo == hi else f">{lo - 1}" if hi == 1 << 30 else f"{lo}-{hi}"
@@ -154,7 +165,9 @@ def summarize(calls: list[dict]) -> dict:
         out[n] = row
     by_rows = {n: {k: {"steps": a[0], "tok_per_ms": round(a[1] / a[2], 4)} for k, a in b.items()}
                for n, b in bands.items()}
-    return {"calls": len(calls), "steps": steps, "modes": out, "drain_by_rows": by_rows,
+    calibration = {n: {"steps": j[0], "judged_tok_per_ms": round(j[1] / j[0], 4),
+                       "realized_tok_per_ms": round(j[2] / j[3], 4)} for n, j in judged.items()}
+    return {"calls": len(calls), "steps": steps, "modes": out, "drain_by_rows": by_rows, "calibration": calibration,
             "drain_choices": {"n": drain_n, "best": dict(drain_best),
                               "median_rate": {n: round(statistics.median(v), 4) for n, v in drain_rates.items()}}}
 
@@ -165,6 +178,10 @@ def _print(s: dict) -> None:
     for n, m in s["modes"].items():
         rate = "-" if m["tok_per_ms"] is None else f"{m['tok_per_ms']:.3f}"
         print(f"{n:>9} {m['steps']:>7} {m['drain_steps']:>7} {m['probes']:>7} {m['timed']:>7} {rate:>8}")
+    if s["calibration"]:
+        print("outside the drain rule, judged -> realized tok/ms: " + ", ".join(
+            f"{n} {c['judged_tok_per_ms']:.3f} -> {c['realized_tok_per_ms']:.3f} ({c['steps']})"
+            for n, c in s["calibration"].items()))
     d = s["drain_choices"]
     print(f"drain choices {d['n']}: judged best {d['best']}, median judged tok/ms {d['median_rate']}")
     for n, b in s["drain_by_rows"].items():
