@@ -249,7 +249,8 @@ class ReferenceDecoder:
 
         Args:
             prompts: token ids per prompt (each non-empty).
-            params: sampling settings; T = 0 is greedy (exact match), T > 0 chain rejection sampling.
+            params: sampling settings; T = 0 is greedy (exact match), T > 0 chain rejection sampling, or with
+                ``params.invariant`` drafter-invariant verification (the plain decode's text for the seed).
             seeds: one request seed per prompt (default ``request_seed(params.seed, i)``): a prompt's
                 sample depends only on its seed, never on the other prompts (``dspine.sampling``).
         Returns :class:`GenerationResult` (per-prompt :class:`AcceptStats`). Raises ValueError (an empty
@@ -349,7 +350,9 @@ class ReferenceDecoder:
                 p_draft = None
             else:
                 p_draft, d_ids = draft_distribution(d_logits, params)
-                block[:, 1:W] = sample(p_draft, seed, rng.STREAM_DRAFT, slot_pos, d_ids)
+                # invariant: the draft races with the noise of the target's own draw at each output position
+                stream = rng.STREAM_TARGET if params.invariant_sampling else rng.STREAM_DRAFT
+                block[:, 1:W] = sample(p_draft, seed, stream, slot_pos, d_ids)
             tree = None
             if self.verify == "tree":  # scores: the sampling distribution, or softmax(logits) at T = 0
                 q = torch.softmax(d_logits, -1) if params.greedy else p_draft
@@ -399,6 +402,12 @@ class ReferenceDecoder:
                         raise nonfinite_error("target")
                     if params.greedy:
                         a, bonus = accept_greedy(block[b : b + 1, 1:], t_logits.argmax(-1)[None], impl="torch")
+                    elif params.invariant_sampling:  # the target's own draws; the matching prefix passes
+                        p_t, t_ids = logits_to_probs(t_logits[None], params.temperature, params.top_p, params.top_k,
+                                                     with_ids=True)
+                        draws = sample(p_t, seed[b : b + 1], rng.STREAM_TARGET,
+                                       n_out[b : b + 1, None] + torch.arange(W, device=dev), t_ids)
+                        a, bonus = accept_greedy(block[b : b + 1, 1:], draws, impl="torch")
                     else:
                         p_t, t_ids = logits_to_probs(t_logits[None], params.temperature, params.top_p, params.top_k,
                                                      with_ids=True)

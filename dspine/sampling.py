@@ -45,6 +45,18 @@ class SamplingParams:
     drafted before it, so a sharper q might keep the drafted chain coherent (docs/method.md §5); on the
     shipped SmolLM2 draft no value beat the default (results/smollm2-draft-temperature-h200.json).
 
+    ``invariant`` (T > 0; no effect at T = 0, where greedy decoding is invariant already): drafter-invariant
+    verification. Every drafted token is checked against the target's own draw at its output position, the race the
+    plain (autoregressive) decoder runs with the same seed and position (:func:`sample`, ``STREAM_TARGET``), and the
+    draft draws its tokens with that same noise; the longest matching prefix is accepted and the target's draw
+    after it is the bonus token. The text is then the plain decode's for that seed, token for token, whatever the
+    draft, the verify budget, the planner or the concurrency (up to the target's logits being bitwise the same in a
+    verify block and a 1-token step: fp32, or ``--exact`` in bf16), and each token is an exact draw from the
+    target's distribution. The acceptance rate is lower than rejection sampling's: a drafted token passes with the
+    probability that the two races pick the same token, at least ``(1 − δ) / (1 + δ)`` against rejection sampling's
+    ``1 − δ`` (δ the total variation distance between target and draft; Daliri, Musco and Suresh 2024,
+    "Coupling without Communication and Drafter-Invariant Speculative Decoding"). Chain verification only.
+
     Raises ValueError (from :meth:`validate`) on a negative or non-finite temperature or draft
     temperature, one in (0, ``MIN_TEMPERATURE``) (logits / T would overflow fp32: use 0), a draft
     temperature > 0 with ``temperature == 0``, ``top_p`` outside (0, 1], a negative ``top_k`` or
@@ -56,6 +68,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     seed: int = 0
     draft_temperature: float | None = None  # None = temperature; 0 = the draft's argmax
+    invariant: bool = False  # T > 0: drafter-invariant verification (the plain decode's text for the seed)
 
     def validate(self) -> SamplingParams:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -85,15 +98,25 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def invariant_sampling(self) -> bool:
+        """Sampling (T > 0) with drafter-invariant verification (``invariant``)."""
+        return self.invariant and not self.greedy
+
+    @property
     def step_key(self) -> tuple:
-        """The settings a compiled decoding step depends on (temperature, top_p, top_k, draft_temperature),
-        for the engine's CUDA-graph and step-cost caches; max_new_tokens and seed are runtime state."""
-        return self.temperature, self.top_p, self.top_k, self.draft_temperature
+        """The settings a compiled decoding step depends on (temperature, top_p, top_k, draft_temperature, and
+        whether verification is drafter-invariant), for the engine's CUDA-graph and step-cost caches;
+        max_new_tokens and seed are runtime state."""
+        return self.temperature, self.top_p, self.top_k, self.draft_temperature, self.invariant_sampling
 
 
 def check_tree_draft_temperature(params: SamplingParams, tree: bool) -> None:
     """Raise ValueError for tree verification with draft temperature 0: the tree is built from the draft's
-    distribution, one-hot at 0, so every node off the chain would be padding that the verify pays for."""
+    distribution, one-hot at 0, so every node off the chain would be padding that the verify pays for; and for
+    tree verification with drafter-invariant sampling (``invariant``: chain verification only)."""
+    if tree and params.invariant_sampling:
+        raise ValueError("invariant sampling verifies the chain only: use --verify chain (with --budget auto the "
+                         "planner leaves its trees out)")
     if tree and params.draft_temperature == 0 and not params.greedy:
         raise ValueError("draft_temperature=0 with tree verification: the tree is built from the draft's distribution, "
                          "one-hot at 0; use chain verification or a draft temperature > 0")
@@ -275,6 +298,10 @@ def nonfinite_error(who: str) -> FloatingPointError:
     return FloatingPointError(f"non-finite {who} logits (NaN/Inf): {hint}")
 
 
+INVARIANT_HELP = ("T > 0: drafter-invariant verification: each drafted token is checked against the target's own "
+                  "draw with the seed (the plain decoder's), so the text is the plain decode's for that seed whatever "
+                  "the draft, planner or concurrency (bitwise in fp32 or with --exact); fewer drafted tokens pass "
+                  "than with rejection sampling (the default). Chain verification only")
 DRAFT_TEMPERATURE_HELP = ("temperature the draft's tokens are sampled at (default: --temperature; 0: the draft's "
                           "argmax), with the same top-k/top-p; sampling only. The output still follows the target's "
                           "distribution at --temperature (the text drawn for a seed may change); the acceptance "
@@ -283,17 +310,18 @@ DRAFT_TEMPERATURE_HELP = ("temperature the draft's tokens are sampled at (defaul
 
 def sampling_params(args):
     """``SamplingParams`` from the CLI flags (``--temperature --top-p --top-k --max-new-tokens --seed``, and
-    ``--draft-temperature`` where the CLI has it),
+    ``--draft-temperature`` and ``--invariant`` where the CLI has them),
     validated; a ValueError names the flag (``--top-p=nan must be in (0, 1]``); a warning on stderr names
     ``--top-p`` / ``--top-k`` given with ``--temperature 0`` (greedy ignores them). Shared by every CLI that
     samples (``infer.generate``, ``infer.bench``, ``data.regenerate``)."""
     try:
         params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed,
-                                getattr(args, "draft_temperature", None)).validate()
+                                getattr(args, "draft_temperature", None), getattr(args, "invariant", False)).validate()
     except ValueError as e:
         field, _, rest = str(e).partition("=")
         raise ValueError(f"--{field.replace('_', '-')}={rest}") from None
-    ignored = [f for f, on in (("--top-p", params.top_p != 1), ("--top-k", params.top_k != 0)) if on]
+    ignored = [f for f, on in (("--top-p", params.top_p != 1), ("--top-k", params.top_k != 0),
+                                ("--invariant", params.invariant)) if on]
     if params.greedy and ignored:  # common in copied commands, harmless: say so once instead of refusing
         verb, them = ("apply", "them") if len(ignored) > 1 else ("applies", "it")
         print(f"warning: {' / '.join(ignored)} {verb} at --temperature > 0 only; --temperature 0 decodes greedily "

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from dspine.draft_vocab import DRAFT_VOCAB_HELP
-from dspine.sampling import DRAFT_TEMPERATURE_HELP, SamplingParams
+from dspine.sampling import DRAFT_TEMPERATURE_HELP, INVARIANT_HELP, SamplingParams
 from dspine.stats import AcceptStats
 
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
@@ -185,6 +185,9 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         if c["verify"] == "tree" and c["budget"] is None and getattr(args, "draft_temperature", None) == 0:
             raise ValueError(f"draft {label!r}: --draft-temperature 0 with verify=tree (the tree is built from the "
                              "draft's distribution, one-hot at 0)")
+        if c["verify"] == "tree" and c["budget"] is None and getattr(args, "invariant", False):
+            raise ValueError(f"draft {label!r}: --invariant with verify=tree (invariant verification checks the chain "
+                             "only; with budget=auto the planner leaves its trees out)")
         if c["chain_first"] is not None and c["verify"] != "tree" and c["budget"] is None:
             raise ValueError(f"draft {label!r}: chain_first applies to verify=tree or budget=auto (this label verifies "
                              "the chain only)")
@@ -695,6 +698,7 @@ def build_parser():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--draft-temperature", type=float, default=None, help=DRAFT_TEMPERATURE_HELP)
+    ap.add_argument("--invariant", action="store_true", help=INVARIANT_HELP + " (every draft label)")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=1)
@@ -920,6 +924,7 @@ def main(argv=None) -> int:
                 print(f"  {r['task']}: differs from AR at output position {m['position']}"
                       + (f", target top-2 margin {margin:.4f} (tokens {m['ar_top2']})" if margin is not None else ""))
     dt = "" if args.draft_temperature is None else f", draft temperature {args.draft_temperature}"
+    dt += ", invariant verification" if getattr(args, "invariant", False) and args.temperature > 0 else ""
     on_gpu = runner.backend == "cuda" and torch.device(args.device).type == "cuda"
     where = (f"engine on {torch.cuda.get_device_name(torch.device(args.device))}" if on_gpu else
              "engine on the CPU (--device cpu)" if runner.backend == "cuda" else "reference backend on the CPU")

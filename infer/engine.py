@@ -474,7 +474,9 @@ class Engine:
             out_pos = s.out_len.long()  # [B] the step's first output position
             slot_pos = out_pos[:, None] + s.offsets[:K]  # [B, K]: draft token k at n + k - 1
             p_draft, d_ids = draft_distribution(d_logits, params)
-            draft_tokens = sample(p_draft, s.seeds, rng.STREAM_DRAFT, slot_pos, d_ids, impl=self.impl)
+            # invariant: the draft races with the noise the target's own draw uses at each output position
+            stream = rng.STREAM_TARGET if params.invariant_sampling else rng.STREAM_DRAFT
+            draft_tokens = sample(p_draft, s.seeds, stream, slot_pos, d_ids, impl=self.impl)
             if self.budget == "auto":
                 plan_stats(self._conf_probs(d_logits, p_draft, params).gather(-1, draft_tokens[..., None])[..., 0],
                            s.conf, impl=self.impl)
@@ -488,6 +490,10 @@ class Engine:
             bonus = t_logits.argmax(-1).gather(1, a[:, None].long())[:, 0]
         elif params.greedy:
             a, bonus = accept_greedy(draft_tokens, t_logits.argmax(-1), impl=self.impl)
+        elif params.invariant_sampling:  # the target's own draw at every position; the matching prefix passes
+            p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
+            draws = sample(p_target, s.seeds, rng.STREAM_TARGET, out_pos[:, None] + s.offsets, t_ids, impl=self.impl)
+            a, bonus = accept_greedy(draft_tokens, draws, impl=self.impl)
         else:
             p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
             u = rng.uniforms(s.seeds, rng.STREAM_ACCEPT, slot_pos)
@@ -733,7 +739,10 @@ class Engine:
         tree of 32 (the planner probes the cheapest plausible mode, ``infer.planner`` rule 3; H100, SmolLM2, T = 1,
         concurrency 1, the default trees of 16 and 32: the tree of 16 ran τ 1.98 as the chain did, the tree of 32 was
         never run though its fixed run was 1.16 × the chain's tok/s, and the planner reached 0.89 × the best fixed
-        mode; results/verify-h100.json)."""
+        mode; results/verify-h100.json). With drafter-invariant sampling (``SamplingParams.invariant`` at T > 0) the
+        trees are all left out: invariant verification checks the chain only."""
+        if params.invariant_sampling:  # invariant verification checks the chain only
+            return [m for m in self.plan_modes if m[0] != "tree"]
         if not self.chain_first(params):
             return list(self.plan_modes)
         return [m for m in self.plan_modes if m != ("tree", self.verify_size)]

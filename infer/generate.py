@@ -6,7 +6,7 @@
 Without ``--draft`` it decodes autoregressively with the same backend. ``--json`` prints one object:
 ``num_tokens``, ``accept_len`` (τ, bonus token included), ``accept_at_pos``, ``accept_hist``,
 ``verify_steps``, ``committed_tokens``, ``tok_per_s`` over the whole call, ``sampling`` (the decoding
-settings: temperature, top_p, top_k, max_new_tokens, seed, draft_temperature), ``threads`` (torch's CPU threads), and per prompt ``text``, ``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and
+settings: temperature, top_p, top_k, max_new_tokens, seed, draft_temperature, invariant), ``threads`` (torch's CPU threads), and per prompt ``text``, ``token_ids``, ``finish_reason`` with that prompt's own τ, histogram and
 steps — at the top level for one prompt, in ``batch`` (one entry per prompt, adding up to the top level)
 for several. With a draft also ``verify``, ``verified_tokens_per_step``, ``plan_trees``, ``plan_drain`` and ``plan_conf_slope`` (the
 planner's tree sizes, drain rule, ``off`` or ``Engine.plan_drain_model``, and ``Engine.plan_conf_slope``; null without
@@ -37,7 +37,7 @@ from dspine.reference import (
     reference_verify_size,
     set_cpu_threads,
 )
-from dspine.sampling import DRAFT_TEMPERATURE_HELP, sampling_params
+from dspine.sampling import DRAFT_TEMPERATURE_HELP, INVARIANT_HELP, sampling_params
 from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer, resolve_model_path
 from infer.datasets import load_eval_prompts
 from infer.engine import load_engine
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--draft-temperature", type=float, default=None, help=DRAFT_TEMPERATURE_HELP)
+    ap.add_argument("--invariant", action="store_true", help=INVARIANT_HELP)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=None,
@@ -170,6 +171,9 @@ def check_decode_args(args, plan_trees: str = "--plan-trees 16/32") -> None:
         raise ValueError("--draft-temperature 0 with --verify tree: the tree is built from the draft's distribution, "
                          "which is one-hot at 0 (every node off the chain would be padding); use --verify chain or a "
                          "draft temperature > 0")
+    if getattr(args, "invariant", False) and args.verify == "tree" and args.budget is None:
+        raise ValueError("--invariant with --verify tree: invariant verification checks the chain only (use --verify "
+                         "chain; with --budget auto the planner leaves its trees out)")
     if args.no_chat_template and (args.system is not None or args.enable_thinking):
         flag = "--system" if args.system is not None else "--enable-thinking"
         raise ValueError(f"{flag} goes into the chat template, which --no-chat-template turns off")
@@ -187,7 +191,8 @@ def refuse_draft_options(args, others: tuple[tuple[str, bool], ...] = ()) -> Non
     given = (("--block-size", args.block_size is not None), ("--verify tree", args.verify == "tree"),
              ("--budget auto", args.budget is not None),
              ("--draft-temperature", getattr(args, "draft_temperature", None) is not None),
-             ("--draft-vocab", getattr(args, "draft_vocab", None) is not None), *others)
+             ("--draft-vocab", getattr(args, "draft_vocab", None) is not None),
+             ("--invariant", getattr(args, "invariant", False)), *others)
     for flag, on in given:
         if on:
             value = {"--block-size": f" {args.block_size}",
@@ -288,7 +293,8 @@ def run(args) -> dict:
     decode, eos = (_engine if backend == "cuda" else _reference)(args, params, path, gguf, draft_path, spec, prompts)
     res = decode(True)
     out = report(tokenizer, res, eos, backend)
-    out["sampling"] = dataclasses.asdict(params)  # temperature, top_p, top_k, max_new_tokens, seed, draft_temperature
+    out["sampling"] = dataclasses.asdict(params)  # temperature, top_p, top_k, max_new_tokens, seed, draft_temperature,
+    # invariant
     out["threads"] = args.threads
     if backend == "cuda":
         out["exact"] = bool(args.exact)
@@ -308,7 +314,7 @@ def run(args) -> dict:
         # ratio of the two runs' times would be noise, not a speedup
         speedup = res.tok_per_s / ar.tok_per_s if out.get("verify_steps") else None
         out.update(ar_tok_per_s=ar.tok_per_s, speedup=speedup,
-                   ar_equal=ar.token_ids == res.token_ids if params.greedy else None)
+                   ar_equal=ar.token_ids == res.token_ids if params.greedy or params.invariant_sampling else None)
 
     return out
 

@@ -186,7 +186,7 @@ def test_generate_cli_json(stories_dir, tmp_path, capsys):
         assert key in res
     assert res["num_tokens"] == 24 and res["ar_equal"] is True
     assert res["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 24, "seed": 0,
-                               "draft_temperature": None}
+                               "draft_temperature": None, "invariant": False}
     assert res["text"].startswith("a time, there was")
     assert abs(res["accept_len"] - 1 - sum(res["accept_at_pos"])) < 1e-9
     assert sum(res["accept_hist"]) == res["verify_steps"] == 23
