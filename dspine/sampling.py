@@ -50,9 +50,10 @@ class SamplingParams:
     plain (autoregressive) decoder runs with the same seed and position (:func:`sample`, ``STREAM_TARGET``), and the
     draft draws its tokens with that same noise; the longest matching prefix is accepted and the target's draw
     after it is the bonus token. The text is then the plain decode's for that seed, token for token, whatever the
-    draft, the verify budget, the planner or the concurrency (up to the target's logits being bitwise the same in a
-    verify block and a 1-token step: fp32, or ``--exact`` in bf16), and each token is an exact draw from the
-    target's distribution. The acceptance rate is lower than rejection sampling's: a drafted token passes with the
+    draft, the verify budget, the planner or the concurrency, bit for bit where the target's logits are bitwise the
+    same in a verify block and a 1-token step (``exact`` mode; the CPU fp32 tests), else up to the race's rare
+    near-ties, as greedy decoding is up to argmax near-ties; and each token is an exact draw from the target's
+    distribution. The acceptance rate is lower than rejection sampling's: a drafted token passes with the
     probability that the two races pick the same token, at least ``(1 − δ) / (1 + δ)`` against rejection sampling's
     ``1 − δ`` (δ the total variation distance between target and draft; Daliri, Musco and Suresh 2024,
     "Coupling without Communication and Drafter-Invariant Speculative Decoding"). Chain verification only.
@@ -300,8 +301,9 @@ def nonfinite_error(who: str) -> FloatingPointError:
 
 INVARIANT_HELP = ("T > 0: drafter-invariant verification: each drafted token is checked against the target's own "
                   "draw with the seed (the plain decoder's), so the text is the plain decode's for that seed whatever "
-                  "the draft, planner or concurrency (bitwise in fp32 or with --exact); fewer drafted tokens pass "
-                  "than with rejection sampling (the default). Chain verification only")
+                  "the draft, planner or concurrency (bit for bit with --exact; otherwise up to rare near-ties, as "
+                  "greedy output); fewer drafted tokens pass than with rejection sampling (the default). Chain "
+                  "verification only")
 DRAFT_TEMPERATURE_HELP = ("temperature the draft's tokens are sampled at (default: --temperature; 0: the draft's "
                           "argmax), with the same top-k/top-p; sampling only. The output still follows the target's "
                           "distribution at --temperature (the text drawn for a seed may change); the acceptance "

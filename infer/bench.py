@@ -550,7 +550,7 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
     for label, row in out["drafts"].items():
         if "ar" in out:
             row["speedup"] = row["tok_per_s"] / out["ar"]["tok_per_s"]
-            if params.greedy:
+            if params.greedy or params.invariant_sampling:  # the same text as AR is the contract: check it
                 ar_prompts, ar_tokens = outputs[None]
                 prompts, tokens = outputs[label]
                 # later turns see the model's own first answer, so compare only identical prompts
@@ -906,7 +906,8 @@ def main(argv=None) -> int:
     print(table(rows))
     for label, e in summary.items():
         extra = f", mean speedup {e['mean_speedup']:.2f}x" if "mean_speedup" in e else ""
-        eq = f", greedy == AR on {e['greedy_equal']}/{e['greedy_compared']}" if "greedy_compared" in e else ""
+        same = "greedy" if args.temperature == 0 else "invariant"
+        eq = f", {same} == AR on {e['greedy_equal']}/{e['greedy_compared']}" if "greedy_compared" in e else ""
         ci = f" [95% CI {e['mean_tau_ci95'][0]:.3f}, {e['mean_tau_ci95'][1]:.3f}]" if "mean_tau_ci95" in e else ""
         c = runner.configs[label]
         if c["budget"]:

@@ -151,7 +151,8 @@ class Engine:
         verify_size: slots verified per step, anchor included (<= the draft's block size; default =
             block size); a step proposes K = verify_size - 1 draft tokens.
         force_accept: benchmark only — accept exactly this many draft tokens per step whatever the
-            target says (the "oracle draft" of the engine benchmark); output is then not the target's.
+            target says (the "oracle draft" of the engine benchmark); output is then not the target's. Refused with
+            invariant sampling (``SamplingParams.invariant``), whose contract is the plain decode's text.
         verify: "chain" (verify_size slots) or "tree" (a token tree of ``tree_budget`` nodes,
             ``dspine.tree``: tree attention over the static cache, then the accepted path's K/V are
             moved into consecutive cache rows inside the step).
@@ -1275,6 +1276,9 @@ class Engine:
         # stops choosing them)
         check_tree_draft_temperature(params, use_draft and self.draft is not None and self.mode[0] == "tree"
                                      and self.budget != "auto")
+        if self.force_accept is not None and params.invariant_sampling and use_draft:
+            raise ValueError("force_accept with invariant sampling: the forced acceptance ignores the target's draws, "
+                             "so the text would not be the plain decode's")
         if use_draft and self.draft is not None and (self.mode[0] == "tree" or self.budget == "auto"):
             self.chain_first(params)  # tree_chain_first=False at T > 0 raises here, before any work
         self.slot_owner = None  # no request decoding until this call admits
@@ -1302,7 +1306,8 @@ class Engine:
             off = [m for m in self.plan_schedule if m not in modes]
             if off:
                 raise ValueError(f"Engine.plan_schedule has modes {off} outside this run's planner modes {modes} "
-                                 "(Engine.planner_modes: plan_modes less the chain-first tree of verify_size nodes)")
+                                 "(Engine.planner_modes: plan_modes less the chain-first tree of verify_size nodes, "
+                                 "or less every tree with invariant sampling)")
             planner.schedule = list(self.plan_schedule)
         # a JSONL file: one line per planned call (diagnosis); checked before the decode, not after its work
         plan_log = plan_log_path() if planner is not None else None

@@ -86,6 +86,10 @@ def test_invariant_is_chain_only_and_a_step_setting(stories_dir, stories):
         _engine(stories_dir, folder, verify="tree").generate(PROMPTS[:1], params(True))
     with pytest.raises(ValueError, match="invariant sampling verifies the chain only"):
         ReferenceDecoder(target, draft, [2], verify="tree").generate(PROMPTS[:1], params(True))
+    forced = _engine(stories_dir, folder)
+    forced.force_accept = 3  # the engine benchmark's oracle: it would ignore the target's draws
+    with pytest.raises(ValueError, match="force_accept with invariant sampling"):
+        forced.generate(PROMPTS[:1], params(True))
     # greedy decoding is invariant already: the flag changes nothing there (and no compiled step differs)
     greedy = SamplingParams(max_new_tokens=8)
     assert SamplingParams(max_new_tokens=8, invariant=True).step_key == greedy.step_key
@@ -116,3 +120,48 @@ def test_generate_cli_invariant_equals_the_plain_decode(stories_dir, tmp_path, c
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ar_equal"] is None
     assert generate.main([*base[:-6], "--invariant"]) == 0  # T = 0: greedy, invariant already; a warning says so
     assert "--invariant applies at --temperature > 0 only" in capsys.readouterr().err
+
+
+def _target_as_draft(target, reference: list[list[int]]):
+    """``lookup(b, start, K, V) -> [K, V]`` logits: the target's own next-token logits along ``reference[b]`` (prompt
+    plus the plain decode), slot k (1..K) of a block anchored at ``start`` getting those that predict
+    ``reference[b][start + k]`` (as :func:`tests.helpers.oracle_logits` places its tokens), zeros past the end."""
+    with torch.no_grad():
+        full = [target(torch.tensor([seq])).logits[0].float() for seq in reference]
+
+    def lookup(b, start, K, V):
+        out = torch.zeros(K, V)
+        rows = full[b][start : start + K]  # row start + k - 1 predicts reference[b][start + k]
+        out[: len(rows)] = rows
+        return out
+
+    return lookup
+
+
+def test_a_draft_with_the_targets_distribution_passes_every_token(stories_dir, stories):
+    """A draft whose distribution is the target's, racing with the target's noise at the same positions, drafts the
+    target's own draws: every drafted token passes (a draft that raced with another stream or position would pass
+    about Σ p² of them). Reference decoder and engine."""
+    target, _, folder = stories
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params(True)).token_ids
+    ref = [p + w for p, w in zip(PROMPTS, want)]
+    lookup = _target_as_draft(target, ref)
+    V = target.vocab_size
+
+    dec = ReferenceDecoder(target, stories[1], [2])
+    dec.draft_logits = lambda block, dcache: torch.stack(
+        [lookup(b, int(dcache.lengths[b]), block.shape[1] - 1, V) for b in range(block.shape[0])])[:, : dec.verify_size - 1]
+    res = dec.generate(PROMPTS, params(True))
+    assert res.token_ids == want and res.stats.accept_at_pos[0] > 0.95 and res.stats.tau > 4, res.stats
+
+    eng = _engine(stories_dir, folder)
+
+    def engine_draft(block, cache):
+        owner = eng.slot_owner or [None] * block.shape[0]
+        rows = [lookup(owner[b], int(cache.lengths[b]), block.shape[1] - 1, V) if owner[b] is not None
+                else torch.zeros(block.shape[1] - 1, V) for b in range(block.shape[0])]
+        return torch.stack(rows)[:, : eng.verify_size - 1]
+
+    eng.draft_logits = engine_draft
+    res = eng.generate(PROMPTS, params(True), concurrency=3)
+    assert res.token_ids == want and res.stats.accept_at_pos[0] > 0.95 and res.stats.tau > 4, res.stats
