@@ -289,3 +289,14 @@ def test_cpu_ranks_meet_where_the_launcher_says(monkeypatch, tmp_path, launcher,
     n = (file_cfg or {}).get("num_processes", 2)
     assert rc == 0 and calls == [[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", *meet,
                                   str(REPO / "train" / "distill.py"), "--config", "x.yaml"]]
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_a_rank_leaves_with_its_code_and_its_output(world):
+    """leave_rank: a rank of a multi-process launch (WORLD_SIZE > 1) ends with os._exit after flushing what it
+    printed (its teardown is skipped); a single process exits through SystemExit. Same code and output either way."""
+    code = ("import sys; from train.distill import leave_rank; print('out', end=''); print('err', end='', "
+            "file=sys.stderr); leave_rank(3)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "WORLD_SIZE": world})
+    assert (r.returncode, r.stdout, r.stderr[-3:]) == (3, "out", "err")
