@@ -185,9 +185,13 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         if c["verify"] == "tree" and c["budget"] is None and getattr(args, "draft_temperature", None) == 0:
             raise ValueError(f"draft {label!r}: --draft-temperature 0 with verify=tree (the tree is built from the "
                              "draft's distribution, one-hot at 0)")
-        if c["verify"] == "tree" and c["budget"] is None and getattr(args, "invariant", False):
-            raise ValueError(f"draft {label!r}: --invariant with verify=tree (invariant verification checks the chain "
-                             "only; with budget=auto the planner leaves its trees out)")
+        if getattr(args, "invariant", False) and args.temperature > 0:
+            if c["verify"] == "tree":
+                raise ValueError(f"draft {label!r}: --invariant with verify=tree (invariant verification checks the "
+                                 "chain only; with budget=auto the planner runs no tree)")
+            if c["plan_trees"]:
+                raise ValueError(f"draft {label!r}: plan_trees with --invariant (the planner runs no tree under "
+                                 "invariant verification)")
         if c["chain_first"] is not None and c["verify"] != "tree" and c["budget"] is None:
             raise ValueError(f"draft {label!r}: chain_first applies to verify=tree or budget=auto (this label verifies "
                              "the chain only)")

@@ -171,9 +171,13 @@ def check_decode_args(args, plan_trees: str = "--plan-trees 16/32") -> None:
         raise ValueError("--draft-temperature 0 with --verify tree: the tree is built from the draft's distribution, "
                          "which is one-hot at 0 (every node off the chain would be padding); use --verify chain or a "
                          "draft temperature > 0")
-    if getattr(args, "invariant", False) and args.verify == "tree" and args.budget is None:
-        raise ValueError("--invariant with --verify tree: invariant verification checks the chain only (use --verify "
-                         "chain; with --budget auto the planner leaves its trees out)")
+    if getattr(args, "invariant", False) and args.temperature > 0:  # (at T = 0 it is ignored, with a warning)
+        if args.verify == "tree":
+            raise ValueError("--invariant with --verify tree: invariant verification checks the chain only (use "
+                             "--verify chain; with --budget auto the planner runs no tree)")
+        if getattr(args, "plan_trees", None) not in (None, "none"):
+            raise ValueError(f"--plan-trees {args.plan_trees} with --invariant: the planner runs no tree under "
+                             "invariant verification (it checks the chain only)")
     if args.no_chat_template and (args.system is not None or args.enable_thinking):
         flag = "--system" if args.system is not None else "--enable-thinking"
         raise ValueError(f"{flag} goes into the chat template, which --no-chat-template turns off")

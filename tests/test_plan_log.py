@@ -70,7 +70,14 @@ def test_main_per_point_pass_filter_and_gzip(tmp_path):
 def test_mixed_modes_are_summarised_per_point(tmp_path, capsys):
     other = dict(CALL, temperature=1.0, log=[["ar:1", "chain:16"], ["c", 0, 0, 0, 0.0, None]])
     assert plan_log.main([str(_write(tmp_path, CALL, other))]) == 0
-    assert "== batch 32, temperature 1.0" in capsys.readouterr().out
+    assert "== batch 32, temperature 1.0\n" in capsys.readouterr().out
+    # the same batch and temperature with other modes (e.g. an --invariant run, no trees): summarised apart
+    same = dict(other, temperature=0.0)
+    out = tmp_path / "s.json"
+    assert plan_log.main([str(_write(tmp_path, CALL, same)), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "== batch 32, temperature 0.0, modes ar:1/chain:16" in text and "modes ar:1/chain:16/tree:32" in text
+    assert sorted(len(p["mode_names"]) for p in json.loads(out.read_text())["points"]) == [2, 3]
     with pytest.raises(ValueError, match="different modes"):
         plan_log.summarize([CALL, other])
 
@@ -84,6 +91,13 @@ def test_mixed_modes_are_summarised_per_point(tmp_path, capsys):
     (json.dumps(dict(CALL, log=[NAMES, ["o", 0, 1.0, 1.0, 0]])) + "\n", "live requests must be an integer >= 1, got 0"),
     (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, [1.0]]])) + "\n", "rates must be None or one per mode"),
     (json.dumps(dict(CALL, log=[NAMES, ["x"]])) + "\n", "is not a list starting with"),
+    (json.dumps(dict(CALL, batch="32")) + "\n", "p.jsonl:1: not a plan-log record (needs an integer 'batch'"),
+    (json.dumps(dict(CALL, temperature=None)) + "\n", "p.jsonl:1: not a plan-log record"),
+    (json.dumps(dict(CALL, log=[["ar:1", "ar:1"]])) + "\n", "the mode names, each once"),
+    (json.dumps(dict(CALL, log=[NAMES, ["o", 0, "1", 1.0, 1]])) + "\n", "tokens must be a number >= 0"),
+    (json.dumps(dict(CALL, log=[NAMES, ["o", 0, -3.0, 1.0, 1]])) + "\n", "tokens must be a number >= 0"),
+    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, "x", None]])) + "\n", "probe loss and rates must be finite"),
+    ('{"batch": 32, "temperature": 0.0, "log": [["ar:1"], ["c", 0, 0, 0, 0.0, [NaN]]]}\n', "must be finite"),
 ])
 def test_bad_records_are_named(tmp_path, capsys, text, msg):
     path = tmp_path / "p.jsonl"

@@ -255,6 +255,7 @@ def test_ctrl_c_saves_the_step_and_resumes(data, tmp_path):
      ["--master_addr=127.0.0.1", "--master_port=29544"]),
     (["--cpu", "--config_file", "{cfg}"], {"num_processes": 2}, "29500", ["--standalone"]),
     (["--cpu", "--num_processes", "1"], None, "29500", None),
+    (["--cpu", "--num_processes", "2", "--main_process_port", "0"], None, "0", ["--standalone"]),
 ])
 def test_cpu_ranks_meet_where_the_launcher_says(monkeypatch, tmp_path, launcher, file_cfg, master_port, meet):
     """relaunch_cpu_ranks: the torch.distributed.run command for `accelerate launch --cpu --num_processes N`: the

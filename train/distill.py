@@ -684,7 +684,7 @@ def relaunch_cpu_ranks(argv: list[str]) -> int | None:
     accelerate's launcher runs a CPU script once and leaves multi-process CPU runs to mpirun; this
     process then re-launches itself through ``torch.distributed.run`` (gloo ranks, which accelerate
     detects as MULTI_CPU). N is read from the launcher's command line or its ``--config_file``, as is
-    ``main_process_port``: given, the ranks meet at that port; not given (accelerate's default, 29500, is then
+    ``main_process_port``: given (not 0), the ranks meet at that port; not given or 0 (accelerate's default, 29500, is then
     in ``MASTER_PORT``), at a port the operating system picks when the rendezvous store binds
     (``torch.distributed.run --standalone``), so two runs on one machine never meet at the same port and no
     port is picked by one process and bound later by another.
@@ -707,6 +707,7 @@ def relaunch_cpu_ranks(argv: list[str]) -> int | None:
         port = file_cfg.get("main_process_port") if port is None else port
     if not n or int(n) <= 1:
         return None
+    port = None if str(port) == "0" else port  # 0: any free port, what --standalone does (a static 0 never meets)
     meet = (["--standalone"] if port is None else
             [f"--master_addr={env['MASTER_ADDR']}", f"--master_port={env.get('MASTER_PORT', port)}"])
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={int(n)}", *meet,

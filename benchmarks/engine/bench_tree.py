@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -191,12 +192,13 @@ def fixed_trees(args) -> list[int]:
     return sorted({int(n) for n in args.fixed_trees.split(",")}) if args.fixed_trees else [args.tree_budget]
 
 
-def planner_points(args) -> list[dict]:
+def planner_points(args, on_point=None) -> list[dict]:
     """Planner against AR and the best fixed configuration at each ``--planner`` point (module docstring):
     AR, the chain, the fixed trees (``--tree-budget`` as ``tree``, the other ``--fixed-trees`` as ``treeN``) and the
     planner (``--plan-trees``: its tree sizes) of one draft in one ``infer.bench`` run per point, so all decode the
     same prompts, alternated per task and warmed up per task on a GPU. ``best_static_tok_per_s`` is the best of AR,
-    the chain and every fixed tree."""
+    the chain and every fixed tree. ``on_point(point)``: called with each point once measured (main() writes the
+    output file then, so a later point's failure loses none before it)."""
     out = []
     for point in args.planner.split(","):
         c, t = point.split(":")
@@ -235,6 +237,8 @@ def planner_points(args) -> list[dict]:
                                                  for r in runs for x in r["tasks"]],
                     "per_task": [{**row, "seed": sd} for sd, r in zip(seeds, runs) for row in per_task(r)]})  # fmt: skip
         print(f"planner point {out[-1]}", flush=True)
+        if on_point is not None:
+            on_point(out[-1])
     return out
 
 
@@ -302,6 +306,12 @@ def main(argv=None) -> int:
             ap.error(f"--planner {args.planner!r}: CONCURRENCY is an integer, TEMPERATURE a number, e.g. 1:0,8:1")
         if len(set(pts)) < len(pts):
             ap.error(f"--planner {args.planner!r}: a point given twice")
+        from dspine.sampling import MIN_TEMPERATURE
+
+        bad = [f"{c}:{t:g}" for c, t in pts if c < 1 or not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE]
+        if bad:
+            ap.error(f"--planner {args.planner!r}: {', '.join(bad)}: CONCURRENCY must be >= 1 and TEMPERATURE 0 or a "
+                     f"finite number >= {MIN_TEMPERATURE:g}")
     if (args.fixed_trees or args.plan_trees) and not args.planner:
         ap.error("--fixed-trees and --plan-trees apply to --planner points")
     try:
@@ -338,9 +348,13 @@ def main(argv=None) -> int:
     if not args.skip_steps:
         res["step_cost"] = {**step_costs(args, dev), "provenance": provenance()}
     if args.planner:
-        points = [{**p, "provenance": provenance()} for p in planner_points(args)]
-        by_point = {(p["concurrency"], p["temperature"]): p for p in res.get("planner", []) + points}
-        res["planner"] = sorted(by_point.values(), key=lambda p: (p["temperature"], p["concurrency"]))
+        def merge_point(point: dict) -> None:  # written as soon as measured: a later point's failure keeps it
+            by_point = {(p["concurrency"], p["temperature"]): p
+                        for p in res.get("planner", []) + [{**point, "provenance": provenance()}]}
+            res["planner"] = sorted(by_point.values(), key=lambda p: (p["temperature"], p["concurrency"]))
+            write_output(args.output, res)
+
+        planner_points(args, merge_point)
     if args.smollm2 and not args.skip_smollm2:
         sm = {**smollm2(args), "provenance": provenance()}
         res["smollm2"] = sm
@@ -348,12 +362,16 @@ def main(argv=None) -> int:
             sm["tree_tau_over_chain_tau"],
             sm["tree_speedup_over_chain"],
         )
-    text = json.dumps(res, indent=1)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text)
-    print(text)
+    write_output(args.output, res)
+    print(json.dumps(res, indent=1))
     return 0
+
+
+def write_output(path: str | None, res: dict) -> None:
+    """``res`` as JSON into ``path`` (its folder made; nothing without a path)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

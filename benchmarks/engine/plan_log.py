@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import statistics
 import sys
 import zlib
@@ -43,6 +44,11 @@ def _check_event(e, n_modes: int) -> str | None:
         return f"a choice's rates must be None or one per mode ({n_modes})"
     if e[0] == "o" and (not isinstance(e[4], int) or e[4] < 1):
         return f"an observation's live requests must be an integer >= 1, got {e[4]!r}"
+    finite = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if e[0] == "o" and (not finite(e[2]) or e[2] < 0 or not (e[3] is None or finite(e[3]))):
+        return f"an observation's tokens must be a number >= 0 and its ms a number or None, got {e[2]!r}, {e[3]!r}"
+    if e[0] == "c" and (not finite(e[4]) or any(r is not None and not finite(r) for r in e[5] or [])):
+        return f"a choice's probe loss and rates must be finite numbers, got {e[4]!r}, {e[5]!r}"
     return None
 
 
@@ -66,10 +72,12 @@ def read_log(path: str | Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
         log = rec.get("log") if isinstance(rec, dict) else None
-        if (not isinstance(rec, dict) or "batch" not in rec or "temperature" not in rec or not isinstance(log, list)
-                or not log or not isinstance(log[0], list) or not all(isinstance(n, str) for n in log[0])):
-            raise ValueError(f"{path}:{i}: not a plan-log record (needs 'batch', 'temperature' and a 'log' whose "
-                             "first entry lists the mode names)")
+        if (not isinstance(rec, dict) or not isinstance(rec.get("batch"), int) or isinstance(rec.get("batch"), bool)
+                or not isinstance(rec.get("temperature"), (int, float)) or not isinstance(log, list)
+                or not log or not isinstance(log[0], list) or not all(isinstance(n, str) for n in log[0])
+                or len(set(log[0])) != len(log[0])):
+            raise ValueError(f"{path}:{i}: not a plan-log record (needs an integer 'batch', a number 'temperature' and "
+                             "a 'log' whose first entry lists the mode names, each once)")
         for e in log[1:]:
             problem = _check_event(e, len(log[0]))
             if problem:
@@ -219,17 +227,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.phase}", file=sys.stderr)
         return 2
     out = []
-    points = sorted({(c["batch"], c["temperature"]) for c in keep}, key=lambda p: (p[1], p[0]))
-    for b, t in points:
-        group = [c for c in keep if (c["batch"], c["temperature"]) == (b, t)]
-        try:
-            s = summarize(group)
-        except ValueError as e:
-            print(f"plan_log: {args.log}: batch {b}, temperature {t}: {e}", file=sys.stderr)
-            return 2
-        print(f"== batch {b}, temperature {t}")
+    # a point: batch, temperature and the planner's modes (runs of one point with other modes, e.g. --invariant or
+    # another --plan-trees, are summarised apart)
+    points = sorted({(c["batch"], c["temperature"], tuple(c["log"][0])) for c in keep}, key=lambda p: (p[1], p[0], p[2]))
+    for b, t, modes in points:
+        group = [c for c in keep if (c["batch"], c["temperature"], tuple(c["log"][0])) == (b, t, modes)]
+        s = summarize(group)
+        several = sum((q[0], q[1]) == (b, t) for q in points) > 1
+        print(f"== batch {b}, temperature {t}" + (f", modes {'/'.join(modes)}" if several else ""))
         _print(s)
-        out.append({"batch": b, "temperature": t, **s})
+        out.append({"batch": b, "temperature": t, "mode_names": list(modes), **s})
     if args.json:
         from dspine.provenance import command_line, utc_now
 
