@@ -402,18 +402,19 @@ class ReferenceDecoder:
                         raise nonfinite_error("target")
                     if params.greedy:
                         a, bonus = accept_greedy(block[b : b + 1, 1:], t_logits.argmax(-1)[None], impl="torch")
-                    elif params.invariant_sampling:  # the target's own draws; the matching prefix passes
-                        p_t, t_ids = logits_to_probs(t_logits[None], params.temperature, params.top_p, params.top_k,
-                                                     with_ids=True)
-                        draws = sample(p_t, seed[b : b + 1], rng.STREAM_TARGET,
-                                       n_out[b : b + 1, None] + torch.arange(W, device=dev), t_ids)
-                        a, bonus = accept_greedy(block[b : b + 1, 1:], draws, impl="torch")
                     else:
                         p_t, t_ids = logits_to_probs(t_logits[None], params.temperature, params.top_p, params.top_k,
                                                      with_ids=True)
-                        u = rng.uniforms(seed[b : b + 1], rng.STREAM_ACCEPT, slot_pos[b : b + 1])
-                        e = rng.bonus_noise(seed[b : b + 1], rng.STREAM_TARGET, n_out[b : b + 1], p_t.shape[-1], t_ids)
-                        a, bonus = accept_sample(block[b : b + 1, 1:], p_t, p_draft[b : b + 1], u, e, impl="torch")
+                        if params.invariant_sampling:  # the target's own draws; the matching prefix passes
+                            draws = sample(p_t, seed[b : b + 1], rng.STREAM_TARGET,
+                                           n_out[b : b + 1, None] + torch.arange(W, device=dev), t_ids)
+                            a, bonus = accept_greedy(block[b : b + 1, 1:], draws, impl="torch")
+                        else:
+                            u = rng.uniforms(seed[b : b + 1], rng.STREAM_ACCEPT, slot_pos[b : b + 1])
+                            e = rng.bonus_noise(seed[b : b + 1], rng.STREAM_TARGET, n_out[b : b + 1], p_t.shape[-1],
+                                                t_ids)
+                            a, bonus = accept_sample(block[b : b + 1, 1:], p_t, p_draft[b : b + 1], u, e,
+                                                     impl="torch")
                     a, bonus = int(a), int(bonus)
                 counts[b] = a + 1
                 anchors[b] = bonus

@@ -491,15 +491,16 @@ class Engine:
             bonus = t_logits.argmax(-1).gather(1, a[:, None].long())[:, 0]
         elif params.greedy:
             a, bonus = accept_greedy(draft_tokens, t_logits.argmax(-1), impl=self.impl)
-        elif params.invariant_sampling:  # the target's own draw at every position; the matching prefix passes
-            p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
-            draws = sample(p_target, s.seeds, rng.STREAM_TARGET, out_pos[:, None] + s.offsets, t_ids, impl=self.impl)
-            a, bonus = accept_greedy(draft_tokens, draws, impl=self.impl)
         else:
             p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
-            u = rng.uniforms(s.seeds, rng.STREAM_ACCEPT, slot_pos)
-            noise = rng.bonus_noise(s.seeds, rng.STREAM_TARGET, out_pos, p_target.shape[-1], t_ids)
-            a, bonus = accept_sample(draft_tokens, p_target, p_draft, u, noise, impl=self.impl)
+            if params.invariant_sampling:  # the target's own draw at every position; the matching prefix passes
+                draws = sample(p_target, s.seeds, rng.STREAM_TARGET, out_pos[:, None] + s.offsets, t_ids,
+                               impl=self.impl)
+                a, bonus = accept_greedy(draft_tokens, draws, impl=self.impl)
+            else:
+                u = rng.uniforms(s.seeds, rng.STREAM_ACCEPT, slot_pos)
+                noise = rng.bonus_noise(s.seeds, rng.STREAM_TARGET, out_pos, p_target.shape[-1], t_ids)
+                a, bonus = accept_sample(draft_tokens, p_target, p_draft, u, noise, impl=self.impl)
         live = s.done == 0
         self.target.commit_states(kv, (a + 1) * live)  # hybrid targets: linear-layer states keep a + 1 tokens
         commit_step(s.verify_block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist,
