@@ -70,6 +70,7 @@ __all__ = [
     "node_uniforms",
     "top_others",
     "chain_accepted",
+    "inner_accepted",
 ]
 
 
@@ -86,6 +87,11 @@ class Tree:
     # [B, K] fp32 q of the chain token at each depth 1..K (the chain's own draft probabilities, whether or not a
     # best-first tree kept its deep nodes), from the candidates (build_tree and dspine.ops.tree_build)
     chain_q: torch.Tensor | None = None
+    # [B, N] int64: the node's place in the builder's selection order (0 the root, then 1.. by key: the chain nodes
+    # first when kept first, then by score, ties as torch's stable sort; padding last). The tree of M <= N nodes built
+    # from the same q holds exactly the nodes of rank < M (:func:`inner_accepted`); set by build_tree and
+    # dspine.ops.tree_build
+    rank: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -172,7 +178,8 @@ def build_tree(
     pick = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :M]
     real = key.gather(1, pick) > float("-inf")
     # breadth first: by depth, then by key (beam order); padding last
-    pick = torch.where(real, pick, pick + K * M).sort(dim=1).values % (K * M)
+    order = torch.where(real, pick, pick + K * M).sort(dim=1)
+    pick = order.values % (K * M)
     real = real.sort(dim=1, descending=True, stable=True).values
     node_of = torch.full((B, K * M + 1), -1, dtype=torch.long, device=dev)  # flat id (+1) -> node
     node_of[:, 0] = 0  # flat parent -1 is the root
@@ -188,7 +195,30 @@ def build_tree(
         chain=torch.cat([zero == 0, chain.gather(1, pick) & real], 1),
         anc=ancestor_mask(parent),
         chain_q=q.gather(-1, cand[..., :1])[..., 0],  # candidate column 0 is the chain token
+        rank=torch.cat([zero, order.indices + 1], 1),  # node j + 1 was the order.indices[j]-th pick by key
     )
+
+
+def inner_accepted(rank: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor, sizes) -> torch.Tensor:
+    """``[B, S]`` int32: per tree size M of ``sizes`` (S Python ints, each at most N), the draft tokens the tree of M
+    nodes built from the same draft distributions would have accepted in this verification of the tree of N — the
+    nodes of its accepted path below the root with ``rank < M`` (``rank [B, N]``, :attr:`Tree.rank`; ``path
+    [B, Kp + 1]`` int64, ``num_accepted [B]`` a; entries past depth a are ignored).
+
+    The tree of M is the first M nodes of this one in the builder's order (the best M - 1 keys: a node's
+    ancestors rank before it, the candidates and each depth's beam of the smaller tree hold all of them), so at
+    T = 0 its accepted path is this path's prefix inside it, exactly: the target's argmax picks the same child at
+    every node while the child is in the smaller tree. At T > 0 (``dspine.ops.tree_verify``'s multi-candidate
+    rejection sampling) a node's children in the smaller tree are the first of its children here (ranked by key),
+    tested in the same order against the same residual distributions, so the prefix is a draw of the smaller tree's
+    acceptance (with other nodes' uniforms: equal in law, not draw for draw). Once the path leaves the smaller tree
+    it does not come back (a node ranks after its parent), so the count is a sum. Up to fp32 ties between the two
+    builds' keys, the Triton builder's ranks equal build_tree's (tests/test_tree_build.py)."""
+    depth = torch.arange(path.shape[1], device=path.device)
+    live = depth <= num_accepted[:, None]
+    r = rank.gather(1, torch.where(live, path, 0))  # [B, Kp + 1]; the root's rank 0 where not live
+    inside = torch.stack([r < int(m) for m in sizes], -1) & live[:, :, None]  # [B, Kp + 1, S] (no host copy)
+    return inside.sum(1, dtype=torch.int32) - 1  # the root is on every path
 
 
 def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ from dspine.sampling import (
 )
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible
-from dspine.tree import node_uniforms, path_nodes
+from dspine.tree import inner_accepted, node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import DRAIN_MODELS, StepPlanner, plan_log_path
@@ -90,8 +90,11 @@ class _Slots:
     chain_acc     [B] int32   planner only: draft tokens the chain would have accepted in the last tree step
                               (the chain nodes on its accepted path, :meth:`Engine._tree_step`); stale after
                               any other step
-    state         [4B + 2] int32  one buffer of which ``done``, ``nonfinite``, ``out_len``, ``conf`` (its fp32
-                              bits) and ``chain_acc`` are views, in this order: what the decode loops read
+    inner_acc     [S, B] int32  planner only: per planner tree smaller than the last tree step's (S = the planner's
+                              tree sizes less one, ascending), the draft tokens it would have accepted there
+                              (``dspine.tree.inner_accepted``); stale in the other columns and after any other step
+    state         [(4 + S)B + 2] int32  one buffer of which ``done``, ``nonfinite``, ``out_len``, ``conf`` (its fp32
+                              bits), ``chain_acc`` and ``inner_acc`` are views, in this order: what the decode loops read
                               after a step crosses the bus in one copy of a prefix of it (the flags:
                               ``state[:B + 2]``; the planner: all of it), no gather kernel per step
 
@@ -109,16 +112,18 @@ class _Slots:
     """
 
     def __init__(self, B: int, verify_size: int, block_size: int, max_new: int, device, mask_id: int,
-                 pending: tuple[int, int, torch.dtype] | None = None):
+                 pending: tuple[int, int, torch.dtype] | None = None, inner: int = 0):
         i32, i64 = torch.int32, torch.int64
         self.B, self.verify_size = B, verify_size
         self.anchor = torch.zeros(B, dtype=i64, device=device)
         self.lengths = torch.zeros(B, dtype=i32, device=device)
         self.seeds = torch.zeros(B, dtype=i64, device=device)
         self.out_tokens = torch.zeros(B, max_new, dtype=i64, device=device)
-        # done, nonfinite, out_len, conf, chain_acc: views of one buffer (the class docstring's ``state``)
-        self.state = torch.zeros(4 * B + 2, dtype=i32, device=device)
-        self.done, self.nonfinite, self.out_len, conf, self.chain_acc = self.state.split([B, 2, B, B, B])
+        # done, nonfinite, out_len, conf, chain_acc, inner_acc: views of one buffer (the class docstring's ``state``)
+        self.state = torch.zeros((4 + inner) * B + 2, dtype=i32, device=device)
+        self.done, self.nonfinite, self.out_len, conf, self.chain_acc, inner_acc = self.state.split(
+            [B, 2, B, B, B, inner * B])
+        self.inner_acc = inner_acc.view(inner, B)
         self.conf = conf.view(torch.float32)
         self.done.fill_(1)
         self.conf.fill_(1.0)
@@ -392,8 +397,9 @@ class Engine:
                     raise ValueError(f"Engine.ar_defer={self.ar_defer!r}: must be an int >= 1 (AR steps per "
                                      "draft-context flush); defer_ar_append = False appends in every AR step")
                 pending = (self.ar_defer, self.draft.fc.in_features, self.target.embed.dtype)
+            inner = max(len(self.plan_trees) - 1, 0) if self.budget == "auto" else 0  # planner trees inside others
             self._slots[B] = _Slots(B, self.verify_size, self.block_size, self.max_new_cap, self.device,
-                                    cfg.mask_token_id if cfg else 0, pending)
+                                    cfg.mask_token_id if cfg else 0, pending, inner)
         return self._slots[B]
 
     def _cache_view(self, B: int):
@@ -589,6 +595,9 @@ class Engine:
             p_chain = (tree.chain_q if params.greedy or params.draft_temperature is None else
                        self._conf_probs(d_logits, q, params).gather(-1, chain[..., None])[..., 0])
             plan_stats(p_chain, s.conf, tree.chain, path, a, s.chain_acc, impl=self.impl)
+            inner = [n for n in self.plan_trees if n < N]  # the planner trees inside this one (infer.planner,
+            if inner:  # "Paired observations"): their accepted draft tokens, columns in plan_trees order
+                s.inner_acc[: len(inner)].copy_(inner_accepted(tree.rank, path, a, inner).T)
         tok = tree.tokens.gather(1, path)
         if Kp < K:  # commit_step takes the block's K + 1 columns; those past depth a are never read
             tok = torch.cat([tok, tok.new_zeros(s.B, K - Kp)], 1)
@@ -1109,7 +1118,9 @@ class Engine:
         Paired observations: after a tree step, what the chain would have committed (``chain_acc``, the
         chain nodes on the accepted path, + 1, capped by the tree's committed tokens), per chain mode the
         tree covers (``infer.planner``, "Paired observations"); a lower bound where a best-first tree (T = 0)
-        dropped the chain's deeper nodes.
+        dropped the chain's deeper nodes. Then, per planner tree smaller than the one run, what it would have
+        committed (``inner_acc`` + 1, capped alike): its nodes are the run tree's first by rank, so its path is the
+        run path's prefix inside it (``dspine.tree.inner_accepted``), smallest first.
         Drain (``plan_drain``): per slot, the committed tokens, count and sum of squares of its request's chain
         steps and of the chain parts of its tree steps, reset when the slot is refilled (a finished request's
         stay while its slot idles); once the queue is empty, the planner gets them with each request's
@@ -1135,7 +1146,7 @@ class Engine:
             raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")
         cuda, prof = self.device.type == "cuda", self.loop_profile
         # _Slots.state: done [B], nonfinite [2], out_len [B], conf [B] (fp32 bits), chain_acc [B], all int32
-        bufs = [torch.empty(4 * B + 2, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        bufs = [torch.empty(s.state.numel(), dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         # paired observations: a tree step tells what each chain mode would have committed, if the tree holds
         # its whole chain (min(K, N - 1) >= n - 1): chain mode -> verify size
         chains = [m for m in self.plan_modes if m[0] == "chain"]
@@ -1216,11 +1227,16 @@ class Engine:
                         c = sum(conf[b] for b in rows) / len(rows)
                         chain_done = done
                         if done_mode[0] == "tree":  # committed as the chain, capped by the tree's (EOS, max_new)
-                            acc = vals[3 * B + 2 :]
+                            acc = vals[3 * B + 2 : 4 * B + 2]
                             for m in chains:
                                 if min(self.block_size - 1, done_mode[1] - 1) >= m[1] - 1:
                                     x = sum(min(acc[b] + 1, m[1], d) for b, d in zip(rows, done)) / len(rows)
                                     planner.observe_paired(m, x, len(rows))
+                            for j, n in enumerate(self.plan_trees):  # the planner trees inside the one run
+                                if n < done_mode[1] and ("tree", n) in planner.table:
+                                    acc = vals[(4 + j) * B + 2 : (5 + j) * B + 2]
+                                    x = sum(min(acc[b] + 1, d) for b, d in zip(rows, done)) / len(rows)
+                                    planner.observe_paired(("tree", n), x, len(rows))
                             chain_done = [min(acc[b] + 1, cap, d) for b, d in zip(rows, done)] if cap else ()
                         for b, d in zip(rows, chain_done):
                             row_tokens[b] += d

@@ -265,6 +265,12 @@ def parse_conf_slope(text: str) -> float | str:
     return x
 
 
+def _lead_rank(mode: Mode) -> tuple[bool, int]:
+    """Order of the modes a lead is taken over (:meth:`StepPlanner.observe_paired`): chains below trees, each by
+    size."""
+    return (mode[0] == "tree", mode[1])
+
+
 def max_tokens(mode: Mode, modes) -> int:
     """Most tokens one step of ``mode`` can commit per request: 1 (AR), ``n`` (chain of ``n``), or for a
     tree of ``n`` nodes ``min(n, longest chain among modes)`` (the tree's depth is the draft block's)."""
@@ -612,6 +618,9 @@ class StepPlanner:
         self.paired: Counter = Counter()  # paired observations per mode (observe_paired)
         self.last_predicted: float | None = None  # the confidence given with the step observed last
         self.last_observed: tuple[Mode, float] = (("ar", 1), 1.0)  # the step observed last: mode, tokens
+        # the paired observations of the step observed last, mode -> tokens (a smaller tree's lead over the chain on
+        # the same step: module docstring, "Paired observations")
+        self.paired_now: dict[Mode, float] = {}
         # run mode -> (paired mode, slow average of the run mode's tokens minus the paired mode's on the same
         # steps): module docstring, "Paired observations"
         self.lead: dict[Mode, tuple[Mode, float]] = {}
@@ -901,6 +910,7 @@ class StepPlanner:
             loss, rate, scale = probe  # settle: the real loss of this probe, a lucky one gives time back
             self.lost_ms += ms - scale * tokens_per_request / rate - loss
         self.last_predicted, self.last_observed = predicted, (mode, tokens_per_request)
+        self.paired_now = {}
         self.observed[mode] += 1
         self.realized[mode] += tokens_per_request
         if mode[0] != "ar":
@@ -909,19 +919,38 @@ class StepPlanner:
     def observe_paired(self, mode: Mode, tokens_per_request: float, rows: int = 1) -> None:
         """Record what a step of ``mode`` *would have* committed in the step just observed (:meth:`observe`),
         which ran another mode (module docstring, "Paired observations"): token averages, and calibration
-        against the confidence given with that step; no time, no choice consumed, no probe settled.
-        Raises ValueError for a mode outside the cost table."""
+        against the confidence given with that step; no time, no choice consumed, no probe settled. Leads: the run
+        mode's over the largest mode paired on its steps (a chain, or a smaller tree inside the run tree), and a paired
+        tree's over the largest smaller mode paired before it on the same step; give a step's paired modes smallest
+        first (chains, then trees by size). Raises ValueError for a mode outside the cost table."""
         if mode not in self.table:
             raise ValueError(f"paired mode {mode} is not in the planner's cost table {sorted(self.table)}")
-        if mode[0] != "ar":
-            self.paired[mode] += 1
-            self._record(mode, tokens_per_request, rows, self.last_predicted)
-            run, x_run = self.last_observed
-            if run[0] != "ar" and run != mode:  # the run mode's lead over this one, a slow average
-                n = self.lead_steps[run] = self.lead_steps[run] + 1
-                w = max(self.slow_decay, 1.0 / n)
-                lead = self.lead.get(run, (mode, 0.0))[1]
-                self.lead[run] = (mode, lead + w * (x_run - tokens_per_request - lead))
+        if mode[0] == "ar":
+            return
+        self.paired[mode] += 1
+        self._record(mode, tokens_per_request, rows, self.last_predicted)
+        run, x_run = self.last_observed
+        if run[0] != "ar" and run != mode:
+            self._lead(run, mode, x_run - tokens_per_request)
+        below = [m for m in self.paired_now if _lead_rank(m) < _lead_rank(mode)]
+        if below:  # a tree inside the run tree: its lead over the largest smaller mode of the same step
+            ref = max(below, key=_lead_rank)
+            self._lead(mode, ref, tokens_per_request - self.paired_now[ref])
+        self.paired_now[mode] = tokens_per_request
+
+    def _lead(self, mode: Mode, ref: Mode, diff: float) -> None:
+        """One paired step's ``diff`` (``mode``'s tokens − ``ref``'s) into ``mode``'s slow-average lead. A ref that
+        ranks above the lead's present one (:func:`_lead_rank`: a tree above a chain, a larger tree above a smaller)
+        replaces it and the average starts again; one ranking below is not used for ``mode``."""
+        cur = self.lead.get(mode)
+        if cur is not None and cur[0] != ref:
+            if _lead_rank(ref) < _lead_rank(cur[0]):
+                return
+            cur, self.lead_steps[mode] = None, 0
+        n = self.lead_steps[mode] = self.lead_steps[mode] + 1
+        w = max(self.slow_decay, 1.0 / n)
+        lead = 0.0 if cur is None else cur[1]
+        self.lead[mode] = (ref, lead + w * (diff - lead))
 
     def cost_state(self) -> dict:
         """The online cost model (measured ÷ table ratios, their timing counts and first timings), for

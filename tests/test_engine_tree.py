@@ -473,6 +473,53 @@ def test_engine_tree_step_counts_the_chains_accepted_tokens(stories_dir, stories
     assert 1 < rep["chain8"]["tokens_per_step"] < rep["tree24"]["tokens_per_step"]
 
 
+def test_engine_tree_step_counts_the_smaller_trees_accepted_tokens(stories_dir, stories):
+    """--budget auto with planner trees of 6 and 24 nodes, T = 0: after every step of the tree of 24 ``inner_acc[0]``
+    holds what the best-first tree of 6 built from the same draft block accepts against the greedy continuation,
+    and the planner gets it as a paired observation of the tree of 6, whose lead it then learns over the chain and
+    the tree of 24's over it."""
+    from dspine.tree import build_tree, verify_tree
+
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=40)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    full = [p + w for p, w in zip(PROMPTS, want)]
+    eng = second_choice_engine(_engine(stories_dir, folder, budget="auto", plan_trees=(6, 24)), full)
+    # the tree of 24 wins every step; the tree of 6 never pays its way
+    eng._step_costs = lambda B, params: {("ar", 1): 2.0, ("chain", 8): 1.9, ("tree", 6): 9.0, ("tree", 24): 1.0}
+    eng.plan_online = False
+    drafted, checked = {}, []
+    draft_logits, tree_step = eng.draft_logits, eng._tree_step
+
+    def recording_draft(block, cache):
+        drafted["logits"], drafted["start"] = draft_logits(block, cache), cache.lengths.clone()
+        drafted["anchor"] = block[:, 0].clone()
+        return drafted["logits"]
+
+    def checking_tree_step(slots, kv, draft_cache, params, N):
+        live = [b for b in range(slots.B) if not slots.done[b]]
+        tree_step(slots, kv, draft_cache, params, N)
+        small = build_tree(drafted["anchor"], torch.softmax(drafted["logits"].float(), -1), 6, chain_first=False)
+        nxt = torch.full(small.tokens.shape, -1, dtype=torch.long)  # the greedy next token after every node
+        for b in live:
+            seq, start = full[eng.slot_owner[b]], int(drafted["start"][b])
+            for i in range(small.size):
+                j = start + int(small.depth[b, i]) + 1
+                nxt[b, i] = seq[j] if j < len(seq) else -1
+        _, a, _ = verify_tree(small, target_argmax=nxt)
+        checked.extend((int(slots.inner_acc[0, b]), int(a[b])) for b in live)
+
+    eng.draft_logits, eng._tree_step = recording_draft, checking_tree_step
+    res = eng.generate(PROMPTS, params, concurrency=3)
+    assert res.token_ids == want
+    assert len(checked) > 10 and all(got == n for got, n in checked), checked
+    assert {n for _, n in checked} >= {0, 1}
+    rep = eng.planner_report
+    assert rep["tree24"]["steps"] > 5 and rep["tree6"]["steps"] == 0
+    assert rep["tree6"]["paired"] >= rep["tree24"]["steps"] - 3  # every observed tree step but the last
+    assert 1 < rep["tree6"]["tokens_per_step"] <= rep["tree24"]["tokens_per_step"]
+
+
 def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, capsys, monkeypatch):
     """infer.bench --budget auto on the CPU engine: greedy output equal to AR's, the summary line names the
     planner's modes, and with DSPINE_PLAN_LOG each planned call's line is tagged with its label, task, turn and

@@ -580,6 +580,28 @@ def decode(costs, seed, lead, paired=True, fixed=None):
                 q.observe_paired(CHAIN, c0)
     return tok / ms
 
+def test_a_smaller_tree_paired_inside_the_run_tree_is_its_lead_reference():
+    """A tree step pairs the chain and then the smaller planner trees inside it (infer.engine: inner_acc): the run
+    tree's lead is taken over the largest of them (a chain paired after it does not displace it), and the smaller
+    tree's lead over the chain on the same step; the estimates chain through the leads."""
+    T16 = ("tree", 16)
+    p = StepPlanner({AR: 1.0, CHAIN: 1.2, T16: 1.3, TREE32: 1.4})
+    p.observe(TREE32, 4.0, 1.4)
+    p.observe_paired(CHAIN, 2.0)
+    p.observe_paired(T16, 3.5)
+    assert p.lead == {TREE32: (T16, 0.5), T16: (CHAIN, 1.5)}
+    p.observe(T16, 3.0, 1.3)  # a step of the tree of 16: its lead over the chain, the tree of 32's untouched
+    p.observe_paired(CHAIN, 2.5)
+    assert p.lead == {TREE32: (T16, 0.5), T16: (CHAIN, 1.0)}
+    p.observe(TREE32, 5.0, 1.4)
+    p.observe_paired(CHAIN, 3.0)  # ranks below the tree of 16: not the tree of 32's reference
+    assert p.lead[TREE32] == (T16, 0.5)
+    p.observe_paired(T16, 4.0)
+    assert p.lead[TREE32] == (T16, pytest.approx(0.75)) and p.lead[T16] == (CHAIN, pytest.approx(1.0))
+    tok = p.tokens
+    assert tok[T16] == pytest.approx(tok[CHAIN] + 1.0) and tok[TREE32] == pytest.approx(tok[T16] + 0.75)
+
+
 
 @pytest.mark.parametrize("lead", [(0.8, 0.5), (0.1, 0.0)])
 def test_paired_planner_keeps_the_better_of_chain_and_tree_through_passages(lead):

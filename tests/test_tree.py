@@ -18,17 +18,19 @@ from dspine.tree import (
     ancestor_mask,
     build_tree,
     chain_accepted,
+    inner_accepted,
     node_uniforms,
     path_nodes,
     verify_tree,
 )
 
 
-def paths(tree: Tree, b: int) -> list[tuple[int, ...]]:
-    """Token path (root excluded) of every real node of row b, by walking parent pointers."""
+def paths(tree: Tree, b: int, below: int | None = None) -> list[tuple[int, ...]]:
+    """Token path (root excluded) of every real node of row b (of rank < ``below`` if given), by walking parent
+    pointers."""
     out = []
     for i in range(1, tree.size):
-        if tree.parent[b, i] < 0:
+        if tree.parent[b, i] < 0 or (below is not None and tree.rank[b, i] >= below):
             continue
         toks, j = [], i
         while j > 0:
@@ -221,6 +223,43 @@ def test_chain_accepted_on_a_tree_path_is_the_chain_step(N):
                             impl="torch")
     assert torch.equal(got, want)
     assert (a > got).any() == (N - 1 > K) and (got == 0).any() and (got >= 2).any()
+
+
+@pytest.mark.parametrize("chain_first", [False, True])
+@pytest.mark.parametrize("kind", ["random", "ties"])
+def test_inner_accepted_is_the_smaller_trees_acceptance(chain_first, kind):
+    """The nodes of rank < M of a tree of N are the tree of M built from the same draft (same token paths), and at
+    T = 0 inner_accepted on the tree of 32's accepted path is what verifying each smaller tree accepts (the planner's
+    paired observation of a smaller tree, infer.engine.Engine._tree_step), also with exact ties in q."""
+    g = torch.Generator().manual_seed(7 + chain_first)
+    B, K, V, N = 200, 6, 12, 32
+    if kind == "ties":  # integer weights: equal q, equal log q and equal path sums
+        w = torch.randint(0, 4, (B, K, V), generator=g).float()
+        w[..., 0] += 1
+        q = w / w.sum(-1, keepdim=True)
+    else:
+        q = torch.softmax(3 * torch.randn(B, K, V, generator=g), -1)
+    anchor = torch.zeros(B, dtype=torch.long)
+    # the target's greedy continuation: the draft's argmax at a depth with probability 0.6, else a random token
+    greedy = torch.where(torch.rand(B, K, generator=g) < 0.6, q.argmax(-1), torch.randint(0, V, (B, K), generator=g))
+
+    def verify(tree):
+        t_arg = torch.cat([greedy, greedy.new_full((B, 1), -1)], 1).gather(1, tree.depth)
+        last, a, _ = verify_tree(tree, target_argmax=t_arg)
+        return a, path_nodes(tree, last, K)
+
+    big = build_tree(anchor, q, N, chain_first=chain_first)
+    a, path = verify(big)
+    sizes = [2, 5, 8, 16, 32]
+    got = inner_accepted(big.rank, path, a, sizes)
+    assert got.shape == (B, len(sizes)) and got.dtype == torch.int32
+    for j, M in enumerate(sizes):
+        small = build_tree(anchor, q, M, chain_first=chain_first)
+        for b in range(0, B, 17):
+            assert set(paths(big, b, below=M)) == set(paths(small, b)), (M, b)
+        want, _ = verify(small)
+        assert torch.equal(got[:, j], want), M
+    assert torch.equal(got[:, -1], a) and (got[:, 1] < got[:, 3]).any()  # the larger trees accept more somewhere
 
 
 def pvalue(tokens, probs):

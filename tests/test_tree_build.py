@@ -12,7 +12,7 @@ from dspine.ops.tree_build import build_tree_fused
 from dspine.tree import ancestor_bits, ancestor_mask, build_tree
 
 CPU = pytest.mark.skipif(not env.TRITON_CPU, reason=str(env.TRITON_CPU_SKIP))
-FIELDS = ("tokens", "parent", "depth", "chain", "anc", "bits")
+FIELDS = ("tokens", "parent", "depth", "chain", "anc", "bits", "rank")
 
 
 def draft(kind: str, B: int, K: int, V: int, seed: int, device="cpu"):

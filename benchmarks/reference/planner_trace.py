@@ -181,7 +181,7 @@ def clairvoyant_ms(row: dict, modes, true_ms: dict) -> float:
 
 
 def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int, planner=None, mode=None,
-             drain_every: int | None = None, plan_drain: bool = True) -> tuple[int, float, int]:
+             drain_every: int | None = None, plan_drain: bool = True, pair_trees: bool = True) -> tuple[int, float, int]:
     """(tokens, milliseconds, steps) of decoding recorded prompts at concurrency ``B``, either with one fixed
     ``mode`` at every step or with ``planner`` (a ``StepPlanner``), the way ``Engine._decode_planned`` runs it:
 
@@ -194,7 +194,8 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
     - every step runs all B rows (a step's time is the mode's at batch B, idle rows included);
     - the observation of step j: the mean over its rows of their committed tokens; its time, except when a refill
       came between its launch and the snapshot that closes it (that interval holds a prefill); after a tree step
-      the chain's paired tokens (mean of ``min(chain nodes on the accepted path + 1, chain size, committed)``); after
+      the chain's paired tokens (mean of ``min(chain nodes on the accepted path + 1, chain size, committed)``) and, with
+      ``pair_trees``, every smaller planner tree's (its recorded tokens at that anchor, capped by the step's); after
       a speculative step the rows' mean confidence, given to the next choice (``None`` after any other observation);
     - with ``plan_drain`` (``Engine.plan_drain``) once the queue is empty, from the second choice on, every
       ``drain_every`` choices (default ``Engine.PLAN_DRAIN_EVERY``): the drain rule's state per
@@ -209,6 +210,8 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
     rows = [r for r in rows if r["tokens"] > 1]
     chains = [m for m in planner.table if m[0] == "chain"] if planner is not None else []
     cap = max((m[1] for m in chains), default=0)
+    # trees paired inside a larger tree's step, smallest first (Engine._decode_planned: plan_nested)
+    nested = sorted(m for m in planner.table if m[0] == "tree") if planner is not None and pair_trees else []
     queue = deque(range(len(rows)))
     owner: list = [None] * B
     pos = [0] * B  # next anchor of the slot's request after the steps launched; its committed tokens = pos
@@ -248,7 +251,9 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
                     r = rows[owner[b]]
                     n = committed(r, m, pos[b])
                     pair = min(r[f"pair{m[1]}"][pos[b]] + 1, n) if m[0] == "tree" else None
-                    step[b] = (owner[b], n, pair, r["conf"][pos[b]], pos[b] + n >= r["tokens"])
+                    # the smaller planner trees inside this one: their accepted path is this tree's within their nodes
+                    inner = {t: min(committed(r, t, pos[b]), n) for t in nested if m[0] == "tree" and t[1] < m[1]}
+                    step[b] = (owner[b], n, pair, r["conf"][pos[b]], pos[b] + n >= r["tokens"], inner)
                     pos[b] += n
             launched.append([m, step, True])
             ms += true_ms[m]
@@ -269,6 +274,10 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
                                 if min(verify - 1, m0[1] - 1) >= c[1] - 1:
                                     x = sum(min(v[2], c[1]) for v in step.values()) / len(step)
                                     planner.observe_paired(c, x, len(step))
+                            for t in nested:
+                                if t[1] < m0[1]:
+                                    planner.observe_paired(t, sum(v[5][t] for v in step.values()) / len(step),
+                                                           len(step))
                         for b, v in step.items():
                             d = v[1] if m0[0] == "chain" else min(v[2], cap or v[2])
                             stats[b][0] += d
@@ -378,7 +387,7 @@ def _step_times(path: str, label: str) -> tuple[dict, dict]:
 
 
 def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurrency: int | None = None,
-                 plan_drain: bool = True, times: str = "measured", **planner_args) -> dict:
+                 plan_drain: bool = True, times: str = "measured", pair_trees: bool = True, **planner_args) -> dict:
     """One point: the planner (trees ``plan_trees``, infer.planner.parse_plan_trees; ``planner_args`` to
     ``StepPlanner``), every fixed mode with a step time and (at concurrency 1) the clairvoyant schedule over
     ``trace``, with the step times of the ``infer.bench`` JSON ``costs`` at ``concurrency`` (default: that run's).
@@ -386,7 +395,7 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     run's online estimate after its steps (``"measured"``: what the planner saw, flushes and host waits included)
     or its start-up table (``"table"``: graph replays of the bare step). Raises SystemExit naming the file for a tree
     the trace did not record, :class:`NoStepTime` for a planner mode without a step time or a concurrency the run
-    did not measure."""
+    did not measure. ``pair_trees``: a tree step gives the smaller planner trees' tokens too (``batch_ms``)."""
     from infer.planner import StepPlanner, parse_plan_trees
 
     run_args = load_json(costs, "--costs: an infer.bench --output-json result").get("args") or {}
@@ -444,7 +453,8 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
                 planner.load_cost_state(cost_state)
             if before is not None:
                 planner.load_token_state(before)
-            tok, x, _ = batch_ms(rows, B, true_ms, verify, max_new, planner=planner, plan_drain=plan_drain)
+            tok, x, _ = batch_ms(rows, B, true_ms, verify, max_new, planner=planner, plan_drain=plan_drain,
+                                 pair_trees=pair_trees)
             cost_state, token_state = planner.cost_state(), planner.token_state()
         out["planner"] = tok / x * 1e3
         for m, n in planner.choices.items():
@@ -454,6 +464,7 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     best = max((k for k in mean if k not in ("planner", "clairvoyant")), key=mean.get)
     return {
         "costs": costs, "concurrency": B, "plan_trees": plan_trees, "plan_drain": plan_drain, "times": times,
+        "pair_trees": pair_trees,
         "exact": bool(run_args.get("exact")),
         "fixed_without_step_time": [f"{m[0]}{m[1]}" for m in [("chain", verify)] + recorded if m not in true_ms],
         "true_ms": {f"{m[0]}{m[1]}": round(v, 4) for m, v in sorted(true_ms.items())},
@@ -512,27 +523,40 @@ def replay(args) -> int:
     times_list = [t.strip() for t in args.times.split(",")]
     if not times_list or any(t not in ("measured", "table") for t in times_list):
         raise SystemExit(f"--times {args.times!r}: measured, table or both, comma-separated")
+    pairs = [x.strip() for x in args.pair_trees.split(",")]
+    if not pairs or any(x not in ("on", "off") for x in pairs):
+        raise SystemExit(f"--pair-trees {args.pair_trees!r}: on, off or both, comma-separated")
+    for spec in args.tree_like or []:
+        try:
+            big, small = (int(x) for x in spec.split("="))
+        except ValueError:
+            raise SystemExit(f"--tree-like {spec!r}: expected N=M, two tree sizes of the trace") from None
+        if big not in trace["budgets"] or small not in trace["budgets"] or small > big:
+            raise SystemExit(f"--tree-like {spec}: the trace records trees {trace['budgets']}; give N=M with M <= N of them")
+        for row in trace["prompts"]:  # the larger tree commits what the smaller one does (and pairs its chain alike)
+            row[f"tree{big}"], row[f"pair{big}"] = list(row[f"tree{small}"]), list(row[f"pair{small}"])
     points, skipped = [], []
-    for times, costs, plan_trees, slope in ((t, c, p, k) for t in times_list for c in costs_list for p in trees_list
-                                            for k in slopes):
+    for times, costs, plan_trees, slope, pair in ((t, c, p, k, q) for t in times_list for c in costs_list
+                                                  for p in trees_list for k in slopes for q in pairs):
         try:
             pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times,
-                              conf_slope=slope)
+                              pair_trees=pair == "on", conf_slope=slope)
         except NoStepTime as e:
-            if times == times_list[0] and slope == slopes[0]:
+            if times == times_list[0] and slope == slopes[0] and pair == pairs[0]:
                 print(f"skipped: {e}", flush=True)
                 skipped.append({"costs": costs, "plan_trees": plan_trees, "why": str(e)})
             continue
         points.append(pt)
         pt["conf_slope"] = slope
-        print(f"{times} {costs} c{pt['concurrency']} trees {plan_trees} conf_slope {slope}: planner / best fixed ({pt['best_fixed']}) "
+        print(f"{times} {costs} c{pt['concurrency']} trees {plan_trees} conf_slope {slope} pair_trees {pair}: "
+              f"planner / best fixed ({pt['best_fixed']}) "
               f"{pt['planner_over_best_fixed']:.4f}, / AR {pt['planner_over_ar']:.3f}; clairvoyant / best "
               f"{pt['clairvoyant_over_best_fixed'] or float('nan'):.4f}; steps {pt['planner_steps_timed']}", flush=True)
     if not points:
         raise SystemExit("every point was skipped (reasons above): no result written")
     report = {
         **provenance([sys.argv[0]] + (args.argv if args.argv is not None else sys.argv[1:])),
-        "simulated": True, "trace": args.trace, "trace_commit": trace.get("commit"),
+        "simulated": True, "trace": args.trace, "trace_commit": trace.get("commit"), "tree_like": args.tree_like or [],
         "trace_prompts_per_task": trace.get("num_prompts"), "max_new_tokens": trace.get("max_new_tokens"),
         "points": points, "skipped": skipped,
     }
@@ -564,6 +588,12 @@ def main(argv=None) -> int:
                         "2026-12-05), comma-separated: one point each")
     r.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=True,
                    help="the drain rule once no prompt is queued (Engine.plan_drain; default on)")
+    r.add_argument("--pair-trees", default="on",
+                   help="a tree step gives the planner the smaller planner trees' tokens as paired observations "
+                        "(Engine.plan_nested; default on); 'on,off' gives every point under both")
+    r.add_argument("--tree-like", action="append", metavar="N=M",
+                   help="replay tree N with tree M's recorded acceptance (a draft whose larger tree gains nothing, as "
+                        "on the H100 at concurrency 1, T = 0: results/verify-h100.json); repeatable")
     r.add_argument("--output", default=None)
     r.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)

@@ -32,7 +32,8 @@ root), the two cases where this integer order would differ from torch's float or
 
 Layouts: anchor [B] int64; q [B, K, V] fp32 (rows sum to 1); chain_tokens [B, K] int64 (default
 argmax). Returns ``dspine.tree.Tree``: tokens, parent, depth [B, N] int64, chain [B, N] bool,
-anc [B, N, N] bool, bits [B, N] int64. Constraints: 2 <= N <= 64 (one bit per node), 1 <= K <= 64.
+anc [B, N, N] bool, bits [B, N] int64, rank [B, N] int64 (a node's place in the selection order: the lane of
+the merged best M it came from). Constraints: 2 <= N <= 64 (one bit per node), 1 <= K <= 64.
 No host sync and fixed shapes: CUDA-graph capturable. Kernel memory traffic per row: 8·K·W bytes of
 log q read, at most 8·N of token gathers, 33·N + N² bytes written; the candidates read q once and write
 16·(V / chunk)·2^G bytes of chunk picks per (row, depth).
@@ -127,7 +128,7 @@ def _reversed(x, L: tl.constexpr):
 
 
 @triton.jit
-def _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Anchor, b, stride_a, N,
+def _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Rank, Anchor, b, stride_a, N,
                         BN: tl.constexpr, ROUNDS: tl.constexpr):  # fmt: skip
     """Node 0 (the anchor), then every node's ancestor bits and mask row from the parents stored so far."""
     n = tl.arange(0, BN)
@@ -135,6 +136,7 @@ def _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Anchor, b, stri
     tl.store(Tokens + b * N + n, tl.load(Anchor + b * stride_a + n * 0), mask=first)
     tl.store(Parent + b * N + n, tl.full([BN], -1, tl.int64), mask=first)
     tl.store(Depth + b * N + n, tl.zeros([BN], tl.int64), mask=first)
+    tl.store(Rank + b * N + n, tl.zeros([BN], tl.int64), mask=first)
     tl.store(Chain + b * N + n, first.to(Chain.dtype.element_ty), mask=first)
     tl.debug_barrier()  # the parents above, written by other threads, are read back in node order
 
@@ -153,7 +155,7 @@ def _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Anchor, b, stri
 
 @triton.jit
 def _build_tree_kernel(
-    LogQ, Cand, Anchor, Tokens, Parent, Depth, Chain, Anc, Bits,
+    LogQ, Cand, Anchor, Tokens, Parent, Depth, Chain, Anc, Bits, Rank,
     stride_lb, stride_lk, stride_cb, stride_ck, stride_a,
     K, M, W, N, KC,
     BM: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
@@ -219,6 +221,7 @@ def _build_tree_kernel(
     tl.store(Parent + out, parent.to(tl.int64), mask=ok)
     tl.store(Depth + out, tl.where(real, dep + 1, 0).to(tl.int64), mask=ok)
     tl.store(Chain + out, tl.zeros([BM], tl.int1).to(Chain.dtype.element_ty), mask=ok)
+    tl.store(Rank + out, (1 + KC + c).to(tl.int64), mask=ok)  # after the KC chain nodes, by key
     # chain nodes, depth e = 0..KC-1: node 1 + e + the picks before it; its parent the one above
     e = dk
     before = tl.sum((f[None, :] < (e * BM)[:, None]).to(tl.int32), axis=1)
@@ -230,12 +233,13 @@ def _build_tree_kernel(
     tl.store(Parent + out, tl.where(e == 0, 0, e + before_up).to(tl.int64), mask=ok)
     tl.store(Depth + out, (e + 1).to(tl.int64), mask=ok)
     tl.store(Chain + out, (e >= 0).to(Chain.dtype.element_ty), mask=ok)
-    _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Anchor, b, stride_a, N, BN, ROUNDS)
+    tl.store(Rank + out, (1 + e).to(tl.int64), mask=ok)  # key +inf, in depth order
+    _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Rank, Anchor, b, stride_a, N, BN, ROUNDS)
 
 
 @triton.jit
 def _best_first_kernel(
-    LogQ, Cand, Anchor, Tokens, Parent, Depth, Chain, Anc, Bits,
+    LogQ, Cand, Anchor, Tokens, Parent, Depth, Chain, Anc, Bits, Rank,
     stride_lb, stride_lk, stride_cb, stride_ck, stride_a,
     K, M, W, N,
     BM: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
@@ -300,7 +304,8 @@ def _best_first_kernel(
     tl.store(Parent + out, parent.to(tl.int64), mask=ok)
     tl.store(Depth + out, tl.where(real, dep + 1, 0).to(tl.int64), mask=ok)
     tl.store(Chain + out, on_chain.to(Chain.dtype.element_ty), mask=ok)
-    _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Anchor, b, stride_a, N, BN, ROUNDS)
+    tl.store(Rank + out, (1 + c).to(tl.int64), mask=ok)  # lane c of top is the c-th pick by key
+    _root_and_ancestors(Tokens, Parent, Depth, Chain, Anc, Bits, Rank, Anchor, b, stride_a, N, BN, ROUNDS)
 
 
 @triton.jit
@@ -419,14 +424,14 @@ def build_tree_triton(anchor, q, budget, chain_tokens=None, num_warps: int | Non
     cand, qv = candidates_triton(q if q.stride(-1) == 1 else q.contiguous(), chain_tokens, W)
     logq = qv.log()  # torch's log, as in tree_candidates: both paths add the same fp32 numbers
     dev = q.device
-    tokens, parent, depth, bits = (torch.empty(B, N, dtype=torch.int64, device=dev) for _ in range(4))
+    tokens, parent, depth, bits, rank = (torch.empty(B, N, dtype=torch.int64, device=dev) for _ in range(5))
     chain = torch.empty(B, N, dtype=torch.bool, device=dev)
     anc = torch.empty(B, N, N, dtype=torch.bool, device=dev)
     if B > 0:
         bm, bw, bk, bn = max(2, next_pow2(M)), max(2, next_pow2(W)), max(2, next_pow2(K)), next_pow2(N)
         kernel, extra = (_build_tree_kernel, (min(K, M),)) if chain_first else (_best_first_kernel, ())
         kernel[(B,)](
-            logq, cand, anchor, tokens, parent, depth, chain, anc, bits,
+            logq, cand, anchor, tokens, parent, depth, chain, anc, bits, rank,
             logq.stride(0), logq.stride(1), cand.stride(0), cand.stride(1), anchor.stride(0),
             K, M, W, N, *extra,
             BM=bm, BW=bw, BK=bk, BN=bn,
@@ -437,7 +442,8 @@ def build_tree_triton(anchor, q, budget, chain_tokens=None, num_warps: int | Non
             num_warps=num_warps or (8 if max(bm * bw, bk * bm, bn * bn) >= 1024 else 4),
         )  # fmt: skip
     # column 0 holds the chain token (given, or the argmax) and qv its q, bit for bit
-    return Tree(tokens=tokens, parent=parent, depth=depth, chain=chain, anc=anc, bits=bits, chain_q=qv[..., 0])
+    return Tree(tokens=tokens, parent=parent, depth=depth, chain=chain, anc=anc, bits=bits, chain_q=qv[..., 0],
+                rank=rank)
 
 
 def build_tree_torch(anchor, q, budget, chain_tokens=None, chain_first: bool = True) -> Tree:
