@@ -126,6 +126,8 @@ def bench_base(args, concurrency: int = 1, temperature: float = 0.0) -> list[str
         base += ["--data-dir", args.data_dir]
     if args.prefill_buckets is not None:
         base += ["--prefill-buckets" if args.prefill_buckets else "--no-prefill-buckets"]
+    if args.exact is not None:
+        base += ["--exact" if args.exact else "--no-exact"]
     if args.tiny:
         base += ["--backend", "cuda", "--device", "cpu", "--dtype", "fp32", "--no-chat-template"]
     else:
@@ -232,7 +234,7 @@ def planner_points(args, on_point=None) -> list[dict]:
                     "mean_tau": {n: sum(r["summary"][n]["mean_tau"] for r in runs) / len(runs)
                                  for n in ("chain", "auto", *trees.values())},
                     "same_run": True, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-                    "seeds": seeds, **({"per_seed": per_seed} if len(seeds) > 1 else {}),
+                    "exact": bool(run["args"].get("exact")), "seeds": seeds, **({"per_seed": per_seed} if len(seeds) > 1 else {}),
                     "planner_choices_per_task": [x["drafts"]["auto"].get("planner_choices")
                                                  for r in runs for x in r["tasks"]],
                     "per_task": [{**row, "seed": sd} for sd, r in zip(seeds, runs) for row in per_task(r)]})  # fmt: skip
@@ -288,6 +290,11 @@ def main(argv=None) -> int:
                     help="passed to every infer.bench run (default: the engine's)")
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
                     help="passed to the --planner points' infer.bench runs (default: infer.bench's, on)")
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                    help="passed to every infer.bench run: the engine's bit-exact mode, in which every mode decodes AR's "
+                         "greedy text, so at T = 0 the modes' tok/s compare the same text (in the fast bf16 mode a "
+                         "near-tie can flip and the texts part: on the H100 at concurrency 1 math500's five outputs "
+                         "were 905-1,441 tokens long across the modes); default: the engine's")
     ap.add_argument("--seeds", default="0", metavar="S[,S...]",
                     help="--planner points at T > 0: one infer.bench run per sampling seed (--seed), tok/s averaged "
                          "over them (a probe changes the sampled text of every live request, so one seed's ratio "
