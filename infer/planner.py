@@ -136,7 +136,18 @@ chain's averages as if it had run, (b) keeps, per tree mode, the slow average of
 the same steps (tree tokens − chain tokens), and estimates the tree as the chain's current estimate + the
 lead (no bonus: rule 3's probes explore it), instead of relaxing the tree's own average towards its
 long-run mean, and (c) never probes a mode paired within the
-last ``PAIRED_FRESH`` steps and timed once (its tokens are being observed; it runs when it is the best). A
+last ``PAIRED_FRESH`` steps and timed once (its tokens are being observed; it runs when it is the best).
+Smaller trees inside the run tree are paired too: the tree of M nodes is the first M of the tree of N in the
+builder's order (``dspine.tree.Tree.rank``), so its accepted path is the run path's prefix inside it
+(``dspine.tree.inner_accepted``: exact at T = 0, a draw of its acceptance at T > 0), and the engine gives it after
+the chain's, smallest first. The run tree's lead is then over the largest tree paired inside it and that tree's over
+the chain on the same step, so the estimates chain (tree of 32 = chain + lead of 16 + lead of 32 over 16) and the
+difference between two tree sizes is learned on the same steps, not each on the steps it was chosen for. Replayed
+over the CPU trace (``benchmarks/reference/planner_trace.py replay --pair-trees on,off``, trees of 16 and 32) it
+raised concurrency 1 from 0.987-0.995 to 0.999-1.002 of the best fixed mode with three GPU runs' step times and left
+concurrency 8 level (mean +0.0004). On the H100 in exact mode (every mode decodes AR's text,
+results/verify-exact-h100.json) the planner reached 0.993, 0.979 and 0.998 of the best fixed mode at concurrency 1, 8
+and 32, T = 0. A
 passage's difficulty is then read from both modes' steps while the tree's lead, which changes slowly, is
 learned from every tree step. Without them (issue 16, concurrency 1, T = 0) the planner ran 0.92 × the
 tree, switching between chain and tree at 36% / 53% of its steps: one request's tokens per step are noisy

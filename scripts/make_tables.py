@@ -61,8 +61,10 @@ def glance_section() -> list[str]:
                          f"({type(e).__name__}: {e})") from e
 
 
-def _planner_row(pts: list[dict], name: str, where: str = "") -> tuple | None:
-    """The goals table's row for the planner points of one file (bench_tree.py --planner), or None without any."""
+def _planner_row(pts: list[dict], name: str, where: str = "",
+                 what: str = "concurrency 1 / 8 / 32 / 64 × T = 0, 1") -> tuple | None:
+    """The goals table's row for the planner points of one file (bench_tree.py --planner), or None without any;
+    ``what``: the points the file is meant to hold."""
     if not pts:
         return None
     good = sum(p["planner_over_best_static"] >= 0.98 for p in pts)
@@ -70,7 +72,7 @@ def _planner_row(pts: list[dict], name: str, where: str = "") -> tuple | None:
     short = ", ".join(f"{p['planner_over_best_static']:.3f} at concurrency {p['concurrency']}, T = "
                       f"{p['temperature']:g}" for p in pts if p["planner_over_best_static"] < 0.98)
     trees = next((p["plan_trees"] for p in pts if p["temperature"] == 0 and p.get("plan_trees")), None)
-    return ("Planner (`--budget auto`) ÷ the best fixed mode, concurrency 1 / 8 / 32 / 64 × T = 0, 1" + where
+    return ("Planner (`--budget auto`) ÷ the best fixed mode, " + what + where
             + (f" (trees of {' and '.join(map(str, trees))} at T = 0)" if trees else ""),
             "≥ 0.98, never below AR",
             f"{good} of {len(pts)} points ≥ 0.98" + (f"; below: {short}" if short else "")
@@ -140,6 +142,13 @@ def _glance_rows(load) -> list[str]:
     h100 = load("verify-h100.json")
     row = _planner_row((h100 or {}).get("planner") or [], "verify-h100.json",
                        f" ({(h100 or {}).get('gpu') or '?'}, {str((h100 or {}).get('date', ''))[:10]})")
+    if row:
+        rows.append(row)
+    hx = load("verify-exact-h100.json")  # the T = 0 points with every mode decoding AR's text
+    row = _planner_row((hx or {}).get("planner") or [], "verify-exact-h100.json",
+                       f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, exact mode: every mode "
+                       "decodes AR's text)",
+                       what="T = 0, concurrency " + " / ".join(str(p["concurrency"]) for p in (hx or {}).get("planner") or []))
     if row:
         rows.append(row)
     cells, files, vals, commits = [], [], [], set()
@@ -802,7 +811,9 @@ def planner_h100_section() -> list[str]:
     (planner-switch-h100.json) and the confidence slope A/B (planner-slope-h100.json). Each part is left out when its
     file or its points are missing; a missing value shows as –."""
     v, sw, sl = load("verify-h100.json"), load("planner-switch-h100.json"), load("planner-slope-h100.json")
+    vx = load("verify-exact-h100.json")
     pts = (v or {}).get("planner") or []
+    exact = (vx or {}).get("planner") or []
     loops = (sw or {}).get("points") or []
     slopes = list(((sl or {}).get("points") or {}).values())
     if not (pts or loops or slopes):
@@ -817,6 +828,12 @@ def planner_h100_section() -> list[str]:
                 "alternated per task (T = 1: top_p 0.95, top_k 20)." + (f" {v['note']}" if v.get("note") else ""), "",
                 *_planner_points_table(pts), "",
                 "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`" for p in pts)), ""]
+    if exact:
+        out += ["The T = 0 points again in exact mode ([`results/verify-exact-h100.json`](results/verify-exact-h100.json), "
+                "`bench_tree.py --exact`), where every mode decodes AR's greedy text, so the ratios compare the same text."
+                + (f" {vx['note']}" if vx.get("note") else ""), "", *_planner_points_table(exact), "",
+                "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`" for p in exact)),
+                ""]
     if loops:
         ratios = [p.get(k) for p in loops for k in ("planner_ar_over_ar", "planner_chain_over_chain", "planner_tree_over_tree")]
         ratios = [x for x in ratios if x is not None]
@@ -890,7 +907,7 @@ def planner_exact_section() -> list[str]:
     out += ["", "Commands: `" + "`; `".join(x["command"] for x in
                                           (json.loads((ROOT / f).read_text()) for f in r["points"])) + "`; then `"
             + r["command"] + "`.", ""]
-    return out + planner_exact_rerun() + planner_default_section() + planner_replay_section()
+    return out + planner_exact_rerun() + planner_default_section() + planner_replay_section() + pairing_replay_section()
 
 
 def planner_default_section() -> list[str]:
@@ -932,6 +949,36 @@ def planner_default_section() -> list[str]:
     out += ["", "Commands: " + "; ".join(
         "`" + "`; `".join(json.loads((ROOT / f).read_text())["command"] for f in r["points"]) + "`; then `"
         + r["command"] + "`" for _, r in files) + ". Paths as in the repo; each file's `command_as_run` has the GPU machine's.", ""]
+    return out
+
+
+def pairing_replay_section() -> list[str]:
+    """The nested tree pairing A/B replayed over the CPU trace (results/pairing-replay16*-cpu.json: planner_trace.py
+    replay --pair-trees on,off), one row per step-time file and trace variant; left out without the files."""
+    files = [f for f in (RESULTS / "pairing-replay16-cpu.json", RESULTS / "pairing-replay16-treelike-cpu.json")
+             if f.exists()]
+    if not files:
+        return []
+    out = ["#### Pairing the smaller tree inside the run tree (replay, CPU)", "",
+           "`planner_trace.py replay --pair-trees on,off` over the trace above, trees of 16 and 32: with pairing on (the "
+           "engine's since d9ee403) a step of the tree of 32 also gives the planner what the tree of 16 inside it "
+           "accepted (`dspine.tree.inner_accepted`), and the tree of 32's lead is learned over the tree of 16 on the same "
+           "steps. `--tree-like 32=16` replays the tree of 32 with the tree of 16's acceptance (a larger tree that gains "
+           "nothing at a higher step price). Planner ÷ best fixed mode of the same replay:", "",
+           "| trace | step times from | concurrency | best fixed | pairing on | pairing off |", "|---|---|---|---|---|---|"]
+    for f in files:
+        d = json.loads(f.read_text())
+        kind = "tree 32 = tree 16" if d.get("tree_like") else "as recorded"
+        rows: dict = {}
+        for p in d["points"]:
+            rows.setdefault((p["costs"], p["concurrency"], p["best_fixed"]), {})[p.get("pair_trees", True)] = \
+                p["planner_over_best_fixed"]
+        for (costs, conc, best), v in rows.items():
+            on, off = (f"{v[k]:.3f}" if k in v else "–" for k in (True, False))
+            out.append(f"| {kind} | `{Path(costs).name}` | {conc} | {best} | {on} | {off} |")
+        out.append("")
+        out.append(f"Command ([{f.name}](results/{f.name})): `{d.get('command')}`")
+        out.append("")
     return out
 
 

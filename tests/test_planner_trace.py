@@ -71,6 +71,24 @@ def test_planner_replay_commits_every_token_and_pairs_tree_steps():
     assert planner.paired[CHAIN] >= n[T4] - 1  # every tree step observed gives the chain's tokens
 
 
+def test_replay_pairs_the_smaller_tree_inside_a_tree_step():
+    """pair_trees: a step of the tree of 6 gives the tree of 4 its recorded tokens at that anchor (the engine's
+    inner_acc), so the tree of 6's lead is over the tree of 4; without it, only the chain is paired."""
+    T6 = ("tree", 6)
+    r = {**row([1] * 40, [2] * 40, [1] * 40), "tree6": [3] * 40, "pair6": [1] * 40}
+    ms = {AR: 1.0, CHAIN: 1.2, T4: 3.0, T6: 1.3}  # the tree of 6 wins; the tree of 4 never pays its way
+    for pair in (True, False):
+        planner = StepPlanner(dict(ms))
+        pt.batch_ms([r], 1, ms, 4, 40, planner=planner, pair_trees=pair)
+        assert planner.choices[T6] > 5 and planner.paired[CHAIN] >= planner.choices[T6] - 1
+        if pair:
+            assert planner.paired[T4] >= planner.choices[T6] - 1 and planner.lead[T6][0] == T4
+            # 4 against 3 tokens a step, but at the output's end where both commit the last ones
+            assert 0.8 < planner.lead[T6][1] <= 1.0 and 2.8 < planner.slow[T4] <= 3.0
+        else:
+            assert planner.paired[T4] == 0 and planner.lead[T6][0] == CHAIN
+
+
 def test_batch_replay_fixed_mode_counts_steps_with_idle_rows():
     # chain accepting 1 (2 tokens a step): a has 9 tokens after its prefill's (5 steps), b 5 (3 steps). A request's
     # finish is seen one step late (the engine reads each step's snapshot after launching the next): its row idles
@@ -201,6 +219,10 @@ def test_replay_cli_refuses_bad_arguments_before_any_work(tmp_path):
     empty.write_text(json.dumps({"prompts": [], "budgets": [4], "block_size": 5}))
     with pytest.raises(SystemExit, match="needs non-empty 'prompts'"):
         pt.main(["replay", str(empty), "--costs", costs])
+    for extra, msg in ((["--pair-trees", "on,maybe"], "--pair-trees 'on,maybe'"),
+                       (["--tree-like", "4"], "expected N=M"), (["--tree-like", "8=4"], "records trees \\[4\\]")):
+        with pytest.raises(SystemExit, match=msg):
+            pt.main(base + extra)
     with pytest.raises(SystemExit, match="no step time for"):  # a recorded tree of 6 that no run timed
         pt.replay_point({**json.loads(trace.read_text()), "budgets": [4, 6]}, costs, "p", "6")
     assert pt.main(base + ["--plan-trees", "4, 4"]) == 0  # spaces around a comma-separated item are fine
