@@ -61,6 +61,12 @@ def glance_section() -> list[str]:
                          f"({type(e).__name__}: {e})") from e
 
 
+# planner points on the same text in every mode (scripts/reproduce_h200.sh planfair), with what makes it the same
+FAIR_FILES = [(f"verify-{kind}-{gpu}.json", how) for gpu in ("h200", "h100") for kind, how in (
+    ("exact", "exact mode: every mode decodes AR's greedy text"),
+    ("invariant", "drafter-invariant verification: the chain and the planner decode AR's sampled text, no tree"))]
+
+
 def _planner_row(pts: list[dict], name: str, where: str = "",
                  what: str = "concurrency 1 / 8 / 32 / 64 × T = 0, 1") -> tuple | None:
     """The goals table's row for the planner points of one file (bench_tree.py --planner), or None without any;
@@ -144,13 +150,13 @@ def _glance_rows(load) -> list[str]:
                        f" ({(h100 or {}).get('gpu') or '?'}, {str((h100 or {}).get('date', ''))[:10]})")
     if row:
         rows.append(row)
-    hx = load("verify-exact-h100.json")  # the T = 0 points with every mode decoding AR's text
-    row = _planner_row((hx or {}).get("planner") or [], "verify-exact-h100.json",
-                       f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, exact mode: every mode "
-                       "decodes AR's text)",
-                       what="T = 0, concurrency " + " / ".join(str(p["concurrency"]) for p in (hx or {}).get("planner") or []))
-    if row:
-        rows.append(row)
+    for name, how in FAIR_FILES:  # the planner points with every mode decoding AR's text
+        hx = load(name)
+        pts = (hx or {}).get("planner") or []
+        row = _planner_row(pts, name, f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, {how})",
+                           what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
+        if row:
+            rows.append(row)
     cells, files, vals, commits = [], [], [], set()
     for name, mode in (("planner-default-h200.json", "fast"), ("planner-default-exact-h200.json", "exact")):
         d = load(name)
@@ -726,11 +732,14 @@ def _planner_points_table(pts: list[dict]) -> list[str]:
                 steps[mode] = steps.get(mode, 0) + e["steps"]
         share = _step_share(steps)
         t16 = (p.get("fixed_tree_tok_per_s") or {}).get("16")
+        t32 = p.get("tree_tok_per_s")  # None: no tree ran (bench_tree.py --invariant)
         ok = "met" if p["planner_over_best_static"] >= 0.98 else "**missed**"
         seeds = p.get("seeds") or [0]  # bench_tree.py --seeds: tok/s are the means over that many runs
-        temp = f"{p['temperature']:g}" + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else "")
+        temp = (f"{p['temperature']:g}" + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else "")
+                + (", invariant" if p.get("invariant") else ""))
         out.append(f"| {p['concurrency']} | {temp} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
-                   f"{'–' if t16 is None else f'{t16:.0f}'} | {p['tree_tok_per_s']:.0f} | {p['planner_tok_per_s']:.0f} | "
+                   f"{'–' if t16 is None else f'{t16:.0f}'} | {'–' if t32 is None else f'{t32:.0f}'} | "
+                   f"{p['planner_tok_per_s']:.0f} | "
                    f"{p['planner_over_best_static']:.3f} — {ok} | "
                    f"{p['planner_over_ar']:.3f} | {share} | `{p['provenance']['commit'][:7]}` |")
     return out
@@ -811,9 +820,7 @@ def planner_h100_section() -> list[str]:
     (planner-switch-h100.json) and the confidence slope A/B (planner-slope-h100.json). Each part is left out when its
     file or its points are missing; a missing value shows as –."""
     v, sw, sl = load("verify-h100.json"), load("planner-switch-h100.json"), load("planner-slope-h100.json")
-    vx = load("verify-exact-h100.json")
     pts = (v or {}).get("planner") or []
-    exact = (vx or {}).get("planner") or []
     loops = (sw or {}).get("points") or []
     slopes = list(((sl or {}).get("points") or {}).values())
     if not (pts or loops or slopes):
@@ -828,12 +835,15 @@ def planner_h100_section() -> list[str]:
                 "alternated per task (T = 1: top_p 0.95, top_k 20)." + (f" {v['note']}" if v.get("note") else ""), "",
                 *_planner_points_table(pts), "",
                 "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`" for p in pts)), ""]
-    if exact:
-        out += ["The T = 0 points again in exact mode ([`results/verify-exact-h100.json`](results/verify-exact-h100.json), "
-                "`bench_tree.py --exact`), where every mode decodes AR's greedy text, so the ratios compare the same text."
-                + (f" {vx['note']}" if vx.get("note") else ""), "", *_planner_points_table(exact), "",
-                "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`" for p in exact)),
-                ""]
+    for name, how in FAIR_FILES:
+        vx = load(name)
+        fair = (vx or {}).get("planner") or []
+        if fair:
+            out += [f"The planner on the same text in every mode, {vx.get('gpu') or '?'} ([`results/{name}`](results/{name}), "
+                    f"`reproduce_h200.sh planfair`): {how}, so the ratios compare the same work."
+                    + (f" {vx['note']}" if vx.get("note") else ""), "", *_planner_points_table(fair), "",
+                    "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`"
+                                                          for p in fair)), ""]
     if loops:
         ratios = [p.get(k) for p in loops for k in ("planner_ar_over_ar", "planner_chain_over_chain", "planner_tree_over_tree")]
         ratios = [x for x in ratios if x is not None]

@@ -13,6 +13,10 @@
 #   tree      bench_tree.py SmolLM2 chain vs tree (T=0, concurrency 1) -> same file            ~1
 #   planner   bench_tree.py --planner at concurrency 1, 8, 32, 64 x T 0, 1, fixed trees of 16 and 32 -> same file ~13
 #             (and the planner's step log, results/plan-log-h200-<UTC time>.jsonl.gz: benchmarks/engine/plan_log.py)
+#   planfair  the planner points on the same text in every mode: T = 0 in exact mode (bench_tree.py --exact, every mode
+#             decodes AR's greedy text) -> results/verify-exact-h200.json, T = 1 at concurrency 32 and 64 with
+#             drafter-invariant verification (--invariant: AR's sampled text, no tree) -> results/verify-invariant-h200.json
+#             (the planner stage's fast-mode ratios compare texts that part at bf16 near-ties: H100, 2026-12-05) ~13
 #   exact     bench_exact.py (8B identity, SmolLM2 identity, cost) -> results/exact-h200.json ~7
 #   hybrid    hybrid_lossless.py -> results/hybrid-h200.json                                   ~0.7
 #   profile   profile_step.py -> results/profile-step-h200.json                                ~1
@@ -48,7 +52,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope planswitch tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope planswitch tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -95,6 +99,15 @@ if has planner; then  # prompts per task so that every batch fills (64 for concu
   DSPINE_PLAN_LOG=$plog timed planner-c8 "${planner[@]}" --planner 8:0,8:1 --num-prompts 16
   DSPINE_PLAN_LOG=$plog timed planner-c64 "${planner[@]}" --planner 32:0,64:0,32:1,64:1 --num-prompts 64
   if [ -s "$plog" ]; then gzip "$plog"; fi
+fi
+if has planfair; then  # the same text in every mode: exact at T = 0, drafter-invariant at T = 1 (no tree runs there)
+  fair=(python benchmarks/engine/bench_tree.py --smollm2 "$HF" --draft "$DRAFT" --merge --skip-steps --skip-smollm2)
+  exact=("${fair[@]}" --output "$R/verify-exact-$G.json" --fixed-trees 16,32 --exact)
+  timed planfair-exact-c1 "${exact[@]}" --planner 1:0 --num-prompts 5
+  timed planfair-exact-c8 "${exact[@]}" --planner 8:0 --num-prompts 16
+  timed planfair-exact-c64 "${exact[@]}" --planner 32:0,64:0 --num-prompts 64
+  timed planfair-invariant "${fair[@]}" --output "$R/verify-invariant-$G.json" --invariant --planner 32:1,64:1 \
+    --num-prompts 64 ${SEEDS:+--seeds "$SEEDS"}
 fi
 if has exact && [ ! -f "$R/exact-$G.json" ]; then
   timed exact-8b python benchmarks/engine/bench_exact.py --parts 8b --output "$R/exact-$G.json"

@@ -21,6 +21,30 @@ def draft_dir(stories_dir, tmp_path_factory):
     return save_draft(random_draft(target, block_size=8, mask=0), tmp_path_factory.mktemp("tree_draft"))
 
 
+def test_tiny_invariant_planner_point_runs_no_tree_and_decodes_ars_text(stories_dir, draft_dir, tmp_path):
+    """--invariant at a T > 0 point: every run gets infer.bench --invariant, no fixed tree runs, the best fixed mode
+    is AR or the chain, and the chain's and the planner's outputs are AR's (same_text_as_ar); a T = 0 point alone is
+    refused, as is --plan-trees."""
+    out, runs = tmp_path / "verify.json", tmp_path / "runs"
+    base = [sys.executable, str(REPO / "benchmarks" / "engine" / "bench_tree.py"), "--tiny", "--skip-steps",
+            "--skip-smollm2", "--smollm2", str(stories_dir), "--draft", str(draft_dir), "--datasets", "gsm8k",
+            "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2", "--max-new-tokens", "8",
+            "--output", str(out)]
+    r = subprocess.run(base + ["--planner", "2:1", "--invariant", "--keep-runs", str(runs)], capture_output=True,
+                       text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (p,) = json.loads(out.read_text())["planner"]
+    kept = json.loads((runs / "planner-c2-T1.json").read_text())
+    assert kept["args"]["invariant"] is True and set(kept["tasks"][0]["drafts"]) == {"chain", "auto"}
+    assert p["invariant"] is True and p["tree_tok_per_s"] is None and p["fixed_tree_tok_per_s"] == {}
+    assert p["best_static_tok_per_s"] == pytest.approx(max(p["ar_tok_per_s"], p["chain_tok_per_s"]))
+    assert p["same_text_as_ar"] == {"chain": [2, 2], "auto": [2, 2]}
+    for extra, msg in ((["--planner", "2:0", "--invariant"], "applies to --planner points at T > 0"),
+                       (["--planner", "2:1", "--invariant", "--plan-trees", "6"], "runs no tree under invariant")):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]
+
+
 def test_tiny_chain_tree_and_planner_point(stories_dir, draft_dir, tmp_path):
     out, runs = tmp_path / "verify.json", tmp_path / "runs"
     cmd = [sys.executable, str(REPO / "benchmarks" / "engine" / "bench_tree.py"), "--tiny", "--skip-steps",

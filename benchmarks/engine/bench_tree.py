@@ -113,11 +113,12 @@ def bench_run(args, argv: list[str], name: str) -> dict:
         return json.loads(path.read_text())
 
 
-def bench_base(args, concurrency: int = 1, temperature: float = 0.0) -> list[str]:
-    """``infer.bench`` flags shared by every run: the target, the draft under the labels chain, tree and
-    auto (the tree and the planner set by ``--config``), the tasks, the settings."""
-    base = ["--target", args.smollm2, "--draft", f"chain={args.draft}", "--draft", f"tree={args.draft}",
-            "--config", f"tree:verify=tree,tree_budget={args.tree_budget}", "--datasets", args.datasets,
+def bench_base(args, concurrency: int = 1, temperature: float = 0.0, tree: bool = True) -> list[str]:
+    """``infer.bench`` flags shared by every run: the target, the draft under the labels chain and (``tree``) tree
+    (the tree set by ``--config``), the tasks, the settings."""
+    trees = ["--draft", f"tree={args.draft}", "--config", f"tree:verify=tree,tree_budget={args.tree_budget}"]
+    base = ["--target", args.smollm2, "--draft", f"chain={args.draft}", *(trees if tree else []),
+            "--datasets", args.datasets,
             "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
             "--temperature", str(temperature), "--concurrency", str(concurrency)]  # fmt: skip
     if temperature > 0:
@@ -204,9 +205,12 @@ def planner_points(args, on_point=None) -> list[dict]:
     out = []
     for point in args.planner.split(","):
         c, t = point.split(":")
+        # drafter-invariant verification (T > 0): every label decodes AR's sampled text, and no tree runs
+        inv = bool(args.invariant) and float(t) > 0
         auto = "auto:budget=auto" + (f",plan_trees={args.plan_trees}" if args.plan_trees else "")
-        argv = bench_base(args, int(c), float(t)) + ["--draft", f"auto={args.draft}", "--config", auto]
-        extra = [n for n in fixed_trees(args) if n != args.tree_budget]  # fixed trees beside --tree-budget's
+        argv = bench_base(args, int(c), float(t), tree=not inv) + ["--draft", f"auto={args.draft}", "--config", auto]
+        argv += ["--invariant"] if inv else []
+        extra = [n for n in fixed_trees(args) if n != args.tree_budget] if not inv else []  # beside --tree-budget's
         for n in extra:
             argv += ["--draft", f"tree{n}={args.draft}", "--config", f"tree{n}:verify=tree,tree_budget={n}"]
         if args.plan_drain is not None:
@@ -214,7 +218,7 @@ def planner_points(args, on_point=None) -> list[dict]:
         seeds = args.seeds if float(t) > 0 else [0]
         runs = [bench_run(args, argv + ["--seed", str(sd)], f"planner-c{c}-T{t}" + (f"-seed{sd}" if seeds != [0] else ""))
                 for sd in seeds]  # fmt: skip
-        trees = {args.tree_budget: "tree", **{n: f"tree{n}" for n in extra}}
+        trees = {args.tree_budget: "tree", **{n: f"tree{n}" for n in extra}} if not inv else {}
         labels = ("AR", "chain", "auto", *trees.values())
         per_seed = []
         for sd, run in zip(seeds, runs):
@@ -226,7 +230,7 @@ def planner_points(args, on_point=None) -> list[dict]:
         best = max(tok[n] for n in ("AR", "chain", *trees.values()))
         run = runs[0]
         out.append({"concurrency": int(c), "temperature": float(t), "planner_tok_per_s": tok["auto"],
-                    "ar_tok_per_s": tok["AR"], "chain_tok_per_s": tok["chain"], "tree_tok_per_s": tok["tree"],
+                    "ar_tok_per_s": tok["AR"], "chain_tok_per_s": tok["chain"], "tree_tok_per_s": tok.get("tree"),
                     "fixed_tree_tok_per_s": {str(n): tok[label] for n, label in sorted(trees.items())},
                     "plan_trees": run["tasks"][0]["drafts"]["auto"].get("plan_trees"),
                     "best_static_tok_per_s": best, "planner_over_best_static": tok["auto"] / best,
@@ -234,7 +238,14 @@ def planner_points(args, on_point=None) -> list[dict]:
                     "mean_tau": {n: sum(r["summary"][n]["mean_tau"] for r in runs) / len(runs)
                                  for n in ("chain", "auto", *trees.values())},
                     "same_run": True, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-                    "exact": bool(run["args"].get("exact")), "seeds": seeds, **({"per_seed": per_seed} if len(seeds) > 1 else {}),
+                    "exact": bool(run["args"].get("exact")), "invariant": inv,
+                    # outputs equal to AR's / compared, per label, summed over the seeds (infer.bench checks them at T = 0
+                    # and under --invariant: the same text, so the tok/s ratios compare the same work)
+                    "same_text_as_ar": {n: [sum(r["summary"][n]["greedy_equal"] for r in runs),
+                                            sum(r["summary"][n]["greedy_compared"] for r in runs)]
+                                        for n in ("chain", "auto", *trees.values())
+                                        if all("greedy_compared" in r["summary"][n] for r in runs)},
+                    "seeds": seeds, **({"per_seed": per_seed} if len(seeds) > 1 else {}),
                     "planner_choices_per_task": [x["drafts"]["auto"].get("planner_choices")
                                                  for r in runs for x in r["tasks"]],
                     "per_task": [{**row, "seed": sd} for sd, r in zip(seeds, runs) for row in per_task(r)]})  # fmt: skip
@@ -295,6 +306,11 @@ def main(argv=None) -> int:
                          "greedy text, so at T = 0 the modes' tok/s compare the same text (in the fast bf16 mode a "
                          "near-tie can flip and the texts part: on the H100 at concurrency 1 math500's five outputs "
                          "were 905-1,441 tokens long across the modes); default: the engine's")
+    ap.add_argument("--invariant", action="store_true",
+                    help="--planner points at T > 0: drafter-invariant verification in every run (infer.bench "
+                         "--invariant): the chain and the planner decode AR's sampled text for the seed, so their tok/s "
+                         "compare the same text as AR's; no fixed tree runs (invariant verification checks the chain "
+                         "only) and the planner runs AR and the chain. T = 0 points are unchanged (use --exact there)")
     ap.add_argument("--seeds", default="0", metavar="S[,S...]",
                     help="--planner points at T > 0: one infer.bench run per sampling seed (--seed), tok/s averaged "
                          "over them (a probe changes the sampled text of every live request, so one seed's ratio "
@@ -319,6 +335,11 @@ def main(argv=None) -> int:
         if bad:
             ap.error(f"--planner {args.planner!r}: {', '.join(bad)}: CONCURRENCY must be >= 1 and TEMPERATURE 0 or a "
                      f"finite number >= {MIN_TEMPERATURE:g}")
+    if args.invariant and not any(t > 0 for _, t in (pts if args.planner else [])):
+        ap.error("--invariant applies to --planner points at T > 0 (greedy text is AR's already; --exact makes it "
+                 "bit for bit)")
+    if args.invariant and args.plan_trees:
+        ap.error("--invariant with --plan-trees: the planner runs no tree under invariant verification")
     if (args.fixed_trees or args.plan_trees) and not args.planner:
         ap.error("--fixed-trees and --plan-trees apply to --planner points")
     try:
