@@ -1091,6 +1091,33 @@ class Engine:
             prof["device_loop_s"] = marks[0][0].elapsed_time(marks[-1][1]) / 1e3
         return n_steps
 
+    def _tree_pairs(self, vals: list[int], B: int, rows: list[int], done: list[int], mode, table) -> tuple[list, list]:
+        """What a tree step tells the planner besides its own tokens (:meth:`_decode_planned`, "Paired observations").
+
+        Args:
+            vals: the step's state snapshot as a list (``_Slots.state``: done, nonfinite, out_len, conf, chain_acc
+                ``[3B + 2 : 4B + 2]``, inner_acc column j at ``[(4 + j)B + 2 : (5 + j)B + 2]``).
+            B: slots; rows: the slots observed in the step; done: their committed tokens (same order).
+            mode: the tree mode run, ``("tree", N)``; table: the planner's modes.
+        Returns:
+            ``(paired, chain_done)``: ``paired`` the ``(mode, mean committed tokens per row)`` to give
+            ``StepPlanner.observe_paired`` in this order, smallest first: every chain mode the tree covers
+            (``min(K, N - 1) >= n - 1``; chain_acc + 1, capped by the chain's size and the tree's tokens), then
+            every planner tree smaller than N in ``table`` (inner_acc + 1, capped by the tree's tokens);
+            ``chain_done`` per row the chain-equivalent tokens of the step for the drain rule's statistics
+            (chain_acc + 1 capped by the longest chain mode and the tree's tokens; empty without a chain mode).
+        """
+        acc = vals[3 * B + 2 : 4 * B + 2]
+        chains = [m for m in self.plan_modes if m[0] == "chain"]
+        paired = [(m, sum(min(acc[b] + 1, m[1], d) for b, d in zip(rows, done)) / len(rows)) for m in chains
+                  if min(self.block_size - 1, mode[1] - 1) >= m[1] - 1]
+        for j, n in enumerate(self.plan_trees):  # the planner trees inside the one run (columns in plan_trees order)
+            if n < mode[1] and ("tree", n) in table:
+                inner = vals[(4 + j) * B + 2 : (5 + j) * B + 2]
+                paired.append((("tree", n), sum(min(inner[b] + 1, d) for b, d in zip(rows, done)) / len(rows)))
+        cap = max((m[1] for m in chains), default=0)  # the longest chain mode: a tree step's chain-equivalent
+        return paired, [min(acc[b] + 1, cap, d) for b, d in zip(rows, done)] if cap else []
+
     def _decode_planned(self, s: _Slots, B: int, width: int, planner: StepPlanner, params: SamplingParams,
                         owner, queue, refill, admit, results, reasons, stats, flush=None) -> int:
         """The decode loop of the verify-budget planner; returns the steps run.
@@ -1145,11 +1172,9 @@ class Engine:
         if self.plan_confidence not in ("greedy", "always", "never"):
             raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")
         cuda, prof = self.device.type == "cuda", self.loop_profile
-        # _Slots.state: done [B], nonfinite [2], out_len [B], conf [B] (fp32 bits), chain_acc [B], all int32
+        # _Slots.state: done [B], nonfinite [2], out_len [B], conf [B] (fp32 bits), chain_acc [B], inner_acc [S, B],
+        # all int32; a tree step's paired observations come from it (_tree_pairs)
         bufs = [torch.empty(s.state.numel(), dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
-        # paired observations: a tree step tells what each chain mode would have committed, if the tree holds
-        # its whole chain (min(K, N - 1) >= n - 1): chain mode -> verify size
-        chains = [m for m in self.plan_modes if m[0] == "chain"]
 
         def snapshot(buf):
             buf.copy_(s.state, non_blocking=True)  # one copy, no kernel
@@ -1172,7 +1197,6 @@ class Engine:
         # tree steps (the drain rule, infer.planner "Drain"); reset when the slot is refilled
         row_tokens, row_steps, row_sq = [0] * B, [0] * B, [0] * B
         drain_age = 0  # choices since the queue ran dry: the batch goes to the planner every PLAN_DRAIN_EVERY
-        cap = max((m[1] for m in chains), default=0)  # the longest chain mode: a tree step's chain-equivalent
         while True:
             t0 = time.perf_counter()
             drain = None
@@ -1227,17 +1251,9 @@ class Engine:
                         c = sum(conf[b] for b in rows) / len(rows)
                         chain_done = done
                         if done_mode[0] == "tree":  # committed as the chain, capped by the tree's (EOS, max_new)
-                            acc = vals[3 * B + 2 : 4 * B + 2]
-                            for m in chains:
-                                if min(self.block_size - 1, done_mode[1] - 1) >= m[1] - 1:
-                                    x = sum(min(acc[b] + 1, m[1], d) for b, d in zip(rows, done)) / len(rows)
-                                    planner.observe_paired(m, x, len(rows))
-                            for j, n in enumerate(self.plan_trees):  # the planner trees inside the one run
-                                if n < done_mode[1] and ("tree", n) in planner.table:
-                                    acc = vals[(4 + j) * B + 2 : (5 + j) * B + 2]
-                                    x = sum(min(acc[b] + 1, d) for b, d in zip(rows, done)) / len(rows)
-                                    planner.observe_paired(("tree", n), x, len(rows))
-                            chain_done = [min(acc[b] + 1, cap, d) for b, d in zip(rows, done)] if cap else ()
+                            paired, chain_done = self._tree_pairs(vals, B, rows, done, done_mode, planner.table)
+                            for m, x in paired:
+                                planner.observe_paired(m, x, len(rows))
                         for b, d in zip(rows, chain_done):
                             row_tokens[b] += d
                             row_steps[b] += 1

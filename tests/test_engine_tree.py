@@ -520,6 +520,29 @@ def test_engine_tree_step_counts_the_smaller_trees_accepted_tokens(stories_dir, 
     assert 1 < rep["tree6"]["tokens_per_step"] <= rep["tree24"]["tokens_per_step"]
 
 
+def test_tree_pairs_reads_the_chain_and_each_smaller_tree_from_its_own_columns(stories_dir, stories):
+    """Engine._tree_pairs on a hand-made state snapshot (B = 3, rows 0 and 2 observed, planner trees of 6, 12 and 24,
+    a step of the tree of 24): the chain's paired tokens and the drain rule's chain-equivalent tokens come from
+    chain_acc, each smaller tree's from its own inner_acc column (the tree of 12's is not read for a step of the tree
+    of 12 itself), all capped by the tokens the step committed; a regression test: the drain statistics once read the
+    last smaller tree's column."""
+    _, _, folder = stories
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=(6, 12, 24))
+    B, rows, done = 3, [0, 2], [5, 2]
+    chain_acc, inner6, inner12 = [3, 9, 1], [2, 9, 0], [4, 9, 1]
+    vals = [0] * (B + 2) + [0] * B + [0] * B + chain_acc + inner6 + inner12  # done, nonfinite, out_len, conf, ...
+    table = {("ar", 1): 1.0, ("chain", 8): 1.0, ("tree", 6): 1.0, ("tree", 12): 1.0, ("tree", 24): 1.0}
+    paired, chain_done = eng._tree_pairs(vals, B, rows, done, ("tree", 24), table)
+    # chain of 8: min(acc + 1, 8, done) = 4 and 2; tree of 6: min(3, 5), min(1, 2); tree of 12: min(5, 5), min(2, 2)
+    assert paired == [(("chain", 8), 3.0), (("tree", 6), 2.0), (("tree", 12), 3.5)]
+    assert chain_done == [4, 2]
+    paired, chain_done = eng._tree_pairs(vals, B, rows, done, ("tree", 12), table)
+    assert paired == [(("chain", 8), 3.0), (("tree", 6), 2.0)] and chain_done == [4, 2]
+    # a tree the planner left out of its table (the chain-first tree of verify_size at T > 0) is not paired
+    paired, _ = eng._tree_pairs(vals, B, rows, done, ("tree", 24), {m: 1.0 for m in table if m != ("tree", 6)})
+    assert [m for m, _ in paired] == [("chain", 8), ("tree", 12)]
+
+
 def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, capsys, monkeypatch):
     """infer.bench --budget auto on the CPU engine: greedy output equal to AR's, the summary line names the
     planner's modes, and with DSPINE_PLAN_LOG each planned call's line is tagged with its label, task, turn and
