@@ -207,8 +207,9 @@ def inner_accepted(rank: torch.Tensor, path: torch.Tensor, num_accepted: torch.T
 
     The tree of M is the first M nodes of this one in the builder's order (the best M - 1 keys: a node's
     ancestors rank before it, the candidates and each depth's beam of the smaller tree hold all of them), so at
-    T = 0 its accepted path is this path's prefix inside it, exactly: the target's argmax picks the same child at
-    every node while the child is in the smaller tree. At T > 0 (``dspine.ops.tree_verify``'s multi-candidate
+    T = 0 its accepted path is this path's prefix inside it, exactly, given the target's argmax at each node (the
+    same in both trees' passes in exact mode; in fast bf16 a near-tie can differ between a pass over N and over M
+    nodes): the argmax picks the same child at every node while the child is in the smaller tree. At T > 0 (``dspine.ops.tree_verify``'s multi-candidate
     rejection sampling) a node's children in the smaller tree are the first of its children here (ranked by key),
     tested in the same order against the same residual distributions, so the prefix is a draw of the smaller tree's
     acceptance (with other nodes' uniforms: equal in law, not draw for draw). Once the path leaves the smaller tree
@@ -217,7 +218,10 @@ def inner_accepted(rank: torch.Tensor, path: torch.Tensor, num_accepted: torch.T
     depth = torch.arange(path.shape[1], device=path.device)
     live = depth <= num_accepted[:, None]
     r = rank.gather(1, torch.where(live, path, 0))  # [B, Kp + 1]; the root's rank 0 where not live
-    inside = torch.stack([r < int(m) for m in sizes], -1) & live[:, :, None]  # [B, Kp + 1, S] (no host copy)
+    sizes = [int(m) for m in sizes]
+    if not sizes:
+        return torch.zeros(path.shape[0], 0, dtype=torch.int32, device=path.device)
+    inside = torch.stack([r < m for m in sizes], -1) & live[:, :, None]  # [B, Kp + 1, S] (no host copy)
     return inside.sum(1, dtype=torch.int32) - 1  # the root is on every path
 
 

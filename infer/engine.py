@@ -222,9 +222,10 @@ class Engine:
     PREFILL_BUCKETS_AUTO = True
     PREFILL_BUCKETS_MAX_HIDDEN = 2048
     PREFILL_BUCKETS_MAX_PROMPTS = 8
-    # the planner's trees: 16 and 32 nodes. Each tree's lead over the chain is learned only on the steps that tree
-    # ran (noisy, and biased by the passages it was chosen in), so trees of near-equal rate flip on noise: a tree in
-    # the set costs about a point where it cannot win, and the set should hold the tree that wins. Replayed over the
+    # the planner's trees: 16 and 32 nodes. Before d9ee403 each tree's lead over the chain was learned only on the
+    # steps that tree ran (noisy, and biased by the passages it was chosen in), so trees of near-equal rate flipped on
+    # noise: a tree in the set cost about a point where it could not win (a step of the larger tree now also gives the
+    # smaller one's tokens, infer.planner "Paired observations"). Replayed over the
     # shipped SmolLM2 draft's real per-anchor acceptance with the step times of six H200 runs, measured / start-up
     # (results/planner-replay16-cpu.json, benchmarks/reference/planner_trace.py; ÷ the best fixed mode), fast mode (the
     # default) at concurrency 1 and 8: trees 16 and 32 0.992 / 0.988 and 0.976 / 0.985; 32 and 64 (the default before)

@@ -144,8 +144,8 @@ the chain's, smallest first. The run tree's lead is then over the largest tree p
 the chain on the same step, so the estimates chain (tree of 32 = chain + lead of 16 + lead of 32 over 16) and the
 difference between two tree sizes is learned on the same steps, not each on the steps it was chosen for. Replayed
 over the CPU trace (``benchmarks/reference/planner_trace.py replay --pair-trees on,off``, trees of 16 and 32) it
-raised concurrency 1 from 0.987-0.995 to 0.999-1.002 of the best fixed mode with three GPU runs' step times and left
-concurrency 8 level (mean +0.0004). On the H100 in exact mode (every mode decodes AR's text,
+raised concurrency 1 from 0.987-0.995 to 0.999-1.002 of the best fixed mode with three GPU runs' step times; at
+concurrency 8 it moved the three points by −0.7, +1.3 and −0.7 points (mean −0.0001: results/pairing-replay16-cpu.json). On the H100 in exact mode (every mode decodes AR's text,
 results/verify-exact-h100.json) the planner reached 0.993, 0.979 and 0.998 of the best fixed mode at concurrency 1, 8
 and 32, T = 0. A
 passage's difficulty is then read from both modes' steps while the tree's lead, which changes slowly, is
@@ -778,7 +778,7 @@ class StepPlanner:
             self.log.append(["d", self.step, [[d[0], d[1], d[2]] for d in drain]])
         if drain is not None:
             raw = self.expected(predicted)
-            leads = {m: ref for m, (ref, _) in self.lead.items()} if self.drain_model == "lead" else None
+            leads = {m: self._lead_chain(m) for m in self.lead} if self.drain_model == "lead" else None
             mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads)
             pooled, _, between, nbar = drain_spread(drain)
             if nbar and pooled > 0:  # the spread drain_tokens used, for later batches
@@ -936,6 +936,8 @@ class StepPlanner:
         first (chains, then trees by size). Raises ValueError for a mode outside the cost table."""
         if mode not in self.table:
             raise ValueError(f"paired mode {mode} is not in the planner's cost table {sorted(self.table)}")
+        if mode in self.paired_now:
+            raise ValueError(f"paired mode {mode} was already paired in the step observed last")
         if mode[0] == "ar":
             return
         self.paired[mode] += 1
@@ -948,6 +950,16 @@ class StepPlanner:
             ref = max(below, key=_lead_rank)
             self._lead(mode, ref, tokens_per_request - self.paired_now[ref])
         self.paired_now[mode] = tokens_per_request
+
+    def _lead_chain(self, mode: Mode) -> Mode:
+        """The mode at the end of ``mode``'s leads (a tree led by a smaller tree led by the chain: the chain), the
+        reference :func:`drain_tokens`' ``"lead"`` model takes a request's tree over; a cycle stops at the mode met
+        twice."""
+        seen = {mode}
+        while mode in self.lead and self.lead[mode][0] not in seen:
+            mode = self.lead[mode][0]
+            seen.add(mode)
+        return mode
 
     def _lead(self, mode: Mode, ref: Mode, diff: float) -> None:
         """One paired step's ``diff`` (``mode``'s tokens − ``ref``'s) into ``mode``'s slow-average lead. A ref that

@@ -978,14 +978,15 @@ def pairing_replay_section() -> list[str]:
            "| trace | step times from | concurrency | best fixed | pairing on | pairing off |", "|---|---|---|---|---|---|"]
     for f in files:
         d = json.loads(f.read_text())
-        kind = "tree 32 = tree 16" if d.get("tree_like") else "as recorded"
+        kind = ", ".join("tree {} = tree {}".format(*x.split("=")) for x in d.get("tree_like") or []) or "as recorded"
         rows: dict = {}
-        for p in d["points"]:
-            rows.setdefault((p["costs"], p["concurrency"], p["best_fixed"]), {})[p.get("pair_trees", True)] = \
-                p["planner_over_best_fixed"]
-        for (costs, conc, best), v in rows.items():
+        for p in d["points"]:  # on and off of one point side by side (the other settings as the point ran them)
+            key = (p["costs"], p["concurrency"], p["best_fixed"], p.get("plan_trees"), p.get("times"), p.get("conf_slope"))
+            rows.setdefault(key, {})[p.get("pair_trees", True)] = p["planner_over_best_fixed"]
+        for (costs, conc, best, trees, times, slope), v in rows.items():
             on, off = (f"{v[k]:.3f}" if k in v else "–" for k in (True, False))
-            out.append(f"| {kind} | `{Path(costs).name}` | {conc} | {best} | {on} | {off} |")
+            out.append(f"| {kind} | `{Path(costs).name}` ({times}, trees {trees}, conf_slope {slope}) | {conc} | {best} "
+                       f"| {on} | {off} |")
         out.append("")
         out.append(f"Command ([{f.name}](results/{f.name})): `{d.get('command')}`")
         out.append("")

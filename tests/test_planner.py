@@ -538,6 +538,10 @@ def test_paired_observations_track_the_chain_without_running_it():
     lost, pending = p.lost_ms, list(p.pending)
     p.observe_paired(CHAIN, 2.5)
     assert p.slow[CHAIN] == pytest.approx((2.5 + 4 * 4.0) / 5)  # a first count, shrunk like a run step's
+    with pytest.raises(ValueError, match="already paired in the step observed last"):
+        p.observe_paired(CHAIN, 1.0)
+    p.observe(TREE32, 4.0)  # the next tree step, again with confidence 3.0
+    p.last_predicted = 3.0
     p.observe_paired(CHAIN, 1.0)
     assert p.slow[CHAIN] == pytest.approx((3.7 + 1.0) / 2) and p.fast[CHAIN] == pytest.approx(2.35)
     assert p.calibration(CHAIN) == pytest.approx(
@@ -579,6 +583,30 @@ def decode(costs, seed, lead, paired=True, fixed=None):
             if paired and m0 == TREE32:
                 q.observe_paired(CHAIN, c0)
     return tok / ms
+
+def test_drain_model_lead_takes_a_tree_over_the_chain_at_the_end_of_its_leads(monkeypatch):
+    """drain_model="lead" models a request's tree as its chain plus the tree's lead: with nested pairing the tree of
+    32 is led by the tree of 16, which is led by the chain, so drain_tokens gets the chain as the tree of 32's
+    reference (and the batch's tokens[tree32] − tokens[chain] as its lead), not the tree of 16."""
+    import infer.planner as planner_mod
+
+    T16 = ("tree", 16)
+    p = StepPlanner({AR: 1.0, CHAIN: 1.2, T16: 1.3, TREE32: 1.4}, drain_model="lead")
+    p.observe(TREE32, 4.0, 1.4)
+    p.observe_paired(CHAIN, 3.0)
+    p.observe_paired(T16, 3.5)
+    assert p.lead[TREE32][0] == T16 and p._lead_chain(TREE32) == CHAIN and p._lead_chain(T16) == CHAIN
+    got = {}
+    real = planner_mod.drain_tokens
+
+    def spy(tokens, drain, modes, prior, leads=None):
+        got["leads"] = leads
+        return real(tokens, drain, modes, prior, leads)
+
+    monkeypatch.setattr(planner_mod, "drain_tokens", spy)
+    p.choose(None, [(100, 6, 2, 18), (100, 2, 2, 2)])
+    assert got["leads"] == {TREE32: CHAIN, T16: CHAIN}
+
 
 def test_a_smaller_tree_paired_inside_the_run_tree_is_its_lead_reference():
     """A tree step pairs the chain and then the smaller planner trees inside it (infer.engine: inner_acc): the run

@@ -531,8 +531,8 @@ def replay(args) -> int:
             big, small = (int(x) for x in spec.split("="))
         except ValueError:
             raise SystemExit(f"--tree-like {spec!r}: expected N=M, two tree sizes of the trace") from None
-        if big not in trace["budgets"] or small not in trace["budgets"] or small > big:
-            raise SystemExit(f"--tree-like {spec}: the trace records trees {trace['budgets']}; give N=M with M <= N of them")
+        if big not in trace["budgets"] or small not in trace["budgets"] or small >= big:
+            raise SystemExit(f"--tree-like {spec}: the trace records trees {trace['budgets']}; give N=M with M < N of them")
         for row in trace["prompts"]:  # the larger tree commits what the smaller one does (and pairs its chain alike)
             row[f"tree{big}"], row[f"pair{big}"] = list(row[f"tree{small}"]), list(row[f"pair{small}"])
     points, skipped = [], []
@@ -592,8 +592,8 @@ def main(argv=None) -> int:
                    help="a tree step gives the planner the smaller planner trees' tokens as paired observations "
                         "(Engine.plan_nested; default on); 'on,off' gives every point under both")
     r.add_argument("--tree-like", action="append", metavar="N=M",
-                   help="replay tree N with tree M's recorded acceptance (a draft whose larger tree gains nothing, as "
-                        "on the H100 at concurrency 1, T = 0: results/verify-h100.json); repeatable")
+                   help="replay tree N with tree M's recorded acceptance, applied in the order given (a draft whose "
+                        "larger tree gains nothing at a higher step price); repeatable")
     r.add_argument("--output", default=None)
     r.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
