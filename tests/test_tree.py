@@ -260,6 +260,7 @@ def test_inner_accepted_is_the_smaller_trees_acceptance(chain_first, kind):
         want, _ = verify(small)
         assert torch.equal(got[:, j], want), M
     assert torch.equal(got[:, -1], a) and (got[:, 1] < got[:, 3]).any()  # the larger trees accept more somewhere
+    assert inner_accepted(big.rank, path, a, []).shape == (B, 0)  # no smaller tree: no column
 
 
 def pvalue(tokens, probs):
