@@ -92,6 +92,9 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**64 - 1] (request seeds are 64-bit: "
+                             "another value would wrap onto one of those, e.g. -1 onto 2**64 - 1)")
         return self
 
     @property
@@ -136,6 +139,7 @@ def draft_distribution(logits: torch.Tensor, params: SamplingParams):
     return logits_to_probs(logits, t, params.top_p, params.top_k, with_ids=True)
 
 
+SEED_MAX = 2**64 - 1  # SamplingParams.seed: request seeds are int64 bit patterns (request_seed)
 TOP_K_FAST_MAX = 256  # top_k up to this takes the candidate path (0 forces the dense reference path)
 PLAIN_FAST = True  # no top-k / top-p cut: softmax without the sort (False forces the sorted reference)
 

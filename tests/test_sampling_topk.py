@@ -149,3 +149,16 @@ def test_unit_map_is_exact_and_strictly_inside_zero_one():
     assert float(u.min()) == 2.0 ** -24 and float(u.max()) == 1 - 2.0 ** -24
     e = -torch.log(_to_unit(torch.tensor([-1, (1 << 24) - 1, 0])))
     assert bool((e > 0).all()) and bool(torch.isfinite(e).all())
+
+
+def test_seed_out_of_range_is_refused_not_wrapped():
+    """SamplingParams.seed: request seeds are 64-bit, so -1 or 2**64 + 1 would decode as 2**64 - 1 or 1 (the same
+    request seeds, request_seed); they are refused by name, the range's ends accepted."""
+    from dspine.sampling import SamplingParams, request_seed
+
+    assert request_seed(2**64 + 1, 3) == request_seed(1, 3)  # what the check keeps users from
+    for bad in (-1, 2**64, 2**64 + 1, 1.5, True):
+        with pytest.raises(ValueError, match=r"seed=.* must be an integer in \[0, 2\*\*64 - 1\]"):
+            SamplingParams(seed=bad).validate()
+    for ok in (0, 2**64 - 1):
+        assert SamplingParams(seed=ok).validate().seed == ok

@@ -139,6 +139,32 @@ def test_distill_cli_fails_fast_on_bad_config(tmp_path, capsys):
     assert "unknown config key 'gama'" in err and "did you mean 'gamma'" in err
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**64 + 1, -(2**64) + 1])
+def test_out_of_range_seed_is_refused_not_wrapped(tmp_path, capsys, seed):
+    """A seed outside [0, 2**32 - 1] is refused while the config is read, naming the key and the value (was: refused
+    by numpy in accelerate's set_seed after the target had loaded, a message without the key; and torch's CPU
+    generator, which seeds the data order, keeps the low 32 bits only: 2**32 read the rows in seed 0's order)."""
+    from train.distill import main
+
+    p = write(tmp_path, "target: t\ntrain: d\n")
+    message = "config key 'seed': must be in [0, 2**32 - 1]"
+    for cfg_source in ("cli", "yaml"):
+        with pytest.raises(ConfigError) as e:
+            if cfg_source == "cli":
+                load(p, [f"seed={seed}"])
+            else:
+                load(write(tmp_path, f"target: t\ntrain: d\nseed: {seed}\n"))
+        assert message in str(e.value) and str(e.value).endswith(f"got {seed}")
+    assert main(["--config", str(p), f"seed={seed}"]) == 2  # before the target (t, no such model) is looked at
+    err = capsys.readouterr().err
+    assert message in err and f"got {seed}" in err
+
+
+def test_seed_range_ends_are_accepted(tmp_path):
+    p = write(tmp_path, "target: t\ntrain: d\n")
+    assert [load(p, [f"seed={s}"]).seed for s in (0, 2**32 - 1)] == [0, 2**32 - 1]
+
+
 def test_config_files_hold_only_what_differs_from_the_defaults():
     """configs/*.yaml repeat no default (RunConfig's, or the draft's from DSpineConfig); each DFlash
     ablation equals its DSpine file but for the injection and the run's names."""

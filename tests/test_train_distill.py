@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+import yaml
 
 from data.sample_target import main as sample_main
 from tests.conftest import REPO
@@ -63,18 +64,29 @@ def signal_all(procs, sig) -> None:
             pass
 
 
+def start(*overrides: str, env=None, **popen) -> tuple[subprocess.Popen, str]:
+    """The launch, started and not waited for, with its mark (``launched(mark)``: its processes); output discarded
+    unless ``popen`` says otherwise."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    popen = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "start_new_session": True, **popen}
+    proc = subprocess.Popen(launch_cmd(*overrides), cwd=REPO,
+                            env={**LAUNCH_ENV, "DSPINE_TEST_LAUNCH": mark, **(env or {})}, **popen)
+    return proc, mark
+
+
 def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
     """The launch, checked for exit code 0. Output goes to files (no wait on a pipe's end). On a timeout the ranks
     (the launch's processes without children) get SIGABRT, so that faulthandler (PYTHONFAULTHANDLER) prints their
     Python stacks, which the agent and the launcher pass on as they shut down; whatever is left after 30 s is
     killed, and the failure shows the output's tail with those stacks: where each rank waited."""
     import tempfile
-    import uuid
 
-    cmd, mark = launch_cmd(*overrides), uuid.uuid4().hex
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO,
-                                env={**LAUNCH_ENV, "PYTHONFAULTHANDLER": "1", "DSPINE_TEST_LAUNCH": mark, **(env or {})})
+        proc, mark = start(*overrides, env={"PYTHONFAULTHANDLER": "1", **(env or {})}, stdout=out, stderr=err,
+                           text=True, start_new_session=False)
+        cmd = proc.args
         try:
             proc.wait(timeout=timeout)
         except BaseException as e:  # the timeout, or Ctrl-C / pytest-timeout: leave no process of the launch behind
@@ -190,23 +202,15 @@ def assert_same_run(a, b):
 
 
 def test_resume_after_sigkill_is_exact(data, straight, tmp_path):
-    import psutil
-
     out = tmp_path / "killed"
-    proc = subprocess.Popen(launch_cmd(*data[1], *COMMON, f"output_dir={out}"), cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=LAUNCH_ENV)
+    proc, mark = start(*data[1], *COMMON, f"output_dir={out}")
     deadline = time.time() + 240
     latest = out / "latest"
     while time.time() < deadline and proc.poll() is None:
         if latest.is_file() and latest.read_text().strip() == "step-20":
             break
         time.sleep(0.02)
-    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-    for pid in family:  # the launcher and every rank it started (workers run in their own sessions)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signal_all(launched(mark), signal.SIGKILL)  # the launcher and every rank it started
     proc.wait(timeout=30)
     assert latest.read_text().strip() == "step-20" and not (out / "step-40").exists()
     assert len(jsonl(out / "metrics.jsonl")) >= 20
@@ -247,6 +251,88 @@ def test_ctrl_c_saves_the_step_and_resumes(data, tmp_path):
     assert [x["step"] for x in jsonl(out / "metrics.jsonl")] == list(range(1, 17))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_signal_to_the_relaunching_process_ends_every_rank(data, tmp_path, sig):
+    """SIGTERM or SIGINT sent to the distill.py process that relaunched the CPU ranks (not to accelerate or a rank)
+    reaches the ranks through torch.distributed.run: every process of the launch is gone within a minute (was: the
+    agent and both ranks trained on unattended). SIGINT is passed on as such, so the ranks save the step they
+    were at, as a Ctrl-C of one process does. A SIGKILL, which cannot be passed on, ends them too: the agent gets
+    SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    import tempfile
+
+    out = tmp_path / "signalled"
+    with tempfile.TemporaryFile("w+") as err:
+        proc, mark = start(*data[1], *COMMON, f"output_dir={out}", "max_steps=5000", "save_every=0", stderr=err,
+                           text=True)
+        try:
+            deadline = time.time() + 240
+            while time.time() < deadline and proc.poll() is None:
+                if (out / "metrics.jsonl").is_file() and len(jsonl(out / "metrics.jsonl")) >= 2:
+                    break
+                time.sleep(0.05)
+            procs = launched(mark)
+            ranks = [p for p in procs if "RANK" in p.environ()]
+            agent = [p for p in procs if "torch.distributed.run" in p.cmdline()]
+            assert len(ranks) == 2 and len(agent) == 1, [p.cmdline() for p in procs]
+            parent = agent[0].parent()  # the relaunching distill.py (its parent: accelerate's launcher)
+            assert str(REPO / "train" / "distill.py") in parent.cmdline() and "RANK" not in parent.environ()
+            assert "accelerate.commands.launch" in parent.parent().cmdline()
+            parent.send_signal(sig)
+            deadline = time.time() + 60
+            while time.time() < deadline and launched(mark):
+                time.sleep(0.2)
+            left = [p.cmdline() for p in launched(mark)]
+            err.seek(0)
+            assert not left, f"still running 60 s after {sig.name}: {left}\n{err.read()[-3000:]}"
+            if sig == signal.SIGINT:
+                k = len(jsonl(out / "metrics.jsonl"))
+                assert (out / "latest").read_text().strip() == f"step-{k}" and 2 <= k < 5000
+        finally:
+            signal_all(launched(mark), signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def fake_launcher(monkeypatch, tmp_path, launcher, use_cpu="True", master_port="29500", default_cfg=None,
+                  cuda=False) -> list:
+    """This process as the script that `accelerate launch <launcher> train/distill.py` started through its simple
+    launcher (its environment, its command line in /proc/<parent>/cmdline, accelerate's default config file
+    ``default_cfg``, CUDA or not); returns the list that collects the (command, environment) of each rank launch
+    (distill.run_ranks, not run). ``{cfg}`` in ``launcher`` is a config file's path (tmp_path/accelerate.yaml)."""
+    import pathlib
+
+    from accelerate.commands.config import config_args
+
+    from train import distill
+
+    cmdline = "\0".join([sys.executable, "-m", "accelerate.commands.launch",
+                         *[a.replace("{cfg}", str(tmp_path / "accelerate.yaml")) for a in launcher],
+                         str(REPO / "train" / "distill.py"), "--config", "x.yaml"])
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", use_cpu)  # accelerate's str(args.cpu or args.use_cpu)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", master_port)
+    monkeypatch.setattr(os, "getppid", lambda: 987654)
+    real = pathlib.Path.read_bytes
+    monkeypatch.setattr(pathlib.Path, "read_bytes",
+                        lambda p: cmdline.encode() if str(p) == "/proc/987654/cmdline" else real(p))
+    default = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    if default_cfg is not None:
+        default.parent.mkdir(parents=True)
+        default.write_text(yaml.safe_dump(default_cfg))
+    monkeypatch.setattr(config_args, "default_config_file", str(default))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(cuda))
+    calls = []
+    monkeypatch.setattr(distill, "run_ranks", lambda cmd, env=None: calls.append((cmd, env)) or 0)
+    return calls
+
+
+def ranks_cmd(n: int, meet: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", *meet,
+            str(REPO / "train" / "distill.py"), "--config", "x.yaml"]
+
+
 @pytest.mark.parametrize("launcher, file_cfg, master_port, meet", [  # master_port: what accelerate exports
     (["--num_processes", "2", "--cpu"], None, "29500", ["--standalone"]),
     (["--cpu", "--num-processes=2", "--main-process-port=29533"], None, "29533",
@@ -262,34 +348,68 @@ def test_cpu_ranks_meet_where_the_launcher_says(monkeypatch, tmp_path, launcher,
     ranks meet at the launcher's --main_process_port (command line or --config_file) when one is given, else
     at a port the OS picks (--standalone), not at the 29500 accelerate puts in MASTER_PORT by default; N <= 1
     runs in this process (None)."""
-    import pathlib
-
-    import yaml
-
     from train import distill
 
-    cfg = tmp_path / "accelerate.yaml"
     if file_cfg is not None:
-        cfg.write_text(yaml.safe_dump(file_cfg))
-    cmdline = "\0".join(["accelerate", "launch", *[a.replace("{cfg}", str(cfg)) for a in launcher], "train/distill.py"])
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", master_port)
-    monkeypatch.setattr(os, "getppid", lambda: 987654)
-    real = pathlib.Path.read_bytes
-    monkeypatch.setattr(pathlib.Path, "read_bytes",
-                        lambda p: cmdline.encode() if str(p) == "/proc/987654/cmdline" else real(p))
-    calls = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+        (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(file_cfg))
+    calls = fake_launcher(monkeypatch, tmp_path, launcher, master_port=master_port)
     rc = distill.relaunch_cpu_ranks(["--config", "x.yaml"])
     if meet is None:
         assert rc is None and calls == []
         return
-    n = (file_cfg or {}).get("num_processes", 2)
-    assert rc == 0 and calls == [[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", *meet,
-                                  str(REPO / "train" / "distill.py"), "--config", "x.yaml"]]
+    assert rc == 0 and calls == [(ranks_cmd((file_cfg or {}).get("num_processes", 2), meet), None)]
+
+
+@pytest.mark.parametrize("launcher, use_cpu, default_cfg, master_port, n, meet", [
+    # the rank count from accelerate's default config file (no --num_processes, no --config_file): was one rank
+    ([], "True", {"num_processes": 2, "use_cpu": True}, "29500", 2, ["--standalone"]),
+    ([], "False", {"num_processes": 3, "main_process_port": 29555}, "29555", 3,
+     ["--master_addr=127.0.0.1", "--master_port=29555"]),
+    # no --cpu on a machine without CUDA: was one rank
+    (["--num_processes", "2"], "False", None, "29500", 2, ["--standalone"]),
+    # --cpu skips the default config file (accelerate then starts 1 process); an explicit count still wins over it
+    (["--cpu"], "True", {"num_processes": 2}, "29500", None, None),
+    (["--num_processes", "2"], "True", {"num_processes": 4}, "29500", 2, ["--standalone"]),
+], ids=["default-config", "default-config-port", "no-cpu-flag", "cpu-skips-default-config", "flag-over-default"])
+def test_every_requested_cpu_rank_runs(monkeypatch, tmp_path, launcher, use_cpu, default_cfg, master_port, n, meet):
+    """relaunch_cpu_ranks resolves the rank count as accelerate does (--num_processes, --config_file, else without
+    --cpu accelerate's default config file) and starts that many CPU ranks, also for a launch without --cpu on a
+    machine without CUDA (its ranks then get ACCELERATE_USE_CPU=true); never one rank for a launch of several."""
+    from train import distill
+
+    calls = fake_launcher(monkeypatch, tmp_path, launcher, use_cpu, master_port, default_cfg)
+    rc = distill.relaunch_cpu_ranks(["--config", "x.yaml"])
+    if n is None:
+        assert rc is None and calls == []
+        return
+    assert rc == 0 and [c[0] for c in calls] == [ranks_cmd(n, meet)]
+    env = calls[0][1]
+    assert env is None if use_cpu == "True" else env["ACCELERATE_USE_CPU"] == "true"
+
+
+@pytest.mark.parametrize("launcher, use_cpu, default_cfg, file_cfg, cuda, message", [
+    (["--num_processes", "2"], "False", None, None, True, "num_processes = 2 (--num_processes), but accelerate "
+     "launch started train/distill.py once: 1 GPU(s) visible and no --multi_gpu"),
+    ([], "False", {"num_processes": 2}, None, True, "num_processes = 2 (accelerate's default config file {default})"),
+    (["--cpu", "--num_processes", "4", "--num_machines", "2"], "True", None, None, False,
+     "num_machines = 2 (--num_machines): train/distill.py starts the CPU ranks of one machine only"),
+    (["--cpu", "--config_file", "{cfg}"], "True", None, {"num_processes": "two"}, False,
+     "num_processes = 'two' (--config_file {cfg}): expected an integer"),
+], ids=["one-gpu", "one-gpu-default-config", "two-machines", "count-not-an-int"])
+def test_a_launch_of_ranks_that_cannot_run_is_refused(monkeypatch, tmp_path, capsys, launcher, use_cpu, default_cfg,
+                                                       file_cfg, cuda, message):
+    """A launch of N > 1 processes that would train as one rank (one GPU, no --cpu: accelerate starts the script
+    once) or as the wrong ranks (several machines) ends with exit code 2 and an error naming the setting, its
+    value and where it came from; no rank starts."""
+    from train import distill
+
+    if file_cfg is not None:
+        (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(file_cfg))
+    calls = fake_launcher(monkeypatch, tmp_path, launcher, use_cpu, default_cfg=default_cfg, cuda=cuda)
+    assert distill.main(["--config", str(CONFIG)]) == 2 and calls == []
+    err = capsys.readouterr().err
+    assert "error: " + message.format(default=tmp_path / "hf" / "accelerate" / "default_config.yaml",
+                                      cfg=tmp_path / "accelerate.yaml") in err
 
 
 @pytest.mark.parametrize("world", ["1", "2"])

@@ -78,7 +78,7 @@ class RunConfig:
     # target only under ZeRO-3; none on CPU) | none | target | draft | both
     data_workers: int | None = None  # processes building the next steps' batches (None = 2 on CUDA, 0 on CPU)
     pad_to_multiple: int = 0  # right-pad sequence length to a multiple (0 = auto: 512 with flex, else 1)
-    seed: int = 0  # init, data order (per epoch) and anchor sampling (per step, rank, micro-step)
+    seed: int = 0  # init, data order (per epoch) and anchor sampling (per step, rank, micro-step); 0..2**32-1
     # -- output -------------------------------------------------------------------------------
     output_dir: str = "runs/dspine"  # checkpoints, metrics.jsonl, config.yaml
     save_every: int = 1000  # optimizer steps between checkpoints (0 = only at the end)
@@ -114,6 +114,7 @@ CHOICES: dict[str, tuple] = {
     "compile_layers": ("auto", "none", "target", "draft", "both"),
 }
 MIX_ALPHA = 0.5  # distill_alpha of distill=mix when unset
+SEED_MAX = 2**32 - 1  # seeds are 32-bit: accelerate's set_seed seeds numpy, whose range this is
 POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every")
 NON_NEGATIVE = ("data_workers", "max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_max_rows", "eval_prompts",
                 "eval_max_new_tokens", "pad_to_multiple", "grad_clip", "weight_decay", "warmup_ratio", "min_lr_ratio")
@@ -215,6 +216,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key in ("warmup_ratio", "min_lr_ratio"):
         if not 0 <= getattr(cfg, key) <= 1:
             raise ConfigError(f"config key {key!r}: must be in [0, 1], got {getattr(cfg, key)}")
+    if not 0 <= cfg.seed <= SEED_MAX:  # refused here, before the target loads, not by numpy's set_seed later
+        raise ConfigError(f"config key 'seed': must be in [0, 2**32 - 1] (numpy's generator refuses other values "
+                          f"and torch's CPU generator keeps the low 32 bits only), got {cfg.seed}")
     if cfg.mask_token_id is not None and cfg.mask_token_id < 0:
         raise ConfigError(f"config key 'mask_token_id': must be >= 0, got {cfg.mask_token_id}")
     if cfg.target_layer_ids is not None and any(i < 0 for i in cfg.target_layer_ids):

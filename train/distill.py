@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    code = relaunch_cpu_ranks(argv)
+    try:
+        code = relaunch_cpu_ranks(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if code is not None:
         return code
     try:
@@ -679,40 +684,204 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
 
 
 def relaunch_cpu_ranks(argv: list[str]) -> int | None:
-    """Start the ranks of ``accelerate launch --cpu --num_processes N`` (N > 1) and wait for them.
+    """Start the CPU ranks of an ``accelerate launch`` of N > 1 processes that ran this script once, and wait for them.
 
-    accelerate's launcher runs a CPU script once and leaves multi-process CPU runs to mpirun; this
-    process then re-launches itself through ``torch.distributed.run`` (gloo ranks, which accelerate
-    detects as MULTI_CPU). N is read from the launcher's command line or its ``--config_file``, as is
-    ``main_process_port``: given (not 0), the ranks meet at that port; not given or 0 (accelerate's default, 29500, is then
-    in ``MASTER_PORT``), at a port the operating system picks when the rendezvous store binds
-    (``torch.distributed.run --standalone``), so two runs on one machine never meet at the same port and no
-    port is picked by one process and bound later by another.
-    Returns the ranks' exit code, or None when this process is already a rank (or N <= 1)."""
-    import subprocess
+    accelerate's launcher runs a CPU script once and leaves multi-process CPU runs to mpirun; it then exports
+    ``MASTER_ADDR`` (and ``ACCELERATE_USE_CPU``) with no ``RANK``, and this process re-launches itself through
+    ``torch.distributed.run`` (gloo ranks, which accelerate detects as MULTI_CPU; :func:`run_ranks`). N is the
+    launcher's, resolved as accelerate does (:func:`launcher_processes`): ``--num_processes``, else its
+    ``--config_file``, else, without ``--cpu``, accelerate's default config file. A launch without ``--cpu`` on a
+    machine without CUDA runs its N ranks on the CPU too (accelerate's own choice there; the ranks get
+    ``ACCELERATE_USE_CPU=true``). ``main_process_port``: given (not 0), the ranks meet at that port; not given or
+    0 (accelerate's default, 29500, is then in ``MASTER_PORT``), at a port the operating system picks when the
+    rendezvous store binds (``torch.distributed.run --standalone``), so two runs on one machine never meet at the
+    same port and no port is picked by one process and bound later by another.
 
+    Returns the ranks' exit code (128 + the signal's number when this process was signalled), or None when this
+    process is already a rank, was not started by accelerate's simple launcher, or N <= 1.
+
+    Raises:
+        ConfigError: a launch of N > 1 processes that would otherwise train as one rank: naming the setting
+            (``num_processes``, ``num_machines``) and its value, and where it came from — one visible GPU
+            without ``--cpu`` (accelerate starts the script once), more than one machine (this relaunch is for one
+            machine), or a launcher whose command line cannot be read.
+    """
     env = os.environ
-    if env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1") or "MASTER_ADDR" not in env:
+    if "ACCELERATE_USE_CPU" not in env or "MASTER_ADDR" not in env:  # not accelerate's simple launcher of N > 1
         return None
     if any(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
         return None
     try:
         launcher = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
-    except OSError:
+    except OSError as e:
+        raise ConfigError(f"accelerate launch exported MASTER_ADDR={env['MASTER_ADDR']} (a launch of several "
+                          f"processes) without starting them, and its command line cannot be read to count them "
+                          f"({e}); start the ranks with `python -m torch.distributed.run --nproc_per_node N "
+                          "train/distill.py ...`, or unset MASTER_ADDR for one process") from None
+    if not any("accelerate" in a for a in launcher[:3]):  # MASTER_ADDR and ACCELERATE_USE_CPU from elsewhere
         return None
-    n, port = launcher_option(launcher, "num_processes"), launcher_option(launcher, "main_process_port")
-    if launcher_option(launcher, "config_file"):
-        file_cfg = yaml.safe_load(Path(launcher_option(launcher, "config_file")).read_text()) or {}
-        n = file_cfg.get("num_processes") if n is None else n
-        port = file_cfg.get("main_process_port") if port is None else port
-    if not n or int(n) <= 1:
+    values, sources = launcher_processes(launcher)
+    n, machines, port = values["num_processes"], values["num_machines"], values["main_process_port"]
+    if n <= 1 and machines <= 1:
         return None
+    if machines > 1:
+        raise ConfigError(f"num_machines = {machines} ({sources['num_machines']}): train/distill.py starts the CPU "
+                          "ranks of one machine only; start them on each machine with "
+                          "`python -m torch.distributed.run --nnodes ... train/distill.py ...`")
+    rank_env = None
+    if env["ACCELERATE_USE_CPU"].lower() not in ("true", "1"):  # launched without --cpu
+        if torch.cuda.is_available():
+            raise ConfigError(f"num_processes = {n} ({sources['num_processes']}), but accelerate launch started "
+                              f"train/distill.py once: {torch.cuda.device_count()} GPU(s) visible and no --multi_gpu; "
+                              f"use --num_processes 1 on one GPU, --multi_gpu with a GPU per rank, or --cpu for "
+                              f"{n} CPU ranks")
+        print(f"note: no CUDA GPU: the {n} ranks of num_processes = {n} ({sources['num_processes']}) run on the "
+              "CPU, as with --cpu", file=sys.stderr, flush=True)
+        rank_env = {**env, "ACCELERATE_USE_CPU": "true"}
     port = None if str(port) == "0" else port  # 0: any free port, what --standalone does (a static 0 never meets)
     meet = (["--standalone"] if port is None else
             [f"--master_addr={env['MASTER_ADDR']}", f"--master_port={env.get('MASTER_PORT', port)}"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={int(n)}", *meet,
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", *meet,
            str(Path(__file__).resolve()), *argv]
-    return subprocess.call(cmd)
+    return run_ranks(cmd, rank_env)
+
+
+def launcher_processes(launcher: list[str]) -> tuple[dict, dict]:
+    """``num_processes``, ``num_machines`` and ``main_process_port`` of an ``accelerate launch`` command line (its
+    ``/proc/PID/cmdline`` split at NULs), resolved as accelerate's ``_validate_launch_command`` does: the launcher's
+    own option, else its ``--config_file``, else — without ``--cpu``, which skips it — accelerate's default config
+    file (``$HF_HOME/accelerate/default_config.yaml``) when it exists. Only the options before this script's path
+    are read (the ones after it are the script's).
+
+    Returns:
+        ``(values, sources)``: the counts as ints (unset: 1), the port as given (unset: None); and for each key where
+        its value came from (``--num_processes``, ``--config_file F``, ``accelerate's default config file F``,
+        ``unset``), for messages.
+
+    Raises:
+        ConfigError: an unreadable or malformed config file, or a count that is not an integer (naming the key, the
+            value and where it came from).
+    """
+    here = Path(__file__).resolve()
+    end = next((i for i, a in enumerate(launcher) if a.endswith(".py") and Path(a).resolve() == here), len(launcher))
+    opts = launcher[:end]
+    path, what = launcher_option(opts, "config_file"), None
+    if path is not None:
+        what = f"--config_file {path}"
+    elif "--cpu" not in opts:
+        from accelerate.commands.config.config_args import default_config_file
+
+        if Path(default_config_file).is_file():
+            path, what = default_config_file, f"accelerate's default config file {default_config_file}"
+    file_cfg = {}
+    if path is not None:
+        try:
+            file_cfg = yaml.safe_load(Path(path).expanduser().read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{what}: {e}") from None
+        if not isinstance(file_cfg, dict):
+            raise ConfigError(f"{what}: top level must be a mapping of keys to values")
+    values, sources = {}, {}
+    for key in ("num_processes", "num_machines", "main_process_port"):
+        value = launcher_option(opts, key)
+        values[key], sources[key] = ((value, f"--{key}") if value is not None else
+                                     (file_cfg[key], what) if file_cfg.get(key) is not None else (None, "unset"))
+    for key in ("num_processes", "num_machines"):
+        try:
+            values[key] = 1 if values[key] is None else int(values[key])
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} = {values[key]!r} ({sources[key]}): expected an integer") from None
+    return values, sources
+
+
+RELAYED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+
+def run_ranks(cmd: list[str], env: dict | None = None) -> int:
+    """Run ``cmd`` (``torch.distributed.run`` and its ranks) to its end; return its exit code, or 128 + the number of
+    the first signal this process got. No rank outlives this process:
+
+    * SIGTERM, SIGINT or SIGHUP sent here is passed on to the agent, which passes it to the ranks (SIGINT: every rank
+      ends after the step in progress with a checkpoint, :class:`GracefulInterrupt`) and kills those left after its
+      shutdown timeout (30 s); a second signal kills the agent and every rank at once (SIGKILL). Whatever of the
+      agent's process tree (the ranks run in sessions of their own, so not in its process group) outlives the
+      agent after a signal is killed.
+    * the agent runs in a session of its own, so a terminal's Ctrl-C reaches it once (through this process), and on
+      Linux it gets SIGTERM when this process dies, also of a SIGKILL (``prctl(PR_SET_PDEATHSIG)``).
+    """
+    import psutil
+
+    received: list[int] = []
+    tree: dict[int, psutil.Process] = {}  # the agent and its descendants seen at a signal
+    proc = None
+
+    def remember() -> None:
+        try:
+            agent = psutil.Process(proc.pid)
+            for p in (agent, *agent.children(recursive=True)):
+                tree.setdefault(p.pid, p)
+        except psutil.Error:  # the agent has ended
+            pass
+
+    def kill_tree() -> None:
+        for p in tree.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()  # psutil checks that the pid is still the process it saw
+        psutil.wait_procs(list(tree.values()), timeout=10)
+
+    def relay(signum, frame) -> None:
+        received.append(signum)
+        if proc is None:  # before the agent started: passed on once it has
+            return
+        remember()
+        if len(received) > 1:
+            kill_tree()
+        elif proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signum)
+
+    previous = {}
+    for name in RELAYED_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            with contextlib.suppress(ValueError):  # not the main thread: signals keep their default behaviour
+                previous[sig] = signal.signal(sig, relay)
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent())
+        if received:
+            relay(received.pop(), None)
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if received and proc is not None:
+            if proc.poll() is None:
+                remember()
+            kill_tree()
+            proc.wait()
+    return 128 + received[0] if received else code
+
+
+def die_with_parent():
+    """A ``preexec_fn`` that has the child sent SIGTERM when this process ends, however it ends (Linux
+    ``prctl(PR_SET_PDEATHSIG)``); None elsewhere. The C library is loaded here, in the parent, so that the child
+    (forked, between fork and exec) only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the parent ended before the call
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def launcher_option(args: list[str], name: str) -> str | None:
