@@ -40,7 +40,8 @@ def test_tiny_invariant_planner_point_runs_no_tree_and_decodes_ars_text(stories_
     assert p["best_static_tok_per_s"] == pytest.approx(max(p["ar_tok_per_s"], p["chain_tok_per_s"]))
     assert p["same_text_as_ar"] == {"chain": [2, 2], "auto": [2, 2]}
     for extra, msg in ((["--planner", "2:0", "--invariant"], "applies to --planner points at T > 0"),
-                       (["--planner", "2:1", "--invariant", "--plan-trees", "6"], "runs no tree under invariant")):
+                       (["--planner", "2:1", "--invariant", "--plan-trees", "6"], "no tree runs at a T > 0 point"),
+                       (["--planner", "2:1", "--invariant", "--fixed-trees", "6"], "no tree runs at a T > 0 point")):
         r = subprocess.run(base + extra, capture_output=True, text=True, timeout=600, cwd=REPO)
         assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]
 

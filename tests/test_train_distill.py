@@ -251,13 +251,16 @@ def test_ctrl_c_saves_the_step_and_resumes(data, tmp_path):
     assert [x["step"] for x in jsonl(out / "metrics.jsonl")] == list(range(1, 17))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL, "ctrl-c"],
+                         ids=["SIGTERM", "SIGINT", "SIGKILL", "ctrl-c"])
 def test_a_signal_to_the_relaunching_process_ends_every_rank(data, tmp_path, sig):
     """SIGTERM or SIGINT sent to the distill.py process that relaunched the CPU ranks (not to accelerate or a rank)
     reaches the ranks through torch.distributed.run: every process of the launch is gone within a minute (was: the
-    agent and both ranks trained on unattended). SIGINT is passed on as such, so the ranks save the step they
-    were at, as a Ctrl-C of one process does. A SIGKILL, which cannot be passed on, ends them too: the agent gets
-    SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    agent and both ranks trained on unattended), and the ranks save the step they were at (GracefulInterrupt), as
+    a Ctrl-C of one process does. A SIGKILL, which cannot be passed on, ends them too: the agent gets SIGTERM when
+    its parent dies (Linux PR_SET_PDEATHSIG). "ctrl-c": SIGINT to the launch's process group, as a terminal sends
+    it: accelerate then sends SIGTERM to every process of the launch, which the ranks take as the same request
+    (it once made them abort without a checkpoint)."""
     import tempfile
 
     out = tmp_path / "signalled"
@@ -277,14 +280,18 @@ def test_a_signal_to_the_relaunching_process_ends_every_rank(data, tmp_path, sig
             parent = agent[0].parent()  # the relaunching distill.py (its parent: accelerate's launcher)
             assert str(REPO / "train" / "distill.py") in parent.cmdline() and "RANK" not in parent.environ()
             assert "accelerate.commands.launch" in parent.parent().cmdline()
-            parent.send_signal(sig)
+            if sig == "ctrl-c":
+                os.killpg(proc.pid, signal.SIGINT)  # accelerate and the relaunching distill.py (the ranks: own session)
+            else:
+                parent.send_signal(sig)
+            name = sig if sig == "ctrl-c" else sig.name
             deadline = time.time() + 60
             while time.time() < deadline and launched(mark):
                 time.sleep(0.2)
             left = [p.cmdline() for p in launched(mark)]
             err.seek(0)
-            assert not left, f"still running 60 s after {sig.name}: {left}\n{err.read()[-3000:]}"
-            if sig == signal.SIGINT:
+            assert not left, f"still running 60 s after {name}: {left}\n{err.read()[-3000:]}"
+            if sig != signal.SIGKILL:
                 k = len(jsonl(out / "metrics.jsonl"))
                 assert (out / "latest").read_text().strip() == f"step-{k}" and 2 <= k < 5000
         finally:
@@ -410,6 +417,43 @@ def test_a_launch_of_ranks_that_cannot_run_is_refused(monkeypatch, tmp_path, cap
     err = capsys.readouterr().err
     assert "error: " + message.format(default=tmp_path / "hf" / "accelerate" / "default_config.yaml",
                                       cfg=tmp_path / "accelerate.yaml") in err
+
+
+def test_a_launch_of_fewer_than_one_process_is_refused(monkeypatch, tmp_path, capsys):
+    """accelerate launch --num_processes 0 (or -1) runs the script once with no MASTER_ADDR: refused by name instead
+    of training one rank."""
+    from train import distill
+
+    for n in ("0", "-1"):
+        calls = fake_launcher(monkeypatch, tmp_path, ["--cpu", "--num_processes", n])
+        monkeypatch.delenv("MASTER_ADDR")  # accelerate's simple launcher of one process exports none
+        assert distill.main(["--config", str(CONFIG)]) == 2 and calls == []
+        assert f"error: num_processes = {n} (--num_processes): give at least 1 process" in capsys.readouterr().err
+    calls = fake_launcher(monkeypatch, tmp_path, ["--cpu", "--num_processes", "1"])
+    monkeypatch.delenv("MASTER_ADDR")
+    assert distill.relaunch_cpu_ranks(["--config", "x.yaml"]) is None and calls == []  # one process: this one
+
+
+def test_graceful_interrupt_takes_a_second_signal_soon_after_as_the_same_request(monkeypatch):
+    """GracefulInterrupt: the first SIGINT or SIGTERM sets the flag; a second within SAME_REQUEST_S (a terminal's
+    Ctrl-C, then accelerate's SIGTERM to every process) changes nothing; one later aborts (KeyboardInterrupt)."""
+    from train import distill
+
+    now = [100.0]
+    monkeypatch.setattr(distill.time, "monotonic", lambda: now[0])
+    g = distill.GracefulInterrupt(announce=False)
+    try:
+        assert signal.getsignal(signal.SIGTERM) == g._handle and signal.getsignal(signal.SIGINT) == g._handle
+        g._handle(signal.SIGINT, None)
+        assert g.flag
+        now[0] += 0.5
+        g._handle(signal.SIGTERM, None)  # the launcher's SIGTERM after the terminal's SIGINT
+        now[0] += distill.GracefulInterrupt.SAME_REQUEST_S
+        with pytest.raises(KeyboardInterrupt):
+            g._handle(signal.SIGINT, None)  # the user's second Ctrl-C
+    finally:
+        g.restore()
+    assert signal.getsignal(signal.SIGTERM) != g._handle and signal.getsignal(signal.SIGINT) != g._handle
 
 
 @pytest.mark.parametrize("world", ["1", "2"])

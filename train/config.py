@@ -63,7 +63,8 @@ class RunConfig:
     min_lr_ratio: float = 0.0  # final lr / peak lr for cosine and linear
     epochs: int = 6  # passes over the train rows (ignored when max_steps > 0)
     max_steps: int = 0  # optimizer steps; > 0 overrides epochs
-    stop_after_steps: int = 0  # end this launch after this many steps (checkpointed); the schedule keeps its length
+    stop_after_steps: int = 0  # end this launch once the run reaches this step (an absolute step count, checkpointed;
+    # a resumed run past it stops at once); the schedule keeps its length
     micro_batch_size: int = 1  # sequences per rank and forward
     grad_accum: int = 1  # micro-batches per optimizer step (global batch = micro x accum x ranks)
     grad_clip: float = 1.0  # global grad-norm clip (0 = off); also set into the DeepSpeed config

@@ -315,25 +315,37 @@ def train(cfg) -> int:
 
 
 class GracefulInterrupt:
-    """The first Ctrl-C (SIGINT) ends training after the step in progress, with a checkpoint of that step
-    (nothing is lost; ``resume_from=auto`` continues exactly); a second one aborts at once.
+    """The first Ctrl-C (SIGINT) or SIGTERM ends training after the step in progress, with a checkpoint of that step
+    (nothing is lost; ``resume_from=auto`` continues exactly); another one ``SAME_REQUEST_S`` or more later aborts at
+    once. One sooner is the same request reaching the process twice: a terminal's Ctrl-C under ``accelerate launch``
+    reaches the rank, and accelerate then sends SIGTERM to every process of the launch (and SIGKILL 5 s later, which
+    nothing can outlast: the step in progress and its checkpoint must fit in that, or signal this process directly).
+    A scheduler's SIGTERM before its kill gets the same checkpoint.
 
     With several ranks the flag is summed over them after every step (one 8-byte all-reduce), so all
     ranks stop after the same step and save together. Installed only in the main thread."""
 
+    SAME_REQUEST_S = 2.0  # a second signal sooner than this after the first is the same request (the class docstring)
+    SIGNALS = ("SIGINT", "SIGTERM")
+
     def __init__(self, announce: bool):
-        self.flag, self.announce, self.previous = False, announce, None
-        try:
-            self.previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: Ctrl-C keeps its default behaviour
-            pass
+        self.flag, self.announce, self.previous, self.first = False, announce, {}, None
+        for name in self.SIGNALS:
+            try:
+                self.previous[name] = signal.signal(getattr(signal, name), self._handle)
+            except ValueError:  # not the main thread: the signals keep their default behaviour
+                pass
 
     def _handle(self, signum, frame):
+        now = time.monotonic()
         if self.flag:
+            if now - self.first < self.SAME_REQUEST_S:
+                return
             raise KeyboardInterrupt
-        self.flag = True
+        self.flag, self.first = True, now
         if self.announce:
-            print("\nCtrl-C: stopping after this step and saving a checkpoint (Ctrl-C again aborts)",
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            print(f"\n{what}: stopping after this step and saving a checkpoint (Ctrl-C again aborts)",
                   file=sys.stderr, flush=True)
 
     def agreed(self, accelerator) -> bool:
@@ -342,8 +354,8 @@ class GracefulInterrupt:
         return bool(reduce_sum(accelerator, torch.tensor([float(self.flag)], dtype=torch.float64))[0] > 0)
 
     def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for name, handler in self.previous.items():
+            signal.signal(getattr(signal, name), handler)
 
 
 # -------------------------------------------------------------------------------------------- eval
@@ -707,9 +719,20 @@ def relaunch_cpu_ranks(argv: list[str]) -> int | None:
             machine), or a launcher whose command line cannot be read.
     """
     env = os.environ
-    if "ACCELERATE_USE_CPU" not in env or "MASTER_ADDR" not in env:  # not accelerate's simple launcher of N > 1
+    if "ACCELERATE_USE_CPU" not in env:  # not accelerate's simple launcher
         return None
     if any(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
+        return None
+    if "MASTER_ADDR" not in env:  # a launch of one process, or of a count below 1, which accelerate runs as one
+        try:
+            launcher = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            return None
+        if any("accelerate" in a for a in launcher[:3]):
+            values, sources = launcher_processes(launcher)
+            if values["num_processes"] < 1:
+                raise ConfigError(f"num_processes = {values['num_processes']} ({sources['num_processes']}): give at "
+                                  "least 1 process")
         return None
     try:
         launcher = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
@@ -801,9 +824,11 @@ def run_ranks(cmd: list[str], env: dict | None = None) -> int:
     """Run ``cmd`` (``torch.distributed.run`` and its ranks) to its end; return its exit code, or 128 + the number of
     the first signal this process got. No rank outlives this process:
 
-    * SIGTERM, SIGINT or SIGHUP sent here is passed on to the agent, which passes it to the ranks (SIGINT: every rank
-      ends after the step in progress with a checkpoint, :class:`GracefulInterrupt`) and kills those left after its
-      shutdown timeout (30 s); a second signal kills the agent and every rank at once (SIGKILL). Whatever of the
+    * SIGTERM, SIGINT or SIGHUP sent here is passed on to the agent, which passes it to the ranks (SIGINT, SIGTERM:
+      every rank ends after the step in progress with a checkpoint, :class:`GracefulInterrupt`) and kills those left
+      after its shutdown timeout (30 s); a second signal ``GracefulInterrupt.SAME_REQUEST_S`` or more after the first
+      kills the agent and every rank at once (SIGKILL; a sooner one is the same request, e.g. accelerate's SIGTERM
+      after a terminal's Ctrl-C). Whatever of the
       agent's process tree (the ranks run in sessions of their own, so not in its process group) outlives the
       agent after a signal is killed.
     * the agent runs in a session of its own, so a terminal's Ctrl-C reaches it once (through this process), and on
@@ -812,6 +837,7 @@ def run_ranks(cmd: list[str], env: dict | None = None) -> int:
     import psutil
 
     received: list[int] = []
+    at: list[float] = []  # when each signal came (time.monotonic)
     tree: dict[int, psutil.Process] = {}  # the agent and its descendants seen at a signal
     proc = None
 
@@ -831,11 +857,15 @@ def run_ranks(cmd: list[str], env: dict | None = None) -> int:
 
     def relay(signum, frame) -> None:
         received.append(signum)
+        at.append(time.monotonic())
         if proc is None:  # before the agent started: passed on once it has
             return
         remember()
         if len(received) > 1:
-            kill_tree()
+            # one request reaching this process twice (a terminal's Ctrl-C, then accelerate's SIGTERM to every process
+            # of the launch): the ranks are saving their step (GracefulInterrupt); a later one kills them
+            if at[-1] - at[0] >= GracefulInterrupt.SAME_REQUEST_S:
+                kill_tree()
         elif proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signum)

@@ -207,7 +207,7 @@ def planner_points(args, on_point=None) -> list[dict]:
         c, t = point.split(":")
         # drafter-invariant verification (T > 0): every label decodes AR's sampled text, and no tree runs
         inv = bool(args.invariant) and float(t) > 0
-        auto = "auto:budget=auto" + (f",plan_trees={args.plan_trees}" if args.plan_trees else "")
+        auto = "auto:budget=auto" + (f",plan_trees={args.plan_trees}" if args.plan_trees and not inv else "")
         argv = bench_base(args, int(c), float(t), tree=not inv) + ["--draft", f"auto={args.draft}", "--config", auto]
         argv += ["--invariant"] if inv else []
         extra = [n for n in fixed_trees(args) if n != args.tree_budget] if not inv else []  # beside --tree-budget's
@@ -309,8 +309,9 @@ def main(argv=None) -> int:
     ap.add_argument("--invariant", action="store_true",
                     help="--planner points at T > 0: drafter-invariant verification in every run (infer.bench "
                          "--invariant): the chain and the planner decode AR's sampled text for the seed, so their tok/s "
-                         "compare the same text as AR's; no fixed tree runs (invariant verification checks the chain "
-                         "only) and the planner runs AR and the chain. T = 0 points are unchanged (use --exact there)")
+                         "compare the same text as AR's; no tree runs there (invariant verification checks the chain "
+                         "only: --fixed-trees and --plan-trees apply to the T = 0 points) and the planner runs AR and "
+                         "the chain. T = 0 points are unchanged (use --exact there)")
     ap.add_argument("--seeds", default="0", metavar="S[,S...]",
                     help="--planner points at T > 0: one infer.bench run per sampling seed (--seed), tok/s averaged "
                          "over them (a probe changes the sampled text of every live request, so one seed's ratio "
@@ -338,8 +339,9 @@ def main(argv=None) -> int:
     if args.invariant and not any(t > 0 for _, t in (pts if args.planner else [])):
         ap.error("--invariant applies to --planner points at T > 0 (greedy text is AR's already; --exact makes it "
                  "bit for bit)")
-    if args.invariant and args.plan_trees:
-        ap.error("--invariant with --plan-trees: the planner runs no tree under invariant verification")
+    if args.invariant and (args.plan_trees or args.fixed_trees) and not any(t == 0 for _, t in pts):
+        ap.error("--invariant with --plan-trees or --fixed-trees and no T = 0 point: no tree runs at a T > 0 point "
+                 "under invariant verification (the tree options apply to the T = 0 points)")
     if (args.fixed_trees or args.plan_trees) and not args.planner:
         ap.error("--fixed-trees and --plan-trees apply to --planner points")
     try:
