@@ -337,8 +337,8 @@ def main(argv=None) -> int:
             ap.error(f"--planner {args.planner!r}: {', '.join(bad)}: CONCURRENCY must be >= 1 and TEMPERATURE 0 or a "
                      f"finite number >= {MIN_TEMPERATURE:g}")
     if args.invariant and not any(t > 0 for _, t in (pts if args.planner else [])):
-        ap.error("--invariant applies to --planner points at T > 0 (greedy text is AR's already; --exact makes it "
-                 "bit for bit)")
+        ap.error("--invariant applies to --planner points at T > 0 (at T = 0 use --exact: every mode then decodes "
+                 "AR's greedy text)")
     if args.invariant and (args.plan_trees or args.fixed_trees) and not any(t == 0 for _, t in pts):
         ap.error("--invariant with --plan-trees or --fixed-trees and no T = 0 point: no tree runs at a T > 0 point "
                  "under invariant verification (the tree options apply to the T = 0 points)")
