@@ -121,7 +121,10 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
     if gguf_file is None and (p / "config.json").is_file():
         read_json_object(p / "config.json", f"the {what}'s model config")
     elif need_config and gguf_file is None:
-        raise ValueError(f"{what} {path_or_id}: not a model folder (no config.json)")
+        # a folder one level up from the model (e.g. a download holding hf/ and a GGUF): name what it holds
+        inner = sorted(str(c.parent) for c in p.glob("*/config.json"))[:3] + sorted(str(g) for g in p.glob("*.gguf"))[:3]
+        hint = f"; it holds {', '.join(inner)}: give one of those" if inner else ""
+        raise ValueError(f"{what} {path_or_id}: not a model folder (no config.json){hint}")
     return (str(p) if path_or_id.startswith("~") else path_or_id), gguf_file
 
 

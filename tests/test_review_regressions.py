@@ -201,6 +201,12 @@ def test_missing_or_non_model_paths_are_named(stories_dir, tmp_path, capsys):
     assert "pyproject.toml: not a model folder" in capsys.readouterr().err
     assert generate.main(["--target", str(tmp_path), "--prompt", "hi", "--draft", "none"]) == 2
     assert f"{tmp_path}: not a model folder (no config.json)" in capsys.readouterr().err
+    # a folder one level above the model (as ../shared/models/stories260K holds hf/): the message names the model
+    (tmp_path / "up" / "hf").mkdir(parents=True)
+    (tmp_path / "up" / "hf" / "config.json").write_text("{}")
+    assert generate.main(["--target", str(tmp_path / "up"), "--prompt", "hi", "--draft", "none"]) == 2
+    assert f"not a model folder (no config.json); it holds {tmp_path / 'up' / 'hf'}: give one of those" in \
+        capsys.readouterr().err
     assert check.main(["--target", "./nope", "--draft", str(stories_dir)]) == 2
     assert "./nope: no such file or folder" in capsys.readouterr().err
     assert init.main(["--target", "~/nope-dspine", "--out", str(tmp_path / "d")]) == 2
