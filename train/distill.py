@@ -723,20 +723,13 @@ def relaunch_cpu_ranks(argv: list[str]) -> int | None:
         return None
     if any(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):
         return None
-    if "MASTER_ADDR" not in env:  # a launch of one process, or of a count below 1, which accelerate runs as one
-        try:
-            launcher = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
-        except OSError:
-            return None
-        if any("accelerate" in a for a in launcher[:3]):
-            values, sources = launcher_processes(launcher)
-            if values["num_processes"] < 1:
-                raise ConfigError(f"num_processes = {values['num_processes']} ({sources['num_processes']}): give at "
-                                  "least 1 process")
-        return None
+    # accelerate exports MASTER_ADDR for a launch of several processes only; one of fewer than one runs as one
+    several = "MASTER_ADDR" in env
     try:
         launcher = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
     except OSError as e:
+        if not several:
+            return None
         raise ConfigError(f"accelerate launch exported MASTER_ADDR={env['MASTER_ADDR']} (a launch of several "
                           f"processes) without starting them, and its command line cannot be read to count them "
                           f"({e}); start the ranks with `python -m torch.distributed.run --nproc_per_node N "
@@ -745,6 +738,10 @@ def relaunch_cpu_ranks(argv: list[str]) -> int | None:
         return None
     values, sources = launcher_processes(launcher)
     n, machines, port = values["num_processes"], values["num_machines"], values["main_process_port"]
+    if not several:
+        if n < 1:
+            raise ConfigError(f"num_processes = {n} ({sources['num_processes']}): give at least 1 process")
+        return None
     if n <= 1 and machines <= 1:
         return None
     if machines > 1:
