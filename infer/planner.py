@@ -172,8 +172,18 @@ per request of the batch, the engine gives the tokens it may still commit (0 onc
 chain(-equivalent) acceptance (chain steps, and the chain nodes of tree steps), every ``Engine.PLAN_DRAIN_EVERY``
 (8) steps; :func:`drain_tokens` maps each speculative mode's estimate to what it commits per step for the request
 that would finish last under it (every speculative mode scaled alike by the request's acceptance), and rule 1-3 run
-on those values until the next refresh. ``StepPlanner(drain_model="lead")`` (``Engine.plan_drain_model``,
-``infer.bench --config LABEL:drain=lead``) maps a tree instead as the request's chain plus the tree's lead over it,
+until the next refresh on the estimates times one factor: the mapped ÷ estimated tokens of the speculative mode
+whose mapped tokens per millisecond are the highest. The drain decides between AR and speculation, and the order
+among the speculative modes stays the throughput rule's: mapped one by one, the bonus token that every mode commits
+made a tree's lead shrink with the slow request's acceptance while its extra step time stayed, and on the CPU trace
+replay at concurrency 8 with an H200 run's fast-mode step times (results/planner-default-h200-T0-c8.json) the drain
+ran the chain where the tree of 16 was the best fixed mode: gsm8k and math500 read 0.976 of the best fixed mode,
+0.982 and 1.000 without the drain rule, 0.982 and 1.001 with one factor. With it and ``SPREAD_CV`` the five replayed
+concurrency 8 points went
+from 0.972-0.992 (mean 0.981) to 0.985-0.990 (mean 0.987) of the best fixed mode, concurrency 1 and the concurrency
+64 simulation below unchanged (results/drain-replay16-cpu.json). ``StepPlanner(drain_model="lead")`` (``Engine.plan_drain_model``,
+``infer.bench --config LABEL:drain=lead``) maps a tree instead as the request's chain plus the tree's lead over it
+(with the one factor above, that moves the factor when a tree's mapped rate is the highest),
 the per-request law the H200 runs fit best (results/tree-lead-fit-h200.json); an experiment until an H200 A/B
 decides (benchmarks/engine/sim_drain_trees.py compares the two on the CPU).
 Which request finishes last is not known, only each one's acceptance so far: :func:`drain_tokens` takes each
@@ -232,6 +242,11 @@ SPREAD_STEPS = 16.0
 # per chain step, tokens²): sd 0.5, within the 0.32-0.72 of the shipped SmolLM2 draft's five tasks at T = 0 on the
 # H200 (per-prompt τ of results/smollm2-h200-shipped-T0-c8.json; 0.17-0.31 at T = 1)
 DEFAULT_SPREAD = 0.25
+# largest standard deviation between requests that drain_tokens uses, as a fraction of the batch's pooled acceptance
+# ā: acceptance is bounded below by 0 and skewed upward, so a larger spread only says that some requests are very
+# easy, not that the slowest accepts nothing (the five tasks' spreads on the H200 are 0.22-0.37 ā; docstring of
+# drain_tokens)
+SPREAD_CV = 0.5
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
 SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
@@ -464,7 +479,11 @@ def drain_tokens(
         steps, s² the within-request variance, v the variance between requests: ``w × this batch's estimate +
         (1 − w) × prior``, w from :func:`spread_weight`, the prior term 0 without a prior (or with a prior that
         is not a finite number ≥ 0): over a few steps per request the batch's estimate is mostly noise, and
-        trusted at once it would make 64 equal requests look spread). ``y(m)`` solves ``Π_i P(remaining_i / τ_i(m) ≤ y) =
+        trusted at once it would make 64 equal requests look spread; at most ``(SPREAD_CV × ā)²``: a request that
+        repeats its context accepts most of a block every step, and one such request among eight (a humaneval
+        answer of 501 tokens in 48 steps on the CPU trace, results/planner-trace16-cpu.json) made v 3.8 tokens²,
+        which, carried as the next tasks' prior, had mt-bench's drain (ā 0.69) expect its slowest request to accept
+        nothing and run AR for 110 steps with 8 requests and 450 tokens each left). ``y(m)`` solves ``Π_i P(remaining_i / τ_i(m) ≤ y) =
         1/2`` over the live requests, taken as independent: one request's median, the largest of known ones, and
         for L equal requests of spread σ the median of their maximum (Φ⁻¹(2^(−1/L)), 2.30 σ beyond the mean at
         L = 64; its mean is 2.34 σ); a request sure to finish early does not count. Requests that differ only by
@@ -481,7 +500,7 @@ def drain_tokens(
         pooled, within = tokens[ref] - 1.0, (tokens[ref] - 1.0) * tokens[ref]
     if not live or not pooled > 0:
         return dict(tokens)
-    v = spread_variance(drain, between, prior)
+    v = min(spread_variance(drain, between, prior), (SPREAD_CV * pooled) ** 2)
     rem = np.array([float(d[0]) for d in live])
     n = np.array([float(d[2]) for d in live])
     mean = np.array([(d[1] - d[2]) / d[2] if d[2] else pooled for d in live])
@@ -783,7 +802,12 @@ class StepPlanner:
             pooled, _, between, nbar = drain_spread(drain)
             if nbar and pooled > 0:  # the spread drain_tokens used, for later batches
                 self.spread = spread_variance(drain, between, self.spread_prior)
-            self.drain_scale = {m: mapped[m] / x for m, x in raw.items() if x and m[0] != "ar"}
+            # one factor for every speculative mode: that of the mode whose mapped drain rate is the highest. The
+            # drain decides between AR and speculation; among the speculative modes the throughput rule's order
+            # stands (module docstring, "Drain")
+            spec = {m: x for m, x in raw.items() if x and m[0] != "ar"}
+            ref = max(spec, key=lambda m: mapped[m] / costs[m], default=None)
+            self.drain_scale = {m: mapped[ref] / spec[ref] for m in spec} if ref is not None else {}
         timed = [m for m in self.table if self.timed[m]]
         # nothing timed yet and a step in flight (a pipelined caller): the decode's first mode again, until it is
         # timed or FIRST_TIMED steps came back without a time (a caller that never times: table only)
