@@ -181,7 +181,10 @@ ran the chain where the tree of 16 was the best fixed mode: gsm8k and math500 re
 0.982 and 1.000 without the drain rule, 0.982 and 1.001 with one factor. With it and ``SPREAD_CV`` the five replayed
 concurrency 8 points went
 from 0.972-0.992 (mean 0.981) to 0.985-0.990 (mean 0.987) of the best fixed mode, concurrency 1 and the concurrency
-64 simulation below unchanged (results/drain-replay16-cpu.json). ``StepPlanner(drain_model="lead")`` (``Engine.plan_drain_model``,
+64 simulation below unchanged (results/drain-replay16-cpu.json). The two exact-mode points among them fell from
+0.991-0.992 to 0.985: there the chain is the best fixed mode, and the rule before ran it in the drain for the reason
+above, the tree's shrunken lead; what is left there is the throughput rule running the tree of 16 at the start of
+each task. ``StepPlanner(drain_model="lead")`` (``Engine.plan_drain_model``,
 ``infer.bench --config LABEL:drain=lead``) maps a tree instead as the request's chain plus the tree's lead over it
 (with the one factor above, that moves the factor when a tree's mapped rate is the highest),
 the per-request law the H200 runs fit best (results/tree-lead-fit-h200.json); an experiment until an H200 A/B

@@ -917,7 +917,8 @@ def planner_exact_section() -> list[str]:
     out += ["", "Commands: `" + "`; `".join(x["command"] for x in
                                           (json.loads((ROOT / f).read_text()) for f in r["points"])) + "`; then `"
             + r["command"] + "`.", ""]
-    return out + planner_exact_rerun() + planner_default_section() + planner_replay_section() + pairing_replay_section()
+    return (out + planner_exact_rerun() + planner_default_section() + planner_replay_section() + pairing_replay_section()
+            + drain_replay_section())
 
 
 def planner_default_section() -> list[str]:
@@ -990,6 +991,30 @@ def pairing_replay_section() -> list[str]:
         out.append("")
         out.append(f"Command ([{f.name}](results/{f.name})): `{d.get('command')}`")
         out.append("")
+    return out
+
+
+def drain_replay_section() -> list[str]:
+    """The drain rule before and after 3ed918f replayed over the CPU trace (results/drain-replay16-cpu.json: points,
+    and before.points from the same command at the earlier commit); left out without the file."""
+    f = RESULTS / "drain-replay16-cpu.json"
+    if not f.exists():
+        return []
+    d = json.loads(f.read_text())
+    before = {(p["costs"], p["concurrency"]): p["planner_over_best_fixed"] for p in d["before"]["points"]}
+    out = ["#### The drain rule's one factor and spread cap (replay, CPU)", "",
+           "`planner_trace.py replay` over the trace above, trees of 16 and 32, at "
+           f"{d['before']['commit'][:7]} and at {d['commit'][:7]}, which under the drain rule scales every speculative "
+           "mode by one factor (that of the mode whose mapped drain rate is the highest: the drain decides between AR "
+           "and speculation, the throughput rule orders the speculative modes) and caps the spread between requests "
+           "at a standard deviation of 0.5 × the pooled acceptance (`infer/planner.py`, \"Drain\"). Planner ÷ best "
+           "fixed mode of the same replay:", "",
+           "| step times from | concurrency | best fixed | before | after |", "|---|---|---|---|---|"]
+    for p in d["points"]:
+        b = before.get((p["costs"], p["concurrency"]))
+        out.append(f"| `{Path(p['costs']).name}` | {p['concurrency']} | {p['best_fixed']} | "
+                   f"{'–' if b is None else f'{b:.3f}'} | {p['planner_over_best_fixed']:.3f} |")
+    out += ["", f"Command ([{f.name}](results/{f.name})): `{d.get('command')}`", ""]
     return out
 
 
