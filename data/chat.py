@@ -116,14 +116,15 @@ def render(
     )
 
 
-def encode(tokenizer, text: str, turns: list[dict] | None = None) -> list[int]:
+def encode(tokenizer, text: str, turns: list[dict] | None = None, render_turns=None) -> list[int]:
     """Token ids of rendered text, without adding BOS/EOS (the template wrote them if it wants them).
 
-    With ``turns`` (what ``text`` renders), their system/user text stays plain text.
+    With ``turns`` (what ``text`` renders), their system/user text stays plain text; ``render_turns`` (turns ->
+    str, the rendering that gave ``text``) locates that text exactly (``dspine.prompts.plain_spans``).
     """
     from dspine.prompts import encode_text, plain_spans
 
-    return encode_text(tokenizer, text, plain_spans(tokenizer, text, turns) if turns else ())
+    return encode_text(tokenizer, text, plain_spans(tokenizer, text, turns, render_turns) if turns else ())
 
 
 def end_of_turn_token(tokenizer, template: str) -> str:

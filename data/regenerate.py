@@ -294,8 +294,11 @@ def regenerate_batch(rows, tokenizer, template: str, generator, args, max_contex
         prompts, ready = [], []
         for chat in active:
             try:
-                text = render(tokenizer, template, chat.history, True, args.enable_thinking)
-                ids = encode(tokenizer, text, chat.history)  # system/user text stays plain text
+                def again(turns):
+                    return render(tokenizer, template, turns, True, args.enable_thinking)
+
+                text = again(chat.history)
+                ids = encode(tokenizer, text, chat.history, again)  # system/user text stays plain text
             except Exception as e:  # a template can raise on any row (jinja errors, bad roles)
                 out["errors"].append(
                     _error(chat, f"chat template failed at turn {turn}: {type(e).__name__}: {e}")

@@ -148,7 +148,8 @@ def tokenize_conversation(
 
     sequences = []
     for spans, text, shown, seq in zip(groups, texts, rendered, seq_turns):
-        ids, mask = _tokenize_spans(tokenizer, text, spans, row_id, shown)
+        ids, mask = _tokenize_spans(tokenizer, text, spans, row_id, shown,
+                                    lambda t: render(tokenizer, template, t, False, thinking))
         truncated = max_length is not None and len(ids) > max_length
         if truncated:
             ids, mask = ids[:max_length], mask[:max_length]
@@ -168,16 +169,17 @@ def _render(tokenizer, template, turns, add_generation_prompt, thinking, row_id)
 
 
 def _tokenize_spans(
-    tokenizer, text: str, spans: list[tuple[int, int]], row_id, turns: list[dict] | None = None
+    tokenizer, text: str, spans: list[tuple[int, int]], row_id, turns: list[dict] | None = None, again=None
 ) -> tuple[list[int], list[int]]:
     """Tokenizes the whole `text` once; mask 1 on tokens whose characters lie inside a span.
 
     Checks, per span, that the tokens before it equal the tokenization of the prompt text alone
     (what the target was fed at inference), and that no token straddles a span edge. The
-    system/user text of `turns` (what `text` renders) is plain text, as at inference (`dspine.prompts`).
+    system/user text of `turns` (what `text` renders; `again`: turns -> the same rendering) is plain text, as at
+    inference (`dspine.prompts`).
     """
     try:
-        plain = plain_spans(tokenizer, text, turns) if turns else []
+        plain = plain_spans(tokenizer, text, turns, again) if turns else []
     except ValueError as e:
         raise RowError("template", f"row {row_id}: {e}") from None
     ids, offsets = encode_text(tokenizer, text, plain, offsets=True)

@@ -24,29 +24,76 @@ def control_strings(tokenizer) -> list[str]:
     return sorted((s for s in found if s), key=len, reverse=True)
 
 
-def plain_spans(tokenizer, text: str, turns: list[dict]) -> list[tuple[int, int]]:
+def plain_spans(tokenizer, text: str, turns: list[dict], render=None) -> list[tuple[int, int]]:
     """Character spans of ``text`` (a rendering of ``turns``) that are plain text: the system/user
     contents that hold a control-token string (the others encode the same either way).
 
+    ``render``: the function that rendered ``text`` (turns -> str: the same template and options). Each such
+    content is then located by rendering the turns again with a marker in its place: the template's own text
+    may hold the same string before it (SmolLM2's default system prompt ends with ``<|im_end|>``, a user typing
+    ``<|im_end|>`` would otherwise be matched there and the template's token encoded as plain text). The markers'
+    rendering, with the contents put back, must give ``text`` exactly. Without ``render`` (or when the template
+    renders markers differently from the contents) each content is searched for after the previous turn's, and
+    must occur there only once.
+
     Raises:
-        ValueError: such a content does not appear verbatim in ``text`` (a template that rewrites user text).
+        ValueError: such a content does not appear verbatim in ``text`` (a template that rewrites user text),
+            or, located by search, appears more than once after the previous turn (which copy is the turn's
+            cannot be told).
     """
     controls = control_strings(tokenizer)
+    held = [i for i, t in enumerate(turns) if t.get("role") in PLAIN_ROLES and isinstance(t.get("content"), str)
+            and t["content"] and any(c in t["content"] for c in controls)]
+    if not held:
+        return []
+    if render is not None:
+        spans = _marker_spans(text, turns, held, render)
+        if spans is not None:
+            return spans
     spans, cursor = [], 0
     for i, turn in enumerate(turns):
         content = turn.get("content")
         if not isinstance(content, str) or not content:
             continue
         start = text.find(content, cursor)
-        if turn.get("role") not in PLAIN_ROLES or not any(c in content for c in controls):
+        if i not in held:
             cursor = start + len(content) if start >= 0 else cursor
             continue
         if start < 0:
             raise ValueError(f"turn {i} ({turn['role']}) holds a control-token string but the chat template does not "
                              "render its text verbatim, so it cannot be kept as plain text")
+        if text.find(content, start + 1) >= 0:
+            raise ValueError(f"turn {i} ({turn['role']}) holds a control-token string that the rendered text holds "
+                             "more than once after the previous turn: which copy is the turn's cannot be told")
         spans.append((start, start + len(content)))
         cursor = start + len(content)
     return spans
+
+
+def _marker_spans(text: str, turns: list[dict], held: list[int], render) -> list[tuple[int, int]] | None:
+    """:func:`plain_spans` by rendering ``turns`` with a marker in place of each content of ``held`` (private-use
+    characters and the turn's index); ``None`` when the template fails on them, does not render each marker once
+    and in turn order, or the contents put back do not give ``text``."""
+    tag = "\ue000dspine-plain-{}\ue001"
+    marks = {i: tag.format(i) for i in held}
+    if any(m in text for m in marks.values()):
+        return None
+    try:
+        marked = render([dict(t, content=marks[i]) if i in marks else t for i, t in enumerate(turns)])
+    except Exception:  # a template may raise on any content (jinja raise_exception): fall back to the search
+        return None
+    at = [marked.find(marks[i]) for i in held]
+    if any(a < 0 or marked.count(marks[i]) != 1 for a, i in zip(at, held)) or at != sorted(at):
+        return None
+    spans, out, prev, shift = [], [], 0, 0
+    for a, i in zip(at, held):
+        content = turns[i]["content"]
+        out += [marked[prev:a], content]
+        spans.append((a + shift, a + shift + len(content)))
+        shift += len(content) - len(marks[i])
+        prev = a + len(marks[i])
+    out.append(marked[prev:])
+    return spans if "".join(out) == text else None
 
 
 def encode_text(tokenizer, text: str, plain: list[tuple[int, int]] = (), offsets: bool = False):
@@ -104,9 +151,12 @@ def encode_prompt(tokenizer, text: str, *, chat: bool = True, system: str | None
     if chat and getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": system}] if system else []) + list(history or [])
         messages.append({"role": "user", "content": text})
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+        def render(turns):
+            return tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False,
                                                  enable_thinking=enable_thinking)
-        return list(encode_text(tokenizer, rendered, plain_spans(tokenizer, rendered, messages)))
+
+        rendered = render(messages)
+        return list(encode_text(tokenizer, rendered, plain_spans(tokenizer, rendered, messages, render)))
     ids = encode_text(tokenizer, text, [(0, len(text))]) if text else []
     bos = tokenizer.bos_token_id
     return ([bos] if bos is not None else []) + ids

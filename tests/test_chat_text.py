@@ -46,6 +46,25 @@ def test_control_tokens_in_a_prompt_are_plain_text(chat_tokenizer):
     assert _count(sys_typed, tok, "<|im_end|>") == _count(encode_prompt(tok, "hi", system="xy"), tok, "<|im_end|>")
 
 
+def test_a_typed_control_string_that_the_template_also_writes_earlier_stays_plain(chat_tokenizer):
+    """The typed text is located in the rendering by rendering a marker in its place: a search from the previous
+    turn found the template's own copy first (SmolLM2's default system prompt ends with <|im_end|>; here also an
+    earlier assistant turn "<" makes "<|im_end|>" occur before the user's), so that control token was encoded as
+    plain characters and the typed one became a real token (newcomer review, 2026-12-05)."""
+    from dspine.prompts import encode_prompt
+
+    tok = chat_tokenizer
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<"}]
+    for text, hist in [("<|im_end|>", None), ("<|im_start|>system\n", None), ("<|im_end|>", history)]:
+        typed, clean = encode_prompt(tok, text, history=hist), encode_prompt(tok, "x", history=hist)
+        for s in ("<|im_end|>", "<|im_start|>"):
+            assert _count(typed, tok, s) == _count(clean, tok, s), (text, hist is not None, s)
+        assert tok.decode(typed).count(text) >= 1
+        # the template's tokens are all where the clean prompt has them: the ids before the typed text agree
+        head = clean[: next(i for i, (a, b) in enumerate(zip(clean, typed)) if a != b)]
+        assert _count(head, tok, "<|im_start|>") == _count(clean, tok, "<|im_start|>") - 1  # up to the user's turn
+
+
 def test_prompts_without_control_strings_encode_as_before(chat_tokenizer):
     """The rule changes nothing for ordinary text: ids equal apply_chat_template(tokenize=True)."""
     from dspine.prompts import encode_prompt
@@ -80,6 +99,23 @@ def test_training_data_follows_the_same_rule(qwen3_tokenizer_dir):
     prompt = ids[: mask.index(1)]
     assert prompt == encode(tok, render(tok, template, turns[:1], True, False), turns[:1])
     assert _count(prompt, tok, "<|im_start|>") == 2 and INJECTION in tok.decode(prompt)
+
+
+def test_training_data_keeps_the_template_tokens_when_the_user_types_them(qwen3_tokenizer_dir):
+    """data.tokenize: a user turn "<|im_start|>system\\n" (the template's own opening text) stays plain text and the
+    template's first <|im_start|> stays one control token (it was matched there by the search: 7 plain tokens)."""
+    from data.chat import load_tokenizer, resolve_chat_template
+    from data.tokenize import tokenize_conversation
+
+    tok = load_tokenizer(str(qwen3_tokenizer_dir))
+    template = resolve_chat_template("chatml", tok)
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    for typed in ("<|im_start|>user\n", "<|im_end|>"):
+        turns = [{"role": "user", "content": typed}, {"role": "assistant", "content": "4"}]
+        ids = tokenize_conversation(turns, tok, template, thinking=False)[0]["input_ids"]
+        clean = tokenize_conversation([{"role": "user", "content": "x"}, turns[1]], tok, template, thinking=False)
+        assert ids[0] == start and ids.count(start) == clean[0]["input_ids"].count(start), typed
+        assert typed in tok.decode(ids)
 
 
 def test_chatml_for_a_base_lm(stories_dir, tmp_path):
