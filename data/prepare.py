@@ -159,6 +159,8 @@ def prepare(
             w.close()
         for path in tmp.values():
             path.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):  # nor an empty folder of its own (a bad input, Ctrl-C)
+            out.rmdir()
         raise
     for w in writers.values():
         w.close()
@@ -277,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             args.split or "train",
             args.overwrite,
         )
+    except KeyboardInterrupt:  # the partial .tmp files are gone (prepare), finished outputs untouched
+        print(f"\ndata.prepare: interrupted; nothing was written to {args.output} (the same command starts over)",
+              file=sys.stderr)
+        return 130
     except NoRowKept as e:
         print(format_summary(e.summary))
         print(f"error: no row was kept (see the skip reasons above); nothing was written to {args.output}",

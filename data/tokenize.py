@@ -161,6 +161,17 @@ def tokenize_conversation(
     return sequences
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0; a process of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def _render(tokenizer, template, turns, add_generation_prompt, thinking, row_id) -> str:
     try:
         return render(tokenizer, template, turns, add_generation_prompt, thinking)
@@ -332,6 +343,10 @@ def build_tokenized(
         return final
     # A dot name: a killed build's leftover is neither picked by `ls -d cache_dir/*/` nor opened as a cache.
     tmp = Path(cache_dir) / f".{final.name}.tmp-{os.getpid()}"
+    for old in Path(cache_dir).glob(f".{final.name}.tmp-*"):  # a killed build's leftover (SIGKILL runs no cleanup)
+        pid = old.name.rsplit("-", 1)[-1]
+        if old != tmp and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
     settings = (tokenizer_path, template, thinking, assistant_turns, max_length)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -511,7 +526,7 @@ def format_summary(summary: dict, path: Path) -> str:
     return (
         f"{path}: {summary['rows']} rows -> {summary['sequences']} sequences, {summary['tokens']} tokens, "
         f"supervised fraction {summary['supervised_fraction']:.3f}\n"
-        f"truncated sequences {summary['truncated_sequences']}, turns dropped by max length {summary['dropped_turns']}, "
+        f"truncated sequences {summary['truncated_sequences']}, turns dropped by max length in kept rows {summary['dropped_turns']} (a row with none left is an error: all_zero_mask), "
         f"errors {summary['errors']} {summary['error_reasons']}"
     )
 

@@ -112,6 +112,9 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
             raise FileNotFoundError(f"{what} {path_or_id}: no such file or folder, and not a Hub id")
         return path_or_id, gguf_file  # a Hub id
     if not p.is_dir():
+        if gguf_file is not None:  # --gguf-file names a file inside a folder: the path must be that folder
+            raise ValueError(f"{what} {path_or_id}: a file, but a GGUF file name ({gguf_file}) was given too; with it "
+                             "give the folder that holds that file, or give the .gguf path alone")
         raise ValueError(f"{what} {path_or_id}: not a model folder (a file; expected a folder, Hub id or .gguf file)")
     if gguf_file is not None:
         if not (p / gguf_file).is_file():

@@ -223,3 +223,25 @@ def test_no_row_kept_writes_nothing_and_a_retry_works(tmp_path, capsys):
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert main(["--input", str(empty), "--output", str(out), "--overwrite"]) == 1
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_ctrl_c_or_a_bad_input_leaves_no_folder_and_a_clear_line(tmp_path, capsys, monkeypatch):
+    """A source that fails to read (an unsupported .csv) or Ctrl-C mid-run removes the output folder this run
+    created (no partial .tmp files either); Ctrl-C exits 130 with one line instead of a traceback."""
+    import data.prepare
+
+    csv = tmp_path / "rows.csv"
+    csv.write_text("question,answer\nq,a\n")
+    out = tmp_path / "out"
+    assert main(["--input", str(csv), "--output", str(out)]) == 2
+    assert "error:" in capsys.readouterr().err and not out.exists()
+    src = write_lines(tmp_path / "q.jsonl", [{"question": f"q{i}", "answer": f"a{i}"} for i in range(5)])
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data.prepare, "_prepare_source", interrupted)
+    assert main(["--input", str(src), "--output", str(out)]) == 130
+    assert capsys.readouterr().err == f"\ndata.prepare: interrupted; nothing was written to {out} (the same command " \
+        "starts over)\n"
+    assert not out.exists()

@@ -2,6 +2,8 @@
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -343,6 +345,27 @@ def test_failed_build_leaves_no_temp_folder(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         build_tokenized(data_file, str(QWEN3), tmp_path / "cache", 64, False)
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_killed_builds_temp_folder_is_removed_by_the_next_build(tmp_path):
+    """SIGKILL runs no cleanup: the next build of the same cache removes `.<key>.tmp-<pid>` when that process is gone
+    and leaves a live process's (a build running beside it) and other keys' alone (newcomer review, 2026-12-05)."""
+    import subprocess
+
+    data_file = write_rows(tmp_path / "rows.jsonl", [conv_row(0)], [])
+    cache = tmp_path / "cache"
+    first = build_tokenized(data_file, str(QWEN3), cache, 64, False)
+    key = first.name
+    shutil.rmtree(first)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    stale, live, other = (cache / f".{key}.tmp-{dead.pid}", cache / f".{key}.tmp-{os.getppid()}",
+                          cache / f".otherkey.tmp-{dead.pid}")
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "data.arrow").write_bytes(b"partial")
+    assert build_tokenized(data_file, str(QWEN3), cache, 64, False) == first
+    assert not stale.exists() and live.exists() and other.exists()
 
 
 def test_ctrl_c_removes_the_dot_temp_folder_and_exits_130(tmp_path, monkeypatch, capsys):

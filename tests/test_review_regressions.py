@@ -199,6 +199,9 @@ def test_missing_or_non_model_paths_are_named(stories_dir, tmp_path, capsys):
     assert "/nope/model: no such file or folder, and not a Hub id" in capsys.readouterr().err
     assert generate.main(["--target", str(REPO / "pyproject.toml"), "--prompt", "hi"]) == 2
     assert "pyproject.toml: not a model folder" in capsys.readouterr().err
+    # --gguf-file with a file as the target (the default target is a .gguf file): the message says what to give
+    assert generate.main(["--target", str(REPO / "pyproject.toml"), "--gguf-file", "m.gguf", "--prompt", "hi"]) == 2
+    assert "a GGUF file name (m.gguf) was given too; with it give the folder" in capsys.readouterr().err
     assert generate.main(["--target", str(tmp_path), "--prompt", "hi", "--draft", "none"]) == 2
     assert f"{tmp_path}: not a model folder (no config.json)" in capsys.readouterr().err
     # a folder one level above the model (as ../shared/models/stories260K holds hf/): the message names the model

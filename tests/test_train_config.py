@@ -124,9 +124,12 @@ def test_step_speedups_bad_values_name_the_key(tmp_path, key, value, choices):
             load(write(tmp_path, "target: t\ntrain: d\n" + yaml_text), cli)
         assert shown in str(e.value)
     with pytest.raises(ConfigError) as e:  # YAML reads an unquoted `on` as a boolean
-        load(write(tmp_path, f"target: t\ntrain: d\n{key}: on\n"))
-    assert str(e.value) == (f"config key '{key}': expected one of {choices}, got True (YAML reads an unquoted "
-                            "yes/no/on/off/true/false as a boolean; quote the value)")
+        path = write(tmp_path, f"target: t\ntrain: d\n{key}: on\n")
+        load(path)
+    assert str(e.value) == (f"config file {path}: config key '{key}': expected one of {choices}, got True (YAML reads "
+                            "an unquoted yes/no/on/off/true/false as a boolean; quote the value)")
+    with pytest.raises(ConfigError, match="^command line override: unknown config key 'gama'"):
+        load(write(tmp_path, "target: t\ntrain: d\n"), ["gama=1"])
 
 
 def test_distill_cli_fails_fast_on_bad_config(tmp_path, capsys):
@@ -231,3 +234,11 @@ def test_trainer_resume_and_path_errors_name_the_fix(tmp_path):
     (tmp_path / "archive" / "pack.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"^config key 'train': .*python -m data.pack import --parts"):
         open_train_rows(str(tmp_path / "archive"))
+
+
+def test_eval_none_is_off(tmp_path):
+    """eval=none turns evaluation off like eval=null (none is the off value of report_to and resume_from too)."""
+    for cli in (["eval=none"], ["eval=None"], ["eval=null"]):
+        assert load(write(tmp_path, "target: t\ntrain: d\neval: rows.jsonl\n"), cli).eval is None
+    assert load(write(tmp_path, "target: t\ntrain: d\neval: none\n")).eval is None
+    assert load(write(tmp_path, "target: t\ntrain: d\neval: rows.jsonl\n")).eval == "rows.jsonl"

@@ -465,3 +465,26 @@ def test_a_rank_leaves_with_its_code_and_its_output(world):
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "WORLD_SIZE": world})
     assert (r.returncode, r.stdout, r.stderr[-3:]) == (3, "out", "err")
+
+
+def test_rotation_keeps_the_checkpoint_just_saved_after_resuming_an_earlier_one(tmp_path):
+    """rotate_checkpoints: a run resumed from step-200 beside an abandoned step-300 saves step-213; keep_last 1 keeps
+    step-213 (sorted by step alone it was deleted and `latest` named a missing folder), keep_last 2 keeps step-200 and
+    step-213 (the abandoned step-300 goes first), 0 keeps all; folders not named step-<digits> are never touched."""
+    from train.distill import rotate_checkpoints
+
+    def make(names):
+        for n in names:
+            (tmp_path / n).mkdir()
+            (tmp_path / n / "trainer_state.json").write_text("{}")
+
+    make(["step-200", "step-300", "step-213", "step-x", "steps"])
+    assert rotate_checkpoints(tmp_path, 213, 0) == []
+    assert sorted(p.name for p in rotate_checkpoints(tmp_path, 213, 2)) == ["step-300"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-200", "step-213", "step-x", "steps"]
+    make(["step-300"])
+    assert sorted(p.name for p in rotate_checkpoints(tmp_path, 213, 1)) == ["step-200", "step-300"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-213", "step-x", "steps"]
+    # an ordinary run: the oldest go
+    make(["step-100", "step-150"])
+    assert sorted(p.name for p in rotate_checkpoints(tmp_path, 213, 2)) == ["step-100"]

@@ -45,7 +45,7 @@ class RunConfig:
     train: str = ""  # tokenized rows: a .jsonl of {input_ids, loss_mask} or a data.tokenize cache folder; several,
     # comma-separated (a,b), train on their union in that order (the data digest depends on the order; all must
     # share tokenizer, chat template and thinking mode: train.data.ConcatRows)
-    eval: str | None = None  # held-out rows (same formats) for eval loss, tau_sim and tau_real prompts
+    eval: str | None = None  # held-out rows (same formats) for eval loss, tau_sim and tau_real prompts (none: off)
     feature_source: str = "online"  # online (target runs in the job) | a train.capture folder
     max_length: int = 3072  # tokens per sequence; longer rows are truncated
     anchors_per_seq: int = 512  # anchors sampled per sequence and step (without replacement)
@@ -199,7 +199,10 @@ def apply(cfg: RunConfig, values: dict, from_cli: bool = False) -> RunConfig:
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Check choices and ranges. Raises ConfigError naming the key."""
+    """Check choices and ranges. Raises ConfigError naming the key. ``eval: none`` is no evaluation (as null: the
+    off value of report_to and resume_from)."""
+    if isinstance(cfg.eval, str) and cfg.eval.strip().lower() == "none":
+        cfg.eval = None
     for key, allowed in CHOICES.items():
         if getattr(cfg, key) not in allowed:
             shown = [a for a in allowed if a is not None]
@@ -265,7 +268,8 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     """Defaults <- YAML file <- ``key=value`` overrides, validated.
 
     Raises:
-        ConfigError: unknown key, wrong type, bad value, malformed override or unreadable YAML.
+        ConfigError: unknown key, wrong type, bad value, malformed override or unreadable YAML; an unknown key or
+            a wrong type names where it came from (``config file PATH: ...`` or ``command line override: ...``).
     """
     cfg = RunConfig()
     if path is not None:
@@ -275,14 +279,20 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"config file {path}: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping of keys to values")
-        apply(cfg, data)
+        try:
+            apply(cfg, data)
+        except ConfigError as e:  # an unknown key or a bad type: name the file it came from
+            raise ConfigError(f"config file {path}: {e}") from None
     cli = {}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value")
         cli[key.strip()] = value
-    apply(cfg, cli, from_cli=True)
+    try:
+        apply(cfg, cli, from_cli=True)
+    except ConfigError as e:
+        raise ConfigError(f"command line override: {e}") from None
     return validate(cfg)
 
 

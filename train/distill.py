@@ -140,7 +140,7 @@ def train(cfg) -> int:
     with config_errors("eval"):
         eval_rows = open_rows(cfg.eval) if cfg.eval else None
         if eval_rows is not None and len(eval_rows) == 0:
-            raise ConfigError(f"config key 'eval': {cfg.eval} has no rows (eval=null turns evaluation off)")
+            raise ConfigError(f"config key 'eval': {cfg.eval} has no rows (eval=none turns evaluation off)")
         if eval_rows is not None:  # every row the evaluation reads, now rather than at the first eval step
             for i in range(min(len(eval_rows), cfg.eval_max_rows)):
                 eval_rows.row(i)
@@ -499,12 +499,25 @@ def save_checkpoint(accelerator, draft, dcfg, cfg, dev, step: int, state: dict, 
         tmp = out / "latest.tmp"
         tmp.write_text(ckpt.name + "\n")
         os.replace(tmp, out / "latest")
-        if cfg.keep_last:
-            steps = sorted((int(p.name.split("-")[1]), p) for p in out.glob("step-*") if p.name[5:].isdigit())
-            for _, old in steps[: -cfg.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        rotate_checkpoints(out, step, cfg.keep_last)
     accelerator.wait_for_everyone()
     return ckpt
+
+
+def rotate_checkpoints(out: Path, step: int, keep_last: int) -> list[Path]:
+    """Deletes all but the ``keep_last`` newest ``step-N`` folders of ``out`` after ``step-{step}`` was saved (0:
+    none deleted) and returns the deleted ones. Newest means this run's lineage first: a folder with N > ``step`` is
+    left from a run abandoned by resuming an earlier checkpoint (the run overwrites it on reaching N), so it counts
+    as older than every folder with N ≤ ``step``; among those, by N. The folder just saved is never deleted (sorted
+    by N alone, resuming step-200 beside an abandoned step-300 with keep_last 1 deleted the new step-213 that
+    ``latest`` names: newcomer review, 2026-12-05)."""
+    if not keep_last:
+        return []
+    steps = sorted(((int(p.name[5:]) <= step, int(p.name[5:])), p) for p in out.glob("step-*") if p.name[5:].isdigit())
+    gone = [p for _, p in steps[: -keep_last]]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
 
 
 def resolve_resume(cfg, out: Path) -> Path | None:
@@ -670,7 +683,9 @@ def open_train_rows(spec: str):
         as_value = (lambda x: f"train={x}") if len(paths) == 1 else (lambda x: f"{x} in the train list")
         hint = ""
         for p in map(Path, paths):  # the hint of the first part that has one
-            subs = sorted(q.name for q in p.iterdir() if (q / "data.arrow").is_file()) if p.is_dir() else []
+            # a dot folder is a build in progress or killed (data.tokenize's .<key>.tmp-<pid>): not a cache to suggest
+            subs = sorted(q.name for q in p.iterdir() if not q.name.startswith(".") and (q / "data.arrow").is_file()
+                          ) if p.is_dir() else []
             if subs:
                 hint = (f"; {p} holds cache folders: give the <key> subfolder, e.g. {as_value(p / subs[0])} "
                         f"(of {', '.join(subs)})")
