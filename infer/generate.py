@@ -103,6 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def is_default_target(target: str, gguf_file: str | None = None) -> bool:
+    """Whether ``target`` (with ``--gguf-file``, the file inside that folder) is the default target: its path, or
+    a .gguf file of the recorded size and sha256 (``infer.fetch.EXPECTED``; a copy elsewhere, or the folder and file
+    name given apart, is the same model and gets the same shipped draft)."""
+    p = Path(target).expanduser() / gguf_file if gguf_file else Path(target).expanduser()
+    if p.resolve() == DEFAULT_TARGET.resolve():
+        return True
+    if p.suffix != ".gguf" or not p.is_file():
+        return False
+    from infer.fetch import EXPECTED, problem  # (infer.fetch imports this module: not at the top)
+
+    return problem(p, EXPECTED[DEFAULT_TARGET.name]) is None  # the size first: a sha256 only for a same-size file
+
+
 def resolve_models(args) -> tuple[str, str | None]:
     """The target and draft paths, applying the shipped defaults: the default target (given or not)
     comes with the shipped DSpine draft unless ``--draft none``."""
@@ -111,11 +125,14 @@ def resolve_models(args) -> tuple[str, str | None]:
         if not DEFAULT_TARGET.is_file():
             raise FileNotFoundError(f"default target {DEFAULT_TARGET} is missing; fetch it with:\n  {FETCH_HINT}")
         target = str(DEFAULT_TARGET)
-    if draft is None and Path(target).resolve() == DEFAULT_TARGET.resolve():
+    if draft is None and is_default_target(target, getattr(args, "gguf_file", None)):
         draft = str(DEFAULT_DRAFT)
         if not DEFAULT_DRAFT.is_dir():
             raise FileNotFoundError(f"the shipped draft {DEFAULT_DRAFT} is missing (a partial checkout?); "
                                     "use --draft PATH, or --draft none to decode autoregressively")
+    elif draft is None:
+        print("note: no --draft for this target: decoding autoregressively (--draft PATH speculates; --draft none "
+              "silences this note)", file=sys.stderr)
     if draft in (None, "none", ""):
         draft = None
     return target, draft

@@ -25,3 +25,31 @@ def test_no_speedup_without_a_verify_step_and_a_note_for_too_many_threads(storie
     assert out["verify_steps"] > 0 and out["speedup"] > 0
     assert "--threads 100000 is more than this machine's" in cap.err
     assert out["threads"] == (os.cpu_count() or 1)  # capped: 100000 threads could not even get their stacks
+
+
+def test_the_default_target_under_another_name_gets_the_shipped_draft(tmp_path, monkeypatch, capsys):
+    """infer.generate's shipped draft goes with the default target however it is named: its path, the folder and
+    --gguf-file apart, or a copy elsewhere (same size and sha256 as infer.fetch records); another target without
+    --draft decodes autoregressively with a note saying so (newcomer review: both ran AR silently)."""
+    import argparse
+    import hashlib
+
+    import infer.fetch
+    from infer.generate import DEFAULT_DRAFT, DEFAULT_TARGET, is_default_target, resolve_models
+
+    copy, other = tmp_path / "copy.gguf", tmp_path / "other.gguf"
+    copy.write_bytes(b"GGUF pretend model bytes")
+    other.write_bytes(b"GGUF other model bytes!!")  # the same size, another sha256
+    monkeypatch.setitem(infer.fetch.EXPECTED, DEFAULT_TARGET.name,
+                        (copy.stat().st_size, hashlib.sha256(copy.read_bytes()).hexdigest()))
+    assert is_default_target(str(copy)) and is_default_target(str(tmp_path), "copy.gguf")
+    assert is_default_target(str(DEFAULT_TARGET)) and is_default_target(str(DEFAULT_TARGET.parent), DEFAULT_TARGET.name)
+    assert not is_default_target(str(other)) and not is_default_target(str(tmp_path))
+
+    def models(target, draft=None, gguf_file=None):
+        return resolve_models(argparse.Namespace(target=target, draft=draft, gguf_file=gguf_file))
+
+    assert models(str(copy)) == (str(copy), str(DEFAULT_DRAFT)) and capsys.readouterr().err == ""
+    assert models(str(other)) == (str(other), None)
+    assert "note: no --draft for this target: decoding autoregressively" in capsys.readouterr().err
+    assert models(str(other), "none") == (str(other), None) and capsys.readouterr().err == ""
