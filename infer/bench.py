@@ -698,7 +698,9 @@ def build_parser():
     ap.add_argument("--data-dir", default=None, help="local eval folder (default: $DSPINE_SHARED/data/eval, else the Hub)")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=512)
-    ap.add_argument("--max-prompt-tokens", type=int, default=1536)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1536,
+                    help="a longer prompt keeps its last N tokens (the question and the assistant header), cut from "
+                         "the front; also the longest admission the prefill graphs are made for (default 1536)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--draft-temperature", type=float, default=None, help=DRAFT_TEMPERATURE_HELP)
