@@ -108,8 +108,8 @@ def set_cpu_threads(threads: int | None) -> int:
 
     ``threads`` given (``--threads``): exactly that, at most the machine's CPU count (a note on stderr when
     capped). None: torch's default (one per physical core, or $OMP_NUM_THREADS), lowered to
-    :func:`idle_cores` (other runnable tasks, counted now) unless $OMP_NUM_THREADS is set; a note on stderr
-    says so.
+    :func:`idle_cores` (other runnable tasks, counted now) unless $OMP_NUM_THREADS is set, which is capped
+    at the CPU count like ``threads``; a note on stderr says so.
 
     Raises ValueError for ``threads < 1``."""
     import os
@@ -124,7 +124,13 @@ def set_cpu_threads(threads: int | None) -> int:
                   file=sys.stderr)
             threads = cores
         torch.set_num_threads(threads)
-    elif not os.environ.get("OMP_NUM_THREADS"):
+    elif os.environ.get("OMP_NUM_THREADS"):
+        have, cores = torch.get_num_threads(), os.cpu_count() or 1
+        if have > cores:  # the same cap as --threads: $OMP_NUM_THREADS=100000 would fail to get the stacks
+            print(f"note: $OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} is more than this machine's {cores} CPU "
+                  f"cores; using {cores}", file=sys.stderr)
+            torch.set_num_threads(cores)
+    else:
         have, idle = torch.get_num_threads(), idle_cores()
         if idle < have:
             torch.set_num_threads(idle)

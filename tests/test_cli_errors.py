@@ -204,6 +204,7 @@ def test_distill_names_bad_data_and_paths(stories_dir, tmp_path):
                           for train, extra, _ in cases])  # one child process (cwd: the repository) for all
     for (_, _, message), r in zip(cases, runs, strict=True):
         assert r.returncode == 2 and message in r.stderr and "none of the first 0 rows" not in r.stderr, r.stderr[-1500:]
+    assert not (tmp_path / "out").exists()  # a run refused on its data leaves no empty output_dir
 
 
 def test_more_bad_paths_and_values_are_named(stories_dir, tmp_path, capsys):
@@ -374,5 +375,10 @@ def test_default_cpu_threads_follow_the_idle_cores(monkeypatch, capsys):
         assert ref.set_cpu_threads(2) == 2  # --threads is taken as given
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
         assert ref.set_cpu_threads(None) == 2 and capsys.readouterr().err == ""
+        monkeypatch.setattr("os.cpu_count", lambda: 2)
+        torch.set_num_threads(3)  # what $OMP_NUM_THREADS=3 gives torch on a 2-core machine
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert ref.set_cpu_threads(None) == 2
+        assert "$OMP_NUM_THREADS=3 is more than this machine's 2 CPU cores; using 2" in capsys.readouterr().err
     finally:
         torch.set_num_threads(before)

@@ -67,14 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if code is not None:
         return code
+    out = Path(cfg.output_dir)
+    fresh = not out.exists()
     try:
         return train(cfg)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
     except OSError as e:  # e.g. a target that is neither a folder nor a reachable Hub id
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    if fresh and out.is_dir() and not any(out.iterdir()):  # a refused run leaves no empty output_dir behind
+        try:
+            out.rmdir()
+        except OSError:  # another rank removed it first
+            pass
+    return 2
 
 
 def train(cfg) -> int:
