@@ -32,7 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.formats import FORMATS, detect_format, to_conversation
-from data.rows import atomic_write_json, dumps, iter_hub, iter_local
+from data.rows import EXIT_STATUS, atomic_write_json, dumps, iter_hub, iter_local
 from data.schema import RowError
 
 OUTPUTS = ("train.jsonl", "eval.jsonl", "skipped.jsonl")
@@ -251,7 +251,8 @@ def format_summary(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0],
+                                epilog=EXIT_STATUS)
     p.add_argument("--input", nargs="+", required=True, metavar="SRC", help="[NAME=]path or Hub dataset id")
     p.add_argument("--output", required=True, metavar="DIR")
     p.add_argument("--format", default="auto", choices=("auto", *FORMATS))

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from data.chat import encode, load_tokenizer, render, resolve_chat_template, stop_token_ids, template_digest
 from data.generate import BACKENDS, Generation, format_profile, load_generator, resolve_backend
-from data.rows import JsonlAppender, atomic_write_json, iter_jsonl
+from data.rows import EXIT_STATUS, JsonlAppender, atomic_write_json, iter_jsonl
 from data.schema import RowError, check_row
 from data.shards import (
     clear_marker,
@@ -78,7 +78,8 @@ GENERATED_FIELDS = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m data.regenerate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m data.regenerate", description=__doc__.split("\n")[0],
+                                epilog=EXIT_STATUS)
     p.add_argument(
         "--target", required=True, help="target model: local HF folder, Hub id, or folder of --gguf-file"
     )
@@ -590,6 +591,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, NotImplementedError) as e:  # OSError: missing files, an unreachable Hub id
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # every written batch is whole (JsonlAppender): the same command resumes after it
+        print(f"\ndata.regenerate: interrupted; the batches written to {args.output} are kept and the same command "
+              "resumes after them", file=sys.stderr)
+        return 130
     if summary:
         print(format_summary(summary))
         if not summary["results"]:

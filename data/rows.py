@@ -18,6 +18,9 @@ from dspine.io import atomic_write_json, file_digest  # noqa: F401  (re-exported
 # Longest raw line text kept in a skipped/error record (a corrupt multi-megabyte line stays readable).
 MAX_RAW_CHARS = 10_000
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+# the data CLIs' exit statuses (their --help epilog)
+EXIT_STATUS = ("exit status: 0 done; 1 the input was read but no row was kept (nothing to train on); 2 a bad argument "
+               "or an unreadable input; 130 interrupted (Ctrl-C)")
 
 
 def parse_jsonl_line(raw: bytes, where: str) -> dict:

@@ -47,7 +47,7 @@ from collections import Counter
 from pathlib import Path
 
 from data.chat import end_of_turn_token, load_tokenizer, render, resolve_chat_template
-from data.rows import atomic_write_json, dumps, file_digest, parse_jsonl_line
+from data.rows import EXIT_STATUS, atomic_write_json, dumps, file_digest, parse_jsonl_line
 from data.schema import RowError, check_row
 from dspine.paths import read_json_object
 from dspine.prompts import encode_text, plain_spans
@@ -532,7 +532,8 @@ def format_summary(summary: dict, path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data.tokenize", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m data.tokenize", description=__doc__.split("\n")[0],
+                                epilog=EXIT_STATUS)
     p.add_argument(
         "--input", required=True, help="conversation JSONL (data.prepare / data.regenerate output)"
     )

@@ -382,3 +382,26 @@ def test_default_cpu_threads_follow_the_idle_cores(monkeypatch, capsys):
         assert "$OMP_NUM_THREADS=3 is more than this machine's 2 CPU cores; using 2" in capsys.readouterr().err
     finally:
         torch.set_num_threads(before)
+
+
+def test_data_tools_state_their_exit_statuses(monkeypatch, tmp_path, capsys):
+    """data.prepare / tokenize / regenerate: --help lists the exit statuses (1 no row kept, 2 bad input, 130
+    Ctrl-C); data.regenerate on Ctrl-C is one line and 130, not a traceback."""
+    from data import prepare, regenerate, tokenize
+
+    for mod in (prepare, tokenize, regenerate):
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--help"])
+        assert e.value.code == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "exit status: 0 done; 1 the input was read but no row was kept" in out and "130 interrupted" in out
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(regenerate, "regenerate", interrupted)
+    out_dir = tmp_path / "regen"
+    assert regenerate.main(["--target", "t", "--input", "x.jsonl", "--output", str(out_dir)]) == 130
+    err = capsys.readouterr().err
+    assert f"data.regenerate: interrupted; the batches written to {out_dir} are kept" in err
+    assert "Traceback" not in err
