@@ -12,18 +12,15 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dspine.config import DSpineConfig
-from dspine.io import default_file_mode
+from dspine.io import WEIGHTS, default_file_mode, open_each_weight_file, read_safetensors
 from dspine.model import DSpineDraftModel
 from dspine.paths import hub_errors, read_json_object
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 
 def resolve_checkpoint(path_or_id: str) -> Path:
@@ -103,47 +100,15 @@ def _check_types(raw: dict, cfg_file: Path) -> None:
         raise ValueError(f"{cfg_file}: field 'dflash_config.mask_token_id' must be an integer, got {mask!r}")
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    single = folder / WEIGHTS
-    if single.is_file():
-        return [single]
-    index = folder / INDEX
-    if index.is_file():
-        weight_map = read_json_object(index, "a safetensors index").get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file")
-        return [folder / s for s in sorted(set(weight_map.values()))]
-    raise FileNotFoundError(f"{folder}: no {WEIGHTS} (or {INDEX})")
-
-
-def _open_each_weight_file(folder: Path, read) -> None:
-    """Call ``read(handle)`` on every safetensors file of the folder; one error naming the file."""
-    for f in _weight_files(folder):
-        if not f.is_file():
-            raise FileNotFoundError(f"{f}: shard listed in {INDEX} is missing")
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                read(fh)
-        except Exception as e:  # safetensors raises SafetensorError / OSError variants
-            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
-
-
 def check_weights(path_or_id: str | Path) -> None:
     """Open every safetensors file of a draft folder (header + data extent, no tensor read) as
-    :func:`read_state_dict` would.
+    :func:`dspine.io.read_safetensors` would.
 
     Raises:
         FileNotFoundError: no weights file, or a shard listed in the index is missing.
         ValueError: a truncated or corrupt file (named).
     """
-    _open_each_weight_file(resolve_checkpoint(str(path_or_id)), lambda fh: list(fh.keys()))
-
-
-def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the folder's safetensors file(s). Raises ValueError naming a corrupt file."""
-    state: dict[str, torch.Tensor] = {}
-    _open_each_weight_file(folder, lambda fh: state.update({k: fh.get_tensor(k) for k in fh.keys()}))
-    return state
+    open_each_weight_file(resolve_checkpoint(str(path_or_id)), lambda fh: list(fh.keys()))
 
 
 def load_weights(model: DSpineDraftModel, state: dict[str, torch.Tensor], source: str,
@@ -182,7 +147,7 @@ def load_draft(path_or_id: str | Path, device: str | torch.device = "cpu",
     """
     folder = resolve_checkpoint(str(path_or_id))
     config = load_config(folder)
-    state = read_state_dict(folder)
+    state = read_safetensors(folder)
     stored = next(iter(state.values())).dtype if state else torch.float32
     model = DSpineDraftModel(config)
     load_weights(model, state, str(folder))
@@ -239,7 +204,7 @@ def warm_start(model: DSpineDraftModel, source_dir: str | Path) -> list[str]:
             any other missing/unexpected tensor or a shape mismatch (the message names the folder).
     """
     folder = resolve_checkpoint(str(source_dir))
-    state = read_state_dict(folder)
+    state = read_safetensors(folder)
     src = load_config(folder)
     src_mode, own = src.injection, model.config
     if src.num_hidden_layers != own.num_hidden_layers:

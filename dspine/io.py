@@ -1,4 +1,5 @@
-"""Small file helpers shared by the data CLIs and the trainer: crash-safe JSON writes, file digests."""
+"""Small file helpers shared by the data CLIs, the trainer and the model loaders: crash-safe JSON writes, file
+digests, safetensors folders (one reader for drafts and targets)."""
 
 from __future__ import annotations
 
@@ -48,34 +49,64 @@ def default_file_mode(path: str | Path) -> None:
 
 
 
-def read_safetensors(folder: Path, device, multimodal: bool = False) -> dict:
-    """All tensors ``{name: torch.Tensor}`` of ``model.safetensors`` or the shards of
-    ``model.safetensors.index.json``; with ``multimodal`` only the text model's, under its text-model names
-    (:func:`dspine.config.text_weight_name`: ``model.language_model.x`` -> ``model.x``), the others never read.
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model or draft folder: ``model.safetensors``, else the shards that
+    ``model.safetensors.index.json`` lists (sorted, each once; not checked for existence).
 
     Raises:
-        FileNotFoundError: a missing shard. ValueError: an index without a ``weight_map``.
-    """
-    from safetensors import safe_open
-
-    from dspine.config import text_weight_name
+        FileNotFoundError: neither file. ValueError: an index without a ``weight_map`` of name -> shard file."""
     from dspine.paths import read_json_object
 
-    index = folder / "model.safetensors.index.json"
-    files = ["model.safetensors"]
+    single = folder / WEIGHTS
+    if single.is_file():
+        return [single]
+    index = folder / WEIGHTS_INDEX
     if index.is_file():
         weight_map = read_json_object(index, "a safetensors index").get("weight_map")
-        if not isinstance(weight_map, dict):
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file")
-        files = sorted(set(weight_map.values()))
+        return [folder / s for s in sorted(set(weight_map.values()))]
+    raise FileNotFoundError(f"{folder}: no {WEIGHTS} (or {WEIGHTS_INDEX})")
+
+
+def open_each_weight_file(folder: Path, read, device="cpu") -> None:
+    """Call ``read(handle)`` on a ``safetensors.safe_open`` handle (tensors on ``device``) of every file of
+    :func:`weight_files`.
+
+    Raises:
+        FileNotFoundError: no weights file, or a shard listed in the index is missing.
+        ValueError: a bad index, or a truncated or corrupt file (named)."""
+    from safetensors import safe_open
+
+    for f in weight_files(folder):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: shard listed in {WEIGHTS_INDEX} is missing")
+        try:
+            with safe_open(str(f), framework="pt", device=str(device)) as fh:
+                read(fh)
+        except Exception as e:  # safetensors raises SafetensorError / OSError variants
+            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+
+
+def read_safetensors(folder: Path, device="cpu", multimodal: bool = False) -> dict:
+    """All tensors ``{name: torch.Tensor}`` (on ``device``) of the folder's safetensors file(s)
+    (:func:`weight_files`); with ``multimodal`` only the text model's, under its text-model names
+    (:func:`dspine.config.text_weight_name`: ``model.language_model.x`` -> ``model.x``), the others never read.
+
+    Raises: as :func:`open_each_weight_file`."""
+    from dspine.config import text_weight_name
+
     state = {}
-    for f in files:
-        path = folder / f
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing target weights")
-        with safe_open(str(path), framework="pt", device=str(device)) as tensors:
-            for key in tensors.keys():
-                name = text_weight_name(key, multimodal)
-                if name is not None:
-                    state[name] = tensors.get_tensor(key)
+
+    def take(fh) -> None:
+        for key in fh.keys():
+            name = text_weight_name(key, multimodal)
+            if name is not None:
+                state[name] = fh.get_tensor(key)
+
+    open_each_weight_file(folder, take, device)
     return state

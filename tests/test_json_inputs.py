@@ -4,9 +4,11 @@ of the wrong shape is an error naming the file, never a traceback."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 
@@ -99,6 +101,25 @@ def test_a_safetensors_index_without_a_weight_map(tmp_path):
         load_draft(d)
     with pytest.raises(ValueError, match="no 'weight_map' object"):
         read_safetensors(d, "cpu")
+
+
+def test_one_safetensors_reader_names_a_truncated_file(stories_dir, tmp_path):
+    """Drafts and targets go through one reader (dspine.io.read_safetensors): a truncated target weights file is
+    one ValueError naming it for the engine's loader too (it was safetensors' own error), and a missing folder file
+    names the folder."""
+    from dspine.io import read_safetensors
+
+    t = tmp_path / "target"
+    shutil.copytree(stories_dir, t)
+    w = t / "model.safetensors"
+    state = read_safetensors(t)
+    assert state and all(isinstance(v, torch.Tensor) for v in state.values())
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    with pytest.raises(ValueError, match=re.escape(f"{w}: not a readable safetensors file")):
+        read_safetensors(t, "cpu")
+    w.unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{t}: no model.safetensors (or model.safetensors.index")):
+        read_safetensors(t)
 
 
 def test_data_run_arguments_that_are_not_an_object(stories_dir, tmp_path, capsys):
