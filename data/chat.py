@@ -34,22 +34,6 @@ BUILTIN_TEMPLATES = {"chatml": CHATML}
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
 
-def load_tokenizer(path: str, gguf_file: str | None = None):
-    """Loads a tokenizer from a local folder, a Hub id, a `.gguf` file, or a GGUF file inside `path`.
-
-    Raises:
-        FileNotFoundError: a local path that does not exist (not reported as a bad Hub id).
-    """
-    from transformers import AutoTokenizer
-
-    from dspine.paths import hub_errors, resolve_model_path
-
-    path, gguf_file = resolve_model_path(path, gguf_file, what="tokenizer")
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    with hub_errors("tokenizer", path):
-        return AutoTokenizer.from_pretrained(path, **kwargs)
-
-
 def resolve_chat_template(spec: str | None, tokenizer) -> str:
     """Returns the Jinja chat template text to use.
 

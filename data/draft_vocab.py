@@ -247,7 +247,7 @@ def _tokenizer(given: str | None, recorded: str | None, recorded_digest: str | N
     used must have the same one: a different ``--tokenizer`` is refused, a recorded relative path that names another
     tokenizer from this folder gives no tokens_digest (a note)."""
     from data.tokenize import tokenizer_digest
-    from dspine.target import load_tokenizer
+    from dspine.paths import load_tokenizer
 
     if given is not None:
         if not given.strip():

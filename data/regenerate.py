@@ -37,7 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data.chat import encode, load_tokenizer, render, resolve_chat_template, stop_token_ids, template_digest
+from data.chat import encode, render, resolve_chat_template, stop_token_ids, template_digest
 from data.generate import BACKENDS, Generation, format_profile, load_generator, resolve_backend
 from data.rows import EXIT_STATUS, JsonlAppender, atomic_write_json, iter_jsonl
 from data.schema import RowError, check_row
@@ -50,7 +50,7 @@ from data.shards import (
     wait_for_ranks,
     write_marker,
 )
-from dspine.paths import read_json_object
+from dspine.paths import load_tokenizer, read_json_object
 
 KINDS = ("results", "errors", "skipped")
 RUN_ARGS = "run_args.json"

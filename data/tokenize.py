@@ -46,10 +46,10 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from data.chat import end_of_turn_token, load_tokenizer, render, resolve_chat_template
+from data.chat import end_of_turn_token, render, resolve_chat_template
 from data.rows import EXIT_STATUS, atomic_write_json, dumps, file_digest, parse_jsonl_line
 from data.schema import RowError, check_row
-from dspine.paths import read_json_object
+from dspine.paths import load_tokenizer, read_json_object
 from dspine.prompts import encode_text, plain_spans
 
 # Bump when a change here changes the tokenized output; old caches then stop matching.

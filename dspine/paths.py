@@ -2,7 +2,7 @@
 
 Every loader (``dspine.*``, ``infer.*``, ``data.*``, ``train/``) resolves its ``--target`` /
 ``--tokenizer`` here first, so a mistyped local path is reported as a missing path, not as a
-malformed Hub repo id. :func:`read_json_object` reads the JSON files the tools take (configs,
+malformed Hub repo id; :func:`load_tokenizer` is the one tokenizer loader. :func:`read_json_object` reads the JSON files the tools take (configs,
 manifests, run arguments) and names the file when one is not a JSON object.
 """
 
@@ -144,3 +144,29 @@ def hub_errors(what: str, path_or_id: str):
         detail = detail[: detail.find(". ") + 1 or 240][:240]  # the first sentence
         raise OSError(f"{what} {path_or_id}: not a local path, and it could not be loaded from the Hugging Face "
                       f"Hub ({type(e).__name__}: {detail})") from None
+
+
+def load_tokenizer(path_or_id: str, gguf_file: str | None = None):
+    """AutoTokenizer, falling back to ``PreTrainedTokenizerFast`` on a bare ``tokenizer.json``.
+
+    Raises:
+        OSError: one line naming a Hub id that cannot be loaded (no network, no such repo).
+    """
+    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, what="tokenizer")
+    with hub_errors("tokenizer", path_or_id):
+        return _load_tokenizer(path_or_id, gguf_file)
+
+
+def _load_tokenizer(path_or_id: str, gguf_file: str | None):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    tok_json = Path(path_or_id) / "tokenizer.json"
+    cfg_file = Path(path_or_id) / "config.json"
+    # A Llama folder with only tokenizer.json (e.g. stories260K) loads as a fast tokenizer directly;
+    # AutoTokenizer would pick a slow sentencepiece class that needs files we do not have.
+    if tok_json.is_file() and cfg_file.is_file() and not (Path(path_or_id) / "tokenizer.model").exists():
+        model_type = read_json_object(cfg_file, "a model config").get("model_type")
+        if model_type == "llama":
+            return PreTrainedTokenizerFast.from_pretrained(path_or_id)
+    return AutoTokenizer.from_pretrained(path_or_id, **kw)

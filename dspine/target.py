@@ -26,7 +26,7 @@ from dspine.config import (
     unsupported_layers,
     unsupported_rope,
 )
-from dspine.paths import hub_errors, read_json_object, resolve_model_path
+from dspine.paths import hub_errors, load_tokenizer, read_json_object, resolve_model_path  # noqa: F401 (load_tokenizer re-exported)
 
 
 class _StopForward(Exception):
@@ -242,32 +242,6 @@ class TargetAdapter(nn.Module):
 
 # ------------------------------------------------------------------------------------------------
 # loading
-
-
-def load_tokenizer(path_or_id: str, gguf_file: str | None = None):
-    """AutoTokenizer, falling back to ``PreTrainedTokenizerFast`` on a bare ``tokenizer.json``.
-
-    Raises:
-        OSError: one line naming a Hub id that cannot be loaded (no network, no such repo).
-    """
-    path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, what="tokenizer")
-    with hub_errors("tokenizer", path_or_id):
-        return _load_tokenizer(path_or_id, gguf_file)
-
-
-def _load_tokenizer(path_or_id: str, gguf_file: str | None):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok_json = Path(path_or_id) / "tokenizer.json"
-    cfg_file = Path(path_or_id) / "config.json"
-    # A Llama folder with only tokenizer.json (e.g. stories260K) loads as a fast tokenizer directly;
-    # AutoTokenizer would pick a slow sentencepiece class that needs files we do not have.
-    if tok_json.is_file() and cfg_file.is_file() and not (Path(path_or_id) / "tokenizer.model").exists():
-        model_type = read_json_object(cfg_file, "a model config").get("model_type")
-        if model_type == "llama":
-            return PreTrainedTokenizerFast.from_pretrained(path_or_id)
-    return AutoTokenizer.from_pretrained(path_or_id, **kw)
 
 
 def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torch.dtype = "auto",

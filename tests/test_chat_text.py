@@ -82,8 +82,9 @@ def test_prompts_without_control_strings_encode_as_before(chat_tokenizer):
 def test_training_data_follows_the_same_rule(qwen3_tokenizer_dir):
     """data.tokenize: typed control strings in user text are plain tokens; the assistant's mask still
     covers exactly its answer and the template's <|im_end|>."""
-    from data.chat import load_tokenizer, resolve_chat_template
+    from data.chat import resolve_chat_template
     from data.tokenize import tokenize_conversation
+    from dspine.paths import load_tokenizer
 
     tok = load_tokenizer(str(qwen3_tokenizer_dir))
     template = resolve_chat_template("chatml", tok)
@@ -104,8 +105,9 @@ def test_training_data_follows_the_same_rule(qwen3_tokenizer_dir):
 def test_training_data_keeps_the_template_tokens_when_the_user_types_them(qwen3_tokenizer_dir):
     """data.tokenize: a user turn "<|im_start|>system\\n" (the template's own opening text) stays plain text and the
     template's first <|im_start|> stays one control token (it was matched there by the search: 7 plain tokens)."""
-    from data.chat import load_tokenizer, resolve_chat_template
+    from data.chat import resolve_chat_template
     from data.tokenize import tokenize_conversation
+    from dspine.paths import load_tokenizer
 
     tok = load_tokenizer(str(qwen3_tokenizer_dir))
     template = resolve_chat_template("chatml", tok)
@@ -122,7 +124,8 @@ def test_chatml_for_a_base_lm(stories_dir, tmp_path):
     """stories260K has no <|im_end|> token: --chat-template chatml ends turns with its eos token,
     and data.regenerate + data.tokenize accept it (was refused as unusable)."""
     from data import regenerate, tokenize
-    from data.chat import load_tokenizer, resolve_chat_template, stop_token_ids
+    from data.chat import resolve_chat_template, stop_token_ids
+    from dspine.paths import load_tokenizer
 
     tok = load_tokenizer(str(stories_dir))
     template = resolve_chat_template("chatml", tok)

@@ -87,7 +87,8 @@ def test_fifty_rows_add_up_and_resume_after_kill_matches(workdir, monkeypatch, c
     ]
 
     # Independent check of the context rule and of the regenerated conversations.
-    from data.chat import encode, load_tokenizer, render
+    from data.chat import encode, render
+    from dspine.paths import load_tokenizer
 
     tok = load_tokenizer(str(STORIES))
     inputs = read_jsonl(workdir / "prepared" / "train.jsonl")[:50]
@@ -304,7 +305,8 @@ class PickyGenerator:
 
 
 def test_generation_and_template_failures_become_errors():
-    from data.chat import encode, load_tokenizer
+    from data.chat import encode
+    from dspine.paths import load_tokenizer
 
     tok = load_tokenizer(str(STORIES))
     bad_token = encode(tok, "zebra")[-1]

@@ -41,7 +41,7 @@ THREE_TURNS = [
 
 @pytest.fixture(scope="module")
 def qwen3():
-    from data.chat import load_tokenizer
+    from dspine.paths import load_tokenizer
 
     return load_tokenizer(str(QWEN3))
 
@@ -201,7 +201,7 @@ def test_token_straddling_a_turn_edge_is_an_error(qwen3):
 @pytest.mark.skipif(not STORIES.is_dir(), reason=f"stories260K not found at {STORIES}")
 def test_sentencepiece_tokenizer_masks_follow_offsets():
     # SentencePiece tokenizes a piece alone with a leading "▁"; masks must come from the whole text.
-    from data.chat import load_tokenizer
+    from dspine.paths import load_tokenizer
 
     tok = load_tokenizer(str(STORIES))
     plain = (
