@@ -244,6 +244,16 @@ class TargetAdapter(nn.Module):
 # loading
 
 
+def check_target_dtype(dtype: torch.dtype, model_type: str | None) -> None:
+    """Refuse fp16 for a Qwen-family target (its activations overflow fp16 to NaN: docs/method.md §8.15); the
+    reference loader and the engine both call it.
+
+    Raises:
+        ValueError: ``dtype`` is ``torch.float16`` and ``model_type`` starts with ``qwen``."""
+    if dtype == torch.float16 and str(model_type or "").startswith("qwen"):
+        raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
+
+
 def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torch.dtype = "auto",
                 device: str | torch.device = "cpu", layer_ids: list[int] | None = None) -> TargetAdapter:
     """Load an HF causal LM (local folder, Hub id, or ``.gguf``) as a frozen :class:`TargetAdapter`.
@@ -267,8 +277,7 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
             model = load_text_model(path_or_id, config, torch_dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
-    if torch_dtype == torch.float16 and "qwen" in str(model.config.model_type):
-        raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
+    check_target_dtype(torch_dtype, model.config.model_type)
     if gguf_file:
         # GGUF tensors are dequantized to fp32; drop the quantization marker so the model behaves
         # (and saves) like a plain dense checkpoint.

@@ -58,7 +58,7 @@ from dspine.sampling import (
     sample,
 )
 from dspine.stats import AcceptStats, GenerationResult
-from dspine.target import TargetSpec, assert_compatible
+from dspine.target import TargetSpec, assert_compatible, check_target_dtype
 from dspine.tree import inner_accepted, node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
@@ -273,8 +273,7 @@ class Engine:
         # inputs, static outputs, the eager call)
         self._prefill_graphs: dict[tuple, tuple] = {}
         self._prefill_pool = None  # the CUDA graph memory pool the prefill graphs share
-        if target.embed.dtype == torch.float16 and target.args.model_type.startswith("qwen"):
-            raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
+        check_target_dtype(target.embed.dtype, target.args.model_type)
         if draft is not None:
             draft = draft.to(device=self.device, dtype=target.embed.dtype).eval().fuse_weights()
         self.draft = draft
@@ -1453,8 +1452,7 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
         draft_model = load_draft(draft_path, device=device, dtype=dtype)
         assert_compatible(spec, draft_model.config, max_context=check_max_context)
         layer_ids, last_layer_features = draft_model.config.target_layer_ids, draft_model.config.last_layer_features
-    if dtype == torch.float16 and spec.model_type.startswith("qwen"):
-        raise ValueError("fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32 (docs/method.md §8.15)")
+    check_target_dtype(dtype, spec.model_type)
     if isinstance(draft_vocab, (str, os.PathLike)):  # read (and checked) before the target's weights
         vocab_path = draft_vocab
         draft_vocab, meta = load_draft_vocab(vocab_path, spec.vocab_size)

@@ -405,3 +405,24 @@ def test_data_tools_state_their_exit_statuses(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"data.regenerate: interrupted; the batches written to {out_dir} are kept" in err
     assert "Traceback" not in err
+
+
+def test_fp16_is_refused_for_a_qwen_target_in_both_loaders(tiny_qwen3_dir, stories_dir):
+    """One rule (dspine.target.check_target_dtype) for the reference loader and the engine: fp16 with a Qwen-family
+    target overflows to NaN and is refused before decoding; other families and dtypes load."""
+    import torch
+
+    from dspine.target import check_target_dtype, load_target
+    from infer.engine import load_engine
+
+    want = "fp16 with a Qwen-family target overflows to NaN; use bf16 or fp32"
+    for dtype, model_type in ((torch.float16, "qwen3"), (torch.float16, "qwen2")):
+        with pytest.raises(ValueError, match=want):
+            check_target_dtype(dtype, model_type)
+    for dtype, model_type in ((torch.bfloat16, "qwen3"), (torch.float16, "llama"), (torch.float16, None)):
+        check_target_dtype(dtype, model_type)  # allowed
+    with pytest.raises(ValueError, match=want):
+        load_target(str(tiny_qwen3_dir), dtype="fp16")
+    with pytest.raises(ValueError, match=want):
+        load_engine(str(tiny_qwen3_dir), None, None, device="cpu", dtype=torch.float16)
+    assert load_target(str(stories_dir), dtype="fp16").dtype == torch.float16
