@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspine.draft_vocab import DRAFT_VOCAB_HELP
-from dspine.sampling import DRAFT_TEMPERATURE_HELP, INVARIANT_HELP, SamplingParams
+from dspine.sampling import SamplingParams
 from dspine.stats import AcceptStats
 
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
@@ -684,8 +683,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def build_parser():
-    from dspine.reference import CPU_VERIFY_WIDTH, THREADS_HELP
     from infer.datasets import TASKS
+    from infer.generate import add_decode_args
 
     ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
@@ -701,23 +700,8 @@ def build_parser():
     ap.add_argument("--max-prompt-tokens", type=int, default=1536,
                     help="a longer prompt keeps its last N tokens (the question and the assistant header), cut from "
                          "the front; also the longest admission the prefill graphs are made for (default 1536)")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--draft-temperature", type=float, default=None, help=DRAFT_TEMPERATURE_HELP)
-    ap.add_argument("--invariant", action="store_true", help=INVARIANT_HELP + " (every draft label)")
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
+    add_decode_args(ap, labels=True)
     ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--block-size", type=int, default=None,
-                    help="positions verified per step: the anchor and the first N-1 drafted tokens (N <= the smallest draft block; default: the whole block on the engine, "
-                         f"{CPU_VERIFY_WIDTH} on the reference backend: dspine.reference.CPU_VERIFY_WIDTH)")
-    ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
-                    help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
-    ap.add_argument("--tree-budget", type=int, default=None,
-                    help="tree nodes per step and request, anchor included (2..64; default 32; --verify tree only)")
-    ap.add_argument("--budget", default=None, choices=["auto"],
-                    help="auto: per step, AR, the chain or a tree (of 16 or 32 nodes; --plan-trees) by measured step time and acceptance "
-                         "(infer.planner; --backend cuda); default: always --verify / --tree-budget")
     ap.add_argument("--config", action="append", default=None, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                     help="the draft LABEL's own verify (chain|tree), tree_budget (2..64), budget (auto|none) or "
                          "chain_first (auto|yes|no: Engine's tree_chain_first; auto = best first at T = 0) or plan_trees "
@@ -730,37 +714,13 @@ def build_parser():
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "
                          "--config auto:budget=auto: several verify modes of one draft timed in one run, alternated "
                          "per task (engine only; --block-size applies to the chain labels)")
-    ap.add_argument("--draft-vocab", default=None, metavar="FILE", help=DRAFT_VOCAB_HELP + " (every draft label, both "
-                    "backends; per label, engine only: --config LABEL:draft_vocab=FILE|none)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"])
-    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None,
                     help="device of the engine, --backend cuda only (default cuda; cpu: eager, torch kernels; for tests)")
-    ap.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    ap.add_argument("--enable-thinking", action="store_true")
-    ap.add_argument("--system", default=None)
-    ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--no-ar", action="store_true", help="skip the autoregressive baseline (needs --draft)")
     ap.add_argument("--warmup", default="auto", choices=["auto", "task", "start"],
                     help="task: decode each task once with every configuration, untimed, before the timed pass "
                          "(one-time costs at new prompt shapes are not counted; twice the run time); start: only the "
                          "start-up warm-up (short prompts, 32 tokens); auto (default): task on a CUDA engine, else start")
-    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
-                    help="bit-exact mode of the engine (issues 13, 16; chain, tree and planner): greedy spec output must "
-                         "equal the AR output "
-                         "(default: infer.model.EXACT_DEFAULT on the engine, off on the reference backend)")
-    ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
-                    help="engine: prefill each prompt alone, padded to a length bucket, one CUDA graph per bucket, for "
-                         "admissions of up to Engine.PREFILL_BUCKETS_MAX_PROMPTS (8) prompts (more: one packed pass; "
-                         "default: infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule)")
-    ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
-                    help="--budget auto (engine): the planner's tree sizes joined by '/' (e.g. 16/32), or none for AR and "
-                         "the chain only, for every budget=auto label without its own --config LABEL:plan_trees= "
-                         "(default: infer.engine.Engine.PLAN_TREES, 16/32; at T > 0 a tree of the verify size is the "
-                         "chain, and the planner leaves it out)")
-    ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
-                    help="--budget auto (engine): the planner's drain rule once no prompt is queued (infer.planner, "
-                         "\"Drain\"; default on); --no-plan-drain: tokens per millisecond to the end")
     ap.add_argument("--output-json", default=None, help="result JSON (refused if it exists, unless --overwrite)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --output-json / --plot file")
     ap.add_argument("--plot", default=None,

