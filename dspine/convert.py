@@ -19,7 +19,8 @@ def convert(target: str, out: str | Path, dtype: str = "bf16", gguf_file: str | 
     from transformers import AutoModelForCausalLM
 
     from dspine.io import default_file_mode
-    from dspine.target import _parse_dtype, load_tokenizer, resolve_model_path
+    from dspine.paths import load_tokenizer, resolve_model_path
+    from dspine.target import _parse_dtype
 
     out = Path(out)
     if out.exists() and not out.is_dir():

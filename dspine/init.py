@@ -89,8 +89,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoConfig
 
-    from dspine.paths import hub_errors
-    from dspine.target import resolve_model_path
+    from dspine.paths import hub_errors, resolve_model_path
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():

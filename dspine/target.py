@@ -26,7 +26,7 @@ from dspine.config import (
     unsupported_layers,
     unsupported_rope,
 )
-from dspine.paths import hub_errors, load_tokenizer, read_json_object, resolve_model_path  # noqa: F401 (load_tokenizer re-exported)
+from dspine.paths import hub_errors, load_tokenizer, resolve_model_path
 
 
 class _StopForward(Exception):

@@ -224,7 +224,8 @@ class Runner:
     """The target once, every draft beside it: ``run(prompts, params, draft_label or None)``."""
 
     def __init__(self, args):
-        from dspine.target import TargetSpec, assert_compatible, load_tokenizer, resolve_model_path
+        from dspine.paths import load_tokenizer, resolve_model_path
+        from dspine.target import TargetSpec, assert_compatible
 
         self.args = args
         self.drafts = parse_drafts(args.draft)

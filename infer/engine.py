@@ -1457,7 +1457,7 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
         vocab_path = draft_vocab
         draft_vocab, meta = load_draft_vocab(vocab_path, spec.vocab_size)
         if meta.get("tokens_digest"):  # its ids must name the same tokens in the target's tokenizer
-            from dspine.target import load_tokenizer
+            from dspine.paths import load_tokenizer
 
             check_tokens(vocab_path, draft_vocab, meta, load_tokenizer(target_path, gguf_file))
     target = EngineTarget.from_pretrained(target_path, gguf_file, device=device, dtype=dtype, layer_ids=layer_ids,

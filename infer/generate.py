@@ -28,6 +28,7 @@ import torch
 from dspine.checkpoint import load_draft
 from dspine.draft_vocab import DRAFT_VOCAB_HELP, check_tokens, load_draft_vocab, unchecked_note
 from dspine.draft_vocab import describe as describe_vocab
+from dspine.paths import load_tokenizer, resolve_model_path
 from dspine.prompts import encode_prompt
 from dspine.reference import (
     CPU_VERIFY_WIDTH,
@@ -38,7 +39,7 @@ from dspine.reference import (
     set_cpu_threads,
 )
 from dspine.sampling import DRAFT_TEMPERATURE_HELP, INVARIANT_HELP, sampling_params
-from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer, resolve_model_path
+from dspine.target import TargetSpec, assert_compatible, load_target
 from infer.datasets import load_eval_prompts
 from infer.engine import load_engine
 from infer.fetch import DEFAULT_TARGET, EXPECTED, problem

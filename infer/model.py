@@ -411,7 +411,7 @@ class EngineTarget(nn.Module):
                         layer_ids=None, impl: str = "triton", last_layer_features: str = "post_norm") -> EngineTarget:
         """Load a local HF folder (safetensors, sharded or not) or a GGUF file (dequantized by
         transformers). Raises FileNotFoundError / ValueError naming the file or field."""
-        from dspine.target import resolve_model_path
+        from dspine.paths import resolve_model_path
 
         path, gguf_file = resolve_model_path(path, gguf_file)
         folder = Path(path)

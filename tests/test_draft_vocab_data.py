@@ -424,7 +424,7 @@ def test_tokenizer_digest_is_recorded_and_checked(rows_file, stories_dir, tmp_pa
     """--tokenizer records the ids' token strings' digest; the same tokenizer passes check_tokens, one whose ids
     name other tokens (same size) is refused by file name; a file without the digest passes unchecked."""
     from dspine.draft_vocab import check_tokens, tokens_digest
-    from dspine.target import load_tokenizer
+    from dspine.paths import load_tokenizer
 
     out = tmp_path / "v.safetensors"
     rc, stdout, err = _run(capsys, "--data", rows_file, "--size", 64, "--output", out, "--vocab-size", 512,
@@ -448,7 +448,7 @@ def test_tokenizer_from_the_cache_manifest(stories_dir, tmp_path, capsys):
     --tokenizer; one naming a path that is not here gets a note and no digest; a --tokenizer that does not load
     is refused before counting, naming the flag."""
     from dspine.draft_vocab import tokens_digest
-    from dspine.target import load_tokenizer
+    from dspine.paths import load_tokenizer
 
     def cache(name, tokenizer):
         return _cache(tmp_path / name, {"max_length": 2048, "tokenizer": tokenizer})

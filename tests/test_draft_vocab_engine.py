@@ -172,7 +172,7 @@ def test_a_vocabulary_counted_with_another_tokenizer_is_refused(stories_dir, sto
     """Same vocabulary size, other tokens: infer.generate, infer.bench and load_engine refuse a file whose
     tokens_digest does not match the target's tokenizer, naming the file; the matching digest decodes."""
     from dspine.draft_vocab import save_draft_vocab, tokens_digest
-    from dspine.target import load_tokenizer
+    from dspine.paths import load_tokenizer
     from infer import bench, generate
     from infer.engine import load_engine
     from tests.conftest import shared_path

@@ -16,7 +16,8 @@ def smollm2():
     if not DEFAULT_TARGET.is_file():
         pytest.skip(f"{DEFAULT_TARGET} missing: run `python -m infer.fetch` (the README's commands do)")
     from dspine.checkpoint import load_draft
-    from dspine.target import TargetSpec, assert_compatible, load_target, load_tokenizer
+    from dspine.paths import load_tokenizer
+    from dspine.target import TargetSpec, assert_compatible, load_target
     from tests.conftest import gguf_parse_memo
 
     with gguf_parse_memo():  # the config, model and tokenizer loads parse the GGUF's metadata once

@@ -48,7 +48,8 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from dspine.target import load_target, load_tokenizer
+    from dspine.paths import load_tokenizer
+    from dspine.target import load_target
 
     out = Path(out)
     rows = open_sources(cfg.train)  # one path or a comma-separated list (train.data.split_sources)

@@ -90,7 +90,8 @@ def train(cfg) -> int:
 
     from dspine.checkpoint import load_draft, warm_start
     from dspine.model import DSpineDraftModel, count_parameters
-    from dspine.target import TargetSpec, load_target, load_tokenizer
+    from dspine.paths import load_tokenizer
+    from dspine.target import TargetSpec, load_target
 
     # ---------------------------------------------------------------------------------------- init
     with config_errors("target"):  # an unsupported target (layer types, RoPE) is refused before any heavy work

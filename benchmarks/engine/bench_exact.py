@@ -89,8 +89,8 @@ def identity_runs(name: str, make_engine, prompts: list[list[int]], eager_prompt
 
 
 def smollm2_part(args, report: list) -> None:
+    from dspine.paths import load_tokenizer, resolve_model_path
     from dspine.prompts import encode_prompt
-    from dspine.target import load_tokenizer, resolve_model_path
     from infer.datasets import load_eval_prompts
 
     path, gguf = resolve_model_path(args.smollm2_target, None)

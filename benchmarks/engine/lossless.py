@@ -31,11 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dspine.checkpoint import save_draft  # noqa: E402
+from dspine.paths import load_tokenizer  # noqa: E402
 from dspine.prompts import encode_prompt  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.reference import ReferenceDecoder  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
-from dspine.target import load_target, load_tokenizer  # noqa: E402
+from dspine.target import load_target  # noqa: E402
 from infer.datasets import load_eval_prompts  # noqa: E402
 from infer.engine import load_engine  # noqa: E402
 

@@ -65,7 +65,8 @@ def load_models(target_path: str, draft_path: str):
     """(target, draft, tokenizer, end tokens) in fp32: the draft checkpoint, the target (HF folder, hub id or .gguf
     file) with the draft's feature layers set, and the target's tokenizer (a .gguf file's own)."""
     from dspine.checkpoint import load_draft
-    from dspine.target import load_target, load_tokenizer
+    from dspine.paths import load_tokenizer
+    from dspine.target import load_target
 
     draft = load_draft(draft_path, dtype=torch.float32)
     target = load_target(target_path, dtype=torch.float32)

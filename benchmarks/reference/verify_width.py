@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dspine.checkpoint import load_draft  # noqa: E402
 from dspine.io import atomic_write_json  # noqa: E402
+from dspine.paths import load_tokenizer, resolve_model_path  # noqa: E402
 from dspine.prompts import encode_prompt  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 from dspine.reference import ReferenceDecoder  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
-from dspine.target import TargetSpec, load_target, load_tokenizer, resolve_model_path  # noqa: E402
+from dspine.target import TargetSpec, load_target  # noqa: E402
 from infer.datasets import load_eval_prompts  # noqa: E402
 from infer.generate import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 

@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     from accelerate import Accelerator
 
     from dspine.checkpoint import load_draft
-    from dspine.target import TargetSpec, load_target, load_tokenizer
+    from dspine.paths import load_tokenizer
+    from dspine.target import TargetSpec, load_target
     from train import config as run_config
     from train.data import make_batch, open_rows
     from train.distill import evaluate
