@@ -80,7 +80,7 @@ def open_each_weight_file(folder: Path, read, device="cpu") -> None:
     Raises:
         FileNotFoundError: no weights file, or a shard listed in the index is missing.
         ValueError: a bad index, or a truncated or corrupt file (named)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for f in weight_files(folder):
         if not f.is_file():
@@ -88,7 +88,8 @@ def open_each_weight_file(folder: Path, read, device="cpu") -> None:
         try:
             with safe_open(str(f), framework="pt", device=str(device)) as fh:
                 read(fh)
-        except Exception as e:  # safetensors raises SafetensorError / OSError variants
+        # the file's own errors only: out of (GPU) memory while reading a tensor is not a corrupt file
+        except (SafetensorError, OSError) as e:
             raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
 
 

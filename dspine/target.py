@@ -26,6 +26,7 @@ from dspine.config import (
     unsupported_layers,
     unsupported_rope,
 )
+from dspine.io import WEIGHTS, WEIGHTS_INDEX, open_each_weight_file
 from dspine.paths import hub_errors, load_tokenizer, resolve_model_path
 
 
@@ -260,7 +261,7 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`); a layer or model type the reference path does not run (:func:`dspine.config.check_target_layers` with ``engine=False``: full, sliding and, for qwen3_next / qwen3_5_text, linear attention run; a multimodal qwen3_5 runs its text model, :func:`load_text_model`), both before any weight is read.
+        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`); a layer or model type the reference path does not run (:func:`dspine.config.check_target_layers` with ``engine=False``: full, sliding and, for qwen3_next / qwen3_5_text, linear attention run; a multimodal qwen3_5 runs its text model, :func:`load_text_model`), a truncated or corrupt safetensors file of a local folder (named), all before any weight is read.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -273,11 +274,16 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
         check_target_layers(config, who, engine=False)
         if not is_recurrent(config):  # the engine runs attention-only targets: same RoPE (docs/method.md §8.3)
             check_rope(config, who)
+        check_target_dtype(torch_dtype, config.model_type)
+        folder = Path(path_or_id)
+        if not gguf_file and any((folder / n).is_file() for n in (WEIGHTS, WEIGHTS_INDEX)):
+            # a local safetensors folder: a truncated or corrupt file is one error naming it, as in the engine's
+            # loader (transformers' own is a traceback without the file's name); headers only, no tensor read
+            open_each_weight_file(folder, lambda fh: list(fh.keys()))
         if is_multimodal(config):
             model = load_text_model(path_or_id, config, torch_dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype, **kw)
-    check_target_dtype(torch_dtype, model.config.model_type)
     if gguf_file:
         # GGUF tensors are dequantized to fp32; drop the quantization marker so the model behaves
         # (and saves) like a plain dense checkpoint.

@@ -94,7 +94,7 @@ def add_decode_args(ap: argparse.ArgumentParser, *, labels: bool = False) -> Non
     ap.add_argument("--no-chat-template", action="store_true", help="encode the prompt as plain text")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"],
                     help="cuda = the Triton/CUDA-graph engine (default when a GPU is present)")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on the engine, fp32 on the reference backend) | bf16 | fp32")
     ap.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                     help="bit-exact engine mode (issues 13, 16): greedy spec output (chain, tree or planner) equals the "

@@ -105,9 +105,11 @@ def test_a_safetensors_index_without_a_weight_map(tmp_path):
 
 def test_one_safetensors_reader_names_a_truncated_file(stories_dir, tmp_path):
     """Drafts and targets go through one reader (dspine.io.read_safetensors): a truncated target weights file is
-    one ValueError naming it for the engine's loader too (it was safetensors' own error), and a missing folder file
-    names the folder."""
-    from dspine.io import read_safetensors
+    one ValueError naming it for the engine's loader and the reference backend's too (they gave safetensors' own
+    error, the reference one as a traceback without the file's name); out of memory while reading stays itself;
+    a folder without weights is named."""
+    from dspine.io import open_each_weight_file, read_safetensors
+    from dspine.target import load_target
 
     t = tmp_path / "target"
     shutil.copytree(stories_dir, t)
@@ -117,6 +119,15 @@ def test_one_safetensors_reader_names_a_truncated_file(stories_dir, tmp_path):
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
     with pytest.raises(ValueError, match=re.escape(f"{w}: not a readable safetensors file")):
         read_safetensors(t, "cpu")
+    with pytest.raises(ValueError, match=re.escape(f"{w}: not a readable safetensors file")):
+        load_target(str(t))  # the reference backend's loader checks the headers before transformers reads them
+
+    def out_of_memory(fh):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    shutil.copy(stories_dir / "model.safetensors", w)  # a good file: running out of memory is not "not readable"
+    with pytest.raises(torch.OutOfMemoryError):
+        open_each_weight_file(t, out_of_memory)
     w.unlink()
     with pytest.raises(FileNotFoundError, match=re.escape(f"{t}: no model.safetensors (or model.safetensors.index")):
         read_safetensors(t)
