@@ -22,7 +22,6 @@ from dspine.paths import hub_errors, read_json_object
 logger = logging.getLogger(__name__)
 
 
-
 def resolve_checkpoint(path_or_id: str) -> Path:
     """Local folder, or a Hub repo id fetched with ``huggingface_hub.snapshot_download``.
 

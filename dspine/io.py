@@ -48,7 +48,6 @@ def default_file_mode(path: str | Path) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
-
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
