@@ -51,6 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data.staging import tmp_beside
+
 FORMAT = "dspine-pack-v1"
 MANIFEST = "pack.json"
 PART_PREFIX = "data.tar.xz."
@@ -251,7 +253,7 @@ def export(cache: str | Path, out: str | Path, part_mib: float = 15, preset: int
                 "parts": [{"file": f"{PART_PREFIX}{i:03d}", "bytes": len(p), "sha256": _sha256(p)}
                           for i, p in enumerate(parts)],
                 "seconds": {"read": round(t1 - t0, 2), "compress": round(t2 - t1, 2)}}
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = tmp_beside(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -413,7 +415,7 @@ def import_(parts: list[str | Path], out: str | Path | None = None, cache_dir: s
     if _sha256(payload) != manifest["payload_sha256"]:
         raise PackError(f"archive {manifest.get('cache_name')}: payload sha256 differs from {MANIFEST}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # dot name: `ls -d tok-train/*/` skips it
+    tmp = tmp_beside(out)  # dot name: `ls -d tok-train/*/` skips it
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

@@ -49,6 +49,7 @@ from pathlib import Path
 from data.chat import end_of_turn_token, render, resolve_chat_template
 from data.rows import EXIT_STATUS, atomic_write_json, dumps, file_digest, parse_jsonl_line
 from data.schema import RowError, check_row
+from data.staging import tmp_beside
 from dspine.paths import load_tokenizer, read_json_object
 from dspine.prompts import encode_text, plain_spans
 
@@ -159,17 +160,6 @@ def tokenize_conversation(
         limit = f" within max_length {max_length} (prompt too long)" if max_length is not None else ""
         raise RowError("all_zero_mask", f"row {row_id}: loss mask is all zero: no supervised token{limit}")
     return sequences
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (signal 0; a process of another user counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def _render(tokenizer, template, turns, add_generation_prompt, thinking, row_id) -> str:
@@ -341,12 +331,7 @@ def build_tokenized(
     final = Path(cache_dir) / cache_key(manifest)
     if (final / SUMMARY).exists():
         return final
-    # A dot name: a killed build's leftover is neither picked by `ls -d cache_dir/*/` nor opened as a cache.
-    tmp = Path(cache_dir) / f".{final.name}.tmp-{os.getpid()}"
-    for old in Path(cache_dir).glob(f".{final.name}.tmp-*"):  # a killed build's leftover (SIGKILL runs no cleanup)
-        pid = old.name.rsplit("-", 1)[-1]
-        if old != tmp and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
+    tmp = tmp_beside(final)  # a killed build's leftover is removed, and never picked or opened as a cache
     settings = (tokenizer_path, template, thinking, assistant_turns, max_length)
     try:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -184,3 +184,25 @@ def test_export_onto_a_corrupt_or_differently_split_archive(tmp_path, capsys):
     assert err.startswith(f"error: --out {out} exists and is not a valid archive identical to this cache (part {part} "
                           "is corrupt: 2096 bytes")
     assert err.endswith(f"); export refuses to overwrite it: delete {out} and export again\n")
+
+
+def test_a_killed_export_or_import_leaves_nothing_for_the_next_run(tmp_path):
+    """data.pack builds in `.<name>.tmp-<pid>` beside its output (data.staging.tmp_beside, as data.tokenize): a
+    SIGKILLed run's folder is removed by the next export or import of the same name once that process is gone; a
+    live process's is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cache = _cache(tmp_path / "tok", _rows(49152))
+    stale = {p: p.with_name(f".{p.name}.tmp-{dead.pid}") for p in (tmp_path / "pack", tmp_path / "unpacked" / cache.name)}
+    live = (tmp_path / "pack").with_name(f".pack.tmp-{os.getppid()}")
+    for d in [*stale.values(), live]:
+        d.mkdir(parents=True)
+        (d / "partial").write_text("x")
+    export(cache, tmp_path / "pack")
+    assert not stale[tmp_path / "pack"].exists() and live.is_dir()
+    _same_cache(cache, import_([tmp_path / "pack"], cache_dir=tmp_path / "unpacked"))
+    assert not stale[tmp_path / "unpacked" / cache.name].exists()

@@ -1,0 +1,33 @@
+"""The folder a data tool builds its output in before renaming it into place.
+
+Standard library only: ``python -m data.pack`` imports it and stays free of the dspine package's torch import.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def tmp_beside(out: Path) -> Path:
+    """``.<name>.tmp-<pid>`` beside ``out``: the folder a data tool builds ``out`` in before renaming it into place (a
+    dot name: ``ls -d folder/*/`` skips it and nothing opens it as output). The same name's leftovers of processes
+    that are gone (SIGKILL runs no cleanup) are removed first; one of a live process (a concurrent build) is left."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    for old in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if old != tmp and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0; a process of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
