@@ -289,17 +289,17 @@ def regenerate_batch(rows, tokenizer, template: str, generator, args, max_contex
                 {"index": index, "id": row_id, "reason": e.code, "detail": str(e), "row": raw}
             )
 
+    def prompt_text(turns: list[dict]) -> str:  # also handed to encode, which renders the turns again with markers
+        return render(tokenizer, template, turns, True, args.enable_thinking)
+
     turn = 0
     active = [c for c in chats if c.advance()]
     while active:
         prompts, ready = [], []
         for chat in active:
             try:
-                def again(turns):
-                    return render(tokenizer, template, turns, True, args.enable_thinking)
-
-                text = again(chat.history)
-                ids = encode(tokenizer, text, chat.history, again)  # system/user text stays plain text
+                text = prompt_text(chat.history)
+                ids = encode(tokenizer, text, chat.history, prompt_text)  # system/user text stays plain text
             except Exception as e:  # a template can raise on any row (jinja errors, bad roles)
                 out["errors"].append(
                     _error(chat, f"chat template failed at turn {turn}: {type(e).__name__}: {e}")
