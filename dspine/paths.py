@@ -2,8 +2,9 @@
 
 Every loader (``dspine.*``, ``infer.*``, ``data.*``, ``train/``) resolves its ``--target`` /
 ``--tokenizer`` here first, so a mistyped local path is reported as a missing path, not as a
-malformed Hub repo id; :func:`load_tokenizer` is the one tokenizer loader. :func:`read_json_object` reads the JSON files the tools take (configs,
-manifests, run arguments) and names the file when one is not a JSON object.
+malformed Hub repo id; :func:`load_tokenizer` is the one tokenizer loader. :func:`read_json_object` reads
+the JSON files the tools take (configs, manifests, run arguments) and names the file when one is not a JSON
+object.
 """
 
 from __future__ import annotations
