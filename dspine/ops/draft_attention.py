@@ -33,7 +33,7 @@ import torch
 
 from ._common import check_impl, dot_precision, next_pow2, tl, triton
 from .attn_combine import combine_partials_triton
-from .verify_attention import _LOG2E, _attn_blocks, _split_plan
+from .verify_attention import _LOG2E, _attend_tile, _launch_plan, _packed_rows, _store_rows
 
 __all__ = ["draft_attention", "draft_attention_torch"]
 
@@ -56,24 +56,9 @@ def _draft_attn_kernel(
     HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr,
     SPLIT: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    m_blk = pid % NUM_MB
-    bh = pid // NUM_MB
-    b = (bh // Hkv).to(tl.int64)  # batch offsets can pass 2^31 elements
-    kvh = bh % Hkv
-    TG = T * G
-
-    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)  # packed row r = t·G + g
-    row_ok = rows < TG
-    t = rows // G
-    h = kvh * G + rows % G
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-
-    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    clen = tl.load(CtxLen + b).to(tl.int32)
+    bh, b, kvh, rows, row_ok, t, h, d, d_ok, q, clen = _packed_rows(
+        Q, CtxLen, stride_qb, stride_qt, stride_qh, Hkv, T, G, D, NUM_MB, BLOCK_M, BLOCK_D)
     q_pos = clen + t
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -86,19 +71,12 @@ def _draft_attn_kernel(
         sb_ok = sb < T
         kbt = tl.load(KB + b * stride_kbb + sb[None, :] * stride_kbt + kvh * stride_kbh + d[:, None],
                       mask=sb_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_T]
-        s = tl.dot(q, kbt, input_precision=PREC) * qk_scale
         vis = sb_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             vis = vis & (sb[None, :] <= t[:, None])
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vb = tl.load(VB + b * stride_vbb + sb[:, None] * stride_vbt + kvh * stride_vbh + d[None, :],
-                     mask=sb_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
-        m_i = m_new
+        vb_ptrs = VB + b * stride_vbb + sb[:, None] * stride_vbt + kvh * stride_vbh + d[None, :]  # [BLOCK_T, BLOCK_D]
+        m_i, l_i, acc = _attend_tile(q, kbt, vb_ptrs, sb_ok[:, None] & d_ok[None, :], vis, m_i, l_i, acc, qk_scale,
+                                     PREC)
         if HAS_EXTRA:
             # one extra key per query row: row t of k_extra (t >= 1); a row-wise dot, not a GEMM
             e_ok = row_ok & (t >= 1)
@@ -132,29 +110,14 @@ def _draft_attn_kernel(
             idx = pos
         kt = tl.load(kc_base + idx[None, :] * stride_kcs + d[:, None],
                      mask=p_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
         vis = p_ok[None, :]
         if HAS_WINDOW:
             vis = vis & ((q_pos[:, None] - pos[None, :]) < window)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_base + idx[:, None] * stride_vcs + d[None, :],
-                    mask=p_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, kt, vc_base + idx[:, None] * stride_vcs + d[None, :],
+                                     p_ok[:, None] & d_ok[None, :], vis, m_i, l_i, acc, qk_scale, PREC)
 
-    if SPLIT:
-        ml_off = (bh * num_splits + pid_s) * TG + rows
-        tl.store(PartM + ml_off, m_i, mask=row_ok)
-        tl.store(PartL + ml_off, l_i, mask=row_ok)
-        tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padded rows: 0/0 otherwise
-        tl.store(Out + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
-                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    _store_rows(Out, PartAcc, PartM, PartL, m_i, l_i, acc, (bh * num_splits + pid_s) * (T * G) + rows, row_ok,
+                b * stride_ob + t * stride_ot + h * stride_oh, d, d_ok, D, SPLIT)
 
 
 def _check(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, k_extra, v_extra):
@@ -184,17 +147,10 @@ def draft_attention_triton(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, window
     _, Hkv, C, _ = k_ctx.shape
     G = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
-    bm, bn, bd, warps, stages = _attn_blocks(D, q.dtype, G * T)
-    num_mb = triton.cdiv(G * T, bm)
-    span = C if window is None else min(C, int(window) - 1)
-    ns, chunk = _split_plan(B * Hkv * num_mb, span, bn, q.device, num_splits)
+    span = C if window is None else min(C, int(window) - 1)  # the context keys one row can see
+    (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(
+        q, Hkv, span, num_splits, out)
     split = ns > 1
-    if split:
-        part_acc = torch.empty(B * Hkv, ns, G * T, D, device=q.device, dtype=torch.float32)
-        part_m = torch.empty(B * Hkv, ns, G * T, device=q.device, dtype=torch.float32)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out  # unused
     has_extra = k_extra is not None
     ke, ve = (k_extra, v_extra) if has_extra else (k_blk, v_blk)  # dummies when unused
     _draft_attn_kernel[(B * Hkv * num_mb, ns)](
@@ -261,10 +217,7 @@ def draft_attention_torch(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, window=
     if k_extra is not None:
         o = o + p[..., C + T:] * ve
     o = o.view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-    if out is None:
-        return o.to(q.dtype)
-    out.copy_(o)
-    return out
+    return o.to(q.dtype) if out is None else out.copy_(o)
 
 
 def draft_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, window=None, causal=False,

@@ -66,10 +66,7 @@ def silu_mul_torch(gate_up, *, out=None):
     _check(gate_up, out)
     g, u = gate_up.chunk(2, dim=-1)
     y = F.silu(g) * u
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
+    return y if out is None else out.copy_(y)
 
 
 def silu_mul(gate_up, impl: str = "triton", *, out=None):

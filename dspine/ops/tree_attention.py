@@ -41,7 +41,14 @@ import torch
 
 from ._common import check_impl, dot_precision, tl, triton
 from .attn_combine import combine_partials_triton
-from .verify_attention import _attend_tile, _launch_plan, verify_attention_torch
+from .verify_attention import (
+    _attend_tile,
+    _launch_plan,
+    _packed_rows,
+    _store_rows,
+    masked_attention_torch,
+    verify_attention_torch,
+)
 
 __all__ = ["tree_attention", "tree_attention_torch", "tree_paths"]
 
@@ -62,25 +69,10 @@ def _tree_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    m_blk = pid % NUM_MB
-    bh = pid // NUM_MB
-    b = (bh // Hkv).to(tl.int64)
-    kvh = bh % Hkv
-    TG = T * G
-
-    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)  # packed row r = t·G + g
-    row_ok = rows < TG
-    t = rows // G
-    h = kvh * G + rows % G
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-
-    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    bh, b, kvh, rows, row_ok, t, h, d, d_ok, q, clen = _packed_rows(
+        Q, CacheLen, stride_qb, stride_qt, stride_qh, Hkv, T, G, D, NUM_MB, BLOCK_M, BLOCK_D)
     bits = tl.load(Bits + b * stride_bb + t, mask=row_ok, other=0).to(tl.int64)  # [BLOCK_M]
-    clen = tl.load(CacheLen + b).to(tl.int32)
 
     lo = pid_s * chunk
     hi = tl.minimum(tl.minimum(lo + chunk, clen + T), S)
@@ -102,15 +94,8 @@ def _tree_attn_kernel(
         m_i, l_i, acc = _attend_tile(q, kt, v_base + n[:, None] * stride_vs + d[None, :],
                                      n_ok[:, None] & d_ok[None, :], vis, m_i, l_i, acc, qk_scale, PREC)
 
-    if SPLIT:
-        ml_off = (bh * num_splits + pid_s) * TG + rows
-        tl.store(PartM + ml_off, m_i, mask=row_ok)
-        tl.store(PartL + ml_off, l_i, mask=row_ok)
-        tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(Out + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
-                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+    _store_rows(Out, PartAcc, PartM, PartL, m_i, l_i, acc, (bh * num_splits + pid_s) * (T * G) + rows, row_ok,
+                b * stride_ob + t * stride_ot + h * stride_oh, d, d_ok, D, SPLIT)
 
 
 @triton.jit
@@ -127,24 +112,9 @@ def _tree_attn_exact_prefix_kernel(
     # exact mode, the splits wholly below the first tile that holds a tree key (every key visible to every row: packed
     # rows, _verify_attn_kernel's arithmetic) and the empty splits past the paths; _tree_attn_exact_path_kernel writes
     # the two splits from that tile on
-    pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    m_blk = pid % NUM_MB
-    bh = pid // NUM_MB
-    b = (bh // Hkv).to(tl.int64)
-    kvh = bh % Hkv
-    TG = T * G
-
-    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)  # packed row r = t·G + g
-    row_ok = rows < TG
-    t = rows // G
-    h = kvh * G + rows % G
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-
-    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-    clen = tl.load(CacheLen + b).to(tl.int32)
+    bh, b, kvh, rows, row_ok, t, h, d, d_ok, q, clen = _packed_rows(
+        Q, CacheLen, stride_qb, stride_qt, stride_qh, Hkv, T, G, D, NUM_MB, BLOCK_M, BLOCK_D)
     tree_split = (clen // BLOCK_N * BLOCK_N) // chunk  # the split holding the first tree tile
     lo = pid_s * chunk
     hi = tl.where(pid_s < tree_split, tl.minimum(lo + chunk, S), lo)  # below the tree split: every key visible
@@ -164,10 +134,8 @@ def _tree_attn_exact_prefix_kernel(
 
     split = rows * 0 + pid_s  # [BLOCK_M]: a vector mask (the interpreter refuses a scalar bool in one)
     ok = row_ok & ((split < tree_split) | (split > tree_split + 1))  # the path kernel writes the other two
-    ml_off = (bh * num_splits + pid_s) * TG + rows
-    tl.store(PartM + ml_off, m_i, mask=ok)
-    tl.store(PartL + ml_off, l_i, mask=ok)
-    tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=ok[:, None] & d_ok[None, :])
+    _store_rows(PartAcc, PartAcc, PartM, PartL, m_i, l_i, acc, (bh * num_splits + pid_s) * (T * G) + rows, ok, rows,
+                d, d_ok, D, True)
 
 
 @triton.jit
@@ -189,7 +157,6 @@ def _tree_attn_exact_path_kernel(
     bh = pid // T
     b = (bh // Hkv).to(tl.int64)
     kvh = bh % Hkv
-    TG = T * G
 
     g = tl.arange(0, BLOCK_M)
     row_ok = g < G
@@ -227,10 +194,8 @@ def _tree_attn_exact_path_kernel(
                                      n_ok[:, None] & d_ok[None, :], vis, m_i, l_i, acc, qk_scale, PREC)
 
     ok = row_ok & (g * 0 + split < num_splits)
-    ml_off = (bh * num_splits + split) * TG + t * G + g
-    tl.store(PartM + ml_off, m_i, mask=ok)
-    tl.store(PartL + ml_off, l_i, mask=ok)
-    tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=ok[:, None] & d_ok[None, :])
+    _store_rows(PartAcc, PartAcc, PartM, PartL, m_i, l_i, acc, (bh * num_splits + split) * (T * G) + t * G + g, ok, g,
+                d, d_ok, D, True)
 
 
 def tree_paths(tree_bits: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
@@ -346,29 +311,11 @@ def tree_attention_torch(q, k_cache, v_cache, cache_len, tree_bits, scale, *, ou
                 v1[:, :, clen : clen + dep + 1] = v_cache[b : b + 1, :, src]
                 o[b, t] = verify_attention_torch(q[b : b + 1, t : t + 1].clone(), k1, v1,
                                                  cache_len[b : b + 1] + dep, scale, exact=True)[0, 0]  # fmt: skip
-        if out is None:
-            return o
-        out.copy_(o)
-        return out
-    G = Hq // Hkv
-    qr = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
-    j = torch.arange(S, device=q.device)
-    clen = cache_len.to(torch.long)
-    written = j[None, :] < (clen[:, None] + T)  # [B, S]: never touch stale cache rows
-    k = k_cache.float().masked_fill(~written[:, None, :, None], 0.0)
-    v = v_cache.float().masked_fill(~written[:, None, :, None], 0.0)
-    node = j[None, :] - clen[:, None]  # [B, S]
+        return o if out is None else out.copy_(o)
+    node = torch.arange(S, device=q.device)[None, :] - cache_len.to(torch.long)[:, None]  # [B, S]
     bit = (tree_bits[:, :, None] >> node.clamp(0, 63)[:, None, :]) & 1  # [B, T, S]
     vis = (node[:, None, :] < 0) | ((node[:, None, :] < T) & (bit != 0))
-    vis = vis.repeat_interleave(G, dim=1)  # [B, TG, S], rows r = t·G + g
-    s = (qr @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~vis[:, None], float("-inf"))
-    o = torch.softmax(s, dim=-1) @ v
-    o = o.view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-    if out is None:
-        return o.to(q.dtype)
-    out.copy_(o)
-    return out
+    return masked_attention_torch(q, k_cache, v_cache, cache_len, vis, scale, out)
 
 
 def tree_attention(q, k_cache, v_cache, cache_len, tree_bits, scale, impl: str = "triton", *, out=None,

@@ -53,10 +53,11 @@ EXACT_CHUNK = 256  # exact mode: keys per split (a multiple of every BLOCK_N)
 
 @triton.jit
 def _attend_tile(q, kt, v_ptrs, v_mask, vis, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
-    """One key tile of the flash-decoding loop, for every kernel of this module and ``tree_attention``'s (one
-    sequence of operations, so exact mode's kernels round alike): scores ``q · kt`` (scaled to log2 units) masked
-    to ``vis``, the online-softmax update of the running max ``m_i``, sum ``l_i`` and ``acc``, P rounded to V's
-    dtype before P·V; V ([BLOCK_N, BLOCK_D] at ``v_ptrs``, ``v_mask``) is loaded after the softmax statistics.
+    """One key tile of the flash-decoding loop, for every kernel of this module, ``tree_attention`` and
+    ``draft_attention`` (one sequence of operations, so exact mode's kernels round alike): scores ``q · kt``
+    (scaled to log2 units) masked to ``vis``, the online-softmax update of the running max ``m_i``, sum ``l_i`` and
+    ``acc``, P rounded to V's dtype before P·V; V ([BLOCK_N, BLOCK_D] at ``v_ptrs``, ``v_mask``) is loaded after
+    the softmax statistics.
     Returns the new ``(m_i, l_i, acc)``."""
     s = tl.dot(q, kt, input_precision=PREC) * qk_scale
     s = tl.where(vis, s, float("-inf"))
@@ -67,6 +68,44 @@ def _attend_tile(q, kt, v_ptrs, v_mask, vis, m_i, l_i, acc, qk_scale, PREC: tl.c
     v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _packed_rows(Q, CacheLen, stride_qb, stride_qt, stride_qh, Hkv, T, G: tl.constexpr, D: tl.constexpr,
+                 NUM_MB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Prologue of the packed-row kernels (this module's, ``tree_attention``'s, ``draft_attention``'s): program 0's
+    id → (kv-head program ``bh`` = b·Hkv + kvh, row tile); the tile's packed rows r = t·G + g ([BLOCK_M]: ``rows``,
+    ``row_ok``, token ``t``, query head ``h``), the head-dim lanes ``d``/``d_ok`` ([BLOCK_D]), the queries
+    ``q [BLOCK_M, BLOCK_D]`` (0 in padding) and row b's cache length (int32). ``b`` is int64: batch offsets can pass
+    2^31 elements. Returns ``(bh, b, kvh, rows, row_ok, t, h, d, d_ok, q, clen)``."""
+    pid = tl.program_id(0)
+    bh = pid // NUM_MB
+    b = (bh // Hkv).to(tl.int64)
+    kvh = bh % Hkv
+    rows = (pid % NUM_MB) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T * G
+    t = rows // G
+    h = kvh * G + rows % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return bh, b, kvh, rows, row_ok, t, h, d, d_ok, q, tl.load(CacheLen + b).to(tl.int32)
+
+
+@triton.jit
+def _store_rows(Out, PartAcc, PartM, PartL, m_i, l_i, acc, part_row, ok, out_row, d, d_ok, D: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """Epilogue of the flash-decoding kernels: with ``SPLIT`` the fp32 partials (m, l, acc) of rows ``ok`` at
+    partial row ``part_row`` (= (bh·splits + split)·G·T + r, ``attn_combine``'s layout), else the normalized
+    output ``acc / l`` in Out's dtype at element offset ``out_row`` (padded rows: l = 0, written as 0)."""
+    if SPLIT:
+        tl.store(PartM + part_row, m_i, mask=ok)
+        tl.store(PartL + part_row, l_i, mask=ok)
+        tl.store(PartAcc + part_row[:, None] * D + d[None, :], acc, mask=ok[:, None] & d_ok[None, :])
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + out_row[:, None] + d[None, :], o.to(Out.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -83,24 +122,9 @@ def _verify_attn_kernel(
     SPLIT: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
-    pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    m_blk = pid % NUM_MB
-    bh = pid // NUM_MB
-    b = (bh // Hkv).to(tl.int64)  # batch offsets can pass 2^31 elements
-    kvh = bh % Hkv
-    TG = T * G
-
-    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)  # packed row r = t·G + g
-    row_ok = rows < TG
-    t = rows // G
-    h = kvh * G + rows % G
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-
-    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    clen = tl.load(CacheLen + b).to(tl.int32)
+    bh, b, kvh, rows, row_ok, t, h, d, d_ok, q, clen = _packed_rows(
+        Q, CacheLen, stride_qb, stride_qt, stride_qh, Hkv, T, G, D, NUM_MB, BLOCK_M, BLOCK_D)
     q_pos = clen + t  # key j is visible to row r iff q_pos[r] - WINDOW < j <= q_pos[r] (WINDOW 0: no lower bound)
 
     lo = pid_s * chunk
@@ -124,15 +148,8 @@ def _verify_attn_kernel(
         m_i, l_i, acc = _attend_tile(q, kt, v_base + n[:, None] * stride_vs + d[None, :],
                                      n_ok[:, None] & d_ok[None, :], vis, m_i, l_i, acc, qk_scale, PREC)
 
-    if SPLIT:
-        ml_off = (bh * num_splits + pid_s) * TG + rows
-        tl.store(PartM + ml_off, m_i, mask=row_ok)
-        tl.store(PartL + ml_off, l_i, mask=row_ok)
-        tl.store(PartAcc + ml_off[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padded rows: 0/0 otherwise
-        tl.store(Out + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
-                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    _store_rows(Out, PartAcc, PartM, PartL, m_i, l_i, acc, (bh * num_splits + pid_s) * (T * G) + rows, row_ok,
+                b * stride_ob + t * stride_ot + h * stride_oh, d, d_ok, D, SPLIT)
 
 
 def _attn_blocks(D: int, dtype: torch.dtype, rows: int) -> tuple[int, int, int, int, int]:
@@ -252,8 +269,7 @@ def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, n
     del num_splits, blocks
     _check_window(window)
     B, T, Hq, D = q.shape
-    _, Hkv, S, _ = k_cache.shape
-    G = Hq // Hkv
+    S = k_cache.shape[2]
     if exact:
         o = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
         for b in range(B):
@@ -261,29 +277,32 @@ def verify_attention_torch(q, k_cache, v_cache, cache_len, scale, *, out=None, n
                 o[b, t] = verify_attention_torch(q[b : b + 1, t : t + 1].clone(), k_cache[b : b + 1],
                                                  v_cache[b : b + 1], cache_len[b : b + 1] + t, scale,
                                                  window=window)[0, 0]
-        if out is None:
-            return o
-        out.copy_(o)
-        return out
-    # rows of one kv head packed as r = t·G + g, like the kernel
-    qr = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
+        return o if out is None else out.copy_(o)
     j = torch.arange(S, device=q.device)
-    clen = cache_len.to(torch.long)
-    written = j[None, :] < (clen[:, None] + T)  # [B, S]: never touch stale cache rows
-    k = k_cache.float().masked_fill(~written[:, None, :, None], 0.0)
-    v = v_cache.float().masked_fill(~written[:, None, :, None], 0.0)
-    pos = clen[:, None] + torch.arange(T, device=q.device).repeat_interleave(G)[None, :]  # [B, TG]
-    vis = j[None, None, :] <= pos[:, :, None]  # [B, TG, S]
+    pos = cache_len.to(torch.long)[:, None] + torch.arange(T, device=q.device)[None, :]  # [B, T]
+    vis = j[None, None, :] <= pos[:, :, None]  # [B, T, S]
     if window is not None:
         vis = vis & (j[None, None, :] > pos[:, :, None] - window)
+    return masked_attention_torch(q, k_cache, v_cache, cache_len, vis, scale, out)
+
+
+def masked_attention_torch(q, k_cache, v_cache, cache_len, vis, scale, out=None):
+    """fp32 reference of the verify-layout attentions (this op's and ``tree_attention``'s): token t of row b
+    attends the cache keys j where ``vis [B, T, S]`` (bool) is set, with one softmax over them; rows at or past
+    ``cache_len[b] + T`` are zeroed first (stale or poisoned cache rows never reach the output). Query rows of one
+    kv head packed as r = t·G + g, like the kernels. Returns [B, T, Hq, D] in q's dtype (into ``out`` if given)."""
+    B, T, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    qr = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
+    written = torch.arange(S, device=q.device)[None, :] < (cache_len.to(torch.long)[:, None] + T)  # [B, S]
+    k = k_cache.float().masked_fill(~written[:, None, :, None], 0.0)
+    v = v_cache.float().masked_fill(~written[:, None, :, None], 0.0)
     s = (qr @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~vis[:, None], float("-inf"))
-    o = torch.softmax(s, dim=-1) @ v  # [B, Hkv, TG, D]
+    s = s.masked_fill(~vis.repeat_interleave(G, dim=1)[:, None], float("-inf"))
+    o = torch.softmax(s, dim=-1) @ v  # [B, Hkv, T·G, D]
     o = o.view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-    if out is None:
-        return o.to(q.dtype)
-    out.copy_(o)
-    return out
+    return o.to(q.dtype) if out is None else out.copy_(o)
 
 
 def verify_attention(q, k_cache, v_cache, cache_len, scale, impl: str = "triton", *, out=None,
