@@ -67,6 +67,16 @@ FAIR_FILES = [(f"verify-{kind}-{gpu}.json", how) for gpu in ("h200", "h100") for
     ("invariant", "drafter-invariant verification: the chain and the planner decode AR's sampled text, no tree"))]
 
 
+def _point_key(p: dict) -> tuple:
+    """A planner point's identity across files: concurrency, temperature and when it ran."""
+    return p["concurrency"], p["temperature"], p.get("provenance", {}).get("date")
+
+
+def _vs_goal(x: float, goal: float = 0.98) -> str:
+    """``x`` to three decimals, or four where three would round a miss up to the goal (0.9798 is not 0.980)."""
+    return f"{x:.4f}" if x < goal <= round(x, 3) else f"{x:.3f}"
+
+
 def _planner_row(pts: list[dict], name: str, where: str = "",
                  what: str = "concurrency 1 / 8 / 32 / 64 × T = 0, 1") -> tuple | None:
     """The goals table's row for the planner points of one file (bench_tree.py --planner), or None without any;
@@ -75,14 +85,14 @@ def _planner_row(pts: list[dict], name: str, where: str = "",
         return None
     good = sum(p["planner_over_best_static"] >= 0.98 for p in pts)
     below_ar = [p for p in pts if p["planner_over_ar"] < 1]
-    short = ", ".join(f"{p['planner_over_best_static']:.3f} at concurrency {p['concurrency']}, T = "
+    short = ", ".join(f"{_vs_goal(p['planner_over_best_static'])} at concurrency {p['concurrency']}, T = "
                       f"{p['temperature']:g}" for p in pts if p["planner_over_best_static"] < 0.98)
     trees = next((p["plan_trees"] for p in pts if p["temperature"] == 0 and p.get("plan_trees")), None)
     return ("Planner (`--budget auto`) ÷ the best fixed mode, " + what + where
             + (f" (trees of {' and '.join(map(str, trees))} at T = 0)" if trees else ""),
             "≥ 0.98, never below AR",
             f"{good} of {len(pts)} points ≥ 0.98" + (f"; below: {short}" if short else "")
-            + (f"; below AR at {len(below_ar)} points"
+            + (f"; below AR at {len(below_ar)} point{'s' * (len(below_ar) > 1)}"
                + (", where AR is the best mode" if all(abs(p["planner_over_ar"] - p["planner_over_best_static"])
                                                        < 1e-9 for p in below_ar) else "")
                + f" (lowest {min(p['planner_over_ar'] for p in pts):.3f} × AR)" if below_ar else ""),
@@ -150,9 +160,12 @@ def _glance_rows(load) -> list[str]:
                        f" ({(h100 or {}).get('gpu') or '?'}, {str((h100 or {}).get('date', ''))[:10]})")
     if row:
         rows.append(row)
+    in_ver = {_point_key(p) for p in (ver or {}).get("planner") or []}
     for name, how in FAIR_FILES:  # the planner points with every mode decoding AR's text
         hx = load(name)
         pts = (hx or {}).get("planner") or []
+        if pts and all(_point_key(p) in in_ver for p in pts):
+            continue  # verify-h200.json's row holds them
         row = _planner_row(pts, name, f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, {how})",
                            what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
         if row:
@@ -740,7 +753,7 @@ def _planner_points_table(pts: list[dict]) -> list[str]:
         out.append(f"| {p['concurrency']} | {temp} | {p['ar_tok_per_s']:.0f} | {p['chain_tok_per_s']:.0f} | "
                    f"{'–' if t16 is None else f'{t16:.0f}'} | {'–' if t32 is None else f'{t32:.0f}'} | "
                    f"{p['planner_tok_per_s']:.0f} | "
-                   f"{p['planner_over_best_static']:.3f} — {ok} | "
+                   f"{_vs_goal(p['planner_over_best_static'])} — {ok} | "
                    f"{p['planner_over_ar']:.3f} | {share} | `{p['provenance']['commit'][:7]}` |")
     return out
 
@@ -774,7 +787,9 @@ def verify_section() -> list[str]:
             *_planner_points_table(v["planner"])]
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
-    history = (("planner_before_calibration_fix", "T = 0, before the confidence scaling of led trees (same runs' "
+    history = (("planner_2026_12_03", "Each mode decoding its own text (2026-12-03), the eight points before the "
+                "same-text runs"),
+               ("planner_before_calibration_fix", "T = 0, before the confidence scaling of led trees (same runs' "
                 "layout: fixed trees of 16 and 32)"),
                ("planner_plan_trees_16_32", "T = 0, the planner with trees of 16 and 32 (`plan_trees=16/32`), same runs"),
                ("planner_no_confidence", "T = 0, the planner without the draft's confidence (`confidence=never`), same runs"),
@@ -835,10 +850,11 @@ def planner_h100_section() -> list[str]:
                 "alternated per task (T = 1: top_p 0.95, top_k 20)." + (f" {v['note']}" if v.get("note") else ""), "",
                 *_planner_points_table(pts), "",
                 "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`" for p in pts)), ""]
+    shown = {_point_key(p) for p in (load("verify-h200.json") or {}).get("planner") or []}
     for name, how in FAIR_FILES:
         vx = load(name)
         fair = (vx or {}).get("planner") or []
-        if fair:
+        if fair and not all(_point_key(p) in shown for p in fair):  # else verify-h200.json's table shows them
             out += [f"The planner on the same text in every mode, {vx.get('gpu') or '?'} ([`results/{name}`](results/{name}), "
                     f"`reproduce_h200.sh planfair`): {how}, so the ratios compare the same work."
                     + (f" {vx['note']}" if vx.get("note") else ""), "", *_planner_points_table(fair), "",
