@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from dspine.sampling import SamplingParams
 from dspine.stats import AcceptStats
+from infer.planner import parse_conf_slope, parse_plan_trees, plan_trees_flag
 
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
 # Engine.loop_profile, summed per task in the JSON (admit_device_s: CUDA only, the admissions' device time; admits:
@@ -54,11 +55,43 @@ def parse_drafts(values: list[str] | None) -> dict[str, str]:
     return out
 
 
-CONFIG_KEYS = ("verify", "tree_budget", "budget", "chain_first", "plan_trees", "confidence", "conf_slope", "drain",
-               "draft_vocab")
+def _choice(key: str, values: dict, expected: str):
+    """A ``--config`` value parser: ``values[text]``, or ValueError ``KEY='TEXT'; expected ...``."""
+    def parse(text: str):
+        if text not in values:
+            raise ValueError(f"{key}={text!r}; expected {expected}")
+        return values[text]
+    return parse
+
+
+def _tree_budget(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"tree_budget={text!r} is not an integer") from None
+
+
+def _draft_vocab(text: str) -> str | None:  # a file (read with the models), or none: the whole vocabulary
+    if not text:
+        raise ValueError("draft_vocab= needs a file path or none")
+    return None if text == "none" else text
+
+
 CONFIDENCE = ("greedy", "always", "never")  # Engine.plan_confidence
 DRAIN = ("off", "scaled", "lead")  # off: Engine.plan_drain False; else on with that Engine.plan_drain_model
-CHAIN_FIRST = {"auto": None, "yes": True, "no": False}  # Engine's tree_chain_first
+# --config KEY -> its value parser (ValueError naming KEY and the value)
+CONFIG_PARSERS = {
+    "verify": _choice("verify", {"chain": "chain", "tree": "tree"}, "chain or tree"),
+    "tree_budget": _tree_budget,
+    "budget": _choice("budget", {"auto": "auto", "none": None}, "auto or none"),
+    "chain_first": _choice("chain_first", {"auto": None, "yes": True, "no": False}, "auto, yes or no"),  # Engine's
+    "plan_trees": parse_plan_trees,
+    "confidence": _choice("confidence", {c: c for c in CONFIDENCE}, ", ".join(CONFIDENCE)),
+    "conf_slope": parse_conf_slope,
+    "drain": _choice("drain", {d: d for d in DRAIN}, ", ".join(DRAIN)),
+    "draft_vocab": _draft_vocab,
+}
+CONFIG_KEYS = tuple(CONFIG_PARSERS)
 
 
 def parse_configs(values: list[str] | None, labels, args, tree_budget_given: bool | None = None) -> dict[str, dict]:
@@ -107,51 +140,13 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
                 raise ValueError(f"--config {item!r}: key {key!r} given twice")
             given[key] = value.strip()
         c = out[label]
-        if "verify" in given:
-            if given["verify"] not in ("chain", "tree"):
-                raise ValueError(f"--config {item!r}: verify={given['verify']!r}; expected chain or tree")
-            c["verify"] = given["verify"]
-            if c["verify"] == "chain":
-                c["tree_budget"] = None
-        if "budget" in given:
-            if given["budget"] not in ("auto", "none"):
-                raise ValueError(f"--config {item!r}: budget={given['budget']!r}; expected auto or none")
-            c["budget"] = None if given["budget"] == "none" else "auto"
-        if "chain_first" in given:
-            if given["chain_first"] not in CHAIN_FIRST:
-                raise ValueError(f"--config {item!r}: chain_first={given['chain_first']!r}; expected auto, yes or no")
-            c["chain_first"] = CHAIN_FIRST[given["chain_first"]]
-        if "plan_trees" in given:
-            from infer.planner import parse_plan_trees
-
+        for key, text in given.items():
             try:
-                c["plan_trees"] = parse_plan_trees(given["plan_trees"])
+                c[key] = CONFIG_PARSERS[key](text)
             except ValueError as e:
                 raise ValueError(f"--config {item!r}: {e}") from None
-        if "confidence" in given:
-            if given["confidence"] not in CONFIDENCE:
-                raise ValueError(f"--config {item!r}: confidence={given['confidence']!r}; expected {', '.join(CONFIDENCE)}")
-            c["confidence"] = given["confidence"]
-        if "conf_slope" in given:
-            from infer.planner import parse_conf_slope
-
-            try:
-                c["conf_slope"] = parse_conf_slope(given["conf_slope"])
-            except ValueError as e:
-                raise ValueError(f"--config {item!r}: {e}") from None
-        if "drain" in given:
-            if given["drain"] not in DRAIN:
-                raise ValueError(f"--config {item!r}: drain={given['drain']!r}; expected {', '.join(DRAIN)}")
-            c["drain"] = given["drain"]
-        if "draft_vocab" in given:  # a file (read with the models), or none: the whole vocabulary
-            if not given["draft_vocab"]:
-                raise ValueError(f"--config {item!r}: draft_vocab= needs a file path or none")
-            c["draft_vocab"] = None if given["draft_vocab"] == "none" else given["draft_vocab"]
-        if "tree_budget" in given:
-            try:
-                c["tree_budget"] = int(given["tree_budget"])
-            except ValueError:
-                raise ValueError(f"--config {item!r}: tree_budget={given['tree_budget']!r} is not an integer") from None
+        if given.get("verify") == "chain" and "tree_budget" not in given:
+            c["tree_budget"] = None
         if c["verify"] == "tree":
             c["tree_budget"] = 32 if c["tree_budget"] is None else c["tree_budget"]
             if not 2 <= c["tree_budget"] <= 64:
@@ -163,8 +158,6 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
                              f"(give them with --config {label}:plan_trees=16/32)")
     wide = getattr(args, "plan_trees", None)  # the run-wide --plan-trees: every budget=auto label without its own
     if wide is not None:
-        from infer.planner import plan_trees_flag
-
         wide_trees = plan_trees_flag(wide)
         if not any(c["budget"] for c in out.values()):
             raise ValueError(f"--plan-trees {wide}: applies to --budget auto only (no configuration has it)")
