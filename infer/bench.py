@@ -78,7 +78,7 @@ def _draft_vocab(text: str) -> str | None:  # a file (read with the models), or 
 
 
 CONFIDENCE = ("greedy", "always", "never")  # Engine.plan_confidence
-DRAIN = ("off", "scaled", "lead")  # off: Engine.plan_drain False; else on with that Engine.plan_drain_model
+DRAIN = ("off", "scaled", "lead", "own")  # off: Engine.plan_drain False; else on with that Engine.plan_drain_model
 # --config KEY -> its value parser (ValueError naming KEY and the value)
 CONFIG_PARSERS = {
     "verify": _choice("verify", {"chain": "chain", "tree": "tree"}, "chain or tree"),
@@ -315,7 +315,7 @@ class Runner:
                                               draft_vocab=self.vocab_ids[label], **kw)
                 self.decoders[label].plan_drain = (args.plan_drain is not False if c.get("drain") is None
                                                    else c["drain"] != "off")
-                if c.get("drain") in ("scaled", "lead"):
+                if c.get("drain") not in (None, "off"):
                     self.decoders[label].plan_drain_model = c["drain"]
                 if c.get("confidence") is not None:
                     self.decoders[label].plan_confidence = c["confidence"]
@@ -703,7 +703,7 @@ def build_parser():
                          "(the planner's tree sizes joined by '/', e.g. 16/32, or none; budget=auto only) or confidence "
                          "(greedy|always|never: when the planner gets the draft's confidence, Engine.plan_confidence; "
                          "budget=auto only) or conf_slope (auto or a number in 0..2: how far that confidence moves the "
-                         "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead: the planner's drain rule off, or on with "
+                         "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead|own: the planner's drain rule off, or on with "
                          "Engine.plan_drain_model; budget=auto only) or draft_vocab (a draft vocabulary file, or none "
                          "for the whole vocabulary; over --draft-vocab) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "

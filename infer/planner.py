@@ -188,7 +188,13 @@ each task. ``StepPlanner(drain_model="lead")`` (``Engine.plan_drain_model``,
 ``infer.bench --config LABEL:drain=lead``) maps a tree instead as the request's chain plus the tree's lead over it
 (with the one factor above, that moves the factor when a tree's mapped rate is the highest),
 the per-request law the H200 runs fit best (results/tree-lead-fit-h200.json); an experiment until an H200 A/B
-decides (benchmarks/engine/sim_drain_trees.py compares the two on the CPU).
+decides (benchmarks/engine/sim_drain_trees.py compares the two on the CPU). ``drain_model="own"`` (an experiment too)
+scales like ``"scaled"`` but by ``a_i`` over the longest chain's current estimate − 1 instead of the pooled ``ā``, and
+takes no confidence while the drain rule is in force: in a drain the rows still observed are the slow ones, so the
+chain's fast average and the draft's confidence on them already carry the slow request's difficulty, and scaling them
+by ``a_i / ā`` counts it again (issue 16, H200, concurrency 8, T = 0, exact mode, math500: with one request left,
+accepting 0.5 draft tokens a chain step where a chain step commits 1.0 token per ms against AR's 0.87, the default
+alternated two AR and two chain steps for about 180 steps; docs/status.md, "The H200 lease of 2026-12-06").
 Which request finishes last is not known, only each one's acceptance so far: :func:`drain_tokens` takes each
 request's acceptance as the empirical Bayes posterior of a normal model (its own mean shrunk towards the batch's,
 with the posterior's variance) and the finishing step as the median of the last request's, the requests taken as
@@ -237,8 +243,9 @@ PENDING = 8  # unobserved choices kept by StepPlanner (the engine has at most 2)
 PAIRED_FRESH = 4
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 # how the drain rule maps a tree to one request (drain_tokens): "scaled" (every speculative mode scaled alike by
-# the request's chain acceptance, the default) or "lead" (the request's chain plus the tree's lead over it)
-DRAIN_MODELS = ("scaled", "lead")
+# the request's chain acceptance, the default), "lead" (the request's chain plus the tree's lead over it) or "own"
+# (scaled, with the longest chain's estimate as the unit and no confidence under the drain: module docstring, "Drain")
+DRAIN_MODELS = ("scaled", "lead", "own")
 # chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
 SPREAD_STEPS = 16.0
 # the drain rule's prior spread of a planner with no earlier call (variance between requests' accepted draft tokens
@@ -445,7 +452,8 @@ def _finite_prior(prior) -> float | None:
 
 
 def drain_tokens(
-    tokens: dict[Mode, float | None], drain, modes, prior: float | None = None, leads: dict[Mode, Mode] | None = None
+    tokens: dict[Mode, float | None], drain, modes, prior: float | None = None, leads: dict[Mode, Mode] | None = None,
+    own: bool = False,
 ) -> dict[Mode, float | None]:
     """Token estimates for the drain rule (module docstring, "Drain"): each speculative mode's ``tokens`` mapped
     to the AR-equivalent tokens per step of the request that would finish last under it.
@@ -465,6 +473,8 @@ def drain_tokens(
             results/tree-lead-fit-h200.json, where scaling alike under-predicts the trees of the hardest quarter
             of the requests by 0.46-0.73 tokens per step). ``None`` (the default, ``"scaled"``): every
             speculative mode scaled alike, below.
+        own: the drain model ``"own"``: ``ā`` in ``τ_i(m)`` below is the longest chain's ``tokens`` − 1 where that is
+            above 0 (the chain commits ``1 + a_i`` for request i), not the pooled acceptance.
     Returns:
         ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
         > 0), ``y(m)`` the median of the number of steps the last of them needs under mode m. AR's 1 stays 1;
@@ -503,6 +513,7 @@ def drain_tokens(
         pooled, within = tokens[ref] - 1.0, (tokens[ref] - 1.0) * tokens[ref]
     if not live or not pooled > 0:
         return dict(tokens)
+    unit = tokens[ref] - 1.0 if own and ref is not None and tokens[ref] > 1.0 else pooled  # ā of τ_i(m)
     v = min(spread_variance(drain, between, prior), (SPREAD_CV * pooled) ** 2)
     rem = np.array([float(d[0]) for d in live])
     n = np.array([float(d[2]) for d in live])
@@ -525,12 +536,12 @@ def drain_tokens(
             base, off = float(tokens[ref]), x - float(tokens[ref])  # the request's chain plus the batch's lead
         if not base > 1.0 or len(live) == 1:  # τ the same for every request, or one request: R / τ(its median)
             a = float(ahat[0]) if base > 1.0 else 0.0
-            out[m] = min(max(1.0 + off + (base - 1.0) * a / pooled, 1.0), cap)
+            out[m] = min(max(1.0 + off + (base - 1.0) * a / unit, 1.0), cap)
         else:
             grid.append((m, base, off, cap))
     if grid:
         ms, base, off, cap = (list(x) for x in zip(*grid))
-        steps = _median_last_finish(rem, ahat, sd, pooled, np.array(base), np.array(cap), offset=np.array(off))
+        steps = _median_last_finish(rem, ahat, sd, unit, np.array(base), np.array(cap), offset=np.array(off))
         out.update({m: min(max(R / y, 1.0), c) for m, y, c in zip(ms, steps.tolist(), cap)})
     return out
 
@@ -585,8 +596,9 @@ class StepPlanner:
         share, warmup, headroom, gain: the probing rule of :func:`choose_mode`.
         cost_decay: least weight of the newest measured ÷ table step time (online cost).
         cal_decay: least weight of the newest predicted / realized accepted tokens (calibration).
-        drain_model: :data:`DRAIN_MODELS`: ``"scaled"`` or ``"lead"`` (:func:`drain_tokens`' ``leads``, with
-            each tree's paired chain from the paired observations).
+        drain_model: :data:`DRAIN_MODELS`: ``"scaled"``, ``"lead"`` (:func:`drain_tokens`' ``leads``, with
+            each tree's paired chain from the paired observations) or ``"own"`` (its ``own``; no confidence under the
+            drain rule).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
@@ -796,12 +808,15 @@ class StepPlanner:
                 self._log_choice(mode, 0.0, costs, None)
             return self._commit(mode, costs, predicted, 0.0, None, 1.0)
         raw = None  # this step's token estimates, computed once
+        # drain model "own": no confidence while the drain rule is in force (module docstring, "Drain")
+        own = self.drain_model == "own"
+        conf = None if own and (drain is not None or self.drain_scale is not None) else predicted
         if drain is not None and self.log is not None:
             self.log.append(["d", self.step, [[d[0], d[1], d[2]] for d in drain]])
         if drain is not None:
-            raw = self.expected(predicted)
+            raw = self.expected(conf)
             leads = {m: self._lead_chain(m) for m in self.lead} if self.drain_model == "lead" else None
-            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads)
+            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own)
             pooled, _, between, nbar = drain_spread(drain)
             if nbar and pooled > 0:  # the spread drain_tokens used, for later batches
                 self.spread = spread_variance(drain, between, self.spread_prior)
@@ -830,7 +845,7 @@ class StepPlanner:
                 for m in self.table
                 if self.paired[m] and self.timed[m] and self.step - self.last_seen[m] <= PAIRED_FRESH
             )
-            tokens = raw = self.expected(predicted) if raw is None else raw
+            tokens = raw = self.expected(conf) if raw is None else raw
             if self.drain_scale is not None:
                 tokens = {
                     m: x * self.drain_scale.get(m, 1.0) if x is not None and m[0] != "ar" else x

@@ -601,13 +601,13 @@ def test_drain_model_lead_takes_a_tree_over_the_chain_at_the_end_of_its_leads(mo
     got = {}
     real = planner_mod.drain_tokens
 
-    def spy(tokens, drain, modes, prior, leads=None):
-        got["leads"] = leads
-        return real(tokens, drain, modes, prior, leads)
+    def spy(tokens, drain, modes, prior, leads=None, own=False):
+        got["leads"], got["own"] = leads, own
+        return real(tokens, drain, modes, prior, leads, own)
 
     monkeypatch.setattr(planner_mod, "drain_tokens", spy)
     p.choose(None, [(100, 6, 2, 18), (100, 2, 2, 2)])
-    assert got["leads"] == {TREE32: CHAIN, T16: CHAIN}
+    assert got["leads"] == {TREE32: CHAIN, T16: CHAIN} and got["own"] is False
 
 
 def test_a_smaller_tree_paired_inside_the_run_tree_is_its_lead_reference():
@@ -1243,3 +1243,43 @@ def test_report_sums_the_measured_step_times_unclipped():
     q.load_cost_state(p.cost_state())
     q.observe(q.choose(), 1.0, ms=1.0)
     assert sum(e["timed_steps"] for e in q.report().values()) == 1
+
+
+def test_drain_model_own_counts_the_slow_request_once():
+    """Issue 16, H200, concurrency 8, T = 0, exact mode, math500's drain (docs/status.md, "The H200 lease of
+    2026-12-06"): one request left, accepting 0.5 draft tokens a chain step (1.5 committed; 1.526 ms a chain step
+    against AR's 1.15), the finished ones 2. The chain's fast average already follows the rows still observed
+    (1.5), so the default ("scaled") scales the slow request's difficulty in twice and runs AR at 0.87 tokens per ms
+    where the chain commits 0.98; "own" takes the request's acceptance over the chain's estimate (the chain commits
+    1 + â for it) and no confidence under the drain rule, so a low confidence does not flip it to AR either."""
+    costs = {AR: 1.15, CHAIN: 1.526}
+    drain = [(0, 300, 100, 1000), (0, 300, 100, 1000), (400, 45, 30, 75)]
+    tokens = {AR: 1.0, CHAIN: 1.5}
+    scaled, own = drain_tokens(tokens, drain, MODES), drain_tokens(tokens, drain, MODES, own=True)
+    # the same posterior â of the slow request under both: 1 + â for "own", 1 + 0.5 â / ā (ā = 415 / 230) by default
+    a_hat = own[CHAIN] - 1.0
+    assert 0.5 <= a_hat < 1.0 and scaled[CHAIN] == pytest.approx(1.0 + 0.5 * a_hat / (415 / 230))
+    assert scaled[CHAIN] / costs[CHAIN] < 1.0 / costs[AR] < own[CHAIN] / costs[CHAIN]
+    assert drain_tokens({AR: 1.0, TREE32: 2.0}, drain, MODES, own=True) == drain_tokens(
+        {AR: 1.0, TREE32: 2.0}, drain, MODES)  # no chain mode: the pooled acceptance, as by default
+
+    def rates(model, conf, drain=None, p=None):  # (tokens per ms of AR, of the chain) as the choice saw them
+        if p is None:
+            p = StepPlanner(costs, drain_model=model)
+            for _ in range(6):  # timed and calibrated, the chain's averages at the slow request's 1.5
+                p.choose({CHAIN: 1.5})
+                p.observe(CHAIN, 1.5, costs[CHAIN], rows=1)
+            p.start_log()
+        p.choose(conf, drain)
+        return p, tuple(p.log[-1][5])
+
+    low = {CHAIN: 1.05}  # a two-step-old confidence that the chain accepts almost nothing
+    _, (ar, chain_scaled) = rates("scaled", low, drain)
+    assert chain_scaled < ar == pytest.approx(1 / 1.15, rel=1e-3)
+    p, (ar, chain) = rates("own", low, drain)
+    assert chain > 1.15 * ar  # with the planner's prior spread: 1.05 tokens per ms against AR's 0.87
+    assert rates("own", None, drain)[1] == (ar, chain)  # the confidence is not read under the drain rule
+    p.observe(CHAIN, 1.5, costs[CHAIN], rows=1)
+    assert rates("own", low, p=p)[1][1] == pytest.approx(chain, rel=1e-3)  # still in force: no confidence either
+    with pytest.raises(ValueError, match="drain_model='tail'; expected one of scaled, lead, own"):
+        StepPlanner(costs, drain_model="tail")

@@ -144,11 +144,12 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys, monkeypatch):
     out2 = tmp_path / "replay2.json"
     import infer.planner as planner_mod
 
-    given = []
+    given, models = [], []
 
     class Spy(planner_mod.StepPlanner):
         def __init__(self, *a, **kw):
             given.append(kw.get("conf_slope"))
+            models.append(kw.get("drain_model"))
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(planner_mod, "StepPlanner", Spy)
@@ -158,6 +159,12 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys, monkeypatch):
     assert [p["conf_slope"] for p in pts] == [1.0, "auto"] and pts[1]["tok_per_s"]["ar1"] == tps["ar1"]
     assert set(given) == {1.0, "auto"} and len(given) == 2 * 2 * 2  # per point: 2 tasks × warm-up and timed pass
     assert pts[0]["tok_per_s"]["tree4"] == pts[1]["tok_per_s"]["tree4"]
+    # --drain-model: one point per model, each recording it and building its planners with it
+    models.clear()
+    assert pt.main(["replay", str(trace), "--costs", str(costs), "--plan-trees", "4", "--drain-model", "scaled,own",
+                    "--output", str(out2), "--overwrite"]) == 0
+    pts = json.loads(out2.read_text())["points"]
+    assert [p["drain_model"] for p in pts] == ["scaled", "own"] and models == ["scaled"] * 4 + ["own"] * 4
     with pytest.raises(SystemExit, match="--conf-slope: conf_slope='3'"):
         pt.main(["replay", str(trace), "--costs", str(costs), "--conf-slope", "auto,3"])
     with pytest.raises(SystemExit, match=r"records trees \[4, 6\], not \[8\]"):
@@ -220,6 +227,7 @@ def test_replay_cli_refuses_bad_arguments_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="needs non-empty 'prompts'"):
         pt.main(["replay", str(empty), "--costs", costs])
     for extra, msg in ((["--pair-trees", "on,maybe"], "--pair-trees 'on,maybe'"),
+                       (["--drain-model", "own,tail"], "--drain-model 'own,tail': scaled, lead, own"),
                        (["--tree-like", "4"], "expected N=M"), (["--tree-like", "8=4"], "records trees \\[4\\]")):
         with pytest.raises(SystemExit, match=msg):
             pt.main(base + extra)
