@@ -34,6 +34,8 @@
 #             the rule before 2026-12-05) beside AR, the chain and fixed trees of 16 and 32, T=0, fast and exact at
 #             concurrency 1 and 8, fast at 32 and 64 -> results/planner-slope-h200-{fast,exact}-T0-c*.json and
 #             their points (planner_points.py) -> results/planner-slope-h200.json                  ~14
+#   plandrain infer.bench A/B of the planner's drain model (p: scaled, the default; po: own, issue 16's math500 drain)
+#             beside AR and the chain, T=0, concurrency 8, exact and fast -> results/planner-drain-h200-{exact,fast}-T0-c8.json ~6
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -52,7 +54,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope planswitch tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain planswitch tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -174,6 +176,18 @@ if has planslope; then
     timed planslope-points python benchmarks/engine/planner_points.py "${inputs[@]}" --output "$R/planner-slope-$G.json" \
       --overwrite
   fi
+fi
+plandrain() {  # plandrain MODE: one infer.bench run of the drain-model A/B at concurrency 8, skipped once finished
+  local out="$R/planner-drain-$G-$1-T0-c8.json" exact=()
+  finished "$out" && return 0
+  [ "$1" = exact ] && exact=(--exact)
+  python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" "${exact[@]}" --temperature 0 \
+    --draft chain="$DRAFT" --draft p="$DRAFT" --draft po="$DRAFT" --config p:budget=auto --config po:budget=auto,drain=own \
+    --concurrency 8 --num-prompts 16 --max-new-tokens 512 --output-json "$out" --overwrite
+}
+if has plandrain; then
+  timed plandrain-exact-c8 plandrain exact
+  timed plandrain-fast-c8 plandrain fast
 fi
 if has planswitch && ! finished "$R/planner-switch-$G.json"; then
   timed planswitch python benchmarks/engine/bench_planner_loop.py --switch 32 --batches 1,8 --temperatures 0 \
