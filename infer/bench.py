@@ -140,7 +140,8 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
                 raise ValueError(f"--config {item!r}: key {key!r} given twice")
             given[key] = value.strip()
         c = out[label]
-        for key, text in given.items():
+        for key in sorted(given, key=lambda k: (k == "tree_budget", CONFIG_KEYS.index(k))):  # tree_budget last
+            text = given[key]
             try:
                 c[key] = CONFIG_PARSERS[key](text)
             except ValueError as e:

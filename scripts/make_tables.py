@@ -73,8 +73,12 @@ def _point_key(p: dict) -> tuple:
 
 
 def _vs_goal(x: float, goal: float = 0.98) -> str:
-    """``x`` to three decimals, or four where three would round a miss up to the goal (0.9798 is not 0.980)."""
-    return f"{x:.4f}" if x < goal <= round(x, 3) else f"{x:.3f}"
+    """``x`` to three decimals, or as many more (up to 6) as it takes for a miss not to read as the goal (0.9798 is
+    not 0.980)."""
+    n = 3
+    while n < 6 and x < goal <= round(x, n):
+        n += 1
+    return f"{x:.{n}f}"
 
 
 def _planner_row(pts: list[dict], name: str, where: str = "",
@@ -177,7 +181,7 @@ def _glance_rows(load) -> list[str]:
             pts = sorted(d["points"].values(), key=lambda p: p["concurrency"])
             vals += [p["planner_over_best_fixed"]["p"] for p in pts]
             commits |= {str(p.get("commit") or "?")[:7] for p in pts}  # the GPU runs' (the file's: planner_points.py's)
-            cells.append(f"{mode} " + " / ".join(f"{p['planner_over_best_fixed']['p']:.3f}" for p in pts) + " at concurrency "
+            cells.append(f"{mode} " + " / ".join(_vs_goal(p['planner_over_best_fixed']['p']) for p in pts) + " at concurrency "
                          + " / ".join(str(p["concurrency"]) for p in pts))
             files.append(name)
     if vals:
@@ -784,7 +788,8 @@ def verify_section() -> list[str]:
     out += ["", "Planner (`--budget auto`) against AR, the fixed chain and the fixed trees, the latest run of each point (mean "
             "tok/s over the 5 tasks; best fixed: the best of AR, the chain and every fixed tree of the run; T = 1: top_p "
             "0.95, top_k 20; commit and command of each point in the JSON):", "",
-            *_planner_points_table(v["planner"])]
+            *_planner_points_table(v["planner"]), "",
+            "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`" for p in v["planner"]))]
     if v.get("planner_note"):
         out += ["", v["planner_note"]]
     history = (("planner_2026_12_03", "Each mode decoding its own text (2026-12-03), the eight points before the "
@@ -814,7 +819,7 @@ def verify_section() -> list[str]:
     def points(ps):  # one commit for the line, or one per point where they differ
         commits = {p["provenance"]["commit"][:7] for p in ps}
         each = len(commits) > 1
-        line = ", ".join(f"c{p['concurrency']} T{p['temperature']:g} {p['planner_over_best_static']:.3f}"
+        line = ", ".join(f"c{p['concurrency']} T{p['temperature']:g} {_vs_goal(p['planner_over_best_static'])}"
                          + (f" (`{p['provenance']['commit'][:7]}`)" if each else "") for p in ps)
         return line + ("" if each else f" (`{commits.pop()}`)")
 
@@ -823,7 +828,7 @@ def verify_section() -> list[str]:
     if r:
         lines.append(f"- The rewritten planner before the tree-step speed-ups ([`results/verify-planner-h200.json`]"
                      f"(results/verify-planner-h200.json); {r.get('commit_note', r['commit'][:7])}): " + ", ".join(
-                         f"c{p['concurrency']} T{p['temperature']:g} {p['planner_over_best_static']:.3f}" for p in r["planner"]))
+                         f"c{p['concurrency']} T{p['temperature']:g} {_vs_goal(p['planner_over_best_static'])}" for p in r["planner"]))
     if lines:
         out += ["", "Planner ÷ best fixed in earlier runs (same points, same JSON unless linked):", "", *lines]
     out += ["", v.get("note", ""), "", "Commands: " + "; ".join(f"`{c}`" for c in v["commands"]), ""]
@@ -928,7 +933,7 @@ def planner_exact_section() -> list[str]:
                 ", ".join(f"{x} {a}/{b}" for x, (a, b) in p["greedy_equal"].items()))  # fmt: skip
         out.append(f"| {p['concurrency']} | {p['num_prompts']} × {p['max_new_tokens']} per task | {fmt(t.get('AR'))} | "
                    f"{fmt(t.get('chain'))} | {fmt(t.get('t16'))} | {fmt(t.get('t32'))} | {p['best_fixed']} | "
-                   f"{fmt(rel.get('p'), '.3f')} — {ok((rel.get('p') or 0) >= 0.98)} | {fmt(rel.get('p16'), '.3f')} | "
+                   f"{'–' if rel.get('p') is None else _vs_goal(rel['p'])} — {ok((rel.get('p') or 0) >= 0.98)} | {fmt(rel.get('p16'), '.3f')} | "
                    f"{fmt(rel.get('pl'), '.3f')} | {fmt(p['planner_over_ar'].get('p'), '.3f')} | {share} | {same} |")
     out += ["", "Commands: `" + "`; `".join(x["command"] for x in
                                           (json.loads((ROOT / f).read_text()) for f in r["points"])) + "`; then `"
@@ -969,7 +974,7 @@ def planner_default_section() -> list[str]:
             share = _step_share(steps)
             a, b = p["greedy_equal"]["p"]
             out.append(f"| {mode} | {p['concurrency']} | {fmt(t.get('AR'))} | {fmt(t.get('chain'))} | "
-                       f"{fmt(t.get('t16'))} | {fmt(t.get('t32'))} | {p['best_fixed']} | {fmt(rel.get('p'), '.3f')} — "
+                       f"{fmt(t.get('t16'))} | {fmt(t.get('t32'))} | {p['best_fixed']} | {'–' if rel.get('p') is None else _vs_goal(rel['p'])} — "
                        f"{'met' if (rel.get('p') or 0) >= 0.98 else '**missed**'} | {fmt(rel.get('p32'), '.3f')} | "
                        f"{fmt(rel.get('p64'), '.3f')} | {fmt(p['planner_over_ar'].get('p'), '.3f')} | {share} | "
                        f"{a}/{b} |")
@@ -1029,7 +1034,7 @@ def drain_replay_section() -> list[str]:
     for p in d["points"]:
         b = before.get((p["costs"], p["concurrency"]))
         out.append(f"| `{Path(p['costs']).name}` | {p['concurrency']} | {p['best_fixed']} | "
-                   f"{'–' if b is None else f'{b:.3f}'} | {p['planner_over_best_fixed']:.3f} |")
+                   f"{'–' if b is None else f'{b:.3f}'} | {_vs_goal(p['planner_over_best_fixed'])} |")
     out += ["", f"Command ([{f.name}](results/{f.name})): `{d.get('command')}`", ""]
     return out
 
@@ -1114,7 +1119,7 @@ def planner_replay_section() -> list[str]:
         slopes = sorted({p.get("conf_slope", 1.0) for p in r["points"]}, key=lambda x: (x == "auto", str(x)))
 
         def rep(by_slope: dict, slopes: list = slopes) -> str:
-            return " → ".join(f"{by_slope[k]['planner_over_best_fixed']:.3f}" if k in by_slope else "–" for k in slopes)
+            return " → ".join(_vs_goal(by_slope[k]['planner_over_best_fixed']) if k in by_slope else "–" for k in slopes)
 
         for (costs, c, times), by in pts.items():
             any_p = next(iter(next(iter(by.values())).values()))
@@ -1162,7 +1167,7 @@ def planner_exact_rerun() -> list[str]:
         eq = p["greedy_equal"]
         same = "all" if all(a == b for a, b in eq.values()) else ", ".join(f"{x} {a}/{b}" for x, (a, b) in eq.items())
         out.append(f"| {p['concurrency']} | {fmt(t.get('AR'))} | {fmt(t.get('chain'))} | {fmt(t.get('t16'))} | "
-                   f"{fmt(t.get('t32'))} | {p['best_fixed']} | {fmt(rel, '.3f')} — "
+                   f"{fmt(t.get('t32'))} | {p['best_fixed']} | {'–' if rel is None else _vs_goal(rel)} — "
                    f"{'met' if (rel or 0) >= 0.98 else '**missed**'} | {fmt(p['planner_over_ar'].get('p'), '.3f')} | "
                    f"{share} | {same} |")
     out += ["", "Commands: `" + "`; `".join(json.loads((ROOT / f).read_text())["command"] for f in r["points"])

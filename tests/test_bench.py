@@ -478,3 +478,18 @@ def test_a_plan_log_that_cannot_be_written_fails_before_the_models(stories_dir, 
         monkeypatch.setenv("DSPINE_PLAN_LOG", str(bad))
         assert bench.main(argv) == 2
         assert f"DSPINE_PLAN_LOG={bad}: {msg}" in capsys.readouterr().err
+
+
+def test_config_checks_keys_in_one_order_whatever_the_order_given():
+    """Two bad values in one --config item: the error names the same one whatever order they were typed in (the
+    keys in CONFIG_KEYS order, tree_budget last), as before the parsers went into a table."""
+    import argparse
+
+    args = argparse.Namespace(verify="chain", tree_budget=None, budget=None, draft_vocab=None, plan_trees=None,
+                              draft_temperature=None, invariant=False, temperature=0.0)
+    for item in ("a:tree_budget=x,verify=Tree", "a:verify=Tree,tree_budget=x"):
+        with pytest.raises(ValueError, match="verify='Tree'; expected chain or tree"):
+            bench.parse_configs([item], {"a": "p"}, args)
+    for item in ("a:drain=q,budget=z", "a:budget=z,drain=q"):
+        with pytest.raises(ValueError, match="budget='z'; expected auto or none"):
+            bench.parse_configs([item], {"a": "p"}, args)
