@@ -73,7 +73,7 @@ def _attend_tile(q, kt, v_ptrs, v_mask, vis, m_i, l_i, acc, qk_scale, PREC: tl.c
 @triton.jit
 def _packed_rows(Q, CacheLen, stride_qb, stride_qt, stride_qh, Hkv, T, G: tl.constexpr, D: tl.constexpr,
                  NUM_MB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Prologue of the packed-row kernels (this module's, ``tree_attention``'s, ``draft_attention``'s): program 0's
+    """Prologue of the packed-row kernels (this module's, ``tree_attention``'s, ``draft_attention``'s): grid axis 0's
     id → (kv-head program ``bh`` = b·Hkv + kvh, row tile); the tile's packed rows r = t·G + g ([BLOCK_M]: ``rows``,
     ``row_ok``, token ``t``, query head ``h``), the head-dim lanes ``d``/``d_ok`` ([BLOCK_D]), the queries
     ``q [BLOCK_M, BLOCK_D]`` (0 in padding) and row b's cache length (int32). ``b`` is int64: batch offsets can pass
