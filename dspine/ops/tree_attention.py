@@ -43,6 +43,7 @@ from ._common import check_impl, dot_precision, tl, triton
 from .attn_combine import combine_partials_triton
 from .verify_attention import (
     _attend_tile,
+    _cache_shapes,
     _launch_plan,
     _packed_rows,
     _store_rows,
@@ -222,10 +223,7 @@ def _check_exact(depth, path, B, T):
 
 
 def _check(q, k_cache, v_cache, tree_bits):
-    B, T, Hq, D = q.shape
-    _, Hkv, S, _ = k_cache.shape
-    if Hq % Hkv or v_cache.shape != k_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D:
-        raise ValueError(f"bad shapes q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    B, T, Hq, D, Hkv, S = _cache_shapes(q, k_cache, v_cache)
     if tuple(tree_bits.shape) != (B, T) or tree_bits.dtype != torch.int64:
         raise ValueError(
             f"tree_bits must be int64 [{B}, {T}], got {tree_bits.dtype} {tuple(tree_bits.shape)}"

@@ -228,13 +228,20 @@ def _launch_plan(q, Hkv: int, S: int, num_splits, out, exact: bool = False, bloc
     return blocks, num_mb, ns, chunk, parts
 
 
-def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None,
-                            exact=False, blocks=None):
-    _check_window(window)
+def _cache_shapes(q, k_cache, v_cache) -> tuple[int, int, int, int, int, int]:
+    """``(B, T, Hq, D, Hkv, S)`` of q ``[B, T, Hq, D]`` over k/v_cache ``[B, Hkv, S, D]`` (this op's and
+    ``tree_attention``'s layout). Raises ValueError unless Hkv divides Hq and the caches match q and each other."""
     B, T, Hq, D = q.shape
     _, Hkv, S, _ = k_cache.shape
     if Hq % Hkv or v_cache.shape != k_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D:
         raise ValueError(f"bad shapes q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    return B, T, Hq, D, Hkv, S
+
+
+def verify_attention_triton(q, k_cache, v_cache, cache_len, scale, *, out=None, num_splits=None, window=None,
+                            exact=False, blocks=None):
+    _check_window(window)
+    B, T, Hq, D, Hkv, S = _cache_shapes(q, k_cache, v_cache)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q, k_cache, v_cache need a contiguous last dim")
     if D > 256:
