@@ -563,20 +563,29 @@ class DSpineDraftModel(PreTrainedModel):
 
     @torch.no_grad()
     def append_packed(self, cache: DraftCache, features: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
-                      impl: str = "torch") -> None:
+                      impl: str = "torch", prefix: bool = False, keep: torch.Tensor | None = None) -> None:
         """:meth:`append_context` for features packed back to back (an admission's prompts, as the target's packed
         prefill returns them): ``features [N, k·H]`` holds ``counts[j]`` rows of batch row ``rows[j]``, then the
         next row's (``N = Σ counts``; no padding, so no padded rows through the fc and K/V GEMMs). The same K/V as
-        the padded call up to the GEMMs' rounding at another row count. No host sync."""
+        the padded call up to the GEMMs' rounding at another row count. No host sync.
+
+        ``prefix``: write row ``rows[j]``'s positions ``0 .. counts[j] - 1`` instead, under a row whose length
+        already counts them and any later positions (the engine's deferred prompt context, written after the AR
+        steps that followed the prompt); its length stays, and a sliding layer's ring skips the positions that
+        length has evicted, so the later positions it holds are not overwritten. ``keep [n]`` bool: rows whose
+        entries go to the scratch slot when False (a deferred prompt whose request has finished)."""
         n, N = rows.shape[0], features.shape[0]
         dev = features.device
         rows, counts = rows.to(dev).long(), counts.to(dev).long()
         seg = torch.repeat_interleave(torch.arange(n, device=dev), counts, output_size=N)  # row of each entry
-        start = cache.lengths[rows].long()
+        length = cache.lengths[rows].long()
+        start = torch.zeros_like(length) if prefix else length
         pos = start[seg] + torch.arange(N, device=dev) - (torch.cumsum(counts, 0) - counts)[seg]
-        end = (start + counts)[seg]
-        self._write_kv(cache, features, rows[seg], pos, torch.ones_like(pos, dtype=torch.bool), end, impl)
-        cache.lengths.index_copy_(0, rows, (start + counts).to(cache.lengths.dtype))
+        end = (length if prefix else start + counts)[seg]
+        kept = torch.ones_like(pos, dtype=torch.bool) if keep is None else keep.to(dev)[seg]
+        self._write_kv(cache, features, rows[seg], pos, kept, end, impl)
+        if not prefix:
+            cache.lengths.index_copy_(0, rows, (start + counts).to(cache.lengths.dtype))
 
     def _write_kv(self, cache: DraftCache, features: torch.Tensor, bidx: torch.Tensor, pos: torch.Tensor,
                   keep: torch.Tensor, end: torch.Tensor, impl: str) -> None:
@@ -705,9 +714,10 @@ class DraftCache:
         self.model.append_context(self, features, counts, rows, impl)
 
     def append_packed(self, features: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
-                      impl: str = "torch") -> None:
-        """Append ``features [Σ counts, k*H]`` packed row after row (see :meth:`DSpineDraftModel.append_packed`)."""
-        self.model.append_packed(self, features, counts, rows, impl)
+                      impl: str = "torch", prefix: bool = False, keep: torch.Tensor | None = None) -> None:
+        """Append ``features [Σ counts, k*H]`` packed row after row, or write them as the rows' first positions
+        (``prefix``; see :meth:`DSpineDraftModel.append_packed`)."""
+        self.model.append_packed(self, features, counts, rows, impl, prefix, keep)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -135,6 +135,9 @@ class _Slots:
         self.offsets = torch.arange(verify_size, dtype=i64, device=device)
         self.pend_max = 0
         self.pend_feats = self.pend_count = self.pend_lengths = None
+        # the planner's deferred prompt contexts (Engine._admit with defer, Engine._write_deferred), host-side: per
+        # admission [features [ΣP, k·H], P [n] int32, slots [n] int64 (device), written? [n] (host bools), slots]
+        self.ctx_pending: list = []
         if pending is not None:
             F_, width, dtype = pending
             self.pend_max = F_
@@ -342,6 +345,11 @@ class Engine:
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
         # before the first generate at that batch size; later changes do not reach slots already made
         self.defer_ar_append = True  # False: the planner's AR steps append to the draft context each step
+        # the planner's admissions while AR is its best mode (StepPlanner.drafting_pays) keep the prompts' target
+        # features and write their draft context before the first speculative step (_write_deferred), not in the
+        # admission: at concurrency 64, T = 1 the planner ran AR at every step and its admissions' context writes
+        # cost 5 ms a task of 0.8 s (results/verify-invariant-h200.json, per_task prefill_s). False: always write
+        self.plan_defer_prompt = True
         self._costs: dict[tuple, dict] = {}
         # what the planner learned, per _plan_key, kept from one generate to the next (infer.planner, "Across
         # calls"): the online cost model (with plan_online) and, with plan_memory, the acceptance
@@ -790,10 +798,12 @@ class Engine:
 
     # -- prefill / admission ---------------------------------------------------------------------
     def _admit(self, s: _Slots, items: list[tuple[int, list[int]]], params: SamplingParams, spec: bool, kv,
-               draft_cache, seeds: list[int]):
+               draft_cache, seeds: list[int], defer: bool = False):
         """Prefill prompts into batch slots in one packed target pass (``items`` = [(slot, prompt ids)],
         ``seeds`` one request seed each), sample each first token (output position 0) and, with the
-        draft, write the prompts' context K/V."""
+        draft, write the prompts' context K/V, or with ``defer`` (the planner's, :meth:`generate`) keep the
+        prompts' target features in ``s.ctx_pending`` and count their positions in the slots' lengths, for
+        :meth:`_write_deferred` to write before the first speculative step that reads them."""
         for _, prompt in items:  # the cache holds max_seq + block_size + 1 rows: a last block past max_seq fits
             if len(prompt) + params.max_new_tokens > self.max_seq:
                 raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
@@ -813,8 +823,10 @@ class Engine:
         appended = False  # the draft-context K/V already written (inside the bucketed prefill)
         if self.prefill_buckets and (len(items) <= self.PREFILL_BUCKETS_MAX_PROMPTS or self.exact):
             # one padded pass per prompt (a CUDA graph per length bucket); many prompts: one packed pass below
-            outs = [self._prefill_bucketed(x, b, kv, spec, draft_cache if spec else None) for x, b in zip(ids, slots)]
-            logits, feats, appended = torch.cat([o[0] for o in outs]), None, spec
+            write = spec and not defer
+            outs = [self._prefill_bucketed(x, b, kv, spec, draft_cache if write else None) for x, b in zip(ids, slots)]
+            logits, appended = torch.cat([o[0] for o in outs]), write
+            feats = torch.cat([o[1] for o in outs]) if spec and defer else None
         elif self.exact:  # one pass per prompt: its prefill must not depend on the prompts admitted with it
             outs = [self.target.prefill_packed([x], [b], kv, want_features=spec) for x, b in zip(ids, slots)]
             logits = torch.cat([o[0] for o in outs])
@@ -831,14 +843,20 @@ class Engine:
                            ids, impl=self.impl)
         s.anchor[idx] = first
         if not appended:  # (the bucketed prefill set the draft-context lengths it wrote)
-            s.lengths[idx] = 0 if spec else lengths
+            s.lengths[idx] = 0 if spec and not defer else lengths
         s.out_tokens[idx, 0] = first
         s.out_len[idx] = 1
         s.max_new[idx] = params.max_new_tokens
         s.done[idx] = (torch.isin(first, self.eos) | (params.max_new_tokens <= 1)).to(torch.int32)
         s.hist[idx] = 0
         if spec:  # the prompts' context K/V from the packed features [Σ P, k·H]; lengths become P
-            if not appended:
+            # a refilled slot's deferred prompt is its finished request's: never written (_write_deferred)
+            for entry in s.ctx_pending:
+                entry[3] = [k and b not in slots for k, b in zip(entry[3], entry[4])]
+            s.ctx_pending = [e for e in s.ctx_pending if any(e[3])]
+            if defer:
+                s.ctx_pending.append([feats, lengths, idx, [True] * n, slots])
+            elif not appended:
                 draft_cache.append_packed(feats, lengths, idx, impl=self.impl)
             if s.pend_count is not None:
                 # the planner's deferred AR appends (_ar_step): an admitted slot's pending features are its
@@ -846,6 +864,18 @@ class Engine:
                 # new prompt's context: drop them here (no flush before a refill: the rows still decoding
                 # keep theirs for the next flush; this also clears what a previous generate left pending)
                 s.pend_count[idx] = 0
+
+    def _write_deferred(self, s: _Slots, draft_cache: DraftCache) -> None:
+        """Write the deferred prompt contexts (``s.ctx_pending``, :meth:`_admit` with ``defer``) in one packed
+        call as their rows' first positions (``append_packed`` with ``prefix``: the positions of the AR steps that
+        followed, written or pending, stay); a prompt whose request has finished since goes to the scratch slot.
+        ~30 launches whatever the number of prompts, no host sync."""
+        entries, s.ctx_pending = s.ctx_pending, []
+        if not any(k for e in entries for k in e[3]):
+            return
+        keep = infer_model.to_device([k for e in entries for k in e[3]], torch.bool, self.device)
+        draft_cache.append_packed(torch.cat([e[0] for e in entries]), torch.cat([e[1] for e in entries]),
+                                  torch.cat([e[2] for e in entries]), impl=self.impl, prefix=True, keep=keep)
 
     def _prefill_bucketed(self, x: torch.Tensor, slot: int, kv: KVCache, want_features: bool,
                           draft_cache: DraftCache | None = None):
@@ -960,12 +990,15 @@ class Engine:
         cap = self.cache.seq
         top = min(max_prompt, self.max_seq - 1, infer_model.PREFILL_BUCKET_MAX)  # a prompt leaves room for a token
         made = 0
+        # the planner's deferring admissions (plan_defer_prompt) take the graphs that keep the features instead
+        caches = [draft_cache if spec else None] + ([None] if spec and self.budget == "auto" and self.plan_defer_prompt
+                                                    else [])
         for Pb in sorted({infer_model.prefill_bucket(p, cap) for p in range(1, top + 1)}):
-            if (Pb, spec, batch if spec else None) in self._prefill_graphs:
-                continue
-            self._prefill_bucketed(torch.zeros(Pb, dtype=torch.long, device=self.device), 0, kv, spec,
-                                   draft_cache if spec else None)
-            made += 1
+            for dc in caches:
+                if (Pb, spec, None if dc is None else batch) in self._prefill_graphs:
+                    continue
+                self._prefill_bucketed(torch.zeros(Pb, dtype=torch.long, device=self.device), 0, kv, spec, dc)
+                made += 1
         return made
 
     # -- the decode loops ------------------------------------------------------------------------
@@ -1180,6 +1213,7 @@ class Engine:
             buf.copy_(s.state, non_blocking=True)  # one copy, no kernel
             return self._event(timing=True)  # its time closes the step before it
 
+        draft_cache = self._cache_view(B)[1]
         cur = 0
         # (buffer, event, slot owners when taken, a prefill ran since the previous snapshot)
         snap = (bufs[cur], snapshot(bufs[cur]), list(owner), True)
@@ -1220,6 +1254,8 @@ class Engine:
             if ar_pending and (mode[0] != "ar" or ar_pending == s.pend_max):
                 flush()  # the draft reads its context in this step, or F are pending
                 ar_pending = 0
+            if s.ctx_pending and mode[0] != "ar":  # the draft reads the deferred prompts' context in this step
+                self._write_deferred(s, draft_cache)
             run = runners.get(mode)
             if run is None:
                 run = runners[mode] = self._runner(B, params, True, mode)
@@ -1365,6 +1401,7 @@ class Engine:
         stats = [AcceptStats(width) for _ in prompts]
         s.done.fill_(1)
         s.nonfinite.zero_()
+        s.ctx_pending = []  # a previous call's deferred prompts: its requests are over
 
         # CUDA events around each admission; admissions (prefill calls)
         events, admits = [], [0]
@@ -1383,7 +1420,9 @@ class Engine:
                 if self.device.type == "cuda":  # no sync: the admission queues behind the step in flight
                     events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                     events[-1][0].record()
-                self._admit(s, items, params, spec, kv, draft_cache, [seeds[owner[b]] for b, _ in items])
+                # the planner's admissions while AR is its best mode defer the draft's prompt context
+                defer = planner is not None and self.plan_defer_prompt and not planner.drafting_pays()
+                self._admit(s, items, params, spec, kv, draft_cache, [seeds[owner[b]] for b, _ in items], defer)
                 if self.device.type == "cuda":
                     events[-1][1].record()
             prefill_s += time.perf_counter() - tp

@@ -767,6 +767,17 @@ class StepPlanner:
         # a led mode: its paired mode's estimate this step plus the lead (module docstring, "Calibration")
         return self._with_leads(out)
 
+    def drafting_pays(self) -> bool:
+        """Whether a speculative mode's estimated rate (:meth:`expected` tokens, no confidence and no drain, ÷ its
+        step time) beats AR's: False when AR's is the best, or no speculative mode has an estimate yet (then the
+        rules run AR until a probe). The engine's admissions defer the draft's prompt context while it is False
+        (``Engine.plan_defer_prompt``)."""
+        costs, est = self.costs, self.expected()
+        ar = [m for m in costs if m[0] == "ar"]
+        if not ar:
+            return True
+        return any(x is not None and x / costs[m] > 1.0 / costs[ar[0]] for m, x in est.items() if m[0] != "ar")
+
     def slope(self, mode: Mode) -> float:
         """How far this step's confidence moves ``mode``'s estimate (module docstring, "Calibration"): 1 moves it in
         proportion (the estimate ``1 + (T - 1) × (x - 1) / P``), 0 not at all. ``conf_slope="auto"``: the

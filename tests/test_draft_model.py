@@ -346,3 +346,43 @@ def test_append_packed_equals_the_padded_append(impl):
     for row, (lo, hi) in {3: (0, 5), 0: (0, 17), 2: (2, 3), 1: (0, 0)}.items():
         written = (full[row].abs().sum((0, 2)) > 0).nonzero().flatten().tolist()
         assert written == list(range(lo, hi)), (row, written)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_prefix_write_after_later_positions_equals_the_in_order_append(impl):
+    """append_packed(prefix=True), the engine's deferred prompt context: a row's prompt written as its first
+    positions after the positions that follow it were appended gives the cache the in-order appends give, for full
+    and sliding-window layers (ring of 6 + block; rows whose prompt, or prompt + later positions, pass the ring, so
+    the late prompt write must skip what the later positions evicted); the lengths stay; a row with keep=False
+    (a finished request's prompt) gets none of its prompt written."""
+    import tests.kernel_env as env
+
+    if impl == "triton" and not env.TRITON_CPU:
+        pytest.skip(str(env.TRITON_CPU_SKIP))
+    cfg = dflash_config_json(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    cfg.pop("model_type")
+    m = DSpineDraftModel(DSpineConfig(**cfg)).eval()
+    g = torch.Generator().manual_seed(11)
+    prompt, later, rows = [5, 17, 3, 4], [9, 2, 14, 3], torch.tensor([2, 0, 3, 1])
+    feats_p = torch.randn(sum(prompt), K_LAYERS * H, generator=g)
+    feats_l = torch.randn(sum(later), K_LAYERS * H, generator=g)
+    in_order, deferred = DraftCache(m, 4, 40), DraftCache(m, 4, 40)
+    in_order.append_packed(feats_p, torch.tensor(prompt), rows, impl=impl)
+    in_order.append_packed(feats_l, torch.tensor(later), rows, impl=impl)
+    deferred.lengths[rows] = torch.tensor(prompt, dtype=torch.int32)  # the admission counts the deferred prompt
+    deferred.append_packed(feats_l, torch.tensor(later), rows, impl=impl)
+    keep = torch.tensor([True, True, True, False])  # row 1 (the last prompt): its request finished
+    deferred.append_packed(feats_p, torch.tensor(prompt), rows, impl=impl, prefix=True, keep=keep)
+    total = [p + n for p, n in zip(prompt, later)]
+    want_len = torch.zeros(4, dtype=torch.int32)
+    want_len[rows] = torch.tensor(total, dtype=torch.int32)
+    assert in_order.lengths.tolist() == deferred.lengths.tolist() == want_len.tolist()
+    for i in range(len(m.layers)):
+        cap = in_order.caps[i]
+        for a, b in ((in_order.k[i], deferred.k[i]), (in_order.v[i], deferred.v[i])):
+            torch.testing.assert_close(a[rows[:3], :, :cap], b[rows[:3], :, :cap], rtol=1e-5, atol=1e-5)
+            # row 1: only its later positions 4..6 (no ring wrap in the full layer, 7 < cap)
+            if not m.layers[i].sliding:
+                assert not b[1, :, :4].any() and b[1, :, 4:7].abs().sum() > 0
+                torch.testing.assert_close(a[1, :, 4:7], b[1, :, 4:7], rtol=1e-5, atol=1e-5)
+    assert in_order.caps[0] < max(total)  # the sliding layer's ring did wrap

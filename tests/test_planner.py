@@ -136,6 +136,22 @@ def test_step_planner_averages_settles_probes_and_reports():
         StepPlanner({AR: 0.0})
 
 
+def test_drafting_pays_compares_estimated_rates_with_ar():
+    """StepPlanner.drafting_pays (the engine defers the prompts' draft context while it is False): False with no
+    speculative estimate, or when AR's 1 token per step time is the best rate; True when a speculative mode's
+    tokens ÷ step time beat it; a table without AR always drafts."""
+    chain = ("chain", 8)
+    p = StepPlanner({AR: 1.0, chain: 4.0})
+    assert not p.drafting_pays()  # nothing learned
+    p.observe(AR, 1.0)
+    p.observe(chain, 3.0)  # 0.75 tokens / ms against AR's 1.0
+    assert not p.drafting_pays()
+    for _ in range(20):
+        p.observe(chain, 6.0)  # 1.5 / ms
+    assert p.drafting_pays()
+    assert StepPlanner({chain: 4.0}).drafting_pays()
+
+
 @pytest.mark.parametrize("point", sorted(H200_COSTS))
 def test_replayed_h200_tables_match_the_best_fixed_mode(point):
     """Issue 16's criterion on the recorded step costs: >= 0.98 × the best fixed mode (mean of 16 runs of 512

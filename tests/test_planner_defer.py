@@ -112,8 +112,8 @@ def _check_context(eng, s, dcache, prompts, tol=1e-4):
                 assert err <= tol * (1 + want[0, :, :n].abs().max()), (b, i, float(err))
 
 
-def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True, **kw):
-    """An auto-budget engine whose planner runs PATTERN (its bookkeeping runs, its choice is replaced), with a
+def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True, pattern=PATTERN, **kw):
+    """An auto-budget engine whose planner runs ``pattern`` (its bookkeeping runs, its choice is replaced), with a
     log of the device calls: ("ar", most pending after it), ("flush", most pending before it), ("spec", mode)
     (after checking every live row's draft context) and ("admit", pending of the admitted slots)."""
     eng = _engine(stories_dir, folder, budget="auto", plan_trees=(TREE[1],), **kw)
@@ -123,7 +123,7 @@ def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True
 
     def scripted(self, predicted=None, drain=None):
         choose(self, predicted, drain)
-        return PATTERN[(self.step - 1) % len(PATTERN)]
+        return pattern[(self.step - 1) % len(pattern)]
 
     monkeypatch.setattr(engine_mod.StepPlanner, "choose", scripted)
     log = []
@@ -144,9 +144,11 @@ def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True
 
     def admitted(s, items, *a):
         log.append(("admit", s.pend_count[[b for b, _ in items]].tolist()))
+        eng.admit_defer.append(a[-1])  # the prompts' draft context deferred (Engine.plan_defer_prompt)
         admit(s, items, *a)
 
     eng._ar_step, eng._flush_step, eng._spec_step, eng._admit = ar, flush, spec, admitted
+    eng.admit_defer = []
     return eng, log
 
 
@@ -264,3 +266,77 @@ def test_plan_log_records_every_choice_and_observation(stories_dir, stories, tmp
         assert max(r[0] for r in drains[0][2]) > max(r[0] for r in drains[-1][2]) or len(drains) == 1
         judged = [e[5] for e in chosen if e[5] is not None]
         assert judged and all(len(r) == 3 and r[0] is not None and r[0] > 0 for r in judged)  # AR always has a rate
+
+
+def _count_writes(eng) -> list:
+    """Wrap eng._write_deferred: the returned list gets, per call, the written? flag of every deferred prompt."""
+    writes, write = [], eng._write_deferred
+
+    def counted(s, dcache):
+        writes.append([k for e in s.ctx_pending for k in e[3]])
+        write(s, dcache)
+
+    eng._write_deferred = counted
+    return writes
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_deferred_prompt_context_is_written_before_the_draft_reads_it(stories_dir, stories, monkeypatch,  # noqa: F811
+                                                                      buckets):
+    """Engine.plan_defer_prompt: while AR is the planner's best mode (no speculative estimate yet, or AR's rate the
+    best) its admissions keep the prompts' features and count their positions, and the first speculative step
+    writes them (_write_deferred) under the AR steps' positions: greedy, 6 prompts at concurrency 3 (refills, some
+    into slots whose previous prompt was never written), the forced PATTERN, with and without bucketed prefill.
+    At every speculative step every live row's draft context is its committed tokens' (_check_context); the output
+    equals the target's and the engine's without deferral."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=40)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    out = {}
+    for defer in (True, False):
+        eng, log = _forced_planner_engine(stories_dir, folder, PROMPTS, monkeypatch, prefill_buckets=buckets)
+        eng.plan_defer_prompt = defer
+        writes = _count_writes(eng)
+        out[defer] = eng.generate(PROMPTS, params, concurrency=3).token_ids
+        assert out[defer] == want
+        _assert_flushes(log)
+        if defer:  # the first admission (nothing learned yet) and the refills in AR stretches deferred
+            assert eng.admit_defer[0] and sum(eng.admit_defer) >= 2 and writes, eng.admit_defer
+        else:
+            assert not any(eng.admit_defer) and not writes
+
+
+def test_deferred_prompt_of_a_finished_request_is_never_written(stories_dir, stories, monkeypatch):  # noqa: F811
+    """Requests that finish inside an AR stretch (30 AR steps, then chains; 24 new tokens): their slots are
+    refilled before any speculative step, so the first one writes the live rows' deferred prompts and sends the
+    finished requests' to the scratch slot; every live row's context is right at every speculative step, the
+    sampled output is the plain engine's AR output (drafter-invariant verification)."""
+    params = SamplingParams(max_new_tokens=24, invariant=True, **SAMPLED)
+    folder = stories[2]
+    want = _engine(stories_dir, folder).generate(PROMPTS[:5], params, use_draft=False).token_ids
+    eng, log = _forced_planner_engine(stories_dir, folder, PROMPTS, monkeypatch, pattern=[AR] * 30 + [CHAIN] * 10)
+    writes = _count_writes(eng)
+    assert eng.generate(PROMPTS[:5], params, concurrency=3).token_ids == want
+    assert eng.admit_defer == [True, True] and any(kind == "spec" for kind, _ in log)
+    assert len(writes) == 1 and sorted(writes[0]) == [False, False, True, True, True], writes
+
+
+def test_deferred_prompt_context_never_written_by_an_ar_only_call(stories_dir, stories, monkeypatch):  # noqa: F811
+    """A planned call that runs AR at every step (the planner at concurrency 64, T = 1 on the H200) writes no
+    prompt context: no draft-context append at admission or later; the prompts' features wait in ctx_pending,
+    which the next call drops. Sampled output = the plain engine's AR output for the same seeds."""
+    params = SamplingParams(max_new_tokens=24, **SAMPLED)
+    folder = stories[2]
+    want = _engine(stories_dir, folder).generate(PROMPTS[:3], params, use_draft=False).token_ids
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=(TREE[1],))
+    eng.plan_schedule = [AR]
+    calls = []
+    packed = DraftCache.append_packed
+    monkeypatch.setattr(DraftCache, "append_packed", lambda self, *a, **k: (calls.append(k), packed(self, *a, **k)))
+    assert eng.generate(PROMPTS[:3], params, concurrency=3).token_ids == want
+    assert calls == [] and eng.planner_report["ar"]["steps"] > 0
+    s = eng._slots_for(3)
+    assert [e[4] for e in s.ctx_pending] == [[0, 1, 2]]
+    eng.plan_schedule = [CHAIN]  # the next call: its own prompts' context, written before its first chain step
+    eng.generate(PROMPTS[3:6], params, concurrency=3)
+    assert [k.get("prefix") for k in calls] == [True] and s.ctx_pending == []

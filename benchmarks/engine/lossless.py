@@ -49,8 +49,8 @@ def install_device_oracle(engine, reference: list[list[int]], every: int = 4):
     ref = torch.zeros(engine.max_batch, width, dtype=torch.long, device=dev)
     admit = engine._admit
 
-    def _admit(s, items, params, spec, kv, dc, seeds):
-        admit(s, items, params, spec, kv, dc, seeds)
+    def _admit(s, items, params, spec, kv, dc, seeds, *rest):
+        admit(s, items, params, spec, kv, dc, seeds, *rest)
         for b, _ in items:
             seq = reference[engine.slot_owner[b]]  # set by Engine.generate before admission
             row = torch.zeros(width, dtype=torch.long)
