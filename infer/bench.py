@@ -36,6 +36,10 @@ AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row 
 # Engine.loop_profile, summed per task in the JSON (admit_device_s: CUDA only, the admissions' device time; admits:
 # how many admissions; steps: the decode loop's steps, one per step of the whole batch)
 PROFILE_KEYS = ("prefill_s", "launch_s", "wait_s", "host_s", "admit_device_s", "admits", "steps")
+# StepPlanner.report's counts, summed over a task's calls (Runner.planner_steps); step_ms, measured_ms and
+# conf_slope (StepPlanner.slope) are the latest call's
+PLANNER_SUMS = {"steps": 0, "drain_steps": 0, "paired": 0, "observed": 0, "realized_tokens": 0.0, "timed_steps": 0,
+                "timed_ms": 0.0}
 
 
 def parse_drafts(values: list[str] | None) -> dict[str, str]:
@@ -397,15 +401,9 @@ class Runner:
             r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
             if dec.planner_report is not None:  # the planner's choices, summed over the task's calls
                 for mode, e in dec.planner_report.items():
-                    tot = self.planner_steps.setdefault(label, {}).setdefault(
-                        mode, {"steps": 0, "drain_steps": 0, "paired": 0, "observed": 0, "realized_tokens": 0.0,
-                               "timed_steps": 0, "timed_ms": 0.0})
-                    tot.update(step_ms=e["step_ms"], measured_ms=e["measured_ms"], steps=tot["steps"] + e["steps"],
-                               drain_steps=tot["drain_steps"] + e["drain_steps"], paired=tot["paired"] + e["paired"],
-                               observed=tot["observed"] + e["observed"],
-                               realized_tokens=tot["realized_tokens"] + e["realized_tokens"],
-                               timed_steps=tot["timed_steps"] + e["timed_steps"], timed_ms=tot["timed_ms"] + e["timed_ms"],
-                               conf_slope=e["conf_slope"])  # the latest call's (StepPlanner.slope)
+                    tot = self.planner_steps.setdefault(label, {}).setdefault(mode, dict(PLANNER_SUMS))
+                    tot.update({k: tot[k] + e[k] for k in PLANNER_SUMS}, step_ms=e["step_ms"],
+                               measured_ms=e["measured_ms"], conf_slope=e["conf_slope"])  # the latest call's
             prof = {k: dec.loop_profile.get(k, 0.0) for k in PROFILE_KEYS}
             return r.token_ids, r.stats, r.elapsed_s, list(r.steps_per_prompt), prof
         if label is not None:
@@ -434,16 +432,11 @@ def bootstrap_ci(committed: list[int], steps: list[int], n: int = 2000, seed: in
     """95% percentile-bootstrap interval of τ = Σ committed / Σ steps, resampling prompts with replacement.
 
     committed[i] / steps[i]: verify-step tokens and verify steps of prompt i (prompts without a verify
-    step carry no weight). Returns [low, high]; [τ, τ] for a single prompt (Efron & Tibshirani 1993, §13)."""
-    c = torch.tensor(committed, dtype=torch.float64)
-    s = torch.tensor(steps, dtype=torch.float64)
-    if len(c) == 0 or s.sum() == 0:
+    step carry no weight). Returns [low, high]; [τ, τ] for a single prompt (Efron & Tibshirani 1993, §13);
+    [nan, nan] without a verify step. :func:`mean_tau_ci` of one task, the same resamples."""
+    if len(committed) == 0 or sum(steps) == 0:
         return [float("nan"), float("nan")]
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, len(c), (n, len(c)), generator=g)
-    taus = c[idx].sum(1) / s[idx].sum(1).clamp(min=1)
-    lo, hi = torch.quantile(taus, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return [lo, hi]
+    return mean_tau_ci([{"per_prompt_committed": committed, "per_prompt_steps": steps}], n, seed)
 
 
 def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, order_shift: int = 0,
