@@ -738,28 +738,10 @@ class EngineTarget(nn.Module):
         """Prompt ``tokens [P]`` of batch slot ``slot``: writes K/V at positions 0..P-1 (and, for a hybrid
         target, the slot's linear-layer states from zero).
 
-        Returns logits at the last position ``[V]`` and features ``[P, k*H]`` (or None).
-        Attention is causal SDPA over the prompt itself (stale cache rows are never read)."""
-        a = self.args
-        if a.hybrid:
-            logits, feats = self.prefill_packed([tokens], [slot], cache, want_features)
-            return logits[0], feats
-        P = tokens.shape[0]
-        if P > cache.seq:
-            raise ValueError(f"prompt of {P} tokens does not fit the cache ({cache.seq} positions)")
-        Hq, D = a.num_heads, a.head_dim
-
-        def attend(i, q):
-            kc, vc = cache.k[i][slot : slot + 1, :, :P], cache.v[i][slot : slot + 1, :, :P]
-            o = self._prompt_attention(i, q.view(1, P, Hq, D).transpose(1, 2), kc, vc)
-            return o.transpose(1, 2).reshape(P, Hq * D)
-
-        pos = torch.arange(P, device=tokens.device)
-        bidx = torch.full((P,), slot, device=tokens.device, dtype=torch.long)
-        with backends_context(tokens.device):
-            x, residual, feats = self._layers(tokens, pos, bidx, cache, attend, want_features)
-        h, _ = rms_norm(x[-1:], self.norm, a.rms_norm_eps, residual=residual[-1:], impl=self.impl)
-        return F.linear(h, self.head)[0], self._features(feats, want_features)
+        Returns logits at the last position ``[V]`` and features ``[P, k*H]`` (or None): :meth:`prefill_packed` of
+        one prompt, whose attention is causal SDPA over the prompt itself (stale cache rows are never read)."""
+        logits, feats = self.prefill_packed([tokens], [slot], cache, want_features)
+        return logits[0], feats
 
     def prefill_static(self, tokens: torch.Tensor, slot: torch.Tensor, last: torch.Tensor, cache: KVCache,
                        want_features: bool = True):
@@ -807,8 +789,8 @@ class EngineTarget(nn.Module):
         The N = Σ P_i tokens run through every matmul together, so admitting k prompts costs one
         forward of N tokens instead of k forwards (the launch count of one prefill is about
         12 per layer, which dominates small targets). Attention is causal SDPA per prompt over its
-        own cache rows, the same call :meth:`prefill` makes, so each prompt's logits equal a
-        one-prompt prefill up to matmul rounding (exactly in fp32 on the CPU reference path). On a
+        own cache rows, one call per prompt, so each prompt's logits equal a one-prompt prefill
+        (:meth:`prefill`) up to matmul rounding (exactly in fp32 on the CPU reference path). On a
         GPU in bf16/fp16, k > 1 prompts attend in one varlen flash call per full-attention layer
         instead (:meth:`_varlen_attention`; the per-prompt loop costs ~8 launches per prompt and layer,
         most of a small target's prefill): equal up to the kernels' rounding.
