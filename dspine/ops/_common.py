@@ -35,7 +35,7 @@ except ImportError:  # CPU-only install: the torch references still work
         pass
 
 __all__ = ["HAS_TRITON", "OutOfResources", "triton", "tl", "env_choice", "next_pow2", "block_d", "num_sms", "dot_precision", "check_impl",
-           "tile_counters", "PDL", "pdl_kwargs", "pdl_enter", "pdl_mode_for_hidden", "set_pdl_auto"]
+           "pick_impl", "tile_counters", "PDL", "pdl_kwargs", "pdl_enter", "pdl_mode_for_hidden", "set_pdl_auto"]
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
@@ -83,6 +83,12 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"impl must be 'triton' or 'torch', got {impl!r}")
     if impl == "triton" and not HAS_TRITON:
         raise RuntimeError("impl='triton' needs the triton package; use impl='torch'")
+
+
+def pick_impl(impl: str, triton_fn, torch_fn):
+    """An op's ``triton_fn`` or ``torch_fn`` by ``impl``, checked first (:func:`check_impl`'s errors)."""
+    check_impl(impl)
+    return triton_fn if impl == "triton" else torch_fn
 
 
 # Arrival counters of the kernels whose last program of a tile finishes what the tile's split programs began

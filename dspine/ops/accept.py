@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_impl, next_pow2, num_sms, tl, triton
+from ._common import next_pow2, num_sms, pick_impl, tl, triton
 
 __all__ = ["accept_greedy", "accept_sample", "commit_step"]
 
@@ -77,8 +77,7 @@ def accept_greedy_torch(draft_tokens, target_argmax):
 
 def accept_greedy(draft_tokens, target_argmax, impl: str = "triton"):
     """(num_accepted [B] int32, bonus [B] int64) of greedy verification; see module docstring."""
-    check_impl(impl)
-    fn = accept_greedy_triton if impl == "triton" else accept_greedy_torch
+    fn = pick_impl(impl, accept_greedy_triton, accept_greedy_torch)
     return fn(draft_tokens, target_argmax)
 
 
@@ -248,8 +247,7 @@ def accept_sample(draft_tokens, p_target, p_draft, uniform, exp_noise, impl: str
     ``uniform`` ~ U[0, 1) and ``exp_noise`` ~ Exp(1) (strictly positive) come from the caller.
     ``num_splits`` overrides the number of vocabulary slices per row (tests).
     """
-    check_impl(impl)
-    fn = accept_sample_triton if impl == "triton" else accept_sample_torch
+    fn = pick_impl(impl, accept_sample_triton, accept_sample_torch)
     return fn(draft_tokens, p_target, p_draft, uniform, exp_noise, num_splits=num_splits)
 
 
@@ -350,6 +348,5 @@ def commit_step(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new,
                 impl: str = "triton", *, anchor=None) -> None:
     """Commit one step's accepted tokens + bonus in place (module docstring); ``anchor [B]`` (optional)
     takes the bonus of live rows. Returns None; raises ValueError on shapes."""
-    check_impl(impl)
-    fn = commit_step_triton if impl == "triton" else commit_step_torch
+    fn = pick_impl(impl, commit_step_triton, commit_step_torch)
     fn(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist, anchor)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_impl, tl, triton
+from ._common import pick_impl, tl, triton
 
 __all__ = ["argmax_prob"]
 
@@ -70,11 +70,10 @@ def argmax_prob(logits: torch.Tensor, impl: str = "torch") -> tuple[torch.Tensor
     """``(argmax, its softmax probability)`` over the last dim (module docstring): logits ``[..., V]`` bf16 /
     fp16 / fp32 -> ``(idx [...] int64, p [...] fp32)``. Raises ValueError on a 0-d input, V = 0 or another
     dtype."""
-    check_impl(impl)
+    fn = pick_impl(impl, _argmax_prob_triton, _argmax_prob_torch)
     if logits.dim() < 1 or logits.shape[-1] == 0 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"argmax_prob needs logits [..., V] with V >= 1 in bf16/fp16/fp32, got "
                          f"{tuple(logits.shape)} {logits.dtype}")
     lead = logits.shape[:-1]
-    fn = _argmax_prob_triton if impl == "triton" else _argmax_prob_torch
     idx, p = fn(logits.reshape(-1, logits.shape[-1]))
     return idx.view(lead), p.view(lead)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_impl, next_pow2, pdl_enter, pdl_kwargs, tl, triton
+from ._common import next_pow2, pdl_enter, pdl_kwargs, pick_impl, tl, triton
 
 __all__ = ["combine_partials"]
 
@@ -195,6 +195,5 @@ def combine_partials_torch(part_acc, part_m, part_l, out, ordered: bool = False)
 def combine_partials(part_acc, part_m, part_l, out, impl: str = "triton", ordered: bool = False):
     """Write the combined attention rows of the split partials into ``out`` (see module doc);
     ``ordered``: the split-by-split merge of exact mode."""
-    check_impl(impl)
-    fn = combine_partials_triton if impl == "triton" else combine_partials_torch
+    fn = pick_impl(impl, combine_partials_triton, combine_partials_torch)
     return fn(part_acc, part_m, part_l, out, ordered=ordered)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_impl, tl, triton
+from ._common import pick_impl, tl, triton
 
 __all__ = ["defer_features"]
 
@@ -82,6 +82,6 @@ def defer_features(feats: torch.Tensor, done: torch.Tensor, pend_feats: torch.Te
     (module docstring): ``pend_feats [B·F + 1, D]`` row ``b·F + pend_count[b]`` (while ``pend_count[b] < F``),
     ``pend_count [B]`` and ``lengths [B]`` (int32) + 1. No host sync (CUDA-graph safe). Returns None; raises
     ValueError on shapes or dtypes."""
-    check_impl(impl)
+    fn = pick_impl(impl, _defer_triton, _defer_torch)
     _check(feats, done, pend_feats, pend_count, lengths, F)
-    (_defer_triton if impl == "triton" else _defer_torch)(feats, done, pend_feats, pend_count, lengths, F)
+    fn(feats, done, pend_feats, pend_count, lengths, F)

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ._common import check_impl, dot_precision, next_pow2, tl, triton
+from ._common import dot_precision, next_pow2, pick_impl, tl, triton
 from .attn_combine import combine_partials_triton
 from .verify_attention import _LOG2E, _attend_tile, _launch_plan, _packed_rows, _store_rows
 
@@ -228,8 +228,7 @@ def draft_attention(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, window=None, 
     layout and sliding-window visibility; ``causal`` the in-block mask; ``num_splits`` overrides
     the split count (tests). Raises ValueError on inconsistent shapes. See the module docstring.
     """
-    check_impl(impl)
-    fn = draft_attention_triton if impl == "triton" else draft_attention_torch
+    fn = pick_impl(impl, draft_attention_triton, draft_attention_torch)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return fn(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, window, causal, k_extra, v_extra,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_impl
+from ._common import pick_impl
 
 __all__ = ["gated_delta_rule", "gated_delta_rule_torch", "l2norm"]
 
@@ -111,6 +111,5 @@ def gated_delta_rule(q, k, v, g, beta, state, impl: str = "triton"):
     """Outputs ``[B, T, Hv, Dv]`` (v's dtype) and the final state ``[B, Hv, Dk, Dv]`` fp32 from ``state``
     (module docstring for the op, layouts and sources). Raises ValueError on inconsistent shapes or a
     non-fp32 state; ImportError for impl "triton" without fla-core."""
-    check_impl(impl)
-    fn = gated_delta_rule_triton if impl == "triton" else gated_delta_rule_torch
+    fn = pick_impl(impl, gated_delta_rule_triton, gated_delta_rule_torch)
     return fn(q, k, v, g, beta, state)

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from ._common import check_impl, tl, triton
+from ._common import pick_impl, tl, triton
 
 try:
     from triton.language.extra import libdevice
@@ -87,8 +87,8 @@ def race_torch(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def race(probs: torch.Tensor, keys: torch.Tensor, impl: str = "torch") -> torch.Tensor:
     """``argmax_v probs[r, v] / E[r, v]`` (module docstring): probs ``[R, V]`` fp32, keys ``[R]`` int64 ->
     tokens ``[R]`` int64. Raises ValueError on shapes or dtypes."""
-    check_impl(impl)
+    fn = pick_impl(impl, race_triton, race_torch)
     if probs.dim() != 2 or probs.dtype != torch.float32 or keys.shape != probs.shape[:1] or keys.dtype != torch.int64:
         raise ValueError(f"race needs probs [R, V] fp32 and keys [R] int64, got probs {tuple(probs.shape)} "
                          f"{probs.dtype} and keys {tuple(keys.shape)} {keys.dtype}")
-    return (race_triton if impl == "triton" else race_torch)(probs, keys)
+    return fn(probs, keys)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_impl, next_pow2, pdl_enter, pdl_kwargs, tl, triton
+from ._common import next_pow2, pdl_enter, pdl_kwargs, pick_impl, tl, triton
 
 __all__ = ["qk_norm_rope_cache", "qk_norm_rope_cache_torch", "rope_tables"]
 
@@ -204,7 +204,6 @@ def qk_norm_rope_cache(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, pos
     See the module docstring for layouts and numerics. ``q_out`` may be given (static buffer).
     Raises ValueError on inconsistent shapes.
     """
-    check_impl(impl)
-    fn = qk_norm_rope_cache_triton if impl == "triton" else qk_norm_rope_cache_torch
+    fn = pick_impl(impl, qk_norm_rope_cache_triton, qk_norm_rope_cache_torch)
     return fn(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, positions, k_cache, v_cache,
               batch_idx, cache_pos, q_out=q_out)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import check_impl, pdl_enter, pdl_kwargs, tl, triton
+from ._common import pdl_enter, pdl_kwargs, pick_impl, tl, triton
 
 __all__ = ["silu_mul", "silu_mul_torch"]
 
@@ -73,6 +73,5 @@ def silu_mul(gate_up, impl: str = "triton", *, out=None):
     """``silu(gate) * up`` of ``gate_up [..., 2I]`` -> ``[..., I]`` in its dtype (module docstring).
 
     Raises ValueError on an odd last dim or a wrongly shaped ``out``."""
-    check_impl(impl)
-    fn = silu_mul_triton if impl == "triton" else silu_mul_torch
+    fn = pick_impl(impl, silu_mul_triton, silu_mul_torch)
     return fn(gate_up, out=out)

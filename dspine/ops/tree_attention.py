@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from ._common import check_impl, dot_precision, tl, triton
+from ._common import dot_precision, pick_impl, tl, triton
 from .attn_combine import combine_partials_triton
 from .verify_attention import (
     _attend_tile,
@@ -333,8 +333,7 @@ def tree_attention(q, k_cache, v_cache, cache_len, tree_bits, scale, impl: str =
     of [B, T] (or with a ``path`` that is not int32 [B, T, T]), or, on the Triton path, with more query heads per kv
     head than one exact-mode row tile holds (64 in bf16).
     """
-    check_impl(impl)
-    fn = tree_attention_triton if impl == "triton" else tree_attention_torch
+    fn = pick_impl(impl, tree_attention_triton, tree_attention_torch)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return fn(q, k_cache, v_cache, cache_len, tree_bits, scale, out=out, num_splits=num_splits, blocks=blocks,

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_impl, next_pow2, num_sms, tl, triton
+from ._common import next_pow2, num_sms, pick_impl, tl, triton
 from .accept import _race_parts_merge, _race_parts_store
 
 __all__ = ["verify_tree_greedy", "verify_tree_sample", "path_from_mask", "MAX_NODES"]
@@ -259,8 +259,7 @@ def verify_tree_greedy(
     Returns (last [B] int64, num_accepted [B] int32, bonus [B] int64[, path]). Raises ValueError on shapes,
     dtypes, or N > 64 with impl="triton".
     """
-    check_impl(impl)
-    fn = verify_tree_greedy_triton if impl == "triton" else verify_tree_greedy_torch
+    fn = pick_impl(impl, verify_tree_greedy_triton, verify_tree_greedy_torch)
     return fn(tokens, parent, depth, anc_or_bits, target_argmax, path_depth=path_depth)
 
 
@@ -689,6 +688,5 @@ def verify_tree_sample(
     Returns (last [B] int64, num_accepted [B] int32, bonus [B] int64[, path]). Raises ValueError on shapes,
     dtypes, a non-contiguous last dim (Triton) or N > 64 with impl="triton".
     """
-    check_impl(impl)
-    fn = verify_tree_sample_triton if impl == "triton" else verify_tree_sample_torch
+    fn = pick_impl(impl, verify_tree_sample_triton, verify_tree_sample_torch)
     return fn(tokens, parent, depth, chain, p_target, q, u, exp_noise, path_depth=path_depth, splits=splits)

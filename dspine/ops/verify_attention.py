@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from ._common import block_d, check_impl, dot_precision, next_pow2, num_sms, pdl_enter, pdl_kwargs, tl, triton
+from ._common import block_d, dot_precision, next_pow2, num_sms, pdl_enter, pdl_kwargs, pick_impl, tl, triton
 from .attn_combine import combine_partials_triton
 
 __all__ = ["verify_attention", "verify_attention_torch"]
@@ -324,8 +324,7 @@ def verify_attention(q, k_cache, v_cache, cache_len, scale, impl: str = "triton"
     ``blocks`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile rule (tuning; ignored in
     exact mode and by the torch path). See the module docstring for layouts and numerics.
     """
-    check_impl(impl)
-    fn = verify_attention_triton if impl == "triton" else verify_attention_torch
+    fn = pick_impl(impl, verify_attention_triton, verify_attention_torch)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return fn(q, k_cache, v_cache, cache_len, scale, out=out, num_splits=num_splits, window=window, exact=exact,
