@@ -39,7 +39,7 @@ from pathlib import Path
 
 from data.chat import encode, render, resolve_chat_template, stop_token_ids, template_digest
 from data.generate import BACKENDS, Generation, format_profile, load_generator, resolve_backend
-from data.rows import EXIT_STATUS, JsonlAppender, atomic_write_json, iter_jsonl
+from data.rows import CHAT_TEMPLATE_HELP, EXIT_STATUS, JsonlAppender, atomic_write_json, iter_jsonl
 from data.schema import RowError, check_row
 from data.shards import (
     clear_marker,
@@ -87,12 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder/id if not the target's")
     p.add_argument("--input", required=True, help="normalized JSONL (data.prepare output)")
     p.add_argument("--output", required=True, metavar="DIR")
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        help="template file or builtin name (chatml: <|im_end|> ends a turn, or the eos token for a tokenizer "
-        "without it, e.g. a base LM); default: the tokenizer's",
-    )
+    p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -122,10 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     from dspine.sampling import sampling_params
 
-    for name in ("max_new_tokens", "batch_size", "concurrency"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    for name in ("max_context", "limit"):
+    for name in ("max_new_tokens", "batch_size", "concurrency", "max_context", "limit"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.max_turns < 0:

@@ -21,6 +21,9 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 # the data CLIs' exit statuses (their --help epilog)
 EXIT_STATUS = ("exit status: 0 done; 1 the input was read but no row was kept (nothing to train on); 2 a bad argument "
                "or an unreadable input; 130 interrupted (Ctrl-C)")
+# --chat-template of the data CLIs that render conversations (data.regenerate, data.tokenize; data.chat)
+CHAT_TEMPLATE_HELP = ("template file or builtin name (chatml: <|im_end|> ends a turn, or the eos token for a tokenizer "
+                      "without it, e.g. a base LM); default: the tokenizer's")
 
 
 def parse_jsonl_line(raw: bytes, where: str) -> dict:

@@ -47,7 +47,7 @@ from collections import Counter
 from pathlib import Path
 
 from data.chat import end_of_turn_token, render, resolve_chat_template
-from data.rows import EXIT_STATUS, atomic_write_json, dumps, file_digest, parse_jsonl_line
+from data.rows import CHAT_TEMPLATE_HELP, EXIT_STATUS, atomic_write_json, dumps, file_digest, parse_jsonl_line
 from data.schema import RowError, check_row
 from data.staging import tmp_beside
 from dspine.paths import load_tokenizer, read_json_object
@@ -525,12 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", required=True, help="tokenizer folder or Hub id (the target's)")
     p.add_argument("--max-length", type=int, required=True)
     p.add_argument("--cache-dir", default=None, help="default: <input folder>/tokenized")
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        help="template file or builtin name (chatml: <|im_end|> ends a turn, or the eos token for a tokenizer "
-        "without it, e.g. a base LM); default: the tokenizer's",
-    )
+    p.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     p.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode (default: off)")
     p.add_argument("--assistant-turns", default="all", choices=ASSISTANT_TURNS)
     p.add_argument("--num-proc", type=int, default=1)
