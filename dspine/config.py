@@ -45,7 +45,7 @@ def unsupported_rope(cfg) -> list[str]:
     ``rotary_dim`` < head_dim, layers without RoPE) would be silently decoded as full plain RoPE, so
     it is reported here, one ``field=value`` string per problem (empty list: supported).
     """
-    get = (lambda k: cfg.get(k)) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k, None))
+    get = _getter(cfg)
     problems = []
     for key in ("rope_scaling", "rope_parameters"):
         rope = get(key)
@@ -443,15 +443,10 @@ class DSpineConfig(PretrainedConfig):
             if not 0 < getattr(self, key) < float("inf"):
                 raise ValueError(f"{key}={getattr(self, key)} must be finite and > 0")
         d = self.dspine_config
-        if d["injection"] not in INJECTION_MODES:
-            raise ValueError(f"dspine_config.injection={d['injection']!r} is unknown; choose one of {INJECTION_MODES}")
-        if d["last_layer_features"] not in LAST_LAYER_FEATURES:
-            raise ValueError(f"dspine_config.last_layer_features={d['last_layer_features']!r} is unknown; choose one "
-                             f"of {LAST_LAYER_FEATURES}")
-        if d["block_attention"] not in BLOCK_ATTENTION_MODES:
-            raise ValueError(
-                f"dspine_config.block_attention={d['block_attention']!r} is unknown; choose one of {BLOCK_ATTENTION_MODES}"
-            )
+        for key, modes in (("injection", INJECTION_MODES), ("last_layer_features", LAST_LAYER_FEATURES),
+                           ("block_attention", BLOCK_ATTENTION_MODES)):
+            if d[key] not in modes:
+                raise ValueError(f"dspine_config.{key}={d[key]!r} is unknown; choose one of {modes}")
         if not isinstance(d["injection_rank"], int) or d["injection_rank"] < 0:
             raise ValueError(f"dspine_config.injection_rank={d['injection_rank']!r} must be an int >= 0 (0 = full rank)")
         if d["injection_layers"] is not None:
