@@ -57,10 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg, _ = run_config.parse_cli(argv, "train/distill.py")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
         code = relaunch_cpu_ranks(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
