@@ -120,7 +120,8 @@ def _draft_attn_kernel(
                 b * stride_ob + t * stride_ot + h * stride_oh, d, d_ok, D, SPLIT)
 
 
-def _check(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, k_extra, v_extra):
+def _check(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, k_extra, v_extra) -> tuple[int, ...]:
+    """(B, T, Hq, D, Hkv, C, G) of checked arguments (G = Hq / Hkv query heads per kv head); raises ValueError."""
     B, T, Hq, D = q.shape
     _, Hkv, C, _ = k_ctx.shape
     if Hq % Hkv or v_ctx.shape != k_ctx.shape or k_ctx.shape[0] != B or k_ctx.shape[3] != D:
@@ -138,14 +139,12 @@ def _check(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, k_extra, v_extra):
     for x in (q, k_ctx, v_ctx, k_blk, v_blk) + ((k_extra, v_extra) if k_extra is not None else ()):
         if x.stride(-1) != 1:
             raise ValueError("all tensors need a contiguous last dim")
+    return B, T, Hq, D, Hkv, C, Hq // Hkv
 
 
 def draft_attention_triton(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, window=None, causal=False,
                            k_extra=None, v_extra=None, *, out=None, num_splits=None):
-    _check(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, k_extra, v_extra)
-    B, T, Hq, D = q.shape
-    _, Hkv, C, _ = k_ctx.shape
-    G = Hq // Hkv
+    B, T, Hq, D, Hkv, C, G = _check(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, k_extra, v_extra)
     out = torch.empty_like(q) if out is None else out
     span = C if window is None else min(C, int(window) - 1)  # the context keys one row can see
     (bm, bn, bd, warps, stages), num_mb, ns, chunk, (part_acc, part_m, part_l) = _launch_plan(
@@ -179,10 +178,7 @@ def draft_attention_torch(q, k_ctx, v_ctx, ctx_len, k_blk, v_blk, scale, window=
                           k_extra=None, v_extra=None, *, out=None, num_splits=None):
     """Reference: one masked softmax in fp32 over [context slots, block keys, extra key]."""
     del num_splits
-    _check(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, k_extra, v_extra)
-    B, T, Hq, D = q.shape
-    _, Hkv, C, _ = k_ctx.shape
-    G = Hq // Hkv
+    B, T, Hq, D, Hkv, C, G = _check(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, k_extra, v_extra)
     dev = q.device
     qr = q.float().view(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
     t = torch.arange(T, device=dev).repeat_interleave(G)  # row r -> t
