@@ -297,12 +297,12 @@ def _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_ne
             raise ValueError(f"{name} must be [{B}], got {tuple(t.shape)}")
     if out_tokens.shape[0] != B or eos_ids.dim() != 1:
         raise ValueError("out_tokens must be [B, L] and eos_ids [E]")
+    return B, K1
 
 
 def commit_step_triton(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist,
                        anchor=None):
-    _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist, anchor)
-    B, K1 = block_tokens.shape
+    B, K1 = _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist, anchor)
     if B > 0:
         _commit_kernel[(B,)](
             block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist,
@@ -316,8 +316,7 @@ def commit_step_triton(block_tokens, num_accepted, bonus, out_tokens, out_len, m
 
 def commit_step_torch(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist,
                       anchor=None):
-    _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist, anchor)
-    B, K1 = block_tokens.shape
+    B, K1 = _check_commit(block_tokens, num_accepted, bonus, out_tokens, out_len, max_new, done, eos_ids, hist, anchor)
     L = out_tokens.shape[1]
     dev = block_tokens.device
     a = num_accepted.long()

@@ -114,7 +114,8 @@ def _qk_norm_rope_cache_kernel(
         tl.store(o_ptr + D // 2, q2, mask=ok_q)
 
 
-def _check(q, k, v, cos, k_cache, v_cache):
+def _check(q, k, v, cos, k_cache, v_cache) -> tuple[int, int, int]:
+    """k's ``(N, Hkv, D)``, checked against v, the tables, the caches and q; raises ValueError."""
     N, Hkv, D = k.shape
     if D % 2 or v.shape != k.shape or cos.shape[-1] != D // 2:
         raise ValueError(f"bad shapes k {tuple(k.shape)}, v {tuple(v.shape)}, cos {tuple(cos.shape)}")
@@ -122,12 +123,12 @@ def _check(q, k, v, cos, k_cache, v_cache):
         raise ValueError(f"cache {tuple(k_cache.shape)} does not match k {tuple(k.shape)}")
     if q is not None and (q.shape[0] != N or q.shape[2] != D or q.dtype != k.dtype):
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not match k {tuple(k.shape)} {k.dtype}")
+    return N, Hkv, D
 
 
 def qk_norm_rope_cache_triton(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, positions,
                               k_cache, v_cache, batch_idx, cache_pos, *, q_out=None):
-    _check(q, k, v, cos, k_cache, v_cache)
-    N, Hkv, D = k.shape
+    N, Hkv, D = _check(q, k, v, cos, k_cache, v_cache)
     tensors = [k, v, k_cache, v_cache, cos, sin] + ([q] if q is not None else [])
     if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("q, k, v, caches and tables need a contiguous last dim")
@@ -178,8 +179,7 @@ def _norm_rope_torch(x, w, eps, cos, sin):
 def qk_norm_rope_cache_torch(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, positions,
                              k_cache, v_cache, batch_idx, cache_pos, *, q_out=None):
     """Reference: HF's q_norm/k_norm + apply_rotary_pos_emb, then index_put into the caches."""
-    _check(q, k, v, cos, k_cache, v_cache)
-    N, Hkv, D = k.shape
+    N, Hkv, D = _check(q, k, v, cos, k_cache, v_cache)
     pos = positions.long()
     c, s = cos[pos], sin[pos]
     k_rot = _norm_rope_torch(k, k_norm_weight, eps, c, s)
