@@ -46,7 +46,7 @@ import torch
 
 from dspine.tree import Tree, ancestor_bits, build_tree
 
-from ._common import check_impl, next_pow2, tl, triton
+from ._common import next_pow2, pick_impl, tl, triton
 
 __all__ = ["build_tree_fused", "build_tree_triton", "build_tree_torch", "candidates_triton"]
 
@@ -465,8 +465,7 @@ def build_tree_fused(anchor, q, budget, chain_tokens=None, impl: str = "triton",
     the values the tree's scores were built from) set. Raises ValueError on shapes, dtypes, a non-int budget,
     N, K out of range or a chain_first that is not a bool.
     """
-    check_impl(impl)
+    fn = pick_impl(impl, build_tree_triton, build_tree_torch)
     if not isinstance(chain_first, bool):
         raise ValueError(f"chain_first={chain_first!r} must be True or False")
-    fn = build_tree_triton if impl == "triton" else build_tree_torch
     return fn(anchor, q, budget, chain_tokens, chain_first=chain_first)
