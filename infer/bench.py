@@ -322,10 +322,9 @@ class Runner:
                                                    else c["drain"] != "off")
                 if c.get("drain") not in (None, "off"):
                     self.decoders[label].plan_drain_model = c["drain"]
-                if c.get("confidence") is not None:
-                    self.decoders[label].plan_confidence = c["confidence"]
-                if c.get("conf_slope") is not None:
-                    self.decoders[label].plan_conf_slope = c["conf_slope"]
+                for key in ("confidence", "conf_slope"):  # Engine.plan_confidence, Engine.plan_conf_slope
+                    if c.get(key) is not None:
+                        setattr(self.decoders[label], f"plan_{key}", c[key])
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
                                for label, m in models.items()}
         else:
@@ -333,12 +332,7 @@ class Runner:
             from dspine.target import load_target
 
             args.block_size = reference_verify_size(args.block_size, args.verify, self.block_size.values())
-            if args.budget is not None:
-                raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
-            if args.exact:
-                raise ValueError("--exact needs the engine (--backend cuda; --device cpu on a CPU)")
-            if args.prefill_buckets:
-                raise ValueError("--prefill-buckets needs the engine (--backend cuda; --device cpu on a CPU)")
+            refuse_engine_options(args)
             target = load_target(path, gguf, dtype="fp32" if args.dtype == "auto" else args.dtype)
             self.decoders[None] = ReferenceDecoder(target, None, self.eos)
             for label, m in models.items():
@@ -718,6 +712,13 @@ def build_parser():
     return ap
 
 
+def refuse_engine_options(args) -> None:
+    """On the reference backend: ValueError naming the first of --budget auto, --exact and --prefill-buckets given."""
+    for flag, given in (("--budget auto", args.budget), ("--exact", args.exact), ("--prefill-buckets", args.prefill_buckets)):
+        if given:
+            raise ValueError(f"{flag} needs the engine (--backend cuda; --device cpu on a CPU)")
+
+
 def check_args(args) -> tuple[list[str], SamplingParams]:
     """Argument and path checks that need no model (so a typo fails in a second, not after loading).
 
@@ -754,12 +755,8 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
         raise ValueError(f"--device {args.device!r}: the engine runs on cuda or cpu")
     if device_type == "cpu":
         args.device = "cpu"  # cpu:N names the same device, which safetensors does not take
-    if args.budget == "auto" and args.backend == "reference":
-        raise ValueError("--budget auto needs the engine (--backend cuda; --device cpu on a CPU)")
-    if args.exact and args.backend == "reference":
-        raise ValueError("--exact needs the engine (--backend cuda; --device cpu on a CPU)")
-    if args.prefill_buckets and args.backend == "reference":
-        raise ValueError("--prefill-buckets needs the engine (--backend cuda; --device cpu on a CPU)")
+    if args.backend == "reference":
+        refuse_engine_options(args)
     if args.plan_drain is not None and args.backend == "reference":
         raise ValueError("--plan-drain / --no-plan-drain need the engine's --budget auto (--backend cuda; --device cpu "
                          "on a CPU)")
