@@ -192,21 +192,17 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         if c["chain_first"] is not None and c["verify"] != "tree" and c["budget"] is None:
             raise ValueError(f"draft {label!r}: chain_first applies to verify=tree or budget=auto (this label verifies "
                              "the chain only)")
-        if c["plan_trees"] is not None and c["budget"] is None:
-            raise ValueError(f"draft {label!r}: plan_trees applies to budget=auto (the planner's tree sizes)")
-        if c["confidence"] is not None and c["budget"] is None:
-            raise ValueError(f"draft {label!r}: confidence applies to budget=auto (when the planner gets the draft's "
-                             "confidence)")
-        if c["conf_slope"] is not None and c["budget"] is None:
-            raise ValueError(f"draft {label!r}: conf_slope applies to budget=auto (how far the planner moves an estimate "
-                             "with the draft's confidence)")
+        for key, what in (("plan_trees", "the planner's tree sizes"),
+                          ("confidence", "when the planner gets the draft's confidence"),
+                          ("conf_slope", "how far the planner moves an estimate with the draft's confidence"),
+                          ("drain", "the planner's drain rule")):
+            if c[key] is not None and c["budget"] is None:
+                raise ValueError(f"draft {label!r}: {key} applies to budget=auto ({what})")
         if c["conf_slope"] is not None and (c["confidence"] == "never" or (
                 getattr(args, "temperature", 0.0) > 0 and c["confidence"] != "always")):
             raise ValueError(f"draft {label!r}: conf_slope with confidence={c['confidence'] or 'greedy'} at --temperature "
                              f"{getattr(args, 'temperature', 0.0)} (the planner gets no confidence to scale by; at T > 0 "
                              "only with confidence=always)")
-        if c["drain"] is not None and c["budget"] is None:
-            raise ValueError(f"draft {label!r}: drain applies to budget=auto (the planner's drain rule)")
         if c["chain_first"] is not None and args.backend == "reference":
             raise ValueError(f"draft {label!r}: chain_first applies to the engine (the reference backend builds its "
                              "trees best first at T = 0, the chain first at T > 0)")
