@@ -4,7 +4,7 @@
 #   GGUF=models/SmolLM2-135M-Instruct.Q4_1.gguf DSPINE_SHARED=../shared bash scripts/reproduce_h200.sh [STAGE ...]
 #
 # Stages (default: all, in order). convert, engine, exact, hybrid, profile, linear, lmhead, hybridbench, linearwide,
-# fusion, linearfusion, planslope and planswitch skip when their output
+# fusion, linearfusion, planslope, planswitch and planexact skip when their output
 # exists (planslope and planswitch: a whole run's; a killed run resumes; delete a results file to measure it again); steps, tree and planner always
 # measure and --merge their part into results/verify-h200.json. Minutes on one H200 (2026-12-01):
 #   convert   GGUF -> $WORK/smollm2-hf (bf16), the SmolLM2 target of the later stages          ~0.5
@@ -39,6 +39,8 @@
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
+#   planexact the same in exact mode (--exact; the same-text points' mode, where the planner's chain steps ran 3%
+#             slower than the fixed chain's at concurrency 8, T=0) -> results/planner-switch-exact-h200.json ~2.5
 #   tables    scripts/make_tables.py (README results block)
 # Runs `python` from PATH (the environment with the project installed). An unknown stage, or a GPU stage without
 # CUDA, stops the script before anything runs.
@@ -54,7 +56,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain planswitch tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain planswitch planexact tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -192,6 +194,10 @@ fi
 if has planswitch && ! finished "$R/planner-switch-$G.json"; then
   timed planswitch python benchmarks/engine/bench_planner_loop.py --switch 32 --batches 1,8 --temperatures 0 \
     --new 128 --context 256 --reps 3 --output "$R/planner-switch-$G.json" --overwrite
+fi
+if has planexact && ! finished "$R/planner-switch-exact-$G.json"; then
+  timed planexact python benchmarks/engine/bench_planner_loop.py --exact --switch 32 --batches 1,8 --temperatures 0 \
+    --new 128 --context 256 --reps 3 --output "$R/planner-switch-exact-$G.json" --overwrite
 fi
 if has tables; then timed tables python scripts/make_tables.py; fi
 echo "[$(date +%T)] done; timings in $WORK/timings.jsonl"

@@ -116,3 +116,25 @@ def test_switch_runs_the_chain_and_the_tree_in_turn(monkeypatch, capsys):
         ["--tiny", "--device", "cpu", "--batches", "1", "--temperatures", "0", "--context", "4", "--new", "2",
          "--reps", "1", "--switch", "6"]))["points"][0]
     assert short["switch_over_mean"] is None and short["switch_steps"]["tree"] < 4
+
+
+def test_exact_puts_every_engine_in_exact_mode(monkeypatch):
+    """--exact: the fixed engine, the planner engines and the fixed tree are all built with exact=True, the file
+    says so, and greedy planner_chain still runs the fixed chain's steps (same tokens, same accepts)."""
+    from benchmarks.engine import bench_planner_loop
+    from infer.engine import Engine
+
+    built = []
+    init = Engine.__init__
+
+    def record(self, *a, **kw):
+        init(self, *a, **kw)
+        built.append(self.exact)
+
+    monkeypatch.setattr(Engine, "__init__", record)
+    res = bench_planner_loop.run(bench_planner_loop.build_parser().parse_args(
+        ["--tiny", "--device", "cpu", "--batches", "2", "--temperatures", "0", "--context", "8", "--new", "9",
+         "--reps", "1", "--switch", "6", "--exact"]))
+    assert res["exact"] is True and len(built) == 7 and all(built)
+    p = res["points"][0]
+    assert p["chain"]["steps"] == p["planner_chain"]["steps"] and p["chain"]["tokens"] == 18

@@ -59,3 +59,27 @@ def test_argmax_prob_rejects_bad_inputs():
             argmax_prob(bad)
     with pytest.raises(ValueError):
         argmax_prob(torch.zeros(2, 4), impl="cuda")
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_split_vocabulary_equals_one_program_per_row(device, monkeypatch):
+    """The vocabulary split over S programs per row and combined (few rows: a greedy chain step at batch 1-8)
+    against one program per row (PROGRAMS = 1): the same argmax, with a tie across chunks (the lowest id wins), a
+    row whose maximum sits in the last, partial chunk and a row whose first chunk is all -inf; p within fp32
+    rounding of each other and of float64."""
+    from dspine.ops import argmax_prob as mod
+
+    V = 4 * mod.BLOCK + 37
+    g = torch.Generator().manual_seed(3)
+    x = 3 * torch.randn(4, V, generator=g)
+    x[0, 10] = x[0, 2 * mod.BLOCK + 5] = x[0].max() + 2  # a tie across chunks 0 and 2
+    x[1, V - 3] = x[1].max() + 1  # the maximum in the last, partial chunk
+    x[2, : mod.BLOCK] = float("-inf")  # an all -inf first chunk
+    x = x.to(device)
+    split = argmax_prob(x, impl="triton")
+    monkeypatch.setattr(mod, "PROGRAMS", 1)
+    whole = argmax_prob(x, impl="triton")
+    assert split[0].tolist() == whole[0].tolist() == x.argmax(-1).tolist()
+    assert split[0][0] == 10 and split[0][1] == V - 3
+    exact = torch.softmax(x.double(), -1).amax(-1).float()
+    assert torch.allclose(split[1], whole[1], rtol=2e-6, atol=0) and torch.allclose(split[1], exact, rtol=2e-6, atol=0)

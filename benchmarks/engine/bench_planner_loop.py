@@ -24,6 +24,11 @@ requests as slots (one wave: every slot busy from the first step). For each batc
   ``None`` where either ran fewer than ``SWITCH_MIN_STEPS``) (issue 16: on the H200 the planner's steps took 1.7-2.6% longer than
   its modes' own steps in the fixed runs, results/planner-default*-h200-T0-c1.json).
 
+``--exact``: every engine in exact mode (``Engine(exact=True)``, the mode of the same-text planner points; issue 16:
+in those runs of 2026-12-06 the planner's chain steps took 3% longer than the fixed chain's at concurrency 8, T = 0,
+1.541 against 1.495 ms on the H100 and 1.525 against 1.481 ms on the H200, results/verify-exact-h*.json
+``planner_choices_per_task`` ``measured_ms`` against ``per_task``; the fast-mode loop here read 0.995).
+
 ``planner_ar`` ÷ ``ar`` and ``planner_chain`` ÷ ``chain`` are the planner's loop and step overhead against the
 configuration it chose (on the H200 at concurrency 32-64 and T = 1 it chose AR at 99-100% of its steps and ran
 0.86-0.95 × the plain AR engine: results/verify-planner-h200.json). With random weights the draft's tokens are
@@ -101,13 +106,14 @@ def run(args) -> dict:
     cuda = dev.type == "cuda"
     res: dict = {**provenance(), "shape": shape, "dtype": str(dtype), "impl": impl, "context": args.context,
                  "new_tokens": args.new, "reps": args.reps, "draft_layers": d["layers"],
-                 "flush_rows": Engine.AR_DEFER, "switch_tree": args.switch, "complete": False, "points": []}
+                 "flush_rows": Engine.AR_DEFER, "switch_tree": args.switch, "exact": args.exact, "complete": False,
+                 "points": []}
     configs = CONFIGS + (SWITCH_CONFIGS if args.switch else ())
     g = torch.Generator().manual_seed(0)
     max_seq = args.context + args.new + 64
     for B in args.batches:
         prompts = [torch.randint(0, a.vocab_size - 2, (args.context,), generator=g).tolist() for _ in range(B)]
-        fixed = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new)
+        fixed = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new, exact=args.exact)
         planners = {}
         chain, tree = ("chain", fixed.verify_size), ("tree", args.switch)
         setups = [("planner_ar", [("ar", 1)], True), ("planner_ar_immediate", [("ar", 1)], False),
@@ -116,7 +122,7 @@ def run(args) -> dict:
             setups += [("planner_tree", [tree], True), ("planner_switch", [chain, tree], True)]
         for name, modes, defer in setups:
             eng = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new, budget="auto",
-                         plan_trees=tuple(n for k, n in modes if k == "tree") or None)
+                         plan_trees=tuple(n for k, n in modes if k == "tree") or None, exact=args.exact)
             eng.plan_modes = modes  # the planner's only modes: every step is one of them, through the planner's loop
             eng.plan_schedule = modes if name == "planner_switch" else None  # in turn, no decision
             eng.defer_ar_append = defer
@@ -124,7 +130,7 @@ def run(args) -> dict:
         engines = {"ar": fixed, "chain": fixed, **planners}
         if args.switch:  # the fixed tree: no planner, the plain pipelined loop
             engines["tree"] = Engine(target, draft, [-1], max_batch=B, max_seq=max_seq, max_new_cap=args.new,
-                                     verify="tree", tree_budget=args.switch)
+                                     verify="tree", tree_budget=args.switch, exact=args.exact)
         planners.clear()
         for temperature in args.temperatures:
             params = params_for(temperature, args.new)
@@ -196,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     ap.add_argument("--new", type=int, default=256, help="new tokens per request (all of them: no EOS)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions of each configuration (median)")
+    ap.add_argument("--exact", action="store_true", help="every engine in exact mode (Engine(exact=True))")
     ap.add_argument("--switch", type=int, default=0, metavar="N",
                     help="also the tree of N nodes alone and the chain and that tree in turn (0: not; 2..64)")
     return ap

@@ -1,0 +1,117 @@
+"""The planner's greedy confidence kernel (``dspine.ops.argmax_prob``) against ``torch.argmax``, the only vocabulary
+pass of the fixed chain's greedy step.
+
+    python benchmarks/engine/bench_argmax_prob.py --output results/argmax-prob-h100.json
+    python benchmarks/engine/bench_argmax_prob.py --device cpu --rows 2 --vocab 300 --iters 2 --reps 2 --output /tmp/a.json
+
+For each row count R (``--rows``; a greedy chain step has B·15 rows: 15, 120, 480, 960 at batch 1, 8, 32, 64)
+and bf16 logits ``[R, --vocab]`` (SmolLM2's 49,152 by default), three variants, each ``--iters`` launches between
+two ``synchronize`` calls (host wall clock, µs per call), round-robin in alternating order, the median over
+``--reps`` rounds after one warm-up round:
+
+* ``torch_argmax_us``: ``logits.argmax(-1)`` (the fixed chain);
+* ``one_program_us``: ``argmax_prob`` with one program per row (``PROGRAMS = 1``: the kernel before the split);
+* ``split_us``: ``argmax_prob`` as shipped (the vocabulary split over S programs per row, then a combine).
+
+The JSON has provenance, the settings, and per R the three times, ``S`` (programs per row) and
+``split_minus_argmax_us`` (what the planner's chain step pays over the fixed chain's for its confidence, before the
+one-launch ``plan_stats``). With CUDA graphs a launch's host cost leaves the step, so on the GPU these are upper
+bounds of the device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.engine.bench_planner_loop import int_list, write  # noqa: E402
+from dspine.ops import argmax_prob as ap_mod  # noqa: E402
+from dspine.paths import output_arg  # noqa: E402
+from dspine.provenance import provenance  # noqa: E402
+
+
+def _time(fn, iters: int, cuda: bool) -> float:
+    """µs per call of ``fn`` over ``iters`` calls between two synchronizations."""
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters * 1e6
+
+
+def run(args) -> dict:
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    impl = "triton" if cuda else "torch"  # on the CPU a smoke run: the torch path in every variant
+    res: dict = {**provenance(), "vocab": args.vocab, "iters": args.iters, "reps": args.reps, "impl": impl,
+                 "programs": ap_mod.PROGRAMS, "block": ap_mod.BLOCK, "points": []}
+    g = torch.Generator().manual_seed(0)
+    shipped = ap_mod.PROGRAMS
+    for R in args.rows:
+        x = (4 * torch.randn(R, args.vocab, generator=g)).to(dev, torch.bfloat16 if cuda else torch.float32)
+
+        def one(x=x):
+            ap_mod.PROGRAMS = 1
+            try:
+                ap_mod.argmax_prob(x, impl=impl)
+            finally:
+                ap_mod.PROGRAMS = shipped
+
+        variants = {"torch_argmax_us": lambda x=x: x.argmax(-1), "one_program_us": one,
+                    "split_us": lambda x=x: ap_mod.argmax_prob(x, impl=impl)}
+        times = {k: [] for k in variants}
+        for rep in range(args.reps + 1):
+            order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
+            for k in order:
+                t = _time(variants[k], args.iters, cuda)
+                if rep:  # the first round warms up (compilation, autotuning)
+                    times[k].append(t)
+        tiles = -(-args.vocab // ap_mod.BLOCK)
+        chunk = -(-tiles // min(tiles, max(1, -(-shipped // R))))
+        point = {"rows": R, "S": -(-tiles // chunk), **{k: statistics.median(v) for k, v in times.items()}}
+        point["split_minus_argmax_us"] = point["split_us"] - point["torch_argmax_us"]
+        res["points"].append(point)
+        print(f"R={R} S={point['S']}: argmax {point['torch_argmax_us']:.1f} us, one program/row "
+              f"{point['one_program_us']:.1f} us, split {point['split_us']:.1f} us", flush=True)
+    return res
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--output", default=None, help="JSON file to write (refused if it exists, unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rows", type=int_list, default=[15, 120, 480, 960], help="row counts R (B·15 at batch B)")
+    ap.add_argument("--vocab", type=int, default=49152, help="vocabulary size V")
+    ap.add_argument("--iters", type=int, default=200, help="launches per timing")
+    ap.add_argument("--reps", type=int, default=7, help="timed rounds (median)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for flag in ("vocab", "iters", "reps"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    output_arg(ap, args)
+    res = run(args)
+    write(res, args.output)
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
