@@ -5,9 +5,10 @@ pass of the fixed chain's greedy step.
     python benchmarks/engine/bench_argmax_prob.py --device cpu --rows 2 --vocab 300 --iters 2 --reps 2 --output /tmp/a.json
 
 For each row count R (``--rows``; a greedy chain step has B·15 rows: 15, 120, 480, 960 at batch 1, 8, 32, 64)
-and bf16 logits ``[R, --vocab]`` (SmolLM2's 49,152 by default), three variants, each ``--iters`` launches between
-two ``synchronize`` calls (host wall clock, µs per call), round-robin in alternating order, the median over
-``--reps`` rounds after one warm-up round:
+and bf16 logits ``[R, --vocab]`` (SmolLM2's 49,152 by default), three variants, each ``--iters`` calls captured
+in one CUDA graph (the engine's steps are graphs: no host launch cost) and replayed between two ``synchronize``
+calls (µs per call), round-robin in alternating order, the median over ``--reps`` rounds after one warm-up
+round:
 
 * ``torch_argmax_us``: ``logits.argmax(-1)`` (the fixed chain);
 * ``one_program_us``: ``argmax_prob`` with one program per row (``PROGRAMS = 1``: the kernel before the split);
@@ -15,8 +16,7 @@ two ``synchronize`` calls (host wall clock, µs per call), round-robin in altern
 
 The JSON has provenance, the settings, and per R the three times, ``S`` (programs per row) and
 ``split_minus_argmax_us`` (what the planner's chain step pays over the fixed chain's for its confidence, before the
-one-launch ``plan_stats``). With CUDA graphs a launch's host cost leaves the step, so on the GPU these are upper
-bounds of the device time.
+one-launch ``plan_stats``).
 """
 
 from __future__ import annotations
@@ -37,13 +37,30 @@ from dspine.paths import output_arg  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
 
 
-def _time(fn, iters: int, cuda: bool) -> float:
-    """µs per call of ``fn`` over ``iters`` calls between two synchronizations."""
+def _graphed(fn, iters: int, cuda: bool):
+    """``iters`` calls of ``fn`` as one CUDA graph replay (the engine replays its steps as graphs: no launch cost
+    on the host), or the eager loop on the CPU."""
+    if not cuda:
+        return lambda: [fn() for _ in range(iters)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    return graph.replay
+
+
+def _time(run, iters: int, cuda: bool) -> float:
+    """µs per call of the ``iters`` calls ``run`` makes, between two synchronizations."""
     if cuda:
         torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(iters):
-        fn()
+    run()
     if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - t) / iters * 1e6
@@ -67,8 +84,9 @@ def run(args) -> dict:
             finally:
                 ap_mod.PROGRAMS = shipped
 
-        variants = {"torch_argmax_us": lambda x=x: x.argmax(-1), "one_program_us": one,
-                    "split_us": lambda x=x: ap_mod.argmax_prob(x, impl=impl)}
+        variants = {k: _graphed(fn, args.iters, cuda) for k, fn in (
+            ("torch_argmax_us", lambda x=x: x.argmax(-1)), ("one_program_us", one),
+            ("split_us", lambda x=x: ap_mod.argmax_prob(x, impl=impl)))}
         times = {k: [] for k in variants}
         for rep in range(args.reps + 1):
             order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
