@@ -25,9 +25,10 @@ requests as slots (one wave: every slot busy from the first step). For each batc
   its modes' own steps in the fixed runs, results/planner-default*-h200-T0-c1.json).
 
 ``--exact``: every engine in exact mode (``Engine(exact=True)``, the mode of the same-text planner points; issue 16:
-in those runs of 2026-12-06 the planner's chain steps took 3% longer than the fixed chain's at concurrency 8, T = 0,
-1.541 against 1.495 ms on the H100 and 1.525 against 1.481 ms on the H200, results/verify-exact-h*.json
-``planner_choices_per_task`` ``measured_ms`` against ``per_task``; the fast-mode loop here read 0.995).
+in those runs of 2026-12-06 the planner's chain steps were timed 3% longer than the fixed chain's at concurrency 8,
+T = 0, 1.541 against 1.495 ms on the H100 and 1.525 against 1.481 ms on the H200, results/verify-exact-h*.json
+``planner_choices_per_task`` ``measured_ms`` against ``per_task``; here, with random weights at batch 8, the
+planner's chain step ran 0.996 of the fixed chain's in exact mode, results/planner-loop-exact-h100.json).
 
 ``planner_ar`` ÷ ``ar`` and ``planner_chain`` ÷ ``chain`` are the planner's loop and step overhead against the
 configuration it chose (on the H200 at concurrency 32-64 and T = 1 it chose AR at 99-100% of its steps and ran
