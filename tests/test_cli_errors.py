@@ -426,3 +426,78 @@ def test_fp16_is_refused_for_a_qwen_target_in_both_loaders(tiny_qwen3_dir, stori
     with pytest.raises(ValueError, match=want):
         load_engine(str(tiny_qwen3_dir), None, None, device="cpu", dtype=torch.float16)
     assert load_target(str(stories_dir), dtype="fp16").dtype == torch.float16
+
+
+def test_cli_argument_errors(stories_dir, tmp_path, capsys):
+    from infer import bench, generate
+    from infer.datasets import load_eval_prompts
+
+    with pytest.raises(ValueError, match="must be >= 1"):
+        load_eval_prompts("gsm8k", 0)
+    long = "once upon a time " * 200  # ~800 tokens > the 512 positions of stories260K
+    assert generate.main(["--target", str(stories_dir), "--prompt", long, "--backend", "reference",
+                          "--no-chat-template"]) == 2
+    assert "exceeds the target's context" in capsys.readouterr().err
+    assert generate.main(["--target", str(stories_dir), "--prompt", "x", "--block-size", "0", "--backend", "reference"]) == 2
+    assert bench.main(["--target", str(stories_dir), "--concurrency", "0", "--datasets", "gsm8k"]) == 2
+    assert "--concurrency 0" in capsys.readouterr().err
+
+
+def test_cli_none_is_a_value_not_null():
+    """`injection=none` selects the DFlash ablation; only `null` / `~` mean "unset" on the command line."""
+    from train import config as run_config
+
+    cfg, _ = run_config.parse_cli(["--config", str(REPO / "configs" / "stories260k-cpu.yaml"), "injection=none",
+                                   "eval=null"], "x")
+    assert cfg.injection == "none" and cfg.eval is None
+
+
+def test_missing_or_non_model_paths_are_named(stories_dir, tmp_path, capsys):
+    from data import tokenize
+    from dspine import check, init
+    from infer import generate
+
+    assert generate.main(["--target", "/nope/model", "--prompt", "hi"]) == 2
+    assert "/nope/model: no such file or folder, and not a Hub id" in capsys.readouterr().err
+    assert generate.main(["--target", str(REPO / "pyproject.toml"), "--prompt", "hi"]) == 2
+    assert "pyproject.toml: not a model folder" in capsys.readouterr().err
+    # --gguf-file with a file as the target (the default target is a .gguf file): the message says what to give
+    assert generate.main(["--target", str(REPO / "pyproject.toml"), "--gguf-file", "m.gguf", "--prompt", "hi"]) == 2
+    assert "a GGUF file name (m.gguf) was given too; with it give the folder" in capsys.readouterr().err
+    assert generate.main(["--target", str(tmp_path), "--prompt", "hi", "--draft", "none"]) == 2
+    assert f"{tmp_path}: not a model folder (no config.json)" in capsys.readouterr().err
+    # a folder one level above the model (as ../shared/models/stories260K holds hf/): the message names the model
+    (tmp_path / "up" / "hf").mkdir(parents=True)
+    (tmp_path / "up" / "hf" / "config.json").write_text("{}")
+    assert generate.main(["--target", str(tmp_path / "up"), "--prompt", "hi", "--draft", "none"]) == 2
+    assert f"not a model folder (no config.json); it holds {tmp_path / 'up' / 'hf'}: give one of those" in \
+        capsys.readouterr().err
+    assert check.main(["--target", "./nope", "--draft", str(stories_dir)]) == 2
+    assert "./nope: no such file or folder" in capsys.readouterr().err
+    assert init.main(["--target", "~/nope-dspine", "--out", str(tmp_path / "d")]) == 2
+    assert "~/nope-dspine: no such file or folder" in capsys.readouterr().err
+    src = tmp_path / "in.jsonl"
+    src.write_text("")
+    assert tokenize.main(["--input", str(src), "--tokenizer", "runs/nope/tok", "--max-length", "8"]) == 2
+    assert "tokenizer runs/nope/tok: no such file or folder" in capsys.readouterr().err
+
+
+def test_generate_and_check_refuse_bad_arguments_before_loading(stories_dir, capsys):
+    import time
+
+    from dspine import check
+    from infer import generate
+
+    base = ["--target", str(stories_dir), "--backend", "reference"]
+    cases = [(["--prompt", "hi", "--temperature", "nan"], "--temperature=nan must be a finite number >= 0"),
+             (["--prompt", "hi", "--top-p", "1.5"], "--top-p=1.5 must be in (0, 1]"),
+             (["--prompt", "hi", "--top-k", "-2"], "--top-k=-2 must be >= 0"),
+             (["--prompt", "hi", "--num-prompts", "3"], "--num-prompts 3 applies to --dataset only"),
+             (["--prompt", "hi", "--block-size", "4", "--draft", "none"], "--block-size 4 needs a draft")]
+    for extra, message in cases:
+        t0 = time.perf_counter()
+        assert generate.main([*base, *extra]) == 2
+        assert message in capsys.readouterr().err and time.perf_counter() - t0 < 1.0, extra
+    with pytest.raises(SystemExit) as e:
+        check.main(["--target", str(stories_dir), "--draft", str(stories_dir), "--max-context", "-5"])
+    assert e.value.code == 2 and "--max-context -5: must be >= 1" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from dspine.checkpoint import load_config, load_draft, save_draft
 from dspine.config import DSpineConfig, default_target_layer_ids
 from dspine.model import DSpineDraftModel
 from dspine.target import TargetSpec, assert_compatible, check_compat
+from tests.conftest import REPO
 
 
 def small_config(**over) -> DSpineConfig:
@@ -227,3 +228,76 @@ def test_save_draft_stores_no_absolute_paths(tmp_path, monkeypatch):
         meta = f.metadata()
     assert meta["target"] == "runs/target" and not meta["train"].startswith("/") and meta["train"].endswith("elsewhere/tok/abc")
     assert meta["init_from"] == "z-lab/Qwen3-8B-DFlash-b16" and meta["step"] == "3"
+
+
+def test_default_layer_ids_are_distinct_for_shallow_targets():
+    from dspine.config import default_target_layer_ids as ids
+
+    assert ids(36, 5) == [1, 9, 17, 25, 33]
+    assert ids(5, 5) == [0, 1, 2, 3, 4] and ids(5, 3) == [1, 2, 3]
+
+
+def test_draft_config_type_errors_name_the_field(tmp_path):
+    from dspine.checkpoint import load_config
+
+    small_config().save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "block_size": "eight"}))
+    with pytest.raises(ValueError, match="field 'block_size' must be an integer"):
+        load_config(tmp_path)
+    bad = {**raw, "dflash_config": {"mask_token_id": 0, "target_layer_idz": [1]}}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="unknown dflash_config keys.*target_layer_idz"):
+        load_config(tmp_path)
+
+
+def test_init_from_keeps_the_source_layout(stories_dir, tmp_path):
+    from dspine import init as init_cli
+    from dspine.checkpoint import load_config
+
+    src = tmp_path / "src"
+    base = ["--target", str(stories_dir), "--dtype", "fp32"]
+    assert init_cli.main([*base, "--out", str(src), "--layers", "1", "--block-size", "8", "--mask-token-id", "3",
+                          "--injection", "none"]) == 0
+    assert init_cli.main([*base, "--out", str(tmp_path / "ok"), "--init-from", str(src)]) == 0
+    cfg = load_config(tmp_path / "ok")
+    assert (cfg.num_hidden_layers, cfg.block_size, cfg.mask_token_id) == (1, 8, 3) and cfg.injection == "residual"
+    assert init_cli.main([*base, "--out", str(tmp_path / "bad"), "--init-from", str(src), "--block-size", "16"]) == 2
+    assert not (tmp_path / "bad").exists()
+
+
+def test_init_refuses_bad_sliding_layers_and_a_file_as_out(stories_dir, tmp_path, capsys):
+    from dspine import init as init_cli
+
+    base = ["--target", str(stories_dir), "--layers", "2", "--mask-token-id", "0", "--dtype", "fp32"]
+    for bad in ("7", "-1"):
+        assert init_cli.main([*base, "--out", str(tmp_path / bad), "--sliding-layers", bad]) == 2
+        assert f"--sliding-layers [{bad}] outside [0, 2)" in capsys.readouterr().err
+        assert not (tmp_path / bad).exists()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert init_cli.main([*base, "--out", str(afile)]) == 2
+    assert f"--out {afile} is an existing file" in capsys.readouterr().err
+
+
+def test_check_table_hidden_size_mismatch_shows_both_values(stories_dir):
+    from dspine.target import TargetSpec, assert_compatible, check_compat
+
+    spec = TargetSpec.from_pretrained(str(stories_dir))
+    cfg = small_config()
+    cfg.hidden_size = spec.hidden_size + 8
+    row = next(r for r in check_compat(spec, cfg) if r.field == "hidden_size")
+    assert not row.ok and row.note.startswith(f"target {spec.hidden_size} != draft {spec.hidden_size + 8}")
+    with pytest.raises(ValueError) as e:
+        assert_compatible(spec, cfg)
+    assert "()" not in str(e.value) and f"hidden_size: target={spec.hidden_size} draft={spec.hidden_size + 8} (" in str(e.value)
+
+
+def test_stories_config_comment_matches_its_values():
+    import yaml
+
+    text = (REPO / "configs" / "stories260k-cpu.yaml").read_text()
+    cfg = yaml.safe_load(text)
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    assert f"block_size {cfg['block_size']}, set below" in header and f"{cfg['layers']}-layer" in header
+    assert "python train/distill.py --config configs/stories260k-cpu.yaml" in header

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from data.prepare import NoRowKept, eval_split, main, prepare
+from tests.conftest import REPO
 
 SHARED = Path(os.environ.get("DSPINE_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 TRAIN = SHARED / "data" / "train"
@@ -245,3 +246,74 @@ def test_ctrl_c_or_a_bad_input_leaves_no_folder_and_a_clear_line(tmp_path, capsy
     assert capsys.readouterr().err == f"\ndata.prepare: interrupted; nothing was written to {out} (the same command " \
         "starts over)\n"
     assert not out.exists()
+
+
+GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_data_tools_fail_early(stories_dir, tmp_path, capsys):
+    from data import prepare, regenerate
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}) + "\n")
+    with pytest.raises(SystemExit):
+        prepare.main(["--input", str(src), "--output", str(tmp_path / "p"), "--limit", "-3"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nope": 1}\n{"conversations": []}\n')
+    assert prepare.main(["--input", str(bad), "--output", str(tmp_path / "p2")]) == 1
+    assert prepare.main(["--input", str(src), "--output", str(tmp_path / "p3")]) == 0
+    # a template that writes no end-of-turn token after an answer is refused before any generation
+    # (ChatML itself is accepted for stories260K: tests/test_chat_text.py)
+    no_end = tmp_path / "no-end.jinja"
+    no_end.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    rc = regenerate.main(["--target", str(stories_dir), "--tokenizer", str(stories_dir), "--chat-template", str(no_end),
+                          "--input", str(tmp_path / "p3" / "train.jsonl"), "--output", str(tmp_path / "r")])
+    assert rc == 2 and "chat template unusable" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    # another tool's finished folder is not mistaken for a finished regeneration
+    rc = regenerate.main(["--target", str(stories_dir), "--input", str(tmp_path / "p3" / "train.jsonl"),
+                          "--output", str(tmp_path / "p3")])
+    assert rc == 2 and "no data.regenerate run wrote" in capsys.readouterr().err
+
+
+def test_prepare_leaves_no_tmp_files_and_names_the_output(tmp_path, capsys):
+    from data import prepare
+
+    txt = tmp_path / "x.txt"
+    txt.write_text("hi\n")
+    (tmp_path / "empty").mkdir()
+    for src in (txt, tmp_path / "empty"):
+        out = tmp_path / f"out-{src.name}"
+        assert prepare.main(["--input", str(src), "--output", str(out)]) == 2
+        assert str(src) in capsys.readouterr().err
+        assert not list(out.glob("*.tmp")), list(out.iterdir())
+    assert prepare.main(["--input", str(txt), "--output", str(txt)]) == 2
+    assert f"--output {txt} is an existing file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_data_tools_accept_a_gguf_path(tmp_path, capsys, gguf_memo):
+    from data import regenerate, tokenize
+
+    if not GGUF.is_file():
+        pytest.skip(f"missing {GGUF} (python -m infer.fetch)")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "conversations": [{"role": "user", "content": "hi there, how are you?"},
+                                                            {"role": "assistant", "content": "fine"}]}) + "\n")
+    assert tokenize.main(["--input", str(src), "--tokenizer", str(GGUF), "--max-length", "64",
+                          "--cache-dir", str(tmp_path / "tok")]) == 0
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert tokenize.main(["--input", str(empty), "--tokenizer", str(GGUF), "--max-length", "64",
+                          "--cache-dir", str(tmp_path / "tok")]) == 1
+    assert f"{empty} has no rows" in capsys.readouterr().err
+    # every row is longer than --max-context: all skipped, so nothing was regenerated -> exit 1
+    rc = regenerate.main(["--target", str(GGUF), "--input", str(src), "--output", str(tmp_path / "r"),
+                          "--max-context", "8", "--max-new-tokens", "4"])
+    assert rc == 1 and "no row was regenerated (1 skipped" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "run_args.json").exists()  # a run that regenerated nothing pins nothing
+    # the corrected retry (another --max-context) runs in the same folder and records the GGUF path split
+    assert regenerate.main(["--target", str(GGUF), "--input", str(src), "--output", str(tmp_path / "r"),
+                            "--max-context", "64", "--max-new-tokens", "4"]) == 0
+    run_args = json.loads((tmp_path / "r" / "run_args.json").read_text())
+    assert (run_args["target"], run_args["gguf_file"]) == (str(GGUF.parent), GGUF.name)

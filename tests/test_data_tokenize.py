@@ -387,3 +387,13 @@ def test_ctrl_c_removes_the_dot_temp_folder_and_exits_130(tmp_path, monkeypatch,
     (name,) = seen
     assert name.startswith(".") and name.endswith(f".tmp-{os.getpid()}")  # `ls -d cache/*/` skips it
     assert list(cache.iterdir()) == []
+
+
+def test_tokenize_says_the_input_has_no_rows(qwen3_tokenizer_dir, tmp_path, capsys):
+    from data import tokenize
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert tokenize.main(["--input", str(empty), "--tokenizer", str(qwen3_tokenizer_dir), "--max-length", "32"]) == 1
+    err = capsys.readouterr().err
+    assert f"{empty} has no rows" in err and "every row failed" not in err

@@ -149,3 +149,16 @@ def test_same_prompt_and_seed_give_the_same_sample_at_any_concurrency(stories_di
         assert got["engine"].stats.hist == got["reference"].stats.hist, t
     # and the seed matters
     assert ReferenceDecoder(stories[0], stories[1], [2]).generate([p], T1, seeds=[s + 1]).token_ids[0] != outputs["reference"]
+
+
+def test_tau_is_undefined_without_verify_steps(stories_dir):
+    from dspine.reference import ReferenceDecoder
+    from dspine.sampling import SamplingParams
+    from dspine.stats import AcceptStats
+    from dspine.target import load_target
+    from tests.helpers import random_draft
+
+    assert AcceptStats(4).to_dict()["tau"] is None
+    target = load_target(str(stories_dir), dtype="fp32")
+    res = ReferenceDecoder(target, random_draft(target, mask=0), [2]).generate([[1, 5]], SamplingParams(max_new_tokens=1))
+    assert len(res.token_ids[0]) == 1 and res.stats.steps == 0 and res.stats.to_dict()["tau"] is None

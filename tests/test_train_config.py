@@ -242,3 +242,19 @@ def test_eval_none_is_off(tmp_path):
         assert load(write(tmp_path, "target: t\ntrain: d\neval: rows.jsonl\n"), cli).eval is None
     assert load(write(tmp_path, "target: t\ntrain: d\neval: none\n")).eval is None
     assert load(write(tmp_path, "target: t\ntrain: d\neval: rows.jsonl\n")).eval == "rows.jsonl"
+
+
+def test_distill_config_values_are_checked_when_read():
+    from train import config as run_config
+
+    for override, message in [("lr=nan", "'lr': must be a finite number, got nan"),
+                              ("warmup_ratio=1.5", "'warmup_ratio': must be in [0, 1], got 1.5"),
+                              ("betas=[0.9,.inf]", "'betas': must be a finite number"),
+                              ("max_length=4", "'max_length': 4 is shorter than one block (block_size 8)"),
+                              ("mask_token_id=-1", "'mask_token_id': must be >= 0")]:
+        with pytest.raises(run_config.ConfigError) as e:
+            run_config.load(REPO / "configs" / "stories260k-cpu.yaml", ["target=x", override])
+        assert message in str(e.value), override
+    cfg = run_config.load(REPO / "configs" / "stories260k-cpu.yaml", ["target=x", "attn=flex"])
+    with pytest.raises(run_config.ConfigError, match="'attn': flex needs a CUDA GPU.*attn=dense"):
+        run_config.resolve_device_settings(cfg, cuda=False)

@@ -488,3 +488,118 @@ def test_rotation_keeps_the_checkpoint_just_saved_after_resuming_an_earlier_one(
     # an ordinary run: the oldest go
     make(["step-100", "step-150"])
     assert sorted(p.name for p in rotate_checkpoints(tmp_path, 213, 2)) == ["step-100"]
+
+
+@pytest.mark.slow
+def test_trainer_refuses_bad_data_and_changed_resume(stories_dir, tmp_path):
+    from data.sample_target import main as sample_main
+    from tests.helpers import distill_cases
+
+    data = tmp_path / "train.jsonl"
+    assert sample_main(["--target", str(stories_dir), "--num", "32", "--max-new-tokens", "24", "--batch-size", "32",
+                        "--out", str(data)]) == 0
+    base = ["--config", str(REPO / "configs" / "stories260k-cpu.yaml"), f"target={stories_dir}", "eval=null",
+            "eval_prompts=0", "micro_batch_size=4", "log_every=1"]
+
+    def run(*extra):
+        return [*base, *extra]
+
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    nomask = tmp_path / "nomask.jsonl"
+    nomask.write_text("".join(json.dumps({**r, "loss_mask": [0] * len(r["loss_mask"])}) + "\n" for r in rows))
+    oov = tmp_path / "oov.jsonl"
+    oov.write_text("".join(json.dumps({**r, "input_ids": [9999] * len(r["input_ids"])}) + "\n" for r in rows))
+    out = tmp_path / "c"
+    # the runs up to the truncated checkpoint one after the other in one child process (tests.helpers.distill_cases),
+    # out/config.yaml and out/metrics.jsonl read after each
+    runs = distill_cases([run(f"train={nomask}", f"output_dir={tmp_path / 'a'}", "max_steps=2"),
+                          run(f"train={oov}", f"output_dir={tmp_path / 'b'}", "max_steps=2"),
+                          run(f"train={data}", f"output_dir={out}", "max_steps=4", "save_every=2"),
+                          run(f"train={data}", f"output_dir={out}", "max_steps=6", "lr=1.0"),
+                          run(f"train={data}", f"output_dir={out}", "max_steps=6", "save_every=2"),
+                          run(f"train={data}", f"output_dir={out}", "max_steps=3")],
+                         read_after=[out / "config.yaml", out / "metrics.jsonl"])
+    r = runs[0]
+    assert r.returncode == 2 and "nothing to train on" in r.stderr
+    r = runs[1]
+    assert r.returncode == 2 and "token id 9999" in r.stderr
+    assert runs[2].returncode == 0
+    before = runs[2].files[str(out / "config.yaml")]
+    r = runs[3]
+    assert r.returncode == 2 and "lr: 0.003 -> 1.0" in r.stderr
+    assert r.files[str(out / "config.yaml")] == before  # a refused resume changes nothing
+    assert runs[4].returncode == 0
+    steps = [json.loads(x)["step"] for x in runs[4].files[str(out / "metrics.jsonl")].splitlines() if '"loss"' in x]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    # was: a warning and exit 0 without training
+    r = runs[5]
+    assert r.returncode == 2 and "checkpoint is at step 6 but this run has 3 total steps" in r.stderr
+    weights = out / "step-6" / "state" / "model.safetensors"  # was: a SafetensorError traceback
+    weights.write_bytes(weights.read_bytes()[:100])
+    r = subprocess.run([sys.executable, str(REPO / "train" / "distill.py"), *run(f"train={data}", f"output_dir={out}",
+                        "max_steps=8")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"resume from {out / 'step-6'}: cannot read its state/" in r.stderr
+    assert f"resume_from=<step-N folder> (available: {out / 'step-4'})" in r.stderr  # keep_last=2
+
+
+def _distill_argv(*extra):
+    return ["--config", str(REPO / "configs" / "stories260k-cpu.yaml"), "eval=null", "eval_prompts=0", "max_steps=1",
+            *extra]
+
+
+def _distill(*extra):
+    cmd = [sys.executable, str(REPO / "train" / "distill.py"), *_distill_argv(*extra)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_distill_checks_every_train_row_before_step_1(stories_dir, tmp_path):
+    """A row with a token id outside the target's vocabulary, deep in the file, stops the run before the
+    first step with file:line and the field (it used to surface only when a step drew that row)."""
+    rows = [json.dumps({"input_ids": [1] + [(7 * i + k) % 500 + 1 for k in range(30)], "loss_mask": [0] + [1] * 30})
+            for i in range(40)]
+    rows[33] = json.dumps({"input_ids": [1, 5, 99999, 6], "loss_mask": [0, 1, 1, 1]})
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    r = _distill(f"target={stories_dir}", f"train={data}", "micro_batch_size=4", f"output_dir={tmp_path / 'out'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"config key 'train': {data}:34: field 'input_ids' holds token id 99999 >= the target's vocabulary" \
+        in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused before the loop opened it
+
+
+@pytest.mark.slow
+def test_distill_value_errors_are_one_line(stories_dir, tmp_path):
+    from dspine import init as init_cli
+    from tests.helpers import distill_cases
+
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    few = tmp_path / "few.jsonl"
+    few.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
+    other = tmp_path / "other-draft"
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(other), "--layers", "1", "--mask-token-id", "0",
+                          "--block-size", "8", "--dtype", "fp32"]) == 0
+    broken = tmp_path / "broken"
+    (broken / "step-2").mkdir(parents=True)
+    (broken / "step-2" / "trainer_state.json").write_text("{}")
+    (broken / "latest").write_text("step-2")
+    from data.sample_target import main as sample_main
+
+    data = tmp_path / "train.jsonl"
+    assert sample_main(["--target", str(stories_dir), "--num", "16", "--max-new-tokens", "16", "--batch-size", "16",
+                        "--out", str(data)]) == 0
+    cases = [
+        (("mask_token_id=9999",), "mask_token_id=9999 is outside the vocabulary"),
+        (("target_layer_ids=[1,99]",), "[99] outside [0, "),
+        (("block_size=300", "max_length=512"), "draft RoPE range shorter than the requested context"),
+        ((f"train={conv}",), f"{conv}:1 is a conversation, not tokenized rows: run python -m data.tokenize first"),
+        ((f"train={few}",), "config key 'train': 1 rows are fewer than one global batch of 4"),
+        ((f"init_from={other}",), f"config key 'init_from': {other}: layers 1 in the source, 2 in the model"),
+        ((f"output_dir={broken}",), f"points to {broken / 'step-2'}, an incomplete checkpoint (no state)"),
+    ]
+    runs = distill_cases([_distill_argv(f"target={stories_dir}", f"train={data}", "micro_batch_size=4",
+                                        f"output_dir={tmp_path / 'out'}", *extra) for extra, _ in cases])
+    for (extra, message), r in zip(cases, runs, strict=True):  # one child process for all the cases
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr[-2000:])
+        assert message in r.stderr, (extra, r.stderr[-2000:])
