@@ -1201,7 +1201,10 @@ class Engine:
         the snapshot that closes the step before, so its time is in the measured interval of the step after
         it (GPU and CPU alike): a speculative step after an AR stretch, or the (F + 1)-th AR step, carries
         the cost of one flush; the start-up table (:meth:`_step_costs`) times the deferring AR step
-        without it."""
+        without it. Deferred prompts (``s.ctx_pending``: admissions while AR is the planner's best mode,
+        :meth:`_admit` with ``defer``) are written by :meth:`_write_deferred` before the first speculative step
+        after them, launched at the same point as the flush, so that step's measured time carries the write too
+        (one packed append of the prompts' rows, like an admission's)."""
         if self.plan_confidence not in ("greedy", "always", "never"):
             raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")
         cuda, prof = self.device.type == "cuda", self.loop_profile

@@ -16,8 +16,10 @@ from dspine.config import DSpineConfig
 from dspine.model import DSpineDraftModel
 
 
-def random_draft(target, block_size=8, layers=2, injection="residual", mask=None, seed=0, **dspine):
-    """An untrained draft sized for ``target`` (a TargetAdapter) with non-zero injection gates."""
+def random_draft(target, block_size=8, layers=2, injection="residual", mask=None, seed=0, layer_types=None,
+                 sliding_window=None, **dspine):
+    """An untrained draft sized for ``target`` (a TargetAdapter) with non-zero injection gates; ``layer_types`` and
+    ``sliding_window`` as DSpineConfig's (default: every layer full attention)."""
     cfg = target.config
     torch.manual_seed(seed)
     dcfg = DSpineConfig(
@@ -29,6 +31,7 @@ def random_draft(target, block_size=8, layers=2, injection="residual", mask=None
         block_size=block_size, num_target_layers=target.num_layers,
         dflash_config={"mask_token_id": mask, "target_layer_ids": [1, target.num_layers - 2]},
         dspine_config={"injection": injection, **dspine},
+        **({"layer_types": layer_types, "sliding_window": sliding_window} if layer_types else {}),
     )
     draft = DSpineDraftModel(dcfg).eval()
     if injection == "residual":

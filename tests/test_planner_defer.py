@@ -94,7 +94,8 @@ def _check_context(eng, s, dcache, prompts, tol=1e-4):
     """Every live row's draft context, read by the speculative step about to run: nothing pending, and the
     K/V of positions < lengths equal to those of its committed tokens (prompt + output but the anchor)
     prefilled through the target into a fresh draft cache (fp32: incremental and prefill features differ
-    by rounding only; a stale or missing position differs by O(1))."""
+    by rounding only; a stale or missing position differs by O(1)). A sliding-window layer is compared on the
+    positions the draft reads, the last ``sliding_window`` ones, at their ring slots (position p at p % cap)."""
     owner = eng.slot_owner
     for b in range(s.B):
         if s.done[b] or owner[b] is None:
@@ -107,9 +108,13 @@ def _check_context(eng, s, dcache, prompts, tol=1e-4):
         ref = DraftCache(eng.draft, 1, eng.draft_cache.capacity)
         ref.append(feats[None], torch.tensor([n]))
         for i in range(len(ref.k)):
+            idx = torch.arange(n)
+            if eng.draft.layers[i].sliding:
+                window = eng.draft.config.sliding_window
+                idx = torch.arange(max(0, n - window), n) % dcache.caps[i]
             for got, want in ((dcache.k[i], ref.k[i]), (dcache.v[i], ref.v[i])):
-                err = (got[b, :, :n] - want[0, :, :n]).abs().max()
-                assert err <= tol * (1 + want[0, :, :n].abs().max()), (b, i, float(err))
+                err = (got[b][:, idx] - want[0][:, idx]).abs().max()
+                assert err <= tol * (1 + want[0][:, idx].abs().max()), (b, i, float(err))
 
 
 def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True, pattern=PATTERN, **kw):
@@ -323,8 +328,9 @@ def test_deferred_prompt_of_a_finished_request_is_never_written(stories_dir, sto
 
 def test_deferred_prompt_context_never_written_by_an_ar_only_call(stories_dir, stories, monkeypatch):  # noqa: F811
     """A planned call that runs AR at every step (the planner at concurrency 64, T = 1 on the H200) writes no
-    prompt context: no draft-context append at admission or later; the prompts' features wait in ctx_pending,
-    which the next call drops. Sampled output = the plain engine's AR output for the same seeds."""
+    prompt context: no packed draft-context append at admission or later; the prompts' features wait in
+    ctx_pending, which the next call drops. (The AR steps' own features are still flushed every F steps: a later
+    speculative step would read those positions.) Sampled output = the plain engine's AR output."""
     params = SamplingParams(max_new_tokens=24, **SAMPLED)
     folder = stories[2]
     want = _engine(stories_dir, folder).generate(PROMPTS[:3], params, use_draft=False).token_ids
@@ -340,3 +346,38 @@ def test_deferred_prompt_context_never_written_by_an_ar_only_call(stories_dir, s
     eng.plan_schedule = [CHAIN]  # the next call: its own prompts' context, written before its first chain step
     eng.generate(PROMPTS[3:6], params, concurrency=3)
     assert [k.get("prefix") for k in calls] == [True] and s.ctx_pending == []
+
+
+# prompts of 1 to 40 tokens
+LONG = [[1] + [300 + (7 * i + j) % 150 for j in range(n)] for i, n in enumerate([0, 39, 3, 25, 1, 31, 12, 20])]
+
+
+@pytest.fixture(scope="module")
+def sliding(stories_dir, tmp_path_factory):
+    """(target, folder): stories260K and an untrained block-8 draft whose first layer has a sliding window of 6
+    (a ring of 14 positions), saved to a folder."""
+    from dspine.checkpoint import save_draft
+    from dspine.target import load_target
+    from tests.helpers import random_draft
+
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = random_draft(target, mask=0, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    return target, save_draft(draft, tmp_path_factory.mktemp("sliding-draft"))
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_deferred_prompt_under_a_wrapped_ring(stories_dir, sliding, monkeypatch, buckets):
+    """A sliding-window draft (ring of 14), prompts of 1 to 40 tokens, 30 AR steps (the ring wraps over the AR
+    positions) and then chains: the deferred prompts are written under positions that evicted part of them, and
+    at every speculative step the window the draft reads equals a fresh prefill's (_check_context); greedy output
+    equals the target's."""
+    target, folder = sliding
+    params = SamplingParams(max_new_tokens=50)
+    prompts = LONG[:6]
+    want = ReferenceDecoder(target, None, [2]).generate(prompts, params).token_ids
+    eng, log = _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, pattern=[AR] * 30 + [CHAIN] * 6,
+                                      prefill_buckets=buckets)
+    assert eng.draft.layers[0].sliding and eng.draft_cache.caps[0] == 14
+    writes = _count_writes(eng)
+    assert eng.generate(prompts, params, concurrency=3).token_ids == want
+    assert eng.admit_defer[0] and writes and any(kind == "spec" for kind, _ in log)
