@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,17 @@ from dspine.tree import inner_accepted, node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import DRAIN_MODELS, StepPlanner, plan_log_path
+
+
+@dataclass
+class _DeferredPrompts:
+    """One admission's prompts whose draft context waits (:meth:`Engine._admit` with ``defer``)."""
+
+    features: torch.Tensor  # [ΣP, k·H] the prompts' target features, packed
+    counts: torch.Tensor  # [n] int32 P of each prompt (device)
+    rows: torch.Tensor  # [n] int64 their slots (device)
+    keep: list[bool]  # per prompt: still its slot's request (False once the slot is refilled)
+    slots: list[int]  # the slots, on the host
 
 
 class _Slots:
@@ -135,9 +147,8 @@ class _Slots:
         self.offsets = torch.arange(verify_size, dtype=i64, device=device)
         self.pend_max = 0
         self.pend_feats = self.pend_count = self.pend_lengths = None
-        # the planner's deferred prompt contexts (Engine._admit with defer, Engine._write_deferred), host-side: per
-        # admission [features [ΣP, k·H], P [n] int32, slots [n] int64 (device), written? [n] (host bools), slots]
-        self.ctx_pending: list = []
+        # the planner's deferred prompt contexts, one per admission (Engine._admit with defer, Engine._write_deferred)
+        self.ctx_pending: list[_DeferredPrompts] = []
         if pending is not None:
             F_, width, dtype = pending
             self.pend_max = F_
@@ -852,10 +863,10 @@ class Engine:
         if spec:  # the prompts' context K/V from the packed features [Σ P, k·H]; lengths become P
             # a refilled slot's deferred prompt is its finished request's: never written (_write_deferred)
             for entry in s.ctx_pending:
-                entry[3] = [k and b not in slots for k, b in zip(entry[3], entry[4])]
-            s.ctx_pending = [e for e in s.ctx_pending if any(e[3])]
+                entry.keep = [k and b not in slots for k, b in zip(entry.keep, entry.slots)]
+            s.ctx_pending = [e for e in s.ctx_pending if any(e.keep)]
             if defer:
-                s.ctx_pending.append([feats, lengths, idx, [True] * n, slots])
+                s.ctx_pending.append(_DeferredPrompts(feats, lengths, idx, [True] * n, slots))
             elif not appended:
                 draft_cache.append_packed(feats, lengths, idx, impl=self.impl)
             if s.pend_count is not None:
@@ -871,11 +882,12 @@ class Engine:
         followed, written or pending, stay); a prompt whose request has finished since goes to the scratch slot.
         ~30 launches whatever the number of prompts, no host sync."""
         entries, s.ctx_pending = s.ctx_pending, []
-        if not any(k for e in entries for k in e[3]):
+        keep = [k for e in entries for k in e.keep]
+        if not any(keep):
             return
-        keep = infer_model.to_device([k for e in entries for k in e[3]], torch.bool, self.device)
-        draft_cache.append_packed(torch.cat([e[0] for e in entries]), torch.cat([e[1] for e in entries]),
-                                  torch.cat([e[2] for e in entries]), impl=self.impl, prefix=True, keep=keep)
+        draft_cache.append_packed(torch.cat([e.features for e in entries]), torch.cat([e.counts for e in entries]),
+                                  torch.cat([e.rows for e in entries]), impl=self.impl, prefix=True,
+                                  keep=infer_model.to_device(keep, torch.bool, self.device))
 
     def _prefill_bucketed(self, x: torch.Tensor, slot: int, kv: KVCache, want_features: bool,
                           draft_cache: DraftCache | None = None):

@@ -278,7 +278,7 @@ def _count_writes(eng) -> list:
     writes, write = [], eng._write_deferred
 
     def counted(s, dcache):
-        writes.append([k for e in s.ctx_pending for k in e[3]])
+        writes.append([k for e in s.ctx_pending for k in e.keep])
         write(s, dcache)
 
     eng._write_deferred = counted
@@ -342,7 +342,7 @@ def test_deferred_prompt_context_never_written_by_an_ar_only_call(stories_dir, s
     assert eng.generate(PROMPTS[:3], params, concurrency=3).token_ids == want
     assert calls == [] and eng.planner_report["ar"]["steps"] > 0
     s = eng._slots_for(3)
-    assert [e[4] for e in s.ctx_pending] == [[0, 1, 2]]
+    assert [e.slots for e in s.ctx_pending] == [[0, 1, 2]]
     eng.plan_schedule = [CHAIN]  # the next call: its own prompts' context, written before its first chain step
     eng.generate(PROMPTS[3:6], params, concurrency=3)
     assert [k.get("prefix") for k in calls] == [True] and s.ctx_pending == []
