@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.engine.bench_planner_loop import int_list, write  # noqa: E402
+from benchmarks.engine.bench_planner_loop import finish, int_list, require_positive  # noqa: E402
 from dspine.ops import argmax_prob as ap_mod  # noqa: E402
 from dspine.paths import output_arg  # noqa: E402
 from dspine.provenance import provenance  # noqa: E402
@@ -120,15 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    for flag in ("vocab", "iters", "reps"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    require_positive(ap, args, ("vocab", "iters", "reps"))
     output_arg(ap, args)
-    res = run(args)
-    write(res, args.output)
-    if args.output:
-        print(f"wrote {args.output}")
-    return 0
+    return finish(run(args), args.output)
 
 
 if __name__ == "__main__":

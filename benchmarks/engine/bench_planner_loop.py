@@ -209,20 +209,29 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def require_positive(ap: argparse.ArgumentParser, args, flags) -> None:
+    """A usage error (exit 2) naming the first of ``flags`` (argument names) whose value is below 1."""
+    for flag in flags:
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+
+
+def finish(res: dict, path: str | None) -> int:
+    """The last write of a benchmark's record (:func:`write`), said on stdout; exit status 0."""
+    write(res, path)
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    for flag in ("context", "new", "reps"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    require_positive(ap, args, ("context", "new", "reps"))
     if args.switch and not 2 <= args.switch <= 64:
         ap.error(f"--switch {args.switch}: a tree size in 2..64, or 0 for none")
     output_arg(ap, args)
-    res = run(args)
-    write(res, args.output)
-    if args.output:
-        print(f"wrote {args.output}")
-    return 0
+    return finish(run(args), args.output)
 
 
 if __name__ == "__main__":
