@@ -238,8 +238,6 @@ def test_default_layer_ids_are_distinct_for_shallow_targets():
 
 
 def test_draft_config_type_errors_name_the_field(tmp_path):
-    from dspine.checkpoint import load_config
-
     small_config().save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "block_size": "eight"}))
@@ -252,9 +250,6 @@ def test_draft_config_type_errors_name_the_field(tmp_path):
 
 
 def test_init_from_keeps_the_source_layout(stories_dir, tmp_path):
-    from dspine import init as init_cli
-    from dspine.checkpoint import load_config
-
     src = tmp_path / "src"
     base = ["--target", str(stories_dir), "--dtype", "fp32"]
     assert init_cli.main([*base, "--out", str(src), "--layers", "1", "--block-size", "8", "--mask-token-id", "3",
@@ -267,8 +262,6 @@ def test_init_from_keeps_the_source_layout(stories_dir, tmp_path):
 
 
 def test_init_refuses_bad_sliding_layers_and_a_file_as_out(stories_dir, tmp_path, capsys):
-    from dspine import init as init_cli
-
     base = ["--target", str(stories_dir), "--layers", "2", "--mask-token-id", "0", "--dtype", "fp32"]
     for bad in ("7", "-1"):
         assert init_cli.main([*base, "--out", str(tmp_path / bad), "--sliding-layers", bad]) == 2
@@ -281,8 +274,6 @@ def test_init_refuses_bad_sliding_layers_and_a_file_as_out(stories_dir, tmp_path
 
 
 def test_check_table_hidden_size_mismatch_shows_both_values(stories_dir):
-    from dspine.target import TargetSpec, assert_compatible, check_compat
-
     spec = TargetSpec.from_pretrained(str(stories_dir))
     cfg = small_config()
     cfg.hidden_size = spec.hidden_size + 8

@@ -152,11 +152,7 @@ def test_same_prompt_and_seed_give_the_same_sample_at_any_concurrency(stories_di
 
 
 def test_tau_is_undefined_without_verify_steps(stories_dir):
-    from dspine.reference import ReferenceDecoder
-    from dspine.sampling import SamplingParams
     from dspine.stats import AcceptStats
-    from dspine.target import load_target
-    from tests.helpers import random_draft
 
     assert AcceptStats(4).to_dict()["tau"] is None
     target = load_target(str(stories_dir), dtype="fp32")

@@ -312,18 +312,24 @@ def test_gradients_reach_only_the_draft(stories_dir):
     assert all(p.grad is not None for n, p in draft.named_parameters())  # gate gets grad even at zero
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_append_packed_equals_the_padded_append(impl):
-    """DraftCache.append_packed (an admission's packed features, no padding) writes the same K/V and lengths as
-    the padded append_context, for full and sliding-window layers (ring of 6 + block: prompts longer than the ring
-    evict within the append), rows in any order, from non-zero lengths; padded rows never reach the cache."""
+def _sliding_draft(impl: str) -> DSpineDraftModel:
+    """A draft of a sliding-window layer (window 6: a ring of 6 + block) and a full-attention layer, for the cache
+    write tests; skips the Triton case where the interpreter cannot run it."""
     import tests.kernel_env as env
 
     if impl == "triton" and not env.TRITON_CPU:
         pytest.skip(str(env.TRITON_CPU_SKIP))
     cfg = dflash_config_json(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
     cfg.pop("model_type")
-    m = DSpineDraftModel(DSpineConfig(**cfg)).eval()
+    return DSpineDraftModel(DSpineConfig(**cfg)).eval()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_append_packed_equals_the_padded_append(impl):
+    """DraftCache.append_packed (an admission's packed features, no padding) writes the same K/V and lengths as
+    the padded append_context, for full and sliding-window layers (ring of 6 + block: prompts longer than the ring
+    evict within the append), rows in any order, from non-zero lengths; padded rows never reach the cache."""
+    m = _sliding_draft(impl)
     g = torch.Generator().manual_seed(7)
     lens, rows, start = [5, 17, 1], torch.tensor([3, 0, 2]), torch.tensor([0, 4, 2, 0], dtype=torch.int32)
     feats = torch.randn(sum(lens), K_LAYERS * H, generator=g)
@@ -355,13 +361,7 @@ def test_prefix_write_after_later_positions_equals_the_in_order_append(impl):
     and sliding-window layers (ring of 6 + block; rows whose prompt, or prompt + later positions, pass the ring, so
     the late prompt write must skip what the later positions evicted); the lengths stay; a row with keep=False
     (a finished request's prompt) gets none of its prompt written."""
-    import tests.kernel_env as env
-
-    if impl == "triton" and not env.TRITON_CPU:
-        pytest.skip(str(env.TRITON_CPU_SKIP))
-    cfg = dflash_config_json(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
-    cfg.pop("model_type")
-    m = DSpineDraftModel(DSpineConfig(**cfg)).eval()
+    m = _sliding_draft(impl)
     g = torch.Generator().manual_seed(11)
     prompt, later, rows = [5, 17, 3, 4], [9, 2, 14, 3], torch.tensor([2, 0, 3, 1])
     feats_p = torch.randn(sum(prompt), K_LAYERS * H, generator=g)

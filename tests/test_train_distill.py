@@ -492,7 +492,6 @@ def test_rotation_keeps_the_checkpoint_just_saved_after_resuming_an_earlier_one(
 
 @pytest.mark.slow
 def test_trainer_refuses_bad_data_and_changed_resume(stories_dir, tmp_path):
-    from data.sample_target import main as sample_main
     from tests.helpers import distill_cases
 
     data = tmp_path / "train.jsonl"
@@ -584,7 +583,6 @@ def test_distill_value_errors_are_one_line(stories_dir, tmp_path):
     (broken / "step-2").mkdir(parents=True)
     (broken / "step-2" / "trainer_state.json").write_text("{}")
     (broken / "latest").write_text("step-2")
-    from data.sample_target import main as sample_main
 
     data = tmp_path / "train.jsonl"
     assert sample_main(["--target", str(stories_dir), "--num", "16", "--max-new-tokens", "16", "--batch-size", "16",
