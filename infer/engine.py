@@ -351,6 +351,9 @@ class Engine:
         # how far that confidence moves the planner's estimate (StepPlanner's conf_slope): "auto", the slope fitted
         # online; 1.0, in proportion (the rule before 2026-12-05); 0, not at all
         self.plan_conf_slope: float | str = "auto"
+        # the rate a probe's loss is settled against (infer.planner.SETTLE_MODELS): "long_run", or "estimate" (the
+        # rule before 2026-12-06)
+        self.plan_settle = "long_run"
         # benchmarks only: a fixed cycle of plan_modes the planner runs instead of deciding (StepPlanner.schedule)
         self.plan_schedule: list | None = None
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
@@ -1382,7 +1385,7 @@ class Engine:
         if spec and self.budget == "auto" and self.plan_drain_model not in DRAIN_MODELS:
             raise ValueError(f"Engine.plan_drain_model={self.plan_drain_model!r}: use {' or '.join(map(repr, DRAIN_MODELS))}")
         planner = (StepPlanner(self._step_costs(B, params), drain_model=self.plan_drain_model,
-                               conf_slope=self.plan_conf_slope)
+                               conf_slope=self.plan_conf_slope, settle=self.plan_settle)
                    if spec and self.budget == "auto" else None)
         key = self._plan_key(B, params)
         if planner is not None and self.plan_schedule:

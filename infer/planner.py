@@ -46,6 +46,17 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
    :class:`StepPlanner` settles the charge with what the probe committed, so a probe that beat the
    best mode gives time back. Near-ties probe often (they lose little), distant rivals rarely, and
    the time lost to probing stays under about ``share`` plus the warm-up (≈ 1% over 512 AR steps).
+   The settlement's rate is the larger of the best mode's rate as estimated at the choice and its long-run rate
+   (its slow average without confidence, a led mode's paired mode's plus the lead, under the drain rule times the
+   drain's factor, ÷ its step time; ``settle="long_run"``). A probe is chosen where the best mode's estimate dips
+   (a hard passage, or noise in its fast average), and settled against that dip it looked cheaper than it was: on
+   the H100 (issue 16, concurrency 8, T = 0, exact mode, gsm8k) the tree of 32 ran 20 probes at 0.72 of the chain's
+   tokens per ms, settled against a chain estimate of 1.98 tokens per ms where the chain realized 2.56, so the
+   time lost was about 4% of the call against an allowance of about 1.3%. Replayed over the CPU trace with nine GPU
+   runs' step times and the trees 16/32 and 32 (``planner_trace.py replay --settle estimate,long_run``,
+   results/settle-replay16-cpu.json) it raised the ten concurrency 8 points from a mean of 0.9733 to 0.9779 of the best
+   fixed mode (9 of 10 higher; the exact-mode ones from 0.9795-0.9851 to 0.9838-0.9933) and left concurrency 1
+   level (mean 1.0030 to 1.0028).
    A cheap mode that stays plausible without ever winning takes the probes from a dearer one: on the H100 at
    T = 1 the tree of 16 (the chain at a tree step's price there) kept the tree of 32 from ever running
    (results/verify-h100.json), which ``infer.engine.Engine.planner_modes`` answers by leaving that tree out.
@@ -246,6 +257,10 @@ PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (mo
 # the request's chain acceptance, the default), "lead" (the request's chain plus the tree's lead over it) or "own"
 # (scaled, with the longest chain's estimate as the unit and no confidence under the drain: module docstring, "Drain")
 DRAIN_MODELS = ("scaled", "lead", "own")
+# the rate a probe's loss is settled against (module docstring, rule 3): "long_run" (the larger of the best mode's
+# rate as estimated at the choice and its long-run rate, the default) or "estimate" (the estimate alone, the rule
+# before 2026-12-06)
+SETTLE_MODELS = ("long_run", "estimate")
 # chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
 SPREAD_STEPS = 16.0
 # the drain rule's prior spread of a planner with no earlier call (variance between requests' accepted draft tokens
@@ -317,6 +332,14 @@ def max_tokens(mode: Mode, modes) -> int:
     return min(n, max(chains)) if kind == "tree" and chains else n
 
 
+def best_mode(costs: dict[Mode, float], tokens: dict[Mode, float | None]) -> Mode | None:
+    """Rule 1 of the module docstring: the mode with an estimate (AR always: 1 token) and the most tokens per
+    millisecond, the cheaper of a tie; ``None`` when no mode has one. ``costs``, ``tokens``: as :func:`choose_mode`'s."""
+    est = {m: 1.0 if m[0] == "ar" else tokens.get(m) for m in costs}
+    known = [m for m in costs if est[m] is not None]
+    return max(known, key=lambda m: (est[m] / costs[m], -costs[m])) if known else None
+
+
 def choose_mode(
     costs: dict[Mode, float],
     tokens: dict[Mode, float | None],
@@ -351,11 +374,11 @@ def choose_mode(
         the best mode (0 when it is the best mode) and the best mode's tokens per millisecond.
     """
     est = {m: 1.0 if m[0] == "ar" else tokens.get(m) for m in costs}
-    known = [m for m in costs if est[m] is not None]
-    if not known:  # no AR in the table and nothing run yet: the cheapest mode first
+    best = best_mode(costs, tokens)
+    if best is None:  # no AR in the table and nothing run yet: the cheapest mode first
         return min(costs, key=lambda m: costs[m]), 0.0, 0.0
-    best = max(known, key=lambda m: (est[m] / costs[m], -costs[m]))
     rate = est[best] / costs[best]
+    known = [m for m in costs if est[m] is not None]
     spec = [est[m] for m in known if m[0] != "ar"]
 
     def ceiling(m: Mode) -> float:
@@ -601,8 +624,9 @@ class StepPlanner:
             drain rule).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
+        settle: :data:`SETTLE_MODELS`: the rate a probe's loss is settled against (module docstring, rule 3).
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
-    unknown drain model or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
+    unknown drain or settle model or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
     """
 
     def __init__(
@@ -618,6 +642,7 @@ class StepPlanner:
         cal_decay: float = 0.05,
         drain_model: str = "scaled",
         conf_slope: float | str = "auto",
+        settle: str = "long_run",
     ):
         if not costs or not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs.values()):
             raise ValueError(f"planner costs must be a non-empty table of positive finite step times, got {costs}")
@@ -627,7 +652,9 @@ class StepPlanner:
             isinstance(conf_slope, (int, float)) and math.isfinite(conf_slope) and 0 <= conf_slope <= SLOPE_MAX
         ):
             raise ValueError(f"conf_slope={conf_slope!r}; expected 'auto' or a number in 0..{SLOPE_MAX}")
-        self.conf_slope = conf_slope
+        if settle not in SETTLE_MODELS:
+            raise ValueError(f"settle={settle!r}; expected one of {', '.join(SETTLE_MODELS)}")
+        self.conf_slope, self.settle = conf_slope, settle
         # a fixed cycle of modes that choose() runs instead of deciding (benchmarks/engine/bench_planner_loop.py
         # --switch: what switching modes costs the loop); observations are still recorded; None: decide
         self.schedule: list[Mode] | None = None
@@ -722,6 +749,19 @@ class StepPlanner:
         # the paired mode's estimate now plus this mode's average lead over it (module docstring, "Paired
         # observations"): the passage is read from both modes' steps
         return self._with_leads(out)
+
+    def _long_run(self, m: Mode, path: tuple = ()) -> float | None:
+        """``m``'s long-run tokens per request per step: 1 for AR, the slow average for a mode run or paired, a led
+        mode's paired mode's long run plus the lead (clipped as in :meth:`_with_leads`); ``None`` before any. No
+        confidence, no fast average, no bonus: what a probe is settled against (module docstring, rule 3)."""
+        if m[0] == "ar":
+            return 1.0
+        if m in self.lead and m not in path:
+            ref, lead = self.lead[m]
+            r = self._long_run(ref, path + (m,)) if ref in self.table else None
+            if r is not None:
+                return min(max(r + lead, 1.0), float(max_tokens(m, self.table)))
+        return self.slow[m]
 
     def _own_tokens(self, m: Mode) -> float | None:
         """:attr:`tokens` of ``m`` from its own averages alone (no lead over a paired mode)."""
@@ -878,6 +918,12 @@ class StepPlanner:
                 # a probe is settled in the same terms: its tokens as the drain rule counts them
                 if raw.get(mode):
                     scale = tokens[mode] / raw[mode]
+            if loss > 0 and self.settle == "long_run":  # module docstring, rule 3: settled at the best mode's long run
+                best = best_mode(costs, tokens)
+                long_run = self._long_run(best)
+                if long_run is not None:
+                    drain = self.drain_scale.get(best, 1.0) if self.drain_scale is not None else 1.0
+                    rate = max(rate, drain * long_run / costs[best])
         if self.log is not None:
             self._log_choice(mode, loss, costs, tokens)
         return self._commit(mode, costs, predicted, loss, rate, scale)

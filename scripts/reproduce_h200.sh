@@ -36,6 +36,9 @@
 #             their points (planner_points.py) -> results/planner-slope-h200.json                  ~14
 #   plandrain infer.bench A/B of the planner's drain model (p: scaled, the default; po: own, issue 16's math500 drain)
 #             beside AR and the chain, T=0, concurrency 8, exact and fast -> results/planner-drain-h200-{exact,fast}-T0-c8.json ~6
+#   plansettle infer.bench A/B of the rate a probe is settled against (p: long_run, the default; pe: estimate, the
+#             rule before 2026-12-06) beside AR, the chain and the fixed tree of 32, T=0, exact, concurrency 8 and 1
+#             -> results/planner-settle-h200-exact-T0-c{8,1}.json                                    ~4
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -56,7 +59,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain planswitch planexact tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain plansettle planswitch planexact tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -190,6 +193,18 @@ plandrain() {  # plandrain MODE: one infer.bench run of the drain-model A/B at c
 if has plandrain; then
   timed plandrain-exact-c8 plandrain exact
   timed plandrain-fast-c8 plandrain fast
+fi
+plansettle() {  # plansettle CONCURRENCY PROMPTS: one infer.bench run of the settle A/B (exact, T=0), skipped once finished
+  local out="$R/planner-settle-$G-exact-T0-c$1.json"
+  finished "$out" && return 0
+  python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" --exact --temperature 0 \
+    --draft chain="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft pe="$DRAFT" \
+    --config tree32:verify=tree,tree_budget=32 --config p:budget=auto --config pe:budget=auto,settle=estimate \
+    --concurrency "$1" --num-prompts "$2" --max-new-tokens 512 --output-json "$out" --overwrite
+}
+if has plansettle; then
+  timed plansettle-exact-c8 plansettle 8 16
+  timed plansettle-exact-c1 plansettle 1 5
 fi
 if has planswitch && ! finished "$R/planner-switch-$G.json"; then
   timed planswitch python benchmarks/engine/bench_planner_loop.py --switch 32 --batches 1,8 --temperatures 0 \

@@ -502,6 +502,29 @@ def test_step_planner_with_a_pipelined_caller():
     assert p.report()["chain8"]["steps"] == 2 and p.report()["ar"]["steps"] == 5
 
 
+@pytest.mark.parametrize("settle", ["estimate", "long_run"])
+def test_a_probe_chosen_in_a_dip_of_the_best_mode_is_settled_at_its_long_run(settle):
+    """A probe is chosen where the best mode's estimate dips (its fast average, here set low by hand: a hard passage
+    or noise), and settled against that dip it looks cheaper than it was: issue 16, H100, concurrency 8, T = 0, where
+    the tree of 32 was probed 20 times a task at 0.72 of the chain's rate. ``settle="long_run"`` (the default) charges
+    it against the larger of the estimate and the best mode's long-run rate (slow average ÷ step time)."""
+    tree = ("tree", 32)
+    costs = {AR: 1.0, CHAIN: 1.5, tree: 2.5}
+    p = StepPlanner(costs, settle=settle)
+    for _ in range(60):  # the chain commits 4 tokens a step, the tree 2.5: the chain is the best mode
+        m = p.choose()
+        p.observe(m, {AR: 1.0, CHAIN: 4.0, tree: 2.5}[m], ms=costs[m])
+    assert p.choices[CHAIN] > 50 and p.slow[CHAIN] == pytest.approx(4.0)
+    p.fast[CHAIN], p.lost_ms = 2.4, -10.0  # a dip, and room in the allowance
+    rate = p.expected()[CHAIN] / p.costs[CHAIN]  # 2.4 / 1.5: what the choice sees
+    assert p.choose() == tree  # the tree's ceiling (twice its 2.5-odd tokens) beats the dipped chain: a probe
+    p.observe(tree, 3.0, ms=2.5)
+    against = max(rate, 4.0 / 1.5) if settle == "long_run" else rate
+    assert p.lost_ms + 10.0 == pytest.approx(2.5 - 3.0 / against)  # 1.375 ms (long run) or 0.625 (estimate)
+    with pytest.raises(ValueError, match="settle='x'"):
+        StepPlanner(costs, settle="x")
+
+
 def test_first_mode_waits_for_its_timings_when_an_observation_has_no_time():
     """A pipelined caller whose first observed step carries no time (a refill's prefill in its interval) still
     gets the decode's first mode until that mode is timed; a caller that never times (table only) is held
