@@ -63,7 +63,7 @@ from dspine.target import TargetSpec, assert_compatible, check_target_dtype
 from dspine.tree import inner_accepted, node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
-from infer.planner import DRAIN_MODELS, StepPlanner, plan_log_path
+from infer.planner import DRAIN_MODELS, SETTLE_MODELS, StepPlanner, plan_log_path
 
 
 @dataclass
@@ -1384,6 +1384,8 @@ class Engine:
         step = self._runner(B, params, spec)
         if spec and self.budget == "auto" and self.plan_drain_model not in DRAIN_MODELS:
             raise ValueError(f"Engine.plan_drain_model={self.plan_drain_model!r}: use {' or '.join(map(repr, DRAIN_MODELS))}")
+        if spec and self.budget == "auto" and self.plan_settle not in SETTLE_MODELS:
+            raise ValueError(f"Engine.plan_settle={self.plan_settle!r}: use {' or '.join(map(repr, SETTLE_MODELS))}")
         planner = (StepPlanner(self._step_costs(B, params), drain_model=self.plan_drain_model,
                                conf_slope=self.plan_conf_slope, settle=self.plan_settle)
                    if spec and self.budget == "auto" else None)

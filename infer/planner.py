@@ -922,8 +922,8 @@ class StepPlanner:
                 best = best_mode(costs, tokens)
                 long_run = self._long_run(best)
                 if long_run is not None:
-                    drain = self.drain_scale.get(best, 1.0) if self.drain_scale is not None else 1.0
-                    rate = max(rate, drain * long_run / costs[best])
+                    factor = self.drain_scale.get(best, 1.0) if self.drain_scale is not None else 1.0
+                    rate = max(rate, factor * long_run / costs[best])
         if self.log is not None:
             self._log_choice(mode, loss, costs, tokens)
         return self._commit(mode, costs, predicted, loss, rate, scale)

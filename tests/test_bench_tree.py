@@ -103,7 +103,8 @@ def test_tiny_planner_point_over_seeds(stories_dir, draft_dir, tmp_path):
     kept = [json.loads((runs / f"planner-c2-T1-seed{sd}.json").read_text()) for sd in (3, 5)]
     # --plan-drain-model: the planner's drain model, passed to every run and recorded with the point
     assert [k["args"]["configs"]["auto"]["drain"] for k in kept] == ["own", "own"] and t1["plan_drain_model"] == "own"
-    # --plan-settle likewise, and the engine ran with it (infer.bench's row: Engine.plan_settle)
+    # --plan-settle likewise, set on the label's engine (infer.bench's row: Engine.plan_settle; that the engine hands it to
+    # its planner is tests/test_engine_tree.py's drain test)
     assert [k["args"]["configs"]["auto"]["settle"] for k in kept] == ["estimate"] * 2 and t1["plan_settle"] == "estimate"
     assert {t["drafts"]["auto"]["plan_settle"] for k in kept for t in k["tasks"]} == {"estimate"}
     assert [k["args"]["seed"] for k in kept] == [3, 5] and t1["seeds"] == [3, 5]

@@ -392,11 +392,12 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         return choose(self, predicted, drain)
 
     monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy)
-    made = []
+    made, settles = [], []
     init = engine_mod.StepPlanner.__init__
 
     def spy_init(self, costs, **kw):
         made.append(kw.get("drain_model"))
+        settles.append(kw.get("settle"))
         init(self, costs, **kw)
 
     monkeypatch.setattr(engine_mod.StepPlanner, "__init__", spy_init)
@@ -406,10 +407,12 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
         eng.plan_online, eng.plan_drain = False, bool(on)
         eng.plan_drain_model = "lead" if on == "lead" else "scaled"
+        eng.plan_settle = "estimate" if on == "lead" else "long_run"  # Engine.plan_settle reaches the planner
         made.clear()
+        settles.clear()
         seen.clear()
         assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
-        assert made == [eng.plan_drain_model]
+        assert made == [eng.plan_drain_model] and settles == [eng.plan_settle]
         rep = eng.planner_report
         if not on:
             assert all(d is None for d in seen) and not any(e["drain_steps"] for e in rep.values())
@@ -427,6 +430,9 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         assert any(r == 0 for r, *_ in seen[given[-1]]), seen[given[-1]]  # a finished request is kept
     eng.plan_drain_model = "tail"
     with pytest.raises(ValueError, match="Engine.plan_drain_model='tail'"):
+        eng.generate(PROMPTS, params, concurrency=3)
+    eng.plan_drain_model, eng.plan_settle = "scaled", "later"
+    with pytest.raises(ValueError, match="Engine.plan_settle='later'"):
         eng.generate(PROMPTS, params, concurrency=3)
 
 

@@ -525,6 +525,36 @@ def test_a_probe_chosen_in_a_dip_of_the_best_mode_is_settled_at_its_long_run(set
         StepPlanner(costs, settle="x")
 
 
+def test_the_long_run_of_a_led_best_mode_and_under_the_drain_rule():
+    """The long-run rate a probe is settled against (``settle="long_run"``): a best mode led by a paired mode is
+    that mode's slow average plus the lead (not the led mode's own few steps); under the drain rule the long run takes
+    the drain's factor, as the estimate does, so for a speculative best mode the factor cancels."""
+    tree = ("tree", 32)
+
+    def trained(costs):
+        p = StepPlanner(costs)
+        for _ in range(60):
+            m = p.choose()
+            p.observe(m, {AR: 1.0, CHAIN: 4.0, tree: 2.5}[m], ms=costs[m])
+        p.fast[CHAIN], p.lost_ms = 2.4, -10.0  # a dip of the chain, room in the allowance
+        return p
+
+    # led: the tree of 32 at the chain + 2 tokens is the best mode; in the chain's dip the chain is probed
+    p = trained({AR: 1.0, CHAIN: 1.5, tree: 1.8})
+    p.lead[tree] = (CHAIN, 2.0)
+    assert p.expected()[tree] == pytest.approx(4.4) and p.slow[tree] < 3.0  # its own average: 2.5-odd tokens
+    assert p.choose() == CHAIN
+    p.observe(CHAIN, 3.0, ms=1.5)
+    assert p.lost_ms + 10.0 == pytest.approx(1.5 - 3.0 / ((4.0 + 2.0) / 1.8))  # 0.6 ms; at the dip 0.27
+    # drain: one factor for every speculative mode (0.67 here), in the tree's tokens and the chain's long run alike
+    p = trained({AR: 1.0, CHAIN: 1.5, tree: 2.5})
+    assert p.choose(drain=[(100, 30, 20, 50.0), (100, 60, 20, 190.0)]) == tree
+    factor = p.drain_scale[CHAIN]
+    assert factor == pytest.approx(p.drain_scale[tree]) and factor < 0.9
+    p.observe(tree, 3.0, ms=2.5)
+    assert p.lost_ms + 10.0 == pytest.approx(2.5 - 3.0 / (4.0 / 1.5))  # 1.375 ms; without the factor 1.74
+
+
 def test_first_mode_waits_for_its_timings_when_an_observation_has_no_time():
     """A pipelined caller whose first observed step carries no time (a refill's prefill in its interval) still
     gets the decode's first mode until that mode is timed; a caller that never times (table only) is held

@@ -144,12 +144,13 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys, monkeypatch):
     out2 = tmp_path / "replay2.json"
     import infer.planner as planner_mod
 
-    given, models = [], []
+    given, models, settles = [], [], []
 
     class Spy(planner_mod.StepPlanner):
         def __init__(self, *a, **kw):
             given.append(kw.get("conf_slope"))
             models.append(kw.get("drain_model"))
+            settles.append(kw.get("settle"))
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(planner_mod, "StepPlanner", Spy)
@@ -165,6 +166,14 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys, monkeypatch):
                     "--output", str(out2), "--overwrite"]) == 0
     pts = json.loads(out2.read_text())["points"]
     assert [p["drain_model"] for p in pts] == ["scaled", "own"] and models == ["scaled"] * 4 + ["own"] * 4
+    # --settle likewise
+    settles.clear()
+    assert pt.main(["replay", str(trace), "--costs", str(costs), "--plan-trees", "4", "--settle", "estimate,long_run",
+                    "--output", str(out2), "--overwrite"]) == 0
+    pts = json.loads(out2.read_text())["points"]
+    assert [p["settle"] for p in pts] == ["estimate", "long_run"] and settles == ["estimate"] * 4 + ["long_run"] * 4
+    with pytest.raises(SystemExit, match="--settle 'estimate,later': long_run, estimate"):
+        pt.main(["replay", str(trace), "--costs", str(costs), "--settle", "estimate,later"])
     with pytest.raises(SystemExit, match="--conf-slope: conf_slope='3'"):
         pt.main(["replay", str(trace), "--costs", str(costs), "--conf-slope", "auto,3"])
     with pytest.raises(SystemExit, match=r"records trees \[4, 6\], not \[8\]"):
