@@ -67,6 +67,20 @@ def test_main_per_point_pass_filter_and_gzip(tmp_path):
     assert json.loads(out2.read_text())["points"][0]["calls"] == 2  # the warm-up pass too
 
 
+def test_label_filter_keeps_one_planner_of_an_ab_run(tmp_path):
+    """--label: one log holds every planner label of an infer.bench run (an A/B): only that label's calls count."""
+    other = dict(CALL, tag={**CALL["tag"], "label": "pe"}, log=[CALL["log"][0]] + CALL["log"][1:3])
+    path = _write(tmp_path, CALL, other)
+    outs = {}
+    for label in (None, "p", "pe"):
+        out = tmp_path / f"s-{label}.json"
+        assert plan_log.main([str(path), "--json", str(out)] + (["--label", label] if label else [])) == 0
+        outs[label] = json.loads(out.read_text())
+    assert [outs[k]["points"][0]["calls"] for k in (None, "p", "pe")] == [2, 1, 1]
+    assert outs["p"]["label"] == "p" and outs["p"]["points"][0]["steps"] != outs["pe"]["points"][0]["steps"]
+    assert plan_log.main([str(path), "--label", "q"]) == 2  # no call of that label
+
+
 def test_mixed_modes_are_summarised_per_point(tmp_path, capsys):
     other = dict(CALL, temperature=1.0, log=[["ar:1", "chain:16"], ["c", 0, 0, 0, 0.0, None]])
     assert plan_log.main([str(_write(tmp_path, CALL, other))]) == 0
@@ -112,7 +126,9 @@ def test_bad_files_and_flags(tmp_path, capsys):
              ([str(tmp_path / "none.jsonl")], "not readable as a plan log"),
              ([str(good), "--batch", "64"], "no call in"),
              ([str(good), "--json", str(tmp_path / "no" / "o.json")], "--json"),
-             ([str(_write(tmp_path, dict(CALL, tag=None), name="t.jsonl")), "--pass", "timed"], "without a tag.pass")]
+             ([str(_write(tmp_path, dict(CALL, tag=None), name="t.jsonl")), "--pass", "timed"], "without a tag.pass"),
+             ([str(_write(tmp_path, dict(CALL, tag={"pass": "timed"}), name="u.jsonl")), "--label", "p"],
+              "without a tag.label")]
     plain = tmp_path / "x.gz"
     plain.write_text(json.dumps(CALL))
     cut = tmp_path / "cut.jsonl.gz"

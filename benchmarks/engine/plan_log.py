@@ -1,6 +1,6 @@
 """Summarise a planner step log (``DSPINE_PLAN_LOG=FILE``, ``infer.planner.StepPlanner.start_log``).
 
-    python benchmarks/engine/plan_log.py FILE [--batch 32] [--temperature 0] [--pass timed] [--json OUT]
+    python benchmarks/engine/plan_log.py FILE [--batch 32] [--temperature 0] [--pass timed] [--label p] [--json OUT]
 
 One summary per point (batch, temperature) of the calls kept (one ``--budget auto`` generate call per line;
 infer.bench makes one per task, turn and pass: ``tag.pass`` is ``start`` for its start-up warm-up, ``warmup`` for a
@@ -8,8 +8,9 @@ task's untimed pass, ``timed`` for the pass it reports): the steps each mode ran
 probes, the tokens per millisecond each mode realized in its observed timed steps (committed tokens per live
 request ÷ measured ms), for the choices made under the drain rule how often each mode was judged the best and the
 median judged rates, and the realized rates under the drain rule by the number of live requests. ``--batch``,
-``--temperature`` and ``--pass`` keep only the calls at that batch size (the engine's: concurrency, capped by the
-number of prompts), temperature and pass. ``batch`` is the engine's batch, not always ``--concurrency``.
+``--temperature``, ``--pass`` and ``--label`` keep only the calls at that batch size (the engine's: concurrency,
+capped by the number of prompts), temperature, pass and draft label (``tag.label``: one log holds every planner label
+of an ``infer.bench`` run, e.g. the two of an A/B). ``batch`` is the engine's batch, not always ``--concurrency``.
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--pass", dest="phase", default=None, choices=["start", "warmup", "timed"],
                     help="keep the calls infer.bench tagged with this pass (tag.pass)")
+    ap.add_argument("--label", default=None, help="keep the calls of this infer.bench draft label (tag.label)")
     ap.add_argument("--json", default=None, help="write the summaries here too (refused if it exists)")
     args = ap.parse_args(argv)
     try:
@@ -216,15 +218,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.phase and not all(isinstance(c.get("tag"), dict) and "pass" in c["tag"] for c in calls):
             raise ValueError(f"--pass {args.phase}: {args.log} has calls without a tag.pass (logged without "
                              "infer.bench, or before tags were written)")
+        if args.label and not all(isinstance(c.get("tag"), dict) and "label" in c["tag"] for c in calls):
+            raise ValueError(f"--label {args.label}: {args.log} has calls without a tag.label (logged without "
+                             "infer.bench, or before tags were written)")
     except ValueError as e:
         print(f"plan_log: {e}", file=sys.stderr)
         return 2
     keep = [c for c in calls if (args.batch is None or c["batch"] == args.batch)
             and (args.temperature is None or c["temperature"] == args.temperature)
-            and (args.phase is None or c["tag"]["pass"] == args.phase)]
+            and (args.phase is None or c["tag"]["pass"] == args.phase)
+            and (args.label is None or c["tag"]["label"] == args.label)]
     if not keep:
         print(f"plan_log: no call in {args.log} at batch {args.batch}, temperature {args.temperature}, pass "
-              f"{args.phase}", file=sys.stderr)
+              f"{args.phase}, label {args.label}", file=sys.stderr)
         return 2
     out = []
     # a point: batch, temperature and the planner's modes (runs of one point with other modes, e.g. --invariant or
@@ -246,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu": ", ".join(d for d in devices if d not in ("cpu", "unrecorded")) or None,
                 "what": "summary of a DSPINE_PLAN_LOG file (the device is the log's: where it was measured)"}
         Path(args.json).write_text(json.dumps({**meta, "log": args.log, "batch": args.batch,
-                                               "temperature": args.temperature, "pass": args.phase, "points": out},
+                                               "temperature": args.temperature, "pass": args.phase,
+                                               "label": args.label, "points": out},
                                               indent=1) + "\n")
     return 0
 
