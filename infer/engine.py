@@ -63,7 +63,7 @@ from dspine.target import TargetSpec, assert_compatible, check_target_dtype
 from dspine.tree import inner_accepted, node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
-from infer.planner import DRAIN_MODELS, SETTLE_MODELS, StepPlanner, plan_log_path
+from infer.planner import CEILING_MODELS, DRAIN_MODELS, SETTLE_MODELS, StepPlanner, plan_log_path
 
 
 @dataclass
@@ -354,6 +354,9 @@ class Engine:
         # the rate a probe's loss is settled against (infer.planner.SETTLE_MODELS): "long_run", or "estimate" (the
         # rule before 2026-12-06)
         self.plan_settle = "long_run"
+        # a led mode's probing ceiling (infer.planner.CEILING_MODELS): "lead", or "headroom" (the rule before 2026-12-06,
+        # afternoon)
+        self.plan_ceiling = "lead"
         # benchmarks only: a fixed cycle of plan_modes the planner runs instead of deciding (StepPlanner.schedule)
         self.plan_schedule: list | None = None
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
@@ -1386,8 +1389,11 @@ class Engine:
             raise ValueError(f"Engine.plan_drain_model={self.plan_drain_model!r}: use {' or '.join(map(repr, DRAIN_MODELS))}")
         if spec and self.budget == "auto" and self.plan_settle not in SETTLE_MODELS:
             raise ValueError(f"Engine.plan_settle={self.plan_settle!r}: use {' or '.join(map(repr, SETTLE_MODELS))}")
+        if spec and self.budget == "auto" and self.plan_ceiling not in CEILING_MODELS:
+            raise ValueError(f"Engine.plan_ceiling={self.plan_ceiling!r}: use {' or '.join(map(repr, CEILING_MODELS))}")
         planner = (StepPlanner(self._step_costs(B, params), drain_model=self.plan_drain_model,
-                               conf_slope=self.plan_conf_slope, settle=self.plan_settle)
+                               conf_slope=self.plan_conf_slope, settle=self.plan_settle,
+                               ceiling=self.plan_ceiling)
                    if spec and self.budget == "auto" else None)
         key = self._plan_key(B, params)
         if planner is not None and self.plan_schedule:

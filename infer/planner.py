@@ -35,7 +35,17 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
    slowest request's): one request's tokens per step can double from one passage to the next, a mean over 32
    requests cannot, so at concurrency 32 the ceiling is 1.18 × the average once the mode has 4 observations (issue 16, concurrency 32, T = 1: the chain's 2× ceiling had it probed 3-6
    times a task at 3.6 AR steps each, and its early finishes split the admissions; at T = 0 the tree of 32
-   was probed 15-41 times a task at 1.6 chain steps). An unrun mode's at most ``gain`` × the best
+   was probed 15-41 times a task at 1.6 chain steps). A mode led by a paired mode ("Paired observations") with
+   ``LEAD_MIN_STEPS`` paired steps behind each of its leads has as its ceiling its estimate plus ``LEAD_Z`` standard
+   errors of those leads (:meth:`StepPlanner.lead_se`; ``ceiling="lead"``, the default): the paired mode's part of its
+   estimate is observed on the same steps, so only the lead is uncertain. The headroom rule (``ceiling="headroom"``)
+   multiplies the whole estimate, and where the chain's estimate dips (a call's first steps: acceptance rises along an
+   answer) the led tree's ceiling cleared the chain's rate: on the H100 (concurrency 8, T = 0, exact mode, gsm8k) 9 of
+   the tree of 32's 12 probes came in the call's first 18 steps, 2.3% of the call lost. Replayed over the CPU trace
+   with nine GPU runs' step times (``planner_trace.py replay --ceiling headroom,lead``,
+   results/ceiling-replay16-cpu.json), trees of 16 and 32: the five concurrency 8 points from a mean of 0.9917 to
+   0.9952 of the best fixed mode (5 of 5 higher, lowest 0.9873 → 0.9913), the four concurrency 1 points from 1.0026
+   to 1.0019 (lowest 0.9987 → 0.9956); the tree of 32 alone, 0.9641 → 0.9628 and 1.0030 → 1.0029. An unrun mode's at most ``gain`` × the best
    average of the measured speculative modes (the same draft: on SmolLM2 the tree of 32 commits 1.32 ×
    the chain's tokens, published block-draft trees about 1.4 ×). A mode that cannot win is never run;
    on the H200 tables of issue 16 a tree step at concurrency 64 costs 17-27 AR steps.
@@ -263,6 +273,12 @@ DRAIN_MODELS = ("scaled", "lead", "own")
 # rate as estimated at the choice and its long-run rate, the default) or "estimate" (the estimate alone, the rule
 # before 2026-12-06)
 SETTLE_MODELS = ("long_run", "estimate")
+# a led mode's probing ceiling (module docstring, rule 2): "headroom" (its estimate × the headroom rule's factor, the
+# default) or "lead" (its estimate plus LEAD_Z standard errors of its leads, once LEAD_MIN_STEPS paired steps are behind
+# its lead: the paired mode's part of the estimate is observed on the same steps and needs no headroom)
+CEILING_MODELS = ("lead", "headroom")
+LEAD_Z = 1.0
+LEAD_MIN_STEPS = 4
 # chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
 SPREAD_STEPS = 16.0
 # the drain rule's prior spread of a planner with no earlier call (variance between requests' accepted draft tokens
@@ -354,6 +370,7 @@ def choose_mode(
     settled: frozenset = frozenset(),
     rows: dict[Mode, float] | None = None,
     seen: dict[Mode, int] | None = None,
+    ceilings: dict[Mode, float] | None = None,
 ) -> tuple[Mode, float, float]:
     """One planner decision (module docstring, rule 1-3).
 
@@ -371,6 +388,8 @@ def choose_mode(
         rows, seen: requests per observation and observations of each measured mode (``None``: 1 request,
             PRIOR_ROWS observations); its ceiling's headroom is ``1 + (headroom - 1) × min(1, max(1, √(PRIOR_ROWS /
             seen)) / √rows)`` (module docstring, rule 2): ``headroom`` at one request per step.
+        ceilings: committed tokens per request a mode's step can reach, in place of the headroom rule's for the modes
+            given (``StepPlanner(ceiling="lead")``); still capped at :func:`max_tokens`.
     Returns:
         ``(mode, lost, rate)``: the mode to run, the milliseconds this step is expected to lose against
         the best mode (0 when it is the best mode) and the best mode's tokens per millisecond.
@@ -385,6 +404,8 @@ def choose_mode(
 
     def ceiling(m: Mode) -> float:
         cap = max_tokens(m, costs)
+        if ceilings and m in ceilings:
+            return min(cap, ceilings[m])
         if est[m] is not None:
             r, n = max((rows or {}).get(m, 1.0), 1.0), max((seen or {}).get(m, PRIOR_ROWS), 1)
             narrow = min(1.0, max(1.0, math.sqrt(PRIOR_ROWS / n)) / math.sqrt(r))
@@ -627,8 +648,9 @@ class StepPlanner:
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
         settle: :data:`SETTLE_MODELS`: the rate a probe's loss is settled against (module docstring, rule 3).
+        ceiling: :data:`CEILING_MODELS`: a led mode's probing ceiling (module docstring, rule 2; :meth:`lead_se`).
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
-    unknown drain or settle model or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
+    unknown drain, settle or ceiling model or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
     """
 
     def __init__(
@@ -645,6 +667,7 @@ class StepPlanner:
         drain_model: str = "scaled",
         conf_slope: float | str = "auto",
         settle: str = "long_run",
+        ceiling: str = "headroom",
     ):
         if not costs or not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs.values()):
             raise ValueError(f"planner costs must be a non-empty table of positive finite step times, got {costs}")
@@ -656,7 +679,9 @@ class StepPlanner:
             raise ValueError(f"conf_slope={conf_slope!r}; expected 'auto' or a number in 0..{SLOPE_MAX}")
         if settle not in SETTLE_MODELS:
             raise ValueError(f"settle={settle!r}; expected one of {', '.join(SETTLE_MODELS)}")
-        self.conf_slope, self.settle = conf_slope, settle
+        if ceiling not in CEILING_MODELS:
+            raise ValueError(f"ceiling={ceiling!r}; expected one of {', '.join(CEILING_MODELS)}")
+        self.conf_slope, self.settle, self.ceiling = conf_slope, settle, ceiling
         # a fixed cycle of modes that choose() runs instead of deciding (benchmarks/engine/bench_planner_loop.py
         # --switch: what switching modes costs the loop); observations are still recorded; None: decide
         self.schedule: list[Mode] | None = None
@@ -699,6 +724,7 @@ class StepPlanner:
         # steps): module docstring, "Paired observations"
         self.lead: dict[Mode, tuple[Mode, float]] = {}
         self.lead_steps: Counter = Counter()  # paired steps behind each lead
+        self.lead_sq: dict[Mode, float] = {}  # slow average of the squared differences behind each lead
         self.untimed = 0  # steps observed without a time
         self.drain_choices: Counter = Counter()  # choices made under the drain rule, per mode
         self.drain_scale: dict[Mode, float] | None = None  # drain tokens ÷ estimate per mode (choose's drain)
@@ -914,6 +940,7 @@ class StepPlanner:
                 # the drain rule's tokens are one request's, the slowest: no mean over the batch's requests
                 rows=self.rows if self.drain_scale is None else None,
                 seen=self.seen,
+                ceilings=self._lead_ceilings(tokens) if self.ceiling == "lead" else None,
             )
             if self.drain_scale is not None:
                 self.drain_choices[mode] += 1
@@ -929,6 +956,17 @@ class StepPlanner:
         if self.log is not None:
             self._log_choice(mode, loss, costs, tokens)
         return self._commit(mode, costs, predicted, loss, rate, scale)
+
+    def _lead_ceilings(self, tokens: dict[Mode, float | None]) -> dict[Mode, float]:
+        """``ceiling="lead"``: per led mode with a :meth:`lead_se`, its estimate in ``tokens`` plus ``LEAD_Z`` standard
+        errors (× the drain rule's factor while it is in force)."""
+        out = {}
+        for m in self.lead:
+            se = self.lead_se(m) if tokens.get(m) is not None else None
+            if se is not None:
+                factor = self.drain_scale.get(m, 1.0) if self.drain_scale is not None else 1.0
+                out[m] = tokens[m] + LEAD_Z * se * factor
+        return out
 
     def _commit(self, mode: Mode, costs: dict, predicted, loss: float, rate, scale: float) -> Mode:
         """Book the choice of ``mode`` (its estimated time, a probe's expected loss) and keep it pending until
@@ -1075,6 +1113,26 @@ class StepPlanner:
         w = max(self.slow_decay, 1.0 / n)
         lead = 0.0 if cur is None else cur[1]
         self.lead[mode] = (ref, lead + w * (diff - lead))
+        sq = 0.0 if cur is None else self.lead_sq.get(mode, lead * lead)
+        self.lead_sq[mode] = sq + w * (diff * diff - sq)
+
+    def lead_se(self, mode: Mode, path: tuple = ()) -> float | None:
+        """Standard error of ``mode``'s lead-resolved estimate (tokens per request): ``√Σ var/n`` over the leads from
+        ``mode`` to its unled paired mode, var the slow averages' squared difference less the squared lead and n the
+        paired steps behind each lead (at most ``2 / slow − 1``, the slow average's effective samples); ``None``
+        unless ``mode`` is led with at least ``LEAD_MIN_STEPS`` steps behind each of those leads. The ``"lead"``
+        ceiling is the estimate plus ``LEAD_Z`` of it (module docstring, rule 2)."""
+        if mode not in self.lead or mode in path or self.lead_steps[mode] < LEAD_MIN_STEPS:
+            return None
+        ref, lead = self.lead[mode]
+        n = min(self.lead_steps[mode], 2.0 / self.slow_decay - 1)
+        var = max(self.lead_sq.get(mode, lead * lead) - lead * lead, 0.0) / n
+        if ref in self.lead:
+            below = self.lead_se(ref, path + (mode,))
+            if below is None:
+                return None
+            var += below * below
+        return math.sqrt(var)
 
     def cost_state(self) -> dict:
         """The online cost model (measured ÷ table ratios, their timing counts and first timings), for
@@ -1100,7 +1158,7 @@ class StepPlanner:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
 
     TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps", "pred_var",
-                    "pred_cov", "slope_steps")
+                    "pred_cov", "slope_steps", "lead_sq")
 
     def token_state(self) -> dict:
         """The learned acceptance (token averages, calibration, the leads of paired modes, and under ``"spread"`` the
@@ -1122,7 +1180,7 @@ class StepPlanner:
         for f in self.TOKEN_FIELDS:  # (Counter.update would add the counts: replace)
             cur = getattr(self, f)
             # a state written before the slope fit existed lacks its fields: they start afresh (any other is required)
-            got = state.get(f, {}) if f in ("pred_var", "pred_cov", "slope_steps") else state[f]
+            got = state.get(f, {}) if f in ("pred_var", "pred_cov", "slope_steps", "lead_sq") else state[f]
             setattr(self, f, Counter(got) if isinstance(cur, Counter) else {**cur, **got})
         self.spread_prior, self.spread = _finite_prior(state.get("spread", DEFAULT_SPREAD)), None
         self.last_seen = {m: 0 for m in self.table}

@@ -39,6 +39,9 @@
 #   plansettle infer.bench A/B of the rate a probe is settled against (p: long_run, the default; pe: estimate, the
 #             rule before 2026-12-06) beside AR, the chain and the fixed tree of 32, T=0, exact, concurrency 8 and 1
 #             -> results/planner-settle-h200-exact-T0-c{8,1}.json                                    ~4
+#   planceiling infer.bench A/B of a led mode's probing ceiling (p: lead, the default; ph: headroom, the rule before
+#             2026-12-06 afternoon) beside AR, the chain and the fixed tree of 32, T=0, exact, concurrency 8 and 1
+#             -> results/planner-ceiling-h200-exact-T0-c{8,1}.json                                   ~4
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -59,7 +62,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain plansettle planswitch planexact tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain plansettle planceiling planswitch planexact tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -205,6 +208,18 @@ plansettle() {  # plansettle CONCURRENCY PROMPTS: one infer.bench run of the set
 if has plansettle; then
   timed plansettle-exact-c8 plansettle 8 16
   timed plansettle-exact-c1 plansettle 1 5
+fi
+planceiling() {  # planceiling CONCURRENCY PROMPTS: one infer.bench run of the ceiling A/B (exact, T=0), skipped once finished
+  local out="$R/planner-ceiling-$G-exact-T0-c$1.json"
+  finished "$out" && return 0
+  python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" --exact --temperature 0 \
+    --draft chain="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft ph="$DRAFT" \
+    --config tree32:verify=tree,tree_budget=32 --config p:budget=auto --config ph:budget=auto,ceiling=headroom \
+    --concurrency "$1" --num-prompts "$2" --max-new-tokens 512 --output-json "$out" --overwrite
+}
+if has planceiling; then
+  timed planceiling-exact-c8 planceiling 8 16
+  timed planceiling-exact-c1 planceiling 1 5
 fi
 if has planswitch && ! finished "$R/planner-switch-$G.json"; then
   timed planswitch python benchmarks/engine/bench_planner_loop.py --switch 32 --batches 1,8 --temperatures 0 \

@@ -95,7 +95,8 @@ def test_tiny_planner_point_over_seeds(stories_dir, draft_dir, tmp_path):
            "--skip-smollm2", "--smollm2", str(stories_dir), "--draft", str(draft_dir), "--planner", "2:0,2:1",
            "--tree-budget", "6", "--datasets", "gsm8k", "--data-dir", str(shared_path("data", "eval")),
            "--num-prompts", "2", "--max-new-tokens", "8", "--keep-runs", str(runs), "--output", str(out),
-           "--plan-trees", "6", "--seeds", "3,5", "--plan-drain-model", "own", "--plan-settle", "estimate"]
+           "--plan-trees", "6", "--seeds", "3,5", "--plan-drain-model", "own", "--plan-settle", "estimate",
+           "--plan-ceiling", "headroom"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     t0, t1 = json.loads(out.read_text())["planner"]
@@ -107,6 +108,8 @@ def test_tiny_planner_point_over_seeds(stories_dir, draft_dir, tmp_path):
     # its planner is tests/test_engine_tree.py's drain test)
     assert [k["args"]["configs"]["auto"]["settle"] for k in kept] == ["estimate"] * 2 and t1["plan_settle"] == "estimate"
     assert {t["drafts"]["auto"]["plan_settle"] for k in kept for t in k["tasks"]} == {"estimate"}
+    assert [k["args"]["configs"]["auto"]["ceiling"] for k in kept] == ["headroom"] * 2 and t1["plan_ceiling"] == "headroom"
+    assert {t["drafts"]["auto"]["plan_ceiling"] for k in kept for t in k["tasks"]} == {"headroom"}
     assert [k["args"]["seed"] for k in kept] == [3, 5] and t1["seeds"] == [3, 5]
     mean = lambda k, n: sum(t["ar"]["tok_per_s"] if n == "AR" else t["drafts"][n]["tok_per_s"] for t in k["tasks"])
     for n, key in (("AR", "ar_tok_per_s"), ("auto", "planner_tok_per_s"), ("chain", "chain_tok_per_s")):

@@ -23,6 +23,8 @@ from benchmarks.engine.sim_planner import (
 )
 from infer.planner import (
     BONUS_VAR,
+    LEAD_MIN_STEPS,
+    LEAD_Z,
     PRIOR_ROWS,
     SPREAD_CV,
     SPREAD_STEPS,
@@ -553,6 +555,69 @@ def test_the_long_run_of_a_led_best_mode_and_under_the_drain_rule():
     assert factor == pytest.approx(p.drain_scale[tree]) and factor < 0.9
     p.observe(tree, 3.0, ms=2.5)
     assert p.lost_ms + 10.0 == pytest.approx(2.5 - 3.0 / (4.0 / 1.5))  # 1.375 ms; without the factor 1.74
+
+
+def test_lead_standard_error_sums_down_the_leads_and_travels_with_the_token_state():
+    """``StepPlanner.lead_se``: √(var / n) of each lead from the mode down to its unled paired mode, var the slow
+    averages' mean square less the squared lead; None before ``LEAD_MIN_STEPS`` paired steps behind each lead."""
+    p = StepPlanner({AR: 1.0, CHAIN: 1.5, TREE16: 2.0, TREE32: 2.5})
+    for d in (0.5, 0.7, 0.3):
+        p._lead(TREE16, CHAIN, d)
+    assert LEAD_MIN_STEPS == 4 and p.lead_se(TREE16) is None and p.lead_se(CHAIN) is None
+    p._lead(TREE16, CHAIN, 0.5)
+    var16 = (0.25 + 0.49 + 0.09 + 0.25) / 4 - 0.5**2  # 0.02 over 4 steps
+    assert p.lead[TREE16] == (CHAIN, pytest.approx(0.5)) and p.lead_se(TREE16) == pytest.approx(math.sqrt(var16 / 4))
+    for d in (1.0, 1.4, 1.0, 0.6, 1.0):  # the tree of 32 over the tree of 16: var 0.064 over 5 steps
+        p._lead(TREE32, TREE16, d)
+    var32 = (1.0 + 1.96 + 1.0 + 0.36 + 1.0) / 5 - 1.0
+    assert p.lead_se(TREE32) == pytest.approx(math.sqrt(var32 / 5 + var16 / 4))
+    q = StepPlanner(p.table)
+    q.load_token_state(p.token_state())
+    assert q.lead_se(TREE32) == pytest.approx(p.lead_se(TREE32))
+    old = {k: v for k, v in p.token_state().items() if k != "lead_sq"}  # a state written before lead_sq: no spread
+    q = StepPlanner(p.table)
+    q.load_token_state(old)
+    assert q.lead_se(TREE32) == 0.0
+    with pytest.raises(ValueError, match="ceiling='high'"):
+        StepPlanner(p.table, ceiling="high")
+
+
+@pytest.mark.parametrize("ceiling", ["headroom", "lead"])
+def test_a_led_tree_is_not_probed_in_a_dip_of_the_chain_under_the_lead_ceiling(ceiling):
+    """Issue 16, concurrency 8, T = 0 (H100, exact mode): 9 of the tree of 32's 12 probes on gsm8k came in a call's first
+    18 steps, where the chain's acceptance is low. A led tree's estimate is the chain's plus its lead; the headroom rule
+    multiplies the whole estimate (1.35 × at 8 requests a step), so where the chain's estimate dips the tree's ceiling
+    clears the chain's rate. The chain's part is observed on the tree's own steps (paired), so ``ceiling="lead"``
+    (the default) adds ``LEAD_Z`` standard errors of the lead instead, and the tree is not probed."""
+    costs = {AR: 1.1, CHAIN: 1.557, TREE32: 2.2}
+    p = StepPlanner(costs, ceiling=ceiling)
+    p.lead[TREE32], p.lead_steps[TREE32], p.lead_sq[TREE32] = (CHAIN, 0.3), 20, 0.09 + 0.04  # lead 0.3, sd 0.2
+    for _ in range(60):  # the chain commits 3 tokens a request, 8 requests a step
+        m = p.choose()
+        p.observe(m, {AR: 1.0, CHAIN: 3.0, TREE32: 3.3}[m], ms=costs[m], rows=8)
+        if m == TREE32:
+            p.observe_paired(CHAIN, 3.0, rows=8)
+    assert p.choices[CHAIN] > 40
+    p.fast[CHAIN], p.lost_ms = 1.2, -10.0  # a dip (a call's first steps), room in the allowance
+    est = p.expected()
+    rate = est[CHAIN] / p.costs[CHAIN]
+    assert est[TREE32] == pytest.approx(est[CHAIN] + p.lead[TREE32][1]) and est[TREE32] / p.costs[TREE32] < rate
+    se = p.lead_se(TREE32)
+    assert se == pytest.approx(math.sqrt((p.lead_sq[TREE32] - p.lead[TREE32][1] ** 2) / p.lead_steps[TREE32]))
+    assert (est[TREE32] + LEAD_Z * se) / p.costs[TREE32] < rate  # the lead ceiling: below the chain's rate
+    # the headroom rule's ceiling: above it (8 requests a step, the tree seen 20 times or more: 1 + 1 / √8)
+    assert (1 + 1 / math.sqrt(8)) * est[TREE32] / p.costs[TREE32] > rate
+    assert p.choose() == (TREE32 if ceiling == "headroom" else CHAIN)
+
+
+def test_choose_mode_takes_a_given_ceiling_capped_at_the_modes_tokens():
+    """``choose_mode(ceilings=...)``: a mode's ceiling replaces the headroom rule's, still at most what one of its
+    steps can commit (max_tokens)."""
+    costs, tokens = {AR: 1.0, CHAIN: 1.5, TREE32: 2.5}, {AR: 1.0, CHAIN: 3.0, TREE32: 3.5}
+    assert choose_mode(costs, tokens, 100.0, 0.0)[0] == TREE32  # headroom: 2 × 3.5 / 2.5 = 2.8 > 2 a ms
+    assert choose_mode(costs, tokens, 100.0, 0.0, ceilings={TREE32: 4.9})[0] == CHAIN  # 1.96 a ms
+    assert choose_mode(costs, tokens, 100.0, 0.0, ceilings={TREE32: 5.1})[0] == TREE32
+    assert choose_mode(costs, tokens, 100.0, 0.0, ceilings={TREE32: 1e9})[1] > 0  # capped, still a probe
 
 
 def test_first_mode_waits_for_its_timings_when_an_observation_has_no_time():

@@ -144,13 +144,14 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys, monkeypatch):
     out2 = tmp_path / "replay2.json"
     import infer.planner as planner_mod
 
-    given, models, settles = [], [], []
+    given, models, settles, ceilings = [], [], [], []
 
     class Spy(planner_mod.StepPlanner):
         def __init__(self, *a, **kw):
             given.append(kw.get("conf_slope"))
             models.append(kw.get("drain_model"))
             settles.append(kw.get("settle"))
+            ceilings.append(kw.get("ceiling"))
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(planner_mod, "StepPlanner", Spy)
@@ -172,6 +173,13 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys, monkeypatch):
                     "--output", str(out2), "--overwrite"]) == 0
     pts = json.loads(out2.read_text())["points"]
     assert [p["settle"] for p in pts] == ["estimate", "long_run"] and settles == ["estimate"] * 4 + ["long_run"] * 4
+    ceilings.clear()  # --ceiling likewise
+    assert pt.main(["replay", str(trace), "--costs", str(costs), "--plan-trees", "4", "--ceiling", "headroom,lead",
+                    "--output", str(out2), "--overwrite"]) == 0
+    pts = json.loads(out2.read_text())["points"]
+    assert [p["ceiling"] for p in pts] == ["headroom", "lead"] and ceilings == ["headroom"] * 4 + ["lead"] * 4
+    with pytest.raises(SystemExit, match="--ceiling 'lead,high': lead, headroom"):
+        pt.main(["replay", str(trace), "--costs", str(costs), "--ceiling", "lead,high"])
     with pytest.raises(SystemExit, match="--settle 'estimate,later': long_run, estimate"):
         pt.main(["replay", str(trace), "--costs", str(costs), "--settle", "estimate,later"])
     with pytest.raises(SystemExit, match="--conf-slope: conf_slope='3'"):

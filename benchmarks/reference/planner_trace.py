@@ -480,7 +480,7 @@ def replay(args) -> int:
     """The ``replay`` subcommand (module docstring): all inputs read and checked before any point is computed; one
     point per (step-time source, costs file, tree set); points the run cannot time are skipped with the reason."""
     from dspine.provenance import provenance
-    from infer.planner import DRAIN_MODELS, SETTLE_MODELS, parse_conf_slope, parse_plan_trees
+    from infer.planner import CEILING_MODELS, DRAIN_MODELS, SETTLE_MODELS, parse_conf_slope, parse_plan_trees
 
     out_path = Path(args.output) if args.output else None
     if out_path is not None and out_path.is_dir():
@@ -529,6 +529,9 @@ def replay(args) -> int:
     settles = list(dict.fromkeys(x.strip() for x in args.settle.split(",")))
     if any(x not in SETTLE_MODELS for x in settles):
         raise SystemExit(f"--settle {args.settle!r}: {', '.join(SETTLE_MODELS)}, comma-separated")
+    ceilings = list(dict.fromkeys(x.strip() for x in args.ceiling.split(",")))
+    if any(x not in CEILING_MODELS for x in ceilings):
+        raise SystemExit(f"--ceiling {args.ceiling!r}: {', '.join(CEILING_MODELS)}, comma-separated")
     pairs = [x.strip() for x in args.pair_trees.split(",")]
     if not pairs or any(x not in ("on", "off") for x in pairs):
         raise SystemExit(f"--pair-trees {args.pair_trees!r}: on, off or both, comma-separated")
@@ -542,21 +545,22 @@ def replay(args) -> int:
         for row in trace["prompts"]:  # the larger tree commits what the smaller one does (and pairs its chain alike)
             row[f"tree{big}"], row[f"pair{big}"] = list(row[f"tree{small}"]), list(row[f"pair{small}"])
     points, skipped = [], []
-    for times, costs, plan_trees, slope, pair, dm, st in (
-            (t, c, p, k, q, d, e) for t in times_list for c in costs_list for p in trees_list for k in slopes
-            for q in pairs for d in drain_models for e in settles):
+    for times, costs, plan_trees, slope, pair, dm, st, ce in (
+            (t, c, p, k, q, d, e, g) for t in times_list for c in costs_list for p in trees_list for k in slopes
+            for q in pairs for d in drain_models for e in settles for g in ceilings):
         try:
             pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times,
-                              pair_trees=pair == "on", conf_slope=slope, drain_model=dm, settle=st)
+                              pair_trees=pair == "on", conf_slope=slope, drain_model=dm, settle=st, ceiling=ce)
         except NoStepTime as e:
-            if (times, slope, pair, dm, st) == (times_list[0], slopes[0], pairs[0], drain_models[0], settles[0]):
+            if (times, slope, pair, dm, st, ce) == (times_list[0], slopes[0], pairs[0], drain_models[0], settles[0],
+                                                    ceilings[0]):
                 print(f"skipped: {e}", flush=True)
                 skipped.append({"costs": costs, "plan_trees": plan_trees, "why": str(e)})
             continue
         points.append(pt)
-        pt["conf_slope"], pt["drain_model"], pt["settle"] = slope, dm, st
+        pt["conf_slope"], pt["drain_model"], pt["settle"], pt["ceiling"] = slope, dm, st, ce
         print(f"{times} {costs} c{pt['concurrency']} trees {plan_trees} conf_slope {slope} pair_trees {pair} "
-              f"drain_model {dm} settle {st}: "
+              f"drain_model {dm} settle {st} ceiling {ce}: "
               f"planner / best fixed ({pt['best_fixed']}) "
               f"{pt['planner_over_best_fixed']:.4f}, / AR {pt['planner_over_ar']:.3f}; clairvoyant / best "
               f"{pt['clairvoyant_over_best_fixed'] or float('nan'):.4f}; steps {pt['planner_steps_timed']}", flush=True)
@@ -601,6 +605,8 @@ def main(argv=None) -> int:
     r.add_argument("--settle", default="long_run",
                    help="the rate the planner settles a probe against (infer.planner.SETTLE_MODELS), comma-separated: "
                         "one point each")
+    r.add_argument("--ceiling", default="headroom",
+                   help="a led mode's probing ceiling (infer.planner.CEILING_MODELS), comma-separated: one point each")
     r.add_argument("--pair-trees", default="on",
                    help="a tree step gives the planner the smaller planner trees' tokens as paired observations "
                         "(Engine.plan_nested; default on); 'on,off' gives every point under both")
