@@ -45,7 +45,12 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
    with nine GPU runs' step times (``planner_trace.py replay --ceiling headroom,lead``,
    results/ceiling-replay16-cpu.json), trees of 16 and 32: the five concurrency 8 points from a mean of 0.9917 to
    0.9952 of the best fixed mode (5 of 5 higher, lowest 0.9873 → 0.9913), the four concurrency 1 points from 1.0026
-   to 1.0019 (lowest 0.9987 → 0.9956); the tree of 32 alone, 0.9641 → 0.9628 and 1.0030 → 1.0029. An unrun mode's at most ``gain`` × the best
+   to 1.0019 (lowest 0.9987 → 0.9956); the tree of 32 alone, 0.9641 → 0.9628 and 1.0030 → 1.0029. On the H100, both
+   rules in one ``infer.bench`` run (exact mode, T = 0, results/planner-ceiling-h100-exact-T0-c{8,1}.json): 0.986
+   against 0.985 of the best fixed mode at concurrency 8 (the tree of 32 ran 11 steps against 18, the tree of 16 none
+   against 302), 0.994 against 0.992 at concurrency 1. What it gives up: a lead learned on one task is not re-probed
+   on the next, and at concurrency 8 the fixed tree of 16 beat the chain on humaneval by 8% (results/verify-exact-h100.json)
+   where both rules' planners ran below the chain. An unrun mode's at most ``gain`` × the best
    average of the measured speculative modes (the same draft: on SmolLM2 the tree of 32 commits 1.32 ×
    the chain's tokens, published block-draft trees about 1.4 ×). A mode that cannot win is never run;
    on the H200 tables of issue 16 a tree step at concurrency 64 costs 17-27 AR steps.
