@@ -1,256 +1,84 @@
 """Verify-budget planner: per engine step, AR, the chain or a tree, whichever commits the most tokens per second.
 
-A mode is ``("ar", 1)``, ``("chain", verify_size)`` or ``("tree", nodes)``. Cost model: the step time of
-every mode at the running batch size, measured by the engine at start-up on its own device (graph
-replays on a GPU, idle rows, empty context), then corrected online by the wall time the engine measures
-for every step it runs (:class:`StepPlanner`, "Online cost"). The engine's AR step leaves the draft-context
-append of its features pending; a flush every ``Engine.AR_DEFER`` (16) AR steps and before a speculative
-step appends them, its time inside the measured time of the step after it
-(``infer.engine.Engine._decode_planned``). Benefit: committed tokens per live request per step, a moving
-average of what each mode actually committed (AR commits exactly 1); when the caller also gives a per-step
-confidence (predicted tokens per mode, e.g. from draft probabilities or a confidence head), the planner
-uses it after calibrating it online against what each mode realized ("Calibration").
-The engine (``--budget auto``) gives, after every speculative step, one value for every
-speculative mode: the mean over the step's live rows of the expected committed tokens of the draft's
-chain, ``1 + Σ_k Π_{j≤k} p_j`` (p_j the draft's probability of its own token at slot j, the argmax's at
-T = 0; ``dspine.ops.plan_stats.chain_confidence``), written inside the step (CUDA graph) and read with the
-``out_len`` the loop already copies, so no extra sync. The engine's loop is pipelined (it chooses and
-launches step k + 1 before it reads what step k did, so the host's work overlaps the device's), so the
-value is two steps old (the block drafted then stands for the next) and the trees get the chain's value (a tree
-estimated as the chain plus its lead takes the chain's scaling, "Calibration"; otherwise calibration per mode absorbs
-its larger scale); after an AR step no draft ran and the engine gives none.
-:class:`StepPlanner` keeps the choices not yet observed in order; while a probe (rule 3) is unobserved it
-does not start another, and the decode's first mode repeats until it is timed (or 3 steps came back
-without a time). A trained confidence head is the alternative
+A mode is ``("ar", 1)``, ``("chain", verify_size)`` or ``("tree", nodes)``. docs/planner.md gives the reasoning and
+the measurements behind every rule below (same section names); docs/status.md the session-by-session record.
+
+Cost model: each mode's step time at the running batch size, measured by the engine at start-up (graph replays, idle
+rows, empty context) and corrected online by the wall time of every step it runs ("Online cost"). The engine's AR
+step leaves the draft-context append of its features pending; a flush every ``Engine.AR_DEFER`` AR steps and before a
+speculative step appends them, its time inside the measured time of the step after it. Benefit: committed tokens
+per live request per step, a moving average of what each mode committed (AR: exactly 1), scaled by the draft's
+confidence where the engine gives one ("Calibration"): after every speculative step, per speculative mode, the mean
+over the step's live rows of the chain's expected committed tokens ``1 + Σ_k Π_{j≤k} p_j`` (p_j the draft's
+probability of its own token at slot j, the argmax's at T = 0; ``dspine.ops.plan_stats.chain_confidence``), written
+inside the step and read with ``out_len``, two steps old because the loop is pipelined. :class:`StepPlanner` keeps
+the choices not yet observed in order; while a probe is unobserved it starts no other, and the decode's first mode
+repeats until it is timed (or 3 steps came back without a time). A trained confidence head is the alternative
 (docs/method.md §6).
 
 Rule (:func:`choose_mode`, a pure function of the cost table, the token averages and the time spent):
 
 1. Exploit: the best mode is the measured one (AR always is) with the most tokens per millisecond.
-2. Prune: a mode is worth probing only if its *ceiling* divided by its step time beats the best rate.
-   The ceiling is at most the tokens one step of the mode can commit (1 for AR, ``verify_size`` for a
-   chain, ``min(nodes, verify_size)`` for a tree: its depth is the draft block's). A measured mode's
-   ceiling is also at most ``1 + (headroom − 1) × min(1, max(1, √(PRIOR_ROWS / n)) / √r)`` × its own average
-   (n its observations, r its requests per observation; r = 1 under the drain rule, whose tokens are the
-   slowest request's): one request's tokens per step can double from one passage to the next, a mean over 32
-   requests cannot, so at concurrency 32 the ceiling is 1.18 × the average once the mode has 4 observations (issue 16, concurrency 32, T = 1: the chain's 2× ceiling had it probed 3-6
-   times a task at 3.6 AR steps each, and its early finishes split the admissions; at T = 0 the tree of 32
-   was probed 15-41 times a task at 1.6 chain steps). A mode led by a paired mode ("Paired observations") with
-   ``LEAD_MIN_STEPS`` paired steps behind each of its leads has as its ceiling its estimate plus ``LEAD_Z`` standard
-   errors of those leads (:meth:`StepPlanner.lead_se`; ``ceiling="lead"``, the default): the paired mode's part of its
-   estimate is observed on the same steps, so only the lead is uncertain. The headroom rule (``ceiling="headroom"``)
-   multiplies the whole estimate, and where the chain's estimate dips (a call's first steps: acceptance rises along an
-   answer) the led tree's ceiling cleared the chain's rate: on the H100 (concurrency 8, T = 0, exact mode, gsm8k) 9 of
-   the tree of 32's 12 probes came in the call's first 18 steps, 2.3% of the call lost. Replayed over the CPU trace
-   with nine GPU runs' step times (``planner_trace.py replay --ceiling headroom,lead``,
-   results/ceiling-replay16-cpu.json), trees of 16 and 32: the five concurrency 8 points from a mean of 0.9917 to
-   0.9952 of the best fixed mode (5 of 5 higher, lowest 0.9873 → 0.9913), the four concurrency 1 points from 1.0026
-   to 1.0019 (lowest 0.9987 → 0.9956); the tree of 32 alone, 0.9641 → 0.9628 and 1.0030 → 1.0029. On the H100, both
-   rules in one ``infer.bench`` run (exact mode, T = 0, results/planner-ceiling-h100-exact-T0-c{8,1}.json): 0.986
-   against 0.985 of the best fixed mode at concurrency 8 (the tree of 32 ran 11 steps against 18, the tree of 16 none
-   against 302), 0.994 against 0.992 at concurrency 1. What it gives up: a lead learned on one task is not re-probed
-   on the next, and at concurrency 8 the fixed tree of 16 beat the chain on humaneval by 8% (results/verify-exact-h100.json)
-   where both rules' planners ran below the chain. An unrun mode's at most ``gain`` × the best
-   average of the measured speculative modes (the same draft: on SmolLM2 the tree of 32 commits 1.32 ×
-   the chain's tokens, published block-draft trees about 1.4 ×). A mode that cannot win is never run;
-   on the H200 tables of issue 16 a tree step at concurrency 64 costs 17-27 AR steps.
-3. Probe under a time budget: of the plausible modes the cheapest is run once when the time it is
-   expected to lose (its step time minus the time the best mode needs for the tokens it is expected to
-   commit; 1 token for an unrun mode) fits in ``share`` of the step time spent so far plus a warm-up
-   allowance of ``warmup`` steps of the cheapest mode (at most the time spent: the first step runs AR).
-   :class:`StepPlanner` settles the charge with what the probe committed, so a probe that beat the
-   best mode gives time back. Near-ties probe often (they lose little), distant rivals rarely, and
-   the time lost to probing stays under about ``share`` plus the warm-up (≈ 1% over 512 AR steps).
-   The settlement's rate is the larger of the best mode's rate as estimated at the choice and its long-run rate
-   (its slow average without confidence, a led mode's paired mode's plus the lead, under the drain rule times the
-   drain's factor, ÷ its step time; ``settle="long_run"``). A probe is chosen where the best mode's estimate dips
-   (a hard passage, or noise in its fast average), and settled against that dip it looked cheaper than it was: on
-   the H100 (issue 16, concurrency 8, T = 0, exact mode, gsm8k) the tree of 32 ran 20 probes at 0.72 of the chain's
-   tokens per ms, settled against a chain estimate of 1.98 tokens per ms where the chain realized 2.56, so the
-   time lost was about 4% of the call against an allowance of about 1.3%. Replayed over the CPU trace with nine GPU
-   runs' step times and the trees 16/32 and 32 (``planner_trace.py replay --settle estimate,long_run``,
-   results/settle-replay16-cpu.json) it raised the ten concurrency 8 points from a mean of 0.9733 to 0.9779 of the best
-   fixed mode (9 of 10 higher; the exact-mode ones from 0.9795-0.9851 to 0.9838-0.9933) and left concurrency 1
-   level (mean 1.0030 to 1.0028). On the H100, both rules in one ``infer.bench`` run (exact mode, T = 0,
-   results/planner-settle-h100-exact-T0-c{1,8}.json): 0.9976 against 0.9784 of the best fixed mode at concurrency 1,
-   0.9754 against 0.9740 at 8.
-   A cheap mode that stays plausible without ever winning takes the probes from a dearer one: on the H100 at
-   T = 1 the tree of 16 (the chain at a tree step's price there) kept the tree of 32 from ever running
-   (results/verify-h100.json), which ``infer.engine.Engine.planner_modes`` answers by leaving that tree out.
-   Probing the mode observed least instead, or a never-run one first, was tried on 2026-12-05 and dropped: the
-   first sent every probe to the persistent loser (the tree of 32 in tests/test_sim_drain_trees.py's drain model:
-   1.033 / 1.095 × the best fixed mode against 1.011 / 1.015), the second left the T = 0 trace replay of four H200
-   tables level (mean −0.05 points) and one of four simulated T = 1 decodes with the tree of 16 still on the chain.
+2. Prune: a mode is worth probing only if its *ceiling* ÷ its step time beats the best rate. The ceiling is at most
+   what one step can commit (1 for AR, ``verify_size`` for a chain, ``min(nodes, verify_size)`` for a tree). A
+   measured mode's is at most ``1 + (headroom − 1) × min(1, max(1, √(PRIOR_ROWS / n)) / √r)`` × its average (n its
+   observations, r its requests per observation, 1 under the drain rule); a led mode's ("Paired observations"), once
+   ``LEAD_MIN_STEPS`` paired steps are behind each of its leads, its estimate plus ``LEAD_Z`` standard errors of the
+   leads (:meth:`StepPlanner.lead_se`; ``ceiling="lead"``, the default; ``"headroom"`` applies the rule before); an
+   unrun mode's at most ``gain`` × the best average of the measured speculative modes.
+3. Probe under a time budget: of the plausible modes the cheapest runs once when its expected loss (its step time
+   minus the time the best mode needs for the tokens it is expected to commit; 1 token for an unrun mode) fits in
+   ``share`` of the step time spent plus ``warmup`` steps of the cheapest mode (at most the time spent).
+   :class:`StepPlanner` settles each probe with what it committed, at the larger of the best mode's rate as estimated
+   at the choice and its long-run rate (slow average without confidence; a led mode's paired mode's plus the lead;
+   times the drain's factor; ``settle="long_run"``, the default; ``"estimate"`` the rule before), so a lucky probe
+   gives time back and the time lost stays near ``share`` plus the warm-up.
 
-Averages: per mode a fast one (newest observation weighted ``max(decay × r / (r + PRIOR_ROWS), 1 / n)``,
-r the requests averaged in that step: one request's count is noisy, 64 requests' mean is not) follows a
-change of acceptance (a new prompt, an easy or hard passage) within a few steps of that mode. A slow one
-(``max(slow, 1 / n)``) plus a standard-error bonus ``√(BONUS_VAR / (n·r̄))`` (n the mode's steps, at
-most ``2 / slow - 1``, the slow average's effective sample size; r̄ the mean requests per step) is what
-the fast one relaxes to, by ``1 - decay`` per step the mode is not run: a mode left after a few unlucky
-steps (one request's tokens per step are geometric-like, variance above 1.5 tokens² at τ ≥ 1.9) is judged
-again on its long-run acceptance, optimistically while that rests on few requests, instead of being
-frozen at its low point (a chain whose first step committed 1 token must not look certain). The bonus
-uses a fixed variance on purpose: with the measured one, a tree's rare long accepts at concurrency 1
-make it look better than the chain step after step. A mode's first step is averaged with
-``PRIOR_ROWS`` requests at the best average of the other speculative modes (same draft), so one lucky
-tree step at concurrency 1 does not make the tree look twice as good as the chain.
+Averages: per mode a fast one (newest observation weighted ``max(decay × r / (r + PRIOR_ROWS), 1 / n)``, r the requests
+in that step) and a slow one (``max(slow, 1 / n)``) plus a standard-error bonus ``√(BONUS_VAR / (n·r̄))`` (n at most
+``2 / slow − 1``), which the fast one relaxes to by ``1 − decay`` per step the mode is not run. A mode's first step is
+averaged with ``PRIOR_ROWS`` requests at the best average of the other speculative modes.
 
-Online cost: on the H200 (issue 16) the start-up table underestimated real steps by 1.1-5× and not by
-the same factor for every mode (longer contexts, sampling at T > 0, host time around the step), so a
-planner trusting it ran speculative modes where AR was faster (0.48-0.81 × the best fixed mode). The
-estimate of a mode's step time is its table time × the mode's measured ÷ table ratio. The first timed
-mode of the decode (AR, the cheapest) runs 3 steps before any other and its 3 timings are taken as
-measured, their median in log space giving its ratio (the table may be off by any factor: 45 × on a CPU
-with the test's fake table; a single spike of the first replay, measured as the only timing, once priced
-AR at 3.9 × its cost for a whole simulated decode, benchmarks/engine/sim_planner.py). Every later step is clipped to 1/3-3 × the estimate it was chosen with, and a
-mode's first 3 timed steps give its ratio as their median in log space, with the estimate before them
-(``prior``: the ratio of the timed mode nearest in table time) included while there are fewer than 3,
-so one spike (a GC pause, a preempted step) cannot price a mode out of the race. After 3, a moving
-average of the log ratio (newest weight ``cost_decay``) in which one step moves the estimate by at most
-``cost_decay`` × log 1.25 (a spike moves it by 2%, the slow growth of the context is followed). A mode
-never timed is estimated with ``prior`` (a tree with the chain's ratio rather than AR's: on the H200 the
-speculative steps were underestimated more than the AR step). The time spent and the probes' losses are
-settled in measured (clipped) milliseconds, so rule 1 compares measured tokens per measured
-millisecond: when the speculative modes' measured rate falls below AR's, the planner runs AR and
-re-probes them only within rule 3's ``share`` time budget or when the bonus above lifts a mode's
-relaxed estimate over AR's rate.
+Online cost: a mode's step time is its table time × its measured ÷ table ratio: the decode's first timed mode runs 3
+steps first and their median in log space sets its ratio; later steps are clipped to 1/3-3 × the estimate they were
+chosen with; a mode's first 3 timings (with the nearest timed mode's ratio as a prior while fewer) give its ratio as
+their log-space median, then a log-space moving average (weight ``cost_decay``, each step moving it by at most
+``cost_decay`` × log 1.25). Time spent and probe losses are in these measured (clipped) milliseconds.
 
-Calibration: per mode, a moving average (newest weight ``max(cal_decay, 1 / n)``) of the predicted
-*accepted* tokens (committed − 1: the bonus is certain) over the steps that had a prediction, and the
-same of the realized ones; realized ÷ predicted is the mode's calibration factor (reported). The draft's
-confidence is trusted for how this step differs from the mode's usual steps, not for its scale: a mode
-run at least once is expected to commit ``1 + (T − 1) × (1 + s × (ρ − 1))`` this step, ρ = ``(predicted − 1) / P``
-clipped to [1/3, 3], T the averaged tokens above, P the average prediction, and the result clipped to
-[1, :func:`max_tokens`]. So an over- or underconfident draft costs nothing (T is what the mode realized),
-an easy or hard passage is seen the step it starts, and a mode never run stays unknown (rule 2's
-ceiling) whatever its prediction. ``s`` (``conf_slope``, :meth:`StepPlanner.slope`) is how far the confidence
-moves the estimate. With ``s = 1`` (the rule before 2026-12-05) it moves it in proportion. The confidence the
-engine gives is two steps old, and T already follows the passage, so that overshoots: over the shipped SmolLM2
-draft's greedy outputs (results/planner-trace16-cpu.json, 5,603 steps of the tree of 32), the chain's tokens in
-the sixth of steps with the highest two-step-old confidence averaged 5.76 where the proportional rule expects
-6.74, and 1.94 against 1.34 in the lowest sixth (the same-step confidence: 6.38 / 1.35). Trees led by the chain
-("Paired observations") take the chain's estimate plus a lead that does not grow with the confidence (+0.84 to
-+1.04 tokens for the tree of 32 across confidence octiles), so an overshooting chain estimate wins steps the tree
-should run. ``conf_slope="auto"`` (the default) fits s online per mode: the least-squares slope through the
-origin of the realized accepted tokens' surprise ``(committed − 1) − (T − 1)`` on the proportional rule's move
-``(T − 1)(ρ − 1)`` (T as it stands when the step is recorded), moving averages with weight
-``max(cal_decay, 1 / n)``, with a prior of 8 steps at 1 (:meth:`StepPlanner.slope`) and clipped to [0, ``SLOPE_MAX``]:
-the chain's settles at 0-0.58 on that trace; a confidence that carries no information (benchmarks/engine/sim_planner.py's
-noise) goes to 0, one the passage follows exactly stays near 1. Replayed over that trace with the step times of
-ten H200 runs (``benchmarks/reference/planner_trace.py replay --conf-slope 1,auto``,
-results/planner-replay16-slope-cpu.json), with the default trees of 16 and 32, it raised the planner from 0.974 to
-0.986 of the best fixed mode at concurrency 8 (mean of 8 points, all 8 higher) and left concurrency 1 level (0.994
-→ 0.995, 5 of 10 higher); lowest point 0.960 → 0.978. Not measured on a GPU yet. A mode estimated as its paired mode plus a lead ("Paired observations") is
-that mode's scaled estimate plus the lead: its own average prediction is over the steps it ran, and a tree run
-mostly in hard passages, scaled by its own low average, looked better than it is in every easy one (issue 16,
-H200, concurrency 1, T = 0: the tree of 64 ran 24% of the planner's steps, at 0.91 × the best fixed mode;
-tests/test_planner.py replays it).
+Calibration: per mode, moving averages (weight ``max(cal_decay, 1 / n)``) of the predicted (P) and realized *accepted*
+tokens over the steps with a prediction (realized ÷ predicted is reported). A mode run at least once is expected to
+commit ``1 + (T − 1) × (1 + s × (ρ − 1))``, T its token average above, ρ = ``(predicted − 1) / P`` clipped to [1/3, 3],
+the result clipped to [1, :func:`max_tokens`]; ``s`` (``conf_slope``, :meth:`StepPlanner.slope`) is 1 for the proportional rule or, with
+``"auto"`` (the default), the least-squares slope through the origin of the realized surprise ``(committed − 1) −
+(T − 1)`` on the move ``(T − 1)(ρ − 1)``, with a prior of ``SLOPE_PRIOR`` steps at 1, clipped to [0, ``SLOPE_MAX``]. A
+led mode takes its paired mode's scaled estimate plus the lead.
 
-Paired observations (:meth:`StepPlanner.observe_paired`): a chain-first tree holds the draft's chain as the
-first child at every depth (``dspine.tree``), and verification tests a node's first child before its siblings
-against the unmodified target distribution, with the chain's own test (T = 0: the target's argmax; T > 0:
-``u · q(x) < p(x)`` with the chain's uniform). So the chain nodes on a tree step's accepted path are exactly
-what the chain step would have accepted from the same draft block, at any temperature (up to the bf16
-rounding of a different attention kernel). At T = 0 the engine's trees are best first
-(``Engine.tree_chain_first``), which may drop the chain's deeper nodes: the count is then a lower bound (the
-chain stopped where the tree's chain ended), and the chain is undervalued by as much; measured on the H200
-with the shipped SmolLM2 draft, the planner still did better with best-first trees at concurrency 1 (1.015
-against 0.921 of the best fixed mode) and as well at 8 (0.94 against 0.95, within a point's run-to-run
-spread): results/verify-h200.json. The engine counts them inside the tree step and, after it
-observes a tree step, gives the planner what every chain mode the tree covers (``min(K, N - 1) ≥ n - 1``)
-would have committed, capped like the tree by EOS and ``max_new_tokens``. The planner then (a) updates the
-chain's averages as if it had run, (b) keeps, per tree mode, the slow average of its *lead* over the chain on
-the same steps (tree tokens − chain tokens), and estimates the tree as the chain's current estimate + the
-lead (no bonus: rule 3's probes explore it), instead of relaxing the tree's own average towards its
-long-run mean, and (c) never probes a mode paired within the
-last ``PAIRED_FRESH`` steps and timed once (its tokens are being observed; it runs when it is the best).
-Smaller trees inside the run tree are paired too: the tree of M nodes is the first M of the tree of N in the
-builder's order (``dspine.tree.Tree.rank``), so its accepted path is the run path's prefix inside it
-(``dspine.tree.inner_accepted``: exact at T = 0, a draw of its acceptance at T > 0), and the engine gives it after
-the chain's, smallest first. The run tree's lead is then over the largest tree paired inside it and that tree's over
-the chain on the same step, so the estimates chain (tree of 32 = chain + lead of 16 + lead of 32 over 16) and the
-difference between two tree sizes is learned on the same steps, not each on the steps it was chosen for. Replayed
-over the CPU trace (``benchmarks/reference/planner_trace.py replay --pair-trees on,off``, trees of 16 and 32) it
-raised concurrency 1 from 0.987-0.995 to 0.999-1.002 of the best fixed mode with three GPU runs' step times; at
-concurrency 8 it moved the three points by −0.7, +1.3 and −0.7 points (mean −0.0001: results/pairing-replay16-cpu.json). On the H100 in exact mode (every mode decodes AR's text,
-results/verify-exact-h100.json) the planner reached 0.993, 0.979 and 0.998 of the best fixed mode at concurrency 1, 8
-and 32, T = 0. A
-passage's difficulty is then read from both modes' steps while the tree's lead, which changes slowly, is
-learned from every tree step. Without them (issue 16, concurrency 1, T = 0) the planner ran 0.92 × the
-tree, switching between chain and tree at 36% / 53% of its steps: one request's tokens per step are noisy
-and the mode not run was judged on its long-run average while the passage changed. On a replay of passages
-(tests/test_planner.py) the planner with them is at 0.999 × the better fixed mode where the tree leads by
-1.2 tokens (0.993 without) and 0.992 where it leads by 0.1 (0.969 without).
+Paired observations (:meth:`StepPlanner.observe_paired`): a chain-first tree holds the chain as each node's first
+child, tested first with the chain's own test, so the chain nodes on a tree step's accepted path are what the chain
+step would have accepted (a lower bound for best-first trees at T = 0, which may drop the chain's deeper nodes), and a
+smaller tree inside the run tree (its first nodes by ``dspine.tree.Tree.rank``) accepts the run path's prefix inside
+it (``dspine.tree.inner_accepted``). The engine gives them after each tree step; the planner updates their averages
+as if they had run, keeps per run mode a slow average of its *lead* over the largest mode paired on its steps (and
+of the squared difference, for :meth:`StepPlanner.lead_se`), estimates a led mode as that mode's estimate plus the
+lead (no bonus), and does not probe a mode paired within the last ``PAIRED_FRESH`` steps and timed once.
 
-Across calls: the engine keeps what its planner learned at each batch size and sampling setting from one
-``generate`` to the next, as a server keeps one planner running: the online cost model
-(:meth:`StepPlanner.cost_state`) and the acceptance — token averages, calibration, leads —
-(:meth:`StepPlanner.token_state`; ``Engine.plan_memory = False`` starts each call without it). A call then
-needs no first AR steps to time and no probes to relearn what the previous requests showed; the fast
-averages follow the new requests within a few steps (issue 16: at concurrency 32 a task of 64 prompts
-was about 165 steps, of which the cold start's AR steps and probes took several percent). ``infer.bench``
-restores the acceptance memory after each untimed warm-up pass, so a timed pass never learns from its own
-prompts, only from the tasks before it.
+Across calls: the engine keeps the cost model (:meth:`StepPlanner.cost_state`) and the acceptance — averages,
+calibration, leads, the drain rule's spread — (:meth:`StepPlanner.token_state`) per batch size and sampling setting
+from one ``generate`` to the next (``Engine.plan_memory``).
 
-Drain: while requests wait to be admitted, a finished request's slot is refilled, so the tokens committed per
-millisecond are what to maximise. Once none waits, the batch keeps its size (a finished row's slot idles in every
-step) and the call ends with its last request, so the rule compares the modes on the time to finish that one:
-per request of the batch, the engine gives the tokens it may still commit (0 once finished) and its
-chain(-equivalent) acceptance (chain steps, and the chain nodes of tree steps), every ``Engine.PLAN_DRAIN_EVERY``
-(8) steps; :func:`drain_tokens` maps each speculative mode's estimate to what it commits per step for the request
-that would finish last under it (every speculative mode scaled alike by the request's acceptance), and rule 1-3 run
-until the next refresh on the estimates times one factor: the mapped ÷ estimated tokens of the speculative mode
-whose mapped tokens per millisecond are the highest. The drain decides between AR and speculation, and the order
-among the speculative modes stays the throughput rule's: mapped one by one, the bonus token that every mode commits
-made a tree's lead shrink with the slow request's acceptance while its extra step time stayed, and on the CPU trace
-replay at concurrency 8 with an H200 run's fast-mode step times (results/planner-default-h200-T0-c8.json) the drain
-ran the chain where the tree of 16 was the best fixed mode: gsm8k and math500 read 0.976 of the best fixed mode,
-0.982 and 1.000 without the drain rule, 0.982 and 1.001 with one factor. With it and ``SPREAD_CV`` the five replayed
-concurrency 8 points went
-from 0.972-0.992 (mean 0.981) to 0.985-0.990 (mean 0.987) of the best fixed mode, concurrency 1 and the concurrency
-64 simulation below unchanged (results/drain-replay16-cpu.json). The two exact-mode points among them fell from
-0.991-0.992 to 0.985: there the chain is the best fixed mode, and the rule before ran it in the drain for the reason
-above, the tree's shrunken lead; what is left there is the throughput rule running the tree of 16 at the start of
-each task. ``StepPlanner(drain_model="lead")`` (``Engine.plan_drain_model``,
-``infer.bench --config LABEL:drain=lead``) maps a tree instead as the request's chain plus the tree's lead over it
-(with the one factor above, that moves the factor when a tree's mapped rate is the highest),
-the per-request law the H200 runs fit best (results/tree-lead-fit-h200.json); an experiment until an H200 A/B
-decides (benchmarks/engine/sim_drain_trees.py compares the two on the CPU). ``drain_model="own"`` (an experiment too)
-scales like ``"scaled"`` but by ``a_i`` over the longest chain's current estimate − 1 instead of the pooled ``ā``, and
-takes no confidence while the drain rule is in force: in a drain the rows still observed are the slow ones, so the
-chain's fast average and the draft's confidence on them already carry the slow request's difficulty, and scaling them
-by ``a_i / ā`` counts it again (issue 16, H200, concurrency 8, T = 0, exact mode, math500: with one request left,
-accepting 0.5 draft tokens a chain step where a chain step commits 1.0 token per ms against AR's 0.87, the default
-alternated two AR and two chain steps for about 180 steps; docs/status.md, "The H200 lease of 2026-12-06").
-Which request finishes last is not known, only each one's acceptance so far: :func:`drain_tokens` takes each
-request's acceptance as the empirical Bayes posterior of a normal model (its own mean shrunk towards the batch's,
-with the posterior's variance) and the finishing step as the median of the last request's, the requests taken as
-independent. The variance between requests weighs this batch's estimate against a prior by the chain steps per
-request and the number of requests (:func:`spread_weight`): the spread the previous call's drain used (``StepPlanner.spread``, carried across calls with the
-acceptance; ``DEFAULT_SPREAD``, a standard deviation of 0.5 accepted tokens per step, before any call). So a batch
-whose every request starts together (concurrency 64, 64 prompts: in its drain from the first step, before any chain
-step) is judged on its likely slowest request from the start, not on the batch's average. The prior is absolute
-(tokens², not relative to the mean): the five tasks' spreads between requests do not grow with their means (gsm8k,
-the highest mean at 2.95 accepted tokens per step, spreads 0.64; math500 at 1.94 spreads 0.72; T = 0), and a
-relative prior made a later easy batch look as uneven as a hard one. Under the drain rule a mode's probing ceiling keeps the full ``headroom`` (its tokens are one request's), so a
-prior that is too pessimistic is still probed. benchmarks/engine/sim_drain.py replays the five tasks at
-concurrency 64, T = 0, with each task's mean τ and spread between requests measured on the H200
-(results/smollm2-h200-shipped-T0-c8.json) and the H200 step costs (AR 1.12 ms, chain 2.39 ms): the planner takes
-1.002 and 1.001 × AR's time with the tasks in one order and the other and within 2% of the chain on gsm8k, the one
-task where the chain finishes first (the previous rule 1.059 and 1.051 ×: it ran the chain on the batch's average
-for 17-123 steps a task before its per-request data showed the slow requests; results/sim-drain-cpu.json).
-Requests differ: the rows left in a batch's tail are the hard ones, and a mode that commits more tokens per
-millisecond on average can still take longer to finish them (issue 16, concurrency 64, T = 0, 64 prompts of 256
-tokens: the planner ran the chain, whose batch average beat AR's rate by 1.5 ×, yet AR finished 4 of 5 tasks
-1.1-1.3 × sooner; on math500 the chain needed 147 steps for the last request's 256 tokens, 1.74 per step, where
-its step costs 2 AR steps). A request's own acceptance is shrunk towards the batch's pooled one as far as
-the requests' spread is explained by chance (one request's tokens per step are noisy, and the rule looks at the
-extreme request).
+Drain: once no request waits to be admitted, the modes are compared on the time to finish the batch's last request.
+Every ``Engine.PLAN_DRAIN_EVERY`` steps the engine gives each request's remaining tokens and chain(-equivalent)
+acceptance; :func:`drain_tokens` maps each speculative mode's estimate to what it commits per step for the request
+that would finish last under it (each request's acceptance an empirical Bayes posterior of a normal model, shrunk
+towards the batch's by :func:`spread_weight`; the finishing step the median of the last request's), and rules 1-3
+run until the next refresh on the estimates times one factor, that of the speculative mode with the highest mapped
+rate. ``drain_model`` ``"scaled"`` (default) scales every speculative mode alike by the request's acceptance,
+``"lead"`` maps a tree as the request's chain plus the tree's lead, ``"own"`` scales by each request's acceptance over
+the longest chain's current estimate (not the batch's pooled one) and takes no confidence in the drain.
 
-``benchmarks/engine/sim_planner.py`` replays the recorded H200 cost tables with a synthetic acceptance
-process, a true step time that differs from the table (factors per mode, host time, context growth,
-timer noise) and a miscalibrated confidence; it reports this planner and the table-only one.
+``benchmarks/engine/sim_planner.py`` replays recorded cost tables with a synthetic acceptance process, true step
+times that differ from the table and a miscalibrated confidence; ``benchmarks/reference/planner_trace.py replay``
+replays the planner over a recorded trace of the shipped draft's acceptance with a GPU run's step times.
 """
 
 from __future__ import annotations
