@@ -695,7 +695,7 @@ def build_parser():
                          "budget=auto only) or conf_slope (auto or a number in 0..2: how far that confidence moves the "
                          "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead|own: the planner's drain rule off, or on with "
                          "Engine.plan_drain_model; budget=auto only) or settle (long_run|estimate: the rate the planner settles a probe "
-                         "against, Engine.plan_settle; budget=auto only) or ceiling (lead|headroom: a led mode's "
+                         "against, Engine.plan_settle; budget=auto only) or ceiling (lead|headroom|lead_age: a led mode's "
                          "probing ceiling, Engine.plan_ceiling; budget=auto only) or draft_vocab (a draft vocabulary file, or none "
                          "for the whole vocabulary; over --draft-vocab) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "

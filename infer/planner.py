@@ -24,7 +24,8 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
    measured mode's is at most ``1 + (headroom − 1) × min(1, max(1, √(PRIOR_ROWS / n)) / √r)`` × its average (n its
    observations, r its requests per observation, 1 under the drain rule); a led mode's ("Paired observations"), once
    ``LEAD_MIN_STEPS`` paired steps are behind each of its leads, its estimate plus ``LEAD_Z`` standard errors of the
-   leads (:meth:`StepPlanner.lead_se`; ``ceiling="lead"``, the default; ``"headroom"`` applies the rule before); an
+   leads (:meth:`StepPlanner.lead_se`; ``ceiling="lead"``, the default; ``"headroom"`` applies the rule before;
+   ``"lead_age"``, an experiment, lets a lead's uncertainty grow with the steps since it was observed); an
    unrun mode's at most ``gain`` × the best average of the measured speculative modes.
 3. Probe under a time budget: of the plausible modes the cheapest runs once when its expected loss (its step time
    minus the time the best mode needs for the tokens it is expected to commit; 1 token for an unrun mode) fits in
@@ -106,10 +107,11 @@ DRAIN_MODELS = ("scaled", "lead", "own")
 # rate as estimated at the choice and its long-run rate, the default) or "estimate" (the estimate alone, the rule
 # before 2026-12-06)
 SETTLE_MODELS = ("long_run", "estimate")
-# a led mode's probing ceiling (module docstring, rule 2): "headroom" (its estimate × the headroom rule's factor, the
-# default) or "lead" (its estimate plus LEAD_Z standard errors of its leads, once LEAD_MIN_STEPS paired steps are behind
-# its lead: the paired mode's part of the estimate is observed on the same steps and needs no headroom)
-CEILING_MODELS = ("lead", "headroom")
+# a led mode's probing ceiling (module docstring, rule 2): "lead" (its estimate plus LEAD_Z standard errors of its
+# leads, once LEAD_MIN_STEPS paired steps are behind each: the paired mode's part of the estimate is observed on the same
+# steps and needs no headroom; the default), "headroom" (its estimate × the headroom rule's factor, the rule before) or
+# "lead_age" ("lead" with each lead's variance growing with the steps since it was last observed; an experiment)
+CEILING_MODELS = ("lead", "headroom", "lead_age")
 LEAD_Z = 1.0
 LEAD_MIN_STEPS = 4
 # chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
@@ -558,6 +560,7 @@ class StepPlanner:
         self.lead: dict[Mode, tuple[Mode, float]] = {}
         self.lead_steps: Counter = Counter()  # paired steps behind each lead
         self.lead_sq: dict[Mode, float] = {}  # slow average of the squared differences behind each lead
+        self.lead_seen: dict[Mode, int] = {}  # step of each lead's latest paired step (this call's; ceiling="lead_age")
         self.untimed = 0  # steps observed without a time
         self.drain_choices: Counter = Counter()  # choices made under the drain rule, per mode
         self.drain_scale: dict[Mode, float] | None = None  # drain tokens ÷ estimate per mode (choose's drain)
@@ -773,7 +776,7 @@ class StepPlanner:
                 # the drain rule's tokens are one request's, the slowest: no mean over the batch's requests
                 rows=self.rows if self.drain_scale is None else None,
                 seen=self.seen,
-                ceilings=self._lead_ceilings(tokens) if self.ceiling == "lead" else None,
+                ceilings=self._lead_ceilings(tokens) if self.ceiling != "headroom" else None,
             )
             if self.drain_scale is not None:
                 self.drain_choices[mode] += 1
@@ -791,8 +794,8 @@ class StepPlanner:
         return self._commit(mode, costs, predicted, loss, rate, scale)
 
     def _lead_ceilings(self, tokens: dict[Mode, float | None]) -> dict[Mode, float]:
-        """``ceiling="lead"``: per led mode with a :meth:`lead_se`, its estimate in ``tokens`` plus ``LEAD_Z`` standard
-        errors (× the drain rule's factor while it is in force)."""
+        """``ceiling="lead"`` or ``"lead_age"``: per led mode with a :meth:`lead_se`, its estimate in ``tokens`` plus
+        ``LEAD_Z`` standard errors (× the drain rule's factor while it is in force)."""
         out = {}
         for m in self.lead:
             se = self.lead_se(m) if tokens.get(m) is not None else None
@@ -946,6 +949,7 @@ class StepPlanner:
         w = max(self.slow_decay, 1.0 / n)
         lead = 0.0 if cur is None else cur[1]
         self.lead[mode] = (ref, lead + w * (diff - lead))
+        self.lead_seen[mode] = self.step
         sq = 0.0 if cur is None else self.lead_sq.get(mode, lead * lead)
         self.lead_sq[mode] = sq + w * (diff * diff - sq)
 
@@ -954,12 +958,17 @@ class StepPlanner:
         ``mode`` to its unled paired mode, var the slow averages' squared difference less the squared lead and n the
         paired steps behind each lead (at most ``2 / slow − 1``, the slow average's effective samples); ``None``
         unless ``mode`` is led with at least ``LEAD_MIN_STEPS`` steps behind each of those leads. The ``"lead"``
-        ceiling is the estimate plus ``LEAD_Z`` of it (module docstring, rule 2)."""
+        ceiling is the estimate plus ``LEAD_Z`` of it (module docstring, rule 2). With ``ceiling="lead_age"`` each
+        lead's term is ``var × (1 / n + age × slow / 2)``, age the steps since its latest paired step in this call: a
+        lead not observed for one slow-average span (``2 / slow`` steps) is as uncertain as one step's difference, so
+        a lead learned on one task is probed again on the next."""
         if mode not in self.lead or mode in path or self.lead_steps[mode] < LEAD_MIN_STEPS:
             return None
         ref, lead = self.lead[mode]
         n = min(self.lead_steps[mode], 2.0 / self.slow_decay - 1)
-        var = max(self.lead_sq.get(mode, lead * lead) - lead * lead, 0.0) / n
+        var = max(self.lead_sq.get(mode, lead * lead) - lead * lead, 0.0)
+        age = max(self.step - self.lead_seen.get(mode, 0), 0) if self.ceiling == "lead_age" else 0
+        var *= 1.0 / n + age * self.slow_decay / 2.0
         if ref in self.lead:
             below = self.lead_se(ref, path + (mode,))
             if below is None:

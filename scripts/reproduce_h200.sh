@@ -40,8 +40,8 @@
 #             rule before 2026-12-06) beside AR, the chain and the fixed tree of 32, T=0, exact, concurrency 8 and 1
 #             -> results/planner-settle-h200-exact-T0-c{8,1}.json                                    ~4
 #   planceiling infer.bench A/B of a led mode's probing ceiling (p: lead, the default; ph: headroom, the rule before
-#             2026-12-06 afternoon) beside AR, the chain and the fixed tree of 32, T=0, exact, concurrency 8 and 1
-#             -> results/planner-ceiling-h200-exact-T0-c{8,1}.json                                   ~4
+#             2026-12-06 afternoon; pa: lead_age) beside AR, the chain and the fixed trees of 16 and 32, T=0, exact,
+#             concurrency 8 and 1 -> results/planner-ceiling-h200-exact-T0-c{8,1}.json               ~6
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -213,8 +213,9 @@ planceiling() {  # planceiling CONCURRENCY PROMPTS: one infer.bench run of the c
   local out="$R/planner-ceiling-$G-exact-T0-c$1.json"
   finished "$out" && return 0
   python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" --exact --temperature 0 \
-    --draft chain="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft ph="$DRAFT" \
-    --config tree32:verify=tree,tree_budget=32 --config p:budget=auto --config ph:budget=auto,ceiling=headroom \
+    --draft chain="$DRAFT" --draft tree16="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft ph="$DRAFT" \
+    --draft pa="$DRAFT" --config tree16:verify=tree,tree_budget=16 --config tree32:verify=tree,tree_budget=32 \
+    --config p:budget=auto --config ph:budget=auto,ceiling=headroom --config pa:budget=auto,ceiling=lead_age \
     --concurrency "$1" --num-prompts "$2" --max-new-tokens 512 --output-json "$out" --overwrite
 }
 if has planceiling; then

@@ -366,7 +366,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:drain=lead"], "drain applies to budget=auto"),
     (["--config", "D:budget=auto,settle=later"], "settle='later'; expected long_run or estimate"),
     (["--config", "D:settle=estimate"], "settle applies to budget=auto"),
-    (["--config", "D:budget=auto,ceiling=high"], "ceiling='high'; expected lead or headroom"),
+    (["--config", "D:budget=auto,ceiling=high"], "ceiling='high'; expected lead or headroom or lead_age"),
     (["--config", "D:ceiling=lead"], "ceiling applies to budget=auto"),
     (["--config", "D:budget=auto,conf_slope=steep"], "conf_slope='steep'; expected auto or a number in 0..2"),
     (["--config", "D:budget=auto,conf_slope=-0.5"], "conf_slope='-0.5'; expected auto or a number in 0..2"),

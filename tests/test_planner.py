@@ -582,6 +582,26 @@ def test_lead_standard_error_sums_down_the_leads_and_travels_with_the_token_stat
         StepPlanner(p.table, ceiling="high")
 
 
+def test_lead_age_grows_a_leads_uncertainty_with_the_steps_since_it_was_observed():
+    """``ceiling="lead_age"``: each lead's variance term is ``var × (1 / n + age × slow / 2)``, age the steps since its
+    latest paired step in this call; ``"lead"`` ignores the age. A new call (token state loaded) counts from its start."""
+    costs = {AR: 1.0, CHAIN: 1.5, TREE16: 2.0}
+    p, q = StepPlanner(costs, ceiling="lead_age"), StepPlanner(costs, ceiling="lead")
+    for pl in (p, q):
+        for d in (0.5, 0.7, 0.3, 0.5):  # var 0.02 over 4 steps (the test above)
+            pl._lead(TREE16, CHAIN, d)
+    assert p.lead_se(TREE16) == pytest.approx(math.sqrt(0.02 / 4))  # observed this step: no age
+    for pl in (p, q):
+        for _ in range(30):  # 30 choices without a paired step
+            pl.observe(pl.choose(), 1.0, ms=1.0)
+    assert p.step == 30 and p.lead_steps[TREE16] == 4
+    assert p.lead_se(TREE16) == pytest.approx(math.sqrt(0.02 * (1 / 4 + 30 * p.slow_decay / 2)))
+    assert q.lead_se(TREE16) == pytest.approx(math.sqrt(0.02 / 4))
+    r = StepPlanner(costs, ceiling="lead_age")
+    r.load_token_state(p.token_state())
+    assert r.step == 0 and r.lead_se(TREE16) == pytest.approx(math.sqrt(0.02 / 4))
+
+
 @pytest.mark.parametrize("ceiling", ["headroom", "lead"])
 def test_a_led_tree_is_not_probed_in_a_dip_of_the_chain_under_the_lead_ceiling(ceiling):
     """Issue 16, concurrency 8, T = 0 (H100, exact mode): 9 of the tree of 32's 12 probes on gsm8k came in a call's first

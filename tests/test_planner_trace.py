@@ -178,7 +178,7 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys, monkeypatch):
                     "--output", str(out2), "--overwrite"]) == 0
     pts = json.loads(out2.read_text())["points"]
     assert [p["ceiling"] for p in pts] == ["headroom", "lead"] and ceilings == ["headroom"] * 4 + ["lead"] * 4
-    with pytest.raises(SystemExit, match="--ceiling 'lead,high': lead, headroom"):
+    with pytest.raises(SystemExit, match="--ceiling 'lead,high': lead, headroom, lead_age"):
         pt.main(["replay", str(trace), "--costs", str(costs), "--ceiling", "lead,high"])
     with pytest.raises(SystemExit, match="--settle 'estimate,later': long_run, estimate"):
         pt.main(["replay", str(trace), "--costs", str(costs), "--settle", "estimate,later"])
