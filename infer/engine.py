@@ -354,8 +354,8 @@ class Engine:
         # the rate a probe's loss is settled against (infer.planner.SETTLE_MODELS): "long_run", or "estimate" (the
         # rule before 2026-12-06)
         self.plan_settle = "long_run"
-        # a led mode's probing ceiling (infer.planner.CEILING_MODELS): "lead", or "headroom" (the rule before 2026-12-06,
-        # afternoon)
+        # a led mode's probing ceiling (infer.planner.CEILING_MODELS): "lead", "headroom" (the rule before 2026-12-06,
+        # afternoon) or "lead_age" (an experiment)
         self.plan_ceiling = "lead"
         # benchmarks only: a fixed cycle of plan_modes the planner runs instead of deciding (StepPlanner.schedule)
         self.plan_schedule: list | None = None

@@ -605,8 +605,9 @@ def main(argv=None) -> int:
     r.add_argument("--settle", default="long_run",
                    help="the rate the planner settles a probe against (infer.planner.SETTLE_MODELS), comma-separated: "
                         "one point each")
-    r.add_argument("--ceiling", default="headroom",
-                   help="a led mode's probing ceiling (infer.planner.CEILING_MODELS), comma-separated: one point each")
+    r.add_argument("--ceiling", default="lead",
+                   help="a led mode's probing ceiling (infer.planner.CEILING_MODELS; default lead, the engine's), "
+                        "comma-separated: one point each")
     r.add_argument("--pair-trees", default="on",
                    help="a tree step gives the planner the smaller planner trees' tokens as paired observations "
                         "(Engine.plan_nested; default on); 'on,off' gives every point under both")
