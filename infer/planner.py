@@ -502,7 +502,7 @@ class StepPlanner:
         drain_model: str = "scaled",
         conf_slope: float | str = "auto",
         settle: str = "long_run",
-        ceiling: str = "headroom",
+        ceiling: str = "lead",
     ):
         if not costs or not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs.values()):
             raise ValueError(f"planner costs must be a non-empty table of positive finite step times, got {costs}")
@@ -957,16 +957,17 @@ class StepPlanner:
         """Standard error of ``mode``'s lead-resolved estimate (tokens per request): ``√Σ var/n`` over the leads from
         ``mode`` to its unled paired mode, var the slow averages' squared difference less the squared lead and n the
         paired steps behind each lead (at most ``2 / slow − 1``, the slow average's effective samples); ``None``
-        unless ``mode`` is led with at least ``LEAD_MIN_STEPS`` steps behind each of those leads. The ``"lead"``
+        unless ``mode`` is led with at least ``LEAD_MIN_STEPS`` steps behind each of those leads and their squared
+        differences (a token state from before them has none: the headroom rule applies). The ``"lead"``
         ceiling is the estimate plus ``LEAD_Z`` of it (module docstring, rule 2). With ``ceiling="lead_age"`` each
         lead's term is ``var × (1 / n + age × slow / 2)``, age the steps since its latest paired step in this call: a
         lead not observed for one slow-average span (``2 / slow`` steps) is as uncertain as one step's difference, so
         a lead learned on one task is probed again on the next."""
-        if mode not in self.lead or mode in path or self.lead_steps[mode] < LEAD_MIN_STEPS:
+        if mode not in self.lead or mode in path or self.lead_steps[mode] < LEAD_MIN_STEPS or mode not in self.lead_sq:
             return None
         ref, lead = self.lead[mode]
         n = min(self.lead_steps[mode], 2.0 / self.slow_decay - 1)
-        var = max(self.lead_sq.get(mode, lead * lead) - lead * lead, 0.0)
+        var = max(self.lead_sq[mode] - lead * lead, 0.0)
         age = max(self.step - self.lead_seen.get(mode, 0), 0) if self.ceiling == "lead_age" else 0
         var *= 1.0 / n + age * self.slow_decay / 2.0
         if ref in self.lead:

@@ -76,12 +76,12 @@ def test_choose_mode_bounds_unrun_trees_by_the_chain():
     assert choose_mode({CHAIN: 2.0, TREE32: 3.0}, {CHAIN: None, TREE32: None}, 0.0, 0.0)[0] == CHAIN
 
 
-def _t1_decode(modes, seed, steps=2000):
+def _t1_decode(modes, seed, steps=2000, ceiling="lead"):
     """A concurrency-1 decode at T = 1 against the H100's step times (results/verify-h100.json): the chain commits 1
     + a geometric number of draft tokens (mean τ 1.98, at most 16), the chain-first tree of 16 the same, the tree of
     32 that plus one more token 67% of the time (τ 2.65); tree steps pair the chain. Returns (tok/ms, steps per mode)."""
     rnd, cost = random.Random(seed), {AR: 1.14, CHAIN: 1.78, ("tree", 16): 1.94, TREE32: 2.03}
-    p, tokens, ms, runs = StepPlanner({m: cost[m] for m in modes}), 0.0, 0.0, Counter()
+    p, tokens, ms, runs = StepPlanner({m: cost[m] for m in modes}, ceiling=ceiling), 0.0, 0.0, Counter()
     for _ in range(steps):
         m = p.choose()
         a = 0
@@ -98,14 +98,20 @@ def _t1_decode(modes, seed, steps=2000):
 def test_planner_without_the_tree_that_is_the_chain_runs_the_winning_tree():
     """At T > 0 the engine leaves out the chain-first tree of verify_size nodes (Engine.planner_modes): with AR, the
     chain and the tree of 32 the planner runs the tree of 32 and matches its fixed rate (2.65 / 2.03 tok/ms). With the
-    tree of 16 kept it is the cheapest plausible mode and takes every probe (rule 3): the tree of 32 never runs and
-    the planner stays at the chain's rate, as on the H100 (0.89 × the best fixed mode, results/verify-h100.json)."""
+    tree of 16 kept under the headroom ceiling it is the cheapest plausible mode and takes every probe (rule 3): the
+    tree of 32 never runs and the planner stays at the chain's rate, as on the H100 (0.89 × the best fixed mode,
+    results/verify-h100.json). Under the lead ceiling (the default) the tree of 16, led by the chain with a lead near 0,
+    stops being plausible once its lead is known, and the tree of 32 runs and wins."""
     fixed = 2.65 / 2.03
     for seed in range(3):
-        rate, runs = _t1_decode([AR, CHAIN, TREE32], seed)
-        assert rate > 0.97 * fixed and runs[TREE32] > 0.9 * sum(runs.values()), (seed, rate, runs)
-    rate, runs = _t1_decode([AR, CHAIN, ("tree", 16), TREE32], 0)
+        for ceiling in ("lead", "headroom"):
+            rate, runs = _t1_decode([AR, CHAIN, TREE32], seed, ceiling=ceiling)
+            assert rate > 0.97 * fixed and runs[TREE32] > 0.9 * sum(runs.values()), (seed, rate, runs)
+    rate, runs = _t1_decode([AR, CHAIN, ("tree", 16), TREE32], 0, ceiling="headroom")
     assert runs[TREE32] == 0 and rate < 0.9 * fixed and rate == pytest.approx(1.98 / 1.78, rel=0.05), (rate, runs)
+    for seed in range(3):
+        rate, runs = _t1_decode([AR, CHAIN, ("tree", 16), TREE32], seed)
+        assert rate > 0.96 * fixed and runs[TREE32] > 0.9 * sum(runs.values()), (seed, rate, runs)
 
 
 def test_step_planner_averages_settles_probes_and_reports():
@@ -574,12 +580,38 @@ def test_lead_standard_error_sums_down_the_leads_and_travels_with_the_token_stat
     q = StepPlanner(p.table)
     q.load_token_state(p.token_state())
     assert q.lead_se(TREE32) == pytest.approx(p.lead_se(TREE32))
-    old = {k: v for k, v in p.token_state().items() if k != "lead_sq"}  # a state written before lead_sq: no spread
+    old = {k: v for k, v in p.token_state().items() if k != "lead_sq"}  # a state written before lead_sq
     q = StepPlanner(p.table)
     q.load_token_state(old)
-    assert q.lead_se(TREE32) == 0.0
+    assert q.lead_se(TREE32) is None and q._lead_ceilings(q.expected()) == {}  # the headroom rule applies
+    # a lower lead with fewer than LEAD_MIN_STEPS paired steps: no standard error for the mode above it either
+    r = StepPlanner(p.table)
+    for d in (0.5, 0.7, 0.3):
+        r._lead(TREE16, CHAIN, d)
+    for d in (1.0, 1.4, 1.0, 0.6, 1.0):
+        r._lead(TREE32, TREE16, d)
+    assert r.lead_se(TREE16) is None and r.lead_se(TREE32) is None
+    # rounding can leave the mean square a hair under the squared lead: a variance of 0, not a NaN
+    r._lead(TREE16, CHAIN, 0.5)
+    r.lead_sq[TREE16] = r.lead[TREE16][1] ** 2 - 1e-12
+    assert r.lead_se(TREE16) == 0.0
     with pytest.raises(ValueError, match="ceiling='high'"):
         StepPlanner(p.table, ceiling="high")
+    assert StepPlanner(p.table).ceiling == "lead" and LEAD_Z == 1.0  # the default rule, one standard error
+
+
+def test_lead_ceilings_are_the_estimate_plus_the_standard_error_in_the_drain_rules_units():
+    """``StepPlanner._lead_ceilings``: per led mode with a standard error, its estimate plus ``LEAD_Z`` of it; under
+    the drain rule the estimate is already scaled by the drain's factor, and so is the standard error."""
+    p = StepPlanner({AR: 1.0, CHAIN: 1.5, TREE32: 2.5})
+    for d in (0.5, 0.7, 0.3, 0.5):
+        p._lead(TREE32, CHAIN, d)
+    se = math.sqrt(0.02 / 4)
+    tokens = {AR: 1.0, CHAIN: 3.0, TREE32: 3.5}
+    assert p._lead_ceilings(tokens) == {TREE32: pytest.approx(3.5 + se)}
+    p.drain_scale = {CHAIN: 0.5, TREE32: 0.5}
+    assert p._lead_ceilings({AR: 1.0, CHAIN: 1.5, TREE32: 1.75}) == {TREE32: pytest.approx(1.75 + 0.5 * se)}
+    assert p._lead_ceilings({AR: 1.0, CHAIN: 1.5, TREE32: None}) == {}  # no estimate, no ceiling
 
 
 def test_lead_age_grows_a_leads_uncertainty_with_the_steps_since_it_was_observed():
@@ -638,6 +670,11 @@ def test_choose_mode_takes_a_given_ceiling_capped_at_the_modes_tokens():
     assert choose_mode(costs, tokens, 100.0, 0.0, ceilings={TREE32: 4.9})[0] == CHAIN  # 1.96 a ms
     assert choose_mode(costs, tokens, 100.0, 0.0, ceilings={TREE32: 5.1})[0] == TREE32
     assert choose_mode(costs, tokens, 100.0, 0.0, ceilings={TREE32: 1e9})[1] > 0  # capped, still a probe
+    # at 10 ms a step the tree of 32 can commit at most 16 tokens (the block), 1.6 a ms: below the chain's 2, so not
+    # probed however much time there is to lose (uncapped it would be: its 8.25 ms loss fits 0.5% of 10 s)
+    dear = {AR: 1.0, CHAIN: 1.5, TREE32: 10.0}
+    assert choose_mode(dear, tokens, 10_000.0, 0.0, ceilings={TREE32: 1e9})[0] == CHAIN
+    assert choose_mode(dear, tokens, 10_000.0, 0.0, ceilings={TREE32: 1e9}, share=0.005)[1] == 0.0
 
 
 def test_first_mode_waits_for_its_timings_when_an_observation_has_no_time():
