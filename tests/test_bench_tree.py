@@ -37,6 +37,7 @@ def test_tiny_invariant_planner_point_runs_no_tree_and_decodes_ars_text(stories_
     kept = json.loads((runs / "planner-c2-T1.json").read_text())
     assert kept["args"]["invariant"] is True and set(kept["tasks"][0]["drafts"]) == {"chain", "auto"}
     assert p["invariant"] is True and p["tree_tok_per_s"] is None and p["fixed_tree_tok_per_s"] == {}
+    assert (p["plan_settle"], p["plan_ceiling"]) == ("long_run", "lead")  # not given: the engine's defaults, recorded
     assert p["best_static_tok_per_s"] == pytest.approx(max(p["ar_tok_per_s"], p["chain_tok_per_s"]))
     assert p["same_text_as_ar"] == {"chain": [2, 2], "auto": [2, 2]}
     for extra, msg in ((["--planner", "2:0", "--invariant"], "applies to --planner points at T > 0"),
@@ -110,6 +111,7 @@ def test_tiny_planner_point_over_seeds(stories_dir, draft_dir, tmp_path):
     assert {t["drafts"]["auto"]["plan_settle"] for k in kept for t in k["tasks"]} == {"estimate"}
     assert [k["args"]["configs"]["auto"]["ceiling"] for k in kept] == ["headroom"] * 2 and t1["plan_ceiling"] == "headroom"
     assert {t["drafts"]["auto"]["plan_ceiling"] for k in kept for t in k["tasks"]} == {"headroom"}
+    assert (t0["plan_settle"], t0["plan_ceiling"]) == ("estimate", "headroom")  # recorded from the run, T = 0 too
     assert [k["args"]["seed"] for k in kept] == [3, 5] and t1["seeds"] == [3, 5]
     mean = lambda k, n: sum(t["ar"]["tok_per_s"] if n == "AR" else t["drafts"][n]["tok_per_s"] for t in k["tasks"])
     for n, key in (("AR", "ar_tok_per_s"), ("auto", "planner_tok_per_s"), ("chain", "chain_tok_per_s")):

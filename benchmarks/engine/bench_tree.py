@@ -238,8 +238,9 @@ def planner_points(args, on_point=None) -> list[dict]:
                     "fixed_tree_tok_per_s": {str(n): tok[label] for n, label in sorted(trees.items())},
                     "plan_trees": run["tasks"][0]["drafts"]["auto"].get("plan_trees"),
                     **({"plan_drain_model": args.plan_drain_model} if args.plan_drain_model else {}),
-                    **({"plan_settle": args.plan_settle} if args.plan_settle else {}),
-                    **({"plan_ceiling": args.plan_ceiling} if args.plan_ceiling else {}),
+                    # the rules the planner ran with, as its engine reported them (given or the engine's defaults)
+                    "plan_settle": run["tasks"][0]["drafts"]["auto"].get("plan_settle"),
+                    "plan_ceiling": run["tasks"][0]["drafts"]["auto"].get("plan_ceiling"),
                     "best_static_tok_per_s": best, "planner_over_best_static": tok["auto"] / best,
                     "planner_over_ar": tok["auto"] / tok["AR"],
                     "mean_tau": {n: sum(r["summary"][n]["mean_tau"] for r in runs) / len(runs)
