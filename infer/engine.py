@@ -1385,12 +1385,10 @@ class Engine:
         s = self._slots_for(B)
         kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
-        if spec and self.budget == "auto" and self.plan_drain_model not in DRAIN_MODELS:
-            raise ValueError(f"Engine.plan_drain_model={self.plan_drain_model!r}: use {' or '.join(map(repr, DRAIN_MODELS))}")
-        if spec and self.budget == "auto" and self.plan_settle not in SETTLE_MODELS:
-            raise ValueError(f"Engine.plan_settle={self.plan_settle!r}: use {' or '.join(map(repr, SETTLE_MODELS))}")
-        if spec and self.budget == "auto" and self.plan_ceiling not in CEILING_MODELS:
-            raise ValueError(f"Engine.plan_ceiling={self.plan_ceiling!r}: use {' or '.join(map(repr, CEILING_MODELS))}")
+        for name, allowed in (("plan_drain_model", DRAIN_MODELS), ("plan_settle", SETTLE_MODELS),
+                              ("plan_ceiling", CEILING_MODELS)):
+            if spec and self.budget == "auto" and getattr(self, name) not in allowed:
+                raise ValueError(f"Engine.{name}={getattr(self, name)!r}: use {' or '.join(map(repr, allowed))}")
         planner = (StepPlanner(self._step_costs(B, params), drain_model=self.plan_drain_model,
                                conf_slope=self.plan_conf_slope, settle=self.plan_settle,
                                ceiling=self.plan_ceiling)

@@ -197,30 +197,26 @@ if has plandrain; then
   timed plandrain-exact-c8 plandrain exact
   timed plandrain-fast-c8 plandrain fast
 fi
-plansettle() {  # plansettle CONCURRENCY PROMPTS: one infer.bench run of the settle A/B (exact, T=0), skipped once finished
-  local out="$R/planner-settle-$G-exact-T0-c$1.json"
+planab() {  # planab NAME CONCURRENCY PROMPTS LABEL-ARGS...: one infer.bench run of a planner A/B (exact, T=0) with
+  # the --draft / --config items given -> planner-NAME-$G-exact-T0-cC.json, skipped once finished
+  local out="$R/planner-$1-$G-exact-T0-c$2.json" c=$2 n=$3
+  shift 3
   finished "$out" && return 0
-  python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" --exact --temperature 0 \
-    --draft chain="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft pe="$DRAFT" \
-    --config tree32:verify=tree,tree_budget=32 --config p:budget=auto --config pe:budget=auto,settle=estimate \
-    --concurrency "$1" --num-prompts "$2" --max-new-tokens 512 --output-json "$out" --overwrite
+  python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" --exact --temperature 0 "$@" \
+    --concurrency "$c" --num-prompts "$n" --max-new-tokens 512 --output-json "$out" --overwrite
 }
 if has plansettle; then
-  timed plansettle-exact-c8 plansettle 8 16
-  timed plansettle-exact-c1 plansettle 1 5
+  ab=(--draft chain="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft pe="$DRAFT"
+      --config tree32:verify=tree,tree_budget=32 --config p:budget=auto --config pe:budget=auto,settle=estimate)
+  timed plansettle-exact-c8 planab settle 8 16 "${ab[@]}"
+  timed plansettle-exact-c1 planab settle 1 5 "${ab[@]}"
 fi
-planceiling() {  # planceiling CONCURRENCY PROMPTS: one infer.bench run of the ceiling A/B (exact, T=0), skipped once finished
-  local out="$R/planner-ceiling-$G-exact-T0-c$1.json"
-  finished "$out" && return 0
-  python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" --exact --temperature 0 \
-    --draft chain="$DRAFT" --draft tree16="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft ph="$DRAFT" \
-    --draft pa="$DRAFT" --config tree16:verify=tree,tree_budget=16 --config tree32:verify=tree,tree_budget=32 \
-    --config p:budget=auto --config ph:budget=auto,ceiling=headroom --config pa:budget=auto,ceiling=lead_age \
-    --concurrency "$1" --num-prompts "$2" --max-new-tokens 512 --output-json "$out" --overwrite
-}
 if has planceiling; then
-  timed planceiling-exact-c8 planceiling 8 16
-  timed planceiling-exact-c1 planceiling 1 5
+  ab=(--draft chain="$DRAFT" --draft tree16="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft ph="$DRAFT"
+      --draft pa="$DRAFT" --config tree16:verify=tree,tree_budget=16 --config tree32:verify=tree,tree_budget=32
+      --config p:budget=auto --config ph:budget=auto,ceiling=headroom --config pa:budget=auto,ceiling=lead_age)
+  timed planceiling-exact-c8 planab ceiling 8 16 "${ab[@]}"
+  timed planceiling-exact-c1 planab ceiling 1 5 "${ab[@]}"
 fi
 if has planswitch && ! finished "$R/planner-switch-$G.json"; then
   timed planswitch python benchmarks/engine/bench_planner_loop.py --switch 32 --batches 1,8 --temperatures 0 \

@@ -38,6 +38,7 @@ accepts somewhat differently).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -476,6 +477,15 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     }
 
 
+def model_list(text: str, flag: str, allowed) -> list[str]:
+    """``"a,b,a"`` -> ``["a", "b"]`` (in order, no repeats): a comma-separated flag of planner models. Raises
+    SystemExit naming ``flag``, the text and the ``allowed`` values for one outside them."""
+    items = list(dict.fromkeys(x.strip() for x in text.split(",")))
+    if any(x not in allowed for x in items):
+        raise SystemExit(f"{flag} {text!r}: {', '.join(allowed)}, comma-separated")
+    return items
+
+
 def replay(args) -> int:
     """The ``replay`` subcommand (module docstring): all inputs read and checked before any point is computed; one
     point per (step-time source, costs file, tree set); points the run cannot time are skipped with the reason."""
@@ -523,15 +533,9 @@ def replay(args) -> int:
     times_list = [t.strip() for t in args.times.split(",")]
     if not times_list or any(t not in ("measured", "table") for t in times_list):
         raise SystemExit(f"--times {args.times!r}: measured, table or both, comma-separated")
-    drain_models = list(dict.fromkeys(x.strip() for x in args.drain_model.split(",")))
-    if any(x not in DRAIN_MODELS for x in drain_models):
-        raise SystemExit(f"--drain-model {args.drain_model!r}: {', '.join(DRAIN_MODELS)}, comma-separated")
-    settles = list(dict.fromkeys(x.strip() for x in args.settle.split(",")))
-    if any(x not in SETTLE_MODELS for x in settles):
-        raise SystemExit(f"--settle {args.settle!r}: {', '.join(SETTLE_MODELS)}, comma-separated")
-    ceilings = list(dict.fromkeys(x.strip() for x in args.ceiling.split(",")))
-    if any(x not in CEILING_MODELS for x in ceilings):
-        raise SystemExit(f"--ceiling {args.ceiling!r}: {', '.join(CEILING_MODELS)}, comma-separated")
+    drain_models = model_list(args.drain_model, "--drain-model", DRAIN_MODELS)
+    settles = model_list(args.settle, "--settle", SETTLE_MODELS)
+    ceilings = model_list(args.ceiling, "--ceiling", CEILING_MODELS)
     pairs = [x.strip() for x in args.pair_trees.split(",")]
     if not pairs or any(x not in ("on", "off") for x in pairs):
         raise SystemExit(f"--pair-trees {args.pair_trees!r}: on, off or both, comma-separated")
@@ -545,15 +549,15 @@ def replay(args) -> int:
         for row in trace["prompts"]:  # the larger tree commits what the smaller one does (and pairs its chain alike)
             row[f"tree{big}"], row[f"pair{big}"] = list(row[f"tree{small}"]), list(row[f"pair{small}"])
     points, skipped = [], []
-    for times, costs, plan_trees, slope, pair, dm, st, ce in (
-            (t, c, p, k, q, d, e, g) for t in times_list for c in costs_list for p in trees_list for k in slopes
-            for q in pairs for d in drain_models for e in settles for g in ceilings):
+    knobs = (slopes, pairs, drain_models, settles, ceilings)
+    firsts = (times_list[0], *(k[0] for k in knobs))
+    for times, costs, plan_trees, slope, pair, dm, st, ce in itertools.product(times_list, costs_list, trees_list,
+                                                                               *knobs):
         try:
             pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times,
                               pair_trees=pair == "on", conf_slope=slope, drain_model=dm, settle=st, ceiling=ce)
         except NoStepTime as e:
-            if (times, slope, pair, dm, st, ce) == (times_list[0], slopes[0], pairs[0], drain_models[0], settles[0],
-                                                    ceilings[0]):
+            if (times, slope, pair, dm, st, ce) == firsts:  # a skip is reported once per costs file and tree set
                 print(f"skipped: {e}", flush=True)
                 skipped.append({"costs": costs, "plan_trees": plan_trees, "why": str(e)})
             continue
