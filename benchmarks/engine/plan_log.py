@@ -215,19 +215,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.json and not Path(args.json).resolve().parent.is_dir():
             raise ValueError(f"--json {args.json}: no folder {Path(args.json).parent}")
         calls = read_log(args.log)
-        if args.phase and not all(isinstance(c.get("tag"), dict) and "pass" in c["tag"] for c in calls):
-            raise ValueError(f"--pass {args.phase}: {args.log} has calls without a tag.pass (logged without "
-                             "infer.bench, or before tags were written)")
-        if args.label and not all(isinstance(c.get("tag"), dict) and "label" in c["tag"] for c in calls):
-            raise ValueError(f"--label {args.label}: {args.log} has calls without a tag.label (logged without "
-                             "infer.bench, or before tags were written)")
+        tags = {k: v for k, v in (("pass", args.phase), ("label", args.label)) if v}  # infer.bench's tag keys kept
+        for k, v in tags.items():
+            if not all(isinstance(c.get("tag"), dict) and k in c["tag"] for c in calls):
+                raise ValueError(f"--{k} {v}: {args.log} has calls without a tag.{k} (logged without "
+                                 "infer.bench, or before tags were written)")
     except ValueError as e:
         print(f"plan_log: {e}", file=sys.stderr)
         return 2
     keep = [c for c in calls if (args.batch is None or c["batch"] == args.batch)
             and (args.temperature is None or c["temperature"] == args.temperature)
-            and (args.phase is None or c["tag"]["pass"] == args.phase)
-            and (args.label is None or c["tag"]["label"] == args.label)]
+            and all(c["tag"][k] == v for k, v in tags.items())]
     if not keep:
         print(f"plan_log: no call in {args.log} at batch {args.batch}, temperature {args.temperature}, pass "
               f"{args.phase}, label {args.label}", file=sys.stderr)
