@@ -404,7 +404,7 @@ class Engine:
         # the last generate call's loop: seconds launching steps, waiting for the device's flags, in host
         # bookkeeping (flags, harvest), admitting (prefill); steps, wall_s, tokens (benchmarks, --profile); on CUDA
         # admit_device_s (the admissions' device time: from the end of the step in flight to the admission's end);
-        # admits: the admissions (prefill calls) of the call
+        # admits: the admissions (prefill calls) of the call; with a planner, flushes: its draft-context flushes
         self.loop_profile: dict = {}
         # benchmarks: time every decode step on the device too (CUDA events around each step of the loop without
         # a planner: loop_profile["device_step_s"], their sum, and "device_loop_s", first step's start to the last
@@ -1275,6 +1275,7 @@ class Engine:
             if ar_pending and (mode[0] != "ar" or ar_pending == s.pend_max):
                 flush()  # the draft reads its context in this step, or F are pending
                 ar_pending = 0
+                prof["flushes"] += 1
             if s.ctx_pending and mode[0] != "ar":  # the draft reads the deferred prompts' context in this step
                 self._write_deferred(s, draft_cache)
             run = runners.get(mode)
@@ -1417,6 +1418,8 @@ class Engine:
         t0 = time.perf_counter()
         prefill_s = 0.0
         self.loop_profile = dict.fromkeys(("launch_s", "wait_s", "host_s"), 0.0)
+        if planner is not None:
+            self.loop_profile["flushes"] = 0
         queue = deque(enumerate(prompts))
         owner: list[int | None] = [None] * B
         self.slot_owner = owner  # prompt index per slot (read by test oracles and debugging)

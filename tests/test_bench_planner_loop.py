@@ -1,4 +1,4 @@
-"""benchmarks/engine/bench_planner_loop.py: the CPU smoke path runs the four configurations on the same steps."""
+"""benchmarks/engine/bench_planner_loop.py: the CPU smoke path runs its configurations on the same steps."""
 
 from __future__ import annotations
 
@@ -22,13 +22,18 @@ def test_tiny_cpu_run_times_the_same_steps(tmp_path):
     assert rec["command"].startswith("python benchmarks/engine/bench_planner_loop.py") and rec["date"]
     assert [(p["batch"], p["temperature"]) for p in rec["points"]] == [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
     for p in rec["points"]:
-        for name in ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_chain"):
+        for name in ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_ar_noflush", "planner_chain"):
             row = p[name]
             assert row["tokens"] == 9 * p["batch"]  # no EOS: every request makes all its tokens
             assert row["tok_per_s"] > 0 and row["ms_per_step"] > 0 and row["launch_ms"] > 0
         # the planner with one mode runs that mode's steps: AR makes one token a step (8 after the prefill's)
-        assert p["ar"]["steps"] == p["planner_ar"]["steps"] == p["planner_ar_immediate"]["steps"] >= 8
+        steps = p["ar"]["steps"]
+        assert steps == p["planner_ar"]["steps"] == p["planner_ar_immediate"]["steps"] == p["planner_ar_noflush"]["steps"]
+        assert steps >= 8
         assert abs(p["planner_ar_over_ar"] - p["planner_ar"]["tok_per_s"] / p["ar"]["tok_per_s"]) < 1e-12
+        assert abs(p["planner_ar_noflush_over_ar"] - p["planner_ar_noflush"]["tok_per_s"] / p["ar"]["tok_per_s"]) < 1e-12
+        # fewer AR steps than F = 16: no flush (the count itself: test_exact_puts_every_engine_in_exact_mode)
+        assert [p[n]["flushes"] for n in ("ar", "planner_ar", "planner_ar_immediate", "planner_ar_noflush")] == [0] * 4
         if p["temperature"] == 0:  # greedy: the same tokens, so the same accepts and steps as the fixed chain
             assert p["chain"]["steps"] == p["planner_chain"]["steps"]
 
@@ -120,7 +125,8 @@ def test_switch_runs_the_chain_and_the_tree_in_turn(monkeypatch, capsys):
 
 def test_exact_puts_every_engine_in_exact_mode(monkeypatch):
     """--exact: the fixed engine, the planner engines and the fixed tree are all built with exact=True, the file
-    says so, and greedy planner_chain still runs the fixed chain's steps (same tokens, same accepts)."""
+    says so, and greedy planner_chain still runs the fixed chain's steps (same tokens, same accepts); each planner
+    AR configuration runs its own number of draft-context flushes."""
     from benchmarks.engine import bench_planner_loop
     from infer.engine import Engine
 
@@ -132,9 +138,14 @@ def test_exact_puts_every_engine_in_exact_mode(monkeypatch):
         built.append(self.exact)
 
     monkeypatch.setattr(Engine, "__init__", record)
+    monkeypatch.setattr(Engine, "AR_DEFER", 3)  # a flush after every 3 deferred AR steps: twice in 8
     res = bench_planner_loop.run(bench_planner_loop.build_parser().parse_args(
         ["--tiny", "--device", "cpu", "--batches", "2", "--temperatures", "0", "--context", "8", "--new", "9",
          "--reps", "1", "--switch", "6", "--exact"]))
-    assert res["exact"] is True and len(built) == 7 and all(built)
+    assert res["exact"] is True and len(built) == 8 and all(built)
     p = res["points"][0]
     assert p["chain"]["steps"] == p["planner_chain"]["steps"] and p["chain"]["tokens"] == 18
+    # 9 AR steps (the pipelined loop's last one finds every row done): planner_ar flushes before its 4th and 7th;
+    # planner_ar_noflush (F = --new) and the immediate append never
+    assert p["planner_ar"]["steps"] == p["planner_ar_noflush"]["steps"] == 9 and res["flush_rows"] == 3
+    assert [p[n]["flushes"] for n in ("planner_ar", "planner_ar_noflush", "planner_ar_immediate")] == [2, 0, 0]

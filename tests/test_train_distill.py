@@ -101,12 +101,26 @@ def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
             if not isinstance(e, subprocess.TimeoutExpired):
                 raise
             out.seek(0), err.seek(0)
-            pytest.fail(f"no end after {timeout} s: {shlex.join(cmd)}\n--- stdout (tail)\n{out.read()[-3000:]}\n"
-                        f"--- stderr (tail, with the ranks' stacks at the timeout)\n{err.read()[-20000:]}")
+            stderr = err.read()
+            # no traceback of this helper (pytrace=False) and the ranks' stacks first: a CI log cut to its first and
+            # last lines still shows where each rank waited
+            pytest.fail(f"no end after {timeout} s: {shlex.join(cmd)}\n--- the ranks' Python stacks at the timeout\n"
+                        f"{rank_stacks(stderr)[-12000:]}\n--- stdout (tail)\n{out.read()[-1000:]}\n"
+                        f"--- stderr (tail)\n{stderr[-6000:]}", pytrace=False)
         out.seek(0), err.seek(0)
         r = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-12000:]
     return r
+
+
+def rank_stacks(stderr: str) -> str:
+    """The lines of faulthandler's dumps in a launch's stderr (a "Fatal Python error" line, then per thread a "Thread
+    0x..." / "Current thread" header and its '  File "..."' frames), without the output around them; a line may
+    carry a launcher's "[rank1]:" prefix."""
+    import re
+
+    dump = re.compile(r'^(\[[^\]]*\]:\s?)?(Fatal Python error|Thread 0x|Current thread|\s+File ")')
+    return "\n".join(line for line in stderr.splitlines() if dump.match(line)) or "(none in stderr)"
 
 
 def jsonl(path) -> list[dict]:

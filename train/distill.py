@@ -309,12 +309,13 @@ def train(cfg) -> int:
         if fh is not None:
             fh.close()
     accelerator.end_training()
-    if interrupted:
-        if main_proc:
-            print(f"interrupted: stopped after step {n}, saved {out / f'step-{n}'}; the same command with "
-                  "resume_from=auto continues exactly", file=sys.stderr)
-        return 130
-    return 0
+    if interrupted and main_proc:
+        print(f"interrupted: stopped after step {n}, saved {out / f'step-{n}'}; the same command with "
+              "resume_from=auto continues exactly", file=sys.stderr)
+    code = 130 if interrupted else 0
+    if world > 1:  # leave while this frame still holds the run's objects (leave_rank)
+        leave_rank(code)
+    return code
 
 
 class GracefulInterrupt:
@@ -977,11 +978,12 @@ def configure_deepspeed(accelerator, cfg) -> None:
 
 def leave_rank(code: int) -> None:
     """End a rank of a multi-process launch (``WORLD_SIZE`` > 1) with ``os._exit(code)`` after flushing the output,
-    skipping the interpreter's teardown: once training has returned, every collective is done (the last
-    checkpoint's barrier, ``accelerator.end_training`` freed the process group) and every file is closed, but
-    freeing the run's objects there once blocked a rank for minutes after its peer had exited (CI, a 2-rank CPU run;
-    faulthandler's stack: ``train()`` returned, the rank stuck in ``main()`` as its locals were freed). A
-    single-process run exits normally."""
+    skipping the interpreter's teardown: once training is over, every collective is done (the last checkpoint's
+    barrier, ``accelerator.end_training`` freed the process group) and every file is closed, but freeing the run's
+    objects once blocked a rank for minutes after its peer had exited (CI, a 2-rank CPU run; faulthandler's stack:
+    the rank in ``main()`` at ``return train(cfg)``, i.e. as ``train()``'s frame and its locals were freed). So
+    ``train()`` calls it itself at its end, while its frame still holds them: called on ``main()``'s result only (as
+    the script still does, for the error paths), it came after that freeing. A single-process run exits normally."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)
     import logging

@@ -6,7 +6,7 @@
 Random weights at SmolLM2-135M shape (``--tiny``: a tiny shape), a 3-layer DSpine draft, ``--context`` random
 prompt tokens per request, exactly ``--new`` new tokens per request (no EOS in the vocabulary's reach), as many
 requests as slots (one wave: every slot busy from the first step). For each batch size B and temperature,
-``Engine.generate`` decodes the same prompts in five configurations, in alternating order, ``--reps`` times:
+``Engine.generate`` decodes the same prompts in six configurations, in alternating order, ``--reps`` times:
 
 - ``ar``: the engine without the draft (``use_draft=False``: the plain pipelined loop, plain AR steps);
 - ``chain``: the fixed chain of ``verify_size`` (the plain pipelined loop);
@@ -15,6 +15,11 @@ requests as slots (one wave: every slot busy from the first step). For each batc
   steps leave their draft features pending, flushed every ``Engine.AR_DEFER`` steps (the default);
 - ``planner_ar_immediate``: the same with ``defer_ar_append = False`` (the draft-context append in every AR
   step, as before the deferral);
+- ``planner_ar_noflush``: ``planner_ar`` with ``Engine.ar_defer`` = ``--new``, so its AR steps keep their features
+  pending and no flush runs (the loop runs at most ``--new`` steps; a flush would precede the next): ``planner_ar``
+  against it is what the flushes cost, it against ``ar`` what the loop and the AR step's kept features cost
+  (issue 16: the planner's AR steps at concurrency 32, T = 1 ran 1.447 against AR's 1.435 ms on the H100, and
+  0.994 × AR here at batch 32, results/planner-loop-b32-b64-T1-h100.json, with these two parts not told apart);
 - ``planner_chain``: ``budget="auto"`` with the chain as its only mode;
 - with ``--switch N`` also ``tree``: the fixed tree of N nodes (the plain pipelined loop), ``planner_tree``: that tree
   as the planner's only mode (``planner_tree_over_tree``, as ``planner_chain_over_chain``), and ``planner_switch``: the
@@ -61,7 +66,7 @@ from dspine.provenance import provenance  # noqa: E402
 from dspine.sampling import SamplingParams  # noqa: E402
 from infer.engine import Engine  # noqa: E402
 
-CONFIGS = ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_chain")
+CONFIGS = ("ar", "chain", "planner_ar", "planner_ar_immediate", "planner_ar_noflush", "planner_chain")
 SWITCH_CONFIGS = ("tree", "planner_tree", "planner_switch")  # --switch N
 SWITCH_MIN_STEPS = 4  # steps of each mode a planner_switch run needs for switch_over_mean
 
@@ -118,7 +123,7 @@ def run(args) -> dict:
         planners = {}
         chain, tree = ("chain", fixed.verify_size), ("tree", args.switch)
         setups = [("planner_ar", [("ar", 1)], True), ("planner_ar_immediate", [("ar", 1)], False),
-                  ("planner_chain", [chain], True)]
+                  ("planner_ar_noflush", [("ar", 1)], True), ("planner_chain", [chain], True)]
         if args.switch:
             setups += [("planner_tree", [tree], True), ("planner_switch", [chain, tree], True)]
         for name, modes, defer in setups:
@@ -127,6 +132,8 @@ def run(args) -> dict:
             eng.plan_modes = modes  # the planner's only modes: every step is one of them, through the planner's loop
             eng.plan_schedule = modes if name == "planner_switch" else None  # in turn, no decision
             eng.defer_ar_append = defer
+            if name == "planner_ar_noflush":  # F >= the loop's steps: no flush (set before its slots are made)
+                eng.ar_defer = args.new
             planners[name] = eng
         engines = {"ar": fixed, "chain": fixed, **planners}
         if args.switch:  # the fixed tree: no planner, the plain pipelined loop
@@ -151,7 +158,7 @@ def run(args) -> dict:
                     decode_s = prof["wall_s"] - prof["prefill_s"]
                     steps = max(prof["steps"], 1)
                     rows[name].append({"tok_per_s": tokens / decode_s, "ms_per_step": 1e3 * decode_s / steps,
-                                       "steps": prof["steps"], "tokens": tokens,
+                                       "steps": prof["steps"], "tokens": tokens, "flushes": prof.get("flushes", 0),
                                        **{k.replace("_s", "_ms"): 1e3 * prof[k] / steps
                                           for k in ("launch_s", "wait_s", "host_s")}})
             point = {"batch": B, "temperature": temperature}
@@ -159,6 +166,7 @@ def run(args) -> dict:
                 point[name] = {k: statistics.median(r[k] for r in rows[name]) for k in rows[name][0]}
             point["planner_ar_over_ar"] = point["planner_ar"]["tok_per_s"] / point["ar"]["tok_per_s"]
             point["planner_ar_immediate_over_ar"] = point["planner_ar_immediate"]["tok_per_s"] / point["ar"]["tok_per_s"]
+            point["planner_ar_noflush_over_ar"] = point["planner_ar_noflush"]["tok_per_s"] / point["ar"]["tok_per_s"]
             point["planner_chain_over_chain"] = point["planner_chain"]["tok_per_s"] / point["chain"]["tok_per_s"]
             if args.switch:  # alternating the two step graphs against the two alone, weighted by the steps each ran
                 point["planner_tree_over_tree"] = point["planner_tree"]["tok_per_s"] / point["tree"]["tok_per_s"]
@@ -176,7 +184,8 @@ def run(args) -> dict:
                 f"{n} {point[n]['tok_per_s']:.0f} tok/s ({point[n]['ms_per_step']:.3f} ms/step, launch "
                 f"{point[n]['launch_ms']:.3f} wait {point[n]['wait_ms']:.3f} host {point[n]['host_ms']:.3f})"
                 for n in configs) + f"; planner_ar/ar {point['planner_ar_over_ar']:.3f} (immediate append "
-                f"{point['planner_ar_immediate_over_ar']:.3f}), planner_chain/chain "
+                f"{point['planner_ar_immediate_over_ar']:.3f}, no flush {point['planner_ar_noflush_over_ar']:.3f}), "
+                f"planner_chain/chain "
                 f"{point['planner_chain_over_chain']:.3f}"
                 + (f", planner_tree/tree {point['planner_tree_over_tree']:.3f}" if args.switch else "")
                 + (f", switch/mean {point['switch_over_mean']:.3f}" if point.get("switch_over_mean") else ""),
