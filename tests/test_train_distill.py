@@ -54,6 +54,22 @@ def launched(mark: str) -> list:
     return found
 
 
+def ranks_of(mark: str) -> list:
+    """The ranks of the launch ``mark``: its processes whose parent is the torch.distributed.run agent (not the
+    DataLoader workers a rank forks, which share its command line and environment)."""
+    import psutil
+
+    found = []
+    for p in launched(mark):
+        try:
+            parent = p.parent()
+            if parent is not None and "torch.distributed.run" in parent.cmdline():
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
 def signal_all(procs, sig) -> None:
     import psutil
 
@@ -77,25 +93,23 @@ def start(*overrides: str, env=None, **popen) -> tuple[subprocess.Popen, str]:
 
 
 def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
-    """The launch, checked for exit code 0. Output goes to files (no wait on a pipe's end). On a timeout the ranks
-    (the launch's processes without children) get SIGABRT, so that faulthandler (PYTHONFAULTHANDLER) prints their
-    Python stacks, which the agent and the launcher pass on as they shut down; whatever is left after 30 s is
-    killed, and the failure shows the output's tail with those stacks: where each rank waited."""
+    """The launch, checked for exit code 0. Output goes to files (no wait on a pipe's end). On a timeout each rank
+    (the launch's processes without children) gets SIGUSR1 in turn, so that it prints its Python stacks and goes on
+    (train/distill.py dump_stacks_on_sigusr1; one at a time, the dumps not interleaved, and no rank ended before its
+    turn by the agent reacting to another's end), then every process of the launch is killed, and the failure shows
+    those stacks first, then the output's tail: where each rank waited."""
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc, mark = start(*overrides, env={"PYTHONFAULTHANDLER": "1", **(env or {})}, stdout=out, stderr=err,
-                           text=True, start_new_session=False)
+        proc, mark = start(*overrides, env=env, stdout=out, stderr=err, text=True, start_new_session=False)
         cmd = proc.args
         try:
             proc.wait(timeout=timeout)
         except BaseException as e:  # the timeout, or Ctrl-C / pytest-timeout: leave no process of the launch behind
             if isinstance(e, subprocess.TimeoutExpired):
-                signal_all([p for p in launched(mark) if not p.children()], signal.SIGABRT)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
+                for rank in ranks_of(mark):
+                    signal_all([rank], signal.SIGUSR1)
+                    time.sleep(1)
             signal_all(launched(mark), signal.SIGKILL)
             proc.wait(timeout=30)
             if not isinstance(e, subprocess.TimeoutExpired):
@@ -114,13 +128,22 @@ def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
 
 
 def rank_stacks(stderr: str) -> str:
-    """The lines of faulthandler's dumps in a launch's stderr (a "Fatal Python error" line, then per thread a "Thread
-    0x..." / "Current thread" header and its '  File "..."' frames), without the output around them; a line may
-    carry a launcher's "[rank1]:" prefix."""
+    """The lines of faulthandler's dumps in a launch's stderr, without the output around them: its headers ("Fatal
+    Python error", "Thread 0x..." / "Current thread ...", "Garbage-collecting", "<no Python frame>"; found anywhere in
+    a line, behind a progress bar's text or a "[rank1]:" prefix, and kept from there) and its frames ('  File "...",
+    line N in f': no comma before "in", unlike a Python traceback's frames, which are left out)."""
     import re
 
-    dump = re.compile(r'^(\[[^\]]*\]:\s?)?(Fatal Python error|Thread 0x|Current thread|\s+File ")')
-    return "\n".join(line for line in stderr.splitlines() if dump.match(line)) or "(none in stderr)"
+    header = re.compile(r"Fatal Python error|Thread 0x|Current thread|Garbage-collecting|<no Python frame>")
+    frame = re.compile(r'^(\[[^\]]*\]:\s?)?\s+File ".*", line \d+ in ')
+    keep = []
+    for line in stderr.splitlines():
+        m = header.search(line)
+        if m:
+            keep.append(line[m.start():])
+        elif frame.match(line):
+            keep.append(line)
+    return "\n".join(keep) or "(none in stderr)"
 
 
 def jsonl(path) -> list[dict]:
@@ -213,6 +236,40 @@ def assert_same_run(a, b):
     for d in (a, b):
         state = json.loads((d / "step-40" / "trainer_state.json").read_text())
         assert (state["step"], state["epoch"], state["index"]) == (40, 3, 64)  # 12 steps of 16 rows per epoch
+
+
+def test_torchrun_on_a_cpu_machine_trains_two_ranks_and_leaves_no_process(data, tmp_path):
+    """A bare `python -m torch.distributed.run --nproc_per_node 2 train/distill.py` on a machine without GPUs (the
+    command the trainer's own messages suggest): the ranks meet through gloo as one run of world size 2 (was: accelerate
+    set up one process per rank, and both trained alone into one output_dir), read disjoint rows, and with 2 data
+    workers each no process of the launch outlives it (was: the ranks left by os._exit with their DataLoader workers
+    alive, found by PyTorch's watchdog seconds later)."""
+    import tempfile
+
+    out = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           str(REPO / "train" / "distill.py"), "--config", str(CONFIG), *data[1], f"output_dir={out}", "max_steps=4",
+           "save_every=0", "eval=null", "log_every=1", "log_samples=true", "max_length=40", "data_workers=2"]
+    env = {k: v for k, v in LAUNCH_ENV.items() if k != "ACCELERATE_USE_CPU"}
+    with tempfile.TemporaryFile("w+") as log:
+        import uuid
+
+        mark = uuid.uuid4().hex
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**env, "DSPINE_TEST_LAUNCH": mark}, stdout=log, stderr=log,
+                                text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=300)
+            left = [p.pid for p in launched(mark)]
+        finally:
+            signal_all(launched(mark), signal.SIGKILL)
+        log.seek(0)
+        text = log.read()
+    assert proc.returncode == 0, text[-4000:]
+    assert "2 rank(s), DistributedType.MULTI_CPU" in text, text[-4000:]
+    assert left == [], f"processes of the launch still alive after it ended: {left}"
+    assert json.loads((out / "step-4" / "config.json").read_text())["world_size"] == 2
+    s0, s1 = jsonl(out / "samples-rank0.jsonl"), jsonl(out / "samples-rank1.jsonl")
+    assert len(s0) == len(s1) == 4 and all(not set(a["rows"]) & set(b["rows"]) for a, b in zip(s0, s1))
 
 
 def test_resume_after_sigkill_is_exact(data, straight, tmp_path):
@@ -479,6 +536,40 @@ def test_a_rank_leaves_with_its_code_and_its_output(world):
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "WORLD_SIZE": world})
     assert (r.returncode, r.stdout, r.stderr[-3:]) == (3, "out", "err")
+
+
+def test_sigusr1_prints_the_stacks_and_the_process_goes_on():
+    """dump_stacks_on_sigusr1 (installed by main() in every training process): SIGUSR1 prints each thread's Python
+    stack to stderr and the process carries on; rank_stacks keeps exactly those lines."""
+    code = ("import os, signal, sys, time; from train.distill import dump_stacks_on_sigusr1 as d; d()\n"
+            "def waiting_here():\n    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2)\n"
+            "waiting_here(); print('went on')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (0, "went on\n"), r.stderr[-2000:]
+    stacks = rank_stacks(r.stderr).splitlines()
+    assert stacks[0].startswith("Current thread 0x") and "most recent call first" in stacks[0]
+    assert stacks[1].startswith('  File "<string>", line 3 in waiting_here') and len(stacks) == 3
+
+
+def test_rank_stacks_keeps_the_dumps_and_drops_the_rest():
+    """Headers anywhere in a line (behind a progress bar or a rank prefix) from the header on, faulthandler's frames
+    (no comma before "in"), the garbage-collection and no-frame markers; not tracebacks' frames or other output."""
+    err = ("step 3 loss 2.1\n"
+           "Traceback (most recent call last):\n"
+           '  File "/x/launch.py", line 10, in main\n'
+           "RuntimeError: boom\n"
+           " 50%|#####     | 20/40 [00:03<00:03]Fatal Python error: Aborted\n"
+           "\n"
+           "[rank1]: Thread 0x00007f01 (most recent call first):\n"
+           '[rank1]:   File "/r/distill.py", line 69 in main\n'
+           "  Garbage-collecting\n"
+           "Current thread 0x00007f02 (most recent call first):\n"
+           "  <no Python frame>\n")
+    assert rank_stacks(err).splitlines() == [
+        "Fatal Python error: Aborted", "Thread 0x00007f01 (most recent call first):",
+        '[rank1]:   File "/r/distill.py", line 69 in main', "Garbage-collecting",
+        "Current thread 0x00007f02 (most recent call first):", "<no Python frame>"]
+    assert rank_stacks("no dump here\n") == "(none in stderr)"
 
 
 def test_rotation_keeps_the_checkpoint_just_saved_after_resuming_an_earlier_one(tmp_path):

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if code is not None:
         return code
+    dump_stacks_on_sigusr1()
     out = Path(cfg.output_dir)
     fresh = not out.exists()
     try:
@@ -94,9 +95,16 @@ def train(cfg) -> int:
         TargetSpec.from_pretrained(cfg.target, with_tokenizer=False).check_supported()
     cuda = torch.cuda.is_available()
     dev = run_config.resolve_device_settings(cfg, cuda)
+    ranks_env = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks_env > 1 and not cuda:  # torch.distributed.run on a CPU machine: gloo ranks, as accelerate's --cpu makes
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")  # (without it accelerate sets up one process per rank)
     accelerator = Accelerator(mixed_precision=dev["mixed_precision"], gradient_accumulation_steps=cfg.grad_accum,
                               log_with="wandb" if cfg.report_to == "wandb" else None)
     rank, world, main_proc = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    if ranks_env > 1 and world == 1:  # each rank would train alone, all into one output_dir
+        raise ConfigError(f"WORLD_SIZE={ranks_env} in the environment, but accelerate set up {world} process(es) "
+                          f"({accelerator.distributed_type}; ACCELERATE_USE_CPU={os.environ.get('ACCELERATE_USE_CPU')}):"
+                          " launch with `accelerate launch --num_processes N` (add --cpu on a machine without GPUs)")
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     zero3 = deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
     dev = run_config.resolve_device_settings(cfg, cuda, zero3)  # compile_layers: auto depends on the ZeRO stage
@@ -314,6 +322,7 @@ def train(cfg) -> int:
               "resume_from=auto continues exactly", file=sys.stderr)
     code = 130 if interrupted else 0
     if world > 1:  # leave while this frame still holds the run's objects (leave_rank)
+        del loader  # but first end the data workers (the iterator's teardown joins them): none outlives its rank
         leave_rank(code)
     return code
 
@@ -974,6 +983,15 @@ def configure_deepspeed(accelerator, cfg) -> None:
                           f"= {clip}; set it to \"auto\" there (the run config is the one source)")
     ds["gradient_clipping"] = cfg.grad_clip
     ds.setdefault("zero_allow_untested_optimizer", True)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` makes this process print every thread's Python stack to stderr and go on (``faulthandler``;
+    where a hung rank waits, without ending it). Not on platforms without SIGUSR1."""
+    import faulthandler
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def leave_rank(code: int) -> None:

@@ -43,8 +43,9 @@ rejected (τ ≈ 1): the chain rows measure the loop, not a speedup.
 Per configuration: decode tok/s = new tokens ÷ (wall − prefill) (median over reps), ms per step, and the
 loop's own split per step (``Engine.loop_profile``: ``launch_ms`` host time to choose and launch a step,
 ``wait_ms`` host time blocked on the device, ``host_ms`` the host's bookkeeping after the wait). A loop whose
-``wait_ms`` is near 0 is host-bound: the device waits for the host. The JSON (``flush_rows`` = ``Engine.AR_DEFER``)
-is rewritten after every point, so a run stopped part way keeps the points it finished, with ``"complete": false``
+``wait_ms`` is near 0 is host-bound: the device waits for the host; for the planner configurations also ``flushes``,
+the draft-context flushes run (``Engine.loop_profile``). The JSON (``flush_rows`` = ``Engine.AR_DEFER``, and
+``noflush_flush_rows`` = ``--new``, ``planner_ar_noflush``'s) is rewritten after every point, so a run stopped part way keeps the points it finished, with ``"complete": false``
 (true once every point is in). An existing ``--output`` is refused unless ``--overwrite``.
 """
 
@@ -112,7 +113,8 @@ def run(args) -> dict:
     cuda = dev.type == "cuda"
     res: dict = {**provenance(), "shape": shape, "dtype": str(dtype), "impl": impl, "context": args.context,
                  "new_tokens": args.new, "reps": args.reps, "draft_layers": d["layers"],
-                 "flush_rows": Engine.AR_DEFER, "switch_tree": args.switch, "exact": args.exact, "complete": False,
+                 "flush_rows": Engine.AR_DEFER, "noflush_flush_rows": args.new, "switch_tree": args.switch,
+                 "exact": args.exact, "complete": False,
                  "points": []}
     configs = CONFIGS + (SWITCH_CONFIGS if args.switch else ())
     g = torch.Generator().manual_seed(0)
@@ -158,9 +160,10 @@ def run(args) -> dict:
                     decode_s = prof["wall_s"] - prof["prefill_s"]
                     steps = max(prof["steps"], 1)
                     rows[name].append({"tok_per_s": tokens / decode_s, "ms_per_step": 1e3 * decode_s / steps,
-                                       "steps": prof["steps"], "tokens": tokens, "flushes": prof.get("flushes", 0),
+                                       "steps": prof["steps"], "tokens": tokens,
                                        **{k.replace("_s", "_ms"): 1e3 * prof[k] / steps
-                                          for k in ("launch_s", "wait_s", "host_s")}})
+                                          for k in ("launch_s", "wait_s", "host_s")},
+                                       **({"flushes": prof["flushes"]} if "flushes" in prof else {})})  # planners
             point = {"batch": B, "temperature": temperature}
             for name in configs:
                 point[name] = {k: statistics.median(r[k] for r in rows[name]) for k in rows[name][0]}
