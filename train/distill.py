@@ -986,12 +986,17 @@ def configure_deepspeed(accelerator, cfg) -> None:
 
 
 def dump_stacks_on_sigusr1() -> None:
-    """``kill -USR1 <pid>`` makes this process print every thread's Python stack to stderr and go on (``faulthandler``;
-    where a hung rank waits, without ending it). Not on platforms without SIGUSR1."""
+    """``kill -USR1 <pid>`` makes this process print every thread's Python stack to its standard error (file
+    descriptor 2, ``sys.__stderr__``, also where ``sys.stderr`` is replaced, as under pytest) and go on
+    (``faulthandler``; where a hung rank waits, without ending it). Not on platforms without SIGUSR1, nor in a
+    process without a usable fd 2."""
     import faulthandler
 
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # sys.__stderr__ None or without a file descriptor
+            pass
 
 
 def leave_rank(code: int) -> None:
