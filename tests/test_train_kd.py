@@ -183,7 +183,7 @@ def test_block_loss_reads_the_target_at_a_plus_k_minus_1():
         h = hidden.clone().requires_grad_(True)
         loss, stats = block_loss(h, torch.eye(V), labels, w, bs, chunk_size=5, distill=distill)
         loss.backward()
-        out[name] = (float(loss), stats, h.grad)
+        out[name] = (loss.item(), stats, h.grad)
     assert out["kl"][0] == pytest.approx(out["ce"][0], rel=1e-6)
     assert (out["kl"][2] - out["ce"][2]).abs().max() < 1e-6
     st = out["kl"][1]
