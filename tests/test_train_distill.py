@@ -63,7 +63,7 @@ def ranks_of(mark: str) -> list:
     for p in launched(mark):
         try:
             parent = p.parent()
-            if parent is not None and "torch.distributed.run" in parent.cmdline():
+            if parent is not None and "torch.distributed.run" in parent.cmdline():  # an argv element (-m ...)
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
@@ -94,7 +94,7 @@ def start(*overrides: str, env=None, **popen) -> tuple[subprocess.Popen, str]:
 
 def run(*overrides: str, env=None, timeout=300) -> subprocess.CompletedProcess:
     """The launch, checked for exit code 0. Output goes to files (no wait on a pipe's end). On a timeout each rank
-    (the launch's processes without children) gets SIGUSR1 in turn, so that it prints its Python stacks and goes on
+    (:func:`ranks_of`) gets SIGUSR1 in turn, so that it prints its Python stacks and goes on
     (train/distill.py dump_stacks_on_sigusr1; one at a time, the dumps not interleaved, and no rank ended before its
     turn by the agent reacting to another's end), then every process of the launch is killed, and the failure shows
     those stacks first, then the output's tail: where each rank waited."""
@@ -245,6 +245,7 @@ def test_torchrun_on_a_cpu_machine_trains_two_ranks_and_leaves_no_process(data, 
     workers each no process of the launch outlives it (was: the ranks left by os._exit with their DataLoader workers
     alive, found by PyTorch's watchdog seconds later)."""
     import tempfile
+    import uuid
 
     out = tmp_path / "torchrun"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
@@ -252,8 +253,6 @@ def test_torchrun_on_a_cpu_machine_trains_two_ranks_and_leaves_no_process(data, 
            "save_every=0", "eval=null", "log_every=1", "log_samples=true", "max_length=40", "data_workers=2"]
     env = {k: v for k, v in LAUNCH_ENV.items() if k != "ACCELERATE_USE_CPU"}
     with tempfile.TemporaryFile("w+") as log:
-        import uuid
-
         mark = uuid.uuid4().hex
         proc = subprocess.Popen(cmd, cwd=REPO, env={**env, "DSPINE_TEST_LAUNCH": mark}, stdout=log, stderr=log,
                                 text=True, start_new_session=True)

@@ -192,7 +192,7 @@ def test_block_loss_reads_the_target_at_a_plus_k_minus_1():
     assert st.agreement == st.accuracy and out["ce"][1].agreement is None
     shifted = DistillTargets(torch.roll(last, 1, dims=1), lambda x: x, anchors, 0.0, 1.0)  # off by one
     loss_off, _ = block_loss(hidden, torch.eye(V), labels, w, bs, distill=shifted)
-    assert float(loss_off) > 20 * out["ce"][0] > 0
+    assert loss_off.item() > 20 * out["ce"][0] > 0
 
 
 def test_config_distill_keys_and_refusals(tmp_path):

@@ -110,7 +110,7 @@ def test_loss_against_hand_computed_values():
     terms = [(1.0, ce([2, 0, 1], 2)), (math.exp(-1 / 7), ce([0, 3, 0], 1)), (1.0, ce([1, 1, 0], 1))]
     want = sum(a * b for a, b in terms) / sum(a for a, _ in terms)
     assert stats.weight_sum == pytest.approx(2 + math.exp(-1 / 7))
-    assert float(loss_sum) / stats.weight_sum == pytest.approx(want, rel=1e-6)
+    assert loss_sum.item() / stats.weight_sum == pytest.approx(want, rel=1e-6)
     assert stats.count.tolist() == [0, 2, 1]
     # argmax == label: [2,0,1] -> 0 != 2; [0,3,0] -> 1 == 1; [1,1,0] -> 0 != 1
     assert stats.correct.tolist() == [0, 0, 1]
@@ -139,10 +139,10 @@ def test_fused_ce_matches_naive_value_and_gradient(chunk):
         h = hidden.float().requires_grad_(True)
         loss, correct = fn(h, weight.float(), labels, w.float(), chunk)
         (loss * 3.0).backward()  # a non-unit upstream gradient
-        out[name] = (float(loss), h.grad.double() / 3.0, correct)
+        out[name] = (loss.item(), h.grad.double() / 3.0, correct)
     naive_err = (out["naive"][1] - ref_grad).abs().max()
     for name in out:
-        assert out[name][0] == pytest.approx(float(ref), rel=1e-5)
+        assert out[name][0] == pytest.approx(ref.item(), rel=1e-5)
         assert (out[name][1] - ref_grad).abs().max() <= 4 * naive_err + 1e-6
     assert torch.equal(out["fused"][2], out["naive"][2])
     assert torch.equal(out["fused"][2], (hidden @ weight.t()).argmax(-1) == labels)
@@ -159,14 +159,14 @@ def test_fused_ce_bf16_weight_close_to_fp32():
     loss, _ = fused_linear_cross_entropy(h, weight.bfloat16(), labels, w, 16)
     loss.backward()
     ref, _ = naive_linear_cross_entropy(hidden, weight, labels, w)
-    assert float(loss) == pytest.approx(float(ref), rel=2e-2)
+    assert loss.item() == pytest.approx(ref.item(), rel=2e-2)
     assert h.grad.dtype == torch.float32
 
 
 def test_block_loss_without_weighted_rows_is_zero_with_a_graph():
     hidden = torch.randn(1, 8, 4, requires_grad=True)
     loss, stats = block_loss(hidden, torch.randn(5, 4), torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8), 4)
-    assert float(loss) == 0.0 and stats.weight_sum == 0.0 and stats.count.sum() == 0
+    assert loss.item() == 0.0 and stats.weight_sum == 0.0 and stats.count.sum() == 0
     loss.backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() == 0
 
