@@ -80,15 +80,16 @@ def signal_all(procs, sig) -> None:
             pass
 
 
-def start(*overrides: str, env=None, **popen) -> tuple[subprocess.Popen, str]:
-    """The launch, started and not waited for, with its mark (``launched(mark)``: its processes); output discarded
-    unless ``popen`` says otherwise."""
+def start(*overrides: str, env=None, cmd=None, **popen) -> tuple[subprocess.Popen, str]:
+    """The launch (``cmd``, default ``launch_cmd(*overrides)``), started and not waited for, with its mark
+    (``launched(mark)``: its processes); ``env`` adds to ``LAUNCH_ENV`` (a None value unsets the variable); output
+    discarded unless ``popen`` says otherwise."""
     import uuid
 
     mark = uuid.uuid4().hex
     popen = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "start_new_session": True, **popen}
-    proc = subprocess.Popen(launch_cmd(*overrides), cwd=REPO,
-                            env={**LAUNCH_ENV, "DSPINE_TEST_LAUNCH": mark, **(env or {})}, **popen)
+    env = {k: v for k, v in {**LAUNCH_ENV, "DSPINE_TEST_LAUNCH": mark, **(env or {})}.items() if v is not None}
+    proc = subprocess.Popen(cmd or launch_cmd(*overrides), cwd=REPO, env=env, **popen)
     return proc, mark
 
 
@@ -245,17 +246,13 @@ def test_torchrun_on_a_cpu_machine_trains_two_ranks_and_leaves_no_process(data, 
     workers each no process of the launch outlives it (was: the ranks left by os._exit with their DataLoader workers
     alive, found by PyTorch's watchdog seconds later)."""
     import tempfile
-    import uuid
 
     out = tmp_path / "torchrun"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            str(REPO / "train" / "distill.py"), "--config", str(CONFIG), *data[1], f"output_dir={out}", "max_steps=4",
            "save_every=0", "eval=null", "log_every=1", "log_samples=true", "max_length=40", "data_workers=2"]
-    env = {k: v for k, v in LAUNCH_ENV.items() if k != "ACCELERATE_USE_CPU"}
     with tempfile.TemporaryFile("w+") as log:
-        mark = uuid.uuid4().hex
-        proc = subprocess.Popen(cmd, cwd=REPO, env={**env, "DSPINE_TEST_LAUNCH": mark}, stdout=log, stderr=log,
-                                text=True, start_new_session=True)
+        proc, mark = start(cmd=cmd, env={"ACCELERATE_USE_CPU": None}, stdout=log, stderr=log, text=True)
         try:
             proc.wait(timeout=300)
             left = [p.pid for p in launched(mark)]
