@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import re
 import sys
 from pathlib import Path
 
@@ -30,7 +31,15 @@ from tqdm import tqdm
 
 from dspine.sampling import SamplingParams
 from dspine.stats import AcceptStats
-from infer.planner import CEILING_MODELS, SETTLE_MODELS, parse_conf_slope, parse_plan_trees, plan_trees_flag
+from infer.planner import (
+    CEILING_MODELS,
+    SETTLE_MODELS,
+    parse_conf_slope,
+    parse_plan_chains,
+    parse_plan_trees,
+    plan_chains_flag,
+    plan_trees_flag,
+)
 
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
 # Engine.loop_profile, summed per task in the JSON (admit_device_s: CUDA only, the admissions' device time; admits:
@@ -75,6 +84,12 @@ def _tree_budget(text: str) -> int:
         raise ValueError(f"tree_budget={text!r} is not an integer") from None
 
 
+def _width(text: str) -> int:
+    if not re.fullmatch(r"[0-9]+", text) or not 2 <= int(text) <= 64:
+        raise ValueError(f"width={text!r}; expected a chain width (anchor included) in 2..64")
+    return int(text)
+
+
 def _draft_vocab(text: str) -> str | None:  # a file (read with the models), or none: the whole vocabulary
     if not text:
         raise ValueError("draft_vocab= needs a file path or none")
@@ -90,6 +105,8 @@ CONFIG_PARSERS = {
     "budget": _choice("budget", {"auto": "auto", "none": None}, "auto or none"),
     "chain_first": _choice("chain_first", {"auto": None, "yes": True, "no": False}, "auto, yes or no"),  # Engine's
     "plan_trees": parse_plan_trees,
+    "plan_chains": parse_plan_chains,
+    "width": _width,  # a fixed chain narrower than the draft's block (Engine's verify_size for this label)
     "confidence": _choice("confidence", {c: c for c in CONFIDENCE}, ", ".join(CONFIDENCE)),
     "conf_slope": parse_conf_slope,
     "drain": _choice("drain", {d: d for d in DRAIN}, ", ".join(DRAIN)),
@@ -115,7 +132,7 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
     if tree_budget_given is None:
         tree_budget_given = args.tree_budget is not None
     base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None,
-            "plan_trees": None, "confidence": None, "conf_slope": None, "drain": None, "settle": None,
+            "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "settle": None,
             "ceiling": None, "draft_vocab": getattr(args, "draft_vocab", None)}
     out = {label: dict(base) for label in labels}
     seen = set()
@@ -163,6 +180,15 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         if "tree_budget" in given and c["budget"] is not None:
             raise ValueError(f"--config {item!r}: tree_budget with budget=auto: the planner picks its own tree sizes "
                              f"(give them with --config {label}:plan_trees=16/32)")
+    wide_chains = getattr(args, "plan_chains", None)  # the run-wide --plan-chains: budget=auto labels without their own
+    if wide_chains is not None:
+        chains = plan_chains_flag(wide_chains)
+        takers = [c for c in out.values() if c["budget"] is not None and c["plan_chains"] is None]
+        if not takers:
+            raise ValueError(f"--plan-chains {wide_chains}: applies to budget=auto labels without their own "
+                             "plan_chains (none here)")
+        for c in takers:
+            c["plan_chains"] = chains
     wide = getattr(args, "plan_trees", None)  # the run-wide --plan-trees: every budget=auto label without its own
     if wide is not None:
         wide_trees = plan_trees_flag(wide)
@@ -194,7 +220,12 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         if c["chain_first"] is not None and c["verify"] != "tree" and c["budget"] is None:
             raise ValueError(f"draft {label!r}: chain_first applies to verify=tree or budget=auto (this label verifies "
                              "the chain only)")
-        for key, what in (("plan_trees", "the planner's tree sizes"),
+        if c["width"] is not None and (c["verify"] != "chain" or c["budget"] is not None):
+            raise ValueError(f"draft {label!r}: width applies to a fixed chain (verify=chain, no budget=auto; the "
+                             "planner's narrower chains are plan_chains)")
+        if c["width"] is not None and args.backend == "reference":
+            raise ValueError(f"draft {label!r}: width applies to the engine (the reference backend takes --block-size)")
+        for key, what in (("plan_trees", "the planner's tree sizes"), ("plan_chains", "the planner's narrower chains"),
                           ("confidence", "when the planner gets the draft's confidence"),
                           ("conf_slope", "how far the planner moves an estimate with the draft's confidence"),
                           ("drain", "the planner's drain rule"),
@@ -313,10 +344,12 @@ class Runner:
             for label, m in models.items():
                 # each draft reads its own layers: the target returns them in the draft's order
                 c = self.configs[label]
-                vs = args.block_size if c["verify"] == "chain" else None  # --block-size: the chain labels' width
+                # --block-size: the chain labels' width; a label's own width= (a narrower fixed chain) before it
+                vs = (c["width"] or args.block_size) if c["verify"] == "chain" else None
                 self.decoders[label] = Engine(target, m, self.eos, verify_size=vs, verify=c["verify"],
                                               tree_budget=c["tree_budget"] or TREE_BUDGET, budget=c["budget"],
                                               tree_chain_first=c["chain_first"], plan_trees=c["plan_trees"],
+                                              plan_chains=c["plan_chains"],
                                               draft_vocab=self.vocab_ids[label], **kw)
                 self.decoders[label].plan_drain = (args.plan_drain is not False if c.get("drain") is None
                                                    else c["drain"] != "off")
@@ -341,7 +374,7 @@ class Runner:
                                                         draft_vocab=self.vocab_ids[label])
         # target positions verified per step and request (anchor included)
         self.verified_per_step = {label: "auto" if c["budget"] else c["tree_budget"] if c["verify"] == "tree"
-                                  else (args.block_size or self.block_size[label])
+                                  else (c["width"] or args.block_size or self.block_size[label])
                                   for label, c in self.configs.items()}
 
     def capture_prefill(self, batch: int) -> None:
@@ -521,6 +554,7 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
             if c["budget"] is not None:
                 row["budget"] = c["budget"]
                 row["plan_trees"] = list(runner.decoders[label].plan_trees)
+                row["plan_chains"] = list(runner.decoders[label].plan_chains)
                 row["plan_confidence"] = runner.decoders[label].plan_confidence
                 row["plan_conf_slope"] = runner.decoders[label].plan_conf_slope
                 row["plan_settle"] = runner.decoders[label].plan_settle
@@ -690,7 +724,9 @@ def build_parser():
     ap.add_argument("--config", action="append", default=None, metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                     help="the draft LABEL's own verify (chain|tree), tree_budget (2..64), budget (auto|none) or "
                          "chain_first (auto|yes|no: Engine's tree_chain_first; auto = best first at T = 0) or plan_trees "
-                         "(the planner's tree sizes joined by '/', e.g. 16/32, or none; budget=auto only) or confidence "
+                         "(the planner's tree sizes joined by '/', e.g. 16/32, or none; budget=auto only) or plan_chains "
+                         "(the planner's chains narrower than the block, widths joined by '/', e.g. 4/8; budget=auto "
+                         "only) or width (a fixed chain of that width, anchor included, below the block) or confidence "
                          "(greedy|always|never: when the planner gets the draft's confidence, Engine.plan_confidence; "
                          "budget=auto only) or conf_slope (auto or a number in 0..2: how far that confidence moves the "
                          "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead|own: the planner's drain rule off, or on with "

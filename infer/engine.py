@@ -204,6 +204,11 @@ class Engine:
             ``budget="auto"`` only; raises ValueError otherwise). None: ``PLAN_TREES``; ``()``: AR and the chain only.
             Where the trees keep the chain first (T > 0), the tree of ``verify_size`` nodes is the chain and the
             planner leaves it out (:meth:`planner_modes`).
+        plan_chains: the planner's chains narrower than ``verify_size``, a tuple or list of widths (anchor included,
+            each 2..verify_size - 1, distinct; ``budget="auto"`` only; raises ValueError otherwise). None:
+            ``PLAN_CHAINS``. A chain of W drafts the whole block and verifies its first W slots (:meth:`_spec_step`);
+            a wider chain's or a tree's step tells the planner what each narrower chain would have committed
+            (:meth:`_decode_planned`, "Paired observations").
         exact: bit-exact mode (issue 13; default ``infer.model.EXACT_DEFAULT``): the target's decode and
             verify steps use row-invariant kernels and each prompt is prefilled in its own pass, so
             greedy speculative output equals this engine's autoregressive output bit for bit, in
@@ -246,6 +251,12 @@ class Engine:
     # 0.986 / 0.985 and 0.939 / 0.966; 32 alone 0.998 / 0.998 and 0.940 / 0.977 (in exact mode 32 alone is ahead by up
     # to 1.5 points). A tree of 64 is never the best fixed mode
     PLAN_TREES = (16, 32)
+    # the planner's chains narrower than verify_size (plan_chains; widths, anchor included): at high concurrency a
+    # chain's verify rows (B x width) set its step time, and a weak draft's acceptance at T > 0 rarely reaches the
+    # block's deep slots, so a short chain can beat both AR and the full chain where the full chain loses to AR
+    # (concurrency 32 and 64, T = 1 on the H100: chain 0.51 and 0.31 x AR; results/verify-invariant-h100.json).
+    # None by default until measured on a GPU (benchmarks/engine/bench_tree.py --plan-chains)
+    PLAN_CHAINS: tuple[int, ...] = ()
     # planner AR steps per draft-context flush (F): a flush is one append of [B, F, k·H] (static shape,
     # whatever is pending), about as many launches as one per-step append, shared by up to F AR steps; its
     # fc and K/V GEMMs run over B·F rows, like the draft block's B·16 rows of the shipped drafts (block 16)
@@ -261,7 +272,8 @@ class Engine:
                  force_accept: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
                  tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
                  prefill_buckets: bool | None = None, tree_chain_first: bool | None = None,
-                 plan_trees: tuple[int, ...] | None = None, draft_vocab: torch.Tensor | None = None):
+                 plan_trees: tuple[int, ...] | None = None, draft_vocab: torch.Tensor | None = None,
+                 plan_chains: tuple[int, ...] | None = None):
         self.target = target
         self.exact = EXACT_DEFAULT if exact is None else bool(exact)
         if target.args.hybrid and (verify != "chain" or budget is not None or exact):
@@ -334,7 +346,18 @@ class Engine:
                              f"none, --config LABEL:plan_trees=none); got verify={verify!r}, budget={budget!r}, "
                              f"plan_trees={plan_trees!r}")
         self.plan_trees = tuple(sorted(trees))
-        self.plan_modes = [("ar", 1), ("chain", self.verify_size)] + [("tree", n) for n in self.plan_trees]
+        chains = tuple(self.PLAN_CHAINS) if plan_chains is None else plan_chains
+        if (not isinstance(chains, (tuple, list))
+                or not all(isinstance(n, int) and not isinstance(n, bool) for n in chains)
+                or not all(2 <= n < self.verify_size for n in chains) or len(set(chains)) != len(chains)):
+            raise ValueError(f"plan_chains={plan_chains!r} must be a tuple or list of distinct integer chain widths in "
+                             f"2..{self.verify_size - 1} (anchor included, narrower than verify_size="
+                             f"{self.verify_size}), or empty")
+        if plan_chains and budget != "auto":
+            raise ValueError(f"plan_chains={plan_chains!r} applies to budget='auto' only (got budget={budget!r})")
+        self.plan_chains = tuple(sorted(chains)) if budget == "auto" else ()
+        self.plan_modes = ([("ar", 1)] + [("chain", n) for n in self.plan_chains] + [("chain", self.verify_size)]
+                           + [("tree", n) for n in self.plan_trees])
         # target positions written per step (anchor included)
         self.verified_per_step = tree_budget if verify == "tree" else self.verify_size
         if budget == "auto":
@@ -434,13 +457,16 @@ class Engine:
             draft_cache = self.draft_cache.view(B, lengths=self._slots_for(B).lengths)
         return kv, draft_cache
 
-    def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache, spread: bool = True) -> torch.Tensor:
-        """Draft logits ``[B, verify_size-1, V]`` (model dtype) for blocks ``[B, bs]`` = [anchor, MASK, ...]
-        whose anchor sits at ``draft_cache.lengths[b]``: the draft over the target's embedding and head. With a
-        draft vocabulary and ``spread=False``: ``[B, verify_size-1, N]``, column j for token ``draft_vocab[j]``."""
+    def draft_logits(self, block: torch.Tensor, draft_cache: DraftCache, spread: bool = True,
+                     width: int | None = None) -> torch.Tensor:
+        """Draft logits ``[B, W-1, V]`` (model dtype; W = ``width``, default ``verify_size``) for blocks ``[B, bs]`` =
+        [anchor, MASK, ...] whose anchor sits at ``draft_cache.lengths[b]``: the draft over the target's embedding and
+        head, for the block's slots 1 .. W - 1 (the draft runs over the whole block; the head over those rows only).
+        With a draft vocabulary and ``spread=False``: ``[B, W-1, N]``, column j for token ``draft_vocab[j]``."""
+        W = width or self.verify_size
         hidden = self.draft.forward_block(F.embedding(block, self.target.embed), draft_cache, impl=self.impl)
-        rows = block.shape[0] * (self.verify_size - 1)
-        h = hidden[:, 1 : self.verify_size]
+        rows = block.shape[0] * (W - 1)
+        h = hidden[:, 1:W]
         if self.draft_head is None:
             return self.target.logits(h, lm_head=self.lm_head_choice.get(rows, "linear"))
         # draft vocabulary (dspine.draft_vocab): logits of its N rows of the head [B, K, N], spread into [B, K, V]
@@ -470,11 +496,13 @@ class Engine:
                    mode: tuple[str, int] | None = None):
         """One speculative step for all B slots, without host sync (the CUDA graph's body).
 
-        Draft logits ``[B, K, V]`` (K = verify_size - 1; greedy with a draft vocabulary ``[B, K, N]``, the argmax
+        ``mode``: ``("chain", W)``, W the chain's width (default the engine's: W = verify_size); a narrower one (a
+        planner chain of ``plan_chains``) drafts the whole block but takes the head and verifies over its first W
+        slots only. Draft logits ``[B, K, V]`` (K = W - 1; greedy with a draft vocabulary ``[B, K, N]``, the argmax
         mapped through ``draft_vocab``) of ``draft_block`` -> draft tokens
         ``[B, K]`` int64 (argmax, or sampled from p_d ``[B, K, V]`` fp32 at output positions
-        out_len + k - 1) -> ``verify_block [B, verify_size]`` through the target at positions
-        ``lengths[b] + t``: logits ``[B, verify_size, V]`` and features ``[B, verify_size, k·H]`` ->
+        out_len + k - 1) -> the verify block ``[B, W]`` (``verify_block`` when W = verify_size) through the target at
+        positions ``lengths[b] + t``: logits ``[B, W, V]`` and features ``[B, W, k·H]`` ->
         accepted ``a [B]`` int32 and bonus ``[B]`` int64 -> commit into out_tokens / out_len / done /
         hist -> the committed a + 1 feature rows into the draft context (lengths += a + 1 for live
         rows) -> anchor = bonus. Idle rows (done = 1) compute but change nothing; non-finite logits
@@ -483,13 +511,17 @@ class Engine:
         mode = mode or self.mode
         if mode[0] == "tree":
             return self._tree_step(slots, kv, draft_cache, params, mode[1])
-        s, K = slots, slots.verify_size - 1
+        # W: this chain's width; a planner chain narrower than the slots' verify_size (plan_chains) verifies the
+        # block's first W - 1 draft tokens: its own verify block, the slots' offsets [:W] and hist[:, :W + 1]
+        s, W = slots, mode[1]
+        K, narrow = W - 1, W < slots.verify_size
         s.draft_block[:, 0] = s.anchor
         # greedy with a draft vocabulary: argmax over its N columns, then the ids (the ids ascend, so ties go to
         # the lower id as over all V columns): no [B, K, V] logits at all
         sub = params.greedy and self.draft_vocab is not None
-        d_logits = (self.draft_logits(s.draft_block, draft_cache, spread=False) if sub
-                    else self.draft_logits(s.draft_block, draft_cache))  # (tests replace draft_logits by oracles)
+        wide = {"width": W} if narrow else {}  # (tests replace draft_logits by oracles that take no width)
+        d_logits = (self.draft_logits(s.draft_block, draft_cache, spread=False, **wide) if sub
+                    else self.draft_logits(s.draft_block, draft_cache, **wide))[:, :K]  # (an oracle gives them all)
         s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
         if params.greedy:
             if self.budget == "auto":  # the argmax and its probability in one pass over [B, K, V]
@@ -512,10 +544,14 @@ class Engine:
             if self.budget == "auto":
                 plan_stats(self._conf_probs(d_logits, p_draft, params).gather(-1, draft_tokens[..., None])[..., 0],
                            s.conf, impl=self.impl)
-        torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
-        positions = s.lengths[:, None] + s.offsets  # [B, verify_size] int64
-        t_logits, feats = self.target.forward_step(s.verify_block, positions, kv, s.lengths, exact=self.exact,
-                                                   lm_head=self.lm_head_choice.get(s.verify_block.numel(), "linear"))
+        if narrow:
+            block = torch.cat([s.anchor[:, None], draft_tokens], dim=1)  # [B, W]
+        else:
+            block = torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
+        offsets = s.offsets[:W]
+        positions = s.lengths[:, None] + offsets  # [B, W] int64
+        t_logits, feats = self.target.forward_step(block, positions, kv, s.lengths, exact=self.exact,
+                                                   lm_head=self.lm_head_choice.get(block.numel(), "linear"))
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         if self.force_accept is not None:
             a = torch.full((s.B,), min(self.force_accept, K), dtype=torch.int32, device=self.device)
@@ -525,7 +561,7 @@ class Engine:
         else:
             p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
             if params.invariant_sampling:  # the target's own draw at every position; the matching prefix passes
-                draws = sample(p_target, s.seeds, rng.STREAM_TARGET, out_pos[:, None] + s.offsets, t_ids,
+                draws = sample(p_target, s.seeds, rng.STREAM_TARGET, out_pos[:, None] + offsets, t_ids,
                                impl=self.impl)
                 a, bonus = accept_greedy(draft_tokens, draws, impl=self.impl)
             else:
@@ -534,7 +570,7 @@ class Engine:
                 a, bonus = accept_sample(draft_tokens, p_target, p_draft, u, noise, impl=self.impl)
         live = s.done == 0
         self.target.commit_states(kv, (a + 1) * live)  # hybrid targets: linear-layer states keep a + 1 tokens
-        commit_step(s.verify_block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist,
+        commit_step(block, a, bonus, s.out_tokens, s.out_len, s.max_new, s.done, self.eos, s.hist[:, : W + 1],
                     impl=self.impl, anchor=s.anchor)  # anchor = bonus for live rows
         draft_cache.append(feats, (a + 1) * live, impl=self.impl)  # a int32; advances s.lengths
 
@@ -701,7 +737,8 @@ class Engine:
         key = (B, spec, mode, *params.step_key, defer, self.chain_first(params) if mode[0] == "tree" else None)
         if mode[0] != "flush":
             # the LM heads this step runs: target over B·T rows, draft over B·(verify_size - 1)
-            self._tune_lm_head([B * mode[1]], B * (self.verify_size - 1) if mode[0] != "ar" else None)
+            draft_rows = B * ((mode[1] if mode[0] == "chain" else self.verify_size) - 1)  # a chain's W - 1 slots
+            self._tune_lm_head([B * mode[1]], draft_rows if mode[0] != "ar" else None)
         if mode[0] == "flush":
             flush_cache = self.draft_cache.view(B, lengths=slots.pend_lengths)
             fn = lambda: self._flush_step(slots, flush_cache)
@@ -1191,16 +1228,20 @@ class Engine:
         Confidence: ``conf`` (``dspine.ops.plan_stats.chain_confidence``, written by the speculative steps on the device)
         of the observed step, its mean over the rows observed, is passed to the next choice as the
         predicted committed tokens of every speculative mode (``infer.planner``, "Calibration"): the
-        draft's view of a passage two steps old. After an AR step (no draft ran) or with no such row the
-        planner gets none; with ``plan_confidence = "greedy"`` (the default) it gets none at T > 0 either.
+        draft's view of a passage two steps old. After an AR step (no draft ran), a chain narrower than
+        ``verify_size`` (its confidence covers its own slots only) or with no such row the planner gets none; with
+        ``plan_confidence = "greedy"`` (the default) it gets none at T > 0 either.
         Paired observations: after a tree step, what the chain would have committed (``chain_acc``, the
         chain nodes on the accepted path, + 1, capped by the tree's committed tokens), per chain mode the
         tree covers (``infer.planner``, "Paired observations"); a lower bound where a best-first tree (T = 0)
         dropped the chain's deeper nodes. Then, per planner tree smaller than the one run, what it would have
         committed (``inner_acc`` + 1, capped alike): its nodes are the run tree's first by rank, so its path is the
-        run path's prefix inside it (``dspine.tree.inner_accepted``), smallest first.
+        run path's prefix inside it (``dspine.tree.inner_accepted``), smallest first. After a chain step, per
+        narrower planner chain of n (``plan_chains``), smallest first: min(committed, n) per row, exact (its slots
+        are the run chain's first n, tested alike; EOS and max_new cut both alike).
         Drain (``plan_drain``): per slot, the committed tokens, count and sum of squares of its request's chain
-        steps and of the chain parts of its tree steps, reset when the slot is refilled (a finished request's
+        steps (of ``verify_size``; a narrower chain's are cut at its width) and of the chain parts of its tree
+        steps, reset when the slot is refilled (a finished request's
         stay while its slot idles); once the queue is empty, the planner gets them with each request's
         remaining tokens every ``PLAN_DRAIN_EVERY`` choices (``infer.planner``, "Drain").
 
@@ -1307,16 +1348,24 @@ class Engine:
                     if done_mode[0] != "ar":
                         conf = snap[0][2 * B + 2 : 3 * B + 2].view(torch.float32).tolist()  # (spec steps only)
                         c = sum(conf[b] for b in rows) / len(rows)
-                        chain_done = done
+                        chain_done, narrow = done, done_mode[0] == "chain" and done_mode[1] < self.verify_size
                         if done_mode[0] == "tree":  # committed as the chain, capped by the tree's (EOS, max_new)
                             paired, chain_done = self._tree_pairs(vals, B, rows, done, done_mode, planner.table)
-                            for m, x in paired:
-                                planner.observe_paired(m, x, len(rows))
+                        else:  # a chain's first n slots are the chain of n: what it committed, capped at n
+                            paired = [(m, sum(min(d, m[1]) for d in done) / len(rows)) for m in planner.table
+                                      if m[0] == "chain" and m[1] < done_mode[1]]
+                            paired.sort(key=lambda m_x: m_x[0][1])  # smallest first (observe_paired's leads)
+                            if narrow:  # censored at its width: not the drain rule's chain acceptance
+                                chain_done = []
+                        for m, x in paired:
+                            planner.observe_paired(m, x, len(rows))
                         for b, d in zip(rows, chain_done):
                             row_tokens[b] += d
                             row_steps[b] += 1
                             row_sq[b] += d * d
-                        if self.plan_confidence == "always" or (self.plan_confidence == "greedy" and params.greedy):
+                        # a narrow chain's confidence covers its own slots only: not comparable, not given
+                        if not narrow and (self.plan_confidence == "always"
+                                           or (self.plan_confidence == "greedy" and params.greedy)):
                             predicted = {m: c for m in planner.table if m[0] != "ar"}
                 else:
                     planner.skip()
@@ -1499,7 +1548,8 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
                 check_max_context: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
                 tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
                 prefill_buckets: bool | None = None, tree_chain_first: bool | None = None,
-                plan_trees: tuple[int, ...] | None = None, draft_vocab=None):
+                plan_trees: tuple[int, ...] | None = None, draft_vocab=None,
+                plan_chains: tuple[int, ...] | None = None):
     """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine` (keyword
     arguments as :class:`Engine`'s; ``draft_vocab`` may also be the path of a ``dspine.draft_vocab`` file).
 
@@ -1532,4 +1582,4 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
                   verify_size=verify_size, max_new_cap=max_new_cap, verify=verify, tree_budget=tree_budget,
                   budget=budget, exact=exact, prefill_buckets=prefill_buckets, tree_chain_first=tree_chain_first,
-                  plan_trees=plan_trees, draft_vocab=draft_vocab), spec
+                  plan_trees=plan_trees, draft_vocab=draft_vocab, plan_chains=plan_chains), spec

@@ -43,7 +43,7 @@ from dspine.target import TargetSpec, assert_compatible, load_target
 from infer.datasets import load_eval_prompts
 from infer.engine import load_engine
 from infer.fetch import DEFAULT_TARGET, EXPECTED, problem
-from infer.planner import plan_trees_flag
+from infer.planner import plan_chains_flag, plan_trees_flag
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFT = REPO / "checkpoints" / "smollm2-135m-dspine"
@@ -83,6 +83,11 @@ def add_decode_args(ap: argparse.ArgumentParser, *, labels: bool = False) -> Non
                                                  "LABEL:plan_trees=" if labels else "")
                          + " (default: infer.engine.Engine.PLAN_TREES, 16/32; at T > 0 a tree of the verify size is "
                          "the chain, and the planner leaves it out)")
+    ap.add_argument("--plan-chains", default=None, metavar="N[/N...]",
+                    help="--budget auto (engine): the planner's chains narrower than the verify width, widths joined by "
+                         "'/' (e.g. 4/8), or none" + (", for every budget=auto label without its own --config "
+                                                     "LABEL:plan_chains=" if labels else "")
+                         + " (default: infer.engine.Engine.PLAN_CHAINS, none)")
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
                     help="--budget auto (engine): the planner's drain rule once no prompt is queued (infer.planner, "
                          "\"Drain\"; default on); --no-plan-drain: tokens per millisecond to the end")
@@ -259,6 +264,10 @@ def run(args) -> dict:
         if args.budget != "auto":
             raise ValueError(f"--plan-trees {args.plan_trees}: applies to --budget auto only")
         plan_trees_flag(args.plan_trees)
+    if getattr(args, "plan_chains", None) is not None:
+        if args.budget != "auto":
+            raise ValueError(f"--plan-chains {args.plan_chains}: applies to --budget auto only")
+        plan_chains_flag(args.plan_chains)
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "reference"
@@ -383,11 +392,12 @@ def _engine(args, params, path, gguf, draft_path, spec, prompts):
                             check_max_context=longest + args.max_new_tokens, max_new_cap=args.max_new_tokens,
                             verify=args.verify, tree_budget=args.tree_budget, budget=args.budget, exact=args.exact,
                             prefill_buckets=args.prefill_buckets, draft_vocab=args.draft_vocab_ids,
-                            plan_trees=None if args.plan_trees is None else plan_trees_flag(args.plan_trees))
+                            plan_trees=None if args.plan_trees is None else plan_trees_flag(args.plan_trees),
+                            plan_chains=None if args.plan_chains is None else plan_chains_flag(args.plan_chains))
     args.prefill_buckets = engine.prefill_buckets  # the resolved value, for --json
     engine.plan_drain = args.plan_drain is not False
     # the planner's resolved settings, for --json: its tree sizes and drain rule (off, or Engine.plan_drain_model)
-    plan = ({"plan_trees": list(engine.plan_trees), "plan_drain": engine.plan_drain_model if engine.plan_drain else "off",
+    plan = ({"plan_trees": list(engine.plan_trees), "plan_chains": list(engine.plan_chains), "plan_drain": engine.plan_drain_model if engine.plan_drain else "off",
              "plan_conf_slope": engine.plan_conf_slope} if args.budget else {})
 
     def decode(use: bool):

@@ -145,6 +145,28 @@ def parse_plan_trees(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def parse_plan_chains(text: str) -> tuple[int, ...]:
+    """``"4/8"`` -> ``(4, 8)``, ``"none"`` -> ``()``: the planner's chains narrower than the engine's verify width
+    (``Engine(plan_chains=...)``, ``infer.generate --plan-chains``, ``infer.bench --config LABEL:plan_chains=``).
+    Raises ValueError naming the text: a width that is not plain decimal digits, outside 2..64, or repeated (the
+    engine also refuses one that is not below its ``verify_size``)."""
+    items = [] if text == "none" else text.split("/")
+    if not all(re.fullmatch(r"[0-9]+", x) for x in items):
+        raise ValueError(f"plan_chains={text!r}; expected chain widths joined by '/' (e.g. 4/8) or none")
+    sizes = tuple(int(x) for x in items)
+    if not all(2 <= n <= 64 for n in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"plan_chains={text!r}; each width must be in 2..64, none repeated")
+    return sizes
+
+
+def plan_chains_flag(text: str, flag: str = "--plan-chains") -> tuple[int, ...]:
+    """:func:`parse_plan_chains` of a command-line flag's value, its ValueError prefixed with the flag's name."""
+    try:
+        return parse_plan_chains(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def plan_trees_flag(text: str, flag: str = "--plan-trees") -> tuple[int, ...]:
     """:func:`parse_plan_trees` of a command-line flag's value, its ValueError prefixed with the flag's name
     (``"--plan-trees: plan_trees='x'; expected ..."``): what infer.generate and infer.bench report."""

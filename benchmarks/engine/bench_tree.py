@@ -14,8 +14,10 @@
    prompts, alternated per task, warm-up excluded: ``tree_tau_over_chain_tau`` (mean τ over tasks) and
    ``tree_speedup_over_chain`` (mean over tasks of tree tok/s ÷ chain tok/s).
 3. With ``--planner C:T[,C:T...]`` (and ``--smollm2``/``--draft``): for each concurrency C and temperature
-   T, one ``infer.bench`` run with AR, the fixed chain, the fixed trees (``--fixed-trees``, default
-   ``--tree-budget``) and the planner (``auto``: ``--config auto:budget=auto``, ``--plan-trees`` its tree sizes),
+   T, one ``infer.bench`` run with AR, the fixed chain, the narrower fixed chains (``--fixed-chains``, labels
+   chainN), the fixed trees (``--fixed-trees``, default ``--tree-budget``) and the planner (``auto``: ``--config
+   auto:budget=auto``, ``--plan-trees`` its tree sizes, ``--plan-chains`` its narrower chains); every fixed mode
+   counts in ``best_static_tok_per_s``,
    alternated per task; appends ``{concurrency, temperature,
    planner_tok_per_s, ar_tok_per_s, best_static_tok_per_s, planner_over_best_static, planner_over_ar,
    ...}`` to ``planner`` (mean tok/s over the tasks; at T > 0: top_p 0.95, top_k 20). Separate runs per
@@ -196,6 +198,11 @@ def fixed_trees(args) -> list[int]:
     return sorted({int(n) for n in args.fixed_trees.split(",")}) if args.fixed_trees else [args.tree_budget]
 
 
+def fixed_chains(args) -> list[int]:
+    """The fixed chains narrower than the block a planner point is compared with (``--fixed-chains``; default none)."""
+    return sorted({int(n) for n in args.fixed_chains.split(",")}) if args.fixed_chains else []
+
+
 def planner_points(args, on_point=None) -> list[dict]:
     """Planner against AR and the best fixed configuration at each ``--planner`` point (module docstring):
     AR, the chain, the fixed trees (``--tree-budget`` as ``tree``, the other ``--fixed-trees`` as ``treeN``) and the
@@ -212,31 +219,38 @@ def planner_points(args, on_point=None) -> list[dict]:
         auto += f",drain={args.plan_drain_model}" if args.plan_drain_model else ""
         auto += f",settle={args.plan_settle}" if args.plan_settle else ""
         auto += f",ceiling={args.plan_ceiling}" if args.plan_ceiling else ""
+        auto += f",plan_chains={args.plan_chains}" if args.plan_chains else ""
         argv = bench_base(args, int(c), float(t), tree=not inv) + ["--draft", f"auto={args.draft}", "--config", auto]
         argv += ["--invariant"] if inv else []
         extra = [n for n in fixed_trees(args) if n != args.tree_budget] if not inv else []  # beside --tree-budget's
         for n in extra:
             argv += ["--draft", f"tree{n}={args.draft}", "--config", f"tree{n}:verify=tree,tree_budget={n}"]
+        narrow = {n: f"chain{n}" for n in fixed_chains(args)}  # fixed chains narrower than the block (all points)
+        for n, label in narrow.items():
+            argv += ["--draft", f"{label}={args.draft}", "--config", f"{label}:width={n}"]
         if args.plan_drain is not None:
             argv += ["--plan-drain" if args.plan_drain else "--no-plan-drain"]
         seeds = args.seeds if float(t) > 0 else [0]
         runs = [bench_run(args, argv + ["--seed", str(sd)], f"planner-c{c}-T{t}" + (f"-seed{sd}" if seeds != [0] else ""))
                 for sd in seeds]  # fmt: skip
         trees = {args.tree_budget: "tree", **{n: f"tree{n}" for n in extra}} if not inv else {}
-        labels = ("AR", "chain", "auto", *trees.values())
+        static = ("AR", "chain", *narrow.values(), *trees.values())
+        labels = ("AR", "chain", "auto", *narrow.values(), *trees.values())
         per_seed = []
         for sd, run in zip(seeds, runs):
             tok = {n: mean_over_tasks(run, n, "tok_per_s") for n in labels}
-            best = max(tok[n] for n in ("AR", "chain", *trees.values()))
+            best = max(tok[n] for n in static)
             per_seed.append({"seed": sd, "tok_per_s": tok, "planner_over_best_static": tok["auto"] / best,
                              "planner_over_ar": tok["auto"] / tok["AR"]})
         tok = {n: sum(r["tok_per_s"][n] for r in per_seed) / len(runs) for n in labels}  # mean over the seeds
-        best = max(tok[n] for n in ("AR", "chain", *trees.values()))
+        best = max(tok[n] for n in static)
         run = runs[0]
         out.append({"concurrency": int(c), "temperature": float(t), "planner_tok_per_s": tok["auto"],
                     "ar_tok_per_s": tok["AR"], "chain_tok_per_s": tok["chain"], "tree_tok_per_s": tok.get("tree"),
                     "fixed_tree_tok_per_s": {str(n): tok[label] for n, label in sorted(trees.items())},
+                    **({"fixed_chain_tok_per_s": {str(n): tok[label] for n, label in narrow.items()}} if narrow else {}),
                     "plan_trees": run["tasks"][0]["drafts"]["auto"].get("plan_trees"),
+                    "plan_chains": run["tasks"][0]["drafts"]["auto"].get("plan_chains"),
                     **({"plan_drain_model": args.plan_drain_model} if args.plan_drain_model else {}),
                     # the rules the planner ran with, as its engine reported them (given or the engine's defaults)
                     "plan_settle": run["tasks"][0]["drafts"]["auto"].get("plan_settle"),
@@ -244,14 +258,14 @@ def planner_points(args, on_point=None) -> list[dict]:
                     "best_static_tok_per_s": best, "planner_over_best_static": tok["auto"] / best,
                     "planner_over_ar": tok["auto"] / tok["AR"],
                     "mean_tau": {n: sum(r["summary"][n]["mean_tau"] for r in runs) / len(runs)
-                                 for n in ("chain", "auto", *trees.values())},
+                                 for n in ("chain", "auto", *narrow.values(), *trees.values())},
                     "same_run": True, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
                     "exact": bool(run["args"].get("exact")), "invariant": inv,
                     # outputs equal to AR's / compared, per label, summed over the seeds (infer.bench checks them at T = 0
                     # and under --invariant: the same text, so the tok/s ratios compare the same work)
                     "same_text_as_ar": {n: [sum(r["summary"][n]["greedy_equal"] for r in runs),
                                             sum(r["summary"][n]["greedy_compared"] for r in runs)]
-                                        for n in ("chain", "auto", *trees.values())
+                                        for n in ("chain", "auto", *narrow.values(), *trees.values())
                                         if all("greedy_compared" in r["summary"][n] for r in runs)},
                     "seeds": seeds, **({"per_seed": per_seed} if len(seeds) > 1 else {}),
                     "planner_choices_per_task": [x["drafts"]["auto"].get("planner_choices")
@@ -297,6 +311,12 @@ def main(argv=None) -> int:
                          "compared with the planner")
     ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
                     help="--planner points: the planner's tree sizes (infer.bench plan_trees; default: the engine's)")
+    ap.add_argument("--fixed-chains", default=None, metavar="N[,N...]",
+                    help="--planner points: fixed chains narrower than the block (labels chainN, infer.bench "
+                         "width=N), run beside the full chain and compared with the planner")
+    ap.add_argument("--plan-chains", default=None, metavar="N[/N...]",
+                    help="--planner points: the planner's narrower chains (infer.bench plan_chains; default: the "
+                         "engine's)")
     ap.add_argument("--datasets", default="gsm8k,math500,humaneval,mbpp,mt-bench")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--num-prompts", type=int, default=10)
@@ -359,8 +379,20 @@ def main(argv=None) -> int:
     if args.invariant and (args.plan_trees or args.fixed_trees) and not any(t == 0 for _, t in pts):
         ap.error("--invariant with --plan-trees or --fixed-trees and no T = 0 point: no tree runs at a T > 0 point "
                  "under invariant verification (the tree options apply to the T = 0 points)")
-    if (args.fixed_trees or args.plan_trees) and not args.planner:
-        ap.error("--fixed-trees and --plan-trees apply to --planner points")
+    if (args.fixed_trees or args.plan_trees or args.fixed_chains or args.plan_chains) and not args.planner:
+        ap.error("--fixed-trees, --plan-trees, --fixed-chains and --plan-chains apply to --planner points")
+    try:
+        if not all(2 <= n <= 64 for n in fixed_chains(args)):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--fixed-chains {args.fixed_chains!r}: give chain widths in 2..64 joined by commas, e.g. 4,8")
+    if args.plan_chains:
+        from infer.planner import plan_chains_flag
+
+        try:
+            plan_chains_flag(args.plan_chains)
+        except ValueError as e:
+            ap.error(str(e))
     try:
         if not all(2 <= n <= 64 for n in fixed_trees(args)):
             raise ValueError

@@ -1,0 +1,124 @@
+"""The planner's chains narrower than the verify width (``Engine(plan_chains=...)``): lossless output, what a wider
+step tells the planner about them, and the settings' refusals; a fixed narrow chain per ``infer.bench`` label."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dspine.reference import ReferenceDecoder
+from dspine.sampling import SamplingParams
+from infer.planner import StepPlanner, parse_plan_chains
+from tests.test_engine import PROMPTS, _engine
+from tests.test_engine_tree import (
+    second_choice_engine,
+    stories,  # noqa: F401 (module fixture: target + random block-8 draft)
+)
+
+
+def oracle(eng, want):
+    """second_choice_engine's draft (the true token, or with probability 1/2 a wrong argmax) taking a width."""
+    eng = second_choice_engine(eng, [p + w for p, w in zip(PROMPTS, want)])
+    full = eng.draft_logits
+    eng.draft_logits = lambda block, cache, width=None: full(block, cache)
+    return eng
+
+
+def test_plan_chains_sets_the_planner_modes_or_is_refused(stories_dir, stories):  # noqa: F811
+    """plan_chains: sorted, between AR and the full chain; () and the default PLAN_CHAINS leave the full chain
+    alone; widths outside 2..verify_size - 1, repeated, not integers, or given without budget='auto' are refused."""
+    _, _, folder = stories
+    eng = _engine(stories_dir, folder, budget="auto", plan_chains=(5, 3), plan_trees=(16,))
+    assert eng.plan_modes == [("ar", 1), ("chain", 3), ("chain", 5), ("chain", 8), ("tree", 16)]
+    assert eng.plan_chains == (3, 5) and eng.verified_per_step == 16
+    from infer.engine import Engine
+
+    assert _engine(stories_dir, folder, budget="auto").plan_chains == Engine.PLAN_CHAINS
+    assert _engine(stories_dir, folder, budget="auto", plan_chains=()).plan_modes[:2] == [("ar", 1), ("chain", 8)]
+    assert _engine(stories_dir, folder).plan_chains == ()  # no planner: none
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=(), verify_size=6, plan_chains=[2, 4])
+    assert eng.plan_modes == [("ar", 1), ("chain", 2), ("chain", 4), ("chain", 6)]
+    for bad in ((1,), (8,), (9,), (3, 3), (3.0,), (True,), "3", 3, {3}):
+        with pytest.raises(ValueError, match=r"plan_chains=.* must be a tuple or list of distinct integer chain "
+                                             r"widths in 2\.\.7"):
+            _engine(stories_dir, folder, budget="auto", plan_chains=bad)
+    with pytest.raises(ValueError, match="applies to budget='auto' only"):
+        _engine(stories_dir, folder, plan_chains=(4,))
+    assert parse_plan_chains("4/8") == (4, 8) and parse_plan_chains("none") == ()
+    for text in ("", "4/", "+4", "1", "65", "4/4", "4,8"):
+        with pytest.raises(ValueError, match=re.escape(f"plan_chains={text!r}")):
+            parse_plan_chains(text)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_narrow_chains_in_turn_decode_what_ar_decodes(stories_dir, stories, temperature):  # noqa: F811
+    """A schedule of AR, chains of 2, 3 and 8 in turn: the output is the target's own (greedy at T = 0; AR's
+    sampled text under drafter-invariant sampling at T = 1), a narrow chain commits at most its width per step, and
+    each chain step pairs every narrower chain with min(committed, width)."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=30, temperature=temperature, invariant=temperature > 0)
+    if temperature == 0:
+        want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    else:  # AR's sampled text: the engine without a draft, same seeds
+        want = _engine(stories_dir, folder).generate(PROMPTS, params, use_draft=False).token_ids
+    eng = oracle(_engine(stories_dir, folder, budget="auto", plan_trees=(), plan_chains=(2, 3)), want)
+    eng.plan_schedule = [("chain", 3), ("ar", 1), ("chain", 8), ("chain", 2)]
+    eng._step_costs = lambda B, p: {m: 1.0 for m in eng.planner_modes(p)}  # the oracle runs inside a decode only
+    pairs, observed, paired, seen = [], StepPlanner.observe, StepPlanner.observe_paired, []
+
+    def spy_observe(self, mode, x, ms=None, rows=1):
+        seen.append((mode, x))
+        return observed(self, mode, x, ms, rows)
+
+    def spy_paired(self, mode, x, rows=1):
+        pairs.append((seen[-1], mode, x))
+        return paired(self, mode, x, rows)
+
+    StepPlanner.observe, StepPlanner.observe_paired = spy_observe, spy_paired
+    try:
+        res = eng.generate(PROMPTS, params, concurrency=3)
+    finally:
+        StepPlanner.observe, StepPlanner.observe_paired = observed, paired
+    assert res.token_ids == want
+    rep = eng.planner_report
+    assert min(rep[k]["steps"] for k in ("ar", "chain2", "chain3", "chain8")) >= 3, rep
+    assert 1 <= rep["chain2"]["tokens_per_step"] <= 2 and 1 <= rep["chain3"]["tokens_per_step"] <= 3
+    assert rep["chain8"]["tokens_per_step"] > rep["chain3"]["tokens_per_step"]  # the oracle's true tokens reach past 3
+    # chain 8 pairs chains 2 and 3, chain 3 pairs chain 2, smallest first; AR and chain 2 pair nothing
+    by_run: dict = {}
+    for (run, x_run), mode, x in pairs:
+        by_run.setdefault(run, []).append((mode, x, x_run))
+    assert set(by_run) == {("chain", 8), ("chain", 3)}
+    for run, got in by_run.items():
+        widths = [m[1] for m, _, _ in got]
+        assert widths == ([2, 3] * (len(widths) // 2) if run == ("chain", 8) else [2] * len(widths))
+        # the mean of min(committed, n) is at most n and at most the run's own mean, and equals it when n covers it
+        assert all(1 <= x <= min(m[1], x_run) + 1e-9 for m, x, x_run in got)
+    assert any(x < x_run for (m, x, x_run) in by_run[("chain", 8)])  # a cut that mattered
+
+
+def test_fixed_narrow_chain_label_and_its_refusals(stories_dir, stories):  # noqa: F811
+    """infer.bench --config LABEL:width=N: that label's chain verifies N slots (the engine's verify_size), recorded
+    as its verified tokens per step; width with a tree, with the planner or out of range is refused by name."""
+    from types import SimpleNamespace
+
+    from infer.bench import parse_configs
+
+    args = SimpleNamespace(verify="chain", tree_budget=None, budget=None, draft_vocab=None, backend="cuda",
+                           temperature=0.0, plan_trees=None, plan_chains=None)
+    cfg = parse_configs(["c4:width=4", "p:budget=auto,plan_chains=4/6"], ["c4", "p"], args)
+    assert cfg["c4"]["width"] == 4 and cfg["p"]["plan_chains"] == (4, 6) and cfg["p"]["width"] is None
+    for item, match in (("c4:width=1", "width='1'; expected a chain width"),
+                        ("c4:width=x", "width='x'"),
+                        ("c4:verify=tree,width=4", "width applies to a fixed chain"),
+                        ("c4:budget=auto,width=4", "width applies to a fixed chain"),
+                        ("c4:plan_chains=4", "plan_chains applies to budget=auto")):
+        with pytest.raises(ValueError, match=match):
+            parse_configs([item], ["c4"], args)
+    wide = SimpleNamespace(**{**vars(args), "plan_chains": "3"})
+    assert parse_configs(["p:budget=auto"], ["p"], wide)["p"]["plan_chains"] == (3,)
+    with pytest.raises(ValueError, match="--plan-chains 3: applies to budget=auto labels"):
+        parse_configs(["c4:width=4"], ["c4"], wide)
+    eng = _engine(stories_dir, folder=stories[2], verify_size=4)
+    assert eng.mode == ("chain", 4)
