@@ -206,7 +206,7 @@ class Engine:
             planner leaves it out (:meth:`planner_modes`).
         plan_chains: the planner's chains narrower than ``verify_size``, a tuple or list of widths (anchor included,
             each 2..verify_size - 1, distinct; ``budget="auto"`` only; raises ValueError otherwise). None:
-            ``PLAN_CHAINS``. A chain of W drafts the whole block and verifies its first W slots (:meth:`_spec_step`);
+            ``PLAN_CHAINS``, those below ``verify_size``. A chain of W drafts the whole block and verifies its first W slots (:meth:`_spec_step`);
             a wider chain's or a tree's step tells the planner what each narrower chain would have committed
             (:meth:`_decode_planned`, "Paired observations").
         exact: bit-exact mode (issue 13; default ``infer.model.EXACT_DEFAULT``): the target's decode and
@@ -251,12 +251,15 @@ class Engine:
     # 0.986 / 0.985 and 0.939 / 0.966; 32 alone 0.998 / 0.998 and 0.940 / 0.977 (in exact mode 32 alone is ahead by up
     # to 1.5 points). A tree of 64 is never the best fixed mode
     PLAN_TREES = (16, 32)
-    # the planner's chains narrower than verify_size (plan_chains; widths, anchor included): at high concurrency a
-    # chain's verify rows (B x width) set its step time, and a weak draft's acceptance at T > 0 rarely reaches the
-    # block's deep slots, so a short chain can beat both AR and the full chain where the full chain loses to AR
-    # (concurrency 32 and 64, T = 1 on the H100: chain 0.51 and 0.31 x AR; results/verify-invariant-h100.json).
-    # None by default until measured on a GPU (benchmarks/engine/bench_tree.py --plan-chains)
-    PLAN_CHAINS: tuple[int, ...] = ()
+    # the planner's chains narrower than verify_size (plan_chains; widths, anchor included; those not below
+    # verify_size are dropped from this default): at high concurrency a chain's verify rows (B x width) set its step
+    # time, and a weak draft rarely gets its deep slots accepted, so a short chain beats both AR and the full chain
+    # where the full chain loses to AR. H100, SmolLM2 with the shipped draft, 5 tasks, 512 new tokens (results/
+    # verify-chains-{invariant,exact}-h100.json), fixed chains of 4 and 2 against AR: concurrency 8, T = 1: 1.32 and
+    # 1.13 x; 32, T = 1: 1.01 and 1.06 x; 64, T = 1: 0.72 and 0.89 x; 64, T = 0: 1.41 and 1.25 x (the full chain
+    # 0.95, 0.51, 0.30, 0.87 x); the planner with these chains 1.30 x AR at 8, T = 1 (1.04 x without them, same card
+    # and draft, results/verify-invariant-h100.json) and 1.04 x at 32, T = 1 (0.99 x)
+    PLAN_CHAINS: tuple[int, ...] = (2, 4, 8)
     # planner AR steps per draft-context flush (F): a flush is one append of [B, F, k·H] (static shape,
     # whatever is pending), about as many launches as one per-step append, shared by up to F AR steps; its
     # fc and K/V GEMMs run over B·F rows, like the draft block's B·16 rows of the shipped drafts (block 16)
@@ -346,7 +349,7 @@ class Engine:
                              f"none, --config LABEL:plan_trees=none); got verify={verify!r}, budget={budget!r}, "
                              f"plan_trees={plan_trees!r}")
         self.plan_trees = tuple(sorted(trees))
-        chains = tuple(self.PLAN_CHAINS) if plan_chains is None else plan_chains
+        chains = tuple(n for n in self.PLAN_CHAINS if n < self.verify_size) if plan_chains is None else plan_chains
         if (not isinstance(chains, (tuple, list))
                 or not all(isinstance(n, int) and not isinstance(n, bool) for n in chains)
                 or not all(2 <= n < self.verify_size for n in chains) or len(set(chains)) != len(chains)):
@@ -1196,7 +1199,7 @@ class Engine:
             (chain_acc + 1 capped by the longest chain mode and the tree's tokens; empty without a chain mode).
         """
         acc = vals[3 * B + 2 : 4 * B + 2]
-        chains = [m for m in self.plan_modes if m[0] == "chain"]
+        chains = [m for m in self.plan_modes if m[0] == "chain" and m in table]
         paired = [(m, sum(min(acc[b] + 1, m[1], d) for b, d in zip(rows, done)) / len(rows)) for m in chains
                   if min(self.block_size - 1, mode[1] - 1) >= m[1] - 1]
         for j, n in enumerate(self.plan_trees):  # the planner trees inside the one run (columns in plan_trees order)
@@ -1262,8 +1265,12 @@ class Engine:
         the cost of one flush; the start-up table (:meth:`_step_costs`) times the deferring AR step
         without it. Deferred prompts (``s.ctx_pending``: admissions while AR is the planner's best mode,
         :meth:`_admit` with ``defer``) are written by :meth:`_write_deferred` before the first speculative step
-        after them, launched at the same point as the flush, so that step's measured time carries the write too
-        (one packed append of the prompts' rows, like an admission's)."""
+        after them, after the flush (one packed append of the prompts' rows, like an admission's), and that step
+        is timed from the end of the write (a CUDA event recorded after it; on the CPU the host time after it), the
+        flush before it left out with it: the write is an admission's work, up to ten steps' time, and charged to
+        the step it once set a mode's measured ÷ table ratio for good (H100, concurrency 64: one chain-of-2 step
+        after 64 deferred prompts read 12.5 ms against its table's 1.6; the ratio, 1.77, passed to the chain of 4
+        never timed, kept it untried where it ran 1.41 × AR as a fixed mode: results/verify-chains-exact-h100.json)."""
         if self.plan_confidence not in ("greedy", "always", "never"):
             raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")
         cuda, prof = self.device.type == "cuda", self.loop_profile
@@ -1280,7 +1287,9 @@ class Engine:
         # (buffer, event, slot owners when taken, a prefill ran since the previous snapshot)
         snap = (bufs[cur], snapshot(bufs[cur]), list(owner), True)
         base = None  # the last snapshot read: (out_len, live, owners, its CUDA event)
-        launched: deque = deque()  # (mode, host time at launch) of the steps not yet observed, oldest first
+        # (mode, host time at launch, (CUDA event, host time) after a deferred prompts' write or None) of the steps
+        # not yet observed, oldest first
+        launched: deque = deque()
         predicted = None
         pending: list = []  # harvests in flight
         n_steps = 0
@@ -1312,13 +1321,16 @@ class Engine:
             if drain is not None or drain_age:  # counting from the first drain given
                 drain_age += 1
             self.last_confidence = predicted  # tests, debugging
-            launched.append((mode, time.perf_counter()))
+            t_launch = time.perf_counter()
             if ar_pending and (mode[0] != "ar" or ar_pending == s.pend_max):
                 flush()  # the draft reads its context in this step, or F are pending
                 ar_pending = 0
                 prof["flushes"] += 1
+            start = None  # the step's timing starts after a deferred prompts' write (its own, admission-sized work)
             if s.ctx_pending and mode[0] != "ar":  # the draft reads the deferred prompts' context in this step
                 self._write_deferred(s, draft_cache)
+                start = (self._event(timing=True), time.perf_counter())
+            launched.append((mode, t_launch, start))
             run = runners.get(mode)
             if run is None:
                 run = runners[mode] = self._runner(B, params, True, mode)
@@ -1337,12 +1349,15 @@ class Engine:
             self._check_finite(flags, B)
             predicted = None
             if base is not None:  # observe the step between the previous snapshot and this one
-                done_mode, t_launch = launched.popleft()
+                done_mode, t_launch, start = launched.popleft()
                 rows = [b for b in range(B) if base[1][b] and base[2][b] is not None and base[2][b] == snap[2][b]]
                 if rows:
                     ms = None
                     if self.plan_online and not snap[3]:  # no prefill in the interval
-                        ms = base[3].elapsed_time(snap[1]) if cuda else (launched[0][1] - t_launch) * 1e3
+                        if cuda:
+                            ms = (base[3] if start is None else start[0]).elapsed_time(snap[1])
+                        else:
+                            ms = (launched[0][1] - (t_launch if start is None else start[1])) * 1e3
                     done = [out_len[b] - base[0][b] for b in rows]  # committed tokens per observed row
                     planner.observe(done_mode, sum(done) / len(rows), ms, len(rows))
                     if done_mode[0] != "ar":

@@ -75,7 +75,8 @@ def add_decode_args(ap: argparse.ArgumentParser, *, labels: bool = False) -> Non
                     help=f"tree nodes per step and request, anchor included (2..64; default {TREE_BUDGET}; --verify "
                          "tree only)")
     ap.add_argument("--budget", default=None, choices=["auto"],
-                    help="auto: per step, AR, the chain or a tree (of 16 or 32 nodes; --plan-trees) by measured step "
+                    help="auto: per step, AR, a chain (the verify width or narrower: --plan-chains) or a tree (of 16 "
+                         "or 32 nodes; --plan-trees) by measured step "
                          "time and acceptance (infer.planner; --backend cuda); default: always --verify / --tree-budget")
     ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
                     help="--budget auto (engine): the planner's tree sizes joined by '/' (e.g. 16/32), or none for AR "
@@ -87,7 +88,7 @@ def add_decode_args(ap: argparse.ArgumentParser, *, labels: bool = False) -> Non
                     help="--budget auto (engine): the planner's chains narrower than the verify width, widths joined by "
                          "'/' (e.g. 4/8), or none" + (", for every budget=auto label without its own --config "
                                                      "LABEL:plan_chains=" if labels else "")
-                         + " (default: infer.engine.Engine.PLAN_CHAINS, none)")
+                         + " (default: infer.engine.Engine.PLAN_CHAINS, 2/4/8, those below the verify width)")
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
                     help="--budget auto (engine): the planner's drain rule once no prompt is queued (infer.planner, "
                          "\"Drain\"; default on); --no-plan-drain: tokens per millisecond to the end")

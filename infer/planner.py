@@ -1,6 +1,7 @@
 """Verify-budget planner: per engine step, AR, the chain or a tree, whichever commits the most tokens per second.
 
-A mode is ``("ar", 1)``, ``("chain", verify_size)`` or ``("tree", nodes)``. docs/planner.md gives the reasoning and
+A mode is ``("ar", 1)``, ``("chain", width)`` (``verify_size``, or narrower: ``Engine.plan_chains``) or
+``("tree", nodes)``. docs/planner.md gives the reasoning and
 the measurements behind every rule below (same section names); docs/status.md the session-by-session record.
 
 Cost model: each mode's step time at the running batch size, measured by the engine at start-up (graph replays, idle

@@ -902,6 +902,51 @@ def planner_h100_section() -> list[str]:
     return out
 
 
+def planner_chains_section() -> list[str]:
+    """The planner's narrower chains (``plan_chains``) on the H100 (verify-chains-{invariant,exact}-h100.json): each
+    point's AR, full chain, fixed narrower chains, planner, its ratios and steps, beside the planner of the same card
+    without narrower chains (verify-invariant-h100.json / verify-exact-h100.json, same point) where one ran. Empty
+    without those files."""
+    pts = [(name, p) for name in ("verify-chains-invariant-h100.json", "verify-chains-exact-h100.json")
+           for p in ((load(name) or {}).get("planner") or [])]
+    if not pts:
+        return []
+    before = {(p["concurrency"], p["temperature"]): p for name in ("verify-invariant-h100.json", "verify-exact-h100.json")
+              for p in ((load(name) or {}).get("planner") or [])}
+    widths = sorted({int(n) for _, p in pts for n in (p.get("fixed_chain_tok_per_s") or {})})
+    r = lambda x, a: "–" if x is None else f"{x / a:.3f}"  # noqa: E731
+    out = ["#### Narrower chains in the planner (issue 16)", "",
+           "A chain narrower than the draft's block (`plan_chains`, default 2/4/8; `infer.bench --config LABEL:width=N` "
+           "for a fixed one) drafts the whole block and verifies its first N slots: at high concurrency the verify "
+           "rows (batch × width) set the step's time and a weak draft's deep slots are seldom accepted. SmolLM2-135M-"
+           "Instruct with the shipped draft, 5 tasks, 512 new tokens, every configuration in one `infer.bench` run per "
+           "point, alternated per task; tok/s ÷ AR's of the same run, and the planner of the same card without narrower "
+           "chains at the same point (an earlier run, other commit):", "",
+           "| concurrency | T | AR tok/s | chain 16 ÷ AR | " + " | ".join(f"chain {n} ÷ AR" for n in widths)
+           + " | planner ÷ AR | planner ÷ best fixed (goal ≥ 0.98) | planner's steps | planner ÷ AR without narrower "
+           "chains | file, commit |",
+           "|---|---|---|---|" + "---|" * len(widths) + "---|---|---|---|---|"]
+    for name, p in pts:
+        a, fixed = p["ar_tok_per_s"], p.get("fixed_chain_tok_per_s") or {}
+        steps: dict = {}
+        for task in p.get("planner_choices_per_task", []):
+            for mode, e in task.items():
+                steps[mode] = steps.get(mode, 0) + e["steps"]
+        old = before.get((p["concurrency"], p["temperature"]))
+        seeds = p.get("seeds") or [0]
+        temp = (f"{p['temperature']:g}" + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else "")
+                + (", invariant" if p.get("invariant") else ", exact" if p.get("exact") else ""))
+        ok = "met" if p["planner_over_best_static"] >= 0.98 else "**missed**"
+        out.append(f"| {p['concurrency']} | {temp} | {a:.0f} | {r(p['chain_tok_per_s'], a)} | "
+                   + " | ".join(r(fixed.get(str(n)), a) for n in widths)
+                   + f" | {p['planner_over_ar']:.3f} | {_vs_goal(p['planner_over_best_static'])} — {ok} | "
+                   f"{_step_share(steps)} | {r(None if old is None else old['planner_tok_per_s'], (old or {}).get('ar_tok_per_s', 1))} | "
+                   f"[`{name}`](results/{name}) `{p['provenance']['commit'][:7]}` |")
+    out += ["", "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`" for _, p in pts)),
+            ""]
+    return out
+
+
 def planner_exact_section() -> list[str]:
     """Planner points with every configuration decoding the same tokens (``--exact``; planner_points.py)."""
     r = load("planner-exact-h200.json")
@@ -1679,7 +1724,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)

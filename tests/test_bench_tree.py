@@ -35,11 +35,14 @@ def test_tiny_invariant_planner_point_runs_no_tree_and_decodes_ars_text(stories_
     assert r.returncode == 0, r.stderr[-3000:]
     (p,) = json.loads(out.read_text())["planner"]
     kept = json.loads((runs / "planner-c2-T1.json").read_text())
-    assert kept["args"]["invariant"] is True and set(kept["tasks"][0]["drafts"]) == {"chain", "auto"}
+    # the default fixed narrower chains (FIXED_CHAINS, 2 and 4) run beside the chain, and count in the best fixed mode
+    assert kept["args"]["invariant"] is True and set(kept["tasks"][0]["drafts"]) == {"chain", "auto", "chain2", "chain4"}
     assert p["invariant"] is True and p["tree_tok_per_s"] is None and p["fixed_tree_tok_per_s"] == {}
     assert (p["plan_settle"], p["plan_ceiling"]) == ("long_run", "lead")  # not given: the engine's defaults, recorded
-    assert p["best_static_tok_per_s"] == pytest.approx(max(p["ar_tok_per_s"], p["chain_tok_per_s"]))
-    assert p["same_text_as_ar"] == {"chain": [2, 2], "auto": [2, 2]}
+    assert p["plan_chains"] == [2, 4]  # not given: Engine.PLAN_CHAINS below the tiny draft's block of 8
+    assert p["best_static_tok_per_s"] == pytest.approx(max(p["ar_tok_per_s"], p["chain_tok_per_s"],
+                                                           *p["fixed_chain_tok_per_s"].values()))
+    assert p["same_text_as_ar"] == {"chain": [2, 2], "auto": [2, 2], "chain2": [2, 2], "chain4": [2, 2]}
     for extra, msg in ((["--planner", "2:0", "--invariant"], "applies to --planner points at T > 0"),
                        (["--planner", "2:1", "--invariant", "--plan-trees", "6"], "no tree runs at a T > 0 point"),
                        (["--planner", "2:1", "--invariant", "--fixed-trees", "6"], "no tree runs at a T > 0 point")):
@@ -53,29 +56,36 @@ def test_tiny_chain_tree_and_planner_point(stories_dir, draft_dir, tmp_path):
            "--smollm2", str(stories_dir), "--draft", str(draft_dir), "--planner", "2:0", "--tree-budget", "12",
            "--datasets", "gsm8k,mbpp", "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2",
            "--max-new-tokens", "8", "--keep-runs", str(runs), "--output", str(out), "--prefill-buckets",
-           "--no-plan-drain", "--fixed-trees", "12,6", "--plan-trees", "6/12"]
+           "--no-plan-drain", "--fixed-trees", "12,6", "--plan-trees", "6/12", "--fixed-chains", "4",
+           "--plan-chains", "2/4"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     kept = json.loads((runs / "planner-c2-T0.json").read_text())
     assert kept["args"]["prefill_buckets"] is True and kept["args"]["plan_drain"] is False  # passed through
-    assert [t["run_order"] for t in kept["tasks"]] == [["AR", "chain", "tree", "auto", "tree6"],
-                                                       ["chain", "tree", "auto", "tree6", "AR"]]
+    assert [t["run_order"] for t in kept["tasks"]] == [["AR", "chain", "tree", "auto", "tree6", "chain4"],
+                                                       ["chain", "tree", "auto", "tree6", "chain4", "AR"]]
     assert kept["args"]["configs"]["auto"]["plan_trees"] == [6, 12]
+    assert kept["args"]["configs"]["auto"]["plan_chains"] == [2, 4] and kept["args"]["configs"]["chain4"]["width"] == 4
+    assert kept["tasks"][0]["drafts"]["chain4"]["verified_tokens_per_step"] == 4
     assert kept["args"]["configs"]["tree6"]["tree_budget"] == 6
     (p,) = res["planner"]
     ar = sum(t["ar"]["tok_per_s"] for t in kept["tasks"]) / 2
-    tok = {n: sum(t["drafts"][n]["tok_per_s"] for t in kept["tasks"]) / 2 for n in ("chain", "tree", "auto", "tree6")}
+    tok = {n: sum(t["drafts"][n]["tok_per_s"] for t in kept["tasks"]) / 2
+           for n in ("chain", "tree", "auto", "tree6", "chain4")}
     assert p["ar_tok_per_s"] == pytest.approx(ar) and p["planner_tok_per_s"] == pytest.approx(tok["auto"])
-    assert p["best_static_tok_per_s"] == pytest.approx(max(ar, tok["chain"], tok["tree"], tok["tree6"]))
+    assert p["best_static_tok_per_s"] == pytest.approx(max(ar, tok["chain"], tok["tree"], tok["tree6"], tok["chain4"]))
     assert p["fixed_tree_tok_per_s"] == pytest.approx({"6": tok["tree6"], "12": tok["tree"]})
-    assert p["plan_trees"] == [6, 12] and set(p["mean_tau"]) == {"chain", "auto", "tree", "tree6"}
+    assert p["fixed_chain_tok_per_s"] == pytest.approx({"4": tok["chain4"]})
+    assert p["plan_trees"] == [6, 12] and p["plan_chains"] == [2, 4]
+    assert set(p["mean_tau"]) == {"chain", "auto", "tree", "tree6", "chain4"}
     assert p["planner_over_best_static"] == pytest.approx(tok["auto"] / p["best_static_tok_per_s"])
     assert p["planner_over_ar"] == pytest.approx(tok["auto"] / ar) and p["same_run"] is True
     assert len(p["planner_choices_per_task"]) == 2 and all(p["planner_choices_per_task"])
     assert p["seeds"] == [0] and "per_seed" not in p and kept["args"]["seed"] == 0
     for row, t in zip(p["per_task"], kept["tasks"]):  # per task and configuration, from the kept run
-        assert row["task"] == t["task"] and set(row) == {"task", "seed", "ar", "chain", "tree", "auto", "tree6"}
+        assert row["task"] == t["task"] and set(row) == {"task", "seed", "ar", "chain", "tree", "auto", "tree6",
+                                                         "chain4"}
         assert row["auto"]["seconds"] == pytest.approx(t["drafts"]["auto"]["seconds"], abs=1e-4)
         assert row["ar"]["admits"] == t["ar"]["profile"]["admits"] >= 1
         for label in ("ar", "auto"):  # the decode steps too: time per step, mode against mode
@@ -135,7 +145,11 @@ def test_tiny_planner_point_over_seeds(stories_dir, draft_dir, tmp_path):
     (["--planner", "2:0", "--fixed-trees", "16,x"], "--fixed-trees '16,x': give tree sizes in 2..64"),
     (["--planner", "2:0", "--fixed-trees", "99"], "--fixed-trees '99': give tree sizes in 2..64"),
     (["--planner", "2:0", "--plan-trees", "16,32"], "--plan-trees: plan_trees='16,32'; expected tree sizes joined by '/'"),
-    (["--plan-trees", "16/32"], "--fixed-trees and --plan-trees apply to --planner points"),
+    (["--plan-trees", "16/32"], "--fixed-trees, --plan-trees, --fixed-chains and --plan-chains apply to --planner"),
+    (["--plan-chains", "4"], "--fixed-trees, --plan-trees, --fixed-chains and --plan-chains apply to --planner"),
+    (["--planner", "2:0", "--fixed-chains", "4,x"], "--fixed-chains '4,x': give chain widths in 2..64"),
+    (["--planner", "2:0", "--fixed-chains", "1"], "--fixed-chains '1': give chain widths in 2..64"),
+    (["--planner", "2:0", "--plan-chains", "4,8"], "--plan-chains: plan_chains='4,8'; expected chain widths"),
 ])
 def test_bench_tree_checks_planner_points_and_keep_runs(stories_dir, draft_dir, tmp_path, extra, msg, capsys):
     """bench_tree.py's argument checks, through its main() in this process (no torch start per case): exit 2 and

@@ -34,7 +34,8 @@ def test_plan_chains_sets_the_planner_modes_or_is_refused(stories_dir, stories):
     assert eng.plan_chains == (3, 5) and eng.verified_per_step == 16
     from infer.engine import Engine
 
-    assert _engine(stories_dir, folder, budget="auto").plan_chains == Engine.PLAN_CHAINS
+    # the default: PLAN_CHAINS below this engine's verify width (the stories draft's block of 8)
+    assert Engine.PLAN_CHAINS == (2, 4, 8) and _engine(stories_dir, folder, budget="auto").plan_chains == (2, 4)
     assert _engine(stories_dir, folder, budget="auto", plan_chains=()).plan_modes[:2] == [("ar", 1), ("chain", 8)]
     assert _engine(stories_dir, folder).plan_chains == ()  # no planner: none
     eng = _engine(stories_dir, folder, budget="auto", plan_trees=(), verify_size=6, plan_chains=[2, 4])
