@@ -74,12 +74,12 @@ def oracle_engine(engine, reference: list[list[int]], corrupt: float, seed: int 
     g = torch.Generator().manual_seed(seed)
     V = engine.target.args.vocab_size
 
-    def draft_logits(block, cache):
+    def draft_logits(block, cache, width=None):  # width: a planner chain narrower than verify_size
         B, bs = block.shape
         owner = engine.slot_owner or [None] * B  # None: the planner's start-up timing, before any admission
         ref = lambda b: reference[owner[b]] if owner[b] is not None else None
         logits = oracle_logits(ref, cache.lengths, B, bs - 1, V, corrupt, g)
-        return logits[:, : engine.verify_size - 1].to(engine.device, engine.target.embed.dtype)
+        return logits[:, : (width or engine.verify_size) - 1].to(engine.device, engine.target.embed.dtype)
 
     engine.draft_logits = draft_logits
     return engine

@@ -18,11 +18,8 @@ from tests.test_engine_tree import (
 
 
 def oracle(eng, want):
-    """second_choice_engine's draft (the true token, or with probability 1/2 a wrong argmax) taking a width."""
-    eng = second_choice_engine(eng, [p + w for p, w in zip(PROMPTS, want)])
-    full = eng.draft_logits
-    eng.draft_logits = lambda block, cache, width=None: full(block, cache)
-    return eng
+    """second_choice_engine's draft: the true token, or with probability 1/2 a wrong argmax."""
+    return second_choice_engine(eng, [p + w for p, w in zip(PROMPTS, want)])
 
 
 def test_plan_chains_sets_the_planner_modes_or_is_refused(stories_dir, stories):  # noqa: F811
@@ -67,6 +64,12 @@ def test_narrow_chains_in_turn_decode_what_ar_decodes(stories_dir, stories, temp
     eng.plan_schedule = [("chain", 3), ("ar", 1), ("chain", 8), ("chain", 2)]
     eng._step_costs = lambda B, p: {m: 1.0 for m in eng.planner_modes(p)}  # the oracle runs inside a decode only
     pairs, observed, paired, seen = [], StepPlanner.observe, StepPlanner.observe_paired, []
+    choose, given = StepPlanner.choose, []
+
+    def spy_choose(self, predicted=None, drain=None):  # the confidence given after each observed mode
+        if seen:
+            given.append((seen[-1][0], predicted is not None))
+        return choose(self, predicted, drain)
 
     def spy_observe(self, mode, x, ms=None, rows=1):
         seen.append((mode, x))
@@ -76,11 +79,11 @@ def test_narrow_chains_in_turn_decode_what_ar_decodes(stories_dir, stories, temp
         pairs.append((seen[-1], mode, x))
         return paired(self, mode, x, rows)
 
-    StepPlanner.observe, StepPlanner.observe_paired = spy_observe, spy_paired
+    StepPlanner.observe, StepPlanner.observe_paired, StepPlanner.choose = spy_observe, spy_paired, spy_choose
     try:
         res = eng.generate(PROMPTS, params, concurrency=3)
     finally:
-        StepPlanner.observe, StepPlanner.observe_paired = observed, paired
+        StepPlanner.observe, StepPlanner.observe_paired, StepPlanner.choose = observed, paired, choose
     assert res.token_ids == want
     rep = eng.planner_report
     assert min(rep[k]["steps"] for k in ("ar", "chain2", "chain3", "chain8")) >= 3, rep
@@ -97,6 +100,13 @@ def test_narrow_chains_in_turn_decode_what_ar_decodes(stories_dir, stories, temp
         # the mean of min(committed, n) is at most n and at most the run's own mean, and equals it when n covers it
         assert all(1 <= x <= min(m[1], x_run) + 1e-9 for m, x, x_run in got)
     assert any(x < x_run for (m, x, x_run) in by_run[("chain", 8)])  # a cut that mattered
+    # the draft's confidence goes to the planner after a full chain at T = 0 only: a narrower chain's covers its own
+    # slots (not comparable), an AR step has none, and T > 0 gets none by default (plan_confidence "greedy")
+    after = {}
+    for mode, got in given:
+        after.setdefault(mode, set()).add(got)
+    assert after[("chain", 2)] == after[("chain", 3)] == after[("ar", 1)] == {False}, after
+    assert after[("chain", 8)] == ({True} if temperature == 0 else {False}), after
 
 
 def test_fixed_narrow_chain_label_and_its_refusals(stories_dir, stories):  # noqa: F811

@@ -152,7 +152,8 @@ def test_planner_gets_the_confidence_at_t0_only_by_default(stories_dir, stories,
     monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy)
     for temperature, setting, want in ((0.0, "greedy", True), (1.0, "greedy", False), (1.0, "always", True),
                                        (0.0, "never", False)):
-        eng = _engine(stories_dir, folder, budget="auto")
+        # the full chain and the trees only: a narrower chain gives no confidence (test_engine_chains.py)
+        eng = _engine(stories_dir, folder, budget="auto", plan_chains=())
         eng._step_costs = lambda B, params, modes=eng.plan_modes: {m: 1.0 + 0.1 * (m[0] != "ar") for m in modes}
         eng.plan_online, eng.plan_confidence = False, setting
         given.clear()
@@ -237,16 +238,17 @@ def test_planner_leaves_out_the_tree_that_is_the_chain(stories_dir, stories):  #
     greedy = SamplingParams(max_new_tokens=6)
     sampled = SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)
     assert eng.verify_size == 8
-    assert eng.planner_modes(greedy) == [("ar", 1), ("chain", 8), ("tree", 6), ("tree", 8), ("tree", 12)]
-    assert eng.planner_modes(sampled) == [("ar", 1), ("chain", 8), ("tree", 6), ("tree", 12)]
-    assert set(eng._step_costs(2, sampled)) == {("ar", 1), ("chain", 8), ("tree", 6), ("tree", 12)}
+    chains = [("chain", 2), ("chain", 4), ("chain", 8)]  # the default narrower chains stay: they are not trees
+    assert eng.planner_modes(greedy) == [("ar", 1), *chains, ("tree", 6), ("tree", 8), ("tree", 12)]
+    assert eng.planner_modes(sampled) == [("ar", 1), *chains, ("tree", 6), ("tree", 12)]
+    assert set(eng._step_costs(2, sampled)) == {("ar", 1), *chains, ("tree", 6), ("tree", 12)}
     res = eng.generate(PROMPTS[:2], sampled, concurrency=2)
-    assert set(eng.planner_report) == {"ar", "chain8", "tree6", "tree12"}
+    assert set(eng.planner_report) == {"ar", "chain2", "chain4", "chain8", "tree6", "tree12"}
     assert sum(e["steps"] for e in eng.planner_report.values()) == res.steps
     eng.tree_chain_first = True
-    assert eng.planner_modes(greedy) == [("ar", 1), ("chain", 8), ("tree", 6), ("tree", 12)]
+    assert eng.planner_modes(greedy) == [("ar", 1), *chains, ("tree", 6), ("tree", 12)]
     eng.generate(PROMPTS[:2], greedy, concurrency=2)
-    assert set(eng.planner_report) == {"ar", "chain8", "tree6", "tree12"}
+    assert set(eng.planner_report) == {"ar", "chain2", "chain4", "chain8", "tree6", "tree12"}
     eng.tree_chain_first = None  # best first again: the tree of 8 is back, with a table of its own
     eng.plan_schedule = [("chain", 8), ("tree", 8)]
     eng.generate(PROMPTS[:2], greedy, concurrency=2)

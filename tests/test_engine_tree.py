@@ -30,7 +30,7 @@ def second_choice_engine(engine, reference: list[list[int]], seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     V = engine.target.args.vocab_size
 
-    def draft_logits(block, cache):
+    def draft_logits(block, cache, width=None):  # width: a planner chain's, narrower than the block (sliced by it)
         B, bs = block.shape
         logits = torch.zeros(B, bs - 1, V)
         for b in range(B):
@@ -294,8 +294,9 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
     eng = second_choice_engine(  # small trees: a fast CPU test
         _engine(stories_dir, folder, budget="auto", plan_trees=(24,)), [p + w for p, w in zip(PROMPTS, want)]
     )
-    assert eng.plan_modes == [("ar", 1), ("chain", 8), ("tree", 24)] and eng.verified_per_step == 24
-    # AR cheaper than the speculative steps: the planner's first step is AR (at equal cost AR can never win)
+    assert eng.plan_modes == [("ar", 1), ("chain", 2), ("chain", 4), ("chain", 8), ("tree", 24)]
+    assert eng.verified_per_step == 24
+    # a table of AR, the full chain and the tree (the narrower chains are not in it, so never chosen or paired); AR cheaper than the speculative steps: the planner's first step is AR (at equal cost AR can never win)
     eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
     eng.plan_online = False  # this table, not this CPU's step times: the choices below are the table's
     res = eng.generate(PROMPTS, params, concurrency=3)
@@ -349,7 +350,8 @@ def test_engine_planner_is_lossless_and_reports_its_choices(stories_dir, stories
     # step times, so its step count is not asserted)
     assert res.token_ids == want and first_choice[0][("ar", 1)] >= FIRST_TIMED, first_choice
     costs = _engine(stories_dir, folder, budget="auto")._step_costs(2, params)  # measured on this CPU
-    assert set(costs) == {("ar", 1), ("chain", 8), ("tree", 16), ("tree", 32)} and min(costs.values()) > 0
+    assert set(costs) == {("ar", 1), ("chain", 2), ("chain", 4), ("chain", 8), ("tree", 16), ("tree", 32)}
+    assert min(costs.values()) > 0
     with pytest.raises(ValueError, match="budget='fixed'"):
         _engine(stories_dir, folder, budget="fixed")
 
@@ -358,16 +360,17 @@ def test_engine_plan_trees_sets_the_planner_modes_or_is_refused(stories_dir, sto
     """plan_trees: the planner's tree sizes, sorted (the cache holds the largest tree); () leaves AR and the chain;
     None is PLAN_TREES. Sizes outside 2..64, repeated, not integers, or given without budget='auto' are refused."""
     _, _, folder = stories
+    ar_chains = [("ar", 1), ("chain", 2), ("chain", 4), ("chain", 8)]  # AR, the default narrower chains, the chain
     eng = _engine(stories_dir, folder, budget="auto", plan_trees=(40, 16))
-    assert eng.plan_modes == [("ar", 1), ("chain", 8), ("tree", 16), ("tree", 40)] and eng.verified_per_step == 40
+    assert eng.plan_modes == [*ar_chains, ("tree", 16), ("tree", 40)] and eng.verified_per_step == 40
     eng = _engine(stories_dir, folder, budget="auto", plan_trees=())
-    assert eng.plan_modes == [("ar", 1), ("chain", 8)] and eng.verified_per_step == 8
+    assert eng.plan_modes == ar_chains and eng.verified_per_step == 8
     from infer.engine import Engine
 
     eng = _engine(stories_dir, folder, budget="auto")
     assert eng.plan_trees == Engine.PLAN_TREES == (16, 32) and eng.verified_per_step == 32
     eng = _engine(stories_dir, folder, budget="auto", plan_trees=[4])  # smaller than the chain: the chain's 8 rows
-    assert eng.plan_modes == [("ar", 1), ("chain", 8), ("tree", 4)] and eng.verified_per_step == 8
+    assert eng.plan_modes == [*ar_chains, ("tree", 4)] and eng.verified_per_step == 8
     for bad in ((1,), (16, 65), (16, 16), (16.0,), (True,), "16", 16, (n for n in (16, 32)), iter([16]), {16}):
         with pytest.raises(ValueError, match="must be a tuple or list of distinct integer tree sizes in 2..64"):
             _engine(stories_dir, folder, budget="auto", plan_trees=bad)
@@ -600,14 +603,14 @@ def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, c
         ]
     )
     assert code == 0
-    assert "--budget auto: the planner picks per step among AR, the chain of 8, the tree of 16, the tree of 32" in (
-        capsys.readouterr().out)
+    assert ("--budget auto: the planner picks per step among AR, the chain of 2, the chain of 4, the chain of 8, the "
+            "tree of 16, the tree of 32") in capsys.readouterr().out
     tags = [json.loads(line)["tag"] for line in log.read_text().splitlines()]
     assert tags == [{"label": "P", "pass": "start"}, {"label": "P", "task": "gsm8k", "turn": 0, "pass": "warmup"},
                     {"label": "P", "task": "gsm8k", "turn": 0, "pass": "timed"}]
     d = json.loads(out.read_text())["tasks"][0]["drafts"]["P"]
     assert d["greedy_equal"] == d["greedy_compared"] == 2 and d["verified_tokens_per_step"] == "auto"
-    assert set(d["planner_choices"]) == {"ar", "chain8", "tree16", "tree32"}
+    assert set(d["planner_choices"]) == {"ar", "chain2", "chain4", "chain8", "tree16", "tree32"}
     assert sum(c["steps"] for c in d["planner_choices"].values()) >= d["verify_steps"] / 2  # 2 rows per step
     assert all(c["step_ms"] > 0 for c in d["planner_choices"].values())
     assert bench.main(["--target", str(stories_dir), "--budget", "auto", "--backend", "reference"]) == 2
@@ -673,5 +676,6 @@ def test_planner_trees_need_the_full_block_width(stories_dir, stories):
     _, _, folder = stories
     with pytest.raises(ValueError, match="needs verify_size equal to the draft's block size"):
         _engine(stories_dir, folder, budget="auto", verify_size=4)
-    assert _engine(stories_dir, folder, budget="auto", verify_size=4, plan_trees=()).plan_modes == [("ar", 1),
-                                                                                                    ("chain", 4)]
+    # the default narrower chains below that width stay (the chain of 2)
+    assert _engine(stories_dir, folder, budget="auto", verify_size=4, plan_trees=()).plan_modes == [
+        ("ar", 1), ("chain", 2), ("chain", 4)]

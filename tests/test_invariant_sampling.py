@@ -156,11 +156,11 @@ def test_a_draft_with_the_targets_distribution_passes_every_token(stories_dir, s
 
     eng = _engine(stories_dir, folder)
 
-    def engine_draft(block, cache):
+    def engine_draft(block, cache, width=None):  # width: a planner chain narrower than verify_size
         owner = eng.slot_owner or [None] * block.shape[0]
         rows = [lookup(owner[b], int(cache.lengths[b]), block.shape[1] - 1, V) if owner[b] is not None
                 else torch.zeros(block.shape[1] - 1, V) for b in range(block.shape[0])]
-        return torch.stack(rows)[:, : eng.verify_size - 1]
+        return torch.stack(rows)[:, : (width or eng.verify_size) - 1]
 
     eng.draft_logits = engine_draft
     res = eng.generate(PROMPTS, params(True), concurrency=3)

@@ -256,11 +256,11 @@ def test_plan_log_records_every_choice_and_observation(stories_dir, stories, tmp
         assert (rec["device"], rec["batch"], rec["prompts"], rec["steps"]) == ("cpu", 2, 3, res.steps)
         assert rec["tokens"] == sum(map(len, res.token_ids)) and rec["lengths"] == [len(t) for t in res.token_ids]
         names, events = rec["log"][0], rec["log"][1:]
-        assert names == ["ar:1", "chain:8", "tree:24"]
+        assert names == ["ar:1", "chain:2", "chain:4", "chain:8", "tree:24"]  # the default narrower chains too
         chosen = [e for e in events if e[0] == "c"]
         assert len(chosen) == res.steps and [e[1] for e in chosen] == list(range(chosen[0][1], chosen[0][1] + res.steps))
         report = eng.planner_report
-        for i, name in enumerate(("ar", "chain8", "tree24")):
+        for i, name in enumerate(("ar", "chain2", "chain4", "chain8", "tree24")):
             assert sum(e[2] == i for e in chosen) == report[name]["steps"]
             assert sum(e[0] == "o" and e[1] == i for e in events) == report[name]["observed"]
         # 3 prompts at concurrency 2: the queue empties after one refill; per slot still decoding (or finished with
@@ -270,7 +270,7 @@ def test_plan_log_records_every_choice_and_observation(stories_dir, stories, tmp
                                                           for r in e[2]) for e in drains)
         assert max(r[0] for r in drains[0][2]) > max(r[0] for r in drains[-1][2]) or len(drains) == 1
         judged = [e[5] for e in chosen if e[5] is not None]
-        assert judged and all(len(r) == 3 and r[0] is not None and r[0] > 0 for r in judged)  # AR always has a rate
+        assert judged and all(len(r) == len(names) and r[0] is not None and r[0] > 0 for r in judged)  # AR always has a rate
 
 
 def _count_writes(eng) -> list:
