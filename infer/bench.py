@@ -299,6 +299,15 @@ class Runner:
             assert_compatible(self.spec, models[label].config, max_context=max_seq - 64)
         self.block_size = {label: m.config.block_size for label, m in models.items()}
         for label, c in self.configs.items():  # before the target's weights load
+            bs = self.block_size[label]
+            if c["width"] is not None and c["width"] >= bs:
+                raise ValueError(f"--config {label}:width={c['width']}: a fixed chain's width must be below the draft's "
+                                 f"block of {bs} (the label without width verifies the whole block)")
+            wide = args.block_size or bs  # the planner's full chain
+            if c["plan_chains"] and max(c["plan_chains"]) >= wide:
+                raise ValueError(f"draft {label!r}: plan_chains {'/'.join(map(str, c['plan_chains']))} (--config "
+                                 f"{label}:plan_chains= or --plan-chains): each width must be below the planner's full "
+                                 f"chain of {wide}")
             if (c["budget"] == "auto" and args.block_size is not None and args.block_size != self.block_size[label]
                     and c["plan_trees"] != () and self.backend == "cuda"):
                 how = "--budget auto" if args.budget == "auto" else f"--config {label}:budget=auto"

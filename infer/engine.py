@@ -1240,8 +1240,9 @@ class Engine:
         dropped the chain's deeper nodes. Then, per planner tree smaller than the one run, what it would have
         committed (``inner_acc`` + 1, capped alike): its nodes are the run tree's first by rank, so its path is the
         run path's prefix inside it (``dspine.tree.inner_accepted``), smallest first. After a chain step, per
-        narrower planner chain of n (``plan_chains``), smallest first: min(committed, n) per row, exact (its slots
-        are the run chain's first n, tested alike; EOS and max_new cut both alike).
+        narrower planner chain of n (``plan_chains``), smallest first: min(committed, n) per row (its slots are the
+        run chain's first n, tested alike; EOS and max_new cut both alike): exact up to rounding, since the narrower
+        chain's draft head and verify run over other row counts, so a near-tie can part.
         Drain (``plan_drain``): per slot, the committed tokens, count and sum of squares of its request's chain
         steps (of ``verify_size``; a narrower chain's are cut at its width) and of the chain parts of its tree
         steps, reset when the slot is refilled (a finished request's

@@ -39,7 +39,8 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
 Averages: per mode a fast one (newest observation weighted ``max(decay × r / (r + PRIOR_ROWS), 1 / n)``, r the requests
 in that step) and a slow one (``max(slow, 1 / n)``) plus a standard-error bonus ``√(BONUS_VAR / (n·r̄))`` (n at most
 ``2 / slow − 1``), which the fast one relaxes to by ``1 − decay`` per step the mode is not run. A mode's first step is
-averaged with ``PRIOR_ROWS`` requests at the best average of the other speculative modes.
+averaged with ``PRIOR_ROWS`` requests at the best average of the other speculative modes, capped at what one step of
+the mode can commit (:func:`max_tokens`).
 
 Online cost: a mode's step time is its table time × its measured ÷ table ratio: the decode's first timed mode runs 3
 steps first and their median in log space sets its ratio; later steps are clipped to 1/3-3 × the estimate they were
@@ -1072,8 +1073,9 @@ class StepPlanner:
         x, n, r = tokens_per_request, self.seen[mode] + 1, max(rows, 1)
         if n == 1:  # the first step, shrunk towards the other modes of the same draft
             others = [self.slow[m] for m in self.table if m != mode and m[0] != "ar" and self.slow[m] is not None]
-            if others:
-                x = (r * x + PRIOR_ROWS * max(others)) / (r + PRIOR_ROWS)
+            if others:  # at most what one step of this mode can commit (a narrower chain's first step, paired
+                # after a wider chain, would otherwise be pulled above its own width)
+                x = (r * x + PRIOR_ROWS * min(max(others), float(max_tokens(mode, self.table)))) / (r + PRIOR_ROWS)
         self.seen[mode], self.last_seen[mode] = n, self.step
         w = max(self.slow_decay, 1.0 / n)  # a plain mean over the first observations
         self.rows[mode] += w * (r - self.rows[mode]) if n > 1 else r - self.rows[mode]

@@ -1474,3 +1474,21 @@ def test_drain_model_own_counts_the_slow_request_once():
     assert rates("own", low, p=p)[1][1] == pytest.approx(chain, rel=1e-3)  # still in force: no confidence either
     with pytest.raises(ValueError, match="drain_model='tail'; expected one of scaled, lead, own"):
         StepPlanner(costs, drain_model="tail")
+
+
+def test_a_narrower_chain_paired_first_is_not_pulled_above_its_width():
+    """A mode's first step is shrunk towards the best other speculative mode, capped at what the mode can commit: a
+    chain of 2 first seen as a paired observation (1.9 tokens after a chain of 16 committed 4.0) stays at most 2,
+    and the chain of 16, led by the chains paired on its step, is not lifted above what it was observed to commit."""
+    from infer.planner import StepPlanner
+
+    c2, c4, c16 = ("chain", 2), ("chain", 4), ("chain", 16)
+    p = StepPlanner({("ar", 1): 1.0, c2: 1.1, c4: 1.2, c16: 1.6})
+    p.choose()
+    p.observe(c16, 4.0, 1.6, 1)
+    p.observe_paired(c2, 1.9, 1)
+    p.observe_paired(c4, 3.0, 1)
+    tok = p.tokens
+    assert 1.9 <= tok[c2] <= 2.0 and tok[c4] <= 4.0, tok
+    # chain 2's own estimate (1.98: the capped prior's pull) plus the leads 4 over 2 and 16 over 4; 5.7 uncapped
+    assert tok[c16] == pytest.approx(1.98 + 1.1 + 1.0), tok

@@ -207,9 +207,24 @@ FIXED_CHAINS = "2,4"
 
 def fixed_chains(args) -> list[int]:
     """The fixed chains narrower than the block a planner point is compared with (``--fixed-chains``; "none": none)."""
-    if not args.fixed_chains or args.fixed_chains == "none":
-        return []
-    return sorted({int(n) for n in args.fixed_chains.split(",")})
+    text = FIXED_CHAINS if args.fixed_chains is None else args.fixed_chains
+    return [] if text == "none" else sorted({int(n) for n in text.split(",")})
+
+
+def draft_block_size(draft: str | None) -> int | None:
+    """The block size in a local draft folder's config.json, or None (no folder, no file, no such field)."""
+    path = Path(draft) / "config.json" if draft else None
+    try:
+        return int(json.loads(path.read_text())["block_size"]) if path and path.is_file() else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def parse_chain_flag(text: str | None) -> tuple[int, ...]:
+    """``--plan-chains`` as widths (() when not given); its errors are reported by main() before this is called."""
+    from infer.planner import parse_plan_chains
+
+    return parse_plan_chains(text) if text else ()
 
 
 def planner_points(args, on_point=None) -> list[dict]:
@@ -320,7 +335,7 @@ def main(argv=None) -> int:
                          "compared with the planner")
     ap.add_argument("--plan-trees", default=None, metavar="N[/N...]",
                     help="--planner points: the planner's tree sizes (infer.bench plan_trees; default: the engine's)")
-    ap.add_argument("--fixed-chains", default=FIXED_CHAINS, metavar="N[,N...]",
+    ap.add_argument("--fixed-chains", default=None, metavar="N[,N...]",
                     help="--planner points: fixed chains narrower than the block (labels chainN, infer.bench "
                          f"width=N), run beside the full chain and compared with the planner (default {FIXED_CHAINS}; "
                          "none for no narrower chain)")
@@ -389,8 +404,7 @@ def main(argv=None) -> int:
     if args.invariant and (args.plan_trees or args.fixed_trees) and not any(t == 0 for _, t in pts):
         ap.error("--invariant with --plan-trees or --fixed-trees and no T = 0 point: no tree runs at a T > 0 point "
                  "under invariant verification (the tree options apply to the T = 0 points)")
-    if (args.fixed_trees or args.plan_trees or args.fixed_chains not in (FIXED_CHAINS, "none") or args.plan_chains) \
-            and not args.planner:
+    if (args.fixed_trees or args.plan_trees or args.fixed_chains or args.plan_chains) and not args.planner:
         ap.error("--fixed-trees, --plan-trees, --fixed-chains and --plan-chains apply to --planner points")
     try:
         if not all(2 <= n <= 64 for n in fixed_chains(args)):
@@ -404,6 +418,12 @@ def main(argv=None) -> int:
             plan_chains_flag(args.plan_chains)
         except ValueError as e:
             ap.error(str(e))
+    block = draft_block_size(args.draft)  # a narrower chain must be below the draft's block (None: not read here)
+    if block is not None and args.planner:
+        for flag, widths in (("--fixed-chains", fixed_chains(args)), ("--plan-chains", parse_chain_flag(args.plan_chains))):
+            if any(n >= block for n in widths):
+                ap.error(f"{flag} {','.join(map(str, widths))}: each width must be below the draft's block of {block} "
+                         f"({args.draft})")
     try:
         if not all(2 <= n <= 64 for n in fixed_trees(args)):
             raise ValueError
