@@ -206,9 +206,9 @@ class Engine:
             planner leaves it out (:meth:`planner_modes`).
         plan_chains: the planner's chains narrower than ``verify_size``, a tuple or list of widths (anchor included,
             each 2..verify_size - 1, distinct; ``budget="auto"`` only; raises ValueError otherwise). None:
-            ``PLAN_CHAINS``, those below ``verify_size``. A chain of W drafts the whole block and verifies its first W slots (:meth:`_spec_step`);
-            a wider chain's or a tree's step tells the planner what each narrower chain would have committed
-            (:meth:`_decode_planned`, "Paired observations").
+            ``PLAN_CHAINS``, those below ``verify_size``. A chain of W drafts the whole block and verifies its first W
+            slots (:meth:`_spec_step`); a wider chain's or a tree's step tells the planner what each narrower chain
+            would have committed (:meth:`_decode_planned`, "Paired observations").
         exact: bit-exact mode (issue 13; default ``infer.model.EXACT_DEFAULT``): the target's decode and
             verify steps use row-invariant kernels and each prompt is prefilled in its own pass, so
             greedy speculative output equals this engine's autoregressive output bit for bit, in
@@ -1244,8 +1244,8 @@ class Engine:
         run chain's first n, tested alike; EOS and max_new cut both alike): exact up to rounding, since the narrower
         chain's draft head and verify run over other row counts, so a near-tie can part.
         Drain (``plan_drain``): per slot, the committed tokens, count and sum of squares of its request's chain
-        steps (of ``verify_size``; a narrower chain's are cut at its width) and of the chain parts of its tree
-        steps, reset when the slot is refilled (a finished request's
+        steps of ``verify_size`` (not a narrower chain's: its tokens are cut at its width) and of the chain parts of
+        its tree steps, reset when the slot is refilled (a finished request's
         stay while its slot idles); once the queue is empty, the planner gets them with each request's
         remaining tokens every ``PLAN_DRAIN_EVERY`` choices (``infer.planner``, "Drain").
 

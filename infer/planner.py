@@ -132,50 +132,50 @@ SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, 
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
 
 
+def _parse_sizes(text: str, key: str, what: str, example: str) -> tuple[int, ...]:
+    """``"A/B"`` -> ``(A, B)``, ``"none"`` -> ``()``; ValueError naming ``key`` and the text for an item that is not
+    plain decimal digits (no sign, '_' or spaces, which int() would take), outside 2..64, or repeated."""
+    items = [] if text == "none" else text.split("/")
+    if not all(re.fullmatch(r"[0-9]+", x) for x in items):
+        raise ValueError(f"{key}={text!r}; expected {what}s joined by '/' (e.g. {example}) or none")
+    sizes = tuple(int(x) for x in items)
+    if not all(2 <= n <= 64 for n in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"{key}={text!r}; each {what.split()[-1]} must be in 2..64, none repeated")
+    return sizes
+
+
+def _flag(parse, text: str, flag: str) -> tuple[int, ...]:
+    """``parse(text)``, its ValueError prefixed with the flag's name (``"--plan-trees: plan_trees='x'; expected ..."``):
+    what infer.generate and infer.bench report."""
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def parse_plan_trees(text: str) -> tuple[int, ...]:
     """``"16/32"`` -> ``(16, 32)``, ``"none"`` -> ``()``: the planner's tree sizes as the command lines take them
     (``infer.generate --plan-trees``, ``infer.bench --plan-trees`` and ``--config LABEL:plan_trees=``;
-    ``Engine(plan_trees=...)``).
-    Raises ValueError naming the text: a size that is not plain decimal digits (no sign, '_' or spaces, which
-    int() would take), outside 2..64, or repeated."""
-    items = [] if text == "none" else text.split("/")
-    if not all(re.fullmatch(r"[0-9]+", x) for x in items):
-        raise ValueError(f"plan_trees={text!r}; expected tree sizes joined by '/' (e.g. 16/32) or none")
-    sizes = tuple(int(x) for x in items)
-    if not all(2 <= n <= 64 for n in sizes) or len(set(sizes)) != len(sizes):
-        raise ValueError(f"plan_trees={text!r}; each size must be in 2..64, none repeated")
-    return sizes
+    ``Engine(plan_trees=...)``). Raises ValueError naming the text (:func:`_parse_sizes`)."""
+    return _parse_sizes(text, "plan_trees", "tree size", "16/32")
 
 
 def parse_plan_chains(text: str) -> tuple[int, ...]:
     """``"4/8"`` -> ``(4, 8)``, ``"none"`` -> ``()``: the planner's chains narrower than the engine's verify width
     (``Engine(plan_chains=...)``, ``infer.generate --plan-chains``, ``infer.bench --config LABEL:plan_chains=``).
-    Raises ValueError naming the text: a width that is not plain decimal digits, outside 2..64, or repeated (the
-    engine also refuses one that is not below its ``verify_size``)."""
-    items = [] if text == "none" else text.split("/")
-    if not all(re.fullmatch(r"[0-9]+", x) for x in items):
-        raise ValueError(f"plan_chains={text!r}; expected chain widths joined by '/' (e.g. 4/8) or none")
-    sizes = tuple(int(x) for x in items)
-    if not all(2 <= n <= 64 for n in sizes) or len(set(sizes)) != len(sizes):
-        raise ValueError(f"plan_chains={text!r}; each width must be in 2..64, none repeated")
-    return sizes
+    Raises ValueError naming the text (:func:`_parse_sizes`; the engine also refuses a width not below its
+    ``verify_size``)."""
+    return _parse_sizes(text, "plan_chains", "chain width", "4/8")
 
 
 def plan_chains_flag(text: str, flag: str = "--plan-chains") -> tuple[int, ...]:
     """:func:`parse_plan_chains` of a command-line flag's value, its ValueError prefixed with the flag's name."""
-    try:
-        return parse_plan_chains(text)
-    except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None
+    return _flag(parse_plan_chains, text, flag)
 
 
 def plan_trees_flag(text: str, flag: str = "--plan-trees") -> tuple[int, ...]:
-    """:func:`parse_plan_trees` of a command-line flag's value, its ValueError prefixed with the flag's name
-    (``"--plan-trees: plan_trees='x'; expected ..."``): what infer.generate and infer.bench report."""
-    try:
-        return parse_plan_trees(text)
-    except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None
+    """:func:`parse_plan_trees` of a command-line flag's value, its ValueError prefixed with the flag's name."""
+    return _flag(parse_plan_trees, text, flag)
 
 
 def parse_conf_slope(text: str) -> float | str:
