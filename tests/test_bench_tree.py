@@ -168,3 +168,24 @@ def test_bench_tree_checks_planner_points_and_keep_runs(stories_dir, draft_dir, 
         rc = e.code
     err = capsys.readouterr().err
     assert rc == 2 and msg in err, err[-2000:]
+
+
+def test_default_fixed_chains_keep_the_widths_below_the_drafts_block(tmp_path):
+    """bench_tree's default fixed chains (FIXED_CHAINS) drop the widths a small-block draft cannot run, so a draft of
+    block 4 gets the chain of 2 and no error for a flag it was not given; a given --fixed-chains is kept as given
+    (main() refuses one not below the block); draft_block_size reads a local folder's config.json, else None."""
+    from types import SimpleNamespace
+
+    from benchmarks.engine.bench_tree import FIXED_CHAINS, draft_block_size, fixed_chains
+
+    assert FIXED_CHAINS == "2,4"
+    default = SimpleNamespace(fixed_chains=None)
+    assert fixed_chains(default) == [2, 4] and fixed_chains(default, 8) == [2, 4]
+    assert fixed_chains(default, 4) == [2] and fixed_chains(default, 2) == []
+    assert fixed_chains(SimpleNamespace(fixed_chains="4,2,4"), 4) == [2, 4]
+    assert fixed_chains(SimpleNamespace(fixed_chains="none"), 8) == []
+    (tmp_path / "config.json").write_text(json.dumps({"block_size": 4}))
+    assert draft_block_size(str(tmp_path)) == 4
+    assert draft_block_size(str(tmp_path / "missing")) is None and draft_block_size(None) is None
+    (tmp_path / "config.json").write_text("{}")
+    assert draft_block_size(str(tmp_path)) is None

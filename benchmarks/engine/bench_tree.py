@@ -205,10 +205,12 @@ def fixed_trees(args) -> list[int]:
 FIXED_CHAINS = "2,4"
 
 
-def fixed_chains(args) -> list[int]:
-    """The fixed chains narrower than the block a planner point is compared with (``--fixed-chains``; "none": none)."""
-    text = FIXED_CHAINS if args.fixed_chains is None else args.fixed_chains
-    return [] if text == "none" else sorted({int(n) for n in text.split(",")})
+def fixed_chains(args, block: int | None = None) -> list[int]:
+    """The fixed chains narrower than the block a planner point is compared with: ``--fixed-chains`` ("none": none),
+    or when not given ``FIXED_CHAINS`` less the widths not below ``block`` (the draft's, where known)."""
+    if args.fixed_chains is None:
+        return [n for n in map(int, FIXED_CHAINS.split(",")) if block is None or n < block]
+    return [] if args.fixed_chains == "none" else sorted({int(n) for n in args.fixed_chains.split(",")})
 
 
 def draft_block_size(draft: str | None) -> int | None:
@@ -419,6 +421,8 @@ def main(argv=None) -> int:
         except ValueError as e:
             ap.error(str(e))
     block = draft_block_size(args.draft)  # a narrower chain must be below the draft's block (None: not read here)
+    if args.fixed_chains is None:  # the default, less what a small-block draft cannot run
+        args.fixed_chains = ",".join(map(str, fixed_chains(args, block))) or "none"
     if block is not None and args.planner:
         for flag, widths in (("--fixed-chains", fixed_chains(args)), ("--plan-chains", parse_chain_flag(args.plan_chains))):
             if any(n >= block for n in widths):
