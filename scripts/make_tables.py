@@ -737,16 +737,22 @@ def _step_share(steps: dict) -> str:
     return ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in steps.items() if n)
 
 
+def _planner_steps(p: dict) -> dict:
+    """A bench_tree.py planner point's steps per mode, summed over its tasks (``planner_choices_per_task``)."""
+    steps: dict = {}
+    for task in p.get("planner_choices_per_task", []):
+        for mode, e in task.items():
+            steps[mode] = steps.get(mode, 0) + e["steps"]
+    return steps
+
+
 def _planner_points_table(pts: list[dict]) -> list[str]:
     """Markdown table of bench_tree.py --planner points: tok/s of each configuration, the planner's ratios, its steps."""
     out = ["| concurrency | T | AR | chain 16 | tree 16 | tree 32 | planner | planner ÷ best fixed (goal ≥ 0.98) | "
            "planner ÷ AR | planner's steps | commit |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in pts:
-        steps: dict = {}
-        for task in p.get("planner_choices_per_task", []):
-            for mode, e in task.items():
-                steps[mode] = steps.get(mode, 0) + e["steps"]
+        steps = _planner_steps(p)
         share = _step_share(steps)
         t16 = (p.get("fixed_tree_tok_per_s") or {}).get("16")
         t32 = p.get("tree_tok_per_s")  # None: no tree ran (bench_tree.py --invariant)
@@ -928,10 +934,7 @@ def planner_chains_section() -> list[str]:
            "|---|---|---|---|" + "---|" * len(widths) + "---|---|---|---|---|"]
     for name, p in pts:
         a, fixed = p["ar_tok_per_s"], p.get("fixed_chain_tok_per_s") or {}
-        steps: dict = {}
-        for task in p.get("planner_choices_per_task", []):
-            for mode, e in task.items():
-                steps[mode] = steps.get(mode, 0) + e["steps"]
+        steps = _planner_steps(p)
         old = before.get((p["concurrency"], p["temperature"]))
         seeds = p.get("seeds") or [0]
         temp = (f"{p['temperature']:g}" + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else "")

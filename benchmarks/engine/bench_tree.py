@@ -213,6 +213,21 @@ def fixed_chains(args, block: int | None = None) -> list[int]:
     return [] if args.fixed_chains == "none" else sorted({int(n) for n in args.fixed_chains.split(",")})
 
 
+def check_sizes(ap, flag: str, text, sizes, what: str, example: str, plan_text, plan_flag) -> None:
+    """``ap.error`` for a fixed-mode list (``flag``, its value ``text``; ``sizes()`` parses it) that is not integers in
+    2..64, or a planner list ``plan_text`` that ``plan_flag`` (``infer.planner.plan_*_flag``) refuses."""
+    try:
+        if not all(2 <= n <= 64 for n in sizes()):
+            raise ValueError
+    except ValueError:
+        ap.error(f"{flag} {text!r}: give {what} in 2..64 joined by commas, e.g. {example}")
+    if plan_text:
+        try:
+            plan_flag(plan_text)
+        except ValueError as e:
+            ap.error(str(e))
+
+
 def draft_block_size(draft: str | None) -> int | None:
     """The block size in a local draft folder's config.json, or None (no folder, no file, no such field)."""
     path = Path(draft) / "config.json" if draft else None
@@ -408,18 +423,10 @@ def main(argv=None) -> int:
                  "under invariant verification (the tree options apply to the T = 0 points)")
     if (args.fixed_trees or args.plan_trees or args.fixed_chains or args.plan_chains) and not args.planner:
         ap.error("--fixed-trees, --plan-trees, --fixed-chains and --plan-chains apply to --planner points")
-    try:
-        if not all(2 <= n <= 64 for n in fixed_chains(args)):
-            raise ValueError
-    except ValueError:
-        ap.error(f"--fixed-chains {args.fixed_chains!r}: give chain widths in 2..64 joined by commas, e.g. 4,8")
-    if args.plan_chains:
-        from infer.planner import plan_chains_flag
+    from infer.planner import plan_chains_flag, plan_trees_flag
 
-        try:
-            plan_chains_flag(args.plan_chains)
-        except ValueError as e:
-            ap.error(str(e))
+    check_sizes(ap, "--fixed-chains", args.fixed_chains, lambda: fixed_chains(args), "chain widths", "4,8",
+                args.plan_chains, plan_chains_flag)
     block = draft_block_size(args.draft)  # a narrower chain must be below the draft's block (None: not read here)
     if args.fixed_chains is None:  # the default, less what a small-block draft cannot run
         args.fixed_chains = ",".join(map(str, fixed_chains(args, block))) or "none"
@@ -428,18 +435,8 @@ def main(argv=None) -> int:
             if any(n >= block for n in widths):
                 ap.error(f"{flag} {','.join(map(str, widths))}: each width must be below the draft's block of {block} "
                          f"({args.draft})")
-    try:
-        if not all(2 <= n <= 64 for n in fixed_trees(args)):
-            raise ValueError
-    except ValueError:
-        ap.error(f"--fixed-trees {args.fixed_trees!r}: give tree sizes in 2..64 joined by commas, e.g. 16,32")
-    if args.plan_trees:
-        from infer.planner import plan_trees_flag
-
-        try:
-            plan_trees_flag(args.plan_trees)
-        except ValueError as e:
-            ap.error(str(e))
+    check_sizes(ap, "--fixed-trees", args.fixed_trees, lambda: fixed_trees(args), "tree sizes", "16,32",
+                args.plan_trees, plan_trees_flag)
     try:
         args.seeds = parse_seeds(args.seeds)
     except ValueError as e:
