@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dspine.counter_hash import _GOLDEN, _M1, _M2, _mix64, _signed, _to_unit  # noqa: F401 (also the race kernel's)
+from dspine.ops.topk import inv_temperature, topk_ids
 
 STREAM_TARGET, STREAM_DRAFT, STREAM_ACCEPT = 1, 2, 3
 
@@ -126,7 +127,7 @@ def check_tree_draft_temperature(params: SamplingParams, tree: bool) -> None:
                          "one-hot at 0; use chain verification or a draft temperature > 0")
 
 
-def draft_distribution(logits: torch.Tensor, params: SamplingParams):
+def draft_distribution(logits: torch.Tensor, params: SamplingParams, impl: str = "torch"):
     """The draft's sampling distribution at T > 0: ``logits [..., V]`` -> ``(q [..., V] fp32, ids)`` as
     :func:`logits_to_probs` with ``with_ids=True``, at ``params.draft_temperature`` (None: the target's
     temperature) and the target's top-k/top-p. Draft temperature 0 gives the argmax one-hot, ``ids
@@ -136,22 +137,12 @@ def draft_distribution(logits: torch.Tensor, params: SamplingParams):
     if t == 0:
         ids = logits.argmax(-1, keepdim=True)
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, ids, 1.0), ids
-    return logits_to_probs(logits, t, params.top_p, params.top_k, with_ids=True)
+    return logits_to_probs(logits, t, params.top_p, params.top_k, with_ids=True, impl=impl)
 
 
 SEED_MAX = 2**64 - 1  # SamplingParams.seed: request seeds are int64 bit patterns (request_seed)
 TOP_K_FAST_MAX = 256  # top_k up to this takes the candidate path (0 forces the dense reference path)
 PLAIN_FAST = True  # no top-k / top-p cut: softmax without the sort (False forces the sorted reference)
-
-
-def _order_keys(scores: torch.Tensor) -> torch.Tensor:
-    """int64 keys ``[..., V]`` in sampling order: higher score first, the lower token id among equal
-    scores; all distinct, so ``topk`` picks one set on every device (the fp32 bits made monotone as
-    for a radix sort of floats in the high 32 bits, the complemented id in the low 32)."""
-    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0 -> +0, equal scores get equal bits
-    mono = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # int32 order = float order
-    ids = torch.arange(scores.shape[-1], device=scores.device)
-    return mono.mul_(1 << 32).add_(0xFFFFFFFF - ids)  # in place: one int64 [..., V] buffer
 
 
 def _top_p(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -161,18 +152,24 @@ def _top_p(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
     return sorted_p / sorted_p.sum(-1, keepdim=True)
 
 
-def top_k_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int):
+def scaled_scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``fp32(logits) * fp32(1 / T)``: the scores every sampling path cuts and softmaxes, the same bits on every
+    device (torch on CUDA divides by a Python-float T as this product, on the CPU as an IEEE division)."""
+    return logits.float() * inv_temperature(temperature)
+
+
+def top_k_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, impl: str = "torch"):
     """The sampling distribution of ``logits [..., V]`` on its top-k candidates (``logits_to_probs``'s
     fast path): ``(probs [..., k] fp32, ids [..., k] int64)``, k = min(top_k, V), in sampling order;
-    probabilities cut by top-p are 0. One ``topk`` over V; softmax and top-p on the k values only."""
-    scores = logits.float() / temperature
-    ids = _order_keys(scores).topk(min(top_k, scores.shape[-1]), dim=-1).indices  # sorted, in sampling order
-    probs = torch.softmax(scores.gather(-1, ids), dim=-1)
+    probabilities cut by top-p are 0. One top-k over V (``dspine.ops.topk.topk_ids``: ``impl="triton"``
+    reads the logits once); softmax and top-p on the k values only."""
+    ids = topk_ids(logits, temperature, min(top_k, logits.shape[-1]), impl)  # in sampling order
+    probs = torch.softmax(scaled_scores(logits.gather(-1, ids), temperature), dim=-1)
     return (_top_p(probs, top_p) if top_p < 1.0 else probs), ids
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0, *,
-                    with_ids: bool = False):
+                    with_ids: bool = False, impl: str = "torch"):
     """Sampling distribution of ``logits [..., V]`` -> fp32 probabilities ``[..., V]``.
 
     softmax(logits / T) restricted to the top-k tokens, then to the smallest prefix (in sampling
@@ -182,7 +179,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
 
     With 0 < top_k <= ``TOP_K_FAST_MAX`` it takes the candidate path (:func:`top_k_probs`, one
     scatter into zeros): no sort over V; the result equals the dense path's up to fp32 rounding
-    (softmax and top-p sum k values instead of V), with the same support. Plain temperature (top_k 0
+    (softmax and top-p sum k values instead of V), with the same support; ``impl="triton"`` takes its top-k
+    in one kernel (``dspine.ops.topk``, the same ids). Plain temperature (top_k 0
     or >= V, top_p 1; ``PLAIN_FAST``) is one softmax in vocabulary order: the sorted path's values up to
     fp32 rounding (the order of the softmax's sum; a few ulp). ``with_ids=True`` returns
     ``(probs, ids)``: ``ids [..., k]`` int64 hold every nonzero of ``probs`` (for :func:`sample`,
@@ -192,14 +190,14 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
         raise ValueError("logits_to_probs needs temperature > 0 (use argmax for greedy)")
     V = logits.shape[-1]
     if 0 < top_k <= TOP_K_FAST_MAX and top_k < V:
-        p, ids = top_k_probs(logits, temperature, top_p, top_k)
+        p, ids = top_k_probs(logits, temperature, top_p, top_k, impl)
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, ids, p)
         return (probs, ids) if with_ids else probs
     if top_p >= 1.0 and not 0 < top_k < V and PLAIN_FAST:  # plain temperature: nothing to cut, no sort
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        probs = torch.softmax(scaled_scores(logits, temperature), dim=-1)
         return (probs, None) if with_ids else probs
     # dense reference: one stable sort over V (equal scores keep the lower id first)
-    sorted_s, order = (logits.float() / temperature).sort(dim=-1, descending=True, stable=True)
+    sorted_s, order = scaled_scores(logits, temperature).sort(dim=-1, descending=True, stable=True)
     if 0 < top_k < V:
         sorted_s[..., top_k:] = float("-inf")
     sorted_p = torch.softmax(sorted_s, dim=-1)

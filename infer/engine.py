@@ -540,7 +540,7 @@ class Engine:
         else:
             out_pos = s.out_len.long()  # [B] the step's first output position
             slot_pos = out_pos[:, None] + s.offsets[:K]  # [B, K]: draft token k at n + k - 1
-            p_draft, d_ids = draft_distribution(d_logits, params)
+            p_draft, d_ids = draft_distribution(d_logits, params, self.impl)
             # invariant: the draft races with the noise the target's own draw uses at each output position
             stream = rng.STREAM_TARGET if params.invariant_sampling else rng.STREAM_DRAFT
             draft_tokens = sample(p_draft, s.seeds, stream, slot_pos, d_ids, impl=self.impl)
@@ -562,7 +562,8 @@ class Engine:
         elif params.greedy:
             a, bonus = accept_greedy(draft_tokens, t_logits.argmax(-1), impl=self.impl)
         else:
-            p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
+            p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True,
+                                             impl=self.impl)
             if params.invariant_sampling:  # the target's own draw at every position; the matching prefix passes
                 draws = sample(p_target, s.seeds, rng.STREAM_TARGET, out_pos[:, None] + offsets, t_ids,
                                impl=self.impl)
@@ -619,7 +620,7 @@ class Engine:
         if params.greedy:  # chain = q's argmax (ties: the lower id): build_tree_fused finds it with the candidates
             q, chain = torch.softmax(d_logits.float(), -1), None
         else:
-            q, d_ids = draft_distribution(d_logits, params)
+            q, d_ids = draft_distribution(d_logits, params, self.impl)
             chain = sample(q, s.seeds, rng.STREAM_DRAFT, out_pos[:, None] + torch.arange(K, device=self.device), d_ids,
                            impl=self.impl)
         # one Triton program per row builds the tree, its ancestor mask and bits (dspine.ops.tree_build), after
@@ -646,7 +647,8 @@ class Engine:
             last, a, bonus, path = verify_tree_greedy(tree.tokens, tree.parent, tree.depth, bits,
                                                       t_logits.argmax(-1), impl=self.impl, path_depth=Kp)
         else:
-            p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True)
+            p_target, t_ids = logits_to_probs(t_logits, params.temperature, params.top_p, params.top_k, with_ids=True,
+                                             impl=self.impl)
             noise = rng.bonus_noise(s.seeds, rng.STREAM_TARGET, out_pos, p_target.shape[-1], t_ids)
             last, a, bonus, path = verify_tree_sample(tree.tokens, tree.parent, tree.depth, tree.chain, p_target, q,
                                                       node_uniforms(tree, s.seeds, out_pos), noise, impl=self.impl,
@@ -697,7 +699,8 @@ class Engine:
         if params.greedy:
             nxt = logits.argmax(-1)
         else:
-            probs, ids = logits_to_probs(logits, params.temperature, params.top_p, params.top_k, with_ids=True)
+            probs, ids = logits_to_probs(logits, params.temperature, params.top_p, params.top_k, with_ids=True,
+                                         impl=self.impl)
             nxt = sample(probs, s.seeds, rng.STREAM_TARGET, s.out_len.long(), ids, impl=self.impl)
         defer = draft_cache is not None and defer
         if defer:  # one kernel, before the commit changes done (dspine.ops.defer)
@@ -895,7 +898,8 @@ class Engine:
         if params.greedy:
             first = logits.argmax(-1)
         else:
-            probs, ids = logits_to_probs(logits.float(), params.temperature, params.top_p, params.top_k, with_ids=True)
+            probs, ids = logits_to_probs(logits.float(), params.temperature, params.top_p, params.top_k, with_ids=True,
+                                         impl=self.impl)
             first = sample(probs, s.seeds[idx], rng.STREAM_TARGET, torch.zeros(len(items), dtype=torch.long, device=dev),
                            ids, impl=self.impl)
         s.anchor[idx] = first

@@ -162,3 +162,31 @@ def test_seed_out_of_range_is_refused_not_wrapped():
             SamplingParams(seed=bad).validate()
     for ok in (0, 2**64 - 1):
         assert SamplingParams(seed=ok).validate().seed == ok
+
+
+def test_engine_top_k_kernel_decodes_the_torch_paths_tokens(stories_dir, tmp_path, monkeypatch):
+    """T = 0.7, top_p 0.9, top_k 20: the engine with its Triton kernels (the top-k cut of ``dspine.ops.topk`` in the
+    AR step, the draft's sampling and the chain's verify; interpreted on the CPU) emits the tokens of the engine on
+    the torch paths and of the reference decoder, with the draft and without it."""
+    import tests.kernel_env as env
+    from dspine.ops import topk as topk_mod
+
+    if not env.TRITON_CPU:
+        pytest.skip(str(env.TRITON_CPU_SKIP))
+    rows = []  # rows each kernel call cut: the AR steps' B, the chain's B·(block - 1) draft and B·block target rows
+    kernel = topk_mod._topk_ids_triton
+    monkeypatch.setattr(topk_mod, "_topk_ids_triton", lambda x, *a: rows.append(x.shape[0]) or kernel(x, *a))
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = random_draft(target, block_size=4, mask=0)
+    folder = save_draft(draft, tmp_path / "draft")
+    prompts = [[1, 403, 407], [1, 300], [1, 7, 9, 11]]
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=7, seed=3)
+    out = {}
+    for impl in ("torch", "triton"):
+        eng, _ = load_engine(str(stories_dir), None, str(folder), device="cpu", dtype=torch.float32, impl=impl,
+                             max_seq=64, eos_token_ids=[2], cuda_graphs=False)
+        out[impl] = (eng.generate(prompts, p).token_ids, eng.generate(prompts, p, use_draft=False).token_ids)
+    assert out["triton"] == out["torch"]
+    assert {3, 9, 12} <= set(rows)  # the engine ran the kernel in the draft (3 rows x 3 slots), verify and AR steps
+    assert out["torch"][0] == ReferenceDecoder(target, draft, [2]).generate(prompts, p).token_ids
+    assert all(len(t) == 7 for t in out["torch"][0] + out["torch"][1])
