@@ -908,33 +908,22 @@ def planner_h100_section() -> list[str]:
     return out
 
 
-def planner_chains_section() -> list[str]:
-    """The planner's narrower chains (``plan_chains``) on the H100 (verify-chains-{invariant,exact}-h100.json): each
-    point's AR, full chain, fixed narrower chains, planner, its ratios and steps, beside the planner of the same card
-    without narrower chains (verify-invariant-h100.json / verify-exact-h100.json, same point) where one ran. Empty
-    without those files."""
-    pts = [(name, p) for name in ("verify-chains-invariant-h100.json", "verify-chains-exact-h100.json")
-           for p in ((load(name) or {}).get("planner") or [])]
+def _chain_points_table(files: tuple[str, ...], before_files: tuple[str, ...], before_col: str) -> list[str]:
+    """One row per planner point of ``files`` (bench_tree.py records): AR tok/s, the full chain, the fixed narrower
+    chains and the planner ÷ AR, the planner ÷ best fixed against the 0.98 goal, its steps, and the planner ÷ AR of the
+    same point in ``before_files`` (column ``before_col``). Empty without points."""
+    pts = [(name, p) for name in files for p in ((load(name) or {}).get("planner") or [])]
     if not pts:
         return []
-    before = {(p["concurrency"], p["temperature"]): p for name in ("verify-invariant-h100.json", "verify-exact-h100.json")
+    before = {(p["concurrency"], p["temperature"]): p for name in before_files
               for p in ((load(name) or {}).get("planner") or [])}
     widths = sorted({int(n) for _, p in pts for n in (p.get("fixed_chain_tok_per_s") or {})})
     r = lambda x, a: "–" if x is None else f"{x / a:.3f}"  # noqa: E731
-    out = ["#### Narrower chains in the planner (issue 16)", "",
-           "A chain narrower than the draft's block (`plan_chains`, default 2/4/8; `infer.bench --config LABEL:width=N` "
-           "for a fixed one) drafts the whole block and verifies its first N slots: at high concurrency the verify "
-           "rows (batch × width) set the step's time and a weak draft's deep slots are seldom accepted. SmolLM2-135M-"
-           "Instruct with the shipped draft, 5 tasks, 512 new tokens, every configuration in one `infer.bench` run per "
-           "point, alternated per task; tok/s ÷ AR's of the same run, and the planner of the same card without narrower "
-           "chains at the same point (an earlier run, other commit):", "",
-           "| concurrency | T | AR tok/s | chain 16 ÷ AR | " + " | ".join(f"chain {n} ÷ AR" for n in widths)
-           + " | planner ÷ AR | planner ÷ best fixed (goal ≥ 0.98) | planner's steps | planner ÷ AR without narrower "
-           "chains | file, commit |",
+    out = ["| concurrency | T | AR tok/s | chain 16 ÷ AR | " + " | ".join(f"chain {n} ÷ AR" for n in widths)
+           + f" | planner ÷ AR | planner ÷ best fixed (goal ≥ 0.98) | planner's steps | {before_col} | file, commit |",
            "|---|---|---|---|" + "---|" * len(widths) + "---|---|---|---|---|"]
     for name, p in pts:
         a, fixed = p["ar_tok_per_s"], p.get("fixed_chain_tok_per_s") or {}
-        steps = _planner_steps(p)
         old = before.get((p["concurrency"], p["temperature"]))
         seeds = p.get("seeds") or [0]
         temp = (f"{p['temperature']:g}" + (f" ({len(seeds)} seeds)" if len(seeds) > 1 else "")
@@ -943,10 +932,62 @@ def planner_chains_section() -> list[str]:
         out.append(f"| {p['concurrency']} | {temp} | {a:.0f} | {r(p['chain_tok_per_s'], a)} | "
                    + " | ".join(r(fixed.get(str(n)), a) for n in widths)
                    + f" | {p['planner_over_ar']:.3f} | {_vs_goal(p['planner_over_best_static'])} — {ok} | "
-                   f"{_step_share(steps)} | {r(None if old is None else old['planner_tok_per_s'], (old or {}).get('ar_tok_per_s', 1))} | "
+                   f"{_step_share(_planner_steps(p))} | "
+                   f"{r(None if old is None else old['planner_tok_per_s'], (old or {}).get('ar_tok_per_s', 1))} | "
                    f"[`{name}`](results/{name}) `{p['provenance']['commit'][:7]}` |")
     out += ["", "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`" for _, p in pts)),
             ""]
+    return out
+
+
+CHAINS_FILES = ("verify-chains-invariant-h100.json", "verify-chains-exact-h100.json")
+
+
+def planner_chains_section() -> list[str]:
+    """The planner's narrower chains (``plan_chains``) on the H100 (verify-chains-{invariant,exact}-h100.json), beside
+    the planner of the same card without narrower chains (verify-invariant-h100.json / verify-exact-h100.json, same
+    point) where one ran. Empty without those files."""
+    table = _chain_points_table(CHAINS_FILES, ("verify-invariant-h100.json", "verify-exact-h100.json"),
+                                  "planner ÷ AR without narrower chains")
+    if not table:
+        return []
+    return ["#### Narrower chains in the planner (issue 16)", "",
+            "A chain narrower than the draft's block (`plan_chains`, default 2/4/8; `infer.bench --config LABEL:width=N` "
+            "for a fixed one) drafts the whole block and verifies its first N slots: at high concurrency the verify "
+            "rows (batch × width) set the step's time and a weak draft's deep slots are seldom accepted. SmolLM2-135M-"
+            "Instruct with the shipped draft, 5 tasks, 512 new tokens, every configuration in one `infer.bench` run per "
+            "point, alternated per task; tok/s ÷ AR's of the same run, and the planner of the same card without narrower "
+            "chains at the same point (an earlier run, other commit):", ""] + table
+
+
+def planner_topk_section() -> list[str]:
+    """The top-k kernel (``dspine.ops.topk``): its microbenchmark (topk-h100.json, topk-qwen3-vocab-h100.json) and the
+    planner points measured with it (verify-topk-{invariant,exact}-h100.json) beside the same card's points before it
+    (the narrower-chains files). Empty without the files."""
+    out = []
+    benches = [(name, r) for name in ("topk-h100.json", "topk-qwen3-vocab-h100.json") if (r := load(name))]
+    if benches:
+        out += ["#### The top-k cut at T > 0 in one kernel", "",
+                "At T > 0 with top_k, every verified row's logits go through the top-k cut (the target's batch × width "
+                "rows, the draft's batch × (width - 1), an AR step's batch). The torch path ran `topk` over int64 "
+                "order keys, 32 radix passes over 8 bytes per vocabulary entry; `dspine.ops.topk` reads the logits "
+                "once and keeps each chunk's k largest keys in registers, the same ids (checked before timing). µs per "
+                "call in CUDA graph replays, bf16 logits, k = 20; whole `logits_to_probs` in the last two columns:", "",
+                "| vocabulary | rows | torch top-k µs | kernel µs | × | torch `logits_to_probs` µs | kernel µs | × | file |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for name, r in benches:
+            for p in r["points"]:
+                out.append(f"| {r['vocab']:,} | {p['rows']} | {p['torch_topk_us']:.0f} | {p['kernel_topk_us']:.0f} | "
+                           f"{p['topk_speedup']:.2f} | {p['torch_probs_us']:.0f} | {p['kernel_probs_us']:.0f} | "
+                           f"{p['probs_speedup']:.2f} | [`{name}`](results/{name}) `{r['commit'][:7]}` {r['gpu']} |")
+        out += ["", "Commands: " + "; ".join(f"`{r['command']}`" for _, r in benches), ""]
+    table = _chain_points_table(("verify-topk-invariant-h100.json", "verify-topk-exact-h100.json"), CHAINS_FILES,
+                                  "planner ÷ AR before the kernel")
+    if table:
+        out += ["The planner points with the kernel (H100, one lease; T = 1 with one seed; AR and every fixed mode take "
+                "the kernel too, so AR's tok/s moved as well; the T = 0 points run no top-k: they are this card's first "
+                "full T = 0 set with the narrower chains, and the step after deferred prompts timed without their "
+                "write):", ""] + table
     return out
 
 
@@ -1727,7 +1768,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)
