@@ -141,9 +141,10 @@ def test_fixed_narrow_chain_label_and_its_refusals(stories_dir, stories):  # noq
     assert eng.mode == ("chain", 4)
 
 
-def test_narrow_chains_feed_no_drain_statistics_and_the_real_draft_takes_a_width(stories_dir, stories):  # noqa: F811
-    """The drain rule's per-request chain statistics count full-width chain steps (and trees' chain parts) only: a
-    narrower chain's committed tokens are cut at its width. Engine.draft_logits(width=W) is the whole block's draft
+def test_narrow_chains_feed_the_drain_statistics_and_the_real_draft_takes_a_width(stories_dir, stories):  # noqa: F811
+    """The drain rule's per-request chain statistics count every chain step, a narrower chain's with its tokens cut at
+    its width (a batch running only narrow chains would otherwise never get a request's statistic, and the rule judged
+    it on the prior alone). Engine.draft_logits(width=W) is the whole block's draft
     with the head over slots 1..W-1 (fp32: the full call's first W - 1 rows), and a planner running the real draft's
     narrow chains decodes the target's greedy text."""
     target, _, folder = stories
@@ -163,8 +164,11 @@ def test_narrow_chains_feed_no_drain_statistics_and_the_real_draft_takes_a_width
             drains.clear()
             eng.plan_schedule = schedule
             assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want  # the real (random) draft
-            steps = [r[2] for d in drains for r in d]  # (remaining, chain tokens, chain steps, tokens²) per request
-            assert drains and (max(steps) == 0 if ("chain", 8) not in schedule else max(steps) > 0), (schedule, drains)
+            rows = [r for d in drains for r in d]  # (remaining, chain tokens, chain steps, tokens²) per request
+            assert drains and max(r[2] for r in rows) > 0, (schedule, drains)
+            for _, tokens, steps, sq in rows:  # each step commits 1..width tokens: within [steps, width × steps]
+                width = 8 if ("chain", 8) in schedule else 3
+                assert steps <= tokens <= width * steps and tokens <= sq <= width * tokens, (schedule, drains)
     finally:
         StepPlanner.choose = choose
     eng._slots_for(2)  # the batch's slots and caches
