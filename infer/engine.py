@@ -545,7 +545,7 @@ class Engine:
             stream = rng.STREAM_TARGET if params.invariant_sampling else rng.STREAM_DRAFT
             draft_tokens = sample(p_draft, s.seeds, stream, slot_pos, d_ids, impl=self.impl)
             if self.budget == "auto":
-                plan_stats(self._conf_probs(d_logits, p_draft, params).gather(-1, draft_tokens[..., None])[..., 0],
+                plan_stats(self._conf_probs(d_logits, p_draft, params, self.impl).gather(-1, draft_tokens[..., None])[..., 0],
                            s.conf, impl=self.impl)
         if narrow:
             block = torch.cat([s.anchor[:, None], draft_tokens], dim=1)  # [B, W]
@@ -579,13 +579,14 @@ class Engine:
         draft_cache.append(feats, (a + 1) * live, impl=self.impl)  # a int32; advances s.lengths
 
     @staticmethod
-    def _conf_probs(d_logits: torch.Tensor, p_draft: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    def _conf_probs(d_logits: torch.Tensor, p_draft: torch.Tensor, params: SamplingParams,
+                    impl: str = "torch") -> torch.Tensor:
         """The draft distribution the planner's confidence reads at T > 0 (``[B, K, V]`` fp32): the sampling
         distribution ``p_draft``, or, with a draft temperature, the draft at the target's temperature and
         cuts (the sampled q is sharper than the acceptance it predicts, one-hot at draft temperature 0)."""
         if params.draft_temperature is None:
             return p_draft
-        return logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k)
+        return logits_to_probs(d_logits, params.temperature, params.top_p, params.top_k, impl=impl)
 
     def chain_first(self, params: SamplingParams) -> bool:
         """Whether this run's trees keep the chain first (``tree_chain_first``; None: at T > 0 and with
@@ -1248,11 +1249,14 @@ class Engine:
         run chain's first n, tested alike; EOS and max_new cut both alike): exact up to rounding, since the narrower
         chain's draft head and verify run over other row counts, so a near-tie can part.
         Drain (``plan_drain``): per slot, the committed tokens, count and sum of squares of its request's chain
-        steps, a narrower chain's included (its tokens cut at its width), and of the chain parts of its tree steps,
+        steps, a narrower chain's included (its tokens cut at its width; not under ``plan_drain_model="own"``, which
+        measures a request against the full chain's estimate), and of the chain parts of its tree steps,
         reset when the slot is refilled (a finished request's
         stay while its slot idles); once the queue is empty, the planner gets them with each request's
         remaining tokens every ``PLAN_DRAIN_EVERY`` choices (``infer.planner``, "Drain"). The rule compares requests
-        by their acceptance relative to the batch's pooled one, which the same steps cut alike; without the narrower
+        by their acceptance relative to the batch's pooled one, which the same steps cut alike (requests admitted
+        together run the same steps; with refills the mix of widths differs between requests, and the spread the
+        planner carries to its next call is learned in these cut units); without the narrower
         chains' steps a batch running only those (all its prompts admitted at once, so the rule in force from its
         first step) never had a request's statistic and judged every speculative mode on the prior spread of its
         slowest request: at concurrency 64 on the H100 (f674ae0, results/verify-topk-*-h100.json) the planner ran AR
@@ -1381,6 +1385,8 @@ class Engine:
                             paired = [(m, sum(min(d, m[1]) for d in done) / len(rows)) for m in planner.table
                                       if m[0] == "chain" and m[1] < done_mode[1]]
                             paired.sort(key=lambda m_x: m_x[0][1])  # smallest first (observe_paired's leads)
+                            if narrow and self.plan_drain_model == "own":  # "own" reads them against the full chain
+                                chain_done = []
                         for m, x in paired:
                             planner.observe_paired(m, x, len(rows))
                         for b, d in zip(rows, chain_done):

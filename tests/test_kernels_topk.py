@@ -6,6 +6,8 @@ row, ties at the k-th score), -0.0 against +0.0, -inf entries, V below, at and a
 
 import tests.kernel_env as env  # noqa: I001  (must precede the kernel imports)
 
+import re
+
 import pytest
 import torch
 
@@ -102,8 +104,11 @@ def test_topk_ids_rejects_bad_inputs():
         topk_ids(torch.zeros(2, 4), 1.0, 5)
     with pytest.raises(ValueError, match="k = 0 outside"):
         topk_ids(torch.zeros(2, 4), 1.0, 0)
-    with pytest.raises(ValueError, match="temperature 0.0 must be > 0"):
-        topk_ids(torch.zeros(2, 4), 0.0, 1)
+    for T in (0.0, -1.0, float("inf"), float("nan"), 1e-46, 1e-40, 1e39):  # 1e-40: 1/T overflows fp32
+        with pytest.raises(ValueError, match=re.escape(f"temperature {T} must be > 0 and finite")):
+            topk_ids(torch.zeros(2, 4), T, 1)
+    with pytest.raises(ValueError, match="k = True outside"):
+        topk_ids(torch.zeros(2, 4), 1.0, True)
     with pytest.raises(ValueError, match="k = 300 > 256"):
         topk_ids(torch.zeros(2, 400), 1.0, 300, impl="triton")
     with pytest.raises(ValueError, match="impl must be"):

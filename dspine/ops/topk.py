@@ -8,9 +8,9 @@ ids). Returns ``ids [R, k]`` int64, exactly ``dspine.sampling``'s torch path: ``
 
 Why: at T > 0 every verified row goes through this cut (the target's ``B·W`` rows of a chain step, the draft's
 ``B·(W - 1)``, the B rows of an AR step). ``torch.topk`` over the int64 keys is a radix select of 2-bit digits,
-32 passes over the row's 8-byte keys, after the passes that build them: at batch 64 the H100 spent about
-4.7 µs per row of SmolLM2's 49,152 ids, 4.85 ms of an 8.5 ms chain step of 16
-(``results/verify-chains-invariant-h100.json``: chain 16 at T = 1 against T = 0, 8.54 against 3.69 ms).
+32 passes over the row's 8-byte keys, after the passes that build them: 3.0-3.8 µs per row of SmolLM2's 49,152 ids
+from 128 rows on the H100 (``results/topk-h100.json``), and the chain step of 16 at batch 64 cost 8.54 ms at T = 1
+against 3.69 ms at T = 0 (``results/verify-chains-invariant-h100.json``: 1,024 target and 960 draft rows cut).
 
 Kernel: grid (R, C), C = ceil(V / CHUNK). Program (r, c) loads chunk c of row r once, makes the keys in
 registers and takes its k largest in k rounds (a max over the chunk, stored, then masked out; the keys are
@@ -27,6 +27,7 @@ part in the last bit.
 from __future__ import annotations
 
 import functools
+import math
 import struct
 
 import torch
@@ -101,19 +102,23 @@ def topk_ids(logits: torch.Tensor, temperature: float, k: int, impl: str = "torc
     in sampling order (module docstring) -> ``[..., k]`` int64.
 
     Raises:
-        ValueError: a 0-d input, V = 0, another dtype, T <= 0, k outside 1..V, or k > ``TOPK_MAX`` with
-            ``impl="triton"``.
+        ValueError: a 0-d input, V = 0, another dtype, T not finite and > 0 (with 1/T finite in fp32), k not an
+            int in 1..V, or k > ``TOPK_MAX`` with ``impl="triton"``.
     """
     fn = pick_impl(impl, _topk_ids_triton, _topk_ids_torch)
     if logits.dim() < 1 or logits.shape[-1] == 0 or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"topk_ids needs logits [..., V] with V >= 1 in bf16/fp16/fp32, got "
                          f"{tuple(logits.shape)} {logits.dtype}")
     V = logits.shape[-1]
-    if not temperature > 0:
-        raise ValueError(f"topk_ids: temperature {temperature} must be > 0")
-    if not 1 <= k <= V:
+    try:
+        inv = inv_temperature(temperature) if math.isfinite(temperature) and temperature > 0 else 0.0
+    except (OverflowError, ZeroDivisionError):  # T beyond fp32's range, or below its smallest subnormal
+        inv = 0.0
+    if not (0.0 < inv < math.inf):
+        raise ValueError(f"topk_ids: temperature {temperature} must be > 0 and finite, with 1/T finite in fp32")
+    if isinstance(k, bool) or not 1 <= k <= V:
         raise ValueError(f"topk_ids: k = {k} outside 1..{V} (the vocabulary)")
     if impl == "triton" and k > TOPK_MAX:
         raise ValueError(f"topk_ids: k = {k} > {TOPK_MAX}, the kernel's largest (use impl='torch')")
     lead = logits.shape[:-1]
-    return fn(logits.reshape(-1, V), inv_temperature(temperature), k).view(*lead, k)
+    return fn(logits.reshape(-1, V), inv, k).view(*lead, k)
