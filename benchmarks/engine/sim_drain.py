@@ -32,6 +32,9 @@ from infer.planner import StepPlanner  # noqa: E402
 
 AR, CHAIN = ("ar", 1), ("chain", 16)
 COSTS = {AR: 1.12, CHAIN: 2.39}
+# --narrow: the planner's default chains beside the full one, at the H100's start-up table for concurrency 64, T = 0,
+# exact (results/verify-topk-exact-h100.json, planner_choices_per_task step_ms)
+COSTS_NARROW = {AR: 1.267, ("chain", 2): 1.648, ("chain", 4): 1.86, ("chain", 8): 2.33, CHAIN: 3.664}
 # task, mean τ of the chain (bonus included), standard deviation of the requests' mean accepted tokens per step
 # (their spread less the part a request's own step-to-step noise explains)
 TASKS = [
@@ -43,12 +46,16 @@ TASKS = [
 ]
 
 
-def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, planner=None) -> float:
+def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, planner=None,
+                feed_narrow=True) -> float:
     """Milliseconds to finish one batch with no queue (the batch keeps its size to the end). Request i accepts
-    each draft token with probability ``accept[i]`` (a chain of 16 commits 1 + accepted, at most 16); every
+    each draft token with probability ``accept[i]`` (a chain of W commits 1 + accepted, at most W); every
     step costs its table time, which the planner is told. ``fixed``: run that mode every step instead of the
     planner; ``drain``: give the planner the batch (else it runs its throughput rule) every ``every`` steps (the
-    engine: ``Engine.PLAN_DRAIN_EVERY``); ``planner``: the one to use (a fresh one by default)."""
+    engine: ``Engine.PLAN_DRAIN_EVERY``); ``planner``: the one to use (a fresh one by default). As in the engine, a
+    chain step pairs each narrower chain of the table with min(committed, width) per request, and its tokens go
+    into the drain statistics: the full chain's always, a narrower one's with ``feed_narrow`` (the engine before
+    2026-12-06, fifth: not)."""
     rng = random.Random(seed)
     planner = planner or StepPlanner(costs)
     n = len(accept)
@@ -62,43 +69,54 @@ def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, p
             mode = fixed
         ms += costs[mode]
         done = []
+        stats = mode[0] != "ar" and (mode == CHAIN or feed_narrow)
         for i in live:
             a = 0
-            while mode[0] != "ar" and a < 15 and rng.random() < accept[i]:
+            while mode[0] != "ar" and a < mode[1] - 1 and rng.random() < accept[i]:
                 a += 1
             k = min(1 + a, rem[i])
             rem[i] -= k
             done.append(k)
-            if mode[0] != "ar":
+            if stats:
                 tok[i], steps[i], sq[i] = tok[i] + k, steps[i] + 1, sq[i] + k * k
         if fixed is None:
             planner.observe(mode, sum(done) / len(live), costs[mode], len(live))
+            if mode[0] == "chain":  # smallest first, as the engine
+                for m in sorted((m for m in costs if m[0] == "chain" and m[1] < mode[1]), key=lambda m: m[1]):
+                    planner.observe_paired(m, sum(min(d, m[1]) for d in done) / len(live), len(live))
     return ms
 
 
 def replay_tasks(
-    seed: int, tasks=TASKS, batch: int = 64, max_new: int = 256, every: int = 8
+    seed: int, tasks=TASKS, batch: int = 64, max_new: int = 256, every: int = 8, costs=None, feed_narrow: bool = True
 ) -> dict[str, list[float]]:
-    """Milliseconds per task of ``ar``, ``chain`` and ``planner`` for one draw of the requests (module docstring);
-    ``tasks``: ``(name, mean τ, standard deviation between requests)`` in the order run."""
+    """Milliseconds per task of ``ar``, ``chain`` (the full one), each narrower chain of ``costs`` (``chainW``) and
+    ``planner`` for one draw of the requests (module docstring); ``tasks``: ``(name, mean τ, standard deviation
+    between requests)`` in the order run; ``costs``: the step table (default :data:`COSTS`); ``feed_narrow``: as in
+    :func:`drain_batch`."""
+    costs = costs or COSTS
     rng = random.Random(seed)
-    out: dict[str, list[float]] = {"ar": [], "chain": [], "planner": []}
+    narrow = [m for m in costs if m[0] == "chain" and m != CHAIN]
+    out: dict[str, list[float]] = {"ar": [], "chain": [], **{f"chain{m[1]}": [] for m in narrow}, "planner": []}
     cost_state = token_state = None
     for k, (_, tau, sd) in enumerate(tasks):
         accept = []
         for _ in range(batch):
             a = max(0.05, rng.gauss(tau - 1.0, sd))
             accept.append(a / (1.0 + a))
-        out["ar"].append(drain_batch(COSTS, accept, max_new, seed, fixed=AR))
-        out["chain"].append(drain_batch(COSTS, accept, max_new, seed, fixed=CHAIN))
+        out["ar"].append(drain_batch(costs, accept, max_new, seed, fixed=AR))
+        out["chain"].append(drain_batch(costs, accept, max_new, seed, fixed=CHAIN))
+        for m in narrow:
+            out[f"chain{m[1]}"].append(drain_batch(costs, accept, max_new, seed, fixed=m))
         passes = []
         for run_seed in (seed + 1000 + k, seed):  # untimed pass, then the timed one from the same memory
-            p = StepPlanner(COSTS)
+            p = StepPlanner(costs)
             if cost_state is not None:
                 p.load_cost_state(cost_state)
             if token_state is not None:
                 p.load_token_state(token_state)
-            passes.append((drain_batch(COSTS, accept, max_new, run_seed, every=every, planner=p), p))
+            passes.append((drain_batch(costs, accept, max_new, run_seed, every=every, planner=p,
+                                       feed_narrow=feed_narrow), p))
             cost_state = p.cost_state()
         ms, p = passes[1]
         out["planner"].append(ms)
@@ -109,28 +127,40 @@ def replay_tasks(
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=6, help="draws of the requests")
+    ap.add_argument("--narrow", action="store_true",
+                    help="the planner's chains of 2, 4 and 8 beside the full one, at the H100's table (COSTS_NARROW); "
+                         "the planner with and without the narrower chains' steps in its drain statistics")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    costs = COSTS_NARROW if args.narrow else COSTS
     result = {
         "command": "python benchmarks/engine/sim_drain.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "costs_ms": {"ar": COSTS[AR], "chain16": COSTS[CHAIN]},
+        "costs_ms": {f"{m[0]}{m[1]}" if m[0] == "chain" else m[0]: c for m, c in costs.items()},
         "seeds": args.seeds,
         "orders": [],
     }
     for tasks in (TASKS, TASKS[::-1]):
-        runs = [replay_tasks(s, tasks) for s in range(args.seeds)]
-        per_task = {k: [statistics.mean(r[k][i] for r in runs) for i in range(len(tasks))] for k in runs[0]}
+        per_task: dict = {}
+        for feed in ((True, False) if args.narrow else (True,)):
+            runs = [replay_tasks(s, tasks, costs=costs, feed_narrow=feed) for s in range(args.seeds)]
+            for k in runs[0]:
+                name = k if k != "planner" or not args.narrow else f"planner_{'fed' if feed else 'unfed'}"
+                per_task[name] = [statistics.mean(r[k][i] for r in runs) for i in range(len(tasks))]
         total = {k: sum(v) for k, v in per_task.items()}
-        print("tasks   " + " ".join(f"{t[0][:7]:>7s}" for t in tasks))
+        print("tasks          " + " ".join(f"{t[0][:7]:>7s}" for t in tasks))
         for k, v in per_task.items():
-            print(f"{k:8s}" + " ".join(f"{x:7.1f}" for x in v) + f"   total {total[k]:7.1f} ms")
-        best = sum(map(min, per_task["ar"], per_task["chain"]))
-        order = {"tasks": [t[0] for t in tasks], "ms_per_task": per_task, "total_ms": total,
-                 "planner_over_ar_time": total["planner"] / total["ar"],
-                 "planner_over_best_fixed_time": total["planner"] / min(total["ar"], total["chain"]),
-                 "planner_over_best_per_task_time": total["planner"] / best}  # fmt: skip
-        print(f"planner time / AR {order['planner_over_ar_time']:.3f}, / best fixed "
-              f"{order['planner_over_best_fixed_time']:.3f}, / best per task {order['planner_over_best_per_task_time']:.3f}")  # fmt: skip
+            print(f"{k:15s}" + " ".join(f"{x:7.1f}" for x in v) + f"   total {total[k]:7.1f} ms")
+        fixed = [k for k in per_task if not k.startswith("planner")]
+        best = sum(min(per_task[k][i] for k in fixed) for i in range(len(tasks)))
+        best_fixed = min(total[k] for k in fixed)
+        order = {"tasks": [t[0] for t in tasks], "ms_per_task": per_task, "total_ms": total}
+        for k in (k for k in per_task if k.startswith("planner")):
+            suffix = k[len("planner"):]
+            order[f"planner{suffix}_over_ar_time"] = total[k] / total["ar"]
+            order[f"planner{suffix}_over_best_fixed_time"] = total[k] / best_fixed
+            order[f"planner{suffix}_over_best_per_task_time"] = total[k] / best
+            print(f"{k} time / AR {total[k] / total['ar']:.3f}, / best fixed {total[k] / best_fixed:.3f}, "
+                  f"/ best per task {total[k] / best:.3f}")
         result["orders"].append(order)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")

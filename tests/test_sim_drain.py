@@ -1,0 +1,46 @@
+"""benchmarks/engine/sim_drain.py: the no-queue drain model (CPU), with the narrower chains of ``--narrow``."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.engine import sim_drain as sim
+from infer.planner import StepPlanner
+
+
+def test_fixed_chains_commit_what_the_acceptance_allows():
+    """A chain of W commits 1 + accepted tokens, at most W: with acceptance 0 one token a step, with acceptance 1
+    W tokens a step (the last step cut at what is left)."""
+    costs = sim.COSTS_NARROW
+    for m in (sim.AR, ("chain", 2), ("chain", 4), sim.CHAIN):
+        assert sim.drain_batch(costs, [0.0] * 3, 30, 0, fixed=m) == pytest.approx(30 * costs[m])
+    for W in (2, 4, 16):
+        assert sim.drain_batch(costs, [1.0] * 3, 30, 0, fixed=("chain", W)) == pytest.approx(-(-30 // W) * costs[("chain", W)])
+
+
+@pytest.mark.parametrize("feed", [True, False])
+def test_narrow_chains_feed_the_drain_statistics_only_when_told(feed):
+    """The planner's drain requests carry chain steps of a narrower chain only with ``feed_narrow`` (the full chain's
+    always); a chain step pairs every narrower chain of the table."""
+    seen, paired = [], []
+    planner = StepPlanner({sim.AR: 1.0, ("chain", 2): 1.2, ("chain", 4): 1.3})
+    planner.schedule = [("chain", 4)] * 3 + [("chain", 2)] * 30
+    choose, observe_paired = planner.choose, planner.observe_paired
+
+    def spy(predicted=None, drain=None):
+        if drain is not None:
+            seen.append(drain)
+        return choose(predicted, drain)
+
+    planner.choose = spy
+    planner.observe_paired = lambda m, x, rows: paired.append(m) or observe_paired(m, x, rows)
+    sim.drain_batch(planner.table, [0.5] * 4, 12, 1, planner=planner, feed_narrow=feed)
+    steps = max(r[2] for d in seen for r in d)
+    assert steps > 0 if feed else steps == 0
+    assert paired and set(paired) == {("chain", 2)}
+
+
+def test_replay_reports_every_fixed_chain():
+    out = sim.replay_tasks(0, sim.TASKS[:1], batch=4, max_new=16, costs=sim.COSTS_NARROW)
+    assert set(out) == {"ar", "chain", "chain2", "chain4", "chain8", "planner"}
+    assert out["ar"] == [pytest.approx(16 * sim.COSTS_NARROW[sim.AR])]
