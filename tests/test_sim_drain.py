@@ -44,3 +44,17 @@ def test_replay_reports_every_fixed_chain():
     out = sim.replay_tasks(0, sim.TASKS[:1], batch=4, max_new=16, costs=sim.COSTS_NARROW)
     assert set(out) == {"ar", "chain", "chain2", "chain4", "chain8", "planner"}
     assert out["ar"] == [pytest.approx(16 * sim.COSTS_NARROW[sim.AR])]
+
+
+def test_the_record_names_its_command_device_and_date(tmp_path, monkeypatch):
+    """The JSON carries what tests/test_readme.py asks of every results file (one small draw, one task)."""
+    import json
+
+    monkeypatch.setattr(sim, "TASKS", sim.TASKS[:1])
+    out = tmp_path / "sim.json"
+    assert sim.main(["--seeds", "1", "--narrow", "--output", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["command"].endswith(f"--narrow --output {out}") and rec["device"].startswith("CPU") and rec["date"]
+    order = rec["orders"][0]
+    assert set(order["total_ms"]) == {"ar", "chain", "chain2", "chain4", "chain8", "planner_fed", "planner_unfed"}
+    assert order["planner_fed_over_ar_time"] == order["total_ms"]["planner_fed"] / order["total_ms"]["ar"]

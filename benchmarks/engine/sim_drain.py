@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from dspine.provenance import git_commit, utc_now  # noqa: E402
 from infer.planner import StepPlanner  # noqa: E402
 
 AR, CHAIN = ("ar", 1), ("chain", 16)
@@ -135,6 +136,7 @@ def main(argv=None) -> int:
     costs = COSTS_NARROW if args.narrow else COSTS
     result = {
         "command": "python benchmarks/engine/sim_drain.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": "CPU (a replay: no model runs)", "date": utc_now(), "commit": git_commit(),
         "costs_ms": {f"{m[0]}{m[1]}" if m[0] == "chain" else m[0]: c for m, c in costs.items()},
         "seeds": args.seeds,
         "orders": [],
