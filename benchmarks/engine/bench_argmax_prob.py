@@ -66,6 +66,20 @@ def _time(run, iters: int, cuda: bool) -> float:
     return (time.perf_counter() - t) / iters * 1e6
 
 
+def median_us(fns: dict, iters: int, reps: int, cuda: bool) -> dict:
+    """Per name of ``fns`` (name -> call), the median µs per call: each call ``iters`` times in one CUDA graph
+    (:func:`_graphed`), timed round-robin in alternating order over ``reps`` rounds after one warm-up round (the
+    module docstring's protocol; bench_topk.py's too)."""
+    variants = {name: _graphed(fn, iters, cuda) for name, fn in fns.items()}
+    times: dict = {name: [] for name in variants}
+    for rep in range(reps + 1):
+        for name in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):
+            t = _time(variants[name], iters, cuda)
+            if rep:  # the first round warms up (compilation, autotuning)
+                times[name].append(t)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def run(args) -> dict:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -84,19 +98,11 @@ def run(args) -> dict:
             finally:
                 ap_mod.PROGRAMS = shipped
 
-        variants = {k: _graphed(fn, args.iters, cuda) for k, fn in (
-            ("torch_argmax_us", lambda x=x: x.argmax(-1)), ("one_program_us", one),
-            ("split_us", lambda x=x: ap_mod.argmax_prob(x, impl=impl)))}
-        times = {k: [] for k in variants}
-        for rep in range(args.reps + 1):
-            order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
-            for k in order:
-                t = _time(variants[k], args.iters, cuda)
-                if rep:  # the first round warms up (compilation, autotuning)
-                    times[k].append(t)
+        fns = {"torch_argmax_us": lambda x=x: x.argmax(-1), "one_program_us": one,
+               "split_us": lambda x=x: ap_mod.argmax_prob(x, impl=impl)}
         tiles = -(-args.vocab // ap_mod.BLOCK)
         chunk = -(-tiles // min(tiles, max(1, -(-shipped // R))))
-        point = {"rows": R, "S": -(-tiles // chunk), **{k: statistics.median(v) for k, v in times.items()}}
+        point = {"rows": R, "S": -(-tiles // chunk), **median_us(fns, args.iters, args.reps, cuda)}
         point["split_minus_argmax_us"] = point["split_us"] - point["torch_argmax_us"]
         res["points"].append(point)
         print(f"R={R} S={point['S']}: argmax {point['torch_argmax_us']:.1f} us, one program/row "

@@ -21,7 +21,6 @@ four times and ``topk_speedup`` / ``probs_speedup`` (torch ÷ kernel).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.engine.bench_argmax_prob import _graphed, _time  # noqa: E402
+from benchmarks.engine.bench_argmax_prob import median_us  # noqa: E402
 from benchmarks.engine.bench_planner_loop import finish, int_list, require_positive  # noqa: E402
 from dspine.ops.topk import CHUNK, topk_ids  # noqa: E402
 from dspine.paths import output_arg  # noqa: E402
@@ -53,14 +52,7 @@ def run(args) -> dict:
                "kernel_probs_us": lambda x=x: logits_to_probs(x, T, top_p, k, with_ids=True, impl=kernel)}
         if not torch.equal(fns["torch_topk_us"](), fns["kernel_topk_us"]()):
             raise AssertionError(f"rows {R}: the kernel's ids differ from the torch path's")
-        variants = {name: _graphed(fn, args.iters, cuda) for name, fn in fns.items()}
-        times: dict = {name: [] for name in variants}
-        for rep in range(args.reps + 1):
-            for name in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):
-                t = _time(variants[name], args.iters, cuda)
-                if rep:  # the first round warms up (compilation)
-                    times[name].append(t)
-        point = {"rows": R, **{name: statistics.median(v) for name, v in times.items()}}
+        point = {"rows": R, **median_us(fns, args.iters, args.reps, cuda)}
         point["topk_speedup"] = point["torch_topk_us"] / point["kernel_topk_us"]
         point["probs_speedup"] = point["torch_probs_us"] / point["kernel_probs_us"]
         res["points"].append(point)
