@@ -960,6 +960,9 @@ def planner_chains_section() -> list[str]:
             "chains at the same point (an earlier run, other commit):", ""] + table
 
 
+TOPK_FILES = ("verify-topk-invariant-h100.json", "verify-topk-exact-h100.json")
+
+
 def planner_topk_section() -> list[str]:
     """The top-k kernel (``dspine.ops.topk``): its microbenchmark (topk-h100.json, topk-qwen3-vocab-h100.json) and the
     planner points measured with it (verify-topk-{invariant,exact}-h100.json) beside the same card's points before it
@@ -981,7 +984,7 @@ def planner_topk_section() -> list[str]:
                            f"{p['topk_speedup']:.2f} | {p['torch_probs_us']:.0f} | {p['kernel_probs_us']:.0f} | "
                            f"{p['probs_speedup']:.2f} | [`{name}`](results/{name}) `{r['commit'][:7]}` {r['gpu']} |")
         out += ["", "Commands: " + "; ".join(f"`{r['command']}`" for _, r in benches), ""]
-    table = _chain_points_table(("verify-topk-invariant-h100.json", "verify-topk-exact-h100.json"), CHAINS_FILES,
+    table = _chain_points_table(TOPK_FILES, CHAINS_FILES,
                                   "planner ÷ AR before the kernel")
     if table:
         out += ["The planner points with the kernel (H100, one lease; T = 1 with one seed; AR and every fixed mode take "
@@ -989,6 +992,23 @@ def planner_topk_section() -> list[str]:
                 "full T = 0 set with the narrower chains, and the step after deferred prompts timed without their "
                 "write):", ""] + table
     return out
+
+
+def planner_drainfed_section() -> list[str]:
+    """The planner points with the narrower chains' steps feeding the drain statistics
+    (verify-drainfed-{invariant,exact}-h100.json) beside the same card's points before that change (TOPK_FILES).
+    Empty without the files."""
+    table = _chain_points_table(("verify-drainfed-invariant-h100.json", "verify-drainfed-exact-h100.json"), TOPK_FILES,
+                                "planner ÷ AR before")
+    if not table:
+        return []
+    return ["#### The drain rule with the narrower chains' statistics", "",
+            "With as many prompts as slots, all are admitted at once and the drain rule (finish the batch's slowest "
+            "request soonest) is in force from the first step. Its per-request acceptance statistics counted full-width "
+            "chain steps only, so where the planner ran only narrower chains it judged every mode on the prior spread "
+            "and chose AR. Narrower chains' steps now feed those statistics, cut at the chain's width. Same setting as "
+            "the table above (H100, one lease, T = 1 with one seed); last column: the planner of the top-k kernel's "
+            "lease at the same point:", ""] + table
 
 
 def planner_exact_section() -> list[str]:
@@ -1768,7 +1788,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)
