@@ -62,7 +62,9 @@ def glance_section() -> list[str]:
 
 
 # planner points on the same text in every mode (scripts/reproduce_h200.sh planfair), with what makes it the same
-FAIR_FILES = [(f"verify-{kind}-{gpu}.json", how) for gpu in ("h200", "h100") for kind, how in (
+# (the drainfed files: the same points at the latest rules, the narrower chains feeding the drain statistics)
+FAIR_FILES = [(f"verify-{run}{kind}-{gpu}.json", how) for run, gpus in (("", ("h200", "h100")), ("drainfed-", ("h100",)))
+              for gpu in gpus for kind, how in (
     ("exact", "exact mode: every mode decodes AR's greedy text"),
     ("invariant", "drafter-invariant verification: the chain and the planner decode AR's sampled text, no tree"))]
 
@@ -170,7 +172,9 @@ def _glance_rows(load) -> list[str]:
         pts = (hx or {}).get("planner") or []
         if pts and all(_point_key(p) in in_ver for p in pts):
             continue  # verify-h200.json's row holds them
-        row = _planner_row(pts, name, f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, {how})",
+        commit = ", ".join(dict.fromkeys(str(p.get("provenance", {}).get("commit") or "?")[:7] for p in pts))
+        row = _planner_row(pts, name, f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, "
+                           f"commit {commit}, {how})",
                            what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
         if row:
             rows.append(row)
