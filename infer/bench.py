@@ -33,6 +33,7 @@ from dspine.sampling import SamplingParams
 from dspine.stats import AcceptStats
 from infer.planner import (
     CEILING_MODELS,
+    DRAIN_MODELS,
     SETTLE_MODELS,
     parse_conf_slope,
     parse_plan_chains,
@@ -97,7 +98,7 @@ def _draft_vocab(text: str) -> str | None:  # a file (read with the models), or 
 
 
 CONFIDENCE = ("greedy", "always", "never")  # Engine.plan_confidence
-DRAIN = ("off", "scaled", "lead", "own")  # off: Engine.plan_drain False; else on with that Engine.plan_drain_model
+DRAIN = ("off", *DRAIN_MODELS)  # off: Engine.plan_drain False; else on with that Engine.plan_drain_model
 # --config KEY -> its value parser (ValueError naming KEY and the value)
 CONFIG_PARSERS = {
     "verify": _choice("verify", {"chain": "chain", "tree": "tree"}, "chain or tree"),
@@ -738,7 +739,7 @@ def build_parser():
                          "only) or width (a fixed chain of that width, anchor included, below the block) or confidence "
                          "(greedy|always|never: when the planner gets the draft's confidence, Engine.plan_confidence; "
                          "budget=auto only) or conf_slope (auto or a number in 0..2: how far that confidence moves the "
-                         "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead|own: the planner's drain rule off, or on with "
+                         "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead|own|persist: the planner's drain rule off, or on with "
                          "Engine.plan_drain_model; budget=auto only) or settle (long_run|estimate: the rate the planner settles a probe "
                          "against, Engine.plan_settle; budget=auto only) or ceiling (lead|headroom|lead_age: a led mode's "
                          "probing ceiling, Engine.plan_ceiling; budget=auto only) or draft_vocab (a draft vocabulary file, or none "

@@ -77,7 +77,10 @@ towards the batch's by :func:`spread_weight`; the finishing step the median of t
 run until the next refresh on the estimates times one factor, that of the speculative mode with the highest mapped
 rate. ``drain_model`` ``"scaled"`` (default) scales every speculative mode alike by the request's acceptance,
 ``"lead"`` maps a tree as the request's chain plus the tree's lead, ``"own"`` scales by each request's acceptance over
-the longest chain's current estimate (not the batch's pooled one) and takes no confidence in the drain.
+the longest chain's current estimate (not the batch's pooled one) and takes no confidence in the drain; ``"persist"``
+(an experiment) scales alike but takes the spread between requests from the covariance of each request's early and
+later acceptance (:func:`persistent_spread`: acceptance comes in bursts, and the spread of short windows' means
+mostly does not persist) and carries it to the next call relative to the pooled acceptance.
 
 ``benchmarks/engine/sim_planner.py`` replays recorded cost tables with a synthetic acceptance process, true step
 times that differ from the table and a miscalibrated confidence; ``benchmarks/reference/planner_trace.py replay``
@@ -102,9 +105,11 @@ PENDING = 8  # unobserved choices kept by StepPlanner (the engine has at most 2)
 PAIRED_FRESH = 4
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 # how the drain rule maps a tree to one request (drain_tokens): "scaled" (every speculative mode scaled alike by
-# the request's chain acceptance, the default), "lead" (the request's chain plus the tree's lead over it) or "own"
+# the request's chain acceptance, the default), "lead" (the request's chain plus the tree's lead over it), "own"
 # (scaled, with the longest chain's estimate as the unit and no confidence under the drain: module docstring, "Drain")
-DRAIN_MODELS = ("scaled", "lead", "own")
+# or "persist" (scaled, with the spread between requests from the covariance of their early and later acceptance,
+# persistent_spread, carried relative to the pooled acceptance; an experiment)
+DRAIN_MODELS = ("scaled", "lead", "own", "persist")
 # the rate a probe's loss is settled against (module docstring, rule 3): "long_run" (the larger of the best mode's
 # rate as estimated at the choice and its long-run rate, the default) or "estimate" (the estimate alone, the rule
 # before 2026-12-06)
@@ -127,6 +132,12 @@ DEFAULT_SPREAD = 0.25
 # easy, not that the slowest accepts nothing (the five tasks' spreads on the H200 are 0.22-0.37 ā; docstring of
 # drain_tokens)
 SPREAD_CV = 0.5
+# drain model "persist": a request's early window, in chain steps, and the least chain steps after it that make a late
+# window (persistent_spread), and the prior spread relative to the pooled acceptance, (sd / ā)², of a planner with no
+# earlier call: the H100 step logs of 2026-12-06 (concurrency 32 and 64, T = 0, results/plan-persistence-h100-exact-*.json)
+# have the covariance of early and late means at 0-0.10 ā², most of them at 0.01-0.04
+PERSIST_EARLY = 16
+DEFAULT_SPREAD_REL = 0.04
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
 SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
@@ -356,9 +367,55 @@ def _finite_prior(prior) -> float | None:
     return float(prior) if prior is not None and math.isfinite(prior) and prior >= 0 else None
 
 
+def persistent_spread(drain, snaps: dict[int, tuple[float, float]], early: int = PERSIST_EARLY) -> tuple[float, float]:
+    """The spread between requests that persists through their answers, for drain model ``"persist"``.
+
+    The drain rule takes a request's acceptance so far as its own for the rest of its answer. Acceptance comes in
+    bursts longer than a step, so over a short window the requests' means spread more than the noise of independent
+    steps explains, and little of it persists: at concurrency 64, T = 0 on the H100 the regression of each request's
+    later mean on its mean over its first 16 chain steps had slopes -0.2 to 0.4 (``benchmarks/engine/plan_log.py
+    --persistence``). The covariance across requests of a request's early mean and its later mean measures the
+    persistent part without a noise model (the two windows' noise is independent).
+
+    Args:
+        drain: one ``(remaining, chain_tokens, chain_steps, chain_tokens_sq)`` per request, as for
+            :func:`drain_tokens`, in the same order at every refresh of one call (the engine's slots).
+        snaps: per index of ``drain``, its request's ``(chain_tokens, chain_steps)`` at the first refresh where it had
+            ``early`` chain steps or more; updated in place (a request whose steps fell below its snapshot's was
+            replaced: its snapshot is dropped).
+        early: chain steps of the early window, and the least of the later one.
+    Returns:
+        ``(cov, weight)``: the covariance (tokens², population form; may be negative) of the early and later mean
+        accepted draft tokens per chain step over the requests with both windows, and the weight it gets against the
+        prior, ``n̄ / (n̄ + SPREAD_STEPS) × (m − 1) / (m − 1 + PRIOR_ROWS)`` with m such requests and n̄ their mean
+        later steps (as :func:`spread_weight`); ``(0.0, 0.0)`` with fewer than two.
+    """
+    for i, d in enumerate(drain):
+        snap = snaps.get(i)
+        if snap is not None and d[2] < snap[1]:
+            del snaps[i]
+            snap = None
+        if snap is None and d[2] >= early:
+            snaps[i] = (float(d[1]), float(d[2]))
+    pairs = []
+    for i, (t0, n0) in snaps.items():
+        if i < len(drain) and drain[i][2] - n0 >= early:
+            t, n = drain[i][1], drain[i][2]
+            pairs.append(((t0 - n0) / n0, ((t - t0) - (n - n0)) / (n - n0), n - n0))
+    m = len(pairs)
+    if m < 2:
+        return 0.0, 0.0
+    e_mean = sum(p[0] for p in pairs) / m
+    l_mean = sum(p[1] for p in pairs) / m
+    cov = sum((p[0] - e_mean) * (p[1] - l_mean) for p in pairs) / m
+    nbar = sum(p[2] for p in pairs) / m
+    return cov, nbar / (nbar + SPREAD_STEPS) * (m - 1) / (m - 1 + PRIOR_ROWS)
+
+
 def drain_tokens(
     tokens: dict[Mode, float | None], drain, modes, prior: float | None = None, leads: dict[Mode, Mode] | None = None,
     own: bool = False,
+    persist: tuple[float, float] | None = None,
 ) -> dict[Mode, float | None]:
     """Token estimates for the drain rule (module docstring, "Drain"): each speculative mode's ``tokens`` mapped
     to the AR-equivalent tokens per step of the request that would finish last under it.
@@ -380,6 +437,9 @@ def drain_tokens(
             speculative mode scaled alike, below.
         own: the drain model ``"own"``: ``ā`` in ``τ_i(m)`` below is the longest chain's ``tokens`` − 1 where that is
             above 0 (the chain commits ``1 + a_i`` for request i), not the pooled acceptance.
+        persist: the drain model ``"persist"``: ``(cov, w)`` of :func:`persistent_spread`; the variance between
+            requests is then ``w × max(cov, 0) + (1 − w) × prior × ā²`` (``prior`` relative to ā², as
+            :attr:`StepPlanner.spread` carries it under this model) instead of the one below, with the same cap.
     Returns:
         ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
         > 0), ``y(m)`` the median of the number of steps the last of them needs under mode m. AR's 1 stays 1;
@@ -419,7 +479,11 @@ def drain_tokens(
     if not live or not pooled > 0:
         return dict(tokens)
     unit = tokens[ref] - 1.0 if own and ref is not None and tokens[ref] > 1.0 else pooled  # ā of τ_i(m)
-    v = min(spread_variance(drain, between, prior), (SPREAD_CV * pooled) ** 2)
+    if persist is None:
+        v = spread_variance(drain, between, prior)
+    else:
+        v = persist[1] * max(persist[0], 0.0) + (1.0 - persist[1]) * (prior or 0.0) * pooled**2
+    v = min(v, (SPREAD_CV * pooled) ** 2)
     rem = np.array([float(d[0]) for d in live])
     n = np.array([float(d[2]) for d in live])
     mean = np.array([(d[1] - d[2]) / d[2] if d[2] else pooled for d in live])
@@ -591,8 +655,11 @@ class StepPlanner:
         # variance between requests' accepted draft tokens per chain step: drain_tokens' prior, from an earlier
         # call (load_token_state), and the one its latest drain with a chain step used (this batch's estimate weighted
         # with the prior as in drain_tokens), which token_state carries on
-        self.spread_prior: float | None = DEFAULT_SPREAD
+        # (drain model "persist": relative to the pooled acceptance squared, and its early windows per request,
+        # persistent_spread)
+        self.spread_prior: float | None = DEFAULT_SPREAD_REL if drain_model == "persist" else DEFAULT_SPREAD
         self.spread: float | None = None
+        self.persist_snaps: dict[int, tuple[float, float]] = {}
         # an optional per-step log (None: off; :meth:`start_log`), for diagnosing a decode after the fact
         self.log: list | None = None
         self.step = 0
@@ -751,13 +818,18 @@ class StepPlanner:
         own = self.drain_model == "own"
         conf = None if own and (drain is not None or self.drain_scale is not None) else predicted
         if drain is not None and self.log is not None:
-            self.log.append(["d", self.step, [[d[0], d[1], d[2]] for d in drain]])
+            self.log.append(["d", self.step, [[d[0], d[1], d[2], d[3]] for d in drain]])
         if drain is not None:
             raw = self.expected(conf)
             leads = {m: self._lead_chain(m) for m in self.lead} if self.drain_model == "lead" else None
-            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own)
+            persist = (persistent_spread(drain, self.persist_snaps, PERSIST_EARLY) if self.drain_model == "persist"
+                       else None)
+            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own, persist)
             pooled, _, between, nbar = drain_spread(drain)
-            if nbar and pooled > 0:  # the spread drain_tokens used, for later batches
+            if nbar and pooled > 0 and persist is not None:  # relative to ā², as drain_tokens took the prior
+                cov, w = persist
+                self.spread = w * max(cov, 0.0) / pooled**2 + (1.0 - w) * (_finite_prior(self.spread_prior) or 0.0)
+            elif nbar and pooled > 0:  # the spread drain_tokens used, for later batches
                 self.spread = spread_variance(drain, between, self.spread_prior)
             # one factor for every speculative mode: that of the mode whose mapped drain rate is the highest. The
             # drain decides between AR and speculation; among the speculative modes the throughput rule's order
@@ -853,8 +925,9 @@ class StepPlanner:
         * a skip ``["s"]`` (:meth:`skip`): the oldest choice not yet observed will not be (no request was live in
           its step).
         * a drain refresh ``["d", step, requests]`` (:meth:`choose`'s ``drain``): per request of the batch
-          ``[remaining, chain tokens, chain steps]`` as the rule got them (remaining 0 once finished), so a
-          request's finishing step and its acceptance over time can be read back against what the rule assumed.
+          ``[remaining, chain tokens, chain steps, chain tokens²]`` as the rule got them (remaining 0 once finished;
+          logs before 2026-12-06, sixth, lack the last), so a request's finishing step and its acceptance over time
+          can be read back against what the rule assumed, and :func:`drain_tokens` replayed on them.
 
         Costs a list append per event (microseconds); the engine turns it on with ``DSPINE_PLAN_LOG``
         (``infer.engine.Engine``)."""
@@ -1029,16 +1102,19 @@ class StepPlanner:
 
     def token_state(self) -> dict:
         """The learned acceptance (token averages, calibration, the leads of paired modes, and under ``"spread"`` the
-        drain rule's spread between requests: :attr:`spread`, else the prior it started with), for
+        drain rule's spread between requests: :attr:`spread`, else the prior it started with; under drain model
+        ``"persist"`` as ``"spread_rel"``, relative to the pooled acceptance squared), for
         :meth:`load_token_state` of the next planner of the same engine, batch size and sampling settings."""
         spread = self.spread if self.spread is not None else self.spread_prior
-        return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, "spread": spread}
+        key = "spread_rel" if self.drain_model == "persist" else "spread"  # drain model "persist": relative to ā²
+        return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, key: spread}
 
     def load_token_state(self, state: dict) -> None:
         """Start from an earlier planner's acceptance (:meth:`token_state`; module docstring, "Across calls"):
         every mode counts as seen at step 0, so the averages are taken as they were, and the fast ones then
         follow the new requests; its ``"spread"`` becomes the drain rule's prior (``DEFAULT_SPREAD`` if absent, as in
-        a state written before it existed). Raises ValueError if ``state`` holds a mode not in this table."""
+        a state written before it existed; under drain model ``"persist"`` its ``"spread_rel"``, else
+        ``DEFAULT_SPREAD_REL``). Raises ValueError if ``state`` holds a mode not in this table."""
         extra = set(state["fast"]) - set(self.table)
         if extra:
             raise ValueError(
@@ -1049,7 +1125,11 @@ class StepPlanner:
             # a state written before the slope fit existed lacks its fields: they start afresh (any other is required)
             got = state.get(f, {}) if f in ("pred_var", "pred_cov", "slope_steps", "lead_sq") else state[f]
             setattr(self, f, Counter(got) if isinstance(cur, Counter) else {**cur, **got})
-        self.spread_prior, self.spread = _finite_prior(state.get("spread", DEFAULT_SPREAD)), None
+        if self.drain_model == "persist":  # its own key: a state of another model carries tokens², not a ratio
+            self.spread_prior = _finite_prior(state.get("spread_rel", DEFAULT_SPREAD_REL))
+        else:
+            self.spread_prior = _finite_prior(state.get("spread", DEFAULT_SPREAD))
+        self.spread = None
         self.last_seen = {m: 0 for m in self.table}
 
     def _record(self, mode: Mode, tokens_per_request: float, rows: int, predicted: float | None) -> None:

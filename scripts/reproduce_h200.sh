@@ -42,6 +42,9 @@
 #   planceiling infer.bench A/B of a led mode's probing ceiling (p: lead, the default; ph: headroom, the rule before
 #             2026-12-06 afternoon; pa: lead_age) beside AR, the chain and the fixed trees of 16 and 32, T=0, exact,
 #             concurrency 8 and 1 -> results/planner-ceiling-h200-exact-T0-c{8,1}.json               ~6
+#   planpersist infer.bench A/B of the drain rule's spread between requests (p: the default; pp: drain=persist, the
+#             covariance of early and later acceptance) beside AR and the fixed chains of 4 and 16, T=0, exact,
+#             concurrency 64 and 32, 64 prompts -> results/planner-persist-h200-exact-T0-c{64,32}.json     ~5
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -62,7 +65,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain plansettle planceiling planswitch planexact tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain plansettle planceiling planpersist planswitch planexact tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -210,6 +213,12 @@ if has plansettle; then
       --config tree32:verify=tree,tree_budget=32 --config p:budget=auto --config pe:budget=auto,settle=estimate)
   timed plansettle-exact-c8 planab settle 8 16 "${ab[@]}"
   timed plansettle-exact-c1 planab settle 1 5 "${ab[@]}"
+fi
+if has planpersist; then
+  ab=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pp="$DRAFT"
+      --config chain4:width=4 --config p:budget=auto --config pp:budget=auto,drain=persist)
+  timed planpersist-exact-c64 planab persist 64 64 "${ab[@]}"
+  timed planpersist-exact-c32 planab persist 32 64 "${ab[@]}"
 fi
 if has planceiling; then
   ab=(--draft chain="$DRAFT" --draft tree16="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft ph="$DRAFT"

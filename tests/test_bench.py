@@ -501,3 +501,17 @@ def test_config_checks_keys_in_one_order_whatever_the_order_given():
     for item in ("a:drain=q,budget=z", "a:budget=z,drain=q"):
         with pytest.raises(ValueError, match="budget='z'; expected auto or none"):
             bench.parse_configs([item], {"a": "p"}, args)
+
+
+def test_config_takes_every_drain_model_of_the_planner():
+    """drain= takes off and each of infer.planner.DRAIN_MODELS (persist included), as the label's plan_drain_model."""
+    import argparse
+
+    from infer.planner import DRAIN_MODELS
+
+    args = argparse.Namespace(verify="chain", tree_budget=None, budget=None, exact=None, draft_temperature=None,
+                              backend="cuda")
+    assert bench.DRAIN == ("off", *DRAIN_MODELS) and "persist" in DRAIN_MODELS  # one list, the planner's
+    for model in bench.DRAIN:
+        c = bench.parse_configs([f"a:budget=auto,drain={model}"], {"a": "p"}, args)
+        assert c["a"]["drain"] == model and c["a"]["budget"] == "auto"

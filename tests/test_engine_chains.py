@@ -181,6 +181,33 @@ def test_narrow_chains_feed_the_drain_statistics_and_the_real_draft_takes_a_widt
         assert part.shape == (2, W - 1, full.shape[2]) and torch.allclose(part, full[:, : W - 1], atol=1e-5)
 
 
+def test_drain_model_persist_runs_in_the_engine_and_decodes_the_target_text(stories_dir, stories, monkeypatch):  # noqa: F811
+    """Engine.plan_drain_model = "persist": the planner's drain rule takes its spread from persistent_spread over
+    the engine's per-slot statistics (early window shortened to 2 chain steps so that 30 tokens reach the later
+    one), and the output is the target's greedy text."""
+    import infer.planner as planner_mod
+
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=30)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=(), plan_chains=(2, 3))
+    eng.plan_drain_model = "persist"
+    monkeypatch.setattr(planner_mod, "PERSIST_EARLY", 2)
+    calls, real = [], planner_mod.persistent_spread
+
+    def spy(drain, snaps, early=planner_mod.PERSIST_EARLY):
+        out = real(drain, snaps, early)
+        calls.append((early, len(drain), dict(snaps), out))
+        return out
+
+    monkeypatch.setattr(planner_mod, "persistent_spread", spy)
+    assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
+    assert calls and all(c[0] == 2 and c[1] <= 3 for c in calls)
+    assert any(c[2] for c in calls)  # requests with an early window (2 chain steps) snapshotted
+    assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want  # the relative spread carried over
+    assert "spread_rel" in next(iter(eng.plan_token_memory.values()))
+
+
 @pytest.mark.parametrize("config, msg", [
     ("c:width=8", "--config c:width=8: a fixed chain's width must be below the draft's block of 8"),
     ("c:budget=auto,plan_chains=2/8", "draft 'c': plan_chains 2/8 (--config c:plan_chains= or --plan-chains): each "

@@ -140,3 +140,42 @@ def test_bad_files_and_flags(tmp_path, capsys):
     for argv, msg in cases:
         assert plan_log.main(argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
+
+
+def test_persistence_splits_each_request_at_its_early_steps_and_refills_start_a_new_one():
+    """persistence(): per request the mean accepted tokens per chain step at the first refresh with >= early steps
+    and over its steps after it; covariance across requests; a slot whose counts drop was refilled."""
+    # refreshes: per slot [remaining, cumulative chain tokens, cumulative chain steps]
+    log = [NAMES,
+           ["c", 0, 1, 0, 0.0, None], ["c", 1, 1, 1, 0.0, None], ["c", 2, 0, 1, 0.0, None],
+           ["d", 0, [[90, 6, 2], [90, 3, 2], [90, 5, 2]]],  # under 4 steps each: not yet early
+           ["d", 8, [[80, 12, 4], [80, 6, 4], [80, 10, 4]]],  # early: a = 2, 0.5, 1.5
+           ["d", 16, [[40, 24, 8], [40, 10, 8], [40, 18, 8]]],  # + 4 steps: late a = 2, 0, 1
+           ["d", 24, [[0, 24, 8], [30, 12, 4], [20, 26, 12]]]]  # slot 1 refilled (steps 8 -> 4); slot 2 late grows
+    s = plan_log.persistence([dict(CALL, log=log)], early=4)
+    assert len(s) == 1
+    q = s[0]
+    # slot 0: early 2 (4 steps), late (24-12-4)/4 = 2; slot 1's first request: early 0.5, late (10-6-4)/4 = 0, its
+    # second (refill) has 4 steps and no late window: left out; slot 2: early 1.5, late (26-10-8)/8 = 1
+    e, lt = [2.0, 0.5, 1.5], [2.0, 0.0, 1.0]
+    me, ml = sum(e) / 3, sum(lt) / 3
+    cov = sum((x - me) * (y - ml) for x, y in zip(e, lt)) / 3
+    ve = sum((x - me) ** 2 for x in e) / 3
+    assert (q["requests"], q["early_steps"], q["late_steps"]) == (3, 4.0, pytest.approx(16 / 3, abs=0.05))
+    assert q["early_mean"] == pytest.approx(me, abs=1e-4) and q["early_var"] == pytest.approx(ve, abs=1e-4)
+    assert q["cov"] == pytest.approx(cov, abs=1e-4) and q["slope"] == pytest.approx(cov / ve, abs=1e-3)
+    assert q["shares"] == {"chain:16": 1.0} and q["tag"]["task"] == "gsm8k"
+    # nothing persists: late means unrelated to the early ones
+    flat = [NAMES, ["d", 0, [[9, 8, 4], [9, 4, 4]]], ["d", 8, [[0, 16, 8], [0, 12, 8]]]]  # early 1, 0; late 1, 1
+    assert plan_log.persistence([dict(CALL, log=flat)], early=4)[0]["cov"] == 0.0
+    assert plan_log.persistence([dict(CALL, log=flat)], early=5) == []  # no request with 5 early and 5 late steps
+    with pytest.raises(ValueError, match="early=0"):
+        plan_log.persistence([CALL], early=0)
+
+
+def test_persistence_flag_prints_and_writes_it(tmp_path, capsys):
+    log = [NAMES, ["d", 0, [[9, 8, 4], [9, 4, 4]]], ["d", 8, [[0, 16, 8], [0, 12, 8]]]]
+    out = tmp_path / "s.json"
+    assert plan_log.main([str(_write(tmp_path, dict(CALL, log=log))), "--persistence", "4", "--json", str(out)]) == 0
+    assert "persistence (first 4 chain steps" in capsys.readouterr().out
+    assert json.loads(out.read_text())["points"][0]["persistence"][0]["requests"] == 2

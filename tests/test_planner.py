@@ -23,6 +23,8 @@ from benchmarks.engine.sim_planner import (
 )
 from infer.planner import (
     BONUS_VAR,
+    DEFAULT_SPREAD,
+    DEFAULT_SPREAD_REL,
     LEAD_MIN_STEPS,
     LEAD_Z,
     PRIOR_ROWS,
@@ -33,6 +35,7 @@ from infer.planner import (
     drain_tokens,
     max_tokens,
     parse_conf_slope,
+    persistent_spread,
     spread_weight,
 )
 
@@ -792,13 +795,13 @@ def test_drain_model_lead_takes_a_tree_over_the_chain_at_the_end_of_its_leads(mo
     got = {}
     real = planner_mod.drain_tokens
 
-    def spy(tokens, drain, modes, prior, leads=None, own=False):
-        got["leads"], got["own"] = leads, own
-        return real(tokens, drain, modes, prior, leads, own)
+    def spy(tokens, drain, modes, prior, leads=None, own=False, persist=None):
+        got["leads"], got["own"], got["persist"] = leads, own, persist
+        return real(tokens, drain, modes, prior, leads, own, persist)
 
     monkeypatch.setattr(planner_mod, "drain_tokens", spy)
     p.choose(None, [(100, 6, 2, 18), (100, 2, 2, 2)])
-    assert got["leads"] == {TREE32: CHAIN, T16: CHAIN} and got["own"] is False
+    assert got["leads"] == {TREE32: CHAIN, T16: CHAIN} and got["own"] is False and got["persist"] is None
 
 
 def test_a_smaller_tree_paired_inside_the_run_tree_is_its_lead_reference():
@@ -1492,3 +1495,87 @@ def test_a_narrower_chain_paired_first_is_not_pulled_above_its_width():
     assert 1.9 <= tok[c2] <= 2.0 and tok[c4] <= 4.0, tok
     # chain 2's own estimate (1.98: the capped prior's pull) plus the leads 4 over 2 and 16 over 4; 5.7 uncapped
     assert tok[c16] == pytest.approx(1.98 + 1.1 + 1.0), tok
+
+
+def _bursty_batch(n_early: int, n_late: int, late_follows: bool) -> list[tuple]:
+    """64 requests of chain-of-2 steps, 400 tokens left each: over the first ``n_early`` steps half accept 0.75
+    draft tokens a step and half 0.3 (pooled 0.525); over the next ``n_late`` every request accepts 0.525
+    (``late_follows`` False: the early spread was a burst) or its early rate again (True: it persists). Per request
+    (remaining, chain tokens, chain steps, chain tokens²), a chain-of-2 step committing 1 + a with t² = 1 + 3a."""
+    out = []
+    for i in range(64):
+        a = 0.75 if i % 2 else 0.3
+        b = a if late_follows else 0.525
+        out.append((400, n_early * (1 + a) + n_late * (1 + b), n_early + n_late,
+                    n_early * (1 + 3 * a) + n_late * (1 + 3 * b)))
+    return out
+
+
+def test_persistent_spread_is_the_covariance_of_early_and_later_acceptance():
+    """persistent_spread: a request's snapshot at its first refresh with PERSIST_EARLY (16) chain steps; the
+    covariance across requests of its mean then and its mean over the steps after (>= 16 of them), weighted as
+    spread_weight; a request whose steps drop below its snapshot's was replaced."""
+    snaps = {}
+    assert persistent_spread(_bursty_batch(16, 0, False), snaps) == (0.0, 0.0)  # early windows only
+    assert len(snaps) == 64 and snaps[1] == (16 * 1.75, 16.0)
+    cov, w = persistent_spread(_bursty_batch(16, 32, False), snaps)
+    assert cov == pytest.approx(0.0, abs=1e-12)  # the burst did not persist
+    assert w == pytest.approx(32 / (32 + SPREAD_STEPS) * 63 / (63 + PRIOR_ROWS))
+    cov, _ = persistent_spread(_bursty_batch(16, 32, True), {})  # no snapshot yet: no late window
+    assert cov == 0.0
+    snaps = {}
+    persistent_spread(_bursty_batch(16, 0, True), snaps)
+    cov, _ = persistent_spread(_bursty_batch(16, 32, True), snaps)
+    assert cov == pytest.approx(0.225**2)  # all of it persisted: the early means' variance, (0.75 - 0.525)²
+    replaced = _bursty_batch(16, 32, True)
+    replaced[3] = (400, 9.0, 5, 15.0)  # slot 3 refilled: fewer steps than its snapshot
+    persistent_spread(replaced, snaps)
+    assert 3 not in snaps and 2 in snaps
+
+
+def test_drain_model_persist_keeps_a_burst_from_making_the_slowest_request_slow():
+    """At concurrency 64 on the H100 (mt-bench, 2026-12-06) the drain rule ran AR for most of a turn because the
+    requests' early means spread by more than independent steps explain, and none of it persisted. On that shape the
+    default rule judges AR best for the slowest request; "persist" (the covariance of early and later means, none
+    here, and a relative prior) judges the chain of 4 best. With persist=(c, 0) and a request-less spread the two
+    agree: the prior relative to ā² is the default's prior in tokens²."""
+    costs = {AR: 1.29, ("chain", 2): 1.69, ("chain", 4): 2.11}
+    tokens = {AR: 1.0, ("chain", 2): 1.55, ("chain", 4): 2.3}
+    best = lambda mapped: max(mapped, key=lambda m: mapped[m] / costs[m])  # noqa: E731
+    snaps = {}
+    early = _bursty_batch(16, 0, False)  # 16 steps each: no later window yet, the prior alone
+    persist = persistent_spread(early, snaps)
+    assert persist == (0.0, 0.0)
+    assert best(drain_tokens(tokens, early, costs, DEFAULT_SPREAD)) == AR
+    assert best(drain_tokens(tokens, early, costs, DEFAULT_SPREAD_REL, persist=persist)) == ("chain", 4)
+    later = _bursty_batch(16, 32, False)
+    persist = persistent_spread(later, snaps)
+    assert persist[0] == pytest.approx(0.0, abs=1e-12) and persist[1] > 0.5
+    mapped = drain_tokens(tokens, later, costs, DEFAULT_SPREAD_REL, persist=persist)
+    # the spread left: (1 - w) × the prior × ā², against the default's (early spread less a step's noise ÷ steps)
+    assert mapped[("chain", 4)] > drain_tokens(tokens, later, costs, DEFAULT_SPREAD)[("chain", 4)]
+    one = [(100, 6, 2, 18), (100, 0, 0, 0)]  # one request with chain steps: no weight on the batch, ā = 2
+    assert drain_tokens(tokens, one, costs, 0.3, persist=(5.0, 0.0)) == pytest.approx(
+        drain_tokens(tokens, one, costs, 0.3 * 2.0**2))
+
+
+def test_drain_model_persist_carries_its_spread_relative_and_apart():
+    """StepPlanner(drain_model="persist"): snapshots per slot across refreshes, a spread relative to ā² carried as
+    token_state's "spread_rel" (a "scaled" state's tokens² are not taken for it, nor the other way round)."""
+    p = StepPlanner({AR: 1.29, ("chain", 2): 1.69, ("chain", 4): 2.11}, drain_model="persist")
+    assert p.spread_prior == DEFAULT_SPREAD_REL
+    p.choose(None, _bursty_batch(16, 0, False))
+    assert len(p.persist_snaps) == 64
+    p.choose(None, _bursty_batch(16, 32, False))
+    cov, w = persistent_spread(_bursty_batch(16, 32, False), dict(p.persist_snaps))
+    assert p.spread == pytest.approx(w * max(cov, 0.0) / 0.525**2 + (1 - w) * DEFAULT_SPREAD_REL)
+    state = p.token_state()
+    assert "spread_rel" in state and "spread" not in state
+    q = StepPlanner({AR: 1.29, ("chain", 2): 1.69, ("chain", 4): 2.11}, drain_model="persist")
+    q.load_token_state(state)
+    assert q.spread_prior == pytest.approx(p.spread)
+    scaled = StepPlanner({AR: 1.29, ("chain", 2): 1.69, ("chain", 4): 2.11})
+    scaled.load_token_state(state)  # no "spread" in it: the default prior, not the ratio
+    assert scaled.spread_prior == DEFAULT_SPREAD
+    q.load_token_state(scaled.token_state())
+    assert q.spread_prior == DEFAULT_SPREAD_REL

@@ -1,6 +1,7 @@
 """Summarise a planner step log (``DSPINE_PLAN_LOG=FILE``, ``infer.planner.StepPlanner.start_log``).
 
     python benchmarks/engine/plan_log.py FILE [--batch 32] [--temperature 0] [--pass timed] [--label p] [--json OUT]
+        [--persistence 16]
 
 One summary per point (batch, temperature) of the calls kept (one ``--budget auto`` generate call per line;
 infer.bench makes one per task, turn and pass: ``tag.pass`` is ``start`` for its start-up warm-up, ``warmup`` for a
@@ -11,6 +12,8 @@ median judged rates, and the realized rates under the drain rule by the number o
 ``--temperature``, ``--pass`` and ``--label`` keep only the calls at that batch size (the engine's: concurrency,
 capped by the number of prompts), temperature, pass and draft label (``tag.label``: one log holds every planner label
 of an ``infer.bench`` run, e.g. the two of an A/B). ``batch`` is the engine's batch, not always ``--concurrency``.
+``--persistence N`` adds, per call, how much of the spread between requests' acceptance over their first N chain
+steps persists to the rest of their answers (:func:`persistence`).
 """
 
 from __future__ import annotations
@@ -181,6 +184,59 @@ def summarize(calls: list[dict]) -> dict:
                               "median_rate": {n: round(statistics.median(v), 4) for n, v in drain_rates.items()}}}
 
 
+def persistence(calls: list[dict], early: int = 16) -> list[dict]:
+    """How much of the spread between requests' acceptance early in their answers persists to the rest of them (the
+    drain rule takes a request's early chain acceptance as its own for the rest: ``infer.planner.drain_tokens``).
+    Per call with drain refreshes (``"d"`` events: per slot in use its remaining tokens and cumulative chain tokens and
+    steps), per request: its mean accepted draft tokens per chain step at the first refresh where it has at least
+    ``early`` chain steps, and over its chain steps after that refresh up to its last (at least ``early`` of them);
+    a slot whose counts drop was refilled and starts a new request. Returns one dict per call with two such
+    requests or more: ``tag``, ``requests``, ``early_steps`` and ``late_steps`` (means), ``early_mean``,
+    ``early_var`` (variance of the early means across requests, its noise included), ``cov`` (early with late:
+    the persistent part, noise-free as the two windows' noise is independent), ``corr``, ``slope`` (``cov /
+    early_var``: the late mean's regression on the early one; 0 when nothing persists, 1 when all of it does) and
+    ``shares`` (each mode's share of the call's speculative choices: the acceptance of a narrower chain is counted
+    cut at its width). Raises ValueError if ``early`` < 1."""
+    if early < 1:
+        raise ValueError(f"early={early}: give at least 1 chain step")
+    out = []
+    for rec in calls:
+        names = rec["log"][0]
+        refresh = [e[2] for e in rec["log"][1:] if e[0] == "d"]
+        spec = Counter(names[e[2]] for e in rec["log"][1:] if e[0] == "c" and not names[e[2]].startswith("ar"))
+        pairs = []
+        for slot in range(max((len(r) for r in refresh), default=0)):
+            series = [r[slot] for r in refresh if slot < len(r)]
+            cuts = [0] + [i for i in range(1, len(series)) if series[i][2] < series[i - 1][2]] + [len(series)]
+            for seg in (series[a:b] for a, b in zip(cuts, cuts[1:])):
+                first = next((x for x in seg if x[2] >= early), None)
+                if first is None:
+                    continue
+                last = seg[-1]
+                n_late = last[2] - first[2]
+                if n_late < early:
+                    continue
+                pairs.append(((first[1] - first[2]) / first[2], first[2],
+                              ((last[1] - first[1]) - n_late) / n_late, n_late))
+        if len(pairs) < 2:
+            continue
+        e = [p[0] for p in pairs]
+        lt = [p[2] for p in pairs]
+        me, ml = statistics.fmean(e), statistics.fmean(lt)
+        ve = statistics.fmean([(x - me) ** 2 for x in e])
+        vl = statistics.fmean([(y - ml) ** 2 for y in lt])
+        cov = statistics.fmean([(x - me) * (y - ml) for x, y in zip(e, lt)])
+        total = sum(spec.values())
+        out.append({"tag": rec.get("tag"), "requests": len(pairs),
+                    "early_steps": round(statistics.fmean(p[1] for p in pairs), 1),
+                    "late_steps": round(statistics.fmean(p[3] for p in pairs), 1),
+                    "early_mean": round(me, 4), "early_var": round(ve, 4), "cov": round(cov, 4),
+                    "corr": round(cov / math.sqrt(ve * vl), 3) if ve > 0 and vl > 0 else None,
+                    "slope": round(cov / ve, 3) if ve > 0 else None,
+                    "shares": {n: round(c / total, 3) for n, c in spec.most_common()}})
+    return out
+
+
 def _print(s: dict) -> None:
     print(f"{s['calls']} calls, {s['steps']} steps")
     print(f"{'mode':>9} {'steps':>7} {'drain':>7} {'probes':>7} {'timed':>7} {'tok/ms':>8}")
@@ -208,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the calls infer.bench tagged with this pass (tag.pass)")
     ap.add_argument("--label", default=None, help="keep the calls of this infer.bench draft label (tag.label)")
     ap.add_argument("--json", default=None, help="write the summaries here too (refused if it exists)")
+    ap.add_argument("--persistence", type=int, default=None, metavar="N",
+                    help="also: per call, how much of the requests' spread in acceptance over their first N chain steps "
+                         "persists to the rest of their answers (persistence())")
     args = ap.parse_args(argv)
     try:
         if args.json and Path(args.json).exists():
@@ -240,7 +299,17 @@ def main(argv: list[str] | None = None) -> int:
         several = sum((q[0], q[1]) == (b, t) for q in points) > 1
         print(f"== batch {b}, temperature {t}" + (f", modes {'/'.join(modes)}" if several else ""))
         _print(s)
-        out.append({"batch": b, "temperature": t, "mode_names": list(modes), **s})
+        row = {"batch": b, "temperature": t, "mode_names": list(modes), **s}
+        if args.persistence is not None:
+            row["persistence"] = persistence(group, args.persistence)
+            print(f"persistence (first {args.persistence} chain steps against the rest), per call: requests, steps "
+                  "early/late, early mean, var, cov, corr, slope, shares")
+            for q in row["persistence"]:
+                tag = q["tag"] or {}
+                print(f"  {tag.get('task', '?')} {tag.get('turn', '')}: {q['requests']}, {q['early_steps']:.0f}/"
+                      f"{q['late_steps']:.0f}, {q['early_mean']:.3f}, {q['early_var']:.4f}, {q['cov']:.4f}, "
+                      f"{q['corr']}, {q['slope']}, {q['shares']}")
+        out.append(row)
     if args.json:
         from dspine.provenance import command_line, utc_now
 
