@@ -1323,11 +1323,10 @@ class Engine:
             if self.plan_drain and not queue and base is not None and drain_age % self.PLAN_DRAIN_EVERY == 0:
                 # the batch's requests: (tokens it may still commit, chain tokens, steps, tokens²); 0 to commit once
                 # finished (its slot keeps its counts until refilled); a slot refilled after the snapshot read
-                # last has committed only its first token
+                # last has committed only its first token. One entry per slot, in slot order at every refresh (an
+                # idle slot's are zeros, which no rule counts): drain model "persist" matches them by position
                 drain = []
                 for b in range(B):
-                    if owner[b] is None and not row_steps[b]:
-                        continue
                     fresh = base[2][b] != owner[b]  # refilled after the snapshot
                     live = owner[b] is not None and (fresh or base[1][b])
                     left = params.max_new_tokens - (1 if fresh else base[0][b]) if live else 0

@@ -134,8 +134,9 @@ DEFAULT_SPREAD = 0.25
 SPREAD_CV = 0.5
 # drain model "persist": a request's early window, in chain steps, and the least chain steps after it that make a late
 # window (persistent_spread), and the prior spread relative to the pooled acceptance, (sd / ā)², of a planner with no
-# earlier call: the H100 step logs of 2026-12-06 (concurrency 32 and 64, T = 0, results/plan-persistence-h100-exact-*.json)
-# have the covariance of early and late means at 0-0.10 ā², most of them at 0.01-0.04
+# earlier call: in the H100 step logs of 2026-12-06 (concurrency 32 and 64, T = 0, results/plan-persistence-h100-
+# exact-*.json) the covariance of early and late means ÷ the early mean² is negative in 4 of the 12 calls, 0.01-0.04
+# in 5 and 0.065-0.10 in 3
 PERSIST_EARLY = 16
 DEFAULT_SPREAD_REL = 0.04
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
@@ -378,8 +379,9 @@ def persistent_spread(drain, snaps: dict[int, tuple[float, float]], early: int =
     persistent part without a noise model (the two windows' noise is independent).
 
     Args:
-        drain: one ``(remaining, chain_tokens, chain_steps, chain_tokens_sq)`` per request, as for
-            :func:`drain_tokens`, in the same order at every refresh of one call (the engine's slots).
+        drain: one ``(remaining, chain_tokens, chain_steps, chain_tokens_sq)`` per slot, as for :func:`drain_tokens`,
+            every slot in slot order at every refresh of one call (the engine gives an idle slot's as zeros): a
+            request is matched to its snapshot by its position.
         snaps: per index of ``drain``, its request's ``(chain_tokens, chain_steps)`` at the first refresh where it had
             ``early`` chain steps or more; updated in place (a request whose steps fell below its snapshot's was
             replaced: its snapshot is dropped).
@@ -388,8 +390,13 @@ def persistent_spread(drain, snaps: dict[int, tuple[float, float]], early: int =
         ``(cov, weight)``: the covariance (tokens², population form; may be negative) of the early and later mean
         accepted draft tokens per chain step over the requests with both windows, and the weight it gets against the
         prior, ``n̄ / (n̄ + SPREAD_STEPS) × (m − 1) / (m − 1 + PRIOR_ROWS)`` with m such requests and n̄ their mean
-        later steps (as :func:`spread_weight`); ``(0.0, 0.0)`` with fewer than two.
+        later steps (as :func:`spread_weight`); ``(0.0, 0.0)`` with fewer than two. Raises ValueError if ``early``
+        is below 1.
     """
+    if not early >= 1:
+        raise ValueError(f"early={early!r}: a window needs at least 1 chain step")
+    for i in [i for i in snaps if i >= len(drain)]:  # a shorter list: those slots are gone
+        del snaps[i]
     for i, d in enumerate(drain):
         snap = snaps.get(i)
         if snap is not None and d[2] < snap[1]:
@@ -440,6 +447,7 @@ def drain_tokens(
         persist: the drain model ``"persist"``: ``(cov, w)`` of :func:`persistent_spread`; the variance between
             requests is then ``w × max(cov, 0) + (1 − w) × prior × ā²`` (``prior`` relative to ā², as
             :attr:`StepPlanner.spread` carries it under this model) instead of the one below, with the same cap.
+            Raises ValueError for a covariance that is not finite or a weight outside 0..1.
     Returns:
         ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
         > 0), ``y(m)`` the median of the number of steps the last of them needs under mode m. AR's 1 stays 1;
@@ -481,6 +489,8 @@ def drain_tokens(
     unit = tokens[ref] - 1.0 if own and ref is not None and tokens[ref] > 1.0 else pooled  # ā of τ_i(m)
     if persist is None:
         v = spread_variance(drain, between, prior)
+    elif not (math.isfinite(persist[0]) and 0.0 <= persist[1] <= 1.0):
+        raise ValueError(f"persist={persist!r}: expected (a finite covariance, a weight in 0..1), persistent_spread's")
     else:
         v = persist[1] * max(persist[0], 0.0) + (1.0 - persist[1]) * (prior or 0.0) * pooled**2
     v = min(v, (SPREAD_CV * pooled) ** 2)
@@ -566,8 +576,9 @@ class StepPlanner:
         cost_decay: least weight of the newest measured ÷ table step time (online cost).
         cal_decay: least weight of the newest predicted / realized accepted tokens (calibration).
         drain_model: :data:`DRAIN_MODELS`: ``"scaled"``, ``"lead"`` (:func:`drain_tokens`' ``leads``, with
-            each tree's paired chain from the paired observations) or ``"own"`` (its ``own``; no confidence under the
-            drain rule).
+            each tree's paired chain from the paired observations), ``"own"`` (its ``own``; no confidence under the
+            drain rule) or ``"persist"`` (its ``persist``, from :func:`persistent_spread` over the drain refreshes;
+            the spread carried relative to the pooled acceptance).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
         settle: :data:`SETTLE_MODELS`: the rate a probe's loss is settled against (module docstring, rule 3).

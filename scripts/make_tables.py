@@ -172,7 +172,7 @@ def _glance_rows(load) -> list[str]:
         pts = (hx or {}).get("planner") or []
         if pts and all(_point_key(p) in in_ver for p in pts):
             continue  # verify-h200.json's row holds them
-        commit = ", ".join(dict.fromkeys(str(p.get("provenance", {}).get("commit") or "?")[:7] for p in pts))
+        commit = ", ".join(dict.fromkeys(str((p.get("provenance") or {}).get("commit") or "?")[:7] for p in pts))
         row = _planner_row(pts, name, f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, "
                            f"commit {commit}, {how})",
                            what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))

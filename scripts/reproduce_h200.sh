@@ -44,7 +44,8 @@
 #             concurrency 8 and 1 -> results/planner-ceiling-h200-exact-T0-c{8,1}.json               ~6
 #   planpersist infer.bench A/B of the drain rule's spread between requests (p: the default; pp: drain=persist, the
 #             covariance of early and later acceptance) beside AR and the fixed chains of 4 and 16, T=0, exact,
-#             concurrency 64 and 32, 64 prompts -> results/planner-persist-h200-exact-T0-c{64,32}.json     ~5
+#             concurrency 64 and 32, 64 prompts -> results/planner-persist-h200-exact-T0-c{64,32}.json, step logs
+#             $WORK/logs/plan-log-persist-c{64,32}.jsonl                                               ~5
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -217,8 +218,9 @@ fi
 if has planpersist; then
   ab=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pp="$DRAFT"
       --config chain4:width=4 --config p:budget=auto --config pp:budget=auto,drain=persist)
-  timed planpersist-exact-c64 planab persist 64 64 "${ab[@]}"
-  timed planpersist-exact-c32 planab persist 32 64 "${ab[@]}"
+  for c in 64 32; do  # with the step logs (plan_log.py --persistence reads them)
+    DSPINE_PLAN_LOG="$WORK/logs/plan-log-persist-c$c.jsonl" timed "planpersist-exact-c$c" planab persist "$c" 64 "${ab[@]}"
+  done
 fi
 if has planceiling; then
   ab=(--draft chain="$DRAFT" --draft tree16="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft ph="$DRAFT"

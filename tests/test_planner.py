@@ -1531,6 +1531,13 @@ def test_persistent_spread_is_the_covariance_of_early_and_later_acceptance():
     replaced[3] = (400, 9.0, 5, 15.0)  # slot 3 refilled: fewer steps than its snapshot
     persistent_spread(replaced, snaps)
     assert 3 not in snaps and 2 in snaps
+    persistent_spread(replaced[:10], snaps)  # a shorter list: the slots past it are gone
+    assert max(snaps) == 9
+    with pytest.raises(ValueError, match="early=0"):
+        persistent_spread(replaced, snaps, early=0)
+    for bad in ((float("nan"), 0.5), (float("inf"), 0.0), (0.1, 1.5)):
+        with pytest.raises(ValueError, match="persist="):
+            drain_tokens({AR: 1.0, CHAIN: 2.0}, replaced, {AR: 1.0, CHAIN: 1.5}, 0.04, persist=bad)
 
 
 def test_drain_model_persist_keeps_a_burst_from_making_the_slowest_request_slow():

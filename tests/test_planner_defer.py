@@ -267,7 +267,7 @@ def test_plan_log_records_every_choice_and_observation(stories_dir, stories, tmp
         # chain steps counted) [remaining, chain tokens, chain steps, chain tokens²], remaining falling from one
         # refresh to the next (tokens² at least tokens, each step committing at least 1)
         drains = [e for e in events if e[0] == "d"]
-        assert drains and all(1 <= len(e[2]) <= 2 and all(len(r) == 4 and 0 <= r[0] <= 30 and r[3] >= r[1] >= r[2] >= 0
+        assert drains and all(len(e[2]) == 2 and all(len(r) == 4 and 0 <= r[0] <= 30 and r[3] >= r[1] >= r[2] >= 0
                                                           for r in e[2]) for e in drains)
         assert max(r[0] for r in drains[0][2]) > max(r[0] for r in drains[-1][2]) or len(drains) == 1
         judged = [e[5] for e in chosen if e[5] is not None]

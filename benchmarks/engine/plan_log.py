@@ -53,6 +53,11 @@ def _check_event(e, n_modes: int) -> str | None:
         return f"an observation's tokens must be a number >= 0 and its ms a number or None, got {e[2]!r}, {e[3]!r}"
     if e[0] == "c" and (not finite(e[4]) or any(r is not None and not finite(r) for r in e[5] or [])):
         return f"a choice's probe loss and rates must be finite numbers, got {e[4]!r}, {e[5]!r}"
+    if e[0] == "d" and not (isinstance(e[2], list) and all(
+            isinstance(r, list) and len(r) in (3, 4) and all(finite(x) for x in r) and all(x >= 0 for x in r[1:])
+            for r in e[2])):
+        return ("a drain refresh's requests must be a list of [remaining, chain tokens, chain steps(, tokens²)], "
+                f"finite numbers, the counts >= 0; got {e[2]!r:.80}")
     return None
 
 
@@ -273,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--json {args.json}: exists (not overwritten)")
         if args.json and not Path(args.json).resolve().parent.is_dir():
             raise ValueError(f"--json {args.json}: no folder {Path(args.json).parent}")
+        if args.persistence is not None and args.persistence < 1:
+            raise ValueError(f"--persistence {args.persistence}: give at least 1 chain step")
         calls = read_log(args.log)
         tags = {k: v for k, v in (("pass", args.phase), ("label", args.label)) if v}  # infer.bench's tag keys kept
         for k, v in tags.items():

@@ -73,7 +73,8 @@ def run_batch(accept, seed, law, slots=8, max_new=512, fixed=None, planner=None)
         if fixed is None:
             drain = None
             if not queue and age % EVERY == 0:
-                drain = [(rem[r], *stats[r]) for r in slot if r is not None]
+                # one entry per slot, in slot order (an idle slot's zeros): drain model "persist" matches by position
+                drain = [(rem[r], *stats[r]) if r is not None else (0, 0, 0, 0) for r in slot]
             mode = planner.choose(drain=drain)
             if drain is not None or age:
                 age += 1
