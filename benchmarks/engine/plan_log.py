@@ -192,8 +192,9 @@ def summarize(calls: list[dict]) -> dict:
 def persistence(calls: list[dict], early: int = 16) -> list[dict]:
     """How much of the spread between requests' acceptance early in their answers persists to the rest of them (the
     drain rule takes a request's early chain acceptance as its own for the rest: ``infer.planner.drain_tokens``).
-    Per call with drain refreshes (``"d"`` events: per slot in use its remaining tokens and cumulative chain tokens and
-    steps), per request: its mean accepted draft tokens per chain step at the first refresh where it has at least
+    Per call with drain refreshes (``"d"`` events: per slot its remaining tokens and cumulative chain tokens and steps;
+    matched by position, so a log before 2026-12-06, sixth, whose engine left out idle slots without chain steps, can
+    shift a slot's series once such a slot appears), per request: its mean accepted draft tokens per chain step at the first refresh where it has at least
     ``early`` chain steps, and over its chain steps after that refresh up to its last (at least ``early`` of them);
     a slot whose counts drop was refilled and starts a new request. Returns one dict per call with two such
     requests or more: ``tag``, ``requests``, ``early_steps`` and ``late_steps`` (means), ``early_mean``,

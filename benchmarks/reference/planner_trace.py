@@ -240,8 +240,9 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
             else:
                 drain = None
                 if plan_drain and not queue and not first and drain_age % drain_every == 0:
+                    # every slot in slot order, as the engine gives them (drain model "persist" matches by position)
                     drain = [(max_new - seen[b] if owner[b] is not None and seen[b] < rows[owner[b]]["tokens"] else 0,
-                              *stats[b]) for b in range(B) if owner[b] is not None or stats[b][1]]
+                              *stats[b]) for b in range(B)]
                 m = planner.choose(predicted, drain)
                 if drain is not None or drain_age:
                     drain_age += 1
