@@ -368,6 +368,17 @@ def _finite_prior(prior) -> float | None:
     return float(prior) if prior is not None and math.isfinite(prior) and prior >= 0 else None
 
 
+def persist_variance(persist: tuple[float, float], prior, pooled: float) -> float:
+    """The variance between requests of drain model ``"persist"`` (tokens², before :func:`drain_tokens`' cap):
+    ``w × max(cov, 0) + (1 − w) × prior × ā²``, ``(cov, w)`` from :func:`persistent_spread`, ``prior`` relative to
+    ā² (the prior term 0 without a finite prior ≥ 0), ā = ``pooled``; :func:`spread_variance`'s twin. Raises
+    ValueError for a covariance that is not finite or a weight outside 0..1."""
+    cov, w = persist
+    if not (math.isfinite(cov) and 0.0 <= w <= 1.0):
+        raise ValueError(f"persist={persist!r}: expected (a finite covariance, a weight in 0..1), persistent_spread's")
+    return w * max(cov, 0.0) + (1.0 - w) * (_finite_prior(prior) or 0.0) * pooled**2
+
+
 def persistent_spread(drain, snaps: dict[int, tuple[float, float]], early: int = PERSIST_EARLY) -> tuple[float, float]:
     """The spread between requests that persists through their answers, for drain model ``"persist"``.
 
@@ -445,8 +456,9 @@ def drain_tokens(
         own: the drain model ``"own"``: ``ā`` in ``τ_i(m)`` below is the longest chain's ``tokens`` − 1 where that is
             above 0 (the chain commits ``1 + a_i`` for request i), not the pooled acceptance.
         persist: the drain model ``"persist"``: ``(cov, w)`` of :func:`persistent_spread`; the variance between
-            requests is then ``w × max(cov, 0) + (1 − w) × prior × ā²`` (``prior`` relative to ā², as
-            :attr:`StepPlanner.spread` carries it under this model) instead of the one below, with the same cap.
+            requests is then :func:`persist_variance`'s, ``w × max(cov, 0) + (1 − w) × prior × ā²`` (``prior``
+            relative to ā², as :attr:`StepPlanner.spread` carries it under this model) instead of the one below, with
+            the same cap.
             Raises ValueError for a covariance that is not finite or a weight outside 0..1.
     Returns:
         ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
@@ -487,12 +499,7 @@ def drain_tokens(
     if not live or not pooled > 0:
         return dict(tokens)
     unit = tokens[ref] - 1.0 if own and ref is not None and tokens[ref] > 1.0 else pooled  # ā of τ_i(m)
-    if persist is None:
-        v = spread_variance(drain, between, prior)
-    elif not (math.isfinite(persist[0]) and 0.0 <= persist[1] <= 1.0):
-        raise ValueError(f"persist={persist!r}: expected (a finite covariance, a weight in 0..1), persistent_spread's")
-    else:
-        v = persist[1] * max(persist[0], 0.0) + (1.0 - persist[1]) * (prior or 0.0) * pooled**2
+    v = spread_variance(drain, between, prior) if persist is None else persist_variance(persist, prior, pooled)
     v = min(v, (SPREAD_CV * pooled) ** 2)
     rem = np.array([float(d[0]) for d in live])
     n = np.array([float(d[2]) for d in live])
@@ -838,8 +845,7 @@ class StepPlanner:
             mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own, persist)
             pooled, _, between, nbar = drain_spread(drain)
             if nbar and pooled > 0 and persist is not None:  # relative to ā², as drain_tokens took the prior
-                cov, w = persist
-                self.spread = w * max(cov, 0.0) / pooled**2 + (1.0 - w) * (_finite_prior(self.spread_prior) or 0.0)
+                self.spread = persist_variance(persist, self.spread_prior, pooled) / pooled**2
             elif nbar and pooled > 0:  # the spread drain_tokens used, for later batches
                 self.spread = spread_variance(drain, between, self.spread_prior)
             # one factor for every speculative mode: that of the mode whose mapped drain rate is the highest. The
