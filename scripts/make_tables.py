@@ -1015,6 +1015,53 @@ def planner_drainfed_section() -> list[str]:
             "lease at the same point:", ""] + table
 
 
+PERSIST_RUNS = ("", "-rep2", "-rep3")  # planner-persist-h100-exact-T0-c{C}{RUN}.json: one lease, three runs a point
+
+
+def planner_persist_section() -> list[str]:
+    """The drain model A/B (``p``: the default; ``pp``: ``drain=persist``) beside AR and the fixed chains of 16 and 4,
+    T = 0, exact, concurrency 64 and 32, three runs a point (results/planner-persist-h100-exact-T0-c*.json). Each run's
+    tok/s pools the five tasks: their tokens over their seconds. Empty without the files."""
+    rows = []
+    for c in (64, 32):
+        for run in PERSIST_RUNS:
+            name = f"planner-persist-h100-exact-T0-c{c}{run}.json"
+            r = load(name)
+            if not r:
+                continue
+            tok, sec = {}, {}
+            for t in r["tasks"]:
+                for label, d in [*t["drafts"].items(), ("ar", t["ar"])]:
+                    tok[label] = tok.get(label, 0) + d["num_tokens"]
+                    sec[label] = sec.get(label, 0.0) + d["seconds"]
+            rate = {k: tok[k] / sec[k] for k in tok}
+            rows.append((c, run, name, r, rate))
+    if not rows:
+        return []
+    out = ["#### The drain model `persist` against the default (A/B, three runs a point)", "",
+           "`--config pp:budget=auto,drain=persist` judges the spread in acceptance between a batch's requests by how "
+           "much of each request's early acceptance persists later (covariance of the two means) instead of by the "
+           "early spread itself. With as many prompts as slots the drain rule is in force from the first step. "
+           "SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact` (every label decodes AR's greedy text), 64 "
+           "prompts a task, 512 new tokens, one H100 lease, each point run three times; tok/s pools the five tasks "
+           "(their tokens over their seconds):", "",
+           "| concurrency | run | AR | chain 16 | chain 4 | p (default) | pp (persist) | p ÷ chain 4 | pp ÷ chain 4 | "
+           "file, commit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c, run, name, r, rate in rows:
+        out.append(f"| {c} | {PERSIST_RUNS.index(run) + 1} | {rate['ar']:.0f} | {rate['chain']:.0f} | "
+                   f"{rate['chain4']:.0f} | {rate['p']:.0f} | {rate['pp']:.0f} | {rate['p'] / rate['chain4']:.3f} | "
+                   f"{rate['pp'] / rate['chain4']:.3f} | [`{name}`](results/{name}) `{r['commit'][:7]}` |")
+    for c in (64, 32):
+        sel = [rate for cc, _, _, _, rate in rows if cc == c]
+        if sel:
+            mean = {k: sum(x[k] / x["chain4"] for x in sel) / len(sel) for k in ("p", "pp")}
+            out.append(f"| {c} | mean of {len(sel)} | | | | | | {mean['p']:.3f} | {mean['pp']:.3f} | |")
+    out += ["", "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _ in rows))
+            + ". Step logs: [`plan-logs-h100-2026-12-06-persist.tar.gz`](results/plan-logs-h100-2026-12-06-persist.tar.gz).",
+            ""]
+    return out
+
+
 def planner_exact_section() -> list[str]:
     """Planner points with every configuration decoding the same tokens (``--exact``; planner_points.py)."""
     r = load("planner-exact-h200.json")
@@ -1792,7 +1839,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_persist_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)

@@ -148,3 +148,36 @@ def test_planner_table_names_the_seeds_of_a_point():
     t = f"{one['temperature']:g}"
     assert [r.split(" | ")[1] for r in rows] == [t, f"{t} (3 seeds)", t]
     assert all(f"| {one['planner_over_best_static']:.3f} — " in r for r in rows)
+
+
+def test_persist_section_pools_the_tasks(tmp_path, monkeypatch):
+    """make_tables.planner_persist_section: a run's tok/s is its tasks' tokens over their seconds (not the mean of
+    the tasks' tok/s), each label ÷ the chain of 4 of the same run, a mean row per concurrency over its runs; a
+    missing run is left out and no file gives no section."""
+    import json
+
+    sys.path.insert(0, str(ROOT))
+    from scripts import make_tables
+
+    res = tmp_path / "results"
+    res.mkdir()
+    monkeypatch.setattr(make_tables, "RESULTS", res)
+    assert make_tables.planner_persist_section() == []
+
+    def task(chain4_s, p_s, pp_s):  # 1,000 tokens per label per task
+        d = lambda s: {"num_tokens": 1000, "seconds": s}  # noqa: E731
+        return {"task": "t", "ar": d(1.0), "drafts": {"chain": d(2.0), "chain4": d(chain4_s), "p": d(p_s),
+                                                       "pp": d(pp_s)}}
+
+    run = {"command": "python -m infer.bench X", "commit": "abcdef1234", "tasks": [task(0.5, 0.5, 0.5),
+                                                                                   task(0.5, 1.5, 0.5)]}
+    (res / "planner-persist-h100-exact-T0-c64.json").write_text(json.dumps(run))
+    run2 = {**run, "tasks": [task(0.5, 0.5, 1.0), task(0.5, 0.5, 1.0)]}
+    (res / "planner-persist-h100-exact-T0-c64-rep3.json").write_text(json.dumps(run2))
+    rows = [r for r in make_tables.planner_persist_section() if r.startswith("| 64 |")]
+    # run 1: p 2000 tokens in 2.0 s = 1000 tok/s against chain 4's 2000 in 1.0 s: 0.500 (a mean of the tasks'
+    # ratios would read 0.667); pp 1.000. Run 3 (rep2 missing): p 1.000, pp 0.500. Means 0.750 and 0.750.
+    assert rows[0].split(" | ")[1:9] == ["1", "1000", "500", "2000", "1000", "2000", "0.500", "1.000"]
+    assert rows[1].split(" | ")[1] == "3" and rows[1].split(" | ")[7:9] == ["1.000", "0.500"]
+    assert rows[2].startswith("| 64 | mean of 2 |") and "| 0.750 | 0.750 |" in rows[2]
+    assert "`abcdef1`" in rows[0] and len(rows) == 3
