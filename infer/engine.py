@@ -1285,7 +1285,13 @@ class Engine:
         flush before it left out with it: the write is an admission's work, up to ten steps' time, and charged to
         the step it once set a mode's measured ÷ table ratio for good (H100, concurrency 64: one chain-of-2 step
         after 64 deferred prompts read 12.5 ms against its table's 1.6; the ratio, 1.77, passed to the chain of 4
-        never timed, kept it untried where it ran 1.41 × AR as a fixed mode: results/verify-chains-exact-h100.json)."""
+        never timed, kept it untried where it ran 1.41 × AR as a fixed mode: results/verify-chains-exact-h100.json).
+        A step chosen with a drain refresh is timed from its launch too (a CUDA event; the CPU times every step
+        from its launch to the next step's choice): the refresh is host work (``infer.planner.drain_tokens``), and
+        where it outlasts the step in flight the device waits for the launch, which timed from the snapshot before
+        was charged to the mode chosen (H100, concurrency 32, T = 0: 90th percentile 2.9-3.0 ms after a refresh
+        against 1.8-2.0 ms for the same chains otherwise, and a chain of 4 measured at 1.96 ms where its steps ran
+        1.6-1.7 ms left the planner on the chain of 8 for whole tasks: results/plan-logs-h100-2026-12-06-persist.tar.gz)."""
         if self.plan_confidence not in ("greedy", "always", "never"):
             raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")
         cuda, prof = self.device.type == "cuda", self.loop_profile
@@ -1302,8 +1308,8 @@ class Engine:
         # (buffer, event, slot owners when taken, a prefill ran since the previous snapshot)
         snap = (bufs[cur], snapshot(bufs[cur]), list(owner), True)
         base = None  # the last snapshot read: (out_len, live, owners, its CUDA event)
-        # (mode, host time at launch, (CUDA event, host time) after a deferred prompts' write or None) of the steps
-        # not yet observed, oldest first
+        # (mode, host time at launch, (CUDA event, host time) after a deferred prompts' write or a drain refresh, or
+        # None; host time before the step's choice) of the steps not yet observed, oldest first
         launched: deque = deque()
         predicted = None
         pending: list = []  # harvests in flight
@@ -1344,7 +1350,13 @@ class Engine:
             if s.ctx_pending and mode[0] != "ar":  # the draft reads the deferred prompts' context in this step
                 self._write_deferred(s, draft_cache)
                 start = (self._event(timing=True), time.perf_counter())
-            launched.append((mode, t_launch, start))
+            elif drain is not None:
+                # timed from its launch: the drain refresh's host work in choose() can outlast the step in flight,
+                # and the GPU's idle wait for this launch is no mode's cost (timed from the snapshot before, the
+                # steps chosen after a refresh read a 90th percentile of 2.9-3.0 ms against 1.8-2.0 ms at
+                # concurrency 32 on the H100: results/plan-logs-h100-2026-12-06-persist.tar.gz)
+                start = (self._event(timing=True), time.perf_counter())
+            launched.append((mode, t_launch, start, t0))
             run = runners.get(mode)
             if run is None:
                 run = runners[mode] = self._runner(B, params, True, mode)
@@ -1363,7 +1375,7 @@ class Engine:
             self._check_finite(flags, B)
             predicted = None
             if base is not None:  # observe the step between the previous snapshot and this one
-                done_mode, t_launch, start = launched.popleft()
+                done_mode, t_launch, start, _ = launched.popleft()
                 rows = [b for b in range(B) if base[1][b] and base[2][b] is not None and base[2][b] == snap[2][b]]
                 if rows:
                     ms = None
@@ -1371,7 +1383,8 @@ class Engine:
                         if cuda:
                             ms = (base[3] if start is None else start[0]).elapsed_time(snap[1])
                         else:
-                            ms = (launched[0][1] - (t_launch if start is None else start[1])) * 1e3
+                            # to the next step's choice: its drain refresh (host work) is no mode's cost either
+                            ms = (launched[0][3] - (t_launch if start is None else start[1])) * 1e3
                     done = [out_len[b] - base[0][b] for b in rows]  # committed tokens per observed row
                     planner.observe(done_mode, sum(done) / len(rows), ms, len(rows))
                     if done_mode[0] != "ar":

@@ -198,3 +198,20 @@ def test_persistence_flag_below_one_is_refused_before_reading(tmp_path, capsys):
     out = tmp_path / "s.json"
     assert plan_log.main([str(_write(tmp_path, CALL)), "--persistence", "0", "--json", str(out)]) == 2
     assert "--persistence 0: give at least 1" in capsys.readouterr().err and not out.exists()
+
+
+def test_per_call_counts_the_opening_and_the_few_row_tail(tmp_path, capsys):
+    """per_call: every choice per mode, the first ``opening`` of them, and the observed steps with at most
+    ``tail_rows`` live requests (CALL: rows 32, 32, 20 and 1; the one-row step committed 2.0 of the chain)."""
+    rows = plan_log.per_call(plan_log.read_log(_write(tmp_path, CALL)), opening=2, tail_rows=4)
+    assert rows == [{"tag": CALL["tag"], "steps": 6, "wall_s": 0.01,
+                     "modes": {"ar:1": 3, "chain:16": 3}, "opening": {"ar:1": 1, "chain:16": 1},
+                     "tail_steps": 1, "tail_modes": {"chain:16": 1}, "tail_tokens": 2.0}]
+    wide = plan_log.per_call(plan_log.read_log(_write(tmp_path, CALL, name="w.jsonl")), opening=99, tail_rows=20)[0]
+    assert wide["opening"] == wide["modes"] and wide["tail_steps"] == 2 and wide["tail_tokens"] == 1.5
+    with pytest.raises(ValueError, match="opening 0"):
+        plan_log.per_call([], opening=0)
+    out = tmp_path / "s.json"
+    assert plan_log.main([str(_write(tmp_path, CALL, name="m.jsonl")), "--per-call", "--json", str(out)]) == 0
+    assert "p gsm8k 0 timed: 6, 0.01" in capsys.readouterr().out
+    assert json.loads(out.read_text())["points"][0]["per_call"][0]["tail_modes"] == {"chain:16": 1}

@@ -243,6 +243,39 @@ def persistence(calls: list[dict], early: int = 16) -> list[dict]:
     return out
 
 
+def per_call(calls: list[dict], opening: int = 20, tail_rows: int = 4) -> list[dict]:
+    """One row per call (in log order): what the planner chose where a call begins and where it ends, the two places
+    the token state carried from the call before shows.
+
+    Args:
+        calls: :func:`read_log`'s records.
+        opening: how many of a call's first choices ``opening`` counts.
+        tail_rows: a step observed with at most this many live requests counts in ``tail`` (the batch's drain down
+            to its last requests; its observations are what the next call's planner starts from).
+    Returns:
+        Per call ``{"tag", "steps", "wall_s", "modes", "opening", "tail_steps", "tail_modes",
+        "tail_tokens"}``: ``modes`` the choices per mode name, ``opening`` the first ``opening`` choices per
+        mode name, ``tail_steps`` the observed steps with at most ``tail_rows`` requests, ``tail_modes`` their
+        modes and ``tail_tokens`` their mean committed tokens per request (None without such steps).
+    Raises:
+        ValueError: ``opening`` or ``tail_rows`` below 1.
+    """
+    if opening < 1 or tail_rows < 1:
+        raise ValueError(f"per_call: opening {opening} and tail_rows {tail_rows} must be at least 1")
+    out = []
+    for c in calls:
+        names = c["log"][0]
+        events = c["log"][1:]
+        chosen = [names[e[2]] for e in events if e[0] == "c"]
+        tail = [e for e in events if e[0] == "o" and e[4] <= tail_rows]
+        count = lambda xs: dict(sorted(Counter(xs).items()))  # noqa: E731
+        out.append({"tag": c.get("tag"), "steps": c.get("steps"), "wall_s": c.get("wall_s"), "modes": count(chosen),
+                    "opening": count(chosen[:opening]), "tail_steps": len(tail),
+                    "tail_modes": count(names[e[1]] for e in tail),
+                    "tail_tokens": sum(e[2] for e in tail) / len(tail) if tail else None})
+    return out
+
+
 def _print(s: dict) -> None:
     print(f"{s['calls']} calls, {s['steps']} steps")
     print(f"{'mode':>9} {'steps':>7} {'drain':>7} {'probes':>7} {'timed':>7} {'tok/ms':>8}")
@@ -270,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the calls infer.bench tagged with this pass (tag.pass)")
     ap.add_argument("--label", default=None, help="keep the calls of this infer.bench draft label (tag.label)")
     ap.add_argument("--json", default=None, help="write the summaries here too (refused if it exists)")
+    ap.add_argument("--per-call", action="store_true",
+                    help="also: per call, its choices, its first 20 choices and its steps with at most 4 live "
+                         "requests (per_call())")
     ap.add_argument("--persistence", type=int, default=None, metavar="N",
                     help="also: per call, how much of the requests' spread in acceptance over their first N chain steps "
                          "persists to the rest of their answers (persistence())")
@@ -317,6 +353,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {tag.get('task', '?')} {tag.get('turn', '')}: {q['requests']}, {q['early_steps']:.0f}/"
                       f"{q['late_steps']:.0f}, {q['early_mean']:.3f}, {q['early_var']:.4f}, {q['cov']:.4f}, "
                       f"{q['corr']}, {q['slope']}, {q['shares']}")
+        if args.per_call:
+            row["per_call"] = per_call(group)
+            print("per call: steps, wall s, choices; the first 20 choices; the steps with at most 4 live requests "
+                  "(modes, mean tokens)")
+            for q in row["per_call"]:
+                tag = q["tag"] or {}
+                where = " ".join(str(tag[k]) for k in ("label", "task", "turn", "pass") if k in tag) or "?"
+                tok = "–" if q["tail_tokens"] is None else f"{q['tail_tokens']:.2f}"
+                print(f"  {where}: {q['steps']}, {q['wall_s']}, {q['modes']}; {q['opening']}; "
+                      f"{q['tail_steps']} {q['tail_modes']} {tok}")
         out.append(row)
     if args.json:
         from dspine.provenance import command_line, utc_now

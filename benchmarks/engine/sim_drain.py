@@ -48,7 +48,7 @@ TASKS = [
 
 
 def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, planner=None,
-                feed_narrow=True) -> float:
+                feed_narrow=True, lengths=None) -> float:
     """Milliseconds to finish one batch with no queue (the batch keeps its size to the end). Request i accepts
     each draft token with probability ``accept[i]`` (a chain of W commits 1 + accepted, at most W); every
     step costs its table time, which the planner is told. ``fixed``: run that mode every step instead of the
@@ -56,16 +56,21 @@ def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, p
     engine: ``Engine.PLAN_DRAIN_EVERY``); ``planner``: the one to use (a fresh one by default). As in the engine, a
     chain step pairs each narrower chain of the table with min(committed, width) per request, and its tokens go
     into the drain statistics: the full chain's always, a narrower one's with ``feed_narrow`` (the engine before
-    2026-12-06, fifth: not)."""
+    2026-12-06, fifth: not). ``lengths``: request i ends after ``lengths[i]`` tokens (at most ``max_new``; an end of
+    text), while the planner is told ``max_new`` − committed as its remaining, as the engine tells it; None: every
+    request runs to ``max_new``."""
     rng = random.Random(seed)
     planner = planner or StepPlanner(costs)
     n = len(accept)
     rem, tok, steps, sq, ms = [max_new] * n, [0] * n, [0] * n, [0] * n, 0.0
+    if lengths is not None:
+        rem = [min(max(1, int(x)), max_new) for x in lengths]
+    told = lambda i: max_new - (min(max(1, int(lengths[i])), max_new) - rem[i]) if rem[i] and lengths else rem[i]  # noqa: E731
     while any(rem):
         live = [i for i in range(n) if rem[i]]
         if fixed is None:
             give = drain and planner.step % every == 0
-            mode = planner.choose(drain=list(zip(rem, tok, steps, sq)) if give else None)
+            mode = planner.choose(drain=[(told(i), tok[i], steps[i], sq[i]) for i in range(n)] if give else None)
         else:
             mode = fixed
         ms += costs[mode]
