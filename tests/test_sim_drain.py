@@ -58,3 +58,26 @@ def test_the_record_names_its_command_device_and_date(tmp_path, monkeypatch):
     order = rec["orders"][0]
     assert set(order["total_ms"]) == {"ar", "chain", "chain2", "chain4", "chain8", "planner_fed", "planner_unfed"}
     assert order["planner_fed_over_ar_time"] == order["total_ms"]["planner_fed"] / order["total_ms"]["ar"]
+
+
+def test_lengths_end_requests_early_while_the_planner_is_told_max_new():
+    """``lengths``: request i ends after lengths[i] tokens (a fixed mode's time is the longest request's steps), and
+    the drain requests the planner gets say max_new − committed while a request runs, 0 once it ended."""
+    costs = sim.COSTS_NARROW
+    assert sim.drain_batch(costs, [0.0] * 3, 30, 0, fixed=sim.AR, lengths=[5, 12, 30]) == pytest.approx(30 * costs[sim.AR])
+    assert sim.drain_batch(costs, [0.0] * 3, 30, 0, fixed=sim.AR, lengths=[5, 12, 7]) == pytest.approx(12 * costs[sim.AR])
+    assert sim.drain_batch(costs, [1.0] * 2, 30, 0, fixed=("chain", 4), lengths=[9, 3]) == pytest.approx(
+        3 * costs[("chain", 4)])  # 9 tokens in chain-of-4 steps: 4 + 4 + 1
+    seen = []
+    planner = StepPlanner(costs)
+    planner.schedule = [sim.AR] * 40
+    choose = planner.choose
+
+    def spy(predicted=None, drain=None):
+        if drain is not None:
+            seen.append([d[0] for d in drain])
+        return choose(predicted, drain)
+
+    planner.choose = spy
+    sim.drain_batch(costs, [0.0] * 2, 30, 0, planner=planner, lengths=[2, 4])
+    assert seen[:4] == [[30, 30], [29, 29], [0, 28], [0, 27]]

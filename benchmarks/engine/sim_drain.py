@@ -65,7 +65,11 @@ def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, p
     rem, tok, steps, sq, ms = [max_new] * n, [0] * n, [0] * n, [0] * n, 0.0
     if lengths is not None:
         rem = [min(max(1, int(x)), max_new) for x in lengths]
-    told = lambda i: max_new - (min(max(1, int(lengths[i])), max_new) - rem[i]) if rem[i] and lengths else rem[i]  # noqa: E731
+    ends = list(rem)  # each request's length: committed = ends[i] − rem[i]
+
+    def told(i: int) -> int:  # what the engine tells the planner: max_new − committed while running, 0 once ended
+        return max_new - (ends[i] - rem[i]) if rem[i] else 0
+
     while any(rem):
         live = [i for i in range(n) if rem[i]]
         if fixed is None:
