@@ -1342,19 +1342,19 @@ class Engine:
                 drain_age += 1
             self.last_confidence = predicted  # tests, debugging
             t_launch = time.perf_counter()
+            # the step's timing starts at its launch after a drain refresh: the refresh's host work in choose() can
+            # outlast the step in flight, and the device's wait for this launch is no mode's cost (timed from the
+            # snapshot before, the steps chosen after a refresh read a 90th percentile of 2.9-3.0 ms against 1.8-2.0
+            # ms at concurrency 32 on the H100: results/plan-logs-h100-2026-12-06-persist.tar.gz); recorded before
+            # the flush, whose time stays in the step it precedes
+            start = (self._event(timing=True), t_launch) if drain is not None else None
             if ar_pending and (mode[0] != "ar" or ar_pending == s.pend_max):
                 flush()  # the draft reads its context in this step, or F are pending
                 ar_pending = 0
                 prof["flushes"] += 1
-            start = None  # the step's timing starts after a deferred prompts' write (its own, admission-sized work)
             if s.ctx_pending and mode[0] != "ar":  # the draft reads the deferred prompts' context in this step
                 self._write_deferred(s, draft_cache)
-                start = (self._event(timing=True), time.perf_counter())
-            elif drain is not None:
-                # timed from its launch: the drain refresh's host work in choose() can outlast the step in flight,
-                # and the GPU's idle wait for this launch is no mode's cost (timed from the snapshot before, the
-                # steps chosen after a refresh read a 90th percentile of 2.9-3.0 ms against 1.8-2.0 ms at
-                # concurrency 32 on the H100: results/plan-logs-h100-2026-12-06-persist.tar.gz)
+                # timed from after the write (its own, admission-sized work), the flush before it left out with it
                 start = (self._event(timing=True), time.perf_counter())
             launched.append((mode, t_launch, start, t0))
             run = runners.get(mode)
