@@ -1286,12 +1286,13 @@ class Engine:
         the step it once set a mode's measured ÷ table ratio for good (H100, concurrency 64: one chain-of-2 step
         after 64 deferred prompts read 12.5 ms against its table's 1.6; the ratio, 1.77, passed to the chain of 4
         never timed, kept it untried where it ran 1.41 × AR as a fixed mode: results/verify-chains-exact-h100.json).
-        A step chosen with a drain refresh is timed from its launch too (a CUDA event; the CPU times every step
-        from its launch to the next step's choice): the refresh is host work (``infer.planner.drain_tokens``), and
-        where it outlasts the step in flight the device waits for the launch, which timed from the snapshot before
-        was charged to the mode chosen (H100, concurrency 32, T = 0: 90th percentile 2.9-3.0 ms after a refresh
-        against 1.8-2.0 ms for the same chains otherwise, and a chain of 4 measured at 1.96 ms where its steps ran
-        1.6-1.7 ms left the planner on the chain of 8 for whole tasks: results/plan-logs-h100-2026-12-06-persist.tar.gz)."""
+        A drain refresh (``infer.planner.drain_tokens``, host work in the choice of a step) is no mode's cost:
+        where it outlasts the step in flight the device waits for the launch, and on CUDA that wait, up to the
+        host time from the loop's top to the launch, is taken out of the step's time (the idle between the previous
+        snapshot and an event recorded at the launch); the CPU times every step from its launch to the next step's
+        choice. The other steps keep the loop's ordinary host time, so a step chosen with a refresh is not priced
+        below them. (H100, concurrency 32, T = 0, timed passes: 4-13% of the chain steps chosen with a refresh ran
+        over 1.9 ms against under 1% of the other drain steps: results/plan-logs-h100-2026-12-06-persist.tar.gz.)"""
         if self.plan_confidence not in ("greedy", "always", "never"):
             raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")
         cuda, prof = self.device.type == "cuda", self.loop_profile
@@ -1342,12 +1343,11 @@ class Engine:
                 drain_age += 1
             self.last_confidence = predicted  # tests, debugging
             t_launch = time.perf_counter()
-            # the step's timing starts at its launch after a drain refresh: the refresh's host work in choose() can
-            # outlast the step in flight, and the device's wait for this launch is no mode's cost (timed from the
-            # snapshot before, the steps chosen after a refresh read a 90th percentile of 2.9-3.0 ms against 1.8-2.0
-            # ms at concurrency 32 on the H100: results/plan-logs-h100-2026-12-06-persist.tar.gz); recorded before
-            # the flush, whose time stays in the step it precedes
-            start = (self._event(timing=True), t_launch) if drain is not None else None
+            # a drain refresh's host work (choose() mapping the batch) can outlast the step in flight: the device's
+            # wait for this launch, up to the refresh's host time, is no mode's cost and is taken out of the step's
+            # time (an event at the launch, before the flush, whose time stays in the step it precedes)
+            refresh = (self._event(timing=True), t_launch - t0) if drain is not None else None
+            start = None
             if ar_pending and (mode[0] != "ar" or ar_pending == s.pend_max):
                 flush()  # the draft reads its context in this step, or F are pending
                 ar_pending = 0
@@ -1356,7 +1356,7 @@ class Engine:
                 self._write_deferred(s, draft_cache)
                 # timed from after the write (its own, admission-sized work), the flush before it left out with it
                 start = (self._event(timing=True), time.perf_counter())
-            launched.append((mode, t_launch, start, t0))
+            launched.append((mode, t_launch, start, t0, refresh))
             run = runners.get(mode)
             if run is None:
                 run = runners[mode] = self._runner(B, params, True, mode)
@@ -1375,13 +1375,15 @@ class Engine:
             self._check_finite(flags, B)
             predicted = None
             if base is not None:  # observe the step between the previous snapshot and this one
-                done_mode, t_launch, start, _ = launched.popleft()
+                done_mode, t_launch, start, _, refresh = launched.popleft()
                 rows = [b for b in range(B) if base[1][b] and base[2][b] is not None and base[2][b] == snap[2][b]]
                 if rows:
                     ms = None
                     if self.plan_online and not snap[3]:  # no prefill in the interval
                         if cuda:
                             ms = (base[3] if start is None else start[0]).elapsed_time(snap[1])
+                            if refresh is not None and start is None:  # the device idle while the host refreshed
+                                ms -= min(max(base[3].elapsed_time(refresh[0]), 0.0), refresh[1] * 1e3)
                         else:
                             # to the next step's choice: its drain refresh (host work) is no mode's cost either
                             ms = (launched[0][3] - (t_launch if start is None else start[1])) * 1e3

@@ -1027,7 +1027,10 @@ def planner_persist_section() -> list[str]:
         for run in PERSIST_RUNS:
             name = f"planner-persist-h100-exact-T0-c{c}{run}.json"
             r = load(name)
-            if not r:
+            labels = ("ar", "chain", "chain4", "p", "pp")
+            # a run cut short, or a task without every label, is left out (its labels would pool other tasks)
+            if not r or r.get("interrupted") or not r.get("tasks") or not all(
+                    "ar" in t and all(k in t["drafts"] for k in labels[1:]) for t in r["tasks"]):
                 continue
             tok, sec = {}, {}
             for t in r["tasks"]:

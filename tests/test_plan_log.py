@@ -215,3 +215,23 @@ def test_per_call_counts_the_opening_and_the_few_row_tail(tmp_path, capsys):
     assert plan_log.main([str(_write(tmp_path, CALL, name="m.jsonl")), "--per-call", "--json", str(out)]) == 0
     assert "p gsm8k 0 timed: 6, 0.01" in capsys.readouterr().out
     assert json.loads(out.read_text())["points"][0]["per_call"][0]["tail_modes"] == {"chain:16": 1}
+
+
+def test_refresh_timing_splits_steps_by_when_they_were_chosen(tmp_path, capsys):
+    """refresh_timing: a choice at the step of a drain refresh ("d") is grouped "refresh", another under the drain
+    rule "drain", one while prompts waited "queue"; untimed observations are left out."""
+    call = dict(CALL, log=[["ar:1", "chain:16"],
+                           ["d", 0, [[100, 0, 0, 0]]], ["c", 0, 1, 1, 0.0, None], ["o", 1, 2.0, 5.0, 32],
+                           ["c", 1, 1, 1, 0.0, [1.0, 1.2]], ["o", 1, 2.0, 1.0, 32],
+                           ["c", 2, 0, 0, 0.0, [1.0, 0.9]], ["o", 0, 1.0, 0.5, 32],
+                           ["c", 3, 0, 0, 0.0, [1.0, 0.9]], ["o", 0, 1.0, None, 32]])
+    t = plan_log.refresh_timing(plan_log.read_log(_write(tmp_path, call)), over=2.0)
+    assert t == {"ar:1": {"queue": {"steps": 1, "median_ms": 0.5, "p90_ms": 0.5, "over_share": 0.0}},
+                 "chain:16": {"refresh": {"steps": 1, "median_ms": 5.0, "p90_ms": 5.0, "over_share": 1.0},
+                              "drain": {"steps": 1, "median_ms": 1.0, "p90_ms": 1.0, "over_share": 0.0}}}
+    with pytest.raises(ValueError, match="over 0"):
+        plan_log.refresh_timing([], over=0)
+    assert plan_log.main([str(_write(tmp_path, call, name="r.jsonl")), "--refresh-timing", "0"]) == 2
+    assert "give a threshold above 0 ms" in capsys.readouterr().err
+    assert plan_log.main([str(_write(tmp_path, call, name="s.jsonl")), "--refresh-timing", "2"]) == 0
+    assert "chain:16 refresh 1, 5.000, 5.000, 100.0%; drain 1, 1.000, 1.000, 0.0%" in capsys.readouterr().out

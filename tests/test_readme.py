@@ -181,3 +181,8 @@ def test_persist_section_pools_the_tasks(tmp_path, monkeypatch):
     assert rows[1].split(" | ")[1] == "3" and rows[1].split(" | ")[7:9] == ["1.000", "0.500"]
     assert rows[2].startswith("| 64 | mean of 2 |") and "| 0.750 | 0.750 |" in rows[2]
     assert "`abcdef1`" in rows[0] and len(rows) == 3
+    # a run cut short, or one whose task lacks a label, is left out
+    (res / "planner-persist-h100-exact-T0-c64-rep2.json").write_text(json.dumps({**run, "interrupted": True}))
+    short = {**run, "tasks": [run["tasks"][0], {**run["tasks"][1], "drafts": {"chain4": run["tasks"][1]["drafts"]["chain4"]}}]}
+    (res / "planner-persist-h100-exact-T0-c32.json").write_text(json.dumps(short))
+    assert [r for r in make_tables.planner_persist_section() if r.startswith("| ")][1:] == rows

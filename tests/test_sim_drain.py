@@ -81,3 +81,7 @@ def test_lengths_end_requests_early_while_the_planner_is_told_max_new():
     planner.choose = spy
     sim.drain_batch(costs, [0.0] * 2, 30, 0, planner=planner, lengths=[2, 4])
     assert seen[:4] == [[30, 30], [29, 29], [0, 28], [0, 27]]
+    for bad, msg in (([2, 4, 6], "3 lengths for 2"), ([2], "1 lengths for 2"), ([0, 4], r"\[0\] outside"),
+                     ([4, 31], r"\[31\] outside")):
+        with pytest.raises(ValueError, match=msg):
+            sim.drain_batch(costs, [0.0] * 2, 30, 0, fixed=sim.AR, lengths=bad)

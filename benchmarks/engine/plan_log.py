@@ -276,6 +276,43 @@ def per_call(calls: list[dict], opening: int = 20, tail_rows: int = 4) -> list[d
     return out
 
 
+def refresh_timing(calls: list[dict], over: float) -> dict:
+    """The timed steps' milliseconds per mode, split by when the step was chosen: with a drain refresh (a choice at
+    the step of a ``"d"`` event: the host mapped the batch just before the launch), under the drain rule otherwise,
+    or while prompts waited (``queue``). Choices and observations are paired as :meth:`StepPlanner.observe` pairs
+    them (:func:`_matched`).
+
+    Args:
+        calls: :func:`read_log`'s records.
+        over: the threshold, milliseconds, of ``over_share``.
+    Returns:
+        ``{mode name: {"refresh" | "drain" | "queue": {"steps", "median_ms", "p90_ms", "over_share"}}}``, the 90th
+        percentile the value at index ⌊0.9 n⌋ of the sorted times; a group without timed steps is left out.
+    Raises:
+        ValueError: ``over`` not above 0.
+    """
+    if not over > 0:
+        raise ValueError(f"refresh_timing: over {over} must be above 0 ms")
+    times: dict = {}
+    for c in calls:
+        names = c["log"][0]
+        refreshed = {e[1] for e in c["log"][1:] if e[0] == "d"}
+        for choice, obs in _matched(c):
+            if not obs[3]:
+                continue
+            group = "refresh" if choice[1] in refreshed else "drain" if choice[3] else "queue"
+            times.setdefault(names[choice[2]], {}).setdefault(group, []).append(obs[3])
+    out = {}
+    for mode, groups in sorted(times.items()):
+        out[mode] = {}
+        for group in ("refresh", "drain", "queue"):
+            v = sorted(groups.get(group, []))
+            if v:
+                out[mode][group] = {"steps": len(v), "median_ms": statistics.median(v),
+                                    "p90_ms": v[int(0.9 * len(v))], "over_share": sum(x > over for x in v) / len(v)}
+    return out
+
+
 def _print(s: dict) -> None:
     print(f"{s['calls']} calls, {s['steps']} steps")
     print(f"{'mode':>9} {'steps':>7} {'drain':>7} {'probes':>7} {'timed':>7} {'tok/ms':>8}")
@@ -306,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-call", action="store_true",
                     help="also: per call, its choices, its first 20 choices and its steps with at most 4 live "
                          "requests (per_call())")
+    ap.add_argument("--refresh-timing", type=float, default=None, metavar="MS",
+                    help="also: the timed steps' milliseconds per mode, chosen with a drain refresh, under the drain "
+                         "rule otherwise, or while prompts waited, with the share over MS (refresh_timing())")
     ap.add_argument("--persistence", type=int, default=None, metavar="N",
                     help="also: per call, how much of the requests' spread in acceptance over their first N chain steps "
                          "persists to the rest of their answers (persistence())")
@@ -315,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--json {args.json}: exists (not overwritten)")
         if args.json and not Path(args.json).resolve().parent.is_dir():
             raise ValueError(f"--json {args.json}: no folder {Path(args.json).parent}")
+        if args.refresh_timing is not None and not args.refresh_timing > 0:
+            raise ValueError(f"--refresh-timing {args.refresh_timing}: give a threshold above 0 ms")
         if args.persistence is not None and args.persistence < 1:
             raise ValueError(f"--persistence {args.persistence}: give at least 1 chain step")
         calls = read_log(args.log)
@@ -363,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
                 tok = "–" if q["tail_tokens"] is None else f"{q['tail_tokens']:.2f}"
                 print(f"  {where}: {q['steps']}, {q['wall_s']}, {q['modes']}; {q['opening']}; "
                       f"{q['tail_steps']} {q['tail_modes']} {tok}")
+        if args.refresh_timing is not None:
+            row["refresh_timing"] = refresh_timing(group, args.refresh_timing)
+            print(f"timed steps by when chosen: steps, median ms, 90th percentile ms, share over {args.refresh_timing} ms")
+            for mode, groups in row["refresh_timing"].items():
+                print(f"  {mode:>9} " + "; ".join(f"{g} {v['steps']}, {v['median_ms']:.3f}, {v['p90_ms']:.3f}, "
+                                                  f"{v['over_share']:.1%}" for g, v in groups.items()))
         out.append(row)
     if args.json:
         from dspine.provenance import command_line, utc_now

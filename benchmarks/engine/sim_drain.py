@@ -58,13 +58,20 @@ def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, p
     into the drain statistics: the full chain's always, a narrower one's with ``feed_narrow`` (the engine before
     2026-12-06, fifth: not). ``lengths``: request i ends after ``lengths[i]`` tokens (at most ``max_new``; an end of
     text), while the planner is told ``max_new`` − committed as its remaining, as the engine tells it; None: every
-    request runs to ``max_new``."""
+    request runs to ``max_new``. Raises ValueError for ``lengths`` not one per request or a length outside
+    1..``max_new``."""
+    if lengths is not None:
+        if len(lengths) != len(accept):
+            raise ValueError(f"drain_batch: {len(lengths)} lengths for {len(accept)} requests")
+        bad = [x for x in lengths if not 1 <= x <= max_new]
+        if bad:
+            raise ValueError(f"drain_batch: lengths {bad[:3]} outside 1..max_new ({max_new})")
     rng = random.Random(seed)
     planner = planner or StepPlanner(costs)
     n = len(accept)
     rem, tok, steps, sq, ms = [max_new] * n, [0] * n, [0] * n, [0] * n, 0.0
     if lengths is not None:
-        rem = [min(max(1, int(x)), max_new) for x in lengths]
+        rem = [int(x) for x in lengths]
     ends = list(rem)  # each request's length: committed = ends[i] − rem[i]
 
     def told(i: int) -> int:  # what the engine tells the planner: max_new − committed while running, 0 once ended
