@@ -1291,8 +1291,9 @@ class Engine:
         host time from the loop's top to the launch, is taken out of the step's time (the idle between the previous
         snapshot and an event recorded at the launch); the CPU times every step from its launch to the next step's
         choice. The other steps keep the loop's ordinary host time, so a step chosen with a refresh is not priced
-        below them. (H100, concurrency 32, T = 0, timed passes: 4-13% of the chain steps chosen with a refresh ran
-        over 1.9 ms against under 1% of the other drain steps: results/plan-logs-h100-2026-12-06-persist.tar.gz.)"""
+        below them. (H100, concurrency 32, T = 0, timed passes of three runs: the chain of 4's steps chosen with a
+        refresh ran over 1.9 ms in 5.5-26% of cases against 0.3-1.3% of its other drain steps:
+        results/plan-refresh-timing-h100-exact-c32*.json.)"""
         if self.plan_confidence not in ("greedy", "always", "never"):
             raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")
         cuda, prof = self.device.type == "cuda", self.loop_profile
@@ -1309,8 +1310,9 @@ class Engine:
         # (buffer, event, slot owners when taken, a prefill ran since the previous snapshot)
         snap = (bufs[cur], snapshot(bufs[cur]), list(owner), True)
         base = None  # the last snapshot read: (out_len, live, owners, its CUDA event)
-        # (mode, host time at launch, (CUDA event, host time) after a deferred prompts' write or a drain refresh, or
-        # None; host time before the step's choice) of the steps not yet observed, oldest first
+        # (mode, host time at launch, (CUDA event, host time) after a deferred prompts' write or None, host time at the
+        # loop's top before the step's choice, (CUDA event at the launch, host seconds from the loop's top to it) of a
+        # step chosen with a drain refresh or None) of the steps not yet observed, oldest first
         launched: deque = deque()
         predicted = None
         pending: list = []  # harvests in flight
