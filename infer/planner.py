@@ -46,7 +46,9 @@ Online cost: a mode's step time is its table time × its measured ÷ table ratio
 steps first and their median in log space sets its ratio; later steps are clipped to 1/3-3 × the estimate they were
 chosen with; a mode's first 3 timings (with the nearest timed mode's ratio as a prior while fewer) give its ratio as
 their log-space median, then a log-space moving average (weight ``cost_decay``, each step moving it by at most
-``cost_decay`` × log 1.25). Time spent and probe losses are in these measured (clipped) milliseconds.
+``cost_decay`` × log 1.25). Time spent and probe losses are in these measured (clipped) milliseconds. Under cost model
+``"age"`` (:data:`COST_MODELS`, opt-in) a mode's ratio moves, as it goes untimed, towards that of the mode timed last,
+and its next timing moves on from there.
 
 Calibration: per mode, moving averages (weight ``max(cal_decay, 1 / n)``) of the predicted (P) and realized *accepted*
 tokens over the steps with a prediction (realized ÷ predicted is reported). A mode run at least once is expected to
@@ -119,6 +121,14 @@ SETTLE_MODELS = ("long_run", "estimate")
 # steps and needs no headroom; the default), "headroom" (its estimate × the headroom rule's factor, the rule before) or
 # "lead_age" ("lead" with each lead's variance growing with the steps since it was last observed; an experiment)
 CEILING_MODELS = ("lead", "headroom", "lead_age")
+# a mode's measured ÷ table ratio (module docstring, "Online cost"): "own" (its own timings alone, kept as they left it
+# until the mode is timed again; the default) or "age" (the ratio of a mode not timed for a while moves towards that of
+# the mode timed last, in log space with weight 1 − exp(−age ÷ COST_AGE_STEPS), age the steps since its own last timing:
+# a price a burst of slow steps set is not kept for good once the mode is left; H100, concurrency 32, T = 0: the chain
+# of 4 priced 1.26 × its table after such a burst, left for the chain of 8 for whole tasks while its steps ran about
+# 1.07 × it; results/plan-logs-h100-2026-12-06-persist.tar.gz; an experiment)
+COST_MODELS = ("own", "age")
+COST_AGE_STEPS = 32.0
 LEAD_Z = 1.0
 LEAD_MIN_STEPS = 4
 # chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
@@ -590,8 +600,11 @@ class StepPlanner:
             docstring, "Calibration"; :meth:`slope`).
         settle: :data:`SETTLE_MODELS`: the rate a probe's loss is settled against (module docstring, rule 3).
         ceiling: :data:`CEILING_MODELS`: a led mode's probing ceiling (module docstring, rule 2; :meth:`lead_se`).
+        cost_model: :data:`COST_MODELS`: how a mode's measured ÷ table ratio is kept while the mode is not timed
+            (:meth:`_ratio`).
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
-    unknown drain, settle or ceiling model or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
+    unknown drain, settle, ceiling or cost model or a conf_slope that is neither ``"auto"`` nor a number in [0,
+    ``SLOPE_MAX``].
     """
 
     def __init__(
@@ -609,6 +622,7 @@ class StepPlanner:
         conf_slope: float | str = "auto",
         settle: str = "long_run",
         ceiling: str = "lead",
+        cost_model: str = "own",
     ):
         if not costs or not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs.values()):
             raise ValueError(f"planner costs must be a non-empty table of positive finite step times, got {costs}")
@@ -622,7 +636,12 @@ class StepPlanner:
             raise ValueError(f"settle={settle!r}; expected one of {', '.join(SETTLE_MODELS)}")
         if ceiling not in CEILING_MODELS:
             raise ValueError(f"ceiling={ceiling!r}; expected one of {', '.join(CEILING_MODELS)}")
-        self.conf_slope, self.settle, self.ceiling = conf_slope, settle, ceiling
+        if cost_model not in COST_MODELS:
+            raise ValueError(f"cost_model={cost_model!r}; expected one of {', '.join(COST_MODELS)}")
+        self.conf_slope, self.settle, self.ceiling, self.cost_model = conf_slope, settle, ceiling, cost_model
+        # per mode, the step of its latest timing, and the mode timed last (cost model "age", _ratio)
+        self.ratio_step: dict[Mode, int] = {m: 0 for m in costs}
+        self.last_timed: Mode | None = None
         # a fixed cycle of modes that choose() runs instead of deciding (benchmarks/engine/bench_planner_loop.py
         # --switch: what switching modes costs the loop); observations are still recorded; None: decide
         self.schedule: list[Mode] | None = None
@@ -693,8 +712,8 @@ class StepPlanner:
 
     @property
     def costs(self) -> dict[Mode, float]:
-        """Estimated step milliseconds per mode: table × the mode's measured ratio, or for a mode never
-        timed × the ratio of the timed mode nearest in table time (the table itself before any timing)."""
+        """Estimated step milliseconds per mode: table × the mode's measured ratio (:meth:`_ratio`), or for a mode
+        never timed × the ratio of the timed mode nearest in table time (the table itself before any timing)."""
         timed = [m for m in self.table if self.ratio[m] is not None]
         out = {}
         for m, t in self.table.items():
@@ -703,8 +722,20 @@ class StepPlanner:
                 if self.ratio[m] is not None
                 else min(timed, key=lambda k: abs(math.log(self.table[k] / t)), default=None)
             )
-            out[m] = t * (self.ratio[near] if near is not None else 1.0)
+            out[m] = t * (self._ratio(near) if near is not None else 1.0)
         return out
+
+    def _ratio(self, m: Mode) -> float:
+        """``m``'s measured ÷ table ratio as the cost model keeps it (``m`` timed at least once): ``"own"`` its own;
+        ``"age"`` ``exp(w log r_m + (1 − w) log r_last)``, ``w = exp(−age ÷ COST_AGE_STEPS)``, age the steps since
+        ``m`` was last timed and r_last the ratio of the mode timed last (:data:`COST_MODELS`); ``m`` itself when
+        it is that mode."""
+        r = self.ratio[m]
+        if self.cost_model != "age" or self.last_timed is None or self.last_timed == m:
+            return r
+        ref = self.ratio[self.last_timed]
+        w = math.exp(-max(self.step - self.ratio_step[m], 0) / COST_AGE_STEPS)
+        return math.exp(w * math.log(r) + (1.0 - w) * math.log(ref))
 
     def calibration(self, mode: Mode) -> float | None:
         """Realized ÷ predicted accepted tokens of ``mode`` (``None``: no prediction or none accepted)."""
@@ -985,6 +1016,8 @@ class StepPlanner:
         if ms is not None and ms > 0:
             self.timed_steps[mode] += 1
             self.timed_ms[mode] += ms
+            if self.ratio[mode] is not None:  # cost model "age": it moves on from the ratio it had aged to
+                self.ratio[mode] = self._ratio(mode)
             before = est_ms / self.table[mode]  # the ratio used for this step
             x = ms / self.table[mode]
             # no other mode measured yet and fewer than FIRST_TIMED timings of this one: take x as it is
@@ -1004,6 +1037,7 @@ class StepPlanner:
             else:  # log-space average, one step moves it by at most cost_decay × LOG_CLIP
                 step = min(max(math.log(x / self.ratio[mode]), -LOG_CLIP), LOG_CLIP)
                 self.ratio[mode] *= math.exp(self.cost_decay * step)
+            self.ratio_step[mode], self.last_timed = self.step, mode
         else:
             ms = est_ms
         if probe is not None:
@@ -1098,6 +1132,9 @@ class StepPlanner:
             "ratio": dict(self.ratio),
             "timed": dict(self.timed),
             "first": {m: list(v) for m, v in self.first.items()},
+            # steps since each mode's latest timing, and the mode timed last (cost model "age")
+            "age": {m: self.step - k for m, k in self.ratio_step.items()},
+            "last_timed": self.last_timed,
         }
 
     def load_cost_state(self, state: dict) -> None:
@@ -1113,6 +1150,9 @@ class StepPlanner:
         for m, r in state["ratio"].items():
             if r is not None:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
+                self.ratio_step[m] = self.step - state.get("age", {}).get(m, 0)  # its age goes on from the state's
+        if state.get("last_timed") in self.table and self.ratio[state["last_timed"]] is not None:
+            self.last_timed = state["last_timed"]
 
     TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps", "pred_var",
                     "pred_cov", "slope_steps", "lead_sq")

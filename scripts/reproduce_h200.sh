@@ -46,6 +46,10 @@
 #             covariance of early and later acceptance) beside AR and the fixed chains of 4 and 16, T=0, exact,
 #             concurrency 64 and 32, 64 prompts -> results/planner-persist-h200-exact-T0-c{64,32}.json, step logs
 #             $WORK/logs/plan-log-persist-c{64,32}.jsonl                                               ~5
+#   plancost  infer.bench A/B of how the planner keeps an untimed mode's step time (p: the default, cost=own; pc:
+#             cost=age, a stale price moves towards the mode timed last) beside AR and the fixed chains of 4 and 16,
+#             T=0, exact, concurrency 32 and 64, 64 prompts, each point RUNS times (default 2) ->
+#             results/planner-cost[-rK]-h200-exact-T0-c{32,64}.json, step logs $WORK/logs/plan-log-cost*-c*.jsonl  ~8
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -56,7 +60,7 @@
 # CUDA, stops the script before anything runs.
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results), GPU_TAG (h200: the suffix of every results file), SEEDS (the
-# planner stage's sampling seeds at T = 1, default one run: see the planner stage).
+# planner stage's sampling seeds at T = 1, default one run: see the planner stage), RUNS (plancost: runs a point, 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/reproduce}
@@ -66,7 +70,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain plansettle planceiling planpersist planswitch planexact tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain plansettle planceiling planpersist plancost planswitch planexact tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -220,6 +224,16 @@ if has planpersist; then
       --config chain4:width=4 --config p:budget=auto --config pp:budget=auto,drain=persist)
   for c in 64 32; do  # with the step logs (plan_log.py --persistence reads them)
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-persist-c$c.jsonl" timed "planpersist-exact-c$c" planab persist "$c" 64 "${ab[@]}"
+  done
+fi
+if has plancost; then
+  ab=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pc="$DRAFT"
+      --config chain4:width=4 --config p:budget=auto --config pc:budget=auto,cost=age)
+  for k in $(seq 1 "${RUNS:-2}"); do  # one run's planner spreads by ±3 points: several runs a point
+    name=cost$([ "$k" = 1 ] || echo "-r$k")
+    for c in 32 64; do
+      DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c$c.jsonl" timed "plan$name-exact-c$c" planab "$name" "$c" 64 "${ab[@]}"
+    done
   done
 fi
 if has planceiling; then

@@ -1586,3 +1586,44 @@ def test_drain_model_persist_carries_its_spread_relative_and_apart():
     assert scaled.spread_prior == DEFAULT_SPREAD
     q.load_token_state(scaled.token_state())
     assert q.spread_prior == DEFAULT_SPREAD_REL
+
+
+@pytest.mark.parametrize("model", ["own", "age"])
+def test_a_price_set_by_a_burst_ages_under_cost_model_age(model):
+    """Two chains whose steps both run at 1.0 × their table: a burst of slow steps (2.5 ×) while the chain of 4 runs
+    raises its ratio; then only the chain of 8 is timed, at its table. Under "own" the chain of 4 keeps the burst's
+    price; under "age" it moves towards the chain of 8's ratio, weight 1 − exp(−age / COST_AGE_STEPS), and its
+    next timing moves on from there. Both carry the age in cost_state."""
+    from infer.planner import COST_AGE_STEPS
+
+    c4, c8 = ("chain", 4), ("chain", 8)
+    p = StepPlanner({AR: 1.0, c4: 1.5, c8: 2.0}, cost_model=model)
+    p.schedule = [c4] * 40 + [c8] * 200
+    for i in range(40):  # 10 timings at the table, then 30 at 2.5 × it
+        p.choose()
+        p.observe(c4, 3.0, ms=1.5 * (1.0 if i < 10 else 2.5))
+    burst = p.ratio[c4]
+    assert 1.5 < burst < 2.5  # the clipped moving average climbed
+    for _ in range(64):
+        p.choose()
+        p.observe(c8, 4.0, ms=2.0)
+    r8 = p.ratio[c8]
+    assert r8 == pytest.approx(1.0, abs=0.05)  # the nearest mode's prior, then its own timings
+    w = math.exp(-64 / COST_AGE_STEPS)
+    want = burst if model == "own" else math.exp(w * math.log(burst) + (1 - w) * math.log(r8))
+    assert p.costs[c4] == pytest.approx(1.5 * want, rel=1e-9)
+    assert p.ratio[c4] == burst  # the stored ratio is the one its last timing left
+    if model == "age":
+        assert p.costs[c4] < 1.5 * 1.25  # within 25% of its real price, from 1.5-2.5 ×
+        state = p.cost_state()
+        assert state["age"][c4] == 64 and state["last_timed"] == c8
+        q = StepPlanner({AR: 1.0, c4: 1.5, c8: 2.0}, cost_model="age")
+        q.load_cost_state(state)
+        assert q.costs[c4] == pytest.approx(p.costs[c4], rel=1e-9)  # the age goes on from the state's
+        q.schedule = [c4]
+        q.choose()
+        aged = q.costs[c4] / 1.5
+        q.observe(c4, 3.0, ms=1.5)  # at its table: the ratio moves on from the aged one, not from the burst's
+        assert q.ratio[c4] < aged and q.ratio[c4] == pytest.approx(aged * math.exp(0.1 * max(math.log(1 / aged), -math.log(1.25))))
+    with pytest.raises(ValueError, match="cost_model='shared'"):
+        StepPlanner({AR: 1.0}, cost_model="shared")
