@@ -47,8 +47,8 @@ steps first and their median in log space sets its ratio; later steps are clippe
 chosen with; a mode's first 3 timings (with the nearest timed mode's ratio as a prior while fewer) give its ratio as
 their log-space median, then a log-space moving average (weight ``cost_decay``, each step moving it by at most
 ``cost_decay`` × log 1.25). Time spent and probe losses are in these measured (clipped) milliseconds. Under cost model
-``"age"`` (:data:`COST_MODELS`, opt-in) a mode's ratio moves, as it goes untimed, towards that of the mode timed last,
-and its next timing moves on from there.
+``"age"`` (:data:`COST_MODELS`, opt-in) a mode's price moves, as it goes untimed, from that average to the median of
+its own last timings, and its next timing moves on from there.
 
 Calibration: per mode, moving averages (weight ``max(cal_decay, 1 / n)``) of the predicted (P) and realized *accepted*
 tokens over the steps with a prediction (realized ÷ predicted is reported). A mode run at least once is expected to
@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from collections import Counter, deque
 
 import numpy as np
@@ -121,14 +122,16 @@ SETTLE_MODELS = ("long_run", "estimate")
 # steps and needs no headroom; the default), "headroom" (its estimate × the headroom rule's factor, the rule before) or
 # "lead_age" ("lead" with each lead's variance growing with the steps since it was last observed; an experiment)
 CEILING_MODELS = ("lead", "headroom", "lead_age")
-# a mode's measured ÷ table ratio (module docstring, "Online cost"): "own" (its own timings alone, kept as they left it
-# until the mode is timed again; the default) or "age" (the ratio of a mode not timed for a while moves towards that of
-# the mode timed last, in log space with weight 1 − exp(−age ÷ COST_AGE_STEPS), age the steps since its own last timing:
-# a price a burst of slow steps set is not kept for good once the mode is left; H100, concurrency 32, T = 0: the chain
-# of 4 priced 1.26 × its table after such a burst, left for the chain of 8 for whole tasks while its steps ran about
+# a mode's measured ÷ table ratio (module docstring, "Online cost"): "own" (its moving average, kept as the last timing
+# left it until the mode is timed again; the default) or "age" (as the mode goes untimed, its price moves from that
+# average to the median of its own last COST_WINDOW timings, in log space with weight 1 − exp(−age ÷ COST_AGE_STEPS),
+# age the steps since its last timing, and its next timing moves on from there: a price that a burst of slow steps
+# set at the end of a mode's run is not kept for good once the mode is left; H100, concurrency 32, T = 0: the chain of
+# 4 priced 1.26 × its table after such a burst, left for the chain of 8 for whole tasks while its steps ran about
 # 1.07 × it; results/plan-logs-h100-2026-12-06-persist.tar.gz; an experiment)
 COST_MODELS = ("own", "age")
 COST_AGE_STEPS = 32.0
+COST_WINDOW = 64
 LEAD_Z = 1.0
 LEAD_MIN_STEPS = 4
 # chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
@@ -639,9 +642,10 @@ class StepPlanner:
         if cost_model not in COST_MODELS:
             raise ValueError(f"cost_model={cost_model!r}; expected one of {', '.join(COST_MODELS)}")
         self.conf_slope, self.settle, self.ceiling, self.cost_model = conf_slope, settle, ceiling, cost_model
-        # per mode, the step of its latest timing, and the mode timed last (cost model "age", _ratio)
+        # per mode, the step of its latest timing and its last COST_WINDOW measured ÷ table ratios (cost model "age",
+        # _ratio)
         self.ratio_step: dict[Mode, int] = {m: 0 for m in costs}
-        self.last_timed: Mode | None = None
+        self.window: dict[Mode, deque] = {m: deque(maxlen=COST_WINDOW) for m in costs}
         # a fixed cycle of modes that choose() runs instead of deciding (benchmarks/engine/bench_planner_loop.py
         # --switch: what switching modes costs the loop); observations are still recorded; None: decide
         self.schedule: list[Mode] | None = None
@@ -726,16 +730,15 @@ class StepPlanner:
         return out
 
     def _ratio(self, m: Mode) -> float:
-        """``m``'s measured ÷ table ratio as the cost model keeps it (``m`` timed at least once): ``"own"`` its own;
-        ``"age"`` ``exp(w log r_m + (1 − w) log r_last)``, ``w = exp(−age ÷ COST_AGE_STEPS)``, age the steps since
-        ``m`` was last timed and r_last the ratio of the mode timed last (:data:`COST_MODELS`); ``m`` itself when
-        it is that mode."""
+        """``m``'s measured ÷ table ratio as the cost model keeps it (``m`` timed at least once): ``"own"`` its moving
+        average r_m; ``"age"`` ``exp(w log r_m + (1 − w) log med_m)``, ``w = exp(−age ÷ COST_AGE_STEPS)``, age the
+        steps since ``m`` was last timed and med_m the median of its last :data:`COST_WINDOW` timings (measured ÷
+        table, clipped as the average takes them; :data:`COST_MODELS`)."""
         r = self.ratio[m]
-        if self.cost_model != "age" or self.last_timed is None or self.last_timed == m:
+        if self.cost_model != "age" or not self.window[m]:
             return r
-        ref = self.ratio[self.last_timed]
         w = math.exp(-max(self.step - self.ratio_step[m], 0) / COST_AGE_STEPS)
-        return math.exp(w * math.log(r) + (1.0 - w) * math.log(ref))
+        return math.exp(w * math.log(r) + (1.0 - w) * math.log(statistics.median(self.window[m])))
 
     def calibration(self, mode: Mode) -> float | None:
         """Realized ÷ predicted accepted tokens of ``mode`` (``None``: no prediction or none accepted)."""
@@ -1037,7 +1040,8 @@ class StepPlanner:
             else:  # log-space average, one step moves it by at most cost_decay × LOG_CLIP
                 step = min(max(math.log(x / self.ratio[mode]), -LOG_CLIP), LOG_CLIP)
                 self.ratio[mode] *= math.exp(self.cost_decay * step)
-            self.ratio_step[mode], self.last_timed = self.step, mode
+            self.ratio_step[mode] = self.step
+            self.window[mode].append(x)
         else:
             ms = est_ms
         if probe is not None:
@@ -1132,9 +1136,9 @@ class StepPlanner:
             "ratio": dict(self.ratio),
             "timed": dict(self.timed),
             "first": {m: list(v) for m, v in self.first.items()},
-            # steps since each mode's latest timing, and the mode timed last (cost model "age")
+            # steps since each mode's latest timing, and its last timings (cost model "age")
             "age": {m: self.step - k for m, k in self.ratio_step.items()},
-            "last_timed": self.last_timed,
+            "window": {m: list(v) for m, v in self.window.items()},
         }
 
     def load_cost_state(self, state: dict) -> None:
@@ -1151,8 +1155,7 @@ class StepPlanner:
             if r is not None:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
                 self.ratio_step[m] = self.step - state.get("age", {}).get(m, 0)  # its age goes on from the state's
-        if state.get("last_timed") in self.table and self.ratio[state["last_timed"]] is not None:
-            self.last_timed = state["last_timed"]
+                self.window[m] = deque(state.get("window", {}).get(m, []), maxlen=COST_WINDOW)
 
     TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps", "pred_var",
                     "pred_cov", "slope_steps", "lead_sq")

@@ -1590,40 +1590,73 @@ def test_drain_model_persist_carries_its_spread_relative_and_apart():
 
 @pytest.mark.parametrize("model", ["own", "age"])
 def test_a_price_set_by_a_burst_ages_under_cost_model_age(model):
-    """Two chains whose steps both run at 1.0 × their table: a burst of slow steps (2.5 ×) while the chain of 4 runs
-    raises its ratio; then only the chain of 8 is timed, at its table. Under "own" the chain of 4 keeps the burst's
-    price; under "age" it moves towards the chain of 8's ratio, weight 1 − exp(−age / COST_AGE_STEPS), and its
-    next timing moves on from there. Both carry the age in cost_state."""
-    from infer.planner import COST_AGE_STEPS
+    """A chain of 4 timed 60 steps at its table, then 10 at 2.5 × it (a burst), then left for the chain of 8 (timed at
+    1.2 × its table, its own level). Under "own" the chain of 4 keeps the price the burst left; under "age" the price
+    moves to the median of its last COST_WINDOW timings (its table) with weight 1 − exp(−age / COST_AGE_STEPS), the
+    chain of 8 keeps its own level, and the next timing moves on from the aged price. The age and the timings carry
+    in cost_state."""
+    from infer.planner import COST_AGE_STEPS, COST_WINDOW
 
     c4, c8 = ("chain", 4), ("chain", 8)
-    p = StepPlanner({AR: 1.0, c4: 1.5, c8: 2.0}, cost_model=model)
-    p.schedule = [c4] * 40 + [c8] * 200
-    for i in range(40):  # 10 timings at the table, then 30 at 2.5 × it
+    costs = {AR: 1.0, c4: 1.5, c8: 2.0}
+    p = StepPlanner(costs, cost_model=model)
+    p.schedule = [c4] * 70 + [c8] * 200
+    for i in range(70):
         p.choose()
-        p.observe(c4, 3.0, ms=1.5 * (1.0 if i < 10 else 2.5))
+        p.observe(c4, 3.0, ms=1.5 * (1.0 if i < 60 else 2.5))
     burst = p.ratio[c4]
-    assert 1.5 < burst < 2.5  # the clipped moving average climbed
+    assert 1.15 < burst < 1.35  # the clipped moving average climbed by 2.2% a step
     for _ in range(64):
         p.choose()
-        p.observe(c8, 4.0, ms=2.0)
-    r8 = p.ratio[c8]
-    assert r8 == pytest.approx(1.0, abs=0.05)  # the nearest mode's prior, then its own timings
+        p.observe(c8, 4.0, ms=2.4)
+    assert p.costs[c8] == pytest.approx(2.4, rel=0.02)  # the chain of 8 at its own level under both
     w = math.exp(-64 / COST_AGE_STEPS)
-    want = burst if model == "own" else math.exp(w * math.log(burst) + (1 - w) * math.log(r8))
+    want = burst if model == "own" else math.exp(w * math.log(burst))  # the median of the chain of 4's timings: 1.0
     assert p.costs[c4] == pytest.approx(1.5 * want, rel=1e-9)
-    assert p.ratio[c4] == burst  # the stored ratio is the one its last timing left
+    assert p.ratio[c4] == burst  # the stored average is the one its last timing left
     if model == "age":
-        assert p.costs[c4] < 1.5 * 1.25  # within 25% of its real price, from 1.5-2.5 ×
+        assert p.costs[c4] < 1.5 * 1.05  # within 5% of its real price
         state = p.cost_state()
-        assert state["age"][c4] == 64 and state["last_timed"] == c8
-        q = StepPlanner({AR: 1.0, c4: 1.5, c8: 2.0}, cost_model="age")
+        assert state["age"][c4] == 64 and len(state["window"][c4]) == min(70, COST_WINDOW)
+        q = StepPlanner(costs, cost_model="age")
         q.load_cost_state(state)
         assert q.costs[c4] == pytest.approx(p.costs[c4], rel=1e-9)  # the age goes on from the state's
         q.schedule = [c4]
         q.choose()
         aged = q.costs[c4] / 1.5
-        q.observe(c4, 3.0, ms=1.5)  # at its table: the ratio moves on from the aged one, not from the burst's
-        assert q.ratio[c4] < aged and q.ratio[c4] == pytest.approx(aged * math.exp(0.1 * max(math.log(1 / aged), -math.log(1.25))))
+        q.observe(c4, 3.0, ms=1.5 * 1.1)  # 10% over its table: the average moves on from the aged price
+        assert q.ratio[c4] == pytest.approx(aged * math.exp(0.1 * math.log(1.1 / aged)))
     with pytest.raises(ValueError, match="cost_model='shared'"):
         StepPlanner({AR: 1.0}, cost_model="shared")
+
+
+def test_cost_model_age_keeps_each_modes_own_level():
+    """Under "age" a mode's price ages towards its own timings, not another mode's: AR at 2 × its table and a chain
+    at 1 × its table keep those levels however long either goes untimed."""
+    c16 = ("chain", 16)
+    p = StepPlanner({AR: 1.0, c16: 4.0}, cost_model="age")
+    p.schedule = [c16] * 20 + [AR] * 200
+    for _ in range(20):
+        p.choose()
+        p.observe(c16, 5.0, ms=4.0)
+    for _ in range(200):
+        p.choose()
+        p.observe(AR, 1.0, ms=2.0)
+    assert p.costs[AR] == pytest.approx(2.0, rel=0.02) and p.costs[c16] == pytest.approx(4.0, rel=0.02)
+
+
+def test_sim_planner_writes_its_provenance_and_cost_model(tmp_path):
+    """sim_planner.py --output: the command, device, date and the cost model it ran with beside the points; a cost
+    model outside COST_MODELS is refused by argparse."""
+    import json
+
+    from benchmarks.engine import sim_planner
+
+    out = tmp_path / "s.json"
+    assert sim_planner.main(["--seeds", "1", "--new-tokens", "64", "--scenarios", "table", "--cost-model", "age",
+                             "--output", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["cost_model"] == "age" and d["device"].startswith("CPU") and d["date"] and "--cost-model age" in d["command"]
+    assert d["points"] and all(p["scenario"] == "table" for p in d["points"])
+    with pytest.raises(SystemExit):
+        sim_planner.main(["--cost-model", "shared"])
