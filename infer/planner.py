@@ -646,6 +646,7 @@ class StepPlanner:
         # _ratio)
         self.ratio_step: dict[Mode, int] = {m: 0 for m in costs}
         self.window: dict[Mode, deque] = {m: deque(maxlen=COST_WINDOW) for m in costs}
+        self.window_log_median: dict[Mode, float | None] = {m: None for m in costs}  # log of its median, kept with it
         # a fixed cycle of modes that choose() runs instead of deciding (benchmarks/engine/bench_planner_loop.py
         # --switch: what switching modes costs the loop); observations are still recorded; None: decide
         self.schedule: list[Mode] | None = None
@@ -734,11 +735,11 @@ class StepPlanner:
         average r_m; ``"age"`` ``exp(w log r_m + (1 − w) log med_m)``, ``w = exp(−age ÷ COST_AGE_STEPS)``, age the
         steps since ``m`` was last timed and med_m the median of its last :data:`COST_WINDOW` timings (measured ÷
         table, clipped as the average takes them; :data:`COST_MODELS`)."""
-        r = self.ratio[m]
-        if self.cost_model != "age" or not self.window[m]:
+        r, med = self.ratio[m], self.window_log_median[m]
+        if self.cost_model != "age" or med is None:
             return r
         w = math.exp(-max(self.step - self.ratio_step[m], 0) / COST_AGE_STEPS)
-        return math.exp(w * math.log(r) + (1.0 - w) * math.log(statistics.median(self.window[m])))
+        return math.exp(w * math.log(r) + (1.0 - w) * med)
 
     def calibration(self, mode: Mode) -> float | None:
         """Realized ÷ predicted accepted tokens of ``mode`` (``None``: no prediction or none accepted)."""
@@ -1042,6 +1043,7 @@ class StepPlanner:
                 self.ratio[mode] *= math.exp(self.cost_decay * step)
             self.ratio_step[mode] = self.step
             self.window[mode].append(x)
+            self.window_log_median[mode] = math.log(statistics.median(self.window[mode]))
         else:
             ms = est_ms
         if probe is not None:
@@ -1156,6 +1158,7 @@ class StepPlanner:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
                 self.ratio_step[m] = self.step - state.get("age", {}).get(m, 0)  # its age goes on from the state's
                 self.window[m] = deque(state.get("window", {}).get(m, []), maxlen=COST_WINDOW)
+                self.window_log_median[m] = math.log(statistics.median(self.window[m])) if self.window[m] else None
 
     TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps", "pred_var",
                     "pred_cov", "slope_steps", "lead_sq")
