@@ -1294,8 +1294,9 @@ class Engine:
         host time from the loop's top to the launch, is taken out of the step's time (the idle between the previous
         snapshot and an event recorded at the launch); the CPU times every step from its launch to the next step's
         choice. The other steps keep the loop's ordinary host time; a step chosen with a refresh is priced below
-        them by at most the choice's own host time (tens of microseconds; the cap counts it with the refresh's). (H100, concurrency 32, T = 0, timed passes of three runs: the chain of 4's steps chosen with a
-        refresh ran over 1.9 ms in 5.5-26% of cases against 0.3-1.3% of its other drain steps:
+        them by at most the choice's own host time (tens of microseconds; the cap counts it with the refresh's).
+        (H100, concurrency 32, T = 0, timed passes of three runs: the chain of 4's steps chosen with a refresh ran
+        over 1.9 ms in 5.5-26% of cases against 0.3-1.3% of its other drain steps:
         results/plan-refresh-timing-h100-exact-c32*.json.)"""
         if self.plan_confidence not in ("greedy", "always", "never"):
             raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")

@@ -447,6 +447,7 @@ def drain_tokens(
     tokens: dict[Mode, float | None], drain, modes, prior: float | None = None, leads: dict[Mode, Mode] | None = None,
     own: bool = False,
     persist: tuple[float, float] | None = None,
+    stats: tuple[float, float, float, float] | None = None,
 ) -> dict[Mode, float | None]:
     """Token estimates for the drain rule (module docstring, "Drain"): each speculative mode's ``tokens`` mapped
     to the AR-equivalent tokens per step of the request that would finish last under it.
@@ -473,6 +474,7 @@ def drain_tokens(
             relative to ā², as :attr:`StepPlanner.spread` carries it under this model) instead of the one below, with
             the same cap.
             Raises ValueError for a covariance that is not finite or a weight outside 0..1.
+        stats: :func:`drain_spread` of ``drain`` where the caller has it already (None: computed here).
     Returns:
         ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
         > 0), ``y(m)`` the median of the number of steps the last of them needs under mode m. AR's 1 stays 1;
@@ -504,7 +506,7 @@ def drain_tokens(
     """
     live = [d for d in drain if d[0] > 0]
     prior = _finite_prior(prior)
-    pooled, within, between, nbar = drain_spread(drain)
+    pooled, within, between, nbar = drain_spread(drain) if stats is None else stats
     chains = [m for m in tokens if m[0] == "chain" and tokens[m] is not None]
     ref = max(chains, key=lambda m: m[1]) if chains else None  # the pooled acceptance before any chain step
     if not nbar and prior is not None and ref is not None:
@@ -877,8 +879,9 @@ class StepPlanner:
             leads = {m: self._lead_chain(m) for m in self.lead} if self.drain_model == "lead" else None
             persist = (persistent_spread(drain, self.persist_snaps, PERSIST_EARLY) if self.drain_model == "persist"
                        else None)
-            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own, persist)
-            pooled, _, between, nbar = drain_spread(drain)
+            stats = drain_spread(drain)  # once a refresh: drain_tokens takes it too
+            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own, persist, stats)
+            pooled, _, between, nbar = stats
             if nbar and pooled > 0 and persist is not None:  # relative to ā², as drain_tokens took the prior
                 self.spread = persist_variance(persist, self.spread_prior, pooled) / pooled**2
             elif nbar and pooled > 0:  # the spread drain_tokens used, for later batches
@@ -1043,7 +1046,8 @@ class StepPlanner:
                 self.ratio[mode] *= math.exp(self.cost_decay * step)
             self.ratio_step[mode] = self.step
             self.window[mode].append(x)
-            self.window_log_median[mode] = math.log(statistics.median(self.window[mode]))
+            if self.cost_model == "age":  # the only reader (_ratio); the window itself carries with the cost state
+                self.window_log_median[mode] = math.log(statistics.median(self.window[mode]))
         else:
             ms = est_ms
         if probe is not None:
@@ -1158,7 +1162,8 @@ class StepPlanner:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
                 self.ratio_step[m] = self.step - state.get("age", {}).get(m, 0)  # its age goes on from the state's
                 self.window[m] = deque(state.get("window", {}).get(m, []), maxlen=COST_WINDOW)
-                self.window_log_median[m] = math.log(statistics.median(self.window[m])) if self.window[m] else None
+                if self.cost_model == "age" and self.window[m]:
+                    self.window_log_median[m] = math.log(statistics.median(self.window[m]))
 
     TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps", "pred_var",
                     "pred_cov", "slope_steps", "lead_sq")

@@ -1023,14 +1023,14 @@ def planner_persist_section() -> list[str]:
     T = 0, exact, concurrency 64 and 32, three runs a point (results/planner-persist-h100-exact-T0-c*.json). Each run's
     tok/s pools the five tasks: their tokens over their seconds. Empty without the files."""
     rows = []
+    labels = ("chain", "chain4", "p", "pp")  # beside AR
     for c in (64, 32):
         for run in PERSIST_RUNS:
             name = f"planner-persist-h100-exact-T0-c{c}{run}.json"
             r = load(name)
-            labels = ("ar", "chain", "chain4", "p", "pp")
             # a run cut short, or a task without every label, is left out (its labels would pool other tasks)
             if not r or r.get("interrupted") or not r.get("tasks") or not all(
-                    "ar" in t and all(k in t["drafts"] for k in labels[1:]) for t in r["tasks"]):
+                    "ar" in t and all(k in t["drafts"] for k in labels) for t in r["tasks"]):
                 continue
             tok, sec = {}, {}
             for t in r["tasks"]:

@@ -47,7 +47,7 @@
 #             concurrency 64 and 32, 64 prompts -> results/planner-persist-h200-exact-T0-c{64,32}.json, step logs
 #             $WORK/logs/plan-log-persist-c{64,32}.jsonl                                               ~5
 #   plancost  infer.bench A/B of how the planner keeps an untimed mode's step time (p: the default, cost=own; pc:
-#             cost=age, a stale price moves towards the mode timed last) beside AR and the fixed chains of 4 and 16,
+#             cost=age, a stale price moves towards the median of the mode's own timings) beside AR and the chains of 4, 16,
 #             T=0, exact, concurrency 32 and 64, 64 prompts, each point RUNS times (default 2) ->
 #             results/planner-cost[-rK]-h200-exact-T0-c{32,64}.json, step logs $WORK/logs/plan-log-cost*-c*.jsonl  ~8
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,

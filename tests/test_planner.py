@@ -795,13 +795,14 @@ def test_drain_model_lead_takes_a_tree_over_the_chain_at_the_end_of_its_leads(mo
     got = {}
     real = planner_mod.drain_tokens
 
-    def spy(tokens, drain, modes, prior, leads=None, own=False, persist=None):
-        got["leads"], got["own"], got["persist"] = leads, own, persist
-        return real(tokens, drain, modes, prior, leads, own, persist)
+    def spy(tokens, drain, modes, prior, leads=None, own=False, persist=None, stats=None):
+        got["leads"], got["own"], got["persist"], got["stats"] = leads, own, persist, stats
+        return real(tokens, drain, modes, prior, leads, own, persist, stats)
 
     monkeypatch.setattr(planner_mod, "drain_tokens", spy)
     p.choose(None, [(100, 6, 2, 18), (100, 2, 2, 2)])
     assert got["leads"] == {TREE32: CHAIN, T16: CHAIN} and got["own"] is False and got["persist"] is None
+    assert got["stats"] == planner_mod.drain_spread([(100, 6, 2, 18), (100, 2, 2, 2)])  # computed once, handed on
 
 
 def test_a_smaller_tree_paired_inside_the_run_tree_is_its_lead_reference():

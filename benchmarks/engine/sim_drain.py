@@ -69,9 +69,8 @@ def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, p
     rng = random.Random(seed)
     planner = planner or StepPlanner(costs)
     n = len(accept)
-    rem, tok, steps, sq, ms = [max_new] * n, [0] * n, [0] * n, [0] * n, 0.0
-    if lengths is not None:
-        rem = [int(x) for x in lengths]
+    rem = [max_new] * n if lengths is None else [int(x) for x in lengths]
+    tok, steps, sq, ms = [0] * n, [0] * n, [0] * n, 0.0
     ends = list(rem)  # each request's length: committed = ends[i] − rem[i]
 
     def told(i: int) -> int:  # what the engine tells the planner: max_new − committed while running, 0 once ended
