@@ -62,8 +62,10 @@ def glance_section() -> list[str]:
 
 
 # planner points on the same text in every mode (scripts/reproduce_h200.sh planfair), with what makes it the same
-# (the drainfed files: the same points at the latest rules, the narrower chains feeding the drain statistics)
-FAIR_FILES = [(f"verify-{run}{kind}-{gpu}.json", how) for run, gpus in (("", ("h200", "h100")), ("drainfed-", ("h100",)))
+# (the drainfed files: the same points with the narrower chains feeding the drain statistics; the refresh files: the
+# same points with a drain refresh's host time left out of the step, commit fd30777 and later)
+FAIR_FILES = [(f"verify-{run}{kind}-{gpu}.json", how) for run, gpus in (
+    ("", ("h200", "h100")), ("drainfed-", ("h100",)), ("refresh-", ("h100",)))
               for gpu in gpus for kind, how in (
     ("exact", "exact mode: every mode decodes AR's greedy text"),
     ("invariant", "drafter-invariant verification: the chain and the planner decode AR's sampled text, no tree"))]
@@ -998,12 +1000,13 @@ def planner_topk_section() -> list[str]:
     return out
 
 
+DRAINFED_FILES = ("verify-drainfed-invariant-h100.json", "verify-drainfed-exact-h100.json")
+
+
 def planner_drainfed_section() -> list[str]:
-    """The planner points with the narrower chains' steps feeding the drain statistics
-    (verify-drainfed-{invariant,exact}-h100.json) beside the same card's points before that change (TOPK_FILES).
-    Empty without the files."""
-    table = _chain_points_table(("verify-drainfed-invariant-h100.json", "verify-drainfed-exact-h100.json"), TOPK_FILES,
-                                "planner ÷ AR before")
+    """The planner points with the narrower chains' steps feeding the drain statistics (DRAINFED_FILES) beside the
+    same card's points before that change (TOPK_FILES). Empty without the files."""
+    table = _chain_points_table(DRAINFED_FILES, TOPK_FILES, "planner ÷ AR before")
     if not table:
         return []
     return ["#### The drain rule with the narrower chains' statistics", "",
@@ -1015,6 +1018,75 @@ def planner_drainfed_section() -> list[str]:
             "lease at the same point:", ""] + table
 
 
+# the eight points at the drain refresh timing fix, then a repeat of one point in the same lease
+REFRESH_FILES = ("verify-refresh-invariant-h100.json", "verify-refresh-exact-h100.json",
+                 "verify-refresh-exact-rep2-h100.json")
+
+
+def planner_refresh_section() -> list[str]:
+    """The planner points with a drain refresh's host time left out of the step (REFRESH_FILES, commit fd30777 and
+    later) beside the same card's points before (DRAINFED_FILES), and the CUDA case of that fix's test
+    (gpu-tests-refresh-h100.json) where it ran. Empty without the points."""
+    table = _chain_points_table(REFRESH_FILES, DRAINFED_FILES, "planner ÷ AR before")
+    if not table:
+        return []
+    g = load("gpu-tests-refresh-h100.json")
+    test = (f" The CUDA case of the fix's test (`tests/test_planner_defer.py::test_a_drain_refresh_is_no_steps_time`, "
+            f"commit `{g['commit'][:7]}`): {g['passed']} passed, {g['failed']} failed "
+            f"([`gpu-tests-refresh-h100.json`](results/gpu-tests-refresh-h100.json)).") if g else ""
+    return ["#### The drain refresh's host time left out of the step", "",
+            "A drain refresh (the drain rule's host work before a step's launch, every 8 steps once no prompt waits) "
+            "can outlast the step in flight and leave the GPU waiting; that wait was charged to the mode chosen with "
+            "the refresh. Since commit fd30777 the wait, up to the refresh's host time, is left out of that step's "
+            "time. Same setting as the two tables above (H100, one lease, T = 1 with one seed; a file with `rep2` "
+            "repeats one point in the same lease); last column: the planner of the drain-statistics lease at the "
+            "same point." + test, ""] + table
+
+
+def _pooled_rates(r: dict | None, labels: tuple[str, ...]) -> tuple[dict, dict] | None:
+    """An infer.bench file's tok/s per label pooled over its tasks (their tokens over their seconds, AR included), and
+    per task ``{task: {label: (tokens, tok/s)}}``. None for a missing file, a run cut short, or a task without AR and
+    every label of ``labels`` (its labels would pool other tasks)."""
+    if not r or r.get("interrupted") or not r.get("tasks") or not all(
+            "ar" in t and all(k in t["drafts"] for k in labels) for t in r["tasks"]):
+        return None
+    tok, sec, per_task = {}, {}, {}
+    for t in r["tasks"]:
+        for label, d in [*t["drafts"].items(), ("ar", t["ar"])]:
+            tok[label] = tok.get(label, 0) + d["num_tokens"]
+            sec[label] = sec.get(label, 0.0) + d["seconds"]
+            per_task.setdefault(t["task"], {})[label] = (d["num_tokens"], d["num_tokens"] / d["seconds"])
+    return {k: tok[k] / sec[k] for k in tok}, per_task
+
+
+def _ab_table(names: dict, runs: tuple[str, ...], labels: tuple[str, str], heads: tuple[str, str]) -> tuple[list, list]:
+    """The table of a planner A/B over ``infer.bench`` files (AR, ``chain``, ``chain4`` and the two planner labels
+    ``labels``): one row per run that holds every label (``names``: {(concurrency, run): file name}, concurrencies in
+    the order given), each label's pooled tok/s and the two planners ÷ the chain of 4, then a mean row per
+    concurrency. Returns (the rows, [(concurrency, run, name, file, rate, per_task)]); ([], []) without a run."""
+    a, b = labels
+    rows = []
+    for (c, run), name in names.items():
+        r = load(name)
+        got = _pooled_rates(r, ("chain", "chain4", *labels))
+        if got:
+            rows.append((c, run, name, r, *got))
+    if not rows:
+        return [], []
+    out = [f"| concurrency | run | AR | chain 16 | chain 4 | {heads[0]} | {heads[1]} | {a} ÷ chain 4 | {b} ÷ chain 4 | "
+           "file, commit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c, run, name, r, rate, _ in rows:
+        out.append(f"| {c} | {runs.index(run) + 1} | {rate['ar']:.0f} | {rate['chain']:.0f} | "
+                   f"{rate['chain4']:.0f} | {rate[a]:.0f} | {rate[b]:.0f} | {rate[a] / rate['chain4']:.3f} | "
+                   f"{rate[b] / rate['chain4']:.3f} | [`{name}`](results/{name}) `{r['commit'][:7]}` |")
+    for c in dict.fromkeys(c for c, _ in names):
+        sel = [rate for cc, _, _, _, rate, _ in rows if cc == c]
+        if sel:
+            mean = {k: sum(x[k] / x["chain4"] for x in sel) / len(sel) for k in labels}
+            out.append(f"| {c} | mean of {len(sel)} | | | | | | {mean[a]:.3f} | {mean[b]:.3f} | |")
+    return out, rows
+
+
 PERSIST_RUNS = ("", "-rep2", "-rep3")  # planner-persist-h100-exact-T0-c{C}{RUN}.json: one lease, three runs a point
 
 
@@ -1022,47 +1094,76 @@ def planner_persist_section() -> list[str]:
     """The drain model A/B (``p``: the default; ``pp``: ``drain=persist``) beside AR and the fixed chains of 16 and 4,
     T = 0, exact, concurrency 64 and 32, three runs a point (results/planner-persist-h100-exact-T0-c*.json). Each run's
     tok/s pools the five tasks: their tokens over their seconds. Empty without the files."""
-    rows = []
-    labels = ("chain", "chain4", "p", "pp")  # beside AR
-    for c in (64, 32):
-        for run in PERSIST_RUNS:
-            name = f"planner-persist-h100-exact-T0-c{c}{run}.json"
-            r = load(name)
-            # a run cut short, or a task without every label, is left out (its labels would pool other tasks)
-            if not r or r.get("interrupted") or not r.get("tasks") or not all(
-                    "ar" in t and all(k in t["drafts"] for k in labels) for t in r["tasks"]):
-                continue
-            tok, sec = {}, {}
-            for t in r["tasks"]:
-                for label, d in [*t["drafts"].items(), ("ar", t["ar"])]:
-                    tok[label] = tok.get(label, 0) + d["num_tokens"]
-                    sec[label] = sec.get(label, 0.0) + d["seconds"]
-            rate = {k: tok[k] / sec[k] for k in tok}
-            rows.append((c, run, name, r, rate))
+    names = {(c, run): f"planner-persist-h100-exact-T0-c{c}{run}.json" for c in (64, 32) for run in PERSIST_RUNS}
+    table, rows = _ab_table(names, PERSIST_RUNS, ("p", "pp"), ("p (default)", "pp (persist)"))
     if not rows:
         return []
-    out = ["#### The drain model `persist` against the default (A/B, three runs a point)", "",
-           "`--config pp:budget=auto,drain=persist` judges the spread in acceptance between a batch's requests by how "
-           "much of each request's early acceptance persists later (covariance of the two means) instead of by the "
-           "early spread itself. With as many prompts as slots the drain rule is in force from the first step. "
-           "SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact` (every label decodes AR's greedy text), 64 "
-           "prompts a task, 512 new tokens, one H100 lease, each point run three times; tok/s pools the five tasks "
-           "(their tokens over their seconds):", "",
-           "| concurrency | run | AR | chain 16 | chain 4 | p (default) | pp (persist) | p ÷ chain 4 | pp ÷ chain 4 | "
-           "file, commit |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for c, run, name, r, rate in rows:
-        out.append(f"| {c} | {PERSIST_RUNS.index(run) + 1} | {rate['ar']:.0f} | {rate['chain']:.0f} | "
-                   f"{rate['chain4']:.0f} | {rate['p']:.0f} | {rate['pp']:.0f} | {rate['p'] / rate['chain4']:.3f} | "
-                   f"{rate['pp'] / rate['chain4']:.3f} | [`{name}`](results/{name}) `{r['commit'][:7]}` |")
-    for c in (64, 32):
-        sel = [rate for cc, _, _, _, rate in rows if cc == c]
-        if sel:
-            mean = {k: sum(x[k] / x["chain4"] for x in sel) / len(sel) for k in ("p", "pp")}
-            out.append(f"| {c} | mean of {len(sel)} | | | | | | {mean['p']:.3f} | {mean['pp']:.3f} | |")
-    out += ["", "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _ in rows))
+    return ["#### The drain model `persist` against the default (A/B, three runs a point)", "",
+            "`--config pp:budget=auto,drain=persist` judges the spread in acceptance between a batch's requests by how "
+            "much of each request's early acceptance persists later (covariance of the two means) instead of by the "
+            "early spread itself. With as many prompts as slots the drain rule is in force from the first step. "
+            "SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact` (every label decodes AR's greedy text), 64 "
+            "prompts a task, 512 new tokens, one H100 lease, each point run three times; tok/s pools the five tasks "
+            "(their tokens over their seconds):", "", *table,
+            "", "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows))
             + ". Step logs: [`plan-logs-h100-2026-12-06-persist.tar.gz`](results/plan-logs-h100-2026-12-06-persist.tar.gz).",
             ""]
-    return out
+
+
+COST_RUNS = ("", "-r2", "-r3")  # planner-cost{RUN}-h100-exact-T0-c{C}.json: one lease, three runs a point
+
+
+def _range(xs: list[float], f: str = ".3f") -> str:
+    lo, hi = format(min(xs), f), format(max(xs), f)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _per_task_sentence(c: int, sel: list[tuple[dict, dict]], label: str) -> str:
+    """Per task, ``label`` ÷ the chain of 4 over the runs ``sel`` ([(rate, per_task)]) at concurrency ``c``, the
+    tok/s of both on the task where it is lowest, and that task's share of the tokens and of ``label``'s seconds over
+    the chain of 4's (each task's seconds less its tokens at the chain of 4's tok/s on that task: exact mode, every
+    label decodes the same tokens)."""
+    tasks = [t for t in sel[0][1] if all(t in pt for _, pt in sel)]  # the tasks of every run
+    ratio = {t: [pt[t][label][1] / pt[t]["chain4"][1] for _, pt in sel] for t in tasks}
+    worst = min(tasks, key=lambda t: min(ratio[t]))
+    shares = []
+    for _, pt in sel:
+        extra = {t: pt[t][label][0] / pt[t][label][1] - pt[t][label][0] / pt[t]["chain4"][1] for t in tasks}
+        if sum(extra.values()) > 0:
+            shares.append(100 * extra[worst] / sum(extra.values()))
+    total = sum(sel[0][1][t][label][0] for t in tasks)
+    return (f"Concurrency {c}, {label} ÷ chain 4 per task over the {len(sel)} runs: "
+            + ", ".join(f"{t} {_range(ratio[t])}" for t in tasks)
+            + f". On {worst} {label} ran {_range([pt[worst][label][1] for _, pt in sel], ',.0f')} tok/s against the "
+            f"chain of 4's {_range([pt[worst]['chain4'][1] for _, pt in sel], ',.0f')}; {worst} holds "
+            f"{sel[0][1][worst][label][0]:,} of the {total:,} tokens"
+            + (f" and {_range(shares, '.0f')}% of the time {label} lost to the chain of 4" if shares else "") + ".")
+
+
+def planner_cost_section() -> list[str]:
+    """The cost model A/B (``p``: the default, cost model ``own``; ``pc``: ``cost=age``) beside AR and the fixed
+    chains of 16 and 4, T = 0, exact, concurrency 64 and 32, three runs a point
+    (results/planner-cost{,-r2,-r3}-h100-exact-T0-c*.json), tasks pooled as in planner_persist_section, and per task
+    where the default loses to the chain of 4. Empty without the files."""
+    names = {(c, run): f"planner-cost{run}-h100-exact-T0-c{c}.json" for c in (64, 32) for run in COST_RUNS}
+    table, rows = _ab_table(names, COST_RUNS, ("p", "pc"), ("p (own)", "pc (age)"))
+    if not rows:
+        return []
+    per_task = [x for c in (64, 32) if (sel := [(rate, pt) for cc, _, _, _, rate, pt in rows if cc == c])
+                for x in (_per_task_sentence(c, sel, "p"), "")]
+    return ["#### The cost model `age` against the default `own` (A/B, three runs a point)", "",
+            "The planner prices each mode by its measured ÷ table step time, updated only when the mode is timed, so a "
+            "price a burst of slow steps set stays while the mode is not chosen. `--config pc:budget=auto,cost=age` "
+            "moves an untimed mode's price towards the median of its own last 64 timings (weight 1 − exp(−age ÷ 32 "
+            "steps)). Same setting as the table above (SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact`, "
+            "64 prompts a task, 512 new tokens, one H100 lease; `reproduce_h200.sh plancost` with `RUNS=2`, then "
+            "`RUNS=3`, which ran the third run only); tok/s pools the five tasks:", "", *table, "", *per_task,
+            "The step logs of the three concurrency 64 runs "
+            "([`plan-logs-h100-2026-12-07-cost.tar.xz`](results/plan-logs-h100-2026-12-07-cost.tar.xz), "
+            "`plan_log.py LOG --pass timed --per-call`): on mt-bench's first turn p ran AR at 148-224 steps and the "
+            "chain of 2 at 176-221, never the chain of 4, every step but the first under the drain rule (pc: AR "
+            "190-236, the chain of 2 169-198).", "",
+            "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows)), ""]
 
 
 def planner_exact_section() -> list[str]:
@@ -1842,7 +1943,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_persist_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_persist_section, planner_cost_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)

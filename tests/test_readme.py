@@ -186,3 +186,41 @@ def test_persist_section_pools_the_tasks(tmp_path, monkeypatch):
     short = {**run, "tasks": [run["tasks"][0], {**run["tasks"][1], "drafts": {"chain4": run["tasks"][1]["drafts"]["chain4"]}}]}
     (res / "planner-persist-h100-exact-T0-c32.json").write_text(json.dumps(short))
     assert [r for r in make_tables.planner_persist_section() if r.startswith("| ")][1:] == rows
+
+
+def test_cost_section_pools_the_tasks_and_names_the_task_that_loses(tmp_path, monkeypatch):
+    """make_tables.planner_cost_section: tasks pooled as in the persist section, p and pc ÷ the chain of 4 per run and
+    as a mean, and per concurrency p ÷ the chain of 4 per task over the runs with the lowest task's share of the
+    tokens and of p's seconds over the chain of 4's rate."""
+    import json
+
+    sys.path.insert(0, str(ROOT))
+    from scripts import make_tables
+
+    res = tmp_path / "results"
+    res.mkdir()
+    monkeypatch.setattr(make_tables, "RESULTS", res)
+    assert make_tables.planner_cost_section() == []
+
+    def task(name, tokens, c4_s, p_s):
+        d = lambda s: {"num_tokens": tokens, "seconds": s}  # noqa: E731
+        return {"task": name, "ar": d(4.0), "drafts": {"chain": d(2.0), "chain4": d(c4_s), "p": d(p_s), "pc": d(c4_s)}}
+
+    # run 1: task a as fast as the chain of 4, task b (3,000 of the 4,000 tokens) 1.5 s over its 1.0 s
+    run = {"command": "python -m infer.bench X", "commit": "abcdef1234",
+           "tasks": [task("a", 1000, 0.5, 0.5), task("b", 3000, 1.0, 2.5)]}
+    (res / "planner-cost-h100-exact-T0-c64.json").write_text(json.dumps(run))
+    # run 2: 0.1 s over on a, 0.3 s over on b
+    run2 = {**run, "tasks": [task("a", 1000, 0.5, 0.6), task("b", 3000, 1.0, 1.3)]}
+    (res / "planner-cost-r2-h100-exact-T0-c64.json").write_text(json.dumps(run2))
+    text = make_tables.planner_cost_section()
+    rows = [r for r in text if r.startswith("| 64 |")]
+    # run 1: p 4000 tokens in 3.0 s against the chain of 4's 4000 in 1.5 s: 0.500; pc 1.000
+    assert rows[0].split(" | ")[1:9] == ["1", "500", "1000", "2667", "1333", "2667", "0.500", "1.000"]
+    assert rows[1].split(" | ")[7:9] == ["0.789", "1.000"]  # 1.5 s ÷ 1.9 s
+    assert rows[2].startswith("| 64 | mean of 2 |") and "| 0.645 | 1.000 |" in rows[2] and len(rows) == 3
+    line = next(x for x in text if x.startswith("Concurrency 64,"))
+    assert "a 0.833-1.000, b 0.400-0.769" in line  # per task over the two runs
+    assert "On b p ran 1,200-2,308 tok/s against the chain of 4's 3,000" in line
+    assert "b holds 3,000 of the 4,000 tokens and 75-100% of the time p lost to the chain of 4" in line
+    assert not any(x.startswith("Concurrency 32,") for x in text)  # no file at 32
