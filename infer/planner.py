@@ -941,7 +941,7 @@ class StepPlanner:
                     factor = self.drain_scale.get(best, 1.0) if self.drain_scale is not None else 1.0
                     rate = max(rate, factor * long_run / costs[best])
         if self.log is not None:
-            self._log_choice(mode, loss, costs, tokens)
+            self._log_choice(mode, loss, costs, tokens, raw if tokens is not None else None, predicted)
         return self._commit(mode, costs, predicted, loss, rate, scale)
 
     def _lead_ceilings(self, tokens: dict[Mode, float | None]) -> dict[Mode, float]:
@@ -971,11 +971,14 @@ class StepPlanner:
         """Keep a per-step log in :attr:`log` from now on: the modes in table order (``self.log[0]``, as
         ``"kind:size"``) and then one entry per event, all numbers rounded to 4 significant digits:
 
-        * a choice ``["c", step, mode index, drain, probe, rates]``: ``drain`` 1 under the drain rule, ``probe``
-          the milliseconds it was expected to lose (0: exploited), ``rates`` per mode the committed tokens per
-          millisecond it was judged on (tokens ÷ estimated step time; None: no estimate; the drain rule's tokens
-          under it). The steps that time the decode's first mode (rule "Online cost": 3 timings before any other
-          mode) and a ``schedule``'s have ``rates`` None (no comparison made).
+        * a choice ``["c", step, mode index, drain, probe, rates, estimates, confidence]``: ``drain`` 1 under the
+          drain rule, ``probe`` the milliseconds it was expected to lose (0: exploited), ``rates`` per mode the
+          committed tokens per millisecond it was judged on (tokens ÷ estimated step time; None: no estimate; the
+          drain rule's tokens under it), ``estimates`` per mode the committed tokens per request per step before
+          the drain rule's mapping (:meth:`expected` with this step's confidence), ``confidence`` per mode the
+          prediction the engine gave (None: none given). The steps that time the decode's first mode (rule "Online
+          cost": 3 timings before any other mode) and a ``schedule``'s have ``rates`` and ``estimates`` None (no
+          comparison made). Logs before 2026-12-07 lack the last two fields.
         * an observation ``["o", mode index, tokens per request, ms or None, rows]`` (:meth:`observe`).
         * a skip ``["s"]`` (:meth:`skip`): the oldest choice not yet observed will not be (no request was live in
           its step).
@@ -989,11 +992,17 @@ class StepPlanner:
         self.log = [[f"{k}:{n}" for k, n in self.table]]
         self._log_index = {m: i for i, m in enumerate(self.table)}  # mode -> its index in the log's names
 
-    def _log_choice(self, mode: Mode, loss: float, costs: dict, tokens) -> None:
-        rates = None
+    def _log_choice(self, mode: Mode, loss: float, costs: dict, tokens, raw=None, predicted=None) -> None:
+        rates = est = conf = None
         if tokens is not None:
             rates = [_sig(tokens[m] / costs[m]) if tokens.get(m) is not None else None for m in self.table]
-        self.log.append(["c", self.step, self._log_index[mode], int(self.drain_scale is not None), _sig(loss), rates])
+        if raw is not None:
+            est = [_sig(raw[m]) if raw.get(m) is not None else None for m in self.table]
+        if predicted:
+            conf = [_sig(float(predicted[m])) if isinstance(predicted.get(m), (int, float))
+                    and math.isfinite(predicted[m]) else None for m in self.table]
+        self.log.append(["c", self.step, self._log_index[mode], int(self.drain_scale is not None), _sig(loss), rates,
+                         est, conf])
 
     def end_drain(self) -> None:
         """Back to tokens per millisecond (a caller whose queue refills: :meth:`choose`'s ``drain``)."""

@@ -50,6 +50,11 @@
 #             cost=age, a stale price moves towards the median of the mode's own timings) beside AR and the chains of 4, 16,
 #             T=0, exact, concurrency 32 and 64, 64 prompts, each point RUNS times (default 2) ->
 #             results/planner-cost[-rK]-h200-exact-T0-c{32,64}.json, step logs $WORK/logs/plan-log-cost*-c*.jsonl  ~8
+#   planest   the planner with its estimates logged (each choice's tokens per mode before the drain rule and the
+#             engine's confidence: plan_log.py --estimates): at concurrency 64 p (the default) and pp (drain=persist)
+#             beside AR and the chains of 4 and 16; at concurrency 1 p beside AR, the chain and the fixed tree of 32;
+#             T=0, exact, each point RUNS times (default 2) -> results/planner-est[-rK]-h200-exact-T0-c{64,1}.json,
+#             step logs $WORK/logs/plan-log-est*-c*.jsonl                                             ~8
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -60,7 +65,7 @@
 # CUDA, stops the script before anything runs.
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results), GPU_TAG (h200: the suffix of every results file), SEEDS (the
-# planner stage's sampling seeds at T = 1, default one run: see the planner stage), RUNS (plancost: runs a point, 2).
+# planner stage's sampling seeds at T = 1, default one run: see the planner stage), RUNS (plancost, planest: runs a point, 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/reproduce}
@@ -70,7 +75,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain plansettle planceiling planpersist plancost planswitch planexact tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain plansettle planceiling planpersist plancost planest planswitch planexact tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -234,6 +239,17 @@ if has plancost; then
     for c in 32 64; do
       DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c$c.jsonl" timed "plan$name-exact-c$c" planab "$name" "$c" 64 "${ab[@]}"
     done
+  done
+fi
+if has planest; then  # what the planner estimated against what it committed (the concurrency-64 gap is mt-bench's)
+  ab64=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pp="$DRAFT"
+        --config chain4:width=4 --config p:budget=auto --config pp:budget=auto,drain=persist)
+  ab1=(--draft chain="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT"
+       --config tree32:verify=tree,tree_budget=32 --config p:budget=auto)
+  for k in $(seq 1 "${RUNS:-2}"); do
+    name=est$([ "$k" = 1 ] || echo "-r$k")
+    DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c64.jsonl" timed "plan$name-exact-c64" planab "$name" 64 64 "${ab64[@]}"
+    DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c1.jsonl" timed "plan$name-exact-c1" planab "$name" 1 5 "${ab1[@]}"
   done
 fi
 if has planceiling; then

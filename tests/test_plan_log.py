@@ -110,7 +110,13 @@ def test_mixed_modes_are_summarised_per_point(tmp_path, capsys):
     (json.dumps(dict(CALL, log=[["ar:1", "ar:1"]])) + "\n", "the mode names, each once"),
     (json.dumps(dict(CALL, log=[NAMES, ["o", 0, "1", 1.0, 1]])) + "\n", "tokens must be a number >= 0"),
     (json.dumps(dict(CALL, log=[NAMES, ["o", 0, -3.0, 1.0, 1]])) + "\n", "tokens must be a number >= 0"),
-    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, "x", None]])) + "\n", "probe loss and rates must be finite"),
+    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, "x", None]])) + "\n",
+     "probe loss, rates, estimates and confidence must be finite"),
+    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, None, [1.0], None]])) + "\n",
+     "estimates must be None or one per mode"),
+    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, None, None, [1.0, "x", None]]])) + "\n",
+     "must be finite numbers"),
+    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, None, None]])) + "\n", "has 6 or 8 fields, this one 7"),
     ('{"batch": 32, "temperature": 0.0, "log": [["ar:1"], ["c", 0, 0, 0, 0.0, [NaN]]]}\n', "must be finite"),
 ])
 def test_bad_records_are_named(tmp_path, capsys, text, msg):
@@ -235,3 +241,25 @@ def test_refresh_timing_splits_steps_by_when_they_were_chosen(tmp_path, capsys):
     assert "give a threshold above 0 ms" in capsys.readouterr().err
     assert plan_log.main([str(_write(tmp_path, call, name="s.jsonl")), "--refresh-timing", "2"]) == 0
     assert "chain:16 refresh 1, 5.000, 5.000, 100.0%; drain 1, 1.000, 1.000, 0.0%" in capsys.readouterr().out
+
+
+def test_estimates_against_what_the_steps_committed(tmp_path, capsys):
+    """--estimates: per call and mode, the mean logged estimate and confidence against the committed tokens per
+    request of the mode's observed steps (weighted by live requests); a log without the fields gives None."""
+    log = [NAMES,
+           ["c", 0, 1, 0, 0.0, None, None, None],  # the first mode's timing: nothing compared, nothing estimated
+           ["o", 1, 3.0, 2.0, 30],
+           ["c", 1, 1, 1, 0.0, [1.0, 1.2, None], [1.0, 2.0, None], [None, 2.5, None]],
+           ["o", 1, 2.0, 2.0, 10],
+           ["c", 2, 0, 1, 0.0, [1.0, 0.9, 0.8], [1.0, 3.0, 4.0], [None, 3.5, 4.5]],
+           ["o", 0, 1.0, 1.0, 10]]
+    path = _write(tmp_path, dict(CALL, log=log), CALL)
+    new, old = plan_log.estimates(plan_log.read_log(path))
+    chain, ar, tree = new["modes"]["chain:16"], new["modes"]["ar:1"], new["modes"]["tree:32"]
+    assert (chain["choices"], chain["estimate"], chain["confidence"], chain["steps"]) == (2, 2.5, 3.0, 2)
+    assert chain["realized"] == pytest.approx((3.0 * 30 + 2.0 * 10) / 40)
+    assert (ar["estimate"], ar["confidence"], ar["realized"]) == (1.0, None, 1.0)
+    assert (tree["choices"], tree["estimate"], tree["steps"], tree["realized"]) == (1, 4.0, 0, None)
+    assert all(m["estimate"] is None and m["confidence"] is None for m in old["modes"].values())
+    assert plan_log.main([str(path), "--estimates"]) == 0
+    assert "chain:16 2.50/3.00 -> 2.75 (2)" in capsys.readouterr().out

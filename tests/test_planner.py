@@ -1661,3 +1661,33 @@ def test_sim_planner_writes_its_provenance_and_cost_model(tmp_path):
     assert d["points"] and all(p["scenario"] == "table" for p in d["points"])
     with pytest.raises(SystemExit):
         sim_planner.main(["--cost-model", "shared"])
+
+
+def test_the_step_log_keeps_each_choice_s_estimates_and_confidence():
+    """A choice's log entry holds, beside the rates, the committed tokens per mode before the drain rule's mapping
+    (StepPlanner.expected with the step's confidence) and the confidence the engine gave: under the drain rule the
+    rates are the mapped tokens ÷ step time, the estimates the unmapped ones."""
+    from infer.planner import StepPlanner
+
+    ar, chain = ("ar", 1), ("chain", 4)
+    costs = {ar: 1.0, chain: 2.0}
+    p = StepPlanner(costs)
+    for _ in range(6):
+        p.choose({chain: 3.0})
+        p.observe(chain, 3.0, costs[chain], rows=2)
+    p.start_log()
+    want = p.expected({chain: 3.0})[chain]
+    p.choose({chain: 3.0})
+    c = p.log[-1]
+    assert c[0] == "c" and len(c) == 8 and c[3] == 0
+    assert c[6][0] == 1.0 and c[6][1] == pytest.approx(want, rel=1e-3)
+    assert c[7] == [None, 3.0] and c[5][1] == pytest.approx(c[6][1] / costs[chain], rel=1e-3)
+    # the drain rule: two requests, one far slower; the rates map the chain's tokens down, the estimates do not
+    drain = [(300, 400, 100, 2000), (300, 110, 100, 130)]
+    want = p.expected({chain: 3.0})[chain]
+    p.choose({chain: 3.0}, drain)
+    d = p.log[-1]
+    assert d[3] == 1 and d[6][1] == pytest.approx(want, rel=1e-3)
+    assert d[5][1] < 0.95 * d[6][1] / costs[chain]
+    p.choose()  # no confidence given
+    assert p.log[-1][7] is None

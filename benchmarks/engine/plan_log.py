@@ -13,7 +13,9 @@ median judged rates, and the realized rates under the drain rule by the number o
 capped by the number of prompts), temperature, pass and draft label (``tag.label``: one log holds every planner label
 of an ``infer.bench`` run, e.g. the two of an A/B). ``batch`` is the engine's batch, not always ``--concurrency``.
 ``--persistence N`` adds, per call, how much of the spread between requests' acceptance over their first N chain
-steps persists to the rest of their answers (:func:`persistence`).
+steps persists to the rest of their answers (:func:`persistence`); ``--estimates``, per call and mode, the estimate
+the planner judged the mode on before the drain rule's mapping and the confidence the engine gave, against what the
+mode's steps committed (:func:`estimates`).
 """
 
 from __future__ import annotations
@@ -37,22 +39,23 @@ def _check_event(e, n_modes: int) -> str | None:
     """What is wrong with one log event (None: nothing): its kind, length and mode index."""
     if not isinstance(e, list) or not e or e[0] not in ("c", "o", "s", "d"):
         return f"event {e!r:.60} is not a list starting with 'c', 'o', 's' or 'd'"
-    size = {"c": 6, "o": 5, "s": 1, "d": 3}[e[0]]
-    if len(e) != size:
-        return f"a {e[0]!r} event has {size} fields, this one {len(e)}"
+    sizes = {"c": (6, 8), "o": (5,), "s": (1,), "d": (3,)}[e[0]]  # a choice's estimates and confidence: 2026-12-07
+    if len(e) not in sizes:
+        return f"a {e[0]!r} event has {' or '.join(map(str, sizes))} fields, this one {len(e)}"
     if e[0] in ("c", "o"):
         i = e[2] if e[0] == "c" else e[1]
         if not isinstance(i, int) or not 0 <= i < n_modes:
             return f"mode index {i!r} outside the {n_modes} modes"
-    if e[0] == "c" and e[5] is not None and (not isinstance(e[5], list) or len(e[5]) != n_modes):
-        return f"a choice's rates must be None or one per mode ({n_modes})"
+    for k, what in ((5, "rates"), (6, "estimates"), (7, "confidence")):
+        if e[0] == "c" and k < len(e) and e[k] is not None and (not isinstance(e[k], list) or len(e[k]) != n_modes):
+            return f"a choice's {what} must be None or one per mode ({n_modes})"
     if e[0] == "o" and (not isinstance(e[4], int) or e[4] < 1):
         return f"an observation's live requests must be an integer >= 1, got {e[4]!r}"
     finite = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
     if e[0] == "o" and (not finite(e[2]) or e[2] < 0 or not (e[3] is None or finite(e[3]))):
         return f"an observation's tokens must be a number >= 0 and its ms a number or None, got {e[2]!r}, {e[3]!r}"
-    if e[0] == "c" and (not finite(e[4]) or any(r is not None and not finite(r) for r in e[5] or [])):
-        return f"a choice's probe loss and rates must be finite numbers, got {e[4]!r}, {e[5]!r}"
+    if e[0] == "c" and (not finite(e[4]) or any(r is not None and not finite(r) for x in e[5:] for r in x or [])):
+        return f"a choice's probe loss, rates, estimates and confidence must be finite numbers, got {e[4:]!r:.120}"
     if e[0] == "d" and not (isinstance(e[2], list) and all(
             isinstance(r, list) and len(r) in (3, 4) and all(finite(x) for x in r) and all(x >= 0 for x in r[1:])
             for r in e[2])):
@@ -139,7 +142,7 @@ def summarize(calls: list[dict]) -> dict:
                              "--temperature, or summarise per point)")
         for e in rec["log"][1:]:
             if e[0] == "c":
-                _, _, i, drain, loss, rates = e
+                _, _, i, drain, loss, rates = e[:6]
                 steps += 1
                 m = modes[names[i]]
                 m["steps"] += 1
@@ -276,6 +279,47 @@ def per_call(calls: list[dict], opening: int = 20, tail_rows: int = 4) -> list[d
     return out
 
 
+def estimates(calls: list[dict]) -> list[dict]:
+    """Per call, per mode: what the planner estimated it would commit against what it committed (choices logged
+    with ``estimates``, from 2026-12-07 on).
+
+    Args:
+        calls: :func:`read_log`'s records.
+    Returns:
+        One row per call (in log order) ``{"tag", "modes": {name: {"choices", "estimate", "confidence", "steps",
+        "realized"}}}``: ``estimate`` the mean over the call's choices of the mode's logged estimate (committed
+        tokens per request per step before the drain rule's mapping; None where never estimated), ``confidence``
+        the mean of the confidence the engine gave for it (None where never given), ``steps`` the mode's observed
+        steps in the call and ``realized`` their committed tokens per request, weighted by live requests (None
+        without a step). A call logged without estimates has every ``estimate`` and ``confidence`` None.
+    """
+    out = []
+    for c in calls:
+        names = c["log"][0]
+        est = {n: [] for n in names}
+        conf = {n: [] for n in names}
+        tok = {n: 0.0 for n in names}
+        rows = {n: 0 for n in names}
+        steps = Counter()
+        for e in c["log"][1:]:
+            if e[0] == "c" and len(e) == 8:
+                for i, n in enumerate(names):
+                    if e[6] is not None and e[6][i] is not None:
+                        est[n].append(e[6][i])
+                    if e[7] is not None and e[7][i] is not None:
+                        conf[n].append(e[7][i])
+            elif e[0] == "o":
+                n = names[e[1]]
+                steps[n] += 1
+                tok[n] += e[2] * e[4]
+                rows[n] += e[4]
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        out.append({"tag": c.get("tag"), "modes": {
+            n: {"choices": len(est[n]), "estimate": mean(est[n]), "confidence": mean(conf[n]), "steps": steps[n],
+                "realized": tok[n] / rows[n] if rows[n] else None} for n in names}})
+    return out
+
+
 def refresh_timing(calls: list[dict], over: float) -> dict:
     """The timed steps' milliseconds per mode, split by when the step was chosen: with a drain refresh (a choice at
     the step of a ``"d"`` event: the host mapped the batch just before the launch), under the drain rule otherwise,
@@ -349,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--persistence", type=int, default=None, metavar="N",
                     help="also: per call, how much of the requests' spread in acceptance over their first N chain steps "
                          "persists to the rest of their answers (persistence())")
+    ap.add_argument("--estimates", action="store_true",
+                    help="also: per call and mode, the mean estimated committed tokens per request (before the drain "
+                         "rule) and confidence against the committed tokens of its steps (estimates(); logs from "
+                         "2026-12-07 on)")
     args = ap.parse_args(argv)
     try:
         if args.json and Path(args.json).exists():
@@ -405,6 +453,17 @@ def main(argv: list[str] | None = None) -> int:
                 tok = "–" if q["tail_tokens"] is None else f"{q['tail_tokens']:.2f}"
                 print(f"  {where}: {q['steps']}, {q['wall_s']}, {q['modes']}; {q['opening']}; "
                       f"{q['tail_steps']} {q['tail_modes']} {tok}")
+        if args.estimates:
+            row["estimates"] = estimates(group)
+            print("per call and mode: mean estimate / mean confidence -> realized committed tokens per request "
+                  "(observed steps)")
+            fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+            for q in row["estimates"]:
+                tag = q["tag"] or {}
+                where = " ".join(str(tag[k]) for k in ("label", "task", "turn", "pass") if k in tag) or "?"
+                print(f"  {where}: " + ", ".join(
+                    f"{n} {fmt(m['estimate'])}/{fmt(m['confidence'])} -> {fmt(m['realized'])} ({m['steps']})"
+                    for n, m in q["modes"].items() if m["choices"] or m["steps"]))
         if args.refresh_timing is not None:
             row["refresh_timing"] = refresh_timing(group, args.refresh_timing)
             print(f"timed steps by when chosen: steps, median ms, 90th percentile ms, share over {args.refresh_timing} ms")
