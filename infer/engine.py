@@ -1581,7 +1581,7 @@ class Engine:
             line = {"device": device, "batch": B, "prompts": len(prompts), "temperature": params.temperature,
                     "max_new_tokens": params.max_new_tokens, "steps": n_steps, "wall_s": round(elapsed, 4),
                     "tokens": n_tokens, "lengths": [len(r) for r in results],
-                    **({"tag": self.plan_log_tag} if self.plan_log_tag is not None else {}), "log": planner.log}
+                    **({"tag": self.plan_log_tag} if self.plan_log_tag is not None else {}), "log": planner.logged()}
             with open(plan_log, "a") as f:
                 f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed, tokens=n_tokens, admit_device_s=sum(a.elapsed_time(b) for a, b in events) / 1e3, admits=admits[0])

@@ -884,7 +884,7 @@ class StepPlanner:
             pooled, _, between, nbar = stats
             if nbar and pooled > 0 and persist is not None:  # relative to ā², as drain_tokens took the prior
                 self.spread = persist_variance(persist, self.spread_prior, pooled) / pooled**2
-            elif nbar and pooled > 0:  # the spread drain_tokens used, for later batches
+            elif nbar and pooled > 0:  # the spread drain_tokens used (before its cap), for later batches
                 self.spread = spread_variance(drain, between, self.spread_prior)
             # one factor for every speculative mode: that of the mode whose mapped drain rate is the highest. The
             # drain decides between AR and speculation; among the speculative modes the throughput rule's order
@@ -941,7 +941,7 @@ class StepPlanner:
                     factor = self.drain_scale.get(best, 1.0) if self.drain_scale is not None else 1.0
                     rate = max(rate, factor * long_run / costs[best])
         if self.log is not None:
-            self._log_choice(mode, loss, costs, tokens, raw if tokens is not None else None, predicted)
+            self._log_choice(mode, loss, costs, tokens, raw if tokens is not None else None, conf)
         return self._commit(mode, costs, predicted, loss, rate, scale)
 
     def _lead_ceilings(self, tokens: dict[Mode, float | None]) -> dict[Mode, float]:
@@ -969,16 +969,18 @@ class StepPlanner:
 
     def start_log(self) -> None:
         """Keep a per-step log in :attr:`log` from now on: the modes in table order (``self.log[0]``, as
-        ``"kind:size"``) and then one entry per event, all numbers rounded to 4 significant digits:
+        ``"kind:size"``) and then one entry per event, all numbers rounded to 4 significant digits (a choice's
+        estimates and confidence when written: :meth:`logged`):
 
         * a choice ``["c", step, mode index, drain, probe, rates, estimates, confidence]``: ``drain`` 1 under the
           drain rule, ``probe`` the milliseconds it was expected to lose (0: exploited), ``rates`` per mode the
           committed tokens per millisecond it was judged on (tokens ÷ estimated step time; None: no estimate; the
           drain rule's tokens under it), ``estimates`` per mode the committed tokens per request per step before
-          the drain rule's mapping (:meth:`expected` with this step's confidence), ``confidence`` per mode the
-          prediction the engine gave (None: none given). The steps that time the decode's first mode (rule "Online
-          cost": 3 timings before any other mode) and a ``schedule``'s have ``rates`` and ``estimates`` None (no
-          comparison made). Logs before 2026-12-07 lack the last two fields.
+          the drain rule's mapping (:meth:`expected` with the confidence it used), ``confidence`` per mode that
+          confidence (None: none given, or none used: drain model ``"own"`` under the drain rule). The steps that
+          time the decode's first mode (rule "Online cost": 3 timings before any other mode) and a ``schedule``'s
+          have ``rates``, ``estimates`` and ``confidence`` None (no comparison made). The last two are kept as
+          they are and rounded by :meth:`logged`; logs before 2026-12-07 lack them.
         * an observation ``["o", mode index, tokens per request, ms or None, rows]`` (:meth:`observe`).
         * a skip ``["s"]`` (:meth:`skip`): the oldest choice not yet observed will not be (no request was live in
           its step).
@@ -987,22 +989,42 @@ class StepPlanner:
           logs before 2026-12-06, sixth, lack the last), so a request's finishing step and its acceptance over time
           can be read back against what the rule assumed, and :func:`drain_tokens` replayed on them.
 
-        Costs a list append per event (microseconds); the engine turns it on with ``DSPINE_PLAN_LOG``
+        Costs a list append per event and the rounding of a choice's rates (about 10 µs a choice with 7 modes on a
+        2-core CPU); the engine turns it on with ``DSPINE_PLAN_LOG``
         (``infer.engine.Engine``)."""
         self.log = [[f"{k}:{n}" for k, n in self.table]]
         self._log_index = {m: i for i, m in enumerate(self.table)}  # mode -> its index in the log's names
 
-    def _log_choice(self, mode: Mode, loss: float, costs: dict, tokens, raw=None, predicted=None) -> None:
-        rates = est = conf = None
+    def _log_choice(self, mode: Mode, loss: float, costs: dict, tokens, raw=None, conf=None) -> None:
+        rates = None
         if tokens is not None:
             rates = [_sig(tokens[m] / costs[m]) if tokens.get(m) is not None else None for m in self.table]
-        if raw is not None:
-            est = [_sig(raw[m]) if raw.get(m) is not None else None for m in self.table]
-        if predicted:
-            conf = [_sig(float(predicted[m])) if isinstance(predicted.get(m), (int, float))
-                    and math.isfinite(predicted[m]) else None for m in self.table]
+        # the estimates and the confidence as they are (this runs on the engine's launching thread every step):
+        # logged() rounds them
+        est = [raw.get(m) for m in self.table] if raw is not None else None
+        cf = [conf.get(m) for m in self.table] if raw is not None and conf else None
         self.log.append(["c", self.step, self._log_index[mode], int(self.drain_scale is not None), _sig(loss), rates,
-                         est, conf])
+                         est, cf])
+
+    def logged(self) -> list | None:
+        """:attr:`log` as it is written (``Engine`` to ``DSPINE_PLAN_LOG``): each choice's estimates and confidence
+        rounded to 4 significant digits, a value that is not a finite number as None. None with no log."""
+        if self.log is None:
+            return None
+
+        def rnd(xs):
+            if xs is None:
+                return None
+            out = []
+            for x in xs:
+                try:
+                    x = float(x)
+                except (TypeError, ValueError):
+                    x = None
+                out.append(_sig(x) if x is not None and math.isfinite(x) else None)
+            return out
+
+        return [e[:6] + [rnd(e[6]), rnd(e[7])] if e[0] == "c" and len(e) == 8 else e for e in self.log]
 
     def end_drain(self) -> None:
         """Back to tokens per millisecond (a caller whose queue refills: :meth:`choose`'s ``drain``)."""

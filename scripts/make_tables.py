@@ -1160,9 +1160,9 @@ def planner_cost_section() -> list[str]:
             "`RUNS=3`, which ran the third run only); tok/s pools the five tasks:", "", *table, "", *per_task,
             "The step logs of the three concurrency 64 runs "
             "([`plan-logs-h100-2026-12-07-cost.tar.xz`](results/plan-logs-h100-2026-12-07-cost.tar.xz), "
-            "`plan_log.py LOG --pass timed --per-call`): on mt-bench's first turn p ran AR at 148-224 steps and the "
-            "chain of 2 at 176-221, never the chain of 4, every step but the first under the drain rule (pc: AR "
-            "190-236, the chain of 2 169-198).", "",
+            "`plan_log.py LOG --pass timed --per-call`) show where: on mt-bench's first turn both planners ran AR and "
+            "the chain of 2 under the drain rule, never the chain of 4 (the step counts and why: docs/status.md, "
+            "\"Why the default misses at concurrency 64, T = 0\").", "",
             "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows)), ""]
 
 

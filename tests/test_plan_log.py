@@ -100,8 +100,8 @@ def test_mixed_modes_are_summarised_per_point(tmp_path, capsys):
     ("{oops\n", "p.jsonl:1: not JSON"),
     ('{"batch": 1}\n', "p.jsonl:1: not a plan-log record"),
     ("", "p.jsonl: no plan-log record in it"),
-    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 7, 0, 0.0, None]])) + "\n", "p.jsonl:1: mode index 7 outside the 3"),
-    (json.dumps(dict(CALL, log=[NAMES, ["o", 0, 1.0]])) + "\n", "p.jsonl:1: a 'o' event has 5 fields, this one 3"),
+    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 7, 0, 0.0, None]])) + "\n", "p.jsonl:1: event 1 of the log: mode index 7 outside the 3"),
+    (json.dumps(dict(CALL, log=[NAMES, ["o", 0, 1.0]])) + "\n", "p.jsonl:1: event 1 of the log: a 'o' event has 5 fields, this one 3"),
     (json.dumps(dict(CALL, log=[NAMES, ["o", 0, 1.0, 1.0, 0]])) + "\n", "live requests must be an integer >= 1, got 0"),
     (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, [1.0]]])) + "\n", "rates must be None or one per mode"),
     (json.dumps(dict(CALL, log=[NAMES, ["x"]])) + "\n", "is not a list starting with"),
@@ -111,12 +111,19 @@ def test_mixed_modes_are_summarised_per_point(tmp_path, capsys):
     (json.dumps(dict(CALL, log=[NAMES, ["o", 0, "1", 1.0, 1]])) + "\n", "tokens must be a number >= 0"),
     (json.dumps(dict(CALL, log=[NAMES, ["o", 0, -3.0, 1.0, 1]])) + "\n", "tokens must be a number >= 0"),
     (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, "x", None]])) + "\n",
-     "probe loss, rates, estimates and confidence must be finite"),
+     "a choice's probe loss must be a finite number, got 'x'"),
     (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, None, [1.0], None]])) + "\n",
      "estimates must be None or one per mode"),
     (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, None, None, [1.0, "x", None]]])) + "\n",
      "must be finite numbers"),
     (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, None, None]])) + "\n", "has 6 or 8 fields, this one 7"),
+    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, None, [1.0, -2.0, None], None]])) + "\n",
+     "estimates must be finite numbers >= 0 or None, got -2.0 for mode 1"),
+    (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, None, [1.0, 10**400, None], None]])) + "\n",
+     "estimates must be finite numbers >= 0 or None, got 1000"),
+    (json.dumps(dict(CALL, log=[NAMES, ["o", 0, 1.0, 1.0, 1], ["c", 1, 0, 0, 0.0, [1.0, True, None]]])) + "\n",
+     "p.jsonl:1: event 2 of the log: a choice's rates must be finite numbers or None, got True for mode 1"),
+    (json.dumps(dict(CALL, tag="p")) + "\n", "p.jsonl:1: the record's 'tag' must be an object"),
     ('{"batch": 32, "temperature": 0.0, "log": [["ar:1"], ["c", 0, 0, 0, 0.0, [NaN]]]}\n', "must be finite"),
 ])
 def test_bad_records_are_named(tmp_path, capsys, text, msg):
@@ -261,5 +268,7 @@ def test_estimates_against_what_the_steps_committed(tmp_path, capsys):
     assert (ar["estimate"], ar["confidence"], ar["realized"]) == (1.0, None, 1.0)
     assert (tree["choices"], tree["estimate"], tree["steps"], tree["realized"]) == (1, 4.0, 0, None)
     assert all(m["estimate"] is None and m["confidence"] is None for m in old["modes"].values())
+    assert (new["logged"], old["logged"]) == (True, False)
     assert plan_log.main([str(path), "--estimates"]) == 0
-    assert "chain:16 2.50/3.00 -> 2.75 (2)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "chain:16 2.50/3.00 -> 2.75 (2)" in out and out.count("(logged without estimates: before 2026-12-07)") == 1

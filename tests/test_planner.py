@@ -1691,3 +1691,10 @@ def test_the_step_log_keeps_each_choice_s_estimates_and_confidence():
     assert d[5][1] < 0.95 * d[6][1] / costs[chain]
     p.choose()  # no confidence given
     assert p.log[-1][7] is None
+    # as written: rounded to 4 significant digits, a confidence that is no finite number as None
+    p.choose({chain: float("nan")})
+    p.choose({chain: 2.123456})
+    *_, nan, val = p.logged()
+    assert nan[7] == [None, None] and val[7] == [None, 2.123] and val[6][1] == round(val[6][1], 3)
+    assert p.log[-1][7] == [None, 2.123456]  # kept as given until written
+    assert StepPlanner(costs).logged() is None

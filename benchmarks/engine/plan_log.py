@@ -35,8 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dspine.provenanc
 ROW_BANDS = ((1, 1), (2, 4), (5, 12), (13, 1 << 30))  # live requests in an observed step
 
 
+def _finite(x) -> bool:
+    """A number (not a bool) that is finite; an integer too large for a float is not."""
+    try:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def _check_event(e, n_modes: int) -> str | None:
-    """What is wrong with one log event (None: nothing): its kind, length and mode index."""
+    """What is wrong with one log event (None: nothing): its kind, length, mode index and numbers, naming the field
+    (and the mode) at fault."""
     if not isinstance(e, list) or not e or e[0] not in ("c", "o", "s", "d"):
         return f"event {e!r:.60} is not a list starting with 'c', 'o', 's' or 'd'"
     sizes = {"c": (6, 8), "o": (5,), "s": (1,), "d": (3,)}[e[0]]  # a choice's estimates and confidence: 2026-12-07
@@ -44,20 +53,26 @@ def _check_event(e, n_modes: int) -> str | None:
         return f"a {e[0]!r} event has {' or '.join(map(str, sizes))} fields, this one {len(e)}"
     if e[0] in ("c", "o"):
         i = e[2] if e[0] == "c" else e[1]
-        if not isinstance(i, int) or not 0 <= i < n_modes:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_modes:
             return f"mode index {i!r} outside the {n_modes} modes"
-    for k, what in ((5, "rates"), (6, "estimates"), (7, "confidence")):
-        if e[0] == "c" and k < len(e) and e[k] is not None and (not isinstance(e[k], list) or len(e[k]) != n_modes):
-            return f"a choice's {what} must be None or one per mode ({n_modes})"
-    if e[0] == "o" and (not isinstance(e[4], int) or e[4] < 1):
+    if e[0] == "c":
+        if not _finite(e[4]):
+            return f"a choice's probe loss must be a finite number, got {e[4]!r:.40}"
+        for k, what in ((5, "rates"), (6, "estimates"), (7, "confidence")):
+            if k >= len(e) or e[k] is None:
+                continue
+            if not isinstance(e[k], list) or len(e[k]) != n_modes:
+                return f"a choice's {what} must be None or one per mode ({n_modes}), got {e[k]!r:.60}"
+            for j, x in enumerate(e[k]):
+                if x is not None and not (_finite(x) and (k == 5 or x >= 0)):
+                    return (f"a choice's {what} must be finite numbers{'' if k == 5 else ' >= 0'} or None, got "
+                            f"{x!r:.40} for mode {j}")
+    if e[0] == "o" and (not isinstance(e[4], int) or isinstance(e[4], bool) or e[4] < 1):
         return f"an observation's live requests must be an integer >= 1, got {e[4]!r}"
-    finite = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-    if e[0] == "o" and (not finite(e[2]) or e[2] < 0 or not (e[3] is None or finite(e[3]))):
+    if e[0] == "o" and (not _finite(e[2]) or e[2] < 0 or not (e[3] is None or _finite(e[3]))):
         return f"an observation's tokens must be a number >= 0 and its ms a number or None, got {e[2]!r}, {e[3]!r}"
-    if e[0] == "c" and (not finite(e[4]) or any(r is not None and not finite(r) for x in e[5:] for r in x or [])):
-        return f"a choice's probe loss, rates, estimates and confidence must be finite numbers, got {e[4:]!r:.120}"
     if e[0] == "d" and not (isinstance(e[2], list) and all(
-            isinstance(r, list) and len(r) in (3, 4) and all(finite(x) for x in r) and all(x >= 0 for x in r[1:])
+            isinstance(r, list) and len(r) in (3, 4) and all(_finite(x) for x in r) and all(x >= 0 for x in r[1:])
             for r in e[2])):
         return ("a drain refresh's requests must be a list of [remaining, chain tokens, chain steps(, tokens²)], "
                 f"finite numbers, the counts >= 0; got {e[2]!r:.80}")
@@ -90,10 +105,13 @@ def read_log(path: str | Path) -> list[dict]:
                 or len(set(log[0])) != len(log[0])):
             raise ValueError(f"{path}:{i}: not a plan-log record (needs an integer 'batch', a number 'temperature' and "
                              "a 'log' whose first entry lists the mode names, each once)")
-        for e in log[1:]:
+        if rec.get("tag") is not None and not isinstance(rec["tag"], dict):
+            raise ValueError(f"{path}:{i}: the record's 'tag' must be an object (infer.bench's label, task, turn, "
+                             f"pass), got {rec['tag']!r:.40}")
+        for j, e in enumerate(log[1:], 1):
             problem = _check_event(e, len(log[0]))
             if problem:
-                raise ValueError(f"{path}:{i}: {problem}")
+                raise ValueError(f"{path}:{i}: event {j} of the log: {problem}")
         calls.append(rec)
     if not calls:
         raise ValueError(f"{path}: no plan-log record in it")
@@ -286,12 +304,15 @@ def estimates(calls: list[dict]) -> list[dict]:
     Args:
         calls: :func:`read_log`'s records.
     Returns:
-        One row per call (in log order) ``{"tag", "modes": {name: {"choices", "estimate", "confidence", "steps",
-        "realized"}}}``: ``estimate`` the mean over the call's choices of the mode's logged estimate (committed
-        tokens per request per step before the drain rule's mapping; None where never estimated), ``confidence``
-        the mean of the confidence the engine gave for it (None where never given), ``steps`` the mode's observed
-        steps in the call and ``realized`` their committed tokens per request, weighted by live requests (None
-        without a step). A call logged without estimates has every ``estimate`` and ``confidence`` None.
+        One row per call (in log order) ``{"tag", "logged", "modes": {name: {"choices", "estimate", "confidence",
+        "steps", "realized"}}}``: ``logged`` whether the call's choices carry estimates (logs from 2026-12-07 on);
+        ``choices`` the call's choices that estimated the mode (whatever mode they chose), ``estimate`` the plain
+        mean of those estimates (committed tokens per request per step before the drain rule's mapping; None where
+        never estimated), ``confidence`` the plain mean of the confidence those estimates used (None where none
+        was), ``steps`` the mode's observed steps in the call and ``realized`` their committed tokens per request,
+        weighted by live requests (None without a step). The estimate is over every choice and the realized value
+        over the mode's own steps only: a mode chosen where it is judged high reads lower than its estimate, and a
+        mode never run has no realized value.
     """
     out = []
     for c in calls:
@@ -301,8 +322,10 @@ def estimates(calls: list[dict]) -> list[dict]:
         tok = {n: 0.0 for n in names}
         rows = {n: 0 for n in names}
         steps = Counter()
+        logged = False
         for e in c["log"][1:]:
             if e[0] == "c" and len(e) == 8:
+                logged = True
                 for i, n in enumerate(names):
                     if e[6] is not None and e[6][i] is not None:
                         est[n].append(e[6][i])
@@ -314,7 +337,7 @@ def estimates(calls: list[dict]) -> list[dict]:
                 tok[n] += e[2] * e[4]
                 rows[n] += e[4]
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-        out.append({"tag": c.get("tag"), "modes": {
+        out.append({"tag": c.get("tag"), "logged": logged, "modes": {
             n: {"choices": len(est[n]), "estimate": mean(est[n]), "confidence": mean(conf[n]), "steps": steps[n],
                 "realized": tok[n] / rows[n] if rows[n] else None} for n in names}})
     return out
@@ -463,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                 where = " ".join(str(tag[k]) for k in ("label", "task", "turn", "pass") if k in tag) or "?"
                 print(f"  {where}: " + ", ".join(
                     f"{n} {fmt(m['estimate'])}/{fmt(m['confidence'])} -> {fmt(m['realized'])} ({m['steps']})"
-                    for n, m in q["modes"].items() if m["choices"] or m["steps"]))
+                    for n, m in q["modes"].items() if m["choices"] or m["steps"])
+                    + ("" if q["logged"] else " (logged without estimates: before 2026-12-07)"))
         if args.refresh_timing is not None:
             row["refresh_timing"] = refresh_timing(group, args.refresh_timing)
             print(f"timed steps by when chosen: steps, median ms, 90th percentile ms, share over {args.refresh_timing} ms")
