@@ -200,10 +200,11 @@ def build_tree(
 
 
 def inner_accepted(rank: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor, sizes) -> torch.Tensor:
-    """``[B, S]`` int32: per tree size M of ``sizes`` (S Python ints, each at most N), the draft tokens the tree of M
-    nodes built from the same draft distributions would have accepted in this verification of the tree of N — the
-    nodes of its accepted path below the root with ``rank < M`` (``rank [B, N]``, :attr:`Tree.rank`; ``path
-    [B, Kp + 1]`` int64, ``num_accepted [B]`` a; entries past depth a are ignored).
+    """``[B, S]`` int32: per tree size M of ``sizes`` (S Python ints, or an ``[S]`` integer tensor on the path's
+    device; each at most N), the draft tokens the tree of M nodes built from the same draft distributions would have
+    accepted in this verification of the tree of N — the nodes of its accepted path below the root with ``rank < M``
+    (``rank [B, N]``, :attr:`Tree.rank`; ``path [B, Kp + 1]`` int64, ``num_accepted [B]`` a; entries past depth a
+    are ignored).
 
     The tree of M is the first M nodes of this one in the builder's order (the best M - 1 keys: a node's
     ancestors rank before it, the candidates and each depth's beam of the smaller tree hold all of them), so at
@@ -218,6 +219,9 @@ def inner_accepted(rank: torch.Tensor, path: torch.Tensor, num_accepted: torch.T
     depth = torch.arange(path.shape[1], device=path.device)
     live = depth <= num_accepted[:, None]
     r = rank.gather(1, torch.where(live, path, 0))  # [B, Kp + 1]; the root's rank 0 where not live
+    if isinstance(sizes, torch.Tensor):  # [S] on the device (dspine.ops.plan_stats): compared there, no host copy
+        inside = (r[:, :, None] < sizes.to(r.dtype)[None, None, :]) & live[:, :, None]
+        return inside.sum(1, dtype=torch.int32) - 1
     sizes = [int(m) for m in sizes]
     if not sizes:
         return torch.zeros(path.shape[0], 0, dtype=torch.int32, device=path.device)

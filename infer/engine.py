@@ -60,7 +60,7 @@ from dspine.sampling import (
 )
 from dspine.stats import AcceptStats, GenerationResult
 from dspine.target import TargetSpec, assert_compatible, check_target_dtype
-from dspine.tree import inner_accepted, node_uniforms, path_nodes
+from dspine.tree import node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import CEILING_MODELS, COST_MODELS, DRAIN_MODELS, SETTLE_MODELS, StepPlanner, plan_log_path
@@ -349,6 +349,7 @@ class Engine:
                              f"none, --config LABEL:plan_trees=none); got verify={verify!r}, budget={budget!r}, "
                              f"plan_trees={plan_trees!r}")
         self.plan_trees = tuple(sorted(trees))
+        self._inner_size_cache: dict[int, torch.Tensor] = {}  # _inner_sizes
         chains = tuple(n for n in self.PLAN_CHAINS if n < self.verify_size) if plan_chains is None else plan_chains
         if (not isinstance(chains, (tuple, list))
                 or not all(isinstance(n, int) and not isinstance(n, bool) for n in chains)
@@ -452,6 +453,8 @@ class Engine:
                                      "draft-context flush); defer_ar_append = False appends in every AR step")
                 pending = (self.ar_defer, self.draft.fc.in_features, self.target.embed.dtype)
             inner = max(len(self.plan_trees) - 1, 0) if self.budget == "auto" else 0  # planner trees inside others
+            for n in self.plan_trees if self.budget == "auto" else ():  # made here, not inside a graph's capture
+                self._inner_sizes(n)
             self._slots[B] = _Slots(B, self.verify_size, self.block_size, self.max_new_cap, self.device,
                                     cfg.mask_token_id if cfg else 0, pending, inner)
         return self._slots[B]
@@ -581,6 +584,15 @@ class Engine:
                     impl=self.impl, anchor=s.anchor)  # anchor = bonus for live rows
         draft_cache.append(feats, (a + 1) * live, impl=self.impl)  # a int32; advances s.lengths
 
+    def _inner_sizes(self, n: int) -> torch.Tensor:
+        """``[S]`` int64 on the engine's device: the planner's tree sizes below ``n`` (the trees inside a tree step
+        of ``n`` nodes), in ``plan_trees`` order; made once per ``n`` and kept, so a CUDA graph that captured it reads
+        the same memory at every replay (``dspine.ops.plan_stats``)."""
+        if n not in self._inner_size_cache:
+            sizes = [m for m in self.plan_trees if m < n]
+            self._inner_size_cache[n] = torch.tensor(sizes, dtype=torch.int64, device=self.device)
+        return self._inner_size_cache[n]
+
     @staticmethod
     def _conf_probs(d_logits: torch.Tensor, p_draft: torch.Tensor, params: SamplingParams,
                     impl: str = "torch") -> torch.Tensor:
@@ -664,10 +676,11 @@ class Engine:
             # "Paired observations")
             p_chain = (tree.chain_q if params.greedy or params.draft_temperature is None else
                        self._conf_probs(d_logits, q, params).gather(-1, chain[..., None])[..., 0])
-            plan_stats(p_chain, s.conf, tree.chain, path, a, s.chain_acc, impl=self.impl)
-            inner = [n for n in self.plan_trees if n < N]  # the planner trees inside this one (infer.planner,
-            if inner:  # "Paired observations"): their accepted draft tokens, columns in plan_trees order
-                s.inner_acc[: len(inner)].copy_(inner_accepted(tree.rank, path, a, inner).T)
+            # and the planner trees inside this one (infer.planner, "Paired observations"): their accepted draft
+            # tokens, columns in plan_trees order, in the same launch
+            sizes = self._inner_sizes(N)
+            inner = dict(rank=tree.rank, sizes=sizes, inner_acc=s.inner_acc[: sizes.shape[0]]) if len(sizes) else {}
+            plan_stats(p_chain, s.conf, tree.chain, path, a, s.chain_acc, impl=self.impl, **inner)
         tok = tree.tokens.gather(1, path)
         if Kp < K:  # commit_step takes the block's K + 1 columns; those past depth a are never read
             tok = torch.cat([tok, tok.new_zeros(s.B, K - Kp)], 1)

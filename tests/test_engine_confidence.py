@@ -266,24 +266,33 @@ def _check_chain_accepted(stories_dir, folder, temperature, oracle=None, **kw):
     if oracle is not None:
         want = ReferenceDecoder(oracle[0], None, [2]).generate(PROMPTS[:4], SamplingParams(max_new_tokens=40))
         reference = [p + w for p, w in zip(PROMPTS, want.token_ids)]
-    committed = {}
-    for mode in (("chain", 8), ("tree", 32)):
+    committed, tokens = {}, {}
+    for mode in (("chain", 8), ("tree", 16), ("tree", 32)):
         eng, s, _, step = _admitted(stories_dir, folder, params, mode, **kw)
         if oracle is not None:
             oracle_engine(eng, reference, corrupt=oracle[1], seed=3)
         before = s.out_len.clone()
         s.chain_acc.fill_(-1)  # a step that does not write it fails below
+        s.inner_acc.fill_(-1)
         step()
         committed[mode] = (s.out_len - before).cpu()
-        if mode[0] == "chain":
-            tokens = [s.out_tokens[b, int(before[b]) : int(s.out_len[b])].tolist() for b in range(s.B)]
-        else:
-            got = s.chain_acc.cpu()
-    rows = [b for b in range(len(got)) if 2 not in tokens[b]]  # no EOS cut the chain's commit
+        tokens[mode] = [s.out_tokens[b, int(before[b]) : int(s.out_len[b])].tolist() for b in range(s.B)]
+        if mode == ("tree", 32):
+            got, inner = s.chain_acc.cpu(), s.inner_acc[0].cpu()  # the tree of 16 inside the tree of 32
+    rows = [b for b in range(len(got)) if 2 not in tokens[("chain", 8)][b]]  # no EOS cut the chain's commit
     assert len(rows) >= 3
     chain_a = committed[("chain", 8)] - 1  # accepted draft tokens of the chain step
     assert torch.equal(got[rows], chain_a[rows].to(got.dtype)), (got, chain_a)
     assert bool((committed[("tree", 32)][rows] >= committed[("chain", 8)][rows]).all())
+    # the planner's smaller tree, counted in the same launch (dspine.ops.plan_stats): at T = 0 what the tree of 16
+    # accepts from the same state (its nodes are the tree of 32's first 16 by rank, dspine.tree.inner_accepted); at
+    # T > 0 a draw of it, so only bounded by the run tree's
+    rows16 = [b for b in rows if 2 not in tokens[("tree", 16)][b]]
+    if temperature == 0:
+        assert len(rows16) >= 3
+        want = (committed[("tree", 16)] - 1).to(inner.dtype)
+        assert torch.equal(inner[rows16], want[rows16]), (inner, want)
+    assert bool(((inner >= 0) & (inner <= committed[("tree", 32)].to(inner.dtype) - 1))[rows].all()), inner
     return got[rows]
 
 

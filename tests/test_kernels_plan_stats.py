@@ -102,3 +102,59 @@ def test_plan_stats_edge_values_and_errors(device):
         plan_stats(p, conf, chain, path, torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="num_accepted \\[B\\] int32 or int64.*num_accepted torch.float32"):
         plan_stats(p, conf, chain, path, torch.zeros(3), torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("B,K,V,N,sizes", [(5, 15, 300, 32, (16,)), (4, 15, 300, 64, (16, 32)), (3, 7, 50, 16, (2, 8)),
+                                           (6, 31, 100, 64, (8, 16, 32, 48))])
+def test_the_inner_trees_in_the_same_launch_are_inner_accepted(device, B, K, V, N, sizes):
+    """The planner's smaller trees inside a tree step (``rank``, ``sizes``, ``inner_acc``): the Triton kernel writes
+    exactly ``dspine.tree.inner_accepted``'s counts into a strided ``[S, B]`` view of a state buffer (as the engine's
+    ``_Slots.inner_acc``), with int32 and int64 sizes, leaves the rest of the buffer alone, and the chain's count and
+    confidence are unchanged by the extra outputs; the torch path writes the same."""
+    from dspine.tree import inner_accepted
+
+    for seed, dtype in ((0, torch.int64), (1, torch.int32), (2, torch.int64)):
+        tree, path, a = _tree_case(B, K, V, N, seed % 2 == 1, seed, device)
+        S = len(sizes)
+        want = inner_accepted(tree.rank, path, a, list(sizes)).T  # [S, B]
+        # the state buffer's layout: conf [B] | chain_acc [B] | inner [S, B], plus one spare row never written
+        state = torch.full(((3 + S) * B,), -9, dtype=torch.int32, device=device)
+        conf, acc = state[:B].view(torch.float32), state[B: 2 * B]
+        inner = state[2 * B: (2 + S) * B].view(S, B)
+        p = tree.chain_q.contiguous()
+        size_t = torch.tensor(sizes, dtype=dtype, device=device)
+        plan_stats(p, conf, tree.chain, path, a, acc, impl="triton", rank=tree.rank, sizes=size_t, inner_acc=inner)
+        assert torch.equal(inner, want.to(torch.int32)), (inner, want)
+        assert torch.equal(acc, chain_accepted(tree.chain, path, a))
+        torch.testing.assert_close(conf, chain_confidence(p), rtol=2e-6, atol=0)
+        assert (state[(2 + S) * B:] == -9).all()
+        if B > 1:  # the root's path: nothing accepted in any tree
+            assert inner[:, 0].tolist() == [0] * S
+        ref = torch.zeros(S, B, dtype=torch.int32, device=device)
+        plan_stats(p, torch.zeros(B, device=device), tree.chain, path, a, torch.zeros(B, dtype=torch.int32, device=device),
+                   impl="torch", rank=tree.rank, sizes=size_t, inner_acc=ref)
+        assert torch.equal(ref, want.to(torch.int32))
+        # the count is monotone in the size and never above the path's depth
+        assert (inner[1:] >= inner[:-1]).all() and (inner <= a[None, :].to(torch.int32)).all()
+
+
+@pytest.mark.parametrize("device", [CPU])
+def test_the_inner_trees_refuse_a_partial_set(device):
+    B, K, V, N = 3, 7, 50, 16
+    tree, path, a = _tree_case(B, K, V, N, False, 0, device)
+    p, conf, acc = tree.chain_q.contiguous(), torch.zeros(B), torch.zeros(B, dtype=torch.int32)
+    sizes, inner = torch.tensor([8]), torch.zeros(1, B, dtype=torch.int32)
+    with pytest.raises(ValueError, match="rank, sizes and inner_acc go together"):
+        plan_stats(p, conf, tree.chain, path, a, acc, rank=tree.rank, sizes=sizes)
+    with pytest.raises(ValueError, match="need the tree step's chain"):
+        plan_stats(p, conf, rank=tree.rank, sizes=sizes, inner_acc=inner)
+    with pytest.raises(ValueError, match=r"inner_acc \[S, B=3\] int32; got rank"):
+        plan_stats(p, conf, tree.chain, path, a, acc, rank=tree.rank, sizes=sizes, inner_acc=torch.zeros(2, B, dtype=torch.int32))
+    with pytest.raises(ValueError, match="rank must be int64"):
+        plan_stats(p, conf, tree.chain, path, a, acc, rank=tree.rank.int(), sizes=sizes, inner_acc=inner)
+    # no inner tree (the smallest planner tree's step): an empty set writes nothing and raises nothing
+    empty = torch.zeros(0, B, dtype=torch.int32)
+    for impl in ("torch", "triton"):
+        plan_stats(p, conf, tree.chain, path, a, acc, impl=impl, rank=tree.rank, sizes=torch.zeros(0, dtype=torch.int64),
+                   inner_acc=empty)
