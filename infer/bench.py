@@ -14,7 +14,8 @@ Greedy runs compare each draft's output with the AR output of the same engine: i
 (``--exact``, issue 13; both runs exact) they must be identical and any difference is an error
 (exit status 1, after the JSON is written); in the fast mode every difference is listed with its
 first differing position and the target's top-2 logit margin there (a near-tie: bf16 rounding).
-Ctrl-C ends it with exit status 130 and writes the finished tasks to the JSON with ``"interrupted": true``.
+Ctrl-C ends it with exit status 130 (SIGTERM: 143) and writes the finished tasks to the JSON with ``"interrupted":
+true`` (beside it, as ``X.interrupted.json``, where ``--overwrite`` would replace a finished file: that file stays).
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -838,10 +842,25 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
             raise FileNotFoundError(f"{flag} {v}: no such file")
     if args.plot is None and args.output_json and args.draft:  # derived once; main() writes it there
         args.plot = str(Path(args.output_json).with_suffix(".png"))
+        if Path(args.plot).resolve() == Path(args.output_json).resolve():  # an --output-json named X.png
+            raise ValueError(f"--output-json {args.output_json}: the plot would be written over it (it goes beside "
+                             "the JSON with a .png suffix); name the results file X.json, or give --plot")
+    if args.plot is not None and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"--plot {args.plot}: give a file ending in {', '.join(PLOT_SUFFIXES)} (matplotlib writes "
+                         "the format its suffix names)")
     outputs = {"--output-json": args.output_json, "--plot": args.plot}
+    if args.plot and args.output_json and Path(args.plot).resolve() == Path(args.output_json).resolve():
+        raise ValueError(f"--plot {args.plot} and --output-json {args.output_json} name the same file")
+    if any(c["budget"] for c in args.configs.values()) and os.environ.get("DSPINE_PLAN_LOG"):
+        for flag, path in outputs.items():  # the step log is appended to during the run, the results written after
+            if path and Path(path).resolve() == Path(os.environ["DSPINE_PLAN_LOG"]).resolve():
+                raise ValueError(f"DSPINE_PLAN_LOG={os.environ['DSPINE_PLAN_LOG']} and {flag} {path} name the same "
+                                 "file; give the step log its own")
     for flag, path in outputs.items():  # before any work: a benchmark must not end in an unwritable path
         if path is not None:
             check_output_file(flag, path, args.overwrite)
+    # an interrupted run that would replace a finished file writes its finished tasks beside it instead
+    args.replaces_output = bool(args.output_json) and Path(args.output_json).exists()
     if args.data_dir is not None and not Path(args.data_dir).is_dir():
         raise FileNotFoundError(f"--data-dir {args.data_dir}: no such folder")
     if args.backend == "cuda" and device_type == "cuda" and not torch.cuda.is_available():
@@ -863,7 +882,28 @@ def vocab_flags(draft_vocab: str | None, configs: dict) -> dict[str, str]:
     return out
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # --plot: formats matplotlib writes by the suffix
+
+
 def main(argv=None) -> int:
+    """Run the benchmark (module docstring); returns the exit status: 0, 1 (exact mode's outputs differ), 2 (bad
+    input), 130 (Ctrl-C) or 143 (SIGTERM): both keep the finished tasks."""
+    stopped = ["interrupted"]
+
+    def terminate(signum, frame):  # SIGTERM (kill, a scheduler's stop) keeps the finished tasks as Ctrl-C does
+        stopped[0] = "terminated"
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv, stopped)
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        return _main(argv, stopped)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv, stopped: list[str]) -> int:
     from dspine.io import atomic_write_json
     from dspine.provenance import provenance, utc_now
     from dspine.reference import set_cpu_threads
@@ -899,16 +939,19 @@ def main(argv=None) -> int:
         done = ", ".join(r["task"] for r in rows) or "none"
         written = ""
         if rows and args.output_json:  # the finished tasks are complete results: keep them
-            Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(Path(args.output_json), {**prov, "finished": utc_now(), "label": args.label,
-                                                        "backend": runner.backend,
-                                                        "args": vars(args), "interrupted": True, "tasks": rows,
-                                                        "summary": summarize(rows)}, indent=1, allow_nan=True)
-            written = f"; wrote them to {args.output_json} (\"interrupted\": true)"
+            out = Path(args.output_json)
+            if getattr(args, "replaces_output", False):  # --overwrite of a finished file: it stays as it was
+                out = out.with_name(out.stem + ".interrupted" + out.suffix)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(out, {**prov, "finished": utc_now(), "label": args.label, "backend": runner.backend,
+                                    "args": vars(args), "interrupted": True, "tasks": rows,
+                                    "summary": summarize(rows)}, indent=1, allow_nan=True)
+            kept = f"; {args.output_json} is left as it was" if out != Path(args.output_json) else ""
+            written = f"; wrote them to {out} (\"interrupted\": true){kept}"
         elif args.output_json:
             written = f"; nothing was written to {args.output_json}"
-        print(f"\ninterrupted: tasks finished: {done}{written}", file=sys.stderr)
-        return 130
+        print(f"\n{stopped[0]}: tasks finished: {done}{written}", file=sys.stderr)
+        return 143 if stopped[0] == "terminated" else 130
     summary = summarize(rows)
     print(table(rows))
     for label, e in summary.items():

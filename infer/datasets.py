@@ -44,10 +44,17 @@ def task_name(name: str) -> str:
 
 
 def default_eval_dir() -> Path:
+    """``$DSPINE_EVAL_DIR``, else ``$DSPINE_SHARED/data/eval``, else ``shared/data/eval`` beside the repository (an
+    empty variable counts as unset). Raises FileNotFoundError naming ``DSPINE_SHARED`` when it is set to a folder
+    that does not exist (not a reason to go to the Hub)."""
     if os.environ.get("DSPINE_EVAL_DIR"):
         return Path(os.environ["DSPINE_EVAL_DIR"])
-    shared = Path(os.environ.get("DSPINE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-    return shared / "data" / "eval"
+    if os.environ.get("DSPINE_SHARED"):
+        shared = Path(os.environ["DSPINE_SHARED"])
+        if not shared.is_dir():
+            raise FileNotFoundError(f"DSPINE_SHARED={shared}: no such folder (unset it to use the Hub)")
+        return shared / "data" / "eval"
+    return Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 
 
 def _read_rows(path: Path) -> list[dict]:

@@ -63,7 +63,15 @@ from dspine.target import TargetSpec, assert_compatible, check_target_dtype
 from dspine.tree import node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
-from infer.planner import CEILING_MODELS, COST_MODELS, DRAIN_MODELS, SETTLE_MODELS, StepPlanner, plan_log_path
+from infer.planner import (
+    CEILING_MODELS,
+    COST_MODELS,
+    DRAIN_MODELS,
+    SETTLE_MODELS,
+    StepPlanner,
+    append_plan_record,
+    plan_log_path,
+)
 
 
 @dataclass
@@ -1588,15 +1596,12 @@ class Engine:
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(r) for r in results)
         if planner is not None and planner.log is not None:
-            import json
-
             device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
             line = {"device": device, "batch": B, "prompts": len(prompts), "temperature": params.temperature,
                     "max_new_tokens": params.max_new_tokens, "steps": n_steps, "wall_s": round(elapsed, 4),
                     "tokens": n_tokens, "lengths": [len(r) for r in results],
                     **({"tag": self.plan_log_tag} if self.plan_log_tag is not None else {}), "log": planner.logged()}
-            with open(plan_log, "a") as f:
-                f.write(json.dumps(line, separators=(",", ":")) + "\n")
+            append_plan_record(plan_log, line)
         self.loop_profile.update(steps=n_steps, prefill_s=prefill_s, wall_s=elapsed, tokens=n_tokens, admit_device_s=sum(a.elapsed_time(b) for a, b in events) / 1e3, admits=admits[0])
         return GenerationResult(results, reasons, stats, elapsed, prefill_s, n_steps)
 

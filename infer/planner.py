@@ -354,8 +354,11 @@ def spread_variance(drain, between: float, prior) -> float:
 
 
 def plan_log_path() -> str | None:
-    """The file ``DSPINE_PLAN_LOG`` names (None: unset or empty), checked by opening it for appending (which creates
-    it). Raises ValueError naming the variable for a folder or a path that cannot be appended to."""
+    """The file ``DSPINE_PLAN_LOG`` names (None: unset or empty), checked for appending without creating it: an
+    existing file must be empty or a plan log (its first line a call record with a ``log``), so a results file named
+    by mistake is not appended to. Raises ValueError naming the variable for a folder, a file that is not a plan
+    log, or a path that cannot be appended to (its folder missing or not writable)."""
+    import json
     import os
 
     path = os.environ.get("DSPINE_PLAN_LOG")
@@ -363,12 +366,35 @@ def plan_log_path() -> str | None:
         return None
     if os.path.isdir(path):
         raise ValueError(f"DSPINE_PLAN_LOG={path}: a folder; give the path of a file to append to")
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise ValueError(f"DSPINE_PLAN_LOG={path}: cannot append to it ({e.strerror})") from None
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                first = f.readline(1 << 20)
+            rec = json.loads(first) if first.strip() else None
+        except (OSError, UnicodeDecodeError, ValueError):
+            rec = False
+        if rec is False or (rec is not None and not (isinstance(rec, dict) and "log" in rec)):
+            raise ValueError(f"DSPINE_PLAN_LOG={path}: an existing file that is not a plan log (its first line is "
+                             "not a planner call record); give a new file or a plan log to append to")
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"DSPINE_PLAN_LOG={path}: cannot append to it (not writable)")
+        return path
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"DSPINE_PLAN_LOG={path}: cannot create it (no writable folder {parent})")
     return path
+
+
+def append_plan_record(path: str, record: dict) -> None:
+    """Append one call record (one JSON line) to the step log ``path``, starting it on a line of its own: a run
+    killed while writing leaves a line without its end, and the next record glued to it would make both unreadable
+    (``benchmarks/engine/plan_log.py`` names such a line by number)."""
+    import json
+
+    with open(path, "ab+") as f:
+        f.seek(0, 2)
+        torn = f.tell() > 0 and (f.seek(-1, 2), f.read(1))[1] != b"\n"
+        f.write((("\n" if torn else "") + json.dumps(record, separators=(",", ":")) + "\n").encode())
 
 
 def _sig(x: float | None) -> float | None:

@@ -177,6 +177,65 @@ def test_bench_notes_a_short_task_and_ctrl_c_keeps_the_finished_tasks(stories_di
     assert res["tasks"][0]["num_prompts"] == 2 and res["tasks"][0]["drafts"]["D"]["greedy_compared"] == 2
 
 
+def test_sigterm_keeps_the_finished_tasks_and_an_overwritten_file_stays(stories_dir, stories_draft, tmp_path,
+                                                                          monkeypatch, capsys):
+    """SIGTERM (kill) stops the run as Ctrl-C does (status 143, the finished tasks kept), and a run that would
+    --overwrite a finished results file writes its finished tasks beside it (X.interrupted.json): the finished file
+    is not replaced by a partial one (newcomer review: it was)."""
+    import os
+    import signal
+
+    data = tmp_path / "eval"
+    (data / "gsm8k").mkdir(parents=True)
+    rows = (shared_path("data", "eval") / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]
+    (data / "gsm8k" / "test.jsonl").write_text("\n".join(rows) + "\n")
+    real = bench.run_task
+
+    def run_task(runner, task, *a, **kw):
+        if task == "mbpp":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(runner, task, *a, **kw)
+
+    monkeypatch.setattr(bench, "run_task", run_task)
+    out = tmp_path / "b.json"
+    out.write_text('{"finished": "a complete run"}')
+    before = signal.getsignal(signal.SIGTERM)
+    code = bench.main(["--target", str(stories_dir), "--draft", f"D={stories_draft}", "--datasets", "gsm8k,mbpp",
+                       "--num-prompts", "2", "--max-new-tokens", "4", "--backend", "reference", "--no-chat-template",
+                       "--data-dir", str(data), "--output-json", str(out), "--overwrite", "--plot",
+                       str(tmp_path / "b.png")])
+    err = capsys.readouterr().err
+    kept = tmp_path / "b.interrupted.json"
+    assert code == 143 and "Traceback" not in err, err
+    assert f"terminated: tasks finished: gsm8k; wrote them to {kept}" in err and f"{out} is left as it was" in err
+    assert out.read_text() == '{"finished": "a complete run"}'
+    res = json.loads(kept.read_text())
+    assert res["interrupted"] is True and [t["task"] for t in res["tasks"]] == ["gsm8k"]
+    assert signal.getsignal(signal.SIGTERM) is before  # main() put the previous handler back
+
+
+def test_output_paths_that_would_clobber_each_other_are_refused(stories_dir, stories_draft, tmp_path, monkeypatch,
+                                                                capsys):
+    """Before any model is read: an --output-json whose derived plot is itself (X.png), a --plot in a format
+    matplotlib does not write by suffix, --plot and --output-json naming one file, and DSPINE_PLAN_LOG naming the
+    results file; nothing is created (newcomer review: the plot replaced the JSON, a .json plot crashed after the
+    whole run, the step log was appended to the results)."""
+    base = ["--target", str(stories_dir), "--draft", f"D={stories_draft}", "--datasets", "gsm8k", "--no-chat-template",
+            "--data-dir", str(shared_path("data", "eval")), "--backend", "cuda", "--device", "cpu"]
+    png, js = tmp_path / "r.png", tmp_path / "r.json"
+    cases = [([*base, "--output-json", str(png)], "the plot would be written over it"),
+             ([*base, "--output-json", str(js), "--plot", str(tmp_path / "p.json")], "give a file ending in .png"),
+             ([*base, "--output-json", str(js), "--plot", str(js)], "give a file ending in .png"),
+             ([*base, "--output-json", str(tmp_path / "r.svg"), "--plot", str(tmp_path / "r.svg")], "name the same file")]
+    for argv, msg in cases:
+        assert bench.main(argv) == 2
+        assert msg in capsys.readouterr().err
+    monkeypatch.setenv("DSPINE_PLAN_LOG", str(js))
+    assert bench.main([*base, "--budget", "auto", "--output-json", str(js)]) == 2
+    assert f"DSPINE_PLAN_LOG={js} and --output-json {js} name the same file" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_generate_ctrl_c_is_one_line(monkeypatch, capsys):
     from infer import generate
 
@@ -485,10 +544,23 @@ def test_a_plan_log_that_cannot_be_written_fails_before_the_models(stories_dir, 
     (it used to fail after the first decode)."""
     argv = ["--target", str(stories_dir), "--draft", f"D={draft_dir}", "--datasets", "gsm8k", "--no-chat-template",
             "--data-dir", str(shared_path("data", "eval")), "--backend", "cuda", "--device", "cpu", "--budget", "auto"]
-    for bad, msg in ((tmp_path, "a folder"), (tmp_path / "no" / "p.jsonl", "cannot append to it")):
+    results = tmp_path / "results.json"
+    results.write_text('{"tasks": []}\n')
+    for bad, msg in ((tmp_path, "a folder"), (tmp_path / "no" / "p.jsonl", "cannot create it"),
+                     (results, "an existing file that is not a plan log")):
         monkeypatch.setenv("DSPINE_PLAN_LOG", str(bad))
         assert bench.main(argv) == 2
         assert f"DSPINE_PLAN_LOG={bad}: {msg}" in capsys.readouterr().err
+    assert results.read_text() == '{"tasks": []}\n' and not (tmp_path / "no").exists()
+    # an empty file, a plan log and a new file in an existing folder pass the check, which creates nothing
+    from infer.planner import plan_log_path
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "log.jsonl").write_text('{"batch": 1, "temperature": 0.0, "log": [["ar:1"]]}\n')
+    for good in ("empty.jsonl", "log.jsonl", "new.jsonl"):
+        monkeypatch.setenv("DSPINE_PLAN_LOG", str(tmp_path / good))
+        assert plan_log_path() == str(tmp_path / good)
+    assert not (tmp_path / "new.jsonl").exists()
 
 
 def test_config_checks_keys_in_one_order_whatever_the_order_given():

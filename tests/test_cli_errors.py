@@ -501,3 +501,22 @@ def test_generate_and_check_refuse_bad_arguments_before_loading(stories_dir, cap
     with pytest.raises(SystemExit) as e:
         check.main(["--target", str(stories_dir), "--draft", str(stories_dir), "--max-context", "-5"])
     assert e.value.code == 2 and "--max-context -5: must be >= 1" in capsys.readouterr().err
+
+
+def test_a_missing_shared_folder_is_named_at_once(monkeypatch, tmp_path):
+    """DSPINE_SHARED set to a folder that is not there: the eval sets fail at once naming the variable, not after a
+    round of Hub retries (newcomer review: about 40 s of retry lines); an empty value counts as unset."""
+    from infer.datasets import default_eval_dir
+
+    monkeypatch.delenv("DSPINE_EVAL_DIR", raising=False)
+    monkeypatch.setenv("DSPINE_SHARED", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=f"DSPINE_SHARED={tmp_path / 'nowhere'}: no such folder"):
+        default_eval_dir()
+    monkeypatch.setenv("DSPINE_SHARED", str(tmp_path))
+    assert default_eval_dir() == tmp_path / "data" / "eval"
+    monkeypatch.setenv("DSPINE_SHARED", "")
+    from pathlib import Path
+
+    import infer.datasets
+
+    assert default_eval_dir() == Path(infer.datasets.__file__).resolve().parents[2] / "shared" / "data" / "eval"

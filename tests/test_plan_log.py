@@ -271,4 +271,23 @@ def test_estimates_against_what_the_steps_committed(tmp_path, capsys):
     assert (new["logged"], old["logged"]) == (True, False)
     assert plan_log.main([str(path), "--estimates"]) == 0
     out = capsys.readouterr().out
-    assert "chain:16 2.50/3.00 -> 2.75 (2)" in out and out.count("(logged without estimates: before 2026-12-07)") == 1
+    assert "chain:16 2.50/3.00 -> 2.75 (2)" in out and "(1 of 2 calls logged without estimates: written by an engine before commit 3947ddd)" in out
+
+
+def test_a_record_after_a_torn_line_starts_on_its_own(tmp_path, capsys):
+    """infer.planner.append_plan_record: after a run killed mid-write (a last line without its end) the next record
+    starts on a new line, so only the torn line is unreadable and plan_log.py names it; a clean log gets no blank
+    line."""
+    from infer.planner import append_plan_record
+
+    path = tmp_path / "p.jsonl"
+    append_plan_record(str(path), CALL)
+    append_plan_record(str(path), CALL)
+    assert path.read_text().count("\n") == 2 and len(plan_log.read_log(path)) == 2
+    with open(path, "a") as f:
+        f.write(json.dumps(CALL)[:40])  # killed mid-write
+    append_plan_record(str(path), CALL)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[3]) == CALL
+    assert plan_log.main([str(path)]) == 2
+    assert "p.jsonl:3: not JSON" in capsys.readouterr().err

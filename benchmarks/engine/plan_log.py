@@ -486,8 +486,11 @@ def main(argv: list[str] | None = None) -> int:
                 where = " ".join(str(tag[k]) for k in ("label", "task", "turn", "pass") if k in tag) or "?"
                 print(f"  {where}: " + ", ".join(
                     f"{n} {fmt(m['estimate'])}/{fmt(m['confidence'])} -> {fmt(m['realized'])} ({m['steps']})"
-                    for n, m in q["modes"].items() if m["choices"] or m["steps"])
-                    + ("" if q["logged"] else " (logged without estimates: before 2026-12-07)"))
+                    for n, m in q["modes"].items() if m["choices"] or m["steps"]))
+            old = sum(not q["logged"] for q in row["estimates"])
+            if old:
+                print(f"  ({old} of {len(row['estimates'])} calls logged without estimates: written by an engine "
+                      "before commit 3947ddd)")
         if args.refresh_timing is not None:
             row["refresh_timing"] = refresh_timing(group, args.refresh_timing)
             print(f"timed steps by when chosen: steps, median ms, 90th percentile ms, share over {args.refresh_timing} ms")
