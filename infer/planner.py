@@ -1016,8 +1016,8 @@ class StepPlanner:
           can be read back against what the rule assumed, and :func:`drain_tokens` replayed on them.
 
         Costs a list append per event and the rounding of a choice's rates (about 7-10 µs a step, its choice and its
-        observation, with 7 modes on a 2-core CPU, the same before the estimates were logged); the engine turns it on with ``DSPINE_PLAN_LOG``
-        (``infer.engine.Engine``)."""
+        observation, with 7 modes on a 2-core CPU, the same before the estimates were logged); the engine turns it
+        on with ``DSPINE_PLAN_LOG`` (``infer.engine.Engine``)."""
         self.log = [[f"{k}:{n}" for k, n in self.table]]
         self._log_index = {m: i for i, m in enumerate(self.table)}  # mode -> its index in the log's names
 
