@@ -686,9 +686,9 @@ class Engine:
                        self._conf_probs(d_logits, q, params).gather(-1, chain[..., None])[..., 0])
             # and the planner trees inside this one (infer.planner, "Paired observations"): their accepted draft
             # tokens, columns in plan_trees order, in the same launch
-            sizes = self._inner_sizes(N)
-            inner = dict(rank=tree.rank, sizes=sizes, inner_acc=s.inner_acc[: sizes.shape[0]]) if len(sizes) else {}
-            plan_stats(p_chain, s.conf, tree.chain, path, a, s.chain_acc, impl=self.impl, **inner)
+            sizes = self._inner_sizes(N)  # none for the smallest planner tree: plan_stats then writes none
+            plan_stats(p_chain, s.conf, tree.chain, path, a, s.chain_acc, impl=self.impl, rank=tree.rank, sizes=sizes,
+                       inner_acc=s.inner_acc[: sizes.shape[0]])
         tok = tree.tokens.gather(1, path)
         if Kp < K:  # commit_step takes the block's K + 1 columns; those past depth a are never read
             tok = torch.cat([tok, tok.new_zeros(s.B, K - Kp)], 1)

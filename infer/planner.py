@@ -769,6 +769,13 @@ class StepPlanner:
         w = math.exp(-max(self.step - self.ratio_step[m], 0) / COST_AGE_STEPS)
         return math.exp(w * math.log(r) + (1.0 - w) * med)
 
+    def _keep_window_median(self, m: Mode) -> None:
+        """Cost model ``"age"`` (the only reader, :meth:`_ratio`): keep the log of the median of ``m``'s window, at a
+        timing or a loaded state, not at every price; the window itself is kept under every cost model and carried
+        with the cost state."""
+        if self.cost_model == "age" and self.window[m]:
+            self.window_log_median[m] = math.log(statistics.median(self.window[m]))
+
     def calibration(self, mode: Mode) -> float | None:
         """Realized ÷ predicted accepted tokens of ``mode`` (``None``: no prediction or none accepted)."""
         if not self.calibrated[mode] or self.pred[mode] <= 0:
@@ -1103,8 +1110,7 @@ class StepPlanner:
                 self.ratio[mode] *= math.exp(self.cost_decay * step)
             self.ratio_step[mode] = self.step
             self.window[mode].append(x)
-            if self.cost_model == "age":  # the only reader (_ratio); the window itself carries with the cost state
-                self.window_log_median[mode] = math.log(statistics.median(self.window[mode]))
+            self._keep_window_median(mode)
         else:
             ms = est_ms
         if probe is not None:
@@ -1219,8 +1225,7 @@ class StepPlanner:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
                 self.ratio_step[m] = self.step - state.get("age", {}).get(m, 0)  # its age goes on from the state's
                 self.window[m] = deque(state.get("window", {}).get(m, []), maxlen=COST_WINDOW)
-                if self.cost_model == "age" and self.window[m]:
-                    self.window_log_median[m] = math.log(statistics.median(self.window[m]))
+                self._keep_window_median(m)
 
     TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps", "pred_var",
                     "pred_cov", "slope_steps", "lead_sq")

@@ -150,8 +150,9 @@ def test_datasets_help_names_the_tasks():
     assert action.help and all(t in action.help for t in TASKS), action.help
 
 
-def test_bench_notes_a_short_task_and_ctrl_c_keeps_the_finished_tasks(stories_dir, stories_draft, tmp_path,
-                                                                        monkeypatch, capsys):
+def _stopped_at_mbpp(tmp_path, monkeypatch, stop):
+    """A gsm8k eval folder of 2 prompts under ``tmp_path`` (returned), and bench.run_task patched to call ``stop()``
+    when it reaches mbpp (after gsm8k finished)."""
     data = tmp_path / "eval"
     (data / "gsm8k").mkdir(parents=True)
     rows = (shared_path("data", "eval") / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]
@@ -160,10 +161,19 @@ def test_bench_notes_a_short_task_and_ctrl_c_keeps_the_finished_tasks(stories_di
 
     def run_task(runner, task, *a, **kw):
         if task == "mbpp":
-            raise KeyboardInterrupt
+            stop()
         return real(runner, task, *a, **kw)
 
     monkeypatch.setattr(bench, "run_task", run_task)
+    return data
+
+
+def test_bench_notes_a_short_task_and_ctrl_c_keeps_the_finished_tasks(stories_dir, stories_draft, tmp_path,
+                                                                        monkeypatch, capsys):
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    data = _stopped_at_mbpp(tmp_path, monkeypatch, ctrl_c)
     out = tmp_path / "b.json"
     code = bench.main(["--target", str(stories_dir), "--draft", f"D={stories_draft}", "--datasets", "gsm8k,mbpp",
                        "--num-prompts", "5", "--max-new-tokens", "4", "--backend", "reference", "--no-chat-template",
@@ -185,18 +195,7 @@ def test_sigterm_keeps_the_finished_tasks_and_an_overwritten_file_stays(stories_
     import os
     import signal
 
-    data = tmp_path / "eval"
-    (data / "gsm8k").mkdir(parents=True)
-    rows = (shared_path("data", "eval") / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]
-    (data / "gsm8k" / "test.jsonl").write_text("\n".join(rows) + "\n")
-    real = bench.run_task
-
-    def run_task(runner, task, *a, **kw):
-        if task == "mbpp":
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(runner, task, *a, **kw)
-
-    monkeypatch.setattr(bench, "run_task", run_task)
+    data = _stopped_at_mbpp(tmp_path, monkeypatch, lambda: os.kill(os.getpid(), signal.SIGTERM))
     out = tmp_path / "b.json"
     out.write_text('{"finished": "a complete run"}')
     before = signal.getsignal(signal.SIGTERM)
