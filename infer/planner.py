@@ -82,7 +82,10 @@ rate. ``drain_model`` ``"scaled"`` (default) scales every speculative mode alike
 the longest chain's current estimate (not the batch's pooled one) and takes no confidence in the drain; ``"persist"``
 (an experiment) scales alike but takes the spread between requests from the covariance of each request's early and
 later acceptance (:func:`persistent_spread`: acceptance comes in bursts, and the spread of short windows' means
-mostly does not persist) and carries it to the next call relative to the pooled acceptance.
+mostly does not persist) and carries it to the next call relative to the pooled acceptance; ``"relative"`` (an
+experiment) is ``"scaled"`` with the spread carried to the next call relative to the pooled acceptance squared, not in
+tokens² (H100, concurrency 64, T = 0: a prior of 0.081 tokens² learned on the chain of 4's tasks, ā 1.2-1.7, made
+mt-bench's drain, ā 0.54 on the chain of 2, expect 2.5 × the batch's own spread and run AR; docs/status.md).
 
 ``benchmarks/engine/sim_planner.py`` replays recorded cost tables with a synthetic acceptance process, true step
 times that differ from the table and a miscalibrated confidence; ``benchmarks/reference/planner_trace.py replay``
@@ -111,8 +114,10 @@ PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (mo
 # the request's chain acceptance, the default), "lead" (the request's chain plus the tree's lead over it), "own"
 # (scaled, with the longest chain's estimate as the unit and no confidence under the drain: module docstring, "Drain")
 # or "persist" (scaled, with the spread between requests from the covariance of their early and later acceptance,
-# persistent_spread, carried relative to the pooled acceptance; an experiment)
-DRAIN_MODELS = ("scaled", "lead", "own", "persist")
+# persistent_spread, carried relative to the pooled acceptance; an experiment) or "relative" (scaled, with the spread
+# carried to the next call relative to the pooled acceptance squared instead of in tokens²: a spread learned on the
+# chain of 4's scale is not taken at face value on the chain of 2's; an experiment, module docstring, "Drain")
+DRAIN_MODELS = ("scaled", "lead", "own", "persist", "relative")
 # the rate a probe's loss is settled against (module docstring, rule 3): "long_run" (the larger of the best mode's
 # rate as estimated at the choice and its long-run rate, the default) or "estimate" (the estimate alone, the rule
 # before 2026-12-06)
@@ -152,6 +157,11 @@ SPREAD_CV = 0.5
 # in 5 and 0.065-0.10 in 3
 PERSIST_EARLY = 16
 DEFAULT_SPREAD_REL = 0.04
+# drain model "relative": the prior spread (sd / ā)² of a planner with no earlier call, sd 0.3 ā, within the 0.22-0.37 ā
+# of the five tasks on the H200 (SPREAD_CV's note)
+DEFAULT_SPREAD_RATIO = 0.09
+# token_state's key for the carried spread, per drain model (a key of its own where the units or the meaning differ)
+SPREAD_KEYS = {"persist": "spread_rel", "relative": "spread_ratio"}
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
 SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
@@ -474,6 +484,7 @@ def drain_tokens(
     own: bool = False,
     persist: tuple[float, float] | None = None,
     stats: tuple[float, float, float, float] | None = None,
+    relative: bool = False,
 ) -> dict[Mode, float | None]:
     """Token estimates for the drain rule (module docstring, "Drain"): each speculative mode's ``tokens`` mapped
     to the AR-equivalent tokens per step of the request that would finish last under it.
@@ -501,6 +512,8 @@ def drain_tokens(
             the same cap.
             Raises ValueError for a covariance that is not finite or a weight outside 0..1.
         stats: :func:`drain_spread` of ``drain`` where the caller has it already (None: computed here).
+        relative: the drain model ``"relative"``: ``prior`` is relative to ā² (the variance is :func:`spread_variance`
+            with ``prior × ā²``), as :attr:`StepPlanner.spread` carries it under this model.
     Returns:
         ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
         > 0), ``y(m)`` the median of the number of steps the last of them needs under mode m. AR's 1 stays 1;
@@ -540,7 +553,10 @@ def drain_tokens(
     if not live or not pooled > 0:
         return dict(tokens)
     unit = tokens[ref] - 1.0 if own and ref is not None and tokens[ref] > 1.0 else pooled  # ā of τ_i(m)
-    v = spread_variance(drain, between, prior) if persist is None else persist_variance(persist, prior, pooled)
+    if persist is not None:
+        v = persist_variance(persist, prior, pooled)
+    else:
+        v = spread_variance(drain, between, prior * pooled**2 if relative and prior is not None else prior)
     v = min(v, (SPREAD_CV * pooled) ** 2)
     rem = np.array([float(d[0]) for d in live])
     n = np.array([float(d[2]) for d in live])
@@ -625,8 +641,9 @@ class StepPlanner:
         cal_decay: least weight of the newest predicted / realized accepted tokens (calibration).
         drain_model: :data:`DRAIN_MODELS`: ``"scaled"``, ``"lead"`` (:func:`drain_tokens`' ``leads``, with
             each tree's paired chain from the paired observations), ``"own"`` (its ``own``; no confidence under the
-            drain rule) or ``"persist"`` (its ``persist``, from :func:`persistent_spread` over the drain refreshes;
-            the spread carried relative to the pooled acceptance).
+            drain rule), ``"persist"`` (its ``persist``, from :func:`persistent_spread` over the drain refreshes;
+            the spread carried relative to the pooled acceptance) or ``"relative"`` (its ``relative``: ``"scaled"``
+            with the spread carried relative to ā²).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
         settle: :data:`SETTLE_MODELS`: the rate a probe's loss is settled against (module docstring, rule 3).
@@ -725,9 +742,9 @@ class StepPlanner:
         # variance between requests' accepted draft tokens per chain step: drain_tokens' prior, from an earlier
         # call (load_token_state), and the one its latest drain with a chain step used (this batch's estimate weighted
         # with the prior as in drain_tokens), which token_state carries on
-        # (drain model "persist": relative to the pooled acceptance squared, and its early windows per request,
-        # persistent_spread)
-        self.spread_prior: float | None = DEFAULT_SPREAD_REL if drain_model == "persist" else DEFAULT_SPREAD
+        # (drain models "persist" and "relative": relative to the pooled acceptance squared; "persist"'s early windows
+        # per request, persistent_spread)
+        self.spread_prior: float | None = self._default_spread()
         self.spread: float | None = None
         self.persist_snaps: dict[int, tuple[float, float]] = {}
         # an optional per-step log (None: off; :meth:`start_log`), for diagnosing a decode after the fact
@@ -913,10 +930,14 @@ class StepPlanner:
             persist = (persistent_spread(drain, self.persist_snaps, PERSIST_EARLY) if self.drain_model == "persist"
                        else None)
             stats = drain_spread(drain)  # once a refresh: drain_tokens takes it too
-            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own, persist, stats)
+            relative = self.drain_model == "relative"
+            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own, persist, stats, relative)
             pooled, _, between, nbar = stats
             if nbar and pooled > 0 and persist is not None:  # relative to ā², as drain_tokens took the prior
                 self.spread = persist_variance(persist, self.spread_prior, pooled) / pooled**2
+            elif nbar and pooled > 0 and relative:
+                prior = self.spread_prior * pooled**2 if self.spread_prior is not None else None
+                self.spread = spread_variance(drain, between, prior) / pooled**2
             elif nbar and pooled > 0:  # the spread drain_tokens used (before its cap), for later batches
                 self.spread = spread_variance(drain, between, self.spread_prior)
             # one factor for every speculative mode: that of the mode whose mapped drain rate is the highest. The
@@ -1232,19 +1253,28 @@ class StepPlanner:
 
     def token_state(self) -> dict:
         """The learned acceptance (token averages, calibration, the leads of paired modes, and under ``"spread"`` the
-        drain rule's spread between requests: :attr:`spread`, else the prior it started with; under drain model
-        ``"persist"`` as ``"spread_rel"``, relative to the pooled acceptance squared), for
+        drain rule's spread between requests: :attr:`spread`, else the prior it started with; under drain models
+        ``"persist"`` and ``"relative"`` as ``"spread_rel"`` and ``"spread_ratio"``, relative to the pooled acceptance
+        squared), for
         :meth:`load_token_state` of the next planner of the same engine, batch size and sampling settings."""
         spread = self.spread if self.spread is not None else self.spread_prior
-        key = "spread_rel" if self.drain_model == "persist" else "spread"  # drain model "persist": relative to ā²
-        return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, key: spread}
+        return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, self._spread_key(): spread}
+
+    def _spread_key(self) -> str:
+        """:meth:`token_state`'s key of the carried spread: ``"spread"`` (tokens²), ``"spread_rel"`` (drain model
+        ``"persist"``) or ``"spread_ratio"`` (``"relative"``), both relative to ā² (:data:`SPREAD_KEYS`)."""
+        return SPREAD_KEYS.get(self.drain_model, "spread")
+
+    def _default_spread(self) -> float:
+        """The drain rule's prior spread with no earlier call, in :meth:`_spread_key`'s units."""
+        return {"persist": DEFAULT_SPREAD_REL, "relative": DEFAULT_SPREAD_RATIO}.get(self.drain_model, DEFAULT_SPREAD)
 
     def load_token_state(self, state: dict) -> None:
         """Start from an earlier planner's acceptance (:meth:`token_state`; module docstring, "Across calls"):
         every mode counts as seen at step 0, so the averages are taken as they were, and the fast ones then
         follow the new requests; its ``"spread"`` becomes the drain rule's prior (``DEFAULT_SPREAD`` if absent, as in
         a state written before it existed; under drain model ``"persist"`` its ``"spread_rel"``, else
-        ``DEFAULT_SPREAD_REL``). Raises ValueError if ``state`` holds a mode not in this table."""
+        ``DEFAULT_SPREAD_REL``; under ``"relative"`` its ``"spread_ratio"``, else ``DEFAULT_SPREAD_RATIO``). Raises ValueError if ``state`` holds a mode not in this table."""
         extra = set(state["fast"]) - set(self.table)
         if extra:
             raise ValueError(
@@ -1255,10 +1285,8 @@ class StepPlanner:
             # a state written before the slope fit existed lacks its fields: they start afresh (any other is required)
             got = state.get(f, {}) if f in ("pred_var", "pred_cov", "slope_steps", "lead_sq") else state[f]
             setattr(self, f, Counter(got) if isinstance(cur, Counter) else {**cur, **got})
-        if self.drain_model == "persist":  # its own key: a state of another model carries tokens², not a ratio
-            self.spread_prior = _finite_prior(state.get("spread_rel", DEFAULT_SPREAD_REL))
-        else:
-            self.spread_prior = _finite_prior(state.get("spread", DEFAULT_SPREAD))
+        # its model's own key: a state of another model carries tokens² or another ratio
+        self.spread_prior = _finite_prior(state.get(self._spread_key(), self._default_spread()))
         self.spread = None
         self.last_seen = {m: 0 for m in self.table}
 

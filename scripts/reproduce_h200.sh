@@ -51,10 +51,10 @@
 #             T=0, exact, concurrency 32 and 64, 64 prompts, each point RUNS times (default 2) ->
 #             results/planner-cost[-rK]-h200-exact-T0-c{32,64}.json, step logs $WORK/logs/plan-log-cost*-c*.jsonl  ~8
 #   planest   the planner with its estimates logged (each choice's tokens per mode before the drain rule and the
-#             engine's confidence: plan_log.py --estimates): at concurrency 64 p (the default) and pp (drain=persist)
-#             beside AR and the chains of 4 and 16; at concurrency 1 p beside AR, the chain and the fixed tree of 32;
-#             T=0, exact, each point RUNS times (default 2) -> results/planner-est[-rK]-h200-exact-T0-c{64,1}.json,
-#             step logs $WORK/logs/plan-log-est*-c*.jsonl                                             ~8
+#             engine's confidence: plan_log.py --estimates): at concurrency 64 p (the default), pp (drain=persist)
+#             and pr (drain=relative) beside AR and the chains of 4 and 16; at concurrency 1 p beside AR, the chain
+#             and the fixed tree of 32; T=0, exact, each point RUNS times (default 2) -> results/planner-est[-rK]-h200-exact-T0-c{64,1}.json,
+#             step logs $WORK/logs/plan-log-est*-c*.jsonl                                            ~10
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -242,8 +242,9 @@ if has plancost; then
   done
 fi
 if has planest; then  # what the planner estimated against what it committed (the concurrency-64 gap is mt-bench's)
-  ab64=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pp="$DRAFT"
-        --config chain4:width=4 --config p:budget=auto --config pp:budget=auto,drain=persist)
+  ab64=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pp="$DRAFT" --draft pr="$DRAFT"
+        --config chain4:width=4 --config p:budget=auto --config pp:budget=auto,drain=persist
+        --config pr:budget=auto,drain=relative)
   ab1=(--draft chain="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT"
        --config tree32:verify=tree,tree_budget=32 --config p:budget=auto)
   for k in $(seq 1 "${RUNS:-2}"); do

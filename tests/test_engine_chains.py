@@ -208,6 +208,20 @@ def test_drain_model_persist_runs_in_the_engine_and_decodes_the_target_text(stor
     assert "spread_rel" in next(iter(eng.plan_token_memory.values()))
 
 
+def test_drain_model_relative_runs_in_the_engine_and_carries_a_ratio(stories_dir, stories):  # noqa: F811
+    """Engine.plan_drain_model = "relative": the output is the target's greedy text, and the spread the next generate
+    starts from is carried as "spread_ratio" (relative to ā²), not in tokens²."""
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=30)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    eng = _engine(stories_dir, folder, budget="auto", plan_trees=(), plan_chains=(2, 3))
+    eng.plan_drain_model = "relative"
+    assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
+    state = next(iter(eng.plan_token_memory.values()))
+    assert "spread_ratio" in state and "spread" not in state
+    assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
+
+
 @pytest.mark.parametrize("config, msg", [
     ("c:width=8", "--config c:width=8: a fixed chain's width must be below the draft's block of 8"),
     ("c:budget=auto,plan_chains=2/8", "draft 'c': plan_chains 2/8 (--config c:plan_chains= or --plan-chains): each "

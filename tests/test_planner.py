@@ -32,6 +32,7 @@ from infer.planner import (
     SPREAD_STEPS,
     StepPlanner,
     choose_mode,
+    drain_spread,
     drain_tokens,
     max_tokens,
     parse_conf_slope,
@@ -795,13 +796,15 @@ def test_drain_model_lead_takes_a_tree_over_the_chain_at_the_end_of_its_leads(mo
     got = {}
     real = planner_mod.drain_tokens
 
-    def spy(tokens, drain, modes, prior, leads=None, own=False, persist=None, stats=None):
+    def spy(tokens, drain, modes, prior, leads=None, own=False, persist=None, stats=None, relative=False):
         got["leads"], got["own"], got["persist"], got["stats"] = leads, own, persist, stats
-        return real(tokens, drain, modes, prior, leads, own, persist, stats)
+        got["relative"] = relative
+        return real(tokens, drain, modes, prior, leads, own, persist, stats, relative)
 
     monkeypatch.setattr(planner_mod, "drain_tokens", spy)
     p.choose(None, [(100, 6, 2, 18), (100, 2, 2, 2)])
     assert got["leads"] == {TREE32: CHAIN, T16: CHAIN} and got["own"] is False and got["persist"] is None
+    assert got["relative"] is False
     assert got["stats"] == planner_mod.drain_spread([(100, 6, 2, 18), (100, 2, 2, 2)])  # computed once, handed on
 
 
@@ -1698,3 +1701,51 @@ def test_the_step_log_keeps_each_choice_s_estimates_and_confidence():
     assert nan[7] == [None, None] and val[7] == [None, 2.123] and val[6][1] == round(val[6][1], 3)
     assert p.log[-1][7] == [None, 2.123456]  # kept as given until written
     assert StepPlanner(costs).logged() is None
+
+
+def test_drain_model_relative_scales_a_carried_spread_to_the_batch():
+    """Drain model "relative": the prior is relative to ā², so a spread learned on the chain of 4's tasks (0.081
+    tokens² at ā 1.45, the H100's concurrency-64 run before mt-bench) is 0.081 × (0.54 / 1.45)² on a batch that
+    accepts 0.54 a chain-of-2 step. On that shape the default's 0.081 tokens² makes AR best for the slowest of the 64
+    requests; relative, the chain of 2 is. With no chain step the ratio times the longest chain's ā² is the prior."""
+    costs = {AR: 1.29, ("chain", 2): 1.69, ("chain", 4): 2.11}
+    tokens = {AR: 1.0, ("chain", 2): 1.54, ("chain", 4): 2.0}
+    best = lambda mapped: max(mapped, key=lambda m: mapped[m] / costs[m])  # noqa: E731
+    # 64 requests of 30 chain-of-2 steps, half accepting 0.45 a step and half 0.63 (pooled 0.54), 400 tokens left
+    batch = [(400, 30 * (1 + a), 30, 30 * (1 + 3 * a)) for a in (0.45, 0.63) * 32]
+    ratio = 0.081 / 1.45**2
+    assert best(drain_tokens(tokens, batch, costs, 0.081)) == AR
+    assert best(drain_tokens(tokens, batch, costs, ratio, relative=True)) == ("chain", 2)
+    assert drain_tokens(tokens, batch, costs, ratio, relative=True) == pytest.approx(
+        drain_tokens(tokens, batch, costs, ratio * 0.54**2))
+    fresh = [(400, 0, 0, 0)] * 8  # no chain step: ā is the longest chain's tokens − 1
+    assert drain_tokens(tokens, fresh, costs, ratio, relative=True) == pytest.approx(
+        drain_tokens(tokens, fresh, costs, ratio * 1.0**2))
+    assert drain_tokens(tokens, fresh, costs, ratio, relative=True)[("chain", 4)] < 2.0  # the prior still spreads them
+
+
+def test_drain_model_relative_carries_its_ratio_apart():
+    """StepPlanner(drain_model="relative"): the spread it used, ÷ ā², carried as token_state's "spread_ratio" (not
+    taken by "scaled" or "persist", and their keys not taken by it); DEFAULT_SPREAD_RATIO with no earlier call."""
+    from infer.planner import DEFAULT_SPREAD_RATIO
+
+    table = {AR: 1.29, ("chain", 2): 1.69, ("chain", 4): 2.11}
+    p = StepPlanner(table, drain_model="relative")
+    assert p.spread_prior == DEFAULT_SPREAD_RATIO
+    batch = [(400, 30 * (1 + a), 30, 30 * (1 + 3 * a)) for a in (0.3, 0.75) * 32]
+    p.choose(None, batch)
+    pooled, _, between, _ = drain_spread(batch)
+    assert pooled == pytest.approx(0.525) and between > 0
+    w = spread_weight(batch)
+    assert p.spread == pytest.approx((w * between + (1 - w) * DEFAULT_SPREAD_RATIO * pooled**2) / pooled**2)
+    state = p.token_state()
+    assert state["spread_ratio"] == pytest.approx(p.spread) and "spread" not in state and "spread_rel" not in state
+    q = StepPlanner(table, drain_model="relative")
+    q.load_token_state(state)
+    assert q.spread_prior == pytest.approx(p.spread)
+    for other, default in (("scaled", DEFAULT_SPREAD), ("persist", DEFAULT_SPREAD_REL)):
+        o = StepPlanner(table, drain_model=other)
+        o.load_token_state(state)
+        assert o.spread_prior == default
+        q.load_token_state(o.token_state())
+        assert q.spread_prior == DEFAULT_SPREAD_RATIO
