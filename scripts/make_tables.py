@@ -1059,12 +1059,11 @@ def _pooled_rates(r: dict | None, labels: tuple[str, ...]) -> tuple[dict, dict] 
     return {k: tok[k] / sec[k] for k in tok}, per_task
 
 
-def _ab_table(names: dict, runs: tuple[str, ...], labels: tuple[str, str], heads: tuple[str, str]) -> tuple[list, list]:
-    """The table of a planner A/B over ``infer.bench`` files (AR, ``chain``, ``chain4`` and the two planner labels
-    ``labels``): one row per run that holds every label (``names``: {(concurrency, run): file name}, concurrencies in
-    the order given), each label's pooled tok/s and the two planners ÷ the chain of 4, then a mean row per
+def _ab_table(names: dict, runs: tuple[str, ...], labels: tuple[str, ...], heads: tuple[str, ...]) -> tuple[list, list]:
+    """The table of a planner A/B over ``infer.bench`` files (AR, ``chain``, ``chain4`` and the planner labels
+    ``labels``, headed ``heads``): one row per run that holds every label (``names``: {(concurrency, run): file name},
+    concurrencies in the order given), each label's pooled tok/s and each planner ÷ the chain of 4, then a mean row per
     concurrency. Returns (the rows, [(concurrency, run, name, file, rate, per_task)]); ([], []) without a run."""
-    a, b = labels
     rows = []
     for (c, run), name in names.items():
         r = load(name)
@@ -1073,17 +1072,20 @@ def _ab_table(names: dict, runs: tuple[str, ...], labels: tuple[str, str], heads
             rows.append((c, run, name, r, *got))
     if not rows:
         return [], []
-    out = [f"| concurrency | run | AR | chain 16 | chain 4 | {heads[0]} | {heads[1]} | {a} ÷ chain 4 | {b} ÷ chain 4 | "
-           "file, commit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    n = len(labels)
+    out = ["| concurrency | run | AR | chain 16 | chain 4 | " + " | ".join(heads) + " | "
+           + " | ".join(f"{a} ÷ chain 4" for a in labels) + " | file, commit |", "|---" * (5 + 2 * n) + "|---|"]
     for c, run, name, r, rate, _ in rows:
-        out.append(f"| {c} | {runs.index(run) + 1} | {rate['ar']:.0f} | {rate['chain']:.0f} | "
-                   f"{rate['chain4']:.0f} | {rate[a]:.0f} | {rate[b]:.0f} | {rate[a] / rate['chain4']:.3f} | "
-                   f"{rate[b] / rate['chain4']:.3f} | [`{name}`](results/{name}) `{r['commit'][:7]}` |")
+        out.append(f"| {c} | {runs.index(run) + 1} | {rate['ar']:.0f} | {rate['chain']:.0f} | {rate['chain4']:.0f} | "
+                   + " | ".join(f"{rate[a]:.0f}" for a in labels) + " | "
+                   + " | ".join(f"{rate[a] / rate['chain4']:.3f}" for a in labels)
+                   + f" | [`{name}`](results/{name}) `{r['commit'][:7]}` |")
     for c in dict.fromkeys(c for c, _ in names):
         sel = [rate for cc, _, _, _, rate, _ in rows if cc == c]
         if sel:
             mean = {k: sum(x[k] / x["chain4"] for x in sel) / len(sel) for k in labels}
-            out.append(f"| {c} | mean of {len(sel)} | | | | | | {mean[a]:.3f} | {mean[b]:.3f} | |")
+            out.append(f"| {c} | mean of {len(sel)} | | | |" + " |" * n + " "
+                       + " | ".join(f"{mean[a]:.3f}" for a in labels) + " | |")
     return out, rows
 
 
@@ -1164,6 +1166,54 @@ def planner_cost_section() -> list[str]:
             "the chain of 2 under the drain rule, never the chain of 4 (the step counts and why: docs/status.md, "
             "\"Why the default misses at concurrency 64, T = 0\").", "",
             "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows)), ""]
+
+
+EST_RUNS = ("", "-r2", "-r3")  # planner-est{RUN}-{gpu}-exact-T0-c{C}.json: stage planest, up to three runs a point
+
+
+def _est_c1_table(gpu: str) -> tuple[list, list]:
+    """Concurrency 1 of stage planest: AR, the chain of 16, the fixed tree of 32 and the planner p per run, p ÷ the
+    tree of 32 pooled and on the task where it is lowest. Returns (rows, files)."""
+    out, files = [], []
+    for run in EST_RUNS:
+        name = f"planner-est{run}-{gpu}-exact-T0-c1.json"
+        r = load(name)
+        got = _pooled_rates(r, ("chain", "tree32", "p"))
+        if not got:
+            continue
+        rate, pt = got
+        files.append(r)
+        worst = min(pt, key=lambda t: pt[t]["p"][1] / pt[t]["tree32"][1])
+        out.append(f"| 1 | {EST_RUNS.index(run) + 1} | {rate['ar']:.0f} | {rate['chain']:.0f} | {rate['tree32']:.0f} | "
+                   f"{rate['p']:.0f} | {rate['p'] / rate['tree32']:.3f} | {worst} "
+                   f"{pt[worst]['p'][1] / pt[worst]['tree32'][1]:.3f} | [`{name}`](results/{name}) `{r['commit'][:7]}` |")
+    if out:
+        out = ["| concurrency | run | AR | chain 16 | tree 32 | p | p ÷ tree 32 | lowest task | file, commit |",
+               "|---|---|---|---|---|---|---|---|---|", *out]
+    return out, files
+
+
+def planner_est_section(gpu: str = "h100") -> list[str]:
+    """Stage planest (results/planner-est{,-r2,-r3}-GPU-exact-T0-c{64,1}.json): at concurrency 64 the default planner
+    p, pp (drain=persist) and pr (drain=relative) ÷ the chain of 4, tasks pooled as in planner_persist_section; at
+    concurrency 1 the planner ÷ the fixed tree of 32 with the inner-tree count fused into plan_stats. Empty without
+    the files."""
+    names = {(64, run): f"planner-est{run}-{gpu}-exact-T0-c64.json" for run in EST_RUNS}
+    table, rows = _ab_table(names, EST_RUNS, ("p", "pp", "pr"), ("p (scaled)", "pp (persist)", "pr (relative)"))
+    c1, c1_files = _est_c1_table(gpu)
+    if not rows and not c1:
+        return []
+    per_task = [x for lab in ("p", "pr") if rows
+                for x in (_per_task_sentence(64, [(rate, pt) for _, _, _, _, rate, pt in rows], lab), "")]
+    files = [r for _, _, _, r, _, _ in rows] + c1_files
+    return ["#### The drain model `relative`, and the planner at concurrency 1 with the inner-tree count fused", "",
+            "`--config pr:budget=auto,drain=relative` is the default drain rule (`scaled`) with the spread between "
+            "requests carried to the next call relative to the pooled acceptance squared, not in tokens²: a spread "
+            "learned on the chain of 4's tasks is scaled to the chain of 2's acceptance on mt-bench. Stage `planest` of "
+            "`scripts/reproduce_h200.sh` (SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact`, 512 new "
+            f"tokens, one {gpu.upper()} lease; 64 prompts a task at concurrency 64, 5 at concurrency 1); tok/s pools "
+            "the five tasks:", "", *table, "", *per_task, *c1, "",
+            "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for r in files)), ""]
 
 
 def planner_exact_section() -> list[str]:
@@ -1943,7 +1993,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_persist_section, planner_cost_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_persist_section, planner_cost_section, planner_est_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)

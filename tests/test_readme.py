@@ -224,3 +224,45 @@ def test_cost_section_pools_the_tasks_and_names_the_task_that_loses(tmp_path, mo
     assert "On b p ran 1,200-2,308 tok/s against the chain of 4's 3,000" in line
     assert "b holds 3,000 of the 4,000 tokens and 75-100% of the time p lost to the chain of 4" in line
     assert not any(x.startswith("Concurrency 32,") for x in text)  # no file at 32
+
+
+def test_est_section_compares_three_planners_and_the_c1_tree(tmp_path, monkeypatch):
+    """make_tables.planner_est_section: at concurrency 64 p, pp and pr ÷ the chain of 4 per run (tasks pooled) and as a
+    mean; at concurrency 1 p ÷ the fixed tree of 32 pooled and on its lowest task; either half alone makes a section."""
+    import json
+
+    sys.path.insert(0, str(ROOT))
+    from scripts import make_tables
+
+    res = tmp_path / "results"
+    res.mkdir()
+    monkeypatch.setattr(make_tables, "RESULTS", res)
+    assert make_tables.planner_est_section() == []
+    d = lambda tokens, s: {"num_tokens": tokens, "seconds": s}  # noqa: E731
+    c1 = {"command": "python -m infer.bench C1", "commit": "1234567abc", "tasks": [
+        {"task": "a", "ar": d(100, 2.0), "drafts": {"chain": d(100, 1.0), "tree32": d(100, 0.5), "p": d(100, 0.5)}},
+        {"task": "b", "ar": d(300, 6.0), "drafts": {"chain": d(300, 3.0), "tree32": d(300, 1.0), "p": d(300, 1.25)}}]}
+    (res / "planner-est-h100-exact-T0-c1.json").write_text(json.dumps(c1))
+    text = make_tables.planner_est_section()
+    row = next(r for r in text if r.startswith("| 1 |"))
+    # p 400 tokens in 1.75 s against the tree's 400 in 1.5 s: 0.857; its lowest task b, 1.0 ÷ 1.25 = 0.800
+    assert row.split(" | ")[1:8] == ["1", "50", "100", "267", "229", "0.857", "b 0.800"]
+    assert not any(r.startswith("| 64 |") for r in text) and "`python -m infer.bench C1`" in text[-2]
+
+    def task(name, c4_s, p_s, pp_s, pr_s):
+        return {"task": name, "ar": d(1000, 4.0), "drafts": {"chain": d(1000, 2.0), "chain4": d(1000, c4_s),
+                                                             "p": d(1000, p_s), "pp": d(1000, pp_s), "pr": d(1000, pr_s)}}
+
+    run = {"command": "python -m infer.bench C64", "commit": "abcdef1234",
+           "tasks": [task("a", 0.5, 0.5, 0.5, 0.5), task("mt", 0.5, 1.5, 1.0, 0.5)]}
+    (res / "planner-est-h100-exact-T0-c64.json").write_text(json.dumps(run))
+    (res / "planner-est-r2-h100-exact-T0-c64.json").write_text(json.dumps(
+        {**run, "tasks": [task("a", 0.5, 0.5, 0.5, 0.5), task("mt", 0.5, 0.5, 0.5, 1.5)]}))
+    text = make_tables.planner_est_section()
+    rows = [r for r in text if r.startswith("| 64 |")]
+    # run 1: chain 4 2000 tokens in 1.0 s; p in 2.0 s (0.500), pp in 1.5 s (0.667), pr in 1.0 s (1.000)
+    assert rows[0].split(" | ")[1:11] == ["1", "250", "500", "2000", "1000", "1333", "2000", "0.500", "0.667", "1.000"]
+    assert rows[0].endswith("`abcdef1` |")
+    assert rows[1].split(" | ")[8:11] == ["1.000", "1.000", "0.500"]
+    assert rows[2].startswith("| 64 | mean of 2 |") and "| 0.750 | 0.833 | 0.750 | |" in rows[2] and len(rows) == 3
+    assert any(x.startswith("Concurrency 64, pr ÷ chain 4 per task over the 2 runs: a 1.000, mt 0.333-1.000") for x in text)
