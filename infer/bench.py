@@ -28,6 +28,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -265,6 +266,9 @@ class Runner:
         from dspine.target import TargetSpec, assert_compatible
 
         self.args = args
+        # this invocation's id in every DSPINE_PLAN_LOG record's tag ("run"): a log appended to by several runs is read
+        # one run at a time (benchmarks/engine/plan_log.py --run)
+        self.run_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}"
         self.drafts = parse_drafts(args.draft)
         # per draft label: verify / tree_budget / budget (check_args fills it; the run-wide flags otherwise)
         self.configs = getattr(args, "configs", None) or parse_configs(getattr(args, "config", None), self.drafts,
@@ -437,10 +441,11 @@ class Runner:
         """Decode ``prompts`` with configuration ``label`` (None: AR) -> (tokens, stats, seconds, verify steps
         per prompt, profile): on the engine ``profile`` holds the call's seconds in prefill and in the
         decode loop's launches, device waits and host work (``Engine.loop_profile``); {} otherwise. ``tag``: what
-        the call is (label, task, turn, pass), written into a ``DSPINE_PLAN_LOG`` line (``Engine.plan_log_tag``)."""
+        the call is (label, task, turn, pass), written into a ``DSPINE_PLAN_LOG`` line (``Engine.plan_log_tag``) with
+        this invocation's ``run`` id (:attr:`run_id`, UTC start time and process id)."""
         dec = self.decoders[label]
         if self.backend == "cuda":
-            dec.plan_log_tag = {"label": AR_LABEL if label is None else label, **(tag or {})}
+            dec.plan_log_tag = {"label": AR_LABEL if label is None else label, **(tag or {}), "run": self.run_id}
             dec.target.layer_ids, dec.target.last_layer_features = self._layer_ids[label] if label else ([], "post_norm")
             r = dec.generate(prompts, params, concurrency=self.args.concurrency, use_draft=label is not None)
             if dec.planner_report is not None:  # the planner's choices, summed over the task's calls

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -613,6 +615,8 @@ def test_bench_budget_auto_reports_the_planner(stories_dir, stories, tmp_path, c
     assert ("--budget auto: the planner picks per step among AR, the chain of 2, the chain of 4, the chain of 8, the "
             "tree of 16, the tree of 32") in capsys.readouterr().out
     tags = [json.loads(line)["tag"] for line in log.read_text().splitlines()]
+    runs = {t.pop("run") for t in tags}  # one id for the invocation's calls
+    assert len(runs) == 1 and re.fullmatch(r"\d{8}T\d{6}-\d+", runs.pop())
     assert tags == [{"label": "P", "pass": "start"}, {"label": "P", "task": "gsm8k", "turn": 0, "pass": "warmup"},
                     {"label": "P", "task": "gsm8k", "turn": 0, "pass": "timed"}]
     d = json.loads(out.read_text())["tasks"][0]["drafts"]["P"]

@@ -291,3 +291,24 @@ def test_a_record_after_a_torn_line_starts_on_its_own(tmp_path, capsys):
     assert len(lines) == 4 and json.loads(lines[3]) == CALL
     assert plan_log.main([str(path)]) == 2
     assert "p.jsonl:3: not JSON" in capsys.readouterr().err
+
+
+def test_a_log_of_two_runs_is_noted_and_run_keeps_one(tmp_path, capsys):
+    """A log appended to by two infer.bench invocations (tag.run) pools them with a note naming both ids; --run keeps
+    one; an id no call has finds nothing."""
+    first, second = (dict(CALL, tag={**CALL["tag"], "run": r}) for r in ("20261207T010000-11", "20261207T020000-12"))
+    path = _write(tmp_path, first, second)
+    out = tmp_path / "all.json"
+    assert plan_log.main([str(path), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["points"][0]["calls"] == 2
+    err = capsys.readouterr().err
+    assert "holds the calls of 2 infer.bench runs (20261207T010000-11, 20261207T020000-12)" in err and "--run" in err
+    one = tmp_path / "one.json"
+    assert plan_log.main([str(path), "--run", "20261207T020000-12", "--json", str(one)]) == 0
+    d = json.loads(one.read_text())
+    assert d["run"] == "20261207T020000-12" and d["points"][0]["calls"] == 1
+    assert "runs (" not in capsys.readouterr().err
+    assert plan_log.main([str(path), "--run", "x"]) == 2
+    assert "run x" in capsys.readouterr().err
+    assert plan_log.main([str(_write(tmp_path, CALL, name="old.jsonl")), "--run", "x"]) == 2  # no tag.run at all
+    assert "has calls without a tag.run" in capsys.readouterr().err

@@ -406,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pass", dest="phase", default=None, choices=["start", "warmup", "timed"],
                     help="keep the calls infer.bench tagged with this pass (tag.pass)")
     ap.add_argument("--label", default=None, help="keep the calls of this infer.bench draft label (tag.label)")
+    ap.add_argument("--run", default=None, help="keep the calls of this infer.bench invocation (tag.run; a log appended "
+                                                "to by several runs lists their ids)")
     ap.add_argument("--json", default=None, help="write the summaries here too (refused if it exists)")
     ap.add_argument("--per-call", action="store_true",
                     help="also: per call, its choices, its first 20 choices and its steps with at most 4 live "
@@ -431,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.persistence is not None and args.persistence < 1:
             raise ValueError(f"--persistence {args.persistence}: give at least 1 chain step")
         calls = read_log(args.log)
-        tags = {k: v for k, v in (("pass", args.phase), ("label", args.label)) if v}  # infer.bench's tag keys kept
+        tags = {k: v for k, v in (("pass", args.phase), ("label", args.label), ("run", args.run))
+                if v}  # infer.bench's tag keys kept
         for k, v in tags.items():
             if not all(isinstance(c.get("tag"), dict) and k in c["tag"] for c in calls):
                 raise ValueError(f"--{k} {v}: {args.log} has calls without a tag.{k} (logged without "
@@ -444,8 +447,12 @@ def main(argv: list[str] | None = None) -> int:
             and all(c["tag"][k] == v for k, v in tags.items())]
     if not keep:
         print(f"plan_log: no call in {args.log} at batch {args.batch}, temperature {args.temperature}, pass "
-              f"{args.phase}, label {args.label}", file=sys.stderr)
+              f"{args.phase}, label {args.label}" + (f", run {args.run}" if args.run else ""), file=sys.stderr)
         return 2
+    runs = list(dict.fromkeys(c["tag"]["run"] for c in keep if isinstance(c.get("tag"), dict) and "run" in c["tag"]))
+    if len(runs) > 1:  # one file appended to by several infer.bench invocations: their calls would pool
+        print(f"plan_log: note: {args.log} holds the calls of {len(runs)} infer.bench runs ({', '.join(runs)}); the "
+              "summaries pool them: --run ID keeps one", file=sys.stderr)
     out = []
     # a point: batch, temperature and the planner's modes (runs of one point with other modes, e.g. --invariant or
     # another --plan-trees, are summarised apart)
@@ -508,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                 "what": "summary of a DSPINE_PLAN_LOG file (the device is the log's: where it was measured)"}
         Path(args.json).write_text(json.dumps({**meta, "log": args.log, "batch": args.batch,
                                                "temperature": args.temperature, "pass": args.phase,
-                                               "label": args.label, "points": out},
+                                               "label": args.label, "run": args.run, "points": out},
                                               indent=1) + "\n")
     return 0
 
