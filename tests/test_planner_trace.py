@@ -257,3 +257,45 @@ def test_replay_cli_refuses_bad_arguments_before_any_work(tmp_path):
     assert pt.main(["replay", str(trace), "--costs", f"{c8},{costs}", "--plan-trees", "4", "--output", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert [p["concurrency"] for p in rep["points"]] == [1] and "smaller batch" in rep["skipped"][0]["why"]
+
+
+def test_replay_narrow_chains_are_paired_and_fixed_and_repeat_fills_a_batch(tmp_path):
+    """--plan-chains: the chain of 2 is a planner mode and a fixed mode; a step of the full chain gives it its tokens
+    capped at 2 (the engine's paired narrow chains), and its own steps give the drain rule chain statistics but no
+    confidence. --repeat: a task's prompts decoded K times over, so one prompt fills a batch of 2."""
+    C2 = ("chain", 2)
+    r = row([3] * 30, [3] * 30, [3] * 30)  # the chain of 4 commits 4 a step, the chain of 2 commits 2
+    ms = {AR: 1.0, C2: 1.1, CHAIN: 1.2}
+    planner = StepPlanner(dict(ms))
+    pt.batch_ms([r], 1, ms, 4, 30, planner=planner)
+    assert planner.choices[CHAIN] > planner.choices[C2] and planner.paired[C2] >= planner.choices[CHAIN] - 1
+    assert planner.slow[C2] == pytest.approx(2.0, abs=0.05)  # min(4, 2) on every paired step
+    # the drain rule's statistics: a narrow chain's steps count for "scaled", not for "own" (the engine's rule)
+    seen = {}
+    for model in ("scaled", "own"):
+        p = StepPlanner({AR: 1.0, C2: 1.1, CHAIN: 9.0}, drain_model=model)  # the full chain never pays
+        real = p.choose
+        p.choose = lambda predicted, drain, real=real, model=model: (
+            seen.setdefault(model, []).append(drain) if drain else None) or real(predicted, drain)
+        assert pt.batch_ms([r, r, r], 2, {AR: 1.0, C2: 1.1, CHAIN: 9.0}, 4, 30, planner=p)[0] == 87
+    assert max(d[2] for drain in seen["scaled"] for d in drain) > 0  # chain steps counted per request
+    assert all(d[2] == 0 for drain in seen["own"] for d in drain)
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"prompts": [row([3] * 20, [3] * 20, [3] * 20)], "budgets": [4], "block_size": 5,
+                                 "num_prompts": 1, "max_new_tokens": 20}))
+    c2 = bench_file(tmp_path / "c2.json", 2, {"ar": 1.0, "chain2": 1.1, "chain5": 1.2, "tree4": 1.3})
+    out = tmp_path / "r.json"
+    args = ["replay", str(trace), "--costs", c2, "--plan-trees", "none", "--plan-chains", "2", "--output", str(out)]
+    with pytest.raises(SystemExit, match="every point was skipped"):  # one prompt cannot fill a batch of 2
+        pt.main(args)
+    assert pt.main(args + ["--repeat", "2"]) == 0
+    p = json.loads(out.read_text())["points"][0]
+    assert p["repeat"] == 2 and p["plan_chains"] == "2" and p["concurrency"] == 2
+    assert set(p["per_task_tok_per_s"]["x"]) == {"ar1", "chain2", "chain5", "tree4", "planner"}
+    # two prompts of 19 decoded tokens side by side; the chain of 2 commits 2 a step: 10 steps and the one in which
+    # the finish is seen, of 1.1 × 1.1 ms (measured)
+    assert p["per_task_tok_per_s"]["x"]["chain2"] == pytest.approx(38 / (11 * 1.21) * 1e3)
+    for extra, msg in ((["--repeat", "0"], "--repeat 0"), (["--plan-chains", "2/x"], "--plan-chains"),
+                       (["--plan-chains", "8"], "below the trace's block of 5")):
+        with pytest.raises(SystemExit, match=msg):
+            pt.main(args[:-2] + extra)

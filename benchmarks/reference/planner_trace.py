@@ -196,12 +196,14 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
     - the observation of step j: the mean over its rows of their committed tokens; its time, except when a refill
       came between its launch and the snapshot that closes it (that interval holds a prefill); after a tree step
       the chain's paired tokens (mean of ``min(chain nodes on the accepted path + 1, chain size, committed)``) and, with
-      ``pair_trees``, every smaller planner tree's (its recorded tokens at that anchor, capped by the step's); after
-      a speculative step the rows' mean confidence, given to the next choice (``None`` after any other observation);
+      ``pair_trees``, every smaller planner tree's (its recorded tokens at that anchor, capped by the step's); after a
+      chain step every narrower planner chain's (the step's tokens capped at its width); after a speculative step but
+      a narrower chain's the rows' mean confidence, given to the next choice (``None`` after any other observation);
     - with ``plan_drain`` (``Engine.plan_drain``) once the queue is empty, from the second choice on, every
       ``drain_every`` choices (default ``Engine.PLAN_DRAIN_EVERY``): the drain rule's state per
       slot holding a request or statistics, as of the last snapshot read: ``(max_new - committed, chain tokens, chain
-      steps, chain tokens²)`` (its chain-equivalent tokens: chain steps, and the chain nodes of tree steps;
+      steps, chain tokens²)`` (its chain-equivalent tokens: chain steps, a narrower chain's but under drain model
+      ``"own"``, and the chain nodes of tree steps;
       ``max_new - 1`` for a request admitted since; 0 for one finished by then).
     """
     if drain_every is None:
@@ -280,13 +282,20 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
                                 if t[1] < m0[1]:
                                     planner.observe_paired(t, sum(v[5][t] for v in step.values()) / len(step),
                                                            len(step))
+                        else:  # a chain's first n slots are the chain of n (Engine._decode_planned)
+                            for c in sorted(c for c in chains if c[1] < m0[1]):
+                                planner.observe_paired(c, sum(min(v[1], c[1]) for v in step.values()) / len(step),
+                                                       len(step))
                         for b, v in step.items():
+                            if m0[0] == "chain" and m0[1] < cap and planner.drain_model == "own":
+                                continue  # "own" reads a request against the full chain (Engine._decode_planned)
                             d = v[1] if m0[0] == "chain" else min(v[2], cap or v[2])
                             stats[b][0] += d
                             stats[b][1] += 1
                             stats[b][2] += d * d
-                        predicted = {k: sum(v[3] for v in step.values()) / len(step)
-                                     for k in planner.table if k[0] != "ar"}
+                        if not (m0[0] == "chain" and m0[1] < cap):  # a narrow chain's confidence: not given
+                            predicted = {k: sum(v[3] for v in step.values()) / len(step)
+                                         for k in planner.table if k[0] != "ar"}
                 else:
                     planner.skip()
             # requests that finished in that step are seen now: their slots are refilled before the next step, and
@@ -389,7 +398,8 @@ def _step_times(path: str, label: str) -> tuple[dict, dict]:
 
 
 def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurrency: int | None = None,
-                 plan_drain: bool = True, times: str = "measured", pair_trees: bool = True, **planner_args) -> dict:
+                 plan_drain: bool = True, times: str = "measured", pair_trees: bool = True, plan_chains: str = "none",
+                 repeat: int = 1, **planner_args) -> dict:
     """One point: the planner (trees ``plan_trees``, infer.planner.parse_plan_trees; ``planner_args`` to
     ``StepPlanner``), every fixed mode with a step time and (at concurrency 1) the clairvoyant schedule over
     ``trace``, with the step times of the ``infer.bench`` JSON ``costs`` at ``concurrency`` (default: that run's).
@@ -397,8 +407,13 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     run's online estimate after its steps (``"measured"``: what the planner saw, flushes and host waits included)
     or its start-up table (``"table"``: graph replays of the bare step). Raises SystemExit naming the file for a tree
     the trace did not record, :class:`NoStepTime` for a planner mode without a step time or a concurrency the run
-    did not measure. ``pair_trees``: a tree step gives the smaller planner trees' tokens too (``batch_ms``)."""
-    from infer.planner import StepPlanner, parse_plan_trees
+    did not measure. ``pair_trees``: a tree step gives the smaller planner trees' tokens too (``batch_ms``).
+    ``plan_chains``: the planner's chains narrower than the trace's block (infer.planner.parse_plan_chains, ``"none"``:
+    the full chain only, the replay before 2026-12-07; the engine's default is ``Engine.PLAN_CHAINS`` below its verify
+    width), each also a fixed mode. ``repeat``: each task's prompts decoded ``repeat`` times over (copies queued
+    after the originals), so that a trace of few prompts fills a batch of a larger run's concurrency: the batch then
+    holds each recorded acceptance ``repeat`` times, less spread than as many distinct prompts."""
+    from infer.planner import StepPlanner, parse_plan_chains, parse_plan_trees
 
     run_args = load_json(costs, "--costs: an infer.bench --output-json result").get("args") or {}
     if not isinstance(run_args, dict):
@@ -415,7 +430,10 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
         true_ms = dict(table)
     recorded = [("tree", N) for N in trace["budgets"]]
     verify, max_new = trace["block_size"], trace["max_new_tokens"]
-    plan = [("ar", 1), ("chain", verify)] + [("tree", N) for N in parse_plan_trees(plan_trees)]
+    narrow = [("chain", n) for n in parse_plan_chains(plan_chains)]
+    if any(n >= verify for _, n in narrow):
+        raise SystemExit(f"--plan-chains {plan_chains}: each width must be below the trace's block of {verify}")
+    plan = [("ar", 1), *narrow, ("chain", verify)] + [("tree", N) for N in parse_plan_trees(plan_trees)]
     not_recorded = [m for m in plan if m[0] == "tree" and m not in recorded]
     if not_recorded:
         raise SystemExit(f"--plan-trees {plan_trees}: the trace records trees {trace['budgets']}, not "
@@ -424,11 +442,12 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     if missing:
         raise NoStepTime(f"{costs}: no step time for {missing} at concurrency {run_args.get('concurrency', 1)} "
                          "(a planner label of that run must have run it, or at concurrency 1 a fixed tree of that size)")
-    fixed = [m for m in [("ar", 1), ("chain", verify)] + recorded if m in true_ms]
+    fixed = [m for m in [("ar", 1), *narrow, ("chain", verify)] + recorded if m in true_ms]
     tasks: dict = {}
-    for row in trace["prompts"]:
-        if row["tokens"] > 1:  # a prompt whose output is its prefill's token alone never decodes
-            tasks.setdefault(row["task"], []).append(row)
+    for _ in range(repeat):
+        for row in trace["prompts"]:
+            if row["tokens"] > 1:  # a prompt whose output is its prefill's token alone never decodes
+                tasks.setdefault(row["task"], []).append(row)
     if not tasks:
         raise SystemExit("the trace has no prompt with more than one output token")
     short = {t: len(r) for t, r in tasks.items() if len(r) < B}
@@ -465,7 +484,8 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     mean = {k: sum(t[k] for t in per_task.values()) / len(per_task) for k in next(iter(per_task.values()))}
     best = max((k for k in mean if k not in ("planner", "clairvoyant")), key=mean.get)
     return {
-        "costs": costs, "concurrency": B, "plan_trees": plan_trees, "plan_drain": plan_drain, "times": times,
+        "costs": costs, "concurrency": B, "plan_trees": plan_trees, "plan_chains": plan_chains, "repeat": repeat,
+        "plan_drain": plan_drain, "times": times,
         "pair_trees": pair_trees,
         "exact": bool(run_args.get("exact")),
         "fixed_without_step_time": [f"{m[0]}{m[1]}" for m in [("chain", verify)] + recorded if m not in true_ms],
@@ -491,13 +511,22 @@ def replay(args) -> int:
     """The ``replay`` subcommand (module docstring): all inputs read and checked before any point is computed; one
     point per (step-time source, costs file, tree set); points the run cannot time are skipped with the reason."""
     from dspine.provenance import provenance
-    from infer.planner import CEILING_MODELS, DRAIN_MODELS, SETTLE_MODELS, parse_conf_slope, parse_plan_trees
+    from infer.planner import (
+        CEILING_MODELS,
+        DRAIN_MODELS,
+        SETTLE_MODELS,
+        parse_conf_slope,
+        parse_plan_chains,
+        parse_plan_trees,
+    )
 
     out_path = Path(args.output) if args.output else None
     if out_path is not None and out_path.is_dir():
         raise SystemExit(f"--output {out_path} is a folder: give a file name")
     if out_path is not None and out_path.exists() and not args.overwrite:
         raise SystemExit(f"{out_path} exists: choose another --output or pass --overwrite")
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat {args.repeat}: must be at least 1")
     if args.concurrency is not None and args.concurrency < 1:
         raise SystemExit(f"--concurrency {args.concurrency}: must be at least 1")
     costs_list = [c.strip() for c in args.costs.split(",") if c.strip()]
@@ -509,6 +538,10 @@ def replay(args) -> int:
             parse_plan_trees(t)
         except ValueError as e:
             raise SystemExit(f"--plan-trees: {e}") from None
+    try:
+        parse_plan_chains(args.plan_chains)
+    except ValueError as e:
+        raise SystemExit(f"--plan-chains: {e}") from None
     try:
         slopes = list(dict.fromkeys(parse_conf_slope(x.strip()) for x in args.conf_slope.split(",")))  # no repeats
     except ValueError as e:
@@ -556,7 +589,8 @@ def replay(args) -> int:
                                                                                *knobs):
         try:
             pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times,
-                              pair_trees=pair == "on", conf_slope=slope, drain_model=dm, settle=st, ceiling=ce)
+                              pair_trees=pair == "on", plan_chains=args.plan_chains, repeat=args.repeat,
+                              conf_slope=slope, drain_model=dm, settle=st, ceiling=ce)
         except NoStepTime as e:
             if (times, slope, pair, dm, st, ce) == firsts:  # a skip is reported once per costs file and tree set
                 print(f"skipped: {e}", flush=True)
@@ -597,6 +631,12 @@ def main(argv=None) -> int:
                    help="requests decoded together (default: the --costs run's; its step times are at that batch)")
     r.add_argument("--plan-trees", default="16/32",
                    help="the planner's tree sizes (infer.planner.parse_plan_trees), comma-separated: one point each")
+    r.add_argument("--plan-chains", default="none",
+                   help="the planner's chains narrower than the trace's block, e.g. 2/4/8 (infer.planner."
+                        "parse_plan_chains; default none: the full chain only); each is a fixed mode too")
+    r.add_argument("--repeat", type=int, default=1, metavar="K",
+                   help="decode each task's prompts K times over (a trace of 16 prompts a task at a concurrency-64 "
+                        "run's step times: --repeat 4); default 1")
     r.add_argument("--times", default="measured",
                    help="true step time per mode: the run's online estimate after its steps (measured) or its start-up "
                         "table of bare graph replays (table); 'measured,table' gives every point under both")
