@@ -752,7 +752,7 @@ def build_parser():
                          "only) or width (a fixed chain of that width, anchor included, below the block) or confidence "
                          "(greedy|always|never: when the planner gets the draft's confidence, Engine.plan_confidence; "
                          "budget=auto only) or conf_slope (auto or a number in 0..2: how far that confidence moves the "
-                         "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead|own|persist: the planner's drain rule off, or on with "
+                         "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead|own|persist|relative: the planner's drain rule off, or on with "
                          "Engine.plan_drain_model; budget=auto only) or settle (long_run|estimate: the rate the planner settles a probe "
                          "against, Engine.plan_settle; budget=auto only) or ceiling (lead|headroom|lead_age: a led mode's "
                          "probing ceiling, Engine.plan_ceiling; budget=auto only) or cost (own|age: how the planner keeps the "

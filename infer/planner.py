@@ -157,8 +157,8 @@ SPREAD_CV = 0.5
 # in 5 and 0.065-0.10 in 3
 PERSIST_EARLY = 16
 DEFAULT_SPREAD_REL = 0.04
-# drain model "relative": the prior spread (sd / ā)² of a planner with no earlier call, sd 0.3 ā, within the 0.22-0.37 ā
-# of the five tasks on the H200 (SPREAD_CV's note)
+# drain model "relative": the prior spread (sd / ā)² of a planner with no earlier call, sd 0.3 ā, within the
+# 0.22-0.37 ā of the five tasks on the H200 (SPREAD_CV's note)
 DEFAULT_SPREAD_RATIO = 0.09
 # token_state's key for the carried spread, per drain model (a key of its own where the units or the meaning differ)
 SPREAD_KEYS = {"persist": "spread_rel", "relative": "spread_ratio"}
@@ -1274,7 +1274,8 @@ class StepPlanner:
         every mode counts as seen at step 0, so the averages are taken as they were, and the fast ones then
         follow the new requests; its ``"spread"`` becomes the drain rule's prior (``DEFAULT_SPREAD`` if absent, as in
         a state written before it existed; under drain model ``"persist"`` its ``"spread_rel"``, else
-        ``DEFAULT_SPREAD_REL``; under ``"relative"`` its ``"spread_ratio"``, else ``DEFAULT_SPREAD_RATIO``). Raises ValueError if ``state`` holds a mode not in this table."""
+        ``DEFAULT_SPREAD_REL``; under ``"relative"`` its ``"spread_ratio"``, else ``DEFAULT_SPREAD_RATIO``). Raises
+        ValueError if ``state`` holds a mode not in this table."""
         extra = set(state["fast"]) - set(self.table)
         if extra:
             raise ValueError(

@@ -1216,6 +1216,44 @@ def planner_est_section(gpu: str = "h100") -> list[str]:
             "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for r in files)), ""]
 
 
+def drain_model_replay_section() -> list[str]:
+    """The drain models replayed over the CPU trace at the H100's concurrency 32 and 64 step times
+    (results/replay-drain-c{64,32}-cpu.json; planner_trace.py replay --plan-chains 2/4/8 --repeat K): per concurrency,
+    step-time source and drain model, the planner ÷ its best fixed mode per cost file and their mean, and mt-bench's.
+    Empty without the files."""
+    rows, cmds, best = [], [], set()
+    for c in (64, 32):
+        r = load(f"replay-drain-c{c}-cpu.json")
+        if not r or not r.get("points"):
+            continue
+        cmds.append(f"`{r['command']}`")
+        groups: dict = {}
+        for p in r["points"]:
+            groups.setdefault((p["times"], p["drain_model"]), []).append(p)
+            best.add(p["best_fixed"])
+        for (times, model), pts in groups.items():
+            vals = [p["planner_over_best_fixed"] for p in pts]
+            mt = [p["per_task_tok_per_s"]["mt-bench"]["planner"] / p["per_task_tok_per_s"]["mt-bench"][p["best_fixed"]]
+                  for p in pts if "mt-bench" in p["per_task_tok_per_s"]]
+            rows.append(f"| {c} | {times} | {model} | {' / '.join(f'{v:.3f}' for v in vals)} | "
+                        f"{sum(vals) / len(vals):.3f} | {_range(mt) if mt else '–'} |")
+    if not rows:
+        return []
+    return ["#### The drain models replayed over the CPU trace (simulated)", "",
+            "`benchmarks/reference/planner_trace.py replay` over the shipped draft's per-anchor acceptance "
+            "(`planner-trace16-cpu.json`: 16 prompts a task, fp32 on the CPU, each task's prompts 4 times over at "
+            "concurrency 64 and twice at 32) with the step times of the three H100 runs of the cost A/B "
+            "(`planner-cost{,-r2,-r3}-h100-exact-T0-c*.json`: the online estimates, `measured`, or the start-up table), "
+            "the planner with the chains of 2, 4, 8 and 16 and no tree, tasks in infer.bench's order with the "
+            "planner's memory carried. Planner ÷ the best fixed mode (" + ", ".join(sorted(best)) + "), per cost file "
+            "and their mean, and on mt-bench. Not a GPU measurement: the content is one greedy output, step times are "
+            "constants; the replay ranked `persist` above the default as well, and the GPU A/B of `persist` (table "
+            "\"The drain model `persist` against the default\") read within its run-to-run spread. `relative` stays "
+            "opt-in until its GPU A/B (`reproduce_h200.sh planest`, label `pr`) has run.", "",
+            "| concurrency | step times | drain model | planner ÷ best fixed (runs 1 / 2 / 3) | mean | mt-bench |",
+            "|---|---|---|---|---|---|", *rows, "", "Commands: " + "; ".join(cmds), ""]
+
+
 def planner_exact_section() -> list[str]:
     """Planner points with every configuration decoding the same tokens (``--exact``; planner_points.py)."""
     r = load("planner-exact-h200.json")
@@ -1993,7 +2031,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_persist_section, planner_cost_section, planner_est_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_persist_section, planner_cost_section, drain_model_replay_section, planner_est_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)

@@ -208,17 +208,36 @@ def test_drain_model_persist_runs_in_the_engine_and_decodes_the_target_text(stor
     assert "spread_rel" in next(iter(eng.plan_token_memory.values()))
 
 
-def test_drain_model_relative_runs_in_the_engine_and_carries_a_ratio(stories_dir, stories):  # noqa: F811
-    """Engine.plan_drain_model = "relative": the output is the target's greedy text, and the spread the next generate
-    starts from is carried as "spread_ratio" (relative to ā²), not in tokens²."""
+def test_drain_model_relative_runs_in_the_engine_and_carries_a_ratio(stories_dir, stories, monkeypatch):  # noqa: F811
+    """Engine.plan_drain_model = "relative" with an oracle draft (a third of its tokens corrupted), so the drain sees
+    chain steps: the output is the target's greedy text, and the spread carried to the next generate is the ratio the
+    drain learned (StepPlanner.spread, the variance ÷ ā², not the no-call default), as "spread_ratio", not tokens²."""
+    import infer.planner as planner_mod
+    from tests.helpers import oracle_engine
+
     target, _, folder = stories
     params = SamplingParams(max_new_tokens=30)
     want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
-    eng = _engine(stories_dir, folder, budget="auto", plan_trees=(), plan_chains=(2, 3))
+    eng = oracle_engine(_engine(stories_dir, folder, budget="auto", plan_trees=(), plan_chains=(2, 4)),
+                        [p + w for p, w in zip(PROMPTS, want)], corrupt=0.3)
     eng.plan_drain_model = "relative"
+    eng._step_costs = lambda B, params: {("ar", 1): 1.0, ("chain", 2): 1.05, ("chain", 4): 1.1, ("chain", 8): 1.2}
+    eng.plan_online = False
+    calls, real = [], planner_mod.drain_tokens
+
+    def spy(tokens, drain, modes, prior=None, *args):
+        calls.append((drain, prior, args[-1]))
+        return real(tokens, drain, modes, prior, *args)
+
+    monkeypatch.setattr(planner_mod, "drain_tokens", spy)
     assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
     state = next(iter(eng.plan_token_memory.values()))
     assert "spread_ratio" in state and "spread" not in state
+    assert calls and all(c[2] is True for c in calls)  # relative=True at every refresh
+    drain, prior, _ = [c for c in calls if planner_mod.drain_spread(c[0])[3]][-1]  # the last with a chain step
+    pooled, _, between, _ = planner_mod.drain_spread(drain)
+    want_ratio = planner_mod.spread_variance(drain, between, prior * pooled**2) / pooled**2
+    assert state["spread_ratio"] == pytest.approx(want_ratio) and want_ratio != prior  # learned, ÷ ā²
     assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
 
 

@@ -312,3 +312,9 @@ def test_a_log_of_two_runs_is_noted_and_run_keeps_one(tmp_path, capsys):
     assert "run x" in capsys.readouterr().err
     assert plan_log.main([str(_write(tmp_path, CALL, name="old.jsonl")), "--run", "x"]) == 2  # no tag.run at all
     assert "has calls without a tag.run" in capsys.readouterr().err
+    # a log written before run ids existed, then appended to by a run with one: noted, and --run picks the new run
+    mixed = _write(tmp_path, CALL, second, name="mixed.jsonl")
+    assert plan_log.main([str(mixed), "--json", str(tmp_path / "m.json")]) == 0
+    assert "holds the calls of 2 infer.bench runs (untagged, 20261207T020000-12)" in capsys.readouterr().err
+    assert plan_log.main([str(mixed), "--run", "20261207T020000-12", "--json", str(tmp_path / "m1.json")]) == 0
+    assert json.loads((tmp_path / "m1.json").read_text())["points"][0]["calls"] == 1

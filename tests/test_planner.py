@@ -1718,10 +1718,13 @@ def test_drain_model_relative_scales_a_carried_spread_to_the_batch():
     assert best(drain_tokens(tokens, batch, costs, ratio, relative=True)) == ("chain", 2)
     assert drain_tokens(tokens, batch, costs, ratio, relative=True) == pytest.approx(
         drain_tokens(tokens, batch, costs, ratio * 0.54**2))
-    fresh = [(400, 0, 0, 0)] * 8  # no chain step: ā is the longest chain's tokens − 1
-    assert drain_tokens(tokens, fresh, costs, ratio, relative=True) == pytest.approx(
-        drain_tokens(tokens, fresh, costs, ratio * 1.0**2))
-    assert drain_tokens(tokens, fresh, costs, ratio, relative=True)[("chain", 4)] < 2.0  # the prior still spreads them
+    fresh = [(400, 0, 0, 0)] * 8  # no chain step: ā is the longest chain's tokens − 1, here 0.6
+    low = {**tokens, ("chain", 4): 1.6}
+    assert drain_tokens(low, fresh, costs, ratio, relative=True) == pytest.approx(
+        drain_tokens(low, fresh, costs, ratio * 0.6**2))
+    assert drain_tokens(low, fresh, costs, ratio, relative=True)[("chain", 4)] != pytest.approx(
+        drain_tokens(low, fresh, costs, ratio)[("chain", 4)], rel=0.02)  # not the ratio taken as tokens²
+    assert drain_tokens(low, fresh, costs, ratio, relative=True)[("chain", 4)] < 1.6  # the prior still spreads them
 
 
 def test_drain_model_relative_carries_its_ratio_apart():

@@ -436,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         tags = {k: v for k, v in (("pass", args.phase), ("label", args.label), ("run", args.run))
                 if v}  # infer.bench's tag keys kept
         for k, v in tags.items():
-            if not all(isinstance(c.get("tag"), dict) and k in c["tag"] for c in calls):
+            # a run id exists since 2026-12-07: a log appended to before and after holds calls with and without one
+            check = any if k == "run" else all
+            if not check(isinstance(c.get("tag"), dict) and k in c["tag"] for c in calls):
                 raise ValueError(f"--{k} {v}: {args.log} has calls without a tag.{k} (logged without "
                                  "infer.bench, or before tags were written)")
     except ValueError as e:
@@ -444,12 +446,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     keep = [c for c in calls if (args.batch is None or c["batch"] == args.batch)
             and (args.temperature is None or c["temperature"] == args.temperature)
-            and all(c["tag"][k] == v for k, v in tags.items())]
+            and all(isinstance(c.get("tag"), dict) and c["tag"].get(k) == v for k, v in tags.items())]
     if not keep:
         print(f"plan_log: no call in {args.log} at batch {args.batch}, temperature {args.temperature}, pass "
               f"{args.phase}, label {args.label}" + (f", run {args.run}" if args.run else ""), file=sys.stderr)
         return 2
-    runs = list(dict.fromkeys(c["tag"]["run"] for c in keep if isinstance(c.get("tag"), dict) and "run" in c["tag"]))
+    # calls without a run id (an infer.bench before 2026-12-07, or no infer.bench) count as one more run
+    runs = list(dict.fromkeys(c["tag"]["run"] if isinstance(c.get("tag"), dict) and "run" in c["tag"] else "untagged"
+                              for c in keep))
     if len(runs) > 1:  # one file appended to by several infer.bench invocations: their calls would pool
         print(f"plan_log: note: {args.log} holds the calls of {len(runs)} infer.bench runs ({', '.join(runs)}); the "
               "summaries pool them: --run ID keeps one", file=sys.stderr)
