@@ -1255,8 +1255,8 @@ class StepPlanner:
         """The learned acceptance (token averages, calibration, the leads of paired modes, and under ``"spread"`` the
         drain rule's spread between requests: :attr:`spread`, else the prior it started with; under drain models
         ``"persist"`` and ``"relative"`` as ``"spread_rel"`` and ``"spread_ratio"``, relative to the pooled acceptance
-        squared), for
-        :meth:`load_token_state` of the next planner of the same engine, batch size and sampling settings."""
+        squared), for :meth:`load_token_state` of the next planner of the same engine, batch size and sampling
+        settings."""
         spread = self.spread if self.spread is not None else self.spread_prior
         return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, self._spread_key(): spread}
 

@@ -1193,11 +1193,13 @@ def _est_c1_table(gpu: str) -> tuple[list, list]:
     return out, files
 
 
-def planner_est_section(gpu: str = "h100") -> list[str]:
+def planner_est_section(gpu: str | None = None) -> list[str]:
     """Stage planest (results/planner-est{,-r2,-r3}-GPU-exact-T0-c{64,1}.json): at concurrency 64 the default planner
     p, pp (drain=persist) and pr (drain=relative) ÷ the chain of 4, tasks pooled as in planner_persist_section; at
-    concurrency 1 the planner ÷ the fixed tree of 32 with the inner-tree count fused into plan_stats. Empty without
-    the files."""
+    concurrency 1 the planner ÷ the fixed tree of 32 with the inner-tree count fused into plan_stats. ``gpu`` None:
+    the H200's files, else the H100's. Empty without the files."""
+    if gpu is None:
+        return planner_est_section("h200") or planner_est_section("h100")
     names = {(64, run): f"planner-est{run}-{gpu}-exact-T0-c64.json" for run in EST_RUNS}
     table, rows = _ab_table(names, EST_RUNS, ("p", "pp", "pr"), ("p (scaled)", "pp (persist)", "pr (relative)"))
     c1, c1_files = _est_c1_table(gpu)

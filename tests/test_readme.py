@@ -266,3 +266,31 @@ def test_est_section_compares_three_planners_and_the_c1_tree(tmp_path, monkeypat
     assert rows[1].split(" | ")[8:11] == ["1.000", "1.000", "0.500"]
     assert rows[2].startswith("| 64 | mean of 2 |") and "| 0.750 | 0.833 | 0.750 | |" in rows[2] and len(rows) == 3
     assert any(x.startswith("Concurrency 64, pr ÷ chain 4 per task over the 2 runs: a 1.000, mt 0.333-1.000") for x in text)
+
+
+def test_drain_model_replay_section_groups_points_by_step_times_and_model(tmp_path, monkeypatch):
+    """make_tables.drain_model_replay_section: one row per (step-time source, drain model) with each cost file's
+    planner ÷ best fixed, their mean and mt-bench's planner ÷ best fixed range; no file gives no section."""
+    import json
+
+    sys.path.insert(0, str(ROOT))
+    from scripts import make_tables
+
+    res = tmp_path / "results"
+    res.mkdir()
+    monkeypatch.setattr(make_tables, "RESULTS", res)
+    assert make_tables.drain_model_replay_section() == []
+
+    def point(times, model, ratio, mt):
+        return {"times": times, "drain_model": model, "best_fixed": "chain4", "planner_over_best_fixed": ratio,
+                "per_task_tok_per_s": {"gsm8k": {"planner": 1.0, "chain4": 1.0},
+                                       "mt-bench": {"planner": mt, "chain4": 1.0}}}
+
+    pts = [point("measured", "scaled", 0.97, 0.9), point("measured", "scaled", 0.99, 0.95),
+           point("measured", "relative", 0.99, 1.0)]
+    (res / "replay-drain-c64-cpu.json").write_text(json.dumps({"command": "python replay X", "points": pts}))
+    text = make_tables.drain_model_replay_section()
+    rows = [r for r in text if r.startswith("| 64 |")]
+    assert rows == ["| 64 | measured | scaled | 0.970 / 0.990 | 0.980 | 0.900-0.950 |",
+                    "| 64 | measured | relative | 0.990 | 0.990 | 1.000 |"]
+    assert any("(chain4)" in x for x in text) and text[-2] == "Commands: `python replay X`"
