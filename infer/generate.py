@@ -210,7 +210,10 @@ def check_decode_args(args, plan_trees: str = "--plan-trees 16/32") -> None:
         raise ValueError("--draft-temperature 0 with --verify tree: the tree is built from the draft's distribution, "
                          "which is one-hot at 0 (every node off the chain would be padding); use --verify chain or a "
                          "draft temperature > 0")
-    if getattr(args, "invariant", False) and args.temperature > 0:  # (at T = 0 it is ignored, with a warning)
+    if getattr(args, "invariant", False) and args.temperature == 0:
+        print("note: --invariant has no effect at --temperature 0: greedy verification already decodes the target's "
+              "own text", file=sys.stderr)
+    if getattr(args, "invariant", False) and args.temperature > 0:
         if args.verify == "tree":
             raise ValueError("--invariant with --verify tree: invariant verification checks the chain only (use "
                              "--verify chain; with --budget auto the planner runs no tree)")

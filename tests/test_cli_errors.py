@@ -520,3 +520,15 @@ def test_a_missing_shared_folder_is_named_at_once(monkeypatch, tmp_path):
     import infer.datasets
 
     assert default_eval_dir() == Path(infer.datasets.__file__).resolve().parents[2] / "shared" / "data" / "eval"
+
+
+def test_invariant_at_temperature_zero_is_noted(capsys):
+    """--invariant at T = 0 changes nothing (greedy verification decodes the target's own text already): a note on
+    stderr says so rather than taking it in silence; at T > 0 no note."""
+    from infer import generate
+
+    for temperature, noted in (("0", True), ("1", False)):
+        args = generate.build_parser().parse_args(["--prompt", "hi", "--invariant", "--temperature", temperature])
+        generate.check_decode_args(args)
+        err = capsys.readouterr().err
+        assert ("--invariant has no effect at --temperature 0" in err) is noted
