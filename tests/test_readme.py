@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -150,18 +152,25 @@ def test_planner_table_names_the_seeds_of_a_point():
     assert all(f"| {one['planner_over_best_static']:.3f} — " in r for r in rows)
 
 
-def test_persist_section_pools_the_tasks(tmp_path, monkeypatch):
-    """make_tables.planner_persist_section: a run's tok/s is its tasks' tokens over their seconds (not the mean of
-    the tasks' tok/s), each label ÷ the chain of 4 of the same run, a mean row per concurrency over its runs; a
-    missing run is left out and no file gives no section."""
-    import json
-
+@pytest.fixture
+def empty_results(tmp_path, monkeypatch):
+    """scripts.make_tables reading an empty results folder under tmp_path: (the module, the folder)."""
     sys.path.insert(0, str(ROOT))
     from scripts import make_tables
 
     res = tmp_path / "results"
     res.mkdir()
     monkeypatch.setattr(make_tables, "RESULTS", res)
+    return make_tables, res
+
+
+def test_persist_section_pools_the_tasks(empty_results):
+    """make_tables.planner_persist_section: a run's tok/s is its tasks' tokens over their seconds (not the mean of
+    the tasks' tok/s), each label ÷ the chain of 4 of the same run, a mean row per concurrency over its runs; a
+    missing run is left out and no file gives no section."""
+    import json
+
+    make_tables, res = empty_results
     assert make_tables.planner_persist_section() == []
 
     def task(chain4_s, p_s, pp_s):  # 1,000 tokens per label per task
@@ -188,18 +197,13 @@ def test_persist_section_pools_the_tasks(tmp_path, monkeypatch):
     assert [r for r in make_tables.planner_persist_section() if r.startswith("| ")][1:] == rows
 
 
-def test_cost_section_pools_the_tasks_and_names_the_task_that_loses(tmp_path, monkeypatch):
+def test_cost_section_pools_the_tasks_and_names_the_task_that_loses(empty_results):
     """make_tables.planner_cost_section: tasks pooled as in the persist section, p and pc ÷ the chain of 4 per run and
     as a mean, and per concurrency p ÷ the chain of 4 per task over the runs with the lowest task's share of the
     tokens and of p's seconds over the chain of 4's rate."""
     import json
 
-    sys.path.insert(0, str(ROOT))
-    from scripts import make_tables
-
-    res = tmp_path / "results"
-    res.mkdir()
-    monkeypatch.setattr(make_tables, "RESULTS", res)
+    make_tables, res = empty_results
     assert make_tables.planner_cost_section() == []
 
     def task(name, tokens, c4_s, p_s):
@@ -226,17 +230,12 @@ def test_cost_section_pools_the_tasks_and_names_the_task_that_loses(tmp_path, mo
     assert not any(x.startswith("Concurrency 32,") for x in text)  # no file at 32
 
 
-def test_est_section_compares_three_planners_and_the_c1_tree(tmp_path, monkeypatch):
+def test_est_section_compares_three_planners_and_the_c1_tree(empty_results):
     """make_tables.planner_est_section: at concurrency 64 p, pp and pr ÷ the chain of 4 per run (tasks pooled) and as a
     mean; at concurrency 1 p ÷ the fixed tree of 32 pooled and on its lowest task; either half alone makes a section."""
     import json
 
-    sys.path.insert(0, str(ROOT))
-    from scripts import make_tables
-
-    res = tmp_path / "results"
-    res.mkdir()
-    monkeypatch.setattr(make_tables, "RESULTS", res)
+    make_tables, res = empty_results
     assert make_tables.planner_est_section() == []
     d = lambda tokens, s: {"num_tokens": tokens, "seconds": s}  # noqa: E731
     c1 = {"command": "python -m infer.bench C1", "commit": "1234567abc", "tasks": [
@@ -268,17 +267,12 @@ def test_est_section_compares_three_planners_and_the_c1_tree(tmp_path, monkeypat
     assert any(x.startswith("Concurrency 64, pr ÷ chain 4 per task over the 2 runs: a 1.000, mt 0.333-1.000") for x in text)
 
 
-def test_drain_model_replay_section_groups_points_by_step_times_and_model(tmp_path, monkeypatch):
+def test_drain_model_replay_section_groups_points_by_step_times_and_model(empty_results):
     """make_tables.drain_model_replay_section: one row per (step-time source, drain model) with each cost file's
     planner ÷ best fixed, their mean and mt-bench's planner ÷ best fixed range; no file gives no section."""
     import json
 
-    sys.path.insert(0, str(ROOT))
-    from scripts import make_tables
-
-    res = tmp_path / "results"
-    res.mkdir()
-    monkeypatch.setattr(make_tables, "RESULTS", res)
+    make_tables, res = empty_results
     assert make_tables.drain_model_replay_section() == []
 
     def point(times, model, ratio, mt):
