@@ -160,8 +160,10 @@ DEFAULT_SPREAD_REL = 0.04
 # drain model "relative": the prior spread (sd / ā)² of a planner with no earlier call, sd 0.3 ā, within the
 # 0.22-0.37 ā of the five tasks on the H200 (SPREAD_CV's note)
 DEFAULT_SPREAD_RATIO = 0.09
-# token_state's key for the carried spread, per drain model (a key of its own where the units or the meaning differ)
-SPREAD_KEYS = {"persist": "spread_rel", "relative": "spread_ratio"}
+# token_state's key for the carried spread and its value with no earlier call, per drain model (a key of its own where
+# the units or the meaning differ; the others: "spread", DEFAULT_SPREAD, in tokens²)
+SPREAD_STATE = {"persist": ("spread_rel", DEFAULT_SPREAD_REL),
+                "relative": ("spread_ratio", DEFAULT_SPREAD_RATIO)}
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
 SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
@@ -1262,12 +1264,12 @@ class StepPlanner:
 
     def _spread_key(self) -> str:
         """:meth:`token_state`'s key of the carried spread: ``"spread"`` (tokens²), ``"spread_rel"`` (drain model
-        ``"persist"``) or ``"spread_ratio"`` (``"relative"``), both relative to ā² (:data:`SPREAD_KEYS`)."""
-        return SPREAD_KEYS.get(self.drain_model, "spread")
+        ``"persist"``) or ``"spread_ratio"`` (``"relative"``), both relative to ā² (:data:`SPREAD_STATE`)."""
+        return SPREAD_STATE.get(self.drain_model, ("spread", DEFAULT_SPREAD))[0]
 
     def _default_spread(self) -> float:
-        """The drain rule's prior spread with no earlier call, in :meth:`_spread_key`'s units."""
-        return {"persist": DEFAULT_SPREAD_REL, "relative": DEFAULT_SPREAD_RATIO}.get(self.drain_model, DEFAULT_SPREAD)
+        """The drain rule's prior spread with no earlier call, in :meth:`_spread_key`'s units (:data:`SPREAD_STATE`)."""
+        return SPREAD_STATE.get(self.drain_model, ("spread", DEFAULT_SPREAD))[1]
 
     def load_token_state(self, state: dict) -> None:
         """Start from an earlier planner's acceptance (:meth:`token_state`; module docstring, "Across calls"):

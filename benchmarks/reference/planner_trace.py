@@ -273,6 +273,7 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
                     planner.observe(m0, sum(v[1] for v in step.values()) / len(step),
                                     true_ms[m0] if timed else None, len(step))
                     if m0[0] != "ar":
+                        narrow = m0[0] == "chain" and m0[1] < cap  # a chain below the planner's widest
                         if m0[0] == "tree":
                             for c in chains:
                                 if min(verify - 1, m0[1] - 1) >= c[1] - 1:
@@ -287,13 +288,13 @@ def batch_ms(rows: list[dict], B: int, true_ms: dict, verify: int, max_new: int,
                                 planner.observe_paired(c, sum(min(v[1], c[1]) for v in step.values()) / len(step),
                                                        len(step))
                         for b, v in step.items():
-                            if m0[0] == "chain" and m0[1] < cap and planner.drain_model == "own":
+                            if narrow and planner.drain_model == "own":
                                 continue  # "own" reads a request against the full chain (Engine._decode_planned)
                             d = v[1] if m0[0] == "chain" else min(v[2], cap or v[2])
                             stats[b][0] += d
                             stats[b][1] += 1
                             stats[b][2] += d * d
-                        if not (m0[0] == "chain" and m0[1] < cap):  # a narrow chain's confidence: not given
+                        if not narrow:  # a narrow chain's confidence: not given
                             predicted = {k: sum(v[3] for v in step.values()) / len(step)
                                          for k in planner.table if k[0] != "ar"}
                 else:
