@@ -65,9 +65,7 @@ from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import (
     CEILING_MODELS,
-    COST_MODELS,
     DRAIN_MODELS,
-    SETTLE_MODELS,
     StepPlanner,
     append_plan_record,
     plan_log_path,
@@ -386,15 +384,9 @@ class Engine:
         # how far that confidence moves the planner's estimate (StepPlanner's conf_slope): "auto", the slope fitted
         # online; 1.0, in proportion (the rule before 2026-12-05); 0, not at all
         self.plan_conf_slope: float | str = "auto"
-        # the rate a probe's loss is settled against (infer.planner.SETTLE_MODELS): "long_run", or "estimate" (the
-        # rule before 2026-12-06)
-        self.plan_settle = "long_run"
         # a led mode's probing ceiling (infer.planner.CEILING_MODELS): "lead", "headroom" (the rule before 2026-12-06,
         # afternoon) or "lead_age" (an experiment)
         self.plan_ceiling = "lead"
-        # how a mode's measured ÷ table ratio is kept while it is not timed (infer.planner.COST_MODELS): "own" or
-        # "age" (an experiment)
-        self.plan_cost = "own"
         # benchmarks only: a fixed cycle of plan_modes the planner runs instead of deciding (StepPlanner.schedule)
         self.plan_schedule: list | None = None
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
@@ -1506,13 +1498,11 @@ class Engine:
         s = self._slots_for(B)
         kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
-        for name, allowed in (("plan_drain_model", DRAIN_MODELS), ("plan_settle", SETTLE_MODELS),
-                              ("plan_ceiling", CEILING_MODELS), ("plan_cost", COST_MODELS)):
+        for name, allowed in (("plan_drain_model", DRAIN_MODELS), ("plan_ceiling", CEILING_MODELS)):
             if spec and self.budget == "auto" and getattr(self, name) not in allowed:
                 raise ValueError(f"Engine.{name}={getattr(self, name)!r}: use {' or '.join(map(repr, allowed))}")
         planner = (StepPlanner(self._step_costs(B, params), drain_model=self.plan_drain_model,
-                               conf_slope=self.plan_conf_slope, settle=self.plan_settle,
-                               ceiling=self.plan_ceiling, cost_model=self.plan_cost)
+                               conf_slope=self.plan_conf_slope, ceiling=self.plan_ceiling)
                    if spec and self.budget == "auto" else None)
         key = self._plan_key(B, params)
         if planner is not None and self.plan_schedule:

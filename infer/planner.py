@@ -33,8 +33,7 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
    ``share`` of the step time spent plus ``warmup`` steps of the cheapest mode (at most the time spent).
    :class:`StepPlanner` settles each probe with what it committed, at the larger of the best mode's rate as estimated
    at the choice and its long-run rate (slow average without confidence; a led mode's paired mode's plus the lead;
-   times the drain's factor; ``settle="long_run"``, the default; ``"estimate"`` the rule before), so a lucky probe
-   gives time back and the time lost stays near ``share`` plus the warm-up.
+   times the drain's factor), so a lucky probe gives time back and the time lost stays near ``share`` plus the warm-up.
 
 Averages: per mode a fast one (newest observation weighted ``max(decay × r / (r + PRIOR_ROWS), 1 / n)``, r the requests
 in that step) and a slow one (``max(slow, 1 / n)``) plus a standard-error bonus ``√(BONUS_VAR / (n·r̄))`` (n at most
@@ -46,9 +45,8 @@ Online cost: a mode's step time is its table time × its measured ÷ table ratio
 steps first and their median in log space sets its ratio; later steps are clipped to 1/3-3 × the estimate they were
 chosen with; a mode's first 3 timings (with the nearest timed mode's ratio as a prior while fewer) give its ratio as
 their log-space median, then a log-space moving average (weight ``cost_decay``, each step moving it by at most
-``cost_decay`` × log 1.25). Time spent and probe losses are in these measured (clipped) milliseconds. Under cost model
-``"age"`` (:data:`COST_MODELS`, opt-in) a mode's price moves, as it goes untimed, from that average to the median of
-its own last timings, and its next timing moves on from there.
+``cost_decay`` × log 1.25). Time spent and probe losses are in these measured (clipped) milliseconds. A mode's price
+stays where its last timing left it while the mode is not timed.
 
 Calibration: per mode, moving averages (weight ``max(cal_decay, 1 / n)``) of the predicted (P) and realized *accepted*
 tokens over the steps with a prediction (realized ÷ predicted is reported). A mode run at least once is expected to
@@ -96,7 +94,6 @@ from __future__ import annotations
 
 import math
 import re
-import statistics
 from collections import Counter, deque
 
 import numpy as np
@@ -118,25 +115,11 @@ PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (mo
 # carried to the next call relative to the pooled acceptance squared instead of in tokens²: a spread learned on the
 # chain of 4's scale is not taken at face value on the chain of 2's; an experiment, module docstring, "Drain")
 DRAIN_MODELS = ("scaled", "lead", "own", "persist", "relative")
-# the rate a probe's loss is settled against (module docstring, rule 3): "long_run" (the larger of the best mode's
-# rate as estimated at the choice and its long-run rate, the default) or "estimate" (the estimate alone, the rule
-# before 2026-12-06)
-SETTLE_MODELS = ("long_run", "estimate")
 # a led mode's probing ceiling (module docstring, rule 2): "lead" (its estimate plus LEAD_Z standard errors of its
 # leads, once LEAD_MIN_STEPS paired steps are behind each: the paired mode's part of the estimate is observed on the same
 # steps and needs no headroom; the default), "headroom" (its estimate × the headroom rule's factor, the rule before) or
 # "lead_age" ("lead" with each lead's variance growing with the steps since it was last observed; an experiment)
 CEILING_MODELS = ("lead", "headroom", "lead_age")
-# a mode's measured ÷ table ratio (module docstring, "Online cost"): "own" (its moving average, kept as the last timing
-# left it until the mode is timed again; the default) or "age" (as the mode goes untimed, its price moves from that
-# average to the median of its own last COST_WINDOW timings, in log space with weight 1 − exp(−age ÷ COST_AGE_STEPS),
-# age the steps since its last timing, and its next timing moves on from there: a price that a burst of slow steps
-# set at the end of a mode's run is not kept for good once the mode is left; H100, concurrency 32, T = 0: the chain of
-# 4 priced 1.26 × its table after such a burst, left for the chain of 8 for whole tasks while its steps ran about
-# 1.07 × it; results/plan-logs-h100-2026-12-06-persist.tar.gz; an experiment)
-COST_MODELS = ("own", "age")
-COST_AGE_STEPS = 32.0
-COST_WINDOW = 64
 LEAD_Z = 1.0
 LEAD_MIN_STEPS = 4
 # chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
@@ -648,13 +631,9 @@ class StepPlanner:
             with the spread carried relative to ā²).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
-        settle: :data:`SETTLE_MODELS`: the rate a probe's loss is settled against (module docstring, rule 3).
         ceiling: :data:`CEILING_MODELS`: a led mode's probing ceiling (module docstring, rule 2; :meth:`lead_se`).
-        cost_model: :data:`COST_MODELS`: how a mode's measured ÷ table ratio is kept while the mode is not timed
-            (:meth:`_ratio`).
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
-    unknown drain, settle, ceiling or cost model or a conf_slope that is neither ``"auto"`` nor a number in [0,
-    ``SLOPE_MAX``].
+    unknown drain model or ceiling or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
     """
 
     def __init__(
@@ -670,9 +649,7 @@ class StepPlanner:
         cal_decay: float = 0.05,
         drain_model: str = "scaled",
         conf_slope: float | str = "auto",
-        settle: str = "long_run",
         ceiling: str = "lead",
-        cost_model: str = "own",
     ):
         if not costs or not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs.values()):
             raise ValueError(f"planner costs must be a non-empty table of positive finite step times, got {costs}")
@@ -682,18 +659,9 @@ class StepPlanner:
             isinstance(conf_slope, (int, float)) and math.isfinite(conf_slope) and 0 <= conf_slope <= SLOPE_MAX
         ):
             raise ValueError(f"conf_slope={conf_slope!r}; expected 'auto' or a number in 0..{SLOPE_MAX}")
-        if settle not in SETTLE_MODELS:
-            raise ValueError(f"settle={settle!r}; expected one of {', '.join(SETTLE_MODELS)}")
         if ceiling not in CEILING_MODELS:
             raise ValueError(f"ceiling={ceiling!r}; expected one of {', '.join(CEILING_MODELS)}")
-        if cost_model not in COST_MODELS:
-            raise ValueError(f"cost_model={cost_model!r}; expected one of {', '.join(COST_MODELS)}")
-        self.conf_slope, self.settle, self.ceiling, self.cost_model = conf_slope, settle, ceiling, cost_model
-        # per mode, the step of its latest timing and its last COST_WINDOW measured ÷ table ratios (cost model "age",
-        # _ratio)
-        self.ratio_step: dict[Mode, int] = {m: 0 for m in costs}
-        self.window: dict[Mode, deque] = {m: deque(maxlen=COST_WINDOW) for m in costs}
-        self.window_log_median: dict[Mode, float | None] = {m: None for m in costs}  # log of its median, kept with it
+        self.conf_slope, self.ceiling = conf_slope, ceiling
         # a fixed cycle of modes that choose() runs instead of deciding (benchmarks/engine/bench_planner_loop.py
         # --switch: what switching modes costs the loop); observations are still recorded; None: decide
         self.schedule: list[Mode] | None = None
@@ -764,8 +732,8 @@ class StepPlanner:
 
     @property
     def costs(self) -> dict[Mode, float]:
-        """Estimated step milliseconds per mode: table × the mode's measured ratio (:meth:`_ratio`), or for a mode
-        never timed × the ratio of the timed mode nearest in table time (the table itself before any timing)."""
+        """Estimated step milliseconds per mode: table × the mode's measured ratio, or for a mode never timed × the
+        ratio of the timed mode nearest in table time (the table itself before any timing)."""
         timed = [m for m in self.table if self.ratio[m] is not None]
         out = {}
         for m, t in self.table.items():
@@ -774,26 +742,8 @@ class StepPlanner:
                 if self.ratio[m] is not None
                 else min(timed, key=lambda k: abs(math.log(self.table[k] / t)), default=None)
             )
-            out[m] = t * (self._ratio(near) if near is not None else 1.0)
+            out[m] = t * (self.ratio[near] if near is not None else 1.0)
         return out
-
-    def _ratio(self, m: Mode) -> float:
-        """``m``'s measured ÷ table ratio as the cost model keeps it (``m`` timed at least once): ``"own"`` its moving
-        average r_m; ``"age"`` ``exp(w log r_m + (1 − w) log med_m)``, ``w = exp(−age ÷ COST_AGE_STEPS)``, age the
-        steps since ``m`` was last timed and med_m the median of its last :data:`COST_WINDOW` timings (measured ÷
-        table, clipped as the average takes them; :data:`COST_MODELS`)."""
-        r, med = self.ratio[m], self.window_log_median[m]
-        if self.cost_model != "age" or med is None:
-            return r
-        w = math.exp(-max(self.step - self.ratio_step[m], 0) / COST_AGE_STEPS)
-        return math.exp(w * math.log(r) + (1.0 - w) * med)
-
-    def _keep_window_median(self, m: Mode) -> None:
-        """Cost model ``"age"`` (the only reader, :meth:`_ratio`): keep the log of the median of ``m``'s window, at a
-        timing or a loaded state, not at every price; the window itself is kept under every cost model and carried
-        with the cost state."""
-        if self.cost_model == "age" and self.window[m]:
-            self.window_log_median[m] = math.log(statistics.median(self.window[m]))
 
     def calibration(self, mode: Mode) -> float | None:
         """Realized ÷ predicted accepted tokens of ``mode`` (``None``: no prediction or none accepted)."""
@@ -990,7 +940,7 @@ class StepPlanner:
                 # a probe is settled in the same terms: its tokens as the drain rule counts them
                 if raw.get(mode):
                     scale = tokens[mode] / raw[mode]
-            if loss > 0 and self.settle == "long_run":  # module docstring, rule 3: settled at the best mode's long run
+            if loss > 0:  # module docstring, rule 3: settled at the best mode's long run
                 best = best_mode(costs, tokens)
                 long_run = self._long_run(best)
                 if long_run is not None:
@@ -1110,8 +1060,6 @@ class StepPlanner:
         if ms is not None and ms > 0:
             self.timed_steps[mode] += 1
             self.timed_ms[mode] += ms
-            if self.ratio[mode] is not None:  # cost model "age": it moves on from the ratio it had aged to
-                self.ratio[mode] = self._ratio(mode)
             before = est_ms / self.table[mode]  # the ratio used for this step
             x = ms / self.table[mode]
             # no other mode measured yet and fewer than FIRST_TIMED timings of this one: take x as it is
@@ -1131,9 +1079,6 @@ class StepPlanner:
             else:  # log-space average, one step moves it by at most cost_decay × LOG_CLIP
                 step = min(max(math.log(x / self.ratio[mode]), -LOG_CLIP), LOG_CLIP)
                 self.ratio[mode] *= math.exp(self.cost_decay * step)
-            self.ratio_step[mode] = self.step
-            self.window[mode].append(x)
-            self._keep_window_median(mode)
         else:
             ms = est_ms
         if probe is not None:
@@ -1228,9 +1173,6 @@ class StepPlanner:
             "ratio": dict(self.ratio),
             "timed": dict(self.timed),
             "first": {m: list(v) for m, v in self.first.items()},
-            # steps since each mode's latest timing, and its last timings (cost model "age")
-            "age": {m: self.step - k for m, k in self.ratio_step.items()},
-            "window": {m: list(v) for m, v in self.window.items()},
         }
 
     def load_cost_state(self, state: dict) -> None:
@@ -1246,9 +1188,6 @@ class StepPlanner:
         for m, r in state["ratio"].items():
             if r is not None:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
-                self.ratio_step[m] = self.step - state.get("age", {}).get(m, 0)  # its age goes on from the state's
-                self.window[m] = deque(state.get("window", {}).get(m, []), maxlen=COST_WINDOW)
-                self._keep_window_median(m)
 
     TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps", "pred_var",
                     "pred_cov", "slope_steps", "lead_sq")

@@ -1156,8 +1156,8 @@ def planner_cost_section() -> list[str]:
     return ["#### The cost model `age` against the default `own` (A/B, three runs a point)", "",
             "The planner prices each mode by its measured ÷ table step time, updated only when the mode is timed, so a "
             "price a burst of slow steps set stays while the mode is not chosen. `--config pc:budget=auto,cost=age` "
-            "moves an untimed mode's price towards the median of its own last 64 timings (weight 1 − exp(−age ÷ 32 "
-            "steps)). Same setting as the table above (SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact`, "
+            "moved an untimed mode's price towards the median of its own last 64 timings (weight 1 − exp(−age ÷ 32 "
+            "steps)); it was removed after this A/B, and the commit in each file still has it. Same setting as the table above (SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact`, "
             "64 prompts a task, 512 new tokens, one H100 lease; `reproduce_h200.sh plancost` with `RUNS=2`, then "
             "`RUNS=3`, which ran the third run only); tok/s pools the five tasks:", "", *table, "", *per_task,
             "The step logs of the three concurrency 64 runs "

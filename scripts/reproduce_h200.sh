@@ -36,9 +36,6 @@
 #             their points (planner_points.py) -> results/planner-slope-h200.json                  ~14
 #   plandrain infer.bench A/B of the planner's drain model (p: scaled, the default; po: own, issue 16's math500 drain)
 #             beside AR and the chain, T=0, concurrency 8, exact and fast -> results/planner-drain-h200-{exact,fast}-T0-c8.json ~6
-#   plansettle infer.bench A/B of the rate a probe is settled against (p: long_run, the default; pe: estimate, the
-#             rule before 2026-12-06) beside AR, the chain and the fixed tree of 32, T=0, exact, concurrency 8 and 1
-#             -> results/planner-settle-h200-exact-T0-c{8,1}.json                                    ~4
 #   planceiling infer.bench A/B of a led mode's probing ceiling (p: lead, the default; ph: headroom, the rule before
 #             2026-12-06 afternoon; pa: lead_age) beside AR, the chain and the fixed trees of 16 and 32, T=0, exact,
 #             concurrency 8 and 1 -> results/planner-ceiling-h200-exact-T0-c{8,1}.json               ~6
@@ -46,10 +43,6 @@
 #             covariance of early and later acceptance) beside AR and the fixed chains of 4 and 16, T=0, exact,
 #             concurrency 64 and 32, 64 prompts -> results/planner-persist-h200-exact-T0-c{64,32}.json, step logs
 #             $WORK/logs/plan-log-persist-c{64,32}.jsonl                                               ~5
-#   plancost  infer.bench A/B of how the planner keeps an untimed mode's step time (p: the default, cost=own; pc:
-#             cost=age, a stale price moves towards the median of the mode's own timings) beside AR and the chains of 4, 16,
-#             T=0, exact, concurrency 32 and 64, 64 prompts, each point RUNS times (default 2) ->
-#             results/planner-cost[-rK]-h200-exact-T0-c{32,64}.json, step logs $WORK/logs/plan-log-cost*-c*.jsonl  ~8
 #   planest   the planner with its estimates logged (each choice's tokens per mode before the drain rule and the
 #             engine's confidence: plan_log.py --estimates): at concurrency 64 p (the default), pp (drain=persist)
 #             and pr (drain=relative) beside AR and the chains of 4 and 16; at concurrency 1 p beside AR, the chain
@@ -65,7 +58,7 @@
 # CUDA, stops the script before anything runs.
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results), GPU_TAG (h200: the suffix of every results file), SEEDS (the
-# planner stage's sampling seeds at T = 1, default one run: see the planner stage), RUNS (plancost, planest: runs a point, 2).
+# planner stage's sampling seeds at T = 1, default one run: see the planner stage), RUNS (planest: runs a point, 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/reproduce}
@@ -75,7 +68,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain plansettle planceiling planpersist plancost planest planswitch planexact tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain planceiling planpersist planest planswitch planexact tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -218,27 +211,11 @@ planab() {  # planab NAME CONCURRENCY PROMPTS LABEL-ARGS...: one infer.bench run
   python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" --exact --temperature 0 "$@" \
     --concurrency "$c" --num-prompts "$n" --max-new-tokens 512 --output-json "$out" --overwrite
 }
-if has plansettle; then
-  ab=(--draft chain="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft pe="$DRAFT"
-      --config tree32:verify=tree,tree_budget=32 --config p:budget=auto --config pe:budget=auto,settle=estimate)
-  timed plansettle-exact-c8 planab settle 8 16 "${ab[@]}"
-  timed plansettle-exact-c1 planab settle 1 5 "${ab[@]}"
-fi
 if has planpersist; then
   ab=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pp="$DRAFT"
       --config chain4:width=4 --config p:budget=auto --config pp:budget=auto,drain=persist)
   for c in 64 32; do  # with the step logs (plan_log.py --persistence reads them)
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-persist-c$c.jsonl" timed "planpersist-exact-c$c" planab persist "$c" 64 "${ab[@]}"
-  done
-fi
-if has plancost; then
-  ab=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pc="$DRAFT"
-      --config chain4:width=4 --config p:budget=auto --config pc:budget=auto,cost=age)
-  for k in $(seq 1 "${RUNS:-2}"); do  # one run's planner spreads by ±3 points: several runs a point
-    name=cost$([ "$k" = 1 ] || echo "-r$k")
-    for c in 32 64; do
-      DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c$c.jsonl" timed "plan$name-exact-c$c" planab "$name" "$c" 64 "${ab[@]}"
-    done
   done
 fi
 if has planest; then  # what the planner estimated against what it committed (the concurrency-64 gap is mt-bench's)

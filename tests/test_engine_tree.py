@@ -397,14 +397,12 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         return choose(self, predicted, drain)
 
     monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy)
-    made, settles, ceilings, cost_models = [], [], [], []
+    made, ceilings = [], []
     init = engine_mod.StepPlanner.__init__
 
     def spy_init(self, costs, **kw):
         made.append(kw.get("drain_model"))
-        settles.append(kw.get("settle"))
         ceilings.append(kw.get("ceiling"))
-        cost_models.append(kw.get("cost_model"))
         init(self, costs, **kw)
 
     monkeypatch.setattr(engine_mod.StepPlanner, "__init__", spy_init)
@@ -414,17 +412,12 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
         eng.plan_online, eng.plan_drain = False, bool(on)
         eng.plan_drain_model = "lead" if on == "lead" else "scaled"
-        eng.plan_settle = "estimate" if on == "lead" else "long_run"  # Engine.plan_settle reaches the planner
-        eng.plan_ceiling = "headroom" if on else "lead"  # Engine.plan_ceiling too
-        eng.plan_cost = "age" if on is True else "own"  # and Engine.plan_cost
+        eng.plan_ceiling = "headroom" if on else "lead"  # Engine.plan_ceiling reaches the planner too
         made.clear()
-        cost_models.clear()
-        settles.clear()
         ceilings.clear()
         seen.clear()
         assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
-        assert made == [eng.plan_drain_model] and settles == [eng.plan_settle] and ceilings == [eng.plan_ceiling]
-        assert cost_models == [eng.plan_cost]
+        assert made == [eng.plan_drain_model] and ceilings == [eng.plan_ceiling]
         rep = eng.planner_report
         if not on:
             assert all(d is None for d in seen) and not any(e["drain_steps"] for e in rep.values())
@@ -443,14 +436,8 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
     eng.plan_drain_model = "tail"
     with pytest.raises(ValueError, match="Engine.plan_drain_model='tail'"):
         eng.generate(PROMPTS, params, concurrency=3)
-    eng.plan_drain_model, eng.plan_settle = "scaled", "later"
-    with pytest.raises(ValueError, match="Engine.plan_settle='later'"):
-        eng.generate(PROMPTS, params, concurrency=3)
-    eng.plan_settle, eng.plan_ceiling = "long_run", "high"
+    eng.plan_drain_model, eng.plan_ceiling = "scaled", "high"
     with pytest.raises(ValueError, match="Engine.plan_ceiling='high'"):
-        eng.generate(PROMPTS, params, concurrency=3)
-    eng.plan_ceiling, eng.plan_cost = "lead", "shared"
-    with pytest.raises(ValueError, match="Engine.plan_cost='shared'"):
         eng.generate(PROMPTS, params, concurrency=3)
 
 

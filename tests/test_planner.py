@@ -514,15 +514,14 @@ def test_step_planner_with_a_pipelined_caller():
     assert p.report()["chain8"]["steps"] == 2 and p.report()["ar"]["steps"] == 5
 
 
-@pytest.mark.parametrize("settle", ["estimate", "long_run"])
-def test_a_probe_chosen_in_a_dip_of_the_best_mode_is_settled_at_its_long_run(settle):
+def test_a_probe_chosen_in_a_dip_of_the_best_mode_is_settled_at_its_long_run():
     """A probe is chosen where the best mode's estimate dips (its fast average, here set low by hand: a hard passage
     or noise), and settled against that dip it looks cheaper than it was: issue 16, H100, concurrency 8, T = 0, where
-    the tree of 32 was probed 20 times a task at 0.72 of the chain's rate. ``settle="long_run"`` (the default) charges
-    it against the larger of the estimate and the best mode's long-run rate (slow average ÷ step time)."""
+    the tree of 32 was probed 20 times a task at 0.72 of the chain's rate. The planner charges it against the larger of
+    the estimate and the best mode's long-run rate (slow average ÷ step time)."""
     tree = ("tree", 32)
     costs = {AR: 1.0, CHAIN: 1.5, tree: 2.5}
-    p = StepPlanner(costs, settle=settle)
+    p = StepPlanner(costs)
     for _ in range(60):  # the chain commits 4 tokens a step, the tree 2.5: the chain is the best mode
         m = p.choose()
         p.observe(m, {AR: 1.0, CHAIN: 4.0, tree: 2.5}[m], ms=costs[m])
@@ -531,14 +530,12 @@ def test_a_probe_chosen_in_a_dip_of_the_best_mode_is_settled_at_its_long_run(set
     rate = p.expected()[CHAIN] / p.costs[CHAIN]  # 2.4 / 1.5: what the choice sees
     assert p.choose() == tree  # the tree's ceiling (twice its 2.5-odd tokens) beats the dipped chain: a probe
     p.observe(tree, 3.0, ms=2.5)
-    against = max(rate, 4.0 / 1.5) if settle == "long_run" else rate
-    assert p.lost_ms + 10.0 == pytest.approx(2.5 - 3.0 / against)  # 1.375 ms (long run) or 0.625 (estimate)
-    with pytest.raises(ValueError, match="settle='x'"):
-        StepPlanner(costs, settle="x")
+    against = max(rate, 4.0 / 1.5)
+    assert p.lost_ms + 10.0 == pytest.approx(2.5 - 3.0 / against)  # 1.375 ms (against the dip alone: 0.625)
 
 
 def test_the_long_run_of_a_led_best_mode_and_under_the_drain_rule():
-    """The long-run rate a probe is settled against (``settle="long_run"``): a best mode led by a paired mode is
+    """The long-run rate a probe is settled against: a best mode led by a paired mode is
     that mode's slow average plus the lead (not the led mode's own few steps); under the drain rule the long run takes
     the drain's factor, as the estimate does, so for a speculative best mode the factor cancels."""
     tree = ("tree", 32)
@@ -1592,18 +1589,14 @@ def test_drain_model_persist_carries_its_spread_relative_and_apart():
     assert q.spread_prior == DEFAULT_SPREAD_REL
 
 
-@pytest.mark.parametrize("model", ["own", "age"])
-def test_a_price_set_by_a_burst_ages_under_cost_model_age(model):
+def test_a_price_set_by_a_burst_stays_while_the_mode_is_untimed():
     """A chain of 4 timed 60 steps at its table, then 10 at 2.5 × it (a burst), then left for the chain of 8 (timed at
-    1.2 × its table, its own level). Under "own" the chain of 4 keeps the price the burst left; under "age" the price
-    moves to the median of its last COST_WINDOW timings (its table) with weight 1 − exp(−age / COST_AGE_STEPS), the
-    chain of 8 keeps its own level, and the next timing moves on from the aged price. The age and the timings carry
-    in cost_state."""
-    from infer.planner import COST_AGE_STEPS, COST_WINDOW
-
+    1.2 × its table, its own level): the chain of 4 keeps the price the burst left until it is timed again (a rule that
+    aged it towards its own timings, cost model "age", was measured on the H100 and removed:
+    results/planner-cost{,-r2,-r3}-h100-exact-T0-c{32,64}.json)."""
     c4, c8 = ("chain", 4), ("chain", 8)
     costs = {AR: 1.0, c4: 1.5, c8: 2.0}
-    p = StepPlanner(costs, cost_model=model)
+    p = StepPlanner(costs)
     p.schedule = [c4] * 70 + [c8] * 200
     for i in range(70):
         p.choose()
@@ -1613,57 +1606,25 @@ def test_a_price_set_by_a_burst_ages_under_cost_model_age(model):
     for _ in range(64):
         p.choose()
         p.observe(c8, 4.0, ms=2.4)
-    assert p.costs[c8] == pytest.approx(2.4, rel=0.02)  # the chain of 8 at its own level under both
-    w = math.exp(-64 / COST_AGE_STEPS)
-    want = burst if model == "own" else math.exp(w * math.log(burst))  # the median of the chain of 4's timings: 1.0
-    assert p.costs[c4] == pytest.approx(1.5 * want, rel=1e-9)
+    assert p.costs[c8] == pytest.approx(2.4, rel=0.02)  # the chain of 8 at its own level
+    assert p.costs[c4] == pytest.approx(1.5 * burst, rel=1e-9)
     assert p.ratio[c4] == burst  # the stored average is the one its last timing left
-    if model == "age":
-        assert p.costs[c4] < 1.5 * 1.05  # within 5% of its real price
-        state = p.cost_state()
-        assert state["age"][c4] == 64 and len(state["window"][c4]) == min(70, COST_WINDOW)
-        q = StepPlanner(costs, cost_model="age")
-        q.load_cost_state(state)
-        assert q.costs[c4] == pytest.approx(p.costs[c4], rel=1e-9)  # the age goes on from the state's
-        q.schedule = [c4]
-        q.choose()
-        aged = q.costs[c4] / 1.5
-        q.observe(c4, 3.0, ms=1.5 * 1.1)  # 10% over its table: the average moves on from the aged price
-        assert q.ratio[c4] == pytest.approx(aged * math.exp(0.1 * math.log(1.1 / aged)))
-    with pytest.raises(ValueError, match="cost_model='shared'"):
-        StepPlanner({AR: 1.0}, cost_model="shared")
 
 
-def test_cost_model_age_keeps_each_modes_own_level():
-    """Under "age" a mode's price ages towards its own timings, not another mode's: AR at 2 × its table and a chain
-    at 1 × its table keep those levels however long either goes untimed."""
-    c16 = ("chain", 16)
-    p = StepPlanner({AR: 1.0, c16: 4.0}, cost_model="age")
-    p.schedule = [c16] * 20 + [AR] * 200
-    for _ in range(20):
-        p.choose()
-        p.observe(c16, 5.0, ms=4.0)
-    for _ in range(200):
-        p.choose()
-        p.observe(AR, 1.0, ms=2.0)
-    assert p.costs[AR] == pytest.approx(2.0, rel=0.02) and p.costs[c16] == pytest.approx(4.0, rel=0.02)
-
-
-def test_sim_planner_writes_its_provenance_and_cost_model(tmp_path):
-    """sim_planner.py --output: the command, device, date and the cost model it ran with beside the points; a cost
-    model outside COST_MODELS is refused by argparse."""
+def test_sim_planner_writes_its_provenance(tmp_path):
+    """sim_planner.py --output: the command, device and date beside the points; --cost-model (the removed cost model
+    "age") is refused by argparse."""
     import json
 
     from benchmarks.engine import sim_planner
 
     out = tmp_path / "s.json"
-    assert sim_planner.main(["--seeds", "1", "--new-tokens", "64", "--scenarios", "table", "--cost-model", "age",
-                             "--output", str(out)]) == 0
+    assert sim_planner.main(["--seeds", "1", "--new-tokens", "64", "--scenarios", "table", "--output", str(out)]) == 0
     d = json.loads(out.read_text())
-    assert d["cost_model"] == "age" and d["device"].startswith("CPU") and d["date"] and "--cost-model age" in d["command"]
+    assert d["device"].startswith("CPU") and d["date"] and "--scenarios table" in d["command"]
     assert d["points"] and all(p["scenario"] == "table" for p in d["points"])
     with pytest.raises(SystemExit):
-        sim_planner.main(["--cost-model", "shared"])
+        sim_planner.main(["--cost-model", "age"])
 
 
 def test_the_step_log_keeps_each_choice_s_estimates_and_confidence():

@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from infer.planner import COST_MODELS, StepPlanner, max_tokens  # noqa: E402
+from infer.planner import StepPlanner, max_tokens  # noqa: E402
 
 MODES = [("ar", 1), ("chain", 16), ("tree", 32), ("tree", 64)]
 # (concurrency, temperature) -> start-up step ms of MODES (engine graph replays, H200, issue 16)
@@ -257,8 +257,6 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--lag", type=int, default=1, help="steps between a choice and its observation (the engine's loop: 1)"
     )
-    ap.add_argument("--cost-model", default="own", choices=COST_MODELS,
-                    help="the planner's cost model (infer.planner.COST_MODELS; StepPlanner's cost_model)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.lag < 0:
@@ -278,8 +276,7 @@ def main(argv=None) -> int:
             taus = {m: TAU[t][MODES.index(m)] for m in costs}
             row = {"scenario": name, "concurrency": c, "temperature": t}
             for planner, online in (("table", False), ("online", True)):
-                r = replay(costs, taus, c, args.seeds, args.new_tokens, mm, online, share=args.share,
-                           cost_model=args.cost_model)
+                r = replay(costs, taus, c, args.seeds, args.new_tokens, mm, online, share=args.share)
                 row[planner] = r
             rows.append(row)
             tb, on = row["table"], row["online"]
@@ -295,7 +292,7 @@ def main(argv=None) -> int:
 
         meta = {"command": command_line([__file__, *(argv if argv is not None else sys.argv[1:])]),
                 "device": "CPU (a replay: no model runs)", "date": utc_now(), "commit": git_commit(),
-                "cost_model": args.cost_model, "seeds": args.seeds}
+                "seeds": args.seeds}
         Path(args.output).write_text(
             json.dumps({**meta, "simulated": True, "scenarios": scen, "points": rows}, indent=1) + "\n"
         )

@@ -515,7 +515,6 @@ def replay(args) -> int:
     from infer.planner import (
         CEILING_MODELS,
         DRAIN_MODELS,
-        SETTLE_MODELS,
         parse_conf_slope,
         parse_plan_chains,
         parse_plan_trees,
@@ -569,7 +568,6 @@ def replay(args) -> int:
     if not times_list or any(t not in ("measured", "table") for t in times_list):
         raise SystemExit(f"--times {args.times!r}: measured, table or both, comma-separated")
     drain_models = model_list(args.drain_model, "--drain-model", DRAIN_MODELS)
-    settles = model_list(args.settle, "--settle", SETTLE_MODELS)
     ceilings = model_list(args.ceiling, "--ceiling", CEILING_MODELS)
     pairs = [x.strip() for x in args.pair_trees.split(",")]
     if not pairs or any(x not in ("on", "off") for x in pairs):
@@ -584,23 +582,22 @@ def replay(args) -> int:
         for row in trace["prompts"]:  # the larger tree commits what the smaller one does (and pairs its chain alike)
             row[f"tree{big}"], row[f"pair{big}"] = list(row[f"tree{small}"]), list(row[f"pair{small}"])
     points, skipped = [], []
-    knobs = (slopes, pairs, drain_models, settles, ceilings)
+    knobs = (slopes, pairs, drain_models, ceilings)
     firsts = (times_list[0], *(k[0] for k in knobs))
-    for times, costs, plan_trees, slope, pair, dm, st, ce in itertools.product(times_list, costs_list, trees_list,
-                                                                               *knobs):
+    for times, costs, plan_trees, slope, pair, dm, ce in itertools.product(times_list, costs_list, trees_list, *knobs):
         try:
             pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times,
                               pair_trees=pair == "on", plan_chains=args.plan_chains, repeat=args.repeat,
-                              conf_slope=slope, drain_model=dm, settle=st, ceiling=ce)
+                              conf_slope=slope, drain_model=dm, ceiling=ce)
         except NoStepTime as e:
-            if (times, slope, pair, dm, st, ce) == firsts:  # a skip is reported once per costs file and tree set
+            if (times, slope, pair, dm, ce) == firsts:  # a skip is reported once per costs file and tree set
                 print(f"skipped: {e}", flush=True)
                 skipped.append({"costs": costs, "plan_trees": plan_trees, "why": str(e)})
             continue
         points.append(pt)
-        pt["conf_slope"], pt["drain_model"], pt["settle"], pt["ceiling"] = slope, dm, st, ce
+        pt["conf_slope"], pt["drain_model"], pt["ceiling"] = slope, dm, ce
         print(f"{times} {costs} c{pt['concurrency']} trees {plan_trees} conf_slope {slope} pair_trees {pair} "
-              f"drain_model {dm} settle {st} ceiling {ce}: "
+              f"drain_model {dm} ceiling {ce}: "
               f"planner / best fixed ({pt['best_fixed']}) "
               f"{pt['planner_over_best_fixed']:.4f}, / AR {pt['planner_over_ar']:.3f}; clairvoyant / best "
               f"{pt['clairvoyant_over_best_fixed'] or float('nan'):.4f}; steps {pt['planner_steps_timed']}", flush=True)
@@ -648,9 +645,6 @@ def main(argv=None) -> int:
                    help="the drain rule once no prompt is queued (Engine.plan_drain; default on)")
     r.add_argument("--drain-model", default="scaled",
                    help="the planner's drain model (infer.planner.DRAIN_MODELS), comma-separated: one point each")
-    r.add_argument("--settle", default="long_run",
-                   help="the rate the planner settles a probe against (infer.planner.SETTLE_MODELS), comma-separated: "
-                        "one point each")
     r.add_argument("--ceiling", default="lead",
                    help="a led mode's probing ceiling (infer.planner.CEILING_MODELS; default lead, the engine's), "
                         "comma-separated: one point each")
