@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from dspine.io import atomic_write_json, file_digest  # noqa: F401  (re-exported
 # Longest raw line text kept in a skipped/error record (a corrupt multi-megabyte line stays readable).
 MAX_RAW_CHARS = 10_000
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): json.loads joins a valid pair into one character and leaves a
+# lone one in the string, which no UTF-8 writer or tokenizer takes
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 # the data CLIs' exit statuses (their --help epilog)
 EXIT_STATUS = ("exit status: 0 done; 1 the input was read but no row was kept (nothing to train on); 2 a bad argument "
                "or an unreadable input; 130 interrupted (Ctrl-C)")
@@ -30,7 +34,8 @@ def parse_jsonl_line(raw: bytes, where: str) -> dict:
     """Parses one JSON-lines line (bytes, newline optional) into an object.
 
     Raises:
-        RowError: "bad_utf8", "bad_json" or "not_object", with `where` (e.g. "file.jsonl:12") in the message.
+        RowError: "bad_utf8" (also for a lone UTF-16 surrogate escape such as ``"\\ud800"``), "bad_json" or
+            "not_object", with `where` (e.g. "file.jsonl:12") in the message.
     """
     try:
         text = raw.decode("utf-8")
@@ -52,7 +57,22 @@ def parse_jsonl_line(raw: bytes, where: str) -> dict:
             f"{where}: row is a JSON {type(obj).__name__}, not an object",
             raw=text[:MAX_RAW_CHARS],
         )
+    check_surrogates(obj, text, where)
     return obj
+
+
+def check_surrogates(obj, text: str, where: str) -> None:
+    """Raises RowError "bad_utf8" naming `where` when the parsed row `obj` holds a lone UTF-16 surrogate (a JSON escape
+    in `text`, its source, that no valid pair joined): it could not be written as UTF-8 or tokenized later."""
+    if _SURROGATE_ESCAPE.search(text) is None:
+        return
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError(
+            "bad_utf8", f"{where}: a string holds a lone UTF-16 surrogate ({e.object[e.start]!r})",
+            raw=text[:MAX_RAW_CHARS],
+        ) from None
 
 
 def iter_jsonl(path: str | Path) -> Iterator[dict | RowError]:
@@ -88,6 +108,11 @@ def iter_json_array(path: str | Path) -> Iterator[dict | RowError]:
         raise ValueError(f"{path}: expected a JSON array of rows at the top level, got {type(rows).__name__}")
     for i, row in enumerate(rows):
         if isinstance(row, dict):
+            try:
+                check_surrogates(row, json.dumps(row), f"{path}[{i}]")
+            except RowError as e:
+                yield e
+                continue
             yield row
         else:
             yield RowError(

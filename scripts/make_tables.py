@@ -21,9 +21,17 @@ BEGIN, END = "<!-- RESULTS:BEGIN (scripts/make_tables.py) -->", "<!-- RESULTS:EN
 TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 
 
+def read_json(path: Path):
+    """The JSON in ``path``. Raises SystemExit naming the file when it is not valid JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"make_tables: {path}: not valid JSON ({e})") from None
+
+
 def load(name: str) -> dict | None:
     p = RESULTS / name
-    return json.loads(p.read_text()) if p.is_file() else None
+    return read_json(p) if p.is_file() else None
 
 
 def fmt(x, nd=2):
@@ -252,7 +260,7 @@ def smollm2_section() -> list[str]:
         return []
     out = ["### SmolLM2-135M-Instruct: the shipped draft, and DSpine vs the DFlash ablation", ""]
     for path in runs:
-        r = json.loads(path.read_text())
+        r = read_json(path)
         a = r["args"]
         samp = "greedy" if a["temperature"] == 0 else f"T={a['temperature']:g}, top_p {a['top_p']:g}, top_k {a['top_k']}"
         if a.get("draft_temperature") is not None:
@@ -294,7 +302,7 @@ def smollm2_section() -> list[str]:
             out.append("Greedy output identical to the autoregressive output of the same backend: " + ", ".join(eq) + ".")
         div = path.with_name(path.stem + "-divergence.json")
         if div.is_file():
-            rows = [x for x in json.loads(div.read_text())["divergences"] if x.get("position") is not None]
+            rows = [x for x in read_json(div)["divergences"] if x.get("position") is not None]
             top2 = sum(x["both_in_fp32_top2"] for x in rows)
             out.append(f"Each of the {len(rows)} differing outputs parts from AR at a near-tie of the target: both tokens "
                        f"are the fp32 top-2 in {top2}/{len(rows)} cases, top-2 margin ≤ "
@@ -1290,7 +1298,7 @@ def planner_exact_section() -> list[str]:
                    f"{'–' if rel.get('p') is None else _vs_goal(rel['p'])} — {ok((rel.get('p') or 0) >= 0.98)} | {fmt(rel.get('p16'), '.3f')} | "
                    f"{fmt(rel.get('pl'), '.3f')} | {fmt(p['planner_over_ar'].get('p'), '.3f')} | {share} | {same} |")
     out += ["", "Commands: `" + "`; `".join(x["command"] for x in
-                                          (json.loads((ROOT / f).read_text()) for f in r["points"])) + "`; then `"
+                                          (read_json(ROOT / f) for f in r["points"])) + "`; then `"
             + r["command"] + "`.", ""]
     return (out + planner_exact_rerun() + planner_default_section() + planner_replay_section() + pairing_replay_section()
             + drain_replay_section())
@@ -1333,7 +1341,7 @@ def planner_default_section() -> list[str]:
                        f"{fmt(rel.get('p64'), '.3f')} | {fmt(p['planner_over_ar'].get('p'), '.3f')} | {share} | "
                        f"{a}/{b} |")
     out += ["", "Commands: " + "; ".join(
-        "`" + "`; `".join(json.loads((ROOT / f).read_text())["command"] for f in r["points"]) + "`; then `"
+        "`" + "`; `".join(read_json(ROOT / f)["command"] for f in r["points"]) + "`; then `"
         + r["command"] + "`" for _, r in files) + ". Paths as in the repo; each file's `command_as_run` has the GPU machine's.", ""]
     return out
 
@@ -1353,7 +1361,7 @@ def pairing_replay_section() -> list[str]:
            "nothing at a higher step price). Planner ÷ best fixed mode of the same replay:", "",
            "| trace | step times from | concurrency | best fixed | pairing on | pairing off |", "|---|---|---|---|---|---|"]
     for f in files:
-        d = json.loads(f.read_text())
+        d = read_json(f)
         kind = ", ".join("tree {} = tree {}".format(*x.split("=")) for x in d.get("tree_like") or []) or "as recorded"
         rows: dict = {}
         for p in d["points"]:  # on and off of one point side by side (the other settings as the point ran them)
@@ -1375,7 +1383,7 @@ def drain_replay_section() -> list[str]:
     f = RESULTS / "drain-replay16-cpu.json"
     if not f.exists():
         return []
-    d = json.loads(f.read_text())
+    d = read_json(f)
     before = {(p["costs"], p["concurrency"]): p["planner_over_best_fixed"] for p in d["before"]["points"]}
     out = ["#### The drain rule's one factor and spread cap (replay, CPU)", "",
            "`planner_trace.py replay` over the trace above, trees of 16 and 32, at "
@@ -1401,7 +1409,7 @@ def planner_replay_section() -> list[str]:
         return []
     # a file whose points carry conf_slope replays both slopes over the same trace and cost files as the earlier
     # ones (whose points ran the rule of their time, conf_slope 1): the earlier ones are listed, not tabulated
-    data = {f: json.loads(f.read_text()) for f in files}  # each file read once
+    data = {f: read_json(f) for f in files}  # each file read once
     sloped = [f for f in files if any("conf_slope" in p for p in data[f]["points"])]
     superseded = [f for f in files if f not in sloped] if sloped else []
     files = sloped or files
@@ -1444,7 +1452,7 @@ def planner_replay_section() -> list[str]:
         """{plan trees "a/b": that planner's tok/s ÷ the best fixed label's (AR included)} of the infer.bench run
         itself (mean tok/s over its tasks), for its planner labels with the same confidence and drain settings as
         its label p (pl, pn and the like vary those)."""
-        run = json.loads((ROOT / costs).read_text())
+        run = read_json(ROOT / costs)
         tps: dict = {}
         for t in run["tasks"]:
             tps.setdefault("AR", []).append(t["ar"]["tok_per_s"])
@@ -1495,7 +1503,7 @@ def planner_replay_section() -> list[str]:
                                and p["concurrency"] == c and p.get("conf_slope", 1.0) == k]] if v)
                 for t in ("16/32", "32/64", "32") for c in sorted({p["concurrency"] for p in r["points"]})
                 if any(p["plan_trees"] == t and p["concurrency"] == c for p in r["points"])) + "."]
-        out += ["", f"Command: `{r['command']}` (trace: `{json.loads((ROOT / r['trace']).read_text())['command']}`).",
+        out += ["", f"Command: `{r['command']}` (trace: `{read_json(ROOT / r['trace'])['command']}`).",
                 ""]
     return out
 
@@ -1524,7 +1532,7 @@ def planner_exact_rerun() -> list[str]:
                    f"{fmt(t.get('t32'))} | {p['best_fixed']} | {'–' if rel is None else _vs_goal(rel)} — "
                    f"{'met' if (rel or 0) >= 0.98 else '**missed**'} | {fmt(p['planner_over_ar'].get('p'), '.3f')} | "
                    f"{share} | {same} |")
-    out += ["", "Commands: `" + "`; `".join(json.loads((ROOT / f).read_text())["command"] for f in r["points"])
+    out += ["", "Commands: `" + "`; `".join(read_json(ROOT / f)["command"] for f in r["points"])
             + "`; then `" + r["command"] + "`."]
     if t1:
         sp = t1["summary"]["p"]["mean_speedup"]

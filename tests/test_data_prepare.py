@@ -104,6 +104,16 @@ def test_real_source_formats(tmp_path):
     )
 
 
+def test_a_json_array_row_with_a_lone_surrogate_is_skipped_by_index(tmp_path):
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    src = tmp_path / "rows.json"
+    src.write_text('[' + json.dumps(good) + ', {"messages": [{"role": "user", "content": "\\udfff"}]}]')
+    s = prepare([str(src)], tmp_path / "out", fmt="openai")["sources"]["rows"]
+    assert s["read"] == 2 and s["kept"] == 1 and s["skipped_reasons"] == {"bad_utf8": 1}
+    (skipped,) = read_jsonl(tmp_path / "out" / "skipped.jsonl")
+    assert "rows.json[1]: a string holds a lone UTF-16 surrogate ('\\udfff')" in skipped["detail"]
+
+
 def test_bad_rows_are_skipped_with_reasons(tmp_path):
     good = {
         "messages": [
@@ -125,14 +135,15 @@ def test_bad_rows_are_skipped_with_reasons(tmp_path):
         b"",  # blank line: not a row
         good,  # duplicate
         {"messages": [{"role": "user", "content": "Only a prompt"}]},  # kept: regenerate answers it
+        b'{"messages": [{"role": "user", "content": "x \\ud800 y"}]}',  # a lone UTF-16 surrogate escape
     ]
     src = write_lines(tmp_path / "chat.jsonl", lines)
     summary = prepare([str(src)], tmp_path / "out", fmt="openai")
     s = summary["sources"]["chat"]
-    assert s["read"] == 11 and s["kept"] == 2 and s["duplicates"] == 1 and s["skipped"] == 8
+    assert s["read"] == 12 and s["kept"] == 2 and s["duplicates"] == 1 and s["skipped"] == 9
     assert s["skipped_reasons"] == {
         "bad_json": 1,
-        "bad_utf8": 1,
+        "bad_utf8": 2,
         "missing_field": 1,
         "unknown_role": 1,
         "empty_conversation": 1,
@@ -141,11 +152,12 @@ def test_bad_rows_are_skipped_with_reasons(tmp_path):
         "not_object": 1,
     }
     skipped = read_jsonl(tmp_path / "out" / "skipped.jsonl")
-    assert [r["id"] for r in skipped] == [f"chat:{i:06d}" for i in range(1, 9)]
+    assert [r["id"] for r in skipped] == [f"chat:{i:06d}" for i in (*range(1, 9), 11)]
     assert "chat.jsonl:2: invalid JSON" in skipped[0]["detail"] and skipped[0]["row"].startswith(
         '{"messages"'
     )
     assert "not valid UTF-8" in skipped[1]["detail"]
+    assert "chat.jsonl:13: a string holds a lone UTF-16 surrogate ('\\ud800')" in skipped[8]["detail"]
     assert "unknown role 'tool'" in skipped[3]["detail"]
     kept = read_jsonl(tmp_path / "out" / "train.jsonl") + read_jsonl(tmp_path / "out" / "eval.jsonl")
     assert sorted(r["id"] for r in kept) == ["chat:000000", "chat:000010"]

@@ -195,6 +195,7 @@ def test_bad_rows_are_skipped_or_errors_with_reasons(workdir):
         json.dumps(good).encode(),
         b'{"id": "broken", "conversations": [',
         b'{"id": "bytes", "conversations": "\xff"}',
+        b'{"id": "surrogate", "conversations": [{"role": "user", "content": "x \\udc00"}]}',
         json.dumps({"id": "nofield"}).encode(),
         json.dumps({"conversations": [{"role": "user", "content": "no id"}]}).encode(),
         json.dumps({"id": "role", "conversations": [{"role": "narrator", "content": "x"}]}).encode(),
@@ -211,14 +212,14 @@ def test_bad_rows_are_skipped_or_errors_with_reasons(workdir):
     out = workdir / "bad-out"
     summary = run(argv(workdir, out, input_file=data))
     assert (
-        summary["input_rows"] == 9
+        summary["input_rows"] == 10
         and summary["results"] == 1
-        and summary["skipped"] == 8
+        and summary["skipped"] == 9
         and summary["adds_up"]
     )
     assert summary["skipped_reasons"] == {
         "bad_json": 1,
-        "bad_utf8": 1,
+        "bad_utf8": 2,
         "missing_field": 2,
         "unknown_role": 1,
         "empty_conversation": 1,

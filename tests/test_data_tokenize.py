@@ -277,6 +277,7 @@ def test_cache_reports_bad_rows_and_cli(tmp_path, capsys):
     bad = [
         b'{"id": "broken", "conversations": [',
         b'{"id": "bytes", "conversations": "\xff\xfe"}',
+        b'{"id": "surrogate", "conversations": [{"role": "user", "content": "\\ud83d"}]}',
         json.dumps({"id": "norole", "conversations": [{"role": "robot", "content": "x"}]}).encode(),
         json.dumps({"id": "empty", "conversations": []}).encode(),
         json.dumps({"id": "nofield"}).encode(),
@@ -285,14 +286,14 @@ def test_cache_reports_bad_rows_and_cli(tmp_path, capsys):
     data = write_rows(tmp_path / "rows.jsonl", rows, bad)
     assert main(["--input", str(data), "--tokenizer", str(QWEN3), "--max-length", "100"]) == 0
     out = capsys.readouterr().out
-    assert "9 rows -> 2 sequences" in out
+    assert "10 rows -> 2 sequences" in out
     (folder,) = (tmp_path / "tokenized").iterdir()
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["rows"] == 9 and summary["rows_ok"] == 2 and summary["errors"] == 7
+    assert summary["rows"] == 10 and summary["rows_ok"] == 2 and summary["errors"] == 8
     assert summary["error_reasons"] == {
         "all_zero_mask": 1,
         "bad_json": 1,
-        "bad_utf8": 1,
+        "bad_utf8": 2,
         "unknown_role": 1,
         "empty_conversation": 1,
         "missing_field": 1,

@@ -241,19 +241,20 @@ def test_drain_model_relative_runs_in_the_engine_and_carries_a_ratio(stories_dir
     assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
 
 
-@pytest.mark.parametrize("config, msg", [
-    ("c:width=8", "--config c:width=8: a fixed chain's width must be below the draft's block of 8"),
-    ("c:budget=auto,plan_chains=2/8", "draft 'c': plan_chains 2/8 (--config c:plan_chains= or --plan-chains): each "
-                                      "width must be below the planner's full chain of 8"),
+@pytest.mark.parametrize("extra, msg", [
+    (["--config", "c:width=8"], "--config c:width=8: a fixed chain's width must be below the draft's block of 8"),
+    (["--config", "c:budget=auto,plan_chains=2/8"], "draft 'c': plan_chains 2/8 (--config c:plan_chains= or "
+                                                    "--plan-chains): each width must be below the planner's full chain of 8"),
+    (["--block-size", "12"], "--block-size 12: must be in 1..8 (draft 'c''s block size)"),
 ])
 def test_bench_refuses_a_width_not_below_the_block_before_the_target_loads(  # noqa: F811
-        stories_dir, stories, capsys, config, msg):  # noqa: F811
+        stories_dir, stories, capsys, extra, msg):  # noqa: F811
     """infer.bench names the label, the key and the draft's block when a fixed or planner chain is not narrower than
-    the block (exit 2, before the target's weights load)."""
+    the block, or --block-size is beyond it (exit 2, before the target's weights load)."""
     from infer import bench
     from tests.conftest import shared_path
 
-    code = bench.main(["--target", str(stories_dir), "--draft", f"c={stories[2]}", "--config", config, "--datasets",
+    code = bench.main(["--target", str(stories_dir), "--draft", f"c={stories[2]}", *extra, "--datasets",
                        "gsm8k", "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "1",
                        "--max-new-tokens", "4", "--backend", "cuda", "--device", "cpu", "--dtype", "fp32",
                        "--no-chat-template"])

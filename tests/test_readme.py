@@ -164,6 +164,13 @@ def empty_results(tmp_path, monkeypatch):
     return make_tables, res
 
 
+def test_a_results_file_that_is_not_json_is_named(empty_results):
+    make_tables, res = empty_results
+    (res / "verify-h200.json").write_text('{"planner": [')
+    with pytest.raises(SystemExit, match=r"verify-h200\.json: not valid JSON"):
+        make_tables.load("verify-h200.json")
+
+
 def test_persist_section_pools_the_tasks(empty_results):
     """make_tables.planner_persist_section: a run's tok/s is its tasks' tokens over their seconds (not the mean of
     the tasks' tok/s), each label ÷ the chain of 4 of the same run, a mean row per concurrency over its runs; a
