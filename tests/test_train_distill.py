@@ -318,6 +318,65 @@ def test_ctrl_c_saves_the_step_and_resumes(data, tmp_path):
     assert [x["step"] for x in jsonl(out / "metrics.jsonl")] == list(range(1, 17))
 
 
+# Runs train/distill.py's main() once per case in one child process (one torch start); a case
+# [argv, k, strip] sends this process a real SIGINT during its k-th step (the trainer's GracefulInterrupt then
+# stops after that step with a checkpoint), and first removes the keys "window" and "eval_pending" from the
+# trainer_state.json at path strip (a checkpoint written before they existed).
+_SIGINT_CASES = r"""
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from train import distill
+
+step, codes, calls = distill.train_step, [], [0]
+
+
+def train_step(*a, **k):
+    calls[0] += 1
+    if calls[0] == at:
+        os.kill(os.getpid(), signal.SIGINT)
+    return step(*a, **k)
+
+
+distill.train_step = train_step
+for argv, at, strip in json.load(open(sys.argv[2])):
+    if strip:
+        state = json.load(open(strip))
+        json.dump({k: v for k, v in state.items() if k not in ("window", "eval_pending")}, open(strip, "w"))
+    calls[0] = 0
+    codes.append(distill.main(argv))
+print(json.dumps(codes))
+"""
+
+
+def test_ctrl_c_off_a_log_boundary_and_at_eval_steps_resumes_to_the_same_metrics(stories_dir, tmp_path):
+    """SIGINT during step 5 (an eval step between the log rows of steps 3 and 6), resume, SIGINT during the last
+    step 8 (its eval due), resume: metrics.jsonl holds the uninterrupted run's rows, the same steps and values
+    (timings aside), eval rows included (was: a partial row at step 5, the row of step 6 averaging step 6 only, and
+    the evals of steps 5 and 8 never run). A third resume of step-8 runs its pending eval again without a second
+    row; a checkpoint without the logging window and pending eval (an older one) still resumes."""
+    g = torch.Generator().manual_seed(0)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": [1, *torch.randint(3, 512, (39,), generator=g).tolist()],
+                                        "loss_mask": [0] * 6 + [1] * 34}) + "\n" for _ in range(24)))
+    common = ["--config", str(CONFIG), f"target={stories_dir}", f"train={rows}", f"eval={rows}", "max_steps=8",
+              "log_every=3", "eval_every=5", "eval_max_rows=4", "eval_prompts=2", "eval_max_new_tokens=8",
+              "micro_batch_size=4", "anchors_per_seq=8", "max_length=40", "save_every=0", "keep_last=0"]
+    a, b, c = (common + [f"output_dir={tmp_path / x}"] for x in "abc")
+    cases = [[a, 0, None], [b, 5, None], [b, 3, None], [b, 0, None], [b, 0, None],
+             [c, 5, None], [c, 0, str(tmp_path / "c" / "step-5" / "trainer_state.json")]]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    r = subprocess.run([sys.executable, "-c", _SIGINT_CASES, str(REPO), str(tmp_path / "cases.json")], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == [0, 130, 130, 0, 0, 130, 0], r.stderr[-4000:]
+    untimed = lambda out: [{k: v for k, v in row.items() if not k.endswith(("_s", "seconds"))}
+                           for row in jsonl(tmp_path / out / "metrics.jsonl")]
+    straight = untimed("a")
+    assert [(x["step"], "eval/loss" in x) for x in straight] == [(3, False), (5, True), (6, False), (8, False),
+                                                                 (8, True)]
+    assert untimed("b") == straight
+    assert [x["step"] for x in untimed("c")] == [3, 6, 8, 8]  # the old state: no pending eval, an empty window
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL, "ctrl-c"],
                          ids=["SIGTERM", "SIGINT", "SIGKILL", "ctrl-c"])
 def test_a_signal_to_the_relaunching_process_ends_every_rank(data, tmp_path, sig):

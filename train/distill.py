@@ -9,7 +9,8 @@ a plain frozen module on each rank's device and supplies features (online, or fr
 ``train.capture`` folder), the block embeddings and the lm_head. Outputs in ``output_dir``:
 ``config.yaml``, ``metrics.jsonl`` (one JSON object per logged step / eval), ``step-N/`` checkpoints
 (``draft/`` = loadable draft folder, ``state/`` = optimizer, scheduler, RNG per rank,
-``trainer_state.json`` = step and data position) and a ``latest`` pointer.
+``trainer_state.json`` = step, data position, the logging window since the last metrics row and whether the step's
+eval is pending: a resume writes the rows of an uninterrupted run) and a ``latest`` pointer.
 """
 
 from __future__ import annotations
@@ -224,9 +225,10 @@ def train(cfg) -> int:
     # after prepare: the forwards of the modules that run (DDP/DeepSpeed wrap only the draft as a whole)
     compiled = compile_layers(target, accelerator.unwrap_model(draft), dev["compile_layers"],
                               length_buckets(cfg.max_length, dev["pad_to_multiple"]))
+    pending = resume is not None and eval_rows is not None and state.get("eval_pending", False)
     if main_proc:
         run_config.save(cfg, out, extra={"resolved": dev, "world_size": world})
-        truncate_jsonl(out / "metrics.jsonl", start)
+        truncate_jsonl(out / "metrics.jsonl", start, drop_eval=pending)
     if cfg.log_samples:
         truncate_jsonl(out / f"samples-rank{rank}.jsonl", start)
     accelerator.wait_for_everyone()
@@ -238,7 +240,10 @@ def train(cfg) -> int:
     bar = tqdm(total=total_steps, initial=start, disable=not main_proc, dynamic_ncols=True)
     new_window = lambda: {"loss": [], "grad_norm": [], "tokens": 0, "seconds": 0.0, "data_wait_s": 0.0, "blocks": 0,
                           "stats": LossStats.zeros(dcfg.block_size)}
-    window = new_window()  # steps since the last metrics row
+    window = new_window()  # steps since the last metrics row (a checkpoint's: the main process's)
+    if resume is not None and "window" in state:
+        window = {**state["window"], "stats": LossStats.from_vector(torch.tensor(state["window"]["stats"],
+                                                                                 dtype=torch.float64))}
 
     def log(row: dict) -> None:
         row = finite_or_none(row)  # NaN (e.g. a slot with no supervised rows yet) is not valid JSON
@@ -251,6 +256,20 @@ def train(cfg) -> int:
                 flat.update({f"{k}/{i + 1}": x for i, x in enumerate(v)})
         accelerator.log(flat, step=row["step"])
 
+    def run_eval(n: int) -> None:
+        res_eval = evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3,
+                            compiled=compiled)
+        log({"step": n, **res_eval})
+        if main_proc:
+            bar.write(f"step {n}: eval loss {res_eval['eval/loss']:.4f}, tau_sim {res_eval['eval/tau_sim']:.3f}"
+                      + (f", tau_real {res_eval['eval/tau_real']:.3f}" if "eval/tau_real" in res_eval else "")
+                      + f", kl {res_eval['eval/kl']:.4f}, tau_sim_agree {res_eval['eval/tau_sim_agree']:.3f}"
+                      + (f", tau_sim_sample {res_eval['eval/tau_sim_sample']:.3f}" if "eval/tau_sim_sample" in res_eval
+                         else "")
+                      + f" ({res_eval['eval/seconds']:.1f} s, tau_real {res_eval['eval/tau_real_seconds']:.1f} s)")
+
+    if pending:  # the eval of an interrupted step, on its weights (the checkpoint's), before the next step
+        run_eval(start)
     steps = StepBatches(rows, order, range(start, stop), rank, cfg.seed, batch_kw, target.vocab_size, cfg.train)
     loader = iter(step_loader(steps, dev["data_workers"], pin=accelerator.device.type == "cuda"))
     interrupt = GracefulInterrupt(main_proc)
@@ -278,7 +297,7 @@ def train(cfg) -> int:
             samples.flush()
         bar.update(1)
         interrupted = interrupt.agreed(accelerator)  # every rank stops after the same step
-        if n % cfg.log_every == 0 or n == stop or interrupted:
+        if n % cfg.log_every == 0 or n == stop:  # an interrupt keeps the window in its checkpoint
             pos = order.position(step)
             row = {"step": n, "epoch": pos.epoch, "loss": sum(window["loss"]) / len(window["loss"]), "lr": res["lr"],
                    "grad_norm": sum(window["grad_norm"]) / len(window["grad_norm"]),
@@ -292,21 +311,14 @@ def train(cfg) -> int:
             log(row)
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             window = new_window()
-        if eval_rows is not None and not interrupted and (n == total_steps or (cfg.eval_every and n % cfg.eval_every == 0)):
-            res_eval = evaluate(accelerator, draft, target, eval_rows, cfg, batch_kw, settings, dcfg, eos_ids, zero3,
-                                compiled=compiled)
-            log({"step": n, **res_eval})
-            if main_proc:
-                bar.write(f"step {n}: eval loss {res_eval['eval/loss']:.4f}, tau_sim {res_eval['eval/tau_sim']:.3f}"
-                          + (f", tau_real {res_eval['eval/tau_real']:.3f}" if "eval/tau_real" in res_eval else "")
-                          + f", kl {res_eval['eval/kl']:.4f}, tau_sim_agree {res_eval['eval/tau_sim_agree']:.3f}"
-                          + (f", tau_sim_sample {res_eval['eval/tau_sim_sample']:.3f}" if "eval/tau_sim_sample" in res_eval
-                             else "")
-                          + f" ({res_eval['eval/seconds']:.1f} s, tau_real {res_eval['eval/tau_real_seconds']:.1f} s)")
+        due = eval_rows is not None and (n == total_steps or (cfg.eval_every and n % cfg.eval_every == 0))
+        if due and not interrupted:  # interrupted: saved as pending, run by the resume (a fast stop)
+            run_eval(n)
         if n == stop or interrupted or (cfg.save_every and n % cfg.save_every == 0):
             pos = order.position(n)  # where the next step starts reading
             state = {"step": n, "epoch": pos.epoch, "index": pos.index, "skipped_rows": skipped_total,
-                     "world_size": world, "total_steps": total_steps,
+                     "world_size": world, "total_steps": total_steps, "eval_pending": bool(due and interrupted),
+                     "window": {**window, "stats": window["stats"].to_vector().tolist()},
                      **{k: getattr(cfg, k) for k in RESUME_KEYS}, **data_id}
             save_checkpoint(accelerator, draft, dcfg, cfg, dev, n, state, zero3)
         if interrupted:
@@ -508,7 +520,7 @@ def save_checkpoint(accelerator, draft, dcfg, cfg, dev, step: int, state: dict, 
         save_draft(model, ckpt / "draft", dtype=dtype, metadata={
             "target": cfg.target, "step": str(step), "injection": dcfg.injection, "train": train})
         run_config.save(cfg, ckpt, extra={"resolved": dev, "world_size": accelerator.num_processes})
-        atomic_write_json(ckpt / "trainer_state.json", state)
+        atomic_write_json(ckpt / "trainer_state.json", state, allow_nan=True)  # a NaN loss in the window
         tmp = out / "latest.tmp"
         tmp.write_text(ckpt.name + "\n")
         os.replace(tmp, out / "latest")
@@ -710,11 +722,13 @@ def open_train_rows(spec: str):
         raise ConfigError(f"config key 'train': {e}{hint}") from None
 
 
-def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop rows logged after ``last_step`` (a run killed after its last checkpoint logged them)."""
+def truncate_jsonl(path: Path, last_step: int, drop_eval: bool = False) -> None:
+    """Drop rows logged after ``last_step`` (a run killed after its last checkpoint logged them) and, ``drop_eval``,
+    the eval row of ``last_step`` (the checkpoint's pending eval, run by an earlier resume of it and run again)."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    keep = [line for line in path.read_text().splitlines() if line.strip() and (
+        (r := json.loads(line))["step"] < last_step or r["step"] == last_step and not (drop_eval and "eval/loss" in r))]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
