@@ -353,7 +353,8 @@ def test_ctrl_c_off_a_log_boundary_and_at_eval_steps_resumes_to_the_same_metrics
     step 8 (its eval due), resume: metrics.jsonl holds the uninterrupted run's rows, the same steps and values
     (timings aside), eval rows included (was: a partial row at step 5, the row of step 6 averaging step 6 only, and
     the evals of steps 5 and 8 never run). A third resume of step-8 runs its pending eval again without a second
-    row; a checkpoint without the logging window and pending eval (an older one) still resumes."""
+    row; a checkpoint without the logging window and pending eval (an older one) still resumes. A planned stop
+    (stop_after_steps=4, between log rows) and its resume write the same rows too (was: a partial row at step 4)."""
     g = torch.Generator().manual_seed(0)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"input_ids": [1, *torch.randint(3, 512, (39,), generator=g).tolist()],
@@ -361,19 +362,20 @@ def test_ctrl_c_off_a_log_boundary_and_at_eval_steps_resumes_to_the_same_metrics
     common = ["--config", str(CONFIG), f"target={stories_dir}", f"train={rows}", f"eval={rows}", "max_steps=8",
               "log_every=3", "eval_every=5", "eval_max_rows=4", "eval_prompts=2", "eval_max_new_tokens=8",
               "micro_batch_size=4", "anchors_per_seq=8", "max_length=40", "save_every=0", "keep_last=0"]
-    a, b, c = (common + [f"output_dir={tmp_path / x}"] for x in "abc")
+    a, b, c, d = (common + [f"output_dir={tmp_path / x}"] for x in "abcd")
     cases = [[a, 0, None], [b, 5, None], [b, 3, None], [b, 0, None], [b, 0, None],
-             [c, 5, None], [c, 0, str(tmp_path / "c" / "step-5" / "trainer_state.json")]]
+             [c, 5, None], [c, 0, str(tmp_path / "c" / "step-5" / "trainer_state.json")],
+             [d + ["stop_after_steps=4"], 0, None], [d, 0, None]]  # a planned stop between log rows
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     r = subprocess.run([sys.executable, "-c", _SIGINT_CASES, str(REPO), str(tmp_path / "cases.json")], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == [0, 130, 130, 0, 0, 130, 0], r.stderr[-4000:]
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == [0, 130, 130, 0, 0, 130, 0, 0, 0], r.stderr[-4000:]
     untimed = lambda out: [{k: v for k, v in row.items() if not k.endswith(("_s", "seconds"))}
                            for row in jsonl(tmp_path / out / "metrics.jsonl")]
     straight = untimed("a")
     assert [(x["step"], "eval/loss" in x) for x in straight] == [(3, False), (5, True), (6, False), (8, False),
                                                                  (8, True)]
-    assert untimed("b") == straight
+    assert untimed("b") == straight and untimed("d") == straight
     assert [x["step"] for x in untimed("c")] == [3, 6, 8, 8]  # the old state: no pending eval, an empty window
 
 

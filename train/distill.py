@@ -297,7 +297,7 @@ def train(cfg) -> int:
             samples.flush()
         bar.update(1)
         interrupted = interrupt.agreed(accelerator)  # every rank stops after the same step
-        if n % cfg.log_every == 0 or n == stop:  # an interrupt keeps the window in its checkpoint
+        if n % cfg.log_every == 0 or n == total_steps:  # a stop keeps the window in its checkpoint
             pos = order.position(step)
             row = {"step": n, "epoch": pos.epoch, "loss": sum(window["loss"]) / len(window["loss"]), "lr": res["lr"],
                    "grad_norm": sum(window["grad_norm"]) / len(window["grad_norm"]),
