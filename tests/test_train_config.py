@@ -38,6 +38,16 @@ def test_unknown_key_is_named(tmp_path, source, key):
         load(write(tmp_path, text), [] if source == "yaml" else [f"{key}=1"])
 
 
+@pytest.mark.parametrize("text, overrides, msg", [
+    ("target: t\ntrain: d\nlr: 1e-4\nlr: 2e-4\n", [], r"config file .*: key 'lr' given twice"),
+    ("target: t\ntrain: d\n", ["lr=1e-4", "lr=2e-4"], r"override 'lr=2e-4': key 'lr' given twice"),
+])
+def test_a_key_given_twice_is_refused(tmp_path, text, overrides, msg):
+    """PyYAML and a dict of overrides keep the last of two values silently: the second is refused instead."""
+    with pytest.raises(ConfigError, match=msg):
+        load(write(tmp_path, text), overrides)
+
+
 @pytest.mark.parametrize("override, key, expected", [
     ("lr=fast", "lr", "float"), ("layers=2.5", "layers", "int"), ("log_samples=maybe", "log_samples", "bool"),
     ("target_layer_ids=1,x", "target_layer_ids[1]", "int"), ("mask_token_id=abc", "mask_token_id", "int"),

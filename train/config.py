@@ -264,6 +264,19 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults <- YAML file <- ``key=value`` overrides, validated.
 
@@ -274,7 +287,7 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     cfg = RunConfig()
     if path is not None:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"config file {path}: {e}") from None
         if not isinstance(data, dict):
@@ -288,6 +301,8 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value")
+        if key.strip() in cli:
+            raise ConfigError(f"override {item!r}: key {key.strip()!r} given twice")
         cli[key.strip()] = value
     try:
         apply(cfg, cli, from_cli=True)
