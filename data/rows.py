@@ -38,7 +38,7 @@ def parse_jsonl_line(raw: bytes, where: str) -> dict:
             "not_object", with `where` (e.g. "file.jsonl:12") in the message.
     """
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark (a file saved by some editors)
     except UnicodeDecodeError as e:
         raise RowError(
             "bad_utf8",
@@ -96,12 +96,12 @@ def iter_json_array(path: str | Path) -> Iterator[dict | RowError]:
         ValueError: the file is not valid UTF-8 / JSON, or its top level is not an array.
     """
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()  # after a byte-order mark
     if head.startswith(b"{"):
         yield from iter_jsonl(path)
         return
     try:
-        rows = json.loads(Path(path).read_bytes().decode("utf-8"))
+        rows = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a valid JSON file ({e})") from None
     if not isinstance(rows, list):

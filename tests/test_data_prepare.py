@@ -104,6 +104,14 @@ def test_real_source_formats(tmp_path):
     )
 
 
+def test_a_byte_order_mark_does_not_cost_the_first_row(tmp_path):
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    for name, text in (("lines.jsonl", json.dumps(good) + "\n"), ("array.json", json.dumps([good]))):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+        s = prepare([str(tmp_path / name)], tmp_path / name.replace(".", "-"), fmt="openai")["sources"][name.split(".")[0]]
+        assert s["read"] == 1 and s["kept"] == 1 and s["skipped"] == 0, name
+
+
 def test_a_json_array_row_with_a_lone_surrogate_is_skipped_by_index(tmp_path):
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
     src = tmp_path / "rows.json"
