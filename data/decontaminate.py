@@ -106,7 +106,7 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
 
     Raises:
         FileNotFoundError: the input or an eval set is missing.
-        ValueError: DIR is a file or holds a finished run with other arguments.
+        ValueError: DIR is a file, holds the input or holds a finished run with other arguments.
         NoValidRows: the input is empty or every row of it is invalid.
     """
     src = Path(input_path)
@@ -115,6 +115,8 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output {out} is a file, expected a folder")
+    if src.resolve().parent == out.resolve():  # an unfinished run starts over by deleting train.jsonl / dropped.jsonl
+        raise ValueError(f"--input {src} is inside --output {out}; choose another --output folder")
     args = {"input": str(src.resolve()), "input_digest": file_digest(src), "tasks": tasks, "ngram": n,
             "eval_dir": str(Path(eval_dir).resolve()) if eval_dir else None}
     summary_path = out / "summary.json"

@@ -3,12 +3,15 @@
 Writes a plain Hugging Face folder (config.json, safetensors weights, tokenizer, generation
 config) from a GGUF file, dequantized by transformers. Loading that folder takes a second instead
 of re-dequantizing the GGUF every time (the trainer, the engine and the data tools all take it).
-Refuses to overwrite an existing non-empty folder.
+Refuses to overwrite an existing non-empty folder. The folder is written as DIR.partial and renamed to DIR when
+whole, so a killed conversion never leaves a DIR that looks finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -36,10 +39,13 @@ def convert(target: str, out: str | Path, dtype: str = "bf16", gguf_file: str | 
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
     model = model.to(_parse_dtype(dtype))
-    model.save_pretrained(out, safe_serialization=True)
-    load_tokenizer(path, gguf).save_pretrained(out)
-    for f in out.glob("*.safetensors"):
+    tmp = out.with_name(out.name + ".partial")  # a killed conversion leaves this, never a half-written --out
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    load_tokenizer(path, gguf).save_pretrained(tmp)
+    for f in tmp.glob("*.safetensors"):
         default_file_mode(f)
+    os.replace(tmp, out)  # an empty --out folder is replaced whole
     return out
 
 

@@ -113,3 +113,13 @@ def test_output_that_is_a_file_is_refused(setup, tmp_path, capsys):
     assert main(["--input", str(src), "--output", str(existing), "--eval-dir", str(ev)]) == 2
     assert capsys.readouterr().err == f"error: --output {existing} is a file, expected a folder\n"
     assert existing.read_text() == "not a folder\n"
+
+
+def test_an_input_inside_the_output_folder_is_refused_and_kept(setup, capsys):
+    """An unfinished output folder is emptied of train.jsonl / dropped.jsonl first: with the input among them it was
+    deleted and the run then read it as empty."""
+    src, ev, _ = setup
+    before = src.read_text()
+    assert main(["--input", str(src), "--output", str(src.parent), "--eval-dir", str(ev)]) == 2
+    assert capsys.readouterr().err == f"error: --input {src} is inside --output {src.parent}; choose another --output folder\n"
+    assert src.read_text() == before

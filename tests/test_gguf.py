@@ -144,3 +144,41 @@ def test_distill_names_a_truncated_gguf(truncated, tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err[-2000:]
     assert f"{truncated}: truncated or corrupt GGUF" in err
+
+
+def test_convert_writes_a_partial_folder_and_renames_it_when_whole(tmp_path, monkeypatch):
+    """A conversion stopped after the weights (here: the tokenizer's save fails) leaves OUT.partial, not an OUT with a
+    config.json that a recipe would take as finished; the next run starts the partial folder over and renames it."""
+    import transformers
+
+    from dspine import convert, paths
+
+    class Model:
+        config = type("C", (), {"quantization_config": None})()
+
+        def to(self, dtype):
+            return self
+
+        def save_pretrained(self, d, safe_serialization=True):
+            Path(d).mkdir(parents=True, exist_ok=True)
+            (Path(d) / "config.json").write_text("{}")
+            (Path(d) / "model.safetensors").write_bytes(b"w")
+
+    class Tok:
+        fail = True
+
+        def save_pretrained(self, d):
+            if Tok.fail:
+                raise KeyboardInterrupt
+            (Path(d) / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Model())
+    monkeypatch.setattr(paths, "load_tokenizer", lambda *a: Tok())
+    gguf, out = small_gguf(tmp_path / "m.gguf"), tmp_path / "hf"
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert(str(gguf), out)
+    assert not out.exists() and (tmp_path / "hf.partial" / "config.json").is_file()
+    Tok.fail = False
+    assert convert.convert(str(gguf), out) == out
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert not (tmp_path / "hf.partial").exists()

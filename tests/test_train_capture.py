@@ -67,6 +67,10 @@ def test_capture_writes_shards_manifest_and_skips_finished(setup, stories_dir, c
     # a re-run with other settings is refused, naming the field
     assert capture_main(["--config", str(cfg), "--out", str(out), "--rows-per-shard", "4", "max_length=16"]) == 2
     assert "'max_length'" in capsys.readouterr().err
+    for bad in ("0", "-5", "abc"):  # before the target loads; -5 wrote an empty manifest marked complete
+        assert capture_main(["--config", str(cfg), "--out", str(out.parent / "c2"), "--rows-per-shard", bad]) == 2
+        assert f"--rows-per-shard {bad}: expected a whole number of rows, at least 1" in capsys.readouterr().err
+    assert not (out.parent / "c2").exists()
 
 
 def test_reader_refuses_mismatched_or_incomplete_manifest(setup, tmp_path):

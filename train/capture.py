@@ -130,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                                extra_flags=("--out", "--rows-per-shard"))
         if "--out" not in flags:
             raise ConfigError("--out DIR is required")
-        rows_per_shard = int(flags.get("--rows-per-shard", 1024))
-        capture(cfg, flags["--out"], rows_per_shard)
+        text = flags.get("--rows-per-shard", "1024")
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"--rows-per-shard {text}: expected a whole number of rows, at least 1")
+        capture(cfg, flags["--out"], int(text))
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -301,8 +301,6 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value")
-        if key.strip() in cli:
-            raise ConfigError(f"override {item!r}: key {key.strip()!r} given twice")
         cli[key.strip()] = value
     try:
         apply(cfg, cli, from_cli=True)

@@ -174,7 +174,7 @@ if has data; then
       --output "$WORK/prepared" --eval-fraction 0.01
     for split in train eval; do
       python -m data.decontaminate --input "$WORK/prepared/$split.jsonl" --output "$WORK/clean-$split" \
-        --eval-dir "$SHARED/data/eval"
+        --eval-dir "$SHARED/data/eval" || return 1  # set -e does not apply inside timed
     done
   }
   timed data data_stage
@@ -210,7 +210,7 @@ if has tokenize; then
     for split in train eval; do
       src=$WORK/answers-train.jsonl; [ "$split" = eval ] && src=$WORK/regen-eval-greedy/results.jsonl
       python -m data.tokenize --input "$src" --tokenizer "$TARGET" --max-length 2048 \
-        --cache-dir "$WORK/tok-$split" --num-proc "${TOK_PROCS:-8}" > "$WORK/logs/tokenize-$split.log" 2>&1
+        --cache-dir "$WORK/tok-$split" --num-proc "${TOK_PROCS:-8}" > "$WORK/logs/tokenize-$split.log" 2>&1 || return 1
     done
   }
   timed tokenize tok_stage
@@ -221,7 +221,7 @@ if has pack; then
   pack_stage() {
     for split in train eval; do
       cache=$(bash scripts/smollm2/one_cache.sh "$WORK/tok-$split") || return 1
-      python -m data.pack export --cache "$cache" --out "$WORK/pack/tok-$split" --part-mib "${PART_MIB:-15}"
+      python -m data.pack export --cache "$cache" --out "$WORK/pack/tok-$split" --part-mib "${PART_MIB:-15}" || return 1
     done
   }
   timed pack pack_stage
