@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from dspine.paths import check_output_file
+
 
 def sample_rows(target, bos: int, eos: set[int], num: int, max_new_tokens: int, temperature: float, seed: int,
                 batch_size: int = 64) -> list[dict]:
@@ -75,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if out.exists():
         print(f"error: {out} already exists; refusing to overwrite (choose another --out)", file=sys.stderr)
+        return 2
+    try:  # before sampling, not after it
+        check_output_file("--out", out, False)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     for name in ("num", "max_new_tokens", "batch_size"):
         if getattr(args, name) < 1:

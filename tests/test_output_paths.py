@@ -111,3 +111,19 @@ def test_benchmark_analyses_refuse_an_empty_output_name(script, args, capsys):
     except SystemExit as e:  # bench_prefill: argparse's usage error
         code = e.code
     assert code == 2 and "--output: give a file name" in capsys.readouterr().err
+
+
+def test_an_output_under_a_file_is_refused_before_the_work(stories_dir, tmp_path, capsys):
+    """data.sample_target and tree_policy.py check --out / --output before sampling or decoding (second fresh-clone
+    review: both ran to their end, then lost the results in NotADirectoryError / FileExistsError)."""
+    from benchmarks.reference import tree_policy
+    from data import sample_target
+
+    (tmp_path / "f").write_text("a file")
+    out = tmp_path / "f" / "sub" / "s.jsonl"
+    assert sample_target.main(["--target", str(stories_dir), "--num", "1", "--max-new-tokens", "2", "--out",
+                               str(out)]) == 2
+    assert f"--out {out}: cannot create it under {tmp_path / 'f'}" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=f"--output {tmp_path / 'f' / 't.json'}: cannot create it under"):
+        tree_policy.main(["--target", str(stories_dir), "--draft", str(tmp_path), "--output",
+                          str(tmp_path / "f" / "t.json")])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -90,6 +91,12 @@ def test_reader_refuses_mismatched_or_incomplete_manifest(setup, tmp_path):
     (broken / "manifest.json").write_text(json.dumps({**m, "complete": False}))
     with pytest.raises(ValueError, match="incomplete"):
         CaptureRows(broken)
+    cut = tmp_path / "cut"  # a truncated shard is named by check(), before training reads a row of it
+    shutil.copytree(out, cut)
+    shard = cut / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"{shard}: missing, truncated or corrupt capture shard"):
+        CaptureRows(cut).check({"layer_ids": [1, 2]})
 
 
 def run_distill(*args, timeout=240):

@@ -191,7 +191,20 @@ class CaptureRows:
         return int(self.manifest["num_rows"])
 
     def check(self, expected: dict) -> None:
+        """The manifest against ``expected`` (:func:`check_manifest`) and every shard's header, before training.
+
+        Raises:
+            ValueError: a manifest field differs, or a shard is missing, truncated or corrupt (named)."""
+        from safetensors import safe_open
+
         check_manifest(self.manifest, expected, str(self.folder))
+        for s in self.shards:
+            try:
+                with safe_open(str(self.folder / s["file"]), framework="pt") as fh:
+                    fh.keys()
+            except Exception as e:  # safetensors' SafetensorError or the OS's
+                raise ValueError(f"{self.folder / s['file']}: missing, truncated or corrupt capture shard ({e}); run "
+                                 "`python -m train.capture` again into a new --out") from None
 
     def _shard(self, j: int):
         if j not in self._open:

@@ -44,6 +44,8 @@ if __package__ in (None, ""):
 
 import torch
 
+from dspine.paths import check_output_file
+
 TASKS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 
 
@@ -242,6 +244,10 @@ def main(argv=None) -> int:
     out_path = Path(args.output)
     if out_path.exists():
         raise SystemExit(f"{out_path} exists: choose another --output (finished results are never overwritten)")
+    try:  # before the run, not after it
+        check_output_file("--output", out_path, False)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
     from dspine.ops.tree_verify import verify_tree_greedy
     from dspine.prompts import encode_prompt
