@@ -116,8 +116,8 @@ def iter_json_array(path: str | Path) -> Iterator[dict | RowError]:
             yield row
         else:
             yield RowError(
-                "not_object", f"{path}[{i}]: row is a JSON {type(row).__name__}, not an object", raw=row
-            )
+                "not_object", f"{path}[{i}]: row is a JSON {type(row).__name__}, not an object", raw=json.dumps(row)
+            )  # raw as JSON text: an element may hold a lone surrogate, which skipped.jsonl could not be written with
 
 
 def iter_parquet(path: str | Path, batch_size: int = 1024) -> Iterator[dict]:

@@ -115,11 +115,12 @@ def test_a_byte_order_mark_does_not_cost_the_first_row(tmp_path):
 def test_a_json_array_row_with_a_lone_surrogate_is_skipped_by_index(tmp_path):
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
     src = tmp_path / "rows.json"
-    src.write_text('[' + json.dumps(good) + ', {"messages": [{"role": "user", "content": "\\udfff"}]}]')
+    src.write_text('[' + json.dumps(good) + ', {"messages": [{"role": "user", "content": "\\udfff"}]}, "\\ud800"]')
     s = prepare([str(src)], tmp_path / "out", fmt="openai")["sources"]["rows"]
-    assert s["read"] == 2 and s["kept"] == 1 and s["skipped_reasons"] == {"bad_utf8": 1}
-    (skipped,) = read_jsonl(tmp_path / "out" / "skipped.jsonl")
-    assert "rows.json[1]: a string holds a lone UTF-16 surrogate ('\\udfff')" in skipped["detail"]
+    assert s["read"] == 3 and s["kept"] == 1 and s["skipped_reasons"] == {"bad_utf8": 1, "not_object": 1}
+    skipped = read_jsonl(tmp_path / "out" / "skipped.jsonl")
+    assert "rows.json[1]: a string holds a lone UTF-16 surrogate ('\\udfff')" in skipped[0]["detail"]
+    assert "rows.json[2]: row is a JSON str, not an object" in skipped[1]["detail"]
 
 
 def test_bad_rows_are_skipped_with_reasons(tmp_path):

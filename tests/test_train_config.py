@@ -44,6 +44,8 @@ def test_a_yaml_key_given_twice_is_refused_and_the_last_override_wins(tmp_path):
     with pytest.raises(ConfigError, match=r"config file .*: key 'lr' given twice"):
         load(write(tmp_path, "target: t\ntrain: d\nlr: 1e-4\nlr: 2e-4\n"))
     assert load(write(tmp_path, "target: t\ntrain: d\n"), ["lr=1e-4", "lr=2e-4"]).lr == 2e-4
+    merged = load(write(tmp_path, "target: t\ntrain: d\n<<: {lr: 0.002, seed: 3}\nlr: 0.005\n"))  # a merge key
+    assert (merged.lr, merged.seed) == (0.005, 3)
 
 
 @pytest.mark.parametrize("override, key, expected", [

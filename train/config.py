@@ -270,10 +270,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges; a key after it overrides the merged one
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            if isinstance(key, (str, int, float, bool)) and key in seen:  # an unhashable key: the caller's error
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
-            seen.add(key)
+            if isinstance(key, (str, int, float, bool)):
+                seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
 
