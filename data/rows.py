@@ -57,21 +57,22 @@ def parse_jsonl_line(raw: bytes, where: str) -> dict:
             f"{where}: row is a JSON {type(obj).__name__}, not an object",
             raw=text[:MAX_RAW_CHARS],
         )
-    check_surrogates(obj, text, where)
+    check_surrogates(obj, where, text)
     return obj
 
 
-def check_surrogates(obj, text: str, where: str) -> None:
+def check_surrogates(obj, where: str, text: str | None = None) -> None:
     """Raises RowError "bad_utf8" naming `where` when the parsed row `obj` holds a lone UTF-16 surrogate (a JSON escape
-    in `text`, its source, that no valid pair joined): it could not be written as UTF-8 or tokenized later."""
-    if _SURROGATE_ESCAPE.search(text) is None:
+    that no valid pair joined): it could not be written as UTF-8 or tokenized later. `text`, the row's source where
+    the caller has it, lets a row without a surrogate escape pass unchecked."""
+    if text is not None and _SURROGATE_ESCAPE.search(text) is None:
         return
     try:
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
         raise RowError(
             "bad_utf8", f"{where}: a string holds a lone UTF-16 surrogate ({e.object[e.start]!r})",
-            raw=text[:MAX_RAW_CHARS],
+            raw=(json.dumps(obj) if text is None else text)[:MAX_RAW_CHARS],
         ) from None
 
 
@@ -109,7 +110,7 @@ def iter_json_array(path: str | Path) -> Iterator[dict | RowError]:
     for i, row in enumerate(rows):
         if isinstance(row, dict):
             try:
-                check_surrogates(row, json.dumps(row), f"{path}[{i}]")
+                check_surrogates(row, f"{path}[{i}]")
             except RowError as e:
                 yield e
                 continue

@@ -273,10 +273,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges; a key after it overrides the merged one
                 continue
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:  # an unhashable key: the caller's error
+            if not isinstance(key, (str, int, float, bool)):  # an unhashable key: the caller's error
+                continue
+            if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
-            if isinstance(key, (str, int, float, bool)):
-                seen.add(key)
+            seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
 
