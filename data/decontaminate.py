@@ -22,7 +22,6 @@ no train.jsonl are written (dropped.jsonl keeps the reasons), so a corrected rer
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections import Counter
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from data.rows import JsonlAppender, atomic_write_json, file_digest, iter_jsonl
 from data.schema import RowError, check_row
+from dspine.paths import read_json_object
 
 DEFAULT_TASKS = "gsm8k,math500,humaneval,mbpp,mt-bench"
 MIN_WHOLE = 8  # eval texts shorter than this (and than n) are not matched
@@ -121,7 +121,7 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
             "eval_dir": str(Path(eval_dir).resolve()) if eval_dir else None}
     summary_path = out / "summary.json"
     if summary_path.exists():
-        done = json.loads(summary_path.read_text())
+        done = read_json_object(summary_path, "a data.decontaminate summary")
         if done.get("args") != args:
             raise ValueError(f"{out} holds a finished run with other arguments ({done.get('args')}); "
                              "choose another --output")

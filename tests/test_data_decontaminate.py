@@ -65,6 +65,13 @@ def test_finished_output_is_kept_and_other_args_refused(setup, capsys):
                  "--ngram", "8"]) == 2
     assert "other arguments" in capsys.readouterr().err
     assert (out / "train.jsonl").read_bytes() == before
+    summary = (out / "summary.json").read_bytes()
+    (out / "summary.json").write_text("[1, 2]")  # valid JSON of the wrong type: named, not a traceback
+    assert main(["--input", str(src), "--output", str(out), "--eval-dir", str(ev), "--tasks", "gsm8k"]) == 2
+    assert (f"{out / 'summary.json'}: expected a JSON object (a data.decontaminate summary), got list [1, 2]"
+            in capsys.readouterr().err)
+    assert (out / "train.jsonl").read_bytes() == before
+    (out / "summary.json").write_bytes(summary)
 
 
 def test_missing_input_and_eval_set_are_named(setup, tmp_path, capsys, monkeypatch):

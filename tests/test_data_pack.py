@@ -161,6 +161,22 @@ def test_import_checks_the_rebuilt_counts_against_pack_json(tmp_path, field):
     assert list((tmp_path / "unpacked").iterdir()) == []  # the temp folder is gone too
 
 
+@pytest.mark.parametrize("field,value,msg", [
+    ("parts", {"file": "x"}, "field 'parts' must be a list of {file, bytes, sha256} objects, got {\"file\": \"x\"}"),
+    ("parts", [{"file": "data.tar.xz.000", "bytes": "12", "sha256": "ab"}], "field 'parts' must be a list"),
+    ("payload_sha256", None, "field 'payload_sha256' must be a string, got null"),
+    ("tokens", 1.5, "field 'tokens' must be a whole number, got 1.5")])
+def test_a_pack_json_field_of_the_wrong_type_is_named(tmp_path, capsys, field, value, msg):
+    """Valid JSON of the wrong type in pack.json: a message naming the file and field, not a traceback (second
+    fresh-clone review)."""
+    cache = _cache(tmp_path / "tok", _rows(49152, n=4))
+    m = export(cache, tmp_path / "pack")
+    (tmp_path / "pack" / "pack.json").write_text(json.dumps({**m, field: value}))
+    assert main(["import", "--parts", str(tmp_path / "pack"), "--cache-dir", str(tmp_path / "unpacked")]) == 2
+    assert f"{tmp_path / 'pack' / 'pack.json'}: {msg}" in capsys.readouterr().err
+    assert not (tmp_path / "unpacked").exists() or list((tmp_path / "unpacked").iterdir()) == []
+
+
 def test_export_onto_a_corrupt_or_differently_split_archive(tmp_path, capsys):
     cache = _cache(tmp_path / "tok", _rows(49152))
     out = tmp_path / "pack"

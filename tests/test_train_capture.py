@@ -72,6 +72,12 @@ def test_capture_writes_shards_manifest_and_skips_finished(setup, stories_dir, c
         assert capture_main(["--config", str(cfg), "--out", str(out.parent / "c2"), "--rows-per-shard", bad]) == 2
         assert f"--rows-per-shard {bad}: expected a whole number of rows, at least 1" in capsys.readouterr().err
     assert not (out.parent / "c2").exists()
+    orphan = out.parent / "orphan"  # shards whose manifest is gone: which capture wrote them is unknown
+    orphan.mkdir()
+    shutil.copy(out / "shard-00000.safetensors", orphan)
+    assert capture_main(["--config", str(cfg), "--out", str(orphan), "--rows-per-shard", "4"]) == 2
+    assert f"{orphan}: holds shard-*.safetensors but no manifest.json" in capsys.readouterr().err
+    assert sorted(p.name for p in orphan.iterdir()) == ["shard-00000.safetensors"]
 
 
 def test_reader_refuses_mismatched_or_incomplete_manifest(setup, tmp_path):

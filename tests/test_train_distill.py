@@ -327,7 +327,7 @@ import json, os, signal, sys
 sys.path.insert(0, sys.argv[1])
 from train import distill
 
-step, codes, calls = distill.train_step, [], [0]
+step, evaluate, codes, calls = distill.train_step, distill.evaluate, [], [0]
 
 
 def train_step(*a, **k):
@@ -337,7 +337,13 @@ def train_step(*a, **k):
     return step(*a, **k)
 
 
-distill.train_step = train_step
+def evaluate_(*a, **k):
+    if at == -1:  # during the run's first eval (a resume's pending one)
+        os.kill(os.getpid(), signal.SIGINT)
+    return evaluate(*a, **k)
+
+
+distill.train_step, distill.evaluate = train_step, evaluate_
 for argv, at, strip in json.load(open(sys.argv[2])):
     if strip:
         state = json.load(open(strip))
@@ -352,7 +358,8 @@ def test_ctrl_c_off_a_log_boundary_and_at_eval_steps_resumes_to_the_same_metrics
     """SIGINT during step 5 (an eval step between the log rows of steps 3 and 6), resume, SIGINT during the last
     step 8 (its eval due), resume: metrics.jsonl holds the uninterrupted run's rows, the same steps and values
     (timings aside), eval rows included (was: a partial row at step 5, the row of step 6 averaging step 6 only, and
-    the evals of steps 5 and 8 never run). A third resume of step-8 runs its pending eval again without a second
+    the evals of steps 5 and 8 never run). A Ctrl-C during the first resume's pending eval exits 130 with a line,
+    not a traceback, and the next resume runs that eval again. A third resume of step-8 runs its pending eval again without a second
     row; a checkpoint without the logging window and pending eval (an older one) still resumes. A planned stop
     (stop_after_steps=4, between log rows) and its resume write the same rows too (was: a partial row at step 4)."""
     g = torch.Generator().manual_seed(0)
@@ -363,13 +370,14 @@ def test_ctrl_c_off_a_log_boundary_and_at_eval_steps_resumes_to_the_same_metrics
               "log_every=3", "eval_every=5", "eval_max_rows=4", "eval_prompts=2", "eval_max_new_tokens=8",
               "micro_batch_size=4", "anchors_per_seq=8", "max_length=40", "save_every=0", "keep_last=0"]
     a, b, c, d = (common + [f"output_dir={tmp_path / x}"] for x in "abcd")
-    cases = [[a, 0, None], [b, 5, None], [b, 3, None], [b, 0, None], [b, 0, None],
+    cases = [[a, 0, None], [b, 5, None], [b, -1, None], [b, 3, None], [b, 0, None], [b, 0, None],
              [c, 5, None], [c, 0, str(tmp_path / "c" / "step-5" / "trainer_state.json")],
              [d + ["stop_after_steps=4"], 0, None], [d, 0, None]]  # a planned stop between log rows
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     r = subprocess.run([sys.executable, "-c", _SIGINT_CASES, str(REPO), str(tmp_path / "cases.json")], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == [0, 130, 130, 0, 0, 130, 0, 0, 0], r.stderr[-4000:]
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1]) == [0, 130, 130, 130, 0, 0, 130, 0, 0, 0], r.stderr[-4000:]
+    assert r.stderr.count("keeps its last checkpoint, and resume_from=auto continues") == 1 and "Traceback" not in r.stderr
     untimed = lambda out: [{k: v for k, v in row.items() if not k.endswith(("_s", "seconds"))}
                            for row in jsonl(tmp_path / out / "metrics.jsonl")]
     straight = untimed("a")

@@ -78,3 +78,24 @@ def test_tree_policy_tiny_run(stories_dir, tmp_path, capsys):
     assert all(v >= 1.0 for v in tau.values())
     with pytest.raises(SystemExit, match="exists"):
         tp.main(argv)
+
+
+def test_tree_policy_bad_arguments_are_named_before_the_models_load(stories_dir, tmp_path):
+    """--num-prompts 0, an unknown task and a draft built for another target end in a message naming the flag and
+    value, not a traceback (second fresh-clone review); nothing is written."""
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = save_draft(random_draft(target, block_size=6, mask=0), tmp_path / "draft")
+    out = tmp_path / "tp.json"
+    base = ["--target", str(stories_dir), "--data-dir", str(shared_path("data", "eval")), "--output", str(out)]
+    for extra, msg in ((["--draft", str(draft), "--num-prompts", "0"], r"--num-prompts 0 \(each at least 1\)"),
+                       (["--draft", str(draft), "--max-new-tokens", "-3"], "--max-new-tokens -3"),
+                       (["--draft", str(draft), "--datasets", "gsm8k,bogus"], "--datasets 'bogus'.*unknown dataset"),
+                       (["--draft", str(draft), "--budgets", "4,4"], "--budgets 4,4: each must be in \\[2, 64\\], none")):
+        with pytest.raises(SystemExit, match=msg):
+            tp.main([*base, *extra])
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["num_target_layers"] = target.num_layers + 3  # a draft made for a deeper target
+    (draft / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit, match=f"--draft {draft}: draft/target mismatch:\n  num_target_layers"):
+        tp.main([*base, "--draft", str(draft), "--datasets", "gsm8k", "--num-prompts", "1"])
+    assert not out.exists()

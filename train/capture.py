@@ -85,6 +85,9 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     }
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / "manifest.json"
+    if not mpath.is_file() and any(out.glob("shard-*.safetensors")):
+        raise ValueError(f"{out}: holds shard-*.safetensors but no manifest.json, so which capture wrote them cannot "
+                         "be checked; move them away or delete them")
     if mpath.is_file():
         check_manifest(read_json_object(mpath, "a train.capture manifest"), {k: manifest[k] for k in IDENTITY}, str(out))
     todo = [s for s in shards if not (out / s["file"]).is_file()]

@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
     except OSError as e:  # e.g. a target that is neither a folder nor a reachable Hub id
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the steps (a resume's pending eval, the start-up)
+        print(f"\ninterrupted: {out} keeps its last checkpoint, and resume_from=auto continues from it",
+              file=sys.stderr, flush=True)
+        return 130
     if fresh and out.is_dir() and not any(out.iterdir()):  # a refused run leaves no empty output_dir behind
         try:
             out.rmdir()

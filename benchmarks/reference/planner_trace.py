@@ -90,29 +90,9 @@ def record(args) -> int:
     trace written once at the end, never over an existing file."""
     from dspine.prompts import encode_prompt
     from dspine.provenance import provenance
-    from infer.datasets import load_eval_prompts
 
     out_path = Path(args.output)
-    if out_path.exists():
-        raise SystemExit(f"{out_path} exists: choose another --output (finished results are never overwritten)")
-    try:
-        budgets = [int(b) for b in args.budgets.split(",")]
-    except ValueError:
-        raise SystemExit(f"--budgets {args.budgets!r}: give comma-separated integers in [2, 64]") from None
-    if not budgets or any(not 2 <= b <= 64 for b in budgets) or len(set(budgets)) != len(budgets):
-        raise SystemExit(f"--budgets {args.budgets}: each must be in [2, 64], none repeated")
-    if args.max_new_tokens < 1 or args.num_prompts < 1 or args.threads < 0:
-        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}, --num-prompts {args.num_prompts} (each at least 1) "
-                         f"and --threads {args.threads} (0 or more)")
-    if out_path.parent.exists() and not out_path.parent.is_dir():
-        raise SystemExit(f"--output {out_path}: {out_path.parent} is not a folder")
-    # every task's prompts before the models load (an unknown task or a missing --data-dir fails now, not midway)
-    items = {}
-    for task in args.datasets.split(","):
-        try:
-            items[task] = list(load_eval_prompts(task, args.num_prompts, args.data_dir))
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"--datasets {task!r} (--data-dir {args.data_dir}): {e}") from None
+    budgets, items = tp.check_run_args(args)  # every argument and task before the models load
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()

@@ -68,10 +68,14 @@ def load_models(target_path: str, draft_path: str):
     file) with the draft's feature layers set, and the target's tokenizer (a .gguf file's own)."""
     from dspine.checkpoint import load_draft
     from dspine.paths import load_tokenizer
-    from dspine.target import load_target
+    from dspine.target import assert_compatible, load_target
 
-    draft = load_draft(draft_path, dtype=torch.float32)
-    target = load_target(target_path, dtype=torch.float32)
+    try:
+        draft = load_draft(draft_path, dtype=torch.float32)
+        target = load_target(target_path, dtype=torch.float32)
+        assert_compatible(target, draft.config)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--target {target_path} / --draft {draft_path}: {e}") from None
     target.set_layer_ids(draft.config.target_layer_ids, draft.config.last_layer_features)
     tp = Path(target_path)
     tok = load_tokenizer(str(tp.parent), tp.name) if tp.suffix == ".gguf" else load_tokenizer(target_path)
@@ -229,30 +233,49 @@ def add_run_args(ap: argparse.ArgumentParser, num_prompts: int, max_new_tokens: 
     ap.add_argument("--output", required=True)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(ap, num_prompts=8, max_new_tokens=256, budgets="16,32,48,64")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def check_run_args(args) -> tuple[list[int], dict[str, list]]:
+    """Check the arguments of :func:`add_run_args` before any model loads: the tree budgets (each in [2, 64], none
+    repeated), the counts, the output path (never an existing file) and every task's prompts, which are loaded here.
+    Returns (budgets, {task: prompts}); raises ``SystemExit`` naming the flag and value."""
+    from infer.datasets import load_eval_prompts
+
+    out_path = Path(args.output)
+    if out_path.exists():
+        raise SystemExit(f"{out_path} exists: choose another --output (finished results are never overwritten)")
+    try:
+        check_output_file("--output", out_path, False)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     try:
         budgets = [int(b) for b in args.budgets.split(",")]
     except ValueError:
         raise SystemExit(f"--budgets {args.budgets!r}: give comma-separated integers in [2, 64]") from None
-    if not budgets or any(not 2 <= b <= 64 for b in budgets):
-        raise SystemExit(f"--budgets {args.budgets}: each must be in [2, 64]")
+    if not budgets or any(not 2 <= b <= 64 for b in budgets) or len(set(budgets)) != len(budgets):
+        raise SystemExit(f"--budgets {args.budgets}: each must be in [2, 64], none repeated")
+    if args.max_new_tokens < 1 or args.num_prompts < 1 or args.threads < 0:
+        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}, --num-prompts {args.num_prompts} (each at least 1) "
+                         f"and --threads {args.threads} (0 or more)")
+    items = {}
+    for task in args.datasets.split(","):
+        try:
+            items[task] = list(load_eval_prompts(task, args.num_prompts, args.data_dir))
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--datasets {task!r} (--data-dir {args.data_dir}): {e}") from None
+    return budgets, items
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(ap, num_prompts=8, max_new_tokens=256, budgets="16,32,48,64")
+    args = ap.parse_args(argv)
+    budgets, items = check_run_args(args)  # before the run, not after it
     out_path = Path(args.output)
-    if out_path.exists():
-        raise SystemExit(f"{out_path} exists: choose another --output (finished results are never overwritten)")
-    try:  # before the run, not after it
-        check_output_file("--output", out_path, False)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from dspine.ops.tree_verify import verify_tree_greedy
     from dspine.prompts import encode_prompt
     from dspine.tree import build_tree
-    from infer.datasets import load_eval_prompts
 
     t0 = time.time()
     target, draft, tok, eos = load_models(args.target, args.draft)
@@ -261,8 +284,8 @@ def main(argv=None) -> int:
 
     # per prompt: task, greedy length, q's top-Wmax (log q, sorted), chain-first candidates, greedy columns
     prompts = []
-    for task in args.datasets.split(","):
-        for item in load_eval_prompts(task, args.num_prompts, args.data_dir):
+    for task, task_items in items.items():
+        for item in task_items:
             ids = encode_prompt(tok, item.turns[0])
             gen = greedy_continuation(target, ids, args.max_new_tokens, eos)
             seq = ids + gen
