@@ -37,7 +37,6 @@ from tqdm import tqdm
 from dspine.sampling import SamplingParams
 from dspine.stats import AcceptStats
 from infer.planner import (
-    CEILING_MODELS,
     DRAIN_MODELS,
     parse_conf_slope,
     parse_plan_chains,
@@ -115,7 +114,6 @@ CONFIG_PARSERS = {
     "confidence": _choice("confidence", {c: c for c in CONFIDENCE}, ", ".join(CONFIDENCE)),
     "conf_slope": parse_conf_slope,
     "drain": _choice("drain", {d: d for d in DRAIN}, ", ".join(DRAIN)),
-    "ceiling": _choice("ceiling", {s: s for s in CEILING_MODELS}, " or ".join(CEILING_MODELS)),
     "draft_vocab": _draft_vocab,
 }
 CONFIG_KEYS = tuple(CONFIG_PARSERS)
@@ -123,7 +121,7 @@ CONFIG_KEYS = tuple(CONFIG_PARSERS)
 
 def parse_configs(values: list[str] | None, labels, args, tree_budget_given: bool | None = None) -> dict[str, dict]:
     """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget", "chain_first",
-    "plan_trees", "confidence", "conf_slope", "drain", "ceiling", "draft_vocab"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` /
+    "plan_trees", "confidence", "conf_slope", "drain", "draft_vocab"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` /
     ``--budget`` with the label's overrides. So one run can time several verify modes of one draft (``--draft chain=D --draft auto=D
     --config auto:budget=auto``), alternated per task like any drafts.
 
@@ -137,7 +135,7 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         tree_budget_given = args.tree_budget is not None
     base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None,
             "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None,
-            "ceiling": None, "draft_vocab": getattr(args, "draft_vocab", None)}
+            "draft_vocab": getattr(args, "draft_vocab", None)}
     out = {label: dict(base) for label in labels}
     seen = set()
     for item in values or []:
@@ -232,8 +230,7 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         for key, what in (("plan_trees", "the planner's tree sizes"), ("plan_chains", "the planner's narrower chains"),
                           ("confidence", "when the planner gets the draft's confidence"),
                           ("conf_slope", "how far the planner moves an estimate with the draft's confidence"),
-                          ("drain", "the planner's drain rule"),
-                          ("ceiling", "a led mode's probing ceiling")):
+                          ("drain", "the planner's drain rule")):
             if c[key] is not None and c["budget"] is None:
                 raise ValueError(f"draft {label!r}: {key} applies to budget=auto ({what})")
         if c["conf_slope"] is not None and (c["confidence"] == "never" or (
@@ -372,7 +369,7 @@ class Runner:
                                                    else c["drain"] != "off")
                 if c.get("drain") not in (None, "off"):
                     self.decoders[label].plan_drain_model = c["drain"]
-                for key in ("confidence", "conf_slope", "ceiling"):  # Engine.plan_confidence, ...
+                for key in ("confidence", "conf_slope"):  # Engine.plan_confidence, ...
                     if c.get(key) is not None:
                         setattr(self.decoders[label], f"plan_{key}", c[key])
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
@@ -575,7 +572,6 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
                 row["plan_chains"] = list(runner.decoders[label].plan_chains)
                 row["plan_confidence"] = runner.decoders[label].plan_confidence
                 row["plan_conf_slope"] = runner.decoders[label].plan_conf_slope
-                row["plan_ceiling"] = runner.decoders[label].plan_ceiling
                 dec = runner.decoders[label]
                 row["plan_drain"] = dec.plan_drain_model if dec.plan_drain else "off"
             if label in runner.planner_steps:
@@ -747,8 +743,7 @@ def build_parser():
                          "(greedy|always|never: when the planner gets the draft's confidence, Engine.plan_confidence; "
                          "budget=auto only) or conf_slope (auto or a number in 0..2: how far that confidence moves the "
                          "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead|own|persist|relative: the planner's drain rule off, or on with "
-                         "Engine.plan_drain_model; budget=auto only) or ceiling (lead|headroom|lead_age: a led mode's "
-                         "probing ceiling, Engine.plan_ceiling; budget=auto only) or draft_vocab (a draft vocabulary file, or none "
+                         "Engine.plan_drain_model; budget=auto only) or draft_vocab (a draft vocabulary file, or none "
                          "for the whole vocabulary; over --draft-vocab) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "
                          "--config auto:budget=auto: several verify modes of one draft timed in one run, alternated "

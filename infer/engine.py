@@ -64,7 +64,6 @@ from dspine.tree import node_uniforms, path_nodes
 from infer import model as infer_model
 from infer.model import EXACT_DEFAULT, EngineTarget, KVCache
 from infer.planner import (
-    CEILING_MODELS,
     DRAIN_MODELS,
     StepPlanner,
     append_plan_record,
@@ -384,9 +383,6 @@ class Engine:
         # how far that confidence moves the planner's estimate (StepPlanner's conf_slope): "auto", the slope fitted
         # online; 1.0, in proportion (the rule before 2026-12-05); 0, not at all
         self.plan_conf_slope: float | str = "auto"
-        # a led mode's probing ceiling (infer.planner.CEILING_MODELS): "lead", "headroom" (the rule before 2026-12-06,
-        # afternoon) or "lead_age" (an experiment)
-        self.plan_ceiling = "lead"
         # benchmarks only: a fixed cycle of plan_modes the planner runs instead of deciding (StepPlanner.schedule)
         self.plan_schedule: list | None = None
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
@@ -1498,11 +1494,11 @@ class Engine:
         s = self._slots_for(B)
         kv, draft_cache = self._cache_view(B)
         step = self._runner(B, params, spec)
-        for name, allowed in (("plan_drain_model", DRAIN_MODELS), ("plan_ceiling", CEILING_MODELS)):
-            if spec and self.budget == "auto" and getattr(self, name) not in allowed:
-                raise ValueError(f"Engine.{name}={getattr(self, name)!r}: use {' or '.join(map(repr, allowed))}")
+        if spec and self.budget == "auto" and self.plan_drain_model not in DRAIN_MODELS:
+            raise ValueError(f"Engine.plan_drain_model={self.plan_drain_model!r}: use "
+                             f"{' or '.join(map(repr, DRAIN_MODELS))}")
         planner = (StepPlanner(self._step_costs(B, params), drain_model=self.plan_drain_model,
-                               conf_slope=self.plan_conf_slope, ceiling=self.plan_ceiling)
+                               conf_slope=self.plan_conf_slope)
                    if spec and self.budget == "auto" else None)
         key = self._plan_key(B, params)
         if planner is not None and self.plan_schedule:

@@ -25,9 +25,8 @@ Rule (:func:`choose_mode`, a pure function of the cost table, the token averages
    measured mode's is at most ``1 + (headroom − 1) × min(1, max(1, √(PRIOR_ROWS / n)) / √r)`` × its average (n its
    observations, r its requests per observation, 1 under the drain rule); a led mode's ("Paired observations"), once
    ``LEAD_MIN_STEPS`` paired steps are behind each of its leads, its estimate plus ``LEAD_Z`` standard errors of the
-   leads (:meth:`StepPlanner.lead_se`; ``ceiling="lead"``, the default; ``"headroom"`` applies the rule before;
-   ``"lead_age"``, an experiment, lets a lead's uncertainty grow with the steps since it was observed); an
-   unrun mode's at most ``gain`` × the best average of the measured speculative modes.
+   leads (:meth:`StepPlanner.lead_se`; without them, the measured mode's rule on its estimate); an unrun mode's at
+   most ``gain`` × the best average of the measured speculative modes.
 3. Probe under a time budget: of the plausible modes the cheapest runs once when its expected loss (its step time
    minus the time the best mode needs for the tokens it is expected to commit; 1 token for an unrun mode) fits in
    ``share`` of the step time spent plus ``warmup`` steps of the cheapest mode (at most the time spent).
@@ -115,11 +114,9 @@ PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (mo
 # carried to the next call relative to the pooled acceptance squared instead of in tokens²: a spread learned on the
 # chain of 4's scale is not taken at face value on the chain of 2's; an experiment, module docstring, "Drain")
 DRAIN_MODELS = ("scaled", "lead", "own", "persist", "relative")
-# a led mode's probing ceiling (module docstring, rule 2): "lead" (its estimate plus LEAD_Z standard errors of its
-# leads, once LEAD_MIN_STEPS paired steps are behind each: the paired mode's part of the estimate is observed on the same
-# steps and needs no headroom; the default), "headroom" (its estimate × the headroom rule's factor, the rule before) or
-# "lead_age" ("lead" with each lead's variance growing with the steps since it was last observed; an experiment)
-CEILING_MODELS = ("lead", "headroom", "lead_age")
+# a led mode's probing ceiling (module docstring, rule 2): its estimate plus LEAD_Z standard errors of its leads, once
+# LEAD_MIN_STEPS paired steps are behind each (the paired mode's part of the estimate is observed on the same steps and
+# needs no headroom)
 LEAD_Z = 1.0
 LEAD_MIN_STEPS = 4
 # chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
@@ -268,7 +265,7 @@ def choose_mode(
             PRIOR_ROWS observations); its ceiling's headroom is ``1 + (headroom - 1) × min(1, max(1, √(PRIOR_ROWS /
             seen)) / √rows)`` (module docstring, rule 2): ``headroom`` at one request per step.
         ceilings: committed tokens per request a mode's step can reach, in place of the headroom rule's for the modes
-            given (``StepPlanner(ceiling="lead")``); still capped at :func:`max_tokens`.
+            given (:class:`StepPlanner`'s led modes); still capped at :func:`max_tokens`.
     Returns:
         ``(mode, lost, rate)``: the mode to run, the milliseconds this step is expected to lose against
         the best mode (0 when it is the best mode) and the best mode's tokens per millisecond.
@@ -631,9 +628,8 @@ class StepPlanner:
             with the spread carried relative to ā²).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
-        ceiling: :data:`CEILING_MODELS`: a led mode's probing ceiling (module docstring, rule 2; :meth:`lead_se`).
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
-    unknown drain model or ceiling or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
+    unknown drain model or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
     """
 
     def __init__(
@@ -649,7 +645,6 @@ class StepPlanner:
         cal_decay: float = 0.05,
         drain_model: str = "scaled",
         conf_slope: float | str = "auto",
-        ceiling: str = "lead",
     ):
         if not costs or not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs.values()):
             raise ValueError(f"planner costs must be a non-empty table of positive finite step times, got {costs}")
@@ -659,9 +654,7 @@ class StepPlanner:
             isinstance(conf_slope, (int, float)) and math.isfinite(conf_slope) and 0 <= conf_slope <= SLOPE_MAX
         ):
             raise ValueError(f"conf_slope={conf_slope!r}; expected 'auto' or a number in 0..{SLOPE_MAX}")
-        if ceiling not in CEILING_MODELS:
-            raise ValueError(f"ceiling={ceiling!r}; expected one of {', '.join(CEILING_MODELS)}")
-        self.conf_slope, self.ceiling = conf_slope, ceiling
+        self.conf_slope = conf_slope
         # a fixed cycle of modes that choose() runs instead of deciding (benchmarks/engine/bench_planner_loop.py
         # --switch: what switching modes costs the loop); observations are still recorded; None: decide
         self.schedule: list[Mode] | None = None
@@ -705,7 +698,6 @@ class StepPlanner:
         self.lead: dict[Mode, tuple[Mode, float]] = {}
         self.lead_steps: Counter = Counter()  # paired steps behind each lead
         self.lead_sq: dict[Mode, float] = {}  # slow average of the squared differences behind each lead
-        self.lead_seen: dict[Mode, int] = {}  # step of each lead's latest paired step (this call's; ceiling="lead_age")
         self.untimed = 0  # steps observed without a time
         self.drain_choices: Counter = Counter()  # choices made under the drain rule, per mode
         self.drain_scale: dict[Mode, float] | None = None  # drain tokens ÷ estimate per mode (choose's drain)
@@ -933,7 +925,7 @@ class StepPlanner:
                 # the drain rule's tokens are one request's, the slowest: no mean over the batch's requests
                 rows=self.rows if self.drain_scale is None else None,
                 seen=self.seen,
-                ceilings=self._lead_ceilings(tokens) if self.ceiling != "headroom" else None,
+                ceilings=self._lead_ceilings(tokens),
             )
             if self.drain_scale is not None:
                 self.drain_choices[mode] += 1
@@ -951,8 +943,9 @@ class StepPlanner:
         return self._commit(mode, costs, predicted, loss, rate, scale)
 
     def _lead_ceilings(self, tokens: dict[Mode, float | None]) -> dict[Mode, float]:
-        """``ceiling="lead"`` or ``"lead_age"``: per led mode with a :meth:`lead_se`, its estimate in ``tokens`` plus
-        ``LEAD_Z`` standard errors (× the drain rule's factor while it is in force)."""
+        """A led mode's probing ceiling (module docstring, rule 2): per led mode with a :meth:`lead_se`, its estimate
+        in ``tokens`` plus ``LEAD_Z`` standard errors (× the drain rule's factor while it is in force); a mode without
+        one is left to :func:`choose_mode`'s headroom rule."""
         out = {}
         for m in self.lead:
             se = self.lead_se(m) if tokens.get(m) is not None else None
@@ -1138,7 +1131,6 @@ class StepPlanner:
         w = max(self.slow_decay, 1.0 / n)
         lead = 0.0 if cur is None else cur[1]
         self.lead[mode] = (ref, lead + w * (diff - lead))
-        self.lead_seen[mode] = self.step
         sq = 0.0 if cur is None else self.lead_sq.get(mode, lead * lead)
         self.lead_sq[mode] = sq + w * (diff * diff - sq)
 
@@ -1147,18 +1139,14 @@ class StepPlanner:
         ``mode`` to its unled paired mode, var the slow averages' squared difference less the squared lead and n the
         paired steps behind each lead (at most ``2 / slow − 1``, the slow average's effective samples); ``None``
         unless ``mode`` is led with at least ``LEAD_MIN_STEPS`` steps behind each of those leads and their squared
-        differences (a token state from before them has none: the headroom rule applies). The ``"lead"``
-        ceiling is the estimate plus ``LEAD_Z`` of it (module docstring, rule 2). With ``ceiling="lead_age"`` each
-        lead's term is ``var × (1 / n + age × slow / 2)``, age the steps since its latest paired step in this call: a
-        lead not observed for one slow-average span (``2 / slow`` steps) is as uncertain as one step's difference, so
-        a lead learned on one task is probed again on the next."""
+        differences (a token state from before them has none: the headroom rule applies). A led mode's probing
+        ceiling is the estimate plus ``LEAD_Z`` of it (module docstring, rule 2)."""
         if mode not in self.lead or mode in path or self.lead_steps[mode] < LEAD_MIN_STEPS or mode not in self.lead_sq:
             return None
         ref, lead = self.lead[mode]
         n = min(self.lead_steps[mode], 2.0 / self.slow_decay - 1)
         var = max(self.lead_sq[mode] - lead * lead, 0.0)
-        age = max(self.step - self.lead_seen.get(mode, 0), 0) if self.ceiling == "lead_age" else 0
-        var *= 1.0 / n + age * self.slow_decay / 2.0
+        var *= 1.0 / n
         if ref in self.lead:
             below = self.lead_se(ref, path + (mode,))
             if below is None:

@@ -36,9 +36,6 @@
 #             their points (planner_points.py) -> results/planner-slope-h200.json                  ~14
 #   plandrain infer.bench A/B of the planner's drain model (p: scaled, the default; po: own, issue 16's math500 drain)
 #             beside AR and the chain, T=0, concurrency 8, exact and fast -> results/planner-drain-h200-{exact,fast}-T0-c8.json ~6
-#   planceiling infer.bench A/B of a led mode's probing ceiling (p: lead, the default; ph: headroom, the rule before
-#             2026-12-06 afternoon; pa: lead_age) beside AR, the chain and the fixed trees of 16 and 32, T=0, exact,
-#             concurrency 8 and 1 -> results/planner-ceiling-h200-exact-T0-c{8,1}.json               ~6
 #   planpersist infer.bench A/B of the drain rule's spread between requests (p: the default; pp: drain=persist, the
 #             covariance of early and later acceptance) beside AR and the fixed chains of 4 and 16, T=0, exact,
 #             concurrency 64 and 32, 64 prompts -> results/planner-persist-h200-exact-T0-c{64,32}.json, step logs
@@ -68,7 +65,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain planceiling planpersist planest planswitch planexact tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain planpersist planest planswitch planexact tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -229,13 +226,6 @@ if has planest; then  # what the planner estimated against what it committed (th
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c64.jsonl" timed "plan$name-exact-c64" planab "$name" 64 64 "${ab64[@]}"
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c1.jsonl" timed "plan$name-exact-c1" planab "$name" 1 5 "${ab1[@]}"
   done
-fi
-if has planceiling; then
-  ab=(--draft chain="$DRAFT" --draft tree16="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT" --draft ph="$DRAFT"
-      --draft pa="$DRAFT" --config tree16:verify=tree,tree_budget=16 --config tree32:verify=tree,tree_budget=32
-      --config p:budget=auto --config ph:budget=auto,ceiling=headroom --config pa:budget=auto,ceiling=lead_age)
-  timed planceiling-exact-c8 planab ceiling 8 16 "${ab[@]}"
-  timed planceiling-exact-c1 planab ceiling 1 5 "${ab[@]}"
 fi
 if has planswitch && ! finished "$R/planner-switch-$G.json"; then
   timed planswitch python benchmarks/engine/bench_planner_loop.py --switch 32 --batches 1,8 --temperatures 0 \

@@ -263,7 +263,7 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
         spec = type("S", (), {"eos_ids": {0}})()
         verified_per_step = {"D": 4}
         vocab_info = {"D": None}
-        configs = {"D": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "ceiling": None, "draft_vocab": None}}
+        configs = {"D": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None}}
         args = argparse.Namespace(num_prompts=2, data_dir=str(shared_path("data", "eval")), verify="chain",
                                   exact=False, concurrency=8)
 
@@ -350,7 +350,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     out = tmp_path / "c.json"
     code = bench.main(["--target", str(stories_dir), "--draft", f"chain={draft_dir}", "--draft", f"tree={draft_dir}",
                        "--draft", f"auto={draft_dir}", "--config", "tree:verify=tree,tree_budget=12,chain_first=yes",
-                       "--config", "auto:budget=auto,plan_trees=12/6,confidence=always,conf_slope=0.5,drain=lead,ceiling=headroom", "--datasets", "gsm8k,mbpp",
+                       "--config", "auto:budget=auto,plan_trees=12/6,confidence=always,conf_slope=0.5,drain=lead", "--datasets", "gsm8k,mbpp",
                        "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2", "--max-new-tokens", "10",
                        "--no-chat-template", "--backend", "cuda", "--device", "cpu", "--dtype", "fp32",
                        "--concurrency", "2", "--output-json", str(out)])
@@ -358,9 +358,9 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     res = json.loads(out.read_text())
     assert [t["run_order"] for t in res["tasks"]] == [["AR", "chain", "tree", "auto"], ["chain", "tree", "auto", "AR"]]
     assert res["args"]["configs"] == {
-        "chain": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "ceiling": None, "draft_vocab": None},
-        "tree": {"verify": "tree", "tree_budget": 12, "budget": None, "chain_first": True, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "ceiling": None, "draft_vocab": None},
-        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "plan_chains": None, "width": None, "confidence": "always", "conf_slope": 0.5, "drain": "lead", "ceiling": "headroom", "draft_vocab": None}}
+        "chain": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
+        "tree": {"verify": "tree", "tree_budget": 12, "budget": None, "chain_first": True, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
+        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "plan_chains": None, "width": None, "confidence": "always", "conf_slope": 0.5, "drain": "lead", "draft_vocab": None}}
     for t in res["tasks"]:
         d = t["drafts"]
         assert (d["chain"]["verify"], d["chain"]["verified_tokens_per_step"]) == ("chain", 8)  # the draft's block
@@ -368,7 +368,6 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
         assert d["tree"]["tree_chain_first"] is True and "tree_chain_first" not in d["chain"]
         assert d["auto"]["verified_tokens_per_step"] == "auto" and d["auto"]["budget"] == "auto"
         assert sum(e["steps"] for e in d["auto"]["planner_choices"].values()) > 0
-        assert d["auto"]["plan_ceiling"] == "headroom" and "plan_ceiling" not in d["chain"]
         for e in d["auto"]["planner_choices"].values():  # observed steps commit 1 .. 8 tokens per request each
             assert e["observed"] <= e["steps"] and e["observed"] <= e["realized_tokens"] <= 8 * e["observed"]
             assert e["timed_steps"] <= e["observed"] and (e["timed_ms"] > 0) == (e["timed_steps"] > 0)
@@ -423,10 +422,10 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:confidence=never"], "confidence applies to budget=auto"),
     (["--config", "D:budget=auto,drain=tail"], "drain='tail'; expected off, scaled, lead"),
     (["--config", "D:drain=lead"], "drain applies to budget=auto"),
-    # the settle rule "estimate" and the cost model "age" were removed after their GPU A/Bs: unknown keys now
+    # the settle rule "estimate", the cost model "age" and the ceilings "headroom" and "lead_age" were removed after
+    # their A/Bs: unknown keys now
     (["--config", "D:budget=auto,settle=estimate"], "'settle=estimate' is not KEY=VALUE with a key of verify"),
-    (["--config", "D:budget=auto,ceiling=high"], "ceiling='high'; expected lead or headroom or lead_age"),
-    (["--config", "D:ceiling=lead"], "ceiling applies to budget=auto"),
+    (["--config", "D:budget=auto,ceiling=headroom"], "'ceiling=headroom' is not KEY=VALUE with a key of verify"),
     (["--config", "D:budget=auto,cost=age"], "'cost=age' is not KEY=VALUE with a key of verify"),
     (["--config", "D:budget=auto,conf_slope=steep"], "conf_slope='steep'; expected auto or a number in 0..2"),
     (["--config", "D:budget=auto,conf_slope=-0.5"], "conf_slope='-0.5'; expected auto or a number in 0..2"),
@@ -452,8 +451,8 @@ def test_config_none_overrides_a_run_wide_budget():
     args = argparse.Namespace(verify="tree", tree_budget=32, budget="auto", exact=None, draft_temperature=None,
                               backend="cuda")  # as check_decode_args leaves --verify tree --budget auto
     c = bench.parse_configs(["a:budget=none,verify=chain"], {"a": "p", "b": "p"}, args, tree_budget_given=False)
-    assert c == {"a": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "ceiling": None, "draft_vocab": None},
-                 "b": {"verify": "tree", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "ceiling": None, "draft_vocab": None}}
+    assert c == {"a": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
+                 "b": {"verify": "tree", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None}}
 
 
 def test_run_wide_plan_trees_fill_the_budget_auto_labels_without_their_own():

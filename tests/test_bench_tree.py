@@ -38,7 +38,6 @@ def test_tiny_invariant_planner_point_runs_no_tree_and_decodes_ars_text(stories_
     # the default fixed narrower chains (FIXED_CHAINS, 2 and 4) run beside the chain, and count in the best fixed mode
     assert kept["args"]["invariant"] is True and set(kept["tasks"][0]["drafts"]) == {"chain", "auto", "chain2", "chain4"}
     assert p["invariant"] is True and p["tree_tok_per_s"] is None and p["fixed_tree_tok_per_s"] == {}
-    assert p["plan_ceiling"] == "lead"  # not given: the engine's default, recorded
     assert p["plan_chains"] == [2, 4]  # not given: Engine.PLAN_CHAINS below the tiny draft's block of 8
     assert p["best_static_tok_per_s"] == pytest.approx(max(p["ar_tok_per_s"], p["chain_tok_per_s"],
                                                            *p["fixed_chain_tok_per_s"].values()))
@@ -106,7 +105,7 @@ def test_tiny_planner_point_over_seeds(stories_dir, draft_dir, tmp_path):
            "--skip-smollm2", "--smollm2", str(stories_dir), "--draft", str(draft_dir), "--planner", "2:0,2:1",
            "--tree-budget", "6", "--datasets", "gsm8k", "--data-dir", str(shared_path("data", "eval")),
            "--num-prompts", "2", "--max-new-tokens", "8", "--keep-runs", str(runs), "--output", str(out),
-           "--plan-trees", "6", "--seeds", "3,5", "--plan-drain-model", "own", "--plan-ceiling", "headroom"]
+           "--plan-trees", "6", "--seeds", "3,5", "--plan-drain-model", "own"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     t0, t1 = json.loads(out.read_text())["planner"]
@@ -114,11 +113,6 @@ def test_tiny_planner_point_over_seeds(stories_dir, draft_dir, tmp_path):
     kept = [json.loads((runs / f"planner-c2-T1-seed{sd}.json").read_text()) for sd in (3, 5)]
     # --plan-drain-model: the planner's drain model, passed to every run and recorded with the point
     assert [k["args"]["configs"]["auto"]["drain"] for k in kept] == ["own", "own"] and t1["plan_drain_model"] == "own"
-    # --plan-ceiling likewise, set on the label's engine (infer.bench's row: Engine.plan_ceiling; that the engine hands
-    # it to its planner is tests/test_engine_tree.py's drain test)
-    assert [k["args"]["configs"]["auto"]["ceiling"] for k in kept] == ["headroom"] * 2 and t1["plan_ceiling"] == "headroom"
-    assert {t["drafts"]["auto"]["plan_ceiling"] for k in kept for t in k["tasks"]} == {"headroom"}
-    assert t0["plan_ceiling"] == "headroom"  # recorded from the run, T = 0 too
     assert [k["args"]["seed"] for k in kept] == [3, 5] and t1["seeds"] == [3, 5]
     mean = lambda k, n: sum(t["ar"]["tok_per_s"] if n == "AR" else t["drafts"][n]["tok_per_s"] for t in k["tasks"])
     for n, key in (("AR", "ar_tok_per_s"), ("auto", "planner_tok_per_s"), ("chain", "chain_tok_per_s")):

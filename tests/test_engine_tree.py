@@ -397,12 +397,11 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         return choose(self, predicted, drain)
 
     monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy)
-    made, ceilings = [], []
+    made = []
     init = engine_mod.StepPlanner.__init__
 
     def spy_init(self, costs, **kw):
         made.append(kw.get("drain_model"))
-        ceilings.append(kw.get("ceiling"))
         init(self, costs, **kw)
 
     monkeypatch.setattr(engine_mod.StepPlanner, "__init__", spy_init)
@@ -412,12 +411,10 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
         eng.plan_online, eng.plan_drain = False, bool(on)
         eng.plan_drain_model = "lead" if on == "lead" else "scaled"
-        eng.plan_ceiling = "headroom" if on else "lead"  # Engine.plan_ceiling reaches the planner too
         made.clear()
-        ceilings.clear()
         seen.clear()
         assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
-        assert made == [eng.plan_drain_model] and ceilings == [eng.plan_ceiling]
+        assert made == [eng.plan_drain_model]
         rep = eng.planner_report
         if not on:
             assert all(d is None for d in seen) and not any(e["drain_steps"] for e in rep.values())
@@ -435,9 +432,6 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         assert any(r == 0 for r, *_ in seen[given[-1]]), seen[given[-1]]  # a finished request is kept
     eng.plan_drain_model = "tail"
     with pytest.raises(ValueError, match="Engine.plan_drain_model='tail'"):
-        eng.generate(PROMPTS, params, concurrency=3)
-    eng.plan_drain_model, eng.plan_ceiling = "scaled", "high"
-    with pytest.raises(ValueError, match="Engine.plan_ceiling='high'"):
         eng.generate(PROMPTS, params, concurrency=3)
 
 

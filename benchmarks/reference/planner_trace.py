@@ -493,7 +493,6 @@ def replay(args) -> int:
     point per (step-time source, costs file, tree set); points the run cannot time are skipped with the reason."""
     from dspine.provenance import provenance
     from infer.planner import (
-        CEILING_MODELS,
         DRAIN_MODELS,
         parse_conf_slope,
         parse_plan_chains,
@@ -548,7 +547,6 @@ def replay(args) -> int:
     if not times_list or any(t not in ("measured", "table") for t in times_list):
         raise SystemExit(f"--times {args.times!r}: measured, table or both, comma-separated")
     drain_models = model_list(args.drain_model, "--drain-model", DRAIN_MODELS)
-    ceilings = model_list(args.ceiling, "--ceiling", CEILING_MODELS)
     pairs = [x.strip() for x in args.pair_trees.split(",")]
     if not pairs or any(x not in ("on", "off") for x in pairs):
         raise SystemExit(f"--pair-trees {args.pair_trees!r}: on, off or both, comma-separated")
@@ -562,22 +560,22 @@ def replay(args) -> int:
         for row in trace["prompts"]:  # the larger tree commits what the smaller one does (and pairs its chain alike)
             row[f"tree{big}"], row[f"pair{big}"] = list(row[f"tree{small}"]), list(row[f"pair{small}"])
     points, skipped = [], []
-    knobs = (slopes, pairs, drain_models, ceilings)
+    knobs = (slopes, pairs, drain_models)
     firsts = (times_list[0], *(k[0] for k in knobs))
-    for times, costs, plan_trees, slope, pair, dm, ce in itertools.product(times_list, costs_list, trees_list, *knobs):
+    for times, costs, plan_trees, slope, pair, dm in itertools.product(times_list, costs_list, trees_list, *knobs):
         try:
             pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times,
                               pair_trees=pair == "on", plan_chains=args.plan_chains, repeat=args.repeat,
-                              conf_slope=slope, drain_model=dm, ceiling=ce)
+                              conf_slope=slope, drain_model=dm)
         except NoStepTime as e:
-            if (times, slope, pair, dm, ce) == firsts:  # a skip is reported once per costs file and tree set
+            if (times, slope, pair, dm) == firsts:  # a skip is reported once per costs file and tree set
                 print(f"skipped: {e}", flush=True)
                 skipped.append({"costs": costs, "plan_trees": plan_trees, "why": str(e)})
             continue
         points.append(pt)
-        pt["conf_slope"], pt["drain_model"], pt["ceiling"] = slope, dm, ce
+        pt["conf_slope"], pt["drain_model"] = slope, dm
         print(f"{times} {costs} c{pt['concurrency']} trees {plan_trees} conf_slope {slope} pair_trees {pair} "
-              f"drain_model {dm} ceiling {ce}: "
+              f"drain_model {dm}: "
               f"planner / best fixed ({pt['best_fixed']}) "
               f"{pt['planner_over_best_fixed']:.4f}, / AR {pt['planner_over_ar']:.3f}; clairvoyant / best "
               f"{pt['clairvoyant_over_best_fixed'] or float('nan'):.4f}; steps {pt['planner_steps_timed']}", flush=True)
@@ -625,9 +623,6 @@ def main(argv=None) -> int:
                    help="the drain rule once no prompt is queued (Engine.plan_drain; default on)")
     r.add_argument("--drain-model", default="scaled",
                    help="the planner's drain model (infer.planner.DRAIN_MODELS), comma-separated: one point each")
-    r.add_argument("--ceiling", default="lead",
-                   help="a led mode's probing ceiling (infer.planner.CEILING_MODELS; default lead, the engine's), "
-                        "comma-separated: one point each")
     r.add_argument("--pair-trees", default="on",
                    help="a tree step gives the planner the smaller planner trees' tokens as paired observations "
                         "(Engine.plan_nested; default on); 'on,off' gives every point under both")
