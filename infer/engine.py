@@ -200,7 +200,7 @@ class Engine:
             table), and the measured acceptance;
             once no prompt is queued, it compares the modes on the time to finish the batch's last request
             (``plan_drain``, on by default; ``plan_drain_model``, ``infer.planner.DRAIN_MODELS``: how it maps a
-            tree to one request, "scaled" by default; per-slot chain acceptance counted by :meth:`_decode_planned`);
+            tree to one request, "persist" by default; per-slot chain acceptance counted by :meth:`_decode_planned`);
             None = always ``verify`` / ``tree_budget``. The planner's AR steps defer the draft-context
             append to a flush every ``ar_defer`` AR steps and before a speculative one (:meth:`_ar_step`,
             :meth:`_decode_planned`; ``defer_ar_append = False``: append in every AR step, tests and
@@ -402,7 +402,7 @@ class Engine:
         # once no prompt is queued, the planner compares modes on the time to finish the last live request
         # (infer.planner, "Drain"); False: on tokens per millisecond to the end
         self.plan_drain = True
-        self.plan_drain_model = "scaled"  # infer.planner.DRAIN_MODELS: how the drain rule maps a tree to one request
+        self.plan_drain_model = "persist"  # infer.planner.DRAIN_MODELS: how the drain rule maps a tree to one request
         # what a DSPINE_PLAN_LOG line says this call was (e.g. infer.bench's label, task, turn and pass); None: nothing
         self.plan_log_tag: dict | None = None
         self.eos = torch.tensor(sorted(set(int(e) for e in eos_token_ids)) or [-1], device=self.device)

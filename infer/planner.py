@@ -74,15 +74,16 @@ acceptance; :func:`drain_tokens` maps each speculative mode's estimate to what i
 that would finish last under it (each request's acceptance an empirical Bayes posterior of a normal model, shrunk
 towards the batch's by :func:`spread_weight`; the finishing step the median of the last request's), and rules 1-3
 run until the next refresh on the estimates times one factor, that of the speculative mode with the highest mapped
-rate. ``drain_model`` ``"scaled"`` (default) scales every speculative mode alike by the request's acceptance,
-``"lead"`` maps a tree as the request's chain plus the tree's lead, ``"own"`` scales by each request's acceptance over
-the longest chain's current estimate (not the batch's pooled one) and takes no confidence in the drain; ``"persist"``
-(an experiment) scales alike but takes the spread between requests from the covariance of each request's early and
-later acceptance (:func:`persistent_spread`: acceptance comes in bursts, and the spread of short windows' means
-mostly does not persist) and carries it to the next call relative to the pooled acceptance; ``"relative"`` (an
-experiment) is ``"scaled"`` with the spread carried to the next call relative to the pooled acceptance squared, not in
-tokens² (H100, concurrency 64, T = 0: a prior of 0.081 tokens² learned on the chain of 4's tasks, ā 1.2-1.7, made
-mt-bench's drain, ā 0.54 on the chain of 2, expect 2.5 × the batch's own spread and run AR; docs/status.md).
+rate. ``drain_model`` ``"persist"`` (the default) scales every speculative mode alike by the request's acceptance,
+takes the spread between requests from the covariance of each request's early and later acceptance
+(:func:`persistent_spread`: acceptance comes in bursts, and the spread of short windows' means mostly does not
+persist) and carries it to the next call relative to the pooled acceptance squared (H100, concurrency 64, T = 0: a
+prior of 0.081 tokens² learned on the chain of 4's tasks, ā 1.2-1.7, made mt-bench's drain, ā 0.54 on the chain of 2,
+expect 2.5 × the batch's own spread and run AR; docs/status.md). The alternatives: ``"scaled"`` (the default before)
+scales alike with the spread of the requests' means less a step's noise, carried in tokens²; ``"lead"`` maps a tree
+as the request's chain plus the tree's lead; ``"own"`` scales by each request's acceptance over the longest chain's
+current estimate (not the batch's pooled one) and takes no confidence in the drain. With one request every model
+but ``"own"`` leaves each mode's estimate as it is.
 
 ``benchmarks/engine/sim_planner.py`` replays recorded cost tables with a synthetic acceptance process, true step
 times that differ from the table and a miscalibrated confidence; ``benchmarks/reference/planner_trace.py replay``
@@ -107,13 +108,12 @@ PENDING = 8  # unobserved choices kept by StepPlanner (the engine has at most 2)
 PAIRED_FRESH = 4
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 # how the drain rule maps a tree to one request (drain_tokens): "scaled" (every speculative mode scaled alike by
-# the request's chain acceptance, the default), "lead" (the request's chain plus the tree's lead over it), "own"
-# (scaled, with the longest chain's estimate as the unit and no confidence under the drain: module docstring, "Drain")
-# or "persist" (scaled, with the spread between requests from the covariance of their early and later acceptance,
-# persistent_spread, carried relative to the pooled acceptance; an experiment) or "relative" (scaled, with the spread
-# carried to the next call relative to the pooled acceptance squared instead of in tokens²: a spread learned on the
-# chain of 4's scale is not taken at face value on the chain of 2's; an experiment, module docstring, "Drain")
-DRAIN_MODELS = ("scaled", "lead", "own", "persist", "relative")
+# the request's chain acceptance, the spread between requests that of their means, carried in tokens²), "lead" (the
+# request's chain plus the tree's lead over it), "own" (scaled, with the longest chain's estimate as the unit and no
+# confidence under the drain) or "persist" (scaled, with the spread between requests from the covariance of their
+# early and later acceptance, persistent_spread, carried relative to the pooled acceptance squared; the default:
+# module docstring, "Drain")
+DRAIN_MODELS = ("scaled", "lead", "own", "persist")
 # a led mode's probing ceiling (module docstring, rule 2): its estimate plus LEAD_Z standard errors of its leads, once
 # LEAD_MIN_STEPS paired steps are behind each (the paired mode's part of the estimate is observed on the same steps and
 # needs no headroom)
@@ -137,13 +137,9 @@ SPREAD_CV = 0.5
 # in 5 and 0.065-0.10 in 3
 PERSIST_EARLY = 16
 DEFAULT_SPREAD_REL = 0.04
-# drain model "relative": the prior spread (sd / ā)² of a planner with no earlier call, sd 0.3 ā, within the
-# 0.22-0.37 ā of the five tasks on the H200 (SPREAD_CV's note)
-DEFAULT_SPREAD_RATIO = 0.09
 # token_state's key for the carried spread and its value with no earlier call, per drain model (a key of its own where
 # the units or the meaning differ; the others: "spread", DEFAULT_SPREAD, in tokens²)
-SPREAD_STATE = {"persist": ("spread_rel", DEFAULT_SPREAD_REL),
-                "relative": ("spread_ratio", DEFAULT_SPREAD_RATIO)}
+SPREAD_STATE = {"persist": ("spread_rel", DEFAULT_SPREAD_REL)}
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
 SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
@@ -466,7 +462,6 @@ def drain_tokens(
     own: bool = False,
     persist: tuple[float, float] | None = None,
     stats: tuple[float, float, float, float] | None = None,
-    relative: bool = False,
 ) -> dict[Mode, float | None]:
     """Token estimates for the drain rule (module docstring, "Drain"): each speculative mode's ``tokens`` mapped
     to the AR-equivalent tokens per step of the request that would finish last under it.
@@ -484,8 +479,8 @@ def drain_tokens(
             the batch's lead ``tokens[mode] − tokens[chain]``: ``τ_i(m) = τ_i(chain) + tokens[m] − tokens[chain]``,
             clipped to [1, max_tokens] (per request on the H200, a tree's τ is its chain's plus a constant lead:
             results/tree-lead-fit-h200.json, where scaling alike under-predicts the trees of the hardest quarter
-            of the requests by 0.46-0.73 tokens per step). ``None`` (the default, ``"scaled"``): every
-            speculative mode scaled alike, below.
+            of the requests by 0.46-0.73 tokens per step). ``None`` (the default): every speculative mode
+            scaled alike, below.
         own: the drain model ``"own"``: ``ā`` in ``τ_i(m)`` below is the longest chain's ``tokens`` − 1 where that is
             above 0 (the chain commits ``1 + a_i`` for request i), not the pooled acceptance.
         persist: the drain model ``"persist"``: ``(cov, w)`` of :func:`persistent_spread`; the variance between
@@ -494,8 +489,6 @@ def drain_tokens(
             the same cap.
             Raises ValueError for a covariance that is not finite or a weight outside 0..1.
         stats: :func:`drain_spread` of ``drain`` where the caller has it already (None: computed here).
-        relative: the drain model ``"relative"``: ``prior`` is relative to ā² (the variance is :func:`spread_variance`
-            with ``prior × ā²``), as :attr:`StepPlanner.spread` carries it under this model.
     Returns:
         ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
         > 0), ``y(m)`` the median of the number of steps the last of them needs under mode m. AR's 1 stays 1;
@@ -538,7 +531,7 @@ def drain_tokens(
     if persist is not None:
         v = persist_variance(persist, prior, pooled)
     else:
-        v = spread_variance(drain, between, prior * pooled**2 if relative and prior is not None else prior)
+        v = spread_variance(drain, between, prior)
     v = min(v, (SPREAD_CV * pooled) ** 2)
     rem = np.array([float(d[0]) for d in live])
     n = np.array([float(d[2]) for d in live])
@@ -621,11 +614,11 @@ class StepPlanner:
         share, warmup, headroom, gain: the probing rule of :func:`choose_mode`.
         cost_decay: least weight of the newest measured ÷ table step time (online cost).
         cal_decay: least weight of the newest predicted / realized accepted tokens (calibration).
-        drain_model: :data:`DRAIN_MODELS`: ``"scaled"``, ``"lead"`` (:func:`drain_tokens`' ``leads``, with
-            each tree's paired chain from the paired observations), ``"own"`` (its ``own``; no confidence under the
-            drain rule), ``"persist"`` (its ``persist``, from :func:`persistent_spread` over the drain refreshes;
-            the spread carried relative to the pooled acceptance) or ``"relative"`` (its ``relative``: ``"scaled"``
-            with the spread carried relative to ā²).
+        drain_model: :data:`DRAIN_MODELS`: ``"persist"`` (the default: :func:`drain_tokens`' ``persist``, from
+            :func:`persistent_spread` over the drain refreshes; the spread carried relative to the pooled acceptance
+            squared), ``"scaled"`` (the default before: every speculative mode scaled alike, the spread carried in
+            tokens²), ``"lead"`` (its ``leads``, with each tree's paired chain from the paired observations) or
+            ``"own"`` (its ``own``; no confidence under the drain rule).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
@@ -643,7 +636,7 @@ class StepPlanner:
         gain: float = 2.0,
         cost_decay: float = 0.1,
         cal_decay: float = 0.05,
-        drain_model: str = "scaled",
+        drain_model: str = "persist",
         conf_slope: float | str = "auto",
     ):
         if not costs or not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs.values()):
@@ -704,8 +697,8 @@ class StepPlanner:
         # variance between requests' accepted draft tokens per chain step: drain_tokens' prior, from an earlier
         # call (load_token_state), and the one its latest drain with a chain step used (this batch's estimate weighted
         # with the prior as in drain_tokens), which token_state carries on
-        # (drain models "persist" and "relative": relative to the pooled acceptance squared; "persist"'s early windows
-        # per request, persistent_spread)
+        # (drain model "persist": relative to the pooled acceptance squared; its early windows per request,
+        # persistent_spread)
         self.spread_prior: float | None = self._default_spread()
         self.spread: float | None = None
         self.persist_snaps: dict[int, tuple[float, float]] = {}
@@ -874,14 +867,10 @@ class StepPlanner:
             persist = (persistent_spread(drain, self.persist_snaps, PERSIST_EARLY) if self.drain_model == "persist"
                        else None)
             stats = drain_spread(drain)  # once a refresh: drain_tokens takes it too
-            relative = self.drain_model == "relative"
-            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own, persist, stats, relative)
+            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own, persist, stats)
             pooled, _, between, nbar = stats
             if nbar and pooled > 0 and persist is not None:  # relative to ā², as drain_tokens took the prior
                 self.spread = persist_variance(persist, self.spread_prior, pooled) / pooled**2
-            elif nbar and pooled > 0 and relative:
-                prior = self.spread_prior * pooled**2 if self.spread_prior is not None else None
-                self.spread = spread_variance(drain, between, prior) / pooled**2
             elif nbar and pooled > 0:  # the spread drain_tokens used (before its cap), for later batches
                 self.spread = spread_variance(drain, between, self.spread_prior)
             # one factor for every speculative mode: that of the mode whose mapped drain rate is the highest. The
@@ -1182,16 +1171,15 @@ class StepPlanner:
 
     def token_state(self) -> dict:
         """The learned acceptance (token averages, calibration, the leads of paired modes, and under ``"spread"`` the
-        drain rule's spread between requests: :attr:`spread`, else the prior it started with; under drain models
-        ``"persist"`` and ``"relative"`` as ``"spread_rel"`` and ``"spread_ratio"``, relative to the pooled acceptance
-        squared), for :meth:`load_token_state` of the next planner of the same engine, batch size and sampling
+        drain rule's spread between requests: :attr:`spread`, else the prior it started with; under drain model
+        ``"persist"`` as ``"spread_rel"``, relative to the pooled acceptance squared), for :meth:`load_token_state` of the next planner of the same engine, batch size and sampling
         settings."""
         spread = self.spread if self.spread is not None else self.spread_prior
         return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, self._spread_key(): spread}
 
     def _spread_key(self) -> str:
-        """:meth:`token_state`'s key of the carried spread: ``"spread"`` (tokens²), ``"spread_rel"`` (drain model
-        ``"persist"``) or ``"spread_ratio"`` (``"relative"``), both relative to ā² (:data:`SPREAD_STATE`)."""
+        """:meth:`token_state`'s key of the carried spread: ``"spread"`` (tokens²) or ``"spread_rel"`` (drain model
+        ``"persist"``, relative to ā²; :data:`SPREAD_STATE`)."""
         return SPREAD_STATE.get(self.drain_model, ("spread", DEFAULT_SPREAD))[0]
 
     def _default_spread(self) -> float:
@@ -1203,8 +1191,8 @@ class StepPlanner:
         every mode counts as seen at step 0, so the averages are taken as they were, and the fast ones then
         follow the new requests; its ``"spread"`` becomes the drain rule's prior (``DEFAULT_SPREAD`` if absent, as in
         a state written before it existed; under drain model ``"persist"`` its ``"spread_rel"``, else
-        ``DEFAULT_SPREAD_REL``; under ``"relative"`` its ``"spread_ratio"``, else ``DEFAULT_SPREAD_RATIO``). Raises
-        ValueError if ``state`` holds a mode not in this table."""
+        ``DEFAULT_SPREAD_REL``: a key of another model, such as the removed ``"relative"``'s ``"spread_ratio"``, is
+        not read). Raises ValueError if ``state`` holds a mode not in this table."""
         extra = set(state["fast"]) - set(self.table)
         if extra:
             raise ValueError(

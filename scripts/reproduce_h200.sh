@@ -34,15 +34,16 @@
 #             the rule before 2026-12-05) beside AR, the chain and fixed trees of 16 and 32, T=0, fast and exact at
 #             concurrency 1 and 8, fast at 32 and 64 -> results/planner-slope-h200-{fast,exact}-T0-c*.json and
 #             their points (planner_points.py) -> results/planner-slope-h200.json                  ~14
-#   plandrain infer.bench A/B of the planner's drain model (p: scaled, the default; po: own, issue 16's math500 drain)
-#             beside AR and the chain, T=0, concurrency 8, exact and fast -> results/planner-drain-h200-{exact,fast}-T0-c8.json ~6
-#   planpersist infer.bench A/B of the drain rule's spread between requests (p: the default; pp: drain=persist, the
-#             covariance of early and later acceptance) beside AR and the fixed chains of 4 and 16, T=0, exact,
-#             concurrency 64 and 32, 64 prompts -> results/planner-persist-h200-exact-T0-c{64,32}.json, step logs
-#             $WORK/logs/plan-log-persist-c{64,32}.jsonl                                               ~5
+#   plandrain infer.bench A/B of the planner's drain model (p: drain=scaled, the default when it ran; po: own, issue
+#             16's math500 drain) beside AR and the chain, T=0, concurrency 8, exact and fast -> results/planner-drain-h200-{exact,fast}-T0-c8.json ~6
+#   planpersist infer.bench A/B of the drain rule's spread between requests (p: drain=scaled, the default when it
+#             ran; pp: drain=persist, the covariance of early and later acceptance, the default since) beside AR and
+#             the fixed chains of 4 and 16, T=0, exact, concurrency 64 and 32, 64 prompts ->
+#             results/planner-persist-h200-exact-T0-c{64,32}.json, step logs $WORK/logs/plan-log-persist-c{64,32}.jsonl ~5
 #   planest   the planner with its estimates logged (each choice's tokens per mode before the drain rule and the
-#             engine's confidence: plan_log.py --estimates): at concurrency 64 p (the default), pp (drain=persist)
-#             and pr (drain=relative) beside AR and the chains of 4 and 16; at concurrency 1 p beside AR, the chain
+#             engine's confidence: plan_log.py --estimates): at concurrency 64 p (the default, drain=persist) and ps
+#             (drain=scaled, the default before) beside AR and the chains of 4 and 16 (the H100 files of this stage
+#             before: p = scaled, pp = persist, pr = relative, since removed); at concurrency 1 p beside AR, the chain
 #             and the fixed tree of 32; T=0, exact, each point RUNS times (default 2) -> results/planner-est[-rK]-h200-exact-T0-c{64,1}.json,
 #             step logs $WORK/logs/plan-log-est*-c*.jsonl                                            ~10
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
@@ -193,7 +194,8 @@ plandrain() {  # plandrain MODE: one infer.bench run of the drain-model A/B at c
   finished "$out" && return 0
   [ "$1" = exact ] && exact=(--exact)
   python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" "${exact[@]}" --temperature 0 \
-    --draft chain="$DRAFT" --draft p="$DRAFT" --draft po="$DRAFT" --config p:budget=auto --config po:budget=auto,drain=own \
+    --draft chain="$DRAFT" --draft p="$DRAFT" --draft po="$DRAFT" --config p:budget=auto,drain=scaled \
+    --config po:budget=auto,drain=own \
     --concurrency 8 --num-prompts 16 --max-new-tokens 512 --output-json "$out" --overwrite
 }
 if has plandrain; then
@@ -210,15 +212,14 @@ planab() {  # planab NAME CONCURRENCY PROMPTS LABEL-ARGS...: one infer.bench run
 }
 if has planpersist; then
   ab=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pp="$DRAFT"
-      --config chain4:width=4 --config p:budget=auto --config pp:budget=auto,drain=persist)
+      --config chain4:width=4 --config p:budget=auto,drain=scaled --config pp:budget=auto,drain=persist)
   for c in 64 32; do  # with the step logs (plan_log.py --persistence reads them)
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-persist-c$c.jsonl" timed "planpersist-exact-c$c" planab persist "$c" 64 "${ab[@]}"
   done
 fi
 if has planest; then  # what the planner estimated against what it committed (the concurrency-64 gap is mt-bench's)
-  ab64=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pp="$DRAFT" --draft pr="$DRAFT"
-        --config chain4:width=4 --config p:budget=auto --config pp:budget=auto,drain=persist
-        --config pr:budget=auto,drain=relative)
+  ab64=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft ps="$DRAFT"
+        --config chain4:width=4 --config p:budget=auto --config ps:budget=auto,drain=scaled)
   ab1=(--draft chain="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT"
        --config tree32:verify=tree,tree_budget=32 --config p:budget=auto)
   for k in $(seq 1 "${RUNS:-2}"); do

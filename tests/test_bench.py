@@ -422,6 +422,8 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:confidence=never"], "confidence applies to budget=auto"),
     (["--config", "D:budget=auto,drain=tail"], "drain='tail'; expected off, scaled, lead"),
     (["--config", "D:drain=lead"], "drain applies to budget=auto"),
+    # the drain model "relative" was removed after its A/B (persist the default): refused, the models named
+    (["--config", "D:budget=auto,drain=relative"], "drain='relative'; expected off, scaled, lead, own, persist\n"),
     # the settle rule "estimate", the cost model "age" and the ceilings "headroom" and "lead_age" were removed after
     # their A/Bs: unknown keys now
     (["--config", "D:budget=auto,settle=estimate"], "'settle=estimate' is not KEY=VALUE with a key of verify"),
@@ -574,14 +576,18 @@ def test_config_checks_keys_in_one_order_whatever_the_order_given():
 
 
 def test_config_takes_every_drain_model_of_the_planner():
-    """drain= takes off and each of infer.planner.DRAIN_MODELS (persist included), as the label's plan_drain_model."""
+    """drain= takes off and each of infer.planner.DRAIN_MODELS (persist, the default, and scaled, the default before,
+    included; relative, removed, not), as the label's plan_drain_model."""
     import argparse
 
     from infer.planner import DRAIN_MODELS
 
     args = argparse.Namespace(verify="chain", tree_budget=None, budget=None, exact=None, draft_temperature=None,
                               backend="cuda")
-    assert bench.DRAIN == ("off", *DRAIN_MODELS) and "persist" in DRAIN_MODELS  # one list, the planner's
+    assert bench.DRAIN == ("off", *DRAIN_MODELS) and {"persist", "scaled"} <= set(DRAIN_MODELS)  # the planner's
+    assert "relative" not in bench.DRAIN
+    with pytest.raises(ValueError, match="drain='relative'; expected off, scaled, lead, own, persist$"):
+        bench.parse_configs(["a:budget=auto,drain=relative"], {"a": "p"}, args)
     for model in bench.DRAIN:
         c = bench.parse_configs([f"a:budget=auto,drain={model}"], {"a": "p"}, args)
         assert c["a"]["drain"] == model and c["a"]["budget"] == "auto"

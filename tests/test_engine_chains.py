@@ -204,14 +204,16 @@ def test_drain_model_persist_runs_in_the_engine_and_decodes_the_target_text(stor
     monkeypatch.setattr(planner_mod, "persistent_spread", spy)
     assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
     assert calls and all(c[0] == 2 and c[1] == 3 for c in calls)  # every slot, in order, at every refresh
-    assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want  # the relative spread carried over
+    assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want  # the spread carried over, ÷ ā²
     assert "spread_rel" in next(iter(eng.plan_token_memory.values()))
 
 
-def test_drain_model_relative_runs_in_the_engine_and_carries_a_ratio(stories_dir, stories, monkeypatch):  # noqa: F811
-    """Engine.plan_drain_model = "relative" with an oracle draft (a third of its tokens corrupted), so the drain sees
-    chain steps: the output is the target's greedy text, and the spread carried to the next generate is the ratio the
-    drain learned (StepPlanner.spread, the variance ÷ ā², not the no-call default), as "spread_ratio", not tokens²."""
+def test_the_default_drain_model_carries_the_spread_it_learned_relative(stories_dir, stories, monkeypatch):  # noqa: F811
+    """The engine's default drain model is "persist" (the scaled one before). With an oracle draft (a third of its
+    tokens corrupted), so the drain sees chain steps (early window shortened to 2 of them): the output is the
+    target's greedy text, and the spread carried to the next generate is the one the drain learned
+    (persist_variance of the last refresh's persistent_spread, ÷ ā², not the no-call default), as "spread_rel", not
+    tokens²."""
     import infer.planner as planner_mod
     from tests.helpers import oracle_engine
 
@@ -220,24 +222,26 @@ def test_drain_model_relative_runs_in_the_engine_and_carries_a_ratio(stories_dir
     want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
     eng = oracle_engine(_engine(stories_dir, folder, budget="auto", plan_trees=(), plan_chains=(2, 4)),
                         [p + w for p, w in zip(PROMPTS, want)], corrupt=0.3)
-    eng.plan_drain_model = "relative"
+    assert eng.plan_drain_model == "persist"
     eng._step_costs = lambda B, params: {("ar", 1): 1.0, ("chain", 2): 1.05, ("chain", 4): 1.1, ("chain", 8): 1.2}
     eng.plan_online = False
+    monkeypatch.setattr(planner_mod, "PERSIST_EARLY", 2)
     calls, real = [], planner_mod.drain_tokens
 
     def spy(tokens, drain, modes, prior=None, *args):
-        calls.append((drain, prior, args[-1]))
+        calls.append((drain, prior, args[2]))  # (leads, own, persist, stats)
         return real(tokens, drain, modes, prior, *args)
 
     monkeypatch.setattr(planner_mod, "drain_tokens", spy)
     assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
     state = next(iter(eng.plan_token_memory.values()))
-    assert "spread_ratio" in state and "spread" not in state
-    assert calls and all(c[2] is True for c in calls)  # relative=True at every refresh
-    drain, prior, _ = [c for c in calls if planner_mod.drain_spread(c[0])[3]][-1]  # the last with a chain step
-    pooled, _, between, _ = planner_mod.drain_spread(drain)
-    want_ratio = planner_mod.spread_variance(drain, between, prior * pooled**2) / pooled**2
-    assert state["spread_ratio"] == pytest.approx(want_ratio) and want_ratio != prior  # learned, ÷ ā²
+    assert "spread_rel" in state and "spread" not in state
+    assert calls and all(c[2] is not None for c in calls)  # persist's (cov, weight) at every refresh
+    drain, prior, persist = [c for c in calls if planner_mod.drain_spread(c[0])[3]][-1]  # the last with a chain step
+    assert prior == planner_mod.DEFAULT_SPREAD_REL and persist[1] > 0  # the no-call prior; requests with both windows
+    pooled = planner_mod.drain_spread(drain)[0]
+    want_rel = planner_mod.persist_variance(persist, prior, pooled) / pooled**2
+    assert state["spread_rel"] == pytest.approx(want_rel) and want_rel != prior  # learned, ÷ ā²
     assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
 
 

@@ -642,7 +642,7 @@ def test_generate_json_reports_the_planner_settings(stories_dir, stories, capsys
     monkeypatch.setattr(generate, "load_engine", lambda *a, **kw: engine_mod.load_engine(*a, **{**kw, "device": "cpu"}))
     base = ["--target", str(stories_dir), "--draft", str(stories[2]), "--prompt", "Once", "--no-chat-template",
             "--max-new-tokens", "6", "--backend", "cuda", "--dtype", "fp32", "--json"]
-    for extra, trees, drain in (([], None, None), (["--budget", "auto"], [16, 32], "scaled"),
+    for extra, trees, drain in (([], None, None), (["--budget", "auto"], [16, 32], "persist"),
                                 (["--budget", "auto", "--plan-trees", "24/12", "--no-plan-drain"], [12, 24], "off")):
         assert generate.main(base + extra) == 0, extra
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -366,7 +366,7 @@ def main(argv=None) -> int:
                     help="passed to every infer.bench run (default: the engine's)")
     ap.add_argument("--plan-drain-model", default=None, choices=list(DRAIN_MODELS),
                     help="--planner points: the planner's drain model (infer.bench --config auto:drain=...; default: "
-                         "the engine's, scaled)")
+                         "the engine's, persist)")
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
                     help="passed to the --planner points' infer.bench runs (default: infer.bench's, on)")
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,

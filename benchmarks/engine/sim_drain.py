@@ -1,6 +1,6 @@
 """Replay of the planner's drain rule (``infer.planner``, "Drain") on batches with no queue; CPU only.
 
-    python benchmarks/engine/sim_drain.py [--seeds 6] [--output results/sim-drain-cpu.json]
+    python benchmarks/engine/sim_drain.py [--seeds 6] [--drain-model persist] [--output results/sim-drain-cpu.json]
 
 Not a GPU measurement. Five tasks in a row, as ``infer.bench`` runs them at concurrency 64 with 64 prompts of 256
 new tokens: every request starts together, so the whole decode is the batch's drain. Request i accepts each draft
@@ -14,7 +14,9 @@ others leave must not keep the planner from it). Step times are the H200's at co
 T = 0 (AR 1.12 ms, chain of 16 2.39 ms: ``measured_ms`` of results/verify-h200.json ``planner``); the planner is told
 them exactly. Per task, as in ``infer.bench``: an untimed pass, then the planner's acceptance memory goes back to
 what the earlier tasks left and the timed pass runs; the cost model carries over. Reported: milliseconds per task of
-AR, the chain and the planner (the drain given every ``Engine.PLAN_DRAIN_EVERY`` = 8 steps).
+AR, the chain and the planner (the drain given every ``Engine.PLAN_DRAIN_EVERY`` = 8 steps; ``--drain-model``: its
+drain model, ``infer.planner.DRAIN_MODELS``, default the planner's, ``persist``; results/sim-drain-cpu.json is
+``scaled``'s, the default when it was written).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dspine.provenance import git_commit, utc_now  # noqa: E402
-from infer.planner import StepPlanner  # noqa: E402
+from infer.planner import DRAIN_MODELS, StepPlanner  # noqa: E402
 
 AR, CHAIN = ("ar", 1), ("chain", 16)
 COSTS = {AR: 1.12, CHAIN: 2.39}
@@ -104,12 +106,14 @@ def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, p
 
 
 def replay_tasks(
-    seed: int, tasks=TASKS, batch: int = 64, max_new: int = 256, every: int = 8, costs=None, feed_narrow: bool = True
+    seed: int, tasks=TASKS, batch: int = 64, max_new: int = 256, every: int = 8, costs=None, feed_narrow: bool = True,
+    drain_model: str | None = None,
 ) -> dict[str, list[float]]:
     """Milliseconds per task of ``ar``, ``chain`` (the full one), each narrower chain of ``costs`` (``chainW``) and
     ``planner`` for one draw of the requests (module docstring); ``tasks``: ``(name, mean τ, standard deviation
     between requests)`` in the order run; ``costs``: the step table (default :data:`COSTS`); ``feed_narrow``: as in
-    :func:`drain_batch`."""
+    :func:`drain_batch`; ``drain_model``: the planner's (``infer.planner.DRAIN_MODELS``; None: its default)."""
+    planner_args = {} if drain_model is None else {"drain_model": drain_model}
     costs = costs or COSTS
     rng = random.Random(seed)
     narrow = [m for m in costs if m[0] == "chain" and m != CHAIN]
@@ -126,7 +130,7 @@ def replay_tasks(
             out[f"chain{m[1]}"].append(drain_batch(costs, accept, max_new, seed, fixed=m))
         passes = []
         for run_seed in (seed + 1000 + k, seed):  # untimed pass, then the timed one from the same memory
-            p = StepPlanner(costs)
+            p = StepPlanner(costs, **planner_args)
             if cost_state is not None:
                 p.load_cost_state(cost_state)
             if token_state is not None:
@@ -146,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--narrow", action="store_true",
                     help="the planner's chains of 2, 4 and 8 beside the full one, at the H100's table (COSTS_NARROW); "
                          "the planner with and without the narrower chains' steps in its drain statistics")
+    ap.add_argument("--drain-model", default=None, choices=list(DRAIN_MODELS),
+                    help="the planner's drain model (default: the planner's, persist)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     costs = COSTS_NARROW if args.narrow else COSTS
@@ -154,12 +160,14 @@ def main(argv=None) -> int:
         "device": "CPU (a replay: no model runs)", "date": utc_now(), "commit": git_commit(),
         "costs_ms": {f"{m[0]}{m[1]}" if m[0] == "chain" else m[0]: c for m, c in costs.items()},
         "seeds": args.seeds,
+        "drain_model": args.drain_model or StepPlanner(costs).drain_model,  # the planner's default where none given
         "orders": [],
     }
     for tasks in (TASKS, TASKS[::-1]):
         per_task: dict = {}
         for feed in ((True, False) if args.narrow else (True,)):
-            runs = [replay_tasks(s, tasks, costs=costs, feed_narrow=feed) for s in range(args.seeds)]
+            runs = [replay_tasks(s, tasks, costs=costs, feed_narrow=feed, drain_model=args.drain_model)
+                    for s in range(args.seeds)]
             for k in runs[0]:
                 name = k if k != "planner" or not args.narrow else f"planner_{'fed' if feed else 'unfed'}"
                 per_task[name] = [statistics.mean(r[k][i] for r in runs) for i in range(len(tasks))]

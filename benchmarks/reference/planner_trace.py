@@ -621,8 +621,9 @@ def main(argv=None) -> int:
                         "2026-12-05), comma-separated: one point each")
     r.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=True,
                    help="the drain rule once no prompt is queued (Engine.plan_drain; default on)")
-    r.add_argument("--drain-model", default="scaled",
-                   help="the planner's drain model (infer.planner.DRAIN_MODELS), comma-separated: one point each")
+    r.add_argument("--drain-model", default="persist",
+                   help="the planner's drain model (infer.planner.DRAIN_MODELS; default persist, the engine's), "
+                        "comma-separated: one point each")
     r.add_argument("--pair-trees", default="on",
                    help="a tree step gives the planner the smaller planner trees' tokens as paired observations "
                         "(Engine.plan_nested; default on); 'on,off' gives every point under both")
