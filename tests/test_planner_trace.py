@@ -282,6 +282,18 @@ def test_replay_narrow_chains_are_paired_and_fixed_and_repeat_fills_a_batch(tmp_
     # two prompts of 19 decoded tokens side by side; the chain of 2 commits 2 a step: 10 steps and the one in which
     # the finish is seen, of 1.1 × 1.1 ms (measured)
     assert p["per_task_tok_per_s"]["x"]["chain2"] == pytest.approx(38 / (11 * 1.21) * 1e3)
+    # --mix: the tasks' prompts in turn as one task, so two tasks of one prompt each fill a batch of 2 together; the
+    # fixed chain of 2 decodes y's 9 tokens (it accepts nothing: one a step) beside x's 19, whose 10 steps and the one
+    # in which its finish is seen set the batch's time
+    y = {**row([0] * 10, [0] * 10, [0] * 10), "task": "y"}
+    trace.write_text(json.dumps({"prompts": [row([3] * 20, [3] * 20, [3] * 20), y], "budgets": [4], "block_size": 5,
+                                 "num_prompts": 1, "max_new_tokens": 20}))
+    with pytest.raises(SystemExit, match="every point was skipped"):
+        pt.main(args + ["--overwrite"])
+    assert pt.main(args + ["--overwrite", "--mix"]) == 0
+    p = json.loads(out.read_text())["points"][0]
+    assert p["mix"] is True and list(p["per_task_tok_per_s"]) == ["mixed"]
+    assert p["per_task_tok_per_s"]["mixed"]["chain2"] == pytest.approx((19 + 9) / (11 * 1.21) * 1e3)
     for extra, msg in ((["--repeat", "0"], "--repeat 0"), (["--plan-chains", "2/x"], "--plan-chains"),
                        (["--plan-chains", "8"], "below the trace's block of 5")):
         with pytest.raises(SystemExit, match=msg):

@@ -380,7 +380,7 @@ def _step_times(path: str, label: str) -> tuple[dict, dict]:
 
 def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurrency: int | None = None,
                  plan_drain: bool = True, times: str = "measured", pair_trees: bool = True, plan_chains: str = "none",
-                 repeat: int = 1, **planner_args) -> dict:
+                 repeat: int = 1, mix: bool = False, **planner_args) -> dict:
     """One point: the planner (trees ``plan_trees``, infer.planner.parse_plan_trees; ``planner_args`` to
     ``StepPlanner``), every fixed mode with a step time and (at concurrency 1) the clairvoyant schedule over
     ``trace``, with the step times of the ``infer.bench`` JSON ``costs`` at ``concurrency`` (default: that run's).
@@ -431,6 +431,9 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
                 tasks.setdefault(row["task"], []).append(row)
     if not tasks:
         raise SystemExit("the trace has no prompt with more than one output token")
+    if mix:  # one stream with the tasks' prompts taken in turn: every batch mixes them, as a server's does
+        queues = list(tasks.values())
+        tasks = {"mixed": [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]}
     short = {t: len(r) for t, r in tasks.items() if len(r) < B}
     if short:  # Engine.generate runs min(concurrency, prompts) slots: step times of another batch size
         raise NoStepTime(f"{costs}: concurrency {B}, but the trace has fewer decoding prompts for {short}: the engine "
@@ -465,7 +468,7 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     mean = {k: sum(t[k] for t in per_task.values()) / len(per_task) for k in next(iter(per_task.values()))}
     best = max((k for k in mean if k not in ("planner", "clairvoyant")), key=mean.get)
     return {
-        "costs": costs, "concurrency": B, "plan_trees": plan_trees, "plan_chains": plan_chains, "repeat": repeat,
+        "costs": costs, "concurrency": B, "plan_trees": plan_trees, "plan_chains": plan_chains, "repeat": repeat, "mix": mix,
         "plan_drain": plan_drain, "times": times,
         "pair_trees": pair_trees,
         "exact": bool(run_args.get("exact")),
@@ -566,7 +569,7 @@ def replay(args) -> int:
         try:
             pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times,
                               pair_trees=pair == "on", plan_chains=args.plan_chains, repeat=args.repeat,
-                              conf_slope=slope, drain_model=dm)
+                              mix=args.mix, conf_slope=slope, drain_model=dm)
         except NoStepTime as e:
             if (times, slope, pair, dm) == firsts:  # a skip is reported once per costs file and tree set
                 print(f"skipped: {e}", flush=True)
@@ -630,6 +633,9 @@ def main(argv=None) -> int:
     r.add_argument("--tree-like", action="append", metavar="N=M",
                    help="replay tree N with tree M's recorded acceptance, applied in the order given (a draft whose "
                         "larger tree gains nothing at a higher step price); repeatable")
+    r.add_argument("--mix", action="store_true",
+                   help="one task 'mixed': the tasks' prompts taken in turn, so every batch mixes them (a server's "
+                        "traffic; infer.bench runs each task alone)")
     r.add_argument("--output", default=None)
     r.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
