@@ -886,22 +886,28 @@ def planner_h100_section() -> list[str]:
                     "Command: " + "; ".join(dict.fromkeys(f"`{p.get('provenance', {}).get('command', '?')}`"
                                                           for p in fair)), ""]
     if loops:
-        ratios = [p.get(k) for p in loops for k in ("planner_ar_over_ar", "planner_chain_over_chain", "planner_tree_over_tree")]
+        swx = load("planner-switch-exact-h100.json")  # the same in exact mode (stage planexact), where it ran
+        runs = [("fast", sw, "planner-switch-h100.json")] + ([("exact", swx, "planner-switch-exact-h100.json")]
+                                                             if swx and swx.get("points") else [])
+        ratios = [p.get(k) for _, r, _ in runs for p in r["points"]
+                  for k in ("planner_ar_over_ar", "planner_chain_over_chain", "planner_tree_over_tree")]
         ratios = [x for x in ratios if x is not None]
         out += [f"What the planner's loop costs with one mode and with two in turn ({sw.get('gpu') or sw.get('device')}, "
                 f"random weights at SmolLM2 shape, {sw.get('context')}-token prompts, {sw.get('new_tokens')} new tokens, "
-                f"median of {sw.get('reps')}, [`results/planner-switch-h100.json`](results/planner-switch-h100.json)): the "
+                f"median of {sw.get('reps')}): the "
                 f"planner's loop running only AR, only the chain or only the tree of {sw.get('switch_tree')} against the "
                 "engine running that mode without it, and the chain and the tree in turn against the mean of each alone "
                 "(decode tok/s ratios, wall time on both sides)"
-                + (f"; one mode costs the loop {1 - max(ratios):.1%}-{1 - min(ratios):.1%} of a step" if ratios else "")
+                + (f"; one mode costs the loop at most {1 - min(ratios):.1%} of a step" if ratios else "")
                 + ":", "",
-                "| batch | planner AR ÷ AR | planner chain ÷ chain | planner tree ÷ tree | switch ÷ mean |",
-                "|---|---|---|---|---|"]
-        for p in loops:
-            out.append(f"| {p.get('batch')} | {f3(p.get('planner_ar_over_ar'))} | {f3(p.get('planner_chain_over_chain'))} | "
-                       f"{f3(p.get('planner_tree_over_tree'))} | {f3(p.get('switch_over_mean'))} |")
-        out += ["", f"Command: `{sw.get('command')}`", ""]
+                "| mode | batch | planner AR ÷ AR | planner chain ÷ chain | planner tree ÷ tree | switch ÷ mean | file, commit |",
+                "|---|---|---|---|---|---|---|"]
+        for how, r, name in runs:
+            for p in r["points"]:
+                out.append(f"| {how} | {p.get('batch')} | {f3(p.get('planner_ar_over_ar'))} | "
+                           f"{f3(p.get('planner_chain_over_chain'))} | {f3(p.get('planner_tree_over_tree'))} | "
+                           f"{f3(p.get('switch_over_mean'))} | [`{name}`](results/{name}) `{r['commit'][:7]}` |")
+        out += ["", "Commands: " + "; ".join(f"`{r.get('command')}`" for _, r, _ in runs), ""]
     if slopes:
         out += ["The confidence slope A/B (`p`: `conf_slope=auto`, the default; `p1`: `conf_slope=1`, the rule before "
                 "it), each ÷ the best fixed label of the same run (AR, chain, trees of 16 and 32), and the planner's mean "
@@ -1049,6 +1055,26 @@ def planner_refresh_section() -> list[str]:
             "time. Same setting as the two tables above (H100, one lease, T = 1 with one seed; a file with `rep2` "
             "repeats one point in the same lease); last column: the planner of the drain-statistics lease at the "
             "same point." + test, ""] + table
+
+
+FUSED_FILES = ("verify-fused-exact-h100.json",)  # the same-text points at T = 0 with the inner-tree count fused
+
+
+def planner_fused_section() -> list[str]:
+    """The same-text planner points at concurrency 1 and 8, T = 0, exact (FUSED_FILES, commit 3ada141: the inner-tree
+    count in plan_stats' one launch, a8c8de2) beside the refresh fix's points (REFRESH_FILES). Empty without them."""
+    table = _chain_points_table(FUSED_FILES, REFRESH_FILES, "planner ÷ AR at the refresh fix")
+    if not table:
+        return []
+    g = load("gpu-tests-plan-stats-h100.json")
+    test = (f" The GPU tests of the fused count (`tests/test_kernels_plan_stats.py`, `tests/test_engine_confidence.py`, "
+            f"commit `{g['commit'][:7]}`): {g['passed']} passed, {g['failed']} failed "
+            f"([`gpu-tests-plan-stats-h100.json`](results/gpu-tests-plan-stats-h100.json)).") if g else ""
+    return ["#### The planner with the inner-tree count fused into one launch", "",
+            "A planner tree step counted what its smaller trees inside it accepted in about 10 torch launches inside "
+            "the step's graph; since a8c8de2 `dspine.ops.plan_stats` writes them in its one launch. The two T = 0 "
+            "points where the planner's own cost mattered most, exact mode (every mode decodes AR's greedy text; H100, "
+            "one lease); last column: the planner of the refresh fix's lease at the same point." + test, ""] + table
 
 
 def _pooled_rates(r: dict | None, labels: tuple[str, ...]) -> tuple[dict, dict] | None:
@@ -1213,13 +1239,16 @@ def planner_est_section(gpu: str | None = None) -> list[str]:
     c1, c1_files = _est_c1_table(gpu)
     if not rows and not c1:
         return []
-    per_task = [x for lab in ("p", "pr") if rows
+    per_task = [x for lab in ("p", "pp", "pr") if rows
                 for x in (_per_task_sentence(64, [(rate, pt) for _, _, _, _, rate, pt in rows], lab), "")]
     files = [r for _, _, _, r, _, _ in rows] + c1_files
-    return ["#### The drain model `relative`, and the planner at concurrency 1 with the inner-tree count fused", "",
-            "`--config pr:budget=auto,drain=relative` is the default drain rule (`scaled`) with the spread between "
-            "requests carried to the next call relative to the pooled acceptance squared, not in tokens²: a spread "
-            "learned on the chain of 4's tasks is scaled to the chain of 2's acceptance on mt-bench. Stage `planest` of "
+    return ["#### The drain models `persist` and `relative` against `scaled`, and the planner at concurrency 1 with the "
+            "inner-tree count fused", "",
+            "At commit 3ada141 the default drain model was `scaled`; `pp` is `--config pp:budget=auto,drain=persist` (the "
+            "spread between requests from the covariance of their early and later acceptance), `pr` "
+            "`--config pr:budget=auto,drain=relative` (`scaled` with the spread carried to the next call relative to the "
+            "pooled acceptance squared, not in tokens²). `persist` led `scaled` in all three runs and `relative` in all "
+            "three, and became the default; `relative` was removed (docs/planner.md, \"Drain\"). Stage `planest` of "
             "`scripts/reproduce_h200.sh` (SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact`, 512 new "
             f"tokens, one {gpu.upper()} lease; 64 prompts a task at concurrency 64, 5 at concurrency 1); tok/s pools "
             "the five tasks:", "", *table, "", *per_task, *c1, "",
@@ -1228,25 +1257,30 @@ def planner_est_section(gpu: str | None = None) -> list[str]:
 
 def drain_model_replay_section() -> list[str]:
     """The drain models replayed over the CPU trace at the H100's concurrency 32 and 64 step times
-    (results/replay-drain-c{64,32}-cpu.json; planner_trace.py replay --plan-chains 2/4/8 --repeat K): per concurrency,
-    step-time source and drain model, the planner ÷ its best fixed mode per cost file and their mean, and mt-bench's.
-    Empty without the files."""
+    (results/replay-drain-c{64,32}-cpu.json, and replay-persist-c{64,32}-mix-cpu.json: ``--mix``, every batch
+    mixing the tasks; planner_trace.py replay --plan-chains 2/4/8 --repeat K): per concurrency, batches, step-time
+    source and drain model, the planner ÷ its best fixed mode per cost file and their mean, and mt-bench's. Empty
+    without the files."""
     rows, cmds, best = [], [], set()
     for c in (64, 32):
-        r = load(f"replay-drain-c{c}-cpu.json")
-        if not r or not r.get("points"):
-            continue
-        cmds.append(f"`{r['command']}`")
-        groups: dict = {}
-        for p in r["points"]:
-            groups.setdefault((p["times"], p["drain_model"]), []).append(p)
-            best.add(p["best_fixed"])
-        for (times, model), pts in groups.items():
-            vals = [p["planner_over_best_fixed"] for p in pts]
-            mt = [p["per_task_tok_per_s"]["mt-bench"]["planner"] / p["per_task_tok_per_s"]["mt-bench"][p["best_fixed"]]
-                  for p in pts if "mt-bench" in p["per_task_tok_per_s"]]
-            rows.append(f"| {c} | {times} | {model} | {' / '.join(f'{v:.3f}' for v in vals)} | "
-                        f"{sum(vals) / len(vals):.3f} | {_range(mt) if mt else '–'} |")
+        for name in (f"replay-drain-c{c}-cpu.json", f"replay-persist-c{c}-mix-cpu.json"):
+            r = load(name)
+            if not r or not r.get("points"):
+                continue
+            cmds.append(f"`{r['command']}`")
+            groups: dict = {}
+            for p in r["points"]:
+                groups.setdefault((p["times"], p["drain_model"]), []).append(p)
+                best.add(p["best_fixed"])
+            for (times, model), pts in groups.items():
+                vals = [p["planner_over_best_fixed"] for p in pts]
+                mt = [p["per_task_tok_per_s"]["mt-bench"]["planner"]
+                      / p["per_task_tok_per_s"]["mt-bench"][p["best_fixed"]]
+                      for p in pts if "mt-bench" in p["per_task_tok_per_s"]]
+                mixed = any(p.get("mix") for p in pts)
+                rows.append(f"| {c} | {'mixed' if mixed else 'one task'} | {times} | {model} | "
+                            f"{' / '.join(f'{v:.3f}' for v in vals)} | {sum(vals) / len(vals):.3f} | "
+                            f"{_range(mt) if mt else '–'} | [`{name}`](results/{name}) |")
     if not rows:
         return []
     return ["#### The drain models replayed over the CPU trace (simulated)", "",
@@ -1254,14 +1288,16 @@ def drain_model_replay_section() -> list[str]:
             "(`planner-trace16-cpu.json`: 16 prompts a task, fp32 on the CPU, each task's prompts 4 times over at "
             "concurrency 64 and twice at 32) with the step times of the three H100 runs of the cost A/B "
             "(`planner-cost{,-r2,-r3}-h100-exact-T0-c*.json`: the online estimates, `measured`, or the start-up table), "
-            "the planner with the chains of 2, 4, 8 and 16 and no tree, tasks in infer.bench's order with the "
-            "planner's memory carried. Planner ÷ the best fixed mode (" + ", ".join(sorted(best)) + "), per cost file "
-            "and their mean, and on mt-bench. Not a GPU measurement: the content is one greedy output, step times are "
-            "constants; the replay ranked `persist` above the default as well, and the GPU A/B of `persist` (table "
-            "\"The drain model `persist` against the default\") read within its run-to-run spread. `relative` stays "
-            "opt-in until its GPU A/B (`reproduce_h200.sh planest`, label `pr`) has run.", "",
-            "| concurrency | step times | drain model | planner ÷ best fixed (runs 1 / 2 / 3) | mean | mt-bench |",
-            "|---|---|---|---|---|---|", *rows, "", "Commands: " + "; ".join(cmds), ""]
+            "the planner with the chains of 2, 4, 8 and 16 and no tree, the planner's memory carried from task to task. "
+            "Batches of one task, as `infer.bench` runs them, or mixed (`--mix`: the tasks' prompts in turn, a "
+            "server's traffic, where the spread between requests persists more). Planner ÷ the best fixed mode ("
+            + ", ".join(sorted(best)) + "), per cost file and their mean, and on mt-bench. Not a GPU measurement: the "
+            "content is one greedy output, step times are constants. `persist` is the default drain model since the "
+            "H100 A/B of 2026-12-07 (table \"The drain models `persist` and `relative` against `scaled`\"); `relative` "
+            "was removed.", "",
+            "| concurrency | batches | step times | drain model | planner ÷ best fixed (runs 1 / 2 / 3) | mean | "
+            "mt-bench | file |",
+            "|---|---|---|---|---|---|---|---|", *rows, "", "Commands: " + "; ".join(cmds), ""]
 
 
 def planner_exact_section() -> list[str]:
@@ -2041,7 +2077,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_persist_section, planner_cost_section, drain_model_replay_section, planner_est_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_fused_section, planner_persist_section, planner_cost_section, drain_model_replay_section, planner_est_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)

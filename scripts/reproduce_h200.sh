@@ -43,9 +43,9 @@
 #   planest   the planner with its estimates logged (each choice's tokens per mode before the drain rule and the
 #             engine's confidence: plan_log.py --estimates): at concurrency 64 p (the default, drain=persist) and ps
 #             (drain=scaled, the default before) beside AR and the chains of 4 and 16 (the H100 files of this stage
-#             before: p = scaled, pp = persist, pr = relative, since removed); at concurrency 1 p beside AR, the chain
-#             and the fixed tree of 32; T=0, exact, each point RUNS times (default 2) -> results/planner-est[-rK]-h200-exact-T0-c{64,1}.json,
-#             step logs $WORK/logs/plan-log-est*-c*.jsonl                                            ~10
+#             before, planner-est*: p = scaled, pp = persist, pr = relative, since removed); at concurrency 1 p beside AR, the chain
+#             and the fixed tree of 32; T=0, exact, each point RUNS times (default 2) -> results/planner-est2[-rK]-h200-exact-T0-c{64,1}.json,
+#             step logs $WORK/logs/plan-log-est2*-c*.jsonl                                           ~10
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -223,7 +223,7 @@ if has planest; then  # what the planner estimated against what it committed (th
   ab1=(--draft chain="$DRAFT" --draft tree32="$DRAFT" --draft p="$DRAFT"
        --config tree32:verify=tree,tree_budget=32 --config p:budget=auto)
   for k in $(seq 1 "${RUNS:-2}"); do
-    name=est$([ "$k" = 1 ] || echo "-r$k")
+    name=est2$([ "$k" = 1 ] || echo "-r$k")  # est2: labels p = persist, ps = scaled (est: p = scaled, pp, pr)
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c64.jsonl" timed "plan$name-exact-c64" planab "$name" 64 64 "${ab64[@]}"
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c1.jsonl" timed "plan$name-exact-c1" planab "$name" 1 5 "${ab1[@]}"
   done

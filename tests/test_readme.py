@@ -292,6 +292,12 @@ def test_drain_model_replay_section_groups_points_by_step_times_and_model(empty_
     (res / "replay-drain-c64-cpu.json").write_text(json.dumps({"command": "python replay X", "points": pts}))
     text = make_tables.drain_model_replay_section()
     rows = [r for r in text if r.startswith("| 64 |")]
-    assert rows == ["| 64 | measured | scaled | 0.970 / 0.990 | 0.980 | 0.900-0.950 |",
-                    "| 64 | measured | relative | 0.990 | 0.990 | 1.000 |"]
+    link = "[`replay-drain-c64-cpu.json`](results/replay-drain-c64-cpu.json) |"
+    assert rows == ["| 64 | one task | measured | scaled | 0.970 / 0.990 | 0.980 | 0.900-0.950 | " + link,
+                    "| 64 | one task | measured | relative | 0.990 | 0.990 | 1.000 | " + link]
     assert any("(chain4)" in x for x in text) and text[-2] == "Commands: `python replay X`"
+    mixed = [{**point("measured", "persist", 0.995, 0), "mix": True, "per_task_tok_per_s": {"mixed": {}}}]
+    (res / "replay-persist-c64-mix-cpu.json").write_text(json.dumps({"command": "python replay M", "points": mixed}))
+    rows = [r for r in make_tables.drain_model_replay_section() if r.startswith("| 64 |")]
+    assert rows[-1] == ("| 64 | mixed | measured | persist | 0.995 | 0.995 | – | "
+                        "[`replay-persist-c64-mix-cpu.json`](results/replay-persist-c64-mix-cpu.json) |")
