@@ -46,6 +46,7 @@ from infer.planner import (
 )
 
 AR_LABEL = "AR"  # the baseline's name in run_order and the JSON (its table row is "(AR)")
+MIXED = "mixed"  # --mix: the one task whose prompts are every --datasets task's, taken in turn
 # Engine.loop_profile, summed per task in the JSON (admit_device_s: CUDA only, the admissions' device time; admits:
 # how many admissions; steps: the decode loop's steps, one per step of the whole batch)
 PROFILE_KEYS = ("prefill_s", "launch_s", "wait_s", "host_s", "admit_device_s", "admits", "steps")
@@ -494,11 +495,16 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
     start-up warm-up (short prompts, 32 tokens) does not cover."""
     from infer.datasets import load_eval_prompts
 
-    items = load_eval_prompts(task, runner.args.num_prompts, runner.args.data_dir)
-    if len(items) < runner.args.num_prompts:
+    if task == MIXED:  # --mix: every task's prompts, taken in turn
+        queues = [load_eval_prompts(t, runner.args.num_prompts, runner.args.data_dir) for t in getattr(runner.args, "mix_tasks", None) or []]
+        items = [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+    else:
+        items = load_eval_prompts(task, runner.args.num_prompts, runner.args.data_dir)
+    if task != MIXED and len(items) < runner.args.num_prompts:
         print(f"note: {task} has {len(items)} prompts; --num-prompts {runner.args.num_prompts} runs all {len(items)}",
               file=sys.stderr)
-    out: dict = {"task": task, "num_prompts": len(items), "drafts": {}}
+    out: dict = {"task": task, "num_prompts": len(items), "drafts": {},
+                 **({"mixed_tasks": [x.task for x in items]} if task == MIXED else {})}
     runner.capture_prefill(min(runner.args.concurrency, len(items)))  # before any pass, at the task's batch size
     labels = ([None] if do_ar or not runner.drafts else []) + list(runner.drafts)
     shift = order_shift % len(labels)
@@ -728,6 +734,10 @@ def build_parser():
                          "default: all of them)")
     ap.add_argument("--data-dir", default=None, help="local eval folder (default: $DSPINE_SHARED/data/eval, else the Hub)")
     ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--mix", action="store_true",
+                    help=f"one task {MIXED!r}: the --datasets tasks' prompts (--num-prompts each) taken in turn, so "
+                         "every batch mixes them, as a server's traffic does (MT-Bench's second turns then run as a "
+                         "batch of their own)")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-prompt-tokens", type=int, default=1536,
                     help="a longer prompt keeps its last N tokens (the question and the assistant header), cut from "
@@ -913,6 +923,8 @@ def _main(argv, stopped: list[str]) -> int:
         from infer.datasets import load_eval_prompts
 
         warm = [encode(runner, p.turns[0]) for p in load_eval_prompts(tasks[0], args.concurrency, args.data_dir)]
+        args.mix_tasks = tasks if args.mix else None
+        tasks = [MIXED] if args.mix else tasks
         wp = dataclasses.replace(params, max_new_tokens=min(32, args.max_new_tokens))
         for label in [None, *runner.drafts]:
             runner.run(warm, wp, label, {"pass": "start"})

@@ -46,6 +46,10 @@
 #             before, planner-est*: p = scaled, pp = persist, pr = relative, since removed); at concurrency 1 p beside AR, the chain
 #             and the fixed tree of 32; T=0, exact, each point RUNS times (default 2) -> results/planner-est2[-rK]-h200-exact-T0-c{64,1}.json,
 #             step logs $WORK/logs/plan-log-est2*-c*.jsonl                                           ~10
+#   planmix   the drain models on mixed batches (infer.bench --mix: the five tasks' prompts taken in turn, every batch
+#             mixing them, as a server's traffic): p (the default, persist) and ps (drain=scaled) beside AR and the
+#             chains of 4 and 16, T=0, exact, concurrency 64 and 32, 64 prompts a task ->
+#             results/planner-mix-h200-exact-T0-c{64,32}.json, step logs $WORK/logs/plan-log-mix-c{64,32}.jsonl     ~4
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -66,7 +70,7 @@ R=${RESULTS:-results}
 G=${GPU_TAG:-h200}  # results file suffix: name the card when it is not an H200 (GPU_TAG=h100)
 SHARED=${DSPINE_SHARED:-${SHARED:-../shared}}
 export DSPINE_SHARED=$SHARED PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain planpersist planest planswitch planexact tables"
+ALL="convert engine steps tree planner planfair exact hybrid profile linear lmhead hybridbench linearwide fusion linearfusion planslope plandrain planpersist planest planmix planswitch planexact tables"
 STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
@@ -226,6 +230,13 @@ if has planest; then  # what the planner estimated against what it committed (th
     name=est2$([ "$k" = 1 ] || echo "-r$k")  # est2: labels p = persist, ps = scaled (est: p = scaled, pp, pr)
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c64.jsonl" timed "plan$name-exact-c64" planab "$name" 64 64 "${ab64[@]}"
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-$name-c1.jsonl" timed "plan$name-exact-c1" planab "$name" 1 5 "${ab1[@]}"
+  done
+fi
+if has planmix; then  # the drain models on mixed batches (--mix: every batch holds every task's prompts, as a server's)
+  abmix=(--mix --draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft ps="$DRAFT"
+         --config chain4:width=4 --config p:budget=auto --config ps:budget=auto,drain=scaled)
+  for c in 64 32; do
+    DSPINE_PLAN_LOG="$WORK/logs/plan-log-mix-c$c.jsonl" timed "planmix-exact-c$c" planab mix "$c" 64 "${abmix[@]}"
   done
 fi
 if has planswitch && ! finished "$R/planner-switch-$G.json"; then

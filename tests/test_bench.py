@@ -591,3 +591,23 @@ def test_config_takes_every_drain_model_of_the_planner():
     for model in bench.DRAIN:
         c = bench.parse_configs([f"a:budget=auto,drain={model}"], {"a": "p"}, args)
         assert c["a"]["drain"] == model and c["a"]["budget"] == "auto"
+
+
+def test_mix_runs_every_task_in_one_stream_of_mixed_batches(stories_dir, draft_dir, tmp_path):
+    """--mix: one task "mixed" whose prompts are the tasks' taken in turn (every batch of 3 holds one of each), MT-Bench's
+    second turns included; each prompt decodes what it decodes in its own task's run (fp32 greedy: the batch does not
+    change a prompt's output), so the per-prompt counts are the per-task runs' interleaved."""
+    common = ["--target", str(stories_dir), "--draft", f"A={draft_dir}", "--datasets", "gsm8k,mbpp,mt-bench",
+              "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2", "--max-new-tokens", "10",
+              "--no-chat-template", "--backend", "cuda", "--device", "cpu", "--dtype", "fp32", "--concurrency", "3"]
+    assert bench.main([*common, "--output-json", str(tmp_path / "t.json")]) == 0
+    assert bench.main([*common, "--mix", "--output-json", str(tmp_path / "m.json")]) == 0
+    per_task = json.loads((tmp_path / "t.json").read_text())["tasks"]
+    mixed = json.loads((tmp_path / "m.json").read_text())
+    assert [t["task"] for t in mixed["tasks"]] == ["mixed"] and mixed["args"]["mix"] is True
+    (m,) = mixed["tasks"]
+    assert m["num_prompts"] == 6 and m["mixed_tasks"] == [t["task"] for t in per_task] * 2
+    assert m["ar"]["num_tokens"] == sum(t["ar"]["num_tokens"] for t in per_task)
+    a = [t["drafts"]["A"]["per_prompt_committed"] for t in per_task]
+    assert m["drafts"]["A"]["per_prompt_committed"] == [a[k][i] for i in range(2) for k in range(3)]
+    assert m["drafts"]["A"]["greedy_equal"] == m["drafts"]["A"]["greedy_compared"] == 8  # 6 first turns, 2 second
