@@ -97,9 +97,10 @@ def test_tables_survive_results_written_without_optional_keys(tmp_path, monkeypa
     assert "Fourth continuation (the shipped draft)" in text
     assert "| τ_real (eval prompts) | τ_sim_sample |" in text and "| 2.97 | 2.64 | 2.50 |" in text
     assert "| 2.90 | – |" in text  # an evaluation without it
-    assert "#### The planner on the NVIDIA H100 80GB HBM3 (2026-12-05)" in text
+    assert "#### The planner on the NVIDIA H100 80GB HBM3 (2026-12-07)" in text  # no points: the loop file's date
     assert not any("(NVIDIA H100 80GB HBM3, 2026-12-05)" in x for x in text.splitlines())  # no goals row without points
-    assert "| 1 | 0.993 | 0.994 | – | – |" in text and "one mode costs the loop 0.2%-0.7% of a step" in text
+    assert "| fast | 1 | 0.995 | 1.001 | – | – | [`planner-switch-h100.json`]" in text  # the exact file keeps its own
+    assert "| exact | 1 | 0.997 | 1.003 | 0.998 | 1.001 |" in text and "one mode costs the loop at most 0.8% of a step" in text
 
 
 def test_goals_at_a_glance_read_their_files(tmp_path, monkeypatch):

@@ -338,8 +338,8 @@ def train_step(*a, **k):
 
 
 def evaluate_(*a, **k):
-    if at == -1:  # during the run's first eval (a resume's pending one)
-        os.kill(os.getpid(), signal.SIGINT)
+    if at == -1:  # a Ctrl-C during the run's first eval (a resume's pending one), before GracefulInterrupt is set up:
+        raise KeyboardInterrupt  # what Python's default SIGINT handler raises (a real signal: once missed under load)
     return evaluate(*a, **k)
 
 
