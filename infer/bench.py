@@ -752,7 +752,7 @@ def build_parser():
                          "only) or width (a fixed chain of that width, anchor included, below the block) or confidence "
                          "(greedy|always|never: when the planner gets the draft's confidence, Engine.plan_confidence; "
                          "budget=auto only) or conf_slope (auto or a number in 0..2: how far that confidence moves the "
-                         "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|lead|own|persist: the planner's drain rule off, or on with "
+                         "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off|scaled|own|persist: the planner's drain rule off, or on with "
                          "Engine.plan_drain_model, persist by default; budget=auto only) or draft_vocab (a draft vocabulary file, or none "
                          "for the whole vocabulary; over --draft-vocab) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "

@@ -80,10 +80,10 @@ takes the spread between requests from the covariance of each request's early an
 persist) and carries it to the next call relative to the pooled acceptance squared (H100, concurrency 64, T = 0: a
 prior of 0.081 tokens² learned on the chain of 4's tasks, ā 1.2-1.7, made mt-bench's drain, ā 0.54 on the chain of 2,
 expect 2.5 × the batch's own spread and run AR; docs/status.md). The alternatives: ``"scaled"`` (the default before)
-scales alike with the spread of the requests' means less a step's noise, carried in tokens²; ``"lead"`` maps a tree
-as the request's chain plus the tree's lead; ``"own"`` scales by each request's acceptance over the longest chain's
-current estimate (not the batch's pooled one) and takes no confidence in the drain. With one request every model
-but ``"own"`` leaves each mode's estimate as it is.
+scales alike with the spread of the requests' means less a step's noise, carried in tokens²; ``"own"`` scales by each
+request's acceptance over the longest chain's current estimate (not the batch's pooled one) and takes no confidence in
+the drain. With one request every model but ``"own"`` leaves each mode's estimate as it is. (``"lead"``, a tree as the
+request's chain plus the tree's lead, was measured on the H200 and removed: docs/planner.md, "Drain".)
 
 ``benchmarks/engine/sim_planner.py`` replays recorded cost tables with a synthetic acceptance process, true step
 times that differ from the table and a miscalibrated confidence; ``benchmarks/reference/planner_trace.py replay``
@@ -107,13 +107,12 @@ PENDING = 8  # unobserved choices kept by StepPlanner (the engine has at most 2)
 # steps a paired observation keeps its mode from being probed (module docstring, "Paired ...")
 PAIRED_FRESH = 4
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
-# how the drain rule maps a tree to one request (drain_tokens): "scaled" (every speculative mode scaled alike by
-# the request's chain acceptance, the spread between requests that of their means, carried in tokens²), "lead" (the
-# request's chain plus the tree's lead over it), "own" (scaled, with the longest chain's estimate as the unit and no
-# confidence under the drain) or "persist" (scaled, with the spread between requests from the covariance of their
-# early and later acceptance, persistent_spread, carried relative to the pooled acceptance squared; the default:
-# module docstring, "Drain")
-DRAIN_MODELS = ("scaled", "lead", "own", "persist")
+# how the drain rule maps a mode to one request (drain_tokens): "scaled" (every speculative mode scaled alike by
+# the request's chain acceptance, the spread between requests that of their means, carried in tokens²), "own"
+# (scaled, with the longest chain's estimate as the unit and no confidence under the drain) or "persist" (scaled, with
+# the spread between requests from the covariance of their early and later acceptance, persistent_spread, carried
+# relative to the pooled acceptance squared; the default: module docstring, "Drain")
+DRAIN_MODELS = ("scaled", "own", "persist")
 # a led mode's probing ceiling (module docstring, rule 2): its estimate plus LEAD_Z standard errors of its leads, once
 # LEAD_MIN_STEPS paired steps are behind each (the paired mode's part of the estimate is observed on the same steps and
 # needs no headroom)
@@ -458,7 +457,7 @@ def persistent_spread(drain, snaps: dict[int, tuple[float, float]], early: int =
 
 
 def drain_tokens(
-    tokens: dict[Mode, float | None], drain, modes, prior: float | None = None, leads: dict[Mode, Mode] | None = None,
+    tokens: dict[Mode, float | None], drain, modes, prior: float | None = None,
     own: bool = False,
     persist: tuple[float, float] | None = None,
     stats: tuple[float, float, float, float] | None = None,
@@ -474,13 +473,6 @@ def drain_tokens(
         modes: the cost table's modes (:func:`max_tokens`).
         prior: the variance between requests' mean accepted draft tokens per chain step, learned on earlier
             requests (:attr:`StepPlanner.spread`); ``None``: only this batch's.
-        leads: the drain model ``"lead"`` (:data:`DRAIN_MODELS`): mode -> its paired chain mode. A mode listed
-            here whose chain has an estimate above 1 commits, per request, what that request's chain commits plus
-            the batch's lead ``tokens[mode] − tokens[chain]``: ``τ_i(m) = τ_i(chain) + tokens[m] − tokens[chain]``,
-            clipped to [1, max_tokens] (per request on the H200, a tree's τ is its chain's plus a constant lead:
-            results/tree-lead-fit-h200.json, where scaling alike under-predicts the trees of the hardest quarter
-            of the requests by 0.46-0.73 tokens per step). ``None`` (the default): every speculative mode
-            scaled alike, below.
         own: the drain model ``"own"``: ``ā`` in ``τ_i(m)`` below is the longest chain's ``tokens`` − 1 where that is
             above 0 (the chain commits ``1 + a_i`` for request i), not the pooled acceptance.
         persist: the drain model ``"persist"``: ``(cov, w)`` of :func:`persistent_spread`; the variance between
@@ -541,25 +533,21 @@ def drain_tokens(
     sd = np.sqrt(np.maximum(v * (1.0 - k), 0.0))
     R = float(rem.max())
     out = dict(tokens)
-    # (mode, base, offset, cap) of the modes whose τ_i depends on a_i with more than one request:
-    # τ_i = clip(1 + offset + (base − 1) a_i / ā, 1, cap)
+    # (mode, tokens, cap) of the modes whose τ_i depends on a_i with more than one request:
+    # τ_i = clip(1 + (tokens − 1) a_i / ā, 1, cap)
     grid = []
     for m, x in tokens.items():
         if x is None or m[0] == "ar":
             continue
         cap = float(max_tokens(m, modes))
-        ref = (leads or {}).get(m)
-        base, off = x, 0.0
-        if ref is not None and ref != m and tokens.get(ref) is not None and tokens[ref] > 1.0:
-            base, off = float(tokens[ref]), x - float(tokens[ref])  # the request's chain plus the batch's lead
-        if not base > 1.0 or len(live) == 1:  # τ the same for every request, or one request: R / τ(its median)
-            a = float(ahat[0]) if base > 1.0 else 0.0
-            out[m] = min(max(1.0 + off + (base - 1.0) * a / unit, 1.0), cap)
+        if not x > 1.0 or len(live) == 1:  # τ the same for every request, or one request: R / τ(its median)
+            a = float(ahat[0]) if x > 1.0 else 0.0
+            out[m] = min(max(1.0 + (x - 1.0) * a / unit, 1.0), cap)
         else:
-            grid.append((m, base, off, cap))
+            grid.append((m, x, cap))
     if grid:
-        ms, base, off, cap = (list(x) for x in zip(*grid))
-        steps = _median_last_finish(rem, ahat, sd, unit, np.array(base), np.array(cap), offset=np.array(off))
+        ms, base, cap = (list(x) for x in zip(*grid))
+        steps = _median_last_finish(rem, ahat, sd, unit, np.array(base), np.array(cap))
         out.update({m: min(max(R / y, 1.0), c) for m, y, c in zip(ms, steps.tolist(), cap)})
     return out
 
@@ -578,15 +566,13 @@ def _normal_cdf(z: np.ndarray) -> np.ndarray:
     return np.where(z < 0, tail, 1.0 - tail)
 
 
-def _median_last_finish(rem, ahat, sd, pooled, base, cap, grid=16, rounds=5, offset=None) -> np.ndarray:
+def _median_last_finish(rem, ahat, sd, pooled, base, cap, grid=16, rounds=5) -> np.ndarray:
     """Per mode j, ``y_j`` with ``Π_i P(rem_i / τ_ij ≤ y_j) = 1/2`` (:func:`drain_tokens`), ``τ_ij = clip(1 +
-    offset_j + (base_j − 1) a_i / pooled, 1, cap_j)`` (``base_j > 1``; ``offset`` None: 0), ``a_i ~ N(ahat_i,
-    sd_i²)`` (``sd_i = 0``: known). Σ_i log P(finished by y) rises with y from −∞ at 0 to 0 at ``max(rem)``;
-    ``rounds`` of a ``grid``-point search, each inside the bracket of the last (``max(rem) / grid^rounds`` wide
-    at the end), all modes at once. ``rem``, ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``cap``, ``offset``:
-    float64 ``[M]``. Returns float64 ``[M]``."""
-    off = np.zeros_like(base) if offset is None else offset
-    base, cap, off = base[:, None, None], cap[:, None, None], off[:, None, None]  # [M, 1, 1]
+    (base_j − 1) a_i / pooled, 1, cap_j)`` (``base_j > 1``), ``a_i ~ N(ahat_i, sd_i²)`` (``sd_i = 0``: known).
+    Σ_i log P(finished by y) rises with y from −∞ at 0 to 0 at ``max(rem)``; ``rounds`` of a ``grid``-point search,
+    each inside the bracket of the last (``max(rem) / grid^rounds`` wide at the end), all modes at once. ``rem``,
+    ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``cap``: float64 ``[M]``. Returns float64 ``[M]``."""
+    base, cap = base[:, None, None], cap[:, None, None]  # [M, 1, 1]
     slope = pooled / (base - 1.0)  # accepted tokens per unit of τ above 1
     sd = np.maximum(sd, 1e-12)  # a known a_i: Φ of ±1e12 σ is its indicator
     lo = np.zeros((base.shape[0], 1, 1))
@@ -596,7 +582,7 @@ def _median_last_finish(rem, ahat, sd, pooled, base, cap, grid=16, rounds=5, off
     with np.errstate(divide="ignore"):
         for _ in range(rounds):
             u = rem / (lo + width * frac)  # [M, G, L]: the τ request i needs to finish within y steps
-            late = _normal_cdf(((u - 1.0 - off) * slope - ahat) / sd)  # P(τ_i < u) = P(a_i < a*)
+            late = _normal_cdf(((u - 1.0) * slope - ahat) / sd)  # P(τ_i < u) = P(a_i < a*)
             late = np.where(u <= 1.0, 0.0, np.where(u > cap, 1.0, late))
             below = (np.log1p(-late).sum(axis=2, keepdims=True) < half).sum(axis=1, keepdims=True)
             width = width / grid
@@ -617,8 +603,7 @@ class StepPlanner:
         drain_model: :data:`DRAIN_MODELS`: ``"persist"`` (the default: :func:`drain_tokens`' ``persist``, from
             :func:`persistent_spread` over the drain refreshes; the spread carried relative to the pooled acceptance
             squared), ``"scaled"`` (the default before: every speculative mode scaled alike, the spread carried in
-            tokens²), ``"lead"`` (its ``leads``, with each tree's paired chain from the paired observations) or
-            ``"own"`` (its ``own``; no confidence under the drain rule).
+            tokens²) or ``"own"`` (its ``own``; no confidence under the drain rule).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
@@ -863,11 +848,10 @@ class StepPlanner:
             self.log.append(["d", self.step, [[d[0], d[1], d[2], d[3]] for d in drain]])
         if drain is not None:
             raw = self.expected(conf)
-            leads = {m: self._lead_chain(m) for m in self.lead} if self.drain_model == "lead" else None
             persist = (persistent_spread(drain, self.persist_snaps, PERSIST_EARLY) if self.drain_model == "persist"
                        else None)
             stats = drain_spread(drain)  # once a refresh: drain_tokens takes it too
-            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, leads, own, persist, stats)
+            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, own, persist, stats)
             pooled, _, between, nbar = stats
             if nbar and pooled > 0 and persist is not None:  # relative to ā², as drain_tokens took the prior
                 self.spread = persist_variance(persist, self.spread_prior, pooled) / pooled**2
@@ -1096,16 +1080,6 @@ class StepPlanner:
             ref = max(below, key=_lead_rank)
             self._lead(mode, ref, tokens_per_request - self.paired_now[ref])
         self.paired_now[mode] = tokens_per_request
-
-    def _lead_chain(self, mode: Mode) -> Mode:
-        """The mode at the end of ``mode``'s leads (a tree led by a smaller tree led by the chain: the chain), the
-        reference :func:`drain_tokens`' ``"lead"`` model takes a request's tree over; a cycle stops at the mode met
-        twice."""
-        seen = {mode}
-        while mode in self.lead and self.lead[mode][0] not in seen:
-            mode = self.lead[mode][0]
-            seen.add(mode)
-        return mode
 
     def _lead(self, mode: Mode, ref: Mode, diff: float) -> None:
         """One paired step's ``diff`` (``mode``'s tokens − ``ref``'s) into ``mode``'s slow-average lead. A ref that

@@ -350,7 +350,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     out = tmp_path / "c.json"
     code = bench.main(["--target", str(stories_dir), "--draft", f"chain={draft_dir}", "--draft", f"tree={draft_dir}",
                        "--draft", f"auto={draft_dir}", "--config", "tree:verify=tree,tree_budget=12,chain_first=yes",
-                       "--config", "auto:budget=auto,plan_trees=12/6,confidence=always,conf_slope=0.5,drain=lead", "--datasets", "gsm8k,mbpp",
+                       "--config", "auto:budget=auto,plan_trees=12/6,confidence=always,conf_slope=0.5,drain=own", "--datasets", "gsm8k,mbpp",
                        "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2", "--max-new-tokens", "10",
                        "--no-chat-template", "--backend", "cuda", "--device", "cpu", "--dtype", "fp32",
                        "--concurrency", "2", "--output-json", str(out)])
@@ -360,7 +360,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     assert res["args"]["configs"] == {
         "chain": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
         "tree": {"verify": "tree", "tree_budget": 12, "budget": None, "chain_first": True, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
-        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "plan_chains": None, "width": None, "confidence": "always", "conf_slope": 0.5, "drain": "lead", "draft_vocab": None}}
+        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "plan_chains": None, "width": None, "confidence": "always", "conf_slope": 0.5, "drain": "own", "draft_vocab": None}}
     for t in res["tasks"]:
         d = t["drafts"]
         assert (d["chain"]["verify"], d["chain"]["verified_tokens_per_step"]) == ("chain", 8)  # the draft's block
@@ -374,7 +374,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
         assert sum(e["timed_steps"] for e in d["auto"]["planner_choices"].values()) > 0
         for lab in ("chain", "tree", "auto"):  # the loop's steps, for ms per step (planner_points.py)
             assert d[lab]["profile"]["steps"] >= 1
-        assert d["auto"]["plan_drain"] == "lead" and d["auto"]["plan_conf_slope"] == 0.5
+        assert d["auto"]["plan_drain"] == "own" and d["auto"]["plan_conf_slope"] == 0.5
         assert d["auto"]["planner_choices"]["chain8"]["conf_slope"] == 0.5  # reached the planner
         assert d["auto"]["plan_confidence"] == "always" and d["auto"]["plan_trees"] == [6, 12]
         # the default narrower chains (Engine.PLAN_CHAINS below the block of 8) are planner modes too
@@ -420,10 +420,11 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
      "gives its own plan_trees in --config, so it would apply to none"),
     (["--config", "D:budget=auto,confidence=maybe"], "confidence='maybe'; expected greedy, always, never"),
     (["--config", "D:confidence=never"], "confidence applies to budget=auto"),
-    (["--config", "D:budget=auto,drain=tail"], "drain='tail'; expected off, scaled, lead"),
-    (["--config", "D:drain=lead"], "drain applies to budget=auto"),
-    # the drain model "relative" was removed after its A/B (persist the default): refused, the models named
-    (["--config", "D:budget=auto,drain=relative"], "drain='relative'; expected off, scaled, lead, own, persist\n"),
+    (["--config", "D:budget=auto,drain=tail"], "drain='tail'; expected off, scaled, own"),
+    (["--config", "D:drain=own"], "drain applies to budget=auto"),
+    # the drain models "relative" (H100) and "lead" (H200) were removed after their A/Bs: refused, the models named
+    (["--config", "D:budget=auto,drain=relative"], "drain='relative'; expected off, scaled, own, persist\n"),
+    (["--config", "D:budget=auto,drain=lead"], "drain='lead'; expected off, scaled, own, persist\n"),
     # the settle rule "estimate", the cost model "age" and the ceilings "headroom" and "lead_age" were removed after
     # their A/Bs: unknown keys now
     (["--config", "D:budget=auto,settle=estimate"], "'settle=estimate' is not KEY=VALUE with a key of verify"),
@@ -577,7 +578,7 @@ def test_config_checks_keys_in_one_order_whatever_the_order_given():
 
 def test_config_takes_every_drain_model_of_the_planner():
     """drain= takes off and each of infer.planner.DRAIN_MODELS (persist, the default, and scaled, the default before,
-    included; relative, removed, not), as the label's plan_drain_model."""
+    included; relative and lead, removed, not), as the label's plan_drain_model."""
     import argparse
 
     from infer.planner import DRAIN_MODELS
@@ -585,9 +586,10 @@ def test_config_takes_every_drain_model_of_the_planner():
     args = argparse.Namespace(verify="chain", tree_budget=None, budget=None, exact=None, draft_temperature=None,
                               backend="cuda")
     assert bench.DRAIN == ("off", *DRAIN_MODELS) and {"persist", "scaled"} <= set(DRAIN_MODELS)  # the planner's
-    assert "relative" not in bench.DRAIN
-    with pytest.raises(ValueError, match="drain='relative'; expected off, scaled, lead, own, persist$"):
-        bench.parse_configs(["a:budget=auto,drain=relative"], {"a": "p"}, args)
+    assert "relative" not in bench.DRAIN and "lead" not in bench.DRAIN
+    for gone in ("relative", "lead"):
+        with pytest.raises(ValueError, match=f"drain='{gone}'; expected off, scaled, own, persist$"):
+            bench.parse_configs([f"a:budget=auto,drain={gone}"], {"a": "p"}, args)
     for model in bench.DRAIN:
         c = bench.parse_configs([f"a:budget=auto,drain={model}"], {"a": "p"}, args)
         assert c["a"]["drain"] == model and c["a"]["budget"] == "auto"

@@ -229,7 +229,7 @@ def test_the_default_drain_model_carries_the_spread_it_learned_relative(stories_
     calls, real = [], planner_mod.drain_tokens
 
     def spy(tokens, drain, modes, prior=None, *args):
-        calls.append((drain, prior, args[2]))  # (leads, own, persist, stats)
+        calls.append((drain, prior, args[1]))  # (own, persist, stats)
         return real(tokens, drain, modes, prior, *args)
 
     monkeypatch.setattr(planner_mod, "drain_tokens", spy)

@@ -405,12 +405,12 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         init(self, costs, **kw)
 
     monkeypatch.setattr(engine_mod.StepPlanner, "__init__", spy_init)
-    for on in ("lead", True, False):
+    for on in ("own", True, False):
         eng = second_choice_engine(_engine(stories_dir, folder, budget="auto", plan_trees=(24,)),
                                    [p + w for p, w in zip(PROMPTS, want)])
         eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
         eng.plan_online, eng.plan_drain = False, bool(on)
-        eng.plan_drain_model = "lead" if on == "lead" else "scaled"
+        eng.plan_drain_model = "own" if on == "own" else "scaled"
         made.clear()
         seen.clear()
         assert eng.generate(PROMPTS, params, concurrency=3).token_ids == want
@@ -430,9 +430,10 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         assert seen[first] == [(params.max_new_tokens - 1, 0, 0, 0)] * 3  # the second wave, just admitted: one token each, no step yet
         assert any(r > 0 and n > 0 for d in filter(None, seen) for r, _, n, _ in d)  # live, with chain steps
         assert any(r == 0 for r, *_ in seen[given[-1]]), seen[given[-1]]  # a finished request is kept
-    eng.plan_drain_model = "tail"
-    with pytest.raises(ValueError, match="Engine.plan_drain_model='tail'"):
-        eng.generate(PROMPTS, params, concurrency=3)
+    for gone in ("tail", "lead"):  # "lead" (a tree as the request's chain plus its lead) was removed
+        eng.plan_drain_model = gone
+        with pytest.raises(ValueError, match=f"Engine.plan_drain_model='{gone}': use 'scaled' or 'own' or 'persist'$"):
+            eng.generate(PROMPTS, params, concurrency=3)
 
 
 def test_engine_tree_step_counts_the_chains_accepted_tokens(stories_dir, stories):

@@ -781,28 +781,27 @@ def decode(costs, seed, lead, paired=True, fixed=None):
                 q.observe_paired(CHAIN, c0)
     return tok / ms
 
-def test_drain_model_lead_takes_a_tree_over_the_chain_at_the_end_of_its_leads(monkeypatch):
-    """drain_model="lead" models a request's tree as its chain plus the tree's lead: with nested pairing the tree of
-    32 is led by the tree of 16, which is led by the chain, so drain_tokens gets the chain as the tree of 32's
-    reference (and the batch's tokens[tree32] − tokens[chain] as its lead), not the tree of 16."""
+def test_planner_hands_drain_tokens_the_batch_statistics_it_computed(monkeypatch):
+    """A drain refresh computes drain_spread once and hands it to drain_tokens (with "scaled": no own, no persist),
+    with the leads of nested pairing in place (the tree of 32 led by the tree of 16)."""
     import infer.planner as planner_mod
 
     T16 = ("tree", 16)
-    p = StepPlanner({AR: 1.0, CHAIN: 1.2, T16: 1.3, TREE32: 1.4}, drain_model="lead")
+    p = StepPlanner({AR: 1.0, CHAIN: 1.2, T16: 1.3, TREE32: 1.4}, drain_model="scaled")
     p.observe(TREE32, 4.0, 1.4)
     p.observe_paired(CHAIN, 3.0)
     p.observe_paired(T16, 3.5)
-    assert p.lead[TREE32][0] == T16 and p._lead_chain(TREE32) == CHAIN and p._lead_chain(T16) == CHAIN
+    assert p.lead[TREE32][0] == T16
     got = {}
     real = planner_mod.drain_tokens
 
-    def spy(tokens, drain, modes, prior, leads=None, own=False, persist=None, stats=None):
-        got["leads"], got["own"], got["persist"], got["stats"] = leads, own, persist, stats
-        return real(tokens, drain, modes, prior, leads, own, persist, stats)
+    def spy(tokens, drain, modes, prior, own=False, persist=None, stats=None):
+        got["own"], got["persist"], got["stats"] = own, persist, stats
+        return real(tokens, drain, modes, prior, own, persist, stats)
 
     monkeypatch.setattr(planner_mod, "drain_tokens", spy)
     p.choose(None, [(100, 6, 2, 18), (100, 2, 2, 2)])
-    assert got["leads"] == {TREE32: CHAIN, T16: CHAIN} and got["own"] is False and got["persist"] is None
+    assert got["own"] is False and got["persist"] is None
     assert got["stats"] == planner_mod.drain_spread([(100, 6, 2, 18), (100, 2, 2, 2)])  # computed once, handed on
 
 
@@ -895,11 +894,10 @@ def test_token_state_carries_the_acceptance():
         StepPlanner({AR: 1.0, CHAIN: 1.0}).load_token_state(state)
 
 
-def brute_drain(tokens, drain, modes, prior=None, leads=None):
+def brute_drain(tokens, drain, modes, prior=None):
     """drain_tokens written out from its docstring, per request and per mode in plain Python: the empirical Bayes
     posterior of each live request's acceptance, then the median last finishing step by bisection on
-    ``Π_i P(remaining_i / τ_i ≤ y) = 1/2`` with the normal cdf of the standard library. ``leads``: mode -> its
-    chain; such a mode's τ_i is the request's chain τ_i plus ``tokens[mode] − tokens[chain]``."""
+    ``Π_i P(remaining_i / τ_i ≤ y) = 1/2`` with the normal cdf of the standard library."""
     from statistics import NormalDist
 
     steps = sum(d[2] for d in drain)
@@ -939,15 +937,11 @@ def brute_drain(tokens, drain, modes, prior=None, leads=None):
             out[m] = x
             continue
         cap = max_tokens(m, modes)
-        ref = (leads or {}).get(m)
-        off = 0.0
-        if ref is not None and tokens.get(ref) is not None and tokens[ref] > 1:
-            x, off = tokens[ref], x - tokens[ref]  # τ_i = 1 + off + (chain − 1) a_i / pooled
         if x <= 1:  # the same τ for every request
             out[m] = 1.0
             continue
 
-        def all_done(y, cap=cap, x=x, off=off):  # P(every live request finished within y steps)
+        def all_done(y, cap=cap, x=x):  # P(every live request finished within y steps)
             p = 1.0
             for rem, mu, sd in post:
                 u = rem / y
@@ -955,7 +949,7 @@ def brute_drain(tokens, drain, modes, prior=None, leads=None):
                     continue
                 if u > cap:
                     return 0.0
-                astar = (u - 1 - off) * pooled / (x - 1)
+                astar = (u - 1) * pooled / (x - 1)
                 p *= 1 - (NormalDist(mu, sd).cdf(astar) if sd > 0 else float(mu < astar))
             return p
 
@@ -1054,46 +1048,6 @@ def test_drain_tokens_prior_and_random_batches_against_the_brute_force():
         assert all(1.0 <= x <= max_tokens(m, modes) for m, x in got.items() if x is not None), (case, got)
 
 
-def test_drain_tokens_lead_model_maps_a_tree_as_the_request_chain_plus_the_lead():
-    """drain_model "lead": a tree is the request's chain plus the batch's lead (tokens[tree] − tokens[chain]), not
-    the chain scaled. One request: exactly its chain τ plus the lead. A slow request: the tree keeps the whole lead
-    (scaled alike it would lose part of it). Equal requests: unchanged. Random batches match brute_drain with the
-    same leads; a lead whose chain has no estimate, or an estimate of 1, falls back to scaling."""
-    tokens = {AR: 1.0, CHAIN: 3.0, TREE32: 4.0}
-    leads = {TREE32: CHAIN}
-    one = [(100, 15, 10, 25)]  # accepts 0.5 draft tokens per chain step, pooled 0.5: its chain τ 3.0
-    got = drain_tokens(tokens, one, MODES, leads=leads)
-    assert got[CHAIN] == pytest.approx(3.0) and got[TREE32] == pytest.approx(4.0)
-    mixed = [(100, 30, 10, 90), (100, 15, 10, 25)]  # accepts 2.0 and 0.5 per chain step, pooled 1.25
-    lead = drain_tokens(tokens, mixed, MODES, leads=leads)
-    scaled = drain_tokens(tokens, mixed, MODES)
-    assert close(lead, brute_drain(tokens, mixed, MODES, leads=leads))
-    assert lead[CHAIN] == pytest.approx(scaled[CHAIN], rel=1e-6)  # the chain is mapped alike by both
-    # the slowest request (known: no spread left to doubt) commits its chain τ + 1 with the tree
-    assert lead[TREE32] == pytest.approx(lead[CHAIN] + 1.0, rel=1e-3)
-    assert scaled[TREE32] < lead[TREE32]  # scaled alike, the hard request's tree loses part of its lead
-    same = [(100, 30, 10, 100)] * 2
-    assert close(drain_tokens(tokens, same, MODES, leads=leads), tokens)
-    assert close(drain_tokens({**tokens, CHAIN: None}, mixed, MODES, leads=leads),
-                 drain_tokens({**tokens, CHAIN: None}, mixed, MODES))
-    assert close(drain_tokens({**tokens, CHAIN: 1.0}, mixed, MODES, leads=leads),
-                 drain_tokens({**tokens, CHAIN: 1.0}, mixed, MODES))
-    modes = [*MODES, ("chain", 4), ("tree", 6)]
-    rng = random.Random(5)
-    for case in range(40):
-        batch = random_drain_batch(rng)
-        prior = rng.choice([None, 0.0, 0.05, 0.3])
-        toks = {AR: 1.0, CHAIN: rng.uniform(1.0, 9.0)}
-        toks[TREE32] = toks[CHAIN] + rng.choice([-0.3, 0.0, 0.8, 2.5])
-        lds = {TREE32: CHAIN}
-        if case % 3 == 0:  # a short chain's tree, at its cap
-            toks.update({("chain", 4): rng.uniform(1.0, 4.0), ("tree", 6): rng.uniform(2.0, 6.0)})
-            lds[("tree", 6)] = ("chain", 4)
-        got = drain_tokens(toks, batch, modes, prior, leads=lds)
-        assert close(got, brute_drain(toks, batch, modes, prior, leads=lds), rel=2e-4), (case, batch, prior)
-        assert all(1.0 <= x <= max_tokens(m, modes) for m, x in got.items() if x is not None), (case, got)
-
-
 def test_planner_ignores_non_finite_confidence_and_refuses_non_finite_costs():
     """A NaN or inf confidence (or None) changes neither the step's estimate nor the calibration that later steps
     use; a cost table with a NaN, inf or non-number step time is refused by name."""
@@ -1111,15 +1065,16 @@ def test_planner_ignores_non_finite_confidence_and_refuses_non_finite_costs():
             StepPlanner({AR: 1.0, CHAIN: c})
 
 
-def test_planner_drain_model_lead_passes_the_paired_chains():
-    """StepPlanner(drain_model="lead") hands drain_tokens each led tree's chain; the default scales; an unknown
-    model is refused by name. Either way every speculative mode's estimate takes one factor under the drain: the
-    mapped ÷ estimated tokens of the mode whose mapped tokens per millisecond are the highest (module docstring,
-    "Drain"), so the order of the speculative modes is the throughput rule's."""
+def test_planner_drain_takes_one_factor_and_refuses_an_unknown_model():
+    """Under the drain every speculative mode's estimate takes one factor: the mapped ÷ estimated tokens of the mode
+    whose mapped tokens per millisecond are the highest (module docstring, "Drain"), so the order of the speculative
+    modes is the throughput rule's. An unknown model is refused by name, and so are the removed "relative" and
+    "lead" (a tree as the request's chain plus its lead: level with or below "scaled" on the H200 A/B,
+    results/planner-exact-h200.json)."""
     costs = {AR: 1.0, CHAIN: 1.2, TREE32: 1.4}
     batch = [(200, 30, 10, 90), (200, 15, 10, 25)]
     picks = {}
-    for model in ("scaled", "lead"):
+    for model in ("scaled", "own"):
         p = StepPlanner(costs, drain_model=model)
         for _ in range(30):  # the tree runs with the chain paired: a lead of 1 token
             p.choose()
@@ -1130,24 +1085,24 @@ def test_planner_drain_model_lead_passes_the_paired_chains():
         costs_now = p.costs
         p.choose(drain=batch)
         picks[model] = dict(p.drain_scale)
-        want = drain_tokens(raw, batch, p.table, p.spread_prior, {TREE32: CHAIN} if model == "lead" else None)
+        want = drain_tokens(raw, batch, p.table, p.spread_prior, own=model == "own")
         ref = max((CHAIN, TREE32), key=lambda m: want[m] / costs_now[m])
         assert picks[model] == {CHAIN: pytest.approx(want[ref] / raw[ref]), TREE32: pytest.approx(want[ref] / raw[ref])}
         assert picks[model][CHAIN] < 1.0  # the slower request (0.5 accepted tokens a step against 2) sets it
-    # the lead model maps the tree as the slow request's chain plus the whole lead: a higher rate, a larger factor
-    assert picks["lead"][TREE32] > picks["scaled"][TREE32]
     with pytest.raises(ValueError, match="drain_model='tail'"):
         StepPlanner(costs, drain_model="tail")
-    # the default is "persist"; "relative" (measured on the H100 and removed) is refused, the models named
-    assert StepPlanner(costs).drain_model == "persist" and DRAIN_MODELS == ("scaled", "lead", "own", "persist")
-    with pytest.raises(ValueError, match="drain_model='relative'; expected one of scaled, lead, own, persist$"):
-        StepPlanner(costs, drain_model="relative")
+    # the default is "persist"; "relative" (measured on the H100) and "lead" (on the H200) were removed: refused,
+    # the models named
+    assert StepPlanner(costs).drain_model == "persist" and DRAIN_MODELS == ("scaled", "own", "persist")
+    for gone in ("relative", "lead"):
+        with pytest.raises(ValueError, match=f"drain_model='{gone}'; expected one of scaled, own, persist$"):
+            StepPlanner(costs, drain_model=gone)
 
 
 def test_at_concurrency_1_the_default_drain_model_chooses_as_scaled():
     """With one request the drain's shrinkage towards the batch is a no-op (the batch is the request: its posterior
     mean is the pooled acceptance, and its median finishing step is R over its own estimate), so every mode keeps its
-    estimate under "persist", "scaled" and "lead" alike, whatever the prior, and a planner of each makes the same
+    estimate under "persist" and "scaled" alike, whatever the prior, and a planner of each makes the same
     choices through a decode with a drain at every step ("own" scales by the longest chain instead of ā and drops
     the confidence: it may part)."""
     rng = random.Random(3)
@@ -1160,10 +1115,9 @@ def test_at_concurrency_1_the_default_drain_model_chooses_as_scaled():
         for prior, persist in ((0.25, None), (0.04, (rng.uniform(-1, 1), 0.0)), (0.9, None), (None, None)):
             got = drain_tokens(tokens, one, modes, prior, persist=persist)
             assert got == pytest.approx(tokens, rel=1e-12), (tokens, one, prior, got)
-        assert drain_tokens(tokens, one, modes, 0.25, {TREE32: CHAIN}) == pytest.approx(tokens, rel=1e-12)
     costs = {AR: 1.0, ("chain", 4): 1.4, CHAIN: 1.9, TREE32: 2.4}
     picks = {}
-    for model in ("persist", "scaled", "lead"):
+    for model in ("persist", "scaled"):
         rng = random.Random(11)
         p = StepPlanner(costs, drain_model=model)
         tok = steps = sq = 0
@@ -1181,7 +1135,7 @@ def test_at_concurrency_1_the_default_drain_model_chooses_as_scaled():
         picks[model] = out
         assert p.drain_scale is not None and p.drain_choices.total() > 590  # the drain rule in force
     assert len(set(picks["persist"])) > 1  # it does choose between modes
-    assert picks["persist"] == picks["scaled"] == picks["lead"]
+    assert picks["persist"] == picks["scaled"]
 
 
 def test_drain_spread_weight_and_bad_priors():
@@ -1539,7 +1493,7 @@ def test_drain_model_own_counts_the_slow_request_once():
     assert rates("own", None, drain)[1] == (ar, chain)  # the confidence is not read under the drain rule
     p.observe(CHAIN, 1.5, costs[CHAIN], rows=1)
     assert rates("own", low, p=p)[1][1] == pytest.approx(chain, rel=1e-3)  # still in force: no confidence either
-    with pytest.raises(ValueError, match="drain_model='tail'; expected one of scaled, lead, own"):
+    with pytest.raises(ValueError, match="drain_model='tail'; expected one of scaled, own"):
         StepPlanner(costs, drain_model="tail")
 
 

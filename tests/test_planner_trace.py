@@ -231,7 +231,9 @@ def test_replay_cli_refuses_bad_arguments_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="needs non-empty 'prompts'"):
         pt.main(["replay", str(empty), "--costs", costs])
     for extra, msg in ((["--pair-trees", "on,maybe"], "--pair-trees 'on,maybe'"),
-                       (["--drain-model", "own,tail"], "--drain-model 'own,tail': scaled, lead, own"),
+                       (["--drain-model", "own,tail"], "--drain-model 'own,tail': scaled, own, persist"),
+                       # "lead" was removed after its H200 A/B: refused, the models named
+                       (["--drain-model", "persist,lead"], "--drain-model 'persist,lead': scaled, own, persist,"),
                        (["--tree-like", "4"], "expected N=M"), (["--tree-like", "8=4"], "records trees \\[4\\]")):
         with pytest.raises(SystemExit, match=msg):
             pt.main(base + extra)

@@ -1,9 +1,12 @@
-"""The planner's two drain models with trees, replayed on the CPU (``infer.planner``, "Drain"; issue 16).
+"""The planner's drain models with trees, replayed on the CPU (``infer.planner``, "Drain"; issue 16).
 
     python benchmarks/engine/sim_drain_trees.py [--seeds 6] [--output results/sim-drain-trees-cpu.json]
 
-Not a GPU measurement: a model of the concurrency-8 runs of results/planner-sizes-h200-T0-c8.json, to see what
-``StepPlanner(drain_model="lead")`` may change before an H200 A/B (``infer.bench --config p:budget=auto,drain=lead``).
+Not a GPU measurement: a model of the concurrency-8 runs of results/planner-sizes-h200-T0-c8.json, written to see
+what the drain model ``"lead"`` (a tree as the request's chain plus its lead) might change before an H200 A/B; that
+A/B (results/planner-exact-h200.json, label ``pl``) put it level with or below ``"scaled"``, and it was removed
+(results/sim-drain-trees-cpu.json, written before, has its ``planner_lead``). It runs the planner under every model of
+``infer.planner.DRAIN_MODELS``.
 Per task (:data:`sim_drain.TASKS`: mean chain τ and spread between requests of the shipped SmolLM2 draft, T = 0),
 16 requests of 512 new tokens go through 8 slots: a finished request's slot takes the next one while any waits,
 then the batch drains (the planner gets the batch every ``Engine.PLAN_DRAIN_EVERY`` = 8 steps, as the engine gives
