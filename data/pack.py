@@ -281,10 +281,11 @@ def _read_manifest(path: Path) -> dict:
     parts = manifest.get("parts")
     if not isinstance(parts, list) or not all(
             isinstance(p, dict) and isinstance(p.get("file"), str) and isinstance(p.get("sha256"), str)
-            and type(p.get("bytes")) is int for p in parts):
-        raise PackError(f"{path}: field 'parts' must be a list of {{file, bytes, sha256}} objects, got "
+            and type(p.get("bytes")) is int for p in parts) or not parts:
+        raise PackError(f"{path}: field 'parts' must be a non-empty list of {{file, bytes, sha256}} objects, got "
                         f"{json.dumps(parts)[:80]}")
-    for key, kind in (("payload_sha256", str), ("sequences", int), ("tokens", int)):  # cache_name: _plain_name
+    for key, kind in (("payload_sha256", str), ("data_arrow_sha256", str), ("sequences", int),
+                      ("tokens", int)):  # cache_name: _plain_name checks it
         if type(manifest.get(key)) is not kind:
             raise PackError(f"{path}: field {key!r} must be {'a string' if kind is str else 'a whole number'}, "
                             f"got {json.dumps(manifest.get(key))[:80]}")

@@ -1131,16 +1131,17 @@ def planner_persist_section() -> list[str]:
     T = 0, exact, concurrency 64 and 32, three runs a point (results/planner-persist-h100-exact-T0-c*.json). Each run's
     tok/s pools the five tasks: their tokens over their seconds. Empty without the files."""
     names = {(c, run): f"planner-persist-h100-exact-T0-c{c}{run}.json" for c in (64, 32) for run in PERSIST_RUNS}
-    table, rows = _ab_table(names, PERSIST_RUNS, ("p", "pp"), ("p (default)", "pp (persist)"))
+    table, rows = _ab_table(names, PERSIST_RUNS, ("p", "pp"), ("p (scaled, the default then)", "pp (persist)"))
     if not rows:
         return []
-    return ["#### The drain model `persist` against the default (A/B, three runs a point)", "",
+    return ["#### The drain model `persist` against the default then, `scaled` (A/B, three runs a point)", "",
             "`--config pp:budget=auto,drain=persist` judges the spread in acceptance between a batch's requests by how "
             "much of each request's early acceptance persists later (covariance of the two means) instead of by the "
             "early spread itself. With as many prompts as slots the drain rule is in force from the first step. "
             "SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact` (every label decodes AR's greedy text), 64 "
             "prompts a task, 512 new tokens, one H100 lease, each point run three times; tok/s pools the five tasks "
-            "(their tokens over their seconds):", "", *table,
+            "(their tokens over their seconds). `persist` became the default after the A/B of 2026-12-07 (below), so "
+            "`p:budget=auto` in these commands now runs `persist`; `drain=scaled` reproduces this `p`:", "", *table,
             "", "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows))
             + ". Step logs: [`plan-logs-h100-2026-12-06-persist.tar.gz`](results/plan-logs-h100-2026-12-06-persist.tar.gz).",
             ""]
@@ -1248,7 +1249,8 @@ def planner_est_section(gpu: str | None = None) -> list[str]:
             "spread between requests from the covariance of their early and later acceptance), `pr` "
             "`--config pr:budget=auto,drain=relative` (`scaled` with the spread carried to the next call relative to the "
             "pooled acceptance squared, not in tokens²). `persist` led `scaled` in all three runs and `relative` in all "
-            "three, and became the default; `relative` was removed (docs/planner.md, \"Drain\"). Stage `planest` of "
+            "three, and became the default; `relative` was removed (docs/planner.md, \"Drain\"), so these commands' "
+            "`drain=relative` is refused now and their `p:budget=auto` runs `persist`. Stage `planest` of "
             "`scripts/reproduce_h200.sh` (SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact`, 512 new "
             f"tokens, one {gpu.upper()} lease; 64 prompts a task at concurrency 64, 5 at concurrency 1); tok/s pools "
             "the five tasks:", "", *table, "", *per_task, *c1, "",

@@ -162,8 +162,11 @@ def test_import_checks_the_rebuilt_counts_against_pack_json(tmp_path, field):
 
 
 @pytest.mark.parametrize("field,value,msg", [
-    ("parts", {"file": "x"}, "field 'parts' must be a list of {file, bytes, sha256} objects, got {\"file\": \"x\"}"),
-    ("parts", [{"file": "data.tar.xz.000", "bytes": "12", "sha256": "ab"}], "field 'parts' must be a list"),
+    ("parts", {"file": "x"}, "field 'parts' must be a non-empty list of {file, bytes, sha256} objects, got "
+                             "{\"file\": \"x\"}"),
+    ("parts", [{"file": "data.tar.xz.000", "bytes": "12", "sha256": "ab"}], "field 'parts' must be a non-empty list"),
+    ("parts", [], "field 'parts' must be a non-empty list of {file, bytes, sha256} objects, got []"),
+    ("data_arrow_sha256", 5, "field 'data_arrow_sha256' must be a string, got 5"),
     ("payload_sha256", None, "field 'payload_sha256' must be a string, got null"),
     ("tokens", 1.5, "field 'tokens' must be a whole number, got 1.5")])
 def test_a_pack_json_field_of_the_wrong_type_is_named(tmp_path, capsys, field, value, msg):

@@ -78,6 +78,9 @@ def test_capture_writes_shards_manifest_and_skips_finished(setup, stories_dir, c
     assert capture_main(["--config", str(cfg), "--out", str(orphan), "--rows-per-shard", "4"]) == 2
     assert f"{orphan}: holds shard-*.safetensors but no manifest.json" in capsys.readouterr().err
     assert sorted(p.name for p in orphan.iterdir()) == ["shard-00000.safetensors"]
+    (out.parent / "afile").write_text("x")  # a file where the folder goes: named, not a FileExistsError traceback
+    assert capture_main(["--config", str(cfg), "--out", str(out.parent / "afile")]) == 2
+    assert f"--out {out.parent / 'afile'} is a file, expected a folder" in capsys.readouterr().err
 
 
 def test_reader_refuses_mismatched_or_incomplete_manifest(setup, tmp_path):

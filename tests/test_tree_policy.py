@@ -90,7 +90,9 @@ def test_tree_policy_bad_arguments_are_named_before_the_models_load(stories_dir,
     for extra, msg in ((["--draft", str(draft), "--num-prompts", "0"], r"--num-prompts 0 \(each at least 1\)"),
                        (["--draft", str(draft), "--max-new-tokens", "-3"], "--max-new-tokens -3"),
                        (["--draft", str(draft), "--datasets", "gsm8k,bogus"], "--datasets 'bogus'.*unknown dataset"),
-                       (["--draft", str(draft), "--budgets", "4,4"], "--budgets 4,4: each must be in \\[2, 64\\], none")):
+                       (["--draft", str(draft), "--budgets", "4,4"], "--budgets 4,4: each must be in \\[2, 64\\], none"),
+                       (["--draft", str(draft), "--budgets", "+4, 8"], "--budgets '\\+4, 8': give comma-separated"),
+                       (["--draft", str(draft), "--datasets", "gsm8k,GSM8K"], "--datasets 'GSM8K'.*given twice")):
         with pytest.raises(SystemExit, match=msg):
             tp.main([*base, *extra])
     cfg = json.loads((draft / "config.json").read_text())

@@ -52,6 +52,8 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     from dspine.target import load_target
 
     out = Path(out)
+    if out.exists() and not out.is_dir():  # before the target loads
+        raise ValueError(f"--out {out} is a file, expected a folder")
     rows = open_sources(cfg.train)  # one path or a comma-separated list (train.data.split_sources)
     meta = rows.metadata()
     cuda = torch.cuda.is_available()

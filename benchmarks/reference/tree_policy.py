@@ -237,7 +237,7 @@ def check_run_args(args) -> tuple[list[int], dict[str, list]]:
     """Check the arguments of :func:`add_run_args` before any model loads: the tree budgets (each in [2, 64], none
     repeated), the counts, the output path (never an existing file) and every task's prompts, which are loaded here.
     Returns (budgets, {task: prompts}); raises ``SystemExit`` naming the flag and value."""
-    from infer.datasets import load_eval_prompts
+    from infer.datasets import load_eval_prompts, task_name
 
     out_path = Path(args.output)
     if out_path.exists():
@@ -246,21 +246,23 @@ def check_run_args(args) -> tuple[list[int], dict[str, list]]:
         check_output_file("--output", out_path, False)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    try:
-        budgets = [int(b) for b in args.budgets.split(",")]
-    except ValueError:
-        raise SystemExit(f"--budgets {args.budgets!r}: give comma-separated integers in [2, 64]") from None
+    if not all(b.isdigit() for b in args.budgets.split(",")):  # int() would take a sign or spaces
+        raise SystemExit(f"--budgets {args.budgets!r}: give comma-separated integers in [2, 64]")
+    budgets = [int(b) for b in args.budgets.split(",")]
     if not budgets or any(not 2 <= b <= 64 for b in budgets) or len(set(budgets)) != len(budgets):
         raise SystemExit(f"--budgets {args.budgets}: each must be in [2, 64], none repeated")
     if args.max_new_tokens < 1 or args.num_prompts < 1 or args.threads < 0:
         raise SystemExit(f"--max-new-tokens {args.max_new_tokens}, --num-prompts {args.num_prompts} (each at least 1) "
                          f"and --threads {args.threads} (0 or more)")
     items = {}
-    for task in args.datasets.split(","):
+    for name in args.datasets.split(","):
         try:
+            task = task_name(name)  # canonical: "GSM8K" is gsm8k, and its results go under that key
+            if task in items:
+                raise ValueError("given twice")
             items[task] = list(load_eval_prompts(task, args.num_prompts, args.data_dir))
         except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"--datasets {task!r} (--data-dir {args.data_dir}): {e}") from None
+            raise SystemExit(f"--datasets {name!r} (--data-dir {args.data_dir}): {e}") from None
     return budgets, items
 
 
