@@ -771,3 +771,24 @@ def test_distill_value_errors_are_one_line(stories_dir, tmp_path):
     for (extra, message), r in zip(cases, runs, strict=True):  # one child process for all the cases
         assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr[-2000:])
         assert message in r.stderr, (extra, r.stderr[-2000:])
+
+
+def test_a_ctrl_c_before_any_checkpoint_says_so_and_leaves_no_empty_output_dir(monkeypatch, tmp_path, capsys):
+    """A KeyboardInterrupt outside the steps (the set-up, a second Ctrl-C) exits 130 with one line: with no
+    checkpoint written it says so (not "keeps its last checkpoint") and a fresh, still empty output_dir is removed;
+    with one, it names the resume."""
+    from train import distill
+
+    def interrupted(cfg):
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "train", interrupted)
+    out = tmp_path / "run"
+    assert distill.main(["--config", str(CONFIG), f"output_dir={out}"]) == 130
+    assert "interrupted: no checkpoint was written" in capsys.readouterr().err and not out.exists()
+    out.mkdir()
+    (out / "latest").write_text("step-3\n")
+    assert distill.main(["--config", str(CONFIG), f"output_dir={out}"]) == 130
+    assert f"interrupted: {out} keeps its last checkpoint, and resume_from=auto continues" in capsys.readouterr().err
+    assert (out / "latest").read_text() == "step-3\n"

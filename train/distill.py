@@ -67,22 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     dump_stacks_on_sigusr1()
     out = Path(cfg.output_dir)
     fresh = not out.exists()
+    code = 2
     try:
         return train(cfg)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
     except OSError as e:  # e.g. a target that is neither a folder nor a reachable Hub id
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the steps (a resume's pending eval, the start-up)
-        print(f"\ninterrupted: {out} keeps its last checkpoint, and resume_from=auto continues from it",
-              file=sys.stderr, flush=True)
-        return 130
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the steps (the set-up, a resume's pending eval)
+        code = 130
+        kept = (f"{out} keeps its last checkpoint, and resume_from=auto continues from it"
+                if (out / "latest").is_file() else "no checkpoint was written")
+        print(f"\ninterrupted: {kept}", file=sys.stderr, flush=True)
     if fresh and out.is_dir() and not any(out.iterdir()):  # a refused run leaves no empty output_dir behind
         try:
             out.rmdir()
         except OSError:  # another rank removed it first
             pass
-    return 2
+    return code
 
 
 def train(cfg) -> int:
