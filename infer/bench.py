@@ -493,11 +493,11 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
     later one with equal τ (results/smollm2-h200-kvcont-T0-c8*.json: two drafts of τ 3.04 swapped
     speedups 1.39/2.24 -> 1.86/1.44 when their order was swapped), a one-time cost that the
     start-up warm-up (short prompts, 32 tokens) does not cover."""
-    from infer.datasets import load_eval_prompts
+    from infer.datasets import interleave, load_eval_prompts
 
     if task == MIXED:  # --mix: every task's prompts, taken in turn
-        queues = [load_eval_prompts(t, runner.args.num_prompts, runner.args.data_dir) for t in getattr(runner.args, "mix_tasks", None) or []]
-        items = [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+        items = interleave([load_eval_prompts(t, runner.args.num_prompts, runner.args.data_dir)
+                            for t in getattr(runner.args, "mix_tasks", None) or []])
     else:
         items = load_eval_prompts(task, runner.args.num_prompts, runner.args.data_dir)
     if task != MIXED and len(items) < runner.args.num_prompts:

@@ -130,6 +130,13 @@ def reference_texts(name: str, row: dict) -> list[str]:
     return out
 
 
+def interleave(lists: list[list]) -> list:
+    """The lists' items taken in turn (the first of each, then the second of each, ...), a shorter list dropping out
+    when it ends: every task's prompts in one stream whose batches mix them (``infer.bench --mix``,
+    ``planner_trace.py replay --mix``)."""
+    return [x[i] for i in range(max(map(len, lists), default=0)) for x in lists if i < len(x)]
+
+
 def load_eval_prompts(name: str, num: int | None = None, data_dir: str | Path | None = None) -> list[EvalPrompt]:
     """The first ``num`` prompts of a task (all when None), from ``data_dir`` or the Hub.
 

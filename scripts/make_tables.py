@@ -1037,6 +1037,14 @@ REFRESH_FILES = ("verify-refresh-invariant-h100.json", "verify-refresh-exact-h10
                  "verify-refresh-exact-rep2-h100.json")
 
 
+def _gpu_tests_sentence(name: str, what: str) -> str:
+    """The sentence naming a GPU test record of results/ (``name``): ``what``, then its commit, passed and failed counts
+    and a link; ``what`` opens the parenthesis the commit closes. Empty without the file."""
+    g = load(name)
+    return (f" {what}, commit `{g['commit'][:7]}`): {g['passed']} passed, {g['failed']} failed "
+            f"([`{name}`](results/{name})).") if g else ""
+
+
 def planner_refresh_section() -> list[str]:
     """The planner points with a drain refresh's host time left out of the step (REFRESH_FILES, commit fd30777 and
     later) beside the same card's points before (DRAINFED_FILES), and the CUDA case of that fix's test
@@ -1044,10 +1052,8 @@ def planner_refresh_section() -> list[str]:
     table = _chain_points_table(REFRESH_FILES, DRAINFED_FILES, "planner ÷ AR before")
     if not table:
         return []
-    g = load("gpu-tests-refresh-h100.json")
-    test = (f" The CUDA case of the fix's test (`tests/test_planner_defer.py::test_a_drain_refresh_is_no_steps_time`, "
-            f"commit `{g['commit'][:7]}`): {g['passed']} passed, {g['failed']} failed "
-            f"([`gpu-tests-refresh-h100.json`](results/gpu-tests-refresh-h100.json)).") if g else ""
+    test = _gpu_tests_sentence("gpu-tests-refresh-h100.json", "The CUDA case of the fix's test "
+                               "(`tests/test_planner_defer.py::test_a_drain_refresh_is_no_steps_time`")
     return ["#### The drain refresh's host time left out of the step", "",
             "A drain refresh (the drain rule's host work before a step's launch, every 8 steps once no prompt waits) "
             "can outlast the step in flight and leave the GPU waiting; that wait was charged to the mode chosen with "
@@ -1066,10 +1072,8 @@ def planner_fused_section() -> list[str]:
     table = _chain_points_table(FUSED_FILES, REFRESH_FILES, "planner ÷ AR at the refresh fix")
     if not table:
         return []
-    g = load("gpu-tests-plan-stats-h100.json")
-    test = (f" The GPU tests of the fused count (`tests/test_kernels_plan_stats.py`, `tests/test_engine_confidence.py`, "
-            f"commit `{g['commit'][:7]}`): {g['passed']} passed, {g['failed']} failed "
-            f"([`gpu-tests-plan-stats-h100.json`](results/gpu-tests-plan-stats-h100.json)).") if g else ""
+    test = _gpu_tests_sentence("gpu-tests-plan-stats-h100.json", "The GPU tests of the fused count "
+                               "(`tests/test_kernels_plan_stats.py`, `tests/test_engine_confidence.py`")
     return ["#### The planner with the inner-tree count fused into one launch", "",
             "A planner tree step counted what its smaller trees inside it accepted in about 10 torch launches inside "
             "the step's graph; since a8c8de2 `dspine.ops.plan_stats` writes them in its one launch. The two T = 0 "

@@ -613,3 +613,11 @@ def test_mix_runs_every_task_in_one_stream_of_mixed_batches(stories_dir, draft_d
     a = [t["drafts"]["A"]["per_prompt_committed"] for t in per_task]
     assert m["drafts"]["A"]["per_prompt_committed"] == [a[k][i] for i in range(2) for k in range(3)]
     assert m["drafts"]["A"]["greedy_equal"] == m["drafts"]["A"]["greedy_compared"] == 8  # 6 first turns, 2 second
+
+
+def test_interleave_takes_the_lists_in_turn():
+    """infer.datasets.interleave (--mix): the first of each list, then the second of each, a shorter list dropping out."""
+    from infer.datasets import interleave
+
+    assert interleave([[1, 2, 3], [4], [5, 6]]) == [1, 4, 5, 2, 6, 3]
+    assert interleave([]) == [] and interleave([[], [7]]) == [7]

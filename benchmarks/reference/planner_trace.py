@@ -394,6 +394,7 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     width), each also a fixed mode. ``repeat``: each task's prompts decoded ``repeat`` times over (copies queued
     after the originals), so that a trace of few prompts fills a batch of a larger run's concurrency: the batch then
     holds each recorded acceptance ``repeat`` times, less spread than as many distinct prompts."""
+    from infer.datasets import interleave
     from infer.planner import StepPlanner, parse_plan_chains, parse_plan_trees
 
     run_args = load_json(costs, "--costs: an infer.bench --output-json result").get("args") or {}
@@ -432,8 +433,7 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     if not tasks:
         raise SystemExit("the trace has no prompt with more than one output token")
     if mix:  # one stream with the tasks' prompts taken in turn: every batch mixes them, as a server's does
-        queues = list(tasks.values())
-        tasks = {"mixed": [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]}
+        tasks = {"mixed": interleave(list(tasks.values()))}
     short = {t: len(r) for t, r in tasks.items() if len(r) < B}
     if short:  # Engine.generate runs min(concurrency, prompts) slots: step times of another batch size
         raise NoStepTime(f"{costs}: concurrency {B}, but the trace has fewer decoding prompts for {short}: the engine "
