@@ -483,7 +483,7 @@ def bootstrap_ci(committed: list[int], steps: list[int], n: int = 2000, seed: in
 
 
 def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, order_shift: int = 0,
-             warmup: bool = False) -> dict:
+             warmup: bool = False, items: list | None = None) -> dict:
     """One task: AR (unless ``do_ar`` is False) and every draft on the same prompts.
 
     The run order rotates by ``order_shift`` (the task's index), so no configuration always runs
@@ -492,14 +492,10 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
     task``): on the H200 the first configuration to decode a task's prompts ran up to 2x slower than a
     later one with equal τ (results/smollm2-h200-kvcont-T0-c8*.json: two drafts of τ 3.04 swapped
     speedups 1.39/2.24 -> 1.86/1.44 when their order was swapped), a one-time cost that the
-    start-up warm-up (short prompts, 32 tokens) does not cover."""
-    from infer.datasets import interleave, load_eval_prompts
-
-    if task == MIXED:  # --mix: every task's prompts, taken in turn
-        items = interleave([load_eval_prompts(t, runner.args.num_prompts, runner.args.data_dir)
-                            for t in getattr(runner.args, "mix_tasks", None) or []])
-    else:
-        items = load_eval_prompts(task, runner.args.num_prompts, runner.args.data_dir)
+    start-up warm-up (short prompts, 32 tokens) does not cover. ``items``: the task's prompts (:func:`load_tasks`;
+    None: loaded here)."""
+    if items is None:
+        items = load_tasks(runner.args, [task])[task]
     if task != MIXED and len(items) < runner.args.num_prompts:
         print(f"note: {task} has {len(items)} prompts; --num-prompts {runner.args.num_prompts} runs all {len(items)}",
               file=sys.stderr)
@@ -608,6 +604,17 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
                         row["greedy_mismatches"].append(m)
                 row["exact"] = bool(runner.args.exact)
     return out
+
+
+def load_tasks(args, tasks: list[str]) -> dict[str, list]:
+    """{task: its prompts} of every task (``MIXED``: the ``args.mix_tasks`` prompts taken in turn), loaded before any
+    model so that a task whose eval file is missing fails at once, not after the tasks before it ran. Raises
+    FileNotFoundError / ValueError as ``infer.datasets.load_eval_prompts``."""
+    from infer.datasets import interleave, load_eval_prompts
+
+    load = lambda t: load_eval_prompts(t, args.num_prompts, args.data_dir)
+    return {t: interleave([load(x) for x in getattr(args, "mix_tasks", None) or []]) if t == MIXED else load(t)
+            for t in tasks}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -915,16 +922,36 @@ def _main(argv, stopped: list[str]) -> int:
     # whatever is committed while it runs (the JSON adds "finished", the date it was written)
     prov = provenance()
     rows: list[dict] = []
+
+    def keep_finished(error: str | None = None) -> str:
+        """Write the finished tasks (complete results) with ``"interrupted": true`` (and the ``error`` that stopped
+        the run); returns what happened to --output-json, for the closing line."""
+        if not args.output_json:
+            return ""
+        if not rows:
+            return f"; nothing was written to {args.output_json}"
+        out = Path(args.output_json)
+        if getattr(args, "replaces_output", False):  # --overwrite of a finished file: it stays as it was
+            out = out.with_name(out.stem + ".interrupted" + out.suffix)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out, {**prov, "finished": utc_now(), "label": args.label, "backend": runner.backend,
+                                "args": vars(args), "interrupted": True, **({"error": error} if error else {}),
+                                "tasks": rows, "summary": summarize(rows)}, indent=1, allow_nan=True)
+        kept = f"; {args.output_json} is left as it was" if out != Path(args.output_json) else ""
+        return f"; wrote them to {out} (\"interrupted\": true){kept}"
+
     try:
         tasks, params = check_args(args)
+        args.mix_tasks = tasks if args.mix else None
+        tasks = [MIXED] if args.mix else tasks
+        items = load_tasks(args, tasks)  # every task's prompts before the models: a missing eval file fails now
         args.threads = set_cpu_threads(args.threads)
         runner = Runner(args)
         # warm-up every timed path (graph capture, kernel compilation) at the timed batch size
         from infer.datasets import load_eval_prompts
 
-        warm = [encode(runner, p.turns[0]) for p in load_eval_prompts(tasks[0], args.concurrency, args.data_dir)]
-        args.mix_tasks = tasks if args.mix else None
-        tasks = [MIXED] if args.mix else tasks
+        first = args.mix_tasks[0] if args.mix else tasks[0]
+        warm = [encode(runner, p.turns[0]) for p in load_eval_prompts(first, args.concurrency, args.data_dir)]
         wp = dataclasses.replace(params, max_new_tokens=min(32, args.max_new_tokens))
         for label in [None, *runner.drafts]:
             runner.run(warm, wp, label, {"pass": "start"})
@@ -935,26 +962,16 @@ def _main(argv, stopped: list[str]) -> int:
             on_gpu = runner.backend == "cuda" and torch.device(args.device).type == "cuda"
             args.warmup = "task" if on_gpu else "start"
         for i, t in enumerate(tqdm(tasks, desc="tasks", unit="task")):
-            rows.append(run_task(runner, t, params, do_ar=not args.no_ar, order_shift=i, warmup=args.warmup == "task"))
+            rows.append(run_task(runner, t, params, do_ar=not args.no_ar, order_shift=i, warmup=args.warmup == "task",
+                                 items=items[t]))
     except (ValueError, OSError, RuntimeError, FloatingPointError) as e:  # OSError: an unreachable Hub id, files
         print(f"error: {e}", file=sys.stderr)
+        if rows:  # a later task failed (non-finite logits, ...): the tasks before it are complete results
+            print(f"tasks finished: {', '.join(r['task'] for r in rows)}{keep_finished(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         done = ", ".join(r["task"] for r in rows) or "none"
-        written = ""
-        if rows and args.output_json:  # the finished tasks are complete results: keep them
-            out = Path(args.output_json)
-            if getattr(args, "replaces_output", False):  # --overwrite of a finished file: it stays as it was
-                out = out.with_name(out.stem + ".interrupted" + out.suffix)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(out, {**prov, "finished": utc_now(), "label": args.label, "backend": runner.backend,
-                                    "args": vars(args), "interrupted": True, "tasks": rows,
-                                    "summary": summarize(rows)}, indent=1, allow_nan=True)
-            kept = f"; {args.output_json} is left as it was" if out != Path(args.output_json) else ""
-            written = f"; wrote them to {out} (\"interrupted\": true){kept}"
-        elif args.output_json:
-            written = f"; nothing was written to {args.output_json}"
-        print(f"\n{stopped[0]}: tasks finished: {done}{written}", file=sys.stderr)
+        print(f"\n{stopped[0]}: tasks finished: {done}{keep_finished()}", file=sys.stderr)
         return 143 if stopped[0] == "terminated" else 130
     summary = summarize(rows)
     print(table(rows))

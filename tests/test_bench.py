@@ -151,12 +151,15 @@ def test_datasets_help_names_the_tasks():
 
 
 def _stopped_at_mbpp(tmp_path, monkeypatch, stop):
-    """A gsm8k eval folder of 2 prompts under ``tmp_path`` (returned), and bench.run_task patched to call ``stop()``
-    when it reaches mbpp (after gsm8k finished)."""
+    """An eval folder under ``tmp_path`` (returned) of 2 gsm8k prompts and mbpp's file, and bench.run_task patched to
+    call ``stop()`` when it reaches mbpp (after gsm8k finished)."""
     data = tmp_path / "eval"
     (data / "gsm8k").mkdir(parents=True)
     rows = (shared_path("data", "eval") / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]
     (data / "gsm8k" / "test.jsonl").write_text("\n".join(rows) + "\n")
+    (data / "mbpp").mkdir()
+    mbpp = shared_path("data", "eval") / "mbpp" / "sanitized-mbpp.json"
+    (data / "mbpp" / "sanitized-mbpp.json").write_text(mbpp.read_text())
     real = bench.run_task
 
     def run_task(runner, task, *a, **kw):
@@ -211,6 +214,48 @@ def test_sigterm_keeps_the_finished_tasks_and_an_overwritten_file_stays(stories_
     res = json.loads(kept.read_text())
     assert res["interrupted"] is True and [t["task"] for t in res["tasks"]] == ["gsm8k"]
     assert signal.getsignal(signal.SIGTERM) is before  # main() put the previous handler back
+
+
+def test_a_later_task_that_fails_keeps_the_finished_tasks(stories_dir, stories_draft, tmp_path, monkeypatch, capsys):
+    """An error in a later task (here non-finite logits) ends the run with status 2 and writes the tasks finished
+    before it, as Ctrl-C does, with the error (newcomer review: they were dropped)."""
+    def non_finite():
+        raise FloatingPointError("non-finite logits")
+
+    data = _stopped_at_mbpp(tmp_path, monkeypatch, non_finite)
+    out = tmp_path / "b.json"
+    code = bench.main(["--target", str(stories_dir), "--draft", f"D={stories_draft}", "--datasets", "gsm8k,mbpp",
+                       "--num-prompts", "2", "--max-new-tokens", "4", "--backend", "reference", "--no-chat-template",
+                       "--data-dir", str(data), "--output-json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"error: non-finite logits\ntasks finished: gsm8k; wrote them to {out}" in err
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True and res["error"] == "non-finite logits"
+    assert [t["task"] for t in res["tasks"]] == ["gsm8k"] and res["tasks"][0]["drafts"]["D"]["greedy_compared"] == 2
+
+
+def test_a_task_without_prompts_fails_before_any_task_runs(stories_dir, stories_draft, tmp_path, monkeypatch, capsys):
+    """Every task's prompts load before the models: an eval folder without mbpp fails at once naming it, not after
+    gsm8k ran (newcomer review: gsm8k decoded, then the run ended with nothing written)."""
+    import infer.datasets
+
+    def offline(task):
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(infer.datasets, "_hub_rows", offline)
+    ran = []
+    monkeypatch.setattr(bench, "Runner", lambda args: ran.append(args))
+    data = tmp_path / "eval"
+    (data / "gsm8k").mkdir(parents=True)
+    (data / "gsm8k" / "test.jsonl").write_text((shared_path("data", "eval") / "gsm8k" / "test.jsonl").read_text())
+    for mix in ([], ["--mix"]):
+        code = bench.main(["--target", str(stories_dir), "--draft", f"D={stories_draft}", "--datasets", "gsm8k,mbpp",
+                           "--num-prompts", "2", "--max-new-tokens", "4", "--backend", "reference",
+                           "--data-dir", str(data), "--output-json", str(tmp_path / "b.json"), *mix])
+        err = capsys.readouterr().err
+        assert code == 2 and f"error: mbpp: no local file {data / 'mbpp' / 'sanitized-mbpp.json'}" in err, err
+    assert ran == [] and not (tmp_path / "b.json").exists()
 
 
 def test_output_paths_that_would_clobber_each_other_are_refused(stories_dir, stories_draft, tmp_path, monkeypatch,
