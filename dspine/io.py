@@ -28,6 +28,31 @@ def atomic_write_json(path: str | Path, obj, *, indent: int = 2, allow_nan: bool
     os.replace(tmp, path)
 
 
+def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = False) -> Path:
+    """Writes `obj` as :func:`atomic_write_json` does, but never over a file: where ``path`` exists (say another run's
+    results, written since this run checked the name) the first free ``STEM.N.SUFFIX`` beside it (N = 2, 3, ...) is
+    taken instead. The name is claimed with a hard link of the finished temp file, so two writers never get the same
+    one and a reader never sees half a file. Returns the path written."""
+    path = Path(path)
+    text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=allow_nan)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        for n in range(1, 10_000):
+            out = path if n == 1 else path.with_name(f"{path.stem}.{n}{path.suffix}")
+            try:
+                os.link(tmp, out)
+                return out
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"{path}: no free name beside it")
+    finally:
+        tmp.unlink()
+
+
 def file_digest(path: str | Path, algorithm: str = "blake2b") -> str:
     """Hex digest of a file's contents, read in 1 MiB blocks: blake2b-128 (the default; data and cache
     digests) or any other ``hashlib`` algorithm by name (e.g. "sha256" for published checksums)."""

@@ -913,7 +913,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv, stopped: list[str]) -> int:
-    from dspine.io import atomic_write_json
+    from dspine.io import atomic_write_json, write_json_new
     from dspine.provenance import provenance, utc_now
     from dspine.reference import set_cpu_threads
 
@@ -934,9 +934,10 @@ def _main(argv, stopped: list[str]) -> int:
         if getattr(args, "replaces_output", False):  # --overwrite of a finished file: it stays as it was
             out = out.with_name(out.stem + ".interrupted" + out.suffix)
         out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out, {**prov, "finished": utc_now(), "label": args.label, "backend": runner.backend,
-                                "args": vars(args), "interrupted": True, **({"error": error} if error else {}),
-                                "tasks": rows, "summary": summarize(rows)}, indent=1, allow_nan=True)
+        # never over a file: an earlier run's X.interrupted.json, or a file another run wrote since the start
+        out = write_json_new(out, {**prov, "finished": utc_now(), "label": args.label, "backend": runner.backend,
+                                   "args": vars(args), "interrupted": True, **({"error": error} if error else {}),
+                                   "tasks": rows, "summary": summarize(rows)}, indent=1, allow_nan=True)
         kept = f"; {args.output_json} is left as it was" if out != Path(args.output_json) else ""
         return f"; wrote them to {out} (\"interrupted\": true){kept}"
 
@@ -1007,7 +1008,11 @@ def _main(argv, stopped: list[str]) -> int:
     if args.output_json:
         out = Path(args.output_json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out, result, indent=1, allow_nan=True)
+        if args.replaces_output:  # there at the start, and --overwrite given
+            atomic_write_json(out, result, indent=1, allow_nan=True)
+        elif (written := write_json_new(out, result, indent=1, allow_nan=True)) != out:
+            print(f"note: {out} was written by someone else during this run and is left as it was; this run's "
+                  f"results are in {written}", file=sys.stderr)
     if args.plot and summary:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(rows, Path(args.plot), args.label or f"T={args.temperature}, concurrency {args.concurrency}")

@@ -216,6 +216,36 @@ def test_sigterm_keeps_the_finished_tasks_and_an_overwritten_file_stays(stories_
     assert signal.getsignal(signal.SIGTERM) is before  # main() put the previous handler back
 
 
+def test_results_never_replace_a_file_written_during_the_run(stories_dir, stories_draft, tmp_path, monkeypatch,
+                                                            capsys):
+    """A results file that another run wrote after this one checked the name stays, and this run's go beside it
+    (b.2.json); an interrupted --overwrite run keeps an earlier run's b.interrupted.json (newcomer review: both were
+    silently replaced)."""
+    out = tmp_path / "b.json"
+    data = _stopped_at_mbpp(tmp_path, monkeypatch, lambda: out.write_text("another run"))
+    argv = ["--target", str(stories_dir), "--draft", f"D={stories_draft}", "--datasets", "gsm8k,mbpp", "--num-prompts",
+            "2", "--max-new-tokens", "4", "--backend", "reference", "--no-chat-template", "--data-dir", str(data),
+            "--output-json", str(out), "--plot", str(tmp_path / "b.png")]
+    assert bench.main(argv) == 0
+    assert out.read_text() == "another run"
+    res = json.loads((tmp_path / "b.2.json").read_text())
+    assert res["interrupted"] is False and [t["task"] for t in res["tasks"]] == ["gsm8k", "mbpp"]
+    assert f"results are in {tmp_path / 'b.2.json'}" in capsys.readouterr().err
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    _stopped_at_mbpp(tmp_path / "again", monkeypatch, ctrl_c)
+    earlier = tmp_path / "b.interrupted.json"
+    earlier.write_text('{"tasks": "an earlier interrupted run"}')
+    assert bench.main([*argv, "--overwrite"]) == 130
+    assert f"wrote them to {tmp_path / 'b.interrupted.2.json'}" in capsys.readouterr().err
+    assert earlier.read_text() == '{"tasks": "an earlier interrupted run"}' and out.read_text() == "another run"
+    res = json.loads((tmp_path / "b.interrupted.2.json").read_text())
+    assert res["interrupted"] is True and [t["task"] for t in res["tasks"]] == ["gsm8k"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_a_later_task_that_fails_keeps_the_finished_tasks(stories_dir, stories_draft, tmp_path, monkeypatch, capsys):
     """An error in a later task (here non-finite logits) ends the run with status 2 and writes the tasks finished
     before it, as Ctrl-C does, with the error (newcomer review: they were dropped)."""
