@@ -300,3 +300,30 @@ def test_replay_narrow_chains_are_paired_and_fixed_and_repeat_fills_a_batch(tmp_
                        (["--plan-chains", "8"], "below the trace's block of 5")):
         with pytest.raises(SystemExit, match=msg):
             pt.main(args[:-2] + extra)
+
+
+def test_replay_never_replaces_a_file_written_during_the_run(tmp_path, monkeypatch, capsys):
+    """A --output that another run wrote after this one checked the name stays, and the points go beside it
+    (r.2.json); with --overwrite a file there at the start is replaced (newcomer review: a file that appeared during
+    the run was silently replaced; planner_trace.py record writes the same way)."""
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"prompts": [row([1] * 8, [2] * 8, [1] * 8)], "budgets": [4], "block_size": 5,
+                                 "num_prompts": 1, "max_new_tokens": 8}))
+    costs = bench_file(tmp_path / "c1.json", 1, {"ar": 1.0, "chain5": 1.2, "tree4": 1.3})
+    out = tmp_path / "r.json"
+    real = pt.replay_point
+
+    def meanwhile(*a, **kw):
+        out.write_text("another run")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pt, "replay_point", meanwhile)
+    argv = ["replay", str(trace), "--costs", costs, "--plan-trees", "4", "--output", str(out)]
+    assert pt.main(argv) == 0
+    assert out.read_text() == "another run"
+    assert f"these points are in {tmp_path / 'r.2.json'}" in capsys.readouterr().err
+    assert [p["plan_trees"] for p in json.loads((tmp_path / "r.2.json").read_text())["points"]] == ["4"]
+    monkeypatch.setattr(pt, "replay_point", real)
+    assert pt.main([*argv, "--overwrite"]) == 0
+    assert [p["plan_trees"] for p in json.loads(out.read_text())["points"]] == ["4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c1.json", "r.2.json", "r.json", "t.json"]

@@ -51,6 +51,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.reference import tree_policy as tp
+from dspine.io import atomic_write_json, write_json_new
 
 # ------------------------------------------------------------------------------------------------ record
 
@@ -123,7 +124,10 @@ def record(args) -> int:
         "seconds": round(time.time() - t0, 1), "prompts": prompts,
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, separators=(",", ":")) + "\n")
+    written = write_json_new(out_path, report, indent=None, allow_nan=True)  # never over a file written since the start
+    if written != out_path:
+        print(f"note: {out_path} was written by someone else during this run and is left as it was; this trace is "
+              f"in {written}", file=sys.stderr)
     return 0
 
 
@@ -507,6 +511,7 @@ def replay(args) -> int:
         raise SystemExit(f"--output {out_path} is a folder: give a file name")
     if out_path is not None and out_path.exists() and not args.overwrite:
         raise SystemExit(f"{out_path} exists: choose another --output or pass --overwrite")
+    replaces = out_path is not None and out_path.exists()  # with --overwrite: replaced; any other file never is
     if args.repeat < 1:
         raise SystemExit(f"--repeat {args.repeat}: must be at least 1")
     if args.concurrency is not None and args.concurrency < 1:
@@ -592,7 +597,12 @@ def replay(args) -> int:
     }
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(report, indent=1) + "\n")
+        if replaces:  # there at the start, and --overwrite given
+            atomic_write_json(out_path, report, indent=1, allow_nan=True)
+        elif (written := write_json_new(out_path, report, indent=1, allow_nan=True)) != out_path:
+            # a file written since the start (another run's)
+            print(f"note: {out_path} was written by someone else during this run and is left as it was; these "
+                  f"points are in {written}", file=sys.stderr)
     return 0
 
 
