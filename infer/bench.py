@@ -352,7 +352,8 @@ class Runner:
             impl = "triton" if torch.device(args.device).type == "cuda" else "torch"
             target = EngineTarget.from_pretrained(path, gguf, device=args.device, dtype=dtype, layer_ids=layer_ids,
                                                   impl=impl)
-            kw = dict(max_batch=args.concurrency, max_seq=max_seq, max_new_cap=args.max_new_tokens, exact=args.exact,
+            # caches for the largest batch a task runs (main: --concurrency, or fewer when no task has as many prompts)
+            kw = dict(max_batch=getattr(args, "max_batch", None) or args.concurrency, max_seq=max_seq, max_new_cap=args.max_new_tokens, exact=args.exact,
                       prefill_buckets=args.prefill_buckets)
             self.decoders[None] = Engine(target, None, self.eos, **kw)
             args.prefill_buckets = self.decoders[None].prefill_buckets  # the resolved value, for the JSON
@@ -946,13 +947,18 @@ def _main(argv, stopped: list[str]) -> int:
         args.mix_tasks = tasks if args.mix else None
         tasks = [MIXED] if args.mix else tasks
         items = load_tasks(args, tasks)  # every task's prompts before the models: a missing eval file fails now
+        # Engine.generate runs min(concurrency, prompts) rows: caches and the warm-up at that batch, not a larger one
+        args.max_batch = min(args.concurrency, max(map(len, items.values())))
+        if args.max_batch < args.concurrency:
+            print(f"note: --concurrency {args.concurrency}, but no task has more than {args.max_batch} prompts: "
+                  f"batches of at most {args.max_batch}", file=sys.stderr)
         args.threads = set_cpu_threads(args.threads)
         runner = Runner(args)
         # warm-up every timed path (graph capture, kernel compilation) at the timed batch size
         from infer.datasets import load_eval_prompts
 
         first = args.mix_tasks[0] if args.mix else tasks[0]
-        warm = [encode(runner, p.turns[0]) for p in load_eval_prompts(first, args.concurrency, args.data_dir)]
+        warm = [encode(runner, p.turns[0]) for p in load_eval_prompts(first, args.max_batch, args.data_dir)]
         wp = dataclasses.replace(params, max_new_tokens=min(32, args.max_new_tokens))
         for label in [None, *runner.drafts]:
             runner.run(warm, wp, label, {"pass": "start"})

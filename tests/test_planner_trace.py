@@ -327,3 +327,18 @@ def test_replay_never_replaces_a_file_written_during_the_run(tmp_path, monkeypat
     assert pt.main([*argv, "--overwrite"]) == 0
     assert [p["plan_trees"] for p in json.loads(out.read_text())["points"]] == ["4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c1.json", "r.2.json", "r.json", "t.json"]
+
+
+def test_replay_takes_the_batch_the_costs_run_ran_at(tmp_path):
+    """An infer.bench run at --concurrency 8 whose tasks had one prompt ran batch 1 (its args.max_batch): its step
+    times are replayed at concurrency 1, and --concurrency 8 is refused as a batch it did not measure."""
+    trace = {"prompts": [row([1] * 8, [2] * 8, [1] * 8)], "budgets": [4], "block_size": 5, "num_prompts": 1,
+             "max_new_tokens": 8}
+    costs = tmp_path / "c.json"
+    bench_file(costs, 8, {"ar": 1.0, "chain5": 1.2, "tree4": 1.3})
+    run = json.loads(costs.read_text())
+    run["args"]["max_batch"] = 1
+    costs.write_text(json.dumps(run))
+    assert pt.replay_point(trace, str(costs), "p", "4")["concurrency"] == 1
+    with pytest.raises(pt.NoStepTime, match="at concurrency 1, not 8"):
+        pt.replay_point(trace, str(costs), "p", "4", concurrency=8)

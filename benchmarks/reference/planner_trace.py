@@ -335,7 +335,8 @@ def _step_times(path: str, label: str) -> tuple[dict, dict]:
     tasks = run.get("tasks")
     if not isinstance(tasks, list) or not tasks:
         raise SystemExit(f"{path}: no 'tasks' list: not an infer.bench --output-json result")
-    conc = int((run.get("args") or {}).get("concurrency") or 1)
+    run_args = run.get("args") or {}
+    conc = int(run_args.get("max_batch") or run_args.get("concurrency") or 1)  # the batch its steps ran at
     pooled: dict = {}  # (is label, mode) -> [Σ w·measured, Σ w, Σ w·table]
     per_step: dict = {}  # fixed tree size -> [seconds, verify steps], pooled over tasks
     found = False
@@ -405,7 +406,8 @@ def replay_point(trace: dict, costs: str, label: str, plan_trees: str, concurren
     if not isinstance(run_args, dict):
         raise SystemExit(f"{costs}: 'args' is not an object: not an infer.bench --output-json result")
     try:
-        run_conc = int(run_args.get("concurrency") or 1)
+        # the batch its steps ran at: infer.bench's max_batch, below --concurrency when no task had as many prompts
+        run_conc = int(run_args.get("max_batch") or run_args.get("concurrency") or 1)
     except (TypeError, ValueError):
         raise SystemExit(f"{costs}: args.concurrency={run_args.get('concurrency')!r} is not an integer") from None
     B = concurrency or run_conc
