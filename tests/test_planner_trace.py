@@ -342,3 +342,31 @@ def test_replay_takes_the_batch_the_costs_run_ran_at(tmp_path):
     assert pt.replay_point(trace, str(costs), "p", "4")["concurrency"] == 1
     with pytest.raises(pt.NoStepTime, match="at concurrency 1, not 8"):
         pt.replay_point(trace, str(costs), "p", "4", concurrency=8)
+
+
+def test_record_ctrl_c_keeps_the_prompts_recorded(stories_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during record writes the prompts finished so far, marked "interrupted", and replay notes it (newcomer
+    review: a traceback, and every recorded prompt was lost)."""
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = save_draft(random_draft(target, block_size=5, mask=0), tmp_path / "draft")
+    real, calls = pt.anchor_table, []
+
+    def second_is_stopped(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pt, "anchor_table", second_is_stopped)
+    trace = tmp_path / "trace.json"
+    assert pt.main(["record", "--target", str(stories_dir), "--draft", str(draft), "--datasets", "gsm8k,mbpp",
+                    "--num-prompts", "1", "--max-new-tokens", "12", "--budgets", "4", "--data-dir",
+                    str(shared_path("data", "eval")), "--output", str(trace)]) == 130
+    assert f"interrupted: wrote the 1 prompt(s) recorded to {trace}" in capsys.readouterr().err
+    t = json.loads(trace.read_text())
+    assert t["interrupted"] is True and [p["task"] for p in t["prompts"]] == ["gsm8k"]
+    costs = bench_file(tmp_path / "c1.json", 1, {"ar": 1.0, "chain5": 1.2, "tree4": 1.3})
+    out = tmp_path / "r.json"
+    assert pt.main(["replay", str(trace), "--costs", costs, "--plan-trees", "4", "--output", str(out)]) == 0
+    assert f"note: {trace} is an interrupted recording: 1 prompt(s), not 1 per task" in capsys.readouterr().err
+    assert json.loads(out.read_text())["trace_interrupted"] is True

@@ -88,18 +88,34 @@ def anchor_table(q: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, b
 
 def record(args) -> int:
     """The ``record`` subcommand (module docstring): every argument and task checked before the models load; the
-    trace written once at the end, never over an existing file."""
-    from dspine.prompts import encode_prompt
-    from dspine.provenance import provenance
-
+    trace written once at the end, never over an existing file. Ctrl-C writes the prompts recorded so far, with
+    ``"interrupted": true`` (exit status 130)."""
     out_path = Path(args.output)
     budgets, items = tp.check_run_args(args)  # every argument and task before the models load
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
     target, draft, tok, eos = tp.load_models(args.target, args.draft)
-    K = draft.block_size - 1
     prompts = []
+    try:
+        _record_prompts(args, items, budgets, target, draft, tok, eos, prompts, t0)
+    except KeyboardInterrupt:  # the prompts recorded so far are complete: keep them, marked
+        if not prompts:
+            print("\ninterrupted: no prompt was recorded; nothing was written", file=sys.stderr)
+            return 130
+        where = _write_trace(args, out_path, draft, budgets, prompts, t0, interrupted=True)
+        print(f"\ninterrupted: wrote the {len(prompts)} prompt(s) recorded to {where} (\"interrupted\": true)",
+              file=sys.stderr)
+        return 130
+    _write_trace(args, out_path, draft, budgets, prompts, t0)
+    return 0
+
+
+def _record_prompts(args, items, budgets, target, draft, tok, eos, prompts: list, t0: float) -> None:
+    """Record every prompt of ``items``, appending each finished row to ``prompts``."""
+    from dspine.prompts import encode_prompt
+
+    K = draft.block_size - 1
     for task, task_items in items.items():
         for item in task_items:
             ids = encode_prompt(tok, item.turns[0])
@@ -117,18 +133,25 @@ def record(args) -> int:
             print(f"{task}: prompt {len(ids)} + {len(gen)} tokens, chain tau "
                   f"{tp.replay(row['chain'], len(gen))[0] / tp.replay(row['chain'], len(gen))[1]:.2f} "
                   f"({time.time() - t0:.0f} s)", flush=True)
+
+
+def _write_trace(args, out_path: Path, draft, budgets, prompts, t0: float, interrupted: bool = False) -> Path:
+    """Write the trace (never over a file: one written since the start stays, and this goes beside it); returns
+    where."""
+    from dspine.provenance import provenance
+
     report = {
         **provenance([sys.argv[0]] + (args.argv if args.argv is not None else sys.argv[1:])),
         "target": args.target, "draft": args.draft, "num_prompts": args.num_prompts,
         "max_new_tokens": args.max_new_tokens, "block_size": draft.block_size, "budgets": budgets,
-        "seconds": round(time.time() - t0, 1), "prompts": prompts,
+        "seconds": round(time.time() - t0, 1), "interrupted": interrupted, "prompts": prompts,
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    written = write_json_new(out_path, report, indent=None, allow_nan=True)  # never over a file written since the start
+    written = write_json_new(out_path, report, indent=None, allow_nan=True)
     if written != out_path:
         print(f"note: {out_path} was written by someone else during this run and is left as it was; this trace is "
               f"in {written}", file=sys.stderr)
-    return 0
+    return written
 
 
 # ------------------------------------------------------------------------------------------------ replay
@@ -545,6 +568,9 @@ def replay(args) -> int:
     if not trace.get("prompts") or not trace.get("budgets") or not trace.get("block_size"):
         raise SystemExit(f"{args.trace}: needs non-empty 'prompts', 'budgets' and 'block_size' "
                          "(a trace written by planner_trace.py record)")
+    if trace.get("interrupted"):
+        print(f"note: {args.trace} is an interrupted recording: {len(trace['prompts'])} prompt(s), not "
+              f"{trace.get('num_prompts')} per task", file=sys.stderr)
     keys = ["task", "tokens", "chain", "conf"] + [f"{k}{n}" for n in trace["budgets"] for k in ("tree", "pair")]
     for i, row in enumerate(trace["prompts"]):
         bad = [k for k in keys if k not in row] or [
@@ -593,7 +619,8 @@ def replay(args) -> int:
         raise SystemExit("every point was skipped (reasons above): no result written")
     report = {
         **provenance([sys.argv[0]] + (args.argv if args.argv is not None else sys.argv[1:])),
-        "simulated": True, "trace": args.trace, "trace_commit": trace.get("commit"), "tree_like": args.tree_like or [],
+        "simulated": True, "trace": args.trace, "trace_commit": trace.get("commit"),
+        "trace_interrupted": bool(trace.get("interrupted")), "tree_like": args.tree_like or [],
         "trace_prompts_per_task": trace.get("num_prompts"), "max_new_tokens": trace.get("max_new_tokens"),
         "points": points, "skipped": skipped,
     }
