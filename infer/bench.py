@@ -586,8 +586,9 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
         else:
             out["drafts"][label] = row
     for label, row in out["drafts"].items():
-        if "ar" in out:
-            row["speedup"] = row["tok_per_s"] / out["ar"]["tok_per_s"]
+        if "ar" in out:  # None without a verify step (every output ended at its prefill token): the draft never ran,
+            # so the ratio of the two runs' times would be noise (as infer.generate --compare-ar)
+            row["speedup"] = row["tok_per_s"] / out["ar"]["tok_per_s"] if row.get("verify_steps") else None
             if params.greedy or params.invariant_sampling:  # the same text as AR is the contract: check it
                 ar_prompts, ar_tokens = outputs[None]
                 prompts, tokens = outputs[label]
@@ -648,8 +649,9 @@ def summarize(rows: list[dict]) -> dict:
     """Per draft: mean τ over tasks, τ pooled over all steps, mean speedup.
 
     A task in which the draft made no verify step (every output ended at its first token, e.g.
-    ``--max-new-tokens 1`` or an immediate EOS) has no τ (``None``): it is left out of ``mean_tau`` and its
-    interval and counted in ``tasks_without_steps``; ``mean_tau`` is None when no task has a step."""
+    ``--max-new-tokens 1`` or an immediate EOS) has no τ and no speedup (``None``): it is left out of ``mean_tau``,
+    its interval and ``mean_speedup``, and counted in ``tasks_without_steps``; each mean is None when no task has a
+    step."""
     out: dict = {}
     labels = sorted({label for r in rows for label in r["drafts"]})
     for label in labels:
@@ -663,8 +665,9 @@ def summarize(rows: list[dict]) -> dict:
             entry["tasks_without_steps"] = len(ds) - len(stepped)
         if stepped and all("per_prompt_steps" in d for d in stepped):
             entry["mean_tau_ci95"] = mean_tau_ci(stepped)
-        if all("speedup" in d for d in ds):
-            entry["mean_speedup"] = sum(d["speedup"] for d in ds) / len(ds)
+        if all("speedup" in d for d in ds):  # over the tasks with a verify step, as mean_tau
+            sp = [d["speedup"] for d in ds if d["speedup"] is not None]
+            entry["mean_speedup"] = sum(sp) / len(sp) if sp else None
         if all("greedy_compared" in d for d in ds):
             entry["greedy_equal"] = sum(d["greedy_equal"] for d in ds)
             entry["greedy_compared"] = sum(d["greedy_compared"] for d in ds)
@@ -983,7 +986,8 @@ def _main(argv, stopped: list[str]) -> int:
     summary = summarize(rows)
     print(table(rows))
     for label, e in summary.items():
-        extra = f", mean speedup {e['mean_speedup']:.2f}x" if "mean_speedup" in e else ""
+        extra = ("" if "mean_speedup" not in e else ", speedup n/a (no verify step)" if e["mean_speedup"] is None
+                 else f", mean speedup {e['mean_speedup']:.2f}x")
         same = "greedy" if args.temperature == 0 else "invariant"
         eq = f", {same} == AR on {e['greedy_equal']}/{e['greedy_compared']}" if "greedy_compared" in e else ""
         ci = f" [95% CI {e['mean_tau_ci95'][0]:.3f}, {e['mean_tau_ci95'][1]:.3f}]" if "mean_tau_ci95" in e else ""

@@ -630,14 +630,19 @@ def test_a_run_without_verify_steps_is_summarized_and_written(stories_dir, draft
         assert e["mean_tau"] is None and e["pooled_tau"] is None and e["tasks_without_steps"] == 1, label
         assert "mean_tau_ci95" not in e
         assert res["tasks"][0]["drafts"][label]["verify_steps"] == 0
-    assert "mean tau n/a (no verify step)" in capsys.readouterr().out
-    # one task with steps and one without: the mean is the stepped task's τ
+        # the draft never ran: no speedup (newcomer review: a ratio of two timings of the prefill was reported)
+        assert res["tasks"][0]["drafts"][label]["speedup"] is None and e["mean_speedup"] is None
+    printed = capsys.readouterr().out
+    assert "mean tau n/a (no verify step)" in printed and "speedup n/a (no verify step)" in printed
+    assert "mean speedup" not in printed
+    # one task with steps and one without: the means are the stepped task's
     rows = [{"task": "a", "drafts": {"D": {"tau": 3.0, "accept_hist": [0, 0, 1], "per_prompt_committed": [3],
-                                           "per_prompt_steps": [1]}}},
+                                           "per_prompt_steps": [1], "speedup": 1.5}}},
             {"task": "b", "drafts": {"D": {"tau": None, "accept_hist": [0, 0, 0], "per_prompt_committed": [0],
-                                           "per_prompt_steps": [0]}}}]
+                                           "per_prompt_steps": [0], "speedup": None}}}]
     s = bench.summarize(rows)["D"]
     assert s["mean_tau"] == 3.0 and s["pooled_tau"] == 3.0 and s["tasks_without_steps"] == 1
+    assert s["mean_speedup"] == 1.5
     assert s["mean_tau_ci95"] == [3.0, 3.0]
 
 
