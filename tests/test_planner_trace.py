@@ -239,7 +239,14 @@ def test_replay_cli_refuses_bad_arguments_before_any_work(tmp_path):
             pt.main(base + extra)
     with pytest.raises(SystemExit, match="no step time for"):  # a recorded tree of 6 that no run timed
         pt.replay_point({**json.loads(trace.read_text()), "budgets": [4, 6]}, costs, "p", "6")
-    assert pt.main(base + ["--plan-trees", "4, 4"]) == 0  # spaces around a comma-separated item are fine
+    assert pt.main(base + ["--plan-trees", "4, none"]) == 0  # spaces around a comma-separated item are fine
+    # an item given twice would compute and write the same point twice (newcomer review: it did)
+    for extra, msg in ((["--plan-trees", "4,none, 4"], "--plan-trees: '4' repeats '4'"),
+                       (["--times", "table,measured,table"], "--times: 'table' repeats 'table'"),
+                       (["--pair-trees", "off,off"], "--pair-trees: 'off' repeats 'off'"),
+                       (["--costs", f"{costs},{tmp_path}/../{tmp_path.name}/c1.json"], "--costs: .* repeats")):
+        with pytest.raises(SystemExit, match=msg):
+            pt.main(base + extra)
     # one prompt cannot fill 8 slots: the engine would run batch 1, not the run's batch 8: skipped, with the reason
     c8 = bench_file(tmp_path / "c8.json", 8, {"ar": 1.0, "chain5": 1.2, "tree4": 1.3})
     out = tmp_path / "r.json"

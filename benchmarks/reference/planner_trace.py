@@ -520,6 +520,17 @@ def model_list(text: str, flag: str, allowed) -> list[str]:
     return items
 
 
+def given_once(items: list[str], flag: str, key=lambda x: x) -> list[str]:
+    """``items`` of a comma-separated flag, each given once (``key``: what makes two the same); SystemExit naming
+    ``flag`` and the repeated item otherwise: a repeat would compute and write the same point twice."""
+    seen: dict = {}
+    for x in items:
+        if key(x) in seen:
+            raise SystemExit(f"{flag}: {x!r} repeats {seen[key(x)]!r} (the same point twice)")
+        seen[key(x)] = x
+    return items
+
+
 def replay(args) -> int:
     """The ``replay`` subcommand (module docstring): all inputs read and checked before any point is computed; one
     point per (step-time source, costs file, tree set); points the run cannot time are skipped with the reason."""
@@ -550,6 +561,8 @@ def replay(args) -> int:
             parse_plan_trees(t)
         except ValueError as e:
             raise SystemExit(f"--plan-trees: {e}") from None
+    given_once(costs_list, "--costs", lambda c: Path(c).resolve())
+    given_once(trees_list, "--plan-trees", lambda t: tuple(sorted(parse_plan_trees(t))))
     try:
         parse_plan_chains(args.plan_chains)
     except ValueError as e:
@@ -582,10 +595,12 @@ def replay(args) -> int:
     times_list = [t.strip() for t in args.times.split(",")]
     if not times_list or any(t not in ("measured", "table") for t in times_list):
         raise SystemExit(f"--times {args.times!r}: measured, table or both, comma-separated")
+    given_once(times_list, "--times")
     drain_models = model_list(args.drain_model, "--drain-model", DRAIN_MODELS)
     pairs = [x.strip() for x in args.pair_trees.split(",")]
     if not pairs or any(x not in ("on", "off") for x in pairs):
         raise SystemExit(f"--pair-trees {args.pair_trees!r}: on, off or both, comma-separated")
+    given_once(pairs, "--pair-trees")
     for spec in args.tree_like or []:
         try:
             big, small = (int(x) for x in spec.split("="))
