@@ -223,7 +223,10 @@ def test_replay_cli_refuses_bad_arguments_before_any_work(tmp_path):
     costs = bench_file(tmp_path / "c1.json", 1, {"ar": 1.0, "chain5": 1.2, "tree4": 1.3})
     base = ["replay", str(trace), "--costs", costs]
     for extra, msg in ((["--plan-trees", "4,abc"], "--plan-trees"), (["--plan-trees", "4/4"], "none repeated"),
-                       (["--concurrency", "0"], "at least 1"), (["--output", str(tmp_path)], "is a folder")):
+                       (["--concurrency", "0"], "at least 1"), (["--output", str(tmp_path)], "is a folder"),
+                       # a parent that is a file: refused now, not by a traceback after every point was computed
+                       (["--output", f"{trace}/a/r.json"], f"cannot create it under {trace} \\(not a writable folder"),
+                       (["--output", str(trace)], "exists; pass --overwrite")):
         with pytest.raises(SystemExit, match=msg):
             pt.main(base + extra)
     empty = tmp_path / "e.json"

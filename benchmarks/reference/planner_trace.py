@@ -52,6 +52,7 @@ import torch
 
 from benchmarks.reference import tree_policy as tp
 from dspine.io import atomic_write_json, write_json_new
+from dspine.paths import check_output_file
 
 # ------------------------------------------------------------------------------------------------ record
 
@@ -542,11 +543,12 @@ def replay(args) -> int:
         parse_plan_trees,
     )
 
-    out_path = Path(args.output) if args.output else None
-    if out_path is not None and out_path.is_dir():
-        raise SystemExit(f"--output {out_path} is a folder: give a file name")
-    if out_path is not None and out_path.exists() and not args.overwrite:
-        raise SystemExit(f"{out_path} exists: choose another --output or pass --overwrite")
+    out_path = Path(args.output) if args.output is not None else None
+    if out_path is not None:  # a folder, an existing file without --overwrite, a parent that is no writable folder
+        try:
+            check_output_file("--output", args.output, args.overwrite)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     replaces = out_path is not None and out_path.exists()  # with --overwrite: replaced; any other file never is
     if args.repeat < 1:
         raise SystemExit(f"--repeat {args.repeat}: must be at least 1")
@@ -575,8 +577,6 @@ def replay(args) -> int:
         inputs = {Path(x).resolve() for x in [args.trace, *costs_list]}
         if out_path.resolve() in inputs:
             raise SystemExit(f"--output {out_path} is one of the inputs: choose another file")
-        if out_path.parent.exists() and not out_path.parent.is_dir():
-            raise SystemExit(f"--output {out_path}: {out_path.parent} is not a folder")
     trace = load_json(args.trace, "a trace written by planner_trace.py record")
     if not trace.get("prompts") or not trace.get("budgets") or not trace.get("block_size"):
         raise SystemExit(f"{args.trace}: needs non-empty 'prompts', 'budgets' and 'block_size' "
