@@ -48,6 +48,13 @@ def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = 
                 return out
             except FileExistsError:
                 continue
+            except OSError:  # no hard links on this file system (FAT, some network mounts): claim the name, then write
+                try:
+                    with open(out, "x", encoding="utf-8") as f:
+                        f.write(text + "\n")
+                    return out
+                except FileExistsError:
+                    continue
         raise FileExistsError(f"{path}: no free name beside it")
     finally:
         tmp.unlink()

@@ -127,3 +127,25 @@ def test_an_output_under_a_file_is_refused_before_the_work(stories_dir, tmp_path
     with pytest.raises(SystemExit, match=f"--output {tmp_path / 'f' / 't.json'}: cannot create it under"):
         tree_policy.main(["--target", str(stories_dir), "--draft", str(tmp_path), "--output",
                           str(tmp_path / "f" / "t.json")])
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_write_json_new_never_replaces_a_file(tmp_path, monkeypatch, links):
+    """dspine.io.write_json_new: the name when free, else the first free X.N.json beside it, the file there untouched
+    and no temp file left; also where the file system has no hard links (the name is then claimed by creating it)."""
+    import json
+
+    from dspine.io import write_json_new
+
+    if not links:
+        def no_links(src, dst):
+            raise PermissionError("no hard links here")
+
+        monkeypatch.setattr(os, "link", no_links)
+    out = tmp_path / "r.json"
+    assert write_json_new(out, {"run": 1}) == out
+    (tmp_path / "r.2.json").write_text("another run")
+    assert write_json_new(out, {"run": 3}) == tmp_path / "r.3.json"
+    assert json.loads(out.read_text()) == {"run": 1} and (tmp_path / "r.2.json").read_text() == "another run"
+    assert json.loads((tmp_path / "r.3.json").read_text()) == {"run": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.2.json", "r.3.json", "r.json"]
