@@ -15,7 +15,10 @@ Greedy runs compare each draft's output with the AR output of the same engine: i
 (exit status 1, after the JSON is written); in the fast mode every difference is listed with its
 first differing position and the target's top-2 logit margin there (a near-tie: bf16 rounding).
 Ctrl-C ends it with exit status 130 (SIGTERM: 143) and writes the finished tasks to the JSON with ``"interrupted":
-true`` (beside it, as ``X.interrupted.json``, where ``--overwrite`` would replace a finished file: that file stays).
+true`` (beside it, as ``X.interrupted.json``, where ``--overwrite`` would replace a finished file: that file stays); an
+error in a later task does the same with its ``"error"`` (exit status 2). Every task's prompts load before the models.
+Results never replace a file that was not there at the start (another run's with the same name: this run's go beside
+it, ``X.2.json``, with a note), nor an earlier ``X.interrupted.json``.
 """
 
 from __future__ import annotations
