@@ -92,7 +92,10 @@ def test_tree_policy_bad_arguments_are_named_before_the_models_load(stories_dir,
                        (["--draft", str(draft), "--datasets", "gsm8k,bogus"], "--datasets 'bogus'.*unknown dataset"),
                        (["--draft", str(draft), "--budgets", "4,4"], "--budgets 4,4: each must be in \\[2, 64\\], none"),
                        (["--draft", str(draft), "--budgets", "+4, 8"], "--budgets '\\+4, 8': give comma-separated"),
-                       (["--draft", str(draft), "--datasets", "gsm8k,GSM8K"], "--datasets 'GSM8K'.*given twice")):
+                       (["--draft", str(draft), "--datasets", "gsm8k,GSM8K"], "--datasets 'GSM8K'.*given twice"),
+                       # a --data-dir that is not there fails at once (it went to the Hub: 25 s of retries offline)
+                       (["--draft", str(draft), "--data-dir", str(tmp_path / "nope")], "--data-dir .*nope: no such folder"),
+                       (["--draft", str(draft), "--data-dir", str(draft / "config.json")], "config.json: no such folder")):
         with pytest.raises(SystemExit, match=msg):
             tp.main([*base, *extra])
     cfg = json.loads((draft / "config.json").read_text())

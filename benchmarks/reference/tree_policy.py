@@ -254,6 +254,8 @@ def check_run_args(args) -> tuple[list[int], dict[str, list]]:
     if args.max_new_tokens < 1 or args.num_prompts < 1 or args.threads < 0:
         raise SystemExit(f"--max-new-tokens {args.max_new_tokens}, --num-prompts {args.num_prompts} (each at least 1) "
                          f"and --threads {args.threads} (0 or more)")
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():  # a typo, not a reason to try the Hub
+        raise SystemExit(f"--data-dir {args.data_dir}: no such folder")
     items = {}
     for name in args.datasets.split(","):
         try:
