@@ -216,6 +216,9 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         if c["verify"] == "tree" and c["budget"] is None and getattr(args, "draft_temperature", None) == 0:
             raise ValueError(f"draft {label!r}: --draft-temperature 0 with verify=tree (the tree is built from the "
                              "draft's distribution, one-hot at 0)")
+        if c["plan_trees"] and getattr(args, "draft_temperature", None) == 0 and args.temperature > 0:
+            raise ValueError(f"draft {label!r}: plan_trees with --draft-temperature 0 (the planner runs no tree from a "
+                             "one-hot draft)")
         if getattr(args, "invariant", False) and args.temperature > 0:
             if c["verify"] == "tree":
                 raise ValueError(f"draft {label!r}: --invariant with verify=tree (invariant verification checks the "

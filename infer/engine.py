@@ -832,8 +832,11 @@ class Engine:
         concurrency 1, the default trees of 16 and 32: the tree of 16 ran τ 1.98 as the chain did, the tree of 32 was
         never run though its fixed run was 1.16 × the chain's tok/s, and the planner reached 0.89 × the best fixed
         mode; results/verify-h100.json). With drafter-invariant sampling (``SamplingParams.invariant`` at T > 0) the
-        trees are all left out: invariant verification checks the chain only."""
-        if params.invariant_sampling:  # invariant verification checks the chain only
+        trees are all left out: invariant verification checks the chain only; so they are at draft temperature 0 and
+        T > 0, where the draft's distribution is one-hot and every node off the chain is padding (the fixed tree mode
+        refuses it: ``check_tree_draft_temperature``)."""
+        one_hot = params.draft_temperature == 0 and not params.greedy
+        if params.invariant_sampling or one_hot:  # the chain only: invariant verification, or a one-hot draft
             return [m for m in self.plan_modes if m[0] != "tree"]
         if not self.chain_first(params):
             return list(self.plan_modes)

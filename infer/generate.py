@@ -210,6 +210,10 @@ def check_decode_args(args, plan_trees: str = "--plan-trees 16/32") -> None:
         raise ValueError("--draft-temperature 0 with --verify tree: the tree is built from the draft's distribution, "
                          "which is one-hot at 0 (every node off the chain would be padding); use --verify chain or a "
                          "draft temperature > 0")
+    if (getattr(args, "draft_temperature", None) == 0 and args.temperature > 0
+            and getattr(args, "plan_trees", None) not in (None, "none")):
+        raise ValueError(f"--plan-trees {args.plan_trees} with --draft-temperature 0: the planner runs no tree from a "
+                         "one-hot draft (every node off the chain would be padding)")
     if getattr(args, "invariant", False) and args.temperature == 0:
         print("note: --invariant has no effect at --temperature 0: greedy verification already decodes the target's "
               "own text", file=sys.stderr)

@@ -509,6 +509,11 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
      "draft 'D': --tree-budget 32 with budget=auto"),
     (["--config", "D:budget=auto", "--config", "D:verify=tree"], "label 'D' given twice"),
     (["--config", "D:verify=tree", "--draft-temperature", "0"], "--draft-temperature 0 with verify=tree"),
+    # the planner runs no tree from a one-hot draft (Engine.planner_modes): tree sizes given for it are refused
+    (["--config", "D:budget=auto,plan_trees=16", "--temperature", "1", "--draft-temperature", "0"],
+     "draft 'D': plan_trees with --draft-temperature 0"),
+    (["--config", "D:budget=auto", "--plan-trees", "32", "--temperature", "1", "--draft-temperature", "0"],
+     "--plan-trees 32 with --draft-temperature 0"),
     (["--config", "D:budget=auto", "--backend", "reference"], "--config needs the engine"),
     (["--config", "D:verify=tree,verify=chain"], "key 'verify' given twice"),
     (["--config", "D:verify=tree,chain_first=maybe"], "chain_first='maybe'; expected auto, yes or no"),

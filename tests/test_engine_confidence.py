@@ -242,6 +242,13 @@ def test_planner_leaves_out_the_tree_that_is_the_chain(stories_dir, stories):  #
     assert eng.planner_modes(greedy) == [("ar", 1), *chains, ("tree", 6), ("tree", 8), ("tree", 12)]
     assert eng.planner_modes(sampled) == [("ar", 1), *chains, ("tree", 6), ("tree", 12)]
     assert set(eng._step_costs(2, sampled)) == {("ar", 1), *chains, ("tree", 6), ("tree", 12)}
+    # draft temperature 0 at T > 0: a one-hot draft's tree is the chain and padding, refused as a fixed mode; the
+    # planner leaves every tree out (newcomer review: it listed and could run the tree of 32)
+    one_hot = SamplingParams(temperature=1.0, max_new_tokens=6, seed=1, draft_temperature=0.0)
+    assert eng.planner_modes(one_hot) == [("ar", 1), *chains]
+    res = eng.generate(PROMPTS[:2], one_hot, concurrency=2)
+    assert set(eng.planner_report) == {"ar", "chain2", "chain4", "chain8"}
+    assert sum(e["steps"] for e in eng.planner_report.values()) == res.steps
     res = eng.generate(PROMPTS[:2], sampled, concurrency=2)
     assert set(eng.planner_report) == {"ar", "chain2", "chain4", "chain8", "tree6", "tree12"}
     assert sum(e["steps"] for e in eng.planner_report.values()) == res.steps
