@@ -75,22 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     from dspine.target import load_target
 
     out = Path(args.out)
-    if out.exists():
-        print(f"error: {out} already exists; refusing to overwrite (choose another --out)", file=sys.stderr)
-        return 2
-    try:  # before sampling, not after it
+    try:  # the output and the flags before sampling, not after it
+        if out.exists():
+            raise ValueError(f"{out} already exists; refusing to overwrite (choose another --out)")
         check_output_file("--out", out, False)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for name in ("num", "max_new_tokens", "batch_size"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1", file=sys.stderr)
-            return 2
-    if not (math.isfinite(args.temperature) and args.temperature > 0):
-        print(f"error: --temperature {args.temperature}: must be a finite number > 0", file=sys.stderr)
-        return 2
-    try:
+        for name in ("num", "max_new_tokens", "batch_size"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+        if not (math.isfinite(args.temperature) and args.temperature > 0):
+            raise ValueError(f"--temperature {args.temperature}: must be a finite number > 0")
         device = "cuda" if torch.cuda.is_available() else "cpu"
         target = load_target(args.target, dtype=args.dtype, device=device)
         cfg, gen_cfg = target.config, getattr(target.model, "generation_config", None)

@@ -532,14 +532,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.num_proc < 1:
         p.error(f"--num-proc {args.num_proc}: must be >= 1")
-    if not Path(args.input).is_file():
-        print(f"error: --input {args.input}: no such file", file=sys.stderr)
-        return 2
     cache_dir = args.cache_dir or str(Path(args.input).parent / "tokenized")
-    if Path(cache_dir).exists() and not Path(cache_dir).is_dir():
-        print(f"error: --cache-dir {cache_dir} is an existing file; give a folder", file=sys.stderr)
-        return 2
     try:
+        if not Path(args.input).is_file():
+            raise ValueError(f"--input {args.input}: no such file")
+        if Path(cache_dir).exists() and not Path(cache_dir).is_dir():
+            raise ValueError(f"--cache-dir {cache_dir} is an existing file; give a folder")
         path = build_tokenized(
             args.input, args.tokenizer, cache_dir, args.max_length, args.enable_thinking,
             args.assistant_turns, args.chat_template, args.num_proc,

@@ -92,13 +92,11 @@ def main(argv=None) -> int:
     from dspine.paths import hub_errors, resolve_model_path
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        print(f"error: --out {out} is an existing file; give a new or empty folder", file=sys.stderr)
-        return 2
-    if out.exists() and any(out.iterdir()):
-        print(f"error: {out} exists and is not empty; refusing to overwrite", file=sys.stderr)
-        return 2
     try:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is an existing file; give a new or empty folder")
+        if out.exists() and any(out.iterdir()):
+            raise ValueError(f"{out} exists and is not empty; refusing to overwrite")
         args.last_layer_features = None  # no flag: post_norm for a new draft, the source's on a warm start
         if args.init_from:
             adopt_source_layout(args)
