@@ -116,8 +116,8 @@ CHOICES: dict[str, tuple] = {
 }
 MIX_ALPHA = 0.5  # distill_alpha of distill=mix when unset
 SEED_MAX = 2**32 - 1  # seeds are 32-bit: accelerate's set_seed seeds numpy, whose range this is
-POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every")
-NON_NEGATIVE = ("data_workers", "max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_max_rows", "eval_prompts",
+POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every", "layers")
+NON_NEGATIVE = ("mask_token_id", "data_workers", "max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_max_rows", "eval_prompts",
                 "eval_max_new_tokens", "pad_to_multiple", "grad_clip", "weight_decay", "warmup_ratio", "min_lr_ratio")
 # Draft shape fields of the run config (None = dspine.config.DSpineConfig.for_target's default).
 DRAFT_FIELDS = ("layers", "block_size", "injection", "injection_rank", "injection_layers", "block_attention",
@@ -149,20 +149,12 @@ def _coerce(key: str, value, tp, from_cli: bool):
             return value
         if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+    elif tp in (int, float):  # a float key takes an int too
+        if isinstance(value, int if tp is int else (int, float)) and not isinstance(value, bool):
+            return tp(value)
         if isinstance(value, str):  # YAML 1.1 reads `6e-4` as a string
             try:
-                return float(value)
+                return tp(value)
             except ValueError:
                 pass
     elif tp is str:
@@ -207,8 +199,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         if getattr(cfg, key) not in allowed:
             shown = [a for a in allowed if a is not None]
             raise ConfigError(f"config key {key!r}: {getattr(cfg, key)!r} is not one of {shown}")
-    for key in POSITIVE:
-        if getattr(cfg, key) < 1:
+    for key in POSITIVE:  # None (layers: the target's default) passes
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ConfigError(f"config key {key!r}: must be >= 1, got {getattr(cfg, key)}")
     for key in NON_NEGATIVE:
         if getattr(cfg, key) is not None and getattr(cfg, key) < 0:
@@ -223,8 +215,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     if not 0 <= cfg.seed <= SEED_MAX:  # refused here, before the target loads, not by numpy's set_seed later
         raise ConfigError(f"config key 'seed': must be in [0, 2**32 - 1] (numpy's generator refuses other values "
                           f"and torch's CPU generator keeps the low 32 bits only), got {cfg.seed}")
-    if cfg.mask_token_id is not None and cfg.mask_token_id < 0:
-        raise ConfigError(f"config key 'mask_token_id': must be >= 0, got {cfg.mask_token_id}")
     if cfg.target_layer_ids is not None and any(i < 0 for i in cfg.target_layer_ids):
         raise ConfigError(f"config key 'target_layer_ids': must be >= 0, got {cfg.target_layer_ids}")
     if cfg.distill_alpha is not None and not 0 <= cfg.distill_alpha <= 1:
@@ -250,8 +240,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"config key 'betas': expected two values in [0, 1), got {cfg.betas}")
     if cfg.block_size is not None and cfg.block_size < 2:
         raise ConfigError(f"config key 'block_size': must be >= 2, got {cfg.block_size}")
-    if cfg.layers is not None and cfg.layers < 1:
-        raise ConfigError(f"config key 'layers': must be >= 1, got {cfg.layers}")
     if cfg.block_size is not None and cfg.max_length < cfg.block_size:
         raise ConfigError(f"config key 'max_length': {cfg.max_length} is shorter than one block "
                           f"(block_size {cfg.block_size})")
