@@ -86,10 +86,9 @@ def _choice(key: str, values: dict, expected: str):
 
 
 def _tree_budget(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"tree_budget={text!r} is not an integer") from None
+    if not re.fullmatch(r"[0-9]+", text):  # plain digits, as width= (int() takes "1_6" and " 16")
+        raise ValueError(f"tree_budget={text!r} is not an integer")
+    return int(text)
 
 
 def _width(text: str) -> int:

@@ -499,6 +499,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:tree_budget=8"], "tree_budget applies to verify=tree only"),
     (["--config", "D:verify=tree,tree_budget=99"], "tree_budget=99 must be in 2..64"),
     (["--config", "D:verify=tree,tree_budget=x"], "tree_budget='x' is not an integer"),
+    (["--config", "D:verify=tree,tree_budget=1_6"], "tree_budget='1_6' is not an integer"),
     (["--config", "D:budget=auto,verify=tree,tree_budget=48"], "'D:budget=auto,verify=tree,tree_budget=48': tree_budget "
      "with budget=auto: the planner picks its own tree sizes (give them with --config D:plan_trees=16/32)"),
     (["--config", "D:verify=tree,tree_budget=48", "--budget", "auto"], "tree_budget with budget=auto"),
