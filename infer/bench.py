@@ -358,8 +358,8 @@ class Runner:
             target = EngineTarget.from_pretrained(path, gguf, device=args.device, dtype=dtype, layer_ids=layer_ids,
                                                   impl=impl)
             # caches for the largest batch a task runs (main: --concurrency, or fewer when no task has as many prompts)
-            kw = dict(max_batch=getattr(args, "max_batch", None) or args.concurrency, max_seq=max_seq, max_new_cap=args.max_new_tokens, exact=args.exact,
-                      prefill_buckets=args.prefill_buckets)
+            kw = dict(max_batch=getattr(args, "max_batch", None) or args.concurrency, max_seq=max_seq,
+                      max_new_cap=args.max_new_tokens, exact=args.exact, prefill_buckets=args.prefill_buckets)
             self.decoders[None] = Engine(target, None, self.eos, **kw)
             args.prefill_buckets = self.decoders[None].prefill_buckets  # the resolved value, for the JSON
             for label, m in models.items():

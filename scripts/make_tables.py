@@ -1270,7 +1270,8 @@ def drain_model_replay_section() -> list[str]:
     without the files."""
     rows, cmds, best = [], [], set()
     for c in (64, 32, 8):
-        for name in (f"replay-drain-c{c}-cpu.json", f"replay-persist-c{c}-mix-cpu.json", f"replay-persist-c{c}-cpu.json"):
+        for name in (f"replay-drain-c{c}-cpu.json", f"replay-persist-c{c}-mix-cpu.json",
+                     f"replay-persist-c{c}-cpu.json"):
             r = load(name)
             if not r or not r.get("points"):
                 continue
@@ -1295,7 +1296,8 @@ def drain_model_replay_section() -> list[str]:
             "(`planner-trace16-cpu.json`: 16 prompts a task, fp32 on the CPU, each task's prompts 4 times over at "
             "concurrency 64 and twice at 32) with the step times of the three H100 runs of the cost A/B "
             "(`planner-cost{,-r2,-r3}-h100-exact-T0-c*.json`: the online estimates, `measured`, or the start-up table), "
-            "the planner with the chains of 2, 4, 8 and 16 and no tree, the planner's memory carried from task to task; at "
+            "the planner with the chains of 2, 4, 8 and 16 and no tree, the planner's memory carried from task to "
+            "task; at "
             "concurrency 8 the step times of the H200's exact run of 2026-12-03 (`planner-exact-h200-T0-c8.json`), "
             "the planner with the chain of 16 and the trees of 16 and 32, each prompt once. "
             "Batches of one task, as `infer.bench` runs them, or mixed (`--mix`: the tasks' prompts in turn, a "
