@@ -181,15 +181,13 @@ def combine_partials_torch(part_acc, part_m, part_l, out, ordered: bool = False)
             l_run = l_run * alpha + part_l[:, s] * beta
             acc = acc * alpha[..., None] + part_acc[:, s] * beta[..., None]
             m_run = m_new
-        o = (acc / l_run[..., None]).view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-        out.copy_(o)
-        return out
-    w = torch.exp2(part_m - part_m.amax(dim=1, keepdim=True))  # [BH, NS, TG]
-    num = (part_acc * w[..., None]).sum(dim=1)  # [BH, TG, D]
-    den = (part_l * w).sum(dim=1)
+        num, den = acc, l_run
+    else:
+        w = torch.exp2(part_m - part_m.amax(dim=1, keepdim=True))  # [BH, NS, TG]
+        num = (part_acc * w[..., None]).sum(dim=1)  # [BH, TG, D]
+        den = (part_l * w).sum(dim=1)
     o = (num / den[..., None]).view(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-    out.copy_(o)
-    return out
+    return out.copy_(o)
 
 
 def combine_partials(part_acc, part_m, part_l, out, impl: str = "triton", ordered: bool = False):

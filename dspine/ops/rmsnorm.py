@@ -123,9 +123,7 @@ def rms_norm_torch(x, weight, eps, residual=None, *, out=None, scale=None, resid
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = (normed.float() * weight.float()).to(x.dtype)
-    if out is not None:
-        out.copy_(y)
-        y = out
+    y = y if out is None else out.copy_(y)
     return y if residual is None else (y, x)
 
 

@@ -191,10 +191,7 @@ def qk_norm_rope_cache_torch(q, k, v, q_norm_weight, k_norm_weight, eps, cos, si
     if q is None:
         return None
     q_rot = _norm_rope_torch(q, q_norm_weight, eps, c, s)
-    if q_out is None:
-        return q_rot
-    q_out.copy_(q_rot)
-    return q_out
+    return q_rot if q_out is None else q_out.copy_(q_rot)
 
 
 def qk_norm_rope_cache(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, positions,
