@@ -169,9 +169,8 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
             given[key] = value.strip()
         c = out[label]
         for key in sorted(given, key=lambda k: (k == "tree_budget", CONFIG_KEYS.index(k))):  # tree_budget last
-            text = given[key]
             try:
-                c[key] = CONFIG_PARSERS[key](text)
+                c[key] = CONFIG_PARSERS[key](given[key])
             except ValueError as e:
                 raise ValueError(f"--config {item!r}: {e}") from None
         if given.get("verify") == "chain" and "tree_budget" not in given:
@@ -575,13 +574,10 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
             if c["verify"] == "tree" or c["budget"] is not None:  # the rule in force
                 row["tree_chain_first"] = runner.decoders[label].chain_first(params)
             if c["budget"] is not None:
-                row["budget"] = c["budget"]
-                row["plan_trees"] = list(runner.decoders[label].plan_trees)
-                row["plan_chains"] = list(runner.decoders[label].plan_chains)
-                row["plan_confidence"] = runner.decoders[label].plan_confidence
-                row["plan_conf_slope"] = runner.decoders[label].plan_conf_slope
                 dec = runner.decoders[label]
-                row["plan_drain"] = dec.plan_drain_model if dec.plan_drain else "off"
+                row.update(budget=c["budget"], plan_trees=list(dec.plan_trees), plan_chains=list(dec.plan_chains),
+                           plan_confidence=dec.plan_confidence, plan_conf_slope=dec.plan_conf_slope,
+                           plan_drain=dec.plan_drain_model if dec.plan_drain else "off")
             if label in runner.planner_steps:
                 row["planner_choices"] = runner.planner_steps.pop(label)
             row["per_prompt_committed"], row["per_prompt_steps"] = per_committed, per_steps

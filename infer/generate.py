@@ -268,14 +268,12 @@ def run(args) -> dict:
         from infer.datasets import task_name
 
         task_name(args.dataset)
-    if getattr(args, "plan_trees", None) is not None:
-        if args.budget != "auto":
-            raise ValueError(f"--plan-trees {args.plan_trees}: applies to --budget auto only")
-        plan_trees_flag(args.plan_trees)
-    if getattr(args, "plan_chains", None) is not None:
-        if args.budget != "auto":
-            raise ValueError(f"--plan-chains {args.plan_chains}: applies to --budget auto only")
-        plan_chains_flag(args.plan_chains)
+    for flag, parse in (("--plan-trees", plan_trees_flag), ("--plan-chains", plan_chains_flag)):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            if args.budget != "auto":
+                raise ValueError(f"{flag} {value}: applies to --budget auto only")
+            parse(value)
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "reference"
@@ -293,9 +291,8 @@ def run(args) -> dict:
         from dspine.checkpoint import load_config
 
         draft_cfg = load_config(draft_path)
-    if args.block_size is not None:
-        if args.block_size > draft_cfg.block_size:
-            raise ValueError(f"--block-size {args.block_size} exceeds the draft's block size {draft_cfg.block_size}")
+    if args.block_size is not None and args.block_size > draft_cfg.block_size:
+        raise ValueError(f"--block-size {args.block_size} exceeds the draft's block size {draft_cfg.block_size}")
     path, gguf = resolve_model_path(target_path, args.gguf_file, need_config=True)
     spec = TargetSpec.from_pretrained(path, gguf)
     if args.backend == "auto" and backend == "cuda" and spec.engine_layer_problems and not spec.layer_problems:
@@ -318,10 +315,9 @@ def run(args) -> dict:
     if backend == "reference":
         args.block_size = reference_verify_size(args.block_size, args.verify, [draft_cfg.block_size] if draft_cfg else [])
     args.threads = set_cpu_threads(args.threads)
-    if args.exact and backend == "reference":
-        raise ValueError("--exact needs the engine (--backend cuda on a GPU)")
-    if args.prefill_buckets and backend == "reference":
-        raise ValueError("--prefill-buckets needs the engine (--backend cuda on a GPU)")
+    for flag, given in (("--exact", args.exact), ("--prefill-buckets", args.prefill_buckets)):
+        if given and backend == "reference":
+            raise ValueError(f"{flag} needs the engine (--backend cuda on a GPU)")
     tokenizer = load_tokenizer(path, gguf)
     if vocab is not None:  # its ids must name the same tokens here as where they were counted
         try:
