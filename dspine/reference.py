@@ -27,6 +27,9 @@ references), the sampler and its per-request streams (``dspine.sampling``), the 
 from __future__ import annotations
 
 import copy
+import os
+import statistics
+import sys
 import time
 
 import torch
@@ -78,9 +81,6 @@ def busy_cores(samples: int = 5, interval_s: float = 0.01) -> int | None:
     tasks (/proc/loadavg, 4th field), less this process's reading thread; None where there is no
     /proc/loadavg. Unlike the 1-minute load average it does not lag: a ``pip install`` that just ended
     does not count."""
-    import statistics
-    import time
-
     counts = []
     for i in range(samples):
         try:
@@ -96,8 +96,6 @@ def busy_cores(samples: int = 5, interval_s: float = 0.01) -> int | None:
 def idle_cores(cpu_count: int | None = None, busy: int | None = None) -> int:
     """Cores that other runnable tasks leave idle, at least 1 (``busy``: default :func:`busy_cores`; all
     cores where it is unknown)."""
-    import os
-
     cpu_count = cpu_count or os.cpu_count() or 1
     busy = busy_cores() if busy is None else busy
     return cpu_count if busy is None else max(1, cpu_count - busy)
@@ -112,9 +110,6 @@ def set_cpu_threads(threads: int | None) -> int:
     at the CPU count like ``threads``; a note on stderr says so.
 
     Raises ValueError for ``threads < 1``."""
-    import os
-    import sys
-
     if threads is not None:
         if threads < 1:
             raise ValueError(f"--threads {threads}: must be >= 1")

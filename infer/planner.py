@@ -92,7 +92,9 @@ replays the planner over a recorded trace of the shipped draft's acceptance with
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from collections import Counter, deque
 
@@ -345,9 +347,6 @@ def plan_log_path() -> str | None:
     existing file must be empty or a plan log (its first line a call record with a ``log``), so a results file named
     by mistake is not appended to. Raises ValueError naming the variable for a folder, a file that is not a plan
     log, or a path that cannot be appended to (its folder missing or not writable)."""
-    import json
-    import os
-
     path = os.environ.get("DSPINE_PLAN_LOG")
     if not path:
         return None
@@ -376,8 +375,6 @@ def append_plan_record(path: str, record: dict) -> None:
     """Append one call record (one JSON line) to the step log ``path``, starting it on a line of its own: a run
     killed while writing leaves a line without its end, and the next record glued to it would make both unreadable
     (``benchmarks/engine/plan_log.py`` names such a line by number)."""
-    import json
-
     with open(path, "ab+") as f:
         f.seek(0, 2)
         torn = f.tell() > 0 and (f.seek(-1, 2), f.read(1))[1] != b"\n"
