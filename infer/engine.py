@@ -1600,15 +1600,11 @@ class Engine:
 
 
 def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None, *, device="cuda",
-                dtype=torch.bfloat16, impl: str | None = None, max_batch: int = 8, max_seq: int = 4096,
-                cuda_graphs: bool | None = None, verify_size: int | None = None, eos_token_ids=None,
-                check_max_context: int | None = None, max_new_cap: int | None = None, verify: str = "chain",
-                tree_budget: int = 32, budget: str | None = None, exact: bool | None = None,
-                prefill_buckets: bool | None = None, tree_chain_first: bool | None = None,
-                plan_trees: tuple[int, ...] | None = None, draft_vocab=None,
-                plan_chains: tuple[int, ...] | None = None):
-    """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine` (keyword
-    arguments as :class:`Engine`'s; ``draft_vocab`` may also be the path of a ``dspine.draft_vocab`` file).
+                dtype=torch.bfloat16, impl: str | None = None, eos_token_ids=None,
+                check_max_context: int | None = None, draft_vocab=None, **engine_kw):
+    """Target + draft (after the ``dspine.check`` compatibility checks) -> :class:`Engine` (``engine_kw``: the
+    keyword arguments of :class:`Engine`, its defaults; ``draft_vocab`` may also be the path of a
+    ``dspine.draft_vocab`` file).
 
     Raises:
         ValueError: draft/target mismatch (every failed check listed), fp16 with a Qwen target, a draft
@@ -1636,7 +1632,4 @@ def load_engine(target_path: str, gguf_file: str | None, draft_path: str | None,
     target = EngineTarget.from_pretrained(target_path, gguf_file, device=device, dtype=dtype, layer_ids=layer_ids,
                                           impl=impl, last_layer_features=last_layer_features)
     eos = eos_token_ids if eos_token_ids is not None else sorted(spec.eos_ids)
-    return Engine(target, draft_model, eos, max_batch=max_batch, max_seq=max_seq, cuda_graphs=cuda_graphs,
-                  verify_size=verify_size, max_new_cap=max_new_cap, verify=verify, tree_budget=tree_budget,
-                  budget=budget, exact=exact, prefill_buckets=prefill_buckets, tree_chain_first=tree_chain_first,
-                  plan_trees=plan_trees, draft_vocab=draft_vocab, plan_chains=plan_chains), spec
+    return Engine(target, draft_model, eos, draft_vocab=draft_vocab, **engine_kw), spec
