@@ -60,7 +60,9 @@
 # CUDA, stops the script before anything runs.
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results), GPU_TAG (h200: the suffix of every results file), SEEDS (the
-# planner stage's sampling seeds at T = 1, default one run: see the planner stage), RUNS (planest: runs a point, 2).
+# planner stage's sampling seeds at T = 1, default one run: see the planner stage), RUNS (planest: runs a point, 2),
+# WIDE_WEIGHTS (linearwide: the weights tuned, default all four; "gate_up down", three quarters of a layer's bytes,
+# takes about half the time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/reproduce}
@@ -152,8 +154,9 @@ fi
 linearwide() {  # the device's tuned file by its name, as dspine.ops.linear.tuned spells it
   local name
   name=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))") || return
-  python benchmarks/kernels/tune_linear_fast.py --wide --output "$R/linear-fast-wide-$G.json" \
-    --write-tuned "dspine/ops/tuned/linear-$name.json"
+  # shellcheck disable=SC2086  # WIDE_WEIGHTS: one word a weight
+  python benchmarks/kernels/tune_linear_fast.py --wide ${WIDE_WEIGHTS:+--weights $WIDE_WEIGHTS} \
+    --output "$R/linear-fast-wide-$G.json" --write-tuned "dspine/ops/tuned/linear-$name.json"
 }
 if has linearwide && [ ! -f "$R/linear-fast-wide-$G.json" ]; then timed linearwide linearwide || true; fi
 if has fusion && [ ! -f "$R/engine-fusion-$G.json" ]; then
