@@ -380,3 +380,125 @@ def test_record_ctrl_c_keeps_the_prompts_recorded(stories_dir, tmp_path, monkeyp
     assert pt.main(["replay", str(trace), "--costs", costs, "--plan-trees", "4", "--output", str(out)]) == 0
     assert f"note: {trace} is an interrupted recording: 1 prompt(s), not 1 per task" in capsys.readouterr().err
     assert json.loads(out.read_text())["trace_interrupted"] is True
+
+
+def record_argv(stories_dir, draft, out, datasets="gsm8k,mbpp", num="2", new="12", budgets="4,6"):
+    return ["record", "--target", str(stories_dir), "--draft", str(draft), "--datasets", datasets, "--num-prompts",
+            num, "--max-new-tokens", new, "--budgets", budgets, "--data-dir", str(shared_path("data", "eval")),
+            "--output", str(out)]
+
+
+def stop_at(monkeypatch, n: int) -> list:
+    """anchor_table raises KeyboardInterrupt at its n-th call (the n-th prompt of this run); returns the calls."""
+    real, calls = pt.anchor_table, []
+
+    def table(*a, **kw):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pt, "anchor_table", table)
+    return calls
+
+
+def test_record_resume_gives_the_uninterrupted_trace(stories_dir, tmp_path, monkeypatch, capsys):
+    """--resume: a recording interrupted after 1 prompt, resumed and interrupted again after 1 more, then resumed to
+    the end, holds the rows of a run never interrupted, in its order; replay reads it alike."""
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = save_draft(random_draft(target, block_size=5, mask=0), tmp_path / "draft")
+    full, part = tmp_path / "full.json", tmp_path / "part.json"
+    assert pt.main(record_argv(stories_dir, draft, full)) == 0
+    want = json.loads(full.read_text())
+    assert want["resumed"] == 0 and want["earlier_runs"] == [] and want["tasks"] == ["gsm8k", "mbpp"]
+    assert [(p["task"], p["id"]) for p in want["prompts"]] == [("gsm8k", "0"), ("gsm8k", "1"), ("mbpp", "11"),
+                                                              ("mbpp", "12")]
+    # rows that tell prompts apart: the equalities below compare real content
+    assert len({tuple(p["conf"]) for p in want["prompts"]}) == 4 and len({p["prompt_tokens"] for p in want["prompts"]}) == 4
+    calls = stop_at(monkeypatch, 2)
+    assert pt.main(record_argv(stories_dir, draft, part)) == 130
+    assert len(calls) == 2 and len(json.loads(part.read_text())["prompts"]) == 1
+    # resumed: gsm8k's second prompt is recorded (the first is not recomputed), then Ctrl-C in mbpp's first
+    calls = stop_at(monkeypatch, 2)
+    assert pt.main(record_argv(stories_dir, draft, part) + ["--resume"]) == 130
+    assert f"interrupted: wrote the 2 prompt(s) recorded to {part}" in capsys.readouterr().err
+    t = json.loads(part.read_text())
+    assert t["interrupted"] is True and t["resumed"] == 1 and t["prompts"] == want["prompts"][:2]
+    assert [r["prompts"] for r in t["earlier_runs"]] == [1] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "draft", "full.json", "part.json"]
+    first_seconds = t["seconds"]
+    # Ctrl-C before a new prompt is done: the trace is left as it was
+    stop_at(monkeypatch, 1)
+    before = part.read_text()
+    assert pt.main(record_argv(stories_dir, draft, part) + ["--resume"]) == 130
+    assert f"no prompt was recorded; {part} is left as it was" in capsys.readouterr().err
+    assert part.read_text() == before
+    calls = stop_at(monkeypatch, 0)  # never stops
+    assert pt.main(record_argv(stories_dir, draft, part) + ["--resume"]) == 0
+    assert len(calls) == 2  # mbpp's two prompts alone
+    t = json.loads(part.read_text())
+    assert t["interrupted"] is False and t["resumed"] == 2 and t["prompts"] == want["prompts"]
+    assert [r["prompts"] for r in t["earlier_runs"]] == [1, 2] and t["seconds"] >= first_seconds
+    assert t["earlier_runs"][1]["seconds"] == first_seconds and t["command"].endswith("--resume")
+    for key in ("target", "draft", "tasks", "num_prompts", "max_new_tokens", "block_size", "budgets"):
+        assert t[key] == want[key]
+    # replay: the same points from the resumed trace as from the uninterrupted one
+    costs = bench_file(tmp_path / "c1.json", 1, {"ar": 1.0, "chain5": 1.2, "tree4": 1.3})
+    points = []
+    for trace in (full, part):
+        out = tmp_path / f"replay-{trace.name}"
+        assert pt.main(["replay", str(trace), "--costs", costs, "--plan-trees", "4", "--output", str(out)]) == 0
+        rep = json.loads(out.read_text())
+        assert rep["trace_interrupted"] is False
+        points.append(rep["points"])
+    assert points[0] == points[1] and points[0][0]["tok_per_s"]["ar1"] > 0
+
+
+def test_record_resume_refusals(stories_dir, tmp_path, monkeypatch, capsys):
+    """--resume refuses, each by name: a missing --output, a complete trace, another setting (the first that
+    differs), prompts not of record's order, and --overwrite (record has no such flag: it never replaces a trace)."""
+    target = load_target(str(stories_dir), dtype="fp32")
+    draft = save_draft(random_draft(target, block_size=5, mask=0), tmp_path / "draft")
+    part, full = tmp_path / "part.json", tmp_path / "full.json"
+    assert pt.main(record_argv(stories_dir, draft, full, num="1", new="6")) == 0
+    stop_at(monkeypatch, 2)
+    assert pt.main(record_argv(stories_dir, draft, part, num="1", new="6")) == 130
+    before = part.read_text()
+    loaded = []
+    monkeypatch.setattr(pt.tp, "load_models", lambda *a: loaded.append(a))  # every refusal comes before the models
+    with pytest.raises(SystemExit, match=f"--resume: {tmp_path / 'none.json'} is no file"):
+        pt.main(record_argv(stories_dir, draft, tmp_path / "none.json", num="1", new="6") + ["--resume"])
+    with pytest.raises(SystemExit, match=f"--resume: {full} is a complete trace .*: nothing to resume"):
+        pt.main(record_argv(stories_dir, draft, full, num="1", new="6") + ["--resume"])
+    for kw, msg in (({"new": "7"}, "max_new_tokens 6, not 7"), ({"num": "2"}, "num_prompts 1, not 2"),
+                    ({"budgets": "4"}, r"budgets \[4, 6\], not \[4\]"),
+                    ({"datasets": "mbpp,gsm8k"}, r"tasks \['gsm8k', 'mbpp'\], not \['mbpp', 'gsm8k'\]"),
+                    # the first field that differs is named
+                    ({"new": "7", "budgets": "4"}, "max_new_tokens 6, not 7")):
+        with pytest.raises(SystemExit, match=f"--resume: {part} was recorded with {msg}: resume it with its own"):
+            pt.main(record_argv(stories_dir, draft, part, **{"num": "1", "new": "6", **kw}) + ["--resume"])
+    with pytest.raises(SystemExit, match=f"--resume: {part} was recorded with draft '{draft}', not '{tmp_path}'"):
+        pt.main(record_argv(stories_dir, tmp_path, part, num="1", new="6") + ["--resume"])
+    # a trace recorded before "tasks" was stored: its rows' tasks in record's order are what is compared
+    t = json.loads(before)
+    del t["tasks"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(t))
+    with pytest.raises(SystemExit, match=f"{old}: prompts\\[0\\] is gsm8k 0 where record's order has mbpp 11"):
+        pt.main(record_argv(stories_dir, draft, old, datasets="mbpp,gsm8k", num="1", new="6") + ["--resume"])
+    with pytest.raises(SystemExit) as e:  # argparse: no --overwrite for record
+        pt.main(record_argv(stories_dir, draft, part, num="1", new="6") + ["--resume", "--overwrite"])
+    assert e.value.code == 2 and "unrecognized arguments: --overwrite" in capsys.readouterr().err
+    assert loaded == [] and part.read_text() == before
+    monkeypatch.undo()
+    # after the models load: another block size, another prompt length than the trace's (nothing recorded)
+    for key, value, msg in (("block_size", 9, "block_size 9, not 5"),
+                            ("prompt_tokens", 3, r"prompts\[0\] \(gsm8k 0\) has prompt_tokens 3, not \d+")):
+        t = json.loads(before)
+        if key == "block_size":
+            t[key] = value
+        else:
+            t["prompts"][0][key] = value
+        part.write_text(json.dumps(t))
+        with pytest.raises(SystemExit, match=f"--resume: {part}.*{msg}"):
+            pt.main(record_argv(stories_dir, draft, part, num="1", new="6") + ["--resume"])

@@ -2,7 +2,7 @@
 
     python benchmarks/reference/planner_trace.py record --target models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --draft checkpoints/smollm2-135m-dspine --num-prompts 16 --max-new-tokens 512 \\
-        --output results/planner-trace16-cpu.json
+        --output results/planner-trace16-cpu.json [--resume]
     python benchmarks/reference/planner_trace.py replay results/planner-trace16-cpu.json \\
         --costs results/planner-exact2-h200-T0-c1.json,results/planner-sizes-h200-T0-c8.json \\
         [--plan-trees 32/64,16/32,32] [--times measured,table] [--output results/planner-replay16-cpu.json]
@@ -18,6 +18,17 @@ at every anchor). Per anchor it stores
   (what ``infer.engine.Engine._decode_planned`` gives the planner as the chain's paired observation);
 - ``conf``: the draft's chain confidence ``dspine.ops.plan_stats.chain_confidence`` of the argmax probabilities (what the engine
   gives the planner after a speculative step at T = 0).
+
+Each prompt's row also holds its ``task``, ``id``, ``prompt_tokens`` and ``tokens`` (the output's length A). The trace
+is written once, at the end, never over an existing file. Ctrl-C writes the prompts recorded so far, marked
+``"interrupted": true`` (exit status 130); ``record ... --resume`` with the same arguments and that trace as
+``--output`` records the rest: it refuses a missing or complete trace and one whose stored settings (target, draft,
+tasks, num_prompts, max_new_tokens, budgets, block_size) or kept prompts (task, id, prompt_tokens, in record's order)
+differ from this run's, naming the first field that does; it keeps the trace's prompts, records the others and writes
+the whole trace over it atomically, rows in the order of a run never interrupted (a Ctrl-C again writes what it has,
+marked, to be resumed again). ``seconds`` sums the runs' times, ``resumed`` counts the runs that resumed it and
+``earlier_runs`` keeps each earlier run's command, date and commit; ``replay`` reads the rows alone, so it reads a
+resumed trace as one never interrupted.
 
 ``replay``: drives ``infer.planner.StepPlanner`` over each task's prompts as ``Engine._decode_planned`` does at the
 concurrency of the ``--costs`` run (:func:`batch_ms`: queue and refills, the pipelined observation, paired chain
@@ -90,64 +101,149 @@ def anchor_table(q: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, b
 def record(args) -> int:
     """The ``record`` subcommand (module docstring): every argument and task checked before the models load; the
     trace written once at the end, never over an existing file. Ctrl-C writes the prompts recorded so far, with
-    ``"interrupted": true`` (exit status 130)."""
+    ``"interrupted": true`` (exit status 130). With ``--resume``, ``--output`` is such a trace: checked against these
+    settings (:func:`check_resumable`), its prompts kept and the rest recorded, the whole trace written over it."""
     out_path = Path(args.output)
-    budgets, items = tp.check_run_args(args)  # every argument and task before the models load
+    old = read_resumable(out_path) if args.resume else None  # before the tasks load: a missing or complete file
+    budgets, items = tp.check_run_args(args, resume=args.resume)  # every argument and task before the models load
+    if old is not None:
+        check_resumable(old, out_path, args, budgets, items)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
     target, draft, tok, eos = tp.load_models(args.target, args.draft)
     prompts = []
+    if old is not None:
+        check_resumable_models(old, out_path, draft, tok, items)
+        prompts = list(old["trace"]["prompts"])
+    held = len(prompts)
     try:
         _record_prompts(args, items, budgets, target, draft, tok, eos, prompts, t0)
     except KeyboardInterrupt:  # the prompts recorded so far are complete: keep them, marked
-        if not prompts:
-            print("\ninterrupted: no prompt was recorded; nothing was written", file=sys.stderr)
+        if len(prompts) == held:
+            left = f"{out_path} is left as it was" if old is not None else "nothing was written"
+            print(f"\ninterrupted: no prompt was recorded; {left}", file=sys.stderr)
             return 130
-        where = _write_trace(args, out_path, draft, budgets, prompts, t0, interrupted=True)
-        print(f"\ninterrupted: wrote the {len(prompts)} prompt(s) recorded to {where} (\"interrupted\": true)",
-              file=sys.stderr)
+        where = _write_trace(args, out_path, draft, budgets, items, prompts, t0, old, interrupted=True)
+        print(f"\ninterrupted: wrote the {len(prompts)} prompt(s) recorded to {where} (\"interrupted\": true; "
+              "--resume records the rest)", file=sys.stderr)
         return 130
-    _write_trace(args, out_path, draft, budgets, prompts, t0)
+    _write_trace(args, out_path, draft, budgets, items, prompts, t0, old)
     return 0
 
 
+def read_resumable(path: Path) -> dict:
+    """``{"trace": the trace, "stat": (mtime_ns, size)}`` of an interrupted trace to resume (``--resume --output
+    path``). Raises SystemExit naming ``path`` for a missing or unreadable file, one that is not a trace of record,
+    and a complete one (nothing to resume)."""
+    if not path.is_file():
+        raise SystemExit(f"--resume: {path} is no file (give --output an interrupted trace of record)")
+    try:
+        st = path.stat()
+        trace = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--resume: {path}: {e}") from None
+    if (not isinstance(trace, dict) or not isinstance(trace.get("prompts"), list) or "interrupted" not in trace
+            or not all(isinstance(row, dict) for row in trace["prompts"])):
+        raise SystemExit(f"--resume: {path} is not a trace written by planner_trace.py record")
+    if not trace["interrupted"]:
+        raise SystemExit(f"--resume: {path} is a complete trace (\"interrupted\": false): nothing to resume")
+    return {"trace": trace, "stat": (st.st_mtime_ns, st.st_size)}
+
+
+def check_resumable(old: dict, path: Path, args, budgets: list[int], items: dict) -> None:
+    """Refuse (SystemExit naming ``path`` and the first field that differs) to resume a trace recorded with other
+    settings than these: every setting record stores (``tasks`` only where stored: traces before ``--resume`` lack
+    it), then its prompts: each a prompt of record's order (task, and its ``id`` where stored) at its place."""
+    trace = old["trace"]
+    given = {"target": args.target, "draft": args.draft, "tasks": list(items), "num_prompts": args.num_prompts,
+             "max_new_tokens": args.max_new_tokens, "budgets": budgets}
+    for key, value in given.items():
+        if (key in trace or key != "tasks") and trace.get(key) != value:
+            raise SystemExit(f"--resume: {path} was recorded with {key} {trace.get(key)!r}, not {value!r}: resume it "
+                             "with its own settings")
+    order = [item for task_items in items.values() for item in task_items]
+    if len(trace["prompts"]) > len(order):
+        raise SystemExit(f"--resume: {path} holds {len(trace['prompts'])} prompts, more than these settings give "
+                         f"({len(order)})")
+    for i, (row, item) in enumerate(zip(trace["prompts"], order)):
+        if row.get("task") != item.task or row.get("id", item.id) != item.id:
+            raise SystemExit(f"--resume: {path}: prompts[{i}] is {row.get('task')} {row.get('id', '')} where "
+                             f"record's order has {item.task} {item.id}: resume it with its own settings")
+
+
+def check_resumable_models(old: dict, path: Path, draft, tok, items: dict) -> None:
+    """After the models load: the draft's block size and every kept prompt's length in tokens are the trace's
+    (another checkpoint under the same folder, another tokenizer or prompt text); SystemExit naming ``path`` and the
+    field otherwise."""
+    from dspine.prompts import encode_prompt
+
+    trace = old["trace"]
+    if trace.get("block_size") != draft.block_size:
+        raise SystemExit(f"--resume: {path} was recorded with block_size {trace.get('block_size')!r}, not "
+                         f"{draft.block_size} (the draft's): resume it with its own draft")
+    order = [item for task_items in items.values() for item in task_items]
+    for i, (row, item) in enumerate(zip(trace["prompts"], order)):
+        n = len(encode_prompt(tok, item.turns[0]))
+        if row.get("prompt_tokens") != n:
+            raise SystemExit(f"--resume: {path}: prompts[{i}] ({item.task} {item.id}) has prompt_tokens "
+                             f"{row.get('prompt_tokens')!r}, not {n}: resume it with its own prompts")
+
+
 def _record_prompts(args, items, budgets, target, draft, tok, eos, prompts: list, t0: float) -> None:
-    """Record every prompt of ``items``, appending each finished row to ``prompts``."""
+    """Record the prompts of ``items`` after the first ``len(prompts)`` (in order: task by task), appending each
+    finished row to ``prompts``."""
     from dspine.prompts import encode_prompt
 
     K = draft.block_size - 1
-    for task, task_items in items.items():
-        for item in task_items:
-            ids = encode_prompt(tok, item.turns[0])
-            gen = tp.greedy_continuation(target, ids, args.max_new_tokens, eos)
-            seq = ids + gen
-            base = len(ids) - 1
-            q = tp.draft_q(target, draft, seq, base)  # [A, K, V], A = len(gen)
-            A = q.shape[0]
-            pos = base + torch.arange(A)[:, None] + torch.arange(1, K + 1)[None]
-            seq_t = torch.tensor(seq + [-1] * (K + 1))
-            greedy = seq_t[pos]
-            row = {"task": task, "prompt_tokens": len(ids), "tokens": len(gen),
-                   **anchor_table(q, greedy, torch.tensor(seq[base: base + A]), budgets)}
-            prompts.append(row)
-            print(f"{task}: prompt {len(ids)} + {len(gen)} tokens, chain tau "
-                  f"{tp.replay(row['chain'], len(gen))[0] / tp.replay(row['chain'], len(gen))[1]:.2f} "
-                  f"({time.time() - t0:.0f} s)", flush=True)
+    order = [item for task_items in items.values() for item in task_items]
+    for item in order[len(prompts):]:
+        ids = encode_prompt(tok, item.turns[0])
+        gen = tp.greedy_continuation(target, ids, args.max_new_tokens, eos)
+        seq = ids + gen
+        base = len(ids) - 1
+        q = tp.draft_q(target, draft, seq, base)  # [A, K, V], A = len(gen)
+        A = q.shape[0]
+        pos = base + torch.arange(A)[:, None] + torch.arange(1, K + 1)[None]
+        seq_t = torch.tensor(seq + [-1] * (K + 1))
+        greedy = seq_t[pos]
+        row = {"task": item.task, "id": item.id, "prompt_tokens": len(ids), "tokens": len(gen),
+               **anchor_table(q, greedy, torch.tensor(seq[base: base + A]), budgets)}
+        prompts.append(row)
+        print(f"{item.task}: prompt {len(ids)} + {len(gen)} tokens, chain tau "
+              f"{tp.replay(row['chain'], len(gen))[0] / tp.replay(row['chain'], len(gen))[1]:.2f} "
+              f"({time.time() - t0:.0f} s)", flush=True)
 
 
-def _write_trace(args, out_path: Path, draft, budgets, prompts, t0: float, interrupted: bool = False) -> Path:
-    """Write the trace (never over a file: one written since the start stays, and this goes beside it); returns
-    where."""
+def _write_trace(args, out_path: Path, draft, budgets, items, prompts, t0: float, old: dict | None = None,
+                 interrupted: bool = False) -> Path:
+    """Write the trace; returns where. A new one never goes over a file (one written since the start stays, and
+    this goes beside it); a resumed one (``old``: :func:`read_resumable`) replaces the trace it resumed, atomically,
+    unless that file changed since it was read (then it goes beside it). ``seconds`` adds the earlier runs';
+    ``resumed`` counts the runs that resumed it and ``earlier_runs`` keeps each earlier run's command, date, commit
+    and the trace's seconds and prompts when it stopped."""
     from dspine.provenance import provenance
 
+    before = old["trace"] if old is not None else {}
+    earlier = before.get("earlier_runs", []) + ([{k: before.get(k) for k in ("command", "date", "commit", "seconds")}
+                                                 | {"prompts": len(before["prompts"])}] if old is not None else [])
     report = {
         **provenance([sys.argv[0]] + (args.argv if args.argv is not None else sys.argv[1:])),
-        "target": args.target, "draft": args.draft, "num_prompts": args.num_prompts,
+        "target": args.target, "draft": args.draft, "tasks": list(items), "num_prompts": args.num_prompts,
         "max_new_tokens": args.max_new_tokens, "block_size": draft.block_size, "budgets": budgets,
-        "seconds": round(time.time() - t0, 1), "interrupted": interrupted, "prompts": prompts,
+        "seconds": round(before.get("seconds", 0.0) + time.time() - t0, 1), "interrupted": interrupted,
+        "resumed": before.get("resumed", 0) + (old is not None), "earlier_runs": earlier, "prompts": prompts,
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if old is not None:
+        try:
+            st = out_path.stat()
+            same = (st.st_mtime_ns, st.st_size) == old["stat"]
+        except OSError:
+            same = False
+        if same:
+            atomic_write_json(out_path, report, indent=None, allow_nan=True)
+            return out_path
     written = write_json_new(out_path, report, indent=None, allow_nan=True)
     if written != out_path:
         print(f"note: {out_path} was written by someone else during this run and is left as it was; this trace is "
@@ -655,6 +751,9 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record", help="greedy outputs and per-anchor acceptance of every mode (slow: the models run)")
     tp.add_run_args(r, num_prompts=6, max_new_tokens=512, budgets="16,32,64", budgets_help="tree sizes to record")
+    r.add_argument("--resume", action="store_true",
+                   help="--output is an interrupted trace of record with these settings: keep its prompts, record "
+                        "the rest and write the whole trace over it")
     r = sub.add_parser("replay", help="the planner, the fixed modes and the clairvoyant schedule over a trace")
     r.add_argument("trace", help="a JSON written by record")
     r.add_argument("--costs", required=True,

@@ -233,17 +233,18 @@ def add_run_args(ap: argparse.ArgumentParser, num_prompts: int, max_new_tokens: 
     ap.add_argument("--output", required=True)
 
 
-def check_run_args(args) -> tuple[list[int], dict[str, list]]:
+def check_run_args(args, resume: bool = False) -> tuple[list[int], dict[str, list]]:
     """Check the arguments of :func:`add_run_args` before any model loads: the tree budgets (each in [2, 64], none
-    repeated), the counts, the output path (never an existing file) and every task's prompts, which are loaded here.
-    Returns (budgets, {task: prompts}); raises ``SystemExit`` naming the flag and value."""
+    repeated), the counts, the output path (never an existing file; with ``resume`` an existing one, which the
+    caller checks) and every task's prompts, which are loaded here. Returns (budgets, {task: prompts}); raises
+    ``SystemExit`` naming the flag and value."""
     from infer.datasets import load_eval_prompts, task_name
 
     out_path = Path(args.output)
-    if out_path.exists():
+    if out_path.exists() and not resume:
         raise SystemExit(f"{out_path} exists: choose another --output (finished results are never overwritten)")
     try:
-        check_output_file("--output", out_path, False)
+        check_output_file("--output", out_path, resume)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if not all(b.isdigit() for b in args.budgets.split(",")):  # int() would take a sign or spaces
