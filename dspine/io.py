@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 
@@ -28,11 +29,14 @@ def atomic_write_json(path: str | Path, obj, *, indent: int = 2, allow_nan: bool
     os.replace(tmp, path)
 
 
-def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = False) -> Path:
+def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = False, replace: bool = False,
+                   what: str | None = None) -> Path:
     """Writes `obj` as :func:`atomic_write_json` does, but never over a file: where ``path`` exists (say another run's
     results, written since this run checked the name) the first free ``STEM.N.SUFFIX`` beside it (N = 2, 3, ...) is
-    taken instead. The name is claimed with a hard link of the finished temp file, so two writers never get the same
-    one and a reader never sees half a file. Returns the path written."""
+    taken instead, and with ``what`` (e.g. "this run's results are") a note on stderr says where they went. The name
+    is claimed with a hard link of the finished temp file, so two writers never get the same one and a reader never
+    sees half a file. ``replace``: the caller may replace ``path`` (it was there at the start and ``--overwrite`` was
+    given): written over it as :func:`atomic_write_json` does. Returns the path written."""
     path = Path(path)
     text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=allow_nan)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -41,23 +45,28 @@ def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = 
         f.flush()
         os.fsync(f.fileno())
     try:
+        if replace:
+            os.replace(tmp, path)
+            return path
         for n in range(1, 10_000):
             out = path if n == 1 else path.with_name(f"{path.stem}.{n}{path.suffix}")
             try:
                 os.link(tmp, out)
-                return out
             except FileExistsError:
                 continue
             except OSError:  # no hard links on this file system (FAT, some network mounts): claim the name, then write
                 try:
                     with open(out, "x", encoding="utf-8") as f:
                         f.write(text + "\n")
-                    return out
                 except FileExistsError:
                     continue
+            if out != path and what is not None:
+                print(f"note: {path} was written by someone else during this run and is left as it was; {what} in "
+                      f"{out}", file=sys.stderr)
+            return out
         raise FileExistsError(f"{path}: no free name beside it")
     finally:
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def file_digest(path: str | Path, algorithm: str = "blake2b") -> str:

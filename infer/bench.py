@@ -918,7 +918,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv, stopped: list[str]) -> int:
-    from dspine.io import atomic_write_json, write_json_new
+    from dspine.io import write_json_new
     from dspine.provenance import provenance, utc_now
     from dspine.reference import set_cpu_threads
 
@@ -1019,11 +1019,9 @@ def _main(argv, stopped: list[str]) -> int:
     if args.output_json:
         out = Path(args.output_json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        if args.replaces_output:  # there at the start, and --overwrite given
-            atomic_write_json(out, result, indent=1, allow_nan=True)
-        elif (written := write_json_new(out, result, indent=1, allow_nan=True)) != out:
-            print(f"note: {out} was written by someone else during this run and is left as it was; this run's "
-                  f"results are in {written}", file=sys.stderr)
+        # over a file there at the start only with --overwrite; one written since goes beside it, with a note
+        write_json_new(out, result, indent=1, allow_nan=True, replace=args.replaces_output,
+                       what="this run's results are")
     if args.plot and summary:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(rows, Path(args.plot), args.label or f"T={args.temperature}, concurrency {args.concurrency}")

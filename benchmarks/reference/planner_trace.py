@@ -62,7 +62,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks.reference import tree_policy as tp
-from dspine.io import atomic_write_json, write_json_new
+from dspine.io import write_json_new
 from dspine.paths import check_output_file
 
 # ------------------------------------------------------------------------------------------------ record
@@ -235,20 +235,14 @@ def _write_trace(args, out_path: Path, draft, budgets, items, prompts, t0: float
         "resumed": before.get("resumed", 0) + (old is not None), "earlier_runs": earlier, "prompts": prompts,
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    same = False  # the resumed trace, unchanged since it was read: written over
     if old is not None:
         try:
             st = out_path.stat()
             same = (st.st_mtime_ns, st.st_size) == old["stat"]
         except OSError:
-            same = False
-        if same:
-            atomic_write_json(out_path, report, indent=None, allow_nan=True)
-            return out_path
-    written = write_json_new(out_path, report, indent=None, allow_nan=True)
-    if written != out_path:
-        print(f"note: {out_path} was written by someone else during this run and is left as it was; this trace is "
-              f"in {written}", file=sys.stderr)
-    return written
+            pass
+    return write_json_new(out_path, report, indent=None, allow_nan=True, replace=same, what="this trace is")
 
 
 # ------------------------------------------------------------------------------------------------ replay
@@ -737,12 +731,8 @@ def replay(args) -> int:
     }
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        if replaces:  # there at the start, and --overwrite given
-            atomic_write_json(out_path, report, indent=1, allow_nan=True)
-        elif (written := write_json_new(out_path, report, indent=1, allow_nan=True)) != out_path:
-            # a file written since the start (another run's)
-            print(f"note: {out_path} was written by someone else during this run and is left as it was; these "
-                  f"points are in {written}", file=sys.stderr)
+        # over a file there at the start only with --overwrite; one written since goes beside it, with a note
+        write_json_new(out_path, report, indent=1, allow_nan=True, replace=replaces, what="these points are")
     return 0
 
 
