@@ -325,6 +325,20 @@ def tuned(device_name: str) -> dict:
     return d
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_positive(x) -> bool:
+    """A finite number > 0 (a bool is none)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
+
+
+def _is_tile(t, n: int) -> bool:
+    """``[BLOCK_M, BLOCK_N, BLOCK_K, warps, stages(, split)]`` of ``n`` integers >= 1, block sizes >= 16."""
+    return isinstance(t, list) and len(t) == n and all(_is_int(v) and v >= 1 for v in t) and min(t[:3]) >= 16
+
+
 def _check_tuned(d: dict) -> None:
     """Raise on anything :func:`tuned`'s format does not allow (types exact: a string is no bool)."""
     if not isinstance(d.get("mixed_row_tiles"), bool):
@@ -337,16 +351,11 @@ def _check_tuned(d: dict) -> None:
         if not re.fullmatch(r"[1-9][0-9]*,[1-9][0-9]*", key):
             raise ValueError(f"weight key {key!r} is not 'N,K' (two positive integers, no spaces)")
         split = e["split"]
-        if not (isinstance(split, int) and not isinstance(split, bool) and split >= 1):
+        if not (_is_int(split) and split >= 1):
             raise ValueError(f"weight {key}: split {split!r} must be an integer >= 1")
         for size in ("small", "large"):
             tile = e[size]
-            if not (
-                isinstance(tile, list)
-                and len(tile) == 5
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in tile)
-                and min(tile[:3]) >= 16
-            ):
+            if not _is_tile(tile, 5):
                 raise ValueError(
                     f"weight {key}: {size} {tile!r} is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages] "
                     "(integers; block sizes >= 16, tl.dot's least)"
@@ -359,17 +368,10 @@ def _check_tuned(d: dict) -> None:
             if not isinstance(e["programs"][size], bool):
                 raise ValueError(f"weight {key}: programs.{size} must be true or false")
         ratio = e.get("small_ratio_to_cublas")
-        if ratio is not None and not (
-            isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < float("inf")
-        ):
+        if ratio is not None and not _is_positive(ratio):
             raise ValueError(f"weight {key}: small_ratio_to_cublas {ratio!r} must be a positive number")
         for r in e.get("cublas_m", []):
-            if not (
-                isinstance(r, list)
-                and len(r) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
-                and 1 <= r[0] <= r[1]
-            ):
+            if not (isinstance(r, list) and len(r) == 2 and all(map(_is_int, r)) and 1 <= r[0] <= r[1]):
                 raise ValueError(f"weight {key}: cublas_m range {r!r} is not [lo, hi] with 1 <= lo <= hi")
         if e.get("cublas_m") and split != 1:
             raise ValueError(f"weight {key}: cublas_m needs split 1 (cuBLAS sums K in one pass)")
@@ -378,28 +380,20 @@ def _check_tuned(d: dict) -> None:
                 continue
             f = e[field]
             cfg, r = f["cfg"], f["ratio_to_cublas"]
-            if not (
-                isinstance(cfg, list)
-                and len(cfg) == 6
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in cfg)
-                and min(cfg[:3]) >= 16
-                and not any(v & (v - 1) for v in cfg[:4])
-                and CHUNK_GRANULE % cfg[2] == 0
-            ):
+            if not (_is_tile(cfg, 6) and not any(v & (v - 1) for v in cfg[:4]) and CHUNK_GRANULE % cfg[2] == 0):
                 raise ValueError(
                     f"weight {key}: {field}.cfg {cfg!r} is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split] "
                     f"(integers; block sizes >= 16 and with warps powers of 2; BLOCK_K divides {CHUNK_GRANULE})"
                 )
-            if not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < float("inf")):
+            if not _is_positive(r):
                 raise ValueError(f"weight {key}: {field}.ratio_to_cublas {r!r} must be a positive number")
             by_m = f.get("ratio_by_m", {})
-            if not (isinstance(by_m, dict) and all(
-                    re.fullmatch(r"M[1-9][0-9]*", k) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                    and 0 < v < float("inf") for k, v in by_m.items())):
+            if not (isinstance(by_m, dict) and all(re.fullmatch(r"M[1-9][0-9]*", k) and _is_positive(v)
+                                                   for k, v in by_m.items())):
                 raise ValueError(f"weight {key}: {field}.ratio_by_m {by_m!r} must map 'M<rows>' to positive numbers")
             if field == "fast_wide":
                 top = f.get("max_m")
-                if not (isinstance(top, int) and not isinstance(top, bool) and FAST_MAX_M < top <= SPLIT_PROGRAMS_LIMIT):
+                if not (_is_int(top) and FAST_MAX_M < top <= SPLIT_PROGRAMS_LIMIT):
                     raise ValueError(f"weight {key}: fast_wide.max_m {top!r} must be an integer in "
                                      f"{FAST_MAX_M + 1}..{SPLIT_PROGRAMS_LIMIT}")
 
