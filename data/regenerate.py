@@ -35,11 +35,12 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from data.chat import encode, render, resolve_chat_template, stop_token_ids, template_digest
 from data.generate import BACKENDS, Generation, format_profile, load_generator, resolve_backend
-from data.rows import CHAT_TEMPLATE_HELP, EXIT_STATUS, JsonlAppender, atomic_write_json, iter_jsonl
+from data.rows import CHAT_TEMPLATE_HELP, EXIT_STATUS, JsonlAppender, atomic_write_json, batched, iter_jsonl
 from data.schema import RowError, check_row
 from data.shards import (
     clear_marker,
@@ -546,18 +547,8 @@ def _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, ma
         if stop_after and batches >= stop_after:
             raise RuntimeError(f"{STOP_AFTER_ENV}={stop_after}: stopping after {batches} batches (test hook)")
 
-    try:
-        chunk = []
-        for index, row in enumerate(iter_jsonl(args.input)):
-            if index >= n_rows:
-                break
-            if index % world != rank:
-                continue
-            chunk.append((index, row))
-            if len(chunk) == args.batch_size:
-                run(chunk)
-                chunk = []
-        if chunk:
+    try:  # this rank's rows: index < n_rows with index % world == rank, in batches of --batch-size
+        for chunk in batched(islice(enumerate(iter_jsonl(args.input)), rank, n_rows, world), args.batch_size):
             run(chunk)
     finally:
         progress.close()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from itertools import islice
 from pathlib import Path
 
 from data.schema import RowError
@@ -86,6 +87,13 @@ def iter_jsonl(path: str | Path) -> Iterator[dict | RowError]:
                 yield parse_jsonl_line(raw, f"{path}:{lineno}")
             except RowError as e:
                 yield e
+
+
+def batched(items: Iterable, n: int) -> Iterator[list]:
+    """Lists of ``n`` consecutive items of ``items``, the last one shorter (``itertools.batched`` of Python 3.12)."""
+    it = iter(items)
+    while chunk := list(islice(it, n)):
+        yield chunk
 
 
 def iter_json_array(path: str | Path) -> Iterator[dict | RowError]:

@@ -47,9 +47,10 @@ from collections import Counter
 from pathlib import Path
 
 from data.chat import end_of_turn_token, render, resolve_chat_template
-from data.rows import CHAT_TEMPLATE_HELP, EXIT_STATUS, atomic_write_json, dumps, file_digest, parse_jsonl_line
+from data.rows import CHAT_TEMPLATE_HELP, EXIT_STATUS, batched, dumps, parse_jsonl_line
 from data.schema import RowError, check_row
 from data.staging import tmp_beside
+from dspine.io import atomic_write_json, file_digest
 from dspine.paths import load_tokenizer, read_json_object
 from dspine.prompts import encode_text, plain_spans
 
@@ -420,16 +421,8 @@ def _tokenize_lines(lines: list[tuple[int, bytes, str]]) -> list[tuple]:
 
 
 def _read_chunks(path: Path, size: int = 256):
-    chunk = []
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if raw.strip():
-                chunk.append((lineno, raw, path.name))
-            if len(chunk) == size:
-                yield chunk
-                chunk = []
-    if chunk:
-        yield chunk
+        yield from batched(((lineno, raw, path.name) for lineno, raw in enumerate(f, 1) if raw.strip()), size)
 
 
 def _write_cache(folder: Path, input_jsonl: Path, tokenizer, settings, num_proc: int) -> dict:
