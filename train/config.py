@@ -212,6 +212,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key in ("warmup_ratio", "min_lr_ratio"):
         if not 0 <= getattr(cfg, key) <= 1:
             raise ConfigError(f"config key {key!r}: must be in [0, 1], got {getattr(cfg, key)}")
+    for key in ("lr", "gamma", "distill_temperature"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"config key {key!r}: must be > 0, got {getattr(cfg, key)}")
     if not 0 <= cfg.seed <= SEED_MAX:  # refused here, before the target loads, not by numpy's set_seed later
         raise ConfigError(f"config key 'seed': must be in [0, 2**32 - 1] (numpy's generator refuses other values "
                           f"and torch's CPU generator keeps the low 32 bits only), got {cfg.seed}")
@@ -222,8 +225,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.distill != "mix" and cfg.distill_alpha is not None:
         raise ConfigError(f"config key 'distill_alpha': {cfg.distill_alpha} weighs the two terms of distill=mix only; "
                           f"distill={cfg.distill} would ignore it (set distill=mix, or drop distill_alpha)")
-    if cfg.distill_temperature <= 0:
-        raise ConfigError(f"config key 'distill_temperature': must be > 0, got {cfg.distill_temperature}")
     if cfg.distill != "ce" and cfg.feature_source != "online":
         raise ConfigError(f"config key 'distill': {cfg.distill} needs the target's logits, which a train.capture "
                           f"folder does not hold (feature_source={cfg.feature_source}); use feature_source=online "
@@ -232,10 +233,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"config keys 'draft_init' and 'init_from' both given ({cfg.draft_init}, {cfg.init_from}): "
                           "draft_init already loads a draft's config and weights, init_from loads weights only; "
                           "keep one of them")
-    if cfg.gamma <= 0:
-        raise ConfigError(f"config key 'gamma': must be > 0, got {cfg.gamma}")
-    if cfg.lr <= 0:
-        raise ConfigError(f"config key 'lr': must be > 0, got {cfg.lr}")
     if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
         raise ConfigError(f"config key 'betas': expected two values in [0, 1), got {cfg.betas}")
     if cfg.block_size is not None and cfg.block_size < 2:
