@@ -10,6 +10,7 @@ without reading the weights.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 from pathlib import Path
@@ -64,10 +65,7 @@ def _tensor_bytes(ggml_type: int, dims: list[int], name: str) -> int:
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
         raise ValueError(f"tensor {name!r} has an unknown ggml type {ggml_type}") from None
-    n = 1
-    for d in dims:
-        n *= d
-    return n // block * type_size
+    return math.prod(dims) // block * type_size
 
 
 def _check(path: Path) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -505,8 +506,7 @@ class EngineTarget(nn.Module):
             if _accepts(varlen_attn, "enable_gqa"):
                 gqa = {"enable_gqa": True}
             else:  # torch <= 2.11: no GQA flag, so each key/value head is repeated for its query heads
-                k = k.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
-                v = v.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
+                k, v = (x.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1) for x in (k, v))
         try:  # (varlen_attn picks its kernel itself: flash, or cuDNN on sm90/sm100 in releases that follow the
             # SDPA backend priority, which the prefill's backends_context then steers away from; see dspine.ops.sdpa)
             o = varlen_attn(q.reshape(N, a.num_heads, a.head_dim), k, v, cu, cu, max_len, max_len,
@@ -808,9 +808,7 @@ class EngineTarget(nn.Module):
         Hq, D = a.num_heads, a.head_dim
         dev = prompts[0].device
         tokens = torch.cat(prompts)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
+        starts = [0, *itertools.accumulate(lens)]
         # positions and slots per token from one host-to-device copy, no sync (to_device) and no launch per prompt
         k, N = len(prompts), starts[-1]
         meta = to_device(starts + list(slots) + lens, torch.long, dev)
