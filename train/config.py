@@ -7,6 +7,7 @@ naming the key before any model or data is touched. The recipe defaults are docs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -153,10 +154,8 @@ def _coerce(key: str, value, tp, from_cli: bool):
         if isinstance(value, int if tp is int else (int, float)) and not isinstance(value, bool):
             return tp(value)
         if isinstance(value, str):  # YAML 1.1 reads `6e-4` as a string
-            try:
+            with contextlib.suppress(ValueError):
                 return tp(value)
-            except ValueError:
-                pass
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -80,10 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                 if (out / "latest").is_file() else "no checkpoint was written")
         print(f"\ninterrupted: {kept}", file=sys.stderr, flush=True)
     if fresh and out.is_dir() and not any(out.iterdir()):  # a refused run leaves no empty output_dir behind
-        try:
+        with contextlib.suppress(OSError):  # another rank removed it first
             out.rmdir()
-        except OSError:  # another rank removed it first
-            pass
     return code
 
 
@@ -362,10 +360,8 @@ class GracefulInterrupt:
     def __init__(self, announce: bool):
         self.flag, self.announce, self.previous, self.first = False, announce, {}, None
         for name in self.SIGNALS:
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread: the signals keep their default behaviour
                 self.previous[name] = signal.signal(getattr(signal, name), self._handle)
-            except ValueError:  # not the main thread: the signals keep their default behaviour
-                pass
 
     def _handle(self, signum, frame):
         now = time.monotonic()
@@ -1013,10 +1009,8 @@ def dump_stacks_on_sigusr1() -> None:
     import faulthandler
 
     if hasattr(signal, "SIGUSR1"):
-        try:
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # sys.__stderr__ None or without a file descriptor
             faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
-        except (AttributeError, ValueError, OSError):  # sys.__stderr__ None or without a file descriptor
-            pass
 
 
 def leave_rank(code: int) -> None:
