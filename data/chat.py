@@ -130,16 +130,12 @@ def end_of_turn_token(tokenizer, template: str) -> str:
 def stop_token_ids(tokenizer, template: str, generation_config=None) -> list[int]:
     """Token ids that end generation: the template's end-of-turn token, the tokenizer's eos, and the
     model's generation_config eos ids (Qwen3 lists both `<|im_end|>` and `<|endoftext|>`)."""
-    ids = []
     eot = _single_token_id(tokenizer, end_of_turn_token(tokenizer, template))
     candidates = [eot, tokenizer.eos_token_id]
     if generation_config is not None and generation_config.eos_token_id is not None:
         eos = generation_config.eos_token_id
         candidates += eos if isinstance(eos, list) else [eos]
-    for token_id in candidates:
-        if token_id is not None and token_id not in ids:
-            ids.append(int(token_id))
-    return ids
+    return list(dict.fromkeys(int(t) for t in candidates if t is not None))  # in order, each once
 
 
 def _single_token_id(tokenizer, text: str) -> int | None:

@@ -18,9 +18,8 @@ def control_strings(tokenizer) -> list[str]:
     """The strings this tokenizer turns into special tokens (its special tokens and the added tokens
     marked special), longest first."""
     found = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        if getattr(tok, "special", False):
-            found.add(str(tok.content))
+    found |= {str(t.content) for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+              if getattr(t, "special", False)}
     return sorted((s for s in found if s), key=len, reverse=True)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -386,9 +387,7 @@ class ConcatRows:
                 raise ValueError(f"{path} is a train.capture folder, which cannot be one of several train "
                                  "sources; capture the union instead (python -m train.capture with train=<the "
                                  "list>) and give that folder as feature_source")
-        self.starts = [0]
-        for part in self.parts:
-            self.starts.append(self.starts[-1] + len(part))
+        self.starts = [0, *itertools.accumulate(map(len, self.parts))]
         self._meta = [part.metadata() for part in self.parts]
         for k in range(1, len(self.parts)):
             for key in self.CHECKED:
