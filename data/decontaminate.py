@@ -134,11 +134,11 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
     seen: set[int] = set()
     stats: Counter = Counter()
     per_task: Counter = Counter()
-    keep_buf: list[dict] = []
-    drop_buf: list[dict] = []
+    # buffered: one durable write per 2,000 rows, not one per row
+    keep: list[dict] = []
+    drop: list[dict] = []
     first_invalid = None
     with JsonlAppender(out / "train.jsonl") as keep_file, JsonlAppender(out / "dropped.jsonl") as drop_file:
-        keep, drop = keep_buf, drop_buf  # buffered: one durable write per 2,000 rows, not one per row
         for i, row in enumerate(iter_jsonl(src)):
             if len(keep) + len(drop) >= 2000:
                 keep_file.write(keep)
@@ -155,11 +155,7 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
                 first_invalid = first_invalid or str(e)
                 drop.append({"line": i + 1, "reason": f"invalid: {e.code}", "detail": str(e)})
                 continue
-            hit = None
-            for t in turns:
-                hit = index.match(t["content"])
-                if hit:
-                    break
+            hit = next(filter(None, (index.match(t["content"]) for t in turns)), None)  # the first turn's match
             if hit:
                 per_task[hit[0]] += 1
                 stats["contaminated"] += 1
@@ -215,12 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--tasks: name at least one task")
     try:
         s = decontaminate(args.input, args.output, tasks, args.ngram, args.eval_dir)
-    except NoValidRows as e:
+    except (NoValidRows, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, NoValidRows) else 2
     by_task = ", ".join(f"{t} {c}" for t, c in s["contaminated_by_task"].items())
     print(f"read {s['read']}: kept {s['kept']}, contaminated {s['contaminated']} ({by_task}), duplicate prompts "
           f"{s['duplicates']}, invalid {s['invalid']}; adds up: {s['adds_up']}")
