@@ -21,11 +21,9 @@ class AcceptStats:
 
     def __init__(self, block_size: int, hist: list[int] | None = None):
         self.block_size = int(block_size)
-        self.hist = [0] * (self.block_size + 1)
-        if hist is not None:
-            if len(hist) != self.block_size + 1:
-                raise ValueError(f"hist has {len(hist)} bins, expected block_size + 1 = {self.block_size + 1}")
-            self.hist = [int(x) for x in hist]
+        if hist is not None and len(hist) != self.block_size + 1:
+            raise ValueError(f"hist has {len(hist)} bins, expected block_size + 1 = {self.block_size + 1}")
+        self.hist = [0] * (self.block_size + 1) if hist is None else [int(x) for x in hist]
 
     def record(self, n: int) -> None:
         """Add one step that committed n tokens (1..block_size)."""
