@@ -901,12 +901,14 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # --plot: formats matplotlib writes by
 
 def main(argv=None) -> int:
     """Run the benchmark (module docstring); returns the exit status: 0, 1 (exact mode's outputs differ), 2 (bad
-    input), 130 (Ctrl-C) or 143 (SIGTERM): both keep the finished tasks."""
-    stopped = ["interrupted"]
+    input), 130 (Ctrl-C) or 143 (SIGTERM): both keep the finished tasks; a SIGTERM once every task has finished
+    lets the results be written whole, then exits 143."""
+    stopped = ["interrupted", False]  # what stopped the run; whether every task has finished
 
     def terminate(signum, frame):  # SIGTERM (kill, a scheduler's stop) keeps the finished tasks as Ctrl-C does
         stopped[0] = "terminated"
-        raise KeyboardInterrupt
+        if not stopped[1]:
+            raise KeyboardInterrupt
 
     if threading.current_thread() is not threading.main_thread():
         return _main(argv, stopped)
@@ -975,6 +977,7 @@ def _main(argv, stopped: list[str]) -> int:
         for i, t in enumerate(tqdm(tasks, desc="tasks", unit="task")):
             rows.append(run_task(runner, t, params, do_ar=not args.no_ar, order_shift=i, warmup=args.warmup == "task",
                                  items=items[t]))
+        stopped[1] = True
     except (ValueError, OSError, RuntimeError, FloatingPointError) as e:  # OSError: an unreachable Hub id, files
         print(f"error: {e}", file=sys.stderr)
         if rows:  # a later task failed (non-finite logits, ...): the tasks before it are complete results
@@ -1031,7 +1034,7 @@ def _main(argv, stopped: list[str]) -> int:
             print(f"error: exact mode: {bad} greedy speculative outputs differ from the AR output (a bug, not "
                   "rounding)", file=sys.stderr)
             return 1
-    return 0
+    return 143 if stopped[0] == "terminated" else 0
 
 
 if __name__ == "__main__":

@@ -216,6 +216,34 @@ def test_sigterm_keeps_the_finished_tasks_and_an_overwritten_file_stays(stories_
     assert signal.getsignal(signal.SIGTERM) is before  # main() put the previous handler back
 
 
+def test_sigterm_after_the_last_task_writes_the_whole_results_then_exits_143(stories_dir, stories_draft, tmp_path,
+                                                                             monkeypatch, capsys):
+    """A SIGTERM that comes once every task has finished (while the summary and the JSON are made) no longer ends
+    in a traceback with nothing written: the results are written whole (``"interrupted": false``), status 143."""
+    import os
+    import signal
+
+    data = _stopped_at_mbpp(tmp_path, monkeypatch, lambda: None)
+    real = bench.summarize
+    calls = []
+
+    def summarize(rows):
+        if not calls:
+            os.kill(os.getpid(), signal.SIGTERM)
+        calls.append(1)
+        return real(rows)
+
+    monkeypatch.setattr(bench, "summarize", summarize)
+    out = tmp_path / "b.json"
+    code = bench.main(["--target", str(stories_dir), "--draft", f"D={stories_draft}", "--datasets", "gsm8k,mbpp",
+                       "--num-prompts", "1", "--max-new-tokens", "4", "--backend", "reference", "--no-chat-template",
+                       "--data-dir", str(data), "--output-json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 143 and "Traceback" not in err, err
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is False and [t["task"] for t in res["tasks"]] == ["gsm8k", "mbpp"]
+
+
 def test_results_never_replace_a_file_written_during_the_run(stories_dir, stories_draft, tmp_path, monkeypatch,
                                                             capsys):
     """A results file that another run wrote after this one checked the name stays, and this run's go beside it
