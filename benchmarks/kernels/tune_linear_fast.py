@@ -106,7 +106,8 @@ def run(args) -> dict:
     else:
         ms, tiles, splits = (MS_WIDE, TILES_WIDE, SPLITS_WIDE) if args.wide else (MS, TILES, SPLITS)
     g = torch.Generator().manual_seed(0)
-    out = {"stream_mb": args.stream_mb, "ms": list(ms), "wide": bool(args.wide), "weights": {}}
+    out = {"stream_mb": args.stream_mb, "ms": list(ms), "wide": bool(args.wide), "weights": {},
+           "bandwidth_gbps": args.bandwidth_gbps}  # floor_us's basis: the H200's copy bandwidth unless given
     for name, (N, K) in shapes.items():
         copies = 1 if not cuda else max(2, -(-args.stream_mb * 2**20 // (N * K * 2)))
         ws = [(torch.randn(N, K, generator=g) / K**0.5).to(dt).to(dev) for _ in range(copies)]
