@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dspine.io import sigterm_as_ctrl_c
+
 FLUSH_TOKENS = 1 << 22  # ids buffered between two bincounts (32 MiB of int64)
 
 
@@ -279,6 +281,7 @@ def _tokenizer(given: str | None, recorded: str | None, recorded_digest: str | N
     return tok, recorded, None
 
 
+@sigterm_as_ctrl_c()  # SIGTERM (a scheduler's stop) takes the Ctrl-C path below
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.draft_vocab", description=__doc__.split("\n")[0])
     ap.add_argument(

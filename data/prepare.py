@@ -34,6 +34,7 @@ from tqdm import tqdm
 from data.formats import FORMATS, detect_format, to_conversation
 from data.rows import EXIT_STATUS, atomic_write_json, dumps, iter_hub, iter_local
 from data.schema import RowError
+from dspine.io import sigterm_as_ctrl_c
 
 OUTPUTS = ("train.jsonl", "eval.jsonl", "skipped.jsonl")
 SUMMARY = "summary.json"
@@ -250,6 +251,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+@sigterm_as_ctrl_c()  # SIGTERM (a scheduler's stop) takes the Ctrl-C path below
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0],
                                 epilog=EXIT_STATUS)

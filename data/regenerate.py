@@ -51,6 +51,7 @@ from data.shards import (
     wait_for_ranks,
     write_marker,
 )
+from dspine.io import sigterm_as_ctrl_c
 from dspine.paths import load_tokenizer, read_json_object
 
 KINDS = ("results", "errors", "skipped")
@@ -486,8 +487,10 @@ def regenerate(args: argparse.Namespace) -> dict:
             f"the model's max_position_embeddings, at most {DEFAULT_MAX_CONTEXT}; --max-context sets it"
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: it must be "
                          f"below the context of {max_context} tokens ({source})")
-    out.mkdir(parents=True, exist_ok=True)
     input_digest, n_rows = scan_input(args.input, args.limit)
+    if not n_rows:
+        raise ValueError(f"{args.input} has no rows (only blank lines, or empty): nothing to regenerate")
+    out.mkdir(parents=True, exist_ok=True)
     run_args = {k: _canonical(v) if k in PATH_ARGS else v for k, v in vars(args).items() if k in CONTENT_ARGS}
     run_args.update(
         input_digest=input_digest, chat_template_digest=template_digest(template), max_context=max_context
@@ -567,6 +570,7 @@ def format_summary(summary: dict) -> str:
     )
 
 
+@sigterm_as_ctrl_c()  # SIGTERM (a scheduler's stop) takes the Ctrl-C path below
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:

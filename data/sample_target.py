@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dspine.io import sigterm_as_ctrl_c
 from dspine.paths import check_output_file
 
 
@@ -60,6 +61,7 @@ def sample_rows(target, bos: int, eos: set[int], num: int, max_new_tokens: int, 
     return rows
 
 
+@sigterm_as_ctrl_c()  # SIGTERM (a scheduler's stop) takes the Ctrl-C path below
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.sample_target", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="target folder, Hub id or .gguf file")
@@ -102,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the rows are written only once all are sampled
+        print(f"\ndata.sample_target: interrupted; nothing was written to {out} (the same command starts over)",
+              file=sys.stderr)
+        return 130
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     with open(tmp, "w") as f:

@@ -82,7 +82,8 @@ def merge_shards(
     Returns:
         {kind: number of records}.
     Raises:
-        RuntimeError: a corrupt record, a row recorded twice, or rows without any record.
+        ValueError: a corrupt record or a row recorded twice (the message names the shard and what to remove), or
+            rows without any record.
     """
     seen = bytearray(n_rows)
     counts = {}
@@ -95,10 +96,13 @@ def merge_shards(
                 for line in f:
                     m = INDEX_PREFIX.match(line)
                     if not line.endswith(b"\n") or not m:
-                        raise RuntimeError(f"{path}: corrupt record at byte {offset}")
+                        raise ValueError(f"{path}: corrupt record at byte {offset} (not a whole record line); "
+                                         f"cut the file to its first {offset} bytes (or delete it to regenerate its "
+                                         "rows) and run the same command again")
                     index = int(m.group(1))
                     if index >= n_rows or seen[index]:
-                        raise RuntimeError(f"{path}: input row {index} recorded twice or out of range")
+                        raise ValueError(f"{path}: input row {index} recorded twice or out of range (shards of "
+                                         "another run in this folder?)")
                     seen[index] = 1
                     entries.append((index, file_no, offset, len(line)))
                     offset += len(line)
@@ -119,7 +123,7 @@ def merge_shards(
     missing = n_rows - sum(seen)
     if missing:
         first = [i for i in range(n_rows) if not seen[i]][:5]
-        raise RuntimeError(f"{missing} input rows have no record yet (first: {first}); re-run to finish them")
+        raise ValueError(f"{missing} input rows have no record yet (first: {first}); re-run to finish them")
     for kind in kinds:
         os.replace(out / f"{kind}.jsonl.tmp", out / f"{kind}.jsonl")
     return counts

@@ -50,7 +50,7 @@ from data.chat import end_of_turn_token, render, resolve_chat_template
 from data.rows import CHAT_TEMPLATE_HELP, EXIT_STATUS, batched, dumps, parse_jsonl_line
 from data.schema import RowError, check_row
 from data.staging import tmp_beside
-from dspine.io import atomic_write_json, file_digest
+from dspine.io import atomic_write_json, file_digest, sigterm_as_ctrl_c
 from dspine.paths import load_tokenizer, read_json_object
 from dspine.prompts import encode_text, plain_spans
 
@@ -509,6 +509,7 @@ def format_summary(summary: dict, path: Path) -> str:
     )
 
 
+@sigterm_as_ctrl_c()  # SIGTERM (a scheduler's stop) takes the Ctrl-C path below
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m data.tokenize", description=__doc__.split("\n")[0],
                                 epilog=EXIT_STATUS)

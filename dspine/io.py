@@ -3,11 +3,37 @@ digests, safetensors folders (one reader for drafts and targets)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
+import types
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c():
+    """Within the block (or the decorated function), SIGTERM (``kill``, a scheduler's stop) raises KeyboardInterrupt
+    as Ctrl-C does, so the CLI's Ctrl-C handler keeps what is finished and says so; the previous handler comes back
+    after it. Off the main thread (where signals cannot be set) nothing changes. Yields a namespace: ``terminated``
+    becomes True on a SIGTERM; while the caller sets ``hold`` True a SIGTERM only sets it (nothing is raised)."""
+    stop = types.SimpleNamespace(terminated=False, hold=False)
+
+    def interrupt(signum, frame):
+        stop.terminated = True
+        if not stop.hold:
+            raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, interrupt) if main else None
+    try:
+        yield stop
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def atomic_write_json(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = False) -> None:

@@ -28,9 +28,7 @@ import dataclasses
 import gc
 import os
 import re
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -903,23 +901,13 @@ def main(argv=None) -> int:
     """Run the benchmark (module docstring); returns the exit status: 0, 1 (exact mode's outputs differ), 2 (bad
     input), 130 (Ctrl-C) or 143 (SIGTERM): both keep the finished tasks; a SIGTERM once every task has finished
     lets the results be written whole, then exits 143."""
-    stopped = ["interrupted", False]  # what stopped the run; whether every task has finished
+    from dspine.io import sigterm_as_ctrl_c
 
-    def terminate(signum, frame):  # SIGTERM (kill, a scheduler's stop) keeps the finished tasks as Ctrl-C does
-        stopped[0] = "terminated"
-        if not stopped[1]:
-            raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        return _main(argv, stopped)
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        return _main(argv, stopped)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with sigterm_as_ctrl_c() as stop:
+        return _main(argv, stop)
 
 
-def _main(argv, stopped: list[str]) -> int:
+def _main(argv, stop) -> int:
     from dspine.io import write_json_new
     from dspine.provenance import provenance, utc_now
     from dspine.reference import set_cpu_threads
@@ -977,7 +965,7 @@ def _main(argv, stopped: list[str]) -> int:
         for i, t in enumerate(tqdm(tasks, desc="tasks", unit="task")):
             rows.append(run_task(runner, t, params, do_ar=not args.no_ar, order_shift=i, warmup=args.warmup == "task",
                                  items=items[t]))
-        stopped[1] = True
+        stop.hold = True  # every task finished: a SIGTERM now waits for the results to be written
     except (ValueError, OSError, RuntimeError, FloatingPointError) as e:  # OSError: an unreachable Hub id, files
         print(f"error: {e}", file=sys.stderr)
         if rows:  # a later task failed (non-finite logits, ...): the tasks before it are complete results
@@ -985,8 +973,9 @@ def _main(argv, stopped: list[str]) -> int:
         return 2
     except KeyboardInterrupt:
         done = ", ".join(r["task"] for r in rows) or "none"
-        print(f"\n{stopped[0]}: tasks finished: {done}{keep_finished()}", file=sys.stderr)
-        return 143 if stopped[0] == "terminated" else 130
+        print(f"\n{'terminated' if stop.terminated else 'interrupted'}: tasks finished: {done}{keep_finished()}",
+              file=sys.stderr)
+        return 143 if stop.terminated else 130
     summary = summarize(rows)
     print(table(rows))
     for label, e in summary.items():
@@ -1034,7 +1023,7 @@ def _main(argv, stopped: list[str]) -> int:
             print(f"error: exact mode: {bad} greedy speculative outputs differ from the AR output (a bug, not "
                   "rounding)", file=sys.stderr)
             return 1
-    return 143 if stopped[0] == "terminated" else 0
+    return 143 if stop.terminated else 0
 
 
 if __name__ == "__main__":

@@ -95,8 +95,11 @@ def _format(task: str, i: int, r: dict) -> EvalPrompt:
 def load_eval_rows(name: str, data_dir: str | Path | None = None) -> list[dict]:
     """Every raw row of a task (MBPP: the test split), from ``data_dir`` or the Hub.
 
-    Raises ValueError (unknown task) or FileNotFoundError when neither source is reachable."""
+    Raises ValueError (unknown task) or FileNotFoundError: a ``data_dir`` that is not a folder (a folder the caller
+    named is never replaced by the Hub), or neither source reachable."""
     task = task_name(name)
+    if data_dir and not Path(data_dir).is_dir():
+        raise FileNotFoundError(f"eval folder {data_dir}: no such folder")
     folder = Path(data_dir) if data_dir else default_eval_dir()
     local = folder / TASKS[task][3]
     if local.is_file():

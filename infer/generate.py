@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", default=None, help="user message (chat template applied when the tokenizer has one)")
     ap.add_argument("--dataset", default=None, help="take prompts from an eval set instead (gsm8k, math500, humaneval, mbpp, mt-bench)")
     ap.add_argument("--num-prompts", type=int, default=None, help="prompts taken from --dataset (default 1)")
+    ap.add_argument("--data-dir", default=None, help="local eval folder of --dataset (default: "
+                    "$DSPINE_SHARED/data/eval, else the Hub)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     add_decode_args(ap)
     ap.add_argument("--compare-ar", action="store_true",
@@ -326,7 +328,7 @@ def run(args) -> dict:
             raise ValueError(f"--draft-vocab: {e}") from None
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
-    texts = [p.turns[0] for p in load_eval_prompts(args.dataset, args.num_prompts)] if args.dataset else [args.prompt]
+    texts = [p.turns[0] for p in load_eval_prompts(args.dataset, args.num_prompts, args.data_dir)] if args.dataset else [args.prompt]
     prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template, system=args.system,
                              enable_thinking=args.enable_thinking) for text in texts]
     need = max(map(len, prompts)) + args.max_new_tokens

@@ -532,3 +532,49 @@ def test_invariant_at_temperature_zero_is_noted(capsys):
         generate.check_decode_args(args)
         err = capsys.readouterr().err
         assert ("--invariant has no effect at --temperature 0" in err) is noted
+
+
+def test_a_named_eval_folder_is_never_replaced_by_the_hub(stories_dir, tmp_path, capsys, offline):
+    """An eval folder the user named that does not exist fails at once, naming it, in every tool that takes one
+    (newcomer review: data.decontaminate --eval-dir spent 29 s on Hub retries, and with a network would have used the
+    Hub's copies); infer.generate takes --data-dir as the README says."""
+    from data import decontaminate
+    from infer import generate
+    from infer.datasets import load_eval_rows
+    from tests.conftest import shared_path
+
+    gone = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"eval folder {gone}: no such folder"):
+        load_eval_rows("gsm8k", gone)
+    t0 = time.monotonic()
+    assert decontaminate.main(["--input", str(_conv(tmp_path)), "--output", str(tmp_path / "d"), "--eval-dir",
+                               str(gone), "--tasks", "gsm8k"]) == 2
+    assert f"error: eval folder {gone}: no such folder" in capsys.readouterr().err and time.monotonic() - t0 < 10
+    argv = ["--target", str(stories_dir), "--dataset", "gsm8k", "--max-new-tokens", "2", "--backend", "reference",
+            "--no-chat-template", "--json"]
+    assert generate.main([*argv, "--data-dir", str(gone)]) == 2
+    assert f"eval folder {gone}: no such folder" in capsys.readouterr().err
+    local = tmp_path / "eval" / "gsm8k"
+    local.mkdir(parents=True)
+    row = json.loads((shared_path("data", "eval") / "gsm8k" / "test.jsonl").read_text().splitlines()[3])
+    (local / "test.jsonl").write_text(json.dumps(row) + "\n")
+    assert generate.main([*argv, "--num-prompts", "2", "--data-dir", str(tmp_path / "eval")]) == 0
+    assert json.loads(capsys.readouterr().out)["num_prompts"] == 1  # the folder's one row, not the shared set's two
+
+
+def test_ctrl_c_or_sigterm_in_sample_target_is_one_line(stories_dir, tmp_path, capsys, monkeypatch):
+    """data.sample_target: Ctrl-C or SIGTERM while sampling exits 130 with one line and no file (newcomer review: a
+    30-frame traceback)."""
+    import os
+    import signal
+
+    from data import sample_target
+
+    out = tmp_path / "s.jsonl"
+    argv = ["--target", str(stories_dir), "--num", "2", "--max-new-tokens", "2", "--out", str(out)]
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        monkeypatch.setattr(sample_target, "sample_rows", lambda *a, s=stop: os.kill(os.getpid(), s))
+        assert sample_target.main(argv) == 130
+        err = capsys.readouterr().err
+        assert f"data.sample_target: interrupted; nothing was written to {out}" in err and "Traceback" not in err
+        assert not out.exists() and not list(tmp_path.glob("s.jsonl*"))

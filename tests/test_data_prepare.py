@@ -267,6 +267,15 @@ def test_ctrl_c_or_a_bad_input_leaves_no_folder_and_a_clear_line(tmp_path, capsy
     assert capsys.readouterr().err == f"\ndata.prepare: interrupted; nothing was written to {out} (the same command " \
         "starts over)\n"
     assert not out.exists()
+    # SIGTERM (a scheduler's stop) takes the same path (newcomer review: it exited 143 silently, .tmp files left)
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(data.prepare, "_prepare_source", lambda *a, **kw: os.kill(os.getpid(), signal.SIGTERM))
+    assert main(["--input", str(src), "--output", str(out)]) == 130
+    assert "data.prepare: interrupted; nothing was written" in capsys.readouterr().err and not out.exists()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -366,13 +366,14 @@ def test_run_that_regenerates_nothing_does_not_pin_its_arguments(workdir, capsys
     out = workdir / "nothing"
     empty = workdir / "empty.jsonl"
     empty.write_bytes(b"")
-    assert regen.main(argv(workdir, out, input_file=empty)) == 1
-    assert "no row was regenerated (0 skipped, 0 failed" in capsys.readouterr().err
-    assert sorted(p.name for p in out.iterdir()) == ["errors.jsonl", "skipped.jsonl"]
+    assert regen.main(argv(workdir, out, input_file=empty)) == 2  # refused before writing (newcomer review)
+    assert f"{empty} has no rows (only blank lines, or empty): nothing to regenerate" in capsys.readouterr().err
+    assert not out.exists()
     # Every row unusable: the skip records stay readable, nothing is marked finished or pinned.
     invalid = workdir / "invalid.jsonl"
     invalid.write_text('{"id": "x"}\n{"id": "y", "conversations": []}\n')
     assert regen.main(argv(workdir, out, "--max-new-tokens", "9", input_file=invalid)) == 1
+    assert "no row was regenerated (2 skipped, 0 failed" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["errors.jsonl", "skipped.jsonl"]
     assert [(r["id"], r["reason"]) for r in read_jsonl(out / "skipped.jsonl")] == [
         ("x", "missing_field"),
@@ -385,3 +386,23 @@ def test_run_that_regenerates_nothing_does_not_pin_its_arguments(workdir, capsys
     assert sorted(p.name for p in out.iterdir()) == [
         "errors.jsonl", "results.jsonl", "run_args.json", "skipped.jsonl", "summary.json",
     ]  # fmt: skip
+
+
+def test_a_corrupt_shard_record_is_a_clear_error_that_says_how_to_recover(workdir, tmp_path, monkeypatch, capsys):
+    """A shard line that is not a whole record (here the tail of a record cut by a newline) is a ValueError naming
+    the shard, the byte and the way out, and the CLI prints it as one error line, exit 2 (newcomer review: an
+    uncaught RuntimeError traceback on every rerun)."""
+    from data.shards import merge_shards
+
+    first = b'{"index": 0, "id": "a"}\n'
+    (tmp_path / "results.rank0.jsonl").write_bytes(first + b'"id": "x"}\n')
+    match = rf"results.rank0.jsonl: corrupt record at byte {len(first)} .*cut the file to its first {len(first)} bytes"
+    with pytest.raises(ValueError, match=match):
+        merge_shards(tmp_path, ("results",), 2, lambda kind, record: None)
+
+    def merge(*a, **kw):
+        raise ValueError("x.rank0.jsonl: corrupt record at byte 7")
+
+    monkeypatch.setattr(regen, "merge_shards", merge)
+    assert regen.main(argv(workdir, workdir / "corrupt", "--limit", "2")) == 2
+    assert "error: x.rank0.jsonl: corrupt record at byte 7" in capsys.readouterr().err

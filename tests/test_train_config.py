@@ -209,7 +209,7 @@ def test_trainer_resume_and_path_errors_name_the_fix(tmp_path):
     from accelerate import Accelerator
 
     from train.config import load_draft_init
-    from train.distill import check_resume, load_resume_state, open_train_rows
+    from train.distill import check_resume, load_resume_state, open_train_rows, resolve_resume
 
     cfg = load(None, ["target=t", "train=x", "max_steps=100"])
     with pytest.raises(ConfigError, match=r"checkpoint is at step 300 but this run has 100 total steps .*max_steps=100"):
@@ -222,6 +222,14 @@ def test_trainer_resume_and_path_errors_name_the_fix(tmp_path):
         acc.save_state(str(tmp_path / f"step-{n}" / "state"))
         (tmp_path / f"step-{n}" / "trainer_state.json").write_text("{}")
     load_resume_state(acc, tmp_path / "step-2")
+    for ckpt, what in ((tmp_path / "step-2", None), (tmp_path / "step-9", "does not exist"),
+                       (tmp_path, r"is not a step-N checkpoint \(trainer_state.json \+ state/\)")):
+        c = load(None, ["target=t", "train=x", f"resume_from={ckpt}", f"output_dir={tmp_path / 'o'}"])
+        if what is None:
+            assert resolve_resume(c, tmp_path / "o") == ckpt
+        else:  # newcomer review: a deleted folder read "is not a step-N checkpoint"
+            with pytest.raises(ConfigError, match=rf"config key 'resume_from': {ckpt} {what}"):
+                resolve_resume(c, tmp_path / "o")
     weights = tmp_path / "step-2" / "state" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:40])
     with pytest.raises(ConfigError, match=rf"resume from {tmp_path / 'step-2'}: cannot read .*SafetensorError.*"

@@ -567,7 +567,8 @@ def resolve_resume(cfg, out: Path) -> Path | None:
         return None
     ckpt = Path(cfg.resume_from)
     if not (ckpt / "trainer_state.json").is_file() or not (ckpt / "state").is_dir():
-        raise ConfigError(f"config key 'resume_from': {ckpt} is not a step-N checkpoint (trainer_state.json + state/)")
+        what = "is not a step-N checkpoint (trainer_state.json + state/)" if ckpt.exists() else "does not exist"
+        raise ConfigError(f"config key 'resume_from': {ckpt} {what}")
     return ckpt
 
 
