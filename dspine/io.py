@@ -45,14 +45,7 @@ def atomic_write_json(path: str | Path, obj, *, indent: int = 2, allow_nan: bool
     Raises:
         ValueError: `obj` holds NaN or infinity and ``allow_nan`` is False (not JSON; nothing is written).
     """
-    path = Path(path)
-    text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=allow_nan)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json_new(path, obj, indent=indent, allow_nan=allow_nan, replace=True)
 
 
 def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = False, replace: bool = False,
