@@ -373,7 +373,6 @@ class Engine:
             self.verified_per_step = max((self.verify_size, *self.plan_trees))
         self.planner_report: dict | None = None
         self.slot_owner: list[int | None] | None = None  # generate: prompt index per slot, None = free
-        self.last_confidence: dict | None = None  # planner: the confidence passed with the latest choice
         self.plan_online = True  # the planner learns step times from the measured wall time per step
         # when the planner gets the draft's chain confidence (_decode_planned): "greedy" (T = 0 only), "always",
         # "never". At T > 0 it is Π q(sampled token), not the acceptance Σ min(p, q) it would have to predict:
@@ -1359,7 +1358,6 @@ class Engine:
             mode = planner.choose(predicted, drain)
             if drain is not None or drain_age:  # counting from the first drain given
                 drain_age += 1
-            self.last_confidence = predicted  # tests, debugging
             t_launch = time.perf_counter()
             # a drain refresh's host work (choose() mapping the batch) can outlast the step in flight: the device's
             # wait for this launch, up to the refresh's host time, is no mode's cost and is taken out of the step's
