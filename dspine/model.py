@@ -435,9 +435,6 @@ class DSpineDraftModel(PreTrainedModel):
             h = layer(h, ck, cv, rope_blk, rope_prev, masks[layer.sliding], self.block_size)
         return self.norm(h)
 
-    def _has_extra_keys(self) -> bool:
-        return self.config.injection == "kv"
-
     # -- training forward --------------------------------------------------------------------------
     def forward_train(self, block_embeds, features, anchors, attn: str = "dense"):
         """Draft hidden states for many blocks per sequence (teacher forcing).
@@ -474,7 +471,7 @@ class DSpineDraftModel(PreTrainedModel):
         B, N = anchors.shape
         bs = self.block_size
         T = N * bs
-        n_kinds = 3 if self._has_extra_keys() else 2
+        n_kinds = 3 if self.config.injection == "kv" else 2
         Tk = S + (n_kinds - 1) * T
         causal = sliding or self.config.block_attention == "causal"
         window = self.config.sliding_window if sliding else None
