@@ -92,10 +92,9 @@ def check_rope(cfg, who: str) -> None:
 # a rejected draft rolls back; other model types with such layers are refused.
 TARGET_LAYER_TYPES = ("full_attention", "sliding_attention")
 RECURRENT_LAYER_TYPES = ("linear_attention",)
-# hybrid model types: named even when a config omits ``layer_types``; the reference path runs the text models
+# hybrid model types (named even when a config omits ``layer_types``), then the text models both decode paths run
 RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text")
-REFERENCE_RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
-ENGINE_RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
+RUN_RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
 # Multimodal model types whose text model is the target (the vision tower is never used): outer model_type ->
 # its ``text_config``'s model_type. transformers' Qwen3_5ForConditionalGeneration keeps the text model's
 # tensors under ``model.language_model.`` and the head at ``lm_head.weight`` (text_weight_name).
@@ -177,7 +176,7 @@ def unsupported_layers(cfg, engine: bool = True) -> list[str]:
     cfg = text_config(cfg)  # a multimodal qwen3_5 is its text model
     problems = []
     model_type = _getter(cfg)("model_type")
-    runs = ENGINE_RECURRENT_MODEL_TYPES if engine else REFERENCE_RECURRENT_MODEL_TYPES
+    runs = RUN_RECURRENT_MODEL_TYPES
     known = TARGET_LAYER_TYPES + RECURRENT_LAYER_TYPES if model_type in runs or not engine else TARGET_LAYER_TYPES
     if model_type in RECURRENT_MODEL_TYPES and model_type not in runs:
         where = "the engine" if engine else "the reference path"
@@ -197,7 +196,7 @@ def layers_error(who: str, problems: list[str], engine: bool) -> str:
     path = "the engine (--backend cuda)" if engine else "DSpine"
     return (f"{who}: {'; '.join(problems)}: not supported ({path} decodes targets whose layers are "
             f"{' / '.join(TARGET_LAYER_TYPES)}, and {' / '.join(RECURRENT_LAYER_TYPES)} in the model types "
-            f"{' / '.join(ENGINE_RECURRENT_MODEL_TYPES if engine else REFERENCE_RECURRENT_MODEL_TYPES)})")
+            f"{' / '.join(RUN_RECURRENT_MODEL_TYPES)})")
 
 
 def check_target_layers(cfg, who: str, engine: bool = True) -> list[int | None]:
