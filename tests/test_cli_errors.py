@@ -572,8 +572,11 @@ def test_ctrl_c_or_sigterm_in_sample_target_is_one_line(stories_dir, tmp_path, c
 
     out = tmp_path / "s.jsonl"
     argv = ["--target", str(stories_dir), "--num", "2", "--max-new-tokens", "2", "--out", str(out)]
-    for stop in (signal.SIGINT, signal.SIGTERM):
-        monkeypatch.setattr(sample_target, "sample_rows", lambda *a, s=stop: os.kill(os.getpid(), s))
+    def ctrl_c(*a):  # what Python's SIGINT handler raises (a test worker's SIGINT may be ignored: not sent)
+        raise KeyboardInterrupt
+
+    for stop in (ctrl_c, lambda *a: os.kill(os.getpid(), signal.SIGTERM)):
+        monkeypatch.setattr(sample_target, "sample_rows", stop)
         assert sample_target.main(argv) == 130
         err = capsys.readouterr().err
         assert f"data.sample_target: interrupted; nothing was written to {out}" in err and "Traceback" not in err
