@@ -792,3 +792,21 @@ def test_a_ctrl_c_before_any_checkpoint_says_so_and_leaves_no_empty_output_dir(m
     assert distill.main(["--config", str(CONFIG), f"output_dir={out}"]) == 130
     assert f"interrupted: {out} keeps its last checkpoint, and resume_from=auto continues" in capsys.readouterr().err
     assert (out / "latest").read_text() == "step-3\n"
+
+
+def test_a_step_that_raises_gives_the_signal_handlers_back(monkeypatch, tmp_path, capsys, data):
+    """The trainer's Ctrl-C/SIGTERM handlers (stop after the step) are put back when a step raises, not only after
+    the last step: an in-process caller (a notebook, a test) keeps its Ctrl-C (they leaked; a later SIGINT in the same
+    process only set the finished run's flag)."""
+    import signal
+
+    from train import distill
+
+    def second_ctrl_c(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "train_step", second_ctrl_c)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    assert distill.main(["--config", str(CONFIG), *data[1], "max_steps=2", f"output_dir={tmp_path / 'run'}"]) == 130
+    assert "interrupted: no checkpoint was written" in capsys.readouterr().err
+    assert {s: signal.getsignal(s) for s in before} == before

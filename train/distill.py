@@ -278,56 +278,58 @@ def train(cfg) -> int:
     loader = iter(step_loader(steps, dev["data_workers"], pin=accelerator.device.type == "cuda"))
     interrupt = GracefulInterrupt(main_proc)
     interrupted = False
-    for step in range(start, stop):
-        t0 = time.perf_counter()
-        try:
-            batches = next(loader)
-        except ValueError as e:  # a bad row, or token ids outside the target's vocabulary
-            # a worker's error arrives wrapped with its traceback; the last line is the message
-            msg = str(e).strip().splitlines()[-1].removeprefix("ValueError: ")
-            raise ConfigError(f"config key 'train': {msg}") from None
-        window["data_wait_s"] += time.perf_counter() - t0
-        window["blocks"] += sum(int((b.anchors >= 0).sum()) for b in batches)
-        res = train_step(accelerator, draft, target, optimizer, scheduler, batches, settings)
-        n = step + 1
-        window["seconds"] += time.perf_counter() - t0
-        window["loss"].append(res["loss"])
-        window["grad_norm"].append(res["grad_norm"])
-        window["tokens"] += res["tokens"]
-        window["stats"].add(res["stats"])
-        skipped_total += res["skipped"]
-        if samples is not None:
-            samples.write(json.dumps({"step": n, "rows": [i for b in batches for i in b.row_ids]}) + "\n")
-            samples.flush()
-        bar.update(1)
-        interrupted = interrupt.agreed(accelerator)  # every rank stops after the same step
-        if n % cfg.log_every == 0 or n == total_steps:  # a stop keeps the window in its checkpoint
-            pos = order.position(step)
-            row = {"step": n, "epoch": pos.epoch, "loss": sum(window["loss"]) / len(window["loss"]), "lr": res["lr"],
-                   "grad_norm": sum(window["grad_norm"]) / len(window["grad_norm"]),
-                   "tokens_per_s": window["tokens"] / max(window["seconds"], 1e-9),
-                   "tokens": window["tokens"], "anchor_blocks": window["blocks"],
-                   "step_s": window["seconds"] / len(window["loss"]),
-                   "anchor_blocks_per_s": window["blocks"] / max(window["seconds"], 1e-9),  # this rank's
-                   "data_wait_s": window["data_wait_s"] / len(window["loss"]),
-                   "train/acc_at_pos": window["stats"].accuracy, "skipped_rows": skipped_total}
-            row.update(soft_metrics(window["stats"], "train/"))
-            log(row)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
-            window = new_window()
-        due = eval_rows is not None and (n == total_steps or (cfg.eval_every and n % cfg.eval_every == 0))
-        if due and not interrupted:  # interrupted: saved as pending, run by the resume (a fast stop)
-            run_eval(n)
-        if n == stop or interrupted or (cfg.save_every and n % cfg.save_every == 0):
-            pos = order.position(n)  # where the next step starts reading
-            state = {"step": n, "epoch": pos.epoch, "index": pos.index, "skipped_rows": skipped_total,
-                     "world_size": world, "total_steps": total_steps, "eval_pending": bool(due and interrupted),
-                     "window": {**window, "stats": window["stats"].to_vector().tolist()},
-                     **{k: getattr(cfg, k) for k in RESUME_KEYS}, **data_id}
-            save_checkpoint(accelerator, draft, dcfg, cfg, dev, n, state, zero3)
-        if interrupted:
-            break
-    interrupt.restore()
+    try:  # the handlers come back even when a step raises (a second Ctrl-C, a bad row): in-process callers keep Ctrl-C
+        for step in range(start, stop):
+            t0 = time.perf_counter()
+            try:
+                batches = next(loader)
+            except ValueError as e:  # a bad row, or token ids outside the target's vocabulary
+                # a worker's error arrives wrapped with its traceback; the last line is the message
+                msg = str(e).strip().splitlines()[-1].removeprefix("ValueError: ")
+                raise ConfigError(f"config key 'train': {msg}") from None
+            window["data_wait_s"] += time.perf_counter() - t0
+            window["blocks"] += sum(int((b.anchors >= 0).sum()) for b in batches)
+            res = train_step(accelerator, draft, target, optimizer, scheduler, batches, settings)
+            n = step + 1
+            window["seconds"] += time.perf_counter() - t0
+            window["loss"].append(res["loss"])
+            window["grad_norm"].append(res["grad_norm"])
+            window["tokens"] += res["tokens"]
+            window["stats"].add(res["stats"])
+            skipped_total += res["skipped"]
+            if samples is not None:
+                samples.write(json.dumps({"step": n, "rows": [i for b in batches for i in b.row_ids]}) + "\n")
+                samples.flush()
+            bar.update(1)
+            interrupted = interrupt.agreed(accelerator)  # every rank stops after the same step
+            if n % cfg.log_every == 0 or n == total_steps:  # a stop keeps the window in its checkpoint
+                pos = order.position(step)
+                row = {"step": n, "epoch": pos.epoch, "loss": sum(window["loss"]) / len(window["loss"]), "lr": res["lr"],
+                       "grad_norm": sum(window["grad_norm"]) / len(window["grad_norm"]),
+                       "tokens_per_s": window["tokens"] / max(window["seconds"], 1e-9),
+                       "tokens": window["tokens"], "anchor_blocks": window["blocks"],
+                       "step_s": window["seconds"] / len(window["loss"]),
+                       "anchor_blocks_per_s": window["blocks"] / max(window["seconds"], 1e-9),  # this rank's
+                       "data_wait_s": window["data_wait_s"] / len(window["loss"]),
+                       "train/acc_at_pos": window["stats"].accuracy, "skipped_rows": skipped_total}
+                row.update(soft_metrics(window["stats"], "train/"))
+                log(row)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
+                window = new_window()
+            due = eval_rows is not None and (n == total_steps or (cfg.eval_every and n % cfg.eval_every == 0))
+            if due and not interrupted:  # interrupted: saved as pending, run by the resume (a fast stop)
+                run_eval(n)
+            if n == stop or interrupted or (cfg.save_every and n % cfg.save_every == 0):
+                pos = order.position(n)  # where the next step starts reading
+                state = {"step": n, "epoch": pos.epoch, "index": pos.index, "skipped_rows": skipped_total,
+                         "world_size": world, "total_steps": total_steps, "eval_pending": bool(due and interrupted),
+                         "window": {**window, "stats": window["stats"].to_vector().tolist()},
+                         **{k: getattr(cfg, k) for k in RESUME_KEYS}, **data_id}
+                save_checkpoint(accelerator, draft, dcfg, cfg, dev, n, state, zero3)
+            if interrupted:
+                break
+    finally:
+        interrupt.restore()
     bar.close()
     for fh in (metrics, samples):
         if fh is not None:
