@@ -328,7 +328,8 @@ def run(args) -> dict:
             raise ValueError(f"--draft-vocab: {e}") from None
     if not getattr(tokenizer, "chat_template", None) and (args.system or args.enable_thinking):
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
-    texts = [p.turns[0] for p in load_eval_prompts(args.dataset, args.num_prompts, args.data_dir)] if args.dataset else [args.prompt]
+    texts = ([p.turns[0] for p in load_eval_prompts(args.dataset, args.num_prompts, args.data_dir)] if args.dataset
+             else [args.prompt])
     prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template, system=args.system,
                              enable_thinking=args.enable_thinking) for text in texts]
     need = max(map(len, prompts)) + args.max_new_tokens

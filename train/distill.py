@@ -304,7 +304,8 @@ def train(cfg) -> int:
             interrupted = interrupt.agreed(accelerator)  # every rank stops after the same step
             if n % cfg.log_every == 0 or n == total_steps:  # a stop keeps the window in its checkpoint
                 pos = order.position(step)
-                row = {"step": n, "epoch": pos.epoch, "loss": sum(window["loss"]) / len(window["loss"]), "lr": res["lr"],
+                row = {"step": n, "epoch": pos.epoch, "loss": sum(window["loss"]) / len(window["loss"]),
+                       "lr": res["lr"],
                        "grad_norm": sum(window["grad_norm"]) / len(window["grad_norm"]),
                        "tokens_per_s": window["tokens"] / max(window["seconds"], 1e-9),
                        "tokens": window["tokens"], "anchor_blocks": window["blocks"],
@@ -1012,7 +1013,8 @@ def dump_stacks_on_sigusr1() -> None:
     import faulthandler
 
     if hasattr(signal, "SIGUSR1"):
-        with contextlib.suppress(AttributeError, ValueError, OSError):  # sys.__stderr__ None or without a file descriptor
+        # sys.__stderr__ None or without a file descriptor
+        with contextlib.suppress(AttributeError, ValueError, OSError):
             faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
