@@ -573,15 +573,21 @@ def format_summary(summary: dict) -> str:
 @sigterm_as_ctrl_c()  # SIGTERM (a scheduler's stop) takes the Ctrl-C path below
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    marker = Path(args.output) / SUMMARY
+    finished = os.path.isfile(marker)  # before this run: then a summary.json is no sign that this run got to its end
     try:
         summary = regenerate(args)
     except (ValueError, OSError, NotImplementedError) as e:  # OSError: missing files, an unreachable Hub id
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # every written batch is whole (JsonlAppender): the same command resumes after it
-        print(f"\ndata.regenerate: interrupted; the batches written to {args.output} are kept and the same command "
-              "resumes after them", file=sys.stderr)
-        return 130
+        if finished or not os.path.isfile(marker):
+            print(f"\ndata.regenerate: interrupted; the batches written to {args.output} are kept and the same "
+                  "command resumes after them", file=sys.stderr)
+            return 130
+        # after this run's summary.json (finish's commit): the output is whole, only the shards' removal was left
+        remove_shards(marker.parent)
+        summary = json.loads(marker.read_text())
     if summary:
         print(format_summary(summary))
         if not summary["results"]:

@@ -87,43 +87,48 @@ def merge_shards(
     """
     seen = bytearray(n_rows)
     counts = {}
-    for kind in kinds:
-        files = sorted(out.glob(f"{kind}.rank*.jsonl"))
-        entries = []
-        for file_no, path in enumerate(files):
-            with open(path, "rb") as f:
-                offset = 0
-                for line in f:
-                    m = INDEX_PREFIX.match(line)
-                    if not line.endswith(b"\n") or not m:
-                        raise ValueError(f"{path}: corrupt record at byte {offset} (not a whole record line); "
-                                         f"cut the file to its first {offset} bytes (or delete it to regenerate its "
-                                         "rows) and run the same command again")
-                    index = int(m.group(1))
-                    if index >= n_rows or seen[index]:
-                        raise ValueError(f"{path}: input row {index} recorded twice or out of range (shards of "
-                                         "another run in this folder?)")
-                    seen[index] = 1
-                    entries.append((index, file_no, offset, len(line)))
-                    offset += len(line)
-        entries.sort()
-        handles = [open(p, "rb") for p in files]
-        try:
-            with open(out / f"{kind}.jsonl.tmp", "wb") as dst:
-                for _, file_no, offset, size in entries:
-                    src = handles[file_no]
-                    src.seek(offset)
-                    line = src.read(size)
-                    dst.write(line)
-                    on_record(kind, json.loads(line))
-        finally:
-            for h in handles:
-                h.close()
-        counts[kind] = len(entries)
-    missing = n_rows - sum(seen)
-    if missing:
-        first = [i for i in range(n_rows) if not seen[i]][:5]
-        raise ValueError(f"{missing} input rows have no record yet (first: {first}); re-run to finish them")
+    try:
+        for kind in kinds:
+            files = sorted(out.glob(f"{kind}.rank*.jsonl"))
+            entries = []
+            for file_no, path in enumerate(files):
+                with open(path, "rb") as f:
+                    offset = 0
+                    for line in f:
+                        m = INDEX_PREFIX.match(line)
+                        if not line.endswith(b"\n") or not m:
+                            raise ValueError(f"{path}: corrupt record at byte {offset} (not a whole record line); "
+                                             f"cut the file to its first {offset} bytes (or delete it to regenerate "
+                                             "its rows) and run the same command again")
+                        index = int(m.group(1))
+                        if index >= n_rows or seen[index]:
+                            raise ValueError(f"{path}: input row {index} recorded twice or out of range (shards of "
+                                             "another run in this folder?)")
+                        seen[index] = 1
+                        entries.append((index, file_no, offset, len(line)))
+                        offset += len(line)
+            entries.sort()
+            handles = [open(p, "rb") for p in files]
+            try:
+                with open(out / f"{kind}.jsonl.tmp", "wb") as dst:
+                    for _, file_no, offset, size in entries:
+                        src = handles[file_no]
+                        src.seek(offset)
+                        line = src.read(size)
+                        dst.write(line)
+                        on_record(kind, json.loads(line))
+            finally:
+                for h in handles:
+                    h.close()
+            counts[kind] = len(entries)
+        missing = n_rows - sum(seen)
+        if missing:
+            first = [i for i in range(n_rows) if not seen[i]][:5]
+            raise ValueError(f"{missing} input rows have no record yet (first: {first}); re-run to finish them")
+    except BaseException:  # an error or a Ctrl-C: no half-written merge stays (the shards do: a rerun merges)
+        for kind in kinds:
+            (out / f"{kind}.jsonl.tmp").unlink(missing_ok=True)
+        raise
     for kind in kinds:
         os.replace(out / f"{kind}.jsonl.tmp", out / f"{kind}.jsonl")
     return counts
@@ -132,4 +137,4 @@ def merge_shards(
 def remove_shards(out: Path) -> None:
     """Deletes shards and markers (after the merged files and the summary are written)."""
     for path in [*out.glob("*.rank*.jsonl"), *out.glob("done.rank*.json")]:
-        path.unlink()
+        path.unlink(missing_ok=True)  # another rank's Ctrl-C path may remove them too (data.regenerate.main)

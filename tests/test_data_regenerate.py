@@ -406,3 +406,59 @@ def test_a_corrupt_shard_record_is_a_clear_error_that_says_how_to_recover(workdi
     monkeypatch.setattr(regen, "merge_shards", merge)
     assert regen.main(argv(workdir, workdir / "corrupt", "--limit", "2")) == 2
     assert "error: x.rank0.jsonl: corrupt record at byte 7" in capsys.readouterr().err
+
+
+def test_ctrl_c_after_the_summary_is_the_normal_end_and_one_in_the_merge_leaves_no_partial_file(workdir, monkeypatch,
+                                                                                                capsys):
+    """A Ctrl-C in the merge exits 130 with the shards kept and no half-written file (was: results.jsonl.tmp stayed);
+    the same command then finishes with the uninterrupted run's outputs. A SIGTERM (the decorator's Ctrl-C) that
+    lands after this run wrote summary.json, while the shards are removed, is the normal end: exit 0, the summary
+    printed, the shards gone (was: 130 and "interrupted" for a finished folder, its shards left)."""
+    import signal
+
+    full = workdir / "late-full"
+    assert regen.main(argv(workdir, full, "--limit", "20")) == 0
+    printed, want = capsys.readouterr().out, outputs(full)
+    assert "input rows 20 = results" in printed and want["results"]
+
+    real_count, calls = regen._count, []
+
+    def count(kind, record, stats):  # the third record merged: results.jsonl.tmp holds two
+        calls.append(kind)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real_count(kind, record, stats)
+
+    cut = workdir / "late-merge"
+    monkeypatch.setattr(regen, "_count", count)
+    assert regen.main(argv(workdir, cut, "--limit", "20")) == 130
+    assert f"data.regenerate: interrupted; the batches written to {cut} are kept" in capsys.readouterr().err
+    assert sorted(p.name for p in cut.iterdir()) == [
+        "done.rank0.json", "errors.rank0.jsonl", "results.rank0.jsonl", "run_args.json", "skipped.rank0.jsonl",
+    ]  # fmt: skip
+    monkeypatch.setattr(regen, "_count", real_count)
+    assert regen.main(argv(workdir, cut, "--limit", "20")) == 0
+    assert capsys.readouterr().out == printed and outputs(cut) == want
+
+    real_remove = regen.remove_shards
+
+    def late_sigterm(out):  # finish() wrote summary.json: only the shards' removal is left
+        monkeypatch.setattr(regen, "remove_shards", real_remove)
+        assert (out / regen.SUMMARY).is_file()
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not interrupt")
+
+    late = workdir / "late-summary"
+    monkeypatch.setattr(regen, "remove_shards", late_sigterm)
+    assert regen.main(argv(workdir, late, "--limit", "20")) == 0
+    out, err = capsys.readouterr()
+    assert out == printed and "interrupted" not in err and "Traceback" not in err
+    assert sorted(p.name for p in late.iterdir()) == sorted(p.name for p in full.iterdir()) and outputs(late) == want
+    assert regen.remove_shards is real_remove  # the removal ran once more, in main's Ctrl-C path
+
+    def early_sigterm(args):  # before this run's end in a folder finished earlier: still an interruption
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(regen, "regenerate", early_sigterm)
+    assert regen.main(argv(workdir, late, "--limit", "20")) == 130
+    assert f"data.regenerate: interrupted; the batches written to {late} are kept" in capsys.readouterr().err
