@@ -306,7 +306,9 @@ def test_replay_narrow_chains_are_paired_and_fixed_and_repeat_fills_a_batch(tmp_
     p = json.loads(out.read_text())["points"][0]
     assert p["mix"] is True and list(p["per_task_tok_per_s"]) == ["mixed"]
     assert p["per_task_tok_per_s"]["mixed"]["chain2"] == pytest.approx((19 + 9) / (11 * 1.21) * 1e3)
-    for extra, msg in ((["--repeat", "0"], "--repeat 0"), (["--plan-chains", "2/x"], "--plan-chains"),
+    for extra, msg in ((["--repeat", "0"], "--repeat 0: must be 1 to 1024"),
+                       (["--repeat", "1025"], "--repeat 1025: must be 1 to 1024"),
+                       (["--plan-chains", "2/x"], "--plan-chains"),
                        (["--plan-chains", "8"], "below the trace's block of 5")):
         with pytest.raises(SystemExit, match=msg):
             pt.main(args[:-2] + extra)

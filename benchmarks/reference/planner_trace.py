@@ -640,8 +640,9 @@ def replay(args) -> int:
         except ValueError as e:
             raise SystemExit(str(e)) from None
     replaces = out_path is not None and out_path.exists()  # with --overwrite: replaced; any other file never is
-    if args.repeat < 1:
-        raise SystemExit(f"--repeat {args.repeat}: must be at least 1")
+    # 1,024 copies of one prompt fill a batch of 1,024; --repeat 1e9 built rows, silent, until out of memory
+    if not 1 <= args.repeat <= 1024:
+        raise SystemExit(f"--repeat {args.repeat}: must be 1 to 1024")
     if args.concurrency is not None and args.concurrency < 1:
         raise SystemExit(f"--concurrency {args.concurrency}: must be at least 1")
     costs_list = [c.strip() for c in args.costs.split(",") if c.strip()]
@@ -758,7 +759,7 @@ def main(argv=None) -> int:
                         "parse_plan_chains; default none: the full chain only); each is a fixed mode too")
     r.add_argument("--repeat", type=int, default=1, metavar="K",
                    help="decode each task's prompts K times over (a trace of 16 prompts a task at a concurrency-64 "
-                        "run's step times: --repeat 4); default 1")
+                        "run's step times: --repeat 4); 1 to 1024, default 1")
     r.add_argument("--times", default="measured",
                    help="true step time per mode: the run's online estimate after its steps (measured) or its start-up "
                         "table of bare graph replays (table); 'measured,table' gives every point under both")
