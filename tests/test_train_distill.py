@@ -387,6 +387,46 @@ def test_ctrl_c_off_a_log_boundary_and_at_eval_steps_resumes_to_the_same_metrics
     assert [x["step"] for x in untimed("c")] == [3, 6, 8, 8]  # the old state: no pending eval, an empty window
 
 
+# Runs train/distill.py as the script (runpy, "__main__") or imports it (any other argument), with a real SIGINT sent
+# while torch imports its first submodule: a Ctrl-C during the seconds of start-up imports.
+_CTRL_C_IN_IMPORTS = r"""
+import os, runpy, signal, sys
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Python, whatever this process inherited
+
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("torch."):
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+sys.meta_path.insert(0, CtrlC())
+script, mode = sys.argv[1], sys.argv[2]
+if mode == "script":
+    sys.argv = [script, "--config", "no-such.yaml"]  # not read: the run stops before main()
+    runpy.run_path(script, run_name="__main__")
+else:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(script)))
+    import train.distill
+"""
+
+
+def test_ctrl_c_during_the_start_up_imports_is_one_line_and_130():
+    """A Ctrl-C while train/distill.py imports torch and the rest (seconds) ends it with one line, exit 130, like
+    the trainer's other Ctrl-C paths (was: a traceback through torch's __init__); a module that imports it still
+    gets the KeyboardInterrupt."""
+    script = str(REPO / "train" / "distill.py")
+    r = subprocess.run([sys.executable, "-c", _CTRL_C_IN_IMPORTS, script, "script"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode, r.stderr.strip()) == (130, "interrupted: while starting up, nothing was written"), r.stderr
+    r = subprocess.run([sys.executable, "-c", _CTRL_C_IN_IMPORTS, script, "import"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == -signal.SIGINT and r.stderr.rstrip().endswith("KeyboardInterrupt"), r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL, "ctrl-c"],
                          ids=["SIGTERM", "SIGINT", "SIGKILL", "ctrl-c"])
 def test_a_signal_to_the_relaunching_process_ends_every_rank(data, tmp_path, sig):

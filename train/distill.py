@@ -29,28 +29,34 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python train/distill.py` / `accelerate launch train/distill.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-import yaml
+try:  # a Ctrl-C during these imports (seconds: torch, transformers) is one line, not a traceback through them
+    import torch
+    import yaml
 
-from dspine.paths import read_json_object
-from train import config as run_config
-from train.config import ConfigError
-from train.data import (
-    CaptureRows,
-    ConcatRows,
-    StepBatches,
-    StepOrder,
-    expected_fields,
-    last_layer_features,
-    make_batch,
-    open_rows,
-    open_sources,
-    split_sources,
-    step_loader,
-)
-from train.loss import LossStats, anchor_generator, tau_sim
-from train.speed import compile_layers, eager_forwards, length_buckets, set_fused_adam
-from train.step import StepSettings, make_optimizer, make_scheduler, micro_loss, reduce_sum, train_step
+    from dspine.paths import read_json_object
+    from train import config as run_config
+    from train.config import ConfigError
+    from train.data import (
+        CaptureRows,
+        ConcatRows,
+        StepBatches,
+        StepOrder,
+        expected_fields,
+        last_layer_features,
+        make_batch,
+        open_rows,
+        open_sources,
+        split_sources,
+        step_loader,
+    )
+    from train.loss import LossStats, anchor_generator, tau_sim
+    from train.speed import compile_layers, eager_forwards, length_buckets, set_fused_adam
+    from train.step import StepSettings, make_optimizer, make_scheduler, micro_loss, reduce_sum, train_step
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    print("\ninterrupted: while starting up, nothing was written", file=sys.stderr)
+    sys.exit(130)
 
 
 def main(argv: list[str] | None = None) -> int:
