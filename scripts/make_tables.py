@@ -71,9 +71,10 @@ def glance_section() -> list[str]:
 
 # planner points on the same text in every mode (scripts/reproduce_h200.sh planfair), with what makes it the same
 # (the drainfed files: the same points with the narrower chains feeding the drain statistics; the refresh files: the
-# same points with a drain refresh's host time left out of the step, commit fd30777 and later)
+# same points with a drain refresh's host time left out of the step, commit fd30777 and later; the persist files: the
+# eight points' stage with persist the default drain model, commit a0f4220)
 FAIR_FILES = [(f"verify-{run}{kind}-{gpu}.json", how) for run, gpus in (
-    ("", ("h200", "h100")), ("drainfed-", ("h100",)), ("refresh-", ("h100",)))
+    ("", ("h200", "h100")), ("drainfed-", ("h100",)), ("refresh-", ("h100",)), ("persist-", ("h100",)))
               for gpu in gpus for kind, how in (
     ("exact", "exact mode: every mode decodes AR's greedy text"),
     ("invariant", "drafter-invariant verification: the chain and the planner decode AR's sampled text, no tree"))]
@@ -1101,7 +1102,8 @@ def _ab_table(names: dict, runs: tuple[str, ...], labels: tuple[str, ...], heads
     """The table of a planner A/B over ``infer.bench`` files (AR, ``chain``, ``chain4`` and the planner labels
     ``labels``, headed ``heads``): one row per run that holds every label (``names``: {(concurrency, run): file name},
     concurrencies in the order given), each label's pooled tok/s and each planner ÷ the chain of 4, then a mean row per
-    concurrency. Returns (the rows, [(concurrency, run, name, file, rate, per_task)]); ([], []) without a run."""
+    concurrency of more than one run. Returns (the rows, [(concurrency, run, name, file, rate, per_task)]); ([], [])
+    without a run."""
     rows = []
     for (c, run), name in names.items():
         r = load(name)
@@ -1120,7 +1122,7 @@ def _ab_table(names: dict, runs: tuple[str, ...], labels: tuple[str, ...], heads
                    + f" | [`{name}`](results/{name}) `{r['commit'][:7]}` |")
     for c in dict.fromkeys(c for c, _ in names):
         sel = [rate for cc, _, _, _, rate, _ in rows if cc == c]
-        if sel:
+        if len(sel) > 1:  # one run: its row is the mean
             mean = {k: sum(x[k] / x["chain4"] for x in sel) / len(sel) for k in labels}
             out.append(f"| {c} | mean of {len(sel)} | | | |" + " |" * n + " "
                        + " | ".join(f"{mean[a]:.3f}" for a in labels) + " | |")
@@ -1149,6 +1151,24 @@ def planner_persist_section() -> list[str]:
             "", "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows))
             + ". Step logs: [`plan-logs-h100-2026-12-06-persist.tar.gz`](results/plan-logs-h100-2026-12-06-persist.tar.gz).",
             ""]
+
+
+def planner_mix_section() -> list[str]:
+    """Stage planmix (results/planner-mix-GPU-exact-T0-c{64,32}.json, the H200's if there, else the H100's): the
+    default drain model p (persist) and ps (drain=scaled) ÷ the chain of 4 on mixed batches (``infer.bench --mix``).
+    Empty without the files."""
+    gpu = "h200" if load("planner-mix-h200-exact-T0-c64.json") else "h100"
+    names = {(c, ""): f"planner-mix-{gpu}-exact-T0-c{c}.json" for c in (64, 32)}
+    table, rows = _ab_table(names, ("",), ("p", "ps"), ("p (persist, the default)", "ps (scaled)"))
+    if not rows:
+        return []
+    return ["#### The drain models on mixed batches", "",
+            "`infer.bench --mix` takes the five tasks' prompts in turn, so every batch holds requests of every task, as "
+            "a server's traffic does (the tables above run each task alone). The default `persist` (`p`) against "
+            "`scaled` (`ps`, `--config ps:budget=auto,drain=scaled`) beside AR and the fixed chains of 16 and 4; stage "
+            f"`planmix` of `scripts/reproduce_h200.sh` (SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact`, "
+            f"64 prompts a task, 512 new tokens, one {gpu.upper()} lease, one run a point):", "", *table, "",
+            "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows)), ""]
 
 
 COST_RUNS = ("", "-r2", "-r3")  # planner-cost{RUN}-h100-exact-T0-c{C}.json: one lease, three runs a point
@@ -2088,7 +2108,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_fused_section, planner_persist_section, planner_cost_section, drain_model_replay_section, planner_est_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_fused_section, planner_persist_section, planner_mix_section, planner_cost_section, drain_model_replay_section, planner_est_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)
