@@ -43,7 +43,6 @@ import io
 import json
 import lzma
 import os
-import shutil
 import sys
 import tarfile
 import time
@@ -253,17 +252,11 @@ def export(cache: str | Path, out: str | Path, part_mib: float = 15, preset: int
                 "parts": [{"file": f"{PART_PREFIX}{i:03d}", "bytes": len(p), "sha256": _sha256(p)}
                           for i, p in enumerate(parts)],
                 "seconds": {"read": round(t1 - t0, 2), "compress": round(t2 - t1, 2)}}
-    tmp = tmp_beside(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with tmp_beside(out) as tmp:
         for part, data in zip(manifest["parts"], parts):
             (tmp / part["file"]).write_bytes(data)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -425,17 +418,10 @@ def import_(parts: list[str | Path], out: str | Path | None = None, cache_dir: s
         raise PackError(f"archive {manifest.get('cache_name')}: xz stream unreadable ({e})") from None
     if _sha256(payload) != manifest["payload_sha256"]:
         raise PackError(f"archive {manifest.get('cache_name')}: payload sha256 differs from {MANIFEST}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_beside(out)  # dot name: `ls -d tok-train/*/` skips it
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with tmp_beside(out) as tmp:  # dot name: `ls -d tok-train/*/` skips it; out's parent folders are made
         write_cache(payload, tmp)
         _check_counts(tmp / DATA_FILE, manifest)
         os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

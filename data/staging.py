@@ -5,21 +5,30 @@ Standard library only: ``python -m data.pack`` imports it and stays free of the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
 
 
-def tmp_beside(out: Path) -> Path:
-    """``.<name>.tmp-<pid>`` beside ``out``: the folder a data tool builds ``out`` in before renaming it into place (a
-    dot name: ``ls -d folder/*/`` skips it and nothing opens it as output). The same name's leftovers of processes
-    that are gone (SIGKILL runs no cleanup) are removed first; one of a live process (a concurrent build) is left."""
+@contextlib.contextmanager
+def tmp_beside(out: Path):
+    """Yields ``.<name>.tmp-<pid>`` beside ``out``, new and empty (parents created): the folder a data tool builds
+    ``out`` in before renaming it into place (a dot name: ``ls -d folder/*/`` skips it and nothing opens it as output).
+    The same name's leftovers of processes that are gone (SIGKILL runs no cleanup) are removed first; one of another
+    live process (a concurrent build) is left. Removed with its contents when the block raises (Ctrl-C included)."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     for old in out.parent.glob(f".{out.name}.tmp-*"):
         pid = old.name.rsplit("-", 1)[-1]
-        if old != tmp and pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
-    return tmp
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _alive(pid: int) -> bool:

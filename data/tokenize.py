@@ -332,18 +332,14 @@ def build_tokenized(
     final = Path(cache_dir) / cache_key(manifest)
     if (final / SUMMARY).exists():
         return final
-    tmp = tmp_beside(final)  # a killed build's leftover is removed, and never picked or opened as a cache
     settings = (tokenizer_path, template, thinking, assistant_turns, max_length)
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    # a killed build's leftover is removed, and never picked or opened as a cache; a failed build leaves no stray temp
+    # folder in cache_dir
+    with tmp_beside(final) as tmp:
         summary = _write_cache(tmp, Path(input_jsonl), tokenizer, settings, num_proc)
         summary["manifest"] = manifest
         atomic_write_json(tmp / "manifest.json", manifest)
         atomic_write_json(tmp / SUMMARY, summary)
-    except BaseException:  # a failed build leaves no stray temp folder in cache_dir
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     try:
         os.rename(tmp, final)
     except OSError:  # another process finished the same key first: its cache is identical
