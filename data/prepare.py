@@ -154,8 +154,25 @@ def prepare(
             per_source[name] = _prepare_source(
                 name, location, rows, fmt, writers, seen, eval_fraction, seed, limit
             )
+        for w in writers.values():
+            w.close()
+        total = Counter()
+        for stats in per_source.values():
+            total.update({k: stats[k] for k in ("read", "kept", "train", "eval", "duplicates", "skipped")})
+        summary = {
+            "total": dict(total),
+            "sources": per_source,
+            "eval_fraction": eval_fraction,
+            "seed": seed,
+            "limit": limit,
+            "consistent": total["read"] == total["kept"] + total["duplicates"] + total["skipped"],
+        }
+        if not total["kept"]:
+            # Nothing to train on: leave nothing that looks finished (or unfinished), so a corrected
+            # retry into the same folder is not refused; an earlier finished output stays as it was.
+            raise NoRowKept(summary)
     except BaseException:
-        # a failed source leaves no partial .tmp files behind (the finished outputs are untouched)
+        # a failed source, or no row kept, leaves no partial .tmp files behind (the finished outputs are untouched)
         for w in writers.values():
             w.close()
         for path in tmp.values():
@@ -163,28 +180,6 @@ def prepare(
         if created and not any(out.iterdir()):  # nor an empty folder of its own (a bad input, Ctrl-C)
             out.rmdir()
         raise
-    for w in writers.values():
-        w.close()
-
-    total = Counter()
-    for stats in per_source.values():
-        total.update({k: stats[k] for k in ("read", "kept", "train", "eval", "duplicates", "skipped")})
-    summary = {
-        "total": dict(total),
-        "sources": per_source,
-        "eval_fraction": eval_fraction,
-        "seed": seed,
-        "limit": limit,
-        "consistent": total["read"] == total["kept"] + total["duplicates"] + total["skipped"],
-    }
-    if not total["kept"]:
-        # Nothing to train on: leave nothing that looks finished (or unfinished), so a corrected
-        # retry into the same folder is not refused; an earlier finished output stays as it was.
-        for path in tmp.values():
-            path.unlink(missing_ok=True)
-        if created and not any(out.iterdir()):
-            out.rmdir()
-        raise NoRowKept(summary)
     # Finish: drop the old summary first so a crash mid-rename never leaves a "finished" marker
     # next to a mix of old and new files; summary.json is written last.
     (out / SUMMARY).unlink(missing_ok=True)
