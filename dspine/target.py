@@ -391,18 +391,13 @@ class TargetSpec:
     def from_config(cls, config, name: str = "", tokenizer=None, generation_config=None) -> TargetSpec:
         pad, eos = set(), set()
         text = config.get_text_config() if hasattr(config, "get_text_config") else config  # qwen3_5: text_config
-        for src in (config, text, generation_config):
+        for src in (config, text, generation_config, tokenizer):
             if src is None:
                 continue
             for bucket, key in ((pad, "pad_token_id"), (eos, "eos_token_id")):
                 v = getattr(src, key, None)
                 if v is not None:
                     bucket.update([v] if isinstance(v, int) else list(v))
-        if tokenizer is not None:
-            if tokenizer.pad_token_id is not None:
-                pad.add(tokenizer.pad_token_id)
-            if tokenizer.eos_token_id is not None:
-                eos.add(tokenizer.eos_token_id)
         outer = config  # decides support (a multimodal qwen3_5 is its text model; other multimodal types are refused)
         config = text
         theta = getattr(config, "rope_theta", None)
