@@ -21,12 +21,7 @@ CHATML = (
 )
 # ChatML for a tokenizer without the ChatML control tokens (a base LM such as stories260K): the target
 # cannot end a turn with a one-token "<|im_end|>", so its turns end with the tokenizer's eos token.
-CHATML_EOS = (
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
+CHATML_EOS = CHATML.replace("'<|im_end|>\\n'", "eos_token + '\\n'")
 BUILTIN_TEMPLATES = {"chatml": CHATML}
 
 # End-of-turn markers of common template families, looked up in the template text; a template that
