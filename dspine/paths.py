@@ -155,19 +155,13 @@ def load_tokenizer(path_or_id: str, gguf_file: str | None = None):
     """
     path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, what="tokenizer")
     with hub_errors("tokenizer", path_or_id):
-        return _load_tokenizer(path_or_id, gguf_file)
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-
-def _load_tokenizer(path_or_id: str, gguf_file: str | None):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok_json = Path(path_or_id) / "tokenizer.json"
-    cfg_file = Path(path_or_id) / "config.json"
-    # A Llama folder with only tokenizer.json (e.g. stories260K) loads as a fast tokenizer directly;
-    # AutoTokenizer would pick a slow sentencepiece class that needs files we do not have.
-    if tok_json.is_file() and cfg_file.is_file() and not (Path(path_or_id) / "tokenizer.model").exists():
-        model_type = read_json_object(cfg_file, "a model config").get("model_type")
-        if model_type == "llama":
-            return PreTrainedTokenizerFast.from_pretrained(path_or_id)
-    return AutoTokenizer.from_pretrained(path_or_id, **kw)
+        tok_json = Path(path_or_id) / "tokenizer.json"
+        cfg_file = Path(path_or_id) / "config.json"
+        # A Llama folder with only tokenizer.json (e.g. stories260K) loads as a fast tokenizer directly;
+        # AutoTokenizer would pick a slow sentencepiece class that needs files we do not have.
+        if tok_json.is_file() and cfg_file.is_file() and not (Path(path_or_id) / "tokenizer.model").exists():
+            if read_json_object(cfg_file, "a model config").get("model_type") == "llama":
+                return PreTrainedTokenizerFast.from_pretrained(path_or_id)
+        return AutoTokenizer.from_pretrained(path_or_id, **({"gguf_file": gguf_file} if gguf_file else {}))
