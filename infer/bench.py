@@ -620,10 +620,7 @@ def load_tasks(args, tasks: list[str]) -> dict[str, list]:
 
 def first_divergence(a: list[int], b: list[int]) -> int:
     """First index where token lists ``a`` and ``b`` differ (the shorter length if one is a prefix)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def table(rows: list[dict]) -> str:
