@@ -152,16 +152,12 @@ def save_draft_vocab(path: str | Path, ids: torch.Tensor, metadata: dict) -> Non
         default_file_mode(tmp)  # safetensors and mkstemp write 0600
         try:
             os.link(tmp, path)  # fails if path appeared meanwhile: a finished file is never replaced
-        except FileExistsError:
-            raise FileExistsError(f"{path} appeared while it was written; not overwritten") from None
-        except OSError:  # a filesystem without hard links: a rename after a last check
-            if path.exists():
+        except OSError as e:  # that, or a filesystem without hard links: then a rename after a last check
+            if isinstance(e, FileExistsError) or path.exists():
                 raise FileExistsError(f"{path} appeared while it was written; not overwritten") from None
             os.replace(tmp, path)
-            return
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def load_draft_vocab(path: str | Path, vocab_size: int | None = None) -> tuple[torch.Tensor, dict]:
