@@ -416,14 +416,13 @@ def finish(out: Path, n_rows: int, run_args: dict, backend: str, world: int, sta
         summary["resumed"] = resumed
         if not resumed and summary["wall_s"] > 0:
             summary["generated_tokens_per_s"] = round(summary["generated_tokens"] / summary["wall_s"], 1)
-    if not summary["results"]:
+    if summary["results"]:
+        atomic_write_json(out / SUMMARY, summary)
+    else:
         # Nothing to train on: do not mark DIR finished nor pin its arguments, so a corrected rerun
         # (other arguments or input) is not refused; skipped.jsonl / errors.jsonl stay for reading.
-        remove_shards(out)
         (out / "results.jsonl").unlink(missing_ok=True)
         (out / RUN_ARGS).unlink(missing_ok=True)
-        return summary
-    atomic_write_json(out / SUMMARY, summary)
     remove_shards(out)
     return summary
 
