@@ -168,10 +168,6 @@ def _coerce(key: str, value, tp, from_cli: bool):
     raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
-def _hints() -> dict:
-    return typing.get_type_hints(RunConfig)
-
-
 def _unknown(key: str) -> ConfigError:
     names = [f.name for f in dataclasses.fields(RunConfig)]
     close = difflib.get_close_matches(key, names, n=1)
@@ -181,7 +177,7 @@ def _unknown(key: str) -> ConfigError:
 
 def apply(cfg: RunConfig, values: dict, from_cli: bool = False) -> RunConfig:
     """Set ``values`` (key -> raw value) on ``cfg`` with type checks. Raises ConfigError."""
-    hints = _hints()
+    hints = typing.get_type_hints(RunConfig)
     for key, raw in values.items():
         if key not in hints:
             raise _unknown(key)
@@ -204,7 +200,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key in NON_NEGATIVE:
         if getattr(cfg, key) is not None and getattr(cfg, key) < 0:
             raise ConfigError(f"config key {key!r}: must be >= 0, got {getattr(cfg, key)}")
-    for key, tp in _hints().items():  # lr=nan would pass every `<` check below and train to NaN
+    for key, tp in typing.get_type_hints(RunConfig).items():  # lr=nan would pass every `<` check below and train to NaN
         values = getattr(cfg, key) if typing.get_origin(tp) is list else [getattr(cfg, key)]
         if any(isinstance(v, float) and not math.isfinite(v) for v in values or []):
             raise ConfigError(f"config key {key!r}: must be a finite number, got {getattr(cfg, key)}")
