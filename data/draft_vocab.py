@@ -162,13 +162,9 @@ def build(
     except ValueError as e:
         raise DraftVocabError(str(e)) from None
     try:
-        parts = split_sources(data)
-    except ValueError as e:
-        raise DraftVocabError(f"--data: {e}") from None
-    for part in parts:
-        if not Path(part).exists():
-            raise DraftVocabError(f"--data: {part}: no such file or folder")
-    try:
+        for part in split_sources(data):
+            if not Path(part).exists():
+                raise FileNotFoundError(f"{part}: no such file or folder")
         rows = open_sources(data)
     except (FileNotFoundError, ValueError) as e:
         raise DraftVocabError(f"--data: {e}") from None
