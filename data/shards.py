@@ -8,6 +8,7 @@ rows are read from all shards, and the merge takes them all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -108,18 +109,15 @@ def merge_shards(
                         entries.append((index, file_no, offset, len(line)))
                         offset += len(line)
             entries.sort()
-            handles = [open(p, "rb") for p in files]
-            try:
-                with open(out / f"{kind}.jsonl.tmp", "wb") as dst:
-                    for _, file_no, offset, size in entries:
-                        src = handles[file_no]
-                        src.seek(offset)
-                        line = src.read(size)
-                        dst.write(line)
-                        on_record(kind, json.loads(line))
-            finally:
-                for h in handles:
-                    h.close()
+            with contextlib.ExitStack() as opened:
+                handles = [opened.enter_context(open(p, "rb")) for p in files]
+                dst = opened.enter_context(open(out / f"{kind}.jsonl.tmp", "wb"))
+                for _, file_no, offset, size in entries:
+                    src = handles[file_no]
+                    src.seek(offset)
+                    line = src.read(size)
+                    dst.write(line)
+                    on_record(kind, json.loads(line))
             counts[kind] = len(entries)
         missing = n_rows - sum(seen)
         if missing:
