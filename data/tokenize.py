@@ -452,7 +452,7 @@ def _write_cache(folder: Path, input_jsonl: Path, tokenizer, settings, num_proc:
             open(folder / "errors.jsonl", "w", encoding="utf-8") as errors,
         ):
             for chunk in tqdm(results, desc="tokenize", unit=" chunks", mininterval=2.0, file=sys.stderr):
-                batch = {"id": [], "turns": [], "input_ids": [], "loss_mask": []}
+                batch = {name: [] for name in schema.names}  # id, turns, input_ids, loss_mask
                 for item in chunk:
                     stats["rows"] += 1
                     if item[0] == "error":
@@ -466,10 +466,8 @@ def _write_cache(folder: Path, input_jsonl: Path, tokenizer, settings, num_proc:
                     stats["truncated_sequences"] += truncated
                     stats["dropped_turns"] += dropped
                     for seq in seqs:
-                        batch["id"].append(row_id)
-                        batch["turns"].append(seq["turns"])
-                        batch["input_ids"].append(seq["input_ids"])
-                        batch["loss_mask"].append(seq["loss_mask"])
+                        for name, column in batch.items():
+                            column.append(row_id if name == "id" else seq[name])
                         stats["sequences"] += 1
                         stats["tokens"] += len(seq["input_ids"])
                         stats["supervised_tokens"] += sum(seq["loss_mask"])
