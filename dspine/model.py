@@ -634,6 +634,14 @@ class DSpineDraftModel(PreTrainedModel):
             for lin, part in zip(linears, w.split([lin.weight.shape[0] for lin in linears])):
                 lin.weight = nn.Parameter(part, requires_grad=False)
 
+        def refresh(owner, name, value):  # in place where it fits: current values at the same address
+            old = getattr(owner, name)
+            if old is not None and (old.device, old.dtype, old.shape) == (value.device, value.dtype, value.shape):
+                with torch.inference_mode(torch.is_inference(old)):
+                    old.copy_(value)
+            else:
+                setattr(owner, name, value)
+
         for layer in self.layers:
             at, mlp, adj = layer.self_attn, layer.mlp, layer.adjacent
             if at.qkv_weight is None or at.q_proj.weight.data_ptr() != at.qkv_weight.data_ptr():
@@ -643,25 +651,12 @@ class DSpineDraftModel(PreTrainedModel):
                 w_in, w_adj = layer.input_layernorm.weight.float(), adj.norm.weight.float()
                 folded = torch.cat([at.qkv_weight.float() * w_in, torch.cat([adj.k_proj.weight, adj.v_proj.weight]).float()
                                     * w_adj]).to(at.qkv_weight.dtype)
-                unit = torch.ones_like(layer.input_layernorm.weight)
-                for name, value in (("qkvkv_weight", folded), ("unit_weight", unit)):
-                    old = getattr(adj, name)
-                    if old is not None and old.device == value.device and old.dtype == value.dtype and \
-                            old.shape == value.shape:
-                        with torch.inference_mode(torch.is_inference(old)):
-                            old.copy_(value)  # in place: current values at the same address
-                    else:
-                        setattr(adj, name, value)
+                refresh(adj, "qkvkv_weight", folded)
+                refresh(adj, "unit_weight", torch.ones_like(layer.input_layernorm.weight))
             if adj is not None and adj.mode == "residual" and isinstance(adj.proj, LowRank):
                 up, down = adj.proj.up.weight, adj.proj.down.weight  # [H, r], [r, H]
                 if up.shape[0] ** 2 <= 2 * up.numel() + (1 << 22):
-                    folded = (up.float() @ down.float()).to(up.dtype)
-                    if adj.proj_weight is not None and adj.proj_weight.device == up.device and \
-                            adj.proj_weight.dtype == up.dtype:
-                        with torch.inference_mode(torch.is_inference(adj.proj_weight)):
-                            adj.proj_weight.copy_(folded)  # in place: current values at the same address
-                    else:
-                        adj.proj_weight = folded
+                    refresh(adj, "proj_weight", (up.float() @ down.float()).to(up.dtype))
         return self
 
     def forward(self, block_embeds, features, anchors, attn: str = "dense"):
