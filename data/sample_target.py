@@ -110,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     if out.exists():  # appeared while sampling: still never overwrite
         tmp.unlink()
         print(f"error: {out} appeared while sampling; refusing to overwrite", file=sys.stderr)
