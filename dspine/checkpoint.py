@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from dspine.config import DSpineConfig
 from dspine.io import WEIGHTS, default_file_mode, open_each_weight_file, read_safetensors
 from dspine.model import DSpineDraftModel
-from dspine.paths import hub_errors, read_json_object
+from dspine.paths import hub_errors, read_json_object, snapshot_folder
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +29,10 @@ def resolve_checkpoint(path_or_id: str) -> Path:
         FileNotFoundError: a local-looking path that does not exist.
     """
     p = Path(path_or_id)
-    if p.is_dir():
-        return p
-    if p.exists() or path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") != 1:
+    if not p.is_dir() and (p.exists() or path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") != 1):
         raise FileNotFoundError(f"draft checkpoint folder not found: {path_or_id}")
-    from huggingface_hub import snapshot_download
-
     with hub_errors("draft", path_or_id):
-        return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
+        return snapshot_folder(path_or_id)
 
 
 def load_config(path_or_id: str | Path) -> DSpineConfig:

@@ -132,6 +132,16 @@ def resolve_model_path(path_or_id: str, gguf_file: str | None = None, what: str 
     return (str(p) if path_or_id.startswith("~") else path_or_id), gguf_file
 
 
+def snapshot_folder(path_or_id: str) -> Path:
+    """``path_or_id`` itself when it is a folder, else the folder of its Hub snapshot: the ``*.json`` and
+    ``*.safetensors`` files (``huggingface_hub.snapshot_download``; the drafts' and the targets' weight loaders)."""
+    if Path(path_or_id).is_dir():
+        return Path(path_or_id)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
+
+
 @contextlib.contextmanager
 def hub_errors(what: str, path_or_id: str):
     """Re-raise an ``OSError`` of loading a Hub id (no network, no such repo, gated) as one line that

@@ -27,7 +27,7 @@ from dspine.config import (
     unsupported_rope,
 )
 from dspine.io import WEIGHTS, WEIGHTS_INDEX, open_each_weight_file
-from dspine.paths import hub_errors, load_tokenizer, resolve_model_path
+from dspine.paths import hub_errors, load_tokenizer, resolve_model_path, snapshot_folder
 
 
 class _StopForward(Exception):
@@ -324,11 +324,7 @@ def _text_model_from_tensors(path_or_id: str, text, dtype, **kw) -> nn.Module:
 
     from dspine.io import read_safetensors
 
-    folder = Path(path_or_id)
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors"]))
+    folder = snapshot_folder(path_or_id)
     if dtype == "auto":  # the checkpoint's own dtype, as from_pretrained's "auto"
         dtype = getattr(torch, str(getattr(text, "dtype", None) or "float32").removeprefix("torch."))
     model = AutoModelForCausalLM.from_config(text, dtype=dtype, **kw)

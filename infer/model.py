@@ -39,7 +39,6 @@ import copy
 import functools
 import itertools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -412,14 +411,10 @@ class EngineTarget(nn.Module):
                         layer_ids=None, impl: str = "triton", last_layer_features: str = "post_norm") -> EngineTarget:
         """Load a local HF folder (safetensors, sharded or not) or a GGUF file (dequantized by
         transformers). Raises FileNotFoundError / ValueError naming the file or field."""
-        from dspine.paths import resolve_model_path
+        from dspine.paths import resolve_model_path, snapshot_folder
 
         path, gguf_file = resolve_model_path(path, gguf_file)
-        folder = Path(path)
-        if not folder.is_dir():
-            from huggingface_hub import snapshot_download
-
-            folder = Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
+        folder = snapshot_folder(path)
         if gguf_file:
             from transformers import AutoModelForCausalLM
 
