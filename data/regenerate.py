@@ -52,7 +52,7 @@ from data.shards import (
     write_marker,
 )
 from dspine.io import sigterm_as_ctrl_c
-from dspine.paths import load_tokenizer, read_json_object
+from dspine.paths import load_tokenizer, read_json_object, resolve_model_path
 
 KINDS = ("results", "errors", "skipped")
 RUN_ARGS = "run_args.json"
@@ -455,9 +455,6 @@ def regenerate(args: argparse.Namespace) -> dict:
     if (out / SUMMARY).exists() and not (out / "run_args.json").exists():
         raise ValueError(f"{out} holds a {SUMMARY} that no data.regenerate run wrote (another tool's output?); "
                          "choose another --output")
-
-    from dspine.paths import resolve_model_path
-
     # a .gguf path becomes (folder, file name) here, so run_args.json and every loader see one spelling
     args.target, args.gguf_file = resolve_model_path(args.target, args.gguf_file, need_config=True)
     from dspine.target import TargetSpec

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dspine.config import (
+    LAST_LAYER_FEATURES,
     ROPE_IMPLEMENTED,
     check_rope,
     check_target_layers,
@@ -26,7 +27,7 @@ from dspine.config import (
     unsupported_layers,
     unsupported_rope,
 )
-from dspine.io import WEIGHTS, WEIGHTS_INDEX, open_each_weight_file
+from dspine.io import WEIGHTS, WEIGHTS_INDEX, open_each_weight_file, read_safetensors
 from dspine.paths import hub_errors, load_tokenizer, resolve_model_path, snapshot_folder
 
 
@@ -118,8 +119,6 @@ class TargetAdapter(nn.Module):
 
     def set_layer_ids(self, layer_ids: list[int], last_layer_features: str = "post_norm") -> None:
         """Set the feature layers and the last-layer convention (take both from the draft config)."""
-        from dspine.config import LAST_LAYER_FEATURES
-
         if last_layer_features not in LAST_LAYER_FEATURES:
             raise ValueError(f"last_layer_features={last_layer_features!r}: choose one of {LAST_LAYER_FEATURES}")
         bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
@@ -321,8 +320,6 @@ def load_text_model(path_or_id: str, config, dtype=torch.float32, **kw) -> nn.Mo
 
 def _text_model_from_tensors(path_or_id: str, text, dtype, **kw) -> nn.Module:
     from transformers import AutoModelForCausalLM
-
-    from dspine.io import read_safetensors
 
     folder = snapshot_folder(path_or_id)
     if dtype == "auto":  # the checkpoint's own dtype, as from_pretrained's "auto"

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspine.sampling import SamplingParams
+from dspine.sampling import SamplingParams, sampling_params
 from dspine.stats import AcceptStats
 from infer.planner import (
     DRAIN_MODELS,
@@ -43,6 +43,7 @@ from infer.planner import (
     parse_plan_chains,
     parse_plan_trees,
     plan_chains_flag,
+    plan_log_path,
     plan_trees_flag,
 )
 
@@ -804,8 +805,6 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
     if twice:
         raise ValueError(f"--datasets {args.datasets!r}: {', '.join(twice)} given twice (it would run and count twice "
                          "in the means)")
-    from dspine.sampling import sampling_params
-
     params = sampling_params(args)
     for name in ("num_prompts", "concurrency", "max_prompt_tokens"):
         if getattr(args, name) < 1:
@@ -839,8 +838,6 @@ def check_args(args) -> tuple[list[str], SamplingParams]:
         raise ValueError("--config needs the engine (--backend cuda; --device cpu on a CPU)")
     args.configs = parse_configs(args.config, parse_drafts(args.draft), args, tree_budget_given)
     if any(c["budget"] for c in args.configs.values()):  # a DSPINE_PLAN_LOG that cannot be written fails now
-        from infer.planner import plan_log_path
-
         plan_log_path()
     # a draft vocabulary file that is not there fails now, not after the models; the run-wide one is checked as
     # given, also where every label overrides it

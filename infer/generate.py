@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dspine.checkpoint import load_draft
+from dspine.checkpoint import load_config, load_draft
 from dspine.draft_vocab import DRAFT_VOCAB_HELP, check_tokens, load_draft_vocab, unchecked_note
 from dspine.draft_vocab import describe as describe_vocab
 from dspine.paths import load_tokenizer, resolve_model_path
@@ -40,7 +40,7 @@ from dspine.reference import (
 )
 from dspine.sampling import DRAFT_TEMPERATURE_HELP, INVARIANT_HELP, sampling_params
 from dspine.target import TargetSpec, assert_compatible, load_target
-from infer.datasets import load_eval_prompts
+from infer.datasets import load_eval_prompts, task_name
 from infer.engine import load_engine
 from infer.fetch import DEFAULT_TARGET, EXPECTED, problem
 from infer.planner import plan_chains_flag, plan_trees_flag
@@ -267,8 +267,6 @@ def run(args) -> dict:
     if (args.prompt is None) == (args.dataset is None):
         raise ValueError("give --prompt TEXT or --dataset NAME (one of them)")
     if args.dataset:
-        from infer.datasets import task_name
-
         task_name(args.dataset)
     for flag, parse in (("--plan-trees", plan_trees_flag), ("--plan-chains", plan_chains_flag)):
         value = getattr(args, flag[2:].replace("-", "_"), None)
@@ -288,11 +286,8 @@ def run(args) -> dict:
     target_path, draft_path = resolve_models(args)
     if draft_path is None:
         refuse_draft_options(args, (("--compare-ar", args.compare_ar),))
-    draft_cfg = None
-    if draft_path is not None:  # a missing or unreadable draft fails before the target is loaded
-        from dspine.checkpoint import load_config
-
-        draft_cfg = load_config(draft_path)
+    # a missing or unreadable draft fails before the target is loaded
+    draft_cfg = load_config(draft_path) if draft_path is not None else None
     if args.block_size is not None and args.block_size > draft_cfg.block_size:
         raise ValueError(f"--block-size {args.block_size} exceeds the draft's block size {draft_cfg.block_size}")
     path, gguf = resolve_model_path(target_path, args.gguf_file, need_config=True)

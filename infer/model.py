@@ -62,7 +62,7 @@ from dspine.ops.sdpa import backends_context
 from dspine.ops.silu_mul import silu_mul
 from dspine.ops.tree_attention import tree_attention, tree_paths
 from dspine.ops.verify_attention import verify_attention
-from dspine.paths import read_json_object
+from dspine.paths import read_json_object, resolve_model_path, snapshot_folder
 from infer import linear_attention
 
 SUPPORTED = ("qwen3", "qwen2", "llama", "qwen3_5_text", "qwen3_next")
@@ -411,8 +411,6 @@ class EngineTarget(nn.Module):
                         layer_ids=None, impl: str = "triton", last_layer_features: str = "post_norm") -> EngineTarget:
         """Load a local HF folder (safetensors, sharded or not) or a GGUF file (dequantized by
         transformers). Raises FileNotFoundError / ValueError naming the file or field."""
-        from dspine.paths import resolve_model_path, snapshot_folder
-
         path, gguf_file = resolve_model_path(path, gguf_file)
         folder = snapshot_folder(path)
         if gguf_file:

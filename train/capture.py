@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from dspine.io import atomic_write_json
-from dspine.paths import read_json_object
+from dspine.paths import load_tokenizer, read_json_object
 from train.config import ConfigError, draft_config, parse_cli, resolve_device_settings
 from train.data import FORMAT, check_manifest, open_sources
 
@@ -48,7 +48,6 @@ def capture(cfg, out: str | Path, rows_per_shard: int = 1024, device: str | None
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from dspine.paths import load_tokenizer
     from dspine.target import load_target
 
     out = Path(out)

@@ -34,7 +34,7 @@ import torch
 
 from dspine.io import file_digest
 from dspine.paths import read_json_object
-from train.loss import block_input_ids, block_targets, sample_anchors
+from train.loss import anchor_generator, block_input_ids, block_targets, sample_anchors
 
 
 class JsonlRows:
@@ -586,8 +586,6 @@ class StepBatches(torch.utils.data.Dataset):
         return len(self.steps)
 
     def __getitem__(self, i: int) -> list[MicroBatch]:
-        from train.loss import anchor_generator
-
         step = self.steps[i]
         out = []
         for m, ids in enumerate(self.order.rank_rows(step, self.rank)):

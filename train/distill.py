@@ -33,7 +33,7 @@ try:  # a Ctrl-C during these imports (seconds: torch, transformers) is one line
     import torch
     import yaml
 
-    from dspine.paths import read_json_object
+    from dspine.paths import load_tokenizer, read_json_object
     from train import config as run_config
     from train.config import ConfigError
     from train.data import (
@@ -98,7 +98,6 @@ def train(cfg) -> int:
 
     from dspine.checkpoint import load_draft, warm_start
     from dspine.model import DSpineDraftModel, count_parameters
-    from dspine.paths import load_tokenizer
     from dspine.target import TargetSpec, load_target
 
     # ---------------------------------------------------------------------------------------- init
