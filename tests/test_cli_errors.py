@@ -581,3 +581,17 @@ def test_ctrl_c_or_sigterm_in_sample_target_is_one_line(stories_dir, tmp_path, c
         err = capsys.readouterr().err
         assert f"data.sample_target: interrupted; nothing was written to {out}" in err and "Traceback" not in err
         assert not out.exists() and not list(tmp_path.glob("s.jsonl*"))
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("benchmarks.engine.bench_regen", ["--repeat", "0"], "--repeat 0: must be >= 1"),
+    ("benchmarks.train.bench_eval", ["--repeats", "-1", "--output", "x.json"], "--repeats -1: must be >= 1"),
+])
+def test_benchmark_repeat_counts_below_one_are_refused(module, argv, message, capsys):
+    """A run count below 1 wrote a results file with no run in it; now argparse's usage error, before any model."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

@@ -60,6 +60,8 @@ def main(argv=None) -> dict:
     p.add_argument("--mean-len", type=int, default=355, help="--null-model: mean answer length in tokens")
     p.add_argument("--output", default=None, help="JSON file")
     a = p.parse_args(argv)
+    if a.repeat < 1:
+        p.error(f"--repeat {a.repeat}: must be >= 1 (the JSON would hold no run)")
     tiny = a.tiny
     n = a.prompts or (256 if tiny else 4096)
     lo, hi = a.prompt_len or ((4, 32) if tiny else (32, 256))

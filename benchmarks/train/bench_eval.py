@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="stories260K, random 2-layer draft, small sizes (CPU)")
     ap.add_argument("--output", required=True)
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: must be >= 1 (the report would hold no round)")
 
     from accelerate import Accelerator
 
