@@ -113,8 +113,9 @@ PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (mo
 # the request's chain acceptance, the spread between requests that of their means, carried in tokens²), "own"
 # (scaled, with the longest chain's estimate as the unit and no confidence under the drain) or "persist" (scaled, with
 # the spread between requests from the covariance of their early and later acceptance, persistent_spread, carried
-# relative to the pooled acceptance squared; the default: module docstring, "Drain")
-DRAIN_MODELS = ("scaled", "own", "persist")
+# relative to the pooled acceptance squared; the default: module docstring, "Drain") or "persist_cap" (an opt-in
+# experiment: "persist" with the spread carried from an earlier call capped at DEFAULT_SPREAD_REL, PERSIST_MODELS)
+DRAIN_MODELS = ("scaled", "own", "persist", "persist_cap")
 # a led mode's probing ceiling (module docstring, rule 2): its estimate plus LEAD_Z standard errors of its leads, once
 # LEAD_MIN_STEPS paired steps are behind each (the paired mode's part of the estimate is observed on the same steps and
 # needs no headroom)
@@ -140,7 +141,15 @@ PERSIST_EARLY = 16
 DEFAULT_SPREAD_REL = 0.04
 # token_state's key for the carried spread and its value with no earlier call, per drain model (a key of its own where
 # the units or the meaning differ; the others: "spread", DEFAULT_SPREAD, in tokens²)
-SPREAD_STATE = {"persist": ("spread_rel", DEFAULT_SPREAD_REL)}
+SPREAD_STATE = {"persist": ("spread_rel", DEFAULT_SPREAD_REL), "persist_cap": ("spread_rel", DEFAULT_SPREAD_REL)}
+# the drain models that estimate the spread as "persist" does (persistent_spread). "persist_cap" (opt-in, not the
+# default) takes an earlier call's carried spread as its prior only up to DEFAULT_SPREAD_REL: the prior rules a batch
+# until its requests have 2 × PERSIST_EARLY chain steps, and AR steps add none, so a prior too high (a spread learned
+# on a batch mixing tasks, whose between-task part a batch of one task lacks) can hold the drain on AR with nothing to
+# correct it, while one too low runs chains whose steps bring the batch's own covariance. On the H100 mixed-batch run
+# of a0f4220 (results/planner-mix-h100-exact-T0-c64.json) "persist" ran 56 AR steps in MT-Bench's second-turn call,
+# the batch after the mixed one: every one of its 64 prompts took 3-41 steps more than under the fixed chain of 4
+PERSIST_MODELS = ("persist", "persist_cap")
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
 SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
@@ -600,7 +609,8 @@ class StepPlanner:
         drain_model: :data:`DRAIN_MODELS`: ``"persist"`` (the default: :func:`drain_tokens`' ``persist``, from
             :func:`persistent_spread` over the drain refreshes; the spread carried relative to the pooled acceptance
             squared), ``"scaled"`` (the default before: every speculative mode scaled alike, the spread carried in
-            tokens²) or ``"own"`` (its ``own``; no confidence under the drain rule).
+            tokens²), ``"own"`` (its ``own``; no confidence under the drain rule) or ``"persist_cap"`` (opt-in:
+            ``"persist"`` with the carried spread capped at ``DEFAULT_SPREAD_REL`` in :meth:`load_token_state`).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
@@ -845,7 +855,7 @@ class StepPlanner:
             self.log.append(["d", self.step, [[d[0], d[1], d[2], d[3]] for d in drain]])
         if drain is not None:
             raw = self.expected(conf)
-            persist = (persistent_spread(drain, self.persist_snaps, PERSIST_EARLY) if self.drain_model == "persist"
+            persist = (persistent_spread(drain, self.persist_snaps, PERSIST_EARLY) if self.drain_model in PERSIST_MODELS
                        else None)
             stats = drain_spread(drain)  # once a refresh: drain_tokens takes it too
             mapped = drain_tokens(raw, drain, self.table, self.spread_prior, own, persist, stats)
@@ -1176,6 +1186,8 @@ class StepPlanner:
             setattr(self, f, Counter(got) if isinstance(cur, Counter) else {**cur, **got})
         # its model's own key: a state of another model carries tokens² or another ratio
         self.spread_prior = _finite_prior(state.get(self._spread_key(), self._default_spread()))
+        if self.drain_model == "persist_cap" and self.spread_prior is not None:  # PERSIST_MODELS' comment
+            self.spread_prior = min(self.spread_prior, DEFAULT_SPREAD_REL)
         self.spread = None
         self.last_seen = {m: 0 for m in self.table}
 

@@ -1093,9 +1093,9 @@ def test_planner_drain_takes_one_factor_and_refuses_an_unknown_model():
         StepPlanner(costs, drain_model="tail")
     # the default is "persist"; "relative" (measured on the H100) and "lead" (on the H200) were removed: refused,
     # the models named
-    assert StepPlanner(costs).drain_model == "persist" and DRAIN_MODELS == ("scaled", "own", "persist")
+    assert StepPlanner(costs).drain_model == "persist" and DRAIN_MODELS == ("scaled", "own", "persist", "persist_cap")
     for gone in ("relative", "lead"):
-        with pytest.raises(ValueError, match=f"drain_model='{gone}'; expected one of scaled, own, persist$"):
+        with pytest.raises(ValueError, match=f"drain_model='{gone}'; expected one of scaled, own, persist, persist_cap$"):
             StepPlanner(costs, drain_model=gone)
 
 
@@ -1613,6 +1613,47 @@ def test_drain_model_persist_carries_its_spread_relative_and_apart():
         assert planner.spread_prior == default and planner.spread is None
         assert planner.slow == old["slow"]  # the token averages are taken as usual
         assert "spread_ratio" not in planner.token_state()
+
+
+def test_drain_model_persist_cap_takes_a_carried_spread_only_up_to_the_default():
+    """drain_model="persist_cap" (opt-in): "persist" within a call, but an earlier call's "spread_rel" above
+    DEFAULT_SPREAD_REL is its prior only up to it (a spread learned on a batch mixing tasks held the next batch, one
+    task's, on AR); one below is taken as "persist" takes it. The state it writes is "persist"'s, uncapped."""
+    costs = {AR: 1.29, ("chain", 2): 1.69, ("chain", 4): 2.11}
+    assert "persist_cap" in DRAIN_MODELS
+    p = StepPlanner(costs, drain_model="persist")
+    state = p.token_state()
+    for carried, capped in ((0.1, DEFAULT_SPREAD_REL), (0.01, 0.01), (DEFAULT_SPREAD_REL, DEFAULT_SPREAD_REL)):
+        state["spread_rel"] = carried
+        q, c = StepPlanner(costs, drain_model="persist"), StepPlanner(costs, drain_model="persist_cap")
+        q.load_token_state(state)
+        c.load_token_state(state)
+        assert q.spread_prior == pytest.approx(carried) and c.spread_prior == pytest.approx(capped)
+    # no earlier call: the same no-call prior; within a call the same snapshots, spread and choices
+    q, c = StepPlanner(costs, drain_model="persist"), StepPlanner(costs, drain_model="persist_cap")
+    assert c.spread_prior == q.spread_prior == DEFAULT_SPREAD_REL
+    for later in (0, 32):
+        assert c.choose(None, _bursty_batch(16, later, False)) == q.choose(None, _bursty_batch(16, later, False))
+    assert c.persist_snaps == q.persist_snaps and c.spread == pytest.approx(q.spread)
+    out = c.token_state()
+    assert "spread_rel" in out and "spread" not in out and out["spread_rel"] == pytest.approx(q.spread)
+    # a "scaled" state (tokens², no "spread_rel"): the no-call prior, as under "persist"
+    c.load_token_state(StepPlanner(costs, drain_model="scaled").token_state())
+    assert c.spread_prior == DEFAULT_SPREAD_REL
+    # a mixed batch's carried spread above the default: the wide prior judges AR best for the slowest of 64 requests
+    # at the start of a one-task batch (no later window yet), the capped one the chain of 4 (the shape of
+    # test_drain_model_persist_keeps_a_burst_from_making_the_slowest_request_slow)
+    tokens = {AR: 1.0, ("chain", 2): 1.55, ("chain", 4): 2.3}
+    best = lambda mapped: max(mapped, key=lambda m: mapped[m] / costs[m])  # noqa: E731
+    early = _bursty_batch(16, 0, False)
+    persist = persistent_spread(early, {})
+    assert best(drain_tokens(tokens, early, costs, DEFAULT_SPREAD_REL, persist=persist)) == ("chain", 4)
+    state["spread_rel"] = 0.25
+    wide, capped = StepPlanner(costs, drain_model="persist"), StepPlanner(costs, drain_model="persist_cap")
+    wide.load_token_state(state)
+    capped.load_token_state(state)
+    assert best(drain_tokens(tokens, early, costs, wide.spread_prior, persist=persist)) == AR
+    assert best(drain_tokens(tokens, early, costs, capped.spread_prior, persist=persist)) == ("chain", 4)
 
 
 def test_a_price_set_by_a_burst_stays_while_the_mode_is_untimed():
