@@ -1155,11 +1155,14 @@ def planner_persist_section() -> list[str]:
 
 def planner_mix_section() -> list[str]:
     """Stage planmix (results/planner-mix-GPU-exact-T0-c{64,32}.json, the H200's if there, else the H100's): the
-    default drain model p (persist) and ps (drain=scaled) ÷ the chain of 4 on mixed batches (``infer.bench --mix``).
-    Empty without the files."""
+    default drain model p (persist), ps (drain=scaled) and, where every file has it, pc (drain=persist_cap) ÷ the chain
+    of 4 on mixed batches (``infer.bench --mix``). Empty without the files."""
     gpu = "h200" if load("planner-mix-h200-exact-T0-c64.json") else "h100"
     names = {(c, ""): f"planner-mix-{gpu}-exact-T0-c{c}.json" for c in (64, 32)}
-    table, rows = _ab_table(names, ("",), ("p", "ps"), ("p (persist, the default)", "ps (scaled)"))
+    heads = {"p": "p (persist, the default)", "ps": "ps (scaled)", "pc": "pc (persist_cap)"}
+    if not all("pc" in t["drafts"] for n in names.values() for t in (load(n) or {}).get("tasks") or []):
+        heads.pop("pc")  # a run before persist_cap (a0f4220)
+    table, rows = _ab_table(names, ("",), tuple(heads), tuple(heads.values()))
     if not rows:
         return []
     return ["#### The drain models on mixed batches", "",

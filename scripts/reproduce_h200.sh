@@ -47,9 +47,10 @@
 #             and the fixed tree of 32; T=0, exact, each point RUNS times (default 2) -> results/planner-est2[-rK]-h200-exact-T0-c{64,1}.json,
 #             step logs $WORK/logs/plan-log-est2*-c*.jsonl                                           ~10
 #   planmix   the drain models on mixed batches (infer.bench --mix: the five tasks' prompts taken in turn, every batch
-#             mixing them, as a server's traffic): p (the default, persist) and ps (drain=scaled) beside AR and the
-#             chains of 4 and 16, T=0, exact, concurrency 64 and 32, 64 prompts a task ->
-#             results/planner-mix-h200-exact-T0-c{64,32}.json, step logs $WORK/logs/plan-log-mix-c{64,32}.jsonl     ~4
+#             mixing them, as a server's traffic): p (the default, persist), ps (drain=scaled) and pc
+#             (drain=persist_cap) beside AR and the chains of 4 and 16, T=0, exact, concurrency 64 and 32, 64
+#             prompts a task ->
+#             results/planner-mix-h200-exact-T0-c{64,32}.json, step logs $WORK/logs/plan-log-mix-c{64,32}.jsonl     ~5
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -236,8 +237,9 @@ if has planest; then  # what the planner estimated against what it committed (th
   done
 fi
 if has planmix; then  # the drain models on mixed batches (--mix: every batch holds every task's prompts, as a server's)
-  abmix=(--mix --draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft ps="$DRAFT"
-         --config chain4:width=4 --config p:budget=auto --config ps:budget=auto,drain=scaled)
+  abmix=(--mix --draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft ps="$DRAFT" --draft pc="$DRAFT"
+         --config chain4:width=4 --config p:budget=auto --config ps:budget=auto,drain=scaled
+         --config pc:budget=auto,drain=persist_cap)
   for c in 64 32; do
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-mix-c$c.jsonl" timed "planmix-exact-c$c" planab mix "$c" 64 "${abmix[@]}"
   done

@@ -504,3 +504,25 @@ def test_record_resume_refusals(stories_dir, tmp_path, monkeypatch, capsys):
         part.write_text(json.dumps(t))
         with pytest.raises(SystemExit, match=f"--resume: {part}.*{msg}"):
             pt.main(record_argv(stories_dir, draft, part, num="1", new="6") + ["--resume"])
+
+
+def test_second_turn_replay_shows_what_a_mixed_call_carries(tmp_path, capsys):
+    """benchmarks/reference/replay_second_turn.py over the committed CPU trace with the H100 step times: the mixed call
+    leaves a spread above DEFAULT_SPREAD_REL; "persist" takes it into the stand-in second-turn call and runs more AR
+    steps there than "persist_cap", which caps it; within the mixed call the two are the same planner."""
+    from benchmarks.reference import replay_second_turn as rst
+    from infer.planner import DEFAULT_SPREAD_REL
+
+    out = tmp_path / "r.json"
+    assert rst.main(["--costs", "results/planner-cost-h100-exact-T0-c64.json", "--models", "persist,persist_cap",
+                     "--output", str(out)]) == 0
+    r = json.loads(out.read_text())
+    persist, cap = (r["models"][m]["calls"] for m in ("persist", "persist_cap"))
+    assert [c["call"] for c in persist] == ["mixed", "second turn"]
+    assert persist[0]["steps"] == cap[0]["steps"] and persist[0]["carried"] > DEFAULT_SPREAD_REL
+    assert persist[1]["steps"].get("ar1", 0) > cap[1]["steps"].get("ar1", 0)
+    assert cap[1]["over_chain4"] > persist[1]["over_chain4"]
+    assert r["fixed"]["chain4"] == [1.0, 1.0] and r["fixed"]["ar1"][0] < 1
+    assert "persist_cap: " in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="'lead' is not a drain model"):
+        rst.main(["--costs", "results/planner-cost-h100-exact-T0-c64.json", "--models", "persist,lead"])
