@@ -1170,7 +1170,10 @@ def planner_mix_section() -> list[str]:
             "a server's traffic does (the tables above run each task alone). The default `persist` (`p`) against "
             "`scaled` (`ps`, `--config ps:budget=auto,drain=scaled`) beside AR and the fixed chains of 16 and 4; stage "
             f"`planmix` of `scripts/reproduce_h200.sh` (SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact`, "
-            f"64 prompts a task, 512 new tokens, one {gpu.upper()} lease, one run a point):", "", *table, "",
+            f"64 prompts a task, 512 new tokens, one {gpu.upper()} lease, one run a point). `persist`'s loss at 64 is in "
+            "mt-bench's second-turn call, a batch of one task that starts from the spread the mixed call left as its "
+            "prior (docs/planner.md, \"Drain\"); `persist_cap` (opt-in, `pc`) takes that prior only up to the "
+            "no-call one:", "", *table, "",
             "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows)), ""]
 
 
