@@ -59,11 +59,11 @@ def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = 
     path = Path(path)
     text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=allow_nan)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    try:
+    try:  # the temp file is removed however this ends, a Ctrl-C during its write included
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         if replace:
             os.replace(tmp, path)
             return path

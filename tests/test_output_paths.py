@@ -149,3 +149,22 @@ def test_write_json_new_never_replaces_a_file(tmp_path, monkeypatch, links):
     assert json.loads(out.read_text()) == {"run": 1} and (tmp_path / "r.2.json").read_text() == "another run"
     assert json.loads((tmp_path / "r.3.json").read_text()) == {"run": 3}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.2.json", "r.3.json", "r.json"]
+
+
+def test_write_json_new_interrupted_while_writing_leaves_no_temp_file(tmp_path, monkeypatch):
+    """A Ctrl-C (or SIGTERM through dspine.io.sigterm_as_ctrl_c) during the temp file's write or fsync leaves no
+    half-written NAME.PID.tmp (a later run has another pid and never removes it; data.regenerate's summary.json
+    had one left beside it for good)."""
+    import json
+
+    from dspine.io import atomic_write_json
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    (tmp_path / "s.json").write_text('{"old": 1}')
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_json(tmp_path / "s.json", {"new": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
+    assert json.loads((tmp_path / "s.json").read_text()) == {"old": 1}
