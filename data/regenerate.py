@@ -497,6 +497,7 @@ def regenerate(args: argparse.Namespace) -> dict:
     check_run_args(out, run_args, write=False)
     if (out / SUMMARY).exists():
         if state.is_main_process:
+            remove_shards(out)  # those of a run killed after its summary.json
             print(f"{out} is already finished; nothing to do")
         return json.loads((out / SUMMARY).read_text())
 

@@ -462,3 +462,23 @@ def test_ctrl_c_after_the_summary_is_the_normal_end_and_one_in_the_merge_leaves_
     monkeypatch.setattr(regen, "regenerate", early_sigterm)
     assert regen.main(argv(workdir, late, "--limit", "20")) == 130
     assert f"data.regenerate: interrupted; the batches written to {late} are kept" in capsys.readouterr().err
+
+
+def test_a_finished_folder_with_shards_left_by_a_kill_loses_them_on_the_same_command(workdir, monkeypatch, capsys):
+    """A run killed (SIGKILL: no Ctrl-C path runs) after it wrote summary.json but before the shards were removed:
+    the same command says the folder is finished and removes them, leaving the uninterrupted run's files (was: the
+    shards stayed for good; every rerun said "already finished" and left them)."""
+    full = workdir / "kill-full"
+    assert regen.main(argv(workdir, full, "--limit", "8")) == 0
+    killed = workdir / "kill-after-summary"
+    monkeypatch.setattr(regen, "remove_shards", lambda out: None)  # the kill: summary.json written, shards kept
+    assert regen.main(argv(workdir, killed, "--limit", "8")) == 0
+    assert [p.name for p in killed.glob("*.rank0.json*")] != []
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert regen.main(argv(workdir, killed, "--limit", "8")) == 0
+    assert f"{killed} is already finished; nothing to do" in capsys.readouterr().out
+    assert sorted(p.name for p in killed.iterdir()) == sorted(p.name for p in full.iterdir()) == [
+        "errors.jsonl", "results.jsonl", "run_args.json", "skipped.jsonl", "summary.json"]
+    assert outputs(killed) == outputs(full)
+
