@@ -418,12 +418,13 @@ def finish(out: Path, n_rows: int, run_args: dict, backend: str, world: int, sta
             summary["generated_tokens_per_s"] = round(summary["generated_tokens"] / summary["wall_s"], 1)
     if summary["results"]:
         atomic_write_json(out / SUMMARY, summary)
-    else:
+    remove_shards(out)
+    if not summary["results"]:
         # Nothing to train on: do not mark DIR finished nor pin its arguments, so a corrected rerun
-        # (other arguments or input) is not refused; skipped.jsonl / errors.jsonl stay for reading.
+        # (other arguments or input) is not refused; skipped.jsonl / errors.jsonl stay for reading. After the
+        # shards: an interruption never leaves them without the arguments that made them
         (out / "results.jsonl").unlink(missing_ok=True)
         (out / RUN_ARGS).unlink(missing_ok=True)
-    remove_shards(out)
     return summary
 
 

@@ -482,3 +482,23 @@ def test_a_finished_folder_with_shards_left_by_a_kill_loses_them_on_the_same_com
         "errors.jsonl", "results.jsonl", "run_args.json", "skipped.jsonl", "summary.json"]
     assert outputs(killed) == outputs(full)
 
+
+def test_a_run_with_no_result_interrupted_while_it_unpins_never_lends_its_shards_to_other_arguments(workdir,
+                                                                                                   monkeypatch):
+    """A run that regenerated no row removes its shards and then unpins its arguments (run_args.json), so a Ctrl-C
+    or kill between the two never leaves shards without the arguments that made them: a corrected rerun (another
+    --max-context) is refused by name instead of taking the old run's 'prompt_too_long' records as done rows (was:
+    run_args.json went first, and the corrected rerun regenerated nothing, in silence)."""
+    out = workdir / "nores"
+
+    def interrupted(folder):  # a SIGTERM as the shards' removal starts
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(regen, "remove_shards", interrupted)
+    assert regen.main(argv(workdir, out, "--limit", "8", "--max-context", "9")) == 130  # every prompt too long
+    monkeypatch.undo()
+    assert regen.main(argv(workdir, out, "--limit", "8", "--max-context", "512")) == 2  # not 1: no row regenerated
+    assert regen.main(argv(workdir, out, "--limit", "8", "--max-context", "9")) == 1  # the same command unpins it
+    assert not (out / regen.RUN_ARGS).exists() and list(out.glob("*.rank*")) == []
+    assert regen.main(argv(workdir, out, "--limit", "8", "--max-context", "512")) == 0
+    assert len(outputs(out)["results"]) == 8
