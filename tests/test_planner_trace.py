@@ -513,7 +513,7 @@ def test_second_turn_replay_shows_what_a_mixed_call_carries(tmp_path, capsys):
     from benchmarks.reference import replay_second_turn as rst
     from infer.planner import DEFAULT_SPREAD_REL
 
-    out = tmp_path / "r.json"
+    out = tmp_path / "new" / "r.json"  # its folder is made
     assert rst.main(["--costs", "results/planner-cost-h100-exact-T0-c64.json", "--models", "persist,persist_cap",
                      "--output", str(out)]) == 0
     r = json.loads(out.read_text())
@@ -526,3 +526,28 @@ def test_second_turn_replay_shows_what_a_mixed_call_carries(tmp_path, capsys):
     assert "persist_cap: " in capsys.readouterr().out
     with pytest.raises(SystemExit, match="'lead' is not a drain model"):
         rst.main(["--costs", "results/planner-cost-h100-exact-T0-c64.json", "--models", "persist,lead"])
+
+
+def test_second_turn_replay_refuses_an_existing_output_and_a_trace_of_another_shape_before_any_work(tmp_path,
+                                                                                                    monkeypatch,
+                                                                                                    capsys):
+    """replay_second_turn.py --output: an existing file is refused up front (was: the replay ran, then wrote
+    NAME.2.json beside it with a note that someone else had written it during the run), a folder too (was: written
+    as FOLDER.2); --overwrite replaces it. A JSON object that is no record trace names the file (was: KeyError)."""
+    from benchmarks.reference import replay_second_turn as rst
+
+    costs = "results/planner-cost-h100-exact-T0-c64.json"
+    (tmp_path / "r.json").write_text('{"mine": 1}')
+    calls = []
+    monkeypatch.setattr(rst, "replay_calls", lambda args: calls.append(args) or {"fixed": {}, "models": {}})
+    for output, why in ((tmp_path / "r.json", "exists"), (tmp_path, "is a folder")):
+        with pytest.raises(SystemExit) as e:
+            rst.main(["--costs", costs, "--output", str(output)])
+        assert e.value.code == 2 and f"error: --output {output} {why}" in capsys.readouterr().err
+    assert calls == [] and sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+    assert (tmp_path / "r.json").read_text() == '{"mine": 1}'
+    assert rst.main(["--costs", costs, "--output", str(tmp_path / "r.json"), "--overwrite"]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["models"] == {} and len(calls) == 1
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match=f"^{costs}: needs non-empty 'prompts', 'block_size' and 'max_new_tokens'"):
+        rst.main(["--costs", costs, "--trace", costs])

@@ -33,6 +33,7 @@ if __package__ in (None, ""):
 
 from benchmarks.reference import planner_trace as pt
 from dspine.io import write_json_new
+from dspine.paths import check_output_file
 from infer.datasets import interleave
 from infer.planner import DRAIN_MODELS, SPREAD_STATE, StepPlanner
 
@@ -42,6 +43,9 @@ FIXED = (("ar", 1), ("chain", 4), ("chain", 8))  # the fixed modes replayed besi
 def replay_calls(args) -> dict:
     """{"fixed": {mode: [tok/s ÷ the chain of 4's, per call]}, "models": {model: {...}}} for ``args``' calls."""
     trace = pt.load_json(args.trace, "a planner_trace.py record trace")
+    if not trace.get("prompts") or not trace.get("block_size") or not trace.get("max_new_tokens"):
+        raise SystemExit(f"{args.trace}: needs non-empty 'prompts', 'block_size' and 'max_new_tokens' (a trace "
+                         "written by planner_trace.py record)")
     table, true_ms = pt.step_times(args.costs, args.label)
     bench = pt.load_json(args.costs, "an infer.bench result")["args"]
     batch = int(bench.get("max_batch") or bench["concurrency"])
@@ -102,10 +106,16 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("mix", "pertask"), default="mix")
     ap.add_argument("--second-turn-task", default="mt-bench", help="the task whose rows stand in for the second turns")
     ap.add_argument("--shuffle", type=int, default=None, help="seed: shuffle each task's prompts before the mix")
-    ap.add_argument("--output", help="JSON file (refused if it exists)")
+    ap.add_argument("--output", help="JSON file (refused if it exists, unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
     if not 1 <= args.repeat <= 64:
         ap.error(f"--repeat {args.repeat}: must be 1 to 64")
+    if args.output is not None:  # before any work: a folder, an existing file, a parent that is no writable folder
+        try:
+            check_output_file("--output", args.output, args.overwrite)
+        except ValueError as e:
+            ap.error(str(e))
     out = replay_calls(args)
     for model, r in out["models"].items():
         print(f"{model}: {r['over_chain4']:.4f} of the chain of 4 over the calls")
@@ -116,7 +126,9 @@ def main(argv=None) -> int:
     if args.output:
         from dspine.provenance import provenance
 
-        write_json_new(args.output, {**provenance(), "args": vars(args), **out}, indent=1, what="this replay is")
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        write_json_new(args.output, {**provenance(), "args": vars(args), **out}, indent=1, replace=args.overwrite,
+                       what="this replay is")
     return 0
 
 
