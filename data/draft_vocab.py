@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dspine.io import sigterm_as_ctrl_c
+
 FLUSH_TOKENS = 1 << 22  # ids buffered between two bincounts (32 MiB of int64)
 
 
@@ -275,16 +277,8 @@ def _tokenizer(given: str | None, recorded: str | None, recorded_digest: str | N
     return tok, recorded, None
 
 
+@sigterm_as_ctrl_c()  # SIGTERM (a scheduler's stop) takes the Ctrl-C path
 def main(argv: list[str] | None = None) -> int:
-    """The CLI; a SIGTERM (a scheduler's stop) takes its Ctrl-C path. dspine is imported here, not at the top:
-    importing it loads torch and transformers (3.7 s), which the module and ``--help`` do not need."""
-    from dspine.io import sigterm_as_ctrl_c
-
-    with sigterm_as_ctrl_c():
-        return _main(argv)
-
-
-def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.draft_vocab", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--data",

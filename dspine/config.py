@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 # The draft's defaults live here only (DSpineConfig's signature, DSPINE_DEFAULTS and for_target).
 DEFAULT_LAYERS, DEFAULT_BLOCK_SIZE = 5, 16
@@ -489,3 +489,6 @@ class DSpineConfig(PretrainedConfig):
             out["model_type"] = "qwen3"
             out["architectures"] = ["DFlashDraftModel"]
         return out
+
+
+AutoConfig.register("dspine", DSpineConfig, exist_ok=True)  # AutoConfig.from_pretrained of a draft folder

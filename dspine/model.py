@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoModel, PreTrainedModel
 
 from dspine.config import DSpineConfig
 from dspine.ops.draft_attention import draft_attention
@@ -714,3 +714,6 @@ class DraftCache:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+AutoModel.register(DSpineConfig, DSpineDraftModel, exist_ok=True)  # AutoModel.from_pretrained of a draft folder
