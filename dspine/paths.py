@@ -162,6 +162,8 @@ def load_tokenizer(path_or_id: str, gguf_file: str | None = None):
 
     Raises:
         OSError: one line naming a Hub id that cannot be loaded (no network, no such repo).
+        ValueError: one line naming ``path_or_id`` when transformers finds no tokenizer there (a folder without
+            tokenizer files).
     """
     path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, what="tokenizer")
     with hub_errors("tokenizer", path_or_id):
@@ -174,4 +176,7 @@ def load_tokenizer(path_or_id: str, gguf_file: str | None = None):
         if tok_json.is_file() and cfg_file.is_file() and not (Path(path_or_id) / "tokenizer.model").exists():
             if read_json_object(cfg_file, "a model config").get("model_type") == "llama":
                 return PreTrainedTokenizerFast.from_pretrained(path_or_id)
-        return AutoTokenizer.from_pretrained(path_or_id, **({"gguf_file": gguf_file} if gguf_file else {}))
+        try:
+            return AutoTokenizer.from_pretrained(path_or_id, **({"gguf_file": gguf_file} if gguf_file else {}))
+        except ValueError as e:  # e.g. a folder without tokenizer files: transformers' lines do not name it
+            raise ValueError(f"{path_or_id}: no tokenizer loads from it ({' '.join(str(e).split())})") from None

@@ -595,3 +595,20 @@ def test_benchmark_repeat_counts_below_one_are_refused(module, argv, message, ca
         importlib.import_module(module).main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_folder_without_a_tokenizer_is_named(tmp_path, capsys):
+    """``--tokenizer`` naming a folder with no tokenizer files: one error line that names the folder (transformers'
+    own message, five lines, named none)."""
+    from data import tokenize
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"},
+                                                        {"role": "assistant", "content": "yo"}]}) + "\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert tokenize.main(["--input", str(rows), "--tokenizer", str(empty), "--max-length", "64",
+                          "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {empty}: no tokenizer loads from it (") and err.count("\n") == 1, err
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
