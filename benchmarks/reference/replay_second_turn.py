@@ -70,8 +70,6 @@ def replay_calls(args) -> dict:
     out = {"fixed": {f"{k}{n}": [rate(x) / rate(u) for x, u in zip(v, unit)] for (k, n), v in fixed.items()},
            "models": {}}
     for model in args.models.split(","):
-        if model not in DRAIN_MODELS:
-            raise SystemExit(f"--models {args.models!r}: {model!r} is not a drain model ({', '.join(DRAIN_MODELS)})")
         key = SPREAD_STATE.get(model, ("spread",))[0]
         cost_state = None
         for _ in ("untimed", "timed"):
@@ -111,6 +109,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.repeat <= 64:
         ap.error(f"--repeat {args.repeat}: must be 1 to 64")
+    for model in args.models.split(","):  # before any replay
+        if model not in DRAIN_MODELS:
+            raise SystemExit(f"--models {args.models!r}: {model!r} is not a drain model ({', '.join(DRAIN_MODELS)})")
     if args.output is not None:  # before any work: a folder, an existing file, a parent that is no writable folder
         try:
             check_output_file("--output", args.output, args.overwrite)
