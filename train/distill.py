@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the config is read: nothing was written yet
+        print("\ninterrupted: nothing was written", file=sys.stderr, flush=True)
+        return 130
     if code is not None:
         return code
     dump_stacks_on_sigusr1()
