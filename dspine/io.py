@@ -4,6 +4,7 @@ digests, safetensors folders (one reader for drafts and targets)."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -59,6 +60,10 @@ def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = 
     path = Path(path)
     text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=allow_nan)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    for old in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):  # a killed writer's (SIGKILL) temp file
+        pid = old.name[len(path.name) + 1:-4]
+        if pid.isdigit() and not _alive(int(pid)):
+            old.unlink(missing_ok=True)
     try:  # the temp file is removed however this ends, a Ctrl-C during its write included
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text + "\n")
@@ -86,6 +91,17 @@ def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = 
         raise FileExistsError(f"{path}: no free name beside it")
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this id runs on this machine (a temp file's writer)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def file_digest(path: str | Path, algorithm: str = "blake2b") -> str:

@@ -168,3 +168,22 @@ def test_write_json_new_interrupted_while_writing_leaves_no_temp_file(tmp_path, 
         atomic_write_json(tmp_path / "s.json", {"new": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
     assert json.loads((tmp_path / "s.json").read_text()) == {"old": 1}
+
+
+def test_write_json_removes_a_killed_writers_temp_file(tmp_path):
+    """A SIGKILL during the write leaves NAME.PID.tmp (nothing can remove it then): the next write of that name removes
+    it where no process of that id runs, and keeps a live writer's temp file and other files."""
+    import subprocess
+    import sys
+
+    from dspine.io import atomic_write_json
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (tmp_path / f"s.json.{dead}.tmp").write_text('{"half')
+    (tmp_path / f"s.json.{os.getpid()}.x.tmp").write_text("not a temp file of ours")
+    live = tmp_path / f"s.json.{os.getppid()}.tmp"
+    live.write_text("a live writer's")
+    atomic_write_json(tmp_path / "s.json", {"new": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["s.json", f"s.json.{os.getpid()}.x.tmp", live.name])
