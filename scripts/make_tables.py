@@ -172,20 +172,31 @@ def _glance_rows(load) -> list[str]:
         row = _planner_row(ver.get("planner") or [], "verify-h200.json", " (H200)")
         if row:
             rows.append(row)
-    h100 = load("verify-h100.json")
-    row = _planner_row((h100 or {}).get("planner") or [], "verify-h100.json",
-                       f" ({(h100 or {}).get('gpu') or '?'}, {str((h100 or {}).get('date', ''))[:10]})")
-    if row:
-        rows.append(row)
     in_ver = {_point_key(p) for p in (ver or {}).get("planner") or []}
+    latest: dict[tuple, dict] = {}  # other cards: (gpu, how) -> (concurrency, T) -> (point, file), the latest run's
     for name, how in FAIR_FILES:  # the planner points with every mode decoding AR's text
         hx = load(name)
         pts = (hx or {}).get("planner") or []
         if pts and all(_point_key(p) in in_ver for p in pts):
             continue  # verify-h200.json's row holds them
+        if not name.endswith("-h200.json"):  # one row per card and mode: each point as last measured
+            for p in pts:
+                got = latest.setdefault(((hx or {}).get("gpu") or "?", how), {})
+                key = (p["concurrency"], p["temperature"])
+                if key not in got or str(_point_key(p)[2]) >= str(_point_key(got[key][0])[2]):
+                    got[key] = (p, name)
+            continue
         commit = ", ".join(dict.fromkeys(str((p.get("provenance") or {}).get("commit") or "?")[:7] for p in pts))
         row = _planner_row(pts, name, f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, "
                            f"commit {commit}, {how})",
+                           what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
+        if row:
+            rows.append(row)
+    for (gpu, how), got in latest.items():
+        pts = [got[k][0] for k in sorted(got, key=lambda k: (k[1], k[0]))]
+        commit = ", ".join(dict.fromkeys(str((p.get("provenance") or {}).get("commit") or "?")[:7] for p in pts))
+        row = _planner_row(pts, ", ".join(dict.fromkeys(got[k][1] for k in sorted(got, key=lambda k: (k[1], k[0])))),
+                           f" ({gpu}, each point's latest run: commit {commit}; {how})",
                            what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
         if row:
             rows.append(row)

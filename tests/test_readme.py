@@ -136,6 +136,31 @@ def test_goals_at_a_glance_read_their_files(tmp_path, monkeypatch):
     assert make_tables.glance_section() == []
 
 
+def test_goals_row_of_another_card_takes_each_points_latest_run(empty_results):
+    """The same-text planner points of a card other than the H200 (FAIR_FILES) make one goals row per mode: each
+    (concurrency, T) point as its latest file measured it, every file it read named, the verdict over those points."""
+    import json
+
+    make_tables, res = empty_results
+
+    def pt(c, ratio, date, commit):
+        return {"concurrency": c, "temperature": 1.0, "planner_over_best_static": ratio, "planner_over_ar": 1.1,
+                "provenance": {"date": date, "commit": commit}}
+
+    old = [pt(1, 0.99, "2026-12-06T23:50", "5b56be1aa"), pt(32, 0.97, "2026-12-06T23:55", "5b56be1aa")]
+    new = [pt(32, 0.985, "2026-12-07T16:00", "a0f4220bb")]
+    for name, pts in (("verify-refresh-invariant-h100.json", old), ("verify-persist-invariant-h100.json", new)):
+        (res / name).write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "planner": pts}))
+    rows = [x for x in make_tables.glance_section() if x.startswith("| Planner")]
+    assert len(rows) == 1 and "concurrency 1 T = 1, concurrency 32 T = 1 (NVIDIA H100 80GB HBM3" in rows[0]
+    assert "commit 5b56be1, a0f4220" in rows[0] and "| 2 of 2 points ≥ 0.98 | yes |" in rows[0]
+    assert "verify-refresh-invariant-h100.json" in rows[0] and "verify-persist-invariant-h100.json" in rows[0]
+    new[0]["planner_over_best_static"] = 0.975
+    (res / "verify-persist-invariant-h100.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "planner": new}))
+    row = next(x for x in make_tables.glance_section() if x.startswith("| Planner"))
+    assert "1 of 2 points ≥ 0.98; below: 0.975 at concurrency 32, T = 1" in row and "| **no** |" in row
+
+
 def test_planner_table_names_the_seeds_of_a_point():
     """A bench_tree.py --seeds point (tok/s the means over several sampling seeds) says so in its T column; a point of
     one run (no seeds key: files from before --seeds, or [0]) shows the temperature alone."""
