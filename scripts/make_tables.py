@@ -72,9 +72,11 @@ def glance_section() -> list[str]:
 # planner points on the same text in every mode (scripts/reproduce_h200.sh planfair), with what makes it the same
 # (the drainfed files: the same points with the narrower chains feeding the drain statistics; the refresh files: the
 # same points with a drain refresh's host time left out of the step, commit fd30777 and later; the persist files: the
-# eight points' stage with persist the default drain model, commit a0f4220)
+# eight points' stage with persist the default drain model, commit a0f4220; the again files: the two points that
+# missed at a0f4220, run twice at 3bfb1d4)
 FAIR_FILES = [(f"verify-{run}{kind}-{gpu}.json", how) for run, gpus in (
-    ("", ("h200", "h100")), ("drainfed-", ("h100",)), ("refresh-", ("h100",)), ("persist-", ("h100",)))
+    ("", ("h200", "h100")), ("drainfed-", ("h100",)), ("refresh-", ("h100",)), ("persist-", ("h100",)), ("again-", ("h100",)),
+    ("again2-", ("h100",)))
               for gpu in gpus for kind, how in (
     ("exact", "exact mode: every mode decodes AR's greedy text"),
     ("invariant", "drafter-invariant verification: the chain and the planner decode AR's sampled text, no tree"))]
@@ -181,10 +183,8 @@ def _glance_rows(load) -> list[str]:
             continue  # verify-h200.json's row holds them
         if not name.endswith("-h200.json"):  # one row per card and mode: each point as last measured
             for p in pts:
-                got = latest.setdefault(((hx or {}).get("gpu") or "?", how), {})
-                key = (p["concurrency"], p["temperature"])
-                if key not in got or str(_point_key(p)[2]) >= str(_point_key(got[key][0])[2]):
-                    got[key] = (p, name)
+                latest.setdefault(((hx or {}).get("gpu") or "?", how), {}).setdefault(
+                    (p["concurrency"], p["temperature"]), []).append((p, name))
             continue
         commit = ", ".join(dict.fromkeys(str((p.get("provenance") or {}).get("commit") or "?")[:7] for p in pts))
         row = _planner_row(pts, name, f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, "
@@ -192,11 +192,17 @@ def _glance_rows(load) -> list[str]:
                            what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
         if row:
             rows.append(row)
-    for (gpu, how), got in latest.items():
+    for (gpu, how), runs in latest.items():  # a point's runs at the commit of its latest run: the lowest of them
+        got = {}
+        for key, rs in runs.items():
+            last = str((max(rs, key=lambda x: str(_point_key(x[0])[2]))[0].get("provenance") or {}).get("commit"))
+            got[key] = min((x for x in rs if str((x[0].get("provenance") or {}).get("commit")) == last),
+                           key=lambda x: x[0]["planner_over_best_static"])
         pts = [got[k][0] for k in sorted(got, key=lambda k: (k[1], k[0]))]
         commit = ", ".join(dict.fromkeys(str((p.get("provenance") or {}).get("commit") or "?")[:7] for p in pts))
         row = _planner_row(pts, ", ".join(dict.fromkeys(got[k][1] for k in sorted(got, key=lambda k: (k[1], k[0])))),
-                           f" ({gpu}, each point's latest run: commit {commit}; {how})",
+                           f" ({gpu}, each point at the commit of its latest run, the lowest of its runs there: commit "
+                           f"{commit}; {how})",
                            what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
         if row:
             rows.append(row)
@@ -1109,16 +1115,18 @@ def _pooled_rates(r: dict | None, labels: tuple[str, ...]) -> tuple[dict, dict] 
     return {k: tok[k] / sec[k] for k in tok}, per_task
 
 
-def _ab_table(names: dict, runs: tuple[str, ...], labels: tuple[str, ...], heads: tuple[str, ...]) -> tuple[list, list]:
+def _ab_table(names: dict, runs: tuple[str, ...], labels: tuple[str, ...], heads: tuple[str, ...],
+              optional: tuple[str, ...] = ()) -> tuple[list, list]:
     """The table of a planner A/B over ``infer.bench`` files (AR, ``chain``, ``chain4`` and the planner labels
-    ``labels``, headed ``heads``): one row per run that holds every label (``names``: {(concurrency, run): file name},
+    ``labels``, headed ``heads``): one row per run that holds every label but the ``optional`` ones (– where a run
+    lacks one; a mean only over more than one run) (``names``: {(concurrency, run): file name},
     concurrencies in the order given), each label's pooled tok/s and each planner ÷ the chain of 4, then a mean row per
     concurrency of more than one run. Returns (the rows, [(concurrency, run, name, file, rate, per_task)]); ([], [])
     without a run."""
     rows = []
     for (c, run), name in names.items():
         r = load(name)
-        got = _pooled_rates(r, ("chain", "chain4", *labels))
+        got = _pooled_rates(r, ("chain", "chain4", *(a for a in labels if a not in optional)))
         if got:
             rows.append((c, run, name, r, *got))
     if not rows:
@@ -1128,15 +1136,15 @@ def _ab_table(names: dict, runs: tuple[str, ...], labels: tuple[str, ...], heads
            + " | ".join(f"{a} ÷ chain 4" for a in labels) + " | file, commit |", "|---" * (5 + 2 * n) + "|---|"]
     for c, run, name, r, rate, _ in rows:
         out.append(f"| {c} | {runs.index(run) + 1} | {rate['ar']:.0f} | {rate['chain']:.0f} | {rate['chain4']:.0f} | "
-                   + " | ".join(f"{rate[a]:.0f}" for a in labels) + " | "
-                   + " | ".join(f"{rate[a] / rate['chain4']:.3f}" for a in labels)
+                   + " | ".join(f"{rate[a]:.0f}" if a in rate else "–" for a in labels) + " | "
+                   + " | ".join(f"{rate[a] / rate['chain4']:.3f}" if a in rate else "–" for a in labels)
                    + f" | [`{name}`](results/{name}) `{r['commit'][:7]}` |")
     for c in dict.fromkeys(c for c, _ in names):
         sel = [rate for cc, _, _, _, rate, _ in rows if cc == c]
         if len(sel) > 1:  # one run: its row is the mean
-            mean = {k: sum(x[k] / x["chain4"] for x in sel) / len(sel) for k in labels}
+            mean = {k: [x[k] / x["chain4"] for x in sel if k in x] for k in labels}
             out.append(f"| {c} | mean of {len(sel)} | | | |" + " |" * n + " "
-                       + " | ".join(f"{mean[a]:.3f}" for a in labels) + " | |")
+                       + " | ".join(f"{sum(m) / len(m):.3f}" if len(m) > 1 else "–" for m in mean.values()) + " | |")
     return out, rows
 
 
@@ -1164,16 +1172,19 @@ def planner_persist_section() -> list[str]:
             ""]
 
 
+MIX_RUNS = ("", "-r2")  # planner-mix-GPU-exact-T0-c{C}{RUN}.json: a0f4220, then 3bfb1d4 (persist_cap added)
+
+
 def planner_mix_section() -> list[str]:
-    """Stage planmix (results/planner-mix-GPU-exact-T0-c{64,32}.json, the H200's if there, else the H100's): the
-    default drain model p (persist), ps (drain=scaled) and, where every file has it, pc (drain=persist_cap) ÷ the chain
-    of 4 on mixed batches (``infer.bench --mix``). Empty without the files."""
+    """Stage planmix (results/planner-mix-GPU-exact-T0-c{64,32}{RUN}.json, the H200's if there, else the H100's): the
+    default drain model p (persist), ps (drain=scaled) and, where a file has it, pc (drain=persist_cap) ÷ the chain
+    of 4 on mixed batches (``infer.bench --mix``), a row per run. Empty without the files."""
     gpu = "h200" if load("planner-mix-h200-exact-T0-c64.json") else "h100"
-    names = {(c, ""): f"planner-mix-{gpu}-exact-T0-c{c}.json" for c in (64, 32)}
+    names = {(c, run): f"planner-mix-{gpu}-exact-T0-c{c}{run}.json" for c in (64, 32) for run in MIX_RUNS}
     heads = {"p": "p (persist, the default)", "ps": "ps (scaled)", "pc": "pc (persist_cap)"}
-    if not all("pc" in t["drafts"] for n in names.values() for t in (load(n) or {}).get("tasks") or []):
-        heads.pop("pc")  # a run before persist_cap (a0f4220)
-    table, rows = _ab_table(names, ("",), tuple(heads), tuple(heads.values()))
+    if not any("pc" in t["drafts"] for n in names.values() for t in (load(n) or {}).get("tasks") or []):
+        heads.pop("pc")  # runs before persist_cap (a0f4220)
+    table, rows = _ab_table(names, MIX_RUNS, tuple(heads), tuple(heads.values()), optional=("pc",))
     if not rows:
         return []
     return ["#### The drain models on mixed batches", "",
@@ -1181,7 +1192,7 @@ def planner_mix_section() -> list[str]:
             "a server's traffic does (the tables above run each task alone). The default `persist` (`p`) against "
             "`scaled` (`ps`, `--config ps:budget=auto,drain=scaled`) beside AR and the fixed chains of 16 and 4; stage "
             f"`planmix` of `scripts/reproduce_h200.sh` (SmolLM2-135M-Instruct with the shipped draft, T = 0, `--exact`, "
-            f"64 prompts a task, 512 new tokens, one {gpu.upper()} lease, one run a point). `persist`'s loss at 64 is in "
+            f"64 prompts a task, 512 new tokens, each run a {gpu.upper()} lease of its own). `persist`'s loss at 64 is in "
             "mt-bench's second-turn call, a batch of one task that starts from the spread the mixed call left as its "
             "prior (docs/planner.md, \"Drain\"); `persist_cap` (opt-in, `pc`) takes that prior only up to the "
             "no-call one:", "", *table, "",

@@ -138,7 +138,8 @@ def test_goals_at_a_glance_read_their_files(tmp_path, monkeypatch):
 
 def test_goals_row_of_another_card_takes_each_points_latest_run(empty_results):
     """The same-text planner points of a card other than the H200 (FAIR_FILES) make one goals row per mode: each
-    (concurrency, T) point as its latest file measured it, every file it read named, the verdict over those points."""
+    (concurrency, T) point at the commit of its latest run, the lowest of its runs there, every file it read named,
+    the verdict over those points."""
     import json
 
     make_tables, res = empty_results
@@ -159,6 +160,14 @@ def test_goals_row_of_another_card_takes_each_points_latest_run(empty_results):
     (res / "verify-persist-invariant-h100.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "planner": new}))
     row = next(x for x in make_tables.glance_section() if x.startswith("| Planner"))
     assert "1 of 2 points ≥ 0.98; below: 0.975 at concurrency 32, T = 1" in row and "| **no** |" in row
+    again = [pt(32, 0.99, "2026-12-07T19:00", "a0f4220bb")]  # a later run at the same commit: the lowest stands
+    (res / "verify-again-invariant-h100.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "planner": again}))
+    row = next(x for x in make_tables.glance_section() if x.startswith("| Planner"))
+    assert "below: 0.975 at concurrency 32" in row and "verify-again-invariant-h100.json" not in row
+    again[0]["provenance"]["commit"] = "3bfb1d4cc"  # at a later commit: that run alone
+    (res / "verify-again-invariant-h100.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "planner": again}))
+    row = next(x for x in make_tables.glance_section() if x.startswith("| Planner"))
+    assert "2 of 2 points ≥ 0.98" in row and "verify-again-invariant-h100.json" in row
 
 
 def test_planner_table_names_the_seeds_of_a_point():
