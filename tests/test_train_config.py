@@ -65,6 +65,9 @@ def test_wrong_type_in_yaml(tmp_path):
         load(write(tmp_path, "target: t\ntrain: d\nreport_to: tensorboard\n"))
     with pytest.raises(ConfigError, match="'grad_accum': must be >= 1"):
         load(write(tmp_path, "target: t\ntrain: d\ngrad_accum: 0\n"))
+    for key in ("eval_max_rows", "eval_max_new_tokens"):  # were refused only at the first eval, after training
+        with pytest.raises(ConfigError, match=f"'{key}': must be >= 1, got 0"):
+            load(write(tmp_path, f"target: t\ntrain: d\n{key}: 0\n"))
     with pytest.raises(ConfigError, match="'target': required"):
         load(write(tmp_path, "train: d\n"))
 

@@ -117,9 +117,10 @@ CHOICES: dict[str, tuple] = {
 }
 MIX_ALPHA = 0.5  # distill_alpha of distill=mix when unset
 SEED_MAX = 2**32 - 1  # seeds are 32-bit: accelerate's set_seed seeds numpy, whose range this is
-POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every", "layers")
-NON_NEGATIVE = ("mask_token_id", "data_workers", "max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_max_rows", "eval_prompts",
-                "eval_max_new_tokens", "pad_to_multiple", "grad_clip", "weight_decay", "warmup_ratio", "min_lr_ratio")
+POSITIVE = ("max_length", "anchors_per_seq", "micro_batch_size", "grad_accum", "loss_chunk_size", "log_every", "layers",
+            "eval_max_rows", "eval_max_new_tokens")
+NON_NEGATIVE = ("mask_token_id", "data_workers", "max_steps", "stop_after_steps", "epochs", "save_every", "keep_last", "eval_every", "eval_prompts",
+                "pad_to_multiple", "grad_clip", "weight_decay", "warmup_ratio", "min_lr_ratio")
 # Draft shape fields of the run config (None = dspine.config.DSpineConfig.for_target's default).
 DRAFT_FIELDS = ("layers", "block_size", "injection", "injection_rank", "injection_layers", "block_attention",
                 "target_layer_ids", "mask_token_id", "intermediate_size")
