@@ -61,7 +61,7 @@ def load_config(path_or_id: str | Path) -> DSpineConfig:
     try:
         return DSpineConfig(**raw)
     except Exception as e:  # a field of the wrong shape, or fields that disagree (strict-dataclass checks)
-        raise ValueError(f"{cfg_file}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise ValueError(f"{cfg_file}: {type(e).__name__}: {' '.join(str(e).split())}") from e  # the reason may sit on a later line
 
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

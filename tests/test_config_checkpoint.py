@@ -247,6 +247,10 @@ def test_draft_config_type_errors_name_the_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="unknown dflash_config keys.*target_layer_idz"):
         load_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": raw["num_hidden_layers"] + 1}))
+    with pytest.raises(ValueError, match=rf"validate_layer_type': ValueError: `num_hidden_layers` \({raw['num_hidden_layers'] + 1}\) "
+                       rf"must be equal to the number of `layer_types` \({raw['num_hidden_layers']}\)"):
+        load_config(tmp_path)  # the strict-dataclass reason is on the message's second line; it was cut off
 
 
 def test_init_from_keeps_the_source_layout(stories_dir, tmp_path):
