@@ -1007,8 +1007,10 @@ def _main(argv, stop) -> int:
         out = Path(args.output_json)
         out.parent.mkdir(parents=True, exist_ok=True)
         # over a file there at the start only with --overwrite; one written since goes beside it, with a note
-        write_json_new(out, result, indent=1, allow_nan=True, replace=args.replaces_output,
-                       what="this run's results are")
+        written = write_json_new(out, result, indent=1, allow_nan=True, replace=args.replaces_output,
+                                 what="this run's results are")
+        if args.plot and written != out:  # the plot takes the results' name (b.2.png): b.png may be that run's
+            args.plot = str(Path(args.plot).with_stem(Path(args.plot).stem + written.stem[len(out.stem):]))
     if args.plot and summary:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(rows, Path(args.plot), args.label or f"T={args.temperature}, concurrency {args.concurrency}")

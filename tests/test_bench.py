@@ -250,7 +250,8 @@ def test_results_never_replace_a_file_written_during_the_run(stories_dir, storie
     (b.2.json); an interrupted --overwrite run keeps an earlier run's b.interrupted.json (newcomer review: both were
     silently replaced)."""
     out = tmp_path / "b.json"
-    data = _stopped_at_mbpp(tmp_path, monkeypatch, lambda: out.write_text("another run"))
+    data = _stopped_at_mbpp(tmp_path, monkeypatch, lambda: (out.write_text("another run"),
+                                                            (tmp_path / "b.png").write_text("its plot")))
     argv = ["--target", str(stories_dir), "--draft", f"D={stories_draft}", "--datasets", "gsm8k,mbpp", "--num-prompts",
             "2", "--max-new-tokens", "4", "--backend", "reference", "--no-chat-template", "--data-dir", str(data),
             "--output-json", str(out), "--plot", str(tmp_path / "b.png")]
@@ -259,6 +260,8 @@ def test_results_never_replace_a_file_written_during_the_run(stories_dir, storie
     res = json.loads((tmp_path / "b.2.json").read_text())
     assert res["interrupted"] is False and [t["task"] for t in res["tasks"]] == ["gsm8k", "mbpp"]
     assert f"results are in {tmp_path / 'b.2.json'}" in capsys.readouterr().err
+    assert (tmp_path / "b.png").read_text() == "its plot"  # was replaced by this run's plot
+    assert (tmp_path / "b.2.png").read_bytes().startswith(b"\x89PNG")
 
     def ctrl_c():
         raise KeyboardInterrupt
