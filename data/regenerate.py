@@ -51,7 +51,7 @@ from data.shards import (
     wait_for_ranks,
     write_marker,
 )
-from dspine.io import sigterm_as_ctrl_c
+from dspine.io import folder_lock, sigterm_as_ctrl_c
 from dspine.paths import load_tokenizer, read_json_object, resolve_model_path
 
 KINDS = ("results", "errors", "skipped")
@@ -488,37 +488,38 @@ def regenerate(args: argparse.Namespace) -> dict:
     if not n_rows:
         raise ValueError(f"{args.input} has no rows (only blank lines, or empty): nothing to regenerate")
     out.mkdir(parents=True, exist_ok=True)
-    run_args = {k: _canonical(v) if k in PATH_ARGS else v for k, v in vars(args).items() if k in CONTENT_ARGS}
-    run_args.update(
-        input_digest=input_digest, chat_template_digest=template_digest(template), max_context=max_context
-    )
-    check_run_args(out, run_args, write=state.is_main_process)
-    clear_marker(out, rank)  # a marker left by an earlier run must not count for this one
-    state.wait_for_everyone()
-    check_run_args(out, run_args, write=False)
-    if (out / SUMMARY).exists():
-        if state.is_main_process:
-            remove_shards(out)  # those of a run killed after its summary.json
-            print(f"{out} is already finished; nothing to do")
-        return json.loads((out / SUMMARY).read_text())
+    with folder_lock(out, state.is_main_process):  # a second run on this folder is refused, not mixed in
+        run_args = {k: _canonical(v) if k in PATH_ARGS else v for k, v in vars(args).items() if k in CONTENT_ARGS}
+        run_args.update(
+            input_digest=input_digest, chat_template_digest=template_digest(template), max_context=max_context
+        )
+        check_run_args(out, run_args, write=state.is_main_process)
+        clear_marker(out, rank)  # a marker left by an earlier run must not count for this one
+        state.wait_for_everyone()
+        check_run_args(out, run_args, write=False)
+        if (out / SUMMARY).exists():
+            if state.is_main_process:
+                remove_shards(out)  # those of a run killed after its summary.json
+                print(f"{out} is already finished; nothing to do")
+            return json.loads((out / SUMMARY).read_text())
 
-    stop_ids = stop_token_ids(tokenizer, template, model_generation_config(args.target))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    generator = load_generator(
-        backend, args.target, args.gguf_file, stop_ids, pad_id, state.device,
-        args.concurrency if backend == "engine" else args.batch_size, max_context,
-        dtype=args.dtype,
-    )
+        stop_ids = stop_token_ids(tokenizer, template, model_generation_config(args.target))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+        generator = load_generator(
+            backend, args.target, args.gguf_file, stop_ids, pad_id, state.device,
+            args.concurrency if backend == "engine" else args.batch_size, max_context,
+            dtype=args.dtype,
+        )
 
-    resumed = bool(done_indices(out))
-    _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, max_context)
-    if args.profile and getattr(generator, "profile", None):
-        print(f"rank {rank} {format_profile(generator.profile)}", file=sys.stderr, flush=True)
-    write_marker(out, rank, world)
-    if not state.is_main_process:
-        return {}
-    wait_for_ranks(out, world)
-    return finish(out, n_rows, run_args, backend, world, started, resumed)
+        resumed = bool(done_indices(out))
+        _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, max_context)
+        if args.profile and getattr(generator, "profile", None):
+            print(f"rank {rank} {format_profile(generator.profile)}", file=sys.stderr, flush=True)
+        write_marker(out, rank, world)
+        if not state.is_main_process:
+            return {}
+        wait_for_ranks(out, world)
+        return finish(out, n_rows, run_args, backend, world, started, resumed)
 
 
 def _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, max_context) -> None:

@@ -4,6 +4,7 @@ digests, safetensors folders (one reader for drafts and targets)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -35,6 +36,23 @@ def sigterm_as_ctrl_c():
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def folder_lock(out: Path, hold: bool = True):
+    """Holds an exclusive lock on the folder ``out`` (flock of the folder itself: no file is left, and the kernel drops
+    it when the process ends, SIGKILL included); ValueError where another process holds it. ``hold`` False: no lock."""
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        if hold:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ValueError(f"{out}: another run is writing this folder; wait for it to end, then run the same "
+                                 "command again (it resumes), or choose another output folder") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def atomic_write_json(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = False) -> None:

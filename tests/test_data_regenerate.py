@@ -11,6 +11,7 @@ from data import regenerate as regen
 from data.generate import load_generator, resolve_backend
 from data.prepare import prepare
 from data.shards import done_indices
+from dspine.io import folder_lock
 
 SHARED = Path(os.environ.get("DSPINE_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 STORIES = SHARED / "models" / "stories260K" / "hf"
@@ -181,6 +182,19 @@ def test_data_parallel_shards_merge_and_world_size_change(workdir, monkeypatch):
     files = outputs(out)
     assert sorted(r["index"] for k in regen.KINDS for r in files[k]) == list(range(20))
     assert not list(out.glob("*.rank*"))  # shards and markers removed after the merge
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused(workdir, capsys):
+    """Two runs on one --output both appended to results.rank0.jsonl: rows recorded twice, a folder no rerun could
+    merge (newcomer review); one that finds the folder locked by a run in progress is refused and writes nothing."""
+    out = workdir / "busy"
+    assert run(argv(workdir, out, "--limit", "4"))["results"] == 4
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with folder_lock(out):  # a run in progress (flock: another open of the folder, in this process too, is refused)
+        assert regen.main(argv(workdir, out, "--limit", "4")) == 2
+    assert f"error: {out}: another run is writing this folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert regen.main(argv(workdir, out, "--limit", "4")) == 0 and "already finished" in capsys.readouterr().out
 
 
 def test_bad_rows_are_skipped_or_errors_with_reasons(workdir):
