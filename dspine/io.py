@@ -41,15 +41,15 @@ def sigterm_as_ctrl_c():
 @contextlib.contextmanager
 def folder_lock(out: Path, hold: bool = True):
     """Holds an exclusive lock on the folder ``out`` (flock of the folder itself: no file is left, and the kernel drops
-    it when the process ends, SIGKILL included); ValueError where another process holds it. ``hold`` False: no lock."""
+    it when the process ends, SIGKILL included); BlockingIOError where another process holds it. ``hold`` False: none."""
     fd = os.open(out, os.O_RDONLY)
     try:
         if hold:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise ValueError(f"{out}: another run is writing this folder; wait for it to end, then run the same "
-                                 "command again (it resumes), or choose another output folder") from None
+                raise BlockingIOError(f"{out}: another run is writing this folder; wait for it to end, then run the same "
+                                      "command again (it resumes), or choose another output folder") from None
         yield
     finally:
         os.close(fd)

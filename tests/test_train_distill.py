@@ -834,6 +834,22 @@ def test_a_ctrl_c_before_any_checkpoint_says_so_and_leaves_no_empty_output_dir(m
     assert (out / "latest").read_text() == "step-3\n"
 
 
+def test_a_second_run_on_an_output_dir_in_use_is_refused(monkeypatch, tmp_path, capsys):
+    """Two runs on one output_dir: the second resumed from the first's latest checkpoint while the first went on, both
+    writing the same step-N folders and metrics.jsonl (newcomer review); refused while rank 0 of a run holds it."""
+    from dspine.io import folder_lock
+    from train import distill
+
+    monkeypatch.setattr(distill, "train", lambda cfg: 0)
+    monkeypatch.delenv("RANK", raising=False)
+    out = tmp_path / "run"
+    out.mkdir()
+    with folder_lock(out):  # a run in progress (flock: another open of the folder, in this process too, is refused)
+        assert distill.main(["--config", str(CONFIG), f"output_dir={out}"]) == 2
+    assert f"error: BlockingIOError: {out}: another run is writing this folder" in capsys.readouterr().err
+    assert distill.main(["--config", str(CONFIG), f"output_dir={out}"]) == 0
+
+
 def test_a_step_that_raises_gives_the_signal_handlers_back(monkeypatch, tmp_path, capsys, data):
     """The trainer's Ctrl-C/SIGTERM handlers (stop after the step) are put back when a step raises, not only after
     the last step: an in-process caller (a notebook, a test) keeps its Ctrl-C (they leaked; a later SIGINT in the same

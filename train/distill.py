@@ -33,6 +33,7 @@ try:  # a Ctrl-C during these imports (seconds: torch, transformers) is one line
     import torch
     import yaml
 
+    from dspine.io import folder_lock
     from dspine.paths import load_tokenizer, read_json_object
     from train import config as run_config
     from train.config import ConfigError
@@ -78,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     fresh = not out.exists()
     code = 2
     try:
-        return train(cfg)
+        if not out.exists():  # rank 0 holds the folder to the end: a second run on it is refused, not mixed in
+            out.mkdir(parents=True, exist_ok=True)
+        with folder_lock(out, hold=int(os.environ.get("RANK", "0")) == 0):
+            return train(cfg)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
     except OSError as e:  # e.g. a target that is neither a folder nor a reachable Hub id
