@@ -34,7 +34,7 @@ from tqdm import tqdm
 from data.formats import FORMATS, detect_format, to_conversation
 from data.rows import EXIT_STATUS, atomic_write_json, dumps, iter_hub, iter_local
 from data.schema import RowError
-from dspine.io import sigterm_as_ctrl_c
+from dspine.io import folder_lock, sigterm_as_ctrl_c
 
 OUTPUTS = ("train.jsonl", "eval.jsonl", "skipped.jsonl")
 SUMMARY = "summary.json"
@@ -141,52 +141,53 @@ def prepare(
         raise FileExistsError(f"--output {out} is an existing file; give a folder")
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    check_output_dir(out, overwrite)
+    with folder_lock(out):  # a second run on this folder is refused: both wrote the same .tmp files
+        check_output_dir(out, overwrite)
 
-    tmp = {name: out / f"{name}.tmp" for name in OUTPUTS}
-    seen: set[bytes] = set()
-    per_source = {}
-    # Plain buffered writes: durability comes from the rename at the end, not from per-row fsync.
-    writers = {name: open(path, "w", encoding="utf-8") for name, path in tmp.items()}
-    try:
-        for name, location, is_hub in sources:
-            rows = iter_hub(location, split) if is_hub else iter_local(location)
-            per_source[name] = _prepare_source(
-                name, location, rows, fmt, writers, seen, eval_fraction, seed, limit
-            )
-        for w in writers.values():
-            w.close()
-        total = Counter()
-        for stats in per_source.values():
-            total.update({k: stats[k] for k in ("read", "kept", "train", "eval", "duplicates", "skipped")})
-        summary = {
-            "total": dict(total),
-            "sources": per_source,
-            "eval_fraction": eval_fraction,
-            "seed": seed,
-            "limit": limit,
-            "consistent": total["read"] == total["kept"] + total["duplicates"] + total["skipped"],
-        }
-        if not total["kept"]:
-            # Nothing to train on: leave nothing that looks finished (or unfinished), so a corrected
-            # retry into the same folder is not refused; an earlier finished output stays as it was.
-            raise NoRowKept(summary)
-    except BaseException:
-        # a failed source, or no row kept, leaves no partial .tmp files behind (the finished outputs are untouched)
-        for w in writers.values():
-            w.close()
-        for path in tmp.values():
-            path.unlink(missing_ok=True)
-        if created and not any(out.iterdir()):  # nor an empty folder of its own (a bad input, Ctrl-C)
-            out.rmdir()
-        raise
-    # Finish: drop the old summary first so a crash mid-rename never leaves a "finished" marker
-    # next to a mix of old and new files; summary.json is written last.
-    (out / SUMMARY).unlink(missing_ok=True)
-    for name, path in tmp.items():
-        os.replace(path, out / name)
-    atomic_write_json(out / SUMMARY, summary)
-    return summary
+        tmp = {name: out / f"{name}.tmp" for name in OUTPUTS}
+        seen: set[bytes] = set()
+        per_source = {}
+        # Plain buffered writes: durability comes from the rename at the end, not from per-row fsync.
+        writers = {name: open(path, "w", encoding="utf-8") for name, path in tmp.items()}
+        try:
+            for name, location, is_hub in sources:
+                rows = iter_hub(location, split) if is_hub else iter_local(location)
+                per_source[name] = _prepare_source(
+                    name, location, rows, fmt, writers, seen, eval_fraction, seed, limit
+                )
+            for w in writers.values():
+                w.close()
+            total = Counter()
+            for stats in per_source.values():
+                total.update({k: stats[k] for k in ("read", "kept", "train", "eval", "duplicates", "skipped")})
+            summary = {
+                "total": dict(total),
+                "sources": per_source,
+                "eval_fraction": eval_fraction,
+                "seed": seed,
+                "limit": limit,
+                "consistent": total["read"] == total["kept"] + total["duplicates"] + total["skipped"],
+            }
+            if not total["kept"]:
+                # Nothing to train on: leave nothing that looks finished (or unfinished), so a corrected
+                # retry into the same folder is not refused; an earlier finished output stays as it was.
+                raise NoRowKept(summary)
+        except BaseException:
+            # a failed source, or no row kept, leaves no partial .tmp files behind (the finished outputs are untouched)
+            for w in writers.values():
+                w.close()
+            for path in tmp.values():
+                path.unlink(missing_ok=True)
+            if created and not any(out.iterdir()):  # nor an empty folder of its own (a bad input, Ctrl-C)
+                out.rmdir()
+            raise
+        # Finish: drop the old summary first so a crash mid-rename never leaves a "finished" marker
+        # next to a mix of old and new files; summary.json is written last.
+        (out / SUMMARY).unlink(missing_ok=True)
+        for name, path in tmp.items():
+            os.replace(path, out / name)
+        atomic_write_json(out / SUMMARY, summary)
+        return summary
 
 
 def _prepare_source(name, location, rows, fmt, writers, seen, eval_fraction, seed, limit) -> dict:
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no row was kept (see the skip reasons above); nothing was written to {args.output}",
               file=sys.stderr)
         return 1
-    except (FileExistsError, FileNotFoundError, ValueError) as e:
+    except (FileExistsError, FileNotFoundError, BlockingIOError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (ConnectionError, OSError) as e:  # a Hub source without network, a permission problem

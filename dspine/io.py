@@ -48,8 +48,8 @@ def folder_lock(out: Path, hold: bool = True):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise BlockingIOError(f"{out}: another run is writing this folder; wait for it to end, then run the same "
-                                      "command again (it resumes), or choose another output folder") from None
+                raise BlockingIOError(f"{out}: another run is writing this folder; wait for it to end, or choose "
+                                      "another output folder") from None
         yield
     finally:
         os.close(fd)

@@ -219,6 +219,14 @@ def test_never_overwrites_finished_output(tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         prepare([str(tmp_path / "missing.jsonl")], tmp_path / "other")
+    # Two runs on one folder wrote the same .tmp files: train.jsonl of one beside eval.jsonl of the other, no summary
+    # (newcomer review). One that finds the folder held by a run in progress is refused; nothing changes.
+    from dspine.io import folder_lock
+
+    with folder_lock(out):  # flock: another open of the folder, in this process too, is refused
+        assert main(["--input", str(src), "--output", str(out), "--overwrite"]) == 2
+    assert f"error: {out}: another run is writing this folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_no_row_kept_writes_nothing_and_a_retry_works(tmp_path, capsys):
