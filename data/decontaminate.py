@@ -29,6 +29,7 @@ from pathlib import Path
 
 from data.rows import JsonlAppender, atomic_write_json, file_digest, iter_jsonl
 from data.schema import RowError, check_row
+from dspine.io import folder_lock
 from dspine.paths import read_json_object
 
 DEFAULT_TASKS = "gsm8k,math500,humaneval,mbpp,mt-bench"
@@ -120,82 +121,83 @@ def decontaminate(input_path: str, output: str, tasks: list[str], n: int, eval_d
     args = {"input": str(src.resolve()), "input_digest": file_digest(src), "tasks": tasks, "ngram": n,
             "eval_dir": str(Path(eval_dir).resolve()) if eval_dir else None}
     summary_path = out / "summary.json"
-    if summary_path.exists():
-        done = read_json_object(summary_path, "a data.decontaminate summary")
-        if done.get("args") != args:
-            raise ValueError(f"{out} holds a finished run with other arguments ({done.get('args')}); "
-                             "choose another --output")
-        return done
     index = build_index(tasks, n, eval_dir)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("train.jsonl", "dropped.jsonl"):  # a killed run starts over: nothing is final yet
-        (out / name).unlink(missing_ok=True)
-    seen: set[int] = set()
-    stats: Counter = Counter()
-    per_task: Counter = Counter()
-    # buffered: one durable write per 2,000 rows, not one per row
-    keep: list[dict] = []
-    drop: list[dict] = []
-    first_invalid = None
-    with JsonlAppender(out / "train.jsonl") as keep_file, JsonlAppender(out / "dropped.jsonl") as drop_file:
-        for i, row in enumerate(iter_jsonl(src)):
-            if len(keep) + len(drop) >= 2000:
-                keep_file.write(keep)
-                drop_file.write(drop)
-                keep.clear()
-                drop.clear()
-            stats["read"] += 1
-            try:
-                if isinstance(row, RowError):
-                    raise row
-                _, turns = check_row(row)
-            except RowError as e:
-                stats["invalid"] += 1
-                first_invalid = first_invalid or str(e)
-                drop.append({"line": i + 1, "reason": f"invalid: {e.code}", "detail": str(e)})
-                continue
-            hit = next(filter(None, (index.match(t["content"]) for t in turns)), None)  # the first turn's match
-            if hit:
-                per_task[hit[0]] += 1
-                stats["contaminated"] += 1
-                drop.append({**row, "reason": "contaminated", "eval_task": hit[0], "eval_item": hit[1],
-                             "ngram": hit[2]})
-                continue
-            first_user = next((t["content"] for t in turns if t["role"] == "user"), "")
-            key = _key(words(first_user))
-            if key in seen:
-                stats["duplicates"] += 1
-                drop.append({**row, "reason": "duplicate_prompt"})
-                continue
-            seen.add(key)
-            stats["kept"] += 1
-            keep.append(row)
-        keep_file.write(keep)
-        drop_file.write(drop)
-    if stats["read"] == stats["invalid"]:
-        # nothing usable: leave nothing that looks finished (dropped.jsonl only if it names reasons)
-        (out / "train.jsonl").unlink()
-        if not stats["read"]:
-            (out / "dropped.jsonl").unlink()
-            if created and not any(out.iterdir()):
-                out.rmdir()
-            raise NoValidRows(f"--input {src}: no rows (empty or blank lines only); nothing was written to {out}")
-        raise NoValidRows(f"--input {src}: none of its {stats['read']} rows is valid (first: "
-                          f"{first_invalid}; all in {out / 'dropped.jsonl'})")
-    summary = {
-        "args": args,
-        "read": stats["read"],
-        "kept": stats["kept"],
-        "contaminated": stats["contaminated"],
-        "contaminated_by_task": {t: per_task[t] for t in index.items},
-        "eval_items": dict(index.items),
-        "duplicates": stats["duplicates"],
-        "invalid": stats["invalid"],
-        "adds_up": stats["read"] == stats["kept"] + stats["contaminated"] + stats["duplicates"] + stats["invalid"],
-    }
-    atomic_write_json(summary_path, summary)
-    return summary
+    with folder_lock(out):  # a second run on this folder is refused: it took the files of a run in progress
+        if summary_path.exists():
+            done = read_json_object(summary_path, "a data.decontaminate summary")
+            if done.get("args") != args:
+                raise ValueError(f"{out} holds a finished run with other arguments ({done.get('args')}); "
+                                 "choose another --output")
+            return done
+        for name in ("train.jsonl", "dropped.jsonl"):  # a killed run starts over: nothing is final yet
+            (out / name).unlink(missing_ok=True)
+        seen: set[int] = set()
+        stats: Counter = Counter()
+        per_task: Counter = Counter()
+        # buffered: one durable write per 2,000 rows, not one per row
+        keep: list[dict] = []
+        drop: list[dict] = []
+        first_invalid = None
+        with JsonlAppender(out / "train.jsonl") as keep_file, JsonlAppender(out / "dropped.jsonl") as drop_file:
+            for i, row in enumerate(iter_jsonl(src)):
+                if len(keep) + len(drop) >= 2000:
+                    keep_file.write(keep)
+                    drop_file.write(drop)
+                    keep.clear()
+                    drop.clear()
+                stats["read"] += 1
+                try:
+                    if isinstance(row, RowError):
+                        raise row
+                    _, turns = check_row(row)
+                except RowError as e:
+                    stats["invalid"] += 1
+                    first_invalid = first_invalid or str(e)
+                    drop.append({"line": i + 1, "reason": f"invalid: {e.code}", "detail": str(e)})
+                    continue
+                hit = next(filter(None, (index.match(t["content"]) for t in turns)), None)  # the first turn's match
+                if hit:
+                    per_task[hit[0]] += 1
+                    stats["contaminated"] += 1
+                    drop.append({**row, "reason": "contaminated", "eval_task": hit[0], "eval_item": hit[1],
+                                 "ngram": hit[2]})
+                    continue
+                first_user = next((t["content"] for t in turns if t["role"] == "user"), "")
+                key = _key(words(first_user))
+                if key in seen:
+                    stats["duplicates"] += 1
+                    drop.append({**row, "reason": "duplicate_prompt"})
+                    continue
+                seen.add(key)
+                stats["kept"] += 1
+                keep.append(row)
+            keep_file.write(keep)
+            drop_file.write(drop)
+        if stats["read"] == stats["invalid"]:
+            # nothing usable: leave nothing that looks finished (dropped.jsonl only if it names reasons)
+            (out / "train.jsonl").unlink()
+            if not stats["read"]:
+                (out / "dropped.jsonl").unlink()
+                if created and not any(out.iterdir()):
+                    out.rmdir()
+                raise NoValidRows(f"--input {src}: no rows (empty or blank lines only); nothing was written to {out}")
+            raise NoValidRows(f"--input {src}: none of its {stats['read']} rows is valid (first: "
+                              f"{first_invalid}; all in {out / 'dropped.jsonl'})")
+        summary = {
+            "args": args,
+            "read": stats["read"],
+            "kept": stats["kept"],
+            "contaminated": stats["contaminated"],
+            "contaminated_by_task": {t: per_task[t] for t in index.items},
+            "eval_items": dict(index.items),
+            "duplicates": stats["duplicates"],
+            "invalid": stats["invalid"],
+            "adds_up": stats["read"] == stats["kept"] + stats["contaminated"] + stats["duplicates"] + stats["invalid"],
+        }
+        atomic_write_json(summary_path, summary)
+        return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,6 +72,15 @@ def test_finished_output_is_kept_and_other_args_refused(setup, capsys):
             in capsys.readouterr().err)
     assert (out / "train.jsonl").read_bytes() == before
     (out / "summary.json").write_bytes(summary)
+    # Two runs on one folder: the later one deleted the files of the one in progress, which wrote its summary.json
+    # beside the other input's train.jsonl (newcomer review). One that finds the folder held is refused.
+    from dspine.io import folder_lock
+
+    (out / "summary.json").unlink()
+    with folder_lock(out):  # a run in progress (flock: another open of the folder, in this process too, is refused)
+        assert main(["--input", str(src), "--output", str(out), "--eval-dir", str(ev), "--tasks", "gsm8k"]) == 2
+    assert f"error: {out}: another run is writing this folder" in capsys.readouterr().err
+    assert (out / "train.jsonl").read_bytes() == before and not (out / "summary.json").exists()
 
 
 def test_missing_input_and_eval_set_are_named(setup, tmp_path, capsys, monkeypatch):
