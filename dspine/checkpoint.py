@@ -66,21 +66,20 @@ def load_config(path_or_id: str | Path) -> DSpineConfig:
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size", "num_target_layers")
-_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "attention_dropout", "initializer_range")
+_NULLABLE_FIELDS = ("head_dim", "sliding_window")  # null: derived from hidden_size / no sliding layers
 
 
 def _check_types(raw: dict, cfg_file: Path) -> None:
-    """Name the field when a config.json value has the wrong type (before the constructor casts it)."""
-    for key in _INT_FIELDS:
-        v = raw.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise ValueError(f"{cfg_file}: field {key!r} must be an integer, got {v!r}")
-        if v is not None and v < 1:
+    """Name the field when a config.json value has the wrong type or is null (before the constructor casts it)."""
+    for key in (*_INT_FIELDS, "sliding_window", *_FLOAT_FIELDS):
+        if key not in raw or (raw[key] is None and key in _NULLABLE_FIELDS):
+            continue
+        v, integer = raw[key], key not in _FLOAT_FIELDS
+        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+            raise ValueError(f"{cfg_file}: field {key!r} must be {'an integer' if integer else 'a number'}, got {v!r}")
+        if key in _INT_FIELDS and v < 1:
             raise ValueError(f"{cfg_file}: field {key!r} must be >= 1, got {v!r}")
-    for key in _FLOAT_FIELDS:
-        v = raw.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise ValueError(f"{cfg_file}: field {key!r} must be a number, got {v!r}")
     for key in ("dspine_config", "rope_scaling", "rope_parameters"):
         if raw.get(key) is not None and not isinstance(raw[key], dict):
             raise ValueError(f"{cfg_file}: field {key!r} must be an object, got {raw[key]!r}")

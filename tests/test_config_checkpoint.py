@@ -253,6 +253,21 @@ def test_draft_config_type_errors_name_the_field(tmp_path):
         load_config(tmp_path)  # the strict-dataclass reason is on the message's second line; it was cut off
 
 
+def test_draft_config_null_or_wrong_type_number_names_file_field_and_value(tmp_path):
+    small_config().save_pretrained(tmp_path)
+    cfg_file = tmp_path / "config.json"
+    raw = json.loads(cfg_file.read_text())
+    for key, value, want in (("rms_norm_eps", None, "a number"), ("hidden_size", None, "an integer"),
+                             ("initializer_range", "0.02", "a number"), ("sliding_window", "4", "an integer")):
+        cfg_file.write_text(json.dumps({**raw, key: value}))
+        with pytest.raises(ValueError) as e:
+            load_config(tmp_path)
+        assert str(e.value) == f"{cfg_file}: field {key!r} must be {want}, got {value!r}"
+    cfg_file.write_text(json.dumps({**raw, "head_dim": None, "sliding_window": None}))
+    cfg = load_config(tmp_path)  # null here means "derive from hidden_size" / "no sliding layers"
+    assert (cfg.head_dim, cfg.sliding_window) == (64 // 8, None)
+
+
 def test_init_from_keeps_the_source_layout(stories_dir, tmp_path):
     src = tmp_path / "src"
     base = ["--target", str(stories_dir), "--dtype", "fp32"]
