@@ -1011,6 +1011,7 @@ def _main(argv, stop) -> int:
                                  what="this run's results are")
         if args.plot and written != out:  # the plot takes the results' name (b.2.png): b.png may be that run's
             args.plot = str(Path(args.plot).with_stem(Path(args.plot).stem + written.stem[len(out.stem):]))
+            write_json_new(written, result, indent=1, allow_nan=True, replace=True)  # args.plot: the path written
     if args.plot and summary:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(rows, Path(args.plot), args.label or f"T={args.temperature}, concurrency {args.concurrency}")

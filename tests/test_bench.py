@@ -262,6 +262,7 @@ def test_results_never_replace_a_file_written_during_the_run(stories_dir, storie
     assert f"results are in {tmp_path / 'b.2.json'}" in capsys.readouterr().err
     assert (tmp_path / "b.png").read_text() == "its plot"  # was replaced by this run's plot
     assert (tmp_path / "b.2.png").read_bytes().startswith(b"\x89PNG")
+    assert res["args"]["plot"] == str(tmp_path / "b.2.png")  # it recorded b.png, the other run's plot
 
     def ctrl_c():
         raise KeyboardInterrupt
