@@ -325,6 +325,9 @@ def run(args) -> dict:
         print("warning: the tokenizer has no chat template: --system / --enable-thinking are ignored", file=sys.stderr)
     texts = ([p.turns[0] for p in load_eval_prompts(args.dataset, args.num_prompts, args.data_dir)] if args.dataset
              else [args.prompt])
+    if args.dataset and len(texts) < args.num_prompts:
+        print(f"note: {args.dataset} has {len(texts)} prompts; --num-prompts {args.num_prompts} runs all {len(texts)}",
+              file=sys.stderr)
     prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template, system=args.system,
                              enable_thinking=args.enable_thinking) for text in texts]
     need = max(map(len, prompts)) + args.max_new_tokens

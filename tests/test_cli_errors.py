@@ -559,7 +559,11 @@ def test_a_named_eval_folder_is_never_replaced_by_the_hub(stories_dir, tmp_path,
     row = json.loads((shared_path("data", "eval") / "gsm8k" / "test.jsonl").read_text().splitlines()[3])
     (local / "test.jsonl").write_text(json.dumps(row) + "\n")
     assert generate.main([*argv, "--num-prompts", "2", "--data-dir", str(tmp_path / "eval")]) == 0
-    assert json.loads(capsys.readouterr().out)["num_prompts"] == 1  # the folder's one row, not the shared set's two
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["num_prompts"] == 1  # the folder's one row, not the shared set's two
+    assert "note: gsm8k has 1 prompts; --num-prompts 2 runs all 1\n" in cap.err  # capped: it ran 1 silently
+    assert generate.main([*argv, "--num-prompts", "1", "--data-dir", str(tmp_path / "eval")]) == 0
+    assert "runs all" not in capsys.readouterr().err  # not capped: no note
 
 
 def test_ctrl_c_or_sigterm_in_sample_target_is_one_line(stories_dir, tmp_path, capsys, monkeypatch):
