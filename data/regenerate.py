@@ -43,7 +43,7 @@ from data.generate import BACKENDS, Generation, format_profile, load_generator, 
 from data.rows import CHAT_TEMPLATE_HELP, EXIT_STATUS, JsonlAppender, atomic_write_json, batched, iter_jsonl
 from data.schema import RowError, check_row
 from data.shards import (
-    clear_marker,
+    clear_markers,
     done_indices,
     merge_shards,
     remove_shards,
@@ -494,7 +494,8 @@ def regenerate(args: argparse.Namespace) -> dict:
             input_digest=input_digest, chat_template_digest=template_digest(template), max_context=max_context
         )
         check_run_args(out, run_args, write=state.is_main_process)
-        clear_marker(out, rank)  # a marker left by an earlier run must not count for this one
+        if state.is_main_process:  # an earlier run's markers must not count for this one; only the lock holder
+            clear_markers(out)  # clears them: another launch's rank 1 would remove a running launch's marker
         state.wait_for_everyone()
         check_run_args(out, run_args, write=False)
         if (out / SUMMARY).exists():

@@ -43,9 +43,11 @@ def write_marker(out: Path, rank: int, world: int) -> None:
     atomic_write_json(out / f"done.rank{rank}.json", {"world_size": world})
 
 
-def clear_marker(out: Path, rank: int) -> None:
-    """Removes the marker of `rank` (at the start of a run, before ranks synchronize)."""
-    (out / f"done.rank{rank}.json").unlink(missing_ok=True)
+def clear_markers(out: Path) -> None:
+    """Removes every rank's marker (rank 0, holding the folder lock, at the start of a run: before the other ranks
+    pass the first barrier, so never those of another launch's run in progress)."""
+    for path in out.glob("done.rank*.json"):
+        path.unlink(missing_ok=True)
 
 
 def wait_for_ranks(out: Path, world: int, poll_s: float = 5.0) -> None:

@@ -197,6 +197,36 @@ def test_a_second_run_on_a_folder_in_use_is_refused(workdir, capsys):
     assert regen.main(argv(workdir, out, "--limit", "4")) == 0 and "already finished" in capsys.readouterr().out
 
 
+def test_a_refused_launch_leaves_the_running_launchs_markers(workdir, monkeypatch):
+    """Another launch's rank 1 removed its done.rank1.json before the barrier its rank 0 (refused: the folder is
+    locked) never reached, so the running launch's rank 0 waited for it forever (reviewer); only the lock holder clears
+    markers, an earlier run's stale ones included."""
+    out = workdir / "markers"
+    args = argv(workdir, out, "--limit", "6")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("accelerate.PartialState", lambda **kw: FakeState(1, 2))
+    assert run(args) == {}  # the running launch's rank 1 is done; its rank 0 still writes (holds the lock)
+    marker = (out / "done.rank1.json").read_bytes()
+
+    class RefusedRankZero(FakeState):
+        def wait_for_everyone(self):
+            raise RuntimeError("rank 0 left the group")  # it was refused the folder lock
+
+    monkeypatch.setattr("accelerate.PartialState", lambda **kw: RefusedRankZero(1, 2))
+    with folder_lock(out), pytest.raises(RuntimeError, match="rank 0 left the group"):
+        run(args)
+    assert (out / "done.rank1.json").read_bytes() == marker
+
+    class CheckedBarrier(FakeState):  # a later launch's rank 0; its rank 1 has no rows left and writes its marker
+        def wait_for_everyone(self):
+            assert not (out / "done.rank1.json").exists()  # the earlier run's marker is cleared before the barrier
+            (out / "done.rank1.json").write_bytes(marker)
+
+    monkeypatch.setattr("accelerate.PartialState", lambda **kw: CheckedBarrier(0, 2))
+    summary = run(args)
+    assert summary["input_rows"] == 6 and summary["adds_up"] and not list(out.glob("done.rank*.json"))
+
+
 def test_bad_rows_are_skipped_or_errors_with_reasons(workdir):
     good = {
         "id": "g:0",
