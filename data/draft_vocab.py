@@ -172,7 +172,10 @@ def build(
         raise DraftVocabError(f"--data: {e}") from None
     if len(rows) == 0:
         raise DraftVocabError(f"--data {data}: no rows")
-    tok, tok_path, note = _tokenizer(tokenizer, rows.metadata().get("tokenizer"), _recorded_digest(rows))
+    # the tokenizer files' digest the data.tokenize manifest records (one cache, or a list's first: its parts agree)
+    part = rows.parts[0] if hasattr(rows, "parts") else rows
+    recorded_digest = (getattr(part, "manifest", None) or {}).get("tokenizer_digest")
+    tok, tok_path, note = _tokenizer(tokenizer, rows.metadata().get("tokenizer"), recorded_digest)
 
     counts, _ = count_tokens(rows, all_tokens, vocab_size)
     counted = "all tokens" if all_tokens else "answer tokens"
@@ -219,20 +222,6 @@ def build(
     return {**metadata, "coverage_value": coverage, "ids_of": V, "note": note}
 
 
-def _cached_hub_tokenizer(repo_id: str):
-    """The tokenizer of Hub id ``repo_id`` from the local Hugging Face cache only (raises when it is not there)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(repo_id, local_files_only=True)
-
-
-def _recorded_digest(rows) -> str | None:
-    """The ``tokenizer_digest`` (``data.tokenize.tokenizer_digest``: the tokenizer files' hash) that the rows'
-    data.tokenize manifest records (one cache, or the first of a list, whose parts agree), else None."""
-    part = rows.parts[0] if hasattr(rows, "parts") else rows
-    return (getattr(part, "manifest", None) or {}).get("tokenizer_digest")
-
-
 def _one_line(e: Exception) -> str:
     lines = [x for x in str(e).splitlines() if x.strip()]
     return lines[0] if lines else type(e).__name__
@@ -244,6 +233,8 @@ def _tokenizer(given: str | None, recorded: str | None, recorded_digest: str | N
     there is none. When the rows' manifest records the tokenizer's file digest (``recorded_digest``), the tokenizer
     used must have the same one: a different ``--tokenizer`` is refused, a recorded relative path that names another
     tokenizer from this folder gives no tokens_digest (a note)."""
+    from transformers import AutoTokenizer
+
     from data.tokenize import tokenizer_digest
     from dspine.paths import load_tokenizer
 
@@ -265,7 +256,8 @@ def _tokenizer(given: str | None, recorded: str | None, recorded_digest: str | N
         return None, None, ("the rows record no tokenizer: the file has no tokens_digest, so a target whose tokenizer "
                             "names other tokens with the same ids is not detected (pass --tokenizer)")
     try:  # a Hub id only from the local cache: no network wait for a tokenizer nobody asked for
-        tok = load_tokenizer(recorded) if Path(recorded).exists() else _cached_hub_tokenizer(recorded)
+        tok = (load_tokenizer(recorded) if Path(recorded).exists()
+               else AutoTokenizer.from_pretrained(recorded, local_files_only=True))
         digest = tokenizer_digest(recorded, tok) if recorded_digest else None
     except Exception as e:  # not here (a path of another machine, a Hub id not cached) or broken
         return None, None, (f"the rows' tokenizer {recorded} did not load here ({_one_line(e)}): the file has no "

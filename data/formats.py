@@ -79,15 +79,6 @@ def _from_sharegpt(row: dict) -> list[dict]:
     return turns
 
 
-def _openai_content(content, i: int) -> str:
-    # Content may be a list of parts; only text parts carry over.
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise RowError("bad_field", f"turn {i}: content has non-text parts")
-        return "".join(p.get("text", "") for p in content)
-    return content
-
-
 def _from_openai(row: dict) -> list[dict]:
     turns = []
     for i, msg in enumerate(_field(row, "messages", list)):
@@ -98,7 +89,12 @@ def _from_openai(row: dict) -> list[dict]:
                 raise RowError("missing_field", f"message {i}: missing field {key!r}")
         if msg["role"] not in OPENAI_ROLES:
             raise RowError("unknown_role", f"message {i} has unknown role {msg['role']!r}")
-        turns.append({"role": OPENAI_ROLES[msg["role"]], "content": _openai_content(msg["content"], i)})
+        content = msg["content"]
+        if isinstance(content, list):  # a list of parts: only text parts carry over
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise RowError("bad_field", f"turn {i}: content has non-text parts")
+            content = "".join(p.get("text", "") for p in content)
+        turns.append({"role": OPENAI_ROLES[msg["role"]], "content": content})
     return turns
 
 

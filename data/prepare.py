@@ -77,12 +77,6 @@ def eval_split(row_id: str, seed: int, fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < fraction
 
 
-def conversation_digest(turns: list[dict]) -> bytes:
-    """16-byte blake2b digest of the turns: equal digests = exact duplicate conversations."""
-    text = json.dumps(turns, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
-
-
 def check_output_dir(out: Path, overwrite: bool) -> None:
     """Refuses to write over finished (or foreign) output unless `overwrite`.
 
@@ -214,7 +208,8 @@ def _prepare_source(name, location, rows, fmt, writers, seen, eval_fraction, see
             skipped = {"id": row_id, "source": name, "reason": e.code, "detail": str(e), "row": raw}
             writers["skipped.jsonl"].write(dumps(skipped) + "\n")
             continue
-        digest = conversation_digest(turns)
+        text = json.dumps(turns, ensure_ascii=False, separators=(",", ":"))
+        digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()  # equal: a duplicate conversation
         if digest in seen:
             stats["duplicates"] += 1
             continue

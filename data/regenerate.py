@@ -169,11 +169,6 @@ def check_run_args(out: Path, run_args: dict, write: bool) -> None:
         )
 
 
-def _canonical(value):
-    # Local paths compare by absolute location, so a resume may spell them differently.
-    return str(Path(value).resolve()) if value and Path(value).exists() else value
-
-
 def model_context(target: str, gguf_file: str | None) -> int | None:
     """The target's max_position_embeddings, or None if its config does not say."""
     from transformers import AutoConfig
@@ -182,15 +177,6 @@ def model_context(target: str, gguf_file: str | None) -> int | None:
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     return getattr(text_config(AutoConfig.from_pretrained(target, **kwargs)), "max_position_embeddings", None)
-
-
-def model_generation_config(target: str):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(target)
-    except OSError:  # no generation_config.json (e.g. a GGUF folder)
-        return None
 
 
 # ----------------------------------------------------------------------------------- generation
@@ -251,11 +237,6 @@ def _prompt_turns(turns: list[dict], max_turns: int) -> list[dict]:
     if not users:
         raise RowError("no_user_turn", "the conversation has no user turn to answer")
     return kept
-
-
-def _seed(seed: int, index: int, turn: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{index}:{turn}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
 def regenerate_batch(rows, tokenizer, template: str, generator, args, max_context, seed_key: int = 0) -> dict:
@@ -321,7 +302,8 @@ def regenerate_batch(rows, tokenizer, template: str, generator, args, max_contex
             prompts.append(ids)
             ready.append(chat)
 
-        generations = _generate_robust(generator, prompts, args, seed=_seed(args.seed, seed_key, turn))
+        digest = hashlib.blake2b(f"{args.seed}:{seed_key}:{turn}".encode(), digest_size=4).digest()
+        generations = _generate_robust(generator, prompts, args, seed=int.from_bytes(digest, "big") & 0x7FFFFFFF)
         active = []
         for chat, gen in zip(ready, generations):
             if isinstance(gen, Exception):
@@ -489,7 +471,9 @@ def regenerate(args: argparse.Namespace) -> dict:
         raise ValueError(f"{args.input} has no rows (only blank lines, or empty): nothing to regenerate")
     out.mkdir(parents=True, exist_ok=True)
     with folder_lock(out, state.is_main_process):  # a second run on this folder is refused, not mixed in
-        run_args = {k: _canonical(v) if k in PATH_ARGS else v for k, v in vars(args).items() if k in CONTENT_ARGS}
+        # local paths compare by absolute location, so a resume may spell them differently
+        run_args = {k: str(Path(v).resolve()) if k in PATH_ARGS and v and Path(v).exists() else v
+                    for k, v in vars(args).items() if k in CONTENT_ARGS}
         run_args.update(
             input_digest=input_digest, chat_template_digest=template_digest(template), max_context=max_context
         )
@@ -504,7 +488,13 @@ def regenerate(args: argparse.Namespace) -> dict:
                 print(f"{out} is already finished; nothing to do")
             return json.loads((out / SUMMARY).read_text())
 
-        stop_ids = stop_token_ids(tokenizer, template, model_generation_config(args.target))
+        from transformers import GenerationConfig
+
+        try:
+            gen_cfg = GenerationConfig.from_pretrained(args.target)
+        except OSError:  # no generation_config.json (e.g. a GGUF folder)
+            gen_cfg = None
+        stop_ids = stop_token_ids(tokenizer, template, gen_cfg)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
         generator = load_generator(
             backend, args.target, args.gguf_file, stop_ids, pad_id, state.device,

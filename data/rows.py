@@ -129,14 +129,6 @@ def iter_json_array(path: str | Path) -> Iterator[dict | RowError]:
             )  # raw as JSON text: an element may hold a lone surrogate, which skipped.jsonl could not be written with
 
 
-def iter_parquet(path: str | Path, batch_size: int = 1024) -> Iterator[dict]:
-    """Yields the rows of a Parquet file as dicts, reading `batch_size` rows at a time."""
-    import pyarrow.parquet as pq
-
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
-        yield from batch.to_pylist()
-
-
 def iter_local(path: str | Path) -> Iterator[dict | RowError]:
     """Yields the rows of a local .jsonl/.json/.parquet file, or of all such files in a folder (sorted by path).
 
@@ -155,7 +147,10 @@ def iter_local(path: str | Path) -> Iterator[dict | RowError]:
     elif path.suffix == ".json":
         yield from iter_json_array(path)
     elif path.suffix == ".parquet":
-        yield from iter_parquet(path)
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
     else:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r} (expected one of {LOCAL_SUFFIXES})")
 

@@ -266,12 +266,6 @@ def cache_manifest(input_jsonl, tokenizer_path, max_length, thinking, assistant_
     }
 
 
-def cache_key(manifest: dict) -> str:
-    # The input path is informative only: the same content under another path is the same cache.
-    keyed = {k: v for k, v in manifest.items() if k not in ("input", "tokenizer")}
-    return hashlib.blake2b(json.dumps(keyed, sort_keys=True).encode(), digest_size=8).hexdigest()
-
-
 def require_train_extra() -> None:
     """Checks the optional packages the cache needs (pyarrow writes it, datasets reads it).
 
@@ -324,12 +318,20 @@ def build_tokenized(
         raise ValueError(f"assistant_turns {assistant_turns!r}: expected one of {ASSISTANT_TURNS}")
     if max_length < 1:
         raise ValueError(f"--max-length {max_length}: must be >= 1")
-    _check_regenerate_mode(Path(input_jsonl), thinking)
+    # a draft trained on the other thinking mode than the data was generated in collapses (design §8.8)
+    run_args = Path(input_jsonl).parent / "run_args.json"
+    stored = read_json_object(run_args, "data.regenerate run arguments").get("enable_thinking") \
+        if run_args.is_file() else None
+    if stored is not None and stored != thinking:
+        raise ValueError(f"{input_jsonl} was regenerated with enable_thinking={stored} ({run_args}) but tokenization "
+                         f"asks thinking={thinking}")
     tokenizer = load_tokenizer(tokenizer_path)
     template = resolve_chat_template(chat_template, tokenizer)
     check_template(tokenizer, template, thinking)
     manifest = cache_manifest(input_jsonl, tokenizer_path, max_length, thinking, assistant_turns, template)
-    final = Path(cache_dir) / cache_key(manifest)
+    # the paths are informative only: the same content under another path is the same cache
+    keyed = {k: v for k, v in manifest.items() if k not in ("input", "tokenizer")}
+    final = Path(cache_dir) / hashlib.blake2b(json.dumps(keyed, sort_keys=True).encode(), digest_size=8).hexdigest()
     if (final / SUMMARY).exists():
         return final
     settings = (tokenizer_path, template, thinking, assistant_turns, max_length)
@@ -352,18 +354,6 @@ def load_tokenized(path: str | Path):
     from datasets import Dataset
 
     return Dataset.from_file(str(Path(path) / DATA_FILE))
-
-
-def _check_regenerate_mode(input_jsonl: Path, thinking: bool) -> None:
-    # A draft trained on the other thinking mode than the data was generated in collapses (design §8.8).
-    run_args = input_jsonl.parent / "run_args.json"
-    if run_args.is_file():
-        stored = read_json_object(run_args, "data.regenerate run arguments").get("enable_thinking")
-        if stored is not None and stored != thinking:
-            raise ValueError(
-                f"{input_jsonl} was regenerated with enable_thinking={stored} ({run_args}) but tokenization "
-                f"asks thinking={thinking}"
-            )
 
 
 # Worker state: set once per process by _init_worker, used by _tokenize_lines.

@@ -207,17 +207,14 @@ class CaptureRows:
                 raise ValueError(f"{self.folder / s['file']}: missing, truncated or corrupt capture shard ({e}); run "
                                  "`python -m train.capture` again into a new --out") from None
 
-    def _shard(self, j: int):
+    def row(self, i: int) -> dict:
+        j = bisect.bisect_right(self.starts, i) - 1
         if j not in self._open:
             from safetensors import safe_open
 
             fh = safe_open(str(self.folder / self.shards[j]["file"]), framework="pt")
             self._open[j] = (fh, fh.get_tensor("offsets").tolist())
-        return self._open[j]
-
-    def row(self, i: int) -> dict:
-        j = bisect.bisect_right(self.starts, i) - 1
-        fh, offsets = self._shard(j)
+        fh, offsets = self._open[j]
         a, b = offsets[i - self.starts[j]], offsets[i - self.starts[j] + 1]
         return {"input_ids": fh.get_slice("input_ids")[a:b].long().tolist(),
                 "loss_mask": fh.get_slice("loss_mask")[a:b].long().tolist(),
