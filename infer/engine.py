@@ -238,32 +238,23 @@ class Engine:
             refuses, or given without a draft.
     """
 
-    # prefill_buckets=None's default. Measured on the H200 (SmolLM2-135M, prompts of 160 tokens,
-    # results/admit-h200.json "buckets"): an admission of 1 / 2 / 8 prompts takes 1.9 / 3.4 / 13.1 ms as bucket
-    # graph replays against 13.1 / 20.0 / 21.1 ms eager and packed (2.1 / 3.8 / 12.8 against 21.9 / 28.6 / 19.1
-    # with the draft context), but 32 prompts take 48.1 against 18.9 ms: replays are one per prompt, so an
-    # admission of more than PREFILL_BUCKETS_MAX_PROMPTS prompts takes the packed pass
+    # prefill_buckets=None's default. On the H200 (results/admit-h200.json "buckets"; docs/status.md) bucket graph
+    # replays admit 1-8 prompts several times faster than the eager packed pass, but replays are one per prompt, so
+    # an admission of more than PREFILL_BUCKETS_MAX_PROMPTS prompts (32: 48.1 against 18.9 ms) takes the packed pass
     PREFILL_BUCKETS_AUTO = True
     PREFILL_BUCKETS_MAX_HIDDEN = 2048
     PREFILL_BUCKETS_MAX_PROMPTS = 8
-    # the planner's trees: 16 and 32 nodes. Before d9ee403 each tree's lead over the chain was learned only on the
-    # steps that tree ran (noisy, and biased by the passages it was chosen in), so trees of near-equal rate flipped on
-    # noise: a tree in the set cost about a point where it could not win (a step of the larger tree now also gives the
-    # smaller one's tokens, infer.planner "Paired observations"). Replayed over the
-    # shipped SmolLM2 draft's real per-anchor acceptance with the step times of six H200 runs, measured / start-up
-    # (results/planner-replay16-cpu.json, benchmarks/reference/planner_trace.py; ÷ the best fixed mode), fast mode (the
-    # default) at concurrency 1 and 8: trees 16 and 32 0.992 / 0.988 and 0.976 / 0.985; 32 and 64 (the default before)
-    # 0.986 / 0.985 and 0.939 / 0.966; 32 alone 0.998 / 0.998 and 0.940 / 0.977 (in exact mode 32 alone is ahead by up
-    # to 1.5 points). A tree of 64 is never the best fixed mode
+    # the planner's trees: 16 and 32 nodes, the set with the highest floor (÷ the best fixed mode) in fast mode, the
+    # default, when replayed over the shipped SmolLM2 draft's per-anchor acceptance with six H200 runs' step times
+    # (results/planner-replay16-cpu.json, benchmarks/reference/planner_trace.py; docs/status.md gives the numbers; a
+    # step of the larger tree also gives the smaller one's tokens, infer.planner "Paired observations"). A tree of 64
+    # is never the best fixed mode
     PLAN_TREES = (16, 32)
     # the planner's chains narrower than verify_size (plan_chains; widths, anchor included; those not below
     # verify_size are dropped from this default): at high concurrency a chain's verify rows (B x width) set its step
     # time, and a weak draft rarely gets its deep slots accepted, so a short chain beats both AR and the full chain
-    # where the full chain loses to AR. H100, SmolLM2 with the shipped draft, 5 tasks, 512 new tokens (results/
-    # verify-chains-{invariant,exact}-h100.json), fixed chains of 4 and 2 against AR: concurrency 8, T = 1: 1.32 and
-    # 1.13 x; 32, T = 1: 1.01 and 1.06 x; 64, T = 1: 0.72 and 0.89 x; 64, T = 0: 1.41 and 1.25 x (the full chain
-    # 0.95, 0.51, 0.30, 0.87 x); the planner with these chains 1.30 x AR at 8, T = 1 (1.04 x without them, same card
-    # and draft, results/verify-invariant-h100.json) and 1.04 x at 32, T = 1 (0.99 x)
+    # where the full chain loses to AR (H100, the shipped SmolLM2 draft: docs/planner.md, the README's chain table,
+    # results/verify-chains-{invariant,exact}-h100.json)
     PLAN_CHAINS: tuple[int, ...] = (2, 4, 8)
     # planner AR steps per draft-context flush (F): a flush is one append of [B, F, k·H] (static shape,
     # whatever is pending), about as many launches as one per-step append, shared by up to F AR steps; its

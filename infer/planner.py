@@ -109,12 +109,8 @@ PENDING = 8  # unobserved choices kept by StepPlanner (the engine has at most 2)
 # steps a paired observation keeps its mode from being probed (module docstring, "Paired ...")
 PAIRED_FRESH = 4
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
-# how the drain rule maps a mode to one request (drain_tokens): "scaled" (every speculative mode scaled alike by
-# the request's chain acceptance, the spread between requests that of their means, carried in tokens²), "own"
-# (scaled, with the longest chain's estimate as the unit and no confidence under the drain) or "persist" (scaled, with
-# the spread between requests from the covariance of their early and later acceptance, persistent_spread, carried
-# relative to the pooled acceptance squared; the default: module docstring, "Drain") or "persist_cap" (an opt-in
-# experiment: "persist" with the spread carried from an earlier call capped at DEFAULT_SPREAD_REL, PERSIST_MODELS)
+# how the drain rule maps a mode to one request (drain_tokens; "scaled", "own" and "persist", the default: module
+# docstring, "Drain"; "persist_cap", an opt-in experiment: PERSIST_MODELS)
 DRAIN_MODELS = ("scaled", "own", "persist", "persist_cap")
 # a led mode's probing ceiling (module docstring, rule 2): its estimate plus LEAD_Z standard errors of its leads, once
 # LEAD_MIN_STEPS paired steps are behind each (the paired mode's part of the estimate is observed on the same steps and

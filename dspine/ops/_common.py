@@ -135,13 +135,10 @@ def tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
 #   3  mode 1 for a launch over one row (a batch-1 decode's GEMVs, norms, attention), mode 2 otherwise.
 # Unset (``auto``, the default): :data:`PDL_AUTO_MODE`, which ``infer.engine.Engine`` sets per target
 # (:func:`pdl_mode_for_hidden`: 3 for a target of hidden size >= PDL_MIN_HIDDEN, else 0; 0 before any engine).
-# On the H200 (results/engine-pdl-h200.json): at Qwen3-8B shape (benchmarks/engine/bench_engine.py), batch 1,
-# AR 214.4 / 221.3 / 217.7 / 221.4 tok/s in modes 0 / 1 / 2 / 3; verify step 5.84 / 5.93 / 5.74 / 5.74 ms; an
-# oracle draft (tau 7) 1109 / 1123 / 1163 / 1164 tok/s. Mode 1 slows the 16-row verify step (waiting programs
-# hold SM slots that its many-program GEMMs need); triggering before the wait was worse still (AR step 4.49 ->
-# 4.94 ms, every later kernel's programs parked on the SMs). At SmolLM2-135M's shape (hidden 576,
-# benchmarks/engine/bench_draft_step.py) the speculative step of kernels of 2-4 us got slower instead: batch 1
-# 1.200 / 1.200 / 1.255 / 1.256 ms, batch 8 1.366 / 1.437 / 1.423 / 1.422 ms; hence off below 2048. The
+# On the H200 (results/engine-pdl-h200.json, per mode; the README's engine section) modes 1-3 speed up the Qwen3-8B
+# shape's AR step and oracle loop, mode 1 slows the 16-row verify step (waiting programs hold SM slots that its
+# many-program GEMMs need), and triggering before the wait was worse still (every later kernel's programs parked on
+# the SMs); at SmolLM2-135M's shape (hidden 576) the speculative step of 2-4 us kernels got slower: off below 2048. The
 # arithmetic is untouched, so the bits are the same in every mode (tests/test_pdl.py). The wait is transitive (a
 # predecessor completes only after its own wait), and a kernel launched without the attribute (torch's,
 # cuBLAS's) waits for everything before it as usual. Sources: PTX ISA, "griddepcontrol" (sm_90); CUDA
