@@ -956,7 +956,9 @@ class StepPlanner:
           time the decode's first mode (rule "Online cost": 3 timings before any other mode) and a ``schedule``'s
           have ``rates``, ``estimates`` and ``confidence`` None (no comparison made). The last two are kept as
           they are and rounded by :meth:`logged`; logs before 2026-12-07 lack them.
-        * an observation ``["o", mode index, tokens per request, ms or None, rows]`` (:meth:`observe`).
+        * an observation ``["o", mode index, tokens per request, ms or None, rows]`` (:meth:`observe`), then the
+          step's paired observations ``["p", mode index, tokens per request, None, rows]`` (:meth:`observe_paired`;
+          logs before 2026-12-08 lack them), so a replay can rebuild the token averages and leads.
         * a skip ``["s"]`` (:meth:`skip`): the oldest choice not yet observed will not be (no request was live in
           its step).
         * a drain refresh ``["d", step, requests]`` (:meth:`choose`'s ``drain``): per request of the batch
@@ -1073,6 +1075,8 @@ class StepPlanner:
             raise ValueError(f"paired mode {mode} was already paired in the step observed last")
         if mode[0] == "ar":
             return
+        if self.log is not None:
+            self.log.append(["p", self._log_index[mode], _sig(tokens_per_request), None, rows])
         self.paired[mode] += 1
         self._record(mode, tokens_per_request, rows, self.last_predicted)
         run, x_run = self.last_observed

@@ -19,6 +19,7 @@ CALL = {"batch": 32, "prompts": 64, "temperature": 0.0, "max_new_tokens": 512, "
                 ["d", 2, [[100, 30, 10], [0, 40, 12]]],  # a drain refresh: not summarised
                 ["c", 2, 0, 1, 0.0, [1.0, 0.8, 0.9]],  # drain: AR judged best
                 ["o", 1, 3.0, 2.0, 32],
+                ["p", 2, 2.5, None, 32],  # a paired observation: replays read it, the summaries do not
                 ["c", 3, 1, 1, 0.0, [1.0, 1.2, 0.9]],  # drain: the chain judged best
                 ["o", 0, 1.0, None, 20],  # untimed: counted as observed, not in the rate
                 ["c", 4, 1, 0, 0.0, [1.0, 1.1, 0.9]],  # the chain again, no longer under the drain rule
@@ -110,6 +111,8 @@ def test_mixed_modes_are_summarised_per_point(tmp_path, capsys):
     (json.dumps(dict(CALL, log=[["ar:1", "ar:1"]])) + "\n", "the mode names, each once"),
     (json.dumps(dict(CALL, log=[NAMES, ["o", 0, "1", 1.0, 1]])) + "\n", "tokens must be a number >= 0"),
     (json.dumps(dict(CALL, log=[NAMES, ["o", 0, -3.0, 1.0, 1]])) + "\n", "tokens must be a number >= 0"),
+    (json.dumps(dict(CALL, log=[NAMES, ["p", 5, 1.0, None, 1]])) + "\n", "mode index 5 outside the 3 modes"),
+    (json.dumps(dict(CALL, log=[NAMES, ["p", 1, 1.0, None, 0]])) + "\n", "live requests must be an integer >= 1"),
     (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, "x", None]])) + "\n",
      "a choice's probe loss must be a finite number, got 'x'"),
     (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, None, [1.0], None]])) + "\n",

@@ -1729,3 +1729,12 @@ def test_the_step_log_keeps_each_choice_s_estimates_and_confidence():
     assert nan[7] == [None, None] and val[7] == [None, 2.123] and val[6][1] == round(val[6][1], 3)
     assert p.log[-1][7] == [None, 2.123456]  # kept as given until written
     assert StepPlanner(costs).logged() is None
+    # an observation, then the step's paired ones (AR's none): the inputs a replay rebuilds the averages and leads from
+    q = StepPlanner({ar: 1.0, ("chain", 2): 1.5, chain: 2.0})
+    q.start_log()
+    q.choose()
+    q.observe(chain, 3.0, 2.0, rows=5)
+    q.observe_paired(ar, 1.0, rows=5)
+    q.observe_paired(("chain", 2), 2.2345678, rows=5)
+    assert q.log[-2:] == [["o", 2, 3.0, 2.0, 5], ["p", 1, 2.235, None, 5]]
+    assert q.lead[chain] == (("chain", 2), pytest.approx(3.0 - 2.2345678))

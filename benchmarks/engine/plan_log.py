@@ -46,12 +46,13 @@ def _finite(x) -> bool:
 def _check_event(e, n_modes: int) -> str | None:
     """What is wrong with one log event (None: nothing): its kind, length, mode index and numbers, naming the field
     (and the mode) at fault."""
-    if not isinstance(e, list) or not e or e[0] not in ("c", "o", "s", "d"):
-        return f"event {e!r:.60} is not a list starting with 'c', 'o', 's' or 'd'"
-    sizes = {"c": (6, 8), "o": (5,), "s": (1,), "d": (3,)}[e[0]]  # a choice's estimates and confidence: 2026-12-07
+    if not isinstance(e, list) or not e or e[0] not in ("c", "o", "p", "s", "d"):
+        return f"event {e!r:.60} is not a list starting with 'c', 'o', 'p', 's' or 'd'"
+    # a choice's estimates and confidence: 2026-12-07; paired observations ("p", as "o" with ms None): 2026-12-08
+    sizes = {"c": (6, 8), "o": (5,), "p": (5,), "s": (1,), "d": (3,)}[e[0]]
     if len(e) not in sizes:
         return f"a {e[0]!r} event has {' or '.join(map(str, sizes))} fields, this one {len(e)}"
-    if e[0] in ("c", "o"):
+    if e[0] in ("c", "o", "p"):
         i = e[2] if e[0] == "c" else e[1]
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_modes:
             return f"mode index {i!r} outside the {n_modes} modes"
@@ -67,9 +68,9 @@ def _check_event(e, n_modes: int) -> str | None:
                 if x is not None and not (_finite(x) and (k == 5 or x >= 0)):
                     return (f"a choice's {what} must be finite numbers{'' if k == 5 else ' >= 0'} or None, got "
                             f"{x!r:.40} for mode {j}")
-    if e[0] == "o" and (not isinstance(e[4], int) or isinstance(e[4], bool) or e[4] < 1):
+    if e[0] in ("o", "p") and (not isinstance(e[4], int) or isinstance(e[4], bool) or e[4] < 1):
         return f"an observation's live requests must be an integer >= 1, got {e[4]!r}"
-    if e[0] == "o" and (not _finite(e[2]) or e[2] < 0 or not (e[3] is None or _finite(e[3]))):
+    if e[0] in ("o", "p") and (not _finite(e[2]) or e[2] < 0 or not (e[3] is None or _finite(e[3]))):
         return f"an observation's tokens must be a number >= 0 and its ms a number or None, got {e[2]!r}, {e[3]!r}"
     if e[0] == "d" and not (isinstance(e[2], list) and all(
             isinstance(r, list) and len(r) in (3, 4) and all(_finite(x) for x in r) and all(x >= 0 for x in r[1:])
