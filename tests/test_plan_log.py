@@ -321,3 +321,32 @@ def test_a_log_of_two_runs_is_noted_and_run_keeps_one(tmp_path, capsys):
     assert "holds the calls of 2 infer.bench runs (untagged, 20261207T020000-12)" in capsys.readouterr().err
     assert plan_log.main([str(mixed), "--run", "20261207T020000-12", "--json", str(tmp_path / "m1.json")]) == 0
     assert json.loads((tmp_path / "m1.json").read_text())["points"][0]["calls"] == 1
+
+
+def test_cost_replay_moves_the_modes_not_run_by_the_share():
+    """plan_log.cost_replay: the planner's step-time rule replayed over the log (a timed step moves its mode by decay ×
+    the clipped log residual); share 0 leaves a mode not run where it was, share 1 moves it by the same factor; a mode
+    starts from the step time (estimate ÷ rate) of a call's first judged choice and starts again there until timed
+    FIRST_TIMED times."""
+    import math
+
+    names = ["ar:1", "chain:4"]
+
+    def call(task, obs):  # AR judged at 1 ms, the chain at 2 ms (2 tokens at 1 token/ms) on its first judged choice
+        return {"batch": 8, "temperature": 0.0, "tag": {"task": task},
+                "log": [names, ["c", 0, 1, 0, 0.0, [1.0, 1.0], [1.0, 2.0], None], *obs]}
+
+    ar = [["o", 0, 1.0, 1.0, 8]] * 3  # AR timed three times where it was judged: no move
+    timed = [["o", 1, 2.0, 2.5, 8]] * 3  # the chain at 2.5 ms: a log residual above LOG_CLIP, clipped
+    calls = [call("a", ar + timed), call("b", [])]
+    for share in (0.0, 1.0):
+        rows = plan_log.cost_replay(calls, share)
+        assert rows[0]["replayed"] == rows[0]["logged"] == {"ar:1": 1.0, "chain:4": 2.0}
+        chain = 2.0
+        for _ in range(3):
+            chain *= math.exp(min(math.log(2.5 / chain), plan_log.LOG_CLIP) * 0.1)
+        assert rows[1]["replayed"]["chain:4"] == pytest.approx(chain)  # timed 3 times: not taken from call b's log
+        assert rows[1]["replayed"]["ar:1"] == pytest.approx(1.0 * (chain / 2.0) ** share)
+        assert rows[1]["logged"] == {"ar:1": 1.0, "chain:4": 2.0}
+    two = plan_log.cost_replay([call("a", timed[:2]), call("b", [])], 0.0)  # timed twice: starts again from b's log
+    assert two[1]["replayed"]["chain:4"] == 2.0

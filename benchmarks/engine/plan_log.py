@@ -15,7 +15,9 @@ of an ``infer.bench`` run, e.g. the two of an A/B). ``batch`` is the engine's ba
 ``--persistence N`` adds, per call, how much of the spread between requests' acceptance over their first N chain
 steps persists to the rest of their answers (:func:`persistence`); ``--estimates``, per call and mode, the estimate
 the planner judged the mode on before the drain rule's mapping and the confidence the engine gave, against what the
-mode's steps committed (:func:`estimates`).
+mode's steps committed (:func:`estimates`); ``--cost-share S`` replays the planner's step-time model over the calls
+kept with every mode not run following a run mode's drift by the share S, against the logged step times
+(:func:`cost_replay`; 0 reproduces the log).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dspine.provenance when run as a script
+
+from infer.planner import FIRST_TIMED, LOG_CLIP  # noqa: E402
 
 ROW_BANDS = ((1, 1), (2, 4), (5, 12), (13, 1 << 30))  # live requests in an observed step
 
@@ -344,6 +348,39 @@ def estimates(calls: list[dict]) -> list[dict]:
     return out
 
 
+def cost_replay(calls: list[dict], share: float, decay: float = 0.1) -> list[dict]:
+    """The planner's online step-time model (``StepPlanner.observe``: a timed step moves its mode's estimate by
+    ``decay`` × the log residual, clipped to ``LOG_CLIP``) replayed over ``calls`` in log order, with every other mode's
+    estimate moved by ``share`` × that step too (``share`` 0: the planner's rule, which leaves a mode's step time where
+    it was while the mode does not run). A mode starts from its step time at the first judged choice of a call
+    (estimate ÷ rate) that has one, and starts again there until it has been timed ``FIRST_TIMED`` times (the planner
+    takes the median of its first timings); a mode without one is left out. Give one planner's calls (one
+    ``--label``, every pass: the planner carries its cost state from call to call).
+
+    Returns:
+        Per call, ``{"tag", "replayed", "logged"}``: each mode's step milliseconds at the call's first judged choice
+        (a choice outside the drain rule with rates and estimates) as replayed and as logged (None: no such choice).
+    """
+    def judged(c):
+        e = next((e for e in c["log"][1:] if e[0] == "c" and len(e) == 8 and not e[3] and e[5] and e[6]), None)
+        return None if e is None else {i: t / r for i, (r, t) in enumerate(zip(e[5], e[6])) if r and t}
+
+    cost, timed, out = {}, Counter(), []
+    for c in calls:
+        logged = judged(c) or {}
+        cost.update({k: v for k, v in logged.items() if timed[k] < FIRST_TIMED})
+        out.append({"tag": c.get("tag"), "replayed": dict(cost) or None, "logged": logged or None})
+        for e in c["log"][1:]:
+            if e[0] == "o" and e[3] and e[1] in cost:
+                timed[e[1]] += 1
+                step = decay * min(max(math.log(e[3] / cost[e[1]]), -LOG_CLIP), LOG_CLIP)
+                for k in cost:
+                    cost[k] *= math.exp(step if k == e[1] else share * step)
+    names = calls[0]["log"][0] if calls else []
+    return [{**r, **{k: None if r[k] is None else {names[i]: v for i, v in r[k].items()} for k in ("replayed", "logged")}}
+            for r in out]
+
+
 def refresh_timing(calls: list[dict], over: float) -> dict:
     """The timed steps' milliseconds per mode, split by when the step was chosen: with a drain refresh (a choice at
     the step of a ``"d"`` event: the host mapped the batch just before the launch), under the drain rule otherwise,
@@ -419,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--persistence", type=int, default=None, metavar="N",
                     help="also: per call, how much of the requests' spread in acceptance over their first N chain steps "
                          "persists to the rest of their answers (persistence())")
+    ap.add_argument("--cost-share", type=float, default=None, metavar="S",
+                    help="also: each call's step times at its first judged choice, the planner's step-time model "
+                         "replayed with the modes not run following a run mode's drift by the share S (0: as logged; "
+                         "keep one --label and every pass: cost_replay())")
     ap.add_argument("--estimates", action="store_true",
                     help="also: per call and mode, the mean estimated committed tokens per request (before the drain "
                          "rule) and confidence against the committed tokens of its steps (estimates(); logs from "
@@ -431,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--json {args.json}: no folder {Path(args.json).parent}")
         if args.refresh_timing is not None and not args.refresh_timing > 0:
             raise ValueError(f"--refresh-timing {args.refresh_timing}: give a threshold above 0 ms")
+        if args.cost_share is not None and not 0 <= args.cost_share <= 1:
+            raise ValueError(f"--cost-share {args.cost_share}: give a share in 0..1")
         if args.persistence is not None and args.persistence < 1:
             raise ValueError(f"--persistence {args.persistence}: give at least 1 chain step")
         calls = read_log(args.log)
@@ -478,6 +521,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {tag.get('task', '?')} {tag.get('turn', '')}: {q['requests']}, {q['early_steps']:.0f}/"
                       f"{q['late_steps']:.0f}, {q['early_mean']:.3f}, {q['early_var']:.4f}, {q['cov']:.4f}, "
                       f"{q['corr']}, {q['slope']}, {q['shares']}")
+        if args.cost_share is not None:
+            row["cost_replay"] = cost_replay(group, args.cost_share)
+            print(f"step ms at each call's first judged choice, replayed with share {args.cost_share:g} / logged:")
+            for q in row["cost_replay"]:
+                tag, rep, got = q["tag"] or {}, q["replayed"] or {}, q["logged"] or {}
+                print(f"  {tag.get('task', '?')} {tag.get('turn', '')} {tag.get('pass', '')}: " + ", ".join(
+                    f"{n} {rep[n]:.3f}/" + (f"{got[n]:.3f}" if n in got else "-") for n in rep))
         if args.per_call:
             row["per_call"] = per_call(group)
             print("per call: steps, wall s, choices; the first 20 choices; the steps with at most 4 live requests "
