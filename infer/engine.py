@@ -1264,9 +1264,7 @@ class Engine:
         planner carries to its next call is learned in these cut units); without the narrower
         chains' steps a batch running only those (all its prompts admitted at once, so the rule in force from its
         first step) never had a request's statistic and judged every speculative mode on the prior spread of its
-        slowest request: at concurrency 64 on the H100 (f674ae0, results/verify-topk-*-h100.json) the planner ran AR
-        at 92% of its steps at T = 1 and 769 of 915 on mt-bench at T = 0, where the fixed chain of 4 ran 1.19 x and
-        1.37 x AR on gsm8k and mt-bench.
+        slowest request (AR at most steps where the fixed chain of 4 beat AR: docs/status.md, "769 of 915").
 
         Deferred draft context (``flush``: the runner of :meth:`_flush_step`, None when
         ``defer_ar_append`` is off): the AR steps leave their target features pending (``pend_feats``,
@@ -1288,18 +1286,14 @@ class Engine:
         after them, after the flush (one packed append of the prompts' rows, like an admission's), and that step
         is timed from the end of the write (a CUDA event recorded after it; on the CPU the host time after it), the
         flush before it left out with it: the write is an admission's work, up to ten steps' time, and charged to
-        the step it once set a mode's measured ÷ table ratio for good (H100, concurrency 64: one chain-of-2 step
-        after 64 deferred prompts read 12.5 ms against its table's 1.6; the ratio, 1.77, passed to the chain of 4
-        never timed, kept it untried where it ran 1.41 × AR as a fixed mode: results/verify-chains-exact-h100.json).
+        the step it once set a mode's measured ÷ table ratio for good (docs/status.md, "12.5 ms against the table's").
         A drain refresh (``infer.planner.drain_tokens``, host work in the choice of a step) is no mode's cost:
         where it outlasts the step in flight the device waits for the launch, and on CUDA that wait, up to the
         host time from the loop's top to the launch, is taken out of the step's time (the idle between the previous
         snapshot and an event recorded at the launch); the CPU times every step from its launch to the next step's
         choice. The other steps keep the loop's ordinary host time; a step chosen with a refresh is priced below
-        them by at most the choice's own host time (tens of microseconds; the cap counts it with the refresh's).
-        (H100, concurrency 32, T = 0, timed passes of three runs: the chain of 4's steps chosen with a refresh ran
-        over 1.9 ms in 5.5-26% of cases against 0.3-1.3% of its other drain steps:
-        results/plan-refresh-timing-h100-exact-c32*.json.)"""
+        them by at most the choice's own host time (tens of microseconds; the cap counts it with the refresh's;
+        measured: docs/status.md, "The drain refresh's host time")."""
         if self.plan_confidence not in ("greedy", "always", "never"):
             raise ValueError(f"Engine.plan_confidence={self.plan_confidence!r}: use 'greedy', 'always' or 'never'")
         cuda, prof = self.device.type == "cuda", self.loop_profile
