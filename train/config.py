@@ -169,19 +169,15 @@ def _coerce(key: str, value, tp, from_cli: bool):
     raise ConfigError(f"config key {key!r}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
-def _unknown(key: str) -> ConfigError:
-    names = [f.name for f in dataclasses.fields(RunConfig)]
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"unknown config key {key!r}{hint} (known keys: {', '.join(names)})")
-
-
 def apply(cfg: RunConfig, values: dict, from_cli: bool = False) -> RunConfig:
     """Set ``values`` (key -> raw value) on ``cfg`` with type checks. Raises ConfigError."""
     hints = typing.get_type_hints(RunConfig)
     for key, raw in values.items():
         if key not in hints:
-            raise _unknown(key)
+            names = [f.name for f in dataclasses.fields(RunConfig)]
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r}{hint} (known keys: {', '.join(names)})")
         setattr(cfg, key, _coerce(key, raw, hints[key], from_cli))
     return cfg
 
