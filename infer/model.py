@@ -510,13 +510,6 @@ class EngineTarget(nn.Module):
             raise _VarlenFailed(str(e).splitlines()[0][:200] if str(e) else type(e).__name__) from e
         return o.reshape(N, a.num_heads * a.head_dim)
 
-    def _mlp(self, L: Layer, h: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        up = linear(h, L.gate_up, impl=self.impl, exact=exact)
-        out = linear(up, L.down, impl=self.impl, exact=exact, act="silu_mul")  # silu(gate)·up as the kernel loads it
-        if L.moe:  # the shared expert above, gated; plus the routed experts
-            out = self._experts(L, h) + torch.sigmoid(F.linear(h, L.shared_gate)) * out
-        return out
-
     def _experts(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
         """Qwen3-Next routed experts of h ``[N, H]`` [transformers modeling_qwen3_next]: softmax router in
         fp32, top-k (renormalised when ``norm_topk_prob``), weights in the model dtype, each token's k
@@ -619,7 +612,10 @@ class EngineTarget(nn.Module):
                     continue
                 x = linear(o, L.o, impl=impl, exact=exact)
             h, residual = rms_norm(x, L.post_norm, a.rms_norm_eps, residual=residual, impl=impl)
-            x = self._mlp(L, h, exact)
+            up = linear(h, L.gate_up, impl=self.impl, exact=exact)
+            x = linear(up, L.down, impl=self.impl, exact=exact, act="silu_mul")  # silu(gate)·up as the kernel loads it
+            if L.moe:  # the shared expert above, gated; plus the routed experts
+                x = self._experts(L, h) + torch.sigmoid(F.linear(h, L.shared_gate)) * x
             if i in col:  # the HF decoder layer's output, residual + x
                 block = feats[:, col[i] * H : (col[i] + 1) * H]
                 if i + 1 < len(self.layers):
