@@ -428,13 +428,6 @@ class DSpineDraftModel(PreTrainedModel):
         cos, sin = self._rope(positions, c.dtype)
         return [layer.self_attn.kv(c, cos, sin) for layer in self.layers]
 
-    def _run_layers(self, h, ctx_kv, positions, masks):
-        rope_blk = self._rope(positions, h.dtype)
-        rope_prev = self._rope((positions - 1).clamp(min=0), h.dtype)
-        for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            h = layer(h, ck, cv, rope_blk, rope_prev, masks[layer.sliding], self.block_size)
-        return self.norm(h)
-
     # -- training forward --------------------------------------------------------------------------
     def forward_train(self, block_embeds, features, anchors, attn: str = "dense"):
         """Draft hidden states for many blocks per sequence (teacher forcing).
@@ -462,7 +455,12 @@ class DSpineDraftModel(PreTrainedModel):
             sliding: self.train_mask(anchors, S, sliding=sliding, kind=attn)
             for sliding in {layer.sliding for layer in self.layers}
         }
-        return self._run_layers(block_embeds.to(c.dtype), ctx_kv, positions, masks)
+        h = block_embeds.to(c.dtype)
+        rope_blk = self._rope(positions, h.dtype)
+        rope_prev = self._rope((positions - 1).clamp(min=0), h.dtype)
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            h = layer(h, ck, cv, rope_blk, rope_prev, masks[layer.sliding], self.block_size)
+        return self.norm(h)
 
     def train_mask(self, anchors: torch.Tensor, S: int, *, sliding: bool, kind: str = "dense"):
         """The block mask of docs/method.md §4 over keys ``[ctx (S) ; blocks (N*bs) ; extra (N*bs if kv)]``.
