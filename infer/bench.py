@@ -521,30 +521,27 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
         gc.collect()
         gc.disable()
         try:
-            return _decode(label, phase)
+            histories = [[] for _ in items]
+            all_tokens, all_prompts, stats, secs, n_tok, prof = [], [], None, 0.0, 0, {}
+            per_committed, per_steps = [0] * len(items), [0] * len(items)
+            for turn in range(max(len(x.turns) for x in items)):
+                idx = [i for i, x in enumerate(items) if turn < len(x.turns)]
+                prompts = [encode(runner, items[i].turns[turn], histories[i]) for i in idx]
+                tokens, st, s, steps, p = runner.run(prompts, params, label, {"task": task, "turn": turn, "pass": phase})
+                prof = {k: prof.get(k, 0.0) + v for k, v in p.items()}
+                for i, toks, n_steps in zip(idx, tokens, steps):
+                    text = runner.tokenizer.decode([t for t in toks if t not in runner.spec.eos_ids], skip_special_tokens=True)
+                    histories[i] += [{"role": "user", "content": items[i].turns[turn]}, {"role": "assistant", "content": text}]
+                    per_committed[i] += max(len(toks) - 1, 0)  # the first token comes from the prefill
+                    per_steps[i] += n_steps
+                all_tokens += tokens
+                all_prompts += prompts
+                stats = st if stats is None else stats.merge(st)
+                secs += s
+                n_tok += sum(len(t) for t in tokens)
+            return all_prompts, all_tokens, stats, secs, n_tok, per_committed, per_steps, prof
         finally:
             gc.enable()
-
-    def _decode(label, phase):
-        histories = [[] for _ in items]
-        all_tokens, all_prompts, stats, secs, n_tok, prof = [], [], None, 0.0, 0, {}
-        per_committed, per_steps = [0] * len(items), [0] * len(items)
-        for turn in range(max(len(x.turns) for x in items)):
-            idx = [i for i, x in enumerate(items) if turn < len(x.turns)]
-            prompts = [encode(runner, items[i].turns[turn], histories[i]) for i in idx]
-            tokens, st, s, steps, p = runner.run(prompts, params, label, {"task": task, "turn": turn, "pass": phase})
-            prof = {k: prof.get(k, 0.0) + v for k, v in p.items()}
-            for i, toks, n_steps in zip(idx, tokens, steps):
-                text = runner.tokenizer.decode([t for t in toks if t not in runner.spec.eos_ids], skip_special_tokens=True)
-                histories[i] += [{"role": "user", "content": items[i].turns[turn]}, {"role": "assistant", "content": text}]
-                per_committed[i] += max(len(toks) - 1, 0)  # the first token comes from the prefill
-                per_steps[i] += n_steps
-            all_tokens += tokens
-            all_prompts += prompts
-            stats = st if stats is None else stats.merge(st)
-            secs += s
-            n_tok += sum(len(t) for t in tokens)
-        return all_prompts, all_tokens, stats, secs, n_tok, per_committed, per_steps, prof
 
     warm: dict = {}  # label -> (seconds, profile) of the untimed pass
     if warmup:
