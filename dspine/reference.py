@@ -54,10 +54,8 @@ from dspine.tree import Tree, build_tree, node_uniforms, path_nodes, verify_tree
 
 # Slots the reference (CPU) backend verifies when the user gives none (infer.generate and infer.bench): the
 # anchor + the first 3 draft slots. On a CPU the target's cost grows with the verified tokens, so the full
-# 16-slot block loses to plain decoding. On 2 cores width 4 ran 1.21x autoregressive decoding with the shipped
-# SmolLM2 draft (2026-12-02) and 1.23x with an earlier draft on the day before's machine, where width 3 gave 0.94x
-# and 1.39x and 16 gave 0.79x (results/smollm2-cpu-verify-width-2026-12-02.json, results/smollm2-cpu-verify-width.json;
-# benchmarks/reference/verify_width.py): 4 is the width that did not lose on either.
+# 16-slot block loses to plain decoding; 4 is the width that did not lose in either 2-core sweep (docs/status.md,
+# results/smollm2-cpu-verify-width*.json; benchmarks/reference/verify_width.py).
 CPU_VERIFY_WIDTH = 4
 TREE_BUDGET = 32  # default nodes of a verify tree (anchor included), both backends
 THREADS_HELP = ("torch CPU threads (default: torch's own, one per physical core or $OMP_NUM_THREADS, lowered to the "
