@@ -14,10 +14,8 @@ probabilities). Two rules (``chain_first``):
     treats it as a draw from q[d], which holds only if the tree keeps it whatever it scores.
   * best first (the engine's default at T = 0): the N - 1 best-scoring paths, the chain's nodes among
     them only where they score in. A block draft's deep positions are uncertain, so a sibling near the
-    root often outscores them: on SmolLM2 with the shipped draft, a tree of 32 went from 1.32 to 1.37 × the
-    chain's τ in the CPU replay of benchmarks/reference/tree_policy.py (results/tree-policy-cpu.json) and
-    from 1.29 to 1.31 × on the H200 (results/verify-h200.json). Lossless at T = 0 whatever the tree (the
-    target's argmax decides).
+    root often outscores them (measured: the README's tree section, results/tree-policy-cpu.json and
+    results/verify-h200.json). Lossless at T = 0 whatever the tree (the target's argmax decides).
 Both are found depth by depth with a beam of N - 1 nodes. Fixed shapes, sort/gather only, no host
 sync: graph-safe. ``dspine.ops.tree_build.build_tree_fused`` returns the same
 tree, its ancestor mask and bits from one Triton launch after :func:`tree_candidates`.
