@@ -494,10 +494,9 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
     first or last (clock and thermal drift are spread over all of them). ``warmup``: first decode the
     task once with every configuration, untimed and discarded, then time a second pass (``--warmup
     task``): on the H200 the first configuration to decode a task's prompts ran up to 2x slower than a
-    later one with equal τ (results/smollm2-h200-kvcont-T0-c8*.json: two drafts of τ 3.04 swapped
-    speedups 1.39/2.24 -> 1.86/1.44 when their order was swapped), a one-time cost that the
-    start-up warm-up (short prompts, 32 tokens) does not cover. ``items``: the task's prompts (:func:`load_tasks`;
-    None: loaded here)."""
+    later one with equal τ (the README's kv-continuation run, results/smollm2-h200-kvcont-T0-c8*.json), a
+    one-time cost that the start-up warm-up (short prompts, 32 tokens) does not cover. ``items``: the task's
+    prompts (:func:`load_tasks`; None: loaded here)."""
     if items is None:
         items = load_tasks(runner.args, [task])[task]
     if task != MIXED and len(items) < runner.args.num_prompts:
