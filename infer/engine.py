@@ -818,11 +818,9 @@ class Engine:
         at a tree step's price. A chain-first tree (:meth:`chain_first`: at T > 0, or with ``force_accept``) of
         ``verify_size`` nodes holds the chain's drafted tokens and nothing else, so it commits what the chain commits
         (a smaller one is a shorter chain, a mode of its own, and stays). Kept, it also took every probe from the
-        tree of 32 (the planner probes the cheapest plausible mode, ``infer.planner`` rule 3; H100, SmolLM2, T = 1,
-        concurrency 1, the default trees of 16 and 32: the tree of 16 ran τ 1.98 as the chain did, the tree of 32 was
-        never run though its fixed run was 1.16 × the chain's tok/s, and the planner reached 0.89 × the best fixed
-        mode; results/verify-h100.json). With drafter-invariant sampling (``SamplingParams.invariant`` at T > 0) the
-        trees are all left out: invariant verification checks the chain only; so they are at draft temperature 0 and
+        tree of 32 (the planner probes the cheapest plausible mode, ``infer.planner`` rule 3; measured: docs/status.md,
+        "The planner points", results/verify-h100.json). With drafter-invariant sampling (``SamplingParams.invariant``
+        at T > 0) the trees are all left out: invariant verification checks the chain only; so they are at draft temperature 0 and
         T > 0, where the draft's distribution is one-hot and every node off the chain is padding (the fixed tree mode
         refuses it: ``check_tree_draft_temperature``)."""
         one_hot = params.draft_temperature == 0 and not params.greedy
@@ -1224,9 +1222,8 @@ class Engine:
         """The decode loop of the verify-budget planner; returns the steps run.
 
         Pipelined like :meth:`_decode_pipelined` (issue 16: the earlier loop read the flags after every step,
-        one sync per step, and ran 0.67-0.84 × the fixed chain on the H200 while choosing the chain at
-        98% of its steps): the host chooses the mode of step k and launches it, then reads the snapshot
-        taken after step k - 1 (``done``, ``nonfinite``, ``out_len`` and ``conf`` in one pinned copy)
+        one sync per step, and ran 0.67-0.84 × the fixed chain: the README): the host chooses the mode of step k and
+        launches it, then reads the snapshot taken after step k - 1 (``done``, ``nonfinite``, ``out_len`` and ``conf`` in one pinned copy)
         while the device runs step k. So the planner observes step k - 1 after choosing step k: its
         choices are one step later than its observations, and :class:`~infer.planner.StepPlanner` keeps
         the unobserved choices in order.
