@@ -18,17 +18,11 @@ Kernel: grid (B·Hkv·cdiv(G·T, BLOCK_R),); a program merges BLOCK_R consecutiv
 the partials' memory order (BLOCK_S = next_pow2(NS); every load issued at once), reduced over the
 split axis, stored as [BLOCK_R, BLOCK_D]. BLOCK_R: the largest power of two ≤ 16 and ≤ next_pow2(G·T)
 whose acc tile holds ≤ 4096 fp32 (1 for wide tiles, e.g. NS > 16 at D = 128); one warp per 4096
-elements of the tile (128 fp32 per thread). Why: measured on an H200 at Qwen3-8B's batch-8 speculative
-step (B·Hkv = 64, G·T = 64, NS = 3, D = 128; results/combine-sweep-h200.json, rows per program ×
-warps), every launch with 4 or 8 warps took 10.5-13.8 µs a call whatever its rows per program (the
-reduction over the split axis of a 3-D tile spread over several warps), 2 warps 5.1-7.0 µs, 1 warp
-2.4-3.7 µs up to 16 rows (best: 8 rows per program, 2.4 µs, where the 7.4 MB of traffic needs ~2 µs); the
-engine's step profile had it at 13.1 µs × 41 calls = 0.54 ms of a 7.45 ms step
-(results/profile-step-h200.json). At the batch-8 decode shape (G·T = 4) 1 warp took 1.4-1.8 µs
-against 2.7 µs with 4. At batch 1's 17 splits (B·Hkv = 8, G·T = 64: a [32, 1, 128] tile) the default (1 row,
-1 warp) was the best of the sweep, 2.3 µs.
-Memory traffic: reads NS·(D+2)·4 bytes and writes D·sizeof(out) bytes per row (at the shape
-above: 6.4 MB read, 1.0 MB written).
+elements of the tile (128 fp32 per thread). Why: the reduction over the split axis of a 3-D tile spread over
+several warps is slow; one warp was the fastest at every shape of the H200 sweep (unordered kernel, rows per
+program × warps: results/combine-sweep-h200.json; docs/status.md, "its warps").
+Memory traffic: reads NS·(D+2)·4 bytes and writes D·sizeof(out) bytes per row (at Qwen3-8B's batch-8
+speculative step, B·Hkv = 64, G·T = 64, NS = 3, D = 128: 6.4 MB read, 1.0 MB written).
 
 ``ordered=True`` (exact mode): the splits are merged one after the other in split order with the
 online-softmax update ``M' = max(M, m_s)``, ``L' = L·2^(M−M') + l_s·2^(m_s−M')``, same for acc,
