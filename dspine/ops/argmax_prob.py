@@ -18,9 +18,7 @@ with S = 1 it stores the row's result, else its chunk's (max, sum at that max, l
 second launch, one program per row, combines the S chunks the same way. S is chosen so that R·S reaches
 ``PROGRAMS`` (a few per SM of an H100/H200) when V has that many tiles: with one program per row, the B·15
 rows of a greedy chain step at batch 1-8 kept 15-120 SMs walking 24 tiles of SmolLM2's vocabulary one after
-the other. Device time on the H100 (V = 49,152, bf16, CUDA graph replays, results/argmax-prob-h100.json): 15 rows
-13.9 µs → 4.3 µs, 120 rows 14.4 → 11.6 µs (``torch.argmax`` 11.9 / 12.3 µs); 480 rows take S = 2 at 33.0 µs
-against 31.6 µs unsplit, 960 rows S = 1.
+the other (device times per row count, split and unsplit: results/argmax-prob-h100.json; docs/status.md).
 Numerics: fp32 accumulation; ``p`` equals the torch path's up to fp32 rounding of the sum (summation
 order), ``idx`` equals ``torch.argmax`` exactly for rows without NaN. A NaN never wins here (torch's
 argmax returns it); the engine raises on non-finite draft logits anyway (``nonfinite``).
