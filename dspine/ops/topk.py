@@ -8,9 +8,8 @@ ids). Returns ``ids [R, k]`` int64, exactly ``dspine.sampling``'s torch path: ``
 
 Why: at T > 0 every verified row goes through this cut (the target's ``B·W`` rows of a chain step, the draft's
 ``B·(W - 1)``, the B rows of an AR step). ``torch.topk`` over the int64 keys is a radix select of 2-bit digits,
-32 passes over the row's 8-byte keys, after the passes that build them: 3.0-3.8 µs per row of SmolLM2's 49,152 ids
-from 128 rows on the H100 (``results/topk-h100.json``), and the chain step of 16 at batch 64 cost 8.54 ms at T = 1
-against 3.69 ms at T = 0 (``results/verify-chains-invariant-h100.json``: 1,024 target and 960 draft rows cut).
+32 passes over the row's 8-byte keys, after the passes that build them (the H100 times per row and per chain step:
+docs/status.md, "The top-k cut at T > 0 in one kernel"; ``results/topk-h100.json``).
 
 Kernel: grid (R, C), C = ceil(V / CHUNK). Program (r, c) loads chunk c of row r once, makes the keys in
 registers and takes its k largest in k rounds (a max over the chunk, stored, then masked out; the keys are
