@@ -6,9 +6,8 @@ F writes nothing: the host flushes before that happens), then ``pend_count[b] +=
 Idle rows change nothing. ``infer.engine.Engine._ar_step`` and ``_flush_step`` describe the protocol.
 
 Why: the torch path is 7 small kernels (the live mask, the bound, the row index, a ``where``, the
-``index_copy`` and two increments), about 2.5 µs each inside a CUDA graph. With them the planner's AR step cost
-1.2-2.6% more than the plain AR step at SmolLM2 size (results/planner-ar-h200.json, ``before``); with this one
-kernel 0.989-1.000 × (the same file's current points).
+``index_copy`` and two increments), about 2.5 µs each inside a CUDA graph, which made the planner's AR step
+slower than the plain AR step at SmolLM2 size; this one kernel closed the gap (results/planner-ar-h200.json).
 
 Layouts: feats ``[B, D]`` (unit stride over D, any float dtype, that of pend_feats); done ``[B]`` int8/int32/bool;
 pend_feats ``[B·F + 1, D]`` contiguous (the last row is the torch path's scratch row for idle rows);
