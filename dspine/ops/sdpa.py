@@ -2,12 +2,10 @@
 
 On an H200 with torch 2.11, SDPA picks the cuDNN backend for bf16 attention, and cuDNN builds an
 execution plan for every new (batch, heads, query length, key length) shape: about 2 ms of host time
-per call, 30 such calls for one prefill of a 30-layer target. A prompt of a length the engine had not
-seen before took 87 ms to prefill against 18 ms for a repeated length; with cuDNN left out (flash,
-memory-efficient or math, in torch's order) 15 ms and 10.5 ms (``first_run`` of
-results/prefill-h200.json; its main run, with this module, on a busier CPU: 22 against 101 ms;
-``benchmarks/engine/bench_prefill.py``). Every request of a server has a new length, and so had every
-first pass of ``infer.bench`` over a task (its order effect, docs/status.md, the benchmark order bias).
+per call, 30 such calls for one prefill of a 30-layer target: a new length took 4.8 × a repeated one's prefill
+time, 1.4 × with cuDNN left out (flash, memory-efficient or math, in torch's order; docs/status.md,
+results/prefill-h200.json, ``benchmarks/engine/bench_prefill.py``). Every request of a server has a new length,
+and so had every first pass of ``infer.bench`` over a task (its order effect, docs/status.md, the benchmark order bias).
 """
 
 from __future__ import annotations
