@@ -843,17 +843,16 @@ class Engine:
         key = self._plan_key(B, params)
         if key not in self._costs:
             s, costs = self._slots_for(B), {}
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
             for mode in self.planner_modes(params):
                 run = self._runner(B, params, True, mode)
                 s.done.fill_(1)
                 times = []
                 for _ in range(7):
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize()
+                    sync()
                     t = time.perf_counter()
                     run()
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize()
+                    sync()
                     times.append(time.perf_counter() - t)
                 costs[mode] = sorted(times[2:])[2] * 1e3
             s.nonfinite.zero_()
