@@ -77,9 +77,8 @@ def lm_head(h: torch.Tensor, w: torch.Tensor, choice: str = "linear") -> torch.T
     K, N = w.shape[1], w.shape[0]
     # One 2-D GEMM over all M rows. A 3-D input that is not contiguous (the engine's draft rows,
     # hidden[:, 1:16] of [B, 16, H]) is not folded by torch.matmul: it runs as a batched GEMM of B
-    # problems of 15 rows that reads the weight B times (H200, Qwen3-8B head, batch 8: 2.39 ms, against
-    # 0.33 ms for the 2-D call at M = 120; results/profile-step-h200.json). reshape copies those rows
-    # (M·K elements, ~1 MB) instead.
+    # problems of 15 rows that reads the weight B times (7 × the 2-D call's time on the H200: docs/status.md,
+    # results/profile-step-h200.json). reshape copies those rows (M·K elements, ~1 MB) instead.
     x2 = h.reshape(-1, K)
     if choice == "linear":
         y = F.linear(x2, w)
