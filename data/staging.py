@@ -1,6 +1,6 @@
 """The folder a data tool builds its output in before renaming it into place.
 
-Standard library only: ``python -m data.pack`` imports it and stays free of the dspine package's torch import.
+Standard library only (``dspine.io`` included): ``python -m data.pack`` imports it without torch.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
+
+from dspine.io import pid_alive
 
 
 @contextlib.contextmanager
@@ -20,7 +22,7 @@ def tmp_beside(out: Path):
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     for old in out.parent.glob(f".{out.name}.tmp-*"):
         pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -30,13 +32,3 @@ def tmp_beside(out: Path):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (signal 0; a process of another user counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True

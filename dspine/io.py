@@ -80,7 +80,7 @@ def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = 
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     for old in path.parent.glob(f"{glob.escape(path.name)}.*.tmp"):  # a killed writer's (SIGKILL) temp file
         pid = old.name[len(path.name) + 1:-4]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             old.unlink(missing_ok=True)
     try:  # the temp file is removed however this ends, a Ctrl-C during its write included
         with open(tmp, "w", encoding="utf-8") as f:
@@ -111,13 +111,14 @@ def write_json_new(path: str | Path, obj, *, indent: int = 2, allow_nan: bool = 
         tmp.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
-    """Whether a process of this id runs on this machine (a temp file's writer)."""
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (signal 0; a process of another user counts as alive): the
+    writer of a temp file or staging folder named after it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
+    except OSError:
         return True
     return True
 
