@@ -82,6 +82,11 @@ FAIR_FILES = [(f"verify-{run}{kind}-{gpu}.json", how) for run, gpus in (
     ("invariant", "drafter-invariant verification: the chain and the planner decode AR's sampled text, no tree"))]
 
 
+def _commit(p: dict) -> str:
+    """The commit a planner point ran at (its provenance; "?" when not recorded)."""
+    return str((p.get("provenance") or {}).get("commit") or "?")
+
+
 def _point_key(p: dict) -> tuple:
     """A planner point's identity across files: concurrency, temperature and when it ran."""
     return p["concurrency"], p["temperature"], p.get("provenance", {}).get("date")
@@ -175,7 +180,7 @@ def _glance_rows(load) -> list[str]:
         if row:
             rows.append(row)
     in_ver = {_point_key(p) for p in (ver or {}).get("planner") or []}
-    latest: dict[tuple, dict] = {}  # other cards: (gpu, how) -> (concurrency, T) -> (point, file), the latest run's
+    latest: dict[tuple, dict] = {}  # other cards: (gpu, how) -> (concurrency, T) -> [(point, file)], every run
     for name, how in FAIR_FILES:  # the planner points with every mode decoding AR's text
         hx = load(name)
         pts = (hx or {}).get("planner") or []
@@ -186,21 +191,20 @@ def _glance_rows(load) -> list[str]:
                 latest.setdefault(((hx or {}).get("gpu") or "?", how), {}).setdefault(
                     (p["concurrency"], p["temperature"]), []).append((p, name))
             continue
-        commit = ", ".join(dict.fromkeys(str((p.get("provenance") or {}).get("commit") or "?")[:7] for p in pts))
+        commit = ", ".join(dict.fromkeys(_commit(p)[:7] for p in pts))
         row = _planner_row(pts, name, f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, "
                            f"commit {commit}, {how})",
                            what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
         if row:
             rows.append(row)
     for (gpu, how), runs in latest.items():  # a point's runs at the commit of its latest run: the lowest of them
-        got = {}
-        for key, rs in runs.items():
-            last = str((max(rs, key=lambda x: str(_point_key(x[0])[2]))[0].get("provenance") or {}).get("commit"))
-            got[key] = min((x for x in rs if str((x[0].get("provenance") or {}).get("commit")) == last),
-                           key=lambda x: x[0]["planner_over_best_static"])
-        pts = [got[k][0] for k in sorted(got, key=lambda k: (k[1], k[0]))]
-        commit = ", ".join(dict.fromkeys(str((p.get("provenance") or {}).get("commit") or "?")[:7] for p in pts))
-        row = _planner_row(pts, ", ".join(dict.fromkeys(got[k][1] for k in sorted(got, key=lambda k: (k[1], k[0])))),
+        got = []  # per point, by T then concurrency
+        for _, rs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            last = _commit(max(rs, key=lambda x: str(_point_key(x[0])[2]))[0])
+            got.append(min((x for x in rs if _commit(x[0]) == last), key=lambda x: x[0]["planner_over_best_static"]))
+        pts = [p for p, _ in got]
+        commit = ", ".join(dict.fromkeys(_commit(p)[:7] for p in pts))
+        row = _planner_row(pts, ", ".join(dict.fromkeys(name for _, name in got)),
                            f" ({gpu}, each point at the commit of its latest run, the lowest of its runs there: commit "
                            f"{commit}; {how})",
                            what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
