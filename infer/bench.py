@@ -39,6 +39,7 @@ from dspine.sampling import SamplingParams, sampling_params
 from dspine.stats import AcceptStats
 from infer.planner import (
     DRAIN_MODELS,
+    PLAN_STATES,
     parse_conf_slope,
     parse_plan_chains,
     parse_plan_trees,
@@ -116,6 +117,7 @@ CONFIG_PARSERS = {
     "confidence": _choice("confidence", {c: c for c in CONFIDENCE}, ", ".join(CONFIDENCE)),
     "conf_slope": parse_conf_slope,
     "drain": _choice("drain", {d: d for d in DRAIN}, ", ".join(DRAIN)),
+    "state": _choice("state", {x: x for x in PLAN_STATES}, ", ".join(PLAN_STATES)),
     "draft_vocab": _draft_vocab,
 }
 CONFIG_KEYS = tuple(CONFIG_PARSERS)
@@ -123,7 +125,7 @@ CONFIG_KEYS = tuple(CONFIG_PARSERS)
 
 def parse_configs(values: list[str] | None, labels, args, tree_budget_given: bool | None = None) -> dict[str, dict]:
     """``--config LABEL:KEY=VALUE[,KEY=VALUE]`` items -> {label: {"verify", "tree_budget", "budget", "chain_first",
-    "plan_trees", "confidence", "conf_slope", "drain", "draft_vocab"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` /
+    "plan_trees", "confidence", "conf_slope", "drain", "state", "draft_vocab"}}, one entry per draft label: the run-wide ``--verify`` / ``--tree-budget`` /
     ``--budget`` with the label's overrides. So one run can time several verify modes of one draft (``--draft chain=D --draft auto=D
     --config auto:budget=auto``), alternated per task like any drafts.
 
@@ -137,7 +139,7 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         tree_budget_given = args.tree_budget is not None
     base = {"verify": args.verify, "tree_budget": args.tree_budget, "budget": args.budget, "chain_first": None,
             "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None,
-            "draft_vocab": getattr(args, "draft_vocab", None)}
+            "state": None, "draft_vocab": getattr(args, "draft_vocab", None)}
     out = {label: dict(base) for label in labels}
     seen = set()
     for item in values or []:
@@ -234,7 +236,7 @@ def parse_configs(values: list[str] | None, labels, args, tree_budget_given: boo
         for key, what in (("plan_trees", "the planner's tree sizes"), ("plan_chains", "the planner's narrower chains"),
                           ("confidence", "when the planner gets the draft's confidence"),
                           ("conf_slope", "how far the planner moves an estimate with the draft's confidence"),
-                          ("drain", "the planner's drain rule")):
+                          ("drain", "the planner's drain rule"), ("state", "the planner's state")):
             if c[key] is not None and c["budget"] is None:
                 raise ValueError(f"draft {label!r}: {key} applies to budget=auto ({what})")
         if c["conf_slope"] is not None and (c["confidence"] == "never" or (
@@ -374,7 +376,7 @@ class Runner:
                                                    else c["drain"] != "off")
                 if c.get("drain") not in (None, "off"):
                     self.decoders[label].plan_drain_model = c["drain"]
-                for key in ("confidence", "conf_slope"):  # Engine.plan_confidence, ...
+                for key in ("confidence", "conf_slope", "state"):  # Engine.plan_confidence, ...
                     if c.get(key) is not None:
                         setattr(self.decoders[label], f"plan_{key}", c[key])
             self._layer_ids = {label: (m.config.target_layer_ids, m.config.last_layer_features)
@@ -572,6 +574,7 @@ def run_task(runner: Runner, task: str, params: SamplingParams, do_ar: bool, ord
                 dec = runner.decoders[label]
                 row.update(budget=c["budget"], plan_trees=list(dec.plan_trees), plan_chains=list(dec.plan_chains),
                            plan_confidence=dec.plan_confidence, plan_conf_slope=dec.plan_conf_slope,
+                           plan_state=dec.plan_state,
                            plan_drain=dec.plan_drain_model if dec.plan_drain else "off")
             if label in runner.planner_steps:
                 row["planner_choices"] = runner.planner_steps.pop(label)
@@ -758,7 +761,8 @@ def build_parser():
                          "budget=auto only) or conf_slope (auto or a number in 0..2: how far that confidence moves the "
                          "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off or "
                          f"{'|'.join(DRAIN_MODELS)}: the planner's drain rule off, or on with Engine.plan_drain_model, "
-                         "persist by default; budget=auto only) or draft_vocab (a draft vocabulary file, or none "
+                         "persist by default; budget=auto only) or state (steps|rows_kv: Engine.plan_state, "
+                         "infer.planner 'State'; budget=auto only) or draft_vocab (a draft vocabulary file, or none "
                          "for the whole vocabulary; over --draft-vocab) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "
                          "--config auto:budget=auto: several verify modes of one draft timed in one run, alternated "

@@ -373,6 +373,7 @@ class Engine:
         # how far that confidence moves the planner's estimate (StepPlanner's conf_slope): "auto", the slope fitted
         # online; 1.0, in proportion (the rule before 2026-12-05); 0, not at all
         self.plan_conf_slope: float | str = "auto"
+        self.plan_state = "steps"  # infer.planner.PLAN_STATES: "rows_kv" weighs steps by requests, prices KV length
         # benchmarks only: a fixed cycle of plan_modes the planner runs instead of deciding (StepPlanner.schedule)
         self.plan_schedule: list | None = None
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
@@ -1217,8 +1218,9 @@ class Engine:
         return paired, [min(acc[b] + 1, cap, d) for b, d in zip(rows, done)] if cap else []
 
     def _decode_planned(self, s: _Slots, B: int, width: int, planner: StepPlanner, params: SamplingParams,
-                        owner, queue, refill, admit, results, reasons, stats, flush=None) -> int:
-        """The decode loop of the verify-budget planner; returns the steps run.
+                        owner, queue, refill, admit, results, reasons, stats, flush=None, plens=()) -> int:
+        """The decode loop of the verify-budget planner; returns the steps run. ``plens``: each prompt's tokens, for
+        the context tokens planner state ``"rows_kv"`` takes (prompt + committed tokens of the live requests).
 
         Pipelined like :meth:`_decode_pipelined` (issue 16: the earlier loop read the flags after every step,
         one sync per step, and ran 0.67-0.84 × the fixed chain: the README): the host chooses the mode of step k and
@@ -1336,7 +1338,11 @@ class Engine:
                     live = owner[b] is not None and (fresh or base[1][b])
                     left = params.max_new_tokens - (1 if fresh else base[0][b]) if live else 0
                     drain.append((left, row_tokens[b], row_steps[b], row_sq[b]))
-            mode = planner.choose(predicted, drain)
+            kv = None
+            if planner.state == "rows_kv":  # a slot refilled after the snapshot has committed its first token
+                kv = sum(plens[o] + (base[0][b] if base is not None and base[2][b] == o else 1)
+                         for b, o in enumerate(owner) if o is not None)
+            mode = planner.choose(predicted, drain, kv)
             if drain is not None or drain_age:  # counting from the first drain given
                 drain_age += 1
             t_launch = time.perf_counter()
@@ -1385,7 +1391,8 @@ class Engine:
                             # to the next step's choice: its drain refresh (host work) is no mode's cost either
                             ms = (launched[0][3] - (t_launch if start is None else start[1])) * 1e3
                     done = [out_len[b] - base[0][b] for b in rows]  # committed tokens per observed row
-                    planner.observe(done_mode, sum(done) / len(rows), ms, len(rows))
+                    kv = sum(plens[base[2][b]] + base[0][b] for b in rows) if planner.state == "rows_kv" else None
+                    planner.observe(done_mode, sum(done) / len(rows), ms, len(rows), kv)
                     if done_mode[0] != "ar":
                         conf = snap[0][2 * B + 2 : 3 * B + 2].view(torch.float32).tolist()  # (spec steps only)
                         c = sum(conf[b] for b in rows) / len(rows)
@@ -1480,7 +1487,7 @@ class Engine:
             raise ValueError(f"Engine.plan_drain_model={self.plan_drain_model!r}: use "
                              f"{' or '.join(map(repr, DRAIN_MODELS))}")
         planner = (StepPlanner(self._step_costs(B, params), drain_model=self.plan_drain_model,
-                               conf_slope=self.plan_conf_slope)
+                               conf_slope=self.plan_conf_slope, state=self.plan_state)
                    if spec and self.budget == "auto" else None)
         key = self._plan_key(B, params)
         if planner is not None and self.plan_schedule:
@@ -1549,7 +1556,7 @@ class Engine:
                                                  stats)
             else:
                 n_steps = self._decode_planned(s, B, width, planner, params, owner, queue, refill, admit, results,
-                                               reasons, stats, flush)
+                                               reasons, stats, flush, [len(p) for p in prompts])
         except BaseException:
             self.slot_owner = None  # no request decodes after a failed call (capture_prefill, _runner check it)
             raise

@@ -64,6 +64,17 @@ as if they had run, keeps per run mode a slow average of its *lead* over the lar
 of the squared difference, for :meth:`StepPlanner.lead_se`), estimates a led mode as that mode's estimate plus the
 lead (no bonus), and does not probe a mode paired within the last ``PAIRED_FRESH`` steps and timed once.
 
+State (``state``): under ``"steps"`` every step weighs the same in the slow averages and the leads, and a mode's
+step time is its table time × its ratio alone. Under ``"rows_kv"`` (opt-in) a step weighs its live requests: a step of r
+requests moves a slow average by ``max(1 − (1 − slow)^(r/R), r ÷ the requests of its steps so far)`` (R the most seen;
+``max(slow, 1/n)`` when every step has R), so a batch's tail of a few hard requests does not wear a lead learned on
+the full batch. And the step
+time has a KV-length term shared by the modes, ``table × ratio + k × (X − X_m)``: X the live requests' context
+tokens now, X_m their average over the steps behind the mode's ratio (the same weights), k the pooled within-mode
+least-squares slope of step time on X (:attr:`StepPlanner.kv_slope`). Attention reads each request's KV cache once a
+step whatever the verify width, so the term is additive and alike across modes; a mode timed last on long contexts is
+priced at the short ones now (docs/status.md, the session of 2026-12-07, fifteenth).
+
 Across calls: the engine keeps the cost model (:meth:`StepPlanner.cost_state`) and the acceptance — averages,
 calibration, leads, the drain rule's spread — (:meth:`StepPlanner.token_state`) per batch size and sampling setting
 from one ``generate`` to the next (``Engine.plan_memory``).
@@ -149,6 +160,11 @@ PERSIST_MODELS = ("persist", "persist_cap")
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
 SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
+# the planner's state (module docstring, "State"): "steps" (the default) or "rows_kv" (opt-in, not yet measured)
+PLAN_STATES = ("steps", "rows_kv")
+KV_DECAY = 0.02  # least weight of the newest timed step in the KV-length slope's averages (StepPlanner.kv_slope)
+KV_MIN_STEPS = 8  # timed steps with a KV length, across modes, before the slope is used
+KV_SHRINK = 0.05  # the slope's ridge: a spread of the KV length below this share of its mean counts for half
 
 
 def _parse_sizes(text: str, key: str, what: str, example: str) -> tuple[int, ...]:
@@ -609,8 +625,10 @@ class StepPlanner:
             ``"persist"`` with the carried spread capped at ``DEFAULT_SPREAD_REL`` in :meth:`load_token_state`).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
+        state: :data:`PLAN_STATES`: ``"steps"`` (the default) or ``"rows_kv"`` (row-weighted averages and a KV-length
+            step-time term: module docstring, "State"; :meth:`choose` and :meth:`observe` then take ``kv``).
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
-    unknown drain model or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
+    unknown drain model or state or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
     """
 
     def __init__(
@@ -626,6 +644,7 @@ class StepPlanner:
         cal_decay: float = 0.05,
         drain_model: str = "persist",
         conf_slope: float | str = "auto",
+        state: str = "steps",
     ):
         if not costs or not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in costs.values()):
             raise ValueError(f"planner costs must be a non-empty table of positive finite step times, got {costs}")
@@ -635,7 +654,18 @@ class StepPlanner:
             isinstance(conf_slope, (int, float)) and math.isfinite(conf_slope) and 0 <= conf_slope <= SLOPE_MAX
         ):
             raise ValueError(f"conf_slope={conf_slope!r}; expected 'auto' or a number in 0..{SLOPE_MAX}")
-        self.conf_slope = conf_slope
+        if state not in PLAN_STATES:
+            raise ValueError(f"state={state!r}; expected one of {', '.join(PLAN_STATES)}")
+        self.conf_slope, self.state = conf_slope, state
+        self.rows_max = 1  # most live requests of a step observed (the "rows_kv" weights' R)
+        self.weight: dict = {}  # "rows_kv": the request-weight behind each slow average, ("slow" | "lead", mode) -> W
+        # "rows_kv": the live requests' context tokens at the coming step (None: not given) and the KV-length fit:
+        # per mode the average context tokens behind its ratio ("ref") and its timed steps' average tokens and ms
+        # ("x", "t", with counts "n"), the pooled within-mode moments ("sxx", "sxy") and means ("xbar", "tbar") over
+        # "steps" timed steps (kv_slope)
+        self.kv: float | None = None
+        self.kv_fit = {"ref": {}, "x": {}, "t": {}, "n": Counter(), "sxx": 0.0, "sxy": 0.0, "xbar": 0.0, "tbar": 0.0,
+                       "steps": 0}
         # a fixed cycle of modes that choose() runs instead of deciding (benchmarks/engine/bench_planner_loop.py
         # --switch: what switching modes costs the loop); observations are still recorded; None: decide
         self.schedule: list[Mode] | None = None
@@ -716,7 +746,48 @@ class StepPlanner:
                 else min(timed, key=lambda k: abs(math.log(self.table[k] / t)), default=None)
             )
             out[m] = t * (self.ratio[near] if near is not None else 1.0)
+            ref = self.kv_fit["ref"].get(near)
+            if self.kv is not None and ref is not None:  # "rows_kv" (module docstring, "State")
+                out[m] = max(out[m] + self.kv_slope * (self.kv - ref), out[m] / 2)
         return out
+
+    @property
+    def kv_slope(self) -> float:
+        """Milliseconds of step time per context token of the live requests (module docstring, "State"): the pooled
+        within-mode covariance of step time and context tokens over their variance plus ``(KV_SHRINK × mean)²``,
+        clipped to [0, mean ms ÷ mean tokens]; 0 before ``KV_MIN_STEPS`` timed steps with a context length."""
+        f = self.kv_fit
+        if f["steps"] < KV_MIN_STEPS or f["xbar"] <= 0:
+            return 0.0
+        return min(max(f["sxy"] / (f["sxx"] + (KV_SHRINK * f["xbar"]) ** 2), 0.0), f["tbar"] / f["xbar"])
+
+    def _fit_kv(self, mode: Mode, kv: float, ms: float) -> None:
+        """One timed step of ``mode`` at ``kv`` context tokens into the KV-length fit (:attr:`kv_slope`) and into the
+        mode's reference tokens (the first ``FIRST_TIMED`` timings' mean, then the ratio's moving-average weight)."""
+        f, n = self.kv_fit, self.timed[mode]
+        ref = f["ref"].get(mode)
+        f["ref"][mode] = kv if ref is None or n == 1 else ref + (1 / n if n <= FIRST_TIMED else self.cost_decay) * (kv - ref)
+        k = f["n"][mode] = f["n"][mode] + 1
+        if k > 1:  # deviations from the mode's own averages before this step
+            dx, dt = kv - f["x"][mode], ms - f["t"][mode]
+            f["steps"] += 1
+            w = max(KV_DECAY, 1 / f["steps"])
+            for key, v in (("sxx", dx * dx), ("sxy", dx * dt), ("xbar", kv), ("tbar", ms)):
+                f[key] += w * (v - f[key])
+        w = max(KV_DECAY, 1 / k)
+        for key, v in (("x", kv), ("t", ms)):
+            f[key][mode] = v if k == 1 else f[key][mode] + w * (v - f[key][mode])
+
+    def _weight(self, key: tuple, rows: int, n: int) -> float:
+        """Weight of the newest step in the slow average ``key`` (its ``n``-th step, ``rows`` live requests):
+        ``max(slow, 1 / n)`` under state ``"steps"``; under ``"rows_kv"`` ``max(1 − (1 − slow)^(rows / R), rows / W)``, W
+        the requests of its steps so far (module docstring, "State"; n = 1 starts it afresh): the same weights while
+        every step has R requests."""
+        if self.state == "steps":
+            return max(self.slow_decay, 1.0 / n)
+        r = max(rows, 1)
+        w = self.weight[key] = (self.weight.get(key, 0.0) if n > 1 else 0.0) + r
+        return max(1 - (1 - self.slow_decay) ** (r / self.rows_max), r / w)
 
     def calibration(self, mode: Mode) -> float | None:
         """Realized ÷ predicted accepted tokens of ``mode`` (``None``: no prediction or none accepted)."""
@@ -827,7 +898,7 @@ class StepPlanner:
         tok = self.tokens[mode]
         return None if tok is None else tok / self.costs[mode]
 
-    def choose(self, predicted: dict[Mode, float] | None = None, drain=None) -> Mode:
+    def choose(self, predicted: dict[Mode, float] | None = None, drain=None, kv: float | None = None) -> Mode:
         """The mode for this step. ``predicted``: optional confidence, committed tokens per request per
         speculative mode this step would commit (bonus included), calibrated online. ``drain``: no request
         waiting to be admitted, one ``(remaining tokens, chain tokens, chain steps, chain tokens²)`` per request
@@ -836,7 +907,8 @@ class StepPlanner:
         ``drain`` (the engine gives one every ``PLAN_DRAIN_EVERY`` steps: the ratios move slowly, and mapping a
         batch of 64 requests costs about 1 ms of host time on a 2-core CPU, :func:`drain_tokens`) or
         :meth:`end_drain`. None before any: tokens per
-        millisecond."""
+        millisecond. ``kv``: the live requests' context tokens now (state ``"rows_kv"``: module docstring, "State")."""
+        self.kv = kv if self.state == "rows_kv" else None
         costs = self.costs
         if self.schedule:  # a fixed cycle of modes (benchmarks: the loop's cost of switching modes), no decision
             mode = self.schedule[self.step % len(self.schedule)]
@@ -956,7 +1028,8 @@ class StepPlanner:
           time the decode's first mode (rule "Online cost": 3 timings before any other mode) and a ``schedule``'s
           have ``rates``, ``estimates`` and ``confidence`` None (no comparison made). The last two are kept as
           they are and rounded by :meth:`logged`; logs before 2026-12-07 lack them.
-        * an observation ``["o", mode index, tokens per request, ms or None, rows]`` (:meth:`observe`), then the
+        * an observation ``["o", mode index, tokens per request, ms or None, rows]``, under state ``"rows_kv"`` with
+          the rows' context tokens after them (:meth:`observe`), then the
           step's paired observations ``["p", mode index, tokens per request, None, rows]`` (:meth:`observe_paired`;
           logs before 2026-12-08 lack them), so a replay can rebuild the token averages and leads.
         * a skip ``["s"]`` (:meth:`skip`): the oldest choice not yet observed will not be (no request was live in
@@ -1015,14 +1088,20 @@ class StepPlanner:
         if self.pending:
             self.pending.popleft()
 
-    def observe(self, mode: Mode, tokens_per_request: float, ms: float | None = None, rows: int = 1) -> None:
+    def observe(self, mode: Mode, tokens_per_request: float, ms: float | None = None, rows: int = 1,
+                kv: float | None = None) -> None:
         """Record what a step of ``mode`` committed, per request of the ``rows`` live in it, and (``ms``)
         the wall milliseconds it took as measured by the caller. Steps are observed in the order they were
         chosen; the oldest unobserved choice of ``mode`` is this step's (older choices of other modes not
-        observed are dropped as by :meth:`skip`). A ``mode`` never chosen is recorded at its estimate."""
+        observed are dropped as by :meth:`skip`). A ``mode`` never chosen is recorded at its estimate. ``kv``: the
+        context tokens of the ``rows`` requests in the step, for state ``"rows_kv"``'s step-time term (ignored under
+        ``"steps"``)."""
         est_ms, predicted, probe = self.costs[mode], None, None
+        kv = kv if self.state == "rows_kv" else None
         if self.log is not None:
-            self.log.append(["o", self._log_index[mode], _sig(tokens_per_request), _sig(ms), rows])
+            self.log.append(["o", self._log_index[mode], _sig(tokens_per_request), _sig(ms), rows]
+                            + ([_sig(kv)] if kv is not None else []))
+        self.rows_max = max(self.rows_max, rows)
         self.untimed += not (ms is not None and ms > 0)
         while self.pending and self.pending[0][0] != mode:
             self.pending.popleft()
@@ -1042,6 +1121,8 @@ class StepPlanner:
             ms = x * self.table[mode]
             self.spent_ms += ms - est_ms  # the choice added the estimate
             self.timed[mode] += 1
+            if kv is not None:
+                self._fit_kv(mode, kv, ms)
             if self.timed[mode] <= FIRST_TIMED:  # a median in log space, one of the first may be a spike
                 self.first[mode] = (self.first[mode] or ([] if first else [before])) + [x]
                 logs = sorted(math.log(r) for r in self.first[mode][-3:])
@@ -1081,15 +1162,16 @@ class StepPlanner:
         self._record(mode, tokens_per_request, rows, self.last_predicted)
         run, x_run = self.last_observed
         if run[0] != "ar" and run != mode:
-            self._lead(run, mode, x_run - tokens_per_request)
+            self._lead(run, mode, x_run - tokens_per_request, rows)
         below = [m for m in self.paired_now if _lead_rank(m) < _lead_rank(mode)]
         if below:  # a tree inside the run tree: its lead over the largest smaller mode of the same step
             ref = max(below, key=_lead_rank)
-            self._lead(mode, ref, tokens_per_request - self.paired_now[ref])
+            self._lead(mode, ref, tokens_per_request - self.paired_now[ref], rows)
         self.paired_now[mode] = tokens_per_request
 
-    def _lead(self, mode: Mode, ref: Mode, diff: float) -> None:
-        """One paired step's ``diff`` (``mode``'s tokens − ``ref``'s) into ``mode``'s slow-average lead. A ref that
+    def _lead(self, mode: Mode, ref: Mode, diff: float, rows: int = 1) -> None:
+        """One paired step's ``diff`` (``mode``'s tokens − ``ref``'s, ``rows`` live requests) into ``mode``'s slow-average
+        lead (:meth:`_weight`). A ref that
         ranks above the lead's present one (:func:`_lead_rank`: a tree above a chain, a larger tree above a smaller)
         replaces it and the average starts again; one ranking below is not used for ``mode``."""
         cur = self.lead.get(mode)
@@ -1098,7 +1180,7 @@ class StepPlanner:
                 return
             cur, self.lead_steps[mode] = None, 0
         n = self.lead_steps[mode] = self.lead_steps[mode] + 1
-        w = max(self.slow_decay, 1.0 / n)
+        w = self._weight(("lead", mode), rows, n)
         lead = 0.0 if cur is None else cur[1]
         self.lead[mode] = (ref, lead + w * (diff - lead))
         sq = 0.0 if cur is None else self.lead_sq.get(mode, lead * lead)
@@ -1125,12 +1207,13 @@ class StepPlanner:
         return math.sqrt(var)
 
     def cost_state(self) -> dict:
-        """The online cost model (measured ÷ table ratios, their timing counts and first timings), for
-        :meth:`load_cost_state` of the next planner on the same device, batch size and sampling settings."""
+        """The online cost model (measured ÷ table ratios, their timing counts and first timings, and the KV-length
+        fit), for :meth:`load_cost_state` of the next planner on the same device, batch size and sampling settings."""
         return {
             "ratio": dict(self.ratio),
             "timed": dict(self.timed),
             "first": {m: list(v) for m, v in self.first.items()},
+            "kv": {k: v.copy() if isinstance(v, dict) else v for k, v in self.kv_fit.items()},
         }
 
     def load_cost_state(self, state: dict) -> None:
@@ -1146,6 +1229,8 @@ class StepPlanner:
         for m, r in state["ratio"].items():
             if r is not None:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
+        if "kv" in state:  # (a state from before the KV-length fit has none)
+            self.kv_fit = {k: v.copy() if isinstance(v, dict) else v for k, v in state["kv"].items()}
 
     TOKEN_FIELDS = ("fast", "slow", "seen", "rows", "pred", "real", "calibrated", "lead", "lead_steps", "pred_var",
                     "pred_cov", "slope_steps", "lead_sq")
@@ -1156,7 +1241,8 @@ class StepPlanner:
         ``"persist"`` as ``"spread_rel"``, relative to the pooled acceptance squared), for :meth:`load_token_state` of the next planner of the same engine, batch size and sampling
         settings."""
         spread = self.spread if self.spread is not None else self.spread_prior
-        return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, self._spread_key(): spread}
+        return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, self._spread_key(): spread,
+                "weight": dict(self.weight), "rows_max": self.rows_max}
 
     def _spread_key(self) -> str:
         """:meth:`token_state`'s key of the carried spread: ``"spread"`` (tokens²) or ``"spread_rel"`` (drain model
@@ -1190,6 +1276,7 @@ class StepPlanner:
             self.spread_prior = min(self.spread_prior, DEFAULT_SPREAD_REL)
         self.spread = None
         self.last_seen = {m: 0 for m in self.table}
+        self.weight, self.rows_max = dict(state.get("weight", {})), state.get("rows_max", 1)
 
     def _record(self, mode: Mode, tokens_per_request: float, rows: int, predicted: float | None) -> None:
         """Token averages and calibration of a speculative ``mode`` (module docstring, "Averages")."""
@@ -1216,7 +1303,7 @@ class StepPlanner:
                 # after a wider chain, would otherwise be pulled above its own width)
                 x = (r * x + PRIOR_ROWS * min(max(others), float(max_tokens(mode, self.table)))) / (r + PRIOR_ROWS)
         self.seen[mode], self.last_seen[mode] = n, self.step
-        w = max(self.slow_decay, 1.0 / n)  # a plain mean over the first observations
+        w = self._weight(("slow", mode), r, n)  # a plain mean over the first observations
         self.rows[mode] += w * (r - self.rows[mode]) if n > 1 else r - self.rows[mode]
         self.slow[mode] = x if self.slow[mode] is None else self.slow[mode] + w * (x - self.slow[mode])
         w = max(self.decay * r / (r + PRIOR_ROWS), 1.0 / n)

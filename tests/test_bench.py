@@ -400,7 +400,7 @@ def test_bench_task_warmup_times_a_second_identical_pass(stories_dir, stories_dr
         spec = type("S", (), {"eos_ids": {0}})()
         verified_per_step = {"D": 4}
         vocab_info = {"D": None}
-        configs = {"D": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None}}
+        configs = {"D": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "state": None, "draft_vocab": None}}
         args = argparse.Namespace(num_prompts=2, data_dir=str(shared_path("data", "eval")), verify="chain",
                                   exact=False, concurrency=8)
 
@@ -487,7 +487,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     out = tmp_path / "c.json"
     code = bench.main(["--target", str(stories_dir), "--draft", f"chain={draft_dir}", "--draft", f"tree={draft_dir}",
                        "--draft", f"auto={draft_dir}", "--config", "tree:verify=tree,tree_budget=12,chain_first=yes",
-                       "--config", "auto:budget=auto,plan_trees=12/6,confidence=always,conf_slope=0.5,drain=own", "--datasets", "gsm8k,mbpp",
+                       "--config", "auto:budget=auto,plan_trees=12/6,confidence=always,conf_slope=0.5,drain=own,state=rows_kv", "--datasets", "gsm8k,mbpp",
                        "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2", "--max-new-tokens", "10",
                        "--no-chat-template", "--backend", "cuda", "--device", "cpu", "--dtype", "fp32",
                        "--concurrency", "2", "--output-json", str(out)])
@@ -495,9 +495,9 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     res = json.loads(out.read_text())
     assert [t["run_order"] for t in res["tasks"]] == [["AR", "chain", "tree", "auto"], ["chain", "tree", "auto", "AR"]]
     assert res["args"]["configs"] == {
-        "chain": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
-        "tree": {"verify": "tree", "tree_budget": 12, "budget": None, "chain_first": True, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
-        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "plan_chains": None, "width": None, "confidence": "always", "conf_slope": 0.5, "drain": "own", "draft_vocab": None}}
+        "chain": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "state": None, "draft_vocab": None},
+        "tree": {"verify": "tree", "tree_budget": 12, "budget": None, "chain_first": True, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "state": None, "draft_vocab": None},
+        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "plan_chains": None, "width": None, "confidence": "always", "conf_slope": 0.5, "drain": "own", "state": "rows_kv", "draft_vocab": None}}
     for t in res["tasks"]:
         d = t["drafts"]
         assert (d["chain"]["verify"], d["chain"]["verified_tokens_per_step"]) == ("chain", 8)  # the draft's block
@@ -512,6 +512,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
         for lab in ("chain", "tree", "auto"):  # the loop's steps, for ms per step (planner_points.py)
             assert d[lab]["profile"]["steps"] >= 1
         assert d["auto"]["plan_drain"] == "own" and d["auto"]["plan_conf_slope"] == 0.5
+        assert d["auto"]["plan_state"] == "rows_kv" and d["chain"].get("plan_state") is None
         assert d["auto"]["planner_choices"]["chain8"]["conf_slope"] == 0.5  # reached the planner
         assert d["auto"]["plan_confidence"] == "always" and d["auto"]["plan_trees"] == [6, 12]
         # the default narrower chains (Engine.PLAN_CHAINS below the block of 8) are planner modes too
@@ -597,8 +598,8 @@ def test_config_none_overrides_a_run_wide_budget():
     args = argparse.Namespace(verify="tree", tree_budget=32, budget="auto", exact=None, draft_temperature=None,
                               backend="cuda")  # as check_decode_args leaves --verify tree --budget auto
     c = bench.parse_configs(["a:budget=none,verify=chain"], {"a": "p", "b": "p"}, args, tree_budget_given=False)
-    assert c == {"a": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None},
-                 "b": {"verify": "tree", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "draft_vocab": None}}
+    assert c == {"a": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "state": None, "draft_vocab": None},
+                 "b": {"verify": "tree", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "state": None, "draft_vocab": None}}
 
 
 def test_run_wide_plan_trees_fill_the_budget_auto_labels_without_their_own():

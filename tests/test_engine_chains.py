@@ -67,12 +67,12 @@ def test_narrow_chains_in_turn_decode_what_ar_decodes(stories_dir, stories, temp
     pairs, observed, paired, seen = [], StepPlanner.observe, StepPlanner.observe_paired, []
     choose, given = StepPlanner.choose, []
 
-    def spy_choose(self, predicted=None, drain=None):  # the confidence given after each observed mode
+    def spy_choose(self, predicted=None, drain=None, kv=None):  # the confidence given after each observed mode
         if seen:
             given.append((seen[-1][0], predicted is not None))
         return choose(self, predicted, drain)
 
-    def spy_observe(self, mode, x, ms=None, rows=1):
+    def spy_observe(self, mode, x, ms=None, rows=1, kv=None):
         seen.append((mode, x))
         return observed(self, mode, x, ms, rows)
 
@@ -153,7 +153,7 @@ def test_narrow_chains_feed_the_drain_statistics_and_the_real_draft_takes_a_widt
     eng = _engine(stories_dir, folder, budget="auto", plan_trees=(), plan_chains=(2, 3))
     drains, choose = [], StepPlanner.choose
 
-    def spy(self, predicted=None, drain=None):
+    def spy(self, predicted=None, drain=None, kv=None):
         if drain is not None:
             drains.append(list(drain))
         return choose(self, predicted, drain)

@@ -104,7 +104,7 @@ def test_planner_loop_receives_the_confidence(stories_dir, stories, monkeypatch)
     seen = []
     choose = engine_mod.StepPlanner.choose
 
-    def spy(self, predicted=None, drain=None):
+    def spy(self, predicted=None, drain=None, kv=None):
         mode = choose(self, predicted, drain)
         seen.append((predicted, mode))
         return mode
@@ -118,7 +118,7 @@ def test_planner_loop_receives_the_confidence(stories_dir, stories, monkeypatch)
         eng._step_costs = lambda B, params: {("ar", 1): 0.6, ("chain", 8): 1.0, ("tree", 24): 1.0}
         eng.plan_online = False
         if not with_conf:
-            monkeypatch.setattr(engine_mod.StepPlanner, "choose", lambda self, predicted=None, drain=None: choose(self, None, drain))
+            monkeypatch.setattr(engine_mod.StepPlanner, "choose", lambda self, predicted=None, drain=None, kv=None: choose(self, None, drain))
         seen.clear()
         res = eng.generate(prompts, params, concurrency=2)
         outputs[with_conf] = res.token_ids
@@ -145,7 +145,7 @@ def test_planner_gets_the_confidence_at_t0_only_by_default(stories_dir, stories,
     given = []
     choose = engine_mod.StepPlanner.choose
 
-    def spy(self, predicted=None, drain=None):
+    def spy(self, predicted=None, drain=None, kv=None):
         given.append(predicted is not None)
         return choose(self, predicted, drain)
 
@@ -187,7 +187,7 @@ def test_planner_loop_times_each_step_as_its_own_mode(stories_dir, stories, monk
     seen = []
     observe = engine_mod.StepPlanner.observe
 
-    def spy(self, mode, tokens, ms=None, rows=1):
+    def spy(self, mode, tokens, ms=None, rows=1, kv=None):
         seen.append((mode, ms))
         return observe(self, mode, tokens, ms, rows)
 
@@ -332,3 +332,34 @@ def test_tree_step_counts_the_chain_with_the_triton_kernels_interpreted(stories_
         pytest.skip(str(env.TRITON_CPU_SKIP))
     got = _check_chain_accepted(stories_dir, stories[2], 0.0, oracle=(stories[0], 0.3), impl="triton")
     assert len(set(got.tolist())) >= 2, got
+
+
+def test_planner_state_rows_kv_gets_the_live_requests_context_tokens(stories_dir, stories, monkeypatch):  # noqa: F811
+    """Engine.plan_state="rows_kv": every choice and observation gets the live requests' context tokens (prompt +
+    committed). The first choice's are the prompts' plus their first tokens; between two observations of the same
+    live requests they grow by what the first committed (tokens per request × requests); the output stays AR's."""
+    _, _, folder = stories
+    params = SamplingParams(max_new_tokens=16)
+    prompts = PROMPTS[:3]
+    want = _engine(stories_dir, folder).generate(prompts, params, use_draft=False).token_ids
+    eng = _engine(stories_dir, folder, budget="auto")
+    eng.plan_state = "rows_kv"
+    chosen, seen = [], []
+    choose, observe = engine_mod.StepPlanner.choose, engine_mod.StepPlanner.observe
+
+    def spy_choose(self, predicted=None, drain=None, kv=None):
+        chosen.append(kv)
+        return choose(self, predicted, drain, kv)
+
+    def spy_observe(self, mode, tokens, ms=None, rows=1, kv=None):
+        seen.append((tokens, rows, kv))
+        return observe(self, mode, tokens, ms, rows, kv)
+
+    monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy_choose)
+    monkeypatch.setattr(engine_mod.StepPlanner, "observe", spy_observe)
+    assert eng.generate(prompts, params, concurrency=3).token_ids == want
+    assert chosen[0] == seen[0][2] == sum(len(p) + 1 for p in prompts) and seen[0][1] == 3
+    same = [(a, b) for a, b in zip(seen, seen[1:]) if a[1] == b[1]]
+    assert len(same) >= 3
+    for (tokens, rows, kv), (_, _, kv_next) in same:
+        assert kv_next == pytest.approx(kv + tokens * rows)

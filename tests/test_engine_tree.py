@@ -392,7 +392,7 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
     seen = []
     choose = engine_mod.StepPlanner.choose
 
-    def spy(self, predicted=None, drain=None):
+    def spy(self, predicted=None, drain=None, kv=None):
         seen.append(drain)
         return choose(self, predicted, drain)
 

@@ -1738,3 +1738,98 @@ def test_the_step_log_keeps_each_choice_s_estimates_and_confidence():
     q.observe_paired(("chain", 2), 2.2345678, rows=5)
     assert q.log[-2:] == [["o", 2, 3.0, 2.0, 5], ["p", 1, 2.235, None, 5]]
     assert q.lead[chain] == (("chain", 2), pytest.approx(3.0 - 2.2345678))
+
+
+C2, C4 = ("chain", 2), ("chain", 4)
+
+
+def _tail_lead(state: str) -> float:
+    """The chain of 4's lead over the chain of 2 after 181 paired steps of 64 live requests at a lead of 0.75 and a
+    tail of 82 steps of 2 requests at a lead of 0 (mbpp's call at concurrency 64 on the H100: docs/status.md, the
+    session of 2026-12-07, fifteenth)."""
+    p = StepPlanner({AR: 1.0, C2: 1.2, C4: 1.4}, state=state)
+    for rows, diff, n in ((64, 0.75, 181), (2, 0.0, 82)):
+        for _ in range(n):
+            p.observe(C4, 2.0 + diff, rows=rows)
+            p.observe_paired(C2, 2.0, rows=rows)
+    assert p.lead[C4][0] == C2
+    return p.lead[C4][1]
+
+
+def test_rows_kv_weighs_a_lead_by_live_requests():
+    """State "steps": every step moves the lead by the slow weight, so the tail wears it to 0.75 × 0.98^82 = 0.14;
+    "rows_kv": a step of 2 requests moves it by 1 − 0.98^(2/64), to 0.75 × 0.98^(82/32) = 0.71."""
+    assert _tail_lead("steps") == pytest.approx(0.75 * 0.98**82, rel=1e-9)
+    assert _tail_lead("rows_kv") == pytest.approx(0.75 * 0.98 ** (82 / 32), rel=1e-9)
+    # the first steps are a plain mean either way (over requests under rows_kv): 64 requests at 1, then 64 at 0
+    p = StepPlanner({AR: 1.0, C2: 1.2, C4: 1.4}, state="rows_kv")
+    for rows, diff in ((64, 1.0), (64, 0.0), (2, 0.0)):
+        p.observe(C4, 2.0 + diff, rows=rows)
+        p.observe_paired(C2, 2.0, rows=rows)
+        if rows == 64:
+            last = p.lead[C4][1]
+    assert last == pytest.approx(0.5)
+    assert p.lead[C4][1] == pytest.approx(0.5 * (1 - 2 / 130))  # 2 of the 130 requests behind it
+    # the token state carries the weights and R
+    q = StepPlanner({AR: 1.0, C2: 1.2, C4: 1.4}, state="rows_kv")
+    q.load_token_state(p.token_state())
+    assert q.rows_max == 64 and q.weight == p.weight and q.lead == p.lead
+
+
+def _timed(p: StepPlanner, mode, kv: float, k: float, table: dict) -> float:
+    ms = table[mode] + k * kv
+    p.kv = kv
+    p.observe(mode, 2.0, ms=ms, rows=64, kv=kv)
+    return ms
+
+
+@pytest.mark.parametrize("state", ["steps", "rows_kv"])
+def test_rows_kv_prices_a_mode_timed_on_long_contexts_at_short_ones(state):
+    """A call on long contexts (64 requests, 40k-80k context tokens) times the chains of 2 and 4; the next call (its
+    cost state loaded) runs the chain of 2 alone on short ones (6k-20k). True step time: table + 1e-5 ms a context
+    token. Under "rows_kv" the chain of 4 is priced at the short contexts (the slope fitted within modes); under
+    "steps" it keeps its long-context price (the H100's mt-bench miss: docs/status.md, fifteenth session)."""
+    k, table = 1e-5, {AR: 1.0, C2: 1.5, C4: 1.8}
+    a = StepPlanner(table, state=state)
+    for i in range(60):
+        _timed(a, C2 if i % 2 else C4, 40_000 + 40_000 * i / 59, k, table)
+    b = StepPlanner(table, state=state)
+    b.load_cost_state(a.cost_state())
+    for i in range(100):
+        _timed(b, C2, 20_000 - 14_000 * i / 99, k, table)
+    b.kv = 6_000
+    costs = b.costs
+    if state == "steps":
+        assert not b.kv_fit["ref"] and costs[C4] > 1.8 + k * 60_000  # its last timings' price, long context
+        return
+    assert b.kv_slope == pytest.approx(k, rel=0.15)
+    assert costs[C4] == pytest.approx(1.8 + k * 6_000, rel=0.03)
+    assert costs[C2] == pytest.approx(1.5 + k * 6_000, rel=0.03)
+    # AR, never timed: the nearest timed mode's ratio and that mode's context tokens
+    assert costs[AR] == pytest.approx(table[AR] * b.ratio[C2] + b.kv_slope * (6_000 - b.kv_fit["ref"][C2]))
+
+
+def test_rows_kv_slope_is_zero_without_context_spread_or_steps():
+    """No slope before KV_MIN_STEPS timed steps after each mode's first, none from steps at one context length (the ridge), none negative, and
+    "steps" ignores the context tokens given; an unknown state is refused."""
+    table = {AR: 1.0, C2: 1.5}
+    p = StepPlanner(table, state="rows_kv")
+    for i in range(8):
+        _timed(p, C2, 10_000 + 1_000 * i, 1e-5, table)
+    assert p.kv_slope == 0.0
+    _timed(p, C2, 20_000, 1e-5, table)
+    assert p.kv_slope > 0
+    flat = StepPlanner(table, state="rows_kv")
+    for _ in range(40):
+        _timed(flat, C2, 10_000, 1e-5, table)
+    assert flat.kv_slope == 0.0
+    down = StepPlanner(table, state="rows_kv")
+    for i in range(40):
+        _timed(down, C2, 10_000 + 500 * i, -1e-5, table)
+    assert down.kv_slope == 0.0
+    steps = StepPlanner(table)
+    _timed(steps, C2, 10_000, 1e-5, table)
+    assert steps.kv_fit["steps"] == 0 and not steps.kv_fit["ref"]
+    assert steps.choose(kv=5_000) is not None and steps.kv is None
+    with pytest.raises(ValueError, match="state='rows'; expected one of steps, rows_kv"):
+        StepPlanner(table, state="rows")

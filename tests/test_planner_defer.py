@@ -126,7 +126,7 @@ def _forced_planner_engine(stories_dir, folder, prompts, monkeypatch, defer=True
     eng._step_costs = lambda B, params: {AR: 0.6, CHAIN: 1.0, TREE: 1.0}
     choose = engine_mod.StepPlanner.choose
 
-    def scripted(self, predicted=None, drain=None):
+    def scripted(self, predicted=None, drain=None, kv=None):
         choose(self, predicted, drain)
         return pattern[(self.step - 1) % len(pattern)]
 
@@ -403,7 +403,7 @@ def test_the_step_after_a_deferred_prompt_write_is_timed_without_it(stories_dir,
         skew[0] += 1000.0
         seen.append(("write", None))
 
-    def spy(self, mode, x, ms=None, rows=1):
+    def spy(self, mode, x, ms=None, rows=1, kv=None):
         seen.append((mode, ms))
         return observe(self, mode, x, ms, rows)
 
@@ -431,7 +431,7 @@ def test_a_drain_refresh_is_no_steps_time(stories_dir, stories, monkeypatch, dev
     eng = _engine(stories_dir, stories[2], budget="auto", **kw)
     choose, observe, real, skew, seen = engine_mod.StepPlanner.choose, engine_mod.StepPlanner.observe, time.perf_counter, [0.0], []
 
-    def slow(self, predicted=None, drain=None):
+    def slow(self, predicted=None, drain=None, kv=None):
         if drain is not None:
             if device == "cuda":
                 time.sleep(0.3)
@@ -439,7 +439,7 @@ def test_a_drain_refresh_is_no_steps_time(stories_dir, stories, monkeypatch, dev
             seen.append("refresh")
         return choose(self, predicted, drain)
 
-    def spy(self, mode, x, ms=None, rows=1):
+    def spy(self, mode, x, ms=None, rows=1, kv=None):
         seen.append(ms)
         return observe(self, mode, x, ms, rows)
 

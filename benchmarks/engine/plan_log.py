@@ -53,7 +53,8 @@ def _check_event(e, n_modes: int) -> str | None:
     if not isinstance(e, list) or not e or e[0] not in ("c", "o", "p", "s", "d"):
         return f"event {e!r:.60} is not a list starting with 'c', 'o', 'p', 's' or 'd'"
     # a choice's estimates and confidence: 2026-12-07; paired observations ("p", as "o" with ms None): 2026-12-08
-    sizes = {"c": (6, 8), "o": (5,), "p": (5,), "s": (1,), "d": (3,)}[e[0]]
+    # an observation's context tokens (planner state "rows_kv"): 2026-12-07, sixteenth
+    sizes = {"c": (6, 8), "o": (5, 6), "p": (5,), "s": (1,), "d": (3,)}[e[0]]
     if len(e) not in sizes:
         return f"a {e[0]!r} event has {' or '.join(map(str, sizes))} fields, this one {len(e)}"
     if e[0] in ("c", "o", "p"):
@@ -76,6 +77,8 @@ def _check_event(e, n_modes: int) -> str | None:
         return f"an observation's live requests must be an integer >= 1, got {e[4]!r}"
     if e[0] in ("o", "p") and (not _finite(e[2]) or e[2] < 0 or not (e[3] is None or _finite(e[3]))):
         return f"an observation's tokens must be a number >= 0 and its ms a number or None, got {e[2]!r}, {e[3]!r}"
+    if e[0] == "o" and len(e) == 6 and not (_finite(e[5]) and e[5] >= 0):
+        return f"an observation's context tokens must be a number >= 0, got {e[5]!r}"
     if e[0] == "d" and not (isinstance(e[2], list) and all(
             isinstance(r, list) and len(r) in (3, 4) and all(_finite(x) for x in r) and all(x >= 0 for x in r[1:])
             for r in e[2])):
