@@ -451,9 +451,7 @@ class DSpineConfig(PretrainedConfig):
         if d["injection_layers"] is not None:
             bad = [i for i in d["injection_layers"] if not 0 <= int(i) < self.num_hidden_layers]
             if bad:
-                raise ValueError(
-                    f"dspine_config.injection_layers has {bad} outside [0, {self.num_hidden_layers})"
-                )
+                raise ValueError(f"dspine_config.injection_layers has {bad} outside [0, {self.num_hidden_layers})")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}"

@@ -310,6 +310,4 @@ def verify_tree(
         raise ValueError("give target_argmax (T = 0) or p_target, q, u, exp_noise (T > 0)")
     if greedy:
         return verify_tree_greedy(tree.tokens, tree.parent, tree.depth, tree.anc, target_argmax, impl="torch")
-    return verify_tree_sample(
-        tree.tokens, tree.parent, tree.depth, tree.chain, p_target, q, u, exp_noise, impl="torch"
-    )
+    return verify_tree_sample(tree.tokens, tree.parent, tree.depth, tree.chain, p_target, q, u, exp_noise, impl="torch")

@@ -64,16 +64,10 @@ as if they had run, keeps per run mode a slow average of its *lead* over the lar
 of the squared difference, for :meth:`StepPlanner.lead_se`), estimates a led mode as that mode's estimate plus the
 lead (no bonus), and does not probe a mode paired within the last ``PAIRED_FRESH`` steps and timed once.
 
-State (``state``): under ``"steps"`` every step weighs the same in the slow averages and the leads, and a mode's
-step time is its table time × its ratio alone. Under ``"rows_kv"`` (opt-in) a step weighs its live requests: a step of r
-requests moves a slow average by ``max(1 − (1 − slow)^(r/R), r ÷ the requests of its steps so far)`` (R the most seen;
-``max(slow, 1/n)`` when every step has R), so a batch's tail of a few hard requests does not wear a lead learned on
-the full batch. And the step
-time has a KV-length term shared by the modes, ``table × ratio + k × (X − X_m)``: X the live requests' context
-tokens now, X_m their average over the steps behind the mode's ratio (the same weights), k the pooled within-mode
-least-squares slope of step time on X (:attr:`StepPlanner.kv_slope`). Attention reads each request's KV cache once a
-step whatever the verify width, so the term is additive and alike across modes; a mode timed last on long contexts is
-priced at the short ones now (docs/status.md, the session of 2026-12-07, fifteenth).
+State (``state``; docs/planner.md, "State"): ``"steps"`` (the default) weighs every step alike in the slow averages
+and leads, and prices a mode at table × ratio. ``"rows_kv"`` (opt-in) weighs a step by its live requests
+(:meth:`StepPlanner._weight`), and adds ``k × (X − X_m)`` to that price: X the live requests' context tokens now, X_m
+their average behind the mode's ratio, k the pooled within-mode slope of step time on X (:attr:`StepPlanner.kv_slope`).
 
 Across calls: the engine keeps the cost model (:meth:`StepPlanner.cost_state`) and the acceptance — averages,
 calibration, leads, the drain rule's spread — (:meth:`StepPlanner.token_state`) per batch size and sampling setting
@@ -657,13 +651,11 @@ class StepPlanner:
         if state not in PLAN_STATES:
             raise ValueError(f"state={state!r}; expected one of {', '.join(PLAN_STATES)}")
         self.conf_slope, self.state = conf_slope, state
-        self.rows_max = 1  # most live requests of a step observed (the "rows_kv" weights' R)
-        self.weight: dict = {}  # "rows_kv": the request-weight behind each slow average, ("slow" | "lead", mode) -> W
-        # "rows_kv": the live requests' context tokens at the coming step (None: not given) and the KV-length fit:
-        # per mode the average context tokens behind its ratio ("ref") and its timed steps' average tokens and ms
-        # ("x", "t", with counts "n"), the pooled within-mode moments ("sxx", "sxy") and means ("xbar", "tbar") over
-        # "steps" timed steps (kv_slope)
-        self.kv: float | None = None
+        # "rows_kv": the most live requests of a step (R), the requests behind each slow average (("slow" | "lead",
+        # mode) -> W: _weight), the context tokens at the coming step, and the KV-length fit: per mode the tokens behind
+        # its ratio ("ref"), its timed steps' mean tokens and ms ("x", "t"; counts "n"), the pooled within-mode moments
+        # and means over "steps" timed steps (kv_slope)
+        self.rows_max, self.weight, self.kv = 1, {}, None
         self.kv_fit = {"ref": {}, "x": {}, "t": {}, "n": Counter(), "sxx": 0.0, "sxy": 0.0, "xbar": 0.0, "tbar": 0.0,
                        "steps": 0}
         # a fixed cycle of modes that choose() runs instead of deciding (benchmarks/engine/bench_planner_loop.py
@@ -729,9 +721,7 @@ class StepPlanner:
         # chosen the next): mode, its estimated ms, its predicted tokens, its probe (charged loss, best rate, the
         # drain rule's tokens ÷ the mode's estimate when chosen)
         # (at most PENDING kept: a caller that never observes does not grow it)
-        self.pending: deque[tuple[Mode, float, float | None, tuple[float, float, float] | None]] = deque(
-            maxlen=PENDING
-        )
+        self.pending: deque[tuple[Mode, float, float | None, tuple[float, float, float] | None]] = deque(maxlen=PENDING)
 
     @property
     def costs(self) -> dict[Mode, float]:
@@ -1113,9 +1103,7 @@ class StepPlanner:
             before = est_ms / self.table[mode]  # the ratio used for this step
             x = ms / self.table[mode]
             # no other mode measured yet and fewer than FIRST_TIMED timings of this one: take x as it is
-            first = self.timed[mode] < FIRST_TIMED and all(
-                r is None for k, r in self.ratio.items() if k != mode
-            )
+            first = self.timed[mode] < FIRST_TIMED and all(r is None for k, r in self.ratio.items() if k != mode)
             if not first:
                 x = min(max(x, before / FIRST_CLIP), FIRST_CLIP * before)
             ms = x * self.table[mode]
@@ -1170,9 +1158,8 @@ class StepPlanner:
         self.paired_now[mode] = tokens_per_request
 
     def _lead(self, mode: Mode, ref: Mode, diff: float, rows: int = 1) -> None:
-        """One paired step's ``diff`` (``mode``'s tokens − ``ref``'s, ``rows`` live requests) into ``mode``'s slow-average
-        lead (:meth:`_weight`). A ref that
-        ranks above the lead's present one (:func:`_lead_rank`: a tree above a chain, a larger tree above a smaller)
+        """One paired step's ``diff`` (``mode``'s tokens − ``ref``'s; ``rows`` live requests) into ``mode``'s slow-average
+        lead (:meth:`_weight`). A ref that ranks above the lead's present one (:func:`_lead_rank`: a tree above a chain, a larger tree above a smaller)
         replaces it and the average starts again; one ranking below is not used for ``mode``."""
         cur = self.lead.get(mode)
         if cur is not None and cur[0] != ref:
@@ -1223,9 +1210,7 @@ class StepPlanner:
         to the earlier requests. Raises ValueError if ``state`` holds a mode not in this table."""
         extra = set(state["ratio"]) - set(self.table)
         if extra:
-            raise ValueError(
-                f"cost state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}"
-            )
+            raise ValueError(f"cost state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}")
         for m, r in state["ratio"].items():
             if r is not None:
                 self.ratio[m], self.timed[m], self.first[m] = r, state["timed"][m], list(state["first"][m])
@@ -1262,9 +1247,7 @@ class StepPlanner:
         not read). Raises ValueError if ``state`` holds a mode not in this table."""
         extra = set(state["fast"]) - set(self.table)
         if extra:
-            raise ValueError(
-                f"token state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}"
-            )
+            raise ValueError(f"token state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}")
         for f in self.TOKEN_FIELDS:  # (Counter.update would add the counts: replace)
             cur = getattr(self, f)
             # a state written before the slope fit existed lacks its fields: they start afresh (any other is required)

@@ -245,9 +245,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def _check(x, w, bias):
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
-        raise ValueError(
-            f"linear: x [..., {x.shape[-1]}] and weight {tuple(w.shape)} do not match (want [N, K])"
-        )
+        raise ValueError(f"linear: x [..., {x.shape[-1]}] and weight {tuple(w.shape)} do not match (want [N, K])")
     if bias is not None and tuple(bias.shape) != (w.shape[0],):
         raise ValueError(f"linear: bias {tuple(bias.shape)} must be [{w.shape[0]}]")
     if x.dtype != w.dtype:
@@ -262,9 +260,7 @@ def _cfg6(cfg) -> tuple[int, int, int, int, int, int]:
     if len(cfg) == 5:
         cfg = (*cfg, 1)
     if len(cfg) != 6 or min(cfg) < 1:
-        raise ValueError(
-            f"linear: configuration {cfg} is not (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split])"
-        )
+        raise ValueError(f"linear: configuration {cfg} is not (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split])")
     if any(v & (v - 1) for v in cfg[:4]) or min(cfg[:3]) < 16:
         raise ValueError(f"linear: configuration {cfg}: BLOCK_M, BLOCK_N, BLOCK_K and warps must be powers of 2, "
                          "the blocks at least 16 (tl.dot's least)")

@@ -225,9 +225,7 @@ def _check_exact(depth, path, B, T):
 def _check(q, k_cache, v_cache, tree_bits):
     B, T, Hq, D, Hkv, S = _cache_shapes(q, k_cache, v_cache)
     if tuple(tree_bits.shape) != (B, T) or tree_bits.dtype != torch.int64:
-        raise ValueError(
-            f"tree_bits must be int64 [{B}, {T}], got {tree_bits.dtype} {tuple(tree_bits.shape)}"
-        )
+        raise ValueError(f"tree_bits must be int64 [{B}, {T}], got {tree_bits.dtype} {tuple(tree_bits.shape)}")
     if T > 64:
         raise ValueError(f"T={T} tree nodes: the bitmask holds at most 64")
     return B, T, Hq, D, Hkv, S

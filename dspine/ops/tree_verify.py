@@ -248,9 +248,7 @@ def verify_tree_greedy_torch(tokens, parent, depth, anc_or_bits, target_argmax, 
     return out if path_depth is None else (*out, path_from_mask(anc[rows, cur], depth, int(path_depth)))
 
 
-def verify_tree_greedy(
-    tokens, parent, depth, anc_or_bits, target_argmax, impl: str = "triton", *, path_depth=None
-):
+def verify_tree_greedy(tokens, parent, depth, anc_or_bits, target_argmax, impl: str = "triton", *, path_depth=None):
     """Greedy tree verification (module docstring).
 
     Args: tokens, parent, depth ``[B, N]`` int64; anc_or_bits ``[B, N, N]`` bool ancestor mask or ``[B, N]``
@@ -487,9 +485,7 @@ def _race_merge_kernel(Bonus, PartBest, PartIdx, PartAny, num_splits, BLOCK_S: t
 
 def _check_sample(tokens, parent, depth, chain, p_target, q, u, exp_noise):
     if q.dim() != 3 or p_target.dim() != 3:
-        raise ValueError(
-            f"p_target must be [B, N, V] and q [B, K, V], got {tuple(p_target.shape)}, {tuple(q.shape)}"
-        )
+        raise ValueError(f"p_target must be [B, N, V] and q [B, K, V], got {tuple(p_target.shape)}, {tuple(q.shape)}")
     B, N = tokens.shape if tokens.dim() == 2 else (-1, -1)
     K, V = q.shape[1], q.shape[2]
     _check_tree(
@@ -549,9 +545,7 @@ def _node_sums(tokens, parent, depth, chain, p_target, q, splits=None):
     return sums
 
 
-def verify_tree_sample_triton(
-    tokens, parent, depth, chain, p_target, q, u, exp_noise, *, path_depth=None, splits=None
-):
+def verify_tree_sample_triton(tokens, parent, depth, chain, p_target, q, u, exp_noise, *, path_depth=None, splits=None):
     B, N, K, V = _check_sample(tokens, parent, depth, chain, p_target, q, u, exp_noise)
     _check_path_depth(path_depth)
     _triton_nodes(N)
@@ -614,9 +608,7 @@ def verify_tree_sample_triton(
         WANT_PATH=path is not None,
         num_warps=4,
     )
-    _race_merge_kernel[(B,)](
-        bonus, part_best, part_idx, part_any, s2, BLOCK_S=max(16, next_pow2(s2)), num_warps=1
-    )
+    _race_merge_kernel[(B,)](bonus, part_best, part_idx, part_any, s2, BLOCK_S=max(16, next_pow2(s2)), num_warps=1)
     return _result(last, num, bonus, path)
 
 
