@@ -244,10 +244,8 @@ def default_mask_token_id(spec) -> int:
     """
     if spec.tokenizer_len is not None and spec.tokenizer_len < spec.vocab_size:
         return spec.tokenizer_len
-    raise ValueError(
-        f"target {spec.name}: every one of its {spec.vocab_size} embedding rows is a real token; "
-        "choose an unused token for --mask-token-id (not pad/eos)"
-    )
+    raise ValueError(f"target {spec.name}: every one of its {spec.vocab_size} embedding rows is a real token; "
+                     "choose an unused token for --mask-token-id (not pad/eos)")
 
 
 # Draft fields a caller may choose (the keyword arguments of DSpineConfig.for_target); None = default.
@@ -468,10 +466,8 @@ class DSpineConfig(PretrainedConfig):
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (Qwen3 layers use silu)")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
         mask = self.mask_token_id
         if mask is not None and not 0 <= int(mask) < self.vocab_size:
             raise ValueError(f"dflash_config.mask_token_id={mask} is outside the vocabulary [0, {self.vocab_size})")

@@ -123,10 +123,8 @@ class TargetAdapter(nn.Module):
             raise ValueError(f"last_layer_features={last_layer_features!r}: choose one of {LAST_LAYER_FEATURES}")
         bad = [i for i in layer_ids if not 0 <= int(i) < self.num_layers]
         if bad:
-            raise ValueError(
-                f"dflash_config.target_layer_ids {list(layer_ids)}: {bad} outside [0, {self.num_layers}) "
-                f"for target {self.name or type(self.model).__name__} with {self.num_layers} layers"
-            )
+            raise ValueError(f"dflash_config.target_layer_ids {list(layer_ids)}: {bad} outside [0, {self.num_layers}) "
+                             f"for target {self.name or type(self.model).__name__} with {self.num_layers} layers")
         self.layer_ids = [int(i) for i in layer_ids]
         self.last_layer_features = last_layer_features
 

@@ -352,15 +352,11 @@ def _check_tuned(d: dict) -> None:
         for size in ("small", "large"):
             tile = e[size]
             if not _is_tile(tile, 5):
-                raise ValueError(
-                    f"weight {key}: {size} {tile!r} is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages] "
-                    "(integers; block sizes >= 16, tl.dot's least)"
-                )
+                raise ValueError(f"weight {key}: {size} {tile!r} is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages] "
+                                 "(integers; block sizes >= 16, tl.dot's least)")
             if any(v & (v - 1) for v in tile[:4]) or CHUNK_GRANULE % tile[2]:
-                raise ValueError(
-                    f"weight {key}: {size} {tile}: block sizes and warps must be powers of 2 and "
-                    f"BLOCK_K must divide {CHUNK_GRANULE}"
-                )
+                raise ValueError(f"weight {key}: {size} {tile}: block sizes and warps must be powers of 2 and "
+                                 f"BLOCK_K must divide {CHUNK_GRANULE}")
             if not isinstance(e["programs"][size], bool):
                 raise ValueError(f"weight {key}: programs.{size} must be true or false")
         ratio = e.get("small_ratio_to_cublas")

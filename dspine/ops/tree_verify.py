@@ -181,10 +181,8 @@ def _check_greedy(tokens, parent, depth, anc_or_bits, target_argmax):
         return B, N, False
     if tuple(anc_or_bits.shape) == (B, N) and anc_or_bits.dtype == torch.int64 and N <= 64:
         return B, N, True
-    raise ValueError(
-        f"anc_or_bits must be a [{B}, {N}, {N}] bool mask or [{B}, {N}] int64 bitmasks (N <= 64), "
-        f"got {tuple(anc_or_bits.shape)} {anc_or_bits.dtype}"
-    )
+    raise ValueError(f"anc_or_bits must be a [{B}, {N}, {N}] bool mask or [{B}, {N}] int64 bitmasks (N <= 64), "
+                     f"got {tuple(anc_or_bits.shape)} {anc_or_bits.dtype}")
 
 
 def _outputs(B, dev, path_depth):
