@@ -761,7 +761,7 @@ def build_parser():
                          "budget=auto only) or conf_slope (auto or a number in 0..2: how far that confidence moves the "
                          "planner's estimate, Engine.plan_conf_slope; budget=auto only) or drain (off or "
                          f"{'|'.join(DRAIN_MODELS)}: the planner's drain rule off, or on with Engine.plan_drain_model, "
-                         "persist by default; budget=auto only) or state (steps|rows_kv: Engine.plan_state, "
+                         "persist by default; budget=auto only) or state (steps|kv|rows_kv: Engine.plan_state, "
                          "infer.planner 'State'; budget=auto only) or draft_vocab (a draft vocabulary file, or none "
                          "for the whole vocabulary; over --draft-vocab) over "
                          "the run-wide flags (which are checked as given), e.g. --draft chain=D --draft auto=D "

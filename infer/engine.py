@@ -373,7 +373,7 @@ class Engine:
         # how far that confidence moves the planner's estimate (StepPlanner's conf_slope): "auto", the slope fitted
         # online; 1.0, in proportion (the rule before 2026-12-05); 0, not at all
         self.plan_conf_slope: float | str = "auto"
-        self.plan_state = "steps"  # infer.planner.PLAN_STATES: "rows_kv" weighs steps by requests, prices KV length
+        self.plan_state = "steps"  # infer.planner.PLAN_STATES: "kv" prices the KV length, "rows_kv" also weighs rows
         # benchmarks only: a fixed cycle of plan_modes the planner runs instead of deciding (StepPlanner.schedule)
         self.plan_schedule: list | None = None
         self.ar_defer = self.AR_DEFER  # F, read once per batch size when its slots are made (_Slots.pend_max): set it
@@ -1220,7 +1220,7 @@ class Engine:
     def _decode_planned(self, s: _Slots, B: int, width: int, planner: StepPlanner, params: SamplingParams,
                         owner, queue, refill, admit, results, reasons, stats, flush=None, plens=()) -> int:
         """The decode loop of the verify-budget planner; returns the steps run. ``plens``: each prompt's tokens, for
-        the context tokens planner state ``"rows_kv"`` takes (prompt + committed tokens of the live requests).
+        the context tokens planner states ``"kv"`` and ``"rows_kv"`` take (prompt + committed tokens of the live requests).
 
         Pipelined like :meth:`_decode_pipelined` (issue 16: the earlier loop read the flags after every step,
         one sync per step, and ran 0.67-0.84 × the fixed chain: the README): the host chooses the mode of step k and
@@ -1339,7 +1339,7 @@ class Engine:
                     left = params.max_new_tokens - (1 if fresh else base[0][b]) if live else 0
                     drain.append((left, row_tokens[b], row_steps[b], row_sq[b]))
             kv = None
-            if planner.state == "rows_kv":  # a slot refilled after the snapshot has committed its first token
+            if planner.state != "steps":  # a slot refilled after the snapshot has committed its first token
                 kv = sum(plens[o] + (base[0][b] if base is not None and base[2][b] == o else 1)
                          for b, o in enumerate(owner) if o is not None)
             mode = planner.choose(predicted, drain, kv)
@@ -1391,7 +1391,7 @@ class Engine:
                             # to the next step's choice: its drain refresh (host work) is no mode's cost either
                             ms = (launched[0][3] - (t_launch if start is None else start[1])) * 1e3
                     done = [out_len[b] - base[0][b] for b in rows]  # committed tokens per observed row
-                    kv = sum(plens[base[2][b]] + base[0][b] for b in rows) if planner.state == "rows_kv" else None
+                    kv = sum(plens[base[2][b]] + base[0][b] for b in rows) if planner.state != "steps" else None
                     planner.observe(done_mode, sum(done) / len(rows), ms, len(rows), kv)
                     if done_mode[0] != "ar":
                         conf = snap[0][2 * B + 2 : 3 * B + 2].view(torch.float32).tolist()  # (spec steps only)

@@ -65,9 +65,9 @@ of the squared difference, for :meth:`StepPlanner.lead_se`), estimates a led mod
 lead (no bonus), and does not probe a mode paired within the last ``PAIRED_FRESH`` steps and timed once.
 
 State (``state``; docs/planner.md, "State"): ``"steps"`` (the default) weighs every step alike in the slow averages
-and leads, and prices a mode at table × ratio. ``"rows_kv"`` (opt-in) weighs a step by its live requests
-(:meth:`StepPlanner._weight`), and adds ``k × (X − X_m)`` to that price: X the live requests' context tokens now, X_m
-their average behind the mode's ratio, k the pooled within-mode slope of step time on X (:attr:`StepPlanner.kv_slope`).
+and leads, and prices a mode at table × ratio. ``"kv"`` (opt-in) adds ``k × (X − X_m)`` to that price: X the live requests' context tokens now, X_m
+their average behind the mode's ratio, k the pooled within-mode slope of step time on X (:attr:`StepPlanner.kv_slope`);
+``"rows_kv"`` (opt-in) also weighs a step by its live requests in the slow averages and leads (:meth:`StepPlanner._weight`).
 
 Across calls: the engine keeps the cost model (:meth:`StepPlanner.cost_state`) and the acceptance — averages,
 calibration, leads, the drain rule's spread — (:meth:`StepPlanner.token_state`) per batch size and sampling setting
@@ -154,8 +154,8 @@ PERSIST_MODELS = ("persist", "persist_cap")
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
 SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
-# the planner's state (module docstring, "State"): "steps" (the default) or "rows_kv" (opt-in, not yet measured)
-PLAN_STATES = ("steps", "rows_kv")
+# the planner's state (module docstring, "State"): "steps" (the default), "kv" or "rows_kv" (opt-in, not yet measured)
+PLAN_STATES = ("steps", "kv", "rows_kv")
 KV_DECAY = 0.02  # least weight of the newest timed step in the KV-length slope's averages (StepPlanner.kv_slope)
 KV_MIN_STEPS = 8  # timed steps with a KV length, across modes, before the slope is used
 KV_SHRINK = 0.05  # the slope's ridge: a spread of the KV length below this share of its mean counts for half
@@ -619,8 +619,8 @@ class StepPlanner:
             ``"persist"`` with the carried spread capped at ``DEFAULT_SPREAD_REL`` in :meth:`load_token_state`).
         conf_slope: ``"auto"`` or a number in [0, ``SLOPE_MAX``]: how far the confidence moves an estimate (module
             docstring, "Calibration"; :meth:`slope`).
-        state: :data:`PLAN_STATES`: ``"steps"`` (the default) or ``"rows_kv"`` (row-weighted averages and a KV-length
-            step-time term: module docstring, "State"; :meth:`choose` and :meth:`observe` then take ``kv``).
+        state: :data:`PLAN_STATES`: ``"steps"`` (the default), ``"kv"`` (a KV-length step-time term: :meth:`choose` and
+            :meth:`observe` then take ``kv``) or ``"rows_kv"`` (that and row-weighted averages): module docstring, "State".
     Raises ValueError on an empty cost table or one with a step time that is not a positive finite number, an
     unknown drain model or state or a conf_slope that is neither ``"auto"`` nor a number in [0, ``SLOPE_MAX``].
     """
@@ -651,7 +651,7 @@ class StepPlanner:
         if state not in PLAN_STATES:
             raise ValueError(f"state={state!r}; expected one of {', '.join(PLAN_STATES)}")
         self.conf_slope, self.state = conf_slope, state
-        # "rows_kv": the most live requests of a step (R), the requests behind each slow average (("slow" | "lead",
+        # "kv", "rows_kv": the most live requests of a step (R), the requests behind each slow average (("slow" | "lead",
         # mode) -> W: _weight), the context tokens at the coming step, and the KV-length fit: per mode the tokens behind
         # its ratio ("ref"), its timed steps' mean tokens and ms ("x", "t"; counts "n"), the pooled within-mode moments
         # and means over "steps" timed steps (kv_slope)
@@ -737,7 +737,7 @@ class StepPlanner:
             )
             out[m] = t * (self.ratio[near] if near is not None else 1.0)
             ref = self.kv_fit["ref"].get(near)
-            if self.kv is not None and ref is not None:  # "rows_kv" (module docstring, "State")
+            if self.kv is not None and ref is not None:  # "kv", "rows_kv" (module docstring, "State")
                 out[m] = max(out[m] + self.kv_slope * (self.kv - ref), out[m] / 2)
         return out
 
@@ -770,10 +770,10 @@ class StepPlanner:
 
     def _weight(self, key: tuple, rows: int, n: int) -> float:
         """Weight of the newest step in the slow average ``key`` (its ``n``-th step, ``rows`` live requests):
-        ``max(slow, 1 / n)`` under state ``"steps"``; under ``"rows_kv"`` ``max(1 − (1 − slow)^(rows / R), rows / W)``, W
+        ``max(slow, 1 / n)`` under states ``"steps"`` and ``"kv"``; under ``"rows_kv"`` ``max(1 − (1 − slow)^(rows / R), rows / W)``, W
         the requests of its steps so far (module docstring, "State"; n = 1 starts it afresh): the same weights while
         every step has R requests."""
-        if self.state == "steps":
+        if self.state != "rows_kv":
             return max(self.slow_decay, 1.0 / n)
         r = max(rows, 1)
         w = self.weight[key] = (self.weight.get(key, 0.0) if n > 1 else 0.0) + r
@@ -897,8 +897,9 @@ class StepPlanner:
         ``drain`` (the engine gives one every ``PLAN_DRAIN_EVERY`` steps: the ratios move slowly, and mapping a
         batch of 64 requests costs about 1 ms of host time on a 2-core CPU, :func:`drain_tokens`) or
         :meth:`end_drain`. None before any: tokens per
-        millisecond. ``kv``: the live requests' context tokens now (state ``"rows_kv"``: module docstring, "State")."""
-        self.kv = kv if self.state == "rows_kv" else None
+        millisecond. ``kv``: the live requests' context tokens now (states ``"kv"``, ``"rows_kv"``: module docstring,
+        "State")."""
+        self.kv = kv if self.state != "steps" else None
         costs = self.costs
         if self.schedule:  # a fixed cycle of modes (benchmarks: the loop's cost of switching modes), no decision
             mode = self.schedule[self.step % len(self.schedule)]
@@ -1018,7 +1019,7 @@ class StepPlanner:
           time the decode's first mode (rule "Online cost": 3 timings before any other mode) and a ``schedule``'s
           have ``rates``, ``estimates`` and ``confidence`` None (no comparison made). The last two are kept as
           they are and rounded by :meth:`logged`; logs before 2026-12-07 lack them.
-        * an observation ``["o", mode index, tokens per request, ms or None, rows]``, under state ``"rows_kv"`` with
+        * an observation ``["o", mode index, tokens per request, ms or None, rows]``, under states ``"kv"``, ``"rows_kv"`` with
           the rows' context tokens after them (:meth:`observe`), then the
           step's paired observations ``["p", mode index, tokens per request, None, rows]`` (:meth:`observe_paired`;
           logs before 2026-12-08 lack them), so a replay can rebuild the token averages and leads.
@@ -1084,10 +1085,10 @@ class StepPlanner:
         the wall milliseconds it took as measured by the caller. Steps are observed in the order they were
         chosen; the oldest unobserved choice of ``mode`` is this step's (older choices of other modes not
         observed are dropped as by :meth:`skip`). A ``mode`` never chosen is recorded at its estimate. ``kv``: the
-        context tokens of the ``rows`` requests in the step, for state ``"rows_kv"``'s step-time term (ignored under
+        context tokens of the ``rows`` requests in the step, for states ``"kv"`` and ``"rows_kv"`` (ignored under
         ``"steps"``)."""
         est_ms, predicted, probe = self.costs[mode], None, None
-        kv = kv if self.state == "rows_kv" else None
+        kv = kv if self.state != "steps" else None
         if self.log is not None:
             self.log.append(["o", self._log_index[mode], _sig(tokens_per_request), _sig(ms), rows]
                             + ([_sig(kv)] if kv is not None else []))
@@ -1286,8 +1287,9 @@ class StepPlanner:
                 # after a wider chain, would otherwise be pulled above its own width)
                 x = (r * x + PRIOR_ROWS * min(max(others), float(max_tokens(mode, self.table)))) / (r + PRIOR_ROWS)
         self.seen[mode], self.last_seen[mode] = n, self.step
-        w = self._weight(("slow", mode), r, n)  # a plain mean over the first observations
+        w = max(self.slow_decay, 1.0 / n)  # a plain mean over the first observations (rows: per step in any state)
         self.rows[mode] += w * (r - self.rows[mode]) if n > 1 else r - self.rows[mode]
+        w = self._weight(("slow", mode), r, n)
         self.slow[mode] = x if self.slow[mode] is None else self.slow[mode] + w * (x - self.slow[mode])
         w = max(self.decay * r / (r + PRIOR_ROWS), 1.0 / n)
         old = self.fast[mode]

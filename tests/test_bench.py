@@ -487,7 +487,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     out = tmp_path / "c.json"
     code = bench.main(["--target", str(stories_dir), "--draft", f"chain={draft_dir}", "--draft", f"tree={draft_dir}",
                        "--draft", f"auto={draft_dir}", "--config", "tree:verify=tree,tree_budget=12,chain_first=yes",
-                       "--config", "auto:budget=auto,plan_trees=12/6,confidence=always,conf_slope=0.5,drain=own,state=rows_kv", "--datasets", "gsm8k,mbpp",
+                       "--config", "auto:budget=auto,plan_trees=12/6,confidence=always,conf_slope=0.5,drain=own,state=kv", "--datasets", "gsm8k,mbpp",
                        "--data-dir", str(shared_path("data", "eval")), "--num-prompts", "2", "--max-new-tokens", "10",
                        "--no-chat-template", "--backend", "cuda", "--device", "cpu", "--dtype", "fp32",
                        "--concurrency", "2", "--output-json", str(out)])
@@ -497,7 +497,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     assert res["args"]["configs"] == {
         "chain": {"verify": "chain", "tree_budget": None, "budget": None, "chain_first": None, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "state": None, "draft_vocab": None},
         "tree": {"verify": "tree", "tree_budget": 12, "budget": None, "chain_first": True, "plan_trees": None, "plan_chains": None, "width": None, "confidence": None, "conf_slope": None, "drain": None, "state": None, "draft_vocab": None},
-        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "plan_chains": None, "width": None, "confidence": "always", "conf_slope": 0.5, "drain": "own", "state": "rows_kv", "draft_vocab": None}}
+        "auto": {"verify": "chain", "tree_budget": None, "budget": "auto", "chain_first": None, "plan_trees": [12, 6], "plan_chains": None, "width": None, "confidence": "always", "conf_slope": 0.5, "drain": "own", "state": "kv", "draft_vocab": None}}
     for t in res["tasks"]:
         d = t["drafts"]
         assert (d["chain"]["verify"], d["chain"]["verified_tokens_per_step"]) == ("chain", 8)  # the draft's block
@@ -512,7 +512,7 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
         for lab in ("chain", "tree", "auto"):  # the loop's steps, for ms per step (planner_points.py)
             assert d[lab]["profile"]["steps"] >= 1
         assert d["auto"]["plan_drain"] == "own" and d["auto"]["plan_conf_slope"] == 0.5
-        assert d["auto"]["plan_state"] == "rows_kv" and d["chain"].get("plan_state") is None
+        assert d["auto"]["plan_state"] == "kv" and d["chain"].get("plan_state") is None
         assert d["auto"]["planner_choices"]["chain8"]["conf_slope"] == 0.5  # reached the planner
         assert d["auto"]["plan_confidence"] == "always" and d["auto"]["plan_trees"] == [6, 12]
         # the default narrower chains (Engine.PLAN_CHAINS below the block of 8) are planner modes too

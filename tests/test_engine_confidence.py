@@ -335,7 +335,7 @@ def test_tree_step_counts_the_chain_with_the_triton_kernels_interpreted(stories_
 
 
 def test_planner_state_rows_kv_gets_the_live_requests_context_tokens(stories_dir, stories, monkeypatch):  # noqa: F811
-    """Engine.plan_state="rows_kv": every choice and observation gets the live requests' context tokens (prompt +
+    """Engine.plan_state="kv" / "rows_kv": every choice and observation gets the live requests' context tokens (prompt +
     committed). The first choice's are the prompts' plus their first tokens; between two observations of the same
     live requests they grow by what the first committed (tokens per request × requests); the output stays AR's."""
     _, _, folder = stories
@@ -343,7 +343,7 @@ def test_planner_state_rows_kv_gets_the_live_requests_context_tokens(stories_dir
     prompts = PROMPTS[:3]
     want = _engine(stories_dir, folder).generate(prompts, params, use_draft=False).token_ids
     eng = _engine(stories_dir, folder, budget="auto")
-    eng.plan_state = "rows_kv"
+    eng.plan_state = "kv"
     chosen, seen = [], []
     choose, observe = engine_mod.StepPlanner.choose, engine_mod.StepPlanner.observe
 

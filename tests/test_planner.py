@@ -1757,9 +1757,9 @@ def _tail_lead(state: str) -> float:
 
 
 def test_rows_kv_weighs_a_lead_by_live_requests():
-    """State "steps": every step moves the lead by the slow weight, so the tail wears it to 0.75 × 0.98^82 = 0.14;
+    """States "steps" and "kv": every step moves the lead by the slow weight, so the tail wears it to 0.75 × 0.98^82;
     "rows_kv": a step of 2 requests moves it by 1 − 0.98^(2/64), to 0.75 × 0.98^(82/32) = 0.71."""
-    assert _tail_lead("steps") == pytest.approx(0.75 * 0.98**82, rel=1e-9)
+    assert _tail_lead("steps") == pytest.approx(0.75 * 0.98**82, rel=1e-9) == pytest.approx(_tail_lead("kv"), rel=1e-12)
     assert _tail_lead("rows_kv") == pytest.approx(0.75 * 0.98 ** (82 / 32), rel=1e-9)
     # the first steps are a plain mean either way (over requests under rows_kv): 64 requests at 1, then 64 at 0
     p = StepPlanner({AR: 1.0, C2: 1.2, C4: 1.4}, state="rows_kv")
@@ -1783,11 +1783,11 @@ def _timed(p: StepPlanner, mode, kv: float, k: float, table: dict) -> float:
     return ms
 
 
-@pytest.mark.parametrize("state", ["steps", "rows_kv"])
+@pytest.mark.parametrize("state", ["steps", "kv", "rows_kv"])
 def test_rows_kv_prices_a_mode_timed_on_long_contexts_at_short_ones(state):
     """A call on long contexts (64 requests, 40k-80k context tokens) times the chains of 2 and 4; the next call (its
     cost state loaded) runs the chain of 2 alone on short ones (6k-20k). True step time: table + 1e-5 ms a context
-    token. Under "rows_kv" the chain of 4 is priced at the short contexts (the slope fitted within modes); under
+    token. Under "kv" and "rows_kv" the chain of 4 is priced at the short contexts (the slope fitted within modes); under
     "steps" it keeps its long-context price (the H100's mt-bench miss: docs/status.md, fifteenth session)."""
     k, table = 1e-5, {AR: 1.0, C2: 1.5, C4: 1.8}
     a = StepPlanner(table, state=state)
@@ -1831,5 +1831,6 @@ def test_rows_kv_slope_is_zero_without_context_spread_or_steps():
     _timed(steps, C2, 10_000, 1e-5, table)
     assert steps.kv_fit["steps"] == 0 and not steps.kv_fit["ref"]
     assert steps.choose(kv=5_000) is not None and steps.kv is None
-    with pytest.raises(ValueError, match="state='rows'; expected one of steps, rows_kv"):
+    with pytest.raises(ValueError, match="state='rows'; expected one of steps, kv, rows_kv"):
         StepPlanner(table, state="rows")
+    assert StepPlanner(table, state="kv").choose(kv=5_000) is not None

@@ -27,7 +27,7 @@ def test_narrow_chains_feed_the_drain_statistics_only_when_told(feed):
     planner.schedule = [("chain", 4)] * 3 + [("chain", 2)] * 30
     choose, observe_paired = planner.choose, planner.observe_paired
 
-    def spy(predicted=None, drain=None):
+    def spy(predicted=None, drain=None, kv=None):
         if drain is not None:
             seen.append(drain)
         return choose(predicted, drain)
@@ -73,7 +73,7 @@ def test_lengths_end_requests_early_while_the_planner_is_told_max_new():
     planner.schedule = [sim.AR] * 40
     choose = planner.choose
 
-    def spy(predicted=None, drain=None):
+    def spy(predicted=None, drain=None, kv=None):
         if drain is not None:
             seen.append([d[0] for d in drain])
         return choose(predicted, drain)
@@ -85,3 +85,18 @@ def test_lengths_end_requests_early_while_the_planner_is_told_max_new():
                      ([4, 31], r"\[31\] outside")):
         with pytest.raises(ValueError, match=msg):
             sim.drain_batch(costs, [0.0] * 2, 30, 0, fixed=sim.AR, lengths=bad)
+
+
+def test_context_tokens_add_to_each_step_and_reach_the_planner():
+    """ctx / kv_ms: a step costs its table time plus kv_ms per context token of its live requests (prompt + committed),
+    and the planner is told those tokens: one request of a 10-token prompt, 4 AR steps at 10..13 context tokens."""
+    costs, ar = sim.COSTS, sim.AR
+    assert sim.drain_batch(costs, [0.5], 4, 0, fixed=ar, ctx=[10], kv_ms=0.5) == pytest.approx(4 * costs[ar] + 0.5 * 46)
+    p = StepPlanner(costs, state="kv")
+    seen = []
+    observe = p.observe
+    p.observe = lambda mode, x, ms=None, rows=1, kv=None: (seen.append((kv, ms - costs[mode])), observe(mode, x, ms, rows, kv))
+    sim.drain_batch(costs, [0.5, 0.5], 8, 0, planner=p, ctx=[10, 20], kv_ms=0.01)
+    assert seen[0][0] == 30 and len(seen) >= 4  # both prompts, nothing committed yet
+    assert all(extra == pytest.approx(0.01 * kv) for kv, extra in seen)
+    assert seen[1][0] > 30
