@@ -102,7 +102,7 @@ def test_mixed_modes_are_summarised_per_point(tmp_path, capsys):
     ('{"batch": 1}\n', "p.jsonl:1: not a plan-log record"),
     ("", "p.jsonl: no plan-log record in it"),
     (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 7, 0, 0.0, None]])) + "\n", "p.jsonl:1: event 1 of the log: mode index 7 outside the 3"),
-    (json.dumps(dict(CALL, log=[NAMES, ["o", 0, 1.0]])) + "\n", "p.jsonl:1: event 1 of the log: a 'o' event has 5 fields, this one 3"),
+    (json.dumps(dict(CALL, log=[NAMES, ["o", 0, 1.0]])) + "\n", "p.jsonl:1: event 1 of the log: a 'o' event has 5 or 6 fields, this one 3"),
     (json.dumps(dict(CALL, log=[NAMES, ["o", 0, 1.0, 1.0, 0]])) + "\n", "live requests must be an integer >= 1, got 0"),
     (json.dumps(dict(CALL, log=[NAMES, ["c", 0, 0, 0, 0.0, [1.0]]])) + "\n", "rates must be None or one per mode"),
     (json.dumps(dict(CALL, log=[NAMES, ["x"]])) + "\n", "is not a list starting with"),
@@ -350,3 +350,23 @@ def test_cost_replay_moves_the_modes_not_run_by_the_share():
         assert rows[1]["logged"] == {"ar:1": 1.0, "chain:4": 2.0}
     two = plan_log.cost_replay([call("a", timed[:2]), call("b", [])], 0.0)  # timed twice: starts again from b's log
     assert two[1]["replayed"]["chain:4"] == 2.0
+
+
+def test_kv_fit_within_modes(tmp_path, capsys):
+    """--kv: observations with context tokens (planner state kv / rows_kv); the slope is fitted within modes (AR at
+    1,000-3,000 tokens and the chain at 1,000 / 3,000, both 0.5 ms per 1,000 tokens over different offsets: pooled
+    across modes it would read 0.28); an untimed observation and one without tokens are left out."""
+    log = [NAMES, ["c", 0, 0, 0, 0.0, None], ["o", 0, 1.0, 1.0, 4, 1000], ["o", 0, 1.0, 1.5, 4, 2000],
+           ["o", 0, 1.0, 2.0, 4, 3000], ["o", 1, 3.0, 3.0, 4, 1000], ["o", 1, 3.0, 4.0, 4, 3000],
+           ["o", 1, 3.0, None, 4, 9000], ["o", 1, 3.0, 9.0, 4]]
+    path = _write(tmp_path, dict(CALL, log=log))
+    (q,) = plan_log.kv_fit(plan_log.read_log(path))
+    assert (q["timed_steps"], q["kv_first"], q["kv_last"]) == (5, 1000, 3000)
+    assert q["ms_per_1k_tokens"] == pytest.approx(0.5)
+    assert plan_log.main([str(path), "--kv"]) == 0
+    assert "p gsm8k 0 timed: 5, 1000 -> 3000, 0.5000" in capsys.readouterr().out
+    (old,) = plan_log.kv_fit(plan_log.read_log(_write(tmp_path, CALL, name="old.jsonl")))
+    assert old["timed_steps"] == 0 and old["ms_per_1k_tokens"] is None
+    bad = _write(tmp_path, dict(CALL, log=log[:2] + [["o", 0, 1.0, 1.0, 4, -5]]), name="bad.jsonl")
+    with pytest.raises(ValueError, match="context tokens must be a number >= 0, got -5"):
+        plan_log.read_log(bad)

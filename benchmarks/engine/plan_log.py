@@ -1,7 +1,7 @@
 """Summarise a planner step log (``DSPINE_PLAN_LOG=FILE``, ``infer.planner.StepPlanner.start_log``).
 
     python benchmarks/engine/plan_log.py FILE [--batch 32] [--temperature 0] [--pass timed] [--label p] [--json OUT]
-        [--persistence 16] [--estimates] [--cost-share S]
+        [--persistence 16] [--estimates] [--cost-share S] [--kv]
 
 One summary per point (batch, temperature) of the calls kept (one ``--budget auto`` generate call per line;
 infer.bench makes one per task, turn and pass: ``tag.pass`` is ``start`` for its start-up warm-up, ``warmup`` for a
@@ -17,7 +17,8 @@ steps persists to the rest of their answers (:func:`persistence`); ``--estimates
 the planner judged the mode on before the drain rule's mapping and the confidence the engine gave, against what the
 mode's steps committed (:func:`estimates`); ``--cost-share S`` replays the planner's step-time model over the calls
 kept with every mode not run following a run mode's drift by the share S, against the logged step times
-(:func:`cost_replay`; 0 reproduces the log).
+(:func:`cost_replay`; 0 reproduces the log); ``--kv``, per call of a log written under planner state ``kv`` or
+``rows_kv``, the within-mode slope of step time on the live requests' context tokens (:func:`kv_fit`).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def _matched(rec: dict):
             while pending and pending[0][2] != e[1]:
                 pending.pop(0)
             if pending:
-                yield pending.pop(0), e
+                yield pending.pop(0), e[:5]  # (context tokens, if logged: kv_fit)
 
 
 def summarize(calls: list[dict]) -> dict:
@@ -181,7 +182,7 @@ def summarize(calls: list[dict]) -> dict:
                     for r, j in known:
                         drain_rates.setdefault(names[j], []).append(r)
             elif e[0] == "o":
-                _, i, tokens, ms, _ = e
+                _, i, tokens, ms = e[:4]
                 m = modes[names[i]]
                 m["observed"] += 1
                 if ms is not None and ms > 0:
@@ -351,6 +352,26 @@ def estimates(calls: list[dict]) -> list[dict]:
     return out
 
 
+def kv_fit(calls: list[dict]) -> list[dict]:
+    """Per call logged under planner state ``"kv"`` or ``"rows_kv"`` (observations with context tokens): its timed
+    steps, their context tokens (first, last), and the least-squares slope of step ms on context tokens within modes
+    (each mode's timed steps less their own means; ms per 1,000 tokens, None with fewer than 3 steps or no spread) —
+    the whole call's estimate of what ``StepPlanner.kv_slope`` tracks online."""
+    out = []
+    for c in calls:
+        obs = [(e[1], e[5], e[3]) for e in c["log"][1:] if e[0] == "o" and len(e) == 6 and e[3] is not None]
+        sxx = sxy = 0.0
+        for m in {m for m, _, _ in obs}:
+            xs, ts = [x for k, x, _ in obs if k == m], [t for k, _, t in obs if k == m]
+            mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+            sxx += sum((x - mx) ** 2 for x in xs)
+            sxy += sum((x - mx) * (t - mt) for x, t in zip(xs, ts))
+        out.append({"tag": c.get("tag"), "timed_steps": len(obs), "kv_first": obs[0][1] if obs else None,
+                    "kv_last": obs[-1][1] if obs else None,
+                    "ms_per_1k_tokens": 1e3 * sxy / sxx if len(obs) >= 3 and sxx > 0 else None})
+    return out
+
+
 def cost_replay(calls: list[dict], share: float, decay: float = 0.1) -> list[dict]:
     """The planner's online step-time model (``StepPlanner.observe``: a timed step moves its mode's estimate by
     ``decay`` × the log residual, clipped to ``LOG_CLIP``) replayed over ``calls`` in log order, with every other mode's
@@ -463,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also: each call's step times at its first judged choice, the planner's step-time model "
                          "replayed with the modes not run following a run mode's drift by the share S (0: as logged; "
                          "keep one --label and every pass: cost_replay())")
+    ap.add_argument("--kv", action="store_true",
+                    help="also: per call, its timed steps' context tokens and the within-mode slope of step ms on them "
+                         "(kv_fit(); logs of planner state kv or rows_kv)")
     ap.add_argument("--estimates", action="store_true",
                     help="also: per call and mode, the mean estimated committed tokens per request (before the drain "
                          "rule) and confidence against the committed tokens of its steps (estimates(); logs from "
@@ -541,6 +565,13 @@ def main(argv: list[str] | None = None) -> int:
                 tok = "–" if q["tail_tokens"] is None else f"{q['tail_tokens']:.2f}"
                 print(f"  {where}: {q['steps']}, {q['wall_s']}, {q['modes']}; {q['opening']}; "
                       f"{q['tail_steps']} {q['tail_modes']} {tok}")
+        if args.kv:
+            row["kv_fit"] = kv_fit(group)
+            print("per call: timed steps with context tokens, tokens first -> last, step ms per 1,000 tokens")
+            for q in row["kv_fit"]:
+                where = " ".join(str((q["tag"] or {})[k]) for k in ("label", "task", "turn", "pass") if k in (q["tag"] or {}))
+                slope = "-" if q["ms_per_1k_tokens"] is None else f"{q['ms_per_1k_tokens']:.4f}"
+                print(f"  {where or '?'}: {q['timed_steps']}, {q['kv_first']} -> {q['kv_last']}, {slope}")
         if args.estimates:
             row["estimates"] = estimates(group)
             print("per call and mode: mean estimate / mean confidence -> realized committed tokens per request "
