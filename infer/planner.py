@@ -65,9 +65,10 @@ of the squared difference, for :meth:`StepPlanner.lead_se`), estimates a led mod
 lead (no bonus), and does not probe a mode paired within the last ``PAIRED_FRESH`` steps and timed once.
 
 State (``state``; docs/planner.md, "State"): ``"steps"`` (the default) weighs every step alike in the slow averages
-and leads, and prices a mode at table × ratio. ``"kv"`` (opt-in) adds ``k × (X − X_m)`` to that price: X the live requests' context tokens now, X_m
-their average behind the mode's ratio, k the pooled within-mode slope of step time on X (:attr:`StepPlanner.kv_slope`);
-``"rows_kv"`` (opt-in) also weighs a step by its live requests in the slow averages and leads (:meth:`StepPlanner._weight`).
+and leads, and prices a mode at table × ratio. ``"kv"`` (opt-in) adds ``k × (X − X_m)`` to that price: X the live
+requests' context tokens now, X_m their average behind the mode's ratio, k the pooled within-mode slope of step time on
+X (:attr:`StepPlanner.kv_slope`); ``"rows_kv"`` (opt-in) also weighs a step by its live requests in the slow averages
+and leads (:meth:`StepPlanner._weight`).
 
 Across calls: the engine keeps the cost model (:meth:`StepPlanner.cost_state`) and the acceptance — averages,
 calibration, leads, the drain rule's spread — (:meth:`StepPlanner.token_state`) per batch size and sampling setting
@@ -770,13 +771,15 @@ class StepPlanner:
 
     def _weight(self, key: tuple, rows: int, n: int) -> float:
         """Weight of the newest step in the slow average ``key`` (its ``n``-th step, ``rows`` live requests):
-        ``max(slow, 1 / n)`` under states ``"steps"`` and ``"kv"``; under ``"rows_kv"`` ``max(1 − (1 − slow)^(rows / R), rows / W)``, W
-        the requests of its steps so far (module docstring, "State"; n = 1 starts it afresh): the same weights while
-        every step has R requests."""
+        ``max(slow, 1 / n)`` under states ``"steps"`` and ``"kv"``; under ``"rows_kv"`` ``max(1 − (1 − slow)^(rows / R),
+        rows / W)``, W the requests of its steps so far (module docstring, "State"; n = 1 starts it afresh; an average
+        loaded without W counts its steps as ``min(n − 1, 1 / slow)`` of R requests): the same weights while every step
+        has R requests."""
         if self.state != "rows_kv":
             return max(self.slow_decay, 1.0 / n)
         r = max(rows, 1)
-        w = self.weight[key] = (self.weight.get(key, 0.0) if n > 1 else 0.0) + r
+        w = 0.0 if n == 1 else self.weight.get(key, min(n - 1, 1 / self.slow_decay) * self.rows_max)
+        w = self.weight[key] = w + r
         return max(1 - (1 - self.slow_decay) ** (r / self.rows_max), r / w)
 
     def calibration(self, mode: Mode) -> float | None:
@@ -1160,8 +1163,8 @@ class StepPlanner:
 
     def _lead(self, mode: Mode, ref: Mode, diff: float, rows: int = 1) -> None:
         """One paired step's ``diff`` (``mode``'s tokens − ``ref``'s; ``rows`` live requests) into ``mode``'s slow-average
-        lead (:meth:`_weight`). A ref that ranks above the lead's present one (:func:`_lead_rank`: a tree above a chain, a larger tree above a smaller)
-        replaces it and the average starts again; one ranking below is not used for ``mode``."""
+        lead (:meth:`_weight`). A ref that ranks above the lead's present one (:func:`_lead_rank`: a tree above a chain,
+        a larger tree above a smaller) replaces it and the average starts again; one ranking below is not used for ``mode``."""
         cur = self.lead.get(mode)
         if cur is not None and cur[0] != ref:
             if _lead_rank(ref) < _lead_rank(cur[0]):

@@ -1834,3 +1834,18 @@ def test_rows_kv_slope_is_zero_without_context_spread_or_steps():
     with pytest.raises(ValueError, match="state='rows'; expected one of steps, kv, rows_kv"):
         StepPlanner(table, state="rows")
     assert StepPlanner(table, state="kv").choose(kv=5_000) is not None
+
+
+def test_rows_kv_loads_a_token_state_without_weights():
+    """A token state written under "steps" (no request weights) loads into "rows_kv" as averages of full-batch steps:
+    the next step of 2 requests moves the lead by 1 − 0.98^(2/64), not by 1 (which a weight of 0 would)."""
+    p = StepPlanner({AR: 1.0, C2: 1.2, C4: 1.4})
+    for _ in range(100):
+        p.observe(C4, 2.75, rows=64)
+        p.observe_paired(C2, 2.0, rows=64)
+    q = StepPlanner({AR: 1.0, C2: 1.2, C4: 1.4}, state="rows_kv")
+    q.load_token_state(p.token_state())
+    assert q.rows_max == 64 and q.weight == {}
+    q.observe(C4, 2.0, rows=2)
+    q.observe_paired(C2, 2.0, rows=2)
+    assert q.lead[C4][1] == pytest.approx(0.75 * 0.98 ** (2 / 64))
