@@ -370,3 +370,27 @@ def test_kv_fit_within_modes(tmp_path, capsys):
     bad = _write(tmp_path, dict(CALL, log=log[:2] + [["o", 0, 1.0, 1.0, 4, -5]]), name="bad.jsonl")
     with pytest.raises(ValueError, match="context tokens must be a number >= 0, got -5"):
         plan_log.read_log(bad)
+
+
+def test_drain_finish_reads_the_last_requests_realized_tokens_against_the_replayed_mapping(tmp_path, capsys):
+    from infer.planner import DEFAULT_SPREAD_REL, drain_spread, drain_tokens, persistent_spread
+
+    first = [[20, 10, 5, 20]] * 3 + [[8, 10, 5, 20]]  # four live requests, chain tokens/steps 2.0
+    chain = lambda step: ["c", step, 1, 1, 0.0, [0.5, 1.0], [1.0, 2.0], None]  # noqa: E731
+    call = dict(CALL, tag={"label": "p", "task": "gsm8k", "turn": 0, "pass": "timed"},
+                log=[["ar:1", "chain:4"], ["d", 0, first], *[chain(s) for s in range(8)],
+                     ["d", 8, [[4, 22, 13, 50]] * 3 + [[0, 18, 9, 40]]], chain(8), chain(9)])
+    rows = plan_log.drain_finish(plan_log.read_log(_write(tmp_path, call)))
+    # refresh 8 has 3 live requests (< 4): only refresh 0 counts. Slots 0-2 committed 16 by refresh 8, then at most
+    # 2 steps x 22/13 tokens (4 left); slot 3 finished within refresh 0's interval: at most 8. 10 steps left.
+    assert len(rows) == 1 and rows[0]["mode"] == "chain:4" and rows[0]["refreshes"] == 1
+    assert rows[0]["realized"] == pytest.approx((16 + 2 * 22 / 13) / 10) and rows[0]["estimate"] == 2.0
+    table = [("ar", 1), ("chain", 4)]
+    want = drain_tokens({("ar", 1): 1.0, ("chain", 4): 2.0}, [tuple(r) for r in first], table, DEFAULT_SPREAD_REL,
+                        False, persistent_spread(first, {}), drain_spread(first))[("chain", 4)]
+    assert rows[0]["mapped"] == pytest.approx(want) and rows[0]["steps"] == 10
+    # the rest of a call mostly on AR: no row
+    mostly_ar = dict(call, log=call["log"][:2] + [["c", s, 0, 1, 0.0, [0.5, 1.0], [1.0, 2.0], None] for s in range(9)])
+    assert plan_log.drain_finish(plan_log.read_log(_write(tmp_path, mostly_ar, name="ar.jsonl"))) == []
+    assert plan_log.main([str(_write(tmp_path, call, name="f.jsonl")), "--drain-finish"]) == 0
+    assert "gsm8k 0 timed chain:4: 1.938 / 2.000 / " in capsys.readouterr().out

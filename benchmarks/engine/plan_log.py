@@ -1,7 +1,7 @@
 """Summarise a planner step log (``DSPINE_PLAN_LOG=FILE``, ``infer.planner.StepPlanner.start_log``).
 
     python benchmarks/engine/plan_log.py FILE [--batch 32] [--temperature 0] [--pass timed] [--label p] [--json OUT]
-        [--persistence 16] [--estimates] [--cost-share S] [--kv]
+        [--persistence 16] [--estimates] [--cost-share S] [--kv] [--drain-finish]
 
 One summary per point (batch, temperature) of the calls kept (one ``--budget auto`` generate call per line;
 infer.bench makes one per task, turn and pass: ``tag.pass`` is ``start`` for its start-up warm-up, ``warmup`` for a
@@ -18,7 +18,10 @@ the planner judged the mode on before the drain rule's mapping and the confidenc
 mode's steps committed (:func:`estimates`); ``--cost-share S`` replays the planner's step-time model over the calls
 kept with every mode not run following a run mode's drift by the share S, against the logged step times
 (:func:`cost_replay`; 0 reproduces the log); ``--kv``, per call of a log written under planner state ``kv`` or
-``rows_kv``, the within-mode slope of step time on the live requests' context tokens (:func:`kv_fit`).
+``rows_kv``, the within-mode slope of step time on the live requests' context tokens (:func:`kv_fit`);
+``--drain-finish``, per call, where the rest of the call ran one speculative mode after a drain refresh, the tokens per
+step the batch's last request realized against the drain rule's mapping replayed on the refresh (:func:`drain_finish`;
+one ``--label``, every pass).
 """
 
 from __future__ import annotations
@@ -35,7 +38,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # dspine.provenance when run as a script
 
-from infer.planner import FIRST_TIMED, LOG_CLIP  # noqa: E402
+from infer.planner import (  # noqa: E402
+    DEFAULT_SPREAD_REL,
+    FIRST_TIMED,
+    LOG_CLIP,
+    PERSIST_EARLY,
+    drain_spread,
+    drain_tokens,
+    persist_variance,
+    persistent_spread,
+)
 
 ROW_BANDS = ((1, 1), (2, 4), (5, 12), (13, 1 << 30))  # live requests in an observed step
 
@@ -405,6 +417,81 @@ def cost_replay(calls: list[dict], share: float, decay: float = 0.1) -> list[dic
             for r in out]
 
 
+def _true_remaining(refresh: list, i: int, slot: int, last_step: int) -> float:
+    """Slot ``slot``'s request's remaining tokens at drain refresh ``refresh[i]`` as its later refreshes show them:
+    what it committed up to its last refresh alive, plus, finished before the next refresh, half that interval's steps
+    at its chain tokens per step (or all its steps to the call's last step, live at the call's last refresh), at
+    most what it had left (an estimate: the log has no finishing step)."""
+    r0 = refresh[i][2][slot]
+    j = i
+    while (j + 1 < len(refresh) and refresh[j + 1][2][slot][0] > 0
+           and refresh[j + 1][2][slot][2] >= refresh[j][2][slot][2]):
+        j += 1
+    rj = refresh[j][2][slot]
+    rate = max(rj[1] / rj[2], 1.0) if rj[2] else 1.0
+    steps = (refresh[j + 1][1] - refresh[j][1]) / 2 if j + 1 < len(refresh) else last_step + 1 - refresh[j][1]
+    return r0[0] - rj[0] + min(rj[0], steps * rate)
+
+
+def drain_finish(calls: list[dict], least: float = 0.97, min_live: int = 4) -> list[dict]:
+    """The drain rule's tokens for the batch's last request against what it realized, where the log shows it: at each
+    drain refresh after which the call ran one speculative mode for at least ``least`` of its choices, with at least
+    ``min_live`` live requests, the largest true remaining tokens of the live requests (:func:`_true_remaining`)
+    ÷ the steps the call took after the refresh (the tokens per step the last request committed under that mode, in
+    AR steps' units: AR would take the largest remaining's steps) against the mode's estimate at the refresh's choice
+    (before the mapping) and :func:`infer.planner.drain_tokens` replayed on the refresh with drain model
+    ``"persist"`` (the default): the spread from :func:`persistent_spread` and the prior carried from call to call,
+    ``DEFAULT_SPREAD_REL`` before the first. Give one planner's calls in log order (one ``--label``, every pass, a
+    log that starts at the engine's first call at that batch size and temperature). Requests that end on EOS make the
+    realized figure read above the mapped one even with the spread right: the rule takes each request's remaining as
+    ``max_new_tokens`` less what it committed.
+
+    Returns:
+        One row per call with such refreshes, ``{"tag", "mode", "refreshes", "realized", "estimate", "mapped",
+        "steps"}``: the mode that ran, and the medians over the refreshes of the realized and estimated tokens, the
+        replayed mapping and the steps left.
+    """
+    prior: dict = {}
+    out = []
+    for c in calls:
+        key = (c["batch"], c["temperature"])
+        names = c["log"][0]
+        table = [(n.split(":")[0], int(n.split(":")[1])) for n in names]
+        events = c["log"][1:]
+        refresh = [e for e in events if e[0] == "d"]
+        choices = [e for e in events if e[0] == "c"]
+        last = max((e[1] for e in choices), default=0)
+        snaps: dict = {}
+        spread = None
+        p0 = prior.get(key, DEFAULT_SPREAD_REL)
+        rows = {}
+        for i, d in enumerate(refresh):
+            persist = persistent_spread(d[2], snaps, PERSIST_EARLY)
+            stats = drain_spread(d[2])
+            if stats[3] and stats[0] > 0:
+                spread = persist_variance(persist, p0, stats[0]) / stats[0] ** 2
+            rest = Counter(names[e[2]] for e in choices if e[1] >= d[1])
+            mode, n = rest.most_common(1)[0] if rest else (None, 0)
+            live = [b for b, r in enumerate(d[2]) if r[0] > 0]
+            choice = next((e for e in choices if e[1] >= d[1]), None)
+            if (mode is None or mode.startswith("ar") or n < least * sum(rest.values()) or len(live) < min_live
+                    or choice is None or len(choice) < 8 or not choice[6] or choice[6][names.index(mode)] is None):
+                continue
+            m = table[names.index(mode)]
+            raw = dict(zip(table, choice[6]))
+            mapped = drain_tokens(raw, [tuple(r) + (0,) * (4 - len(r)) for r in d[2]], table, p0, False, persist,
+                                  stats)[m]
+            left = last + 1 - d[1]
+            rows.setdefault(mode, []).append((max(_true_remaining(refresh, i, b, last) for b in live) / left, raw[m],
+                                              mapped, left))
+        prior[key] = spread if spread is not None else p0
+        for mode, v in rows.items():
+            med = lambda k: statistics.median(x[k] for x in v)  # noqa: E731, B023
+            out.append({"tag": c.get("tag"), "mode": mode, "refreshes": len(v), "realized": med(0), "estimate": med(1),
+                        "mapped": med(2), "steps": med(3)})
+    return out
+
+
 def refresh_timing(calls: list[dict], over: float) -> dict:
     """The timed steps' milliseconds per mode, split by when the step was chosen: with a drain refresh (a choice at
     the step of a ``"d"`` event: the host mapped the batch just before the launch), under the drain rule otherwise,
@@ -487,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv", action="store_true",
                     help="also: per call, its timed steps' context tokens and the within-mode slope of step ms on them "
                          "(kv_fit(); logs of planner state kv or rows_kv)")
+    ap.add_argument("--drain-finish", action="store_true",
+                    help="also: per call, where the rest of the call ran one speculative mode, the tokens per step "
+                         "its last request realized against the drain rule's mapping replayed (keep one --label and "
+                         "every pass: drain_finish())")
     ap.add_argument("--estimates", action="store_true",
                     help="also: per call and mode, the mean estimated committed tokens per request (before the drain "
                          "rule) and confidence against the committed tokens of its steps (estimates(); logs from "
@@ -587,6 +678,15 @@ def main(argv: list[str] | None = None) -> int:
             if old:
                 print(f"  ({old} of {len(row['estimates'])} calls logged without estimates: written by an engine "
                       "before commit 3947ddd)")
+        if args.drain_finish:
+            row["drain_finish"] = drain_finish(group)
+            print("drain refreshes followed by one speculative mode: the last request's realized tokens per step / "
+                  "the mode's estimate / the drain rule's mapping replayed (refreshes, median steps left)")
+            for q in row["drain_finish"]:
+                tag = q["tag"] or {}
+                where = " ".join(str(tag[k]) for k in ("task", "turn", "pass") if k in tag) or "?"
+                print(f"  {where} {q['mode']}: {q['realized']:.3f} / {q['estimate']:.3f} / {q['mapped']:.3f} "
+                      f"({q['refreshes']}, {q['steps']:.0f})")
         if args.refresh_timing is not None:
             row["refresh_timing"] = refresh_timing(group, args.refresh_timing)
             print(f"timed steps by when chosen: steps, median ms, 90th percentile ms, share over {args.refresh_timing} ms")
