@@ -117,7 +117,7 @@ PAIRED_FRESH = 4
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 # how the drain rule maps a mode to one request (drain_tokens; "scaled", "own" and "persist", the default: module
 # docstring, "Drain"; "persist_cap", an opt-in experiment: PERSIST_MODELS)
-DRAIN_MODELS = ("scaled", "own", "persist", "persist_cap")
+DRAIN_MODELS = ("scaled", "own", "persist", "persist_cap", "persist_len")
 # a led mode's probing ceiling (module docstring, rule 2): its estimate plus LEAD_Z standard errors of its leads, once
 # LEAD_MIN_STEPS paired steps are behind each (the paired mode's part of the estimate is observed on the same steps and
 # needs no headroom)
@@ -143,7 +143,7 @@ PERSIST_EARLY = 16
 DEFAULT_SPREAD_REL = 0.04
 # token_state's key for the carried spread and its value with no earlier call, per drain model (a key of its own where
 # the units or the meaning differ; the others: "spread", DEFAULT_SPREAD, in tokens²)
-SPREAD_STATE = {"persist": ("spread_rel", DEFAULT_SPREAD_REL), "persist_cap": ("spread_rel", DEFAULT_SPREAD_REL)}
+SPREAD_STATE = {m: ("spread_rel", DEFAULT_SPREAD_REL) for m in ("persist", "persist_cap", "persist_len")}
 # the drain models that estimate the spread as "persist" does (persistent_spread). "persist_cap" (opt-in, not the
 # default) takes an earlier call's carried spread as its prior only up to DEFAULT_SPREAD_REL: the prior rules a batch
 # until its requests have 2 × PERSIST_EARLY chain steps, and AR steps add none, so a prior too high (a spread learned
@@ -151,7 +151,14 @@ SPREAD_STATE = {"persist": ("spread_rel", DEFAULT_SPREAD_REL), "persist_cap": ("
 # correct it, while one too low runs chains whose steps bring the batch's own covariance. On the H100 mixed-batch run
 # of a0f4220 (results/planner-mix-h100-exact-T0-c64.json) "persist" ran 56 AR steps in MT-Bench's second-turn call,
 # the batch after the mixed one: every one of its 64 prompts took 3-41 steps more than under the fixed chain of 4
-PERSIST_MODELS = ("persist", "persist_cap")
+PERSIST_MODELS = ("persist", "persist_cap", "persist_len")
+# drain model "persist_len" (opt-in, not yet measured; docs/planner.md, "Drain"): a request's mean over n chain steps
+# taken as BURST_NOISE × noisier than n independent steps (bursts: in the H100 logs of 2026-12-07 at concurrency 32,
+# T = 1, 16-step windows' means varied 1.7-2.4 × that), and each live request's remaining tokens drawn at LENGTH_POINTS
+# quantiles of the last LENGTHS_KEPT answers' lengths longer than what it committed (to max_new_tokens with fewer than
+# LENGTHS_MIN of them)
+BURST_NOISE = 2.0
+LENGTHS_KEPT, LENGTH_POINTS, LENGTHS_MIN = 512, 8, 5
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
 SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
@@ -474,6 +481,9 @@ def drain_tokens(
     own: bool = False,
     persist: tuple[float, float] | None = None,
     stats: tuple[float, float, float, float] | None = None,
+    lengths=None,
+    max_new: int | None = None,
+    burst: float = 1.0,
 ) -> dict[Mode, float | None]:
     """Token estimates for the drain rule (module docstring, "Drain"): each speculative mode's ``tokens`` mapped
     to the AR-equivalent tokens per step of the request that would finish last under it.
@@ -494,6 +504,10 @@ def drain_tokens(
             the same cap.
             Raises ValueError for a covariance that is not finite or a weight outside 0..1.
         stats: :func:`drain_spread` of ``drain`` where the caller has it already (None: computed here).
+        lengths, max_new, burst: the drain model ``"persist_len"``: earlier answers' lengths, the call's
+            ``max_new_tokens`` (a live request has committed ``max_new − remaining``) and ``BURST_NOISE``. With
+            lengths, R and each request's remaining are :func:`_length_draws`' (R: AR's median finishing step, as
+            :func:`_median_ar_finish`); ``burst`` multiplies ``s² / n_i`` in ``k_i`` below.
     Returns:
         ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
         > 0), ``y(m)`` the median of the number of steps the last of them needs under mode m. AR's 1 stays 1;
@@ -541,7 +555,7 @@ def drain_tokens(
     rem = np.array([float(d[0]) for d in live])
     n = np.array([float(d[2]) for d in live])
     mean = np.array([(d[1] - d[2]) / d[2] if d[2] else pooled for d in live])
-    k = np.where(n > 0, v / (v + within / np.maximum(n, 1e-9)), 0.0) if v > 0 else np.zeros_like(n)
+    k = np.where(n > 0, v / (v + burst * within / np.maximum(n, 1e-9)), 0.0) if v > 0 else np.zeros_like(n)
     ahat = pooled + k * (mean - pooled)
     sd = np.sqrt(np.maximum(v * (1.0 - k), 0.0))
     R = float(rem.max())
@@ -560,9 +574,42 @@ def drain_tokens(
             grid.append((m, x, cap))
     if grid:
         ms, base, cap = (list(x) for x in zip(*grid))
-        steps = _median_last_finish(rem, ahat, sd, unit, np.array(base), np.array(cap))
+        if lengths is not None and max_new:
+            rem = _length_draws(rem, lengths, max_new)
+            R = _median_ar_finish(rem)
+        steps = _median_last_finish(rem, ahat, sd, unit, np.array(base), np.array(cap), *((8, 6) if rem.ndim > 1 else ()))
         out.update({m: min(max(R / y, 1.0), c) for m, y, c in zip(ms, steps.tolist(), cap)})
     return out
+
+
+def _length_draws(rem: np.ndarray, lengths, max_new: int) -> np.ndarray:
+    """``[L, LENGTH_POINTS]``: per live request (``rem``: its tokens to ``max_new``) its remaining tokens at the
+    midpoint quantiles of the earlier ``lengths`` (capped at ``max_new``) longer than what it committed; ``rem`` at
+    every point where fewer than ``LENGTHS_MIN`` are."""
+    pool = np.sort(np.minimum(np.asarray(list(lengths), dtype=np.float64), float(max_new)))
+    done = max_new - rem
+    first = np.searchsorted(pool, done, side="right")  # [L]: the first earlier length above what it committed
+    count = len(pool) - first
+    q = (np.arange(LENGTH_POINTS) + 0.5) / LENGTH_POINTS
+    idx = np.minimum(first[:, None] + (q[None, :] * count[:, None]).astype(np.int64), max(len(pool) - 1, 0))
+    draws = pool[idx] - done[:, None] if len(pool) else np.zeros((len(rem), LENGTH_POINTS))
+    return np.where((count >= LENGTHS_MIN)[:, None], draws, rem[:, None])
+
+
+def _median_ar_finish(draws: np.ndarray, grid: int = 16, rounds: int = 5) -> float:
+    """AR's median finishing step, ``y`` with ``Π_i F_i(y) = 1/2``, ``F_i`` request i's remaining tokens' distribution
+    through its ``draws`` (``[L, Q]``, :func:`_length_draws`: the midpoint quantiles, linear between them), continuous
+    as the speculative modes' are through their acceptance, so that the ratio of the medians does not jump."""
+    q = (np.arange(draws.shape[1]) + 0.5) / draws.shape[1]
+    lo, width = 0.0, float(draws.max())
+    with np.errstate(divide="ignore"):
+        for _ in range(rounds):
+            ys = lo + width * np.arange(1, grid + 1) / grid
+            logp = sum(np.log((ys >= row[0]).astype(np.float64) if row[0] == row[-1] else
+                              np.clip(np.interp(ys, row, q, left=0.0, right=1.0), 0.0, 1.0)) for row in draws)
+            width /= grid
+            lo += int((logp < -math.log(2.0)).sum()) * width
+    return max(lo + width / 2, 1e-9)
 
 
 def _normal_cdf(z: np.ndarray) -> np.ndarray:
@@ -583,21 +630,23 @@ def _median_last_finish(rem, ahat, sd, pooled, base, cap, grid=16, rounds=5) -> 
     """Per mode j, ``y_j`` with ``Π_i P(rem_i / τ_ij ≤ y_j) = 1/2`` (:func:`drain_tokens`), ``τ_ij = clip(1 +
     (base_j − 1) a_i / pooled, 1, cap_j)`` (``base_j > 1``), ``a_i ~ N(ahat_i, sd_i²)`` (``sd_i = 0``: known).
     Σ_i log P(finished by y) rises with y from −∞ at 0 to 0 at ``max(rem)``; ``rounds`` of a ``grid``-point search,
-    each inside the bracket of the last (``max(rem) / grid^rounds`` wide at the end), all modes at once. ``rem``,
-    ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``cap``: float64 ``[M]``. Returns float64 ``[M]``."""
-    base, cap = base[:, None, None], cap[:, None, None]  # [M, 1, 1]
+    each inside the bracket of the last (``max(rem) / grid^rounds`` wide at the end), all modes at once. ``rem``:
+    float64 ``[L]``, or ``[L, Q]`` equally likely remainings per request (:func:`_length_draws`; P(finished by y)
+    their mean); ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``cap``: float64 ``[M]``. Returns float64 ``[M]``."""
+    rem = rem.reshape(rem.shape[0], -1)  # [L, Q]
+    base, cap = base[:, None, None, None], cap[:, None, None, None]  # [M, 1, 1, 1]
     slope = pooled / (base - 1.0)  # accepted tokens per unit of τ above 1
-    sd = np.maximum(sd, 1e-12)  # a known a_i: Φ of ±1e12 σ is its indicator
-    lo = np.zeros((base.shape[0], 1, 1))
+    sd, ahat = np.maximum(sd, 1e-12)[:, None], ahat[:, None]  # a known a_i: Φ of ±1e12 σ is its indicator
+    lo = np.zeros((base.shape[0], 1, 1, 1))
     width = np.full_like(lo, float(rem.max()))
-    frac = (np.arange(1, grid + 1, dtype=np.float64) / grid)[None, :, None]  # [1, G, 1]
+    frac = (np.arange(1, grid + 1, dtype=np.float64) / grid)[None, :, None, None]  # [1, G, 1, 1]
     half = -math.log(2.0)
     with np.errstate(divide="ignore"):
         for _ in range(rounds):
-            u = rem / (lo + width * frac)  # [M, G, L]: the τ request i needs to finish within y steps
+            u = rem / (lo + width * frac)  # [M, G, L, Q]: the τ request i needs to finish within y steps
             late = _normal_cdf(((u - 1.0) * slope - ahat) / sd)  # P(τ_i < u) = P(a_i < a*)
-            late = np.where(u <= 1.0, 0.0, np.where(u > cap, 1.0, late))
-            below = (np.log1p(-late).sum(axis=2, keepdims=True) < half).sum(axis=1, keepdims=True)
+            late = np.where(u <= 1.0, 0.0, np.where(u > cap, 1.0, late)).mean(axis=3)  # [M, G, L]
+            below = (np.log1p(-late).sum(axis=2, keepdims=True) < half).sum(axis=1, keepdims=True)[..., None]
             width = width / grid
             lo = lo + below * width  # grid points where the last request is more likely than not still running
     return np.maximum((lo + width / 2).ravel(), 1e-9)
@@ -713,6 +762,9 @@ class StepPlanner:
         self.spread_prior: float | None = self._default_spread()
         self.spread: float | None = None
         self.persist_snaps: dict[int, tuple[float, float]] = {}
+        # drain model "persist_len": earlier calls' answer lengths (add_lengths) and this call's max_new_tokens
+        self.lengths: list[int] = []
+        self.max_new: int | None = None
         # an optional per-step log (None: off; :meth:`start_log`), for diagnosing a decode after the fact
         self.log: list | None = None
         self.step = 0
@@ -920,7 +972,9 @@ class StepPlanner:
             persist = (persistent_spread(drain, self.persist_snaps, PERSIST_EARLY) if self.drain_model in PERSIST_MODELS
                        else None)
             stats = drain_spread(drain)  # once a refresh: drain_tokens takes it too
-            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, own, persist, stats)
+            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, own, persist, stats,
+                                  *((self.lengths or None, self.max_new, BURST_NOISE) if self.drain_model == "persist_len"
+                                    else ()))
             pooled, _, between, nbar = stats
             if nbar and pooled > 0 and persist is not None:  # relative to ā², as drain_tokens took the prior
                 self.spread = persist_variance(persist, self.spread_prior, pooled) / pooled**2
@@ -1231,7 +1285,12 @@ class StepPlanner:
         settings."""
         spread = self.spread if self.spread is not None else self.spread_prior
         return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, self._spread_key(): spread,
-                "weight": dict(self.weight), "rows_max": self.rows_max}
+                "weight": dict(self.weight), "rows_max": self.rows_max, "lengths": list(self.lengths)}
+
+    def add_lengths(self, lengths) -> None:
+        """Keep a finished call's answer lengths (tokens) for the drain rule of the calls after it (the last
+        ``LENGTHS_KEPT``; drain model ``"persist_len"``)."""
+        self.lengths = (self.lengths + [int(x) for x in lengths])[-LENGTHS_KEPT:]
 
     def _spread_key(self) -> str:
         """:meth:`token_state`'s key of the carried spread: ``"spread"`` (tokens²) or ``"spread_rel"`` (drain model
@@ -1264,6 +1323,7 @@ class StepPlanner:
         self.spread = None
         self.last_seen = {m: 0 for m in self.table}
         self.weight, self.rows_max = dict(state.get("weight", {})), state.get("rows_max", 1)
+        self.lengths = list(state.get("lengths", []))[-LENGTHS_KEPT:]
 
     def _record(self, mode: Mode, tokens_per_request: float, rows: int, predicted: float | None) -> None:
         """Token averages and calibration of a speculative ``mode`` (module docstring, "Averages")."""
