@@ -577,7 +577,7 @@ def drain_tokens(
         if lengths is not None and max_new:
             rem = _length_draws(rem, lengths, max_new)
             R = _median_ar_finish(rem)
-        steps = _median_last_finish(rem, ahat, sd, unit, np.array(base), np.array(cap), *((8, 6) if rem.ndim > 1 else ()))
+        steps = _median_last_finish(rem, ahat, sd, unit, np.array(base), np.array(cap), *((8, 4) if rem.ndim > 1 else ()))
         out.update({m: min(max(R / y, 1.0), c) for m, y, c in zip(ms, steps.tolist(), cap)})
     return out
 
@@ -596,19 +596,24 @@ def _length_draws(rem: np.ndarray, lengths, max_new: int) -> np.ndarray:
     return np.where((count >= LENGTHS_MIN)[:, None], draws, rem[:, None])
 
 
-def _median_ar_finish(draws: np.ndarray, grid: int = 16, rounds: int = 5) -> float:
+def _median_ar_finish(draws: np.ndarray, grid: int = 8, rounds: int = 4) -> float:
     """AR's median finishing step, ``y`` with ``Π_i F_i(y) = 1/2``, ``F_i`` request i's remaining tokens' distribution
-    through its ``draws`` (``[L, Q]``, :func:`_length_draws`: the midpoint quantiles, linear between them), continuous
-    as the speculative modes' are through their acceptance, so that the ratio of the medians does not jump."""
-    q = (np.arange(draws.shape[1]) + 0.5) / draws.shape[1]
+    through its ``draws`` (``[L, Q]``, :func:`_length_draws`: the midpoint quantiles, linear between them, 0 below the
+    first and 1 above the last), continuous as the speculative modes' are through their acceptance, so that the ratio
+    of the medians does not jump; a search as :func:`_median_last_finish`'s."""
+    L, Q = draws.shape
+    q = (np.arange(Q) + 0.5) / Q
     lo, width = 0.0, float(draws.max())
-    with np.errstate(divide="ignore"):
-        for _ in range(rounds):
-            ys = lo + width * np.arange(1, grid + 1) / grid
-            logp = sum(np.log((ys >= row[0]).astype(np.float64) if row[0] == row[-1] else
-                              np.clip(np.interp(ys, row, q, left=0.0, right=1.0), 0.0, 1.0)) for row in draws)
-            width /= grid
-            lo += int((logp < -math.log(2.0)).sum()) * width
+    for _ in range(rounds):
+        ys = lo + width * np.arange(1, grid + 1) / grid  # [G]
+        j = (draws[:, None, :] <= ys[None, :, None]).sum(-1)  # [L, G]: quantile points at or below y
+        a, b = np.take_along_axis(draws, np.maximum(j - 1, 0), 1), np.take_along_axis(draws, np.minimum(j, Q - 1), 1)
+        lin = q[np.maximum(j - 1, 0)] + (ys - a) / np.where(b > a, b - a, 1.0) * (b > a) / Q
+        F = np.where(j == 0, 0.0, np.where(j == Q, 1.0, lin))
+        with np.errstate(divide="ignore"):
+            logp = np.log(F).sum(0)
+        width /= grid
+        lo += int((logp < -math.log(2.0)).sum()) * width
     return max(lo + width / 2, 1e-9)
 
 
