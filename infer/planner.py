@@ -125,38 +125,25 @@ LEAD_Z = 1.0
 LEAD_MIN_STEPS = 4
 # chain steps per request at which this batch's spread and the prior weigh the same (module docstring, "Drain")
 SPREAD_STEPS = 16.0
-# the drain rule's prior spread of a planner with no earlier call (variance between requests' accepted draft tokens
-# per chain step, tokens²): sd 0.5, within the 0.32-0.72 of the shipped SmolLM2 draft's five tasks at T = 0 on the
-# H200 (per-prompt τ of results/smollm2-h200-shipped-T0-c8.json; 0.17-0.31 at T = 1)
+# The drain rule's constants (docs/planner.md, "Constants", gives the measurements behind each): the prior spread of a
+# planner with no earlier call (variance between requests' accepted draft tokens per chain step, tokens²); the largest
+# standard deviation between requests drain_tokens uses, as a fraction of the pooled acceptance ā; drain model
+# "persist"'s early window in chain steps (and the least after it that makes a late one, persistent_spread) and its
+# prior spread relative to ā², (sd / ā)²
 DEFAULT_SPREAD = 0.25
-# largest standard deviation between requests that drain_tokens uses, as a fraction of the batch's pooled acceptance
-# ā: acceptance is bounded below by 0 and skewed upward, so a larger spread only says that some requests are very
-# easy, not that the slowest accepts nothing (the five tasks' spreads on the H200 are 0.22-0.37 ā; docstring of
-# drain_tokens)
 SPREAD_CV = 0.5
-# drain model "persist": a request's early window, in chain steps, and the least chain steps after it that make a late
-# window (persistent_spread), and the prior spread relative to the pooled acceptance, (sd / ā)², of a planner with no
-# earlier call: in the H100 step logs of 2026-12-06 (concurrency 32 and 64, T = 0, results/plan-persistence-h100-
-# exact-*.json) the covariance of early and late means ÷ the early mean² is negative in 4 of the 12 calls, 0.01-0.04
-# in 5 and 0.065-0.10 in 3
 PERSIST_EARLY = 16
 DEFAULT_SPREAD_REL = 0.04
 # token_state's key for the carried spread and its value with no earlier call, per drain model (a key of its own where
 # the units or the meaning differ; the others: "spread", DEFAULT_SPREAD, in tokens²)
 SPREAD_STATE = {m: ("spread_rel", DEFAULT_SPREAD_REL) for m in ("persist", "persist_cap", "persist_len")}
-# the drain models that estimate the spread as "persist" does (persistent_spread). "persist_cap" (opt-in, not the
-# default) takes an earlier call's carried spread as its prior only up to DEFAULT_SPREAD_REL: the prior rules a batch
-# until its requests have 2 × PERSIST_EARLY chain steps, and AR steps add none, so a prior too high (a spread learned
-# on a batch mixing tasks, whose between-task part a batch of one task lacks) can hold the drain on AR with nothing to
-# correct it, while one too low runs chains whose steps bring the batch's own covariance. On the H100 mixed-batch run
-# of a0f4220 (results/planner-mix-h100-exact-T0-c64.json) "persist" ran 56 AR steps in MT-Bench's second-turn call,
-# the batch after the mixed one: every one of its 64 prompts took 3-41 steps more than under the fixed chain of 4
+# the drain models that estimate the spread as "persist" does (persistent_spread); "persist_cap" (opt-in) takes an
+# earlier call's carried spread as its prior only up to DEFAULT_SPREAD_REL (docs/planner.md, "Constants")
 PERSIST_MODELS = ("persist", "persist_cap", "persist_len")
-# drain model "persist_len" (opt-in, not yet measured; docs/planner.md, "Drain"): a request's mean over n chain steps
-# taken as BURST_NOISE × noisier than n independent steps (bursts: in the H100 logs of 2026-12-07 at concurrency 32,
-# T = 1, 16-step windows' means varied 1.7-2.4 × that), and each live request's remaining tokens drawn at LENGTH_POINTS
-# quantiles of the last LENGTHS_KEPT answers' lengths longer than what it committed (to max_new_tokens with fewer than
-# LENGTHS_MIN of them)
+# drain model "persist_len" (opt-in; docs/planner.md, "Drain" and "Constants"): a request's mean over n chain steps
+# taken as BURST_NOISE × noisier than n independent steps, and each live request's remaining tokens drawn at
+# LENGTH_POINTS quantiles of the last LENGTHS_KEPT answers' lengths longer than what it committed (to max_new_tokens
+# with fewer than LENGTHS_MIN of them)
 BURST_NOISE = 2.0
 LENGTHS_KEPT, LENGTH_POINTS, LENGTHS_MIN = 512, 8, 5
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
@@ -430,9 +417,7 @@ def persistent_spread(drain, snaps: dict[int, tuple[float, float]], early: int =
 
     The drain rule takes a request's acceptance so far as its own for the rest of its answer. Acceptance comes in
     bursts longer than a step, so over a short window the requests' means spread more than the noise of independent
-    steps explains, and little of it persists: at concurrency 64, T = 0 on the H100 the regression of each request's
-    later mean on its mean over its first 16 chain steps had slopes -0.2 to 0.4 (``benchmarks/engine/plan_log.py
-    --persistence``). The covariance across requests of a request's early mean and its later mean measures the
+    steps explains, and little of it persists (docs/planner.md, "Drain"). The covariance across requests of a request's early mean and its later mean measures the
     persistent part without a noise model (the two windows' noise is independent).
 
     Args:
@@ -514,10 +499,7 @@ def drain_tokens(
         with equal requests and no prior (or a prior of 0) a mode keeps its ``tokens``. Request i commits
         ``τ_i(m) = 1 + (tokens[m] − 1) × a_i / ā`` per step of a chain or a tree, clipped to [1, max_tokens]: every
         speculative mode scaled alike, so the spread moves the choice between AR and the speculative modes, not
-        among them (with a tree as the request's chain plus the batch's lead, a hard request's expected slowest
-        made the trees look better for it, and at concurrency 8, T = 0 on the H200 the drain ran the tree of 64
-        7-53 steps a task, was 0-34: 0.956 × the best fixed mode against 1.020 before the spread; scaled alike,
-        1.004 with 0-13); ā is the accepted draft tokens per chain step pooled over every request of the batch,
+        among them (docs/planner.md, "Drain"); ā is the accepted draft tokens per chain step pooled over every request of the batch,
         finished ones included (:func:`drain_spread`: once the easy requests are done, the estimate they raised
         is scaled down for the hard ones left), or before any chain step with a ``prior`` the longest chain's
         ``tokens`` − 1. a_i is unknown: normal with the empirical Bayes posterior of a normal-normal model, mean
@@ -525,11 +507,8 @@ def drain_tokens(
         steps, s² the within-request variance, v the variance between requests: ``w × this batch's estimate +
         (1 − w) × prior``, w from :func:`spread_weight`, the prior term 0 without a prior (or with a prior that
         is not a finite number ≥ 0): over a few steps per request the batch's estimate is mostly noise, and
-        trusted at once it would make 64 equal requests look spread; at most ``(SPREAD_CV × ā)²``: a request that
-        repeats its context accepts most of a block every step, and one such request among eight (a humaneval
-        answer of 501 tokens in 48 steps on the CPU trace, results/planner-trace16-cpu.json) made v 3.8 tokens²,
-        which, carried as the next tasks' prior, had mt-bench's drain (ā 0.69) expect its slowest request to accept
-        nothing and run AR for 110 steps with 8 requests and 450 tokens each left). ``y(m)`` solves ``Π_i P(remaining_i / τ_i(m) ≤ y) =
+        trusted at once it would make 64 equal requests look spread; at most ``(SPREAD_CV × ā)²``, docs/planner.md,
+        "Constants"). ``y(m)`` solves ``Π_i P(remaining_i / τ_i(m) ≤ y) =
         1/2`` over the live requests, taken as independent: one request's median, the largest of known ones, and
         for L equal requests of spread σ the median of their maximum (Φ⁻¹(2^(−1/L)), 2.30 σ beyond the mean at
         L = 64; its mean is 2.34 σ); a request sure to finish early does not count. Requests that differ only by
