@@ -189,8 +189,7 @@ class Engine:
             accepted node is the chain's). Under the planner (``budget="auto"``) at T = 0 its trees are best first
             too, so its paired observation of the chain (the chain nodes on a tree's accepted path) is censored
             where a tree dropped the chain's deeper nodes: the chain is undervalued then (``infer.planner``,
-            "Paired observations"; on the H200 it still did better with best-first trees at concurrency 1 and as
-            well at 8: results/verify-h200.json ``planner_chain_first_in_planner``). True: chain first everywhere; for a draft that is right but
+            "Paired observations"; docs/planner.md, "Engine defaults"). True: chain first everywhere; for a draft that is right but
             unsure at its deep slots, whose best-first trees trade deep chain nodes for siblings that fail.
             False: never; refused at T > 0 and with ``force_accept`` (:meth:`generate` raises ValueError).
         budget: "auto" = the verify-budget planner (``infer.planner``) picks AR, the chain or a tree of
@@ -238,17 +237,13 @@ class Engine:
             refuses, or given without a draft.
     """
 
-    # prefill_buckets=None's default. On the H200 (results/admit-h200.json "buckets"; docs/status.md) bucket graph
-    # replays admit 1-8 prompts several times faster than the eager packed pass, but replays are one per prompt, so
-    # an admission of more than PREFILL_BUCKETS_MAX_PROMPTS prompts (32: 48.1 against 18.9 ms) takes the packed pass
+    # prefill_buckets=None's default; an admission of more than PREFILL_BUCKETS_MAX_PROMPTS prompts takes the packed
+    # pass (docs/planner.md, "Engine defaults")
     PREFILL_BUCKETS_AUTO = True
     PREFILL_BUCKETS_MAX_HIDDEN = 2048
     PREFILL_BUCKETS_MAX_PROMPTS = 8
-    # the planner's trees: 16 and 32 nodes, the set with the highest floor (÷ the best fixed mode) in fast mode, the
-    # default, when replayed over the shipped SmolLM2 draft's per-anchor acceptance with six H200 runs' step times
-    # (results/planner-replay16-cpu.json, benchmarks/reference/planner_trace.py; docs/status.md gives the numbers; a
-    # step of the larger tree also gives the smaller one's tokens, infer.planner "Paired observations"). A tree of 64
-    # is never the best fixed mode
+    # the planner's trees (docs/planner.md, "Engine defaults"; a step of the larger tree also gives the smaller one's
+    # tokens, infer.planner "Paired observations")
     PLAN_TREES = (16, 32)
     # the planner's chains narrower than verify_size (plan_chains; widths, anchor included; those not below
     # verify_size are dropped from this default): at high concurrency a chain's verify rows (B x width) set its step
@@ -366,9 +361,8 @@ class Engine:
         self.slot_owner: list[int | None] | None = None  # generate: prompt index per slot, None = free
         self.plan_online = True  # the planner learns step times from the measured wall time per step
         # when the planner gets the draft's chain confidence (_decode_planned): "greedy" (T = 0 only), "always",
-        # "never". At T > 0 it is Π q(sampled token), not the acceptance Σ min(p, q) it would have to predict:
-        # on the H200 (SmolLM2, concurrency 1, T = 1, 5 tasks x 5 prompts, 512 tokens) the planner given it took
-        # AR at 34% of its steps and ran 0.92 x the fixed tree (results/verify-h200.json, planner_first_paired; 1.001 x without it)
+        # "never". At T > 0 it is Π q(sampled token), not the acceptance Σ min(p, q) it would have to predict
+        # (docs/planner.md, "Engine defaults")
         self.plan_confidence = "greedy"
         # how far that confidence moves the planner's estimate (StepPlanner's conf_slope): "auto", the slope fitted
         # online; 1.0, in proportion (the rule before 2026-12-05); 0, not at all
@@ -521,9 +515,7 @@ class Engine:
         s.nonfinite[1] |= ~torch.isfinite(d_logits).all()
         if params.greedy:
             if self.budget == "auto":  # the argmax and its probability in one pass over [B, K, V]
-                # (dspine.ops.argmax_prob; an fp32 softmax, a max and the argmax took about 7 passes, and the
-                # planner's greedy chain step ran 0.86 x the fixed chain's at batch 64 on the H200:
-                # results/planner-loop-h200.json, planner_chain_over_chain)
+                # (dspine.ops.argmax_prob; docs/planner.md, "Engine defaults")
                 draft_tokens, p_top = argmax_prob(d_logits, impl=self.impl)
                 plan_stats(p_top, s.conf, impl=self.impl)  # conf = chain_confidence(p_top) in one launch
             else:
