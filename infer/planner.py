@@ -83,13 +83,12 @@ run until the next refresh on the estimates times one factor, that of the specul
 rate. ``drain_model`` ``"persist"`` (the default) scales every speculative mode alike by the request's acceptance,
 takes the spread between requests from the covariance of each request's early and later acceptance
 (:func:`persistent_spread`: acceptance comes in bursts, and the spread of short windows' means mostly does not
-persist) and carries it to the next call relative to the pooled acceptance squared (H100, concurrency 64, T = 0: a
-prior of 0.081 tokens² learned on the chain of 4's tasks, ā 1.2-1.7, made mt-bench's drain, ā 0.54 on the chain of 2,
-expect 2.5 × the batch's own spread and run AR; docs/status.md). The alternatives: ``"scaled"`` (the default before)
-scales alike with the spread of the requests' means less a step's noise, carried in tokens²; ``"own"`` scales by each
-request's acceptance over the longest chain's current estimate (not the batch's pooled one) and takes no confidence in
-the drain. With one request every model but ``"own"`` leaves each mode's estimate as it is. (``"lead"``, a tree as the
-request's chain plus the tree's lead, was measured on the H200 and removed: docs/planner.md, "Drain".)
+persist) and carries it to the next call relative to the pooled acceptance squared (docs/planner.md, "Drain"). The
+alternatives: ``"scaled"`` (the default before) scales alike with the spread of the requests' means less a step's
+noise, carried in tokens²; ``"own"`` scales by each request's acceptance over the longest chain's current estimate (not
+the batch's pooled one) and takes no confidence in the drain; ``"persist_cap"`` and ``"persist_len"`` (opt-in) are
+``"persist"`` with a capped prior and with earlier answers' lengths (docs/planner.md, "Drain" and "Constants"). With
+one request every model but ``"own"`` leaves each mode's estimate as it is.
 
 ``benchmarks/engine/sim_planner.py`` replays recorded cost tables with a synthetic acceptance process, true step
 times that differ from the table and a miscalibrated confidence; ``benchmarks/reference/planner_trace.py replay``
