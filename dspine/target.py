@@ -258,9 +258,9 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
 
     Raises:
         FileNotFoundError: a local path that does not exist.
-        ValueError: a file that is not ``.gguf``, a folder without ``config.json``; fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`); a layer or model type the reference path does not run (:func:`dspine.config.check_target_layers` with ``engine=False``: full, sliding and, for qwen3_next / qwen3_5_text, linear attention run; a multimodal qwen3_5 runs its text model, :func:`load_text_model`), a truncated or corrupt safetensors file of a local folder (named), all before any weight is read.
+        ValueError: a file that is not ``.gguf``, a folder without ``config.json`` or whose config is not a causal LM's (e.g. a draft folder); fp16 requested for a Qwen-family target (overflows; docs/method.md §8.15); RoPE other than plain full-head RoPE (:func:`dspine.config.check_rope`); a layer or model type the reference path does not run (:func:`dspine.config.check_target_layers` with ``engine=False``: full, sliding and, for qwen3_next / qwen3_5_text, linear attention run; a multimodal qwen3_5 runs its text model, :func:`load_text_model`), a truncated or corrupt safetensors file of a local folder (named), all before any weight is read.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
 
     path_or_id, gguf_file = resolve_model_path(path_or_id, gguf_file, need_config=True)
     torch_dtype = _parse_dtype(dtype)
@@ -268,6 +268,8 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
     who = f"target {path_or_id}{f'/{gguf_file}' if gguf_file else ''}"
     with hub_errors("target", path_or_id):
         config = AutoConfig.from_pretrained(path_or_id, **kw)
+        if not is_multimodal(config) and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:  # e.g. a draft folder
+            raise ValueError(f"{who}: model_type={config.model_type!r} is not a causal LM (not a target model)")
         check_target_layers(config, who, engine=False)
         if not is_recurrent(config):  # the engine runs attention-only targets: same RoPE (docs/method.md §8.3)
             check_rope(config, who)

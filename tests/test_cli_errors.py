@@ -616,3 +616,23 @@ def test_a_folder_without_a_tokenizer_is_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: {empty}: no tokenizer loads from it (") and err.count("\n") == 1, err
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_a_draft_folder_given_as_the_target_is_one_line(stories_dir, tmp_path, capsys):
+    """A draft folder (model_type 'dspine') as the target, e.g. --target and --draft swapped: one line naming the
+    folder and its model type, before any weight loads (transformers' own message lists ~250 config classes)."""
+    import shutil
+
+    from dspine import init
+    from dspine.target import load_target
+    from infer import generate
+
+    draft = tmp_path / "draft"
+    assert init.main(["--target", str(stories_dir), "--out", str(draft), "--mask-token-id", "0", "--layers", "1"]) == 0
+    shutil.copy(stories_dir / "tokenizer.json", draft)
+    capsys.readouterr()
+    assert generate.main(["--target", str(draft), "--draft", "none", "--prompt", "hi", "--no-chat-template"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: target {draft}: model_type='dspine' is not a causal LM (not a target model)\n", err
+    with pytest.raises(ValueError, match="model_type='dspine' is not a causal LM"):
+        load_target(str(draft))
