@@ -453,6 +453,9 @@ def regenerate(args: argparse.Namespace) -> dict:
                          "decodes --batch-size rows at a time (drop --concurrency or use --backend engine)")
     args.concurrency = args.concurrency or args.batch_size
     tokenizer = load_tokenizer(args.tokenizer or args.target, None if args.tokenizer else args.gguf_file)
+    if len(tokenizer) > spec.vocab_size:  # its ids past the target's embedding would fail every batch
+        raise ValueError(f"tokenizer {args.tokenizer or args.target} has {len(tokenizer)} tokens > the {spec.vocab_size}"
+                         f" embedding rows of target {spec.name} (another model's tokenizer?)")
     template = resolve_chat_template(args.chat_template, tokenizer)
     # the answers are only useful if data.tokenize can mask them: check the template before generating
     from data.tokenize import check_template

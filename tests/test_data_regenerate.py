@@ -406,6 +406,16 @@ def test_max_new_tokens_beyond_context_is_refused_before_writing(workdir, capsys
     assert summary["input_rows"] == 4 and summary["adds_up"] and (out / "run_args.json").is_file()
 
 
+def test_a_tokenizer_larger_than_the_targets_vocabulary_is_refused_before_writing(workdir, capsys):
+    """--tokenizer of another model (Qwen3's 151,669 tokens for stories260K's 512 rows): one line before anything is
+    written; it was a traceback of an embedding IndexError from every batch, with shards left behind."""
+    out = workdir / "other-tokenizer"
+    assert regen.main(argv(workdir, out, "--tokenizer", str(SHARED / "models" / "qwen3-tokenizer"))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: tokenizer ") and err.count("\n") == 1, err
+    assert f"has 151669 tokens > the 512 embedding rows of target {STORIES}" in err and not out.exists()
+
+
 def test_run_that_regenerates_nothing_does_not_pin_its_arguments(workdir, capsys):
     out = workdir / "nothing"
     empty = workdir / "empty.jsonl"
