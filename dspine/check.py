@@ -1,7 +1,7 @@
 """``python -m dspine.check --target PATH --draft PATH [--max-context N]``
 
 Prints the draft/target compatibility table and exits 1 on any mismatch (2 on unreadable input).
-Reads configs and tokenizer only.
+Reads configs, tokenizer and the draft weights' headers (names and shapes), no tensor data.
 """
 
 from __future__ import annotations

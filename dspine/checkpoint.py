@@ -96,13 +96,17 @@ def _check_types(raw: dict, cfg_file: Path) -> None:
 
 def check_weights(path_or_id: str | Path) -> None:
     """Open every safetensors file of a draft folder (header + data extent, no tensor read) as
-    :func:`dspine.io.read_safetensors` would.
+    :func:`dspine.io.read_safetensors` would, and match its tensor names and shapes with its config.json.
 
     Raises:
         FileNotFoundError: no weights file, or a shard listed in the index is missing.
-        ValueError: a truncated or corrupt file (named).
+        ValueError: a truncated or corrupt file (named); missing, unexpected or misshapen tensors, as
+            :func:`load_draft` would refuse them.
     """
-    open_each_weight_file(resolve_checkpoint(str(path_or_id)), lambda fh: list(fh.keys()))
+    folder, shapes = resolve_checkpoint(str(path_or_id)), {}
+    open_each_weight_file(folder, lambda fh: shapes.update({k: fh.get_slice(k).get_shape() for k in fh.keys()}))
+    with torch.device("meta"):
+        load_weights(DSpineDraftModel(load_config(folder)), {k: torch.empty(v) for k, v in shapes.items()}, str(folder))
 
 
 def load_weights(model: DSpineDraftModel, state: dict[str, torch.Tensor], source: str,

@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 
@@ -636,3 +637,25 @@ def test_a_draft_folder_given_as_the_target_is_one_line(stories_dir, tmp_path, c
     assert err == f"error: target {draft}: model_type='dspine' is not a causal LM (not a target model)\n", err
     with pytest.raises(ValueError, match="model_type='dspine' is not a causal LM"):
         load_target(str(draft))
+
+
+def test_check_refuses_weights_that_do_not_match_the_draft_config(stories_dir, tmp_path, capsys):
+    """dspine.check reads the weights' headers too: a tensor missing from model.safetensors or of another shape
+    than config.json gives was reported OK (exit 0), then refused by every loader."""
+    from safetensors.torch import load_file, save_file
+
+    from dspine import check, init
+
+    draft = tmp_path / "draft"
+    assert init.main(["--target", str(stories_dir), "--out", str(draft), "--mask-token-id", "0", "--layers", "1"]) == 0
+    assert check.main(["--target", str(stories_dir), "--draft", str(draft)]) == 0
+    capsys.readouterr()
+    state = load_file(draft / "model.safetensors")
+    name = sorted(state)[0]
+    for case, changed in (("missing", {k: v for k, v in state.items() if k != name}),
+                          ("shape", {**state, name: torch.zeros(state[name].shape[0] + 1, *state[name].shape[1:])})):
+        save_file(changed, draft / "model.safetensors")
+        assert check.main(["--target", str(stories_dir), "--draft", str(draft)]) == 2, case
+        err = capsys.readouterr().err
+        want = f"missing tensors ['{name}']" if case == "missing" else f"shape mismatch {name}: file "
+        assert err.startswith(f"error: {draft}: ") and want in err and err.count("\n") == 1, err
