@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-context",
         type=int,
         default=None,
-        help=f"prompt + max_new_tokens limit in tokens; longer prompts are skipped (default: the model's "
+        help=f"prompt + max_new_tokens limit in tokens, at most the model's max_position_embeddings; longer prompts are skipped (default: the model's "
         f"max_position_embeddings, at most {DEFAULT_MAX_CONTEXT}; the engine preallocates KV for batch x this)",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N input rows")
@@ -464,6 +464,9 @@ def regenerate(args: argparse.Namespace) -> dict:
     max_context = args.max_context or min(
         model_context(args.target, args.gguf_file) or DEFAULT_MAX_CONTEXT, DEFAULT_MAX_CONTEXT
     )
+    if args.max_context and args.max_context > (spec.max_position_embeddings or args.max_context):
+        raise ValueError(f"--max-context {args.max_context} exceeds the {spec.max_position_embeddings} positions of "
+                         f"target {spec.name} (max_position_embeddings): answers would run past what it was trained on")
     if args.max_new_tokens >= max_context:  # every prompt would be skipped: refuse before writing anything
         source = "--max-context" if args.max_context else \
             f"the model's max_position_embeddings, at most {DEFAULT_MAX_CONTEXT}; --max-context sets it"

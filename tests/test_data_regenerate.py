@@ -401,6 +401,10 @@ def test_max_new_tokens_beyond_context_is_refused_before_writing(workdir, capsys
     err = capsys.readouterr().err
     assert "--max-new-tokens 64" in err and "context of 64 tokens (--max-context)" in err
     assert not out.exists()
+    # --max-context past the target's positions: answers decoded at untrained positions (was 1,024 tokens per answer)
+    assert regen.main(argv(workdir, out, "--max-new-tokens", "1024", "--max-context", "4096")) == 2
+    assert f"--max-context 4096 exceeds the {CONTEXT} positions of target {STORIES}" in capsys.readouterr().err
+    assert not out.exists()
     # The corrected rerun into the same folder runs.
     summary = run(argv(workdir, out, "--limit", "4"))
     assert summary["input_rows"] == 4 and summary["adds_up"] and (out / "run_args.json").is_file()
