@@ -866,3 +866,22 @@ def test_a_step_that_raises_gives_the_signal_handlers_back(monkeypatch, tmp_path
     assert distill.main(["--config", str(CONFIG), *data[1], "max_steps=2", f"output_dir={tmp_path / 'run'}"]) == 130
     assert "interrupted: no checkpoint was written" in capsys.readouterr().err
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_an_output_dir_holding_a_draft_is_refused_and_left_as_it_was(stories_dir, tmp_path, capsys):
+    """output_dir naming a draft (or model) folder: refused before anything is written. The run's config.json
+    replaced the draft's, which no loader could read afterwards."""
+    from dspine import init as init_cli
+    from train import distill
+
+    draft = tmp_path / "draft"
+    assert init_cli.main(["--target", str(stories_dir), "--out", str(draft), "--layers", "1", "--mask-token-id", "0"]) == 0
+    before = {p.name: p.read_bytes() for p in draft.iterdir()}
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [1] + [(7 * i + k) % 500 + 1 for k in range(30)],
+                                        "loss_mask": [0] + [1] * 30}) + "\n" for i in range(16)))
+    capsys.readouterr()
+    assert distill.main(["--config", str(CONFIG), f"target={stories_dir}", f"train={data}", "eval=null",
+                         "eval_prompts=0", "max_steps=1", f"output_dir={draft}"]) == 2
+    assert f"config key 'output_dir': {draft} holds a config.json that no training run wrote" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in draft.iterdir()} == before

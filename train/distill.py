@@ -128,6 +128,9 @@ def train(cfg) -> int:
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"config key 'output_dir': {out} is an existing file; give a folder")
+    if (out / "config.json").is_file() and not (out / "config.yaml").is_file():  # the run's config.json would replace it
+        raise ConfigError(f"config key 'output_dir': {out} holds a config.json that no training run wrote (a draft or "
+                          "model folder?); give another folder")
     for key in ("draft_init", "init_from"):  # local folders that must exist (Hub ids are fetched later)
         path = getattr(cfg, key)
         # local: an explicit path, or one whose first folder exists here (runs/x), not a Hub id (org/name)
