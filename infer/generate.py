@@ -330,9 +330,11 @@ def run(args) -> dict:
               file=sys.stderr)
     prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template, system=args.system,
                              enable_thinking=args.enable_thinking) for text in texts]
-    need = max(map(len, prompts)) + args.max_new_tokens
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))  # the longest prompt, named by its --dataset index
+    need = len(prompts[i]) + args.max_new_tokens
     if spec.max_position_embeddings and need > spec.max_position_embeddings:
-        raise ValueError(f"prompt ({max(map(len, prompts))} tokens) + --max-new-tokens {args.max_new_tokens} = {need} "
+        raise ValueError(f"{f'{args.dataset} prompt {i}' if args.dataset else 'prompt'} ({len(prompts[i])} tokens) + "
+                         f"--max-new-tokens {args.max_new_tokens} = {need} "
                          f"exceeds the target's context of {spec.max_position_embeddings} positions")
     if draft_cfg is not None:
         assert_compatible(spec, draft_cfg, max_context=need)

@@ -53,3 +53,19 @@ def test_the_default_target_under_another_name_gets_the_shipped_draft(tmp_path, 
     assert models(str(other)) == (str(other), None)
     assert "note: no --draft for this target: decoding autoregressively" in capsys.readouterr().err
     assert models(str(other), "none") == (str(other), None) and capsys.readouterr().err == ""
+
+
+def test_a_dataset_prompt_too_long_for_the_context_is_named_by_its_index(stories_dir, tmp_path, capsys):
+    """--dataset with a prompt that does not fit the target's context: the error names which prompt (it gave only
+    the token count, with 164 humaneval prompts to search)."""
+    from infer import generate
+
+    (tmp_path / "gsm8k").mkdir()
+    questions = ["Once upon a time", "the cat sat " * 300, "Lily"]
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(
+        "".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in questions))
+    assert generate.main(["--target", str(stories_dir), "--draft", "none", "--dataset", "gsm8k", "--num-prompts", "3",
+                          "--data-dir", str(tmp_path), "--no-chat-template", "--max-new-tokens", "4",
+                          "--backend", "reference"]) == 2
+    err = capsys.readouterr().err
+    assert "error: gsm8k prompt 1 (" in err and "exceeds the target's context of 512 positions" in err, err
