@@ -38,6 +38,20 @@ def test_unknown_key_is_named(tmp_path, source, key):
         load(write(tmp_path, text), [] if source == "yaml" else [f"{key}=1"])
 
 
+@pytest.mark.parametrize("text,where,problem", [
+    ("target: t\nlr: [\n", "3:1", "expected the node content, but found '<stream end>'"),
+    ("target: t\n- a\n", "2:1", "expected <block end>, but found '-'"),
+    ("target: t\n\tlr: 1\n", "2:1", "found character '\\t' that cannot start any token"),
+    ("target: t\ntrain: d\nlr: 1\nlr: 2\n", "4:1", "key 'lr' given twice"),
+])
+def test_a_yaml_syntax_error_is_one_line_with_the_files_line_and_column(tmp_path, text, where, problem):
+    """It was PyYAML's message of 4-7 lines, whose location named '<unicode string>', not the file."""
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load(p)
+    assert str(e.value) == f"config file {p}:{where}: {problem}"
+
+
 def test_a_yaml_key_given_twice_is_refused_and_the_last_override_wins(tmp_path):
     """PyYAML keeps the last of two values of a key silently: a config file's second is refused. On the command line
     the last override wins (scripts append a run's overrides to a common list)."""

@@ -269,8 +269,10 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     if path is not None:
         try:
             data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"config file {path}: {e}") from None
+        except (OSError, yaml.YAMLError) as e:  # a YAML error: one line with its line and column in the file
+            mark = getattr(e, "problem_mark", None)
+            raise ConfigError(f"config file {path}:{mark.line + 1}:{mark.column + 1}: {e.problem}" if mark else
+                              f"config file {path}: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping of keys to values")
         try:
