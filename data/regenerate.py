@@ -100,8 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-context",
         type=int,
         default=None,
-        help=f"prompt + max_new_tokens limit in tokens, at most the model's max_position_embeddings; longer prompts are skipped (default: the model's "
-        f"max_position_embeddings, at most {DEFAULT_MAX_CONTEXT}; the engine preallocates KV for batch x this)",
+        help=f"prompt + max_new_tokens limit in tokens, at most the model's max_position_embeddings; longer prompts "
+        f"are skipped (default: that, at most {DEFAULT_MAX_CONTEXT}; the engine preallocates KV for batch x this)",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N input rows")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
