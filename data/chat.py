@@ -45,10 +45,8 @@ def resolve_chat_template(spec: str | None, tokenizer) -> str:
         if isinstance(template, dict):  # named templates: the default one is used for chat
             template = template.get("default")
         if not template:
-            raise ValueError(
-                f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
-                f"pass --chat-template (a file, or one of {sorted(BUILTIN_TEMPLATES)})"
-            )
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+                             f"pass --chat-template (a file, or one of {sorted(BUILTIN_TEMPLATES)})")
         return template
     if spec == "chatml" and _single_token_id(tokenizer, "<|im_end|>") is None:
         if tokenizer.eos_token is None:
@@ -59,9 +57,7 @@ def resolve_chat_template(spec: str | None, tokenizer) -> str:
         return BUILTIN_TEMPLATES[spec]
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(
-            f"--chat-template {spec!r}: not a file and not a builtin ({sorted(BUILTIN_TEMPLATES)})"
-        )
+        raise ValueError(f"--chat-template {spec!r}: not a file and not a builtin ({sorted(BUILTIN_TEMPLATES)})")
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
         import json

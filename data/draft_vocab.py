@@ -107,10 +107,8 @@ def count_tokens(rows, all_tokens: bool = False, vocab_size: int | None = None) 
             continue
         if vocab_size is not None and int(ids.max()) >= vocab_size:
             where = _where(rows, i)
-            raise DraftVocabError(
-                f"token id {int(ids.max())} in {where} is outside --vocab-size "
-                f"{vocab_size} (0..{vocab_size - 1}); rows tokenized for another target?"
-            )
+            raise DraftVocabError(f"token id {int(ids.max())} in {where} is outside --vocab-size "
+                                  f"{vocab_size} (0..{vocab_size - 1}); rows tokenized for another target?")
         buf.append(ids)
         buffered += ids.size
         if buffered >= FLUSH_TOKENS:
@@ -142,9 +140,7 @@ def build(
 
     # every check that needs no counting first: a bad flag must not cost a pass over the data
     if vocab_size is not None and vocab_size < MIN_SIZE:
-        raise DraftVocabError(
-            f"--vocab-size {vocab_size}: must be >= {MIN_SIZE} (the smallest draft vocabulary)"
-        )
+        raise DraftVocabError(f"--vocab-size {vocab_size}: must be >= {MIN_SIZE} (the smallest draft vocabulary)")
     if size < MIN_SIZE or (vocab_size is not None and size > vocab_size):
         want = f"in {MIN_SIZE}..{vocab_size} (--vocab-size)" if vocab_size is not None else f">= {MIN_SIZE}"
         raise DraftVocabError(f"--size {size}: must be {want}")
@@ -155,10 +151,8 @@ def build(
         raise DraftVocabError("--output: give the path of the .safetensors file to write")
     out = Path(output)
     if out.exists() and not out.is_dir():
-        raise DraftVocabError(
-            f"--output {output} exists; a draft vocabulary is never overwritten (remove it "
-            "or choose another name)"
-        )
+        raise DraftVocabError(f"--output {output} exists; a draft vocabulary is never overwritten (remove it "
+                              "or choose another name)")
     try:
         check_output_file("--output", out, overwrite=False)
     except ValueError as e:
@@ -186,16 +180,12 @@ def build(
     V = len(counts)
     if vocab_size is None:
         if size > V:
-            raise DraftVocabError(
-                f"--size {size}: larger than the {V} token ids seen (largest counted id "
-                f"{V - 1}); pass --vocab-size (the target's vocab_size)"
-            )
+            raise DraftVocabError(f"--size {size}: larger than the {V} token ids seen (largest counted id "
+                                  f"{V - 1}); pass --vocab-size (the target's vocab_size)")
         bad = [k for k in keep_ids if k >= V]
         if bad:
-            raise DraftVocabError(
-                f"--keep {keep}: token id {bad[0]} is outside the counted ids 0..{V - 1}; pass "
-                "--vocab-size (the target's vocab_size)"
-            )
+            raise DraftVocabError(f"--keep {keep}: token id {bad[0]} is outside the counted ids 0..{V - 1}; pass "
+                                  "--vocab-size (the target's vocab_size)")
     import torch
 
     ids, coverage = select_draft_vocab(torch.from_numpy(counts), size, keep_ids)
@@ -215,9 +205,7 @@ def build(
         metadata["tokenizer"] = tok_path
         metadata["tokens_digest"] = tokens_digest(tok, ids)
     if out.exists():  # appeared while counting: still never overwrite
-        raise DraftVocabError(
-            f"--output {output} appeared while counting; a draft vocabulary is never overwritten"
-        )
+        raise DraftVocabError(f"--output {output} appeared while counting; a draft vocabulary is never overwritten")
     save_draft_vocab(out, ids, metadata)
     return {**metadata, "coverage_value": coverage, "ids_of": V, "note": note}
 
@@ -286,9 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the target's vocab_size (default: the largest counted id + 1)",
     )
-    ap.add_argument(
-        "--keep", default=None, help="comma-separated token ids always included (e.g. the EOS ids)"
-    )
+    ap.add_argument("--keep", default=None, help="comma-separated token ids always included (e.g. the EOS ids)")
     ap.add_argument(
         "--tokenizer",
         default=None,
@@ -311,10 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if m["note"]:
         print(f"note: {m['note']}", file=sys.stderr)
-    print(
-        f"wrote {args.output}: {m['size']} token ids of {m['ids_of']}, coverage "
-        f"{100 * m['coverage_value']:.3f}% of {m['counted_tokens']} counted {m['counted']}"
-    )
+    print(f"wrote {args.output}: {m['size']} token ids of {m['ids_of']}, coverage "
+          f"{100 * m['coverage_value']:.3f}% of {m['counted_tokens']} counted {m['counted']}")
     return 0
 
 

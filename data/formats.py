@@ -52,9 +52,7 @@ def _field(row: dict, name: str, kind=str):
     if name not in row or row[name] is None:
         raise RowError("missing_field", f"missing field {name!r}")
     if not isinstance(row[name], kind):
-        raise RowError(
-            "bad_field", f"field {name!r} must be a {kind.__name__}, got {type(row[name]).__name__}"
-        )
+        raise RowError("bad_field", f"field {name!r} must be a {kind.__name__}, got {type(row[name]).__name__}")
     return row[name]
 
 

@@ -84,9 +84,7 @@ class HFGenerator:
         if sample:
             torch.manual_seed(seed)
         device = self.model.device
-        out = self.model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
-        )
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
         results = []
         stops = set(self.stop_token_ids)
         for row in out[:, width:].tolist():

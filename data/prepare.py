@@ -66,9 +66,7 @@ def parse_source(spec: str) -> tuple[str, str, bool]:
         return name or (path.name if path.is_dir() else path.stem), location, False
     if HUB_ID.fullmatch(location):
         return name or location.split("/")[-1], location, True
-    raise FileNotFoundError(
-        f"input {location!r}: no such file or folder, and not a Hub dataset id (owner/name)"
-    )
+    raise FileNotFoundError(f"input {location!r}: no such file or folder, and not a Hub dataset id (owner/name)")
 
 
 def eval_split(row_id: str, seed: int, fraction: float) -> bool:
@@ -146,9 +144,7 @@ def prepare(
         try:
             for name, location, is_hub in sources:
                 rows = iter_hub(location, split) if is_hub else iter_local(location)
-                per_source[name] = _prepare_source(
-                    name, location, rows, fmt, writers, seen, eval_fraction, seed, limit
-                )
+                per_source[name] = _prepare_source(name, location, rows, fmt, writers, seen, eval_fraction, seed, limit)
             for w in writers.values():
                 w.close()
             total = Counter()
@@ -234,10 +230,8 @@ def format_summary(summary: dict) -> str:
     lines = [f"{'source':<28}{'read':>9}{'kept':>9}{'train':>9}{'eval':>8}{'dups':>7}{'skipped':>9}  reasons"]
     rows = [*summary["sources"].items(), ("TOTAL", summary["total"])]
     for name, s in rows:
-        lines.append(
-            f"{name:<28}{s['read']:>9}{s['kept']:>9}{s['train']:>9}{s['eval']:>8}{s['duplicates']:>7}"
-            f"{s['skipped']:>9}  {s.get('skipped_reasons', '')}"
-        )
+        lines.append(f"{name:<28}{s['read']:>9}{s['kept']:>9}{s['train']:>9}{s['eval']:>8}{s['duplicates']:>7}"
+                     f"{s['skipped']:>9}  {s.get('skipped_reasons', '')}")
     lines.append(f"read = kept + duplicates + skipped: {summary['consistent']}")
     return "\n".join(lines)
 

@@ -82,9 +82,7 @@ GENERATED_FIELDS = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m data.regenerate", description=__doc__.split("\n")[0],
                                 epilog=EXIT_STATUS)
-    p.add_argument(
-        "--target", required=True, help="target model: local HF folder, Hub id, or folder of --gguf-file"
-    )
+    p.add_argument("--target", required=True, help="target model: local HF folder, Hub id, or folder of --gguf-file")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --target")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder/id if not the target's")
     p.add_argument("--input", required=True, help="normalized JSONL (data.prepare output)")
@@ -260,9 +258,7 @@ def regenerate_batch(rows, tokenizer, template: str, generator, args, max_contex
         except RowError as e:
             row_id = row.get("id") if isinstance(row, dict) else None
             raw = e.raw if e.raw is not None else row
-            out["skipped"].append(
-                {"index": index, "id": row_id, "reason": e.code, "detail": str(e), "row": raw}
-            )
+            out["skipped"].append({"index": index, "id": row_id, "reason": e.code, "detail": str(e), "row": raw})
 
     def prompt_text(turns: list[dict]) -> str:  # also handed to encode, which renders the turns again with markers
         return render(tokenizer, template, turns, True, args.enable_thinking)
@@ -276,15 +272,11 @@ def regenerate_batch(rows, tokenizer, template: str, generator, args, max_contex
                 text = prompt_text(chat.history)
                 ids = encode(tokenizer, text, chat.history, prompt_text)  # system/user text stays plain text
             except Exception as e:  # a template can raise on any row (jinja errors, bad roles)
-                out["errors"].append(
-                    _error(chat, f"chat template failed at turn {turn}: {type(e).__name__}: {e}")
-                )
+                out["errors"].append(_error(chat, f"chat template failed at turn {turn}: {type(e).__name__}: {e}"))
                 continue
             if max_context is not None and len(ids) + args.max_new_tokens > max_context:
-                detail = (
-                    f"prompt of turn {turn} is {len(ids)} tokens; with max_new_tokens {args.max_new_tokens} "
-                    f"it exceeds the context of {max_context}"
-                )
+                detail = (f"prompt of turn {turn} is {len(ids)} tokens; with max_new_tokens {args.max_new_tokens} "
+                          f"it exceeds the context of {max_context}")
                 if turn == 0:
                     out["skipped"].append(
                         {
@@ -307,13 +299,9 @@ def regenerate_batch(rows, tokenizer, template: str, generator, args, max_contex
         active = []
         for chat, gen in zip(ready, generations):
             if isinstance(gen, Exception):
-                out["errors"].append(
-                    _error(chat, f"generation failed at turn {turn}: {type(gen).__name__}: {gen}")
-                )
+                out["errors"].append(_error(chat, f"generation failed at turn {turn}: {type(gen).__name__}: {gen}"))
                 continue
-            text = tokenizer.decode(
-                gen.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
+            text = tokenizer.decode(gen.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             chat.history.append({"role": "assistant", "content": text})
             chat.finish.append(gen.finish_reason)
             chat.token_ids.append(gen.token_ids)
@@ -526,9 +514,7 @@ def _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, ma
     stop_after = int(os.environ.get(STOP_AFTER_ENV, "0"))
     writers = {kind: JsonlAppender(shard_path(out, kind, rank)) for kind in KINDS}
     mine = len(range(rank, n_rows, world))
-    progress = tqdm(
-        total=mine, initial=0, desc=f"rank {rank}", unit=" rows", disable=rank != 0, file=sys.stderr
-    )
+    progress = tqdm(total=mine, initial=0, desc=f"rank {rank}", unit=" rows", disable=rank != 0, file=sys.stderr)
     batches = 0
 
     def run(chunk):
@@ -537,9 +523,7 @@ def _run_rank(out, rank, world, n_rows, tokenizer, template, generator, args, ma
         progress.update(len(chunk))
         if not pending:
             return
-        records = regenerate_batch(
-            pending, tokenizer, template, generator, args, max_context, seed_key=chunk[0][0]
-        )
+        records = regenerate_batch(pending, tokenizer, template, generator, args, max_context, seed_key=chunk[0][0])
         for kind in KINDS:
             writers[kind].write(records[kind])
         batches += 1

@@ -53,9 +53,7 @@ def check_turns(turns) -> list[dict]:
         if role not in ROLES:
             raise RowError("unknown_role", f"turn {i} has unknown role {role!r} (expected one of {ROLES})")
         if not isinstance(content, str):
-            raise RowError(
-                "bad_field", f"turn {i} ({role}): 'content' must be a string, not {type(content).__name__}"
-            )
+            raise RowError("bad_field", f"turn {i} ({role}): 'content' must be a string, not {type(content).__name__}")
         # An empty answer can be the target's own (it stopped at once); empty prompts are never useful.
         if role != "assistant" and not content.strip():
             raise RowError("empty_content", f"turn {i} ({role}) has empty content")
@@ -82,9 +80,7 @@ def check_conversation(turns) -> list[dict]:
     for i, turn in enumerate(turns[offset:]):
         expected = "user" if i % 2 == 0 else "assistant"
         if turn["role"] == "system":
-            raise RowError(
-                "misplaced_system", f"a system turn is only allowed first (found at turn {i + offset})"
-            )
+            raise RowError("misplaced_system", f"a system turn is only allowed first (found at turn {i + offset})")
         if turn["role"] != expected:
             raise RowError(
                 "bad_turn_order",

@@ -104,9 +104,7 @@ def tokenize_conversation(
         raise RowError("no_assistant_turn", f"row {row_id}: no assistant turn to supervise")
     reasons = finish_reasons or ["stop"] * len(positions)
     if len(reasons) != len(positions):
-        raise RowError(
-            "bad_field", f"row {row_id}: {len(reasons)} finish reasons for {len(positions)} assistant turns"
-        )
+        raise RowError("bad_field", f"row {row_id}: {len(reasons)} finish reasons for {len(positions)} assistant turns")
     if not any(t["role"] == "user" for t in turns[: positions[0]]):
         raise RowError("bad_turn_order", f"row {row_id}: assistant turn {positions[0]} has no user turn before it "
                        "(nothing prompted it; a conversation starts with a user turn)")
@@ -133,9 +131,7 @@ def tokenize_conversation(
         completion = full[len(prompt) :]
         cut = completion.rfind(eot)
         if cut < 0:
-            raise RowError(
-                "no_end_of_turn", f"row {row_id}: no end-of-turn token {eot!r} after assistant turn {pos}"
-            )
+            raise RowError("no_end_of_turn", f"row {row_id}: no end-of-turn token {eot!r} after assistant turn {pos}")
         end = len(prompt) + cut + (len(eot) if reason != "length" else 0)
         if groups and prompt.startswith(texts[-1]):
             groups[-1].append((len(prompt), end))
@@ -497,9 +493,7 @@ def format_summary(summary: dict, path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m data.tokenize", description=__doc__.split("\n")[0],
                                 epilog=EXIT_STATUS)
-    p.add_argument(
-        "--input", required=True, help="conversation JSONL (data.prepare / data.regenerate output)"
-    )
+    p.add_argument("--input", required=True, help="conversation JSONL (data.prepare / data.regenerate output)")
     p.add_argument("--tokenizer", required=True, help="tokenizer folder or Hub id (the target's)")
     p.add_argument("--max-length", type=int, required=True)
     p.add_argument("--cache-dir", default=None, help="default: <input folder>/tokenized")
