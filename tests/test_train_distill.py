@@ -885,3 +885,19 @@ def test_an_output_dir_holding_a_draft_is_refused_and_left_as_it_was(stories_dir
                          "eval_prompts=0", "max_steps=1", f"output_dir={draft}"]) == 2
     assert f"config key 'output_dir': {draft} holds a config.json that no training run wrote" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in draft.iterdir()} == before
+
+
+def test_truncate_jsonl_drops_a_torn_last_line_and_names_a_bad_row(tmp_path):
+    """A resume truncates metrics.jsonl to its checkpoint's step: a last line cut off by a kill is dropped (it was a
+    JSONDecodeError traceback, and the run could not resume), a bad row before it is one error naming file and line."""
+    from train.distill import truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 2, "eval/loss": 1.4}, {"step": 3, "loss": 1.2}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    truncate_jsonl(path, 2, drop_eval=True)
+    assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:2]
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics row .*'not json'"):
+        truncate_jsonl(path, 2)
+    assert path.read_text() == '{"step": 1}\nnot json\n{"step": 2}\n'  # left as it was

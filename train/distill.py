@@ -245,11 +245,12 @@ def train(cfg) -> int:
     compiled = compile_layers(target, accelerator.unwrap_model(draft), dev["compile_layers"],
                               length_buckets(cfg.max_length, dev["pad_to_multiple"]))
     pending = resume is not None and eval_rows is not None and state.get("eval_pending", False)
-    if main_proc:
-        run_config.save(cfg, out, extra={"resolved": dev, "world_size": world})
-        truncate_jsonl(out / "metrics.jsonl", start, drop_eval=pending)
-    if cfg.log_samples:
-        truncate_jsonl(out / f"samples-rank{rank}.jsonl", start)
+    with config_errors():  # a metrics row that is not one: one line naming the file
+        if main_proc:
+            run_config.save(cfg, out, extra={"resolved": dev, "world_size": world})
+            truncate_jsonl(out / "metrics.jsonl", start, drop_eval=pending)
+        if cfg.log_samples:
+            truncate_jsonl(out / f"samples-rank{rank}.jsonl", start)
     accelerator.wait_for_everyone()
 
     # ---------------------------------------------------------------------------------------- loop
@@ -745,11 +746,23 @@ def open_train_rows(spec: str):
 
 def truncate_jsonl(path: Path, last_step: int, drop_eval: bool = False) -> None:
     """Drop rows logged after ``last_step`` (a run killed after its last checkpoint logged them) and, ``drop_eval``,
-    the eval row of ``last_step`` (the checkpoint's pending eval, run by an earlier resume of it and run again)."""
+    the eval row of ``last_step`` (the checkpoint's pending eval, run by an earlier resume of it and run again). A
+    last line cut off by a kill is dropped; raises ValueError naming the file and line for any other row that is not
+    a JSON object with a ``step``."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and (
-        (r := json.loads(line))["step"] < last_step or r["step"] == last_step and not (drop_eval and "eval/loss" in r))]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = []
+    for i, line in enumerate(lines, 1):
+        try:
+            r = json.loads(line)
+            step = r["step"]
+        except (ValueError, TypeError, KeyError):
+            if i == len(lines):
+                break
+            raise ValueError(f"{path}:{i}: not a metrics row (a JSON object with a 'step'): {line[:60]!r}") from None
+        if step < last_step or step == last_step and not (drop_eval and "eval/loss" in r):
+            keep.append(line)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)

@@ -177,6 +177,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.turns and not args.narrow:
         ap.error("--turns needs --narrow (the chains whose price and lead go stale)")
+    if not args.kv_ms >= 0:
+        ap.error(f"--kv-ms {args.kv_ms}: give milliseconds >= 0")
     costs = COSTS_NARROW if args.narrow else COSTS
     result = {
         "command": "python benchmarks/engine/sim_drain.py " + " ".join(argv if argv is not None else sys.argv[1:]),
