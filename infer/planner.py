@@ -323,11 +323,8 @@ def drain_spread(drain) -> tuple[float, float, float, float]:
     many = [d for d in seen if d[2] > 1]
     dof = sum(d[2] - 1 for d in many)
     within = sum(q - t * t / n for _, t, n, q in many) / dof if dof else pooled * (1 + pooled)
-    between = (
-        max(0.0, sum(((t - n) / n - pooled) ** 2 - within / n for _, t, n, _ in seen) / len(seen))
-        if seen
-        else 0.0
-    )
+    between = (max(0.0, sum(((t - n) / n - pooled) ** 2 - within / n for _, t, n, _ in seen) / len(seen)) if seen
+               else 0.0)
     return pooled, within, between, steps / len(seen) if seen else 0.0
 
 
@@ -766,11 +763,8 @@ class StepPlanner:
         timed = [m for m in self.table if self.ratio[m] is not None]
         out = {}
         for m, t in self.table.items():
-            near = (
-                m
-                if self.ratio[m] is not None
-                else min(timed, key=lambda k: abs(math.log(self.table[k] / t)), default=None)
-            )
+            near = (m if self.ratio[m] is not None
+                    else min(timed, key=lambda k: abs(math.log(self.table[k] / t)), default=None))
             out[m] = t * (self.ratio[near] if near is not None else 1.0)
             ref = self.kv_fit["ref"].get(near)
             if self.kv is not None and ref is not None:  # "kv", "rows_kv" (module docstring, "State")
@@ -983,29 +977,17 @@ class StepPlanner:
             # it observes the previous one), so this step exploits
             probing = any(e[3] is not None for e in self.pending)
             # a mode paired within the last steps and timed once is not probed: its tokens are being observed
-            settled = frozenset(
-                m
-                for m in self.table
-                if self.paired[m] and self.timed[m] and self.step - self.last_seen[m] <= PAIRED_FRESH
-            )
+            settled = frozenset(m for m in self.table
+                                if self.paired[m] and self.timed[m] and self.step - self.last_seen[m] <= PAIRED_FRESH)
             tokens = raw = self.expected(conf) if raw is None else raw
             if self.drain_scale is not None:
-                tokens = {
-                    m: x * self.drain_scale.get(m, 1.0) if x is not None and m[0] != "ar" else x
-                    for m, x in raw.items()
-                }
-            mode, loss, rate = choose_mode(
-                costs,
-                tokens,
-                self.spent_ms,
-                math.inf if probing else self.lost_ms,
-                **self.rule,
-                settled=settled,
-                # the drain rule's tokens are one request's, the slowest: no mean over the batch's requests
-                rows=self.rows if self.drain_scale is None else None,
-                seen=self.seen,
-                ceilings=self._lead_ceilings(tokens),
-            )
+                tokens = {m: x * self.drain_scale.get(m, 1.0) if x is not None and m[0] != "ar" else x
+                          for m, x in raw.items()}
+            # (rows: the drain rule's tokens are one request's, the slowest: no mean over the batch's requests)
+            mode, loss, rate = choose_mode(costs, tokens, self.spent_ms, math.inf if probing else self.lost_ms,
+                                           **self.rule, settled=settled, seen=self.seen,
+                                           rows=self.rows if self.drain_scale is None else None,
+                                           ceilings=self._lead_ceilings(tokens))
             if self.drain_scale is not None:
                 self.drain_choices[mode] += 1
                 # a probe is settled in the same terms: its tokens as the drain rule counts them
