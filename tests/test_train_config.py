@@ -277,6 +277,12 @@ def test_eval_none_is_off(tmp_path):
         assert load(write(tmp_path, "target: t\ntrain: d\neval: rows.jsonl\n"), cli).eval is None
     assert load(write(tmp_path, "target: t\ntrain: d\neval: none\n")).eval is None
     assert load(write(tmp_path, "target: t\ntrain: d\neval: rows.jsonl\n")).eval == "rows.jsonl"
+    # null is the off value of resume_from and report_to as well (it was refused: "expected str")
+    cfg = load(write(tmp_path, "target: t\ntrain: d\nresume_from: null\nreport_to: ~\n"))
+    assert (cfg.resume_from, cfg.report_to) == ("none", "none")
+    assert load(write(tmp_path, "target: t\ntrain: d\n"), ["resume_from=null"]).resume_from == "none"
+    with pytest.raises(ConfigError, match="'output_dir': expected str"):  # other string keys still need a string
+        load(write(tmp_path, "target: t\ntrain: d\noutput_dir: null\n"))
 
 
 def test_distill_config_values_are_checked_when_read():

@@ -178,13 +178,14 @@ def apply(cfg: RunConfig, values: dict, from_cli: bool = False) -> RunConfig:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint} (known keys: {', '.join(names)})")
-        setattr(cfg, key, _coerce(key, raw, hints[key], from_cli))
+        off = key in ("resume_from", "report_to") and (raw is None or from_cli and str(raw).lower() in ("null", "~"))
+        setattr(cfg, key, "none" if off else _coerce(key, raw, hints[key], from_cli))
     return cfg
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Check choices and ranges. Raises ConfigError naming the key. ``eval: none`` is no evaluation (as null: the
-    off value of report_to and resume_from)."""
+    """Check choices and ranges. Raises ConfigError naming the key. ``eval: none`` is no evaluation, as null is
+    (``none`` and null are the off value of report_to and resume_from too: :func:`apply`)."""
     if isinstance(cfg.eval, str) and cfg.eval.strip().lower() == "none":
         cfg.eval = None
     for key, allowed in CHOICES.items():
