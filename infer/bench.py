@@ -309,8 +309,8 @@ class Runner:
         self.block_size = {label: m.config.block_size for label, m in models.items()}
         for label, c in self.configs.items():  # before the target's weights load
             bs = self.block_size[label]
-            if args.block_size is not None and not 1 <= args.block_size <= bs and self.backend == "cuda":
-                raise ValueError(f"--block-size {args.block_size}: must be in 1..{bs} (draft {label!r}'s block size)")
+            if args.block_size is not None and args.block_size > bs:  # (below 2: refused by check_decode_args)
+                raise ValueError(f"--block-size {args.block_size}: must be in 2..{bs} (draft {label!r}'s block size)")
             if c["width"] is not None and c["width"] >= bs:
                 raise ValueError(f"--config {label}:width={c['width']}: a fixed chain's width must be below the draft's "
                                  f"block of {bs} (the label without width verifies the whole block)")

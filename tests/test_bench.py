@@ -580,6 +580,8 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:conf_slope=1"], "conf_slope applies to budget=auto"),
     (["--config", "D:budget=auto,confidence=never,conf_slope=1"], "conf_slope with confidence=never"),
     (["--config", "D:budget=auto,conf_slope=1", "--temperature", "1"], "conf_slope with confidence=greedy at --temperature 1"),
+    # the reference backend names the flag too (it said "verify_size=17 must be in 2..16")
+    (["--backend", "reference", "--block-size", "17", "--max-new-tokens", "32"], "--block-size 17: must be in 2..8 (draft 'D''s block size)"),
 ])
 def test_config_errors_name_the_item(stories_dir, draft_dir, capsys, config, msg):
     argv = ["--target", str(stories_dir), "--draft", f"D={draft_dir}", "--datasets", "gsm8k", "--no-chat-template",

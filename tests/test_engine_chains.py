@@ -249,7 +249,7 @@ def test_the_default_drain_model_carries_the_spread_it_learned_relative(stories_
     (["--config", "c:width=8"], "--config c:width=8: a fixed chain's width must be below the draft's block of 8"),
     (["--config", "c:budget=auto,plan_chains=2/8"], "draft 'c': plan_chains 2/8 (--config c:plan_chains= or "
                                                     "--plan-chains): each width must be below the planner's full chain of 8"),
-    (["--block-size", "12"], "--block-size 12: must be in 1..8 (draft 'c''s block size)"),
+    (["--block-size", "12"], "--block-size 12: must be in 2..8 (draft 'c''s block size)"),
 ])
 def test_bench_refuses_a_width_not_below_the_block_before_the_target_loads(  # noqa: F811
         stories_dir, stories, capsys, extra, msg):  # noqa: F811
