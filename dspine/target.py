@@ -290,8 +290,10 @@ def load_target(path_or_id: str, gguf_file: str | None = None, dtype: str | torc
         if hasattr(model, "hf_quantizer"):
             model.hf_quantizer = None
     model.to(device)
-    name = f"{path_or_id}/{gguf_file}" if gguf_file else path_or_id
-    return TargetAdapter(model, layer_ids, name=name)
+    try:  # a causal LM of another layout (e.g. GPT-2's transformer.h): the error names the target
+        return TargetAdapter(model, layer_ids, name=f"{path_or_id}/{gguf_file}" if gguf_file else path_or_id)
+    except ValueError as e:
+        raise ValueError(f"{who}: {e} (the target adapter runs Llama/Qwen-style decoders)") from None
 
 
 def load_text_model(path_or_id: str, config, dtype=torch.float32, **kw) -> nn.Module:

@@ -634,7 +634,9 @@ def test_a_draft_folder_given_as_the_target_is_one_line(stories_dir, tmp_path, c
     capsys.readouterr()
     assert generate.main(["--target", str(draft), "--draft", "none", "--prompt", "hi", "--no-chat-template"]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: target {draft}: model_type='dspine' is not a causal LM (not a target model)\n", err
+    # (a loaded machine adds a note on the torch threads before it)
+    assert err.splitlines()[-1] == f"error: target {draft}: model_type='dspine' is not a causal LM (not a target model)"
+    assert "Traceback" not in err and all(x.startswith(("note:", "error:")) for x in err.splitlines()), err
     with pytest.raises(ValueError, match="model_type='dspine' is not a causal LM"):
         load_target(str(draft))
 
@@ -659,3 +661,16 @@ def test_check_refuses_weights_that_do_not_match_the_draft_config(stories_dir, t
         err = capsys.readouterr().err
         want = f"missing tensors ['{name}']" if case == "missing" else f"shape mismatch {name}: file "
         assert err.startswith(f"error: {draft}: ") and want in err and err.count("\n") == 1, err
+
+
+def test_a_causal_lm_of_another_layout_as_the_target_names_the_folder(tmp_path):
+    """A causal LM whose decoder is not Llama/Qwen-style (GPT-2: transformer.h): the error names the target folder
+    (it named only the class, GPT2LMHeadModel)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dspine.target import load_target
+
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64)).save_pretrained(folder)
+    with pytest.raises(ValueError, match=rf"^target {folder}: GPT2LMHeadModel: cannot find the decoder layers .*Llama/Qwen"):
+        load_target(str(folder))
