@@ -897,7 +897,7 @@ def test_truncate_jsonl_drops_a_torn_last_line_and_names_a_bad_row(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
     truncate_jsonl(path, 2, drop_eval=True)
     assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:2]
-    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics row .*'not json'"):
+    path.write_text('{"step": 1}\n\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:3: not a metrics row .*'not json'"):  # the file's line
         truncate_jsonl(path, 2)
-    assert path.read_text() == '{"step": 1}\nnot json\n{"step": 2}\n'  # left as it was
+    assert path.read_text() == '{"step": 1}\n\nnot json\n{"step": 2}\n'  # left as it was

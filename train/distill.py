@@ -751,14 +751,14 @@ def truncate_jsonl(path: Path, last_step: int, drop_eval: bool = False) -> None:
     a JSON object with a ``step``."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     keep = []
-    for i, line in enumerate(lines, 1):
+    for i, line in lines:
         try:
             r = json.loads(line)
             step = r["step"]
         except (ValueError, TypeError, KeyError):
-            if i == len(lines):
+            if i == lines[-1][0]:
                 break
             raise ValueError(f"{path}:{i}: not a metrics row (a JSON object with a 'step'): {line[:60]!r}") from None
         if step < last_step or step == last_step and not (drop_eval and "eval/loss" in r):
