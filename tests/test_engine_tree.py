@@ -432,7 +432,7 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         assert any(r == 0 for r, *_ in seen[given[-1]]), seen[given[-1]]  # a finished request is kept
     for gone in ("tail", "lead"):  # "lead" (a tree as the request's chain plus its lead) was removed
         eng.plan_drain_model = gone
-        with pytest.raises(ValueError, match=f"Engine.plan_drain_model='{gone}': use 'scaled' or 'own' or 'persist' or 'persist_cap'$"):
+        with pytest.raises(ValueError, match=f"Engine.plan_drain_model='{gone}': use 'scaled' or 'own' or 'persist' or 'persist_cap' or 'persist_len'$"):
             eng.generate(PROMPTS, params, concurrency=3)
 
 
