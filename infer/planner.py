@@ -761,14 +761,15 @@ class StepPlanner:
         """Estimated step milliseconds per mode: table × the mode's measured ratio, or for a mode never timed × the
         ratio of the timed mode nearest in table time (the table itself before any timing)."""
         timed = [m for m in self.table if self.ratio[m] is not None]
+        slope = self.kv_slope if self.kv is not None else 0.0  # ("kv", "rows_kv": module docstring, "State")
         out = {}
         for m, t in self.table.items():
             near = (m if self.ratio[m] is not None
                     else min(timed, key=lambda k: abs(math.log(self.table[k] / t)), default=None))
             out[m] = t * (self.ratio[near] if near is not None else 1.0)
             ref = self.kv_fit["ref"].get(near)
-            if self.kv is not None and ref is not None:  # "kv", "rows_kv" (module docstring, "State")
-                out[m] = max(out[m] + self.kv_slope * (self.kv - ref), out[m] / 2)
+            if self.kv is not None and ref is not None:
+                out[m] = max(out[m] + slope * (self.kv - ref), out[m] / 2)
         return out
 
     @property

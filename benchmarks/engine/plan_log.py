@@ -529,6 +529,12 @@ def refresh_timing(calls: list[dict], over: float) -> dict:
     return out
 
 
+def _where(tag, keys=("label", "task", "turn", "pass")) -> str:
+    """A call's tag as the per-call lines print it: its ``keys`` present, joined by spaces ("?" with none)."""
+    tag = tag or {}
+    return " ".join(str(tag[k]) for k in keys if k in tag) or "?"
+
+
 def _print(s: dict) -> None:
     print(f"{s['calls']} calls, {s['steps']} steps")
     print(f"{'mode':>9} {'steps':>7} {'drain':>7} {'probes':>7} {'timed':>7} {'tok/ms':>8}")
@@ -651,8 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             print("per call: steps, wall s, choices; the first 20 choices; the steps with at most 4 live requests "
                   "(modes, mean tokens)")
             for q in row["per_call"]:
-                tag = q["tag"] or {}
-                where = " ".join(str(tag[k]) for k in ("label", "task", "turn", "pass") if k in tag) or "?"
+                where = _where(q["tag"])
                 tok = "–" if q["tail_tokens"] is None else f"{q['tail_tokens']:.2f}"
                 print(f"  {where}: {q['steps']}, {q['wall_s']}, {q['modes']}; {q['opening']}; "
                       f"{q['tail_steps']} {q['tail_modes']} {tok}")
@@ -660,18 +665,15 @@ def main(argv: list[str] | None = None) -> int:
             row["kv_fit"] = kv_fit(group)
             print("per call: timed steps with context tokens, tokens first -> last, step ms per 1,000 tokens")
             for q in row["kv_fit"]:
-                where = " ".join(str((q["tag"] or {})[k]) for k in ("label", "task", "turn", "pass") if k in (q["tag"] or {}))
                 slope = "-" if q["ms_per_1k_tokens"] is None else f"{q['ms_per_1k_tokens']:.4f}"
-                print(f"  {where or '?'}: {q['timed_steps']}, {q['kv_first']} -> {q['kv_last']}, {slope}")
+                print(f"  {_where(q['tag'])}: {q['timed_steps']}, {q['kv_first']} -> {q['kv_last']}, {slope}")
         if args.estimates:
             row["estimates"] = estimates(group)
             print("per call and mode: mean estimate / mean confidence -> realized committed tokens per request "
                   "(observed steps)")
             fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
             for q in row["estimates"]:
-                tag = q["tag"] or {}
-                where = " ".join(str(tag[k]) for k in ("label", "task", "turn", "pass") if k in tag) or "?"
-                print(f"  {where}: " + ", ".join(
+                print(f"  {_where(q['tag'])}: " + ", ".join(
                     f"{n} {fmt(m['estimate'])}/{fmt(m['confidence'])} -> {fmt(m['realized'])} ({m['steps']})"
                     for n, m in q["modes"].items() if m["choices"] or m["steps"]))
             old = sum(not q["logged"] for q in row["estimates"])
@@ -683,9 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             print("drain refreshes followed by one speculative mode: the last request's realized tokens per step / "
                   "the mode's estimate / the drain rule's mapping replayed (refreshes, median steps left)")
             for q in row["drain_finish"]:
-                tag = q["tag"] or {}
-                where = " ".join(str(tag[k]) for k in ("task", "turn", "pass") if k in tag) or "?"
-                print(f"  {where} {q['mode']}: {q['realized']:.3f} / {q['estimate']:.3f} / {q['mapped']:.3f} "
+                print(f"  {_where(q['tag'], ('task', 'turn', 'pass'))} {q['mode']}: {q['realized']:.3f} / {q['estimate']:.3f} / {q['mapped']:.3f} "
                       f"({q['refreshes']}, {q['steps']:.0f})")
         if args.refresh_timing is not None:
             row["refresh_timing"] = refresh_timing(group, args.refresh_timing)
