@@ -16,7 +16,8 @@
 #   planfair  the planner points on the same text in every mode: T = 0 in exact mode (bench_tree.py --exact, every mode
 #             decodes AR's greedy text) -> results/verify-exact-h200.json, T = 1 at concurrency 32 and 64 with
 #             drafter-invariant verification (--invariant: AR's sampled text, no tree) -> results/verify-invariant-h200.json
-#             (the planner stage's fast-mode ratios compare texts that part at bf16 near-ties: H100, 2026-12-05) ~13
+#             (the planner stage's fast-mode ratios compare texts that part at bf16 near-ties: H100, 2026-12-05) ~13;
+#             PLAN_STATE and PLAN_DRAIN (bench_tree.py --plan-state, --plan-drain-model) set the planner's, else the engine's
 #   exact     bench_exact.py (8B identity, SmolLM2 identity, cost) -> results/exact-h200.json ~7
 #   hybrid    hybrid_lossless.py -> results/hybrid-h200.json                                   ~0.7
 #   profile   profile_step.py -> results/profile-step-h200.json                                ~1
@@ -52,9 +53,8 @@
 #             prompts a task ->
 #             results/planner-mix-h200-exact-T0-c{64,32}.json, step logs $WORK/logs/plan-log-mix-c{64,32}.jsonl     ~5
 #   planstate the planner's state and drain lengths: p (the default, "steps", drain=persist), pk (state=kv: a
-#             step-time term in the live requests' context tokens), pr (state=rows_kv: that and averages weighed by
-#             live requests; infer.planner "State") and pl (drain=persist_len: earlier answers' lengths and bursty
-#             acceptance in the drain rule) beside AR and the
+#             step-time term in the live requests' context tokens; infer.planner "State"), pl (drain=persist_len:
+#             earlier answers' lengths and bursty acceptance in the drain rule) and pkl (both) beside AR and the
 #             chains of 4 and 16, 64 prompts a task, RUNS times (default 2) each: T=0 exact at concurrency 64 and T=1
 #             drafter-invariant (top-p 0.95, top-k 20) at 32, the two points the default missed on the H100 ->
 #             results/planner-state[-rK]-h200-{exact-T0-c64,invariant-T1-c32}.json, step logs
@@ -130,7 +130,8 @@ if has planner; then  # prompts per task so that every batch fills (64 for concu
   if [ -s "$plog" ]; then gzip "$plog"; fi
 fi
 if has planfair; then  # the same text in every mode: exact at T = 0, drafter-invariant at T = 1 (no tree runs there)
-  fair=(python benchmarks/engine/bench_tree.py --smollm2 "$HF" --draft "$DRAFT" --merge --skip-steps --skip-smollm2)
+  fair=(python benchmarks/engine/bench_tree.py --smollm2 "$HF" --draft "$DRAFT" --merge --skip-steps --skip-smollm2
+        ${PLAN_STATE:+--plan-state "$PLAN_STATE"} ${PLAN_DRAIN:+--plan-drain-model "$PLAN_DRAIN"})
   exact=("${fair[@]}" --output "$R/verify-exact-$G.json" --fixed-trees 16,32 --exact)
   timed planfair-exact-c1 "${exact[@]}" --planner 1:0 --num-prompts 5
   timed planfair-exact-c8 "${exact[@]}" --planner 8:0 --num-prompts 16
@@ -253,9 +254,9 @@ if has planmix; then  # the drain models on mixed batches (--mix: every batch ho
   done
 fi
 if has planstate; then  # the planner's states at the two points "steps" (the default) missed on the H100
-  st=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pk="$DRAFT" --draft pr="$DRAFT"
-      --draft pl="$DRAFT" --config chain4:width=4 --config p:budget=auto --config pk:budget=auto,state=kv
-      --config pr:budget=auto,state=rows_kv --config pl:budget=auto,drain=persist_len)
+  st=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pk="$DRAFT" --draft pl="$DRAFT"
+      --draft pkl="$DRAFT" --config chain4:width=4 --config p:budget=auto --config pk:budget=auto,state=kv
+      --config pl:budget=auto,drain=persist_len --config pkl:budget=auto,state=kv,drain=persist_len)
   for k in $(seq 1 "${RUNS:-2}"); do
     r=$([ "$k" = 1 ] || echo "-r$k")
     DSPINE_PLAN_LOG="$WORK/logs/plan-log-state$r-c64.jsonl" timed "planstate$r-exact-c64" planab "state$r" 64 64 "${st[@]}"

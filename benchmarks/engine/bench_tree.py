@@ -55,7 +55,7 @@ from dspine.sampling import SamplingParams  # noqa: E402
 from infer.bench import PROFILE_KEYS  # noqa: E402
 from infer.engine import Engine  # noqa: E402
 from infer.model import EngineTarget, ModelArgs  # noqa: E402
-from infer.planner import DRAIN_MODELS  # noqa: E402
+from infer.planner import DRAIN_MODELS, PLAN_STATES  # noqa: E402
 
 CONFIGS = [("chain16", "chain", 16), ("tree16", "tree", 16), ("tree32", "tree", 32), ("tree64", "tree", 64)]
 
@@ -258,6 +258,7 @@ def planner_points(args, on_point=None) -> list[dict]:
         inv = bool(args.invariant) and float(t) > 0
         auto = "auto:budget=auto" + (f",plan_trees={args.plan_trees}" if args.plan_trees and not inv else "")
         auto += f",drain={args.plan_drain_model}" if args.plan_drain_model else ""
+        auto += f",state={args.plan_state}" if args.plan_state else ""
         auto += f",plan_chains={args.plan_chains}" if args.plan_chains else ""
         argv = bench_base(args, int(c), float(t), tree=not inv) + ["--draft", f"auto={args.draft}", "--config", auto]
         argv += ["--invariant"] if inv else []
@@ -291,6 +292,7 @@ def planner_points(args, on_point=None) -> list[dict]:
                     "plan_trees": run["tasks"][0]["drafts"]["auto"].get("plan_trees"),
                     "plan_chains": run["tasks"][0]["drafts"]["auto"].get("plan_chains"),
                     **({"plan_drain_model": args.plan_drain_model} if args.plan_drain_model else {}),
+                    **({"plan_state": args.plan_state} if args.plan_state else {}),
                     "best_static_tok_per_s": best, "planner_over_best_static": tok["auto"] / best,
                     "planner_over_ar": tok["auto"] / tok["AR"],
                     "mean_tau": {n: sum(r["summary"][n]["mean_tau"] for r in runs) / len(runs)
@@ -367,6 +369,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plan-drain-model", default=None, choices=list(DRAIN_MODELS),
                     help="--planner points: the planner's drain model (infer.bench --config auto:drain=...; default: "
                          "the engine's, persist)")
+    ap.add_argument("--plan-state", default=None, choices=list(PLAN_STATES),
+                    help="--planner points: the planner's state (infer.bench --config auto:state=...; default: the "
+                         "engine's, steps)")
     ap.add_argument("--plan-drain", action=argparse.BooleanOptionalAction, default=None,
                     help="passed to the --planner points' infer.bench runs (default: infer.bench's, on)")
     ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
