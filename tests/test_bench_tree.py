@@ -105,14 +105,15 @@ def test_tiny_planner_point_over_seeds(stories_dir, draft_dir, tmp_path):
            "--skip-smollm2", "--smollm2", str(stories_dir), "--draft", str(draft_dir), "--planner", "2:0,2:1",
            "--tree-budget", "6", "--datasets", "gsm8k", "--data-dir", str(shared_path("data", "eval")),
            "--num-prompts", "2", "--max-new-tokens", "8", "--keep-runs", str(runs), "--output", str(out),
-           "--plan-trees", "6", "--seeds", "3,5", "--plan-drain-model", "own"]
+           "--plan-trees", "6", "--seeds", "3,5", "--plan-drain-model", "own", "--plan-state", "kv"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     t0, t1 = json.loads(out.read_text())["planner"]
     assert t0["seeds"] == [0] and "per_seed" not in t0 and (runs / "planner-c2-T0.json").is_file()
     kept = [json.loads((runs / f"planner-c2-T1-seed{sd}.json").read_text()) for sd in (3, 5)]
-    # --plan-drain-model: the planner's drain model, passed to every run and recorded with the point
+    # --plan-drain-model and --plan-state: the planner's, passed to every run and recorded with the point
     assert [k["args"]["configs"]["auto"]["drain"] for k in kept] == ["own", "own"] and t1["plan_drain_model"] == "own"
+    assert [k["args"]["configs"]["auto"]["state"] for k in kept] == ["kv", "kv"] and t1["plan_state"] == "kv"
     assert [k["args"]["seed"] for k in kept] == [3, 5] and t1["seeds"] == [3, 5]
     mean = lambda k, n: sum(t["ar"]["tok_per_s"] if n == "AR" else t["drafts"][n]["tok_per_s"] for t in k["tasks"])
     for n, key in (("AR", "ar_tok_per_s"), ("auto", "planner_tok_per_s"), ("chain", "chain_tok_per_s")):
