@@ -1212,7 +1212,8 @@ class Engine:
     def _decode_planned(self, s: _Slots, B: int, width: int, planner: StepPlanner, params: SamplingParams,
                         owner, queue, refill, admit, results, reasons, stats, flush=None, plens=()) -> int:
         """The decode loop of the verify-budget planner; returns the steps run. ``plens``: each prompt's tokens, for
-        the context tokens planner states ``"kv"`` and ``"rows_kv"`` take (prompt + committed tokens of the live requests).
+        the context tokens planner states ``"kv"`` and ``"rows_kv"`` take: every slot's (prompt + committed tokens;
+        a finished or idle slot's as it was left, since the step computes every row over its cache length).
 
         Pipelined like :meth:`_decode_pipelined` (issue 16: the earlier loop read the flags after every step,
         one sync per step, and ran 0.67-0.84 × the fixed chain: the README): the host chooses the mode of step k and
@@ -1316,6 +1317,8 @@ class Engine:
         # tree steps (the drain rule, infer.planner "Drain"); reset when the slot is refilled
         row_tokens, row_steps, row_sq = [0] * B, [0] * B, [0] * B
         drain_age = 0  # choices since the queue ran dry: the batch goes to the planner every PLAN_DRAIN_EVERY
+        # states kv, rows_kv: each slot's context tokens as of the last snapshot read (a released slot keeps its own)
+        ctx = s.lengths.tolist() if planner.state != "steps" else None
         while True:
             t0 = time.perf_counter()
             drain = None
@@ -1331,9 +1334,9 @@ class Engine:
                     left = params.max_new_tokens - (1 if fresh else base[0][b]) if live else 0
                     drain.append((left, row_tokens[b], row_steps[b], row_sq[b]))
             kv = None
-            if planner.state != "steps":  # a slot refilled after the snapshot has committed its first token
-                kv = sum(plens[o] + (base[0][b] if base is not None and base[2][b] == o else 1)
-                         for b, o in enumerate(owner) if o is not None)
+            if ctx is not None:  # a slot refilled after the snapshot has committed its first token
+                kv = sum(plens[o] + 1 if o is not None and (base is None or base[2][b] != o) else ctx[b]
+                         for b, o in enumerate(owner))
             mode = planner.choose(predicted, drain, kv)
             if drain is not None or drain_age:  # counting from the first drain given
                 drain_age += 1
@@ -1383,8 +1386,7 @@ class Engine:
                             # to the next step's choice: its drain refresh (host work) is no mode's cost either
                             ms = (launched[0][3] - (t_launch if start is None else start[1])) * 1e3
                     done = [out_len[b] - base[0][b] for b in rows]  # committed tokens per observed row
-                    kv = sum(plens[base[2][b]] + base[0][b] for b in rows) if planner.state != "steps" else None
-                    planner.observe(done_mode, sum(done) / len(rows), ms, len(rows), kv)
+                    planner.observe(done_mode, sum(done) / len(rows), ms, len(rows), None if ctx is None else sum(ctx))
                     if done_mode[0] != "ar":
                         conf = snap[0][2 * B + 2 : 3 * B + 2].view(torch.float32).tolist()  # (spec steps only)
                         c = sum(conf[b] for b in rows) / len(rows)
@@ -1410,6 +1412,10 @@ class Engine:
                 else:
                     planner.skip()
             base = (out_len, [not f for f in flags[:B]], snap[2], snap[1])
+            if ctx is not None:
+                for b, o in enumerate(snap[2]):
+                    if o is not None:
+                        ctx[b] = plens[o] + out_len[b]
             free = self._release_finished(s, flags, owner, width, pending)
             t3 = time.perf_counter()
             if self._refill_now(queue, free, refill, B):

@@ -73,10 +73,10 @@ def glance_section() -> list[str]:
 # (the drainfed files: the same points with the narrower chains feeding the drain statistics; the refresh files: the
 # same points with a drain refresh's host time left out of the step, commit fd30777 and later; the persist files: the
 # eight points' stage with persist the default drain model, commit a0f4220; the again files: the two points that
-# missed at a0f4220, run twice at 3bfb1d4)
+# missed at a0f4220, run twice at 3bfb1d4; the statekv files: the stage with PLAN_STATE=kv at 8e4681c)
 FAIR_FILES = [(f"verify-{run}{kind}-{gpu}.json", how) for run, gpus in (
     ("", ("h200", "h100")), ("drainfed-", ("h100",)), ("refresh-", ("h100",)), ("persist-", ("h100",)), ("again-", ("h100",)),
-    ("again2-", ("h100",)))
+    ("again2-", ("h100",)), ("statekv-", ("h100",)))
               for gpu in gpus for kind, how in (
     ("exact", "exact mode: every mode decodes AR's greedy text"),
     ("invariant", "drafter-invariant verification: the chain and the planner decode AR's sampled text, no tree"))]
@@ -1203,6 +1203,30 @@ def planner_mix_section() -> list[str]:
             "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows)), ""]
 
 
+def planner_state_section() -> list[str]:
+    """Stage planstate (results/planner-state-h100-{exact-T0-c64,invariant-T1-c32}.json): the planner's state and
+    drain lengths, p (the default), pk (state=kv), pl (drain=persist_len, since removed) and pkl (both) beside AR and
+    the fixed chains of 16 and 4, one run a point. Empty without the files."""
+    names = {(64, ""): "planner-state-h100-exact-T0-c64.json", (32, ""): "planner-state-h100-invariant-T1-c32.json"}
+    labels = ("p", "pk", "pl", "pkl")
+    table, rows = _ab_table(names, ("",), labels, ("p (steps, persist)", "pk (kv)", "pl (persist_len)", "pkl (both)"))
+    if not rows:
+        return []
+    return ["#### The planner's state and drain lengths at the two points the default missed (A/B, one run a point)", "",
+            "Stage `planstate` of `scripts/reproduce_h200.sh` with `RUNS=1` on one H100 (2026-12-07; an H200 was asked "
+            "for): concurrency 64 at T = 0 in exact mode and concurrency 32 at T = 1 with drafter-invariant "
+            "verification (top-p 0.95, top-k 20), SmolLM2-135M-Instruct with the shipped draft, 64 prompts a task, 512 "
+            "new tokens; tok/s pools the five tasks. The chain of 4 is the best fixed mode at both. `persist_len` lost "
+            "at 64 and gained nothing at 32, and was removed. At 64 every planner's loss is mt-bench's first turn, "
+            "which ran the chain of 2 for all its 324 steps: the chain of 4 was priced as the chain of 2 plus a lead "
+            "of 0.23 tokens carried from the last steps of mbpp's call, where one to four requests were left "
+            "(`plan_log.py LOG --leads`: 0.89 with each step weighed by its requests; docs/planner.md, \"State\"). "
+            "The planfair points with `PLAN_STATE=kv` follow in the table above (`verify-statekv-*-h100.json`).", "",
+            *table, "", "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows))
+            + ". Step logs: [`plan-logs-h100-2026-12-07-state.tar.gz`](results/plan-logs-h100-2026-12-07-state.tar.gz).",
+            ""]
+
+
 COST_RUNS = ("", "-r2", "-r3")  # planner-cost{RUN}-h100-exact-T0-c{C}.json: one lease, three runs a point
 
 
@@ -2140,7 +2164,7 @@ def _combine_sentences(r: dict, b8: dict | None) -> str:
 def render() -> str:
     lines = [BEGIN, ""]
     for section in (glance_section, smollm2_section, continue_section, recipe_section, arms_section, kvcont_section, ab_loss_section, draft_temperature_section, training_section, stories_section, draft_vocab_section,
-                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_fused_section, planner_persist_section, planner_mix_section, planner_cost_section, drain_model_replay_section, planner_est_section, planner_exact_section, planner_loop_section, exact_section,
+                    engine_section, draft_step_section, prefill_section, profile_section, lm_head_section, verify_section, planner_h100_section, planner_chains_section, planner_topk_section, planner_drainfed_section, planner_refresh_section, planner_fused_section, planner_persist_section, planner_mix_section, planner_state_section, planner_cost_section, drain_model_replay_section, planner_est_section, planner_exact_section, planner_loop_section, exact_section,
                     hybrid_section, hybrid_bench_section, trainer_section, lossless_section):
         lines += section()
     lines.append(END)

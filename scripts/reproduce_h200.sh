@@ -52,13 +52,13 @@
 #             (drain=persist_cap) beside AR and the chains of 4 and 16, T=0, exact, concurrency 64 and 32, 64
 #             prompts a task ->
 #             results/planner-mix-h200-exact-T0-c{64,32}.json, step logs $WORK/logs/plan-log-mix-c{64,32}.jsonl     ~5
-#   planstate the planner's state and drain lengths: p (the default, "steps", drain=persist), pk (state=kv: a
-#             step-time term in the live requests' context tokens; infer.planner "State"), pl (drain=persist_len:
-#             earlier answers' lengths and bursty acceptance in the drain rule) and pkl (both) beside AR and the
-#             chains of 4 and 16, 64 prompts a task, RUNS times (default 2) each: T=0 exact at concurrency 64 and T=1
-#             drafter-invariant (top-p 0.95, top-k 20) at 32, the two points the default missed on the H100 ->
-#             results/planner-state[-rK]-h200-{exact-T0-c64,invariant-T1-c32}.json, step logs
-#             $WORK/logs/plan-log-state*.jsonl                                                         ~14
+#   planstate the planner's state: p (the default, "steps"), pk (state=kv: a step-time term in every slot's context
+#             tokens) and pr (state=rows_kv: that, and averages and leads weighed by live requests; infer.planner
+#             "State") beside AR and the chains of 4 and 16, 64 prompts a task, RUNS times (default 2) each: T=0 exact
+#             at concurrency 64 and T=1 drafter-invariant (top-p 0.95, top-k 20) at 32, the two points the default
+#             missed on the H100 -> results/planner-state2[-rK]-h200-{exact-T0-c64,invariant-T1-c32}.json, step logs
+#             $WORK/logs/plan-log-state2*.jsonl (results/planner-state-h100-*.json: the stage before, with
+#             drain=persist_len, since removed)                                                         ~7 a run
 #   planswitch bench_planner_loop.py --switch 32 (the planner's loop running the chain and the tree of 32 in turn,
 #             against each alone, and the fixed tree of 32 against the planner's loop with that tree alone; batch
 #             1 and 8, T=0) -> results/planner-switch-h200.json                                       ~2.5
@@ -254,14 +254,14 @@ if has planmix; then  # the drain models on mixed batches (--mix: every batch ho
   done
 fi
 if has planstate; then  # the planner's states at the two points "steps" (the default) missed on the H100
-  st=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pk="$DRAFT" --draft pl="$DRAFT"
-      --draft pkl="$DRAFT" --config chain4:width=4 --config p:budget=auto --config pk:budget=auto,state=kv
-      --config pl:budget=auto,drain=persist_len --config pkl:budget=auto,state=kv,drain=persist_len)
+  st=(--draft chain="$DRAFT" --draft chain4="$DRAFT" --draft p="$DRAFT" --draft pk="$DRAFT" --draft pr="$DRAFT"
+      --config chain4:width=4 --config p:budget=auto --config pk:budget=auto,state=kv
+      --config pr:budget=auto,state=rows_kv)
   for k in $(seq 1 "${RUNS:-2}"); do
     r=$([ "$k" = 1 ] || echo "-r$k")
-    DSPINE_PLAN_LOG="$WORK/logs/plan-log-state$r-c64.jsonl" timed "planstate$r-exact-c64" planab "state$r" 64 64 "${st[@]}"
-    out="$R/planner-state$r-$G-invariant-T1-c32.json"
-    finished "$out" || DSPINE_PLAN_LOG="$WORK/logs/plan-log-state$r-inv-c32.jsonl" timed "planstate$r-invariant-c32" \
+    DSPINE_PLAN_LOG="$WORK/logs/plan-log-state2$r-c64.jsonl" timed "planstate2$r-exact-c64" planab "state2$r" 64 64 "${st[@]}"
+    out="$R/planner-state2$r-$G-invariant-T1-c32.json"
+    finished "$out" || DSPINE_PLAN_LOG="$WORK/logs/plan-log-state2$r-inv-c32.jsonl" timed "planstate2$r-invariant-c32" \
       python -m infer.bench --backend cuda --target "$HF" --data-dir "$SHARED/data/eval" --invariant --temperature 1 \
       --top-p 0.95 --top-k 20 "${st[@]}" --concurrency 32 --num-prompts 64 --max-new-tokens 512 --output-json "$out" \
       --overwrite

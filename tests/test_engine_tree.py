@@ -672,3 +672,31 @@ def test_planner_trees_need_the_full_block_width(stories_dir, stories):
     # the default narrower chains below that width stay (the chain of 2)
     assert _engine(stories_dir, folder, budget="auto", verify_size=4, plan_trees=()).plan_modes == [
         ("ar", 1), ("chain", 2), ("chain", 4)]
+
+
+def test_engine_planner_state_kv_counts_every_slots_context(stories_dir, stories, monkeypatch):
+    """Planner state "kv": the context tokens given with each observed step are every slot's (prompt + committed), a
+    finished slot's included as it was left (the step computes every row over its cache length: the H100's step
+    time rose as requests finished, docs/planner.md, "State"). With as many slots as prompts they never fall, and
+    with one request left they are all the batch's tokens less at most the last step's; output stays greedy."""
+    from infer import engine as engine_mod
+
+    target, _, folder = stories
+    params = SamplingParams(max_new_tokens=40)
+    want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
+    seen = []
+    observe = engine_mod.StepPlanner.observe
+
+    def spy(self, mode, tokens, ms=None, rows=1, kv=None):
+        seen.append((rows, kv))
+        return observe(self, mode, tokens, ms, rows, kv)
+
+    monkeypatch.setattr(engine_mod.StepPlanner, "observe", spy)
+    eng = second_choice_engine(_engine(stories_dir, folder, budget="auto"), [p + w for p, w in zip(PROMPTS, want)])
+    eng._step_costs = lambda B, params: {("ar", 1): 3.0, ("chain", 8): 1.0, ("tree", 32): 9.0, ("tree", 64): 9.0}
+    eng.plan_state = "kv"
+    assert eng.generate(PROMPTS, params, concurrency=len(PROMPTS)).token_ids == want
+    total = sum(len(p) for p in PROMPTS) + sum(len(w) for w in want)
+    kv = [x for _, x in seen]
+    assert kv == sorted(kv) and kv[-1] <= total and seen[-1][0] == 1 and kv[-1] >= total - 9, seen
+    assert min(r for r, _ in seen) < len(PROMPTS) - 2  # requests finished while others ran

@@ -394,3 +394,30 @@ def test_drain_finish_reads_the_last_requests_realized_tokens_against_the_replay
     assert plan_log.drain_finish(plan_log.read_log(_write(tmp_path, mostly_ar, name="ar.jsonl"))) == []
     assert plan_log.main([str(_write(tmp_path, call, name="f.jsonl")), "--drain-finish"]) == 0
     assert "gsm8k 0 timed chain:4: 1.938 / 2.000 / " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("state,how", [("steps", "steps"), ("rows_kv", "rows")])
+def test_leads_replay_the_planners_own_lead(state, how):
+    """--leads: the chain of 4's lead over the chain of 2 paired on its steps, replayed from the log, equals the lead
+    the planner kept (StepPlanner._lead) under the state whose weighing it replays, across two calls; a tail of
+    one-request steps with a small lead moves the per-step lead far and the per-request one little."""
+    from infer.planner import StepPlanner
+
+    table = {("ar", 1): 1.0, ("chain", 2): 1.2, ("chain", 4): 1.5}
+    calls, carried = [], None
+    for k in range(2):
+        p = StepPlanner(table, state=state)
+        if carried is not None:
+            p.load_token_state(carried)
+        p.start_log()
+        for i in range(100):
+            rows = 64 - i if i < 40 else 1  # a drained batch, then 60 steps of its last request
+            run, pair = (3.0 + 0.1 * (i % 3), 1.9) if i < 40 else (1.95, 1.9)
+            p.observe(("chain", 4), run, 2.0, rows, 1000.0 * rows if state != "steps" else None)
+            p.observe_paired(("chain", 2), pair, rows)
+        carried = p.token_state()
+        calls.append(dict(CALL, tag={"label": "p", "task": "t", "turn": k, "pass": "timed"}, log=p.logged()))
+        (q,) = plan_log.leads([calls[-1]]) if k == 0 else plan_log.leads(calls)[1:]
+        assert q[how]["chain:4"] == pytest.approx(p.lead[("chain", 4)][1], rel=1e-3)
+    steps, rows = plan_log.leads(calls)[-1]["steps"]["chain:4"], plan_log.leads(calls)[-1]["rows"]["chain:4"]
+    assert steps < 0.5 < 0.9 < rows  # the tail's 0.05 against the batch's 1.1-1.3

@@ -144,12 +144,13 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys, monkeypatch):
     out2 = tmp_path / "replay2.json"
     import infer.planner as planner_mod
 
-    given, models = [], []
+    given, models, states = [], [], []
 
     class Spy(planner_mod.StepPlanner):
         def __init__(self, *a, **kw):
             given.append(kw.get("conf_slope"))
             models.append(kw.get("drain_model"))
+            states.append(kw.get("state"))
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(planner_mod, "StepPlanner", Spy)
@@ -165,6 +166,12 @@ def test_record_and_replay_tiny(stories_dir, tmp_path, capsys, monkeypatch):
                     "--output", str(out2), "--overwrite"]) == 0
     pts = json.loads(out2.read_text())["points"]
     assert [p["drain_model"] for p in pts] == ["scaled", "own"] and models == ["scaled"] * 4 + ["own"] * 4
+    # --state: one point per planner state, recorded, each building its planners with it
+    states.clear()
+    assert pt.main(["replay", str(trace), "--costs", str(costs), "--plan-trees", "4", "--state", "steps,rows_kv",
+                    "--output", str(out2), "--overwrite"]) == 0
+    pts = json.loads(out2.read_text())["points"]
+    assert [p["state"] for p in pts] == ["steps", "rows_kv"] and states == ["steps"] * 4 + ["rows_kv"] * 4
     with pytest.raises(SystemExit):  # the ceilings "headroom" and "lead_age" were removed (their A/B): no --ceiling
         pt.main(["replay", str(trace), "--costs", str(costs), "--ceiling", "headroom"])
     with pytest.raises(SystemExit):  # the settle rule "estimate" was removed (its GPU A/B): no --settle
@@ -234,6 +241,7 @@ def test_replay_cli_refuses_bad_arguments_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="needs non-empty 'prompts'"):
         pt.main(["replay", str(empty), "--costs", costs])
     for extra, msg in ((["--pair-trees", "on,maybe"], "--pair-trees 'on,maybe'"),
+                       (["--state", "steps,rows"], "--state 'steps,rows': steps, kv, rows_kv"),
                        (["--drain-model", "own,tail"], "--drain-model 'own,tail': scaled, own, persist"),
                        # "lead" was removed after its H200 A/B: refused, the models named
                        (["--drain-model", "persist,lead"], "--drain-model 'persist,lead': scaled, own, persist,"),

@@ -1,7 +1,7 @@
 """Summarise a planner step log (``DSPINE_PLAN_LOG=FILE``, ``infer.planner.StepPlanner.start_log``).
 
     python benchmarks/engine/plan_log.py FILE [--batch 32] [--temperature 0] [--pass timed] [--label p] [--json OUT]
-        [--persistence 16] [--estimates] [--cost-share S] [--kv] [--drain-finish]
+        [--persistence 16] [--estimates] [--cost-share S] [--kv] [--drain-finish] [--leads]
 
 One summary per point (batch, temperature) of the calls kept (one ``--budget auto`` generate call per line;
 infer.bench makes one per task, turn and pass: ``tag.pass`` is ``start`` for its start-up warm-up, ``warmup`` for a
@@ -21,7 +21,9 @@ kept with every mode not run following a run mode's drift by the share S, agains
 ``rows_kv``, the within-mode slope of step time on the live requests' context tokens (:func:`kv_fit`);
 ``--drain-finish``, per call, where the rest of the call ran one speculative mode after a drain refresh, the tokens per
 step the batch's last request realized against the drain rule's mapping replayed on the refresh (:func:`drain_finish`;
-one ``--label``, every pass).
+one ``--label``, every pass); ``--leads``, per call, each chain's lead over the narrower chain paired on its steps at
+the call's end, replayed with steps weighed alike and by their live requests (:func:`leads`; one ``--label``, every
+pass).
 """
 
 from __future__ import annotations
@@ -384,6 +386,51 @@ def kv_fit(calls: list[dict]) -> list[dict]:
     return out
 
 
+def leads(calls: list[dict], slow: float = 0.02) -> list[dict]:
+    """The lead of each chain run over the widest narrower chain paired on its steps (``StepPlanner._lead``: the run
+    chain's committed tokens per request less the paired chain's), replayed over ``calls`` in log order and carried
+    from call to call as the planner carries it, two ways: each step weighed alike (``max(slow, 1 / n)``, states
+    ``"steps"`` and ``"kv"``) and each step weighed by its live requests r (``max(1 − (1 − slow)^(r / R), r / W)``, R
+    the most requests a step had, W the requests of the lead's steps so far: state ``"rows_kv"``,
+    ``StepPlanner._weight``). Give one planner's calls (one ``--label``, every pass). Chains only (a tree's leads are
+    over paired trees).
+
+    Returns:
+        Per call, ``{"tag", "steps": {mode: lead}, "rows": {mode: lead}}`` at the call's end (mode as ``chain:N``,
+        tokens per request per step; only modes with a lead so far).
+    """
+    state = {"steps": {}, "rows": {}}  # mode -> (ref, lead, n, W)
+    rmax, out = 1, []
+    for c in calls:
+        names = c["log"][0]
+        run, paired = None, {}  # (mode index, tokens, rows) of the step observed last; its paired chains' tokens
+        for e in c["log"][1:] + [["o", None, None, 0]]:  # a closing observation settles the call's last step
+            if e[0] == "o":
+                _settle_lead(state, names, run, paired, rmax, slow)
+                rmax = max(rmax, e[3] if e[1] is None else e[4])
+                chain = e[1] is not None and names[e[1]].startswith("chain:") and e[2] is not None
+                run, paired = ((e[1], e[2], e[4]) if chain else None), {}
+            elif e[0] == "p" and run is not None and names[e[1]].startswith("chain:") and e[2] is not None:
+                paired[e[1]] = e[2]
+        out.append({"tag": c.get("tag"), **{how: {names[m]: v[1] for m, v in lead.items()} for how, lead in state.items()}})
+    return out
+
+
+def _settle_lead(state: dict, names: list, run, paired: dict, rmax: int, slow: float) -> None:
+    """:func:`leads`' update of one observed chain step ``run`` (mode index, tokens, rows) with its ``paired`` chains'
+    tokens, both weighings (``state``: {"steps" | "rows": {mode: (ref, lead, steps, requests)}})."""
+    if run is None or not paired:
+        return
+    ref = max(paired, key=lambda i: int(names[i].split(":")[1]))
+    diff, r = run[1] - paired[ref], max(run[2], 1)
+    for how, lead in state.items():
+        cur = lead.get(run[0])
+        _, x, n, w = cur if cur is not None and cur[0] == ref else (ref, 0.0, 0, 0.0)
+        n, w = n + 1, w + r
+        k = max(slow, 1 / n) if how == "steps" else max(1 - (1 - slow) ** (r / rmax), r / w)
+        lead[run[0]] = (ref, diff if n == 1 else x + k * (diff - x), n, w)
+
+
 def cost_replay(calls: list[dict], share: float, decay: float = 0.1) -> list[dict]:
     """The planner's online step-time model (``StepPlanner.observe``: a timed step moves its mode's estimate by
     ``decay`` × the log residual, clipped to ``LOG_CLIP``) replayed over ``calls`` in log order, with every other mode's
@@ -584,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also: per call, where the rest of the call ran one speculative mode, the tokens per step "
                          "its last request realized against the drain rule's mapping replayed (keep one --label and "
                          "every pass: drain_finish())")
+    ap.add_argument("--leads", action="store_true",
+                    help="also: per call, each chain's lead over its paired narrower chain at the call's end, replayed "
+                         "with steps weighed alike and by live requests (leads(); one --label, every pass)")
     ap.add_argument("--estimates", action="store_true",
                     help="also: per call and mode, the mean estimated committed tokens per request (before the drain "
                          "rule) and confidence against the committed tokens of its steps (estimates(); logs from "
@@ -667,6 +717,12 @@ def main(argv: list[str] | None = None) -> int:
             for q in row["kv_fit"]:
                 slope = "-" if q["ms_per_1k_tokens"] is None else f"{q['ms_per_1k_tokens']:.4f}"
                 print(f"  {_where(q['tag'])}: {q['timed_steps']}, {q['kv_first']} -> {q['kv_last']}, {slope}")
+        if args.leads:
+            row["leads"] = leads(group)
+            print("per call: each chain's lead over the widest narrower chain paired on its steps at the call's end, "
+                  "steps weighed alike / by their live requests")
+            for q in row["leads"]:
+                print(f"  {_where(q['tag'])}: " + ", ".join(f"{m} {x:.3f}/{q['rows'][m]:.3f}" for m, x in q["steps"].items()))
         if args.estimates:
             row["estimates"] = estimates(group)
             print("per call and mode: mean estimate / mean confidence -> realized committed tokens per request "

@@ -628,6 +628,7 @@ def replay(args) -> int:
     from dspine.provenance import provenance
     from infer.planner import (
         DRAIN_MODELS,
+        PLAN_STATES,
         parse_conf_slope,
         parse_plan_chains,
         parse_plan_trees,
@@ -702,22 +703,23 @@ def replay(args) -> int:
         for row in trace["prompts"]:  # the larger tree commits what the smaller one does (and pairs its chain alike)
             row[f"tree{big}"], row[f"pair{big}"] = list(row[f"tree{small}"]), list(row[f"pair{small}"])
     points, skipped = [], []
-    knobs = (slopes, pairs, drain_models)
+    states = model_list(args.state, "--state", PLAN_STATES)
+    knobs = (slopes, pairs, drain_models, states)
     firsts = (times_list[0], *(k[0] for k in knobs))
-    for times, costs, plan_trees, slope, pair, dm in itertools.product(times_list, costs_list, trees_list, *knobs):
+    for times, costs, plan_trees, slope, pair, dm, st in itertools.product(times_list, costs_list, trees_list, *knobs):
         try:
             pt = replay_point(trace, costs, args.label, plan_trees, args.concurrency, args.plan_drain, times,
                               pair_trees=pair == "on", plan_chains=args.plan_chains, repeat=args.repeat,
-                              mix=args.mix, conf_slope=slope, drain_model=dm)
+                              mix=args.mix, conf_slope=slope, drain_model=dm, state=st)
         except NoStepTime as e:
-            if (times, slope, pair, dm) == firsts:  # a skip is reported once per costs file and tree set
+            if (times, slope, pair, dm, st) == firsts:  # a skip is reported once per costs file and tree set
                 print(f"skipped: {e}", flush=True)
                 skipped.append({"costs": costs, "plan_trees": plan_trees, "why": str(e)})
             continue
         points.append(pt)
-        pt["conf_slope"], pt["drain_model"] = slope, dm
+        pt["conf_slope"], pt["drain_model"], pt["state"] = slope, dm, st
         print(f"{times} {costs} c{pt['concurrency']} trees {plan_trees} conf_slope {slope} pair_trees {pair} "
-              f"drain_model {dm}: "
+              f"drain_model {dm} state {st}: "
               f"planner / best fixed ({pt['best_fixed']}) "
               f"{pt['planner_over_best_fixed']:.4f}, / AR {pt['planner_over_ar']:.3f}; clairvoyant / best "
               f"{pt['clairvoyant_over_best_fixed'] or float('nan'):.4f}; steps {pt['planner_steps_timed']}", flush=True)
@@ -771,6 +773,10 @@ def main(argv=None) -> int:
     r.add_argument("--drain-model", default="persist",
                    help="the planner's drain model (infer.planner.DRAIN_MODELS; default persist, the engine's), "
                         "comma-separated: one point each")
+    r.add_argument("--state", default="steps",
+                   help="the planner's state (infer.planner.PLAN_STATES; default steps, the engine's), comma-separated: "
+                        "one point each (the step times here are constants: kv's term has no context to price, "
+                        "rows_kv's request weights act)")
     r.add_argument("--pair-trees", default="on",
                    help="a tree step gives the planner the smaller planner trees' tokens as paired observations "
                         "(Engine.plan_nested; default on); 'on,off' gives every point under both")
