@@ -1224,7 +1224,20 @@ def planner_state_section() -> list[str]:
             "The planfair points with `PLAN_STATE=kv` follow in the table above (`verify-statekv-*-h100.json`).", "",
             *table, "", "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows))
             + ". Step logs: [`plan-logs-h100-2026-12-07-state.tar.gz`](results/plan-logs-h100-2026-12-07-state.tar.gz).",
-            ""]
+            "", *_state_replay_sentence()]
+
+
+def _state_replay_sentence() -> list[str]:
+    """The states replayed over the CPU trace at the concurrency-64 run's step times (results/state-replay-c64-cpu.json,
+    benchmarks/reference/planner_trace.py replay --state); empty without the file."""
+    r = load("state-replay-c64-cpu.json")
+    if not r:
+        return []
+    pts = ", ".join(f"`{p['state']}` {p['planner_over_best_fixed']:.4f}" for p in r["points"])
+    return [f"Replayed over the CPU trace of the shipped draft's acceptance (16 prompts a task, each decoded 4 times "
+            f"over, constant step times: the run's): planner ÷ the chain of 4 {pts} "
+            f"([`state-replay-c64-cpu.json`](results/state-replay-c64-cpu.json); its mbpp tail does not drag the lead "
+            f"down as the GPU run's did). Command: `{r['command']}`.", ""]
 
 
 COST_RUNS = ("", "-r2", "-r3")  # planner-cost{RUN}-h100-exact-T0-c{C}.json: one lease, three runs a point
