@@ -1505,7 +1505,6 @@ class Engine:
                 planner.load_cost_state(self.plan_cost_memory[key])
             if self.plan_memory and key in self.plan_token_memory:
                 planner.load_token_state(self.plan_token_memory[key])
-            planner.max_new = params.max_new_tokens  # (drain model "persist_len")
         flush = None  # the planner's draft-context flush, made (captured) before any row is admitted
         if planner is not None and self.defer_ar_append:
             flush = self._runner(B, params, True, ("flush", s.pend_max))
@@ -1566,7 +1565,6 @@ class Engine:
             if self.plan_online:
                 self.plan_cost_memory[key] = planner.cost_state()
             if self.plan_memory:
-                planner.add_lengths(len(r) for r in results)  # (drain model "persist_len": the next calls' lengths)
                 self.plan_token_memory[key] = planner.token_state()
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(r) for r in results)

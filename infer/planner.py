@@ -86,9 +86,8 @@ takes the spread between requests from the covariance of each request's early an
 persist) and carries it to the next call relative to the pooled acceptance squared (docs/planner.md, "Drain"). The
 alternatives: ``"scaled"`` (the default before) scales alike with the spread of the requests' means less a step's
 noise, carried in tokens²; ``"own"`` scales by each request's acceptance over the longest chain's current estimate (not
-the batch's pooled one) and takes no confidence in the drain; ``"persist_cap"`` and ``"persist_len"`` (opt-in) are
-``"persist"`` with a capped prior and with earlier answers' lengths (docs/planner.md, "Drain" and "Constants"). With
-one request every model but ``"own"`` leaves each mode's estimate as it is.
+the batch's pooled one) and takes no confidence in the drain; ``"persist_cap"`` (opt-in) is ``"persist"`` with a
+capped prior (docs/planner.md, "Drain" and "Constants"). With one request every model but ``"own"`` leaves each mode's estimate as it is.
 
 ``benchmarks/engine/sim_planner.py`` replays recorded cost tables with a synthetic acceptance process, true step
 times that differ from the table and a miscalibrated confidence; ``benchmarks/reference/planner_trace.py replay``
@@ -116,7 +115,7 @@ PAIRED_FRESH = 4
 PRIOR_ROWS = 4.0  # requests' worth of prior in a mode's first token average (module docstring, "Averages")
 # how the drain rule maps a mode to one request (drain_tokens; "scaled", "own" and "persist", the default: module
 # docstring, "Drain"; "persist_cap", an opt-in experiment: PERSIST_MODELS)
-DRAIN_MODELS = ("scaled", "own", "persist", "persist_cap", "persist_len")
+DRAIN_MODELS = ("scaled", "own", "persist", "persist_cap")
 # a led mode's probing ceiling (module docstring, rule 2): its estimate plus LEAD_Z standard errors of its leads, once
 # LEAD_MIN_STEPS paired steps are behind each (the paired mode's part of the estimate is observed on the same steps and
 # needs no headroom)
@@ -135,16 +134,10 @@ PERSIST_EARLY = 16
 DEFAULT_SPREAD_REL = 0.04
 # token_state's key for the carried spread and its value with no earlier call, per drain model (a key of its own where
 # the units or the meaning differ; the others: "spread", DEFAULT_SPREAD, in tokens²)
-SPREAD_STATE = {m: ("spread_rel", DEFAULT_SPREAD_REL) for m in ("persist", "persist_cap", "persist_len")}
+SPREAD_STATE = {m: ("spread_rel", DEFAULT_SPREAD_REL) for m in ("persist", "persist_cap")}
 # the drain models that estimate the spread as "persist" does (persistent_spread); "persist_cap" (opt-in) takes an
 # earlier call's carried spread as its prior only up to DEFAULT_SPREAD_REL (docs/planner.md, "Constants")
-PERSIST_MODELS = ("persist", "persist_cap", "persist_len")
-# drain model "persist_len" (opt-in; docs/planner.md, "Drain" and "Constants"): a request's mean over n chain steps
-# taken as BURST_NOISE × noisier than n independent steps, and each live request's remaining tokens drawn at
-# LENGTH_POINTS quantiles of the last LENGTHS_KEPT answers' lengths longer than what it committed (to max_new_tokens
-# with fewer than LENGTHS_MIN of them)
-BURST_NOISE = 2.0
-LENGTHS_KEPT, LENGTH_POINTS, LENGTHS_MIN = 512, 8, 5
+PERSIST_MODELS = ("persist", "persist_cap")
 SLOPE_PRIOR = 8.0  # steps' worth of the proportional slope (1) in conf_slope="auto" (StepPlanner.slope)
 SLOPE_MOVE2 = 0.1  # tokens²: least squared move of each of the prior's steps, a move of about 0.3 tokens (StepPlanner.slope)
 SLOPE_MAX = 2.0  # largest confidence slope (StepPlanner.slope)
@@ -462,9 +455,6 @@ def drain_tokens(
     own: bool = False,
     persist: tuple[float, float] | None = None,
     stats: tuple[float, float, float, float] | None = None,
-    lengths=None,
-    max_new: int | None = None,
-    burst: float = 1.0,
 ) -> dict[Mode, float | None]:
     """Token estimates for the drain rule (module docstring, "Drain"): each speculative mode's ``tokens`` mapped
     to the AR-equivalent tokens per step of the request that would finish last under it.
@@ -485,10 +475,6 @@ def drain_tokens(
             the same cap.
             Raises ValueError for a covariance that is not finite or a weight outside 0..1.
         stats: :func:`drain_spread` of ``drain`` where the caller has it already (None: computed here).
-        lengths, max_new, burst: the drain model ``"persist_len"``: earlier answers' lengths, the call's
-            ``max_new_tokens`` (a live request has committed ``max_new − remaining``) and ``BURST_NOISE``. With
-            lengths, R and each request's remaining are :func:`_length_draws`' (R: AR's median finishing step, as
-            :func:`_median_ar_finish`); ``burst`` multiplies ``s² / n_i`` in ``k_i`` below.
     Returns:
         ``R / y(m)`` per mode, clipped to [1, max_tokens]: R the largest remaining of the live requests (remaining
         > 0), ``y(m)`` the median of the number of steps the last of them needs under mode m. AR's 1 stays 1;
@@ -530,7 +516,7 @@ def drain_tokens(
     rem = np.array([float(d[0]) for d in live])
     n = np.array([float(d[2]) for d in live])
     mean = np.array([(d[1] - d[2]) / d[2] if d[2] else pooled for d in live])
-    k = np.where(n > 0, v / (v + burst * within / np.maximum(n, 1e-9)), 0.0) if v > 0 else np.zeros_like(n)
+    k = np.where(n > 0, v / (v + within / np.maximum(n, 1e-9)), 0.0) if v > 0 else np.zeros_like(n)
     ahat = pooled + k * (mean - pooled)
     sd = np.sqrt(np.maximum(v * (1.0 - k), 0.0))
     R = float(rem.max())
@@ -549,47 +535,9 @@ def drain_tokens(
             grid.append((m, x, cap))
     if grid:
         ms, base, cap = (list(x) for x in zip(*grid))
-        if lengths is not None and max_new:
-            rem = _length_draws(rem, lengths, max_new)
-            R = _median_ar_finish(rem)
-        steps = _median_last_finish(rem, ahat, sd, unit, np.array(base), np.array(cap), *((8, 4) if rem.ndim > 1 else ()))
+        steps = _median_last_finish(rem, ahat, sd, unit, np.array(base), np.array(cap))
         out.update({m: min(max(R / y, 1.0), c) for m, y, c in zip(ms, steps.tolist(), cap)})
     return out
-
-
-def _length_draws(rem: np.ndarray, lengths, max_new: int) -> np.ndarray:
-    """``[L, LENGTH_POINTS]``: per live request (``rem``: its tokens to ``max_new``) its remaining tokens at the
-    midpoint quantiles of the earlier ``lengths`` (capped at ``max_new``) longer than what it committed; ``rem`` at
-    every point where fewer than ``LENGTHS_MIN`` are."""
-    pool = np.sort(np.minimum(np.asarray(list(lengths), dtype=np.float64), float(max_new)))
-    done = max_new - rem
-    first = np.searchsorted(pool, done, side="right")  # [L]: the first earlier length above what it committed
-    count = len(pool) - first
-    q = (np.arange(LENGTH_POINTS) + 0.5) / LENGTH_POINTS
-    idx = np.minimum(first[:, None] + (q[None, :] * count[:, None]).astype(np.int64), max(len(pool) - 1, 0))
-    draws = pool[idx] - done[:, None] if len(pool) else np.zeros((len(rem), LENGTH_POINTS))
-    return np.where((count >= LENGTHS_MIN)[:, None], draws, rem[:, None])
-
-
-def _median_ar_finish(draws: np.ndarray, grid: int = 8, rounds: int = 4) -> float:
-    """AR's median finishing step, ``y`` with ``Π_i F_i(y) = 1/2``, ``F_i`` request i's remaining tokens' distribution
-    through its ``draws`` (``[L, Q]``, :func:`_length_draws`: the midpoint quantiles, linear between them, 0 below the
-    first and 1 above the last), continuous as the speculative modes' are through their acceptance, so that the ratio
-    of the medians does not jump; a search as :func:`_median_last_finish`'s."""
-    L, Q = draws.shape
-    q = (np.arange(Q) + 0.5) / Q
-    lo, width = 0.0, float(draws.max())
-    for _ in range(rounds):
-        ys = lo + width * np.arange(1, grid + 1) / grid  # [G]
-        j = (draws[:, None, :] <= ys[None, :, None]).sum(-1)  # [L, G]: quantile points at or below y
-        a, b = np.take_along_axis(draws, np.maximum(j - 1, 0), 1), np.take_along_axis(draws, np.minimum(j, Q - 1), 1)
-        lin = q[np.maximum(j - 1, 0)] + (ys - a) / np.where(b > a, b - a, 1.0) * (b > a) / Q
-        F = np.where(j == 0, 0.0, np.where(j == Q, 1.0, lin))
-        with np.errstate(divide="ignore"):
-            logp = np.log(F).sum(0)
-        width /= grid
-        lo += int((logp < -math.log(2.0)).sum()) * width
-    return max(lo + width / 2, 1e-9)
 
 
 def _normal_cdf(z: np.ndarray) -> np.ndarray:
@@ -610,23 +558,21 @@ def _median_last_finish(rem, ahat, sd, pooled, base, cap, grid=16, rounds=5) -> 
     """Per mode j, ``y_j`` with ``Π_i P(rem_i / τ_ij ≤ y_j) = 1/2`` (:func:`drain_tokens`), ``τ_ij = clip(1 +
     (base_j − 1) a_i / pooled, 1, cap_j)`` (``base_j > 1``), ``a_i ~ N(ahat_i, sd_i²)`` (``sd_i = 0``: known).
     Σ_i log P(finished by y) rises with y from −∞ at 0 to 0 at ``max(rem)``; ``rounds`` of a ``grid``-point search,
-    each inside the bracket of the last (``max(rem) / grid^rounds`` wide at the end), all modes at once. ``rem``:
-    float64 ``[L]``, or ``[L, Q]`` equally likely remainings per request (:func:`_length_draws`; P(finished by y)
-    their mean); ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``cap``: float64 ``[M]``. Returns float64 ``[M]``."""
-    rem = rem.reshape(rem.shape[0], -1)  # [L, Q]
-    base, cap = base[:, None, None, None], cap[:, None, None, None]  # [M, 1, 1, 1]
+    each inside the bracket of the last (``max(rem) / grid^rounds`` wide at the end), all modes at once. ``rem``,
+    ``ahat``, ``sd``: float64 ``[L]``; ``base``, ``cap``: float64 ``[M]``. Returns float64 ``[M]``."""
+    base, cap = base[:, None, None], cap[:, None, None]  # [M, 1, 1]
     slope = pooled / (base - 1.0)  # accepted tokens per unit of τ above 1
-    sd, ahat = np.maximum(sd, 1e-12)[:, None], ahat[:, None]  # a known a_i: Φ of ±1e12 σ is its indicator
-    lo = np.zeros((base.shape[0], 1, 1, 1))
+    sd = np.maximum(sd, 1e-12)  # a known a_i: Φ of ±1e12 σ is its indicator
+    lo = np.zeros((base.shape[0], 1, 1))
     width = np.full_like(lo, float(rem.max()))
-    frac = (np.arange(1, grid + 1, dtype=np.float64) / grid)[None, :, None, None]  # [1, G, 1, 1]
+    frac = (np.arange(1, grid + 1, dtype=np.float64) / grid)[None, :, None]  # [1, G, 1]
     half = -math.log(2.0)
     with np.errstate(divide="ignore"):
         for _ in range(rounds):
-            u = rem / (lo + width * frac)  # [M, G, L, Q]: the τ request i needs to finish within y steps
+            u = rem / (lo + width * frac)  # [M, G, L]: the τ request i needs to finish within y steps
             late = _normal_cdf(((u - 1.0) * slope - ahat) / sd)  # P(τ_i < u) = P(a_i < a*)
-            late = np.where(u <= 1.0, 0.0, np.where(u > cap, 1.0, late)).mean(axis=3)  # [M, G, L]
-            below = (np.log1p(-late).sum(axis=2, keepdims=True) < half).sum(axis=1, keepdims=True)[..., None]
+            late = np.where(u <= 1.0, 0.0, np.where(u > cap, 1.0, late))
+            below = (np.log1p(-late).sum(axis=2, keepdims=True) < half).sum(axis=1, keepdims=True)
             width = width / grid
             lo = lo + below * width  # grid points where the last request is more likely than not still running
     return np.maximum((lo + width / 2).ravel(), 1e-9)
@@ -742,9 +688,6 @@ class StepPlanner:
         self.spread_prior: float | None = self._default_spread()
         self.spread: float | None = None
         self.persist_snaps: dict[int, tuple[float, float]] = {}
-        # drain model "persist_len": earlier calls' answer lengths (add_lengths) and this call's max_new_tokens
-        self.lengths: list[int] = []
-        self.max_new: int | None = None
         # an optional per-step log (None: off; :meth:`start_log`), for diagnosing a decode after the fact
         self.log: list | None = None
         self.step = 0
@@ -950,9 +893,7 @@ class StepPlanner:
             persist = (persistent_spread(drain, self.persist_snaps, PERSIST_EARLY) if self.drain_model in PERSIST_MODELS
                        else None)
             stats = drain_spread(drain)  # once a refresh: drain_tokens takes it too
-            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, own, persist, stats,
-                                  *((self.lengths or None, self.max_new, BURST_NOISE) if self.drain_model == "persist_len"
-                                    else ()))
+            mapped = drain_tokens(raw, drain, self.table, self.spread_prior, own, persist, stats)
             pooled, _, between, nbar = stats
             if nbar and pooled > 0 and persist is not None:  # relative to ā², as drain_tokens took the prior
                 self.spread = persist_variance(persist, self.spread_prior, pooled) / pooled**2
@@ -1251,12 +1192,7 @@ class StepPlanner:
         settings."""
         spread = self.spread if self.spread is not None else self.spread_prior
         return {**{f: dict(getattr(self, f)) for f in self.TOKEN_FIELDS}, self._spread_key(): spread,
-                "weight": dict(self.weight), "rows_max": self.rows_max, "lengths": list(self.lengths)}
-
-    def add_lengths(self, lengths) -> None:
-        """Keep a finished call's answer lengths (tokens) for the drain rule of the calls after it (the last
-        ``LENGTHS_KEPT``; drain model ``"persist_len"``)."""
-        self.lengths = (self.lengths + [int(x) for x in lengths])[-LENGTHS_KEPT:]
+                "weight": dict(self.weight), "rows_max": self.rows_max}
 
     def _spread_key(self) -> str:
         """:meth:`token_state`'s key of the carried spread: ``"spread"`` (tokens²) or ``"spread_rel"`` (drain model
@@ -1272,8 +1208,8 @@ class StepPlanner:
         every mode counts as seen at step 0, so the averages are taken as they were, and the fast ones then
         follow the new requests; its ``"spread"`` becomes the drain rule's prior (``DEFAULT_SPREAD`` if absent, as in
         a state written before it existed; under drain model ``"persist"`` its ``"spread_rel"``, else
-        ``DEFAULT_SPREAD_REL``: a key of another model, such as the removed ``"relative"``'s ``"spread_ratio"``, is
-        not read). Raises ValueError if ``state`` holds a mode not in this table."""
+        ``DEFAULT_SPREAD_REL``: a key of another model, such as the removed ``"relative"``'s ``"spread_ratio"`` or
+        ``"persist_len"``'s ``"lengths"``, is not read). Raises ValueError if ``state`` holds a mode not in this table."""
         extra = set(state["fast"]) - set(self.table)
         if extra:
             raise ValueError(f"token state has modes {sorted(extra)} not in the planner's table {sorted(self.table)}")
@@ -1289,7 +1225,6 @@ class StepPlanner:
         self.spread = None
         self.last_seen = {m: 0 for m in self.table}
         self.weight, self.rows_max = dict(state.get("weight", {})), state.get("rows_max", 1)
-        self.lengths = list(state.get("lengths", []))[-LENGTHS_KEPT:]
 
     def _record(self, mode: Mode, tokens_per_request: float, rows: int, predicted: float | None) -> None:
         """Token averages and calibration of a speculative ``mode`` (module docstring, "Averages")."""

@@ -567,8 +567,8 @@ def test_config_gives_each_draft_label_its_verify_mode(stories_dir, draft_dir, t
     (["--config", "D:budget=auto,drain=tail"], "drain='tail'; expected off, scaled, own"),
     (["--config", "D:drain=own"], "drain applies to budget=auto"),
     # the drain models "relative" (H100) and "lead" (H200) were removed after their A/Bs: refused, the models named
-    (["--config", "D:budget=auto,drain=relative"], "drain='relative'; expected off, scaled, own, persist, persist_cap, persist_len\n"),
-    (["--config", "D:budget=auto,drain=lead"], "drain='lead'; expected off, scaled, own, persist, persist_cap, persist_len\n"),
+    (["--config", "D:budget=auto,drain=relative"], "drain='relative'; expected off, scaled, own, persist, persist_cap\n"),
+    (["--config", "D:budget=auto,drain=lead"], "drain='lead'; expected off, scaled, own, persist, persist_cap\n"),
     # the settle rule "estimate", the cost model "age" and the ceilings "headroom" and "lead_age" were removed after
     # their A/Bs: unknown keys now
     (["--config", "D:budget=auto,settle=estimate"], "'settle=estimate' is not KEY=VALUE with a key of verify"),
@@ -729,7 +729,7 @@ def test_config_checks_keys_in_one_order_whatever_the_order_given():
 
 def test_config_takes_every_drain_model_of_the_planner():
     """drain= takes off and each of infer.planner.DRAIN_MODELS (persist, the default, and scaled, the default before,
-    included; relative and lead, removed, not), as the label's plan_drain_model."""
+    included; relative, lead and persist_len, removed, not), as the label's plan_drain_model."""
     import argparse
 
     from infer.planner import DRAIN_MODELS
@@ -738,8 +738,8 @@ def test_config_takes_every_drain_model_of_the_planner():
                               backend="cuda")
     assert bench.DRAIN == ("off", *DRAIN_MODELS) and {"persist", "scaled"} <= set(DRAIN_MODELS)  # the planner's
     assert "relative" not in bench.DRAIN and "lead" not in bench.DRAIN
-    for gone in ("relative", "lead"):
-        with pytest.raises(ValueError, match=f"drain='{gone}'; expected off, scaled, own, persist, persist_cap, persist_len$"):
+    for gone in ("relative", "lead", "persist_len"):
+        with pytest.raises(ValueError, match=f"drain='{gone}'; expected off, scaled, own, persist, persist_cap$"):
             bench.parse_configs([f"a:budget=auto,drain={gone}"], {"a": "p"}, args)
     for model in bench.DRAIN:
         c = bench.parse_configs([f"a:budget=auto,drain={model}"], {"a": "p"}, args)

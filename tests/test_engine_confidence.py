@@ -337,8 +337,7 @@ def test_tree_step_counts_the_chain_with_the_triton_kernels_interpreted(stories_
 def test_planner_state_rows_kv_gets_the_live_requests_context_tokens(stories_dir, stories, monkeypatch):  # noqa: F811
     """Engine.plan_state="kv" / "rows_kv": every choice and observation gets the live requests' context tokens (prompt +
     committed). The first choice's are the prompts' plus their first tokens; between two observations of the same
-    live requests they grow by what the first committed (tokens per request × requests); the output stays AR's. The
-    token state carried to the next call holds the answers' lengths."""
+    live requests they grow by what the first committed (tokens per request × requests); the output stays AR's."""
     _, _, folder = stories
     params = SamplingParams(max_new_tokens=16)
     prompts = PROMPTS[:3]
@@ -359,8 +358,6 @@ def test_planner_state_rows_kv_gets_the_live_requests_context_tokens(stories_dir
     monkeypatch.setattr(engine_mod.StepPlanner, "choose", spy_choose)
     monkeypatch.setattr(engine_mod.StepPlanner, "observe", spy_observe)
     assert eng.generate(prompts, params, concurrency=3).token_ids == want
-    (state,) = eng.plan_token_memory.values()  # the answers' lengths, for drain model "persist_len" of the next call
-    assert state["lengths"] == [len(w) for w in want]
     assert chosen[0] == seen[0][2] == sum(len(p) + 1 for p in prompts) and seen[0][1] == 3
     same = [(a, b) for a, b in zip(seen, seen[1:]) if a[1] == b[1]]
     assert len(same) >= 3

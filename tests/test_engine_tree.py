@@ -430,9 +430,9 @@ def test_engine_planner_gets_the_batch_for_the_drain_rule(stories_dir, stories, 
         assert seen[first] == [(params.max_new_tokens - 1, 0, 0, 0)] * 3  # the second wave, just admitted: one token each, no step yet
         assert any(r > 0 and n > 0 for d in filter(None, seen) for r, _, n, _ in d)  # live, with chain steps
         assert any(r == 0 for r, *_ in seen[given[-1]]), seen[given[-1]]  # a finished request is kept
-    for gone in ("tail", "lead"):  # "lead" (a tree as the request's chain plus its lead) was removed
+    for gone in ("tail", "lead", "persist_len"):  # "lead" (a tree as the request's chain plus its lead) and "persist_len" were removed
         eng.plan_drain_model = gone
-        with pytest.raises(ValueError, match=f"Engine.plan_drain_model='{gone}': use 'scaled' or 'own' or 'persist' or 'persist_cap' or 'persist_len'$"):
+        with pytest.raises(ValueError, match=f"Engine.plan_drain_model='{gone}': use 'scaled' or 'own' or 'persist' or 'persist_cap'$"):
             eng.generate(PROMPTS, params, concurrency=3)
 
 

@@ -24,13 +24,11 @@ from benchmarks.engine.sim_planner import (
 )
 from infer.planner import (
     BONUS_VAR,
-    BURST_NOISE,
     DEFAULT_SPREAD,
     DEFAULT_SPREAD_REL,
     DRAIN_MODELS,
     LEAD_MIN_STEPS,
     LEAD_Z,
-    LENGTHS_KEPT,
     PRIOR_ROWS,
     SPREAD_CV,
     SPREAD_STEPS,
@@ -1093,11 +1091,11 @@ def test_planner_drain_takes_one_factor_and_refuses_an_unknown_model():
         assert picks[model][CHAIN] < 1.0  # the slower request (0.5 accepted tokens a step against 2) sets it
     with pytest.raises(ValueError, match="drain_model='tail'"):
         StepPlanner(costs, drain_model="tail")
-    # the default is "persist"; "relative" (measured on the H100) and "lead" (on the H200) were removed: refused,
-    # the models named
-    assert StepPlanner(costs).drain_model == "persist" and DRAIN_MODELS == ("scaled", "own", "persist", "persist_cap", "persist_len")
-    for gone in ("relative", "lead"):
-        with pytest.raises(ValueError, match=f"drain_model='{gone}'; expected one of scaled, own, persist, persist_cap, persist_len$"):
+    # the default is "persist"; "relative" (measured on the H100), "lead" (on the H200) and "persist_len" (H100) were
+    # removed: refused, the models named
+    assert StepPlanner(costs).drain_model == "persist" and DRAIN_MODELS == ("scaled", "own", "persist", "persist_cap")
+    for gone in ("relative", "lead", "persist_len"):
+        with pytest.raises(ValueError, match=f"drain_model='{gone}'; expected one of scaled, own, persist, persist_cap$"):
             StepPlanner(costs, drain_model=gone)
 
 
@@ -1853,54 +1851,15 @@ def test_rows_kv_loads_a_token_state_without_weights():
     assert q.lead[C4][1] == pytest.approx(0.75 * 0.98 ** (2 / 64))
 
 
-def test_drain_lengths_let_a_hard_request_likely_to_end_early_not_hold_the_batch_on_ar():
-    """drain_tokens' lengths (earlier answers' lengths) and max_new (drain model "persist_len"): each live request's
-    remaining is drawn from the lengths longer than what it committed. Every earlier answer at the cap: the mapping is
-    the one without lengths. A hard request admitted last (0.07 accepted tokens a step over 15 chain steps, 495 of 512
-    left) among requests at the batch's acceptance: taken to run to the cap it makes the chain of 4 (1.8 tokens a
-    request) map below 1.5 (its step costs 1.5 AR steps: AR wins); with most earlier answers ending at 250-485 tokens
-    the last to finish is more likely one of the long-lived requests, and with its short mean counting for less
-    (burst) the chain maps above 1.5 (mt-bench's first turn at
-    concurrency 32, T = 1 on the H100: docs/status.md, the sixteenth session)."""
-    chain4 = ("chain", 4)
-    modes, tokens = [AR, chain4], {AR: 1.0, chain4: 1.8}
-    batch = [(495, 16, 15, 18.0)] + [(400 - 10 * i, 170, 100, 330.0) for i in range(12)] + [(0, 300, 160, 600)]
-    kw = dict(prior=0.06, persist=(0.05, 0.5))
-    plain = drain_tokens(tokens, batch, modes, **kw)
-    capped = drain_tokens(tokens, batch, modes, **kw, lengths=[512] * 64, max_new=512)
-    assert capped[chain4] == pytest.approx(plain[chain4], rel=2e-3)
-    early = [250 + 5 * i for i in range(48)] + [512] * 8
-    alone = drain_tokens(tokens, batch, modes, **kw, lengths=early, max_new=512)
-    got = drain_tokens(tokens, batch, modes, **kw, lengths=early, max_new=512, burst=BURST_NOISE)
-    assert plain[chain4] < alone[chain4] < 1.5 < got[chain4] <= 1.8, (plain, alone, got)
-    few = drain_tokens(tokens, batch, modes, **kw, lengths=[10] * 64, max_new=512)  # too few longer: to the cap
-    assert few[chain4] == pytest.approx(plain[chain4], rel=2e-3)
-    # burst: a request's mean over few steps counts for less, so the hard request is pulled towards the batch
-    assert drain_tokens(tokens, batch, modes, **kw, burst=2.0)[chain4] > plain[chain4]
-    # the planner keeps the last LENGTHS_KEPT, carries them in its token state, and gives them only under persist_len
-    p = StepPlanner({AR: 1.0, chain4: 1.5})
-    p.add_lengths(range(LENGTHS_KEPT + 10))
-    q = StepPlanner({AR: 1.0, chain4: 1.5}, drain_model="persist_len")
-    q.load_token_state(p.token_state())
-    assert q.lengths == list(range(10, LENGTHS_KEPT + 10))
-
-
-@pytest.mark.parametrize("model", ["persist", "persist_len"])
-def test_persist_len_hands_drain_tokens_the_lengths_and_the_burst(monkeypatch, model):
-    """StepPlanner.choose gives drain_tokens the earlier answers' lengths, max_new and BURST_NOISE under "persist_len"
-    only."""
-    import infer.planner as planner_mod
-
-    got = {}
-    real = planner_mod.drain_tokens
-
-    def spy(*a):
-        got["extra"] = a[7:]
-        return real(*a)
-
-    monkeypatch.setattr(planner_mod, "drain_tokens", spy)
-    p = StepPlanner({AR: 1.0, ("chain", 4): 1.5}, drain_model=model)
-    p.add_lengths([100, 200])
-    p.max_new = 256
-    p.choose(None, [(100, 6, 2, 18), (100, 2, 2, 2)])
-    assert got["extra"] == (([100, 200], 256, BURST_NOISE) if model == "persist_len" else ())
+def test_a_token_state_with_lengths_still_loads():
+    """A token state written while drain model "persist_len" existed (removed: docs/planner.md, "Drain") holds the
+    answers' "lengths": it loads as the same state without them, and the key is neither kept nor carried on."""
+    p = StepPlanner({AR: 1.0, C2: 1.2, C4: 1.4})
+    for _ in range(20):
+        p.observe(C4, 2.5, rows=8)
+        p.observe_paired(C2, 2.0, rows=8)
+    q, r = StepPlanner({AR: 1.0, C2: 1.2, C4: 1.4}), StepPlanner({AR: 1.0, C2: 1.2, C4: 1.4})
+    q.load_token_state({**p.token_state(), "lengths": [100, 200, 512]})
+    r.load_token_state(p.token_state())
+    assert q.token_state() == r.token_state() and "lengths" not in q.token_state()
+    assert q.expected(None) == r.expected(None) and q.spread_prior == r.spread_prior
