@@ -1230,14 +1230,21 @@ def planner_state_section() -> list[str]:
 def _state_replay_sentence() -> list[str]:
     """The states replayed over the CPU trace at the concurrency-64 run's step times (results/state-replay-c64-cpu.json,
     benchmarks/reference/planner_trace.py replay --state); empty without the file."""
-    r = load("state-replay-c64-cpu.json")
+    r, low = load("state-replay-c64-cpu.json"), load("state-replay-c1-c8-cpu.json")
     if not r:
         return []
     pts = ", ".join(f"`{p['state']}` {p['planner_over_best_fixed']:.4f}" for p in r["points"])
-    return [f"Replayed over the CPU trace of the shipped draft's acceptance (16 prompts a task, each decoded 4 times "
-            f"over, constant step times: the run's): planner ÷ the chain of 4 {pts} "
-            f"([`state-replay-c64-cpu.json`](results/state-replay-c64-cpu.json); its mbpp tail does not drag the lead "
-            f"down as the GPU run's did). Command: `{r['command']}`.", ""]
+    out = [f"Replayed over the CPU trace of the shipped draft's acceptance (16 prompts a task, each decoded 4 times "
+           f"over, constant step times: the run's): planner ÷ the chain of 4 {pts} "
+           f"([`state-replay-c64-cpu.json`](results/state-replay-c64-cpu.json); its mbpp tail does not drag the lead "
+           f"down as the GPU run's did). Command: `{r['command']}`."]
+    if low:  # the same trace at concurrency 1 and 8 with the H200 runs' step times (trees 16 and 32, no narrow chains)
+        pts = "; ".join(f"concurrency {p['concurrency']} ({Path(p['costs']).name}) `{p['state']}` "
+                        f"{p['planner_over_best_fixed']:.4f}" for p in low["points"])
+        out.append(f"At concurrency 1 and 8 with H200 step times, planner ÷ the best fixed mode: {pts} "
+                   f"([`state-replay-c1-c8-cpu.json`](results/state-replay-c1-c8-cpu.json); command: "
+                   f"`{low['command']}`).")
+    return [" ".join(out), ""]
 
 
 COST_RUNS = ("", "-r2", "-r3")  # planner-cost{RUN}-h100-exact-T0-c{C}.json: one lease, three runs a point
