@@ -1223,7 +1223,7 @@ def planner_state_section() -> list[str]:
             "(`plan_log.py LOG --leads`: 0.89 with each step weighed by its requests; docs/planner.md, \"State\"). "
             "The planfair points with `PLAN_STATE=kv` follow in the table above (`verify-statekv-*-h100.json`).", "",
             *table, "", "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows))
-            + ". Step logs: [`plan-logs-h100-2026-12-07-state.tar.gz`](results/plan-logs-h100-2026-12-07-state.tar.gz).",
+            + ". Step logs: [`plan-logs-h100-2026-12-07-state.tar.xz`](results/plan-logs-h100-2026-12-07-state.tar.xz).",
             "", *_state_replay_sentence()]
 
 
