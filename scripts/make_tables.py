@@ -1172,7 +1172,7 @@ def planner_persist_section() -> list[str]:
             "(their tokens over their seconds). `persist` became the default after the A/B of 2026-12-07 (below), so "
             "`p:budget=auto` in these commands now runs `persist`; `drain=scaled` reproduces this `p`:", "", *table,
             "", "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows))
-            + ". Step logs: [`plan-logs-h100-2026-12-06-persist.tar.gz`](results/plan-logs-h100-2026-12-06-persist.tar.gz).",
+            + ". Step logs: [`plan-logs-h100-2026-12-06-persist.tar.xz`](results/plan-logs-h100-2026-12-06-persist.tar.xz).",
             ""]
 
 
