@@ -397,8 +397,8 @@ class TargetSpec:
         config = text
         theta = getattr(config, "rope_theta", None)
         params = getattr(config, "rope_parameters", None)
-        if theta is None and isinstance(params, dict):
-            theta = params.get("rope_theta")
+        if theta is None and isinstance(params, dict):  # (one dict per layer type: unsupported_rope judges them)
+            theta = params.get("rope_theta", next((v.get("rope_theta") for v in params.values() if isinstance(v, dict)), None))
         return cls(
             name=name, model_type=str(getattr(config, "model_type", "")),
             num_layers=int(config.num_hidden_layers), hidden_size=int(config.hidden_size),
@@ -408,7 +408,9 @@ class TargetSpec:
             tokenizer_len=len(tokenizer) if tokenizer is not None else None,
             # a hybrid target runs on transformers' modules only (its RoPE included; the draft has its own plain
             # RoPE), the engine refuses it by its layer types
-            rope_problems=[] if is_recurrent(outer) else unsupported_rope(config),
+            rope_problems=[] if is_recurrent(outer) else unsupported_rope(config) + (
+                [f"model_type={getattr(config, 'model_type', '?')!r} without rope_theta (positions not by RoPE)"]
+                if theta is None else []),
             layer_problems=unsupported_layers(outer, engine=False), engine_layer_problems=unsupported_layers(outer),
         )
 

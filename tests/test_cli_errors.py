@@ -674,3 +674,11 @@ def test_a_causal_lm_of_another_layout_as_the_target_names_the_folder(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64)).save_pretrained(folder)
     with pytest.raises(ValueError, match=rf"^target {folder}: GPT2LMHeadModel: cannot find the decoder layers .*Llama/Qwen"):
         load_target(str(folder))
+    # the config alone already says it (infer.generate, infer.bench and dspine.check read it before any weight): no
+    # RoPE, where dspine.check's rope row read "plain"
+    from dspine.target import TargetSpec
+
+    spec = TargetSpec.from_pretrained(str(folder), with_tokenizer=False)
+    assert spec.rope_problems == ["model_type='gpt2' without rope_theta (positions not by RoPE)"]
+    with pytest.raises(ValueError, match=rf"^target {folder}: model_type='gpt2' without rope_theta .* is not implemented"):
+        spec.check_supported(engine=True)
