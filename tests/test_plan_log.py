@@ -421,3 +421,40 @@ def test_leads_replay_the_planners_own_lead(state, how):
         assert q[how]["chain:4"] == pytest.approx(p.lead[("chain", 4)][1], rel=1e-3)
     steps, rows = plan_log.leads(calls)[-1]["steps"]["chain:4"], plan_log.leads(calls)[-1]["rows"]["chain:4"]
     assert steps < 0.5 < 0.9 < rows  # the tail's 0.05 against the batch's 1.1-1.3
+
+
+def test_state_replay_reproduces_the_logged_openings_and_reweighs_them():
+    """--replay-state: the observations of two tasks (a warm-up and a timed pass each, both starting from the state
+    after the task before, as infer.bench runs them) fed to a planner of the logged state reproduce each call's
+    logged opening estimates and first choice; under rows_kv the chain of 4's lead over the chain of 2 keeps the
+    batch's value instead of its one-request tail's, and the best rate at the logged prices moves to the chain of 4."""
+    from infer.planner import StepPlanner
+
+    table = {("ar", 1): 1.0, ("chain", 2): 1.0, ("chain", 4): 1.5}
+    calls, tokens, costs = [], None, None
+    for task in ("gsm8k", "mbpp"):
+        saved = tokens
+        for phase in ("warmup", "timed"):
+            p = StepPlanner(table)
+            if costs is not None:
+                p.load_cost_state(costs)
+            if saved is not None:
+                p.load_token_state(saved)
+            p.start_log()
+            p.choose()  # the opening choice, logged with its estimates once a cost state is loaded
+            for i in range(100):
+                rows = 64 - i if i < 40 else 1  # a drained batch, then 60 steps of its last request
+                run, pair = (3.2, 1.9) if i < 40 else (1.95, 1.9)
+                p.observe(("chain", 4), run, 1.5 if i < 40 else 1.6, rows)
+                p.observe_paired(("chain", 2), pair, rows)
+            tokens, costs = p.token_state(), p.cost_state()
+            calls.append(dict(CALL, tag={"label": "p", "task": task, "turn": 0, "pass": phase}, log=p.logged()))
+    steps = plan_log.state_replay(calls, "steps")
+    # gsm8k's passes open with no acceptance yet (AR alone has an estimate), mbpp's from gsm8k's timed pass
+    assert [(q["tag"]["task"], q["pick"], list(q["replayed"])) for q in steps[:2]] == [("gsm8k", "ar:1", ["ar:1"])] * 2
+    for q in steps:
+        assert q["replayed"] == pytest.approx(q["logged"], rel=1e-3)
+    assert [(q["chose"], q["pick"]) for q in steps[2:]] == [("chain:2", "chain:2")] * 2
+    rows = plan_log.state_replay(calls, "rows_kv")
+    for q, s in zip(rows[2:], steps[2:]):
+        assert q["replayed"]["chain:4"] > s["replayed"]["chain:4"] + 0.5 and q["pick"] == "chain:4"

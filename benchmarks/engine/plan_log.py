@@ -1,7 +1,7 @@
 """Summarise a planner step log (``DSPINE_PLAN_LOG=FILE``, ``infer.planner.StepPlanner.start_log``).
 
     python benchmarks/engine/plan_log.py FILE [--batch 32] [--temperature 0] [--pass timed] [--label p] [--json OUT]
-        [--persistence 16] [--estimates] [--cost-share S] [--kv] [--drain-finish] [--leads]
+        [--persistence 16] [--estimates] [--cost-share S] [--kv] [--drain-finish] [--leads] [--replay-state S]
 
 One summary per point (batch, temperature) of the calls kept (one ``--budget auto`` generate call per line;
 infer.bench makes one per task, turn and pass: ``tag.pass`` is ``start`` for its start-up warm-up, ``warmup`` for a
@@ -23,7 +23,8 @@ kept with every mode not run following a run mode's drift by the share S, agains
 step the batch's last request realized against the drain rule's mapping replayed on the refresh (:func:`drain_finish`;
 one ``--label``, every pass); ``--leads``, per call, each chain's lead over the narrower chain paired on its steps at
 the call's end, replayed with steps weighed alike and by their live requests (:func:`leads`; one ``--label``, every
-pass).
+pass); ``--replay-state S``, per call, its first choice's estimates as logged and as replayed under planner state S
+(:func:`state_replay`; one ``--label``, every pass).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from infer.planner import (  # noqa: E402
     FIRST_TIMED,
     LOG_CLIP,
     PERSIST_EARLY,
+    PLAN_STATES,
     drain_spread,
     drain_tokens,
     persist_variance,
@@ -431,6 +433,55 @@ def _settle_lead(state: dict, names: list, run, paired: dict, rmax: int, slow: f
         lead[run[0]] = (ref, diff if n == 1 else x + k * (diff - x), n, w)
 
 
+def state_replay(calls: list[dict], state: str) -> list[dict]:
+    """One planner's observations (its ``o`` and ``p`` records) fed in log order to a ``StepPlanner`` of ``state``
+    (``infer.planner.PLAN_STATES``), its acceptance and cost state carried from call to call as ``infer.bench`` carries
+    them (each task's passes start from the acceptance after the previous task's timed passes: its warm-up passes
+    for every turn first, then its timed ones), and each call's opening estimates, before any of its steps: what that
+    state would have judged the call's first choice on. Under the state the log was written with it reproduces the
+    logged estimates (the observations do not depend on the state; the choices they came from do, so later calls
+    drift from what that state would have run). Give one ``--label``, every pass.
+
+    Returns:
+        Per call with a first choice that logged estimates, ``{"tag", "logged", "replayed", "chose", "pick"}``:
+        ``logged`` and ``replayed`` the committed tokens per request per mode (``{name: tokens}``), ``chose`` the
+        mode the call chose first and ``pick`` the mode of the highest rate with the replayed estimates at the logged
+        prices (each mode's logged rate × replayed ÷ logged estimate: under the drain rule its logged factor, not
+        one mapped again).
+    """
+    from infer.planner import StepPlanner
+
+    out, tokens, costs, saved, last = [], None, None, None, None
+    for c in calls:
+        names = c["log"][0]
+        modes = [(n.split(":")[0], int(n.split(":")[1])) for n in names]
+        phase = (c.get("tag") or {}).get("pass")
+        if phase == "warmup" and last != "warmup":
+            saved = tokens
+        elif phase == "timed" and last == "warmup":
+            tokens = saved
+        last = phase
+        p = StepPlanner({m: 1.0 for m in modes}, state=state)  # (unit table: the ratios are the step times)
+        if costs is not None:
+            p.load_cost_state(costs)
+        if tokens is not None:
+            p.load_token_state(tokens)
+        first = next((e for e in c["log"][1:] if e[0] == "c" and len(e) == 8 and e[5] and e[6]), None)
+        if first is not None:
+            est = p.expected()
+            rates = {n: r * est[m] / x for n, m, r, x in zip(names, modes, first[5], first[6]) if r and x and est.get(m)}
+            out.append({"tag": c.get("tag"), "chose": names[first[2]], "pick": max(rates, key=rates.get),
+                        "logged": {n: x for n, x in zip(names, first[6]) if x is not None},
+                        "replayed": {n: est[m] for n, m in zip(names, modes) if est.get(m) is not None}})
+        for e in c["log"][1:]:
+            if e[0] == "o":
+                p.observe(modes[e[1]], e[2], e[3], e[4])
+            elif e[0] == "p":
+                p.observe_paired(modes[e[1]], e[2], e[4])
+        tokens, costs = p.token_state(), p.cost_state()
+    return out
+
+
 def cost_replay(calls: list[dict], share: float, decay: float = 0.1) -> list[dict]:
     """The planner's online step-time model (``StepPlanner.observe``: a timed step moves its mode's estimate by
     ``decay`` × the log residual, clipped to ``LOG_CLIP``) replayed over ``calls`` in log order, with every other mode's
@@ -634,6 +685,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--leads", action="store_true",
                     help="also: per call, each chain's lead over its paired narrower chain at the call's end, replayed "
                          "with steps weighed alike and by live requests (leads(); one --label, every pass)")
+    ap.add_argument("--replay-state", default=None, choices=list(PLAN_STATES), metavar="STATE",
+                    help="also: one planner's observations replayed under planner state STATE (steps, kv, rows_kv), "
+                         "each call's opening estimates as logged and as replayed (state_replay(); one --label, every "
+                         "pass)")
     ap.add_argument("--estimates", action="store_true",
                     help="also: per call and mode, the mean estimated committed tokens per request (before the drain "
                          "rule) and confidence against the committed tokens of its steps (estimates(); logs from "
@@ -723,6 +778,13 @@ def main(argv: list[str] | None = None) -> int:
                   "steps weighed alike / by their live requests")
             for q in row["leads"]:
                 print(f"  {_where(q['tag'])}: " + ", ".join(f"{m} {x:.3f}/{q['rows'][m]:.3f}" for m, x in q["steps"].items()))
+        if args.replay_state is not None:
+            row["state_replay"] = state_replay(group, args.replay_state)
+            print(f"per call: its first choice's estimates as logged -> its choice; replayed under state "
+                  f"{args.replay_state} -> the best rate at the logged prices")
+            for q in row["state_replay"]:
+                fmt = lambda d: ", ".join(f"{n} {x:.3f}" for n, x in d.items() if not n.startswith("ar"))  # noqa: E731
+                print(f"  {_where(q['tag'])}: {fmt(q['logged'])} -> {q['chose']}; {fmt(q['replayed'])} -> {q['pick']}")
         if args.estimates:
             row["estimates"] = estimates(group)
             print("per call and mode: mean estimate / mean confidence -> realized committed tokens per request "
