@@ -1220,7 +1220,9 @@ def planner_state_section() -> list[str]:
             "at 64 and gained nothing at 32, and was removed. At 64 every planner's loss is mt-bench's first turn, "
             "which ran the chain of 2 for all its 324 steps: the chain of 4 was priced as the chain of 2 plus a lead "
             "of 0.23 tokens carried from the last steps of mbpp's call, where one to four requests were left "
-            "(`plan_log.py LOG --leads`: 0.89 with each step weighed by its requests; docs/planner.md, \"State\"). "
+            "(`plan_log.py LOG --leads`: 0.91 with each step weighed by its requests; replayed under `rows_kv`, "
+            "`plan_log.py LOG --label p --replay-state rows_kv`, the turn opens with the chain of 4; docs/planner.md, "
+            "\"State\"). "
             "The planfair points with `PLAN_STATE=kv` follow in the table above (`verify-statekv-*-h100.json`).", "",
             *table, "", "Commands: " + "; ".join(dict.fromkeys(f"`{r['command']}`" for _, _, _, r, _, _ in rows))
             + ". Step logs: [`plan-logs-h100-2026-12-07-state.tar.xz`](results/plan-logs-h100-2026-12-07-state.tar.xz).",
