@@ -458,3 +458,40 @@ def test_state_replay_reproduces_the_logged_openings_and_reweighs_them():
     rows = plan_log.state_replay(calls, "rows_kv")
     for q, s in zip(rows[2:], steps[2:]):
         assert q["replayed"]["chain:4"] > s["replayed"]["chain:4"] + 0.5 and q["pick"] == "chain:4"
+
+
+def test_leads_replay_paired_modes_leads_per_label_and_drop_a_warmups_end(capsys, tmp_path):
+    """--leads replays every lead the planner keeps: on a step of the chain of 8 or of a tree, the paired chain of 4's
+    lead over the chain of 2 (StepPlanner.observe_paired) as well as the run mode's; each label's planner is carried
+    apart, and a warmup pass's end is dropped (infer.bench restores the planner's memory after it)."""
+    from infer.planner import StepPlanner
+
+    table = {("ar", 1): 1.0, ("chain", 2): 1.2, ("chain", 4): 1.5, ("chain", 8): 2.0, ("tree", 16): 2.5}
+    pairs = {("chain", 8): [("chain", 2), ("chain", 4)], ("tree", 16): [("chain", 2), ("chain", 4), ("chain", 8)],
+             ("chain", 4): [("chain", 2)]}
+    plans = {"a": [("chain", 8), ("tree", 16), ("chain", 4)], "b": [("chain", 4), ("tree", 16)]}
+    calls, want, carried = [], [], {}
+    for k, phase in enumerate(["timed", "warmup", "timed"]):
+        for label, modes in plans.items():
+            p = StepPlanner(table, state="rows_kv")
+            if label in carried:
+                p.load_token_state(carried[label])
+            p.start_log()
+            for i in range(30):
+                mode, rows = modes[(i + k) % len(modes)], 32 - i
+                p.observe(mode, 2.0 + 0.1 * (i % 4) + k, 2.0, rows, 100.0 * rows)
+                for j, m in enumerate(pairs[mode]):
+                    p.observe_paired(m, 1.0 + 0.3 * j + 0.05 * (i % 3) - 0.2 * k * (label == "b"), rows)
+            if phase != "warmup":
+                carried[label] = p.token_state()
+            calls.append(dict(CALL, tag={"label": label, "task": "t", "turn": k, "pass": phase}, log=p.logged()))
+            want.append({f"{m[0]}:{m[1]}": v[1] for m, v in p.lead.items()})
+    got = plan_log.leads(calls)
+    for q, w in zip(got, want):
+        assert set(q["rows"]) == set(w) and set(w) >= {"chain:4", "chain:8"}
+        assert all(q["rows"][m] == pytest.approx(w[m], rel=1e-3, abs=1e-4) for m in w)
+    # the chain of 4's lead moves on the chain of 8's and the tree's steps too (0.3 over the chain of 2 there, 1.0-1.15
+    # on its own steps): between the two, not its own steps' alone
+    assert 0.4 < got[0]["steps"]["chain:4"] < 0.9
+    assert plan_log.main([str(_write(tmp_path, *calls)), "--leads"]) == 0
+    assert f"a t 0 timed: chain:4 {got[0]['steps']['chain:4']:.3f}/{got[0]['rows']['chain:4']:.3f}" in capsys.readouterr().out

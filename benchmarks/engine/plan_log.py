@@ -21,10 +21,10 @@ kept with every mode not run following a run mode's drift by the share S, agains
 ``rows_kv``, the within-mode slope of step time on the live requests' context tokens (:func:`kv_fit`);
 ``--drain-finish``, per call, where the rest of the call ran one speculative mode after a drain refresh, the tokens per
 step the batch's last request realized against the drain rule's mapping replayed on the refresh (:func:`drain_finish`;
-one ``--label``, every pass); ``--leads``, per call, each chain's lead over the narrower chain paired on its steps at
-the call's end, replayed with steps weighed alike and by their live requests (:func:`leads`; one ``--label``, every
-pass); ``--replay-state S``, per call, its first choice's estimates as logged and as replayed under planner state S
-(:func:`state_replay`; one ``--label``, every pass).
+one ``--label``, every pass); ``--leads``, per call, each paired mode's lead (a chain's over the narrower chain paired on
+its steps) at the call's end, replayed with steps weighed alike and by their live requests (:func:`leads`; every pass:
+each label's carried apart); ``--replay-state S``, per call, its first choice's estimates as logged and
+as replayed under planner state S (:func:`state_replay`; one ``--label``, every pass).
 """
 
 from __future__ import annotations
@@ -389,48 +389,70 @@ def kv_fit(calls: list[dict]) -> list[dict]:
 
 
 def leads(calls: list[dict], slow: float = 0.02) -> list[dict]:
-    """The lead of each chain run over the widest narrower chain paired on its steps (``StepPlanner._lead``: the run
-    chain's committed tokens per request less the paired chain's), replayed over ``calls`` in log order and carried
-    from call to call as the planner carries it, two ways: each step weighed alike (``max(slow, 1 / n)``, states
-    ``"steps"`` and ``"kv"``) and each step weighed by its live requests r (``max(1 − (1 − slow)^(r / R), r / W)``, R
-    the most requests a step had, W the requests of the lead's steps so far: state ``"rows_kv"``,
-    ``StepPlanner._weight``). Give one planner's calls (one ``--label``, every pass). Chains only (a tree's leads are
-    over paired trees).
+    """The leads of paired modes (``StepPlanner.observe_paired`` and ``_lead``: the run mode's committed tokens per
+    request less those of the largest mode paired on its step, and each paired mode's less the largest smaller mode
+    paired before it on the same step, e.g. the chain of 4's over the chain of 2 on a step of the chain of 8 or of a
+    tree; a reference ranking above the lead's present one replaces it and the average starts again, one ranking below
+    is not used), replayed over ``calls`` in log order and carried from call to call as infer.bench's planner carries
+    them (per ``tag.label`` and ``tag.run``; a ``"warmup"`` pass starts from the state before it and its end is
+    dropped: infer.bench restores the planner's memory after it), two ways: each step weighed alike
+    (``max(slow, 1 / n)``, states ``"steps"`` and ``"kv"``) and each step weighed by its live requests r
+    (``max(1 − (1 − slow)^(r / R), r / W)``, R the most requests a step had, W the requests of the lead's steps so
+    far: state ``"rows_kv"``, ``StepPlanner._weight``).
 
     Returns:
-        Per call, ``{"tag", "steps": {mode: lead}, "rows": {mode: lead}}`` at the call's end (mode as ``chain:N``,
-        tokens per request per step; only modes with a lead so far).
+        Per call, ``{"tag", "steps": {mode: lead}, "rows": {mode: lead}}`` at the call's end (mode as ``chain:N`` or
+        ``tree:N``, tokens per request per step; only modes with a lead so far).
     """
-    state = {"steps": {}, "rows": {}}  # mode -> (ref, lead, n, W)
-    rmax, out = 1, []
+    carried, out = {}, []  # (label, run) -> {"steps" | "rows": {mode name: (ref, lead, n, W)}, "rmax": R}
     for c in calls:
+        tag = c.get("tag") if isinstance(c.get("tag"), dict) else {}
+        who = (tag.get("label"), tag.get("run"))
+        had = carried.get(who, {"steps": {}, "rows": {}, "rmax": 1})
+        state = {"steps": dict(had["steps"]), "rows": dict(had["rows"]), "rmax": had["rmax"]}
         names = c["log"][0]
-        run, paired = None, {}  # (mode index, tokens, rows) of the step observed last; its paired chains' tokens
-        for e in c["log"][1:] + [["o", None, None, 0]]:  # a closing observation settles the call's last step
+        run, paired = None, {}  # (mode, tokens) of the step observed last; its paired modes' tokens
+        for e in c["log"][1:]:
             if e[0] == "o":
-                _settle_lead(state, names, run, paired, rmax, slow)
-                rmax = max(rmax, e[3] if e[1] is None else e[4])
-                chain = e[1] is not None and names[e[1]].startswith("chain:") and e[2] is not None
-                run, paired = ((e[1], e[2], e[4]) if chain else None), {}
-            elif e[0] == "p" and run is not None and names[e[1]].startswith("chain:") and e[2] is not None:
-                paired[e[1]] = e[2]
-        out.append({"tag": c.get("tag"), **{how: {names[m]: v[1] for m, v in lead.items()} for how, lead in state.items()}})
+                state["rmax"] = max(state["rmax"], e[4])
+                run, paired = (names[e[1]], e[2]), {}
+            elif e[0] == "p" and run is not None:
+                m, x, r = names[e[1]], e[2], max(e[4], 1)
+                if not run[0].startswith("ar:") and run[0] != m:
+                    _lead_step(state, run[0], m, run[1] - x, r, slow)
+                below = [i for i in paired if _rank(i) < _rank(m)]
+                if below:
+                    ref = max(below, key=_rank)
+                    _lead_step(state, m, ref, x - paired[ref], r, slow)
+                paired[m] = x
+        if tag.get("pass") != "warmup":
+            carried[who] = state
+        out.append({"tag": c.get("tag"),
+                    **{how: {m: state[how][m][1] for m in sorted(state[how], key=_rank)} for how in ("steps", "rows")}})
     return out
 
 
-def _settle_lead(state: dict, names: list, run, paired: dict, rmax: int, slow: float) -> None:
-    """:func:`leads`' update of one observed chain step ``run`` (mode index, tokens, rows) with its ``paired`` chains'
-    tokens, both weighings (``state``: {"steps" | "rows": {mode: (ref, lead, steps, requests)}})."""
-    if run is None or not paired:
-        return
-    ref = max(paired, key=lambda i: int(names[i].split(":")[1]))
-    diff, r = run[1] - paired[ref], max(run[2], 1)
-    for how, lead in state.items():
-        cur = lead.get(run[0])
-        _, x, n, w = cur if cur is not None and cur[0] == ref else (ref, 0.0, 0, 0.0)
-        n, w = n + 1, w + r
-        k = max(slow, 1 / n) if how == "steps" else max(1 - (1 - slow) ** (r / rmax), r / w)
-        lead[run[0]] = (ref, diff if n == 1 else x + k * (diff - x), n, w)
+def _rank(name: str) -> tuple[bool, int]:
+    """``infer.planner._lead_rank`` of a logged mode name (``chain:N``, ``tree:N``): chains below trees, by size."""
+    kind, n = name.split(":")
+    return kind == "tree", int(n)
+
+
+def _lead_step(state: dict, mode: str, ref: str, diff: float, rows: int, slow: float) -> None:
+    """:func:`leads`' ``StepPlanner._lead``: one paired step's ``diff`` (``mode``'s tokens less ``ref``'s, logged mode
+    names) into ``mode``'s lead, both weighings (``state``: {"steps" | "rows": {mode: (ref, lead, steps,
+    requests)}, "rmax": R})."""
+    for how in ("steps", "rows"):
+        lead = state[how]
+        cur = lead.get(mode)
+        if cur is not None and cur[0] != ref:
+            if _rank(ref) < _rank(cur[0]):
+                continue
+            cur = None
+        _, x, n, w = cur if cur is not None else (ref, 0.0, 0, 0.0)
+        n, w = n + 1, w + rows
+        k = max(slow, 1 / n) if how == "steps" else max(1 - (1 - slow) ** (rows / state["rmax"]), rows / w)
+        lead[mode] = (ref, diff if n == 1 else x + k * (diff - x), n, w)
 
 
 def state_replay(calls: list[dict], state: str) -> list[dict]:
@@ -683,8 +705,9 @@ def main(argv: list[str] | None = None) -> int:
                          "its last request realized against the drain rule's mapping replayed (keep one --label and "
                          "every pass: drain_finish())")
     ap.add_argument("--leads", action="store_true",
-                    help="also: per call, each chain's lead over its paired narrower chain at the call's end, replayed "
-                         "with steps weighed alike and by live requests (leads(); one --label, every pass)")
+                    help="also: per call, each paired mode's lead (a chain's over its paired narrower chain) at the "
+                         "call's end, replayed with steps weighed alike and by live requests (leads(); every pass, "
+                         "each --label carried apart)")
     ap.add_argument("--replay-state", default=None, choices=list(PLAN_STATES), metavar="STATE",
                     help="also: one planner's observations replayed under planner state STATE (steps, kv, rows_kv), "
                          "each call's opening estimates as logged and as replayed (state_replay(); one --label, every "
@@ -774,10 +797,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {_where(q['tag'])}: {q['timed_steps']}, {q['kv_first']} -> {q['kv_last']}, {slope}")
         if args.leads:
             row["leads"] = leads(group)
-            print("per call: each chain's lead over the widest narrower chain paired on its steps at the call's end, "
-                  "steps weighed alike / by their live requests")
+            print("per call: each paired mode's lead over its reference (a chain's: the widest narrower chain paired "
+                  "on its steps) at the call's end, steps weighed alike / by their live requests")
             for q in row["leads"]:
                 print(f"  {_where(q['tag'])}: " + ", ".join(f"{m} {x:.3f}/{q['rows'][m]:.3f}" for m, x in q["steps"].items()))
+            if not any(e[0] == "p" for c in group for e in c["log"][1:]):
+                print("  (no paired observations in these calls: no lead to replay; logs written before the engine "
+                      "logged them lack them)")
         if args.replay_state is not None:
             row["state_replay"] = state_replay(group, args.replay_state)
             print(f"per call: its first choice's estimates as logged -> its choice; replayed under state "
