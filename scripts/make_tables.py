@@ -82,6 +82,21 @@ FAIR_FILES = [(f"verify-{run}{kind}-{gpu}.json", how) for run, gpus in (
     ("invariant", "drafter-invariant verification: the chain and the planner decode AR's sampled text, no tree"))]
 
 
+def _settings(pts: list[dict]) -> str:
+    """The planner settings of ``pts`` not the engine's defaults (bench_tree.py --plan-state, --plan-drain-model), as a
+    caption's clause: ``"; planner state kv at every point"``, ``"; planner state kv at concurrency 32 T = 1"``; ""
+    with none."""
+    out = []
+    for key, what in (("plan_state", "planner state"), ("plan_drain_model", "drain model")):
+        vals = dict.fromkeys(p[key] for p in pts if p.get(key))
+        for v in vals:
+            at = [p for p in pts if p.get(key) == v]
+            where = "every point" if len(at) == len(pts) else ", ".join(
+                f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in at)
+            out.append(f"{what} {v} at {where}")
+    return "".join(f"; {x}" for x in out)
+
+
 def _commit(p: dict) -> str:
     """The commit a planner point ran at (its provenance; "?" when not recorded)."""
     return str((p.get("provenance") or {}).get("commit") or "?")
@@ -193,7 +208,7 @@ def _glance_rows(load) -> list[str]:
             continue
         commit = ", ".join(dict.fromkeys(_commit(p)[:7] for p in pts))
         row = _planner_row(pts, name, f" ({(hx or {}).get('gpu') or '?'}, {str((hx or {}).get('date', ''))[:10]}, "
-                           f"commit {commit}, {how})",
+                           f"commit {commit}, {how}{_settings(pts)})",
                            what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
         if row:
             rows.append(row)
@@ -206,7 +221,7 @@ def _glance_rows(load) -> list[str]:
         commit = ", ".join(dict.fromkeys(_commit(p)[:7] for p in pts))
         row = _planner_row(pts, ", ".join(dict.fromkeys(name for _, name in got)),
                            f" ({gpu}, each point at the commit of its latest run, the lowest of its runs there: commit "
-                           f"{commit}; {how})",
+                           f"{commit}; {how}{_settings(pts)})",
                            what=", ".join(f"concurrency {p['concurrency']} T = {p['temperature']:g}" for p in pts))
         if row:
             rows.append(row)

@@ -168,6 +168,11 @@ def test_goals_row_of_another_card_takes_each_points_latest_run(empty_results):
     (res / "verify-again-invariant-h100.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "planner": again}))
     row = next(x for x in make_tables.glance_section() if x.startswith("| Planner"))
     assert "2 of 2 points ≥ 0.98" in row and "verify-again-invariant-h100.json" in row
+    assert "planner state" not in row  # every point at the engine's defaults
+    again[0]["plan_state"] = "kv"  # a point run with bench_tree.py --plan-state: the row says so
+    (res / "verify-again-invariant-h100.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3", "planner": again}))
+    row = next(x for x in make_tables.glance_section() if x.startswith("| Planner"))
+    assert "no tree; planner state kv at concurrency 32 T = 1)" in row
 
 
 def test_planner_table_names_the_seeds_of_a_point():
