@@ -18,6 +18,8 @@
 #             drafter-invariant verification (--invariant: AR's sampled text, no tree) -> results/verify-invariant-h200.json
 #             (the planner stage's fast-mode ratios compare texts that part at bf16 near-ties: H100, 2026-12-05) ~13;
 #             PLAN_STATE and PLAN_DRAIN (bench_tree.py --plan-state, --plan-drain-model) set the planner's, else the engine's
+#             (checked before any stage runs; the points --merge into the same two files, replacing the points there
+#             of the same concurrency and T: set RESULTS, or rename the files after, to keep both)
 #   exact     bench_exact.py (8B identity, SmolLM2 identity, cost) -> results/exact-h200.json ~7
 #   hybrid    hybrid_lossless.py -> results/hybrid-h200.json                                   ~0.7
 #   profile   profile_step.py -> results/profile-step-h200.json                                ~1
@@ -66,10 +68,11 @@
 #             slower than the fixed chain's at concurrency 8, T=0) -> results/planner-switch-exact-h200.json ~2.5
 #   tables    scripts/make_tables.py (README results block)
 # Runs `python` from PATH (the environment with the project installed). An unknown stage, or a GPU stage without
-# CUDA, stops the script before anything runs.
+# CUDA, or a PLAN_STATE / PLAN_DRAIN outside infer.planner's, stops the script before anything runs.
 # Every stage's wall clock goes to $WORK/timings.jsonl. Knobs (env): WORK (runs/reproduce), GGUF, DRAFT
 # (checkpoints/smollm2-135m-dspine), RESULTS (results), GPU_TAG (h200: the suffix of every results file), SEEDS (the
-# planner stage's sampling seeds at T = 1, default one run: see the planner stage), RUNS (planest: runs a point, 2),
+# planner stage's sampling seeds at T = 1, default one run: see the planner stage), RUNS (planest, planstate: runs a
+# point, 2), PLAN_STATE and PLAN_DRAIN (planfair),
 # WIDE_WEIGHTS (linearwide: the weights tuned, default all four; "gate_up down", three quarters of a layer's bytes,
 # takes about half the time).
 set -euo pipefail
@@ -86,6 +89,13 @@ STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
 done
+# a bad PLAN_STATE or PLAN_DRAIN would stop the run at planfair, after the stages before it
+if [[ " $STAGES " == *" planfair "* ]] && [ -n "${PLAN_STATE:-}${PLAN_DRAIN:-}" ]; then
+  python -c 'import sys; from infer.planner import PLAN_STATES as S, DRAIN_MODELS as D
+for env, v, ok in (("PLAN_STATE", sys.argv[1], S), ("PLAN_DRAIN", sys.argv[2], D)):
+    if v and v not in ok:
+        sys.exit(f"reproduce_h200.sh: {env}={v!r}: expected one of " + ", ".join(ok))' "${PLAN_STATE:-}" "${PLAN_DRAIN:-}" || exit 2
+fi
 for s in $STAGES; do  # every stage but convert and tables measures on the GPU: refuse to start without one
   if [[ $s != convert && $s != tables ]]; then
     python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2> /dev/null || {

@@ -13,8 +13,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(tmp_path, *stages):
-    env = {**os.environ, "RESULTS": str(tmp_path / "r"), "WORK": str(tmp_path / "w"),
+def _run(tmp_path, *stages, **extra):
+    env = {**os.environ, **extra, "RESULTS": str(tmp_path / "r"), "WORK": str(tmp_path / "w"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     return subprocess.run(["bash", str(ROOT / "scripts" / "reproduce_h200.sh"), *stages], env=env, capture_output=True,
                           text=True, timeout=120)
@@ -23,6 +23,13 @@ def _run(tmp_path, *stages):
 def test_unknown_stage_is_refused(tmp_path):
     r = _run(tmp_path, "planner", "planswich")
     assert r.returncode == 2 and "unknown stage 'planswich'" in r.stderr and "planswitch" in r.stderr
+    assert not (tmp_path / "w").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("env, value", [("PLAN_STATE", "bogus"), ("PLAN_DRAIN", "persist_len")])
+def test_planfair_refuses_an_unknown_state_or_drain_model_before_any_stage(tmp_path, env, value):
+    r = _run(tmp_path, "planner", "planfair", **{env: value})
+    assert r.returncode == 2 and f"{env}={value!r}: expected one of" in r.stderr
     assert not (tmp_path / "w").exists()  # nothing ran
 
 
