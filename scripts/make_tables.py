@@ -1227,13 +1227,22 @@ def planner_state_section() -> list[str]:
     table, rows = _ab_table(names, ("",), labels, ("p (steps, persist)", "pk (kv)", "pl (persist_len)", "pkl (both)"))
     if not rows:
         return []
+    c64 = load(names[(64, "")])
+    share = ""
+    if c64:  # each planner's seconds over the chain of 4, and the part of them spent on mt-bench
+        over = {lab: [(t["task"], t["drafts"][lab]["seconds"] - t["drafts"]["chain4"]["seconds"]) for t in c64["tasks"]]
+                for lab in labels if all(lab in t["drafts"] and "chain4" in t["drafts"] for t in c64["tasks"])}
+        parts = [f"{lab} {sum(x for k, x in v if k == 'mt-bench') / sum(x for _, x in v):.0%}" for lab, v in over.items()
+                 if sum(x for _, x in v) > 0]
+        share = f" ({', '.join(parts)} of each planner's seconds over the chain of 4)" if parts else ""
     return ["#### The planner's state and drain lengths at the two points the default missed (A/B, one run a point)", "",
             "Stage `planstate` of `scripts/reproduce_h200.sh` with `RUNS=1` on one H100 (2026-12-07; an H200 was asked "
             "for): concurrency 64 at T = 0 in exact mode and concurrency 32 at T = 1 with drafter-invariant "
             "verification (top-p 0.95, top-k 20), SmolLM2-135M-Instruct with the shipped draft, 64 prompts a task, 512 "
             "new tokens; tok/s pools the five tasks. The chain of 4 is the best fixed mode at both. `persist_len` lost "
-            "at 64 and gained nothing at 32, and was removed. At 64 every planner's loss is mt-bench's first turn, "
-            "which ran the chain of 2 for all its 324 steps: the chain of 4 was priced as the chain of 2 plus a lead "
+            "at 64 and gained nothing at 32, and was removed. At 64 most of the planners' loss is on mt-bench"
+            f"{share}, whose first turn every planner ran on the chain of 2 (324 steps; pk 2 of them on AR): the "
+            "chain of 4 was priced as the chain of 2 plus a lead "
             "of 0.23 tokens carried from the last steps of mbpp's call, where one to four requests were left "
             "(`plan_log.py LOG --leads`: 0.91 with each step weighed by its requests; replayed under `rows_kv`, "
             "`plan_log.py LOG --label p --replay-state rows_kv`, the turn opens with the chain of 4; docs/planner.md, "
