@@ -1317,8 +1317,11 @@ class Engine:
         # tree steps (the drain rule, infer.planner "Drain"); reset when the slot is refilled
         row_tokens, row_steps, row_sq = [0] * B, [0] * B, [0] * B
         drain_age = 0  # choices since the queue ran dry: the batch goes to the planner every PLAN_DRAIN_EVERY
-        # states kv, rows_kv: each slot's context tokens as of the last snapshot read (a released slot keeps its own)
-        ctx = s.lengths.tolist() if planner.state != "steps" else None
+        # states kv, rows_kv: each slot's context tokens as of the last snapshot read (a released slot keeps its own).
+        # Every slot is admitted before the loop (generate: B <= prompts) and set at the first snapshot read; until
+        # then a slot counts as refilled (prompt + 1): no start value is read, so none is fetched from the device (a
+        # sync that would hold the first launch behind the prefill)
+        ctx = [0] * B if planner.state != "steps" else None
         while True:
             t0 = time.perf_counter()
             drain = None

@@ -335,8 +335,8 @@ def test_tree_step_counts_the_chain_with_the_triton_kernels_interpreted(stories_
 
 
 def test_planner_state_rows_kv_gets_the_live_requests_context_tokens(stories_dir, stories, monkeypatch):  # noqa: F811
-    """Engine.plan_state="kv" / "rows_kv": every choice and observation gets the live requests' context tokens (prompt +
-    committed). The first choice's are the prompts' plus their first tokens; between two observations of the same
+    """Engine.plan_state="kv" / "rows_kv": every choice and observation gets every slot's context tokens (prompt +
+    committed; here every slot's request is live until it finishes). The first choice's are the prompts' plus their first tokens; between two observations of the same
     live requests they grow by what the first committed (tokens per request × requests); the output stays AR's."""
     _, _, folder = stories
     params = SamplingParams(max_new_tokens=16)
