@@ -1100,8 +1100,9 @@ class StepPlanner:
         """Record what a step of ``mode`` *would have* committed in the step just observed (:meth:`observe`),
         which ran another mode (module docstring, "Paired observations"): token averages, and calibration
         against the confidence given with that step; no time, no choice consumed, no probe settled. Leads: the run
-        mode's over the largest mode paired on its steps (a chain, or a smaller tree inside the run tree), and a paired
-        tree's over the largest smaller mode paired before it on the same step; give a step's paired modes smallest
+        mode's over the largest mode paired on its steps (a chain, or a smaller tree inside the run tree), and any
+        paired mode's over the largest smaller mode paired before it on the same step (a tree's, and a chain's: the
+        chain of 4 paired after the chain of 2 on a step of the chain of 8 or of a tree); give a step's paired modes smallest
         first (chains, then trees by size). Raises ValueError for a mode outside the cost table."""
         if mode not in self.table:
             raise ValueError(f"paired mode {mode} is not in the planner's cost table {sorted(self.table)}")
