@@ -24,7 +24,7 @@ step the batch's last request realized against the drain rule's mapping replayed
 one ``--label``, every pass); ``--leads``, per call, each paired mode's lead (a chain's over the narrower chain paired on
 its steps) at the call's end, replayed with steps weighed alike and by their live requests (:func:`leads`; every pass:
 each label's carried apart); ``--replay-state S``, per call, its first choice's estimates as logged and
-as replayed under planner state S (:func:`state_replay`; one ``--label``, every pass).
+as replayed under planner state S (:func:`state_replay`; every pass: each label's carried apart).
 """
 
 from __future__ import annotations
@@ -404,11 +404,10 @@ def leads(calls: list[dict], slow: float = 0.02) -> list[dict]:
         Per call, ``{"tag", "steps": {mode: lead}, "rows": {mode: lead}}`` at the call's end (mode as ``chain:N`` or
         ``tree:N``, tokens per request per step; only modes with a lead so far).
     """
-    carried, out = {}, []  # (label, run) -> {"steps" | "rows": {mode name: (ref, lead, n, W)}, "rmax": R}
+    book, out = {}, []  # (label, run) -> _pass_start's; its state {"steps" | "rows": {mode: (ref, lead, n, W)}, "rmax"}
     for c in calls:
-        tag = c.get("tag") if isinstance(c.get("tag"), dict) else {}
-        who = (tag.get("label"), tag.get("run"))
-        had = carried.get(who, {"steps": {}, "rows": {}, "rmax": 1})
+        entry = _pass_start(book, c, {"steps": {}, "rows": {}, "rmax": 1})
+        had = entry["state"]
         state = {"steps": dict(had["steps"]), "rows": dict(had["rows"]), "rmax": had["rmax"]}
         names = c["log"][0]
         run, paired = None, {}  # (mode, tokens) of the step observed last; its paired modes' tokens
@@ -425,11 +424,26 @@ def leads(calls: list[dict], slow: float = 0.02) -> list[dict]:
                     ref = max(below, key=_rank)
                     _lead_step(state, m, ref, x - paired[ref], r, slow)
                 paired[m] = x
-        if tag.get("pass") != "warmup":
-            carried[who] = state
+        entry["state"] = state
         out.append({"tag": c.get("tag"),
                     **{how: {m: state[how][m][1] for m in sorted(state[how], key=_rank)} for how in ("steps", "rows")}})
     return out
+
+
+def _pass_start(book: dict, call: dict, init) -> dict:
+    """The planner memory a call of ``infer.bench`` starts from, per ``tag.label`` and ``tag.run`` (``book``: {(label,
+    run): {"state", "saved", "last"}}; ``init`` for a planner's first call): a task's warm-up passes (one per turn)
+    start from the state after the previous task's timed passes and carry from turn to turn, then its timed passes
+    start from that state again (infer.bench restores the memory after the warm-up). Returns the entry: read
+    ``entry["state"]`` and set it to the call's end state."""
+    tag = call.get("tag") if isinstance(call.get("tag"), dict) else {}
+    entry = book.setdefault((tag.get("label"), tag.get("run")), {"state": init, "saved": init, "last": None})
+    if tag.get("pass") == "warmup" and entry["last"] != "warmup":
+        entry["saved"] = entry["state"]
+    elif tag.get("pass") != "warmup" and entry["last"] == "warmup":
+        entry["state"] = entry["saved"]
+    entry["last"] = tag.get("pass")
+    return entry
 
 
 def _rank(name: str) -> tuple[bool, int]:
@@ -462,7 +476,7 @@ def state_replay(calls: list[dict], state: str) -> list[dict]:
     for every turn first, then its timed ones), and each call's opening estimates, before any of its steps: what that
     state would have judged the call's first choice on. Under the state the log was written with it reproduces the
     logged estimates (the observations do not depend on the state; the choices they came from do, so later calls
-    drift from what that state would have run). Give one ``--label``, every pass.
+    drift from what that state would have run). Each ``tag.label`` and ``tag.run`` is carried apart; give every pass.
 
     Returns:
         Per call with a first choice that logged estimates, ``{"tag", "logged", "replayed", "chose", "pick"}``:
@@ -473,16 +487,14 @@ def state_replay(calls: list[dict], state: str) -> list[dict]:
     """
     from infer.planner import StepPlanner
 
-    out, tokens, costs, saved, last = [], None, None, None, None
+    book, costs_of, out = {}, {}, []  # costs: carried through warm-ups too (infer.bench restores the acceptance only)
     for c in calls:
         names = c["log"][0]
         modes = [(n.split(":")[0], int(n.split(":")[1])) for n in names]
-        phase = (c.get("tag") or {}).get("pass")
-        if phase == "warmup" and last != "warmup":
-            saved = tokens
-        elif phase == "timed" and last == "warmup":
-            tokens = saved
-        last = phase
+        entry = _pass_start(book, c, None)
+        tag = c.get("tag") if isinstance(c.get("tag"), dict) else {}
+        who = (tag.get("label"), tag.get("run"))
+        tokens, costs = entry["state"], costs_of.get(who)
         p = StepPlanner({m: 1.0 for m in modes}, state=state)  # (unit table: the ratios are the step times)
         if costs is not None:
             p.load_cost_state(costs)
@@ -500,7 +512,7 @@ def state_replay(calls: list[dict], state: str) -> list[dict]:
                 p.observe(modes[e[1]], e[2], e[3], e[4])
             elif e[0] == "p":
                 p.observe_paired(modes[e[1]], e[2], e[4])
-        tokens, costs = p.token_state(), p.cost_state()
+        entry["state"], costs_of[who] = p.token_state(), p.cost_state()
     return out
 
 
@@ -710,8 +722,8 @@ def main(argv: list[str] | None = None) -> int:
                          "each --label carried apart)")
     ap.add_argument("--replay-state", default=None, choices=list(PLAN_STATES), metavar="STATE",
                     help="also: one planner's observations replayed under planner state STATE (steps, kv, rows_kv), "
-                         "each call's opening estimates as logged and as replayed (state_replay(); one --label, every "
-                         "pass)")
+                         "each call's opening estimates as logged and as replayed (state_replay(); every pass, each "
+                         "--label carried apart)")
     ap.add_argument("--estimates", action="store_true",
                     help="also: per call and mode, the mean estimated committed tokens per request (before the drain "
                          "rule) and confidence against the committed tokens of its steps (estimates(); logs from "
