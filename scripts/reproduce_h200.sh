@@ -89,6 +89,8 @@ STAGES=${*:-$ALL}
 for s in $STAGES; do
   [[ " $ALL " == *" $s "* ]] || { echo "reproduce_h200.sh: unknown stage '$s' (stages: $ALL)" >&2; exit 2; }
 done
+# RUNS (planest, planstate) is a count: `seq bogus` would stop those stages after the ones before them
+[[ -z "${RUNS:-}" || "${RUNS}" =~ ^[1-9][0-9]*$ ]] || { echo "reproduce_h200.sh: RUNS=${RUNS}: expected a count >= 1" >&2; exit 2; }
 # a bad PLAN_STATE or PLAN_DRAIN would stop the run at planfair, after the stages before it
 if [[ " $STAGES " == *" planfair "* ]] && [ -n "${PLAN_STATE:-}${PLAN_DRAIN:-}" ]; then
   python -c 'import sys; from infer.planner import PLAN_STATES as S, DRAIN_MODELS as D

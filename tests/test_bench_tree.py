@@ -143,6 +143,8 @@ def test_tiny_planner_point_over_seeds(stories_dir, draft_dir, tmp_path):
     (["--planner", "2:0", "--fixed-chains", "1"], "--fixed-chains '1': give chain widths in 2..64"),
     (["--planner", "2:0", "--plan-chains", "4,8"], "--plan-chains: plan_chains='4,8'; expected chain widths"),
     (["--fixed-chains", "2,4"], "--fixed-trees, --plan-trees, --fixed-chains and --plan-chains apply to --planner"),
+    (["--plan-state", "kv"], "--plan-state set the --planner points' planner: give --planner"),
+    (["--plan-state", "kv", "--plan-drain-model", "own"], "--plan-state and --plan-drain-model set the --planner points'"),
     (["--planner", "2:0", "--fixed-chains", "4,8"], "--fixed-chains 4,8: each width must be below the draft's block of 8"),
     (["--planner", "2:0", "--plan-chains", "2/12"], "--plan-chains 2,12: each width must be below the draft's block of 8"),
 ])

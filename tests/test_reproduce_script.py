@@ -33,6 +33,13 @@ def test_planfair_refuses_an_unknown_state_or_drain_model_before_any_stage(tmp_p
     assert not (tmp_path / "w").exists()  # nothing ran
 
 
+@pytest.mark.parametrize("runs", ["bogus", "0", "-1"])
+def test_runs_must_be_a_count_before_any_stage(tmp_path, runs):
+    r = _run(tmp_path, "planner", "planstate", RUNS=runs)
+    assert r.returncode == 2 and f"RUNS={runs}: expected a count >= 1" in r.stderr
+    assert not (tmp_path / "w").exists()  # nothing ran
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
 def test_gpu_stage_without_cuda_is_refused(tmp_path):
     r = _run(tmp_path, "convert", "planswitch")

@@ -394,6 +394,9 @@ def main(argv=None) -> int:
         ap.error("--smollm2 and --draft go together")
     if args.planner and not args.smollm2:
         ap.error("--planner needs --smollm2 and --draft")
+    given = [f for f, v in (("--plan-state", args.plan_state), ("--plan-drain-model", args.plan_drain_model)) if v]
+    if given and not args.planner:
+        ap.error(f"{' and '.join(given)} set the --planner points' planner: give --planner")
     if args.planner and not all(len(p.split(":")) == 2 for p in args.planner.split(",")):
         ap.error(f"--planner {args.planner!r}: give CONCURRENCY:TEMPERATURE pairs, e.g. 1:0,8:1")
     if args.planner:
