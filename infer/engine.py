@@ -482,6 +482,16 @@ class Engine:
                   + ", ".join(f"{n} {t:.0f}" for n, t in times.items()) + ")", flush=True)
 
     # -- the steps -------------------------------------------------------------------------------
+    @staticmethod
+    def _attn_lengths(s: _Slots) -> torch.Tensor:
+        """``[B]`` int32: the cache lengths a target step takes, ``s.lengths`` with 0 for a finished or idle row
+        (``done``). The step computes every row; at its own length a done row's attention would read its whole
+        cache, as a live row's does (on the H100 the chain of 4's step at concurrency 64 rose from 1.91 to 2.07 ms
+        as gsm8k's requests finished), at 0 it reads its few new positions. It commits nothing, so what it computes
+        and writes there is never read; a live row's result is unchanged (each row attends to its own cache, and
+        the split plan follows the cache's size, not the lengths)."""
+        return s.lengths * (s.done == 0)
+
     def _spec_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams,
                    mode: tuple[str, int] | None = None):
         """One speculative step for all B slots, without host sync (the CUDA graph's body).
@@ -537,8 +547,9 @@ class Engine:
         else:
             block = torch.cat([s.anchor[:, None], draft_tokens], dim=1, out=s.verify_block)
         offsets = s.offsets[:W]
-        positions = s.lengths[:, None] + offsets  # [B, W] int64
-        t_logits, feats = self.target.forward_step(block, positions, kv, s.lengths, exact=self.exact,
+        cl = self._attn_lengths(s)
+        positions = cl[:, None] + offsets  # [B, W] int64
+        t_logits, feats = self.target.forward_step(block, positions, kv, cl, exact=self.exact,
                                                    lm_head=self.lm_head_choice.get(block.numel(), "linear"))
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
         if self.force_accept is not None:
@@ -623,8 +634,9 @@ class Engine:
         tree = build_tree_fused(s.anchor, q, N, chain_tokens=chain, impl=self.impl,
                                 chain_first=self.chain_first(params))
         bits = tree.bits
-        positions = s.lengths[:, None].long() + tree.depth
-        t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, s.lengths, tree_bits=bits,
+        cl = self._attn_lengths(s)
+        positions = cl[:, None].long() + tree.depth
+        t_logits, feats = self.target.forward_step(tree.tokens, positions, kv, cl, tree_bits=bits,
                                                    exact=self.exact,
                                                    lm_head=self.lm_head_choice.get(tree.tokens.numel(), "linear"))
         s.nonfinite[0] |= ~torch.isfinite(t_logits).all()
@@ -687,7 +699,8 @@ class Engine:
         now (``DraftCache.append``: fc GEMM, norm, per draft layer a K/V GEMM and the cache write)."""
         s = slots
         tok = s.anchor[:, None]
-        logits, feats = self.target.forward_step(tok, s.lengths[:, None].long(), kv, s.lengths,
+        cl = self._attn_lengths(s)
+        logits, feats = self.target.forward_step(tok, cl[:, None].long(), kv, cl,
                                                  want_features=draft_cache is not None, exact=self.exact,
                                                  lm_head=self.lm_head_choice.get(s.B, "linear"))
         logits = logits[:, 0]
@@ -1212,8 +1225,8 @@ class Engine:
     def _decode_planned(self, s: _Slots, B: int, width: int, planner: StepPlanner, params: SamplingParams,
                         owner, queue, refill, admit, results, reasons, stats, flush=None, plens=()) -> int:
         """The decode loop of the verify-budget planner; returns the steps run. ``plens``: each prompt's tokens, for
-        the context tokens planner states ``"kv"`` and ``"rows_kv"`` take: every slot's (prompt + committed tokens;
-        a finished or idle slot's as it was left, since the step computes every row over its cache length).
+        the context tokens planner states ``"kv"`` and ``"rows_kv"`` take: the live requests' (prompt + committed
+        tokens; a finished or idle row's attention reads no cache, :meth:`_attn_lengths`).
 
         Pipelined like :meth:`_decode_pipelined` (issue 16: the earlier loop read the flags after every step,
         one sync per step, and ran 0.67-0.84 × the fixed chain: the README): the host chooses the mode of step k and
@@ -1317,11 +1330,6 @@ class Engine:
         # tree steps (the drain rule, infer.planner "Drain"); reset when the slot is refilled
         row_tokens, row_steps, row_sq = [0] * B, [0] * B, [0] * B
         drain_age = 0  # choices since the queue ran dry: the batch goes to the planner every PLAN_DRAIN_EVERY
-        # states kv, rows_kv: each slot's context tokens as of the last snapshot read (a released slot keeps its own).
-        # Every slot is admitted before the loop (generate: B <= prompts) and set at the first snapshot read; until
-        # then a slot counts as refilled (prompt + 1): no start value is read, so none is fetched from the device (a
-        # sync that would hold the first launch behind the prefill)
-        ctx = [0] * B if planner.state != "steps" else None
         while True:
             t0 = time.perf_counter()
             drain = None
@@ -1337,9 +1345,9 @@ class Engine:
                     left = params.max_new_tokens - (1 if fresh else base[0][b]) if live else 0
                     drain.append((left, row_tokens[b], row_steps[b], row_sq[b]))
             kv = None
-            if ctx is not None:  # a slot refilled after the snapshot has committed its first token
-                kv = sum(plens[o] + 1 if o is not None and (base is None or base[2][b] != o) else ctx[b]
-                         for b, o in enumerate(owner))
+            if planner.state != "steps":  # a slot refilled after the snapshot has committed its first token
+                kv = sum(plens[o] + (base[0][b] if base is not None and base[2][b] == o else 1)
+                         for b, o in enumerate(owner) if o is not None)
             mode = planner.choose(predicted, drain, kv)
             if drain is not None or drain_age:  # counting from the first drain given
                 drain_age += 1
@@ -1389,7 +1397,8 @@ class Engine:
                             # to the next step's choice: its drain refresh (host work) is no mode's cost either
                             ms = (launched[0][3] - (t_launch if start is None else start[1])) * 1e3
                     done = [out_len[b] - base[0][b] for b in rows]  # committed tokens per observed row
-                    planner.observe(done_mode, sum(done) / len(rows), ms, len(rows), None if ctx is None else sum(ctx))
+                    kv = sum(plens[base[2][b]] + base[0][b] for b in rows) if planner.state != "steps" else None
+                    planner.observe(done_mode, sum(done) / len(rows), ms, len(rows), kv)
                     if done_mode[0] != "ar":
                         conf = snap[0][2 * B + 2 : 3 * B + 2].view(torch.float32).tolist()  # (spec steps only)
                         c = sum(conf[b] for b in rows) / len(rows)
@@ -1415,10 +1424,6 @@ class Engine:
                 else:
                     planner.skip()
             base = (out_len, [not f for f in flags[:B]], snap[2], snap[1])
-            if ctx is not None:
-                for b, o in enumerate(snap[2]):
-                    if o is not None:
-                        ctx[b] = plens[o] + out_len[b]
             free = self._release_finished(s, flags, owner, width, pending)
             t3 = time.perf_counter()
             if self._refill_now(queue, free, refill, B):

@@ -1244,7 +1244,7 @@ def planner_state_section() -> list[str]:
             f"{share}, whose first turn every planner ran on the chain of 2 (324 steps; pk 2 of them on AR): the "
             "chain of 4 was priced as the chain of 2 plus a lead "
             "of 0.23 tokens carried from the last steps of mbpp's call, where one to four requests were left "
-            "(`plan_log.py LOG --leads`: 0.91 with each step weighed by its requests; replayed under `rows_kv`, "
+            "(`plan_log.py LOG --leads`: 0.89 with each step weighed by its requests; replayed under `rows_kv`, "
             "`plan_log.py LOG --label p --replay-state rows_kv`, the turn opens with the chain of 4; docs/planner.md, "
             "\"State\"). "
             "The planfair points with `PLAN_STATE=kv` follow in the table above (`verify-statekv-*-h100.json`).", "",

@@ -674,17 +674,17 @@ def test_planner_trees_need_the_full_block_width(stories_dir, stories):
         ("ar", 1), ("chain", 2), ("chain", 4)]
 
 
-def test_engine_planner_state_kv_counts_every_slots_context(stories_dir, stories, monkeypatch):
-    """Planner state "kv": the context tokens given with each observed step are every slot's (prompt + committed), a
-    finished slot's included as it was left (the step computes every row over its cache length: the H100's step
-    time rose as requests finished, docs/planner.md, "State"). With as many slots as prompts they never fall, and
-    with one request left they are all the batch's tokens less at most the last step's; output stays greedy."""
+def test_engine_done_rows_read_no_cache_and_kv_counts_the_live_requests(stories_dir, stories, monkeypatch):
+    """A finished row's target step takes cache length 0 (Engine._attn_lengths: the step computes every row, and at
+    its own length its attention would read its whole cache): in the steps with one request left, one row has a
+    length and the others 0; the output stays greedy. Planner state "kv" is told the live requests' context tokens
+    (prompt + committed), which fall as requests finish and are one request's at the end."""
     from infer import engine as engine_mod
 
     target, _, folder = stories
     params = SamplingParams(max_new_tokens=40)
     want = ReferenceDecoder(target, None, [2]).generate(PROMPTS, params).token_ids
-    seen = []
+    seen, lens = [], []
     observe = engine_mod.StepPlanner.observe
 
     def spy(self, mode, tokens, ms=None, rows=1, kv=None):
@@ -693,10 +693,18 @@ def test_engine_planner_state_kv_counts_every_slots_context(stories_dir, stories
 
     monkeypatch.setattr(engine_mod.StepPlanner, "observe", spy)
     eng = second_choice_engine(_engine(stories_dir, folder, budget="auto"), [p + w for p, w in zip(PROMPTS, want)])
+    step = eng.target.forward_step
+
+    def spy_step(tokens, positions, cache, cache_len, **kw):
+        lens.append(cache_len.tolist())
+        assert (positions[:, 0] == cache_len).all()  # a done row's positions start at 0 too
+        return step(tokens, positions, cache, cache_len, **kw)
+
+    eng.target.forward_step = spy_step
     eng._step_costs = lambda B, params: {("ar", 1): 3.0, ("chain", 8): 1.0, ("tree", 32): 9.0, ("tree", 64): 9.0}
     eng.plan_state = "kv"
     assert eng.generate(PROMPTS, params, concurrency=len(PROMPTS)).token_ids == want
-    total = sum(len(p) for p in PROMPTS) + sum(len(w) for w in want)
-    kv = [x for _, x in seen]
-    assert kv == sorted(kv) and kv[-1] <= total and seen[-1][0] == 1 and kv[-1] >= total - 9, seen
-    assert min(r for r, _ in seen) < len(PROMPTS) - 2  # requests finished while others ran
+    assert lens and sum(x > 0 for x in lens[-2]) == 1 and max(lens[-2]) >= 30  # one request left, the rest at 0
+    assert any(0 < sum(x > 0 for x in row) < len(PROMPTS) - 1 for row in lens)  # finished rows at 0 beside live ones
+    assert min(r for r, _ in seen) == 1 and seen[-1][1] <= max(len(p) for p in PROMPTS) + 40
+    assert max(kv for _, kv in seen) > seen[-1][1] + 100  # the batch's tokens, then one request's

@@ -88,14 +88,14 @@ def test_lengths_end_requests_early_while_the_planner_is_told_max_new():
 
 
 def test_context_tokens_add_to_each_step_and_reach_the_planner():
-    """ctx / kv_ms: a step costs its table time plus kv_ms per context token of the batch's requests (prompt +
-    committed; a finished one's as it ended, as the engine's step computes every row), and the planner is told those
-    tokens: one request of a 10-token prompt, 4 AR steps at 10..13 context tokens; two of 10 and 20 tokens ending
-    after 2 and 8, 8 AR steps at 30 + min(j, 2) + j."""
+    """ctx / kv_ms: a step costs its table time plus kv_ms per context token of its live requests (prompt + committed;
+    a finished one's row reads no cache, infer.engine.Engine._attn_lengths), and the planner is told those tokens: one
+    request of a 10-token prompt, 4 AR steps at 10..13 context tokens; two of 10 and 20 tokens ending after 2 and 8,
+    8 AR steps at 30 + 2j while both run, then 20 + j."""
     costs, ar = sim.COSTS, sim.AR
     assert sim.drain_batch(costs, [0.5], 4, 0, fixed=ar, ctx=[10], kv_ms=0.5) == pytest.approx(4 * costs[ar] + 0.5 * 46)
     got = sim.drain_batch(costs, [0.5, 0.5], 8, 0, fixed=ar, ctx=[10, 20], kv_ms=0.5, lengths=[2, 8])
-    assert got == pytest.approx(8 * costs[ar] + 0.5 * (8 * 30 + 13 + 28))
+    assert got == pytest.approx(8 * costs[ar] + 0.5 * (30 + 32 + sum(20 + j for j in range(2, 8))))
     p = StepPlanner(costs, state="kv")
     seen = []
     observe = p.observe

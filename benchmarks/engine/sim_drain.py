@@ -20,9 +20,9 @@ drain model, ``infer.planner.DRAIN_MODELS``, default the planner's, ``persist``;
 
 ``--turns`` (with ``--narrow``): the H100's stale-state case (docs/status.md, the session of 2026-12-07, fifteenth) in
 miniature: each task's requests have a prompt (:data:`TASKS_TURNS`, illustrative lengths), MT-Bench's long second
-turn runs just before its first, and a step costs its table time plus ``--kv-ms`` per context token of the batch's
-requests, finished ones included as the engine's step computes every row (prompt + committed; the default 5e-6 ms puts
-38k tokens at 0.2 ms, the H100's long-context step at concurrency 64), which the planner is told with the tokens. ``--state``: the planner's (``infer.planner.PLAN_STATES``).
+turn runs just before its first, and a step costs its table time plus ``--kv-ms`` per context token of the live
+requests (prompt + committed; the default 5e-6 ms puts 38k tokens at 0.2 ms, the H100's long-context step at
+concurrency 64), which the planner is told with the tokens. ``--state``: the planner's (``infer.planner.PLAN_STATES``).
 """
 
 from __future__ import annotations
@@ -71,8 +71,7 @@ def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, p
     2026-12-06, fifth: not). ``lengths``: request i ends after ``lengths[i]`` tokens (at most ``max_new``; an end of
     text), while the planner is told ``max_new`` − committed as its remaining, as the engine tells it; None: every
     request runs to ``max_new``. ``ctx``: each request's prompt tokens; a step then costs ``kv_ms`` more per context
-    token (prompt + committed) of the batch's requests, finished ones included, and the planner is told them
-    (``kv``). Raises ValueError for
+    token (prompt + committed) of its live requests, and the planner is told them (``kv``). Raises ValueError for
     ``lengths`` not one per request or a length outside 1..``max_new``."""
     if lengths is not None:
         if len(lengths) != len(accept):
@@ -92,7 +91,7 @@ def drain_batch(costs, accept, max_new, seed, fixed=None, drain=True, every=1, p
 
     while any(rem):
         live = [i for i in range(n) if rem[i]]
-        kv = sum(ctx[i] + ends[i] - rem[i] for i in range(n)) if ctx is not None else None
+        kv = sum(ctx[i] + ends[i] - rem[i] for i in live) if ctx is not None else None
         if fixed is None:
             give = drain and planner.step % every == 0
             mode = planner.choose(drain=[(told(i), tok[i], steps[i], sq[i]) for i in range(n)] if give else None, kv=kv)
@@ -171,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", action="store_true",
                     help="TASKS_TURNS: prompts, MT-Bench's long second turn before its first, a step-time term in the "
                          "context tokens (module docstring)")
-    ap.add_argument("--kv-ms", type=float, default=5e-6, help="--turns: step ms per context token of the batch's requests")
+    ap.add_argument("--kv-ms", type=float, default=5e-6, help="--turns: step ms per context token of the live requests")
     ap.add_argument("--state", default=None, choices=list(PLAN_STATES),
                     help="the planner's state (default: the planner's, steps)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
