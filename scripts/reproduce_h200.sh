@@ -54,8 +54,8 @@
 #             (drain=persist_cap) beside AR and the chains of 4 and 16, T=0, exact, concurrency 64 and 32, 64
 #             prompts a task ->
 #             results/planner-mix-h200-exact-T0-c{64,32}.json, step logs $WORK/logs/plan-log-mix-c{64,32}.jsonl     ~5
-#   planstate the planner's state: p (the default, "steps"), pk (state=kv: a step-time term in every slot's context
-#             tokens) and pr (state=rows_kv: that, and averages and leads weighed by live requests; infer.planner
+#   planstate the planner's state: p (the default, "steps"), pk (state=kv: a step-time term in the live requests'
+#             context tokens) and pr (state=rows_kv: that, and averages and leads weighed by live requests; infer.planner
 #             "State") beside AR and the chains of 4 and 16, 64 prompts a task, RUNS times (default 2) each: T=0 exact
 #             at concurrency 64 and T=1 drafter-invariant (top-p 0.95, top-k 20) at 32, the two points the default
 #             missed on the H100 -> results/planner-state2[-rK]-h200-{exact-T0-c64,invariant-T1-c32}.json, step logs
