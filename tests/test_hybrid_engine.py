@@ -199,3 +199,45 @@ def test_engine_triton_equals_transformers(hybrid, graphs):
     assert eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), use_draft=False).token_ids == want
     res = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
     assert res.token_ids == want
+
+
+def test_engine_torch_rows_finish_apart_equal_transformers(hybrid):
+    """Rows that finish at different steps beside live ones (Engine._attn_lengths: a finished or idle row's target
+    step takes cache length 0, so its full-attention layer writes K/V at positions 0 .. T - 1 of its slot, and its
+    linear layers' states stay (verify: 0 tokens committed) or advance (decode)): the live rows' output is
+    transformers' greedy continuation, with a refill of a slot whose finished row ran such steps; speculative
+    (per-row accept lengths, so the rows finish apart) and AR (the third request alone beside an idle row)."""
+    out, _, want = hybrid
+    draft = random_draft(load_target(str(out), dtype="fp32"), block_size=16, mask=1)
+    eng = Engine(_engine_target(out, layer_ids=draft.config.target_layer_ids), draft, [], max_batch=2, max_seq=128,
+                 max_new_cap=NEW)
+    prompts, wants = [*PROMPTS, PROMPTS[0]], [*want, want[0]]
+    reference = [p + w for p, w in zip(prompts, wants)]
+    V, step = eng.target.args.vocab_size, [0]
+
+    def draft_logits(block, cache):  # the true continuation, wrong at slot ACCEPTS[(step + b) % 4] + 1 (per row)
+        B, bs = block.shape
+        step[0] += 1
+        logits = torch.zeros(B, bs - 1, V)
+        for b in range(B):
+            if eng.slot_owner[b] is None:
+                continue
+            ref, n, a = reference[eng.slot_owner[b]], int(cache.lengths[b]), ACCEPTS[(step[0] + 2 * b) % 4]
+            for k in range(bs - 1):
+                tok = ref[n + 1 + k] if n + 1 + k < len(ref) else 0
+                logits[b, k, (tok + 1) % V if k == a else tok] = 1.0
+        return logits[:, : eng.verify_size - 1].to(eng.device, eng.target.embed.dtype)
+
+    eng.draft_logits = draft_logits
+    lens, forward_step = [], eng.target.forward_step
+
+    def spy(tokens, positions, cache, cache_len, **kw):
+        lens.append(cache_len.tolist())
+        return forward_step(tokens, positions, cache, cache_len, **kw)
+
+    eng.target.forward_step = spy
+    for use_draft in (True, False):
+        lens.clear()
+        res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW), use_draft=use_draft, concurrency=2)
+        assert res.token_ids == wants, use_draft
+        assert any(0 == min(x) < max(x) for x in lens), (use_draft, lens)  # a row at 0 beside a live one
