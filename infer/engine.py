@@ -489,8 +489,9 @@ class Engine:
         cache, as a live row's does (on the H100 the chain of 4's step at concurrency 64 rose from 1.91 to 2.07 ms
         as gsm8k's requests finished), at 0 it reads its few new positions. It commits nothing, so what it computes
         and writes there is never read; a live row's result is unchanged (each row attends to its own cache, and
-        the split plan follows the cache's size, not the lengths). One row: ``s.lengths`` (no kernel for a row that a
-        step never finds done)."""
+        the split plan follows the cache's size, not the lengths). One row: ``s.lengths``, no kernel (it is done only
+        in the idle step after its request finishes, one step a request). The draft's context attention still reads a
+        done row's whole context (``DraftCache.lengths`` is ``s.lengths``)."""
         return s.lengths if s.B == 1 else s.lengths * (s.done == 0)
 
     def _spec_step(self, slots: _Slots, kv: KVCache, draft_cache: DraftCache, params: SamplingParams,
