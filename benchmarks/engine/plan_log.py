@@ -435,7 +435,8 @@ def _pass_start(book: dict, call: dict, init) -> dict:
     run): {"state", "saved", "last"}}; ``init`` for a planner's first call): a task's warm-up passes (one per turn)
     start from the state after the previous task's timed passes and carry from turn to turn, then its timed passes
     start from that state again (infer.bench restores the memory after the warm-up). Returns the entry: read
-    ``entry["state"]`` and set it to the call's end state."""
+    ``entry["state"]`` and set it to the call's end state; a caller may keep state that every pass carries under
+    other keys of it (:func:`state_replay`'s ``"costs"``)."""
     tag = call.get("tag") if isinstance(call.get("tag"), dict) else {}
     entry = book.setdefault((tag.get("label"), tag.get("run")), {"state": init, "saved": init, "last": None})
     if tag.get("pass") == "warmup" and entry["last"] != "warmup":
@@ -446,10 +447,16 @@ def _pass_start(book: dict, call: dict, init) -> dict:
     return entry
 
 
+def _mode(name: str) -> tuple[str, int]:
+    """A logged mode name (``ar:1``, ``chain:N``, ``tree:N``) as the planner's mode tuple."""
+    kind, n = name.split(":")
+    return kind, int(n)
+
+
 def _rank(name: str) -> tuple[bool, int]:
     """``infer.planner._lead_rank`` of a logged mode name (``chain:N``, ``tree:N``): chains below trees, by size."""
-    kind, n = name.split(":")
-    return kind == "tree", int(n)
+    kind, n = _mode(name)
+    return kind == "tree", n
 
 
 def _lead_step(state: dict, mode: str, ref: str, diff: float, rows: int, slow: float) -> None:
@@ -487,14 +494,13 @@ def state_replay(calls: list[dict], state: str) -> list[dict]:
     """
     from infer.planner import StepPlanner
 
-    book, costs_of, out = {}, {}, []  # costs: carried through warm-ups too (infer.bench restores the acceptance only)
+    book, out = {}, []
     for c in calls:
         names = c["log"][0]
-        modes = [(n.split(":")[0], int(n.split(":")[1])) for n in names]
+        modes = [_mode(n) for n in names]
         entry = _pass_start(book, c, None)
-        tag = c.get("tag") if isinstance(c.get("tag"), dict) else {}
-        who = (tag.get("label"), tag.get("run"))
-        tokens, costs = entry["state"], costs_of.get(who)
+        # the cost state carries through warm-ups too (infer.bench restores the acceptance only)
+        tokens, costs = entry["state"], entry.get("costs")
         p = StepPlanner({m: 1.0 for m in modes}, state=state)  # (unit table: the ratios are the step times)
         if costs is not None:
             p.load_cost_state(costs)
@@ -512,7 +518,7 @@ def state_replay(calls: list[dict], state: str) -> list[dict]:
                 p.observe(modes[e[1]], e[2], e[3], e[4])
             elif e[0] == "p":
                 p.observe_paired(modes[e[1]], e[2], e[4])
-        entry["state"], costs_of[who] = p.token_state(), p.cost_state()
+        entry["state"], entry["costs"] = p.token_state(), p.cost_state()
     return out
 
 
@@ -588,7 +594,7 @@ def drain_finish(calls: list[dict], least: float = 0.97, min_live: int = 4) -> l
     for c in calls:
         key = (c["batch"], c["temperature"])
         names = c["log"][0]
-        table = [(n.split(":")[0], int(n.split(":")[1])) for n in names]
+        table = [_mode(n) for n in names]
         events = c["log"][1:]
         refresh = [e for e in events if e[0] == "d"]
         choices = [e for e in events if e[0] == "c"]
